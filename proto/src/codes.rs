@@ -1,0 +1,19 @@
+//! Stable, namespaced error codes shown at the service boundary (in gRPC status messages as
+//! `CODE: reason` and in the `kvtier-code` metadata entry), so clients and operators can act on
+//! them without parsing prose.
+
+pub const UNKNOWN_NAMESPACE: &str = "KV:Namespace:Unknown";
+pub const INVALID_NAMESPACE: &str = "KV:Namespace:Invalid";
+pub const KEY_LENGTH: &str = "KV:Key:Length";
+pub const CAPACITY: &str = "KV:Capacity:Exhausted";
+pub const CONTEXT_TOO_LONG: &str = "KV:Request:ContextTooLong";
+pub const INVALID_REQUEST: &str = "KV:Request:Invalid";
+pub const SESSION_NOT_FOUND: &str = "KV:Session:NotFound";
+pub const SESSION_EXPIRED: &str = "KV:Session:Expired";
+pub const SESSION_EXISTS: &str = "KV:Session:Exists";
+pub const SESSION_VERSION: &str = "KV:Session:VersionConflict";
+pub const UNAUTHENTICATED: &str = "KV:Auth:Unauthenticated";
+pub const INTERNAL: &str = "KV:Internal";
+
+/// The metadata key that carries the code beside the gRPC status.
+pub const METADATA_KEY: &str = "kvtier-code";

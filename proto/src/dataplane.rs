@@ -1,0 +1,274 @@
+//! The bulk data plane: a framed TCP protocol that moves block payloads. Messages are fixed
+//! little-endian headers followed by block frames, so the server can read a payload straight into
+//! its destination slab and write a stored one straight from DRAM to the socket.
+//!
+//! A connection opens with a [`Hello`] (magic, version, optional auth token) answered by a
+//! [`HelloReply`]. Then any number of requests follow; the server answers them in order, so a
+//! client may pipeline.
+//!
+//! - `PUT`: [`RequestHeader`] with `count` frames after it (each a 128-byte frame header and its
+//!   payload). Answer: [`ResponseHeader`] then `count` [`ItemStatus`] bytes.
+//! - `GET`: [`RequestHeader`] (namespace set) with `count` 32-byte keys after it. Answer:
+//!   [`ResponseHeader`] then, per key, an [`ItemStatus`] byte followed — when `Ok` — by the stored
+//!   frame (header + payload).
+//!
+//! A request-level error (bad header, too many items, unknown namespace) is a [`ResponseHeader`]
+//! with a non-zero status and a UTF-8 message of `msg_len` bytes; no item statuses follow. After a
+//! request-level error the server closes the connection when it can't find the next request's start.
+
+use crate::{NamespaceId, ProtoError, NAMESPACE_ID_LEN};
+
+pub const HELLO_MAGIC: [u8; 4] = *b"KVDP";
+pub const PROTOCOL_VERSION: u16 = 1;
+pub const HELLO_LEN: usize = 8;
+pub const REQUEST_HEADER_LEN: usize = 32;
+pub const RESPONSE_HEADER_LEN: usize = 16;
+pub const MAX_TOKEN_LEN: usize = 1024;
+
+/// Opens a connection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hello {
+    pub version: u16,
+    pub token_len: u16,
+}
+
+impl Hello {
+    /// The fixed part; `token_len` bytes of token follow it.
+    pub fn encode(version: u16, token: &[u8]) -> Vec<u8> {
+        let mut v = Vec::with_capacity(HELLO_LEN + token.len());
+        v.extend_from_slice(&HELLO_MAGIC);
+        v.extend_from_slice(&version.to_le_bytes());
+        v.extend_from_slice(&(token.len() as u16).to_le_bytes());
+        v.extend_from_slice(token);
+        v
+    }
+
+    pub fn decode(b: &[u8; HELLO_LEN]) -> Result<Self, ProtoError> {
+        if b[0..4] != HELLO_MAGIC {
+            return Err(ProtoError::Malformed("not a kvtier data-plane connection (bad hello magic)".into()));
+        }
+        let token_len = u16::from_le_bytes([b[6], b[7]]);
+        if token_len as usize > MAX_TOKEN_LEN {
+            return Err(ProtoError::Malformed(format!("auth token of {token_len} bytes is too long")));
+        }
+        Ok(Hello { version: u16::from_le_bytes([b[4], b[5]]), token_len })
+    }
+}
+
+/// The server's answer to a [`Hello`]: a [`Status`] byte, a reserved byte and a message length,
+/// then the message.
+pub struct HelloReply;
+
+impl HelloReply {
+    pub fn encode(status: Status, msg: &str) -> Vec<u8> {
+        let msg = &msg.as_bytes()[..msg.len().min(u16::MAX as usize)];
+        let mut v = Vec::with_capacity(4 + msg.len());
+        v.push(status as u8);
+        v.push(0);
+        v.extend_from_slice(&(msg.len() as u16).to_le_bytes());
+        v.extend_from_slice(msg);
+        v
+    }
+
+    /// Status and message length.
+    pub fn decode(b: &[u8; 4]) -> Result<(Status, u16), ProtoError> {
+        Ok((Status::from_u8(b[0])?, u16::from_le_bytes([b[2], b[3]])))
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Op {
+    Put = 1,
+    Get = 2,
+}
+
+impl Op {
+    pub fn from_u8(v: u8) -> Result<Self, ProtoError> {
+        match v {
+            1 => Ok(Op::Put),
+            2 => Ok(Op::Get),
+            other => Err(ProtoError::Malformed(format!("unknown data-plane op {other}"))),
+        }
+    }
+}
+
+/// Request-level outcome.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Status {
+    Ok = 0,
+    BadRequest = 1,
+    TooLarge = 2,
+    Unauthenticated = 3,
+    UnknownNamespace = 4,
+    Internal = 5,
+    UnsupportedVersion = 6,
+}
+
+impl Status {
+    pub fn from_u8(v: u8) -> Result<Self, ProtoError> {
+        Ok(match v {
+            0 => Status::Ok,
+            1 => Status::BadRequest,
+            2 => Status::TooLarge,
+            3 => Status::Unauthenticated,
+            4 => Status::UnknownNamespace,
+            5 => Status::Internal,
+            6 => Status::UnsupportedVersion,
+            other => return Err(ProtoError::Malformed(format!("unknown status {other}"))),
+        })
+    }
+}
+
+/// Per-block outcome.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum ItemStatus {
+    Ok = 0,
+    Miss = 1,
+    ChecksumMismatch = 2,
+    SizeMismatch = 3,
+    UnknownNamespace = 4,
+    /// No room: the tier is full of pinned blocks (or the block is larger than the tier).
+    Capacity = 5,
+    /// The frame's layout is not its namespace's layout.
+    LayoutMismatch = 6,
+    BadHeader = 7,
+    Internal = 8,
+}
+
+impl ItemStatus {
+    pub fn from_u8(v: u8) -> Result<Self, ProtoError> {
+        Ok(match v {
+            0 => ItemStatus::Ok,
+            1 => ItemStatus::Miss,
+            2 => ItemStatus::ChecksumMismatch,
+            3 => ItemStatus::SizeMismatch,
+            4 => ItemStatus::UnknownNamespace,
+            5 => ItemStatus::Capacity,
+            6 => ItemStatus::LayoutMismatch,
+            7 => ItemStatus::BadHeader,
+            8 => ItemStatus::Internal,
+            other => return Err(ProtoError::Malformed(format!("unknown item status {other}"))),
+        })
+    }
+
+    pub fn describe(self) -> &'static str {
+        match self {
+            ItemStatus::Ok => "ok",
+            ItemStatus::Miss => "miss",
+            ItemStatus::ChecksumMismatch => "checksum mismatch",
+            ItemStatus::SizeMismatch => "payload size does not match the layout",
+            ItemStatus::UnknownNamespace => "unknown namespace",
+            ItemStatus::Capacity => "no capacity: every resident byte is pinned",
+            ItemStatus::LayoutMismatch => "frame layout differs from the namespace layout",
+            ItemStatus::BadHeader => "bad frame header",
+            ItemStatus::Internal => "internal error",
+        }
+    }
+}
+
+/// Starts every request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestHeader {
+    pub op: Op,
+    pub request_id: u32,
+    pub count: u32,
+    /// The namespace of a `GET`; ignored for `PUT` (each frame names its own).
+    pub namespace: NamespaceId,
+}
+
+impl RequestHeader {
+    pub fn encode(&self) -> [u8; REQUEST_HEADER_LEN] {
+        let mut b = [0u8; REQUEST_HEADER_LEN];
+        b[0] = self.op as u8;
+        b[1] = 0xD1; // a marker that catches a desynchronised stream early
+        b[4..8].copy_from_slice(&self.request_id.to_le_bytes());
+        b[8..12].copy_from_slice(&self.count.to_le_bytes());
+        b[16..16 + NAMESPACE_ID_LEN].copy_from_slice(&self.namespace.0);
+        b
+    }
+
+    pub fn decode(b: &[u8; REQUEST_HEADER_LEN]) -> Result<Self, ProtoError> {
+        if b[1] != 0xD1 {
+            return Err(ProtoError::Malformed("request header marker missing (stream out of sync?)".into()));
+        }
+        let mut ns = [0u8; NAMESPACE_ID_LEN];
+        ns.copy_from_slice(&b[16..32]);
+        Ok(RequestHeader {
+            op: Op::from_u8(b[0])?,
+            request_id: u32::from_le_bytes([b[4], b[5], b[6], b[7]]),
+            count: u32::from_le_bytes([b[8], b[9], b[10], b[11]]),
+            namespace: NamespaceId(ns),
+        })
+    }
+}
+
+/// Starts every response.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResponseHeader {
+    pub op: u8,
+    pub status: Status,
+    pub msg_len: u16,
+    pub request_id: u32,
+    pub count: u32,
+}
+
+impl ResponseHeader {
+    pub fn encode(&self) -> [u8; RESPONSE_HEADER_LEN] {
+        let mut b = [0u8; RESPONSE_HEADER_LEN];
+        b[0] = self.op;
+        b[1] = self.status as u8;
+        b[2..4].copy_from_slice(&self.msg_len.to_le_bytes());
+        b[4..8].copy_from_slice(&self.request_id.to_le_bytes());
+        b[8..12].copy_from_slice(&self.count.to_le_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8; RESPONSE_HEADER_LEN]) -> Result<Self, ProtoError> {
+        Ok(ResponseHeader {
+            op: b[0],
+            status: Status::from_u8(b[1])?,
+            msg_len: u16::from_le_bytes([b[2], b[3]]),
+            request_id: u32::from_le_bytes([b[4], b[5], b[6], b[7]]),
+            count: u32::from_le_bytes([b[8], b[9], b[10], b[11]]),
+        })
+    }
+
+    /// A request-level error with its message, ready to write.
+    pub fn error(op: u8, request_id: u32, status: Status, msg: &str) -> Vec<u8> {
+        let msg = &msg.as_bytes()[..msg.len().min(u16::MAX as usize)];
+        let h = ResponseHeader { op, status, msg_len: msg.len() as u16, request_id, count: 0 };
+        let mut v = h.encode().to_vec();
+        v.extend_from_slice(msg);
+        v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_round_trip() {
+        let r = RequestHeader { op: Op::Get, request_id: 77, count: 3, namespace: NamespaceId([4; 16]) };
+        assert_eq!(RequestHeader::decode(&r.encode()).unwrap(), r);
+        let mut bad = r.encode();
+        bad[1] = 0;
+        assert!(RequestHeader::decode(&bad).is_err());
+        bad = r.encode();
+        bad[0] = 9;
+        assert!(RequestHeader::decode(&bad).is_err());
+        let s = ResponseHeader { op: 1, status: Status::TooLarge, msg_len: 5, request_id: 1, count: 0 };
+        assert_eq!(ResponseHeader::decode(&s.encode()).unwrap(), s);
+        let hello = Hello::encode(PROTOCOL_VERSION, b"tok");
+        let mut fixed = [0u8; HELLO_LEN];
+        fixed.copy_from_slice(&hello[..HELLO_LEN]);
+        assert_eq!(Hello::decode(&fixed).unwrap(), Hello { version: 1, token_len: 3 });
+        for v in 0..=8u8 {
+            assert_eq!(ItemStatus::from_u8(v).unwrap() as u8, v);
+        }
+        assert!(ItemStatus::from_u8(200).is_err());
+    }
+}

@@ -1,0 +1,32 @@
+//! The language every kvtier part speaks, with no I/O.
+//!
+//! - [`KvLayout`] and [`DType`]: the shape of an engine's KV cache, which fixes a block's byte size.
+//! - [`Namespace`] and [`NamespaceId`]: tenant + model + layout + hashing scheme + salt. Keys in
+//!   different namespaces never match.
+//! - [`BlockKey`]: the 256-bit chained prefix hash of a block of tokens (BLAKE3 or SHA-256,
+//!   salted per namespace), or an engine's own hash handed in as an opaque key.
+//! - [`BlockFrame`]: a checksummed header + payload; the same bytes travel over the wire, into
+//!   DRAM and onto disk, and every reader verifies them.
+//! - [`dataplane`]: the framed TCP protocol that moves block payloads.
+//! - [`pb`]: the gRPC control-plane messages and service generated from `proto/kvtier.proto`.
+//! - [`codes`]: stable error codes shown at the service boundary.
+
+pub mod codes;
+pub mod dataplane;
+mod error;
+mod frame;
+mod key;
+mod layout;
+mod namespace;
+
+pub use error::ProtoError;
+pub use frame::{BlockFrame, CodecId, FrameHeader, FRAME_HEADER_LEN, FRAME_MAGIC, FRAME_VERSION};
+pub use key::{BlockKey, KeyChain, KEY_LEN};
+pub use layout::{DType, KvLayout, MemoryOrder};
+pub use namespace::{HashScheme, Namespace, NamespaceId, NAMESPACE_ID_LEN};
+
+/// Generated gRPC messages and service (package `kvtier.v1`).
+#[allow(clippy::all, missing_docs)]
+pub mod pb {
+    tonic::include_proto!("kvtier.v1");
+}

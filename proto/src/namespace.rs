@@ -1,0 +1,207 @@
+//! Namespaces: tenant + model fingerprint + KV layout + hashing scheme + salt. Two namespaces
+//! that differ in any of these never share a key, so two models, two tenants or two TP layouts
+//! never share bytes by accident.
+
+use crate::{KvLayout, ProtoError};
+
+pub const NAMESPACE_ID_LEN: usize = 16;
+const MAX_NAME_LEN: usize = 256;
+const MAX_SALT_LEN: usize = 64;
+
+/// The hash that chains block keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum HashScheme {
+    Blake3 = 1,
+    Sha256 = 2,
+}
+
+impl HashScheme {
+    pub fn from_code(code: u32) -> Result<Self, ProtoError> {
+        match code {
+            1 => Ok(HashScheme::Blake3),
+            2 => Ok(HashScheme::Sha256),
+            other => Err(ProtoError::UnknownHashScheme(other)),
+        }
+    }
+}
+
+/// A 128-bit id derived from every field of a [`Namespace`], salt included.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct NamespaceId(pub [u8; NAMESPACE_ID_LEN]);
+
+impl NamespaceId {
+    pub fn from_slice(b: &[u8]) -> Result<Self, ProtoError> {
+        let arr: [u8; NAMESPACE_ID_LEN] = b
+            .try_into()
+            .map_err(|_| ProtoError::NamespaceIdLength { expected: NAMESPACE_ID_LEN, actual: b.len() })?;
+        Ok(NamespaceId(arr))
+    }
+
+    pub fn to_hex(&self) -> String {
+        self.0.iter().map(|b| format!("{b:02x}")).collect()
+    }
+}
+
+impl std::fmt::Debug for NamespaceId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ns:{}", &self.to_hex()[..12])
+    }
+}
+
+impl std::fmt::Display for NamespaceId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.to_hex())
+    }
+}
+
+/// Who owns the KV and what produced it.
+///
+/// ```
+/// use kvtier_proto::{DType, HashScheme, KvLayout, Namespace};
+/// let layout = KvLayout::new(32, 8, 128, DType::Bf16, 16);
+/// let a = Namespace::new("acme", "llama-3-8b@sha256:1234", layout, HashScheme::Blake3, b"acme-secret");
+/// let b = Namespace::new("acme", "llama-3-8b@sha256:1234", layout, HashScheme::Blake3, b"other-secret");
+/// assert_ne!(a.id(), b.id());
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Namespace {
+    pub tenant: String,
+    /// A fingerprint of the model weights and anything else that changes the KV (e.g. a RoPE
+    /// scaling setting or a LoRA adapter), chosen by the engine.
+    pub model: String,
+    pub layout: KvLayout,
+    pub hashing: HashScheme,
+    /// Per-tenant secret mixed into every key, so keys can't be crafted to collide with another
+    /// tenant's.
+    pub salt: Vec<u8>,
+}
+
+impl Namespace {
+    pub fn new(
+        tenant: impl Into<String>,
+        model: impl Into<String>,
+        layout: KvLayout,
+        hashing: HashScheme,
+        salt: &[u8],
+    ) -> Self {
+        Namespace { tenant: tenant.into(), model: model.into(), layout, hashing, salt: salt.to_vec() }
+    }
+
+    pub fn validate(&self) -> Result<(), ProtoError> {
+        let bad = |m: String| Err(ProtoError::InvalidNamespace(m));
+        if self.tenant.is_empty() || self.tenant.len() > MAX_NAME_LEN {
+            return bad(format!("tenant must be 1..={MAX_NAME_LEN} bytes"));
+        }
+        if self.model.is_empty() || self.model.len() > MAX_NAME_LEN {
+            return bad(format!("model must be 1..={MAX_NAME_LEN} bytes"));
+        }
+        if self.salt.len() > MAX_SALT_LEN {
+            return bad(format!("salt must be at most {MAX_SALT_LEN} bytes"));
+        }
+        self.layout.validate()
+    }
+
+    fn canonical(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(64 + self.tenant.len() + self.model.len() + self.salt.len());
+        for field in [self.tenant.as_bytes(), self.model.as_bytes(), &self.salt] {
+            out.extend_from_slice(&(field.len() as u32).to_le_bytes());
+            out.extend_from_slice(field);
+        }
+        self.layout.encode_into(&mut out);
+        out.push(self.hashing as u8);
+        out
+    }
+
+    /// The id blocks and sessions carry.
+    pub fn id(&self) -> NamespaceId {
+        let h = blake3::derive_key("kvtier 2026 namespace id v1", &self.canonical());
+        let mut id = [0u8; NAMESPACE_ID_LEN];
+        id.copy_from_slice(&h[..NAMESPACE_ID_LEN]);
+        NamespaceId(id)
+    }
+
+    /// The 256-bit salt every key of this namespace is hashed with.
+    pub fn key_salt(&self) -> [u8; 32] {
+        blake3::derive_key("kvtier 2026 block key salt v1", &self.canonical())
+    }
+
+    pub fn to_pb(&self) -> crate::pb::NamespaceSpec {
+        crate::pb::NamespaceSpec {
+            tenant: self.tenant.clone(),
+            model: self.model.clone(),
+            layout: Some(self.layout.to_pb()),
+            hashing: self.hashing as u32,
+            salt: bytes::Bytes::copy_from_slice(&self.salt),
+        }
+    }
+
+    pub fn from_pb(pb: &crate::pb::NamespaceSpec) -> Result<Self, ProtoError> {
+        let layout = pb
+            .layout
+            .as_ref()
+            .ok_or_else(|| ProtoError::InvalidNamespace("layout is missing".into()))?;
+        let ns = Namespace {
+            tenant: pb.tenant.clone(),
+            model: pb.model.clone(),
+            layout: KvLayout::from_pb(layout)?,
+            hashing: HashScheme::from_code(pb.hashing)?,
+            salt: pb.salt.to_vec(),
+        };
+        ns.validate()?;
+        Ok(ns)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DType;
+
+    fn ns() -> Namespace {
+        Namespace::new("t", "m", KvLayout::new(4, 2, 64, DType::Fp16, 16), HashScheme::Blake3, b"s")
+    }
+
+    #[test]
+    fn every_field_changes_the_id() {
+        let base = ns();
+        let mut variants = vec![];
+        let mut v = base.clone();
+        v.tenant = "u".into();
+        variants.push(v);
+        let mut v = base.clone();
+        v.model = "n".into();
+        variants.push(v);
+        let mut v = base.clone();
+        v.layout.tp_world = 2;
+        variants.push(v);
+        let mut v = base.clone();
+        v.hashing = HashScheme::Sha256;
+        variants.push(v);
+        let mut v = base.clone();
+        v.salt = b"t".to_vec();
+        variants.push(v);
+        // Length prefixes keep ("ab","c") apart from ("a","bc").
+        let mut v = base.clone();
+        v.tenant = "tm".into();
+        v.model = "".into();
+        variants.push(v);
+        for v in variants {
+            assert_ne!(v.id(), base.id(), "{v:?}");
+            assert_ne!(v.key_salt(), base.key_salt(), "{v:?}");
+        }
+        assert_eq!(ns().id(), base.id());
+    }
+
+    #[test]
+    fn pb_round_trip_and_validation() {
+        let n = ns();
+        assert_eq!(Namespace::from_pb(&n.to_pb()).unwrap(), n);
+        let mut pb = n.to_pb();
+        pb.tenant.clear();
+        assert!(matches!(Namespace::from_pb(&pb), Err(ProtoError::InvalidNamespace(_))));
+        let mut pb = n.to_pb();
+        pb.layout = None;
+        assert!(Namespace::from_pb(&pb).is_err());
+    }
+}
