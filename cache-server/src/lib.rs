@@ -1,1 +1,139 @@
-//! x
+//! `kvtier-server`: the per-node kvtier service.
+//!
+//! - [`dram`]: the G2 DRAM tier — slab storage by size class, a concurrent index, S3-FIFO
+//!   eviction with pins and priorities, a hard byte cap.
+//! - [`sessions`]: parked agent sessions (manifests, TTLs, compare-and-set versions).
+//! - [`control`]: the gRPC control plane (lookup, sessions, stats, admin).
+//! - [`dataplane`]: the framed TCP data plane that moves block payloads.
+//! - [`config`]: TOML + env + flags, validated at start.
+//! - [`metrics`]: Prometheus `/metrics`.
+//!
+//! [`start`] binds every listener, spawns the node and returns the bound addresses; the `kvtier`
+//! binary wraps it with a CLI.
+
+pub mod config;
+pub mod control;
+pub mod dataplane;
+pub mod dram;
+pub mod error;
+pub mod metrics;
+pub mod sessions;
+pub mod state;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvtier_proto::pb::kv_tier_server::KvTierServer;
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+
+pub use config::ServerConfig;
+pub use error::ServerError;
+pub use state::NodeState;
+
+/// Largest gRPC message accepted (a 1M-token session manifest is ~2 MiB of keys).
+const MAX_GRPC_MESSAGE: usize = 64 << 20;
+
+/// A started node.
+pub struct RunningServer {
+    pub grpc_addr: SocketAddr,
+    pub data_addr: SocketAddr,
+    pub metrics_addr: Option<SocketAddr>,
+    pub state: Arc<NodeState>,
+    shutdown: Option<oneshot::Sender<()>>,
+    grpc: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+}
+
+impl RunningServer {
+    /// Runs until the gRPC server stops (or `shutdown` is called).
+    pub async fn wait(self) -> Result<(), ServerError> {
+        match self.grpc.await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(ServerError::Config(format!("gRPC server: {e}"))),
+            Err(e) => Err(ServerError::Config(format!("gRPC task: {e}"))),
+        }
+    }
+
+    pub fn shutdown(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+async fn bind(name: &str, addr: SocketAddr) -> Result<(TcpListener, SocketAddr), ServerError> {
+    let l = TcpListener::bind(addr)
+        .await
+        .map_err(|e| ServerError::Config(format!("{name} {addr}: cannot listen: {e}")))?;
+    let a = l.local_addr()?;
+    Ok((l, a))
+}
+
+/// Validates `config`, binds every listener and starts the node. `metrics` is the Prometheus
+/// handle to serve (the recorder is process-global, so the binary installs it once).
+pub async fn start(
+    config: ServerConfig,
+    metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
+) -> Result<RunningServer, ServerError> {
+    config.validate()?;
+    config.prepare_data_dir()?;
+    let (grpc_listener, grpc_addr) = bind("listen", config.listen).await?;
+    let (data_listener, data_addr) = bind("data_listen", config.data_listen).await?;
+    let mut metrics_addr = None;
+    if let (Some(addr), Some(handle)) = (config.metrics_listen, metrics) {
+        let (l, a) = crate::metrics::bind(addr).await?;
+        metrics_addr = Some(a);
+        tokio::spawn(crate::metrics::serve(l, handle));
+    }
+    let auth = config.auth_token.clone();
+    let state = Arc::new(NodeState::new(config, data_addr));
+    ::metrics::gauge!("kvtier_tier_capacity_bytes", "tier" => "dram").set(state.config.dram_capacity.0 as f64);
+
+    tokio::spawn(dataplane::serve(data_listener, state.clone()));
+
+    // TTL sweeper: expired sessions release their pins within a second.
+    let sweeper = Arc::downgrade(&state);
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(250));
+        loop {
+            tick.tick().await;
+            let Some(state) = sweeper.upgrade() else { return };
+            let mut table = state.sessions.lock();
+            let n = table.expire(&state.tier, Instant::now());
+            if n > 0 {
+                ::metrics::counter!("kvtier_sessions_expired_total").increment(n as u64);
+                ::metrics::gauge!("kvtier_sessions").set(table.len() as f64);
+            }
+        }
+    });
+
+    let service = KvTierServer::new(control::ControlPlane::new(state.clone()))
+        .max_decoding_message_size(MAX_GRPC_MESSAGE)
+        .max_encoding_message_size(MAX_GRPC_MESSAGE);
+    let check_auth = move |req: tonic::Request<()>| -> Result<tonic::Request<()>, tonic::Status> {
+        let Some(token) = &auth else { return Ok(req) };
+        let presented = req.metadata().get("authorization").and_then(|v| v.to_str().ok());
+        match presented.and_then(|v| v.strip_prefix("Bearer ")) {
+            Some(t) if t == token => Ok(req),
+            _ => {
+                crate::metrics::error("unauthenticated");
+                Err(tonic::Status::unauthenticated(format!(
+                    "{}: missing or bad bearer token",
+                    kvtier_proto::codes::UNAUTHENTICATED
+                )))
+            }
+        }
+    };
+    let (tx, rx) = oneshot::channel::<()>();
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc_listener);
+    let grpc = tokio::spawn(
+        tonic::transport::Server::builder()
+            .tcp_nodelay(true)
+            .add_service(tonic::service::interceptor::InterceptedService::new(service, check_auth))
+            .serve_with_incoming_shutdown(incoming, async {
+                let _ = rx.await;
+            }),
+    );
+    Ok(RunningServer { grpc_addr, data_addr, metrics_addr, state, shutdown: Some(tx), grpc })
+}

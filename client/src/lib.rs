@@ -1,1 +1,31 @@
-//! x
+//! `kvtier-client`: what inference engines link to reach a kvtier node.
+//!
+//! - [`KvClient`]: typed async API — `lookup`, `store`, `load`, session `park` / `extend` /
+//!   `resume` / `drop_session` — over one gRPC channel (control) and a pool of data-plane
+//!   connections (payloads), with batching and concurrent batches.
+//! - [`EngineClient`]: the never-raise wrapper; every error or timeout becomes a [`Miss`].
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), kvtier_client::ClientError> {
+//! use bytes::Bytes;
+//! use kvtier_client::{ClientConfig, KvClient};
+//! use kvtier_proto::{DType, HashScheme, KvLayout, Namespace};
+//! let client = KvClient::connect("127.0.0.1:7070", ClientConfig::default()).await?;
+//! let layout = KvLayout::new(32, 8, 128, DType::Bf16, 16);
+//! let ns = client.register(Namespace::new("acme", "llama-3-8b", layout, HashScheme::Blake3, b"secret")).await?;
+//! let tokens: Vec<u32> = (0..4096).collect();
+//! let blocks: Vec<Bytes> = (0..256).map(|_| Bytes::from(vec![0u8; layout.block_bytes() as usize])).collect();
+//! client.store(&ns, &tokens, &blocks).await?.ok()?;
+//! assert_eq!(client.lookup(&ns, &tokens).await?, 4096);
+//! # Ok(()) }
+//! ```
+
+mod client;
+mod conn;
+mod engine;
+mod error;
+
+pub use client::{ClientConfig, KvClient, NamespaceHandle, ParkOptions, ResumedSession, SessionInfo, StoreReport};
+pub use engine::{EngineClient, Loaded, Miss};
+pub use error::ClientError;
+pub use kvtier_proto::dataplane::ItemStatus;

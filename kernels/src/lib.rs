@@ -1,3 +1,39 @@
 //! kvtier codecs: quantization (FP8 E4M3, NVFP4) and a lossless LZ4 layer that shrink KV blocks
 //! on their way into a tier, and the policy that picks a codec per namespace and tier.
-//! The codec ids are named in `kvtier_proto::CodecId`.
+//!
+//! - [`formats`]: E4M3 and E2M1 one value at a time — the scalar reference, bit-exact against
+//!   `ml_dtypes` (see `tests/golden.rs`).
+//! - [`block`]: [`BlockSpec`] and [`KvBlockView`], the K and V planes `[tokens, kv_heads,
+//!   head_dim]` of every layer of a block, in bf16, fp16 or fp32, in either memory order.
+//! - [`codec`]: [`Codec`], [`encode`] and [`decode`] for the ids named in
+//!   [`kvtier_proto::CodecId`]: raw, raw+LZ4, FP8 E4M3, FP8+LZ4, NVFP4, NVFP4+LZ4. The exact scale
+//!   arithmetic is written at the top of that module.
+//! - [`payload`]: the self-describing payload (format, shape, dtype, scales) of every codec but raw.
+//! - [`Backend`]: the scalar reference or AVX2+F16C kernels (chosen at run time, identical bytes).
+//! - [`policy`]: [`policy::CodecPolicy`] — which codec per tier, the age rule, `lossless_only`.
+//!
+//! ```
+//! use kvtier_kernels::{decode, encode, BlockSpec, KvBlockView};
+//! use kvtier_proto::{CodecId, DType};
+//! let spec = BlockSpec::new(1, 2, 1, 16, DType::Bf16);
+//! let bytes: Vec<u8> = (0..spec.elements())
+//!     .flat_map(|i| half::bf16::from_f32(i as f32 - 8.0).to_bits().to_le_bytes())
+//!     .collect();
+//! let payload = encode(CodecId::NVFP4, &KvBlockView::new(spec, &bytes).unwrap()).unwrap();
+//! let back = decode(CodecId::NVFP4, &payload, &spec).unwrap();
+//! assert_eq!(back.len(), bytes.len());
+//! ```
+
+pub mod block;
+pub mod codec;
+mod error;
+pub mod formats;
+mod kernel;
+pub mod payload;
+pub mod policy;
+
+pub use block::{BlockSpec, KvBlockView};
+pub use codec::{decode, encode, is_lossless, split_codec, Codec, Fp8Scaling};
+pub use error::CodecError;
+pub use kernel::Backend;
+pub use payload::{inspect, Format, Fp8ScaleMode, PayloadInfo, PayloadParts};

@@ -1,0 +1,295 @@
+//! Server configuration: embedded defaults, then a TOML file, then environment variables and
+//! flags (the binary merges those), validated once at start with errors that name the setting.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::error::ServerError;
+
+/// Everything `kvtier serve` needs. Field docs end with the default.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// gRPC control plane. Default: `127.0.0.1:7070`.
+    pub listen: SocketAddr,
+    /// Bulk data plane (framed TCP). Default: `127.0.0.1:7071`.
+    pub data_listen: SocketAddr,
+    /// Prometheus `/metrics`; `None` turns it off. Default: `127.0.0.1:9464`.
+    pub metrics_listen: Option<SocketAddr>,
+    /// Where the node keeps its files. Default: `./kvtier-data`.
+    pub data_dir: PathBuf,
+    /// Hard cap of the DRAM tier, e.g. `"4GiB"`. Default: a quarter of physical memory.
+    pub dram_capacity: ByteSize,
+    /// Pinned (session) bytes may not exceed this fraction of the DRAM cap. Default: `0.9`.
+    pub max_pinned_ratio: f64,
+    /// Longest context one request or session may carry, in tokens. Default: `1048576`.
+    pub max_context_tokens: u64,
+    /// Largest block payload accepted. Default: `64MiB`.
+    pub max_frame_bytes: ByteSize,
+    /// Most blocks in one data-plane request. Default: `4096`.
+    pub max_blocks_per_request: u32,
+    /// TTL of a parked session when the client gives none, e.g. `"10m"`. Default: `10m`.
+    pub session_ttl: DurationStr,
+    /// Longest TTL a client may ask for. Default: `24h`.
+    pub session_max_ttl: DurationStr,
+    /// Shared secret clients must present; required when any listener is beyond loopback.
+    /// Default: none.
+    pub auth_token: Option<String>,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 7070)),
+            data_listen: SocketAddr::from(([127, 0, 0, 1], 7071)),
+            metrics_listen: Some(SocketAddr::from(([127, 0, 0, 1], 9464))),
+            data_dir: PathBuf::from("./kvtier-data"),
+            dram_capacity: ByteSize(default_dram_capacity()),
+            max_pinned_ratio: 0.9,
+            max_context_tokens: 1 << 20,
+            max_frame_bytes: ByteSize(64 << 20),
+            max_blocks_per_request: 4096,
+            session_ttl: DurationStr(Duration::from_secs(600)),
+            session_max_ttl: DurationStr(Duration::from_secs(24 * 3600)),
+            auth_token: None,
+        }
+    }
+}
+
+/// A quarter of physical memory (from `/proc/meminfo`), at least 64 MiB; 1 GiB where unknown.
+pub fn default_dram_capacity() -> u64 {
+    let total = std::fs::read_to_string("/proc/meminfo").ok().and_then(|s| {
+        s.lines()
+            .find(|l| l.starts_with("MemTotal:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|kb| kb.parse::<u64>().ok())
+            .map(|kb| kb * 1024)
+    });
+    match total {
+        Some(t) => (t / 4).max(64 << 20),
+        None => 1 << 30,
+    }
+}
+
+impl ServerConfig {
+    /// Reads a TOML file over the defaults.
+    pub fn from_toml_file(path: &std::path::Path) -> Result<Self, ServerError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ServerError::Config(format!("cannot read config file {}: {e}", path.display())))?;
+        Self::from_toml_str(&text).map_err(|e| match e {
+            ServerError::Config(m) => ServerError::Config(format!("{}: {m}", path.display())),
+            other => other,
+        })
+    }
+
+    pub fn from_toml_str(text: &str) -> Result<Self, ServerError> {
+        toml::from_str(text).map_err(|e| ServerError::Config(e.to_string()))
+    }
+
+    /// Checks every setting; the server refuses to start on the first problem.
+    pub fn validate(&self) -> Result<(), ServerError> {
+        let bad = |m: String| Err(ServerError::Config(m));
+        if self.dram_capacity.0 < (1 << 20) {
+            return bad(format!("dram_capacity {} is below the minimum of 1MiB", self.dram_capacity));
+        }
+        if !(self.max_pinned_ratio > 0.0 && self.max_pinned_ratio <= 1.0) {
+            return bad(format!("max_pinned_ratio must be in (0, 1], got {}", self.max_pinned_ratio));
+        }
+        if self.max_context_tokens == 0 {
+            return bad("max_context_tokens must be positive".into());
+        }
+        if self.max_frame_bytes.0 < 4096 || self.max_frame_bytes.0 > (1 << 32) {
+            return bad(format!("max_frame_bytes must be between 4KiB and 4GiB, got {}", self.max_frame_bytes));
+        }
+        if self.max_frame_bytes.0 > self.dram_capacity.0 {
+            return bad(format!(
+                "max_frame_bytes {} exceeds dram_capacity {}",
+                self.max_frame_bytes, self.dram_capacity
+            ));
+        }
+        if self.max_blocks_per_request == 0 || self.max_blocks_per_request > 1 << 20 {
+            return bad(format!("max_blocks_per_request must be 1..=1048576, got {}", self.max_blocks_per_request));
+        }
+        if self.session_ttl.0.is_zero() || self.session_ttl.0 > self.session_max_ttl.0 {
+            return bad(format!(
+                "session_ttl {} must be positive and at most session_max_ttl {}",
+                self.session_ttl, self.session_max_ttl
+            ));
+        }
+        if let Some(t) = &self.auth_token {
+            if t.len() < 16 || t.len() > kvtier_proto::dataplane::MAX_TOKEN_LEN {
+                return bad("auth_token must be 16..=1024 bytes".into());
+            }
+        }
+        let mut addrs = vec![("listen", self.listen), ("data_listen", self.data_listen)];
+        if let Some(m) = self.metrics_listen {
+            addrs.push(("metrics_listen", m));
+        }
+        for (name, a) in &addrs {
+            if !a.ip().is_loopback() && self.auth_token.is_none() {
+                return bad(format!("{name} {a} is beyond loopback: set auth_token to expose it"));
+            }
+        }
+        for (i, (n1, a1)) in addrs.iter().enumerate() {
+            for (n2, a2) in &addrs[i + 1..] {
+                if a1 == a2 && a1.port() != 0 {
+                    return bad(format!("{n1} and {n2} are both {a1}"));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Creates the data directory and checks it is writable.
+    pub fn prepare_data_dir(&self) -> Result<(), ServerError> {
+        let dir = &self.data_dir;
+        std::fs::create_dir_all(dir)
+            .map_err(|e| ServerError::Config(format!("data_dir {}: cannot create: {e}", dir.display())))?;
+        let probe = dir.join(".kvtier-write-probe");
+        std::fs::write(&probe, b"ok")
+            .map_err(|e| ServerError::Config(format!("data_dir {}: not writable: {e}", dir.display())))?;
+        let _ = std::fs::remove_file(probe);
+        Ok(())
+    }
+}
+
+/// A byte count written as `512MiB`, `4GiB`, `1.5G`, `64k` or a plain number.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ByteSize(pub u64);
+
+impl std::str::FromStr for ByteSize {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let t = s.trim();
+        let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+        let (num, unit) = t.split_at(split);
+        let num: f64 = num.parse().map_err(|_| format!("{s:?} is not a size (try 512MiB or 4GiB)"))?;
+        let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+            "" | "b" => 1,
+            "k" | "kb" | "kib" => 1 << 10,
+            "m" | "mb" | "mib" => 1 << 20,
+            "g" | "gb" | "gib" => 1 << 30,
+            "t" | "tb" | "tib" => 1 << 40,
+            other => return Err(format!("unknown size unit {other:?} in {s:?}")),
+        };
+        let v = num * mult as f64;
+        if !v.is_finite() || v < 0.0 || v > u64::MAX as f64 {
+            return Err(format!("size {s:?} is out of range"));
+        }
+        Ok(ByteSize(v as u64))
+    }
+}
+
+impl std::fmt::Display for ByteSize {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let v = self.0;
+        if v >= 1 << 30 && v % (1 << 30) == 0 {
+            write!(f, "{}GiB", v >> 30)
+        } else if v >= 1 << 20 && v % (1 << 20) == 0 {
+            write!(f, "{}MiB", v >> 20)
+        } else if v >= 1 << 10 && v % (1 << 10) == 0 {
+            write!(f, "{}KiB", v >> 10)
+        } else {
+            write!(f, "{v}B")
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for ByteSize {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            N(u64),
+            S(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::N(n) => Ok(ByteSize(n)),
+            Raw::S(s) => s.parse().map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+/// A duration written as `500ms`, `30s`, `10m`, `2h` or `1d`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DurationStr(pub Duration);
+
+impl std::str::FromStr for DurationStr {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let t = s.trim();
+        let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+        let (num, unit) = t.split_at(split);
+        let n: u64 = num.parse().map_err(|_| format!("{s:?} is not a duration (try 30s or 10m)"))?;
+        let d = match unit {
+            "ms" => Duration::from_millis(n),
+            "" | "s" => Duration::from_secs(n),
+            "m" => Duration::from_secs(n.saturating_mul(60)),
+            "h" => Duration::from_secs(n.saturating_mul(3600)),
+            "d" => Duration::from_secs(n.saturating_mul(86400)),
+            other => return Err(format!("unknown duration unit {other:?} in {s:?}")),
+        };
+        Ok(DurationStr(d))
+    }
+}
+
+impl std::fmt::Display for DurationStr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}", self.0)
+    }
+}
+
+impl<'de> Deserialize<'de> for DurationStr {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!("512MiB".parse::<ByteSize>().unwrap(), ByteSize(512 << 20));
+        assert_eq!("4GiB".parse::<ByteSize>().unwrap(), ByteSize(4 << 30));
+        assert_eq!("1.5g".parse::<ByteSize>().unwrap(), ByteSize(3 << 29));
+        assert_eq!("4096".parse::<ByteSize>().unwrap(), ByteSize(4096));
+        assert!("4 parsecs".parse::<ByteSize>().is_err());
+        assert!("".parse::<ByteSize>().is_err());
+        assert_eq!(ByteSize(512 << 20).to_string(), "512MiB");
+    }
+
+    #[test]
+    fn durations_parse() {
+        assert_eq!("10m".parse::<DurationStr>().unwrap().0, Duration::from_secs(600));
+        assert_eq!("250ms".parse::<DurationStr>().unwrap().0, Duration::from_millis(250));
+        assert!("10 fortnights".parse::<DurationStr>().is_err());
+    }
+
+    #[test]
+    fn toml_and_validation() {
+        let c = ServerConfig::from_toml_str(
+            "listen = \"127.0.0.1:0\"\ndata_listen = \"127.0.0.1:0\"\ndram_capacity = \"256MiB\"\nsession_ttl = \"30s\"\n",
+        )
+        .unwrap();
+        assert_eq!(c.dram_capacity, ByteSize(256 << 20));
+        c.validate().unwrap();
+        let e = ServerConfig::from_toml_str("dram_capacty = \"1GiB\"").unwrap_err();
+        assert!(e.to_string().contains("dram_capacty"), "{e}");
+        let e = ServerConfig::from_toml_str("dram_capacity = \"lots\"").unwrap_err();
+        assert!(e.to_string().contains("lots"), "{e}");
+        let mut c = ServerConfig { listen: "0.0.0.0:7070".parse().unwrap(), ..Default::default() };
+        assert!(c.validate().unwrap_err().to_string().contains("auth_token"));
+        c.auth_token = Some("a-long-enough-shared-secret".into());
+        c.validate().unwrap();
+        let c = ServerConfig { dram_capacity: ByteSize(1000), ..Default::default() };
+        assert!(c.validate().unwrap_err().to_string().contains("dram_capacity"));
+        let c = ServerConfig { data_listen: "127.0.0.1:7070".parse().unwrap(), ..Default::default() };
+        assert!(c.validate().unwrap_err().to_string().contains("both"));
+    }
+}

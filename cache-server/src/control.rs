@@ -1,0 +1,294 @@
+//! The gRPC control plane: namespaces, lookup, sessions, stats and admin. Block payloads never
+//! travel here; `Info` tells clients where the data plane listens.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvtier_proto::{codes, pb, BlockKey, Namespace, NamespaceId};
+use tonic::{Request, Response, Status};
+
+use crate::dram::Priority;
+use crate::error::ServerError;
+use crate::metrics::{observe, server_error};
+use crate::sessions::{ParkSpec, SessionManifest};
+use crate::state::NodeState;
+
+pub struct ControlPlane {
+    state: Arc<NodeState>,
+}
+
+impl ControlPlane {
+    pub fn new(state: Arc<NodeState>) -> Self {
+        ControlPlane { state }
+    }
+}
+
+/// Turns a server error into a gRPC status carrying the stable code in its message and metadata.
+pub fn to_status(e: ServerError) -> Status {
+    server_error(&e);
+    let code = match &e {
+        ServerError::Capacity(_) | ServerError::TooLarge { .. } => tonic::Code::ResourceExhausted,
+        ServerError::MissingBlocks { .. } => tonic::Code::FailedPrecondition,
+        ServerError::UnknownNamespace(_) | ServerError::SessionNotFound(_) | ServerError::SessionExpired { .. } => {
+            tonic::Code::NotFound
+        }
+        ServerError::SessionExists(_) => tonic::Code::AlreadyExists,
+        ServerError::VersionConflict { .. } => tonic::Code::Aborted,
+        ServerError::ContextTooLong { .. } => tonic::Code::OutOfRange,
+        ServerError::InvalidRequest(_) | ServerError::Proto(_) => tonic::Code::InvalidArgument,
+        ServerError::Config(_) | ServerError::Io(_) => tonic::Code::Internal,
+    };
+    let mut status = Status::new(code, format!("{}: {e}", e.code()));
+    if let Ok(v) = e.code().parse() {
+        status.metadata_mut().insert(codes::METADATA_KEY, v);
+    }
+    status
+}
+
+fn ns_id(b: &[u8]) -> Result<NamespaceId, ServerError> {
+    Ok(NamespaceId::from_slice(b)?)
+}
+
+fn keys(list: &[bytes::Bytes]) -> Result<Vec<BlockKey>, ServerError> {
+    list.iter()
+        .enumerate()
+        .map(|(i, k)| {
+            BlockKey::try_from(&k[..]).map_err(|e| ServerError::InvalidRequest(format!("key {i}: {e}")))
+        })
+        .collect()
+}
+
+fn opt_key(b: &[u8]) -> Result<Option<BlockKey>, ServerError> {
+    if b.is_empty() {
+        Ok(None)
+    } else {
+        Ok(Some(BlockKey::try_from(b).map_err(|e| ServerError::InvalidRequest(format!("tail key: {e}")))?))
+    }
+}
+
+fn session_info(m: &SessionManifest, now: Instant) -> pb::SessionInfo {
+    pb::SessionInfo {
+        session_id: m.id.clone(),
+        namespace_id: bytes::Bytes::copy_from_slice(&m.namespace.0),
+        version: m.version,
+        token_count: m.token_count,
+        blocks: m.keys.len() as u32,
+        has_tail: m.tail.is_some(),
+        bytes: m.bytes,
+        expires_in_ms: m.expires_at.saturating_duration_since(now).as_millis() as u64,
+        priority: m.priority as u32,
+    }
+}
+
+fn park_response(r: Result<SessionManifest, ServerError>) -> Result<Response<pb::ParkResponse>, Status> {
+    match r {
+        Ok(m) => {
+            Ok(Response::new(pb::ParkResponse { parked: true, info: Some(session_info(&m, Instant::now())), ..Default::default() }))
+        }
+        Err(ServerError::MissingBlocks { missing, missing_tail }) => {
+            metrics::counter!("kvtier_errors_total", "kind" => "missing_blocks").increment(1);
+            Ok(Response::new(pb::ParkResponse { parked: false, info: None, missing_blocks: missing, missing_tail }))
+        }
+        Err(e) => Err(to_status(e)),
+    }
+}
+
+impl ControlPlane {
+    fn ttl(&self, ms: u64) -> Result<Duration, ServerError> {
+        let c = &self.state.config;
+        if ms == 0 {
+            return Ok(c.session_ttl.0);
+        }
+        let d = Duration::from_millis(ms);
+        if d > c.session_max_ttl.0 {
+            return Err(ServerError::InvalidRequest(format!(
+                "ttl {d:?} exceeds the server's session_max_ttl {}",
+                c.session_max_ttl
+            )));
+        }
+        Ok(d)
+    }
+
+    fn refresh_session_gauge(&self, n: usize) {
+        metrics::gauge!("kvtier_sessions").set(n as f64);
+    }
+
+    fn park(&self, r: pb::ParkRequest) -> Result<SessionManifest, ServerError> {
+        let ns_id = ns_id(&r.namespace_id)?;
+        let ns = self.state.namespace(&ns_id)?;
+        if r.session_id.is_empty() || r.session_id.len() > 256 {
+            return Err(ServerError::InvalidRequest("session_id must be 1..=256 bytes".into()));
+        }
+        let spec = ParkSpec {
+            namespace: ns_id,
+            id: r.session_id,
+            keys: keys(&r.keys)?,
+            tail: opt_key(&r.tail_key)?,
+            token_count: r.token_count,
+            ttl: self.ttl(r.ttl_ms)?,
+            priority: Priority::from_u32(r.priority),
+            expected_version: r.expected_version,
+        };
+        let limits = self.state.session_limits(&ns);
+        let mut table = self.state.sessions.lock();
+        let out = table.park(&self.state.tier, spec, &limits, Instant::now());
+        self.refresh_session_gauge(table.len());
+        out
+    }
+
+    fn extend(&self, r: pb::ExtendRequest) -> Result<SessionManifest, ServerError> {
+        let ns_id = ns_id(&r.namespace_id)?;
+        let ns = self.state.namespace(&ns_id)?;
+        let limits = self.state.session_limits(&ns);
+        let new_keys = keys(&r.new_keys)?;
+        let tail = opt_key(&r.tail_key)?;
+        let mut table = self.state.sessions.lock();
+        table.extend(
+            &self.state.tier,
+            ns_id,
+            &r.session_id,
+            r.expected_version,
+            r.base_blocks as usize,
+            new_keys,
+            tail,
+            r.token_count,
+            &limits,
+            Instant::now(),
+        )
+    }
+}
+
+#[tonic::async_trait]
+impl pb::kv_tier_server::KvTier for ControlPlane {
+    async fn info(&self, _r: Request<pb::InfoRequest>) -> Result<Response<pb::InfoResponse>, Status> {
+        let c = &self.state.config;
+        Ok(Response::new(pb::InfoResponse {
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            data_addr: self.state.data_addr.to_string(),
+            max_frame_bytes: c.max_frame_bytes.0,
+            max_blocks_per_request: c.max_blocks_per_request,
+            max_context_tokens: c.max_context_tokens,
+            dram_capacity_bytes: c.dram_capacity.0,
+        }))
+    }
+
+    async fn register_namespace(
+        &self,
+        r: Request<pb::NamespaceSpec>,
+    ) -> Result<Response<pb::RegisterNamespaceResponse>, Status> {
+        let start = Instant::now();
+        let ns = Namespace::from_pb(r.get_ref()).map_err(|e| to_status(e.into()))?;
+        let block_bytes = ns.layout.block_bytes();
+        let id = self.state.register_namespace(ns).map_err(to_status)?;
+        observe("register_namespace", start);
+        Ok(Response::new(pb::RegisterNamespaceResponse {
+            namespace_id: bytes::Bytes::copy_from_slice(&id.0),
+            block_bytes,
+        }))
+    }
+
+    async fn lookup(&self, r: Request<pb::LookupRequest>) -> Result<Response<pb::LookupResponse>, Status> {
+        let start = Instant::now();
+        let r = r.into_inner();
+        let res = (|| {
+            let id = ns_id(&r.namespace_id)?;
+            let ns = self.state.namespace(&id)?;
+            self.state.check_context(&ns, r.keys.len())?;
+            let keys = keys(&r.keys)?;
+            Ok::<_, ServerError>(self.state.tier.longest_prefix(&id, &keys))
+        })();
+        let matched = res.map_err(to_status)?;
+        observe("lookup", start);
+        Ok(Response::new(pb::LookupResponse { matched_blocks: matched as u32 }))
+    }
+
+    async fn park_session(&self, r: Request<pb::ParkRequest>) -> Result<Response<pb::ParkResponse>, Status> {
+        let start = Instant::now();
+        let out = park_response(self.park(r.into_inner()));
+        observe("park", start);
+        out
+    }
+
+    async fn extend_session(&self, r: Request<pb::ExtendRequest>) -> Result<Response<pb::ParkResponse>, Status> {
+        let start = Instant::now();
+        let out = park_response(self.extend(r.into_inner()));
+        observe("extend", start);
+        out
+    }
+
+    async fn resume_session(&self, r: Request<pb::ResumeRequest>) -> Result<Response<pb::SessionManifest>, Status> {
+        let start = Instant::now();
+        let r = r.into_inner();
+        let res = (|| {
+            let id = ns_id(&r.namespace_id)?;
+            self.state.namespace(&id)?;
+            let mut table = self.state.sessions.lock();
+            let out = table.resume(&self.state.tier, id, &r.session_id, Instant::now());
+            self.refresh_session_gauge(table.len());
+            out
+        })();
+        let m = res.map_err(to_status)?;
+        observe("resume", start);
+        Ok(Response::new(pb::SessionManifest {
+            info: Some(session_info(&m, Instant::now())),
+            keys: m.keys.iter().map(|k| bytes::Bytes::copy_from_slice(&k.0)).collect(),
+            tail_key: m.tail.map(|k| bytes::Bytes::copy_from_slice(&k.0)).unwrap_or_default(),
+        }))
+    }
+
+    async fn drop_session(
+        &self,
+        r: Request<pb::DropSessionRequest>,
+    ) -> Result<Response<pb::DropSessionResponse>, Status> {
+        let start = Instant::now();
+        let r = r.into_inner();
+        let id = ns_id(&r.namespace_id).map_err(to_status)?;
+        self.state.namespace(&id).map_err(to_status)?;
+        let mut table = self.state.sessions.lock();
+        let dropped = table.drop_session(&self.state.tier, id, &r.session_id);
+        self.refresh_session_gauge(table.len());
+        drop(table);
+        observe("drop", start);
+        Ok(Response::new(pb::DropSessionResponse { dropped }))
+    }
+
+    async fn list_sessions(
+        &self,
+        r: Request<pb::ListSessionsRequest>,
+    ) -> Result<Response<pb::ListSessionsResponse>, Status> {
+        let r = r.into_inner();
+        let ns = if r.namespace_id.is_empty() { None } else { Some(ns_id(&r.namespace_id).map_err(to_status)?) };
+        let now = Instant::now();
+        let sessions = self.state.sessions.lock().list(ns, now).iter().map(|m| session_info(m, now)).collect();
+        Ok(Response::new(pb::ListSessionsResponse { sessions }))
+    }
+
+    async fn stats(&self, _r: Request<pb::StatsRequest>) -> Result<Response<pb::StatsResponse>, Status> {
+        let s = self.state.tier.stats();
+        Ok(Response::new(pb::StatsResponse {
+            tiers: vec![pb::TierStats {
+                tier: "dram".into(),
+                capacity_bytes: s.capacity_bytes,
+                resident_bytes: s.resident_bytes,
+                allocated_bytes: s.allocated_bytes,
+                pinned_bytes: s.pinned_bytes,
+                blocks: s.blocks,
+                hits: s.hits,
+                misses: s.misses,
+                evictions: s.evictions,
+                bytes_in: s.bytes_in,
+                bytes_out: s.bytes_out,
+            }],
+            sessions: self.state.sessions.lock().len() as u64,
+            namespaces: self.state.namespace_count() as u64,
+            uptime_ms: self.state.started.elapsed().as_millis() as u64,
+        }))
+    }
+
+    async fn purge(&self, r: Request<pb::PurgeRequest>) -> Result<Response<pb::PurgeResponse>, Status> {
+        let id = ns_id(&r.get_ref().namespace_id).map_err(to_status)?;
+        self.state.namespace(&id).map_err(to_status)?;
+        let removed = self.state.tier.purge_namespace(&id);
+        Ok(Response::new(pb::PurgeResponse { blocks_removed: removed }))
+    }
+}

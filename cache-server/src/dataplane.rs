@@ -1,0 +1,303 @@
+//! The bulk data plane: a framed TCP listener (protocol in `kvtier_proto::dataplane`) that moves
+//! block payloads with as few copies as the kernel allows.
+//!
+//! Copies per block: a `PUT` payload is read from the socket straight into its DRAM slab slot
+//! (no intermediate buffer), verified there, then published; a `GET` payload is written from the
+//! slab slot straight to the socket (a zero-copy `Bytes` view; the slot stays alive while it is
+//! being sent even if the block is evicted meanwhile).
+//!
+//! Bad input never poisons the node: a per-block problem (unknown namespace, wrong size, layout
+//! mismatch, checksum mismatch, no capacity) is answered with an item status and the stream
+//! continues; a problem that loses the framing (bad frame header, oversized frame, too many
+//! blocks, truncated stream) is answered with a request-level error when possible and only that
+//! connection is closed. A block that was not completely received is never visible.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvtier_proto::dataplane::{
+    Hello, HelloReply, ItemStatus, Op, RequestHeader, ResponseHeader, Status, HELLO_LEN, PROTOCOL_VERSION,
+    REQUEST_HEADER_LEN,
+};
+use kvtier_proto::{BlockKey, FrameHeader, NamespaceId, ProtoError, FRAME_HEADER_LEN, KEY_LEN};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::dram::Priority;
+use crate::error::ServerError;
+use crate::metrics::{error, observe};
+use crate::state::NodeState;
+
+/// Most concurrent data-plane connections; more wait in the accept backlog.
+pub const MAX_CONNECTIONS: usize = 1024;
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+const IO_BUF: usize = 64 * 1024;
+
+/// Accepts data-plane connections until the listener fails.
+pub async fn serve(listener: TcpListener, state: Arc<NodeState>) {
+    let permits = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    loop {
+        let Ok(permit) = permits.clone().acquire_owned().await else { return };
+        let (sock, peer) = match listener.accept().await {
+            Ok(x) => x,
+            Err(e) => {
+                tracing::warn!("data plane accept: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let state = state.clone();
+        tokio::spawn(async move {
+            if let Err(e) = Connection::new(sock, state).run().await {
+                tracing::debug!(%peer, "data plane connection closed: {e}");
+            }
+            drop(permit);
+        });
+    }
+}
+
+/// Why a connection ended early.
+#[derive(Debug, thiserror::Error)]
+enum ConnError {
+    #[error("I/O: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("{0}")]
+    Protocol(String),
+}
+
+struct Connection {
+    rd: BufReader<OwnedReadHalf>,
+    wr: BufWriter<OwnedWriteHalf>,
+    state: Arc<NodeState>,
+    scratch: Vec<u8>,
+}
+
+impl Connection {
+    fn new(sock: TcpStream, state: Arc<NodeState>) -> Self {
+        let _ = sock.set_nodelay(true);
+        let (r, w) = sock.into_split();
+        Connection {
+            rd: BufReader::with_capacity(IO_BUF, r),
+            wr: BufWriter::with_capacity(IO_BUF, w),
+            state,
+            scratch: Vec::new(),
+        }
+    }
+
+    async fn run(mut self) -> Result<(), ConnError> {
+        self.handshake().await?;
+        loop {
+            let mut hdr = [0u8; REQUEST_HEADER_LEN];
+            match self.rd.read_exact(&mut hdr).await {
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+                Err(e) => return Err(e.into()),
+            }
+            let req = match RequestHeader::decode(&hdr) {
+                Ok(r) => r,
+                Err(e) => return self.fatal(hdr[0], 0, Status::BadRequest, &e.to_string()).await,
+            };
+            let limit = self.state.config.max_blocks_per_request;
+            if req.count > limit {
+                let msg = format!("{} blocks in one request exceed max_blocks_per_request {limit}", req.count);
+                return self.fatal(req.op as u8, req.request_id, Status::TooLarge, &msg).await;
+            }
+            match req.op {
+                Op::Put => self.put(req).await?,
+                Op::Get => self.get(req).await?,
+            }
+            self.wr.flush().await?;
+        }
+    }
+
+    async fn handshake(&mut self) -> Result<(), ConnError> {
+        let mut h = [0u8; HELLO_LEN];
+        tokio::time::timeout(HELLO_TIMEOUT, self.rd.read_exact(&mut h))
+            .await
+            .map_err(|_| ConnError::Protocol("no hello within 10 s".into()))??;
+        let hello = match Hello::decode(&h) {
+            Ok(h) => h,
+            Err(e) => {
+                error("dataplane_bad_hello");
+                self.wr.write_all(&HelloReply::encode(Status::BadRequest, &e.to_string())).await?;
+                self.wr.flush().await?;
+                return Err(ConnError::Protocol(e.to_string()));
+            }
+        };
+        let mut token = vec![0u8; hello.token_len as usize];
+        self.rd.read_exact(&mut token).await?;
+        if hello.version != PROTOCOL_VERSION {
+            let msg = format!("data-plane protocol {} is not supported; this server speaks {PROTOCOL_VERSION}", hello.version);
+            self.wr.write_all(&HelloReply::encode(Status::UnsupportedVersion, &msg)).await?;
+            self.wr.flush().await?;
+            return Err(ConnError::Protocol(msg));
+        }
+        if let Some(expected) = &self.state.config.auth_token {
+            if !constant_time_eq(expected.as_bytes(), &token) {
+                error("unauthenticated");
+                self.wr.write_all(&HelloReply::encode(Status::Unauthenticated, "bad or missing auth token")).await?;
+                self.wr.flush().await?;
+                return Err(ConnError::Protocol("unauthenticated".into()));
+            }
+        }
+        self.wr.write_all(&HelloReply::encode(Status::Ok, concat!("kvtier ", env!("CARGO_PKG_VERSION")))).await?;
+        self.wr.flush().await?;
+        Ok(())
+    }
+
+    /// Answers with a request-level error and ends the connection (its framing can't be trusted).
+    async fn fatal(&mut self, op: u8, request_id: u32, status: Status, msg: &str) -> Result<(), ConnError> {
+        error("dataplane_protocol");
+        self.wr.write_all(&ResponseHeader::error(op, request_id, status, msg)).await?;
+        self.wr.flush().await?;
+        Err(ConnError::Protocol(msg.to_string()))
+    }
+
+    /// Reads and discards `n` payload bytes so the stream stays in step.
+    async fn drain(&mut self, mut n: u64) -> Result<(), ConnError> {
+        if self.scratch.is_empty() {
+            self.scratch = vec![0u8; IO_BUF];
+        }
+        while n > 0 {
+            let k = n.min(self.scratch.len() as u64) as usize;
+            self.rd.read_exact(&mut self.scratch[..k]).await?;
+            n -= k as u64;
+        }
+        Ok(())
+    }
+
+    /// Checks a frame header against its namespace before any payload byte is stored.
+    fn admit(&self, h: &FrameHeader) -> Result<(), ItemStatus> {
+        let ns = self.state.namespace(&h.namespace).map_err(|_| ItemStatus::UnknownNamespace)?;
+        if ns.layout != h.layout {
+            return Err(ItemStatus::LayoutMismatch);
+        }
+        h.check_size().map_err(|_| ItemStatus::SizeMismatch)
+    }
+
+    async fn put(&mut self, req: RequestHeader) -> Result<(), ConnError> {
+        let start = Instant::now();
+        let mut statuses = Vec::with_capacity(req.count as usize);
+        for i in 0..req.count {
+            let mut fh = [0u8; FRAME_HEADER_LEN];
+            self.rd.read_exact(&mut fh).await.inspect_err(|_| error("dataplane_truncated"))?;
+            let header = match FrameHeader::decode(&fh) {
+                Ok(h) => h,
+                Err(e) => {
+                    let msg = format!("frame {i}: {e}; the stream can't be resynchronised");
+                    return self.fatal(Op::Put as u8, req.request_id, Status::BadRequest, &msg).await;
+                }
+            };
+            let max = self.state.config.max_frame_bytes.0;
+            if header.payload_len > max {
+                let msg = ProtoError::PayloadTooLarge { actual: header.payload_len, limit: max }.to_string();
+                return self.fatal(Op::Put as u8, req.request_id, Status::TooLarge, &format!("frame {i}: {msg}")).await;
+            }
+            let status = self.put_one(&header).await?;
+            if status != ItemStatus::Ok {
+                error(item_kind(status));
+            }
+            statuses.push(status as u8);
+        }
+        let h = ResponseHeader { op: Op::Put as u8, status: Status::Ok, msg_len: 0, request_id: req.request_id, count: req.count };
+        self.wr.write_all(&h.encode()).await?;
+        self.wr.write_all(&statuses).await?;
+        observe("dataplane_put", start);
+        Ok(())
+    }
+
+    async fn put_one(&mut self, header: &FrameHeader) -> Result<ItemStatus, ConnError> {
+        if let Err(status) = self.admit(header) {
+            self.drain(header.payload_len).await?;
+            return Ok(status);
+        }
+        let tier = &self.state.tier;
+        if tier.contains(&header.namespace, &header.key) {
+            // Content-addressed: the same key is the same bytes. Skip the copy.
+            self.drain(header.payload_len).await?;
+            return Ok(ItemStatus::Ok);
+        }
+        let mut slot = match tier.reserve(header.payload_len as usize) {
+            Ok(s) => s,
+            Err(e) => {
+                self.drain(header.payload_len).await?;
+                return Ok(match e {
+                    ServerError::Capacity(_) | ServerError::TooLarge { .. } => ItemStatus::Capacity,
+                    _ => ItemStatus::Internal,
+                });
+            }
+        };
+        // A stream that ends here drops `slot`, which returns it unpublished.
+        self.rd.read_exact(slot.buf_mut()).await.inspect_err(|_| error("dataplane_truncated"))?;
+        if xxh3_64(slot.buf_mut()) != header.checksum {
+            return Ok(ItemStatus::ChecksumMismatch);
+        }
+        Ok(match tier.commit(slot, *header, Priority::Normal) {
+            Ok(_) => ItemStatus::Ok,
+            Err(ServerError::Capacity(_) | ServerError::TooLarge { .. }) => ItemStatus::Capacity,
+            Err(_) => ItemStatus::Internal,
+        })
+    }
+
+    async fn get(&mut self, req: RequestHeader) -> Result<(), ConnError> {
+        let start = Instant::now();
+        let mut raw = vec![0u8; req.count as usize * KEY_LEN];
+        self.rd.read_exact(&mut raw).await?;
+        let ns: NamespaceId = req.namespace;
+        if let Err(e) = self.state.namespace(&ns) {
+            error("unknown_namespace");
+            let msg = e.to_string();
+            self.wr.write_all(&ResponseHeader::error(Op::Get as u8, req.request_id, Status::UnknownNamespace, &msg)).await?;
+            return Ok(());
+        }
+        let h = ResponseHeader { op: Op::Get as u8, status: Status::Ok, msg_len: 0, request_id: req.request_id, count: req.count };
+        self.wr.write_all(&h.encode()).await?;
+        for chunk in raw.chunks_exact(KEY_LEN) {
+            let mut k = [0u8; KEY_LEN];
+            k.copy_from_slice(chunk);
+            let key = BlockKey(k);
+            let block = self.state.tier.get(&ns, &key);
+            match block {
+                Some(b) if b.header.verify_payload(&b.payload).is_ok() => {
+                    self.wr.write_all(&[ItemStatus::Ok as u8]).await?;
+                    self.wr.write_all(&b.header.encode()).await?;
+                    self.wr.write_all(&b.payload).await?;
+                }
+                Some(_) => {
+                    // Corrupted in memory: never serve it; drop it so the engine recomputes.
+                    error("dram_checksum");
+                    tracing::error!(?key, "DRAM block failed its checksum; removed");
+                    self.state.tier.remove(&ns, &key);
+                    self.wr.write_all(&[ItemStatus::Miss as u8]).await?;
+                }
+                None => self.wr.write_all(&[ItemStatus::Miss as u8]).await?,
+            }
+        }
+        observe("dataplane_get", start);
+        Ok(())
+    }
+}
+
+fn item_kind(s: ItemStatus) -> &'static str {
+    match s {
+        ItemStatus::Ok => "ok",
+        ItemStatus::Miss => "miss",
+        ItemStatus::ChecksumMismatch => "checksum_mismatch",
+        ItemStatus::SizeMismatch => "size_mismatch",
+        ItemStatus::UnknownNamespace => "unknown_namespace",
+        ItemStatus::Capacity => "capacity",
+        ItemStatus::LayoutMismatch => "layout_mismatch",
+        ItemStatus::BadHeader => "bad_header",
+        ItemStatus::Internal => "internal",
+    }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}

@@ -1,0 +1,76 @@
+//! The one error type of `kvtier-server`, with variants a caller can act on, and their stable codes.
+
+use kvtier_proto::{codes, NamespaceId, ProtoError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    /// No room: every resident byte is pinned, or pinning more would pass the pinned-bytes limit.
+    #[error("no capacity: {0}")]
+    Capacity(String),
+    /// A block is larger than the whole tier.
+    #[error("block of {len} bytes can never fit a tier of {capacity} bytes")]
+    TooLarge { len: u64, capacity: u64 },
+    /// Pinning failed because these blocks are not resident (indices into the caller's list).
+    #[error("{} block(s) not resident{}", missing.len(), if *missing_tail { " (tail included)" } else { "" })]
+    MissingBlocks { missing: Vec<u32>, missing_tail: bool },
+    #[error("unknown namespace {0}; register it first")]
+    UnknownNamespace(NamespaceId),
+    #[error("session {0:?} not found")]
+    SessionNotFound(String),
+    #[error("session {id:?} expired {ago_ms} ms ago")]
+    SessionExpired { id: String, ago_ms: u64 },
+    #[error("session {0:?} already exists; pass its version to replace it")]
+    SessionExists(String),
+    #[error("session {id:?} is at version {actual}, not {expected}")]
+    VersionConflict { id: String, expected: u64, actual: u64 },
+    #[error("context of {tokens} tokens exceeds the configured maximum of {max}")]
+    ContextTooLong { tokens: u64, max: u64 },
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    #[error(transparent)]
+    Proto(#[from] ProtoError),
+    #[error("I/O error: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+impl ServerError {
+    /// The stable code shown to clients.
+    pub fn code(&self) -> &'static str {
+        match self {
+            ServerError::Capacity(_) | ServerError::TooLarge { .. } => codes::CAPACITY,
+            ServerError::MissingBlocks { .. } => codes::INVALID_REQUEST,
+            ServerError::UnknownNamespace(_) => codes::UNKNOWN_NAMESPACE,
+            ServerError::SessionNotFound(_) => codes::SESSION_NOT_FOUND,
+            ServerError::SessionExpired { .. } => codes::SESSION_EXPIRED,
+            ServerError::SessionExists(_) => codes::SESSION_EXISTS,
+            ServerError::VersionConflict { .. } => codes::SESSION_VERSION,
+            ServerError::ContextTooLong { .. } => codes::CONTEXT_TOO_LONG,
+            ServerError::Proto(ProtoError::KeyLength { .. }) => codes::KEY_LENGTH,
+            ServerError::Proto(ProtoError::InvalidNamespace(_) | ProtoError::InvalidLayout(_)) => {
+                codes::INVALID_NAMESPACE
+            }
+            ServerError::InvalidRequest(_) | ServerError::Proto(_) => codes::INVALID_REQUEST,
+            ServerError::Config(_) | ServerError::Io(_) => codes::INTERNAL,
+        }
+    }
+
+    /// A short label for the `kvtier_errors_total{kind=...}` metric.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ServerError::Capacity(_) | ServerError::TooLarge { .. } => "capacity",
+            ServerError::MissingBlocks { .. } => "missing_blocks",
+            ServerError::UnknownNamespace(_) => "unknown_namespace",
+            ServerError::SessionNotFound(_) => "session_not_found",
+            ServerError::SessionExpired { .. } => "session_expired",
+            ServerError::SessionExists(_) => "session_exists",
+            ServerError::VersionConflict { .. } => "version_conflict",
+            ServerError::ContextTooLong { .. } => "context_too_long",
+            ServerError::Proto(ProtoError::KeyLength { .. }) => "key_length",
+            ServerError::InvalidRequest(_) | ServerError::Proto(_) => "invalid_request",
+            ServerError::Config(_) => "config",
+            ServerError::Io(_) => "io",
+        }
+    }
+}

@@ -1,0 +1,78 @@
+//! Prometheus metrics: installs the recorder and serves `/metrics` on its own listener (so a port
+//! of 0 works and the bound address can be printed), plus the helpers every handler uses.
+
+use std::net::SocketAddr;
+use std::time::Instant;
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+use crate::error::ServerError;
+
+/// Latency buckets in seconds, from 50 µs to 10 s.
+const LATENCY_BUCKETS: &[f64] =
+    &[0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0];
+
+/// Installs the global recorder. Call once per process.
+pub fn install() -> Result<PrometheusHandle, ServerError> {
+    PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)
+        .map_err(|e| ServerError::Config(format!("metrics buckets: {e}")))?
+        .install_recorder()
+        .map_err(|e| ServerError::Config(format!("metrics recorder: {e}")))
+}
+
+/// Serves `GET /metrics` (any path, really) with the current snapshot.
+pub async fn serve(listener: TcpListener, handle: PrometheusHandle) {
+    loop {
+        let Ok((mut sock, _)) = listener.accept().await else { continue };
+        let handle = handle.clone();
+        tokio::spawn(async move {
+            let mut buf = [0u8; 2048];
+            // One small request per connection; we don't care what it says beyond the first line.
+            let n = match tokio::time::timeout(std::time::Duration::from_secs(5), sock.read(&mut buf)).await {
+                Ok(Ok(n)) => n,
+                _ => return,
+            };
+            let first = String::from_utf8_lossy(&buf[..n]);
+            let (status, body) = if first.starts_with("GET /metrics") || first.starts_with("GET / ") {
+                ("200 OK", handle.render())
+            } else {
+                ("404 Not Found", "try GET /metrics\n".to_string())
+            };
+            let head = format!(
+                "HTTP/1.1 {status}\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                body.len()
+            );
+            let _ = sock.write_all(head.as_bytes()).await;
+            let _ = sock.write_all(body.as_bytes()).await;
+            let _ = sock.shutdown().await;
+        });
+    }
+}
+
+/// Binds the metrics listener; returns it with its address.
+pub async fn bind(addr: SocketAddr) -> Result<(TcpListener, SocketAddr), ServerError> {
+    let l = TcpListener::bind(addr)
+        .await
+        .map_err(|e| ServerError::Config(format!("metrics listener {addr}: {e}")))?;
+    let a = l.local_addr()?;
+    Ok((l, a))
+}
+
+/// Records a request's latency under `op`.
+pub fn observe(op: &'static str, start: Instant) {
+    metrics::histogram!("kvtier_request_seconds", "op" => op).record(start.elapsed().as_secs_f64());
+    metrics::counter!("kvtier_requests_total", "op" => op).increment(1);
+}
+
+/// Counts an error by kind.
+pub fn error(kind: &'static str) {
+    metrics::counter!("kvtier_errors_total", "kind" => kind).increment(1);
+}
+
+/// Counts a server error by its kind.
+pub fn server_error(e: &ServerError) {
+    error(e.kind());
+}

@@ -1,0 +1,432 @@
+//! Parked agent sessions: manifests of ordered block keys (shared with the prefix cache), an
+//! optional partial tail block, a token count, a TTL and a version for compare-and-set.
+//!
+//! Parking pins the session's blocks in the DRAM tier; dropping or expiry unpins them. The table
+//! is plain data driven with an explicit `now`, so tests control time; the server calls
+//! [`SessionTable::expire`] from a timer. Pins and the manifest change under one lock, so a
+//! session is never visible with blocks that are not pinned.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use kvtier_proto::{BlockKey, NamespaceId};
+
+use crate::dram::{DramTier, Priority};
+use crate::error::ServerError;
+
+/// How many expired session ids are remembered so a late resume gets "expired", not "not found".
+const EXPIRED_MEMORY: usize = 16_384;
+
+type SessionId = (NamespaceId, String);
+
+/// A parked session.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionManifest {
+    pub namespace: NamespaceId,
+    pub id: String,
+    /// Full blocks, in token order.
+    pub keys: Vec<BlockKey>,
+    /// The partial last block, if the tokens don't fill whole blocks.
+    pub tail: Option<BlockKey>,
+    pub token_count: u64,
+    pub ttl: Duration,
+    pub expires_at: Instant,
+    pub priority: Priority,
+    pub version: u64,
+    /// Raw KV bytes the session stands for (token_count × bytes per token).
+    pub bytes: u64,
+}
+
+impl SessionManifest {
+    fn pinned_keys(&self) -> Vec<BlockKey> {
+        let mut k = self.keys.clone();
+        k.extend(self.tail);
+        k
+    }
+}
+
+/// What a park or extend asks for.
+#[derive(Debug, Clone)]
+pub struct ParkSpec {
+    pub namespace: NamespaceId,
+    pub id: String,
+    pub keys: Vec<BlockKey>,
+    pub tail: Option<BlockKey>,
+    pub token_count: u64,
+    pub ttl: Duration,
+    pub priority: Priority,
+    /// 0: create; otherwise the version being replaced.
+    pub expected_version: u64,
+}
+
+/// Limits the table enforces.
+#[derive(Debug, Clone, Copy)]
+pub struct SessionLimits {
+    pub block_tokens: u32,
+    pub bytes_per_token: u64,
+    pub max_context_tokens: u64,
+}
+
+#[derive(Default)]
+pub struct SessionTable {
+    sessions: HashMap<SessionId, SessionManifest>,
+    expired: HashMap<SessionId, Instant>,
+    expired_order: VecDeque<(SessionId, Instant)>,
+}
+
+fn check_shape(
+    keys: usize,
+    has_tail: bool,
+    token_count: u64,
+    limits: &SessionLimits,
+) -> Result<(), ServerError> {
+    if token_count > limits.max_context_tokens {
+        return Err(ServerError::ContextTooLong { tokens: token_count, max: limits.max_context_tokens });
+    }
+    let bt = u64::from(limits.block_tokens);
+    let full = token_count / bt;
+    let tail = token_count % bt != 0;
+    if full != keys as u64 || tail != has_tail {
+        return Err(ServerError::InvalidRequest(format!(
+            "{token_count} tokens in blocks of {bt} make {full} full block(s){}, but the manifest has {keys}{}",
+            if tail { " and a tail" } else { "" },
+            if has_tail { " and a tail" } else { " and no tail" },
+        )));
+    }
+    if token_count == 0 {
+        return Err(ServerError::InvalidRequest("a session needs at least one token".into()));
+    }
+    Ok(())
+}
+
+fn pin_or_report(tier: &DramTier, ns: &NamespaceId, keys: &[BlockKey], tail: Option<BlockKey>) -> Result<(), ServerError> {
+    let mut all = keys.to_vec();
+    all.extend(tail);
+    match tier.pin(ns, &all) {
+        Err(ServerError::MissingBlocks { missing, .. }) => {
+            let n = keys.len() as u32;
+            let missing_tail = missing.contains(&n);
+            Err(ServerError::MissingBlocks { missing: missing.into_iter().filter(|&i| i < n).collect(), missing_tail })
+        }
+        other => other,
+    }
+}
+
+impl SessionTable {
+    pub fn len(&self) -> usize {
+        self.sessions.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.sessions.is_empty()
+    }
+
+    fn remember_expired(&mut self, id: SessionId, at: Instant) {
+        self.expired.insert(id.clone(), at);
+        self.expired_order.push_back((id, at));
+        while self.expired_order.len() > EXPIRED_MEMORY {
+            if let Some((old, when)) = self.expired_order.pop_front() {
+                if self.expired.get(&old) == Some(&when) {
+                    self.expired.remove(&old);
+                }
+            }
+        }
+    }
+
+    /// Removes `id` if it has expired by `now`, unpinning its blocks.
+    fn reap_if_expired(&mut self, tier: &DramTier, id: &SessionId, now: Instant) {
+        let expired = self.sessions.get(id).is_some_and(|m| m.expires_at <= now);
+        if expired {
+            if let Some(m) = self.sessions.remove(id) {
+                tier.unpin(&m.namespace, &m.pinned_keys());
+                self.remember_expired(id.clone(), m.expires_at);
+            }
+        }
+    }
+
+    /// Creates a session, or replaces version `expected_version` of it. All of its blocks must be
+    /// resident: they are pinned together with the manifest, or nothing changes.
+    pub fn park(
+        &mut self,
+        tier: &DramTier,
+        spec: ParkSpec,
+        limits: &SessionLimits,
+        now: Instant,
+    ) -> Result<SessionManifest, ServerError> {
+        check_shape(spec.keys.len(), spec.tail.is_some(), spec.token_count, limits)?;
+        let sid = (spec.namespace, spec.id.clone());
+        self.reap_if_expired(tier, &sid, now);
+        let current = self.sessions.get(&sid).map(|m| m.version).unwrap_or(0);
+        if spec.expected_version == 0 && current != 0 {
+            return Err(ServerError::SessionExists(spec.id));
+        }
+        if spec.expected_version != current {
+            return Err(ServerError::VersionConflict { id: spec.id, expected: spec.expected_version, actual: current });
+        }
+        pin_or_report(tier, &spec.namespace, &spec.keys, spec.tail)?;
+        if let Some(old) = self.sessions.get(&sid) {
+            tier.unpin(&old.namespace, &old.pinned_keys());
+        }
+        let manifest = SessionManifest {
+            namespace: spec.namespace,
+            id: spec.id,
+            keys: spec.keys,
+            tail: spec.tail,
+            token_count: spec.token_count,
+            ttl: spec.ttl,
+            expires_at: now + spec.ttl,
+            priority: spec.priority,
+            version: current + 1,
+            bytes: spec.token_count * limits.bytes_per_token,
+        };
+        self.expired.remove(&sid);
+        self.sessions.insert(sid, manifest.clone());
+        Ok(manifest)
+    }
+
+    /// Appends blocks after the first `base_blocks` full blocks of version `expected_version`,
+    /// replacing the tail. Only the new blocks need to have been sent.
+    #[allow(clippy::too_many_arguments)]
+    pub fn extend(
+        &mut self,
+        tier: &DramTier,
+        ns: NamespaceId,
+        id: &str,
+        expected_version: u64,
+        base_blocks: usize,
+        new_keys: Vec<BlockKey>,
+        tail: Option<BlockKey>,
+        token_count: u64,
+        limits: &SessionLimits,
+        now: Instant,
+    ) -> Result<SessionManifest, ServerError> {
+        let sid = (ns, id.to_string());
+        self.reap_if_expired(tier, &sid, now);
+        let Some(cur) = self.sessions.get(&sid) else {
+            return Err(self.absent_error(&sid, now));
+        };
+        if cur.version != expected_version {
+            return Err(ServerError::VersionConflict { id: id.into(), expected: expected_version, actual: cur.version });
+        }
+        if base_blocks > cur.keys.len() {
+            return Err(ServerError::InvalidRequest(format!(
+                "base_blocks {base_blocks} is past the session's {} blocks",
+                cur.keys.len()
+            )));
+        }
+        check_shape(base_blocks + new_keys.len(), tail.is_some(), token_count, limits)?;
+        pin_or_report(tier, &ns, &new_keys, tail)?;
+        let Some(cur) = self.sessions.get_mut(&sid) else {
+            return Err(ServerError::SessionNotFound(id.into()));
+        };
+        let mut released: Vec<BlockKey> = cur.keys.split_off(base_blocks);
+        released.extend(cur.tail.take());
+        tier.unpin(&ns, &released);
+        cur.keys.extend(new_keys);
+        cur.tail = tail;
+        cur.token_count = token_count;
+        cur.bytes = token_count * limits.bytes_per_token;
+        cur.version += 1;
+        cur.expires_at = now + cur.ttl;
+        Ok(cur.clone())
+    }
+
+    fn absent_error(&self, sid: &SessionId, now: Instant) -> ServerError {
+        match self.expired.get(sid) {
+            Some(at) => ServerError::SessionExpired {
+                id: sid.1.clone(),
+                ago_ms: now.saturating_duration_since(*at).as_millis() as u64,
+            },
+            None => ServerError::SessionNotFound(sid.1.clone()),
+        }
+    }
+
+    /// Returns the manifest and restarts its TTL (an agent that resumes is alive).
+    pub fn resume(&mut self, tier: &DramTier, ns: NamespaceId, id: &str, now: Instant) -> Result<SessionManifest, ServerError> {
+        let sid = (ns, id.to_string());
+        self.reap_if_expired(tier, &sid, now);
+        match self.sessions.get_mut(&sid) {
+            Some(m) => {
+                m.expires_at = now + m.ttl;
+                Ok(m.clone())
+            }
+            None => Err(self.absent_error(&sid, now)),
+        }
+    }
+
+    /// Drops a session and unpins its blocks; false if there was none.
+    pub fn drop_session(&mut self, tier: &DramTier, ns: NamespaceId, id: &str) -> bool {
+        match self.sessions.remove(&(ns, id.to_string())) {
+            Some(m) => {
+                tier.unpin(&m.namespace, &m.pinned_keys());
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Live sessions, optionally of one namespace, sorted by id.
+    pub fn list(&self, ns: Option<NamespaceId>, now: Instant) -> Vec<SessionManifest> {
+        let mut v: Vec<_> = self
+            .sessions
+            .values()
+            .filter(|m| m.expires_at > now && ns.is_none_or(|n| n == m.namespace))
+            .cloned()
+            .collect();
+        v.sort_by(|a, b| (a.namespace, &a.id).cmp(&(b.namespace, &b.id)));
+        v
+    }
+
+    /// Removes every session expired by `now`, unpinning its blocks. Returns how many.
+    pub fn expire(&mut self, tier: &DramTier, now: Instant) -> usize {
+        let dead: Vec<SessionId> =
+            self.sessions.iter().filter(|(_, m)| m.expires_at <= now).map(|(k, _)| k.clone()).collect();
+        for sid in &dead {
+            self.reap_if_expired(tier, sid, now);
+        }
+        dead.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dram::DramConfig;
+    use kvtier_proto::{CodecId, DType, FrameHeader, KvLayout};
+
+    const BT: u32 = 4;
+
+    fn layout() -> KvLayout {
+        KvLayout::new(1, 1, 8, DType::Fp16, BT) // 32 bytes per token, 128 per block
+    }
+
+    fn limits() -> SessionLimits {
+        SessionLimits { block_tokens: BT, bytes_per_token: layout().bytes_per_token(), max_context_tokens: 64 }
+    }
+
+    fn put(tier: &DramTier, ns: NamespaceId, k: u8, tokens: u32) -> BlockKey {
+        let key = BlockKey([k; 32]);
+        let payload = vec![k; layout().bytes_for_tokens(tokens) as usize];
+        let header = FrameHeader {
+            codec: CodecId::RAW,
+            tokens,
+            namespace: ns,
+            key,
+            layout: layout(),
+            payload_len: payload.len() as u64,
+            checksum: xxh(&payload),
+        };
+        tier.insert(header, &payload, Priority::Normal).unwrap();
+        key
+    }
+
+    fn xxh(b: &[u8]) -> u64 {
+        // The tier trusts callers to verify checksums; the value is irrelevant here.
+        b.len() as u64
+    }
+
+    fn spec(ns: NamespaceId, keys: Vec<BlockKey>, tail: Option<BlockKey>, tokens: u64, v: u64) -> ParkSpec {
+        ParkSpec {
+            namespace: ns,
+            id: "agent-1".into(),
+            keys,
+            tail,
+            token_count: tokens,
+            ttl: Duration::from_secs(10),
+            priority: Priority::Normal,
+            expected_version: v,
+        }
+    }
+
+    #[test]
+    fn park_extend_resume_drop() {
+        let tier = DramTier::new(DramConfig { capacity_bytes: 1 << 20, max_pinned_ratio: 0.9 });
+        let ns = NamespaceId([1; 16]);
+        let mut t = SessionTable::default();
+        let now = Instant::now();
+        let k: Vec<_> = (1..=3).map(|i| put(&tier, ns, i, BT)).collect();
+        let tail1 = put(&tier, ns, 10, 2);
+        let m = t.park(&tier, spec(ns, k[..2].to_vec(), Some(tail1), 10, 0), &limits(), now).unwrap();
+        assert_eq!(m.version, 1);
+        assert!(!tier.remove(&ns, &tail1), "a parked tail is pinned");
+        // Parking the same id again without its version is refused.
+        assert!(matches!(
+            t.park(&tier, spec(ns, k[..2].to_vec(), Some(tail1), 10, 0), &limits(), now),
+            Err(ServerError::SessionExists(_))
+        ));
+        // Extend: block 3 is new, the old tail is released.
+        let m = t.extend(&tier, ns, "agent-1", 1, 2, vec![k[2]], None, 12, &limits(), now).unwrap();
+        assert_eq!((m.version, m.keys.len(), m.tail), (2, 3, None));
+        assert!(tier.remove(&ns, &tail1), "the replaced tail was unpinned");
+        // A stale version is a conflict and changes nothing.
+        assert!(matches!(
+            t.extend(&tier, ns, "agent-1", 1, 3, vec![], None, 12, &limits(), now),
+            Err(ServerError::VersionConflict { actual: 2, .. })
+        ));
+        let r = t.resume(&tier, ns, "agent-1", now).unwrap();
+        assert_eq!(r.keys, k);
+        assert!(!tier.remove(&ns, &k[0]));
+        assert!(t.drop_session(&tier, ns, "agent-1"));
+        assert!(tier.remove(&ns, &k[0]), "drop unpins");
+        assert!(matches!(t.resume(&tier, ns, "agent-1", now), Err(ServerError::SessionNotFound(_))));
+    }
+
+    #[test]
+    fn missing_blocks_and_bad_shapes_change_nothing() {
+        let tier = DramTier::new(DramConfig { capacity_bytes: 1 << 20, max_pinned_ratio: 0.9 });
+        let ns = NamespaceId([2; 16]);
+        let mut t = SessionTable::default();
+        let now = Instant::now();
+        let a = put(&tier, ns, 1, BT);
+        let ghost = BlockKey([99; 32]);
+        match t.park(&tier, spec(ns, vec![a, ghost], Some(BlockKey([98; 32])), 9, 0), &limits(), now) {
+            Err(ServerError::MissingBlocks { missing, missing_tail }) => {
+                assert_eq!(missing, vec![1]);
+                assert!(missing_tail);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(tier.remove(&ns, &a), "nothing stays pinned after a failed park");
+        let a = put(&tier, ns, 1, BT);
+        assert!(matches!(
+            t.park(&tier, spec(ns, vec![a], None, 5, 0), &limits(), now),
+            Err(ServerError::InvalidRequest(_))
+        ));
+        let keys: Vec<_> = (0..17).map(|_| a).collect();
+        assert!(matches!(
+            t.park(&tier, spec(ns, keys, None, 68, 0), &limits(), now),
+            Err(ServerError::ContextTooLong { tokens: 68, max: 64 })
+        ));
+        assert!(t.is_empty());
+    }
+
+    #[test]
+    fn ttl_expiry_unpins_and_reports_expired() {
+        let tier = DramTier::new(DramConfig { capacity_bytes: 1 << 20, max_pinned_ratio: 0.9 });
+        let ns = NamespaceId([3; 16]);
+        let mut t = SessionTable::default();
+        let now = Instant::now();
+        let a = put(&tier, ns, 1, BT);
+        t.park(&tier, spec(ns, vec![a], None, 4, 0), &limits(), now).unwrap();
+        assert_eq!(t.expire(&tier, now + Duration::from_secs(9)), 0);
+        // Resuming restarts the TTL.
+        t.resume(&tier, ns, "agent-1", now + Duration::from_secs(9)).unwrap();
+        assert_eq!(t.expire(&tier, now + Duration::from_secs(18)), 0);
+        assert_eq!(t.list(None, now + Duration::from_secs(18)).len(), 1);
+        assert_eq!(t.expire(&tier, now + Duration::from_secs(19)), 1);
+        assert!(tier.remove(&ns, &a), "expiry unpins");
+        match t.resume(&tier, ns, "agent-1", now + Duration::from_secs(21)) {
+            Err(ServerError::SessionExpired { ago_ms, .. }) => assert_eq!(ago_ms, 2000),
+            other => panic!("{other:?}"),
+        }
+        // Lazy expiry: no sweep needed for a resume to see it.
+        let b = put(&tier, ns, 2, BT);
+        let mut s = spec(ns, vec![b], None, 4, 0);
+        s.id = "agent-2".into();
+        t.park(&tier, s, &limits(), now).unwrap();
+        assert!(matches!(
+            t.resume(&tier, ns, "agent-2", now + Duration::from_secs(11)),
+            Err(ServerError::SessionExpired { .. })
+        ));
+    }
+}

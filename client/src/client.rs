@@ -1,0 +1,517 @@
+//! [`KvClient`]: the async client engines link. It hashes tokens into block keys, asks the
+//! control plane (gRPC) for lookups and sessions, and moves payloads over a pool of data-plane
+//! connections, splitting large calls into batches that run concurrently.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::future::try_join_all;
+use kvtier_proto::dataplane::ItemStatus;
+use kvtier_proto::pb::kv_tier_client::KvTierClient;
+use kvtier_proto::{pb, BlockFrame, BlockKey, CodecId, KeyChain, Namespace, NamespaceId};
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::conn::DataPool;
+use crate::ClientError;
+
+/// Client settings. Field docs end with the default.
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    /// Time to establish a connection. Default: 5 s.
+    pub connect_timeout: Duration,
+    /// Time budget of one call (lookup, store, load, park...). Default: 30 s.
+    pub request_timeout: Duration,
+    /// Data-plane connections kept open; also how many batches of one call run at once. Default: 4.
+    pub data_connections: usize,
+    /// Most blocks per data-plane request (also capped by the server's limit). Default: 256.
+    pub max_batch_blocks: usize,
+    /// Most payload bytes per data-plane request. Default: 32 MiB.
+    pub max_batch_bytes: u64,
+    /// Bearer token for servers that require one. Default: none.
+    pub auth_token: Option<String>,
+    /// How often a park re-sends blocks evicted between store and park. Default: 3.
+    pub park_retries: u32,
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        ClientConfig {
+            connect_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(30),
+            data_connections: 4,
+            max_batch_blocks: 256,
+            max_batch_bytes: 32 << 20,
+            auth_token: None,
+            park_retries: 3,
+        }
+    }
+}
+
+/// A namespace registered with the server, with its key chain.
+#[derive(Clone)]
+pub struct NamespaceHandle {
+    pub namespace: Namespace,
+    pub id: NamespaceId,
+    chain: KeyChain,
+}
+
+impl NamespaceHandle {
+    pub fn block_tokens(&self) -> usize {
+        self.chain.block_tokens()
+    }
+    /// Keys of the full blocks of `tokens`.
+    pub fn keys(&self, tokens: &[u32]) -> Vec<BlockKey> {
+        self.chain.full_blocks(tokens)
+    }
+    /// Key of the partial tail of `tokens`, if any.
+    pub fn tail_key(&self, tokens: &[u32]) -> Option<BlockKey> {
+        self.chain.tail(tokens)
+    }
+    /// Bytes of a full block in the engine's dtype.
+    pub fn block_bytes(&self) -> u64 {
+        self.namespace.layout.block_bytes()
+    }
+    /// A raw frame of `tokens` tokens under `key`.
+    pub fn frame(&self, key: BlockKey, tokens: u32, payload: Bytes) -> BlockFrame {
+        BlockFrame::new(self.id, key, self.namespace.layout, CodecId::RAW, tokens, payload)
+    }
+}
+
+/// Per-block outcome of a store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreReport {
+    pub stored: usize,
+    /// Blocks the server refused, with why (e.g. `Capacity` when everything resident is pinned).
+    pub rejected: Vec<(usize, ItemStatus)>,
+}
+
+impl StoreReport {
+    /// An error for the first rejected block, if any.
+    pub fn ok(&self) -> Result<(), ClientError> {
+        match self.rejected.first() {
+            Some(&(index, status)) => Err(ClientError::Rejected { index, status }),
+            None => Ok(()),
+        }
+    }
+}
+
+/// A session's state as the server reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionInfo {
+    pub id: String,
+    pub version: u64,
+    pub token_count: u64,
+    pub blocks: u32,
+    pub has_tail: bool,
+    pub bytes: u64,
+    pub expires_in: Duration,
+    pub priority: u32,
+}
+
+impl SessionInfo {
+    fn from_pb(p: pb::SessionInfo) -> Self {
+        SessionInfo {
+            id: p.session_id,
+            version: p.version,
+            token_count: p.token_count,
+            blocks: p.blocks,
+            has_tail: p.has_tail,
+            bytes: p.bytes,
+            expires_in: Duration::from_millis(p.expires_in_ms),
+            priority: p.priority,
+        }
+    }
+}
+
+/// A resumed session: its manifest and its KV, full blocks in order then the tail.
+#[derive(Debug, Clone)]
+pub struct ResumedSession {
+    pub info: SessionInfo,
+    pub keys: Vec<BlockKey>,
+    pub tail_key: Option<BlockKey>,
+    pub blocks: Vec<Bytes>,
+}
+
+/// How to park a session.
+#[derive(Debug, Clone, Default)]
+pub struct ParkOptions {
+    /// `None`: the server's default TTL.
+    pub ttl: Option<Duration>,
+    /// 0 low, 1 normal (default), 2 high.
+    pub priority: Option<u32>,
+}
+
+#[derive(Clone)]
+pub(crate) struct Auth(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
+
+impl tonic::service::Interceptor for Auth {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(v) = &self.0 {
+            req.metadata_mut().insert("authorization", v.clone());
+        }
+        Ok(req)
+    }
+}
+
+type Grpc = KvTierClient<InterceptedService<Channel, Auth>>;
+
+struct Inner {
+    grpc: Grpc,
+    pool: DataPool,
+    cfg: ClientConfig,
+    info: pb::InfoResponse,
+    batch_blocks: usize,
+}
+
+/// The engine-facing client. Cheap to clone; clones share connections.
+///
+/// Every call is bounded by `ClientConfig::request_timeout` and returns a typed [`ClientError`];
+/// [`crate::EngineClient`] wraps it so that nothing raises.
+#[derive(Clone)]
+pub struct KvClient {
+    inner: Arc<Inner>,
+}
+
+impl KvClient {
+    /// Connects to a server's gRPC address (`host:port`) and learns its data-plane address.
+    pub async fn connect(addr: &str, cfg: ClientConfig) -> Result<Self, ClientError> {
+        let url = if addr.contains("://") { addr.to_string() } else { format!("http://{addr}") };
+        let cerr = |reason: String| ClientError::Connect { addr: addr.to_string(), reason };
+        let endpoint = Endpoint::from_shared(url)
+            .map_err(|e| cerr(e.to_string()))?
+            .connect_timeout(cfg.connect_timeout)
+            .timeout(cfg.request_timeout)
+            .tcp_nodelay(true);
+        let channel = tokio::time::timeout(cfg.connect_timeout, endpoint.connect())
+            .await
+            .map_err(|_| ClientError::Timeout(cfg.connect_timeout))?
+            .map_err(|e| cerr(format!("{e} ({})", std::error::Error::source(&e).map(|s| s.to_string()).unwrap_or_default())))?;
+        let auth = match &cfg.auth_token {
+            Some(t) => Some(
+                format!("Bearer {t}")
+                    .parse()
+                    .map_err(|_| ClientError::InvalidArgument("auth token is not valid ASCII".into()))?,
+            ),
+            None => None,
+        };
+        let mut grpc = KvTierClient::with_interceptor(channel, Auth(auth))
+            .max_decoding_message_size(64 << 20)
+            .max_encoding_message_size(64 << 20);
+        let info = grpc.info(pb::InfoRequest {}).await?.into_inner();
+        let data_addr: SocketAddr = info
+            .data_addr
+            .parse()
+            .map_err(|_| cerr(format!("server announced a bad data address {:?}", info.data_addr)))?;
+        let pool = DataPool::new(data_addr, cfg.auth_token.clone(), cfg.data_connections, cfg.connect_timeout);
+        let batch_blocks = cfg.max_batch_blocks.min(info.max_blocks_per_request as usize).max(1);
+        Ok(KvClient { inner: Arc::new(Inner { grpc, pool, cfg, info, batch_blocks }) })
+    }
+
+    /// What the server said about itself on connect.
+    pub fn server_info(&self) -> &pb::InfoResponse {
+        &self.inner.info
+    }
+
+    fn grpc(&self) -> Grpc {
+        self.inner.grpc.clone()
+    }
+
+    async fn timed<T>(&self, f: impl std::future::Future<Output = Result<T, ClientError>>) -> Result<T, ClientError> {
+        let t = self.inner.cfg.request_timeout;
+        tokio::time::timeout(t, f).await.map_err(|_| ClientError::Timeout(t))?
+    }
+
+    /// Registers (idempotently) a namespace and returns its handle.
+    pub async fn register(&self, ns: Namespace) -> Result<NamespaceHandle, ClientError> {
+        ns.validate()?;
+        let resp = self.grpc().register_namespace(ns.to_pb()).await?.into_inner();
+        let id = NamespaceId::from_slice(&resp.namespace_id)?;
+        if id != ns.id() {
+            return Err(ClientError::Refused { code: "namespace-id".into(), message: "server computed another namespace id".into() });
+        }
+        Ok(NamespaceHandle { chain: KeyChain::new(&ns), namespace: ns, id })
+    }
+
+    /// How many leading tokens of `tokens` the server holds (a multiple of the block size).
+    pub async fn lookup(&self, ns: &NamespaceHandle, tokens: &[u32]) -> Result<usize, ClientError> {
+        let keys = ns.keys(tokens);
+        Ok(self.lookup_keys(ns, &keys).await? * ns.block_tokens())
+    }
+
+    /// How many leading keys of a chain the server holds.
+    pub async fn lookup_keys(&self, ns: &NamespaceHandle, keys: &[BlockKey]) -> Result<usize, ClientError> {
+        let req = pb::LookupRequest {
+            namespace_id: Bytes::copy_from_slice(&ns.id.0),
+            keys: keys.iter().map(|k| Bytes::copy_from_slice(&k.0)).collect(),
+        };
+        let mut g = self.grpc();
+        let resp = self.timed(async move { Ok(g.lookup(req).await?.into_inner()) }).await?;
+        Ok(resp.matched_blocks as usize)
+    }
+
+    /// Splits frames into batches bounded by block count and bytes.
+    fn batches<'a>(&self, frames: &'a [BlockFrame]) -> Vec<&'a [BlockFrame]> {
+        let mut out = Vec::new();
+        let (mut start, mut bytes) = (0usize, 0u64);
+        for (i, f) in frames.iter().enumerate() {
+            let n = i - start;
+            if n > 0 && (n >= self.inner.batch_blocks || bytes + f.payload.len() as u64 > self.inner.cfg.max_batch_bytes) {
+                out.push(&frames[start..i]);
+                start = i;
+                bytes = 0;
+            }
+            bytes += f.payload.len() as u64;
+        }
+        if start < frames.len() {
+            out.push(&frames[start..]);
+        }
+        out
+    }
+
+    /// Stores frames as they are (any namespace, any codec). One status per frame.
+    pub async fn store_frames(&self, frames: &[BlockFrame]) -> Result<Vec<ItemStatus>, ClientError> {
+        let batches = self.batches(frames);
+        let results = self
+            .timed(try_join_all(batches.into_iter().map(|b| async move {
+                let mut lease = self.inner.pool.lease().await?;
+                let conn = lease.conn.as_mut().ok_or_else(|| ClientError::Io("no connection".into()))?;
+                let st = conn.put(b).await?;
+                lease.release().await;
+                Ok::<_, ClientError>(st)
+            })))
+            .await?;
+        Ok(results.into_iter().flatten().collect())
+    }
+
+    /// Stores the KV of the full blocks of `tokens`: `blocks[i]` is block `i`'s payload in the
+    /// namespace's layout (the tail, if any, is not stored here; see [`KvClient::park`]).
+    pub async fn store(&self, ns: &NamespaceHandle, tokens: &[u32], blocks: &[Bytes]) -> Result<StoreReport, ClientError> {
+        let keys = ns.keys(tokens);
+        if blocks.len() > keys.len() {
+            return Err(ClientError::InvalidArgument(format!(
+                "{} blocks given for {} tokens, which make only {} full blocks",
+                blocks.len(),
+                tokens.len(),
+                keys.len()
+            )));
+        }
+        let bt = ns.block_tokens() as u32;
+        let frames: Vec<BlockFrame> = keys.iter().zip(blocks).map(|(k, b)| ns.frame(*k, bt, b.clone())).collect();
+        self.store_checked(&frames).await
+    }
+
+    async fn store_checked(&self, frames: &[BlockFrame]) -> Result<StoreReport, ClientError> {
+        let st = self.store_frames(frames).await?;
+        let rejected: Vec<(usize, ItemStatus)> =
+            st.iter().enumerate().filter(|(_, s)| **s != ItemStatus::Ok).map(|(i, s)| (i, *s)).collect();
+        Ok(StoreReport { stored: st.len() - rejected.len(), rejected })
+    }
+
+    /// Loads blocks by key; `None` for a miss. Every frame was verified end to end.
+    pub async fn load_keys(&self, ns: &NamespaceHandle, keys: &[BlockKey]) -> Result<Vec<Option<BlockFrame>>, ClientError> {
+        let max_frame = self.inner.info.max_frame_bytes;
+        let chunks: Vec<&[BlockKey]> = keys.chunks(self.inner.batch_blocks).collect();
+        let id = ns.id;
+        let results = self
+            .timed(try_join_all(chunks.into_iter().map(|c| async move {
+                let mut lease = self.inner.pool.lease().await?;
+                let conn = lease.conn.as_mut().ok_or_else(|| ClientError::Io("no connection".into()))?;
+                let got = conn.get(id, c, max_frame).await?;
+                lease.release().await;
+                Ok::<_, ClientError>(got)
+            })))
+            .await?;
+        Ok(results.into_iter().flatten().collect())
+    }
+
+    /// Loads the longest stored prefix of `tokens`: the payloads of its full blocks, in order.
+    pub async fn load(&self, ns: &NamespaceHandle, tokens: &[u32]) -> Result<Vec<Bytes>, ClientError> {
+        let keys = ns.keys(tokens);
+        let n = self.lookup_keys(ns, &keys).await?;
+        let frames = self.load_keys(ns, &keys[..n]).await?;
+        // A block evicted between lookup and load ends the prefix there.
+        Ok(frames.into_iter().map_while(|f| f.map(|f| f.payload)).collect())
+    }
+
+    /// Frames for a session's blocks: full blocks from `first_block`, then the tail.
+    fn session_frames(
+        ns: &NamespaceHandle,
+        tokens: &[u32],
+        first_block: usize,
+        blocks: &[Bytes],
+    ) -> Result<(Vec<BlockKey>, Option<BlockKey>, Vec<BlockFrame>), ClientError> {
+        let keys = ns.keys(tokens);
+        let tail = ns.tail_key(tokens);
+        if first_block > keys.len() {
+            return Err(ClientError::InvalidArgument(format!("first block {first_block} is past {} full blocks", keys.len())));
+        }
+        let want = keys.len() - first_block + usize::from(tail.is_some());
+        if blocks.len() != want {
+            return Err(ClientError::InvalidArgument(format!(
+                "{} tokens from block {first_block} need {want} block payloads (full blocks then the tail), got {}",
+                tokens.len(),
+                blocks.len()
+            )));
+        }
+        let bt = ns.block_tokens();
+        let mut frames = Vec::with_capacity(want);
+        for (i, b) in blocks.iter().enumerate() {
+            let idx = first_block + i;
+            let (key, n) = match keys.get(idx) {
+                Some(k) => (*k, bt),
+                None => (tail.unwrap_or(BlockKey([0; 32])), tokens.len() % bt),
+            };
+            frames.push(ns.frame(key, n as u32, b.clone()));
+        }
+        Ok((keys, tail, frames))
+    }
+
+    /// Parks a session: stores its blocks that the server lacks (the tail included), then writes
+    /// the manifest, pinning every block. `blocks` holds every full block of `tokens` then the
+    /// tail, if the tokens don't fill whole blocks. `expected_version` 0 creates the session.
+    pub async fn park(
+        &self,
+        ns: &NamespaceHandle,
+        session_id: &str,
+        tokens: &[u32],
+        blocks: &[Bytes],
+        opts: &ParkOptions,
+        expected_version: u64,
+    ) -> Result<SessionInfo, ClientError> {
+        let (keys, tail, frames) = Self::session_frames(ns, tokens, 0, blocks)?;
+        // Blocks the server already has (a shared prefix) are not sent again.
+        let present = self.lookup_keys(ns, &keys).await?;
+        let report = self.store_checked(&frames[present..]).await?;
+        report.ok().map_err(|e| shift_index(e, present))?;
+        let req = pb::ParkRequest {
+            namespace_id: Bytes::copy_from_slice(&ns.id.0),
+            session_id: session_id.to_string(),
+            keys: keys.iter().map(|k| Bytes::copy_from_slice(&k.0)).collect(),
+            tail_key: tail.map(|k| Bytes::copy_from_slice(&k.0)).unwrap_or_default(),
+            token_count: tokens.len() as u64,
+            ttl_ms: opts.ttl.map(|d| d.as_millis().max(1) as u64).unwrap_or(0),
+            priority: opts.priority.unwrap_or(1),
+            expected_version,
+        };
+        for _ in 0..=self.inner.cfg.park_retries {
+            let mut g = self.grpc();
+            let r = req.clone();
+            let resp = self.timed(async move { Ok(g.park_session(r).await?.into_inner()) }).await?;
+            if resp.parked {
+                return resp.info.map(SessionInfo::from_pb).ok_or_else(|| ClientError::Io("park answer without info".into()));
+            }
+            // Evicted between store and park: send those again and retry.
+            let mut again: Vec<BlockFrame> = resp.missing_blocks.iter().filter_map(|&i| frames.get(i as usize).cloned()).collect();
+            if resp.missing_tail {
+                again.extend(frames.last().filter(|_| tail.is_some()).cloned());
+            }
+            self.store_checked(&again).await?.ok()?;
+        }
+        Err(ClientError::Capacity("blocks kept being evicted before the park could pin them".into()))
+    }
+
+    /// Extends a parked session after a new turn. `tokens` is the whole context now;
+    /// `prev_token_count` what the session held at `expected_version`; `blocks` the payloads of
+    /// the full blocks from `prev_token_count / block_tokens` on, then the new tail. Blocks
+    /// before that are neither sent nor rewritten.
+    pub async fn extend(
+        &self,
+        ns: &NamespaceHandle,
+        session_id: &str,
+        expected_version: u64,
+        prev_token_count: usize,
+        tokens: &[u32],
+        blocks: &[Bytes],
+    ) -> Result<SessionInfo, ClientError> {
+        if prev_token_count > tokens.len() {
+            return Err(ClientError::InvalidArgument("prev_token_count is past the tokens given".into()));
+        }
+        let base = prev_token_count / ns.block_tokens();
+        let (keys, tail, frames) = Self::session_frames(ns, tokens, base, blocks)?;
+        self.store_checked(&frames).await?.ok()?;
+        let req = pb::ExtendRequest {
+            namespace_id: Bytes::copy_from_slice(&ns.id.0),
+            session_id: session_id.to_string(),
+            expected_version,
+            base_blocks: base as u32,
+            new_keys: keys[base..].iter().map(|k| Bytes::copy_from_slice(&k.0)).collect(),
+            tail_key: tail.map(|k| Bytes::copy_from_slice(&k.0)).unwrap_or_default(),
+            token_count: tokens.len() as u64,
+        };
+        for _ in 0..=self.inner.cfg.park_retries {
+            let mut g = self.grpc();
+            let r = req.clone();
+            let resp = self.timed(async move { Ok(g.extend_session(r).await?.into_inner()) }).await?;
+            if resp.parked {
+                return resp.info.map(SessionInfo::from_pb).ok_or_else(|| ClientError::Io("extend answer without info".into()));
+            }
+            let mut again: Vec<BlockFrame> = resp.missing_blocks.iter().filter_map(|&i| frames.get(i as usize).cloned()).collect();
+            if resp.missing_tail {
+                again.extend(frames.last().filter(|_| tail.is_some()).cloned());
+            }
+            self.store_checked(&again).await?.ok()?;
+        }
+        Err(ClientError::Capacity("blocks kept being evicted before the extend could pin them".into()))
+    }
+
+    /// Resumes a session: its manifest and every block, full blocks then the tail.
+    pub async fn resume(&self, ns: &NamespaceHandle, session_id: &str) -> Result<ResumedSession, ClientError> {
+        let req = pb::ResumeRequest { namespace_id: Bytes::copy_from_slice(&ns.id.0), session_id: session_id.to_string() };
+        let mut g = self.grpc();
+        let m = self.timed(async move { Ok(g.resume_session(req).await?.into_inner()) }).await?;
+        let keys = m.keys.iter().map(|k| BlockKey::try_from(&k[..])).collect::<Result<Vec<_>, _>>()?;
+        let tail_key = if m.tail_key.is_empty() { None } else { Some(BlockKey::try_from(&m.tail_key[..])?) };
+        let mut all = keys.clone();
+        all.extend(tail_key);
+        let frames = self.load_keys(ns, &all).await?;
+        let mut blocks = Vec::with_capacity(frames.len());
+        for (index, f) in frames.into_iter().enumerate() {
+            blocks.push(f.ok_or(ClientError::Missing { index })?.payload);
+        }
+        let info = m.info.map(SessionInfo::from_pb).ok_or_else(|| ClientError::Io("resume answer without info".into()))?;
+        Ok(ResumedSession { info, keys, tail_key, blocks })
+    }
+
+    /// Drops a session, unpinning its blocks. False if there was none.
+    pub async fn drop_session(&self, ns: &NamespaceHandle, session_id: &str) -> Result<bool, ClientError> {
+        let req = pb::DropSessionRequest { namespace_id: Bytes::copy_from_slice(&ns.id.0), session_id: session_id.to_string() };
+        let mut g = self.grpc();
+        Ok(self.timed(async move { Ok(g.drop_session(req).await?.into_inner()) }).await?.dropped)
+    }
+
+    /// Live sessions of a namespace, or of every namespace.
+    pub async fn list_sessions(&self, ns: Option<&NamespaceHandle>) -> Result<Vec<SessionInfo>, ClientError> {
+        let req = pb::ListSessionsRequest { namespace_id: ns.map(|n| Bytes::copy_from_slice(&n.id.0)).unwrap_or_default() };
+        let mut g = self.grpc();
+        let r = self.timed(async move { Ok(g.list_sessions(req).await?.into_inner()) }).await?;
+        Ok(r.sessions.into_iter().map(SessionInfo::from_pb).collect())
+    }
+
+    pub async fn stats(&self) -> Result<pb::StatsResponse, ClientError> {
+        let mut g = self.grpc();
+        self.timed(async move { Ok(g.stats(pb::StatsRequest {}).await?.into_inner()) }).await
+    }
+
+    /// Admin: removes every unpinned block of a namespace.
+    pub async fn purge(&self, ns: &NamespaceHandle) -> Result<u64, ClientError> {
+        let req = pb::PurgeRequest { namespace_id: Bytes::copy_from_slice(&ns.id.0) };
+        let mut g = self.grpc();
+        Ok(self.timed(async move { Ok(g.purge(req).await?.into_inner()) }).await?.blocks_removed)
+    }
+
+    /// The raw gRPC client, for requests the typed API doesn't cover (and for tests that send
+    /// malformed ones on purpose).
+    pub fn raw_grpc(&self) -> KvTierClient<InterceptedService<Channel, impl tonic::service::Interceptor + Clone>> {
+        self.grpc()
+    }
+}
+
+fn shift_index(e: ClientError, by: usize) -> ClientError {
+    match e {
+        ClientError::Rejected { index, status } => ClientError::Rejected { index: index + by, status },
+        other => other,
+    }
+}

@@ -1,0 +1,143 @@
+//! [`EngineClient`]: the never-raise face of the client for inference engines. Every error or
+//! timeout becomes a miss with a reason (counted in `kvtier_client_misses_total{op,reason}`), so
+//! the engine simply recomputes. It connects lazily and reconnects at most once per `retry_after`,
+//! so a server that is down costs the engine one quick miss per call, not a hang.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use kvtier_proto::Namespace;
+use tokio::sync::Mutex;
+
+use crate::{ClientConfig, ClientError, KvClient, NamespaceHandle, ParkOptions, ResumedSession, SessionInfo};
+
+/// Why an engine call came back empty.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Miss {
+    pub reason: &'static str,
+    pub detail: String,
+}
+
+/// Blocks loaded for a prefix: possibly fewer than asked (or none), and why.
+#[derive(Debug, Clone, Default)]
+pub struct Loaded {
+    pub blocks: Vec<Bytes>,
+    pub miss: Option<Miss>,
+}
+
+struct Conn {
+    client: Option<KvClient>,
+    last_attempt: Option<Instant>,
+    namespaces: Vec<(Namespace, NamespaceHandle)>,
+}
+
+/// A client that never raises and never waits longer than its budget.
+#[derive(Clone)]
+pub struct EngineClient {
+    addr: String,
+    cfg: ClientConfig,
+    budget: Duration,
+    retry_after: Duration,
+    conn: Arc<Mutex<Conn>>,
+}
+
+fn miss(op: &'static str, e: &ClientError) -> Miss {
+    metrics::counter!("kvtier_client_misses_total", "op" => op, "reason" => e.reason()).increment(1);
+    tracing::debug!(op, "kvtier miss: {e}");
+    Miss { reason: e.reason(), detail: e.to_string() }
+}
+
+impl EngineClient {
+    /// `budget` bounds every call end to end (connecting included).
+    pub fn new(addr: impl Into<String>, cfg: ClientConfig, budget: Duration) -> Self {
+        EngineClient {
+            addr: addr.into(),
+            cfg,
+            budget,
+            retry_after: Duration::from_secs(1),
+            conn: Arc::new(Mutex::new(Conn { client: None, last_attempt: None, namespaces: Vec::new() })),
+        }
+    }
+
+    /// How long to wait before reconnecting after a failed attempt. Default: 1 s.
+    pub fn with_retry_after(mut self, d: Duration) -> Self {
+        self.retry_after = d;
+        self
+    }
+
+    async fn handle(&self, ns: &Namespace) -> Result<(KvClient, NamespaceHandle), ClientError> {
+        let mut c = self.conn.lock().await;
+        if c.client.is_none() {
+            if c.last_attempt.is_some_and(|t| t.elapsed() < self.retry_after) {
+                return Err(ClientError::Connect { addr: self.addr.clone(), reason: "recently failed; backing off".into() });
+            }
+            c.last_attempt = Some(Instant::now());
+            c.client = Some(KvClient::connect(&self.addr, self.cfg.clone()).await?);
+            c.namespaces.clear();
+        }
+        let client = c.client.clone().ok_or_else(|| ClientError::Io("not connected".into()))?;
+        if let Some((_, h)) = c.namespaces.iter().find(|(n, _)| n == ns) {
+            return Ok((client, h.clone()));
+        }
+        let h = client.register(ns.clone()).await?;
+        c.namespaces.push((ns.clone(), h.clone()));
+        Ok((client, h))
+    }
+
+    /// Forgets the connection after a transport failure so the next call reconnects.
+    async fn on_error(&self, e: &ClientError) {
+        if matches!(e, ClientError::Io(_) | ClientError::Timeout(_) | ClientError::Connect { .. } | ClientError::Protocol(_)) {
+            let mut c = self.conn.lock().await;
+            c.client = None;
+        }
+    }
+
+    async fn run<T, F, Fut>(&self, op: &'static str, ns: &Namespace, f: F) -> Result<T, Miss>
+    where
+        F: FnOnce(KvClient, NamespaceHandle) -> Fut,
+        Fut: std::future::Future<Output = Result<T, ClientError>>,
+    {
+        let work = async {
+            let (client, h) = self.handle(ns).await?;
+            f(client, h).await
+        };
+        let res = match tokio::time::timeout(self.budget, work).await {
+            Ok(r) => r,
+            Err(_) => Err(ClientError::Timeout(self.budget)),
+        };
+        match res {
+            Ok(v) => Ok(v),
+            Err(e) => {
+                self.on_error(&e).await;
+                Err(miss(op, &e))
+            }
+        }
+    }
+
+    /// Tokens of `tokens` the server can give back (0 on any failure).
+    pub async fn lookup(&self, ns: &Namespace, tokens: &[u32]) -> usize {
+        self.run("lookup", ns, |c, h| async move { c.lookup(&h, tokens).await }).await.unwrap_or(0)
+    }
+
+    /// The longest loadable prefix of `tokens`.
+    pub async fn load(&self, ns: &Namespace, tokens: &[u32]) -> Loaded {
+        match self.run("load", ns, |c, h| async move { c.load(&h, tokens).await }).await {
+            Ok(blocks) => Loaded { blocks, miss: None },
+            Err(m) => Loaded { blocks: Vec::new(), miss: Some(m) },
+        }
+    }
+
+    /// Stores full blocks; the number stored (0 on failure).
+    pub async fn store(&self, ns: &Namespace, tokens: &[u32], blocks: &[Bytes]) -> usize {
+        self.run("store", ns, |c, h| async move { c.store(&h, tokens, blocks).await }).await.map(|r| r.stored).unwrap_or(0)
+    }
+
+    pub async fn park(&self, ns: &Namespace, id: &str, tokens: &[u32], blocks: &[Bytes], opts: &ParkOptions) -> Result<SessionInfo, Miss> {
+        self.run("park", ns, |c, h| async move { c.park(&h, id, tokens, blocks, opts, 0).await }).await
+    }
+
+    pub async fn resume(&self, ns: &Namespace, id: &str) -> Result<ResumedSession, Miss> {
+        self.run("resume", ns, |c, h| async move { c.resume(&h, id).await }).await
+    }
+}

@@ -1,0 +1,467 @@
+//! Encoding and decoding whole blocks: [`Codec`] turns a [`KvBlockView`] into a payload and a
+//! payload back into the engine's dtype, choosing the format from a `kvtier_proto::CodecId`.
+//!
+//! Scale rules (the exact arithmetic; `fl` = one f32 rounding, `e4m3`/`e2m1` = round to nearest
+//! even with saturation, see [`crate::formats`]):
+//!
+//! - **FP8, per (token, head)** (default): `s = canonical(fl(amax_row / 448), 20 bits)`,
+//!   `code = e4m3(fl(x / s))`, decoded `fl(e4m3(code) · s)`.
+//! - **FP8, per tensor**: the same with the amax of the (layer, K|V) plane; **static**: the caller's
+//!   `k_scale`/`v_scale` as given (`code = e4m3(fl(x / k_scale))`, byte-compatible with engines
+//!   that store `x / k_scale` as FP8).
+//! - **NVFP4**: per plane `amax`; global decode scale `g = canonical(fl(amax / 2688), 18 bits)`;
+//!   `enc = fl(2688 / amax)`; per 16-element micro-block along `head_dim`
+//!   `bs = e4m3(fl(fl(amax_block / 6) · enc))`, `d = fl(e4m3(bs) · g)`, `code = e2m1(fl(x · fl(1/d)))`;
+//!   decoded `fl(e2m1(code) · d)`. A `head_dim` that is not a multiple of 16 ends each row with a
+//!   shorter micro-block.
+//! - **amax = 0** (and amax below 2^-100, treated as 0): the scale is 0, every code is ±0 (the
+//!   input's sign is kept), and the block decodes to ±0. For NVFP4 `g = 0`, `enc = 0`, so every block
+//!   scale is 0 too. A micro-block whose scale rounds to 0 in E4M3 encodes as ±0 the same way.
+//! - NaN or Inf anywhere in the input of FP8 or NVFP4 is [`CodecError::NonFinite`]. Raw and raw+LZ4
+//!   keep the engine's bytes exactly, whatever they are.
+//!
+//! Canonical scales (see [`crate::formats::canonical_scale`]) make decoding to FP32 and encoding
+//! again reproduce the payload byte for byte; decoding to BF16/FP16 and re-encoding keeps every code
+//! and every block scale (the FP32 scales move by the BF16/FP16 rounding of the amax).
+//!
+//! Large blocks are split into row ranges handled in parallel (rayon); every row's bytes depend only
+//! on that row and on per-plane values computed first, so the output does not depend on the split.
+
+use kvtier_proto::{CodecId, DType};
+use rayon::prelude::*;
+
+use crate::block::{load_f32, BlockSpec, KvBlockView};
+use crate::formats::{canonical_scale, E2M1_MAX, E4M3_MAX, FP8_SCALE_BITS, NVFP4_GLOBAL_BITS};
+use crate::kernel::{scalar, Backend, Isa};
+use crate::payload::{Format, Fp8ScaleMode, PayloadInfo, PayloadParts, PAYLOAD_HEADER_LEN};
+use crate::CodecError;
+
+/// An amax below this is treated as 0 (the scale arithmetic would leave the f32 normal range).
+const FLUSH_AMAX: f32 = 7.888_609e-31; // 2^-100
+
+/// The FP8 scale granularity to encode with.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub enum Fp8Scaling {
+    /// One scale per (token, KV head).
+    #[default]
+    PerTokenHead,
+    /// One scale per (layer, K|V) from the plane's amax.
+    PerTensor,
+    /// One `[k_scale, v_scale]` per layer, given by the engine; each finite and positive.
+    Static(Vec<[f32; 2]>),
+}
+
+/// The format and LZ4 flag a codec id names.
+pub fn split_codec(codec: CodecId) -> Result<(Format, bool), CodecError> {
+    Ok(match codec {
+        CodecId::RAW => (Format::Raw, false),
+        CodecId::RAW_LZ4 => (Format::Raw, true),
+        CodecId::FP8_E4M3 => (Format::Fp8E4m3, false),
+        CodecId::FP8_E4M3_LZ4 => (Format::Fp8E4m3, true),
+        CodecId::NVFP4 => (Format::Nvfp4, false),
+        CodecId::NVFP4_LZ4 => (Format::Nvfp4, true),
+        other => return Err(CodecError::UnknownCodec(other.0)),
+    })
+}
+
+/// Whether a codec keeps every bit of the input.
+pub fn is_lossless(codec: CodecId) -> bool {
+    matches!(codec, CodecId::RAW | CodecId::RAW_LZ4)
+}
+
+/// A configured codec.
+///
+/// ```
+/// use kvtier_kernels::{BlockSpec, Codec, KvBlockView};
+/// use kvtier_proto::{CodecId, DType};
+/// // 2 layers, 4 tokens, 2 heads of 16, fp32.
+/// let spec = BlockSpec::new(2, 4, 2, 16, DType::Fp32);
+/// let values: Vec<f32> = (0..spec.elements()).map(|i| (i as f32 * 0.37).sin()).collect();
+/// let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+/// let view = KvBlockView::new(spec, &bytes).unwrap();
+///
+/// let codec = Codec::new(CodecId::FP8_E4M3);
+/// let payload = codec.encode(&view).unwrap();
+/// assert!(payload.len() < bytes.len() / 2);
+/// let back = codec.decode(&payload, &spec).unwrap();
+/// assert_eq!(back.len(), bytes.len());
+/// ```
+#[derive(Debug, Clone)]
+pub struct Codec {
+    id: CodecId,
+    fp8_scaling: Fp8Scaling,
+    backend: Backend,
+    parallel_min_bytes: usize,
+}
+
+impl Codec {
+    pub fn new(id: CodecId) -> Self {
+        Codec { id, fp8_scaling: Fp8Scaling::default(), backend: Backend::Auto, parallel_min_bytes: 1 << 20 }
+    }
+
+    pub fn id(&self) -> CodecId {
+        self.id
+    }
+
+    /// FP8 scale granularity. Default: [`Fp8Scaling::PerTokenHead`].
+    pub fn with_fp8_scaling(mut self, s: Fp8Scaling) -> Self {
+        self.fp8_scaling = s;
+        self
+    }
+
+    /// Kernel implementation. Default: [`Backend::Auto`].
+    pub fn with_backend(mut self, b: Backend) -> Self {
+        self.backend = b;
+        self
+    }
+
+    /// Blocks of at least this many input bytes are split over rayon's threads; `usize::MAX`
+    /// keeps every call on the calling thread. Default: 1 MiB.
+    pub fn with_parallel_min_bytes(mut self, n: usize) -> Self {
+        self.parallel_min_bytes = n;
+        self
+    }
+
+    fn parallel(&self, bytes: usize) -> bool {
+        bytes >= self.parallel_min_bytes && rayon::current_num_threads() > 1
+    }
+
+    /// Encodes a block. `raw` returns the engine's bytes unchanged; every other codec returns a
+    /// self-describing payload (see [`crate::payload`]).
+    pub fn encode(&self, block: &KvBlockView) -> Result<Vec<u8>, CodecError> {
+        let (format, lz4) = split_codec(self.id)?;
+        let spec = *block.spec();
+        if format == Format::Raw && !lz4 {
+            return Ok(block.bytes().to_vec());
+        }
+        if format != Format::Raw && !matches!(spec.dtype, DType::Bf16 | DType::Fp16 | DType::Fp32) {
+            return Err(CodecError::UnsupportedDType {
+                codec: self.id.name(),
+                dtype: spec.dtype,
+                why: "quantizing codecs take bf16, fp16 or fp32",
+            });
+        }
+        let fp8_scales = match (&self.fp8_scaling, format) {
+            (_, Format::Raw | Format::Nvfp4) | (Fp8Scaling::PerTokenHead, _) => Fp8ScaleMode::PerTokenHead,
+            (Fp8Scaling::PerTensor, _) => Fp8ScaleMode::PerTensor,
+            (Fp8Scaling::Static(_), _) => Fp8ScaleMode::Static,
+        };
+        let mut info = PayloadInfo { format, lz4, spec, fp8_scales, body_len: 0 };
+        let sections = info.sections();
+        info.body_len = sections.total() as u64;
+        let mut out = Vec::with_capacity(PAYLOAD_HEADER_LEN + if lz4 { 0 } else { sections.total() });
+        info.write_header(&mut out);
+        if format == Format::Raw {
+            out.extend_from_slice(&lz4_flex::block::compress(block.bytes()));
+            return Ok(out);
+        }
+        let isa = self.backend.resolve()?;
+        let mut body = vec![0u8; sections.total()];
+        match format {
+            Format::Fp8E4m3 => self.encode_fp8(isa, block, &mut body)?,
+            Format::Nvfp4 => self.encode_nvfp4(isa, block, &mut body)?,
+            Format::Raw => {}
+        }
+        if lz4 {
+            out.extend_from_slice(&lz4_flex::block::compress(&body));
+        } else {
+            out.extend_from_slice(&body);
+        }
+        Ok(out)
+    }
+
+    fn encode_fp8(&self, isa: Isa, block: &KvBlockView, body: &mut [u8]) -> Result<(), CodecError> {
+        let spec = *block.spec();
+        let src = block.bytes();
+        let es = spec.dtype.size() as usize;
+        let hd = spec.row_len();
+        let parallel = self.parallel(src.len());
+        let plane_scales: Option<Vec<f32>> = match &self.fp8_scaling {
+            Fp8Scaling::PerTokenHead => None,
+            Fp8Scaling::PerTensor => {
+                let amax = plane_amax(isa, block, parallel)?;
+                Some(amax.iter().map(|&a| fp8_scale(a)).collect())
+            }
+            Fp8Scaling::Static(pairs) => {
+                if pairs.len() != usize::from(spec.layers) {
+                    return Err(CodecError::InvalidInput(format!("{} static scale pairs for {} layers", pairs.len(), spec.layers)));
+                }
+                let flat: Vec<f32> = pairs.iter().flat_map(|p| p.iter().copied()).collect();
+                if let Some(bad) = flat.iter().find(|s| !(s.is_finite() && **s > 0.0 && **s <= 1e30)) {
+                    return Err(CodecError::InvalidInput(format!("static FP8 scale {bad} must be finite, positive and at most 1e30")));
+                }
+                // Non-finite input is an error in every mode.
+                plane_amax(isa, block, parallel)?;
+                Some(flat)
+            }
+        };
+        let (scales, codes) = body.split_at_mut(if plane_scales.is_some() { 4 * spec.planes() } else { 4 * spec.rows() });
+        if let Some(ps) = &plane_scales {
+            for (dst, s) in scales.chunks_exact_mut(4).zip(ps) {
+                dst.copy_from_slice(&s.to_le_bytes());
+            }
+        }
+        let per_row_scales = plane_scales.is_none();
+        let chunks = split_rows(spec.rows(), hd * es, parallel, codes, hd, if per_row_scales { scales } else { &mut [] }, 4);
+        run(parallel, chunks, |c| {
+            for (k, r) in c.rows.clone().enumerate() {
+                let row = &src[r * hd * es..(r + 1) * hd * es];
+                let dst = &mut c.a[k * hd..(k + 1) * hd];
+                let scale = match &plane_scales {
+                    Some(ps) => ps[spec.plane_of_row(r)],
+                    None => {
+                        let bits = isa.row_amax_bits(spec.dtype, row);
+                        if bits >= 0x7F80_0000 {
+                            return Err(non_finite(&spec, src, r));
+                        }
+                        let s = fp8_scale(f32::from_bits(bits));
+                        c.b[4 * k..4 * k + 4].copy_from_slice(&s.to_le_bytes());
+                        s
+                    }
+                };
+                isa.fp8_encode_row(spec.dtype, row, if scale == 0.0 { 1.0 } else { scale }, dst);
+            }
+            Ok(())
+        })
+    }
+
+    fn encode_nvfp4(&self, isa: Isa, block: &KvBlockView, body: &mut [u8]) -> Result<(), CodecError> {
+        let spec = *block.spec();
+        let src = block.bytes();
+        let es = spec.dtype.size() as usize;
+        let hd = spec.row_len();
+        let parallel = self.parallel(src.len());
+        let amax = plane_amax(isa, block, parallel)?;
+        let (g, enc): (Vec<f32>, Vec<f32>) = amax
+            .iter()
+            .map(|&a| {
+                if a < FLUSH_AMAX {
+                    (0.0, 0.0)
+                } else {
+                    (canonical_scale(a / (E4M3_MAX * E2M1_MAX), NVFP4_GLOBAL_BITS), (E4M3_MAX * E2M1_MAX) / a)
+                }
+            })
+            .unzip();
+        let nb = hd.div_ceil(16);
+        let (scales, rest) = body.split_at_mut(4 * spec.planes());
+        for (dst, s) in scales.chunks_exact_mut(4).zip(&g) {
+            dst.copy_from_slice(&s.to_le_bytes());
+        }
+        let (bs, codes) = rest.split_at_mut(spec.rows() * nb);
+        let cb = hd.div_ceil(2);
+        let chunks = split_rows(spec.rows(), hd * es, parallel, codes, cb, bs, nb);
+        run(parallel, chunks, |c| {
+            for (k, r) in c.rows.clone().enumerate() {
+                let p = spec.plane_of_row(r);
+                let row = &src[r * hd * es..(r + 1) * hd * es];
+                isa.nvfp4_encode_row(spec.dtype, row, g[p], enc[p], &mut c.b[k * nb..(k + 1) * nb], &mut c.a[k * cb..(k + 1) * cb]);
+            }
+            Ok(())
+        })
+    }
+
+    /// Decodes a payload of `spec` (the block as it was encoded: the frame's layout and token
+    /// count) into `spec.dtype`.
+    pub fn decode(&self, payload: &[u8], spec: &BlockSpec) -> Result<Vec<u8>, CodecError> {
+        let mut out = vec![0u8; spec.byte_len()];
+        self.decode_into(payload, spec, spec.dtype, &mut out)?;
+        Ok(out)
+    }
+
+    /// Decodes a payload of `spec` into `out`, as `out_dtype` elements in `spec`'s memory order.
+    /// `out` must be exactly `spec.elements() * out_dtype.size()` bytes.
+    pub fn decode_into(&self, payload: &[u8], spec: &BlockSpec, out_dtype: DType, out: &mut [u8]) -> Result<(), CodecError> {
+        spec.validate()?;
+        let (format, lz4) = split_codec(self.id)?;
+        let want = spec.elements() * out_dtype.size() as usize;
+        if out.len() != want {
+            return Err(CodecError::InvalidInput(format!("output buffer is {} bytes, {want} needed", out.len())));
+        }
+        let isa = self.backend.resolve()?;
+        let parallel = self.parallel(out.len());
+        if format == Format::Raw && !lz4 {
+            if payload.len() != spec.byte_len() {
+                return Err(CodecError::Corrupt(format!("raw payload is {} bytes, {} expected", payload.len(), spec.byte_len())));
+            }
+            return convert(spec, payload, out_dtype, out, parallel);
+        }
+        let parts = PayloadParts::open(payload)?;
+        let info = parts.info;
+        if info.format != format || info.lz4 != lz4 {
+            return Err(CodecError::Corrupt(format!("payload is {:?} (lz4 {}), codec {} expects {format:?} (lz4 {lz4})", info.format, info.lz4, self.id.name())));
+        }
+        if info.spec != *spec {
+            return Err(CodecError::ShapeMismatch { expected: format!("{spec:?}"), found: format!("{:?}", info.spec) });
+        }
+        let os = out_dtype.size() as usize;
+        let hd = spec.row_len();
+        let chunk_rows = |c: &Chunk| c.rows.clone();
+        let bad_code = || CodecError::Corrupt("payload holds a NaN or signed scale code the encoder never writes".into());
+        match format {
+            Format::Raw => convert(spec, parts.codes(), out_dtype, out, parallel),
+            Format::Fp8E4m3 => {
+                let scales = parts.scales();
+                if scales.iter().any(|s| !s.is_finite() || *s < 0.0) {
+                    return Err(CodecError::Corrupt("FP8 scale is negative or not finite".into()));
+                }
+                let per_row = info.fp8_scales == Fp8ScaleMode::PerTokenHead;
+                let codes = parts.codes();
+                let chunks = split_rows(spec.rows(), hd * os, parallel, out, hd * os, &mut [], 0);
+                run(parallel, chunks, |c| {
+                    for (k, r) in chunk_rows(&c).enumerate() {
+                        let s = if per_row { scales[r] } else { scales[spec.plane_of_row(r)] };
+                        if isa.fp8_decode_row(&codes[r * hd..(r + 1) * hd], s, out_dtype, &mut c.a[k * hd * os..(k + 1) * hd * os]) {
+                            return Err(bad_code());
+                        }
+                    }
+                    Ok(())
+                })
+            }
+            Format::Nvfp4 => {
+                let g = parts.scales();
+                if g.iter().any(|s| !s.is_finite() || *s < 0.0) {
+                    return Err(CodecError::Corrupt("NVFP4 global scale is negative or not finite".into()));
+                }
+                let (bs, codes) = (parts.block_scales(), parts.codes());
+                let (nb, cb) = (hd.div_ceil(16), hd.div_ceil(2));
+                let chunks = split_rows(spec.rows(), hd * os, parallel, out, hd * os, &mut [], 0);
+                run(parallel, chunks, |c| {
+                    for (k, r) in chunk_rows(&c).enumerate() {
+                        let dst = &mut c.a[k * hd * os..(k + 1) * hd * os];
+                        let gp = g[spec.plane_of_row(r)];
+                        if isa.nvfp4_decode_row(&bs[r * nb..(r + 1) * nb], &codes[r * cb..(r + 1) * cb], gp, hd, out_dtype, dst) {
+                            return Err(bad_code());
+                        }
+                    }
+                    Ok(())
+                })
+            }
+        }
+    }
+}
+
+/// Encodes with the default options of [`Codec::new`].
+pub fn encode(codec: CodecId, block: &KvBlockView) -> Result<Vec<u8>, CodecError> {
+    Codec::new(codec).encode(block)
+}
+
+/// Decodes into `spec.dtype` with the default options of [`Codec::new`].
+pub fn decode(codec: CodecId, payload: &[u8], spec: &BlockSpec) -> Result<Vec<u8>, CodecError> {
+    Codec::new(codec).decode(payload, spec)
+}
+
+fn fp8_scale(amax: f32) -> f32 {
+    if amax < FLUSH_AMAX {
+        0.0
+    } else {
+        canonical_scale(amax / E4M3_MAX, FP8_SCALE_BITS)
+    }
+}
+
+/// A range of rows and the matching pieces of up to two output sections.
+struct Chunk<'a> {
+    rows: std::ops::Range<usize>,
+    a: &'a mut [u8],
+    b: &'a mut [u8],
+}
+
+/// Splits `rows` rows (of `row_in_bytes` input bytes each) into chunks, cutting section `a`
+/// (`a_row` bytes per row) and `b` (`b_row` bytes per row) to match. One chunk unless `parallel`.
+fn split_rows<'a>(
+    rows: usize,
+    row_in_bytes: usize,
+    parallel: bool,
+    mut a: &'a mut [u8],
+    a_row: usize,
+    mut b: &'a mut [u8],
+    b_row: usize,
+) -> Vec<Chunk<'a>> {
+    // About 256 KiB of input per chunk: big enough to amortize the task, small enough to balance.
+    let per = if parallel { (256 * 1024 / row_in_bytes.max(1)).max(1) } else { rows.max(1) };
+    let mut out = Vec::with_capacity(rows.div_ceil(per));
+    let mut r = 0;
+    while r < rows {
+        let n = per.min(rows - r);
+        let (ha, ta) = std::mem::take(&mut a).split_at_mut((n * a_row).min(a.len()));
+        let (hb, tb) = std::mem::take(&mut b).split_at_mut((n * b_row).min(b.len()));
+        out.push(Chunk { rows: r..r + n, a: ha, b: hb });
+        a = ta;
+        b = tb;
+        r += n;
+    }
+    out
+}
+
+/// Runs `f` on every chunk, in parallel or in order, and returns the first error in row order.
+fn run<'a, F>(parallel: bool, chunks: Vec<Chunk<'a>>, f: F) -> Result<(), CodecError>
+where
+    F: Fn(Chunk<'a>) -> Result<(), CodecError> + Sync + Send,
+{
+    if parallel && chunks.len() > 1 {
+        let results: Vec<Result<(), CodecError>> = chunks.into_par_iter().map(&f).collect();
+        results.into_iter().collect()
+    } else {
+        chunks.into_iter().try_for_each(f)
+    }
+}
+
+/// Largest `|x|` of every plane; [`CodecError::NonFinite`] at the first NaN/Inf in row order.
+fn plane_amax(isa: Isa, block: &KvBlockView, parallel: bool) -> Result<Vec<f32>, CodecError> {
+    let spec = *block.spec();
+    let src = block.bytes();
+    let row_bytes = spec.row_len() * spec.dtype.size() as usize;
+    let rows = spec.rows();
+    let scan = |range: std::ops::Range<usize>| -> Result<Vec<u32>, CodecError> {
+        let mut m = vec![0u32; spec.planes()];
+        for r in range {
+            let bits = isa.row_amax_bits(spec.dtype, &src[r * row_bytes..(r + 1) * row_bytes]);
+            if bits >= 0x7F80_0000 {
+                return Err(non_finite(&spec, src, r));
+            }
+            let p = spec.plane_of_row(r);
+            m[p] = m[p].max(bits);
+        }
+        Ok(m)
+    };
+    let maxes = if parallel {
+        let per = (256 * 1024 / row_bytes.max(1)).max(1);
+        let parts: Vec<Result<Vec<u32>, CodecError>> =
+            (0..rows.div_ceil(per)).into_par_iter().map(|i| scan(i * per..((i + 1) * per).min(rows))).collect();
+        let mut m = vec![0u32; spec.planes()];
+        for part in parts {
+            for (a, b) in m.iter_mut().zip(part?) {
+                *a = (*a).max(b);
+            }
+        }
+        m
+    } else {
+        scan(0..rows)?
+    };
+    Ok(maxes.into_iter().map(f32::from_bits).collect())
+}
+
+fn non_finite(spec: &BlockSpec, src: &[u8], r: usize) -> CodecError {
+    let hd = spec.row_len();
+    let (layer, is_v, token, head) = spec.locate_row(r);
+    let (dim, value) = (0..hd)
+        .map(|d| (d, load_f32(spec.dtype, src, r * hd + d)))
+        .find(|(_, v)| !v.is_finite())
+        .unwrap_or((0, f32::NAN));
+    CodecError::NonFinite { layer, kv: if is_v { "V" } else { "K" }, token, head, dim, value }
+}
+
+/// Copies or converts raw elements into `out_dtype`.
+fn convert(spec: &BlockSpec, src: &[u8], out_dtype: DType, out: &mut [u8], parallel: bool) -> Result<(), CodecError> {
+    if spec.dtype == out_dtype {
+        out.copy_from_slice(src);
+        return Ok(());
+    }
+    let (is, os, hd) = (spec.dtype.size() as usize, out_dtype.size() as usize, spec.row_len());
+    let chunks = split_rows(spec.rows(), hd * os, parallel, out, hd * os, &mut [], 0);
+    run(parallel, chunks, |c| {
+        let r0 = c.rows.start;
+        let n = c.rows.len();
+        scalar::convert_row(spec.dtype, &src[r0 * hd * is..(r0 + n) * hd * is], out_dtype, c.a);
+        Ok(())
+    })
+}

@@ -1,0 +1,112 @@
+//! Row kernels and the choice between them. A row is the `head_dim` elements of one (layer,
+//! K|V, token, head). [`scalar`] is the reference; [`avx2`] (x86-64 with AVX2 and F16C, chosen at
+//! run time) writes identical bytes faster. The codec calls these through [`Isa`], one call per
+//! row, so the feature check happens once per block, not per element.
+
+pub(crate) mod scalar;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2;
+
+use kvtier_proto::DType;
+
+use crate::CodecError;
+
+/// Which implementation runs the kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Backend {
+    /// The fastest one this CPU supports.
+    #[default]
+    Auto,
+    /// The scalar reference.
+    Scalar,
+    /// AVX2 + F16C; an error where the CPU lacks them.
+    Avx2,
+}
+
+impl Backend {
+    /// Whether the AVX2 + F16C kernels can run here.
+    pub fn avx2_available() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("f16c")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    }
+
+    pub(crate) fn resolve(self) -> Result<Isa, CodecError> {
+        match self {
+            Backend::Scalar => Ok(Isa::Scalar),
+            Backend::Auto if Self::avx2_available() => Ok(Isa::Avx2(Avx2Token(()))),
+            Backend::Auto => Ok(Isa::Scalar),
+            Backend::Avx2 if Self::avx2_available() => Ok(Isa::Avx2(Avx2Token(()))),
+            Backend::Avx2 => Err(CodecError::BackendUnavailable("avx2+f16c")),
+        }
+    }
+}
+
+/// Proof that AVX2 and F16C were detected: only [`Backend::resolve`] makes one.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Avx2Token(());
+
+/// A resolved backend.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Isa {
+    Scalar,
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    Avx2(Avx2Token),
+}
+
+impl Isa {
+    /// FP8 sources and outputs are rare (raw engines in FP8); they take the scalar route.
+    fn simd(self, dtype: DType) -> bool {
+        matches!(self, Isa::Avx2(_)) && dtype != DType::Fp8E4m3
+    }
+
+    pub(crate) fn row_amax_bits(self, dtype: DType, src: &[u8]) -> u32 {
+        #[cfg(target_arch = "x86_64")]
+        if self.simd(dtype) {
+            // SAFETY: an Avx2 Isa exists only after the CPU features were detected.
+            return unsafe { avx2::row_amax_bits(dtype, src) };
+        }
+        scalar::row_amax_bits(dtype, src)
+    }
+
+    pub(crate) fn fp8_encode_row(self, dtype: DType, src: &[u8], divisor: f32, dst: &mut [u8]) {
+        #[cfg(target_arch = "x86_64")]
+        if self.simd(dtype) {
+            // SAFETY: as above.
+            return unsafe { avx2::fp8_encode_row(dtype, src, divisor, dst) };
+        }
+        scalar::fp8_encode_row(dtype, src, divisor, dst)
+    }
+
+    pub(crate) fn fp8_decode_row(self, codes: &[u8], scale: f32, out: DType, dst: &mut [u8]) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if self.simd(out) {
+            // SAFETY: as above.
+            return unsafe { avx2::fp8_decode_row(codes, scale, out, dst) };
+        }
+        scalar::fp8_decode_row(codes, scale, out, dst)
+    }
+
+    pub(crate) fn nvfp4_encode_row(self, dtype: DType, src: &[u8], g: f32, enc: f32, bs: &mut [u8], codes: &mut [u8]) {
+        #[cfg(target_arch = "x86_64")]
+        if self.simd(dtype) {
+            // SAFETY: as above.
+            return unsafe { avx2::nvfp4_encode_row(dtype, src, g, enc, bs, codes) };
+        }
+        scalar::nvfp4_encode_row(dtype, src, g, enc, bs, codes)
+    }
+
+    pub(crate) fn nvfp4_decode_row(self, bs: &[u8], codes: &[u8], g: f32, n: usize, out: DType, dst: &mut [u8]) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if self.simd(out) {
+            // SAFETY: as above.
+            return unsafe { avx2::nvfp4_decode_row(bs, codes, g, n, out, dst) };
+        }
+        scalar::nvfp4_decode_row(bs, codes, g, 0, n, out, dst)
+    }
+}
