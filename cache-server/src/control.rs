@@ -51,10 +51,7 @@ fn ns_id(b: &[u8]) -> Result<NamespaceId, ServerError> {
 
 fn keys(list: &[bytes::Bytes]) -> Result<Vec<BlockKey>, ServerError> {
     list.iter()
-        .enumerate()
-        .map(|(i, k)| {
-            BlockKey::try_from(&k[..]).map_err(|e| ServerError::InvalidRequest(format!("key {i}: {e}")))
-        })
+        .map(|k| BlockKey::try_from(&k[..]).map_err(ServerError::from))
         .collect()
 }
 
@@ -62,7 +59,7 @@ fn opt_key(b: &[u8]) -> Result<Option<BlockKey>, ServerError> {
     if b.is_empty() {
         Ok(None)
     } else {
-        Ok(Some(BlockKey::try_from(b).map_err(|e| ServerError::InvalidRequest(format!("tail key: {e}")))?))
+        Ok(Some(BlockKey::try_from(b)?))
     }
 }
 

@@ -1,1 +1,439 @@
-fn main() {}
+//! The `kvtier` binary: `kvtier serve` runs a node; the other subcommands are a small client for
+//! trying a node by hand (`put`, `get`, `lookup`, `session park|resume|extend|ls|drop`, `stats`).
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use bytes::Bytes;
+use clap::{Args, Parser, Subcommand};
+use kvtier_client::{ClientConfig, KvClient, NamespaceHandle, ParkOptions};
+use kvtier_proto::{BlockKey, DType, HashScheme, KvLayout, Namespace};
+use kvtier_server::config::{ByteSize, DurationStr, ServerConfig};
+
+#[derive(Parser)]
+#[command(name = "kvtier", version, about = "A KV-cache tiering service for LLM inference")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run a node (embedded defaults: loopback, DRAM cap = 1/4 of RAM, ./kvtier-data).
+    Serve(ServeArgs),
+    /// Store the KV blocks of a token sequence.
+    Put(PutArgs),
+    /// Load the longest stored prefix of a token sequence.
+    Get(GetArgs),
+    /// How many tokens of a sequence the server holds.
+    Lookup(TokensArgs),
+    /// Park, resume, extend, list and drop agent sessions.
+    #[command(subcommand)]
+    Session(SessionCmd),
+    /// Tier and session statistics.
+    Stats(ConnArgs),
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// TOML configuration file; flags and environment variables override it.
+    #[arg(long, env = "KVTIER_CONFIG")]
+    config: Option<PathBuf>,
+    /// gRPC control-plane address.
+    #[arg(long, env = "KVTIER_LISTEN")]
+    listen: Option<std::net::SocketAddr>,
+    /// Data-plane address (clients learn it from the control plane).
+    #[arg(long, env = "KVTIER_DATA_LISTEN")]
+    data_listen: Option<std::net::SocketAddr>,
+    /// Prometheus /metrics address.
+    #[arg(long, env = "KVTIER_METRICS")]
+    metrics: Option<std::net::SocketAddr>,
+    /// Serve no /metrics.
+    #[arg(long)]
+    no_metrics: bool,
+    #[arg(long, env = "KVTIER_DATA_DIR")]
+    data_dir: Option<PathBuf>,
+    /// Hard cap of the DRAM tier, e.g. 512MiB or 4GiB.
+    #[arg(long, env = "KVTIER_DRAM_CAPACITY")]
+    dram_capacity: Option<ByteSize>,
+    /// Longest context per request or session, in tokens.
+    #[arg(long, env = "KVTIER_MAX_CONTEXT_TOKENS")]
+    max_context_tokens: Option<u64>,
+    /// Default TTL of parked sessions, e.g. 10m.
+    #[arg(long, env = "KVTIER_SESSION_TTL")]
+    session_ttl: Option<DurationStr>,
+    /// Shared secret clients must present (required beyond loopback).
+    #[arg(long, env = "KVTIER_AUTH_TOKEN", hide_env_values = true)]
+    auth_token: Option<String>,
+    /// Log filter, e.g. info or kvtier_server=debug.
+    #[arg(long, env = "KVTIER_LOG", default_value = "info")]
+    log: String,
+}
+
+#[derive(Args, Clone)]
+struct ConnArgs {
+    /// The server's gRPC address.
+    #[arg(long, env = "KVTIER_SERVER", default_value = "127.0.0.1:7070")]
+    server: String,
+    #[arg(long, env = "KVTIER_AUTH_TOKEN", hide_env_values = true)]
+    auth_token: Option<String>,
+    #[command(flatten)]
+    ns: NsArgs,
+}
+
+/// The namespace to use (defaults: a small demo model).
+#[derive(Args, Clone)]
+struct NsArgs {
+    #[arg(long, default_value = "cli")]
+    tenant: String,
+    #[arg(long, default_value = "demo-model")]
+    model: String,
+    #[arg(long, default_value_t = 4)]
+    layers: u16,
+    #[arg(long, default_value_t = 2)]
+    kv_heads: u16,
+    #[arg(long, default_value_t = 64)]
+    head_dim: u16,
+    #[arg(long, default_value = "fp16")]
+    dtype: String,
+    #[arg(long, default_value_t = 16)]
+    block_tokens: u32,
+    #[arg(long, default_value = "")]
+    salt: String,
+    /// sha256 instead of blake3 key hashing.
+    #[arg(long)]
+    sha256: bool,
+}
+
+#[derive(Args)]
+struct TokensArgs {
+    #[command(flatten)]
+    conn: ConnArgs,
+    /// Text whose UTF-8 bytes are the token ids.
+    #[arg(long, conflicts_with = "tokens")]
+    text: Option<String>,
+    /// Comma-separated token ids.
+    #[arg(long, value_delimiter = ',')]
+    tokens: Option<Vec<u32>>,
+}
+
+#[derive(Args)]
+struct PutArgs {
+    #[command(flatten)]
+    t: TokensArgs,
+    /// Payload file: the blocks back to back, in the namespace's layout. Without it, a synthetic
+    /// payload derived from each block's key is stored (handy for trying the service).
+    #[arg(long)]
+    file: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct GetArgs {
+    #[command(flatten)]
+    t: TokensArgs,
+    /// Write the loaded payloads here, back to back.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+#[derive(Subcommand)]
+enum SessionCmd {
+    /// Park a session (its blocks are stored and pinned).
+    Park {
+        #[command(flatten)]
+        t: TokensArgs,
+        #[arg(long)]
+        id: String,
+        /// Time to live, e.g. 30s, 10m.
+        #[arg(long)]
+        ttl: Option<DurationStr>,
+        /// Full blocks then the tail, back to back; synthetic if absent.
+        #[arg(long)]
+        file: Option<PathBuf>,
+    },
+    /// Append a turn: the whole context now; only new blocks are sent.
+    Extend {
+        #[command(flatten)]
+        t: TokensArgs,
+        #[arg(long)]
+        id: String,
+    },
+    /// Resume a session and load its KV.
+    Resume {
+        #[command(flatten)]
+        conn: ConnArgs,
+        #[arg(long)]
+        id: String,
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+    /// List live sessions of the namespace.
+    Ls(ConnArgs),
+    /// Drop a session and unpin its blocks.
+    Drop {
+        #[command(flatten)]
+        conn: ConnArgs,
+        #[arg(long)]
+        id: String,
+    },
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
+    rt.block_on(async move {
+        match cli.cmd {
+            Cmd::Serve(a) => serve(a).await,
+            Cmd::Put(a) => put(a).await,
+            Cmd::Get(a) => get(a).await,
+            Cmd::Lookup(a) => lookup(a).await,
+            Cmd::Session(s) => session(s).await,
+            Cmd::Stats(c) => stats(c).await,
+        }
+    })
+}
+
+async fn serve(a: ServeArgs) -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&a.log).context("--log")?)
+        .with_writer(std::io::stderr)
+        .init();
+    let mut cfg = match &a.config {
+        Some(p) => ServerConfig::from_toml_file(p)?,
+        None => ServerConfig::default(),
+    };
+    if let Some(v) = a.listen {
+        cfg.listen = v;
+    }
+    if let Some(v) = a.data_listen {
+        cfg.data_listen = v;
+    }
+    if let Some(v) = a.metrics {
+        cfg.metrics_listen = Some(v);
+    }
+    if a.no_metrics {
+        cfg.metrics_listen = None;
+    }
+    if let Some(v) = a.data_dir {
+        cfg.data_dir = v;
+    }
+    if let Some(v) = a.dram_capacity {
+        cfg.dram_capacity = v;
+    }
+    if let Some(v) = a.max_context_tokens {
+        cfg.max_context_tokens = v;
+    }
+    if let Some(v) = a.session_ttl {
+        cfg.session_ttl = v;
+    }
+    if let Some(v) = a.auth_token {
+        cfg.auth_token = Some(v);
+    }
+    cfg.validate()?;
+    let handle = match cfg.metrics_listen {
+        Some(_) => Some(kvtier_server::metrics::install()?),
+        None => None,
+    };
+    let (cap, dir) = (cfg.dram_capacity, cfg.data_dir.clone());
+    let mut server = kvtier_server::start(cfg, handle).await?;
+    let metrics = server.metrics_addr.map(|m| format!("http://{m}/metrics")).unwrap_or_else(|| "off".into());
+    println!(
+        "kvtier {} listening grpc={} data={} metrics={} dram={} data_dir={}",
+        env!("CARGO_PKG_VERSION"),
+        server.grpc_addr,
+        server.data_addr,
+        metrics,
+        cap,
+        dir.display()
+    );
+    std::io::stdout().flush()?;
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    tracing::info!("shutting down");
+    server.shutdown();
+    tokio::time::timeout(Duration::from_secs(5), server.wait()).await.ok();
+    Ok(())
+}
+
+impl NsArgs {
+    fn namespace(&self) -> anyhow::Result<Namespace> {
+        let layout = KvLayout::new(self.layers, self.kv_heads, self.head_dim, DType::parse(&self.dtype)?, self.block_tokens);
+        let hashing = if self.sha256 { HashScheme::Sha256 } else { HashScheme::Blake3 };
+        Ok(Namespace::new(&self.tenant, &self.model, layout, hashing, self.salt.as_bytes()))
+    }
+}
+
+async fn connect(c: &ConnArgs) -> anyhow::Result<(KvClient, NamespaceHandle)> {
+    let cfg = ClientConfig { auth_token: c.auth_token.clone(), ..Default::default() };
+    let client = KvClient::connect(&c.server, cfg).await.with_context(|| format!("connecting to {}", c.server))?;
+    let ns = client.register(c.ns.namespace()?).await?;
+    Ok((client, ns))
+}
+
+impl TokensArgs {
+    fn tokens(&self) -> anyhow::Result<Vec<u32>> {
+        match (&self.text, &self.tokens) {
+            (Some(t), None) => Ok(t.bytes().map(u32::from).collect()),
+            (None, Some(t)) => Ok(t.clone()),
+            _ => bail!("give the tokens with --text or --tokens"),
+        }
+    }
+}
+
+/// A payload derived from a key, so a hand-run `put` and a later `get` can be compared.
+fn synthetic(key: &BlockKey, len: u64) -> Bytes {
+    let mut out = vec![0u8; len as usize];
+    blake3::Hasher::new().update(&key.0).finalize_xof().fill(&mut out);
+    Bytes::from(out)
+}
+
+/// Payloads for `keys` (full blocks, then optionally a tail of `tail_tokens`).
+fn payloads(ns: &NamespaceHandle, file: Option<&PathBuf>, keys: &[BlockKey], tail: Option<(BlockKey, u32)>) -> anyhow::Result<Vec<Bytes>> {
+    let layout = ns.namespace.layout;
+    let mut sizes: Vec<(BlockKey, u64)> = keys.iter().map(|k| (*k, layout.block_bytes())).collect();
+    if let Some((k, n)) = tail {
+        sizes.push((k, layout.bytes_for_tokens(n)));
+    }
+    match file {
+        None => Ok(sizes.iter().map(|(k, n)| synthetic(k, *n)).collect()),
+        Some(p) => {
+            let data = Bytes::from(std::fs::read(p).with_context(|| format!("reading {}", p.display()))?);
+            let need: u64 = sizes.iter().map(|(_, n)| n).sum();
+            if data.len() as u64 != need {
+                bail!("{} is {} bytes; {} block(s) of this layout need exactly {need}", p.display(), data.len(), sizes.len());
+            }
+            let mut off = 0usize;
+            Ok(sizes
+                .iter()
+                .map(|(_, n)| {
+                    let b = data.slice(off..off + *n as usize);
+                    off += *n as usize;
+                    b
+                })
+                .collect())
+        }
+    }
+}
+
+fn short(b: &[u8]) -> String {
+    format!("{:016x}", xxhash_rust::xxh3::xxh3_64(b))
+}
+
+async fn put(a: PutArgs) -> anyhow::Result<()> {
+    let (client, ns) = connect(&a.t.conn).await?;
+    let tokens = a.t.tokens()?;
+    let keys = ns.keys(&tokens);
+    if keys.is_empty() {
+        bail!("{} tokens make no full block of {} tokens", tokens.len(), ns.block_tokens());
+    }
+    let blocks = payloads(&ns, a.file.as_ref(), &keys, None)?;
+    let report = client.store(&ns, &tokens, &blocks).await?;
+    let bytes: usize = blocks.iter().map(|b| b.len()).sum();
+    println!("stored {} of {} block(s), {} bytes, covering {} tokens", report.stored, keys.len(), bytes, keys.len() * ns.block_tokens());
+    for (i, st) in &report.rejected {
+        println!("  block {i} rejected: {}", st.describe());
+    }
+    report.ok()?;
+    Ok(())
+}
+
+async fn get(a: GetArgs) -> anyhow::Result<()> {
+    let (client, ns) = connect(&a.t.conn).await?;
+    let tokens = a.t.tokens()?;
+    let blocks = client.load(&ns, &tokens).await?;
+    println!("loaded {} block(s) = {} tokens of {}", blocks.len(), blocks.len() * ns.block_tokens(), tokens.len());
+    for (i, b) in blocks.iter().enumerate() {
+        println!("  block {i}: {} bytes xxh3={}", b.len(), short(b));
+    }
+    if let Some(p) = a.out {
+        let mut f = std::fs::File::create(&p).with_context(|| format!("creating {}", p.display()))?;
+        for b in &blocks {
+            f.write_all(b)?;
+        }
+        println!("wrote {}", p.display());
+    }
+    Ok(())
+}
+
+async fn lookup(a: TokensArgs) -> anyhow::Result<()> {
+    let (client, ns) = connect(&a.conn).await?;
+    let tokens = a.tokens()?;
+    let n = client.lookup(&ns, &tokens).await?;
+    println!("{n} of {} tokens are stored", tokens.len());
+    Ok(())
+}
+
+async fn session(s: SessionCmd) -> anyhow::Result<()> {
+    match s {
+        SessionCmd::Park { t, id, ttl, file } => {
+            let (client, ns) = connect(&t.conn).await?;
+            let tokens = t.tokens()?;
+            let keys = ns.keys(&tokens);
+            let tail = ns.tail_key(&tokens).map(|k| (k, (tokens.len() % ns.block_tokens()) as u32));
+            let blocks = payloads(&ns, file.as_ref(), &keys, tail)?;
+            let opts = ParkOptions { ttl: ttl.map(|d| d.0), priority: None };
+            let info = client.park(&ns, &id, &tokens, &blocks, &opts, 0).await?;
+            println!("parked {:?} v{}: {} tokens, {} blocks{}, expires in {:?}", info.id, info.version, info.token_count, info.blocks, if info.has_tail { " + tail" } else { "" }, info.expires_in);
+        }
+        SessionCmd::Extend { t, id } => {
+            let (client, ns) = connect(&t.conn).await?;
+            let tokens = t.tokens()?;
+            let cur = client.resume(&ns, &id).await?;
+            let prev = cur.info.token_count as usize;
+            let base = prev / ns.block_tokens();
+            let keys = ns.keys(&tokens);
+            let tail = ns.tail_key(&tokens).map(|k| (k, (tokens.len() % ns.block_tokens()) as u32));
+            let blocks = payloads(&ns, None, &keys[base.min(keys.len())..], tail)?;
+            let info = client.extend(&ns, &id, cur.info.version, prev, &tokens, &blocks).await?;
+            println!("extended {:?} to v{}: {} tokens, {} blocks", info.id, info.version, info.token_count, info.blocks);
+        }
+        SessionCmd::Resume { conn, id, out } => {
+            let (client, ns) = connect(&conn).await?;
+            let r = client.resume(&ns, &id).await?;
+            println!("resumed {:?} v{}: {} tokens in {} block(s), expires in {:?}", r.info.id, r.info.version, r.info.token_count, r.blocks.len(), r.info.expires_in);
+            for (i, b) in r.blocks.iter().enumerate() {
+                println!("  block {i}: {} bytes xxh3={}", b.len(), short(b));
+            }
+            if let Some(p) = out {
+                let mut f = std::fs::File::create(&p)?;
+                for b in &r.blocks {
+                    f.write_all(b)?;
+                }
+                println!("wrote {}", p.display());
+            }
+        }
+        SessionCmd::Ls(conn) => {
+            let (client, ns) = connect(&conn).await?;
+            let list = client.list_sessions(Some(&ns)).await?;
+            println!("{} session(s)", list.len());
+            for s in list {
+                println!("  {:<24} v{:<4} {:>8} tokens {:>6} blocks {:>12} bytes  expires in {:?}", s.id, s.version, s.token_count, s.blocks, s.bytes, s.expires_in);
+            }
+        }
+        SessionCmd::Drop { conn, id } => {
+            let (client, ns) = connect(&conn).await?;
+            let dropped = client.drop_session(&ns, &id).await?;
+            println!("{}", if dropped { format!("dropped {id:?}") } else { format!("no session {id:?}") });
+        }
+    }
+    Ok(())
+}
+
+async fn stats(c: ConnArgs) -> anyhow::Result<()> {
+    let cfg = ClientConfig { auth_token: c.auth_token.clone(), ..Default::default() };
+    let client = KvClient::connect(&c.server, cfg).await?;
+    let s = client.stats().await?;
+    println!("uptime {:?}, {} namespace(s), {} session(s)", Duration::from_millis(s.uptime_ms), s.namespaces, s.sessions);
+    for t in s.tiers {
+        println!(
+            "{}: {} blocks, resident {} / allocated {} / cap {} bytes, pinned {}; hits {} misses {} evictions {}; in {} out {} bytes",
+            t.tier, t.blocks, t.resident_bytes, t.allocated_bytes, t.capacity_bytes, t.pinned_bytes, t.hits, t.misses, t.evictions, t.bytes_in, t.bytes_out
+        );
+    }
+    Ok(())
+}

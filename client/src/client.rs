@@ -252,6 +252,15 @@ impl KvClient {
         Ok(resp.matched_blocks as usize)
     }
 
+    /// Refuses, before anything is sent, a context longer than the server accepts.
+    fn check_context(&self, tokens: usize) -> Result<(), ClientError> {
+        let max = self.inner.info.max_context_tokens;
+        if tokens as u64 > max {
+            return Err(ClientError::ContextTooLong(format!("{tokens} tokens exceed the server's max_context_tokens {max}")));
+        }
+        Ok(())
+    }
+
     /// Splits frames into batches bounded by block count and bytes.
     fn batches<'a>(&self, frames: &'a [BlockFrame]) -> Vec<&'a [BlockFrame]> {
         let mut out = Vec::new();
@@ -289,6 +298,7 @@ impl KvClient {
     /// Stores the KV of the full blocks of `tokens`: `blocks[i]` is block `i`'s payload in the
     /// namespace's layout (the tail, if any, is not stored here; see [`KvClient::park`]).
     pub async fn store(&self, ns: &NamespaceHandle, tokens: &[u32], blocks: &[Bytes]) -> Result<StoreReport, ClientError> {
+        self.check_context(tokens.len())?;
         let keys = ns.keys(tokens);
         if blocks.len() > keys.len() {
             return Err(ClientError::InvalidArgument(format!(
@@ -381,6 +391,7 @@ impl KvClient {
         opts: &ParkOptions,
         expected_version: u64,
     ) -> Result<SessionInfo, ClientError> {
+        self.check_context(tokens.len())?;
         let (keys, tail, frames) = Self::session_frames(ns, tokens, 0, blocks)?;
         // Blocks the server already has (a shared prefix) are not sent again.
         let present = self.lookup_keys(ns, &keys).await?;
@@ -429,6 +440,7 @@ impl KvClient {
         if prev_token_count > tokens.len() {
             return Err(ClientError::InvalidArgument("prev_token_count is past the tokens given".into()));
         }
+        self.check_context(tokens.len())?;
         let base = prev_token_count / ns.block_tokens();
         let (keys, tail, frames) = Self::session_frames(ns, tokens, base, blocks)?;
         self.store_checked(&frames).await?.ok()?;

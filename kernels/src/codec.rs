@@ -5,7 +5,8 @@
 //! even with saturation, see [`crate::formats`]):
 //!
 //! - **FP8, per (token, head)** (default): `s = canonical(fl(amax_row / 448), 20 bits)`,
-//!   `code = e4m3(fl(x / s))`, decoded `fl(e4m3(code) · s)`.
+//!   `code = e4m3(fl(x / s))`, decoded `fl(e4m3(code) · s)`. (A true division, not a multiply by
+//!   the reciprocal: it keeps the per-element bound exact and matches engines' `x / k_scale`.)
 //! - **FP8, per tensor**: the same with the amax of the (layer, K|V) plane; **static**: the caller's
 //!   `k_scale`/`v_scale` as given (`code = e4m3(fl(x / k_scale))`, byte-compatible with engines
 //!   that store `x / k_scale` as FP8).
@@ -129,10 +130,19 @@ impl Codec {
     /// Encodes a block. `raw` returns the engine's bytes unchanged; every other codec returns a
     /// self-describing payload (see [`crate::payload`]).
     pub fn encode(&self, block: &KvBlockView) -> Result<Vec<u8>, CodecError> {
+        let mut out = Vec::new();
+        self.encode_into(block, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`Codec::encode`] into a caller's buffer (cleared first), so a hot path can reuse it.
+    pub fn encode_into(&self, block: &KvBlockView, out: &mut Vec<u8>) -> Result<(), CodecError> {
+        out.clear();
         let (format, lz4) = split_codec(self.id)?;
         let spec = *block.spec();
         if format == Format::Raw && !lz4 {
-            return Ok(block.bytes().to_vec());
+            out.extend_from_slice(block.bytes());
+            return Ok(());
         }
         if format != Format::Raw && !matches!(spec.dtype, DType::Bf16 | DType::Fp16 | DType::Fp32) {
             return Err(CodecError::UnsupportedDType {
@@ -147,27 +157,35 @@ impl Codec {
             (Fp8Scaling::Static(_), _) => Fp8ScaleMode::Static,
         };
         let mut info = PayloadInfo { format, lz4, spec, fp8_scales, body_len: 0 };
-        let sections = info.sections();
-        info.body_len = sections.total() as u64;
-        let mut out = Vec::with_capacity(PAYLOAD_HEADER_LEN + if lz4 { 0 } else { sections.total() });
-        info.write_header(&mut out);
+        let total = info.sections().total();
+        info.body_len = total as u64;
+        info.write_header(out);
         if format == Format::Raw {
             out.extend_from_slice(&lz4_flex::block::compress(block.bytes()));
-            return Ok(out);
+            return Ok(());
         }
         let isa = self.backend.resolve()?;
-        let mut body = vec![0u8; sections.total()];
-        match format {
-            Format::Fp8E4m3 => self.encode_fp8(isa, block, &mut body)?,
-            Format::Nvfp4 => self.encode_nvfp4(isa, block, &mut body)?,
-            Format::Raw => {}
-        }
         if lz4 {
+            let mut body = vec![0u8; total];
+            self.encode_body(isa, format, block, &mut body)?;
             out.extend_from_slice(&lz4_flex::block::compress(&body));
         } else {
-            out.extend_from_slice(&body);
+            out.resize(PAYLOAD_HEADER_LEN + total, 0);
+            let res = self.encode_body(isa, format, block, &mut out[PAYLOAD_HEADER_LEN..]);
+            if res.is_err() {
+                out.clear();
+            }
+            res?;
         }
-        Ok(out)
+        Ok(())
+    }
+
+    fn encode_body(&self, isa: Isa, format: Format, block: &KvBlockView, body: &mut [u8]) -> Result<(), CodecError> {
+        match format {
+            Format::Fp8E4m3 => self.encode_fp8(isa, block, body),
+            Format::Nvfp4 => self.encode_nvfp4(isa, block, body),
+            Format::Raw => Ok(()),
+        }
     }
 
     fn encode_fp8(&self, isa: Isa, block: &KvBlockView, body: &mut [u8]) -> Result<(), CodecError> {
@@ -219,7 +237,7 @@ impl Codec {
                         s
                     }
                 };
-                isa.fp8_encode_row(spec.dtype, row, if scale == 0.0 { 1.0 } else { scale }, dst);
+                isa.fp8_encode_row(spec.dtype, row, if scale == 0.0 { 1.0 } else { scale }, true, dst);
             }
             Ok(())
         })
@@ -382,8 +400,9 @@ fn split_rows<'a>(
     let mut r = 0;
     while r < rows {
         let n = per.min(rows - r);
-        let (ha, ta) = std::mem::take(&mut a).split_at_mut((n * a_row).min(a.len()));
-        let (hb, tb) = std::mem::take(&mut b).split_at_mut((n * b_row).min(b.len()));
+        let (na, nb) = ((n * a_row).min(a.len()), (n * b_row).min(b.len()));
+        let (ha, ta) = std::mem::take(&mut a).split_at_mut(na);
+        let (hb, tb) = std::mem::take(&mut b).split_at_mut(nb);
         out.push(Chunk { rows: r..r + n, a: ha, b: hb });
         a = ta;
         b = tb;

@@ -37,3 +37,24 @@ pub use codec::{decode, encode, is_lossless, split_codec, Codec, Fp8Scaling};
 pub use error::CodecError;
 pub use kernel::Backend;
 pub use payload::{inspect, Format, Fp8ScaleMode, PayloadInfo, PayloadParts};
+
+/// Hooks for this crate's own integration tests (golden vectors, backend equality). Not a stable
+/// API.
+#[doc(hidden)]
+pub mod __testing {
+    use crate::{Backend, CodecError};
+
+    /// Unscaled E4M3 codes of `xs` (saturating) through `backend`'s vector kernel.
+    pub fn e4m3_codes(backend: Backend, xs: &[f32]) -> Result<Vec<u8>, CodecError> {
+        let mut out = vec![0u8; xs.len()];
+        backend.resolve()?.e4m3_slice(xs, &mut out);
+        Ok(out)
+    }
+
+    /// Unscaled E2M1 codes of `xs`, one per byte, through `backend`'s vector kernel.
+    pub fn e2m1_codes(backend: Backend, xs: &[f32]) -> Result<Vec<u8>, CodecError> {
+        let mut out = vec![0u8; xs.len()];
+        backend.resolve()?.e2m1_slice(xs, &mut out);
+        Ok(out)
+    }
+}

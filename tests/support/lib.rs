@@ -1,1 +1,162 @@
-//! x
+//! Test support: starts real `kvtier` server processes on loopback (ephemeral ports, a fresh data
+//! directory each) and builds namespaces and payloads whose bytes can be checked.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use kvtier_client::{ClientConfig, KvClient, NamespaceHandle};
+use kvtier_proto::{BlockKey, DType, HashScheme, KvLayout, Namespace};
+
+/// The `kvtier` binary of this build (`cargo build --bins` puts it beside the test binaries).
+pub fn kvtier_bin() -> PathBuf {
+    if let Ok(p) = std::env::var("KVTIER_BIN") {
+        return PathBuf::from(p);
+    }
+    let exe = std::env::current_exe().expect("test binary path");
+    let dir = exe.parent().and_then(|d| d.parent()).expect("target profile directory");
+    let bin = dir.join("kvtier");
+    assert!(bin.exists(), "{} is missing: run `cargo build --bins` before the tests (the README's test command does)", bin.display());
+    bin
+}
+
+/// A running server process; killed (by its pid) when dropped.
+pub struct ServerProcess {
+    pub child: Child,
+    pub grpc: SocketAddr,
+    pub data: SocketAddr,
+    pub metrics: Option<SocketAddr>,
+    pub data_dir: tempfile::TempDir,
+    pub stdout: Vec<String>,
+}
+
+impl ServerProcess {
+    /// Starts `kvtier serve` on ephemeral loopback ports with `extra` flags.
+    pub fn start(extra: &[&str]) -> ServerProcess {
+        let data_dir = tempfile::tempdir().expect("tempdir");
+        let mut cmd = Command::new(kvtier_bin());
+        cmd.arg("serve")
+            .args(["--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0", "--metrics", "127.0.0.1:0"])
+            .arg("--data-dir")
+            .arg(data_dir.path())
+            .args(extra)
+            .env_remove("KVTIER_CONFIG")
+            .env("KVTIER_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        let mut child = cmd.spawn().expect("spawn kvtier serve");
+        let stdout = child.stdout.take().expect("stdout");
+        let mut lines = BufReader::new(stdout).lines();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut seen = Vec::new();
+        while Instant::now() < deadline {
+            let Some(Ok(line)) = lines.next() else { break };
+            seen.push(line.clone());
+            if line.contains("listening") {
+                let field = |name: &str| {
+                    line.split_whitespace()
+                        .find_map(|w| w.strip_prefix(&format!("{name}=")))
+                        .map(|v| v.trim_start_matches("http://").trim_end_matches("/metrics").to_string())
+                };
+                let grpc = field("grpc").and_then(|v| v.parse().ok()).expect("grpc address");
+                let data = field("data").and_then(|v| v.parse().ok()).expect("data address");
+                let metrics = field("metrics").and_then(|v| v.parse().ok());
+                // Keep draining stdout so the server never blocks on a full pipe.
+                std::thread::spawn(move || for _ in lines {});
+                return ServerProcess { child, grpc, data, metrics, data_dir, stdout: seen };
+            }
+        }
+        let _ = child.kill();
+        panic!("kvtier serve did not report its addresses; stdout: {seen:?}");
+    }
+
+    pub fn grpc_addr(&self) -> String {
+        self.grpc.to_string()
+    }
+
+    pub async fn client(&self) -> KvClient {
+        KvClient::connect(&self.grpc_addr(), ClientConfig::default()).await.expect("connect")
+    }
+
+    /// The Prometheus text from `/metrics`.
+    pub fn scrape(&self) -> String {
+        let addr = self.metrics.expect("metrics enabled");
+        let mut s = std::net::TcpStream::connect(addr).expect("connect metrics");
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").expect("write");
+        let mut out = String::new();
+        s.read_to_string(&mut out).expect("read");
+        out
+    }
+
+    /// Is the process still running?
+    pub fn alive(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Sum of a metric's samples whose label set contains every `labels` pair.
+pub fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .filter(|l| labels.iter().all(|(k, v)| l.contains(&format!("{k}=\"{v}\""))))
+        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
+        .sum()
+}
+
+/// A small layout: 4 layers, 2 KV heads of 64, fp16, 16 tokens per block = 32 KiB per block.
+pub fn small_layout() -> KvLayout {
+    KvLayout::new(4, 2, 64, DType::Fp16, 16)
+}
+
+/// A tiny layout for long contexts: 1 layer, 1 head of 16, fp16, 16 tokens = 1 KiB per block.
+pub fn tiny_layout() -> KvLayout {
+    KvLayout::new(1, 1, 16, DType::Fp16, 16)
+}
+
+pub fn namespace(tenant: &str, salt: &[u8], layout: KvLayout) -> Namespace {
+    Namespace::new(tenant, "test-model@1", layout, HashScheme::Blake3, salt)
+}
+
+/// Deterministic payload bytes for a block, derived from its key (so any reader can check them).
+pub fn payload_for(key: &BlockKey, len: u64) -> Bytes {
+    let mut out = vec![0u8; len as usize];
+    blake3::Hasher::new().update(b"payload").update(&key.0).finalize_xof().fill(&mut out);
+    Bytes::from(out)
+}
+
+/// Payloads of every full block of `tokens`.
+pub fn full_block_payloads(ns: &NamespaceHandle, tokens: &[u32]) -> Vec<Bytes> {
+    ns.keys(tokens).iter().map(|k| payload_for(k, ns.block_bytes())).collect()
+}
+
+/// Payloads of every full block of `tokens` then its tail, as a session parks them.
+pub fn session_payloads(ns: &NamespaceHandle, tokens: &[u32]) -> Vec<Bytes> {
+    let mut v = full_block_payloads(ns, tokens);
+    if let Some(t) = ns.tail_key(tokens) {
+        let n = (tokens.len() % ns.block_tokens()) as u32;
+        v.push(payload_for(&t, ns.namespace.layout.bytes_for_tokens(n)));
+    }
+    v
+}
+
+/// `n` tokens of a document identified by `seed`.
+pub fn tokens(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| seed.wrapping_mul(1_000_003).wrapping_add(i.wrapping_mul(7919)) % 128_000).collect()
+}
+
+/// Runs a `kvtier` client subcommand; returns (success, stdout, stderr).
+pub fn cli(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(kvtier_bin()).args(args).env_remove("KVTIER_SERVER").output().expect("run kvtier");
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+}

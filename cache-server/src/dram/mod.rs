@@ -1,1 +1,603 @@
+//! G2, the DRAM tier of one node: verified blocks in reusable slab slots under a hard byte cap,
+//! a concurrent index, S3-FIFO eviction per priority level, and pins.
+//!
+//! # Storage ([`slab`])
+//! Every block lives in a slot: a buffer of its size class, allocated once and reused for later
+//! blocks. Classes start at 4 KiB with 4 classes per power of two, so the usual full-block sizes
+//! (powers of two) fit exactly and any other payload wastes < 25% of itself (< 4 KiB below
+//! 4 KiB). `allocated_bytes` (slots the tier owns: indexed, free, or lent to a writer) never
+//! exceeds `capacity_bytes`: it only changes under the state mutex, after a budget check. When a
+//! slot of class C is needed: a free slot of C, else fresh budget, else free slots of other
+//! classes are given back, else blocks are evicted (a victim of class C donates its slot).
+//!
+//! # Readers and writers
+//! A writer fills a [`SlotWriter`] it owns exclusively (a plain `Vec<u8>` nobody else can see);
+//! [`DramTier::commit`] moves it into an `Arc` and into the index, so a reader never sees a
+//! half-written block. A reader gets a `Bytes` that holds a clone of that `Arc`. A slot leaving
+//! the index is reused only if no reader holds it (`Arc::try_unwrap`); otherwise the tier stops
+//! counting it and the last reader frees it, so a held `StoredBlock` never changes.
+//!
+//! # Eviction ([`policy`]): S3-FIFO per priority level
+//! KV prefix traffic is dominated by one-off prompts that are stored and never read again, mixed
+//! with a small set of hot prefixes (system prompts, shared documents) and parked sessions.
+//! LRU lets every one-off scan flush the hot set and needs a list update under a lock on each
+//! hit. S3-FIFO filters one-hit wonders in a small FIFO (10% of bytes) before they reach the main
+//! FIFO, and a hit is only a saturating 2-bit atomic increment (no lock, no list move), so `get`
+//! scales with readers. Its ghost queue readmits a recently evicted key straight into main.
+//! One S3-FIFO per priority: Low is drained before Normal before High. Pinned blocks met by the
+//! eviction scan are taken out of the queues and re-enter main when unpinned, so eviction stays
+//! O(1) amortized however much is pinned.
+//!
+//! # Locks
+//! Lock order: the state mutex (`Shared::state`) first, then DashMap shard locks, one at a time
+//! and never held across another index call. `get`, `contains` and `longest_prefix` take shard
+//! read locks only, never the state mutex. The eviction hook lock is never held with either.
+//! Buffers are dropped after the state mutex is released.
+//!
+//! # Demotion hook
+//! [`DramTier::set_eviction_hook`] is where the NVMe tier (G3) will receive demoted blocks: the
+//! hook is called after the state mutex is released with each evicted block; the block's bytes
+//! are then owned by whoever holds the `StoredBlock` (they no longer count against this tier).
+//! The hook must not block: hand the block to a bounded queue and drop it when the queue is full.
 
+mod policy;
+mod slab;
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use dashmap::DashMap;
+use kvtier_proto::{BlockKey, FrameHeader, NamespaceId};
+use parking_lot::{Mutex, RwLock};
+
+use policy::{Entries, Item, Place, Policy, View, MAX_FREQ};
+use slab::{slot_size, Slab};
+
+pub use crate::error::ServerError;
+
+pub type IndexKey = (NamespaceId, BlockKey);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub enum Priority {
+    Low = 0,
+    #[default]
+    Normal = 1,
+    High = 2,
+}
+
+impl Priority {
+    pub fn from_u32(v: u32) -> Priority {
+        match v {
+            0 => Priority::Low,
+            1 => Priority::Normal,
+            _ => Priority::High,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct DramConfig {
+    pub capacity_bytes: u64,
+    /// Pinned bytes may not exceed this fraction of capacity (sessions can't starve the prefix
+    /// cache). Clamped to 0..=1. Default: 0.9.
+    pub max_pinned_ratio: f64,
+}
+
+impl DramConfig {
+    /// A tier of `capacity_bytes` with the default pin ratio.
+    pub fn new(capacity_bytes: u64) -> Self {
+        DramConfig { capacity_bytes, max_pinned_ratio: 0.9 }
+    }
+}
+
+/// A stored block: its verified frame header and a zero-copy view of its payload in the slab.
+#[derive(Debug, Clone)]
+pub struct StoredBlock {
+    pub header: FrameHeader,
+    pub payload: Bytes,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InsertOutcome {
+    Inserted,
+    AlreadyPresent,
+}
+
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DramStats {
+    pub capacity_bytes: u64,
+    /// Sum of payload_len of indexed blocks.
+    pub resident_bytes: u64,
+    /// Bytes of slab slots the tier owns (in use + free + lent to writers); always <= capacity.
+    pub allocated_bytes: u64,
+    /// Sum of slot bytes of blocks with pin count > 0.
+    pub pinned_bytes: u64,
+    pub blocks: u64,
+    pub hits: u64,
+    pub misses: u64,
+    pub evictions: u64,
+    pub inserts: u64,
+    pub bytes_in: u64,
+    pub bytes_out: u64,
+}
+
+/// Called with each block evicted from DRAM (see the module doc, "Demotion hook").
+pub type EvictionHook = Arc<dyn Fn(IndexKey, StoredBlock) + Send + Sync>;
+
+/// The owner behind a reader's `Bytes`: keeps the slot buffer alive.
+struct SlotView {
+    buf: Arc<Vec<u8>>,
+    len: usize,
+}
+
+impl AsRef<[u8]> for SlotView {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf[..self.len.min(self.buf.len())]
+    }
+}
+
+fn view_of(buf: &Arc<Vec<u8>>, len: u64) -> Bytes {
+    Bytes::from_owner(SlotView { buf: Arc::clone(buf), len: len as usize })
+}
+
+/// An index entry. `pins` and `place` change only under the state mutex.
+struct Entry {
+    id: u64,
+    header: FrameHeader,
+    buf: Arc<Vec<u8>>,
+    level: usize,
+    freq: AtomicU8,
+    pins: u32,
+    place: Place,
+}
+
+#[derive(Default)]
+struct Counters {
+    hits: AtomicU64,
+    misses: AtomicU64,
+    evictions: AtomicU64,
+    inserts: AtomicU64,
+    bytes_in: AtomicU64,
+    bytes_out: AtomicU64,
+    // Mirrors of the state, published under the state mutex.
+    resident: AtomicU64,
+    allocated: AtomicU64,
+    pinned: AtomicU64,
+    blocks: AtomicU64,
+}
+
+struct State {
+    slab: Slab,
+    policy: Policy,
+    resident: u64,
+    pinned: u64,
+    blocks: u64,
+    next_id: u64,
+}
+
+struct Shared {
+    capacity: u64,
+    max_pinned: u64,
+    index: DashMap<IndexKey, Entry>,
+    state: Mutex<State>,
+    counters: Counters,
+    hook: RwLock<Option<EvictionHook>>,
+}
+
+/// The index as the policy sees it.
+struct IndexAccess<'a>(&'a DashMap<IndexKey, Entry>);
+
+impl Entries for IndexAccess<'_> {
+    fn view(&self, key: &IndexKey, id: u64) -> Option<View> {
+        let e = self.0.get(key)?;
+        (e.id == id).then(|| View { pinned: e.pins > 0, freq: e.freq.load(Ordering::Relaxed) })
+    }
+    fn set_place(&mut self, key: &IndexKey, place: Place) {
+        if let Some(mut e) = self.0.get_mut(key) {
+            e.place = place;
+        }
+    }
+    fn set_freq(&mut self, key: &IndexKey, freq: u8) {
+        if let Some(e) = self.0.get(key) {
+            e.freq.store(freq, Ordering::Relaxed);
+        }
+    }
+}
+
+/// An exclusively owned, not-yet-visible slot of exactly `len` bytes (the slot itself may be a
+/// larger size class). Dropping it without commit returns the slot to the tier.
+pub struct SlotWriter {
+    shared: Arc<Shared>,
+    buf: Option<Vec<u8>>,
+    len: usize,
+}
+
+impl SlotWriter {
+    /// Exactly `len` bytes.
+    pub fn buf_mut(&mut self) -> &mut [u8] {
+        match self.buf.as_mut() {
+            Some(b) => &mut b[..self.len],
+            None => &mut [],
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl std::fmt::Debug for SlotWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SlotWriter").field("len", &self.len).field("slot", &self.buf.as_ref().map(Vec::len)).finish()
+    }
+}
+
+impl Drop for SlotWriter {
+    fn drop(&mut self) {
+        if let Some(buf) = self.buf.take() {
+            let mut st = self.shared.state.lock();
+            st.slab.put_free(buf);
+            self.shared.publish(&st);
+        }
+    }
+}
+
+/// The DRAM tier. `Send + Sync`; share it behind an `Arc` or by reference.
+pub struct DramTier {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for DramTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DramTier").field("stats", &self.stats()).finish()
+    }
+}
+
+impl Shared {
+    /// Mirrors the state into the atomics and gauges. Call with the state mutex held.
+    fn publish(&self, st: &State) {
+        let c = &self.counters;
+        c.resident.store(st.resident, Ordering::Relaxed);
+        c.allocated.store(st.slab.allocated(), Ordering::Relaxed);
+        c.pinned.store(st.pinned, Ordering::Relaxed);
+        c.blocks.store(st.blocks, Ordering::Relaxed);
+        metrics::gauge!("kvtier_tier_resident_bytes", "tier" => "dram").set(st.resident as f64);
+        metrics::gauge!("kvtier_tier_allocated_bytes", "tier" => "dram").set(st.slab.allocated() as f64);
+        metrics::gauge!("kvtier_tier_pinned_bytes", "tier" => "dram").set(st.pinned as f64);
+        metrics::gauge!("kvtier_tier_blocks", "tier" => "dram").set(st.blocks as f64);
+    }
+
+    /// Takes `key` out of the index and the policy. Returns its buffer and header.
+    fn unindex(&self, st: &mut State, key: &IndexKey) -> Option<(Arc<Vec<u8>>, FrameHeader)> {
+        let (_, e) = self.index.remove(key)?;
+        st.policy.forget(e.level, e.place, e.buf.len() as u64, &IndexAccess(&self.index));
+        st.resident = st.resident.saturating_sub(e.header.payload_len);
+        st.blocks = st.blocks.saturating_sub(1);
+        if e.pins > 0 {
+            st.pinned = st.pinned.saturating_sub(e.buf.len() as u64);
+        }
+        Some((e.buf, e.header))
+    }
+
+    /// A slot of exactly `size` bytes within the budget, evicting as needed. Evicted blocks go
+    /// to `demoted` when a hook is set.
+    fn obtain(
+        &self,
+        st: &mut State,
+        size: usize,
+        hook: bool,
+        demoted: &mut Vec<(IndexKey, StoredBlock)>,
+    ) -> Result<Vec<u8>, ServerError> {
+        if let Some(b) = st.slab.take_free(size) {
+            return Ok(b);
+        }
+        st.slab.release_free_until_fits(size);
+        if let Some(b) = st.slab.try_alloc(size) {
+            return Ok(b);
+        }
+        loop {
+            let Some(victim) = st.policy.evict(&mut IndexAccess(&self.index)) else {
+                return Err(ServerError::Capacity(format!(
+                    "dram tier: no evictable block frees {size} bytes ({} of {} bytes pinned)",
+                    st.pinned, self.capacity
+                )));
+            };
+            let Some((buf, header)) = self.unindex(st, &victim.key) else { continue };
+            self.counters.evictions.fetch_add(1, Ordering::Relaxed);
+            metrics::counter!("kvtier_tier_evictions_total", "tier" => "dram").increment(1);
+            if hook {
+                demoted.push((victim.key, StoredBlock { header, payload: view_of(&buf, header.payload_len) }));
+            }
+            match Arc::try_unwrap(buf) {
+                Ok(v) if v.len() == size => return Ok(v),
+                Ok(v) => {
+                    st.slab.forget(v.len());
+                    st.slab.trash.push(v);
+                }
+                Err(shared) => {
+                    st.slab.forget(shared.len());
+                    st.slab.trash_shared.push(shared);
+                }
+            }
+            if let Some(b) = st.slab.try_alloc(size) {
+                return Ok(b);
+            }
+        }
+    }
+}
+
+impl DramTier {
+    pub fn new(cfg: DramConfig) -> DramTier {
+        let ratio = if cfg.max_pinned_ratio.is_nan() { 0.9 } else { cfg.max_pinned_ratio.clamp(0.0, 1.0) };
+        let shared = Shared {
+            capacity: cfg.capacity_bytes,
+            max_pinned: (cfg.capacity_bytes as f64 * ratio) as u64,
+            index: DashMap::new(),
+            state: Mutex::new(State {
+                slab: Slab::new(cfg.capacity_bytes),
+                policy: Policy::default(),
+                resident: 0,
+                pinned: 0,
+                blocks: 0,
+                next_id: 0,
+            }),
+            counters: Counters::default(),
+            hook: RwLock::new(None),
+        };
+        DramTier { shared: Arc::new(shared) }
+    }
+
+    /// Sets (or clears) the hook that receives evicted blocks: the NVMe demotion point.
+    pub fn set_eviction_hook(&self, hook: Option<EvictionHook>) {
+        *self.shared.hook.write() = hook;
+    }
+
+    /// Reserves a slot for a payload of `len` bytes, evicting unpinned blocks as needed.
+    /// `TooLarge` if the slot for `len` bytes (its size class) exceeds the capacity; `Capacity`
+    /// if nothing evictable frees enough.
+    pub fn reserve(&self, len: usize) -> Result<SlotWriter, ServerError> {
+        let size = slot_size(len);
+        if size as u64 > self.shared.capacity {
+            return Err(ServerError::TooLarge { len: len as u64, capacity: self.shared.capacity });
+        }
+        let hook = self.shared.hook.read().clone();
+        let mut demoted = Vec::new();
+        let (res, trash) = {
+            let mut st = self.shared.state.lock();
+            let res = self.shared.obtain(&mut st, size, hook.is_some(), &mut demoted);
+            self.shared.publish(&st);
+            (res, st.slab.take_trash())
+        };
+        drop(trash);
+        if let Some(hook) = hook {
+            for (key, block) in demoted {
+                hook(key, block);
+            }
+        }
+        Ok(SlotWriter { shared: Arc::clone(&self.shared), buf: Some(res?), len })
+    }
+
+    /// Makes a filled slot visible under `(header.namespace, header.key)`. The caller has
+    /// verified the payload checksum. If the key is already present, keeps the existing block,
+    /// recycles the slot and returns `AlreadyPresent`.
+    pub fn commit(&self, mut slot: SlotWriter, header: FrameHeader, priority: Priority) -> Result<InsertOutcome, ServerError> {
+        let len = slot.len;
+        let Some(buf) = slot.buf.take() else {
+            return Err(ServerError::InvalidRequest("slot already committed".into()));
+        };
+        drop(slot);
+        let key = (header.namespace, header.key);
+        let mut st = self.shared.state.lock();
+        if header.payload_len != len as u64 || self.shared.index.contains_key(&key) {
+            st.slab.put_free(buf);
+            self.shared.publish(&st);
+            if header.payload_len != len as u64 {
+                return Err(ServerError::InvalidRequest(format!(
+                    "header says {} payload bytes, slot holds {len}",
+                    header.payload_len
+                )));
+            }
+            return Ok(InsertOutcome::AlreadyPresent);
+        }
+        st.next_id += 1;
+        let id = st.next_id;
+        let level = priority as usize;
+        let place = st.policy.insert(level, Item { key, id, bytes: buf.len() as u64 });
+        let entry = Entry { id, header, buf: Arc::new(buf), level, freq: AtomicU8::new(0), pins: 0, place };
+        self.shared.index.insert(key, entry);
+        st.resident += header.payload_len;
+        st.blocks += 1;
+        self.shared.publish(&st);
+        drop(st);
+        let c = &self.shared.counters;
+        c.inserts.fetch_add(1, Ordering::Relaxed);
+        c.bytes_in.fetch_add(header.payload_len, Ordering::Relaxed);
+        metrics::counter!("kvtier_tier_bytes_in_total", "tier" => "dram").increment(header.payload_len);
+        Ok(InsertOutcome::Inserted)
+    }
+
+    /// reserve + copy + commit. A key already present is not reserved for again.
+    pub fn insert(&self, header: FrameHeader, payload: &[u8], priority: Priority) -> Result<InsertOutcome, ServerError> {
+        if payload.len() as u64 != header.payload_len {
+            return Err(ServerError::InvalidRequest(format!(
+                "header says {} payload bytes, got {}",
+                header.payload_len,
+                payload.len()
+            )));
+        }
+        if self.contains(&header.namespace, &header.key) {
+            return Ok(InsertOutcome::AlreadyPresent);
+        }
+        let mut slot = self.reserve(payload.len())?;
+        slot.buf_mut().copy_from_slice(payload);
+        self.commit(slot, header, priority)
+    }
+
+    /// A hit returns a zero-copy view of the slot and bumps the block's frequency.
+    pub fn get(&self, ns: &NamespaceId, key: &BlockKey) -> Option<StoredBlock> {
+        let c = &self.shared.counters;
+        let found = self.shared.index.get(&(*ns, *key)).map(|e| {
+            let _ = e.freq.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |f| (f < MAX_FREQ).then_some(f + 1));
+            StoredBlock { header: e.header, payload: view_of(&e.buf, e.header.payload_len) }
+        });
+        match &found {
+            Some(b) => {
+                c.hits.fetch_add(1, Ordering::Relaxed);
+                c.bytes_out.fetch_add(b.payload.len() as u64, Ordering::Relaxed);
+                metrics::counter!("kvtier_tier_hits_total", "tier" => "dram").increment(1);
+                metrics::counter!("kvtier_tier_bytes_out_total", "tier" => "dram").increment(b.payload.len() as u64);
+            }
+            None => {
+                c.misses.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!("kvtier_tier_misses_total", "tier" => "dram").increment(1);
+            }
+        }
+        found
+    }
+
+    /// Presence without counting a hit or changing eviction state.
+    pub fn contains(&self, ns: &NamespaceId, key: &BlockKey) -> bool {
+        self.shared.index.contains_key(&(*ns, *key))
+    }
+
+    /// Number of leading keys present (stops at the first absent one). No counters, no
+    /// frequency bump.
+    pub fn longest_prefix(&self, ns: &NamespaceId, keys: &[BlockKey]) -> usize {
+        keys.iter().take_while(|k| self.contains(ns, k)).count()
+    }
+
+    /// All or nothing: increments the pin count of every key (a key listed twice is pinned
+    /// twice). `MissingBlocks` if any is absent, `Capacity` if the newly pinned bytes would pass
+    /// the pinned limit; nothing is pinned on error.
+    pub fn pin(&self, ns: &NamespaceId, keys: &[BlockKey]) -> Result<(), ServerError> {
+        let index = &self.shared.index;
+        let mut st = self.shared.state.lock();
+        let mut missing = Vec::new();
+        let mut newly = 0u64;
+        let mut seen = HashSet::new();
+        for (i, k) in keys.iter().enumerate() {
+            match index.get(&(*ns, *k)) {
+                None => missing.push(i as u32),
+                Some(e) => {
+                    if e.pins == 0 && seen.insert(*k) {
+                        newly += e.buf.len() as u64;
+                    }
+                }
+            }
+        }
+        if !missing.is_empty() {
+            return Err(ServerError::MissingBlocks { missing, missing_tail: false });
+        }
+        if st.pinned + newly > self.shared.max_pinned {
+            return Err(ServerError::Capacity(format!(
+                "pinning {newly} more bytes would pass the pinned limit ({} of {} bytes pinned, limit {})",
+                st.pinned, self.shared.capacity, self.shared.max_pinned
+            )));
+        }
+        for k in keys {
+            if let Some(mut e) = index.get_mut(&(*ns, *k)) {
+                if e.pins == 0 {
+                    st.pinned += e.buf.len() as u64;
+                }
+                e.pins = e.pins.saturating_add(1);
+            }
+        }
+        self.shared.publish(&st);
+        Ok(())
+    }
+
+    /// Decrements pin counts (saturating; absent keys ignored). A block whose count reaches 0
+    /// becomes evictable again.
+    pub fn unpin(&self, ns: &NamespaceId, keys: &[BlockKey]) {
+        let mut st = self.shared.state.lock();
+        for k in keys {
+            let key = (*ns, *k);
+            let Some(mut e) = self.shared.index.get_mut(&key) else { continue };
+            if e.pins == 0 {
+                continue;
+            }
+            e.pins -= 1;
+            if e.pins == 0 {
+                st.pinned = st.pinned.saturating_sub(e.buf.len() as u64);
+                if e.place == Place::Parked {
+                    // The policy does not touch the index here, so holding `e` is fine.
+                    st.policy.unpark(e.level, Item { key, id: e.id, bytes: e.buf.len() as u64 });
+                    e.place = Place::Main;
+                }
+            }
+        }
+        self.shared.publish(&st);
+    }
+
+    /// Removes an unpinned block; false if absent or pinned.
+    pub fn remove(&self, ns: &NamespaceId, key: &BlockKey) -> bool {
+        let trash;
+        {
+            let mut st = self.shared.state.lock();
+            if !self.remove_locked(&mut st, &(*ns, *key)) {
+                return false;
+            }
+            self.shared.publish(&st);
+            trash = st.slab.take_trash();
+        }
+        drop(trash);
+        true
+    }
+
+    fn remove_locked(&self, st: &mut State, key: &IndexKey) -> bool {
+        let pinned = match self.shared.index.get(key) {
+            None => return false,
+            Some(e) => e.pins > 0,
+        };
+        if pinned {
+            return false;
+        }
+        match self.shared.unindex(st, key) {
+            Some((buf, _)) => {
+                st.slab.recycle(buf);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Removes every unpinned block of a namespace; returns how many.
+    pub fn purge_namespace(&self, ns: &NamespaceId) -> u64 {
+        let mut st = self.shared.state.lock();
+        let keys: Vec<IndexKey> =
+            self.shared.index.iter().filter(|e| e.key().0 == *ns && e.pins == 0).map(|e| *e.key()).collect();
+        let removed = keys.iter().filter(|k| self.remove_locked(&mut st, k)).count() as u64;
+        self.shared.publish(&st);
+        let trash = st.slab.take_trash();
+        drop(st);
+        drop(trash);
+        removed
+    }
+
+    pub fn stats(&self) -> DramStats {
+        let c = &self.shared.counters;
+        let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        DramStats {
+            capacity_bytes: self.shared.capacity,
+            resident_bytes: r(&c.resident),
+            allocated_bytes: r(&c.allocated),
+            pinned_bytes: r(&c.pinned),
+            blocks: r(&c.blocks),
+            hits: r(&c.hits),
+            misses: r(&c.misses),
+            evictions: r(&c.evictions),
+            inserts: r(&c.inserts),
+            bytes_in: r(&c.bytes_in),
+            bytes_out: r(&c.bytes_out),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

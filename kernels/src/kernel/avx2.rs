@@ -18,12 +18,42 @@ use crate::formats::{e4m3_to_f32, E2M1_VALUES};
 
 const ABS: i32 = 0x7FFF_FFFF;
 
+const BF16: u8 = DType::Bf16 as u8;
+const FP16: u8 = DType::Fp16 as u8;
+const FP32: u8 = DType::Fp32 as u8;
+const FP8: u8 = DType::Fp8E4m3 as u8;
+
+/// The dtype of a const-generic code: the loops are instantiated once per dtype, so the match on
+/// the dtype happens once per row, not once per vector.
+#[inline]
+const fn dt(d: u8) -> DType {
+    match d {
+        BF16 => DType::Bf16,
+        FP16 => DType::Fp16,
+        FP32 => DType::Fp32,
+        _ => DType::Fp8E4m3,
+    }
+}
+
+/// Calls `$f::<D>($args)` with `D` the const code of `$dtype`.
+macro_rules! by_dtype {
+    ($dtype:expr, $f:ident($($a:expr),*)) => {
+        match $dtype {
+            DType::Bf16 => $f::<BF16>($($a),*),
+            DType::Fp16 => $f::<FP16>($($a),*),
+            DType::Fp32 => $f::<FP32>($($a),*),
+            DType::Fp8E4m3 => $f::<FP8>($($a),*),
+        }
+    };
+}
+
 /// Loads elements `i..i + 8` of `src` (little-endian `dtype`) as f32.
 /// Invariant: `(i + 8) * dtype.size() <= src.len()` and `dtype` is not FP8 (callers route FP8 to
 /// the scalar kernels).
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
-unsafe fn load8(dtype: DType, src: &[u8], i: usize) -> __m256 {
+unsafe fn load8<const D: u8>(src: &[u8], i: usize) -> __m256 {
+    let dtype = dt(D);
     debug_assert!((i + 8) * dtype.size() as usize <= src.len());
     match dtype {
         DType::Bf16 => {
@@ -54,7 +84,8 @@ unsafe fn load8(dtype: DType, src: &[u8], i: usize) -> __m256 {
 /// Invariant: `(i + 8) * dtype.size() <= dst.len()`.
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
-unsafe fn store8(dtype: DType, dst: &mut [u8], i: usize, v: __m256) {
+unsafe fn store8<const D: u8>(dst: &mut [u8], i: usize, v: __m256) {
+    let dtype = dt(D);
     debug_assert!((i + 8) * dtype.size() as usize <= dst.len());
     match dtype {
         DType::Bf16 => {
@@ -164,13 +195,19 @@ unsafe fn hmax_ps(v: __m256) -> f32 {
 /// See `scalar::row_amax_bits`.
 #[target_feature(enable = "avx2,f16c")]
 pub(crate) unsafe fn row_amax_bits(dtype: DType, src: &[u8]) -> u32 {
+    by_dtype!(dtype, row_amax_bits_t(src))
+}
+
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn row_amax_bits_t<const D: u8>(src: &[u8]) -> u32 {
+    let dtype = dt(D);
     let es = dtype.size() as usize;
     let n = src.len() / es;
     let abs = _mm256_set1_epi32(ABS);
     let mut acc = _mm256_setzero_si256();
     let mut i = 0;
     while i + 8 <= n {
-        let x = _mm256_castps_si256(load8(dtype, src, i));
+        let x = _mm256_castps_si256(load8::<D>(src, i));
         acc = _mm256_max_epu32(acc, _mm256_and_si256(x, abs));
         i += 8;
     }
@@ -182,17 +219,58 @@ pub(crate) unsafe fn row_amax_bits(dtype: DType, src: &[u8]) -> u32 {
 
 /// See `scalar::fp8_encode_row`.
 #[target_feature(enable = "avx2,f16c")]
-pub(crate) unsafe fn fp8_encode_row(dtype: DType, src: &[u8], divisor: f32, dst: &mut [u8]) {
-    let es = dtype.size() as usize;
+pub(crate) unsafe fn fp8_encode_row(dtype: DType, src: &[u8], factor: f32, divide: bool, dst: &mut [u8]) {
+    if divide {
+        by_dtype!(dtype, fp8_encode_t_div(src, factor, dst))
+    } else {
+        by_dtype!(dtype, fp8_encode_t_mul(src, factor, dst))
+    }
+}
+
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn fp8_encode_t_div<const D: u8>(src: &[u8], factor: f32, dst: &mut [u8]) {
+    fp8_encode_t::<D, true>(src, factor, dst)
+}
+
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn fp8_encode_t_mul<const D: u8>(src: &[u8], factor: f32, dst: &mut [u8]) {
+    fp8_encode_t::<D, false>(src, factor, dst)
+}
+
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn fp8_encode_t<const D: u8, const DIV: bool>(src: &[u8], factor: f32, dst: &mut [u8]) {
+    let es = dt(D).size() as usize;
     let n = dst.len();
-    let dv = _mm256_set1_ps(divisor);
+    let f = _mm256_set1_ps(factor);
+    macro_rules! scale {
+        ($x:expr) => {
+            if DIV {
+                _mm256_div_ps($x, f)
+            } else {
+                _mm256_mul_ps($x, f)
+            }
+        };
+    }
     let mut i = 0;
+    while i + 32 <= n {
+        let c0 = e4m3_8(scale!(load8::<D>(src, i)));
+        let c1 = e4m3_8(scale!(load8::<D>(src, i + 8)));
+        let c2 = e4m3_8(scale!(load8::<D>(src, i + 16)));
+        let c3 = e4m3_8(scale!(load8::<D>(src, i + 24)));
+        // Codes are 0..=255 in 32-bit lanes: the saturating packs are exact; they interleave the
+        // 128-bit halves, which the final permute undoes.
+        let p = _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
+        let p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        // SAFETY: 32 bytes at i are inside dst (loop condition).
+        _mm256_storeu_si256(dst.as_mut_ptr().add(i) as *mut __m256i, p);
+        i += 32;
+    }
     while i + 8 <= n {
-        let q = _mm256_div_ps(load8(dtype, src, i), dv);
-        store8_u8(dst, i, e4m3_8(q));
+        store8_u8(dst, i, e4m3_8(scale!(load8::<D>(src, i))));
         i += 8;
     }
-    scalar::fp8_encode_row(dtype, &src[i * es..], divisor, &mut dst[i..]);
+    scalar::fp8_encode_row(dt(D), &src[i * es..], factor, DIV, &mut dst[i..]);
 }
 
 /// See `scalar::fp8_decode_row`. E4M3 code `c` is turned into the FP16 bit pattern whose value
@@ -200,6 +278,12 @@ pub(crate) unsafe fn fp8_encode_row(dtype: DType, src: &[u8], divisor: f32, dst:
 /// multiplied by `256 · scale` — one rounding, the same product as the scalar `table[c] · scale`.
 #[target_feature(enable = "avx2,f16c")]
 pub(crate) unsafe fn fp8_decode_row(codes: &[u8], scale: f32, out: DType, dst: &mut [u8]) -> bool {
+    by_dtype!(out, fp8_decode_t(codes, scale, dst))
+}
+
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn fp8_decode_t<const D: u8>(codes: &[u8], scale: f32, dst: &mut [u8]) -> bool {
+    let out = dt(D);
     let os = out.size() as usize;
     let n = codes.len();
     let sc = _mm256_set1_ps(scale * 256.0);
@@ -215,7 +299,7 @@ pub(crate) unsafe fn fp8_decode_row(codes: &[u8], scale: f32, out: DType, dst: &
             _mm_slli_epi16::<7>(_mm_and_si128(w, _mm_set1_epi16(0x7F))),
             _mm_slli_epi16::<8>(_mm_and_si128(w, _mm_set1_epi16(0x80))),
         );
-        store8(out, dst, i, _mm256_mul_ps(_mm256_cvtph_ps(h), sc));
+        store8::<D>(dst, i, _mm256_mul_ps(_mm256_cvtph_ps(h), sc));
         i += 8;
     }
     let tail_bad = scalar::fp8_decode_row(&codes[i..], scale, out, &mut dst[i * os..]);
@@ -225,13 +309,19 @@ pub(crate) unsafe fn fp8_decode_row(codes: &[u8], scale: f32, out: DType, dst: &
 /// See `scalar::nvfp4_encode_row`.
 #[target_feature(enable = "avx2,f16c")]
 pub(crate) unsafe fn nvfp4_encode_row(dtype: DType, src: &[u8], g: f32, enc: f32, bs: &mut [u8], codes: &mut [u8]) {
+    by_dtype!(dtype, nvfp4_encode_t(src, g, enc, bs, codes))
+}
+
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn nvfp4_encode_t<const D: u8>(src: &[u8], g: f32, enc: f32, bs: &mut [u8], codes: &mut [u8]) {
+    let dtype = dt(D);
     let es = dtype.size() as usize;
     let n = src.len() / es;
     let full = n / 16;
     let abs = _mm256_castsi256_ps(_mm256_set1_epi32(ABS));
     for b in 0..full {
-        let x0 = load8(dtype, src, 16 * b);
-        let x1 = load8(dtype, src, 16 * b + 8);
+        let x0 = load8::<D>(src, 16 * b);
+        let x1 = load8::<D>(src, 16 * b + 8);
         let amax_b = hmax_ps(_mm256_max_ps(_mm256_and_ps(x0, abs), _mm256_and_ps(x1, abs)));
         let (s, _d, inv) = scalar::nvfp4_block_scale(amax_b, g, enc);
         bs[b] = s;
@@ -250,6 +340,12 @@ pub(crate) unsafe fn nvfp4_encode_row(dtype: DType, src: &[u8], g: f32, enc: f32
 /// variable shift, and its magnitude looked up with a lane permute of the eight E2M1 values.
 #[target_feature(enable = "avx2,f16c")]
 pub(crate) unsafe fn nvfp4_decode_row(bs: &[u8], codes: &[u8], g: f32, n: usize, out: DType, dst: &mut [u8]) -> bool {
+    by_dtype!(out, nvfp4_decode_t(bs, codes, g, n, dst))
+}
+
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn nvfp4_decode_t<const D: u8>(bs: &[u8], codes: &[u8], g: f32, n: usize, dst: &mut [u8]) -> bool {
+    let out = dt(D);
     let table = _mm256_loadu_ps(E2M1_VALUES.as_ptr());
     let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
     let full = n / 16;
@@ -265,8 +361,24 @@ pub(crate) unsafe fn nvfp4_decode_row(bs: &[u8], codes: &[u8], g: f32, n: usize,
             let mag = _mm256_permutevar8x32_ps(table, _mm256_and_si256(c, _mm256_set1_epi32(7)));
             let sign = _mm256_slli_epi32::<28>(_mm256_and_si256(c, _mm256_set1_epi32(8)));
             let v = _mm256_or_ps(mag, _mm256_castsi256_ps(sign));
-            store8(out, dst, 16 * b + 8 * h, _mm256_mul_ps(v, d));
+            store8::<D>(dst, 16 * b + 8 * h, _mm256_mul_ps(v, d));
         }
     }
     scalar::nvfp4_decode_row(bs, codes, g, full * 16, n, out, dst) || bad
+}
+
+/// E2M1 code of each f32 (one per byte, unscaled); a test hook for the golden vectors.
+#[target_feature(enable = "avx2,f16c")]
+pub(crate) unsafe fn e2m1_slice(xs: &[f32], out: &mut [u8]) {
+    let n = xs.len().min(out.len());
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: elements i..i+8 are inside xs (loop condition).
+        let x = _mm256_loadu_ps(xs.as_ptr().add(i));
+        store8_u8(out, i, e2m1_8(x));
+        i += 8;
+    }
+    for k in i..n {
+        out[k] = crate::formats::e2m1_from_f32(xs[k]);
+    }
 }

@@ -74,13 +74,14 @@ impl Isa {
         scalar::row_amax_bits(dtype, src)
     }
 
-    pub(crate) fn fp8_encode_row(self, dtype: DType, src: &[u8], divisor: f32, dst: &mut [u8]) {
+    /// `e4m3(x / factor)` when `divide`, else `e4m3(x * factor)`.
+    pub(crate) fn fp8_encode_row(self, dtype: DType, src: &[u8], factor: f32, divide: bool, dst: &mut [u8]) {
         #[cfg(target_arch = "x86_64")]
         if self.simd(dtype) {
             // SAFETY: as above.
-            return unsafe { avx2::fp8_encode_row(dtype, src, divisor, dst) };
+            return unsafe { avx2::fp8_encode_row(dtype, src, factor, divide, dst) };
         }
-        scalar::fp8_encode_row(dtype, src, divisor, dst)
+        scalar::fp8_encode_row(dtype, src, factor, divide, dst)
     }
 
     pub(crate) fn fp8_decode_row(self, codes: &[u8], scale: f32, out: DType, dst: &mut [u8]) -> bool {
@@ -108,5 +109,25 @@ impl Isa {
             return unsafe { avx2::nvfp4_decode_row(bs, codes, g, n, out, dst) };
         }
         scalar::nvfp4_decode_row(bs, codes, g, 0, n, out, dst)
+    }
+}
+
+impl Isa {
+    /// Unscaled E4M3 codes of f32 values (a division by 1 is exact).
+    pub(crate) fn e4m3_slice(self, xs: &[f32], out: &mut [u8]) {
+        let bytes: Vec<u8> = xs.iter().flat_map(|v| v.to_le_bytes()).collect();
+        self.fp8_encode_row(DType::Fp32, &bytes, 1.0, true, out);
+    }
+
+    /// Unscaled E2M1 codes of f32 values, one per byte.
+    pub(crate) fn e2m1_slice(self, xs: &[f32], out: &mut [u8]) {
+        #[cfg(target_arch = "x86_64")]
+        if let Isa::Avx2(_) = self {
+            // SAFETY: an Avx2 Isa exists only after the CPU features were detected.
+            return unsafe { avx2::e2m1_slice(xs, out) };
+        }
+        for (o, x) in out.iter_mut().zip(xs) {
+            *o = crate::formats::e2m1_from_f32(*x);
+        }
     }
 }

@@ -1,0 +1,496 @@
+use std::collections::HashMap;
+use std::sync::atomic::AtomicBool;
+use std::sync::Mutex as StdMutex;
+
+use kvtier_proto::{CodecId, DType, KvLayout};
+use proptest::prelude::*;
+
+use super::*;
+
+const KIB: usize = 1024;
+const NS: NamespaceId = NamespaceId([7; 16]);
+
+fn key(i: u32) -> BlockKey {
+    let mut k = [0xAB; 32];
+    k[..4].copy_from_slice(&i.to_le_bytes());
+    BlockKey(k)
+}
+
+fn payload(i: u32, len: usize) -> Vec<u8> {
+    (0..len).map(|j| (i as usize).wrapping_mul(131).wrapping_add(j.wrapping_mul(7)).wrapping_add(j >> 9) as u8).collect()
+}
+
+fn header(ns: NamespaceId, i: u32, len: usize) -> FrameHeader {
+    FrameHeader {
+        codec: CodecId::RAW,
+        tokens: 1,
+        namespace: ns,
+        key: key(i),
+        layout: KvLayout::new(2, 1, 4, DType::Fp16, 16),
+        payload_len: len as u64,
+        checksum: 0,
+    }
+}
+
+fn put(t: &DramTier, i: u32, len: usize, p: Priority) -> Result<InsertOutcome, ServerError> {
+    t.insert(header(NS, i, len), &payload(i, len), p)
+}
+
+fn tier(cap: usize, ratio: f64) -> DramTier {
+    DramTier::new(DramConfig { capacity_bytes: cap as u64, max_pinned_ratio: ratio })
+}
+
+fn check_caps(t: &DramTier) {
+    let s = t.stats();
+    assert!(s.allocated_bytes <= s.capacity_bytes, "{s:?}");
+    assert!(s.resident_bytes <= s.allocated_bytes, "{s:?}");
+    assert!(s.pinned_bytes <= s.allocated_bytes, "{s:?}");
+}
+
+#[test]
+fn round_trip_miss_and_already_present() {
+    let t = tier(1 << 20, 0.9);
+    assert_eq!(put(&t, 1, 5000, Priority::Normal).unwrap(), InsertOutcome::Inserted);
+    let b = t.get(&NS, &key(1)).unwrap();
+    assert_eq!(&b.payload[..], &payload(1, 5000)[..]);
+    assert_eq!(b.header, header(NS, 1, 5000));
+    assert!(t.get(&NS, &key(2)).is_none());
+    assert!(t.get(&NamespaceId([8; 16]), &key(1)).is_none(), "namespaces never match");
+    // The second insert keeps the first bytes.
+    assert_eq!(t.insert(header(NS, 1, 5000), &payload(9, 5000), Priority::High).unwrap(), InsertOutcome::AlreadyPresent);
+    // Through reserve/commit too: the slot goes back to the free list.
+    let mut w = t.reserve(5000).unwrap();
+    w.buf_mut().copy_from_slice(&payload(9, 5000));
+    assert_eq!(t.commit(w, header(NS, 1, 5000), Priority::Low).unwrap(), InsertOutcome::AlreadyPresent);
+    assert_eq!(&t.get(&NS, &key(1)).unwrap().payload[..], &payload(1, 5000)[..]);
+    let s = t.stats();
+    assert_eq!((s.hits, s.misses, s.inserts, s.blocks), (2, 2, 1, 1));
+    assert_eq!((s.resident_bytes, s.allocated_bytes), (5000, 2 * 5120));
+    assert_eq!((s.bytes_in, s.bytes_out), (5000, 10000));
+    assert!(t.contains(&NS, &key(1)) && !t.contains(&NS, &key(2)));
+    assert_eq!(t.stats().hits, 2, "contains counts nothing");
+}
+
+#[test]
+fn too_large_and_length_mismatch() {
+    let t = tier(64 * KIB, 0.9);
+    assert!(matches!(t.reserve(64 * KIB + 1), Err(ServerError::TooLarge { .. })));
+    assert!(matches!(t.insert(header(NS, 1, 10), &[0; 9], Priority::Normal), Err(ServerError::InvalidRequest(_))));
+    let w = t.reserve(100).unwrap();
+    assert!(matches!(t.commit(w, header(NS, 1, 99), Priority::Normal), Err(ServerError::InvalidRequest(_))));
+    assert!(t.reserve(64 * KIB).is_ok(), "the mismatched slot went back and was released");
+}
+
+#[test]
+fn dropped_writer_returns_its_slot() {
+    let t = tier(16 * KIB, 0.9);
+    let w = t.reserve(16 * KIB).unwrap();
+    assert_eq!(t.stats().allocated_bytes, 16 * KIB as u64);
+    assert!(matches!(t.reserve(4 * KIB), Err(ServerError::Capacity(_))), "the writer holds the whole budget");
+    drop(w);
+    assert_eq!(t.stats().allocated_bytes, 16 * KIB as u64, "kept as a free slot");
+    // Another class: the free slot is given back to make room.
+    put(&t, 1, 8 * KIB, Priority::Normal).unwrap();
+    assert_eq!(t.stats().allocated_bytes, 8 * KIB as u64);
+}
+
+#[test]
+fn twice_read_block_survives_a_scan_of_one_hit_blocks() {
+    let t = tier(640 * KIB, 0.9); // 10 blocks of 64 KiB
+    put(&t, 1, 64 * KIB, Priority::Normal).unwrap(); // hot: read twice
+    put(&t, 2, 64 * KIB, Priority::Normal).unwrap(); // control: never read
+    t.get(&NS, &key(1)).unwrap();
+    t.get(&NS, &key(1)).unwrap();
+    for i in 100..150 {
+        put(&t, i, 64 * KIB, Priority::Normal).unwrap();
+        check_caps(&t);
+    }
+    assert!(t.contains(&NS, &key(1)), "hot block flushed by a one-off scan");
+    assert!(!t.contains(&NS, &key(2)), "a never-read block must not survive the same scan");
+    assert!(t.stats().evictions >= 42);
+    // The control block was remembered in the ghost queue and comes back straight into main.
+    put(&t, 2, 64 * KIB, Priority::Normal).unwrap();
+    let e = t.shared.index.get(&(NS, key(2))).unwrap();
+    assert_eq!(e.place, Place::Main);
+}
+
+#[test]
+fn low_is_evicted_before_normal_before_high() {
+    let t = tier(640 * KIB, 0.9);
+    for i in 0..3 {
+        put(&t, i, 64 * KIB, Priority::High).unwrap();
+    }
+    for i in 10..13 {
+        put(&t, i, 64 * KIB, Priority::Normal).unwrap();
+    }
+    for i in 20..30 {
+        put(&t, i, 64 * KIB, Priority::Low).unwrap();
+    }
+    assert!((0..3).chain(10..13).all(|i| t.contains(&NS, &key(i))), "Low must go first");
+    assert_eq!((20..30).filter(|&i| t.contains(&NS, &key(i))).count(), 4);
+    // With no Low left, Normal goes before High.
+    for i in 20..30 {
+        t.remove(&NS, &key(i));
+    }
+    for i in 40..47 {
+        put(&t, i, 64 * KIB, Priority::High).unwrap();
+    }
+    assert!((0..3).all(|i| t.contains(&NS, &key(i))));
+    assert!((10..13).all(|i| !t.contains(&NS, &key(i))));
+    assert_eq!(Priority::from_u32(0), Priority::Low);
+    assert_eq!(Priority::from_u32(1), Priority::Normal);
+    assert_eq!(Priority::from_u32(7), Priority::High);
+}
+
+#[test]
+fn pin_is_all_or_nothing() {
+    let t = tier(640 * KIB, 0.5);
+    for i in 0..6 {
+        put(&t, i, 64 * KIB, Priority::Normal).unwrap();
+    }
+    match t.pin(&NS, &[key(0), key(50), key(1), key(51)]) {
+        Err(ServerError::MissingBlocks { missing, missing_tail }) => {
+            assert_eq!(missing, vec![1, 3]);
+            assert!(!missing_tail);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(t.stats().pinned_bytes, 0);
+    assert!(t.remove(&NS, &key(0)), "nothing was pinned");
+    put(&t, 0, 64 * KIB, Priority::Normal).unwrap();
+    // Limit: 320 KiB = 5 blocks. A duplicated key is pinned twice but counted once.
+    t.pin(&NS, &[key(0), key(0), key(1), key(2), key(3)]).unwrap();
+    assert_eq!(t.stats().pinned_bytes, 4 * 64 * KIB as u64);
+    assert!(matches!(t.pin(&NS, &[key(4), key(5)]), Err(ServerError::Capacity(_))));
+    assert_eq!(t.stats().pinned_bytes, 4 * 64 * KIB as u64, "a failed pin pins nothing");
+    assert!(t.remove(&NS, &key(4)));
+    t.pin(&NS, &[key(1)]).unwrap(); // already pinned: no new bytes
+    t.unpin(&NS, &[key(0), key(1), key(99)]);
+    assert!(!t.remove(&NS, &key(0)), "still pinned once");
+    assert!(!t.remove(&NS, &key(1)), "still pinned once");
+    t.unpin(&NS, &[key(0), key(0), key(0)]);
+    assert!(t.remove(&NS, &key(0)));
+    assert_eq!(t.stats().pinned_bytes, 3 * 64 * KIB as u64);
+}
+
+#[test]
+fn reserve_fails_when_everything_is_pinned_and_pins_survive() {
+    let t = tier(256 * KIB, 1.0);
+    for i in 0..4 {
+        put(&t, i, 64 * KIB, Priority::Low).unwrap();
+    }
+    t.pin(&NS, &(0..4).map(key).collect::<Vec<_>>()).unwrap();
+    assert!(matches!(t.reserve(4 * KIB), Err(ServerError::Capacity(_))));
+    assert!(matches!(put(&t, 9, 64 * KIB, Priority::High), Err(ServerError::Capacity(_))));
+    for i in 0..4 {
+        assert_eq!(&t.get(&NS, &key(i)).unwrap().payload[..], &payload(i, 64 * KIB)[..]);
+    }
+    // Unpinned blocks re-enter the queues and become evictable again.
+    t.unpin(&NS, &[key(2)]);
+    put(&t, 9, 64 * KIB, Priority::High).unwrap();
+    assert!(!t.contains(&NS, &key(2)));
+    assert!([0, 1, 3, 9].iter().all(|&i| t.contains(&NS, &key(i))));
+    check_caps(&t);
+}
+
+#[test]
+fn a_held_block_keeps_its_bytes_after_eviction() {
+    let t = tier(64 * KIB, 0.9);
+    put(&t, 1, 64 * KIB, Priority::Normal).unwrap();
+    let held = t.get(&NS, &key(1)).unwrap();
+    put(&t, 2, 64 * KIB, Priority::Normal).unwrap(); // evicts 1; its slot is held, so not reused
+    assert!(!t.contains(&NS, &key(1)));
+    assert_eq!(&held.payload[..], &payload(1, 64 * KIB)[..]);
+    assert_eq!(&t.get(&NS, &key(2)).unwrap().payload[..], &payload(2, 64 * KIB)[..]);
+    assert_eq!(t.stats().allocated_bytes, 64 * KIB as u64, "the held slot no longer counts");
+    // A slot recycled while a view of it is alive is never handed to a writer either.
+    let held2 = t.get(&NS, &key(2)).unwrap();
+    assert!(t.remove(&NS, &key(2)));
+    let mut w = t.reserve(64 * KIB).unwrap();
+    w.buf_mut().fill(0xEE);
+    assert_eq!(&held2.payload[..], &payload(2, 64 * KIB)[..]);
+    assert_eq!(&held.payload[..], &payload(1, 64 * KIB)[..]);
+}
+
+#[test]
+fn eviction_hook_receives_demoted_blocks() {
+    let t = tier(128 * KIB, 0.9);
+    let got: Arc<StdMutex<Vec<(IndexKey, Vec<u8>)>>> = Arc::default();
+    let sink = Arc::clone(&got);
+    t.set_eviction_hook(Some(Arc::new(move |k, b: StoredBlock| {
+        sink.lock().unwrap().push((k, b.payload.to_vec()));
+    })));
+    for i in 0..4 {
+        put(&t, i, 64 * KIB, Priority::Normal).unwrap();
+    }
+    let got = got.lock().unwrap();
+    assert_eq!(got.len(), 2);
+    assert_eq!(got[0], ((NS, key(0)), payload(0, 64 * KIB)));
+    assert_eq!(got[1], ((NS, key(1)), payload(1, 64 * KIB)));
+    check_caps(&t);
+}
+
+#[test]
+fn purge_namespace_keeps_pinned_and_other_namespaces() {
+    let t = tier(1 << 20, 0.9);
+    let other = NamespaceId([9; 16]);
+    for i in 0..4 {
+        put(&t, i, 8 * KIB, Priority::Normal).unwrap();
+        t.insert(header(other, i, 8 * KIB), &payload(i, 8 * KIB), Priority::Normal).unwrap();
+    }
+    t.pin(&NS, &[key(3)]).unwrap();
+    assert_eq!(t.purge_namespace(&NS), 3);
+    assert!(t.contains(&NS, &key(3)));
+    assert!((0..4).all(|i| t.contains(&other, &key(i))));
+    assert_eq!(t.stats().blocks, 5);
+    assert_eq!(t.stats().resident_bytes, 5 * 8 * KIB as u64);
+    assert_eq!(t.longest_prefix(&other, &[key(0), key(1), key(7), key(2)]), 2);
+    assert_eq!(t.longest_prefix(&NS, &[key(0)]), 0);
+}
+
+/// A small deterministic generator (xorshift64*), so the numbers below are reproducible.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// 50 sequential jobs through a 4 MiB tier: full 64 KiB blocks (16 tokens of 4 KiB) plus a
+/// partial tail of 1..=15 tokens, LZ4-like jitter on some tails. Full blocks sit in exact
+/// classes and every tail is >= 4 KiB, so each slot is < 1.25x its payload; with no free
+/// slots lingering (nothing is removed), allocated / resident must stay below 1.25.
+#[test]
+fn fragmentation_stays_bounded() {
+    let cap = 4 << 20;
+    let t = tier(cap, 0.9);
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut next = 0u32;
+    let mut worst: f64 = 1.0;
+    for job in 0..50 {
+        let blocks = 1 + rng.below(40);
+        for _ in 0..blocks {
+            put(&t, next, 64 * KIB, Priority::Normal).unwrap();
+            next += 1;
+            check_caps(&t);
+        }
+        let mut tail = (1 + rng.below(15) as usize) * 4 * KIB;
+        if rng.below(2) == 0 {
+            tail -= rng.below(2048) as usize;
+        }
+        put(&t, next, tail.max(4 * KIB), Priority::Normal).unwrap();
+        next += 1;
+        check_caps(&t);
+        if job % 5 == 0 {
+            // Some re-use so the policy has hot blocks too.
+            for j in 0..8 {
+                t.get(&NS, &key(next.saturating_sub(1 + j * 3)));
+            }
+        }
+        let s = t.stats();
+        if s.allocated_bytes * 10 >= cap as u64 * 9 {
+            worst = worst.max(s.allocated_bytes as f64 / s.resident_bytes as f64);
+        }
+    }
+    let s = t.stats();
+    eprintln!(
+        "dram fragmentation: allocated {} / resident {} = {:.4} at the end, worst {worst:.4} (cap {cap}, {} evictions)",
+        s.allocated_bytes,
+        s.resident_bytes,
+        s.allocated_bytes as f64 / s.resident_bytes as f64,
+        s.evictions
+    );
+    assert!(s.evictions > 0, "the jobs must overflow the tier");
+    assert!(worst < 1.25, "allocator overhead {worst}");
+}
+
+/// Worst case for the size classes: every payload a random size (compressed blocks, 4 KiB to
+/// 2 MiB). Each slot is < 1.25x its payload, so the aggregate must be too; expect ~1.1.
+#[test]
+fn overhead_of_variable_sizes() {
+    let cap = 64 << 20;
+    let t = tier(cap, 0.9);
+    let mut rng = Rng(42);
+    for i in 0..400 {
+        let len = 4 * KIB + rng.below(2 << 20) as usize;
+        t.insert(header(NS, i, len), &vec![i as u8; len], Priority::Normal).unwrap();
+        check_caps(&t);
+    }
+    let s = t.stats();
+    let ratio = s.allocated_bytes as f64 / s.resident_bytes as f64;
+    eprintln!("dram overhead, random sizes: allocated {} / resident {} = {ratio:.4}", s.allocated_bytes, s.resident_bytes);
+    assert!(s.evictions > 0);
+    assert!(ratio < 1.25, "allocator overhead {ratio}");
+}
+
+#[test]
+fn concurrent_inserts_and_gets_see_the_right_bytes() {
+    let cap = 1 << 20;
+    let t = Arc::new(tier(cap, 0.9));
+    let len_of = |i: u32| 4 * KIB + (i as usize % 9) * 4 * KIB + (i as usize % 5) * 100;
+    let done = Arc::new(AtomicBool::new(false));
+    let watcher = {
+        let (t, done) = (Arc::clone(&t), Arc::clone(&done));
+        std::thread::spawn(move || {
+            let mut n = 0u64;
+            while !done.load(Ordering::Relaxed) {
+                let s = t.stats();
+                assert!(s.allocated_bytes <= s.capacity_bytes, "{s:?}");
+                n += 1;
+            }
+            n
+        })
+    };
+    let threads: Vec<_> = (0..8u64)
+        .map(|tid| {
+            let t = Arc::clone(&t);
+            std::thread::spawn(move || {
+                let mut rng = Rng(0x1234_5678 + tid * 0x9e37_79b9);
+                let (mut hits, mut checked) = (0u64, 0u64);
+                for _ in 0..3000 {
+                    let i = rng.below(120) as u32;
+                    match rng.below(10) {
+                        0..=3 => {
+                            let r = put(&t, i, len_of(i), Priority::from_u32(i % 3));
+                            assert!(r.is_ok(), "{r:?}");
+                        }
+                        4 => {
+                            if t.pin(&NS, &[key(i)]).is_ok() {
+                                assert!(t.contains(&NS, &key(i)));
+                                t.unpin(&NS, &[key(i)]);
+                            }
+                        }
+                        5 => {
+                            t.remove(&NS, &key(i));
+                        }
+                        _ => {
+                            if let Some(b) = t.get(&NS, &key(i)) {
+                                assert_eq!(b.header.key, key(i));
+                                assert!(b.payload[..] == payload(i, len_of(i))[..], "wrong bytes for {i}");
+                                hits += 1;
+                            }
+                            checked += 1;
+                        }
+                    }
+                }
+                (hits, checked)
+            })
+        })
+        .collect();
+    let mut hits = 0;
+    for th in threads {
+        hits += th.join().unwrap().0;
+    }
+    done.store(true, Ordering::Relaxed);
+    assert!(watcher.join().unwrap() > 0);
+    check_caps(&t);
+    let s = t.stats();
+    assert!(hits > 0 && s.evictions > 0, "{s:?}");
+    let present: Vec<u32> = (0..120).filter(|&i| t.contains(&NS, &key(i))).collect();
+    assert_eq!(s.blocks, present.len() as u64);
+    assert_eq!(s.resident_bytes, present.iter().map(|&i| len_of(i) as u64).sum::<u64>());
+    assert_eq!(s.pinned_bytes, 0);
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Insert(u32, Priority),
+    Get(u32),
+    Pin(Vec<u32>),
+    Unpin(Vec<u32>),
+    Remove(u32),
+    ReserveDrop(usize),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let k = 0u32..24;
+    prop_oneof![
+        4 => (k.clone(), 0u32..3).prop_map(|(i, p)| Op::Insert(i, Priority::from_u32(p))),
+        3 => k.clone().prop_map(Op::Get),
+        1 => proptest::collection::vec(k.clone(), 1..4).prop_map(Op::Pin),
+        1 => proptest::collection::vec(k.clone(), 1..4).prop_map(Op::Unpin),
+        1 => k.prop_map(Op::Remove),
+        1 => (1usize..70_000).prop_map(Op::ReserveDrop),
+    ]
+}
+
+/// Full blocks of 64 KiB for even keys, partial tails / compressed sizes for odd ones.
+fn prop_len(i: u32) -> usize {
+    if i % 2 == 0 {
+        64 * KIB
+    } else {
+        1 + (i as usize * 7919) % (64 * KIB)
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+    #[test]
+    fn caps_and_accounting_hold(ops in proptest::collection::vec(op(), 1..120)) {
+        let cap = 300 * KIB;
+        let t = tier(cap, 0.6);
+        let mut pins: HashMap<u32, u32> = HashMap::new();
+        for op in ops {
+            match op {
+                Op::Insert(i, p) => {
+                    let r = put(&t, i, prop_len(i), p);
+                    prop_assert!(matches!(r, Ok(_) | Err(ServerError::Capacity(_))), "{:?}", r);
+                }
+                Op::Get(i) => {
+                    if let Some(b) = t.get(&NS, &key(i)) {
+                        prop_assert!(b.payload[..] == payload(i, prop_len(i))[..]);
+                    }
+                }
+                Op::Pin(ks) => {
+                    let keys: Vec<BlockKey> = ks.iter().map(|&i| key(i)).collect();
+                    let absent: Vec<u32> = (0..ks.len() as u32).filter(|&j| !t.contains(&NS, &keys[j as usize])).collect();
+                    match t.pin(&NS, &keys) {
+                        Ok(()) => {
+                            prop_assert!(absent.is_empty());
+                            for i in ks { *pins.entry(i).or_default() += 1; }
+                        }
+                        Err(ServerError::MissingBlocks { missing, .. }) => prop_assert_eq!(missing, absent),
+                        Err(ServerError::Capacity(_)) => prop_assert!(absent.is_empty()),
+                        Err(e) => prop_assert!(false, "{e}"),
+                    }
+                }
+                Op::Unpin(ks) => {
+                    let keys: Vec<BlockKey> = ks.iter().map(|&i| key(i)).collect();
+                    t.unpin(&NS, &keys);
+                    for i in ks {
+                        if t.contains(&NS, &key(i)) {
+                            let c = pins.entry(i).or_default();
+                            *c = c.saturating_sub(1);
+                        }
+                    }
+                }
+                Op::Remove(i) => {
+                    let expect = t.contains(&NS, &key(i)) && pins.get(&i).copied().unwrap_or(0) == 0;
+                    prop_assert_eq!(t.remove(&NS, &key(i)), expect);
+                }
+                Op::ReserveDrop(len) => {
+                    let r = t.reserve(len);
+                    prop_assert!(matches!(r, Ok(_) | Err(ServerError::Capacity(_))), "{:?}", r);
+                }
+            }
+            // A key that is absent has no pins (a pinned one can never disappear).
+            pins.retain(|_, c| *c > 0);
+            let s = t.stats();
+            prop_assert!(s.allocated_bytes <= cap as u64, "{:?}", s);
+            for i in pins.keys() {
+                prop_assert!(t.contains(&NS, &key(*i)), "pinned block {} was evicted", i);
+            }
+            let present: Vec<u32> = (0..24).filter(|&i| t.contains(&NS, &key(i))).collect();
+            prop_assert_eq!(s.blocks, present.len() as u64);
+            prop_assert_eq!(s.resident_bytes, present.iter().map(|&i| prop_len(i) as u64).sum::<u64>());
+            prop_assert_eq!(s.pinned_bytes, pins.keys().map(|&i| slot_size(prop_len(i)) as u64).sum::<u64>());
+            prop_assert!(s.pinned_bytes <= (cap as f64 * 0.6) as u64);
+        }
+    }
+}

@@ -1,0 +1,250 @@
+//! Bad input against a real server: each case gets a clear error, the server keeps serving and
+//! every other block stays intact. Frames are hand-built here to send what a correct client never
+//! would.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+
+use bytes::Bytes;
+use kvtier_client::{ClientError, ParkOptions};
+use kvtier_proto::dataplane::{
+    Hello, ItemStatus, Op, RequestHeader, ResponseHeader, Status, PROTOCOL_VERSION, RESPONSE_HEADER_LEN,
+};
+use kvtier_proto::{pb, FrameHeader, NamespaceId};
+use kvtier_tests::*;
+
+/// A blocking data-plane connection that can send anything.
+struct Raw(TcpStream);
+
+impl Raw {
+    fn open(server: &ServerProcess) -> Raw {
+        let mut s = TcpStream::connect(server.data).unwrap();
+        s.write_all(&Hello::encode(PROTOCOL_VERSION, b"")).unwrap();
+        let mut r = [0u8; 4];
+        s.read_exact(&mut r).unwrap();
+        let mut msg = vec![0u8; u16::from_le_bytes([r[2], r[3]]) as usize];
+        s.read_exact(&mut msg).unwrap();
+        assert_eq!(r[0], Status::Ok as u8, "{}", String::from_utf8_lossy(&msg));
+        Raw(s)
+    }
+    fn put_header(&mut self, count: u32) {
+        let h = RequestHeader { op: Op::Put, request_id: 9, count, namespace: NamespaceId([0; 16]) };
+        self.0.write_all(&h.encode()).unwrap();
+    }
+    fn send_frame(&mut self, header: &FrameHeader, payload: &[u8]) {
+        self.0.write_all(&header.encode()).unwrap();
+        self.0.write_all(payload).unwrap();
+    }
+    /// Reads a response header; on a request-level error returns its status and message.
+    fn response(&mut self) -> Result<ResponseHeader, (Status, String)> {
+        let mut rh = [0u8; RESPONSE_HEADER_LEN];
+        self.0.read_exact(&mut rh).unwrap();
+        let h = ResponseHeader::decode(&rh).unwrap();
+        if h.status != Status::Ok {
+            let mut msg = vec![0u8; h.msg_len as usize];
+            self.0.read_exact(&mut msg).unwrap();
+            return Err((h.status, String::from_utf8_lossy(&msg).into_owned()));
+        }
+        Ok(h)
+    }
+    fn statuses(&mut self, n: usize) -> Vec<ItemStatus> {
+        let mut b = vec![0u8; n];
+        self.0.read_exact(&mut b).unwrap();
+        b.into_iter().map(|s| ItemStatus::from_u8(s).unwrap()).collect()
+    }
+    /// True once the server has closed the connection.
+    fn closed(&mut self) -> bool {
+        let mut b = [0u8; 1];
+        matches!(self.0.read(&mut b), Ok(0) | Err(_))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_bad_input_gets_a_clear_error_and_nothing_is_lost() {
+    let server = ServerProcess::start(&["--dram-capacity", "64MiB", "--max-context-tokens", "65536"]);
+    let client = server.client().await;
+    let ns = client.register(namespace("bad", b"x", small_layout())).await.unwrap();
+    let reference = tokens(42, 256);
+    let reference_blocks = full_block_payloads(&ns, &reference);
+    client.store(&ns, &reference, &reference_blocks).await.unwrap().ok().unwrap();
+    let bb = ns.block_bytes() as usize;
+    let fresh = |seed: u32| {
+        let t = tokens(seed, 16);
+        let k = ns.keys(&t)[0];
+        ns.frame(k, 16, payload_for(&k, bb as u64))
+    };
+
+    // 1. A block whose size doesn't match its layout; the same connection then stores a good one.
+    let mut raw = Raw::open(&server);
+    let bad = fresh(1);
+    let mut h = bad.header;
+    h.payload_len = 100;
+    raw.put_header(2);
+    raw.send_frame(&h, &vec![0u8; 100]);
+    let good = fresh(2);
+    raw.send_frame(&good.header, &good.payload);
+    raw.response().unwrap();
+    assert_eq!(raw.statuses(2), vec![ItemStatus::SizeMismatch, ItemStatus::Ok]);
+    assert_eq!(client.lookup_keys(&ns, &[bad.header.key]).await.unwrap(), 0);
+    assert_eq!(client.lookup_keys(&ns, &[good.header.key]).await.unwrap(), 1);
+
+    // 2. Unknown namespace, on the data plane and the control plane.
+    let mut f = fresh(3);
+    f.header.namespace = NamespaceId([0xEE; 16]);
+    raw.put_header(1);
+    raw.send_frame(&f.header, &f.payload);
+    raw.response().unwrap();
+    assert_eq!(raw.statuses(1), vec![ItemStatus::UnknownNamespace]);
+    let get = RequestHeader { op: Op::Get, request_id: 5, count: 1, namespace: NamespaceId([0xEE; 16]) };
+    raw.0.write_all(&get.encode()).unwrap();
+    raw.0.write_all(&[0u8; 32]).unwrap();
+    let (st, msg) = raw.response().unwrap_err();
+    assert_eq!(st, Status::UnknownNamespace);
+    assert!(msg.contains("unknown namespace"), "{msg}");
+    let mut g = client.raw_grpc();
+    let e = g
+        .lookup(pb::LookupRequest { namespace_id: Bytes::from_static(&[0xEE; 16]), keys: vec![] })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::NotFound);
+    assert!(e.message().contains("KV:Namespace:Unknown"), "{}", e.message());
+
+    // 3. Checksum mismatch: refused, not stored, the connection goes on.
+    let f = fresh(4);
+    let mut corrupt = f.payload.to_vec();
+    corrupt[1234] ^= 0x10;
+    raw.put_header(1);
+    raw.send_frame(&f.header, &corrupt);
+    raw.response().unwrap();
+    assert_eq!(raw.statuses(1), vec![ItemStatus::ChecksumMismatch]);
+    assert_eq!(client.lookup_keys(&ns, &[f.header.key]).await.unwrap(), 0);
+
+    // 4. A key of the wrong length.
+    let e = g
+        .lookup(pb::LookupRequest {
+            namespace_id: Bytes::copy_from_slice(&ns.id.0),
+            keys: vec![Bytes::from_static(&[1u8; 31])],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    assert!(e.message().contains("KV:Key:Length") && e.message().contains("31"), "{}", e.message());
+
+    // 5. Oversized frame: a request-level error, then this connection (only) is closed.
+    let f = fresh(5);
+    let mut h = f.header;
+    h.payload_len = 1 << 40;
+    raw.put_header(1);
+    raw.send_frame(&h, &[]);
+    let (st, msg) = raw.response().unwrap_err();
+    assert_eq!(st, Status::TooLarge);
+    assert!(msg.contains("exceeds the limit"), "{msg}");
+    assert!(raw.closed());
+
+    // 6. Truncated frame: the client dies half-way through a payload. Nothing becomes visible.
+    let mut raw = Raw::open(&server);
+    let f = fresh(6);
+    raw.put_header(1);
+    raw.0.write_all(&f.header.encode()).unwrap();
+    raw.0.write_all(&f.payload[..bb / 2]).unwrap();
+    drop(raw);
+    // 7. Garbage where a frame header belongs, and too many blocks in one request.
+    let mut raw = Raw::open(&server);
+    raw.put_header(1);
+    raw.0.write_all(&[0xAB; 128]).unwrap();
+    let (st, msg) = raw.response().unwrap_err();
+    assert_eq!(st, Status::BadRequest);
+    assert!(msg.contains("magic"), "{msg}");
+    let mut raw = Raw::open(&server);
+    raw.put_header(1_000_000);
+    let (st, msg) = raw.response().unwrap_err();
+    assert_eq!(st, Status::TooLarge);
+    assert!(msg.contains("max_blocks_per_request"), "{msg}");
+    // 8. Not our protocol at all.
+    let mut s = TcpStream::connect(server.data).unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+    let mut r = [0u8; 4];
+    s.read_exact(&mut r).unwrap();
+    assert_eq!(r[0], Status::BadRequest as u8);
+
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    assert_eq!(client.lookup_keys(&ns, &[f.header.key]).await.unwrap(), 0, "a truncated block is never visible");
+
+    // 9. A tail key of the wrong length in a park; a session resumed after its TTL.
+    let mut g = client.raw_grpc();
+    let e = g
+        .park_session(pb::ParkRequest {
+            namespace_id: Bytes::copy_from_slice(&ns.id.0),
+            session_id: "s".into(),
+            keys: vec![],
+            tail_key: Bytes::from_static(&[1u8; 33]),
+            token_count: 3,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert!(e.message().contains("KV:Key:Length"), "{}", e.message());
+
+    // Through all of that the server kept serving and every stored block is intact.
+    assert!(server_alive(&server));
+    let loaded = client.load(&ns, &reference).await.unwrap();
+    assert_eq!(loaded, reference_blocks);
+    let m = server.scrape();
+    for kind in ["size_mismatch", "unknown_namespace", "checksum_mismatch", "key_length", "dataplane_protocol"] {
+        assert!(metric(&m, "kvtier_errors_total", &[("kind", kind)]) >= 1.0, "no {kind} error counted:\n{m}");
+    }
+}
+
+fn server_alive(server: &ServerProcess) -> bool {
+    TcpStream::connect(server.grpc).is_ok() && TcpStream::connect(server.data).is_ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn longest_context_works_and_ten_percent_more_changes_nothing() {
+    // The default maximum context (1M tokens) with 4 KiB blocks of 64 tokens: 64 MiB of KV.
+    let server = ServerProcess::start(&["--dram-capacity", "256MiB"]);
+    let client = server.client().await;
+    let max = client.server_info().max_context_tokens as usize;
+    assert_eq!(max, 1 << 20);
+    let mut layout = tiny_layout();
+    layout.block_tokens = 64;
+    let ns = client.register(namespace("long", b"", layout)).await.unwrap();
+
+    let longest = tokens(5, max);
+    let blocks = session_payloads(&ns, &longest);
+    let info = client.park(&ns, "longest", &longest, &blocks, &ParkOptions::default(), 0).await.unwrap();
+    assert_eq!(info.token_count as usize, max);
+    assert_eq!(client.lookup(&ns, &longest).await.unwrap(), max);
+    let r = client.resume(&ns, "longest").await.unwrap();
+    assert!(r.blocks == blocks, "the longest session came back different");
+
+    let before = client.stats().await.unwrap();
+    let over = tokens(6, max + max / 10);
+    let over_blocks = session_payloads(&ns, &over);
+    let e = client.park(&ns, "too-long", &over, &over_blocks, &ParkOptions::default(), 0).await.unwrap_err();
+    assert!(matches!(e, ClientError::ContextTooLong(_)), "{e}");
+    assert!(e.to_string().contains("1048576"), "{e}");
+    let e = client.lookup(&ns, &over).await.unwrap_err();
+    assert!(matches!(e, ClientError::ContextTooLong(_)), "{e}");
+    let e = client.store(&ns, &over, &full_block_payloads(&ns, &over)).await.unwrap_err();
+    assert!(matches!(e, ClientError::ContextTooLong(_)), "{e}");
+    // A raw park that skips the client's own check is refused by the server just the same.
+    let keys: Vec<Bytes> = ns.keys(&over).iter().map(|k| Bytes::copy_from_slice(&k.0)).collect();
+    let e = client
+        .raw_grpc()
+        .park_session(pb::ParkRequest {
+            namespace_id: Bytes::copy_from_slice(&ns.id.0),
+            session_id: "raw-too-long".into(),
+            keys,
+            token_count: (over.len() / 64 * 64) as u64,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert!(e.message().contains("KV:Request:ContextTooLong"), "{}", e.message());
+
+    let after = client.stats().await.unwrap();
+    assert_eq!(after.sessions, before.sessions);
+    assert_eq!(after.tiers[0].pinned_bytes, before.tiers[0].pinned_bytes);
+    assert_eq!(after.tiers[0].blocks, before.tiers[0].blocks, "nothing was stored");
+}

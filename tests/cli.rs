@@ -1,0 +1,125 @@
+//! The `kvtier` binary by hand: serve on flags, round-trip a block with the CLI, sessions, stats,
+//! `/metrics`, and configuration errors that name the setting at fault.
+
+use std::process::Command;
+
+use kvtier_tests::*;
+
+#[test]
+fn cli_round_trip_sessions_stats_and_metrics() {
+    let server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
+    assert!(server.stdout[0].contains("dram=64MiB"), "{:?}", server.stdout);
+    let addr = server.grpc_addr();
+    let text = "The quick brown fox jumps over the lazy dog while the KV cache waits in DRAM.";
+    let dir = tempfile::tempdir().unwrap();
+
+    // put with a real payload file: 4 full blocks of 16 tokens in the CLI's default demo layout
+    // (4 layers x 2 KV heads x 64 x fp16 = 2 KiB per token, 32 KiB per block).
+    let block = 2 * 4 * 2 * 64 * 2 * 16;
+    let payload: Vec<u8> = (0..4 * block).map(|i| (i * 31 % 251) as u8).collect();
+    let file = dir.path().join("kv.bin");
+    std::fs::write(&file, &payload).unwrap();
+    let (ok, out, err) = cli(&["put", "--server", &addr, "--text", text, "--file", file.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    assert!(out.contains("stored 4 of 4 block(s)"), "{out}");
+
+    let back = dir.path().join("back.bin");
+    let (ok, out, err) = cli(&["get", "--server", &addr, "--text", text, "--out", back.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    assert!(out.contains("loaded 4 block(s) = 64 tokens"), "{out}");
+    assert_eq!(std::fs::read(&back).unwrap(), payload, "get returned other bytes than put stored");
+
+    let (ok, out, _) = cli(&["lookup", "--server", &addr, "--text", text]);
+    assert!(ok && out.contains("64 of 77 tokens are stored"), "{out}");
+    // A different salt is a different namespace: nothing.
+    let (ok, out, _) = cli(&["lookup", "--server", &addr, "--text", text, "--salt", "other"]);
+    assert!(ok && out.contains("0 of 77 tokens"), "{out}");
+
+    // A wrong-sized payload file is refused before anything is sent.
+    std::fs::write(&file, [0u8; 10]).unwrap();
+    let (ok, _, err) = cli(&["put", "--server", &addr, "--text", text, "--file", file.to_str().unwrap()]);
+    assert!(!ok && err.contains("need exactly"), "{err}");
+
+    // Sessions: park (synthetic payload), extend, resume, ls, drop.
+    let (ok, out, err) = cli(&["session", "park", "--server", &addr, "--id", "agent-1", "--text", text, "--ttl", "10m"]);
+    assert!(ok, "{err}");
+    assert!(out.contains("v1: 77 tokens, 4 blocks + tail"), "{out}");
+    let longer = format!("{text} And then the agent thought for a while before its next turn.");
+    let (ok, out, err) = cli(&["session", "extend", "--server", &addr, "--id", "agent-1", "--text", &longer]);
+    assert!(ok, "{err}");
+    assert!(out.contains("to v2"), "{out}");
+    let (ok, out, err) = cli(&["session", "resume", "--server", &addr, "--id", "agent-1"]);
+    assert!(ok, "{err}");
+    assert!(out.contains(&format!("{} tokens", longer.len())), "{out}");
+    let (ok, out, _) = cli(&["session", "ls", "--server", &addr]);
+    assert!(ok && out.contains("1 session(s)") && out.contains("agent-1"), "{out}");
+    let (ok, out, _) = cli(&["session", "drop", "--server", &addr, "--id", "agent-1"]);
+    assert!(ok && out.contains("dropped"), "{out}");
+    let (ok, _, err) = cli(&["session", "resume", "--server", &addr, "--id", "agent-1"]);
+    assert!(!ok && err.contains("KV:Session:NotFound"), "{err}");
+
+    let (ok, out, _) = cli(&["stats", "--server", &addr]);
+    assert!(ok && out.contains("dram:") && out.contains("hits"), "{out}");
+
+    let m = server.scrape();
+    assert!(m.starts_with("HTTP/1.1 200"), "{m}");
+    assert!(metric(&m, "kvtier_tier_hits_total", &[("tier", "dram")]) >= 4.0, "{m}");
+    assert!(metric(&m, "kvtier_tier_resident_bytes", &[("tier", "dram")]) > 0.0, "{m}");
+    assert!(m.contains("kvtier_request_seconds_bucket"), "latency histograms: {m}");
+
+    // A client pointed at nothing fails fast with a clear message.
+    let (ok, _, err) = cli(&["stats", "--server", "127.0.0.1:1"]);
+    assert!(!ok && err.contains("127.0.0.1:1"), "{err}");
+}
+
+fn serve_fails(args: &[&str]) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(kvtier_bin())
+        .arg("serve")
+        .args(["--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0", "--no-metrics", "--data-dir"])
+        .arg(dir.path())
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "serve {args:?} should fail");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn bad_configuration_is_refused_at_start_with_the_setting_named() {
+    let err = serve_fails(&["--dram-capacity", "12parsecs"]);
+    assert!(err.contains("parsecs"), "{err}");
+    let err = serve_fails(&["--dram-capacity", "100KiB"]);
+    assert!(err.contains("dram_capacity"), "{err}");
+    let err = serve_fails(&["--listen", "0.0.0.0:0"]);
+    assert!(err.contains("auth_token"), "{err}");
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("bad.toml");
+    std::fs::write(&cfg, "dram_capacty = \"1GiB\"\n").unwrap();
+    let err = serve_fails(&["--config", cfg.to_str().unwrap()]);
+    assert!(err.contains("dram_capacty"), "{err}");
+    let err = serve_fails(&["--config", "/nonexistent/kvtier.toml"]);
+    assert!(err.contains("/nonexistent/kvtier.toml"), "{err}");
+    // A data directory that is a file.
+    let file = dir.path().join("not-a-dir");
+    std::fs::write(&file, b"x").unwrap();
+    let err = serve_fails(&["--data-dir", file.to_str().unwrap()]);
+    assert!(err.contains("data_dir"), "{err}");
+    // A port already taken.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let err = serve_fails(&["--data-listen", &addr]);
+    assert!(err.contains("data_listen") && err.contains(&addr), "{err}");
+}
+
+#[test]
+fn auth_token_is_enforced_on_both_planes() {
+    let token = "a-long-enough-shared-secret";
+    let server = ServerProcess::start(&["--auth-token", token]);
+    let addr = server.grpc_addr();
+    let (ok, _, err) = cli(&["stats", "--server", &addr]);
+    assert!(!ok && err.contains("unauthenticated"), "{err}");
+    let (ok, out, err) = cli(&["put", "--server", &addr, "--auth-token", token, "--tokens", &(0..32).map(|i| i.to_string()).collect::<Vec<_>>().join(",")]);
+    assert!(ok, "{err}");
+    assert!(out.contains("stored 2 of 2"), "{out}");
+}
