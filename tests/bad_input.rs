@@ -28,7 +28,7 @@ impl Raw {
         Raw(s)
     }
     fn put_header(&mut self, count: u32) {
-        let h = RequestHeader { op: Op::Put, request_id: 9, count, namespace: NamespaceId([0; 16]) };
+        let h = RequestHeader { op: Op::Put, flags: 0, request_id: 9, count, namespace: NamespaceId([0; 16]) };
         self.0.write_all(&h.encode()).unwrap();
     }
     fn send_frame(&mut self, header: &FrameHeader, payload: &[u8]) {
@@ -95,7 +95,7 @@ async fn every_bad_input_gets_a_clear_error_and_nothing_is_lost() {
     raw.send_frame(&f.header, &f.payload);
     raw.response().unwrap();
     assert_eq!(raw.statuses(1), vec![ItemStatus::UnknownNamespace]);
-    let get = RequestHeader { op: Op::Get, request_id: 5, count: 1, namespace: NamespaceId([0xEE; 16]) };
+    let get = RequestHeader { op: Op::Get, flags: 0, request_id: 5, count: 1, namespace: NamespaceId([0xEE; 16]) };
     raw.0.write_all(&get.encode()).unwrap();
     raw.0.write_all(&[0u8; 32]).unwrap();
     let (st, msg) = raw.response().unwrap_err();

@@ -74,13 +74,18 @@ fn cli_round_trip_sessions_stats_and_metrics() {
 
 fn serve_fails(args: &[&str]) -> String {
     let dir = tempfile::tempdir().unwrap();
-    let out = Command::new(kvtier_bin())
-        .arg("serve")
-        .args(["--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0", "--no-metrics", "--data-dir"])
-        .arg(dir.path())
-        .args(args)
-        .output()
-        .unwrap();
+    let mut cmd = Command::new(kvtier_bin());
+    cmd.arg("serve").arg("--no-metrics");
+    // Ephemeral defaults for whatever the case doesn't set itself.
+    for flag in ["--listen", "--data-listen"] {
+        if !args.contains(&flag) {
+            cmd.args([flag, "127.0.0.1:0"]);
+        }
+    }
+    if !args.contains(&"--data-dir") {
+        cmd.arg("--data-dir").arg(dir.path());
+    }
+    let out = cmd.args(args).env("KVTIER_LOG", "warn").output().unwrap();
     assert!(!out.status.success(), "serve {args:?} should fail");
     String::from_utf8_lossy(&out.stderr).into_owned()
 }

@@ -104,12 +104,6 @@ impl ServerConfig {
         if self.max_frame_bytes.0 < 4096 || self.max_frame_bytes.0 > (1 << 32) {
             return bad(format!("max_frame_bytes must be between 4KiB and 4GiB, got {}", self.max_frame_bytes));
         }
-        if self.max_frame_bytes.0 > self.dram_capacity.0 {
-            return bad(format!(
-                "max_frame_bytes {} exceeds dram_capacity {}",
-                self.max_frame_bytes, self.dram_capacity
-            ));
-        }
         if self.max_blocks_per_request == 0 || self.max_blocks_per_request > 1 << 20 {
             return bad(format!("max_blocks_per_request must be 1..=1048576, got {}", self.max_blocks_per_request));
         }
@@ -141,6 +135,11 @@ impl ServerConfig {
             }
         }
         Ok(())
+    }
+
+    /// Settings that follow from others: a frame can't be larger than the DRAM tier.
+    pub fn normalize(&mut self) {
+        self.max_frame_bytes.0 = self.max_frame_bytes.0.min(self.dram_capacity.0);
     }
 
     /// Creates the data directory and checks it is writable.

@@ -16,8 +16,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvtier_proto::dataplane::{
-    Hello, HelloReply, ItemStatus, Op, RequestHeader, ResponseHeader, Status, HELLO_LEN, PROTOCOL_VERSION,
-    REQUEST_HEADER_LEN,
+    Hello, HelloReply, ItemStatus, Op, RequestHeader, ResponseHeader, Status, FLAG_PIN_LEASE, HELLO_LEN,
+    PROTOCOL_VERSION, REQUEST_HEADER_LEN,
 };
 use kvtier_proto::{BlockKey, FrameHeader, NamespaceId, ProtoError, FRAME_HEADER_LEN, KEY_LEN};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
@@ -73,6 +73,28 @@ struct Connection {
     wr: BufWriter<OwnedWriteHalf>,
     state: Arc<NodeState>,
     scratch: Vec<u8>,
+    leases: PinLeases,
+}
+
+/// Pins held for a client between a session's upload and its park; released by `RELEASE` or
+/// when the connection ends, however it ends.
+struct PinLeases {
+    state: Arc<NodeState>,
+    pins: Vec<(NamespaceId, BlockKey)>,
+}
+
+impl PinLeases {
+    fn release(&mut self) {
+        for (ns, key) in self.pins.drain(..) {
+            self.state.tier.unpin(&ns, std::slice::from_ref(&key));
+        }
+    }
+}
+
+impl Drop for PinLeases {
+    fn drop(&mut self) {
+        self.release();
+    }
 }
 
 impl Connection {
@@ -82,6 +104,7 @@ impl Connection {
         Connection {
             rd: BufReader::with_capacity(IO_BUF, r),
             wr: BufWriter::with_capacity(IO_BUF, w),
+            leases: PinLeases { state: state.clone(), pins: Vec::new() },
             state,
             scratch: Vec::new(),
         }
@@ -108,6 +131,11 @@ impl Connection {
             match req.op {
                 Op::Put => self.put(req).await?,
                 Op::Get => self.get(req).await?,
+                Op::Release => {
+                    self.leases.release();
+                    let h = ResponseHeader { op: Op::Release as u8, status: Status::Ok, msg_len: 0, request_id: req.request_id, count: 0 };
+                    self.wr.write_all(&h.encode()).await?;
+                }
             }
             self.wr.flush().await?;
         }
@@ -196,7 +224,14 @@ impl Connection {
                 let msg = ProtoError::PayloadTooLarge { actual: header.payload_len, limit: max }.to_string();
                 return self.fatal(Op::Put as u8, req.request_id, Status::TooLarge, &format!("frame {i}: {msg}")).await;
             }
-            let status = self.put_one(&header).await?;
+            let mut status = self.put_one(&header).await?;
+            if status == ItemStatus::Ok && req.flags & FLAG_PIN_LEASE != 0 {
+                match self.state.tier.pin(&header.namespace, std::slice::from_ref(&header.key)) {
+                    Ok(()) => self.leases.pins.push((header.namespace, header.key)),
+                    // Over the pinned limit, or evicted in the instant since it was stored.
+                    Err(_) => status = ItemStatus::Capacity,
+                }
+            }
             if status != ItemStatus::Ok {
                 error(item_kind(status));
             }

@@ -73,10 +73,11 @@ async fn bind(name: &str, addr: SocketAddr) -> Result<(TcpListener, SocketAddr),
 /// Validates `config`, binds every listener and starts the node. `metrics` is the Prometheus
 /// handle to serve (the recorder is process-global, so the binary installs it once).
 pub async fn start(
-    config: ServerConfig,
+    mut config: ServerConfig,
     metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
 ) -> Result<RunningServer, ServerError> {
     config.validate()?;
+    config.normalize();
     config.prepare_data_dir()?;
     let (grpc_listener, grpc_addr) = bind("listen", config.listen).await?;
     let (data_listener, data_addr) = bind("data_listen", config.data_listen).await?;

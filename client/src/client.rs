@@ -261,21 +261,21 @@ impl KvClient {
         Ok(())
     }
 
-    /// Splits frames into batches bounded by block count and bytes.
-    fn batches<'a>(&self, frames: &'a [BlockFrame]) -> Vec<&'a [BlockFrame]> {
+    /// Splits frames into batches bounded by block count and bytes (as index ranges).
+    fn batches(&self, frames: &[BlockFrame]) -> Vec<std::ops::Range<usize>> {
         let mut out = Vec::new();
         let (mut start, mut bytes) = (0usize, 0u64);
         for (i, f) in frames.iter().enumerate() {
             let n = i - start;
             if n > 0 && (n >= self.inner.batch_blocks || bytes + f.payload.len() as u64 > self.inner.cfg.max_batch_bytes) {
-                out.push(&frames[start..i]);
+                out.push(start..i);
                 start = i;
                 bytes = 0;
             }
             bytes += f.payload.len() as u64;
         }
         if start < frames.len() {
-            out.push(&frames[start..]);
+            out.push(start..frames.len());
         }
         out
     }
@@ -284,10 +284,10 @@ impl KvClient {
     pub async fn store_frames(&self, frames: &[BlockFrame]) -> Result<Vec<ItemStatus>, ClientError> {
         let batches = self.batches(frames);
         let results = self
-            .timed(try_join_all(batches.into_iter().map(|b| async move {
+            .timed(try_join_all(batches.into_iter().map(|r| async move {
                 let mut lease = self.inner.pool.lease().await?;
                 let conn = lease.conn.as_mut().ok_or_else(|| ClientError::Io("no connection".into()))?;
-                let st = conn.put(b).await?;
+                let st = conn.put(&frames[r], false).await?;
                 lease.release().await;
                 Ok::<_, ClientError>(st)
             })))
@@ -395,8 +395,6 @@ impl KvClient {
         let (keys, tail, frames) = Self::session_frames(ns, tokens, 0, blocks)?;
         // Blocks the server already has (a shared prefix) are not sent again.
         let present = self.lookup_keys(ns, &keys).await?;
-        let report = self.store_checked(&frames[present..]).await?;
-        report.ok().map_err(|e| shift_index(e, present))?;
         let req = pb::ParkRequest {
             namespace_id: Bytes::copy_from_slice(&ns.id.0),
             session_id: session_id.to_string(),
@@ -407,21 +405,58 @@ impl KvClient {
             priority: opts.priority.unwrap_or(1),
             expected_version,
         };
-        for _ in 0..=self.inner.cfg.park_retries {
-            let mut g = self.grpc();
-            let r = req.clone();
-            let resp = self.timed(async move { Ok(g.park_session(r).await?.into_inner()) }).await?;
-            if resp.parked {
-                return resp.info.map(SessionInfo::from_pb).ok_or_else(|| ClientError::Io("park answer without info".into()));
+        let grpc = self.grpc();
+        self.timed(self.upload_and_commit(&frames, present, tail.is_some(), || {
+            let (mut g, r) = (grpc.clone(), req.clone());
+            async move { Ok(g.park_session(r).await?.into_inner()) }
+        }))
+        .await
+    }
+
+    /// Sends `frames[first..]` over one data-plane connection with pin leases (so nothing can be
+    /// evicted before the manifest pins it), then runs `commit` (a park or extend), re-sending
+    /// whatever the server reports missing. The leases are released at the end either way.
+    async fn upload_and_commit<F, Fut>(&self, frames: &[BlockFrame], first: usize, has_tail: bool, commit: F) -> Result<SessionInfo, ClientError>
+    where
+        F: Fn() -> Fut,
+        Fut: std::future::Future<Output = Result<pb::ParkResponse, ClientError>>,
+    {
+        let mut lease = self.inner.pool.lease().await?;
+        let conn = lease.conn.as_mut().ok_or_else(|| ClientError::Io("no connection".into()))?;
+        let outcome = async {
+            let to_send = &frames[first..];
+            for r in self.batches(to_send) {
+                let offset = first + r.start;
+                let st = conn.put(&to_send[r], true).await?;
+                if let Some((i, s)) = st.iter().enumerate().find(|(_, s)| **s != ItemStatus::Ok) {
+                    return Err(ClientError::Rejected { index: offset + i, status: *s });
+                }
             }
-            // Evicted between store and park: send those again and retry.
-            let mut again: Vec<BlockFrame> = resp.missing_blocks.iter().filter_map(|&i| frames.get(i as usize).cloned()).collect();
-            if resp.missing_tail {
-                again.extend(frames.last().filter(|_| tail.is_some()).cloned());
+            for _ in 0..=self.inner.cfg.park_retries {
+                let resp = commit().await?;
+                if resp.parked {
+                    return resp.info.map(SessionInfo::from_pb).ok_or_else(|| ClientError::Io("answer without session info".into()));
+                }
+                // Evicted before this call could lease them: send those again.
+                let mut again: Vec<BlockFrame> = resp.missing_blocks.iter().filter_map(|&i| frames.get(i as usize).cloned()).collect();
+                if resp.missing_tail && has_tail {
+                    again.extend(frames.last().cloned());
+                }
+                for r in self.batches(&again) {
+                    let st = conn.put(&again[r], true).await?;
+                    if let Some((i, s)) = st.iter().enumerate().find(|(_, s)| **s != ItemStatus::Ok) {
+                        return Err(ClientError::Rejected { index: i, status: *s });
+                    }
+                }
             }
-            self.store_checked(&again).await?.ok()?;
+            Err(ClientError::Capacity("blocks kept being evicted before the session could pin them".into()))
         }
-        Err(ClientError::Capacity("blocks kept being evicted before the park could pin them".into()))
+        .await;
+        // On a failed release the connection is dropped, and the server releases on close.
+        if conn.release().await.is_ok() {
+            lease.release().await;
+        }
+        outcome
     }
 
     /// Extends a parked session after a new turn. `tokens` is the whole context now;
@@ -443,7 +478,6 @@ impl KvClient {
         self.check_context(tokens.len())?;
         let base = prev_token_count / ns.block_tokens();
         let (keys, tail, frames) = Self::session_frames(ns, tokens, base, blocks)?;
-        self.store_checked(&frames).await?.ok()?;
         let req = pb::ExtendRequest {
             namespace_id: Bytes::copy_from_slice(&ns.id.0),
             session_id: session_id.to_string(),
@@ -453,20 +487,12 @@ impl KvClient {
             tail_key: tail.map(|k| Bytes::copy_from_slice(&k.0)).unwrap_or_default(),
             token_count: tokens.len() as u64,
         };
-        for _ in 0..=self.inner.cfg.park_retries {
-            let mut g = self.grpc();
-            let r = req.clone();
-            let resp = self.timed(async move { Ok(g.extend_session(r).await?.into_inner()) }).await?;
-            if resp.parked {
-                return resp.info.map(SessionInfo::from_pb).ok_or_else(|| ClientError::Io("extend answer without info".into()));
-            }
-            let mut again: Vec<BlockFrame> = resp.missing_blocks.iter().filter_map(|&i| frames.get(i as usize).cloned()).collect();
-            if resp.missing_tail {
-                again.extend(frames.last().filter(|_| tail.is_some()).cloned());
-            }
-            self.store_checked(&again).await?.ok()?;
-        }
-        Err(ClientError::Capacity("blocks kept being evicted before the extend could pin them".into()))
+        let grpc = self.grpc();
+        self.timed(self.upload_and_commit(&frames, 0, tail.is_some(), || {
+            let (mut g, r) = (grpc.clone(), req.clone());
+            async move { Ok(g.extend_session(r).await?.into_inner()) }
+        }))
+        .await
     }
 
     /// Resumes a session: its manifest and every block, full blocks then the tail.
@@ -521,9 +547,3 @@ impl KvClient {
     }
 }
 
-fn shift_index(e: ClientError, by: usize) -> ClientError {
-    match e {
-        ClientError::Rejected { index, status } => ClientError::Rejected { index: index + by, status },
-        other => other,
-    }
-}

@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use kvtier_proto::dataplane::{
-    Hello, HelloReply, ItemStatus, Op, RequestHeader, ResponseHeader, Status, PROTOCOL_VERSION, RESPONSE_HEADER_LEN,
+    Hello, HelloReply, ItemStatus, Op, RequestHeader, ResponseHeader, Status, FLAG_PIN_LEASE, PROTOCOL_VERSION,
+    RESPONSE_HEADER_LEN,
 };
 use kvtier_proto::{BlockFrame, BlockKey, FrameHeader, NamespaceId, ProtoError, FRAME_HEADER_LEN};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
@@ -74,12 +75,14 @@ impl DataConn {
         Ok(())
     }
 
-    /// Stores frames; one status per frame.
-    pub(crate) async fn put(&mut self, frames: &[BlockFrame]) -> Result<Vec<ItemStatus>, ClientError> {
+    /// Stores frames; one status per frame. With `lease`, the server keeps them pinned until
+    /// [`DataConn::release`] or the end of this connection.
+    pub(crate) async fn put(&mut self, frames: &[BlockFrame], lease: bool) -> Result<Vec<ItemStatus>, ClientError> {
         let id = self.next_id;
         self.next_id = self.next_id.wrapping_add(1);
         let count = frames.len() as u32;
-        let req = RequestHeader { op: Op::Put, request_id: id, count, namespace: NamespaceId([0; 16]) };
+        let flags = if lease { FLAG_PIN_LEASE } else { 0 };
+        let req = RequestHeader { op: Op::Put, flags, request_id: id, count, namespace: NamespaceId([0; 16]) };
         self.wr.write_all(&req.encode()).await?;
         for f in frames {
             self.wr.write_all(&f.header.encode()).await?;
@@ -90,6 +93,16 @@ impl DataConn {
         let mut st = vec![0u8; frames.len()];
         self.rd.read_exact(&mut st).await?;
         st.into_iter().map(|b| ItemStatus::from_u8(b).map_err(ClientError::from)).collect()
+    }
+
+    /// Drops the pins this connection's leased `PUT`s took.
+    pub(crate) async fn release(&mut self) -> Result<(), ClientError> {
+        let id = self.next_id;
+        self.next_id = self.next_id.wrapping_add(1);
+        let req = RequestHeader { op: Op::Release, flags: 0, request_id: id, count: 0, namespace: NamespaceId([0; 16]) };
+        self.wr.write_all(&req.encode()).await?;
+        self.wr.flush().await?;
+        self.read_response(Op::Release, id, 0).await
     }
 
     /// Loads blocks; `None` for a miss. Every returned frame has been verified against its
@@ -103,7 +116,7 @@ impl DataConn {
         let id = self.next_id;
         self.next_id = self.next_id.wrapping_add(1);
         let count = keys.len() as u32;
-        let req = RequestHeader { op: Op::Get, request_id: id, count, namespace: ns };
+        let req = RequestHeader { op: Op::Get, flags: 0, request_id: id, count, namespace: ns };
         self.wr.write_all(&req.encode()).await?;
         for k in keys {
             self.wr.write_all(&k.0).await?;

@@ -12,6 +12,13 @@
 //!   [`ResponseHeader`] then, per key, an [`ItemStatus`] byte followed — when `Ok` — by the stored
 //!   frame (header + payload).
 //!
+//! - `RELEASE`: [`RequestHeader`] with `count` 0. Unpins every block this connection stored or
+//!   touched with [`FLAG_PIN_LEASE`]. Answer: a [`ResponseHeader`].
+//!
+//! A `PUT` with [`FLAG_PIN_LEASE`] pins each stored (or already present) block for as long as the
+//! connection lives or until `RELEASE`, so a session's blocks can't be evicted between their upload
+//! and the park that pins them for good; a client that dies mid-park leaks nothing.
+//!
 //! A request-level error (bad header, too many items, unknown namespace) is a [`ResponseHeader`]
 //! with a non-zero status and a UTF-8 message of `msg_len` bytes; no item statuses follow. After a
 //! request-level error the server closes the connection when it can't find the next request's start.
@@ -24,6 +31,8 @@ pub const HELLO_LEN: usize = 8;
 pub const REQUEST_HEADER_LEN: usize = 32;
 pub const RESPONSE_HEADER_LEN: usize = 16;
 pub const MAX_TOKEN_LEN: usize = 1024;
+/// `PUT` flag: keep the blocks pinned until `RELEASE` or the end of the connection.
+pub const FLAG_PIN_LEASE: u16 = 1;
 
 /// Opens a connection.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -81,6 +90,7 @@ impl HelloReply {
 pub enum Op {
     Put = 1,
     Get = 2,
+    Release = 3,
 }
 
 impl Op {
@@ -88,6 +98,7 @@ impl Op {
         match v {
             1 => Ok(Op::Put),
             2 => Ok(Op::Get),
+            3 => Ok(Op::Release),
             other => Err(ProtoError::Malformed(format!("unknown data-plane op {other}"))),
         }
     }
@@ -173,6 +184,8 @@ impl ItemStatus {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RequestHeader {
     pub op: Op,
+    /// Bit set of `FLAG_*`.
+    pub flags: u16,
     pub request_id: u32,
     pub count: u32,
     /// The namespace of a `GET`; ignored for `PUT` (each frame names its own).
@@ -184,6 +197,7 @@ impl RequestHeader {
         let mut b = [0u8; REQUEST_HEADER_LEN];
         b[0] = self.op as u8;
         b[1] = 0xD1; // a marker that catches a desynchronised stream early
+        b[2..4].copy_from_slice(&self.flags.to_le_bytes());
         b[4..8].copy_from_slice(&self.request_id.to_le_bytes());
         b[8..12].copy_from_slice(&self.count.to_le_bytes());
         b[16..16 + NAMESPACE_ID_LEN].copy_from_slice(&self.namespace.0);
@@ -198,6 +212,7 @@ impl RequestHeader {
         ns.copy_from_slice(&b[16..32]);
         Ok(RequestHeader {
             op: Op::from_u8(b[0])?,
+            flags: u16::from_le_bytes([b[2], b[3]]),
             request_id: u32::from_le_bytes([b[4], b[5], b[6], b[7]]),
             count: u32::from_le_bytes([b[8], b[9], b[10], b[11]]),
             namespace: NamespaceId(ns),
@@ -252,7 +267,7 @@ mod tests {
 
     #[test]
     fn headers_round_trip() {
-        let r = RequestHeader { op: Op::Get, request_id: 77, count: 3, namespace: NamespaceId([4; 16]) };
+        let r = RequestHeader { op: Op::Get, flags: FLAG_PIN_LEASE, request_id: 77, count: 3, namespace: NamespaceId([4; 16]) };
         assert_eq!(RequestHeader::decode(&r.encode()).unwrap(), r);
         let mut bad = r.encode();
         bad[1] = 0;

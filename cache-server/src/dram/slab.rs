@@ -53,6 +53,7 @@ impl Slab {
         self.allocated
     }
 
+    #[cfg(test)]
     pub(super) fn free_bytes(&self) -> u64 {
         self.free_bytes
     }

@@ -215,7 +215,8 @@ fn a_held_block_keeps_its_bytes_after_eviction() {
 #[test]
 fn eviction_hook_receives_demoted_blocks() {
     let t = tier(128 * KIB, 0.9);
-    let got: Arc<StdMutex<Vec<(IndexKey, Vec<u8>)>>> = Arc::default();
+    type Demoted = Vec<(IndexKey, Vec<u8>)>;
+    let got: Arc<StdMutex<Demoted>> = Arc::default();
     let sink = Arc::clone(&got);
     t.set_eviction_hook(Some(Arc::new(move |k, b: StoredBlock| {
         sink.lock().unwrap().push((k, b.payload.to_vec()));
@@ -422,7 +423,7 @@ fn op() -> impl Strategy<Value = Op> {
 
 /// Full blocks of 64 KiB for even keys, partial tails / compressed sizes for odd ones.
 fn prop_len(i: u32) -> usize {
-    if i % 2 == 0 {
+    if i & 1 == 0 {
         64 * KIB
     } else {
         1 + (i as usize * 7919) % (64 * KIB)
