@@ -195,6 +195,32 @@ async fn every_bad_input_gets_a_clear_error_and_nothing_is_lost() {
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_dies_mid_park_leaks_no_pins() {
+    let server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
+    let client = server.client().await;
+    let ns = client.register(namespace("lease", b"", small_layout())).await.unwrap();
+    let t = tokens(77, 64);
+    let mut raw = Raw::open(&server);
+    let h = RequestHeader { op: Op::Put, flags: kvtier_proto::dataplane::FLAG_PIN_LEASE, request_id: 1, count: 4, namespace: NamespaceId([0; 16]) };
+    raw.0.write_all(&h.encode()).unwrap();
+    for k in ns.keys(&t) {
+        let f = ns.frame(k, 16, payload_for(&k, ns.block_bytes()));
+        raw.send_frame(&f.header, &f.payload);
+    }
+    raw.response().unwrap();
+    assert_eq!(raw.statuses(4), vec![ItemStatus::Ok; 4]);
+    assert_eq!(client.stats().await.unwrap().tiers[0].pinned_bytes, 4 * ns.block_bytes(), "leased blocks are pinned");
+    drop(raw); // the client dies before parking
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while client.stats().await.unwrap().tiers[0].pinned_bytes != 0 {
+        assert!(std::time::Instant::now() < deadline, "leases outlived their connection");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    // The blocks themselves stay cached, just evictable again.
+    assert_eq!(client.lookup(&ns, &t).await.unwrap(), 64);
+}
+
 fn server_alive(server: &ServerProcess) -> bool {
     TcpStream::connect(server.grpc).is_ok() && TcpStream::connect(server.data).is_ok()
 }
