@@ -1,0 +1,58 @@
+//! The never-raise engine client: every error or timeout becomes a miss with a reason, against a
+//! live server, a dead one, and one that accepts connections but never answers.
+
+use std::time::Duration;
+
+use kvtier_client::{ClientConfig, EngineClient};
+use kvtier_tests::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_then_dead_server() {
+    let mut server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
+    let engine = EngineClient::new(server.grpc_addr(), ClientConfig::default(), Duration::from_secs(5))
+        .with_retry_after(Duration::from_millis(10));
+    let ns = namespace("engine", b"e", small_layout());
+    // Blocks are computed from keys, which need the namespace's chain: a typed client gives them.
+    let typed = server.client().await;
+    let handle = typed.register(ns.clone()).await.unwrap();
+    let t = tokens(4, 320);
+    let blocks = full_block_payloads(&handle, &t);
+    assert_eq!(engine.store(&ns, &t, &blocks).await, 20);
+    assert_eq!(engine.lookup(&ns, &t).await, 320);
+    let loaded = engine.load(&ns, &t).await;
+    assert!(loaded.miss.is_none(), "{:?}", loaded.miss);
+    assert_eq!(loaded.blocks, blocks);
+
+    // The server dies: calls come back as misses with a reason, not errors or hangs.
+    server.child.kill().unwrap();
+    server.child.wait().unwrap();
+    let loaded = engine.load(&ns, &t).await;
+    assert!(loaded.blocks.is_empty());
+    let miss = loaded.miss.expect("a miss");
+    assert!(["io", "connect", "timeout"].contains(&miss.reason), "{miss:?}");
+    assert_eq!(engine.lookup(&ns, &t).await, 0);
+    assert_eq!(engine.store(&ns, &t, &blocks).await, 0);
+    assert!(engine.resume(&ns, "nobody").await.is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_never_answers_costs_one_budget() {
+    // Accepts TCP connections and then says nothing, forever.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = silent.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((s, _)) = silent.accept().await {
+            held.push(s);
+        }
+    });
+    let cfg = ClientConfig { connect_timeout: Duration::from_secs(30), request_timeout: Duration::from_secs(30), ..Default::default() };
+    let engine = EngineClient::new(addr, cfg, Duration::from_millis(300));
+    let ns = namespace("engine", b"", small_layout());
+    let t = tokens(1, 64);
+    // Without the budget this would wait for the 30 s timeouts; the test harness would notice.
+    let loaded = tokio::time::timeout(Duration::from_secs(20), engine.load(&ns, &t)).await.expect("load honoured its budget");
+    assert_eq!(loaded.miss.map(|m| m.reason), Some("timeout"));
+    let n = tokio::time::timeout(Duration::from_secs(20), engine.lookup(&ns, &t)).await.expect("lookup honoured its budget");
+    assert_eq!(n, 0);
+}
