@@ -26,7 +26,11 @@ pub fn install() -> Result<PrometheusHandle, ServerError> {
 /// Serves `GET /metrics` (any path, really) with the current snapshot.
 pub async fn serve(listener: TcpListener, handle: PrometheusHandle) {
     loop {
-        let Ok((mut sock, _)) = listener.accept().await else { continue };
+        let Ok((mut sock, _)) = listener.accept().await else {
+            // Out of descriptors or similar: back off instead of spinning.
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            continue;
+        };
         let handle = handle.clone();
         tokio::spawn(async move {
             let mut buf = [0u8; 2048];
