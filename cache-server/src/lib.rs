@@ -14,6 +14,7 @@
 pub mod config;
 pub mod control;
 pub mod dataplane;
+pub mod disk;
 pub mod dram;
 pub mod error;
 pub mod metrics;

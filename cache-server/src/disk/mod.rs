@@ -1,0 +1,454 @@
+//! G3, the local disk (NVMe) tier: checksummed block frames appended to segment files under a
+//! hard byte cap, an in-memory index rebuilt by scanning the segments at start, FIFO eviction by
+//! whole segment, and pins for parked sessions.
+//!
+//! # Layout on disk
+//! `<data_dir>/segments/seg-<id>.kvs`: records back to back, each a 128-byte frame header, the
+//! payload, and zero padding up to a 4 KiB boundary (one aligned `pwrite` per record). A segment
+//! grows to `segment_bytes`, is then sealed and a new one opened. `<data_dir>/LOCK` is held
+//! (`flock`) for the life of the process, so a second server on the same directory is refused.
+//!
+//! # Cap and eviction
+//! The sum of segment file sizes never exceeds `capacity_bytes`: before a record is appended, the
+//! oldest sealed segments holding no pinned block are deleted (their blocks become misses) until
+//! it fits. Pinned blocks (parked sessions) keep their segment; when only such segments remain
+//! the write fails with a capacity error. FIFO by segment wastes no space on fragmentation and
+//! needs no tombstones; compacting segments that are mostly pinned is future work.
+//!
+//! # Reads, corruption and recovery
+//! A read is one `pread` of header + payload, verified (header checksum, key, payload checksum);
+//! a mismatch removes the block from the index and is a miss, never wrong bytes. At start every
+//! segment is scanned and every payload verified: a torn record (header valid, payload short or
+//! not matching its checksum) is dropped and counted, and a segment is truncated after its last
+//! whole record.
+
+mod segment;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use kvtier_proto::{BlockKey, FrameHeader, NamespaceId, FRAME_HEADER_LEN};
+use parking_lot::Mutex;
+
+use crate::dram::IndexKey;
+use crate::error::ServerError;
+use segment::{align_up, scan_segment, segment_path, RECORD_ALIGN};
+
+/// Disk tier settings.
+#[derive(Debug, Clone)]
+pub struct DiskConfig {
+    pub dir: PathBuf,
+    pub capacity_bytes: u64,
+    /// Size at which a segment is sealed. Normalized to at most a quarter of the capacity.
+    pub segment_bytes: u64,
+    /// `fsync` each record before it counts as written (sessions always sync; see the server).
+    pub sync_writes: bool,
+}
+
+/// Where a block lives.
+#[derive(Debug, Clone, Copy)]
+struct Loc {
+    seg: u64,
+    offset: u64,
+    header: FrameHeader,
+}
+
+struct Segment {
+    file: Arc<File>,
+    /// Bytes written (records incl. padding); the file's size.
+    len: u64,
+    keys: Vec<IndexKey>,
+}
+
+struct Inner {
+    index: HashMap<IndexKey, Loc>,
+    segments: BTreeMap<u64, Segment>,
+    active: u64,
+    total_bytes: u64,
+    pins: HashMap<IndexKey, u32>,
+    pinned_bytes: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    hits: AtomicU64,
+    misses: AtomicU64,
+    writes: AtomicU64,
+    bytes_in: AtomicU64,
+    bytes_out: AtomicU64,
+    evicted_blocks: AtomicU64,
+    evicted_segments: AtomicU64,
+    corrupt: AtomicU64,
+    write_errors: AtomicU64,
+}
+
+/// What recovery found at start.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RecoveryReport {
+    pub segments: u64,
+    pub blocks: u64,
+    pub bytes: u64,
+    pub discarded: u64,
+    pub millis: u64,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DiskStats {
+    pub capacity_bytes: u64,
+    pub used_bytes: u64,
+    pub resident_bytes: u64,
+    pub pinned_bytes: u64,
+    pub blocks: u64,
+    pub segments: u64,
+    pub hits: u64,
+    pub misses: u64,
+    pub writes: u64,
+    pub bytes_in: u64,
+    pub bytes_out: u64,
+    pub evicted_blocks: u64,
+    pub evicted_segments: u64,
+    pub corrupt: u64,
+    pub write_errors: u64,
+}
+
+pub struct DiskTier {
+    cfg: DiskConfig,
+    seg_dir: PathBuf,
+    inner: Mutex<Inner>,
+    /// One writer at a time: appends are sequential within the active segment.
+    write_lock: Mutex<()>,
+    counters: Counters,
+    _lock_file: File,
+}
+
+impl std::fmt::Debug for DiskTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DiskTier").field("dir", &self.cfg.dir).finish()
+    }
+}
+
+fn io_err(what: &str, path: &Path, e: std::io::Error) -> ServerError {
+    ServerError::Io(std::io::Error::new(e.kind(), format!("{what} {}: {e}", path.display())))
+}
+
+impl DiskTier {
+    /// Opens (or creates) the tier in `cfg.dir`, takes its lock and recovers its contents.
+    pub fn open(mut cfg: DiskConfig) -> Result<(DiskTier, RecoveryReport), ServerError> {
+        if cfg.capacity_bytes < 4 * RECORD_ALIGN {
+            return Err(ServerError::Config(format!("disk_capacity {} is too small", cfg.capacity_bytes)));
+        }
+        cfg.segment_bytes = cfg.segment_bytes.clamp(RECORD_ALIGN, (cfg.capacity_bytes / 4).max(RECORD_ALIGN));
+        let seg_dir = cfg.dir.join("segments");
+        std::fs::create_dir_all(&seg_dir)
+            .map_err(|e| ServerError::Config(format!("disk tier directory {}: {e}", seg_dir.display())))?;
+        let lock_path = cfg.dir.join("LOCK");
+        let lock_file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .read(true)
+            .write(true)
+            .open(&lock_path)
+            .map_err(|e| ServerError::Config(format!("cannot open {}: {e}", lock_path.display())))?;
+        match lock_file.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                let holder = std::fs::read_to_string(&lock_path).unwrap_or_default();
+                return Err(ServerError::Config(format!(
+                    "data directory {} is in use by another kvtier server ({})",
+                    cfg.dir.display(),
+                    holder.trim()
+                )));
+            }
+            Err(std::fs::TryLockError::Error(e)) => {
+                return Err(ServerError::Config(format!("cannot lock {}: {e}", lock_path.display())))
+            }
+        }
+        let _ = lock_file.set_len(0);
+        let _ = std::io::Write::write_all(&mut &lock_file, format!("pid {}", std::process::id()).as_bytes());
+
+        let start = Instant::now();
+        let mut ids: Vec<u64> = std::fs::read_dir(&seg_dir)
+            .map_err(|e| io_err("reading", &seg_dir, e))?
+            .filter_map(|e| e.ok())
+            .filter_map(|e| {
+                let name = e.file_name().into_string().ok()?;
+                name.strip_prefix("seg-")?.strip_suffix(".kvs")?.parse().ok()
+            })
+            .collect();
+        ids.sort_unstable();
+        let mut inner = Inner {
+            index: HashMap::new(),
+            segments: BTreeMap::new(),
+            active: 0,
+            total_bytes: 0,
+            pins: HashMap::new(),
+            pinned_bytes: 0,
+        };
+        let mut report = RecoveryReport::default();
+        for id in ids {
+            let path = segment_path(&seg_dir, id);
+            let scanned = scan_segment(&path).map_err(|e| io_err("scanning", &path, e))?;
+            report.discarded += scanned.discarded;
+            let file = std::fs::OpenOptions::new().read(true).write(true).open(&path).map_err(|e| io_err("opening", &path, e))?;
+            let mut keys = Vec::with_capacity(scanned.records.len());
+            for (offset, header) in scanned.records {
+                let k = (header.namespace, header.key);
+                // A later copy of the same key (content-addressed: same bytes) wins.
+                inner.index.insert(k, Loc { seg: id, offset, header });
+                keys.push(k);
+            }
+            report.segments += 1;
+            report.bytes += scanned.valid_len;
+            inner.total_bytes += scanned.valid_len;
+            inner.segments.insert(id, Segment { file: Arc::new(file), len: scanned.valid_len, keys });
+            inner.active = id;
+        }
+        report.blocks = inner.index.len() as u64;
+        report.millis = start.elapsed().as_millis() as u64;
+        let tier = DiskTier {
+            cfg,
+            seg_dir,
+            inner: Mutex::new(inner),
+            write_lock: Mutex::new(()),
+            counters: Counters::default(),
+            _lock_file: lock_file,
+        };
+        tier.publish_gauges();
+        ::metrics::counter!("kvtier_disk_recovered_blocks_total").increment(report.blocks);
+        ::metrics::counter!("kvtier_disk_discarded_blocks_total").increment(report.discarded);
+        Ok((tier, report))
+    }
+
+    pub fn capacity(&self) -> u64 {
+        self.cfg.capacity_bytes
+    }
+
+    pub fn contains(&self, ns: &NamespaceId, key: &BlockKey) -> bool {
+        self.inner.lock().index.contains_key(&(*ns, *key))
+    }
+
+    fn publish_gauges(&self) {
+        let st = self.inner.lock();
+        ::metrics::gauge!("kvtier_tier_resident_bytes", "tier" => "disk").set(st.total_bytes as f64);
+        ::metrics::gauge!("kvtier_tier_blocks", "tier" => "disk").set(st.index.len() as f64);
+        ::metrics::gauge!("kvtier_tier_pinned_bytes", "tier" => "disk").set(st.pinned_bytes as f64);
+    }
+
+    /// Opens a new active segment (the caller holds the write lock).
+    fn roll(&self, st: &mut Inner) -> Result<(), ServerError> {
+        let id = st.active + 1;
+        let path = segment_path(&self.seg_dir, id);
+        let file = std::fs::OpenOptions::new()
+            .create_new(true)
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(|e| io_err("creating", &path, e))?;
+        st.segments.insert(id, Segment { file: Arc::new(file), len: 0, keys: Vec::new() });
+        st.active = id;
+        Ok(())
+    }
+
+    /// Deletes the oldest sealed segment without pinned blocks. False if there is none.
+    fn evict_one(&self, st: &mut Inner) -> bool {
+        let victim = st.segments.iter().find(|(id, seg)| {
+            **id != st.active && !seg.keys.iter().any(|k| st.pins.contains_key(k) && st.index.get(k).is_some_and(|l| l.seg == **id))
+        });
+        let Some((&id, _)) = victim else { return false };
+        let Some(seg) = st.segments.remove(&id) else { return false };
+        let mut n = 0u64;
+        for k in &seg.keys {
+            if st.index.get(k).is_some_and(|l| l.seg == id) {
+                st.index.remove(k);
+                n += 1;
+            }
+        }
+        st.total_bytes -= seg.len;
+        let _ = std::fs::remove_file(segment_path(&self.seg_dir, id));
+        self.counters.evicted_blocks.fetch_add(n, Ordering::Relaxed);
+        self.counters.evicted_segments.fetch_add(1, Ordering::Relaxed);
+        ::metrics::counter!("kvtier_tier_evictions_total", "tier" => "disk").increment(n);
+        true
+    }
+
+    /// Appends a block (no-op if present). The payload must match `header` (the caller verified it).
+    pub fn write(&self, header: &FrameHeader, payload: &[u8]) -> Result<(), ServerError> {
+        let key = (header.namespace, header.key);
+        let _w = self.write_lock.lock();
+        let record = align_up(FRAME_HEADER_LEN as u64 + header.payload_len);
+        let (file, offset, seg) = {
+            let mut st = self.inner.lock();
+            if st.index.contains_key(&key) {
+                return Ok(());
+            }
+            if record > self.cfg.segment_bytes {
+                return Err(ServerError::TooLarge { len: record, capacity: self.cfg.segment_bytes });
+            }
+            if st.segments.is_empty() || st.segments.get(&st.active).is_none_or(|s| s.len + record > self.cfg.segment_bytes) {
+                // Room for a whole new segment first, so the cap holds however the segment fills.
+                while st.total_bytes + self.cfg.segment_bytes > self.cfg.capacity_bytes {
+                    if !self.evict_one(&mut st) {
+                        return Err(ServerError::Capacity("the disk tier is full of pinned session blocks".into()));
+                    }
+                }
+                self.roll(&mut st)?;
+            }
+            let active = st.active;
+            let seg = st.segments.get(&active).ok_or_else(|| ServerError::Config("active segment vanished".into()))?;
+            (seg.file.clone(), seg.len, active)
+        };
+        let mut buf = Vec::with_capacity(record as usize);
+        buf.extend_from_slice(&header.encode());
+        buf.extend_from_slice(payload);
+        buf.resize(record as usize, 0);
+        let t = Instant::now();
+        let res = std::os::unix::fs::FileExt::write_all_at(&*file, &buf, offset).and_then(|_| {
+            if self.cfg.sync_writes {
+                file.sync_data()
+            } else {
+                Ok(())
+            }
+        });
+        ::metrics::histogram!("kvtier_disk_write_seconds").record(t.elapsed().as_secs_f64());
+        if let Err(e) = res {
+            self.counters.write_errors.fetch_add(1, Ordering::Relaxed);
+            ::metrics::counter!("kvtier_errors_total", "kind" => "disk_write").increment(1);
+            // Nothing was published; the next record overwrites whatever part of this one landed.
+            return Err(ServerError::Io(e));
+        }
+        let mut st = self.inner.lock();
+        if let Some(s) = st.segments.get_mut(&seg) {
+            s.len = offset + record;
+            s.keys.push(key);
+            st.total_bytes += record;
+            st.index.insert(key, Loc { seg, offset, header: *header });
+        }
+        drop(st);
+        self.counters.writes.fetch_add(1, Ordering::Relaxed);
+        self.counters.bytes_in.fetch_add(header.payload_len, Ordering::Relaxed);
+        ::metrics::counter!("kvtier_tier_bytes_in_total", "tier" => "disk").increment(header.payload_len);
+        self.publish_gauges();
+        Ok(())
+    }
+
+    /// Makes every write so far durable (fsync of every segment written since the last call is
+    /// approximated by syncing the active one, where all appends go).
+    pub fn sync(&self) -> Result<(), ServerError> {
+        let file = {
+            let st = self.inner.lock();
+            st.segments.get(&st.active).map(|s| s.file.clone())
+        };
+        if let Some(f) = file {
+            f.sync_data()?;
+        }
+        Ok(())
+    }
+
+    /// Reads and verifies a block. `None` is a miss (absent, or corrupt and now removed).
+    pub fn read(&self, ns: &NamespaceId, key: &BlockKey) -> Option<(FrameHeader, Bytes)> {
+        let k = (*ns, *key);
+        let found = {
+            let st = self.inner.lock();
+            st.index.get(&k).and_then(|l| st.segments.get(&l.seg).map(|s| (*l, s.file.clone())))
+        };
+        let Some((loc, file)) = found else {
+            self.counters.misses.fetch_add(1, Ordering::Relaxed);
+            ::metrics::counter!("kvtier_tier_misses_total", "tier" => "disk").increment(1);
+            return None;
+        };
+        let t = Instant::now();
+        let len = FRAME_HEADER_LEN + loc.header.payload_len as usize;
+        let mut buf = vec![0u8; len];
+        let res = std::os::unix::fs::FileExt::read_exact_at(&*file, &mut buf, loc.offset);
+        ::metrics::histogram!("kvtier_disk_read_seconds").record(t.elapsed().as_secs_f64());
+        let ok = res.is_ok()
+            && FrameHeader::decode(&buf).is_ok_and(|h| h == loc.header)
+            && loc.header.verify_payload(&buf[FRAME_HEADER_LEN..]).is_ok();
+        if !ok {
+            self.counters.corrupt.fetch_add(1, Ordering::Relaxed);
+            ::metrics::counter!("kvtier_errors_total", "kind" => "disk_checksum").increment(1);
+            tracing::error!(?key, seg = loc.seg, offset = loc.offset, "disk block failed verification; removed");
+            let mut st = self.inner.lock();
+            if st.index.get(&k).is_some_and(|l| l.seg == loc.seg && l.offset == loc.offset) {
+                st.index.remove(&k);
+            }
+            return None;
+        }
+        self.counters.hits.fetch_add(1, Ordering::Relaxed);
+        self.counters.bytes_out.fetch_add(loc.header.payload_len, Ordering::Relaxed);
+        ::metrics::counter!("kvtier_tier_hits_total", "tier" => "disk").increment(1);
+        ::metrics::counter!("kvtier_tier_bytes_out_total", "tier" => "disk").increment(loc.header.payload_len);
+        let payload = Bytes::from(buf).slice(FRAME_HEADER_LEN..);
+        Some((loc.header, payload))
+    }
+
+    /// Pins blocks (all or nothing): pinned blocks keep their segment through eviction.
+    pub fn pin(&self, ns: &NamespaceId, keys: &[BlockKey]) -> Result<(), ServerError> {
+        let mut st = self.inner.lock();
+        let missing: Vec<u32> =
+            keys.iter().enumerate().filter(|(_, k)| !st.index.contains_key(&(*ns, **k))).map(|(i, _)| i as u32).collect();
+        if !missing.is_empty() {
+            return Err(ServerError::MissingBlocks { missing, missing_tail: false });
+        }
+        let mut seen = HashSet::new();
+        for k in keys {
+            let ik = (*ns, *k);
+            let count = st.pins.entry(ik).or_insert(0);
+            *count += 1;
+            if *count == 1 && seen.insert(ik) {
+                let len = st.index.get(&ik).map(|l| l.header.payload_len).unwrap_or(0);
+                st.pinned_bytes += len;
+            }
+        }
+        Ok(())
+    }
+
+    pub fn unpin(&self, ns: &NamespaceId, keys: &[BlockKey]) {
+        let mut st = self.inner.lock();
+        for k in keys {
+            let ik = (*ns, *k);
+            let gone = match st.pins.get_mut(&ik) {
+                Some(c) => {
+                    *c -= 1;
+                    *c == 0
+                }
+                None => false,
+            };
+            if gone {
+                st.pins.remove(&ik);
+                let len = st.index.get(&ik).map(|l| l.header.payload_len).unwrap_or(0);
+                st.pinned_bytes = st.pinned_bytes.saturating_sub(len);
+            }
+        }
+    }
+
+    pub fn stats(&self) -> DiskStats {
+        let st = self.inner.lock();
+        let c = &self.counters;
+        DiskStats {
+            capacity_bytes: self.cfg.capacity_bytes,
+            used_bytes: st.total_bytes,
+            resident_bytes: st.index.values().map(|l| l.header.payload_len).sum(),
+            pinned_bytes: st.pinned_bytes,
+            blocks: st.index.len() as u64,
+            segments: st.segments.len() as u64,
+            hits: c.hits.load(Ordering::Relaxed),
+            misses: c.misses.load(Ordering::Relaxed),
+            writes: c.writes.load(Ordering::Relaxed),
+            bytes_in: c.bytes_in.load(Ordering::Relaxed),
+            bytes_out: c.bytes_out.load(Ordering::Relaxed),
+            evicted_blocks: c.evicted_blocks.load(Ordering::Relaxed),
+            evicted_segments: c.evicted_segments.load(Ordering::Relaxed),
+            corrupt: c.corrupt.load(Ordering::Relaxed),
+            write_errors: c.write_errors.load(Ordering::Relaxed),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,129 @@
+use super::*;
+use kvtier_proto::{BlockFrame, CodecId, DType, KvLayout};
+
+fn layout() -> KvLayout {
+    KvLayout::new(2, 1, 64, DType::Fp16, 16) // 8 KiB blocks
+}
+
+fn frame(i: u32) -> BlockFrame {
+    let key = BlockKey(*blake3::hash(&i.to_le_bytes()).as_bytes());
+    let payload: Vec<u8> = (0..layout().block_bytes()).map(|j| (j as u32).wrapping_mul(31).wrapping_add(i) as u8).collect();
+    BlockFrame::new(NamespaceId([1; 16]), key, layout(), CodecId::RAW, 16, Bytes::from(payload))
+}
+
+fn open(dir: &Path, cap: u64) -> (DiskTier, RecoveryReport) {
+    DiskTier::open(DiskConfig { dir: dir.to_path_buf(), capacity_bytes: cap, segment_bytes: 64 << 10, sync_writes: false })
+        .unwrap()
+}
+
+#[test]
+fn write_read_and_recover() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let (t, r) = open(dir.path(), 1 << 20);
+        assert_eq!(r.blocks, 0);
+        for i in 0..20 {
+            let f = frame(i);
+            t.write(&f.header, &f.payload).unwrap();
+        }
+        let f = frame(3);
+        let (h, p) = t.read(&f.header.namespace, &f.header.key).unwrap();
+        assert_eq!((h, p), (f.header, f.payload));
+    }
+    let (t, r) = open(dir.path(), 1 << 20);
+    assert_eq!((r.blocks, r.discarded), (20, 0));
+    for i in 0..20 {
+        let f = frame(i);
+        assert_eq!(t.read(&f.header.namespace, &f.header.key).unwrap().1, f.payload, "block {i}");
+    }
+}
+
+#[test]
+fn cap_holds_and_oldest_segments_go_first_unless_pinned() {
+    let dir = tempfile::tempdir().unwrap();
+    let cap = 256 << 10; // 4 segments of 64 KiB; each record is 12 KiB (8 KiB + header, aligned)
+    let (t, _) = open(dir.path(), cap);
+    let first = frame(0);
+    t.write(&first.header, &first.payload).unwrap();
+    t.pin(&first.header.namespace, &[first.header.key]).unwrap();
+    for i in 1..100 {
+        let f = frame(i);
+        t.write(&f.header, &f.payload).unwrap();
+        let s = t.stats();
+        assert!(s.used_bytes <= cap, "{s:?}");
+    }
+    assert!(t.stats().evicted_blocks > 0);
+    assert!(t.read(&first.header.namespace, &first.header.key).is_some(), "pinned block survived");
+    assert!(t.read(&NamespaceId([1; 16]), &frame(2).header.key).is_some(), "shares the pinned block's segment");
+    assert!(t.read(&NamespaceId([1; 16]), &frame(7).header.key).is_none(), "old unpinned segment evicted");
+    assert!(t.read(&NamespaceId([1; 16]), &frame(99).header.key).is_some());
+}
+
+#[test]
+fn full_of_pins_is_a_capacity_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let (t, _) = open(dir.path(), 128 << 10);
+    let mut i = 0;
+    let err = loop {
+        let f = frame(i);
+        match t.write(&f.header, &f.payload) {
+            Ok(()) => t.pin(&f.header.namespace, &[f.header.key]).unwrap(),
+            Err(e) => break e,
+        }
+        i += 1;
+        assert!(i < 100);
+    };
+    assert!(matches!(err, ServerError::Capacity(_)), "{err}");
+    for j in 0..i {
+        assert!(t.read(&NamespaceId([1; 16]), &frame(j).header.key).is_some());
+    }
+}
+
+#[test]
+fn corruption_is_a_miss_and_torn_tails_are_dropped_at_recovery() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let (t, _) = open(dir.path(), 1 << 20);
+        for i in 0..3 {
+            let f = frame(i);
+            t.write(&f.header, &f.payload).unwrap();
+        }
+        // Flip a payload byte of block 1 on disk.
+        let seg = segment_path(&dir.path().join("segments"), 1);
+        let mut bytes = std::fs::read(&seg).unwrap();
+        bytes[12288 + 200] ^= 0xFF;
+        std::fs::write(&seg, &bytes).unwrap();
+        let f = frame(1);
+        assert!(t.read(&f.header.namespace, &f.header.key).is_none());
+        assert_eq!(t.stats().corrupt, 1);
+        assert!(t.read(&f.header.namespace, &f.header.key).is_none(), "removed after the first failure");
+        // A torn tail: half a record appended, as a crash mid-write would leave.
+        let f = frame(9);
+        let mut torn = f.header.encode().to_vec();
+        torn.extend_from_slice(&f.payload[..1000]);
+        let mut bytes = std::fs::read(&seg).unwrap();
+        bytes.extend_from_slice(&torn);
+        std::fs::write(&seg, &bytes).unwrap();
+    }
+    let (t, r) = open(dir.path(), 1 << 20);
+    assert_eq!(r.blocks, 2, "{r:?}");
+    assert_eq!(r.discarded, 2, "the corrupt block and the torn one: {r:?}");
+    assert!(t.read(&NamespaceId([1; 16]), &frame(0).header.key).is_some());
+    assert!(t.read(&NamespaceId([1; 16]), &frame(9).header.key).is_none());
+    // New writes land after the truncated tail and survive another restart.
+    let f = frame(10);
+    t.write(&f.header, &f.payload).unwrap();
+    drop(t);
+    let (t, r) = open(dir.path(), 1 << 20);
+    assert_eq!((r.blocks, r.discarded), (3, 1));
+    assert_eq!(t.read(&f.header.namespace, &f.header.key).unwrap().1, f.payload);
+}
+
+#[test]
+fn a_second_tier_on_the_same_directory_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_t, _) = open(dir.path(), 1 << 20);
+    let e = DiskTier::open(DiskConfig { dir: dir.path().to_path_buf(), capacity_bytes: 1 << 20, segment_bytes: 1 << 16, sync_writes: false })
+        .unwrap_err();
+    assert!(e.to_string().contains("in use by another kvtier server"), "{e}");
+}
