@@ -26,23 +26,32 @@ pub struct Limits {
     pub runs: usize,
 }
 
-/// GB/s of copying `total` bytes through a `buf`-byte buffer on each of `threads` threads.
+/// GB/s of copying `total` bytes through a `buf`-byte buffer on each of `threads` threads
+/// (buffers allocated and touched before the clock starts).
 pub fn memcpy_gbps(total: usize, buf: usize, threads: usize) -> f64 {
     let per = total / threads;
-    let t = Instant::now();
-    std::thread::scope(|s| {
+    let iters = per.div_ceil(buf);
+    let barrier = std::sync::Barrier::new(threads + 1);
+    let t = std::thread::scope(|s| {
         for _ in 0..threads {
             s.spawn(|| {
                 let src = vec![7u8; buf];
                 let mut dst = vec![0u8; buf];
-                for _ in 0..per.div_ceil(buf) {
+                dst.copy_from_slice(&src);
+                barrier.wait();
+                for _ in 0..iters {
                     dst.copy_from_slice(std::hint::black_box(&src));
                     std::hint::black_box(&mut dst);
                 }
+                barrier.wait();
             });
         }
+        barrier.wait();
+        let t = Instant::now();
+        barrier.wait();
+        t.elapsed()
     });
-    (per.div_ceil(buf) * buf * threads) as f64 / t.elapsed().as_secs_f64() / 1e9
+    (iters * buf * threads) as f64 / t.as_secs_f64() / 1e9
 }
 
 /// One sender and one receiver thread moving `total` bytes in 1 MiB writes over a stream pair.

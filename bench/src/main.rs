@@ -1,137 +1,362 @@
-//! `kvtier-bench`: measures kvtier beside the machine's limits in one run and prints medians and
-//! ratios. `kvtier-bench dataplane [--blocks N] [--runs R] [--connections C]`.
+//! `kvtier-bench`: kvtier measured beside the machine's limits, a real Redis and the prefill it
+//! saves, in one run. `kvtier-bench [all|limits|blocks|trace|plan] [--quick] [--out DIR]`.
+//! Markdown on stdout, `results.json` and PNG plots in the output folder.
 
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::time::Instant;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use bytes::Bytes;
-use kvtier_bench::{gbps, median};
-use kvtier_client::{ClientConfig, KvClient};
-use kvtier_proto::{DType, HashScheme, KvLayout, Namespace};
-use kvtier_server::config::{ByteSize, ServerConfig};
+use clap::{Parser, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use kvtier_bench::blocks::{self, BlocksConfig, Cell};
+use kvtier_bench::model::{self, Codec, Gpu, Link, Model, PlanInput};
+use kvtier_bench::plot::{self, Chart, Series};
+use kvtier_bench::replay::{self, ReplayConfig};
+use kvtier_bench::servers::{self, KvtierServer, RedisServer};
+use kvtier_bench::trace::{Trace, TraceConfig};
+use kvtier_bench::{limits, report};
+use serde_json::json;
 
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum, Debug)]
+enum What {
+    /// Everything below.
+    All,
+    /// memcpy, loopback TCP, Unix socket, disk.
+    Limits,
+    /// Block store/load vs Redis and the limits.
+    Blocks,
+    /// Synthetic replicas + agent sessions workload replayed against kvtier.
+    Trace,
+    /// Capacity planner (pure arithmetic, no servers).
+    Plan,
+}
+
+#[derive(Parser, Debug)]
+#[command(name = "kvtier-bench", about = "kvtier beside Redis, the machine's limits and the prefill it saves")]
 struct Args {
-    blocks: usize,
-    runs: usize,
-    connections: usize,
+    #[arg(value_enum, default_value = "all")]
+    what: What,
+    /// A first look in about a minute: fewer bytes, one run per figure, smaller trace.
+    #[arg(long)]
+    quick: bool,
+    /// Output folder for results.json and the PNG plots.
+    #[arg(long, default_value = "bench-out")]
+    out: PathBuf,
+    /// Runs per figure (median reported). Default: 1 with --quick, else 3.
+    #[arg(long)]
+    runs: Option<usize>,
+    /// The kvtier binary to start (default: `kvtier` beside this executable).
+    #[arg(long)]
+    kvtier_bin: Option<PathBuf>,
+    /// Use an already running kvtier at this gRPC address instead of starting one (blocks only;
+    /// the trace needs its own server to set the DRAM cap).
+    #[arg(long)]
+    server: Option<String>,
+    /// The redis-server binary (default: from PATH).
+    #[arg(long)]
+    redis_bin: Option<PathBuf>,
+    /// Skip Redis.
+    #[arg(long)]
+    no_redis: bool,
+    /// Data directory for the servers and the disk figures (default: OUT/data).
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// Redis pipeline depth.
+    #[arg(long, default_value_t = 8)]
+    pipeline: usize,
+    /// Trace / plan model: llama-3-8b, llama-3-70b, or both (trace only).
+    #[arg(long, default_value = "both")]
+    model: String,
+    /// GPU the prefill-saved figures are for: A100, L40S, H100, H200, B200.
+    #[arg(long, default_value = "H100")]
+    gpu: String,
+    /// Fraction of the GPU's dense BF16 peak prefill reaches.
+    #[arg(long, default_value_t = 0.5)]
+    mfu: f64,
+    /// Link the trace's reloads are modeled over (index in the plan's link table, 0-based; 1 = PCIe Gen5).
+    #[arg(long, default_value_t = 1)]
+    link: usize,
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Bytes-per-token scale of the trace replay (default 1024 with --quick, else 256).
+    #[arg(long)]
+    scale: Option<u64>,
+    /// Planner: KV codec (bf16, fp8, nvfp4).
+    #[arg(long, default_value = "bf16")]
+    codec: String,
+    #[arg(long, default_value_t = 40.0)]
+    hbm_gb: f64,
+    #[arg(long, default_value_t = 1000.0)]
+    dram_gb: f64,
+    #[arg(long, default_value_t = 8000.0)]
+    nvme_gb: f64,
+    #[arg(long, default_value_t = 32768.0)]
+    avg_context: f64,
+    #[arg(long, default_value_t = 10.0)]
+    rps: f64,
+    #[arg(long, default_value_t = 0.5)]
+    session_fraction: f64,
+    #[arg(long, default_value_t = 60.0)]
+    think_s: f64,
+    /// Planner model overrides.
+    #[arg(long)]
+    layers: Option<u32>,
+    #[arg(long)]
+    kv_heads: Option<u32>,
+    #[arg(long)]
+    heads: Option<u32>,
+    #[arg(long)]
+    head_dim: Option<u32>,
+    /// Parameters, billions.
+    #[arg(long)]
+    params_b: Option<f64>,
 }
 
-fn parse_args() -> anyhow::Result<Args> {
-    let mut a = Args { blocks: 256, runs: 5, connections: 4 };
-    let mut it = std::env::args().skip(1);
-    match it.next().as_deref() {
-        Some("dataplane") => {}
-        other => anyhow::bail!("usage: kvtier-bench dataplane [--blocks N] [--runs R] [--connections C] (got {other:?})"),
-    }
-    while let Some(flag) = it.next() {
-        let v: usize = it.next().context("flag needs a value")?.parse().context("not a number")?;
-        match flag.as_str() {
-            "--blocks" => a.blocks = v,
-            "--runs" => a.runs = v,
-            "--connections" => a.connections = v,
-            other => anyhow::bail!("unknown flag {other}"),
-        }
-    }
-    Ok(a)
+fn bar(len: u64, what: &str) -> ProgressBar {
+    let pb = ProgressBar::new(len);
+    pb.set_style(ProgressStyle::with_template("{prefix:>8} [{elapsed_precise}] {bar:30} {pos}/{len} {msg}").unwrap_or_else(|_| ProgressStyle::default_bar()));
+    pb.set_prefix(what.to_string());
+    pb.enable_steady_tick(Duration::from_millis(250));
+    pb
 }
 
-const MIB: usize = 1 << 20;
-
-fn memcpy_gbps(total: usize) -> f64 {
-    let src = vec![7u8; MIB];
-    let mut dst = vec![0u8; MIB];
-    gbps(total as u64, || {
-        for _ in 0..total / MIB {
-            dst.copy_from_slice(std::hint::black_box(&src));
-            std::hint::black_box(&mut dst);
-        }
-    })
+fn machine() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|s| s.trim().to_string()))
+        .unwrap_or_else(|| std::env::consts::ARCH.into());
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let mem = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("MemTotal")).and_then(|l| l.split_whitespace().nth(1)).and_then(|k| k.parse::<f64>().ok()))
+        .map(|kb| format!("{:.0} GiB RAM", kb / (1 << 20) as f64))
+        .unwrap_or_default();
+    format!("{cpu}, {cores} cores, {mem}, {} {}", std::env::consts::OS, std::env::consts::ARCH)
 }
 
-/// One sender thread, one receiver thread, 1 MiB writes over loopback TCP.
-fn raw_tcp_gbps(total: usize) -> anyhow::Result<f64> {
-    let l = TcpListener::bind("127.0.0.1:0")?;
-    let addr = l.local_addr()?;
-    let rx = std::thread::spawn(move || -> std::io::Result<()> {
-        let (mut s, _) = l.accept()?;
-        let mut buf = vec![0u8; MIB];
-        let mut left = total;
-        while left > 0 {
-            let n = s.read(&mut buf)?;
-            if n == 0 {
-                break;
-            }
-            left -= n.min(left);
-        }
-        s.write_all(b"k")
-    });
-    let mut s = TcpStream::connect(addr)?;
-    s.set_nodelay(true)?;
-    let buf = vec![1u8; MIB];
-    let t = Instant::now();
-    for _ in 0..total / MIB {
-        s.write_all(&buf)?;
+fn models(s: &str) -> anyhow::Result<Vec<Model>> {
+    if s == "both" {
+        return Ok(vec![Model::LLAMA3_8B, Model::LLAMA3_70B]);
     }
-    let mut ack = [0u8; 1];
-    s.read_exact(&mut ack)?;
-    let secs = t.elapsed().as_secs_f64();
-    rx.join().map_err(|_| anyhow::anyhow!("receiver panicked"))??;
-    Ok(total as f64 / secs / 1e9)
+    Ok(vec![Model::by_name(s).with_context(|| format!("unknown model {s:?} (llama-3-8b, llama-3-70b, both)"))?])
 }
 
 fn main() -> anyhow::Result<()> {
-    let args = parse_args()?;
-    let total = args.blocks * MIB;
+    let a = Args::parse();
+    let quick = a.quick;
+    let runs = a.runs.unwrap_or(if quick { 1 } else { 3 }).max(1);
+    std::fs::create_dir_all(&a.out)?;
+    let out = a.out.canonicalize()?;
+    let data_dir = a.data_dir.clone().unwrap_or_else(|| out.join("data"));
+    let mut gpu = Gpu::by_name(&a.gpu).with_context(|| format!("unknown GPU {:?}", a.gpu))?;
+    gpu.mfu = a.mfu;
+    let link = *Link::ALL.get(a.link).context("--link is an index into the link table")?;
+    let started = Instant::now();
+    let cmdline: Vec<String> = std::env::args().collect();
+    let mach = machine();
+    println!("# kvtier-bench {}\n\nMachine: {mach}. Command: `{}`.\n", if quick { "(quick)" } else { "" }, cmdline.join(" "));
+    let mut json = json!({ "machine": mach, "command": cmdline, "quick": quick, "runs": runs });
+    let all = a.what == What::All;
+    let mut plots = Vec::new();
 
-    // The server runs on its own runtime, as a separate process would.
-    let server_rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    let data_dir = std::env::temp_dir().join(format!("kvtier-bench-{}", std::process::id()));
-    let cfg = ServerConfig {
-        listen: "127.0.0.1:0".parse()?,
-        data_listen: "127.0.0.1:0".parse()?,
-        metrics_listen: None,
-        data_dir: data_dir.clone(),
-        dram_capacity: ByteSize((total as u64) * 2 + (256 << 20)),
-        ..Default::default()
-    };
-    let server = server_rt.block_on(kvtier_server::start(cfg, None))?;
-    let addr = server.grpc_addr.to_string();
+    // Limits: their own section, and the baseline the blocks' ratios use.
+    let mut lim = None;
+    if all || matches!(a.what, What::Limits | What::Blocks) {
+        let pb = bar(5, "limits");
+        let l = limits::measure(&data_dir, quick || a.what == What::Blocks, if a.what == What::Blocks { 1 } else { runs }, &pb)?;
+        pb.finish_and_clear();
+        println!("{}", report::limits_table(&l));
+        json["limits"] = serde_json::to_value(&l)?;
+        lim = Some(l);
+    }
 
-    let client_rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    // Llama-3-8B-like: 32 layers x 8 KV heads x 128 x bf16 = 128 KiB per token; 8 tokens = 1 MiB.
-    let layout = KvLayout::new(32, 8, 128, DType::Bf16, 8);
-    assert_eq!(layout.block_bytes() as usize, MIB);
-    let (store, load) = client_rt.block_on(async {
-        let client = KvClient::connect(&addr, ClientConfig { data_connections: args.connections, max_batch_blocks: 16, ..Default::default() }).await?;
-        let ns = client.register(Namespace::new("bench", "llama-3-8b", layout, HashScheme::Blake3, b"")).await?;
-        let mut store = Vec::new();
-        let mut load = Vec::new();
-        for run in 0..args.runs {
-            let tokens: Vec<u32> = (0..(args.blocks * 8) as u32).map(|i| i.wrapping_mul(2654435761) ^ run as u32).collect();
-            let blocks: Vec<Bytes> = (0..args.blocks).map(|i| Bytes::from(vec![(i + run) as u8; MIB])).collect();
-            let t = Instant::now();
-            client.store(&ns, &tokens, &blocks).await?.ok()?;
-            store.push(total as f64 / t.elapsed().as_secs_f64() / 1e9);
-            let t = Instant::now();
-            let got = client.load(&ns, &tokens).await?;
-            load.push(total as f64 / t.elapsed().as_secs_f64() / 1e9);
-            anyhow::ensure!(got.len() == args.blocks && got[0] == blocks[0], "loaded blocks differ");
-            client.purge(&ns).await?;
+    if all || a.what == What::Blocks {
+        let cfg = BlocksConfig {
+            sizes: vec![64 << 10, 256 << 10, 1 << 20, 4 << 20],
+            concurrency: vec![1, 4, 16],
+            bytes_per_cell: if quick { 32 << 20 } else { 256 << 20 },
+            runs,
+            pipeline_depth: a.pipeline,
+        };
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+        let mut cells: Vec<Cell> = Vec::new();
+        // kvtier: a real process on loopback (or the one given).
+        let cap = 2 * cfg.bytes_per_cell.max(2 * (4 << 20) * 16) as u64 + (256 << 20);
+        let (server, addr) = match &a.server {
+            Some(s) => (None, s.clone()),
+            None => {
+                let bin = servers::find_kvtier(a.kvtier_bin.as_deref())?;
+                let s = KvtierServer::start(&bin, &data_dir.join("kvtier-blocks"), cap, &out.join("kvtier-blocks.log"))?;
+                let addr = s.grpc_addr.clone();
+                eprintln!("started {} (pid {}) at {addr}", bin.display(), s.pid());
+                (Some(s), addr)
+            }
+        };
+        let pb = bar(cfg.cells() as u64, "kvtier");
+        cells.extend(rt.block_on(blocks::run_kvtier(&addr, &cfg, &pb))?);
+        pb.finish_and_clear();
+        drop(server);
+        // Redis: only a real one, never a made-up figure.
+        let redis_note: Option<String>;
+        let redis_bin = if a.no_redis { Err("skipped by --no-redis".to_string()) } else { servers::find_redis(a.redis_bin.as_deref()) };
+        match redis_bin {
+            Err(why) => {
+                let line = format!("Redis figures are skipped: {why}.");
+                println!("{line}\n");
+                redis_note = Some(line);
+            }
+            Ok(bin) => {
+                let r = RedisServer::start(&bin, &data_dir.join("redis"))?;
+                eprintln!("started redis-server {} on port {}", r.version, r.port);
+                let pb = bar(cfg.cells() as u64, "redis");
+                cells.extend(rt.block_on(blocks::run_redis(&r.url(), &cfg, &pb))?);
+                pb.finish_and_clear();
+                redis_note = Some(format!("redis-server {} on loopback, `--save \"\" --appendonly no`, one connection per task, values = the same payload bytes.", r.version));
+                drop(r);
+            }
         }
-        Ok::<_, anyhow::Error>((median(store), median(load)))
-    })?;
-    let memcpy = median((0..args.runs).map(|_| memcpy_gbps(total)).collect());
-    let tcp = median((0..args.runs).map(|_| raw_tcp_gbps(total)).collect::<anyhow::Result<Vec<_>>>()?);
-    drop(server);
-    let _ = std::fs::remove_dir_all(&data_dir);
+        let tcp = lim.as_ref().map(|l| l.tcp).unwrap_or(f64::NAN);
+        println!("{}", report::blocks_table(&cells, tcp, redis_note.as_deref(), a.pipeline));
+        json["blocks"] = json!({ "cells": cells, "tcp_limit_gb_per_s": tcp, "redis": redis_note, "bytes_per_cell": cfg.bytes_per_cell });
+        for (op, verb) in [("store", "SET"), ("load", "GET")] {
+            let mut series = Vec::new();
+            let mut systems: Vec<&str> = cells.iter().map(|c| c.system.as_str()).collect();
+            systems.dedup();
+            for sys in systems {
+                for &c in &cfg.concurrency {
+                    let pts: Vec<(f64, f64)> = cells.iter().filter(|x| x.system == sys && x.op == op && x.concurrency == c).map(|x| ((x.block_bytes >> 10) as f64, x.gb_per_s)).collect();
+                    if !pts.is_empty() {
+                        series.push(Series { name: format!("{sys} x{c}"), points: pts, markers_only: false });
+                    }
+                }
+            }
+            if tcp.is_finite() {
+                series.push(Series { name: "loopback TCP limit".into(), points: cfg.sizes.iter().map(|&s| ((s >> 10) as f64, tcp)).collect(), markers_only: false });
+            }
+            let path = out.join(format!("blocks_{op}.png"));
+            let title = format!("kvtier {op} vs Redis {verb}: GB/s by block size and concurrency");
+            plot::line_chart(&path, &Chart { title: &title, x_desc: "block size, KiB", y_desc: "GB/s", log_x: true, log_y: false, series })?;
+            plots.push(path);
+        }
+    }
 
-    println!("| figure (1 MiB blocks, {} MiB per run, median of {} runs, {} connections) | GB/s | / raw TCP | / memcpy |", args.blocks, args.runs, args.connections);
-    println!("|---|---|---|---|");
-    println!("| memcpy, one thread | {memcpy:.2} | | 1.00 |");
-    println!("| raw loopback TCP, one stream | {tcp:.2} | 1.00 | {:.2} |", tcp / memcpy);
-    println!("| kvtier store | {store:.2} | {:.2} | {:.2} |", store / tcp, store / memcpy);
-    println!("| kvtier load | {load:.2} | {:.2} | {:.2} |", load / tcp, load / memcpy);
+    if all || a.what == What::Trace {
+        let tcfg = if quick {
+            TraceConfig { seed: a.seed, prefix_requests: 150, sessions: 8, turns: 3, docs: 48, ..Default::default() }
+        } else {
+            TraceConfig { seed: a.seed, prefix_requests: 600, sessions: 32, turns: 4, docs: 96, ..Default::default() }
+        };
+        let trace = Trace::generate(&tcfg);
+        let scale = a.scale.unwrap_or(if quick { 1024 } else { 256 });
+        let fractions: Vec<f64> = if quick { vec![0.25, 1.0] } else { vec![0.1, 0.25, 0.5, 1.0] };
+        let bin = servers::find_kvtier(a.kvtier_bin.as_deref())?;
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+        let ms = models(&a.model)?;
+        // The LRU model's hit rate depends on tokens and blocks only, not on the model's bytes.
+        let ns0 = replay::replay_namespace(&ms[0], scale)?;
+        let layout0 = replay::replay_layout(&ms[0], scale)?;
+        let (docs0, _) = replay::working_set(&trace, &layout0);
+        let curve: Vec<(f64, f64)> = [0.02, 0.05, 0.1, 0.175, 0.25, 0.375, 0.5, 0.75, 1.0, 1.5]
+            .iter()
+            .map(|&f| (f, replay::lru_hit_rate(&trace, &ns0, ((f * docs0 as f64) / layout0.block_bytes() as f64) as usize)))
+            .collect();
+        let mut results = Vec::new();
+        for (mi, m) in ms.iter().enumerate() {
+            // The 70B-class model replays at the largest cache only in quick mode.
+            let fr: Vec<f64> = if mi > 0 && quick { vec![1.0] } else { fractions.clone() };
+            let layout = replay::replay_layout(m, scale)?;
+            let (docs, sessions) = replay::working_set(&trace, &layout);
+            for f in fr {
+                let cap = (f * docs as f64) as u64 + (sessions as f64 / 0.85) as u64 + (16 << 20);
+                let s = KvtierServer::start(&bin, &data_dir.join("kvtier-trace"), cap, &out.join("kvtier-trace.log"))?;
+                let pb = bar(trace.events.len() as u64, "trace");
+                pb.set_message(format!("{} cache {f}× docs", m.name));
+                let cfg = ReplayConfig { model: *m, scale, gpu, link, cache_fraction: f };
+                let r = rt.block_on(replay::replay(&s.grpc_addr, &trace, &cfg, cap, &pb))?;
+                pb.finish_and_clear();
+                drop(s);
+                results.push(r);
+            }
+        }
+        println!(
+            "{}\nTrace: seed {}, {} replicas, {} documents (Zipf s={}), {} prefix requests, {} sessions × {} turns, contexts {}–{} tokens, {} events; replayed with bytes per token scaled 1/{scale} (DRAM cap likewise; bytes shown at full size). TTFT saved = prefill time of the hit on {} at {:.0}% MFU − its reload over {}.\n",
+            report::trace_table(&results, &curve),
+            tcfg.seed,
+            tcfg.replicas,
+            tcfg.docs,
+            tcfg.zipf_s,
+            tcfg.prefix_requests,
+            tcfg.sessions,
+            tcfg.turns,
+            tcfg.min_ctx,
+            tcfg.max_ctx,
+            trace.events.len(),
+            gpu.name,
+            gpu.mfu * 100.0,
+            link.name
+        );
+        json["trace"] = json!({ "config": tcfg, "scale": scale, "results": results, "lru_model": curve });
+        let mut series = vec![Series { name: "LRU model (prefix requests only)".into(), points: curve.clone(), markers_only: false }];
+        for m in &ms {
+            let pts: Vec<(f64, f64)> = results.iter().filter(|r| r.model == m.name).map(|r| (r.cache_fraction, r.prefix_token_hit_rate)).collect();
+            series.push(Series { name: format!("kvtier measured, {}", m.name), points: pts, markers_only: true });
+        }
+        let path = out.join("trace_hit_rate.png");
+        plot::line_chart(&path, &Chart { title: "Prefix token hit rate vs DRAM size", x_desc: "DRAM cap / distinct documents' KV", y_desc: "token hit rate", log_x: false, log_y: false, series })?;
+        plots.push(path);
+    }
+
+    if all || a.what == What::Plan {
+        let base = match a.model.as_str() {
+            "both" => Model::LLAMA3_70B,
+            s => Model::by_name(s).with_context(|| format!("unknown model {s:?}"))?,
+        };
+        let m = Model {
+            name: if a.layers.is_some() || a.kv_heads.is_some() || a.heads.is_some() || a.head_dim.is_some() || a.params_b.is_some() { "custom" } else { base.name },
+            params: a.params_b.map(|p| p * 1e9).unwrap_or(base.params),
+            layers: a.layers.unwrap_or(base.layers),
+            heads: a.heads.unwrap_or(base.heads),
+            kv_heads: a.kv_heads.unwrap_or(base.kv_heads),
+            head_dim: a.head_dim.unwrap_or(base.head_dim),
+        };
+        let codec = Codec::parse(&a.codec).with_context(|| format!("unknown codec {:?} (bf16, fp8, nvfp4)", a.codec))?;
+        let p = model::plan(PlanInput {
+            model: m,
+            codec,
+            gpu,
+            hbm_kv_gb: a.hbm_gb,
+            dram_gb: a.dram_gb,
+            nvme_gb: a.nvme_gb,
+            avg_context_tokens: a.avg_context,
+            requests_per_s: a.rps,
+            session_fraction: a.session_fraction,
+            think_s: a.think_s,
+        });
+        println!("{}", report::plan_table(&p));
+        json["plan"] = serde_json::to_value(&p)?;
+        let ctx: Vec<f64> = (10..=20).map(|e| f64::from(1u32 << e)).collect();
+        let mut series = vec![Series { name: format!("recompute on {}", gpu.name), points: ctx.iter().map(|&t| (t, gpu.prefill_seconds(&m, t))).collect(), markers_only: false }];
+        for l in Link::ALL {
+            series.push(Series { name: format!("reload over {}", l.name), points: ctx.iter().map(|&t| (t, l.reload_seconds(t * m.kv_bytes_per_token(codec)))).collect(), markers_only: false });
+        }
+        let path = out.join("plan_reload_vs_recompute.png");
+        let title = format!("{} ({}): time to get the KV of a context back", m.name, codec.name());
+        plot::line_chart(&path, &Chart { title: &title, x_desc: "context, tokens", y_desc: "seconds", log_x: true, log_y: true, series })?;
+        plots.push(path);
+    }
+
+    let json_path = out.join("results.json");
+    json["wall_s"] = json!(started.elapsed().as_secs_f64());
+    std::fs::write(&json_path, serde_json::to_string_pretty(&json)?)?;
+    let fonts = if plot::font_available() { "" } else { " (no TTF font found: plots have no text)" };
+    println!(
+        "Wrote {} and {} plot(s){fonts}: {} — {:.0} s in all.",
+        json_path.display(),
+        plots.len(),
+        plots.iter().map(|p| p.file_name().map(|f| f.to_string_lossy().to_string()).unwrap_or_default()).collect::<Vec<_>>().join(", "),
+        started.elapsed().as_secs_f64()
+    );
+    let _ = std::fs::remove_dir_all(data_dir.join("kvtier-blocks"));
+    let _ = std::fs::remove_dir_all(data_dir.join("kvtier-trace"));
     Ok(())
 }

@@ -35,6 +35,14 @@ pub struct ServerConfig {
     pub session_ttl: DurationStr,
     /// Longest TTL a client may ask for. Default: `24h`.
     pub session_max_ttl: DurationStr,
+    /// Hard cap of the disk tier under DRAM (segment files in `data_dir`); `0` turns it off,
+    /// and then parked sessions live in DRAM only. Default: `0`.
+    pub disk_capacity: ByteSize,
+    /// Size at which a disk segment file is sealed. Default: `64MiB`.
+    pub disk_segment_bytes: ByteSize,
+    /// `"fsync"`: a park is acknowledged after its blocks and manifest are fsynced (survives power
+    /// loss); `"async"`: after they are written (survives `kill -9`, not power loss). Default: `fsync`.
+    pub session_durability: String,
     /// Shared secret clients must present; required when any listener is beyond loopback.
     /// Default: none.
     pub auth_token: Option<String>,
@@ -55,6 +63,9 @@ impl Default for ServerConfig {
             session_ttl: DurationStr(Duration::from_secs(600)),
             session_max_ttl: DurationStr(Duration::from_secs(24 * 3600)),
             auth_token: None,
+            disk_capacity: ByteSize(0),
+            disk_segment_bytes: ByteSize(64 << 20),
+            session_durability: "fsync".into(),
         }
     }
 }
@@ -112,6 +123,12 @@ impl ServerConfig {
                 "session_ttl {} must be positive and at most session_max_ttl {}",
                 self.session_ttl, self.session_max_ttl
             ));
+        }
+        if self.session_durability != "fsync" && self.session_durability != "async" {
+            return bad(format!("session_durability must be \"fsync\" or \"async\", got {:?}", self.session_durability));
+        }
+        if self.disk_capacity.0 != 0 && self.disk_capacity.0 < (16 << 20) {
+            return bad(format!("disk_capacity {} is below the minimum of 16MiB (0 turns the disk tier off)", self.disk_capacity));
         }
         if let Some(t) = &self.auth_token {
             if t.len() < 16 || t.len() > kvtier_proto::dataplane::MAX_TOKEN_LEN {

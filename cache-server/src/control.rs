@@ -128,9 +128,63 @@ impl ControlPlane {
         };
         let limits = self.state.session_limits(&ns);
         let mut table = self.state.sessions.lock();
-        let out = table.park(&self.state.tier, spec, &limits, Instant::now());
+        self.make_durable(&ns_id, &spec.keys, spec.tail)?;
+        let out = table.park(self.state.pins(), spec, &limits, Instant::now())?;
+        self.log_session(&mut table, &out)?;
         self.refresh_session_gauge(table.len());
-        out
+        Ok(out)
+    }
+
+    /// With a disk tier: writes every block of a manifest that isn't on disk yet (from DRAM) and
+    /// syncs, so the park can be acknowledged as durable. Blocks in neither tier are reported
+    /// missing for the client to re-send.
+    fn make_durable(&self, ns: &NamespaceId, keys: &[BlockKey], tail: Option<BlockKey>) -> Result<(), ServerError> {
+        let Some(disk) = &self.state.disk else { return Ok(()) };
+        tokio::task::block_in_place(|| {
+            let mut missing = Vec::new();
+            for (i, k) in keys.iter().chain(tail.iter()).enumerate() {
+                if disk.contains(ns, k) {
+                    continue;
+                }
+                match self.state.tier.get(ns, k) {
+                    Some(b) => disk.write(&b.header, &b.payload)?,
+                    None => missing.push(i as u32),
+                }
+            }
+            if !missing.is_empty() {
+                let n = keys.len() as u32;
+                let missing_tail = missing.contains(&n);
+                missing.retain(|&i| i < n);
+                return Err(ServerError::MissingBlocks { missing, missing_tail });
+            }
+            if self.state.config.session_durability == "fsync" {
+                disk.sync()?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Appends the manifest to the session log; if that fails the park is undone.
+    fn log_session(&self, table: &mut crate::sessions::SessionTable, m: &SessionManifest) -> Result<(), ServerError> {
+        let Some(log) = &self.state.session_log else { return Ok(()) };
+        let expires = std::time::SystemTime::now() + m.expires_at.saturating_duration_since(Instant::now());
+        let rec = crate::session_log::LoggedSession {
+            namespace: m.namespace,
+            id: m.id.clone(),
+            keys: m.keys.clone(),
+            tail: m.tail,
+            token_count: m.token_count,
+            ttl_ms: m.ttl.as_millis() as u64,
+            expires_unix_ms: crate::session_log::unix_ms(expires),
+            priority: m.priority,
+            version: m.version,
+        };
+        let res = tokio::task::block_in_place(|| log.lock().put(&rec));
+        if let Err(e) = res {
+            table.drop_session(self.state.pins(), m.namespace, &m.id);
+            return Err(e);
+        }
+        Ok(())
     }
 
     fn extend(&self, r: pb::ExtendRequest) -> Result<SessionManifest, ServerError> {
@@ -140,8 +194,9 @@ impl ControlPlane {
         let new_keys = keys(&r.new_keys)?;
         let tail = opt_key(&r.tail_key)?;
         let mut table = self.state.sessions.lock();
-        table.extend(
-            &self.state.tier,
+        self.make_durable(&ns_id, &new_keys, tail)?;
+        let out = table.extend(
+            self.state.pins(),
             ns_id,
             &r.session_id,
             r.expected_version,
@@ -151,7 +206,9 @@ impl ControlPlane {
             r.token_count,
             &limits,
             Instant::now(),
-        )
+        )?;
+        self.log_session(&mut table, &out)?;
+        Ok(out)
     }
 }
 
@@ -192,7 +249,13 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
             let ns = self.state.namespace(&id)?;
             self.state.check_context(&ns, r.keys.len())?;
             let keys = keys(&r.keys)?;
-            Ok::<_, ServerError>(self.state.tier.longest_prefix(&id, &keys))
+            let mut n = self.state.tier.longest_prefix(&id, &keys);
+            if let Some(disk) = &self.state.disk {
+                while n < keys.len() && (self.state.tier.contains(&id, &keys[n]) || disk.contains(&id, &keys[n])) {
+                    n += 1;
+                }
+            }
+            Ok::<_, ServerError>(n)
         })();
         let matched = res.map_err(to_status)?;
         observe("lookup", start);
@@ -220,7 +283,7 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
             let id = ns_id(&r.namespace_id)?;
             self.state.namespace(&id)?;
             let mut table = self.state.sessions.lock();
-            let out = table.resume(&self.state.tier, id, &r.session_id, Instant::now());
+            let out = table.resume(self.state.pins(), id, &r.session_id, Instant::now());
             self.refresh_session_gauge(table.len());
             out
         })();
@@ -242,7 +305,12 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         let id = ns_id(&r.namespace_id).map_err(to_status)?;
         self.state.namespace(&id).map_err(to_status)?;
         let mut table = self.state.sessions.lock();
-        let dropped = table.drop_session(&self.state.tier, id, &r.session_id);
+        let dropped = table.drop_session(self.state.pins(), id, &r.session_id);
+        if dropped {
+            if let Some(log) = &self.state.session_log {
+                let _ = log.lock().delete(id, &r.session_id);
+            }
+        }
         self.refresh_session_gauge(table.len());
         drop(table);
         observe("drop", start);
@@ -262,8 +330,7 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
 
     async fn stats(&self, _r: Request<pb::StatsRequest>) -> Result<Response<pb::StatsResponse>, Status> {
         let s = self.state.tier.stats();
-        Ok(Response::new(pb::StatsResponse {
-            tiers: vec![pb::TierStats {
+        let mut tiers = vec![pb::TierStats {
                 tier: "dram".into(),
                 capacity_bytes: s.capacity_bytes,
                 resident_bytes: s.resident_bytes,
@@ -275,7 +342,25 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
                 evictions: s.evictions,
                 bytes_in: s.bytes_in,
                 bytes_out: s.bytes_out,
-            }],
+            }];
+        if let Some(d) = &self.state.disk {
+            let d = d.stats();
+            tiers.push(pb::TierStats {
+                tier: "disk".into(),
+                capacity_bytes: d.capacity_bytes,
+                resident_bytes: d.resident_bytes,
+                allocated_bytes: d.used_bytes,
+                pinned_bytes: d.pinned_bytes,
+                blocks: d.blocks,
+                hits: d.hits,
+                misses: d.misses,
+                evictions: d.evicted_blocks,
+                bytes_in: d.bytes_in,
+                bytes_out: d.bytes_out,
+            });
+        }
+        Ok(Response::new(pb::StatsResponse {
+            tiers,
             sessions: self.state.sessions.lock().len() as u64,
             namespaces: self.state.namespace_count() as u64,
             uptime_ms: self.state.started.elapsed().as_millis() as u64,

@@ -255,6 +255,8 @@ impl Connection {
             self.drain(header.payload_len).await?;
             return Ok(ItemStatus::Ok);
         }
+        self.demotion_backpressure().await;
+        let tier = &self.state.tier;
         let mut slot = match tier.reserve(header.payload_len as usize) {
             Ok(s) => s,
             Err(e) => {
@@ -308,11 +310,57 @@ impl Connection {
                     self.state.tier.remove(&ns, &key);
                     self.wr.write_all(&[ItemStatus::Miss as u8]).await?;
                 }
-                None => self.wr.write_all(&[ItemStatus::Miss as u8]).await?,
+                None => match self.read_disk(&ns, &key) {
+                    Some((header, payload)) => {
+                        self.wr.write_all(&[ItemStatus::Ok as u8]).await?;
+                        self.wr.write_all(&header.encode()).await?;
+                        self.wr.write_all(&payload).await?;
+                    }
+                    None => self.wr.write_all(&[ItemStatus::Miss as u8]).await?,
+                },
             }
         }
         observe("dataplane_get", start);
         Ok(())
+    }
+}
+
+impl Connection {
+    /// A DRAM miss served from disk (verified there). A block's second disk hit promotes it
+    /// back to DRAM, so a one-off read doesn't push hot blocks out.
+    fn read_disk(&self, ns: &NamespaceId, key: &BlockKey) -> Option<(FrameHeader, bytes::Bytes)> {
+        let disk = self.state.disk.as_ref()?;
+        let (header, payload) = tokio::task::block_in_place(|| disk.read(ns, key))?;
+        let promote = {
+            let mut hits = self.state.disk_hits.lock();
+            if hits.len() > 65_536 {
+                hits.clear();
+            }
+            let n = hits.entry((*ns, *key)).or_insert(0);
+            *n += 1;
+            *n >= 2
+        };
+        if promote {
+            self.state.disk_hits.lock().remove(&(*ns, *key));
+            if self.state.tier.insert(header, &payload, Priority::Normal).is_ok() {
+                metrics::counter!("kvtier_disk_promotions_total").increment(1);
+            }
+        }
+        Some((header, payload))
+    }
+
+    /// Waits while the demotion queue is full, so writers slow down to the disk's pace instead
+    /// of evicting blocks that can't be demoted (bounded: after 5 s the write proceeds).
+    async fn demotion_backpressure(&self) {
+        if self.state.disk.is_none() {
+            return;
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while self.state.demotion_depth.load(std::sync::atomic::Ordering::Relaxed) >= crate::state::DEMOTION_QUEUE
+            && Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
     }
 }
 

@@ -18,6 +18,7 @@ pub mod disk;
 pub mod dram;
 pub mod error;
 pub mod metrics;
+pub mod session_log;
 pub mod sessions;
 pub mod state;
 
@@ -63,6 +64,45 @@ impl RunningServer {
     }
 }
 
+/// Wires DRAM evictions to the disk tier: the eviction hook hands blocks to a bounded queue
+/// (dropping, and counting, what doesn't fit — data-plane writers wait while it is full, so that
+/// is rare) and one thread writes them out.
+fn start_demotion(state: &Arc<NodeState>, disk: Arc<disk::DiskTier>) {
+    use std::sync::atomic::Ordering;
+    let (tx, rx) = std::sync::mpsc::sync_channel::<dram::StoredBlock>(state::DEMOTION_QUEUE);
+    let depth = state.demotion_depth.clone();
+    let hook_depth = depth.clone();
+    // Blocks already on disk (e.g. a parked session's) need no second write.
+    let probe = disk.clone();
+    let hook: dram::EvictionHook = Arc::new(move |_key, block| {
+        if probe.contains(&block.header.namespace, &block.header.key) {
+            return;
+        }
+        match tx.try_send(block) {
+            Ok(()) => {
+                let d = hook_depth.fetch_add(1, Ordering::Relaxed) + 1;
+                ::metrics::gauge!("kvtier_disk_queue_depth").set(d as f64);
+            }
+            Err(_) => ::metrics::counter!("kvtier_disk_demotions_dropped_total").increment(1),
+        }
+    });
+    state.tier.set_eviction_hook(Some(hook));
+    std::thread::Builder::new()
+        .name("kvtier-demote".into())
+        .spawn(move || {
+            for block in rx {
+                match disk.write(&block.header, &block.payload) {
+                    Ok(()) => ::metrics::counter!("kvtier_disk_demotions_total").increment(1),
+                    Err(e) => tracing::warn!("demotion to disk failed: {e}"),
+                }
+                let d = depth.fetch_sub(1, Ordering::Relaxed).saturating_sub(1);
+                ::metrics::gauge!("kvtier_disk_queue_depth").set(d as f64);
+            }
+        })
+        .map(drop)
+        .unwrap_or_else(|e| tracing::error!("cannot start the demotion thread: {e}"));
+}
+
 async fn bind(name: &str, addr: SocketAddr) -> Result<(TcpListener, SocketAddr), ServerError> {
     let l = TcpListener::bind(addr)
         .await
@@ -89,7 +129,10 @@ pub async fn start(
         tokio::spawn(crate::metrics::serve(l, handle));
     }
     let auth = config.auth_token.clone();
-    let state = Arc::new(NodeState::new(config, data_addr));
+    let state = Arc::new(NodeState::open(config, data_addr)?);
+    if let Some(disk) = state.disk.clone() {
+        start_demotion(&state, disk);
+    }
     ::metrics::gauge!("kvtier_tier_capacity_bytes", "tier" => "dram").set(state.config.dram_capacity.0 as f64);
 
     tokio::spawn(dataplane::serve(data_listener, state.clone()));
@@ -102,10 +145,16 @@ pub async fn start(
             tick.tick().await;
             let Some(state) = sweeper.upgrade() else { return };
             let mut table = state.sessions.lock();
-            let n = table.expire(&state.tier, Instant::now());
-            if n > 0 {
-                ::metrics::counter!("kvtier_sessions_expired_total").increment(n as u64);
+            let dead = table.expire(state.pins(), Instant::now());
+            if !dead.is_empty() {
+                ::metrics::counter!("kvtier_sessions_expired_total").increment(dead.len() as u64);
                 ::metrics::gauge!("kvtier_sessions").set(table.len() as f64);
+                if let Some(log) = &state.session_log {
+                    let mut log = log.lock();
+                    for (ns, id) in dead {
+                        let _ = log.delete(ns, &id);
+                    }
+                }
             }
         }
     });

@@ -58,6 +58,9 @@ struct ServeArgs {
     /// Hard cap of the DRAM tier, e.g. 512MiB or 4GiB.
     #[arg(long, env = "KVTIER_DRAM_CAPACITY")]
     dram_capacity: Option<ByteSize>,
+    /// Hard cap of the disk tier under DRAM (0: off), e.g. 64GiB.
+    #[arg(long, env = "KVTIER_DISK_CAPACITY")]
+    disk_capacity: Option<ByteSize>,
     /// Longest context per request or session, in tokens.
     #[arg(long, env = "KVTIER_MAX_CONTEXT_TOKENS")]
     max_context_tokens: Option<u64>,
@@ -222,6 +225,9 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     if let Some(v) = a.dram_capacity {
         cfg.dram_capacity = v;
     }
+    if let Some(v) = a.disk_capacity {
+        cfg.disk_capacity = v;
+    }
     if let Some(v) = a.max_context_tokens {
         cfg.max_context_tokens = v;
     }
@@ -236,11 +242,22 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         Some(_) => Some(kvtier_server::metrics::install()?),
         None => None,
     };
-    let (cap, dir) = (cfg.dram_capacity, cfg.data_dir.clone());
+    let (cap, disk_cap, dir) = (cfg.dram_capacity, cfg.disk_capacity, cfg.data_dir.clone());
     let mut server = kvtier_server::start(cfg, handle).await?;
     let metrics = server.metrics_addr.map(|m| format!("http://{m}/metrics")).unwrap_or_else(|| "off".into());
+    let disk = match &server.state.disk_recovery {
+        Some(r) => format!(
+            " disk={disk_cap} (recovered {} blocks, {} bytes, {} discarded, {} sessions, in {} ms)",
+            r.blocks,
+            r.bytes,
+            r.discarded,
+            server.state.sessions.lock().len(),
+            r.millis
+        ),
+        None => String::new(),
+    };
     println!(
-        "kvtier {} listening grpc={} data={} metrics={} dram={} data_dir={}",
+        "kvtier {} listening grpc={} data={} metrics={} dram={} data_dir={}{disk}",
         env!("CARGO_PKG_VERSION"),
         server.grpc_addr,
         server.data_addr,

@@ -11,8 +11,35 @@ use std::time::{Duration, Instant};
 
 use kvtier_proto::{BlockKey, NamespaceId};
 
+use crate::disk::DiskTier;
 use crate::dram::{DramTier, Priority};
 use crate::error::ServerError;
+
+/// The tier that holds a session's pins: DRAM on a node without a disk tier, otherwise the disk
+/// tier, where parked sessions are durable.
+pub trait PinTier {
+    /// All or nothing; `MissingBlocks` lists the indices of absent keys.
+    fn pin(&self, ns: &NamespaceId, keys: &[BlockKey]) -> Result<(), ServerError>;
+    fn unpin(&self, ns: &NamespaceId, keys: &[BlockKey]);
+}
+
+impl PinTier for DramTier {
+    fn pin(&self, ns: &NamespaceId, keys: &[BlockKey]) -> Result<(), ServerError> {
+        DramTier::pin(self, ns, keys)
+    }
+    fn unpin(&self, ns: &NamespaceId, keys: &[BlockKey]) {
+        DramTier::unpin(self, ns, keys)
+    }
+}
+
+impl PinTier for DiskTier {
+    fn pin(&self, ns: &NamespaceId, keys: &[BlockKey]) -> Result<(), ServerError> {
+        DiskTier::pin(self, ns, keys)
+    }
+    fn unpin(&self, ns: &NamespaceId, keys: &[BlockKey]) {
+        DiskTier::unpin(self, ns, keys)
+    }
+}
 
 /// How many expired session ids are remembered so a late resume gets "expired", not "not found".
 const EXPIRED_MEMORY: usize = 16_384;
@@ -99,7 +126,7 @@ fn check_shape(
     Ok(())
 }
 
-fn pin_or_report(tier: &DramTier, ns: &NamespaceId, keys: &[BlockKey], tail: Option<BlockKey>) -> Result<(), ServerError> {
+fn pin_or_report(tier: &dyn PinTier, ns: &NamespaceId, keys: &[BlockKey], tail: Option<BlockKey>) -> Result<(), ServerError> {
     let mut all = keys.to_vec();
     all.extend(tail);
     match tier.pin(ns, &all) {
@@ -134,7 +161,7 @@ impl SessionTable {
     }
 
     /// Removes `id` if it has expired by `now`, unpinning its blocks.
-    fn reap_if_expired(&mut self, tier: &DramTier, id: &SessionId, now: Instant) {
+    fn reap_if_expired(&mut self, tier: &dyn PinTier, id: &SessionId, now: Instant) {
         let expired = self.sessions.get(id).is_some_and(|m| m.expires_at <= now);
         if expired {
             if let Some(m) = self.sessions.remove(id) {
@@ -148,7 +175,7 @@ impl SessionTable {
     /// resident: they are pinned together with the manifest, or nothing changes.
     pub fn park(
         &mut self,
-        tier: &DramTier,
+        tier: &dyn PinTier,
         spec: ParkSpec,
         limits: &SessionLimits,
         now: Instant,
@@ -189,7 +216,7 @@ impl SessionTable {
     #[allow(clippy::too_many_arguments)]
     pub fn extend(
         &mut self,
-        tier: &DramTier,
+        tier: &dyn PinTier,
         ns: NamespaceId,
         id: &str,
         expected_version: u64,
@@ -242,7 +269,7 @@ impl SessionTable {
     }
 
     /// Returns the manifest and restarts its TTL (an agent that resumes is alive).
-    pub fn resume(&mut self, tier: &DramTier, ns: NamespaceId, id: &str, now: Instant) -> Result<SessionManifest, ServerError> {
+    pub fn resume(&mut self, tier: &dyn PinTier, ns: NamespaceId, id: &str, now: Instant) -> Result<SessionManifest, ServerError> {
         let sid = (ns, id.to_string());
         self.reap_if_expired(tier, &sid, now);
         match self.sessions.get_mut(&sid) {
@@ -255,7 +282,7 @@ impl SessionTable {
     }
 
     /// Drops a session and unpins its blocks; false if there was none.
-    pub fn drop_session(&mut self, tier: &DramTier, ns: NamespaceId, id: &str) -> bool {
+    pub fn drop_session(&mut self, tier: &dyn PinTier, ns: NamespaceId, id: &str) -> bool {
         match self.sessions.remove(&(ns, id.to_string())) {
             Some(m) => {
                 tier.unpin(&m.namespace, &m.pinned_keys());
@@ -277,14 +304,23 @@ impl SessionTable {
         v
     }
 
-    /// Removes every session expired by `now`, unpinning its blocks. Returns how many.
-    pub fn expire(&mut self, tier: &DramTier, now: Instant) -> usize {
+    /// Removes every session expired by `now`, unpinning its blocks. Returns their ids.
+    pub fn expire(&mut self, tier: &dyn PinTier, now: Instant) -> Vec<(NamespaceId, String)> {
         let dead: Vec<SessionId> =
             self.sessions.iter().filter(|(_, m)| m.expires_at <= now).map(|(k, _)| k.clone()).collect();
         for sid in &dead {
             self.reap_if_expired(tier, sid, now);
         }
-        dead.len()
+        dead
+    }
+
+    /// Puts back a session recovered from the session log, pinning its blocks.
+    pub fn restore(&mut self, tier: &dyn PinTier, m: SessionManifest) -> Result<(), ServerError> {
+        tier.pin(&m.namespace, &m.pinned_keys())?;
+        if let Some(old) = self.sessions.insert((m.namespace, m.id.clone()), m) {
+            tier.unpin(&old.namespace, &old.pinned_keys());
+        }
+        Ok(())
     }
 }
 
@@ -304,7 +340,7 @@ mod tests {
         SessionLimits { block_tokens: BT, bytes_per_token: layout().bytes_per_token(), max_context_tokens: 64 }
     }
 
-    fn put(tier: &DramTier, ns: NamespaceId, k: u8, tokens: u32) -> BlockKey {
+    fn put(tier: &dyn PinTier, ns: NamespaceId, k: u8, tokens: u32) -> BlockKey {
         let key = BlockKey([k; 32]);
         let payload = vec![k; layout().bytes_for_tokens(tokens) as usize];
         let header = FrameHeader {
@@ -408,12 +444,12 @@ mod tests {
         let now = Instant::now();
         let a = put(&tier, ns, 1, BT);
         t.park(&tier, spec(ns, vec![a], None, 4, 0), &limits(), now).unwrap();
-        assert_eq!(t.expire(&tier, now + Duration::from_secs(9)), 0);
+        assert_eq!(t.expire(&tier, now + Duration::from_secs(9)).len(), 0);
         // Resuming restarts the TTL.
         t.resume(&tier, ns, "agent-1", now + Duration::from_secs(9)).unwrap();
-        assert_eq!(t.expire(&tier, now + Duration::from_secs(18)), 0);
+        assert_eq!(t.expire(&tier, now + Duration::from_secs(18)).len(), 0);
         assert_eq!(t.list(None, now + Duration::from_secs(18)).len(), 1);
-        assert_eq!(t.expire(&tier, now + Duration::from_secs(19)), 1);
+        assert_eq!(t.expire(&tier, now + Duration::from_secs(19)).len(), 1);
         assert!(tier.remove(&ns, &a), "expiry unpins");
         match t.resume(&tier, ns, "agent-1", now + Duration::from_secs(21)) {
             Err(ServerError::SessionExpired { ago_ms, .. }) => assert_eq!(ago_ms, 2000),

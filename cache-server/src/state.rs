@@ -3,15 +3,22 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::time::Instant;
+use std::sync::atomic::AtomicUsize;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
 
 use kvtier_proto::{Namespace, NamespaceId};
 use parking_lot::{Mutex, RwLock};
 
 use crate::config::ServerConfig;
-use crate::dram::{DramConfig, DramTier};
+use crate::disk::{DiskConfig, DiskTier, RecoveryReport};
+use crate::dram::{DramConfig, DramTier, IndexKey};
 use crate::error::ServerError;
-use crate::sessions::{SessionLimits, SessionTable};
+use crate::session_log::{unix_ms, LoggedSession, SessionLog};
+use crate::sessions::{PinTier, SessionLimits, SessionManifest, SessionTable};
+
+/// Blocks waiting to be demoted from DRAM to disk; writers wait when it is full.
+pub const DEMOTION_QUEUE: usize = 64;
 
 /// Most namespaces one node accepts (each costs a map entry; tenants don't need thousands).
 pub const MAX_NAMESPACES: usize = 4096;
@@ -23,22 +30,129 @@ pub struct NodeState {
     namespaces: RwLock<HashMap<NamespaceId, Namespace>>,
     pub started: Instant,
     pub data_addr: SocketAddr,
+    /// G3, when `disk_capacity` is set.
+    pub disk: Option<Arc<DiskTier>>,
+    pub disk_recovery: Option<RecoveryReport>,
+    pub session_log: Option<Mutex<SessionLog>>,
+    /// Blocks in the demotion queue (for backpressure and the queue-depth gauge).
+    pub demotion_depth: Arc<AtomicUsize>,
+    /// Disk hits per block since its last promotion check: a second hit promotes to DRAM.
+    pub disk_hits: Mutex<HashMap<IndexKey, u8>>,
+    _dir_lock: std::fs::File,
+}
+
+/// Holds `<data_dir>/LOCK` so a second server on the same directory is refused.
+fn lock_data_dir(dir: &std::path::Path) -> Result<std::fs::File, ServerError> {
+    let path = dir.join("LOCK");
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .read(true)
+        .write(true)
+        .open(&path)
+        .map_err(|e| ServerError::Config(format!("data_dir {}: cannot open {}: {e}", dir.display(), path.display())))?;
+    match f.try_lock() {
+        Ok(()) => {
+            let _ = f.set_len(0);
+            let _ = std::io::Write::write_all(&mut &f, format!("pid {}", std::process::id()).as_bytes());
+            Ok(f)
+        }
+        Err(std::fs::TryLockError::WouldBlock) => {
+            let holder = std::fs::read_to_string(&path).unwrap_or_default();
+            Err(ServerError::Config(format!(
+                "data_dir {} is in use by another kvtier server ({})",
+                dir.display(),
+                holder.trim()
+            )))
+        }
+        Err(std::fs::TryLockError::Error(e)) => Err(ServerError::Config(format!("data_dir {}: cannot lock: {e}", dir.display()))),
+    }
 }
 
 impl NodeState {
-    pub fn new(config: ServerConfig, data_addr: SocketAddr) -> Self {
+    /// Locks the data directory, opens the disk tier and replays the session log (if enabled).
+    pub fn open(config: ServerConfig, data_addr: SocketAddr) -> Result<Self, ServerError> {
+        let dir_lock = lock_data_dir(&config.data_dir)?;
         let tier = DramTier::new(DramConfig {
             capacity_bytes: config.dram_capacity.0,
             max_pinned_ratio: config.max_pinned_ratio,
         });
-        NodeState {
-            config,
+        let mut state = NodeState {
             tier,
             sessions: Mutex::new(SessionTable::default()),
             namespaces: RwLock::new(HashMap::new()),
             started: Instant::now(),
             data_addr,
+            disk: None,
+            disk_recovery: None,
+            session_log: None,
+            demotion_depth: Arc::new(AtomicUsize::new(0)),
+            disk_hits: Mutex::new(HashMap::new()),
+            _dir_lock: dir_lock,
+            config,
+        };
+        if state.config.disk_capacity.0 > 0 {
+            let (disk, report) = DiskTier::open(DiskConfig {
+                dir: state.config.data_dir.clone(),
+                capacity_bytes: state.config.disk_capacity.0,
+                segment_bytes: state.config.disk_segment_bytes.0,
+                sync_writes: false,
+            })?;
+            tracing::info!(?report, "disk tier recovered");
+            let sync = state.config.session_durability == "fsync";
+            let (log, sessions, unreadable) = SessionLog::open(&state.config.data_dir, sync, unix_ms(SystemTime::now()))?;
+            if unreadable > 0 {
+                tracing::warn!(unreadable, "session log had unreadable (torn) records; their parks were never acknowledged");
+            }
+            state.disk = Some(Arc::new(disk));
+            state.disk_recovery = Some(report);
+            state.session_log = Some(Mutex::new(log));
+            state.restore_sessions(sessions);
         }
+        Ok(state)
+    }
+
+    /// Where sessions pin their blocks.
+    pub fn pins(&self) -> &dyn PinTier {
+        match &self.disk {
+            Some(d) => d.as_ref(),
+            None => &self.tier,
+        }
+    }
+
+    fn restore_sessions(&self, sessions: Vec<LoggedSession>) {
+        let now = Instant::now();
+        let now_ms = unix_ms(SystemTime::now());
+        let mut table = self.sessions.lock();
+        let (mut ok, mut lost) = (0u64, 0u64);
+        for s in sessions {
+            let m = SessionManifest {
+                namespace: s.namespace,
+                id: s.id.clone(),
+                bytes: 0,
+                keys: s.keys,
+                tail: s.tail,
+                token_count: s.token_count,
+                ttl: Duration::from_millis(s.ttl_ms),
+                expires_at: now + Duration::from_millis(s.expires_unix_ms.saturating_sub(now_ms)),
+                priority: s.priority,
+                version: s.version,
+            };
+            match table.restore(self.pins(), m) {
+                Ok(()) => ok += 1,
+                Err(e) => {
+                    lost += 1;
+                    tracing::error!(session = %s.id, "parked session lost its blocks on disk: {e}");
+                    if let Some(log) = &self.session_log {
+                        let _ = log.lock().delete(s.namespace, &s.id);
+                    }
+                }
+            }
+        }
+        ::metrics::counter!("kvtier_sessions_recovered_total").increment(ok);
+        ::metrics::counter!("kvtier_sessions_lost_total").increment(lost);
+        ::metrics::gauge!("kvtier_sessions").set(table.len() as f64);
+        tracing::info!(recovered = ok, lost, "sessions restored from the session log");
     }
 
     /// Registers a namespace (idempotent) and returns its id.

@@ -5,6 +5,12 @@
 //! encode and decode (into a reused bf16 buffer), and the ratio to the median memcpy of the same
 //! block. "1 core" rows keep everything on the calling thread; "all cores" rows let rayon split the
 //! block. No timing is asserted anywhere: this is a report, not a test.
+//!
+//! Arguments after `--` that do not start with `-` keep only the rows whose codec name or
+//! "codec threads" label equals one of them (e.g. `-- --quick "fp8 (token,head) 1 core" nvfp4`),
+//! for profiling.
+//! Output buffers are allocated once and reused by every call (`encode_into`, `decode_into`), so
+//! the timings hold no allocation or page faults.
 
 use std::hint::black_box;
 use std::time::Instant;
@@ -47,9 +53,14 @@ fn data(n: usize) -> Vec<u8> {
 
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
-    let reps = if quick { 9 } else { 41 };
-    // Llama-3-8B-like block: 32 layers, 16 tokens, 8 KV heads of 128, bf16 → 4 MiB.
-    let spec = BlockSpec::new(32, 16, 8, 128, DType::Bf16);
+    let filters: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    let reps = std::env::args()
+        .find_map(|a| a.strip_prefix("--reps=").and_then(|n| n.parse().ok()))
+        .unwrap_or(if quick { 9 } else { 41 });
+    // Llama-3-8B-like block: 32 layers, 16 tokens, 8 KV heads of 128, bf16 → 2 MiB.
+    // `--layers=N` changes the layer count (e.g. a small, cache-resident block for profiling).
+    let layers = std::env::args().find_map(|a| a.strip_prefix("--layers=").and_then(|n| n.parse().ok())).unwrap_or(32);
+    let spec = BlockSpec::new(layers, 16, 8, 128, DType::Bf16);
     let input = data(spec.elements());
     let bytes = input.len();
     let view = KvBlockView::new(spec, &input).expect("bench block");
@@ -81,6 +92,10 @@ fn main() {
     let mut decoded = vec![0u8; bytes];
     for (name, id, scaling) in &cases {
         for (threads, backend, par) in &variants {
+            let label = format!("{name} {threads}");
+            if !filters.is_empty() && !filters.iter().any(|f| label == *f || name == f) {
+                continue;
+            }
             let codec = Codec::new(*id).with_fp8_scaling(scaling.clone()).with_backend(*backend).with_parallel_min_bytes(*par);
             let e = median(reps, || codec.encode_into(black_box(&view), &mut out).expect("encode"));
             let payload = out.clone();

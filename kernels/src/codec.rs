@@ -38,7 +38,7 @@ use crate::payload::{Format, Fp8ScaleMode, PayloadInfo, PayloadParts, PAYLOAD_HE
 use crate::CodecError;
 
 /// An amax below this is treated as 0 (the scale arithmetic would leave the f32 normal range).
-const FLUSH_AMAX: f32 = 7.888_609e-31; // 2^-100
+pub(crate) const FLUSH_AMAX: f32 = 7.888_609e-31; // 2^-100
 
 /// The FP8 scale granularity to encode with.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -135,12 +135,22 @@ impl Codec {
         Ok(out)
     }
 
-    /// [`Codec::encode`] into a caller's buffer (cleared first), so a hot path can reuse it.
+    /// [`Codec::encode`] into a caller's buffer (its old contents are replaced; empty on error),
+    /// so a hot path can reuse it: the quantizing codecs without LZ4 write straight into it and
+    /// neither allocate nor zero it when it is already big enough.
     pub fn encode_into(&self, block: &KvBlockView, out: &mut Vec<u8>) -> Result<(), CodecError> {
-        out.clear();
+        let res = self.encode_into_inner(block, out);
+        if res.is_err() {
+            out.clear();
+        }
+        res
+    }
+
+    fn encode_into_inner(&self, block: &KvBlockView, out: &mut Vec<u8>) -> Result<(), CodecError> {
         let (format, lz4) = split_codec(self.id)?;
         let spec = *block.spec();
         if format == Format::Raw && !lz4 {
+            out.clear();
             out.extend_from_slice(block.bytes());
             return Ok(());
         }
@@ -159,25 +169,29 @@ impl Codec {
         let mut info = PayloadInfo { format, lz4, spec, fp8_scales, body_len: 0 };
         let total = info.sections().total();
         info.body_len = total as u64;
-        info.write_header(out);
-        if format == Format::Raw {
-            out.extend_from_slice(&lz4_flex::block::compress(block.bytes()));
-            return Ok(());
-        }
-        let isa = self.backend.resolve()?;
-        if lz4 {
+        if format == Format::Raw || lz4 {
+            out.clear();
+            info.write_header(out);
+            if format == Format::Raw {
+                out.extend_from_slice(&lz4_flex::block::compress(block.bytes()));
+                return Ok(());
+            }
+            let isa = self.backend.resolve()?;
             let mut body = vec![0u8; total];
             self.encode_body(isa, format, block, &mut body)?;
             out.extend_from_slice(&lz4_flex::block::compress(&body));
-        } else {
-            out.resize(PAYLOAD_HEADER_LEN + total, 0);
-            let res = self.encode_body(isa, format, block, &mut out[PAYLOAD_HEADER_LEN..]);
-            if res.is_err() {
-                out.clear();
-            }
-            res?;
+            return Ok(());
         }
-        Ok(())
+        let isa = self.backend.resolve()?;
+        let mut header = Vec::with_capacity(PAYLOAD_HEADER_LEN);
+        info.write_header(&mut header);
+        debug_assert_eq!(header.len(), PAYLOAD_HEADER_LEN);
+        // Old bytes are kept rather than zeroed: the header and every section of the body
+        // (scales, block scales, codes) are then written in full.
+        out.truncate(PAYLOAD_HEADER_LEN + total);
+        out.resize(PAYLOAD_HEADER_LEN + total, 0);
+        out[..PAYLOAD_HEADER_LEN].copy_from_slice(&header);
+        self.encode_body(isa, format, block, &mut out[PAYLOAD_HEADER_LEN..])
     }
 
     fn encode_body(&self, isa: Isa, format: Format, block: &KvBlockView, body: &mut [u8]) -> Result<(), CodecError> {
@@ -220,26 +234,25 @@ impl Codec {
             }
         }
         let per_row_scales = plane_scales.is_none();
-        let chunks = split_rows(spec.rows(), hd * es, parallel, codes, hd, if per_row_scales { scales } else { &mut [] }, 4);
+        let static_scales = matches!(self.fp8_scaling, Fp8Scaling::Static(_));
+        let row_bytes = hd * es;
+        let chunks = split_rows(spec.rows(), row_bytes, parallel, codes, hd, if per_row_scales { scales } else { &mut [] }, 4);
         run(parallel, chunks, |c| {
-            for (k, r) in c.rows.clone().enumerate() {
-                let row = &src[r * hd * es..(r + 1) * hd * es];
-                let dst = &mut c.a[k * hd..(k + 1) * hd];
-                let scale = match &plane_scales {
-                    Some(ps) => ps[spec.plane_of_row(r)],
-                    None => {
-                        let bits = isa.row_amax_bits(spec.dtype, row);
-                        if bits >= 0x7F80_0000 {
-                            return Err(non_finite(&spec, src, r));
-                        }
-                        let s = fp8_scale(f32::from_bits(bits));
-                        c.b[4 * k..4 * k + 4].copy_from_slice(&s.to_le_bytes());
-                        s
+            let rows = c.rows.clone();
+            let rsrc = &src[rows.start * row_bytes..rows.end * row_bytes];
+            match &plane_scales {
+                // One kernel call per run of rows: amax, scale and codes of each row.
+                None => isa.fp8_encode_rows(spec.dtype, rsrc, hd, c.b, c.a).map_err(|k| non_finite(&spec, src, rows.start + k)),
+                Some(ps) => {
+                    for (k, r) in rows.clone().enumerate() {
+                        let scale = ps[spec.plane_of_row(r)];
+                        // Computed per-tensor scales bound every |x| by 448·scale; static ones do not.
+                        let (scale, bounded) = if scale == 0.0 { (1.0, true) } else { (scale, !static_scales) };
+                        isa.fp8_encode_row(spec.dtype, &rsrc[k * row_bytes..(k + 1) * row_bytes], scale, bounded, &mut c.a[k * hd..(k + 1) * hd]);
                     }
-                };
-                isa.fp8_encode_row(spec.dtype, row, if scale == 0.0 { 1.0 } else { scale }, true, dst);
+                    Ok(())
+                }
             }
-            Ok(())
         })
     }
 
@@ -269,11 +282,8 @@ impl Codec {
         let cb = hd.div_ceil(2);
         let chunks = split_rows(spec.rows(), hd * es, parallel, codes, cb, bs, nb);
         run(parallel, chunks, |c| {
-            for (k, r) in c.rows.clone().enumerate() {
-                let p = spec.plane_of_row(r);
-                let row = &src[r * hd * es..(r + 1) * hd * es];
-                isa.nvfp4_encode_row(spec.dtype, row, g[p], enc[p], &mut c.b[k * nb..(k + 1) * nb], &mut c.a[k * cb..(k + 1) * cb]);
-            }
+            let rsrc = &src[c.rows.start * hd * es..c.rows.end * hd * es];
+            isa.nvfp4_encode_rows(&spec, c.rows.start, rsrc, &g, &enc, c.b, c.a);
             Ok(())
         })
     }
@@ -368,7 +378,8 @@ pub fn decode(codec: CodecId, payload: &[u8], spec: &BlockSpec) -> Result<Vec<u8
     Codec::new(codec).decode(payload, spec)
 }
 
-fn fp8_scale(amax: f32) -> f32 {
+/// The FP8 scale of an amax (per row or per tensor): see the module doc.
+pub(crate) fn fp8_scale(amax: f32) -> f32 {
     if amax < FLUSH_AMAX {
         0.0
     } else {

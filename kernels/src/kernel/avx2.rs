@@ -51,7 +51,7 @@ macro_rules! by_dtype {
 /// Invariant: `(i + 8) * dtype.size() <= src.len()` and `dtype` is not FP8 (callers route FP8 to
 /// the scalar kernels).
 #[inline]
-#[target_feature(enable = "avx2,f16c")]
+#[target_feature(enable = "avx2,f16c,fma")]
 unsafe fn load8<const D: u8>(src: &[u8], i: usize) -> __m256 {
     let dtype = dt(D);
     debug_assert!((i + 8) * dtype.size() as usize <= src.len());
@@ -83,7 +83,7 @@ unsafe fn load8<const D: u8>(src: &[u8], i: usize) -> __m256 {
 /// saturating to ±65504), exactly like `block::store_f32`.
 /// Invariant: `(i + 8) * dtype.size() <= dst.len()`.
 #[inline]
-#[target_feature(enable = "avx2,f16c")]
+#[target_feature(enable = "avx2,f16c,fma")]
 unsafe fn store8<const D: u8>(dst: &mut [u8], i: usize, v: __m256) {
     let dtype = dt(D);
     debug_assert!((i + 8) * dtype.size() as usize <= dst.len());
@@ -112,8 +112,16 @@ unsafe fn store8<const D: u8>(dst: &mut [u8], i: usize, v: __m256) {
 
 /// Writes the low byte of each 32-bit lane to `dst[i..i + 8]`.
 #[inline]
-#[target_feature(enable = "avx2,f16c")]
+#[target_feature(enable = "avx2,f16c,fma")]
 unsafe fn store8_u8(dst: &mut [u8], i: usize, v: __m256i) {
+    let b = bytes8(v).to_le_bytes();
+    dst[i..i + 8].copy_from_slice(&b);
+}
+
+/// The low byte of each 32-bit lane, lane k in byte k of the result.
+#[inline]
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn bytes8(v: __m256i) -> u64 {
     let shuf = _mm256_setr_epi8(
         0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, //
         0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
@@ -121,167 +129,642 @@ unsafe fn store8_u8(dst: &mut [u8], i: usize, v: __m256i) {
     let p = _mm256_shuffle_epi8(v, shuf);
     let lo = _mm256_extract_epi32::<0>(p) as u32 as u64;
     let hi = _mm256_extract_epi32::<4>(p) as u32 as u64;
-    dst[i..i + 8].copy_from_slice(&(lo | (hi << 32)).to_le_bytes());
+    lo | (hi << 32)
+}
+
+/// E4M3 magnitude codes (0..=126, in 32-bit lanes) of eight non-negative, non-NaN f32, rounding
+/// to nearest even: the magnitude part of `formats::e4m3_from_f32`. With `sat` (a constant after
+/// inlining) every input
+/// saturates at 448; without, inputs must be below 464 (where 448's rounding interval ends).
+///
+/// One rounding for every range: with `e = max(exponent(a), -6)` (−6 being E4M3's smallest normal
+/// exponent), `m = 2^(e+20)` has an ulp of `2^(e-3)`, E4M3's spacing at `a`, so the f32 addition
+/// `a + m` rounds `a` to E4M3 precision with round-to-nearest-even, and `bits(a + m) − bits(m)`
+/// is `a` in units of that spacing: 8..=16 for a normal `a` (16: the rounding carried into the
+/// next exponent), 0..=8 for a subnormal one. The code is then `(e + 6)·8 + units`, which also
+/// covers the carry; `e + 6` is the exponent field of `m`'s source `max(bits(a) & exp, 121 << 23)`
+/// minus 121.
+#[inline]
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn e4m3_mag8(a: __m256, sat: bool) -> __m256i {
+    _mm256_sub_epi32(e4m3_mag8_biased(a, sat), _mm256_set1_epi32(E4M3_BIAS))
+}
+
+/// [`e4m3_mag8`] plus [`E4M3_BIAS`] (the subtraction is left to the caller, who can do it once per
+/// sixteen codes on packed words): `(t − m) + (m >> 20)`, at most 1254.
+#[inline]
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn e4m3_mag8_biased(a: __m256, sat: bool) -> __m256i {
+    let a = if sat { _mm256_min_ps(a, _mm256_set1_ps(448.0)) } else { a };
+    let ab = _mm256_castps_si256(a);
+    // m = 2^(max(exponent, -6) + 20), built as max(2^(exponent + 20), 2^14) so that the compiler
+    // cannot re-associate `t − m` through it (which costs an extra operation).
+    let m = _mm256_max_epi32(
+        _mm256_add_epi32(_mm256_and_si256(ab, _mm256_set1_epi32(0x7F80_0000)), _mm256_set1_epi32(20 << 23)),
+        _mm256_set1_epi32(141 << 23),
+    );
+    let t = _mm256_castps_si256(_mm256_add_ps(a, _mm256_castsi256_ps(m)));
+    _mm256_add_epi32(_mm256_sub_epi32(t, m), _mm256_srli_epi32::<20>(m))
+}
+
+/// `(e + 6)·8 = (m >> 20) − 141·8` in [`e4m3_mag8_biased`] (m's exponent field is e + 147).
+const E4M3_BIAS: i32 = 1128;
+
+/// E2M1 magnitude codes (0..=7, in 32-bit lanes) of eight non-negative, non-NaN f32, saturating
+/// at 6: the construction of [`e4m3_mag8`] for 1 mantissa bit and smallest normal exponent 0:
+/// `m = 2^(e+22)`, code `2e + units` (`units` = 2..=4 for normal `a`, 0..=2 for subnormal).
+#[inline]
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn e2m1_mag8(a: __m256) -> __m256i {
+    let ab = _mm256_castps_si256(_mm256_min_ps(a, _mm256_set1_ps(6.0)));
+    let e = _mm256_max_epi32(_mm256_and_si256(ab, _mm256_set1_epi32(0x7F80_0000)), _mm256_set1_epi32(127 << 23));
+    let m = _mm256_add_epi32(e, _mm256_set1_epi32(22 << 23));
+    let t = _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(ab), _mm256_castsi256_ps(m)));
+    // (t − m) + (e >> 22) − 127·2
+    _mm256_add_epi32(_mm256_sub_epi32(t, m), _mm256_sub_epi32(_mm256_srli_epi32::<22>(e), _mm256_set1_epi32(254)))
 }
 
 /// Eight f32 → E4M3 codes in 32-bit lanes; the vector form of `formats::e4m3_from_f32` for
-/// non-NaN inputs.
+/// non-NaN inputs (±Inf saturates).
 #[inline]
-#[target_feature(enable = "avx2,f16c")]
+#[target_feature(enable = "avx2,f16c,fma")]
 unsafe fn e4m3_8(q: __m256) -> __m256i {
     let bits = _mm256_castps_si256(q);
     let sign = _mm256_and_si256(_mm256_srli_epi32::<24>(bits), _mm256_set1_epi32(0x80));
-    let a = _mm256_min_ps(_mm256_and_ps(q, _mm256_castsi256_ps(_mm256_set1_epi32(ABS))), _mm256_set1_ps(448.0));
-    let ab = _mm256_castps_si256(a);
-    let lsb = _mm256_and_si256(_mm256_srli_epi32::<20>(ab), _mm256_set1_epi32(1));
-    let normal = _mm256_sub_epi32(
-        _mm256_srli_epi32::<20>(_mm256_add_epi32(_mm256_add_epi32(ab, _mm256_set1_epi32(0x7FFFF)), lsb)),
-        _mm256_set1_epi32(960),
-    );
-    let scaled = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(a, _mm256_set1_ps(512.0)));
-    let sub = _mm256_cvttps_epi32(scaled);
-    let is_sub = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LT_OQ>(a, _mm256_set1_ps(0.015625)));
-    _mm256_or_si256(_mm256_blendv_epi8(normal, sub, is_sub), sign)
+    let a = _mm256_and_ps(q, _mm256_castsi256_ps(_mm256_set1_epi32(ABS)));
+    _mm256_or_si256(e4m3_mag8(a, true), sign)
 }
 
 /// Eight f32 → E2M1 codes (sign in bit 3) in 32-bit lanes; the vector form of
-/// `formats::e2m1_from_f32`: each comparison mask is -1 where true, so subtracting it counts.
+/// `formats::e2m1_from_f32`, NaN lanes included (→ ±0, as the scalar comparisons give).
 #[inline]
-#[target_feature(enable = "avx2,f16c")]
+#[target_feature(enable = "avx2,f16c,fma")]
 unsafe fn e2m1_8(q: __m256) -> __m256i {
     let bits = _mm256_castps_si256(q);
     let sign = _mm256_and_si256(_mm256_srli_epi32::<28>(bits), _mm256_set1_epi32(8));
     let a = _mm256_and_ps(q, _mm256_castsi256_ps(_mm256_set1_epi32(ABS)));
-    macro_rules! count {
-        ($c:expr, $cmp:ident, $t:expr) => {
-            _mm256_sub_epi32($c, _mm256_castps_si256(_mm256_cmp_ps::<$cmp>(a, _mm256_set1_ps($t))))
-        };
+    let ordered = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_ORD_Q>(a, a));
+    _mm256_or_si256(_mm256_and_si256(e2m1_mag8(a), ordered), sign)
+}
+
+/// Exact E4M3 value (f32) of magnitude codes 0..=126 in 32-bit lanes: `(c << 20) + (120 << 23)`
+/// is the f32 pattern of a normal code, `c · 2^-9` (exact) the value of a subnormal one.
+#[inline]
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn e4m3_mag_to_f32_8(c: __m256i) -> __m256 {
+    let normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32::<20>(c), _mm256_set1_epi32(120 << 23)));
+    let sub = _mm256_mul_ps(_mm256_cvtepi32_ps(c), _mm256_set1_ps(0.001953125));
+    let is_sub = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), c));
+    _mm256_blendv_ps(normal, sub, is_sub)
+}
+
+/// `fl(a / s)` for non-negative `a`, given `y = fl(1 / s)`, when `EXACT`; else a true division.
+///
+/// `EXACT` requires: `s` a normal f32 with at most 20 significant bits, `2^-60 ≤ s ≤ 2^100`, and
+/// `a ≤ 448·s` (checked by the caller, see [`fp8_encode_t`]). Then `q = fl(a·y)` is within 1.5 ulp
+/// of `a/s`, the remainder `r = a − q·s` is exact in one FMA (it is a multiple of
+/// `ulp(q)·ulp(s)` below 2^21 of those units; the lower bound on `s` keeps it off the subnormal
+/// range whenever `q ≥ 2^-12`, and below that every candidate encodes to code 0), and
+/// `fl(q + r·y)` is within `1.5·2^-48` relative of `a/s` before its one rounding, while `a/s` is
+/// at least 2^-45 relative away from any rounding midpoint (`a − s·m ≠ 0` is a multiple of
+/// `ulp(a)·ulp(s)·2^-2`); so the result is the correctly rounded quotient, bit for bit what
+/// `_mm256_div_ps` gives (Markstein's correction). `tests::exact_quotient_is_the_division`
+/// checks it over every bf16 mantissa and many scales.
+#[inline]
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn quot<const EXACT: bool>(a: __m256, s: __m256, y: __m256) -> __m256 {
+    if EXACT {
+        let q = _mm256_mul_ps(a, y);
+        let r = _mm256_fnmadd_ps(q, s, a);
+        _mm256_fmadd_ps(r, y, q)
+    } else {
+        _mm256_div_ps(a, s)
     }
-    let mut c = _mm256_setzero_si256();
-    c = count!(c, _CMP_GT_OQ, 0.25);
-    c = count!(c, _CMP_GE_OQ, 0.75);
-    c = count!(c, _CMP_GT_OQ, 1.25);
-    c = count!(c, _CMP_GE_OQ, 1.75);
-    c = count!(c, _CMP_GT_OQ, 2.5);
-    c = count!(c, _CMP_GE_OQ, 3.5);
-    c = count!(c, _CMP_GT_OQ, 5.0);
-    _mm256_or_si256(c, sign)
 }
 
-/// Packs eight 4-bit codes (one per 32-bit lane) into a u32, lane 2k in the low nibble of byte k.
+/// Loads sixteen 16-bit elements `i..i + 16` (bf16 or fp16 bits).
+/// Invariant: `(i + 16) * 2 <= src.len()`.
 #[inline]
-#[target_feature(enable = "avx2,f16c")]
-unsafe fn pack_nibbles8(c: __m256i) -> u32 {
-    // Within each 64-bit lane, bring code 2k+1 (bits 32..36) down to bits 4..8 beside code 2k.
-    let t = _mm256_or_si256(c, _mm256_srli_epi64::<28>(c));
-    let shuf = _mm256_setr_epi8(
-        0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, //
-        0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-    );
-    let p = _mm256_shuffle_epi8(t, shuf);
-    let lo = _mm256_extract_epi16::<0>(p) as u16 as u32;
-    let hi = _mm256_extract_epi16::<8>(p) as u16 as u32;
-    lo | (hi << 16)
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn load16x16(src: &[u8], i: usize) -> __m256i {
+    debug_assert!((i + 16) * 2 <= src.len());
+    // SAFETY: 32 bytes at 2*i are inside src (invariant above).
+    _mm256_loadu_si256(src.as_ptr().add(2 * i) as *const __m256i)
 }
 
+/// Magnitudes of sixteen elements `i..i + 16` as two f32 vectors `(lo, hi)` and the sign-bearing
+/// raw value, in an order that [`join16`] undoes: for bf16 the lanes are unpacked (`lo` holds
+/// elements 0–3 and 8–11, `hi` 4–7 and 12–15), which `_mm256_packus_epi32(lo, hi)` puts back in
+/// order; for fp16 and fp32 `lo` is 0–7 and `hi` 8–15.
+/// Invariant: elements `i..i + 16` are inside `src` and `D` is not FP8.
 #[inline]
-#[target_feature(enable = "avx2,f16c")]
-unsafe fn hmax_ps(v: __m256) -> f32 {
-    let mut a = [0f32; 8];
-    _mm256_storeu_ps(a.as_mut_ptr(), v);
-    a.iter().copied().fold(0f32, f32::max)
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn mags16<const D: u8>(src: &[u8], i: usize) -> (__m256, __m256) {
+    match dt(D) {
+        DType::Bf16 => {
+            let a = _mm256_and_si256(load16x16(src, i), _mm256_set1_epi16(0x7FFF));
+            let z = _mm256_setzero_si256();
+            (_mm256_castsi256_ps(_mm256_unpacklo_epi16(z, a)), _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, a)))
+        }
+        DType::Fp16 => {
+            let a = _mm256_and_si256(load16x16(src, i), _mm256_set1_epi16(0x7FFF));
+            (_mm256_cvtph_ps(_mm256_castsi256_si128(a)), _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(a)))
+        }
+        _ => {
+            let abs = _mm256_castsi256_ps(_mm256_set1_epi32(ABS));
+            (_mm256_and_ps(load8::<D>(src, i), abs), _mm256_and_ps(load8::<D>(src, i + 8), abs))
+        }
+    }
+}
+
+/// Packs the codes of [`mags16`]'s two halves (32-bit lanes, values ≤ 0xFFFF) into sixteen words
+/// in element order: elements 0–7 in the low 128-bit lane, 8–15 in the high one.
+#[inline]
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn join16<const D: u8>(lo: __m256i, hi: __m256i) -> __m256i {
+    // The pack works within 128-bit lanes, which undoes bf16's unpack exactly; for the other
+    // dtypes it leaves [0–3, 8–11 | 4–7, 12–15], which the 64-bit permute puts in order.
+    let p = _mm256_packus_epi32(lo, hi);
+    if D == BF16 {
+        p
+    } else {
+        _mm256_permute4x64_epi64::<0xD8>(p)
+    }
+}
+
+/// The sign bit of elements `i..i + 16` moved to bit `B` of sixteen words in element order.
+#[inline]
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn signs16<const D: u8, const B: i32>(src: &[u8], i: usize) -> __m256i {
+    let m = _mm256_set1_epi16(1 << B);
+    match dt(D) {
+        DType::Bf16 | DType::Fp16 => {
+            let v = load16x16(src, i);
+            // Each word's bit 15 to bit B: a logical shift by 15 - B, then the mask.
+            let s = match B {
+                3 => _mm256_srli_epi16::<12>(v),
+                _ => _mm256_srli_epi16::<8>(v),
+            };
+            _mm256_and_si256(s, m)
+        }
+        _ => {
+            // SAFETY: 64 bytes at 4*i are inside src (elements i..i+16).
+            let a = _mm256_srli_epi32::<16>(_mm256_castps_si256(load8::<D>(src, i)));
+            let b = _mm256_srli_epi32::<16>(_mm256_castps_si256(load8::<D>(src, i + 8)));
+            let w = _mm256_permute4x64_epi64::<0xD8>(_mm256_packus_epi32(a, b));
+            let s = match B {
+                3 => _mm256_srli_epi16::<12>(w),
+                _ => _mm256_srli_epi16::<8>(w),
+            };
+            _mm256_and_si256(s, m)
+        }
+    }
+}
+
+/// FP8 magnitude codes of elements `i..i + 16` as sixteen words in element order.
+#[inline]
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn fp8_mag_words16<const D: u8, const EXACT: bool>(src: &[u8], i: usize, s: __m256, y: __m256) -> __m256i {
+    let (lo, hi) = mags16::<D>(src, i);
+    // The exact quotient of a bounded row is at most 448·(1 + 2^-23): no saturation needed.
+    let c = join16::<D>(e4m3_mag8_biased(quot::<EXACT>(lo, s, y), !EXACT), e4m3_mag8_biased(quot::<EXACT>(hi, s, y), !EXACT));
+    _mm256_sub_epi16(c, _mm256_set1_epi16(E4M3_BIAS as i16))
+}
+
+/// The FP8 sign bits (0x80) of elements `i..i + 16` and `j..j + 16`, laid out like
+/// `_mm256_packus_epi16` of their [`fp8_mag_words16`]: [i 0–7, j 0–7 | i 8–15, j 8–15].
+#[inline]
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn fp8_sign_bytes<const D: u8>(src: &[u8], i: usize, j: usize) -> __m256i {
+    if D == BF16 || D == FP16 {
+        // Signed saturation maps every word with the sign bit set (a negative finite value,
+        // at most 0xFF7F for bf16 and 0xFBFF for fp16 as i16) to 0x80, and every other word to
+        // 0x00..=0x7F, so bit 7 of the byte is the sign.
+        let p = _mm256_packs_epi16(load16x16(src, i), load16x16(src, j));
+        _mm256_and_si256(p, _mm256_set1_epi8(0x80u8 as i8))
+    } else {
+        _mm256_packus_epi16(signs16::<D, 7>(src, i), signs16::<D, 7>(src, j))
+    }
+}
+
+/// Horizontal max of sixteen u16.
+#[inline]
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn hmax_epu16(v: __m256i) -> u16 {
+    let m = _mm_max_epu16(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+    let m = _mm_max_epu16(m, _mm_srli_si128::<8>(m));
+    let m = _mm_max_epu16(m, _mm_srli_si128::<4>(m));
+    let m = _mm_max_epu16(m, _mm_srli_si128::<2>(m));
+    _mm_extract_epi16::<0>(m) as u16
 }
 
 /// See `scalar::row_amax_bits`.
-#[target_feature(enable = "avx2,f16c")]
+#[target_feature(enable = "avx2,f16c,fma")]
 pub(crate) unsafe fn row_amax_bits(dtype: DType, src: &[u8]) -> u32 {
     by_dtype!(dtype, row_amax_bits_t(src))
 }
 
-#[target_feature(enable = "avx2,f16c")]
+/// For bf16 and fp16 the magnitude bits order like the values (NaN and Inf above every finite
+/// value), so the max is taken on 16-bit words and widened once at the end.
+#[inline]
+#[target_feature(enable = "avx2,f16c,fma")]
 unsafe fn row_amax_bits_t<const D: u8>(src: &[u8]) -> u32 {
     let dtype = dt(D);
     let es = dtype.size() as usize;
     let n = src.len() / es;
-    let abs = _mm256_set1_epi32(ABS);
-    let mut acc = _mm256_setzero_si256();
     let mut i = 0;
-    while i + 8 <= n {
-        let x = _mm256_castps_si256(load8::<D>(src, i));
-        acc = _mm256_max_epu32(acc, _mm256_and_si256(x, abs));
-        i += 8;
-    }
-    let mut a = [0u32; 8];
-    _mm256_storeu_si256(a.as_mut_ptr() as *mut __m256i, acc);
-    let m = a.iter().copied().max().unwrap_or(0);
+    let m = match dtype {
+        DType::Bf16 | DType::Fp16 => {
+            let abs = _mm256_set1_epi16(0x7FFF);
+            let (mut a0, mut a1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+            while i + 32 <= n {
+                a0 = _mm256_max_epu16(a0, _mm256_and_si256(load16x16(src, i), abs));
+                a1 = _mm256_max_epu16(a1, _mm256_and_si256(load16x16(src, i + 16), abs));
+                i += 32;
+            }
+            while i + 16 <= n {
+                a0 = _mm256_max_epu16(a0, _mm256_and_si256(load16x16(src, i), abs));
+                i += 16;
+            }
+            let h = hmax_epu16(_mm256_max_epu16(a0, a1));
+            if D == BF16 {
+                u32::from(h) << 16
+            } else {
+                half::f16::from_bits(h).to_f32().to_bits()
+            }
+        }
+        _ => {
+            let abs = _mm256_set1_epi32(ABS);
+            let mut acc = _mm256_setzero_si256();
+            while i + 8 <= n {
+                let x = _mm256_castps_si256(load8::<D>(src, i));
+                acc = _mm256_max_epu32(acc, _mm256_and_si256(x, abs));
+                i += 8;
+            }
+            let mut a = [0u32; 8];
+            // SAFETY: a is 32 bytes.
+            _mm256_storeu_si256(a.as_mut_ptr() as *mut __m256i, acc);
+            a.iter().copied().max().unwrap_or(0)
+        }
+    };
     m.max(scalar::row_amax_bits(dtype, &src[i * es..]))
 }
 
-/// See `scalar::fp8_encode_row`.
-#[target_feature(enable = "avx2,f16c")]
-pub(crate) unsafe fn fp8_encode_row(dtype: DType, src: &[u8], factor: f32, divide: bool, dst: &mut [u8]) {
-    if divide {
-        by_dtype!(dtype, fp8_encode_t_div(src, factor, dst))
+/// Encodes a run of rows with one FP8 scale per row (per (token, head)): `src` holds whole rows
+/// of `hd` elements, `scales` 4 bytes and `codes` `hd` bytes per row. Returns the index of the
+/// first row holding a NaN or Inf (its scale and codes, and those after it, are not written).
+#[target_feature(enable = "avx2,f16c,fma")]
+pub(crate) unsafe fn fp8_encode_rows(dtype: DType, src: &[u8], hd: usize, scales: &mut [u8], codes: &mut [u8]) -> Option<usize> {
+    by_dtype!(dtype, fp8_encode_rows_t(src, hd, scales, codes))
+}
+
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn fp8_encode_rows_t<const D: u8>(src: &[u8], hd: usize, scales: &mut [u8], codes: &mut [u8]) -> Option<usize> {
+    let row_bytes = hd * dt(D).size() as usize;
+    let rows = codes.len() / hd.max(1);
+    let mut r = 0;
+    // Eight rows at a time: their amaxes reduced into one vector and their scales computed
+    // together (no scalar division chain per row), then the rows encoded back to back.
+    while r + 8 <= rows {
+        let mut v = [_mm256_setzero_si256(); 8];
+        for (k, slot) in v.iter_mut().enumerate() {
+            *slot = row_abs_partial::<D>(&src[(r + k) * row_bytes..(r + k + 1) * row_bytes]);
+        }
+        let amax = reduce8::<D>(&v);
+        // Magnitude bits ≤ 0x7FFF_FFFF, so a signed compare finds NaN and Inf.
+        let bad = _mm256_cmpgt_epi32(_mm256_castps_si256(amax), _mm256_set1_epi32(0x7F7F_FFFF));
+        if _mm256_testz_si256(bad, bad) == 0 {
+            break; // the row-by-row loop below finds and reports the first bad row
+        }
+        let s = fp8_scale8(amax);
+        // SAFETY: 32 bytes at 4*r are inside scales (rows r..r+8 exist, 4 bytes each).
+        _mm256_storeu_ps(scales.as_mut_ptr().add(4 * r) as *mut f32, s);
+        // s = 0 (amax below 2^-100) encodes with scale 1, as the scalar code does.
+        let is0 = _mm256_cmp_ps::<_CMP_EQ_OQ>(s, _mm256_setzero_ps());
+        let se = _mm256_blendv_ps(s, _mm256_set1_ps(1.0), is0);
+        let y = _mm256_div_ps(_mm256_set1_ps(1.0), se);
+        let mut sv = [0f32; 8];
+        // SAFETY: sv is 32 bytes.
+        _mm256_storeu_ps(sv.as_mut_ptr(), se);
+        for (k, &sk) in sv.iter().enumerate() {
+            // Bring the next batch's rows (read first by the amax pass) toward L1 meanwhile.
+            let next = src.as_ptr().wrapping_add((r + 8 + k) * row_bytes);
+            let mut off = 0;
+            while off < row_bytes {
+                // SAFETY: a prefetch never faults and reads nothing the program can observe; the
+                // address is computed with wrapping arithmetic and never dereferenced.
+                _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(off) as *const i8);
+                off += 64;
+            }
+            let row = &src[(r + k) * row_bytes..(r + k + 1) * row_bytes];
+            let dst = &mut codes[(r + k) * hd..(r + k + 1) * hd];
+            let idx = _mm256_set1_epi32(k as i32);
+            let (sb, yb) = (_mm256_permutevar8x32_ps(se, idx), _mm256_permutevar8x32_ps(y, idx));
+            // Every |x| ≤ amax ≤ 448·s (s is rounded up), or all |x| < 2^-100 ≤ 448 when s = 0.
+            if exact_ok(sk) {
+                fp8_encode_loop::<D, true>(row, sk, sb, yb, dst);
+            } else {
+                fp8_encode_loop::<D, false>(row, sk, sb, yb, dst);
+            }
+        }
+        r += 8;
+    }
+    for (k, (dst, sc)) in codes[r * hd..].chunks_exact_mut(hd).zip(scales[4 * r..].chunks_exact_mut(4)).enumerate() {
+        let row = &src[(r + k) * row_bytes..(r + k + 1) * row_bytes];
+        let bits = row_amax_bits_t::<D>(row);
+        if bits >= 0x7F80_0000 {
+            return Some(r + k);
+        }
+        let s = crate::codec::fp8_scale(f32::from_bits(bits));
+        sc.copy_from_slice(&s.to_le_bytes());
+        fp8_encode_t::<D, true>(row, if s == 0.0 { 1.0 } else { s }, dst);
+    }
+    None
+}
+
+/// The row-wide partial max of magnitudes, in the layout [`reduce8`] takes: sixteen u16 for
+/// bf16/fp16 (then the 32-bit lane pairs of the result hold the same row), eight u32 for fp32;
+/// elements past the last full vector are folded in through the scalar code.
+#[inline]
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn row_abs_partial<const D: u8>(src: &[u8]) -> __m256i {
+    let dtype = dt(D);
+    let es = dtype.size() as usize;
+    let n = src.len() / es;
+    let mut i = 0;
+    if D == BF16 || D == FP16 {
+        let abs = _mm256_set1_epi16(0x7FFF);
+        let (mut a0, mut a1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+        while i + 32 <= n {
+            a0 = _mm256_max_epu16(a0, _mm256_and_si256(load16x16(src, i), abs));
+            a1 = _mm256_max_epu16(a1, _mm256_and_si256(load16x16(src, i + 16), abs));
+            i += 32;
+        }
+        while i + 16 <= n {
+            a0 = _mm256_max_epu16(a0, _mm256_and_si256(load16x16(src, i), abs));
+            i += 16;
+        }
+        let mut a = _mm256_max_epu16(a0, a1);
+        if i < n {
+            // The tail's max magnitude as a 16-bit pattern, broadcast.
+            let t = (i..n).map(|j| u16::from_le_bytes([src[2 * j], src[2 * j + 1]]) & 0x7FFF).max().unwrap_or(0);
+            a = _mm256_max_epu16(a, _mm256_set1_epi16(t as i16));
+        }
+        a
     } else {
-        by_dtype!(dtype, fp8_encode_t_mul(src, factor, dst))
+        let abs = _mm256_set1_epi32(ABS);
+        let mut acc = _mm256_setzero_si256();
+        while i + 8 <= n {
+            acc = _mm256_max_epu32(acc, _mm256_and_si256(_mm256_castps_si256(load8::<D>(src, i)), abs));
+            i += 8;
+        }
+        if i < n {
+            acc = _mm256_max_epu32(acc, _mm256_set1_epi32(scalar::row_amax_bits(dtype, &src[i * es..]) as i32));
+        }
+        acc
     }
 }
 
-#[target_feature(enable = "avx2,f16c")]
-unsafe fn fp8_encode_t_div<const D: u8>(src: &[u8], factor: f32, dst: &mut [u8]) {
-    fp8_encode_t::<D, true>(src, factor, dst)
-}
-
-#[target_feature(enable = "avx2,f16c")]
-unsafe fn fp8_encode_t_mul<const D: u8>(src: &[u8], factor: f32, dst: &mut [u8]) {
-    fp8_encode_t::<D, false>(src, factor, dst)
-}
-
+/// `codec::fp8_scale` of eight amaxes: `canonical(amax / 448, 20 bits)`, 0 below 2^-100.
 #[inline]
-#[target_feature(enable = "avx2,f16c")]
-unsafe fn fp8_encode_t<const D: u8, const DIV: bool>(src: &[u8], factor: f32, dst: &mut [u8]) {
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn fp8_scale8(amax: __m256) -> __m256 {
+    let s = _mm256_castps_si256(_mm256_div_ps(amax, _mm256_set1_ps(crate::formats::E4M3_MAX)));
+    let low = _mm256_and_si256(s, _mm256_set1_epi32(0xF));
+    let up = _mm256_add_epi32(_mm256_or_si256(s, _mm256_set1_epi32(0xF)), _mm256_set1_epi32(1));
+    let exact = _mm256_cmpeq_epi32(low, _mm256_setzero_si256());
+    let c = _mm256_castsi256_ps(_mm256_blendv_epi8(up, s, exact));
+    let flush = _mm256_cmp_ps::<_CMP_LT_OQ>(amax, _mm256_set1_ps(crate::codec::FLUSH_AMAX));
+    _mm256_andnot_ps(flush, c)
+}
+
+/// Whether a bounded row with this (nonzero) scale may use the exact reciprocal form: see [`quot`].
+#[inline]
+fn exact_ok(scale: f32) -> bool {
+    const LO: f32 = 8.673_617e-19; // 2^-60
+    const HI: f32 = 1.267_650_6e30; // 2^100
+    scale.to_bits() & 0xF == 0 && (LO..=HI).contains(&scale)
+}
+
+/// See `scalar::fp8_encode_row`. `bounded`: the caller guarantees `|x| ≤ 448·scale` for every
+/// element (true for computed per-row and per-tensor scales, not for static ones).
+#[target_feature(enable = "avx2,f16c,fma")]
+pub(crate) unsafe fn fp8_encode_row(dtype: DType, src: &[u8], scale: f32, bounded: bool, dst: &mut [u8]) {
+    if bounded {
+        by_dtype!(dtype, fp8_encode_t_bounded(src, scale, dst))
+    } else {
+        by_dtype!(dtype, fp8_encode_t_div(src, scale, dst))
+    }
+}
+
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn fp8_encode_t_bounded<const D: u8>(src: &[u8], scale: f32, dst: &mut [u8]) {
+    fp8_encode_t::<D, true>(src, scale, dst)
+}
+
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn fp8_encode_t_div<const D: u8>(src: &[u8], scale: f32, dst: &mut [u8]) {
+    fp8_encode_t::<D, false>(src, scale, dst)
+}
+
+/// `e4m3(x / scale)` for a row. With `BOUNDED` (`|x| ≤ 448·scale`) and a scale that meets the rest
+/// of [`quot`]'s conditions, the division is replaced by the exact reciprocal form.
+#[inline]
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn fp8_encode_t<const D: u8, const BOUNDED: bool>(src: &[u8], scale: f32, dst: &mut [u8]) {
+    let s = _mm256_set1_ps(scale);
+    let y = _mm256_set1_ps(1.0 / scale);
+    if BOUNDED && exact_ok(scale) {
+        fp8_encode_loop::<D, true>(src, scale, s, y, dst)
+    } else {
+        fp8_encode_loop::<D, false>(src, scale, s, y, dst)
+    }
+}
+
+/// One row: `s` is `scale` broadcast, `y` is `fl(1 / scale)` broadcast.
+#[inline]
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn fp8_encode_loop<const D: u8, const EXACT: bool>(src: &[u8], scale: f32, s: __m256, y: __m256, dst: &mut [u8]) {
     let es = dt(D).size() as usize;
     let n = dst.len();
-    let f = _mm256_set1_ps(factor);
-    macro_rules! scale {
-        ($x:expr) => {
-            if DIV {
-                _mm256_div_ps($x, f)
-            } else {
-                _mm256_mul_ps($x, f)
-            }
-        };
-    }
+    debug_assert!(n * es <= src.len());
     let mut i = 0;
     while i + 32 <= n {
-        let c0 = e4m3_8(scale!(load8::<D>(src, i)));
-        let c1 = e4m3_8(scale!(load8::<D>(src, i + 8)));
-        let c2 = e4m3_8(scale!(load8::<D>(src, i + 16)));
-        let c3 = e4m3_8(scale!(load8::<D>(src, i + 24)));
-        // Codes are 0..=255 in 32-bit lanes: the saturating packs are exact; they interleave the
-        // 128-bit halves, which the final permute undoes.
-        let p = _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
-        let p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        let m0 = fp8_mag_words16::<D, EXACT>(src, i, s, y);
+        let m1 = fp8_mag_words16::<D, EXACT>(src, i + 16, s, y);
+        // Words ≤ 0x7E: the pack is exact; it leaves [0–7, 16–23 | 8–15, 24–31].
+        let b = _mm256_or_si256(_mm256_packus_epi16(m0, m1), fp8_sign_bytes::<D>(src, i, i + 16));
+        let p = _mm256_permute4x64_epi64::<0xD8>(b);
         // SAFETY: 32 bytes at i are inside dst (loop condition).
         _mm256_storeu_si256(dst.as_mut_ptr().add(i) as *mut __m256i, p);
         i += 32;
     }
-    while i + 8 <= n {
-        store8_u8(dst, i, e4m3_8(scale!(load8::<D>(src, i))));
-        i += 8;
+    while i + 16 <= n {
+        let m = fp8_mag_words16::<D, EXACT>(src, i, s, y);
+        let b = _mm256_or_si256(_mm256_packus_epi16(m, m), fp8_sign_bytes::<D>(src, i, i));
+        let p = _mm256_permute4x64_epi64::<0xD8>(b);
+        // SAFETY: 16 bytes at i are inside dst (loop condition).
+        _mm_storeu_si128(dst.as_mut_ptr().add(i) as *mut __m128i, _mm256_castsi256_si128(p));
+        i += 16;
     }
-    scalar::fp8_encode_row(dt(D), &src[i * es..], factor, DIV, &mut dst[i..]);
+    // The exact form and the scalar division give the same quotient, so the tail may divide.
+    if i < n {
+        scalar::fp8_encode_row(dt(D), &src[i * es..], scale, &mut dst[i..]);
+    }
+}
+
+/// The per-block partial magnitudes of micro-block `b` (elements `16b..16b + 16`): sixteen u16
+/// magnitudes for bf16/fp16, eight u32 (the max of the two halves) for fp32.
+#[inline]
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn block_abs<const D: u8>(src: &[u8], b: usize) -> __m256i {
+    if D == BF16 || D == FP16 {
+        _mm256_and_si256(load16x16(src, 16 * b), _mm256_set1_epi16(0x7FFF))
+    } else {
+        let abs = _mm256_set1_epi32(ABS);
+        let x0 = _mm256_and_si256(_mm256_castps_si256(load8::<D>(src, 16 * b)), abs);
+        let x1 = _mm256_and_si256(_mm256_castps_si256(load8::<D>(src, 16 * b + 8)), abs);
+        _mm256_max_epu32(x0, x1)
+    }
+}
+
+/// Reduces eight [`block_abs`] vectors to one f32 vector whose lane k is block k's amax. Each
+/// step keeps every 32-bit lane holding elements of a single block: interleave pairs of vectors
+/// by 32 then 64 bits and take the max, then fold the 128-bit lanes; for 16-bit dtypes the two
+/// words of each lane are folded last.
+#[inline]
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn reduce8<const D: u8>(v: &[__m256i; 8]) -> __m256 {
+    let w16 = D == BF16 || D == FP16;
+    let mx = |a: __m256i, b: __m256i| if w16 { _mm256_max_epu16(a, b) } else { _mm256_max_epu32(a, b) };
+    let t01 = mx(_mm256_unpacklo_epi32(v[0], v[1]), _mm256_unpackhi_epi32(v[0], v[1])); // [A B A B]
+    let t23 = mx(_mm256_unpacklo_epi32(v[2], v[3]), _mm256_unpackhi_epi32(v[2], v[3])); // [C D C D]
+    let t45 = mx(_mm256_unpacklo_epi32(v[4], v[5]), _mm256_unpackhi_epi32(v[4], v[5]));
+    let t67 = mx(_mm256_unpacklo_epi32(v[6], v[7]), _mm256_unpackhi_epi32(v[6], v[7]));
+    let u0 = mx(_mm256_unpacklo_epi64(t01, t23), _mm256_unpackhi_epi64(t01, t23)); // [A B C D | A B C D]
+    let u1 = mx(_mm256_unpacklo_epi64(t45, t67), _mm256_unpackhi_epi64(t45, t67)); // [E F G H | E F G H]
+    let r = mx(_mm256_permute2x128_si256::<0x20>(u0, u1), _mm256_permute2x128_si256::<0x31>(u0, u1));
+    match dt(D) {
+        DType::Bf16 => {
+            // Both words' max in the high word, which is the bf16 pattern of the f32.
+            let m = _mm256_max_epu16(r, _mm256_slli_epi32::<16>(r));
+            _mm256_castsi256_ps(_mm256_and_si256(m, _mm256_set1_epi32(0xFFFF_0000u32 as i32)))
+        }
+        DType::Fp16 => {
+            let m = _mm256_and_si256(_mm256_max_epu16(r, _mm256_srli_epi32::<16>(r)), _mm256_set1_epi32(0xFFFF));
+            let p = _mm256_permute4x64_epi64::<0x08>(_mm256_packus_epi32(m, m));
+            _mm256_cvtph_ps(_mm256_castsi256_si128(p))
+        }
+        _ => _mm256_castsi256_ps(r),
+    }
+}
+
+/// Block scale codes (32-bit lanes) and code multipliers `1/d` (0 where `d = 0`) of eight
+/// micro-blocks from their amax: `scalar::nvfp4_block_scale`, lane by lane, with the same
+/// operations (a division by 6, two products, a division).
+#[inline]
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn block_scales8(amax: __m256, g: f32, enc: f32) -> (__m256i, __m256) {
+    let t = _mm256_mul_ps(_mm256_div_ps(amax, _mm256_set1_ps(6.0)), _mm256_set1_ps(enc));
+    let c = e4m3_mag8(t, true);
+    let d = _mm256_mul_ps(e4m3_mag_to_f32_8(c), _mm256_set1_ps(g));
+    let zero = _mm256_cmp_ps::<_CMP_EQ_OQ>(d, _mm256_setzero_ps());
+    (c, _mm256_andnot_ps(zero, _mm256_div_ps(_mm256_set1_ps(1.0), d)))
+}
+
+/// E2M1 codes (sign in bit 3) of micro-block `b` times `inv`, as sixteen words in element order.
+#[inline]
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn e2m1_words16<const D: u8>(src: &[u8], b: usize, inv: __m256) -> __m256i {
+    let (lo, hi) = mags16::<D>(src, 16 * b);
+    let c = join16::<D>(e2m1_mag8(_mm256_mul_ps(lo, inv)), e2m1_mag8(_mm256_mul_ps(hi, inv)));
+    _mm256_or_si256(c, signs16::<D, 3>(src, 16 * b))
+}
+
+/// The code bytes of two micro-blocks from their [`e2m1_words16`]: block 0's eight bytes, then
+/// block 1's, element 2i in the low nibble.
+#[inline]
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn nibbles2(w0: __m256i, w1: __m256i) -> __m128i {
+    // Bytes [b0 0–7, b1 0–7 | b0 8–15, b1 8–15]; multiply-add pairs: byte 2i + 16 · byte 2i+1
+    // (≤ 255, no saturation); pack; then gather the 32-bit groups of each block.
+    let bytes = _mm256_packus_epi16(w0, w1);
+    let nib = _mm256_maddubs_epi16(bytes, _mm256_set1_epi16(0x1001));
+    let p = _mm256_packus_epi16(nib, nib);
+    let p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_castsi256_si128(p)
+}
+
+/// See `scalar::nvfp4_encode_row`, for a run of rows: row `k` of `src` is row `r0 + k` of `spec`,
+/// with the global scale and encode factor of its plane from `g` and `enc`.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,f16c,fma")]
+pub(crate) unsafe fn nvfp4_encode_rows(spec: &crate::BlockSpec, r0: usize, src: &[u8], g: &[f32], enc: &[f32], bs: &mut [u8], codes: &mut [u8]) {
+    by_dtype!(spec.dtype, nvfp4_encode_rows_t(spec, r0, src, g, enc, bs, codes))
+}
+
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn nvfp4_encode_rows_t<const D: u8>(spec: &crate::BlockSpec, r0: usize, src: &[u8], g: &[f32], enc: &[f32], bs: &mut [u8], codes: &mut [u8]) {
+    let hd = spec.row_len();
+    let row_bytes = hd * dt(D).size() as usize;
+    let (nb, cb) = (hd.div_ceil(16), hd.div_ceil(2));
+    for (k, (b, c)) in bs.chunks_exact_mut(nb).zip(codes.chunks_exact_mut(cb)).enumerate() {
+        let p = spec.plane_of_row(r0 + k);
+        nvfp4_encode_row_t::<D>(&src[k * row_bytes..(k + 1) * row_bytes], g[p], enc[p], b, c);
+    }
+}
+
+/// Eight micro-blocks at a time: their amaxes reduced into one vector, their block scales and
+/// reciprocals computed together, then each block's codes with its reciprocal broadcast.
+#[inline]
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn nvfp4_encode_row_t<const D: u8>(src: &[u8], g: f32, enc: f32, bs: &mut [u8], codes: &mut [u8]) {
+    let dtype = dt(D);
+    let es = dtype.size() as usize;
+    let n = src.len() / es;
+    let full = n / 16;
+    let mut b = 0;
+    while b < full {
+        let m = (full - b).min(8);
+        let mut v = [_mm256_setzero_si256(); 8];
+        for (k, slot) in v.iter_mut().enumerate().take(m) {
+            *slot = block_abs::<D>(src, b + k);
+        }
+        let (sc, inv) = block_scales8(reduce8::<D>(&v), g, enc);
+        bs[b..b + m].copy_from_slice(&bytes8(sc).to_le_bytes()[..m]);
+        let mut k = 0;
+        while k + 2 <= m {
+            let i0 = _mm256_permutevar8x32_ps(inv, _mm256_set1_epi32(k as i32));
+            let i1 = _mm256_permutevar8x32_ps(inv, _mm256_set1_epi32(k as i32 + 1));
+            let x = nibbles2(e2m1_words16::<D>(src, b + k, i0), e2m1_words16::<D>(src, b + k + 1, i1));
+            let o = 8 * (b + k);
+            debug_assert!(o + 16 <= codes.len());
+            // SAFETY: blocks b+k and b+k+1 are full, so their 16 code bytes are inside codes.
+            _mm_storeu_si128(codes.as_mut_ptr().add(o) as *mut __m128i, x);
+            k += 2;
+        }
+        if k < m {
+            let i0 = _mm256_permutevar8x32_ps(inv, _mm256_set1_epi32(k as i32));
+            let x = nibbles2(e2m1_words16::<D>(src, b + k, i0), _mm256_setzero_si256());
+            let o = 8 * (b + k);
+            codes[o..o + 8].copy_from_slice(&(_mm_cvtsi128_si64(x) as u64).to_le_bytes());
+        }
+        b += m;
+    }
+    if full * 16 < n {
+        bs[full] = scalar::nvfp4_encode_block(dtype, &src[full * 16 * es..], g, enc, &mut codes[full * 8..]);
+    }
 }
 
 /// See `scalar::fp8_decode_row`. E4M3 code `c` is turned into the FP16 bit pattern whose value
 /// is `c · 2^-8` (same sign, exponent rebias 7 → 15, subnormals included), converted by F16C, and
 /// multiplied by `256 · scale` — one rounding, the same product as the scalar `table[c] · scale`.
-#[target_feature(enable = "avx2,f16c")]
+#[target_feature(enable = "avx2,f16c,fma")]
 pub(crate) unsafe fn fp8_decode_row(codes: &[u8], scale: f32, out: DType, dst: &mut [u8]) -> bool {
     by_dtype!(out, fp8_decode_t(codes, scale, dst))
 }
 
-#[target_feature(enable = "avx2,f16c")]
+#[target_feature(enable = "avx2,f16c,fma")]
 unsafe fn fp8_decode_t<const D: u8>(codes: &[u8], scale: f32, dst: &mut [u8]) -> bool {
     let out = dt(D);
     let os = out.size() as usize;
@@ -306,44 +789,14 @@ unsafe fn fp8_decode_t<const D: u8>(codes: &[u8], scale: f32, dst: &mut [u8]) ->
     _mm_movemask_epi8(bad) != 0 || tail_bad
 }
 
-/// See `scalar::nvfp4_encode_row`.
-#[target_feature(enable = "avx2,f16c")]
-pub(crate) unsafe fn nvfp4_encode_row(dtype: DType, src: &[u8], g: f32, enc: f32, bs: &mut [u8], codes: &mut [u8]) {
-    by_dtype!(dtype, nvfp4_encode_t(src, g, enc, bs, codes))
-}
-
-#[target_feature(enable = "avx2,f16c")]
-unsafe fn nvfp4_encode_t<const D: u8>(src: &[u8], g: f32, enc: f32, bs: &mut [u8], codes: &mut [u8]) {
-    let dtype = dt(D);
-    let es = dtype.size() as usize;
-    let n = src.len() / es;
-    let full = n / 16;
-    let abs = _mm256_castsi256_ps(_mm256_set1_epi32(ABS));
-    for b in 0..full {
-        let x0 = load8::<D>(src, 16 * b);
-        let x1 = load8::<D>(src, 16 * b + 8);
-        let amax_b = hmax_ps(_mm256_max_ps(_mm256_and_ps(x0, abs), _mm256_and_ps(x1, abs)));
-        let (s, _d, inv) = scalar::nvfp4_block_scale(amax_b, g, enc);
-        bs[b] = s;
-        let iv = _mm256_set1_ps(inv);
-        let w0 = pack_nibbles8(e2m1_8(_mm256_mul_ps(x0, iv)));
-        let w1 = pack_nibbles8(e2m1_8(_mm256_mul_ps(x1, iv)));
-        codes[8 * b..8 * b + 4].copy_from_slice(&w0.to_le_bytes());
-        codes[8 * b + 4..8 * b + 8].copy_from_slice(&w1.to_le_bytes());
-    }
-    if full * 16 < n {
-        bs[full] = scalar::nvfp4_encode_block(dtype, &src[full * 16 * es..], g, enc, &mut codes[full * 8..]);
-    }
-}
-
 /// See `scalar::nvfp4_decode_row`. Nibble `k` of a little-endian u32 is selected by a per-lane
 /// variable shift, and its magnitude looked up with a lane permute of the eight E2M1 values.
-#[target_feature(enable = "avx2,f16c")]
+#[target_feature(enable = "avx2,f16c,fma")]
 pub(crate) unsafe fn nvfp4_decode_row(bs: &[u8], codes: &[u8], g: f32, n: usize, out: DType, dst: &mut [u8]) -> bool {
     by_dtype!(out, nvfp4_decode_t(bs, codes, g, n, dst))
 }
 
-#[target_feature(enable = "avx2,f16c")]
+#[target_feature(enable = "avx2,f16c,fma")]
 unsafe fn nvfp4_decode_t<const D: u8>(bs: &[u8], codes: &[u8], g: f32, n: usize, dst: &mut [u8]) -> bool {
     let out = dt(D);
     let table = _mm256_loadu_ps(E2M1_VALUES.as_ptr());
@@ -368,7 +821,7 @@ unsafe fn nvfp4_decode_t<const D: u8>(bs: &[u8], codes: &[u8], g: f32, n: usize,
 }
 
 /// E2M1 code of each f32 (one per byte, unscaled); a test hook for the golden vectors.
-#[target_feature(enable = "avx2,f16c")]
+#[target_feature(enable = "avx2,f16c,fma")]
 pub(crate) unsafe fn e2m1_slice(xs: &[f32], out: &mut [u8]) {
     let n = xs.len().min(out.len());
     let mut i = 0;
@@ -380,5 +833,125 @@ pub(crate) unsafe fn e2m1_slice(xs: &[f32], out: &mut [u8]) {
     }
     for k in i..n {
         out[k] = crate::formats::e2m1_from_f32(xs[k]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::formats::{e2m1_from_f32, e4m3_from_f32};
+
+    fn have() -> bool {
+        super::super::Backend::avx2_available()
+    }
+
+    /// `quot::<true>` against the division for every `a` mantissa of `a_bits` significant bits in
+    /// [1, 2) (quotients on both sides of 1) and every `step`-th 20-bit scale mantissa in [1, 2),
+    /// at a few exponent offsets.
+    fn check_quotients(a_bits: u32, step: u32) {
+        let mut bad = 0;
+        for am in 0..(1u32 << (a_bits - 1)) {
+            let a = f32::from_bits(0x3F80_0000 | (am << (24 - a_bits)));
+            for e in [-40i32, -3, 0, 5, 60] {
+                let a = a * 2f32.powi(e);
+                let mut sm = 0;
+                while sm < (1u32 << 19) {
+                    let s = f32::from_bits((0x3F80_0000 | (sm << 4)).wrapping_add(((e + 1) as u32) << 23));
+                    let mut got = [0f32; 8];
+                    // SAFETY: avx2, f16c and fma were detected (`have`).
+                    unsafe {
+                        let q = quot::<true>(_mm256_set1_ps(a), _mm256_set1_ps(s), _mm256_set1_ps(1.0 / s));
+                        _mm256_storeu_ps(got.as_mut_ptr(), q);
+                    }
+                    if got[0].to_bits() != (a / s).to_bits() {
+                        bad += 1;
+                    }
+                    sm += step;
+                }
+            }
+        }
+        assert_eq!(bad, 0);
+    }
+
+    #[test]
+    fn exact_quotient_is_the_division() {
+        if !have() {
+            return;
+        }
+        check_quotients(8, 61); // bf16 mantissas
+        check_quotients(11, 997); // fp16 mantissas
+        check_quotients(24, 1 << 19); // a few fp32 ones with scale mantissa 0
+        // Random fp32 numerators with random 20-bit scales over the allowed range.
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        for _ in 0..200_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let s = f32::from_bits(((x as u32) & 0x007F_FFF0) | (((x >> 32) as u32 % 160 + 67) << 23));
+            let a = (s * 448.0) * f32::from_bits(((x >> 40) as u32 & 0x007F_FFFF) | 0x3F00_0000) * 2f32.powi(-((x >> 60) as i32));
+            // SAFETY: as above.
+            let got = unsafe {
+                let mut o = [0f32; 8];
+                _mm256_storeu_ps(o.as_mut_ptr(), quot::<true>(_mm256_set1_ps(a), _mm256_set1_ps(s), _mm256_set1_ps(1.0 / s)));
+                o[0]
+            };
+            assert_eq!(got.to_bits(), (a / s).to_bits(), "{a:e} / {s:e}");
+        }
+    }
+
+    #[test]
+    #[ignore = "exhaustive, minutes: cargo test --release -p kvtier-kernels -- --ignored"]
+    fn exact_quotient_exhaustive_bf16_fp16() {
+        if have() {
+            check_quotients(8, 1);
+            check_quotients(11, 1);
+        }
+    }
+
+    /// The vector E4M3 and E2M1 magnitude conversions against the scalar ones on f32 patterns
+    /// from 0 to past the saturation points, every `step`-th pattern.
+    fn check_mags(step: u32) {
+        let mut bits = 0u32;
+        let end = 0x43F0_0000; // 480
+        while bits < end {
+            let mut xs = [0f32; 8];
+            for (k, x) in xs.iter_mut().enumerate() {
+                *x = f32::from_bits((bits + k as u32 * step).min(end));
+            }
+            let (mut c4, mut c2) = ([0u32; 8], [0u32; 8]);
+            // SAFETY: as above.
+            unsafe {
+                let v = _mm256_loadu_ps(xs.as_ptr());
+                _mm256_storeu_si256(c4.as_mut_ptr() as *mut __m256i, e4m3_mag8(v, true));
+                let mut u = [0u32; 8];
+                _mm256_storeu_si256(u.as_mut_ptr() as *mut __m256i, e4m3_mag8(v, false));
+                for k in 0..8 {
+                    if xs[k] < 464.0 {
+                        assert_eq!(u[k], u32::from(e4m3_from_f32(xs[k])), "unsaturated e4m3 {:#x}", xs[k].to_bits());
+                    }
+                }
+                _mm256_storeu_si256(c2.as_mut_ptr() as *mut __m256i, e2m1_mag8(v));
+            }
+            for k in 0..8 {
+                assert_eq!(c4[k], u32::from(e4m3_from_f32(xs[k])), "e4m3 {:#x}", xs[k].to_bits());
+                assert_eq!(c2[k], u32::from(e2m1_from_f32(xs[k])), "e2m1 {:#x}", xs[k].to_bits());
+            }
+            bits += 8 * step;
+        }
+    }
+
+    #[test]
+    fn magnitude_codes_match_scalar() {
+        if have() {
+            check_mags(4099);
+        }
+    }
+
+    #[test]
+    #[ignore = "exhaustive, a minute: cargo test --release -p kvtier-kernels -- --ignored"]
+    fn magnitude_codes_match_scalar_exhaustive() {
+        if have() {
+            check_mags(1);
+        }
     }
 }

@@ -28,7 +28,9 @@ impl Backend {
     pub fn avx2_available() -> bool {
         #[cfg(target_arch = "x86_64")]
         {
-            std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("f16c")
+            std::is_x86_feature_detected!("avx2")
+                && std::is_x86_feature_detected!("f16c")
+                && std::is_x86_feature_detected!("fma")
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
@@ -74,14 +76,42 @@ impl Isa {
         scalar::row_amax_bits(dtype, src)
     }
 
-    /// `e4m3(x / factor)` when `divide`, else `e4m3(x * factor)`.
-    pub(crate) fn fp8_encode_row(self, dtype: DType, src: &[u8], factor: f32, divide: bool, dst: &mut [u8]) {
+    /// `e4m3(x / scale)`. `bounded`: the caller guarantees `|x| ≤ 448·scale` for every element
+    /// (computed scales; not static ones), which lets the vector kernel avoid the division.
+    pub(crate) fn fp8_encode_row(self, dtype: DType, src: &[u8], scale: f32, bounded: bool, dst: &mut [u8]) {
         #[cfg(target_arch = "x86_64")]
         if self.simd(dtype) {
             // SAFETY: as above.
-            return unsafe { avx2::fp8_encode_row(dtype, src, factor, divide, dst) };
+            return unsafe { avx2::fp8_encode_row(dtype, src, scale, bounded, dst) };
         }
-        scalar::fp8_encode_row(dtype, src, factor, divide, dst)
+        let _ = bounded;
+        scalar::fp8_encode_row(dtype, src, scale, dst)
+    }
+
+    /// FP8 with one scale per row (per (token, head)) for a run of whole rows of `hd` elements:
+    /// each row's amax, its scale ([`crate::codec::fp8_scale`], 4 little-endian bytes in
+    /// `scales`) and its `hd` codes. `Err(k)`: row `k` of the run holds a NaN or Inf.
+    pub(crate) fn fp8_encode_rows(self, dtype: DType, src: &[u8], hd: usize, scales: &mut [u8], codes: &mut [u8]) -> Result<(), usize> {
+        #[cfg(target_arch = "x86_64")]
+        if self.simd(dtype) {
+            // SAFETY: as above.
+            return match unsafe { avx2::fp8_encode_rows(dtype, src, hd, scales, codes) } {
+                Some(k) => Err(k),
+                None => Ok(()),
+            };
+        }
+        let row_bytes = hd * dtype.size() as usize;
+        for (r, (dst, sc)) in codes.chunks_exact_mut(hd).zip(scales.chunks_exact_mut(4)).enumerate() {
+            let row = &src[r * row_bytes..(r + 1) * row_bytes];
+            let bits = scalar::row_amax_bits(dtype, row);
+            if bits >= 0x7F80_0000 {
+                return Err(r);
+            }
+            let s = crate::codec::fp8_scale(f32::from_bits(bits));
+            sc.copy_from_slice(&s.to_le_bytes());
+            scalar::fp8_encode_row(dtype, row, if s == 0.0 { 1.0 } else { s }, dst);
+        }
+        Ok(())
     }
 
     pub(crate) fn fp8_decode_row(self, codes: &[u8], scale: f32, out: DType, dst: &mut [u8]) -> bool {
@@ -93,13 +123,23 @@ impl Isa {
         scalar::fp8_decode_row(codes, scale, out, dst)
     }
 
-    pub(crate) fn nvfp4_encode_row(self, dtype: DType, src: &[u8], g: f32, enc: f32, bs: &mut [u8], codes: &mut [u8]) {
+    /// NVFP4 for a run of whole rows: row `k` of `src` is row `r0 + k` of `spec`, encoded with
+    /// the global scale `g` and encode factor `enc` of its plane; `bs` and `codes` hold
+    /// `ceil(hd/16)` and `ceil(hd/2)` bytes per row.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn nvfp4_encode_rows(self, spec: &crate::BlockSpec, r0: usize, src: &[u8], g: &[f32], enc: &[f32], bs: &mut [u8], codes: &mut [u8]) {
         #[cfg(target_arch = "x86_64")]
-        if self.simd(dtype) {
+        if self.simd(spec.dtype) {
             // SAFETY: as above.
-            return unsafe { avx2::nvfp4_encode_row(dtype, src, g, enc, bs, codes) };
+            return unsafe { avx2::nvfp4_encode_rows(spec, r0, src, g, enc, bs, codes) };
         }
-        scalar::nvfp4_encode_row(dtype, src, g, enc, bs, codes)
+        let hd = spec.row_len();
+        let row_bytes = hd * spec.dtype.size() as usize;
+        let (nb, cb) = (hd.div_ceil(16), hd.div_ceil(2));
+        for (k, (b, c)) in bs.chunks_exact_mut(nb).zip(codes.chunks_exact_mut(cb)).enumerate() {
+            let p = spec.plane_of_row(r0 + k);
+            scalar::nvfp4_encode_row(spec.dtype, &src[k * row_bytes..(k + 1) * row_bytes], g[p], enc[p], b, c);
+        }
     }
 
     pub(crate) fn nvfp4_decode_row(self, bs: &[u8], codes: &[u8], g: f32, n: usize, out: DType, dst: &mut [u8]) -> bool {
@@ -116,7 +156,7 @@ impl Isa {
     /// Unscaled E4M3 codes of f32 values (a division by 1 is exact).
     pub(crate) fn e4m3_slice(self, xs: &[f32], out: &mut [u8]) {
         let bytes: Vec<u8> = xs.iter().flat_map(|v| v.to_le_bytes()).collect();
-        self.fp8_encode_row(DType::Fp32, &bytes, 1.0, true, out);
+        self.fp8_encode_row(DType::Fp32, &bytes, 1.0, false, out);
     }
 
     /// Unscaled E2M1 codes of f32 values, one per byte.

@@ -15,11 +15,10 @@ pub(crate) fn row_amax_bits(dtype: DType, src: &[u8]) -> u32 {
     (0..n).map(|i| load_f32(dtype, src, i).to_bits() & 0x7FFF_FFFF).max().unwrap_or(0)
 }
 
-/// FP8 codes of a row: `e4m3(x / factor)` when `divide`, else `e4m3(x * factor)`; saturating.
-pub(crate) fn fp8_encode_row(dtype: DType, src: &[u8], factor: f32, divide: bool, dst: &mut [u8]) {
+/// FP8 codes of a row: `e4m3(x / scale)`, saturating.
+pub(crate) fn fp8_encode_row(dtype: DType, src: &[u8], scale: f32, dst: &mut [u8]) {
     for (i, d) in dst.iter_mut().enumerate() {
-        let x = load_f32(dtype, src, i);
-        *d = e4m3_from_f32(if divide { x / factor } else { x * factor });
+        *d = e4m3_from_f32(load_f32(dtype, src, i) / scale);
     }
 }
 

@@ -1,0 +1,188 @@
+//! Markdown tables for stdout and the README.
+
+use crate::blocks::Cell;
+use crate::limits::Limits;
+use crate::model::Plan;
+use crate::replay::ReplayResult;
+use crate::stats::ratio;
+
+pub fn f2(x: f64) -> String {
+    if x.is_finite() {
+        format!("{x:.2}")
+    } else {
+        "—".into()
+    }
+}
+
+fn f3(x: f64) -> String {
+    if x.is_finite() {
+        format!("{x:.3}")
+    } else {
+        "—".into()
+    }
+}
+
+pub fn size(b: usize) -> String {
+    if b >= 1 << 20 {
+        format!("{} MiB", b >> 20)
+    } else {
+        format!("{} KiB", b >> 10)
+    }
+}
+
+/// Human bytes in powers of 1000 (GB) or 1024 below that.
+pub fn bytes(b: f64) -> String {
+    if b >= 1e12 {
+        format!("{:.2} TB", b / 1e12)
+    } else if b >= 1e9 {
+        format!("{:.2} GB", b / 1e9)
+    } else {
+        format!("{:.1} MB", b / 1e6)
+    }
+}
+
+pub fn secs(s: f64) -> String {
+    if !s.is_finite() {
+        "—".into()
+    } else if s.abs() >= 1.0 {
+        format!("{s:.2} s")
+    } else {
+        format!("{:.1} ms", s * 1e3)
+    }
+}
+
+pub fn limits_table(l: &Limits) -> String {
+    let mut s = format!("### Machine limits (GB/s, median of {} runs)\n\n| figure | GB/s | / memcpy 1 thread |\n|---|---|---|\n", l.runs);
+    let rows = [
+        ("memcpy, 1 thread".to_string(), l.memcpy_1),
+        (format!("memcpy, {} threads", l.threads), l.memcpy_n),
+        ("loopback TCP, 1 stream".into(), l.tcp),
+        ("Unix socket, 1 stream".into(), l.unix),
+        (format!("disk sequential write + fsync ({})", l.disk_dir.display()), l.disk_write),
+        ("disk sequential read (page cache dropped)".into(), l.disk_read),
+    ];
+    for (name, v) in rows {
+        s += &format!("| {name} | {} | {} |\n", f2(v), f2(ratio(v, l.memcpy_1)));
+    }
+    s
+}
+
+fn find<'a>(cells: &'a [Cell], system: &str, op: &str, size: usize, c: usize) -> Option<&'a Cell> {
+    cells.iter().find(|x| x.system == system && x.op == op && x.block_bytes == size && x.concurrency == c)
+}
+
+/// One table per operation: kvtier beside Redis (plain and pipelined) and loopback TCP.
+pub fn blocks_table(cells: &[Cell], tcp: f64, redis_note: Option<&str>, depth: usize) -> String {
+    let mut sizes: Vec<usize> = cells.iter().map(|c| c.block_bytes).collect();
+    sizes.sort();
+    sizes.dedup();
+    let mut concs: Vec<usize> = cells.iter().map(|c| c.concurrency).collect();
+    concs.sort();
+    concs.dedup();
+    let piped = format!("redis-pipelined-{depth}");
+    let mut s = String::new();
+    for (op, verb) in [("store", "SET"), ("load", "GET")] {
+        s += &format!(
+            "### kvtier {op} vs Redis {verb} (GB/s; latency per op, ms; TCP = loopback TCP limit {} GB/s)\n\n| block | conc | kvtier GB/s | p50 | p99 | Redis GB/s | p50 | p99 | Redis pipelined×{depth} GB/s | kvtier/Redis | kvtier/Redis pipelined | kvtier/TCP |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+            f2(tcp)
+        );
+        for &size in &sizes {
+            for &c in &concs {
+                let k = find(cells, "kvtier", op, size, c);
+                let r = find(cells, "redis", op, size, c);
+                let p = find(cells, &piped, op, size, c);
+                let g = |x: Option<&Cell>| x.map(|x| x.gb_per_s).unwrap_or(f64::NAN);
+                let l = |x: Option<&Cell>, p50: bool| x.map(|x| if p50 { x.p50_ms } else { x.p99_ms }).unwrap_or(f64::NAN);
+                s += &format!(
+                    "| {} | {c} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+                    crate::report::size(size),
+                    f2(g(k)),
+                    f2(l(k, true)),
+                    f2(l(k, false)),
+                    f2(g(r)),
+                    f2(l(r, true)),
+                    f2(l(r, false)),
+                    f2(g(p)),
+                    f2(ratio(g(k), g(r))),
+                    f2(ratio(g(k), g(p))),
+                    f2(ratio(g(k), tcp)),
+                );
+            }
+        }
+        s += "\n";
+    }
+    if let Some(n) = redis_note {
+        s += &format!("Redis: {n}\n");
+    }
+    s
+}
+
+pub fn trace_table(rs: &[ReplayResult], lru: &[(f64, f64)]) -> String {
+    let mut s = String::from(
+        "### Trace replay (prefix sharing across replicas + agent sessions)\n\n| model | DRAM cap (full size) | prefix token hit rate | LRU model | DRAM block hit rate | cross-replica hits | resumes hit | KV loaded | KV stored | prefill saved (GPU) | reload (modeled) | TTFT saved / request (mean, median) | cold TTFT mean | measured reload here |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for r in rs {
+        let lru_at = lru.iter().find(|(f, _)| (*f - r.cache_fraction).abs() < 1e-9).map(|x| x.1).unwrap_or(f64::NAN);
+        let dram = r.tiers.iter().find(|t| t.tier.to_ascii_lowercase().contains("dram")).or(r.tiers.first());
+        s += &format!(
+            "| {} | {} ({}× docs) | {} | {} | {} | {} / {} | {} / {} | {} | {} | {} on {} | {} over {} | {}, {} | {} | {} GB/s |\n",
+            r.model,
+            bytes(r.dram_capacity_full_bytes),
+            r.cache_fraction,
+            f3(r.prefix_token_hit_rate),
+            f3(lru_at),
+            dram.map(|t| f3(t.hit_rate)).unwrap_or_else(|| "—".into()),
+            r.cross_replica_hits,
+            r.prefix_requests,
+            r.resume_hits,
+            r.resumes,
+            bytes(r.bytes_loaded),
+            bytes(r.bytes_stored),
+            secs(r.gpu_seconds_saved),
+            r.gpu,
+            secs(r.reload_seconds_modeled),
+            r.link.split(" (").next().unwrap_or(r.link),
+            secs(r.ttft_saved_mean_s),
+            secs(r.ttft_saved_median_s),
+            secs(r.ttft_cold_mean_s),
+            f2(r.measured_load_gb_per_s),
+        );
+    }
+    s
+}
+
+pub fn plan_table(p: &Plan) -> String {
+    let i = &p.input;
+    let mut s = format!(
+        "### Capacity plan: {} ({} layers, {} KV heads × {}), {}, on {} at {:.0}% MFU\n\nKV per token: {} bytes; one {:.0}-token context: {}. Traffic: {} req/s, {:.0}% agent turns, {} s think time → {:.0} sessions parked at once ({}), {} GB/s of reload.\n\n| tier | capacity | tokens | sessions of {:.0} tokens |\n|---|---|---|---|\n",
+        i.model.name,
+        i.model.layers,
+        i.model.kv_heads,
+        i.model.head_dim,
+        i.codec.name(),
+        i.gpu.name,
+        i.gpu.mfu * 100.0,
+        p.kv_bytes_per_token,
+        i.avg_context_tokens,
+        bytes(p.bytes_per_avg_context),
+        i.requests_per_s,
+        i.session_fraction * 100.0,
+        i.think_s,
+        p.parked_sessions,
+        bytes(p.parked_gb * 1e9),
+        f2(p.reload_gb_per_s),
+        i.avg_context_tokens,
+    );
+    for t in &p.tiers {
+        s += &format!("| {} | {} | {:.3e} | {:.0} |\n", t.tier, bytes(t.capacity_gb * 1e9), t.tokens, t.sessions);
+    }
+    s += &format!(
+        "\n| link (assumed effective GB/s) | GB/s | reload beats recompute from | reload {:.0} tokens | recompute {:.0} tokens | link busy at this traffic |\n|---|---|---|---|---|---|\n",
+        i.avg_context_tokens, i.avg_context_tokens
+    );
+    for l in &p.links {
+        let from = if l.crossover_tokens <= 0.0 { "any length".to_string() } else { format!("{:.0} tokens", l.crossover_tokens) };
+        s += &format!("| {} | {} | {} | {} | {} | {:.0}% |\n", l.link, l.gb_per_s, from, secs(l.reload_s), secs(l.recompute_s), l.utilisation * 100.0);
+    }
+    s
+}
