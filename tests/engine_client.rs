@@ -29,7 +29,7 @@ async fn live_then_dead_server() {
     let loaded = engine.load(&ns, &t).await;
     assert!(loaded.blocks.is_empty());
     let miss = loaded.miss.expect("a miss");
-    assert!(["io", "connect", "timeout"].contains(&miss.reason), "{miss:?}");
+    assert!(["io", "connect", "timeout", "protocol"].contains(&miss.reason), "{miss:?}");
     assert_eq!(engine.lookup(&ns, &t).await, 0);
     assert_eq!(engine.store(&ns, &t, &blocks).await, 0);
     assert!(engine.resume(&ns, "nobody").await.is_err());

@@ -78,12 +78,14 @@ fn start_demotion(state: &Arc<NodeState>, disk: Arc<disk::DiskTier>) {
         if probe.contains(&block.header.namespace, &block.header.key) {
             return;
         }
+        // Counted before the send, so the writer's decrement can never run first.
+        let d = hook_depth.fetch_add(1, Ordering::Relaxed).saturating_add(1);
         match tx.try_send(block) {
-            Ok(()) => {
-                let d = hook_depth.fetch_add(1, Ordering::Relaxed) + 1;
-                ::metrics::gauge!("kvtier_disk_queue_depth").set(d as f64);
+            Ok(()) => ::metrics::gauge!("kvtier_disk_queue_depth").set(d as f64),
+            Err(_) => {
+                hook_depth.fetch_sub(1, Ordering::Relaxed);
+                ::metrics::counter!("kvtier_disk_demotions_dropped_total").increment(1)
             }
-            Err(_) => ::metrics::counter!("kvtier_disk_demotions_dropped_total").increment(1),
         }
     });
     state.tier.set_eviction_hook(Some(hook));

@@ -340,7 +340,7 @@ mod tests {
         SessionLimits { block_tokens: BT, bytes_per_token: layout().bytes_per_token(), max_context_tokens: 64 }
     }
 
-    fn put(tier: &dyn PinTier, ns: NamespaceId, k: u8, tokens: u32) -> BlockKey {
+    fn put(tier: &DramTier, ns: NamespaceId, k: u8, tokens: u32) -> BlockKey {
         let key = BlockKey([k; 32]);
         let payload = vec![k; layout().bytes_for_tokens(tokens) as usize];
         let header = FrameHeader {

@@ -87,8 +87,14 @@ impl From<tonic::Status> for ClientError {
             codes::SESSION_EXISTS => ClientError::SessionExists(message),
             codes::SESSION_VERSION => ClientError::VersionConflict(message),
             _ if s.code() == tonic::Code::Unauthenticated => ClientError::Unauthenticated(message),
-            _ if s.code() == tonic::Code::Unavailable => ClientError::Io(message),
-            _ if s.code() == tonic::Code::DeadlineExceeded => ClientError::Io(message),
+            // No kvtier code: the transport failed (server gone, connection reset), not the server.
+            "" if matches!(
+                s.code(),
+                tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Unknown | tonic::Code::Cancelled
+            ) =>
+            {
+                ClientError::Io(format!("{:?}: {message}", s.code()))
+            }
             "" => ClientError::Refused { code: format!("{:?}", s.code()), message },
             _ => ClientError::Refused { code, message },
         }

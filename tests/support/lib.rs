@@ -29,19 +29,29 @@ pub struct ServerProcess {
     pub grpc: SocketAddr,
     pub data: SocketAddr,
     pub metrics: Option<SocketAddr>,
-    pub data_dir: tempfile::TempDir,
+    /// The data directory (a fresh temporary one unless the test gave its own).
+    pub dir: PathBuf,
+    _tmp: Option<tempfile::TempDir>,
     pub stdout: Vec<String>,
 }
 
 impl ServerProcess {
     /// Starts `kvtier serve` on ephemeral loopback ports with `extra` flags.
     pub fn start(extra: &[&str]) -> ServerProcess {
-        let data_dir = tempfile::tempdir().expect("tempdir");
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let dir = tmp.path().to_path_buf();
+        let mut s = Self::start_in(&dir, extra);
+        s._tmp = Some(tmp);
+        s
+    }
+
+    /// Starts a server on a data directory the test owns (to restart on it).
+    pub fn start_in(dir: &std::path::Path, extra: &[&str]) -> ServerProcess {
         let mut cmd = Command::new(kvtier_bin());
         cmd.arg("serve")
             .args(["--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0", "--metrics", "127.0.0.1:0"])
             .arg("--data-dir")
-            .arg(data_dir.path())
+            .arg(dir)
             .args(extra)
             .env_remove("KVTIER_CONFIG")
             .env("KVTIER_LOG", "warn")
@@ -66,7 +76,7 @@ impl ServerProcess {
                 let metrics = field("metrics").and_then(|v| v.parse().ok());
                 // Keep draining stdout so the server never blocks on a full pipe.
                 std::thread::spawn(move || for _ in lines {});
-                return ServerProcess { child, grpc, data, metrics, data_dir, stdout: seen };
+                return ServerProcess { child, grpc, data, metrics, dir: dir.to_path_buf(), _tmp: None, stdout: seen };
             }
         }
         let _ = child.kill();

@@ -5,8 +5,8 @@
 //! # Layout on disk
 //! `<data_dir>/segments/seg-<id>.kvs`: records back to back, each a 128-byte frame header, the
 //! payload, and zero padding up to a 4 KiB boundary (one aligned `pwrite` per record). A segment
-//! grows to `segment_bytes`, is then sealed and a new one opened. `<data_dir>/LOCK` is held
-//! (`flock`) for the life of the process, so a second server on the same directory is refused.
+//! grows to `segment_bytes`, is then sealed and a new one opened. The server holds
+//! `<data_dir>/LOCK` (`flock`) for its life, so a second server on the same directory is refused.
 //!
 //! # Cap and eviction
 //! The sum of segment file sizes never exceeds `capacity_bytes`: before a record is appended, the
@@ -123,7 +123,6 @@ pub struct DiskTier {
     /// One writer at a time: appends are sequential within the active segment.
     write_lock: Mutex<()>,
     counters: Counters,
-    _lock_file: File,
 }
 
 impl std::fmt::Debug for DiskTier {
@@ -137,7 +136,8 @@ fn io_err(what: &str, path: &Path, e: std::io::Error) -> ServerError {
 }
 
 impl DiskTier {
-    /// Opens (or creates) the tier in `cfg.dir`, takes its lock and recovers its contents.
+    /// Opens (or creates) the tier in `cfg.dir` and recovers its contents. The caller holds the
+    /// directory's lock.
     pub fn open(mut cfg: DiskConfig) -> Result<(DiskTier, RecoveryReport), ServerError> {
         if cfg.capacity_bytes < 4 * RECORD_ALIGN {
             return Err(ServerError::Config(format!("disk_capacity {} is too small", cfg.capacity_bytes)));
@@ -146,31 +146,6 @@ impl DiskTier {
         let seg_dir = cfg.dir.join("segments");
         std::fs::create_dir_all(&seg_dir)
             .map_err(|e| ServerError::Config(format!("disk tier directory {}: {e}", seg_dir.display())))?;
-        let lock_path = cfg.dir.join("LOCK");
-        let lock_file = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .read(true)
-            .write(true)
-            .open(&lock_path)
-            .map_err(|e| ServerError::Config(format!("cannot open {}: {e}", lock_path.display())))?;
-        match lock_file.try_lock() {
-            Ok(()) => {}
-            Err(std::fs::TryLockError::WouldBlock) => {
-                let holder = std::fs::read_to_string(&lock_path).unwrap_or_default();
-                return Err(ServerError::Config(format!(
-                    "data directory {} is in use by another kvtier server ({})",
-                    cfg.dir.display(),
-                    holder.trim()
-                )));
-            }
-            Err(std::fs::TryLockError::Error(e)) => {
-                return Err(ServerError::Config(format!("cannot lock {}: {e}", lock_path.display())))
-            }
-        }
-        let _ = lock_file.set_len(0);
-        let _ = std::io::Write::write_all(&mut &lock_file, format!("pid {}", std::process::id()).as_bytes());
-
         let start = Instant::now();
         let mut ids: Vec<u64> = std::fs::read_dir(&seg_dir)
             .map_err(|e| io_err("reading", &seg_dir, e))?
@@ -216,7 +191,6 @@ impl DiskTier {
             inner: Mutex::new(inner),
             write_lock: Mutex::new(()),
             counters: Counters::default(),
-            _lock_file: lock_file,
         };
         tier.publish_gauges();
         ::metrics::counter!("kvtier_disk_recovered_blocks_total").increment(report.blocks);

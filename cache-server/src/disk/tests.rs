@@ -119,11 +119,3 @@ fn corruption_is_a_miss_and_torn_tails_are_dropped_at_recovery() {
     assert_eq!(t.read(&f.header.namespace, &f.header.key).unwrap().1, f.payload);
 }
 
-#[test]
-fn a_second_tier_on_the_same_directory_is_refused() {
-    let dir = tempfile::tempdir().unwrap();
-    let (_t, _) = open(dir.path(), 1 << 20);
-    let e = DiskTier::open(DiskConfig { dir: dir.path().to_path_buf(), capacity_bytes: 1 << 20, segment_bytes: 1 << 16, sync_writes: false })
-        .unwrap_err();
-    assert!(e.to_string().contains("in use by another kvtier server"), "{e}");
-}
