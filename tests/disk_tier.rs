@@ -148,3 +148,55 @@ fn a_second_server_on_the_same_directory_is_refused() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("in use by another kvtier server"), "{err}");
 }
+
+/// A small tmpfs mounted for one test and unmounted after it (needs root, as CI runs).
+struct SmallFs(std::path::PathBuf);
+
+impl SmallFs {
+    fn mount(size: &str) -> SmallFs {
+        let dir = std::env::temp_dir().join(format!("kvtier-enospc-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let out = Command::new("mount").args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"]).arg(&dir).output().unwrap();
+        assert!(
+            out.status.success(),
+            "this test mounts a {size} tmpfs to fill a real filesystem and needs root: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        SmallFs(dir)
+    }
+}
+
+impl Drop for SmallFs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_disk_leaves_dram_serving_and_says_so() {
+    let fs = SmallFs::mount("24m");
+    let server = ServerProcess::start_in(&fs.0, &["--dram-capacity", DRAM, "--disk-capacity", DISK]);
+    let client = server.client().await;
+    let ns = client.register(namespace("full-disk", b"", small_layout())).await.unwrap();
+    let docs: Vec<Vec<u32>> = (0..24).map(|d| tokens(1500 + d, 1024)).collect(); // 48 MiB > 24 MiB fs
+    for d in &docs {
+        client.store(&ns, d, &full_block_payloads(&ns, d)).await.unwrap().ok().unwrap();
+    }
+    // DRAM keeps serving the recent documents, byte for byte; older ones are hits or misses.
+    let last = docs.last().unwrap();
+    assert!(client.load(&ns, last).await.unwrap() == full_block_payloads(&ns, last));
+    for d in &docs {
+        let got = client.load(&ns, d).await.unwrap();
+        assert!(got[..] == full_block_payloads(&ns, d)[..got.len()]);
+    }
+    // A park can't be made durable on a full disk: a clear error, not a false acknowledgement.
+    let t = tokens(42, 2048);
+    let e = client.park(&ns, "no-room", &t, &session_payloads(&ns, &t), &ParkOptions::default(), 0).await.unwrap_err();
+    assert!(e.to_string().contains("KV:Disk:Full") && e.to_string().contains("No space left"), "{e}");
+    let m = server.scrape();
+    assert!(metric(&m, "kvtier_errors_total", &[("kind", "disk_write")]) > 0.0, "{m}");
+    // And the server is still up and answering.
+    assert!(client.stats().await.unwrap().tiers.len() == 2);
+    drop(server);
+}

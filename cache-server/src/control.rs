@@ -36,6 +36,7 @@ pub fn to_status(e: ServerError) -> Status {
         ServerError::VersionConflict { .. } => tonic::Code::Aborted,
         ServerError::ContextTooLong { .. } => tonic::Code::OutOfRange,
         ServerError::InvalidRequest(_) | ServerError::Proto(_) => tonic::Code::InvalidArgument,
+        ServerError::Io(e) if e.kind() == std::io::ErrorKind::StorageFull => tonic::Code::ResourceExhausted,
         ServerError::Config(_) | ServerError::Io(_) => tonic::Code::Internal,
     };
     let mut status = Status::new(code, format!("{}: {e}", e.code()));

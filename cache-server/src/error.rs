@@ -52,6 +52,7 @@ impl ServerError {
                 codes::INVALID_NAMESPACE
             }
             ServerError::InvalidRequest(_) | ServerError::Proto(_) => codes::INVALID_REQUEST,
+            ServerError::Io(e) if e.kind() == std::io::ErrorKind::StorageFull => codes::DISK_FULL,
             ServerError::Config(_) | ServerError::Io(_) => codes::INTERNAL,
         }
     }
@@ -70,6 +71,7 @@ impl ServerError {
             ServerError::Proto(ProtoError::KeyLength { .. }) => "key_length",
             ServerError::InvalidRequest(_) | ServerError::Proto(_) => "invalid_request",
             ServerError::Config(_) => "config",
+            ServerError::Io(e) if e.kind() == std::io::ErrorKind::StorageFull => "disk_full",
             ServerError::Io(_) => "io",
         }
     }

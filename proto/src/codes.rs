@@ -13,6 +13,7 @@ pub const SESSION_EXPIRED: &str = "KV:Session:Expired";
 pub const SESSION_EXISTS: &str = "KV:Session:Exists";
 pub const SESSION_VERSION: &str = "KV:Session:VersionConflict";
 pub const UNAUTHENTICATED: &str = "KV:Auth:Unauthenticated";
+pub const DISK_FULL: &str = "KV:Disk:Full";
 pub const INTERNAL: &str = "KV:Internal";
 
 /// The metadata key that carries the code beside the gRPC status.
