@@ -83,6 +83,11 @@ async fn parked_sessions_survive_kill_9_and_restart() {
     let server = ServerProcess::start_in(dir.path(), &args);
     assert!(server.stdout.last().unwrap().contains("6 sessions"), "{:?}", server.stdout);
     let client = server.client().await;
+    // Namespaces are durable too: the restored sessions know their layout before anyone registers.
+    assert_eq!(client.stats().await.unwrap().namespaces, 1);
+    let listed = client.list_sessions(None).await.unwrap();
+    assert_eq!(listed.len(), 6);
+    assert!(listed.iter().all(|s| s.bytes == s.token_count * small_layout().bytes_per_token()), "{listed:?}");
     let ns = client.register(namespace("durable", b"s", small_layout())).await.unwrap();
     for (id, blocks) in &acked {
         let r = client.resume(&ns, id).await.unwrap_or_else(|e| panic!("{id}: {e}"));

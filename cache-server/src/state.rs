@@ -38,7 +38,33 @@ pub struct NodeState {
     pub demotion_depth: Arc<AtomicUsize>,
     /// Disk hits per block since its last promotion check: a second hit promotes to DRAM.
     pub disk_hits: Mutex<HashMap<IndexKey, u8>>,
+    /// With a disk tier: every registered namespace, so sessions restored after a restart know
+    /// their layout before any client registers again.
+    namespace_log: Option<Mutex<std::fs::File>>,
     _dir_lock: std::fs::File,
+}
+
+/// Reads `namespaces.log`: records of (length, xxh3, protobuf `NamespaceSpec`). A torn last record
+/// is ignored (its registration was never acknowledged).
+fn read_namespace_log(path: &std::path::Path) -> Vec<Namespace> {
+    use prost::Message;
+    let Ok(data) = std::fs::read(path) else { return Vec::new() };
+    let mut out = Vec::new();
+    let mut rest = &data[..];
+    while rest.len() >= 12 {
+        let len = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]) as usize;
+        let mut sum = [0u8; 8];
+        sum.copy_from_slice(&rest[4..12]);
+        let Some(body) = rest.get(12..12 + len) else { break };
+        if xxhash_rust::xxh3::xxh3_64(body) != u64::from_le_bytes(sum) {
+            break;
+        }
+        if let Some(ns) = kvtier_proto::pb::NamespaceSpec::decode(body).ok().and_then(|pb| Namespace::from_pb(&pb).ok()) {
+            out.push(ns);
+        }
+        rest = &rest[12 + len..];
+    }
+    out
 }
 
 /// Holds `<data_dir>/LOCK` so a second server on the same directory is refused.
@@ -88,6 +114,7 @@ impl NodeState {
             session_log: None,
             demotion_depth: Arc::new(AtomicUsize::new(0)),
             disk_hits: Mutex::new(HashMap::new()),
+            namespace_log: None,
             _dir_lock: dir_lock,
             config,
         };
@@ -104,6 +131,12 @@ impl NodeState {
             if unreadable > 0 {
                 tracing::warn!(unreadable, "session log had unreadable (torn) records; their parks were never acknowledged");
             }
+            let ns_path = state.config.data_dir.join("namespaces.log");
+            for ns in read_namespace_log(&ns_path) {
+                state.namespaces.write().insert(ns.id(), ns);
+            }
+            let f = std::fs::OpenOptions::new().create(true).append(true).open(&ns_path)?;
+            state.namespace_log = Some(Mutex::new(f));
             state.disk = Some(Arc::new(disk));
             state.disk_recovery = Some(report);
             state.session_log = Some(Mutex::new(log));
@@ -126,10 +159,11 @@ impl NodeState {
         let mut table = self.sessions.lock();
         let (mut ok, mut lost) = (0u64, 0u64);
         for s in sessions {
+            let per_token = self.namespaces.read().get(&s.namespace).map(|n| n.layout.bytes_per_token()).unwrap_or(0);
             let m = SessionManifest {
                 namespace: s.namespace,
                 id: s.id.clone(),
-                bytes: 0,
+                bytes: s.token_count * per_token,
                 keys: s.keys,
                 tail: s.tail,
                 token_count: s.token_count,
@@ -170,6 +204,17 @@ impl NodeState {
         if !map.contains_key(&id) {
             if map.len() >= MAX_NAMESPACES {
                 return Err(ServerError::Capacity(format!("this node already holds {MAX_NAMESPACES} namespaces")));
+            }
+            if let Some(log) = &self.namespace_log {
+                use prost::Message;
+                let body = ns.to_pb().encode_to_vec();
+                let mut rec = Vec::with_capacity(body.len() + 12);
+                rec.extend_from_slice(&(body.len() as u32).to_le_bytes());
+                rec.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(&body).to_le_bytes());
+                rec.extend_from_slice(&body);
+                let mut f = log.lock();
+                std::io::Write::write_all(&mut *f, &rec)?;
+                f.sync_data()?;
             }
             map.insert(id, ns);
             metrics::gauge!("kvtier_namespaces").set(map.len() as f64);
