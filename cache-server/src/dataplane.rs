@@ -249,8 +249,7 @@ impl Connection {
             self.drain(header.payload_len).await?;
             return Ok(status);
         }
-        let tier = &self.state.tier;
-        if tier.contains(&header.namespace, &header.key) {
+        if self.state.tier.contains(&header.namespace, &header.key) {
             // Content-addressed: the same key is the same bytes. Skip the copy.
             self.drain(header.payload_len).await?;
             return Ok(ItemStatus::Ok);
