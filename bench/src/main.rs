@@ -220,22 +220,27 @@ fn main() -> anyhow::Result<()> {
         json["blocks"] = json!({ "cells": cells, "tcp_limit_gb_per_s": tcp, "redis": redis_note, "bytes_per_cell": cfg.bytes_per_cell });
         for (op, verb) in [("store", "SET"), ("load", "GET")] {
             let mut series = Vec::new();
-            let mut systems: Vec<&str> = cells.iter().map(|c| c.system.as_str()).collect();
-            systems.dedup();
+            let mut systems: Vec<&str> = Vec::new();
+            for c in &cells {
+                if !systems.contains(&c.system.as_str()) {
+                    systems.push(&c.system);
+                }
+            }
+            let idx = |b: usize| cfg.sizes.iter().position(|&s| s == b).unwrap_or(0) as f64;
             for sys in systems {
                 for &c in &cfg.concurrency {
-                    let pts: Vec<(f64, f64)> = cells.iter().filter(|x| x.system == sys && x.op == op && x.concurrency == c).map(|x| ((x.block_bytes >> 10) as f64, x.gb_per_s)).collect();
+                    let pts: Vec<(f64, f64)> = cells.iter().filter(|x| x.system == sys && x.op == op && x.concurrency == c).map(|x| (idx(x.block_bytes), x.gb_per_s)).collect();
                     if !pts.is_empty() {
                         series.push(Series { name: format!("{sys} x{c}"), points: pts, markers_only: false });
                     }
                 }
             }
             if tcp.is_finite() {
-                series.push(Series { name: "loopback TCP limit".into(), points: cfg.sizes.iter().map(|&s| ((s >> 10) as f64, tcp)).collect(), markers_only: false });
+                series.push(Series { name: "loopback TCP limit".into(), points: cfg.sizes.iter().map(|&s| (idx(s), tcp)).collect(), markers_only: false });
             }
             let path = out.join(format!("blocks_{op}.png"));
             let title = format!("kvtier {op} vs Redis {verb}: GB/s by block size and concurrency");
-            plot::line_chart(&path, &Chart { title: &title, x_desc: "block size, KiB", y_desc: "GB/s", log_x: true, log_y: false, series })?;
+            plot::line_chart(&path, &Chart { title: &title, x_desc: "block size", y_desc: "GB/s", log_x: false, log_y: false, series, x_names: Some(cfg.sizes.iter().map(|&s| report::size(s)).collect()) })?;
             plots.push(path);
         }
     }
@@ -302,7 +307,7 @@ fn main() -> anyhow::Result<()> {
             series.push(Series { name: format!("kvtier measured, {}", m.name), points: pts, markers_only: true });
         }
         let path = out.join("trace_hit_rate.png");
-        plot::line_chart(&path, &Chart { title: "Prefix token hit rate vs DRAM size", x_desc: "DRAM cap / distinct documents' KV", y_desc: "token hit rate", log_x: false, log_y: false, series })?;
+        plot::line_chart(&path, &Chart { title: "Prefix token hit rate vs DRAM size", x_desc: "DRAM cap / distinct documents' KV", y_desc: "token hit rate", log_x: false, log_y: false, series, x_names: None })?;
         plots.push(path);
     }
 
@@ -341,7 +346,7 @@ fn main() -> anyhow::Result<()> {
         }
         let path = out.join("plan_reload_vs_recompute.png");
         let title = format!("{} ({}): time to get the KV of a context back", m.name, codec.name());
-        plot::line_chart(&path, &Chart { title: &title, x_desc: "context, tokens", y_desc: "seconds", log_x: true, log_y: true, series })?;
+        plot::line_chart(&path, &Chart { title: &title, x_desc: "context, tokens", y_desc: "seconds", log_x: true, log_y: true, series, x_names: None })?;
         plots.push(path);
     }
 

@@ -49,6 +49,8 @@ pub struct Chart<'a> {
     pub log_x: bool,
     pub log_y: bool,
     pub series: Vec<Series>,
+    /// Category names of x = 0, 1, 2... (x is then an index, not a value).
+    pub x_names: Option<Vec<String>>,
 }
 
 fn tx(v: f64, log: bool) -> f64 {
@@ -96,10 +98,18 @@ pub fn line_chart(path: &Path, c: &Chart) -> anyhow::Result<()> {
         }
         let mut chart = b.build_cartesian_2d(x0..x1, y0..y1)?;
         let (lx, ly) = (c.log_x, c.log_y);
-        let fx = move |v: &f64| fmt_tick(*v, lx);
+        let names = c.x_names.clone();
+        let fx = move |v: &f64| match &names {
+            Some(n) if (v - v.round()).abs() < 1e-6 && v.round() >= 0.0 => n.get(v.round() as usize).cloned().unwrap_or_default(),
+            Some(_) => String::new(),
+            None => fmt_tick(*v, lx),
+        };
         let fy = move |v: &f64| fmt_tick(*v, ly);
         let mut mesh = chart.configure_mesh();
         if text {
+            if let Some(n) = &c.x_names {
+                mesh.x_labels(4 * n.len().max(1) - 3);
+            }
             mesh.x_desc(c.x_desc)
                 .y_desc(c.y_desc)
                 .x_label_formatter(&fx)
@@ -155,6 +165,7 @@ mod tests {
                 Series { name: "a".into(), points: vec![(1.0, 1.0), (10.0, 2.0), (100.0, 1.5)], markers_only: false },
                 Series { name: "b".into(), points: vec![(5.0, 0.5)], markers_only: true },
             ],
+            x_names: None,
         };
         line_chart(&p, &chart).unwrap();
         let bytes = std::fs::read(&p).unwrap();

@@ -38,15 +38,24 @@ impl KvtierServer {
     pub fn start(bin: &Path, data_dir: &Path, dram_capacity: u64, log: &Path) -> anyhow::Result<KvtierServer> {
         std::fs::create_dir_all(data_dir)?;
         let log_file = std::fs::File::create(log)?;
-        let mut child = Command::new(bin)
-            .args(["serve", "--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0", "--no-metrics", "--log", "warn"])
+        let mut cmd = Command::new(bin);
+        cmd.args(["serve", "--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0", "--no-metrics", "--log", "warn"])
             .arg("--data-dir")
             .arg(data_dir)
             .arg("--dram-capacity")
             .arg(format!("{}MiB", dram_capacity.div_ceil(1 << 20)))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(log_file)
+            .stderr(log_file);
+        // If the bench dies (Ctrl-C, a kill), the server goes with it.
+        unsafe {
+            use std::os::unix::process::CommandExt;
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+                Ok(())
+            });
+        }
+        let mut child = cmd
             .spawn()
             .with_context(|| format!("starting {}", bin.display()))?;
         let stdout = child.stdout.take().context("no stdout")?;
