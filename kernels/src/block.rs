@@ -82,6 +82,18 @@ impl BlockSpec {
         }
     }
 
+    /// The end of the run of consecutive rows that share row `r`'s plane: the plane's last row + 1
+    /// in layer-first order, the end of `r`'s group of `kv_heads` rows in block-first order.
+    #[inline]
+    pub(crate) fn plane_run_end(&self, r: usize) -> usize {
+        let run = match self.order {
+            MemoryOrder::LayerFirst => self.tokens as usize * usize::from(self.kv_heads),
+            MemoryOrder::BlockFirst => usize::from(self.kv_heads),
+        }
+        .max(1);
+        (r / run + 1) * run
+    }
+
     /// (layer, is_v, token, head) of row `r`, for error messages.
     pub fn locate_row(&self, r: usize) -> (usize, bool, usize, usize) {
         let heads = usize::from(self.kv_heads);
@@ -194,6 +206,20 @@ mod tests {
         assert_eq!(s.plane_of_row(2), 1);
         assert_eq!(s.plane_of_row(12), 0);
         assert_eq!(s.locate_row(12 + 3), (0, true, 1, 1));
+    }
+
+    #[test]
+    fn plane_runs_match_plane_of_row() {
+        for order in [MemoryOrder::LayerFirst, MemoryOrder::BlockFirst] {
+            let mut s = BlockSpec::new(3, 5, 2, 8, DType::Bf16);
+            s.order = order;
+            for r in 0..s.rows() {
+                let e = s.plane_run_end(r);
+                assert!(e > r && e <= s.rows());
+                assert!((r..e).all(|q| s.plane_of_row(q) == s.plane_of_row(r)), "{order:?} row {r}");
+                assert!(e == s.rows() || s.plane_of_row(e) != s.plane_of_row(e - 1));
+            }
+        }
     }
 
     #[test]

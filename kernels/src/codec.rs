@@ -28,7 +28,7 @@
 //! Large blocks are split into row ranges handled in parallel (rayon); every row's bytes depend only
 //! on that row and on per-plane values computed first, so the output does not depend on the split.
 
-use kvtier_proto::{CodecId, DType};
+use kvtier_proto::{CodecId, DType, MemoryOrder};
 use rayon::prelude::*;
 
 use crate::block::{load_f32, BlockSpec, KvBlockView};
@@ -262,28 +262,48 @@ impl Codec {
         let es = spec.dtype.size() as usize;
         let hd = spec.row_len();
         let parallel = self.parallel(src.len());
-        let amax = plane_amax(isa, block, parallel)?;
-        let (g, enc): (Vec<f32>, Vec<f32>) = amax
-            .iter()
-            .map(|&a| {
-                if a < FLUSH_AMAX {
-                    (0.0, 0.0)
-                } else {
-                    (canonical_scale(a / (E4M3_MAX * E2M1_MAX), NVFP4_GLOBAL_BITS), (E4M3_MAX * E2M1_MAX) / a)
-                }
-            })
-            .unzip();
+        let nvfp4_scales = |a: f32| {
+            if a < FLUSH_AMAX {
+                (0.0, 0.0)
+            } else {
+                (canonical_scale(a / (E4M3_MAX * E2M1_MAX), NVFP4_GLOBAL_BITS), (E4M3_MAX * E2M1_MAX) / a)
+            }
+        };
         let nb = hd.div_ceil(16);
+        let cb = hd.div_ceil(2);
         let (scales, rest) = body.split_at_mut(4 * spec.planes());
+        let (bs, codes) = rest.split_at_mut(spec.rows() * nb);
+        if !parallel && spec.order == MemoryOrder::LayerFirst {
+            // One plane at a time (its rows are contiguous): its amax, then its codes while its
+            // bytes are still in cache. The same bytes as the two passes below; on a NaN or Inf
+            // the partly written body is discarded by the caller.
+            let per_plane = spec.rows() / spec.planes();
+            let row_bytes = hd * es;
+            let (mut g, mut enc) = (vec![0f32; spec.planes()], vec![0f32; spec.planes()]);
+            for p in 0..spec.planes() {
+                let rows = p * per_plane..(p + 1) * per_plane;
+                let psrc = &src[rows.start * row_bytes..rows.end * row_bytes];
+                let bits = isa.row_amax_bits(spec.dtype, psrc);
+                if bits >= 0x7F80_0000 {
+                    return Err(first_non_finite(isa, &spec, src, rows));
+                }
+                (g[p], enc[p]) = nvfp4_scales(f32::from_bits(bits));
+                scales[4 * p..4 * p + 4].copy_from_slice(&g[p].to_le_bytes());
+                let (pbs, pcodes) = (&mut bs[rows.start * nb..rows.end * nb], &mut codes[rows.start * cb..rows.end * cb]);
+                let next = &src[rows.end * row_bytes..((rows.end + per_plane) * row_bytes).min(src.len())];
+                isa.nvfp4_encode_rows(&spec, rows.start, psrc, next, &g, &enc, pbs, pcodes);
+            }
+            return Ok(());
+        }
+        let amax = plane_amax(isa, block, parallel)?;
+        let (g, enc): (Vec<f32>, Vec<f32>) = amax.iter().map(|&a| nvfp4_scales(a)).unzip();
         for (dst, s) in scales.chunks_exact_mut(4).zip(&g) {
             dst.copy_from_slice(&s.to_le_bytes());
         }
-        let (bs, codes) = rest.split_at_mut(spec.rows() * nb);
-        let cb = hd.div_ceil(2);
         let chunks = split_rows(spec.rows(), hd * es, parallel, codes, cb, bs, nb);
         run(parallel, chunks, |c| {
             let rsrc = &src[c.rows.start * hd * es..c.rows.end * hd * es];
-            isa.nvfp4_encode_rows(&spec, c.rows.start, rsrc, &g, &enc, c.b, c.a);
+            isa.nvfp4_encode_rows(&spec, c.rows.start, rsrc, &[], &g, &enc, c.b, c.a);
             Ok(())
         })
     }
@@ -443,13 +463,18 @@ fn plane_amax(isa: Isa, block: &KvBlockView, parallel: bool) -> Result<Vec<f32>,
     let rows = spec.rows();
     let scan = |range: std::ops::Range<usize>| -> Result<Vec<u32>, CodecError> {
         let mut m = vec![0u32; spec.planes()];
-        for r in range {
-            let bits = isa.row_amax_bits(spec.dtype, &src[r * row_bytes..(r + 1) * row_bytes]);
-            if bits >= 0x7F80_0000 {
-                return Err(non_finite(&spec, src, r));
-            }
+        let mut r = range.start;
+        while r < range.end {
+            // One kernel call per run of consecutive rows of the same plane (a whole plane's
+            // share of the range in layer-first order, `kv_heads` rows in block-first order).
             let p = spec.plane_of_row(r);
+            let e = spec.plane_run_end(r).min(range.end);
+            let bits = isa.row_amax_bits(spec.dtype, &src[r * row_bytes..e * row_bytes]);
+            if bits >= 0x7F80_0000 {
+                return Err(first_non_finite(isa, &spec, src, r..e));
+            }
             m[p] = m[p].max(bits);
+            r = e;
         }
         Ok(m)
     };
@@ -468,6 +493,14 @@ fn plane_amax(isa: Isa, block: &KvBlockView, parallel: bool) -> Result<Vec<f32>,
         scan(0..rows)?
     };
     Ok(maxes.into_iter().map(f32::from_bits).collect())
+}
+
+/// [`non_finite`] for the first row of `rows` that holds a NaN or Inf (one of them does).
+fn first_non_finite(isa: Isa, spec: &BlockSpec, src: &[u8], rows: std::ops::Range<usize>) -> CodecError {
+    let row_bytes = spec.row_len() * spec.dtype.size() as usize;
+    let start = rows.start;
+    let bad = rows.into_iter().find(|&q| isa.row_amax_bits(spec.dtype, &src[q * row_bytes..(q + 1) * row_bytes]) >= 0x7F80_0000);
+    non_finite(spec, src, bad.unwrap_or(start))
 }
 
 fn non_finite(spec: &BlockSpec, src: &[u8], r: usize) -> CodecError {

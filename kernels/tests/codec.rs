@@ -332,3 +332,94 @@ fn bad_inputs_are_errors() {
     assert!(matches!(decode(CodecId::FP8_E4M3, &nan, &spec), Err(CodecError::Corrupt(_))));
     assert!(matches!(decode(CodecId::RAW, &bytes[1..], &spec), Err(CodecError::Corrupt(_))));
 }
+
+/// The vector kernels' fast paths (eight rows at a time, whole 32-element steps, the exact
+/// reciprocal form of the FP8 division, groups of eight NVFP4 micro-blocks) against the scalar
+/// reference, on head sizes that take each path and its tails, and on row magnitudes from 2^-90
+/// to 2^90 (scales outside the reciprocal form's range fall back to the division).
+#[test]
+fn backends_agree_on_vector_paths() {
+    for (hd, dtype, order) in [
+        (128, DType::Bf16, MemoryOrder::LayerFirst),
+        (128, DType::Fp16, MemoryOrder::BlockFirst),
+        (128, DType::Fp32, MemoryOrder::LayerFirst),
+        (96, DType::Bf16, MemoryOrder::BlockFirst),
+        (80, DType::Bf16, MemoryOrder::LayerFirst),
+        (100, DType::Fp16, MemoryOrder::LayerFirst),
+        (64, DType::Fp32, MemoryOrder::BlockFirst),
+        (200, DType::Bf16, MemoryOrder::LayerFirst),
+    ] {
+        let mut spec = BlockSpec::new(2, 9, 3, hd, dtype);
+        spec.order = order;
+        let mut x = gaussian(&mut rng(hd as u64), spec.elements());
+        for (i, row) in x.chunks_mut(usize::from(hd)).enumerate() {
+            let m = 2f32.powi(((i * 37) % 181) as i32 - 90);
+            row.iter_mut().for_each(|v| *v *= m);
+        }
+        let x: Vec<f32> = x.iter().map(|v| if dtype == DType::Fp16 { v.clamp(-65504.0, 65504.0) } else { *v }).collect();
+        backends_agree_on(spec, &from_bytes(dtype, &to_bytes(dtype, &x)));
+    }
+}
+
+/// A NaN or Inf anywhere in a block big enough for the batched kernels is reported at its row.
+#[test]
+fn non_finite_in_a_large_block_names_its_row() {
+    for (dtype, order) in [(DType::Bf16, MemoryOrder::LayerFirst), (DType::Fp16, MemoryOrder::BlockFirst), (DType::Fp32, MemoryOrder::LayerFirst)] {
+        let mut spec = BlockSpec::new(3, 16, 8, 128, dtype);
+        spec.order = order;
+        for row in [0, 5, 8, 200, spec.rows() - 1] {
+            let mut x = vec![0.25f32; spec.elements()];
+            x[row * 128 + 77] = f32::INFINITY;
+            if row + 1 < spec.rows() {
+                x[(row + 1) * 128 + 3] = f32::NAN; // a later one is not the one reported
+            }
+            let bytes = to_bytes(dtype, &x);
+            let (layer, is_v, token, head) = spec_locate(&spec, row);
+            for (id, scaling) in LOSSY.iter().cloned() {
+                for b in [Backend::Scalar, Backend::Auto] {
+                    let err = Codec::new(id).with_fp8_scaling(scaling.clone()).with_backend(b).with_parallel_min_bytes(usize::MAX).encode(&KvBlockView::new(spec, &bytes).unwrap()).unwrap_err();
+                    match err {
+                        CodecError::NonFinite { layer: l, kv, token: t, head: h, dim: 77, .. }
+                            if l == layer && kv == if is_v { "V" } else { "K" } && t == token && h == head => {}
+                        other => panic!("{dtype:?} {order:?} row {row} {id:?} {b:?}: {other}"),
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// (layer, is V, token, head) of row `r`, written out independently of the crate.
+fn spec_locate(spec: &BlockSpec, r: usize) -> (usize, bool, usize, usize) {
+    let (t, h, planes) = (spec.tokens as usize, usize::from(spec.kv_heads), spec.planes());
+    let (plane, token) = match spec.order {
+        MemoryOrder::LayerFirst => (r / (t * h), (r % (t * h)) / h),
+        MemoryOrder::BlockFirst => ((r / h) % planes, r / h / planes),
+    };
+    (plane / 2, plane % 2 == 1, token, r % h)
+}
+
+/// `encode_into` a reused buffer holding stale bytes (longer or shorter than the payload) gives
+/// exactly `encode`'s payload, and leaves the buffer empty on an error.
+#[test]
+fn encode_into_a_dirty_buffer_is_encode() {
+    let spec = BlockSpec::new(2, 5, 3, 48, DType::Bf16);
+    let bytes = to_bytes(DType::Bf16, &gaussian(&mut rng(9), spec.elements()));
+    let view = KvBlockView::new(spec, &bytes).unwrap();
+    for id in [CodecId::RAW, CodecId::RAW_LZ4, CodecId::FP8_E4M3, CodecId::FP8_E4M3_LZ4, CodecId::NVFP4, CodecId::NVFP4_LZ4] {
+        for scaling in [Fp8Scaling::PerTokenHead, Fp8Scaling::PerTensor] {
+            let codec = Codec::new(id).with_fp8_scaling(scaling);
+            let want = codec.encode(&view).unwrap();
+            for stale in [0usize, 7, want.len() - 1, want.len(), want.len() + 100] {
+                let mut out = vec![0xA5u8; stale];
+                codec.encode_into(&view, &mut out).unwrap();
+                assert_eq!(out, want, "{id:?} over {stale} stale bytes");
+            }
+        }
+    }
+    let mut bad = bytes.clone();
+    bad[10..12].copy_from_slice(&0x7FC0u16.to_le_bytes()); // a bf16 NaN
+    let mut out = vec![1u8; 4096];
+    assert!(Codec::new(CodecId::NVFP4).encode_into(&KvBlockView::new(spec, &bad).unwrap(), &mut out).is_err());
+    assert!(out.is_empty());
+}

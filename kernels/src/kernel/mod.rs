@@ -1,7 +1,8 @@
 //! Row kernels and the choice between them. A row is the `head_dim` elements of one (layer,
 //! K|V, token, head). [`scalar`] is the reference; [`avx2`] (x86-64 with AVX2 and F16C, chosen at
 //! run time) writes identical bytes faster. The codec calls these through [`Isa`], one call per
-//! row, so the feature check happens once per block, not per element.
+//! run of rows for the encoders (a chunk, or a plane for NVFP4) and per row for decoding, so the
+//! feature check and the dtype dispatch happen once per run, not per element.
 
 pub(crate) mod scalar;
 #[cfg(target_arch = "x86_64")]
@@ -125,14 +126,16 @@ impl Isa {
 
     /// NVFP4 for a run of whole rows: row `k` of `src` is row `r0 + k` of `spec`, encoded with
     /// the global scale `g` and encode factor `enc` of its plane; `bs` and `codes` hold
-    /// `ceil(hd/16)` and `ceil(hd/2)` bytes per row.
+    /// `ceil(hd/16)` and `ceil(hd/2)` bytes per row. `ahead`: input the caller reads next, which
+    /// the vector kernel prefetches (a hint only; any slice).
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn nvfp4_encode_rows(self, spec: &crate::BlockSpec, r0: usize, src: &[u8], g: &[f32], enc: &[f32], bs: &mut [u8], codes: &mut [u8]) {
+    pub(crate) fn nvfp4_encode_rows(self, spec: &crate::BlockSpec, r0: usize, src: &[u8], ahead: &[u8], g: &[f32], enc: &[f32], bs: &mut [u8], codes: &mut [u8]) {
         #[cfg(target_arch = "x86_64")]
         if self.simd(spec.dtype) {
             // SAFETY: as above.
-            return unsafe { avx2::nvfp4_encode_rows(spec, r0, src, g, enc, bs, codes) };
+            return unsafe { avx2::nvfp4_encode_rows(spec, r0, src, ahead, g, enc, bs, codes) };
         }
+        let _ = ahead;
         let hd = spec.row_len();
         let row_bytes = hd * spec.dtype.size() as usize;
         let (nb, cb) = (hd.div_ceil(16), hd.div_ceil(2));
