@@ -128,3 +128,12 @@ fn auth_token_is_enforced_on_both_planes() {
     assert!(ok, "{err}");
     assert!(out.contains("stored 2 of 2"), "{out}");
 }
+
+#[test]
+fn kvtier_plan_runs_the_capacity_planner() {
+    let (ok, out, err) = cli(&["plan", "--model", "llama-3-8b", "--codec", "fp8"]);
+    assert!(ok, "{err}");
+    // Llama-3-8B in fp8: 2 x 32 layers x 8 heads x 128 = 65536 elements per token, plus scales.
+    assert!(out.contains("KV per token"), "{out}");
+    assert!(out.contains("Llama-3-8B"), "{out}");
+}

@@ -34,6 +34,12 @@ enum Cmd {
     Session(SessionCmd),
     /// Tier and session statistics.
     Stats(ConnArgs),
+    /// Capacity planner (runs `kvtier-bench plan` from beside this binary; same arguments).
+    #[command(disable_help_flag = true)]
+    Plan {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 #[derive(Args)]
@@ -183,8 +189,22 @@ enum SessionCmd {
     },
 }
 
+/// `kvtier plan ...` is `kvtier-bench plan ...`: the planner lives with the benchmarks.
+fn plan(args: &[String]) -> anyhow::Result<()> {
+    let exe = std::env::current_exe().context("locating this binary")?;
+    let bench = exe.with_file_name("kvtier-bench");
+    if !bench.exists() {
+        bail!("{} is missing: build it with `cargo build --release -p kvtier-bench`", bench.display());
+    }
+    let status = std::process::Command::new(&bench).arg("plan").args(args).status().with_context(|| format!("running {}", bench.display()))?;
+    std::process::exit(status.code().unwrap_or(1));
+}
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    if let Cmd::Plan { args } = &cli.cmd {
+        return plan(args);
+    }
     let rt = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
     rt.block_on(async move {
         match cli.cmd {
@@ -194,6 +214,7 @@ fn main() -> anyhow::Result<()> {
             Cmd::Lookup(a) => lookup(a).await,
             Cmd::Session(s) => session(s).await,
             Cmd::Stats(c) => stats(c).await,
+            Cmd::Plan { .. } => Ok(()),
         }
     })
 }
