@@ -92,10 +92,21 @@ fn start_demotion(state: &Arc<NodeState>, disk: Arc<disk::DiskTier>) {
     std::thread::Builder::new()
         .name("kvtier-demote".into())
         .spawn(move || {
+            // A full or failing disk fails every write: say so once per 10 s, count them all.
+            let mut last_warning: Option<Instant> = None;
+            let mut failed_since_warning = 0u64;
             for block in rx {
                 match disk.write(&block.header, &block.payload) {
                     Ok(()) => ::metrics::counter!("kvtier_disk_demotions_total").increment(1),
-                    Err(e) => tracing::warn!("demotion to disk failed: {e}"),
+                    Err(e) => {
+                        ::metrics::counter!("kvtier_disk_demotions_failed_total").increment(1);
+                        failed_since_warning += 1;
+                        if last_warning.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
+                            tracing::warn!("demotion to disk failed ({failed_since_warning} since the last warning): {e}");
+                            last_warning = Some(Instant::now());
+                            failed_since_warning = 0;
+                        }
+                    }
                 }
                 let d = depth.fetch_sub(1, Ordering::Relaxed).saturating_sub(1);
                 ::metrics::gauge!("kvtier_disk_queue_depth").set(d as f64);
