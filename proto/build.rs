@@ -2,8 +2,5 @@
 fn main() {
     println!("cargo:rerun-if-changed=proto/kvtier.proto");
     let fds = protox::compile(["proto/kvtier.proto"], ["proto"]).expect("parse proto/kvtier.proto");
-    tonic_prost_build::configure()
-        .bytes(".")
-        .compile_fds(fds)
-        .expect("generate gRPC code from proto/kvtier.proto");
+    tonic_prost_build::configure().bytes(".").compile_fds(fds).expect("generate gRPC code from proto/kvtier.proto");
 }

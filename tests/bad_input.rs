@@ -102,10 +102,8 @@ async fn every_bad_input_gets_a_clear_error_and_nothing_is_lost() {
     assert_eq!(st, Status::UnknownNamespace);
     assert!(msg.contains("unknown namespace"), "{msg}");
     let mut g = client.raw_grpc();
-    let e = g
-        .lookup(pb::LookupRequest { namespace_id: Bytes::from_static(&[0xEE; 16]), keys: vec![] })
-        .await
-        .unwrap_err();
+    let e =
+        g.lookup(pb::LookupRequest { namespace_id: Bytes::from_static(&[0xEE; 16]), keys: vec![] }).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::NotFound);
     assert!(e.message().contains("KV:Namespace:Unknown"), "{}", e.message());
 
@@ -202,7 +200,13 @@ async fn a_client_that_dies_mid_park_leaks_no_pins() {
     let ns = client.register(namespace("lease", b"", small_layout())).await.unwrap();
     let t = tokens(77, 64);
     let mut raw = Raw::open(&server);
-    let h = RequestHeader { op: Op::Put, flags: kvtier_proto::dataplane::FLAG_PIN_LEASE, request_id: 1, count: 4, namespace: NamespaceId([0; 16]) };
+    let h = RequestHeader {
+        op: Op::Put,
+        flags: kvtier_proto::dataplane::FLAG_PIN_LEASE,
+        request_id: 1,
+        count: 4,
+        namespace: NamespaceId([0; 16]),
+    };
     raw.0.write_all(&h.encode()).unwrap();
     for k in ns.keys(&t) {
         let f = ns.frame(k, 16, payload_for(&k, ns.block_bytes()));

@@ -41,7 +41,8 @@ fn cli_round_trip_sessions_stats_and_metrics() {
     assert!(!ok && err.contains("need exactly"), "{err}");
 
     // Sessions: park (synthetic payload), extend, resume, ls, drop.
-    let (ok, out, err) = cli(&["session", "park", "--server", &addr, "--id", "agent-1", "--text", text, "--ttl", "10m"]);
+    let (ok, out, err) =
+        cli(&["session", "park", "--server", &addr, "--id", "agent-1", "--text", text, "--ttl", "10m"]);
     assert!(ok, "{err}");
     assert!(out.contains("v1: 77 tokens, 4 blocks + tail"), "{out}");
     let longer = format!("{text} And then the agent thought for a while before its next turn.");
@@ -124,7 +125,15 @@ fn auth_token_is_enforced_on_both_planes() {
     let addr = server.grpc_addr();
     let (ok, _, err) = cli(&["stats", "--server", &addr]);
     assert!(!ok && err.contains("unauthenticated"), "{err}");
-    let (ok, out, err) = cli(&["put", "--server", &addr, "--auth-token", token, "--tokens", &(0..32).map(|i| i.to_string()).collect::<Vec<_>>().join(",")]);
+    let (ok, out, err) = cli(&[
+        "put",
+        "--server",
+        &addr,
+        "--auth-token",
+        token,
+        "--tokens",
+        &(0..32).map(|i| i.to_string()).collect::<Vec<_>>().join(","),
+    ]);
     assert!(ok, "{err}");
     assert!(out.contains("stored 2 of 2"), "{out}");
 }

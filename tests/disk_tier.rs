@@ -161,7 +161,11 @@ impl SmallFs {
     fn mount(size: &str) -> SmallFs {
         let dir = std::env::temp_dir().join(format!("kvtier-enospc-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let out = Command::new("mount").args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"]).arg(&dir).output().unwrap();
+        let out = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(&dir)
+            .output()
+            .unwrap();
         assert!(
             out.status.success(),
             "this test mounts a {size} tmpfs to fill a real filesystem and needs root: {}",

@@ -46,13 +46,20 @@ async fn a_server_that_never_answers_costs_one_budget() {
             held.push(s);
         }
     });
-    let cfg = ClientConfig { connect_timeout: Duration::from_secs(30), request_timeout: Duration::from_secs(30), ..Default::default() };
+    let cfg = ClientConfig {
+        connect_timeout: Duration::from_secs(30),
+        request_timeout: Duration::from_secs(30),
+        ..Default::default()
+    };
     let engine = EngineClient::new(addr, cfg, Duration::from_millis(300));
     let ns = namespace("engine", b"", small_layout());
     let t = tokens(1, 64);
     // Without the budget this would wait for the 30 s timeouts; the test harness would notice.
-    let loaded = tokio::time::timeout(Duration::from_secs(20), engine.load(&ns, &t)).await.expect("load honoured its budget");
+    let loaded =
+        tokio::time::timeout(Duration::from_secs(20), engine.load(&ns, &t)).await.expect("load honoured its budget");
     assert_eq!(loaded.miss.map(|m| m.reason), Some("timeout"));
-    let n = tokio::time::timeout(Duration::from_secs(20), engine.lookup(&ns, &t)).await.expect("lookup honoured its budget");
+    let n = tokio::time::timeout(Duration::from_secs(20), engine.lookup(&ns, &t))
+        .await
+        .expect("lookup honoured its budget");
     assert_eq!(n, 0);
 }

@@ -47,9 +47,27 @@ async fn replica_b_reuses_replica_a_prefix() {
     // A third replica in another process (the CLI) sees it too, through the same namespace flags.
     let text: Vec<String> = doc.iter().map(|t| t.to_string()).collect();
     let (ok, out, err) = cli(&[
-        "lookup", "--server", &server.grpc_addr(), "--tenant", "acme", "--model", "test-model@1", "--salt", "acme-salt",
-        "--layers", "4", "--kv-heads", "2", "--head-dim", "64", "--dtype", "fp16", "--block-tokens", "16",
-        "--tokens", &text.join(","),
+        "lookup",
+        "--server",
+        &server.grpc_addr(),
+        "--tenant",
+        "acme",
+        "--model",
+        "test-model@1",
+        "--salt",
+        "acme-salt",
+        "--layers",
+        "4",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "64",
+        "--dtype",
+        "fp16",
+        "--block-tokens",
+        "16",
+        "--tokens",
+        &text.join(","),
     ]);
     assert!(ok, "{err}");
     assert!(out.contains("4096 of 4096 tokens are stored"), "{out}");

@@ -72,6 +72,7 @@ async fn ttl_expiry_unpins_and_resume_says_expired() {
     assert!(matches!(err, ClientError::SessionExpired(_)), "{err}");
     assert!(err.to_string().contains("KV:Session:Expired"), "{err}");
     // The id can be parked again afresh.
-    let info = client.park(&ns, "short-lived", &t, &session_payloads(&ns, &t), &ParkOptions::default(), 0).await.unwrap();
+    let info =
+        client.park(&ns, "short-lived", &t, &session_payloads(&ns, &t), &ParkOptions::default(), 0).await.unwrap();
     assert_eq!(info.version, 1);
 }

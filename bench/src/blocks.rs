@@ -52,7 +52,8 @@ impl BlocksConfig {
 /// A layout of 32 layers × head dim 128 in bf16 whose block is exactly `size` bytes.
 pub fn layout_for(size: usize) -> KvLayout {
     let per_head_token = 2 * 32 * 128 * 2; // 16 KiB
-    let (heads, bt) = if size >= per_head_token * 8 { (8, size / (per_head_token * 8)) } else { ((size / per_head_token).max(1), 1) };
+    let (heads, bt) =
+        if size >= per_head_token * 8 { (8, size / (per_head_token * 8)) } else { ((size / per_head_token).max(1), 1) };
     let l = KvLayout::new(32, heads as u16, 128, DType::Bf16, bt as u32);
     debug_assert_eq!(l.block_bytes() as usize, size);
     l
@@ -114,10 +115,14 @@ fn cells(system: &str, size: usize, c: usize, samples: Vec<Sample>, bytes: usize
 pub async fn run_kvtier(addr: &str, cfg: &BlocksConfig, pb: &indicatif::ProgressBar) -> anyhow::Result<Vec<Cell>> {
     let mut out = Vec::new();
     for &c in &cfg.concurrency {
-        let client = KvClient::connect(addr, ClientConfig { data_connections: c, max_batch_blocks: 1, ..Default::default() }).await?;
+        let client =
+            KvClient::connect(addr, ClientConfig { data_connections: c, max_batch_blocks: 1, ..Default::default() })
+                .await?;
         for &size in &cfg.sizes {
             pb.set_message(format!("kvtier {} KiB x{c}", size >> 10));
-            let ns = client.register(Namespace::new("bench", format!("blocks-{size}"), layout_for(size), HashScheme::Blake3, b"")).await?;
+            let ns = client
+                .register(Namespace::new("bench", format!("blocks-{size}"), layout_for(size), HashScheme::Blake3, b""))
+                .await?;
             let data = payload(size, c);
             let n = cfg.ops_per_task(size, c);
             let mut samples = Vec::new();
@@ -132,7 +137,15 @@ pub async fn run_kvtier(addr: &str, cfg: &BlocksConfig, pb: &indicatif::Progress
     Ok(out)
 }
 
-async fn kvtier_sample(client: &KvClient, ns: &NamespaceHandle, data: &Bytes, size: usize, c: usize, n: usize, run: usize) -> anyhow::Result<Sample> {
+async fn kvtier_sample(
+    client: &KvClient,
+    ns: &NamespaceHandle,
+    data: &Bytes,
+    size: usize,
+    c: usize,
+    n: usize,
+    run: usize,
+) -> anyhow::Result<Sample> {
     let bt = ns.block_tokens() as u32;
     let t = Instant::now();
     let tasks: Vec<_> = (0..c)
@@ -144,7 +157,10 @@ async fn kvtier_sample(client: &KvClient, ns: &NamespaceHandle, data: &Bytes, si
                     let t = Instant::now();
                     let frame = ns.frame(key(size, run, task, op), bt, data.clone());
                     let st = client.store_frames(std::slice::from_ref(&frame)).await?;
-                    anyhow::ensure!(st.iter().all(|s| *s == kvtier_client::ItemStatus::Ok), "kvtier refused a block: {st:?}");
+                    anyhow::ensure!(
+                        st.iter().all(|s| *s == kvtier_client::ItemStatus::Ok),
+                        "kvtier refused a block: {st:?}"
+                    );
                     lat.push(t.elapsed().as_secs_f64());
                 }
                 Ok::<_, anyhow::Error>(lat)
@@ -165,7 +181,11 @@ async fn kvtier_sample(client: &KvClient, ns: &NamespaceHandle, data: &Bytes, si
                 for op in 0..n {
                     let t = Instant::now();
                     let got = client.load_keys(&ns, &[key(size, run, task, op)]).await?;
-                    let f = got.into_iter().next().flatten().ok_or_else(|| anyhow::anyhow!("kvtier lost a block it acknowledged"))?;
+                    let f = got
+                        .into_iter()
+                        .next()
+                        .flatten()
+                        .ok_or_else(|| anyhow::anyhow!("kvtier lost a block it acknowledged"))?;
                     anyhow::ensure!(f.payload.len() == size, "short block");
                     lat.push(t.elapsed().as_secs_f64());
                 }
@@ -189,7 +209,8 @@ pub async fn run_redis(url: &str, cfg: &BlocksConfig, pb: &indicatif::ProgressBa
         for _ in 0..c {
             // The crate's default 500 ms response timeout is shorter than a pipeline of 4 MiB values
             // at concurrency 16 on two shared cores.
-            let cfg = redis::AsyncConnectionConfig::new().set_response_timeout(Some(std::time::Duration::from_secs(60)));
+            let cfg =
+                redis::AsyncConnectionConfig::new().set_response_timeout(Some(std::time::Duration::from_secs(60)));
             conns.push(client.get_multiplexed_async_connection_with_config(&cfg).await?);
         }
         for &size in &cfg.sizes {
@@ -213,7 +234,14 @@ pub async fn run_redis(url: &str, cfg: &BlocksConfig, pb: &indicatif::ProgressBa
     Ok(out)
 }
 
-async fn redis_sample(conns: &[redis::aio::MultiplexedConnection], data: &Bytes, size: usize, n: usize, depth: usize, run: usize) -> anyhow::Result<Sample> {
+async fn redis_sample(
+    conns: &[redis::aio::MultiplexedConnection],
+    data: &Bytes,
+    size: usize,
+    n: usize,
+    depth: usize,
+    run: usize,
+) -> anyhow::Result<Sample> {
     let rkey = move |task: usize, op: usize| key(size, run, task, op).0.to_vec();
     let t = Instant::now();
     let tasks: Vec<_> = conns
@@ -256,7 +284,10 @@ async fn redis_sample(conns: &[redis::aio::MultiplexedConnection], data: &Bytes,
                         p.cmd("GET").arg(rkey(task, op));
                     }
                     let got: Vec<Vec<u8>> = p.query_async(&mut con).await?;
-                    anyhow::ensure!(got.len() == depth && got.iter().all(|v| v.len() == size), "redis returned short values");
+                    anyhow::ensure!(
+                        got.len() == depth && got.iter().all(|v| v.len() == size),
+                        "redis returned short values"
+                    );
                     lat.push(t.elapsed().as_secs_f64());
                 }
                 Ok::<_, anyhow::Error>(lat)

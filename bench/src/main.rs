@@ -114,7 +114,10 @@ struct Args {
 
 fn bar(len: u64, what: &str) -> ProgressBar {
     let pb = ProgressBar::new(len);
-    pb.set_style(ProgressStyle::with_template("{prefix:>8} [{elapsed_precise}] {bar:30} {pos}/{len} {msg}").unwrap_or_else(|_| ProgressStyle::default_bar()));
+    pb.set_style(
+        ProgressStyle::with_template("{prefix:>8} [{elapsed_precise}] {bar:30} {pos}/{len} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
     pb.set_prefix(what.to_string());
     pb.enable_steady_tick(Duration::from_millis(250));
     pb
@@ -123,12 +126,22 @@ fn bar(len: u64, what: &str) -> ProgressBar {
 fn machine() -> String {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|s| s.trim().to_string()))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|s| s.trim().to_string())
+        })
         .unwrap_or_else(|| std::env::consts::ARCH.into());
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let mem = std::fs::read_to_string("/proc/meminfo")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("MemTotal")).and_then(|l| l.split_whitespace().nth(1)).and_then(|k| k.parse::<f64>().ok()))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("MemTotal"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|k| k.parse::<f64>().ok())
+        })
         .map(|kb| format!("{:.0} GiB RAM", kb / (1 << 20) as f64))
         .unwrap_or_default();
     format!("{cpu}, {cores} cores, {mem}, {} {}", std::env::consts::OS, std::env::consts::ARCH)
@@ -154,7 +167,11 @@ fn main() -> anyhow::Result<()> {
     let started = Instant::now();
     let cmdline: Vec<String> = std::env::args().collect();
     let mach = machine();
-    println!("# kvtier-bench {}\n\nMachine: {mach}. Command: `{}`.\n", if quick { "(quick)" } else { "" }, cmdline.join(" "));
+    println!(
+        "# kvtier-bench {}\n\nMachine: {mach}. Command: `{}`.\n",
+        if quick { "(quick)" } else { "" },
+        cmdline.join(" ")
+    );
     let mut json = json!({ "machine": mach, "command": cmdline, "quick": quick, "runs": runs });
     let all = a.what == What::All;
     let mut plots = Vec::new();
@@ -163,7 +180,12 @@ fn main() -> anyhow::Result<()> {
     let mut lim = None;
     if all || matches!(a.what, What::Limits | What::Blocks) {
         let pb = bar(5, "limits");
-        let l = limits::measure(&data_dir, quick || a.what == What::Blocks, if a.what == What::Blocks { 1 } else { runs }, &pb)?;
+        let l = limits::measure(
+            &data_dir,
+            quick || a.what == What::Blocks,
+            if a.what == What::Blocks { 1 } else { runs },
+            &pb,
+        )?;
         pb.finish_and_clear();
         println!("{}", report::limits_table(&l));
         json["limits"] = serde_json::to_value(&l)?;
@@ -186,7 +208,8 @@ fn main() -> anyhow::Result<()> {
             Some(s) => (None, s.clone()),
             None => {
                 let bin = servers::find_kvtier(a.kvtier_bin.as_deref())?;
-                let s = KvtierServer::start(&bin, &data_dir.join("kvtier-blocks"), cap, &out.join("kvtier-blocks.log"))?;
+                let s =
+                    KvtierServer::start(&bin, &data_dir.join("kvtier-blocks"), cap, &out.join("kvtier-blocks.log"))?;
                 let addr = s.grpc_addr.clone();
                 eprintln!("started {} (pid {}) at {addr}", bin.display(), s.pid());
                 (Some(s), addr)
@@ -198,7 +221,11 @@ fn main() -> anyhow::Result<()> {
         drop(server);
         // Redis: only a real one, never a made-up figure.
         let redis_note: Option<String>;
-        let redis_bin = if a.no_redis { Err("skipped by --no-redis".to_string()) } else { servers::find_redis(a.redis_bin.as_deref()) };
+        let redis_bin = if a.no_redis {
+            Err("skipped by --no-redis".to_string())
+        } else {
+            servers::find_redis(a.redis_bin.as_deref())
+        };
         match redis_bin {
             Err(why) => {
                 let line = format!("Redis figures are skipped: {why}.");
@@ -229,18 +256,37 @@ fn main() -> anyhow::Result<()> {
             let idx = |b: usize| cfg.sizes.iter().position(|&s| s == b).unwrap_or(0) as f64;
             for sys in systems {
                 for &c in &cfg.concurrency {
-                    let pts: Vec<(f64, f64)> = cells.iter().filter(|x| x.system == sys && x.op == op && x.concurrency == c).map(|x| (idx(x.block_bytes), x.gb_per_s)).collect();
+                    let pts: Vec<(f64, f64)> = cells
+                        .iter()
+                        .filter(|x| x.system == sys && x.op == op && x.concurrency == c)
+                        .map(|x| (idx(x.block_bytes), x.gb_per_s))
+                        .collect();
                     if !pts.is_empty() {
                         series.push(Series { name: format!("{sys} x{c}"), points: pts, markers_only: false });
                     }
                 }
             }
             if tcp.is_finite() {
-                series.push(Series { name: "loopback TCP limit".into(), points: cfg.sizes.iter().map(|&s| (idx(s), tcp)).collect(), markers_only: false });
+                series.push(Series {
+                    name: "loopback TCP limit".into(),
+                    points: cfg.sizes.iter().map(|&s| (idx(s), tcp)).collect(),
+                    markers_only: false,
+                });
             }
             let path = out.join(format!("blocks_{op}.png"));
             let title = format!("kvtier {op} vs Redis {verb}: GB/s by block size and concurrency");
-            plot::line_chart(&path, &Chart { title: &title, x_desc: "block size", y_desc: "GB/s", log_x: false, log_y: false, series, x_names: Some(cfg.sizes.iter().map(|&s| report::size(s)).collect()) })?;
+            plot::line_chart(
+                &path,
+                &Chart {
+                    title: &title,
+                    x_desc: "block size",
+                    y_desc: "GB/s",
+                    log_x: false,
+                    log_y: false,
+                    series,
+                    x_names: Some(cfg.sizes.iter().map(|&s| report::size(s)).collect()),
+                },
+            )?;
             plots.push(path);
         }
     }
@@ -263,7 +309,9 @@ fn main() -> anyhow::Result<()> {
         let (docs0, _) = replay::working_set(&trace, &layout0);
         let curve: Vec<(f64, f64)> = [0.02, 0.05, 0.1, 0.175, 0.25, 0.375, 0.5, 0.75, 1.0, 1.5]
             .iter()
-            .map(|&f| (f, replay::lru_hit_rate(&trace, &ns0, ((f * docs0 as f64) / layout0.block_bytes() as f64) as usize)))
+            .map(|&f| {
+                (f, replay::lru_hit_rate(&trace, &ns0, ((f * docs0 as f64) / layout0.block_bytes() as f64) as usize))
+            })
             .collect();
         let mut results = Vec::new();
         for (mi, m) in ms.iter().enumerate() {
@@ -301,13 +349,32 @@ fn main() -> anyhow::Result<()> {
             link.name
         );
         json["trace"] = json!({ "config": tcfg, "scale": scale, "results": results, "lru_model": curve });
-        let mut series = vec![Series { name: "LRU model (prefix requests only)".into(), points: curve.clone(), markers_only: false }];
+        let mut series = vec![Series {
+            name: "LRU model (prefix requests only)".into(),
+            points: curve.clone(),
+            markers_only: false,
+        }];
         for m in &ms {
-            let pts: Vec<(f64, f64)> = results.iter().filter(|r| r.model == m.name).map(|r| (r.cache_fraction, r.prefix_token_hit_rate)).collect();
+            let pts: Vec<(f64, f64)> = results
+                .iter()
+                .filter(|r| r.model == m.name)
+                .map(|r| (r.cache_fraction, r.prefix_token_hit_rate))
+                .collect();
             series.push(Series { name: format!("kvtier measured, {}", m.name), points: pts, markers_only: true });
         }
         let path = out.join("trace_hit_rate.png");
-        plot::line_chart(&path, &Chart { title: "Prefix token hit rate vs DRAM size", x_desc: "DRAM cap / distinct documents' KV", y_desc: "token hit rate", log_x: false, log_y: false, series, x_names: None })?;
+        plot::line_chart(
+            &path,
+            &Chart {
+                title: "Prefix token hit rate vs DRAM size",
+                x_desc: "DRAM cap / distinct documents' KV",
+                y_desc: "token hit rate",
+                log_x: false,
+                log_y: false,
+                series,
+                x_names: None,
+            },
+        )?;
         plots.push(path);
     }
 
@@ -317,14 +384,24 @@ fn main() -> anyhow::Result<()> {
             s => Model::by_name(s).with_context(|| format!("unknown model {s:?}"))?,
         };
         let m = Model {
-            name: if a.layers.is_some() || a.kv_heads.is_some() || a.heads.is_some() || a.head_dim.is_some() || a.params_b.is_some() { "custom" } else { base.name },
+            name: if a.layers.is_some()
+                || a.kv_heads.is_some()
+                || a.heads.is_some()
+                || a.head_dim.is_some()
+                || a.params_b.is_some()
+            {
+                "custom"
+            } else {
+                base.name
+            },
             params: a.params_b.map(|p| p * 1e9).unwrap_or(base.params),
             layers: a.layers.unwrap_or(base.layers),
             heads: a.heads.unwrap_or(base.heads),
             kv_heads: a.kv_heads.unwrap_or(base.kv_heads),
             head_dim: a.head_dim.unwrap_or(base.head_dim),
         };
-        let codec = Codec::parse(&a.codec).with_context(|| format!("unknown codec {:?} (bf16, fp8, nvfp4)", a.codec))?;
+        let codec =
+            Codec::parse(&a.codec).with_context(|| format!("unknown codec {:?} (bf16, fp8, nvfp4)", a.codec))?;
         let p = model::plan(PlanInput {
             model: m,
             codec,
@@ -340,13 +417,32 @@ fn main() -> anyhow::Result<()> {
         println!("{}", report::plan_table(&p));
         json["plan"] = serde_json::to_value(&p)?;
         let ctx: Vec<f64> = (10..=20).map(|e| f64::from(1u32 << e)).collect();
-        let mut series = vec![Series { name: format!("recompute on {}", gpu.name), points: ctx.iter().map(|&t| (t, gpu.prefill_seconds(&m, t))).collect(), markers_only: false }];
+        let mut series = vec![Series {
+            name: format!("recompute on {}", gpu.name),
+            points: ctx.iter().map(|&t| (t, gpu.prefill_seconds(&m, t))).collect(),
+            markers_only: false,
+        }];
         for l in Link::ALL {
-            series.push(Series { name: format!("reload over {}", l.name), points: ctx.iter().map(|&t| (t, l.reload_seconds(t * m.kv_bytes_per_token(codec)))).collect(), markers_only: false });
+            series.push(Series {
+                name: format!("reload over {}", l.name),
+                points: ctx.iter().map(|&t| (t, l.reload_seconds(t * m.kv_bytes_per_token(codec)))).collect(),
+                markers_only: false,
+            });
         }
         let path = out.join("plan_reload_vs_recompute.png");
         let title = format!("{} ({}): time to get the KV of a context back", m.name, codec.name());
-        plot::line_chart(&path, &Chart { title: &title, x_desc: "context, tokens", y_desc: "seconds", log_x: true, log_y: true, series, x_names: None })?;
+        plot::line_chart(
+            &path,
+            &Chart {
+                title: &title,
+                x_desc: "context, tokens",
+                y_desc: "seconds",
+                log_x: true,
+                log_y: true,
+                series,
+                x_names: None,
+            },
+        )?;
         plots.push(path);
     }
 
@@ -358,7 +454,11 @@ fn main() -> anyhow::Result<()> {
         "Wrote {} and {} plot(s){fonts}: {} — {:.0} s in all.",
         json_path.display(),
         plots.len(),
-        plots.iter().map(|p| p.file_name().map(|f| f.to_string_lossy().to_string()).unwrap_or_default()).collect::<Vec<_>>().join(", "),
+        plots
+            .iter()
+            .map(|p| p.file_name().map(|f| f.to_string_lossy().to_string()).unwrap_or_default())
+            .collect::<Vec<_>>()
+            .join(", "),
         started.elapsed().as_secs_f64()
     );
     let _ = std::fs::remove_dir_all(data_dir.join("kvtier-blocks"));

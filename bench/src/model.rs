@@ -21,8 +21,10 @@ pub struct Model {
 }
 
 impl Model {
-    pub const LLAMA3_8B: Model = Model { name: "Llama-3-8B", params: 8.03e9, layers: 32, heads: 32, kv_heads: 8, head_dim: 128 };
-    pub const LLAMA3_70B: Model = Model { name: "Llama-3-70B", params: 70.6e9, layers: 80, heads: 64, kv_heads: 8, head_dim: 128 };
+    pub const LLAMA3_8B: Model =
+        Model { name: "Llama-3-8B", params: 8.03e9, layers: 32, heads: 32, kv_heads: 8, head_dim: 128 };
+    pub const LLAMA3_70B: Model =
+        Model { name: "Llama-3-70B", params: 70.6e9, layers: 80, heads: 64, kv_heads: 8, head_dim: 128 };
 
     pub fn by_name(s: &str) -> Option<Model> {
         match s.to_ascii_lowercase().as_str() {
@@ -54,7 +56,8 @@ impl Model {
     /// FLOPs a cached prefix of `hit` tokens saves on a request of `total` tokens (= flops(hit)).
     pub fn saved_flops(&self, hit: f64, total: f64) -> f64 {
         let hit = hit.min(total);
-        self.prefill_flops(total) - (2.0 * self.params * (total - hit) + f64::from(self.layers) * self.d_attn() * (total * total - hit * hit))
+        self.prefill_flops(total)
+            - (2.0 * self.params * (total - hit) + f64::from(self.layers) * self.d_attn() * (total * total - hit * hit))
     }
 }
 
@@ -114,7 +117,10 @@ impl Gpu {
 
     pub fn by_name(s: &str) -> Option<Gpu> {
         let l = s.to_ascii_lowercase();
-        Self::ALL.iter().copied().find(|g| g.name.to_ascii_lowercase().starts_with(&l) || l.starts_with(&g.name.to_ascii_lowercase()))
+        Self::ALL
+            .iter()
+            .copied()
+            .find(|g| g.name.to_ascii_lowercase().starts_with(&l) || l.starts_with(&g.name.to_ascii_lowercase()))
     }
 
     /// Sustained FLOP/s of prefill.

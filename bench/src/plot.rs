@@ -74,7 +74,12 @@ fn fmt_tick(v: f64, log: bool) -> String {
 
 pub fn line_chart(path: &Path, c: &Chart) -> anyhow::Result<()> {
     let text = font_available();
-    let pts: Vec<(f64, f64)> = c.series.iter().flat_map(|s| s.points.iter().map(|&(x, y)| (tx(x, c.log_x), tx(y, c.log_y)))).filter(|(x, y)| x.is_finite() && y.is_finite()).collect();
+    let pts: Vec<(f64, f64)> = c
+        .series
+        .iter()
+        .flat_map(|s| s.points.iter().map(|&(x, y)| (tx(x, c.log_x), tx(y, c.log_y))))
+        .filter(|(x, y)| x.is_finite() && y.is_finite())
+        .collect();
     anyhow::ensure!(!pts.is_empty(), "nothing to plot for {}", path.display());
     let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
     for (x, y) in &pts {
@@ -100,7 +105,9 @@ pub fn line_chart(path: &Path, c: &Chart) -> anyhow::Result<()> {
         let (lx, ly) = (c.log_x, c.log_y);
         let names = c.x_names.clone();
         let fx = move |v: &f64| match &names {
-            Some(n) if (v - v.round()).abs() < 1e-6 && v.round() >= 0.0 => n.get(v.round() as usize).cloned().unwrap_or_default(),
+            Some(n) if (v - v.round()).abs() < 1e-6 && v.round() >= 0.0 => {
+                n.get(v.round() as usize).cloned().unwrap_or_default()
+            }
             Some(_) => String::new(),
             None => fmt_tick(*v, lx),
         };
@@ -121,7 +128,12 @@ pub fn line_chart(path: &Path, c: &Chart) -> anyhow::Result<()> {
         mesh.draw()?;
         for (i, s) in c.series.iter().enumerate() {
             let color = Palette99::pick(i).to_rgba();
-            let data: Vec<(f64, f64)> = s.points.iter().map(|&(x, y)| (tx(x, c.log_x), tx(y, c.log_y))).filter(|(x, y)| x.is_finite() && y.is_finite()).collect();
+            let data: Vec<(f64, f64)> = s
+                .points
+                .iter()
+                .map(|&(x, y)| (tx(x, c.log_x), tx(y, c.log_y)))
+                .filter(|(x, y)| x.is_finite() && y.is_finite())
+                .collect();
             let style = ShapeStyle::from(&color).stroke_width(2);
             let ann = if s.markers_only {
                 chart.draw_series(data.iter().map(|&p| Circle::new(p, 6, color.filled())))?
@@ -130,11 +142,19 @@ pub fn line_chart(path: &Path, c: &Chart) -> anyhow::Result<()> {
                 chart.draw_series(data.iter().map(|&p| Circle::new(p, 3, color.filled())))?
             };
             if text {
-                ann.label(s.name.clone()).legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], ShapeStyle::from(&color).stroke_width(3)));
+                ann.label(s.name.clone()).legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 18, y)], ShapeStyle::from(&color).stroke_width(3))
+                });
             }
         }
         if text {
-            chart.configure_series_labels().background_style(WHITE.mix(0.85)).border_style(BLACK).label_font(("sans-serif", 13)).position(SeriesLabelPosition::UpperLeft).draw()?;
+            chart
+                .configure_series_labels()
+                .background_style(WHITE.mix(0.85))
+                .border_style(BLACK)
+                .label_font(("sans-serif", 13))
+                .position(SeriesLabelPosition::UpperLeft)
+                .draw()?;
         }
         root.present()?;
     }

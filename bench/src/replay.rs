@@ -34,7 +34,11 @@ fn session_stream(session: u32) -> u64 {
 /// `model bytes per token / scale` bytes.
 pub fn replay_layout(model: &Model, scale: u64) -> anyhow::Result<KvLayout> {
     let b = model.kv_bytes_per_token(Codec::Bf16) as u64;
-    anyhow::ensure!(b % (4 * scale) == 0 && b / (4 * scale) <= 4096, "scale {scale} does not divide {} bytes per token into a valid layout", b);
+    anyhow::ensure!(
+        b % (4 * scale) == 0 && b / (4 * scale) <= 4096,
+        "scale {scale} does not divide {} bytes per token into a valid layout",
+        b
+    );
     Ok(KvLayout::new(1, 1, (b / (4 * scale)) as u16, DType::Bf16, BLOCK_TOKENS))
 }
 
@@ -152,12 +156,24 @@ pub struct ReplayConfig {
 }
 
 /// Replays `trace` against the server at `addr` (whose DRAM cap the caller sized).
-pub async fn replay(addr: &str, trace: &Trace, cfg: &ReplayConfig, dram_cap: u64, pb: &indicatif::ProgressBar) -> anyhow::Result<ReplayResult> {
+pub async fn replay(
+    addr: &str,
+    trace: &Trace,
+    cfg: &ReplayConfig,
+    dram_cap: u64,
+    pb: &indicatif::ProgressBar,
+) -> anyhow::Result<ReplayResult> {
     let wall = Instant::now();
     let layout = replay_layout(&cfg.model, cfg.scale)?;
     let client = KvClient::connect(addr, ClientConfig { data_connections: 4, ..Default::default() }).await?;
     let ns = client
-        .register(Namespace::new("bench", format!("{} bytes/{}", cfg.model.name, cfg.scale), layout, HashScheme::Blake3, b"trace"))
+        .register(Namespace::new(
+            "bench",
+            format!("{} bytes/{}", cfg.model.name, cfg.scale),
+            layout,
+            HashScheme::Blake3,
+            b"trace",
+        ))
         .await?;
     let block = Bytes::from(vec![0x5au8; layout.block_bytes() as usize]);
     let bpt = cfg.model.kv_bytes_per_token(Codec::Bf16);
@@ -232,7 +248,8 @@ pub async fn replay(addr: &str, trace: &Trace, cfg: &ReplayConfig, dram_cap: u64
                 let frames: Vec<_> = keys[loaded..].iter().map(|k| ns.frame(*k, BLOCK_TOKENS, block.clone())).collect();
                 if !frames.is_empty() {
                     let st = client.store_frames(&frames).await?;
-                    store_bytes += st.iter().filter(|s| **s == kvtier_client::ItemStatus::Ok).count() as u64 * layout.block_bytes();
+                    store_bytes += st.iter().filter(|s| **s == kvtier_client::ItemStatus::Ok).count() as u64
+                        * layout.block_bytes();
                     owner.insert(doc, replica);
                 }
                 r.prefix_requests += 1;
@@ -261,7 +278,13 @@ pub async fn replay(addr: &str, trace: &Trace, cfg: &ReplayConfig, dram_cap: u64
                         load_secs += t.elapsed().as_secs_f64();
                         load_bytes += res.blocks.iter().map(|b| b.len() as u64).sum::<u64>();
                         r.resume_hits += 1;
-                        account(res.info.token_count as f64, res.info.token_count as f64, &mut saved, &mut cold, &mut r);
+                        account(
+                            res.info.token_count as f64,
+                            res.info.token_count as f64,
+                            &mut saved,
+                            &mut cold,
+                            &mut r,
+                        );
                     }
                     Err(_) => {
                         sessions.remove(&session);
@@ -308,7 +331,12 @@ pub async fn replay(addr: &str, trace: &Trace, cfg: &ReplayConfig, dram_cap: u64
         let b = before.tiers.iter().find(|x| x.tier == t.tier);
         let hits = t.hits - b.map(|x| x.hits).unwrap_or(0);
         let misses = t.misses - b.map(|x| x.misses).unwrap_or(0);
-        r.tiers.push(TierHits { tier: t.tier.clone(), hits, misses, hit_rate: hits as f64 / (hits + misses).max(1) as f64 });
+        r.tiers.push(TierHits {
+            tier: t.tier.clone(),
+            hits,
+            misses,
+            hit_rate: hits as f64 / (hits + misses).max(1) as f64,
+        });
     }
     let scale = cfg.scale as f64;
     r.prefix_token_hit_rate = r.prefix_hit_tokens as f64 / r.prefix_tokens.max(1) as f64;
@@ -336,7 +364,13 @@ fn session_blocks(layout: &KvLayout, block: &Bytes, from: u64, to: u64) -> Vec<B
 
 /// The namespace a replay registers (for [`lru_hit_rate`]'s key chain).
 pub fn replay_namespace(model: &Model, scale: u64) -> anyhow::Result<Namespace> {
-    Ok(Namespace::new("bench", format!("{} bytes/{}", model.name, scale), replay_layout(model, scale)?, HashScheme::Blake3, b"trace"))
+    Ok(Namespace::new(
+        "bench",
+        format!("{} bytes/{}", model.name, scale),
+        replay_layout(model, scale)?,
+        HashScheme::Blake3,
+        b"trace",
+    ))
 }
 
 #[cfg(test)]

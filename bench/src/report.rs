@@ -52,7 +52,10 @@ pub fn secs(s: f64) -> String {
 }
 
 pub fn limits_table(l: &Limits) -> String {
-    let mut s = format!("### Machine limits (GB/s, median of {} runs)\n\n| figure | GB/s | / memcpy 1 thread |\n|---|---|---|\n", l.runs);
+    let mut s = format!(
+        "### Machine limits (GB/s, median of {} runs)\n\n| figure | GB/s | / memcpy 1 thread |\n|---|---|---|\n",
+        l.runs
+    );
     let rows = [
         ("memcpy, 1 thread".to_string(), l.memcpy_1),
         (format!("memcpy, {} threads", l.threads), l.memcpy_n),
@@ -92,7 +95,8 @@ pub fn blocks_table(cells: &[Cell], tcp: f64, redis_note: Option<&str>, depth: u
                 let r = find(cells, "redis", op, size, c);
                 let p = find(cells, &piped, op, size, c);
                 let g = |x: Option<&Cell>| x.map(|x| x.gb_per_s).unwrap_or(f64::NAN);
-                let l = |x: Option<&Cell>, p50: bool| x.map(|x| if p50 { x.p50_ms } else { x.p99_ms }).unwrap_or(f64::NAN);
+                let l =
+                    |x: Option<&Cell>, p50: bool| x.map(|x| if p50 { x.p50_ms } else { x.p99_ms }).unwrap_or(f64::NAN);
                 s += &format!(
                     "| {} | {c} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
                     crate::report::size(size),
@@ -181,8 +185,20 @@ pub fn plan_table(p: &Plan) -> String {
         i.avg_context_tokens, i.avg_context_tokens
     );
     for l in &p.links {
-        let from = if l.crossover_tokens <= 0.0 { "any length".to_string() } else { format!("{:.0} tokens", l.crossover_tokens) };
-        s += &format!("| {} | {} | {} | {} | {} | {:.0}% |\n", l.link, l.gb_per_s, from, secs(l.reload_s), secs(l.recompute_s), l.utilisation * 100.0);
+        let from = if l.crossover_tokens <= 0.0 {
+            "any length".to_string()
+        } else {
+            format!("{:.0} tokens", l.crossover_tokens)
+        };
+        s += &format!(
+            "| {} | {} | {} | {} | {} | {:.0}% |\n",
+            l.link,
+            l.gb_per_s,
+            from,
+            secs(l.reload_s),
+            secs(l.recompute_s),
+            l.utilisation * 100.0
+        );
     }
     s
 }

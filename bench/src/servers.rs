@@ -55,9 +55,7 @@ impl KvtierServer {
                 Ok(())
             });
         }
-        let mut child = cmd
-            .spawn()
-            .with_context(|| format!("starting {}", bin.display()))?;
+        let mut child = cmd.spawn().with_context(|| format!("starting {}", bin.display()))?;
         let stdout = child.stdout.take().context("no stdout")?;
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
@@ -104,7 +102,11 @@ impl Drop for KvtierServer {
 /// The `redis-server` binary: the flag, else the first on PATH. `Err` says why not.
 pub fn find_redis(flag: Option<&Path>) -> Result<PathBuf, String> {
     if let Some(p) = flag {
-        return if p.is_file() { Ok(p.to_path_buf()) } else { Err(format!("--redis-bin {} is not a file", p.display())) };
+        return if p.is_file() {
+            Ok(p.to_path_buf())
+        } else {
+            Err(format!("--redis-bin {} is not a file", p.display()))
+        };
     }
     let path = std::env::var_os("PATH").unwrap_or_default();
     for dir in std::env::split_paths(&path).chain([PathBuf::from("/usr/bin"), PathBuf::from("/usr/local/bin")]) {
@@ -134,7 +136,18 @@ impl RedisServer {
         let pidfile = dir.join(format!("redis-{port}.pid"));
         let _ = std::fs::remove_file(&pidfile);
         let status = Command::new(bin)
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--daemonize", "yes"])
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--daemonize",
+                "yes",
+            ])
             .arg("--pidfile")
             .arg(&pidfile)
             .arg("--dir")
@@ -151,7 +164,11 @@ impl RedisServer {
             if let Some(pid) = std::fs::read_to_string(&pidfile).ok().and_then(|s| s.trim().parse::<i32>().ok()) {
                 break pid;
             }
-            anyhow::ensure!(t.elapsed() < Duration::from_secs(10), "redis-server wrote no pidfile {} in 10 s", pidfile.display());
+            anyhow::ensure!(
+                t.elapsed() < Duration::from_secs(10),
+                "redis-server wrote no pidfile {} in 10 s",
+                pidfile.display()
+            );
             std::thread::sleep(Duration::from_millis(20));
         };
         let version = Command::new(bin)

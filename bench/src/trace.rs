@@ -119,14 +119,30 @@ impl Default for TraceConfig {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub enum Op {
     /// A replica serves a request: shared document `doc` then `suffix_tokens` fresh tokens.
-    Prefix { replica: u32, doc: u32, suffix_tokens: u64, request: u32 },
+    Prefix {
+        replica: u32,
+        doc: u32,
+        suffix_tokens: u64,
+        request: u32,
+    },
     /// A new session parks its first context.
-    Park { session: u32, tokens: u64 },
+    Park {
+        session: u32,
+        tokens: u64,
+    },
     /// A session comes back after thinking: resume everything.
-    Resume { session: u32, replica: u32 },
+    Resume {
+        session: u32,
+        replica: u32,
+    },
     /// The turn's new tokens are appended and the session parked again.
-    Extend { session: u32, tokens: u64 },
-    Drop { session: u32 },
+    Extend {
+        session: u32,
+        tokens: u64,
+    },
+    Drop {
+        session: u32,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]

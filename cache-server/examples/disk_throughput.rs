@@ -15,7 +15,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir)?;
     let layout = KvLayout::new(32, 8, 128, DType::Bf16, 8); // 1 MiB blocks
-    let cfg = DiskConfig { dir: dir.clone(), capacity_bytes: (mib + 256) << 20, segment_bytes: 64 << 20, sync_writes: false };
+    let cfg =
+        DiskConfig { dir: dir.clone(), capacity_bytes: (mib + 256) << 20, segment_bytes: 64 << 20, sync_writes: false };
     let (tier, _) = DiskTier::open(cfg.clone())?;
     let frames: Vec<BlockFrame> = (0..mib)
         .map(|i| {
@@ -50,10 +51,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mw = mmap_write(&dir, mib)?;
     let _ = std::fs::remove_dir_all(&dir);
     println!("{mib} MiB in 1 MiB blocks on {}:", dir.display());
-    println!("  disk tier (buffered pwrite, 4 KiB-aligned records): write+fsync {write:.2} GB/s, cold read {read:.2} GB/s");
-    println!("  O_DIRECT pwrite/pread of aligned 1 MiB buffers:       write+fsync {dw:.2} GB/s, cold read {dr:.2} GB/s");
+    println!(
+        "  disk tier (buffered pwrite, 4 KiB-aligned records): write+fsync {write:.2} GB/s, cold read {read:.2} GB/s"
+    );
+    println!(
+        "  O_DIRECT pwrite/pread of aligned 1 MiB buffers:       write+fsync {dw:.2} GB/s, cold read {dr:.2} GB/s"
+    );
     println!("  mmap + memcpy + msync:                                 write {mw:.2} GB/s");
-    println!("  restart: recovered {} blocks / {} bytes in {:?} ({} discarded)", report.blocks, report.bytes, recovery, report.discarded);
+    println!(
+        "  restart: recovered {} blocks / {} bytes in {:?} ({} discarded)",
+        report.blocks, report.bytes, recovery, report.discarded
+    );
     Ok(())
 }
 
@@ -68,7 +76,13 @@ const O_DIRECT: i32 = 0o40000; // Linux x86_64
 fn direct_io(dir: &std::path::Path, mib: u64) -> std::io::Result<(f64, f64)> {
     use std::os::unix::fs::{FileExt, OpenOptionsExt};
     let path = dir.join("direct.bin");
-    let f = std::fs::OpenOptions::new().create(true).truncate(true).read(true).write(true).custom_flags(O_DIRECT).open(&path)?;
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(true)
+        .read(true)
+        .write(true)
+        .custom_flags(O_DIRECT)
+        .open(&path)?;
     let mut raw = vec![7u8; (1 << 20) + 4096];
     let buf = aligned(&mut raw, 1 << 20);
     let t = Instant::now();

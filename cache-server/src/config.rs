@@ -125,10 +125,16 @@ impl ServerConfig {
             ));
         }
         if self.session_durability != "fsync" && self.session_durability != "async" {
-            return bad(format!("session_durability must be \"fsync\" or \"async\", got {:?}", self.session_durability));
+            return bad(format!(
+                "session_durability must be \"fsync\" or \"async\", got {:?}",
+                self.session_durability
+            ));
         }
         if self.disk_capacity.0 != 0 && self.disk_capacity.0 < (16 << 20) {
-            return bad(format!("disk_capacity {} is below the minimum of 16MiB (0 turns the disk tier off)", self.disk_capacity));
+            return bad(format!(
+                "disk_capacity {} is below the minimum of 16MiB (0 turns the disk tier off)",
+                self.disk_capacity
+            ));
         }
         if let Some(t) = &self.auth_token {
             if t.len() < 16 || t.len() > kvtier_proto::dataplane::MAX_TOKEN_LEN {

@@ -51,9 +51,7 @@ fn ns_id(b: &[u8]) -> Result<NamespaceId, ServerError> {
 }
 
 fn keys(list: &[bytes::Bytes]) -> Result<Vec<BlockKey>, ServerError> {
-    list.iter()
-        .map(|k| BlockKey::try_from(&k[..]).map_err(ServerError::from))
-        .collect()
+    list.iter().map(|k| BlockKey::try_from(&k[..]).map_err(ServerError::from)).collect()
 }
 
 fn opt_key(b: &[u8]) -> Result<Option<BlockKey>, ServerError> {
@@ -80,9 +78,11 @@ fn session_info(m: &SessionManifest, now: Instant) -> pb::SessionInfo {
 
 fn park_response(r: Result<SessionManifest, ServerError>) -> Result<Response<pb::ParkResponse>, Status> {
     match r {
-        Ok(m) => {
-            Ok(Response::new(pb::ParkResponse { parked: true, info: Some(session_info(&m, Instant::now())), ..Default::default() }))
-        }
+        Ok(m) => Ok(Response::new(pb::ParkResponse {
+            parked: true,
+            info: Some(session_info(&m, Instant::now())),
+            ..Default::default()
+        })),
         Err(ServerError::MissingBlocks { missing, missing_tail }) => {
             metrics::counter!("kvtier_errors_total", "kind" => "missing_blocks").increment(1);
             Ok(Response::new(pb::ParkResponse { parked: false, info: None, missing_blocks: missing, missing_tail }))
@@ -332,18 +332,18 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
     async fn stats(&self, _r: Request<pb::StatsRequest>) -> Result<Response<pb::StatsResponse>, Status> {
         let s = self.state.tier.stats();
         let mut tiers = vec![pb::TierStats {
-                tier: "dram".into(),
-                capacity_bytes: s.capacity_bytes,
-                resident_bytes: s.resident_bytes,
-                allocated_bytes: s.allocated_bytes,
-                pinned_bytes: s.pinned_bytes,
-                blocks: s.blocks,
-                hits: s.hits,
-                misses: s.misses,
-                evictions: s.evictions,
-                bytes_in: s.bytes_in,
-                bytes_out: s.bytes_out,
-            }];
+            tier: "dram".into(),
+            capacity_bytes: s.capacity_bytes,
+            resident_bytes: s.resident_bytes,
+            allocated_bytes: s.allocated_bytes,
+            pinned_bytes: s.pinned_bytes,
+            blocks: s.blocks,
+            hits: s.hits,
+            misses: s.misses,
+            evictions: s.evictions,
+            bytes_in: s.bytes_in,
+            bytes_out: s.bytes_out,
+        }];
         if let Some(d) = &self.state.disk {
             let d = d.stats();
             tiers.push(pb::TierStats {

@@ -133,7 +133,13 @@ impl Connection {
                 Op::Get => self.get(req).await?,
                 Op::Release => {
                     self.leases.release();
-                    let h = ResponseHeader { op: Op::Release as u8, status: Status::Ok, msg_len: 0, request_id: req.request_id, count: 0 };
+                    let h = ResponseHeader {
+                        op: Op::Release as u8,
+                        status: Status::Ok,
+                        msg_len: 0,
+                        request_id: req.request_id,
+                        count: 0,
+                    };
                     self.wr.write_all(&h.encode()).await?;
                 }
             }
@@ -158,7 +164,10 @@ impl Connection {
         let mut token = vec![0u8; hello.token_len as usize];
         self.rd.read_exact(&mut token).await?;
         if hello.version != PROTOCOL_VERSION {
-            let msg = format!("data-plane protocol {} is not supported; this server speaks {PROTOCOL_VERSION}", hello.version);
+            let msg = format!(
+                "data-plane protocol {} is not supported; this server speaks {PROTOCOL_VERSION}",
+                hello.version
+            );
             self.wr.write_all(&HelloReply::encode(Status::UnsupportedVersion, &msg)).await?;
             self.wr.flush().await?;
             return Err(ConnError::Protocol(msg));
@@ -237,7 +246,13 @@ impl Connection {
             }
             statuses.push(status as u8);
         }
-        let h = ResponseHeader { op: Op::Put as u8, status: Status::Ok, msg_len: 0, request_id: req.request_id, count: req.count };
+        let h = ResponseHeader {
+            op: Op::Put as u8,
+            status: Status::Ok,
+            msg_len: 0,
+            request_id: req.request_id,
+            count: req.count,
+        };
         self.wr.write_all(&h.encode()).await?;
         self.wr.write_all(&statuses).await?;
         observe("dataplane_put", start);
@@ -286,10 +301,18 @@ impl Connection {
         if let Err(e) = self.state.namespace(&ns) {
             error("unknown_namespace");
             let msg = e.to_string();
-            self.wr.write_all(&ResponseHeader::error(Op::Get as u8, req.request_id, Status::UnknownNamespace, &msg)).await?;
+            self.wr
+                .write_all(&ResponseHeader::error(Op::Get as u8, req.request_id, Status::UnknownNamespace, &msg))
+                .await?;
             return Ok(());
         }
-        let h = ResponseHeader { op: Op::Get as u8, status: Status::Ok, msg_len: 0, request_id: req.request_id, count: req.count };
+        let h = ResponseHeader {
+            op: Op::Get as u8,
+            status: Status::Ok,
+            msg_len: 0,
+            request_id: req.request_id,
+            count: req.count,
+        };
         self.wr.write_all(&h.encode()).await?;
         for chunk in raw.chunks_exact(KEY_LEN) {
             let mut k = [0u8; KEY_LEN];

@@ -102,7 +102,9 @@ fn start_demotion(state: &Arc<NodeState>, disk: Arc<disk::DiskTier>) {
                         ::metrics::counter!("kvtier_disk_demotions_failed_total").increment(1);
                         failed_since_warning += 1;
                         if last_warning.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
-                            tracing::warn!("demotion to disk failed ({failed_since_warning} since the last warning): {e}");
+                            tracing::warn!(
+                                "demotion to disk failed ({failed_since_warning} since the last warning): {e}"
+                            );
                             last_warning = Some(Instant::now());
                             failed_since_warning = 0;
                         }
@@ -117,9 +119,8 @@ fn start_demotion(state: &Arc<NodeState>, disk: Arc<disk::DiskTier>) {
 }
 
 async fn bind(name: &str, addr: SocketAddr) -> Result<(TcpListener, SocketAddr), ServerError> {
-    let l = TcpListener::bind(addr)
-        .await
-        .map_err(|e| ServerError::Config(format!("{name} {addr}: cannot listen: {e}")))?;
+    let l =
+        TcpListener::bind(addr).await.map_err(|e| ServerError::Config(format!("{name} {addr}: cannot listen: {e}")))?;
     let a = l.local_addr()?;
     Ok((l, a))
 }

@@ -196,7 +196,11 @@ fn plan(args: &[String]) -> anyhow::Result<()> {
     if !bench.exists() {
         bail!("{} is missing: build it with `cargo build --release -p kvtier-bench`", bench.display());
     }
-    let status = std::process::Command::new(&bench).arg("plan").args(args).status().with_context(|| format!("running {}", bench.display()))?;
+    let status = std::process::Command::new(&bench)
+        .arg("plan")
+        .args(args)
+        .status()
+        .with_context(|| format!("running {}", bench.display()))?;
     std::process::exit(status.code().unwrap_or(1));
 }
 
@@ -300,7 +304,8 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
 
 impl NsArgs {
     fn namespace(&self) -> anyhow::Result<Namespace> {
-        let layout = KvLayout::new(self.layers, self.kv_heads, self.head_dim, DType::parse(&self.dtype)?, self.block_tokens);
+        let layout =
+            KvLayout::new(self.layers, self.kv_heads, self.head_dim, DType::parse(&self.dtype)?, self.block_tokens);
         let hashing = if self.sha256 { HashScheme::Sha256 } else { HashScheme::Blake3 };
         Ok(Namespace::new(&self.tenant, &self.model, layout, hashing, self.salt.as_bytes()))
     }
@@ -331,7 +336,12 @@ fn synthetic(key: &BlockKey, len: u64) -> Bytes {
 }
 
 /// Payloads for `keys` (full blocks, then optionally a tail of `tail_tokens`).
-fn payloads(ns: &NamespaceHandle, file: Option<&PathBuf>, keys: &[BlockKey], tail: Option<(BlockKey, u32)>) -> anyhow::Result<Vec<Bytes>> {
+fn payloads(
+    ns: &NamespaceHandle,
+    file: Option<&PathBuf>,
+    keys: &[BlockKey],
+    tail: Option<(BlockKey, u32)>,
+) -> anyhow::Result<Vec<Bytes>> {
     let layout = ns.namespace.layout;
     let mut sizes: Vec<(BlockKey, u64)> = keys.iter().map(|k| (*k, layout.block_bytes())).collect();
     if let Some((k, n)) = tail {
@@ -343,7 +353,12 @@ fn payloads(ns: &NamespaceHandle, file: Option<&PathBuf>, keys: &[BlockKey], tai
             let data = Bytes::from(std::fs::read(p).with_context(|| format!("reading {}", p.display()))?);
             let need: u64 = sizes.iter().map(|(_, n)| n).sum();
             if data.len() as u64 != need {
-                bail!("{} is {} bytes; {} block(s) of this layout need exactly {need}", p.display(), data.len(), sizes.len());
+                bail!(
+                    "{} is {} bytes; {} block(s) of this layout need exactly {need}",
+                    p.display(),
+                    data.len(),
+                    sizes.len()
+                );
             }
             let mut off = 0usize;
             Ok(sizes
@@ -372,7 +387,13 @@ async fn put(a: PutArgs) -> anyhow::Result<()> {
     let blocks = payloads(&ns, a.file.as_ref(), &keys, None)?;
     let report = client.store(&ns, &tokens, &blocks).await?;
     let bytes: usize = blocks.iter().map(|b| b.len()).sum();
-    println!("stored {} of {} block(s), {} bytes, covering {} tokens", report.stored, keys.len(), bytes, keys.len() * ns.block_tokens());
+    println!(
+        "stored {} of {} block(s), {} bytes, covering {} tokens",
+        report.stored,
+        keys.len(),
+        bytes,
+        keys.len() * ns.block_tokens()
+    );
     for (i, st) in &report.rejected {
         println!("  block {i} rejected: {}", st.describe());
     }
@@ -416,7 +437,15 @@ async fn session(s: SessionCmd) -> anyhow::Result<()> {
             let blocks = payloads(&ns, file.as_ref(), &keys, tail)?;
             let opts = ParkOptions { ttl: ttl.map(|d| d.0), priority: None };
             let info = client.park(&ns, &id, &tokens, &blocks, &opts, 0).await?;
-            println!("parked {:?} v{}: {} tokens, {} blocks{}, expires in {:?}", info.id, info.version, info.token_count, info.blocks, if info.has_tail { " + tail" } else { "" }, info.expires_in);
+            println!(
+                "parked {:?} v{}: {} tokens, {} blocks{}, expires in {:?}",
+                info.id,
+                info.version,
+                info.token_count,
+                info.blocks,
+                if info.has_tail { " + tail" } else { "" },
+                info.expires_in
+            );
         }
         SessionCmd::Extend { t, id } => {
             let (client, ns) = connect(&t.conn).await?;
@@ -428,12 +457,22 @@ async fn session(s: SessionCmd) -> anyhow::Result<()> {
             let tail = ns.tail_key(&tokens).map(|k| (k, (tokens.len() % ns.block_tokens()) as u32));
             let blocks = payloads(&ns, None, &keys[base.min(keys.len())..], tail)?;
             let info = client.extend(&ns, &id, cur.info.version, prev, &tokens, &blocks).await?;
-            println!("extended {:?} to v{}: {} tokens, {} blocks", info.id, info.version, info.token_count, info.blocks);
+            println!(
+                "extended {:?} to v{}: {} tokens, {} blocks",
+                info.id, info.version, info.token_count, info.blocks
+            );
         }
         SessionCmd::Resume { conn, id, out } => {
             let (client, ns) = connect(&conn).await?;
             let r = client.resume(&ns, &id).await?;
-            println!("resumed {:?} v{}: {} tokens in {} block(s), expires in {:?}", r.info.id, r.info.version, r.info.token_count, r.blocks.len(), r.info.expires_in);
+            println!(
+                "resumed {:?} v{}: {} tokens in {} block(s), expires in {:?}",
+                r.info.id,
+                r.info.version,
+                r.info.token_count,
+                r.blocks.len(),
+                r.info.expires_in
+            );
             for (i, b) in r.blocks.iter().enumerate() {
                 println!("  block {i}: {} bytes xxh3={}", b.len(), short(b));
             }
@@ -450,7 +489,10 @@ async fn session(s: SessionCmd) -> anyhow::Result<()> {
             let list = client.list_sessions(Some(&ns)).await?;
             println!("{} session(s)", list.len());
             for s in list {
-                println!("  {:<24} v{:<4} {:>8} tokens {:>6} blocks {:>12} bytes  expires in {:?}", s.id, s.version, s.token_count, s.blocks, s.bytes, s.expires_in);
+                println!(
+                    "  {:<24} v{:<4} {:>8} tokens {:>6} blocks {:>12} bytes  expires in {:?}",
+                    s.id, s.version, s.token_count, s.blocks, s.bytes, s.expires_in
+                );
             }
         }
         SessionCmd::Drop { conn, id } => {
@@ -466,7 +508,12 @@ async fn stats(c: ConnArgs) -> anyhow::Result<()> {
     let cfg = ClientConfig { auth_token: c.auth_token.clone(), ..Default::default() };
     let client = KvClient::connect(&c.server, cfg).await?;
     let s = client.stats().await?;
-    println!("uptime {:?}, {} namespace(s), {} session(s)", Duration::from_millis(s.uptime_ms), s.namespaces, s.sessions);
+    println!(
+        "uptime {:?}, {} namespace(s), {} session(s)",
+        Duration::from_millis(s.uptime_ms),
+        s.namespaces,
+        s.sessions
+    );
     for t in s.tiers {
         println!(
             "{}: {} blocks, resident {} / allocated {} / cap {} bytes, pinned {}; hits {} misses {} evictions {}; in {} out {} bytes",

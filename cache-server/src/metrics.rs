@@ -58,9 +58,7 @@ pub async fn serve(listener: TcpListener, handle: PrometheusHandle) {
 
 /// Binds the metrics listener; returns it with its address.
 pub async fn bind(addr: SocketAddr) -> Result<(TcpListener, SocketAddr), ServerError> {
-    let l = TcpListener::bind(addr)
-        .await
-        .map_err(|e| ServerError::Config(format!("metrics listener {addr}: {e}")))?;
+    let l = TcpListener::bind(addr).await.map_err(|e| ServerError::Config(format!("metrics listener {addr}: {e}")))?;
     let a = l.local_addr()?;
     Ok((l, a))
 }

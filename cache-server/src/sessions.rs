@@ -101,12 +101,7 @@ pub struct SessionTable {
     expired_order: VecDeque<(SessionId, Instant)>,
 }
 
-fn check_shape(
-    keys: usize,
-    has_tail: bool,
-    token_count: u64,
-    limits: &SessionLimits,
-) -> Result<(), ServerError> {
+fn check_shape(keys: usize, has_tail: bool, token_count: u64, limits: &SessionLimits) -> Result<(), ServerError> {
     if token_count > limits.max_context_tokens {
         return Err(ServerError::ContextTooLong { tokens: token_count, max: limits.max_context_tokens });
     }
@@ -126,7 +121,12 @@ fn check_shape(
     Ok(())
 }
 
-fn pin_or_report(tier: &dyn PinTier, ns: &NamespaceId, keys: &[BlockKey], tail: Option<BlockKey>) -> Result<(), ServerError> {
+fn pin_or_report(
+    tier: &dyn PinTier,
+    ns: &NamespaceId,
+    keys: &[BlockKey],
+    tail: Option<BlockKey>,
+) -> Result<(), ServerError> {
     let mut all = keys.to_vec();
     all.extend(tail);
     match tier.pin(ns, &all) {
@@ -233,7 +233,11 @@ impl SessionTable {
             return Err(self.absent_error(&sid, now));
         };
         if cur.version != expected_version {
-            return Err(ServerError::VersionConflict { id: id.into(), expected: expected_version, actual: cur.version });
+            return Err(ServerError::VersionConflict {
+                id: id.into(),
+                expected: expected_version,
+                actual: cur.version,
+            });
         }
         if base_blocks > cur.keys.len() {
             return Err(ServerError::InvalidRequest(format!(
@@ -269,7 +273,13 @@ impl SessionTable {
     }
 
     /// Returns the manifest and restarts its TTL (an agent that resumes is alive).
-    pub fn resume(&mut self, tier: &dyn PinTier, ns: NamespaceId, id: &str, now: Instant) -> Result<SessionManifest, ServerError> {
+    pub fn resume(
+        &mut self,
+        tier: &dyn PinTier,
+        ns: NamespaceId,
+        id: &str,
+        now: Instant,
+    ) -> Result<SessionManifest, ServerError> {
         let sid = (ns, id.to_string());
         self.reap_if_expired(tier, &sid, now);
         match self.sessions.get_mut(&sid) {

@@ -59,7 +59,8 @@ fn read_namespace_log(path: &std::path::Path) -> Vec<Namespace> {
         if xxhash_rust::xxh3::xxh3_64(body) != u64::from_le_bytes(sum) {
             break;
         }
-        if let Some(ns) = kvtier_proto::pb::NamespaceSpec::decode(body).ok().and_then(|pb| Namespace::from_pb(&pb).ok()) {
+        if let Some(ns) = kvtier_proto::pb::NamespaceSpec::decode(body).ok().and_then(|pb| Namespace::from_pb(&pb).ok())
+        {
             out.push(ns);
         }
         rest = &rest[12 + len..];
@@ -70,13 +71,10 @@ fn read_namespace_log(path: &std::path::Path) -> Vec<Namespace> {
 /// Holds `<data_dir>/LOCK` so a second server on the same directory is refused.
 fn lock_data_dir(dir: &std::path::Path) -> Result<std::fs::File, ServerError> {
     let path = dir.join("LOCK");
-    let f = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .read(true)
-        .write(true)
-        .open(&path)
-        .map_err(|e| ServerError::Config(format!("data_dir {}: cannot open {}: {e}", dir.display(), path.display())))?;
+    let f =
+        std::fs::OpenOptions::new().create(true).truncate(false).read(true).write(true).open(&path).map_err(|e| {
+            ServerError::Config(format!("data_dir {}: cannot open {}: {e}", dir.display(), path.display()))
+        })?;
     match f.try_lock() {
         Ok(()) => {
             let _ = f.set_len(0);
@@ -91,7 +89,9 @@ fn lock_data_dir(dir: &std::path::Path) -> Result<std::fs::File, ServerError> {
                 holder.trim()
             )))
         }
-        Err(std::fs::TryLockError::Error(e)) => Err(ServerError::Config(format!("data_dir {}: cannot lock: {e}", dir.display()))),
+        Err(std::fs::TryLockError::Error(e)) => {
+            Err(ServerError::Config(format!("data_dir {}: cannot lock: {e}", dir.display())))
+        }
     }
 }
 
@@ -127,9 +127,13 @@ impl NodeState {
             })?;
             tracing::info!(?report, "disk tier recovered");
             let sync = state.config.session_durability == "fsync";
-            let (log, sessions, unreadable) = SessionLog::open(&state.config.data_dir, sync, unix_ms(SystemTime::now()))?;
+            let (log, sessions, unreadable) =
+                SessionLog::open(&state.config.data_dir, sync, unix_ms(SystemTime::now()))?;
             if unreadable > 0 {
-                tracing::warn!(unreadable, "session log had unreadable (torn) records; their parks were never acknowledged");
+                tracing::warn!(
+                    unreadable,
+                    "session log had unreadable (torn) records; their parks were never acknowledged"
+                );
             }
             let ns_path = state.config.data_dir.join("namespaces.log");
             for ns in read_namespace_log(&ns_path) {

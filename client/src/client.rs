@@ -188,7 +188,9 @@ impl KvClient {
         let channel = tokio::time::timeout(cfg.connect_timeout, endpoint.connect())
             .await
             .map_err(|_| ClientError::Timeout(cfg.connect_timeout))?
-            .map_err(|e| cerr(format!("{e} ({})", std::error::Error::source(&e).map(|s| s.to_string()).unwrap_or_default())))?;
+            .map_err(|e| {
+                cerr(format!("{e} ({})", std::error::Error::source(&e).map(|s| s.to_string()).unwrap_or_default()))
+            })?;
         let auth = match &cfg.auth_token {
             Some(t) => Some(
                 format!("Bearer {t}")
@@ -230,7 +232,10 @@ impl KvClient {
         let resp = self.grpc().register_namespace(ns.to_pb()).await?.into_inner();
         let id = NamespaceId::from_slice(&resp.namespace_id)?;
         if id != ns.id() {
-            return Err(ClientError::Refused { code: "namespace-id".into(), message: "server computed another namespace id".into() });
+            return Err(ClientError::Refused {
+                code: "namespace-id".into(),
+                message: "server computed another namespace id".into(),
+            });
         }
         Ok(NamespaceHandle { chain: KeyChain::new(&ns), namespace: ns, id })
     }
@@ -256,7 +261,9 @@ impl KvClient {
     fn check_context(&self, tokens: usize) -> Result<(), ClientError> {
         let max = self.inner.info.max_context_tokens;
         if tokens as u64 > max {
-            return Err(ClientError::ContextTooLong(format!("{tokens} tokens exceed the server's max_context_tokens {max}")));
+            return Err(ClientError::ContextTooLong(format!(
+                "{tokens} tokens exceed the server's max_context_tokens {max}"
+            )));
         }
         Ok(())
     }
@@ -267,7 +274,9 @@ impl KvClient {
         let (mut start, mut bytes) = (0usize, 0u64);
         for (i, f) in frames.iter().enumerate() {
             let n = i - start;
-            if n > 0 && (n >= self.inner.batch_blocks || bytes + f.payload.len() as u64 > self.inner.cfg.max_batch_bytes) {
+            if n > 0
+                && (n >= self.inner.batch_blocks || bytes + f.payload.len() as u64 > self.inner.cfg.max_batch_bytes)
+            {
                 out.push(start..i);
                 start = i;
                 bytes = 0;
@@ -297,7 +306,12 @@ impl KvClient {
 
     /// Stores the KV of the full blocks of `tokens`: `blocks[i]` is block `i`'s payload in the
     /// namespace's layout (the tail, if any, is not stored here; see [`KvClient::park`]).
-    pub async fn store(&self, ns: &NamespaceHandle, tokens: &[u32], blocks: &[Bytes]) -> Result<StoreReport, ClientError> {
+    pub async fn store(
+        &self,
+        ns: &NamespaceHandle,
+        tokens: &[u32],
+        blocks: &[Bytes],
+    ) -> Result<StoreReport, ClientError> {
         self.check_context(tokens.len())?;
         let keys = ns.keys(tokens);
         if blocks.len() > keys.len() {
@@ -321,7 +335,11 @@ impl KvClient {
     }
 
     /// Loads blocks by key; `None` for a miss. Every frame was verified end to end.
-    pub async fn load_keys(&self, ns: &NamespaceHandle, keys: &[BlockKey]) -> Result<Vec<Option<BlockFrame>>, ClientError> {
+    pub async fn load_keys(
+        &self,
+        ns: &NamespaceHandle,
+        keys: &[BlockKey],
+    ) -> Result<Vec<Option<BlockFrame>>, ClientError> {
         let max_frame = self.inner.info.max_frame_bytes;
         let chunks: Vec<&[BlockKey]> = keys.chunks(self.inner.batch_blocks).collect();
         let id = ns.id;
@@ -356,7 +374,10 @@ impl KvClient {
         let keys = ns.keys(tokens);
         let tail = ns.tail_key(tokens);
         if first_block > keys.len() {
-            return Err(ClientError::InvalidArgument(format!("first block {first_block} is past {} full blocks", keys.len())));
+            return Err(ClientError::InvalidArgument(format!(
+                "first block {first_block} is past {} full blocks",
+                keys.len()
+            )));
         }
         let want = keys.len() - first_block + usize::from(tail.is_some());
         if blocks.len() != want {
@@ -416,7 +437,13 @@ impl KvClient {
     /// Sends `frames[first..]` over one data-plane connection with pin leases (so nothing can be
     /// evicted before the manifest pins it), then runs `commit` (a park or extend), re-sending
     /// whatever the server reports missing. The leases are released at the end either way.
-    async fn upload_and_commit<F, Fut>(&self, frames: &[BlockFrame], first: usize, has_tail: bool, commit: F) -> Result<SessionInfo, ClientError>
+    async fn upload_and_commit<F, Fut>(
+        &self,
+        frames: &[BlockFrame],
+        first: usize,
+        has_tail: bool,
+        commit: F,
+    ) -> Result<SessionInfo, ClientError>
     where
         F: Fn() -> Fut,
         Fut: std::future::Future<Output = Result<pb::ParkResponse, ClientError>>,
@@ -435,10 +462,14 @@ impl KvClient {
             for _ in 0..=self.inner.cfg.park_retries {
                 let resp = commit().await?;
                 if resp.parked {
-                    return resp.info.map(SessionInfo::from_pb).ok_or_else(|| ClientError::Io("answer without session info".into()));
+                    return resp
+                        .info
+                        .map(SessionInfo::from_pb)
+                        .ok_or_else(|| ClientError::Io("answer without session info".into()));
                 }
                 // Evicted before this call could lease them: send those again.
-                let mut again: Vec<BlockFrame> = resp.missing_blocks.iter().filter_map(|&i| frames.get(i as usize).cloned()).collect();
+                let mut again: Vec<BlockFrame> =
+                    resp.missing_blocks.iter().filter_map(|&i| frames.get(i as usize).cloned()).collect();
                 if resp.missing_tail && has_tail {
                     again.extend(frames.last().cloned());
                 }
@@ -497,7 +528,8 @@ impl KvClient {
 
     /// Resumes a session: its manifest and every block, full blocks then the tail.
     pub async fn resume(&self, ns: &NamespaceHandle, session_id: &str) -> Result<ResumedSession, ClientError> {
-        let req = pb::ResumeRequest { namespace_id: Bytes::copy_from_slice(&ns.id.0), session_id: session_id.to_string() };
+        let req =
+            pb::ResumeRequest { namespace_id: Bytes::copy_from_slice(&ns.id.0), session_id: session_id.to_string() };
         let mut g = self.grpc();
         let m = self.timed(async move { Ok(g.resume_session(req).await?.into_inner()) }).await?;
         let keys = m.keys.iter().map(|k| BlockKey::try_from(&k[..])).collect::<Result<Vec<_>, _>>()?;
@@ -509,20 +541,25 @@ impl KvClient {
         for (index, f) in frames.into_iter().enumerate() {
             blocks.push(f.ok_or(ClientError::Missing { index })?.payload);
         }
-        let info = m.info.map(SessionInfo::from_pb).ok_or_else(|| ClientError::Io("resume answer without info".into()))?;
+        let info =
+            m.info.map(SessionInfo::from_pb).ok_or_else(|| ClientError::Io("resume answer without info".into()))?;
         Ok(ResumedSession { info, keys, tail_key, blocks })
     }
 
     /// Drops a session, unpinning its blocks. False if there was none.
     pub async fn drop_session(&self, ns: &NamespaceHandle, session_id: &str) -> Result<bool, ClientError> {
-        let req = pb::DropSessionRequest { namespace_id: Bytes::copy_from_slice(&ns.id.0), session_id: session_id.to_string() };
+        let req = pb::DropSessionRequest {
+            namespace_id: Bytes::copy_from_slice(&ns.id.0),
+            session_id: session_id.to_string(),
+        };
         let mut g = self.grpc();
         Ok(self.timed(async move { Ok(g.drop_session(req).await?.into_inner()) }).await?.dropped)
     }
 
     /// Live sessions of a namespace, or of every namespace.
     pub async fn list_sessions(&self, ns: Option<&NamespaceHandle>) -> Result<Vec<SessionInfo>, ClientError> {
-        let req = pb::ListSessionsRequest { namespace_id: ns.map(|n| Bytes::copy_from_slice(&n.id.0)).unwrap_or_default() };
+        let req =
+            pb::ListSessionsRequest { namespace_id: ns.map(|n| Bytes::copy_from_slice(&n.id.0)).unwrap_or_default() };
         let mut g = self.grpc();
         let r = self.timed(async move { Ok(g.list_sessions(req).await?.into_inner()) }).await?;
         Ok(r.sessions.into_iter().map(SessionInfo::from_pb).collect())
@@ -546,4 +583,3 @@ impl KvClient {
         self.grpc()
     }
 }
-

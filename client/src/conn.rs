@@ -44,7 +44,8 @@ impl DataConn {
             .map_err(|e| ClientError::Connect { addr: addr.to_string(), reason: e.to_string() })?;
         let _ = sock.set_nodelay(true);
         let (r, w) = sock.into_split();
-        let mut c = DataConn { rd: BufReader::with_capacity(IO_BUF, r), wr: BufWriter::with_capacity(IO_BUF, w), next_id: 1 };
+        let mut c =
+            DataConn { rd: BufReader::with_capacity(IO_BUF, r), wr: BufWriter::with_capacity(IO_BUF, w), next_id: 1 };
         c.wr.write_all(&Hello::encode(PROTOCOL_VERSION, token.unwrap_or("").as_bytes())).await?;
         c.wr.flush().await?;
         let mut reply = [0u8; 4];
@@ -99,7 +100,8 @@ impl DataConn {
     pub(crate) async fn release(&mut self) -> Result<(), ClientError> {
         let id = self.next_id;
         self.next_id = self.next_id.wrapping_add(1);
-        let req = RequestHeader { op: Op::Release, flags: 0, request_id: id, count: 0, namespace: NamespaceId([0; 16]) };
+        let req =
+            RequestHeader { op: Op::Release, flags: 0, request_id: id, count: 0, namespace: NamespaceId([0; 16]) };
         self.wr.write_all(&req.encode()).await?;
         self.wr.flush().await?;
         self.read_response(Op::Release, id, 0).await
@@ -176,7 +178,13 @@ impl Lease<'_> {
 
 impl DataPool {
     pub(crate) fn new(addr: SocketAddr, token: Option<String>, size: usize, connect_timeout: Duration) -> Self {
-        DataPool { addr, token, idle: Mutex::new(Vec::new()), permits: Arc::new(Semaphore::new(size.max(1))), connect_timeout }
+        DataPool {
+            addr,
+            token,
+            idle: Mutex::new(Vec::new()),
+            permits: Arc::new(Semaphore::new(size.max(1))),
+            connect_timeout,
+        }
     }
 
     pub(crate) async fn lease(&self) -> Result<Lease<'_>, ClientError> {

@@ -70,7 +70,10 @@ impl EngineClient {
         let mut c = self.conn.lock().await;
         if c.client.is_none() {
             if c.last_attempt.is_some_and(|t| t.elapsed() < self.retry_after) {
-                return Err(ClientError::Connect { addr: self.addr.clone(), reason: "recently failed; backing off".into() });
+                return Err(ClientError::Connect {
+                    addr: self.addr.clone(),
+                    reason: "recently failed; backing off".into(),
+                });
             }
             c.last_attempt = Some(Instant::now());
             c.client = Some(KvClient::connect(&self.addr, self.cfg.clone()).await?);
@@ -87,7 +90,10 @@ impl EngineClient {
 
     /// Forgets the connection after a transport failure so the next call reconnects.
     async fn on_error(&self, e: &ClientError) {
-        if matches!(e, ClientError::Io(_) | ClientError::Timeout(_) | ClientError::Connect { .. } | ClientError::Protocol(_)) {
+        if matches!(
+            e,
+            ClientError::Io(_) | ClientError::Timeout(_) | ClientError::Connect { .. } | ClientError::Protocol(_)
+        ) {
             let mut c = self.conn.lock().await;
             c.client = None;
         }
@@ -130,10 +136,20 @@ impl EngineClient {
 
     /// Stores full blocks; the number stored (0 on failure).
     pub async fn store(&self, ns: &Namespace, tokens: &[u32], blocks: &[Bytes]) -> usize {
-        self.run("store", ns, |c, h| async move { c.store(&h, tokens, blocks).await }).await.map(|r| r.stored).unwrap_or(0)
+        self.run("store", ns, |c, h| async move { c.store(&h, tokens, blocks).await })
+            .await
+            .map(|r| r.stored)
+            .unwrap_or(0)
     }
 
-    pub async fn park(&self, ns: &Namespace, id: &str, tokens: &[u32], blocks: &[Bytes], opts: &ParkOptions) -> Result<SessionInfo, Miss> {
+    pub async fn park(
+        &self,
+        ns: &Namespace,
+        id: &str,
+        tokens: &[u32],
+        blocks: &[Bytes],
+        opts: &ParkOptions,
+    ) -> Result<SessionInfo, Miss> {
         self.run("park", ns, |c, h| async move { c.park(&h, id, tokens, blocks, opts, 0).await }).await
     }
 

@@ -71,12 +71,8 @@ impl From<std::io::Error> for ClientError {
 
 impl From<tonic::Status> for ClientError {
     fn from(s: tonic::Status) -> Self {
-        let code = s
-            .metadata()
-            .get(codes::METADATA_KEY)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string)
-            .unwrap_or_default();
+        let code =
+            s.metadata().get(codes::METADATA_KEY).and_then(|v| v.to_str().ok()).map(str::to_string).unwrap_or_default();
         let message = s.message().to_string();
         match code.as_str() {
             codes::CAPACITY => ClientError::Capacity(message),
@@ -90,7 +86,10 @@ impl From<tonic::Status> for ClientError {
             // No kvtier code: the transport failed (server gone, connection reset), not the server.
             "" if matches!(
                 s.code(),
-                tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Unknown | tonic::Code::Cancelled
+                tonic::Code::Unavailable
+                    | tonic::Code::DeadlineExceeded
+                    | tonic::Code::Unknown
+                    | tonic::Code::Cancelled
             ) =>
             {
                 ClientError::Io(format!("{:?}: {message}", s.code()))

@@ -74,7 +74,10 @@ fn main() {
     println!("block: {spec:?}, {bytes} bytes; AVX2+F16C available: {}", Backend::avx2_available());
     println!("memcpy of the same buffer: {:.2} GB/s (median of {reps})", gbs(memcpy));
     println!();
-    println!("{:<18} {:<14} {:>10} {:>8} {:>10} {:>8} {:>7}", "codec", "threads", "enc GB/s", "enc/cpy", "dec GB/s", "dec/cpy", "ratio");
+    println!(
+        "{:<18} {:<14} {:>10} {:>8} {:>10} {:>8} {:>7}",
+        "codec", "threads", "enc GB/s", "enc/cpy", "dec GB/s", "dec/cpy", "ratio"
+    );
 
     let cases: Vec<(&str, CodecId, Fp8Scaling)> = vec![
         ("raw+lz4", CodecId::RAW_LZ4, Fp8Scaling::PerTokenHead),
@@ -96,10 +99,13 @@ fn main() {
             if !filters.is_empty() && !filters.iter().any(|f| label == *f || name == f) {
                 continue;
             }
-            let codec = Codec::new(*id).with_fp8_scaling(scaling.clone()).with_backend(*backend).with_parallel_min_bytes(*par);
+            let codec =
+                Codec::new(*id).with_fp8_scaling(scaling.clone()).with_backend(*backend).with_parallel_min_bytes(*par);
             let e = median(reps, || codec.encode_into(black_box(&view), &mut out).expect("encode"));
             let payload = out.clone();
-            let d = median(reps, || codec.decode_into(black_box(&payload), &spec, DType::Bf16, &mut decoded).expect("decode"));
+            let d = median(reps, || {
+                codec.decode_into(black_box(&payload), &spec, DType::Bf16, &mut decoded).expect("decode")
+            });
             println!(
                 "{:<18} {:<14} {:>10.2} {:>8.2} {:>10.2} {:>8.2} {:>6.2}x",
                 name,

@@ -114,7 +114,11 @@ impl BlockSpec {
             return Err(CodecError::InvalidInput(format!("empty block shape {self:?}")));
         }
         // 2^40 elements is far beyond any block; it keeps all size arithmetic in range.
-        let elements = 2u128 * u128::from(self.layers) * u128::from(self.tokens) * u128::from(self.kv_heads) * u128::from(self.head_dim);
+        let elements = 2u128
+            * u128::from(self.layers)
+            * u128::from(self.tokens)
+            * u128::from(self.kv_heads)
+            * u128::from(self.head_dim);
         if elements > 1 << 40 {
             return Err(CodecError::InvalidInput(format!("block of {elements} elements is too large")));
         }

@@ -216,18 +216,25 @@ impl Codec {
             }
             Fp8Scaling::Static(pairs) => {
                 if pairs.len() != usize::from(spec.layers) {
-                    return Err(CodecError::InvalidInput(format!("{} static scale pairs for {} layers", pairs.len(), spec.layers)));
+                    return Err(CodecError::InvalidInput(format!(
+                        "{} static scale pairs for {} layers",
+                        pairs.len(),
+                        spec.layers
+                    )));
                 }
                 let flat: Vec<f32> = pairs.iter().flat_map(|p| p.iter().copied()).collect();
                 if let Some(bad) = flat.iter().find(|s| !(s.is_finite() && **s > 0.0 && **s <= 1e30)) {
-                    return Err(CodecError::InvalidInput(format!("static FP8 scale {bad} must be finite, positive and at most 1e30")));
+                    return Err(CodecError::InvalidInput(format!(
+                        "static FP8 scale {bad} must be finite, positive and at most 1e30"
+                    )));
                 }
                 // Non-finite input is an error in every mode.
                 plane_amax(isa, block, parallel)?;
                 Some(flat)
             }
         };
-        let (scales, codes) = body.split_at_mut(if plane_scales.is_some() { 4 * spec.planes() } else { 4 * spec.rows() });
+        let (scales, codes) =
+            body.split_at_mut(if plane_scales.is_some() { 4 * spec.planes() } else { 4 * spec.rows() });
         if let Some(ps) = &plane_scales {
             for (dst, s) in scales.chunks_exact_mut(4).zip(ps) {
                 dst.copy_from_slice(&s.to_le_bytes());
@@ -236,19 +243,28 @@ impl Codec {
         let per_row_scales = plane_scales.is_none();
         let static_scales = matches!(self.fp8_scaling, Fp8Scaling::Static(_));
         let row_bytes = hd * es;
-        let chunks = split_rows(spec.rows(), row_bytes, parallel, codes, hd, if per_row_scales { scales } else { &mut [] }, 4);
+        let chunks =
+            split_rows(spec.rows(), row_bytes, parallel, codes, hd, if per_row_scales { scales } else { &mut [] }, 4);
         run(parallel, chunks, |c| {
             let rows = c.rows.clone();
             let rsrc = &src[rows.start * row_bytes..rows.end * row_bytes];
             match &plane_scales {
                 // One kernel call per run of rows: amax, scale and codes of each row.
-                None => isa.fp8_encode_rows(spec.dtype, rsrc, hd, c.b, c.a).map_err(|k| non_finite(&spec, src, rows.start + k)),
+                None => isa
+                    .fp8_encode_rows(spec.dtype, rsrc, hd, c.b, c.a)
+                    .map_err(|k| non_finite(&spec, src, rows.start + k)),
                 Some(ps) => {
                     for (k, r) in rows.clone().enumerate() {
                         let scale = ps[spec.plane_of_row(r)];
                         // Computed per-tensor scales bound every |x| by 448·scale; static ones do not.
                         let (scale, bounded) = if scale == 0.0 { (1.0, true) } else { (scale, !static_scales) };
-                        isa.fp8_encode_row(spec.dtype, &rsrc[k * row_bytes..(k + 1) * row_bytes], scale, bounded, &mut c.a[k * hd..(k + 1) * hd]);
+                        isa.fp8_encode_row(
+                            spec.dtype,
+                            &rsrc[k * row_bytes..(k + 1) * row_bytes],
+                            scale,
+                            bounded,
+                            &mut c.a[k * hd..(k + 1) * hd],
+                        );
                     }
                     Ok(())
                 }
@@ -289,7 +305,8 @@ impl Codec {
                 }
                 (g[p], enc[p]) = nvfp4_scales(f32::from_bits(bits));
                 scales[4 * p..4 * p + 4].copy_from_slice(&g[p].to_le_bytes());
-                let (pbs, pcodes) = (&mut bs[rows.start * nb..rows.end * nb], &mut codes[rows.start * cb..rows.end * cb]);
+                let (pbs, pcodes) =
+                    (&mut bs[rows.start * nb..rows.end * nb], &mut codes[rows.start * cb..rows.end * cb]);
                 let next = &src[rows.end * row_bytes..((rows.end + per_plane) * row_bytes).min(src.len())];
                 isa.nvfp4_encode_rows(&spec, rows.start, psrc, next, &g, &enc, pbs, pcodes);
             }
@@ -318,7 +335,13 @@ impl Codec {
 
     /// Decodes a payload of `spec` into `out`, as `out_dtype` elements in `spec`'s memory order.
     /// `out` must be exactly `spec.elements() * out_dtype.size()` bytes.
-    pub fn decode_into(&self, payload: &[u8], spec: &BlockSpec, out_dtype: DType, out: &mut [u8]) -> Result<(), CodecError> {
+    pub fn decode_into(
+        &self,
+        payload: &[u8],
+        spec: &BlockSpec,
+        out_dtype: DType,
+        out: &mut [u8],
+    ) -> Result<(), CodecError> {
         spec.validate()?;
         let (format, lz4) = split_codec(self.id)?;
         let want = spec.elements() * out_dtype.size() as usize;
@@ -329,14 +352,23 @@ impl Codec {
         let parallel = self.parallel(out.len());
         if format == Format::Raw && !lz4 {
             if payload.len() != spec.byte_len() {
-                return Err(CodecError::Corrupt(format!("raw payload is {} bytes, {} expected", payload.len(), spec.byte_len())));
+                return Err(CodecError::Corrupt(format!(
+                    "raw payload is {} bytes, {} expected",
+                    payload.len(),
+                    spec.byte_len()
+                )));
             }
             return convert(spec, payload, out_dtype, out, parallel);
         }
         let parts = PayloadParts::open(payload)?;
         let info = parts.info;
         if info.format != format || info.lz4 != lz4 {
-            return Err(CodecError::Corrupt(format!("payload is {:?} (lz4 {}), codec {} expects {format:?} (lz4 {lz4})", info.format, info.lz4, self.id.name())));
+            return Err(CodecError::Corrupt(format!(
+                "payload is {:?} (lz4 {}), codec {} expects {format:?} (lz4 {lz4})",
+                info.format,
+                info.lz4,
+                self.id.name()
+            )));
         }
         if info.spec != *spec {
             return Err(CodecError::ShapeMismatch { expected: format!("{spec:?}"), found: format!("{:?}", info.spec) });
@@ -344,7 +376,8 @@ impl Codec {
         let os = out_dtype.size() as usize;
         let hd = spec.row_len();
         let chunk_rows = |c: &Chunk| c.rows.clone();
-        let bad_code = || CodecError::Corrupt("payload holds a NaN or signed scale code the encoder never writes".into());
+        let bad_code =
+            || CodecError::Corrupt("payload holds a NaN or signed scale code the encoder never writes".into());
         match format {
             Format::Raw => convert(spec, parts.codes(), out_dtype, out, parallel),
             Format::Fp8E4m3 => {
@@ -358,7 +391,12 @@ impl Codec {
                 run(parallel, chunks, |c| {
                     for (k, r) in chunk_rows(&c).enumerate() {
                         let s = if per_row { scales[r] } else { scales[spec.plane_of_row(r)] };
-                        if isa.fp8_decode_row(&codes[r * hd..(r + 1) * hd], s, out_dtype, &mut c.a[k * hd * os..(k + 1) * hd * os]) {
+                        if isa.fp8_decode_row(
+                            &codes[r * hd..(r + 1) * hd],
+                            s,
+                            out_dtype,
+                            &mut c.a[k * hd * os..(k + 1) * hd * os],
+                        ) {
                             return Err(bad_code());
                         }
                     }
@@ -377,7 +415,14 @@ impl Codec {
                     for (k, r) in chunk_rows(&c).enumerate() {
                         let dst = &mut c.a[k * hd * os..(k + 1) * hd * os];
                         let gp = g[spec.plane_of_row(r)];
-                        if isa.nvfp4_decode_row(&bs[r * nb..(r + 1) * nb], &codes[r * cb..(r + 1) * cb], gp, hd, out_dtype, dst) {
+                        if isa.nvfp4_decode_row(
+                            &bs[r * nb..(r + 1) * nb],
+                            &codes[r * cb..(r + 1) * cb],
+                            gp,
+                            hd,
+                            out_dtype,
+                            dst,
+                        ) {
                             return Err(bad_code());
                         }
                     }
@@ -499,7 +544,9 @@ fn plane_amax(isa: Isa, block: &KvBlockView, parallel: bool) -> Result<Vec<f32>,
 fn first_non_finite(isa: Isa, spec: &BlockSpec, src: &[u8], rows: std::ops::Range<usize>) -> CodecError {
     let row_bytes = spec.row_len() * spec.dtype.size() as usize;
     let start = rows.start;
-    let bad = rows.into_iter().find(|&q| isa.row_amax_bits(spec.dtype, &src[q * row_bytes..(q + 1) * row_bytes]) >= 0x7F80_0000);
+    let bad = rows
+        .into_iter()
+        .find(|&q| isa.row_amax_bits(spec.dtype, &src[q * row_bytes..(q + 1) * row_bytes]) >= 0x7F80_0000);
     non_finite(spec, src, bad.unwrap_or(start))
 }
 

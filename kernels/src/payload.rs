@@ -100,7 +100,9 @@ impl PayloadInfo {
                 let n = if self.fp8_scales == Fp8ScaleMode::PerTokenHead { rows } else { s.planes() };
                 Sections { scales: 4 * n, block_scales: 0, codes: s.elements() }
             }
-            Format::Nvfp4 => Sections { scales: 4 * s.planes(), block_scales: rows * hd.div_ceil(16), codes: rows * hd.div_ceil(2) },
+            Format::Nvfp4 => {
+                Sections { scales: 4 * s.planes(), block_scales: rows * hd.div_ceil(16), codes: rows * hd.div_ceil(2) }
+            }
         }
     }
 
@@ -170,7 +172,11 @@ pub fn inspect(payload: &[u8]) -> Result<PayloadInfo, CodecError> {
     b.copy_from_slice(&payload[24..32]);
     let info = PayloadInfo { format, lz4: payload[5] & 1 == 1, spec, fp8_scales, body_len: u64::from_le_bytes(b) };
     if info.body_len != info.sections().total() as u64 {
-        return corrupt(format!("body length {} does not fit the shape (expected {})", info.body_len, info.sections().total()));
+        return corrupt(format!(
+            "body length {} does not fit the shape (expected {})",
+            info.body_len,
+            info.sections().total()
+        ));
     }
     Ok(info)
 }
@@ -195,7 +201,8 @@ impl<'a> PayloadParts<'a> {
                 return Err(CodecError::Corrupt(format!("{} LZ4 bytes cannot hold {body_len}", stored.len())));
             }
             let mut out = vec![0u8; body_len];
-            let n = lz4_flex::block::decompress_into(stored, &mut out).map_err(|e| CodecError::Corrupt(format!("lz4: {e}")))?;
+            let n = lz4_flex::block::decompress_into(stored, &mut out)
+                .map_err(|e| CodecError::Corrupt(format!("lz4: {e}")))?;
             if n != body_len {
                 return Err(CodecError::Corrupt(format!("lz4 body is {n} bytes, header says {body_len}")));
             }

@@ -68,7 +68,14 @@ impl Default for CodecPolicy {
 impl CodecPolicy {
     /// Every tier raw (the engine's bytes as they are).
     pub fn lossless() -> Self {
-        CodecPolicy { hbm: CodecId::RAW, dram: CodecId::RAW, nvme: CodecId::RAW_LZ4, peer: CodecId::RAW, recent_lossless_tokens: 0, lossless_only: true }
+        CodecPolicy {
+            hbm: CodecId::RAW,
+            dram: CodecId::RAW,
+            nvme: CodecId::RAW_LZ4,
+            peer: CodecId::RAW,
+            recent_lossless_tokens: 0,
+            lossless_only: true,
+        }
     }
 
     /// The codec of `tier`. Default: see [`CodecPolicy::default`].

@@ -16,7 +16,14 @@ const LOSSY: [(CodecId, Fp8Scaling); 3] = [
 ];
 
 fn arb_spec() -> impl Strategy<Value = BlockSpec> {
-    (1u16..3, 1u32..5, 1u16..4, prop::sample::select(vec![1u16, 7, 8, 16, 20, 33, 64]), prop::sample::select(vec![DType::Bf16, DType::Fp16, DType::Fp32]), any::<bool>())
+    (
+        1u16..3,
+        1u32..5,
+        1u16..4,
+        prop::sample::select(vec![1u16, 7, 8, 16, 20, 33, 64]),
+        prop::sample::select(vec![DType::Bf16, DType::Fp16, DType::Fp32]),
+        any::<bool>(),
+    )
         .prop_map(|(l, t, h, d, dtype, bf)| {
             let mut s = BlockSpec::new(l, t, h, d, dtype);
             if bf {
@@ -162,7 +169,10 @@ fn backends_agree_on(spec: BlockSpec, x: &[f32]) {
     let bytes = to_bytes(spec.dtype, x);
     let statics = Fp8Scaling::Static(vec![[0.0123, 7.5]; usize::from(spec.layers)]);
     for (id, scaling) in LOSSY.iter().cloned().chain([(CodecId::FP8_E4M3, statics)]) {
-        let reference = Codec::new(id).with_fp8_scaling(scaling.clone()).with_backend(Backend::Scalar).with_parallel_min_bytes(usize::MAX);
+        let reference = Codec::new(id)
+            .with_fp8_scaling(scaling.clone())
+            .with_backend(Backend::Scalar)
+            .with_parallel_min_bytes(usize::MAX);
         let want = enc(&reference, spec, &bytes);
         let mut others = vec![reference.clone().with_parallel_min_bytes(0)];
         if Backend::avx2_available() {
@@ -187,8 +197,28 @@ fn backends_agree_on_edges() {
     let spec = BlockSpec::new(2, 3, 2, 40, DType::Fp32);
     let n = spec.elements();
     let specials = [
-        0.0, -0.0, 448.0, -448.0, 464.0, 480.0, 1e-45, -1e-45, 1.17e-38, 3.0e38, -3.0e38, 1e-30, 2f32.powi(-9),
-        2f32.powi(-10), 3.0 * 2f32.powi(-10), 0.25, 0.75, 2.5, 5.0, 6.0, 1.0625, 1e-39,
+        0.0,
+        -0.0,
+        448.0,
+        -448.0,
+        464.0,
+        480.0,
+        1e-45,
+        -1e-45,
+        1.17e-38,
+        3.0e38,
+        -3.0e38,
+        1e-30,
+        2f32.powi(-9),
+        2f32.powi(-10),
+        3.0 * 2f32.powi(-10),
+        0.25,
+        0.75,
+        2.5,
+        5.0,
+        6.0,
+        1.0625,
+        1e-39,
     ];
     // One plane of tiny values only, one with huge values, the rest a mix.
     let mut x: Vec<f32> = (0..n).map(|i| specials[(i * 7 + i / 13) % specials.len()]).collect();
@@ -197,7 +227,8 @@ fn backends_agree_on_edges() {
     backends_agree_on(spec, &x);
     for dtype in [DType::Bf16, DType::Fp16] {
         let s = spec.with_dtype(dtype);
-        let clamped: Vec<f32> = x.iter().map(|v| if dtype == DType::Fp16 { v.clamp(-65504.0, 65504.0) } else { *v }).collect();
+        let clamped: Vec<f32> =
+            x.iter().map(|v| if dtype == DType::Fp16 { v.clamp(-65504.0, 65504.0) } else { *v }).collect();
         backends_agree_on(s, &from_bytes(dtype, &to_bytes(dtype, &clamped)));
     }
     // Large enough to go parallel with the default threshold.
@@ -242,7 +273,8 @@ fn fp8_and_lz4_compose() {
         // The wrong codec id for a payload is an error, not a misread.
         assert!(decode(lz, &encode(plain, &view).unwrap(), &spec).is_err());
     }
-    let info = kvtier_kernels::inspect(&encode(CodecId::NVFP4, &KvBlockView::new(spec, &bytes).unwrap()).unwrap()).unwrap();
+    let info =
+        kvtier_kernels::inspect(&encode(CodecId::NVFP4, &KvBlockView::new(spec, &bytes).unwrap()).unwrap()).unwrap();
     assert_eq!(info.spec, spec);
     // NVFP4 is ~4.5 bits per element: 0.5 B codes + 1/16 B block scales.
     assert_eq!(info.sections().codes, spec.elements() / 2);
@@ -267,7 +299,10 @@ fn static_scales_are_engine_compatible() {
     }
     for bad in [vec![[0.0, 1.0], [1.0, 1.0]], vec![[f32::NAN, 1.0], [1.0, 1.0]], vec![[1.0, 1.0]]] {
         let c = Codec::new(CodecId::FP8_E4M3).with_fp8_scaling(Fp8Scaling::Static(bad));
-        assert!(matches!(c.encode(&KvBlockView::new(spec, &to_bytes(DType::Fp16, &x)).unwrap()), Err(CodecError::InvalidInput(_))));
+        assert!(matches!(
+            c.encode(&KvBlockView::new(spec, &to_bytes(DType::Fp16, &x)).unwrap()),
+            Err(CodecError::InvalidInput(_))
+        ));
     }
 }
 
@@ -295,9 +330,14 @@ fn non_finite_input_is_a_clear_error() {
         let row = 3 * 3 * 2 + 2 * 2 + 1;
         x[row * 16 + 9] = bad;
         let bytes = to_bytes(DType::Bf16, &x);
-        for (id, scaling) in LOSSY.iter().cloned().chain([(CodecId::FP8_E4M3, Fp8Scaling::Static(vec![[1.0, 1.0]; 2]))]) {
+        for (id, scaling) in LOSSY.iter().cloned().chain([(CodecId::FP8_E4M3, Fp8Scaling::Static(vec![[1.0, 1.0]; 2]))])
+        {
             for b in [Backend::Scalar, Backend::Auto] {
-                let err = Codec::new(id).with_fp8_scaling(scaling.clone()).with_backend(b).encode(&KvBlockView::new(spec, &bytes).unwrap()).unwrap_err();
+                let err = Codec::new(id)
+                    .with_fp8_scaling(scaling.clone())
+                    .with_backend(b)
+                    .encode(&KvBlockView::new(spec, &bytes).unwrap())
+                    .unwrap_err();
                 match &err {
                     CodecError::NonFinite { layer: 1, kv: "V", token: 2, head: 1, dim: 9, .. } => {}
                     other => panic!("{id:?}: {other}"),
@@ -356,7 +396,8 @@ fn backends_agree_on_vector_paths() {
             let m = 2f32.powi(((i * 37) % 181) as i32 - 90);
             row.iter_mut().for_each(|v| *v *= m);
         }
-        let x: Vec<f32> = x.iter().map(|v| if dtype == DType::Fp16 { v.clamp(-65504.0, 65504.0) } else { *v }).collect();
+        let x: Vec<f32> =
+            x.iter().map(|v| if dtype == DType::Fp16 { v.clamp(-65504.0, 65504.0) } else { *v }).collect();
         backends_agree_on(spec, &from_bytes(dtype, &to_bytes(dtype, &x)));
     }
 }
@@ -364,7 +405,11 @@ fn backends_agree_on_vector_paths() {
 /// A NaN or Inf anywhere in a block big enough for the batched kernels is reported at its row.
 #[test]
 fn non_finite_in_a_large_block_names_its_row() {
-    for (dtype, order) in [(DType::Bf16, MemoryOrder::LayerFirst), (DType::Fp16, MemoryOrder::BlockFirst), (DType::Fp32, MemoryOrder::LayerFirst)] {
+    for (dtype, order) in [
+        (DType::Bf16, MemoryOrder::LayerFirst),
+        (DType::Fp16, MemoryOrder::BlockFirst),
+        (DType::Fp32, MemoryOrder::LayerFirst),
+    ] {
         let mut spec = BlockSpec::new(3, 16, 8, 128, dtype);
         spec.order = order;
         for row in [0, 5, 8, 200, spec.rows() - 1] {
@@ -377,7 +422,12 @@ fn non_finite_in_a_large_block_names_its_row() {
             let (layer, is_v, token, head) = spec_locate(&spec, row);
             for (id, scaling) in LOSSY.iter().cloned() {
                 for b in [Backend::Scalar, Backend::Auto] {
-                    let err = Codec::new(id).with_fp8_scaling(scaling.clone()).with_backend(b).with_parallel_min_bytes(usize::MAX).encode(&KvBlockView::new(spec, &bytes).unwrap()).unwrap_err();
+                    let err = Codec::new(id)
+                        .with_fp8_scaling(scaling.clone())
+                        .with_backend(b)
+                        .with_parallel_min_bytes(usize::MAX)
+                        .encode(&KvBlockView::new(spec, &bytes).unwrap())
+                        .unwrap_err();
                     match err {
                         CodecError::NonFinite { layer: l, kv, token: t, head: h, dim: 77, .. }
                             if l == layer && kv == if is_v { "V" } else { "K" } && t == token && h == head => {}
@@ -406,7 +456,9 @@ fn encode_into_a_dirty_buffer_is_encode() {
     let spec = BlockSpec::new(2, 5, 3, 48, DType::Bf16);
     let bytes = to_bytes(DType::Bf16, &gaussian(&mut rng(9), spec.elements()));
     let view = KvBlockView::new(spec, &bytes).unwrap();
-    for id in [CodecId::RAW, CodecId::RAW_LZ4, CodecId::FP8_E4M3, CodecId::FP8_E4M3_LZ4, CodecId::NVFP4, CodecId::NVFP4_LZ4] {
+    for id in
+        [CodecId::RAW, CodecId::RAW_LZ4, CodecId::FP8_E4M3, CodecId::FP8_E4M3_LZ4, CodecId::NVFP4, CodecId::NVFP4_LZ4]
+    {
         for scaling in [Fp8Scaling::PerTokenHead, Fp8Scaling::PerTensor] {
             let codec = Codec::new(id).with_fp8_scaling(scaling);
             let want = codec.encode(&view).unwrap();

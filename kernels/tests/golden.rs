@@ -75,7 +75,10 @@ fn golden_vectors_match_ml_dtypes() {
 fn check_tables(dir: &Path) {
     for (c, want) in f32s(&read(dir, "e4m3_values.f32")).into_iter().enumerate() {
         let got = e4m3_to_f32(c as u8);
-        assert!(got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()), "e4m3 code {c:#x}: {got} vs {want}");
+        assert!(
+            got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+            "e4m3 code {c:#x}: {got} vs {want}"
+        );
     }
     for (c, want) in f32s(&read(dir, "e2m1_values.f32")).into_iter().enumerate() {
         assert_eq!(e2m1_to_f32(c as u8).to_bits(), want.to_bits(), "e2m1 code {c:#x}");
@@ -144,7 +147,11 @@ fn check_blocks(dir: &Path) {
                 assert_eq!(parts.block_scales(), &read(dir, &format!("{name}.bs"))[..], "{name} {b:?}: block scales");
                 let want_codes = read(dir, &format!("{name}.codes"));
                 if let Some(i) = (0..want_codes.len()).find(|&i| parts.codes()[i] != want_codes[i]) {
-                    panic!("{name} {b:?}: code byte {i}: ours {:#04x}, reference {:#04x}", parts.codes()[i], want_codes[i]);
+                    panic!(
+                        "{name} {b:?}: code byte {i}: ours {:#04x}, reference {:#04x}",
+                        parts.codes()[i],
+                        want_codes[i]
+                    );
                 }
                 for (out, suffix) in [(DType::Bf16, "bf16"), (DType::Fp16, "f16"), (DType::Fp32, "f32")] {
                     let mut got = vec![0u8; spec.elements() * out.size() as usize];

@@ -267,7 +267,13 @@ mod tests {
 
     #[test]
     fn headers_round_trip() {
-        let r = RequestHeader { op: Op::Get, flags: FLAG_PIN_LEASE, request_id: 77, count: 3, namespace: NamespaceId([4; 16]) };
+        let r = RequestHeader {
+            op: Op::Get,
+            flags: FLAG_PIN_LEASE,
+            request_id: 77,
+            count: 3,
+            namespace: NamespaceId([4; 16]),
+        };
         assert_eq!(RequestHeader::decode(&r.encode()).unwrap(), r);
         let mut bad = r.encode();
         bad[1] = 0;

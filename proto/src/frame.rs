@@ -166,7 +166,12 @@ impl FrameHeader {
         if ok {
             Ok(())
         } else {
-            Err(ProtoError::SizeMismatch { expected: raw, actual: self.payload_len, tokens: self.tokens, codec: self.codec.0 })
+            Err(ProtoError::SizeMismatch {
+                expected: raw,
+                actual: self.payload_len,
+                tokens: self.tokens,
+                codec: self.codec.0,
+            })
         }
     }
 
@@ -255,7 +260,14 @@ mod tests {
 
     fn frame(tokens: u32, len: usize) -> BlockFrame {
         let layout = KvLayout::new(2, 1, 4, DType::Fp16, 4);
-        BlockFrame::new(NamespaceId([3; 16]), BlockKey([9; 32]), layout, CodecId::RAW, tokens, Bytes::from(vec![5u8; len]))
+        BlockFrame::new(
+            NamespaceId([3; 16]),
+            BlockKey([9; 32]),
+            layout,
+            CodecId::RAW,
+            tokens,
+            Bytes::from(vec![5u8; len]),
+        )
     }
 
     #[test]

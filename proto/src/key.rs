@@ -228,10 +228,7 @@ mod tests {
 
     #[test]
     fn key_length_is_checked() {
-        assert_eq!(
-            BlockKey::try_from(&[0u8; 31][..]),
-            Err(ProtoError::KeyLength { expected: 32, actual: 31 })
-        );
+        assert_eq!(BlockKey::try_from(&[0u8; 31][..]), Err(ProtoError::KeyLength { expected: 32, actual: 31 }));
         let k = BlockKey([7; 32]);
         assert_eq!(BlockKey::from_hex(&k.to_string()).unwrap(), k);
         assert!(BlockKey::from_hex("zz").is_err());

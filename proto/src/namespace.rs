@@ -32,9 +32,8 @@ pub struct NamespaceId(pub [u8; NAMESPACE_ID_LEN]);
 
 impl NamespaceId {
     pub fn from_slice(b: &[u8]) -> Result<Self, ProtoError> {
-        let arr: [u8; NAMESPACE_ID_LEN] = b
-            .try_into()
-            .map_err(|_| ProtoError::NamespaceIdLength { expected: NAMESPACE_ID_LEN, actual: b.len() })?;
+        let arr: [u8; NAMESPACE_ID_LEN] =
+            b.try_into().map_err(|_| ProtoError::NamespaceIdLength { expected: NAMESPACE_ID_LEN, actual: b.len() })?;
         Ok(NamespaceId(arr))
     }
 
@@ -137,10 +136,7 @@ impl Namespace {
     }
 
     pub fn from_pb(pb: &crate::pb::NamespaceSpec) -> Result<Self, ProtoError> {
-        let layout = pb
-            .layout
-            .as_ref()
-            .ok_or_else(|| ProtoError::InvalidNamespace("layout is missing".into()))?;
+        let layout = pb.layout.as_ref().ok_or_else(|| ProtoError::InvalidNamespace("layout is missing".into()))?;
         let ns = Namespace {
             tenant: pb.tenant.clone(),
             model: pb.model.clone(),

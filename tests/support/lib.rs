@@ -19,7 +19,11 @@ pub fn kvtier_bin() -> PathBuf {
     let exe = std::env::current_exe().expect("test binary path");
     let dir = exe.parent().and_then(|d| d.parent()).expect("target profile directory");
     let bin = dir.join("kvtier");
-    assert!(bin.exists(), "{} is missing: run `cargo build --bins` before the tests (the README's test command does)", bin.display());
+    assert!(
+        bin.exists(),
+        "{} is missing: run `cargo build --bins` before the tests (the README's test command does)",
+        bin.display()
+    );
     bin
 }
 
@@ -168,5 +172,9 @@ pub fn tokens(seed: u32, n: usize) -> Vec<u32> {
 /// Runs a `kvtier` client subcommand; returns (success, stdout, stderr).
 pub fn cli(args: &[&str]) -> (bool, String, String) {
     let out = Command::new(kvtier_bin()).args(args).env_remove("KVTIER_SERVER").output().expect("run kvtier");
-    (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }

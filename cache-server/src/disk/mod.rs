@@ -169,7 +169,11 @@ impl DiskTier {
             let path = segment_path(&seg_dir, id);
             let scanned = scan_segment(&path).map_err(|e| io_err("scanning", &path, e))?;
             report.discarded += scanned.discarded;
-            let file = std::fs::OpenOptions::new().read(true).write(true).open(&path).map_err(|e| io_err("opening", &path, e))?;
+            let file = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&path)
+                .map_err(|e| io_err("opening", &path, e))?;
             let mut keys = Vec::with_capacity(scanned.records.len());
             for (offset, header) in scanned.records {
                 let k = (header.namespace, header.key);
@@ -231,7 +235,8 @@ impl DiskTier {
     /// Deletes the oldest sealed segment without pinned blocks. False if there is none.
     fn evict_one(&self, st: &mut Inner) -> bool {
         let victim = st.segments.iter().find(|(id, seg)| {
-            **id != st.active && !seg.keys.iter().any(|k| st.pins.contains_key(k) && st.index.get(k).is_some_and(|l| l.seg == **id))
+            **id != st.active
+                && !seg.keys.iter().any(|k| st.pins.contains_key(k) && st.index.get(k).is_some_and(|l| l.seg == **id))
         });
         let Some((&id, _)) = victim else { return false };
         let Some(seg) = st.segments.remove(&id) else { return false };
@@ -263,7 +268,9 @@ impl DiskTier {
             if record > self.cfg.segment_bytes {
                 return Err(ServerError::TooLarge { len: record, capacity: self.cfg.segment_bytes });
             }
-            if st.segments.is_empty() || st.segments.get(&st.active).is_none_or(|s| s.len + record > self.cfg.segment_bytes) {
+            if st.segments.is_empty()
+                || st.segments.get(&st.active).is_none_or(|s| s.len + record > self.cfg.segment_bytes)
+            {
                 // Room for a whole new segment first, so the cap holds however the segment fills.
                 while st.total_bytes + self.cfg.segment_bytes > self.cfg.capacity_bytes {
                     if !self.evict_one(&mut st) {
@@ -364,8 +371,12 @@ impl DiskTier {
     /// Pins blocks (all or nothing): pinned blocks keep their segment through eviction.
     pub fn pin(&self, ns: &NamespaceId, keys: &[BlockKey]) -> Result<(), ServerError> {
         let mut st = self.inner.lock();
-        let missing: Vec<u32> =
-            keys.iter().enumerate().filter(|(_, k)| !st.index.contains_key(&(*ns, **k))).map(|(i, _)| i as u32).collect();
+        let missing: Vec<u32> = keys
+            .iter()
+            .enumerate()
+            .filter(|(_, k)| !st.index.contains_key(&(*ns, **k)))
+            .map(|(i, _)| i as u32)
+            .collect();
         if !missing.is_empty() {
             return Err(ServerError::MissingBlocks { missing, missing_tail: false });
         }

@@ -7,13 +7,19 @@ fn layout() -> KvLayout {
 
 fn frame(i: u32) -> BlockFrame {
     let key = BlockKey(*blake3::hash(&i.to_le_bytes()).as_bytes());
-    let payload: Vec<u8> = (0..layout().block_bytes()).map(|j| (j as u32).wrapping_mul(31).wrapping_add(i) as u8).collect();
+    let payload: Vec<u8> =
+        (0..layout().block_bytes()).map(|j| (j as u32).wrapping_mul(31).wrapping_add(i) as u8).collect();
     BlockFrame::new(NamespaceId([1; 16]), key, layout(), CodecId::RAW, 16, Bytes::from(payload))
 }
 
 fn open(dir: &Path, cap: u64) -> (DiskTier, RecoveryReport) {
-    DiskTier::open(DiskConfig { dir: dir.to_path_buf(), capacity_bytes: cap, segment_bytes: 64 << 10, sync_writes: false })
-        .unwrap()
+    DiskTier::open(DiskConfig {
+        dir: dir.to_path_buf(),
+        capacity_bytes: cap,
+        segment_bytes: 64 << 10,
+        sync_writes: false,
+    })
+    .unwrap()
 }
 
 #[test]
@@ -118,4 +124,3 @@ fn corruption_is_a_miss_and_torn_tails_are_dropped_at_recovery() {
     assert_eq!((r.blocks, r.discarded), (3, 1));
     assert_eq!(t.read(&f.header.namespace, &f.header.key).unwrap().1, f.payload);
 }
-

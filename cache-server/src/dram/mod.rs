@@ -386,7 +386,12 @@ impl DramTier {
     /// Makes a filled slot visible under `(header.namespace, header.key)`. The caller has
     /// verified the payload checksum. If the key is already present, keeps the existing block,
     /// recycles the slot and returns `AlreadyPresent`.
-    pub fn commit(&self, mut slot: SlotWriter, header: FrameHeader, priority: Priority) -> Result<InsertOutcome, ServerError> {
+    pub fn commit(
+        &self,
+        mut slot: SlotWriter,
+        header: FrameHeader,
+        priority: Priority,
+    ) -> Result<InsertOutcome, ServerError> {
         let len = slot.len;
         let Some(buf) = slot.buf.take() else {
             return Err(ServerError::InvalidRequest("slot already committed".into()));
@@ -423,7 +428,12 @@ impl DramTier {
     }
 
     /// reserve + copy + commit. A key already present is not reserved for again.
-    pub fn insert(&self, header: FrameHeader, payload: &[u8], priority: Priority) -> Result<InsertOutcome, ServerError> {
+    pub fn insert(
+        &self,
+        header: FrameHeader,
+        payload: &[u8],
+        priority: Priority,
+    ) -> Result<InsertOutcome, ServerError> {
         if payload.len() as u64 != header.payload_len {
             return Err(ServerError::InvalidRequest(format!(
                 "header says {} payload bytes, got {}",

@@ -17,7 +17,9 @@ fn key(i: u32) -> BlockKey {
 }
 
 fn payload(i: u32, len: usize) -> Vec<u8> {
-    (0..len).map(|j| (i as usize).wrapping_mul(131).wrapping_add(j.wrapping_mul(7)).wrapping_add(j >> 9) as u8).collect()
+    (0..len)
+        .map(|j| (i as usize).wrapping_mul(131).wrapping_add(j.wrapping_mul(7)).wrapping_add(j >> 9) as u8)
+        .collect()
 }
 
 fn header(ns: NamespaceId, i: u32, len: usize) -> FrameHeader {
@@ -57,7 +59,10 @@ fn round_trip_miss_and_already_present() {
     assert!(t.get(&NS, &key(2)).is_none());
     assert!(t.get(&NamespaceId([8; 16]), &key(1)).is_none(), "namespaces never match");
     // The second insert keeps the first bytes.
-    assert_eq!(t.insert(header(NS, 1, 5000), &payload(9, 5000), Priority::High).unwrap(), InsertOutcome::AlreadyPresent);
+    assert_eq!(
+        t.insert(header(NS, 1, 5000), &payload(9, 5000), Priority::High).unwrap(),
+        InsertOutcome::AlreadyPresent
+    );
     // Through reserve/commit too: the slot goes back to the free list.
     let mut w = t.reserve(5000).unwrap();
     w.buf_mut().copy_from_slice(&payload(9, 5000));
@@ -325,7 +330,10 @@ fn overhead_of_variable_sizes() {
     }
     let s = t.stats();
     let ratio = s.allocated_bytes as f64 / s.resident_bytes as f64;
-    eprintln!("dram overhead, random sizes: allocated {} / resident {} = {ratio:.4}", s.allocated_bytes, s.resident_bytes);
+    eprintln!(
+        "dram overhead, random sizes: allocated {} / resident {} = {ratio:.4}",
+        s.allocated_bytes, s.resident_bytes
+    );
     assert!(s.evictions > 0);
     assert!(ratio < 1.25, "allocator overhead {ratio}");
 }

@@ -407,7 +407,10 @@ unsafe fn signs16<const D: u8, const B: i32>(src: &[u8], i: usize) -> __m256i {
 unsafe fn fp8_mag_words16<const D: u8, const EXACT: bool>(src: &[u8], i: usize, p: __m256, q: __m256) -> __m256i {
     let (lo, hi) = mags16::<D>(src, i);
     // The exact quotient of a bounded row is at most 448·(1 + 2^-23): no saturation needed.
-    let c = join16::<D>(e4m3_mag8_biased(quot::<EXACT>(lo, p, q), !EXACT), e4m3_mag8_biased(quot::<EXACT>(hi, p, q), !EXACT));
+    let c = join16::<D>(
+        e4m3_mag8_biased(quot::<EXACT>(lo, p, q), !EXACT),
+        e4m3_mag8_biased(quot::<EXACT>(hi, p, q), !EXACT),
+    );
     _mm256_sub_epi16(c, _mm256_set1_epi16(E4M3_BIAS as i16))
 }
 
@@ -494,7 +497,13 @@ unsafe fn row_amax_bits_t<const D: u8>(src: &[u8]) -> u32 {
 /// of `hd` elements, `scales` 4 bytes and `codes` `hd` bytes per row. Returns the index of the
 /// first row holding a NaN or Inf (its scale and codes, and those after it, are not written).
 #[target_feature(enable = "avx2,f16c,fma")]
-pub(crate) unsafe fn fp8_encode_rows(dtype: DType, src: &[u8], hd: usize, scales: &mut [u8], codes: &mut [u8]) -> Option<usize> {
+pub(crate) unsafe fn fp8_encode_rows(
+    dtype: DType,
+    src: &[u8],
+    hd: usize,
+    scales: &mut [u8],
+    codes: &mut [u8],
+) -> Option<usize> {
     by_dtype!(dtype, fp8_encode_rows_t(src, hd, scales, codes))
 }
 
@@ -576,7 +585,11 @@ unsafe fn fp8_encode_rows_t<const D: u8>(src: &[u8], hd: usize, scales: &mut [u8
 /// [`recip_split8`]; `None` when one of the rows holds a NaN or Inf.
 #[inline]
 #[target_feature(enable = "avx2,f16c,fma")]
-unsafe fn fp8_batch_scales<const D: u8>(src: &[u8], r: usize, row_bytes: usize) -> Option<(__m256, __m256, __m256, __m256)> {
+unsafe fn fp8_batch_scales<const D: u8>(
+    src: &[u8],
+    r: usize,
+    row_bytes: usize,
+) -> Option<(__m256, __m256, __m256, __m256)> {
     let mut v = [_mm256_setzero_si256(); 8];
     for (k, slot) in v.iter_mut().enumerate() {
         *slot = row_abs_partial::<D>(&src[(r + k) * row_bytes..(r + k + 1) * row_bytes]);
@@ -723,7 +736,13 @@ unsafe fn fp8_step32<const D: u8, const EXACT: bool>(src: &[u8], dst: &mut [u8],
 /// One row: `p`, `q` are [`quot`]'s operands for `scale`, broadcast.
 #[inline]
 #[target_feature(enable = "avx2,f16c,fma")]
-unsafe fn fp8_encode_loop<const D: u8, const EXACT: bool>(src: &[u8], scale: f32, p: __m256, q: __m256, dst: &mut [u8]) {
+unsafe fn fp8_encode_loop<const D: u8, const EXACT: bool>(
+    src: &[u8],
+    scale: f32,
+    p: __m256,
+    q: __m256,
+    dst: &mut [u8],
+) {
     let es = dt(D).size() as usize;
     let n = dst.len();
     debug_assert!(n * es <= src.len());
@@ -850,13 +869,31 @@ unsafe fn nibbles2(w0: __m256i, w1: __m256i, signs: __m256i) -> __m128i {
 /// possibly empty) is prefetched toward L2 along the way.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,f16c,fma")]
-pub(crate) unsafe fn nvfp4_encode_rows(spec: &crate::BlockSpec, r0: usize, src: &[u8], ahead: &[u8], g: &[f32], enc: &[f32], bs: &mut [u8], codes: &mut [u8]) {
+pub(crate) unsafe fn nvfp4_encode_rows(
+    spec: &crate::BlockSpec,
+    r0: usize,
+    src: &[u8],
+    ahead: &[u8],
+    g: &[f32],
+    enc: &[f32],
+    bs: &mut [u8],
+    codes: &mut [u8],
+) {
     by_dtype!(spec.dtype, nvfp4_encode_rows_t(spec, r0, src, ahead, g, enc, bs, codes))
 }
 
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,f16c,fma")]
-unsafe fn nvfp4_encode_rows_t<const D: u8>(spec: &crate::BlockSpec, r0: usize, src: &[u8], ahead: &[u8], g: &[f32], enc: &[f32], bs: &mut [u8], codes: &mut [u8]) {
+unsafe fn nvfp4_encode_rows_t<const D: u8>(
+    spec: &crate::BlockSpec,
+    r0: usize,
+    src: &[u8],
+    ahead: &[u8],
+    g: &[f32],
+    enc: &[f32],
+    bs: &mut [u8],
+    codes: &mut [u8],
+) {
     let hd = spec.row_len();
     let row_bytes = hd * dt(D).size() as usize;
     let (nb, cb) = (hd.div_ceil(16), hd.div_ceil(2));
@@ -904,7 +941,15 @@ unsafe fn nvfp4_encode_row_t<const D: u8>(src: &[u8], g: f32, enc: f32, bs: &mut
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx2,f16c,fma")]
-unsafe fn nvfp4_group<const D: u8, const EIGHT: bool>(src: &[u8], b: usize, m: usize, g: f32, enc: f32, bs: &mut [u8], codes: &mut [u8]) {
+unsafe fn nvfp4_group<const D: u8, const EIGHT: bool>(
+    src: &[u8],
+    b: usize,
+    m: usize,
+    g: f32,
+    enc: f32,
+    bs: &mut [u8],
+    codes: &mut [u8],
+) {
     let m = if EIGHT { 8 } else { m };
     let mut v = [_mm256_setzero_si256(); 8];
     for (k, slot) in v.iter_mut().enumerate() {
@@ -1064,7 +1109,7 @@ mod tests {
         check_quotients(8, 61); // bf16 mantissas
         check_quotients(11, 997); // fp16 mantissas
         check_quotients(24, 1 << 19); // a few fp32 ones with scale mantissa 0
-        // Random fp32 numerators with random 20-bit scales over the allowed range.
+                                      // Random fp32 numerators with random 20-bit scales over the allowed range.
         let mut x = 0x9E37_79B9_7F4A_7C15u64;
         for _ in 0..200_000 {
             x ^= x << 13;
@@ -1079,12 +1124,17 @@ mod tests {
                 (_mm256_cvtss_f32(h), _mm256_cvtss_f32(l))
             };
             assert_eq!((vh.to_bits(), vl.to_bits()), (hi.to_bits(), lo.to_bits()), "split of {s:e}");
-            let a = (s * 448.0) * f32::from_bits(((x >> 40) as u32 & 0x007F_FFFF) | 0x3F00_0000) * 2f32.powi(-((x >> 60) as i32));
+            let a = (s * 448.0)
+                * f32::from_bits(((x >> 40) as u32 & 0x007F_FFFF) | 0x3F00_0000)
+                * 2f32.powi(-((x >> 60) as i32));
             // SAFETY: as above.
             let got = unsafe {
                 let mut o = [0f32; 8];
                 let (hi, lo) = recip_split(s);
-                _mm256_storeu_ps(o.as_mut_ptr(), quot::<true>(_mm256_set1_ps(a), _mm256_set1_ps(hi), _mm256_set1_ps(lo)));
+                _mm256_storeu_ps(
+                    o.as_mut_ptr(),
+                    quot::<true>(_mm256_set1_ps(a), _mm256_set1_ps(hi), _mm256_set1_ps(lo)),
+                );
                 o[0]
             };
             assert_eq!(got.to_bits(), (a / s).to_bits(), "{a:e} / {s:e}");
@@ -1121,7 +1171,12 @@ mod tests {
                 let mut c64 = [0u32; 8];
                 _mm256_storeu_si256(c64.as_mut_ptr() as *mut __m256i, e2m1_mag8_x64(v));
                 for k in 0..8 {
-                    assert_eq!((c64[k] >> 6) as i32 - E2M1_BIAS, i32::from(e2m1_from_f32(xs[k])), "x64 e2m1 {:#x}", xs[k].to_bits());
+                    assert_eq!(
+                        (c64[k] >> 6) as i32 - E2M1_BIAS,
+                        i32::from(e2m1_from_f32(xs[k])),
+                        "x64 e2m1 {:#x}",
+                        xs[k].to_bits()
+                    );
                     assert_eq!(c64[k] & 63, 0);
                 }
             }

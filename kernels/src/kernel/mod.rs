@@ -4,9 +4,9 @@
 //! run of rows for the encoders (a chunk, or a plane for NVFP4) and per row for decoding, so the
 //! feature check and the dtype dispatch happen once per run, not per element.
 
-pub(crate) mod scalar;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
+pub(crate) mod scalar;
 
 use kvtier_proto::DType;
 
@@ -92,7 +92,14 @@ impl Isa {
     /// FP8 with one scale per row (per (token, head)) for a run of whole rows of `hd` elements:
     /// each row's amax, its scale ([`crate::codec::fp8_scale`], 4 little-endian bytes in
     /// `scales`) and its `hd` codes. `Err(k)`: row `k` of the run holds a NaN or Inf.
-    pub(crate) fn fp8_encode_rows(self, dtype: DType, src: &[u8], hd: usize, scales: &mut [u8], codes: &mut [u8]) -> Result<(), usize> {
+    pub(crate) fn fp8_encode_rows(
+        self,
+        dtype: DType,
+        src: &[u8],
+        hd: usize,
+        scales: &mut [u8],
+        codes: &mut [u8],
+    ) -> Result<(), usize> {
         #[cfg(target_arch = "x86_64")]
         if self.simd(dtype) {
             // SAFETY: as above.
@@ -129,7 +136,17 @@ impl Isa {
     /// `ceil(hd/16)` and `ceil(hd/2)` bytes per row. `ahead`: input the caller reads next, which
     /// the vector kernel prefetches (a hint only; any slice).
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn nvfp4_encode_rows(self, spec: &crate::BlockSpec, r0: usize, src: &[u8], ahead: &[u8], g: &[f32], enc: &[f32], bs: &mut [u8], codes: &mut [u8]) {
+    pub(crate) fn nvfp4_encode_rows(
+        self,
+        spec: &crate::BlockSpec,
+        r0: usize,
+        src: &[u8],
+        ahead: &[u8],
+        g: &[f32],
+        enc: &[f32],
+        bs: &mut [u8],
+        codes: &mut [u8],
+    ) {
         #[cfg(target_arch = "x86_64")]
         if self.simd(spec.dtype) {
             // SAFETY: as above.
@@ -145,7 +162,15 @@ impl Isa {
         }
     }
 
-    pub(crate) fn nvfp4_decode_row(self, bs: &[u8], codes: &[u8], g: f32, n: usize, out: DType, dst: &mut [u8]) -> bool {
+    pub(crate) fn nvfp4_decode_row(
+        self,
+        bs: &[u8],
+        codes: &[u8],
+        g: f32,
+        n: usize,
+        out: DType,
+        dst: &mut [u8],
+    ) -> bool {
         #[cfg(target_arch = "x86_64")]
         if self.simd(out) {
             // SAFETY: as above.

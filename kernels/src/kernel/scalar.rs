@@ -78,7 +78,15 @@ pub(crate) fn nvfp4_encode_row(dtype: DType, src: &[u8], g: f32, enc: f32, bs: &
 /// Decodes an NVFP4 row of `n` elements. Returns true when a block scale is not a valid unsigned
 /// E4M3 code (NaN or sign bit set; never written by the encoder).
 /// Only elements `start..n` are written (the SIMD kernel does the ones before).
-pub(crate) fn nvfp4_decode_row(bs: &[u8], codes: &[u8], g: f32, start: usize, n: usize, out: DType, dst: &mut [u8]) -> bool {
+pub(crate) fn nvfp4_decode_row(
+    bs: &[u8],
+    codes: &[u8],
+    g: f32,
+    start: usize,
+    n: usize,
+    out: DType,
+    dst: &mut [u8],
+) -> bool {
     let mut nan = false;
     for i in start..n {
         let s = bs[i / 16];
