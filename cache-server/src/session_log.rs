@@ -33,6 +33,23 @@ pub struct LoggedSession {
     pub version: u64,
 }
 
+impl LoggedSession {
+    /// Namespace and id only: what a drop record carries, and where a decoded record starts.
+    fn tombstone(namespace: NamespaceId, id: String) -> Self {
+        LoggedSession {
+            namespace,
+            id,
+            keys: Vec::new(),
+            tail: None,
+            token_count: 0,
+            ttl_ms: 0,
+            expires_unix_ms: 0,
+            priority: Priority::Normal,
+            version: 0,
+        }
+    }
+}
+
 pub fn unix_ms(t: SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO).as_millis() as u64
 }
@@ -102,17 +119,7 @@ fn decode(body: &[u8]) -> Option<(u8, LoggedSession)> {
     let ns = NamespaceId::from_slice(c.take(NAMESPACE_ID_LEN)?).ok()?;
     let n = c.u32()? as usize;
     let id = String::from_utf8(c.take(n)?.to_vec()).ok()?;
-    let mut s = LoggedSession {
-        namespace: ns,
-        id,
-        keys: Vec::new(),
-        tail: None,
-        token_count: 0,
-        ttl_ms: 0,
-        expires_unix_ms: 0,
-        priority: Priority::Normal,
-        version: 0,
-    };
+    let mut s = LoggedSession::tombstone(ns, id);
     if kind == PUT {
         s.version = c.u64()?;
         s.token_count = c.u64()?;
@@ -199,18 +206,7 @@ impl SessionLog {
 
     /// Records a drop or expiry (not synced: losing it only resurrects a session until its TTL).
     pub fn delete(&mut self, ns: NamespaceId, id: &str) -> Result<(), ServerError> {
-        let s = LoggedSession {
-            namespace: ns,
-            id: id.to_string(),
-            keys: Vec::new(),
-            tail: None,
-            token_count: 0,
-            ttl_ms: 0,
-            expires_unix_ms: 0,
-            priority: Priority::Normal,
-            version: 0,
-        };
-        self.append(&encode(DROP, &s), false)
+        self.append(&encode(DROP, &LoggedSession::tombstone(ns, id.to_string())), false)
     }
 }
 

@@ -61,6 +61,12 @@ impl DataConn {
         }
     }
 
+    fn take_id(&mut self) -> u32 {
+        let id = self.next_id;
+        self.next_id = self.next_id.wrapping_add(1);
+        id
+    }
+
     async fn read_response(&mut self, op: Op, id: u32, count: u32) -> Result<(), ClientError> {
         let mut rh = [0u8; RESPONSE_HEADER_LEN];
         self.rd.read_exact(&mut rh).await?;
@@ -79,8 +85,7 @@ impl DataConn {
     /// Stores frames; one status per frame. With `lease`, the server keeps them pinned until
     /// [`DataConn::release`] or the end of this connection.
     pub(crate) async fn put(&mut self, frames: &[BlockFrame], lease: bool) -> Result<Vec<ItemStatus>, ClientError> {
-        let id = self.next_id;
-        self.next_id = self.next_id.wrapping_add(1);
+        let id = self.take_id();
         let count = frames.len() as u32;
         let flags = if lease { FLAG_PIN_LEASE } else { 0 };
         let req = RequestHeader { op: Op::Put, flags, request_id: id, count, namespace: NamespaceId([0; 16]) };
@@ -98,8 +103,7 @@ impl DataConn {
 
     /// Drops the pins this connection's leased `PUT`s took.
     pub(crate) async fn release(&mut self) -> Result<(), ClientError> {
-        let id = self.next_id;
-        self.next_id = self.next_id.wrapping_add(1);
+        let id = self.take_id();
         let req =
             RequestHeader { op: Op::Release, flags: 0, request_id: id, count: 0, namespace: NamespaceId([0; 16]) };
         self.wr.write_all(&req.encode()).await?;
@@ -115,8 +119,7 @@ impl DataConn {
         keys: &[BlockKey],
         max_frame: u64,
     ) -> Result<Vec<Option<BlockFrame>>, ClientError> {
-        let id = self.next_id;
-        self.next_id = self.next_id.wrapping_add(1);
+        let id = self.take_id();
         let count = keys.len() as u32;
         let req = RequestHeader { op: Op::Get, flags: 0, request_id: id, count, namespace: ns };
         self.wr.write_all(&req.encode()).await?;
