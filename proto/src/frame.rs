@@ -58,6 +58,19 @@ impl CodecId {
         }
     }
 
+    /// The codec a name means: [`CodecId::name`]'s spellings, plus `fp8` for `fp8_e4m3` and `lz4`
+    /// for `raw+lz4`. Case-insensitive.
+    pub fn from_name(name: &str) -> Option<CodecId> {
+        let n = name.trim().to_ascii_lowercase();
+        let n = n.replace("fp8+", "fp8_e4m3+");
+        let n = match n.as_str() {
+            "fp8" => "fp8_e4m3",
+            "lz4" => "raw+lz4",
+            other => other,
+        };
+        (0..=u16::MAX).map(CodecId).take_while(|c| c.is_known()).find(|c| c.name() == n)
+    }
+
     /// The largest payload this codec may produce for `raw_len` bytes of engine KV. Raw payloads
     /// must match exactly; encoded ones carry their own scales and shapes, so they get a margin.
     pub fn max_payload(self, raw_len: u64) -> u64 {
@@ -257,6 +270,18 @@ impl BlockFrame {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn codec_names_round_trip() {
+        for id in (0..=u16::MAX).map(CodecId).take_while(|c| c.is_known()) {
+            assert_eq!(CodecId::from_name(id.name()), Some(id));
+        }
+        assert_eq!(CodecId::from_name("FP8"), Some(CodecId::FP8_E4M3));
+        assert_eq!(CodecId::from_name("fp8+lz4"), Some(CodecId::FP8_E4M3_LZ4));
+        assert_eq!(CodecId::from_name("lz4"), Some(CodecId::RAW_LZ4));
+        assert_eq!(CodecId::from_name("int4"), None);
+        assert_eq!(CodecId::from_name("unknown"), None);
+    }
 
     fn frame(tokens: u32, len: usize) -> BlockFrame {
         let layout = KvLayout::new(2, 1, 4, DType::Fp16, 4);
