@@ -41,9 +41,15 @@ impl CodecId {
     pub const FP8_E4M3_LZ4: CodecId = CodecId(3);
     pub const NVFP4: CodecId = CodecId(4);
     pub const NVFP4_LZ4: CodecId = CodecId(5);
+    /// FP8 E4M3 after a randomized Hadamard rotation along `head_dim` (undone on decode).
+    pub const FP8_E4M3_HAD: CodecId = CodecId(6);
+    pub const FP8_E4M3_HAD_LZ4: CodecId = CodecId(7);
+    /// NVFP4 after a randomized Hadamard rotation along `head_dim` (undone on decode).
+    pub const NVFP4_HAD: CodecId = CodecId(8);
+    pub const NVFP4_HAD_LZ4: CodecId = CodecId(9);
 
     pub fn is_known(self) -> bool {
-        self.0 <= 5
+        self.0 <= 9
     }
 
     pub fn name(self) -> &'static str {
@@ -54,12 +60,16 @@ impl CodecId {
             3 => "fp8_e4m3+lz4",
             4 => "nvfp4",
             5 => "nvfp4+lz4",
+            6 => "fp8_e4m3+had",
+            7 => "fp8_e4m3+had+lz4",
+            8 => "nvfp4+had",
+            9 => "nvfp4+had+lz4",
             _ => "unknown",
         }
     }
 
-    /// The codec a name means: [`CodecId::name`]'s spellings, plus `fp8` for `fp8_e4m3` and `lz4`
-    /// for `raw+lz4`. Case-insensitive.
+    /// The codec a name means: [`CodecId::name`]'s spellings, plus `fp8` for `fp8_e4m3` (also in
+    /// `fp8+lz4`, `fp8+had`, `fp8+had+lz4`) and `lz4` for `raw+lz4`. Case-insensitive.
     pub fn from_name(name: &str) -> Option<CodecId> {
         let n = name.trim().to_ascii_lowercase();
         let n = n.replace("fp8+", "fp8_e4m3+");
@@ -279,6 +289,15 @@ mod tests {
         assert_eq!(CodecId::from_name("FP8"), Some(CodecId::FP8_E4M3));
         assert_eq!(CodecId::from_name("fp8+lz4"), Some(CodecId::FP8_E4M3_LZ4));
         assert_eq!(CodecId::from_name("lz4"), Some(CodecId::RAW_LZ4));
+        assert_eq!(CodecId::from_name("nvfp4+had"), Some(CodecId::NVFP4_HAD));
+        assert_eq!(CodecId::from_name("NVFP4+HAD+LZ4"), Some(CodecId::NVFP4_HAD_LZ4));
+        assert_eq!(CodecId::from_name("fp8+had"), Some(CodecId::FP8_E4M3_HAD));
+        assert_eq!(CodecId::from_name(" fp8+had+lz4 "), Some(CodecId::FP8_E4M3_HAD_LZ4));
+        assert_eq!(CodecId::from_name("fp8_e4m3+had"), Some(CodecId::FP8_E4M3_HAD));
+        assert_eq!(CodecId::from_name("had"), None);
+        assert_eq!(CodecId::from_name("nvfp4+lz4+had"), None);
+        assert_eq!(CodecId(10).name(), "unknown");
+        assert!(CodecId::NVFP4_HAD_LZ4.is_known() && !CodecId(10).is_known());
         assert_eq!(CodecId::from_name("int4"), None);
         assert_eq!(CodecId::from_name("unknown"), None);
     }
