@@ -25,6 +25,14 @@
 //! again reproduce the payload byte for byte; decoding to BF16/FP16 and re-encoding keeps every code
 //! and every block scale (the FP32 scales move by the BF16/FP16 rounding of the amax).
 //!
+//! **Rotated codecs** (`+had`: [`CodecId::FP8_E4M3_HAD`], [`CodecId::NVFP4_HAD`] and their `+lz4`
+//! forms): every row is loaded to f32 and rotated along `head_dim` ([`crate::rotation`]:
+//! `y = H · diag(s) · x / sqrt(n)`), then quantized by exactly the rules above, applied to `y`
+//! (amaxes, scales and codes are those of the rotated values). Decoding dequantizes to f32, applies
+//! the inverse rotation with the seed recorded in the payload, and rounds once into the output
+//! dtype. A finite row that overflows f32 when rotated (|x| within `sqrt(n)` of `f32::MAX`) is
+//! [`CodecError::InvalidInput`].
+//!
 //! Large blocks are split into row ranges handled in parallel (rayon); every row's bytes depend only
 //! on that row and on per-plane values computed first, so the output does not depend on the split.
 
@@ -35,10 +43,20 @@ use crate::block::{load_f32, BlockSpec, KvBlockView};
 use crate::formats::{canonical_scale, E2M1_MAX, E4M3_MAX, FP8_SCALE_BITS, NVFP4_GLOBAL_BITS};
 use crate::kernel::{scalar, Backend, Isa};
 use crate::payload::{Format, Fp8ScaleMode, PayloadInfo, PayloadParts, PAYLOAD_HEADER_LEN};
+use crate::rotation::{Rotation, DEFAULT_ROTATION_SEED};
 use crate::CodecError;
 
 /// An amax below this is treated as 0 (the scale arithmetic would leave the f32 normal range).
 pub(crate) const FLUSH_AMAX: f32 = 7.888_609e-31; // 2^-100
+
+/// Rotated rows are handed to the kernels in batches of about this many elements (32 KiB of f32),
+/// small enough to stay in the core's cache between the rotation and the quantization.
+const ROTATION_BATCH_ELEMENTS: usize = 8192;
+
+/// A layer-first NVFP4 block encoded on one thread rotates each plane once into a scratch buffer
+/// of at most this many bytes (and reads it for the amax, then for the codes); larger planes are
+/// rotated twice, batch by batch.
+const ROTATION_PLANE_SCRATCH: usize = 4 << 20;
 
 /// The FP8 scale granularity to encode with.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -52,15 +70,16 @@ pub enum Fp8Scaling {
     Static(Vec<[f32; 2]>),
 }
 
-/// The format and LZ4 flag a codec id names.
+/// The format and LZ4 flag a codec id names. Whether it rotates is [`is_rotated`]: the rotated
+/// codecs (`+had`) have the format and LZ4 flag of their plain form.
 pub fn split_codec(codec: CodecId) -> Result<(Format, bool), CodecError> {
     Ok(match codec {
         CodecId::RAW => (Format::Raw, false),
         CodecId::RAW_LZ4 => (Format::Raw, true),
-        CodecId::FP8_E4M3 => (Format::Fp8E4m3, false),
-        CodecId::FP8_E4M3_LZ4 => (Format::Fp8E4m3, true),
-        CodecId::NVFP4 => (Format::Nvfp4, false),
-        CodecId::NVFP4_LZ4 => (Format::Nvfp4, true),
+        CodecId::FP8_E4M3 | CodecId::FP8_E4M3_HAD => (Format::Fp8E4m3, false),
+        CodecId::FP8_E4M3_LZ4 | CodecId::FP8_E4M3_HAD_LZ4 => (Format::Fp8E4m3, true),
+        CodecId::NVFP4 | CodecId::NVFP4_HAD => (Format::Nvfp4, false),
+        CodecId::NVFP4_LZ4 | CodecId::NVFP4_HAD_LZ4 => (Format::Nvfp4, true),
         other => return Err(CodecError::UnknownCodec(other.0)),
     })
 }
@@ -68,6 +87,31 @@ pub fn split_codec(codec: CodecId) -> Result<(Format, bool), CodecError> {
 /// Whether a codec keeps every bit of the input.
 pub fn is_lossless(codec: CodecId) -> bool {
     matches!(codec, CodecId::RAW | CodecId::RAW_LZ4)
+}
+
+/// Whether a codec rotates rows along `head_dim` before quantizing (the `+had` codecs, see
+/// [`crate::rotation`]).
+pub fn is_rotated(codec: CodecId) -> bool {
+    matches!(codec, CodecId::FP8_E4M3_HAD | CodecId::FP8_E4M3_HAD_LZ4 | CodecId::NVFP4_HAD | CodecId::NVFP4_HAD_LZ4)
+}
+
+/// The rotated (`+had`) form of a quantizing codec, keeping its format and LZ4 layer; a rotated
+/// codec is its own. `None` for raw, raw+LZ4 and unknown ids.
+///
+/// ```
+/// use kvtier_kernels::rotated_variant;
+/// use kvtier_proto::CodecId;
+/// assert_eq!(rotated_variant(CodecId::NVFP4_LZ4), Some(CodecId::NVFP4_HAD_LZ4));
+/// assert_eq!(rotated_variant(CodecId::RAW), None);
+/// ```
+pub fn rotated_variant(codec: CodecId) -> Option<CodecId> {
+    match codec {
+        CodecId::FP8_E4M3 | CodecId::FP8_E4M3_HAD => Some(CodecId::FP8_E4M3_HAD),
+        CodecId::FP8_E4M3_LZ4 | CodecId::FP8_E4M3_HAD_LZ4 => Some(CodecId::FP8_E4M3_HAD_LZ4),
+        CodecId::NVFP4 | CodecId::NVFP4_HAD => Some(CodecId::NVFP4_HAD),
+        CodecId::NVFP4_LZ4 | CodecId::NVFP4_HAD_LZ4 => Some(CodecId::NVFP4_HAD_LZ4),
+        _ => None,
+    }
 }
 
 /// A configured codec.
@@ -93,11 +137,18 @@ pub struct Codec {
     fp8_scaling: Fp8Scaling,
     backend: Backend,
     parallel_min_bytes: usize,
+    rotation_seed: u16,
 }
 
 impl Codec {
     pub fn new(id: CodecId) -> Self {
-        Codec { id, fp8_scaling: Fp8Scaling::default(), backend: Backend::Auto, parallel_min_bytes: 1 << 20 }
+        Codec {
+            id,
+            fp8_scaling: Fp8Scaling::default(),
+            backend: Backend::Auto,
+            parallel_min_bytes: 1 << 20,
+            rotation_seed: DEFAULT_ROTATION_SEED,
+        }
     }
 
     pub fn id(&self) -> CodecId {
@@ -120,6 +171,13 @@ impl Codec {
     /// keeps every call on the calling thread. Default: 1 MiB.
     pub fn with_parallel_min_bytes(mut self, n: usize) -> Self {
         self.parallel_min_bytes = n;
+        self
+    }
+
+    /// The seed of the rotation signs for the rotated (`+had`) codecs; ignored by the others. The
+    /// payload records it, so decoding needs no option. Default: [`DEFAULT_ROTATION_SEED`].
+    pub fn with_rotation_seed(mut self, seed: u16) -> Self {
+        self.rotation_seed = seed;
         self
     }
 
@@ -166,7 +224,9 @@ impl Codec {
             (Fp8Scaling::PerTensor, _) => Fp8ScaleMode::PerTensor,
             (Fp8Scaling::Static(_), _) => Fp8ScaleMode::Static,
         };
-        let mut info = PayloadInfo { format, lz4, spec, fp8_scales, body_len: 0 };
+        let rotation_seed = is_rotated(self.id).then_some(self.rotation_seed);
+        let rot = rotation_seed.map(|seed| Rotation::new(spec.row_len(), seed));
+        let mut info = PayloadInfo { format, lz4, spec, fp8_scales, rotation_seed, body_len: 0 };
         let total = info.sections().total();
         info.body_len = total as u64;
         if format == Format::Raw || lz4 {
@@ -178,7 +238,7 @@ impl Codec {
             }
             let isa = self.backend.resolve()?;
             let mut body = vec![0u8; total];
-            self.encode_body(isa, format, block, &mut body)?;
+            self.encode_body(format, &Source { isa, spec, src: block.bytes(), rot: rot.as_ref() }, &mut body)?;
             out.extend_from_slice(&lz4_flex::block::compress(&body));
             return Ok(());
         }
@@ -191,27 +251,26 @@ impl Codec {
         out.truncate(PAYLOAD_HEADER_LEN + total);
         out.resize(PAYLOAD_HEADER_LEN + total, 0);
         out[..PAYLOAD_HEADER_LEN].copy_from_slice(&header);
-        self.encode_body(isa, format, block, &mut out[PAYLOAD_HEADER_LEN..])
+        let source = Source { isa, spec, src: block.bytes(), rot: rot.as_ref() };
+        self.encode_body(format, &source, &mut out[PAYLOAD_HEADER_LEN..])
     }
 
-    fn encode_body(&self, isa: Isa, format: Format, block: &KvBlockView, body: &mut [u8]) -> Result<(), CodecError> {
+    fn encode_body(&self, format: Format, source: &Source, body: &mut [u8]) -> Result<(), CodecError> {
         match format {
-            Format::Fp8E4m3 => self.encode_fp8(isa, block, body),
-            Format::Nvfp4 => self.encode_nvfp4(isa, block, body),
+            Format::Fp8E4m3 => self.encode_fp8(source, body),
+            Format::Nvfp4 => self.encode_nvfp4(source, body),
             Format::Raw => Ok(()),
         }
     }
 
-    fn encode_fp8(&self, isa: Isa, block: &KvBlockView, body: &mut [u8]) -> Result<(), CodecError> {
-        let spec = *block.spec();
-        let src = block.bytes();
-        let es = spec.dtype.size() as usize;
+    fn encode_fp8(&self, source: &Source, body: &mut [u8]) -> Result<(), CodecError> {
+        let (isa, spec, src) = (source.isa, source.spec, source.src);
         let hd = spec.row_len();
         let parallel = self.parallel(src.len());
         let plane_scales: Option<Vec<f32>> = match &self.fp8_scaling {
             Fp8Scaling::PerTokenHead => None,
             Fp8Scaling::PerTensor => {
-                let amax = plane_amax(isa, block, parallel)?;
+                let amax = plane_amax(source, parallel)?;
                 Some(amax.iter().map(|&a| fp8_scale(a)).collect())
             }
             Fp8Scaling::Static(pairs) => {
@@ -229,7 +288,7 @@ impl Codec {
                     )));
                 }
                 // Non-finite input is an error in every mode.
-                plane_amax(isa, block, parallel)?;
+                plane_amax(source, parallel)?;
                 Some(flat)
             }
         };
@@ -242,39 +301,44 @@ impl Codec {
         }
         let per_row_scales = plane_scales.is_none();
         let static_scales = matches!(self.fp8_scaling, Fp8Scaling::Static(_));
-        let row_bytes = hd * es;
+        let row_bytes = hd * spec.dtype.size() as usize;
+        // The kernels read `kd` rows of `krb` bytes: the block's own, or rotated f32.
+        let kd = source.kernel_dtype();
+        let krb = hd * kd.size() as usize;
         let chunks =
             split_rows(spec.rows(), row_bytes, parallel, codes, hd, if per_row_scales { scales } else { &mut [] }, 4);
         run(parallel, chunks, |c| {
-            let rows = c.rows.clone();
-            let rsrc = &src[rows.start * row_bytes..rows.end * row_bytes];
-            match &plane_scales {
-                // One kernel call per run of rows: amax, scale and codes of each row.
-                None => isa
-                    .fp8_encode_rows(spec.dtype, rsrc, hd, c.b, c.a)
-                    .map_err(|k| non_finite(&spec, src, rows.start + k)),
-                Some(ps) => {
-                    for (k, r) in rows.clone().enumerate() {
-                        let scale = ps[spec.plane_of_row(r)];
-                        // Computed per-tensor scales bound every |x| by 448·scale; static ones do not.
-                        let (scale, bounded) = if scale == 0.0 { (1.0, true) } else { (scale, !static_scales) };
-                        isa.fp8_encode_row(
-                            spec.dtype,
-                            &rsrc[k * row_bytes..(k + 1) * row_bytes],
-                            scale,
-                            bounded,
-                            &mut c.a[k * hd..(k + 1) * hd],
-                        );
+            let r0 = c.rows.start;
+            let mut scratch = Vec::new();
+            source.batches(c.rows.clone(), &mut scratch, |b0, bytes| {
+                let (o, n) = (b0 - r0, bytes.len() / krb);
+                match &plane_scales {
+                    // One kernel call per run of rows: amax, scale and codes of each row.
+                    None => isa
+                        .fp8_encode_rows(kd, bytes, hd, &mut c.b[4 * o..4 * (o + n)], &mut c.a[o * hd..(o + n) * hd])
+                        .map_err(|k| source.bad_row(b0 + k)),
+                    Some(ps) => {
+                        for k in 0..n {
+                            let scale = ps[spec.plane_of_row(b0 + k)];
+                            // Computed per-tensor scales bound every |x| by 448·scale; static ones do not.
+                            let (scale, bounded) = if scale == 0.0 { (1.0, true) } else { (scale, !static_scales) };
+                            isa.fp8_encode_row(
+                                kd,
+                                &bytes[k * krb..(k + 1) * krb],
+                                scale,
+                                bounded,
+                                &mut c.a[(o + k) * hd..(o + k + 1) * hd],
+                            );
+                        }
+                        Ok(())
                     }
-                    Ok(())
                 }
-            }
+            })
         })
     }
 
-    fn encode_nvfp4(&self, isa: Isa, block: &KvBlockView, body: &mut [u8]) -> Result<(), CodecError> {
-        let spec = *block.spec();
-        let src = block.bytes();
+    fn encode_nvfp4(&self, source: &Source, body: &mut [u8]) -> Result<(), CodecError> {
+        let (isa, spec, src) = (source.isa, source.spec, source.src);
         let es = spec.dtype.size() as usize;
         let hd = spec.row_len();
         let parallel = self.parallel(src.len());
@@ -289,39 +353,52 @@ impl Codec {
         let cb = hd.div_ceil(2);
         let (scales, rest) = body.split_at_mut(4 * spec.planes());
         let (bs, codes) = rest.split_at_mut(spec.rows() * nb);
-        if !parallel && spec.order == MemoryOrder::LayerFirst {
+        // The kernels read rows of `kspec`: the block's own, or rotated f32.
+        let kspec = spec.with_dtype(source.kernel_dtype());
+        let per_plane = spec.rows() / spec.planes();
+        let plane_fits = source.rot.is_none() || per_plane * hd * 4 <= ROTATION_PLANE_SCRATCH;
+        if !parallel && spec.order == MemoryOrder::LayerFirst && plane_fits {
             // One plane at a time (its rows are contiguous): its amax, then its codes while its
-            // bytes are still in cache. The same bytes as the two passes below; on a NaN or Inf
-            // the partly written body is discarded by the caller.
-            let per_plane = spec.rows() / spec.planes();
+            // bytes are still in cache (rotated once, when rotating). The same bytes as the two
+            // passes below; on a NaN or Inf the partly written body is discarded by the caller.
             let row_bytes = hd * es;
             let (mut g, mut enc) = (vec![0f32; spec.planes()], vec![0f32; spec.planes()]);
+            let mut scratch = Vec::new();
             for p in 0..spec.planes() {
                 let rows = p * per_plane..(p + 1) * per_plane;
-                let psrc = &src[rows.start * row_bytes..rows.end * row_bytes];
-                let bits = isa.row_amax_bits(spec.dtype, psrc);
+                let psrc = source.whole(rows.clone(), &mut scratch);
+                let bits = isa.row_amax_bits(kspec.dtype, psrc);
                 if bits >= 0x7F80_0000 {
-                    return Err(first_non_finite(isa, &spec, src, rows));
+                    return Err(source.first_bad_row(rows.start, psrc));
                 }
                 (g[p], enc[p]) = nvfp4_scales(f32::from_bits(bits));
                 scales[4 * p..4 * p + 4].copy_from_slice(&g[p].to_le_bytes());
                 let (pbs, pcodes) =
                     (&mut bs[rows.start * nb..rows.end * nb], &mut codes[rows.start * cb..rows.end * cb]);
-                let next = &src[rows.end * row_bytes..((rows.end + per_plane) * row_bytes).min(src.len())];
-                isa.nvfp4_encode_rows(&spec, rows.start, psrc, next, &g, &enc, pbs, pcodes);
+                let next = match source.rot {
+                    None => &src[rows.end * row_bytes..((rows.end + per_plane) * row_bytes).min(src.len())],
+                    Some(_) => &[],
+                };
+                isa.nvfp4_encode_rows(&kspec, rows.start, psrc, next, &g, &enc, pbs, pcodes);
             }
             return Ok(());
         }
-        let amax = plane_amax(isa, block, parallel)?;
+        let amax = plane_amax(source, parallel)?;
         let (g, enc): (Vec<f32>, Vec<f32>) = amax.iter().map(|&a| nvfp4_scales(a)).unzip();
         for (dst, s) in scales.chunks_exact_mut(4).zip(&g) {
             dst.copy_from_slice(&s.to_le_bytes());
         }
+        let krb = hd * kspec.dtype.size() as usize;
         let chunks = split_rows(spec.rows(), hd * es, parallel, codes, cb, bs, nb);
         run(parallel, chunks, |c| {
-            let rsrc = &src[c.rows.start * hd * es..c.rows.end * hd * es];
-            isa.nvfp4_encode_rows(&spec, c.rows.start, rsrc, &[], &g, &enc, c.b, c.a);
-            Ok(())
+            let r0 = c.rows.start;
+            let mut scratch = Vec::new();
+            source.batches(c.rows.clone(), &mut scratch, |b0, bytes| {
+                let (o, n) = (b0 - r0, bytes.len() / krb);
+                let (cbs, ccodes) = (&mut c.b[o * nb..(o + n) * nb], &mut c.a[o * cb..(o + n) * cb]);
+                isa.nvfp4_encode_rows(&kspec, b0, bytes, &[], &g, &enc, cbs, ccodes);
+                Ok(())
+            })
         })
     }
 
@@ -362,11 +439,13 @@ impl Codec {
         }
         let parts = PayloadParts::open(payload)?;
         let info = parts.info;
-        if info.format != format || info.lz4 != lz4 {
+        let rotated = is_rotated(self.id);
+        if info.format != format || info.lz4 != lz4 || info.rotation_seed.is_some() != rotated {
             return Err(CodecError::Corrupt(format!(
-                "payload is {:?} (lz4 {}), codec {} expects {format:?} (lz4 {lz4})",
+                "payload is {:?} (lz4 {}, rotated {}), codec {} expects {format:?} (lz4 {lz4}, rotated {rotated})",
                 info.format,
                 info.lz4,
+                info.rotation_seed.is_some(),
                 self.id.name()
             )));
         }
@@ -375,9 +454,8 @@ impl Codec {
         }
         let os = out_dtype.size() as usize;
         let hd = spec.row_len();
-        let chunk_rows = |c: &Chunk| c.rows.clone();
-        let bad_code =
-            || CodecError::Corrupt("payload holds a NaN or signed scale code the encoder never writes".into());
+        let rot = info.rotation_seed.map(|seed| Rotation::new(hd, seed));
+        let sink = Sink { isa, rot: rot.as_ref(), hd, out_dtype };
         match format {
             Format::Raw => convert(spec, parts.codes(), out_dtype, out, parallel),
             Format::Fp8E4m3 => {
@@ -389,18 +467,10 @@ impl Codec {
                 let codes = parts.codes();
                 let chunks = split_rows(spec.rows(), hd * os, parallel, out, hd * os, &mut [], 0);
                 run(parallel, chunks, |c| {
-                    for (k, r) in chunk_rows(&c).enumerate() {
+                    sink.rows(c, |r, dtype, dst| {
                         let s = if per_row { scales[r] } else { scales[spec.plane_of_row(r)] };
-                        if isa.fp8_decode_row(
-                            &codes[r * hd..(r + 1) * hd],
-                            s,
-                            out_dtype,
-                            &mut c.a[k * hd * os..(k + 1) * hd * os],
-                        ) {
-                            return Err(bad_code());
-                        }
-                    }
-                    Ok(())
+                        isa.fp8_decode_row(&codes[r * hd..(r + 1) * hd], s, dtype, dst)
+                    })
                 })
             }
             Format::Nvfp4 => {
@@ -412,21 +482,17 @@ impl Codec {
                 let (nb, cb) = (hd.div_ceil(16), hd.div_ceil(2));
                 let chunks = split_rows(spec.rows(), hd * os, parallel, out, hd * os, &mut [], 0);
                 run(parallel, chunks, |c| {
-                    for (k, r) in chunk_rows(&c).enumerate() {
-                        let dst = &mut c.a[k * hd * os..(k + 1) * hd * os];
+                    sink.rows(c, |r, dtype, dst| {
                         let gp = g[spec.plane_of_row(r)];
-                        if isa.nvfp4_decode_row(
+                        isa.nvfp4_decode_row(
                             &bs[r * nb..(r + 1) * nb],
                             &codes[r * cb..(r + 1) * cb],
                             gp,
                             hd,
-                            out_dtype,
+                            dtype,
                             dst,
-                        ) {
-                            return Err(bad_code());
-                        }
-                    }
-                    Ok(())
+                        )
+                    })
                 })
             }
         }
@@ -500,25 +566,161 @@ where
     }
 }
 
-/// Largest `|x|` of every plane; [`CodecError::NonFinite`] at the first NaN/Inf in row order.
-fn plane_amax(isa: Isa, block: &KvBlockView, parallel: bool) -> Result<Vec<f32>, CodecError> {
-    let spec = *block.spec();
-    let src = block.bytes();
+/// The rows the quantizing kernels read: the block's own bytes, or (the rotated codecs) its rows
+/// rotated into little-endian f32, a batch at a time.
+struct Source<'a> {
+    isa: Isa,
+    spec: BlockSpec,
+    src: &'a [u8],
+    rot: Option<&'a Rotation>,
+}
+
+impl Source<'_> {
+    /// The dtype of the rows the kernels get.
+    fn kernel_dtype(&self) -> DType {
+        if self.rot.is_some() {
+            DType::Fp32
+        } else {
+            self.spec.dtype
+        }
+    }
+
+    fn src_rows(&self, rows: std::ops::Range<usize>) -> &[u8] {
+        let rb = self.spec.row_len() * self.spec.dtype.size() as usize;
+        &self.src[rows.start * rb..rows.end * rb]
+    }
+
+    /// Rows `rows` as the kernels read them, in one piece (rotated into `scratch` if rotating).
+    fn whole<'s>(&'s self, rows: std::ops::Range<usize>, scratch: &'s mut Vec<u8>) -> &'s [u8] {
+        match self.rot {
+            None => self.src_rows(rows),
+            Some(rot) => {
+                scratch.resize(rows.len() * self.spec.row_len() * 4, 0);
+                rot.forward_rows(self.isa, self.spec.dtype, self.src_rows(rows), scratch);
+                scratch
+            }
+        }
+    }
+
+    /// Calls `f(first row, bytes)` on consecutive runs of whole rows covering `rows`, as the
+    /// kernels read them: all of `rows` at once, or rotated batches of about
+    /// [`ROTATION_BATCH_ELEMENTS`].
+    fn batches<F>(&self, rows: std::ops::Range<usize>, scratch: &mut Vec<u8>, mut f: F) -> Result<(), CodecError>
+    where
+        F: FnMut(usize, &[u8]) -> Result<(), CodecError>,
+    {
+        if self.rot.is_none() {
+            return f(rows.start, self.src_rows(rows));
+        }
+        let per = (ROTATION_BATCH_ELEMENTS / self.spec.row_len()).max(1);
+        let mut r = rows.start;
+        while r < rows.end {
+            let e = (r + per).min(rows.end);
+            f(r, self.whole(r..e, scratch))?;
+            r = e;
+        }
+        Ok(())
+    }
+
+    /// The error for row `r`, whose kernel input holds a NaN or an infinity: the input's own
+    /// NaN/Inf, or (rotating) a finite row that overflowed in the rotation.
+    fn bad_row(&self, r: usize) -> CodecError {
+        let row = self.src_rows(r..r + 1);
+        let bits = scalar::row_amax_bits(self.spec.dtype, row);
+        if self.rot.is_none() || bits >= 0x7F80_0000 {
+            return non_finite(&self.spec, self.src, r);
+        }
+        let (layer, is_v, token, head) = self.spec.locate_row(r);
+        CodecError::InvalidInput(format!(
+            "layer {layer}, {}, token {token}, head {head}: |x| up to {:e} overflows f32 in the Hadamard rotation; \
+             the rotated codecs take |x| below f32::MAX / sqrt(head_dim), use the codec without +had",
+            if is_v { "V" } else { "K" },
+            f32::from_bits(bits)
+        ))
+    }
+
+    /// [`Source::bad_row`] for the first row of `bytes` (kernel rows from row `r0` on) whose amax is
+    /// not finite (one of them is not).
+    fn first_bad_row(&self, r0: usize, bytes: &[u8]) -> CodecError {
+        let krb = self.spec.row_len() * self.kernel_dtype().size() as usize;
+        let k = bytes
+            .chunks_exact(krb)
+            .position(|row| self.isa.row_amax_bits(self.kernel_dtype(), row) >= 0x7F80_0000)
+            .unwrap_or(0);
+        self.bad_row(r0 + k)
+    }
+}
+
+/// Where decoded rows go: straight into the output, or (rotated payloads) through f32 and the
+/// inverse rotation.
+struct Sink<'a> {
+    isa: Isa,
+    rot: Option<&'a Rotation>,
+    hd: usize,
+    out_dtype: DType,
+}
+
+impl Sink<'_> {
+    /// Decodes the rows of chunk `c` into `c.a` through `row(r, dtype, dst)`, which writes row `r`
+    /// into `dst` as `dtype` and returns true on a code the encoder never writes.
+    fn rows<F>(&self, c: Chunk, row: F) -> Result<(), CodecError>
+    where
+        F: Fn(usize, DType, &mut [u8]) -> bool,
+    {
+        let bad_code =
+            || CodecError::Corrupt("payload holds a NaN or signed scale code the encoder never writes".into());
+        let (hd, os) = (self.hd, self.out_dtype.size() as usize);
+        let r0 = c.rows.start;
+        let Some(rot) = self.rot else {
+            for (k, r) in c.rows.enumerate() {
+                if row(r, self.out_dtype, &mut c.a[k * hd * os..(k + 1) * hd * os]) {
+                    return Err(bad_code());
+                }
+            }
+            return Ok(());
+        };
+        let per = (ROTATION_BATCH_ELEMENTS / hd).max(1);
+        let mut scratch = vec![0u8; per.min(c.rows.len()) * hd * 4];
+        let mut b = r0;
+        while b < c.rows.end {
+            let e = (b + per).min(c.rows.end);
+            let f32s = &mut scratch[..(e - b) * hd * 4];
+            for (k, dst) in (b..e).zip(f32s.chunks_exact_mut(hd * 4)) {
+                if row(k, DType::Fp32, dst) {
+                    return Err(bad_code());
+                }
+            }
+            rot.inverse_rows(self.isa, f32s, self.out_dtype, &mut c.a[(b - r0) * hd * os..(e - r0) * hd * os]);
+            b = e;
+        }
+        Ok(())
+    }
+}
+
+/// Largest `|x|` of every plane of the rows `source` gives the kernels; [`CodecError::NonFinite`]
+/// at the first NaN/Inf in row order.
+fn plane_amax(source: &Source, parallel: bool) -> Result<Vec<f32>, CodecError> {
+    let (isa, spec) = (source.isa, source.spec);
     let row_bytes = spec.row_len() * spec.dtype.size() as usize;
     let rows = spec.rows();
+    let kd = source.kernel_dtype();
     let scan = |range: std::ops::Range<usize>| -> Result<Vec<u32>, CodecError> {
         let mut m = vec![0u32; spec.planes()];
+        let mut scratch = Vec::new();
         let mut r = range.start;
         while r < range.end {
             // One kernel call per run of consecutive rows of the same plane (a whole plane's
             // share of the range in layer-first order, `kv_heads` rows in block-first order).
             let p = spec.plane_of_row(r);
             let e = spec.plane_run_end(r).min(range.end);
-            let bits = isa.row_amax_bits(spec.dtype, &src[r * row_bytes..e * row_bytes]);
-            if bits >= 0x7F80_0000 {
-                return Err(first_non_finite(isa, &spec, src, r..e));
-            }
-            m[p] = m[p].max(bits);
+            source.batches(r..e, &mut scratch, |b0, bytes| {
+                let bits = isa.row_amax_bits(kd, bytes);
+                if bits >= 0x7F80_0000 {
+                    return Err(source.first_bad_row(b0, bytes));
+                }
+                m[p] = m[p].max(bits);
+                Ok(())
+            })?;
             r = e;
         }
         Ok(m)
@@ -538,16 +740,6 @@ fn plane_amax(isa: Isa, block: &KvBlockView, parallel: bool) -> Result<Vec<f32>,
         scan(0..rows)?
     };
     Ok(maxes.into_iter().map(f32::from_bits).collect())
-}
-
-/// [`non_finite`] for the first row of `rows` that holds a NaN or Inf (one of them does).
-fn first_non_finite(isa: Isa, spec: &BlockSpec, src: &[u8], rows: std::ops::Range<usize>) -> CodecError {
-    let row_bytes = spec.row_len() * spec.dtype.size() as usize;
-    let start = rows.start;
-    let bad = rows
-        .into_iter()
-        .find(|&q| isa.row_amax_bits(spec.dtype, &src[q * row_bytes..(q + 1) * row_bytes]) >= 0x7F80_0000);
-    non_finite(spec, src, bad.unwrap_or(start))
 }
 
 fn non_finite(spec: &BlockSpec, src: &[u8], r: usize) -> CodecError {

@@ -6,8 +6,11 @@
 //! - [`block`]: [`BlockSpec`] and [`KvBlockView`], the K and V planes `[tokens, kv_heads,
 //!   head_dim]` of every layer of a block, in bf16, fp16 or fp32, in either memory order.
 //! - [`codec`]: [`Codec`], [`encode`] and [`decode`] for the ids named in
-//!   [`kvtier_proto::CodecId`]: raw, raw+LZ4, FP8 E4M3, FP8+LZ4, NVFP4, NVFP4+LZ4. The exact scale
-//!   arithmetic is written at the top of that module.
+//!   [`kvtier_proto::CodecId`]: raw, raw+LZ4, FP8 E4M3, FP8+LZ4, NVFP4, NVFP4+LZ4, and the rotated
+//!   `+had` forms of the four quantizing ones. The exact scale arithmetic is written at the top of
+//!   that module.
+//! - [`rotation`]: the randomized Hadamard rotation along `head_dim` of the `+had` codecs, which
+//!   spreads outlier channels before quantization and is undone after decoding.
 //! - [`payload`]: the self-describing payload (format, shape, dtype, scales) of every codec but raw.
 //! - [`Backend`]: the scalar reference or AVX2+F16C kernels (chosen at run time, identical bytes).
 //! - [`policy`]: [`policy::CodecPolicy`] — which codec per tier, the age rule, `lossless_only`.
@@ -31,12 +34,14 @@ pub mod formats;
 mod kernel;
 pub mod payload;
 pub mod policy;
+pub mod rotation;
 
 pub use block::{BlockSpec, KvBlockView};
-pub use codec::{decode, encode, is_lossless, split_codec, Codec, Fp8Scaling};
+pub use codec::{decode, encode, is_lossless, is_rotated, rotated_variant, split_codec, Codec, Fp8Scaling};
 pub use error::CodecError;
 pub use kernel::Backend;
 pub use payload::{inspect, Format, Fp8ScaleMode, PayloadInfo, PayloadParts};
+pub use rotation::{Rotation, DEFAULT_ROTATION_SEED};
 
 /// Hooks for this crate's own integration tests (golden vectors, backend equality). Not a stable
 /// API.

@@ -1,5 +1,5 @@
 //! The self-describing payload every codec except plain `raw` writes: a 32-byte header saying
-//! format, shape, dtype and scale mode, then a body, LZ4-compressed when the codec says so.
+//! format, shape, dtype, scale mode and rotation, then a body, LZ4-compressed when the codec says so.
 //!
 //! (`raw` payloads are the engine's bytes exactly, because the block frame checks a raw payload's
 //! length against the layout; the frame header carries their shape.)
@@ -10,17 +10,23 @@
 //! |---|---|---|
 //! | 0 | 4 | magic `KVQ1` |
 //! | 4 | 1 | format: 0 raw, 1 fp8-e4m3, 2 nvfp4 |
-//! | 5 | 1 | flags: bit 0 = body is LZ4 (`lz4_flex` block format) |
+//! | 5 | 1 | flags: bit 0 = body is LZ4 (`lz4_flex` block format); bit 1 = rotated (the `+had` codecs: values were rotated along `head_dim` before quantization, see [`crate::rotation`]); other bits zero |
 //! | 6 | 1 | source dtype (`kvtier_proto::DType` code) |
 //! | 7 | 1 | memory order (`kvtier_proto::MemoryOrder` code) |
 //! | 8 | 1 | FP8 scale mode: 0 per (token, head), 1 per tensor, 2 static per tensor; else 0 |
-//! | 9 | 3 | reserved, zero |
+//! | 9 | 1 | rotation scheme: 1 = randomized Hadamard v1 ([`crate::rotation`]) when flags bit 1 is set; else 0 |
+//! | 10 | 2 | rotation seed (u16) when rotated; else 0 |
 //! | 12 | 2 | layers |
 //! | 14 | 2 | kv heads |
 //! | 16 | 2 | head dim |
-//! | 18 | 2 | reserved, zero |
+//! | 18 | 2 | bitwise NOT of the rotation seed when rotated (a check: a corrupted seed is an error, not a silently different rotation); else 0 |
 //! | 20 | 4 | tokens |
 //! | 24 | 8 | body length before compression |
+//!
+//! Payloads written before the rotated codecs existed have zeros in bytes 9..12 and 18..20 and
+//! read the same as before; [`inspect`] refuses any other combination (a rotated format raw, a
+//! scheme without the flag, a seed check that does not match, a non-zero byte where nothing is
+//! rotated).
 //!
 //! Body, in this order (rows as in [`crate::block`]; plane `p = 2·layer + (0 for K, 1 for V)`):
 //!
@@ -30,6 +36,10 @@
 //! - **nvfp4**: one f32 global decode scale per plane, then `ceil(head_dim/16)` E4M3 block-scale
 //!   bytes per row, then `ceil(head_dim/2)` code bytes per row (element 2i in the low nibble,
 //!   a padding nibble is 0). Value = `e2m1(code) × (e4m3(block scale) × global)`.
+//!
+//! A rotated payload's body is exactly the body of its plain format for the rotated rows (the
+//! scales are those of the rotated values); the decoder applies the inverse rotation after
+//! dequantizing.
 
 use std::borrow::Cow;
 
@@ -39,6 +49,10 @@ use crate::{BlockSpec, CodecError};
 
 pub const PAYLOAD_MAGIC: [u8; 4] = *b"KVQ1";
 pub const PAYLOAD_HEADER_LEN: usize = 32;
+/// Header byte 9 of a rotated payload: the randomized Hadamard rotation of [`crate::rotation`].
+pub const ROTATION_SCHEME_HADAMARD: u8 = 1;
+const FLAG_LZ4: u8 = 1;
+const FLAG_ROTATED: u8 = 2;
 
 /// How the body holds the values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -68,6 +82,9 @@ pub struct PayloadInfo {
     /// Shape, source dtype and memory order of the block that was encoded.
     pub spec: BlockSpec,
     pub fp8_scales: Fp8ScaleMode,
+    /// The rotation seed when the rows were rotated before quantization (the `+had` codecs, see
+    /// [`crate::rotation`]); `None` otherwise.
+    pub rotation_seed: Option<u16>,
     /// Body length before compression.
     pub body_len: u64,
 }
@@ -114,7 +131,7 @@ impl PayloadInfo {
             Format::Fp8E4m3 => 1,
             Format::Nvfp4 => 2,
         });
-        out.push(u8::from(self.lz4));
+        out.push(if self.lz4 { FLAG_LZ4 } else { 0 } | if self.rotation_seed.is_some() { FLAG_ROTATED } else { 0 });
         out.push(s.dtype as u8);
         out.push(s.order as u8);
         out.push(match self.fp8_scales {
@@ -122,11 +139,17 @@ impl PayloadInfo {
             Fp8ScaleMode::PerTensor => 1,
             Fp8ScaleMode::Static => 2,
         });
-        out.extend_from_slice(&[0; 3]);
+        match self.rotation_seed {
+            Some(seed) => {
+                out.push(ROTATION_SCHEME_HADAMARD);
+                out.extend_from_slice(&seed.to_le_bytes());
+            }
+            None => out.extend_from_slice(&[0; 3]),
+        }
         out.extend_from_slice(&s.layers.to_le_bytes());
         out.extend_from_slice(&s.kv_heads.to_le_bytes());
         out.extend_from_slice(&s.head_dim.to_le_bytes());
-        out.extend_from_slice(&[0; 2]);
+        out.extend_from_slice(&self.rotation_seed.map_or(0, |seed| !seed).to_le_bytes());
         out.extend_from_slice(&s.tokens.to_le_bytes());
         out.extend_from_slice(&self.body_len.to_le_bytes());
     }
@@ -148,8 +171,9 @@ pub fn inspect(payload: &[u8]) -> Result<PayloadInfo, CodecError> {
         2 => Format::Nvfp4,
         f => return corrupt(format!("unknown format {f}")),
     };
-    if payload[5] > 1 {
-        return corrupt(format!("unknown flags {:#x}", payload[5]));
+    let flags = payload[5];
+    if flags & !(FLAG_LZ4 | FLAG_ROTATED) != 0 {
+        return corrupt(format!("unknown flags {flags:#x}"));
     }
     let dtype = DType::from_code(payload[6].into()).map_err(|e| CodecError::Corrupt(e.to_string()))?;
     let order = MemoryOrder::from_code(payload[7].into()).map_err(|e| CodecError::Corrupt(e.to_string()))?;
@@ -158,6 +182,26 @@ pub fn inspect(payload: &[u8]) -> Result<PayloadInfo, CodecError> {
         1 => Fp8ScaleMode::PerTensor,
         2 => Fp8ScaleMode::Static,
         m => return corrupt(format!("unknown scale mode {m}")),
+    };
+    let (scheme, seed, check) = (payload[9], u16_at(10), u16_at(18));
+    let rotation_seed = if flags & FLAG_ROTATED != 0 {
+        if format == Format::Raw {
+            return corrupt("a raw payload marked rotated".into());
+        }
+        if scheme != ROTATION_SCHEME_HADAMARD {
+            return corrupt(format!("unknown rotation scheme {scheme}"));
+        }
+        if check != !seed {
+            return corrupt(format!("rotation seed {seed:#06x} does not match its check {check:#06x}"));
+        }
+        Some(seed)
+    } else {
+        if scheme != 0 || seed != 0 || check != 0 {
+            return corrupt(format!(
+                "rotation fields (scheme {scheme}, seed {seed:#06x}, check {check:#06x}) in a payload not marked rotated"
+            ));
+        }
+        None
     };
     let spec = BlockSpec {
         layers: u16_at(12),
@@ -170,7 +214,14 @@ pub fn inspect(payload: &[u8]) -> Result<PayloadInfo, CodecError> {
     spec.validate().map_err(|e| CodecError::Corrupt(e.to_string()))?;
     let mut b = [0u8; 8];
     b.copy_from_slice(&payload[24..32]);
-    let info = PayloadInfo { format, lz4: payload[5] & 1 == 1, spec, fp8_scales, body_len: u64::from_le_bytes(b) };
+    let info = PayloadInfo {
+        format,
+        lz4: flags & FLAG_LZ4 != 0,
+        spec,
+        fp8_scales,
+        rotation_seed,
+        body_len: u64::from_le_bytes(b),
+    };
     if info.body_len != info.sections().total() as u64 {
         return corrupt(format!(
             "body length {} does not fit the shape (expected {})",

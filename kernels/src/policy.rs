@@ -203,6 +203,16 @@ mod tests {
         let custom = p.with_tier(Tier::Dram, CodecId::NVFP4).with_tier(Tier::Hbm, CodecId::FP8_E4M3_LZ4);
         assert_eq!(custom.choose(Tier::Dram, None), CodecId::NVFP4);
         assert_eq!(custom.choose(Tier::Hbm, Some(1)), CodecId::RAW_LZ4);
+        // The rotated (+had) codecs are tier codecs like any other; their lossless form keeps LZ4.
+        let had = CodecPolicy::default()
+            .with_tier(Tier::Dram, CodecId::FP8_E4M3_HAD)
+            .with_tier(Tier::Nvme, CodecId::NVFP4_HAD_LZ4);
+        assert!(had.validate().is_ok());
+        assert_eq!(had.choose(Tier::Nvme, None), CodecId::NVFP4_HAD_LZ4);
+        assert_eq!(had.choose(Tier::Nvme, Some(0)), CodecId::RAW_LZ4);
+        assert_eq!(had.choose(Tier::Dram, Some(0)), CodecId::RAW);
+        assert_eq!(lossless_variant(CodecId::FP8_E4M3_HAD_LZ4), CodecId::RAW_LZ4);
+        assert_eq!(lossless_variant(CodecId::NVFP4_HAD), CodecId::RAW);
         assert!(CodecPolicy::lossless().validate().is_ok());
         assert!(CodecPolicy::default().with_tier(Tier::Peer, CodecId(99)).validate().is_err());
     }
