@@ -71,7 +71,7 @@ async fn every_bad_input_gets_a_clear_error_and_nothing_is_lost() {
     let fresh = |seed: u32| {
         let t = tokens(seed, 16);
         let k = ns.keys(&t)[0];
-        ns.frame(k, 16, payload_for(&k, bb as u64))
+        ns.frame(k, 16, payload_for(&k, bb as u64)).unwrap()
     };
 
     // 1. A block whose size doesn't match its layout; the same connection then stores a good one.
@@ -209,7 +209,7 @@ async fn a_client_that_dies_mid_park_leaks_no_pins() {
     };
     raw.0.write_all(&h.encode()).unwrap();
     for k in ns.keys(&t) {
-        let f = ns.frame(k, 16, payload_for(&k, ns.block_bytes()));
+        let f = ns.frame(k, 16, payload_for(&k, ns.block_bytes())).unwrap();
         raw.send_frame(&f.header, &f.payload);
     }
     raw.response().unwrap();

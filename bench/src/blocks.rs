@@ -155,7 +155,7 @@ async fn kvtier_sample(
                 let mut lat = Vec::with_capacity(n);
                 for op in 0..n {
                     let t = Instant::now();
-                    let frame = ns.frame(key(size, run, task, op), bt, data.clone());
+                    let frame = ns.frame(key(size, run, task, op), bt, data.clone())?;
                     let st = client.store_frames(std::slice::from_ref(&frame)).await?;
                     anyhow::ensure!(
                         st.iter().all(|s| *s == kvtier_client::ItemStatus::Ok),

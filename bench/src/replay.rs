@@ -245,7 +245,10 @@ pub async fn replay(
                     }
                 }
                 // The replica prefilled the rest and stores it, as an engine's connector would.
-                let frames: Vec<_> = keys[loaded..].iter().map(|k| ns.frame(*k, BLOCK_TOKENS, block.clone())).collect();
+                let frames = keys[loaded..]
+                    .iter()
+                    .map(|k| ns.frame(*k, BLOCK_TOKENS, block.clone()))
+                    .collect::<Result<Vec<_>, _>>()?;
                 if !frames.is_empty() {
                     let st = client.store_frames(&frames).await?;
                     store_bytes += st.iter().filter(|s| **s == kvtier_client::ItemStatus::Ok).count() as u64

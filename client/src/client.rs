@@ -14,6 +14,9 @@ use kvtier_proto::{pb, BlockFrame, BlockKey, CodecId, KeyChain, Namespace, Names
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 
+use kvtier_kernels::{BlockSpec, KvBlockView};
+use rayon::prelude::*;
+
 use crate::conn::DataPool;
 use crate::ClientError;
 
@@ -50,12 +53,14 @@ impl Default for ClientConfig {
     }
 }
 
-/// A namespace registered with the server, with its key chain.
+/// A namespace registered with the server, with its key chain and the codec this client stores
+/// its blocks with.
 #[derive(Clone)]
 pub struct NamespaceHandle {
     pub namespace: Namespace,
     pub id: NamespaceId,
     chain: KeyChain,
+    codec: CodecId,
 }
 
 impl NamespaceHandle {
@@ -74,9 +79,78 @@ impl NamespaceHandle {
     pub fn block_bytes(&self) -> u64 {
         self.namespace.layout.block_bytes()
     }
-    /// A raw frame of `tokens` tokens under `key`.
-    pub fn frame(&self, key: BlockKey, tokens: u32, payload: Bytes) -> BlockFrame {
-        BlockFrame::new(self.id, key, self.namespace.layout, CodecId::RAW, tokens, payload)
+    /// The same namespace, storing with `codec` (loads decode whatever codec a block was stored
+    /// with, so readers need not agree with writers).
+    pub fn with_codec(mut self, codec: CodecId) -> Result<Self, ClientError> {
+        kvtier_kernels::split_codec(codec)?;
+        self.codec = codec;
+        Ok(self)
+    }
+
+    /// The codec blocks are stored with. Default: raw.
+    pub fn codec(&self) -> CodecId {
+        self.codec
+    }
+
+    /// A frame of `tokens` tokens under `key`; `payload` is the block in the namespace's layout
+    /// (`tokens` tokens of it) and is encoded with the namespace's codec.
+    pub fn frame(&self, key: BlockKey, tokens: u32, payload: Bytes) -> Result<BlockFrame, ClientError> {
+        let layout = self.namespace.layout;
+        let payload = if self.codec == CodecId::RAW {
+            payload
+        } else {
+            let spec = BlockSpec::from_layout(&layout, tokens);
+            Bytes::from(kvtier_kernels::encode(self.codec, &KvBlockView::new(spec, &payload)?)?)
+        };
+        Ok(BlockFrame::new(self.id, key, layout, self.codec, tokens, payload))
+    }
+
+    /// Frames for `(key, tokens, payload)` triples, encoded in parallel when a codec is set.
+    fn frames(&self, blocks: Vec<(BlockKey, u32, Bytes)>) -> Result<Vec<BlockFrame>, ClientError> {
+        if self.codec == CodecId::RAW {
+            blocks.into_iter().map(|(k, n, b)| self.frame(k, n, b)).collect()
+        } else {
+            blocks.into_par_iter().map(|(k, n, b)| self.frame(k, n, b)).collect()
+        }
+    }
+}
+
+/// A loaded frame's payload in the layout's dtype: raw payloads as they are, encoded ones decoded.
+pub fn decode_frame(frame: &BlockFrame) -> Result<Bytes, ClientError> {
+    let h = &frame.header;
+    if h.codec == CodecId::RAW {
+        return Ok(frame.payload.clone());
+    }
+    let spec = BlockSpec::from_layout(&h.layout, h.tokens);
+    Ok(Bytes::from(kvtier_kernels::decode(h.codec, &frame.payload, &spec)?))
+}
+
+/// Decodes `frame` into `out`, which must be exactly the block's size in the layout's dtype.
+pub fn decode_frame_into(frame: &BlockFrame, out: &mut [u8]) -> Result<(), ClientError> {
+    let h = &frame.header;
+    let spec = BlockSpec::from_layout(&h.layout, h.tokens);
+    if out.len() != spec.byte_len() {
+        return Err(ClientError::InvalidArgument(format!(
+            "a block of {} tokens is {} bytes, the buffer has {}",
+            h.tokens,
+            spec.byte_len(),
+            out.len()
+        )));
+    }
+    if h.codec == CodecId::RAW {
+        out.copy_from_slice(&frame.payload);
+        return Ok(());
+    }
+    kvtier_kernels::Codec::new(h.codec).decode_into(&frame.payload, &spec, spec.dtype, out)?;
+    Ok(())
+}
+
+/// Decodes frames in parallel (raw ones are passed through without a copy).
+fn decode_frames(frames: Vec<BlockFrame>) -> Result<Vec<Bytes>, ClientError> {
+    if frames.iter().all(|f| f.header.codec == CodecId::RAW) {
+        Ok(frames.into_iter().map(|f| f.payload).collect())
+    } else {
+        frames.par_iter().map(decode_frame).collect()
     }
 }
 
@@ -126,7 +200,8 @@ impl SessionInfo {
     }
 }
 
-/// A resumed session: its manifest and its KV, full blocks in order then the tail.
+/// A resumed session: its manifest and its KV (in the layout's dtype), full blocks in order then
+/// the tail.
 #[derive(Debug, Clone)]
 pub struct ResumedSession {
     pub info: SessionInfo,
@@ -237,7 +312,7 @@ impl KvClient {
                 message: "server computed another namespace id".into(),
             });
         }
-        Ok(NamespaceHandle { chain: KeyChain::new(&ns), namespace: ns, id })
+        Ok(NamespaceHandle { chain: KeyChain::new(&ns), namespace: ns, id, codec: CodecId::RAW })
     }
 
     /// How many leading tokens of `tokens` the server holds (a multiple of the block size).
@@ -312,18 +387,30 @@ impl KvClient {
         tokens: &[u32],
         blocks: &[Bytes],
     ) -> Result<StoreReport, ClientError> {
+        self.store_from(ns, tokens, 0, blocks).await
+    }
+
+    /// Stores full blocks from block `first_block` of `tokens` on: `blocks[i]` is block
+    /// `first_block + i` (an engine that reused a prefix sends only what it computed).
+    pub async fn store_from(
+        &self,
+        ns: &NamespaceHandle,
+        tokens: &[u32],
+        first_block: usize,
+        blocks: &[Bytes],
+    ) -> Result<StoreReport, ClientError> {
         self.check_context(tokens.len())?;
         let keys = ns.keys(tokens);
-        if blocks.len() > keys.len() {
+        if first_block + blocks.len() > keys.len() {
             return Err(ClientError::InvalidArgument(format!(
-                "{} blocks given for {} tokens, which make only {} full blocks",
+                "{} blocks from block {first_block} given for {} tokens, which make only {} full blocks",
                 blocks.len(),
                 tokens.len(),
                 keys.len()
             )));
         }
         let bt = ns.block_tokens() as u32;
-        let frames: Vec<BlockFrame> = keys.iter().zip(blocks).map(|(k, b)| ns.frame(*k, bt, b.clone())).collect();
+        let frames = ns.frames(keys[first_block..].iter().zip(blocks).map(|(k, b)| (*k, bt, b.clone())).collect())?;
         self.store_checked(&frames).await
     }
 
@@ -355,13 +442,23 @@ impl KvClient {
         Ok(results.into_iter().flatten().collect())
     }
 
-    /// Loads the longest stored prefix of `tokens`: the payloads of its full blocks, in order.
+    /// Loads the longest stored prefix of `tokens`: the payloads of its full blocks, in order,
+    /// in the layout's dtype (decoded if they were stored with a codec).
     pub async fn load(&self, ns: &NamespaceHandle, tokens: &[u32]) -> Result<Vec<Bytes>, ClientError> {
+        decode_frames(self.load_prefix_frames(ns, tokens).await?)
+    }
+
+    /// The frames of the longest stored prefix of `tokens`, as stored (not decoded).
+    pub async fn load_prefix_frames(
+        &self,
+        ns: &NamespaceHandle,
+        tokens: &[u32],
+    ) -> Result<Vec<BlockFrame>, ClientError> {
         let keys = ns.keys(tokens);
         let n = self.lookup_keys(ns, &keys).await?;
         let frames = self.load_keys(ns, &keys[..n]).await?;
         // A block evicted between lookup and load ends the prefix there.
-        Ok(frames.into_iter().map_while(|f| f.map(|f| f.payload)).collect())
+        Ok(frames.into_iter().map_while(|f| f).collect())
     }
 
     /// Frames for a session's blocks: full blocks from `first_block`, then the tail.
@@ -388,15 +485,16 @@ impl KvClient {
             )));
         }
         let bt = ns.block_tokens();
-        let mut frames = Vec::with_capacity(want);
+        let mut parts = Vec::with_capacity(want);
         for (i, b) in blocks.iter().enumerate() {
             let idx = first_block + i;
             let (key, n) = match keys.get(idx) {
                 Some(k) => (*k, bt),
                 None => (tail.unwrap_or(BlockKey([0; 32])), tokens.len() % bt),
             };
-            frames.push(ns.frame(key, n as u32, b.clone()));
+            parts.push((key, n as u32, b.clone()));
         }
+        let frames = ns.frames(parts)?;
         Ok((keys, tail, frames))
     }
 
@@ -537,10 +635,11 @@ impl KvClient {
         let mut all = keys.clone();
         all.extend(tail_key);
         let frames = self.load_keys(ns, &all).await?;
-        let mut blocks = Vec::with_capacity(frames.len());
+        let mut present = Vec::with_capacity(frames.len());
         for (index, f) in frames.into_iter().enumerate() {
-            blocks.push(f.ok_or(ClientError::Missing { index })?.payload);
+            present.push(f.ok_or(ClientError::Missing { index })?);
         }
+        let blocks = decode_frames(present)?;
         let info =
             m.info.map(SessionInfo::from_pb).ok_or_else(|| ClientError::Io("resume answer without info".into()))?;
         Ok(ResumedSession { info, keys, tail_key, blocks })

@@ -99,7 +99,10 @@ impl EngineClient {
         }
     }
 
-    async fn run<T, F, Fut>(&self, op: &'static str, ns: &Namespace, f: F) -> Result<T, Miss>
+    /// Runs `f` with a connected client and `ns`'s handle, within the budget; any error becomes a
+    /// [`Miss`] (counted, and the connection dropped after a transport failure). The building
+    /// block of the calls below, and of bindings that need other calls.
+    pub async fn call<T, F, Fut>(&self, op: &'static str, ns: &Namespace, f: F) -> Result<T, Miss>
     where
         F: FnOnce(KvClient, NamespaceHandle) -> Fut,
         Fut: std::future::Future<Output = Result<T, ClientError>>,
@@ -123,12 +126,12 @@ impl EngineClient {
 
     /// Tokens of `tokens` the server can give back (0 on any failure).
     pub async fn lookup(&self, ns: &Namespace, tokens: &[u32]) -> usize {
-        self.run("lookup", ns, |c, h| async move { c.lookup(&h, tokens).await }).await.unwrap_or(0)
+        self.call("lookup", ns, |c, h| async move { c.lookup(&h, tokens).await }).await.unwrap_or(0)
     }
 
     /// The longest loadable prefix of `tokens`.
     pub async fn load(&self, ns: &Namespace, tokens: &[u32]) -> Loaded {
-        match self.run("load", ns, |c, h| async move { c.load(&h, tokens).await }).await {
+        match self.call("load", ns, |c, h| async move { c.load(&h, tokens).await }).await {
             Ok(blocks) => Loaded { blocks, miss: None },
             Err(m) => Loaded { blocks: Vec::new(), miss: Some(m) },
         }
@@ -136,7 +139,7 @@ impl EngineClient {
 
     /// Stores full blocks; the number stored (0 on failure).
     pub async fn store(&self, ns: &Namespace, tokens: &[u32], blocks: &[Bytes]) -> usize {
-        self.run("store", ns, |c, h| async move { c.store(&h, tokens, blocks).await })
+        self.call("store", ns, |c, h| async move { c.store(&h, tokens, blocks).await })
             .await
             .map(|r| r.stored)
             .unwrap_or(0)
@@ -150,10 +153,10 @@ impl EngineClient {
         blocks: &[Bytes],
         opts: &ParkOptions,
     ) -> Result<SessionInfo, Miss> {
-        self.run("park", ns, |c, h| async move { c.park(&h, id, tokens, blocks, opts, 0).await }).await
+        self.call("park", ns, |c, h| async move { c.park(&h, id, tokens, blocks, opts, 0).await }).await
     }
 
     pub async fn resume(&self, ns: &Namespace, id: &str) -> Result<ResumedSession, Miss> {
-        self.run("resume", ns, |c, h| async move { c.resume(&h, id).await }).await
+        self.call("resume", ns, |c, h| async move { c.resume(&h, id).await }).await
     }
 }

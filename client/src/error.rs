@@ -37,6 +37,9 @@ pub enum ClientError {
     Rejected { index: usize, status: ItemStatus },
     #[error("block {index} is missing on the server")]
     Missing { index: usize },
+    /// Encoding a block for the namespace's codec, or decoding a stored one, failed.
+    #[error("codec: {0}")]
+    Codec(String),
 }
 
 impl ClientError {
@@ -59,7 +62,14 @@ impl ClientError {
             ClientError::Unauthenticated(_) => "unauthenticated",
             ClientError::Rejected { .. } => "rejected",
             ClientError::Missing { .. } => "missing",
+            ClientError::Codec(_) => "codec",
         }
+    }
+}
+
+impl From<kvtier_kernels::CodecError> for ClientError {
+    fn from(e: kvtier_kernels::CodecError) -> Self {
+        ClientError::Codec(e.to_string())
     }
 }
 

@@ -25,7 +25,10 @@ mod conn;
 mod engine;
 mod error;
 
-pub use client::{ClientConfig, KvClient, NamespaceHandle, ParkOptions, ResumedSession, SessionInfo, StoreReport};
+pub use client::{
+    decode_frame, decode_frame_into, ClientConfig, KvClient, NamespaceHandle, ParkOptions, ResumedSession, SessionInfo,
+    StoreReport,
+};
 pub use engine::{EngineClient, Loaded, Miss};
 pub use error::ClientError;
 pub use kvtier_proto::dataplane::ItemStatus;
