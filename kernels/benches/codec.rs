@@ -4,7 +4,9 @@
 //! For every codec it prints the median GB/s of **input** bytes (the engine's bf16 block) for
 //! encode and decode (into a reused bf16 buffer), and the ratio to the median memcpy of the same
 //! block. "1 core" rows keep everything on the calling thread; "all cores" rows let rayon split the
-//! block. No timing is asserted anywhere: this is a report, not a test.
+//! block. No timing is asserted anywhere: this is a report, not a test. The `+had` rows are the
+//! rotated codecs (a randomized Hadamard rotation along `head_dim` before quantizing, undone
+//! after decoding), beside their plain forms.
 //!
 //! Arguments after `--` that do not start with `-` keep only the rows whose codec name or
 //! "codec threads" label equals one of them (e.g. `-- --quick "fp8 (token,head) 1 core" nvfp4`),
@@ -86,6 +88,10 @@ fn main() {
         ("fp8+lz4", CodecId::FP8_E4M3_LZ4, Fp8Scaling::PerTokenHead),
         ("nvfp4", CodecId::NVFP4, Fp8Scaling::PerTokenHead),
         ("nvfp4+lz4", CodecId::NVFP4_LZ4, Fp8Scaling::PerTokenHead),
+        ("fp8+had", CodecId::FP8_E4M3_HAD, Fp8Scaling::PerTokenHead),
+        ("fp8+had+lz4", CodecId::FP8_E4M3_HAD_LZ4, Fp8Scaling::PerTokenHead),
+        ("nvfp4+had", CodecId::NVFP4_HAD, Fp8Scaling::PerTokenHead),
+        ("nvfp4+had+lz4", CodecId::NVFP4_HAD_LZ4, Fp8Scaling::PerTokenHead),
     ];
     let mut variants = vec![("1 core", Backend::Auto, usize::MAX), ("1 core scalar", Backend::Scalar, usize::MAX)];
     if std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) > 1 {

@@ -30,8 +30,9 @@
 //! `y = H · diag(s) · x / sqrt(n)`), then quantized by exactly the rules above, applied to `y`
 //! (amaxes, scales and codes are those of the rotated values). Decoding dequantizes to f32, applies
 //! the inverse rotation with the seed recorded in the payload, and rounds once into the output
-//! dtype. A finite row that overflows f32 when rotated (|x| within `sqrt(n)` of `f32::MAX`) is
-//! [`CodecError::InvalidInput`].
+//! dtype. A row holding a value beyond 2^100 ([`crate::rotation::ROTATION_MAX_INPUT`], ≈ 1.3·10^30)
+//! is [`CodecError::InvalidInput`] for the rotated codecs (NaN/Inf is [`CodecError::NonFinite`] as
+//! for the plain ones), so that neither the rotation nor its inverse can overflow f32.
 //!
 //! Large blocks are split into row ranges handled in parallel (rayon); every row's bytes depend only
 //! on that row and on per-plane values computed first, so the output does not depend on the split.
@@ -43,7 +44,7 @@ use crate::block::{load_f32, BlockSpec, KvBlockView};
 use crate::formats::{canonical_scale, E2M1_MAX, E4M3_MAX, FP8_SCALE_BITS, NVFP4_GLOBAL_BITS};
 use crate::kernel::{scalar, Backend, Isa};
 use crate::payload::{Format, Fp8ScaleMode, PayloadInfo, PayloadParts, PAYLOAD_HEADER_LEN};
-use crate::rotation::{Rotation, DEFAULT_ROTATION_SEED};
+use crate::rotation::{Rotation, DEFAULT_ROTATION_SEED, ROTATION_MAX_DECODED, ROTATION_MAX_INPUT};
 use crate::CodecError;
 
 /// An amax below this is treated as 0 (the scale arithmetic would leave the f32 normal range).
@@ -366,7 +367,7 @@ impl Codec {
             let mut scratch = Vec::new();
             for p in 0..spec.planes() {
                 let rows = p * per_plane..(p + 1) * per_plane;
-                let psrc = source.whole(rows.clone(), &mut scratch);
+                let psrc = source.whole(rows.clone(), &mut scratch)?;
                 let bits = isa.row_amax_bits(kspec.dtype, psrc);
                 if bits >= 0x7F80_0000 {
                     return Err(source.first_bad_row(rows.start, psrc));
@@ -591,15 +592,37 @@ impl Source<'_> {
     }
 
     /// Rows `rows` as the kernels read them, in one piece (rotated into `scratch` if rotating).
-    fn whole<'s>(&'s self, rows: std::ops::Range<usize>, scratch: &'s mut Vec<u8>) -> &'s [u8] {
-        match self.rot {
-            None => self.src_rows(rows),
-            Some(rot) => {
-                scratch.resize(rows.len() * self.spec.row_len() * 4, 0);
-                rot.forward_rows(self.isa, self.spec.dtype, self.src_rows(rows), scratch);
-                scratch
+    /// Rotating, a row holding a NaN, an infinity or a value beyond [`ROTATION_MAX_INPUT`] is an
+    /// error here, before it is rotated.
+    fn whole<'s>(&'s self, rows: std::ops::Range<usize>, scratch: &'s mut Vec<u8>) -> Result<&'s [u8], CodecError> {
+        let Some(rot) = self.rot else {
+            return Ok(self.src_rows(rows));
+        };
+        let src = self.src_rows(rows.clone());
+        if self.isa.row_amax_bits(self.spec.dtype, src) > ROTATION_MAX_INPUT.to_bits() {
+            let bad = rows
+                .clone()
+                .find(|&r| {
+                    let bits = self.isa.row_amax_bits(self.spec.dtype, self.src_rows(r..r + 1));
+                    bits > ROTATION_MAX_INPUT.to_bits()
+                })
+                .unwrap_or(rows.start);
+            let bits = scalar::row_amax_bits(self.spec.dtype, self.src_rows(bad..bad + 1));
+            if bits >= 0x7F80_0000 {
+                return Err(non_finite(&self.spec, self.src, bad));
             }
+            let (layer, is_v, token, head) = self.spec.locate_row(bad);
+            return Err(CodecError::InvalidInput(format!(
+                "layer {layer}, {}, token {token}, head {head}: |x| = {:e} is beyond the rotated codecs' \
+                 limit 2^100 (so that neither the rotation nor its inverse can overflow f32); use the codec \
+                 without +had",
+                if is_v { "V" } else { "K" },
+                f32::from_bits(bits)
+            )));
         }
+        scratch.resize(rows.len() * self.spec.row_len() * 4, 0);
+        rot.forward_rows(self.isa, self.spec.dtype, src, scratch);
+        Ok(scratch)
     }
 
     /// Calls `f(first row, bytes)` on consecutive runs of whole rows covering `rows`, as the
@@ -616,27 +639,16 @@ impl Source<'_> {
         let mut r = rows.start;
         while r < rows.end {
             let e = (r + per).min(rows.end);
-            f(r, self.whole(r..e, scratch))?;
+            f(r, self.whole(r..e, scratch)?)?;
             r = e;
         }
         Ok(())
     }
 
-    /// The error for row `r`, whose kernel input holds a NaN or an infinity: the input's own
-    /// NaN/Inf, or (rotating) a finite row that overflowed in the rotation.
+    /// The error for row `r`, whose kernel input holds a NaN or an infinity (rotated rows never
+    /// do: [`Source::whole`] refuses their sources first).
     fn bad_row(&self, r: usize) -> CodecError {
-        let row = self.src_rows(r..r + 1);
-        let bits = scalar::row_amax_bits(self.spec.dtype, row);
-        if self.rot.is_none() || bits >= 0x7F80_0000 {
-            return non_finite(&self.spec, self.src, r);
-        }
-        let (layer, is_v, token, head) = self.spec.locate_row(r);
-        CodecError::InvalidInput(format!(
-            "layer {layer}, {}, token {token}, head {head}: |x| up to {:e} overflows f32 in the Hadamard rotation; \
-             the rotated codecs take |x| below f32::MAX / sqrt(head_dim), use the codec without +had",
-            if is_v { "V" } else { "K" },
-            f32::from_bits(bits)
-        ))
+        non_finite(&self.spec, self.src, r)
     }
 
     /// [`Source::bad_row`] for the first row of `bytes` (kernel rows from row `r0` on) whose amax is
@@ -689,6 +701,10 @@ impl Sink<'_> {
                 if row(k, DType::Fp32, dst) {
                     return Err(bad_code());
                 }
+            }
+            // The encoder's values stay far below this; larger ones could overflow in the inverse.
+            if self.isa.row_amax_bits(DType::Fp32, f32s) > ROTATION_MAX_DECODED.to_bits() {
+                return Err(CodecError::Corrupt("rotated payload decodes to values the encoder never writes".into()));
             }
             rot.inverse_rows(self.isa, f32s, self.out_dtype, &mut c.a[(b - r0) * hd * os..(e - r0) * hd * os]);
             b = e;

@@ -19,11 +19,15 @@
 //!   then one product `· m_i` per element. `H · H = n · I`, so this undoes the forward transform
 //!   up to f32 rounding (about 1e-7 relative).
 //!
-//! Every step is a single IEEE operation in a fixed order, so the vector build (AVX2, the same
-//! code compiled with the wider instructions) writes exactly the scalar bytes.
+//! Every step is a single IEEE operation in a fixed order, so the AVX2 kernel (stages 1, 2 and 4
+//! inside a vector, the wider ones across vectors, two stages per pass) writes exactly the scalar
+//! bytes.
 //!
-//! A finite row can only overflow here when `|x|` is within `sqrt(n)` of `f32::MAX` (above about
-//! 3·10^37 for `n = 128`); the codecs refuse such a row with [`crate::CodecError::InvalidInput`].
+//! **Range.** The codecs rotate rows whose `|x|` is at most [`ROTATION_MAX_INPUT`] (2^100) and
+//! refuse others with [`crate::CodecError::InvalidInput`]: then every intermediate value of the
+//! forward transform (at most `sqrt(n) · |x|`) and of the inverse on decoded values (at most
+//! `n · |ŷ|`, `n ≤ 2^15`) stays far inside f32, and a decoded value beyond [`ROTATION_MAX_DECODED`]
+//! (which the encoder cannot produce) marks a corrupt payload.
 //!
 //! ```
 //! use kvtier_kernels::rotation::{Rotation, DEFAULT_ROTATION_SEED};
@@ -46,6 +50,14 @@ use crate::kernel::Isa;
 /// ([`crate::Codec::with_rotation_seed`]). Every payload records its own seed, so decoding never
 /// depends on this value.
 pub const DEFAULT_ROTATION_SEED: u16 = 0x4B56;
+
+/// The largest `|x|` the rotated codecs accept (2^100, the mirror of the 2^-100 below which an
+/// amax counts as zero).
+pub const ROTATION_MAX_INPUT: f32 = 1.267_650_6e30;
+
+/// The largest decoded (still rotated) `|value|` a rotated payload may hold: 2^110, above anything
+/// the encoder writes for inputs up to [`ROTATION_MAX_INPUT`] (at most `sqrt(n) · 2^100 · 9/8`).
+pub const ROTATION_MAX_DECODED: f32 = 1.298_074_2e33;
 
 /// The power-of-two chunk lengths a row of `head_dim` channels is rotated in, largest first (the
 /// binary digits of `head_dim`; one chunk when it is a power of two).
@@ -128,7 +140,6 @@ impl Rotation {
         y.iter_mut().zip(&self.mul).for_each(|(v, m)| *v *= m);
     }
 
-    #[inline(always)]
     fn butterflies(&self, x: &mut [f32]) {
         let mut rest = x;
         for &n in &self.chunks {
@@ -143,8 +154,9 @@ impl Rotation {
     pub(crate) fn forward_rows(&self, isa: Isa, dtype: DType, src: &[u8], out: &mut [u8]) {
         #[cfg(target_arch = "x86_64")]
         if let Isa::Avx2(_) = isa {
+            let mut buf = vec![0f32; self.head_dim()];
             // SAFETY: an Avx2 Isa exists only after AVX2, F16C and FMA were detected.
-            return unsafe { self.forward_rows_avx2(dtype, src, out) };
+            return unsafe { crate::kernel::avx2::rotate_rows(dtype, src, &self.mul, &self.chunks, &mut buf, out) };
         }
         let _ = isa;
         self.forward_rows_impl(dtype, src, out)
@@ -155,29 +167,15 @@ impl Rotation {
     pub(crate) fn inverse_rows(&self, isa: Isa, src: &[u8], dtype: DType, dst: &mut [u8]) {
         #[cfg(target_arch = "x86_64")]
         if let Isa::Avx2(_) = isa {
+            let mut buf = vec![0f32; self.head_dim()];
             // SAFETY: as above.
-            return unsafe { self.inverse_rows_avx2(src, dtype, dst) };
+            return unsafe { crate::kernel::avx2::unrotate_rows(src, &self.mul, &self.chunks, &mut buf, dtype, dst) };
         }
         let _ = isa;
         self.inverse_rows_impl(src, dtype, dst)
     }
 
-    /// The same code as the scalar build, compiled with AVX2 enabled: every operation is the same
-    /// IEEE add, subtract or multiply on the same values (Rust never contracts `a * b + c`), so
-    /// the bytes are the same.
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,f16c,fma")]
-    unsafe fn forward_rows_avx2(&self, dtype: DType, src: &[u8], out: &mut [u8]) {
-        self.forward_rows_impl(dtype, src, out)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,f16c,fma")]
-    unsafe fn inverse_rows_avx2(&self, src: &[u8], dtype: DType, dst: &mut [u8]) {
-        self.inverse_rows_impl(src, dtype, dst)
-    }
-
-    #[inline(always)]
+    /// The scalar reference of [`Rotation::forward_rows`]; the AVX2 kernel writes the same bytes.
     fn forward_rows_impl(&self, dtype: DType, src: &[u8], out: &mut [u8]) {
         let hd = self.head_dim();
         let es = dtype.size() as usize;
@@ -207,7 +205,7 @@ impl Rotation {
         }
     }
 
-    #[inline(always)]
+    /// The scalar reference of [`Rotation::inverse_rows`]; the AVX2 kernel writes the same bytes.
     fn inverse_rows_impl(&self, src: &[u8], dtype: DType, dst: &mut [u8]) {
         let hd = self.head_dim();
         let es = dtype.size() as usize;
@@ -247,7 +245,6 @@ impl Rotation {
 /// The unnormalized fast Walsh–Hadamard transform of a power-of-two slice, in place: stages
 /// `h = 1, 2, 4, …, n/2`, each replacing every pair `(x[j], x[j + h])` (with `j & h == 0`) by
 /// `(x[j] + x[j + h], x[j] - x[j + h])`.
-#[inline(always)]
 pub(crate) fn fwht(x: &mut [f32]) {
     let n = x.len();
     debug_assert!(n.is_power_of_two());
@@ -295,6 +292,12 @@ mod tests {
                 assert!((f64::from(*yi) - want).abs() < 1e-5, "n {n} i {i}");
             }
         }
+    }
+
+    #[test]
+    fn limits_are_powers_of_two() {
+        assert_eq!(ROTATION_MAX_INPUT, 2f32.powi(100));
+        assert_eq!(ROTATION_MAX_DECODED, 2f32.powi(110));
     }
 
     #[test]
@@ -363,10 +366,11 @@ mod tests {
         if Backend::avx2_available() {
             isas.push(Backend::Avx2.resolve().unwrap());
         }
-        for hd in [16usize, 96, 128] {
+        // Every mix of in-vector, two-stage, one-stage and short-chunk paths.
+        for hd in [1usize, 7, 8, 16, 24, 32, 64, 96, 100, 128, 256, 512, 576] {
             let rot = Rotation::new(hd, 3);
-            let x = pseudo_random(4 * hd, 9);
-            for dtype in [DType::Bf16, DType::Fp16, DType::Fp32] {
+            let x: Vec<f32> = pseudo_random(4 * hd, 9).iter().map(|v| v * 300.0).collect();
+            for dtype in [DType::Bf16, DType::Fp16, DType::Fp32, DType::Fp8E4m3] {
                 let src: Vec<u8> = (0..x.len())
                     .flat_map(|i| {
                         let mut b = vec![0u8; dtype.size() as usize];

@@ -211,8 +211,8 @@ fn backends_agree_on(spec: BlockSpec, x: &[f32]) {
         }
         let want = match want {
             Ok(p) => p,
-            // Only a rotated codec may refuse a finite block (a value that overflows when
-            // rotated); then every backend refuses it the same way.
+            // Only a rotated codec may refuse a finite block (a value beyond 2^100); then every
+            // backend refuses it the same way.
             Err(e) => {
                 assert!(kvtier_kernels::is_rotated(id), "{id:?}: {e}");
                 assert!(matches!(e, CodecError::InvalidInput(_)), "{id:?}: {e}");
@@ -268,7 +268,7 @@ fn backends_agree_on_edges() {
     let per_plane = n / spec.planes();
     x[..per_plane].iter_mut().enumerate().for_each(|(i, v)| *v = 1e-36 * (i as f32 - 20.0));
     backends_agree_on(spec, &x);
-    // The huge values overflow when rotated (the rotated codecs refuse the block above); without
+    // The huge values are beyond the rotated codecs' 2^100 (they refuse the block above); without
     // them the rotated codecs see every other edge.
     let no_huge: Vec<f32> = x.iter().map(|v| v.clamp(-1e30, 1e30)).collect();
     backends_agree_on(spec, &no_huge);

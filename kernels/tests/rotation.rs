@@ -302,24 +302,41 @@ fn composite_head_dims() {
     }
 }
 
-/// Values too large to rotate in f32 are refused with a clear error, not saturated silently.
+/// Values beyond 2^100 are refused with a clear error (not saturated silently); NaN/Inf is
+/// reported as for the plain codecs; a payload whose decoded values are beyond anything the
+/// encoder writes is corrupt.
 #[test]
-fn overflow_is_refused() {
-    let spec = BlockSpec::new(1, 1, 1, 64, DType::Fp32);
-    // Each channel is fine, but the rotated rows' first element adds them all (with signs).
-    let signs = kvtier_kernels::rotation::rotation_signs(64, DEFAULT_ROTATION_SEED);
-    let mut x: Vec<f32> = (0..128).map(|i| 3.0e38 * signs[i % 64]).collect();
-    let bytes = to_bytes(DType::Fp32, &x);
-    let view = KvBlockView::new(spec, &bytes).unwrap();
-    assert!(encode(CodecId::NVFP4, &view).is_ok());
-    match encode(CodecId::NVFP4_HAD, &view) {
-        Err(CodecError::InvalidInput(m)) => assert!(m.contains("overflows"), "{m}"),
-        other => panic!("{other:?}"),
+fn range_limits() {
+    let spec = BlockSpec::new(1, 2, 1, 64, DType::Fp32);
+    let mut x = vec![1.0f32; spec.elements()];
+    x[64 * 2 + 3] = 1.0e30; // below 2^100: fine
+    let ok = to_bytes(DType::Fp32, &x);
+    for id in [CodecId::NVFP4_HAD, CodecId::FP8_E4M3_HAD] {
+        let p = encode(id, &KvBlockView::new(spec, &ok).unwrap()).unwrap();
+        let y = from_bytes(DType::Fp32, &decode(id, &p, &spec).unwrap());
+        assert!((y[64 * 2 + 3] - 1.0e30).abs() < 0.2e30, "{id:?} {}", y[64 * 2 + 3]);
     }
-    assert!(matches!(encode(CodecId::FP8_E4M3_HAD, &view), Err(CodecError::InvalidInput(_))));
+    x[64 * 3 + 7] = -2.0e30; // row 3: layer 0, V, token 1
+    let big = to_bytes(DType::Fp32, &x);
+    let view = KvBlockView::new(spec, &big).unwrap();
+    assert!(encode(CodecId::NVFP4, &view).is_ok());
+    for id in [CodecId::NVFP4_HAD, CodecId::FP8_E4M3_HAD, CodecId::NVFP4_HAD_LZ4] {
+        for scaling in [Fp8Scaling::PerTokenHead, Fp8Scaling::PerTensor] {
+            match Codec::new(id).with_fp8_scaling(scaling).encode(&view) {
+                Err(CodecError::InvalidInput(m)) => {
+                    assert!(m.contains("2^100") && m.contains("V, token 1"), "{m}")
+                }
+                other => panic!("{id:?} {other:?}"),
+            }
+        }
+    }
     // A NaN is still reported as the input's NaN, at its place.
-    x[9] = f32::NAN;
-    let bytes = to_bytes(DType::Fp32, &x);
-    let view = KvBlockView::new(spec, &bytes).unwrap();
+    x[64 * 3 + 9] = f32::NAN;
+    let nan = to_bytes(DType::Fp32, &x);
+    let view = KvBlockView::new(spec, &nan).unwrap();
     assert!(matches!(encode(CodecId::FP8_E4M3_HAD, &view), Err(CodecError::NonFinite { dim: 9, .. })));
+    // A payload with a huge (finite) FP8 scale: values the encoder never writes.
+    let mut p = encode(CodecId::FP8_E4M3_HAD, &KvBlockView::new(spec, &ok).unwrap()).unwrap();
+    p[32..36].copy_from_slice(&3.0e38f32.to_le_bytes());
+    assert!(matches!(decode(CodecId::FP8_E4M3_HAD, &p, &spec), Err(CodecError::Corrupt(_))));
 }

@@ -1063,6 +1063,176 @@ pub(crate) unsafe fn e2m1_slice(xs: &[f32], out: &mut [u8]) {
     }
 }
 
+/// Stages `h = 1, 2, 4` of the fast Walsh–Hadamard transform (`crate::rotation::fwht`) on eight
+/// lanes, in the reference's order: for each stage, lane `j` with `j & h == 0` takes
+/// `x[j] + x[j + h]` and lane `j + h` takes `x[j] - x[j + h]`. Each is one FMA
+/// `x · (±1) + swapped`: the product is exact (a sign), so the single rounding is that of the
+/// reference's `p + q` (lane `j`: `x[j] · 1 + x[j + h]`) or `p - q` (lane `j + h`:
+/// `x[j + h] · (-1) + x[j]`), signed zeros included.
+#[inline]
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn fwht8(x: __m256) -> __m256 {
+    // h = 1: lanes [1, 0, 3, 2, …]; odd lanes take the difference.
+    let s = _mm256_permute_ps::<0b10_11_00_01>(x);
+    let x = _mm256_fmadd_ps(x, _mm256_setr_ps(1.0, -1.0, 1.0, -1.0, 1.0, -1.0, 1.0, -1.0), s);
+    // h = 2: lanes [2, 3, 0, 1, …]; lanes 2, 3, 6, 7 take the difference.
+    let s = _mm256_permute_ps::<0b01_00_11_10>(x);
+    let x = _mm256_fmadd_ps(x, _mm256_setr_ps(1.0, 1.0, -1.0, -1.0, 1.0, 1.0, -1.0, -1.0), s);
+    // h = 4: the two halves swapped; the upper half takes the difference.
+    let s = _mm256_permute2f128_ps::<1>(x, x);
+    _mm256_fmadd_ps(x, _mm256_setr_ps(1.0, 1.0, 1.0, 1.0, -1.0, -1.0, -1.0, -1.0), s)
+}
+
+/// The butterfly stages of `crate::rotation::fwht` that [`fwht8`] does not do, on a row already
+/// through [`fwht8`] in its first `hd & !7` elements: stages `h ≥ 8` of every chunk of 16 or
+/// more, two stages at a time where it can (four vectors `a, b, c, d` at `j, j + h, j + 2h,
+/// j + 3h`: `(a + b) ± (c + d)`, `(a - b) ± (c - d)`, the same operations in the same order as two
+/// separate stages), and every stage of the chunks shorter than 8 (scalar).
+#[inline]
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn wht_rest(buf: &mut [f32], chunks: &[usize]) {
+    let p = buf.as_mut_ptr();
+    let mut off = 0;
+    for &n in chunks {
+        if n < 8 {
+            crate::rotation::fwht(&mut buf[off..off + n]);
+            off += n;
+            continue;
+        }
+        debug_assert!(off + n <= buf.len() && off % 8 == 0);
+        let mut h = 8;
+        while h < n {
+            let mut b = off;
+            if 2 * h < n {
+                // Stages h and 2h together.
+                while b < off + n {
+                    let mut j = b;
+                    while j < b + h {
+                        // SAFETY: j + 3h + 8 ≤ b + 4h ≤ off + n ≤ buf.len() (b steps by 4h inside the chunk).
+                        let (a, bb) = (_mm256_loadu_ps(p.add(j)), _mm256_loadu_ps(p.add(j + h)));
+                        let (c, d) = (_mm256_loadu_ps(p.add(j + 2 * h)), _mm256_loadu_ps(p.add(j + 3 * h)));
+                        let (s0, s1) = (_mm256_add_ps(a, bb), _mm256_sub_ps(a, bb));
+                        let (s2, s3) = (_mm256_add_ps(c, d), _mm256_sub_ps(c, d));
+                        _mm256_storeu_ps(p.add(j), _mm256_add_ps(s0, s2));
+                        _mm256_storeu_ps(p.add(j + h), _mm256_add_ps(s1, s3));
+                        _mm256_storeu_ps(p.add(j + 2 * h), _mm256_sub_ps(s0, s2));
+                        _mm256_storeu_ps(p.add(j + 3 * h), _mm256_sub_ps(s1, s3));
+                        j += 8;
+                    }
+                    b += 4 * h;
+                }
+                h *= 4;
+            } else {
+                while b < off + n {
+                    let mut j = b;
+                    while j < b + h {
+                        // SAFETY: j + h + 8 ≤ b + 2h ≤ off + n ≤ buf.len().
+                        let (a, bb) = (_mm256_loadu_ps(p.add(j)), _mm256_loadu_ps(p.add(j + h)));
+                        _mm256_storeu_ps(p.add(j), _mm256_add_ps(a, bb));
+                        _mm256_storeu_ps(p.add(j + h), _mm256_sub_ps(a, bb));
+                        j += 8;
+                    }
+                    b += 2 * h;
+                }
+                h *= 2;
+            }
+        }
+        off += n;
+    }
+}
+
+/// The forward rotation of `crate::rotation::Rotation` on whole rows: elements of `dtype` from
+/// `src`, times `mul`, then the transform per chunk; written to `out` as little-endian f32.
+/// `buf` is scratch of `mul.len()` (= head_dim) elements.
+#[target_feature(enable = "avx2,f16c,fma")]
+pub(crate) unsafe fn rotate_rows(
+    dtype: DType,
+    src: &[u8],
+    mul: &[f32],
+    chunks: &[usize],
+    buf: &mut [f32],
+    out: &mut [u8],
+) {
+    by_dtype!(dtype, rotate_rows_t(src, mul, chunks, buf, out))
+}
+
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn rotate_rows_t<const D: u8>(src: &[u8], mul: &[f32], chunks: &[usize], buf: &mut [f32], out: &mut [u8]) {
+    let dtype = dt(D);
+    let hd = mul.len();
+    assert!(buf.len() == hd);
+    // Elements 0..v lie in chunks of 8 or more (the chunks are largest first), v..hd in shorter ones.
+    let v = hd & !7;
+    for (s, o) in src.chunks_exact(hd * dtype.size() as usize).zip(out.chunks_exact_mut(hd * 4)) {
+        let mut i = 0;
+        while i < v {
+            // SAFETY: i + 8 ≤ v ≤ hd: inside the row s, mul and buf.
+            let x = _mm256_mul_ps(load8::<D>(s, i), _mm256_loadu_ps(mul.as_ptr().add(i)));
+            _mm256_storeu_ps(buf.as_mut_ptr().add(i), fwht8(x));
+            i += 8;
+        }
+        for k in v..hd {
+            buf[k] = crate::block::load_f32(dtype, s, k) * mul[k];
+        }
+        wht_rest(buf, chunks);
+        let mut i = 0;
+        while i < v {
+            // SAFETY: elements i..i + 8 of buf, bytes 4i..4i + 32 of o (o holds 4·hd bytes).
+            _mm256_storeu_ps(o.as_mut_ptr().add(4 * i) as *mut f32, _mm256_loadu_ps(buf.as_ptr().add(i)));
+            i += 8;
+        }
+        for k in v..hd {
+            o[4 * k..4 * k + 4].copy_from_slice(&buf[k].to_le_bytes());
+        }
+    }
+}
+
+/// The inverse rotation of `crate::rotation::Rotation` on whole rows: little-endian f32 from
+/// `src`, the transform per chunk, then times `mul`, stored as `dtype` in `dst` (rounding like
+/// `block::store_f32`). `buf` is scratch of `mul.len()` elements.
+#[target_feature(enable = "avx2,f16c,fma")]
+pub(crate) unsafe fn unrotate_rows(
+    src: &[u8],
+    mul: &[f32],
+    chunks: &[usize],
+    buf: &mut [f32],
+    dtype: DType,
+    dst: &mut [u8],
+) {
+    by_dtype!(dtype, unrotate_rows_t(src, mul, chunks, buf, dst))
+}
+
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn unrotate_rows_t<const D: u8>(src: &[u8], mul: &[f32], chunks: &[usize], buf: &mut [f32], dst: &mut [u8]) {
+    let dtype = dt(D);
+    let hd = mul.len();
+    assert!(buf.len() == hd);
+    let v = hd & !7;
+    for (s, o) in src.chunks_exact(hd * 4).zip(dst.chunks_exact_mut(hd * dtype.size() as usize)) {
+        let mut i = 0;
+        while i < v {
+            // SAFETY: bytes 4i..4i + 32 of s (4·hd bytes), elements i..i + 8 of buf.
+            let x = _mm256_loadu_ps(s.as_ptr().add(4 * i) as *const f32);
+            _mm256_storeu_ps(buf.as_mut_ptr().add(i), fwht8(x));
+            i += 8;
+        }
+        for k in v..hd {
+            buf[k] = f32::from_le_bytes([s[4 * k], s[4 * k + 1], s[4 * k + 2], s[4 * k + 3]]);
+        }
+        wht_rest(buf, chunks);
+        let mut i = 0;
+        while i < v {
+            // SAFETY: elements i..i + 8 of buf and mul; store8 writes elements i..i + 8 of the row o.
+            let x = _mm256_mul_ps(_mm256_loadu_ps(buf.as_ptr().add(i)), _mm256_loadu_ps(mul.as_ptr().add(i)));
+            store8::<D>(o, i, x);
+            i += 8;
+        }
+        for k in v..hd {
+            crate::block::store_f32(dtype, o, k, buf[k] * mul[k]);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
