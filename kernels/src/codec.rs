@@ -358,31 +358,44 @@ impl Codec {
         let kspec = spec.with_dtype(source.kernel_dtype());
         let per_plane = spec.rows() / spec.planes();
         let plane_fits = source.rot.is_none() || per_plane * hd * 4 <= ROTATION_PLANE_SCRATCH;
-        if !parallel && spec.order == MemoryOrder::LayerFirst && plane_fits {
+        let per_plane_pass = spec.order == MemoryOrder::LayerFirst && plane_fits && (!parallel || source.rot.is_some());
+        if per_plane_pass {
             // One plane at a time (its rows are contiguous): its amax, then its codes while its
             // bytes are still in cache (rotated once, when rotating). The same bytes as the two
             // passes below; on a NaN or Inf the partly written body is discarded by the caller.
+            // Rotating, the planes are also the parallel split (each plane is rotated once).
             let row_bytes = hd * es;
-            let (mut g, mut enc) = (vec![0f32; spec.planes()], vec![0f32; spec.planes()]);
-            let mut scratch = Vec::new();
-            for p in 0..spec.planes() {
+            let planes = scales
+                .chunks_exact_mut(4)
+                .zip(bs.chunks_exact_mut(per_plane * nb).zip(codes.chunks_exact_mut(per_plane * cb)))
+                .enumerate();
+            type Plane<'b> = (usize, (&'b mut [u8], (&'b mut [u8], &'b mut [u8])));
+            let plane = |scratch: &mut Vec<u8>, (p, (pscale, (pbs, pcodes))): Plane| {
                 let rows = p * per_plane..(p + 1) * per_plane;
-                let psrc = source.whole(rows.clone(), &mut scratch)?;
+                let psrc = source.whole(rows.clone(), scratch)?;
                 let bits = isa.row_amax_bits(kspec.dtype, psrc);
                 if bits >= 0x7F80_0000 {
                     return Err(source.first_bad_row(rows.start, psrc));
                 }
+                // The kernel reads the scales of the planes of its rows: only plane p's here.
+                let (mut g, mut enc) = (vec![0f32; spec.planes()], vec![0f32; spec.planes()]);
                 (g[p], enc[p]) = nvfp4_scales(f32::from_bits(bits));
-                scales[4 * p..4 * p + 4].copy_from_slice(&g[p].to_le_bytes());
-                let (pbs, pcodes) =
-                    (&mut bs[rows.start * nb..rows.end * nb], &mut codes[rows.start * cb..rows.end * cb]);
+                pscale.copy_from_slice(&g[p].to_le_bytes());
                 let next = match source.rot {
                     None => &src[rows.end * row_bytes..((rows.end + per_plane) * row_bytes).min(src.len())],
                     Some(_) => &[],
                 };
                 isa.nvfp4_encode_rows(&kspec, rows.start, psrc, next, &g, &enc, pbs, pcodes);
-            }
-            return Ok(());
+                Ok(())
+            };
+            return if parallel {
+                let results: Vec<Result<(), CodecError>> =
+                    planes.collect::<Vec<_>>().into_par_iter().map_init(Vec::new, plane).collect();
+                results.into_iter().collect()
+            } else {
+                let mut scratch = Vec::new();
+                planes.map(|item| plane(&mut scratch, item)).collect()
+            };
         }
         let amax = plane_amax(source, parallel)?;
         let (g, enc): (Vec<f32>, Vec<f32>) = amax.iter().map(|&a| nvfp4_scales(a)).unzip();
