@@ -365,7 +365,7 @@ impl Codec {
             // passes below; on a NaN or Inf the partly written body is discarded by the caller.
             // Rotating, the planes are also the parallel split (each plane is rotated once).
             let row_bytes = hd * es;
-            let planes = scales
+            let mut planes = scales
                 .chunks_exact_mut(4)
                 .zip(bs.chunks_exact_mut(per_plane * nb).zip(codes.chunks_exact_mut(per_plane * cb)))
                 .enumerate();
@@ -394,7 +394,7 @@ impl Codec {
                 results.into_iter().collect()
             } else {
                 let mut scratch = Vec::new();
-                planes.map(|item| plane(&mut scratch, item)).collect()
+                planes.try_for_each(|item| plane(&mut scratch, item))
             };
         }
         let amax = plane_amax(source, parallel)?;
