@@ -20,12 +20,12 @@ use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyDict};
 use rayon::prelude::*;
 
-create_exception!(_native, KvtierError, PyException, "Base class of every kvtier error.");
-create_exception!(_native, UnavailableError, KvtierError, "The server could not be reached in time.");
-create_exception!(_native, CapacityError, KvtierError, "The server has no room (everything resident is pinned).");
-create_exception!(_native, SessionNotFoundError, KvtierError, "No such session (never parked, dropped or expired).");
-create_exception!(_native, VersionConflictError, KvtierError, "A session changed since the version given.");
-create_exception!(_native, InvalidRequestError, KvtierError, "The request does not fit the namespace or the server.");
+create_exception!(kvtier, KvtierError, PyException, "Base class of every kvtier error.");
+create_exception!(kvtier, UnavailableError, KvtierError, "The server could not be reached in time.");
+create_exception!(kvtier, CapacityError, KvtierError, "The server has no room (everything resident is pinned).");
+create_exception!(kvtier, SessionNotFoundError, KvtierError, "No such session (never parked, dropped or expired).");
+create_exception!(kvtier, VersionConflictError, KvtierError, "A session changed since the version given.");
+create_exception!(kvtier, InvalidRequestError, KvtierError, "The request does not fit the namespace or the server.");
 
 /// The one runtime every client of this process shares.
 fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
@@ -356,7 +356,8 @@ impl Client {
                 kv.len()
             )));
         }
-        let blocks = split_blocks(kv, kv.len() / bb, bb, 0)?;
+        let full = kv.len() / bb;
+        let blocks = split_blocks(kv, full, bb, 0)?;
         self.run(
             py,
             "store",

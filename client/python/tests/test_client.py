@@ -1,0 +1,125 @@
+"""The Python client against a real server: buffers in and out, codecs, sessions, and errors as
+exceptions (raising mode) or misses (never-raise mode)."""
+
+import numpy as np
+import pytest
+
+import kvtier
+
+
+def ns(codec="raw", tenant="acme"):
+    return kvtier.Namespace(tenant, "m@1", layers=2, kv_heads=2, head_dim=64, dtype="fp32", block_tokens=16, codec=codec)
+
+
+def kv_for(n_tokens, seed=0):
+    per_token = ns().token_bytes // 4
+    return np.random.default_rng(seed).standard_normal(n_tokens * per_token).astype(np.float32)
+
+
+def test_store_lookup_load_round_trip(server):
+    c = kvtier.Client(server.addr, never_raise=False)
+    n = ns()
+    toks = list(range(1000, 1040))  # 2 full blocks + 8 tokens
+    kv = kv_for(32)
+    assert c.store(n, toks, kv) == 2
+    assert c.lookup(n, toks) == 32
+    out = np.zeros_like(kv)
+    assert c.load_into(n, toks, out) == 32
+    np.testing.assert_array_equal(out, kv)
+    # `load` returns a new bytearray; a view as float32 is the same KV.
+    back = np.frombuffer(c.load(n, toks), dtype=np.float32)
+    np.testing.assert_array_equal(back, kv)
+    # An output with room for one block gets one block.
+    small = np.zeros(n.block_bytes // 4, dtype=np.float32)
+    assert c.load_into(n, toks, small) == 16
+    np.testing.assert_array_equal(small, kv[: len(small)])
+    # Stores from a later block send only those blocks.
+    toks2 = list(range(2000, 2048))
+    assert c.store(n, toks2, kv_for(16, 1), first_block=2) == 1
+    assert c.lookup(n, toks2) == 0  # blocks 0 and 1 are missing, so no prefix
+    assert c.store(n, toks2, kv_for(32, 2)) == 2
+    assert c.lookup(n, toks2) == 48
+
+
+def test_codecs_shrink_and_decode(server):
+    c = kvtier.Client(server.addr, never_raise=False)
+    toks = list(range(3000, 3064))
+    kv = kv_for(64, 3)
+    for codec, bound in [("fp8", 0.07), ("nvfp4", 0.2), ("nvfp4+had", 0.2), ("raw+lz4", 0.0)]:
+        w = ns(codec, tenant=f"codec-{codec}")
+        assert w.codec == kvtier.Namespace("x", "y", layers=1, kv_heads=1, head_dim=16, codec=codec).codec
+        assert c.store(w, toks, kv) == 4
+        out = np.zeros_like(kv)
+        assert c.load_into(ns(tenant=f"codec-{codec}"), toks, out) == 64  # a raw reader decodes
+        err = np.abs(out - kv).max() / np.abs(kv).max()
+        assert err <= bound, (codec, err)
+        if bound:
+            assert err > 0
+    with pytest.raises(ValueError, match="unknown codec"):
+        ns("int3")
+
+
+def test_sessions_and_their_errors(server):
+    c = kvtier.Client(server.addr, never_raise=False)
+    n = ns(tenant="sessions")
+    toks = list(range(40))
+    kv = kv_for(40, 4)
+    info = c.park(n, "s1", toks, kv, ttl_s=60, priority=2)
+    assert (info["token_count"], info["blocks"], info["has_tail"], info["priority"]) == (40, 2, True, 2)
+    got_info, got_kv = c.resume(n, "s1")
+    np.testing.assert_array_equal(np.frombuffer(got_kv, dtype=np.float32), kv)
+    # Extend: whole context now 56 tokens; KV from block 2 (token 32) on.
+    toks2 = toks + list(range(500, 516))
+    kv2 = kv_for(56, 5)
+    kv2[:32 * (n.token_bytes // 4)] = kv[:32 * (n.token_bytes // 4)]
+    info2 = c.extend(n, "s1", info["version"], 40, toks2, kv2[32 * (n.token_bytes // 4):])
+    assert info2["token_count"] == 56 and info2["version"] == info["version"] + 1
+    _, got = c.resume(n, "s1")
+    np.testing.assert_array_equal(np.frombuffer(got, dtype=np.float32), kv2)
+    with pytest.raises(kvtier.VersionConflictError):
+        c.extend(n, "s1", info["version"], 40, toks2, kv2[32 * (n.token_bytes // 4):])
+    assert [s["id"] for s in c.list_sessions(n)] == ["s1"]
+    assert c.drop_session(n, "s1")
+    with pytest.raises(kvtier.SessionNotFoundError, match="not found"):
+        c.resume(n, "s1")
+    with pytest.raises(ValueError, match="tail"):
+        c.park(n, "s2", toks, kv[:-1])  # one float short
+    with pytest.raises(ValueError, match="ttl_s"):
+        c.park(n, "s2", toks, kv, ttl_s=-1)
+
+
+def test_bad_buffers_are_refused_clearly(server):
+    c = kvtier.Client(server.addr, never_raise=False)
+    n = ns()
+    toks = list(range(64))
+    with pytest.raises(ValueError, match="whole number"):
+        c.store(n, toks, kv_for(16)[:-3])
+    with pytest.raises(ValueError, match="read-only"):
+        c.load_into(n, toks, bytes(n.block_bytes))
+    with pytest.raises(ValueError, match="contiguous"):
+        c.store(n, toks, kv_for(32).reshape(2, -1)[:, ::2])
+    with pytest.raises(kvtier.InvalidRequestError, match="blocks from block"):
+        c.store(n, toks, kv_for(16), first_block=4)  # past the 4 full blocks of 64 tokens
+    # The server keeps serving.
+    assert c.store(n, toks, kv_for(64)) == 4
+
+
+def test_never_raise_is_the_default(server):
+    dead = kvtier.Client("127.0.0.1:1", timeout_s=1.0)
+    n = ns()
+    toks = list(range(32))
+    assert dead.lookup(n, toks) == 0
+    assert dead.store(n, toks, kv_for(32)) == 0
+    assert dead.load_into(n, toks, np.zeros(2 * n.block_bytes // 4, np.float32)) == 0
+    assert len(dead.load(n, toks)) == 0
+    assert dead.park(n, "s", toks, kv_for(32)) is None
+    assert dead.resume(n, "s") is None
+    assert dead.last_miss[0] == "connect"
+    assert sum(dead.misses.values()) == 6
+    # A live server with a missing session: a miss too, with the server's reason.
+    live = kvtier.Client(server.addr)
+    assert live.resume(n, "nope") is None
+    assert live.last_miss[0] == "session_not_found"
+    # Raising mode: the same failure is an exception naming the reason.
+    with pytest.raises(kvtier.UnavailableError, match="connect"):
+        kvtier.Client("127.0.0.1:1", never_raise=False, timeout_s=1.0).lookup(n, toks)
