@@ -68,8 +68,14 @@ def test_partial_hit_prefills_only_the_missing_suffix(server, model):
     want_tokens, want_logits = reference(model, b, 16)
     assert tokens == want_tokens
     torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
-    # The suffix it computed was stored: b is now a full hit (all but its last token reused).
+    # The suffix it computed was stored: b is now a full hit. Its last token is always prefilled
+    # (the engine needs its logits), so the last block is loaded and cut to 15 of its 16 tokens.
     assert st.lookup(b) == 256
+    step = st.prefill(b, store=False)
+    assert step.reused_tokens == 255
+    tokens, logits = st.greedy(step, 16)
+    assert tokens == want_tokens
+    torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
 
 
 def test_agent_session_park_resume_extend(server, model):

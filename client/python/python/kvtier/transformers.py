@@ -108,9 +108,10 @@ class KvCacheStore:
                     rest[layer, kv] = x[:, start + n * bt : start + n * bt + t, :].permute(1, 0, 2)
         return torch.cat([full.reshape(-1), rest.reshape(-1)]) if t else full.reshape(-1)
 
-    def blocks_to_cache(self, flat, tokens, cache=None):
-        """A `DynamicCache` (or `cache` extended) holding the first `tokens` tokens of `flat`,
-        kvtier blocks back to back (full blocks, then possibly a partial tail)."""
+    def blocks_to_cache(self, flat, tokens, cache=None, *, keep=None):
+        """A `DynamicCache` (or `cache` extended) from `flat`, kvtier blocks back to back holding
+        `tokens` tokens (full blocks, then a partial tail block if `tokens` is not a multiple of
+        the block size), cut to its first `keep` tokens if given."""
         bt, L, H, D = self.block_tokens, self.layers, self.kv_heads, self.head_dim
         n, t = divmod(tokens, bt)
         per_token = L * 2 * H * D
@@ -124,6 +125,8 @@ class KvCacheStore:
                 x = full[:, layer, i].permute(2, 0, 1, 3).reshape(H, n * bt, D)
                 if t:
                     x = torch.cat([x, rest[layer, i].permute(1, 0, 2)], dim=1)
+                if keep is not None and keep < tokens:
+                    x = x[:, :keep]
                 kv.append(x.unsqueeze(0))
             cache.update(kv[0], kv[1], layer)
         return cache
@@ -138,9 +141,10 @@ class KvCacheStore:
         """`(cache, n)`: a cache rebuilt from the longest stored prefix of `tokens`, cut to `n`
         tokens (at most `max_tokens`), or `(None, 0)` on a miss."""
         tokens = list(tokens)
+        bt = self.block_tokens
         limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
-        want = limit - limit % self.block_tokens + (self.block_tokens if limit % self.block_tokens else 0)
-        want = min(want, len(tokens) - len(tokens) % self.block_tokens)
+        # Whole blocks covering `limit` tokens, as far as `tokens` has whole blocks.
+        want = min(-(-limit // bt), len(tokens) // bt) * bt
         if want <= 0:
             return None, 0
         buf = torch.empty(want * self.ns.token_bytes // self.dtype.itemsize, dtype=self.dtype)
@@ -148,7 +152,8 @@ class KvCacheStore:
         n = min(got, limit)
         if n <= 0:
             return None, 0
-        return self.blocks_to_cache(buf, n), n
+        # `got` tokens of whole blocks came back; the cache keeps the first `n`.
+        return self.blocks_to_cache(buf, got, keep=n), n
 
     def store(self, tokens, cache, *, first_token=0):
         """Stores the full blocks of `tokens` whose KV `cache` holds, from the block holding
