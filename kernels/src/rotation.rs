@@ -23,6 +23,14 @@
 //! inside a vector, the wider ones across vectors, two stages per pass) writes exactly the scalar
 //! bytes.
 //!
+//! **Accuracy, measured** (`tests/rotation.rs`): the rotation does spread outliers (on Gaussian
+//! rows with 2 of 64 channels ×20, a row's amax / RMS falls from 6.5 to 1.9), but on that data it
+//! *raises* the mean squared error of both formats: plain / rotated MSE = 0.70 for NVFP4 and 0.25
+//! for FP8 per (token, head). Both are floating-point formats with fine-grained scales, so their
+//! error follows the local magnitude; the rotation moves the outliers' energy into every element.
+//! (For a per-row INT4 quantizer the same rotation lowers the MSE ~8×: that is where rotations
+//! pay.) Measure on real KV before choosing a `+had` codec.
+//!
 //! **Range.** The codecs rotate rows whose `|x|` is at most [`ROTATION_MAX_INPUT`] (2^100) and
 //! refuse others with [`crate::CodecError::InvalidInput`]: then every intermediate value of the
 //! forward transform (at most `sqrt(n) · |x|`) and of the inverse on decoded values (at most
