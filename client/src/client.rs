@@ -61,6 +61,7 @@ pub struct NamespaceHandle {
     pub id: NamespaceId,
     chain: KeyChain,
     codec: CodecId,
+    lossless_sink_blocks: usize,
 }
 
 impl NamespaceHandle {
@@ -92,25 +93,61 @@ impl NamespaceHandle {
         self.codec
     }
 
+    /// The same namespace, keeping the first `n` blocks of every context lossless (raw) whatever
+    /// the codec: the attention-sink tokens at the start draw attention from every later token,
+    /// and quantizing them costs more accuracy than their size saves (`python -m
+    /// kvtier.accuracy` measures it). Default: 0.
+    pub fn with_lossless_sink_blocks(mut self, n: usize) -> Self {
+        self.lossless_sink_blocks = n;
+        self
+    }
+
+    pub fn lossless_sink_blocks(&self) -> usize {
+        self.lossless_sink_blocks
+    }
+
+    /// The codec block `index` (0 = the context's first) is stored with.
+    pub fn codec_for_block(&self, index: usize) -> CodecId {
+        if index < self.lossless_sink_blocks {
+            CodecId::RAW
+        } else {
+            self.codec
+        }
+    }
+
     /// A frame of `tokens` tokens under `key`; `payload` is the block in the namespace's layout
     /// (`tokens` tokens of it) and is encoded with the namespace's codec.
     pub fn frame(&self, key: BlockKey, tokens: u32, payload: Bytes) -> Result<BlockFrame, ClientError> {
+        self.frame_with(self.codec, key, tokens, payload)
+    }
+
+    fn frame_with(
+        &self,
+        codec: CodecId,
+        key: BlockKey,
+        tokens: u32,
+        payload: Bytes,
+    ) -> Result<BlockFrame, ClientError> {
         let layout = self.namespace.layout;
-        let payload = if self.codec == CodecId::RAW {
+        let payload = if codec == CodecId::RAW {
             payload
         } else {
             let spec = BlockSpec::from_layout(&layout, tokens);
-            Bytes::from(kvtier_kernels::encode(self.codec, &KvBlockView::new(spec, &payload)?)?)
+            Bytes::from(kvtier_kernels::encode(codec, &KvBlockView::new(spec, &payload)?)?)
         };
-        Ok(BlockFrame::new(self.id, key, layout, self.codec, tokens, payload))
+        Ok(BlockFrame::new(self.id, key, layout, codec, tokens, payload))
     }
 
-    /// Frames for `(key, tokens, payload)` triples, encoded in parallel when a codec is set.
-    fn frames(&self, blocks: Vec<(BlockKey, u32, Bytes)>) -> Result<Vec<BlockFrame>, ClientError> {
+    /// Frames for `(key, tokens, payload)` of blocks `first_index..` of a context, each encoded
+    /// with [`NamespaceHandle::codec_for_block`] (in parallel when any is encoded).
+    fn frames(&self, first_index: usize, blocks: Vec<(BlockKey, u32, Bytes)>) -> Result<Vec<BlockFrame>, ClientError> {
+        let one = |(i, (k, n, b)): (usize, (BlockKey, u32, Bytes))| {
+            self.frame_with(self.codec_for_block(first_index + i), k, n, b)
+        };
         if self.codec == CodecId::RAW {
-            blocks.into_iter().map(|(k, n, b)| self.frame(k, n, b)).collect()
+            blocks.into_iter().enumerate().map(one).collect()
         } else {
-            blocks.into_par_iter().map(|(k, n, b)| self.frame(k, n, b)).collect()
+            blocks.into_par_iter().enumerate().map(one).collect()
         }
     }
 }
@@ -312,7 +349,13 @@ impl KvClient {
                 message: "server computed another namespace id".into(),
             });
         }
-        Ok(NamespaceHandle { chain: KeyChain::new(&ns), namespace: ns, id, codec: CodecId::RAW })
+        Ok(NamespaceHandle {
+            chain: KeyChain::new(&ns),
+            namespace: ns,
+            id,
+            codec: CodecId::RAW,
+            lossless_sink_blocks: 0,
+        })
     }
 
     /// How many leading tokens of `tokens` the server holds (a multiple of the block size).
@@ -410,7 +453,8 @@ impl KvClient {
             )));
         }
         let bt = ns.block_tokens() as u32;
-        let frames = ns.frames(keys[first_block..].iter().zip(blocks).map(|(k, b)| (*k, bt, b.clone())).collect())?;
+        let frames =
+            ns.frames(first_block, keys[first_block..].iter().zip(blocks).map(|(k, b)| (*k, bt, b.clone())).collect())?;
         self.store_checked(&frames).await
     }
 
@@ -494,7 +538,7 @@ impl KvClient {
             };
             parts.push((key, n as u32, b.clone()));
         }
-        let frames = ns.frames(parts)?;
+        let frames = ns.frames(first_block, parts)?;
         Ok((keys, tail, frames))
     }
 

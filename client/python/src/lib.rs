@@ -61,13 +61,14 @@ fn miss_to_err(m: &Miss) -> PyErr {
 struct Namespace {
     spec: NsSpec,
     codec: CodecId,
+    lossless_sink_blocks: usize,
 }
 
 #[pymethods]
 impl Namespace {
     #[new]
     #[pyo3(signature = (tenant, model, *, layers, kv_heads, head_dim, dtype="bf16", block_tokens=16, salt=&b""[..],
-        hashing="blake3", tp_rank=0, tp_world=1, order="layer_first", codec="raw"))]
+        hashing="blake3", tp_rank=0, tp_world=1, order="layer_first", codec="raw", lossless_sink_blocks=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         tenant: &str,
@@ -83,6 +84,7 @@ impl Namespace {
         tp_world: u16,
         order: &str,
         codec: &str,
+        lossless_sink_blocks: usize,
     ) -> PyResult<Self> {
         let bad = |m: String| PyValueError::new_err(m);
         let dtype = DType::parse(dtype).map_err(|e| bad(e.to_string()))?;
@@ -100,14 +102,23 @@ impl Namespace {
         let layout = KvLayout { layers, kv_heads, head_dim, dtype, block_tokens, tp_rank, tp_world, order };
         let spec = NsSpec::new(tenant, model, layout, hashing, salt);
         spec.validate().map_err(|e| bad(e.to_string()))?;
-        Ok(Namespace { spec, codec: codec_id })
+        Ok(Namespace { spec, codec: codec_id, lossless_sink_blocks })
     }
 
-    /// The same namespace storing with another codec (loads decode any codec).
-    fn with_codec(&self, codec: &str) -> PyResult<Namespace> {
+    /// The same namespace storing with another codec (loads decode any codec), and optionally
+    /// another number of lossless first blocks.
+    #[pyo3(signature = (codec, *, lossless_sink_blocks=None))]
+    fn with_codec(&self, codec: &str, lossless_sink_blocks: Option<usize>) -> PyResult<Namespace> {
         let codec =
             CodecId::from_name(codec).ok_or_else(|| PyValueError::new_err(format!("unknown codec {codec:?}")))?;
-        Ok(Namespace { spec: self.spec.clone(), codec })
+        let lossless_sink_blocks = lossless_sink_blocks.unwrap_or(self.lossless_sink_blocks);
+        Ok(Namespace { spec: self.spec.clone(), codec, lossless_sink_blocks })
+    }
+
+    /// The first blocks of every context stored raw whatever the codec (attention sinks).
+    #[getter]
+    fn lossless_sink_blocks(&self) -> usize {
+        self.lossless_sink_blocks
     }
 
     #[getter]
@@ -136,7 +147,7 @@ impl Namespace {
     fn __repr__(&self) -> String {
         let l = &self.spec.layout;
         format!(
-            "Namespace(tenant={:?}, model={:?}, layers={}, kv_heads={}, head_dim={}, dtype={:?}, block_tokens={}, codec={:?})",
+            "Namespace(tenant={:?}, model={:?}, layers={}, kv_heads={}, head_dim={}, dtype={:?}, block_tokens={}, codec={:?}, lossless_sink_blocks={})",
             self.spec.tenant,
             self.spec.model,
             l.layers,
@@ -144,7 +155,8 @@ impl Namespace {
             l.head_dim,
             l.dtype.name(),
             l.block_tokens,
-            self.codec.name()
+            self.codec.name(),
+            self.lossless_sink_blocks
         )
     }
 }
@@ -266,10 +278,10 @@ impl Client {
     ) -> PyResult<T> {
         let rt = runtime()?;
         let engine = &self.engine;
-        let (spec, codec) = (&ns.spec, ns.codec);
+        let (spec, codec, sink) = (&ns.spec, ns.codec, ns.lossless_sink_blocks);
         let res = py.detach(|| {
             rt.block_on(engine.call(name, spec, |c, h| async move {
-                let h = h.with_codec(codec)?;
+                let h = h.with_codec(codec)?.with_lossless_sink_blocks(sink);
                 op(c, h).await
             }))
         });

@@ -59,6 +59,30 @@ def test_codecs_shrink_and_decode(server):
         ns("int3")
 
 
+def test_lossless_sink_blocks_stay_exact(server):
+    c = kvtier.Client(server.addr, never_raise=False)
+    w = kvtier.Namespace(
+        "sink", "m@1", layers=2, kv_heads=2, head_dim=64, dtype="fp32", codec="nvfp4+had", lossless_sink_blocks=1
+    )
+    assert w.lossless_sink_blocks == 1 and w.with_codec("fp8").lossless_sink_blocks == 1
+    toks = list(range(7000, 7048))
+    kv = kv_for(48, 6)
+    assert c.store(w, toks, kv) == 3
+    out = np.zeros_like(kv)
+    assert c.load_into(ns(tenant="sink"), toks, out) == 48
+    per_block = w.block_bytes // 4
+    np.testing.assert_array_equal(out[:per_block], kv[:per_block])  # block 0: raw
+    assert not np.array_equal(out[per_block:], kv[per_block:])  # the rest: quantized
+    assert np.abs(out - kv).max() / np.abs(kv).max() < 0.2
+    # A store from block 1 on quantizes block 1 (it is not a sink block of that context).
+    toks2 = list(range(8000, 8048))
+    assert c.store(w, toks2, kv[: 2 * per_block], first_block=0) == 2
+    assert c.store(w, toks2, kv[2 * per_block :], first_block=2) == 1
+    assert c.load_into(ns(tenant="sink"), toks2, out) == 48
+    np.testing.assert_array_equal(out[:per_block], kv[:per_block])
+    assert not np.array_equal(out[2 * per_block :], kv[2 * per_block :])
+
+
 def test_sessions_and_their_errors(server):
     c = kvtier.Client(server.addr, never_raise=False)
     n = ns(tenant="sessions")

@@ -119,7 +119,15 @@ def test_agent_session_park_resume_extend(server, model):
 def test_quantized_kv_stays_close_to_raw(server, model):
     tokens = prompt(8, 512 + 257)
     codecs = ["fp8", "nvfp4", "fp8+had", "nvfp4+had"]
-    res = score_codecs(lambda c: make_store(server, model, f"acc-{c}", c), codecs, tokens, 512, 256)
+    res = score_codecs(
+        lambda spec, c, sink: KvCacheStore(
+            kvtier.Client(server.addr, never_raise=False), model, tenant=f"acc-{spec}", codec=c, lossless_sink_blocks=sink
+        ),
+        codecs,
+        tokens,
+        512,
+        256,
+    )
     for c, a in res.items():
         print(f"{c:10} KL {a.kl_mean:.5f} (max {a.kl_max:.4f}) top-1 {a.top1:.3f} ppl {a.ppl:.2f} vs {a.ppl_ref:.2f}")
     assert res["raw"].kl_mean == 0.0 and res["raw"].top1 == 1.0

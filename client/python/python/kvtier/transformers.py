@@ -58,7 +58,18 @@ class KvCacheStore:
     model recomputes); tests use `never_raise=False` to see errors.
     """
 
-    def __init__(self, client, model, *, tenant="default", model_id=None, salt=b"", block_tokens=16, codec="raw"):
+    def __init__(
+        self,
+        client,
+        model,
+        *,
+        tenant="default",
+        model_id=None,
+        salt=b"",
+        block_tokens=16,
+        codec="raw",
+        lossless_sink_blocks=0,
+    ):
         if not isinstance(client, Client):
             raise TypeError("client must be a kvtier.Client")
         cfg = model.config
@@ -81,6 +92,7 @@ class KvCacheStore:
             block_tokens=block_tokens,
             salt=salt,
             codec=codec,
+            lossless_sink_blocks=lossless_sink_blocks,
         )
         self._kw = _cache_kwarg(model)
 
