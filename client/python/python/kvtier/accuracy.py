@@ -89,11 +89,25 @@ def reference_nvfp4(x, group="block", block_tokens=16, hadamard=False):
     return out
 
 
+def reference_fp8(x, group="row", block_tokens=16):
+    """FP8 E4M3 in plain torch with one scale per `group`: `row` (one token of one head: kvtier's
+    fp8) or `plane` (every head and token of a block: kvtier's per-tensor option). `x`:
+    `[heads, tokens, head_dim]`."""
+    H, S, D = x.shape
+    xb = x.float().reshape(H, S // block_tokens, block_tokens, D)
+    dims = {"row": (3,), "plane": (0, 2, 3)}[group]
+    amax = xb.abs().amax(dim=dims, keepdim=True)
+    s = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    q = (xb / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+    return (q * s).reshape(H, S, D)
+
+
 def parse_variant(spec):
     """A codec variant: `CODEC`, `CODEC@sinkN` (the first N blocks lossless, as
     `Namespace(lossless_sink_blocks=N)` stores them), `CODEC@recentN` (the last N blocks lossless),
     or `KCODEC/VCODEC` (keys with one codec, values with another; simulated by storing twice).
-    `ref-nvfp4:GROUP` and `ref-nvfp4+had:GROUP` are `reference_nvfp4` applied to a raw reload.
+    `ref-nvfp4:GROUP`, `ref-nvfp4+had:GROUP` and `ref-fp8:GROUP` are `reference_nvfp4` /
+    `reference_fp8` applied to a raw reload.
     Returns `(k_codec, v_codec, sink_blocks, recent_blocks)`."""
     base, sink, recent = spec, 0, 0
     while "@" in base:
@@ -157,12 +171,18 @@ def score_codecs(make_store, codecs, tokens, prefix_len, score_len):
             for layer in cache.layers:
                 for name in ("keys", "values"):
                     t = getattr(layer, name)
-                    q = reference_nvfp4(t[0], group or "block", st.block_tokens, hadamard=fmt.endswith("+had"))
+                    if fmt == "fp8":
+                        q = reference_fp8(t[0], group or "row", st.block_tokens)
+                    else:
+                        q = reference_nvfp4(t[0], group or "block", st.block_tokens, hadamard=fmt.endswith("+had"))
                     setattr(layer, name, q.to(t.dtype).unsqueeze(0))
-            # Nominal: 4-bit codes, an 8-bit scale per 16, a 32-bit global scale per group.
+            # Nominal: codes, E4M3 micro-block scales (NVFP4), a 32-bit scale per group.
             bt, hh, dd = st.block_tokens, st.kv_heads, st.head_dim
-            group_elements = {"block": bt * hh * dd, "head": bt * dd, "token": hh * dd, "row": dd}[group or "block"]
-            bits = 4.5 + 32 / group_elements
+            if fmt == "fp8":
+                bits = 8 + 32 / {"row": dd, "plane": bt * hh * dd}[group or "row"]
+            else:
+                group_elements = {"block": bt * hh * dd, "head": bt * dd, "token": hh * dd, "row": dd}
+                bits = 4.5 + 32 / group_elements[group or "block"]
         elif v != k:
             _, vcache, vheld = _reload(make_store, spec + "#v", v, sink, recent, prefix, kv, n)
             for layer, vl in zip(cache.layers, vcache.layers):

@@ -55,7 +55,9 @@ class KvCacheStore:
     """Moves a transformers model's KV cache to and from kvtier.
 
     `client` should be a never-raise `kvtier.Client` for serving (a failure is then a miss and the
-    model recomputes); tests use `never_raise=False` to see errors.
+    model recomputes); tests use `never_raise=False` to see errors. With a lossy `codec`, the first
+    `lossless_sink_blocks` blocks of every context stay raw: they hold the attention sinks, and
+    keeping one block raw cut the KL of nvfp4+had by a third on a real model (see the README).
     """
 
     def __init__(
@@ -68,7 +70,7 @@ class KvCacheStore:
         salt=b"",
         block_tokens=16,
         codec="raw",
-        lossless_sink_blocks=0,
+        lossless_sink_blocks=1,
     ):
         if not isinstance(client, Client):
             raise TypeError("client must be a kvtier.Client")
