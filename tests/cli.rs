@@ -140,8 +140,11 @@ fn auth_token_is_enforced_on_both_planes() {
 
 #[test]
 fn kvtier_plan_runs_the_capacity_planner() {
-    let (ok, out, err) = cli(&["plan", "--model", "llama-3-8b", "--codec", "fp8"]);
+    let dir = tempfile::tempdir().unwrap();
+    let out_dir = dir.path().to_str().unwrap();
+    let (ok, out, err) = cli(&["plan", "--model", "llama-3-8b", "--codec", "fp8", "--out", out_dir]);
     assert!(ok, "{err}");
+    assert!(dir.path().join("results.json").exists(), "the planner writes its JSON where --out says");
     // Llama-3-8B in fp8: 2 x 32 layers x 8 heads x 128 = 65536 elements per token, plus scales.
     assert!(out.contains("KV per token"), "{out}");
     assert!(out.contains("Llama-3-8B"), "{out}");
