@@ -503,6 +503,43 @@ impl Client {
         Ok(Some((info_dict(py, &r.info)?, kv)))
     }
 
+    /// Resumes a session into `out` (every token's KV, full blocks then the tail, in the layout's
+    /// dtype): its info, or `None` on a miss. `out` must hold `token_count * token_bytes` bytes at
+    /// least; a session that does not fit is an `InvalidRequestError` (a miss in never-raise mode).
+    fn resume_into<'py>(
+        &self,
+        py: Python<'py>,
+        ns: &Namespace,
+        session_id: &str,
+        out: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let mut out = HeldBuffer::open(out, true)?;
+        let dst = out.as_mut_slice();
+        let info = self.run(
+            py,
+            "resume",
+            ns,
+            || None,
+            async |c, h| {
+                let r = c.resume(&h, session_id).await?;
+                let total: usize = r.blocks.iter().map(|b| b.len()).sum();
+                if total > dst.len() {
+                    return Err(kvtier_client::ClientError::InvalidArgument(format!(
+                        "session {session_id:?} holds {total} bytes of KV; the buffer has {}",
+                        dst.len()
+                    )));
+                }
+                let mut at = 0;
+                for b in &r.blocks {
+                    dst[at..at + b.len()].copy_from_slice(b);
+                    at += b.len();
+                }
+                Ok(Some(r.info))
+            },
+        )?;
+        info.map(|i| info_dict(py, &i)).transpose()
+    }
+
     /// Drops a session, unpinning its blocks. False if there was none (or on a miss).
     fn drop_session(&self, py: Python<'_>, ns: &Namespace, session_id: &str) -> PyResult<bool> {
         self.run(py, "drop", ns, || false, async |c, h| c.drop_session(&h, session_id).await)

@@ -100,6 +100,11 @@ def test_sessions_and_their_errors(server):
     assert info2["token_count"] == 56 and info2["version"] == info["version"] + 1
     _, got = c.resume(n, "s1")
     np.testing.assert_array_equal(np.frombuffer(got, dtype=np.float32), kv2)
+    out = np.zeros_like(kv2)
+    assert c.resume_into(n, "s1", out)["token_count"] == 56
+    np.testing.assert_array_equal(out, kv2)
+    with pytest.raises(kvtier.InvalidRequestError, match="holds"):
+        c.resume_into(n, "s1", np.zeros(10, np.float32))
     with pytest.raises(kvtier.VersionConflictError):
         c.extend(n, "s1", info["version"], 40, toks2, kv2[32 * (n.token_bytes // 4):])
     assert [s["id"] for s in c.list_sessions(n)] == ["s1"]
