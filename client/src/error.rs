@@ -60,6 +60,7 @@ impl ClientError {
             ClientError::SessionExists(_) => "session_exists",
             ClientError::VersionConflict(_) => "version_conflict",
             ClientError::Unauthenticated(_) => "unauthenticated",
+            ClientError::Rejected { status: ItemStatus::Capacity, .. } => "capacity",
             ClientError::Rejected { .. } => "rejected",
             ClientError::Missing { .. } => "missing",
             ClientError::Codec(_) => "codec",

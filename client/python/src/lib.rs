@@ -2,9 +2,10 @@
 //! these classes and adds the engine adapters (`kvtier.transformers`).
 //!
 //! Every call releases the GIL while it runs on one shared tokio runtime. KV crosses the boundary
-//! as any C-contiguous buffer (NumPy arrays, `memoryview`s, `bytearray`s, torch tensors through
-//! `.numpy()`): stores send a raw buffer without copying it (or encode straight from it), loads
-//! decode straight into the caller's buffer.
+//! as any C-contiguous buffer (NumPy arrays, `memoryview`s, `bytearray`s; CPU torch tensors, bf16
+//! included, through `kvtier.as_bytes`): stores send a raw buffer without copying it (or encode
+//! straight from it); `load_into` decodes straight into the caller's buffer, `resume_into` copies
+//! the decoded blocks into it, `load`/`resume` return a new `bytearray`.
 
 use std::collections::BTreeMap;
 use std::sync::{Mutex, OnceLock};
@@ -26,6 +27,7 @@ create_exception!(kvtier, CapacityError, KvtierError, "The server has no room (e
 create_exception!(kvtier, SessionNotFoundError, KvtierError, "No such session (never parked, dropped or expired).");
 create_exception!(kvtier, VersionConflictError, KvtierError, "A session changed since the version given.");
 create_exception!(kvtier, InvalidRequestError, KvtierError, "The request does not fit the namespace or the server.");
+create_exception!(kvtier, BlockMissingError, KvtierError, "A block the request needs is gone from the server.");
 
 /// The one runtime every client of this process shares.
 fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
@@ -46,7 +48,8 @@ fn miss_to_err(m: &Miss) -> PyErr {
     let msg = format!("{}: {}", m.reason, m.detail);
     match m.reason {
         "connect" | "io" | "timeout" | "protocol" | "unauthenticated" => UnavailableError::new_err(msg),
-        "capacity" | "rejected" | "missing" => CapacityError::new_err(msg),
+        "capacity" => CapacityError::new_err(msg),
+        "missing" => BlockMissingError::new_err(msg),
         "session_not_found" | "session_expired" => SessionNotFoundError::new_err(msg),
         "version_conflict" | "session_exists" => VersionConflictError::new_err(msg),
         _ => InvalidRequestError::new_err(msg),
@@ -166,9 +169,15 @@ impl Namespace {
 /// Invariant for the `unsafe` slices below: a `PyBuffer` keeps the exporter's memory alive and
 /// fixed in place until it is released (when this is dropped), and `open` checked it is
 /// C-contiguous, so `buf_ptr .. buf_ptr + len_bytes` is one valid allocation for as long as `self`
-/// lives. Python code may still write to it from another thread while the GIL is released; the
-/// bytes sent are then whatever was there, and the frame checksum (computed once, verified by the
-/// server) keeps a torn write from being stored under a mismatched checksum.
+/// lives. Every `Bytes` made from it (`split_blocks`) lives inside the call: the futures run on
+/// the calling thread under `block_on` and spawn nothing, so the buffer is released (which takes
+/// the GIL) after the call, on the caller's thread.
+///
+/// The caller's side of the contract (stated in `Client`'s docs): a buffer handed to a call is
+/// not resized, freed or written by other Python threads, nor handed to another call, until the
+/// call returns — as with any C extension that releases the GIL. Torch tensors are seen through
+/// `kvtier.as_bytes`, whose NumPy view does not stop torch from moving the storage (`resize_`,
+/// `set_`): the same rule covers them.
 struct HeldBuffer(PyBuffer<u8>);
 
 impl HeldBuffer {
@@ -251,10 +260,15 @@ fn info_dict<'py>(py: Python<'py>, i: &SessionInfo) -> PyResult<Bound<'py, PyDic
 
 /// A connection to one kvtier server.
 ///
-/// `never_raise=True` (what engines want): every failure — server down, timeout, eviction, a
-/// refused request — comes back as a miss (`0`, `None`, an empty result) and is recorded in
-/// `last_miss` and `misses`; the engine recomputes. `never_raise=False`: failures raise a
-/// `KvtierError` subclass whose message starts with the reason.
+/// `never_raise=True` (what engines want): every failure of the service — server down, timeout,
+/// eviction, a refused request — comes back as a miss (`0`, `None`, an empty result) and is
+/// recorded in `last_miss` and `misses`; the engine recomputes. `never_raise=False`: those raise a
+/// `KvtierError` subclass whose message starts with the reason. In both modes a call whose own
+/// arguments are wrong (a buffer of the wrong size, read-only or not contiguous, a bad TTL) raises
+/// `ValueError` before anything is sent: that is a bug in the caller, not a miss.
+///
+/// A buffer given to a call must not be resized, freed or written by another thread, nor given
+/// to another call, until the call returns (the GIL is released while it runs).
 #[pyclass(module = "kvtier._native")]
 struct Client {
     engine: EngineClient,
@@ -287,17 +301,20 @@ impl Client {
         });
         match res {
             Ok(v) => Ok(v),
-            Err(m) => {
-                if let Ok(mut g) = self.misses.lock() {
-                    *g.1.entry(m.reason.to_string()).or_default() += 1;
-                    g.0 = Some((m.reason.to_string(), m.detail.clone()));
-                }
-                if self.never_raise {
-                    Ok(fallback())
-                } else {
-                    Err(miss_to_err(&m))
-                }
-            }
+            Err(m) => self.on_miss(&m).map(|()| fallback()),
+        }
+    }
+
+    /// Records a miss; an error to raise unless in never-raise mode.
+    fn on_miss(&self, m: &Miss) -> PyResult<()> {
+        if let Ok(mut g) = self.misses.lock() {
+            *g.1.entry(m.reason.to_string()).or_default() += 1;
+            g.0 = Some((m.reason.to_string(), m.detail.clone()));
+        }
+        if self.never_raise {
+            Ok(())
+        } else {
+            Err(miss_to_err(m))
         }
     }
 }
@@ -314,10 +331,7 @@ impl Client {
         connections: usize,
         auth_token: Option<String>,
     ) -> PyResult<Self> {
-        if !(timeout_s.is_finite() && timeout_s > 0.0) {
-            return Err(PyValueError::new_err("timeout_s must be positive"));
-        }
-        let budget = Duration::from_secs_f64(timeout_s);
+        let budget = positive_duration("timeout_s", timeout_s)?;
         let cfg = ClientConfig {
             request_timeout: budget,
             connect_timeout: budget.min(Duration::from_secs(5)),
@@ -350,7 +364,8 @@ impl Client {
     }
 
     /// Stores `len(kv) / block_bytes` full blocks of `tokens` from block `first_block` on; `kv`
-    /// holds them back to back. Returns the number of blocks stored.
+    /// holds them back to back. Returns the number of blocks stored (a block the server refuses
+    /// is a miss; the others are still stored).
     #[pyo3(signature = (ns, tokens, kv, *, first_block=0))]
     fn store(
         &self,
@@ -370,17 +385,19 @@ impl Client {
         }
         let full = kv.len() / bb;
         let blocks = split_blocks(kv, full, bb, 0)?;
-        self.run(
+        let report = self.run(
             py,
             "store",
             ns,
-            || 0,
-            async |c, h| {
-                let r = c.store_from(&h, &tokens, first_block, &blocks).await?;
-                r.ok()?;
-                Ok(r.stored)
-            },
-        )
+            || None,
+            async |c, h| c.store_from(&h, &tokens, first_block, &blocks).await.map(Some),
+        )?;
+        let Some(report) = report else { return Ok(0) };
+        // Some blocks refused (e.g. no room): the others are stored; the refusal is a miss.
+        if let Err(e) = report.ok() {
+            self.on_miss(&Miss { reason: e.reason(), detail: e.to_string() })?;
+        }
+        Ok(report.stored)
     }
 
     /// Loads the longest stored prefix of `tokens` into `out` (full blocks back to back, in the
@@ -413,15 +430,7 @@ impl Client {
     /// back, in the layout's dtype).
     fn load<'py>(&self, py: Python<'py>, ns: &Namespace, tokens: Vec<u32>) -> PyResult<Bound<'py, PyByteArray>> {
         let blocks = self.run(py, "load", ns, Vec::new, async |c, h| c.load(&h, &tokens).await)?;
-        let total: usize = blocks.iter().map(|b| b.len()).sum();
-        PyByteArray::new_with(py, total, |buf| {
-            let mut at = 0;
-            for b in &blocks {
-                buf[at..at + b.len()].copy_from_slice(b);
-                at += b.len();
-            }
-            Ok(())
-        })
+        concat(py, &blocks)
     }
 
     /// Parks a session: `kv` holds the KV of every token of `tokens` (full blocks, then the
@@ -491,16 +500,7 @@ impl Client {
     ) -> PyResult<Option<(Bound<'py, PyDict>, Bound<'py, PyByteArray>)>> {
         let r = self.run(py, "resume", ns, || None, async |c, h| c.resume(&h, session_id).await.map(Some))?;
         let Some(r) = r else { return Ok(None) };
-        let total: usize = r.blocks.iter().map(|b| b.len()).sum();
-        let kv = PyByteArray::new_with(py, total, |buf| {
-            let mut at = 0;
-            for b in &r.blocks {
-                buf[at..at + b.len()].copy_from_slice(b);
-                at += b.len();
-            }
-            Ok(())
-        })?;
-        Ok(Some((info_dict(py, &r.info)?, kv)))
+        Ok(Some((info_dict(py, &r.info)?, concat(py, &r.blocks)?)))
     }
 
     /// Resumes a session into `out` (every token's KV, full blocks then the tail, in the layout's
@@ -529,11 +529,7 @@ impl Client {
                         dst.len()
                     )));
                 }
-                let mut at = 0;
-                for b in &r.blocks {
-                    dst[at..at + b.len()].copy_from_slice(b);
-                    at += b.len();
-                }
+                concat_into(&r.blocks, dst);
                 Ok(Some(r.info))
             },
         )?;
@@ -578,11 +574,33 @@ impl Client {
 }
 
 fn ttl(ttl_s: Option<f64>) -> PyResult<Option<Duration>> {
-    match ttl_s {
-        None => Ok(None),
-        Some(s) if s.is_finite() && s > 0.0 => Ok(Some(Duration::from_secs_f64(s))),
-        Some(s) => Err(PyValueError::new_err(format!("ttl_s must be positive, got {s}"))),
+    ttl_s.map(|s| positive_duration("ttl_s", s)).transpose()
+}
+
+/// Seconds as a `Duration`: positive, finite and representable, or a `ValueError`.
+fn positive_duration(name: &str, seconds: f64) -> PyResult<Duration> {
+    match Duration::try_from_secs_f64(seconds) {
+        Ok(d) if !d.is_zero() => Ok(d),
+        _ => Err(PyValueError::new_err(format!("{name} must be a positive number of seconds, got {seconds}"))),
     }
+}
+
+/// Copies blocks back to back into `dst` (at least their total size).
+fn concat_into(blocks: &[Bytes], dst: &mut [u8]) {
+    let mut at = 0;
+    for b in blocks {
+        dst[at..at + b.len()].copy_from_slice(b);
+        at += b.len();
+    }
+}
+
+/// A new `bytearray` holding `blocks` back to back.
+fn concat<'py>(py: Python<'py>, blocks: &[Bytes]) -> PyResult<Bound<'py, PyByteArray>> {
+    let total: usize = blocks.iter().map(|b| b.len()).sum();
+    PyByteArray::new_with(py, total, |buf| {
+        concat_into(blocks, buf);
+        Ok(())
+    })
 }
 
 /// A session's blocks from block `base` on: full blocks, then the tail if the tokens don't fill
@@ -605,5 +623,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("SessionNotFoundError", py.get_type::<SessionNotFoundError>())?;
     m.add("VersionConflictError", py.get_type::<VersionConflictError>())?;
     m.add("InvalidRequestError", py.get_type::<InvalidRequestError>())?;
+    m.add("BlockMissingError", py.get_type::<BlockMissingError>())?;
     Ok(())
 }

@@ -45,10 +45,19 @@ def test_codecs_shrink_and_decode(server):
     c = kvtier.Client(server.addr, never_raise=False)
     toks = list(range(3000, 3064))
     kv = kv_for(64, 3)
-    for codec, bound in [("fp8", 0.07), ("nvfp4", 0.2), ("nvfp4+had", 0.2), ("raw+lz4", 0.0)]:
+    raw_bytes = kv.nbytes
+    for codec, name, bound, shrink in [
+        ("fp8", "fp8_e4m3", 0.07, 0.3),
+        ("nvfp4", "nvfp4", 0.2, 0.17),
+        ("nvfp4+had", "nvfp4+had", 0.2, 0.17),
+        ("raw+lz4", "raw+lz4", 0.0, 1.01),
+    ]:
         w = ns(codec, tenant=f"codec-{codec}")
-        assert w.codec == kvtier.Namespace("x", "y", layers=1, kv_heads=1, head_dim=16, codec=codec).codec
+        assert w.codec == name
+        before = kvtier.resident_bytes(c, w)
         assert c.store(w, toks, kv) == 4
+        held = kvtier.resident_bytes(c, w) - before
+        assert 0 < held <= raw_bytes * shrink, (codec, held, raw_bytes)
         out = np.zeros_like(kv)
         assert c.load_into(ns(tenant=f"codec-{codec}"), toks, out) == 64  # a raw reader decodes
         err = np.abs(out - kv).max() / np.abs(kv).max()
@@ -74,7 +83,7 @@ def test_lossless_sink_blocks_stay_exact(server):
     np.testing.assert_array_equal(out[:per_block], kv[:per_block])  # block 0: raw
     assert not np.array_equal(out[per_block:], kv[per_block:])  # the rest: quantized
     assert np.abs(out - kv).max() / np.abs(kv).max() < 0.2
-    # A store from block 1 on quantizes block 1 (it is not a sink block of that context).
+    # Blocks 0-1 stored, then block 2 from `first_block=2`: block 0 raw, block 2 quantized.
     toks2 = list(range(8000, 8048))
     assert c.store(w, toks2, kv[: 2 * per_block], first_block=0) == 2
     assert c.store(w, toks2, kv[2 * per_block :], first_block=2) == 1
@@ -115,6 +124,35 @@ def test_sessions_and_their_errors(server):
         c.park(n, "s2", toks, kv[:-1])  # one float short
     with pytest.raises(ValueError, match="ttl_s"):
         c.park(n, "s2", toks, kv, ttl_s=-1)
+
+
+def test_bad_arguments_are_value_errors_in_both_modes(server):
+    for bad in (0, -1, float("nan"), float("inf"), 1e30):
+        with pytest.raises(ValueError, match="timeout_s"):
+            kvtier.Client(server.addr, timeout_s=bad)
+    for kwargs, match in [
+        (dict(dtype="int7"), "dtype"),
+        (dict(order="random"), "order"),
+        (dict(hashing="md5"), "hashing"),
+        (dict(layers=0), "layers|empty|invalid"),
+        (dict(block_tokens=0), "block|invalid"),
+    ]:
+        args = dict(layers=2, kv_heads=2, head_dim=64) | kwargs
+        with pytest.raises(ValueError, match=match):
+            kvtier.Namespace("acme", "m@1", **args)
+    n = ns(tenant="badargs")
+    toks = list(range(40))
+    for c in (kvtier.Client(server.addr, never_raise=False), kvtier.Client(server.addr)):
+        with pytest.raises(ValueError, match="ttl_s"):
+            c.park(n, "s", toks, kv_for(40), ttl_s=1e30)
+        with pytest.raises(ValueError, match="past the tokens"):
+            c.extend(n, "s", 1, 41, toks, kv_for(8))
+        with pytest.raises(ValueError, match="tail"):
+            c.extend(n, "s", 1, 32, toks, kv_for(7))  # 8 tokens from block 2 on
+        with pytest.raises(ValueError, match="read-only"):
+            c.resume_into(n, "s", bytes(10))
+    # Nothing was parked by any of them.
+    assert kvtier.Client(server.addr).list_sessions(n) == []
 
 
 def test_bad_buffers_are_refused_clearly(server):

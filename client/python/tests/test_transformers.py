@@ -144,6 +144,23 @@ def test_quantized_kv_stays_close_to_raw(server, model):
         assert res[c].kl_mean > 0.0, f"{c} changed nothing: was it quantized?"
 
 
+def test_adapter_refuses_what_it_cannot_do(server, model):
+    with pytest.raises(TypeError, match="kvtier.Client"):
+        KvCacheStore("127.0.0.1:1", model)
+    st = make_store(server, model, "adapter-errors")
+    with pytest.raises(ValueError, match="empty prompt"):
+        st.prefill([])
+    step = st.prefill(prompt(10, 20), store=False)
+    with pytest.raises(ValueError, match="nothing new"):
+        st.continue_session(step.cache, step.tokens, reused=20)
+    # A cache whose layers hold different lengths (a sliding-window layer) is refused, not sliced.
+    step.cache.layers[1].keys = step.cache.layers[1].keys[:, :, 4:]
+    with pytest.raises(ValueError, match="sliding-window"):
+        st.park("s", step.tokens, step.cache)
+    with pytest.raises(ValueError, match="unsupported KV dtype"):
+        KvCacheStore(kvtier.Client("127.0.0.1:1"), LlamaForCausalLM(model.config).to(torch.float64))
+
+
 def test_dead_server_is_a_miss_and_the_model_recomputes(model):
     client = kvtier.Client("127.0.0.1:1", timeout_s=2.0)  # never raises: the engine default
     st = KvCacheStore(client, model, tenant="dead")

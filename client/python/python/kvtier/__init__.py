@@ -14,6 +14,7 @@ Engine adapters: `kvtier.transformers` (Hugging Face transformers' `DynamicCache
 """
 
 from ._native import (
+    BlockMissingError,
     CapacityError,
     Client,
     InvalidRequestError,
@@ -25,6 +26,7 @@ from ._native import (
 )
 
 __all__ = [
+    "BlockMissingError",
     "CapacityError",
     "Client",
     "InvalidRequestError",
@@ -34,7 +36,13 @@ __all__ = [
     "UnavailableError",
     "VersionConflictError",
     "as_bytes",
+    "resident_bytes",
 ]
+
+
+def resident_bytes(client, ns):
+    """Payload bytes the server holds, over every tier (from `client.stats`)."""
+    return sum(t["resident_bytes"] for t in client.stats(ns).get("tiers", {}).values())
 
 
 def as_bytes(obj):

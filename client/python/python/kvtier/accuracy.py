@@ -50,7 +50,8 @@ def continuation_logits(store, cache, prefix_len, continuation):
     row `i` predicts `continuation[i + 1]` (the last row predicts what follows)."""
     assert cache.get_seq_length() == prefix_len
     with torch.no_grad():
-        out = store.model(input_ids=torch.tensor([list(continuation)]), use_cache=True, **{store._kw: cache})
+        ids = torch.tensor([list(continuation)], device=store.device)
+        out = store.model(input_ids=ids, use_cache=True, **{store._kw: cache})
     return out.logits[0].float()
 
 
@@ -143,13 +144,16 @@ def _reload(make_store, spec, codec, sink, recent, prefix, kv, n):
 
 
 def _resident(st):
-    return sum(t["resident_bytes"] for t in st.client.stats(st.ns).get("tiers", {}).values())
+    from . import resident_bytes
+
+    return resident_bytes(st.client, st.ns)
 
 
 def score_codecs(make_store, codecs, tokens, prefix_len, score_len):
     """For each codec variant (see `parse_variant`): store `tokens[:prefix_len]`'s KV with it
     (computed once, raw), reload it, and compare the logits over `tokens[prefix_len : prefix_len +
-    score_len]` with those from a raw reload. `make_store(spec, codec, sink_blocks)` returns a
+    score_len]` with those from a raw reload: the predictions of tokens `prefix_len + 1 ..
+    prefix_len + score_len` (what follows each of the S tokens after the prefix). `make_store(spec, codec, sink_blocks)` returns a
     `KvCacheStore` storing with `codec` in a namespace of its own for `spec`. Returns
     `{spec: Agreement}` (raw against itself included, as a check)."""
     tokens = list(tokens)

@@ -20,6 +20,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvtier
+from kvtier import resident_bytes
 from kvtier.server import LocalServer
 from kvtier.transformers import KvCacheStore
 
@@ -48,10 +49,6 @@ def timed(fn, repeat):
         out = fn()
         times.append(time.perf_counter() - t)
     return statistics.median(times), out
-
-
-def resident_bytes(client, ns):
-    return sum(t["resident_bytes"] for t in client.stats(ns)["tiers"].values())
 
 
 def main(argv=None):
@@ -88,7 +85,8 @@ def main(argv=None):
 
             reps = 1 if n >= 8192 else args.repeat
             t_prefill, (ref_logits, cache) = timed(prefill, reps)
-            raw_bytes = (n - n % 16) * stores[codecs[0]].ns.token_bytes
+            bt = stores[codecs[0]].block_tokens
+            raw_bytes = (n - n % bt) * stores[codecs[0]].ns.token_bytes
             for c in codecs:
                 st = stores[c]
                 before = resident_bytes(client, st.ns)

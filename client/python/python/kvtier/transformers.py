@@ -81,6 +81,9 @@ class KvCacheStore:
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.dtype = model.dtype
+        # KV moves through host memory: blocks are built on the CPU and rebuilt caches are put
+        # on the model's device.
+        self.device = next(model.parameters()).device
         if self.dtype not in _DTYPES:
             raise ValueError(f"unsupported KV dtype {self.dtype}: fp32, bf16 or fp16")
         self.block_tokens = block_tokens
@@ -102,6 +105,12 @@ class KvCacheStore:
 
     def _layer_kv(self, cache, layer):
         lay = cache.layers[layer]
+        have = cache.get_seq_length()
+        if lay.keys is None or lay.keys.shape[-2] != have:
+            raise ValueError(
+                f"layer {layer} holds {None if lay.keys is None else lay.keys.shape[-2]} tokens of {have}: "
+                "sliding-window and hybrid caches are not supported"
+            )
         return lay.keys, lay.values
 
     def cache_to_blocks(self, cache, start, end, *, tail=False):
@@ -141,7 +150,7 @@ class KvCacheStore:
                     x = torch.cat([x, rest[layer, i].permute(1, 0, 2)], dim=1)
                 if keep is not None and keep < tokens:
                     x = x[:, :keep]
-                kv.append(x.unsqueeze(0))
+                kv.append(x.unsqueeze(0).to(self.device))
             cache.update(kv[0], kv[1], layer)
         return cache
 
@@ -154,20 +163,25 @@ class KvCacheStore:
     def load(self, tokens, *, max_tokens=None):
         """`(cache, n)`: a cache rebuilt from the longest stored prefix of `tokens`, cut to `n`
         tokens (at most `max_tokens`), or `(None, 0)` on a miss."""
+        cache, n, _ = self._load(tokens, max_tokens)
+        return cache, n
+
+    def _load(self, tokens, max_tokens):
+        """`(cache, n, got)`: as `load`, with `got` the tokens of whole blocks that came back."""
         tokens = list(tokens)
         bt = self.block_tokens
         limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
         # Whole blocks covering `limit` tokens, as far as `tokens` has whole blocks.
         want = min(-(-limit // bt), len(tokens) // bt) * bt
         if want <= 0:
-            return None, 0
+            return None, 0, 0
         buf = torch.empty(want * self.ns.token_bytes // self.dtype.itemsize, dtype=self.dtype)
         got = self.client.load_into(self.ns, tokens[:want], buf)
         n = min(got, limit)
         if n <= 0:
-            return None, 0
+            return None, 0, 0
         # `got` tokens of whole blocks came back; the cache keeps the first `n`.
-        return self.blocks_to_cache(buf, got, keep=n), n
+        return self.blocks_to_cache(buf, got, keep=n), n, got
 
     def store(self, tokens, cache, *, first_token=0):
         """Stores the full blocks of `tokens` whose KV `cache` holds, from the block holding
@@ -184,7 +198,8 @@ class KvCacheStore:
     def forward(self, ids, cache):
         """Runs the model on `ids` after what `cache` holds; the last position's logits."""
         with torch.no_grad():
-            out = self.model(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1, **{self._kw: cache})
+            ids = torch.tensor([ids], device=self.device)
+            out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._kw: cache})
         return out.logits[0, -1].float()
 
     def prefill(self, tokens, *, reuse=True, store=True):
@@ -193,12 +208,13 @@ class KvCacheStore:
         tokens = list(tokens)
         if not tokens:
             raise ValueError("empty prompt")
-        cache, n = self.load(tokens, max_tokens=len(tokens) - 1) if reuse else (None, 0)
+        cache, n, got = self._load(tokens, len(tokens) - 1) if reuse else (None, 0, 0)
         if cache is None:
             cache = DynamicCache(config=self.model.config)
         logits = self.forward(tokens[n:], cache)
         if store:
-            self.store(tokens, cache, first_token=n - n % self.block_tokens if n else 0)
+            # The `got` tokens of whole blocks that came back are in kvtier already.
+            self.store(tokens, cache, first_token=got)
         return Step(logits=logits, cache=cache, tokens=tokens, reused_tokens=n)
 
     def greedy(self, step, count):
