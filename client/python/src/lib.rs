@@ -273,7 +273,14 @@ fn info_dict<'py>(py: Python<'py>, i: &SessionInfo) -> PyResult<Bound<'py, PyDic
 struct Client {
     engine: EngineClient,
     never_raise: bool,
-    misses: Mutex<(Option<(String, String)>, BTreeMap<String, u64>)>,
+    misses: Mutex<Misses>,
+}
+
+/// The last miss (reason, detail) and the count of misses by reason.
+#[derive(Default)]
+struct Misses {
+    last: Option<(String, String)>,
+    by_reason: BTreeMap<String, u64>,
 }
 
 impl Client {
@@ -308,8 +315,8 @@ impl Client {
     /// Records a miss; an error to raise unless in never-raise mode.
     fn on_miss(&self, m: &Miss) -> PyResult<()> {
         if let Ok(mut g) = self.misses.lock() {
-            *g.1.entry(m.reason.to_string()).or_default() += 1;
-            g.0 = Some((m.reason.to_string(), m.detail.clone()));
+            *g.by_reason.entry(m.reason.to_string()).or_default() += 1;
+            g.last = Some((m.reason.to_string(), m.detail.clone()));
         }
         if self.never_raise {
             Ok(())
@@ -339,23 +346,19 @@ impl Client {
             auth_token,
             ..ClientConfig::default()
         };
-        Ok(Client {
-            engine: EngineClient::new(addr, cfg, budget),
-            never_raise,
-            misses: Mutex::new((None, BTreeMap::new())),
-        })
+        Ok(Client { engine: EngineClient::new(addr, cfg, budget), never_raise, misses: Mutex::new(Misses::default()) })
     }
 
     /// `(reason, detail)` of the last failed call, or `None`.
     #[getter]
     fn last_miss(&self) -> Option<(String, String)> {
-        self.misses.lock().ok().and_then(|g| g.0.clone())
+        self.misses.lock().ok().and_then(|g| g.last.clone())
     }
 
     /// Failed calls so far, by reason.
     #[getter]
     fn misses(&self) -> BTreeMap<String, u64> {
-        self.misses.lock().map(|g| g.1.clone()).unwrap_or_default()
+        self.misses.lock().map(|g| g.by_reason.clone()).unwrap_or_default()
     }
 
     /// How many leading tokens of `tokens` the server holds (a multiple of the block size).
@@ -407,7 +410,7 @@ impl Client {
         let bb = ns.block_bytes() as usize;
         let bt = ns.block_tokens();
         let mut out = HeldBuffer::open(out, true)?;
-        let room = if bb == 0 { 0 } else { out.len() / bb };
+        let room = out.len().checked_div(bb).unwrap_or(0);
         let usable = tokens.len().min(room * bt);
         let dst = out.as_mut_slice();
         self.run(
