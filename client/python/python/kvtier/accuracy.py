@@ -10,6 +10,8 @@ import dataclasses
 
 import torch
 
+from . import resident_bytes
+
 
 @dataclasses.dataclass
 class Agreement:
@@ -126,7 +128,7 @@ def parse_variant(spec):
 def _reload(make_store, spec, codec, sink, recent, prefix, kv, n):
     """Stores the KV of `prefix[:n]` as `spec` says and rebuilds a cache from kvtier."""
     st = make_store(spec, codec, sink)
-    before = _resident(st)
+    before = resident_bytes(st.client, st.ns)
     per_block = st.ns.block_bytes // kv.element_size()
     blocks = n // st.block_tokens
     lossy_end = blocks - recent
@@ -136,17 +138,12 @@ def _reload(make_store, spec, codec, sink, recent, prefix, kv, n):
         stored += st.client.store(raw_ns, prefix[:n], kv[lossy_end * per_block :], first_block=lossy_end)
     if stored != blocks:
         raise RuntimeError(f"{spec}: stored {stored} blocks of {blocks}")
-    held = _resident(st) - before
+    held = resident_bytes(st.client, st.ns) - before
     cache, got = st.load(prefix[:n])
     if got != n:
         raise RuntimeError(f"{spec}: reloaded {got} tokens of {n}")
     return st, cache, held
 
-
-def _resident(st):
-    from . import resident_bytes
-
-    return resident_bytes(st.client, st.ns)
 
 
 def score_codecs(make_store, codecs, tokens, prefix_len, score_len):

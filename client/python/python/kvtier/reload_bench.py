@@ -17,7 +17,7 @@ import statistics
 import time
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import kvtier
 from kvtier import resident_bytes
@@ -75,9 +75,6 @@ def main(argv=None):
 
             def prefill():
                 st = stores[codecs[0]]
-                cache = None
-                from transformers import DynamicCache
-
                 cache = DynamicCache(config=model.config)
                 for a in range(0, n, args.chunk):
                     logits = st.forward(tokens[a : a + args.chunk], cache)
