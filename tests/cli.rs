@@ -99,6 +99,8 @@ fn bad_configuration_is_refused_at_start_with_the_setting_named() {
     assert!(err.contains("dram_capacity"), "{err}");
     let err = serve_fails(&["--listen", "0.0.0.0:0"]);
     assert!(err.contains("auth_token"), "{err}");
+    let err = serve_fails(&["--disk-capacity", "64MiB", "--disk-codec", "zstd"]);
+    assert!(err.contains("disk_codec \"zstd\"") && err.contains("nvfp4+had+lz4"), "{err}");
     let dir = tempfile::tempdir().unwrap();
     let cfg = dir.path().join("bad.toml");
     std::fs::write(&cfg, "dram_capacty = \"1GiB\"\n").unwrap();

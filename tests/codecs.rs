@@ -1,9 +1,13 @@
 //! Blocks stored with a codec: one client quantizes (FP8, NVFP4) on its way to the server, another
 //! loads and gets the layout's dtype back, within the format's error; the server holds fewer bytes.
+//! The disk codec: blocks demoted from DRAM to disk are re-encoded there, lossy-stored blocks and
+//! parked sessions are not.
 
 use bytes::Bytes;
 use half::f16;
-use kvtier_client::ClientError;
+use std::time::{Duration, Instant};
+
+use kvtier_client::{decode_frame, ClientError};
 use kvtier_proto::CodecId;
 use kvtier_tests::*;
 
@@ -98,4 +102,69 @@ async fn non_finite_kv_is_refused_before_anything_is_sent() {
     // An unknown codec id is refused when the namespace is configured.
     let raw = client.register(namespace("acme", b"s", layout)).await.unwrap();
     assert!(matches!(raw.with_codec(CodecId(99)), Err(ClientError::Codec(_))));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_demoted_to_disk_take_the_disk_codec() {
+    let disk_codec = CodecId::NVFP4_HAD_LZ4;
+    let args = ["--dram-capacity", "16MiB", "--disk-capacity", "256MiB", "--disk-codec", disk_codec.name()];
+    let server = ServerProcess::start(&args);
+    let layout = small_layout();
+    let elements = layout.block_bytes() as usize / 2;
+    let client = server.client().await;
+    let raw_ns = client.register(namespace("acme", b"d", layout)).await.unwrap();
+    let fp8_ns = raw_ns.clone().with_codec(CodecId::FP8_E4M3).unwrap();
+    let doc_blocks = |d: usize| -> Vec<Bytes> { (0..64).map(|b| kv_block(elements, 64 * d + b)).collect() };
+
+    // A parked session first (durable on disk as sent), then 4 documents stored as FP8 by the client
+    // and 24 stored raw: 56 MiB through a 16 MiB DRAM tier, so most are demoted.
+    let turn = tokens(1, 40);
+    let per_token = layout.bytes_for_tokens(1) as usize / 2;
+    let session = vec![kv_block(16 * per_token, 7001), kv_block(16 * per_token, 7002), kv_block(8 * per_token, 7003)];
+    client.park(&raw_ns, "agent-1", &turn, &session, &Default::default(), 0).await.unwrap();
+    let docs: Vec<(Vec<u32>, bool)> = (0..28).map(|d| (tokens(100 + d as u32, 1024), d < 4)).collect();
+    for (d, (doc, fp8)) in docs.iter().enumerate() {
+        let ns = if *fp8 { &fp8_ns } else { &raw_ns };
+        client.store(ns, doc, &doc_blocks(d)).await.unwrap().ok().unwrap();
+    }
+    // Demotion runs behind the writes: wait until its queue is empty.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while metric(&server.scrape(), "kvtier_disk_queue_depth", &[]) > 0.0 {
+        assert!(Instant::now() < deadline, "demotion queue never drained");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let mut recoded = 0;
+    for (d, (doc, fp8)) in docs.iter().enumerate() {
+        let frames = client.load_prefix_frames(&raw_ns, doc).await.unwrap();
+        assert_eq!(frames.len(), 64, "doc {d} is in neither tier");
+        for (b, (frame, want)) in frames.iter().zip(doc_blocks(d)).enumerate() {
+            let got = decode_frame(frame).unwrap();
+            let (codec, e) = (frame.header.codec, rel_error(&got, &want));
+            if *fp8 {
+                assert_eq!(codec, CodecId::FP8_E4M3, "doc {d} block {b}: quantized once, never twice");
+                assert!(e <= 0.07, "doc {d} block {b}: error {e}");
+            } else if codec == CodecId::RAW {
+                assert_eq!(got, want, "doc {d} block {b} (still in DRAM) must be exact");
+            } else {
+                assert_eq!(codec, disk_codec, "doc {d} block {b}");
+                assert!(e > 0.0 && e <= 0.4, "doc {d} block {b}: error {e}"); // nvfp4+had: max 0.31 of amax
+                recoded += 1;
+            }
+        }
+    }
+    // 24 raw documents are 1536 blocks; DRAM holds at most 512 of the 32 KiB blocks.
+    assert!(recoded >= 1536 - 512, "{recoded} blocks came back in the disk codec");
+    let m = server.scrape();
+    assert!(metric(&m, "kvtier_disk_recoded_total", &[]) >= recoded as f64, "{m}");
+    let saved = metric(&m, "kvtier_disk_recode_saved_bytes_total", &[]);
+    assert!(saved >= recoded as f64 * layout.block_bytes() as f64 * 0.6, "saved {saved} bytes");
+    let s = client.stats().await.unwrap();
+    let disk = &s.tiers[1];
+    // Every block on disk is quantized: NVFP4 (~0.28 of fp16) or the client's FP8 (~0.52).
+    assert!(disk.resident_bytes * 2 < disk.blocks * layout.block_bytes(), "{disk:?}");
+
+    // The parked session comes back exactly as it was parked.
+    let back = client.resume(&raw_ns, "agent-1").await.unwrap();
+    assert_eq!(back.blocks, session);
 }

@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use kvtier_proto::CodecId;
 use serde::Deserialize;
 
 use crate::error::ServerError;
@@ -40,6 +41,11 @@ pub struct ServerConfig {
     pub disk_capacity: ByteSize,
     /// Size at which a disk segment file is sealed. Default: `64MiB`.
     pub disk_segment_bytes: ByteSize,
+    /// Codec for prefix blocks demoted from DRAM to disk that arrive lossless: `"keep"` (as the
+    /// client stored them), `"raw+lz4"` (lossless, smaller), or a quantizing codec such as
+    /// `"nvfp4+had+lz4"` (the measured choice for a cold tier, see the README). Blocks already
+    /// quantized and parked sessions are written as they came. Default: `keep`.
+    pub disk_codec: String,
     /// `"fsync"`: a park is acknowledged after its blocks and manifest are fsynced (survives power
     /// loss); `"async"`: after they are written (survives `kill -9`, not power loss). Default: `fsync`.
     pub session_durability: String,
@@ -65,6 +71,7 @@ impl Default for ServerConfig {
             auth_token: None,
             disk_capacity: ByteSize(0),
             disk_segment_bytes: ByteSize(64 << 20),
+            disk_codec: "keep".into(),
             session_durability: "fsync".into(),
         }
     }
@@ -136,6 +143,13 @@ impl ServerConfig {
                 self.disk_capacity
             ));
         }
+        if self.disk_codec != "keep" && CodecId::from_name(&self.disk_codec).is_none() {
+            return bad(format!(
+                "disk_codec {:?} is not a codec: \"keep\", or one of {}",
+                self.disk_codec,
+                (0u16..).map(CodecId).take_while(|c| c.is_known()).map(|c| c.name()).collect::<Vec<_>>().join(", ")
+            ));
+        }
         if let Some(t) = &self.auth_token {
             if t.len() < 16 || t.len() > kvtier_proto::dataplane::MAX_TOKEN_LEN {
                 return bad("auth_token must be 16..=1024 bytes".into());
@@ -158,6 +172,11 @@ impl ServerConfig {
             }
         }
         Ok(())
+    }
+
+    /// The codec blocks demoted to disk get, `None` for `keep` (call after [`Self::validate`]).
+    pub fn disk_codec_id(&self) -> Option<CodecId> {
+        CodecId::from_name(&self.disk_codec).filter(|_| self.disk_codec != "keep")
     }
 
     /// Settings that follow from others: a frame can't be larger than the DRAM tier.
@@ -313,5 +332,18 @@ mod tests {
         assert!(c.validate().unwrap_err().to_string().contains("dram_capacity"));
         let c = ServerConfig { data_listen: "127.0.0.1:7070".parse().unwrap(), ..Default::default() };
         assert!(c.validate().unwrap_err().to_string().contains("both"));
+    }
+
+    #[test]
+    fn disk_codec_names() {
+        assert_eq!(ServerConfig::default().disk_codec_id(), None, "keep by default");
+        let c = ServerConfig::from_toml_str("disk_codec = \"nvfp4+had+lz4\"").unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.disk_codec_id(), Some(CodecId::NVFP4_HAD_LZ4));
+        let c = ServerConfig { disk_codec: "lz4".into(), ..Default::default() };
+        assert_eq!(c.disk_codec_id(), Some(CodecId::RAW_LZ4));
+        let c = ServerConfig { disk_codec: "zstd".into(), ..Default::default() };
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("disk_codec \"zstd\"") && e.contains("nvfp4+had+lz4"), "{e}");
     }
 }

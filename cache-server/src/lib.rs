@@ -66,9 +66,10 @@ impl RunningServer {
 
 /// Wires DRAM evictions to the disk tier: the eviction hook hands blocks to a bounded queue
 /// (dropping, and counting, what doesn't fit — data-plane writers wait while it is full, so that
-/// is rare) and one thread writes them out.
+/// is rare) and one thread writes them out, re-encoded with the disk codec where one is set.
 fn start_demotion(state: &Arc<NodeState>, disk: Arc<disk::DiskTier>) {
     use std::sync::atomic::Ordering;
+    let codec = state.config.disk_codec_id();
     let (tx, rx) = std::sync::mpsc::sync_channel::<dram::StoredBlock>(state::DEMOTION_QUEUE);
     let depth = state.demotion_depth.clone();
     let hook_depth = depth.clone();
@@ -96,7 +97,22 @@ fn start_demotion(state: &Arc<NodeState>, disk: Arc<disk::DiskTier>) {
             let mut last_warning: Option<Instant> = None;
             let mut failed_since_warning = 0u64;
             for block in rx {
-                match disk.write(&block.header, &block.payload) {
+                let recoded = codec.map(|c| disk::recode::recode(c, &block.header, &block.payload));
+                let (header, payload) = match recoded {
+                    Some(disk::recode::Recoded::Encoded(h, p)) => {
+                        ::metrics::counter!("kvtier_disk_recoded_total").increment(1);
+                        ::metrics::counter!("kvtier_disk_recode_saved_bytes_total")
+                            .increment(block.header.payload_len.saturating_sub(h.payload_len));
+                        (h, p)
+                    }
+                    Some(disk::recode::Recoded::Refused(why)) => {
+                        ::metrics::counter!("kvtier_disk_recode_refused_total").increment(1);
+                        tracing::debug!(key = %block.header.key, "disk codec refused a block, written as it came: {why}");
+                        (block.header, block.payload)
+                    }
+                    Some(disk::recode::Recoded::Kept) | None => (block.header, block.payload),
+                };
+                match disk.write(&header, &payload) {
                     Ok(()) => ::metrics::counter!("kvtier_disk_demotions_total").increment(1),
                     Err(e) => {
                         ::metrics::counter!("kvtier_disk_demotions_failed_total").increment(1);

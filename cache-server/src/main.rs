@@ -67,6 +67,9 @@ struct ServeArgs {
     /// Hard cap of the disk tier under DRAM (0: off), e.g. 64GiB.
     #[arg(long, env = "KVTIER_DISK_CAPACITY")]
     disk_capacity: Option<ByteSize>,
+    /// Codec for prefix blocks demoted to disk: keep, raw+lz4, nvfp4+had+lz4, ...
+    #[arg(long, env = "KVTIER_DISK_CODEC")]
+    disk_codec: Option<String>,
     /// Longest context per request or session, in tokens.
     #[arg(long, env = "KVTIER_MAX_CONTEXT_TOKENS")]
     max_context_tokens: Option<u64>,
@@ -252,6 +255,9 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     }
     if let Some(v) = a.disk_capacity {
         cfg.disk_capacity = v;
+    }
+    if let Some(v) = a.disk_codec {
+        cfg.disk_codec = v;
     }
     if let Some(v) = a.max_context_tokens {
         cfg.max_context_tokens = v;

@@ -22,6 +22,7 @@
 //! not matching its checksum) is dropped and counted, and a segment is truncated after its last
 //! whole record.
 
+pub mod recode;
 mod segment;
 
 use std::collections::{BTreeMap, HashMap, HashSet};

@@ -226,6 +226,55 @@ impl AsRef<[u8]> for HeldBuffer {
     }
 }
 
+/// Token ids as a call takes them: a one-dimensional integer array (NumPy of any integer dtype,
+/// `array.array`, any buffer of 16-, 32- or 64-bit integers), read in one pass without making a
+/// Python object per token, or any sequence of `int`s. Each id must lie in `0..2**32`.
+struct TokenIds(Vec<u32>);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for TokenIds {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        let obj: &Bound<'py, PyAny> = &obj;
+        if let Some(ids) = ids_from_buffer::<i64>(obj)
+            .or_else(|| ids_from_buffer::<i32>(obj))
+            .or_else(|| ids_from_buffer::<u32>(obj))
+            .or_else(|| ids_from_buffer::<u64>(obj))
+            .or_else(|| ids_from_buffer::<i16>(obj))
+            .or_else(|| ids_from_buffer::<u16>(obj))
+        {
+            return ids.map(TokenIds);
+        }
+        obj.extract::<Vec<u32>>().map(TokenIds).map_err(|e| {
+            PyValueError::new_err(format!(
+                "tokens must be a 1-D integer array or a sequence of ints in 0..2**32: {e}"
+            ))
+        })
+    }
+}
+
+/// `None` when `obj` is no buffer of `T`; else its ids, or why they are not token ids.
+fn ids_from_buffer<T>(obj: &Bound<'_, PyAny>) -> Option<PyResult<Vec<u32>>>
+where
+    T: pyo3::buffer::Element + Copy + TryInto<u32> + std::fmt::Display,
+{
+    let buf = PyBuffer::<T>::get(obj).ok()?;
+    if buf.dimensions() != 1 {
+        return Some(Err(PyValueError::new_err(format!(
+            "tokens must be one-dimensional; this array has shape {:?}",
+            buf.shape()
+        ))));
+    }
+    Some(buf.to_vec(obj.py()).and_then(|v| {
+        v.into_iter()
+            .enumerate()
+            .map(|(i, id)| {
+                id.try_into().map_err(|_| PyValueError::new_err(format!("token {i} is {id}, not in 0..2**32")))
+            })
+            .collect()
+    }))
+}
+
 /// Splits `kv` (held without copying) into block payloads: full blocks of `block_bytes`, then a
 /// shorter tail if `tail_bytes > 0`.
 fn split_blocks(kv: HeldBuffer, full: usize, block_bytes: usize, tail_bytes: usize) -> PyResult<Vec<Bytes>> {
@@ -266,6 +315,8 @@ fn info_dict<'py>(py: Python<'py>, i: &SessionInfo) -> PyResult<Bound<'py, PyDic
 /// `KvtierError` subclass whose message starts with the reason. In both modes a call whose own
 /// arguments are wrong (a buffer of the wrong size, read-only or not contiguous, a bad TTL) raises
 /// `ValueError` before anything is sent: that is a bug in the caller, not a miss.
+///
+/// `tokens` are a list of ints or a 1-D integer array (NumPy, `array.array`; read in one pass).
 ///
 /// A buffer given to a call must not be resized, freed or written by another thread, nor given
 /// to another call, until the call returns (the GIL is released while it runs).
@@ -362,7 +413,8 @@ impl Client {
     }
 
     /// How many leading tokens of `tokens` the server holds (a multiple of the block size).
-    fn lookup(&self, py: Python<'_>, ns: &Namespace, tokens: Vec<u32>) -> PyResult<usize> {
+    fn lookup(&self, py: Python<'_>, ns: &Namespace, tokens: TokenIds) -> PyResult<usize> {
+        let tokens = tokens.0;
         self.run(py, "lookup", ns, || 0, async |c, h| c.lookup(&h, &tokens).await)
     }
 
@@ -374,10 +426,11 @@ impl Client {
         &self,
         py: Python<'_>,
         ns: &Namespace,
-        tokens: Vec<u32>,
+        tokens: TokenIds,
         kv: &Bound<'_, PyAny>,
         first_block: usize,
     ) -> PyResult<usize> {
+        let tokens = tokens.0;
         let bb = ns.block_bytes() as usize;
         let kv = HeldBuffer::open(kv, false)?;
         if bb == 0 || kv.len() % bb != 0 {
@@ -406,7 +459,8 @@ impl Client {
     /// Loads the longest stored prefix of `tokens` into `out` (full blocks back to back, in the
     /// layout's dtype; decoded if stored with a codec). Returns the number of tokens written;
     /// `out` must have room for the whole prefix asked for, or the load stops where it is full.
-    fn load_into(&self, py: Python<'_>, ns: &Namespace, tokens: Vec<u32>, out: &Bound<'_, PyAny>) -> PyResult<usize> {
+    fn load_into(&self, py: Python<'_>, ns: &Namespace, tokens: TokenIds, out: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let tokens = tokens.0;
         let bb = ns.block_bytes() as usize;
         let bt = ns.block_tokens();
         let mut out = HeldBuffer::open(out, true)?;
@@ -431,7 +485,8 @@ impl Client {
 
     /// Loads the longest stored prefix of `tokens` into a new `bytearray` (full blocks back to
     /// back, in the layout's dtype).
-    fn load<'py>(&self, py: Python<'py>, ns: &Namespace, tokens: Vec<u32>) -> PyResult<Bound<'py, PyByteArray>> {
+    fn load<'py>(&self, py: Python<'py>, ns: &Namespace, tokens: TokenIds) -> PyResult<Bound<'py, PyByteArray>> {
+        let tokens = tokens.0;
         let blocks = self.run(py, "load", ns, Vec::new, async |c, h| c.load(&h, &tokens).await)?;
         concat(py, &blocks)
     }
@@ -446,12 +501,13 @@ impl Client {
         py: Python<'py>,
         ns: &Namespace,
         session_id: &str,
-        tokens: Vec<u32>,
+        tokens: TokenIds,
         kv: &Bound<'_, PyAny>,
         ttl_s: Option<f64>,
         priority: Option<u32>,
         expected_version: u64,
     ) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let tokens = tokens.0;
         let opts = ParkOptions { ttl: ttl(ttl_s)?, priority };
         let blocks = session_blocks(ns, &tokens, 0, HeldBuffer::open(kv, false)?)?;
         let info = self.run(
@@ -475,9 +531,10 @@ impl Client {
         session_id: &str,
         expected_version: u64,
         prev_token_count: usize,
-        tokens: Vec<u32>,
+        tokens: TokenIds,
         kv: &Bound<'_, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let tokens = tokens.0;
         if prev_token_count > tokens.len() {
             return Err(PyValueError::new_err("prev_token_count is past the tokens given"));
         }

@@ -41,6 +41,39 @@ def test_store_lookup_load_round_trip(server):
     assert c.lookup(n, toks2) == 48
 
 
+def test_token_ids_as_integer_arrays(server):
+    import array
+
+    c = kvtier.Client(server.addr, never_raise=False)
+    n = ns(tenant="token-arrays")
+    toks = list(range(70_000, 70_048))  # ids above 2**16: a narrowing cast would be caught
+    kv = kv_for(48, 9)
+    assert c.store(n, np.array(toks, dtype=np.int64), kv) == 3
+    # Every integer array names the same blocks as the list does.
+    for ids in [toks, np.array(toks, dtype=np.int32), np.array(toks, dtype=np.uint32),
+                np.array(toks, dtype=np.uint64), array.array("I", toks), array.array("q", toks)]:
+        assert c.lookup(n, ids) == 48, type(ids)
+    out = np.zeros_like(kv)
+    assert c.load_into(n, np.array(toks, dtype=np.int32), out) == 48
+    np.testing.assert_array_equal(out, kv)
+    # A strided view (every other id) is read in order, not as raw memory.
+    wide = np.array([[t, 0] for t in toks], dtype=np.int64)[:, 0]
+    assert not wide.flags.c_contiguous and c.lookup(n, wide) == 48
+    # Ids that are not token ids are refused in both modes, naming the problem.
+    for mode in (False, True):
+        cm = kvtier.Client(server.addr, never_raise=mode)
+        with pytest.raises(ValueError, match="not in 0..2"):
+            cm.lookup(n, np.array([1, -5, 3], dtype=np.int64))
+        with pytest.raises(ValueError, match="not in 0..2"):
+            cm.lookup(n, np.array([2**32], dtype=np.uint64))
+        with pytest.raises(ValueError, match="one-dimensional"):
+            cm.lookup(n, np.array(toks, dtype=np.int64).reshape(3, 16))
+        with pytest.raises(ValueError, match="integer array or a sequence"):
+            cm.lookup(n, np.array(toks, dtype=np.float32))
+        with pytest.raises(ValueError, match="integer array or a sequence"):
+            cm.lookup(n, [1, 2, -3])
+
+
 def test_codecs_shrink_and_decode(server):
     c = kvtier.Client(server.addr, never_raise=False)
     toks = list(range(3000, 3064))
