@@ -1,11 +1,13 @@
 //! Measures the disk tier's write and read throughput and its restart (recovery) time on a
-//! directory, for comparison with `fio` on the same directory:
+//! directory, for comparison with `fio` on the same directory, and what the disk codec
+//! (re-encoding demoted blocks) costs per byte of KV and saves on disk:
 //! `cargo run --release -p kvtier-server --example disk_throughput -- DIR [MiB]`.
 
 use std::time::Instant;
 
 use bytes::Bytes;
 use kvtier_proto::{BlockFrame, BlockKey, CodecId, DType, KvLayout, NamespaceId};
+use kvtier_server::disk::recode::{recode, Recoded};
 use kvtier_server::disk::{DiskConfig, DiskTier};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -35,7 +37,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Drop the page cache's copy where we may (root only), so reads and recovery hit the disk.
     let _ = std::fs::write("/proc/sys/vm/drop_caches", "1");
     let t = Instant::now();
-    let (tier, report) = DiskTier::open(cfg)?;
+    let (tier, report) = DiskTier::open(cfg.clone())?;
     let recovery = t.elapsed();
     let _ = std::fs::write("/proc/sys/vm/drop_caches", "1");
     let t = Instant::now();
@@ -50,6 +52,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (dw, dr) = direct_io(&dir, mib)?;
     let mw = mmap_write(&dir, mib)?;
     let _ = std::fs::remove_dir_all(&dir);
+    let codecs = [CodecId::RAW, CodecId::RAW_LZ4, CodecId::FP8_E4M3_HAD, CodecId::NVFP4_HAD_LZ4];
+    let mut recoded = Vec::new();
+    for codec in codecs {
+        recoded.push((codec, recode_write(&cfg, layout, mib.min(256), codec)?));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
     println!("{mib} MiB in 1 MiB blocks on {}:", dir.display());
     println!(
         "  disk tier (buffered pwrite, 4 KiB-aligned records): write+fsync {write:.2} GB/s, cold read {read:.2} GB/s"
@@ -62,7 +70,55 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "  restart: recovered {} blocks / {} bytes in {:?} ({} discarded)",
         report.blocks, report.bytes, recovery, report.discarded
     );
+    println!("  disk codec on demotion ({} MiB of bf16 KV, re-encode + write + fsync, GB/s of KV in):", mib.min(256));
+    let base = recoded[0].1 .0;
+    for (codec, (gbps, ratio)) in recoded {
+        println!("    {:<16} {gbps:.2} GB/s ({:.2}x of raw), on disk {ratio:.3} of the KV", codec.name(), gbps / base);
+    }
     Ok(())
+}
+
+/// Writes `mib` MiB of bf16 KV (Gaussian-like, as attention KV is) through `recode` into a fresh
+/// disk tier, as the demotion thread does: (GB/s of KV in, bytes on disk / bytes of KV).
+fn recode_write(
+    cfg: &DiskConfig,
+    layout: KvLayout,
+    mib: u64,
+    codec: CodecId,
+) -> Result<(f64, f64), Box<dyn std::error::Error>> {
+    let _ = std::fs::remove_dir_all(&cfg.dir);
+    std::fs::create_dir_all(&cfg.dir)?;
+    let (tier, _) = DiskTier::open(cfg.clone())?;
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let mut uniform = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        (x >> 40) as f32 / (1u64 << 24) as f32
+    };
+    let frames: Vec<BlockFrame> = (0..mib)
+        .map(|i| {
+            let payload: Vec<u8> = (0..1u64 << 19)
+                .flat_map(|_| half::bf16::from_f32((uniform() + uniform() + uniform() - 1.5) * 2.0).to_bits().to_le_bytes())
+                .collect();
+            let key = BlockKey(*blake3::hash(&(i + 1_000_000).to_le_bytes()).as_bytes());
+            BlockFrame::new(NamespaceId([1; 16]), key, layout, CodecId::RAW, 8, Bytes::from(payload))
+        })
+        .collect();
+    let t = Instant::now();
+    let mut on_disk = 0u64;
+    for f in &frames {
+        let (h, p) = match recode(codec, &f.header, &f.payload) {
+            Recoded::Encoded(h, p) => (h, p),
+            Recoded::Kept => (f.header, f.payload.clone()),
+            Recoded::Refused(why) => return Err(why.into()),
+        };
+        on_disk += p.len() as u64;
+        tier.write(&h, &p)?;
+    }
+    tier.sync()?;
+    let gbps = (mib << 20) as f64 / t.elapsed().as_secs_f64() / 1e9;
+    Ok((gbps, on_disk as f64 / (mib << 20) as f64))
 }
 
 /// A 4 KiB-aligned window of a plain buffer, as O_DIRECT needs (no unsafe allocation).
