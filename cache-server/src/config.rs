@@ -44,7 +44,8 @@ pub struct ServerConfig {
     /// Codec for prefix blocks demoted from DRAM to disk that arrive lossless: `"keep"` (as the
     /// client stored them), `"raw+lz4"` (lossless, smaller), or a quantizing codec such as
     /// `"nvfp4+had+lz4"` (the measured choice for a cold tier, see the README). Blocks already
-    /// quantized and parked sessions are written as they came. Default: `keep`.
+    /// quantized and a parked session's own blocks are written as they came (a session shares the
+    /// blocks of a prefix the server already holds as they are). Default: `keep`.
     pub disk_codec: String,
     /// `"fsync"`: a park is acknowledged after its blocks and manifest are fsynced (survives power
     /// loss); `"async"`: after they are written (survives `kill -9`, not power loss). Default: `fsync`.
@@ -143,7 +144,7 @@ impl ServerConfig {
                 self.disk_capacity
             ));
         }
-        if self.disk_codec != "keep" && CodecId::from_name(&self.disk_codec).is_none() {
+        if !self.disk_codec.eq_ignore_ascii_case("keep") && CodecId::from_name(&self.disk_codec).is_none() {
             return bad(format!(
                 "disk_codec {:?} is not a codec: \"keep\", or one of {}",
                 self.disk_codec,
@@ -176,7 +177,7 @@ impl ServerConfig {
 
     /// The codec blocks demoted to disk get, `None` for `keep` (call after [`Self::validate`]).
     pub fn disk_codec_id(&self) -> Option<CodecId> {
-        CodecId::from_name(&self.disk_codec).filter(|_| self.disk_codec != "keep")
+        CodecId::from_name(&self.disk_codec).filter(|_| !self.disk_codec.eq_ignore_ascii_case("keep"))
     }
 
     /// Settings that follow from others: a frame can't be larger than the DRAM tier.

@@ -147,7 +147,8 @@ impl ControlPlane {
                 if disk.contains(ns, k) {
                     continue;
                 }
-                match self.state.tier.get(ns, k) {
+                let block = self.state.tier.get(ns, k).or_else(|| self.state.in_transit.get(&(*ns, *k)).map(|b| b.clone()));
+                match block {
                     Some(b) => disk.write(&b.header, &b.payload)?,
                     None => missing.push(i as u32),
                 }
@@ -252,7 +253,12 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
             let keys = keys(&r.keys)?;
             let mut n = self.state.tier.longest_prefix(&id, &keys);
             if let Some(disk) = &self.state.disk {
-                while n < keys.len() && (self.state.tier.contains(&id, &keys[n]) || disk.contains(&id, &keys[n])) {
+                let held = |k: &BlockKey| {
+                    self.state.tier.contains(&id, k)
+                        || self.state.in_transit.contains_key(&(id, *k))
+                        || disk.contains(&id, k)
+                };
+                while n < keys.len() && held(&keys[n]) {
                     n += 1;
                 }
             }

@@ -332,7 +332,7 @@ impl Connection {
                     self.state.tier.remove(&ns, &key);
                     self.wr.write_all(&[ItemStatus::Miss as u8]).await?;
                 }
-                None => match self.read_disk(&ns, &key) {
+                None => match self.read_below_dram(&ns, &key) {
                     Some((header, payload)) => {
                         self.wr.write_all(&[ItemStatus::Ok as u8]).await?;
                         self.wr.write_all(&header.encode()).await?;
@@ -348,6 +348,15 @@ impl Connection {
 }
 
 impl Connection {
+    /// A DRAM miss: a block on its way to disk (verified, as DRAM blocks are), else from disk.
+    fn read_below_dram(&self, ns: &NamespaceId, key: &BlockKey) -> Option<(FrameHeader, bytes::Bytes)> {
+        let moving = self.state.in_transit.get(&(*ns, *key)).map(|b| b.clone());
+        match moving {
+            Some(b) if b.header.verify_payload(&b.payload).is_ok() => Some((b.header, b.payload)),
+            _ => self.read_disk(ns, key),
+        }
+    }
+
     /// A DRAM miss served from disk (verified there). A block's second disk hit promotes it
     /// back to DRAM, so a one-off read doesn't push hot blocks out.
     fn read_disk(&self, ns: &NamespaceId, key: &BlockKey) -> Option<(FrameHeader, bytes::Bytes)> {

@@ -75,15 +75,19 @@ fn start_demotion(state: &Arc<NodeState>, disk: Arc<disk::DiskTier>) {
     let hook_depth = depth.clone();
     // Blocks already on disk (e.g. a parked session's) need no second write.
     let probe = disk.clone();
+    let (hook_transit, transit) = (state.in_transit.clone(), state.in_transit.clone());
     let hook: dram::EvictionHook = Arc::new(move |_key, block| {
         if probe.contains(&block.header.namespace, &block.header.key) {
             return;
         }
-        // Counted before the send, so the writer's decrement can never run first.
+        let key = (block.header.namespace, block.header.key);
+        // Counted (and findable) before the send, so the writer's removal can never run first.
         let d = hook_depth.fetch_add(1, Ordering::Relaxed).saturating_add(1);
+        hook_transit.insert(key, block.clone());
         match tx.try_send(block) {
             Ok(()) => ::metrics::gauge!("kvtier_disk_queue_depth").set(d as f64),
             Err(_) => {
+                hook_transit.remove(&key);
                 hook_depth.fetch_sub(1, Ordering::Relaxed);
                 ::metrics::counter!("kvtier_disk_demotions_dropped_total").increment(1)
             }
@@ -97,7 +101,13 @@ fn start_demotion(state: &Arc<NodeState>, disk: Arc<disk::DiskTier>) {
             let mut last_warning: Option<Instant> = None;
             let mut failed_since_warning = 0u64;
             for block in rx {
-                let recoded = codec.map(|c| disk::recode::recode(c, &block.header, &block.payload));
+                // Re-encoding costs CPU; when the queue backs up, blocks go out as they came
+                // rather than be dropped for want of room.
+                let busy = depth.load(Ordering::Relaxed) > state::DEMOTION_QUEUE / 2;
+                if busy && codec.is_some() {
+                    ::metrics::counter!("kvtier_disk_recode_skipped_busy_total").increment(1);
+                }
+                let recoded = codec.filter(|_| !busy).map(|c| disk::recode::recode(c, &block.header, &block.payload));
                 let (header, payload) = match recoded {
                     Some(disk::recode::Recoded::Encoded(h, p)) => {
                         ::metrics::counter!("kvtier_disk_recoded_total").increment(1);
@@ -126,6 +136,7 @@ fn start_demotion(state: &Arc<NodeState>, disk: Arc<disk::DiskTier>) {
                         }
                     }
                 }
+                transit.remove(&(header.namespace, header.key));
                 let d = depth.fetch_sub(1, Ordering::Relaxed).saturating_sub(1);
                 ::metrics::gauge!("kvtier_disk_queue_depth").set(d as f64);
             }

@@ -7,12 +7,13 @@ use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
+use dashmap::DashMap;
 use kvtier_proto::{Namespace, NamespaceId};
 use parking_lot::{Mutex, RwLock};
 
 use crate::config::ServerConfig;
 use crate::disk::{DiskConfig, DiskTier, RecoveryReport};
-use crate::dram::{DramConfig, DramTier, IndexKey};
+use crate::dram::{DramConfig, DramTier, IndexKey, StoredBlock};
 use crate::error::ServerError;
 use crate::session_log::{unix_ms, LoggedSession, SessionLog};
 use crate::sessions::{PinTier, SessionLimits, SessionManifest, SessionTable};
@@ -36,6 +37,9 @@ pub struct NodeState {
     pub session_log: Option<Mutex<SessionLog>>,
     /// Blocks in the demotion queue (for backpressure and the queue-depth gauge).
     pub demotion_depth: Arc<AtomicUsize>,
+    /// Blocks evicted from DRAM and not yet on disk (at most the demotion queue's length): reads,
+    /// lookups and parks find them here, so a block in transit is never a miss.
+    pub in_transit: Arc<DashMap<IndexKey, StoredBlock>>,
     /// Disk hits per block since its last promotion check: a second hit promotes to DRAM.
     pub disk_hits: Mutex<HashMap<IndexKey, u8>>,
     /// With a disk tier: every registered namespace, so sessions restored after a restart know
@@ -113,6 +117,7 @@ impl NodeState {
             disk_recovery: None,
             session_log: None,
             demotion_depth: Arc::new(AtomicUsize::new(0)),
+            in_transit: Arc::new(DashMap::new()),
             disk_hits: Mutex::new(HashMap::new()),
             namespace_log: None,
             _dir_lock: dir_lock,

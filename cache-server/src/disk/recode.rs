@@ -1,7 +1,8 @@
 //! The disk codec: blocks demoted from DRAM to disk that arrive lossless (raw, raw+LZ4) are
 //! re-encoded with the codec the operator chose for the disk tier (`disk_codec`), so the cold tier
 //! holds more of them. Blocks already quantized keep their codec (never quantized twice), and a
-//! block the codec refuses (non-finite values) or cannot shrink is written as it came.
+//! block the codec refuses (non-finite values) or cannot shrink is written as it came. Parked
+//! sessions write their blocks to disk at park time, not through here.
 
 use bytes::Bytes;
 use kvtier_kernels::{is_lossless, BlockSpec, KvBlockView};
