@@ -66,31 +66,36 @@ impl RunningServer {
 
 /// Wires DRAM evictions to the disk tier: the eviction hook hands blocks to a bounded queue
 /// (dropping, and counting, what doesn't fit — data-plane writers wait while it is full, so that
-/// is rare) and one thread writes them out, re-encoded with the disk codec where one is set.
+/// is rare) and one thread writes them out ([`write_demoted`]). A queued block stays findable in
+/// `NodeState::in_transit` until it is on disk.
 fn start_demotion(state: &Arc<NodeState>, disk: Arc<disk::DiskTier>) {
     use std::sync::atomic::Ordering;
     let codec = state.config.disk_codec_id();
     let (tx, rx) = std::sync::mpsc::sync_channel::<dram::StoredBlock>(state::DEMOTION_QUEUE);
     let depth = state.demotion_depth.clone();
     let hook_depth = depth.clone();
-    // Blocks already on disk (e.g. a parked session's) need no second write.
     let probe = disk.clone();
     let (hook_transit, transit) = (state.in_transit.clone(), state.in_transit.clone());
+    let (hook_gauge, gauge) = {
+        let g = Arc::new(parking_lot::Mutex::new(()));
+        (g.clone(), g)
+    };
+    // Runs under the DRAM tier's lock (one call at a time), so the block is findable here before
+    // DRAM forgets it.
     let hook: dram::EvictionHook = Arc::new(move |_key, block| {
-        if probe.contains(&block.header.namespace, &block.header.key) {
+        let key = (block.header.namespace, block.header.key);
+        // On disk already (a parked session's block), or an earlier copy of the same key is
+        // queued: nothing more to write.
+        if probe.contains(&key.0, &key.1) || hook_transit.contains_key(&key) {
             return;
         }
-        let key = (block.header.namespace, block.header.key);
         // Counted (and findable) before the send, so the writer's removal can never run first.
-        let d = hook_depth.fetch_add(1, Ordering::Relaxed).saturating_add(1);
+        step_depth(&hook_depth, &hook_gauge, true);
         hook_transit.insert(key, block.clone());
-        match tx.try_send(block) {
-            Ok(()) => ::metrics::gauge!("kvtier_disk_queue_depth").set(d as f64),
-            Err(_) => {
-                hook_transit.remove(&key);
-                hook_depth.fetch_sub(1, Ordering::Relaxed);
-                ::metrics::counter!("kvtier_disk_demotions_dropped_total").increment(1)
-            }
+        if tx.try_send(block).is_err() {
+            hook_transit.remove(&key);
+            step_depth(&hook_depth, &hook_gauge, false);
+            ::metrics::counter!("kvtier_disk_demotions_dropped_total").increment(1)
         }
     });
     state.tier.set_eviction_hook(Some(hook));
@@ -104,25 +109,7 @@ fn start_demotion(state: &Arc<NodeState>, disk: Arc<disk::DiskTier>) {
                 // Re-encoding costs CPU; when the queue backs up, blocks go out as they came
                 // rather than be dropped for want of room.
                 let busy = depth.load(Ordering::Relaxed) > state::DEMOTION_QUEUE / 2;
-                if busy && codec.is_some() {
-                    ::metrics::counter!("kvtier_disk_recode_skipped_busy_total").increment(1);
-                }
-                let recoded = codec.filter(|_| !busy).map(|c| disk::recode::recode(c, &block.header, &block.payload));
-                let (header, payload) = match recoded {
-                    Some(disk::recode::Recoded::Encoded(h, p)) => {
-                        ::metrics::counter!("kvtier_disk_recoded_total").increment(1);
-                        ::metrics::counter!("kvtier_disk_recode_saved_bytes_total")
-                            .increment(block.header.payload_len.saturating_sub(h.payload_len));
-                        (h, p)
-                    }
-                    Some(disk::recode::Recoded::Refused(why)) => {
-                        ::metrics::counter!("kvtier_disk_recode_refused_total").increment(1);
-                        tracing::debug!(key = %block.header.key, "disk codec refused a block, written as it came: {why}");
-                        (block.header, block.payload)
-                    }
-                    Some(disk::recode::Recoded::Kept) | None => (block.header, block.payload),
-                };
-                match disk.write(&header, &payload) {
+                match write_demoted(&disk, codec, busy, &block) {
                     Ok(()) => ::metrics::counter!("kvtier_disk_demotions_total").increment(1),
                     Err(e) => {
                         ::metrics::counter!("kvtier_disk_demotions_failed_total").increment(1);
@@ -136,13 +123,72 @@ fn start_demotion(state: &Arc<NodeState>, disk: Arc<disk::DiskTier>) {
                         }
                     }
                 }
-                transit.remove(&(header.namespace, header.key));
-                let d = depth.fetch_sub(1, Ordering::Relaxed).saturating_sub(1);
-                ::metrics::gauge!("kvtier_disk_queue_depth").set(d as f64);
+                // On disk now (or lost with the write); only this copy's entry goes.
+                let key = (block.header.namespace, block.header.key);
+                transit.remove_if(&key, |_, queued| queued.payload.as_ptr() == block.payload.as_ptr());
+                step_depth(&depth, &gauge, false);
             }
         })
         .map(drop)
         .unwrap_or_else(|e| tracing::error!("cannot start the demotion thread: {e}"));
+}
+
+/// Moves the demotion queue's depth by one and publishes it. The lock keeps the hook and the
+/// writer from publishing out of order (which could leave the gauge showing a block that is gone).
+fn step_depth(depth: &std::sync::atomic::AtomicUsize, gauge: &parking_lot::Mutex<()>, up: bool) {
+    use std::sync::atomic::Ordering;
+    let _order = gauge.lock();
+    let d = if up {
+        depth.fetch_add(1, Ordering::Relaxed).saturating_add(1)
+    } else {
+        depth.fetch_sub(1, Ordering::Relaxed).saturating_sub(1)
+    };
+    ::metrics::gauge!("kvtier_disk_queue_depth").set(d as f64);
+}
+
+/// Writes one block evicted from DRAM to disk. It is verified first: a block damaged in memory is
+/// dropped (and counted), never given a fresh checksum by re-encoding. A lossless block is
+/// re-encoded with the disk codec when one is set and the queue is not `busy`.
+fn write_demoted(
+    disk: &disk::DiskTier,
+    codec: Option<kvtier_proto::CodecId>,
+    busy: bool,
+    block: &dram::StoredBlock,
+) -> Result<(), ServerError> {
+    use disk::recode::{recode, Recoded};
+    let h = &block.header;
+    if h.verify_payload(&block.payload).is_err() {
+        ::metrics::counter!("kvtier_disk_demotions_corrupt_total").increment(1);
+        tracing::error!(key = %h.key, "a block evicted from DRAM failed its checksum; not demoted");
+        return Ok(());
+    }
+    if disk.contains(&h.namespace, &h.key) {
+        return Ok(());
+    }
+    let eligible = codec.filter(|c| kvtier_kernels::is_lossless(h.codec) && h.codec != *c);
+    if eligible.is_some() && busy {
+        ::metrics::counter!("kvtier_disk_recode_skipped_busy_total").increment(1);
+    }
+    let recoded = eligible.filter(|_| !busy).map(|c| {
+        // A codec bug must not stop the demotion thread (every writer would then wait on it).
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| recode(c, h, &block.payload)))
+            .unwrap_or_else(|_| Recoded::Refused("the codec panicked".into()))
+    });
+    match recoded {
+        Some(Recoded::Encoded(nh, p)) => {
+            disk.write(&nh, &p)?;
+            ::metrics::counter!("kvtier_disk_recoded_total").increment(1);
+            ::metrics::counter!("kvtier_disk_recode_saved_bytes_total")
+                .increment(h.payload_len.saturating_sub(nh.payload_len));
+            Ok(())
+        }
+        Some(Recoded::Refused(why)) => {
+            ::metrics::counter!("kvtier_disk_recode_refused_total").increment(1);
+            tracing::debug!(key = %h.key, "disk codec refused a block, written as it came: {why}");
+            disk.write(h, &block.payload)
+        }
+        Some(Recoded::Kept) | None => disk.write(h, &block.payload),
+    }
 }
 
 async fn bind(name: &str, addr: SocketAddr) -> Result<(TcpListener, SocketAddr), ServerError> {

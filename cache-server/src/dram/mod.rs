@@ -35,10 +35,11 @@
 //! Buffers are dropped after the state mutex is released.
 //!
 //! # Demotion hook
-//! [`DramTier::set_eviction_hook`] is where the NVMe tier (G3) will receive demoted blocks: the
-//! hook is called after the state mutex is released with each evicted block; the block's bytes
-//! are then owned by whoever holds the `StoredBlock` (they no longer count against this tier).
-//! The hook must not block: hand the block to a bounded queue and drop it when the queue is full.
+//! [`DramTier::set_eviction_hook`] is where the NVMe tier (G3) receives demoted blocks: the hook
+//! is called with each evicted block while the state mutex is still held, so the receiver can make
+//! the block findable before any reader misses it here; the block's bytes are then owned by
+//! whoever holds the `StoredBlock` (they no longer count against this tier). The hook must not
+//! block nor call into this tier: hand the block to a bounded queue and drop it when it is full.
 
 mod policy;
 mod slab;
@@ -123,7 +124,8 @@ pub struct DramStats {
     pub bytes_out: u64,
 }
 
-/// Called with each block evicted from DRAM (see the module doc, "Demotion hook").
+/// Called with each block evicted from DRAM (see the module doc, "Demotion hook"), with the
+/// tier's lock held: it must not block, nor call back into the tier.
 pub type EvictionHook = Arc<dyn Fn(IndexKey, StoredBlock) + Send + Sync>;
 
 /// The owner behind a reader's `Bytes`: keeps the slot buffer alive.
@@ -372,14 +374,15 @@ impl DramTier {
             let mut st = self.shared.state.lock();
             let res = self.shared.obtain(&mut st, size, hook.is_some(), &mut demoted);
             self.shared.publish(&st);
+            // Under the lock, so no reader sees an evicted block in neither place.
+            if let Some(hook) = &hook {
+                for (key, block) in demoted.drain(..) {
+                    hook(key, block);
+                }
+            }
             (res, st.slab.take_trash())
         };
         drop(trash);
-        if let Some(hook) = hook {
-            for (key, block) in demoted {
-                hook(key, block);
-            }
-        }
         Ok(SlotWriter { shared: Arc::clone(&self.shared), buf: Some(res?), len })
     }
 
