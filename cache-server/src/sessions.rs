@@ -355,6 +355,7 @@ mod tests {
         let payload = vec![k; layout().bytes_for_tokens(tokens) as usize];
         let header = FrameHeader {
             codec: CodecId::RAW,
+            flags: 0,
             tokens,
             namespace: ns,
             key,

@@ -10,7 +10,7 @@ use bytes::Bytes;
 use futures::future::try_join_all;
 use kvtier_proto::dataplane::ItemStatus;
 use kvtier_proto::pb::kv_tier_client::KvTierClient;
-use kvtier_proto::{pb, BlockFrame, BlockKey, CodecId, KeyChain, Namespace, NamespaceId};
+use kvtier_proto::{pb, BlockFrame, BlockKey, CodecId, KeyChain, Namespace, NamespaceId, FRAME_FLAG_KEEP_LOSSLESS};
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 
@@ -96,7 +96,8 @@ impl NamespaceHandle {
     /// The same namespace, keeping the first `n` blocks of every context lossless (raw) whatever
     /// the codec: the attention-sink tokens at the start draw attention from every later token,
     /// and quantizing them costs more accuracy than their size saves (`python -m
-    /// kvtier.accuracy` measures it). Default: 0.
+    /// kvtier.accuracy` measures it). Their frames carry [`FRAME_FLAG_KEEP_LOSSLESS`], so the
+    /// server's disk codec leaves them lossless too. Default: 0.
     pub fn with_lossless_sink_blocks(mut self, n: usize) -> Self {
         self.lossless_sink_blocks = n;
         self
@@ -139,10 +140,13 @@ impl NamespaceHandle {
     }
 
     /// Frames for `(key, tokens, payload)` of blocks `first_index..` of a context, each encoded
-    /// with [`NamespaceHandle::codec_for_block`] (in parallel when any is encoded).
+    /// with [`NamespaceHandle::codec_for_block`] (in parallel when any is encoded). Sink blocks
+    /// are flagged [`FRAME_FLAG_KEEP_LOSSLESS`], so no tier quantizes them later either.
     fn frames(&self, first_index: usize, blocks: Vec<(BlockKey, u32, Bytes)>) -> Result<Vec<BlockFrame>, ClientError> {
         let one = |(i, (k, n, b)): (usize, (BlockKey, u32, Bytes))| {
-            self.frame_with(self.codec_for_block(first_index + i), k, n, b)
+            let index = first_index + i;
+            let frame = self.frame_with(self.codec_for_block(index), k, n, b)?;
+            Ok(if index < self.lossless_sink_blocks { frame.with_flags(FRAME_FLAG_KEEP_LOSSLESS) } else { frame })
         };
         if self.codec == CodecId::RAW {
             blocks.into_iter().enumerate().map(one).collect()

@@ -25,6 +25,8 @@ pub enum ProtoError {
     UnsupportedVersion(u16),
     #[error("frame header checksum mismatch")]
     HeaderChecksum,
+    #[error("frame header has unknown flag bits {0:#06x}")]
+    UnknownFlags(u16),
     #[error("payload checksum mismatch: header says {expected:#018x}, payload hashes to {actual:#018x}")]
     PayloadChecksum { expected: u64, actual: u64 },
     #[error("payload of {actual} bytes exceeds the limit of {limit} bytes")]

@@ -9,7 +9,8 @@
 //! | 4 | 2 | version (1) |
 //! | 6 | 2 | codec id |
 //! | 8 | 4 | tokens in this block (≤ layout.block_tokens; fewer for a partial tail) |
-//! | 12 | 4 | reserved, zero |
+//! | 12 | 2 | flags: bit 0 [`FRAME_FLAG_KEEP_LOSSLESS`]; other bits must be zero |
+//! | 14 | 2 | reserved, zero |
 //! | 16 | 16 | namespace id |
 //! | 32 | 32 | block key |
 //! | 64 | 16 | layout (layers, kv_heads, head_dim, dtype, order, block_tokens, tp_rank, tp_world) |
@@ -26,6 +27,11 @@ use crate::{BlockKey, DType, KvLayout, MemoryOrder, NamespaceId, ProtoError, KEY
 pub const FRAME_MAGIC: [u8; 4] = *b"KVTB";
 pub const FRAME_VERSION: u16 = 1;
 pub const FRAME_HEADER_LEN: usize = 128;
+/// The writer asks every tier to keep this block lossless (e.g. the attention-sink blocks at the
+/// start of a context): a tier may compress it losslessly, never quantize it.
+pub const FRAME_FLAG_KEEP_LOSSLESS: u16 = 1;
+/// Every flag bit this version knows; a header with any other bit set is refused.
+pub const FRAME_FLAGS_KNOWN: u16 = FRAME_FLAG_KEEP_LOSSLESS;
 
 /// How a payload is encoded. The codecs themselves live in `kvtier-kernels`; here they are only
 /// names, and the size rule the server can check without decoding.
@@ -97,6 +103,8 @@ impl CodecId {
 pub struct FrameHeader {
     pub codec: CodecId,
     pub tokens: u32,
+    /// [`FRAME_FLAG_KEEP_LOSSLESS`] or 0.
+    pub flags: u16,
     pub namespace: NamespaceId,
     pub key: BlockKey,
     pub layout: KvLayout,
@@ -111,6 +119,7 @@ impl FrameHeader {
         h[4..6].copy_from_slice(&FRAME_VERSION.to_le_bytes());
         h[6..8].copy_from_slice(&self.codec.0.to_le_bytes());
         h[8..12].copy_from_slice(&self.tokens.to_le_bytes());
+        h[12..14].copy_from_slice(&self.flags.to_le_bytes());
         h[16..32].copy_from_slice(&self.namespace.0);
         h[32..64].copy_from_slice(&self.key.0);
         let mut l = Vec::with_capacity(16);
@@ -160,9 +169,14 @@ impl FrameHeader {
             tp_world: u16_at(78),
         };
         layout.validate()?;
+        let flags = u16_at(12);
+        if flags & !FRAME_FLAGS_KNOWN != 0 {
+            return Err(ProtoError::UnknownFlags(flags));
+        }
         let header = FrameHeader {
             codec: CodecId(u16_at(6)),
             tokens: u32_at(8),
+            flags,
             namespace: NamespaceId(ns),
             key: BlockKey(key),
             layout,
@@ -244,6 +258,7 @@ impl BlockFrame {
         let header = FrameHeader {
             codec,
             tokens,
+            flags: 0,
             namespace,
             key,
             layout,
@@ -251,6 +266,12 @@ impl BlockFrame {
             checksum: xxh3_64(&payload),
         };
         BlockFrame { header, payload }
+    }
+
+    /// The same frame with header flags `flags` (e.g. [`FRAME_FLAG_KEEP_LOSSLESS`]).
+    pub fn with_flags(mut self, flags: u16) -> Self {
+        self.header.flags = flags;
+        self
     }
 
     /// Header and payload in one buffer (one copy of the payload).
@@ -322,6 +343,21 @@ mod tests {
             b[bit / 8] ^= 1 << (bit % 8);
             assert!(BlockFrame::decode(Bytes::from(b)).is_err(), "bit {bit}");
         }
+    }
+
+    #[test]
+    fn flags_round_trip_and_unknown_bits_are_refused() {
+        let f = frame(4, 128).with_flags(FRAME_FLAG_KEEP_LOSSLESS);
+        let back = BlockFrame::decode(f.to_bytes()).unwrap();
+        assert_eq!(back.header.flags, FRAME_FLAG_KEEP_LOSSLESS);
+        assert_eq!(back, f);
+        // Bytes 12..14 were reserved (zero) before flags: frames written then decode with none.
+        assert_eq!(BlockFrame::decode(frame(4, 128).to_bytes()).unwrap().header.flags, 0);
+        let mut h = f.header;
+        h.flags = 0b110;
+        let mut wire = h.encode().to_vec();
+        wire.extend_from_slice(&f.payload);
+        assert!(matches!(BlockFrame::decode(Bytes::from(wire)), Err(ProtoError::UnknownFlags(0b110))));
     }
 
     #[test]

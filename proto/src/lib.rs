@@ -20,7 +20,9 @@ mod layout;
 mod namespace;
 
 pub use error::ProtoError;
-pub use frame::{BlockFrame, CodecId, FrameHeader, FRAME_HEADER_LEN, FRAME_MAGIC, FRAME_VERSION};
+pub use frame::{
+    BlockFrame, CodecId, FrameHeader, FRAME_FLAGS_KNOWN, FRAME_FLAG_KEEP_LOSSLESS, FRAME_HEADER_LEN, FRAME_MAGIC, FRAME_VERSION,
+};
 pub use key::{BlockKey, KeyChain, KEY_LEN};
 pub use layout::{DType, KvLayout, MemoryOrder};
 pub use namespace::{HashScheme, Namespace, NamespaceId, NAMESPACE_ID_LEN};

@@ -1,12 +1,13 @@
 //! The disk codec: blocks demoted from DRAM to disk that arrive lossless (raw, raw+LZ4) are
 //! re-encoded with the codec the operator chose for the disk tier (`disk_codec`), so the cold tier
-//! holds more of them. Blocks already quantized keep their codec (never quantized twice), and a
-//! block the codec refuses (non-finite values) or cannot shrink is written as it came. Parked
+//! holds more of them. Blocks already quantized keep their codec (never quantized twice), blocks
+//! flagged [`FRAME_FLAG_KEEP_LOSSLESS`] (a client's attention-sink blocks) are never quantized, and
+//! a block the codec refuses (non-finite values) or cannot shrink is written as it came. Parked
 //! sessions write their blocks to disk at park time, not through here.
 
 use bytes::Bytes;
 use kvtier_kernels::{is_lossless, BlockSpec, KvBlockView};
-use kvtier_proto::{BlockFrame, CodecId, FrameHeader};
+use kvtier_proto::{BlockFrame, CodecId, FrameHeader, FRAME_FLAG_KEEP_LOSSLESS};
 
 /// What the disk codec made of one block.
 #[derive(Debug)]
@@ -21,7 +22,8 @@ pub enum Recoded {
 
 /// Re-encodes `payload` (the payload of `header`) with `codec` where that helps; see the module.
 pub fn recode(codec: CodecId, header: &FrameHeader, payload: &[u8]) -> Recoded {
-    if header.codec == codec || !is_lossless(header.codec) {
+    let keep_lossless = header.flags & FRAME_FLAG_KEEP_LOSSLESS != 0;
+    if header.codec == codec || !is_lossless(header.codec) || (keep_lossless && !is_lossless(codec)) {
         return Recoded::Kept;
     }
     let spec = BlockSpec::from_layout(&header.layout, header.tokens);
@@ -36,7 +38,8 @@ pub fn recode(codec: CodecId, header: &FrameHeader, payload: &[u8]) -> Recoded {
     let encoded = KvBlockView::new(spec, &raw).and_then(|view| kvtier_kernels::encode(codec, &view));
     match encoded {
         Ok(p) if p.len() < payload.len() => {
-            let f = BlockFrame::new(header.namespace, header.key, header.layout, codec, header.tokens, Bytes::from(p));
+            let f = BlockFrame::new(header.namespace, header.key, header.layout, codec, header.tokens, Bytes::from(p))
+                .with_flags(header.flags);
             Recoded::Encoded(f.header, f.payload)
         }
         Ok(_) => Recoded::Kept,
@@ -94,6 +97,19 @@ mod tests {
             let max = errs.iter().fold(0f32, |m, e| m.max(e.abs())) / 2.0;
             assert!(rms > 0.0 && rms < 0.15 && max < 0.4, "relative error: rms {rms}, max {max}");
         }
+    }
+
+    #[test]
+    fn blocks_flagged_keep_lossless_are_only_compressed_losslessly() {
+        let f = frame(CodecId::RAW, |_| 1.5); // constant: LZ4 shrinks it
+        let f = BlockFrame { header: FrameHeader { flags: FRAME_FLAG_KEEP_LOSSLESS, ..f.header }, payload: f.payload };
+        assert!(matches!(recode(CodecId::NVFP4_HAD_LZ4, &f.header, &f.payload), Recoded::Kept));
+        let Recoded::Encoded(h, p) = recode(CodecId::RAW_LZ4, &f.header, &f.payload) else {
+            panic!("a flagged block may still be compressed losslessly");
+        };
+        assert_eq!((h.codec, h.flags), (CodecId::RAW_LZ4, FRAME_FLAG_KEEP_LOSSLESS));
+        let back = kvtier_kernels::decode(h.codec, &p, &BlockSpec::from_layout(&layout(), 16)).unwrap();
+        assert_eq!(back, f.payload);
     }
 
     #[test]

@@ -25,6 +25,7 @@ fn payload(i: u32, len: usize) -> Vec<u8> {
 fn header(ns: NamespaceId, i: u32, len: usize) -> FrameHeader {
     FrameHeader {
         codec: CodecId::RAW,
+        flags: 0,
         tokens: 1,
         namespace: ns,
         key: key(i),
