@@ -89,17 +89,13 @@ fn recode_write(
     let _ = std::fs::remove_dir_all(&cfg.dir);
     std::fs::create_dir_all(&cfg.dir)?;
     let (tier, _) = DiskTier::open(cfg.clone())?;
-    let mut x = 0x2545_f491_4f6c_dd1du64;
-    let mut uniform = move || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        (x >> 40) as f32 / (1u64 << 24) as f32
-    };
+    let mut uniform = kvtier_kernels::__testing::uniform_source(0x2545_f491_4f6c_dd1d);
     let frames: Vec<BlockFrame> = (0..mib)
         .map(|i| {
             let payload: Vec<u8> = (0..1u64 << 19)
-                .flat_map(|_| half::bf16::from_f32((uniform() + uniform() + uniform() - 1.5) * 2.0).to_bits().to_le_bytes())
+                .flat_map(|_| {
+                    half::bf16::from_f32((uniform() + uniform() + uniform() - 1.5) * 2.0).to_bits().to_le_bytes()
+                })
                 .collect();
             let key = BlockKey(*blake3::hash(&(i + 1_000_000).to_le_bytes()).as_bytes());
             BlockFrame::new(NamespaceId([1; 16]), key, layout, CodecId::RAW, 8, Bytes::from(payload))

@@ -147,7 +147,8 @@ impl ControlPlane {
                 if disk.contains(ns, k) {
                     continue;
                 }
-                let block = self.state.tier.get(ns, k).or_else(|| self.state.in_transit.get(&(*ns, *k)).map(|b| b.clone()));
+                let block =
+                    self.state.tier.get(ns, k).or_else(|| self.state.in_transit.get(&(*ns, *k)).map(|b| b.clone()));
                 match block {
                     Some(b) => disk.write(&b.header, &b.payload)?,
                     None => missing.push(i as u32),

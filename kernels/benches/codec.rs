@@ -38,13 +38,7 @@ fn median<F: FnMut()>(reps: usize, mut f: F) -> f64 {
 
 /// A cheap deterministic N(0,1)-ish generator (sum of uniforms), so the bench needs no rand crate.
 fn data(n: usize) -> Vec<u8> {
-    let mut s = 0x9E37_79B9_7F4A_7C15u64;
-    let mut next = move || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        (s >> 40) as f32 / (1u64 << 24) as f32
-    };
+    let mut next = kvtier_kernels::__testing::uniform_source(0x9E37_79B9_7F4A_7C15);
     (0..n)
         .flat_map(|_| {
             let g = (0..4).map(|_| next()).sum::<f32>() - 2.0;

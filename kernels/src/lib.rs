@@ -56,6 +56,18 @@ pub mod __testing {
         Ok(out)
     }
 
+    /// A deterministic source of uniform `f32`s in `[0, 1)` (xorshift64 from `seed`), for
+    /// benchmarks that build KV-like data without a rand crate.
+    pub fn uniform_source(seed: u64) -> impl FnMut() -> f32 {
+        let mut s = seed;
+        move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 24) as f32
+        }
+    }
+
     /// Unscaled E2M1 codes of `xs`, one per byte, through `backend`'s vector kernel.
     pub fn e2m1_codes(backend: Backend, xs: &[f32]) -> Result<Vec<u8>, CodecError> {
         let mut out = vec![0u8; xs.len()];

@@ -21,7 +21,8 @@ mod namespace;
 
 pub use error::ProtoError;
 pub use frame::{
-    BlockFrame, CodecId, FrameHeader, FRAME_FLAGS_KNOWN, FRAME_FLAG_KEEP_LOSSLESS, FRAME_HEADER_LEN, FRAME_MAGIC, FRAME_VERSION,
+    BlockFrame, CodecId, FrameHeader, FRAME_FLAGS_KNOWN, FRAME_FLAG_KEEP_LOSSLESS, FRAME_HEADER_LEN, FRAME_MAGIC,
+    FRAME_VERSION,
 };
 pub use key::{BlockKey, KeyChain, KEY_LEN};
 pub use layout::{DType, KvLayout, MemoryOrder};

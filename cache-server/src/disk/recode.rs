@@ -81,7 +81,10 @@ mod tests {
             let Recoded::Encoded(h, p) = recode(CodecId::NVFP4_HAD_LZ4, &f.header, &f.payload) else {
                 panic!("{source:?} was not re-encoded");
             };
-            assert_eq!((h.codec, h.key, h.namespace, h.tokens), (CodecId::NVFP4_HAD_LZ4, f.header.key, f.header.namespace, 16));
+            assert_eq!(
+                (h.codec, h.key, h.namespace, h.tokens),
+                (CodecId::NVFP4_HAD_LZ4, f.header.key, f.header.namespace, 16)
+            );
             assert_eq!(h.payload_len, p.len() as u64);
             // The new frame verifies as a whole (checksum of the new payload).
             h.verify_payload(&p).unwrap();
@@ -92,7 +95,8 @@ mod tests {
                 .enumerate()
                 .map(|(i, c)| f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32() - smooth(i))
                 .collect();
-            let rms_signal = (errs.iter().enumerate().map(|(i, _)| smooth(i).powi(2)).sum::<f32>() / errs.len() as f32).sqrt();
+            let rms_signal =
+                (errs.iter().enumerate().map(|(i, _)| smooth(i).powi(2)).sum::<f32>() / errs.len() as f32).sqrt();
             let rms = (errs.iter().map(|e| e * e).sum::<f32>() / errs.len() as f32).sqrt() / rms_signal;
             let max = errs.iter().fold(0f32, |m, e| m.max(e.abs())) / 2.0;
             assert!(rms > 0.0 && rms < 0.15 && max < 0.4, "relative error: rms {rms}, max {max}");

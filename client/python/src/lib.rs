@@ -246,9 +246,7 @@ impl<'a, 'py> FromPyObject<'a, 'py> for TokenIds {
             return ids.map(TokenIds);
         }
         obj.extract::<Vec<u32>>().map(TokenIds).map_err(|e| {
-            PyValueError::new_err(format!(
-                "tokens must be a 1-D integer array or a sequence of ints in 0..2**32: {e}"
-            ))
+            PyValueError::new_err(format!("tokens must be a 1-D integer array or a sequence of ints in 0..2**32: {e}"))
         })
     }
 }
