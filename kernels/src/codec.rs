@@ -310,6 +310,14 @@ impl Codec {
             split_rows(spec.rows(), row_bytes, parallel, codes, hd, if per_row_scales { scales } else { &mut [] }, 4);
         run(parallel, chunks, |c| {
             let r0 = c.rows.start;
+            if let (None, Some(rot)) = (&plane_scales, source.rot) {
+                // Rotated, one scale per row: rotated and quantized in one pass per row.
+                return source.checked_batches(c.rows.clone(), |b0, bytes| {
+                    let (o, n) = (b0 - r0, bytes.len() / row_bytes);
+                    let (sc, co) = (&mut c.b[4 * o..4 * (o + n)], &mut c.a[o * hd..(o + n) * hd]);
+                    isa.fp8_encode_rows_rotated(rot, spec.dtype, bytes, sc, co).map_err(|k| source.bad_row(b0 + k))
+                });
+            }
             let mut scratch = Vec::new();
             source.batches(c.rows.clone(), &mut scratch, |b0, bytes| {
                 let (o, n) = (b0 - r0, bytes.len() / krb);
@@ -611,6 +619,15 @@ impl Source<'_> {
         let Some(rot) = self.rot else {
             return Ok(self.src_rows(rows));
         };
+        let src = self.checked(rows.clone())?;
+        scratch.resize(rows.len() * self.spec.row_len() * 4, 0);
+        rot.forward_rows(self.isa, self.spec.dtype, src, scratch);
+        Ok(scratch)
+    }
+
+    /// The block's own bytes of `rows`, after the check the rotated codecs make before rotating
+    /// (see [`Source::whole`]).
+    fn checked(&self, rows: std::ops::Range<usize>) -> Result<&[u8], CodecError> {
         let src = self.src_rows(rows.clone());
         if self.isa.row_amax_bits(self.spec.dtype, src) > ROTATION_MAX_INPUT.to_bits() {
             let bad = rows
@@ -633,9 +650,7 @@ impl Source<'_> {
                 f32::from_bits(bits)
             )));
         }
-        scratch.resize(rows.len() * self.spec.row_len() * 4, 0);
-        rot.forward_rows(self.isa, self.spec.dtype, src, scratch);
-        Ok(scratch)
+        Ok(src)
     }
 
     /// Calls `f(first row, bytes)` on consecutive runs of whole rows covering `rows`, as the
@@ -653,6 +668,22 @@ impl Source<'_> {
         while r < rows.end {
             let e = (r + per).min(rows.end);
             f(r, self.whole(r..e, scratch)?)?;
+            r = e;
+        }
+        Ok(())
+    }
+
+    /// Calls `f(first row, bytes)` on runs of whole rows covering `rows` with the block's own
+    /// bytes, each run [`Source::checked`] first, for the kernels that rotate as they go.
+    fn checked_batches<F>(&self, rows: std::ops::Range<usize>, mut f: F) -> Result<(), CodecError>
+    where
+        F: FnMut(usize, &[u8]) -> Result<(), CodecError>,
+    {
+        let per = (ROTATION_BATCH_ELEMENTS / self.spec.row_len()).max(1);
+        let mut r = rows.start;
+        while r < rows.end {
+            let e = (r + per).min(rows.end);
+            f(r, self.checked(r..e)?)?;
             r = e;
         }
         Ok(())
@@ -715,11 +746,13 @@ impl Sink<'_> {
                     return Err(bad_code());
                 }
             }
-            // The encoder's values stay far below this; larger ones could overflow in the inverse.
-            if self.isa.row_amax_bits(DType::Fp32, f32s) > ROTATION_MAX_DECODED.to_bits() {
+            // The encoder's values stay far below this; larger ones could overflow in the inverse
+            // (whose output is then discarded).
+            let amax =
+                rot.inverse_rows(self.isa, f32s, self.out_dtype, &mut c.a[(b - r0) * hd * os..(e - r0) * hd * os]);
+            if amax > ROTATION_MAX_DECODED.to_bits() {
                 return Err(CodecError::Corrupt("rotated payload decodes to values the encoder never writes".into()));
             }
-            rot.inverse_rows(self.isa, f32s, self.out_dtype, &mut c.a[(b - r0) * hd * os..(e - r0) * hd * os]);
             b = e;
         }
         Ok(())

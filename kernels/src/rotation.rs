@@ -134,6 +134,16 @@ impl Rotation {
         self.mul.len()
     }
 
+    /// `s_i · fl(1/sqrt(n))` of every channel (what the kernels multiply by).
+    pub(crate) fn mul(&self) -> &[f32] {
+        &self.mul
+    }
+
+    /// The chunk lengths, largest first.
+    pub(crate) fn chunks(&self) -> &[usize] {
+        &self.chunks
+    }
+
     /// `y = H · diag(s) · x / sqrt(n)` per chunk, in place. `x.len()` must be `head_dim`.
     pub fn forward(&self, x: &mut [f32]) {
         assert_eq!(x.len(), self.head_dim(), "row length");
@@ -171,8 +181,11 @@ impl Rotation {
     }
 
     /// Inverse-rotates whole rows of little-endian f32 in `src` and stores them as `dtype` in
-    /// `dst` (round to nearest even; FP16 saturates to ±65504, like the plain decoders).
-    pub(crate) fn inverse_rows(&self, isa: Isa, src: &[u8], dtype: DType, dst: &mut [u8]) {
+    /// `dst` (round to nearest even; FP16 saturates to ±65504, like the plain decoders). Returns
+    /// the largest magnitude of `src` as f32 bits (NaN and Inf above every finite value), which
+    /// the vector kernel takes from its registers, so the caller can refuse values the encoder
+    /// never writes without another pass (`dst` is then unspecified).
+    pub(crate) fn inverse_rows(&self, isa: Isa, src: &[u8], dtype: DType, dst: &mut [u8]) -> u32 {
         #[cfg(target_arch = "x86_64")]
         if let Isa::Avx2(_) = isa {
             let mut buf = vec![0f32; self.head_dim()];
@@ -180,7 +193,8 @@ impl Rotation {
             return unsafe { crate::kernel::avx2::unrotate_rows(src, &self.mul, &self.chunks, &mut buf, dtype, dst) };
         }
         let _ = isa;
-        self.inverse_rows_impl(src, dtype, dst)
+        self.inverse_rows_impl(src, dtype, dst);
+        crate::kernel::scalar::row_amax_bits(DType::Fp32, src)
     }
 
     /// The scalar reference of [`Rotation::forward_rows`]; the AVX2 kernel writes the same bytes.

@@ -724,11 +724,46 @@ unsafe fn fp8_encode_t<const D: u8, const BOUNDED: bool>(src: &[u8], scale: f32,
 #[target_feature(enable = "avx2,f16c,fma")]
 unsafe fn fp8_step32<const D: u8, const EXACT: bool>(src: &[u8], dst: &mut [u8], i: usize, p: __m256, q: __m256) {
     debug_assert!(i + 32 <= dst.len() && (i + 32) * dt(D).size() as usize <= src.len());
+    if D == FP32 {
+        return fp8_step32_f32::<EXACT>(src, dst, i, p, q);
+    }
     let m0 = fp8_mag_words16::<D, EXACT>(src, i, p, q);
     let m1 = fp8_mag_words16::<D, EXACT>(src, i + 16, p, q);
     // Words ≤ 0x7E: the pack is exact; it leaves [0–7, 16–23 | 8–15, 24–31].
     let b = _mm256_or_si256(_mm256_packus_epi16(m0, m1), fp8_sign_bytes::<D>(src, i, i + 16));
     let b = _mm256_permute4x64_epi64::<0xD8>(b);
+    // SAFETY: 32 bytes at i are inside dst (invariant above).
+    _mm256_storeu_si256(dst.as_mut_ptr().add(i) as *mut __m256i, b);
+}
+
+/// [`fp8_step32`] for f32 rows: the codes of elements `i..i + 32` of the little-endian f32 `src`
+/// into `dst[i..i + 32]`. The four vectors' magnitude codes and their signs are packed the same
+/// way (32 → 16 → 8 bits; the signs by signed saturation, which maps every negative f32 pattern,
+/// −0 included, to 0x80 and every other to 0x00..=0x7F), so one lane permute puts both in order.
+/// Invariant: `i + 32 <= dst.len()` and `4·(i + 32) <= src.len()`.
+#[inline]
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn fp8_step32_f32<const EXACT: bool>(src: &[u8], dst: &mut [u8], i: usize, p: __m256, q: __m256) {
+    debug_assert!(i + 32 <= dst.len() && 4 * (i + 32) <= src.len());
+    let abs = _mm256_castsi256_ps(_mm256_set1_epi32(ABS));
+    let mut x = [_mm256_setzero_ps(); 4];
+    let mut c = [_mm256_setzero_si256(); 4];
+    for k in 0..4 {
+        // SAFETY: bytes 4·(i + 8k) .. + 32 are inside src (invariant above).
+        x[k] = _mm256_loadu_ps(src.as_ptr().add(4 * (i + 8 * k)) as *const f32);
+        // The exact quotient of a bounded row is at most 448·(1 + 2^-23): no saturation needed.
+        c[k] = e4m3_mag8_biased(quot::<EXACT>(_mm256_and_ps(x[k], abs), p, q), !EXACT);
+    }
+    // Words ≤ 1254: exact; [0–3, 8–11 | 4–7, 12–15] and [16–19, 24–27 | 20–23, 28–31].
+    let bias = _mm256_set1_epi16(E4M3_BIAS as i16);
+    let w01 = _mm256_sub_epi16(_mm256_packus_epi32(c[0], c[1]), bias);
+    let w23 = _mm256_sub_epi16(_mm256_packus_epi32(c[2], c[3]), bias);
+    let mags = _mm256_packus_epi16(w01, w23);
+    let s01 = _mm256_packs_epi32(_mm256_castps_si256(x[0]), _mm256_castps_si256(x[1]));
+    let s23 = _mm256_packs_epi32(_mm256_castps_si256(x[2]), _mm256_castps_si256(x[3]));
+    let signs = _mm256_and_si256(_mm256_packs_epi16(s01, s23), _mm256_set1_epi8(0x80u8 as i8));
+    // 32-bit groups [0–3, 8–11, 16–19, 24–27 | 4–7, 12–15, 20–23, 28–31] into element order.
+    let b = _mm256_permutevar8x32_epi32(_mm256_or_si256(mags, signs), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     // SAFETY: 32 bytes at i are inside dst (invariant above).
     _mm256_storeu_si256(dst.as_mut_ptr().add(i) as *mut __m256i, b);
 }
@@ -1141,6 +1176,189 @@ unsafe fn wht_rest(buf: &mut [f32], chunks: &[usize]) {
     }
 }
 
+/// The transform of `crate::rotation::fwht` on one chunk of `8·N` elements held in `N` vectors
+/// (element `8k + l` in lane `l` of `v[k]`), without touching memory: stages 1, 2 and 4 inside
+/// each vector ([`fwht8`]), then stage `8h` for `h = 1, 2, …, N/2` between `v[j]` and `v[j + h]`
+/// (`j & h == 0`) as `(a + b, a − b)`: the reference's operations on the same values, stage by
+/// stage in the same order, so the same bytes. `N` is a constant, so the loops unroll and the
+/// chunk stays in registers (sixteen of them for 128 elements).
+///
+/// This one, [`fwd_chunk`] and [`inv_chunk`] carry no `target_feature` (which cannot be combined
+/// with `inline(always)`) so that they are always inlined: called only from functions of this
+/// file that enable the features, their intrinsics are then compiled with them, and the chunk's
+/// vectors never go through memory.
+#[inline(always)]
+unsafe fn wht_regs<const N: usize>(v: &mut [__m256; N]) {
+    for x in v.iter_mut() {
+        *x = fwht8(*x);
+    }
+    let mut h = 1;
+    while h < N {
+        let mut j = 0;
+        while j < N {
+            for t in j..j + h {
+                let (a, b) = (v[t], v[t + h]);
+                v[t] = _mm256_add_ps(a, b);
+                v[t + h] = _mm256_sub_ps(a, b);
+            }
+            j += 2 * h;
+        }
+        h *= 2;
+    }
+}
+
+/// The forward rotation of one chunk, elements `off..off + 8N` of the row `s` (dtype `D`): times
+/// `mul`, [`wht_regs`], stored as little-endian f32 at elements `off..off + 8N` of `o`. Returns
+/// the max of the stored values' magnitude bits in eight u32 lanes.
+#[inline(always)]
+unsafe fn fwd_chunk<const D: u8, const N: usize>(s: &[u8], mul: &[f32], off: usize, o: &mut [u8]) -> __m256i {
+    let end = off + 8 * N;
+    assert!(end <= mul.len() && end * dt(D).size() as usize <= s.len() && 4 * end <= o.len());
+    let mut v = [_mm256_setzero_ps(); N];
+    for (k, x) in v.iter_mut().enumerate() {
+        // SAFETY: elements off + 8k .. off + 8k + 8 ≤ end are inside s and mul (assert above).
+        *x = _mm256_mul_ps(load8::<D>(s, off + 8 * k), _mm256_loadu_ps(mul.as_ptr().add(off + 8 * k)));
+    }
+    wht_regs(&mut v);
+    let abs = _mm256_set1_epi32(ABS);
+    let mut m = _mm256_setzero_si256();
+    for (k, x) in v.iter().enumerate() {
+        // SAFETY: bytes 4·(off + 8k) .. + 32 ≤ 4·end are inside o (assert above).
+        _mm256_storeu_ps(o.as_mut_ptr().add(4 * (off + 8 * k)) as *mut f32, *x);
+        m = _mm256_max_epu32(m, _mm256_and_si256(_mm256_castps_si256(*x), abs));
+    }
+    m
+}
+
+/// [`fwd_chunk`] for a chunk of any power-of-two length `n` (those with no register form:
+/// shorter than 8 or longer than 256), through `buf` (head_dim f32): the vector steps and
+/// [`wht_rest`] for `n ≥ 8`, the scalar reference below.
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn fwd_chunk_mem<const D: u8>(
+    s: &[u8],
+    mul: &[f32],
+    off: usize,
+    n: usize,
+    buf: &mut [f32],
+    o: &mut [u8],
+) -> __m256i {
+    let dtype = dt(D);
+    assert!(off + n <= mul.len() && (off + n) * dtype.size() as usize <= s.len() && 4 * (off + n) <= o.len());
+    let b = &mut buf[off..off + n];
+    if n >= 8 {
+        let mut k = 0;
+        while k + 8 <= n {
+            // SAFETY: elements off + k .. off + k + 8 ≤ off + n are inside s and mul (assert above).
+            let x = _mm256_mul_ps(load8::<D>(s, off + k), _mm256_loadu_ps(mul.as_ptr().add(off + k)));
+            _mm256_storeu_ps(b[k..k + 8].as_mut_ptr(), fwht8(x));
+            k += 8;
+        }
+        wht_rest(b, &[n]);
+    } else {
+        for (k, v) in b.iter_mut().enumerate() {
+            *v = crate::block::load_f32(dtype, s, off + k) * mul[off + k];
+        }
+        crate::rotation::fwht(b);
+    }
+    let mut m = 0u32;
+    for (k, v) in b.iter().enumerate() {
+        o[4 * (off + k)..4 * (off + k + 1)].copy_from_slice(&v.to_le_bytes());
+        m = m.max(v.to_bits() & 0x7FFF_FFFF);
+    }
+    _mm256_set1_epi32(m as i32)
+}
+
+/// The forward rotation of one row `s` (dtype `D`) into `o` (little-endian f32), chunk by chunk,
+/// each in registers where it has a register form. Returns the max magnitude bits of the rotated
+/// row, reduced to eight u32 lanes. `buf`: head_dim f32 of scratch.
+#[inline]
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn fwd_row<const D: u8>(s: &[u8], mul: &[f32], chunks: &[usize], buf: &mut [f32], o: &mut [u8]) -> __m256i {
+    let mut acc = _mm256_setzero_si256();
+    let mut off = 0;
+    for &n in chunks {
+        let m = match n {
+            8 => fwd_chunk::<D, 1>(s, mul, off, o),
+            16 => fwd_chunk::<D, 2>(s, mul, off, o),
+            32 => fwd_chunk::<D, 4>(s, mul, off, o),
+            64 => fwd_chunk::<D, 8>(s, mul, off, o),
+            128 => fwd_chunk::<D, 16>(s, mul, off, o),
+            256 => fwd_chunk::<D, 32>(s, mul, off, o),
+            _ => fwd_chunk_mem::<D>(s, mul, off, n, buf, o),
+        };
+        acc = _mm256_max_epu32(acc, m);
+        off += n;
+    }
+    acc
+}
+
+/// The inverse rotation of one chunk: little-endian f32 elements `off..off + 8N` of `s`,
+/// [`wht_regs`], times `mul`, stored as `D` at elements `off..off + 8N` of `o` (rounding like
+/// `block::store_f32`). Returns the max magnitude bits of the chunk's input in eight u32 lanes.
+#[inline(always)]
+unsafe fn inv_chunk<const D: u8, const N: usize>(s: &[u8], mul: &[f32], off: usize, o: &mut [u8]) -> __m256i {
+    let end = off + 8 * N;
+    assert!(end <= mul.len() && 4 * end <= s.len() && end * dt(D).size() as usize <= o.len());
+    let abs = _mm256_set1_epi32(ABS);
+    let mut m = _mm256_setzero_si256();
+    let mut v = [_mm256_setzero_ps(); N];
+    for (k, x) in v.iter_mut().enumerate() {
+        // SAFETY: bytes 4·(off + 8k) .. + 32 ≤ 4·end are inside s (assert above).
+        *x = _mm256_loadu_ps(s.as_ptr().add(4 * (off + 8 * k)) as *const f32);
+        m = _mm256_max_epu32(m, _mm256_and_si256(_mm256_castps_si256(*x), abs));
+    }
+    wht_regs(&mut v);
+    for (k, x) in v.iter().enumerate() {
+        // SAFETY: elements off + 8k .. off + 8k + 8 ≤ end are inside mul and o (assert above).
+        store8::<D>(o, off + 8 * k, _mm256_mul_ps(*x, _mm256_loadu_ps(mul.as_ptr().add(off + 8 * k))));
+    }
+    m
+}
+
+/// [`inv_chunk`] for a chunk with no register form, through `buf` (see [`fwd_chunk_mem`]).
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn inv_chunk_mem<const D: u8>(
+    s: &[u8],
+    mul: &[f32],
+    off: usize,
+    n: usize,
+    buf: &mut [f32],
+    o: &mut [u8],
+) -> __m256i {
+    let dtype = dt(D);
+    assert!(off + n <= mul.len() && 4 * (off + n) <= s.len() && (off + n) * dtype.size() as usize <= o.len());
+    let b = &mut buf[off..off + n];
+    let mut m = 0u32;
+    for (k, v) in b.iter_mut().enumerate() {
+        let i = 4 * (off + k);
+        *v = f32::from_le_bytes([s[i], s[i + 1], s[i + 2], s[i + 3]]);
+        m = m.max(v.to_bits() & 0x7FFF_FFFF);
+    }
+    if n >= 8 {
+        let mut k = 0;
+        while k + 8 <= n {
+            let p = b[k..k + 8].as_mut_ptr();
+            // SAFETY: elements k..k + 8 of b.
+            _mm256_storeu_ps(p, fwht8(_mm256_loadu_ps(p)));
+            k += 8;
+        }
+        wht_rest(b, &[n]);
+        let mut k = 0;
+        while k + 8 <= n {
+            // SAFETY: elements k..k + 8 of b, off + k .. off + k + 8 of mul and o (assert above).
+            let x = _mm256_mul_ps(_mm256_loadu_ps(b.as_ptr().add(k)), _mm256_loadu_ps(mul.as_ptr().add(off + k)));
+            store8::<D>(o, off + k, x);
+            k += 8;
+        }
+    } else {
+        crate::rotation::fwht(b);
+        for (k, v) in b.iter().enumerate() {
+            crate::block::store_f32(dtype, o, off + k, v * mul[off + k]);
+        }
+    }
+    _mm256_set1_epi32(m as i32)
+}
+
 /// The forward rotation of `crate::rotation::Rotation` on whole rows: elements of `dtype` from
 /// `src`, times `mul`, then the transform per chunk; written to `out` as little-endian f32.
 /// `buf` is scratch of `mul.len()` (= head_dim) elements.
@@ -1158,38 +1376,17 @@ pub(crate) unsafe fn rotate_rows(
 
 #[target_feature(enable = "avx2,f16c,fma")]
 unsafe fn rotate_rows_t<const D: u8>(src: &[u8], mul: &[f32], chunks: &[usize], buf: &mut [f32], out: &mut [u8]) {
-    let dtype = dt(D);
     let hd = mul.len();
     assert!(buf.len() == hd);
-    // Elements 0..v lie in chunks of 8 or more (the chunks are largest first), v..hd in shorter ones.
-    let v = hd & !7;
-    for (s, o) in src.chunks_exact(hd * dtype.size() as usize).zip(out.chunks_exact_mut(hd * 4)) {
-        let mut i = 0;
-        while i < v {
-            // SAFETY: i + 8 ≤ v ≤ hd: inside the row s, mul and buf.
-            let x = _mm256_mul_ps(load8::<D>(s, i), _mm256_loadu_ps(mul.as_ptr().add(i)));
-            _mm256_storeu_ps(buf.as_mut_ptr().add(i), fwht8(x));
-            i += 8;
-        }
-        for k in v..hd {
-            buf[k] = crate::block::load_f32(dtype, s, k) * mul[k];
-        }
-        wht_rest(buf, chunks);
-        let mut i = 0;
-        while i < v {
-            // SAFETY: elements i..i + 8 of buf, bytes 4i..4i + 32 of o (o holds 4·hd bytes).
-            _mm256_storeu_ps(o.as_mut_ptr().add(4 * i) as *mut f32, _mm256_loadu_ps(buf.as_ptr().add(i)));
-            i += 8;
-        }
-        for k in v..hd {
-            o[4 * k..4 * k + 4].copy_from_slice(&buf[k].to_le_bytes());
-        }
+    for (s, o) in src.chunks_exact(hd * dt(D).size() as usize).zip(out.chunks_exact_mut(hd * 4)) {
+        fwd_row::<D>(s, mul, chunks, buf, o);
     }
 }
 
 /// The inverse rotation of `crate::rotation::Rotation` on whole rows: little-endian f32 from
 /// `src`, the transform per chunk, then times `mul`, stored as `dtype` in `dst` (rounding like
-/// `block::store_f32`). `buf` is scratch of `mul.len()` elements.
+/// `block::store_f32`). `buf` is scratch of `mul.len()` elements. Returns the largest magnitude
+/// bits of `src` (as `scalar::row_amax_bits` of all of it).
 #[target_feature(enable = "avx2,f16c,fma")]
 pub(crate) unsafe fn unrotate_rows(
     src: &[u8],
@@ -1198,38 +1395,136 @@ pub(crate) unsafe fn unrotate_rows(
     buf: &mut [f32],
     dtype: DType,
     dst: &mut [u8],
-) {
+) -> u32 {
     by_dtype!(dtype, unrotate_rows_t(src, mul, chunks, buf, dst))
 }
 
 #[target_feature(enable = "avx2,f16c,fma")]
-unsafe fn unrotate_rows_t<const D: u8>(src: &[u8], mul: &[f32], chunks: &[usize], buf: &mut [f32], dst: &mut [u8]) {
-    let dtype = dt(D);
+unsafe fn unrotate_rows_t<const D: u8>(
+    src: &[u8],
+    mul: &[f32],
+    chunks: &[usize],
+    buf: &mut [f32],
+    dst: &mut [u8],
+) -> u32 {
     let hd = mul.len();
     assert!(buf.len() == hd);
-    let v = hd & !7;
-    for (s, o) in src.chunks_exact(hd * 4).zip(dst.chunks_exact_mut(hd * dtype.size() as usize)) {
-        let mut i = 0;
-        while i < v {
-            // SAFETY: bytes 4i..4i + 32 of s (4·hd bytes), elements i..i + 8 of buf.
-            let x = _mm256_loadu_ps(s.as_ptr().add(4 * i) as *const f32);
-            _mm256_storeu_ps(buf.as_mut_ptr().add(i), fwht8(x));
-            i += 8;
+    let mut acc = _mm256_setzero_si256();
+    for (s, o) in src.chunks_exact(hd * 4).zip(dst.chunks_exact_mut(hd * dt(D).size() as usize)) {
+        let mut off = 0;
+        for &n in chunks {
+            let m = match n {
+                8 => inv_chunk::<D, 1>(s, mul, off, o),
+                16 => inv_chunk::<D, 2>(s, mul, off, o),
+                32 => inv_chunk::<D, 4>(s, mul, off, o),
+                64 => inv_chunk::<D, 8>(s, mul, off, o),
+                128 => inv_chunk::<D, 16>(s, mul, off, o),
+                256 => inv_chunk::<D, 32>(s, mul, off, o),
+                _ => inv_chunk_mem::<D>(s, mul, off, n, buf, o),
+            };
+            acc = _mm256_max_epu32(acc, m);
+            off += n;
         }
-        for k in v..hd {
-            buf[k] = f32::from_le_bytes([s[4 * k], s[4 * k + 1], s[4 * k + 2], s[4 * k + 3]]);
+    }
+    hmax_epu32(acc)
+}
+
+/// Horizontal max of eight u32.
+#[inline]
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn hmax_epu32(v: __m256i) -> u32 {
+    let m = _mm_max_epu32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+    let m = _mm_max_epu32(m, _mm_shuffle_epi32::<0b00_00_11_10>(m));
+    let m = _mm_max_epu32(m, _mm_shuffle_epi32::<0b00_00_00_01>(m));
+    _mm_cvtsi128_si32(m) as u32
+}
+
+/// [`fp8_encode_rows`] of rows rotated on the way (the `+had` codecs), one pass per row: each
+/// row of `src` (dtype `dtype`, `mul.len()` elements) is rotated in registers ([`fwd_row`]) into
+/// a small f32 buffer of eight rows, its amax taken from the registers, then the eight rows'
+/// scales computed together and their codes written from the buffer while it is in L1. The bytes
+/// are those of rotating every row (`rotate_rows`) and encoding the f32 rows with
+/// [`fp8_encode_rows`]. The caller has checked that every row is finite and within
+/// `crate::rotation::ROTATION_MAX_INPUT`, so every rotated value is finite.
+#[target_feature(enable = "avx2,f16c,fma")]
+pub(crate) unsafe fn fp8_encode_rows_rotated(
+    dtype: DType,
+    src: &[u8],
+    mul: &[f32],
+    chunks: &[usize],
+    scales: &mut [u8],
+    codes: &mut [u8],
+) {
+    by_dtype!(dtype, fp8_encode_rows_rot_t(src, mul, chunks, scales, codes))
+}
+
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn fp8_encode_rows_rot_t<const D: u8>(
+    src: &[u8],
+    mul: &[f32],
+    chunks: &[usize],
+    scales: &mut [u8],
+    codes: &mut [u8],
+) {
+    let hd = mul.len();
+    let row_bytes = hd * dt(D).size() as usize;
+    let rows = codes.len() / hd.max(1);
+    assert!(rows * row_bytes <= src.len() && 4 * rows <= scales.len());
+    let mut fb = vec![0f32; hd];
+    // Eight rotated rows, f32.
+    let mut buf = vec![0u8; 8 * hd * 4];
+    let mut r = 0;
+    while r + 8 <= rows {
+        let mut v = [_mm256_setzero_si256(); 8];
+        for (k, slot) in v.iter_mut().enumerate() {
+            let row = &src[(r + k) * row_bytes..(r + k + 1) * row_bytes];
+            *slot = fwd_row::<D>(row, mul, chunks, &mut fb, &mut buf[k * hd * 4..(k + 1) * hd * 4]);
         }
-        wht_rest(buf, chunks);
-        let mut i = 0;
-        while i < v {
-            // SAFETY: elements i..i + 8 of buf and mul; store8 writes elements i..i + 8 of the row o.
-            let x = _mm256_mul_ps(_mm256_loadu_ps(buf.as_ptr().add(i)), _mm256_loadu_ps(mul.as_ptr().add(i)));
-            store8::<D>(o, i, x);
-            i += 8;
+        // The same scales as `fp8_batch_scales` on the rotated rows (which are finite).
+        let s = fp8_scale8(reduce8::<FP32>(&v));
+        let is0 = _mm256_cmp_ps::<_CMP_EQ_OQ>(s, _mm256_setzero_ps());
+        let se = _mm256_blendv_ps(s, _mm256_set1_ps(1.0), is0);
+        let (yh, yl) = recip_split8(se);
+        // SAFETY: 32 bytes at 4r are inside scales (r + 8 ≤ rows, assert above).
+        _mm256_storeu_ps(scales.as_mut_ptr().add(4 * r) as *mut f32, s);
+        let bdst = &mut codes[r * hd..(r + 8) * hd];
+        if hd.is_multiple_of(32) && exact_ok8(se) {
+            for k in 0..8 {
+                let idx = _mm256_set1_epi32(k as i32);
+                let (p, q) = (_mm256_permutevar8x32_ps(yh, idx), _mm256_permutevar8x32_ps(yl, idx));
+                let mut i = k * hd;
+                while i < (k + 1) * hd {
+                    fp8_step32_f32::<true>(&buf, bdst, i, p, q);
+                    i += 32;
+                }
+            }
+        } else {
+            let mut sv = [0f32; 8];
+            // SAFETY: sv is 32 bytes.
+            _mm256_storeu_ps(sv.as_mut_ptr(), se);
+            for (k, &sk) in sv.iter().enumerate() {
+                let row = &buf[k * hd * 4..(k + 1) * hd * 4];
+                let dst = &mut bdst[k * hd..(k + 1) * hd];
+                let idx = _mm256_set1_epi32(k as i32);
+                if exact_ok(sk) {
+                    let (p, q) = (_mm256_permutevar8x32_ps(yh, idx), _mm256_permutevar8x32_ps(yl, idx));
+                    fp8_encode_loop::<FP32, true>(row, sk, p, q, dst);
+                } else {
+                    let p = _mm256_permutevar8x32_ps(se, idx);
+                    fp8_encode_loop::<FP32, false>(row, sk, p, p, dst);
+                }
+            }
         }
-        for k in v..hd {
-            crate::block::store_f32(dtype, o, k, buf[k] * mul[k]);
-        }
+        r += 8;
+    }
+    // The rows left (fewer than eight), one at a time, as `fp8_encode_rows` does.
+    for k in r..rows {
+        let row = &src[k * row_bytes..(k + 1) * row_bytes];
+        let f = &mut buf[..hd * 4];
+        let bits = hmax_epu32(fwd_row::<D>(row, mul, chunks, &mut fb, f));
+        let s = crate::codec::fp8_scale(f32::from_bits(bits));
+        scales[4 * k..4 * k + 4].copy_from_slice(&s.to_le_bytes());
+        fp8_encode_t::<FP32, true>(f, if s == 0.0 { 1.0 } else { s }, &mut codes[k * hd..(k + 1) * hd]);
     }
 }
 

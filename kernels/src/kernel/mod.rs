@@ -10,6 +10,7 @@ pub(crate) mod scalar;
 
 use kvtier_proto::DType;
 
+use crate::rotation::Rotation;
 use crate::CodecError;
 
 /// Which implementation runs the kernels.
@@ -120,6 +121,31 @@ impl Isa {
             scalar::fp8_encode_row(dtype, row, if s == 0.0 { 1.0 } else { s }, dst);
         }
         Ok(())
+    }
+
+    /// [`Isa::fp8_encode_rows`] of rows rotated by `rot` on the way (the `+had` codecs): the
+    /// bytes of rotating the rows into f32 ([`Rotation::forward_rows`]) and encoding those. The
+    /// vector kernel does it in one pass per row (rotated in registers, then quantized); the
+    /// scalar path is that reference. The caller has checked every row (finite, within
+    /// [`crate::rotation::ROTATION_MAX_INPUT`]); `Err(k)` (a rotated row holding a NaN or Inf)
+    /// cannot happen then, and is kept for the scalar path's sake.
+    pub(crate) fn fp8_encode_rows_rotated(
+        self,
+        rot: &Rotation,
+        dtype: DType,
+        src: &[u8],
+        scales: &mut [u8],
+        codes: &mut [u8],
+    ) -> Result<(), usize> {
+        #[cfg(target_arch = "x86_64")]
+        if self.simd(dtype) {
+            // SAFETY: an Avx2 Isa exists only after the CPU features were detected.
+            unsafe { avx2::fp8_encode_rows_rotated(dtype, src, rot.mul(), rot.chunks(), scales, codes) };
+            return Ok(());
+        }
+        let mut rotated = vec![0u8; src.len() / dtype.size() as usize * 4];
+        rot.forward_rows(self, dtype, src, &mut rotated);
+        self.fp8_encode_rows(DType::Fp32, &rotated, rot.head_dim(), scales, codes)
     }
 
     pub(crate) fn fp8_decode_row(self, codes: &[u8], scale: f32, out: DType, dst: &mut [u8]) -> bool {
