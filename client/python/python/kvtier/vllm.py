@@ -124,6 +124,11 @@ def _short(s: str, limit: int) -> str:
     return s.encode()[: limit - 17].decode(errors="ignore") + "#" + digest
 
 
+def _clean(s: str) -> str:
+    """`s` without the separators of kvtier's identity string."""
+    return str(s).replace(";", ",").replace("=", ":")
+
+
 def _find_vllm_config(max_depth: int = 40):
     """The `VllmConfig` being built into an engine, found in the callers' frames (the
     OffloadingConnector's constructor holds it); None when not found. The tier only receives the
@@ -168,7 +173,7 @@ def namespace_fields(offloading_spec, chunk_bytes: int, *, model=None, revision=
         model_id = f"{model_id}@{revision}"
     par = cfg.parallel
     agnostic = bool(par.is_parallelism_agnostic or cfg.replicated_layout)
-    groups = ",".join(f"{g.group_id}:{g.tokens_per_block}:{len(g.layer_names)}" for g in cfg.groups)
+    groups = "+".join(f"{g.group_id}x{g.tokens_per_block}x{len(g.layer_names)}" for g in cfg.groups)
     layer_digest = hashlib.sha256(
         "|".join(",".join(g.layer_names) for g in cfg.groups).encode()
     ).hexdigest()[:12]
@@ -181,11 +186,12 @@ def namespace_fields(offloading_spec, chunk_bytes: int, *, model=None, revision=
 
             canonical = canonical_format_id(cfg.kv_cache_layout)
         except Exception:
-            canonical = f"1:{cfg.kv_cache_layout}"
+            canonical = f"1-{cfg.kv_cache_layout}"
     dtype = str(cfg.model.dtype).removeprefix("torch.")
     tokens_per_block = cfg.groups[0].tokens_per_block if cfg.groups else cfg.cache.tokens_per_hash
-    engine_layout = ";".join(
-        f"{k}={v}"
+    # kvtier keeps ';' and '=' for its own identity string: fields are `name:value`, '|'-separated.
+    engine_layout = "|".join(
+        f"{k}:{v}"
         for k, v in (
             ("tiering", "v1"),
             ("layout", cfg.kv_cache_layout),
@@ -209,14 +215,14 @@ def namespace_fields(offloading_spec, chunk_bytes: int, *, model=None, revision=
         model=_short(model_id, _MAX_MODEL_LEN),
         block_bytes=int(chunk_bytes),
         engine="vllm",
-        engine_layout=_short(engine_layout, _MAX_ENGINE_LEN - 64),
-        kv_dtype=_KV_DTYPES.get(dtype.lower(), dtype),
+        engine_layout=_clean(_short(engine_layout, _MAX_ENGINE_LEN - 96)),
+        kv_dtype=_clean(_KV_DTYPES.get(dtype.lower(), dtype)),
         page_tokens=int(tokens_per_block * cfg.cache.blocks_per_chunk),
         tp_rank=0,  # a chunk holds every TP rank's pages (the scheduler is rank 0)
         tp_world=1 if agnostic else int(par.tp_size),
         pp_rank=0,
         pp_world=1 if agnostic else int(par.pp_size),
-        hash_algo=hash_algo,
+        hash_algo=_clean(hash_algo),
     )
 
 
@@ -350,15 +356,8 @@ class KvtierTier(SecondaryTierManager):
         if isinstance(salt, str):
             salt = salt.encode()
         self.namespace_fields = dict(fields, tenant=tenant, salt=bytes(salt), codec=codec)
-        kv_dtype = fields.pop("kv_dtype")
-        try:
-            self._ns = kvtier.Namespace.opaque(tenant, kv_dtype=kv_dtype, salt=bytes(salt), codec=codec,
-                                               **fields)
-        except ValueError:
-            if kv_dtype in _KV_DTYPES.values():
-                raise
-            # A KV dtype kvtier has no name for (it is in engine_layout already).
-            self._ns = kvtier.Namespace.opaque(tenant, salt=bytes(salt), codec=codec, **fields)
+        model_id = fields.pop("model")
+        self._ns = kvtier.Namespace.opaque(tenant, model_id, salt=bytes(salt), codec=codec, **fields)
         self._client = kvtier.Client(server, never_raise=True, timeout_s=self.timeout_s,
                                      connections=int(connections), auth_token=auth_token)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, int(io_threads)),
