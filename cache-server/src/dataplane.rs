@@ -16,10 +16,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvtier_proto::dataplane::{
-    Hello, HelloReply, ItemStatus, Op, RequestHeader, ResponseHeader, Status, FLAG_PIN_LEASE, HELLO_LEN,
-    PROTOCOL_VERSION, REQUEST_HEADER_LEN,
+    Hello, HelloReply, ItemStatus, Op, RequestHeader, ResponseHeader, Status, FLAG_PIN_LEASE, FLAG_REPORT_PRESENT,
+    FLAG_STOP_AT_MISS, HELLO_LEN, PROTOCOL_VERSION, REQUEST_HEADER_LEN,
 };
-use kvtier_proto::{BlockKey, FrameHeader, NamespaceId, ProtoError, FRAME_HEADER_LEN, KEY_LEN};
+use kvtier_proto::{
+    BlockKey, FrameHeader, NamespaceId, ProtoError, FRAME_FLAG_KEEP_LOSSLESS, FRAME_HEADER_LEN, KEY_LEN,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
@@ -131,6 +133,7 @@ impl Connection {
             match req.op {
                 Op::Put => self.put(req).await?,
                 Op::Get => self.get(req).await?,
+                Op::Exists => self.exists(req).await?,
                 Op::Release => {
                     self.leases.release();
                     let h = ResponseHeader {
@@ -206,13 +209,25 @@ impl Connection {
         Ok(())
     }
 
-    /// Checks a frame header against its namespace before any payload byte is stored.
-    fn admit(&self, h: &FrameHeader) -> Result<(), ItemStatus> {
+    /// Checks a frame header against its namespace before any payload byte is stored; the header
+    /// to store (a lossless namespace's blocks are flagged so that no tier quantizes them later).
+    fn admit(&self, h: &FrameHeader) -> Result<FrameHeader, ItemStatus> {
         let ns = self.state.namespace(&h.namespace).map_err(|_| ItemStatus::UnknownNamespace)?;
         if ns.layout != h.layout {
             return Err(ItemStatus::LayoutMismatch);
         }
-        h.check_size().map_err(|_| ItemStatus::SizeMismatch)
+        if ns.is_lossless() && !kvtier_kernels::is_lossless(h.codec) {
+            return Err(ItemStatus::LossyCodec);
+        }
+        h.check_size().map_err(|e| match e {
+            ProtoError::LossyCodec { .. } => ItemStatus::LossyCodec,
+            _ => ItemStatus::SizeMismatch,
+        })?;
+        let mut stored = *h;
+        if ns.is_lossless() {
+            stored.flags |= FRAME_FLAG_KEEP_LOSSLESS;
+        }
+        Ok(stored)
     }
 
     async fn put(&mut self, req: RequestHeader) -> Result<(), ConnError> {
@@ -234,14 +249,17 @@ impl Connection {
                 return self.fatal(Op::Put as u8, req.request_id, Status::TooLarge, &format!("frame {i}: {msg}")).await;
             }
             let mut status = self.put_one(&header).await?;
-            if status == ItemStatus::Ok && req.flags & FLAG_PIN_LEASE != 0 {
+            if status == ItemStatus::Present && req.flags & FLAG_REPORT_PRESENT == 0 {
+                status = ItemStatus::Ok;
+            }
+            if status.is_held() && req.flags & FLAG_PIN_LEASE != 0 {
                 match self.state.tier.pin(&header.namespace, std::slice::from_ref(&header.key)) {
                     Ok(()) => self.leases.pins.push((header.namespace, header.key)),
                     // Over the pinned limit, or evicted in the instant since it was stored.
                     Err(_) => status = ItemStatus::Capacity,
                 }
             }
-            if status != ItemStatus::Ok {
+            if !status.is_held() {
                 error(item_kind(status));
             }
             statuses.push(status as u8);
@@ -259,15 +277,18 @@ impl Connection {
         Ok(())
     }
 
-    async fn put_one(&mut self, header: &FrameHeader) -> Result<ItemStatus, ConnError> {
-        if let Err(status) = self.admit(header) {
-            self.drain(header.payload_len).await?;
-            return Ok(status);
-        }
+    async fn put_one(&mut self, sent: &FrameHeader) -> Result<ItemStatus, ConnError> {
+        let header = match self.admit(sent) {
+            Ok(h) => h,
+            Err(status) => {
+                self.drain(sent.payload_len).await?;
+                return Ok(status);
+            }
+        };
         if self.state.tier.contains(&header.namespace, &header.key) {
             // Content-addressed: the same key is the same bytes. Skip the copy.
             self.drain(header.payload_len).await?;
-            return Ok(ItemStatus::Ok);
+            return Ok(ItemStatus::Present);
         }
         self.demotion_backpressure().await;
         let tier = &self.state.tier;
@@ -286,7 +307,7 @@ impl Connection {
         if xxh3_64(slot.buf_mut()) != header.checksum {
             return Ok(ItemStatus::ChecksumMismatch);
         }
-        Ok(match tier.commit(slot, *header, Priority::Normal) {
+        Ok(match tier.commit(slot, header, Priority::Normal) {
             Ok(_) => ItemStatus::Ok,
             Err(ServerError::Capacity(_) | ServerError::TooLarge { .. }) => ItemStatus::Capacity,
             Err(_) => ItemStatus::Internal,
@@ -314,7 +335,13 @@ impl Connection {
             count: req.count,
         };
         self.wr.write_all(&h.encode()).await?;
+        let stop_at_miss = req.flags & FLAG_STOP_AT_MISS != 0;
+        let mut missed = false;
         for chunk in raw.chunks_exact(KEY_LEN) {
+            if missed && stop_at_miss {
+                self.wr.write_all(&[ItemStatus::Miss as u8]).await?;
+                continue;
+            }
             let mut k = [0u8; KEY_LEN];
             k.copy_from_slice(chunk);
             let key = BlockKey(k);
@@ -331,6 +358,7 @@ impl Connection {
                     tracing::error!(?key, "DRAM block failed its checksum; removed");
                     self.state.tier.remove(&ns, &key);
                     self.wr.write_all(&[ItemStatus::Miss as u8]).await?;
+                    missed = true;
                 }
                 None => match self.read_below_dram(&ns, &key) {
                     Some((header, payload)) => {
@@ -338,11 +366,57 @@ impl Connection {
                         self.wr.write_all(&header.encode()).await?;
                         self.wr.write_all(&payload).await?;
                     }
-                    None => self.wr.write_all(&[ItemStatus::Miss as u8]).await?,
+                    None => {
+                        self.wr.write_all(&[ItemStatus::Miss as u8]).await?;
+                        missed = true;
+                    }
                 },
             }
         }
         observe("dataplane_get", start);
+        Ok(())
+    }
+
+    /// Per-key presence in any tier, without reading a payload.
+    async fn exists(&mut self, req: RequestHeader) -> Result<(), ConnError> {
+        let start = Instant::now();
+        let mut raw = vec![0u8; req.count as usize * KEY_LEN];
+        self.rd.read_exact(&mut raw).await?;
+        let ns: NamespaceId = req.namespace;
+        if let Err(e) = self.state.namespace(&ns) {
+            error("unknown_namespace");
+            let msg = e.to_string();
+            self.wr
+                .write_all(&ResponseHeader::error(Op::Exists as u8, req.request_id, Status::UnknownNamespace, &msg))
+                .await?;
+            return Ok(());
+        }
+        let statuses: Vec<u8> = raw
+            .chunks_exact(KEY_LEN)
+            .map(|chunk| {
+                let mut k = [0u8; KEY_LEN];
+                k.copy_from_slice(chunk);
+                let key = BlockKey(k);
+                let held = self.state.tier.contains(&ns, &key)
+                    || self.state.in_transit.contains_key(&(ns, key))
+                    || self.state.disk.as_ref().is_some_and(|d| d.contains(&ns, &key));
+                if held {
+                    ItemStatus::Ok as u8
+                } else {
+                    ItemStatus::Miss as u8
+                }
+            })
+            .collect();
+        let h = ResponseHeader {
+            op: Op::Exists as u8,
+            status: Status::Ok,
+            msg_len: 0,
+            request_id: req.request_id,
+            count: req.count,
+        };
+        self.wr.write_all(&h.encode()).await?;
+        self.wr.write_all(&statuses).await?;
+        observe("dataplane_exists", start);
         Ok(())
     }
 }
@@ -406,6 +480,8 @@ fn item_kind(s: ItemStatus) -> &'static str {
         ItemStatus::LayoutMismatch => "layout_mismatch",
         ItemStatus::BadHeader => "bad_header",
         ItemStatus::Internal => "internal",
+        ItemStatus::LossyCodec => "lossy_codec",
+        ItemStatus::Present => "present",
     }
 }
 

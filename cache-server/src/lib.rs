@@ -264,10 +264,15 @@ pub async fn start(
         }
     };
     let (tx, rx) = oneshot::channel::<()>();
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc_listener);
+    // tonic does not apply its own `tcp_nodelay` to sockets given through `serve_with_incoming`:
+    // without this, small answers (a lookup, a resume manifest) wait ~40 ms for Nagle + delayed ACK.
+    let incoming = tokio_stream::StreamExt::map(tokio_stream::wrappers::TcpListenerStream::new(grpc_listener), |s| {
+        s.inspect(|sock| {
+            let _ = sock.set_nodelay(true);
+        })
+    });
     let grpc = tokio::spawn(
         tonic::transport::Server::builder()
-            .tcp_nodelay(true)
             .add_service(tonic::service::interceptor::InterceptedService::new(service, check_auth))
             .serve_with_incoming_shutdown(incoming, async {
                 let _ = rx.await;

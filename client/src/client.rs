@@ -17,8 +17,15 @@ use tonic::transport::{Channel, Endpoint};
 use kvtier_kernels::{BlockSpec, KvBlockView};
 use rayon::prelude::*;
 
-use crate::conn::DataPool;
+use crate::conn::{checksum_of, DataPool, GatherFrame, Landed};
 use crate::ClientError;
+
+/// Where one loaded block goes: one or more segments of the caller's memory, filled in order
+/// (one segment for a contiguous buffer; an engine page's per-layer planes for scatter loads).
+pub type BlockDest<'a> = Vec<&'a mut [u8]>;
+
+/// A call moving at least this many bytes is striped over the pool's connections.
+const STRIPE_MIN_BYTES: u64 = 4 << 20;
 
 /// Client settings. Field docs end with the default.
 #[derive(Debug, Clone)]
@@ -68,6 +75,13 @@ impl NamespaceHandle {
     pub fn block_tokens(&self) -> usize {
         self.chain.block_tokens()
     }
+    /// The key of a block an engine hashed itself (vLLM's block hash, SGLang's page hash,
+    /// LMCache's chunk key), salted into this namespace: the same engine hash in two namespaces
+    /// (two tenants, models, layouts) gives two keys.
+    pub fn engine_key(&self, engine_hash: &[u8]) -> BlockKey {
+        BlockKey::opaque(&self.namespace, engine_hash)
+    }
+
     /// Keys of the full blocks of `tokens`.
     pub fn keys(&self, tokens: &[u32]) -> Vec<BlockKey> {
         self.chain.full_blocks(tokens)
@@ -84,6 +98,18 @@ impl NamespaceHandle {
     /// with, so readers need not agree with writers).
     pub fn with_codec(mut self, codec: CodecId) -> Result<Self, ClientError> {
         kvtier_kernels::split_codec(codec)?;
+        if self.namespace.is_lossless() && !kvtier_kernels::is_lossless(codec) {
+            return Err(ClientError::InvalidArgument(format!(
+                "codec {} quantizes; this namespace is lossless (an opaque layout or `lossless`)",
+                codec.name()
+            )));
+        }
+        if self.namespace.layout.is_opaque() && codec != CodecId::RAW {
+            return Err(ClientError::InvalidArgument(format!(
+                "an opaque layout is stored raw (codec {} needs the KV's shape)",
+                codec.name()
+            )));
+        }
         self.codec = codec;
         Ok(self)
     }
@@ -475,6 +501,15 @@ impl KvClient {
         ns: &NamespaceHandle,
         keys: &[BlockKey],
     ) -> Result<Vec<Option<BlockFrame>>, ClientError> {
+        self.load_keys_with(ns, keys, false).await
+    }
+
+    async fn load_keys_with(
+        &self,
+        ns: &NamespaceHandle,
+        keys: &[BlockKey],
+        stop_at_miss: bool,
+    ) -> Result<Vec<Option<BlockFrame>>, ClientError> {
         let max_frame = self.inner.info.max_frame_bytes;
         let chunks: Vec<&[BlockKey]> = keys.chunks(self.inner.batch_blocks).collect();
         let id = ns.id;
@@ -482,12 +517,189 @@ impl KvClient {
             .timed(try_join_all(chunks.into_iter().map(|c| async move {
                 let mut lease = self.inner.pool.lease().await?;
                 let conn = lease.conn.as_mut().ok_or_else(|| ClientError::Io("no connection".into()))?;
-                let got = conn.get(id, c, max_frame).await?;
+                let got = conn.get(id, c, stop_at_miss, max_frame).await?;
                 lease.release().await;
                 Ok::<_, ClientError>(got)
             })))
             .await?;
         Ok(results.into_iter().flatten().collect())
+    }
+
+    /// Batches of `n` blocks of about `block_bytes` each: within the per-request limits, and spread
+    /// over the pool's connections when the call moves enough bytes to gain from it.
+    fn stripes(&self, n: usize, block_bytes: u64) -> Vec<std::ops::Range<usize>> {
+        let conns = self.inner.cfg.data_connections.max(1);
+        let by_bytes = (self.inner.cfg.max_batch_bytes / block_bytes.max(1)).max(1) as usize;
+        let mut per = self.inner.batch_blocks.min(by_bytes).max(1);
+        if n as u64 * block_bytes >= STRIPE_MIN_BYTES {
+            per = per.min(n.div_ceil(conns)).max(1);
+        }
+        (0..n).step_by(per).map(|s| s..(s + per).min(n)).collect()
+    }
+
+    /// Which of `keys` the server holds (in any tier), each key on its own: engines store chunks
+    /// out of order, so a hole does not hide the keys after it. See [`NamespaceHandle::engine_key`].
+    pub async fn exists_keys(&self, ns: &NamespaceHandle, keys: &[BlockKey]) -> Result<Vec<bool>, ClientError> {
+        let id = ns.id;
+        let results = self
+            .timed(try_join_all(keys.chunks(self.inner.batch_blocks).map(|c| async move {
+                let mut lease = self.inner.pool.lease().await?;
+                let conn = lease.conn.as_mut().ok_or_else(|| ClientError::Io("no connection".into()))?;
+                let got = conn.exists(id, c).await?;
+                lease.release().await;
+                Ok::<_, ClientError>(got)
+            })))
+            .await?;
+        Ok(results.into_iter().flatten().collect())
+    }
+
+    /// Stores full blocks under `keys`: `blocks[i]` is block `i`'s payload in the namespace's
+    /// layout, as one part or as segments taken back to back (an engine page's planes; sent
+    /// from where they are, never staged). One status per block: `Ok` stored now, `Present`
+    /// already held (nothing sent was kept; in a lossless namespace the held copy is lossless
+    /// too), or why it was refused.
+    pub async fn store_keys(
+        &self,
+        ns: &NamespaceHandle,
+        keys: &[BlockKey],
+        blocks: &[Vec<Bytes>],
+    ) -> Result<Vec<ItemStatus>, ClientError> {
+        if keys.len() != blocks.len() {
+            return Err(ClientError::InvalidArgument(format!("{} keys but {} blocks", keys.len(), blocks.len())));
+        }
+        let bb = ns.block_bytes();
+        for (i, b) in blocks.iter().enumerate() {
+            let len: u64 = b.iter().map(|p| p.len() as u64).sum();
+            if len != bb {
+                return Err(ClientError::InvalidArgument(format!("block {i} is {len} bytes; a block is {bb}")));
+            }
+        }
+        let layout = ns.namespace.layout;
+        let tokens = layout.block_tokens;
+        let flags = if ns.namespace.is_lossless() { FRAME_FLAG_KEEP_LOSSLESS } else { 0 };
+        let frames: Vec<GatherFrame> = if ns.codec == CodecId::RAW {
+            keys.iter()
+                .zip(blocks)
+                .map(|(k, parts)| {
+                    let mut f = BlockFrame::new(ns.id, *k, layout, CodecId::RAW, tokens, Bytes::new());
+                    f.header.payload_len = bb;
+                    f.header.checksum = checksum_of(parts);
+                    f.header.flags = flags;
+                    GatherFrame { header: f.header, parts: parts.clone() }
+                })
+                .collect()
+        } else {
+            let one = |(k, parts): (&BlockKey, &Vec<Bytes>)| {
+                let payload = match parts.as_slice() {
+                    [one] => one.clone(),
+                    many => Bytes::from(many.concat()),
+                };
+                let f = ns.frame(*k, tokens, payload)?.with_flags(flags);
+                Ok::<_, ClientError>(GatherFrame { header: f.header, parts: vec![f.payload] })
+            };
+            keys.par_iter().zip(blocks.par_iter()).map(one).collect::<Result<_, _>>()?
+        };
+        let frames = &frames;
+        let results = self
+            .timed(try_join_all(self.stripes(frames.len(), bb).into_iter().map(|r| async move {
+                let mut lease = self.inner.pool.lease().await?;
+                let conn = lease.conn.as_mut().ok_or_else(|| ClientError::Io("no connection".into()))?;
+                let st = conn.put_reporting(&frames[r]).await?;
+                lease.release().await;
+                Ok::<_, ClientError>(st)
+            })))
+            .await?;
+        Ok(results.into_iter().flatten().collect())
+    }
+
+    /// Loads blocks by key straight into the caller's memory: `dests[i]` receives block `i` in
+    /// the layout's dtype (decoded if it was stored encoded). A raw block is received from the
+    /// socket into its destination and verified there: one copy, no staging. True where block
+    /// `i` landed and verified; false for a miss, or for a block that failed its checksum
+    /// (whose destination then holds unspecified bytes, never mistaken for data since it is
+    /// reported false). With `stop_at_miss`, keys after the first miss are reported false (the
+    /// longest stored prefix, with lookup and load in one round trip; each stripe's request stops
+    /// at its own first miss).
+    pub async fn load_keys_into(
+        &self,
+        ns: &NamespaceHandle,
+        keys: &[BlockKey],
+        dests: &mut [BlockDest<'_>],
+        stop_at_miss: bool,
+    ) -> Result<Vec<bool>, ClientError> {
+        if keys.len() != dests.len() {
+            return Err(ClientError::InvalidArgument(format!("{} keys but {} destinations", keys.len(), dests.len())));
+        }
+        let max_frame = self.inner.info.max_frame_bytes;
+        let id = ns.id;
+        let decode = |frame: &BlockFrame, dest: &mut [&mut [u8]]| -> Result<(), ClientError> {
+            if let [one] = dest {
+                return decode_frame_into(frame, one);
+            }
+            let all = decode_frame(frame)?;
+            let room: usize = dest.iter().map(|s| s.len()).sum();
+            if room != all.len() {
+                return Err(ClientError::InvalidArgument(format!("block is {} bytes, its segments {room}", all.len())));
+            }
+            let mut at = 0;
+            for seg in dest.iter_mut() {
+                seg.copy_from_slice(&all[at..at + seg.len()]);
+                at += seg.len();
+            }
+            Ok(())
+        };
+        let decode = &decode;
+        // Disjoint batches of keys and destinations, one request each, run concurrently.
+        let mut batches = Vec::new();
+        let mut rest: &mut [BlockDest<'_>] = dests;
+        for r in self.stripes(keys.len(), ns.block_bytes()) {
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut(r.len());
+            rest = tail;
+            batches.push((&keys[r], head));
+        }
+        let results = self
+            .timed(try_join_all(batches.into_iter().map(|(k, d)| async move {
+                let mut lease = self.inner.pool.lease().await?;
+                let conn = lease.conn.as_mut().ok_or_else(|| ClientError::Io("no connection".into()))?;
+                let got = conn.get_into(id, k, d, stop_at_miss, max_frame, decode).await?;
+                lease.release().await;
+                Ok::<_, ClientError>(got)
+            })))
+            .await?;
+        let landed: Vec<Landed> = results.into_iter().flatten().collect();
+        let bad = landed.iter().filter(|l| **l == Landed::Bad).count();
+        if bad > 0 {
+            metrics::counter!("kvtier_client_bad_blocks_total").increment(bad as u64);
+            tracing::warn!(bad, "loaded blocks failed their checksum or decode; reported as misses");
+        }
+        let mut ok: Vec<bool> = landed.into_iter().map(|l| l == Landed::Ok).collect();
+        if stop_at_miss {
+            // Stripes run concurrently, each stopping at its own first miss: the prefix ends at
+            // the first miss overall (later stripes' blocks are reported false, contents unspecified).
+            if let Some(first) = ok.iter().position(|l| !l) {
+                ok[first..].fill(false);
+            }
+        }
+        Ok(ok)
+    }
+
+    /// Loads the longest stored prefix of `tokens` into `out` (full blocks back to back, in the
+    /// layout's dtype), with lookup and load in one data-plane round trip per stripe. Returns the
+    /// number of blocks written; `out` bounds how many are asked for.
+    pub async fn load_prefix_into(
+        &self,
+        ns: &NamespaceHandle,
+        tokens: &[u32],
+        out: &mut [u8],
+    ) -> Result<usize, ClientError> {
+        self.check_context(tokens.len())?;
+        let bb =
+            usize::try_from(ns.block_bytes()).map_err(|_| ClientError::InvalidArgument("block too large".into()))?;
+        let mut keys = ns.keys(tokens);
+        keys.truncate(out.len().checked_div(bb).unwrap_or(0));
+        let mut dests: Vec<BlockDest<'_>> = out.chunks_exact_mut(bb).take(keys.len()).map(|c| vec![c]).collect();
+        let landed = self.load_keys_into(ns, &keys, &mut dests, true).await?;
+        Ok(landed.iter().take_while(|ok| **ok).count())
     }
 
     /// Loads the longest stored prefix of `tokens`: the payloads of its full blocks, in order,
@@ -502,10 +714,10 @@ impl KvClient {
         ns: &NamespaceHandle,
         tokens: &[u32],
     ) -> Result<Vec<BlockFrame>, ClientError> {
+        self.check_context(tokens.len())?;
         let keys = ns.keys(tokens);
-        let n = self.lookup_keys(ns, &keys).await?;
-        let frames = self.load_keys(ns, &keys[..n]).await?;
-        // A block evicted between lookup and load ends the prefix there.
+        // Lookup and load in one request: the server stops at the first block it lacks.
+        let frames = self.load_keys_with(ns, &keys, true).await?;
         Ok(frames.into_iter().map_while(|f| f).collect())
     }
 

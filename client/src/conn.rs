@@ -1,7 +1,9 @@
 //! Data-plane connections: a bounded pool of TCP connections to the server's data port, each
 //! speaking the framed protocol of `kvtier_proto::dataplane`. Frames are written header + payload
-//! straight from the caller's `Bytes`; loaded payloads are read once from the socket into their own
-//! buffer and verified there.
+//! straight from the caller's `Bytes` (or from several segments of the caller's memory, gathered
+//! by the socket writes, never staged); loaded payloads are read once from the socket, either into
+//! their own buffer ([`DataConn::get`]) or straight into the caller's destination segments
+//! ([`DataConn::get_into`]), and verified where they landed.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -9,8 +11,8 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use kvtier_proto::dataplane::{
-    Hello, HelloReply, ItemStatus, Op, RequestHeader, ResponseHeader, Status, FLAG_PIN_LEASE, PROTOCOL_VERSION,
-    RESPONSE_HEADER_LEN,
+    Hello, HelloReply, ItemStatus, Op, RequestHeader, ResponseHeader, Status, FLAG_PIN_LEASE, FLAG_REPORT_PRESENT,
+    FLAG_STOP_AT_MISS, PROTOCOL_VERSION, RESPONSE_HEADER_LEN,
 };
 use kvtier_proto::{BlockFrame, BlockKey, FrameHeader, NamespaceId, ProtoError, FRAME_HEADER_LEN};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
@@ -21,6 +23,64 @@ use tokio::sync::{Mutex, OwnedSemaphorePermit, Semaphore};
 use crate::ClientError;
 
 const IO_BUF: usize = 64 * 1024;
+
+/// A frame to send: its header and its payload as one or more parts, sent back to back.
+pub(crate) trait OutFrame {
+    fn header(&self) -> &FrameHeader;
+    fn parts(&self) -> &[Bytes];
+}
+
+impl OutFrame for BlockFrame {
+    fn header(&self) -> &FrameHeader {
+        &self.header
+    }
+    fn parts(&self) -> &[Bytes] {
+        std::slice::from_ref(&self.payload)
+    }
+}
+
+/// A raw payload gathered from several segments (an engine page's K and V planes, one per layer),
+/// with the checksum of their concatenation.
+pub(crate) struct GatherFrame {
+    pub(crate) header: FrameHeader,
+    pub(crate) parts: Vec<Bytes>,
+}
+
+impl OutFrame for GatherFrame {
+    fn header(&self) -> &FrameHeader {
+        &self.header
+    }
+    fn parts(&self) -> &[Bytes] {
+        &self.parts
+    }
+}
+
+/// The xxh3-64 of segments taken back to back (the frame checksum of a gathered payload).
+pub(crate) fn checksum_of(parts: &[impl AsRef<[u8]>]) -> u64 {
+    if let [one] = parts {
+        return xxhash_rust::xxh3::xxh3_64(one.as_ref());
+    }
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    for p in parts {
+        h.update(p.as_ref());
+    }
+    h.digest()
+}
+
+/// Where one loaded block goes: the caller's memory, one or more segments filled in order.
+pub(crate) type Dest<'a> = Vec<&'a mut [u8]>;
+
+/// How one block of a [`DataConn::get_into`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Landed {
+    /// The block's bytes are in its destination, verified there (decoded first if it was encoded).
+    Ok,
+    /// Not stored (or not served).
+    Miss,
+    /// Stored, but its bytes didn't verify or didn't fit the destination: a miss whose destination
+    /// holds unspecified bytes.
+    Bad,
+}
 
 pub(crate) struct DataConn {
     rd: BufReader<OwnedReadHalf>,
@@ -85,14 +145,24 @@ impl DataConn {
     /// Stores frames; one status per frame. With `lease`, the server keeps them pinned until
     /// [`DataConn::release`] or the end of this connection.
     pub(crate) async fn put(&mut self, frames: &[BlockFrame], lease: bool) -> Result<Vec<ItemStatus>, ClientError> {
+        self.put_frames(frames, if lease { FLAG_PIN_LEASE } else { 0 }).await
+    }
+
+    /// Stores frames given as parts; [`ItemStatus::Present`] for blocks the server already held.
+    pub(crate) async fn put_reporting<F: OutFrame>(&mut self, frames: &[F]) -> Result<Vec<ItemStatus>, ClientError> {
+        self.put_frames(frames, FLAG_REPORT_PRESENT).await
+    }
+
+    async fn put_frames<F: OutFrame>(&mut self, frames: &[F], flags: u16) -> Result<Vec<ItemStatus>, ClientError> {
         let id = self.take_id();
         let count = frames.len() as u32;
-        let flags = if lease { FLAG_PIN_LEASE } else { 0 };
         let req = RequestHeader { op: Op::Put, flags, request_id: id, count, namespace: NamespaceId([0; 16]) };
         self.wr.write_all(&req.encode()).await?;
         for f in frames {
-            self.wr.write_all(&f.header.encode()).await?;
-            self.wr.write_all(&f.payload).await?;
+            self.wr.write_all(&f.header().encode()).await?;
+            for part in f.parts() {
+                self.wr.write_all(part).await?;
+            }
         }
         self.wr.flush().await?;
         self.read_response(Op::Put, id, count).await?;
@@ -111,23 +181,105 @@ impl DataConn {
         self.read_response(Op::Release, id, 0).await
     }
 
-    /// Loads blocks; `None` for a miss. Every returned frame has been verified against its
-    /// checksum and checked to be the key and namespace asked for.
-    pub(crate) async fn get(
+    /// Sends a request naming `keys` in `ns` and reads the response header.
+    async fn keyed_request(
         &mut self,
+        op: Op,
+        flags: u16,
         ns: NamespaceId,
         keys: &[BlockKey],
-        max_frame: u64,
-    ) -> Result<Vec<Option<BlockFrame>>, ClientError> {
+    ) -> Result<(), ClientError> {
         let id = self.take_id();
         let count = keys.len() as u32;
-        let req = RequestHeader { op: Op::Get, flags: 0, request_id: id, count, namespace: ns };
+        let req = RequestHeader { op, flags, request_id: id, count, namespace: ns };
         self.wr.write_all(&req.encode()).await?;
         for k in keys {
             self.wr.write_all(&k.0).await?;
         }
         self.wr.flush().await?;
-        self.read_response(Op::Get, id, count).await?;
+        self.read_response(op, id, count).await
+    }
+
+    /// Which of `keys` the server holds, each on its own.
+    pub(crate) async fn exists(&mut self, ns: NamespaceId, keys: &[BlockKey]) -> Result<Vec<bool>, ClientError> {
+        self.keyed_request(Op::Exists, 0, ns, keys).await?;
+        let mut st = vec![0u8; keys.len()];
+        self.rd.read_exact(&mut st).await?;
+        st.into_iter().map(|b| Ok(ItemStatus::from_u8(b)? == ItemStatus::Ok)).collect()
+    }
+
+    /// Reads one served frame's header (after its `Ok` status byte) and checks it answers `key`.
+    async fn read_frame_header(
+        &mut self,
+        ns: NamespaceId,
+        key: &BlockKey,
+        max_frame: u64,
+    ) -> Result<FrameHeader, ClientError> {
+        let mut fh = [0u8; FRAME_HEADER_LEN];
+        self.rd.read_exact(&mut fh).await?;
+        let header = FrameHeader::decode(&fh)?;
+        if header.payload_len > max_frame {
+            return Err(ProtoError::PayloadTooLarge { actual: header.payload_len, limit: max_frame }.into());
+        }
+        if header.key != *key || header.namespace != ns {
+            return Err(ProtoError::Malformed(format!("asked for {key:?}, got {:?}", header.key)).into());
+        }
+        Ok(header)
+    }
+
+    /// Loads blocks straight into `dests` (one per key): a raw payload the size of its
+    /// destination is read from the socket into it and verified there, any other is read once
+    /// into a buffer and handed to `decode` with its destination. With `stop_at_miss`, the server
+    /// stops at the first miss (the longest stored prefix, in one round trip).
+    pub(crate) async fn get_into(
+        &mut self,
+        ns: NamespaceId,
+        keys: &[BlockKey],
+        dests: &mut [Dest<'_>],
+        stop_at_miss: bool,
+        max_frame: u64,
+        decode: &(dyn Fn(&BlockFrame, &mut [&mut [u8]]) -> Result<(), ClientError> + Sync),
+    ) -> Result<Vec<Landed>, ClientError> {
+        debug_assert_eq!(keys.len(), dests.len());
+        let flags = if stop_at_miss { FLAG_STOP_AT_MISS } else { 0 };
+        self.keyed_request(Op::Get, flags, ns, keys).await?;
+        let mut out = Vec::with_capacity(keys.len());
+        for (key, dest) in keys.iter().zip(dests.iter_mut()) {
+            let st = ItemStatus::from_u8(self.rd.read_u8().await?)?;
+            if st != ItemStatus::Ok {
+                out.push(Landed::Miss);
+                continue;
+            }
+            let header = self.read_frame_header(ns, key, max_frame).await?;
+            let room: u64 = dest.iter().map(|s| s.len() as u64).sum();
+            if header.codec == kvtier_proto::CodecId::RAW && header.payload_len == room {
+                for seg in dest.iter_mut() {
+                    self.rd.read_exact(seg).await?;
+                }
+                out.push(if checksum_of(dest) == header.checksum { Landed::Ok } else { Landed::Bad });
+                continue;
+            }
+            let mut payload = BytesMut::zeroed(header.payload_len as usize);
+            self.rd.read_exact(&mut payload).await?;
+            let frame = BlockFrame { header, payload: payload.freeze() };
+            let ok = header.verify_payload(&frame.payload).is_ok() && decode(&frame, dest).is_ok();
+            out.push(if ok { Landed::Ok } else { Landed::Bad });
+        }
+        Ok(out)
+    }
+
+    /// Loads blocks; `None` for a miss (and, with `stop_at_miss`, for every key after the first
+    /// miss). Every returned frame has been verified against its
+    /// checksum and checked to be the key and namespace asked for.
+    pub(crate) async fn get(
+        &mut self,
+        ns: NamespaceId,
+        keys: &[BlockKey],
+        stop_at_miss: bool,
+        max_frame: u64,
+    ) -> Result<Vec<Option<BlockFrame>>, ClientError> {
+        let flags = if stop_at_miss { FLAG_STOP_AT_MISS } else { 0 };
+        self.keyed_request(Op::Get, flags, ns, keys).await?;
         let mut out = Vec::with_capacity(keys.len());
         for key in keys {
             let st = ItemStatus::from_u8(self.rd.read_u8().await?)?;
@@ -135,19 +287,11 @@ impl DataConn {
                 out.push(None);
                 continue;
             }
-            let mut fh = [0u8; FRAME_HEADER_LEN];
-            self.rd.read_exact(&mut fh).await?;
-            let header = FrameHeader::decode(&fh)?;
-            if header.payload_len > max_frame {
-                return Err(ProtoError::PayloadTooLarge { actual: header.payload_len, limit: max_frame }.into());
-            }
+            let header = self.read_frame_header(ns, key, max_frame).await?;
             let mut payload = BytesMut::zeroed(header.payload_len as usize);
             self.rd.read_exact(&mut payload).await?;
             let payload: Bytes = payload.freeze();
             header.verify_payload(&payload)?;
-            if header.key != *key || header.namespace != ns {
-                return Err(ProtoError::Malformed(format!("asked for {key:?}, got {:?}", header.key)).into());
-            }
             out.push(Some(BlockFrame { header, payload }));
         }
         Ok(out)

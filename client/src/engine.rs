@@ -107,13 +107,29 @@ impl EngineClient {
         F: FnOnce(KvClient, NamespaceHandle) -> Fut,
         Fut: std::future::Future<Output = Result<T, ClientError>>,
     {
+        self.call_within(op, ns, self.budget, f).await
+    }
+
+    /// [`EngineClient::call`] with its own deadline (an engine's per-call budget, e.g. below
+    /// its scheduler's or LMCache's `blocking_timeout_secs`), connecting included.
+    pub async fn call_within<T, F, Fut>(
+        &self,
+        op: &'static str,
+        ns: &Namespace,
+        budget: Duration,
+        f: F,
+    ) -> Result<T, Miss>
+    where
+        F: FnOnce(KvClient, NamespaceHandle) -> Fut,
+        Fut: std::future::Future<Output = Result<T, ClientError>>,
+    {
         let work = async {
             let (client, h) = self.handle(ns).await?;
             f(client, h).await
         };
-        let res = match tokio::time::timeout(self.budget, work).await {
+        let res = match tokio::time::timeout(budget, work).await {
             Ok(r) => r,
-            Err(_) => Err(ClientError::Timeout(self.budget)),
+            Err(_) => Err(ClientError::Timeout(budget)),
         };
         match res {
             Ok(v) => Ok(v),

@@ -26,8 +26,8 @@ mod engine;
 mod error;
 
 pub use client::{
-    decode_frame, decode_frame_into, ClientConfig, KvClient, NamespaceHandle, ParkOptions, ResumedSession, SessionInfo,
-    StoreReport,
+    decode_frame, decode_frame_into, BlockDest, ClientConfig, KvClient, NamespaceHandle, ParkOptions, ResumedSession,
+    SessionInfo, StoreReport,
 };
 pub use engine::{EngineClient, Loaded, Miss};
 pub use error::ClientError;

@@ -76,7 +76,8 @@ impl BlockSpec {
         let heads = usize::from(self.kv_heads);
         match self.order {
             // [layer][k|v][token][head]
-            MemoryOrder::LayerFirst => r / (self.tokens as usize * heads),
+            // (Opaque shapes are refused by `validate`; they never reach a codec.)
+            MemoryOrder::LayerFirst | MemoryOrder::Opaque => r / (self.tokens as usize * heads),
             // [token][layer][k|v][head]
             MemoryOrder::BlockFirst => (r / heads) % self.planes(),
         }
@@ -87,7 +88,7 @@ impl BlockSpec {
     #[inline]
     pub(crate) fn plane_run_end(&self, r: usize) -> usize {
         let run = match self.order {
-            MemoryOrder::LayerFirst => self.tokens as usize * usize::from(self.kv_heads),
+            MemoryOrder::LayerFirst | MemoryOrder::Opaque => self.tokens as usize * usize::from(self.kv_heads),
             MemoryOrder::BlockFirst => usize::from(self.kv_heads),
         }
         .max(1);
@@ -99,7 +100,7 @@ impl BlockSpec {
         let heads = usize::from(self.kv_heads);
         let planes = self.planes();
         let (plane, token) = match self.order {
-            MemoryOrder::LayerFirst => {
+            MemoryOrder::LayerFirst | MemoryOrder::Opaque => {
                 let per_plane = self.tokens as usize * heads;
                 (r / per_plane, (r % per_plane) / heads)
             }
@@ -110,6 +111,11 @@ impl BlockSpec {
 
     /// Checks the shape is non-empty and not absurdly large.
     pub fn validate(&self) -> Result<(), CodecError> {
+        if self.order == MemoryOrder::Opaque {
+            return Err(CodecError::InvalidInput(
+                "an opaque layout's element order is the engine's own: no codec can read it (store it raw)".into(),
+            ));
+        }
         if self.layers == 0 || self.tokens == 0 || self.kv_heads == 0 || self.head_dim == 0 {
             return Err(CodecError::InvalidInput(format!("empty block shape {self:?}")));
         }

@@ -492,6 +492,7 @@ fn spec_locate(spec: &BlockSpec, r: usize) -> (usize, bool, usize, usize) {
     let (plane, token) = match spec.order {
         MemoryOrder::LayerFirst => (r / (t * h), (r % (t * h)) / h),
         MemoryOrder::BlockFirst => ((r / h) % planes, r / h / planes),
+        MemoryOrder::Opaque => unreachable!("codecs refuse opaque shapes"),
     };
     (plane / 2, plane % 2 == 1, token, r % h)
 }

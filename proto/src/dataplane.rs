@@ -12,8 +12,18 @@
 //!   [`ResponseHeader`] then, per key, an [`ItemStatus`] byte followed — when `Ok` — by the stored
 //!   frame (header + payload).
 //!
+//!   With [`FLAG_STOP_AT_MISS`] the server stops loading at the first key it can't serve and
+//!   answers `Miss` for every key after it without looking: an engine's lookup and load of the
+//!   longest stored prefix in one round trip.
+//! - `EXISTS`: [`RequestHeader`] (namespace set) with `count` 32-byte keys after it. Answer:
+//!   [`ResponseHeader`] then one [`ItemStatus`] byte per key (`Ok` present, `Miss` absent), each
+//!   key on its own (engines store chunks out of order, so a hole does not hide later keys).
 //! - `RELEASE`: [`RequestHeader`] with `count` 0. Unpins every block this connection stored or
 //!   touched with [`FLAG_PIN_LEASE`]. Answer: a [`ResponseHeader`].
+//!
+//! A `PUT` with [`FLAG_REPORT_PRESENT`] answers [`ItemStatus::Present`] instead of `Ok` for a
+//! block the server already held (its bytes were not taken), so a writer learns what it didn't
+//! need to send.
 //!
 //! A `PUT` with [`FLAG_PIN_LEASE`] pins each stored (or already present) block for as long as the
 //! connection lives or until `RELEASE`, so a session's blocks can't be evicted between their upload
@@ -33,6 +43,10 @@ pub const RESPONSE_HEADER_LEN: usize = 16;
 pub const MAX_TOKEN_LEN: usize = 1024;
 /// `PUT` flag: keep the blocks pinned until `RELEASE` or the end of the connection.
 pub const FLAG_PIN_LEASE: u16 = 1;
+/// `GET` flag: stop at the first miss (the longest stored prefix in one request).
+pub const FLAG_STOP_AT_MISS: u16 = 2;
+/// `PUT` flag: answer [`ItemStatus::Present`] for blocks already held.
+pub const FLAG_REPORT_PRESENT: u16 = 4;
 
 /// Opens a connection.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -91,6 +105,7 @@ pub enum Op {
     Put = 1,
     Get = 2,
     Release = 3,
+    Exists = 4,
 }
 
 impl Op {
@@ -99,6 +114,7 @@ impl Op {
             1 => Ok(Op::Put),
             2 => Ok(Op::Get),
             3 => Ok(Op::Release),
+            4 => Ok(Op::Exists),
             other => Err(ProtoError::Malformed(format!("unknown data-plane op {other}"))),
         }
     }
@@ -147,6 +163,10 @@ pub enum ItemStatus {
     LayoutMismatch = 6,
     BadHeader = 7,
     Internal = 8,
+    /// A quantizing codec in a lossless namespace (an opaque layout, or one made `lossless`).
+    LossyCodec = 9,
+    /// Already held (a `PUT` with [`FLAG_REPORT_PRESENT`]): nothing was written.
+    Present = 10,
 }
 
 impl ItemStatus {
@@ -161,8 +181,15 @@ impl ItemStatus {
             6 => ItemStatus::LayoutMismatch,
             7 => ItemStatus::BadHeader,
             8 => ItemStatus::Internal,
+            9 => ItemStatus::LossyCodec,
+            10 => ItemStatus::Present,
             other => return Err(ProtoError::Malformed(format!("unknown item status {other}"))),
         })
+    }
+
+    /// Whether the server holds the block after a `PUT` (stored now, or already there).
+    pub fn is_held(self) -> bool {
+        matches!(self, ItemStatus::Ok | ItemStatus::Present)
     }
 
     pub fn describe(self) -> &'static str {
@@ -176,6 +203,8 @@ impl ItemStatus {
             ItemStatus::LayoutMismatch => "frame layout differs from the namespace layout",
             ItemStatus::BadHeader => "bad frame header",
             ItemStatus::Internal => "internal error",
+            ItemStatus::LossyCodec => "a quantizing codec in a lossless namespace",
+            ItemStatus::Present => "already present",
         }
     }
 }
@@ -287,7 +316,7 @@ mod tests {
         let mut fixed = [0u8; HELLO_LEN];
         fixed.copy_from_slice(&hello[..HELLO_LEN]);
         assert_eq!(Hello::decode(&fixed).unwrap(), Hello { version: 1, token_len: 3 });
-        for v in 0..=8u8 {
+        for v in 0..=10u8 {
             assert_eq!(ItemStatus::from_u8(v).unwrap() as u8, v);
         }
         assert!(ItemStatus::from_u8(200).is_err());

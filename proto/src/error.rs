@@ -35,6 +35,8 @@ pub enum ProtoError {
     TooManyTokens { tokens: u32, block_tokens: u32 },
     #[error("payload is {actual} bytes but {tokens} tokens of this layout with codec {codec} take {expected}")]
     SizeMismatch { expected: u64, actual: u64, tokens: u32, codec: u16 },
+    #[error("codec {codec} quantizes, and this namespace is lossless (an opaque layout or `lossless`): only raw and raw+lz4 apply")]
+    LossyCodec { codec: u16 },
     #[error("unknown codec id {0}")]
     UnknownCodec(u16),
     #[error("malformed data-plane message: {0}")]

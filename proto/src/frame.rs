@@ -16,7 +16,8 @@
 //! | 64 | 16 | layout (layers, kv_heads, head_dim, dtype, order, block_tokens, tp_rank, tp_world) |
 //! | 80 | 8 | payload length |
 //! | 88 | 8 | payload checksum (xxh3-64) |
-//! | 96 | 24 | reserved, zero |
+//! | 96 | 8 | opaque block bytes (the opaque layout order only; zero otherwise) |
+//! | 104 | 16 | reserved, zero |
 //! | 120 | 8 | header checksum (xxh3-64 of bytes 0..120) |
 
 use bytes::Bytes;
@@ -127,6 +128,7 @@ impl FrameHeader {
         h[64..80].copy_from_slice(&l);
         h[80..88].copy_from_slice(&self.payload_len.to_le_bytes());
         h[88..96].copy_from_slice(&self.checksum.to_le_bytes());
+        h[96..104].copy_from_slice(&self.layout.opaque_block_bytes.to_le_bytes());
         let hc = xxh3_64(&h[..120]);
         h[120..128].copy_from_slice(&hc.to_le_bytes());
         h
@@ -167,6 +169,7 @@ impl FrameHeader {
             block_tokens: u32_at(72),
             tp_rank: u16_at(76),
             tp_world: u16_at(78),
+            opaque_block_bytes: u64_at(96),
         };
         layout.validate()?;
         let flags = u16_at(12);
@@ -194,8 +197,14 @@ impl FrameHeader {
         if self.tokens == 0 || self.tokens > self.layout.block_tokens {
             return Err(ProtoError::TooManyTokens { tokens: self.tokens, block_tokens: self.layout.block_tokens });
         }
+        if self.layout.is_opaque() && !matches!(self.codec, CodecId::RAW | CodecId::RAW_LZ4) {
+            return Err(ProtoError::LossyCodec { codec: self.codec.0 });
+        }
         let raw = self.layout.bytes_for_tokens(self.tokens);
-        let ok = if self.codec == CodecId::RAW {
+        let ok = if self.codec == CodecId::RAW && self.layout.is_opaque() && self.tokens < self.layout.block_tokens {
+            // An engine's partial block (LMCache's last chunk): its own size, up to a block.
+            self.payload_len > 0 && self.payload_len <= raw
+        } else if self.codec == CodecId::RAW {
             self.payload_len == raw
         } else {
             self.payload_len > 0 && self.payload_len <= self.codec.max_payload(raw)

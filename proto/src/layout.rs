@@ -61,6 +61,11 @@ pub enum MemoryOrder {
     LayerFirst = 1,
     /// `[token][layer][k|v][head][dim]`.
     BlockFirst = 2,
+    /// The engine's own bytes, in an order only the engine knows (a vLLM offload chunk, an
+    /// LMCache `KV_2LTD` chunk, an SGLang host page): a block is [`KvLayout::opaque_block_bytes`]
+    /// bytes. Only lossless codecs apply, since kvtier can't tell K from V or one head from the
+    /// next.
+    Opaque = 3,
 }
 
 impl MemoryOrder {
@@ -68,6 +73,7 @@ impl MemoryOrder {
         Ok(match code {
             1 => MemoryOrder::LayerFirst,
             2 => MemoryOrder::BlockFirst,
+            3 => MemoryOrder::Opaque,
             other => return Err(ProtoError::UnknownOrder(other)),
         })
     }
@@ -94,6 +100,9 @@ pub struct KvLayout {
     pub tp_rank: u16,
     pub tp_world: u16,
     pub order: MemoryOrder,
+    /// Bytes of one full block of an [`MemoryOrder::Opaque`] layout (the engine's chunk or page
+    /// size); 0 for every other order, whose block size follows from the shape.
+    pub opaque_block_bytes: u64,
 }
 
 /// Upper bounds that keep a layout's arithmetic far from overflow.
@@ -101,6 +110,8 @@ const MAX_LAYERS: u16 = 1024;
 const MAX_HEADS: u16 = 1024;
 const MAX_HEAD_DIM: u16 = 4096;
 const MAX_BLOCK_TOKENS: u32 = 1 << 16;
+/// Largest opaque block: far above any engine chunk, far below arithmetic trouble.
+const MAX_OPAQUE_BLOCK_BYTES: u64 = 1 << 32;
 
 impl KvLayout {
     /// A single-rank, layer-first layout.
@@ -114,7 +125,37 @@ impl KvLayout {
             tp_rank: 0,
             tp_world: 1,
             order: MemoryOrder::LayerFirst,
+            opaque_block_bytes: 0,
         }
+    }
+
+    /// An opaque layout: blocks of `block_bytes` bytes holding `block_tokens` tokens of the
+    /// engine's KV, in an order the engine defines. `dtype` is the engine's KV dtype; it and the
+    /// TP rank/world are part of the identity, not used to size the block.
+    ///
+    /// ```
+    /// use kvtier_proto::{DType, KvLayout};
+    /// let l = KvLayout::opaque(2 << 20, DType::Bf16, 256);
+    /// assert!(l.is_opaque());
+    /// assert_eq!(l.block_bytes(), 2 << 20);
+    /// ```
+    pub fn opaque(block_bytes: u64, dtype: DType, block_tokens: u32) -> Self {
+        KvLayout {
+            layers: 1,
+            kv_heads: 1,
+            head_dim: 1,
+            dtype,
+            block_tokens,
+            tp_rank: 0,
+            tp_world: 1,
+            order: MemoryOrder::Opaque,
+            opaque_block_bytes: block_bytes,
+        }
+    }
+
+    /// Whether blocks are the engine's own bytes ([`MemoryOrder::Opaque`]).
+    pub fn is_opaque(&self) -> bool {
+        self.order == MemoryOrder::Opaque
     }
 
     /// Checks the layout is usable; every other method assumes it is.
@@ -135,7 +176,19 @@ impl KvLayout {
         if self.tp_world == 0 || self.tp_rank >= self.tp_world {
             return bad(format!("tp_rank {} must be below tp_world {}", self.tp_rank, self.tp_world));
         }
-        if self.tp_world <= self.kv_heads && self.kv_heads % self.tp_world != 0 {
+        if self.is_opaque() {
+            if self.opaque_block_bytes == 0 || self.opaque_block_bytes > MAX_OPAQUE_BLOCK_BYTES {
+                return bad(format!(
+                    "an opaque block must be 1..={MAX_OPAQUE_BLOCK_BYTES} bytes, got {}",
+                    self.opaque_block_bytes
+                ));
+            }
+            return Ok(());
+        }
+        if self.opaque_block_bytes != 0 {
+            return bad("opaque_block_bytes is only for the opaque order".into());
+        }
+        if self.tp_world <= self.kv_heads && !self.kv_heads.is_multiple_of(self.tp_world) {
             return bad(format!("kv_heads {} do not split evenly over tp_world {}", self.kv_heads, self.tp_world));
         }
         Ok(())
@@ -150,13 +203,22 @@ impl KvLayout {
         }
     }
 
-    /// Bytes of K and V for one token across all layers of this rank.
+    /// Bytes of K and V for one token across all layers of this rank (an opaque layout's block
+    /// bytes over its tokens, rounded up).
     pub fn bytes_per_token(&self) -> u64 {
+        if self.is_opaque() {
+            return self.opaque_block_bytes.div_ceil(u64::from(self.block_tokens.max(1)));
+        }
         2 * u64::from(self.layers) * self.heads_per_rank() * u64::from(self.head_dim) * self.dtype.size()
     }
 
     /// Bytes of `tokens` tokens in the engine's dtype (a partial block when below `block_tokens`).
+    /// For an opaque layout, the engine's bytes for that share of a block, rounded up (engines
+    /// that store partial blocks, like LMCache's last chunk, may use fewer).
     pub fn bytes_for_tokens(&self, tokens: u32) -> u64 {
+        if self.is_opaque() {
+            return (self.opaque_block_bytes * u64::from(tokens)).div_ceil(u64::from(self.block_tokens.max(1)));
+        }
         self.bytes_per_token() * u64::from(tokens)
     }
 
@@ -175,6 +237,7 @@ impl KvLayout {
             tp_rank: self.tp_rank.into(),
             tp_world: self.tp_world.into(),
             order: self.order as u32,
+            opaque_block_bytes: self.opaque_block_bytes,
         }
     }
 
@@ -191,6 +254,7 @@ impl KvLayout {
             tp_rank: small("tp_rank", pb.tp_rank)?,
             tp_world: small("tp_world", pb.tp_world)?,
             order: MemoryOrder::from_code(pb.order)?,
+            opaque_block_bytes: pb.opaque_block_bytes,
         };
         layout.validate()?;
         Ok(layout)
@@ -206,6 +270,15 @@ impl KvLayout {
         out.extend_from_slice(&self.block_tokens.to_le_bytes());
         out.extend_from_slice(&self.tp_rank.to_le_bytes());
         out.extend_from_slice(&self.tp_world.to_le_bytes());
+    }
+
+    /// What an opaque layout adds to [`KvLayout::encode_into`] in a namespace's identity (nothing
+    /// for other orders, so their ids are unchanged).
+    pub(crate) fn encode_identity_into(&self, out: &mut Vec<u8>) {
+        self.encode_into(out);
+        if self.is_opaque() {
+            out.extend_from_slice(&self.opaque_block_bytes.to_le_bytes());
+        }
     }
 }
 

@@ -7,6 +7,7 @@ use crate::{KvLayout, ProtoError};
 pub const NAMESPACE_ID_LEN: usize = 16;
 const MAX_NAME_LEN: usize = 256;
 const MAX_SALT_LEN: usize = 64;
+const MAX_ENGINE_LEN: usize = 1024;
 
 /// The hash that chains block keys.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -74,6 +75,13 @@ pub struct Namespace {
     /// Per-tenant secret mixed into every key, so keys can't be crafted to collide with another
     /// tenant's.
     pub salt: Vec<u8>,
+    /// What an engine's own block hashes don't carry, as `key=value;` pairs the engine adapter
+    /// writes (engine, model revision, PP stage, page size, layout name, hash algorithm). Empty
+    /// for token-hashed namespaces. Part of the identity when set.
+    pub engine: String,
+    /// Blocks are only ever stored and kept lossless: a quantized store is refused, and no tier
+    /// re-encodes them lossily. Always so for an opaque layout. Part of the identity when set.
+    pub lossless: bool,
 }
 
 impl Namespace {
@@ -84,7 +92,33 @@ impl Namespace {
         hashing: HashScheme,
         salt: &[u8],
     ) -> Self {
-        Namespace { tenant: tenant.into(), model: model.into(), layout, hashing, salt: salt.to_vec() }
+        Namespace {
+            tenant: tenant.into(),
+            model: model.into(),
+            layout,
+            hashing,
+            salt: salt.to_vec(),
+            engine: String::new(),
+            lossless: false,
+        }
+    }
+
+    /// The same namespace for an engine that hashes blocks itself: `engine` holds what its hashes
+    /// don't (see [`Namespace::engine`]).
+    pub fn with_engine(mut self, engine: impl Into<String>) -> Self {
+        self.engine = engine.into();
+        self
+    }
+
+    /// The same namespace, lossless only (see [`Namespace::lossless`]).
+    pub fn with_lossless(mut self, lossless: bool) -> Self {
+        self.lossless = lossless;
+        self
+    }
+
+    /// Whether no block of this namespace may be quantized: `lossless`, or an opaque layout.
+    pub fn is_lossless(&self) -> bool {
+        self.lossless || self.layout.is_opaque()
     }
 
     pub fn validate(&self) -> Result<(), ProtoError> {
@@ -98,6 +132,9 @@ impl Namespace {
         if self.salt.len() > MAX_SALT_LEN {
             return bad(format!("salt must be at most {MAX_SALT_LEN} bytes"));
         }
+        if self.engine.len() > MAX_ENGINE_LEN {
+            return bad(format!("engine must be at most {MAX_ENGINE_LEN} bytes"));
+        }
         self.layout.validate()
     }
 
@@ -107,8 +144,15 @@ impl Namespace {
             out.extend_from_slice(&(field.len() as u32).to_le_bytes());
             out.extend_from_slice(field);
         }
-        self.layout.encode_into(&mut out);
+        self.layout.encode_identity_into(&mut out);
         out.push(self.hashing as u8);
+        // Appended only when set, so the ids of namespaces made before these fields are unchanged.
+        if !self.engine.is_empty() || self.lossless {
+            out.extend_from_slice(b"engine");
+            out.extend_from_slice(&(self.engine.len() as u32).to_le_bytes());
+            out.extend_from_slice(self.engine.as_bytes());
+            out.push(u8::from(self.lossless));
+        }
         out
     }
 
@@ -132,6 +176,8 @@ impl Namespace {
             layout: Some(self.layout.to_pb()),
             hashing: self.hashing as u32,
             salt: bytes::Bytes::copy_from_slice(&self.salt),
+            engine: self.engine.clone(),
+            lossless: self.lossless,
         }
     }
 
@@ -143,6 +189,8 @@ impl Namespace {
             layout: KvLayout::from_pb(layout)?,
             hashing: HashScheme::from_code(pb.hashing)?,
             salt: pb.salt.to_vec(),
+            engine: pb.engine.clone(),
+            lossless: pb.lossless,
         };
         ns.validate()?;
         Ok(ns)
@@ -177,16 +225,53 @@ mod tests {
         let mut v = base.clone();
         v.salt = b"t".to_vec();
         variants.push(v);
+        variants.push(base.clone().with_engine("engine=vllm;pp=0"));
+        variants.push(base.clone().with_engine("engine=vllm;pp=1"));
+        variants.push(base.clone().with_lossless(true));
+        let mut v = base.clone();
+        v.layout = KvLayout::opaque(4096, DType::Fp16, 16);
+        variants.push(v.clone());
+        v.layout.opaque_block_bytes = 8192;
+        variants.push(v);
         // Length prefixes keep ("ab","c") apart from ("a","bc").
         let mut v = base.clone();
         v.tenant = "tm".into();
         v.model = "".into();
         variants.push(v);
-        for v in variants {
+        for v in &variants {
             assert_ne!(v.id(), base.id(), "{v:?}");
             assert_ne!(v.key_salt(), base.key_salt(), "{v:?}");
         }
         assert_eq!(ns().id(), base.id());
+        for (i, a) in variants.iter().enumerate() {
+            for b in &variants[i + 1..] {
+                assert_ne!(a.id(), b.id(), "{a:?} vs {b:?}");
+            }
+        }
+    }
+
+    /// `ns()`'s id as computed by an independent BLAKE3 (Python `blake3.blake3(canonical,
+    /// derive_key_context=...)`) over the canonical encoding these fields came after.
+    const STABLE_ID: &str = "3b9b5527f881ac5dfe55636b6b405f9a";
+
+    /// Ids persisted before `engine`/`lossless`/opaque layouts existed must not change.
+    #[test]
+    fn ids_of_plain_namespaces_are_stable() {
+        assert_eq!(ns().id().to_hex(), STABLE_ID);
+    }
+
+    #[test]
+    fn opaque_namespaces_round_trip_and_are_lossless() {
+        let n = Namespace::new("t", "m", KvLayout::opaque(1 << 21, DType::Bf16, 256), HashScheme::Sha256, b"s")
+            .with_engine("engine=vllm;hash=sha256");
+        assert!(n.is_lossless() && !ns().is_lossless());
+        assert_eq!(Namespace::from_pb(&n.to_pb()).unwrap(), n);
+        let mut pb = n.to_pb();
+        pb.layout.as_mut().unwrap().opaque_block_bytes = 0;
+        assert!(Namespace::from_pb(&pb).is_err(), "an opaque layout needs its block size");
+        let mut pb = ns().to_pb();
+        pb.layout.as_mut().unwrap().opaque_block_bytes = 7;
+        assert!(Namespace::from_pb(&pb).is_err(), "block bytes only for the opaque order");
     }
 
     #[test]

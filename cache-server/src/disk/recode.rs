@@ -23,7 +23,12 @@ pub enum Recoded {
 /// Re-encodes `payload` (the payload of `header`) with `codec` where that helps; see the module.
 pub fn recode(codec: CodecId, header: &FrameHeader, payload: &[u8]) -> Recoded {
     let keep_lossless = header.flags & FRAME_FLAG_KEEP_LOSSLESS != 0;
-    if header.codec == codec || !is_lossless(header.codec) || (keep_lossless && !is_lossless(codec)) {
+    // An opaque block's element order is the engine's secret: no codec here can read it.
+    if header.codec == codec
+        || !is_lossless(header.codec)
+        || (keep_lossless && !is_lossless(codec))
+        || header.layout.is_opaque()
+    {
         return Recoded::Kept;
     }
     let spec = BlockSpec::from_layout(&header.layout, header.tokens);

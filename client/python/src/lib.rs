@@ -12,14 +12,13 @@ use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
-use kvtier_client::{decode_frame_into, ClientConfig, EngineClient, Miss, ParkOptions, SessionInfo};
+use kvtier_client::{BlockDest, ClientConfig, EngineClient, ItemStatus, Miss, ParkOptions, SessionInfo};
 use kvtier_proto::{CodecId, DType, HashScheme, KvLayout, MemoryOrder, Namespace as NsSpec};
 use pyo3::buffer::PyBuffer;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyDict};
-use rayon::prelude::*;
+use pyo3::types::{PyByteArray, PyBytes, PyDict};
 
 create_exception!(kvtier, KvtierError, PyException, "Base class of every kvtier error.");
 create_exception!(kvtier, UnavailableError, KvtierError, "The server could not be reached in time.");
@@ -71,7 +70,8 @@ struct Namespace {
 impl Namespace {
     #[new]
     #[pyo3(signature = (tenant, model, *, layers, kv_heads, head_dim, dtype="bf16", block_tokens=16, salt=&b""[..],
-        hashing="blake3", tp_rank=0, tp_world=1, order="layer_first", codec="raw", lossless_sink_blocks=0))]
+        hashing="blake3", tp_rank=0, tp_world=1, order="layer_first", codec="raw", lossless_sink_blocks=0,
+        lossless=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         tenant: &str,
@@ -88,6 +88,7 @@ impl Namespace {
         order: &str,
         codec: &str,
         lossless_sink_blocks: usize,
+        lossless: bool,
     ) -> PyResult<Self> {
         let bad = |m: String| PyValueError::new_err(m);
         let dtype = DType::parse(dtype).map_err(|e| bad(e.to_string()))?;
@@ -102,10 +103,87 @@ impl Namespace {
             other => return Err(bad(format!("unknown hashing {other:?}: blake3 or sha256"))),
         };
         let codec_id = CodecId::from_name(codec).ok_or_else(|| bad(format!("unknown codec {codec:?}")))?;
-        let layout = KvLayout { layers, kv_heads, head_dim, dtype, block_tokens, tp_rank, tp_world, order };
-        let spec = NsSpec::new(tenant, model, layout, hashing, salt);
+        let layout = KvLayout {
+            layers,
+            kv_heads,
+            head_dim,
+            dtype,
+            block_tokens,
+            tp_rank,
+            tp_world,
+            order,
+            opaque_block_bytes: 0,
+        };
+        let spec = NsSpec::new(tenant, model, layout, hashing, salt).with_lossless(lossless);
         spec.validate().map_err(|e| bad(e.to_string()))?;
+        check_codec(&spec, codec_id)?;
         Ok(Namespace { spec, codec: codec_id, lossless_sink_blocks })
+    }
+
+    /// A namespace for an engine that hashes its blocks itself and hands kvtier its own bytes: a
+    /// block is `block_bytes` bytes in an order only the engine knows (a vLLM offload chunk, an
+    /// LMCache chunk, an SGLang host page), stored raw. Keys are the engine's hashes (see
+    /// `Client.exists_keys`). Every argument is part of the namespace's identity, so two
+    /// engines, models, layouts, TP/PP ranks, KV dtypes, page sizes or hash algorithms never
+    /// share a block; `salt` keeps tenants' keys apart.
+    #[staticmethod]
+    #[pyo3(signature = (tenant, model, *, block_bytes, engine="vllm", engine_layout="", kv_dtype="bf16",
+        page_tokens=16, tp_rank=0, tp_world=1, pp_rank=0, pp_world=1, hash_algo="sha256", salt=&b""[..],
+        codec="raw"))]
+    #[allow(clippy::too_many_arguments)]
+    fn opaque(
+        tenant: &str,
+        model: &str,
+        block_bytes: u64,
+        engine: &str,
+        engine_layout: &str,
+        kv_dtype: &str,
+        page_tokens: u32,
+        tp_rank: u16,
+        tp_world: u16,
+        pp_rank: u32,
+        pp_world: u32,
+        hash_algo: &str,
+        salt: &[u8],
+        codec: &str,
+    ) -> PyResult<Self> {
+        let bad = |m: String| PyValueError::new_err(m);
+        if pp_world == 0 || pp_rank >= pp_world {
+            return Err(bad(format!("pp_rank {pp_rank} must be below pp_world {pp_world}")));
+        }
+        for (name, v) in
+            [("engine", engine), ("engine_layout", engine_layout), ("kv_dtype", kv_dtype), ("hash_algo", hash_algo)]
+        {
+            if v.contains([';', '=']) {
+                return Err(bad(format!("{name} {v:?} must not contain ';' or '='")));
+            }
+        }
+        let codec_id = CodecId::from_name(codec).ok_or_else(|| bad(format!("unknown codec {codec:?}")))?;
+        // The layout's dtype is informational for an opaque block; the engine's own spelling of
+        // it (fp8_e5m2, float16...) is in the identity string.
+        let mut layout = KvLayout::opaque(block_bytes, DType::parse(kv_dtype).unwrap_or(DType::Bf16), page_tokens);
+        layout.tp_rank = tp_rank;
+        layout.tp_world = tp_world;
+        let identity = format!(
+            "engine={engine};layout={engine_layout};kv_dtype={kv_dtype};pp={pp_rank}/{pp_world};hash={hash_algo}"
+        );
+        let spec =
+            NsSpec::new(tenant, model, layout, HashScheme::Sha256, salt).with_engine(identity).with_lossless(true);
+        spec.validate().map_err(|e| bad(e.to_string()))?;
+        check_codec(&spec, codec_id)?;
+        Ok(Namespace { spec, codec: codec_id, lossless_sink_blocks: 0 })
+    }
+
+    /// True for a namespace whose blocks are never quantized (opaque, or made `lossless`).
+    #[getter]
+    fn lossless(&self) -> bool {
+        self.spec.is_lossless()
+    }
+
+    /// True for an engine's own bytes (`Namespace.opaque`).
+    #[getter]
+    fn is_opaque(&self) -> bool {
+        self.spec.layout.is_opaque()
     }
 
     /// The same namespace storing with another codec (loads decode any codec), and optionally
@@ -115,6 +193,7 @@ impl Namespace {
         let codec =
             CodecId::from_name(codec).ok_or_else(|| PyValueError::new_err(format!("unknown codec {codec:?}")))?;
         let lossless_sink_blocks = lossless_sink_blocks.unwrap_or(self.lossless_sink_blocks);
+        check_codec(&self.spec, codec)?;
         Ok(Namespace { spec: self.spec.clone(), codec, lossless_sink_blocks })
     }
 
@@ -149,6 +228,18 @@ impl Namespace {
 
     fn __repr__(&self) -> String {
         let l = &self.spec.layout;
+        if l.is_opaque() {
+            return format!(
+                "Namespace.opaque(tenant={:?}, model={:?}, block_bytes={}, page_tokens={}, tp={}/{}, {:?})",
+                self.spec.tenant,
+                self.spec.model,
+                l.opaque_block_bytes,
+                l.block_tokens,
+                l.tp_rank,
+                l.tp_world,
+                self.spec.engine
+            );
+        }
         format!(
             "Namespace(tenant={:?}, model={:?}, layers={}, kv_heads={}, head_dim={}, dtype={:?}, block_tokens={}, codec={:?}, lossless_sink_blocks={})",
             self.spec.tenant,
@@ -321,6 +412,7 @@ fn info_dict<'py>(py: Python<'py>, i: &SessionInfo) -> PyResult<Bound<'py, PyDic
 #[pyclass(module = "kvtier._native")]
 struct Client {
     engine: EngineClient,
+    budget: Duration,
     never_raise: bool,
     misses: Mutex<Misses>,
 }
@@ -346,11 +438,29 @@ impl Client {
             ) -> Result<T, kvtier_client::ClientError>
             + Send,
     ) -> PyResult<T> {
+        self.run_within(py, name, ns, None, fallback, op)
+    }
+
+    /// [`Client::run`] within `budget` (the client's own when `None`).
+    fn run_within<T: Send>(
+        &self,
+        py: Python<'_>,
+        name: &'static str,
+        ns: &Namespace,
+        budget: Option<Duration>,
+        fallback: impl FnOnce() -> T,
+        op: impl AsyncFnOnce(
+                kvtier_client::KvClient,
+                kvtier_client::NamespaceHandle,
+            ) -> Result<T, kvtier_client::ClientError>
+            + Send,
+    ) -> PyResult<T> {
         let rt = runtime()?;
         let engine = &self.engine;
         let (spec, codec, sink) = (&ns.spec, ns.codec, ns.lossless_sink_blocks);
+        let budget = budget.unwrap_or(self.budget);
         let res = py.detach(|| {
-            rt.block_on(engine.call(name, spec, |c, h| async move {
+            rt.block_on(engine.call_within(name, spec, budget, |c, h| async move {
                 let h = h.with_codec(codec)?.with_lossless_sink_blocks(sink);
                 op(c, h).await
             }))
@@ -359,6 +469,78 @@ impl Client {
             Ok(v) => Ok(v),
             Err(m) => self.on_miss(&m).map(|()| fallback()),
         }
+    }
+
+    /// The common end of `store_keys*`.
+    fn store_blocks<'py>(
+        &self,
+        py: Python<'py>,
+        ns: &Namespace,
+        hashes: Vec<Vec<u8>>,
+        blocks: Vec<Vec<Bytes>>,
+        timeout_s: Option<f64>,
+        report: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let n = hashes.len();
+        if blocks.len() != n {
+            return Err(PyValueError::new_err(format!("{n} keys but {} blocks", blocks.len())));
+        }
+        let budget = timeout_s.map(|t| positive_duration("timeout_s", t)).transpose()?;
+        let st = self.run_within(
+            py,
+            "store",
+            ns,
+            budget,
+            || None,
+            async |c, h| {
+                let keys: Vec<_> = hashes.iter().map(|k| h.engine_key(k)).collect();
+                c.store_keys(&h, &keys, &blocks).await.map(Some)
+            },
+        )?;
+        drop(blocks);
+        let words: Vec<&'static str> = match &st {
+            Some(st) => st.iter().map(|s| store_word(*s)).collect(),
+            None => vec!["miss"; n],
+        };
+        if let Some(st) = &st {
+            if let Some((index, status)) = st.iter().enumerate().find(|(_, s)| !s.is_held()) {
+                let e = kvtier_client::ClientError::Rejected { index, status: *status };
+                self.on_miss(&Miss { reason: e.reason(), detail: e.to_string() })?;
+            }
+        }
+        if report {
+            Ok(words.into_pyobject(py)?.into_any())
+        } else {
+            let held: Vec<bool> = st.map(|v| v.iter().map(|s| s.is_held()).collect()).unwrap_or_else(|| vec![false; n]);
+            Ok(held.into_pyobject(py)?.into_any())
+        }
+    }
+
+    /// The common end of `load_keys_into*`.
+    fn load_blocks(
+        &self,
+        py: Python<'_>,
+        ns: &Namespace,
+        hashes: Vec<Vec<u8>>,
+        dests: &mut [BlockDest<'_>],
+        timeout_s: Option<f64>,
+    ) -> PyResult<Vec<bool>> {
+        let n = hashes.len();
+        if dests.len() != n {
+            return Err(PyValueError::new_err(format!("{n} keys but {} destinations", dests.len())));
+        }
+        let budget = timeout_s.map(|t| positive_duration("timeout_s", t)).transpose()?;
+        self.run_within(
+            py,
+            "load",
+            ns,
+            budget,
+            || vec![false; n],
+            async |c, h| {
+                let keys: Vec<_> = hashes.iter().map(|k| h.engine_key(k)).collect();
+                c.load_keys_into(&h, &keys, dests, false).await
+            },
+        )
     }
 
     /// Records a miss; an error to raise unless in never-raise mode.
@@ -395,7 +577,12 @@ impl Client {
             auth_token,
             ..ClientConfig::default()
         };
-        Ok(Client { engine: EngineClient::new(addr, cfg, budget), never_raise, misses: Mutex::new(Misses::default()) })
+        Ok(Client {
+            engine: EngineClient::new(addr, cfg, budget),
+            budget,
+            never_raise,
+            misses: Mutex::new(Misses::default()),
+        })
     }
 
     /// `(reason, detail)` of the last failed call, or `None`.
@@ -465,20 +652,169 @@ impl Client {
         let room = out.len().checked_div(bb).unwrap_or(0);
         let usable = tokens.len().min(room * bt);
         let dst = out.as_mut_slice();
-        self.run(
+        // Lookup and load in one request; raw blocks land in `out` straight from the socket.
+        self.run(py, "load", ns, || 0, async |c, h| Ok(c.load_prefix_into(&h, &tokens[..usable], dst).await? * bt))
+    }
+
+    /// Which of `keys` (the engine's block hashes, `bytes` of any length, salted into `ns`) the
+    /// server holds, each key on its own (engines store chunks out of order): a list of bools, all
+    /// False on a miss. `timeout_s` bounds this call (default: the client's `timeout_s`).
+    #[pyo3(signature = (ns, keys, *, timeout_s=None))]
+    fn exists_keys(
+        &self,
+        py: Python<'_>,
+        ns: &Namespace,
+        keys: &Bound<'_, PyAny>,
+        timeout_s: Option<f64>,
+    ) -> PyResult<Vec<bool>> {
+        let hashes = engine_hashes(keys)?;
+        let n = hashes.len();
+        let budget = timeout_s.map(|t| positive_duration("timeout_s", t)).transpose()?;
+        self.run_within(
             py,
-            "load",
+            "exists",
             ns,
-            || 0,
+            budget,
+            || vec![false; n],
             async |c, h| {
-                let frames = c.load_prefix_frames(&h, &tokens[..usable]).await?;
-                dst[..frames.len() * bb]
-                    .par_chunks_mut(bb)
-                    .zip(frames.par_iter())
-                    .try_for_each(|(chunk, f)| decode_frame_into(f, chunk))?;
-                Ok(frames.len() * bt)
+                let keys: Vec<_> = hashes.iter().map(|k| h.engine_key(k)).collect();
+                c.exists_keys(&h, &keys).await
             },
         )
+    }
+
+    /// Stores full blocks under the engine's `keys`: `kv` is one buffer holding them back to
+    /// back, or a list of one buffer per key (rows of an engine's pool, sent from where they
+    /// are). A list of bools: True where the server holds the block now (stored, or already
+    /// there); all False on a miss. With `report=True`, a list of words instead: `"stored"`,
+    /// `"present"` (already held: in a lossless namespace, lossless too) or why it was refused.
+    #[pyo3(signature = (ns, keys, kv, *, timeout_s=None, report=false))]
+    fn store_keys<'py>(
+        &self,
+        py: Python<'py>,
+        ns: &Namespace,
+        keys: &Bound<'_, PyAny>,
+        kv: &Bound<'_, PyAny>,
+        timeout_s: Option<f64>,
+        report: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let hashes = engine_hashes(keys)?;
+        let bb = ns.block_bytes() as usize;
+        let blocks: Vec<Vec<Bytes>> = if kv.is_instance_of::<pyo3::types::PyList>()
+            || kv.is_instance_of::<pyo3::types::PyTuple>()
+        {
+            let mut v = Vec::new();
+            for (i, item) in kv.try_iter()?.enumerate() {
+                let held = HeldBuffer::open(&item?, false)?;
+                if held.len() != bb {
+                    return Err(PyValueError::new_err(format!("buffer {i} is {} bytes; a block is {bb}", held.len())));
+                }
+                v.push(vec![Bytes::from_owner(held)]);
+            }
+            v
+        } else {
+            split_blocks(HeldBuffer::open(kv, false)?, hashes.len(), bb, 0)?.into_iter().map(|b| vec![b]).collect()
+        };
+        self.store_blocks(py, ns, hashes, blocks, timeout_s, report)
+    }
+
+    /// `store_keys` from `(address, length)` segments per key (e.g. SGLang's host-pool page
+    /// buffers, a page's K and V planes per layer), gathered into each block as it is sent: no
+    /// staging copy. Each key's segments must hold one block's bytes; the memory must stay valid
+    /// and unchanged until the call returns.
+    #[pyo3(signature = (ns, keys, segments, *, timeout_s=None, report=false))]
+    fn store_keys_segments<'py>(
+        &self,
+        py: Python<'py>,
+        ns: &Namespace,
+        keys: &Bound<'_, PyAny>,
+        segments: Vec<Vec<(usize, usize)>>,
+        timeout_s: Option<f64>,
+        report: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let hashes = engine_hashes(keys)?;
+        let segs = self::segments(segments, ns.block_bytes() as usize, false)?;
+        let blocks = segs.into_iter().map(|v| v.into_iter().map(Bytes::from_owner).collect()).collect();
+        self.store_blocks(py, ns, hashes, blocks, timeout_s, report)
+    }
+
+    /// Loads the blocks of the engine's `keys` into `out`: one writable buffer for all of them
+    /// back to back, or a list of one writable buffer per key. A raw block is received from the
+    /// socket straight into its place and verified there. A list of bools: True where block `i`
+    /// landed and verified; False for a miss or a block that failed its checksum, whose place
+    /// then holds unspecified bytes (never report them as data). All False on a miss.
+    #[pyo3(signature = (ns, keys, out, *, timeout_s=None))]
+    fn load_keys_into(
+        &self,
+        py: Python<'_>,
+        ns: &Namespace,
+        keys: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+        timeout_s: Option<f64>,
+    ) -> PyResult<Vec<bool>> {
+        let hashes = engine_hashes(keys)?;
+        let n = hashes.len();
+        let bb = ns.block_bytes() as usize;
+        let mut held = Vec::new();
+        let listed = out.is_instance_of::<pyo3::types::PyList>() || out.is_instance_of::<pyo3::types::PyTuple>();
+        if listed {
+            for (i, item) in out.try_iter()?.enumerate() {
+                let h = HeldBuffer::open(&item?, true)?;
+                if h.len() != bb {
+                    return Err(PyValueError::new_err(format!("buffer {i} is {} bytes; a block is {bb}", h.len())));
+                }
+                held.push(h);
+            }
+            if held.len() != n {
+                return Err(PyValueError::new_err(format!("{n} keys but {} buffers", held.len())));
+            }
+            check_disjoint(held.iter().map(|h| (h.0.buf_ptr() as usize, h.len())).collect())?;
+        } else {
+            let h = HeldBuffer::open(out, true)?;
+            if h.len() != n * bb {
+                return Err(PyValueError::new_err(format!(
+                    "output buffer is {} bytes; {n} blocks of {bb} bytes make {}",
+                    h.len(),
+                    n * bb
+                )));
+            }
+            held.push(h);
+        }
+        let mut dests: Vec<BlockDest<'_>> = if listed {
+            held.iter_mut().map(|h| vec![h.as_mut_slice()]).collect()
+        } else {
+            held[0].as_mut_slice().chunks_exact_mut(bb.max(1)).take(n).map(|c| vec![c]).collect()
+        };
+        self.load_blocks(py, ns, hashes, &mut dests, timeout_s)
+    }
+
+    /// `load_keys_into` into `(address, length)` segments per key (e.g. SGLang's host-pool page
+    /// buffers), filled in order: raw blocks are received from the socket straight into them.
+    /// Each key's segments must hold one block's bytes and no two may overlap; the memory must
+    /// stay valid and untouched by others until the call returns.
+    #[pyo3(signature = (ns, keys, segments, *, timeout_s=None))]
+    fn load_keys_into_segments(
+        &self,
+        py: Python<'_>,
+        ns: &Namespace,
+        keys: &Bound<'_, PyAny>,
+        segments: Vec<Vec<(usize, usize)>>,
+        timeout_s: Option<f64>,
+    ) -> PyResult<Vec<bool>> {
+        let hashes = engine_hashes(keys)?;
+        let segs = self::segments(segments, ns.block_bytes() as usize, true)?;
+        let mut dests: Vec<BlockDest<'_>> = segs
+            .into_iter()
+            .map(|v| {
+                v.into_iter()
+                    // SAFETY: see `RawSegment`'s invariant: valid memory of the caller, checked
+                    // non-null and pairwise disjoint (`segments(.., writes = true)`), used only
+                    // inside this call.
+                    .map(|s| unsafe { std::slice::from_raw_parts_mut(s.addr as *mut u8, s.len) })
+                    .collect()
+            })
+            .collect();
+        self.load_blocks(py, ns, hashes, &mut dests, timeout_s)
     }
 
     /// Loads the longest stored prefix of `tokens` into a new `bytearray` (full blocks back to
@@ -668,6 +1004,117 @@ fn session_blocks(ns: &Namespace, tokens: &[u32], base: usize, kv: HeldBuffer) -
     let full = (tokens.len() / bt).saturating_sub(base);
     let tail = ns.spec.layout.bytes_for_tokens((tokens.len() % bt) as u32) as usize;
     split_blocks(kv, full, ns.block_bytes() as usize, tail)
+}
+
+/// A codec this namespace may store with: no quantizing codec in a lossless namespace, raw only
+/// for an opaque layout (the codecs need the KV's shape).
+fn check_codec(spec: &NsSpec, codec: CodecId) -> PyResult<()> {
+    if spec.is_lossless() && !matches!(codec, CodecId::RAW | CodecId::RAW_LZ4) {
+        return Err(PyValueError::new_err(format!(
+            "codec {:?} quantizes; this namespace is lossless (opaque or lossless=True): use raw or raw+lz4",
+            codec.name()
+        )));
+    }
+    if spec.layout.is_opaque() && codec != CodecId::RAW {
+        return Err(PyValueError::new_err(format!(
+            "an opaque namespace stores the engine's bytes raw; codec {:?} needs the KV's shape",
+            codec.name()
+        )));
+    }
+    Ok(())
+}
+
+/// Engine hashes (`bytes`, any length) from a Python sequence.
+fn engine_hashes(keys: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u8>>> {
+    let mut out = Vec::new();
+    for k in keys.try_iter()? {
+        let k = k?;
+        let b =
+            k.cast::<PyBytes>().map_err(|_| PyValueError::new_err("keys must be bytes (the engine's block hashes)"))?;
+        if b.as_bytes().is_empty() {
+            return Err(PyValueError::new_err("an engine hash must not be empty"));
+        }
+        out.push(b.as_bytes().to_vec());
+    }
+    Ok(out)
+}
+
+/// Memory a caller named by address: `(address, length)` segments of its own buffers (an engine's
+/// host KV pool pages), as Python integers.
+///
+/// Invariant for the `unsafe` slices made from it: the caller promises (the `*_segments` methods'
+/// documented contract, as with Mooncake's and SGLang's pointer APIs) that every segment is
+/// memory of its process, valid, not freed, resized or touched by another thread until the call
+/// returns; `segments` checks they are non-null and, for writes, that no two overlap, so the
+/// `&mut` slices are disjoint.
+#[derive(Clone, Copy)]
+struct RawSegment {
+    addr: usize,
+    len: usize,
+}
+
+// SAFETY: a `RawSegment` is an address and a length; the memory it names is only read or written
+// inside the call that received it (see the type's invariant), whatever thread runs the I/O.
+unsafe impl Send for RawSegment {}
+
+impl AsRef<[u8]> for RawSegment {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: see the type's invariant; `len > 0` and `addr != 0` were checked.
+        unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) }
+    }
+}
+
+/// Per-key segment lists, each summing to `block_bytes`; for writes, no two segments overlap.
+fn segments(raw: Vec<Vec<(usize, usize)>>, block_bytes: usize, writes: bool) -> PyResult<Vec<Vec<RawSegment>>> {
+    let mut all = Vec::new();
+    let mut out = Vec::with_capacity(raw.len());
+    for (i, segs) in raw.into_iter().enumerate() {
+        let mut total = 0usize;
+        let mut v = Vec::with_capacity(segs.len());
+        for (addr, len) in segs {
+            if addr == 0 || len == 0 || addr.checked_add(len).is_none() {
+                return Err(PyValueError::new_err(format!(
+                    "key {i}: segment ({addr:#x}, {len}) is empty or not memory"
+                )));
+            }
+            total += len;
+            v.push(RawSegment { addr, len });
+            all.push((addr, len));
+        }
+        if total != block_bytes {
+            return Err(PyValueError::new_err(format!(
+                "key {i}: segments hold {total} bytes; a block is {block_bytes}"
+            )));
+        }
+        out.push(v);
+    }
+    if writes {
+        check_disjoint(all)?;
+    }
+    Ok(out)
+}
+
+/// Refuses overlapping destination ranges (two keys loaded into the same bytes).
+fn check_disjoint(mut ranges: Vec<(usize, usize)>) -> PyResult<()> {
+    ranges.sort_unstable();
+    for w in ranges.windows(2) {
+        if w[0].0 + w[0].1 > w[1].0 {
+            return Err(PyValueError::new_err(format!(
+                "destinations overlap: ({:#x}, {}) and ({:#x}, {})",
+                w[0].0, w[0].1, w[1].0, w[1].1
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// What a store did to one block, as `store_keys(..., report=True)` says it.
+fn store_word(s: ItemStatus) -> &'static str {
+    match s {
+        ItemStatus::Ok => "stored",
+        ItemStatus::Present => "present",
+        other => other.describe(),
+    }
 }
 
 #[pymodule]
