@@ -1,0 +1,444 @@
+"""kvtier.lmcache.KvtierConnectorAdapter inside LMCache 0.5.6's real remote-storage path, against
+real `kvtier serve` processes: LMCache's `RemoteBackend` creates the connector through its plugin
+path (`remote_storage_plugins: ["kvtier"]`), over a real `LocalCPUBackend`, with LMCache's naive
+serde and its `InstrumentedRemoteConnector` wrapper, and an asyncio loop on a thread as in the
+engine."""
+
+import asyncio
+import inspect
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("lmcache.v1.storage_backend.remote_backend",
+                    reason="LMCache is not installed (requirements-engines.txt installs it)")
+torch = pytest.importorskip("torch")
+
+from lmcache.utils import CacheEngineKey  # noqa: E402
+from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
+from lmcache.v1.memory_management import MemoryFormat  # noqa: E402
+from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
+from lmcache.v1.storage_backend.connector import ConnectorContext  # noqa: E402
+from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend  # noqa: E402
+from lmcache.v1.storage_backend.remote_backend import RemoteBackend  # noqa: E402
+
+import kvtier.lmcache as kv_lmcache  # noqa: E402
+from kvtier.server import find_binary  # noqa: E402
+
+CHUNK = 16
+LAYERS = 2
+HEADS = 2
+DIM = 64
+MODEL = "tiny-llama"
+BLOCKING_TIMEOUT = 3  # LMCache's blocking_timeout_secs in these tests
+TIMEOUT = 2.0  # the connector's timeout_s (below BLOCKING_TIMEOUT)
+
+
+# ------------------------------------------------------------------------------- servers, loop
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class KvServer:
+    """`kvtier serve` on fixed loopback ports, so it can be killed and restarted at the same
+    address (the connector keeps its address)."""
+
+    def __init__(self, data_dir):
+        self.data_dir = str(data_dir)
+        self.addr = f"127.0.0.1:{free_port()}"
+        self.data_port = free_port()
+        self.proc = None
+
+    def start(self, timeout_s=30.0):
+        cmd = [find_binary(), "serve", "--listen", self.addr, "--data-listen", f"127.0.0.1:{self.data_port}",
+               "--metrics", "127.0.0.1:0", "--data-dir", self.data_dir, "--dram-capacity", "256MiB"]
+        env = dict(os.environ)
+        env.pop("KVTIER_CONFIG", None)
+        env.setdefault("KVTIER_LOG", "warn")
+        deadline = time.monotonic() + timeout_s
+        while True:  # a killed server's ports can take a moment to free up
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+            seen = []
+            for line in self.proc.stdout:
+                seen.append(line.rstrip())
+                if "listening" in line:
+                    threading.Thread(target=lambda p=self.proc: [None for _ in p.stdout], daemon=True).start()
+                    return self
+            self.proc.wait()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"kvtier serve did not start: {seen}")
+            time.sleep(0.2)
+
+    def kill(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class HungServer:
+    """Accepts connections and never answers: a hung or overloaded server."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.addr = "127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.conns = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                self.conns.append(self.sock.accept()[0])
+            except OSError:
+                return
+
+    def close(self):
+        for c in self.conns:
+            c.close()
+        self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """LMCache's event loop, run on a thread as the engine does."""
+    lp = asyncio.new_event_loop()
+    t = threading.Thread(target=lp.run_forever, daemon=True)
+    t.start()
+    yield lp
+    lp.call_soon_threadsafe(lp.stop)
+    t.join(5)
+
+
+# ------------------------------------------------------------------------------- LMCache parts
+
+
+def engine_config(addr, *, url=None, plugin="kvtier", **extra):
+    url = url or f"kvtier://{addr}?tenant=acme&timeout_s={TIMEOUT}&lookup_timeout_s=1"
+    return LMCacheEngineConfig.from_defaults(
+        chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=0.05, remote_serde="naive",
+        remote_storage_plugins=[plugin], blocking_timeout_secs=BLOCKING_TIMEOUT,
+        extra_config={f"remote_storage_plugin.{plugin}.module_path": "kvtier.lmcache",
+                      f"remote_storage_plugin.{plugin}.class_name": "KvtierConnectorAdapter",
+                      f"remote_storage_plugin.{plugin}.url": url, **extra})
+
+
+def engine_metadata(*, worker_id=0, world_size=1, head_dim=DIM):
+    return LMCacheMetadata(model_name=MODEL, world_size=world_size, local_world_size=world_size,
+                           worker_id=worker_id, local_worker_id=worker_id, kv_dtype=torch.bfloat16,
+                           kv_shape=(LAYERS, 2, CHUNK, HEADS, head_dim), chunk_size=CHUNK)
+
+
+class Lmc:
+    """LMCache's storage side for one worker: a local CPU backend and the remote backend with the
+    kvtier plugin, as LMCache's storage manager builds them."""
+
+    def __init__(self, addr, loop, *, plugin="kvtier", md=None, cfg=None, **extra):
+        self.cfg = cfg or engine_config(addr, plugin=plugin, **extra)
+        self.md = md or engine_metadata()
+        self.local = LocalCPUBackend(self.cfg, self.md, dst_device="cpu")
+        self.remote = RemoteBackend(self.cfg, self.md, loop, self.local, dst_device="cpu", plugin_name=plugin)
+        self.loop = loop
+
+    @property
+    def connector(self):
+        return self.remote.connection.getWrappedConnector()
+
+    def chunk(self, seed, tokens=CHUNK):
+        """A chunk from LMCache's allocator, filled with random bf16 values (KV_2LTD)."""
+        shape = self.md.get_shapes(tokens)[0]
+        obj = self.local.allocate(shape, torch.bfloat16, MemoryFormat.KV_2LTD)
+        g = torch.Generator().manual_seed(seed)
+        obj.tensor.copy_(torch.randn(shape, generator=g).to(torch.bfloat16))
+        return obj
+
+    def put(self, key, obj):
+        self.remote.submit_put_task(key, obj).result(timeout=BLOCKING_TIMEOUT + 5)
+
+    def run(self, coro, timeout=BLOCKING_TIMEOUT + 5):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self):
+        self.remote.close()
+
+
+_hash = iter(range(1, 10**9))
+
+
+def key(*, worker_id=0, world_size=1):
+    return CacheEngineKey(MODEL, world_size, worker_id, next(_hash) * 0x9E3779B97F4A7C15 % (1 << 63),
+                          torch.bfloat16)
+
+
+def allocated_bytes(local):
+    """Bytes LMCache's CPU allocator has handed out and not got back."""
+    alloc = local.memory_allocator
+    for a in (alloc, getattr(alloc, "pin_allocator", None), getattr(alloc, "cpu_allocator", None)):
+        if a is None:
+            continue
+        for attr in ("total_allocated_size", "allocated_size"):
+            v = getattr(a, attr, None)
+            if isinstance(v, int):
+                return v
+    pytest.skip("cannot read LMCache's allocator usage")
+
+
+# ------------------------------------------------------------------------------------------ tests
+
+
+def test_the_plugin_path_creates_the_connector(server, loop):
+    a = kv_lmcache.KvtierConnectorAdapter()
+    assert a.can_parse(f"kvtier://{server.addr}") and a.can_parse("plugin://kvtier")
+    assert a.can_parse("plugin://kvtier.second") and not a.can_parse("plugin://kvblockd")
+    assert not a.can_parse("redis://x:1")
+
+    lmc = Lmc(server.addr, loop)
+    assert isinstance(lmc.connector, kv_lmcache.KvtierRemoteConnector)
+    assert lmc.connector.addr == server.addr and lmc.connector.tenant == "acme"
+    assert lmc.connector.timeout_s == TIMEOUT
+    lmc.close()
+
+    # A named second instance, with its own url key.
+    lmc = Lmc(server.addr, loop, plugin="kvtier.second")
+    assert isinstance(lmc.connector, kv_lmcache.KvtierRemoteConnector)
+    lmc.close()
+
+    # The deprecated remote_url: kvtier://host:port.
+    cfg = engine_config(server.addr)
+    cfg.remote_url = f"kvtier://{server.addr}"
+    md = engine_metadata()
+    local = LocalCPUBackend(cfg, md, dst_device="cpu")
+    rb = RemoteBackend(cfg, md, loop, local, dst_device="cpu")
+    assert isinstance(rb.connection.getWrappedConnector(), kv_lmcache.KvtierRemoteConnector)
+    rb.close()
+
+    # No url for the plugin: LMCache swallows the creation error and runs without the backend.
+    cfg = engine_config(server.addr)
+    del cfg.extra_config["remote_storage_plugin.kvtier.url"]
+    rb = RemoteBackend(cfg, md, loop, local, dst_device="cpu", plugin_name="kvtier")
+    assert rb.connection is None
+    with pytest.raises(ValueError, match="url"):
+        a.create_connector(ConnectorContext("plugin://kvtier", loop, local, cfg, md, "kvtier"))
+
+
+def test_put_contains_get_round_trip(server, loop):
+    lmc = Lmc(server.addr, loop)
+    obj = lmc.chunk(seed=1)
+    before = obj.get_ref_count()
+    k = key()
+    assert not lmc.remote.contains(k)
+    lmc.put(k, obj)
+    assert obj.get_ref_count() == before, "put leaves the chunk's reference count as it was"
+    assert lmc.remote.contains(k)
+    assert not lmc.remote.contains(key())
+    got = lmc.remote.get_blocking(k)
+    assert got is not None and got.get_shape() == obj.get_shape() and got.get_dtype() == torch.bfloat16
+    assert torch.equal(got.tensor.view(torch.int16), obj.tensor.view(torch.int16))
+    got.ref_count_down()
+
+    # Batched: put, contains (prefix), get.
+    keys = [key() for _ in range(3)]
+    objs = [lmc.chunk(seed=10 + i) for i in range(3)]
+    refs = [o.get_ref_count() for o in objs]
+    for o in objs[:2]:
+        o.ref_count_up()  # as RemoteBackend does before a put; LMCache's wrapper releases it after
+    lmc.run(lmc.remote.connection.batched_put(keys[:2], objs[:2]))
+    assert [o.get_ref_count() for o in objs] == refs
+    assert lmc.remote.batched_contains(keys) == 2
+    assert lmc.run(lmc.remote.batched_async_contains("look-1", keys)) == 2
+    got = lmc.remote.batched_get_blocking(keys[:2])
+    for g, o in zip(got, objs):
+        assert torch.equal(g.tensor.view(torch.int16), o.tensor.view(torch.int16))
+        g.ref_count_down()
+    got = lmc.run(lmc.remote.batched_get_non_blocking("look-1", keys))
+    assert len(got) == 2
+    for g in got:
+        g.ref_count_down()
+
+    # Another deployment's chunk shape (head_dim 32) under the same LMCache key: a miss.
+    other = Lmc(server.addr, loop, md=engine_metadata(head_dim=32))
+    assert not other.remote.contains(k)
+    assert other.remote.get_blocking(k) is None
+    other.close()
+    lmc.close()
+
+
+def test_partial_chunk_round_trip(server, loop):
+    lmc = Lmc(server.addr, loop)
+    for tokens in (5, 1, CHUNK - 1):
+        obj = lmc.chunk(seed=tokens, tokens=tokens)
+        k = key()
+        lmc.put(k, obj)
+        assert lmc.remote.contains(k)
+        got = lmc.remote.get_blocking(k)
+        assert got is not None
+        assert tuple(got.get_shape()) == (2, LAYERS, tokens, HEADS * DIM)
+        assert got.get_size() == obj.get_size()
+        assert torch.equal(got.tensor.view(torch.int16), obj.tensor.view(torch.int16))
+        got.ref_count_down()
+        obj.ref_count_down()
+    lmc.close()
+
+
+def test_exists_sync_is_synchronous(server, loop):
+    assert not inspect.iscoroutinefunction(kv_lmcache.KvtierRemoteConnector.exists_sync)
+    lmc = Lmc(server.addr, loop, use_exists_sync=True)
+    k = key()
+    lmc.put(k, lmc.chunk(seed=3))
+    assert lmc.connector.exists_sync(k) is True
+    assert lmc.connector.exists_sync(key()) is False
+
+    # With `use_exists_sync`, `contains` answers even while LMCache's event loop is busy.
+    blocked = threading.Event()
+    release = threading.Event()
+
+    def block():
+        blocked.set()
+        release.wait(10)
+
+    loop.call_soon_threadsafe(block)
+    assert blocked.wait(5)
+    try:
+        t0 = time.monotonic()
+        assert lmc.remote.contains(k) is True
+        assert time.monotonic() - t0 < 2
+    finally:
+        release.set()
+    lmc.close()
+
+
+def test_reference_counts_balanced_over_1000_puts_and_gets(server, loop):
+    lmc = Lmc(server.addr, loop)
+    obj = lmc.chunk(seed=4)
+    base_ref = obj.get_ref_count()
+    base_bytes = allocated_bytes(lmc.local)
+    t0 = time.monotonic()
+    for i in range(1000):
+        k = key()
+        lmc.put(k, obj)
+        got = lmc.remote.get_blocking(k)
+        assert got is not None
+        if i % 100 == 0:
+            assert torch.equal(got.tensor.view(torch.int16), obj.tensor.view(torch.int16))
+        got.ref_count_down()
+    took = time.monotonic() - t0
+    assert obj.get_ref_count() == base_ref
+    assert allocated_bytes(lmc.local) == base_bytes, "every chunk a get allocated was released"
+    # Misses allocate nothing that stays allocated either.
+    for _ in range(50):
+        assert lmc.remote.get_blocking(key()) is None
+    assert lmc.run(lmc.remote.batched_get_non_blocking("x", [key() for _ in range(4)])) == []
+    assert allocated_bytes(lmc.local) == base_bytes
+    print(f"1000 put+get pairs of {obj.get_size()} bytes: {took:.2f} s")
+    lmc.close()
+
+
+def test_killed_server_gives_misses_within_the_deadline_then_hits_after_a_restart(tmp_path, loop):
+    srv = KvServer(tmp_path / "data").start()
+    try:
+        lmc = Lmc(srv.addr, loop)
+        obj = lmc.chunk(seed=5)
+        ref = obj.get_ref_count()
+        base_bytes = allocated_bytes(lmc.local)
+        k = key()
+        lmc.put(k, obj)
+        assert lmc.remote.contains(k)
+
+        srv.kill()
+        t0 = time.monotonic()
+        assert lmc.remote.contains(k) is False
+        assert lmc.connector.exists_sync(k) is False
+        assert lmc.remote.get_blocking(k) is None
+        assert lmc.remote.batched_contains([k]) == 0
+        assert lmc.run(lmc.remote.batched_async_contains("x", [k])) == 0
+        assert lmc.run(lmc.remote.batched_get_non_blocking("x", [k])) == []
+        lmc.put(key(), obj)  # fails quietly
+        took = time.monotonic() - t0
+        assert took < BLOCKING_TIMEOUT * 3, took
+        assert obj.get_ref_count() == ref
+        assert allocated_bytes(lmc.local) == base_bytes
+        assert lmc.connector.stats["errors"] > 0
+
+        # Restarted (DRAM only: what it held is gone): the same connector stores and hits again.
+        srv.start()
+        deadline = time.monotonic() + 15
+        while True:
+            lmc.put(k, obj)
+            if lmc.remote.contains(k) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert lmc.remote.contains(k)
+        got = lmc.remote.get_blocking(k)
+        assert got is not None and torch.equal(got.tensor.view(torch.int16), obj.tensor.view(torch.int16))
+        got.ref_count_down()
+        assert obj.get_ref_count() == ref
+        lmc.close()
+    finally:
+        srv.stop()
+
+
+def test_hung_server_gives_misses_within_blocking_timeout(loop):
+    hung = HungServer()
+    try:
+        lmc = Lmc(hung.addr, loop)
+        obj = lmc.chunk(seed=6)
+        ref = obj.get_ref_count()
+        base_bytes = allocated_bytes(lmc.local)
+        k = key()
+        t0 = time.monotonic()
+        assert lmc.remote.contains(k) is False
+        assert time.monotonic() - t0 < BLOCKING_TIMEOUT
+        t0 = time.monotonic()
+        assert lmc.remote.get_blocking(k) is None
+        assert time.monotonic() - t0 < BLOCKING_TIMEOUT
+        t0 = time.monotonic()
+        lmc.put(k, obj)
+        assert time.monotonic() - t0 < BLOCKING_TIMEOUT
+        assert obj.get_ref_count() == ref
+        assert allocated_bytes(lmc.local) == base_bytes
+        lmc.close()
+    finally:
+        hung.close()
+
+
+def test_workers_and_mla(server, loop):
+    """TP workers keep their own chunks (the key and the namespace carry the worker); an MLA
+    deployment's chunks are one namespace for every worker."""
+    w0 = Lmc(server.addr, loop, md=engine_metadata(worker_id=0, world_size=2))
+    w1 = Lmc(server.addr, loop, md=engine_metadata(worker_id=1, world_size=2))
+    assert w0.connector.ns.id != w1.connector.ns.id
+    k0 = key(worker_id=0, world_size=2)
+    w0.put(k0, w0.chunk(seed=7))
+    assert w0.remote.contains(k0) and not w1.remote.contains(k0)
+    w0.close()
+    w1.close()
+
+    mds = []
+    for w in (0, 1):
+        md = engine_metadata(worker_id=w, world_size=2)
+        md.use_mla = True
+        md.kv_shape = (LAYERS, 1, CHUNK, 1, DIM)
+        mds.append(md)
+    m0 = Lmc(server.addr, loop, md=mds[0])
+    m1 = Lmc(server.addr, loop, md=mds[1])
+    assert m0.connector.ns.id == m1.connector.ns.id
+    m0.close()
+    m1.close()
