@@ -183,8 +183,10 @@ def make_manager(addr, *, num_chunks=8, chunk_bytes=4096, spec=None, **tier_kw):
 
 
 def wait_idle(manager, timeout_s=15.0):
-    """Steps the manager until no job is in flight."""
+    """Steps the manager until no job is in flight (a step end first submits the promotions that
+    this step's lookups started)."""
     deadline = time.monotonic() + timeout_s
+    manager.on_schedule_end(END)
     while manager.has_pending_work():
         if time.monotonic() > deadline:
             raise AssertionError("tier jobs still pending")

@@ -363,8 +363,9 @@ class KvtierTier(SecondaryTierManager):
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, int(io_threads)),
                                                            thread_name_prefix="kvtier-vllm-io")
         self._lookup = _KvtierLookup(self, self.tier_type)
+        ns_id = getattr(self._ns, "id", "?")
         logger.info("kvtier tier: server %s, tenant %s, namespace %s (%s)", server, tenant,
-                    getattr(self._ns, "id", lambda: "?")(), self.namespace_fields)
+                    ns_id() if callable(ns_id) else ns_id, self.namespace_fields)
 
     def _disable(self, why: str) -> None:
         if self._disabled is None:
@@ -412,6 +413,7 @@ class KvtierTier(SecondaryTierManager):
             ask = [i for i, k in enumerate(keys) if self._key_ok(k)]
             out = [False] * n
             if ask:
+                misses = self._miss_count()
                 t0 = time.monotonic()
                 got = self._client.exists_keys(self._ns, [bytes(keys[i]) for i in ask],
                                                timeout_s=self.lookup_timeout_s)
@@ -421,10 +423,10 @@ class KvtierTier(SecondaryTierManager):
                     raise RuntimeError(f"exists_keys answered {len(got)} of {len(ask)} keys")
                 for i, hit in zip(ask, got):
                     out[i] = bool(hit)
-                if not any(got):
-                    miss = self._last_miss()
-                    if miss is not None and miss[0] not in ("missing", "not_found"):
-                        self._counters.add(M_LOOKUP_ERRORS)
+                if not any(got) and self._miss_count() > misses:
+                    self._counters.add(M_LOOKUP_ERRORS)
+                    self._log_once("lookup-miss", "kvtier tier: lookups fail (%s); answering MISS",
+                                   self._last_miss())
             self._counters.add(M_LOOKUP_KEYS, n)
             self._counters.add(M_LOOKUP_HITS, sum(out))
             return out
@@ -432,6 +434,12 @@ class KvtierTier(SecondaryTierManager):
             self._counters.add(M_LOOKUP_ERRORS)
             self._log_once("lookup-exc", "kvtier tier: lookup failed (%r); answering MISS", e)
             return [False] * n
+
+    def _miss_count(self) -> int:
+        try:
+            return sum(self._client.misses.values())
+        except Exception:
+            return 0
 
     def _last_miss(self):
         try:
