@@ -382,8 +382,10 @@ def test_xxhash_without_pythonhashseed_is_refused(kvs, tmp_path, monkeypatch, ca
 
 
 def test_bad_configs_and_keys_are_misses_not_exceptions(kvs):
-    # No server; a quantizing codec (refused by opaque namespaces): an always-empty tier.
-    for kw in (dict(server=None), dict(codec="fp8")):
+    # No server, a quantizing codec (refused by opaque namespaces), nonsense options: an
+    # always-empty tier, never an exception out of the constructor.
+    for kw in (dict(server=None), dict(codec="fp8"), dict(timeout_s="soon"), dict(lookup_timeout_s=0),
+               dict(locality="MARS"), dict(salt=b"x" * 65)):
         tier, _ = standalone_tier(kvs.addr, **kw)
         assert tier.disabled, kw
         keys = rand_keys(1, seed=11)

@@ -304,16 +304,20 @@ class KvtierTier(SecondaryTierManager):
         self._pending_since: dict[bytes, float] = {}
         self._counters = _Counters()
         self._logged: set[str] = set()
-        self.timeout_s = float(timeout_s)
-        self.queue_timeout_s = float(queue_timeout_s)
-        self.lookup_timeout_s = float(lookup_timeout_s)
+        self.hash_algo: str | None = None
+        self._hash_bytes: int | None = None
+        self.namespace_fields: dict = {}
+        self.timeout_s, self.queue_timeout_s, self.lookup_timeout_s = 5.0, 10.0, 1.0
         self.server = server
         self.tenant = tenant
+        self.locality = Locality.REMOTE
         try:
             self.locality = Locality(str(locality).upper()) if locality else None
-        except Exception:
-            self.locality = Locality.REMOTE
-        try:
+            self.timeout_s = float(timeout_s)
+            self.queue_timeout_s = float(queue_timeout_s)
+            self.lookup_timeout_s = float(lookup_timeout_s)
+            if min(self.timeout_s, self.queue_timeout_s, self.lookup_timeout_s) <= 0:
+                raise ValueError("timeouts must be positive")
             self._setup(offloading_spec, primary_kv_view, server, tenant, salt, connections, io_threads,
                         auth_token, codec, model, revision, hash_algo, unknown)
         except Exception as e:  # never raise into vLLM: an always-miss tier instead
