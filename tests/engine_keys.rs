@@ -165,3 +165,43 @@ async fn lossless_namespaces_never_hold_quantized_bytes() {
         assert_eq!(&f.payload, want, "block {i}");
     }
 }
+
+/// `Purge` removes a namespace's blocks from DRAM, the demotion queue and disk: none is found
+/// afterwards, none comes back when the queue drains, and other namespaces keep theirs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_reaches_every_tier() {
+    let server = ServerProcess::start(&[
+        "--dram-capacity",
+        "8MiB",
+        "--disk-capacity",
+        "128MiB",
+        "--disk-codec",
+        "nvfp4+had+lz4",
+    ]);
+    let client = server.client().await;
+    let layout = small_layout();
+    let gone = client.register(namespace("purged", b"p", layout)).await.unwrap();
+    let kept = client.register(namespace("kept", b"k", layout)).await.unwrap();
+    let doc = tokens(77, 16 * 640); // 640 blocks of 32 KiB: 20 MiB through an 8 MiB DRAM tier
+    let kept_doc = tokens(78, 16 * 64);
+    client.store(&kept, &kept_doc, &full_block_payloads(&kept, &kept_doc)).await.unwrap().ok().unwrap();
+    client.store(&gone, &doc, &full_block_payloads(&gone, &doc)).await.unwrap().ok().unwrap();
+    let queued = metric(&server.scrape(), "kvtier_disk_queue_depth", &[]);
+    let removed = client.purge(&gone).await.unwrap();
+    eprintln!("purge: {removed} blocks removed, {queued} queued for disk at the time");
+    let s = client.stats().await.unwrap();
+    assert!(s.tiers[1].blocks > 0 || removed > 0, "{s:?}");
+    assert!(removed >= 600, "{removed} of 640 blocks removed (queue held {queued} at the purge)");
+    let keys = gone.keys(&doc);
+    assert_eq!(client.exists_keys(&gone, &keys).await.unwrap(), vec![false; keys.len()]);
+    // Blocks that were on their way to disk at the purge don't come back once written.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while metric(&server.scrape(), "kvtier_disk_queue_depth", &[]) > 0.0 {
+        assert!(Instant::now() < deadline, "demotion queue never drained");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(client.lookup(&gone, &doc).await.unwrap(), 0);
+    assert!(client.load_keys(&gone, &keys).await.unwrap().iter().all(|f| f.is_none()));
+    // The other namespace's blocks (in DRAM and on disk) are all still there.
+    assert_eq!(client.lookup(&kept, &kept_doc).await.unwrap(), kept_doc.len());
+}

@@ -252,18 +252,7 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
             let ns = self.state.namespace(&id)?;
             self.state.check_context(&ns, r.keys.len())?;
             let keys = keys(&r.keys)?;
-            let mut n = self.state.tier.longest_prefix(&id, &keys);
-            if let Some(disk) = &self.state.disk {
-                let held = |k: &BlockKey| {
-                    self.state.tier.contains(&id, k)
-                        || self.state.in_transit.contains_key(&(id, *k))
-                        || disk.contains(&id, k)
-                };
-                while n < keys.len() && held(&keys[n]) {
-                    n += 1;
-                }
-            }
-            Ok::<_, ServerError>(n)
+            Ok::<_, ServerError>(self.state.longest_prefix(&id, &keys))
         })();
         let matched = res.map_err(to_status)?;
         observe("lookup", start);
@@ -378,7 +367,7 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
     async fn purge(&self, r: Request<pb::PurgeRequest>) -> Result<Response<pb::PurgeResponse>, Status> {
         let id = ns_id(&r.get_ref().namespace_id).map_err(to_status)?;
         self.state.namespace(&id).map_err(to_status)?;
-        let removed = self.state.tier.purge_namespace(&id);
+        let removed = self.state.purge_namespace(&id);
         Ok(Response::new(pb::PurgeResponse { blocks_removed: removed }))
     }
 }

@@ -32,6 +32,7 @@ use crate::dram::Priority;
 use crate::error::ServerError;
 use crate::metrics::{error, observe};
 use crate::state::NodeState;
+use crate::tiers::Found;
 
 /// Most concurrent data-plane connections; more wait in the accept backlog.
 pub const MAX_CONNECTIONS: usize = 1024;
@@ -345,32 +346,22 @@ impl Connection {
             let mut k = [0u8; KEY_LEN];
             k.copy_from_slice(chunk);
             let key = BlockKey(k);
-            let block = self.state.tier.get(&ns, &key);
-            match block {
-                Some(b) if b.header.verify_payload(&b.payload).is_ok() => {
+            let found = match self.state.find(&ns, &key) {
+                Found::Memory(h, p) => Some((h, p)),
+                // Disk reads block: off the async workers' hot path.
+                Found::OnDisk => tokio::task::block_in_place(|| self.state.read_disk(&ns, &key)),
+                Found::Absent => None,
+            };
+            match found {
+                Some((header, payload)) => {
                     self.wr.write_all(&[ItemStatus::Ok as u8]).await?;
-                    self.wr.write_all(&b.header.encode()).await?;
-                    self.wr.write_all(&b.payload).await?;
+                    self.wr.write_all(&header.encode()).await?;
+                    self.wr.write_all(&payload).await?;
                 }
-                Some(_) => {
-                    // Corrupted in memory: never serve it; drop it so the engine recomputes.
-                    error("dram_checksum");
-                    tracing::error!(?key, "DRAM block failed its checksum; removed");
-                    self.state.tier.remove(&ns, &key);
+                None => {
                     self.wr.write_all(&[ItemStatus::Miss as u8]).await?;
                     missed = true;
                 }
-                None => match self.read_below_dram(&ns, &key) {
-                    Some((header, payload)) => {
-                        self.wr.write_all(&[ItemStatus::Ok as u8]).await?;
-                        self.wr.write_all(&header.encode()).await?;
-                        self.wr.write_all(&payload).await?;
-                    }
-                    None => {
-                        self.wr.write_all(&[ItemStatus::Miss as u8]).await?;
-                        missed = true;
-                    }
-                },
             }
         }
         observe("dataplane_get", start);
@@ -397,10 +388,7 @@ impl Connection {
                 let mut k = [0u8; KEY_LEN];
                 k.copy_from_slice(chunk);
                 let key = BlockKey(k);
-                let held = self.state.tier.contains(&ns, &key)
-                    || self.state.in_transit.contains_key(&(ns, key))
-                    || self.state.disk.as_ref().is_some_and(|d| d.contains(&ns, &key));
-                if held {
+                if self.state.holds(&ns, &key) {
                     ItemStatus::Ok as u8
                 } else {
                     ItemStatus::Miss as u8
@@ -422,38 +410,6 @@ impl Connection {
 }
 
 impl Connection {
-    /// A DRAM miss: a block on its way to disk (verified, as DRAM blocks are), else from disk.
-    fn read_below_dram(&self, ns: &NamespaceId, key: &BlockKey) -> Option<(FrameHeader, bytes::Bytes)> {
-        let moving = self.state.in_transit.get(&(*ns, *key)).map(|b| b.clone());
-        match moving {
-            Some(b) if b.header.verify_payload(&b.payload).is_ok() => Some((b.header, b.payload)),
-            _ => self.read_disk(ns, key),
-        }
-    }
-
-    /// A DRAM miss served from disk (verified there). A block's second disk hit promotes it
-    /// back to DRAM, so a one-off read doesn't push hot blocks out.
-    fn read_disk(&self, ns: &NamespaceId, key: &BlockKey) -> Option<(FrameHeader, bytes::Bytes)> {
-        let disk = self.state.disk.as_ref()?;
-        let (header, payload) = tokio::task::block_in_place(|| disk.read(ns, key))?;
-        let promote = {
-            let mut hits = self.state.disk_hits.lock();
-            if hits.len() > 65_536 {
-                hits.clear();
-            }
-            let n = hits.entry((*ns, *key)).or_insert(0);
-            *n += 1;
-            *n >= 2
-        };
-        if promote {
-            self.state.disk_hits.lock().remove(&(*ns, *key));
-            if self.state.tier.insert(header, &payload, Priority::Normal).is_ok() {
-                metrics::counter!("kvtier_disk_promotions_total").increment(1);
-            }
-        }
-        Some((header, payload))
-    }
-
     /// Waits while the demotion queue is full, so writers slow down to the disk's pace instead
     /// of evicting blocks that can't be demoted (bounded: after 5 s the write proceeds).
     async fn demotion_backpressure(&self) {

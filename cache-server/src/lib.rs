@@ -21,6 +21,7 @@ pub mod metrics;
 pub mod session_log;
 pub mod sessions;
 pub mod state;
+pub mod tiers;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -106,6 +107,13 @@ fn start_demotion(state: &Arc<NodeState>, disk: Arc<disk::DiskTier>) {
             let mut last_warning: Option<Instant> = None;
             let mut failed_since_warning = 0u64;
             for block in rx {
+                let key = (block.header.namespace, block.header.key);
+                let mine = |queued: &dram::StoredBlock| queued.payload.as_ptr() == block.payload.as_ptr();
+                if !transit.get(&key).is_some_and(|q| mine(&q)) {
+                    // Purged while queued: not written.
+                    step_depth(&depth, &gauge, false);
+                    continue;
+                }
                 // Re-encoding costs CPU; when the queue backs up, blocks go out as they came
                 // rather than be dropped for want of room.
                 let busy = depth.load(Ordering::Relaxed) > state::DEMOTION_QUEUE / 2;
@@ -123,9 +131,11 @@ fn start_demotion(state: &Arc<NodeState>, disk: Arc<disk::DiskTier>) {
                         }
                     }
                 }
-                // On disk now (or lost with the write); only this copy's entry goes.
-                let key = (block.header.namespace, block.header.key);
-                transit.remove_if(&key, |_, queued| queued.payload.as_ptr() == block.payload.as_ptr());
+                // On disk now (or lost with the write); only this copy's entry goes. If a purge
+                // took the entry while the write ran, the written copy goes too.
+                if transit.remove_if(&key, |_, queued| mine(queued)).is_none() {
+                    disk.remove(&key.0, &key.1);
+                }
                 step_depth(&depth, &gauge, false);
             }
         })

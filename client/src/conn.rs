@@ -346,3 +346,94 @@ impl DataPool {
         Ok(Lease { pool: self, conn: Some(conn), _permit: permit })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvtier_proto::dataplane::{HELLO_LEN, REQUEST_HEADER_LEN};
+    use kvtier_proto::{CodecId, DType, KvLayout, KEY_LEN};
+    use tokio::net::TcpListener;
+
+    /// A data-plane peer that answers one `GET` of two keys with the frames given (their headers
+    /// as given, then their payloads as given: a test can make them disagree).
+    async fn one_get_server(answers: Vec<(FrameHeader, Vec<u8>)>) -> SocketAddr {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut s, _) = l.accept().await.unwrap();
+            let mut hello = [0u8; HELLO_LEN];
+            s.read_exact(&mut hello).await.unwrap();
+            s.write_all(&HelloReply::encode(Status::Ok, "")).await.unwrap();
+            let mut rh = [0u8; REQUEST_HEADER_LEN];
+            s.read_exact(&mut rh).await.unwrap();
+            let req = RequestHeader::decode(&rh).unwrap();
+            let mut keys = vec![0u8; req.count as usize * KEY_LEN];
+            s.read_exact(&mut keys).await.unwrap();
+            let h = ResponseHeader {
+                op: Op::Get as u8,
+                status: Status::Ok,
+                msg_len: 0,
+                request_id: req.request_id,
+                count: req.count,
+            };
+            s.write_all(&h.encode()).await.unwrap();
+            for (header, payload) in answers {
+                s.write_all(&[ItemStatus::Ok as u8]).await.unwrap();
+                s.write_all(&header.encode()).await.unwrap();
+                s.write_all(&payload).await.unwrap();
+            }
+            let mut rest = Vec::new();
+            let _ = s.read_to_end(&mut rest).await;
+        });
+        addr
+    }
+
+    fn frame(key: u8, len: usize) -> BlockFrame {
+        let layout = KvLayout::opaque(len as u64, DType::Bf16, 16);
+        let payload: Vec<u8> = (0..len).map(|i| (i * 31 + key as usize) as u8).collect();
+        BlockFrame::new(NamespaceId([1; 16]), BlockKey([key; 32]), layout, CodecId::RAW, 16, Bytes::from(payload))
+    }
+
+    fn no_decode(_: &BlockFrame, _: &mut [&mut [u8]]) -> Result<(), ClientError> {
+        Err(ClientError::InvalidArgument("not expected".into()))
+    }
+
+    #[tokio::test]
+    async fn bytes_damaged_on_the_wire_land_as_bad_never_as_data() {
+        let (good, bad) = (frame(1, 200_000), frame(2, 200_000));
+        let mut damaged = bad.payload.to_vec();
+        damaged[123_456] ^= 0x40;
+        let addr = one_get_server(vec![(bad.header, damaged), (good.header, good.payload.to_vec())]).await;
+        let mut conn = DataConn::connect(addr, None).await.unwrap();
+        let (mut a, mut b) = (vec![0u8; 200_000], vec![0u8; 200_000]);
+        // The good block lands in two segments; the damaged one in one.
+        let (b1, b2) = b.split_at_mut(70_000);
+        let mut dests: Vec<Dest<'_>> = vec![vec![&mut a[..]], vec![b1, b2]];
+        let keys = [bad.header.key, good.header.key];
+        let landed = conn.get_into(NamespaceId([1; 16]), &keys, &mut dests, false, 1 << 30, &no_decode).await.unwrap();
+        assert_eq!(landed, vec![Landed::Bad, Landed::Ok]);
+        assert!(b[..] == good.payload[..]);
+    }
+
+    #[tokio::test]
+    async fn a_frame_for_another_key_is_a_protocol_error() {
+        let other = frame(9, 1000);
+        let addr = one_get_server(vec![(other.header, other.payload.to_vec())]).await;
+        let mut conn = DataConn::connect(addr, None).await.unwrap();
+        let mut out = vec![0u8; 1000];
+        let mut dests: Vec<Dest<'_>> = vec![vec![&mut out[..]]];
+        let err = conn
+            .get_into(NamespaceId([1; 16]), &[BlockKey([3; 32])], &mut dests, false, 1 << 30, &no_decode)
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("asked for"), "{err}");
+    }
+
+    #[test]
+    fn gathered_checksum_is_the_checksum_of_the_concatenation() {
+        let whole: Vec<u8> = (0..100_000u32).map(|i| (i * 7) as u8).collect();
+        let parts = [&whole[..1], &whole[1..4096], &whole[4096..]];
+        assert_eq!(checksum_of(&parts), xxhash_rust::xxh3::xxh3_64(&whole));
+        assert_eq!(checksum_of(&[&whole[..]]), xxhash_rust::xxh3::xxh3_64(&whole));
+    }
+}

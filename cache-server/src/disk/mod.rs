@@ -369,6 +369,33 @@ impl DiskTier {
         Some((loc.header, payload))
     }
 
+    /// Forgets every unpinned block of a namespace (their bytes go with their segments); returns
+    /// their keys.
+    pub fn purge_namespace(&self, ns: &NamespaceId) -> Vec<BlockKey> {
+        let mut st = self.inner.lock();
+        let gone: Vec<IndexKey> =
+            st.index.keys().filter(|k| k.0 == *ns && !st.pins.contains_key(*k)).copied().collect();
+        for k in &gone {
+            st.index.remove(k);
+        }
+        drop(st);
+        self.publish_gauges();
+        gone.into_iter().map(|(_, k)| k).collect()
+    }
+
+    /// Forgets one block unless it is pinned; true if it was there and is gone.
+    pub fn remove(&self, ns: &NamespaceId, key: &BlockKey) -> bool {
+        let k = (*ns, *key);
+        let mut st = self.inner.lock();
+        if st.pins.contains_key(&k) {
+            return false;
+        }
+        let removed = st.index.remove(&k).is_some();
+        drop(st);
+        self.publish_gauges();
+        removed
+    }
+
     /// Pins blocks (all or nothing): pinned blocks keep their segment through eviction.
     pub fn pin(&self, ns: &NamespaceId, keys: &[BlockKey]) -> Result<(), ServerError> {
         let mut st = self.inner.lock();

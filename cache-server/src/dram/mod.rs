@@ -580,12 +580,13 @@ impl DramTier {
         }
     }
 
-    /// Removes every unpinned block of a namespace; returns how many.
-    pub fn purge_namespace(&self, ns: &NamespaceId) -> u64 {
+    /// Removes every unpinned block of a namespace; returns their keys.
+    pub fn purge_namespace(&self, ns: &NamespaceId) -> Vec<BlockKey> {
         let mut st = self.shared.state.lock();
         let keys: Vec<IndexKey> =
             self.shared.index.iter().filter(|e| e.key().0 == *ns && e.pins == 0).map(|e| *e.key()).collect();
-        let removed = keys.iter().filter(|k| self.remove_locked(&mut st, k)).count() as u64;
+        let removed: Vec<BlockKey> =
+            keys.iter().filter(|k| self.remove_locked(&mut st, k)).map(|(_, key)| *key).collect();
         self.shared.publish(&st);
         let trash = st.slab.take_trash();
         drop(st);
