@@ -72,7 +72,7 @@ def test_caller_mistakes_raise_value_error_before_sending(server):
     ns = opaque()
     keys, kv = hashes(2), blocks(2)
     with pytest.raises(ValueError, match="bytes"):
-        c.store_keys(ns, keys, kv[:, :-1])
+        c.store_keys(ns, keys, kv.reshape(-1)[:-1])
     with pytest.raises(ValueError, match="bytes"):
         c.exists_keys(ns, ["not-bytes"])
     buf = np.zeros(2 * BB, np.uint8)
