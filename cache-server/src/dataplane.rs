@@ -348,8 +348,11 @@ impl Connection {
             let key = BlockKey(k);
             let found = match self.state.find(&ns, &key) {
                 Found::Memory(h, p) => Some((h, p)),
-                // Disk reads block: off the async workers' hot path.
-                Found::OnDisk => tokio::task::block_in_place(|| self.state.read_disk(&ns, &key)),
+                // Disk reads block: on the blocking pool, off the async workers.
+                Found::OnDisk => {
+                    let state = self.state.clone();
+                    tokio::task::spawn_blocking(move || state.read_disk(&ns, &key)).await.ok().flatten()
+                }
                 Found::Absent => None,
             };
             match found {
@@ -416,12 +419,8 @@ impl Connection {
         if self.state.disk.is_none() {
             return;
         }
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while self.state.demotion_depth.load(std::sync::atomic::Ordering::Relaxed) >= crate::state::DEMOTION_QUEUE
-            && Instant::now() < deadline
-        {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        self.state.demotion_depth.wait_for_room(deadline).await;
     }
 }
 

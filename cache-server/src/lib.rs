@@ -70,17 +70,12 @@ impl RunningServer {
 /// is rare) and one thread writes them out ([`write_demoted`]). A queued block stays findable in
 /// `NodeState::in_transit` until it is on disk.
 fn start_demotion(state: &Arc<NodeState>, disk: Arc<disk::DiskTier>) {
-    use std::sync::atomic::Ordering;
     let codec = state.config.disk_codec_id();
     let (tx, rx) = std::sync::mpsc::sync_channel::<dram::StoredBlock>(state::DEMOTION_QUEUE);
     let depth = state.demotion_depth.clone();
     let hook_depth = depth.clone();
     let probe = disk.clone();
     let (hook_transit, transit) = (state.in_transit.clone(), state.in_transit.clone());
-    let (hook_gauge, gauge) = {
-        let g = Arc::new(parking_lot::Mutex::new(()));
-        (g.clone(), g)
-    };
     // Runs under the DRAM tier's lock (one call at a time), so the block is findable here before
     // DRAM forgets it.
     let hook: dram::EvictionHook = Arc::new(move |_key, block| {
@@ -91,11 +86,11 @@ fn start_demotion(state: &Arc<NodeState>, disk: Arc<disk::DiskTier>) {
             return;
         }
         // Counted (and findable) before the send, so the writer's removal can never run first.
-        step_depth(&hook_depth, &hook_gauge, true);
+        hook_depth.step(true);
         hook_transit.insert(key, block.clone());
         if tx.try_send(block).is_err() {
             hook_transit.remove(&key);
-            step_depth(&hook_depth, &hook_gauge, false);
+            hook_depth.step(false);
             ::metrics::counter!("kvtier_disk_demotions_dropped_total").increment(1)
         }
     });
@@ -111,12 +106,12 @@ fn start_demotion(state: &Arc<NodeState>, disk: Arc<disk::DiskTier>) {
                 let mine = |queued: &dram::StoredBlock| queued.payload.as_ptr() == block.payload.as_ptr();
                 if !transit.get(&key).is_some_and(|q| mine(&q)) {
                     // Purged while queued: not written.
-                    step_depth(&depth, &gauge, false);
+                    depth.step(false);
                     continue;
                 }
                 // Re-encoding costs CPU; when the queue backs up, blocks go out as they came
                 // rather than be dropped for want of room.
-                let busy = depth.load(Ordering::Relaxed) > state::DEMOTION_QUEUE / 2;
+                let busy = depth.get() > state::DEMOTION_QUEUE / 2;
                 match write_demoted(&disk, codec, busy, &block) {
                     Ok(()) => ::metrics::counter!("kvtier_disk_demotions_total").increment(1),
                     Err(e) => {
@@ -136,24 +131,11 @@ fn start_demotion(state: &Arc<NodeState>, disk: Arc<disk::DiskTier>) {
                 if transit.remove_if(&key, |_, queued| mine(queued)).is_none() {
                     disk.remove(&key.0, &key.1);
                 }
-                step_depth(&depth, &gauge, false);
+                depth.step(false);
             }
         })
         .map(drop)
         .unwrap_or_else(|e| tracing::error!("cannot start the demotion thread: {e}"));
-}
-
-/// Moves the demotion queue's depth by one and publishes it. The lock keeps the hook and the
-/// writer from publishing out of order (which could leave the gauge showing a block that is gone).
-fn step_depth(depth: &std::sync::atomic::AtomicUsize, gauge: &parking_lot::Mutex<()>, up: bool) {
-    use std::sync::atomic::Ordering;
-    let _order = gauge.lock();
-    let d = if up {
-        depth.fetch_add(1, Ordering::Relaxed).saturating_add(1)
-    } else {
-        depth.fetch_sub(1, Ordering::Relaxed).saturating_sub(1)
-    };
-    ::metrics::gauge!("kvtier_disk_queue_depth").set(d as f64);
 }
 
 /// Writes one block evicted from DRAM to disk. It is verified first: a block damaged in memory is

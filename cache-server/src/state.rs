@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -24,6 +24,54 @@ pub const DEMOTION_QUEUE: usize = 64;
 /// Most namespaces one node accepts (each costs a map entry; tenants don't need thousands).
 pub const MAX_NAMESPACES: usize = 4096;
 
+/// The demotion queue's depth: counted by the eviction hook and the demotion thread, published
+/// as `kvtier_disk_queue_depth`, and waited on by writers while the queue is full (woken when a
+/// block leaves it, not by polling).
+#[derive(Default)]
+pub struct DemotionDepth {
+    depth: AtomicUsize,
+    room: tokio::sync::Notify,
+    /// Keeps the hook and the writer from publishing out of order (which could leave the gauge
+    /// showing a block that is gone).
+    publish: Mutex<()>,
+}
+
+impl DemotionDepth {
+    pub fn get(&self) -> usize {
+        self.depth.load(Ordering::Relaxed)
+    }
+
+    /// One block in (`up`) or out; publishes the gauge and wakes writers waiting for room.
+    pub fn step(&self, up: bool) {
+        let _order = self.publish.lock();
+        let d = if up {
+            self.depth.fetch_add(1, Ordering::Relaxed).saturating_add(1)
+        } else {
+            self.depth.fetch_sub(1, Ordering::Relaxed).saturating_sub(1)
+        };
+        ::metrics::gauge!("kvtier_disk_queue_depth").set(d as f64);
+        if !up {
+            self.room.notify_waiters();
+        }
+    }
+
+    /// Waits until the queue has room or `deadline` passes.
+    pub async fn wait_for_room(&self, deadline: tokio::time::Instant) {
+        loop {
+            let woken = self.room.notified();
+            tokio::pin!(woken);
+            // Registered before the check, so a block leaving in between still wakes us.
+            woken.as_mut().enable();
+            if self.get() < DEMOTION_QUEUE {
+                return;
+            }
+            if tokio::time::timeout_at(deadline, woken).await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
 pub struct NodeState {
     pub config: ServerConfig,
     pub tier: DramTier,
@@ -36,7 +84,7 @@ pub struct NodeState {
     pub disk_recovery: Option<RecoveryReport>,
     pub session_log: Option<Mutex<SessionLog>>,
     /// Blocks in the demotion queue (for backpressure and the queue-depth gauge).
-    pub demotion_depth: Arc<AtomicUsize>,
+    pub demotion_depth: Arc<DemotionDepth>,
     /// Blocks evicted from DRAM and not yet on disk (at most the demotion queue's length): reads,
     /// lookups and parks find them here, so a block in transit is never a miss.
     pub in_transit: Arc<DashMap<IndexKey, StoredBlock>>,
@@ -116,7 +164,7 @@ impl NodeState {
             disk: None,
             disk_recovery: None,
             session_log: None,
-            demotion_depth: Arc::new(AtomicUsize::new(0)),
+            demotion_depth: Arc::new(DemotionDepth::default()),
             in_transit: Arc::new(DashMap::new()),
             disk_hits: Mutex::new(HashMap::new()),
             namespace_log: None,
