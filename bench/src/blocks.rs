@@ -5,13 +5,24 @@
 //! bytes. `c` tasks run operations back to back, each on its own connection (kvtier: a pool of `c`
 //! data-plane connections; Redis: `c` connections). Pipelined Redis sends `depth` commands per
 //! round trip; its latency figures are per round trip.
+//!
+//! kvtier is measured along the paths a user takes, on the same blocks in the same run:
+//! - `kvtier` — the raw Rust path: `store_frames`, and `load_keys` of keys known to be there
+//!   (a frame in a buffer the client allocates; no lookup, no copy into the caller's memory);
+//! - `engine-old` — what an engine did before the fused request: a gRPC `lookup_keys`, then
+//!   `load_keys`, then a copy into the caller's buffer;
+//! - `engine-fused` — `load_keys_into(.., stop_at_miss)`: lookup and load in one data-plane
+//!   request, received from the socket straight into the caller's buffer and verified there
+//!   (what `load_prefix_into` and Python's `Client.load_into` run); its store is `store_keys`;
+//! - `engine-fused-x8` — the same, 8 blocks per call (an engine loading a prefix), striped over
+//!   the pool's connections when the call moves 4 MiB or more.
 
 use std::time::Instant;
 
 use bytes::Bytes;
-use kvtier_client::{ClientConfig, KvClient, NamespaceHandle};
-use kvtier_proto::{BlockKey, DType, HashScheme, KvLayout, Namespace};
-use serde::Serialize;
+use kvtier_client::{BlockDest, ClientConfig, ItemStatus, KvClient, NamespaceHandle};
+use kvtier_proto::{pb, BlockKey, DType, HashScheme, KvLayout, Namespace};
+use serde::{Deserialize, Serialize};
 
 use crate::stats::{median, percentile};
 
@@ -25,18 +36,55 @@ pub struct BlocksConfig {
     pub pipeline_depth: usize,
 }
 
-#[derive(Debug, Clone, Serialize)]
+/// One (system, operation, block size, concurrency) figure: GB/s as the median over runs, with
+/// the slowest and fastest run beside it, and per-operation latency over all runs together.
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Cell {
     pub system: String,
-    pub op: &'static str,
+    pub op: String,
     pub block_bytes: usize,
     pub concurrency: usize,
     /// Median over runs.
     pub gb_per_s: f64,
+    /// Slowest run.
+    pub gb_per_s_min: f64,
+    /// Fastest run.
+    pub gb_per_s_max: f64,
     pub p50_ms: f64,
     pub p99_ms: f64,
     /// Operations measured, all runs together.
     pub ops: usize,
+}
+
+impl Cell {
+    /// A cell from each run's GB/s and every operation's latency in seconds.
+    pub fn from_runs(
+        system: &str,
+        op: &str,
+        block_bytes: usize,
+        concurrency: usize,
+        runs_gbps: &[f64],
+        lat_s: &[f64],
+    ) -> Cell {
+        let ms = |p| percentile(lat_s, p) * 1e3;
+        Cell {
+            system: system.into(),
+            op: op.into(),
+            block_bytes,
+            concurrency,
+            gb_per_s: median(runs_gbps.to_vec()),
+            gb_per_s_min: runs_gbps.iter().copied().fold(f64::NAN, f64::min),
+            gb_per_s_max: runs_gbps.iter().copied().fold(f64::NAN, f64::max),
+            p50_ms: ms(50.0),
+            p99_ms: ms(99.0),
+            ops: lat_s.len(),
+        }
+    }
+
+    /// (max − min) / median over runs: how far apart the runs were.
+    pub fn spread(&self) -> f64 {
+        (self.gb_per_s_max - self.gb_per_s_min) / self.gb_per_s
+    }
 }
 
 impl BlocksConfig {
@@ -44,7 +92,7 @@ impl BlocksConfig {
         self.sizes.len() * self.concurrency.len()
     }
 
-    fn ops_per_task(&self, size: usize, c: usize) -> usize {
+    pub fn ops_per_task(&self, size: usize, c: usize) -> usize {
         (self.bytes_per_cell / (size * c)).max(2)
     }
 }
@@ -86,37 +134,141 @@ fn cells(system: &str, size: usize, c: usize, samples: Vec<Sample>, bytes: usize
         sl.extend_from_slice(&s.store_lat);
         ll.extend_from_slice(&s.load_lat);
     }
-    let ms = |v: &[f64], p| percentile(v, p) * 1e3;
-    [
-        Cell {
-            system: system.into(),
-            op: "store",
-            block_bytes: size,
-            concurrency: c,
-            gb_per_s: median(samples.iter().map(|s| bytes as f64 / s.store_s / 1e9).collect()),
-            p50_ms: ms(&sl, 50.0),
-            p99_ms: ms(&sl, 99.0),
-            ops: sl.len(),
-        },
-        Cell {
-            system: system.into(),
-            op: "load",
-            block_bytes: size,
-            concurrency: c,
-            gb_per_s: median(samples.iter().map(|s| bytes as f64 / s.load_s / 1e9).collect()),
-            p50_ms: ms(&ll, 50.0),
-            p99_ms: ms(&ll, 99.0),
-            ops: ll.len(),
-        },
-    ]
+    let st: Vec<f64> = samples.iter().map(|s| bytes as f64 / s.store_s / 1e9).collect();
+    let ld: Vec<f64> = samples.iter().map(|s| bytes as f64 / s.load_s / 1e9).collect();
+    [Cell::from_runs(system, "store", size, c, &st, &sl), Cell::from_runs(system, "load", size, c, &ld, &ll)]
 }
 
-/// Runs every (size, concurrency) cell against the kvtier server at `addr`.
+/// The kvtier paths measured (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Path {
+    /// `store_frames` of one frame.
+    StoreFrames,
+    /// `store_keys` of one block (the engine's store), under keys of their own.
+    StoreKeys,
+    /// `load_keys` of one known key.
+    LoadKeys,
+    /// gRPC `lookup_keys`, `load_keys`, copy into the caller's buffer.
+    LookupLoadCopy,
+    /// `load_keys_into(stop_at_miss)` into the caller's buffer.
+    LoadInto,
+    /// `load_keys_into(stop_at_miss)` of 8 blocks into the caller's buffer.
+    LoadInto8,
+}
+
+/// Blocks per call of a path.
+fn per_call(p: Path) -> usize {
+    if p == Path::LoadInto8 {
+        8
+    } else {
+        1
+    }
+}
+
+/// Key space of a path's blocks: `store_keys` writes keys of its own, loads read what
+/// `store_frames` wrote.
+fn space(p: Path, run: usize) -> usize {
+    if p == Path::StoreKeys {
+        run + (1 << 32)
+    } else {
+        run
+    }
+}
+
+/// Runs `n` operations of `path` on each of `c` tasks at once; the wall time and every call's
+/// latency in seconds.
+async fn run_path(
+    client: &KvClient,
+    ns: &NamespaceHandle,
+    data: &Bytes,
+    path: Path,
+    c: usize,
+    n: usize,
+    run: usize,
+) -> anyhow::Result<(f64, Vec<f64>)> {
+    let size = data.len();
+    let t = Instant::now();
+    let tasks: Vec<_> = (0..c)
+        .map(|task| {
+            let (client, ns, data) = (client.clone(), ns.clone(), data.clone());
+            tokio::spawn(async move {
+                let per = per_call(path);
+                let mut lat = Vec::with_capacity(n / per);
+                // The caller's buffer (an engine's KV pages), touched before the clock counts.
+                let mut buf = vec![1u8; size * per];
+                let kspace = space(path, run);
+                for first in (0..n).step_by(per) {
+                    let keys: Vec<BlockKey> =
+                        (first..(first + per).min(n)).map(|op| key(size, kspace, task, op)).collect();
+                    let t = Instant::now();
+                    match path {
+                        Path::StoreFrames => {
+                            let frame = ns.frame(keys[0], ns.block_tokens() as u32, data.clone())?;
+                            let st = client.store_frames(std::slice::from_ref(&frame)).await?;
+                            anyhow::ensure!(st.iter().all(|s| *s == ItemStatus::Ok), "kvtier refused a block: {st:?}");
+                        }
+                        Path::StoreKeys => {
+                            let st = client.store_keys(&ns, &keys, &[vec![data.clone()]]).await?;
+                            anyhow::ensure!(
+                                st.iter().all(|s| matches!(s, ItemStatus::Ok | ItemStatus::Present)),
+                                "kvtier refused a block: {st:?}"
+                            );
+                        }
+                        Path::LoadKeys => {
+                            let got = client.load_keys(&ns, &keys).await?;
+                            let f = got
+                                .into_iter()
+                                .next()
+                                .flatten()
+                                .ok_or_else(|| anyhow::anyhow!("kvtier lost a block it acknowledged"))?;
+                            anyhow::ensure!(f.payload.len() == size, "short block");
+                        }
+                        Path::LookupLoadCopy => {
+                            let hit = client.lookup_keys(&ns, &keys).await?;
+                            anyhow::ensure!(hit == keys.len(), "lookup found {hit} of {} blocks", keys.len());
+                            let got = client.load_keys(&ns, &keys).await?;
+                            let f = got
+                                .into_iter()
+                                .next()
+                                .flatten()
+                                .ok_or_else(|| anyhow::anyhow!("kvtier lost a block it acknowledged"))?;
+                            buf.copy_from_slice(&f.payload);
+                        }
+                        Path::LoadInto | Path::LoadInto8 => {
+                            let room = &mut buf[..size * keys.len()];
+                            let mut dests: Vec<BlockDest<'_>> = room.chunks_exact_mut(size).map(|c| vec![c]).collect();
+                            let ok = client.load_keys_into(&ns, &keys, &mut dests, true).await?;
+                            anyhow::ensure!(ok.iter().all(|x| *x), "kvtier lost a block it acknowledged: {ok:?}");
+                        }
+                    }
+                    lat.push(t.elapsed().as_secs_f64());
+                }
+                std::hint::black_box(&buf);
+                Ok::<_, anyhow::Error>(lat)
+            })
+        })
+        .collect();
+    let mut lat = Vec::new();
+    for t in tasks {
+        lat.extend(t.await??);
+    }
+    Ok((t.elapsed().as_secs_f64(), lat))
+}
+
+/// Runs every (size, concurrency) cell against the kvtier server at `addr`, along every path.
 pub async fn run_kvtier(addr: &str, cfg: &BlocksConfig, pb: &indicatif::ProgressBar) -> anyhow::Result<Vec<Cell>> {
     let mut out = Vec::new();
+    let paths = [
+        ("kvtier", "store", Path::StoreFrames),
+        ("engine-fused", "store", Path::StoreKeys),
+        ("kvtier", "load", Path::LoadKeys),
+        ("engine-old", "load", Path::LookupLoadCopy),
+        ("engine-fused", "load", Path::LoadInto),
+        ("engine-fused-x8", "load", Path::LoadInto8),
+    ];
     for &c in &cfg.concurrency {
         let client =
-            KvClient::connect(addr, ClientConfig { data_connections: c, max_batch_blocks: 1, ..Default::default() })
+            KvClient::connect(addr, ClientConfig { data_connections: c, max_batch_blocks: 256, ..Default::default() })
                 .await?;
         for &size in &cfg.sizes {
             pb.set_message(format!("kvtier {} KiB x{c}", size >> 10));
@@ -124,80 +276,88 @@ pub async fn run_kvtier(addr: &str, cfg: &BlocksConfig, pb: &indicatif::Progress
                 .register(Namespace::new("bench", format!("blocks-{size}"), layout_for(size), HashScheme::Blake3, b""))
                 .await?;
             let data = payload(size, c);
-            let n = cfg.ops_per_task(size, c);
-            let mut samples = Vec::new();
+            let n = cfg.ops_per_task(size, c).div_ceil(8) * 8;
+            let bytes = size * c * n;
+            let mut gbps = vec![Vec::new(); paths.len()];
+            let mut lats = vec![Vec::new(); paths.len()];
             for run in 0..cfg.runs {
-                samples.push(kvtier_sample(&client, &ns, &data, size, c, n, run).await?);
+                // Paths take turns within each run, so a burst of load from elsewhere on the
+                // machine hits them alike rather than one path's every run.
+                for (i, &(_, _, path)) in paths.iter().enumerate() {
+                    let (secs, lat) = run_path(&client, &ns, &data, path, c, n, run).await?;
+                    gbps[i].push(bytes as f64 / secs / 1e9);
+                    lats[i].extend(lat);
+                }
                 client.purge(&ns).await?;
             }
-            out.extend(cells("kvtier", size, c, samples, size * c * n));
+            for (i, &(system, op, _)) in paths.iter().enumerate() {
+                out.push(Cell::from_runs(system, op, size, c, &gbps[i], &lats[i]));
+            }
             pb.inc(1);
         }
     }
     Ok(out)
 }
 
-async fn kvtier_sample(
-    client: &KvClient,
-    ns: &NamespaceHandle,
-    data: &Bytes,
-    size: usize,
-    c: usize,
-    n: usize,
-    run: usize,
-) -> anyhow::Result<Sample> {
-    let bt = ns.block_tokens() as u32;
-    let t = Instant::now();
-    let tasks: Vec<_> = (0..c)
-        .map(|task| {
-            let (client, ns, data) = (client.clone(), ns.clone(), data.clone());
-            tokio::spawn(async move {
-                let mut lat = Vec::with_capacity(n);
-                for op in 0..n {
-                    let t = Instant::now();
-                    let frame = ns.frame(key(size, run, task, op), bt, data.clone())?;
-                    let st = client.store_frames(std::slice::from_ref(&frame)).await?;
-                    anyhow::ensure!(
-                        st.iter().all(|s| *s == kvtier_client::ItemStatus::Ok),
-                        "kvtier refused a block: {st:?}"
-                    );
-                    lat.push(t.elapsed().as_secs_f64());
-                }
-                Ok::<_, anyhow::Error>(lat)
-            })
-        })
-        .collect();
-    let mut store_lat = Vec::new();
-    for t in tasks {
-        store_lat.extend(t.await??);
+/// gRPC round trips measured alone: `Lookup` of `blocks` keys and `ResumeSession` of a session
+/// of `blocks` blocks (the manifest only), each `n` times; and a whole `resume` (manifest, then
+/// its blocks over the data plane).
+#[derive(Debug, Clone, Serialize)]
+pub struct RoundTrips {
+    pub blocks: usize,
+    pub block_bytes: usize,
+    pub n: usize,
+    pub lookup_p50_ms: f64,
+    pub lookup_p99_ms: f64,
+    pub resume_manifest_p50_ms: f64,
+    pub resume_manifest_p99_ms: f64,
+    pub resume_full_p50_ms: f64,
+    pub resume_full_p99_ms: f64,
+}
+
+pub async fn round_trips(addr: &str, blocks: usize, n: usize) -> anyhow::Result<RoundTrips> {
+    let client = KvClient::connect(addr, ClientConfig::default()).await?;
+    let size = 64 << 10;
+    let ns = client
+        .register(Namespace::new("bench", "round-trips", layout_for(size), HashScheme::Blake3, b""))
+        .await?;
+    let bt = ns.block_tokens();
+    let tokens: Vec<u32> = (0..(blocks * bt) as u32).collect();
+    let kv: Vec<Bytes> = (0..blocks).map(|i| payload(size, i)).collect();
+    client.park(&ns, "rt", &tokens, &kv, &kvtier_client::ParkOptions::default(), 0).await?;
+    let keys = ns.keys(&tokens);
+    let ms = |v: &[f64], p| percentile(v, p) * 1e3;
+    let mut lookup = Vec::with_capacity(n);
+    let mut manifest = Vec::with_capacity(n);
+    let mut full = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = Instant::now();
+        let hit = client.lookup_keys(&ns, &keys).await?;
+        lookup.push(t.elapsed().as_secs_f64());
+        anyhow::ensure!(hit == blocks, "lookup found {hit} of {blocks} parked blocks");
+        let req = pb::ResumeRequest { namespace_id: Bytes::copy_from_slice(&ns.id.0), session_id: "rt".into() };
+        let t = Instant::now();
+        let m = client.raw_grpc().resume_session(req).await?.into_inner();
+        manifest.push(t.elapsed().as_secs_f64());
+        anyhow::ensure!(m.keys.len() == blocks, "resume listed {} of {blocks} blocks", m.keys.len());
+        let t = Instant::now();
+        let r = client.resume(&ns, "rt").await?;
+        full.push(t.elapsed().as_secs_f64());
+        anyhow::ensure!(r.blocks.len() == blocks, "resume gave {} of {blocks} blocks", r.blocks.len());
     }
-    let store_s = t.elapsed().as_secs_f64();
-    let t = Instant::now();
-    let tasks: Vec<_> = (0..c)
-        .map(|task| {
-            let (client, ns) = (client.clone(), ns.clone());
-            tokio::spawn(async move {
-                let mut lat = Vec::with_capacity(n);
-                for op in 0..n {
-                    let t = Instant::now();
-                    let got = client.load_keys(&ns, &[key(size, run, task, op)]).await?;
-                    let f = got
-                        .into_iter()
-                        .next()
-                        .flatten()
-                        .ok_or_else(|| anyhow::anyhow!("kvtier lost a block it acknowledged"))?;
-                    anyhow::ensure!(f.payload.len() == size, "short block");
-                    lat.push(t.elapsed().as_secs_f64());
-                }
-                Ok::<_, anyhow::Error>(lat)
-            })
-        })
-        .collect();
-    let mut load_lat = Vec::new();
-    for t in tasks {
-        load_lat.extend(t.await??);
-    }
-    Ok(Sample { store_s, load_s: t.elapsed().as_secs_f64(), store_lat, load_lat })
+    client.drop_session(&ns, "rt").await?;
+    client.purge(&ns).await?;
+    Ok(RoundTrips {
+        blocks,
+        block_bytes: size,
+        n,
+        lookup_p50_ms: ms(&lookup, 50.0),
+        lookup_p99_ms: ms(&lookup, 99.0),
+        resume_manifest_p50_ms: ms(&manifest, 50.0),
+        resume_manifest_p99_ms: ms(&manifest, 99.0),
+        resume_full_p50_ms: ms(&full, 50.0),
+        resume_full_p99_ms: ms(&full, 99.0),
+    })
 }
 
 /// Runs every cell against Redis at `url`, plain and pipelined.

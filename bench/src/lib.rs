@@ -4,12 +4,14 @@
 //!
 //! Pure parts (tested): [`stats`], [`model`] (KV bytes, prefill FLOPs, GPUs, links, planner),
 //! [`trace`] (deterministic Zipf workload). Measuring parts: [`limits`], [`blocks`], [`replay`],
-//! with real server processes from [`servers`]; output through [`report`] and [`plot`].
+//! with real server processes from [`servers`] and the Python side from [`pydriver`]; output
+//! through [`report`] and [`plot`].
 
 pub mod blocks;
 pub mod limits;
 pub mod model;
 pub mod plot;
+pub mod pydriver;
 pub mod replay;
 pub mod report;
 pub mod servers;

@@ -1,5 +1,6 @@
-//! The machine's limits: memcpy (1 and N threads), loopback TCP, a Unix socket, and sequential
-//! disk write/read on the data directory. Each figure is the median of `runs` runs, in GB/s.
+//! The machine's limits: memcpy (1 and N threads), loopback TCP (one iperf3-style stream: a
+//! sender thread writing 1 MiB buffers, a receiver thread reading them), a Unix socket, and
+//! sequential disk write/read on the data directory. Each figure is the median of `runs` runs, in GB/s.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -19,6 +20,9 @@ pub struct Limits {
     pub memcpy_n: f64,
     pub threads: usize,
     pub tcp: f64,
+    /// Slowest and fastest run of `tcp`.
+    pub tcp_min: f64,
+    pub tcp_max: f64,
     pub unix: f64,
     pub disk_write: f64,
     pub disk_read: f64,
@@ -165,6 +169,8 @@ pub fn measure(disk_dir: &Path, quick: bool, runs: usize, progress: &indicatif::
         memcpy_1: median(m1),
         memcpy_n: median(mn),
         threads,
+        tcp_min: tcp.iter().copied().fold(f64::NAN, f64::min),
+        tcp_max: tcp.iter().copied().fold(f64::NAN, f64::max),
         tcp: median(tcp),
         unix: median(unix),
         disk_write: median(dw),

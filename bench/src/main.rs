@@ -2,6 +2,7 @@
 //! saves, in one run. `kvtier-bench [all|limits|blocks|trace|plan] [--quick] [--out DIR]`.
 //! Markdown on stdout, `results.json` and PNG plots in the output folder.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -12,7 +13,8 @@ use kvtier_bench::blocks::{self, BlocksConfig, Cell};
 use kvtier_bench::model::{self, Codec, Gpu, Link, Model, PlanInput};
 use kvtier_bench::plot::{self, Chart, Series};
 use kvtier_bench::replay::{self, ReplayConfig};
-use kvtier_bench::servers::{self, KvtierServer, RedisServer};
+use kvtier_bench::pydriver::{self, Driver};
+use kvtier_bench::servers::{self, KvtierServer, LmcacheServer, RedisServer};
 use kvtier_bench::trace::{Trace, TraceConfig};
 use kvtier_bench::{limits, report};
 use serde_json::json;
@@ -58,6 +60,28 @@ struct Args {
     /// Skip Redis.
     #[arg(long)]
     no_redis: bool,
+    /// The redis-benchmark binary (default: from PATH).
+    #[arg(long)]
+    redis_benchmark_bin: Option<PathBuf>,
+    /// Block sizes of `blocks`, comma-separated (64KiB, 1MiB, 4194304...).
+    #[arg(long, default_value = "64KiB,256KiB,1MiB,4MiB")]
+    sizes: String,
+    /// Concurrency levels of `blocks`, comma-separated.
+    #[arg(long, default_value = "1,4,16")]
+    concurrency: String,
+    /// The Python that runs the Python client's figures and LMCache's server (default:
+    /// $KVTIER_BENCH_PYTHON, the active virtualenv, the checkout's .venv, python3).
+    #[arg(long)]
+    python: Option<PathBuf>,
+    /// Skip the Python client's figures.
+    #[arg(long)]
+    no_python: bool,
+    /// Skip LMCache's server.
+    #[arg(long)]
+    no_lmcache: bool,
+    /// gRPC round trips timed for the Lookup / ResumeSession latencies.
+    #[arg(long, default_value_t = 200)]
+    round_trips: usize,
     /// Data directory for the servers and the disk figures (default: OUT/data).
     #[arg(long)]
     data_dir: Option<PathBuf>,
@@ -147,6 +171,23 @@ fn machine() -> String {
     format!("{cpu}, {cores} cores, {mem}, {} {}", std::env::consts::OS, std::env::consts::ARCH)
 }
 
+/// `64KiB`, `1MiB`, `4194304`.
+fn parse_size(s: &str) -> anyhow::Result<usize> {
+    let s = s.trim();
+    let (num, mul) = if let Some(n) = s.strip_suffix("KiB").or_else(|| s.strip_suffix('K')) {
+        (n, 1 << 10)
+    } else if let Some(n) = s.strip_suffix("MiB").or_else(|| s.strip_suffix('M')) {
+        (n, 1 << 20)
+    } else {
+        (s, 1)
+    };
+    Ok(num.trim().parse::<usize>().with_context(|| format!("bad size {s:?}"))? * mul)
+}
+
+fn list<T>(s: &str, f: impl Fn(&str) -> anyhow::Result<T>) -> anyhow::Result<Vec<T>> {
+    s.split(',').filter(|x| !x.trim().is_empty()).map(f).collect()
+}
+
 fn models(s: &str) -> anyhow::Result<Vec<Model>> {
     if s == "both" {
         return Ok(vec![Model::LLAMA3_8B, Model::LLAMA3_70B]);
@@ -180,12 +221,9 @@ fn main() -> anyhow::Result<()> {
     let mut lim = None;
     if all || matches!(a.what, What::Limits | What::Blocks) {
         let pb = bar(5, "limits");
-        let l = limits::measure(
-            &data_dir,
-            quick || a.what == What::Blocks,
-            if a.what == What::Blocks { 1 } else { runs },
-            &pb,
-        )?;
+        // With `blocks` the limits are the ratios' baselines: as many runs as the cells, to show
+        // their spread too, and the smaller transfer of --quick.
+        let l = limits::measure(&data_dir, quick || a.what == What::Blocks, runs, &pb)?;
         pb.finish_and_clear();
         println!("{}", report::limits_table(&l));
         json["limits"] = serde_json::to_value(&l)?;
@@ -194,8 +232,8 @@ fn main() -> anyhow::Result<()> {
 
     if all || a.what == What::Blocks {
         let cfg = BlocksConfig {
-            sizes: vec![64 << 10, 256 << 10, 1 << 20, 4 << 20],
-            concurrency: vec![1, 4, 16],
+            sizes: list(&a.sizes, parse_size)?,
+            concurrency: list(&a.concurrency, |c| Ok(c.trim().parse::<usize>()?))?,
             bytes_per_cell: if quick { 32 << 20 } else { 256 << 20 },
             runs,
             pipeline_depth: a.pipeline,
@@ -218,7 +256,67 @@ fn main() -> anyhow::Result<()> {
         let pb = bar(cfg.cells() as u64, "kvtier");
         cells.extend(rt.block_on(blocks::run_kvtier(&addr, &cfg, &pb))?);
         pb.finish_and_clear();
+        let mut notes: Vec<String> = Vec::new();
+        // gRPC round trips alone: Lookup and ResumeSession of an 8-block session.
+        let rtt = rt.block_on(blocks::round_trips(&addr, 8, a.round_trips))?;
+        let python = pydriver::find_python(a.python.as_deref());
+        // The Python client, against the same server.
+        let py = if a.no_python { Err("skipped by --no-python".to_string()) } else { Driver::new(&python, "kvtier") };
+        match &py {
+            Err(why) => notes.push(format!("Python client figures are skipped: {why}.")),
+            Ok(d) => {
+                let pb = bar(cfg.cells() as u64, "python");
+                let grpc = rt.block_on(kvtier_client::KvClient::connect(&addr, Default::default()))?;
+                for &c in &cfg.concurrency {
+                    for &size in &cfg.sizes {
+                        pb.set_message(format!("python {} KiB x{c}", size >> 10));
+                        let mut runs_ = Vec::new();
+                        for run in 0..cfg.runs {
+                            let r = d.run("kvtier", &["--server".into(), addr.clone()], size, c, cfg.ops_per_task(size, c), run)?;
+                            for id in &r.namespaces {
+                                let req = kvtier_proto::pb::PurgeRequest { namespace_id: pydriver::unhex(id)?.into() };
+                                rt.block_on(grpc.raw_grpc().purge(req))?;
+                            }
+                            runs_.push(r);
+                        }
+                        cells.extend(pydriver::cells(&runs_, size, c));
+                        pb.inc(1);
+                    }
+                }
+                pb.finish_and_clear();
+                notes.push(format!("Python client: {} (one `kvtier.Client` with `connections=c`, c threads, one block per call).", d.python().display()));
+            }
+        }
         drop(server);
+        // LMCache's standalone server, driven by its own `lm://` client protocol from Python.
+        let lm = if a.no_lmcache {
+            Err("skipped by --no-lmcache".to_string())
+        } else {
+            Driver::new(&python, "lmcache.v1.protocol").and_then(|d| {
+                LmcacheServer::start(&python, &out.join("lmcache-server.log")).map(|s| (d, s)).map_err(|e| e.to_string())
+            })
+        };
+        match lm {
+            Err(why) => notes.push(format!("LMCache figures are skipped: {why}.")),
+            Ok((d, s)) => {
+                eprintln!("started lmcache.v1.server {} (pid {}) on port {}", s.version, s.pid(), s.port);
+                let pb = bar(cfg.cells() as u64, "lmcache");
+                for &c in &cfg.concurrency {
+                    for &size in &cfg.sizes {
+                        pb.set_message(format!("lmcache {} KiB x{c}", size >> 10));
+                        let mut runs_ = Vec::new();
+                        for run in 0..cfg.runs {
+                            runs_.push(d.run("lmcache", &["--port".into(), s.port.to_string()], size, c, cfg.ops_per_task(size, c), run)?);
+                        }
+                        cells.extend(pydriver::cells(&runs_, size, c));
+                        pb.inc(1);
+                    }
+                }
+                pb.finish_and_clear();
+                notes.push(format!("LMCache {}: its standalone server (`python -m lmcache.v1.server 127.0.0.1 PORT cpu`), one connection per thread speaking its `lm://` protocol (PUT, then GET received with `recv_into` into the caller's buffer).", s.version));
+                drop(s);
+            }
+        }
         // Redis: only a real one, never a made-up figure.
         let redis_note: Option<String>;
         let redis_bin = if a.no_redis {
@@ -238,13 +336,48 @@ fn main() -> anyhow::Result<()> {
                 let pb = bar(cfg.cells() as u64, "redis");
                 cells.extend(rt.block_on(blocks::run_redis(&r.url(), &cfg, &pb))?);
                 pb.finish_and_clear();
+                // Redis's own C client, on the same server.
+                match servers::find_bin("redis-benchmark", a.redis_benchmark_bin.as_deref()) {
+                    Err(why) => notes.push(format!("redis-benchmark figures are skipped: {why}.")),
+                    Ok(rb) => {
+                        let pb = bar(cfg.cells() as u64, "redis-benchmark");
+                        for &c in &cfg.concurrency {
+                            for &size in &cfg.sizes {
+                                let n = cfg.ops_per_task(size, c) * c;
+                                let mut by_op: BTreeMap<&str, (Vec<f64>, Vec<f64>, Vec<f64>)> = BTreeMap::new();
+                                for _ in 0..cfg.runs {
+                                    for row in servers::redis_benchmark(&rb, r.port, size, c, n)? {
+                                        let op = if row.test == "SET" { "store" } else { "load" };
+                                        let e = by_op.entry(op).or_default();
+                                        e.0.push(row.rps * size as f64 / 1e9);
+                                        e.1.push(row.p50_ms);
+                                        e.2.push(row.p99_ms);
+                                    }
+                                }
+                                for (op, (g, p50, p99)) in by_op {
+                                    let mut cell = Cell::from_runs("redis-benchmark", op, size, c, &g, &[]);
+                                    cell.p50_ms = kvtier_bench::median(p50);
+                                    cell.p99_ms = kvtier_bench::median(p99);
+                                    cell.ops = n * cfg.runs;
+                                    cells.push(cell);
+                                }
+                                pb.inc(1);
+                            }
+                        }
+                        pb.finish_and_clear();
+                        notes.push("redis-benchmark: `redis-benchmark -t set,get -d SIZE -c C -n N --csv` (Redis's own C client; the SET test writes the value the GET test reads; latencies are its own p50/p99, medians over runs).".into());
+                    }
+                }
                 redis_note = Some(format!("redis-server {} on loopback, `--save \"\" --appendonly no`, one connection per task, values = the same payload bytes.", r.version));
                 drop(r);
             }
         }
         let tcp = lim.as_ref().map(|l| l.tcp).unwrap_or(f64::NAN);
         println!("{}", report::blocks_table(&cells, tcp, redis_note.as_deref(), a.pipeline));
-        json["blocks"] = json!({ "cells": cells, "tcp_limit_gb_per_s": tcp, "redis": redis_note, "bytes_per_cell": cfg.bytes_per_cell });
+        if let Some(l) = &lim {
+            println!("{}", report::wire_tables(&cells, l, &rtt, &notes));
+        }
+        json["blocks"] = json!({ "cells": cells, "tcp_limit_gb_per_s": tcp, "redis": redis_note, "bytes_per_cell": cfg.bytes_per_cell, "round_trips": rtt, "notes": notes });
         for (op, verb) in [("store", "SET"), ("load", "GET")] {
             let mut series = Vec::new();
             let mut systems: Vec<&str> = Vec::new();

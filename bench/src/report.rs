@@ -1,6 +1,6 @@
 //! Markdown tables for stdout and the README.
 
-use crate::blocks::Cell;
+use crate::blocks::{Cell, RoundTrips};
 use crate::limits::Limits;
 use crate::model::Plan;
 use crate::replay::ReplayResult;
@@ -199,6 +199,157 @@ pub fn plan_table(p: &Plan) -> String {
             secs(l.recompute_s),
             l.utilisation * 100.0
         );
+    }
+    s
+}
+
+/// `median [min–max]` of a cell's GB/s, or a dash.
+fn spread_cell(c: Option<&Cell>) -> String {
+    match c {
+        Some(c) if c.gb_per_s.is_finite() => {
+            if c.gb_per_s_min < c.gb_per_s_max {
+                format!("{} [{}–{}]", f2(c.gb_per_s), f2(c.gb_per_s_min), f2(c.gb_per_s_max))
+            } else {
+                f2(c.gb_per_s)
+            }
+        }
+        _ => "—".into(),
+    }
+}
+
+/// A ratio against a goal: `1.23 ✓` met, `0.80 ✗` not, the bare ratio when there is no goal.
+fn vs_goal(r: f64, goal: Option<f64>) -> String {
+    match goal {
+        Some(g) if r.is_finite() => format!("{} {}", f2(r), if r >= g { "✓" } else { "✗" }),
+        _ => f2(r),
+    }
+}
+
+/// The engine's view, for the README: every path and peer per (size, concurrency) as median
+/// GB/s with the runs' range, then the ratios the issue sets goals on, then the gRPC round trips.
+pub fn wire_tables(cells: &[Cell], l: &crate::limits::Limits, rt: &RoundTrips, notes: &[String]) -> String {
+    let mut sizes: Vec<usize> = cells.iter().map(|c| c.block_bytes).collect();
+    sizes.sort();
+    sizes.dedup();
+    let mut concs: Vec<usize> = cells.iter().map(|c| c.concurrency).collect();
+    concs.sort();
+    concs.dedup();
+    let g = |sys: &str, op: &str, size: usize, c: usize| find(cells, sys, op, size, c).map(|x| x.gb_per_s).unwrap_or(f64::NAN);
+    let mut s = format!(
+        "### What an engine gets: loads (GB/s, median [slowest–fastest] of {} runs)\n\nLoopback TCP, 1 stream: {} GB/s [{}–{}]; memcpy 1 thread: {} GB/s.\n\n",
+        l.runs,
+        f2(l.tcp),
+        f2(l.tcp_min),
+        f2(l.tcp_max),
+        f2(l.memcpy_1)
+    );
+    let load_sys = [
+        ("kvtier", "Rust `load_keys` (raw)"),
+        ("engine-old", "lookup + `load_keys` + copy"),
+        ("engine-fused", "fused `load_keys_into`"),
+        ("engine-fused-x8", "fused, 8 blocks/call"),
+        ("python", "Python `load_into`"),
+        ("python-keys", "Python `load_keys_into`"),
+        ("lmcache", "LMCache server"),
+        ("redis", "Redis GET (Rust)"),
+        ("redis-benchmark", "redis-benchmark GET"),
+    ];
+    let store_sys = [
+        ("kvtier", "Rust `store_frames`"),
+        ("engine-fused", "Rust `store_keys`"),
+        ("python", "Python `store`"),
+        ("python-keys", "Python `store_keys`"),
+        ("lmcache", "LMCache PUT"),
+        ("redis", "Redis SET (Rust)"),
+        ("redis-benchmark", "redis-benchmark SET"),
+    ];
+    for (op, systems) in [("load", &load_sys[..]), ("store", &store_sys[..])] {
+        if op == "store" {
+            s += &format!("### Stores (GB/s, median [slowest–fastest] of {} runs)\n\n", l.runs);
+        }
+        s += "| block | conc |";
+        for (_, name) in systems {
+            s += &format!(" {name} |");
+        }
+        s += "\n|---|---|";
+        s += &"---|".repeat(systems.len());
+        s += "\n";
+        for &size in &sizes {
+            for &c in &concs {
+                s += &format!("| {} | {c} |", crate::report::size(size));
+                for (sys, _) in systems {
+                    s += &format!(" {} |", spread_cell(find(cells, sys, op, size, c)));
+                }
+                s += "\n";
+            }
+        }
+        s += "\n";
+    }
+    s += "### Ratios (same run; ✓/✗ against the issue's goals)\n\n| block | conc | fused / TCP (≥0.85 at 1 MiB ×1) | Python / TCP (≥0.85 at 1 MiB ×1) | fused / old engine path | fused / LMCache (≥1.5 at 1 MiB) | Python / LMCache | fused / Redis GET (≥1.5 at 1 MiB, ≥2 at 64 KiB) | Python / Redis GET | fused / redis-benchmark GET | raw Rust / TCP | store_keys / TCP (≥0.8 at 1 MiB ×1) | Python store / TCP |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+    for &size in &sizes {
+        for &c in &concs {
+            let mib = size == 1 << 20;
+            let one = mib && c == 1;
+            let fused = g("engine-fused", "load", size, c);
+            let py = g("python", "load", size, c);
+            let redis_goal = if mib {
+                Some(1.5)
+            } else if size == 64 << 10 {
+                Some(2.0)
+            } else {
+                None
+            };
+            s += &format!(
+                "| {} | {c} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+                crate::report::size(size),
+                vs_goal(ratio(fused, l.tcp), one.then_some(0.85)),
+                vs_goal(ratio(py, l.tcp), one.then_some(0.85)),
+                f2(ratio(fused, g("engine-old", "load", size, c))),
+                vs_goal(ratio(fused, g("lmcache", "load", size, c)), mib.then_some(1.5)),
+                vs_goal(ratio(py, g("lmcache", "load", size, c)), mib.then_some(1.5)),
+                vs_goal(ratio(fused, g("redis", "load", size, c)), redis_goal),
+                vs_goal(ratio(py, g("redis", "load", size, c)), redis_goal),
+                f2(ratio(fused, g("redis-benchmark", "load", size, c))),
+                f2(ratio(g("kvtier", "load", size, c), l.tcp)),
+                vs_goal(ratio(g("engine-fused", "store", size, c), l.tcp), one.then_some(0.8)),
+                vs_goal(ratio(g("python", "store", size, c), l.tcp), one.then_some(0.8)),
+            );
+        }
+    }
+    s += "\n### Per-operation latency, loads (ms, p50 / p99 over every run)\n\n| block | conc |";
+    for (_, name) in &load_sys {
+        s += &format!(" {name} |");
+    }
+    s += "\n|---|---|";
+    s += &"---|".repeat(load_sys.len());
+    s += "\n";
+    for &size in &sizes {
+        for &c in &concs {
+            s += &format!("| {} | {c} |", crate::report::size(size));
+            for (sys, _) in &load_sys {
+                match find(cells, sys, "load", size, c) {
+                    Some(x) => s += &format!(" {} / {} |", f2(x.p50_ms), f2(x.p99_ms)),
+                    None => s += " — |",
+                }
+            }
+            s += "\n";
+        }
+    }
+    s += &format!(
+        "\n### gRPC round trips ({} each; {}-block session of {} blocks)\n\n| call | p50 ms | p99 ms |\n|---|---|---|\n| Lookup of {} keys | {} | {} |\n| ResumeSession (manifest only) | {} | {} |\n| `resume` (manifest + blocks over the data plane) | {} | {} |\n\n",
+        rt.n,
+        rt.blocks,
+        crate::report::size(rt.block_bytes),
+        rt.blocks,
+        f3(rt.lookup_p50_ms),
+        f3(rt.lookup_p99_ms),
+        f3(rt.resume_manifest_p50_ms),
+        f3(rt.resume_manifest_p99_ms),
+        f3(rt.resume_full_p50_ms),
+        f3(rt.resume_full_p99_ms),
+    );
+    for n in notes {
+        s += &format!("{n}\n\n");
     }
     s
 }

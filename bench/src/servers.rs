@@ -1,5 +1,6 @@
-//! The real servers a run measures: a `kvtier` process and a `redis-server` process, both started
-//! on loopback by the bench and stopped by their own pid when the run ends.
+//! The real servers a run measures: a `kvtier` process, a `redis-server` process and LMCache's
+//! standalone server, all started on loopback by the bench and stopped by their own pid when the
+//! run ends; and the peers' own clients (`redis-benchmark`).
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
@@ -101,21 +102,22 @@ impl Drop for KvtierServer {
 
 /// The `redis-server` binary: the flag, else the first on PATH. `Err` says why not.
 pub fn find_redis(flag: Option<&Path>) -> Result<PathBuf, String> {
+    find_bin("redis-server", flag)
+}
+
+/// `name`: the flag, else the first on PATH (then /usr/bin, /usr/local/bin). `Err` says why not.
+pub fn find_bin(name: &str, flag: Option<&Path>) -> Result<PathBuf, String> {
     if let Some(p) = flag {
-        return if p.is_file() {
-            Ok(p.to_path_buf())
-        } else {
-            Err(format!("--redis-bin {} is not a file", p.display()))
-        };
+        return if p.is_file() { Ok(p.to_path_buf()) } else { Err(format!("{} is not a file", p.display())) };
     }
     let path = std::env::var_os("PATH").unwrap_or_default();
     for dir in std::env::split_paths(&path).chain([PathBuf::from("/usr/bin"), PathBuf::from("/usr/local/bin")]) {
-        let cand = dir.join("redis-server");
+        let cand = dir.join(name);
         if cand.is_file() {
             return Ok(cand);
         }
     }
-    Err("redis-server is not installed (not on PATH); install it with `apt-get install -y redis-server`".into())
+    Err(format!("{name} is not installed (not on PATH); Debian's `apt-get install -y redis-server` has it"))
 }
 
 pub fn free_port() -> anyhow::Result<u16> {
@@ -200,5 +202,168 @@ impl Drop for RedisServer {
             std::thread::sleep(Duration::from_millis(20));
         }
         unsafe { libc::kill(self.pid, libc::SIGKILL) };
+    }
+}
+
+/// Waits until something accepts connections on `127.0.0.1:port`.
+fn wait_listening(port: u16, within: Duration, child: &mut Child, what: &str, log: &Path) -> anyhow::Result<()> {
+    let t = Instant::now();
+    loop {
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return Ok(());
+        }
+        if let Ok(Some(st)) = child.try_wait() {
+            bail!("{what} exited with {st} before listening; its log: {}", log.display());
+        }
+        anyhow::ensure!(
+            t.elapsed() < within,
+            "{what} did not listen on port {port} within {within:?}; its log: {}",
+            log.display()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// LMCache's standalone server (`python -m lmcache.v1.server HOST PORT cpu`, the process its
+/// `lm://` remote connector talks to), stopped by its pid.
+pub struct LmcacheServer {
+    child: Child,
+    pub port: u16,
+    pub version: String,
+}
+
+impl LmcacheServer {
+    /// Starts it with `python` if `lmcache` imports there; `Err` says why not.
+    pub fn start(python: &Path, log: &Path) -> anyhow::Result<LmcacheServer> {
+        let probe = Command::new(python)
+            .args(["-I", "-c", "import lmcache.v1.server, importlib.metadata as m; print(m.version('lmcache'))"])
+            .stdin(Stdio::null())
+            .output()
+            .with_context(|| format!("running {}", python.display()))?;
+        if !probe.status.success() {
+            let err = String::from_utf8_lossy(&probe.stderr);
+            bail!(
+                "lmcache does not import in {}: {}",
+                python.display(),
+                err.lines().last().unwrap_or("no message").trim()
+            );
+        }
+        let version = String::from_utf8_lossy(&probe.stdout).trim().to_string();
+        let port = free_port()?;
+        let mut cmd = Command::new(python);
+        cmd.args(["-I", "-m", "lmcache.v1.server", "127.0.0.1", &port.to_string(), "cpu"])
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(log)?)
+            .stderr(std::fs::File::create(log.with_extension("err.log"))?);
+        unsafe {
+            use std::os::unix::process::CommandExt;
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().context("starting lmcache.v1.server")?;
+        // Importing torch takes a while on a busy machine.
+        if let Err(e) = wait_listening(port, Duration::from_secs(120), &mut child, "lmcache.v1.server", log) {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(e);
+        }
+        Ok(LmcacheServer { child, port, version })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for LmcacheServer {
+    fn drop(&mut self) {
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(5) {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// What `redis-benchmark` (Redis's own C client) measured for one test.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RedisBenchRow {
+    pub test: String,
+    pub rps: f64,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+}
+
+/// Parses `redis-benchmark --csv` output: a header line
+/// `"test","rps","avg_latency_ms","min_latency_ms","p50_latency_ms","p95_latency_ms","p99_latency_ms","max_latency_ms"`
+/// then one line per test.
+pub fn parse_redis_benchmark_csv(out: &str) -> Vec<RedisBenchRow> {
+    let unq = |s: &str| s.trim().trim_matches('"').to_string();
+    let mut cols: Vec<String> = Vec::new();
+    let mut rows = Vec::new();
+    for line in out.lines() {
+        let f: Vec<String> = line.split(',').map(unq).collect();
+        if f.first().map(|x| x == "test").unwrap_or(false) {
+            cols = f;
+            continue;
+        }
+        let col = |name: &str| cols.iter().position(|c| c == name).and_then(|i| f.get(i)?.parse::<f64>().ok());
+        if let (Some(test), Some(rps)) = (f.first(), col("rps")) {
+            rows.push(RedisBenchRow {
+                test: test.clone(),
+                rps,
+                p50_ms: col("p50_latency_ms").unwrap_or(f64::NAN),
+                p99_ms: col("p99_latency_ms").unwrap_or(f64::NAN),
+            });
+        }
+    }
+    rows
+}
+
+/// Runs `redis-benchmark -t set,get` (the SET test writes the value the GET test reads) with
+/// `clients` connections and `requests` requests of `size`-byte values against the Redis on `port`.
+pub fn redis_benchmark(
+    bin: &Path,
+    port: u16,
+    size: usize,
+    clients: usize,
+    requests: usize,
+) -> anyhow::Result<Vec<RedisBenchRow>> {
+    let out = Command::new(bin)
+        .args(["-h", "127.0.0.1", "-p", &port.to_string(), "-t", "set,get", "--csv"])
+        .args(["-d", &size.to_string(), "-c", &clients.to_string(), "-n", &requests.to_string()])
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("running {}", bin.display()))?;
+    anyhow::ensure!(
+        out.status.success(),
+        "redis-benchmark exited with {}: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    let rows = parse_redis_benchmark_csv(&String::from_utf8_lossy(&out.stdout));
+    anyhow::ensure!(!rows.is_empty(), "no figures in redis-benchmark's output");
+    Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_redis_benchmark_csv() {
+        let out = "\"test\",\"rps\",\"avg_latency_ms\",\"min_latency_ms\",\"p50_latency_ms\",\"p95_latency_ms\",\"p99_latency_ms\",\"max_latency_ms\"\n\"SET\",\"1234.57\",\"0.700\",\"0.300\",\"0.650\",\"1.000\",\"1.500\",\"3.000\"\n\"GET\",\"2000.00\",\"0.400\",\"0.200\",\"0.390\",\"0.600\",\"0.900\",\"2.000\"\n";
+        let rows = parse_redis_benchmark_csv(out);
+        assert_eq!(rows.len(), 2);
+        assert_eq!(rows[0].test, "SET");
+        assert_eq!(rows[1], RedisBenchRow { test: "GET".into(), rps: 2000.0, p50_ms: 0.39, p99_ms: 0.9 });
+        assert!(parse_redis_benchmark_csv("garbage\n").is_empty());
     }
 }

@@ -1,0 +1,254 @@
+"""What a Python engine gets on the wire: blocks stored and loaded through `kvtier.Client`, and the
+same blocks through LMCache's own remote client against its standalone server, one run of one
+(block size, concurrency) cell per call. `kvtier-bench blocks` runs this file as a subprocess and
+puts its figures beside the Rust paths, Redis and the loopback TCP limit of the same run.
+
+    python -m kvtier.wire_bench kvtier --server 127.0.0.1:7070 --size 1048576 --concurrency 4 --ops 64
+    python -m kvtier.wire_bench lmcache --port 65432 --size 1048576 --concurrency 4 --ops 64
+
+`c` threads each run `ops` operations back to back, one block per operation (the GIL is released
+inside every kvtier call). Paths, each stored then loaded:
+
+- `python`: `Client.store(ns, tokens, kv)` then `Client.load_into(ns, tokens, out)` (lookup and
+  load in one request, received into `out`), in a token namespace;
+- `python-keys`: `Client.store_keys` then `Client.load_keys_into` with engine hashes, in a
+  `Namespace.opaque` namespace (what the vLLM, SGLang and LMCache adapters call);
+- `lmcache`: LMCache 0.5.6's `lm://` protocol (`ClientMetaMessage` / `ServerMetaMessage`, as its
+  `LMCServerConnector` speaks it): a PUT of the chunk's bytes (unanswered: each thread's store
+  phase ends with an EXIST round trip, so it counts until the server has taken every chunk),
+  then a GET received with `recv_into` into the caller's buffer — one connection per thread.
+
+Prints one JSON object on stdout: per path, the wall time of the store and load phases, every
+operation's latency (seconds), and the kvtier namespace ids written (the caller purges them).
+"""
+
+import argparse
+import json
+import socket
+import struct
+import sys
+import threading
+import time
+
+MIB = 1 << 20
+
+
+def layout_for(size):
+    """(kv_heads, block_tokens) of the 32-layer, head-dim-128 bf16 layout whose block is `size`
+    bytes (kvtier-bench's `layout_for`)."""
+    per_head_token = 2 * 32 * 128 * 2
+    if size >= per_head_token * 8:
+        return 8, size // (per_head_token * 8)
+    return max(size // per_head_token, 1), 1
+
+
+def payload(size, seed):
+    import numpy as np
+
+    return ((np.arange(size, dtype=np.uint64) * 131 + seed * 7) % 253).astype(np.uint8)
+
+
+def run_threads(c, body):
+    """Runs `body(task)` on `c` threads released together; (wall seconds, latencies)."""
+    start = threading.Barrier(c + 1)
+    lats = [None] * c
+    errors = []
+
+    def worker(task):
+        try:
+            start.wait()
+            lats[task] = body(task)
+        except BaseException as e:  # reported below, after every thread has ended
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(c)]
+    for t in threads:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return wall, [x for lat in lats for x in lat]
+
+
+def timed_ops(n, op):
+    lat = []
+    for i in range(n):
+        t = time.perf_counter()
+        op(i)
+        lat.append(time.perf_counter() - t)
+    return lat
+
+
+def bench_kvtier(args):
+    import numpy as np
+
+    import kvtier
+
+    size, c, n = args.size, args.concurrency, args.ops
+    heads, bt = layout_for(size)
+    client = kvtier.Client(args.server, never_raise=False, connections=c, timeout_s=300.0)
+    tag = f"{size}-{c}-{args.run}"
+    ns = kvtier.Namespace("bench-py", f"wire-{tag}", layers=32, kv_heads=heads, head_dim=128, dtype="bf16",
+                          block_tokens=bt)
+    nso = kvtier.Namespace.opaque("bench-py", f"wire-{tag}", block_bytes=size, engine="bench")
+    assert ns.block_bytes == size and nso.block_bytes == size
+    data = payload(size, c)
+    # Every operation's tokens (one block) and engine hash, made before the clock starts.
+    tokens = [[np.arange(bt, dtype=np.uint32) + np.uint32(((t * n + i) * bt) % (1 << 31)) for i in range(n)]
+              for t in range(c)]
+    keys = [[struct.pack("<QQQ", size, t, i) for i in range(n)] for t in range(c)]
+    outs = [np.zeros(size, dtype=np.uint8) for _ in range(c)]
+    res = {}
+
+    def check(ok, what):
+        if not ok:
+            raise RuntimeError(f"{what} failed: {client.last_miss}")
+
+    def store(t):
+        return timed_ops(n, lambda i: check(client.store(ns, tokens[t][i], data) == 1, "store"))
+
+    def load(t):
+        out = outs[t]
+        return timed_ops(n, lambda i: check(client.load_into(ns, tokens[t][i], out) == bt, "load_into"))
+
+    def store_keys(t):
+        return timed_ops(n, lambda i: check(client.store_keys(nso, [keys[t][i]], data) == [True], "store_keys"))
+
+    def load_keys(t):
+        out = outs[t]
+        return timed_ops(n, lambda i: check(client.load_keys_into(nso, [keys[t][i]], out) == [True],
+                                            "load_keys_into"))
+
+    for system, st, ld in (("python", store, load), ("python-keys", store_keys, load_keys)):
+        s_wall, s_lat = run_threads(c, st)
+        l_wall, l_lat = run_threads(c, ld)
+        if not np.array_equal(outs[0], data):
+            raise RuntimeError(f"{system}: loaded bytes differ from the stored ones")
+        res[system] = {"store_s": s_wall, "load_s": l_wall, "store_lat": s_lat, "load_lat": l_lat}
+    return {"bytes": size * c * n, "paths": res, "namespaces": [ns.id, nso.id]}
+
+
+class LmcacheConn:
+    """One connection speaking LMCache 0.5.6's `lm://` protocol (see `lmcache.v1.protocol`): a
+    fixed-size `ClientMetaMessage` header, then the payload for a PUT; a `ServerMetaMessage`
+    header, then the payload for a GET hit."""
+
+    def __init__(self, port, size):
+        import torch
+
+        from lmcache.utils import CacheEngineKey
+        from lmcache.v1.memory_management import MemoryFormat
+        from lmcache.v1.protocol import ClientCommand, ClientMetaMessage, ServerMetaMessage, ServerReturnCode
+
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.Cmd, self.Msg, self.SMsg, self.Ret = ClientCommand, ClientMetaMessage, ServerMetaMessage, ServerReturnCode
+        self.Key = CacheEngineKey
+        self.size = size
+        # A KV_2LTD chunk of uint8 is `size` bytes: [2, layers, tokens, hidden] with hidden = size / (2*32*256).
+        self.shape = torch.Size([2, 32, 256, size // (2 * 32 * 256)])
+        self.dtype = torch.uint8
+        self.fmt = MemoryFormat.KV_2LTD
+
+    def key(self, task, i):
+        import torch
+
+        # Keys depend on the cell, not the run: a later run's PUT replaces the earlier run's chunk.
+        return self.Key("kvtier-wire-bench", 1, 0, (self.size << 40) ^ (task << 24) ^ i, torch.bfloat16)
+
+    def put(self, key, buf):
+        m = self.Msg(self.Cmd.PUT, key, self.size, self.fmt, self.dtype, self.shape)
+        self.sock.sendall(m.serialize())
+        self.sock.sendall(buf)
+
+    def exists(self, key):
+        """EXIST round trip: answered after every earlier request on this connection was handled
+        (the server serves a connection in order), so a PUT, which has no answer, is known to be
+        stored once this returns."""
+        m = self.Msg(self.Cmd.EXIST, key, 0, self.fmt, self.dtype, self.shape)
+        self.sock.sendall(m.serialize())
+        meta = self.SMsg.deserialize(recv_exact(self.sock, self.SMsg.packlength()))
+        return meta.code == self.Ret.SUCCESS
+
+    def get_into(self, key, out):
+        m = self.Msg(self.Cmd.GET, key, 0, self.fmt, self.dtype, self.shape)
+        self.sock.sendall(m.serialize())
+        head = recv_exact(self.sock, self.SMsg.packlength())
+        meta = self.SMsg.deserialize(head)
+        if meta.code != self.Ret.SUCCESS:
+            raise RuntimeError(f"lmcache GET missed ({meta.code})")
+        if meta.length != len(out):
+            raise RuntimeError(f"lmcache GET returned {meta.length} bytes, expected {len(out)}")
+        view = memoryview(out)
+        got = 0
+        while got < meta.length:
+            k = self.sock.recv_into(view[got:], meta.length - got)
+            if k == 0:
+                raise RuntimeError("lmcache server closed the connection")
+            got += k
+
+
+def recv_exact(sock, n):
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise RuntimeError("connection closed")
+        got += k
+    return bytes(buf)
+
+
+def bench_lmcache(args):
+    import numpy as np
+
+    size, c, n = args.size, args.concurrency, args.ops
+    data = payload(size, c)
+    conns = [LmcacheConn(args.port, size) for _ in range(c)]
+    keys = [[conns[t].key(t, i) for i in range(n)] for t in range(c)]
+    outs = [np.zeros(size, dtype=np.uint8) for _ in range(c)]
+
+    def store(t):
+        lat = timed_ops(n, lambda i: conns[t].put(keys[t][i], data))
+        # A PUT has no answer: the phase ends when the server has taken the last one.
+        t0 = time.perf_counter()
+        if not conns[t].exists(keys[t][n - 1]):
+            raise RuntimeError("lmcache lost a chunk it was sent")
+        lat[-1] += time.perf_counter() - t0
+        return lat
+
+    def load(t):
+        return timed_ops(n, lambda i: conns[t].get_into(keys[t][i], outs[t]))
+
+    s_wall, s_lat = run_threads(c, store)
+    l_wall, l_lat = run_threads(c, load)
+    if not np.array_equal(outs[0], data):
+        raise RuntimeError("lmcache: loaded bytes differ from the stored ones")
+    for conn in conns:
+        conn.sock.close()
+    return {"bytes": size * c * n, "paths": {"lmcache": {"store_s": s_wall, "load_s": l_wall, "store_lat": s_lat,
+                                                         "load_lat": l_lat}}, "namespaces": []}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("target", choices=["kvtier", "lmcache"])
+    ap.add_argument("--server", help="kvtier gRPC address (target kvtier)")
+    ap.add_argument("--port", type=int, help="LMCache server port on 127.0.0.1 (target lmcache)")
+    ap.add_argument("--size", type=int, default=MIB, help="block bytes")
+    ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--ops", type=int, default=64, help="operations per thread")
+    ap.add_argument("--run", type=int, default=0, help="run number (keeps runs' namespaces apart)")
+    args = ap.parse_args(argv)
+    out = bench_kvtier(args) if args.target == "kvtier" else bench_lmcache(args)
+    json.dump(out, sys.stdout)
+    sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+    main()
