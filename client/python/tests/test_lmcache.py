@@ -189,16 +189,9 @@ def key(*, worker_id=0, world_size=1):
 
 
 def allocated_bytes(local):
-    """Bytes LMCache's CPU allocator has handed out and not got back."""
-    alloc = local.memory_allocator
-    for a in (alloc, getattr(alloc, "pin_allocator", None), getattr(alloc, "cpu_allocator", None)):
-        if a is None:
-            continue
-        for attr in ("total_allocated_size", "allocated_size"):
-            v = getattr(a, attr, None)
-            if isinstance(v, int):
-                return v
-    pytest.skip("cannot read LMCache's allocator usage")
+    """What LMCache's CPU allocator has handed out and not got back: (bytes, allocations)."""
+    alloc = getattr(local.memory_allocator, "pin_allocator", local.memory_allocator)
+    return alloc.total_allocated_size, alloc.num_active_allocations
 
 
 # ------------------------------------------------------------------------------------------ tests
