@@ -61,10 +61,32 @@ def make_pool(layout, *, head_dim=DIM, fill=None, seed=0):
     return pool
 
 
-def storage_config(addr, *, zero_copy, tp_rank=0, tp_size=1, layout="page_first", **extra):
+def make_mla_pool(layout, *, fill=None, seed=0):
+    """A real CPU MLA host pool (2 layers, kv_lora_rank 64 + rope 16, bf16, 16-token pages)."""
+    from sglang.srt.mem_cache.device_pool_info import MLABufferInfo
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    cap, rank, rope = 64, 64, 16
+    bufs = tuple(torch.zeros(cap, 1, rank + rope, dtype=torch.bfloat16) for _ in range(2))
+    info = MLABufferInfo(buffers=bufs, data_ptrs=torch.tensor([b.data_ptr() for b in bufs], dtype=torch.uint64),
+                         layer_indices=(0, 1), device_layer_num=2, page_size=PAGE, kv_lora_rank=rank,
+                         qk_rope_head_dim=rope, kv_cache_dim=rank + rope, dtype=torch.bfloat16,
+                         device=torch.device("cpu"))
+    pool = MLATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
+                                device_capacity_tokens=cap, start_layer=0, end_layer=2, target_layer_num=2)
+    buf = pool.kv_buffer
+    if fill is None:
+        g = torch.Generator().manual_seed(seed)
+        buf.copy_(torch.randn(buf.shape, generator=g, dtype=torch.float32).to(torch.bfloat16))
+    else:
+        buf.fill_(fill)
+    return pool
+
+
+def storage_config(addr, *, zero_copy, tp_rank=0, tp_size=1, layout="page_first", mla=False, **extra):
     return HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=layout != "layer_first",
+        is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=layout != "layer_first",
         model_name="tiny-llama",
         extra_config={"backend_name": "kvtier", "module_path": "kvtier.sglang",
                       "class_name": "KvtierHiCacheStorage", "interface_v1": int(zero_copy), "server": addr,
@@ -76,10 +98,11 @@ class Engine:
     then `register_mem_pool_host` and `on_host_pools_registered`), and the controller's own page
     functions bound to a stand-in holding what they read."""
 
-    def __init__(self, addr, layout, path, *, tp_rank=0, tp_size=1, pool=None, **extra):
-        self.pool = pool if pool is not None else make_pool(layout, fill=0)
+    def __init__(self, addr, layout, path, *, tp_rank=0, tp_size=1, pool=None, mla=False, **extra):
+        self.pool = pool if pool is not None else (make_mla_pool if mla else make_pool)(layout, fill=0)
         zero_copy = path == "zero_copy"
-        cfg = storage_config(addr, zero_copy=zero_copy, tp_rank=tp_rank, tp_size=tp_size, layout=layout, **extra)
+        cfg = storage_config(addr, zero_copy=zero_copy, tp_rank=tp_rank, tp_size=tp_size, layout=layout, mla=mla,
+                             **extra)
         self.backend = StorageBackendFactory.create_backend("dynamic", cfg, self.pool)
         assert isinstance(self.backend, kv_sglang.KvtierHiCacheStorage)
         self.backend.register_mem_pool_host(self.pool)
@@ -231,6 +254,24 @@ def test_tp_ranks_do_not_see_each_others_pages(server):
             np.testing.assert_array_equal(fresh.page(4 + i), rank.page(i))
     # A single-GPU deployment (TP 1) is another namespace again.
     assert Engine(server.addr, "page_first", "zero_copy").exists(keys) == 0
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mla_pages_are_shared_by_every_rank_and_written_once(server, layout, path):
+    keys = fresh_keys(3)
+    rank0 = Engine(server.addr, layout, path, tp_rank=0, tp_size=2, mla=True, pool=make_mla_pool(layout, seed=9))
+    rank1 = Engine(server.addr, layout, path, tp_rank=1, tp_size=2, mla=True, pool=make_mla_pool(layout, seed=10))
+    assert rank0.backend.is_writer and not rank1.backend.is_writer
+    # SGLang skips backups on non-writers; one asked anyway succeeds without storing anything.
+    assert rank1.set(keys, first_page=0) is True
+    assert rank1.exists(keys) == 0
+    assert rank0.set(keys, first_page=0) is True
+    assert rank1.exists(keys) == 3
+    reader = Engine(server.addr, layout, path, tp_rank=1, tp_size=2, mla=True)
+    assert reader.get(keys, first_page=4) == 3
+    for i in range(3):
+        np.testing.assert_array_equal(reader.page(4 + i), rank0.page(i))
 
 
 def test_layouts_with_the_same_page_bytes_share_pages(server):
