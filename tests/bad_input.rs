@@ -80,7 +80,7 @@ async fn every_bad_input_gets_a_clear_error_and_nothing_is_lost() {
     let mut h = bad.header;
     h.payload_len = 100;
     raw.put_header(2);
-    raw.send_frame(&h, &vec![0u8; 100]);
+    raw.send_frame(&h, &[0u8; 100]);
     let good = fresh(2);
     raw.send_frame(&good.header, &good.payload);
     raw.response().unwrap();

@@ -63,3 +63,33 @@ async fn a_server_that_never_answers_costs_one_budget() {
         .expect("lookup honoured its budget");
     assert_eq!(n, 0);
 }
+
+/// The engine-key calls never raise either: a live server answers per key, a dead one gives all
+/// false within the caller's deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_keys_never_raise() {
+    use kvtier_proto::{DType, HashScheme, KvLayout, Namespace};
+    let mut server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
+    let engine = EngineClient::new(server.grpc_addr(), ClientConfig::default(), Duration::from_secs(5))
+        .with_retry_after(Duration::from_millis(10));
+    let ns = Namespace::new("acme", "m@1", KvLayout::opaque(8192, DType::Bf16, 16), HashScheme::Sha256, b"")
+        .with_engine("engine=test");
+    let hashes: Vec<&[u8]> = vec![b"chunk-0", b"chunk-1", b"chunk-2"];
+    let blocks: Vec<Vec<bytes::Bytes>> =
+        (0..2u8).map(|i| vec![bytes::Bytes::from(vec![i; 4096]), bytes::Bytes::from(vec![i ^ 0xff; 4096])]).collect();
+    let budget = Duration::from_millis(500);
+    assert_eq!(engine.store_keys(&ns, &hashes[..2], &blocks, budget).await, vec![true, true]);
+    assert_eq!(engine.exists_keys(&ns, &hashes, budget).await, vec![true, true, false]);
+    let mut out = vec![0u8; 8192];
+    let got = engine.load_keys_into(&ns, &hashes[1..2], &mut [vec![&mut out[..]]], budget).await;
+    assert_eq!(got, vec![true]);
+    assert!(out[..4096].iter().all(|b| *b == 1) && out[4096..].iter().all(|b| *b == 0xfe));
+
+    server.child.kill().unwrap();
+    server.child.wait().unwrap();
+    let t = std::time::Instant::now();
+    assert_eq!(engine.exists_keys(&ns, &hashes, budget).await, vec![false; 3]);
+    assert_eq!(engine.store_keys(&ns, &hashes[..2], &blocks, budget).await, vec![false; 2]);
+    assert_eq!(engine.load_keys_into(&ns, &hashes[1..2], &mut [vec![&mut out[..]]], budget).await, vec![false]);
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+}

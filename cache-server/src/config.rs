@@ -228,11 +228,11 @@ impl std::str::FromStr for ByteSize {
 impl std::fmt::Display for ByteSize {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let v = self.0;
-        if v >= 1 << 30 && v % (1 << 30) == 0 {
+        if v >= 1 << 30 && v.is_multiple_of(1 << 30) {
             write!(f, "{}GiB", v >> 30)
-        } else if v >= 1 << 20 && v % (1 << 20) == 0 {
+        } else if v >= 1 << 20 && v.is_multiple_of(1 << 20) {
             write!(f, "{}MiB", v >> 20)
-        } else if v >= 1 << 10 && v % (1 << 10) == 0 {
+        } else if v >= 1 << 10 && v.is_multiple_of(1 << 10) {
             write!(f, "{}KiB", v >> 10)
         } else {
             write!(f, "{v}B")

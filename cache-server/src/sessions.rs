@@ -107,7 +107,7 @@ fn check_shape(keys: usize, has_tail: bool, token_count: u64, limits: &SessionLi
     }
     let bt = u64::from(limits.block_tokens);
     let full = token_count / bt;
-    let tail = token_count % bt != 0;
+    let tail = !token_count.is_multiple_of(bt);
     if full != keys as u64 || tail != has_tail {
         return Err(ServerError::InvalidRequest(format!(
             "{token_count} tokens in blocks of {bt} make {full} full block(s){}, but the manifest has {keys}{}",

@@ -24,6 +24,9 @@ use crate::ClientError;
 /// (one segment for a contiguous buffer; an engine page's per-layer planes for scatter loads).
 pub type BlockDest<'a> = Vec<&'a mut [u8]>;
 
+/// A session's full-block keys, its tail key, and the frames to send.
+type SessionFrames = (Vec<BlockKey>, Option<BlockKey>, Vec<BlockFrame>);
+
 /// A call moving at least this many bytes is striped over the pool's connections.
 const STRIPE_MIN_BYTES: u64 = 4 << 20;
 
@@ -727,7 +730,7 @@ impl KvClient {
         tokens: &[u32],
         first_block: usize,
         blocks: &[Bytes],
-    ) -> Result<(Vec<BlockKey>, Option<BlockKey>, Vec<BlockFrame>), ClientError> {
+    ) -> Result<SessionFrames, ClientError> {
         let keys = ns.keys(tokens);
         let tail = ns.tail_key(tokens);
         if first_block > keys.len() {

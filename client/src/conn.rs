@@ -67,6 +67,9 @@ pub(crate) fn checksum_of(parts: &[impl AsRef<[u8]>]) -> u64 {
     h.digest()
 }
 
+/// Decodes an encoded frame into a block's destination segments.
+pub(crate) type DecodeInto = dyn Fn(&BlockFrame, &mut [&mut [u8]]) -> Result<(), ClientError> + Sync;
+
 /// Where one loaded block goes: the caller's memory, one or more segments filled in order.
 pub(crate) type Dest<'a> = Vec<&'a mut [u8]>;
 
@@ -238,7 +241,7 @@ impl DataConn {
         dests: &mut [Dest<'_>],
         stop_at_miss: bool,
         max_frame: u64,
-        decode: &(dyn Fn(&BlockFrame, &mut [&mut [u8]]) -> Result<(), ClientError> + Sync),
+        decode: &DecodeInto,
     ) -> Result<Vec<Landed>, ClientError> {
         debug_assert_eq!(keys.len(), dests.len());
         let flags = if stop_at_miss { FLAG_STOP_AT_MISS } else { 0 };

@@ -172,6 +172,53 @@ impl EngineClient {
         self.call("park", ns, |c, h| async move { c.park(&h, id, tokens, blocks, opts, 0).await }).await
     }
 
+    /// Which engine hashes (an engine's own block hashes, salted into `ns`) the server holds,
+    /// each on its own; all false on any failure or past `budget`.
+    pub async fn exists_keys(&self, ns: &Namespace, hashes: &[&[u8]], budget: Duration) -> Vec<bool> {
+        self.call_within("exists", ns, budget, |c, h| async move {
+            let keys: Vec<_> = hashes.iter().map(|e| h.engine_key(e)).collect();
+            c.exists_keys(&h, &keys).await
+        })
+        .await
+        .unwrap_or_else(|_| vec![false; hashes.len()])
+    }
+
+    /// Stores full blocks under engine hashes (`blocks[i]`: one part, or segments back to back);
+    /// true where the server holds the block now, all false on any failure or past `budget`.
+    pub async fn store_keys(
+        &self,
+        ns: &Namespace,
+        hashes: &[&[u8]],
+        blocks: &[Vec<Bytes>],
+        budget: Duration,
+    ) -> Vec<bool> {
+        self.call_within("store", ns, budget, |c, h| async move {
+            let keys: Vec<_> = hashes.iter().map(|e| h.engine_key(e)).collect();
+            Ok(c.store_keys(&h, &keys, blocks).await?.iter().map(|s| s.is_held()).collect())
+        })
+        .await
+        .unwrap_or_else(|_| vec![false; hashes.len()])
+    }
+
+    /// Loads blocks of engine hashes straight into `dests`; true where a block landed and
+    /// verified, all false on any failure or past `budget` (destinations then hold unspecified
+    /// bytes).
+    pub async fn load_keys_into(
+        &self,
+        ns: &Namespace,
+        hashes: &[&[u8]],
+        dests: &mut [crate::BlockDest<'_>],
+        budget: Duration,
+    ) -> Vec<bool> {
+        let n = hashes.len();
+        self.call_within("load", ns, budget, |c, h| async move {
+            let keys: Vec<_> = hashes.iter().map(|e| h.engine_key(e)).collect();
+            c.load_keys_into(&h, &keys, dests, false).await
+        })
+        .await
+        .unwrap_or_else(|_| vec![false; n])
+    }
+
     pub async fn resume(&self, ns: &Namespace, id: &str) -> Result<ResumedSession, Miss> {
         self.call("resume", ns, |c, h| async move { c.resume(&h, id).await }).await
     }

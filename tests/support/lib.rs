@@ -84,6 +84,7 @@ impl ServerProcess {
             }
         }
         let _ = child.kill();
+        let _ = child.wait();
         panic!("kvtier serve did not report its addresses; stdout: {seen:?}");
     }
 
