@@ -435,3 +435,55 @@ def test_workers_and_mla(server, loop):
     assert m0.connector.ns.id == m1.connector.ns.id
     m0.close()
     m1.close()
+
+
+def test_a_get_lmcache_stops_waiting_for_releases_its_chunk(server, loop):
+    """LMCache cancels a get it stops waiting for (`get_blocking` past blocking_timeout_secs,
+    `wait_for` in the non-blocking paths); the chunk the get allocated is released when it lands."""
+    lmc = Lmc(server.addr, loop)
+    k = key()
+    src = lmc.chunk(seed=11)
+    lmc.put(k, src)
+    base_bytes = allocated_bytes(lmc.local)
+    conn = lmc.connector
+    real_client, real_local = conn.client, conn.local_cpu_backend
+    allocated = []  # held here, so LMCache's garbage-collection safety net cannot hide a leak
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(real_local, name)
+
+        def allocate(self, *a, **kw):
+            obj = real_local.allocate(*a, **kw)
+            allocated.append(obj)
+            return obj
+
+    class Slow:
+        def __getattr__(self, name):
+            return getattr(real_client, name)
+
+        def load_keys_into_segments(self, *a, **kw):
+            time.sleep(0.5)
+            return real_client.load_keys_into_segments(*a, **kw)
+
+    conn.client, conn.local_cpu_backend = Slow(), Recording()
+    try:
+        for coro in (conn.get(k), conn.batched_get([k]), conn.batched_get_non_blocking("x", [k])):
+            n = len(allocated)
+            fut = asyncio.run_coroutine_threadsafe(coro, loop)
+            deadline = time.monotonic() + 10
+            while len(allocated) == n and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert len(allocated) == n + 1, "the get allocated its chunk"
+            fut.cancel()  # while the load is still on its way
+            deadline = time.monotonic() + 5
+            while allocated[-1].get_ref_count() != 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert allocated[-1].get_ref_count() == 0
+            assert allocated_bytes(lmc.local) == base_bytes
+    finally:
+        conn.client, conn.local_cpu_backend = real_client, real_local
+    got = lmc.remote.get_blocking(k)
+    assert got is not None and torch.equal(got.tensor.view(torch.int16), src.tensor.view(torch.int16))
+    got.ref_count_down()
+    lmc.close()
