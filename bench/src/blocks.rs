@@ -256,7 +256,12 @@ async fn run_path(
 }
 
 /// Runs every (size, concurrency) cell against the kvtier server at `addr`, along every path.
-pub async fn run_kvtier(addr: &str, cfg: &BlocksConfig, pb: &indicatif::ProgressBar) -> anyhow::Result<Vec<Cell>> {
+pub async fn run_kvtier(
+    addr: &str,
+    cfg: &BlocksConfig,
+    tcp: &crate::limits::TcpSampler,
+    pb: &indicatif::ProgressBar,
+) -> anyhow::Result<Vec<Cell>> {
     let mut out = Vec::new();
     let paths = [
         ("kvtier", "store", Path::StoreFrames),
@@ -281,6 +286,8 @@ pub async fn run_kvtier(addr: &str, cfg: &BlocksConfig, pb: &indicatif::Progress
             let mut gbps = vec![Vec::new(); paths.len()];
             let mut lats = vec![Vec::new(); paths.len()];
             for run in 0..cfg.runs {
+                // Blocking, but nothing else runs on the runtime between two cells' runs.
+                tcp.sample(size, c)?;
                 // Paths take turns within each run, so a burst of load from elsewhere on the
                 // machine hits them alike rather than one path's every run.
                 for (i, &(_, _, path)) in paths.iter().enumerate() {
@@ -318,9 +325,7 @@ pub struct RoundTrips {
 pub async fn round_trips(addr: &str, blocks: usize, n: usize) -> anyhow::Result<RoundTrips> {
     let client = KvClient::connect(addr, ClientConfig::default()).await?;
     let size = 64 << 10;
-    let ns = client
-        .register(Namespace::new("bench", "round-trips", layout_for(size), HashScheme::Blake3, b""))
-        .await?;
+    let ns = client.register(Namespace::new("bench", "round-trips", layout_for(size), HashScheme::Blake3, b"")).await?;
     let bt = ns.block_tokens();
     let tokens: Vec<u32> = (0..(blocks * bt) as u32).collect();
     let kv: Vec<Bytes> = (0..blocks).map(|i| payload(size, i)).collect();
@@ -361,7 +366,12 @@ pub async fn round_trips(addr: &str, blocks: usize, n: usize) -> anyhow::Result<
 }
 
 /// Runs every cell against Redis at `url`, plain and pipelined.
-pub async fn run_redis(url: &str, cfg: &BlocksConfig, pb: &indicatif::ProgressBar) -> anyhow::Result<Vec<Cell>> {
+pub async fn run_redis(
+    url: &str,
+    cfg: &BlocksConfig,
+    tcp: &crate::limits::TcpSampler,
+    pb: &indicatif::ProgressBar,
+) -> anyhow::Result<Vec<Cell>> {
     let client = redis::Client::open(url)?;
     let mut out = Vec::new();
     for &c in &cfg.concurrency {
@@ -383,6 +393,8 @@ pub async fn run_redis(url: &str, cfg: &BlocksConfig, pb: &indicatif::ProgressBa
                 let n = n.div_ceil(depth) * depth;
                 let mut samples = Vec::new();
                 for run in 0..cfg.runs {
+                    // Blocking, but nothing else runs on the runtime between two runs.
+                    tcp.sample(size, c)?;
                     samples.push(redis_sample(&conns, &data, size, n, depth, run).await?);
                     redis::cmd("FLUSHALL").query_async::<()>(&mut conns[0].clone()).await?;
                 }

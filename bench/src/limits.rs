@@ -179,3 +179,31 @@ pub fn measure(disk_dir: &Path, quick: bool, runs: usize, progress: &indicatif::
         runs,
     })
 }
+
+/// Loopback TCP sampled through a run (one short stream before each cell's run of each phase),
+/// so every cell has a baseline measured at about the time it ran, not only at the start, on a
+/// machine whose other load comes and goes.
+pub struct TcpSampler {
+    bytes: usize,
+    samples: std::sync::Mutex<std::collections::BTreeMap<(usize, usize), Vec<f64>>>,
+}
+
+impl TcpSampler {
+    pub fn new(bytes: usize) -> TcpSampler {
+        TcpSampler { bytes: bytes.max(MIB), samples: Default::default() }
+    }
+
+    /// Streams `bytes` over loopback now (blocking, tens of ms) and files the figure under the
+    /// cell (`size`, `c`).
+    pub fn sample(&self, size: usize, c: usize) -> anyhow::Result<()> {
+        let g = tcp_gbps(self.bytes)?;
+        self.samples.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.entry((size, c)).or_default().push(g);
+        Ok(())
+    }
+
+    /// One `tcp` load cell per (size, concurrency): median and range of its samples.
+    pub fn cells(&self) -> Vec<crate::blocks::Cell> {
+        let s = self.samples.lock().map(|s| s.clone()).unwrap_or_default();
+        s.iter().map(|(&(size, c), v)| crate::blocks::Cell::from_runs("tcp", "load", size, c, v, &[])).collect()
+    }
+}

@@ -12,8 +12,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 use kvtier_bench::blocks::{self, BlocksConfig, Cell};
 use kvtier_bench::model::{self, Codec, Gpu, Link, Model, PlanInput};
 use kvtier_bench::plot::{self, Chart, Series};
-use kvtier_bench::replay::{self, ReplayConfig};
 use kvtier_bench::pydriver::{self, Driver};
+use kvtier_bench::replay::{self, ReplayConfig};
 use kvtier_bench::servers::{self, KvtierServer, LmcacheServer, RedisServer};
 use kvtier_bench::trace::{Trace, TraceConfig};
 use kvtier_bench::{limits, report};
@@ -253,8 +253,9 @@ fn main() -> anyhow::Result<()> {
                 (Some(s), addr)
             }
         };
+        let tcp_sampler = limits::TcpSampler::new(cfg.bytes_per_cell.min(64 << 20));
         let pb = bar(cfg.cells() as u64, "kvtier");
-        cells.extend(rt.block_on(blocks::run_kvtier(&addr, &cfg, &pb))?);
+        cells.extend(rt.block_on(blocks::run_kvtier(&addr, &cfg, &tcp_sampler, &pb))?);
         pb.finish_and_clear();
         let mut notes: Vec<String> = Vec::new();
         // gRPC round trips alone: Lookup and ResumeSession of an 8-block session.
@@ -272,7 +273,15 @@ fn main() -> anyhow::Result<()> {
                         pb.set_message(format!("python {} KiB x{c}", size >> 10));
                         let mut runs_ = Vec::new();
                         for run in 0..cfg.runs {
-                            let r = d.run("kvtier", &["--server".into(), addr.clone()], size, c, cfg.ops_per_task(size, c), run)?;
+                            tcp_sampler.sample(size, c)?;
+                            let r = d.run(
+                                "kvtier",
+                                &["--server".into(), addr.clone()],
+                                size,
+                                c,
+                                cfg.ops_per_task(size, c),
+                                run,
+                            )?;
                             for id in &r.namespaces {
                                 let req = kvtier_proto::pb::PurgeRequest { namespace_id: pydriver::unhex(id)?.into() };
                                 rt.block_on(grpc.raw_grpc().purge(req))?;
@@ -284,7 +293,10 @@ fn main() -> anyhow::Result<()> {
                     }
                 }
                 pb.finish_and_clear();
-                notes.push(format!("Python client: {} (one `kvtier.Client` with `connections=c`, c threads, one block per call).", d.python().display()));
+                notes.push(format!(
+                    "Python client: {} (one `kvtier.Client` with `connections=c`, c threads, one block per call).",
+                    d.python().display()
+                ));
             }
         }
         drop(server);
@@ -293,7 +305,9 @@ fn main() -> anyhow::Result<()> {
             Err("skipped by --no-lmcache".to_string())
         } else {
             Driver::new(&python, "lmcache.v1.protocol").and_then(|d| {
-                LmcacheServer::start(&python, &out.join("lmcache-server.log")).map(|s| (d, s)).map_err(|e| e.to_string())
+                LmcacheServer::start(&python, &out.join("lmcache-server.log"))
+                    .map(|s| (d, s))
+                    .map_err(|e| e.to_string())
             })
         };
         match lm {
@@ -306,14 +320,22 @@ fn main() -> anyhow::Result<()> {
                         pb.set_message(format!("lmcache {} KiB x{c}", size >> 10));
                         let mut runs_ = Vec::new();
                         for run in 0..cfg.runs {
-                            runs_.push(d.run("lmcache", &["--port".into(), s.port.to_string()], size, c, cfg.ops_per_task(size, c), run)?);
+                            tcp_sampler.sample(size, c)?;
+                            runs_.push(d.run(
+                                "lmcache",
+                                &["--port".into(), s.port.to_string()],
+                                size,
+                                c,
+                                cfg.ops_per_task(size, c),
+                                run,
+                            )?);
                         }
                         cells.extend(pydriver::cells(&runs_, size, c));
                         pb.inc(1);
                     }
                 }
                 pb.finish_and_clear();
-                notes.push(format!("LMCache {}: its standalone server (`python -m lmcache.v1.server 127.0.0.1 PORT cpu`), one connection per thread speaking its `lm://` protocol (PUT, then GET received with `recv_into` into the caller's buffer).", s.version));
+                notes.push(format!("LMCache {}: its standalone server (`python -m lmcache.v1.server 127.0.0.1 PORT cpu`), one connection per thread speaking its `lm://` protocol (PUT, unanswered, so each thread's store phase ends with an EXIST round trip; then GET received with `recv_into` into the caller's buffer).", s.version));
                 drop(s);
             }
         }
@@ -334,7 +356,7 @@ fn main() -> anyhow::Result<()> {
                 let r = RedisServer::start(&bin, &data_dir.join("redis"))?;
                 eprintln!("started redis-server {} on port {}", r.version, r.port);
                 let pb = bar(cfg.cells() as u64, "redis");
-                cells.extend(rt.block_on(blocks::run_redis(&r.url(), &cfg, &pb))?);
+                cells.extend(rt.block_on(blocks::run_redis(&r.url(), &cfg, &tcp_sampler, &pb))?);
                 pb.finish_and_clear();
                 // Redis's own C client, on the same server.
                 match servers::find_bin("redis-benchmark", a.redis_benchmark_bin.as_deref()) {
@@ -346,6 +368,7 @@ fn main() -> anyhow::Result<()> {
                                 let n = cfg.ops_per_task(size, c) * c;
                                 let mut by_op: BTreeMap<&str, (Vec<f64>, Vec<f64>, Vec<f64>)> = BTreeMap::new();
                                 for _ in 0..cfg.runs {
+                                    tcp_sampler.sample(size, c)?;
                                     for row in servers::redis_benchmark(&rb, r.port, size, c, n)? {
                                         let op = if row.test == "SET" { "store" } else { "load" };
                                         let e = by_op.entry(op).or_default();
@@ -372,6 +395,7 @@ fn main() -> anyhow::Result<()> {
                 drop(r);
             }
         }
+        cells.extend(tcp_sampler.cells());
         let tcp = lim.as_ref().map(|l| l.tcp).unwrap_or(f64::NAN);
         println!("{}", report::blocks_table(&cells, tcp, redis_note.as_deref(), a.pipeline));
         if let Some(l) = &lim {

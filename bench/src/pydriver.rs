@@ -75,7 +75,15 @@ impl Driver {
 
     /// One run of one cell: `target` is `kvtier` or `lmcache`, `to` its `--server ADDR` or
     /// `--port PORT` arguments.
-    pub fn run(&self, target: &str, to: &[String], size: usize, c: usize, ops: usize, run: usize) -> anyhow::Result<PyRun> {
+    pub fn run(
+        &self,
+        target: &str,
+        to: &[String],
+        size: usize,
+        c: usize,
+        ops: usize,
+        run: usize,
+    ) -> anyhow::Result<PyRun> {
         let mut cmd = Command::new(&self.python);
         cmd.arg("-I");
         match &self.file {
