@@ -25,7 +25,7 @@ use kvtier_proto::{
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
+use tokio::sync::{watch, Semaphore};
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::dram::Priority;
@@ -39,12 +39,24 @@ pub const MAX_CONNECTIONS: usize = 1024;
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 const IO_BUF: usize = 64 * 1024;
 
-/// Accepts data-plane connections until the listener fails.
-pub async fn serve(listener: TcpListener, state: Arc<NodeState>) {
+/// Accepts data-plane connections until `stop` turns true; then ends every connection (their
+/// pin leases are released as they drop) before returning.
+pub async fn serve(listener: TcpListener, state: Arc<NodeState>, mut stop: watch::Receiver<bool>) {
     let permits = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let mut conns = tokio::task::JoinSet::new();
     loop {
-        let Ok(permit) = permits.clone().acquire_owned().await else { return };
-        let (sock, peer) = match listener.accept().await {
+        let permit = tokio::select! {
+            _ = crate::stopped(&mut stop) => break,
+            p = permits.clone().acquire_owned() => match p {
+                Ok(p) => p,
+                Err(_) => break,
+            },
+        };
+        let accepted = tokio::select! {
+            _ = crate::stopped(&mut stop) => break,
+            a = listener.accept() => a,
+        };
+        let (sock, peer) = match accepted {
             Ok(x) => x,
             Err(e) => {
                 tracing::warn!("data plane accept: {e}");
@@ -53,13 +65,15 @@ pub async fn serve(listener: TcpListener, state: Arc<NodeState>) {
             }
         };
         let state = state.clone();
-        tokio::spawn(async move {
+        conns.spawn(async move {
             if let Err(e) = Connection::new(sock, state).run().await {
                 tracing::debug!(%peer, "data plane connection closed: {e}");
             }
             drop(permit);
         });
+        while conns.try_join_next().is_some() {}
     }
+    conns.shutdown().await;
 }
 
 /// Why a connection ended early.

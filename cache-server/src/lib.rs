@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use kvtier_proto::pb::kv_tier_server::KvTierServer;
 use tokio::net::TcpListener;
-use tokio::sync::oneshot;
+use tokio::sync::watch;
 
 pub use config::ServerConfig;
 pub use error::ServerError;
@@ -38,30 +38,61 @@ pub use state::NodeState;
 /// Largest gRPC message accepted (a 1M-token session manifest is ~2 MiB of keys).
 const MAX_GRPC_MESSAGE: usize = 64 << 20;
 
-/// A started node.
+/// A started node. [`RunningServer::stop`] ends every task it started.
 pub struct RunningServer {
     pub grpc_addr: SocketAddr,
     pub data_addr: SocketAddr,
     pub metrics_addr: Option<SocketAddr>,
     pub state: Arc<NodeState>,
-    shutdown: Option<oneshot::Sender<()>>,
+    /// Set to true once: every task of the node watches it.
+    stop: watch::Sender<bool>,
     grpc: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    demotion: Option<std::thread::JoinHandle<()>>,
+}
+
+/// Resolves once `stop` turns true (or its sender is gone).
+pub(crate) async fn stopped(stop: &mut watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await;
 }
 
 impl RunningServer {
-    /// Runs until the gRPC server stops (or `shutdown` is called).
-    pub async fn wait(self) -> Result<(), ServerError> {
-        match self.grpc.await {
+    /// Runs until the gRPC server stops.
+    pub async fn wait(&mut self) -> Result<(), ServerError> {
+        match (&mut self.grpc).await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) => Err(ServerError::Config(format!("gRPC server: {e}"))),
             Err(e) => Err(ServerError::Config(format!("gRPC task: {e}"))),
         }
     }
 
-    pub fn shutdown(&mut self) {
-        if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
+    /// Stops the node: the gRPC server (in-flight calls get `grace` to finish), the data plane
+    /// and its connections (their pin leases released), the session sweeper, and demotion (the
+    /// queue written out to disk first); then syncs the disk tier. When it returns no task of this
+    /// node runs, and once the caller drops its clones of `state` the data directory's `LOCK` is
+    /// released, so a node can start again on it in the same process.
+    pub async fn stop(mut self, grace: Duration) -> Result<(), ServerError> {
+        let _ = self.stop.send(true);
+        if tokio::time::timeout(grace, &mut self.grpc).await.is_err() {
+            self.grpc.abort();
+            let _ = (&mut self.grpc).await;
         }
+        for t in self.tasks.drain(..) {
+            let _ = t.await;
+        }
+        // Dropping the eviction hook closes the demotion queue: the thread writes what is queued
+        // and ends.
+        self.state.tier.set_eviction_hook(None);
+        if let Some(thread) = self.demotion.take() {
+            tokio::task::spawn_blocking(move || thread.join())
+                .await
+                .map_err(|e| ServerError::Config(format!("demotion thread: {e}")))?
+                .map_err(|_| ServerError::Config("the demotion thread panicked".into()))?;
+        }
+        if let Some(disk) = &self.state.disk {
+            disk.sync()?;
+        }
+        Ok(())
     }
 }
 
@@ -69,7 +100,7 @@ impl RunningServer {
 /// (dropping, and counting, what doesn't fit — data-plane writers wait while it is full, so that
 /// is rare) and one thread writes them out ([`write_demoted`]). A queued block stays findable in
 /// `NodeState::in_transit` until it is on disk.
-fn start_demotion(state: &Arc<NodeState>, disk: Arc<disk::DiskTier>) {
+fn start_demotion(state: &Arc<NodeState>, disk: Arc<disk::DiskTier>) -> Option<std::thread::JoinHandle<()>> {
     let codec = state.config.disk_codec_id();
     let (tx, rx) = std::sync::mpsc::sync_channel::<dram::StoredBlock>(state::DEMOTION_QUEUE);
     let depth = state.demotion_depth.clone();
@@ -134,8 +165,8 @@ fn start_demotion(state: &Arc<NodeState>, disk: Arc<disk::DiskTier>) {
                 depth.step(false);
             }
         })
-        .map(drop)
-        .unwrap_or_else(|e| tracing::error!("cannot start the demotion thread: {e}"));
+        .map_err(|e| tracing::error!("cannot start the demotion thread: {e}"))
+        .ok()
 }
 
 /// Writes one block evicted from DRAM to disk. It is verified first: a block damaged in memory is
@@ -201,27 +232,40 @@ pub async fn start(
     config.prepare_data_dir()?;
     let (grpc_listener, grpc_addr) = bind("listen", config.listen).await?;
     let (data_listener, data_addr) = bind("data_listen", config.data_listen).await?;
+    let (stop, stop_rx) = watch::channel(false);
+    let mut tasks = Vec::new();
     let mut metrics_addr = None;
     if let (Some(addr), Some(handle)) = (config.metrics_listen, metrics) {
         let (l, a) = crate::metrics::bind(addr).await?;
         metrics_addr = Some(a);
-        tokio::spawn(crate::metrics::serve(l, handle));
+        let mut s = stop_rx.clone();
+        tasks.push(tokio::spawn(async move {
+            tokio::select! {
+                _ = stopped(&mut s) => {}
+                _ = crate::metrics::serve(l, handle) => {}
+            }
+        }));
     }
     let auth = config.auth_token.clone();
     let state = Arc::new(NodeState::open(config, data_addr)?);
-    if let Some(disk) = state.disk.clone() {
-        start_demotion(&state, disk);
-    }
+    let demotion = match state.disk.clone() {
+        Some(disk) => start_demotion(&state, disk),
+        None => None,
+    };
     ::metrics::gauge!("kvtier_tier_capacity_bytes", "tier" => "dram").set(state.config.dram_capacity.0 as f64);
 
-    tokio::spawn(dataplane::serve(data_listener, state.clone()));
+    tasks.push(tokio::spawn(dataplane::serve(data_listener, state.clone(), stop_rx.clone())));
 
     // TTL sweeper: expired sessions release their pins within a second.
     let sweeper = Arc::downgrade(&state);
-    tokio::spawn(async move {
+    let mut sweeper_stop = stop_rx.clone();
+    tasks.push(tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_millis(250));
         loop {
-            tick.tick().await;
+            tokio::select! {
+                _ = stopped(&mut sweeper_stop) => return,
+                _ = tick.tick() => {}
+            }
             let Some(state) = sweeper.upgrade() else { return };
             let mut table = state.sessions.lock();
             let dead = table.expire(state.pins(), Instant::now());
@@ -236,7 +280,7 @@ pub async fn start(
                 }
             }
         }
-    });
+    }));
 
     let service = KvTierServer::new(control::ControlPlane::new(state.clone()))
         .max_decoding_message_size(MAX_GRPC_MESSAGE)
@@ -255,7 +299,7 @@ pub async fn start(
             }
         }
     };
-    let (tx, rx) = oneshot::channel::<()>();
+    let mut grpc_stop = stop_rx;
     // tonic does not apply its own `tcp_nodelay` to sockets given through `serve_with_incoming`:
     // without this, small answers (a lookup, a resume manifest) wait ~40 ms for Nagle + delayed ACK.
     let incoming = tokio_stream::StreamExt::map(tokio_stream::wrappers::TcpListenerStream::new(grpc_listener), |s| {
@@ -266,9 +310,7 @@ pub async fn start(
     let grpc = tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(tonic::service::interceptor::InterceptedService::new(service, check_auth))
-            .serve_with_incoming_shutdown(incoming, async {
-                let _ = rx.await;
-            }),
+            .serve_with_incoming_shutdown(incoming, async move { stopped(&mut grpc_stop).await }),
     );
-    Ok(RunningServer { grpc_addr, data_addr, metrics_addr, state, shutdown: Some(tx), grpc })
+    Ok(RunningServer { grpc_addr, data_addr, metrics_addr, state, stop, grpc, tasks, demotion })
 }

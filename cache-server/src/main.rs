@@ -274,7 +274,7 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         None => None,
     };
     let (cap, disk_cap, dir) = (cfg.dram_capacity, cfg.disk_capacity, cfg.data_dir.clone());
-    let mut server = kvtier_server::start(cfg, handle).await?;
+    let server = kvtier_server::start(cfg, handle).await?;
     let metrics = server.metrics_addr.map(|m| format!("http://{m}/metrics")).unwrap_or_else(|| "off".into());
     let disk = match &server.state.disk_recovery {
         Some(r) => format!(
@@ -303,8 +303,7 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         _ = term.recv() => {}
     }
     tracing::info!("shutting down");
-    server.shutdown();
-    tokio::time::timeout(Duration::from_secs(5), server.wait()).await.ok();
+    server.stop(Duration::from_secs(5)).await?;
     Ok(())
 }
 
