@@ -227,6 +227,7 @@ impl KvLayout {
         self.bytes_for_tokens(self.block_tokens)
     }
 
+    #[cfg(feature = "grpc")]
     pub fn to_pb(&self) -> crate::pb::KvLayout {
         crate::pb::KvLayout {
             layers: self.layers.into(),
@@ -241,6 +242,7 @@ impl KvLayout {
         }
     }
 
+    #[cfg(feature = "grpc")]
     pub fn from_pb(pb: &crate::pb::KvLayout) -> Result<Self, ProtoError> {
         let small = |name: &str, v: u32| {
             u16::try_from(v).map_err(|_| ProtoError::InvalidLayout(format!("{name} {v} is out of range")))
@@ -315,6 +317,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg(feature = "grpc")]
     fn pb_round_trip() {
         let l = KvLayout::new(30, 3, 64, DType::Fp16, 32);
         assert_eq!(KvLayout::from_pb(&l.to_pb()).unwrap(), l);

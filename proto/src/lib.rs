@@ -30,6 +30,7 @@ pub use namespace::{HashScheme, Namespace, NamespaceId, NAMESPACE_ID_LEN};
 
 /// Generated gRPC messages and service (package `kvtier.v1`).
 #[allow(clippy::all, missing_docs)]
+#[cfg(feature = "grpc")]
 pub mod pb {
     tonic::include_proto!("kvtier.v1");
 }

@@ -169,6 +169,7 @@ impl Namespace {
         blake3::derive_key("kvtier 2026 block key salt v1", &self.canonical())
     }
 
+    #[cfg(feature = "grpc")]
     pub fn to_pb(&self) -> crate::pb::NamespaceSpec {
         crate::pb::NamespaceSpec {
             tenant: self.tenant.clone(),
@@ -181,6 +182,7 @@ impl Namespace {
         }
     }
 
+    #[cfg(feature = "grpc")]
     pub fn from_pb(pb: &crate::pb::NamespaceSpec) -> Result<Self, ProtoError> {
         let layout = pb.layout.as_ref().ok_or_else(|| ProtoError::InvalidNamespace("layout is missing".into()))?;
         let ns = Namespace {
@@ -261,6 +263,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg(feature = "grpc")]
     fn opaque_namespaces_round_trip_and_are_lossless() {
         let n = Namespace::new("t", "m", KvLayout::opaque(1 << 21, DType::Bf16, 256), HashScheme::Sha256, b"s")
             .with_engine("engine=vllm;hash=sha256");
@@ -275,6 +278,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg(feature = "grpc")]
     fn pb_round_trip_and_validation() {
         let n = ns();
         assert_eq!(Namespace::from_pb(&n.to_pb()).unwrap(), n);
