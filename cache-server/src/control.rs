@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier_proto::{codes, pb, BlockKey, Namespace, NamespaceId};
+use kvtier_proto::{codes, pb, BlockKey, Namespace, NamespaceId, TierId};
 use tonic::{Request, Response, Status};
 
 use crate::dram::Priority;
@@ -328,7 +328,7 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
     async fn stats(&self, _r: Request<pb::StatsRequest>) -> Result<Response<pb::StatsResponse>, Status> {
         let s = self.state.tier.stats();
         let mut tiers = vec![pb::TierStats {
-            tier: "dram".into(),
+            tier: TierId::Dram.as_str().into(),
             capacity_bytes: s.capacity_bytes,
             resident_bytes: s.resident_bytes,
             allocated_bytes: s.allocated_bytes,
@@ -343,7 +343,7 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         if let Some(d) = &self.state.disk {
             let d = d.stats();
             tiers.push(pb::TierStats {
-                tier: "disk".into(),
+                tier: TierId::Disk.as_str().into(),
                 capacity_bytes: d.capacity_bytes,
                 resident_bytes: d.resident_bytes,
                 allocated_bytes: d.used_bytes,

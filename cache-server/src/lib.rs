@@ -27,7 +27,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier_proto::pb::kv_tier_server::KvTierServer;
+use kvtier_proto::{pb::kv_tier_server::KvTierServer, TierId};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
@@ -252,7 +252,8 @@ pub async fn start(
         Some(disk) => start_demotion(&state, disk),
         None => None,
     };
-    ::metrics::gauge!("kvtier_tier_capacity_bytes", "tier" => "dram").set(state.config.dram_capacity.0 as f64);
+    ::metrics::gauge!("kvtier_tier_capacity_bytes", "tier" => TierId::Dram.as_str())
+        .set(state.config.dram_capacity.0 as f64);
 
     tasks.push(tokio::spawn(dataplane::serve(data_listener, state.clone(), stop_rx.clone())));
 

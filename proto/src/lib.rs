@@ -18,6 +18,7 @@ mod frame;
 mod key;
 mod layout;
 mod namespace;
+mod tier;
 
 pub use error::ProtoError;
 pub use frame::{
@@ -27,6 +28,7 @@ pub use frame::{
 pub use key::{BlockKey, KeyChain, KEY_LEN};
 pub use layout::{DType, KvLayout, MemoryOrder};
 pub use namespace::{HashScheme, Namespace, NamespaceId, NAMESPACE_ID_LEN};
+pub use tier::TierId;
 
 /// Generated gRPC messages and service (package `kvtier.v1`).
 #[allow(clippy::all, missing_docs)]

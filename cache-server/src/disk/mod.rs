@@ -33,7 +33,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use kvtier_proto::{BlockKey, FrameHeader, NamespaceId, FRAME_HEADER_LEN};
+use kvtier_proto::{BlockKey, FrameHeader, NamespaceId, TierId, FRAME_HEADER_LEN};
 use parking_lot::Mutex;
 
 use crate::dram::IndexKey;
@@ -213,9 +213,9 @@ impl DiskTier {
 
     fn publish_gauges(&self) {
         let st = self.inner.lock();
-        ::metrics::gauge!("kvtier_tier_resident_bytes", "tier" => "disk").set(st.total_bytes as f64);
-        ::metrics::gauge!("kvtier_tier_blocks", "tier" => "disk").set(st.index.len() as f64);
-        ::metrics::gauge!("kvtier_tier_pinned_bytes", "tier" => "disk").set(st.pinned_bytes as f64);
+        ::metrics::gauge!("kvtier_tier_resident_bytes", "tier" => TierId::Disk.as_str()).set(st.total_bytes as f64);
+        ::metrics::gauge!("kvtier_tier_blocks", "tier" => TierId::Disk.as_str()).set(st.index.len() as f64);
+        ::metrics::gauge!("kvtier_tier_pinned_bytes", "tier" => TierId::Disk.as_str()).set(st.pinned_bytes as f64);
     }
 
     /// Opens a new active segment (the caller holds the write lock).
@@ -252,7 +252,7 @@ impl DiskTier {
         let _ = std::fs::remove_file(segment_path(&self.seg_dir, id));
         self.counters.evicted_blocks.fetch_add(n, Ordering::Relaxed);
         self.counters.evicted_segments.fetch_add(1, Ordering::Relaxed);
-        ::metrics::counter!("kvtier_tier_evictions_total", "tier" => "disk").increment(n);
+        ::metrics::counter!("kvtier_tier_evictions_total", "tier" => TierId::Disk.as_str()).increment(n);
         true
     }
 
@@ -313,7 +313,8 @@ impl DiskTier {
         drop(st);
         self.counters.writes.fetch_add(1, Ordering::Relaxed);
         self.counters.bytes_in.fetch_add(header.payload_len, Ordering::Relaxed);
-        ::metrics::counter!("kvtier_tier_bytes_in_total", "tier" => "disk").increment(header.payload_len);
+        ::metrics::counter!("kvtier_tier_bytes_in_total", "tier" => TierId::Disk.as_str())
+            .increment(header.payload_len);
         self.publish_gauges();
         Ok(())
     }
@@ -340,7 +341,7 @@ impl DiskTier {
         };
         let Some((loc, file)) = found else {
             self.counters.misses.fetch_add(1, Ordering::Relaxed);
-            ::metrics::counter!("kvtier_tier_misses_total", "tier" => "disk").increment(1);
+            ::metrics::counter!("kvtier_tier_misses_total", "tier" => TierId::Disk.as_str()).increment(1);
             return None;
         };
         let t = Instant::now();
@@ -363,8 +364,9 @@ impl DiskTier {
         }
         self.counters.hits.fetch_add(1, Ordering::Relaxed);
         self.counters.bytes_out.fetch_add(loc.header.payload_len, Ordering::Relaxed);
-        ::metrics::counter!("kvtier_tier_hits_total", "tier" => "disk").increment(1);
-        ::metrics::counter!("kvtier_tier_bytes_out_total", "tier" => "disk").increment(loc.header.payload_len);
+        ::metrics::counter!("kvtier_tier_hits_total", "tier" => TierId::Disk.as_str()).increment(1);
+        ::metrics::counter!("kvtier_tier_bytes_out_total", "tier" => TierId::Disk.as_str())
+            .increment(loc.header.payload_len);
         let payload = Bytes::from(buf).slice(FRAME_HEADER_LEN..);
         Some((loc.header, payload))
     }

@@ -50,7 +50,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use dashmap::DashMap;
-use kvtier_proto::{BlockKey, FrameHeader, NamespaceId};
+use kvtier_proto::{BlockKey, FrameHeader, NamespaceId, TierId};
 use parking_lot::{Mutex, RwLock};
 
 use policy::{Entries, Item, Place, Policy, View, MAX_FREQ};
@@ -269,10 +269,11 @@ impl Shared {
         c.allocated.store(st.slab.allocated(), Ordering::Relaxed);
         c.pinned.store(st.pinned, Ordering::Relaxed);
         c.blocks.store(st.blocks, Ordering::Relaxed);
-        ::metrics::gauge!("kvtier_tier_resident_bytes", "tier" => "dram").set(st.resident as f64);
-        ::metrics::gauge!("kvtier_tier_allocated_bytes", "tier" => "dram").set(st.slab.allocated() as f64);
-        ::metrics::gauge!("kvtier_tier_pinned_bytes", "tier" => "dram").set(st.pinned as f64);
-        ::metrics::gauge!("kvtier_tier_blocks", "tier" => "dram").set(st.blocks as f64);
+        ::metrics::gauge!("kvtier_tier_resident_bytes", "tier" => TierId::Dram.as_str()).set(st.resident as f64);
+        ::metrics::gauge!("kvtier_tier_allocated_bytes", "tier" => TierId::Dram.as_str())
+            .set(st.slab.allocated() as f64);
+        ::metrics::gauge!("kvtier_tier_pinned_bytes", "tier" => TierId::Dram.as_str()).set(st.pinned as f64);
+        ::metrics::gauge!("kvtier_tier_blocks", "tier" => TierId::Dram.as_str()).set(st.blocks as f64);
     }
 
     /// Takes `key` out of the index and the policy. Returns its buffer and header.
@@ -312,7 +313,7 @@ impl Shared {
             };
             let Some((buf, header)) = self.unindex(st, &victim.key) else { continue };
             self.counters.evictions.fetch_add(1, Ordering::Relaxed);
-            ::metrics::counter!("kvtier_tier_evictions_total", "tier" => "dram").increment(1);
+            ::metrics::counter!("kvtier_tier_evictions_total", "tier" => TierId::Dram.as_str()).increment(1);
             if hook {
                 demoted.push((victim.key, StoredBlock { header, payload: view_of(&buf, header.payload_len) }));
             }
@@ -426,7 +427,8 @@ impl DramTier {
         let c = &self.shared.counters;
         c.inserts.fetch_add(1, Ordering::Relaxed);
         c.bytes_in.fetch_add(header.payload_len, Ordering::Relaxed);
-        ::metrics::counter!("kvtier_tier_bytes_in_total", "tier" => "dram").increment(header.payload_len);
+        ::metrics::counter!("kvtier_tier_bytes_in_total", "tier" => TierId::Dram.as_str())
+            .increment(header.payload_len);
         Ok(InsertOutcome::Inserted)
     }
 
@@ -463,12 +465,13 @@ impl DramTier {
             Some(b) => {
                 c.hits.fetch_add(1, Ordering::Relaxed);
                 c.bytes_out.fetch_add(b.payload.len() as u64, Ordering::Relaxed);
-                ::metrics::counter!("kvtier_tier_hits_total", "tier" => "dram").increment(1);
-                ::metrics::counter!("kvtier_tier_bytes_out_total", "tier" => "dram").increment(b.payload.len() as u64);
+                ::metrics::counter!("kvtier_tier_hits_total", "tier" => TierId::Dram.as_str()).increment(1);
+                ::metrics::counter!("kvtier_tier_bytes_out_total", "tier" => TierId::Dram.as_str())
+                    .increment(b.payload.len() as u64);
             }
             None => {
                 c.misses.fetch_add(1, Ordering::Relaxed);
-                ::metrics::counter!("kvtier_tier_misses_total", "tier" => "dram").increment(1);
+                ::metrics::counter!("kvtier_tier_misses_total", "tier" => TierId::Dram.as_str()).increment(1);
             }
         }
         found
