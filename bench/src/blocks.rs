@@ -406,6 +406,36 @@ pub async fn run_redis(
     Ok(out)
 }
 
+/// `redis-benchmark`'s own figures for one cell: its SET and GET of `size`-byte values with `c`
+/// clients, as many requests as the cell's other systems make, `cfg.runs` times (GB/s = requests/s
+/// × size; latencies: the median over runs of its own p50 and p99).
+pub fn redis_benchmark_cells(
+    bin: &std::path::Path,
+    port: u16,
+    cfg: &BlocksConfig,
+    size: usize,
+    c: usize,
+    tcp: &crate::limits::TcpSampler,
+) -> anyhow::Result<Vec<Cell>> {
+    let n = cfg.ops_per_task(size, c) * c;
+    let mut rows = Vec::new();
+    for _ in 0..cfg.runs {
+        tcp.sample(size, c)?;
+        rows.extend(crate::servers::redis_benchmark(bin, port, size, c, n)?);
+    }
+    let mut cells = Vec::new();
+    for (test, op) in [("SET", "store"), ("GET", "load")] {
+        let mine: Vec<_> = rows.iter().filter(|r| r.test == test).collect();
+        let g: Vec<f64> = mine.iter().map(|r| r.rps * size as f64 / 1e9).collect();
+        let mut cell = Cell::from_runs("redis-benchmark", op, size, c, &g, &[]);
+        cell.p50_ms = median(mine.iter().map(|r| r.p50_ms).collect());
+        cell.p99_ms = median(mine.iter().map(|r| r.p99_ms).collect());
+        cell.ops = n * mine.len();
+        cells.push(cell);
+    }
+    Ok(cells)
+}
+
 async fn redis_sample(
     conns: &[redis::aio::MultiplexedConnection],
     data: &Bytes,

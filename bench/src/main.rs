@@ -2,7 +2,6 @@
 //! saves, in one run. `kvtier-bench [all|limits|blocks|trace|plan] [--quick] [--out DIR]`.
 //! Markdown on stdout, `results.json` and PNG plots in the output folder.
 
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -365,25 +364,7 @@ fn main() -> anyhow::Result<()> {
                         let pb = bar(cfg.cells() as u64, "redis-benchmark");
                         for &c in &cfg.concurrency {
                             for &size in &cfg.sizes {
-                                let n = cfg.ops_per_task(size, c) * c;
-                                let mut by_op: BTreeMap<&str, (Vec<f64>, Vec<f64>, Vec<f64>)> = BTreeMap::new();
-                                for _ in 0..cfg.runs {
-                                    tcp_sampler.sample(size, c)?;
-                                    for row in servers::redis_benchmark(&rb, r.port, size, c, n)? {
-                                        let op = if row.test == "SET" { "store" } else { "load" };
-                                        let e = by_op.entry(op).or_default();
-                                        e.0.push(row.rps * size as f64 / 1e9);
-                                        e.1.push(row.p50_ms);
-                                        e.2.push(row.p99_ms);
-                                    }
-                                }
-                                for (op, (g, p50, p99)) in by_op {
-                                    let mut cell = Cell::from_runs("redis-benchmark", op, size, c, &g, &[]);
-                                    cell.p50_ms = kvtier_bench::median(p50);
-                                    cell.p99_ms = kvtier_bench::median(p99);
-                                    cell.ops = n * cfg.runs;
-                                    cells.push(cell);
-                                }
+                                cells.extend(blocks::redis_benchmark_cells(&rb, r.port, &cfg, size, c, &tcp_sampler)?);
                                 pb.inc(1);
                             }
                         }

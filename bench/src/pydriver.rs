@@ -159,7 +159,7 @@ pub fn cells(runs: &[PyRun], size: usize, c: usize) -> Vec<Cell> {
 
 /// Parses a namespace id written in hex.
 pub fn unhex(s: &str) -> anyhow::Result<Vec<u8>> {
-    anyhow::ensure!(s.len() % 2 == 0, "odd-length hex {s:?}");
+    anyhow::ensure!(s.len().is_multiple_of(2), "odd-length hex {s:?}");
     (0..s.len()).step_by(2).map(|i| Ok(u8::from_str_radix(&s[i..i + 2], 16)?)).collect()
 }
 

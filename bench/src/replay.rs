@@ -35,7 +35,7 @@ fn session_stream(session: u32) -> u64 {
 pub fn replay_layout(model: &Model, scale: u64) -> anyhow::Result<KvLayout> {
     let b = model.kv_bytes_per_token(Codec::Bf16) as u64;
     anyhow::ensure!(
-        b % (4 * scale) == 0 && b / (4 * scale) <= 4096,
+        b.is_multiple_of(4 * scale) && b / (4 * scale) <= 4096,
         "scale {scale} does not divide {} bytes per token into a valid layout",
         b
     );
@@ -359,7 +359,7 @@ pub async fn replay(
 fn session_blocks(layout: &KvLayout, block: &Bytes, from: u64, to: u64) -> Vec<Bytes> {
     let bt = u64::from(layout.block_tokens);
     let mut v: Vec<Bytes> = (from / bt..to / bt).map(|_| block.clone()).collect();
-    if to % bt != 0 {
+    if !to.is_multiple_of(bt) {
         v.push(block.slice(..layout.bytes_for_tokens((to % bt) as u32) as usize));
     }
     v
