@@ -10,7 +10,10 @@ import time
 import numpy as np
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not installed (`bash scripts/test vllm` installs it)")
+if os.environ.get("KVTIER_REQUIRE_ENGINES"):  # CI: a broken vLLM install fails instead of skipping
+    import vllm.v1.kv_offload.tiering.base  # noqa: F401
+
+pytest.importorskip("vllm", reason="vLLM is not installed (`bash scripts/test engines` installs it)")
 
 import vllm_harness as h  # noqa: E402
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # noqa: E402
