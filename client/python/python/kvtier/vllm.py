@@ -21,7 +21,7 @@ Tier options (the keys of its `secondary_tiers` entry besides `type` and `module
     connections   client connections (default 4)
     io_threads    worker threads moving chunks (default 4)
     auth_token    kvtier bearer token
-    codec         "raw" (default) or "raw+lz4"
+    codec         "raw" (the only codec for an engine's opaque chunks; others make an always-empty tier)
     model, revision, hash_algo   override what is read from vLLM's config (see below)
     locality      "REMOTE" (default) or "LOCAL"
 
