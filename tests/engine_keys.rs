@@ -76,6 +76,17 @@ async fn engine_keys_store_exist_and_load_into_buffers() {
     // Wrong sizes are the caller's bug: refused before anything is sent.
     let err = client.store_keys(&ns, &keys[..1], &[vec![blocks[0].slice(1..)]]).await.unwrap_err();
     assert!(matches!(err, ClientError::InvalidArgument(_)), "{err}");
+
+    // A namespace another server knows is unknown here: a clear error, and the connection goes on.
+    let other = ServerProcess::start(&["--dram-capacity", "64MiB"]);
+    let elsewhere = other.client().await;
+    let err = elsewhere.exists_keys(&ns, &keys).await.unwrap_err();
+    assert!(matches!(err, ClientError::UnknownNamespace(_)), "{err}");
+    let mut out = vec![0u8; bb as usize];
+    let err = elsewhere.load_keys_into(&ns, &keys[..1], &mut [vec![&mut out[..]]], false).await.unwrap_err();
+    assert!(matches!(err, ClientError::UnknownNamespace(_)), "{err}");
+    let fresh = elsewhere.register(ns.namespace.clone()).await.unwrap();
+    assert_eq!(elsewhere.exists_keys(&fresh, &keys).await.unwrap(), vec![false; 6]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -329,19 +329,25 @@ impl Connection {
         })
     }
 
-    async fn get(&mut self, req: RequestHeader) -> Result<(), ConnError> {
-        let start = Instant::now();
+    /// Reads the keys of a `GET` or `EXISTS`; `None` (answered already) when the namespace is
+    /// unknown.
+    async fn read_keys(&mut self, req: &RequestHeader) -> Result<Option<Vec<u8>>, ConnError> {
         let mut raw = vec![0u8; req.count as usize * KEY_LEN];
         self.rd.read_exact(&mut raw).await?;
-        let ns: NamespaceId = req.namespace;
-        if let Err(e) = self.state.namespace(&ns) {
+        if !self.state.knows_namespace(&req.namespace) {
             error("unknown_namespace");
-            let msg = e.to_string();
-            self.wr
-                .write_all(&ResponseHeader::error(Op::Get as u8, req.request_id, Status::UnknownNamespace, &msg))
-                .await?;
-            return Ok(());
+            let msg = ServerError::UnknownNamespace(req.namespace).to_string();
+            let answer = ResponseHeader::error(req.op as u8, req.request_id, Status::UnknownNamespace, &msg);
+            self.wr.write_all(&answer).await?;
+            return Ok(None);
         }
+        Ok(Some(raw))
+    }
+
+    async fn get(&mut self, req: RequestHeader) -> Result<(), ConnError> {
+        let start = Instant::now();
+        let Some(raw) = self.read_keys(&req).await? else { return Ok(()) };
+        let ns: NamespaceId = req.namespace;
         let h = ResponseHeader {
             op: Op::Get as u8,
             status: Status::Ok,
@@ -388,17 +394,8 @@ impl Connection {
     /// Per-key presence in any tier, without reading a payload.
     async fn exists(&mut self, req: RequestHeader) -> Result<(), ConnError> {
         let start = Instant::now();
-        let mut raw = vec![0u8; req.count as usize * KEY_LEN];
-        self.rd.read_exact(&mut raw).await?;
+        let Some(raw) = self.read_keys(&req).await? else { return Ok(()) };
         let ns: NamespaceId = req.namespace;
-        if let Err(e) = self.state.namespace(&ns) {
-            error("unknown_namespace");
-            let msg = e.to_string();
-            self.wr
-                .write_all(&ResponseHeader::error(Op::Exists as u8, req.request_id, Status::UnknownNamespace, &msg))
-                .await?;
-            return Ok(());
-        }
         let statuses: Vec<u8> = raw
             .chunks_exact(KEY_LEN)
             .map(|chunk| {

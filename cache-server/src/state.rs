@@ -279,6 +279,11 @@ impl NodeState {
         Ok(id)
     }
 
+    /// Whether a namespace is registered (without copying it: the data plane asks per request).
+    pub fn knows_namespace(&self, id: &NamespaceId) -> bool {
+        self.namespaces.read().contains_key(id)
+    }
+
     pub fn namespace(&self, id: &NamespaceId) -> Result<Namespace, ServerError> {
         self.namespaces.read().get(id).cloned().ok_or(ServerError::UnknownNamespace(*id))
     }
