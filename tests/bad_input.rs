@@ -278,3 +278,29 @@ async fn longest_context_works_and_ten_percent_more_changes_nothing() {
     assert_eq!(after.tiers[0].pinned_bytes, before.tiers[0].pinned_bytes);
     assert_eq!(after.tiers[0].blocks, before.tiers[0].blocks, "nothing was stored");
 }
+
+/// A client that announces an auth token and never sends it is cut off with the hello's deadline
+/// (10 s), so such connections can't hold the data plane's slots; the server keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hello_that_never_finishes_is_cut_off() {
+    let server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
+    let mut s = std::net::TcpStream::connect(server.data).unwrap();
+    let mut hello = Hello::encode(PROTOCOL_VERSION, &[b'x'; 100]);
+    hello.truncate(hello.len() - 90); // 10 of the 100 announced token bytes
+    s.write_all(&hello).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(30))).unwrap();
+    let t = std::time::Instant::now();
+    let mut buf = [0u8; 16];
+    let n = s.read(&mut buf).unwrap_or(0);
+    assert_eq!(n, 0, "the server closes the connection without answering");
+    let waited = t.elapsed();
+    assert!(waited >= std::time::Duration::from_secs(8) && waited < std::time::Duration::from_secs(25), "{waited:?}");
+    let m = server.scrape();
+    assert!(metric(&m, "kvtier_errors_total", &[("kind", "dataplane_hello_timeout")]) >= 1.0, "{m}");
+    // Others are served meanwhile and after.
+    let client = server.client().await;
+    let ns = client.register(namespace("after", b"", small_layout())).await.unwrap();
+    let t = tokens(9, 64);
+    client.store(&ns, &t, &full_block_payloads(&ns, &t)).await.unwrap().ok().unwrap();
+    assert_eq!(client.lookup(&ns, &t).await.unwrap(), 64);
+}

@@ -166,10 +166,15 @@ impl Connection {
     }
 
     async fn handshake(&mut self) -> Result<(), ConnError> {
+        // The whole hello, token included, within one deadline: a client that announces a token
+        // and never sends it holds a connection slot for at most this long.
+        let deadline = tokio::time::Instant::now() + HELLO_TIMEOUT;
+        let late = || ConnError::Protocol("no complete hello within 10 s".into());
         let mut h = [0u8; HELLO_LEN];
-        tokio::time::timeout(HELLO_TIMEOUT, self.rd.read_exact(&mut h))
-            .await
-            .map_err(|_| ConnError::Protocol("no hello within 10 s".into()))??;
+        tokio::time::timeout_at(deadline, self.rd.read_exact(&mut h)).await.map_err(|_| {
+            error("dataplane_hello_timeout");
+            late()
+        })??;
         let hello = match Hello::decode(&h) {
             Ok(h) => h,
             Err(e) => {
@@ -180,7 +185,10 @@ impl Connection {
             }
         };
         let mut token = vec![0u8; hello.token_len as usize];
-        self.rd.read_exact(&mut token).await?;
+        tokio::time::timeout_at(deadline, self.rd.read_exact(&mut token)).await.map_err(|_| {
+            error("dataplane_hello_timeout");
+            late()
+        })??;
         if hello.version != PROTOCOL_VERSION {
             let msg = format!(
                 "data-plane protocol {} is not supported; this server speaks {PROTOCOL_VERSION}",
