@@ -148,6 +148,20 @@ async fn lossless_namespaces_never_hold_quantized_bytes() {
     assert_eq!(client.store_frames(&[sneaked]).await.unwrap(), vec![ItemStatus::LossyCodec]);
     assert_eq!(client.exists_keys(&exact, &[key]).await.unwrap(), vec![false]);
 
+    // In a namespace that mixes codecs, a raw writer learns that the copy already held is lossy.
+    let shared = lossy.engine_key(b"shared");
+    let fp8_writer = lossy.clone().with_codec(CodecId::FP8_E4M3).unwrap();
+    let st = client.store_keys_report(&fp8_writer, &[shared], &[vec![raw.clone()]]).await.unwrap();
+    assert_eq!((st[0].status, st[0].codec), (ItemStatus::Ok, Some(CodecId::FP8_E4M3)));
+    let st = client.store_keys_report(&lossy, &[shared], &[vec![raw.clone()]]).await.unwrap();
+    assert_eq!((st[0].status, st[0].codec), (ItemStatus::Present, Some(CodecId::FP8_E4M3)));
+    // The lossless namespace holds its own, raw copy of the same engine hash.
+    let own = exact.engine_key(b"shared");
+    let st = client.store_keys_report(&exact, &[own], &[vec![raw.clone()]]).await.unwrap();
+    assert_eq!((st[0].status, st[0].codec), (ItemStatus::Ok, Some(CodecId::RAW)));
+    let st = client.store_keys_report(&exact, &[own], &[vec![raw.clone()]]).await.unwrap();
+    assert_eq!((st[0].status, st[0].codec), (ItemStatus::Present, Some(CodecId::RAW)));
+
     // Opaque layouts take raw bytes only.
     let opaque = client.register(opaque_ns("acme", 4096, "engine=x")).await.unwrap();
     assert!(

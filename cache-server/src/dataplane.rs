@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use kvtier_proto::dataplane::{
     Hello, HelloReply, ItemStatus, Op, RequestHeader, ResponseHeader, Status, FLAG_PIN_LEASE, FLAG_REPORT_PRESENT,
-    FLAG_STOP_AT_MISS, HELLO_LEN, PROTOCOL_VERSION, REQUEST_HEADER_LEN,
+    FLAG_STOP_AT_MISS, HELLO_LEN, NO_CODEC, PROTOCOL_VERSION, REQUEST_HEADER_LEN,
 };
 use kvtier_proto::{
     BlockKey, FrameHeader, NamespaceId, ProtoError, FRAME_FLAG_KEEP_LOSSLESS, FRAME_HEADER_LEN, KEY_LEN,
@@ -256,6 +256,8 @@ impl Connection {
     async fn put(&mut self, req: RequestHeader) -> Result<(), ConnError> {
         let start = Instant::now();
         let mut statuses = Vec::with_capacity(req.count as usize);
+        let report = req.flags & FLAG_REPORT_PRESENT != 0;
+        let mut codecs = Vec::with_capacity(if report { 2 * req.count as usize } else { 0 });
         for i in 0..req.count {
             let mut fh = [0u8; FRAME_HEADER_LEN];
             self.rd.read_exact(&mut fh).await.inspect_err(|_| error("dataplane_truncated"))?;
@@ -285,6 +287,14 @@ impl Connection {
             if !status.is_held() {
                 error(item_kind(status));
             }
+            if report {
+                let codec = match status {
+                    ItemStatus::Ok => Some(header.codec),
+                    ItemStatus::Present => self.state.held_codec(&header.namespace, &header.key),
+                    _ => None,
+                };
+                codecs.extend_from_slice(&codec.map_or(NO_CODEC, |c| c.0).to_le_bytes());
+            }
             statuses.push(status as u8);
         }
         let h = ResponseHeader {
@@ -296,6 +306,7 @@ impl Connection {
         };
         self.wr.write_all(&h.encode()).await?;
         self.wr.write_all(&statuses).await?;
+        self.wr.write_all(&codecs).await?;
         observe("dataplane_put", start);
         Ok(())
     }

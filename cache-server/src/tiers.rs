@@ -30,6 +30,17 @@ impl NodeState {
             || self.disk.as_ref().is_some_and(|d| d.contains(ns, key))
     }
 
+    /// The codec of the copy some tier holds, hottest first (DRAM, the demotion queue, disk).
+    pub fn held_codec(&self, ns: &NamespaceId, key: &BlockKey) -> Option<kvtier_proto::CodecId> {
+        if let Some(b) = self.tier.get(ns, key) {
+            return Some(b.header.codec);
+        }
+        if let Some(b) = self.in_transit.get(&(*ns, *key)) {
+            return Some(b.header.codec);
+        }
+        self.disk.as_ref().and_then(|d| d.header(ns, key)).map(|h| h.codec)
+    }
+
     /// How many leading `keys` some tier holds.
     pub fn longest_prefix(&self, ns: &NamespaceId, keys: &[BlockKey]) -> usize {
         let mut n = self.tier.longest_prefix(ns, keys);

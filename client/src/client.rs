@@ -224,6 +224,14 @@ fn decode_frames(frames: Vec<BlockFrame>) -> Result<Vec<Bytes>, ClientError> {
     }
 }
 
+/// What a store of one block left on the server: its status (`Ok` stored now, `Present` already
+/// held, or why refused) and the codec of the copy held now (`None` when refused).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoredAs {
+    pub status: ItemStatus,
+    pub codec: Option<CodecId>,
+}
+
 /// Per-block outcome of a store.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoreReport {
@@ -567,6 +575,17 @@ impl KvClient {
         keys: &[BlockKey],
         blocks: &[Vec<Bytes>],
     ) -> Result<Vec<ItemStatus>, ClientError> {
+        Ok(self.store_keys_report(ns, keys, blocks).await?.into_iter().map(|r| r.status).collect())
+    }
+
+    /// [`KvClient::store_keys`], saying beside each status which codec the copy the server holds
+    /// is in: a writer that stores raw learns whether a block someone else stored first is lossy.
+    pub async fn store_keys_report(
+        &self,
+        ns: &NamespaceHandle,
+        keys: &[BlockKey],
+        blocks: &[Vec<Bytes>],
+    ) -> Result<Vec<StoredAs>, ClientError> {
         if keys.len() != blocks.len() {
             return Err(ClientError::InvalidArgument(format!("{} keys but {} blocks", keys.len(), blocks.len())));
         }
@@ -612,7 +631,7 @@ impl KvClient {
                 Ok::<_, ClientError>(st)
             })))
             .await?;
-        Ok(results.into_iter().flatten().collect())
+        Ok(results.into_iter().flatten().map(|(status, codec)| StoredAs { status, codec }).collect())
     }
 
     /// Loads blocks by key straight into the caller's memory: `dests[i]` receives block `i` in

@@ -12,9 +12,9 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use kvtier_proto::dataplane::{
     Hello, HelloReply, ItemStatus, Op, RequestHeader, ResponseHeader, Status, FLAG_PIN_LEASE, FLAG_REPORT_PRESENT,
-    FLAG_STOP_AT_MISS, PROTOCOL_VERSION, RESPONSE_HEADER_LEN,
+    FLAG_STOP_AT_MISS, NO_CODEC, PROTOCOL_VERSION, RESPONSE_HEADER_LEN,
 };
-use kvtier_proto::{BlockFrame, BlockKey, FrameHeader, NamespaceId, ProtoError, FRAME_HEADER_LEN};
+use kvtier_proto::{BlockFrame, BlockKey, CodecId, FrameHeader, NamespaceId, ProtoError, FRAME_HEADER_LEN};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
@@ -151,9 +151,23 @@ impl DataConn {
         self.put_frames(frames, if lease { FLAG_PIN_LEASE } else { 0 }).await
     }
 
-    /// Stores frames given as parts; [`ItemStatus::Present`] for blocks the server already held.
-    pub(crate) async fn put_reporting<F: OutFrame>(&mut self, frames: &[F]) -> Result<Vec<ItemStatus>, ClientError> {
-        self.put_frames(frames, FLAG_REPORT_PRESENT).await
+    /// Stores frames given as parts; [`ItemStatus::Present`] for blocks the server already held,
+    /// and beside each status the codec of the copy the server holds now (`None`: refused).
+    pub(crate) async fn put_reporting<F: OutFrame>(
+        &mut self,
+        frames: &[F],
+    ) -> Result<Vec<(ItemStatus, Option<CodecId>)>, ClientError> {
+        let st = self.put_frames(frames, FLAG_REPORT_PRESENT).await?;
+        let mut codecs = vec![0u8; 2 * st.len()];
+        self.rd.read_exact(&mut codecs).await?;
+        Ok(st
+            .into_iter()
+            .zip(codecs.chunks_exact(2))
+            .map(|(s, c)| {
+                let c = u16::from_le_bytes([c[0], c[1]]);
+                (s, (c != NO_CODEC).then_some(CodecId(c)))
+            })
+            .collect())
     }
 
     async fn put_frames<F: OutFrame>(&mut self, frames: &[F], flags: u16) -> Result<Vec<ItemStatus>, ClientError> {

@@ -27,7 +27,7 @@ mod error;
 
 pub use client::{
     decode_frame, decode_frame_into, BlockDest, ClientConfig, KvClient, NamespaceHandle, ParkOptions, ResumedSession,
-    SessionInfo, StoreReport,
+    SessionInfo, StoreReport, StoredAs,
 };
 pub use engine::{EngineClient, Loaded, Miss};
 pub use error::ClientError;

@@ -23,7 +23,8 @@
 //!
 //! A `PUT` with [`FLAG_REPORT_PRESENT`] answers [`ItemStatus::Present`] instead of `Ok` for a
 //! block the server already held (its bytes were not taken), so a writer learns what it didn't
-//! need to send.
+//! need to send; after the item statuses come one little-endian `u16` per item: the codec of the
+//! copy the server holds (for `Ok` and `Present`), or [`NO_CODEC`].
 //!
 //! A `PUT` with [`FLAG_PIN_LEASE`] pins each stored (or already present) block for as long as the
 //! connection lives or until `RELEASE`, so a session's blocks can't be evicted between their upload
@@ -47,6 +48,8 @@ pub const FLAG_PIN_LEASE: u16 = 1;
 pub const FLAG_STOP_AT_MISS: u16 = 2;
 /// `PUT` flag: answer [`ItemStatus::Present`] for blocks already held.
 pub const FLAG_REPORT_PRESENT: u16 = 4;
+/// In a [`FLAG_REPORT_PRESENT`] answer: no copy held (the item was refused).
+pub const NO_CODEC: u16 = u16::MAX;
 
 /// Opens a connection.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -207,6 +207,11 @@ impl DiskTier {
         self.cfg.capacity_bytes
     }
 
+    /// The header of a block on disk, from the index (no I/O).
+    pub fn header(&self, ns: &NamespaceId, key: &BlockKey) -> Option<FrameHeader> {
+        self.inner.lock().index.get(&(*ns, *key)).map(|l| l.header)
+    }
+
     pub fn contains(&self, ns: &NamespaceId, key: &BlockKey) -> bool {
         self.inner.lock().index.contains_key(&(*ns, *key))
     }

@@ -12,7 +12,7 @@ use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
-use kvtier_client::{BlockDest, ClientConfig, EngineClient, ItemStatus, Miss, ParkOptions, SessionInfo};
+use kvtier_client::{BlockDest, ClientConfig, EngineClient, ItemStatus, Miss, ParkOptions, SessionInfo, StoredAs};
 use kvtier_proto::{CodecId, DType, HashScheme, KvLayout, MemoryOrder, Namespace as NsSpec};
 use pyo3::buffer::PyBuffer;
 use pyo3::create_exception;
@@ -494,24 +494,25 @@ impl Client {
             || None,
             async |c, h| {
                 let keys: Vec<_> = hashes.iter().map(|k| h.engine_key(k)).collect();
-                c.store_keys(&h, &keys, &blocks).await.map(Some)
+                c.store_keys_report(&h, &keys, &blocks).await.map(Some)
             },
         )?;
         drop(blocks);
-        let words: Vec<&'static str> = match &st {
-            Some(st) => st.iter().map(|s| store_word(*s)).collect(),
-            None => vec!["miss"; n],
-        };
         if let Some(st) = &st {
-            if let Some((index, status)) = st.iter().enumerate().find(|(_, s)| !s.is_held()) {
-                let e = kvtier_client::ClientError::Rejected { index, status: *status };
+            if let Some((index, r)) = st.iter().enumerate().find(|(_, r)| !r.status.is_held()) {
+                let e = kvtier_client::ClientError::Rejected { index, status: r.status };
                 self.on_miss(&Miss { reason: e.reason(), detail: e.to_string() })?;
             }
         }
         if report {
+            let words: Vec<String> = match &st {
+                Some(st) => st.iter().map(store_word).collect(),
+                None => vec!["miss".to_string(); n],
+            };
             Ok(words.into_pyobject(py)?.into_any())
         } else {
-            let held: Vec<bool> = st.map(|v| v.iter().map(|s| s.is_held()).collect()).unwrap_or_else(|| vec![false; n]);
+            let held: Vec<bool> =
+                st.map(|v| v.iter().map(|r| r.status.is_held()).collect()).unwrap_or_else(|| vec![false; n]);
             Ok(held.into_pyobject(py)?.into_any())
         }
     }
@@ -687,7 +688,8 @@ impl Client {
     /// back, or a list of one buffer per key (rows of an engine's pool, sent from where they
     /// are). A list of bools: True where the server holds the block now (stored, or already
     /// there); all False on a miss. With `report=True`, a list of words instead: `"stored"`,
-    /// `"present"` (already held: in a lossless namespace, lossless too) or why it was refused.
+    /// `"present:<codec>"` (already held, in that codec: in a lossless namespace always a lossless
+    /// one) or why it was refused.
     #[pyo3(signature = (ns, keys, kv, *, timeout_s=None, report=false))]
     fn store_keys<'py>(
         &self,
@@ -1108,12 +1110,14 @@ fn check_disjoint(mut ranges: Vec<(usize, usize)>) -> PyResult<()> {
     Ok(())
 }
 
-/// What a store did to one block, as `store_keys(..., report=True)` says it.
-fn store_word(s: ItemStatus) -> &'static str {
-    match s {
-        ItemStatus::Ok => "stored",
-        ItemStatus::Present => "present",
-        other => other.describe(),
+/// What a store did to one block, as `store_keys(..., report=True)` says it: `stored`,
+/// `present:<codec of the copy held>` or why it was refused.
+fn store_word(r: &StoredAs) -> String {
+    match (r.status, r.codec) {
+        (ItemStatus::Ok, _) => "stored".into(),
+        (ItemStatus::Present, Some(c)) => format!("present:{}", c.name()),
+        (ItemStatus::Present, None) => "present".into(),
+        (other, _) => other.describe().into(),
     }
 }
 

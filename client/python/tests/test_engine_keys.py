@@ -38,7 +38,7 @@ def test_store_exists_load_round_trip(server):
     assert c.store_keys(ns, [keys[i] for i in order], kv[order]) == [True] * 5
     assert c.exists_keys(ns, keys) == [True, True, False, True, True, True]
     # A second store reports what was already there.
-    assert c.store_keys(ns, keys[:3], kv[:3], report=True) == ["present", "present", "stored"]
+    assert c.store_keys(ns, keys[:3], kv[:3], report=True) == ["present:raw", "present:raw", "stored"]
     out = np.zeros_like(kv)
     assert c.load_keys_into(ns, keys, out) == [True] * 6
     np.testing.assert_array_equal(out, kv)
