@@ -151,13 +151,7 @@ impl Connection {
                 Op::Exists => self.exists(req).await?,
                 Op::Release => {
                     self.leases.release();
-                    let h = ResponseHeader {
-                        op: Op::Release as u8,
-                        status: Status::Ok,
-                        msg_len: 0,
-                        request_id: req.request_id,
-                        count: 0,
-                    };
+                    let h = ResponseHeader::ok(Op::Release, req.request_id, 0);
                     self.wr.write_all(&h.encode()).await?;
                 }
             }
@@ -297,13 +291,7 @@ impl Connection {
             }
             statuses.push(status as u8);
         }
-        let h = ResponseHeader {
-            op: Op::Put as u8,
-            status: Status::Ok,
-            msg_len: 0,
-            request_id: req.request_id,
-            count: req.count,
-        };
+        let h = ResponseHeader::ok(Op::Put, req.request_id, req.count);
         self.wr.write_all(&h.encode()).await?;
         self.wr.write_all(&statuses).await?;
         self.wr.write_all(&codecs).await?;
@@ -367,13 +355,7 @@ impl Connection {
         let start = Instant::now();
         let Some(raw) = self.read_keys(&req).await? else { return Ok(()) };
         let ns: NamespaceId = req.namespace;
-        let h = ResponseHeader {
-            op: Op::Get as u8,
-            status: Status::Ok,
-            msg_len: 0,
-            request_id: req.request_id,
-            count: req.count,
-        };
+        let h = ResponseHeader::ok(Op::Get, req.request_id, req.count);
         self.wr.write_all(&h.encode()).await?;
         let stop_at_miss = req.flags & FLAG_STOP_AT_MISS != 0;
         let mut missed = false;
@@ -428,13 +410,7 @@ impl Connection {
                 }
             })
             .collect();
-        let h = ResponseHeader {
-            op: Op::Exists as u8,
-            status: Status::Ok,
-            msg_len: 0,
-            request_id: req.request_id,
-            count: req.count,
-        };
+        let h = ResponseHeader::ok(Op::Exists, req.request_id, req.count);
         self.wr.write_all(&h.encode()).await?;
         self.wr.write_all(&statuses).await?;
         observe("dataplane_exists", start);

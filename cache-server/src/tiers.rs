@@ -30,10 +30,11 @@ impl NodeState {
             || self.disk.as_ref().is_some_and(|d| d.contains(ns, key))
     }
 
-    /// The codec of the copy some tier holds, hottest first (DRAM, the demotion queue, disk).
+    /// The codec of the copy some tier holds, hottest first (DRAM, the demotion queue, disk);
+    /// a metadata query: no hit is counted, no block read.
     pub fn held_codec(&self, ns: &NamespaceId, key: &BlockKey) -> Option<kvtier_proto::CodecId> {
-        if let Some(b) = self.tier.get(ns, key) {
-            return Some(b.header.codec);
+        if let Some(h) = self.tier.header(ns, key) {
+            return Some(h.codec);
         }
         if let Some(b) = self.in_transit.get(&(*ns, *key)) {
             return Some(b.header.codec);

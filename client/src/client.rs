@@ -10,7 +10,9 @@ use bytes::Bytes;
 use futures::future::try_join_all;
 use kvtier_proto::dataplane::ItemStatus;
 use kvtier_proto::pb::kv_tier_client::KvTierClient;
-use kvtier_proto::{pb, BlockFrame, BlockKey, CodecId, KeyChain, Namespace, NamespaceId, FRAME_FLAG_KEEP_LOSSLESS};
+use kvtier_proto::{
+    pb, BlockFrame, BlockKey, CodecId, FrameHeader, KeyChain, Namespace, NamespaceId, FRAME_FLAG_KEEP_LOSSLESS,
+};
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 
@@ -603,11 +605,17 @@ impl KvClient {
             keys.iter()
                 .zip(blocks)
                 .map(|(k, parts)| {
-                    let mut f = BlockFrame::new(ns.id, *k, layout, CodecId::RAW, tokens, Bytes::new());
-                    f.header.payload_len = bb;
-                    f.header.checksum = checksum_of(parts);
-                    f.header.flags = flags;
-                    GatherFrame { header: f.header, parts: parts.clone() }
+                    let header = FrameHeader {
+                        codec: CodecId::RAW,
+                        tokens,
+                        flags,
+                        namespace: ns.id,
+                        key: *k,
+                        layout,
+                        payload_len: bb,
+                        checksum: checksum_of(parts),
+                    };
+                    GatherFrame { header, parts: parts.clone() }
                 })
                 .collect()
         } else {

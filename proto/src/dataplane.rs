@@ -283,6 +283,11 @@ impl ResponseHeader {
         })
     }
 
+    /// A successful answer to request `request_id` of `count` items (their statuses follow).
+    pub fn ok(op: Op, request_id: u32, count: u32) -> Self {
+        ResponseHeader { op: op as u8, status: Status::Ok, msg_len: 0, request_id, count }
+    }
+
     /// A request-level error with its message, ready to write.
     pub fn error(op: u8, request_id: u32, status: Status, msg: &str) -> Vec<u8> {
         let msg = &msg.as_bytes()[..msg.len().min(u16::MAX as usize)];

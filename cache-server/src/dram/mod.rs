@@ -482,6 +482,11 @@ impl DramTier {
         self.shared.index.contains_key(&(*ns, *key))
     }
 
+    /// A block's header without counting a hit or changing eviction state.
+    pub fn header(&self, ns: &NamespaceId, key: &BlockKey) -> Option<FrameHeader> {
+        self.shared.index.get(&(*ns, *key)).map(|e| e.header)
+    }
+
     /// Number of leading keys present (stops at the first absent one). No counters, no
     /// frequency bump.
     pub fn longest_prefix(&self, ns: &NamespaceId, keys: &[BlockKey]) -> usize {

@@ -7,9 +7,6 @@ engine."""
 import asyncio
 import inspect
 import os
-import signal
-import socket
-import subprocess
 import threading
 import time
 
@@ -31,7 +28,7 @@ from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend  # noqa
 from lmcache.v1.storage_backend.remote_backend import RemoteBackend  # noqa: E402
 
 import kvtier.lmcache as kv_lmcache  # noqa: E402
-from kvtier.server import find_binary  # noqa: E402
+from servers import HungServer, KvServer  # noqa: E402
 
 CHUNK = 16
 LAYERS = 2
@@ -42,82 +39,7 @@ BLOCKING_TIMEOUT = 3  # LMCache's blocking_timeout_secs in these tests
 TIMEOUT = 2.0  # the connector's timeout_s (below BLOCKING_TIMEOUT)
 
 
-# ------------------------------------------------------------------------------- servers, loop
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class KvServer:
-    """`kvtier serve` on fixed loopback ports, so it can be killed and restarted at the same
-    address (the connector keeps its address)."""
-
-    def __init__(self, data_dir):
-        self.data_dir = str(data_dir)
-        self.addr = f"127.0.0.1:{free_port()}"
-        self.data_port = free_port()
-        self.proc = None
-
-    def start(self, timeout_s=30.0):
-        cmd = [find_binary(), "serve", "--listen", self.addr, "--data-listen", f"127.0.0.1:{self.data_port}",
-               "--metrics", "127.0.0.1:0", "--data-dir", self.data_dir, "--dram-capacity", "256MiB"]
-        env = dict(os.environ)
-        env.pop("KVTIER_CONFIG", None)
-        env.setdefault("KVTIER_LOG", "warn")
-        deadline = time.monotonic() + timeout_s
-        while True:  # a killed server's ports can take a moment to free up
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-            seen = []
-            for line in self.proc.stdout:
-                seen.append(line.rstrip())
-                if "listening" in line:
-                    threading.Thread(target=lambda p=self.proc: [None for _ in p.stdout], daemon=True).start()
-                    return self
-            self.proc.wait()
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"kvtier serve did not start: {seen}")
-            time.sleep(0.2)
-
-    def kill(self):
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
-
-    def stop(self):
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-class HungServer:
-    """Accepts connections and never answers: a hung or overloaded server."""
-
-    def __init__(self):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.addr = "127.0.0.1:%d" % self.sock.getsockname()[1]
-        self.conns = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self):
-        while True:
-            try:
-                self.conns.append(self.sock.accept()[0])
-            except OSError:
-                return
-
-    def close(self):
-        for c in self.conns:
-            c.close()
-        self.sock.close()
+# ------------------------------------------------------------------------------------------- loop
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,6 @@ the model runner's `KVConnectorOutput` does. The model is a directory holding on
 
 import json
 import os
-import signal
-import socket
-import subprocess
-import threading
 import time
 import types
 
@@ -39,7 +35,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from kvtier.server import find_binary
+from servers import HungServer, KvServer  # noqa: F401  (test_vllm uses them as h.KvServer, h.HungServer)
 
 BLOCK = 16  # tokens per vLLM block (one block per offload chunk here)
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -50,92 +46,6 @@ def tier_config(addr, **kw):
     """A `secondary_tiers` entry for the kvtier tier, with short deadlines for tests."""
     return {"type": "KvtierTier", "module_path": "kvtier.vllm", "server": addr, "tenant": "acme",
             "timeout_s": 2.0, "lookup_timeout_s": 0.5, **kw}
-
-
-# ---------------------------------------------------------------------------------------- servers
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class KvServer:
-    """`kvtier serve` on fixed loopback ports, so it can be killed and restarted at the same
-    address (the tier's client keeps its address)."""
-
-    def __init__(self, data_dir, *, dram="256MiB", disk=None):
-        self.data_dir = str(data_dir)
-        self.dram, self.disk = dram, disk
-        self.port, self.data_port = free_port(), free_port()
-        self.addr = f"127.0.0.1:{self.port}"
-        self.proc = None
-
-    def start(self, timeout_s=30.0):
-        cmd = [find_binary(), "serve", "--listen", self.addr, "--data-listen", f"127.0.0.1:{self.data_port}",
-               "--metrics", "127.0.0.1:0", "--data-dir", self.data_dir, "--dram-capacity", self.dram]
-        if self.disk:
-            cmd += ["--disk-capacity", self.disk]
-        env = dict(os.environ)
-        env.pop("KVTIER_CONFIG", None)
-        env.setdefault("KVTIER_LOG", "warn")
-        deadline = time.monotonic() + timeout_s
-        while True:  # the ports of a killed server can take a moment to free up
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-            seen = []
-            for line in self.proc.stdout:
-                seen.append(line.rstrip())
-                if "listening" in line:
-                    threading.Thread(target=lambda p=self.proc: [None for _ in p.stdout], daemon=True).start()
-                    return self
-            self.proc.wait()
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"kvtier serve did not start: {seen}")
-            time.sleep(0.2)
-
-    def kill(self):
-        """SIGKILL: no goodbye to clients, as a crash or an OOM kill."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
-
-    def stop(self):
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-class HungServer:
-    """A TCP listener that accepts connections and never answers: a hung or overloaded server."""
-
-    def __init__(self):
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.addr = "127.0.0.1:%d" % self.sock.getsockname()[1]
-        self.conns = []
-        self._stop = False
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self):
-        while not self._stop:
-            try:
-                c, _ = self.sock.accept()
-                self.conns.append(c)
-            except OSError:
-                return
-
-    def close(self):
-        self._stop = True
-        for c in self.conns:
-            c.close()
-        self.sock.close()
 
 
 # --------------------------------------------------------------------- the tiering manager (T1)

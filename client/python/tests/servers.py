@@ -1,0 +1,94 @@
+"""Server stand-ins the engine tests share: a `kvtier serve` that can be killed (SIGKILL) and
+restarted at the same address, and a listener that accepts connections and never answers."""
+
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+from kvtier.server import find_binary
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class KvServer:
+    """`kvtier serve` on fixed loopback ports, so it can be killed and restarted at the same
+    address (the tier's client keeps its address)."""
+
+    def __init__(self, data_dir, *, dram="256MiB", disk=None):
+        self.data_dir = str(data_dir)
+        self.dram, self.disk = dram, disk
+        self.port, self.data_port = free_port(), free_port()
+        self.addr = f"127.0.0.1:{self.port}"
+        self.proc = None
+
+    def start(self, timeout_s=30.0):
+        cmd = [find_binary(), "serve", "--listen", self.addr, "--data-listen", f"127.0.0.1:{self.data_port}",
+               "--metrics", "127.0.0.1:0", "--data-dir", self.data_dir, "--dram-capacity", self.dram]
+        if self.disk:
+            cmd += ["--disk-capacity", self.disk]
+        env = dict(os.environ)
+        env.pop("KVTIER_CONFIG", None)
+        env.setdefault("KVTIER_LOG", "warn")
+        deadline = time.monotonic() + timeout_s
+        while True:  # the ports of a killed server can take a moment to free up
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+            seen = []
+            for line in self.proc.stdout:
+                seen.append(line.rstrip())
+                if "listening" in line:
+                    threading.Thread(target=lambda p=self.proc: [None for _ in p.stdout], daemon=True).start()
+                    return self
+            self.proc.wait()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"kvtier serve did not start: {seen}")
+            time.sleep(0.2)
+
+    def kill(self):
+        """SIGKILL: no goodbye to clients, as a crash or an OOM kill."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class HungServer:
+    """A TCP listener that accepts connections and never answers: a hung or overloaded server."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.addr = "127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.conns = []
+        self._stop = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while not self._stop:
+            try:
+                c, _ = self.sock.accept()
+                self.conns.append(c)
+            except OSError:
+                return
+
+    def close(self):
+        self._stop = True
+        for c in self.conns:
+            c.close()
+        self.sock.close()
