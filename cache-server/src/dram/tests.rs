@@ -504,3 +504,40 @@ proptest! {
         }
     }
 }
+
+/// Not a test: insert and get throughput at 4 KiB and 1 MiB through a tier that evicts (4x its
+/// capacity is inserted), for before/after comparisons of the slot storage.
+/// `cargo test -p kvtier-server --lib dram::tests::bench_insert_get -- --ignored --nocapture`
+#[test]
+#[ignore]
+fn bench_insert_get() {
+    for (len, cap) in [(4 * KIB, 64usize << 20), (1 << 20, 256 << 20)] {
+        let t = tier(cap, 0.9);
+        let n = (4 * cap / len) as u32;
+        let data = payload(1, len);
+        let headers: Vec<FrameHeader> = (0..n).map(|i| header(NS, i, len)).collect();
+        let start = std::time::Instant::now();
+        for h in &headers {
+            t.insert(*h, &data, Priority::Normal).unwrap();
+        }
+        let ins = start.elapsed();
+        let present: Vec<u32> = (0..n).filter(|&i| t.contains(&NS, &key(i))).collect();
+        let rounds = (n as usize / present.len().max(1)).max(1);
+        let start = std::time::Instant::now();
+        let mut sum = 0u64;
+        for _ in 0..rounds {
+            for &i in &present {
+                let b = t.get(&NS, &key(i)).unwrap();
+                sum = sum.wrapping_add(b.payload[len / 2] as u64);
+            }
+        }
+        let gets = (rounds * present.len()) as f64;
+        let got = start.elapsed();
+        eprintln!(
+            "dram bench {len:>8} B: insert {:>8.0} ns/op ({:.2} GB/s), get {:>6.0} ns/op ({sum})",
+            ins.as_nanos() as f64 / n as f64,
+            (n as f64 * len as f64) / ins.as_nanos() as f64,
+            got.as_nanos() as f64 / gets,
+        );
+    }
+}
