@@ -132,7 +132,12 @@ pub struct DramOptions {
 
 impl Default for DramOptions {
     fn default() -> Self {
-        DramOptions { region: RegionMode::Anonymous, headroom_bytes: None, lease_ttl: Duration::from_secs(30), max_leased_bytes: None }
+        DramOptions {
+            region: RegionMode::Anonymous,
+            headroom_bytes: None,
+            lease_ttl: Duration::from_secs(30),
+            max_leased_bytes: None,
+        }
     }
 }
 
@@ -477,7 +482,9 @@ impl DramTier {
         let ratio = if cfg.max_pinned_ratio.is_nan() { 0.9 } else { cfg.max_pinned_ratio.clamp(0.0, 1.0) };
         let capacity = cfg.capacity_bytes;
         let headroom = opts.headroom_bytes.unwrap_or_else(|| (capacity / 8).max(2 * capacity.min(64 << 20)));
-        let as_usize = |v: u64| usize::try_from(v).map_err(|_| ServerError::Config(format!("dram: {v} bytes do not fit the address space")));
+        let as_usize = |v: u64| {
+            usize::try_from(v).map_err(|_| ServerError::Config(format!("dram: {v} bytes do not fit the address space")))
+        };
         let arena = Arena::new(as_usize(capacity)?, as_usize(headroom)?, opts.region)?;
         let shared = Shared {
             arena: Arc::clone(&arena),
@@ -619,8 +626,7 @@ impl DramTier {
         let id = st.next_id;
         let level = priority as usize;
         let place = st.policy.insert(level, Item { key, id, bytes: buf.size() as u64 });
-        let entry =
-            Entry { id, header, buf: SharedSlot::freeze(buf), level, freq: AtomicU8::new(0), pins: 0, place };
+        let entry = Entry { id, header, buf: SharedSlot::freeze(buf), level, freq: AtomicU8::new(0), pins: 0, place };
         self.shared.index.insert(key, entry);
         st.resident += header.payload_len;
         st.blocks += 1;

@@ -94,11 +94,15 @@ impl Region {
                 Ok(Region { map: MmapRaw::from(map), file: None, mode })
             }
             RegionMode::Memfd => {
-                let fd = rustix::fs::memfd_create("kvtier-dram", rustix::fs::MemfdFlags::CLOEXEC)
+                use rustix::fs::{MemfdFlags, SealFlags};
+                let fd = rustix::fs::memfd_create("kvtier-dram", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
                     .map_err(|e| fail("create a memfd of", e.into()))?;
                 let file = File::from(fd);
                 // Sparse: no page exists until written.
                 file.set_len(len as u64).map_err(|e| fail("size a memfd to", e))?;
+                // A process the fd is shared with can't truncate it under our mapping (SIGBUS).
+                rustix::fs::fcntl_add_seals(&file, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
+                    .map_err(|e| fail("seal a memfd of", e.into()))?;
                 let map = MmapOptions::new().len(len).map_raw(&file).map_err(|e| fail("map", e))?;
                 Ok(Region { map, file: Some(file), mode })
             }
@@ -456,6 +460,7 @@ mod tests {
         let mut back = vec![0u8; 5000];
         f.read_exact(&mut back).unwrap();
         assert_eq!(&back[..], s.as_slice());
+        assert!(file.set_len(4096).is_err(), "the size is sealed");
         assert!(Region::new(4096, RegionMode::Anonymous).unwrap().fd().is_none());
     }
 
