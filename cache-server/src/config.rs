@@ -53,6 +53,12 @@ pub struct ServerConfig {
     /// Shared secret clients must present; required when any listener is beyond loopback.
     /// Default: none.
     pub auth_token: Option<String>,
+    /// What backs the DRAM tier's one arena: `"anonymous"` memory, or a `"memfd"` a same-node
+    /// process can map. Default: `anonymous`.
+    pub dram_region: String,
+    /// How long a client may hold a reserved DRAM slot (a block being received) before it is
+    /// revoked, e.g. `"30s"`. Default: `30s`.
+    pub lease_timeout: DurationStr,
 }
 
 impl Default for ServerConfig {
@@ -74,6 +80,8 @@ impl Default for ServerConfig {
             disk_segment_bytes: ByteSize(64 << 20),
             disk_codec: "keep".into(),
             session_durability: "fsync".into(),
+            dram_region: "anonymous".into(),
+            lease_timeout: DurationStr(Duration::from_secs(30)),
         }
     }
 }
@@ -131,6 +139,15 @@ impl ServerConfig {
                 "session_ttl {} must be positive and at most session_max_ttl {}",
                 self.session_ttl, self.session_max_ttl
             ));
+        }
+        if self.dram_region != "anonymous" && self.dram_region != "memfd" {
+            return Err(ServerError::Config(format!(
+                "dram_region must be \"anonymous\" or \"memfd\", got {:?}",
+                self.dram_region
+            )));
+        }
+        if self.lease_timeout.0.is_zero() {
+            return Err(ServerError::Config("lease_timeout must be above zero".into()));
         }
         if self.session_durability != "fsync" && self.session_durability != "async" {
             return bad(format!(
@@ -333,6 +350,11 @@ mod tests {
         assert!(c.validate().unwrap_err().to_string().contains("dram_capacity"));
         let c = ServerConfig { data_listen: "127.0.0.1:7070".parse().unwrap(), ..Default::default() };
         assert!(c.validate().unwrap_err().to_string().contains("both"));
+        let c = ServerConfig::from_toml_str("dram_region = \"memfd\"\nlease_timeout = \"5s\"").unwrap();
+        assert_eq!((c.dram_region.as_str(), c.lease_timeout.0), ("memfd", Duration::from_secs(5)));
+        c.validate().unwrap();
+        let c = ServerConfig::from_toml_str("dram_region = \"hugepages\"").unwrap();
+        assert!(c.validate().unwrap_err().to_string().contains("dram_region"));
     }
 
     #[test]

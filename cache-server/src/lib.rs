@@ -133,7 +133,8 @@ pub async fn start(
 
     tasks.push(tokio::spawn(dataplane::serve(data_listener, state.clone(), stop_rx.clone())));
 
-    // TTL sweeper: expired sessions release their pins within a second.
+    // Sweeper: expired sessions release their pins, and slots reserved past their lease timeout
+    // are revoked, within a second.
     let sweeper = Arc::downgrade(&state);
     let mut sweeper_stop = stop_rx.clone();
     tasks.push(tokio::spawn(async move {
@@ -144,6 +145,10 @@ pub async fn start(
                 _ = tick.tick() => {}
             }
             let Some(state) = sweeper.upgrade() else { return };
+            let revoked = state.tiers().reap_leases();
+            if revoked > 0 {
+                tracing::warn!(revoked, "DRAM slots reserved past lease_timeout were revoked");
+            }
             // Expiry appends tombstones to the session log: on the I/O pool.
             let job = state.clone();
             let _ = state.io().run(None, move || job.sessions().expire(job.tiers().session_pins())).await;

@@ -12,11 +12,12 @@ use parking_lot::{Mutex, RwLock};
 
 use crate::config::ServerConfig;
 use crate::disk::{DiskConfig, DiskTier, RecoveryReport};
-use crate::dram::{DramConfig, DramTier};
+use crate::dram::{DramConfig, DramOptions, DramTier, RegionMode};
 use crate::error::ServerError;
 use crate::session_log::{unix_ms, SessionLog};
 use crate::session_store::SessionStore;
 use crate::sessions::SessionLimits;
+use crate::tiers::demotion::queue_headroom;
 use crate::tiers::{IoPool, TierStack};
 
 /// Most namespaces one node accepts (each costs a map entry; tenants don't need thousands).
@@ -93,10 +94,20 @@ impl NodeState {
     /// Locks the data directory, opens the disk tier and replays the session log (if enabled).
     pub fn open(config: ServerConfig, data_addr: SocketAddr) -> Result<Self, ServerError> {
         let dir_lock = lock_data_dir(&config.data_dir)?;
-        let dram = DramTier::new(DramConfig {
-            capacity_bytes: config.dram_capacity.0,
-            max_pinned_ratio: config.max_pinned_ratio,
-        });
+        let dram = DramTier::with_options(
+            DramConfig { capacity_bytes: config.dram_capacity.0, max_pinned_ratio: config.max_pinned_ratio },
+            DramOptions {
+                region: if config.dram_region == "memfd" { RegionMode::Memfd } else { RegionMode::Anonymous },
+                lease_ttl: config.lease_timeout.0,
+                // Readers' views of evicted blocks (the default), plus a full demotion queue.
+                headroom_bytes: (config.disk_capacity.0 > 0).then(|| {
+                    let cap = config.dram_capacity.0;
+                    DramOptions::default_headroom(cap) + queue_headroom(cap, config.max_frame_bytes.0)
+                }),
+                ..DramOptions::default()
+            },
+        )
+        .map_err(|e| ServerError::Config(format!("the DRAM tier's region: {e}")))?;
         let fsync = config.session_durability == "fsync";
         if config.disk_capacity.0 == 0 {
             return Ok(NodeState {

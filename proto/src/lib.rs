@@ -28,7 +28,7 @@ pub use frame::{
 pub use key::{BlockKey, KeyChain, KEY_LEN};
 pub use layout::{DType, KvLayout, MemoryOrder};
 pub use namespace::{HashScheme, Namespace, NamespaceId, NAMESPACE_ID_LEN};
-pub use tier::TierId;
+pub use tier::{Priority, ScopedKey, TierId};
 
 /// Generated gRPC messages and service (package `kvtier.v1`).
 #[allow(clippy::all, missing_docs)]

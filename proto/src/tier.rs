@@ -1,5 +1,46 @@
-//! Names of the tiers a block can live in: one id per tier of the stack, also the `tier` label of
-//! every per-tier metric and the name `Stats` reports.
+//! Names of the tiers a block can live in (one id per tier of the stack, also the `tier` label of
+//! every per-tier metric and the name `Stats` reports), the eviction priority a block carries, and
+//! the key a block is stored under in every tier.
+
+use crate::{BlockKey, NamespaceId};
+
+/// A block's key as every tier stores it: scoped by its namespace.
+pub type ScopedKey = (NamespaceId, BlockKey);
+
+/// Eviction priority: low before normal before high (each level has its own queues).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub enum Priority {
+    Low = 0,
+    #[default]
+    Normal = 1,
+    High = 2,
+}
+
+impl Priority {
+    /// From the wire's `u32` (anything above 2 is high).
+    ///
+    /// ```
+    /// use kvtier_proto::Priority;
+    /// assert_eq!(Priority::from_u32(0), Priority::Low);
+    /// assert_eq!(Priority::from_u32(7), Priority::High);
+    /// ```
+    pub fn from_u32(v: u32) -> Priority {
+        match v {
+            0 => Priority::Low,
+            1 => Priority::Normal,
+            _ => Priority::High,
+        }
+    }
+
+    /// The metric label.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Priority::Low => "low",
+            Priority::Normal => "normal",
+            Priority::High => "high",
+        }
+    }
+}
 
 /// One tier of a node's stack, hottest first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -78,25 +78,10 @@ pub use region::{Region, RegionMode};
 
 pub use crate::error::ServerError;
 
-pub type IndexKey = (NamespaceId, BlockKey);
+/// A block's key in the index (its namespace and key).
+pub type IndexKey = kvtier_proto::ScopedKey;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
-pub enum Priority {
-    Low = 0,
-    #[default]
-    Normal = 1,
-    High = 2,
-}
-
-impl Priority {
-    pub fn from_u32(v: u32) -> Priority {
-        match v {
-            0 => Priority::Low,
-            1 => Priority::Normal,
-            _ => Priority::High,
-        }
-    }
-}
+pub use kvtier_proto::Priority;
 
 #[derive(Debug, Clone)]
 pub struct DramConfig {
@@ -128,6 +113,14 @@ pub struct DramOptions {
     /// Most bytes of slots leased at once (one lease is always granted when none is
     /// outstanding). Default (`None`): half the capacity.
     pub max_leased_bytes: Option<u64>,
+}
+
+impl DramOptions {
+    /// The default headroom of a tier of `capacity` bytes: an eighth of it, at least twice
+    /// min(capacity, 64 MiB).
+    pub fn default_headroom(capacity: u64) -> u64 {
+        (capacity / 8).max(2 * capacity.min(64 << 20))
+    }
 }
 
 impl Default for DramOptions {
@@ -481,7 +474,7 @@ impl DramTier {
     pub fn with_options(cfg: DramConfig, opts: DramOptions) -> Result<DramTier, ServerError> {
         let ratio = if cfg.max_pinned_ratio.is_nan() { 0.9 } else { cfg.max_pinned_ratio.clamp(0.0, 1.0) };
         let capacity = cfg.capacity_bytes;
-        let headroom = opts.headroom_bytes.unwrap_or_else(|| (capacity / 8).max(2 * capacity.min(64 << 20)));
+        let headroom = opts.headroom_bytes.unwrap_or_else(|| DramOptions::default_headroom(capacity));
         let as_usize = |v: u64| {
             usize::try_from(v).map_err(|_| ServerError::Config(format!("dram: {v} bytes do not fit the address space")))
         };

@@ -16,6 +16,13 @@ use crate::error::ServerError;
 /// Blocks waiting to be demoted from DRAM to disk; writers wait when it is full.
 pub const DEMOTION_QUEUE: usize = 64;
 
+/// Address space the DRAM region needs beyond its capacity for blocks evicted and still queued
+/// for disk (their slots are no longer counted against the cap but stay in use until written):
+/// a full queue of the largest blocks. Only address space: the region touches pages as used.
+pub fn queue_headroom(capacity: u64, max_block: u64) -> u64 {
+    DEMOTION_QUEUE as u64 * max_block.min(capacity)
+}
+
 /// The demotion queue's depth: counted by the eviction hook and the demotion thread, published
 /// as `kvtier_disk_queue_depth`, and waited on by writers while the queue is full (woken when a
 /// block leaves it, not by polling).

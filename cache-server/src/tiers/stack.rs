@@ -152,6 +152,11 @@ impl TierStack {
         self.dram.commit(slot, header, priority)
     }
 
+    /// Revokes reserved DRAM slots held past their deadline; returns how many.
+    pub fn reap_leases(&self) -> usize {
+        self.dram.reap_leases(std::time::Instant::now())
+    }
+
     /// Pins one DRAM block for a connection's lease (between a session's upload and its park).
     pub fn pin_lease(&self, ns: &NamespaceId, key: &BlockKey) -> Result<(), ServerError> {
         self.dram.pin(ns, std::slice::from_ref(key))
@@ -282,7 +287,7 @@ mod tests {
 
     use super::*;
     use crate::disk::DiskConfig;
-    use crate::dram::DramConfig;
+    use crate::dram::{DramConfig, DramOptions};
 
     fn frame(ns: NamespaceId, i: u32) -> BlockFrame {
         let layout = KvLayout::new(4, 8, 128, DType::Fp16, 32); // 256 KiB blocks
@@ -293,7 +298,14 @@ mod tests {
     }
 
     fn stack(dir: &std::path::Path, dram_bytes: u64) -> TierStack {
-        let dram = DramTier::new(DramConfig::new(dram_bytes));
+        // As the node builds it: room in the region for a full demotion queue.
+        let opts = DramOptions {
+            headroom_bytes: Some(
+                DramOptions::default_headroom(dram_bytes) + super::demotion::queue_headroom(dram_bytes, 1 << 20),
+            ),
+            ..DramOptions::default()
+        };
+        let dram = DramTier::with_options(DramConfig::new(dram_bytes), opts).unwrap();
         let (disk, _) = DiskTier::open(DiskConfig {
             dir: dir.to_path_buf(),
             capacity_bytes: 64 << 20,
