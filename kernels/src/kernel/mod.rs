@@ -91,7 +91,7 @@ impl Isa {
     }
 
     /// FP8 with one scale per row (per (token, head)) for a run of whole rows of `hd` elements:
-    /// each row's amax, its scale ([`crate::codec::fp8_scale`], 4 little-endian bytes in
+    /// each row's amax, its scale ([`crate::scale::fp8_scale`], 4 little-endian bytes in
     /// `scales`) and its `hd` codes. `Err(k)`: row `k` of the run holds a NaN or Inf.
     pub(crate) fn fp8_encode_rows(
         self,
@@ -116,7 +116,7 @@ impl Isa {
             if bits >= 0x7F80_0000 {
                 return Err(r);
             }
-            let s = crate::codec::fp8_scale(f32::from_bits(bits));
+            let s = crate::scale::fp8_scale(f32::from_bits(bits));
             sc.copy_from_slice(&s.to_le_bytes());
             scalar::fp8_encode_row(dtype, row, if s == 0.0 { 1.0 } else { s }, dst);
         }
@@ -124,7 +124,7 @@ impl Isa {
     }
 
     /// [`Isa::fp8_encode_rows`] of rows rotated by `rot` on the way (the `+had` codecs): the
-    /// bytes of rotating the rows into f32 ([`Rotation::forward_rows`]) and encoding those. The
+    /// bytes of rotating the rows into f32 ([`Isa::rotate_rows`]) and encoding those. The
     /// vector kernel does it in one pass per row (rotated in registers, then quantized); the
     /// scalar path is that reference. The caller has checked every row (finite, within
     /// [`crate::rotation::ROTATION_MAX_INPUT`]); `Err(k)` (a rotated row holding a NaN or Inf)
@@ -144,7 +144,7 @@ impl Isa {
             return Ok(());
         }
         let mut rotated = vec![0u8; src.len() / dtype.size() as usize * 4];
-        rot.forward_rows(self, dtype, src, &mut rotated);
+        self.rotate_rows(rot, dtype, src, &mut rotated);
         self.fp8_encode_rows(DType::Fp32, &rotated, rot.head_dim(), scales, codes)
     }
 
@@ -207,6 +207,34 @@ impl Isa {
 }
 
 impl Isa {
+    /// Loads whole rows of `dtype` from `src`, rotates them by `rot` and writes them to `out` as
+    /// little-endian f32 (4 bytes per element): the bytes of [`Rotation::forward_rows_ref`].
+    pub(crate) fn rotate_rows(self, rot: &Rotation, dtype: DType, src: &[u8], out: &mut [u8]) {
+        #[cfg(target_arch = "x86_64")]
+        if let Isa::Avx2(_) = self {
+            let mut buf = vec![0f32; rot.head_dim()];
+            // SAFETY: an Avx2 Isa exists only after AVX2, F16C and FMA were detected.
+            return unsafe { avx2::rotate_rows(dtype, src, rot.mul(), rot.chunks(), &mut buf, out) };
+        }
+        rot.forward_rows_ref(dtype, src, out)
+    }
+
+    /// Inverse-rotates whole rows of little-endian f32 in `src` by `rot` and stores them as
+    /// `dtype` in `dst` (the bytes of [`Rotation::inverse_rows_ref`]). Returns the largest
+    /// magnitude of `src` as f32 bits (NaN and Inf above every finite value), which the vector
+    /// kernel takes from its registers, so the caller can refuse values the encoder never writes
+    /// without another pass (`dst` is then unspecified).
+    pub(crate) fn unrotate_rows(self, rot: &Rotation, src: &[u8], dtype: DType, dst: &mut [u8]) -> u32 {
+        #[cfg(target_arch = "x86_64")]
+        if let Isa::Avx2(_) = self {
+            let mut buf = vec![0f32; rot.head_dim()];
+            // SAFETY: as above.
+            return unsafe { avx2::unrotate_rows(src, rot.mul(), rot.chunks(), &mut buf, dtype, dst) };
+        }
+        rot.inverse_rows_ref(src, dtype, dst);
+        scalar::row_amax_bits(DType::Fp32, src)
+    }
+
     /// Unscaled E4M3 codes of f32 values (a division by 1 is exact).
     pub(crate) fn e4m3_slice(self, xs: &[f32], out: &mut [u8]) {
         let bytes: Vec<u8> = xs.iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -222,6 +250,68 @@ impl Isa {
         }
         for (o, x) in out.iter_mut().zip(xs) {
             *o = crate::formats::e2m1_from_f32(*x);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::block::{load_f32, store_f32};
+
+    fn pseudo_random(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn row_paths_match_the_reference_on_every_backend() {
+        let mut isas = vec![Backend::Scalar.resolve().unwrap()];
+        if Backend::avx2_available() {
+            isas.push(Backend::Avx2.resolve().unwrap());
+        }
+        // Every mix of in-vector, two-stage, one-stage and short-chunk paths.
+        for hd in [1usize, 7, 8, 16, 24, 32, 64, 96, 100, 128, 256, 512, 576] {
+            let rot = Rotation::new(hd, 3);
+            let x: Vec<f32> = pseudo_random(4 * hd, 9).iter().map(|v| v * 300.0).collect();
+            for dtype in [DType::Bf16, DType::Fp16, DType::Fp32, DType::Fp8E4m3] {
+                let src: Vec<u8> = (0..x.len())
+                    .flat_map(|i| {
+                        let mut b = vec![0u8; dtype.size() as usize];
+                        store_f32(dtype, &mut b, 0, x[i]);
+                        b
+                    })
+                    .collect();
+                let mut want = Vec::new();
+                for r in 0..4 {
+                    let mut row: Vec<f32> = (0..hd).map(|i| load_f32(dtype, &src, r * hd + i)).collect();
+                    rot.forward(&mut row);
+                    want.extend(row.iter().flat_map(|v| v.to_le_bytes()));
+                }
+                let mut back_want = vec![0u8; src.len()];
+                for r in 0..4 {
+                    let mut row: Vec<f32> = (0..hd).map(|i| load_f32(DType::Fp32, &want, r * hd + i)).collect();
+                    rot.inverse(&mut row);
+                    for (i, v) in row.iter().enumerate() {
+                        store_f32(dtype, &mut back_want, r * hd + i, *v);
+                    }
+                }
+                for isa in &isas {
+                    let mut out = vec![0u8; want.len()];
+                    isa.rotate_rows(&rot, dtype, &src, &mut out);
+                    assert_eq!(out, want, "{isa:?} {dtype:?} hd {hd}");
+                    let mut back = vec![0u8; src.len()];
+                    isa.unrotate_rows(&rot, &want, dtype, &mut back);
+                    assert_eq!(back, back_want, "{isa:?} {dtype:?} hd {hd} inverse");
+                }
+            }
         }
     }
 }
