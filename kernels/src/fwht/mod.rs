@@ -1,5 +1,5 @@
 //! The unnormalized fast Walsh–Hadamard transform, the butterfly core of the `+had` rotation:
-//! the scalar reference [`fwht`] and its bit-exact vector forms ([`avx2`]), which
+//! the scalar reference [`fwht`] and its bit-exact vector forms ([`avx2`], [`avx512`]), which
 //! depend on nothing else in the crate.
 //!
 //! Every form does the same IEEE operations on the same values in the same order (stage
@@ -7,6 +7,8 @@
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512;
 
 /// The unnormalized fast Walsh–Hadamard transform of a power-of-two slice, in place: stages
 /// `h = 1, 2, 4, …, n/2`, each replacing every pair `(x[j], x[j + h])` (with `j & h == 0`) by

@@ -299,7 +299,7 @@ unsafe fn quot<const EXACT: bool>(a: __m256, p: __m256, q: __m256) -> __m256 {
 
 /// `(fl(1/s), fl(1/s − fl(1/s)))` for [`quot`], the low part from an f64 reciprocal.
 #[inline]
-fn recip_split(s: f32) -> (f32, f32) {
+pub(crate) fn recip_split(s: f32) -> (f32, f32) {
     let hi = 1.0 / s;
     let lo = ((1.0 / f64::from(s)) - f64::from(hi)) as f32;
     (hi, lo)
@@ -678,7 +678,7 @@ unsafe fn exact_ok8(s: __m256) -> bool {
 
 /// Whether a bounded row with this (nonzero) scale may use the exact reciprocal form: see [`quot`].
 #[inline]
-fn exact_ok(scale: f32) -> bool {
+pub(crate) fn exact_ok(scale: f32) -> bool {
     const LO: f32 = 8.673_617e-19; // 2^-60
     const HI: f32 = 1.267_650_6e30; // 2^100
     scale.to_bits() & 0xF == 0 && (LO..=HI).contains(&scale)
