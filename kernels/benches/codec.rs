@@ -4,7 +4,7 @@
 //! For every codec it prints the median GB/s of **input** bytes (the engine's bf16 block) for
 //! encode and decode (into a reused bf16 buffer), and the ratio to the median memcpy of the same
 //! block. "1 core" rows keep everything on the calling thread; "all cores" rows let rayon split the
-//! block. No timing is asserted anywhere: this is a report, not a test. The `+had` rows are the
+//! block; where AVX-512 is available, "1 core avx2" rows force the AVX2 kernels. No timing is asserted anywhere: this is a report, not a test. The `+had` rows are the
 //! rotated codecs (a randomized Hadamard rotation along `head_dim` before quantizing, undone
 //! after decoding), beside their plain forms.
 //!
@@ -67,7 +67,11 @@ fn main() {
         dst.copy_from_slice(black_box(&input));
         black_box(&dst);
     });
-    println!("block: {spec:?}, {bytes} bytes; AVX2+F16C available: {}", Backend::avx2_available());
+    println!(
+        "block: {spec:?}, {bytes} bytes; AVX2+F16C available: {}; AVX-512 available: {}",
+        Backend::avx2_available(),
+        Backend::avx512_available()
+    );
     println!("memcpy of the same buffer: {:.2} GB/s (median of {reps})", gbs(memcpy));
     println!();
     println!(
@@ -88,6 +92,10 @@ fn main() {
         ("nvfp4+had+lz4", CodecId::NVFP4_HAD_LZ4, Fp8Scaling::PerTokenHead),
     ];
     let mut variants = vec![("1 core", Backend::Auto, usize::MAX), ("1 core scalar", Backend::Scalar, usize::MAX)];
+    if Backend::avx512_available() {
+        // Auto picks AVX-512 here: the AVX2 kernels alone, for comparison in the same run.
+        variants.insert(1, ("1 core avx2", Backend::Avx2, usize::MAX));
+    }
     if std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) > 1 {
         variants.push(("all cores", Backend::Auto, 0));
     }

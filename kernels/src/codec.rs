@@ -41,14 +41,11 @@ use kvtier_proto::{CodecId, DType, MemoryOrder};
 use rayon::prelude::*;
 
 use crate::block::{load_f32, BlockSpec, KvBlockView};
-use crate::formats::{canonical_scale, E2M1_MAX, E4M3_MAX, FP8_SCALE_BITS, NVFP4_GLOBAL_BITS};
 use crate::kernel::{scalar, Backend, Isa};
 use crate::payload::{Format, Fp8ScaleMode, PayloadInfo, PayloadParts, PAYLOAD_HEADER_LEN};
 use crate::rotation::{Rotation, DEFAULT_ROTATION_SEED, ROTATION_MAX_DECODED, ROTATION_MAX_INPUT};
+use crate::scale::{fp8_scale, nvfp4_plane_scales};
 use crate::CodecError;
-
-/// An amax below this is treated as 0 (the scale arithmetic would leave the f32 normal range).
-pub(crate) const FLUSH_AMAX: f32 = 7.888_609e-31; // 2^-100
 
 /// Rotated rows are handed to the kernels in batches of about this many elements (32 KiB of f32),
 /// small enough to stay in the core's cache between the rotation and the quantization.
@@ -351,13 +348,6 @@ impl Codec {
         let es = spec.dtype.size() as usize;
         let hd = spec.row_len();
         let parallel = self.parallel(src.len());
-        let nvfp4_scales = |a: f32| {
-            if a < FLUSH_AMAX {
-                (0.0, 0.0)
-            } else {
-                (canonical_scale(a / (E4M3_MAX * E2M1_MAX), NVFP4_GLOBAL_BITS), (E4M3_MAX * E2M1_MAX) / a)
-            }
-        };
         let nb = hd.div_ceil(16);
         let cb = hd.div_ceil(2);
         let (scales, rest) = body.split_at_mut(4 * spec.planes());
@@ -387,7 +377,7 @@ impl Codec {
                 }
                 // The kernel reads the scales of the planes of its rows: only plane p's here.
                 let (mut g, mut enc) = (vec![0f32; spec.planes()], vec![0f32; spec.planes()]);
-                (g[p], enc[p]) = nvfp4_scales(f32::from_bits(bits));
+                (g[p], enc[p]) = nvfp4_plane_scales(f32::from_bits(bits));
                 pscale.copy_from_slice(&g[p].to_le_bytes());
                 let next = match source.rot {
                     None => &src[rows.end * row_bytes..((rows.end + per_plane) * row_bytes).min(src.len())],
@@ -406,7 +396,7 @@ impl Codec {
             };
         }
         let amax = plane_amax(source, parallel)?;
-        let (g, enc): (Vec<f32>, Vec<f32>) = amax.iter().map(|&a| nvfp4_scales(a)).unzip();
+        let (g, enc): (Vec<f32>, Vec<f32>) = amax.iter().map(|&a| nvfp4_plane_scales(a)).unzip();
         for (dst, s) in scales.chunks_exact_mut(4).zip(&g) {
             dst.copy_from_slice(&s.to_le_bytes());
         }
@@ -531,15 +521,6 @@ pub fn decode(codec: CodecId, payload: &[u8], spec: &BlockSpec) -> Result<Vec<u8
     Codec::new(codec).decode(payload, spec)
 }
 
-/// The FP8 scale of an amax (per row or per tensor): see the module doc.
-pub(crate) fn fp8_scale(amax: f32) -> f32 {
-    if amax < FLUSH_AMAX {
-        0.0
-    } else {
-        canonical_scale(amax / E4M3_MAX, FP8_SCALE_BITS)
-    }
-}
-
 /// A range of rows and the matching pieces of up to two output sections.
 struct Chunk<'a> {
     rows: std::ops::Range<usize>,
@@ -621,7 +602,7 @@ impl Source<'_> {
         };
         let src = self.checked(rows.clone())?;
         scratch.resize(rows.len() * self.spec.row_len() * 4, 0);
-        rot.forward_rows(self.isa, self.spec.dtype, src, scratch);
+        self.isa.rotate_rows(rot, self.spec.dtype, src, scratch);
         Ok(scratch)
     }
 
@@ -749,7 +730,7 @@ impl Sink<'_> {
             // The encoder's values stay far below this; larger ones could overflow in the inverse
             // (whose output is then discarded).
             let amax =
-                rot.inverse_rows(self.isa, f32s, self.out_dtype, &mut c.a[(b - r0) * hd * os..(e - r0) * hd * os]);
+                self.isa.unrotate_rows(rot, f32s, self.out_dtype, &mut c.a[(b - r0) * hd * os..(e - r0) * hd * os]);
             if amax > ROTATION_MAX_DECODED.to_bits() {
                 return Err(CodecError::Corrupt("rotated payload decodes to values the encoder never writes".into()));
             }

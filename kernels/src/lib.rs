@@ -14,6 +14,12 @@
 //! - [`payload`]: the self-describing payload (format, shape, dtype, scales) of every codec but raw.
 //! - [`Backend`]: the scalar reference or AVX2+F16C kernels (chosen at run time, identical bytes).
 //! - [`policy`]: [`policy::CodecPolicy`] — which codec per tier, the age rule, `lossless_only`.
+//! - Private leaf math, shared by every backend: `scale` (amax → FP8 scale, NVFP4 global and
+//!   block scales) and `fwht` (the Walsh–Hadamard butterflies, scalar and vector).
+//!
+//! The modules form layers, each using only those below it (no cycles):
+//! `formats`, `fwht`, `error` → `scale`, `block` → `rotation` → `kernel` → `codec` (with
+//! `payload`, which needs only `block`) → `policy`.
 //!
 //! ```
 //! use kvtier_kernels::{decode, encode, BlockSpec, KvBlockView};
@@ -31,10 +37,12 @@ pub mod block;
 pub mod codec;
 mod error;
 pub mod formats;
+mod fwht;
 mod kernel;
 pub mod payload;
 pub mod policy;
 pub mod rotation;
+mod scale;
 
 pub use block::{BlockSpec, KvBlockView};
 pub use codec::{decode, encode, is_lossless, is_rotated, rotated_variant, split_codec, Codec, Fp8Scaling};

@@ -52,7 +52,7 @@
 use kvtier_proto::DType;
 
 use crate::block::{bf16_bits_rne, load_f32, store_f32, F16_MAX};
-use crate::kernel::Isa;
+use crate::fwht::fwht;
 
 /// The seed [`crate::Codec`] rotates with unless told otherwise
 /// ([`crate::Codec::with_rotation_seed`]). Every payload records its own seed, so decoding never
@@ -168,37 +168,9 @@ impl Rotation {
     }
 
     /// Loads whole rows of `dtype` from `src`, rotates them and writes them to `out` as
-    /// little-endian f32 (4 bytes per element).
-    pub(crate) fn forward_rows(&self, isa: Isa, dtype: DType, src: &[u8], out: &mut [u8]) {
-        #[cfg(target_arch = "x86_64")]
-        if let Isa::Avx2(_) = isa {
-            let mut buf = vec![0f32; self.head_dim()];
-            // SAFETY: an Avx2 Isa exists only after AVX2, F16C and FMA were detected.
-            return unsafe { crate::kernel::avx2::rotate_rows(dtype, src, &self.mul, &self.chunks, &mut buf, out) };
-        }
-        let _ = isa;
-        self.forward_rows_impl(dtype, src, out)
-    }
-
-    /// Inverse-rotates whole rows of little-endian f32 in `src` and stores them as `dtype` in
-    /// `dst` (round to nearest even; FP16 saturates to ±65504, like the plain decoders). Returns
-    /// the largest magnitude of `src` as f32 bits (NaN and Inf above every finite value), which
-    /// the vector kernel takes from its registers, so the caller can refuse values the encoder
-    /// never writes without another pass (`dst` is then unspecified).
-    pub(crate) fn inverse_rows(&self, isa: Isa, src: &[u8], dtype: DType, dst: &mut [u8]) -> u32 {
-        #[cfg(target_arch = "x86_64")]
-        if let Isa::Avx2(_) = isa {
-            let mut buf = vec![0f32; self.head_dim()];
-            // SAFETY: as above.
-            return unsafe { crate::kernel::avx2::unrotate_rows(src, &self.mul, &self.chunks, &mut buf, dtype, dst) };
-        }
-        let _ = isa;
-        self.inverse_rows_impl(src, dtype, dst);
-        crate::kernel::scalar::row_amax_bits(DType::Fp32, src)
-    }
-
-    /// The scalar reference of [`Rotation::forward_rows`]; the AVX2 kernel writes the same bytes.
-    fn forward_rows_impl(&self, dtype: DType, src: &[u8], out: &mut [u8]) {
+    /// little-endian f32 (4 bytes per element): the scalar reference of the row kernels'
+    /// `rotate_rows` (`crate::kernel`), which write the same bytes.
+    pub(crate) fn forward_rows_ref(&self, dtype: DType, src: &[u8], out: &mut [u8]) {
         let hd = self.head_dim();
         let es = dtype.size() as usize;
         let mut row = vec![0f32; hd];
@@ -227,8 +199,10 @@ impl Rotation {
         }
     }
 
-    /// The scalar reference of [`Rotation::inverse_rows`]; the AVX2 kernel writes the same bytes.
-    fn inverse_rows_impl(&self, src: &[u8], dtype: DType, dst: &mut [u8]) {
+    /// Inverse-rotates whole rows of little-endian f32 in `src` and stores them as `dtype` in
+    /// `dst` (round to nearest even; FP16 saturates to ±65504, like the plain decoders): the
+    /// scalar reference of the row kernels' `unrotate_rows` (`crate::kernel`).
+    pub(crate) fn inverse_rows_ref(&self, src: &[u8], dtype: DType, dst: &mut [u8]) {
         let hd = self.head_dim();
         let es = dtype.size() as usize;
         let mut row = vec![0f32; hd];
@@ -264,30 +238,9 @@ impl Rotation {
     }
 }
 
-/// The unnormalized fast Walsh–Hadamard transform of a power-of-two slice, in place: stages
-/// `h = 1, 2, 4, …, n/2`, each replacing every pair `(x[j], x[j + h])` (with `j & h == 0`) by
-/// `(x[j] + x[j + h], x[j] - x[j + h])`.
-pub(crate) fn fwht(x: &mut [f32]) {
-    let n = x.len();
-    debug_assert!(n.is_power_of_two());
-    let mut h = 1;
-    while h < n {
-        for pair in x.chunks_exact_mut(2 * h) {
-            let (a, b) = pair.split_at_mut(h);
-            for (u, v) in a.iter_mut().zip(b.iter_mut()) {
-                let (p, q) = (*u, *v);
-                *u = p + q;
-                *v = p - q;
-            }
-        }
-        h *= 2;
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Backend;
 
     /// The Sylvester–Hadamard matrix entry `H[i][j] = (-1)^popcount(i & j)`.
     fn h(i: usize, j: usize) -> f64 {
@@ -301,19 +254,6 @@ mod tests {
     fn pseudo_random(n: usize, seed: u64) -> Vec<f32> {
         let mut s = seed;
         (0..n).map(|_| (splitmix64(&mut s) >> 40) as f32 / (1u64 << 23) as f32 - 1.0).collect()
-    }
-
-    #[test]
-    fn fwht_is_the_hadamard_matrix() {
-        for n in [1usize, 2, 4, 8, 16, 64] {
-            let x = pseudo_random(n, n as u64);
-            let mut y = x.clone();
-            fwht(&mut y);
-            for (i, yi) in y.iter().enumerate() {
-                let want: f64 = (0..n).map(|j| h(i, j) * f64::from(x[j])).sum();
-                assert!((f64::from(*yi) - want).abs() < 1e-5, "n {n} i {i}");
-            }
-        }
     }
 
     #[test]
@@ -377,50 +317,6 @@ mod tests {
                         assert!((f64::from(z[off + i]) - want).abs() < 1e-5, "hd {hd} chunk {n} i {i}");
                     }
                     off += n;
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn row_paths_match_the_reference_on_every_backend() {
-        let mut isas = vec![Backend::Scalar.resolve().unwrap()];
-        if Backend::avx2_available() {
-            isas.push(Backend::Avx2.resolve().unwrap());
-        }
-        // Every mix of in-vector, two-stage, one-stage and short-chunk paths.
-        for hd in [1usize, 7, 8, 16, 24, 32, 64, 96, 100, 128, 256, 512, 576] {
-            let rot = Rotation::new(hd, 3);
-            let x: Vec<f32> = pseudo_random(4 * hd, 9).iter().map(|v| v * 300.0).collect();
-            for dtype in [DType::Bf16, DType::Fp16, DType::Fp32, DType::Fp8E4m3] {
-                let src: Vec<u8> = (0..x.len())
-                    .flat_map(|i| {
-                        let mut b = vec![0u8; dtype.size() as usize];
-                        store_f32(dtype, &mut b, 0, x[i]);
-                        b
-                    })
-                    .collect();
-                let mut want = Vec::new();
-                for r in 0..4 {
-                    let mut row: Vec<f32> = (0..hd).map(|i| load_f32(dtype, &src, r * hd + i)).collect();
-                    rot.forward(&mut row);
-                    want.extend(row.iter().flat_map(|v| v.to_le_bytes()));
-                }
-                let mut back_want = vec![0u8; src.len()];
-                for r in 0..4 {
-                    let mut row: Vec<f32> = (0..hd).map(|i| load_f32(DType::Fp32, &want, r * hd + i)).collect();
-                    rot.inverse(&mut row);
-                    for (i, v) in row.iter().enumerate() {
-                        store_f32(dtype, &mut back_want, r * hd + i, *v);
-                    }
-                }
-                for isa in &isas {
-                    let mut out = vec![0u8; want.len()];
-                    rot.forward_rows(*isa, dtype, &src, &mut out);
-                    assert_eq!(out, want, "{isa:?} {dtype:?} hd {hd}");
-                    let mut back = vec![0u8; src.len()];
-                    rot.inverse_rows(*isa, &want, dtype, &mut back);
-                    assert_eq!(back, back_want, "{isa:?} {dtype:?} hd {hd} inverse");
                 }
             }
         }

@@ -209,6 +209,10 @@ fn backends_agree_on(spec: BlockSpec, x: &[f32]) {
             others.push(reference.clone().with_backend(Backend::Avx2));
             others.push(reference.clone().with_backend(Backend::Avx2).with_parallel_min_bytes(0));
         }
+        if Backend::avx512_available() {
+            others.push(reference.clone().with_backend(Backend::Avx512));
+            others.push(reference.clone().with_backend(Backend::Avx512).with_parallel_min_bytes(0));
+        }
         let want = match want {
             Ok(p) => p,
             // Only a rotated codec may refuse a finite block (a value beyond 2^100); then every

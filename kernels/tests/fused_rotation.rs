@@ -64,6 +64,11 @@ proptest! {
         let mut backends = vec![(Backend::Auto, usize::MAX), (Backend::Auto, 0)];
         if Backend::avx2_available() {
             backends.push((Backend::Avx2, usize::MAX));
+            backends.push((Backend::Avx2, 0));
+        }
+        if Backend::avx512_available() {
+            backends.push((Backend::Avx512, usize::MAX));
+            backends.push((Backend::Avx512, 0));
         }
         for (id, scaling) in CODECS.iter().cloned() {
             let codec = |b: Backend, par: usize| {

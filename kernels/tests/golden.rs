@@ -56,6 +56,9 @@ fn f32s(b: &[u8]) -> Vec<f32> {
 
 fn backends() -> Vec<Backend> {
     let mut b = vec![Backend::Scalar];
+    if Backend::avx512_available() {
+        b.push(Backend::Avx512);
+    }
     if Backend::avx2_available() {
         b.push(Backend::Avx2);
     } else {

@@ -30,6 +30,7 @@ use kvtier_proto::DType;
 
 use super::scalar;
 use crate::formats::{e4m3_to_f32, E2M1_VALUES};
+use crate::fwht::avx2::{fwht8, wht_regs, wht_rest};
 
 const ABS: i32 = 0x7FFF_FFFF;
 
@@ -298,7 +299,7 @@ unsafe fn quot<const EXACT: bool>(a: __m256, p: __m256, q: __m256) -> __m256 {
 
 /// `(fl(1/s), fl(1/s − fl(1/s)))` for [`quot`], the low part from an f64 reciprocal.
 #[inline]
-fn recip_split(s: f32) -> (f32, f32) {
+pub(crate) fn recip_split(s: f32) -> (f32, f32) {
     let hi = 1.0 / s;
     let lo = ((1.0 / f64::from(s)) - f64::from(hi)) as f32;
     (hi, lo)
@@ -573,7 +574,7 @@ unsafe fn fp8_encode_rows_t<const D: u8>(src: &[u8], hd: usize, scales: &mut [u8
         if bits >= 0x7F80_0000 {
             return Some(r + k);
         }
-        let s = crate::codec::fp8_scale(f32::from_bits(bits));
+        let s = crate::scale::fp8_scale(f32::from_bits(bits));
         sc.copy_from_slice(&s.to_le_bytes());
         fp8_encode_t::<D, true>(row, if s == 0.0 { 1.0 } else { s }, dst);
     }
@@ -660,7 +661,7 @@ unsafe fn fp8_scale8(amax: __m256) -> __m256 {
     let up = _mm256_add_epi32(_mm256_or_si256(s, _mm256_set1_epi32(0xF)), _mm256_set1_epi32(1));
     let exact = _mm256_cmpeq_epi32(low, _mm256_setzero_si256());
     let c = _mm256_castsi256_ps(_mm256_blendv_epi8(up, s, exact));
-    let flush = _mm256_cmp_ps::<_CMP_LT_OQ>(amax, _mm256_set1_ps(crate::codec::FLUSH_AMAX));
+    let flush = _mm256_cmp_ps::<_CMP_LT_OQ>(amax, _mm256_set1_ps(crate::scale::FLUSH_AMAX));
     _mm256_andnot_ps(flush, c)
 }
 
@@ -677,7 +678,7 @@ unsafe fn exact_ok8(s: __m256) -> bool {
 
 /// Whether a bounded row with this (nonzero) scale may use the exact reciprocal form: see [`quot`].
 #[inline]
-fn exact_ok(scale: f32) -> bool {
+pub(crate) fn exact_ok(scale: f32) -> bool {
     const LO: f32 = 8.673_617e-19; // 2^-60
     const HI: f32 = 1.267_650_6e30; // 2^100
     scale.to_bits() & 0xF == 0 && (LO..=HI).contains(&scale)
@@ -847,7 +848,7 @@ unsafe fn reduce8<const D: u8>(v: &[__m256i; 8]) -> __m256 {
 }
 
 /// Block scale codes (32-bit lanes) and code multipliers `1/d` (0 where `d = 0`) of eight
-/// micro-blocks from their amax: `scalar::nvfp4_block_scale`, lane by lane, with the same
+/// micro-blocks from their amax: `crate::scale::nvfp4_block_scale`, lane by lane, with the same
 /// operations (a division by 6, two products, a division).
 #[inline]
 #[target_feature(enable = "avx2,f16c,fma")]
@@ -1098,115 +1099,6 @@ pub(crate) unsafe fn e2m1_slice(xs: &[f32], out: &mut [u8]) {
     }
 }
 
-/// Stages `h = 1, 2, 4` of the fast Walsh–Hadamard transform (`crate::rotation::fwht`) on eight
-/// lanes, in the reference's order: for each stage, lane `j` with `j & h == 0` takes
-/// `x[j] + x[j + h]` and lane `j + h` takes `x[j] - x[j + h]`. Each is one FMA
-/// `x · (±1) + swapped`: the product is exact (a sign), so the single rounding is that of the
-/// reference's `p + q` (lane `j`: `x[j] · 1 + x[j + h]`) or `p - q` (lane `j + h`:
-/// `x[j + h] · (-1) + x[j]`), signed zeros included.
-#[inline]
-#[target_feature(enable = "avx2,f16c,fma")]
-unsafe fn fwht8(x: __m256) -> __m256 {
-    // h = 1: lanes [1, 0, 3, 2, …]; odd lanes take the difference.
-    let s = _mm256_permute_ps::<0b10_11_00_01>(x);
-    let x = _mm256_fmadd_ps(x, _mm256_setr_ps(1.0, -1.0, 1.0, -1.0, 1.0, -1.0, 1.0, -1.0), s);
-    // h = 2: lanes [2, 3, 0, 1, …]; lanes 2, 3, 6, 7 take the difference.
-    let s = _mm256_permute_ps::<0b01_00_11_10>(x);
-    let x = _mm256_fmadd_ps(x, _mm256_setr_ps(1.0, 1.0, -1.0, -1.0, 1.0, 1.0, -1.0, -1.0), s);
-    // h = 4: the two halves swapped; the upper half takes the difference.
-    let s = _mm256_permute2f128_ps::<1>(x, x);
-    _mm256_fmadd_ps(x, _mm256_setr_ps(1.0, 1.0, 1.0, 1.0, -1.0, -1.0, -1.0, -1.0), s)
-}
-
-/// The butterfly stages of `crate::rotation::fwht` that [`fwht8`] does not do, on a row already
-/// through [`fwht8`] in its first `hd & !7` elements: stages `h ≥ 8` of every chunk of 16 or
-/// more, two stages at a time where it can (four vectors `a, b, c, d` at `j, j + h, j + 2h,
-/// j + 3h`: `(a + b) ± (c + d)`, `(a - b) ± (c - d)`, the same operations in the same order as two
-/// separate stages), and every stage of the chunks shorter than 8 (scalar).
-#[inline]
-#[target_feature(enable = "avx2,f16c,fma")]
-unsafe fn wht_rest(buf: &mut [f32], chunks: &[usize]) {
-    let p = buf.as_mut_ptr();
-    let mut off = 0;
-    for &n in chunks {
-        if n < 8 {
-            crate::rotation::fwht(&mut buf[off..off + n]);
-            off += n;
-            continue;
-        }
-        debug_assert!(off + n <= buf.len() && off % 8 == 0);
-        let mut h = 8;
-        while h < n {
-            let mut b = off;
-            if 2 * h < n {
-                // Stages h and 2h together.
-                while b < off + n {
-                    let mut j = b;
-                    while j < b + h {
-                        // SAFETY: j + 3h + 8 ≤ b + 4h ≤ off + n ≤ buf.len() (b steps by 4h inside the chunk).
-                        let (a, bb) = (_mm256_loadu_ps(p.add(j)), _mm256_loadu_ps(p.add(j + h)));
-                        let (c, d) = (_mm256_loadu_ps(p.add(j + 2 * h)), _mm256_loadu_ps(p.add(j + 3 * h)));
-                        let (s0, s1) = (_mm256_add_ps(a, bb), _mm256_sub_ps(a, bb));
-                        let (s2, s3) = (_mm256_add_ps(c, d), _mm256_sub_ps(c, d));
-                        _mm256_storeu_ps(p.add(j), _mm256_add_ps(s0, s2));
-                        _mm256_storeu_ps(p.add(j + h), _mm256_add_ps(s1, s3));
-                        _mm256_storeu_ps(p.add(j + 2 * h), _mm256_sub_ps(s0, s2));
-                        _mm256_storeu_ps(p.add(j + 3 * h), _mm256_sub_ps(s1, s3));
-                        j += 8;
-                    }
-                    b += 4 * h;
-                }
-                h *= 4;
-            } else {
-                while b < off + n {
-                    let mut j = b;
-                    while j < b + h {
-                        // SAFETY: j + h + 8 ≤ b + 2h ≤ off + n ≤ buf.len().
-                        let (a, bb) = (_mm256_loadu_ps(p.add(j)), _mm256_loadu_ps(p.add(j + h)));
-                        _mm256_storeu_ps(p.add(j), _mm256_add_ps(a, bb));
-                        _mm256_storeu_ps(p.add(j + h), _mm256_sub_ps(a, bb));
-                        j += 8;
-                    }
-                    b += 2 * h;
-                }
-                h *= 2;
-            }
-        }
-        off += n;
-    }
-}
-
-/// The transform of `crate::rotation::fwht` on one chunk of `8·N` elements held in `N` vectors
-/// (element `8k + l` in lane `l` of `v[k]`), without touching memory: stages 1, 2 and 4 inside
-/// each vector ([`fwht8`]), then stage `8h` for `h = 1, 2, …, N/2` between `v[j]` and `v[j + h]`
-/// (`j & h == 0`) as `(a + b, a − b)`: the reference's operations on the same values, stage by
-/// stage in the same order, so the same bytes. `N` is a constant, so the loops unroll and the
-/// chunk stays in registers (sixteen of them for 128 elements).
-///
-/// This one, [`fwd_chunk`] and [`inv_chunk`] carry no `target_feature` (which cannot be combined
-/// with `inline(always)`) so that they are always inlined: called only from functions of this
-/// file that enable the features, their intrinsics are then compiled with them, and the chunk's
-/// vectors never go through memory.
-#[inline(always)]
-unsafe fn wht_regs<const N: usize>(v: &mut [__m256; N]) {
-    for x in v.iter_mut() {
-        *x = fwht8(*x);
-    }
-    let mut h = 1;
-    while h < N {
-        let mut j = 0;
-        while j < N {
-            for t in j..j + h {
-                let (a, b) = (v[t], v[t + h]);
-                v[t] = _mm256_add_ps(a, b);
-                v[t + h] = _mm256_sub_ps(a, b);
-            }
-            j += 2 * h;
-        }
-        h *= 2;
-    }
-}
-
 /// The forward rotation of one chunk, elements `off..off + 8N` of the row `s` (dtype `D`): times
 /// `mul`, [`wht_regs`], stored as little-endian f32 at elements `off..off + 8N` of `o`. Returns
 /// the max of the stored values' magnitude bits in eight u32 lanes.
@@ -1258,7 +1150,7 @@ unsafe fn fwd_chunk_mem<const D: u8>(
         for (k, v) in b.iter_mut().enumerate() {
             *v = crate::block::load_f32(dtype, s, off + k) * mul[off + k];
         }
-        crate::rotation::fwht(b);
+        crate::fwht::fwht(b);
     }
     let mut m = 0u32;
     for (k, v) in b.iter().enumerate() {
@@ -1351,7 +1243,7 @@ unsafe fn inv_chunk_mem<const D: u8>(
             k += 8;
         }
     } else {
-        crate::rotation::fwht(b);
+        crate::fwht::fwht(b);
         for (k, v) in b.iter().enumerate() {
             crate::block::store_f32(dtype, o, off + k, v * mul[off + k]);
         }
@@ -1522,7 +1414,7 @@ unsafe fn fp8_encode_rows_rot_t<const D: u8>(
         let row = &src[k * row_bytes..(k + 1) * row_bytes];
         let f = &mut buf[..hd * 4];
         let bits = hmax_epu32(fwd_row::<D>(row, mul, chunks, &mut fb, f));
-        let s = crate::codec::fp8_scale(f32::from_bits(bits));
+        let s = crate::scale::fp8_scale(f32::from_bits(bits));
         scales[4 * k..4 * k + 4].copy_from_slice(&s.to_le_bytes());
         fp8_encode_t::<FP32, true>(f, if s == 0.0 { 1.0 } else { s }, &mut codes[k * hd..(k + 1) * hd]);
     }

@@ -1,11 +1,14 @@
 //! Row kernels and the choice between them. A row is the `head_dim` elements of one (layer,
 //! K|V, token, head). [`scalar`] is the reference; [`avx2`] (x86-64 with AVX2 and F16C, chosen at
-//! run time) writes identical bytes faster. The codec calls these through [`Isa`], one call per
+//! run time) writes identical bytes faster, and [`avx512`] (AVX-512 F/BW/VL/DQ on top) does so
+//! for the rotations of the `+had` codecs, the other kernels staying AVX2 there. The codec calls these through [`Isa`], one call per
 //! run of rows for the encoders (a chunk, or a plane for NVFP4) and per row for decoding, so the
 //! feature check and the dtype dispatch happen once per run, not per element.
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512;
 pub(crate) mod scalar;
 
 use kvtier_proto::DType;
@@ -23,6 +26,9 @@ pub enum Backend {
     Scalar,
     /// AVX2 + F16C; an error where the CPU lacks them.
     Avx2,
+    /// AVX-512 (F, BW, VL, DQ) for the rotations of the `+had` codecs, AVX2 + F16C for the rest;
+    /// an error where the CPU lacks any of them.
+    Avx512,
 }
 
 impl Backend {
@@ -40,13 +46,32 @@ impl Backend {
         }
     }
 
+    /// Whether the AVX-512 kernels (and the AVX2 ones they fall back on) can run here.
+    pub fn avx512_available() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            Self::avx2_available()
+                && std::is_x86_feature_detected!("avx512f")
+                && std::is_x86_feature_detected!("avx512bw")
+                && std::is_x86_feature_detected!("avx512vl")
+                && std::is_x86_feature_detected!("avx512dq")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    }
+
     pub(crate) fn resolve(self) -> Result<Isa, CodecError> {
         match self {
             Backend::Scalar => Ok(Isa::Scalar),
+            Backend::Auto if Self::avx512_available() => Ok(Isa::Avx512(Avx512Token(()))),
             Backend::Auto if Self::avx2_available() => Ok(Isa::Avx2(Avx2Token(()))),
             Backend::Auto => Ok(Isa::Scalar),
             Backend::Avx2 if Self::avx2_available() => Ok(Isa::Avx2(Avx2Token(()))),
             Backend::Avx2 => Err(CodecError::BackendUnavailable("avx2+f16c")),
+            Backend::Avx512 if Self::avx512_available() => Ok(Isa::Avx512(Avx512Token(()))),
+            Backend::Avx512 => Err(CodecError::BackendUnavailable("avx512f+bw+vl+dq")),
         }
     }
 }
@@ -55,18 +80,31 @@ impl Backend {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Avx2Token(());
 
+/// Proof that AVX-512 F, BW, VL and DQ were detected, and everything an [`Avx2Token`] proves:
+/// only [`Backend::resolve`] makes one.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Avx512Token(());
+
 /// A resolved backend.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Isa {
     Scalar,
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     Avx2(Avx2Token),
+    /// Also runs every AVX2 kernel.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    Avx512(Avx512Token),
 }
 
 impl Isa {
     /// FP8 sources and outputs are rare (raw engines in FP8); they take the scalar route.
     fn simd(self, dtype: DType) -> bool {
-        matches!(self, Isa::Avx2(_)) && dtype != DType::Fp8E4m3
+        self.avx2() && dtype != DType::Fp8E4m3
+    }
+
+    /// Whether the AVX2 kernels may run (an AVX-512 backend proves the AVX2 features too).
+    fn avx2(self) -> bool {
+        matches!(self, Isa::Avx2(_) | Isa::Avx512(_))
     }
 
     pub(crate) fn row_amax_bits(self, dtype: DType, src: &[u8]) -> u32 {
@@ -91,7 +129,7 @@ impl Isa {
     }
 
     /// FP8 with one scale per row (per (token, head)) for a run of whole rows of `hd` elements:
-    /// each row's amax, its scale ([`crate::codec::fp8_scale`], 4 little-endian bytes in
+    /// each row's amax, its scale ([`crate::scale::fp8_scale`], 4 little-endian bytes in
     /// `scales`) and its `hd` codes. `Err(k)`: row `k` of the run holds a NaN or Inf.
     pub(crate) fn fp8_encode_rows(
         self,
@@ -116,7 +154,7 @@ impl Isa {
             if bits >= 0x7F80_0000 {
                 return Err(r);
             }
-            let s = crate::codec::fp8_scale(f32::from_bits(bits));
+            let s = crate::scale::fp8_scale(f32::from_bits(bits));
             sc.copy_from_slice(&s.to_le_bytes());
             scalar::fp8_encode_row(dtype, row, if s == 0.0 { 1.0 } else { s }, dst);
         }
@@ -124,7 +162,7 @@ impl Isa {
     }
 
     /// [`Isa::fp8_encode_rows`] of rows rotated by `rot` on the way (the `+had` codecs): the
-    /// bytes of rotating the rows into f32 ([`Rotation::forward_rows`]) and encoding those. The
+    /// bytes of rotating the rows into f32 ([`Isa::rotate_rows`]) and encoding those. The
     /// vector kernel does it in one pass per row (rotated in registers, then quantized); the
     /// scalar path is that reference. The caller has checked every row (finite, within
     /// [`crate::rotation::ROTATION_MAX_INPUT`]); `Err(k)` (a rotated row holding a NaN or Inf)
@@ -138,13 +176,19 @@ impl Isa {
         codes: &mut [u8],
     ) -> Result<(), usize> {
         #[cfg(target_arch = "x86_64")]
+        if let (Isa::Avx512(_), true) = (self, self.simd(dtype)) {
+            // SAFETY: an Avx512 Isa exists only after the AVX-512 and AVX2 features were detected.
+            unsafe { avx512::fp8_encode_rows_rotated(dtype, src, rot.mul(), rot.chunks(), scales, codes) };
+            return Ok(());
+        }
+        #[cfg(target_arch = "x86_64")]
         if self.simd(dtype) {
-            // SAFETY: an Avx2 Isa exists only after the CPU features were detected.
+            // SAFETY: an Avx2 or Avx512 Isa exists only after the AVX2 features were detected.
             unsafe { avx2::fp8_encode_rows_rotated(dtype, src, rot.mul(), rot.chunks(), scales, codes) };
             return Ok(());
         }
         let mut rotated = vec![0u8; src.len() / dtype.size() as usize * 4];
-        rot.forward_rows(self, dtype, src, &mut rotated);
+        self.rotate_rows(rot, dtype, src, &mut rotated);
         self.fp8_encode_rows(DType::Fp32, &rotated, rot.head_dim(), scales, codes)
     }
 
@@ -207,6 +251,46 @@ impl Isa {
 }
 
 impl Isa {
+    /// Loads whole rows of `dtype` from `src`, rotates them by `rot` and writes them to `out` as
+    /// little-endian f32 (4 bytes per element): the bytes of [`Rotation::forward_rows_ref`].
+    pub(crate) fn rotate_rows(self, rot: &Rotation, dtype: DType, src: &[u8], out: &mut [u8]) {
+        #[cfg(target_arch = "x86_64")]
+        if let Isa::Avx512(_) = self {
+            let mut buf = vec![0f32; rot.head_dim()];
+            // SAFETY: an Avx512 Isa exists only after the AVX-512 and AVX2 features were detected.
+            return unsafe { avx512::rotate_rows(dtype, src, rot.mul(), rot.chunks(), &mut buf, out) };
+        }
+        #[cfg(target_arch = "x86_64")]
+        if self.avx2() {
+            let mut buf = vec![0f32; rot.head_dim()];
+            // SAFETY: an Avx2 or Avx512 Isa exists only after AVX2, F16C and FMA were detected.
+            return unsafe { avx2::rotate_rows(dtype, src, rot.mul(), rot.chunks(), &mut buf, out) };
+        }
+        rot.forward_rows_ref(dtype, src, out)
+    }
+
+    /// Inverse-rotates whole rows of little-endian f32 in `src` by `rot` and stores them as
+    /// `dtype` in `dst` (the bytes of [`Rotation::inverse_rows_ref`]). Returns the largest
+    /// magnitude of `src` as f32 bits (NaN and Inf above every finite value), which the vector
+    /// kernel takes from its registers, so the caller can refuse values the encoder never writes
+    /// without another pass (`dst` is then unspecified).
+    pub(crate) fn unrotate_rows(self, rot: &Rotation, src: &[u8], dtype: DType, dst: &mut [u8]) -> u32 {
+        #[cfg(target_arch = "x86_64")]
+        if let Isa::Avx512(_) = self {
+            let mut buf = vec![0f32; rot.head_dim()];
+            // SAFETY: an Avx512 Isa exists only after the AVX-512 and AVX2 features were detected.
+            return unsafe { avx512::unrotate_rows(src, rot.mul(), rot.chunks(), &mut buf, dtype, dst) };
+        }
+        #[cfg(target_arch = "x86_64")]
+        if self.avx2() {
+            let mut buf = vec![0f32; rot.head_dim()];
+            // SAFETY: an Avx2 or Avx512 Isa exists only after AVX2, F16C and FMA were detected.
+            return unsafe { avx2::unrotate_rows(src, rot.mul(), rot.chunks(), &mut buf, dtype, dst) };
+        }
+        rot.inverse_rows_ref(src, dtype, dst);
+        scalar::row_amax_bits(DType::Fp32, src)
+    }
+
     /// Unscaled E4M3 codes of f32 values (a division by 1 is exact).
     pub(crate) fn e4m3_slice(self, xs: &[f32], out: &mut [u8]) {
         let bytes: Vec<u8> = xs.iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -216,12 +300,123 @@ impl Isa {
     /// Unscaled E2M1 codes of f32 values, one per byte.
     pub(crate) fn e2m1_slice(self, xs: &[f32], out: &mut [u8]) {
         #[cfg(target_arch = "x86_64")]
-        if let Isa::Avx2(_) = self {
-            // SAFETY: an Avx2 Isa exists only after the CPU features were detected.
+        if self.avx2() {
+            // SAFETY: an Avx2 or Avx512 Isa exists only after the AVX2 features were detected.
             return unsafe { avx2::e2m1_slice(xs, out) };
         }
         for (o, x) in out.iter_mut().zip(xs) {
             *o = crate::formats::e2m1_from_f32(*x);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::block::{load_f32, store_f32};
+
+    fn pseudo_random(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn row_paths_match_the_reference_on_every_backend() {
+        let mut isas = vec![Backend::Scalar.resolve().unwrap()];
+        if Backend::avx2_available() {
+            isas.push(Backend::Avx2.resolve().unwrap());
+        }
+        if Backend::avx512_available() {
+            isas.push(Backend::Avx512.resolve().unwrap());
+        }
+        // Every mix of in-vector, two-stage, one-stage and short-chunk paths.
+        for hd in [1usize, 7, 8, 16, 24, 32, 64, 96, 100, 128, 256, 512, 576] {
+            let rot = Rotation::new(hd, 3);
+            let x: Vec<f32> = pseudo_random(4 * hd, 9).iter().map(|v| v * 300.0).collect();
+            for dtype in [DType::Bf16, DType::Fp16, DType::Fp32, DType::Fp8E4m3] {
+                let src: Vec<u8> = (0..x.len())
+                    .flat_map(|i| {
+                        let mut b = vec![0u8; dtype.size() as usize];
+                        store_f32(dtype, &mut b, 0, x[i]);
+                        b
+                    })
+                    .collect();
+                let mut want = Vec::new();
+                for r in 0..4 {
+                    let mut row: Vec<f32> = (0..hd).map(|i| load_f32(dtype, &src, r * hd + i)).collect();
+                    rot.forward(&mut row);
+                    want.extend(row.iter().flat_map(|v| v.to_le_bytes()));
+                }
+                let mut back_want = vec![0u8; src.len()];
+                for r in 0..4 {
+                    let mut row: Vec<f32> = (0..hd).map(|i| load_f32(DType::Fp32, &want, r * hd + i)).collect();
+                    rot.inverse(&mut row);
+                    for (i, v) in row.iter().enumerate() {
+                        store_f32(dtype, &mut back_want, r * hd + i, *v);
+                    }
+                }
+                for isa in &isas {
+                    let mut out = vec![0u8; want.len()];
+                    isa.rotate_rows(&rot, dtype, &src, &mut out);
+                    assert_eq!(out, want, "{isa:?} {dtype:?} hd {hd}");
+                    let mut back = vec![0u8; src.len()];
+                    isa.unrotate_rows(&rot, &want, dtype, &mut back);
+                    assert_eq!(back, back_want, "{isa:?} {dtype:?} hd {hd} inverse");
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod rotated_fp8_tests {
+    use super::*;
+    use crate::block::store_f32;
+
+    /// The fused rotate-and-quantize kernel of every backend writes the scalar bytes, at row
+    /// magnitudes from 2^-90 to 2^90: scales inside and outside the range of the exact reciprocal
+    /// form (the division path), one-chunk and several-chunk rows, row counts around eight.
+    #[test]
+    fn fused_fp8_rows_match_the_reference_at_every_magnitude() {
+        let mut isas = vec![];
+        if Backend::avx2_available() {
+            isas.push(Backend::Avx2.resolve().unwrap());
+        }
+        if Backend::avx512_available() {
+            isas.push(Backend::Avx512.resolve().unwrap());
+        }
+        let mut s = 0x2545_F491_4F6C_DD1Du64;
+        for hd in [16usize, 64, 96, 128, 256, 320] {
+            let rot = Rotation::new(hd, 11);
+            for rows in [1usize, 7, 8, 9, 17] {
+                for dtype in [DType::Bf16, DType::Fp16, DType::Fp32] {
+                    let mut src = vec![0u8; rows * hd * dtype.size() as usize];
+                    for r in 0..rows {
+                        let e = if dtype == DType::Fp16 { (r as i32 % 9) - 4 } else { (r as i32 * 37 % 181) - 90 };
+                        for i in 0..hd {
+                            s ^= s << 13;
+                            s ^= s >> 7;
+                            s ^= s << 17;
+                            let v = ((s >> 40) as f32 / (1u64 << 23) as f32 - 1.0) * 2f32.powi(e);
+                            store_f32(dtype, &mut src, r * hd + i, v);
+                        }
+                    }
+                    let (mut ws, mut wc) = (vec![0u8; 4 * rows], vec![0u8; rows * hd]);
+                    Isa::Scalar.fp8_encode_rows_rotated(&rot, dtype, &src, &mut ws, &mut wc).unwrap();
+                    for isa in &isas {
+                        let (mut gs, mut gc) = (vec![0u8; 4 * rows], vec![0u8; rows * hd]);
+                        isa.fp8_encode_rows_rotated(&rot, dtype, &src, &mut gs, &mut gc).unwrap();
+                        assert_eq!((gs, gc), (ws.clone(), wc.clone()), "{isa:?} {dtype:?} hd {hd} rows {rows}");
+                    }
+                }
+            }
         }
     }
 }

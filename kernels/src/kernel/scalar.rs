@@ -6,6 +6,7 @@ use kvtier_proto::DType;
 
 use crate::block::{load_f32, store_f32};
 use crate::formats::{e2m1_from_f32, e2m1_to_f32, e4m3_from_f32, e4m3_to_f32};
+use crate::scale::nvfp4_block_scale;
 
 /// Largest `|x|` of a row as f32 bits. Comparing the bits of non-negative floats as integers
 /// orders them like the floats, and any NaN or Inf gives a result ≥ `0x7F80_0000`, so one pass
@@ -31,16 +32,6 @@ pub(crate) fn fp8_decode_row(codes: &[u8], scale: f32, out: DType, dst: &mut [u8
         store_f32(out, dst, i, e4m3_to_f32(c) * scale);
     }
     nan
-}
-
-/// The NVFP4 block scale code, decoded block scale and reciprocal for a micro-block of amax
-/// `amax_b`, given the plane's global decode scale `g` and encode factor `enc = 448·6 / amax`.
-#[inline]
-pub(crate) fn nvfp4_block_scale(amax_b: f32, g: f32, enc: f32) -> (u8, f32, f32) {
-    let bs = e4m3_from_f32((amax_b / 6.0) * enc);
-    let d = e4m3_to_f32(bs) * g;
-    let inv = if d == 0.0 { 0.0 } else { 1.0 / d };
-    (bs, d, inv)
 }
 
 /// Encodes one micro-block of `src` (1..=16 elements) into its block scale and `ceil(n/2)` code

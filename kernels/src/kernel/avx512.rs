@@ -1,0 +1,355 @@
+//! AVX-512 row kernels for the rotated (`+had`) codecs, sixteen f32 lanes at a time: the forward
+//! rotation, the inverse rotation, and the forward rotation fused with FP8 quantization. They
+//! write the same bytes as [`super::scalar`] and [`super::avx2`]: the same IEEE operations on the
+//! same values in the same order (the butterflies of [`crate::fwht::avx512`]), the same exact
+//! quotient as `avx2::quot`, the same E4M3 rounding construction as `avx2::e4m3_mag8_biased`.
+//!
+//! A row is held in registers chunk by chunk (a chunk of 128 is eight vectors): loaded, rotated,
+//! and then stored as f32 (`rotate_rows`), quantized straight from the registers
+//! (`fp8_encode_rows_rotated`), or multiplied and stored in the output dtype (`unrotate_rows`).
+//! Rows whose chunks have no register form here (a chunk shorter than 16 or longer than 256) and
+//! FP8 sources or outputs go to the AVX2 kernels, which every CPU with these features also runs.
+//!
+//! Safety, once for the whole file: every function here is `#[target_feature(enable = "avx512f,
+//! avx512bw, avx512vl, avx512dq, avx2, f16c, fma")]` (or `inline(always)` and only called from
+//! such functions) and is only called through [`super::Isa::Avx512`], which is only constructed
+//! after `is_x86_feature_detected!` returned true for every one of those features. Every
+//! unaligned load or store reads or writes whole elements `i..i + 16` of a slice whose length was
+//! checked by an `assert!` in the same function, as noted at each access.
+
+use std::arch::x86_64::*;
+
+use kvtier_proto::DType;
+
+use super::avx2;
+use crate::fwht::avx512::wht_regs16;
+
+const ABS: i32 = 0x7FFF_FFFF;
+
+/// `(e + 6)·8 = (m >> 20) − 141·8` in [`e4m3_mag16`] (as `avx2::E4M3_BIAS`).
+const E4M3_BIAS: i32 = 1128;
+
+/// Whether rows with these chunk lengths and this dtype have a register form here.
+pub(crate) fn covers(dtype: DType, chunks: &[usize]) -> bool {
+    dtype != DType::Fp8E4m3 && chunks.iter().all(|n| (16..=256).contains(n))
+}
+
+/// Loads elements `i..i + 16` of `src` (little-endian `dtype`, not FP8) as f32.
+/// Invariant: `(i + 16) * dtype.size() <= src.len()`.
+#[inline(always)]
+unsafe fn load16(dtype: DType, src: &[u8], i: usize) -> __m512 {
+    debug_assert!((i + 16) * dtype.size() as usize <= src.len());
+    match dtype {
+        // SAFETY (all three): the bytes of elements i..i + 16 are inside src (invariant above).
+        DType::Bf16 => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+            src.as_ptr().add(2 * i) as *const __m256i,
+        )))),
+        DType::Fp16 => _mm512_cvtph_ps(_mm256_loadu_si256(src.as_ptr().add(2 * i) as *const __m256i)),
+        _ => _mm512_loadu_ps(src.as_ptr().add(4 * i) as *const f32),
+    }
+}
+
+/// Stores sixteen f32 as elements `i..i + 16` of `dst` in `dtype` (not FP8), rounding to nearest
+/// even (FP16 saturating to ±65504), exactly like `block::store_f32` and `avx2::store8`.
+/// Invariant: `(i + 16) * dtype.size() <= dst.len()`.
+#[inline(always)]
+unsafe fn store16(dtype: DType, dst: &mut [u8], i: usize, v: __m512) {
+    debug_assert!((i + 16) * dtype.size() as usize <= dst.len());
+    match dtype {
+        DType::Bf16 => {
+            let b = _mm512_castps_si512(v);
+            let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
+            let r = _mm512_srli_epi32::<16>(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb));
+            // SAFETY: 32 bytes at 2*i are inside dst (invariant above); r's lanes fit in 16 bits,
+            // so the truncating narrowing keeps them.
+            _mm256_storeu_si256(dst.as_mut_ptr().add(2 * i) as *mut __m256i, _mm512_cvtepi32_epi16(r));
+        }
+        DType::Fp16 => {
+            let c = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-65504.0)), _mm512_set1_ps(65504.0));
+            let h = _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(c);
+            // SAFETY: 32 bytes at 2*i are inside dst.
+            _mm256_storeu_si256(dst.as_mut_ptr().add(2 * i) as *mut __m256i, h);
+        }
+        // SAFETY: 64 bytes at 4*i are inside dst.
+        _ => _mm512_storeu_ps(dst.as_mut_ptr().add(4 * i) as *mut f32, v),
+    }
+}
+
+/// The forward rotation of one chunk, elements `off..off + 16N` of the row `s` (dtype `dtype`):
+/// times `mul`, [`wht_regs16`], left in `v`. Returns the max of the rotated values' magnitude
+/// bits in sixteen u32 lanes.
+#[inline(always)]
+unsafe fn fwd_chunk<const N: usize>(dtype: DType, s: &[u8], mul: &[f32], off: usize, v: &mut [__m512; N]) -> __m512i {
+    let end = off + 16 * N;
+    assert!(end <= mul.len() && end * dtype.size() as usize <= s.len());
+    for (k, x) in v.iter_mut().enumerate() {
+        // SAFETY: elements off + 16k .. off + 16k + 16 ≤ end are inside s and mul (assert above).
+        *x = _mm512_mul_ps(load16(dtype, s, off + 16 * k), _mm512_loadu_ps(mul.as_ptr().add(off + 16 * k)));
+    }
+    wht_regs16(v);
+    let abs = _mm512_set1_epi32(ABS);
+    let mut m = _mm512_setzero_si512();
+    for x in v.iter() {
+        m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_castps_si512(*x), abs));
+    }
+    m
+}
+
+/// Stores `v` (a chunk of `16N` f32) at elements `off..` of `o` as little-endian f32.
+#[inline(always)]
+unsafe fn store_f32s<const N: usize>(v: &[__m512; N], off: usize, o: &mut [u8]) {
+    assert!(4 * (off + 16 * N) <= o.len());
+    for (k, x) in v.iter().enumerate() {
+        // SAFETY: bytes 4·(off + 16k) .. + 64 are inside o (assert above).
+        _mm512_storeu_ps(o.as_mut_ptr().add(4 * (off + 16 * k)) as *mut f32, *x);
+    }
+}
+
+/// Calls `$body` with `$v` bound to the registers of the chunk of length `$n` (16..=256).
+macro_rules! by_chunk {
+    ($n:expr, |$v:ident| $body:expr) => {
+        match $n {
+            16 => {
+                let mut $v = [_mm512_setzero_ps(); 1];
+                $body
+            }
+            32 => {
+                let mut $v = [_mm512_setzero_ps(); 2];
+                $body
+            }
+            64 => {
+                let mut $v = [_mm512_setzero_ps(); 4];
+                $body
+            }
+            128 => {
+                let mut $v = [_mm512_setzero_ps(); 8];
+                $body
+            }
+            _ => {
+                let mut $v = [_mm512_setzero_ps(); 16];
+                $body
+            }
+        }
+    };
+}
+
+/// The forward rotation of `crate::rotation::Rotation` on whole rows, as `avx2::rotate_rows`:
+/// elements of `dtype` from `src`, times `mul`, the transform per chunk, written to `out` as
+/// little-endian f32. `buf`: head_dim f32 of scratch for the AVX2 fallback.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c,fma")]
+pub(crate) unsafe fn rotate_rows(
+    dtype: DType,
+    src: &[u8],
+    mul: &[f32],
+    chunks: &[usize],
+    buf: &mut [f32],
+    out: &mut [u8],
+) {
+    if !covers(dtype, chunks) {
+        return avx2::rotate_rows(dtype, src, mul, chunks, buf, out);
+    }
+    let hd = mul.len();
+    for (s, o) in src.chunks_exact(hd * dtype.size() as usize).zip(out.chunks_exact_mut(hd * 4)) {
+        let mut off = 0;
+        for &n in chunks {
+            by_chunk!(n, |v| {
+                fwd_chunk(dtype, s, mul, off, &mut v);
+                store_f32s(&v, off, o);
+            });
+            off += n;
+        }
+    }
+}
+
+/// The inverse rotation on whole rows, as `avx2::unrotate_rows`: little-endian f32 from `src`, the
+/// transform per chunk, times `mul`, stored as `dtype` in `dst`. Returns the largest magnitude
+/// bits of `src`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c,fma")]
+pub(crate) unsafe fn unrotate_rows(
+    src: &[u8],
+    mul: &[f32],
+    chunks: &[usize],
+    buf: &mut [f32],
+    dtype: DType,
+    dst: &mut [u8],
+) -> u32 {
+    if !covers(dtype, chunks) {
+        return avx2::unrotate_rows(src, mul, chunks, buf, dtype, dst);
+    }
+    let hd = mul.len();
+    let es = dtype.size() as usize;
+    let abs = _mm512_set1_epi32(ABS);
+    let mut acc = _mm512_setzero_si512();
+    for (s, o) in src.chunks_exact(hd * 4).zip(dst.chunks_exact_mut(hd * es)) {
+        let mut off = 0;
+        for &n in chunks {
+            by_chunk!(n, |v| {
+                assert!(off + n <= hd);
+                for (k, x) in v.iter_mut().enumerate() {
+                    // SAFETY: bytes 4·(off + 16k) .. + 64 ≤ 4·hd = s.len() (assert above).
+                    *x = _mm512_loadu_ps(s.as_ptr().add(4 * (off + 16 * k)) as *const f32);
+                    acc = _mm512_max_epu32(acc, _mm512_and_si512(_mm512_castps_si512(*x), abs));
+                }
+                wht_regs16(&mut v);
+                for (k, x) in v.iter().enumerate() {
+                    // SAFETY: elements off + 16k .. + 16 ≤ hd are inside mul and o (o holds hd
+                    // elements of dtype).
+                    store16(dtype, o, off + 16 * k, _mm512_mul_ps(*x, _mm512_loadu_ps(mul.as_ptr().add(off + 16 * k))));
+                }
+            });
+            off += n;
+        }
+    }
+    _mm512_reduce_max_epu32(acc)
+}
+
+/// E4M3 codes (sign in bit 7) of the sixteen quotients `x / s`, `x` finite with
+/// `|x| ≤ 448·s`-ish as `avx2::fp8_step32_f32` has them: with `EXACT`, `|x| / s` as
+/// `avx2::quot::<true>` (`fl(a·p + fl(a·q))`, proven equal to the division for the scales
+/// `avx2::exact_ok` accepts; no saturation needed, the quotient is at most 448·(1 + 2^-23));
+/// without, the true division, saturated at 448. The rounding is `avx2::e4m3_mag8_biased`'s.
+#[inline(always)]
+unsafe fn e4m3_codes16<const EXACT: bool>(x: __m512, p: __m512, q: __m512) -> __m128i {
+    let xb = _mm512_castps_si512(x);
+    let a = _mm512_castsi512_ps(_mm512_and_si512(xb, _mm512_set1_epi32(ABS)));
+    let a = if EXACT {
+        _mm512_fmadd_ps(a, p, _mm512_mul_ps(a, q))
+    } else {
+        _mm512_min_ps(_mm512_div_ps(a, p), _mm512_set1_ps(448.0))
+    };
+    let ab = _mm512_castps_si512(a);
+    let m = _mm512_max_epi32(
+        _mm512_add_epi32(_mm512_and_si512(ab, _mm512_set1_epi32(0x7F80_0000)), _mm512_set1_epi32(20 << 23)),
+        _mm512_set1_epi32(141 << 23),
+    );
+    let t = _mm512_castps_si512(_mm512_add_ps(a, _mm512_castsi512_ps(m)));
+    let mag = _mm512_add_epi32(_mm512_sub_epi32(t, m), _mm512_srli_epi32::<20>(m));
+    let mag = _mm512_sub_epi32(mag, _mm512_set1_epi32(E4M3_BIAS));
+    let sign = _mm512_and_si512(_mm512_srli_epi32::<24>(xb), _mm512_set1_epi32(0x80));
+    _mm512_cvtepi32_epi8(_mm512_or_si512(mag, sign))
+}
+
+/// Quantizes one rotated chunk held in `v` into `dst[off..off + 16N]` (see [`e4m3_codes16`]).
+#[inline(always)]
+unsafe fn fp8_chunk<const N: usize, const EXACT: bool>(
+    v: &[__m512; N],
+    p: __m512,
+    q: __m512,
+    off: usize,
+    dst: &mut [u8],
+) {
+    assert!(off + 16 * N <= dst.len());
+    for (k, x) in v.iter().enumerate() {
+        // SAFETY: bytes off + 16k .. + 16 are inside dst (assert above).
+        _mm_storeu_si128(dst.as_mut_ptr().add(off + 16 * k) as *mut __m128i, e4m3_codes16::<EXACT>(*x, p, q));
+    }
+}
+
+/// `avx2::fp8_encode_rows_rotated` on AVX-512, one row at a time and without a buffer when the
+/// row is a single chunk: rotated in registers, its amax reduced from them, its scale
+/// (`crate::scale::fp8_scale`) computed, and its codes written from the same registers. Rows of
+/// several chunks are rotated into `fb` (head_dim f32, in L1) first. The bytes are those of
+/// rotating every row and encoding the f32 rows with `fp8_encode_rows`. The caller has checked
+/// every row (finite, within `crate::rotation::ROTATION_MAX_INPUT`), so every rotated value is
+/// finite.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c,fma")]
+pub(crate) unsafe fn fp8_encode_rows_rotated(
+    dtype: DType,
+    src: &[u8],
+    mul: &[f32],
+    chunks: &[usize],
+    scales: &mut [u8],
+    codes: &mut [u8],
+) {
+    if !covers(dtype, chunks) {
+        return avx2::fp8_encode_rows_rotated(dtype, src, mul, chunks, scales, codes);
+    }
+    let hd = mul.len();
+    let row_bytes = hd * dtype.size() as usize;
+    let rows = codes.len() / hd.max(1);
+    assert!(rows * row_bytes <= src.len() && 4 * rows <= scales.len());
+    if let [n] = *chunks {
+        // Two rows at a time: their rotations, then their scales, then their codes, so that one
+        // row's scalar scale arithmetic (a chain of divisions) overlaps the other's vector work.
+        let mut r = 0;
+        while r + 2 <= rows {
+            let (s0, s1) = src[r * row_bytes..(r + 2) * row_bytes].split_at(row_bytes);
+            let (d0, d1) = codes[r * hd..(r + 2) * hd].split_at_mut(hd);
+            let (c0, c1) = scales[4 * r..4 * r + 8].split_at_mut(4);
+            by_chunk!(n, |v| {
+                let mut w = v;
+                let m0 = fwd_chunk(dtype, s0, mul, 0, &mut v);
+                let m1 = fwd_chunk(dtype, s1, mul, 0, &mut w);
+                let se0 = row_scale(_mm512_reduce_max_epu32(m0), c0);
+                let se1 = row_scale(_mm512_reduce_max_epu32(m1), c1);
+                quantize(&v, se0, 0, d0);
+                quantize(&w, se1, 0, d1);
+            });
+            r += 2;
+        }
+        for r in r..rows {
+            let s = &src[r * row_bytes..(r + 1) * row_bytes];
+            let dst = &mut codes[r * hd..(r + 1) * hd];
+            let sc = &mut scales[4 * r..4 * r + 4];
+            by_chunk!(n, |v| {
+                let m = fwd_chunk(dtype, s, mul, 0, &mut v);
+                let se = row_scale(_mm512_reduce_max_epu32(m), sc);
+                quantize(&v, se, 0, dst);
+            });
+        }
+        return;
+    }
+    // Several chunks: rotate the row into `fb` (f32 bytes), then quantize from it.
+    let mut fb = vec![0u8; hd * 4];
+    for r in 0..rows {
+        let s = &src[r * row_bytes..(r + 1) * row_bytes];
+        let mut acc = _mm512_setzero_si512();
+        let mut off = 0;
+        for &n in chunks {
+            by_chunk!(n, |v| {
+                acc = _mm512_max_epu32(acc, fwd_chunk(dtype, s, mul, off, &mut v));
+                store_f32s(&v, off, &mut fb);
+            });
+            off += n;
+        }
+        let se = row_scale(_mm512_reduce_max_epu32(acc), &mut scales[4 * r..4 * r + 4]);
+        let dst = &mut codes[r * hd..(r + 1) * hd];
+        let mut off = 0;
+        for &n in chunks {
+            by_chunk!(n, |v| {
+                for (k, x) in v.iter_mut().enumerate() {
+                    // SAFETY: elements off + 16k .. + 16 ≤ hd are inside fb (hd f32).
+                    *x = _mm512_loadu_ps(fb.as_ptr().add(4 * (off + 16 * k)) as *const f32);
+                }
+                quantize(&v, se, off, dst);
+            });
+            off += n;
+        }
+    }
+}
+
+/// Writes the FP8 scale of a row of amax bits `bits` into `sc` (4 bytes, little-endian) and
+/// returns the divisor its codes use (the scale, or 1 for a zero scale).
+#[inline(always)]
+fn row_scale(bits: u32, sc: &mut [u8]) -> f32 {
+    let s = crate::scale::fp8_scale(f32::from_bits(bits));
+    sc.copy_from_slice(&s.to_le_bytes());
+    if s == 0.0 {
+        1.0
+    } else {
+        s
+    }
+}
+
+/// [`fp8_chunk`] with divisor `se`: the exact reciprocal form where `avx2::exact_ok` allows it,
+/// the division otherwise.
+#[inline(always)]
+unsafe fn quantize<const N: usize>(v: &[__m512; N], se: f32, off: usize, dst: &mut [u8]) {
+    if avx2::exact_ok(se) {
+        let (hi, lo) = avx2::recip_split(se);
+        fp8_chunk::<N, true>(v, _mm512_set1_ps(hi), _mm512_set1_ps(lo), off, dst);
+    } else {
+        let p = _mm512_set1_ps(se);
+        fp8_chunk::<N, false>(v, p, p, off, dst);
+    }
+}
