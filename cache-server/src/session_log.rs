@@ -165,9 +165,30 @@ fn decode(body: &[u8], ordinal: u64) -> Option<(u8, u64, LoggedSession)> {
     Some((kind, seq, s))
 }
 
+/// Largest record body replay believes (a manifest of 1M keys is ~32 MiB).
+const MAX_RECORD: usize = 64 << 20;
+
+/// The verified record starting at `at`: (where the next one starts, kind, sequence number,
+/// session); `None` when the bytes there are not a whole record with a matching checksum.
+fn record_at(data: &[u8], at: usize, ordinal: u64) -> Option<(usize, u8, u64, LoggedSession)> {
+    let mut c = Cursor(data.get(at..)?);
+    let len = c.u32()? as usize;
+    let sum = c.u64()?;
+    if len > MAX_RECORD {
+        return None;
+    }
+    let body = c.take(len)?;
+    if xxh3_64(body) != sum {
+        return None;
+    }
+    let (kind, seq, s) = decode(body, ordinal)?;
+    Some((at + 12 + len, kind, seq, s))
+}
+
 impl SessionLog {
     /// Replays the log in `dir`, rewrites it with the sessions still alive at `now_ms`, and
-    /// returns them with the number of records that could not be read.
+    /// returns them with the number of damaged stretches skipped (each a torn or corrupt record,
+    /// or several in a row; replay continues at the next whole record).
     pub fn open(dir: &Path, sync: bool, now_ms: u64) -> Result<(SessionLog, Vec<LoggedSession>, u64), ServerError> {
         let path = dir.join("sessions.log");
         // Per session, the newest record seen (a tombstone is `None`).
@@ -177,22 +198,23 @@ impl SessionLog {
         if let Ok(mut f) = File::open(&path) {
             let mut data = Vec::new();
             f.read_to_end(&mut data)?;
-            let mut c = Cursor(&data);
+            let mut at = 0usize;
             let mut ordinal = 0u64;
-            while !c.0.is_empty() {
-                let (Some(len), Some(sum)) = (c.u32(), c.u64()) else {
+            while at < data.len() {
+                let Some((next, kind, seq, s)) = record_at(&data, at, ordinal + 1) else {
+                    // A damaged or torn record: skip to the next place a whole, verified record
+                    // starts, so one bad record costs that record, never the ones after it.
                     unreadable += 1;
-                    break;
+                    match (at + 1..data.len()).find(|&i| record_at(&data, i, ordinal + 1).is_some()) {
+                        Some(i) => {
+                            at = i;
+                            continue;
+                        }
+                        None => break,
+                    }
                 };
-                let Some(body) = c.take(len as usize) else {
-                    unreadable += 1; // torn last record: its park was never acknowledged
-                    break;
-                };
+                at = next;
                 ordinal += 1;
-                let Some((kind, seq, s)) = (xxh3_64(body) == sum).then(|| decode(body, ordinal)).flatten() else {
-                    unreadable += 1;
-                    break;
-                };
                 max_seq = max_seq.max(seq);
                 let id = (s.namespace, s.id.clone());
                 let record = (seq, (kind == PUT).then_some(s));
@@ -239,7 +261,17 @@ impl SessionLog {
         let io = |e: std::io::Error| {
             ServerError::Io(std::io::Error::new(e.kind(), format!("appending to {}: {e}", self.path.display())))
         };
-        self.file.lock().write_all(rec).map_err(io)?;
+        {
+            let f = self.file.lock();
+            let before = f.metadata().map(|m| m.len());
+            if let Err(e) = (&*f).write_all(rec) {
+                // A refused append (a full disk) leaves no torn record behind: cut it off.
+                if let Ok(len) = before {
+                    let _ = f.set_len(len);
+                }
+                return Err(io(e));
+            }
+        }
         if sync {
             // Outside the file lock: appends that land meanwhile are covered by this sync or
             // their own.
@@ -327,6 +359,47 @@ mod tests {
         // Numbers keep rising across restarts, so a change made now outranks every old record.
         let next = log.next_seq();
         assert!(next > 4, "{next}");
+    }
+
+    /// One flipped byte costs one record; a torn record in the middle (an append refused half
+    /// way) hides nothing after it.
+    #[test]
+    fn a_bad_record_costs_only_itself() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sessions.log");
+        let recs: Vec<Vec<u8>> =
+            ["a", "b", "c", "d"].iter().zip(1..).map(|(id, seq)| encode(PUT, seq, &s(id, 1, 5000))).collect();
+        // "b" damaged in its body, then half of a record that was never finished before "c".
+        let mut data = recs[0].clone();
+        let mut b = recs[1].clone();
+        b[40] ^= 0x10;
+        data.extend(b);
+        data.extend(&encode(PUT, 9, &s("torn", 1, 5000))[..50]);
+        data.extend(&recs[2]);
+        data.extend(&recs[3]);
+        std::fs::write(&path, data).unwrap();
+        let (_log, live, unreadable) = SessionLog::open(dir.path(), true, 100).unwrap();
+        let ids: Vec<&str> = live.iter().map(|s| s.id.as_str()).collect();
+        assert_eq!(ids, ["a", "c", "d"]);
+        assert_eq!(unreadable, 1, "one damaged stretch: the bad record and the torn one after it");
+    }
+
+    /// An append the file refuses leaves nothing behind: later appends and a replay see only
+    /// whole records.
+    #[test]
+    fn a_refused_append_leaves_no_torn_record() {
+        let dir = tempfile::tempdir().unwrap();
+        let (log, _, _) = SessionLog::open(dir.path(), true, 0).unwrap();
+        log.put(log.next_seq(), &s("a", 1, 5000)).unwrap();
+        let len = std::fs::metadata(dir.path().join("sessions.log")).unwrap().len();
+        // The same log writing through a read-only handle: every append fails.
+        let ro = std::fs::File::open(dir.path().join("sessions.log")).unwrap();
+        let log = log.with_file_for_test(ro);
+        assert!(log.put(log.next_seq(), &s("b", 1, 5000)).is_err());
+        assert_eq!(std::fs::metadata(dir.path().join("sessions.log")).unwrap().len(), len);
+        drop(log);
+        let (_log, live, unreadable) = SessionLog::open(dir.path(), true, 100).unwrap();
+        assert_eq!((live.len(), unreadable), (1, 0));
     }
 
     #[test]
