@@ -22,6 +22,7 @@
 
 mod client;
 mod conn;
+mod connector;
 mod engine;
 mod error;
 
@@ -29,6 +30,9 @@ pub use client::{
     decode_frame, decode_frame_into, BlockDest, ClientConfig, KvClient, NamespaceHandle, ParkOptions, ResumedSession,
     SessionInfo, StoreReport, StoredAs,
 };
+#[cfg(unix)]
+pub use connector::UnixConnector;
+pub use connector::{BoxedStream, ConnectFuture, DataPlaneConnector, DataStream};
 pub use engine::{EngineClient, Loaded, Miss};
 pub use error::ClientError;
 pub use kvtier_proto::dataplane::ItemStatus;
