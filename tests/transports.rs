@@ -123,7 +123,7 @@ async fn a_cut_mid_put_leaves_no_partial_block(transport: Transport) {
         other.client.store(&h2, &other_doc, &other_blocks).await?.ok()?;
         other.client.load(&h2, &other_doc).await
     });
-    let err = failed.err().expect("a cut stream fails the store");
+    let err = failed.expect_err("a cut stream fails the store");
     assert_eq!(err.reason(), "io", "{err}");
     assert_eq!(served.unwrap(), other_blocks, "another connection is served meanwhile");
 

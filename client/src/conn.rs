@@ -348,10 +348,10 @@ impl Dial {
         match self {
             Dial::Tcp(addr) => DataConn::connect(*addr, token).await,
             Dial::Custom(connector) => {
-                let stream = connector.connect().await.map_err(|e| ClientError::Connect {
-                    addr: "data-plane connector".into(),
-                    reason: e.to_string(),
-                })?;
+                let stream = connector
+                    .connect()
+                    .await
+                    .map_err(|e| ClientError::Connect { addr: "data-plane connector".into(), reason: e.to_string() })?;
                 DataConn::over(stream, token).await
             }
         }

@@ -65,7 +65,13 @@ impl Faults {
 
     /// Puts `stream` behind these faults.
     pub fn wrap<S>(&self, stream: S) -> FaultyStream<S> {
-        FaultyStream { inner: stream, faults: self.clone(), delay: [None, None], delayed: [false; 2], stall_timer: None }
+        FaultyStream {
+            inner: stream,
+            faults: self.clone(),
+            delay: [None, None],
+            delayed: [false; 2],
+            stall_timer: None,
+        }
     }
 
     /// Every read and every write waits `delay` first (`None`: no delay).
