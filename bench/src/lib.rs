@@ -4,10 +4,12 @@
 //!
 //! Pure parts (tested): [`stats`], [`model`] (KV bytes, prefill FLOPs, GPUs, links, planner),
 //! [`trace`] (deterministic Zipf workload). Measuring parts: [`limits`], [`blocks`], [`replay`],
+//! [`contention`] (tail latency while sessions park),
 //! with real server processes from [`servers`] and the Python side from [`pydriver`]; output
 //! through [`report`] and [`plot`].
 
 pub mod blocks;
+pub mod contention;
 pub mod limits;
 pub mod model;
 pub mod plot;

@@ -28,6 +28,9 @@ enum What {
     Blocks,
     /// Synthetic replicas + agent sessions workload replayed against kvtier.
     Trace,
+    /// p50/p99 of lookups, resumes and 1 MiB loads while sessions park to disk (this build and
+    /// `--baseline-bin`). Not part of `all`.
+    Contention,
     /// Capacity planner (pure arithmetic, no servers).
     Plan,
 }
@@ -49,6 +52,9 @@ struct Args {
     /// The kvtier binary to start (default: `kvtier` beside this executable).
     #[arg(long)]
     kvtier_bin: Option<PathBuf>,
+    /// An older `kvtier` binary `contention` measures beside this build's, in the same run.
+    #[arg(long)]
+    baseline_bin: Option<PathBuf>,
     /// Use an already running kvtier at this gRPC address instead of starting one (blocks only;
     /// the trace needs its own server to set the DRAM cap).
     #[arg(long)]
@@ -427,6 +433,28 @@ fn main() -> anyhow::Result<()> {
             )?;
             plots.push(path);
         }
+    }
+
+    if a.what == What::Contention {
+        let samples = if quick { 300 } else { 1500 };
+        let mut builds = vec![("this build".to_string(), servers::find_kvtier(a.kvtier_bin.as_deref())?)];
+        if let Some(b) = &a.baseline_bin {
+            builds.insert(0, ("baseline".to_string(), servers::find_kvtier(Some(b))?));
+        }
+        let mut rows = Vec::new();
+        for _ in 0..runs {
+            for (name, bin) in &builds {
+                eprintln!("contention: {name} ({})", bin.display());
+                let dir = data_dir.join(format!("contention-{}", rows.len()));
+                let log = out.join(format!("contention-{}.log", rows.len()));
+                rows.push(kvtier_bench::contention::run(name, bin, &dir, &log, samples)?);
+            }
+        }
+        let table = kvtier_bench::contention::table(&rows);
+        println!("{table}");
+        std::fs::write(out.join("contention.md"), &table)?;
+        std::fs::write(out.join("contention.json"), serde_json::to_string_pretty(&rows)?)?;
+        return Ok(());
     }
 
     if all || a.what == What::Trace {

@@ -37,6 +37,17 @@ pub struct KvtierServer {
 
 impl KvtierServer {
     pub fn start(bin: &Path, data_dir: &Path, dram_capacity: u64, log: &Path) -> anyhow::Result<KvtierServer> {
+        Self::start_with(bin, data_dir, dram_capacity, log, &[])
+    }
+
+    /// [`KvtierServer::start`] with more `serve` flags (a disk tier, a codec).
+    pub fn start_with(
+        bin: &Path,
+        data_dir: &Path,
+        dram_capacity: u64,
+        log: &Path,
+        extra: &[&str],
+    ) -> anyhow::Result<KvtierServer> {
         std::fs::create_dir_all(data_dir)?;
         let log_file = std::fs::File::create(log)?;
         let mut cmd = Command::new(bin);
@@ -45,6 +56,7 @@ impl KvtierServer {
             .arg(data_dir)
             .arg("--dram-capacity")
             .arg(format!("{}MiB", dram_capacity.div_ceil(1 << 20)))
+            .args(extra)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(log_file);

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier_proto::{codes, pb, BlockKey, Namespace, NamespaceId, TierId};
+use kvtier_proto::{codes, pb, BlockKey, Namespace, NamespaceId};
 use tonic::{Request, Response, Status};
 
 use crate::dram::Priority;
@@ -93,7 +93,7 @@ fn park_response(r: Result<SessionManifest, ServerError>) -> Result<Response<pb:
 
 impl ControlPlane {
     fn ttl(&self, ms: u64) -> Result<Duration, ServerError> {
-        let c = &self.state.config;
+        let c = self.state.config();
         if ms == 0 {
             return Ok(c.session_ttl.0);
         }
@@ -107,11 +107,16 @@ impl ControlPlane {
         Ok(d)
     }
 
-    fn refresh_session_gauge(&self, n: usize) {
-        metrics::gauge!("kvtier_sessions").set(n as f64);
+    /// Runs a session-table change on the I/O pool (it may wait for the session log's fsync).
+    async fn on_io<T: Send + 'static>(
+        &self,
+        job: impl FnOnce(&NodeState) -> Result<T, ServerError> + Send + 'static,
+    ) -> Result<T, ServerError> {
+        let state = self.state.clone();
+        self.state.io().run(None, move || job(&state)).await?
     }
 
-    fn park(&self, r: pb::ParkRequest) -> Result<SessionManifest, ServerError> {
+    async fn park(&self, r: pb::ParkRequest) -> Result<SessionManifest, ServerError> {
         let ns_id = ns_id(&r.namespace_id)?;
         let ns = self.state.namespace(&ns_id)?;
         if r.session_id.is_empty() || r.session_id.len() > 256 {
@@ -128,100 +133,42 @@ impl ControlPlane {
             expected_version: r.expected_version,
         };
         let limits = self.state.session_limits(&ns);
-        let mut table = self.state.sessions.lock();
-        self.make_durable(&ns_id, &spec.keys, spec.tail)?;
-        let out = table.park(self.state.pins(), spec, &limits, Instant::now())?;
-        self.log_session(&mut table, &out)?;
-        self.refresh_session_gauge(table.len());
-        Ok(out)
+        // The blocks go to disk before the table is touched, and without holding its lock.
+        self.state.tiers().persist(&ns_id, &spec.keys, spec.tail).await?;
+        self.on_io(move |s| s.sessions().park(s.tiers().session_pins(), spec, &limits)).await
     }
 
-    /// With a disk tier: writes every block of a manifest that isn't on disk yet (from DRAM) and
-    /// syncs, so the park can be acknowledged as durable. Blocks in neither tier are reported
-    /// missing for the client to re-send.
-    fn make_durable(&self, ns: &NamespaceId, keys: &[BlockKey], tail: Option<BlockKey>) -> Result<(), ServerError> {
-        let Some(disk) = &self.state.disk else { return Ok(()) };
-        tokio::task::block_in_place(|| {
-            let mut missing = Vec::new();
-            for (i, k) in keys.iter().chain(tail.iter()).enumerate() {
-                if disk.contains(ns, k) {
-                    continue;
-                }
-                let block =
-                    self.state.tier.get(ns, k).or_else(|| self.state.in_transit.get(&(*ns, *k)).map(|b| b.clone()));
-                match block {
-                    Some(b) => disk.write(&b.header, &b.payload)?,
-                    None => missing.push(i as u32),
-                }
-            }
-            if !missing.is_empty() {
-                let n = keys.len() as u32;
-                let missing_tail = missing.contains(&n);
-                missing.retain(|&i| i < n);
-                return Err(ServerError::MissingBlocks { missing, missing_tail });
-            }
-            if self.state.config.session_durability == "fsync" {
-                disk.sync()?;
-            }
-            Ok(())
-        })
-    }
-
-    /// Appends the manifest to the session log; if that fails the park is undone.
-    fn log_session(&self, table: &mut crate::sessions::SessionTable, m: &SessionManifest) -> Result<(), ServerError> {
-        let Some(log) = &self.state.session_log else { return Ok(()) };
-        let expires = std::time::SystemTime::now() + m.expires_at.saturating_duration_since(Instant::now());
-        let rec = crate::session_log::LoggedSession {
-            namespace: m.namespace,
-            id: m.id.clone(),
-            keys: m.keys.clone(),
-            tail: m.tail,
-            token_count: m.token_count,
-            ttl_ms: m.ttl.as_millis() as u64,
-            expires_unix_ms: crate::session_log::unix_ms(expires),
-            priority: m.priority,
-            version: m.version,
-        };
-        let res = tokio::task::block_in_place(|| log.lock().put(&rec));
-        if let Err(e) = res {
-            table.drop_session(self.state.pins(), m.namespace, &m.id);
-            return Err(e);
-        }
-        Ok(())
-    }
-
-    fn extend(&self, r: pb::ExtendRequest) -> Result<SessionManifest, ServerError> {
+    async fn extend(&self, r: pb::ExtendRequest) -> Result<SessionManifest, ServerError> {
         let ns_id = ns_id(&r.namespace_id)?;
         let ns = self.state.namespace(&ns_id)?;
         let limits = self.state.session_limits(&ns);
         let new_keys = keys(&r.new_keys)?;
         let tail = opt_key(&r.tail_key)?;
-        let mut table = self.state.sessions.lock();
-        self.make_durable(&ns_id, &new_keys, tail)?;
-        let out = table.extend(
-            self.state.pins(),
-            ns_id,
-            &r.session_id,
-            r.expected_version,
-            r.base_blocks as usize,
-            new_keys,
-            tail,
-            r.token_count,
-            &limits,
-            Instant::now(),
-        )?;
-        self.log_session(&mut table, &out)?;
-        Ok(out)
+        self.state.tiers().persist(&ns_id, &new_keys, tail).await?;
+        self.on_io(move |s| {
+            s.sessions().extend(
+                s.tiers().session_pins(),
+                ns_id,
+                &r.session_id,
+                r.expected_version,
+                r.base_blocks as usize,
+                new_keys,
+                tail,
+                r.token_count,
+                &limits,
+            )
+        })
+        .await
     }
 }
 
 #[tonic::async_trait]
 impl pb::kv_tier_server::KvTier for ControlPlane {
     async fn info(&self, _r: Request<pb::InfoRequest>) -> Result<Response<pb::InfoResponse>, Status> {
-        let c = &self.state.config;
+        let c = self.state.config();
         Ok(Response::new(pb::InfoResponse {
             version: env!("CARGO_PKG_VERSION").to_string(),
-            data_addr: self.state.data_addr.to_string(),
+            data_addr: self.state.data_addr().to_string(),
             max_frame_bytes: c.max_frame_bytes.0,
             max_blocks_per_request: c.max_blocks_per_request,
             max_context_tokens: c.max_context_tokens,
@@ -236,7 +183,10 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         let start = Instant::now();
         let ns = Namespace::from_pb(r.get_ref()).map_err(|e| to_status(e.into()))?;
         let block_bytes = ns.layout.block_bytes();
-        let id = self.state.register_namespace(ns).map_err(to_status)?;
+        // It may append to (and sync) the namespace log.
+        let state = self.state.clone();
+        let registered = self.state.io().run(None, move || state.register_namespace(ns)).await;
+        let id = registered.map_err(|e| to_status(e.into()))?.map_err(to_status)?;
         observe("register_namespace", start);
         Ok(Response::new(pb::RegisterNamespaceResponse {
             namespace_id: bytes::Bytes::copy_from_slice(&id.0),
@@ -252,7 +202,7 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
             let ns = self.state.namespace(&id)?;
             self.state.check_context(&ns, r.keys.len())?;
             let keys = keys(&r.keys)?;
-            Ok::<_, ServerError>(self.state.longest_prefix(&id, &keys))
+            Ok::<_, ServerError>(self.state.tiers().longest_prefix(&id, &keys))
         })();
         let matched = res.map_err(to_status)?;
         observe("lookup", start);
@@ -261,14 +211,14 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
 
     async fn park_session(&self, r: Request<pb::ParkRequest>) -> Result<Response<pb::ParkResponse>, Status> {
         let start = Instant::now();
-        let out = park_response(self.park(r.into_inner()));
+        let out = park_response(self.park(r.into_inner()).await);
         observe("park", start);
         out
     }
 
     async fn extend_session(&self, r: Request<pb::ExtendRequest>) -> Result<Response<pb::ParkResponse>, Status> {
         let start = Instant::now();
-        let out = park_response(self.extend(r.into_inner()));
+        let out = park_response(self.extend(r.into_inner()).await);
         observe("extend", start);
         out
     }
@@ -279,10 +229,7 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         let res = (|| {
             let id = ns_id(&r.namespace_id)?;
             self.state.namespace(&id)?;
-            let mut table = self.state.sessions.lock();
-            let out = table.resume(self.state.pins(), id, &r.session_id, Instant::now());
-            self.refresh_session_gauge(table.len());
-            out
+            self.state.sessions().resume(self.state.tiers().session_pins(), id, &r.session_id)
         })();
         let m = res.map_err(to_status)?;
         observe("resume", start);
@@ -301,15 +248,11 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         let r = r.into_inner();
         let id = ns_id(&r.namespace_id).map_err(to_status)?;
         self.state.namespace(&id).map_err(to_status)?;
-        let mut table = self.state.sessions.lock();
-        let dropped = table.drop_session(self.state.pins(), id, &r.session_id);
-        if dropped {
-            if let Some(log) = &self.state.session_log {
-                let _ = log.lock().delete(id, &r.session_id);
-            }
-        }
-        self.refresh_session_gauge(table.len());
-        drop(table);
+        let session = r.session_id;
+        let dropped = self
+            .on_io(move |s| Ok(s.sessions().drop_session(s.tiers().session_pins(), id, &session)))
+            .await
+            .map_err(to_status)?;
         observe("drop", start);
         Ok(Response::new(pb::DropSessionResponse { dropped }))
     }
@@ -321,53 +264,42 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         let r = r.into_inner();
         let ns = if r.namespace_id.is_empty() { None } else { Some(ns_id(&r.namespace_id).map_err(to_status)?) };
         let now = Instant::now();
-        let sessions = self.state.sessions.lock().list(ns, now).iter().map(|m| session_info(m, now)).collect();
+        let sessions = self.state.sessions().list(ns).iter().map(|m| session_info(m, now)).collect();
         Ok(Response::new(pb::ListSessionsResponse { sessions }))
     }
 
     async fn stats(&self, _r: Request<pb::StatsRequest>) -> Result<Response<pb::StatsResponse>, Status> {
-        let s = self.state.tier.stats();
-        let mut tiers = vec![pb::TierStats {
-            tier: TierId::Dram.as_str().into(),
-            capacity_bytes: s.capacity_bytes,
-            resident_bytes: s.resident_bytes,
-            allocated_bytes: s.allocated_bytes,
-            pinned_bytes: s.pinned_bytes,
-            blocks: s.blocks,
-            hits: s.hits,
-            misses: s.misses,
-            evictions: s.evictions,
-            bytes_in: s.bytes_in,
-            bytes_out: s.bytes_out,
-        }];
-        if let Some(d) = &self.state.disk {
-            let d = d.stats();
-            tiers.push(pb::TierStats {
-                tier: TierId::Disk.as_str().into(),
-                capacity_bytes: d.capacity_bytes,
-                resident_bytes: d.resident_bytes,
-                allocated_bytes: d.used_bytes,
-                pinned_bytes: d.pinned_bytes,
-                blocks: d.blocks,
-                hits: d.hits,
-                misses: d.misses,
-                evictions: d.evicted_blocks,
-                bytes_in: d.bytes_in,
-                bytes_out: d.bytes_out,
-            });
-        }
+        let tiers = self
+            .state
+            .tiers()
+            .stats()
+            .into_iter()
+            .map(|(id, s)| pb::TierStats {
+                tier: id.as_str().into(),
+                capacity_bytes: s.capacity_bytes,
+                resident_bytes: s.resident_bytes,
+                allocated_bytes: s.allocated_bytes,
+                pinned_bytes: s.pinned_bytes,
+                blocks: s.blocks,
+                hits: s.hits,
+                misses: s.misses,
+                evictions: s.evictions,
+                bytes_in: s.bytes_in,
+                bytes_out: s.bytes_out,
+            })
+            .collect();
         Ok(Response::new(pb::StatsResponse {
             tiers,
-            sessions: self.state.sessions.lock().len() as u64,
+            sessions: self.state.sessions().len() as u64,
             namespaces: self.state.namespace_count() as u64,
-            uptime_ms: self.state.started.elapsed().as_millis() as u64,
+            uptime_ms: self.state.uptime().as_millis() as u64,
         }))
     }
 
     async fn purge(&self, r: Request<pb::PurgeRequest>) -> Result<Response<pb::PurgeResponse>, Status> {
         let id = ns_id(&r.get_ref().namespace_id).map_err(to_status)?;
         self.state.namespace(&id).map_err(to_status)?;
-        let removed = self.state.purge_namespace(&id);
+        let removed = self.state.tiers().purge(&id);
         Ok(Response::new(pb::PurgeResponse { blocks_removed: removed }))
     }
 }

@@ -19,9 +19,7 @@
 //! connection is closed. A block that was not completely received is never visible.
 
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use kvtier_proto::dataplane::{
@@ -42,7 +40,7 @@ use crate::dram::Priority;
 use crate::error::ServerError;
 use crate::metrics::{error, observe};
 use crate::state::NodeState;
-use crate::tiers::Found;
+use crate::tiers::Load;
 
 /// Most concurrent data-plane connections; more wait in the accept backlog.
 pub const MAX_CONNECTIONS: usize = 1024;
@@ -80,46 +78,14 @@ where
     R: AsyncRead + Unpin + Send + 'static,
     W: AsyncWrite + Unpin + Send + 'static,
 {
-    serve_halves(Exclusive(r), Exclusive(w), state, stop, "stream").await
-}
-
-/// `Sync` whatever `T` is, because its content is reachable only through `&mut` (std's unstable
-/// `Exclusive`): a request handler holds `&Connection` across awaits, which needs `Sync` halves,
-/// and a caller's stream need only be `Send`.
-struct Exclusive<T>(T);
-
-// SAFETY: nothing reaches the inner value through `&Exclusive<T>` (the field is private and every
-// method takes `Pin<&mut Self>`), so sharing `&Exclusive<T>` between threads shares no access.
-unsafe impl<T> Sync for Exclusive<T> {}
-
-impl<T: AsyncRead + Unpin> AsyncRead for Exclusive<T> {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut tokio::io::ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().0).poll_read(cx, buf)
-    }
-}
-
-impl<T: AsyncWrite + Unpin> AsyncWrite for Exclusive<T> {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.get_mut().0).poll_write(cx, buf)
-    }
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().0).poll_flush(cx)
-    }
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().0).poll_shutdown(cx)
-    }
+    serve_halves(r, w, state, stop, "stream").await
 }
 
 /// Runs one connection over a read half and a write half until it ends or `stop` turns true.
-/// (`Sync` because a request handler holds `&Connection` across awaits; every split half is.)
 async fn serve_halves<R, W>(r: R, w: W, state: Arc<NodeState>, mut stop: watch::Receiver<bool>, peer: &str)
 where
-    R: AsyncRead + Unpin + Send + Sync,
-    W: AsyncWrite + Unpin + Send + Sync,
+    R: AsyncRead + Unpin + Send,
+    W: AsyncWrite + Unpin + Send,
 {
     tokio::select! {
         _ = crate::stopped(&mut stop) => {}
@@ -134,8 +100,8 @@ where
 /// A listener the data plane accepts from: each accepted connection as owned read and write
 /// halves (no lock between them) and a peer name for logs.
 trait Accept: Send + 'static {
-    type Read: AsyncRead + Unpin + Send + Sync + 'static;
-    type Write: AsyncWrite + Unpin + Send + Sync + 'static;
+    type Read: AsyncRead + Unpin + Send + 'static;
+    type Write: AsyncWrite + Unpin + Send + 'static;
     fn accept_split(&self) -> impl Future<Output = std::io::Result<(Self::Read, Self::Write, String)>> + Send;
 }
 
@@ -223,7 +189,7 @@ struct PinLeases {
 impl PinLeases {
     fn release(&mut self) {
         for (ns, key) in self.pins.drain(..) {
-            self.state.tier.unpin(&ns, std::slice::from_ref(&key));
+            self.state.tiers().unpin_lease(&ns, &key);
         }
     }
 }
@@ -234,7 +200,7 @@ impl Drop for PinLeases {
     }
 }
 
-impl<R: AsyncRead + Unpin + Send + Sync, W: AsyncWrite + Unpin + Send + Sync> Connection<R, W> {
+impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W> {
     fn new(r: R, w: W, state: Arc<NodeState>) -> Self {
         Connection {
             rd: BufReader::with_capacity(IO_BUF, r),
@@ -258,7 +224,7 @@ impl<R: AsyncRead + Unpin + Send + Sync, W: AsyncWrite + Unpin + Send + Sync> Co
                 Ok(r) => r,
                 Err(e) => return self.fatal(hdr[0], 0, Status::BadRequest, &e.to_string()).await,
             };
-            let limit = self.state.config.max_blocks_per_request;
+            let limit = self.state.config().max_blocks_per_request;
             if req.count > limit {
                 let msg = format!("{} blocks in one request exceed max_blocks_per_request {limit}", req.count);
                 return self.fatal(req.op as u8, req.request_id, Status::TooLarge, &msg).await;
@@ -310,7 +276,7 @@ impl<R: AsyncRead + Unpin + Send + Sync, W: AsyncWrite + Unpin + Send + Sync> Co
             self.wr.flush().await?;
             return Err(ConnError::Protocol(msg));
         }
-        if let Some(expected) = &self.state.config.auth_token {
+        if let Some(expected) = &self.state.config().auth_token {
             if !constant_time_eq(expected.as_bytes(), &token) {
                 error("unauthenticated");
                 self.wr.write_all(&HelloReply::encode(Status::Unauthenticated, "bad or missing auth token")).await?;
@@ -380,7 +346,7 @@ impl<R: AsyncRead + Unpin + Send + Sync, W: AsyncWrite + Unpin + Send + Sync> Co
                     return self.fatal(Op::Put as u8, req.request_id, Status::BadRequest, &msg).await;
                 }
             };
-            let max = self.state.config.max_frame_bytes.0;
+            let max = self.state.config().max_frame_bytes.0;
             if header.payload_len > max {
                 let msg = ProtoError::PayloadTooLarge { actual: header.payload_len, limit: max }.to_string();
                 return self.fatal(Op::Put as u8, req.request_id, Status::TooLarge, &format!("frame {i}: {msg}")).await;
@@ -390,7 +356,7 @@ impl<R: AsyncRead + Unpin + Send + Sync, W: AsyncWrite + Unpin + Send + Sync> Co
                 status = ItemStatus::Ok;
             }
             if status.is_held() && req.flags & FLAG_PIN_LEASE != 0 {
-                match self.state.tier.pin(&header.namespace, std::slice::from_ref(&header.key)) {
+                match self.state.tiers().pin_lease(&header.namespace, &header.key) {
                     Ok(()) => self.leases.pins.push((header.namespace, header.key)),
                     // Over the pinned limit, or evicted in the instant since it was stored.
                     Err(_) => status = ItemStatus::Capacity,
@@ -402,7 +368,7 @@ impl<R: AsyncRead + Unpin + Send + Sync, W: AsyncWrite + Unpin + Send + Sync> Co
             if report {
                 let codec = match status {
                     ItemStatus::Ok => Some(header.codec),
-                    ItemStatus::Present => self.state.held_codec(&header.namespace, &header.key),
+                    ItemStatus::Present => self.state.tiers().held_codec(&header.namespace, &header.key),
                     _ => None,
                 };
                 codecs.extend_from_slice(&codec.map_or(NO_CODEC, |c| c.0).to_le_bytes());
@@ -425,13 +391,13 @@ impl<R: AsyncRead + Unpin + Send + Sync, W: AsyncWrite + Unpin + Send + Sync> Co
                 return Ok(status);
             }
         };
-        if self.state.tier.contains(&header.namespace, &header.key) {
+        if self.state.tiers().is_hot(&header.namespace, &header.key) {
             // Content-addressed: the same key is the same bytes. Skip the copy.
             self.drain(header.payload_len).await?;
             return Ok(ItemStatus::Present);
         }
-        self.demotion_backpressure().await;
-        let tier = &self.state.tier;
+        self.state.tiers().backpressure().await;
+        let tier = self.state.tiers();
         let mut slot = match tier.reserve(header.payload_len as usize) {
             Ok(s) => s,
             Err(e) => {
@@ -485,22 +451,14 @@ impl<R: AsyncRead + Unpin + Send + Sync, W: AsyncWrite + Unpin + Send + Sync> Co
             let mut k = [0u8; KEY_LEN];
             k.copy_from_slice(chunk);
             let key = BlockKey(k);
-            let found = match self.state.find(&ns, &key) {
-                Found::Memory(h, p) => Some((h, p)),
-                // Disk reads block: on the blocking pool, off the async workers.
-                Found::OnDisk => {
-                    let state = self.state.clone();
-                    tokio::task::spawn_blocking(move || state.read_disk(&ns, &key)).await.ok().flatten()
-                }
-                Found::Absent => None,
-            };
-            match found {
-                Some((header, payload)) => {
+            // A disk read runs on the I/O pool; a saturated pool (`Busy`) answers a miss.
+            match self.state.tiers().get(&ns, &key).await {
+                Load::Hit(b) => {
                     self.wr.write_all(&[ItemStatus::Ok as u8]).await?;
-                    self.wr.write_all(&header.encode()).await?;
-                    self.wr.write_all(&payload).await?;
+                    self.wr.write_all(&b.header.encode()).await?;
+                    self.wr.write_all(&b.payload).await?;
                 }
-                None => {
+                Load::Busy | Load::Miss => {
                     self.wr.write_all(&[ItemStatus::Miss as u8]).await?;
                     missed = true;
                 }
@@ -515,36 +473,26 @@ impl<R: AsyncRead + Unpin + Send + Sync, W: AsyncWrite + Unpin + Send + Sync> Co
         let start = Instant::now();
         let Some(raw) = self.read_keys(&req).await? else { return Ok(()) };
         let ns: NamespaceId = req.namespace;
-        let statuses: Vec<u8> = raw
+        let keys: Vec<BlockKey> = raw
             .chunks_exact(KEY_LEN)
             .map(|chunk| {
                 let mut k = [0u8; KEY_LEN];
                 k.copy_from_slice(chunk);
-                let key = BlockKey(k);
-                if self.state.holds(&ns, &key) {
-                    ItemStatus::Ok as u8
-                } else {
-                    ItemStatus::Miss as u8
-                }
+                BlockKey(k)
             })
+            .collect();
+        let statuses: Vec<u8> = self
+            .state
+            .tiers()
+            .exists(&ns, &keys)
+            .into_iter()
+            .map(|held| if held { ItemStatus::Ok as u8 } else { ItemStatus::Miss as u8 })
             .collect();
         let h = ResponseHeader::ok(Op::Exists, req.request_id, req.count);
         self.wr.write_all(&h.encode()).await?;
         self.wr.write_all(&statuses).await?;
         observe("dataplane_exists", start);
         Ok(())
-    }
-}
-
-impl<R, W> Connection<R, W> {
-    /// Waits while the demotion queue is full, so writers slow down to the disk's pace instead
-    /// of evicting blocks that can't be demoted (bounded: after 5 s the write proceeds).
-    async fn demotion_backpressure(&self) {
-        if self.state.disk.is_none() {
-            return;
-        }
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-        self.state.demotion_depth.wait_for_room(deadline).await;
     }
 }
 

@@ -1,14 +1,22 @@
 //! The durable record of parked sessions: an append-only log of manifest records (park/extend
-//! writes the whole manifest; drop and expiry write a tombstone), each length-prefixed and
-//! checksummed. A park is acknowledged only after its blocks are on disk and its record is
-//! appended and `fsync`ed (unless `session_durability = "async"`). At start the log is replayed
-//! (a torn last record is ignored) and rewritten with the live sessions only.
+//! writes the whole manifest; drop and expiry write a tombstone), each length-prefixed,
+//! checksummed and numbered. A park is acknowledged only after its blocks are on disk and its
+//! record is appended and `fsync`ed (unless `session_durability = "async"`). At start the log is
+//! replayed (a torn last record is ignored) and rewritten with the live sessions only.
+//!
+//! Records are appended outside the session table's lock, so two changes to one session can
+//! reach the file out of order; each carries the sequence number it was given under that lock,
+//! and replay keeps, per session, the record with the highest. Appends from many parks share one
+//! `fsync` where they overlap (the file lock covers the write only).
 
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use parking_lot::Mutex;
 
 use kvtier_proto::{BlockKey, NamespaceId, KEY_LEN, NAMESPACE_ID_LEN};
 use xxhash_rust::xxh3::xxh3_64;
@@ -16,8 +24,12 @@ use xxhash_rust::xxh3::xxh3_64;
 use crate::dram::Priority;
 use crate::error::ServerError;
 
-const PUT: u8 = 1;
-const DROP: u8 = 2;
+/// Records of the first format (no sequence number: file order is their order).
+const PUT_V1: u8 = 1;
+const DROP_V1: u8 = 2;
+/// Numbered records.
+const PUT: u8 = 3;
+const DROP: u8 = 4;
 
 /// A session as the log stores it (times as wall-clock milliseconds, so they survive restarts).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -54,15 +66,20 @@ pub fn unix_ms(t: SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO).as_millis() as u64
 }
 
+/// The log file: appends serialize on `file`; `fsync`s run on a second handle, outside that lock.
 pub struct SessionLog {
     path: PathBuf,
-    file: File,
+    file: Mutex<File>,
+    syncer: File,
     sync: bool,
+    /// The next record's sequence number.
+    next_seq: AtomicU64,
 }
 
-fn encode(kind: u8, s: &LoggedSession) -> Vec<u8> {
-    let mut b = Vec::with_capacity(64 + s.id.len() + s.keys.len() * KEY_LEN);
+fn encode(kind: u8, seq: u64, s: &LoggedSession) -> Vec<u8> {
+    let mut b = Vec::with_capacity(72 + s.id.len() + s.keys.len() * KEY_LEN);
     b.push(kind);
+    b.extend_from_slice(&seq.to_le_bytes());
     b.extend_from_slice(&s.namespace.0);
     b.extend_from_slice(&(s.id.len() as u32).to_le_bytes());
     b.extend_from_slice(s.id.as_bytes());
@@ -112,15 +129,21 @@ impl Cursor<'_> {
     }
 }
 
-/// (kind, session) of one record body; tombstones carry only namespace and id.
-fn decode(body: &[u8]) -> Option<(u8, LoggedSession)> {
+/// (kind, sequence number, session) of one record body; tombstones carry only namespace and id.
+/// A first-format record has no number: `ordinal` (its place in the file) stands in.
+fn decode(body: &[u8], ordinal: u64) -> Option<(u8, u64, LoggedSession)> {
     let mut c = Cursor(body);
     let kind = c.take(1)?[0];
+    let seq = match kind {
+        PUT | DROP => c.u64()?,
+        PUT_V1 | DROP_V1 => ordinal,
+        _ => return None,
+    };
     let ns = NamespaceId::from_slice(c.take(NAMESPACE_ID_LEN)?).ok()?;
     let n = c.u32()? as usize;
     let id = String::from_utf8(c.take(n)?.to_vec()).ok()?;
     let mut s = LoggedSession::tombstone(ns, id);
-    if kind == PUT {
+    if kind == PUT || kind == PUT_V1 {
         s.version = c.u64()?;
         s.token_count = c.u64()?;
         s.ttl_ms = c.u64()?;
@@ -132,7 +155,14 @@ fn decode(body: &[u8]) -> Option<(u8, LoggedSession)> {
             s.tail = Some(c.key()?);
         }
     }
-    Some((kind, s))
+    let kind = if kind == PUT_V1 {
+        PUT
+    } else if kind == DROP_V1 {
+        DROP
+    } else {
+        kind
+    };
+    Some((kind, seq, s))
 }
 
 impl SessionLog {
@@ -140,12 +170,15 @@ impl SessionLog {
     /// returns them with the number of records that could not be read.
     pub fn open(dir: &Path, sync: bool, now_ms: u64) -> Result<(SessionLog, Vec<LoggedSession>, u64), ServerError> {
         let path = dir.join("sessions.log");
-        let mut live: HashMap<(NamespaceId, String), LoggedSession> = HashMap::new();
+        // Per session, the newest record seen (a tombstone is `None`).
+        let mut newest: HashMap<(NamespaceId, String), (u64, Option<LoggedSession>)> = HashMap::new();
         let mut unreadable = 0u64;
+        let mut max_seq = 0u64;
         if let Ok(mut f) = File::open(&path) {
             let mut data = Vec::new();
             f.read_to_end(&mut data)?;
             let mut c = Cursor(&data);
+            let mut ordinal = 0u64;
             while !c.0.is_empty() {
                 let (Some(len), Some(sum)) = (c.u32(), c.u64()) else {
                     unreadable += 1;
@@ -155,28 +188,34 @@ impl SessionLog {
                     unreadable += 1; // torn last record: its park was never acknowledged
                     break;
                 };
-                match (xxh3_64(body) == sum).then(|| decode(body)).flatten() {
-                    Some((PUT, s)) => {
-                        live.insert((s.namespace, s.id.clone()), s);
-                    }
-                    Some((_, s)) => {
-                        live.remove(&(s.namespace, s.id));
-                    }
-                    None => {
-                        unreadable += 1;
-                        break;
+                ordinal += 1;
+                let Some((kind, seq, s)) = (xxh3_64(body) == sum).then(|| decode(body, ordinal)).flatten() else {
+                    unreadable += 1;
+                    break;
+                };
+                max_seq = max_seq.max(seq);
+                let id = (s.namespace, s.id.clone());
+                let record = (seq, (kind == PUT).then_some(s));
+                match newest.get(&id) {
+                    Some((have, _)) if *have > seq => {}
+                    _ => {
+                        newest.insert(id, record);
                     }
                 }
             }
         }
-        let mut sessions: Vec<LoggedSession> = live.into_values().filter(|s| s.expires_unix_ms > now_ms).collect();
-        sessions.sort_by(|a, b| (a.namespace, &a.id).cmp(&(b.namespace, &b.id)));
+        let mut sessions: Vec<(u64, LoggedSession)> = newest
+            .into_values()
+            .filter_map(|(seq, s)| s.map(|s| (seq, s)))
+            .filter(|(_, s)| s.expires_unix_ms > now_ms)
+            .collect();
+        sessions.sort_by(|a, b| (a.1.namespace, &a.1.id).cmp(&(b.1.namespace, &b.1.id)));
         // Compact: write the live set to a new file, sync it, and move it into place.
         let tmp = dir.join("sessions.log.tmp");
         {
             let mut f = File::create(&tmp)?;
-            for s in &sessions {
-                f.write_all(&encode(PUT, s))?;
+            for (seq, s) in &sessions {
+                f.write_all(&encode(PUT, *seq, s))?;
             }
             f.sync_all()?;
         }
@@ -185,28 +224,46 @@ impl SessionLog {
             let _ = d.sync_all();
         }
         let file = std::fs::OpenOptions::new().append(true).open(&path)?;
-        Ok((SessionLog { path, file, sync }, sessions, unreadable))
+        let syncer = file.try_clone()?;
+        let log = SessionLog { path, file: Mutex::new(file), syncer, sync, next_seq: AtomicU64::new(max_seq + 1) };
+        Ok((log, sessions.into_iter().map(|(_, s)| s).collect(), unreadable))
     }
 
-    fn append(&mut self, rec: &[u8], sync: bool) -> Result<(), ServerError> {
-        self.file.write_all(rec).map_err(|e| {
+    /// A sequence number for the next change; take it while holding the lock that orders changes
+    /// to the session (the session table's), append after releasing it.
+    pub fn next_seq(&self) -> u64 {
+        self.next_seq.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn append(&self, rec: &[u8], sync: bool) -> Result<(), ServerError> {
+        let io = |e: std::io::Error| {
             ServerError::Io(std::io::Error::new(e.kind(), format!("appending to {}: {e}", self.path.display())))
-        })?;
+        };
+        self.file.lock().write_all(rec).map_err(io)?;
         if sync {
-            self.file.sync_data()?;
+            // Outside the file lock: appends that land meanwhile are covered by this sync or
+            // their own.
+            self.syncer.sync_data().map_err(io)?;
         }
         Ok(())
     }
 
-    /// Records a park or extend. Durable on return unless the log was opened without sync.
-    pub fn put(&mut self, s: &LoggedSession) -> Result<(), ServerError> {
-        let sync = self.sync;
-        self.append(&encode(PUT, s), sync)
+    /// The same log appending through `file` (tests make appends fail with a read-only handle).
+    #[cfg(test)]
+    pub(crate) fn with_file_for_test(self, file: File) -> Self {
+        SessionLog { file: Mutex::new(file), ..self }
     }
 
-    /// Records a drop or expiry (not synced: losing it only resurrects a session until its TTL).
-    pub fn delete(&mut self, ns: NamespaceId, id: &str) -> Result<(), ServerError> {
-        self.append(&encode(DROP, &LoggedSession::tombstone(ns, id.to_string())), false)
+    /// Records a park or extend as change `seq`. Durable on return unless the log was opened
+    /// without sync.
+    pub fn put(&self, seq: u64, s: &LoggedSession) -> Result<(), ServerError> {
+        self.append(&encode(PUT, seq, s), self.sync)
+    }
+
+    /// Records a drop or expiry as change `seq` (not synced: losing it only resurrects a session
+    /// until its TTL).
+    pub fn delete(&self, seq: u64, ns: NamespaceId, id: &str) -> Result<(), ServerError> {
+        self.append(&encode(DROP, seq, &LoggedSession::tombstone(ns, id.to_string())), false)
     }
 }
 
@@ -232,17 +289,17 @@ mod tests {
     fn replay_keeps_the_latest_live_version() {
         let dir = tempfile::tempdir().unwrap();
         {
-            let (mut log, live, bad) = SessionLog::open(dir.path(), true, 0).unwrap();
+            let (log, live, bad) = SessionLog::open(dir.path(), true, 0).unwrap();
             assert!(live.is_empty() && bad == 0);
-            log.put(&s("a", 1, 5000)).unwrap();
-            log.put(&s("b", 1, 5000)).unwrap();
-            log.put(&s("a", 2, 6000)).unwrap();
-            log.delete(NamespaceId([7; 16]), "b").unwrap();
-            log.put(&s("old", 1, 10)).unwrap();
+            log.put(log.next_seq(), &s("a", 1, 5000)).unwrap();
+            log.put(log.next_seq(), &s("b", 1, 5000)).unwrap();
+            log.put(log.next_seq(), &s("a", 2, 6000)).unwrap();
+            log.delete(log.next_seq(), NamespaceId([7; 16]), "b").unwrap();
+            log.put(log.next_seq(), &s("old", 1, 10)).unwrap();
         }
         // A torn record at the end (a crash mid-append) is ignored.
         let mut f = std::fs::OpenOptions::new().append(true).open(dir.path().join("sessions.log")).unwrap();
-        f.write_all(&encode(PUT, &s("torn", 1, 9000))[..30]).unwrap();
+        f.write_all(&encode(PUT, 99, &s("torn", 1, 9000))[..30]).unwrap();
         let (_log, live, bad) = SessionLog::open(dir.path(), true, 100).unwrap();
         assert_eq!(live, vec![s("a", 2, 6000)]);
         assert_eq!(bad, 1);
@@ -250,5 +307,50 @@ mod tests {
         drop(_log);
         let (_log, live, bad) = SessionLog::open(dir.path(), true, 100).unwrap();
         assert_eq!((live.len(), bad), (1, 0));
+    }
+
+    #[test]
+    fn replay_orders_by_sequence_not_by_file_position() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let (log, _, _) = SessionLog::open(dir.path(), true, 0).unwrap();
+            let (s1, s2, s3, s4) = (log.next_seq(), log.next_seq(), log.next_seq(), log.next_seq());
+            // Two parks of "a" whose appends raced: version 2 (seq s2) reached the file first.
+            log.put(s2, &s("a", 2, 6000)).unwrap();
+            log.put(s1, &s("a", 1, 5000)).unwrap();
+            // "b" was dropped (s4) and its earlier park (s3) landed after the tombstone.
+            log.delete(s4, NamespaceId([7; 16]), "b").unwrap();
+            log.put(s3, &s("b", 1, 5000)).unwrap();
+        }
+        let (log, live, bad) = SessionLog::open(dir.path(), true, 100).unwrap();
+        assert_eq!((live, bad), (vec![s("a", 2, 6000)], 0));
+        // Numbers keep rising across restarts, so a change made now outranks every old record.
+        let next = log.next_seq();
+        assert!(next > 4, "{next}");
+    }
+
+    #[test]
+    fn first_format_records_replay_in_file_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let v1 = |kind: u8, s: &LoggedSession| {
+            // The first format: no sequence number after the kind byte.
+            let mut rec = encode(kind + 2, 0, s);
+            let body_len = u32::from_le_bytes(rec[0..4].try_into().unwrap()) as usize - 8;
+            let mut body = vec![kind];
+            body.extend_from_slice(&rec[12 + 9..]);
+            rec.clear();
+            rec.extend_from_slice(&(body_len as u32).to_le_bytes());
+            rec.extend_from_slice(&xxh3_64(&body).to_le_bytes());
+            rec.extend_from_slice(&body);
+            rec
+        };
+        let mut data = Vec::new();
+        data.extend(v1(PUT_V1, &s("a", 1, 5000)));
+        data.extend(v1(PUT_V1, &s("a", 2, 6000)));
+        data.extend(v1(PUT_V1, &s("b", 1, 5000)));
+        data.extend(v1(DROP_V1, &LoggedSession::tombstone(NamespaceId([7; 16]), "b".into())));
+        std::fs::write(dir.path().join("sessions.log"), data).unwrap();
+        let (_log, live, bad) = SessionLog::open(dir.path(), true, 100).unwrap();
+        assert_eq!((live, bad), (vec![s("a", 2, 6000)], 0));
     }
 }

@@ -1,7 +1,8 @@
 //! Parked agent sessions: manifests of ordered block keys (shared with the prefix cache), an
 //! optional partial tail block, a token count, a TTL and a version for compare-and-set.
 //!
-//! Parking pins the session's blocks in the DRAM tier; dropping or expiry unpins them. The table
+//! Parking pins the session's blocks (in the tier `TierStack::session_pins` names); dropping or
+//! expiry unpins them. The table
 //! is plain data driven with an explicit `now`, so tests control time; the server calls
 //! [`SessionTable::expire`] from a timer. Pins and the manifest change under one lock, so a
 //! session is never visible with blocks that are not pinned.
@@ -11,35 +12,9 @@ use std::time::{Duration, Instant};
 
 use kvtier_proto::{BlockKey, NamespaceId};
 
-use crate::disk::DiskTier;
-use crate::dram::{DramTier, Priority};
+use crate::dram::Priority;
 use crate::error::ServerError;
-
-/// The tier that holds a session's pins: DRAM on a node without a disk tier, otherwise the disk
-/// tier, where parked sessions are durable.
-pub trait PinTier {
-    /// All or nothing; `MissingBlocks` lists the indices of absent keys.
-    fn pin(&self, ns: &NamespaceId, keys: &[BlockKey]) -> Result<(), ServerError>;
-    fn unpin(&self, ns: &NamespaceId, keys: &[BlockKey]);
-}
-
-impl PinTier for DramTier {
-    fn pin(&self, ns: &NamespaceId, keys: &[BlockKey]) -> Result<(), ServerError> {
-        DramTier::pin(self, ns, keys)
-    }
-    fn unpin(&self, ns: &NamespaceId, keys: &[BlockKey]) {
-        DramTier::unpin(self, ns, keys)
-    }
-}
-
-impl PinTier for DiskTier {
-    fn pin(&self, ns: &NamespaceId, keys: &[BlockKey]) -> Result<(), ServerError> {
-        DiskTier::pin(self, ns, keys)
-    }
-    fn unpin(&self, ns: &NamespaceId, keys: &[BlockKey]) {
-        DiskTier::unpin(self, ns, keys)
-    }
-}
+pub use crate::tiers::PinTier;
 
 /// How many expired session ids are remembered so a late resume gets "expired", not "not found".
 const EXPIRED_MEMORY: usize = 16_384;
@@ -302,6 +277,16 @@ impl SessionTable {
         }
     }
 
+    /// Drops the session if it is still at `version` (a change that could not be logged is taken
+    /// back, unless another change replaced it meanwhile); true if it went.
+    pub fn undo(&mut self, tier: &dyn PinTier, ns: NamespaceId, id: &str, version: u64) -> bool {
+        let sid = (ns, id.to_string());
+        if self.sessions.get(&sid).is_some_and(|m| m.version == version) {
+            return self.drop_session(tier, ns, id);
+        }
+        false
+    }
+
     /// Live sessions, optionally of one namespace, sorted by id.
     pub fn list(&self, ns: Option<NamespaceId>, now: Instant) -> Vec<SessionManifest> {
         let mut v: Vec<_> = self
@@ -337,7 +322,7 @@ impl SessionTable {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dram::DramConfig;
+    use crate::dram::{DramConfig, DramTier};
     use kvtier_proto::{CodecId, DType, FrameHeader, KvLayout};
 
     const BT: u32 = 4;

@@ -1,95 +1,37 @@
-//! What one node holds while it runs: configuration, the DRAM tier, registered namespaces and
-//! the session table. The control plane and the data plane share it.
+//! What one node holds while it runs: its configuration, the tier stack, registered namespaces
+//! and parked sessions. The control plane and the data plane share it, and reach the tiers only
+//! through [`NodeState::tiers`].
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
-use dashmap::DashMap;
 use kvtier_proto::{Namespace, NamespaceId};
 use parking_lot::{Mutex, RwLock};
 
 use crate::config::ServerConfig;
 use crate::disk::{DiskConfig, DiskTier, RecoveryReport};
-use crate::dram::{DramConfig, DramTier, IndexKey, StoredBlock};
+use crate::dram::{DramConfig, DramTier};
 use crate::error::ServerError;
-use crate::session_log::{unix_ms, LoggedSession, SessionLog};
-use crate::sessions::{PinTier, SessionLimits, SessionManifest, SessionTable};
-
-/// Blocks waiting to be demoted from DRAM to disk; writers wait when it is full.
-pub const DEMOTION_QUEUE: usize = 64;
+use crate::session_log::{unix_ms, SessionLog};
+use crate::session_store::SessionStore;
+use crate::sessions::SessionLimits;
+use crate::tiers::{IoPool, TierStack};
 
 /// Most namespaces one node accepts (each costs a map entry; tenants don't need thousands).
 pub const MAX_NAMESPACES: usize = 4096;
 
-/// The demotion queue's depth: counted by the eviction hook and the demotion thread, published
-/// as `kvtier_disk_queue_depth`, and waited on by writers while the queue is full (woken when a
-/// block leaves it, not by polling).
-#[derive(Default)]
-pub struct DemotionDepth {
-    depth: AtomicUsize,
-    room: tokio::sync::Notify,
-    /// Keeps the hook and the writer from publishing out of order (which could leave the gauge
-    /// showing a block that is gone).
-    publish: Mutex<()>,
-}
-
-impl DemotionDepth {
-    pub fn get(&self) -> usize {
-        self.depth.load(Ordering::Relaxed)
-    }
-
-    /// One block in (`up`) or out; publishes the gauge and wakes writers waiting for room.
-    pub fn step(&self, up: bool) {
-        let _order = self.publish.lock();
-        let d = if up {
-            self.depth.fetch_add(1, Ordering::Relaxed).saturating_add(1)
-        } else {
-            self.depth.fetch_sub(1, Ordering::Relaxed).saturating_sub(1)
-        };
-        ::metrics::gauge!("kvtier_disk_queue_depth").set(d as f64);
-        if !up {
-            self.room.notify_waiters();
-        }
-    }
-
-    /// Waits until the queue has room or `deadline` passes.
-    pub async fn wait_for_room(&self, deadline: tokio::time::Instant) {
-        loop {
-            let woken = self.room.notified();
-            tokio::pin!(woken);
-            // Registered before the check, so a block leaving in between still wakes us.
-            woken.as_mut().enable();
-            if self.get() < DEMOTION_QUEUE {
-                return;
-            }
-            if tokio::time::timeout_at(deadline, woken).await.is_err() {
-                return;
-            }
-        }
-    }
-}
-
 pub struct NodeState {
-    pub config: ServerConfig,
-    pub tier: DramTier,
-    pub sessions: Mutex<SessionTable>,
+    config: ServerConfig,
+    tiers: TierStack,
+    sessions: SessionStore,
     namespaces: RwLock<HashMap<NamespaceId, Namespace>>,
-    pub started: Instant,
-    pub data_addr: SocketAddr,
-    /// G3, when `disk_capacity` is set.
-    pub disk: Option<Arc<DiskTier>>,
-    pub disk_recovery: Option<RecoveryReport>,
-    pub session_log: Option<Mutex<SessionLog>>,
-    /// Blocks in the demotion queue (for backpressure and the queue-depth gauge).
-    pub demotion_depth: Arc<DemotionDepth>,
-    /// Blocks evicted from DRAM and not yet on disk (at most the demotion queue's length): reads,
-    /// lookups and parks find them here, so a block in transit is never a miss.
-    pub in_transit: Arc<DashMap<IndexKey, StoredBlock>>,
-    /// Disk hits per block since its last promotion check: a second hit promotes to DRAM.
-    pub disk_hits: Mutex<HashMap<IndexKey, u8>>,
+    started: Instant,
+    data_addr: SocketAddr,
+    disk_recovery: Option<RecoveryReport>,
+    /// Disk work of the control plane (parks, session log appends) runs here.
+    io: IoPool,
     /// With a disk tier: every registered namespace, so sessions restored after a restart know
     /// their layout before any client registers again.
     namespace_log: Option<Mutex<std::fs::File>>,
@@ -151,99 +93,102 @@ impl NodeState {
     /// Locks the data directory, opens the disk tier and replays the session log (if enabled).
     pub fn open(config: ServerConfig, data_addr: SocketAddr) -> Result<Self, ServerError> {
         let dir_lock = lock_data_dir(&config.data_dir)?;
-        let tier = DramTier::new(DramConfig {
+        let dram = DramTier::new(DramConfig {
             capacity_bytes: config.dram_capacity.0,
             max_pinned_ratio: config.max_pinned_ratio,
         });
-        let mut state = NodeState {
-            tier,
-            sessions: Mutex::new(SessionTable::default()),
-            namespaces: RwLock::new(HashMap::new()),
+        let fsync = config.session_durability == "fsync";
+        if config.disk_capacity.0 == 0 {
+            return Ok(NodeState {
+                tiers: TierStack::new(dram, None, fsync),
+                sessions: SessionStore::new(None),
+                namespaces: RwLock::new(HashMap::new()),
+                started: Instant::now(),
+                data_addr,
+                disk_recovery: None,
+                io: IoPool::default(),
+                namespace_log: None,
+                _dir_lock: dir_lock,
+                config,
+            });
+        }
+        let (disk, report) = DiskTier::open(DiskConfig {
+            dir: config.data_dir.clone(),
+            capacity_bytes: config.disk_capacity.0,
+            segment_bytes: config.disk_segment_bytes.0,
+            sync_writes: false,
+        })?;
+        tracing::info!(?report, "disk tier recovered");
+        let (log, logged, unreadable) = SessionLog::open(&config.data_dir, fsync, unix_ms(SystemTime::now()))?;
+        if unreadable > 0 {
+            tracing::warn!(
+                unreadable,
+                "session log had unreadable (torn) records; their parks were never acknowledged"
+            );
+        }
+        let ns_path = config.data_dir.join("namespaces.log");
+        let namespaces: HashMap<NamespaceId, Namespace> =
+            read_namespace_log(&ns_path).into_iter().map(|ns| (ns.id(), ns)).collect();
+        let f = std::fs::OpenOptions::new().create(true).append(true).open(&ns_path)?;
+        let state = NodeState {
+            tiers: TierStack::new(dram, Some(Arc::new(disk)), fsync),
+            sessions: SessionStore::new(Some(log)),
+            namespaces: RwLock::new(namespaces),
             started: Instant::now(),
             data_addr,
-            disk: None,
-            disk_recovery: None,
-            session_log: None,
-            demotion_depth: Arc::new(DemotionDepth::default()),
-            in_transit: Arc::new(DashMap::new()),
-            disk_hits: Mutex::new(HashMap::new()),
-            namespace_log: None,
+            disk_recovery: Some(report),
+            io: IoPool::default(),
+            namespace_log: Some(Mutex::new(f)),
             _dir_lock: dir_lock,
             config,
         };
-        if state.config.disk_capacity.0 > 0 {
-            let (disk, report) = DiskTier::open(DiskConfig {
-                dir: state.config.data_dir.clone(),
-                capacity_bytes: state.config.disk_capacity.0,
-                segment_bytes: state.config.disk_segment_bytes.0,
-                sync_writes: false,
-            })?;
-            tracing::info!(?report, "disk tier recovered");
-            let sync = state.config.session_durability == "fsync";
-            let (log, sessions, unreadable) =
-                SessionLog::open(&state.config.data_dir, sync, unix_ms(SystemTime::now()))?;
-            if unreadable > 0 {
-                tracing::warn!(
-                    unreadable,
-                    "session log had unreadable (torn) records; their parks were never acknowledged"
-                );
-            }
-            let ns_path = state.config.data_dir.join("namespaces.log");
-            for ns in read_namespace_log(&ns_path) {
-                state.namespaces.write().insert(ns.id(), ns);
-            }
-            let f = std::fs::OpenOptions::new().create(true).append(true).open(&ns_path)?;
-            state.namespace_log = Some(Mutex::new(f));
-            state.disk = Some(Arc::new(disk));
-            state.disk_recovery = Some(report);
-            state.session_log = Some(Mutex::new(log));
-            state.restore_sessions(sessions);
-        }
+        let with_layout = {
+            let map = state.namespaces.read();
+            logged
+                .into_iter()
+                .map(|s| {
+                    let per_token = map.get(&s.namespace).map(|n| n.layout.bytes_per_token()).unwrap_or(0);
+                    (s, per_token)
+                })
+                .collect()
+        };
+        let (ok, lost) = state.sessions.restore(state.tiers.session_pins(), with_layout);
+        ::metrics::counter!("kvtier_sessions_recovered_total").increment(ok);
+        ::metrics::counter!("kvtier_sessions_lost_total").increment(lost);
+        tracing::info!(recovered = ok, lost, "sessions restored from the session log");
         Ok(state)
     }
 
-    /// Where sessions pin their blocks.
-    pub fn pins(&self) -> &dyn PinTier {
-        match &self.disk {
-            Some(d) => d.as_ref(),
-            None => &self.tier,
-        }
+    pub fn config(&self) -> &ServerConfig {
+        &self.config
     }
 
-    fn restore_sessions(&self, sessions: Vec<LoggedSession>) {
-        let now = Instant::now();
-        let now_ms = unix_ms(SystemTime::now());
-        let mut table = self.sessions.lock();
-        let (mut ok, mut lost) = (0u64, 0u64);
-        for s in sessions {
-            let per_token = self.namespaces.read().get(&s.namespace).map(|n| n.layout.bytes_per_token()).unwrap_or(0);
-            let m = SessionManifest {
-                namespace: s.namespace,
-                id: s.id.clone(),
-                bytes: s.token_count * per_token,
-                keys: s.keys,
-                tail: s.tail,
-                token_count: s.token_count,
-                ttl: Duration::from_millis(s.ttl_ms),
-                expires_at: now + Duration::from_millis(s.expires_unix_ms.saturating_sub(now_ms)),
-                priority: s.priority,
-                version: s.version,
-            };
-            match table.restore(self.pins(), m) {
-                Ok(()) => ok += 1,
-                Err(e) => {
-                    lost += 1;
-                    tracing::error!(session = %s.id, "parked session lost its blocks on disk: {e}");
-                    if let Some(log) = &self.session_log {
-                        let _ = log.lock().delete(s.namespace, &s.id);
-                    }
-                }
-            }
-        }
-        ::metrics::counter!("kvtier_sessions_recovered_total").increment(ok);
-        ::metrics::counter!("kvtier_sessions_lost_total").increment(lost);
-        ::metrics::gauge!("kvtier_sessions").set(table.len() as f64);
-        tracing::info!(recovered = ok, lost, "sessions restored from the session log");
+    /// The tier stack: the only way to the blocks.
+    pub fn tiers(&self) -> &TierStack {
+        &self.tiers
+    }
+
+    /// Parked sessions (their calls may block on the session log: run them on [`NodeState::io`]).
+    pub fn sessions(&self) -> &SessionStore {
+        &self.sessions
+    }
+
+    /// The pool for the control plane's disk work.
+    pub fn io(&self) -> &IoPool {
+        &self.io
+    }
+
+    pub fn data_addr(&self) -> SocketAddr {
+        self.data_addr
+    }
+
+    pub fn uptime(&self) -> Duration {
+        self.started.elapsed()
+    }
+
+    /// What opening the disk tier found, when the node has one.
+    pub fn disk_recovery(&self) -> Option<&RecoveryReport> {
+        self.disk_recovery.as_ref()
     }
 
     /// Registers a namespace (idempotent) and returns its id.
@@ -257,21 +202,32 @@ impl NodeState {
             )));
         }
         let id = ns.id();
+        if self.namespaces.read().contains_key(&id) {
+            return Ok(id);
+        }
+        if self.namespace_count() >= MAX_NAMESPACES {
+            return Err(ServerError::Capacity(format!("this node already holds {MAX_NAMESPACES} namespaces")));
+        }
+        // Logged (and synced) before it is visible, and outside the map's lock, which every
+        // data-plane request reads: two racing registrations of one namespace log it twice,
+        // which replay folds into one.
+        if let Some(log) = &self.namespace_log {
+            use prost::Message;
+            let body = ns.to_pb().encode_to_vec();
+            let mut rec = Vec::with_capacity(body.len() + 12);
+            rec.extend_from_slice(&(body.len() as u32).to_le_bytes());
+            rec.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(&body).to_le_bytes());
+            rec.extend_from_slice(&body);
+            let f = log.lock();
+            std::io::Write::write_all(&mut &*f, &rec)?;
+            let syncer = f.try_clone()?;
+            drop(f);
+            syncer.sync_data()?;
+        }
         let mut map = self.namespaces.write();
         if !map.contains_key(&id) {
             if map.len() >= MAX_NAMESPACES {
                 return Err(ServerError::Capacity(format!("this node already holds {MAX_NAMESPACES} namespaces")));
-            }
-            if let Some(log) = &self.namespace_log {
-                use prost::Message;
-                let body = ns.to_pb().encode_to_vec();
-                let mut rec = Vec::with_capacity(body.len() + 12);
-                rec.extend_from_slice(&(body.len() as u32).to_le_bytes());
-                rec.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(&body).to_le_bytes());
-                rec.extend_from_slice(&body);
-                let mut f = log.lock();
-                std::io::Write::write_all(&mut *f, &rec)?;
-                f.sync_data()?;
             }
             map.insert(id, ns);
             metrics::gauge!("kvtier_namespaces").set(map.len() as f64);

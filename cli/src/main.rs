@@ -276,13 +276,13 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     let (cap, disk_cap, dir) = (cfg.dram_capacity, cfg.disk_capacity, cfg.data_dir.clone());
     let server = kvtier_server::start(cfg, handle).await?;
     let metrics = server.metrics_addr.map(|m| format!("http://{m}/metrics")).unwrap_or_else(|| "off".into());
-    let disk = match &server.state.disk_recovery {
+    let disk = match server.state.disk_recovery() {
         Some(r) => format!(
             " disk={disk_cap} (recovered {} blocks, {} bytes, {} discarded, {} sessions, in {} ms)",
             r.blocks,
             r.bytes,
             r.discarded,
-            server.state.sessions.lock().len(),
+            server.state.sessions().len(),
             r.millis
         ),
         None => String::new(),

@@ -216,6 +216,16 @@ impl DiskTier {
         self.inner.lock().index.contains_key(&(*ns, *key))
     }
 
+    /// Sets `held[i]` for every `keys[i]` on disk (one lock for the batch).
+    pub fn mark_indexed(&self, ns: &NamespaceId, keys: &[BlockKey], held: &mut [bool]) {
+        let st = self.inner.lock();
+        for (k, h) in keys.iter().zip(held.iter_mut()) {
+            if !*h && st.index.contains_key(&(*ns, *k)) {
+                *h = true;
+            }
+        }
+    }
+
     fn publish_gauges(&self) {
         let st = self.inner.lock();
         ::metrics::gauge!("kvtier_tier_resident_bytes", "tier" => TierId::Disk.as_str()).set(st.total_bytes as f64);
@@ -223,9 +233,8 @@ impl DiskTier {
         ::metrics::gauge!("kvtier_tier_pinned_bytes", "tier" => TierId::Disk.as_str()).set(st.pinned_bytes as f64);
     }
 
-    /// Opens a new active segment (the caller holds the write lock).
-    fn roll(&self, st: &mut Inner) -> Result<(), ServerError> {
-        let id = st.active + 1;
+    /// Creates the file of segment `id` (no lock held: creating a file can wait on the disk).
+    fn create_segment(&self, id: u64) -> Result<Segment, ServerError> {
         let path = segment_path(&self.seg_dir, id);
         let file = std::fs::OpenOptions::new()
             .create_new(true)
@@ -233,19 +242,18 @@ impl DiskTier {
             .write(true)
             .open(&path)
             .map_err(|e| io_err("creating", &path, e))?;
-        st.segments.insert(id, Segment { file: Arc::new(file), len: 0, keys: Vec::new() });
-        st.active = id;
-        Ok(())
+        Ok(Segment { file: Arc::new(file), len: 0, keys: Vec::new() })
     }
 
-    /// Deletes the oldest sealed segment without pinned blocks. False if there is none.
-    fn evict_one(&self, st: &mut Inner) -> bool {
+    /// Forgets the oldest sealed segment without pinned blocks and returns its id (the caller
+    /// deletes its file after releasing the lock). `None` if there is none.
+    fn evict_one(&self, st: &mut Inner) -> Option<u64> {
         let victim = st.segments.iter().find(|(id, seg)| {
             **id != st.active
                 && !seg.keys.iter().any(|k| st.pins.contains_key(k) && st.index.get(k).is_some_and(|l| l.seg == **id))
         });
-        let Some((&id, _)) = victim else { return false };
-        let Some(seg) = st.segments.remove(&id) else { return false };
+        let (&id, _) = victim?;
+        let seg = st.segments.remove(&id)?;
         let mut n = 0u64;
         for k in &seg.keys {
             if st.index.get(k).is_some_and(|l| l.seg == id) {
@@ -254,11 +262,10 @@ impl DiskTier {
             }
         }
         st.total_bytes -= seg.len;
-        let _ = std::fs::remove_file(segment_path(&self.seg_dir, id));
         self.counters.evicted_blocks.fetch_add(n, Ordering::Relaxed);
         self.counters.evicted_segments.fetch_add(1, Ordering::Relaxed);
         ::metrics::counter!("kvtier_tier_evictions_total", "tier" => TierId::Disk.as_str()).increment(n);
-        true
+        Some(id)
     }
 
     /// Appends a block (no-op if present). The payload must match `header` (the caller verified it).
@@ -266,25 +273,44 @@ impl DiskTier {
         let key = (header.namespace, header.key);
         let _w = self.write_lock.lock();
         let record = align_up(FRAME_HEADER_LEN as u64 + header.payload_len);
-        let (file, offset, seg) = {
+        if record > self.cfg.segment_bytes {
+            return Err(ServerError::TooLarge { len: record, capacity: self.cfg.segment_bytes });
+        }
+        // Under the index lock only bookkeeping: segment files are created and deleted with just
+        // the write lock held, so readers and the DRAM eviction hook never wait on the disk.
+        let roll = {
             let mut st = self.inner.lock();
             if st.index.contains_key(&key) {
                 return Ok(());
             }
-            if record > self.cfg.segment_bytes {
-                return Err(ServerError::TooLarge { len: record, capacity: self.cfg.segment_bytes });
-            }
-            if st.segments.is_empty()
-                || st.segments.get(&st.active).is_none_or(|s| s.len + record > self.cfg.segment_bytes)
-            {
+            let full = st.segments.get(&st.active).is_none_or(|s| s.len + record > self.cfg.segment_bytes);
+            full.then(|| {
                 // Room for a whole new segment first, so the cap holds however the segment fills.
+                let mut doomed = Vec::new();
                 while st.total_bytes + self.cfg.segment_bytes > self.cfg.capacity_bytes {
-                    if !self.evict_one(&mut st) {
-                        return Err(ServerError::Capacity("the disk tier is full of pinned session blocks".into()));
+                    match self.evict_one(&mut st) {
+                        Some(id) => doomed.push(id),
+                        None => return (doomed, false),
                     }
                 }
-                self.roll(&mut st)?;
+                (doomed, true)
+            })
+        };
+        if let Some((doomed, room)) = roll {
+            for id in doomed {
+                let _ = std::fs::remove_file(segment_path(&self.seg_dir, id));
             }
+            if !room {
+                return Err(ServerError::Capacity("the disk tier is full of pinned session blocks".into()));
+            }
+            let id = self.inner.lock().active + 1;
+            let segment = self.create_segment(id)?;
+            let mut st = self.inner.lock();
+            st.segments.insert(id, segment);
+            st.active = id;
+        }
+        let (file, offset, seg) = {
+            let st = self.inner.lock();
             let active = st.active;
             let seg = st.segments.get(&active).ok_or_else(|| ServerError::Config("active segment vanished".into()))?;
             (seg.file.clone(), seg.len, active)

@@ -1,9 +1,10 @@
 //! G2, the DRAM tier of one node: verified blocks in reusable slab slots under a hard byte cap,
 //! a concurrent index, S3-FIFO eviction per priority level, and pins.
 //!
-//! # Storage ([`slab`])
-//! Every block lives in a slot: a buffer of its size class, allocated once and reused for later
-//! blocks. Classes start at 4 KiB with 4 classes per power of two, so the usual full-block sizes
+//! # Storage ([`region`], [`slab`])
+//! Every block lives in a slot: an extent of its size class in the tier's one [`Region`] (an
+//! anonymous mapping or a memfd, see [`region`] for the carving), carved once and reused for
+//! later blocks. Classes start at 4 KiB with 4 classes per power of two, so the usual full-block sizes
 //! (powers of two) fit exactly and any other payload wastes < 25% of itself (< 4 KiB below
 //! 4 KiB). `allocated_bytes` (slots the tier owns: indexed, free, or lent to a writer) never
 //! exceeds `capacity_bytes`: it only changes under the state mutex, after a budget check. When a
@@ -11,11 +12,24 @@
 //! classes are given back, else blocks are evicted (a victim of class C donates its slot).
 //!
 //! # Readers and writers
-//! A writer fills a [`SlotWriter`] it owns exclusively (a plain `Vec<u8>` nobody else can see);
-//! [`DramTier::commit`] moves it into an `Arc` and into the index, so a reader never sees a
-//! half-written block. A reader gets a `Bytes` that holds a clone of that `Arc`. A slot leaving
-//! the index is reused only if no reader holds it (`Arc::try_unwrap`); otherwise the tier stops
-//! counting it and the last reader frees it, so a held `StoredBlock` never changes.
+//! A writer fills a slot it owns exclusively through a [`Lease`] (nobody else can reach those
+//! bytes); [`DramTier::commit`] freezes it into a shared, read-only slot in the index, so a
+//! reader never sees a half-written block. A reader gets a `Bytes` that holds a clone of that
+//! shared slot. A slot leaving the index is reused only if no reader holds it; otherwise the
+//! tier stops counting it and the last reader hands its extent back to the arena, so a held
+//! `StoredBlock` never changes.
+//!
+//! # Leases (Mooncake's PutStart / PutEnd)
+//! [`DramTier::reserve`] is PutStart: it returns a [`Lease`] on a slot of the block's size,
+//! which the holder fills (from a socket, or later one-sidedly by a mover that addresses the
+//! region), verifies, and [`DramTier::commit`]s (PutEnd). The lease dies with its holder: a
+//! connection that ends drops it and the slot returns to its free list. Every lease has a
+//! deadline ([`DramOptions::lease_ttl`]); past it the tier revokes it (at the next reserve, or
+//! [`DramTier::reap_leases`]): its bytes leave the budget and the lease quota at once, its later
+//! commit fails with `Capacity`, and its extent returns to the arena when the holder finally
+//! drops it (the holder may still be writing into it, so it can't be reused before). Leased
+//! bytes are capped ([`DramOptions::max_leased_bytes`]) so writers can't take the whole cache;
+//! one lease is always granted when none is outstanding, so any block that fits can be written.
 //!
 //! # Eviction ([`policy`]): S3-FIFO per priority level
 //! KV prefix traffic is dominated by one-off prompts that are stored and never read again, mixed
@@ -32,7 +46,8 @@
 //! Lock order: the state mutex (`Shared::state`) first, then DashMap shard locks, one at a time
 //! and never held across another index call. `get`, `contains` and `longest_prefix` take shard
 //! read locks only, never the state mutex. The eviction hook lock is never held with either.
-//! Buffers are dropped after the state mutex is released.
+//! The arena's extent lock comes after the state mutex and is held only for a few map
+//! operations (a dropped view or lease takes it alone).
 //!
 //! # Demotion hook
 //! [`DramTier::set_eviction_hook`] is where the NVMe tier (G3) receives demoted blocks: the hook
@@ -42,11 +57,13 @@
 //! block nor call into this tier: hand the block to a bounded queue and drop it when it is full.
 
 mod policy;
+mod region;
 mod slab;
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use dashmap::DashMap;
@@ -54,7 +71,10 @@ use kvtier_proto::{BlockKey, FrameHeader, NamespaceId, TierId};
 use parking_lot::{Mutex, RwLock};
 
 use policy::{Entries, Item, Place, Policy, View, MAX_FREQ};
+use region::{Arena, SharedSlot, SlotBuf};
 use slab::{slot_size, Slab};
+
+pub use region::{Region, RegionMode};
 
 pub use crate::error::ServerError;
 
@@ -93,6 +113,34 @@ impl DramConfig {
     }
 }
 
+/// How the tier's memory is provided and how writers' leases are bounded. Kept apart from
+/// [`DramConfig`] so existing `DramConfig { .. }` literals keep compiling.
+#[derive(Debug, Clone)]
+pub struct DramOptions {
+    /// What backs the region. Default: [`RegionMode::Anonymous`].
+    pub region: RegionMode,
+    /// Address space beyond the capacity for slots the budget no longer counts but readers or
+    /// revoked leases still hold, and for fragmentation (see [`region`]); only touched when used.
+    /// Default (`None`): an eighth of the capacity, at least twice min(capacity, 64 MiB).
+    pub headroom_bytes: Option<u64>,
+    /// How long a lease may stay open before it is revoked. Default: 30 s.
+    pub lease_ttl: Duration,
+    /// Most bytes of slots leased at once (one lease is always granted when none is
+    /// outstanding). Default (`None`): half the capacity.
+    pub max_leased_bytes: Option<u64>,
+}
+
+impl Default for DramOptions {
+    fn default() -> Self {
+        DramOptions {
+            region: RegionMode::Anonymous,
+            headroom_bytes: None,
+            lease_ttl: Duration::from_secs(30),
+            max_leased_bytes: None,
+        }
+    }
+}
+
 /// A stored block: its verified frame header and a zero-copy view of its payload in the slab.
 #[derive(Debug, Clone)]
 pub struct StoredBlock {
@@ -122,33 +170,32 @@ pub struct DramStats {
     pub inserts: u64,
     pub bytes_in: u64,
     pub bytes_out: u64,
+    /// Leases outstanding (reserved, not yet committed, dropped nor revoked).
+    pub leases: u64,
+    /// Slot bytes of outstanding leases (part of `allocated_bytes`).
+    pub leased_bytes: u64,
+    /// Leases revoked at their deadline, since start.
+    pub leases_expired: u64,
+    /// Bytes mapped for the region (capacity + headroom).
+    pub region_bytes: u64,
+    /// Bytes of the region in slots: `allocated_bytes` plus slots held by readers of evicted
+    /// blocks and by holders of revoked leases.
+    pub region_used_bytes: u64,
 }
 
 /// Called with each block evicted from DRAM (see the module doc, "Demotion hook"), with the
 /// tier's lock held: it must not block, nor call back into the tier.
 pub type EvictionHook = Arc<dyn Fn(IndexKey, StoredBlock) + Send + Sync>;
 
-/// The owner behind a reader's `Bytes`: keeps the slot buffer alive.
-struct SlotView {
-    buf: Arc<Vec<u8>>,
-    len: usize,
-}
-
-impl AsRef<[u8]> for SlotView {
-    fn as_ref(&self) -> &[u8] {
-        &self.buf[..self.len.min(self.buf.len())]
-    }
-}
-
-fn view_of(buf: &Arc<Vec<u8>>, len: u64) -> Bytes {
-    Bytes::from_owner(SlotView { buf: Arc::clone(buf), len: len as usize })
+fn view_of(buf: &SharedSlot, len: u64) -> Bytes {
+    buf.view(len as usize)
 }
 
 /// An index entry. `pins` and `place` change only under the state mutex.
 struct Entry {
     id: u64,
     header: FrameHeader,
-    buf: Arc<Vec<u8>>,
+    buf: SharedSlot,
     level: usize,
     freq: AtomicU8,
     pins: u32,
@@ -168,6 +215,9 @@ struct Counters {
     allocated: AtomicU64,
     pinned: AtomicU64,
     blocks: AtomicU64,
+    leases: AtomicU64,
+    leased: AtomicU64,
+    leases_expired: AtomicU64,
 }
 
 struct State {
@@ -177,11 +227,17 @@ struct State {
     pinned: u64,
     blocks: u64,
     next_id: u64,
+    /// Outstanding leases by (deadline, id): slot size.
+    leases: BTreeMap<(Instant, u64), usize>,
+    leased: u64,
 }
 
 struct Shared {
+    arena: Arc<Arena>,
     capacity: u64,
     max_pinned: u64,
+    lease_ttl: Duration,
+    max_leased: u64,
     index: DashMap<IndexKey, Entry>,
     state: Mutex<State>,
     counters: Counters,
@@ -208,19 +264,25 @@ impl Entries for IndexAccess<'_> {
     }
 }
 
-/// An exclusively owned, not-yet-visible slot of exactly `len` bytes (the slot itself may be a
-/// larger size class). Dropping it without commit returns the slot to the tier.
-pub struct SlotWriter {
+/// PutStart..PutEnd: an exclusively owned, not-yet-visible slot of exactly `len` bytes (the
+/// slot itself may be a larger size class), valid until its deadline. Dropping it without commit
+/// returns the slot to the tier (see the module doc, "Leases").
+pub struct Lease {
     shared: Arc<Shared>,
-    buf: Option<Vec<u8>>,
+    buf: Option<SlotBuf>,
     len: usize,
+    /// Its key in `State::leases`.
+    key: (Instant, u64),
 }
 
-impl SlotWriter {
+/// The former name of [`Lease`].
+pub type SlotWriter = Lease;
+
+impl Lease {
     /// Exactly `len` bytes.
     pub fn buf_mut(&mut self) -> &mut [u8] {
         match self.buf.as_mut() {
-            Some(b) => &mut b[..self.len],
+            Some(b) => &mut b.as_mut_slice()[..self.len],
             None => &mut [],
         }
     }
@@ -232,19 +294,38 @@ impl SlotWriter {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
-}
 
-impl std::fmt::Debug for SlotWriter {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SlotWriter").field("len", &self.len).field("slot", &self.buf.as_ref().map(Vec::len)).finish()
+    /// After this the lease is revoked and its commit fails.
+    pub fn deadline(&self) -> Instant {
+        self.key.0
+    }
+
+    /// Where the slot lies in [`DramTier::region`] (for a one-sided mover that writes it).
+    pub fn offset(&self) -> Option<usize> {
+        self.buf.as_ref().map(SlotBuf::offset)
     }
 }
 
-impl Drop for SlotWriter {
+impl std::fmt::Debug for Lease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lease")
+            .field("len", &self.len)
+            .field("slot", &self.buf.as_ref().map(SlotBuf::size))
+            .field("deadline", &self.key.0)
+            .finish()
+    }
+}
+
+impl Drop for Lease {
     fn drop(&mut self) {
         if let Some(buf) = self.buf.take() {
             let mut st = self.shared.state.lock();
-            st.slab.put_free(buf);
+            if self.shared.end_lease(&mut st, self.key) {
+                st.slab.put_free(buf);
+            } else {
+                // Revoked: the budget already let go of it; the extent goes back to the arena.
+                drop(buf);
+            }
             self.shared.publish(&st);
         }
     }
@@ -269,6 +350,8 @@ impl Shared {
         c.allocated.store(st.slab.allocated(), Ordering::Relaxed);
         c.pinned.store(st.pinned, Ordering::Relaxed);
         c.blocks.store(st.blocks, Ordering::Relaxed);
+        c.leases.store(st.leases.len() as u64, Ordering::Relaxed);
+        c.leased.store(st.leased, Ordering::Relaxed);
         ::metrics::gauge!("kvtier_tier_resident_bytes", "tier" => TierId::Dram.as_str()).set(st.resident as f64);
         ::metrics::gauge!("kvtier_tier_allocated_bytes", "tier" => TierId::Dram.as_str())
             .set(st.slab.allocated() as f64);
@@ -276,14 +359,45 @@ impl Shared {
         ::metrics::gauge!("kvtier_tier_blocks", "tier" => TierId::Dram.as_str()).set(st.blocks as f64);
     }
 
+    /// Ends an outstanding lease (commit or drop); false if it was revoked.
+    fn end_lease(&self, st: &mut State, key: (Instant, u64)) -> bool {
+        match st.leases.remove(&key) {
+            Some(size) => {
+                st.leased = st.leased.saturating_sub(size as u64);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Revokes every lease whose deadline is before `now`: its bytes leave the budget and the
+    /// lease quota (its holder still owns the slot until it drops the lease).
+    fn reap(&self, st: &mut State, now: Instant) -> usize {
+        let mut n = 0;
+        while let Some(entry) = st.leases.first_entry() {
+            if entry.key().0 >= now {
+                break;
+            }
+            let size = entry.remove();
+            st.leased = st.leased.saturating_sub(size as u64);
+            st.slab.forget(size);
+            n += 1;
+        }
+        if n > 0 {
+            self.counters.leases_expired.fetch_add(n as u64, Ordering::Relaxed);
+            ::metrics::counter!("kvtier_dram_leases_expired_total").increment(n as u64);
+        }
+        n
+    }
+
     /// Takes `key` out of the index and the policy. Returns its buffer and header.
-    fn unindex(&self, st: &mut State, key: &IndexKey) -> Option<(Arc<Vec<u8>>, FrameHeader)> {
+    fn unindex(&self, st: &mut State, key: &IndexKey) -> Option<(SharedSlot, FrameHeader)> {
         let (_, e) = self.index.remove(key)?;
-        st.policy.forget(e.level, e.place, e.buf.len() as u64, &IndexAccess(&self.index));
+        st.policy.forget(e.level, e.place, e.buf.size() as u64, &IndexAccess(&self.index));
         st.resident = st.resident.saturating_sub(e.header.payload_len);
         st.blocks = st.blocks.saturating_sub(1);
         if e.pins > 0 {
-            st.pinned = st.pinned.saturating_sub(e.buf.len() as u64);
+            st.pinned = st.pinned.saturating_sub(e.buf.size() as u64);
         }
         Some((e.buf, e.header))
     }
@@ -296,18 +410,23 @@ impl Shared {
         size: usize,
         hook: bool,
         demoted: &mut Vec<(IndexKey, StoredBlock)>,
-    ) -> Result<Vec<u8>, ServerError> {
+    ) -> Result<SlotBuf, ServerError> {
         if let Some(b) = st.slab.take_free(size) {
             return Ok(b);
         }
         st.slab.release_free_until_fits(size);
-        if let Some(b) = st.slab.try_alloc(size) {
+        if let Some(b) = Self::alloc_or_defragment(st, size) {
             return Ok(b);
         }
         loop {
             let Some(victim) = st.policy.evict(&mut IndexAccess(&self.index)) else {
+                let why = if st.slab.fits(size) {
+                    "no free extent of the region is large enough (fragmented, or held by readers of evicted blocks)"
+                } else {
+                    "no evictable block frees them"
+                };
                 return Err(ServerError::Capacity(format!(
-                    "dram tier: no evictable block frees {size} bytes ({} of {} bytes pinned)",
+                    "dram tier: no slot of {size} bytes: {why} ({} of {} bytes pinned)",
                     st.pinned, self.capacity
                 )));
             };
@@ -317,43 +436,83 @@ impl Shared {
             if hook {
                 demoted.push((victim.key, StoredBlock { header, payload: view_of(&buf, header.payload_len) }));
             }
-            match Arc::try_unwrap(buf) {
-                Ok(v) if v.len() == size => return Ok(v),
+            match buf.try_unwrap() {
+                Ok(v) if v.size() == size => return Ok(v),
                 Ok(v) => {
-                    st.slab.forget(v.len());
-                    st.slab.trash.push(v);
+                    st.slab.forget(v.size());
+                    drop(v);
                 }
-                Err(shared) => {
-                    st.slab.forget(shared.len());
-                    st.slab.trash_shared.push(shared);
-                }
+                Err(shared) => st.slab.forget(shared.size()),
             }
-            if let Some(b) = st.slab.try_alloc(size) {
+            if let Some(b) = Self::alloc_or_defragment(st, size) {
                 return Ok(b);
             }
         }
     }
+
+    /// A fresh slot if the budget allows: first as things are, then with every cached free slot
+    /// handed back so that neighbouring extents coalesce.
+    fn alloc_or_defragment(st: &mut State, size: usize) -> Option<SlotBuf> {
+        if !st.slab.fits(size) {
+            return None;
+        }
+        st.slab.try_alloc(size).or_else(|| {
+            st.slab.release_all_free();
+            st.slab.try_alloc(size)
+        })
+    }
 }
 
 impl DramTier {
+    /// A tier over an anonymous region with the default [`DramOptions`].
+    ///
+    /// # Panics
+    /// If the region's address space cannot be mapped; [`DramTier::with_options`] returns that
+    /// as an error instead.
     pub fn new(cfg: DramConfig) -> DramTier {
+        match Self::with_options(cfg, DramOptions::default()) {
+            Ok(t) => t,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// A tier whose region is `capacity + headroom` bytes of `opts.region` memory, touched only
+    /// as slots are written. `Config` if the region cannot be mapped.
+    pub fn with_options(cfg: DramConfig, opts: DramOptions) -> Result<DramTier, ServerError> {
         let ratio = if cfg.max_pinned_ratio.is_nan() { 0.9 } else { cfg.max_pinned_ratio.clamp(0.0, 1.0) };
+        let capacity = cfg.capacity_bytes;
+        let headroom = opts.headroom_bytes.unwrap_or_else(|| (capacity / 8).max(2 * capacity.min(64 << 20)));
+        let as_usize = |v: u64| {
+            usize::try_from(v).map_err(|_| ServerError::Config(format!("dram: {v} bytes do not fit the address space")))
+        };
+        let arena = Arena::new(as_usize(capacity)?, as_usize(headroom)?, opts.region)?;
         let shared = Shared {
-            capacity: cfg.capacity_bytes,
-            max_pinned: (cfg.capacity_bytes as f64 * ratio) as u64,
+            arena: Arc::clone(&arena),
+            capacity,
+            max_pinned: (capacity as f64 * ratio) as u64,
+            lease_ttl: opts.lease_ttl,
+            max_leased: opts.max_leased_bytes.unwrap_or(capacity / 2),
             index: DashMap::new(),
             state: Mutex::new(State {
-                slab: Slab::new(cfg.capacity_bytes),
+                slab: Slab::new(arena, capacity),
                 policy: Policy::default(),
                 resident: 0,
                 pinned: 0,
                 blocks: 0,
                 next_id: 0,
+                leases: BTreeMap::new(),
+                leased: 0,
             }),
             counters: Counters::default(),
             hook: RwLock::new(None),
         };
-        DramTier { shared: Arc::new(shared) }
+        Ok(DramTier { shared: Arc::new(shared) })
+    }
+
+    /// The one region every slot is carved from: register it once ([`Region::as_ptr`],
+    /// [`Region::len`]) or share it ([`Region::fd`]).
+    pub fn region(&self) -> &Region {
+        self.shared.arena.region()
     }
 
     /// Sets (or clears) the hook that receives evicted blocks: the NVMe demotion point.
@@ -361,48 +520,97 @@ impl DramTier {
         *self.shared.hook.write() = hook;
     }
 
-    /// Reserves a slot for a payload of `len` bytes, evicting unpinned blocks as needed.
+    /// PutStart: leases a slot for a payload of `len` bytes, evicting unpinned blocks as needed.
     /// `TooLarge` if the slot for `len` bytes (its size class) exceeds the capacity; `Capacity`
-    /// if nothing evictable frees enough.
-    pub fn reserve(&self, len: usize) -> Result<SlotWriter, ServerError> {
+    /// if nothing evictable frees enough or the leased bytes would pass their limit. Revokes
+    /// leases past their deadline first.
+    pub fn reserve(&self, len: usize) -> Result<Lease, ServerError> {
+        self.reserve_at(len, Instant::now())
+    }
+
+    /// [`DramTier::reserve`] at `now` (the lease's deadline is `now + lease_ttl`).
+    pub fn reserve_at(&self, len: usize, now: Instant) -> Result<Lease, ServerError> {
         let size = slot_size(len);
         if size as u64 > self.shared.capacity {
             return Err(ServerError::TooLarge { len: len as u64, capacity: self.shared.capacity });
         }
         let hook = self.shared.hook.read().clone();
         let mut demoted = Vec::new();
-        let (res, trash) = {
-            let mut st = self.shared.state.lock();
-            let res = self.shared.obtain(&mut st, size, hook.is_some(), &mut demoted);
+        let mut st = self.shared.state.lock();
+        self.shared.reap(&mut st, now);
+        if st.leased > 0 && st.leased + size as u64 > self.shared.max_leased {
+            let e = ServerError::Capacity(format!(
+                "dram tier: {} bytes in {} open leases; another {size} would pass the limit of {}",
+                st.leased,
+                st.leases.len(),
+                self.shared.max_leased
+            ));
             self.shared.publish(&st);
-            // Under the lock, so no reader sees an evicted block in neither place.
-            if let Some(hook) = &hook {
-                for (key, block) in demoted.drain(..) {
-                    hook(key, block);
-                }
+            return Err(e);
+        }
+        let res = self.shared.obtain(&mut st, size, hook.is_some(), &mut demoted);
+        let lease = res.map(|buf| {
+            st.next_id += 1;
+            let key = (now + self.shared.lease_ttl, st.next_id);
+            st.leases.insert(key, size);
+            st.leased += size as u64;
+            Lease { shared: Arc::clone(&self.shared), buf: Some(buf), len, key }
+        });
+        self.shared.publish(&st);
+        // Under the lock, so no reader sees an evicted block in neither place.
+        if let Some(hook) = &hook {
+            for (key, block) in demoted.drain(..) {
+                hook(key, block);
             }
-            (res, st.slab.take_trash())
-        };
-        drop(trash);
-        Ok(SlotWriter { shared: Arc::clone(&self.shared), buf: Some(res?), len })
+        }
+        drop(st);
+        lease
     }
 
-    /// Makes a filled slot visible under `(header.namespace, header.key)`. The caller has
-    /// verified the payload checksum. If the key is already present, keeps the existing block,
-    /// recycles the slot and returns `AlreadyPresent`.
-    pub fn commit(
+    /// Revokes the leases whose deadline is before `now` (see the module doc, "Leases");
+    /// returns how many. [`DramTier::reserve`] does this too.
+    pub fn reap_leases(&self, now: Instant) -> usize {
+        let mut st = self.shared.state.lock();
+        let n = self.shared.reap(&mut st, now);
+        self.shared.publish(&st);
+        n
+    }
+
+    /// PutEnd: makes a filled slot visible under `(header.namespace, header.key)`. The caller
+    /// has verified the payload checksum. If the key is already present, keeps the existing
+    /// block, recycles the slot and returns `AlreadyPresent`. `Capacity` if the lease passed its
+    /// deadline (nothing is published).
+    pub fn commit(&self, slot: Lease, header: FrameHeader, priority: Priority) -> Result<InsertOutcome, ServerError> {
+        self.commit_at(slot, header, priority, Instant::now())
+    }
+
+    /// [`DramTier::commit`] at `now`.
+    pub fn commit_at(
         &self,
-        mut slot: SlotWriter,
+        mut slot: Lease,
         header: FrameHeader,
         priority: Priority,
+        now: Instant,
     ) -> Result<InsertOutcome, ServerError> {
         let len = slot.len;
+        let lease = slot.key;
         let Some(buf) = slot.buf.take() else {
             return Err(ServerError::InvalidRequest("slot already committed".into()));
         };
         drop(slot);
         let key = (header.namespace, header.key);
         let mut st = self.shared.state.lock();
+        if lease.0 < now {
+            self.shared.reap(&mut st, now);
+        }
+        if !self.shared.end_lease(&mut st, lease) {
+            self.shared.publish(&st);
+            drop(st);
+            drop(buf);
+            return Err(ServerError::Capacity(format!(
+                "dram tier: the lease on {len} bytes expired before its commit; nothing stored"
+            )));
+        }
         if header.payload_len != len as u64 || self.shared.index.contains_key(&key) {
             st.slab.put_free(buf);
             self.shared.publish(&st);
@@ -417,8 +625,8 @@ impl DramTier {
         st.next_id += 1;
         let id = st.next_id;
         let level = priority as usize;
-        let place = st.policy.insert(level, Item { key, id, bytes: buf.len() as u64 });
-        let entry = Entry { id, header, buf: Arc::new(buf), level, freq: AtomicU8::new(0), pins: 0, place };
+        let place = st.policy.insert(level, Item { key, id, bytes: buf.size() as u64 });
+        let entry = Entry { id, header, buf: SharedSlot::freeze(buf), level, freq: AtomicU8::new(0), pins: 0, place };
         self.shared.index.insert(key, entry);
         st.resident += header.payload_len;
         st.blocks += 1;
@@ -507,7 +715,7 @@ impl DramTier {
                 None => missing.push(i as u32),
                 Some(e) => {
                     if e.pins == 0 && seen.insert(*k) {
-                        newly += e.buf.len() as u64;
+                        newly += e.buf.size() as u64;
                     }
                 }
             }
@@ -524,7 +732,7 @@ impl DramTier {
         for k in keys {
             if let Some(mut e) = index.get_mut(&(*ns, *k)) {
                 if e.pins == 0 {
-                    st.pinned += e.buf.len() as u64;
+                    st.pinned += e.buf.size() as u64;
                 }
                 e.pins = e.pins.saturating_add(1);
             }
@@ -545,10 +753,10 @@ impl DramTier {
             }
             e.pins -= 1;
             if e.pins == 0 {
-                st.pinned = st.pinned.saturating_sub(e.buf.len() as u64);
+                st.pinned = st.pinned.saturating_sub(e.buf.size() as u64);
                 if e.place == Place::Parked {
                     // The policy does not touch the index here, so holding `e` is fine.
-                    st.policy.unpark(e.level, Item { key, id: e.id, bytes: e.buf.len() as u64 });
+                    st.policy.unpark(e.level, Item { key, id: e.id, bytes: e.buf.size() as u64 });
                     e.place = Place::Main;
                 }
             }
@@ -558,16 +766,11 @@ impl DramTier {
 
     /// Removes an unpinned block; false if absent or pinned.
     pub fn remove(&self, ns: &NamespaceId, key: &BlockKey) -> bool {
-        let trash;
-        {
-            let mut st = self.shared.state.lock();
-            if !self.remove_locked(&mut st, &(*ns, *key)) {
-                return false;
-            }
-            self.shared.publish(&st);
-            trash = st.slab.take_trash();
+        let mut st = self.shared.state.lock();
+        if !self.remove_locked(&mut st, &(*ns, *key)) {
+            return false;
         }
-        drop(trash);
+        self.shared.publish(&st);
         true
     }
 
@@ -596,9 +799,6 @@ impl DramTier {
         let removed: Vec<BlockKey> =
             keys.iter().filter(|k| self.remove_locked(&mut st, k)).map(|(_, key)| *key).collect();
         self.shared.publish(&st);
-        let trash = st.slab.take_trash();
-        drop(st);
-        drop(trash);
         removed
     }
 
@@ -617,6 +817,11 @@ impl DramTier {
             inserts: r(&c.inserts),
             bytes_in: r(&c.bytes_in),
             bytes_out: r(&c.bytes_out),
+            leases: r(&c.leases),
+            leased_bytes: r(&c.leased),
+            leases_expired: r(&c.leases_expired),
+            region_bytes: self.shared.arena.region().len() as u64,
+            region_used_bytes: self.shared.arena.used_bytes(),
         }
     }
 }

@@ -1,12 +1,15 @@
 //! Slot storage: size classes, per-class free lists and the byte budget.
 //!
-//! A slot is a `Vec<u8>` whose length is exactly its size class. It is allocated once and reused
-//! for many blocks: a freed slot goes back to its class's free list, and is only given back to the
-//! system allocator when the budget is needed for another class. `allocated` counts every slot
-//! the tier owns (indexed, free, or lent to a writer) and never exceeds `capacity`.
+//! A slot is an extent of the tier's [`Region`](super::region::Region) whose length is exactly
+//! its size class. It is carved once and reused for many blocks: a freed slot goes back to its
+//! class's free list, and is only given back to the arena (where freed neighbours coalesce) when
+//! the budget is needed for another class. `allocated` counts every slot the tier owns (indexed,
+//! free, or leased to a writer) and never exceeds `capacity`.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+
+use super::region::{Arena, SharedSlot, SlotBuf};
 
 /// The smallest slot. Payloads below it waste at most this many bytes each.
 pub(super) const MIN_SLOT: usize = 4096;
@@ -25,28 +28,20 @@ pub(super) fn slot_size(len: usize) -> usize {
     len.div_ceil(step).saturating_mul(step)
 }
 
-/// Free lists and budget. Plain data; the tier keeps it under its state mutex.
+/// Free lists and budget over the tier's [`Arena`]. Plain data; the tier keeps it under its
+/// state mutex.
 #[derive(Debug)]
 pub(super) struct Slab {
+    arena: Arc<Arena>,
     capacity: u64,
     allocated: u64,
-    free: BTreeMap<usize, Vec<Vec<u8>>>,
+    free: BTreeMap<usize, Vec<SlotBuf>>,
     free_bytes: u64,
-    /// Buffers the tier has let go of, to be dropped after the state mutex is released.
-    pub(super) trash: Vec<Vec<u8>>,
-    pub(super) trash_shared: Vec<Arc<Vec<u8>>>,
 }
 
 impl Slab {
-    pub(super) fn new(capacity: u64) -> Self {
-        Slab {
-            capacity,
-            allocated: 0,
-            free: BTreeMap::new(),
-            free_bytes: 0,
-            trash: Vec::new(),
-            trash_shared: Vec::new(),
-        }
+    pub(super) fn new(arena: Arc<Arena>, capacity: u64) -> Self {
+        Slab { arena, capacity, allocated: 0, free: BTreeMap::new(), free_bytes: 0 }
     }
 
     pub(super) fn allocated(&self) -> u64 {
@@ -58,12 +53,13 @@ impl Slab {
         self.free_bytes
     }
 
-    fn fits(&self, size: usize) -> bool {
+    /// Whether `size` more bytes fit the budget.
+    pub(super) fn fits(&self, size: usize) -> bool {
         self.allocated.saturating_add(size as u64) <= self.capacity
     }
 
     /// A free slot of exactly `size` bytes, if one is cached.
-    pub(super) fn take_free(&mut self, size: usize) -> Option<Vec<u8>> {
+    pub(super) fn take_free(&mut self, size: usize) -> Option<SlotBuf> {
         let list = self.free.get_mut(&size)?;
         let buf = list.pop()?;
         if list.is_empty() {
@@ -73,65 +69,68 @@ impl Slab {
         Some(buf)
     }
 
-    /// A new slot of `size` bytes if the budget allows it.
-    pub(super) fn try_alloc(&mut self, size: usize) -> Option<Vec<u8>> {
+    /// A new slot of `size` bytes if the budget allows it and the region has an extent for it.
+    pub(super) fn try_alloc(&mut self, size: usize) -> Option<SlotBuf> {
         if !self.fits(size) {
             return None;
         }
+        let buf = self.arena.alloc(size)?;
         self.allocated += size as u64;
-        // `vec![0; n]` is a calloc: large slots come as lazily zeroed pages.
-        Some(vec![0u8; size])
+        Some(buf)
     }
 
-    /// Gives cached free slots (of any class) back to the system until `size` more bytes fit.
+    /// Gives cached free slots (largest classes first) back to the arena until `size` more bytes
+    /// fit the budget.
     pub(super) fn release_free_until_fits(&mut self, size: usize) {
-        while !self.fits(size) {
-            let Some(mut entry) = self.free.last_entry() else { return };
-            let class = *entry.key();
-            let list = entry.get_mut();
-            if let Some(buf) = list.pop() {
-                self.free_bytes -= class as u64;
-                self.allocated -= class as u64;
-                self.trash.push(buf);
-            }
-            if list.is_empty() {
-                entry.remove();
-            }
+        while !self.fits(size) && self.release_one() {}
+    }
+
+    /// Gives every cached free slot back to the arena, so that freed neighbours coalesce.
+    pub(super) fn release_all_free(&mut self) {
+        while self.release_one() {}
+    }
+
+    fn release_one(&mut self) -> bool {
+        let Some(mut entry) = self.free.last_entry() else { return false };
+        let class = *entry.key();
+        let list = entry.get_mut();
+        if let Some(buf) = list.pop() {
+            self.free_bytes -= class as u64;
+            self.allocated -= class as u64;
+            drop(buf);
         }
+        if list.is_empty() {
+            entry.remove();
+        }
+        true
     }
 
     /// Returns a slot the tier still owns to its free list.
-    pub(super) fn put_free(&mut self, buf: Vec<u8>) {
-        let size = buf.len();
+    pub(super) fn put_free(&mut self, buf: SlotBuf) {
+        let size = buf.size();
         self.free_bytes += size as u64;
         self.free.entry(size).or_default().push(buf);
     }
 
-    /// The tier stops owning a slot of `size` bytes (dropped, or now owned by a reader).
+    /// The tier stops owning a slot of `size` bytes (freed, or now held by a reader or by the
+    /// holder of a revoked lease, in which case its extent returns when they let go).
     pub(super) fn forget(&mut self, size: usize) {
         self.allocated = self.allocated.saturating_sub(size as u64);
     }
 
     /// A slot leaving the index: back to the free list if no reader holds it, otherwise the last
     /// reader frees it and the tier stops counting it.
-    pub(super) fn recycle(&mut self, buf: Arc<Vec<u8>>) {
-        match Arc::try_unwrap(buf) {
+    pub(super) fn recycle(&mut self, buf: SharedSlot) {
+        match buf.try_unwrap() {
             Ok(v) => self.put_free(v),
-            Err(shared) => {
-                self.forget(shared.len());
-                self.trash_shared.push(shared);
-            }
+            Err(shared) => self.forget(shared.size()),
         }
-    }
-
-    /// Takes the buffers to drop once the caller has released its lock.
-    pub(super) fn take_trash(&mut self) -> (Vec<Vec<u8>>, Vec<Arc<Vec<u8>>>) {
-        (std::mem::take(&mut self.trash), std::mem::take(&mut self.trash_shared))
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::region::RegionMode;
     use super::*;
 
     #[test]
@@ -154,19 +153,21 @@ mod tests {
 
     #[test]
     fn budget_and_free_lists() {
-        let mut s = Slab::new(3 * 4096);
+        let arena = Arena::new(3 * 4096, 3 * 4096, RegionMode::Anonymous).unwrap();
+        let mut s = Slab::new(Arc::clone(&arena), 3 * 4096);
         let a = s.try_alloc(4096).unwrap();
         let b = s.try_alloc(8192).unwrap();
-        assert!(s.try_alloc(4096).is_none());
+        assert!(s.try_alloc(4096).is_none(), "the budget is spent even though the headroom is free");
         assert_eq!(s.allocated(), 12288);
         s.put_free(a);
         s.put_free(b);
         assert_eq!(s.free_bytes(), 12288);
-        assert_eq!(s.take_free(4096).map(|v| v.len()), Some(4096));
+        let c = s.take_free(4096).unwrap();
+        assert_eq!(c.size(), 4096);
         // Needs 8192 more for a class with no free slot: the cached 8192 slot is released.
         s.release_free_until_fits(8192);
         assert_eq!(s.allocated(), 4096);
         assert_eq!(s.free_bytes(), 0);
-        assert_eq!(s.trash.len(), 1);
+        assert_eq!(arena.used_bytes(), 4096, "the released slot went back to the arena");
     }
 }

@@ -1,6 +1,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::AtomicBool;
 use std::sync::Mutex as StdMutex;
+use std::time::{Duration, Instant};
 
 use kvtier_proto::{CodecId, DType, KvLayout};
 use proptest::prelude::*;
@@ -502,5 +503,316 @@ proptest! {
             prop_assert_eq!(s.pinned_bytes, pins.keys().map(|&i| slot_size(prop_len(i)) as u64).sum::<u64>());
             prop_assert!(s.pinned_bytes <= (cap as f64 * 0.6) as u64);
         }
+    }
+}
+
+fn tier_with(cap: usize, opts: DramOptions) -> DramTier {
+    DramTier::with_options(DramConfig::new(cap as u64), opts).unwrap()
+}
+
+/// Where a view's bytes lie in the tier's region.
+fn offset_in(t: &DramTier, b: &Bytes) -> usize {
+    b.as_ptr() as usize - t.region().as_ptr() as usize
+}
+
+#[test]
+fn a_dropped_lease_returns_its_slot_for_reuse() {
+    let t = tier(256 * KIB, 0.9);
+    let mut w = t.reserve(60 * KIB).unwrap();
+    let off = w.offset().unwrap();
+    w.buf_mut().fill(0x5A);
+    let s = t.stats();
+    assert_eq!((s.leases, s.leased_bytes, s.allocated_bytes), (1, 64 * KIB as u64, 64 * KIB as u64));
+    drop(w); // the connection ended before its commit
+    let s = t.stats();
+    assert_eq!((s.leases, s.leased_bytes, s.blocks), (0, 0, 0));
+    let w = t.reserve(64 * KIB).unwrap();
+    assert_eq!(w.offset(), Some(off), "the same slot, from its class's free list");
+    assert_eq!(t.stats().allocated_bytes, 64 * KIB as u64);
+    assert_eq!(t.commit(w, header(NS, 1, 64 * KIB), Priority::Normal).unwrap(), InsertOutcome::Inserted);
+    assert_eq!(t.stats().leases, 0);
+}
+
+#[test]
+fn a_lease_past_its_deadline_is_reclaimed_and_its_commit_fails() {
+    let opts = DramOptions { lease_ttl: Duration::from_secs(1), ..DramOptions::default() };
+    let t = tier_with(64 * KIB, opts);
+    let now = Instant::now();
+    let mut stale = t.reserve_at(64 * KIB, now).unwrap();
+    assert!(stale.deadline() > now);
+    stale.buf_mut().copy_from_slice(&payload(1, 64 * KIB));
+    assert_eq!(t.reap_leases(now), 0, "not before its deadline");
+    assert_eq!(t.reap_leases(now + Duration::from_secs(2)), 1);
+    let s = t.stats();
+    assert_eq!((s.leases, s.leased_bytes, s.leases_expired, s.allocated_bytes), (0, 0, 1, 0));
+    assert_eq!(s.region_used_bytes, 64 * KIB as u64, "the holder still owns the memory");
+    // The budget is free again although the holder never let go: another writer gets a slot
+    // (in the headroom), and the stale holder's bytes are untouched by it.
+    put(&t, 2, 64 * KIB, Priority::Normal).unwrap();
+    assert_eq!(stale.buf_mut(), &payload(1, 64 * KIB)[..]);
+    let r = t.commit_at(stale, header(NS, 1, 64 * KIB), Priority::Normal, now + Duration::from_secs(2));
+    assert!(matches!(r, Err(ServerError::Capacity(_))), "{r:?}");
+    assert!(!t.contains(&NS, &key(1)));
+    let s = t.stats();
+    assert_eq!((s.blocks, s.allocated_bytes, s.region_used_bytes), (1, 64 * KIB as u64, 64 * KIB as u64));
+    assert_eq!(&t.get(&NS, &key(2)).unwrap().payload[..], &payload(2, 64 * KIB)[..]);
+
+    // A commit after the deadline fails even when nothing reaped the lease first, and the slot
+    // goes back to the arena.
+    assert!(t.remove(&NS, &key(2)));
+    let mut late = t.reserve_at(10 * KIB, now).unwrap();
+    late.buf_mut().copy_from_slice(&payload(3, 10 * KIB));
+    let r = t.commit_at(late, header(NS, 3, 10 * KIB), Priority::Normal, now + Duration::from_secs(5));
+    assert!(matches!(r, Err(ServerError::Capacity(_))), "{r:?}");
+    let s = t.stats();
+    assert_eq!((s.leases, s.leases_expired, s.blocks), (0, 2, 0));
+    assert_eq!(s.region_used_bytes, s.allocated_bytes, "only the free-listed slot of key 2 is left");
+}
+
+#[test]
+fn leased_bytes_are_capped() {
+    let opts = DramOptions { max_leased_bytes: Some(128 * KIB as u64), ..DramOptions::default() };
+    let t = tier_with(1 << 20, opts);
+    let a = t.reserve(64 * KIB).unwrap();
+    let b = t.reserve(64 * KIB).unwrap();
+    assert!(matches!(t.reserve(4 * KIB), Err(ServerError::Capacity(_))), "128 KiB already leased");
+    assert_eq!(t.stats().leased_bytes, 128 * KIB as u64);
+    drop(a);
+    let c = t.reserve(4 * KIB).unwrap();
+    drop((b, c));
+    // One lease larger than the limit is granted when no other is open.
+    let big = t.reserve(512 * KIB).unwrap();
+    assert!(matches!(t.reserve(4 * KIB), Err(ServerError::Capacity(_))));
+    drop(big);
+    assert_eq!(t.stats().leases, 0);
+    // Committed blocks do not count: a writer can fill the tier one lease at a time.
+    for i in 0..16 {
+        put(&t, i, 64 * KIB, Priority::Normal).unwrap();
+    }
+    assert_eq!(t.stats().blocks, 16);
+}
+
+#[test]
+fn a_reader_view_outlives_eviction_while_new_blocks_are_written() {
+    let t = tier(256 * KIB, 0.9);
+    for i in 0..4 {
+        put(&t, i, 64 * KIB, Priority::Normal).unwrap();
+    }
+    let held: Vec<StoredBlock> = (0..4).map(|i| t.get(&NS, &key(i)).unwrap()).collect();
+    let offsets: Vec<usize> = held.iter().map(|b| offset_in(&t, &b.payload)).collect();
+    for i in 10..40 {
+        put(&t, i, 64 * KIB, Priority::Normal).unwrap();
+        let b = t.get(&NS, &key(i)).unwrap();
+        assert!(!offsets.contains(&offset_in(&t, &b.payload)), "a held slot was handed to a writer");
+        assert_eq!(&b.payload[..], &payload(i, 64 * KIB)[..]);
+        check_caps(&t);
+    }
+    assert!((0..4).all(|i| !t.contains(&NS, &key(i))), "all evicted");
+    for (i, b) in held.iter().enumerate() {
+        assert_eq!(&b.payload[..], &payload(i as u32, 64 * KIB)[..], "held block {i} changed");
+    }
+    let s = t.stats();
+    assert_eq!(s.region_used_bytes, s.allocated_bytes + 4 * 64 * KIB as u64, "{s:?}");
+    drop(held);
+    let s = t.stats();
+    assert_eq!(s.region_used_bytes, s.allocated_bytes, "the last reader returned the slots");
+}
+
+#[test]
+fn the_region_stays_within_capacity_without_readers() {
+    let cap = 1 << 20;
+    let t = tier(cap, 0.9);
+    let s = t.stats();
+    assert_eq!(s.region_bytes, (cap + 2 * cap) as u64, "capacity + headroom");
+    assert_eq!(s.region_used_bytes, 0, "nothing is touched up front");
+    let mut rng = Rng(7);
+    for i in 0..400 {
+        let len = 1 + rng.below(200 * KIB as u64) as usize;
+        t.insert(header(NS, i, len), &payload(i, len), Priority::Normal).unwrap();
+        let s = t.stats();
+        assert!(s.region_used_bytes <= cap as u64, "{s:?}");
+        assert_eq!(s.region_used_bytes, s.allocated_bytes);
+    }
+}
+
+#[test]
+fn memfd_tier_maps_to_the_same_bytes_through_its_fd() {
+    let t = tier_with(1 << 20, DramOptions { region: RegionMode::Memfd, ..DramOptions::default() });
+    assert_eq!(t.region().mode(), RegionMode::Memfd);
+    for i in 0..5 {
+        put(&t, i, 3000 + 1000 * i as usize, Priority::Normal).unwrap();
+    }
+    let b = t.get(&NS, &key(3)).unwrap();
+    let off = offset_in(&t, &b.payload);
+    // A second mapping of the same memfd, as a same-node process would make from the fd.
+    let fd = t.region().fd().unwrap().try_clone_to_owned().unwrap();
+    let file = std::fs::File::from(fd);
+    let map = unsafe_map_copy(&file);
+    assert_eq!(map.len(), t.region().len());
+    assert_eq!(&map[off..off + 6000], &payload(3, 6000)[..]);
+    assert!(tier(1 << 20, 0.9).region().fd().is_none(), "anonymous regions have no fd");
+}
+
+/// The whole file behind `file`, read through a fresh shared mapping.
+fn unsafe_map_copy(file: &std::fs::File) -> Vec<u8> {
+    let m = memmap2::MmapOptions::new().map_raw_read_only(file).unwrap();
+    // SAFETY: the mapping lives for this block and is `m.len()` bytes long; the tier's writers
+    // finished before the copy.
+    unsafe { std::slice::from_raw_parts(m.as_ptr(), m.len()) }.to_vec()
+}
+
+#[derive(Debug, Clone)]
+enum ArenaOp {
+    Insert(u32),
+    Remove(u32),
+    Hold(u32),
+    Release(usize),
+    Lease(u32),
+    Commit(usize),
+    DropLease(usize),
+    Expire,
+}
+
+fn arena_op() -> impl Strategy<Value = ArenaOp> {
+    let k = 0u32..24;
+    prop_oneof![
+        5 => k.clone().prop_map(ArenaOp::Insert),
+        2 => k.clone().prop_map(ArenaOp::Remove),
+        2 => k.clone().prop_map(ArenaOp::Hold),
+        1 => (0usize..8).prop_map(ArenaOp::Release),
+        2 => k.prop_map(ArenaOp::Lease),
+        1 => (0usize..4).prop_map(ArenaOp::Commit),
+        1 => (0usize..4).prop_map(ArenaOp::DropLease),
+        1 => Just(ArenaOp::Expire),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+    /// Random reserve / commit / evict / remove / hold / expire sequences through a small region
+    /// with a little headroom: live slots never overlap each other nor a free extent, and every
+    /// live block, held view and open lease still holds exactly its own bytes.
+    #[test]
+    fn slots_never_overlap(ops in proptest::collection::vec(arena_op(), 1..150)) {
+        let cap = 300 * KIB;
+        let opts = DramOptions { headroom_bytes: Some(200 * KIB as u64), lease_ttl: Duration::from_secs(10), ..DramOptions::default() };
+        let t = tier_with(cap, opts);
+        let start = Instant::now();
+        let mut now = start;
+        let mut held: Vec<(u32, StoredBlock)> = Vec::new();
+        let mut leases: Vec<(u32, Lease)> = Vec::new();
+        for op in ops {
+            match op {
+                ArenaOp::Insert(i) => {
+                    let r = put(&t, i, prop_len(i), Priority::Normal);
+                    prop_assert!(matches!(r, Ok(_) | Err(ServerError::Capacity(_))), "{:?}", r);
+                }
+                ArenaOp::Remove(i) => { t.remove(&NS, &key(i)); }
+                ArenaOp::Hold(i) => {
+                    if let Some(b) = t.get(&NS, &key(i)) {
+                        if held.len() == 6 { held.remove(0); }
+                        held.push((i, b));
+                    }
+                }
+                ArenaOp::Release(j) => { if j < held.len() { held.remove(j); } }
+                ArenaOp::Lease(i) => {
+                    if leases.len() < 4 {
+                        match t.reserve_at(prop_len(i), now) {
+                            Ok(mut w) => {
+                                w.buf_mut().copy_from_slice(&payload(i, prop_len(i)));
+                                leases.push((i, w));
+                            }
+                            Err(e) => prop_assert!(matches!(e, ServerError::Capacity(_)), "{e}"),
+                        }
+                    }
+                }
+                ArenaOp::Commit(j) => {
+                    if j < leases.len() {
+                        let (i, w) = leases.remove(j);
+                        let expired = w.deadline() < now;
+                        let r = t.commit_at(w, header(NS, i, prop_len(i)), Priority::Normal, now);
+                        if expired {
+                            prop_assert!(matches!(r, Err(ServerError::Capacity(_))), "{:?}", r);
+                        } else {
+                            prop_assert!(r.is_ok(), "{:?}", r);
+                        }
+                    }
+                }
+                ArenaOp::DropLease(j) => { if j < leases.len() { leases.remove(j); } }
+                ArenaOp::Expire => {
+                    now += Duration::from_secs(6);
+                    t.reap_leases(now);
+                }
+            }
+            // Contents.
+            for i in 0..24u32 {
+                if let Some(e) = t.shared.index.get(&(NS, key(i))) {
+                    prop_assert!(e.buf.view(prop_len(i))[..] == payload(i, prop_len(i))[..], "block {} damaged", i);
+                }
+            }
+            for (i, b) in &held {
+                prop_assert!(b.payload[..] == payload(*i, prop_len(*i))[..], "held view of {} damaged", i);
+            }
+            for (i, w) in &mut leases {
+                prop_assert!(w.buf_mut()[..] == payload(*i, prop_len(*i))[..], "open lease for {} damaged", i);
+            }
+            // Layout: live slots (deduplicated: a view and its entry share one) and free extents
+            // are pairwise disjoint.
+            let mut spans: Vec<(usize, usize)> = t.shared.index.iter().map(|e| (e.buf.offset(), e.buf.size())).collect();
+            spans.extend(held.iter().map(|(i, b)| (offset_in(&t, &b.payload), slot_size(prop_len(*i)))));
+            spans.extend(leases.iter().filter_map(|(i, w)| Some((w.offset()?, slot_size(prop_len(*i))))));
+            spans.sort_unstable();
+            spans.dedup();
+            let live: usize = spans.iter().map(|s| s.1).sum();
+            spans.extend(t.shared.arena.check());
+            spans.sort_unstable();
+            for w in spans.windows(2) {
+                prop_assert!(w[0].0 + w[0].1 <= w[1].0, "overlap: {:?} and {:?}", w[0], w[1]);
+            }
+            let s = t.stats();
+            prop_assert!(s.allocated_bytes <= cap as u64, "{:?}", s);
+            prop_assert!(live as u64 <= s.region_used_bytes && s.region_used_bytes <= s.region_bytes, "{:?}", s);
+            prop_assert_eq!(s.leases, leases.iter().filter(|(_, w)| w.deadline() >= now).count() as u64);
+        }
+        drop((held, leases));
+        let s = t.stats();
+        prop_assert_eq!(s.region_used_bytes, s.allocated_bytes);
+    }
+}
+
+/// Not a test: insert and get throughput at 4 KiB and 1 MiB through a tier that evicts (4x its
+/// capacity is inserted), for before/after comparisons of the slot storage.
+/// `cargo test -p kvtier-server --lib dram::tests::bench_insert_get -- --ignored --nocapture`
+#[test]
+#[ignore]
+fn bench_insert_get() {
+    for (len, cap) in [(4 * KIB, 64usize << 20), (1 << 20, 256 << 20)] {
+        let t = tier(cap, 0.9);
+        let n = (4 * cap / len) as u32;
+        let data = payload(1, len);
+        let headers: Vec<FrameHeader> = (0..n).map(|i| header(NS, i, len)).collect();
+        let start = std::time::Instant::now();
+        for h in &headers {
+            t.insert(*h, &data, Priority::Normal).unwrap();
+        }
+        let ins = start.elapsed();
+        let present: Vec<u32> = (0..n).filter(|&i| t.contains(&NS, &key(i))).collect();
+        let rounds = (n as usize / present.len().max(1)).max(1);
+        let start = std::time::Instant::now();
+        let mut sum = 0u64;
+        for _ in 0..rounds {
+            for &i in &present {
+                let b = t.get(&NS, &key(i)).unwrap();
+                sum = sum.wrapping_add(b.payload[len / 2] as u64);
+            }
+        }
+        let gets = (rounds * present.len()) as f64;
+        let got = start.elapsed();
+        eprintln!(
+            "dram bench {len:>8} B: insert {:>8.0} ns/op ({:.2} GB/s), get {:>6.0} ns/op ({sum})",
+            ins.as_nanos() as f64 / n as f64,
+            (n as f64 * len as f64) / ins.as_nanos() as f64,
+            got.as_nanos() as f64 / gets,
+        );
     }
 }

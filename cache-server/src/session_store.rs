@@ -1,0 +1,331 @@
+//! Parked sessions as the node keeps them: the in-memory [`SessionTable`] behind one short lock,
+//! and the [`SessionLog`] written outside it. A change is made (and its pins taken) under the
+//! lock, given a sequence number there, and appended and synced after the lock is released, so a
+//! slow disk delays only the park that waits for it, never another session's resume. A park whose
+//! record can't be written is undone (if nothing changed the session since) and reported.
+//!
+//! Every call here may block on the log: run it on the I/O pool, not on an async worker.
+
+use std::time::{Duration, Instant, SystemTime};
+
+use kvtier_proto::NamespaceId;
+use parking_lot::Mutex;
+
+use crate::error::ServerError;
+use crate::session_log::{unix_ms, LoggedSession, SessionLog};
+use crate::sessions::{ParkSpec, SessionLimits, SessionManifest, SessionTable};
+use crate::tiers::PinTier;
+
+pub struct SessionStore {
+    table: Mutex<SessionTable>,
+    log: Option<SessionLog>,
+}
+
+/// A change that is made in memory and still has to reach the log.
+struct Pending {
+    seq: u64,
+    record: LoggedSession,
+}
+
+fn logged(m: &SessionManifest, now: Instant) -> LoggedSession {
+    let expires = SystemTime::now() + m.expires_at.saturating_duration_since(now);
+    LoggedSession {
+        namespace: m.namespace,
+        id: m.id.clone(),
+        keys: m.keys.clone(),
+        tail: m.tail,
+        token_count: m.token_count,
+        ttl_ms: m.ttl.as_millis() as u64,
+        expires_unix_ms: unix_ms(expires),
+        priority: m.priority,
+        version: m.version,
+    }
+}
+
+impl SessionStore {
+    pub fn new(log: Option<SessionLog>) -> Self {
+        SessionStore { table: Mutex::new(SessionTable::default()), log }
+    }
+
+    pub fn len(&self) -> usize {
+        self.table.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn publish(&self, n: usize) {
+        ::metrics::gauge!("kvtier_sessions").set(n as f64);
+    }
+
+    /// Applies `change` under the table lock; with a log, numbers the manifest it returns and
+    /// appends it after the lock is released, undoing the change if the append fails.
+    fn change(
+        &self,
+        pins: &dyn PinTier,
+        change: impl FnOnce(&mut SessionTable, Instant) -> Result<SessionManifest, ServerError>,
+    ) -> Result<SessionManifest, ServerError> {
+        let now = Instant::now();
+        let (m, pending) = {
+            let mut table = self.table.lock();
+            let m = change(&mut table, now)?;
+            self.publish(table.len());
+            let pending = self.log.as_ref().map(|log| Pending { seq: log.next_seq(), record: logged(&m, now) });
+            (m, pending)
+        };
+        let (Some(log), Some(p)) = (&self.log, pending) else { return Ok(m) };
+        if let Err(e) = log.put(p.seq, &p.record) {
+            let mut table = self.table.lock();
+            table.undo(pins, m.namespace, &m.id, m.version);
+            self.publish(table.len());
+            return Err(e);
+        }
+        Ok(m)
+    }
+
+    /// Creates or replaces a session (see [`SessionTable::park`]); durable on return when the
+    /// node logs sessions.
+    pub fn park(
+        &self,
+        pins: &dyn PinTier,
+        spec: ParkSpec,
+        limits: &SessionLimits,
+    ) -> Result<SessionManifest, ServerError> {
+        self.change(pins, |t, now| t.park(pins, spec, limits, now))
+    }
+
+    /// Appends blocks to a session (see [`SessionTable::extend`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn extend(
+        &self,
+        pins: &dyn PinTier,
+        ns: NamespaceId,
+        id: &str,
+        expected_version: u64,
+        base_blocks: usize,
+        new_keys: Vec<kvtier_proto::BlockKey>,
+        tail: Option<kvtier_proto::BlockKey>,
+        token_count: u64,
+        limits: &SessionLimits,
+    ) -> Result<SessionManifest, ServerError> {
+        self.change(pins, |t, now| {
+            t.extend(pins, ns, id, expected_version, base_blocks, new_keys, tail, token_count, limits, now)
+        })
+    }
+
+    /// The manifest, its TTL restarted. (The new expiry is not logged: after a restart a session
+    /// expires by its last park's clock at the latest, never earlier than its TTL from that park.)
+    pub fn resume(&self, pins: &dyn PinTier, ns: NamespaceId, id: &str) -> Result<SessionManifest, ServerError> {
+        let mut table = self.table.lock();
+        let out = table.resume(pins, ns, id, Instant::now());
+        self.publish(table.len());
+        out
+    }
+
+    /// Drops a session; false if there was none.
+    pub fn drop_session(&self, pins: &dyn PinTier, ns: NamespaceId, id: &str) -> bool {
+        let seq = {
+            let mut table = self.table.lock();
+            let dropped = table.drop_session(pins, ns, id);
+            self.publish(table.len());
+            if !dropped {
+                return false;
+            }
+            self.log.as_ref().map(SessionLog::next_seq)
+        };
+        if let (Some(log), Some(seq)) = (&self.log, seq) {
+            if let Err(e) = log.delete(seq, ns, id) {
+                tracing::warn!(
+                    session = id,
+                    "drop not logged (the session may reappear after a restart until its TTL): {e}"
+                );
+            }
+        }
+        true
+    }
+
+    pub fn list(&self, ns: Option<NamespaceId>) -> Vec<SessionManifest> {
+        self.table.lock().list(ns, Instant::now())
+    }
+
+    /// Removes every session expired by now, unpinning its blocks; returns how many went.
+    pub fn expire(&self, pins: &dyn PinTier) -> usize {
+        let (dead, seqs) = {
+            let mut table = self.table.lock();
+            let dead = table.expire(pins, Instant::now());
+            if dead.is_empty() {
+                return 0;
+            }
+            self.publish(table.len());
+            let seqs: Vec<u64> = match &self.log {
+                Some(log) => dead.iter().map(|_| log.next_seq()).collect(),
+                None => Vec::new(),
+            };
+            (dead, seqs)
+        };
+        ::metrics::counter!("kvtier_sessions_expired_total").increment(dead.len() as u64);
+        if let Some(log) = &self.log {
+            for ((ns, id), seq) in dead.iter().zip(seqs) {
+                let _ = log.delete(seq, *ns, id);
+            }
+        }
+        dead.len()
+    }
+
+    /// Puts back sessions recovered from the log, pinning their blocks; a session whose blocks
+    /// are gone is dropped from the log. Returns (restored, lost).
+    pub fn restore(&self, pins: &dyn PinTier, sessions: Vec<(LoggedSession, u64)>) -> (u64, u64) {
+        let now = Instant::now();
+        let now_ms = unix_ms(SystemTime::now());
+        let mut table = self.table.lock();
+        let (mut ok, mut lost) = (0u64, 0u64);
+        for (s, per_token) in sessions {
+            let m = SessionManifest {
+                namespace: s.namespace,
+                bytes: s.token_count * per_token,
+                keys: s.keys,
+                tail: s.tail,
+                token_count: s.token_count,
+                ttl: Duration::from_millis(s.ttl_ms),
+                expires_at: now + Duration::from_millis(s.expires_unix_ms.saturating_sub(now_ms)),
+                priority: s.priority,
+                version: s.version,
+                id: s.id,
+            };
+            let (ns, id) = (m.namespace, m.id.clone());
+            match table.restore(pins, m) {
+                Ok(()) => ok += 1,
+                Err(e) => {
+                    lost += 1;
+                    tracing::error!(session = %id, "parked session lost its blocks on disk: {e}");
+                    if let Some(log) = &self.log {
+                        let _ = log.delete(log.next_seq(), ns, &id);
+                    }
+                }
+            }
+        }
+        self.publish(table.len());
+        (ok, lost)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use kvtier_proto::{BlockKey, CodecId, DType, FrameHeader, KvLayout};
+
+    use super::*;
+    use crate::dram::{DramConfig, DramTier, Priority};
+
+    const BT: u32 = 4;
+
+    fn layout() -> KvLayout {
+        KvLayout::new(1, 1, 8, DType::Fp16, BT)
+    }
+
+    fn limits() -> SessionLimits {
+        SessionLimits { block_tokens: BT, bytes_per_token: layout().bytes_per_token(), max_context_tokens: 1 << 20 }
+    }
+
+    fn block(tier: &DramTier, ns: NamespaceId, k: u16) -> BlockKey {
+        let mut key = [0u8; 32];
+        key[..2].copy_from_slice(&k.to_le_bytes());
+        let key = BlockKey(key);
+        let payload = vec![k as u8; layout().block_bytes() as usize];
+        let header = FrameHeader {
+            codec: CodecId::RAW,
+            flags: 0,
+            tokens: BT,
+            namespace: ns,
+            key,
+            layout: layout(),
+            payload_len: payload.len() as u64,
+            checksum: xxhash_rust::xxh3::xxh3_64(&payload),
+        };
+        tier.insert(header, &payload, Priority::Normal).unwrap();
+        key
+    }
+
+    fn spec(ns: NamespaceId, id: &str, keys: Vec<BlockKey>, expected_version: u64) -> ParkSpec {
+        ParkSpec {
+            namespace: ns,
+            id: id.into(),
+            token_count: keys.len() as u64 * u64::from(BT),
+            keys,
+            tail: None,
+            ttl: Duration::from_secs(600),
+            priority: Priority::Normal,
+            expected_version,
+        }
+    }
+
+    /// Many threads change the same sessions at once; their log appends race (each is made
+    /// outside the table lock). Whatever order they reached the file in, replay finds every
+    /// session at the version the table ended with.
+    #[test]
+    fn racing_appends_replay_to_the_final_versions() {
+        let dir = tempfile::tempdir().unwrap();
+        let tier = Arc::new(DramTier::new(DramConfig::new(64 << 20)));
+        let ns = NamespaceId([5; 16]);
+        let keys: Vec<BlockKey> = (0..64).map(|i| block(&tier, ns, i)).collect();
+        let (log, _, _) = SessionLog::open(dir.path(), true, 0).unwrap();
+        let store = Arc::new(SessionStore::new(Some(log)));
+        let sessions = ["a", "b", "c"];
+        let threads: Vec<_> = (0..4)
+            .map(|t| {
+                let (store, tier, keys) = (store.clone(), tier.clone(), keys.clone());
+                std::thread::spawn(move || {
+                    let mut done = 0;
+                    for round in 0..60usize {
+                        let id = sessions[(round + t) % sessions.len()];
+                        // Read the current version, then replace it (conflicts are expected).
+                        let current = store.list(Some(ns)).into_iter().find(|m| m.id == id).map_or(0, |m| m.version);
+                        let n = 1 + (round * 7 + t) % 60;
+                        let r = store.park(tier.as_ref(), spec(ns, id, keys[..n].to_vec(), current), &limits());
+                        match r {
+                            Ok(_) => done += 1,
+                            Err(ServerError::VersionConflict { .. } | ServerError::SessionExists(_)) => {}
+                            Err(e) => panic!("{e}"),
+                        }
+                        if round % 17 == 5 {
+                            store.drop_session(tier.as_ref(), ns, id);
+                        }
+                    }
+                    done
+                })
+            })
+            .collect();
+        let parks: usize = threads.into_iter().map(|t| t.join().unwrap()).sum();
+        assert!(parks > 20, "the threads made progress ({parks} parks)");
+        let mut expected: Vec<(String, u64, usize)> =
+            store.list(Some(ns)).into_iter().map(|m| (m.id, m.version, m.keys.len())).collect();
+        expected.sort();
+        drop(store);
+        let (_log, live, unreadable) = SessionLog::open(dir.path(), true, 0).unwrap();
+        let mut replayed: Vec<(String, u64, usize)> =
+            live.into_iter().map(|s| (s.id, s.version, s.keys.len())).collect();
+        replayed.sort();
+        assert_eq!(unreadable, 0);
+        assert_eq!(replayed, expected);
+    }
+
+    /// A park whose record can't be appended is taken back: not visible, its pins released.
+    #[test]
+    fn a_park_that_cannot_be_logged_is_undone() {
+        let dir = tempfile::tempdir().unwrap();
+        let tier = DramTier::new(DramConfig::new(1 << 20));
+        let ns = NamespaceId([6; 16]);
+        let keys: Vec<BlockKey> = (0..2).map(|i| block(&tier, ns, i)).collect();
+        let (log, _, _) = SessionLog::open(dir.path(), true, 0).unwrap();
+        // The log's file made unwritable under it: a read-only handle in its place.
+        let store = SessionStore::new(Some(
+            log.with_file_for_test(std::fs::File::open(dir.path().join("sessions.log")).unwrap()),
+        ));
+        let err = store.park(&tier, spec(ns, "s", keys.clone(), 0), &limits()).unwrap_err();
+        assert!(matches!(err, ServerError::Io(_)), "{err}");
+        assert!(store.is_empty());
+        assert!(tier.remove(&ns, &keys[0]), "the undone park released its pins");
+    }
+}

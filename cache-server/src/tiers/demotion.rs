@@ -1,0 +1,189 @@
+//! Demotion: the DRAM eviction hook hands evicted blocks to a bounded queue (they stay findable
+//! in the [`InTransitTier`] until they are on disk), one thread writes them out, and writers wait
+//! while the queue is full ([`DemotionDepth`]: woken when a block leaves it, never by polling).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use super::InTransitTier;
+use crate::disk::{self, DiskTier};
+use crate::dram::{self, DramTier};
+use crate::error::ServerError;
+
+/// Blocks waiting to be demoted from DRAM to disk; writers wait when it is full.
+pub const DEMOTION_QUEUE: usize = 64;
+
+/// The demotion queue's depth: counted by the eviction hook and the demotion thread, published
+/// as `kvtier_disk_queue_depth`, and waited on by writers while the queue is full (woken when a
+/// block leaves it, not by polling).
+#[derive(Default)]
+pub struct DemotionDepth {
+    depth: AtomicUsize,
+    room: tokio::sync::Notify,
+    /// Keeps the hook and the writer from publishing out of order (which could leave the gauge
+    /// showing a block that is gone).
+    publish: Mutex<()>,
+}
+
+impl DemotionDepth {
+    pub fn get(&self) -> usize {
+        self.depth.load(Ordering::Relaxed)
+    }
+
+    /// One block in (`up`) or out; publishes the gauge and wakes writers waiting for room.
+    pub fn step(&self, up: bool) {
+        let _order = self.publish.lock();
+        let d = if up {
+            self.depth.fetch_add(1, Ordering::Relaxed).saturating_add(1)
+        } else {
+            self.depth.fetch_sub(1, Ordering::Relaxed).saturating_sub(1)
+        };
+        ::metrics::gauge!("kvtier_disk_queue_depth").set(d as f64);
+        if !up {
+            self.room.notify_waiters();
+        }
+    }
+
+    /// Waits until the queue has room or `deadline` passes.
+    pub async fn wait_for_room(&self, deadline: tokio::time::Instant) {
+        loop {
+            let woken = self.room.notified();
+            tokio::pin!(woken);
+            // Registered before the check, so a block leaving in between still wakes us.
+            woken.as_mut().enable();
+            if self.get() < DEMOTION_QUEUE {
+                return;
+            }
+            if tokio::time::timeout_at(deadline, woken).await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// Wires DRAM evictions to the disk tier: the eviction hook hands blocks to a bounded queue
+/// (dropping, and counting, what doesn't fit — data-plane writers wait while it is full, so that
+/// is rare) and one thread writes them out ([`write_demoted`]). A queued block stays findable in
+/// `transit` until it is on disk. The queue closes when the hook is removed from `dram`.
+pub fn start(
+    dram: &DramTier,
+    transit: &InTransitTier,
+    disk: Arc<DiskTier>,
+    depth: Arc<DemotionDepth>,
+    codec: Option<kvtier_proto::CodecId>,
+) -> Option<std::thread::JoinHandle<()>> {
+    let (tx, rx) = std::sync::mpsc::sync_channel::<dram::StoredBlock>(DEMOTION_QUEUE);
+    let hook_depth = depth.clone();
+    let probe = disk.clone();
+    let (hook_transit, transit) = (transit.clone(), transit.clone());
+    // Runs under the DRAM tier's lock (one call at a time), so the block is findable here before
+    // DRAM forgets it.
+    let hook: dram::EvictionHook = Arc::new(move |_key, block| {
+        // On disk already (a parked session's block): nothing more to write.
+        if probe.contains(&block.header.namespace, &block.header.key) {
+            return;
+        }
+        // An earlier copy of the same key is queued: that one will be written.
+        if !hook_transit.admit(&block) {
+            return;
+        }
+        // Findable and counted before the send, so the writer's removal can never run first.
+        hook_depth.step(true);
+        if let Err(e) = tx.try_send(block) {
+            let block = match e {
+                std::sync::mpsc::TrySendError::Full(b) | std::sync::mpsc::TrySendError::Disconnected(b) => b,
+            };
+            hook_transit.finish(&block);
+            hook_depth.step(false);
+            ::metrics::counter!("kvtier_disk_demotions_dropped_total").increment(1)
+        }
+    });
+    dram.set_eviction_hook(Some(hook));
+    std::thread::Builder::new()
+        .name("kvtier-demote".into())
+        .spawn(move || {
+            // A full or failing disk fails every write: say so once per 10 s, count them all.
+            let mut last_warning: Option<Instant> = None;
+            let mut failed_since_warning = 0u64;
+            for block in rx {
+                if !transit.is_current(&block) {
+                    // Purged while queued: not written.
+                    depth.step(false);
+                    continue;
+                }
+                // Re-encoding costs CPU; when the queue backs up, blocks go out as they came
+                // rather than be dropped for want of room.
+                let busy = depth.get() > DEMOTION_QUEUE / 2;
+                match write_demoted(&disk, codec, busy, &block) {
+                    Ok(()) => ::metrics::counter!("kvtier_disk_demotions_total").increment(1),
+                    Err(e) => {
+                        ::metrics::counter!("kvtier_disk_demotions_failed_total").increment(1);
+                        failed_since_warning += 1;
+                        if last_warning.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
+                            tracing::warn!(
+                                "demotion to disk failed ({failed_since_warning} since the last warning): {e}"
+                            );
+                            last_warning = Some(Instant::now());
+                            failed_since_warning = 0;
+                        }
+                    }
+                }
+                // On disk now (or lost with the write); only this copy's entry goes. If a purge
+                // took the entry while the write ran, the written copy goes too.
+                if !transit.finish(&block) {
+                    disk.remove(&block.header.namespace, &block.header.key);
+                }
+                depth.step(false);
+            }
+        })
+        .map_err(|e| tracing::error!("cannot start the demotion thread: {e}"))
+        .ok()
+}
+
+/// Writes one block evicted from DRAM to disk. It is verified first: a block damaged in memory is
+/// dropped (and counted), never given a fresh checksum by re-encoding. A lossless block is
+/// re-encoded with the disk codec when one is set and the queue is not `busy`.
+fn write_demoted(
+    disk: &DiskTier,
+    codec: Option<kvtier_proto::CodecId>,
+    busy: bool,
+    block: &dram::StoredBlock,
+) -> Result<(), ServerError> {
+    use disk::recode::{recode, Recoded};
+    let h = &block.header;
+    if h.verify_payload(&block.payload).is_err() {
+        ::metrics::counter!("kvtier_disk_demotions_corrupt_total").increment(1);
+        tracing::error!(key = %h.key, "a block evicted from DRAM failed its checksum; not demoted");
+        return Ok(());
+    }
+    if disk.contains(&h.namespace, &h.key) {
+        return Ok(());
+    }
+    let eligible = codec.filter(|c| kvtier_kernels::is_lossless(h.codec) && h.codec != *c);
+    if eligible.is_some() && busy {
+        ::metrics::counter!("kvtier_disk_recode_skipped_busy_total").increment(1);
+    }
+    let recoded = eligible.filter(|_| !busy).map(|c| {
+        // A codec bug must not stop the demotion thread (every writer would then wait on it).
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| recode(c, h, &block.payload)))
+            .unwrap_or_else(|_| Recoded::Refused("the codec panicked".into()))
+    });
+    match recoded {
+        Some(Recoded::Encoded(nh, p)) => {
+            disk.write(&nh, &p)?;
+            ::metrics::counter!("kvtier_disk_recoded_total").increment(1);
+            ::metrics::counter!("kvtier_disk_recode_saved_bytes_total")
+                .increment(h.payload_len.saturating_sub(nh.payload_len));
+            Ok(())
+        }
+        Some(Recoded::Refused(why)) => {
+            ::metrics::counter!("kvtier_disk_recode_refused_total").increment(1);
+            tracing::debug!(key = %h.key, "disk codec refused a block, written as it came: {why}");
+            disk.write(h, &block.payload)
+        }
+        Some(Recoded::Kept) | None => disk.write(h, &block.payload),
+    }
+}

@@ -1,0 +1,365 @@
+//! [`TierStack`]: the node's tiers hottest first — DRAM, blocks on their way to disk, disk — and
+//! the one API the control and data planes use on them: presence, longest prefix, a verified read
+//! (promoting a block read twice from disk), zero-copy ingest, persist, pins, purge and stats.
+//! Handlers never reach past it, so a new tier is one more entry in [`TierStack::tiers`].
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvtier_proto::{BlockKey, CodecId, FrameHeader, NamespaceId, TierId};
+use parking_lot::Mutex;
+
+use super::demotion::{self, DemotionDepth};
+use super::{InTransitTier, IoPool, Load, PinTier, Tier, TierStats};
+use crate::disk::DiskTier;
+use crate::dram::{DramTier, IndexKey, InsertOutcome, Priority, SlotWriter};
+use crate::error::ServerError;
+
+/// How long a disk read waits for an I/O slot before it is answered `Busy` (a miss the engine
+/// recomputes beats a load that waits behind a saturated disk).
+const DISK_READ_WAIT: Duration = Duration::from_secs(2);
+
+/// How long a writer waits for room in a full demotion queue before it writes anyway.
+const BACKPRESSURE_WAIT: Duration = Duration::from_secs(5);
+
+pub struct TierStack {
+    dram: DramTier,
+    in_transit: InTransitTier,
+    disk: Option<Arc<DiskTier>>,
+    /// Disk hits per block since its last promotion check: a second hit promotes to DRAM.
+    disk_hits: Mutex<HashMap<IndexKey, u8>>,
+    depth: Arc<DemotionDepth>,
+    io: IoPool,
+    demotion: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Parks `fsync` the disk before they are acknowledged.
+    sync_parks: bool,
+}
+
+impl TierStack {
+    pub fn new(dram: DramTier, disk: Option<Arc<DiskTier>>, sync_parks: bool) -> Self {
+        TierStack {
+            dram,
+            in_transit: InTransitTier::default(),
+            disk,
+            disk_hits: Mutex::new(HashMap::new()),
+            depth: Arc::new(DemotionDepth::default()),
+            io: IoPool::default(),
+            demotion: Mutex::new(None),
+            sync_parks,
+        }
+    }
+
+    /// Every tier, hottest first.
+    pub fn tiers(&self) -> impl Iterator<Item = &dyn Tier> {
+        let memory: [&dyn Tier; 2] = [&self.dram, &self.in_transit];
+        memory.into_iter().chain(self.disk.as_deref().map(|d| d as &dyn Tier))
+    }
+
+    /// Whether any tier holds the block.
+    pub fn holds(&self, ns: &NamespaceId, key: &BlockKey) -> bool {
+        self.tiers().any(|t| t.contains(ns, key))
+    }
+
+    /// Per key: whether any tier holds it (one pass per tier).
+    pub fn exists(&self, ns: &NamespaceId, keys: &[BlockKey]) -> Vec<bool> {
+        let mut held = vec![false; keys.len()];
+        for t in self.tiers() {
+            t.mark_held(ns, keys, &mut held);
+        }
+        held
+    }
+
+    /// The codec of the copy some tier holds, hottest first; a metadata query: no hit is
+    /// counted, no block read.
+    pub fn held_codec(&self, ns: &NamespaceId, key: &BlockKey) -> Option<CodecId> {
+        self.tiers().find_map(|t| t.header(ns, key)).map(|h| h.codec)
+    }
+
+    /// How many leading `keys` some tier holds.
+    pub fn longest_prefix(&self, ns: &NamespaceId, keys: &[BlockKey]) -> usize {
+        let mut n = self.dram.longest_prefix(ns, keys);
+        while n < keys.len() && self.holds(ns, &keys[n]) {
+            n += 1;
+        }
+        n
+    }
+
+    /// A verified block from the hottest tier that has it. A disk read runs on the I/O pool
+    /// (`Busy` when no slot frees in time); a block's second disk hit promotes it to DRAM, so a
+    /// one-off read doesn't push hot blocks out.
+    pub async fn get(&self, ns: &NamespaceId, key: &BlockKey) -> Load {
+        for t in self.tiers().filter(|t| !t.does_io()) {
+            if let Load::Hit(b) = t.get(ns, key) {
+                return Load::Hit(b);
+            }
+        }
+        let Some(disk) = self.disk.clone() else { return Load::Miss };
+        if !disk.contains(ns, key) {
+            return Load::Miss;
+        }
+        let (n, k) = (*ns, *key);
+        let load = match self.io.run(Some(DISK_READ_WAIT), move || Tier::get(&*disk, &n, &k)).await {
+            Ok(load) => load,
+            Err(super::io::IoRefused::Busy) => {
+                ::metrics::counter!("kvtier_tier_busy_total", "tier" => TierId::Disk.as_str()).increment(1);
+                return Load::Busy;
+            }
+            Err(super::io::IoRefused::Failed(why)) => {
+                tracing::error!("disk read: {why}");
+                return Load::Miss;
+            }
+        };
+        if let Load::Hit(b) = &load {
+            if self.second_disk_hit(ns, key) && Tier::put(&self.dram, b.header, &b.payload, Priority::Normal).is_ok() {
+                ::metrics::counter!("kvtier_disk_promotions_total").increment(1);
+            }
+        }
+        load
+    }
+
+    fn second_disk_hit(&self, ns: &NamespaceId, key: &BlockKey) -> bool {
+        let mut hits = self.disk_hits.lock();
+        if hits.len() > 65_536 {
+            hits.clear();
+        }
+        let n = hits.entry((*ns, *key)).or_insert(0);
+        *n += 1;
+        let again = *n >= 2;
+        if again {
+            hits.remove(&(*ns, *key));
+        }
+        again
+    }
+
+    /// Whether the hottest tier (DRAM) holds the block: a write of it can be skipped.
+    pub fn is_hot(&self, ns: &NamespaceId, key: &BlockKey) -> bool {
+        self.dram.contains(ns, key)
+    }
+
+    /// Zero-copy ingest, step one: an unpublished DRAM slot of `len` bytes to receive into.
+    pub fn reserve(&self, len: usize) -> Result<SlotWriter, ServerError> {
+        self.dram.reserve(len)
+    }
+
+    /// Zero-copy ingest, step two: publishes a slot whose bytes the caller verified.
+    pub fn commit(
+        &self,
+        slot: SlotWriter,
+        header: FrameHeader,
+        priority: Priority,
+    ) -> Result<InsertOutcome, ServerError> {
+        self.dram.commit(slot, header, priority)
+    }
+
+    /// Pins one DRAM block for a connection's lease (between a session's upload and its park).
+    pub fn pin_lease(&self, ns: &NamespaceId, key: &BlockKey) -> Result<(), ServerError> {
+        self.dram.pin(ns, std::slice::from_ref(key))
+    }
+
+    pub fn unpin_lease(&self, ns: &NamespaceId, key: &BlockKey) {
+        self.dram.unpin(ns, std::slice::from_ref(key))
+    }
+
+    /// Where parked sessions pin their blocks: disk when the node has one (parks are durable),
+    /// otherwise DRAM.
+    pub fn session_pins(&self) -> &dyn PinTier {
+        match &self.disk {
+            Some(d) => d.as_ref(),
+            None => &self.dram,
+        }
+    }
+
+    /// Whether parks are written to disk before they are acknowledged.
+    pub fn is_durable(&self) -> bool {
+        self.disk.is_some()
+    }
+
+    /// Makes a manifest's blocks durable (with a disk tier): writes every block not on disk yet
+    /// (from DRAM or the demotion queue) and syncs, on the I/O pool. Blocks no tier holds are
+    /// reported missing for the client to re-send.
+    pub async fn persist(
+        &self,
+        ns: &NamespaceId,
+        keys: &[BlockKey],
+        tail: Option<BlockKey>,
+    ) -> Result<(), ServerError> {
+        let Some(disk) = self.disk.clone() else { return Ok(()) };
+        let mut blocks = Vec::new();
+        let mut missing = Vec::new();
+        for (i, k) in keys.iter().chain(tail.iter()).enumerate() {
+            if disk.contains(ns, k) {
+                continue;
+            }
+            let in_memory = self.tiers().filter(|t| !t.does_io()).find_map(|t| match t.get(ns, k) {
+                Load::Hit(b) => Some(b),
+                _ => None,
+            });
+            match in_memory {
+                Some(b) => blocks.push(b),
+                // It reached disk between the two checks.
+                None if disk.contains(ns, k) => {}
+                None => missing.push(i as u32),
+            }
+        }
+        if !missing.is_empty() {
+            let n = keys.len() as u32;
+            let missing_tail = missing.contains(&n);
+            missing.retain(|&i| i < n);
+            return Err(ServerError::MissingBlocks { missing, missing_tail });
+        }
+        let sync = self.sync_parks;
+        self.io
+            .run(None, move || {
+                for b in &blocks {
+                    disk.write(&b.header, &b.payload)?;
+                }
+                if sync {
+                    disk.sync()?;
+                }
+                Ok::<_, ServerError>(())
+            })
+            .await??;
+        Ok(())
+    }
+
+    /// Removes every unpinned block of a namespace from every tier (a block queued for disk is
+    /// not written, or is forgotten again once written). Returns how many distinct blocks went.
+    pub fn purge(&self, ns: &NamespaceId) -> u64 {
+        let mut gone: std::collections::HashSet<BlockKey> = std::collections::HashSet::new();
+        for t in self.tiers() {
+            gone.extend(t.purge(ns));
+        }
+        gone.len() as u64
+    }
+
+    /// Counters of the tiers that hold capacity of their own (DRAM, disk), hottest first.
+    pub fn stats(&self) -> Vec<(TierId, TierStats)> {
+        self.tiers().filter(|t| t.id() != TierId::InTransit).map(|t| (t.id(), t.stats())).collect()
+    }
+
+    /// Waits while the demotion queue is full, so writers slow down to the disk's pace instead
+    /// of evicting blocks that can't be demoted (bounded: past the wait the write proceeds).
+    pub async fn backpressure(&self) {
+        if self.disk.is_none() {
+            return;
+        }
+        self.depth.wait_for_room(tokio::time::Instant::now() + BACKPRESSURE_WAIT).await;
+    }
+
+    /// Blocks queued for disk now.
+    pub fn demotion_depth(&self) -> usize {
+        self.depth.get()
+    }
+
+    /// Starts demoting DRAM evictions to disk (with a disk tier), re-encoding lossless blocks
+    /// with `codec` when set.
+    pub fn start_demotion(&self, codec: Option<CodecId>) {
+        let Some(disk) = self.disk.clone() else { return };
+        let thread = demotion::start(&self.dram, &self.in_transit, disk, self.depth.clone(), codec);
+        *self.demotion.lock() = thread;
+    }
+
+    /// Closes the demotion queue, waits until what was queued is on disk, and syncs the disk.
+    /// Blocking: call it from a blocking context.
+    pub fn stop_demotion(&self) -> Result<(), ServerError> {
+        // Dropping the eviction hook closes the queue: the thread writes what is queued and ends.
+        self.dram.set_eviction_hook(None);
+        if let Some(thread) = self.demotion.lock().take() {
+            thread.join().map_err(|_| ServerError::Config("the demotion thread panicked".into()))?;
+        }
+        if let Some(disk) = &self.disk {
+            disk.sync()?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+    use kvtier_proto::{BlockFrame, DType, KvLayout};
+
+    use super::*;
+    use crate::disk::DiskConfig;
+    use crate::dram::DramConfig;
+
+    fn frame(ns: NamespaceId, i: u32) -> BlockFrame {
+        let layout = KvLayout::new(4, 8, 128, DType::Fp16, 32); // 256 KiB blocks
+        let key = BlockKey(*blake3::hash(&i.to_le_bytes()).as_bytes());
+        let payload: Vec<u8> =
+            (0..layout.block_bytes()).map(|j| (j as u32).wrapping_mul(7).wrapping_add(i) as u8).collect();
+        BlockFrame::new(ns, key, layout, CodecId::RAW, 32, Bytes::from(payload))
+    }
+
+    fn stack(dir: &std::path::Path, dram_bytes: u64) -> TierStack {
+        let dram = DramTier::new(DramConfig::new(dram_bytes));
+        let (disk, _) = DiskTier::open(DiskConfig {
+            dir: dir.to_path_buf(),
+            capacity_bytes: 64 << 20,
+            segment_bytes: 4 << 20,
+            sync_writes: false,
+        })
+        .unwrap();
+        TierStack::new(dram, Some(Arc::new(disk)), false)
+    }
+
+    /// Blocks written through the stack's ingest end up spread over DRAM and disk; every one is
+    /// found, read back exactly, and gone from every tier after a purge.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_block_anywhere_in_the_stack_is_found_read_and_purged() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = stack(dir.path(), 1 << 20);
+        s.start_demotion(None);
+        let (ns, other) = (NamespaceId([1; 16]), NamespaceId([2; 16]));
+        let frames: Vec<BlockFrame> = (0..16).map(|i| frame(ns, i)).collect();
+        for f in frames.iter().chain([frame(other, 99)].iter()) {
+            s.backpressure().await;
+            let mut slot = s.reserve(f.payload.len()).unwrap();
+            slot.buf_mut().copy_from_slice(&f.payload);
+            s.commit(slot, f.header, Priority::Normal).unwrap();
+        }
+        while s.demotion_depth() > 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let keys: Vec<BlockKey> = frames.iter().map(|f| f.header.key).collect();
+        assert_eq!(s.exists(&ns, &keys), vec![true; 16]);
+        assert_eq!(s.longest_prefix(&ns, &keys), 16);
+        let stats = s.stats();
+        assert_eq!(stats.iter().map(|(id, _)| *id).collect::<Vec<_>>(), vec![TierId::Dram, TierId::Disk]);
+        assert!(stats[1].1.blocks > 0, "1 MiB of DRAM can't hold 4 MiB: some blocks are on disk");
+        for f in &frames {
+            match s.get(&ns, &f.header.key).await {
+                Load::Hit(b) => assert_eq!((b.header.key, &b.payload), (f.header.key, &f.payload)),
+                other => panic!("block {} not read: {other:?}", f.header.key),
+            }
+        }
+        assert_eq!(s.purge(&ns), 16);
+        assert_eq!(s.exists(&ns, &keys), vec![false; 16]);
+        assert!(matches!(s.get(&ns, &keys[0]).await, Load::Miss));
+        assert!(s.holds(&other, &frame(other, 99).header.key), "another namespace is untouched");
+        tokio::task::spawn_blocking(move || s.stop_demotion()).await.unwrap().unwrap();
+    }
+
+    /// `persist` writes blocks held only in memory to disk; blocks no tier holds are reported by
+    /// index (the tail apart) for the client to re-send.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn persist_writes_memory_blocks_and_reports_the_missing() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = stack(dir.path(), 8 << 20);
+        let ns = NamespaceId([3; 16]);
+        let (a, b, ghost, tail) = (frame(ns, 1), frame(ns, 2), frame(ns, 3), frame(ns, 4));
+        for f in [&a, &b, &tail] {
+            Tier::put(&s.dram, f.header, &f.payload, Priority::Normal).unwrap();
+        }
+        s.persist(&ns, &[a.header.key, b.header.key], Some(tail.header.key)).await.unwrap();
+        let disk = s.disk.as_ref().unwrap();
+        assert!([&a, &b, &tail].iter().all(|f| disk.contains(&ns, &f.header.key)));
+        match s.persist(&ns, &[a.header.key, ghost.header.key], Some(ghost.header.key)).await {
+            Err(ServerError::MissingBlocks { missing, missing_tail }) => {
+                assert_eq!((missing, missing_tail), (vec![1], true))
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}
