@@ -1,9 +1,15 @@
-//! The bulk data plane: a framed TCP listener (protocol in `kvtier_proto::dataplane`) that moves
+//! The bulk data plane: a framed listener (protocol in `kvtier_proto::dataplane`) that moves
 //! block payloads with as few copies as the kernel allows.
 //!
-//! Copies per block: a `PUT` payload is read from the socket straight into its DRAM slab slot
+//! The connection is generic over its byte stream: TCP ([`serve`]), a Unix socket
+//! ([`serve_unix`]), or any `AsyncRead + AsyncWrite` stream accepted elsewhere ([`serve_stream`]:
+//! an in-memory duplex in the in-process test harness, QUIC streams later). TCP and Unix sockets
+//! are split into owned halves (no lock between reader and writer); any other stream is split
+//! with `tokio::io::split`. The framing itself is I/O-free and lives in `kvtier_proto`.
+//!
+//! Copies per block: a `PUT` payload is read from the stream straight into its DRAM slab slot
 //! (no intermediate buffer), verified there, then published; a `GET` payload is written from the
-//! slab slot straight to the socket (a zero-copy `Bytes` view; the slot stays alive while it is
+//! slab slot straight to the stream (a zero-copy `Bytes` view; the slot stays alive while it is
 //! being sent even if the block is evicted meanwhile).
 //!
 //! Bad input never poisons the node: a per-block problem (unknown namespace, wrong size, layout
@@ -12,6 +18,7 @@
 //! blocks, truncated stream) is answered with a request-level error when possible and only that
 //! connection is closed. A block that was not completely received is never visible.
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -22,9 +29,10 @@ use kvtier_proto::dataplane::{
 use kvtier_proto::{
     BlockKey, FrameHeader, NamespaceId, ProtoError, FRAME_FLAG_KEEP_LOSSLESS, FRAME_HEADER_LEN, KEY_LEN,
 };
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
+use tokio::net::TcpListener;
+#[cfg(unix)]
+use tokio::net::UnixListener;
 use tokio::sync::{watch, Semaphore};
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -39,9 +47,89 @@ pub const MAX_CONNECTIONS: usize = 1024;
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 const IO_BUF: usize = 64 * 1024;
 
-/// Accepts data-plane connections until `stop` turns true; then ends every connection (their
-/// pin leases are released as they drop) before returning.
-pub async fn serve(listener: TcpListener, state: Arc<NodeState>, mut stop: watch::Receiver<bool>) {
+/// Accepts TCP data-plane connections (with `TCP_NODELAY`) until `stop` turns true; then ends
+/// every connection (their pin leases are released as they drop) before returning.
+pub async fn serve(listener: TcpListener, state: Arc<NodeState>, stop: watch::Receiver<bool>) {
+    accept_loop(listener, state, stop).await
+}
+
+/// Accepts data-plane connections on a Unix socket until `stop` turns true, like [`serve`].
+#[cfg(unix)]
+pub async fn serve_unix(listener: UnixListener, state: Arc<NodeState>, stop: watch::Receiver<bool>) {
+    accept_loop(listener, state, stop).await
+}
+
+/// Serves one already-accepted data-plane stream (an in-memory duplex, a socket accepted by the
+/// caller) until the peer closes it, it fails, or `stop` turns true. Its pin leases are released
+/// when it ends. Not counted against [`MAX_CONNECTIONS`]: a caller that accepts streams itself
+/// bounds them itself.
+pub async fn serve_stream<S>(stream: S, state: Arc<NodeState>, stop: watch::Receiver<bool>)
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let (r, w) = tokio::io::split(stream);
+    serve_split(r, w, state, stop).await
+}
+
+/// [`serve_stream`] for a stream that comes as separate receive and send halves (a QUIC
+/// bidirectional stream).
+pub async fn serve_split<R, W>(r: R, w: W, state: Arc<NodeState>, stop: watch::Receiver<bool>)
+where
+    R: AsyncRead + Unpin + Send + 'static,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    serve_halves(r, w, state, stop, "stream").await
+}
+
+/// Runs one connection over a read half and a write half until it ends or `stop` turns true.
+async fn serve_halves<R, W>(r: R, w: W, state: Arc<NodeState>, mut stop: watch::Receiver<bool>, peer: &str)
+where
+    R: AsyncRead + Unpin + Send,
+    W: AsyncWrite + Unpin + Send,
+{
+    tokio::select! {
+        _ = crate::stopped(&mut stop) => {}
+        res = Connection::new(r, w, state).run() => {
+            if let Err(e) = res {
+                tracing::debug!(%peer, "data plane connection closed: {e}");
+            }
+        }
+    }
+}
+
+/// A listener the data plane accepts from: each accepted connection as owned read and write
+/// halves (no lock between them) and a peer name for logs.
+trait Accept: Send + 'static {
+    type Read: AsyncRead + Unpin + Send + 'static;
+    type Write: AsyncWrite + Unpin + Send + 'static;
+    fn accept_split(&self) -> impl Future<Output = std::io::Result<(Self::Read, Self::Write, String)>> + Send;
+}
+
+impl Accept for TcpListener {
+    type Read = tokio::net::tcp::OwnedReadHalf;
+    type Write = tokio::net::tcp::OwnedWriteHalf;
+    async fn accept_split(&self) -> std::io::Result<(Self::Read, Self::Write, String)> {
+        let (sock, peer) = self.accept().await?;
+        let _ = sock.set_nodelay(true);
+        let (r, w) = sock.into_split();
+        Ok((r, w, peer.to_string()))
+    }
+}
+
+#[cfg(unix)]
+impl Accept for UnixListener {
+    type Read = tokio::net::unix::OwnedReadHalf;
+    type Write = tokio::net::unix::OwnedWriteHalf;
+    async fn accept_split(&self) -> std::io::Result<(Self::Read, Self::Write, String)> {
+        let (sock, peer) = self.accept().await?;
+        let (r, w) = sock.into_split();
+        Ok((r, w, format!("{peer:?}")))
+    }
+}
+
+/// Accepts connections (at most [`MAX_CONNECTIONS`] at once) until `stop` turns true; then ends
+/// every connection before returning.
+async fn accept_loop<L: Accept>(listener: L, state: Arc<NodeState>, mut stop: watch::Receiver<bool>) {
     let permits = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     let mut conns = tokio::task::JoinSet::new();
     loop {
@@ -54,9 +142,9 @@ pub async fn serve(listener: TcpListener, state: Arc<NodeState>, mut stop: watch
         };
         let accepted = tokio::select! {
             _ = crate::stopped(&mut stop) => break,
-            a = listener.accept() => a,
+            a = listener.accept_split() => a,
         };
-        let (sock, peer) = match accepted {
+        let (r, w, peer) = match accepted {
             Ok(x) => x,
             Err(e) => {
                 tracing::warn!("data plane accept: {e}");
@@ -64,11 +152,9 @@ pub async fn serve(listener: TcpListener, state: Arc<NodeState>, mut stop: watch
                 continue;
             }
         };
-        let state = state.clone();
+        let (state, stop) = (state.clone(), stop.clone());
         conns.spawn(async move {
-            if let Err(e) = Connection::new(sock, state).run().await {
-                tracing::debug!(%peer, "data plane connection closed: {e}");
-            }
+            serve_halves(r, w, state, stop, &peer).await;
             drop(permit);
         });
         while conns.try_join_next().is_some() {}
@@ -85,9 +171,9 @@ enum ConnError {
     Protocol(String),
 }
 
-struct Connection {
-    rd: BufReader<OwnedReadHalf>,
-    wr: BufWriter<OwnedWriteHalf>,
+struct Connection<R, W> {
+    rd: BufReader<R>,
+    wr: BufWriter<W>,
     state: Arc<NodeState>,
     scratch: Vec<u8>,
     leases: PinLeases,
@@ -114,10 +200,8 @@ impl Drop for PinLeases {
     }
 }
 
-impl Connection {
-    fn new(sock: TcpStream, state: Arc<NodeState>) -> Self {
-        let _ = sock.set_nodelay(true);
-        let (r, w) = sock.into_split();
+impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W> {
+    fn new(r: R, w: W, state: Arc<NodeState>) -> Self {
         Connection {
             rd: BufReader::with_capacity(IO_BUF, r),
             wr: BufWriter::with_capacity(IO_BUF, w),

@@ -19,7 +19,8 @@ use tonic::transport::{Channel, Endpoint};
 use kvtier_kernels::{BlockSpec, KvBlockView};
 use rayon::prelude::*;
 
-use crate::conn::{checksum_of, DataPool, GatherFrame, Landed};
+use crate::conn::{checksum_of, DataPool, Dial, GatherFrame, Landed};
+use crate::connector::DataPlaneConnector;
 use crate::ClientError;
 
 /// Where one loaded block goes: one or more segments of the caller's memory, filled in order
@@ -333,6 +334,25 @@ pub struct KvClient {
 impl KvClient {
     /// Connects to a server's gRPC address (`host:port`) and learns its data-plane address.
     pub async fn connect(addr: &str, cfg: ClientConfig) -> Result<Self, ClientError> {
+        Self::connect_dial(addr, cfg, None).await
+    }
+
+    /// Connects to a server's gRPC address (`host:port`); data-plane connections come from
+    /// `connector` instead of TCP to the address the server announces (a Unix socket, an
+    /// in-process stream, a test's fault-injecting wrapper).
+    pub async fn connect_with(
+        addr: &str,
+        cfg: ClientConfig,
+        connector: impl DataPlaneConnector,
+    ) -> Result<Self, ClientError> {
+        Self::connect_dial(addr, cfg, Some(Arc::new(connector))).await
+    }
+
+    async fn connect_dial(
+        addr: &str,
+        cfg: ClientConfig,
+        connector: Option<Arc<dyn DataPlaneConnector>>,
+    ) -> Result<Self, ClientError> {
         let url = if addr.contains("://") { addr.to_string() } else { format!("http://{addr}") };
         let cerr = |reason: String| ClientError::Connect { addr: addr.to_string(), reason };
         let endpoint = Endpoint::from_shared(url)
@@ -358,11 +378,15 @@ impl KvClient {
             .max_decoding_message_size(64 << 20)
             .max_encoding_message_size(64 << 20);
         let info = grpc.info(pb::InfoRequest {}).await?.into_inner();
-        let data_addr: SocketAddr = info
-            .data_addr
-            .parse()
-            .map_err(|_| cerr(format!("server announced a bad data address {:?}", info.data_addr)))?;
-        let pool = DataPool::new(data_addr, cfg.auth_token.clone(), cfg.data_connections, cfg.connect_timeout);
+        let dial = match connector {
+            Some(c) => Dial::Custom(c),
+            None => Dial::Tcp(
+                info.data_addr
+                    .parse::<SocketAddr>()
+                    .map_err(|_| cerr(format!("server announced a bad data address {:?}", info.data_addr)))?,
+            ),
+        };
+        let pool = DataPool::new(dial, cfg.auth_token.clone(), cfg.data_connections, cfg.connect_timeout);
         let batch_blocks = cfg.max_batch_blocks.min(info.max_blocks_per_request as usize).max(1);
         Ok(KvClient { inner: Arc::new(Inner { grpc, pool, cfg, info, batch_blocks }) })
     }

@@ -1,5 +1,7 @@
-//! Data-plane connections: a bounded pool of TCP connections to the server's data port, each
-//! speaking the framed protocol of `kvtier_proto::dataplane`. Frames are written header + payload
+//! Data-plane connections: a bounded pool of connections to the server's data plane (TCP to its
+//! data port by default, or streams from a [`DataPlaneConnector`]), each speaking the framed
+//! protocol of `kvtier_proto::dataplane`. A connection's stream halves are boxed once when it is
+//! made; a request costs one dynamic call per read or write, never a copy or an allocation. Frames are written header + payload
 //! straight from the caller's `Bytes` (or from several segments of the caller's memory, gathered
 //! by the socket writes, never staged); loaded payloads are read once from the socket, either into
 //! their own buffer ([`DataConn::get`]) or straight into the caller's destination segments
@@ -15,12 +17,17 @@ use kvtier_proto::dataplane::{
     FLAG_STOP_AT_MISS, NO_CODEC, PROTOCOL_VERSION, RESPONSE_HEADER_LEN,
 };
 use kvtier_proto::{BlockFrame, BlockKey, CodecId, FrameHeader, NamespaceId, ProtoError, FRAME_HEADER_LEN};
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::TcpStream;
 use tokio::sync::{Mutex, OwnedSemaphorePermit, Semaphore};
 
+use crate::connector::{BoxedStream, DataPlaneConnector};
 use crate::ClientError;
+
+/// A connection's receive half (TCP's owned half, or one half of a split [`BoxedStream`]).
+type BoxRead = Box<dyn AsyncRead + Unpin + Send>;
+/// A connection's send half.
+type BoxWrite = Box<dyn AsyncWrite + Unpin + Send>;
 
 const IO_BUF: usize = 64 * 1024;
 
@@ -86,8 +93,8 @@ pub(crate) enum Landed {
 }
 
 pub(crate) struct DataConn {
-    rd: BufReader<OwnedReadHalf>,
-    wr: BufWriter<OwnedWriteHalf>,
+    rd: BufReader<BoxRead>,
+    wr: BufWriter<BoxWrite>,
     next_id: u32,
 }
 
@@ -106,7 +113,18 @@ impl DataConn {
             .await
             .map_err(|e| ClientError::Connect { addr: addr.to_string(), reason: e.to_string() })?;
         let _ = sock.set_nodelay(true);
+        // TCP's owned halves: no lock between the reader and the writer.
         let (r, w) = sock.into_split();
+        Self::hello(Box::new(r), Box::new(w), token).await
+    }
+
+    /// Says hello over a stream from a [`DataPlaneConnector`].
+    pub(crate) async fn over(stream: BoxedStream, token: Option<&str>) -> Result<Self, ClientError> {
+        let (r, w) = tokio::io::split(stream);
+        Self::hello(Box::new(r), Box::new(w), token).await
+    }
+
+    async fn hello(r: BoxRead, w: BoxWrite, token: Option<&str>) -> Result<Self, ClientError> {
         let mut c =
             DataConn { rd: BufReader::with_capacity(IO_BUF, r), wr: BufWriter::with_capacity(IO_BUF, w), next_id: 1 };
         c.wr.write_all(&Hello::encode(PROTOCOL_VERSION, token.unwrap_or("").as_bytes())).await?;
@@ -317,8 +335,31 @@ impl DataConn {
 
 /// A bounded pool of data-plane connections. A connection that failed mid-request is dropped,
 /// never reused.
+/// Where a pool's connections come from.
+pub(crate) enum Dial {
+    /// TCP to the server's announced data address (the default).
+    Tcp(SocketAddr),
+    /// Streams from a caller's connector.
+    Custom(Arc<dyn DataPlaneConnector>),
+}
+
+impl Dial {
+    async fn connect(&self, token: Option<&str>) -> Result<DataConn, ClientError> {
+        match self {
+            Dial::Tcp(addr) => DataConn::connect(*addr, token).await,
+            Dial::Custom(connector) => {
+                let stream = connector
+                    .connect()
+                    .await
+                    .map_err(|e| ClientError::Connect { addr: "data-plane connector".into(), reason: e.to_string() })?;
+                DataConn::over(stream, token).await
+            }
+        }
+    }
+}
+
 pub(crate) struct DataPool {
-    addr: SocketAddr,
+    dial: Dial,
     token: Option<String>,
     idle: Mutex<Vec<DataConn>>,
     permits: Arc<Semaphore>,
@@ -341,9 +382,9 @@ impl Lease<'_> {
 }
 
 impl DataPool {
-    pub(crate) fn new(addr: SocketAddr, token: Option<String>, size: usize, connect_timeout: Duration) -> Self {
+    pub(crate) fn new(dial: Dial, token: Option<String>, size: usize, connect_timeout: Duration) -> Self {
         DataPool {
-            addr,
+            dial,
             token,
             idle: Mutex::new(Vec::new()),
             permits: Arc::new(Semaphore::new(size.max(1))),
@@ -356,7 +397,7 @@ impl DataPool {
         let idle = self.idle.lock().await.pop();
         let conn = match idle {
             Some(c) => c,
-            None => tokio::time::timeout(self.connect_timeout, DataConn::connect(self.addr, self.token.as_deref()))
+            None => tokio::time::timeout(self.connect_timeout, self.dial.connect(self.token.as_deref()))
                 .await
                 .map_err(|_| ClientError::Timeout(self.connect_timeout))??,
         };

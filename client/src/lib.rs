@@ -2,7 +2,9 @@
 //!
 //! - [`KvClient`]: typed async API — `lookup`, `store`, `load`, session `park` / `extend` /
 //!   `resume` / `drop_session` — over one gRPC channel (control) and a pool of data-plane
-//!   connections (payloads), with batching and concurrent batches.
+//!   connections (payloads), with batching and concurrent batches. Data-plane connections are TCP
+//!   to the address the server announces, or come from a [`DataPlaneConnector`]
+//!   ([`KvClient::connect_with`]: a Unix socket, an in-process stream).
 //! - [`EngineClient`]: the never-raise wrapper; every error or timeout becomes a [`Miss`].
 //!
 //! ```no_run
@@ -22,6 +24,7 @@
 
 mod client;
 mod conn;
+mod connector;
 mod engine;
 mod error;
 
@@ -29,6 +32,9 @@ pub use client::{
     decode_frame, decode_frame_into, BlockDest, ClientConfig, KvClient, NamespaceHandle, ParkOptions, ResumedSession,
     SessionInfo, StoreReport, StoredAs,
 };
+#[cfg(unix)]
+pub use connector::UnixConnector;
+pub use connector::{BoxedStream, ConnectFuture, DataPlaneConnector, DataStream};
 pub use engine::{EngineClient, Loaded, Miss};
 pub use error::ClientError;
 pub use kvtier_proto::dataplane::ItemStatus;

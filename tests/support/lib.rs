@@ -1,5 +1,12 @@
 //! Test support: starts real `kvtier` server processes on loopback (ephemeral ports, a fresh data
 //! directory each) and builds namespaces and payloads whose bytes can be checked.
+//!
+//! - [`faults`]: a fault-injecting wrapper for any byte stream (delay, stall, cut, corrupt).
+//! - [`harness`]: N real nodes in this process, their data planes reached over in-memory streams
+//!   (or Unix sockets) through that wrapper.
+
+pub mod faults;
+pub mod harness;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::SocketAddr;
