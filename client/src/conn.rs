@@ -333,8 +333,6 @@ impl DataConn {
     }
 }
 
-/// A bounded pool of data-plane connections. A connection that failed mid-request is dropped,
-/// never reused.
 /// Where a pool's connections come from.
 pub(crate) enum Dial {
     /// TCP to the server's announced data address (the default).
@@ -358,6 +356,8 @@ impl Dial {
     }
 }
 
+/// A bounded pool of data-plane connections. A connection that failed mid-request is dropped,
+/// never reused.
 pub(crate) struct DataPool {
     dial: Dial,
     token: Option<String>,

@@ -73,6 +73,8 @@ struct Inner {
     total_bytes: u64,
     pins: HashMap<IndexKey, u32>,
     pinned_bytes: u64,
+    /// Segments sealed since the last [`DiskTier::sync`]: it syncs them with the active one.
+    unsynced: Vec<Arc<File>>,
 }
 
 #[derive(Default)]
@@ -164,6 +166,7 @@ impl DiskTier {
             total_bytes: 0,
             pins: HashMap::new(),
             pinned_bytes: 0,
+            unsynced: Vec::new(),
         };
         let mut report = RecoveryReport::default();
         for id in ids {
@@ -242,6 +245,9 @@ impl DiskTier {
             .write(true)
             .open(&path)
             .map_err(|e| io_err("creating", &path, e))?;
+        // The new name made durable, so a synced record in it can't vanish with its directory
+        // entry after a power loss.
+        File::open(&self.seg_dir).and_then(|d| d.sync_all()).map_err(|e| io_err("syncing", &self.seg_dir, e))?;
         Ok(Segment { file: Arc::new(file), len: 0, keys: Vec::new() })
     }
 
@@ -306,6 +312,9 @@ impl DiskTier {
             let id = self.inner.lock().active + 1;
             let segment = self.create_segment(id)?;
             let mut st = self.inner.lock();
+            if let Some(sealed) = st.segments.get(&st.active).map(|s| s.file.clone()) {
+                st.unsynced.push(sealed);
+            }
             st.segments.insert(id, segment);
             st.active = id;
         }
@@ -350,15 +359,21 @@ impl DiskTier {
         Ok(())
     }
 
-    /// Makes every write so far durable (fsync of every segment written since the last call is
-    /// approximated by syncing the active one, where all appends go).
+    /// Makes every write so far durable: syncs the active segment and every segment sealed since
+    /// the last call.
     pub fn sync(&self) -> Result<(), ServerError> {
-        let file = {
-            let st = self.inner.lock();
-            st.segments.get(&st.active).map(|s| s.file.clone())
+        let files: Vec<Arc<File>> = {
+            let mut st = self.inner.lock();
+            let mut files = std::mem::take(&mut st.unsynced);
+            files.extend(st.segments.get(&st.active).map(|s| s.file.clone()));
+            files
         };
-        if let Some(f) = file {
-            f.sync_data()?;
+        for (i, f) in files.iter().enumerate() {
+            if let Err(e) = f.sync_data() {
+                // Not durable yet: the next call tries them again.
+                self.inner.lock().unsynced.extend(files[i..].iter().cloned());
+                return Err(e.into());
+            }
         }
         Ok(())
     }

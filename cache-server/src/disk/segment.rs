@@ -1,6 +1,5 @@
 //! Segment files: naming, record alignment and the recovery scan.
 
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use kvtier_proto::{FrameHeader, FRAME_HEADER_LEN};
@@ -26,47 +25,52 @@ pub(super) struct Scanned {
 }
 
 /// Reads a segment front to back, verifying every record, and truncates a torn tail.
+///
+/// A record that fails its checks costs only itself: a damaged header (the header carries its own
+/// checksum) means the record's length can't be trusted, so the scan moves to the next 4 KiB
+/// boundary and looks for a valid header there, and so on; a damaged payload is skipped by the
+/// length its valid header gives. Zeros are unwritten space. A run of unreadable boundaries is
+/// counted once.
 pub(super) fn scan_segment(path: &Path) -> std::io::Result<Scanned> {
+    use std::os::unix::fs::FileExt;
     let file = std::fs::OpenOptions::new().read(true).write(true).open(path)?;
     let file_len = file.metadata()?.len();
-    let mut rd = std::io::BufReader::with_capacity(4 << 20, &file);
     let mut out = Scanned { records: Vec::new(), valid_len: 0, discarded: 0 };
     let mut offset = 0u64;
     let mut header = [0u8; FRAME_HEADER_LEN];
     let mut payload = Vec::new();
+    // Inside a stretch of boundaries that hold no valid header (counted when it starts).
+    let mut lost = false;
     while offset + FRAME_HEADER_LEN as u64 <= file_len {
-        rd.read_exact(&mut header)?;
-        let h = match FrameHeader::decode(&header) {
-            Ok(h) => h,
-            Err(_) => {
-                // Zeros are unwritten space; anything else is a torn or corrupt header, after
-                // which record boundaries can't be trusted.
-                if header.iter().any(|&b| b != 0) {
-                    out.discarded += 1;
-                }
-                break;
+        file.read_exact_at(&mut header, offset)?;
+        let Ok(h) = FrameHeader::decode(&header) else {
+            if !lost && header.iter().any(|&b| b != 0) {
+                out.discarded += 1;
+                lost = true;
             }
+            offset += RECORD_ALIGN;
+            continue;
         };
         let end = offset + FRAME_HEADER_LEN as u64 + h.payload_len;
         if end > file_len {
-            out.discarded += 1; // cut short by a crash mid-write
+            // Cut short by a crash mid-write (the tail is truncated below).
+            if !lost {
+                out.discarded += 1;
+            }
             break;
         }
+        lost = false;
         payload.resize(h.payload_len as usize, 0);
-        rd.read_exact(&mut payload)?;
+        file.read_exact_at(&mut payload, offset + FRAME_HEADER_LEN as u64)?;
         if h.verify_payload(&payload).is_ok() {
             out.records.push((offset, h));
         } else {
             out.discarded += 1;
         }
-        let next = super::align_up(end);
+        let next = align_up(end);
         out.valid_len = next.min(file_len.max(end));
-        // Skip the padding.
-        let pad = next.saturating_sub(end).min(file_len.saturating_sub(end));
-        std::io::copy(&mut (&mut rd).take(pad), &mut std::io::sink())?;
         offset = next;
     }
-    drop(rd);
     if out.valid_len < file_len {
         file.set_len(out.valid_len)?;
     }

@@ -124,3 +124,32 @@ fn corruption_is_a_miss_and_torn_tails_are_dropped_at_recovery() {
     assert_eq!((r.blocks, r.discarded), (3, 1));
     assert_eq!(t.read(&f.header.namespace, &f.header.key).unwrap().1, f.payload);
 }
+
+/// One flipped byte in a record's header costs that record, not the rest of the segment.
+#[test]
+fn a_damaged_header_costs_one_record() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let (t, _) = open(dir.path(), 1 << 20);
+        for i in 0..6 {
+            let f = frame(i);
+            t.write(&f.header, &f.payload).unwrap();
+        }
+    }
+    // 8 KiB blocks: each record is header + payload, padded to 12 KiB. Damage block 2's header
+    // and block 4's payload.
+    let seg = segment_path(&dir.path().join("segments"), 1);
+    let mut bytes = std::fs::read(&seg).unwrap();
+    bytes[2 * 12288 + 20] ^= 0x04;
+    bytes[4 * 12288 + 500] ^= 0x80;
+    std::fs::write(&seg, &bytes).unwrap();
+    let (t, r) = open(dir.path(), 1 << 20);
+    assert_eq!((r.blocks, r.discarded), (4, 2), "{r:?}");
+    for i in [0, 1, 3, 5] {
+        let f = frame(i);
+        assert_eq!(t.read(&f.header.namespace, &f.header.key).unwrap().1, f.payload, "block {i}");
+    }
+    for i in [2, 4] {
+        assert!(t.read(&NamespaceId([1; 16]), &frame(i).header.key).is_none(), "block {i}");
+    }
+}
