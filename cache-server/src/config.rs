@@ -59,6 +59,15 @@ pub struct ServerConfig {
     /// How long a client may hold a reserved DRAM slot (a block being received) before it is
     /// revoked, e.g. `"30s"`. Default: `30s`.
     pub lease_timeout: DurationStr,
+    /// A data-plane connection that moves no byte for this long inside a request (a frame cut off
+    /// mid-way, an answer nobody reads) is closed. Default: `30s`.
+    pub stall_timeout: DurationStr,
+    /// A data-plane connection idle this long between requests is closed (clients recycle pooled
+    /// connections idle for a minute, so keep it above that). Default: `5m`.
+    pub idle_timeout: DurationStr,
+    /// Bearer token `/metrics` asks for; none: open (it listens on loopback by default).
+    /// Default: none.
+    pub metrics_token: Option<String>,
 }
 
 impl Default for ServerConfig {
@@ -82,6 +91,9 @@ impl Default for ServerConfig {
             session_durability: "fsync".into(),
             dram_region: "anonymous".into(),
             lease_timeout: DurationStr(Duration::from_secs(30)),
+            stall_timeout: DurationStr(Duration::from_secs(30)),
+            idle_timeout: DurationStr(Duration::from_secs(300)),
+            metrics_token: None,
         }
     }
 }
@@ -146,8 +158,21 @@ impl ServerConfig {
                 self.dram_region
             )));
         }
-        if self.lease_timeout.0.is_zero() {
-            return Err(ServerError::Config("lease_timeout must be above zero".into()));
+        if self.idle_timeout.0 < Duration::from_secs(60) {
+            tracing::warn!(
+                "idle_timeout {} is below the minute after which clients recycle idle connections: \
+                 a client's first request after a pause may fail once",
+                self.idle_timeout
+            );
+        }
+        for (name, d) in [
+            ("lease_timeout", &self.lease_timeout),
+            ("stall_timeout", &self.stall_timeout),
+            ("idle_timeout", &self.idle_timeout),
+        ] {
+            if d.0.is_zero() {
+                return Err(ServerError::Config(format!("{name} must be above zero")));
+            }
         }
         if self.session_durability != "fsync" && self.session_durability != "async" {
             return bad(format!(

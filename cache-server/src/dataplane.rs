@@ -36,9 +36,10 @@ use tokio::net::UnixListener;
 use tokio::sync::{watch, Semaphore};
 use xxhash_rust::xxh3::xxh3_64;
 
+use crate::deadline::Deadlined;
 use crate::dram::Priority;
 use crate::error::ServerError;
-use crate::metrics::{error, observe};
+use crate::metrics::{constant_time_eq, error, observe};
 use crate::state::NodeState;
 use crate::tiers::Load;
 
@@ -172,8 +173,13 @@ enum ConnError {
 }
 
 struct Connection<R, W> {
-    rd: BufReader<R>,
-    wr: BufWriter<W>,
+    rd: BufReader<Deadlined<R>>,
+    wr: BufWriter<Deadlined<W>>,
+    /// No byte for this long inside a request (or while the peer doesn't read its answer) ends
+    /// the connection.
+    stall: Duration,
+    /// How long the connection may wait for its next request.
+    idle: Duration,
     state: Arc<NodeState>,
     scratch: Vec<u8>,
     leases: PinLeases,
@@ -202,9 +208,12 @@ impl Drop for PinLeases {
 
 impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W> {
     fn new(r: R, w: W, state: Arc<NodeState>) -> Self {
+        let (stall, idle) = (state.config().stall_timeout.0, state.config().idle_timeout.0);
         Connection {
-            rd: BufReader::with_capacity(IO_BUF, r),
-            wr: BufWriter::with_capacity(IO_BUF, w),
+            rd: BufReader::with_capacity(IO_BUF, Deadlined::new(r, stall)),
+            wr: BufWriter::with_capacity(IO_BUF, Deadlined::new(w, stall)),
+            stall,
+            idle,
             leases: PinLeases { state: state.clone(), pins: Vec::new() },
             state,
             scratch: Vec::new(),
@@ -215,32 +224,55 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         self.handshake().await?;
         loop {
             let mut hdr = [0u8; REQUEST_HEADER_LEN];
-            match self.rd.read_exact(&mut hdr).await {
-                Ok(_) => {}
+            // Between requests the idle budget applies; from the first byte of one, the stall one.
+            self.rd.get_mut().set_budget(self.idle);
+            let first = self.rd.read_u8().await;
+            self.rd.get_mut().set_budget(self.stall);
+            match first {
+                Ok(b) => hdr[0] = b,
                 Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {
+                    error("dataplane_idle_timeout");
+                    return Err(e.into());
+                }
                 Err(e) => return Err(e.into()),
             }
-            let req = match RequestHeader::decode(&hdr) {
-                Ok(r) => r,
-                Err(e) => return self.fatal(hdr[0], 0, Status::BadRequest, &e.to_string()).await,
-            };
-            let limit = self.state.config().max_blocks_per_request;
-            if req.count > limit {
-                let msg = format!("{} blocks in one request exceed max_blocks_per_request {limit}", req.count);
-                return self.fatal(req.op as u8, req.request_id, Status::TooLarge, &msg).await;
-            }
-            match req.op {
-                Op::Put => self.put(req).await?,
-                Op::Get => self.get(req).await?,
-                Op::Exists => self.exists(req).await?,
-                Op::Release => {
-                    self.leases.release();
-                    let h = ResponseHeader::ok(Op::Release, req.request_id, 0);
-                    self.wr.write_all(&h.encode()).await?;
+            match self.request(hdr).await {
+                Err(ConnError::Io(e)) if e.kind() == std::io::ErrorKind::TimedOut => {
+                    // A frame cut off mid-way, or an answer the peer stopped reading.
+                    error("dataplane_stall_timeout");
+                    return Err(e.into());
                 }
+                Err(e) => return Err(e),
+                Ok(()) => {}
             }
-            self.wr.flush().await?;
         }
+    }
+
+    /// Serves one request whose first header byte is in `hdr`.
+    async fn request(&mut self, mut hdr: [u8; REQUEST_HEADER_LEN]) -> Result<(), ConnError> {
+        self.rd.read_exact(&mut hdr[1..]).await?;
+        let req = match RequestHeader::decode(&hdr) {
+            Ok(r) => r,
+            Err(e) => return self.fatal(hdr[0], 0, Status::BadRequest, &e.to_string()).await,
+        };
+        let limit = self.state.config().max_blocks_per_request;
+        if req.count > limit {
+            let msg = format!("{} blocks in one request exceed max_blocks_per_request {limit}", req.count);
+            return self.fatal(req.op as u8, req.request_id, Status::TooLarge, &msg).await;
+        }
+        match req.op {
+            Op::Put => self.put(req).await?,
+            Op::Get => self.get(req).await?,
+            Op::Exists => self.exists(req).await?,
+            Op::Release => {
+                self.leases.release();
+                let h = ResponseHeader::ok(Op::Release, req.request_id, 0);
+                self.wr.write_all(&h.encode()).await?;
+            }
+        }
+        self.wr.flush().await?;
+        Ok(())
     }
 
     async fn handshake(&mut self) -> Result<(), ConnError> {
@@ -510,11 +542,4 @@ fn item_kind(s: ItemStatus) -> &'static str {
         ItemStatus::LossyCodec => "lossy_codec",
         ItemStatus::Present => "present",
     }
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }

@@ -18,6 +18,7 @@
 pub mod config;
 pub mod control;
 pub mod dataplane;
+pub mod deadline;
 pub mod disk;
 pub mod dram;
 pub mod error;
@@ -118,10 +119,11 @@ pub async fn start(
         let (l, a) = crate::metrics::bind(addr).await?;
         metrics_addr = Some(a);
         let mut s = stop_rx.clone();
+        let metrics_token = config.metrics_token.clone();
         tasks.push(tokio::spawn(async move {
             tokio::select! {
                 _ = stopped(&mut s) => {}
-                _ = crate::metrics::serve(l, handle) => {}
+                _ = crate::metrics::serve(l, handle, metrics_token) => {}
             }
         }));
     }
@@ -162,7 +164,7 @@ pub async fn start(
         let Some(token) = &auth else { return Ok(req) };
         let presented = req.metadata().get("authorization").and_then(|v| v.to_str().ok());
         match presented.and_then(|v| v.strip_prefix("Bearer ")) {
-            Some(t) if t == token => Ok(req),
+            Some(t) if crate::metrics::constant_time_eq(t.as_bytes(), token.as_bytes()) => Ok(req),
             _ => {
                 crate::metrics::error("unauthenticated");
                 Err(tonic::Status::unauthenticated(format!(

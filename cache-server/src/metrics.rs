@@ -23,15 +23,16 @@ pub fn install() -> Result<PrometheusHandle, ServerError> {
         .map_err(|e| ServerError::Config(format!("metrics recorder: {e}")))
 }
 
-/// Serves `GET /metrics` (any path, really) with the current snapshot.
-pub async fn serve(listener: TcpListener, handle: PrometheusHandle) {
+/// Serves `GET /metrics` with the current snapshot; with `token`, only to a request that carries
+/// `Authorization: Bearer <token>`.
+pub async fn serve(listener: TcpListener, handle: PrometheusHandle, token: Option<String>) {
     loop {
         let Ok((mut sock, _)) = listener.accept().await else {
             // Out of descriptors or similar: back off instead of spinning.
             tokio::time::sleep(std::time::Duration::from_millis(50)).await;
             continue;
         };
-        let handle = handle.clone();
+        let (handle, token) = (handle.clone(), token.clone());
         tokio::spawn(async move {
             let mut buf = [0u8; 2048];
             // One small request per connection; we don't care what it says beyond the first line.
@@ -40,7 +41,11 @@ pub async fn serve(listener: TcpListener, handle: PrometheusHandle) {
                 _ => return,
             };
             let first = String::from_utf8_lossy(&buf[..n]);
-            let (status, body) = if first.starts_with("GET /metrics") || first.starts_with("GET / ") {
+            let authorized = token.as_deref().is_none_or(|t| presents_token(&first, t));
+            let (status, body) = if !authorized {
+                error("unauthenticated");
+                ("401 Unauthorized", "missing or bad bearer token\n".to_string())
+            } else if first.starts_with("GET /metrics") || first.starts_with("GET / ") {
                 ("200 OK", handle.render())
             } else {
                 ("404 Not Found", "try GET /metrics\n".to_string())
@@ -54,6 +59,26 @@ pub async fn serve(listener: TcpListener, handle: PrometheusHandle) {
             let _ = sock.shutdown().await;
         });
     }
+}
+
+/// Whether an HTTP request's head carries `Authorization: Bearer <token>`.
+fn presents_token(head: &str, token: &str) -> bool {
+    head.lines().any(|l| {
+        let Some((name, value)) = l.split_once(':') else { return false };
+        name.trim().eq_ignore_ascii_case("authorization")
+            && value
+                .trim()
+                .strip_prefix("Bearer ")
+                .is_some_and(|t| constant_time_eq(t.trim().as_bytes(), token.as_bytes()))
+    })
+}
+
+/// Compares secrets in time that depends on their lengths only, never on where they differ.
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// Binds the metrics listener; returns it with its address.

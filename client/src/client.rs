@@ -50,6 +50,9 @@ pub struct ClientConfig {
     pub auth_token: Option<String>,
     /// How often a park re-sends blocks evicted between store and park. Default: 3.
     pub park_retries: u32,
+    /// A pooled data-plane connection idle this long is closed instead of reused; keep it below
+    /// the server's `idle_timeout` (5 minutes by default). Default: 60 s.
+    pub pool_idle: Duration,
 }
 
 impl Default for ClientConfig {
@@ -62,6 +65,7 @@ impl Default for ClientConfig {
             max_batch_bytes: 32 << 20,
             auth_token: None,
             park_retries: 3,
+            pool_idle: Duration::from_secs(60),
         }
     }
 }
@@ -386,7 +390,8 @@ impl KvClient {
                     .map_err(|_| cerr(format!("server announced a bad data address {:?}", info.data_addr)))?,
             ),
         };
-        let pool = DataPool::new(dial, cfg.auth_token.clone(), cfg.data_connections, cfg.connect_timeout);
+        let pool =
+            DataPool::new(dial, cfg.auth_token.clone(), cfg.data_connections, cfg.connect_timeout, cfg.pool_idle);
         let batch_blocks = cfg.max_batch_blocks.min(info.max_blocks_per_request as usize).max(1);
         Ok(KvClient { inner: Arc::new(Inner { grpc, pool, cfg, info, batch_blocks }) })
     }

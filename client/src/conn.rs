@@ -361,9 +361,14 @@ impl Dial {
 pub(crate) struct DataPool {
     dial: Dial,
     token: Option<String>,
-    idle: Mutex<Vec<DataConn>>,
+    /// Connections back from a clean request, with when they came back.
+    idle: Mutex<Vec<(DataConn, std::time::Instant)>>,
     permits: Arc<Semaphore>,
     connect_timeout: Duration,
+    /// A pooled connection idle longer than this is closed rather than reused: the server closes
+    /// connections idle past its `idle_timeout`, and a request sent on one it just closed would
+    /// fail.
+    max_idle: Duration,
 }
 
 pub(crate) struct Lease<'a> {
@@ -376,27 +381,39 @@ impl Lease<'_> {
     /// Returns the connection to the pool (only after a request completed cleanly).
     pub(crate) async fn release(mut self) {
         if let Some(c) = self.conn.take() {
-            self.pool.idle.lock().await.push(c);
+            self.pool.idle.lock().await.push((c, std::time::Instant::now()));
         }
     }
 }
 
 impl DataPool {
-    pub(crate) fn new(dial: Dial, token: Option<String>, size: usize, connect_timeout: Duration) -> Self {
+    pub(crate) fn new(
+        dial: Dial,
+        token: Option<String>,
+        size: usize,
+        connect_timeout: Duration,
+        max_idle: Duration,
+    ) -> Self {
         DataPool {
             dial,
             token,
             idle: Mutex::new(Vec::new()),
             permits: Arc::new(Semaphore::new(size.max(1))),
             connect_timeout,
+            max_idle,
         }
     }
 
     pub(crate) async fn lease(&self) -> Result<Lease<'_>, ClientError> {
         let permit = self.permits.clone().acquire_owned().await.map_err(|e| ClientError::Io(e.to_string()))?;
-        let idle = self.idle.lock().await.pop();
+        let idle = {
+            let mut idle = self.idle.lock().await;
+            // The most recently used is last; anything idle too long is dropped (closed).
+            idle.retain(|(_, since)| since.elapsed() < self.max_idle);
+            idle.pop()
+        };
         let conn = match idle {
-            Some(c) => c,
+            Some((c, _)) => c,
             None => tokio::time::timeout(self.connect_timeout, self.dial.connect(self.token.as_deref()))
                 .await
                 .map_err(|_| ClientError::Timeout(self.connect_timeout))??,
