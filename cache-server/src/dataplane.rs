@@ -509,6 +509,7 @@ fn item_kind(s: ItemStatus) -> &'static str {
         ItemStatus::Internal => "internal",
         ItemStatus::LossyCodec => "lossy_codec",
         ItemStatus::Present => "present",
+        ItemStatus::OutOfRange => "out_of_range",
     }
 }
 
