@@ -55,8 +55,12 @@ fn key(size: usize, run: usize, task: usize, op: usize) -> BlockKey {
 }
 
 fn fill(buf: &mut [u8], seed: usize) {
-    for (i, b) in buf.iter_mut().enumerate() {
+    let mut pattern = [0u8; 4093];
+    for (i, b) in pattern.iter_mut().enumerate() {
         *b = ((i.wrapping_mul(131) + seed * 7) % 253) as u8;
+    }
+    for chunk in buf.chunks_mut(pattern.len()) {
+        chunk.copy_from_slice(&pattern[..chunk.len()]);
     }
 }
 
@@ -142,14 +146,17 @@ async fn measure(addr: &str, cfg: &SameNodeConfig) -> anyhow::Result<Vec<Row>> {
                 fill(&mut tcp_src, 20 + t);
                 tasks.push((near, dst, src, vec![0u8; WORKING_SET], Bytes::from(tcp_src)));
             }
-            let mut acc: [Acc; 5] = Default::default();
+            let mut acc: [Acc; 6] = Default::default();
             for run in 0..cfg.runs {
                 if c == 1 {
                     let (wall, lat) = memcpy(size, ops, &mem_src, &mut mem_dst);
                     acc[0].add(bytes, wall, lat);
                 }
-                // Loads: TCP fused, then same-node.
-                for (pi, same) in [(1usize, false), (2, true)] {
+                // Loads: TCP fused, then same-node verified by the server, then unverified.
+                for (pi, same) in [(1usize, false), (2, true), (5, true)] {
+                    for task in tasks.iter_mut() {
+                        task.0.set_verify_loads(pi == 2);
+                    }
                     let t0 = Instant::now();
                     let results = futures::future::try_join_all(tasks.iter_mut().enumerate().map(|(t, task)| {
                         let (client, ns, wkeys) = (&client, &ns, &wkeys);
@@ -207,6 +214,7 @@ async fn measure(addr: &str, cfg: &SameNodeConfig) -> anyhow::Result<Vec<Row>> {
                 ("load", "same-node load_into_buffer"),
                 ("store", "TCP store_keys"),
                 ("store", "same-node store_from_buffer"),
+                ("load", "same-node load_into_buffer, unverified"),
             ];
             for (a, (op, path)) in acc.into_iter().zip(names) {
                 if a.gbps.is_empty() {

@@ -2,9 +2,10 @@
 //! Unix socket (protocol in `kvtier_proto::samenode`) and move blocks by offset into them, one
 //! copy each way, with no payload on the socket.
 //!
-//! - A load looks the block up through the tier stack, copies it from its slot into the client's
-//!   buffer and checks the slot's bytes against the frame checksum while they are in cache (so
-//!   a block damaged in memory is a miss, never wrong bytes); the answer carries the frame header.
+//! - A load looks the block up through the tier stack and copies it from its slot into the
+//!   client's buffer; the answer carries the frame header. With `FLAG_VERIFY` (the client's
+//!   default) it checks the slot's bytes against the frame checksum while they are in cache, so a
+//!   block damaged in memory is reported, never handed over as good.
 //! - A store reserves a DRAM lease, copies the payload from the client's buffer into it and
 //!   verifies the checksum on *that copy* before committing: bytes the client can still change
 //!   are never trusted, so a client racing its own store gets `ChecksumMismatch`, never a stored
@@ -36,7 +37,8 @@ use std::time::{Duration, Instant};
 
 use kvtier_proto::dataplane::{HelloReply, ItemStatus, ResponseHeader, Status, FLAG_STOP_AT_MISS};
 use kvtier_proto::samenode::{
-    self as sn, decode_hello, LoadItem, SnOp, SnRequest, StoreItem, HELLO_LEN, PROTOCOL_VERSION, REQUEST_LEN,
+    self as sn, decode_hello, LoadItem, SnOp, SnRequest, StoreItem, FLAG_VERIFY, HELLO_LEN, PROTOCOL_VERSION,
+    REQUEST_LEN,
 };
 use kvtier_proto::{FrameHeader, NamespaceId};
 use memmap2::{MmapOptions, MmapRaw};
@@ -459,6 +461,7 @@ impl Conn {
             return self.refuse(req, Status::BadRequest, &format!("no buffer {} is registered", req.buffer));
         }
         let stop_at_miss = req.flags & FLAG_STOP_AT_MISS != 0;
+        let verify = req.flags & FLAG_VERIFY != 0;
         let n = req.count as usize;
         let mut statuses = Vec::with_capacity(n);
         let mut headers = Vec::new();
@@ -478,7 +481,7 @@ impl Conn {
                         .and_then(|r| r.at(item.offset, b.payload.len() as u64))
                     {
                         Some(dst) if b.payload.len() as u64 <= item.room => {
-                            if copy_out_verified(&b.payload, dst, b.header.checksum) {
+                            if copy_out(&b.payload, dst, verify.then_some(b.header.checksum)) {
                                 headers.extend_from_slice(&b.header.encode());
                                 ItemStatus::Ok
                             } else {
@@ -568,9 +571,15 @@ impl Conn {
     }
 }
 
-/// Copies a stored payload to `dst` (a client's buffer) chunk by chunk, hashing each chunk of
-/// the *source* right after copying it (still in cache); whether the source matched `checksum`.
-fn copy_out_verified(src: &[u8], dst: *mut u8, checksum: u64) -> bool {
+/// Copies a stored payload to `dst` (a client's buffer). With a `checksum`, chunk by chunk,
+/// hashing each chunk of the *source* right after copying it (still in cache); whether the source
+/// matched it.
+fn copy_out(src: &[u8], dst: *mut u8, checksum: Option<u64>) -> bool {
+    let Some(checksum) = checksum else {
+        // SAFETY: as below, for the whole payload at once.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
+        return true;
+    };
     let mut h = Xxh3::new();
     let mut at = 0;
     for chunk in src.chunks(CHUNK) {
