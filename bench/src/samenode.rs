@@ -130,6 +130,8 @@ async fn measure(addr: &str, cfg: &SameNodeConfig) -> anyhow::Result<Vec<Row>> {
         fill(&mut mem_src, 2);
         let mut mem_dst = vec![0u8; WORKING_SET];
         fill(&mut mem_dst, 3);
+        let mut shm_dst = SharedBuffer::new(WORKING_SET)?;
+        fill(shm_dst.as_mut_slice(), 4);
         for &c in &cfg.concurrency {
             let ops = (cfg.bytes_per_cell / (size * c)).max(4);
             let bytes = ops * c * size;
@@ -146,11 +148,13 @@ async fn measure(addr: &str, cfg: &SameNodeConfig) -> anyhow::Result<Vec<Row>> {
                 fill(&mut tcp_src, 20 + t);
                 tasks.push((near, dst, src, vec![0u8; WORKING_SET], Bytes::from(tcp_src)));
             }
-            let mut acc: [Acc; 6] = Default::default();
+            let mut acc: [Acc; 7] = Default::default();
             for run in 0..cfg.runs {
                 if c == 1 {
                     let (wall, lat) = memcpy(size, ops, &mem_src, &mut mem_dst);
                     acc[0].add(bytes, wall, lat);
+                    let (wall, lat) = memcpy(size, ops, &mem_src, shm_dst.as_mut_slice());
+                    acc[6].add(bytes, wall, lat);
                 }
                 // Loads: TCP fused, then same-node verified by the server, then unverified.
                 for (pi, same) in [(1usize, false), (2, true), (5, true)] {
@@ -215,6 +219,7 @@ async fn measure(addr: &str, cfg: &SameNodeConfig) -> anyhow::Result<Vec<Row>> {
                 ("store", "TCP store_keys"),
                 ("store", "same-node store_from_buffer"),
                 ("load", "same-node load_into_buffer, unverified"),
+                ("copy2", "memcpy into a memfd buffer (1 thread)"),
             ];
             for (a, (op, path)) in acc.into_iter().zip(names) {
                 if a.gbps.is_empty() {
