@@ -112,7 +112,7 @@ async fn measure(addr: &str, cfg: &SameNodeConfig) -> anyhow::Result<Vec<Row>> {
     for &size in &cfg.sizes {
         let layout = layout_for(size);
         let ns = client
-            .register(Namespace::new("bench", &format!("samenode-{size}"), layout, HashScheme::Blake3, b"bench"))
+            .register(Namespace::new("bench", format!("samenode-{size}"), layout, HashScheme::Blake3, b"bench"))
             .await?;
         let n = WORKING_SET / size;
         // The working set the loads read, stored once.
