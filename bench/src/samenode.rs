@@ -148,7 +148,7 @@ async fn measure(addr: &str, cfg: &SameNodeConfig) -> anyhow::Result<Vec<Row>> {
                 fill(&mut tcp_src, 20 + t);
                 tasks.push((near, dst, src, vec![0u8; WORKING_SET], Bytes::from(tcp_src)));
             }
-            let mut acc: [Acc; 7] = Default::default();
+            let mut acc: [Acc; 8] = Default::default();
             for run in 0..cfg.runs {
                 if c == 1 {
                     let (wall, lat) = memcpy(size, ops, &mem_src, &mut mem_dst);
@@ -185,6 +185,30 @@ async fn measure(addr: &str, cfg: &SameNodeConfig) -> anyhow::Result<Vec<Row>> {
                     .await?;
                     acc[pi].add(bytes, t0.elapsed().as_secs_f64(), results.concat());
                 }
+                // Eight consecutive blocks per call, unverified: what a call's fixed cost is.
+                {
+                    let t0 = Instant::now();
+                    let calls = (ops / 8).max(1);
+                    let results = futures::future::try_join_all(tasks.iter_mut().enumerate().map(|(t, task)| {
+                        let (ns, wkeys) = (&ns, &wkeys);
+                        async move {
+                            task.0.set_verify_loads(false);
+                            let mut lat = Vec::with_capacity(calls);
+                            for call in 0..calls {
+                                let first = ((call * c + t) * 8) % (n - n % 8).max(8);
+                                let keys = &wkeys[first..(first + 8).min(n)];
+                                let offs: Vec<u64> = (first..first + keys.len()).map(|i| (i * size) as u64).collect();
+                                let s = Instant::now();
+                                let ok = task.0.load_into_buffer(ns, keys, &mut task.1, &offs, true).await?;
+                                lat.push(s.elapsed().as_secs_f64());
+                                ensure!(ok.iter().all(|x| *x), "blocks {first}.. did not load");
+                            }
+                            Ok::<_, anyhow::Error>(lat)
+                        }
+                    }))
+                    .await?;
+                    acc[7].add(calls * c * 8 * size, t0.elapsed().as_secs_f64(), results.concat());
+                }
                 // Stores under new keys: TCP fused, then same-node.
                 for (pi, same) in [(3usize, false), (4, true)] {
                     let t0 = Instant::now();
@@ -220,6 +244,7 @@ async fn measure(addr: &str, cfg: &SameNodeConfig) -> anyhow::Result<Vec<Row>> {
                 ("store", "same-node store_from_buffer"),
                 ("load", "same-node load_into_buffer, unverified"),
                 ("copy2", "memcpy into a memfd buffer (1 thread)"),
+                ("load", "same-node load_into_buffer x8 per call, unverified"),
             ];
             for (a, (op, path)) in acc.into_iter().zip(names) {
                 if a.gbps.is_empty() {
