@@ -4,7 +4,8 @@
 //!
 //! Pure parts (tested): [`stats`], [`model`] (KV bytes, prefill FLOPs, GPUs, links, planner),
 //! [`trace`] (deterministic Zipf workload). Measuring parts: [`limits`], [`blocks`], [`replay`],
-//! [`contention`] (tail latency while sessions park),
+//! [`contention`] (tail latency while sessions park), [`samenode`] (registered buffers beside
+//! memcpy and TCP),
 //! with real server processes from [`servers`] and the Python side from [`pydriver`]; output
 //! through [`report`] and [`plot`].
 
@@ -16,6 +17,7 @@ pub mod plot;
 pub mod pydriver;
 pub mod replay;
 pub mod report;
+pub mod samenode;
 pub mod servers;
 pub mod stats;
 pub mod trace;

@@ -31,6 +31,9 @@ enum What {
     /// p50/p99 of lookups, resumes and 1 MiB loads while sessions park to disk (this build and
     /// `--baseline-bin`). Not part of `all`.
     Contention,
+    /// The same-node path (registered buffers over the node's Unix socket) beside memcpy and the
+    /// TCP data plane, same run. Not part of `all`.
+    Samenode,
     /// Capacity planner (pure arithmetic, no servers).
     Plan,
 }
@@ -74,6 +77,12 @@ struct Args {
     /// Concurrency levels of `blocks`, comma-separated.
     #[arg(long, default_value = "1,4,16")]
     concurrency: String,
+    /// Block sizes of `samenode`, comma-separated.
+    #[arg(long, default_value = "64KiB,1MiB,4MiB")]
+    samenode_sizes: String,
+    /// Concurrency levels of `samenode` (one same-node connection per task), comma-separated.
+    #[arg(long, default_value = "1,4")]
+    samenode_concurrency: String,
     /// The Python that runs the Python client's figures and LMCache's server (default:
     /// $KVTIER_BENCH_PYTHON, the active virtualenv, the checkout's .venv, python3).
     #[arg(long)]
@@ -433,6 +442,22 @@ fn main() -> anyhow::Result<()> {
             )?;
             plots.push(path);
         }
+    }
+
+    if a.what == What::Samenode {
+        let cfg = kvtier_bench::samenode::SameNodeConfig {
+            sizes: list(&a.samenode_sizes, parse_size)?,
+            concurrency: list(&a.samenode_concurrency, |c| Ok(c.trim().parse::<usize>()?))?,
+            bytes_per_cell: if quick { 64 << 20 } else { 256 << 20 },
+            runs,
+        };
+        let bin = servers::find_kvtier(a.kvtier_bin.as_deref())?;
+        let rows = kvtier_bench::samenode::run(&bin, &data_dir.join("samenode"), &out.join("samenode.log"), &cfg)?;
+        let table = kvtier_bench::samenode::table(&rows);
+        println!("{table}");
+        std::fs::write(out.join("samenode.md"), &table)?;
+        std::fs::write(out.join("samenode.json"), serde_json::to_string_pretty(&rows)?)?;
+        return Ok(());
     }
 
     if a.what == What::Contention {

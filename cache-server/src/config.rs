@@ -68,6 +68,11 @@ pub struct ServerConfig {
     /// Bearer token `/metrics` asks for; none: open (it listens on loopback by default).
     /// Default: none.
     pub metrics_token: Option<String>,
+    /// The same-node Unix socket (buffers registered by clients on this host, see
+    /// `crate::samenode`): `"auto"` (`<data_dir>/kvtier.sock`, left off with a warning when that
+    /// path is too long for a socket), `"off"`, or a path. Created with mode 0600, removed on stop.
+    /// Default: `auto`.
+    pub samenode_socket: String,
 }
 
 impl Default for ServerConfig {
@@ -94,6 +99,7 @@ impl Default for ServerConfig {
             stall_timeout: DurationStr(Duration::from_secs(30)),
             idle_timeout: DurationStr(Duration::from_secs(300)),
             metrics_token: None,
+            samenode_socket: "auto".into(),
         }
     }
 }
@@ -214,6 +220,15 @@ impl ServerConfig {
                 }
             }
         }
+        if !matches!(self.samenode_socket.as_str(), "auto" | "off") {
+            let n = self.samenode_socket.len();
+            if n == 0 || n >= SUN_PATH_MAX {
+                return bad(format!(
+                    "samenode_socket must be \"auto\", \"off\" or a path of 1..{SUN_PATH_MAX} bytes, got {:?}",
+                    self.samenode_socket
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -238,7 +253,23 @@ impl ServerConfig {
         let _ = std::fs::remove_file(probe);
         Ok(())
     }
+
+    /// Where the same-node socket goes (absolute), `None` when it is off — or `auto` and
+    /// `<data_dir>/kvtier.sock` is too long for a socket path (the caller warns). Call after
+    /// [`Self::prepare_data_dir`].
+    pub fn samenode_path(&self) -> Option<PathBuf> {
+        let path = match self.samenode_socket.as_str() {
+            "off" => return None,
+            "auto" => self.data_dir.join("kvtier.sock"),
+            p => PathBuf::from(p),
+        };
+        let path = std::path::absolute(&path).unwrap_or(path);
+        (path.as_os_str().len() < SUN_PATH_MAX).then_some(path)
+    }
 }
+
+/// Longest Unix socket path (with its NUL) on Linux.
+const SUN_PATH_MAX: usize = 108;
 
 /// A byte count written as `512MiB`, `4GiB`, `1.5G`, `64k` or a plain number.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -173,6 +173,9 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
             max_blocks_per_request: c.max_blocks_per_request,
             max_context_tokens: c.max_context_tokens,
             dram_capacity_bytes: c.dram_capacity.0,
+            // `start` leaves the resolved absolute path here, or "off".
+            samenode_socket: if c.samenode_socket == "off" { String::new() } else { c.samenode_socket.clone() },
+            host_id: crate::samenode::host_id().to_string(),
         }))
     }
 

@@ -26,9 +26,7 @@ use kvtier_proto::dataplane::{
     Hello, HelloReply, ItemStatus, Op, RequestHeader, ResponseHeader, Status, FLAG_PIN_LEASE, FLAG_REPORT_PRESENT,
     FLAG_STOP_AT_MISS, HELLO_LEN, NO_CODEC, PROTOCOL_VERSION, REQUEST_HEADER_LEN,
 };
-use kvtier_proto::{
-    BlockKey, FrameHeader, NamespaceId, ProtoError, FRAME_FLAG_KEEP_LOSSLESS, FRAME_HEADER_LEN, KEY_LEN,
-};
+use kvtier_proto::{BlockKey, FrameHeader, NamespaceId, ProtoError, FRAME_HEADER_LEN, KEY_LEN};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::TcpListener;
 #[cfg(unix)]
@@ -342,27 +340,6 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         Ok(())
     }
 
-    /// Checks a frame header against its namespace before any payload byte is stored; the header
-    /// to store (a lossless namespace's blocks are flagged so that no tier quantizes them later).
-    fn admit(&self, h: &FrameHeader) -> Result<FrameHeader, ItemStatus> {
-        let ns = self.state.namespace(&h.namespace).map_err(|_| ItemStatus::UnknownNamespace)?;
-        if ns.layout != h.layout {
-            return Err(ItemStatus::LayoutMismatch);
-        }
-        if ns.is_lossless() && !kvtier_kernels::is_lossless(h.codec) {
-            return Err(ItemStatus::LossyCodec);
-        }
-        h.check_size().map_err(|e| match e {
-            ProtoError::LossyCodec { .. } => ItemStatus::LossyCodec,
-            _ => ItemStatus::SizeMismatch,
-        })?;
-        let mut stored = *h;
-        if ns.is_lossless() {
-            stored.flags |= FRAME_FLAG_KEEP_LOSSLESS;
-        }
-        Ok(stored)
-    }
-
     async fn put(&mut self, req: RequestHeader) -> Result<(), ConnError> {
         let start = Instant::now();
         let mut statuses = Vec::with_capacity(req.count as usize);
@@ -416,7 +393,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
     }
 
     async fn put_one(&mut self, sent: &FrameHeader) -> Result<ItemStatus, ConnError> {
-        let header = match self.admit(sent) {
+        let header = match self.state.admit_frame(sent) {
             Ok(h) => h,
             Err(status) => {
                 self.drain(sent.payload_len).await?;
@@ -541,5 +518,6 @@ fn item_kind(s: ItemStatus) -> &'static str {
         ItemStatus::Internal => "internal",
         ItemStatus::LossyCodec => "lossy_codec",
         ItemStatus::Present => "present",
+        ItemStatus::OutOfRange => "out_of_range",
     }
 }

@@ -9,6 +9,8 @@
 //!   [`session_store`] keeps them with their [`session_log`] written outside the table's lock.
 //! - [`control`]: the gRPC control plane (lookup, sessions, stats, admin).
 //! - [`dataplane`]: the framed TCP data plane that moves block payloads.
+//! - [`samenode`]: the same-node path: client buffers registered over a Unix socket, blocks
+//!   copied into and out of them by offset.
 //! - [`config`]: TOML + env + flags, validated at start.
 //! - [`metrics`]: Prometheus `/metrics`.
 //!
@@ -23,6 +25,7 @@ pub mod disk;
 pub mod dram;
 pub mod error;
 pub mod metrics;
+pub mod samenode;
 pub mod session_log;
 pub mod session_store;
 pub mod sessions;
@@ -49,6 +52,8 @@ pub struct RunningServer {
     pub grpc_addr: SocketAddr,
     pub data_addr: SocketAddr,
     pub metrics_addr: Option<SocketAddr>,
+    /// The same-node socket (`crate::samenode`), when the node has one; removed by `stop`.
+    pub samenode_path: Option<std::path::PathBuf>,
     pub state: Arc<NodeState>,
     /// Set to true once: every task of the node watches it.
     stop: watch::Sender<bool>,
@@ -112,6 +117,28 @@ pub async fn start(
     config.prepare_data_dir()?;
     let (grpc_listener, grpc_addr) = bind("listen", config.listen).await?;
     let (data_listener, data_addr) = bind("data_listen", config.data_listen).await?;
+    let samenode_path = match config.samenode_path() {
+        Some(path) => Some(path),
+        None if config.samenode_socket == "auto" => {
+            tracing::warn!(
+                "the same-node socket is off: {} is too long for a socket path; set samenode_socket",
+                config.data_dir.join("kvtier.sock").display()
+            );
+            None
+        }
+        None if config.samenode_socket == "off" => None,
+        None => {
+            return Err(ServerError::Config(format!(
+                "samenode_socket {}: too long for a socket path",
+                config.samenode_socket
+            )))
+        }
+    };
+    // What `Info` advertises: the resolved path, or "off".
+    config.samenode_socket = match &samenode_path {
+        Some(p) => p.display().to_string(),
+        None => "off".into(),
+    };
     let (stop, stop_rx) = watch::channel(false);
     let mut tasks = Vec::new();
     let mut metrics_addr = None;
@@ -129,11 +156,19 @@ pub async fn start(
     }
     let auth = config.auth_token.clone();
     let state = Arc::new(NodeState::open(config, data_addr)?);
+    // Bound only now that the data directory's lock is held: a stale socket there is ours to replace.
+    let samenode = match &samenode_path {
+        Some(p) => Some((samenode::bind(p)?, p.clone())),
+        None => None,
+    };
     state.tiers().start_demotion(state.config().disk_codec_id());
     ::metrics::gauge!("kvtier_tier_capacity_bytes", "tier" => TierId::Dram.as_str())
         .set(state.config().dram_capacity.0 as f64);
 
     tasks.push(tokio::spawn(dataplane::serve(data_listener, state.clone(), stop_rx.clone())));
+    if let Some((listener, path)) = samenode {
+        tasks.push(tokio::spawn(samenode::serve(listener, path, state.clone(), stop_rx.clone())));
+    }
 
     // Sweeper: expired sessions release their pins, and slots reserved past their lease timeout
     // are revoked, within a second.
@@ -187,5 +222,5 @@ pub async fn start(
             .add_service(tonic::service::interceptor::InterceptedService::new(service, check_auth))
             .serve_with_incoming_shutdown(incoming, async move { stopped(&mut grpc_stop).await }),
     );
-    Ok(RunningServer { grpc_addr, data_addr, metrics_addr, state, stop, grpc, tasks })
+    Ok(RunningServer { grpc_addr, data_addr, metrics_addr, samenode_path, state, stop, grpc, tasks })
 }

@@ -7,7 +7,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
-use kvtier_proto::{Namespace, NamespaceId};
+use kvtier_proto::dataplane::ItemStatus;
+use kvtier_proto::{FrameHeader, Namespace, NamespaceId, ProtoError, FRAME_FLAG_KEEP_LOSSLESS};
 use parking_lot::{Mutex, RwLock};
 
 use crate::config::ServerConfig;
@@ -253,6 +254,33 @@ impl NodeState {
 
     pub fn namespace(&self, id: &NamespaceId) -> Result<Namespace, ServerError> {
         self.namespaces.read().get(id).cloned().ok_or(ServerError::UnknownNamespace(*id))
+    }
+
+    /// Checks a frame header against its namespace before any payload byte is stored; the header
+    /// to store (a lossless namespace's blocks are flagged so that no tier quantizes them later).
+    /// Both ingest paths (the data plane's `PUT`, the same-node store) use it, per frame, without
+    /// copying the namespace.
+    pub fn admit_frame(&self, h: &FrameHeader) -> Result<FrameHeader, ItemStatus> {
+        let (layout, lossless) = {
+            let map = self.namespaces.read();
+            let ns = map.get(&h.namespace).ok_or(ItemStatus::UnknownNamespace)?;
+            (ns.layout, ns.is_lossless())
+        };
+        if layout != h.layout {
+            return Err(ItemStatus::LayoutMismatch);
+        }
+        if lossless && !kvtier_kernels::is_lossless(h.codec) {
+            return Err(ItemStatus::LossyCodec);
+        }
+        h.check_size().map_err(|e| match e {
+            ProtoError::LossyCodec { .. } => ItemStatus::LossyCodec,
+            _ => ItemStatus::SizeMismatch,
+        })?;
+        let mut stored = *h;
+        if lossless {
+            stored.flags |= FRAME_FLAG_KEEP_LOSSLESS;
+        }
+        Ok(stored)
     }
 
     pub fn namespace_count(&self) -> usize {

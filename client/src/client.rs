@@ -396,6 +396,40 @@ impl KvClient {
         Ok(KvClient { inner: Arc::new(Inner { grpc, pool, cfg, info, batch_blocks }) })
     }
 
+    /// A connection to the server's same-node socket, for loads into and stores from this
+    /// process's [`crate::SharedBuffer`]s. An error ([`ClientError::NotSameNode`]) when the server
+    /// advertises no socket or runs on another host (its boot id is not ours), or the socket
+    /// can't be reached (another container, permissions): the caller falls back to the data
+    /// plane.
+    pub async fn samenode(&self) -> Result<crate::SameNode, ClientError> {
+        let info = &self.inner.info;
+        if info.samenode_socket.is_empty() {
+            return Err(ClientError::NotSameNode("the server advertises no same-node socket".into()));
+        }
+        let ours = crate::samenode::host_id();
+        if ours.is_empty() || ours != info.host_id {
+            return Err(ClientError::NotSameNode(format!(
+                "the server runs on another host (its boot id {:?}, ours {ours:?})",
+                info.host_id
+            )));
+        }
+        let cfg = &self.inner.cfg;
+        crate::SameNode::connect(
+            std::path::Path::new(&info.samenode_socket),
+            cfg.auth_token.as_deref(),
+            cfg.connect_timeout,
+            cfg.request_timeout,
+            info.max_blocks_per_request as usize,
+        )
+        .await
+        .map_err(|e| match e {
+            ClientError::Connect { addr, reason } => {
+                ClientError::NotSameNode(format!("cannot reach the same-node socket {addr}: {reason}"))
+            }
+            other => other,
+        })
+    }
+
     /// What the server said about itself on connect.
     pub fn server_info(&self) -> &pb::InfoResponse {
         &self.inner.info

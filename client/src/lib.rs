@@ -5,6 +5,8 @@
 //!   connections (payloads), with batching and concurrent batches. Data-plane connections are TCP
 //!   to the address the server announces, or come from a [`DataPlaneConnector`]
 //!   ([`KvClient::connect_with`]: a Unix socket, an in-process stream).
+//! - [`SameNode`] ([`KvClient::samenode`]): on the server's host, blocks loaded into and stored
+//!   from this process's own [`SharedBuffer`]s by offset, one copy each way, no payload on a socket.
 //! - [`EngineClient`]: the never-raise wrapper; every error or timeout becomes a [`Miss`].
 //!
 //! ```no_run
@@ -27,6 +29,7 @@ mod conn;
 mod connector;
 mod engine;
 mod error;
+mod samenode;
 
 pub use client::{
     decode_frame, decode_frame_into, BlockDest, ClientConfig, KvClient, NamespaceHandle, ParkOptions, ResumedSession,
@@ -38,3 +41,4 @@ pub use connector::{BoxedStream, ConnectFuture, DataPlaneConnector, DataStream};
 pub use engine::{EngineClient, Loaded, Miss};
 pub use error::ClientError;
 pub use kvtier_proto::dataplane::ItemStatus;
+pub use samenode::{BufferId, SameNode, SharedBuffer};

@@ -170,6 +170,9 @@ pub enum ItemStatus {
     LossyCodec = 9,
     /// Already held (a `PUT` with [`FLAG_REPORT_PRESENT`]): nothing was written.
     Present = 10,
+    /// Same-node path: the item's offset and length fall outside the registered buffer, or the
+    /// block is longer than the room the item gave it.
+    OutOfRange = 11,
 }
 
 impl ItemStatus {
@@ -186,6 +189,7 @@ impl ItemStatus {
             8 => ItemStatus::Internal,
             9 => ItemStatus::LossyCodec,
             10 => ItemStatus::Present,
+            11 => ItemStatus::OutOfRange,
             other => return Err(ProtoError::Malformed(format!("unknown item status {other}"))),
         })
     }
@@ -208,6 +212,7 @@ impl ItemStatus {
             ItemStatus::Internal => "internal error",
             ItemStatus::LossyCodec => "a quantizing codec in a lossless namespace",
             ItemStatus::Present => "already present",
+            ItemStatus::OutOfRange => "offset and length outside the registered buffer (or the item's room)",
         }
     }
 }
@@ -324,7 +329,7 @@ mod tests {
         let mut fixed = [0u8; HELLO_LEN];
         fixed.copy_from_slice(&hello[..HELLO_LEN]);
         assert_eq!(Hello::decode(&fixed).unwrap(), Hello { version: 1, token_len: 3 });
-        for v in 0..=10u8 {
+        for v in 0..=11u8 {
             assert_eq!(ItemStatus::from_u8(v).unwrap() as u8, v);
         }
         assert!(ItemStatus::from_u8(200).is_err());

@@ -8,6 +8,8 @@
 //! - [`BlockFrame`]: a checksummed header + payload; the same bytes travel over the wire, into
 //!   DRAM and onto disk, and every reader verifies them.
 //! - [`dataplane`]: the framed TCP protocol that moves block payloads.
+//! - [`samenode`]: the same-node protocol: buffers registered over a Unix socket, blocks copied
+//!   into and out of them by offset, no payload on the socket.
 //! - [`pb`]: the gRPC control-plane messages and service generated from `proto/kvtier.proto`.
 //! - [`codes`]: stable error codes shown at the service boundary.
 
@@ -18,6 +20,7 @@ mod frame;
 mod key;
 mod layout;
 mod namespace;
+pub mod samenode;
 mod tier;
 
 pub use error::ProtoError;

@@ -1,0 +1,647 @@
+//! The same-node path: clients on this host register buffers of their own shared memory over a
+//! Unix socket (protocol in `kvtier_proto::samenode`) and move blocks by offset into them, one
+//! copy each way, with no payload on the socket.
+//!
+//! - A load looks the block up through the tier stack and copies it from its slot into the
+//!   client's buffer; the answer carries the frame header. With `FLAG_VERIFY` (the client's
+//!   default) it checks the slot's bytes against the frame checksum while they are in cache, so a
+//!   block damaged in memory is reported, never handed over as good.
+//! - A store reserves a DRAM lease, copies the payload from the client's buffer into it and
+//!   verifies the checksum on *that copy* before committing: bytes the client can still change
+//!   are never trusted, so a client racing its own store gets `ChecksumMismatch`, never a stored
+//!   block that fails its checksum.
+//!
+//! Safety of the client's memory:
+//! - Only memfds sealed with `F_SEAL_SHRINK` are accepted, and only when `fstat` shows at least
+//!   the length the client claims; the mapping covers exactly that length. Seals can't be removed,
+//!   so no page the server maps can disappear under it: a truncating client can't SIGBUS the node.
+//! - Every offset + length is bounds-checked against the registered length before a byte moves.
+//! - Buffers are per connection, capped in number ([`MAX_BUFFERS_PER_CONNECTION`]) and bytes
+//!   ([`MAX_BUFFER_BYTES_PER_CONNECTION`]); they are unmapped when the connection ends (or on
+//!   `UNREGISTER`), and the server never touches one after. Requests are served one at a time per
+//!   connection, so no copy outlives its request.
+//! - The server only ever copies blocks into a client's own buffer and reads from it; no client is
+//!   given a mapping of the server's arena or of anything holding other namespaces' blocks.
+//!
+//! The client's memory is shared with a process that may write it at any time, so it is never
+//! seen as a Rust slice: bytes move with raw-pointer copies, and only the server's own copy is
+//! hashed.
+
+use std::collections::{HashMap, VecDeque};
+use std::io::IoSliceMut;
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvtier_proto::dataplane::{HelloReply, ItemStatus, ResponseHeader, Status, FLAG_STOP_AT_MISS};
+use kvtier_proto::samenode::{
+    self as sn, decode_hello, LoadItem, SnOp, SnRequest, StoreItem, FLAG_VERIFY, HELLO_LEN, PROTOCOL_VERSION,
+    REQUEST_LEN,
+};
+use kvtier_proto::{FrameHeader, NamespaceId};
+use memmap2::{MmapOptions, MmapRaw};
+use rustix::fs::SealFlags;
+use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
+use tokio::io::{AsyncWriteExt, Interest};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::{watch, Semaphore};
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::dram::Priority;
+use crate::error::ServerError;
+use crate::metrics::{error, observe};
+use crate::state::NodeState;
+use crate::tiers::Load;
+
+/// Most buffers one connection may have registered at once.
+pub const MAX_BUFFERS_PER_CONNECTION: usize = 64;
+/// Most bytes of buffers one connection may have registered at once (address space the server
+/// maps; the pages are the client's).
+pub const MAX_BUFFER_BYTES_PER_CONNECTION: u64 = 64 << 30;
+/// Most concurrent same-node connections; more wait in the accept backlog.
+pub const MAX_CONNECTIONS: usize = 256;
+/// File descriptors received but not yet claimed by a `REGISTER`; more end the connection.
+const MAX_PENDING_FDS: usize = 4;
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+const READ_BUF: usize = 64 * 1024;
+/// Copy-and-hash step: small enough that the bytes just copied are still in cache when hashed.
+const CHUNK: usize = 64 * 1024;
+
+/// This host's identity: the kernel's boot id (`/proc/sys/kernel/random/boot_id`), which a client
+/// compares with its own to know it is on the same host; empty where unknown.
+pub fn host_id() -> &'static str {
+    static ID: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    ID.get_or_init(|| {
+        std::fs::read_to_string("/proc/sys/kernel/random/boot_id").map(|s| s.trim().to_string()).unwrap_or_default()
+    })
+}
+
+/// Binds the same-node socket at `path` with mode 0600: bound under a temporary name, chmodded,
+/// then renamed into place, so nobody can connect before the mode is set. A stale socket left by
+/// a crashed node at `path` is replaced (the data directory's lock says no live node owns it).
+pub fn bind(path: &Path) -> Result<UnixListener, ServerError> {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    let cfg = |m: String| ServerError::Config(format!("samenode_socket {}: {m}", path.display()));
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if !meta.file_type().is_socket() {
+            return Err(cfg("exists and is not a socket".into()));
+        }
+        std::fs::remove_file(path).map_err(|e| cfg(format!("cannot remove the stale socket: {e}")))?;
+    }
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(format!(".{}.tmp", std::process::id()));
+    let tmp = PathBuf::from(tmp);
+    let _ = std::fs::remove_file(&tmp);
+    let listener = UnixListener::bind(&tmp).map_err(|e| cfg(format!("cannot listen: {e}")))?;
+    let placed = std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600))
+        .and_then(|_| std::fs::rename(&tmp, path));
+    if let Err(e) = placed {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(cfg(format!("cannot set up the socket file: {e}")));
+    }
+    Ok(listener)
+}
+
+/// Accepts same-node connections (at most [`MAX_CONNECTIONS`] at once) until `stop` turns true;
+/// then ends every connection (unmapping their buffers) and removes the socket file at `path`.
+pub async fn serve(listener: UnixListener, path: PathBuf, state: Arc<NodeState>, mut stop: watch::Receiver<bool>) {
+    let permits = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let mut conns = tokio::task::JoinSet::new();
+    loop {
+        let permit = tokio::select! {
+            _ = crate::stopped(&mut stop) => break,
+            p = permits.clone().acquire_owned() => match p {
+                Ok(p) => p,
+                Err(_) => break,
+            },
+        };
+        let accepted = tokio::select! {
+            _ = crate::stopped(&mut stop) => break,
+            a = listener.accept() => a,
+        };
+        let sock = match accepted {
+            Ok((s, _)) => s,
+            Err(e) => {
+                tracing::warn!("same-node accept: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let (state, mut stop) = (state.clone(), stop.clone());
+        conns.spawn(async move {
+            tokio::select! {
+                _ = crate::stopped(&mut stop) => {}
+                res = Conn::new(sock, state).run() => {
+                    if let Err(e) = res {
+                        tracing::debug!("same-node connection closed: {e}");
+                    }
+                }
+            }
+            drop(permit);
+        });
+        while conns.try_join_next().is_some() {}
+    }
+    conns.shutdown().await;
+    drop(listener);
+    let _ = std::fs::remove_file(&path);
+}
+
+/// Why a connection ended early.
+#[derive(Debug, thiserror::Error)]
+enum ConnError {
+    #[error("I/O: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("{0}")]
+    Protocol(String),
+}
+
+/// A client's buffer, mapped shared for as long as it is registered.
+struct Registered {
+    map: MmapRaw,
+    len: u64,
+}
+
+impl Registered {
+    /// Checks `fd` and maps `claimed` bytes of it.
+    fn map(fd: OwnedFd, claimed: u64) -> Result<Registered, String> {
+        if claimed == 0 {
+            return Err("a buffer of 0 bytes".into());
+        }
+        let st = rustix::fs::fstat(&fd).map_err(|e| format!("fstat: {e}"))?;
+        if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
+            return Err("the descriptor is not a memfd".into());
+        }
+        let seals = rustix::fs::fcntl_get_seals(&fd)
+            .map_err(|e| format!("the descriptor is not a sealable memfd (F_GET_SEALS: {e})"))?;
+        if !seals.contains(SealFlags::SHRINK) {
+            return Err("the memfd is not sealed with F_SEAL_SHRINK (a buffer that can shrink under the server \
+                        would crash it); seal it before registering"
+                .into());
+        }
+        let size = u64::try_from(st.st_size).unwrap_or(0);
+        if size < claimed {
+            return Err(format!("the memfd is {size} bytes, smaller than the {claimed} claimed"));
+        }
+        let len = usize::try_from(claimed).map_err(|_| "buffer too large for this host".to_string())?;
+        // Shared and writable: loads land where the client reads them. Populated now, so the
+        // first copy into it doesn't take a page fault per 4 KiB (the client touched its pages
+        // first, so they are charged to it).
+        let map = MmapOptions::new().len(len).populate().map_raw(&fd).map_err(|e| format!("mmap: {e}"))?;
+        Ok(Registered { map, len: claimed })
+    }
+
+    /// The buffer's address at `offset` if `offset + len` lies inside it.
+    fn at(&self, offset: u64, len: u64) -> Option<*mut u8> {
+        let end = offset.checked_add(len)?;
+        if end > self.len {
+            return None;
+        }
+        // SAFETY: `offset + len <= self.len`, the mapped length, so the pointer stays inside
+        // (or one past the end of) the mapping.
+        Some(unsafe { self.map.as_mut_ptr().add(offset as usize) })
+    }
+}
+
+/// The buffers of one connection, unmapped when it drops.
+#[derive(Default)]
+struct Buffers {
+    by_id: HashMap<u32, Registered>,
+    bytes: u64,
+    next_id: u32,
+}
+
+impl Buffers {
+    fn add(&mut self, r: Registered) -> Result<u32, String> {
+        if self.by_id.len() >= MAX_BUFFERS_PER_CONNECTION {
+            return Err(format!("this connection already has {MAX_BUFFERS_PER_CONNECTION} buffers registered"));
+        }
+        if self.bytes + r.len > MAX_BUFFER_BYTES_PER_CONNECTION {
+            return Err(format!(
+                "{} more bytes would pass the {MAX_BUFFER_BYTES_PER_CONNECTION} bytes of buffers one connection may \
+                 register",
+                r.len
+            ));
+        }
+        self.next_id = self.next_id.wrapping_add(1).max(1);
+        while self.by_id.contains_key(&self.next_id) {
+            self.next_id = self.next_id.wrapping_add(1).max(1);
+        }
+        self.bytes += r.len;
+        self.by_id.insert(self.next_id, r);
+        Ok(self.next_id)
+    }
+
+    fn remove(&mut self, id: u32) -> bool {
+        match self.by_id.remove(&id) {
+            Some(r) => {
+                self.bytes -= r.len;
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+struct Conn {
+    sock: UnixStream,
+    state: Arc<NodeState>,
+    rbuf: Vec<u8>,
+    rpos: usize,
+    rend: usize,
+    /// Descriptors received with the bytes, in order, waiting for their `REGISTER`.
+    fds: VecDeque<OwnedFd>,
+    buffers: Buffers,
+    out: Vec<u8>,
+}
+
+impl Conn {
+    fn new(sock: UnixStream, state: Arc<NodeState>) -> Self {
+        Conn {
+            sock,
+            state,
+            rbuf: vec![0u8; READ_BUF],
+            rpos: 0,
+            rend: 0,
+            fds: VecDeque::new(),
+            buffers: Buffers::default(),
+            out: Vec::new(),
+        }
+    }
+
+    /// One `recvmsg` into the read buffer, keeping any descriptors that came with the bytes.
+    /// Returns the number of bytes read (0 at end of stream).
+    async fn fill(&mut self) -> Result<usize, ConnError> {
+        if self.rpos == self.rend {
+            self.rpos = 0;
+            self.rend = 0;
+        }
+        loop {
+            self.sock.readable().await?;
+            let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_PENDING_FDS))];
+            let mut anc = RecvAncillaryBuffer::new(&mut space);
+            let (sock, buf, end) = (&self.sock, &mut self.rbuf, self.rend);
+            let got = sock.try_io(Interest::READABLE, || {
+                let mut iov = [IoSliceMut::new(&mut buf[end..])];
+                rustix::net::recvmsg(sock.as_fd(), &mut iov, &mut anc, RecvFlags::CMSG_CLOEXEC | RecvFlags::DONTWAIT)
+                    .map_err(std::io::Error::from)
+            });
+            let msg = match got {
+                Ok(m) => m,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(e.into()),
+            };
+            for m in anc.drain() {
+                if let RecvAncillaryMessage::ScmRights(fds) = m {
+                    self.fds.extend(fds);
+                }
+            }
+            if self.fds.len() > MAX_PENDING_FDS {
+                error("samenode_fds");
+                return Err(ConnError::Protocol("too many file descriptors sent without a REGISTER".into()));
+            }
+            self.rend += msg.bytes;
+            return Ok(msg.bytes);
+        }
+    }
+
+    /// Reads exactly `n` bytes into `out` (replacing its contents); `false` at a clean end of
+    /// stream before the first byte.
+    async fn read_exact(&mut self, n: usize, out: &mut Vec<u8>) -> Result<bool, ConnError> {
+        out.clear();
+        out.reserve(n);
+        while out.len() < n {
+            if self.rpos == self.rend {
+                if self.fill().await? == 0 {
+                    if out.is_empty() {
+                        return Ok(false);
+                    }
+                    return Err(ConnError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+                }
+                continue;
+            }
+            let k = (n - out.len()).min(self.rend - self.rpos);
+            out.extend_from_slice(&self.rbuf[self.rpos..self.rpos + k]);
+            self.rpos += k;
+        }
+        Ok(true)
+    }
+
+    async fn run(mut self) -> Result<(), ConnError> {
+        self.handshake().await?;
+        let mut head = Vec::with_capacity(REQUEST_LEN);
+        let mut body = Vec::new();
+        let (idle, stall) = (self.state.config().idle_timeout.0, self.state.config().stall_timeout.0);
+        let timed_out = |what: &'static str| {
+            error(what);
+            ConnError::Io(std::io::Error::new(std::io::ErrorKind::TimedOut, what))
+        };
+        loop {
+            // The same budgets as the data plane: `idle_timeout` between requests, `stall_timeout`
+            // for the rest of a request and its answer.
+            let more = tokio::time::timeout(idle, self.read_exact(REQUEST_LEN, &mut head))
+                .await
+                .map_err(|_| timed_out("samenode_idle_timeout"))??;
+            if !more {
+                return Ok(());
+            }
+            let req = match <&[u8; REQUEST_LEN]>::try_from(head.as_slice()).map(SnRequest::decode) {
+                Ok(Ok(r)) => r,
+                Ok(Err(e)) => return self.fatal(head[0], Status::BadRequest, &e.to_string()).await,
+                Err(_) => return self.fatal(head[0], Status::BadRequest, "short request header").await,
+            };
+            let limit = self.state.config().max_blocks_per_request;
+            if req.count > limit {
+                let msg = format!("{} items in one request exceed max_blocks_per_request {limit}", req.count);
+                return self.fatal(req.op as u8, Status::TooLarge, &msg).await;
+            }
+            let whole = tokio::time::timeout(stall, self.read_exact(req.op.body_len(req.count), &mut body))
+                .await
+                .map_err(|_| timed_out("samenode_stall_timeout"))??;
+            if !whole && req.op.body_len(req.count) > 0 {
+                return Err(ConnError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+            }
+            self.out.clear();
+            match req.op {
+                SnOp::Register => self.register(&req, &body),
+                SnOp::Unregister => {
+                    if self.buffers.remove(req.buffer) {
+                        self.answer(sn::ok(SnOp::Unregister, req.request_id, 0));
+                    } else {
+                        self.refuse(&req, Status::BadRequest, &format!("no buffer {} is registered", req.buffer));
+                    }
+                }
+                SnOp::Load => self.load(&req, &body).await,
+                SnOp::Store => self.store(&req, &body).await,
+            }
+            tokio::time::timeout(stall, self.sock.write_all(&self.out))
+                .await
+                .map_err(|_| timed_out("samenode_stall_timeout"))??;
+        }
+    }
+
+    async fn handshake(&mut self) -> Result<(), ConnError> {
+        let deadline = tokio::time::Instant::now() + HELLO_TIMEOUT;
+        let late = || {
+            error("samenode_hello_timeout");
+            ConnError::Protocol("no complete hello within 10 s".into())
+        };
+        let mut h = Vec::new();
+        if !tokio::time::timeout_at(deadline, self.read_exact(HELLO_LEN, &mut h)).await.map_err(|_| late())?? {
+            return Ok(());
+        }
+        let fixed: &[u8; HELLO_LEN] = h.as_slice().try_into().map_err(|_| ConnError::Protocol("short hello".into()))?;
+        let (version, token_len) = match decode_hello(fixed) {
+            Ok(x) => x,
+            Err(e) => return self.hello_fail(Status::BadRequest, &e.to_string()).await,
+        };
+        let mut token = Vec::new();
+        tokio::time::timeout_at(deadline, self.read_exact(token_len as usize, &mut token))
+            .await
+            .map_err(|_| late())??;
+        if version != PROTOCOL_VERSION {
+            let msg = format!("same-node protocol {version} is not supported; this server speaks {PROTOCOL_VERSION}");
+            return self.hello_fail(Status::UnsupportedVersion, &msg).await;
+        }
+        if let Some(expected) = &self.state.config().auth_token {
+            if !constant_time_eq(expected.as_bytes(), &token) {
+                error("unauthenticated");
+                return self.hello_fail(Status::Unauthenticated, "bad or missing auth token").await;
+            }
+        }
+        self.sock.write_all(&HelloReply::encode(Status::Ok, concat!("kvtier ", env!("CARGO_PKG_VERSION")))).await?;
+        Ok(())
+    }
+
+    async fn hello_fail(&mut self, status: Status, msg: &str) -> Result<(), ConnError> {
+        error("samenode_bad_hello");
+        self.sock.write_all(&HelloReply::encode(status, msg)).await?;
+        Err(ConnError::Protocol(msg.to_string()))
+    }
+
+    /// Answers with a request-level error and ends the connection (its framing can't be trusted).
+    async fn fatal(&mut self, op: u8, status: Status, msg: &str) -> Result<(), ConnError> {
+        error("samenode_protocol");
+        self.sock.write_all(&ResponseHeader::error(op, 0, status, msg)).await?;
+        Err(ConnError::Protocol(msg.to_string()))
+    }
+
+    /// Whether `offset + len` lies inside registered buffer `id`.
+    fn fits(&self, id: u32, offset: u64, len: u64) -> bool {
+        self.buffers.by_id.get(&id).is_some_and(|b| b.at(offset, len).is_some())
+    }
+
+    fn answer(&mut self, h: ResponseHeader) {
+        self.out.extend_from_slice(&h.encode());
+    }
+
+    /// A request-level error; the connection goes on (the request's body was read whole).
+    fn refuse(&mut self, req: &SnRequest, status: Status, msg: &str) {
+        error("samenode_refused");
+        tracing::debug!(op = ?req.op, "same-node request refused: {msg}");
+        self.out.extend_from_slice(&ResponseHeader::error(req.op as u8, req.request_id, status, msg));
+    }
+
+    fn register(&mut self, req: &SnRequest, body: &[u8]) {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&body[..8]);
+        let claimed = u64::from_le_bytes(b);
+        // The descriptor came with the request's first byte, which has been read.
+        let Some(fd) = self.fds.pop_front() else {
+            return self.refuse(req, Status::BadRequest, "REGISTER carried no file descriptor (SCM_RIGHTS)");
+        };
+        let registered = Registered::map(fd, claimed).and_then(|r| self.buffers.add(r));
+        match registered {
+            Ok(id) => self.answer(sn::ok(SnOp::Register, req.request_id, id)),
+            Err(msg) => {
+                let status = if msg.contains("already has") || msg.contains("would pass") {
+                    Status::TooLarge
+                } else {
+                    Status::BadRequest
+                };
+                self.refuse(req, status, &format!("buffer refused: {msg}"))
+            }
+        }
+    }
+
+    async fn load(&mut self, req: &SnRequest, body: &[u8]) {
+        let start = Instant::now();
+        let ns: NamespaceId = req.namespace;
+        if !self.state.knows_namespace(&ns) {
+            error("unknown_namespace");
+            return self.refuse(req, Status::UnknownNamespace, &ServerError::UnknownNamespace(ns).to_string());
+        }
+        if !self.buffers.by_id.contains_key(&req.buffer) {
+            return self.refuse(req, Status::BadRequest, &format!("no buffer {} is registered", req.buffer));
+        }
+        let stop_at_miss = req.flags & FLAG_STOP_AT_MISS != 0;
+        let verify = req.flags & FLAG_VERIFY != 0;
+        let n = req.count as usize;
+        let mut statuses = Vec::with_capacity(n);
+        let mut headers = Vec::new();
+        let mut missed = false;
+        for raw in body.chunks_exact(sn::LOAD_ITEM_LEN) {
+            if missed && stop_at_miss {
+                statuses.push(ItemStatus::Miss as u8);
+                continue;
+            }
+            let status = match LoadItem::decode(raw) {
+                Ok(item) if !self.fits(req.buffer, item.offset, item.room) => ItemStatus::OutOfRange,
+                Ok(item) => match self.state.tiers().get(&ns, &item.key).await {
+                    Load::Hit(b) => match self
+                        .buffers
+                        .by_id
+                        .get(&req.buffer)
+                        .and_then(|r| r.at(item.offset, b.payload.len() as u64))
+                    {
+                        Some(dst) if b.payload.len() as u64 <= item.room => {
+                            if copy_out(&b.payload, dst, verify.then_some(b.header.checksum)) {
+                                headers.extend_from_slice(&b.header.encode());
+                                ItemStatus::Ok
+                            } else {
+                                tracing::error!(key = %item.key, "a stored block failed its checksum on a same-node load");
+                                ItemStatus::ChecksumMismatch
+                            }
+                        }
+                        _ => ItemStatus::OutOfRange,
+                    },
+                    Load::Busy | Load::Miss => ItemStatus::Miss,
+                },
+                Err(_) => ItemStatus::BadHeader,
+            };
+            if status != ItemStatus::Ok {
+                missed = true;
+                if status != ItemStatus::Miss {
+                    error(kind(status));
+                }
+            }
+            statuses.push(status as u8);
+            // A long request shares its worker with other connections.
+            tokio::task::coop::consume_budget().await;
+        }
+        self.answer(sn::ok(SnOp::Load, req.request_id, req.count));
+        self.out.extend_from_slice(&statuses);
+        self.out.extend_from_slice(&headers);
+        observe("samenode_load", start);
+    }
+
+    async fn store(&mut self, req: &SnRequest, body: &[u8]) {
+        let start = Instant::now();
+        if !self.buffers.by_id.contains_key(&req.buffer) {
+            return self.refuse(req, Status::BadRequest, &format!("no buffer {} is registered", req.buffer));
+        }
+        let mut statuses = Vec::with_capacity(req.count as usize);
+        for raw in body.chunks_exact(sn::STORE_ITEM_LEN) {
+            let status = self.store_one(req.buffer, raw).await;
+            if !status.is_held() {
+                error(kind(status));
+            }
+            statuses.push(status as u8);
+            tokio::task::coop::consume_budget().await;
+        }
+        self.answer(sn::ok(SnOp::Store, req.request_id, req.count));
+        self.out.extend_from_slice(&statuses);
+        observe("samenode_store", start);
+    }
+
+    async fn store_one(&self, buffer: u32, raw: &[u8]) -> ItemStatus {
+        let Ok((h, offset)) = StoreItem::split(raw) else { return ItemStatus::BadHeader };
+        let Ok(sent) = FrameHeader::decode(h) else { return ItemStatus::BadHeader };
+        let header = match self.state.admit_frame(&sent) {
+            Ok(h) => h,
+            Err(status) => return status,
+        };
+        if header.payload_len > self.state.config().max_frame_bytes.0 {
+            return ItemStatus::SizeMismatch;
+        }
+        if !self.fits(buffer, offset, header.payload_len) {
+            return ItemStatus::OutOfRange;
+        }
+        if self.state.tiers().is_hot(&header.namespace, &header.key) {
+            // Content-addressed: the same key is the same bytes. Skip the copy.
+            return ItemStatus::Present;
+        }
+        self.state.tiers().backpressure().await;
+        let tier = self.state.tiers();
+        let mut slot = match tier.reserve(header.payload_len as usize) {
+            Ok(s) => s,
+            Err(ServerError::Capacity(_) | ServerError::TooLarge { .. }) => return ItemStatus::Capacity,
+            Err(_) => return ItemStatus::Internal,
+        };
+        // Looked up again after the await: the buffer map can't change meanwhile (this
+        // connection serves one request at a time), but the borrow can't cross the await.
+        let Some(src) = self.buffers.by_id.get(&buffer).and_then(|b| b.at(offset, header.payload_len)) else {
+            return ItemStatus::OutOfRange;
+        };
+        if !copy_in_verified(src, slot.buf_mut(), header.checksum) {
+            // `slot` drops here unpublished.
+            return ItemStatus::ChecksumMismatch;
+        }
+        match tier.commit(slot, header, Priority::Normal) {
+            Ok(_) => ItemStatus::Ok,
+            Err(ServerError::Capacity(_) | ServerError::TooLarge { .. }) => ItemStatus::Capacity,
+            Err(_) => ItemStatus::Internal,
+        }
+    }
+}
+
+/// Copies a stored payload to `dst` (a client's buffer). With a `checksum`, chunk by chunk,
+/// hashing each chunk of the *source* right after copying it (still in cache); whether the source
+/// matched it.
+fn copy_out(src: &[u8], dst: *mut u8, checksum: Option<u64>) -> bool {
+    let Some(checksum) = checksum else {
+        // SAFETY: as below, for the whole payload at once.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
+        return true;
+    };
+    let mut h = Xxh3::new();
+    let mut at = 0;
+    for chunk in src.chunks(CHUNK) {
+        // SAFETY: the caller bounds-checked `dst .. dst + src.len()` against a live mapping of the
+        // client's buffer, which is not our memory, so the ranges can't overlap. The client may
+        // write those bytes concurrently; they are written through a raw pointer and never read.
+        unsafe { std::ptr::copy_nonoverlapping(chunk.as_ptr(), dst.add(at), chunk.len()) };
+        h.update(chunk);
+        at += chunk.len();
+    }
+    h.digest() == checksum
+}
+
+/// Copies a payload from `src` (a client's buffer) into `dst` (a reserved slot) chunk by chunk,
+/// hashing each chunk of *our copy* right after it landed; whether our copy matches `checksum`.
+fn copy_in_verified(src: *const u8, dst: &mut [u8], checksum: u64) -> bool {
+    let mut h = Xxh3::new();
+    let mut at = 0;
+    for chunk in dst.chunks_mut(CHUNK) {
+        // SAFETY: the caller bounds-checked `src .. src + dst.len()` against a live mapping of the
+        // client's buffer, which can't overlap our slot. The client may change those bytes while
+        // we copy: only our copy is hashed and kept, so a torn copy fails the checksum.
+        unsafe { std::ptr::copy_nonoverlapping(src.add(at), chunk.as_mut_ptr(), chunk.len()) };
+        h.update(chunk);
+        at += chunk.len();
+    }
+    h.digest() == checksum
+}
+
+fn kind(s: ItemStatus) -> &'static str {
+    match s {
+        ItemStatus::OutOfRange => "samenode_out_of_range",
+        ItemStatus::ChecksumMismatch => "checksum_mismatch",
+        ItemStatus::Capacity => "capacity",
+        ItemStatus::UnknownNamespace => "unknown_namespace",
+        ItemStatus::LayoutMismatch => "layout_mismatch",
+        ItemStatus::LossyCodec => "lossy_codec",
+        ItemStatus::SizeMismatch => "size_mismatch",
+        ItemStatus::BadHeader => "bad_header",
+        ItemStatus::Internal => "internal",
+        ItemStatus::Ok | ItemStatus::Present | ItemStatus::Miss => "ok",
+    }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}

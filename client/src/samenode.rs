@@ -1,0 +1,519 @@
+//! The same-node path: a [`SharedBuffer`] is this process's own shared memory (a sealed memfd),
+//! registered with a server on the same host over its Unix socket (the descriptor passed with
+//! `SCM_RIGHTS`); [`SameNode`] then loads blocks straight into it and stores blocks straight from
+//! it by offset. No payload crosses the socket: the server copies each block once, between its
+//! slot and this buffer, verifying the bytes on its side (protocol: `kvtier_proto::samenode`).
+//!
+//! ```no_run
+//! # async fn demo(client: kvtier_client::KvClient, ns: kvtier_client::NamespaceHandle,
+//! #               keys: Vec<kvtier_proto::BlockKey>) -> Result<(), kvtier_client::ClientError> {
+//! use kvtier_client::SharedBuffer;
+//! let bb = ns.block_bytes();
+//! let mut buf = SharedBuffer::new((keys.len() as u64 * bb) as usize)?;
+//! let mut near = client.samenode().await?; // an error when the server is on another host
+//! near.register(&buf).await?;
+//! let offsets: Vec<u64> = (0..keys.len() as u64).map(|i| i * bb).collect();
+//! // ... the engine writes its blocks into buf.as_mut_slice() ...
+//! near.store_from_buffer(&ns, &keys, &buf, &offsets).await?;
+//! let landed = near.load_into_buffer(&ns, &keys, &mut buf, &offsets, true).await?;
+//! # Ok(()) }
+//! ```
+//!
+//! Contracts: a buffer is registered per connection and stays mapped by the server until
+//! [`SameNode::unregister`] or until the connection closes (dropping the [`SameNode`]); the server
+//! writes into it only while a `load_into_buffer` call that borrows it mutably runs, and reads it
+//! only while a `store_from_buffer` call borrows it. A call that times out leaves the connection
+//! unusable (every later call says so): open a new one.
+
+use std::collections::HashMap;
+use std::io::IoSlice;
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use kvtier_proto::dataplane::{HelloReply, ItemStatus, ResponseHeader, Status};
+use kvtier_proto::samenode::{
+    encode_hello, LoadItem, SnOp, SnRequest, StoreItem, FLAG_STOP_AT_MISS, FLAG_VERIFY, RESPONSE_HEADER_LEN,
+};
+use kvtier_proto::{
+    codes, BlockFrame, BlockKey, CodecId, FrameHeader, NamespaceId, FRAME_FLAG_KEEP_LOSSLESS, FRAME_HEADER_LEN,
+};
+use memmap2::{MmapMut, MmapOptions};
+use rayon::prelude::*;
+use rustix::fs::{MemfdFlags, SealFlags};
+use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
+use tokio::net::UnixStream;
+
+use crate::client::{decode_frame_into, NamespaceHandle};
+use crate::ClientError;
+
+static NEXT_BUFFER: AtomicU64 = AtomicU64::new(1);
+
+/// This process's shared memory for the same-node path: a memfd of fixed size, sealed against
+/// shrinking and growing (so a server that maps it can never fault on a missing page), mapped
+/// shared and touched once at creation (its pages belong to this process).
+pub struct SharedBuffer {
+    map: MmapMut,
+    fd: OwnedFd,
+    uid: u64,
+}
+
+impl SharedBuffer {
+    /// A zeroed buffer of `len` bytes.
+    pub fn new(len: usize) -> Result<Self, ClientError> {
+        if len == 0 {
+            return Err(ClientError::InvalidArgument("a shared buffer of 0 bytes".into()));
+        }
+        let io = |what: &str, e: rustix::io::Errno| ClientError::Io(format!("shared buffer: {what}: {e}"));
+        let fd = rustix::fs::memfd_create("kvtier-buffer", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
+            .map_err(|e| io("memfd_create", e))?;
+        rustix::fs::ftruncate(&fd, len as u64).map_err(|e| io("ftruncate", e))?;
+        rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW).map_err(|e| io("seal", e))?;
+        // SAFETY: the memfd is this process's own, `len` bytes long and sealed so it can't shrink:
+        // the mapping stays backed for its life. Other processes (the server) write it only while
+        // a load borrows this buffer mutably, so no Rust reference observes a concurrent write.
+        let map = unsafe { MmapOptions::new().len(len).populate().map_mut(&fd) }
+            .map_err(|e| ClientError::Io(format!("shared buffer: mmap: {e}")))?;
+        Ok(SharedBuffer { map, fd, uid: NEXT_BUFFER.fetch_add(1, Ordering::Relaxed) })
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        &self.map
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        &mut self.map
+    }
+
+    /// The memfd (to register it yourself with [`SameNode::register_fd`], or to share it).
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
+/// A buffer's id on one same-node connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BufferId(pub u32);
+
+/// One connection to a server's same-node socket (see the module docs). Requests on it run one
+/// at a time (`&mut self`); open one per concurrent stream of work.
+pub struct SameNode {
+    sock: UnixStream,
+    path: PathBuf,
+    timeout: Duration,
+    max_items: usize,
+    next_request: u32,
+    /// `SharedBuffer` uid → (id on this connection, length).
+    registered: HashMap<u64, BufferId>,
+    broken: Option<String>,
+    verify_loads: bool,
+}
+
+impl SameNode {
+    /// Connects to the socket at `path` and says hello. `max_items` bounds the items of one
+    /// request (the server's `max_blocks_per_request`).
+    pub async fn connect(
+        path: &Path,
+        token: Option<&str>,
+        connect_timeout: Duration,
+        request_timeout: Duration,
+        max_items: usize,
+    ) -> Result<Self, ClientError> {
+        let cerr = |reason: String| ClientError::Connect { addr: path.display().to_string(), reason };
+        let hello = async {
+            let mut sock = UnixStream::connect(path).await.map_err(|e| cerr(e.to_string()))?;
+            sock.write_all(&encode_hello(token.unwrap_or("").as_bytes())).await?;
+            let mut r = [0u8; 4];
+            sock.read_exact(&mut r).await?;
+            let (status, msg_len) = HelloReply::decode(&r)?;
+            let mut msg = vec![0u8; msg_len as usize];
+            sock.read_exact(&mut msg).await?;
+            let msg = String::from_utf8_lossy(&msg).into_owned();
+            match status {
+                Status::Ok => Ok(sock),
+                Status::Unauthenticated => Err(ClientError::Unauthenticated(msg)),
+                _ => Err(cerr(msg)),
+            }
+        };
+        let sock =
+            tokio::time::timeout(connect_timeout, hello).await.map_err(|_| ClientError::Timeout(connect_timeout))??;
+        Ok(SameNode {
+            sock,
+            path: path.to_path_buf(),
+            timeout: request_timeout,
+            max_items: max_items.max(1),
+            next_request: 0,
+            registered: HashMap::new(),
+            broken: None,
+            verify_loads: true,
+        })
+    }
+
+    /// Whether the server checks each loaded block against its checksum as it copies it (one
+    /// extra pass over the bytes, in cache). Without it a load is a bare memcpy from a slot
+    /// verified when it was stored. Default: true.
+    pub fn set_verify_loads(&mut self, verify: bool) {
+        self.verify_loads = verify;
+    }
+
+    /// The socket this connection goes to.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Registers `buf` on this connection (idempotent: a buffer registered already keeps its id).
+    pub async fn register(&mut self, buf: &SharedBuffer) -> Result<BufferId, ClientError> {
+        if let Some(id) = self.registered.get(&buf.uid) {
+            return Ok(*id);
+        }
+        let id = self.register_fd(buf.fd(), buf.len() as u64).await?;
+        self.registered.insert(buf.uid, id);
+        Ok(id)
+    }
+
+    /// Registers any memfd, claiming `len` bytes of it. The server refuses a descriptor that is
+    /// not a memfd sealed with `F_SEAL_SHRINK`, one smaller than `len`, and more buffers than
+    /// its per-connection caps allow.
+    pub async fn register_fd(&mut self, fd: BorrowedFd<'_>, len: u64) -> Result<BufferId, ClientError> {
+        let req = self.request(SnOp::Register, 0, 0, 0, NamespaceId([0; 16]));
+        let mut msg = req.encode().to_vec();
+        msg.extend_from_slice(&len.to_le_bytes());
+        let h = guard(&mut self.broken, self.timeout, do_register(&mut self.sock, &msg, fd, req.request_id)).await??;
+        Ok(BufferId(h.count))
+    }
+
+    /// Unregisters `buf`: the server unmaps it.
+    pub async fn unregister(&mut self, buf: &SharedBuffer) -> Result<(), ClientError> {
+        let Some(id) = self.registered.remove(&buf.uid) else {
+            return Err(ClientError::InvalidArgument("the buffer is not registered on this connection".into()));
+        };
+        let req = self.request(SnOp::Unregister, 0, 0, id.0, NamespaceId([0; 16]));
+        let msg = req.encode();
+        guard(&mut self.broken, self.timeout, do_simple(&mut self.sock, &msg, SnOp::Unregister, req.request_id))
+            .await??;
+        Ok(())
+    }
+
+    /// Loads blocks by key straight into `buf`: block `i` lands at `offsets[i]` in the layout's
+    /// dtype (a block stored encoded is decoded in place). True where block `i` landed and was
+    /// verified by the server; false for a miss, an offset outside the buffer (the server says
+    /// `OutOfRange`), or a block that failed its checksum. With `stop_at_miss`, keys after the
+    /// first miss are reported false without being looked up.
+    pub async fn load_into_buffer(
+        &mut self,
+        ns: &NamespaceHandle,
+        keys: &[BlockKey],
+        buf: &mut SharedBuffer,
+        offsets: &[u64],
+        stop_at_miss: bool,
+    ) -> Result<Vec<bool>, ClientError> {
+        if keys.len() != offsets.len() {
+            return Err(ClientError::InvalidArgument(format!("{} keys but {} offsets", keys.len(), offsets.len())));
+        }
+        let id = self.register(buf).await?;
+        let bb = ns.block_bytes();
+        let items: Vec<LoadItem> =
+            keys.iter().zip(offsets).map(|(k, o)| LoadItem { key: *k, offset: *o, room: bb }).collect();
+        let got = self.load_items(ns.id, id, &items, stop_at_miss).await?;
+        let mut ok = Vec::with_capacity(got.len());
+        for (r, item) in got.into_iter().zip(&items) {
+            ok.push(match r {
+                Ok(h) if h.codec == CodecId::RAW => true,
+                // Stored encoded: decoded in place (the encoded bytes are copied out first).
+                Ok(h) => decode_in_place(buf.as_mut_slice(), item.offset, bb, h).is_ok(),
+                Err(_) => false,
+            });
+        }
+        Ok(ok)
+    }
+
+    /// The protocol's `LOAD`: per item, the frame header of the block now at its offset in
+    /// buffer `buffer` (its payload as stored, possibly encoded), or why not. Verified by the
+    /// server unless [`SameNode::set_verify_loads`] turned that off.
+    pub async fn load_items(
+        &mut self,
+        ns: NamespaceId,
+        buffer: BufferId,
+        items: &[LoadItem],
+        stop_at_miss: bool,
+    ) -> Result<Vec<Result<FrameHeader, ItemStatus>>, ClientError> {
+        let mut out = Vec::with_capacity(items.len());
+        let flags = if stop_at_miss { FLAG_STOP_AT_MISS } else { 0 } | if self.verify_loads { FLAG_VERIFY } else { 0 };
+        for batch in items.chunks(self.max_items) {
+            if stop_at_miss && out.iter().any(|r: &Result<FrameHeader, ItemStatus>| r.is_err()) {
+                out.extend(batch.iter().map(|_| Err(ItemStatus::Miss)));
+                continue;
+            }
+            let req = self.request(SnOp::Load, flags, batch.len() as u32, buffer.0, ns);
+            let mut msg = req.encode().to_vec();
+            for it in batch {
+                it.encode_into(&mut msg);
+            }
+            let io = do_load(&mut self.sock, &msg, batch.len(), req.request_id);
+            let got = guard(&mut self.broken, self.timeout, io).await??;
+            out.extend(got);
+        }
+        Ok(out)
+    }
+
+    /// Stores full raw blocks from `buf`: block `i` is the namespace's block size at
+    /// `offsets[i]`, stored under `keys[i]`. One status per block: `Ok`, `Present` (already
+    /// held; nothing was copied), `OutOfRange`, `ChecksumMismatch` (the bytes changed while the
+    /// server copied them), or why else it was refused.
+    pub async fn store_from_buffer(
+        &mut self,
+        ns: &NamespaceHandle,
+        keys: &[BlockKey],
+        buf: &SharedBuffer,
+        offsets: &[u64],
+    ) -> Result<Vec<ItemStatus>, ClientError> {
+        if keys.len() != offsets.len() {
+            return Err(ClientError::InvalidArgument(format!("{} keys but {} offsets", keys.len(), offsets.len())));
+        }
+        if ns.codec() != CodecId::RAW {
+            return Err(ClientError::InvalidArgument(format!(
+                "the same-node store sends raw blocks; this handle encodes with {} (use store_keys)",
+                ns.codec().name()
+            )));
+        }
+        let id = self.register(buf).await?;
+        let layout = ns.namespace.layout;
+        let bb = ns.block_bytes();
+        let flags = if ns.namespace.is_lossless() { FRAME_FLAG_KEEP_LOSSLESS } else { 0 };
+        let bytes = buf.as_slice();
+        let item = |(k, o): (&BlockKey, &u64)| {
+            // An item outside the buffer goes with no checksum: the server answers OutOfRange.
+            let checksum = usize::try_from(*o)
+                .ok()
+                .and_then(|o| bytes.get(o..o.checked_add(bb as usize)?))
+                .map_or(0, xxhash_rust::xxh3::xxh3_64);
+            let header = FrameHeader {
+                codec: CodecId::RAW,
+                tokens: layout.block_tokens,
+                flags,
+                namespace: ns.id,
+                key: *k,
+                layout,
+                payload_len: bb,
+                checksum,
+            };
+            StoreItem { header, offset: *o }
+        };
+        let items: Vec<StoreItem> = if keys.len() > 1 {
+            keys.par_iter().zip(offsets.par_iter()).map(item).collect()
+        } else {
+            keys.iter().zip(offsets).map(item).collect()
+        };
+        self.store_items(id, &items).await
+    }
+
+    /// The protocol's `STORE`: each item's payload is read by the server at its offset in buffer
+    /// `buffer` and checked against its header's checksum after the copy.
+    pub async fn store_items(&mut self, buffer: BufferId, items: &[StoreItem]) -> Result<Vec<ItemStatus>, ClientError> {
+        let mut out = Vec::with_capacity(items.len());
+        for batch in items.chunks(self.max_items) {
+            let req = self.request(SnOp::Store, 0, batch.len() as u32, buffer.0, NamespaceId([0; 16]));
+            let mut msg = req.encode().to_vec();
+            for it in batch {
+                it.encode_into(&mut msg);
+            }
+            let io = do_store(&mut self.sock, &msg, batch.len(), req.request_id);
+            let got = guard(&mut self.broken, self.timeout, io).await??;
+            out.extend(got);
+        }
+        Ok(out)
+    }
+
+    fn request(&mut self, op: SnOp, flags: u16, count: u32, buffer: u32, namespace: NamespaceId) -> SnRequest {
+        self.next_request = self.next_request.wrapping_add(1);
+        SnRequest { op, flags, request_id: self.next_request, count, buffer, namespace }
+    }
+}
+
+/// One answer, or a request-level refusal (the connection still in step).
+type Answer<T> = Result<Result<T, ClientError>, ClientError>;
+
+/// Runs one request/answer exchange under the request timeout. An I/O or framing failure or a
+/// timeout breaks the connection for good (its stream position is unknown); a request-level
+/// refusal (the inner `Err`) leaves it usable.
+async fn guard<T>(
+    broken: &mut Option<String>,
+    t: Duration,
+    io: impl std::future::Future<Output = Answer<T>>,
+) -> Answer<T> {
+    if let Some(why) = broken {
+        return Err(ClientError::Io(format!("same-node connection unusable after an earlier failure ({why})")));
+    }
+    let res = match tokio::time::timeout(t, io).await {
+        Ok(r) => r,
+        Err(_) => Err(ClientError::Timeout(t)),
+    };
+    if let Err(e) = &res {
+        *broken = Some(e.to_string());
+    }
+    res
+}
+
+async fn do_register(s: &mut UnixStream, msg: &[u8], fd: BorrowedFd<'_>, id: u32) -> Answer<ResponseHeader> {
+    send_with_fd(s, msg, fd).await?;
+    read_header(s, SnOp::Register, id).await
+}
+
+async fn do_simple(s: &mut UnixStream, msg: &[u8], op: SnOp, id: u32) -> Answer<ResponseHeader> {
+    s.write_all(msg).await?;
+    read_header(s, op, id).await
+}
+
+async fn do_load(s: &mut UnixStream, msg: &[u8], n: usize, id: u32) -> Answer<Vec<Result<FrameHeader, ItemStatus>>> {
+    s.write_all(msg).await?;
+    let h = match read_header(s, SnOp::Load, id).await? {
+        Ok(h) => h,
+        Err(e) => return Ok(Err(e)),
+    };
+    check_count(&h, n)?;
+    let mut statuses = vec![0u8; n];
+    s.read_exact(&mut statuses).await?;
+    let mut res = Vec::with_capacity(n);
+    let mut fh = [0u8; FRAME_HEADER_LEN];
+    for st in statuses {
+        res.push(match ItemStatus::from_u8(st)? {
+            ItemStatus::Ok => {
+                s.read_exact(&mut fh).await?;
+                Ok(FrameHeader::decode(&fh)?)
+            }
+            other => Err(other),
+        });
+    }
+    Ok(Ok(res))
+}
+
+async fn do_store(s: &mut UnixStream, msg: &[u8], n: usize, id: u32) -> Answer<Vec<ItemStatus>> {
+    s.write_all(msg).await?;
+    let h = match read_header(s, SnOp::Store, id).await? {
+        Ok(h) => h,
+        Err(e) => return Ok(Err(e)),
+    };
+    check_count(&h, n)?;
+    let mut statuses = vec![0u8; n];
+    s.read_exact(&mut statuses).await?;
+    Ok(Ok(statuses.into_iter().map(ItemStatus::from_u8).collect::<Result<Vec<_>, _>>()?))
+}
+
+/// Sends `bytes` with `fd` attached to the first of them (`SCM_RIGHTS`).
+async fn send_with_fd(s: &mut UnixStream, bytes: &[u8], fd: BorrowedFd<'_>) -> Result<(), ClientError> {
+    let sent = loop {
+        s.writable().await?;
+        let fds = [fd];
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut anc = SendAncillaryBuffer::new(&mut space);
+        if !anc.push(SendAncillaryMessage::ScmRights(&fds)) {
+            return Err(ClientError::Io("no room for the descriptor in the control message".into()));
+        }
+        let sock = &*s;
+        let r = sock.try_io(Interest::WRITABLE, || {
+            rustix::net::sendmsg(
+                sock.as_fd(),
+                &[IoSlice::new(bytes)],
+                &mut anc,
+                SendFlags::DONTWAIT | SendFlags::NOSIGNAL,
+            )
+            .map_err(std::io::Error::from)
+        });
+        match r {
+            Ok(n) => break n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e.into()),
+        }
+    };
+    s.write_all(&bytes[sent..]).await?;
+    Ok(())
+}
+
+/// Reads an answer's header: `Ok(Err(..))` for a request-level refusal (its message read, the
+/// connection still in step).
+async fn read_header(s: &mut UnixStream, op: SnOp, id: u32) -> Answer<ResponseHeader> {
+    let mut b = [0u8; RESPONSE_HEADER_LEN];
+    s.read_exact(&mut b).await?;
+    let h = ResponseHeader::decode(&b)?;
+    if h.status != Status::Ok {
+        let mut msg = vec![0u8; h.msg_len as usize];
+        s.read_exact(&mut msg).await?;
+        let message = String::from_utf8_lossy(&msg).into_owned();
+        // Request id 0: the server could not read the request and closed the connection.
+        if h.request_id == 0 {
+            return Err(ClientError::Refused { code: codes::INVALID_REQUEST.into(), message });
+        }
+        return Ok(Err(refusal(h.status, message)));
+    }
+    if h.op != op as u8 || h.request_id != id {
+        return Err(ClientError::Io(format!("answer to {}/{} for request {:?}/{id}", h.op, h.request_id, op)));
+    }
+    Ok(Ok(h))
+}
+
+fn check_count(h: &ResponseHeader, n: usize) -> Result<(), ClientError> {
+    if h.count as usize != n {
+        return Err(ClientError::Io(format!("answer of {} items to a request of {n}", h.count)));
+    }
+    Ok(())
+}
+
+fn refusal(status: Status, message: String) -> ClientError {
+    match status {
+        Status::Unauthenticated => ClientError::Unauthenticated(message),
+        Status::UnknownNamespace => ClientError::UnknownNamespace(message),
+        Status::TooLarge => ClientError::Refused { code: codes::CAPACITY.into(), message },
+        Status::BadRequest | Status::UnsupportedVersion => {
+            ClientError::Refused { code: codes::INVALID_REQUEST.into(), message }
+        }
+        Status::Ok | Status::Internal => ClientError::Refused { code: codes::INTERNAL.into(), message },
+    }
+}
+
+/// Decodes an encoded block that landed at `offset` into `block_bytes` bytes at the same offset.
+fn decode_in_place(buf: &mut [u8], offset: u64, block_bytes: u64, h: FrameHeader) -> Result<(), ClientError> {
+    let range = |len: u64| -> Option<std::ops::Range<usize>> {
+        let start = usize::try_from(offset).ok()?;
+        let end = start.checked_add(usize::try_from(len).ok()?)?;
+        (end <= buf.len()).then_some(start..end)
+    };
+    let bad = || ClientError::InvalidArgument("block outside the buffer".into());
+    let encoded = Bytes::copy_from_slice(&buf[range(h.payload_len).ok_or_else(bad)?]);
+    let out = range(block_bytes).ok_or_else(bad)?;
+    decode_frame_into(&BlockFrame { header: h, payload: encoded }, &mut buf[out])
+}
+
+/// This host's boot id (`/proc/sys/kernel/random/boot_id`), empty where unknown.
+pub(crate) fn host_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id").map(|s| s.trim().to_string()).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_shared_buffer_is_a_sealed_memfd_of_its_size() {
+        let mut b = SharedBuffer::new(3 * 4096 + 5).unwrap();
+        assert_eq!(b.len(), 3 * 4096 + 5);
+        b.as_mut_slice()[12_000] = 7;
+        assert_eq!(b.as_slice()[12_000], 7);
+        let seals = rustix::fs::fcntl_get_seals(b.fd()).unwrap();
+        assert!(seals.contains(SealFlags::SHRINK | SealFlags::GROW));
+        assert!(rustix::fs::ftruncate(b.fd(), 10).is_err(), "a sealed buffer can't shrink");
+        assert!(SharedBuffer::new(0).is_err());
+        assert_ne!(SharedBuffer::new(1).unwrap().uid, b.uid);
+    }
+}

@@ -1,0 +1,243 @@
+//! The same-node protocol: a client on the server's host registers buffers of its own shared
+//! memory (memfds passed with `SCM_RIGHTS` over a Unix socket) and then asks for blocks by
+//! (key → offset in my buffer). Payloads never cross the socket: the server copies a verified
+//! block from its slot into the client's buffer (load), or from the client's buffer into a slot,
+//! verifying its own copy before publishing it (store). Only fixed little-endian headers, keys,
+//! offsets and statuses go over the socket. I/O-free, like [`crate::dataplane`].
+//!
+//! Why a protocol of its own rather than more data-plane ops: registration carries a file
+//! descriptor, which needs `recvmsg` on the raw socket, and a payload-free request/response shape
+//! has nothing in common with the data plane's frame streaming; the data plane's ops stay
+//! available over a Unix socket through `dataplane::serve_unix`.
+//!
+//! A connection opens with a hello ([`encode_hello`]: magic `KVSN`, version, token) answered by
+//! a data-plane [`HelloReply`](crate::dataplane::HelloReply). Then requests, answered in order,
+//! each a [`SnRequest`] (32 bytes) and a body:
+//!
+//! - `REGISTER`: body = the buffer's claimed length (`u64`). The request's first byte carries one
+//!   file descriptor (`SCM_RIGHTS`). Answer: a [`ResponseHeader`] whose `count` is the new
+//!   buffer id, or a request-level error (not a memfd sealed against shrinking, smaller than
+//!   claimed, too many buffers).
+//! - `UNREGISTER`: `buffer` names the buffer; the server unmaps it. Answer: a [`ResponseHeader`].
+//! - `LOAD`: `namespace`, `buffer`, `count` [`LoadItem`]s (key, offset, room). Answer: a
+//!   [`ResponseHeader`], `count` [`ItemStatus`] bytes, then one 128-byte frame header per `Ok`
+//!   item, in order (the block's codec and length; its payload is at the item's offset). With
+//!   [`FLAG_STOP_AT_MISS`] every item after the first one not delivered is a `Miss`, unlooked;
+//!   with [`FLAG_VERIFY`] the server hashes each block as it copies it.
+//! - `STORE`: `buffer`, `count` [`StoreItem`]s (frame header, offset of its payload). Answer: a
+//!   [`ResponseHeader`] and `count` [`ItemStatus`] bytes (`Ok`, `Present` already held, or why
+//!   refused).
+//!
+//! A request-level error is a [`ResponseHeader`] with a non-zero status and a message; since
+//! every body has a length known from its header, the connection keeps serving after one.
+
+pub use crate::dataplane::{ItemStatus, ResponseHeader, Status, FLAG_STOP_AT_MISS, RESPONSE_HEADER_LEN};
+use crate::{BlockKey, FrameHeader, NamespaceId, ProtoError, FRAME_HEADER_LEN, KEY_LEN, NAMESPACE_ID_LEN};
+
+pub const HELLO_MAGIC: [u8; 4] = *b"KVSN";
+pub const PROTOCOL_VERSION: u16 = 1;
+pub const HELLO_LEN: usize = 8;
+pub const REQUEST_LEN: usize = 32;
+/// Bytes of a `REGISTER` body.
+pub const REGISTER_BODY_LEN: usize = 8;
+pub const LOAD_ITEM_LEN: usize = KEY_LEN + 16;
+pub const STORE_ITEM_LEN: usize = FRAME_HEADER_LEN + 8;
+const MARKER: u8 = 0x5A;
+/// `LOAD` flag: the server checks each block's bytes against its checksum as it copies them (a
+/// block damaged in the server's memory becomes `ChecksumMismatch`). Without it the copy is a bare
+/// memcpy from a slot verified when it was stored; the client may verify in its buffer itself.
+pub const FLAG_VERIFY: u16 = 8;
+
+/// The hello's fixed part and the token after it.
+pub fn encode_hello(token: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(HELLO_LEN + token.len());
+    v.extend_from_slice(&HELLO_MAGIC);
+    v.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    v.extend_from_slice(&(token.len().min(u16::MAX as usize) as u16).to_le_bytes());
+    v.extend_from_slice(&token[..token.len().min(u16::MAX as usize)]);
+    v
+}
+
+/// Version and token length of a hello's fixed part.
+pub fn decode_hello(b: &[u8; HELLO_LEN]) -> Result<(u16, u16), ProtoError> {
+    if b[0..4] != HELLO_MAGIC {
+        return Err(ProtoError::Malformed("not a kvtier same-node connection (bad hello magic)".into()));
+    }
+    let token_len = u16::from_le_bytes([b[6], b[7]]);
+    if token_len as usize > crate::dataplane::MAX_TOKEN_LEN {
+        return Err(ProtoError::Malformed(format!("auth token of {token_len} bytes is too long")));
+    }
+    Ok((u16::from_le_bytes([b[4], b[5]]), token_len))
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum SnOp {
+    Register = 16,
+    Unregister = 17,
+    Load = 18,
+    Store = 19,
+}
+
+impl SnOp {
+    pub fn from_u8(v: u8) -> Result<Self, ProtoError> {
+        Ok(match v {
+            16 => SnOp::Register,
+            17 => SnOp::Unregister,
+            18 => SnOp::Load,
+            19 => SnOp::Store,
+            other => return Err(ProtoError::Malformed(format!("unknown same-node op {other}"))),
+        })
+    }
+
+    /// Bytes of body after the header of a request with `count` items.
+    pub fn body_len(self, count: u32) -> usize {
+        match self {
+            SnOp::Register => REGISTER_BODY_LEN,
+            SnOp::Unregister => 0,
+            SnOp::Load => count as usize * LOAD_ITEM_LEN,
+            SnOp::Store => count as usize * STORE_ITEM_LEN,
+        }
+    }
+}
+
+/// Starts every same-node request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SnRequest {
+    pub op: SnOp,
+    /// Bit set of `FLAG_*` ([`FLAG_STOP_AT_MISS`] for `LOAD`).
+    pub flags: u16,
+    pub request_id: u32,
+    /// Items in the body (`LOAD`, `STORE`).
+    pub count: u32,
+    /// The registered buffer the items' offsets point into (`LOAD`, `STORE`, `UNREGISTER`).
+    pub buffer: u32,
+    /// The namespace of a `LOAD` (a `STORE`'s frame headers name their own).
+    pub namespace: NamespaceId,
+}
+
+impl SnRequest {
+    pub fn encode(&self) -> [u8; REQUEST_LEN] {
+        let mut b = [0u8; REQUEST_LEN];
+        b[0] = self.op as u8;
+        b[1] = MARKER;
+        b[2..4].copy_from_slice(&self.flags.to_le_bytes());
+        b[4..8].copy_from_slice(&self.request_id.to_le_bytes());
+        b[8..12].copy_from_slice(&self.count.to_le_bytes());
+        b[12..16].copy_from_slice(&self.buffer.to_le_bytes());
+        b[16..16 + NAMESPACE_ID_LEN].copy_from_slice(&self.namespace.0);
+        b
+    }
+
+    pub fn decode(b: &[u8; REQUEST_LEN]) -> Result<Self, ProtoError> {
+        if b[1] != MARKER {
+            return Err(ProtoError::Malformed("same-node request marker missing (stream out of sync?)".into()));
+        }
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        let mut ns = [0u8; NAMESPACE_ID_LEN];
+        ns.copy_from_slice(&b[16..32]);
+        Ok(SnRequest {
+            op: SnOp::from_u8(b[0])?,
+            flags: u16::from_le_bytes([b[2], b[3]]),
+            request_id: u32_at(4),
+            count: u32_at(8),
+            buffer: u32_at(12),
+            namespace: NamespaceId(ns),
+        })
+    }
+}
+
+/// One block of a `LOAD`: where in the buffer it goes and how many bytes it may take there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoadItem {
+    pub key: BlockKey,
+    pub offset: u64,
+    pub room: u64,
+}
+
+impl LoadItem {
+    pub fn encode_into(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.key.0);
+        out.extend_from_slice(&self.offset.to_le_bytes());
+        out.extend_from_slice(&self.room.to_le_bytes());
+    }
+
+    pub fn decode(b: &[u8]) -> Result<Self, ProtoError> {
+        if b.len() != LOAD_ITEM_LEN {
+            return Err(ProtoError::Malformed(format!("a load item is {LOAD_ITEM_LEN} bytes, got {}", b.len())));
+        }
+        let mut key = [0u8; KEY_LEN];
+        key.copy_from_slice(&b[..KEY_LEN]);
+        let u64_at = |i: usize| {
+            let mut x = [0u8; 8];
+            x.copy_from_slice(&b[i..i + 8]);
+            u64::from_le_bytes(x)
+        };
+        Ok(LoadItem { key: BlockKey(key), offset: u64_at(KEY_LEN), room: u64_at(KEY_LEN + 8) })
+    }
+}
+
+/// One block of a `STORE`: its frame header (checksum included) and where its payload is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoreItem {
+    pub header: FrameHeader,
+    pub offset: u64,
+}
+
+impl StoreItem {
+    pub fn encode_into(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.header.encode());
+        out.extend_from_slice(&self.offset.to_le_bytes());
+    }
+
+    /// The raw header bytes (decoded by the server, so that one bad header is one bad item) and
+    /// the offset.
+    pub fn split(b: &[u8]) -> Result<(&[u8; FRAME_HEADER_LEN], u64), ProtoError> {
+        if b.len() != STORE_ITEM_LEN {
+            return Err(ProtoError::Malformed(format!("a store item is {STORE_ITEM_LEN} bytes, got {}", b.len())));
+        }
+        let (h, o) = b.split_at(FRAME_HEADER_LEN);
+        let h: &[u8; FRAME_HEADER_LEN] = h.try_into().map_err(|_| ProtoError::Malformed("store item header".into()))?;
+        let mut x = [0u8; 8];
+        x.copy_from_slice(o);
+        Ok((h, u64::from_le_bytes(x)))
+    }
+}
+
+/// A successful answer to a same-node request.
+pub fn ok(op: SnOp, request_id: u32, count: u32) -> ResponseHeader {
+    ResponseHeader { op: op as u8, status: Status::Ok, msg_len: 0, request_id, count }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_and_items_round_trip() {
+        let r = SnRequest {
+            op: SnOp::Load,
+            flags: FLAG_STOP_AT_MISS,
+            request_id: 9,
+            count: 2,
+            buffer: 7,
+            namespace: NamespaceId([3; 16]),
+        };
+        assert_eq!(SnRequest::decode(&r.encode()).unwrap(), r);
+        let mut bad = r.encode();
+        bad[1] = 0;
+        assert!(SnRequest::decode(&bad).is_err());
+        bad = r.encode();
+        bad[0] = 2;
+        assert!(SnRequest::decode(&bad).is_err(), "a data-plane op is not a same-node op");
+        let item = LoadItem { key: BlockKey([5; 32]), offset: 1 << 40, room: 4096 };
+        let mut v = Vec::new();
+        item.encode_into(&mut v);
+        assert_eq!(v.len(), SnOp::Load.body_len(1));
+        assert_eq!(LoadItem::decode(&v).unwrap(), item);
+        assert!(LoadItem::decode(&v[1..]).is_err());
+        let (ver, tl) = decode_hello(encode_hello(b"tok")[..HELLO_LEN].try_into().unwrap()).unwrap();
+        assert_eq!((ver, tl), (PROTOCOL_VERSION, 3));
+        assert!(decode_hello(b"KVDP\x01\x00\x00\x00").is_err(), "a data-plane hello is refused");
+    }
+}

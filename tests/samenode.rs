@@ -1,0 +1,317 @@
+//! The same-node path against real in-process nodes (`kvtier_server::start` on a temp dir, its
+//! same-node socket at `<data_dir>/kvtier.sock`): round trips through registered buffers, and
+//! every kind of bad input — offsets out of range, unsealed or short memfds, too many buffers, a
+//! client that dies mid-request, bytes changed under a store — answered clearly while the node
+//! keeps serving.
+
+use std::os::fd::AsFd;
+use std::time::{Duration, Instant};
+
+use kvtier_client::{ClientError, ItemStatus, KvClient, NamespaceHandle, SharedBuffer};
+use kvtier_proto::codes;
+use kvtier_proto::samenode::{encode_hello, LoadItem, SnOp, SnRequest, StoreItem};
+use kvtier_proto::{BlockKey, CodecId, FrameHeader};
+use kvtier_server::samenode::MAX_BUFFERS_PER_CONNECTION;
+use kvtier_tests::harness::{Cluster, Transport};
+use kvtier_tests::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+async fn setup() -> (Cluster, KvClient, NamespaceHandle) {
+    let cluster = Cluster::start_with(1, Transport::Duplex, |_, _| {}).await;
+    let client = cluster.link(0).await.client;
+    let h = client.register(namespace("near", b"n", small_layout())).await.expect("register");
+    (cluster, client, h)
+}
+
+/// `n` blocks of the namespace written into a new buffer back to back; their keys and offsets.
+fn filled(h: &NamespaceHandle, seed: u32, n: usize) -> (SharedBuffer, Vec<BlockKey>, Vec<u64>) {
+    let bb = h.block_bytes();
+    let keys = h.keys(&tokens(seed, n * h.block_tokens()));
+    let mut buf = SharedBuffer::new(n * bb as usize).unwrap();
+    for (i, k) in keys.iter().enumerate() {
+        buf.as_mut_slice()[i * bb as usize..(i + 1) * bb as usize].copy_from_slice(&payload_for(k, bb));
+    }
+    let offsets = (0..n as u64).map(|i| i * bb).collect();
+    (buf, keys, offsets)
+}
+
+fn is_refusal(e: &ClientError, code: &str, words: &str) -> bool {
+    matches!(e, ClientError::Refused { code: c, message } if c == code && message.contains(words))
+}
+
+/// How many mappings of a kvtier shared buffer this process holds (the client's and, the
+/// server being in process, the server's).
+fn buffer_mappings() -> usize {
+    std::fs::read_to_string("/proc/self/maps").unwrap().lines().filter(|l| l.contains("memfd:kvtier-buffer")).count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stored_from_a_buffer_and_loaded_into_another_the_bytes_are_equal() {
+    let (cluster, client, h) = setup().await;
+    let path = cluster.node(0).server.samenode_path.clone().expect("the node has a same-node socket");
+    assert_eq!(client.server_info().samenode_socket, path.display().to_string());
+    assert!(!client.server_info().host_id.is_empty());
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
+
+    let mut near = client.samenode().await.expect("same host: the same-node path opens");
+    let (src, keys, offsets) = filled(&h, 1, 4);
+    let st = near.store_from_buffer(&h, &keys, &src, &offsets).await.unwrap();
+    assert_eq!(st, vec![ItemStatus::Ok; 4]);
+    assert_eq!(near.store_from_buffer(&h, &keys, &src, &offsets).await.unwrap(), vec![ItemStatus::Present; 4]);
+
+    // Loaded into another buffer, in reverse order and shifted by 100 bytes.
+    let bb = h.block_bytes();
+    let mut dst = SharedBuffer::new(5 * bb as usize).unwrap();
+    let at: Vec<u64> = (0..4u64).map(|i| 100 + (3 - i) * bb).collect();
+    assert_eq!(near.load_into_buffer(&h, &keys, &mut dst, &at, false).await.unwrap(), vec![true; 4]);
+    for (k, o) in keys.iter().zip(&at) {
+        assert_eq!(&dst.as_slice()[*o as usize..(*o + bb) as usize], &payload_for(k, bb)[..]);
+    }
+    // The data plane sees the same blocks.
+    let over_tcp = client.load_keys(&h, &keys).await.unwrap();
+    assert_eq!(over_tcp.len(), 4);
+    cluster.stop().await;
+    assert!(!path.exists(), "the socket file is removed when the node stops");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn misses_are_reported_and_stop_at_miss_ends_the_prefix() {
+    let (cluster, client, h) = setup().await;
+    let mut near = client.samenode().await.unwrap();
+    let (src, keys, offsets) = filled(&h, 2, 3);
+    // Blocks 0 and 2 stored, 1 not.
+    let st = near.store_from_buffer(&h, &[keys[0], keys[2]], &src, &[offsets[0], offsets[2]]).await.unwrap();
+    assert_eq!(st, vec![ItemStatus::Ok; 2]);
+    let mut dst = SharedBuffer::new(src.len()).unwrap();
+    assert_eq!(near.load_into_buffer(&h, &keys, &mut dst, &offsets, false).await.unwrap(), vec![true, false, true]);
+    assert_eq!(near.load_into_buffer(&h, &keys, &mut dst, &offsets, true).await.unwrap(), vec![true, false, false]);
+    cluster.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn offsets_out_of_range_are_refused_per_item_and_the_connection_goes_on() {
+    let (cluster, client, h) = setup().await;
+    let mut near = client.samenode().await.unwrap();
+    let bb = h.block_bytes();
+    let (src, keys, offsets) = filled(&h, 3, 2);
+    let id = near.register(&src).await.unwrap();
+    // Store: the second item's block would end one byte past the buffer; an offset near u64::MAX
+    // must not wrap around.
+    let header = |i: usize| FrameHeader {
+        codec: CodecId::RAW,
+        tokens: h.namespace.layout.block_tokens,
+        flags: 0,
+        namespace: h.id,
+        key: keys[i],
+        layout: h.namespace.layout,
+        payload_len: bb,
+        checksum: xxhash_rust::xxh3::xxh3_64(&src.as_slice()[offsets[i] as usize..(offsets[i] + bb) as usize]),
+    };
+    let items = [
+        StoreItem { header: header(0), offset: 0 },
+        StoreItem { header: header(1), offset: bb + 1 },
+        StoreItem { header: header(1), offset: u64::MAX - 10 },
+    ];
+    assert_eq!(
+        near.store_items(id, &items).await.unwrap(),
+        vec![ItemStatus::Ok, ItemStatus::OutOfRange, ItemStatus::OutOfRange]
+    );
+    // Load: outside the buffer, a room smaller than the block, and a good one after them.
+    let loads = [
+        LoadItem { key: keys[0], offset: 2 * bb - 10, room: bb },
+        LoadItem { key: keys[0], offset: 0, room: bb - 1 },
+        LoadItem { key: keys[0], offset: bb, room: bb },
+    ];
+    let got = near.load_items(h.id, id, &loads, false).await.unwrap();
+    assert_eq!(got[0], Err(ItemStatus::OutOfRange));
+    assert_eq!(got[1], Err(ItemStatus::OutOfRange));
+    assert_eq!(got[2].as_ref().map(|fh| fh.key), Ok(keys[0]));
+    // The high-level call answers false for a bad offset and still serves the good one.
+    let mut dst = SharedBuffer::new(2 * bb as usize).unwrap();
+    let landed = near.load_into_buffer(&h, &[keys[0], keys[0]], &mut dst, &[bb + 1, 0], false).await.unwrap();
+    assert_eq!(landed, vec![false, true]);
+    assert_eq!(&dst.as_slice()[..bb as usize], &payload_for(&keys[0], bb)[..]);
+    // An unknown buffer id is a request-level refusal; the connection still serves.
+    let e = near.load_items(h.id, kvtier_client::BufferId(999), &loads[2..], false).await.unwrap_err();
+    assert!(is_refusal(&e, codes::INVALID_REQUEST, "no buffer 999"), "{e}");
+    assert!(near.load_items(h.id, id, &loads[2..], false).await.unwrap()[0].is_ok());
+    cluster.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unsealed_short_and_non_memfd_descriptors_are_refused() {
+    use rustix::fs::{MemfdFlags, SealFlags};
+    let (cluster, client, h) = setup().await;
+    let mut near = client.samenode().await.unwrap();
+
+    let unsealed = rustix::fs::memfd_create("t", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).unwrap();
+    rustix::fs::ftruncate(&unsealed, 1 << 20).unwrap();
+    let e = near.register_fd(unsealed.as_fd(), 1 << 20).await.unwrap_err();
+    assert!(is_refusal(&e, codes::INVALID_REQUEST, "F_SEAL_SHRINK"), "{e}");
+
+    // Sealed against growing only: still refused (it can shrink).
+    rustix::fs::fcntl_add_seals(&unsealed, SealFlags::GROW).unwrap();
+    let e = near.register_fd(unsealed.as_fd(), 1 << 20).await.unwrap_err();
+    assert!(is_refusal(&e, codes::INVALID_REQUEST, "F_SEAL_SHRINK"), "{e}");
+
+    let short = SharedBuffer::new(4096).unwrap();
+    let e = near.register_fd(short.fd(), 8192).await.unwrap_err();
+    assert!(is_refusal(&e, codes::INVALID_REQUEST, "smaller than the 8192 claimed"), "{e}");
+
+    let file = tempfile::tempfile().unwrap();
+    file.set_len(4096).unwrap();
+    let e = near.register_fd(file.as_fd(), 4096).await.unwrap_err();
+    assert!(is_refusal(&e, codes::INVALID_REQUEST, "memfd"), "{e}");
+
+    // The same connection registers a good buffer and moves blocks after all that.
+    let (src, keys, offsets) = filled(&h, 4, 1);
+    assert_eq!(near.store_from_buffer(&h, &keys, &src, &offsets).await.unwrap(), vec![ItemStatus::Ok]);
+    cluster.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_buffers_than_the_cap_are_refused_and_they_die_with_the_connection() {
+    let (cluster, client, _h) = setup().await;
+    let before = buffer_mappings();
+    let mut near = client.samenode().await.unwrap();
+    let bufs: Vec<SharedBuffer> = (0..=MAX_BUFFERS_PER_CONNECTION).map(|_| SharedBuffer::new(4096).unwrap()).collect();
+    for b in &bufs[..MAX_BUFFERS_PER_CONNECTION] {
+        near.register(b).await.unwrap();
+    }
+    let e = near.register(&bufs[MAX_BUFFERS_PER_CONNECTION]).await.unwrap_err();
+    assert!(is_refusal(&e, codes::CAPACITY, "already has 64 buffers"), "{e}");
+    // One unregistered makes room for one more.
+    near.unregister(&bufs[0]).await.unwrap();
+    near.register(&bufs[MAX_BUFFERS_PER_CONNECTION]).await.unwrap();
+    // Each buffer is mapped twice in this process: by its owner and by the in-process server.
+    assert_eq!(buffer_mappings(), before + 2 * bufs.len() - 1);
+    drop(near);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while buffer_mappings() != before + bufs.len() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(buffer_mappings(), before + bufs.len(), "the server unmapped every buffer of the closed connection");
+    cluster.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_dies_mid_request_costs_nobody_else() {
+    let (cluster, client, h) = setup().await;
+    let path = cluster.node(0).server.samenode_path.clone().unwrap();
+    let (src, keys, offsets) = filled(&h, 5, 2);
+    let mut other = client.samenode().await.unwrap();
+    assert_eq!(other.store_from_buffer(&h, &keys, &src, &offsets).await.unwrap(), vec![ItemStatus::Ok; 2]);
+
+    // A raw client: hello, then half a LOAD request, then gone.
+    for cut in [1usize, 20, 40] {
+        let mut s = tokio::net::UnixStream::connect(&path).await.unwrap();
+        s.write_all(&encode_hello(b"")).await.unwrap();
+        let mut reply = [0u8; 4];
+        s.read_exact(&mut reply).await.unwrap();
+        assert_eq!(reply[0], 0, "hello accepted");
+        let req = SnRequest { op: SnOp::Load, flags: 0, request_id: 1, count: 2, buffer: 1, namespace: h.id };
+        let mut msg = req.encode().to_vec();
+        LoadItem { key: keys[0], offset: 0, room: 1 }.encode_into(&mut msg);
+        s.write_all(&msg[..cut.min(msg.len())]).await.unwrap();
+        drop(s);
+    }
+    // A SameNode dropped while its store is in flight.
+    let (src2, keys2, offsets2) = filled(&h, 6, 8);
+    let mut doomed = client.samenode().await.unwrap();
+    let h2 = h.clone();
+    let task = tokio::spawn(async move { doomed.store_from_buffer(&h2, &keys2, &src2, &offsets2).await });
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    task.abort();
+    let _ = task.await;
+
+    // Everyone else is served as before, on old and new connections.
+    let mut dst = SharedBuffer::new(src.len()).unwrap();
+    assert_eq!(other.load_into_buffer(&h, &keys, &mut dst, &offsets, true).await.unwrap(), vec![true; 2]);
+    assert_eq!(dst.as_slice(), src.as_slice());
+    let mut fresh = client.samenode().await.unwrap();
+    assert_eq!(fresh.load_into_buffer(&h, &keys, &mut dst, &offsets, true).await.unwrap(), vec![true; 2]);
+    cluster.stop().await;
+}
+
+/// Bytes the client changes after it computed the checksum never become a stored block: the
+/// server verifies its own copy. A writer racing the copies can't produce a stored block that
+/// fails its checksum either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bytes_changed_under_a_store_never_make_a_bad_block() {
+    let (cluster, client, h) = setup().await;
+    let mut near = client.samenode().await.unwrap();
+    let bb = h.block_bytes();
+    let (mut src, keys, _) = filled(&h, 7, 1);
+    let id = near.register(&src).await.unwrap();
+    let header = FrameHeader {
+        codec: CodecId::RAW,
+        tokens: h.namespace.layout.block_tokens,
+        flags: 0,
+        namespace: h.id,
+        key: keys[0],
+        layout: h.namespace.layout,
+        payload_len: bb,
+        checksum: xxhash_rust::xxh3::xxh3_64(src.as_slice()),
+    };
+    src.as_mut_slice()[1000] ^= 0x40;
+    assert_eq!(
+        near.store_items(id, &[StoreItem { header, offset: 0 }]).await.unwrap(),
+        vec![ItemStatus::ChecksumMismatch]
+    );
+    assert_eq!(client.exists_keys(&h, &keys).await.unwrap(), vec![false], "nothing of it was kept");
+    src.as_mut_slice()[1000] ^= 0x40;
+    assert_eq!(near.store_items(id, &[StoreItem { header, offset: 0 }]).await.unwrap(), vec![ItemStatus::Ok]);
+
+    // A second mapping of the buffer, written by a thread while blocks are stored from it.
+    let (src, keys, offsets) = filled(&h, 8, 16);
+    // SAFETY: a second view of this test's own memfd; only the racing thread writes through it,
+    // and the test reads the buffer only through the server's answers.
+    let mut racer = unsafe { memmap2::MmapOptions::new().len(src.len()).map_mut(&src.fd()) }.unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let s2 = stop.clone();
+    let writer = std::thread::spawn(move || {
+        let mut i = 0usize;
+        while !s2.load(std::sync::atomic::Ordering::Relaxed) {
+            let n = racer.len();
+            racer[(i * 4099) % n] ^= 1;
+            i += 1;
+        }
+    });
+    let mut statuses = Vec::new();
+    for _ in 0..4 {
+        statuses.extend(near.store_from_buffer(&h, &keys, &src, &offsets).await.unwrap());
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    writer.join().unwrap();
+    assert!(statuses.iter().all(|s| matches!(s, ItemStatus::Ok | ItemStatus::Present | ItemStatus::ChecksumMismatch)));
+    // Whatever was stored loads back whole: its bytes hash to its header's checksum.
+    let dst = SharedBuffer::new(src.len()).unwrap();
+    let dst_id = near.register(&dst).await.unwrap();
+    let items: Vec<LoadItem> =
+        keys.iter().zip(&offsets).map(|(k, o)| LoadItem { key: *k, offset: *o, room: bb }).collect();
+    let got = near.load_items(h.id, dst_id, &items, false).await.unwrap();
+    for (i, (r, o)) in got.iter().zip(&offsets).enumerate() {
+        let held = statuses.iter().skip(i).step_by(keys.len()).any(|s| s.is_held());
+        assert_eq!(r.is_ok(), held, "block {i}: loadable exactly when a store of it was acknowledged");
+        if let Ok(fh) = r {
+            let bytes = &dst.as_slice()[*o as usize..(*o + bb) as usize];
+            assert_eq!(xxhash_rust::xxh3::xxh3_64(bytes), fh.checksum, "a stored block matches its checksum");
+        }
+    }
+    cluster.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_without_a_socket_says_so() {
+    let cluster = Cluster::start_with(1, Transport::Duplex, |_, c| c.samenode_socket = "off".into()).await;
+    let client = cluster.link(0).await.client;
+    assert!(cluster.node(0).server.samenode_path.is_none());
+    assert_eq!(client.server_info().samenode_socket, "");
+    match client.samenode().await {
+        Err(ClientError::NotSameNode(why)) => assert!(why.contains("no same-node socket"), "{why}"),
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("a node without a socket opened a same-node connection"),
+    }
+    cluster.stop().await;
+}
