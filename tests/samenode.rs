@@ -41,8 +41,22 @@ fn is_refusal(e: &ClientError, code: &str, words: &str) -> bool {
 
 /// How many mappings of a kvtier shared buffer this process holds (the client's and, the
 /// server being in process, the server's).
-fn buffer_mappings() -> usize {
-    std::fs::read_to_string("/proc/self/maps").unwrap().lines().filter(|l| l.contains("memfd:kvtier-buffer")).count()
+/// Mappings in this process of these buffers' memfds (by inode, so buffers other tests create
+/// and drop meanwhile don't count).
+fn mappings_of(bufs: &[SharedBuffer]) -> usize {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::MetadataExt;
+    let inodes: std::collections::HashSet<String> = bufs
+        .iter()
+        .map(|b| std::fs::metadata(format!("/proc/self/fd/{}", b.fd().as_raw_fd())).unwrap().ino().to_string())
+        .collect();
+    std::fs::read_to_string("/proc/self/maps")
+        .unwrap()
+        .lines()
+        .filter(|l| {
+            l.contains("memfd:kvtier-buffer") && l.split_whitespace().nth(4).is_some_and(|i| inodes.contains(i))
+        })
+        .count()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -173,7 +187,6 @@ async fn unsealed_short_and_non_memfd_descriptors_are_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn more_buffers_than_the_cap_are_refused_and_they_die_with_the_connection() {
     let (cluster, client, _h) = setup().await;
-    let before = buffer_mappings();
     let mut near = client.samenode().await.unwrap();
     let bufs: Vec<SharedBuffer> = (0..=MAX_BUFFERS_PER_CONNECTION).map(|_| SharedBuffer::new(4096).unwrap()).collect();
     for b in &bufs[..MAX_BUFFERS_PER_CONNECTION] {
@@ -185,13 +198,13 @@ async fn more_buffers_than_the_cap_are_refused_and_they_die_with_the_connection(
     near.unregister(&bufs[0]).await.unwrap();
     near.register(&bufs[MAX_BUFFERS_PER_CONNECTION]).await.unwrap();
     // Each buffer is mapped twice in this process: by its owner and by the in-process server.
-    assert_eq!(buffer_mappings(), before + 2 * bufs.len() - 1);
+    assert_eq!(mappings_of(&bufs), 2 * bufs.len() - 1);
     drop(near);
     let deadline = Instant::now() + Duration::from_secs(5);
-    while buffer_mappings() != before + bufs.len() && Instant::now() < deadline {
+    while mappings_of(&bufs) != bufs.len() && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert_eq!(buffer_mappings(), before + bufs.len(), "the server unmapped every buffer of the closed connection");
+    assert_eq!(mappings_of(&bufs), bufs.len(), "the server unmapped every buffer of the closed connection");
     cluster.stop().await;
 }
 
