@@ -31,7 +31,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, B
 use tokio::net::TcpListener;
 #[cfg(unix)]
 use tokio::net::UnixListener;
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::watch;
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::deadline::Deadlined;
@@ -77,11 +77,11 @@ where
     R: AsyncRead + Unpin + Send + 'static,
     W: AsyncWrite + Unpin + Send + 'static,
 {
-    serve_halves(r, w, state, stop, "stream").await
+    serve_halves(r, w, state, stop, "stream".to_string()).await
 }
 
 /// Runs one connection over a read half and a write half until it ends or `stop` turns true.
-async fn serve_halves<R, W>(r: R, w: W, state: Arc<NodeState>, mut stop: watch::Receiver<bool>, peer: &str)
+async fn serve_halves<R, W>(r: R, w: W, state: Arc<NodeState>, mut stop: watch::Receiver<bool>, peer: String)
 where
     R: AsyncRead + Unpin + Send,
     W: AsyncWrite + Unpin + Send,
@@ -128,37 +128,15 @@ impl Accept for UnixListener {
 
 /// Accepts connections (at most [`MAX_CONNECTIONS`] at once) until `stop` turns true; then ends
 /// every connection before returning.
-async fn accept_loop<L: Accept>(listener: L, state: Arc<NodeState>, mut stop: watch::Receiver<bool>) {
-    let permits = Arc::new(Semaphore::new(MAX_CONNECTIONS));
-    let mut conns = tokio::task::JoinSet::new();
-    loop {
-        let permit = tokio::select! {
-            _ = crate::stopped(&mut stop) => break,
-            p = permits.clone().acquire_owned() => match p {
-                Ok(p) => p,
-                Err(_) => break,
-            },
-        };
-        let accepted = tokio::select! {
-            _ = crate::stopped(&mut stop) => break,
-            a = listener.accept_split() => a,
-        };
-        let (r, w, peer) = match accepted {
-            Ok(x) => x,
-            Err(e) => {
-                tracing::warn!("data plane accept: {e}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        let (state, stop) = (state.clone(), stop.clone());
-        conns.spawn(async move {
-            serve_halves(r, w, state, stop, &peer).await;
-            drop(permit);
-        });
-        while conns.try_join_next().is_some() {}
-    }
-    conns.shutdown().await;
+async fn accept_loop<L: Accept>(listener: L, state: Arc<NodeState>, stop: watch::Receiver<bool>) {
+    crate::accept_bounded(
+        "data plane",
+        MAX_CONNECTIONS,
+        stop,
+        || listener.accept_split(),
+        |(r, w, peer), stop| serve_halves(r, w, state.clone(), stop, peer),
+    )
+    .await
 }
 
 /// Why a connection ended early.

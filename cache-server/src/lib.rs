@@ -66,6 +66,54 @@ pub(crate) async fn stopped(stop: &mut watch::Receiver<bool>) {
     let _ = stop.wait_for(|s| *s).await;
 }
 
+/// The accept loop of every listener: takes connections from `accept` while fewer than `max` are
+/// being served (more wait in the kernel's backlog) and runs `serve` on each until `stop` turns
+/// true; then ends every connection before returning. A failed accept (out of descriptors) backs
+/// off instead of spinning.
+pub(crate) async fn accept_bounded<C, A, F, S, G>(
+    what: &'static str,
+    max: usize,
+    mut stop: watch::Receiver<bool>,
+    mut accept: A,
+    serve: S,
+) where
+    A: FnMut() -> F,
+    F: std::future::Future<Output = std::io::Result<C>>,
+    S: Fn(C, watch::Receiver<bool>) -> G,
+    G: std::future::Future<Output = ()> + Send + 'static,
+{
+    let permits = Arc::new(tokio::sync::Semaphore::new(max));
+    let mut conns = tokio::task::JoinSet::new();
+    loop {
+        let permit = tokio::select! {
+            _ = stopped(&mut stop) => break,
+            p = permits.clone().acquire_owned() => match p {
+                Ok(p) => p,
+                Err(_) => break,
+            },
+        };
+        let accepted = tokio::select! {
+            _ = stopped(&mut stop) => break,
+            a = accept() => a,
+        };
+        let conn = match accepted {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!("{what} accept: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let task = serve(conn, stop.clone());
+        conns.spawn(async move {
+            task.await;
+            drop(permit);
+        });
+        while conns.try_join_next().is_some() {}
+    }
+    conns.shutdown().await;
+}
+
 impl RunningServer {
     /// Runs until the gRPC server stops.
     pub async fn wait(&mut self) -> Result<(), ServerError> {

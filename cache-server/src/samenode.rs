@@ -46,7 +46,7 @@ use rustix::fs::SealFlags;
 use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
 use tokio::io::{AsyncWriteExt, Interest};
 use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::watch;
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::dram::Priority;
@@ -106,44 +106,27 @@ pub fn bind(path: &Path) -> Result<UnixListener, ServerError> {
 
 /// Accepts same-node connections (at most [`MAX_CONNECTIONS`] at once) until `stop` turns true;
 /// then ends every connection (unmapping their buffers) and removes the socket file at `path`.
-pub async fn serve(listener: UnixListener, path: PathBuf, state: Arc<NodeState>, mut stop: watch::Receiver<bool>) {
-    let permits = Arc::new(Semaphore::new(MAX_CONNECTIONS));
-    let mut conns = tokio::task::JoinSet::new();
-    loop {
-        let permit = tokio::select! {
-            _ = crate::stopped(&mut stop) => break,
-            p = permits.clone().acquire_owned() => match p {
-                Ok(p) => p,
-                Err(_) => break,
-            },
-        };
-        let accepted = tokio::select! {
-            _ = crate::stopped(&mut stop) => break,
-            a = listener.accept() => a,
-        };
-        let sock = match accepted {
-            Ok((s, _)) => s,
-            Err(e) => {
-                tracing::warn!("same-node accept: {e}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        let (state, mut stop) = (state.clone(), stop.clone());
-        conns.spawn(async move {
-            tokio::select! {
-                _ = crate::stopped(&mut stop) => {}
-                res = Conn::new(sock, state).run() => {
-                    if let Err(e) = res {
-                        tracing::debug!("same-node connection closed: {e}");
+pub async fn serve(listener: UnixListener, path: PathBuf, state: Arc<NodeState>, stop: watch::Receiver<bool>) {
+    crate::accept_bounded(
+        "same-node",
+        MAX_CONNECTIONS,
+        stop,
+        || async { listener.accept().await.map(|(sock, _)| sock) },
+        |sock, mut stop| {
+            let state = state.clone();
+            async move {
+                tokio::select! {
+                    _ = crate::stopped(&mut stop) => {}
+                    res = Conn::new(sock, state).run() => {
+                        if let Err(e) = res {
+                            tracing::debug!("same-node connection closed: {e}");
+                        }
                     }
                 }
             }
-            drop(permit);
-        });
-        while conns.try_join_next().is_some() {}
-    }
-    conns.shutdown().await;
+        },
+    )
+    .await;
     drop(listener);
     let _ = std::fs::remove_file(&path);
 }
