@@ -73,6 +73,45 @@ pub struct ServerConfig {
     /// path is too long for a socket), `"off"`, or a path. Created with mode 0600, removed on stop.
     /// Default: `auto`.
     pub samenode_socket: String,
+    /// Tenants as principals (`[[tenants]]` tables, see [`TenantConfig`]): each credential belongs
+    /// to one tenant, which reaches only the namespaces it registered (`tenant = <its name>` in the
+    /// namespace spec) and those other tenants granted it here. With any tenant configured every
+    /// request must present a credential; `auth_token` then is the operator's (every namespace).
+    /// Default: none (one user: whoever reaches the listeners).
+    pub tenants: Vec<TenantConfig>,
+}
+
+/// One tenant: its credentials, its grants and its quotas (`None`: no quota of that kind).
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct TenantConfig {
+    /// The tenant's name; its namespaces carry it as their `tenant`.
+    pub name: String,
+    /// Bearer tokens (16..=1024 bytes each) that authenticate as this tenant.
+    #[serde(default)]
+    pub tokens: Vec<String>,
+    /// A file holding one more token (its whole content, surrounding whitespace trimmed).
+    #[serde(default)]
+    pub token_file: Option<PathBuf>,
+    /// Tenants whose namespaces this one may read (look up, load, resume, list).
+    #[serde(default)]
+    pub read: Vec<String>,
+    /// Tenants whose namespaces this one may also change (store, park, drop, purge).
+    #[serde(default)]
+    pub write: Vec<String>,
+    /// Most namespaces the tenant may register.
+    #[serde(default)]
+    pub max_namespaces: Option<u64>,
+    /// Most parked sessions the tenant may hold.
+    #[serde(default)]
+    pub max_sessions: Option<u64>,
+    /// Most KV bytes the tenant's parked sessions may pin (token count × bytes per token).
+    #[serde(default)]
+    pub max_session_bytes: Option<ByteSize>,
+    /// Most bytes of the tenant's blocks resident in DRAM; past it, the tenant's own least recently
+    /// used blocks make room first.
+    #[serde(default)]
+    pub dram_bytes: Option<ByteSize>,
 }
 
 impl Default for ServerConfig {
@@ -100,6 +139,7 @@ impl Default for ServerConfig {
             idle_timeout: DurationStr(Duration::from_secs(300)),
             metrics_token: None,
             samenode_socket: "auto".into(),
+            tenants: Vec::new(),
         }
     }
 }
@@ -204,13 +244,14 @@ impl ServerConfig {
                 return bad("auth_token must be 16..=1024 bytes".into());
             }
         }
+        crate::tenants::Tenants::from_config(self)?;
         let mut addrs = vec![("listen", self.listen), ("data_listen", self.data_listen)];
         if let Some(m) = self.metrics_listen {
             addrs.push(("metrics_listen", m));
         }
         for (name, a) in &addrs {
-            if !a.ip().is_loopback() && self.auth_token.is_none() {
-                return bad(format!("{name} {a} is beyond loopback: set auth_token to expose it"));
+            if !a.ip().is_loopback() && self.auth_token.is_none() && self.tenants.is_empty() {
+                return bad(format!("{name} {a} is beyond loopback: set auth_token or tenants to expose it"));
             }
         }
         for (i, (n1, a1)) in addrs.iter().enumerate() {

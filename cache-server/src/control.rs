@@ -12,6 +12,7 @@ use crate::error::ServerError;
 use crate::metrics::{observe, server_error};
 use crate::sessions::{ParkSpec, SessionManifest};
 use crate::state::NodeState;
+use crate::tenants::{Access, Principal};
 
 pub struct ControlPlane {
     state: Arc<NodeState>,
@@ -35,6 +36,8 @@ pub fn to_status(e: ServerError) -> Status {
         ServerError::SessionExists(_) => tonic::Code::AlreadyExists,
         ServerError::VersionConflict { .. } => tonic::Code::Aborted,
         ServerError::ContextTooLong { .. } => tonic::Code::OutOfRange,
+        ServerError::Forbidden(_) => tonic::Code::PermissionDenied,
+        ServerError::QuotaExceeded(_) => tonic::Code::ResourceExhausted,
         ServerError::InvalidRequest(_) | ServerError::Proto(_) => tonic::Code::InvalidArgument,
         ServerError::Io(e) if e.kind() == std::io::ErrorKind::StorageFull => tonic::Code::ResourceExhausted,
         ServerError::Config(_) | ServerError::Io(_) => tonic::Code::Internal,
@@ -44,6 +47,13 @@ pub fn to_status(e: ServerError) -> Status {
         status.metadata_mut().insert(codes::METADATA_KEY, v);
     }
     status
+}
+
+/// The principal the interceptor authenticated for this call.
+fn principal<T>(r: &Request<T>) -> Result<Principal, Status> {
+    r.extensions().get::<Principal>().cloned().ok_or_else(|| {
+        Status::unauthenticated(format!("{}: the call was not authenticated", codes::UNAUTHENTICATED))
+    })
 }
 
 fn ns_id(b: &[u8]) -> Result<NamespaceId, ServerError> {
@@ -116,9 +126,9 @@ impl ControlPlane {
         self.state.io().run(None, move || job(&state)).await?
     }
 
-    async fn park(&self, r: pb::ParkRequest) -> Result<SessionManifest, ServerError> {
+    async fn park(&self, p: &Principal, r: pb::ParkRequest) -> Result<SessionManifest, ServerError> {
         let ns_id = ns_id(&r.namespace_id)?;
-        let ns = self.state.namespace(&ns_id)?;
+        let ns = self.state.namespace_for(p, &ns_id, Access::Write)?;
         if r.session_id.is_empty() || r.session_id.len() > 256 {
             return Err(ServerError::InvalidRequest("session_id must be 1..=256 bytes".into()));
         }
@@ -138,9 +148,9 @@ impl ControlPlane {
         self.on_io(move |s| s.sessions().park(s.tiers().session_pins(), spec, &limits)).await
     }
 
-    async fn extend(&self, r: pb::ExtendRequest) -> Result<SessionManifest, ServerError> {
+    async fn extend(&self, p: &Principal, r: pb::ExtendRequest) -> Result<SessionManifest, ServerError> {
         let ns_id = ns_id(&r.namespace_id)?;
-        let ns = self.state.namespace(&ns_id)?;
+        let ns = self.state.namespace_for(p, &ns_id, Access::Write)?;
         let limits = self.state.session_limits(&ns);
         let new_keys = keys(&r.new_keys)?;
         let tail = opt_key(&r.tail_key)?;
@@ -184,11 +194,12 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         r: Request<pb::NamespaceSpec>,
     ) -> Result<Response<pb::RegisterNamespaceResponse>, Status> {
         let start = Instant::now();
+        let p = principal(&r)?;
         let ns = Namespace::from_pb(r.get_ref()).map_err(|e| to_status(e.into()))?;
         let block_bytes = ns.layout.block_bytes();
         // It may append to (and sync) the namespace log.
         let state = self.state.clone();
-        let registered = self.state.io().run(None, move || state.register_namespace(ns)).await;
+        let registered = self.state.io().run(None, move || state.register_namespace(&p, ns)).await;
         let id = registered.map_err(|e| to_status(e.into()))?.map_err(to_status)?;
         observe("register_namespace", start);
         Ok(Response::new(pb::RegisterNamespaceResponse {
@@ -199,10 +210,11 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
 
     async fn lookup(&self, r: Request<pb::LookupRequest>) -> Result<Response<pb::LookupResponse>, Status> {
         let start = Instant::now();
+        let p = principal(&r)?;
         let r = r.into_inner();
         let res = (|| {
             let id = ns_id(&r.namespace_id)?;
-            let ns = self.state.namespace(&id)?;
+            let ns = self.state.namespace_for(&p, &id, Access::Read)?;
             self.state.check_context(&ns, r.keys.len())?;
             let keys = keys(&r.keys)?;
             Ok::<_, ServerError>(self.state.tiers().longest_prefix(&id, &keys))
@@ -214,24 +226,27 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
 
     async fn park_session(&self, r: Request<pb::ParkRequest>) -> Result<Response<pb::ParkResponse>, Status> {
         let start = Instant::now();
-        let out = park_response(self.park(r.into_inner()).await);
+        let p = principal(&r)?;
+        let out = park_response(self.park(&p, r.into_inner()).await);
         observe("park", start);
         out
     }
 
     async fn extend_session(&self, r: Request<pb::ExtendRequest>) -> Result<Response<pb::ParkResponse>, Status> {
         let start = Instant::now();
-        let out = park_response(self.extend(r.into_inner()).await);
+        let p = principal(&r)?;
+        let out = park_response(self.extend(&p, r.into_inner()).await);
         observe("extend", start);
         out
     }
 
     async fn resume_session(&self, r: Request<pb::ResumeRequest>) -> Result<Response<pb::SessionManifest>, Status> {
         let start = Instant::now();
+        let p = principal(&r)?;
         let r = r.into_inner();
         let res = (|| {
             let id = ns_id(&r.namespace_id)?;
-            self.state.namespace(&id)?;
+            self.state.namespace_for(&p, &id, Access::Read)?;
             self.state.sessions().resume(self.state.tiers().session_pins(), id, &r.session_id)
         })();
         let m = res.map_err(to_status)?;
@@ -248,9 +263,10 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         r: Request<pb::DropSessionRequest>,
     ) -> Result<Response<pb::DropSessionResponse>, Status> {
         let start = Instant::now();
+        let p = principal(&r)?;
         let r = r.into_inner();
         let id = ns_id(&r.namespace_id).map_err(to_status)?;
-        self.state.namespace(&id).map_err(to_status)?;
+        self.state.namespace_for(&p, &id, Access::Write).map_err(to_status)?;
         let session = r.session_id;
         let dropped = self
             .on_io(move |s| Ok(s.sessions().drop_session(s.tiers().session_pins(), id, &session)))
@@ -264,14 +280,29 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         &self,
         r: Request<pb::ListSessionsRequest>,
     ) -> Result<Response<pb::ListSessionsResponse>, Status> {
+        let p = principal(&r)?;
         let r = r.into_inner();
         let ns = if r.namespace_id.is_empty() { None } else { Some(ns_id(&r.namespace_id).map_err(to_status)?) };
+        if let Some(id) = &ns {
+            self.state.namespace_for(&p, id, Access::Read).map_err(to_status)?;
+        }
         let now = Instant::now();
-        let sessions = self.state.sessions().list(ns).iter().map(|m| session_info(m, now)).collect();
+        // A tenant sees the sessions of the namespaces it may read, and no others.
+        let sessions = self
+            .state
+            .sessions()
+            .list(ns)
+            .iter()
+            .filter(|m| ns.is_some() || self.state.may_read(&p, &m.namespace))
+            .map(|m| session_info(m, now))
+            .collect();
         Ok(Response::new(pb::ListSessionsResponse { sessions }))
     }
 
-    async fn stats(&self, _r: Request<pb::StatsRequest>) -> Result<Response<pb::StatsResponse>, Status> {
+    /// Node-wide tier figures for everyone; the session and namespace counts are the tenant's own
+    /// when a tenant asks.
+    async fn stats(&self, r: Request<pb::StatsRequest>) -> Result<Response<pb::StatsResponse>, Status> {
+        let p = principal(&r)?;
         let tiers = self
             .state
             .tiers()
@@ -291,17 +322,25 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
                 bytes_out: s.bytes_out,
             })
             .collect();
+        let (sessions, namespaces) = match p.tenant() {
+            None => (self.state.sessions().len() as u64, self.state.namespace_count() as u64),
+            Some(t) => {
+                let own = self.state.namespaces_of(&t.name);
+                (self.state.sessions().count_in(&own).0, own.len() as u64)
+            }
+        };
         Ok(Response::new(pb::StatsResponse {
             tiers,
-            sessions: self.state.sessions().len() as u64,
-            namespaces: self.state.namespace_count() as u64,
+            sessions,
+            namespaces,
             uptime_ms: self.state.uptime().as_millis() as u64,
         }))
     }
 
     async fn purge(&self, r: Request<pb::PurgeRequest>) -> Result<Response<pb::PurgeResponse>, Status> {
+        let p = principal(&r)?;
         let id = ns_id(&r.get_ref().namespace_id).map_err(to_status)?;
-        self.state.namespace(&id).map_err(to_status)?;
+        self.state.namespace_for(&p, &id, Access::Write).map_err(to_status)?;
         let removed = self.state.tiers().purge(&id);
         Ok(Response::new(pb::PurgeResponse { blocks_removed: removed }))
     }

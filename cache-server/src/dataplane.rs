@@ -37,7 +37,8 @@ use xxhash_rust::xxh3::xxh3_64;
 use crate::deadline::Deadlined;
 use crate::dram::Priority;
 use crate::error::ServerError;
-use crate::metrics::{constant_time_eq, error, observe};
+use crate::metrics::{error, observe};
+use crate::tenants::{Access, Principal};
 use crate::state::NodeState;
 use crate::tiers::Load;
 
@@ -159,6 +160,8 @@ struct Connection<R, W> {
     state: Arc<NodeState>,
     scratch: Vec<u8>,
     leases: PinLeases,
+    /// Who the hello's token authenticated (`None` until then).
+    principal: Option<Principal>,
 }
 
 /// Pins held for a client between a session's upload and its park; released by `RELEASE` or
@@ -193,11 +196,12 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             leases: PinLeases { state: state.clone(), pins: Vec::new() },
             state,
             scratch: Vec::new(),
+            principal: None,
         }
     }
 
     async fn run(mut self) -> Result<(), ConnError> {
-        self.handshake().await?;
+        self.principal = Some(self.handshake().await?);
         loop {
             let mut hdr = [0u8; REQUEST_HEADER_LEN];
             // Between requests the idle budget applies; from the first byte of one, the stall one.
@@ -251,7 +255,12 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         Ok(())
     }
 
-    async fn handshake(&mut self) -> Result<(), ConnError> {
+    /// Who the connection acts for (set by the hello, before any request is read).
+    fn principal(&self) -> Result<Principal, ConnError> {
+        self.principal.clone().ok_or_else(|| ConnError::Protocol("request before hello".into()))
+    }
+
+    async fn handshake(&mut self) -> Result<Principal, ConnError> {
         // The whole hello, token included, within one deadline: a client that announces a token
         // and never sends it holds a connection slot for at most this long.
         let deadline = tokio::time::Instant::now() + HELLO_TIMEOUT;
@@ -284,17 +293,16 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             self.wr.flush().await?;
             return Err(ConnError::Protocol(msg));
         }
-        if let Some(expected) = &self.state.config().auth_token {
-            if !constant_time_eq(expected.as_bytes(), &token) {
-                error("unauthenticated");
-                self.wr.write_all(&HelloReply::encode(Status::Unauthenticated, "bad or missing auth token")).await?;
-                self.wr.flush().await?;
-                return Err(ConnError::Protocol("unauthenticated".into()));
-            }
-        }
+        let presented = (!token.is_empty()).then_some(&token[..]);
+        let Some(principal) = self.state.tenants().authenticate(presented) else {
+            error("unauthenticated");
+            self.wr.write_all(&HelloReply::encode(Status::Unauthenticated, "bad or missing auth token")).await?;
+            self.wr.flush().await?;
+            return Err(ConnError::Protocol("unauthenticated".into()));
+        };
         self.wr.write_all(&HelloReply::encode(Status::Ok, concat!("kvtier ", env!("CARGO_PKG_VERSION")))).await?;
         self.wr.flush().await?;
-        Ok(())
+        Ok(principal)
     }
 
     /// Answers with a request-level error and ends the connection (its framing can't be trusted).
@@ -371,7 +379,8 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
     }
 
     async fn put_one(&mut self, sent: &FrameHeader) -> Result<ItemStatus, ConnError> {
-        let header = match self.state.admit_frame(sent) {
+        let principal = self.principal()?;
+        let header = match self.state.admit_frame(&principal, sent) {
             Ok(h) => h,
             Err(status) => {
                 self.drain(sent.payload_len).await?;
@@ -408,18 +417,24 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
     }
 
     /// Reads the keys of a `GET` or `EXISTS`; `None` (answered already) when the namespace is
-    /// unknown.
+    /// unknown or not the connection's tenant's to read.
     async fn read_keys(&mut self, req: &RequestHeader) -> Result<Option<Vec<u8>>, ConnError> {
         let mut raw = vec![0u8; req.count as usize * KEY_LEN];
         self.rd.read_exact(&mut raw).await?;
-        if !self.state.knows_namespace(&req.namespace) {
-            error("unknown_namespace");
-            let msg = ServerError::UnknownNamespace(req.namespace).to_string();
-            let answer = ResponseHeader::error(req.op as u8, req.request_id, Status::UnknownNamespace, &msg);
-            self.wr.write_all(&answer).await?;
-            return Ok(None);
-        }
-        Ok(Some(raw))
+        let principal = self.principal()?;
+        let refusal = match self.state.check_namespace(&principal, &req.namespace, Access::Read) {
+            Ok(()) => return Ok(Some(raw)),
+            Err(ItemStatus::Forbidden) => {
+                (Status::Forbidden, format!("tenant {:?} may not read this namespace", principal.name()))
+            }
+            Err(_) => {
+                error("unknown_namespace");
+                (Status::UnknownNamespace, ServerError::UnknownNamespace(req.namespace).to_string())
+            }
+        };
+        let answer = ResponseHeader::error(req.op as u8, req.request_id, refusal.0, &refusal.1);
+        self.wr.write_all(&answer).await?;
+        Ok(None)
     }
 
     async fn get(&mut self, req: RequestHeader) -> Result<(), ConnError> {
@@ -497,5 +512,6 @@ fn item_kind(s: ItemStatus) -> &'static str {
         ItemStatus::LossyCodec => "lossy_codec",
         ItemStatus::Present => "present",
         ItemStatus::OutOfRange => "out_of_range",
+        ItemStatus::Forbidden => "forbidden",
     }
 }

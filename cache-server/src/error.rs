@@ -25,6 +25,12 @@ pub enum ServerError {
     VersionConflict { id: String, expected: u64, actual: u64 },
     #[error("context of {tokens} tokens exceeds the configured maximum of {max}")]
     ContextTooLong { tokens: u64, max: u64 },
+    /// The principal may not touch this namespace (it is another tenant's and not granted).
+    #[error("forbidden: {0}")]
+    Forbidden(String),
+    /// The tenant is at one of its quotas.
+    #[error("quota exceeded: {0}")]
+    QuotaExceeded(String),
     #[error("invalid request: {0}")]
     InvalidRequest(String),
     #[error("invalid configuration: {0}")]
@@ -47,6 +53,8 @@ impl ServerError {
             ServerError::SessionExists(_) => codes::SESSION_EXISTS,
             ServerError::VersionConflict { .. } => codes::SESSION_VERSION,
             ServerError::ContextTooLong { .. } => codes::CONTEXT_TOO_LONG,
+            ServerError::Forbidden(_) => codes::FORBIDDEN,
+            ServerError::QuotaExceeded(_) => codes::QUOTA,
             ServerError::Proto(ProtoError::KeyLength { .. }) => codes::KEY_LENGTH,
             ServerError::Proto(ProtoError::InvalidNamespace(_) | ProtoError::InvalidLayout(_)) => {
                 codes::INVALID_NAMESPACE
@@ -68,6 +76,8 @@ impl ServerError {
             ServerError::SessionExists(_) => "session_exists",
             ServerError::VersionConflict { .. } => "version_conflict",
             ServerError::ContextTooLong { .. } => "context_too_long",
+            ServerError::Forbidden(_) => "forbidden",
+            ServerError::QuotaExceeded(_) => "quota",
             ServerError::Proto(ProtoError::KeyLength { .. }) => "key_length",
             ServerError::InvalidRequest(_) | ServerError::Proto(_) => "invalid_request",
             ServerError::Config(_) => "config",

@@ -30,6 +30,7 @@ pub mod session_log;
 pub mod session_store;
 pub mod sessions;
 pub mod state;
+pub mod tenants;
 pub mod tiers;
 
 use std::net::SocketAddr;
@@ -202,7 +203,6 @@ pub async fn start(
             }
         }));
     }
-    let auth = config.auth_token.clone();
     let state = Arc::new(NodeState::open(config, data_addr)?);
     // Bound only now that the data directory's lock is held: a stale socket there is ours to replace.
     let samenode = match &samenode_path {
@@ -243,12 +243,18 @@ pub async fn start(
     let service = KvTierServer::new(control::ControlPlane::new(state.clone()))
         .max_decoding_message_size(MAX_GRPC_MESSAGE)
         .max_encoding_message_size(MAX_GRPC_MESSAGE);
-    let check_auth = move |req: tonic::Request<()>| -> Result<tonic::Request<()>, tonic::Status> {
-        let Some(token) = &auth else { return Ok(req) };
+    // Every call is authenticated here; the handlers authorize it against the principal this
+    // leaves in the request's extensions.
+    let auth_state = state.clone();
+    let check_auth = move |mut req: tonic::Request<()>| -> Result<tonic::Request<()>, tonic::Status> {
         let presented = req.metadata().get("authorization").and_then(|v| v.to_str().ok());
-        match presented.and_then(|v| v.strip_prefix("Bearer ")) {
-            Some(t) if crate::metrics::constant_time_eq(t.as_bytes(), token.as_bytes()) => Ok(req),
-            _ => {
+        let token = presented.and_then(|v| v.strip_prefix("Bearer ")).map(str::as_bytes);
+        match auth_state.tenants().authenticate(token) {
+            Some(principal) => {
+                req.extensions_mut().insert(principal);
+                Ok(req)
+            }
+            None => {
                 crate::metrics::error("unauthenticated");
                 Err(tonic::Status::unauthenticated(format!(
                     "{}: missing or bad bearer token",

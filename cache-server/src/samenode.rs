@@ -53,6 +53,7 @@ use crate::dram::Priority;
 use crate::error::ServerError;
 use crate::metrics::{error, observe};
 use crate::state::NodeState;
+use crate::tenants::{Access, Principal};
 use crate::tiers::Load;
 
 /// Most buffers one connection may have registered at once.
@@ -237,6 +238,8 @@ struct Conn {
     fds: VecDeque<OwnedFd>,
     buffers: Buffers,
     out: Vec<u8>,
+    /// Who the hello's token authenticated (`None` until then).
+    principal: Option<Principal>,
 }
 
 impl Conn {
@@ -250,6 +253,7 @@ impl Conn {
             fds: VecDeque::new(),
             buffers: Buffers::default(),
             out: Vec::new(),
+            principal: None,
         }
     }
 
@@ -312,7 +316,10 @@ impl Conn {
     }
 
     async fn run(mut self) -> Result<(), ConnError> {
-        self.handshake().await?;
+        match self.handshake().await? {
+            Some(p) => self.principal = Some(p),
+            None => return Ok(()),
+        }
         let mut head = Vec::with_capacity(REQUEST_LEN);
         let mut body = Vec::new();
         let (idle, stall) = (self.state.config().idle_timeout.0, self.state.config().stall_timeout.0);
@@ -364,7 +371,8 @@ impl Conn {
         }
     }
 
-    async fn handshake(&mut self) -> Result<(), ConnError> {
+    /// Reads the hello; the principal its token stands for, `None` when the peer left first.
+    async fn handshake(&mut self) -> Result<Option<Principal>, ConnError> {
         let deadline = tokio::time::Instant::now() + HELLO_TIMEOUT;
         let late = || {
             error("samenode_hello_timeout");
@@ -372,7 +380,7 @@ impl Conn {
         };
         let mut h = Vec::new();
         if !tokio::time::timeout_at(deadline, self.read_exact(HELLO_LEN, &mut h)).await.map_err(|_| late())?? {
-            return Ok(());
+            return Ok(None);
         }
         let fixed: &[u8; HELLO_LEN] = h.as_slice().try_into().map_err(|_| ConnError::Protocol("short hello".into()))?;
         let (version, token_len) = match decode_hello(fixed) {
@@ -387,17 +395,16 @@ impl Conn {
             let msg = format!("same-node protocol {version} is not supported; this server speaks {PROTOCOL_VERSION}");
             return self.hello_fail(Status::UnsupportedVersion, &msg).await;
         }
-        if let Some(expected) = &self.state.config().auth_token {
-            if !constant_time_eq(expected.as_bytes(), &token) {
-                error("unauthenticated");
-                return self.hello_fail(Status::Unauthenticated, "bad or missing auth token").await;
-            }
-        }
+        let presented = (!token.is_empty()).then_some(&token[..]);
+        let Some(principal) = self.state.tenants().authenticate(presented) else {
+            error("unauthenticated");
+            return self.hello_fail(Status::Unauthenticated, "bad or missing auth token").await;
+        };
         self.sock.write_all(&HelloReply::encode(Status::Ok, concat!("kvtier ", env!("CARGO_PKG_VERSION")))).await?;
-        Ok(())
+        Ok(Some(principal))
     }
 
-    async fn hello_fail(&mut self, status: Status, msg: &str) -> Result<(), ConnError> {
+    async fn hello_fail<T>(&mut self, status: Status, msg: &str) -> Result<T, ConnError> {
         error("samenode_bad_hello");
         self.sock.write_all(&HelloReply::encode(status, msg)).await?;
         Err(ConnError::Protocol(msg.to_string()))
@@ -451,9 +458,19 @@ impl Conn {
     async fn load(&mut self, req: &SnRequest, body: &[u8]) {
         let start = Instant::now();
         let ns: NamespaceId = req.namespace;
-        if !self.state.knows_namespace(&ns) {
-            error("unknown_namespace");
-            return self.refuse(req, Status::UnknownNamespace, &ServerError::UnknownNamespace(ns).to_string());
+        let Some(principal) = self.principal.clone() else {
+            return self.refuse(req, Status::Unauthenticated, "no hello");
+        };
+        match self.state.check_namespace(&principal, &ns, Access::Read) {
+            Ok(()) => {}
+            Err(ItemStatus::Forbidden) => {
+                let msg = format!("tenant {:?} may not read this namespace", principal.name());
+                return self.refuse(req, Status::Forbidden, &msg);
+            }
+            Err(_) => {
+                error("unknown_namespace");
+                return self.refuse(req, Status::UnknownNamespace, &ServerError::UnknownNamespace(ns).to_string());
+            }
         }
         if !self.buffers.by_id.contains_key(&req.buffer) {
             return self.refuse(req, Status::BadRequest, &format!("no buffer {} is registered", req.buffer));
@@ -531,7 +548,8 @@ impl Conn {
     async fn store_one(&self, buffer: u32, raw: &[u8]) -> ItemStatus {
         let Ok((h, offset)) = StoreItem::split(raw) else { return ItemStatus::BadHeader };
         let Ok(sent) = FrameHeader::decode(h) else { return ItemStatus::BadHeader };
-        let header = match self.state.admit_frame(&sent) {
+        let Some(principal) = &self.principal else { return ItemStatus::Forbidden };
+        let header = match self.state.admit_frame(principal, &sent) {
             Ok(h) => h,
             Err(status) => return status,
         };
@@ -610,6 +628,7 @@ fn copy_in_verified(src: *const u8, dst: &mut [u8], checksum: u64) -> bool {
 fn kind(s: ItemStatus) -> &'static str {
     match s {
         ItemStatus::OutOfRange => "samenode_out_of_range",
+        ItemStatus::Forbidden => "forbidden",
         ItemStatus::ChecksumMismatch => "checksum_mismatch",
         ItemStatus::Capacity => "capacity",
         ItemStatus::UnknownNamespace => "unknown_namespace",
@@ -622,9 +641,3 @@ fn kind(s: ItemStatus) -> &'static str {
     }
 }
 
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}

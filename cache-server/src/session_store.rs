@@ -145,6 +145,11 @@ impl SessionStore {
         true
     }
 
+    /// Sessions and the bytes they stand for, over `namespaces`.
+    pub fn count_in(&self, namespaces: &[NamespaceId]) -> (u64, u64) {
+        self.table.lock().count_in(namespaces)
+    }
+
     pub fn list(&self, ns: Option<NamespaceId>) -> Vec<SessionManifest> {
         self.table.lock().list(ns, Instant::now())
     }
@@ -226,7 +231,7 @@ mod tests {
     }
 
     fn limits() -> SessionLimits {
-        SessionLimits { block_tokens: BT, bytes_per_token: layout().bytes_per_token(), max_context_tokens: 1 << 20 }
+        SessionLimits { block_tokens: BT, bytes_per_token: layout().bytes_per_token(), max_context_tokens: 1 << 20, quota: None }
     }
 
     fn block(tier: &DramTier, ns: NamespaceId, k: u16) -> BlockKey {

@@ -62,11 +62,23 @@ pub struct ParkSpec {
 }
 
 /// Limits the table enforces.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct SessionLimits {
     pub block_tokens: u32,
     pub bytes_per_token: u64,
     pub max_context_tokens: u64,
+    /// The quotas of the tenant that owns the namespace, if it has any.
+    pub quota: Option<SessionQuota>,
+}
+
+/// A tenant's session quotas, over all of its namespaces.
+#[derive(Debug, Clone)]
+pub struct SessionQuota {
+    pub tenant: String,
+    pub namespaces: Vec<NamespaceId>,
+    pub max_sessions: Option<u64>,
+    /// Most KV bytes (token count × bytes per token) its sessions may stand for.
+    pub max_bytes: Option<u64>,
 }
 
 #[derive(Default)]
@@ -74,6 +86,8 @@ pub struct SessionTable {
     sessions: HashMap<SessionId, SessionManifest>,
     expired: HashMap<SessionId, Instant>,
     expired_order: VecDeque<(SessionId, Instant)>,
+    /// Per namespace: live sessions and the bytes they stand for (for the tenants' quotas).
+    usage: HashMap<NamespaceId, (u64, u64)>,
 }
 
 fn check_shape(keys: usize, has_tail: bool, token_count: u64, limits: &SessionLimits) -> Result<(), ServerError> {
@@ -119,6 +133,64 @@ impl SessionTable {
         self.sessions.len()
     }
 
+    /// Sessions and the bytes they stand for, over `namespaces`.
+    pub fn count_in(&self, namespaces: &[NamespaceId]) -> (u64, u64) {
+        namespaces.iter().filter_map(|n| self.usage.get(n)).fold((0, 0), |(s, b), u| (s + u.0, b + u.1))
+    }
+
+    /// Counts a manifest in (`sign` +1) or out (-1) of its namespace's usage.
+    fn track(&mut self, m: &SessionManifest, added: bool) {
+        let u = self.usage.entry(m.namespace).or_default();
+        if added {
+            u.0 += 1;
+            u.1 += m.bytes;
+        } else {
+            u.0 = u.0.saturating_sub(1);
+            u.1 = u.1.saturating_sub(m.bytes);
+            if u.0 == 0 {
+                self.usage.remove(&m.namespace);
+            }
+        }
+    }
+
+    fn insert(&mut self, sid: SessionId, m: SessionManifest) {
+        self.track(&m, true);
+        if let Some(old) = self.sessions.insert(sid, m) {
+            self.track(&old, false);
+        }
+    }
+
+    fn remove(&mut self, sid: &SessionId) -> Option<SessionManifest> {
+        let m = self.sessions.remove(sid)?;
+        self.track(&m, false);
+        Some(m)
+    }
+
+    /// Refuses a change that would take the owning tenant past a quota: `replaced` is the
+    /// session's current (bytes), `None` for a new session; `bytes` what it will stand for.
+    fn check_quota(&self, limits: &SessionLimits, replaced: Option<u64>, bytes: u64) -> Result<(), ServerError> {
+        let Some(q) = &limits.quota else { return Ok(()) };
+        let (sessions, held) = self.count_in(&q.namespaces);
+        if let Some(max) = q.max_sessions {
+            if replaced.is_none() && sessions >= max {
+                return Err(ServerError::QuotaExceeded(format!(
+                    "tenant {:?} holds {sessions} sessions, its max_sessions",
+                    q.tenant
+                )));
+            }
+        }
+        if let Some(max) = q.max_bytes {
+            let after = held - replaced.unwrap_or(0).min(held) + bytes;
+            if after > max {
+                return Err(ServerError::QuotaExceeded(format!(
+                    "tenant {:?}'s sessions would stand for {after} bytes, past its max_session_bytes {max}",
+                    q.tenant
+                )));
+            }
+        }
+        Ok(())
+    }
+
     pub fn is_empty(&self) -> bool {
         self.sessions.is_empty()
     }
@@ -139,7 +211,7 @@ impl SessionTable {
     fn reap_if_expired(&mut self, tier: &dyn PinTier, id: &SessionId, now: Instant) {
         let expired = self.sessions.get(id).is_some_and(|m| m.expires_at <= now);
         if expired {
-            if let Some(m) = self.sessions.remove(id) {
+            if let Some(m) = self.remove(id) {
                 tier.unpin(&m.namespace, &m.pinned_keys());
                 self.remember_expired(id.clone(), m.expires_at);
             }
@@ -165,6 +237,8 @@ impl SessionTable {
         if spec.expected_version != current {
             return Err(ServerError::VersionConflict { id: spec.id, expected: spec.expected_version, actual: current });
         }
+        let replaced = self.sessions.get(&sid).map(|m| m.bytes);
+        self.check_quota(limits, replaced, spec.token_count * limits.bytes_per_token)?;
         pin_or_report(tier, &spec.namespace, &spec.keys, spec.tail)?;
         if let Some(old) = self.sessions.get(&sid) {
             tier.unpin(&old.namespace, &old.pinned_keys());
@@ -182,7 +256,7 @@ impl SessionTable {
             bytes: spec.token_count * limits.bytes_per_token,
         };
         self.expired.remove(&sid);
-        self.sessions.insert(sid, manifest.clone());
+        self.insert(sid, manifest.clone());
         Ok(manifest)
     }
 
@@ -221,8 +295,9 @@ impl SessionTable {
             )));
         }
         check_shape(base_blocks + new_keys.len(), tail.is_some(), token_count, limits)?;
+        self.check_quota(limits, Some(cur.bytes), token_count * limits.bytes_per_token)?;
         pin_or_report(tier, &ns, &new_keys, tail)?;
-        let Some(cur) = self.sessions.get_mut(&sid) else {
+        let Some(mut cur) = self.remove(&sid) else {
             return Err(ServerError::SessionNotFound(id.into()));
         };
         let mut released: Vec<BlockKey> = cur.keys.split_off(base_blocks);
@@ -234,7 +309,8 @@ impl SessionTable {
         cur.bytes = token_count * limits.bytes_per_token;
         cur.version += 1;
         cur.expires_at = now + cur.ttl;
-        Ok(cur.clone())
+        self.insert(sid, cur.clone());
+        Ok(cur)
     }
 
     fn absent_error(&self, sid: &SessionId, now: Instant) -> ServerError {
@@ -268,7 +344,7 @@ impl SessionTable {
 
     /// Drops a session and unpins its blocks; false if there was none.
     pub fn drop_session(&mut self, tier: &dyn PinTier, ns: NamespaceId, id: &str) -> bool {
-        match self.sessions.remove(&(ns, id.to_string())) {
+        match self.remove(&(ns, id.to_string())) {
             Some(m) => {
                 tier.unpin(&m.namespace, &m.pinned_keys());
                 true
@@ -312,9 +388,11 @@ impl SessionTable {
     /// Puts back a session recovered from the session log, pinning its blocks.
     pub fn restore(&mut self, tier: &dyn PinTier, m: SessionManifest) -> Result<(), ServerError> {
         tier.pin(&m.namespace, &m.pinned_keys())?;
-        if let Some(old) = self.sessions.insert((m.namespace, m.id.clone()), m) {
+        let sid = (m.namespace, m.id.clone());
+        if let Some(old) = self.remove(&sid) {
             tier.unpin(&old.namespace, &old.pinned_keys());
         }
+        self.insert(sid, m);
         Ok(())
     }
 }
@@ -332,7 +410,7 @@ mod tests {
     }
 
     fn limits() -> SessionLimits {
-        SessionLimits { block_tokens: BT, bytes_per_token: layout().bytes_per_token(), max_context_tokens: 64 }
+        SessionLimits { block_tokens: BT, bytes_per_token: layout().bytes_per_token(), max_context_tokens: 64, quota: None }
     }
 
     fn put(tier: &DramTier, ns: NamespaceId, k: u8, tokens: u32) -> BlockKey {
@@ -368,6 +446,49 @@ mod tests {
             priority: Priority::Normal,
             expected_version: v,
         }
+    }
+
+    #[test]
+    fn tenant_quotas_count_sessions_and_bytes_over_all_its_namespaces() {
+        let tier = DramTier::new(DramConfig { capacity_bytes: 1 << 20, max_pinned_ratio: 0.9 });
+        let (ns1, ns2, other) = (NamespaceId([1; 16]), NamespaceId([2; 16]), NamespaceId([3; 16]));
+        let bpt = layout().bytes_per_token();
+        let quota = |sessions, bytes| SessionLimits {
+            quota: Some(SessionQuota {
+                tenant: "t".into(),
+                namespaces: vec![ns1, ns2],
+                max_sessions: sessions,
+                max_bytes: bytes,
+            }),
+            ..limits()
+        };
+        let mut t = SessionTable::default();
+        let now = Instant::now();
+        let k1 = put(&tier, ns1, 1, BT);
+        let k2 = put(&tier, ns2, 2, BT);
+        let k3 = put(&tier, other, 3, BT);
+        let named = |ns, k, id: &str| ParkSpec { id: id.into(), ..spec(ns, vec![k], None, u64::from(BT), 0) };
+        t.park(&tier, named(ns1, k1, "a"), &quota(Some(2), None), now).unwrap();
+        t.park(&tier, named(ns2, k2, "b"), &quota(Some(2), None), now).unwrap();
+        // Another tenant's namespace doesn't count, and isn't limited by this quota.
+        t.park(&tier, named(other, k3, "c"), &limits(), now).unwrap();
+        assert_eq!(t.count_in(&[ns1, ns2]), (2, 2 * u64::from(BT) * bpt));
+        let third = t.park(&tier, named(ns1, k1, "d"), &quota(Some(2), None), now);
+        assert!(matches!(third, Err(ServerError::QuotaExceeded(ref m)) if m.contains("max_sessions")), "{third:?}");
+        // Replacing a session is not a new one.
+        t.park(&tier, ParkSpec { expected_version: 1, ..named(ns1, k1, "a") }, &quota(Some(2), None), now).unwrap();
+        // Bytes: two blocks' worth are held; a third block's worth is past a 2-block quota.
+        let cap = Some(2 * u64::from(BT) * bpt);
+        let k4 = put(&tier, ns1, 4, BT);
+        let grow = t.extend(&tier, ns1, "a", 2, 1, vec![k4], None, 2 * u64::from(BT), &quota(None, cap), now);
+        assert!(matches!(grow, Err(ServerError::QuotaExceeded(ref m)) if m.contains("max_session_bytes")), "{grow:?}");
+        // Dropping frees the room, and the counts follow every way out.
+        assert!(t.drop_session(&tier, ns2, "b"));
+        assert_eq!(t.count_in(&[ns1, ns2]).0, 1);
+        t.extend(&tier, ns1, "a", 2, 1, vec![k4], None, 2 * u64::from(BT), &quota(None, cap), now).unwrap();
+        assert_eq!(t.count_in(&[ns1, ns2]), (1, 2 * u64::from(BT) * bpt));
+        t.expire(&tier, now + Duration::from_secs(60));
+        assert_eq!(t.count_in(&[ns1, ns2, other]), (0, 0));
     }
 
     #[test]

@@ -17,7 +17,8 @@ use crate::dram::{DramConfig, DramOptions, DramTier, RegionMode};
 use crate::error::ServerError;
 use crate::session_log::{unix_ms, SessionLog};
 use crate::session_store::SessionStore;
-use crate::sessions::SessionLimits;
+use crate::sessions::{SessionLimits, SessionQuota};
+use crate::tenants::{Access, Principal, Tenants};
 use crate::tiers::demotion::queue_headroom;
 use crate::tiers::{IoPool, TierStack};
 
@@ -26,6 +27,7 @@ pub const MAX_NAMESPACES: usize = 4096;
 
 pub struct NodeState {
     config: ServerConfig,
+    tenants: Tenants,
     tiers: TierStack,
     sessions: SessionStore,
     namespaces: RwLock<HashMap<NamespaceId, Namespace>>,
@@ -94,6 +96,7 @@ fn lock_data_dir(dir: &std::path::Path) -> Result<std::fs::File, ServerError> {
 impl NodeState {
     /// Locks the data directory, opens the disk tier and replays the session log (if enabled).
     pub fn open(config: ServerConfig, data_addr: SocketAddr) -> Result<Self, ServerError> {
+        let tenants = Tenants::from_config(&config)?;
         let dir_lock = lock_data_dir(&config.data_dir)?;
         let dram = DramTier::with_options(
             DramConfig { capacity_bytes: config.dram_capacity.0, max_pinned_ratio: config.max_pinned_ratio },
@@ -121,6 +124,7 @@ impl NodeState {
                 io: IoPool::default(),
                 namespace_log: None,
                 _dir_lock: dir_lock,
+                tenants,
                 config,
             });
         }
@@ -152,6 +156,7 @@ impl NodeState {
             io: IoPool::default(),
             namespace_log: Some(Mutex::new(f)),
             _dir_lock: dir_lock,
+            tenants,
             config,
         };
         let with_layout = {
@@ -173,6 +178,11 @@ impl NodeState {
 
     pub fn config(&self) -> &ServerConfig {
         &self.config
+    }
+
+    /// Credentials, tenants and their grants and quotas.
+    pub fn tenants(&self) -> &Tenants {
+        &self.tenants
     }
 
     /// The tier stack: the only way to the blocks.
@@ -203,9 +213,26 @@ impl NodeState {
         self.disk_recovery.as_ref()
     }
 
-    /// Registers a namespace (idempotent) and returns its id.
-    pub fn register_namespace(&self, ns: Namespace) -> Result<NamespaceId, ServerError> {
+    /// Registers a namespace (idempotent) for `by` and returns its id. A tenant registers only
+    /// namespaces that name it as their tenant, up to its `max_namespaces`.
+    pub fn register_namespace(&self, by: &Principal, ns: Namespace) -> Result<NamespaceId, ServerError> {
         ns.validate()?;
+        if let Principal::Tenant(t) = by {
+            if ns.tenant != t.name {
+                return Err(by.refusal(Access::Write, "namespaces whose tenant is not its own name"));
+            }
+            if let Some(max) = t.quotas.max_namespaces {
+                let map = self.namespaces.read();
+                let id = ns.id();
+                let held = map.values().filter(|n| n.tenant == t.name).count() as u64;
+                if !map.contains_key(&id) && held >= max {
+                    return Err(ServerError::QuotaExceeded(format!(
+                        "tenant {:?} holds {held} namespaces, its max_namespaces",
+                        t.name
+                    )));
+                }
+            }
+        }
         if ns.layout.block_bytes() > self.config.max_frame_bytes.0 {
             return Err(ServerError::InvalidRequest(format!(
                 "a block of this layout is {} bytes, above max_frame_bytes {}",
@@ -247,9 +274,37 @@ impl NodeState {
         Ok(id)
     }
 
-    /// Whether a namespace is registered (without copying it: the data plane asks per request).
-    pub fn knows_namespace(&self, id: &NamespaceId) -> bool {
-        self.namespaces.read().contains_key(id)
+    /// Whether `p` may `access` a registered namespace (without copying it: the data plane asks
+    /// per request).
+    pub fn check_namespace(&self, p: &Principal, id: &NamespaceId, access: Access) -> Result<(), ItemStatus> {
+        let map = self.namespaces.read();
+        let ns = map.get(id).ok_or(ItemStatus::UnknownNamespace)?;
+        if p.may(access, &ns.tenant) {
+            Ok(())
+        } else {
+            drop(map);
+            p.refusal(access, "another tenant's namespace");
+            Err(ItemStatus::Forbidden)
+        }
+    }
+
+    /// The namespace, when it is registered and `p` may `access` it.
+    pub fn namespace_for(&self, p: &Principal, id: &NamespaceId, access: Access) -> Result<Namespace, ServerError> {
+        let ns = self.namespace(id)?;
+        if !p.may(access, &ns.tenant) {
+            return Err(p.refusal(access, "another tenant's namespace"));
+        }
+        Ok(ns)
+    }
+
+    /// Whether `p` may read the namespace `id` (false for unknown ones).
+    pub fn may_read(&self, p: &Principal, id: &NamespaceId) -> bool {
+        self.namespaces.read().get(id).is_some_and(|ns| p.may(Access::Read, &ns.tenant))
+    }
+
+    /// The ids of the namespaces a tenant registered.
+    pub fn namespaces_of(&self, tenant: &str) -> Vec<NamespaceId> {
+        self.namespaces.read().iter().filter(|(_, ns)| ns.tenant == tenant).map(|(id, _)| *id).collect()
     }
 
     pub fn namespace(&self, id: &NamespaceId) -> Result<Namespace, ServerError> {
@@ -260,12 +315,16 @@ impl NodeState {
     /// to store (a lossless namespace's blocks are flagged so that no tier quantizes them later).
     /// Both ingest paths (the data plane's `PUT`, the same-node store) use it, per frame, without
     /// copying the namespace.
-    pub fn admit_frame(&self, h: &FrameHeader) -> Result<FrameHeader, ItemStatus> {
-        let (layout, lossless) = {
+    pub fn admit_frame(&self, by: &Principal, h: &FrameHeader) -> Result<FrameHeader, ItemStatus> {
+        let (layout, lossless, allowed) = {
             let map = self.namespaces.read();
             let ns = map.get(&h.namespace).ok_or(ItemStatus::UnknownNamespace)?;
-            (ns.layout, ns.is_lossless())
+            (ns.layout, ns.is_lossless(), by.may(Access::Write, &ns.tenant))
         };
+        if !allowed {
+            by.refusal(Access::Write, "another tenant's namespace");
+            return Err(ItemStatus::Forbidden);
+        }
         if layout != h.layout {
             return Err(ItemStatus::LayoutMismatch);
         }
@@ -288,10 +347,21 @@ impl NodeState {
     }
 
     pub fn session_limits(&self, ns: &Namespace) -> SessionLimits {
+        // The owner's quotas, whoever parks (a tenant granted write counts against the owner).
+        let quota = self.tenants.tenant(&ns.tenant).and_then(|t| {
+            let q = t.quotas;
+            (q.max_sessions.is_some() || q.max_session_bytes.is_some()).then(|| SessionQuota {
+                tenant: t.name.clone(),
+                namespaces: self.namespaces_of(&t.name),
+                max_sessions: q.max_sessions,
+                max_bytes: q.max_session_bytes,
+            })
+        });
         SessionLimits {
             block_tokens: ns.layout.block_tokens,
             bytes_per_token: ns.layout.bytes_per_token(),
             max_context_tokens: self.config.max_context_tokens,
+            quota,
         }
     }
 

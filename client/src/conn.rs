@@ -102,6 +102,7 @@ fn request_error(h: &ResponseHeader, msg: String) -> ClientError {
     match h.status {
         Status::UnknownNamespace => ClientError::UnknownNamespace(msg),
         Status::Unauthenticated => ClientError::Unauthenticated(msg),
+        Status::Forbidden => ClientError::Forbidden(msg),
         Status::TooLarge => ClientError::InvalidArgument(msg),
         other => ClientError::Refused { code: format!("dataplane:{other:?}"), message: msg },
     }

@@ -33,6 +33,12 @@ pub enum ClientError {
     VersionConflict(String),
     #[error("unauthenticated: {0}")]
     Unauthenticated(String),
+    /// Authenticated, but the namespace belongs to another tenant that granted no such access.
+    #[error("forbidden: {0}")]
+    Forbidden(String),
+    /// The tenant is at one of its quotas (namespaces, sessions, session bytes).
+    #[error("quota exceeded: {0}")]
+    QuotaExceeded(String),
     #[error("block {index} rejected: {}", status.describe())]
     Rejected { index: usize, status: ItemStatus },
     #[error("block {index} is missing on the server")]
@@ -63,6 +69,9 @@ impl ClientError {
             ClientError::SessionExists(_) => "session_exists",
             ClientError::VersionConflict(_) => "version_conflict",
             ClientError::Unauthenticated(_) => "unauthenticated",
+            ClientError::Forbidden(_) => "forbidden",
+            ClientError::QuotaExceeded(_) => "quota",
+            ClientError::Rejected { status: ItemStatus::Forbidden, .. } => "forbidden",
             ClientError::Rejected { status: ItemStatus::Capacity, .. } => "capacity",
             ClientError::Rejected { .. } => "rejected",
             ClientError::Missing { .. } => "missing",
@@ -97,6 +106,8 @@ impl From<tonic::Status> for ClientError {
             codes::SESSION_EXPIRED => ClientError::SessionExpired(message),
             codes::SESSION_EXISTS => ClientError::SessionExists(message),
             codes::SESSION_VERSION => ClientError::VersionConflict(message),
+            codes::FORBIDDEN => ClientError::Forbidden(message),
+            codes::QUOTA => ClientError::QuotaExceeded(message),
             _ if s.code() == tonic::Code::Unauthenticated => ClientError::Unauthenticated(message),
             // No kvtier code: the transport failed (server gone, connection reset), not the server.
             "" if matches!(

@@ -473,6 +473,7 @@ fn check_count(h: &ResponseHeader, n: usize) -> Result<(), ClientError> {
 fn refusal(status: Status, message: String) -> ClientError {
     match status {
         Status::Unauthenticated => ClientError::Unauthenticated(message),
+        Status::Forbidden => ClientError::Forbidden(message),
         Status::UnknownNamespace => ClientError::UnknownNamespace(message),
         Status::TooLarge => ClientError::Refused { code: codes::CAPACITY.into(), message },
         Status::BadRequest | Status::UnsupportedVersion => {

@@ -13,6 +13,10 @@ pub const SESSION_EXPIRED: &str = "KV:Session:Expired";
 pub const SESSION_EXISTS: &str = "KV:Session:Exists";
 pub const SESSION_VERSION: &str = "KV:Session:VersionConflict";
 pub const UNAUTHENTICATED: &str = "KV:Auth:Unauthenticated";
+/// Authenticated, but the principal may not touch that namespace (it belongs to another tenant).
+pub const FORBIDDEN: &str = "KV:Auth:Forbidden";
+/// The tenant is at one of its quotas (namespaces, sessions, session bytes).
+pub const QUOTA: &str = "KV:Quota:Exceeded";
 pub const DISK_FULL: &str = "KV:Disk:Full";
 pub const INTERNAL: &str = "KV:Internal";
 

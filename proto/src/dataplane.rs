@@ -134,6 +134,8 @@ pub enum Status {
     UnknownNamespace = 4,
     Internal = 5,
     UnsupportedVersion = 6,
+    /// The connection's tenant may not touch the request's namespace.
+    Forbidden = 7,
 }
 
 impl Status {
@@ -146,6 +148,7 @@ impl Status {
             4 => Status::UnknownNamespace,
             5 => Status::Internal,
             6 => Status::UnsupportedVersion,
+            7 => Status::Forbidden,
             other => return Err(ProtoError::Malformed(format!("unknown status {other}"))),
         })
     }
@@ -173,6 +176,8 @@ pub enum ItemStatus {
     /// Same-node path: the item's offset and length fall outside the registered buffer, or the
     /// block is longer than the room the item gave it.
     OutOfRange = 11,
+    /// The connection's tenant may not write (or read) the frame's namespace.
+    Forbidden = 12,
 }
 
 impl ItemStatus {
@@ -190,6 +195,7 @@ impl ItemStatus {
             9 => ItemStatus::LossyCodec,
             10 => ItemStatus::Present,
             11 => ItemStatus::OutOfRange,
+            12 => ItemStatus::Forbidden,
             other => return Err(ProtoError::Malformed(format!("unknown item status {other}"))),
         })
     }
@@ -213,6 +219,7 @@ impl ItemStatus {
             ItemStatus::LossyCodec => "a quantizing codec in a lossless namespace",
             ItemStatus::Present => "already present",
             ItemStatus::OutOfRange => "offset and length outside the registered buffer (or the item's room)",
+            ItemStatus::Forbidden => "the namespace belongs to another tenant that granted no access",
         }
     }
 }

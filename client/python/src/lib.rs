@@ -27,6 +27,8 @@ create_exception!(kvtier, SessionNotFoundError, KvtierError, "No such session (n
 create_exception!(kvtier, VersionConflictError, KvtierError, "A session changed since the version given.");
 create_exception!(kvtier, InvalidRequestError, KvtierError, "The request does not fit the namespace or the server.");
 create_exception!(kvtier, BlockMissingError, KvtierError, "A block the request needs is gone from the server.");
+create_exception!(kvtier, ForbiddenError, KvtierError, "The namespace belongs to another tenant that granted no access.");
+create_exception!(kvtier, QuotaExceededError, CapacityError, "The tenant is at one of its quotas.");
 
 /// The one runtime every client of this process shares.
 fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
@@ -48,6 +50,8 @@ fn miss_to_err(m: &Miss) -> PyErr {
     match m.reason {
         "connect" | "io" | "timeout" | "protocol" | "unauthenticated" => UnavailableError::new_err(msg),
         "capacity" => CapacityError::new_err(msg),
+        "quota" => QuotaExceededError::new_err(msg),
+        "forbidden" => ForbiddenError::new_err(msg),
         "missing" => BlockMissingError::new_err(msg),
         "session_not_found" | "session_expired" => SessionNotFoundError::new_err(msg),
         "version_conflict" | "session_exists" => VersionConflictError::new_err(msg),
@@ -1133,5 +1137,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("VersionConflictError", py.get_type::<VersionConflictError>())?;
     m.add("InvalidRequestError", py.get_type::<InvalidRequestError>())?;
     m.add("BlockMissingError", py.get_type::<BlockMissingError>())?;
+    m.add("ForbiddenError", py.get_type::<ForbiddenError>())?;
+    m.add("QuotaExceededError", py.get_type::<QuotaExceededError>())?;
     Ok(())
 }

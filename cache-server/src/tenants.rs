@@ -1,0 +1,291 @@
+//! Tenants as principals: which credential belongs to whom, what each principal may touch (its own
+//! namespaces, and others' only by an explicit grant in the config), and each tenant's quotas.
+//! Every plane authenticates a connection or call once ([`Tenants::authenticate`]) and checks every
+//! request against the namespace's owner ([`Principal::may`]).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use crate::config::ServerConfig;
+use crate::error::ServerError;
+
+/// What a request does to a namespace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// Look up, load, resume, list.
+    Read,
+    /// Store, park, extend, drop, purge.
+    Write,
+}
+
+impl Access {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Access::Read => "read",
+            Access::Write => "write",
+        }
+    }
+}
+
+/// Quotas of one tenant (`None`: none of that kind).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Quotas {
+    pub max_namespaces: Option<u64>,
+    pub max_sessions: Option<u64>,
+    pub max_session_bytes: Option<u64>,
+    pub dram_bytes: Option<u64>,
+}
+
+/// A configured tenant.
+#[derive(Debug)]
+pub struct Tenant {
+    pub name: String,
+    /// A small number the tiers account the tenant's bytes under (0 is the operator's).
+    pub index: u32,
+    read: HashSet<String>,
+    write: HashSet<String>,
+    pub quotas: Quotas,
+}
+
+/// Who is asking.
+#[derive(Debug, Clone)]
+pub enum Principal {
+    /// The node's operator: no tenants configured (one user), or the holder of `auth_token`.
+    /// Reaches every namespace.
+    Operator,
+    Tenant(Arc<Tenant>),
+}
+
+impl Principal {
+    /// Whether this principal may `access` a namespace owned by `owner` (its `tenant` field).
+    pub fn may(&self, access: Access, owner: &str) -> bool {
+        match self {
+            Principal::Operator => true,
+            Principal::Tenant(t) => {
+                t.name == owner
+                    || t.write.contains(owner)
+                    || (access == Access::Read && t.read.contains(owner))
+            }
+        }
+    }
+
+    /// The tenant's name, or `"operator"` (for logs and audit lines).
+    pub fn name(&self) -> &str {
+        match self {
+            Principal::Operator => "operator",
+            Principal::Tenant(t) => &t.name,
+        }
+    }
+
+    pub fn tenant(&self) -> Option<&Arc<Tenant>> {
+        match self {
+            Principal::Operator => None,
+            Principal::Tenant(t) => Some(t),
+        }
+    }
+
+    /// The refusal for a request this principal may not make (no namespace id in it: ids are
+    /// not to be confirmed to someone who may not use them).
+    pub fn refusal(&self, access: Access, what: &str) -> ServerError {
+        metrics::counter!("kvtier_auth_denied_total", "access" => access.as_str()).increment(1);
+        tracing::warn!(principal = self.name(), access = access.as_str(), what, "request refused: not granted");
+        ServerError::Forbidden(format!("tenant {:?} may not {} {what}", self.name(), access.as_str()))
+    }
+}
+
+/// The node's credentials and tenants.
+#[derive(Debug, Default)]
+pub struct Tenants {
+    /// blake3 of each accepted token. Looking tokens up by their hash keeps the comparison's
+    /// timing independent of how much of a guessed token is right (only of its hash, which tells
+    /// an attacker nothing about the token).
+    by_token: HashMap<[u8; 32], Principal>,
+    by_name: HashMap<String, Arc<Tenant>>,
+}
+
+fn token_hash(token: &[u8]) -> [u8; 32] {
+    *blake3::hash(token).as_bytes()
+}
+
+fn check_token(owner: &str, t: &str) -> Result<(), ServerError> {
+    if t.len() < 16 || t.len() > kvtier_proto::dataplane::MAX_TOKEN_LEN {
+        return Err(ServerError::Config(format!("tenant {owner:?}: every token must be 16..=1024 bytes")));
+    }
+    Ok(())
+}
+
+impl Tenants {
+    /// Builds the credential table; refuses duplicate names or tokens, grants naming no tenant,
+    /// unreadable token files and tokens of the wrong size.
+    pub fn from_config(c: &ServerConfig) -> Result<Tenants, ServerError> {
+        let mut out = Tenants::default();
+        let names: HashSet<&str> = c.tenants.iter().map(|t| t.name.as_str()).collect();
+        for (i, t) in c.tenants.iter().enumerate() {
+            if t.name.is_empty() || t.name.len() > 256 {
+                return Err(ServerError::Config("tenants: every name must be 1..=256 bytes".into()));
+            }
+            for g in t.read.iter().chain(&t.write) {
+                if !names.contains(g.as_str()) {
+                    return Err(ServerError::Config(format!("tenant {:?} is granted {g:?}, which is no tenant", t.name)));
+                }
+            }
+            let tenant = Arc::new(Tenant {
+                name: t.name.clone(),
+                index: i as u32 + 1,
+                read: t.read.iter().cloned().collect(),
+                write: t.write.iter().cloned().collect(),
+                quotas: Quotas {
+                    max_namespaces: t.max_namespaces,
+                    max_sessions: t.max_sessions,
+                    max_session_bytes: t.max_session_bytes.map(|b| b.0),
+                    dram_bytes: t.dram_bytes.map(|b| b.0),
+                },
+            });
+            if out.by_name.insert(t.name.clone(), tenant.clone()).is_some() {
+                return Err(ServerError::Config(format!("tenant {:?} is configured twice", t.name)));
+            }
+            let mut tokens = t.tokens.clone();
+            if let Some(path) = &t.token_file {
+                let text = std::fs::read_to_string(path).map_err(|e| {
+                    ServerError::Config(format!("tenant {:?}: token_file {}: {e}", t.name, path.display()))
+                })?;
+                tokens.push(text.trim().to_string());
+            }
+            if tokens.is_empty() {
+                return Err(ServerError::Config(format!("tenant {:?} has no token", t.name)));
+            }
+            for tok in tokens {
+                check_token(&t.name, &tok)?;
+                if out.by_token.insert(token_hash(tok.as_bytes()), Principal::Tenant(tenant.clone())).is_some() {
+                    return Err(ServerError::Config(format!("tenant {:?}: a token is used twice", t.name)));
+                }
+            }
+        }
+        if let Some(op) = &c.auth_token {
+            if out.by_token.insert(token_hash(op.as_bytes()), Principal::Operator).is_some() {
+                return Err(ServerError::Config("auth_token is also a tenant's token".into()));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Whether callers must present a credential (any token is configured).
+    pub fn required(&self) -> bool {
+        !self.by_token.is_empty()
+    }
+
+    /// The principal a presented token (`None`: no token) stands for; `None` when refused.
+    pub fn authenticate(&self, token: Option<&[u8]>) -> Option<Principal> {
+        if !self.required() {
+            return Some(Principal::Operator);
+        }
+        let found = self.by_token.get(&token_hash(token?)).cloned();
+        if found.is_none() {
+            metrics::counter!("kvtier_auth_failed_total").increment(1);
+        }
+        found
+    }
+
+    pub fn tenant(&self, name: &str) -> Option<&Arc<Tenant>> {
+        self.by_name.get(name)
+    }
+
+    /// The configured tenants' quotas, by account index (for the tiers).
+    pub fn dram_quotas(&self) -> Vec<(u32, u64)> {
+        self.by_name.values().filter_map(|t| t.quotas.dram_bytes.map(|q| (t.index, q))).collect()
+    }
+
+    /// The account index blocks of a namespace owned by `owner` are counted under (0: none).
+    pub fn account_of(&self, owner: &str) -> u32 {
+        self.by_name.get(owner).map_or(0, |t| t.index)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{ByteSize, TenantConfig};
+
+    fn cfg() -> ServerConfig {
+        let mut c = ServerConfig::default();
+        c.tenants = vec![
+            TenantConfig { name: "a".into(), tokens: vec!["token-of-tenant-a".into()], ..Default::default() },
+            TenantConfig {
+                name: "b".into(),
+                tokens: vec!["token-of-tenant-b".into()],
+                read: vec!["a".into()],
+                dram_bytes: Some(ByteSize(1 << 20)),
+                ..Default::default()
+            },
+        ];
+        c
+    }
+
+    #[test]
+    fn tokens_map_to_their_tenant_and_nothing_else() {
+        let t = Tenants::from_config(&cfg()).unwrap();
+        assert!(t.required());
+        assert_eq!(t.authenticate(Some(b"token-of-tenant-a")).unwrap().name(), "a");
+        assert_eq!(t.authenticate(Some(b"token-of-tenant-b")).unwrap().name(), "b");
+        assert!(t.authenticate(Some(b"token-of-tenant-c")).is_none());
+        assert!(t.authenticate(Some(b"token-of-tenant-")).is_none());
+        assert!(t.authenticate(None).is_none());
+    }
+
+    #[test]
+    fn no_credentials_configured_means_one_user() {
+        let t = Tenants::from_config(&ServerConfig::default()).unwrap();
+        assert!(!t.required());
+        assert!(matches!(t.authenticate(None), Some(Principal::Operator)));
+    }
+
+    #[test]
+    fn grants_are_explicit_and_directed() {
+        let t = Tenants::from_config(&cfg()).unwrap();
+        let a = t.authenticate(Some(b"token-of-tenant-a")).unwrap();
+        let b = t.authenticate(Some(b"token-of-tenant-b")).unwrap();
+        assert!(a.may(Access::Write, "a") && a.may(Access::Read, "a"));
+        assert!(!a.may(Access::Read, "b"), "b granted a nothing");
+        assert!(b.may(Access::Read, "a"), "a's namespaces are readable by b");
+        assert!(!b.may(Access::Write, "a"), "a read grant is not a write grant");
+        assert!(Principal::Operator.may(Access::Write, "a"));
+        assert_eq!(t.dram_quotas(), vec![(2, 1 << 20)]);
+        assert_eq!(t.account_of("b"), 2);
+        assert_eq!(t.account_of("nobody"), 0);
+    }
+
+    #[test]
+    fn bad_tenant_configs_are_refused_with_the_reason() {
+        let mut c = cfg();
+        c.tenants[1].read = vec!["zzz".into()];
+        assert!(Tenants::from_config(&c).unwrap_err().to_string().contains("no tenant"));
+        let mut c = cfg();
+        c.tenants[1].tokens = vec!["token-of-tenant-a".into()];
+        assert!(Tenants::from_config(&c).unwrap_err().to_string().contains("used twice"));
+        let mut c = cfg();
+        c.tenants[0].tokens = vec!["short".into()];
+        assert!(Tenants::from_config(&c).unwrap_err().to_string().contains("16..=1024"));
+        let mut c = cfg();
+        c.tenants[0].tokens.clear();
+        assert!(Tenants::from_config(&c).unwrap_err().to_string().contains("no token"));
+        let mut c = cfg();
+        c.tenants.push(c.tenants[0].clone());
+        assert!(Tenants::from_config(&c).unwrap_err().to_string().contains("twice"));
+        let mut c = cfg();
+        c.auth_token = Some("token-of-tenant-a".into());
+        assert!(Tenants::from_config(&c).unwrap_err().to_string().contains("auth_token"));
+    }
+
+    #[test]
+    fn token_files_are_read_and_trimmed() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("a.token");
+        std::fs::write(&f, "  token-from-a-file-0001\n").unwrap();
+        let mut c = cfg();
+        c.tenants[0].token_file = Some(f);
+        let t = Tenants::from_config(&c).unwrap();
+        assert_eq!(t.authenticate(Some(b"token-from-a-file-0001")).unwrap().name(), "a");
+        c.tenants[0].token_file = Some(dir.path().join("missing"));
+        assert!(Tenants::from_config(&c).unwrap_err().to_string().contains("token_file"));
+    }
+}

@@ -1,0 +1,193 @@
+//! Tenants as principals, against a real server configured with three tenants and an operator:
+//! a tenant that knows another's namespace id and salt still cannot read, write, park, resume,
+//! drop, purge, list or poison anything of it, on the control plane, the data plane or the
+//! same-node socket; a read grant allows reads only; quotas stop a tenant at its own limits.
+
+use kvtier_client::{ClientConfig, ClientError, KvClient, ParkOptions, SharedBuffer};
+use kvtier_proto::dataplane::ItemStatus;
+use kvtier_tests::*;
+
+const TOKEN_A: &str = "tenant-a-secret-0001";
+const TOKEN_B: &str = "tenant-b-secret-0002";
+const TOKEN_C: &str = "tenant-c-secret-0003";
+const TOKEN_Q: &str = "tenant-q-secret-0004";
+const OPERATOR: &str = "operator-secret-0000";
+
+fn config(dir: &std::path::Path) -> std::path::PathBuf {
+    let path = dir.join("tenants.toml");
+    std::fs::write(
+        &path,
+        format!(
+            r#"
+auth_token = "{OPERATOR}"
+
+[[tenants]]
+name = "a"
+tokens = ["{TOKEN_A}"]
+
+[[tenants]]
+name = "b"
+tokens = ["{TOKEN_B}"]
+
+[[tenants]]
+name = "c"
+tokens = ["{TOKEN_C}"]
+read = ["a"]
+
+[[tenants]]
+name = "q"
+tokens = ["{TOKEN_Q}"]
+max_namespaces = 1
+max_sessions = 1
+"#
+        ),
+    )
+    .unwrap();
+    path
+}
+
+async fn client_as(server: &ServerProcess, token: Option<&str>) -> KvClient {
+    let cfg = ClientConfig { auth_token: token.map(str::to_string), ..ClientConfig::default() };
+    KvClient::connect(&server.grpc_addr(), cfg).await.expect("connect")
+}
+
+fn forbidden<T>(r: Result<T, ClientError>, what: &str) {
+    match r {
+        Err(ClientError::Forbidden(m)) => assert!(!m.is_empty(), "{what}"),
+        Err(other) => panic!("{what}: expected Forbidden, got {other}"),
+        Ok(_) => panic!("{what}: expected Forbidden, it succeeded"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_tenant_can_neither_read_nor_change_nor_list_a_tenants_data() {
+    let cfg_dir = tempfile::tempdir().unwrap();
+    let cfg = config(cfg_dir.path());
+    let server = ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"]);
+    let a = client_as(&server, Some(TOKEN_A)).await;
+    let b = client_as(&server, Some(TOKEN_B)).await;
+
+    // Tenant a stores a prefix and parks a session.
+    let ns_a = a.register(namespace("a", b"a's salt", small_layout())).await.unwrap();
+    let doc = tokens(1, 64);
+    let blocks = full_block_payloads(&ns_a, &doc);
+    a.store(&ns_a, &doc, &blocks).await.unwrap().ok().unwrap();
+    a.park(&ns_a, "a-agent", &doc, &blocks, &ParkOptions::default(), 0).await.unwrap();
+
+    // b knows a's namespace spec (tenant, model, salt) and so its id: the worst case.
+    forbidden(b.register(namespace("a", b"a's salt", small_layout())).await, "register as a");
+    forbidden(b.lookup(&ns_a, &doc).await, "lookup");
+    forbidden(b.load_keys(&ns_a, &ns_a.keys(&doc)).await, "data-plane load");
+    forbidden(b.exists_keys(&ns_a, &ns_a.keys(&doc)).await, "data-plane exists");
+    forbidden(b.resume(&ns_a, "a-agent").await, "resume");
+    forbidden(b.drop_session(&ns_a, "a-agent").await, "drop");
+    forbidden(b.purge(&ns_a).await, "purge");
+    forbidden(b.list_sessions(Some(&ns_a)).await, "list a's namespace");
+    forbidden(b.park(&ns_a, "b-agent", &doc, &blocks, &ParkOptions::default(), 0).await, "park");
+    assert!(b.list_sessions(None).await.unwrap().is_empty(), "an empty filter lists only b's own sessions");
+    let stats = b.stats().await.unwrap();
+    assert_eq!((stats.namespaces, stats.sessions), (0, 0), "b's stats count b's own");
+
+    // Poisoning: a purged key re-put with b's bytes is refused per block; a then stores and loads
+    // its own bytes. (The parked session's blocks stay pinned through a purge: another document.)
+    let doc2 = tokens(9, 32);
+    let blocks2 = full_block_payloads(&ns_a, &doc2);
+    a.store(&ns_a, &doc2, &blocks2).await.unwrap().ok().unwrap();
+    assert!(a.purge(&ns_a).await.unwrap() >= 2);
+    let poison: Vec<_> = blocks2.iter().map(|p| bytes::Bytes::from(vec![0xEE; p.len()])).collect();
+    let report = b.store(&ns_a, &doc2, &poison).await.unwrap();
+    assert_eq!(report.stored, 0);
+    assert!(report.rejected.iter().all(|(_, s)| *s == ItemStatus::Forbidden), "{:?}", report.rejected);
+    assert_eq!(a.lookup(&ns_a, &doc2).await.unwrap(), 0, "nothing of b's landed in a's namespace");
+    a.store(&ns_a, &doc2, &blocks2).await.unwrap().ok().unwrap();
+    assert_eq!(a.load(&ns_a, &doc2).await.unwrap(), blocks2);
+
+    // The same-node socket checks the same way.
+    let mut near = b.samenode().await.expect("same host: the same-node path opens");
+    let mut dst = SharedBuffer::new(blocks.len() * ns_a.block_bytes() as usize).unwrap();
+    let at: Vec<u64> = (0..blocks.len() as u64).map(|i| i * ns_a.block_bytes()).collect();
+    forbidden(near.load_into_buffer(&ns_a, &ns_a.keys(&doc), &mut dst, &at, false).await, "same-node load");
+    assert!(dst.as_slice().iter().all(|&x| x == 0), "no byte of a's reached b's buffer");
+
+    // a's data survived every attempt.
+    assert_eq!(a.resume(&ns_a, "a-agent").await.unwrap().blocks, blocks);
+    assert_eq!(a.list_sessions(None).await.unwrap().len(), 1);
+    let text = server.scrape();
+    assert!(metric(&text, "kvtier_auth_denied_total", &[]) >= 10.0, "refusals are counted");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_grant_allows_reads_only_and_the_operator_sees_everything() {
+    let cfg_dir = tempfile::tempdir().unwrap();
+    let cfg = config(cfg_dir.path());
+    let server = ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"]);
+    let a = client_as(&server, Some(TOKEN_A)).await;
+    let c = client_as(&server, Some(TOKEN_C)).await;
+    let op = client_as(&server, Some(OPERATOR)).await;
+    let ns_a = a.register(namespace("a", b"shared corpus", small_layout())).await.unwrap();
+    let doc = tokens(2, 48);
+    let blocks = full_block_payloads(&ns_a, &doc);
+    a.park(&ns_a, "shared", &doc, &blocks, &ParkOptions::default(), 0).await.unwrap();
+
+    // c reads a's namespace: lookup, load, resume, list.
+    assert_eq!(c.lookup(&ns_a, &doc).await.unwrap(), 48);
+    assert_eq!(c.load(&ns_a, &doc).await.unwrap(), blocks);
+    assert_eq!(c.resume(&ns_a, "shared").await.unwrap().blocks, blocks);
+    assert_eq!(c.list_sessions(None).await.unwrap().len(), 1);
+    // ...and changes nothing.
+    forbidden(c.drop_session(&ns_a, "shared").await, "drop under a read grant");
+    forbidden(c.purge(&ns_a).await, "purge under a read grant");
+    let report = c.store(&ns_a, &tokens(3, 16), &full_block_payloads(&ns_a, &tokens(3, 16))).await.unwrap();
+    assert_eq!(report.rejected, vec![(0, ItemStatus::Forbidden)]);
+    // The grant is directed: a reads nothing of c's.
+    let ns_c = c.register(namespace("c", b"c", small_layout())).await.unwrap();
+    forbidden(a.lookup(&ns_c, &doc).await, "reverse grant");
+
+    // The operator reaches everything; a client with no token or a wrong one reaches nothing.
+    assert_eq!(op.list_sessions(None).await.unwrap().len(), 1);
+    assert_eq!(op.stats().await.unwrap().namespaces, 2);
+    for token in [None, Some("not-any-configured-token")] {
+        let err = KvClient::connect(
+            &server.grpc_addr(),
+            ClientConfig { auth_token: token.map(str::to_string), ..ClientConfig::default() },
+        )
+        .await;
+        let err = match err {
+            Ok(client) => client.lookup(&ns_a, &doc).await.unwrap_err(),
+            Err(e) => e,
+        };
+        assert!(matches!(err, ClientError::Unauthenticated(_)), "{token:?}: {err}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quotas_stop_a_tenant_at_its_own_namespaces_and_sessions() {
+    let cfg_dir = tempfile::tempdir().unwrap();
+    let cfg = config(cfg_dir.path());
+    let server = ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"]);
+    let q = client_as(&server, Some(TOKEN_Q)).await;
+    let b = client_as(&server, Some(TOKEN_B)).await;
+    let ns = q.register(namespace("q", b"1", small_layout())).await.unwrap();
+    // Registering the same one again is not a second namespace.
+    q.register(namespace("q", b"1", small_layout())).await.unwrap();
+    let Err(err) = q.register(namespace("q", b"2", small_layout())).await else { panic!("past max_namespaces") };
+    assert!(matches!(err, ClientError::QuotaExceeded(ref m) if m.contains("max_namespaces")), "{err}");
+
+    let doc = tokens(4, 32);
+    let blocks = full_block_payloads(&ns, &doc);
+    q.park(&ns, "one", &doc, &blocks, &ParkOptions::default(), 0).await.unwrap();
+    let err = q.park(&ns, "two", &doc, &blocks, &ParkOptions::default(), 0).await.unwrap_err();
+    assert!(matches!(err, ClientError::QuotaExceeded(ref m) if m.contains("max_sessions")), "{err}");
+    // Replacing its one session is fine; dropping it makes room.
+    q.park(&ns, "one", &doc, &blocks, &ParkOptions::default(), 1).await.unwrap();
+    assert!(q.drop_session(&ns, "one").await.unwrap());
+    q.park(&ns, "two", &doc, &blocks, &ParkOptions::default(), 0).await.unwrap();
+
+    // Another tenant is not held to q's quotas.
+    let ns_b = b.register(namespace("b", b"1", small_layout())).await.unwrap();
+    b.register(namespace("b", b"2", small_layout())).await.unwrap();
+    let blocks_b = full_block_payloads(&ns_b, &doc);
+    for id in ["x", "y", "z"] {
+        b.park(&ns_b, id, &doc, &blocks_b, &ParkOptions::default(), 0).await.unwrap();
+    }
+}
