@@ -51,9 +51,10 @@ pub fn to_status(e: ServerError) -> Status {
 
 /// The principal the interceptor authenticated for this call.
 fn principal<T>(r: &Request<T>) -> Result<Principal, Status> {
-    r.extensions().get::<Principal>().cloned().ok_or_else(|| {
-        Status::unauthenticated(format!("{}: the call was not authenticated", codes::UNAUTHENTICATED))
-    })
+    r.extensions()
+        .get::<Principal>()
+        .cloned()
+        .ok_or_else(|| Status::unauthenticated(format!("{}: the call was not authenticated", codes::UNAUTHENTICATED)))
 }
 
 fn ns_id(b: &[u8]) -> Result<NamespaceId, ServerError> {

@@ -38,8 +38,8 @@ use crate::deadline::Deadlined;
 use crate::dram::Priority;
 use crate::error::ServerError;
 use crate::metrics::{error, observe};
-use crate::tenants::{Access, Principal};
 use crate::state::NodeState;
+use crate::tenants::{Access, Principal};
 use crate::tiers::Load;
 
 /// Most concurrent data-plane connections; more wait in the accept backlog.

@@ -640,4 +640,3 @@ fn kind(s: ItemStatus) -> &'static str {
         ItemStatus::Ok | ItemStatus::Present | ItemStatus::Miss => "ok",
     }
 }
-

@@ -231,7 +231,12 @@ mod tests {
     }
 
     fn limits() -> SessionLimits {
-        SessionLimits { block_tokens: BT, bytes_per_token: layout().bytes_per_token(), max_context_tokens: 1 << 20, quota: None }
+        SessionLimits {
+            block_tokens: BT,
+            bytes_per_token: layout().bytes_per_token(),
+            max_context_tokens: 1 << 20,
+            quota: None,
+        }
     }
 
     fn block(tier: &DramTier, ns: NamespaceId, k: u16) -> BlockKey {

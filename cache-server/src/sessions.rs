@@ -410,7 +410,12 @@ mod tests {
     }
 
     fn limits() -> SessionLimits {
-        SessionLimits { block_tokens: BT, bytes_per_token: layout().bytes_per_token(), max_context_tokens: 64, quota: None }
+        SessionLimits {
+            block_tokens: BT,
+            bytes_per_token: layout().bytes_per_token(),
+            max_context_tokens: 64,
+            quota: None,
+        }
     }
 
     fn put(tier: &DramTier, ns: NamespaceId, k: u8, tokens: u32) -> BlockKey {

@@ -62,9 +62,7 @@ impl Principal {
         match self {
             Principal::Operator => true,
             Principal::Tenant(t) => {
-                t.name == owner
-                    || t.write.contains(owner)
-                    || (access == Access::Read && t.read.contains(owner))
+                t.name == owner || t.write.contains(owner) || (access == Access::Read && t.read.contains(owner))
             }
         }
     }
@@ -126,7 +124,10 @@ impl Tenants {
             }
             for g in t.read.iter().chain(&t.write) {
                 if !names.contains(g.as_str()) {
-                    return Err(ServerError::Config(format!("tenant {:?} is granted {g:?}, which is no tenant", t.name)));
+                    return Err(ServerError::Config(format!(
+                        "tenant {:?} is granted {g:?}, which is no tenant",
+                        t.name
+                    )));
                 }
             }
             let tenant = Arc::new(Tenant {
@@ -207,18 +208,19 @@ mod tests {
     use crate::config::{ByteSize, TenantConfig};
 
     fn cfg() -> ServerConfig {
-        let mut c = ServerConfig::default();
-        c.tenants = vec![
-            TenantConfig { name: "a".into(), tokens: vec!["token-of-tenant-a".into()], ..Default::default() },
-            TenantConfig {
-                name: "b".into(),
-                tokens: vec!["token-of-tenant-b".into()],
-                read: vec!["a".into()],
-                dram_bytes: Some(ByteSize(1 << 20)),
-                ..Default::default()
-            },
-        ];
-        c
+        ServerConfig {
+            tenants: vec![
+                TenantConfig { name: "a".into(), tokens: vec!["token-of-tenant-a".into()], ..Default::default() },
+                TenantConfig {
+                    name: "b".into(),
+                    tokens: vec!["token-of-tenant-b".into()],
+                    read: vec!["a".into()],
+                    dram_bytes: Some(ByteSize(1 << 20)),
+                    ..Default::default()
+                },
+            ],
+            ..ServerConfig::default()
+        }
     }
 
     #[test]

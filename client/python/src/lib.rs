@@ -27,7 +27,12 @@ create_exception!(kvtier, SessionNotFoundError, KvtierError, "No such session (n
 create_exception!(kvtier, VersionConflictError, KvtierError, "A session changed since the version given.");
 create_exception!(kvtier, InvalidRequestError, KvtierError, "The request does not fit the namespace or the server.");
 create_exception!(kvtier, BlockMissingError, KvtierError, "A block the request needs is gone from the server.");
-create_exception!(kvtier, ForbiddenError, KvtierError, "The namespace belongs to another tenant that granted no access.");
+create_exception!(
+    kvtier,
+    ForbiddenError,
+    KvtierError,
+    "The namespace belongs to another tenant that granted no access."
+);
 create_exception!(kvtier, QuotaExceededError, CapacityError, "The tenant is at one of its quotas.");
 
 /// The one runtime every client of this process shares.
