@@ -191,3 +191,38 @@ async fn quotas_stop_a_tenant_at_its_own_namespaces_and_sessions() {
         b.park(&ns_b, id, &doc, &blocks_b, &ParkOptions::default(), 0).await.unwrap();
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_writing_past_its_dram_quota_evicts_only_its_own_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("quota.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[[tenants]]\nname = \"heavy\"\ntokens = [\"{TOKEN_A}\"]\ndram_bytes = \"24MiB\"\n\n\
+             [[tenants]]\nname = \"quiet\"\ntokens = [\"{TOKEN_B}\"]\ndram_bytes = \"24MiB\"\n"
+        ),
+    )
+    .unwrap();
+    let server = ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"]);
+    let heavy = client_as(&server, Some(TOKEN_A)).await;
+    let quiet = client_as(&server, Some(TOKEN_B)).await;
+    let ns_q = quiet.register(namespace("quiet", b"q", small_layout())).await.unwrap();
+    let ns_h = heavy.register(namespace("heavy", b"h", small_layout())).await.unwrap();
+    // 16 MiB for the quiet tenant (512 blocks of 32 KiB).
+    let quiet_doc = tokens(5, 512 * 16);
+    let quiet_blocks = full_block_payloads(&ns_q, &quiet_doc);
+    quiet.store(&ns_q, &quiet_doc, &quiet_blocks).await.unwrap().ok().unwrap();
+    // 128 MiB from the heavy one: twice the node's whole DRAM, five times its quota.
+    for round in 0..8u32 {
+        let doc = tokens(100 + round, 512 * 16);
+        let blocks = full_block_payloads(&ns_h, &doc);
+        let report = heavy.store(&ns_h, &doc, &blocks).await.unwrap();
+        assert_eq!(report.rejected, vec![], "round {round}: room is made out of its own blocks");
+    }
+    assert_eq!(quiet.lookup(&ns_q, &quiet_doc).await.unwrap(), quiet_doc.len(), "every quiet block stays");
+    assert_eq!(quiet.load(&ns_q, &quiet_doc).await.unwrap(), quiet_blocks);
+    let resident: u64 = heavy.stats().await.unwrap().tiers.iter().map(|t| t.resident_bytes).sum();
+    assert!(resident <= 64 << 20, "the node's cap holds: {resident}");
+    assert!(metric(&server.scrape(), "kvtier_quota_evictions_total", &[]) >= 3000.0);
+}

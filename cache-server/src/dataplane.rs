@@ -394,7 +394,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         }
         self.state.tiers().backpressure().await;
         let tier = self.state.tiers();
-        let mut slot = match tier.reserve(header.payload_len as usize) {
+        let mut slot = match tier.reserve(&header.namespace, header.payload_len as usize) {
             Ok(s) => s,
             Err(e) => {
                 self.drain(header.payload_len).await?;

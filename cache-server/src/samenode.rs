@@ -565,7 +565,7 @@ impl Conn {
         }
         self.state.tiers().backpressure().await;
         let tier = self.state.tiers();
-        let mut slot = match tier.reserve(header.payload_len as usize) {
+        let mut slot = match tier.reserve(&header.namespace, header.payload_len as usize) {
             Ok(s) => s,
             Err(ServerError::Capacity(_) | ServerError::TooLarge { .. }) => return ItemStatus::Capacity,
             Err(_) => return ItemStatus::Internal,

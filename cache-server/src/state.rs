@@ -169,11 +169,22 @@ impl NodeState {
                 })
                 .collect()
         };
+        for ns in state.namespaces.read().values() {
+            state.account(ns);
+        }
         let (ok, lost) = state.sessions.restore(state.tiers.session_pins(), with_layout);
         ::metrics::counter!("kvtier_sessions_recovered_total").increment(ok);
         ::metrics::counter!("kvtier_sessions_lost_total").increment(lost);
         tracing::info!(recovered = ok, lost, "sessions restored from the session log");
         Ok(state)
+    }
+
+    /// Counts a namespace's DRAM bytes against its tenant's account (and quota), if the tenant
+    /// is configured.
+    fn account(&self, ns: &Namespace) {
+        if let Some(t) = self.tenants.tenant(&ns.tenant) {
+            self.tiers.assign_account(ns.id(), t.index, t.quotas.dram_bytes);
+        }
     }
 
     pub fn config(&self) -> &ServerConfig {
@@ -263,6 +274,7 @@ impl NodeState {
             drop(f);
             syncer.sync_data()?;
         }
+        self.account(&ns);
         let mut map = self.namespaces.write();
         if !map.contains_key(&id) {
             if map.len() >= MAX_NAMESPACES {

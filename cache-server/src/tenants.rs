@@ -190,16 +190,6 @@ impl Tenants {
     pub fn tenant(&self, name: &str) -> Option<&Arc<Tenant>> {
         self.by_name.get(name)
     }
-
-    /// The configured tenants' quotas, by account index (for the tiers).
-    pub fn dram_quotas(&self) -> Vec<(u32, u64)> {
-        self.by_name.values().filter_map(|t| t.quotas.dram_bytes.map(|q| (t.index, q))).collect()
-    }
-
-    /// The account index blocks of a namespace owned by `owner` are counted under (0: none).
-    pub fn account_of(&self, owner: &str) -> u32 {
-        self.by_name.get(owner).map_or(0, |t| t.index)
-    }
 }
 
 #[cfg(test)]
@@ -251,9 +241,8 @@ mod tests {
         assert!(b.may(Access::Read, "a"), "a's namespaces are readable by b");
         assert!(!b.may(Access::Write, "a"), "a read grant is not a write grant");
         assert!(Principal::Operator.may(Access::Write, "a"));
-        assert_eq!(t.dram_quotas(), vec![(2, 1 << 20)]);
-        assert_eq!(t.account_of("b"), 2);
-        assert_eq!(t.account_of("nobody"), 0);
+        assert_eq!(t.tenant("b").map(|t| (t.index, t.quotas.dram_bytes)), Some((2, Some(1 << 20))));
+        assert!(t.tenant("nobody").is_none());
     }
 
     #[test]

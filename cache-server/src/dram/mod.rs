@@ -49,6 +49,16 @@
 //! The arena's extent lock comes after the state mutex and is held only for a few map
 //! operations (a dropped view or lease takes it alone).
 //!
+//! # Accounts (tenants' quotas)
+//! Each namespace may be assigned an account ([`DramTier::assign_account`]; 0, the default, has
+//! no quota), and an account a byte quota ([`DramTier::set_account_quota`]). Every block counts
+//! against its namespace's account. A reservation for a namespace whose account would pass its
+//! quota first evicts that account's own blocks, oldest first (pinned ones are skipped), so a
+//! tenant at its quota makes room out of its own blocks instead of everybody's; if its pinned
+//! blocks fill the quota the reservation fails with `Capacity`. Other tenants' blocks are then
+//! only ever evicted by the node-wide policy when the whole tier is full, which quotas summing to
+//! at most the capacity prevent.
+//!
 //! # Demotion hook
 //! [`DramTier::set_eviction_hook`] is where the NVMe tier (G3) receives demoted blocks: the hook
 //! is called with each evicted block while the state mutex is still held, so the receiver can make
@@ -60,7 +70,7 @@ mod policy;
 mod region;
 mod slab;
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -193,6 +203,17 @@ struct Entry {
     freq: AtomicU8,
     pins: u32,
     place: Place,
+    /// The account its bytes count against (see the module doc, "Accounts").
+    account: u32,
+}
+
+/// One account's bytes, and with a quota, its blocks oldest first (stale items are skipped).
+#[derive(Default)]
+struct Account {
+    resident: u64,
+    blocks: u64,
+    quota: Option<u64>,
+    order: VecDeque<(IndexKey, u64)>,
 }
 
 #[derive(Default)]
@@ -223,6 +244,7 @@ struct State {
     /// Outstanding leases by (deadline, id): slot size.
     leases: BTreeMap<(Instant, u64), usize>,
     leased: u64,
+    accounts: HashMap<u32, Account>,
 }
 
 struct Shared {
@@ -235,6 +257,8 @@ struct Shared {
     state: Mutex<State>,
     counters: Counters,
     hook: RwLock<Option<EvictionHook>>,
+    /// The account of each namespace that has one.
+    ns_accounts: RwLock<HashMap<NamespaceId, u32>>,
 }
 
 /// The index as the policy sees it.
@@ -388,6 +412,10 @@ impl Shared {
         let (_, e) = self.index.remove(key)?;
         st.policy.forget(e.level, e.place, e.buf.size() as u64, &IndexAccess(&self.index));
         st.resident = st.resident.saturating_sub(e.header.payload_len);
+        if let Some(a) = st.accounts.get_mut(&e.account) {
+            a.resident = a.resident.saturating_sub(e.header.payload_len);
+            a.blocks = a.blocks.saturating_sub(1);
+        }
         st.blocks = st.blocks.saturating_sub(1);
         if e.pins > 0 {
             st.pinned = st.pinned.saturating_sub(e.buf.size() as u64);
@@ -439,6 +467,61 @@ impl Shared {
             }
             if let Some(b) = Self::alloc_or_defragment(st, size) {
                 return Ok(b);
+            }
+        }
+    }
+
+    /// Brings `account` to `size` bytes below its quota by evicting its own blocks, oldest first
+    /// (pinned ones stay). Evicted blocks go to `demoted` when a hook is set.
+    fn make_room_in_account(
+        &self,
+        st: &mut State,
+        account: u32,
+        size: u64,
+        hook: bool,
+        demoted: &mut Vec<(IndexKey, StoredBlock)>,
+    ) -> Result<(), ServerError> {
+        let Some(quota) = st.accounts.get(&account).and_then(|a| a.quota) else { return Ok(()) };
+        if size > quota {
+            return Err(ServerError::Capacity(format!(
+                "dram tier: a block of {size} bytes is larger than the tenant's dram_bytes quota of {quota}"
+            )));
+        }
+        let mut pinned_seen = 0usize;
+        loop {
+            let Some(a) = st.accounts.get_mut(&account) else { return Ok(()) };
+            if a.resident + size <= quota {
+                return Ok(());
+            }
+            // Every block left was met pinned: the quota is held by pins.
+            if pinned_seen >= a.order.len() {
+                return Err(ServerError::Capacity(format!(
+                    "dram tier: the tenant's dram_bytes quota of {quota} is held by its pinned blocks"
+                )));
+            }
+            let Some((key, id)) = a.order.pop_front() else { return Ok(()) };
+            let pinned = match self.index.get(&key) {
+                Some(e) if e.id == id => e.pins > 0,
+                _ => continue, // stale: removed or replaced since
+            };
+            if pinned {
+                pinned_seen += 1;
+                if let Some(a) = st.accounts.get_mut(&account) {
+                    a.order.push_back((key, id));
+                }
+                continue;
+            }
+            let Some((buf, header)) = self.unindex(st, &key) else { continue };
+            pinned_seen = 0;
+            self.counters.evictions.fetch_add(1, Ordering::Relaxed);
+            ::metrics::counter!("kvtier_tier_evictions_total", "tier" => TierId::Dram.as_str()).increment(1);
+            ::metrics::counter!("kvtier_quota_evictions_total").increment(1);
+            if hook {
+                demoted.push((key, StoredBlock { header, payload: view_of(&buf, header.payload_len) }));
+            }
+            match buf.try_unwrap() {
+                Ok(v) => st.slab.put_free(v),
+                Err(shared) => st.slab.forget(shared.size()),
             }
         }
     }
@@ -495,9 +578,11 @@ impl DramTier {
                 next_id: 0,
                 leases: BTreeMap::new(),
                 leased: 0,
+                accounts: HashMap::new(),
             }),
             counters: Counters::default(),
             hook: RwLock::new(None),
+            ns_accounts: RwLock::new(HashMap::new()),
         };
         Ok(DramTier { shared: Arc::new(shared) })
     }
@@ -509,6 +594,26 @@ impl DramTier {
     }
 
     /// Sets (or clears) the hook that receives evicted blocks: the NVMe demotion point.
+    /// Gives `account` (not 0) a quota of `bytes` resident (see the module doc, "Accounts").
+    /// Set quotas before blocks arrive: blocks already held are counted, not queued for it.
+    pub fn set_account_quota(&self, account: u32, bytes: u64) {
+        let mut st = self.shared.state.lock();
+        st.accounts.entry(account).or_default().quota = (account != 0).then_some(bytes);
+    }
+
+    /// Counts the blocks of `ns` stored from now on against `account` (0: none).
+    pub fn assign_account(&self, ns: NamespaceId, account: u32) {
+        if account != 0 {
+            self.shared.state.lock().accounts.entry(account).or_default();
+            self.shared.ns_accounts.write().insert(ns, account);
+        }
+    }
+
+    /// Payload bytes resident for `account`.
+    pub fn account_resident(&self, account: u32) -> u64 {
+        self.shared.state.lock().accounts.get(&account).map_or(0, |a| a.resident)
+    }
+
     pub fn set_eviction_hook(&self, hook: Option<EvictionHook>) {
         *self.shared.hook.write() = hook;
     }
@@ -521,8 +626,19 @@ impl DramTier {
         self.reserve_at(len, Instant::now())
     }
 
+    /// [`DramTier::reserve`] for a block of namespace `ns`: if its account would pass its quota,
+    /// its own oldest blocks make room first (see the module doc, "Accounts").
+    pub fn reserve_for(&self, ns: &NamespaceId, len: usize) -> Result<Lease, ServerError> {
+        let account = self.shared.ns_accounts.read().get(ns).copied().unwrap_or(0);
+        self.reserve_in(account, len, Instant::now())
+    }
+
     /// [`DramTier::reserve`] at `now` (the lease's deadline is `now + lease_ttl`).
     pub fn reserve_at(&self, len: usize, now: Instant) -> Result<Lease, ServerError> {
+        self.reserve_in(0, len, now)
+    }
+
+    fn reserve_in(&self, account: u32, len: usize, now: Instant) -> Result<Lease, ServerError> {
         let size = slot_size(len);
         if size as u64 > self.shared.capacity {
             return Err(ServerError::TooLarge { len: len as u64, capacity: self.shared.capacity });
@@ -541,7 +657,10 @@ impl DramTier {
             self.shared.publish(&st);
             return Err(e);
         }
-        let res = self.shared.obtain(&mut st, size, hook.is_some(), &mut demoted);
+        let res = self
+            .shared
+            .make_room_in_account(&mut st, account, len as u64, hook.is_some(), &mut demoted)
+            .and_then(|()| self.shared.obtain(&mut st, size, hook.is_some(), &mut demoted));
         let lease = res.map(|buf| {
             st.next_id += 1;
             let key = (now + self.shared.lease_ttl, st.next_id);
@@ -619,7 +738,22 @@ impl DramTier {
         let id = st.next_id;
         let level = priority as usize;
         let place = st.policy.insert(level, Item { key, id, bytes: buf.size() as u64 });
-        let entry = Entry { id, header, buf: SharedSlot::freeze(buf), level, freq: AtomicU8::new(0), pins: 0, place };
+        let account = self.shared.ns_accounts.read().get(&header.namespace).copied().unwrap_or(0);
+        if let Some(a) = st.accounts.get_mut(&account) {
+            a.resident += header.payload_len;
+            a.blocks += 1;
+            if a.quota.is_some() {
+                // Items of blocks gone another way (evicted by the node, purged, removed) are
+                // dropped once they outnumber the live ones (before this block is indexed).
+                if a.order.len() as u64 > 2 * a.blocks + 1024 {
+                    let index = &self.shared.index;
+                    a.order.retain(|(k, i)| index.get(k).is_some_and(|e| e.id == *i));
+                }
+                a.order.push_back((key, id));
+            }
+        }
+        let entry =
+            Entry { id, header, buf: SharedSlot::freeze(buf), level, freq: AtomicU8::new(0), pins: 0, place, account };
         self.shared.index.insert(key, entry);
         st.resident += header.payload_len;
         st.blocks += 1;

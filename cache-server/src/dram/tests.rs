@@ -779,3 +779,51 @@ proptest! {
         prop_assert_eq!(s.region_used_bytes, s.allocated_bytes);
     }
 }
+
+/// Writes block `i` of `ns` through a reservation made for its namespace (as the planes do).
+fn put_for(t: &DramTier, ns: NamespaceId, i: u32, len: usize) -> Result<InsertOutcome, ServerError> {
+    let mut w = t.reserve_for(&ns, len)?;
+    w.buf_mut().copy_from_slice(&payload(i, len));
+    t.commit(w, header(ns, i, len), Priority::Normal)
+}
+
+#[test]
+fn a_tenant_at_its_quota_evicts_its_own_blocks_and_never_anothers() {
+    let t = tier(1024 * KIB, 0.9);
+    let (heavy, quiet) = (NamespaceId([1; 16]), NamespaceId([2; 16]));
+    t.assign_account(heavy, 1);
+    t.assign_account(quiet, 2);
+    t.set_account_quota(1, 256 * KIB as u64);
+    // The quiet tenant holds 8 blocks (no quota); the heavy one writes 4x its quota.
+    for i in 0..8 {
+        put_for(&t, quiet, i, 64 * KIB).unwrap();
+    }
+    for i in 100..164 {
+        put_for(&t, heavy, i, 16 * KIB).unwrap();
+        assert!(t.account_resident(1) <= 256 * KIB as u64, "over quota at block {i}");
+        check_caps(&t);
+    }
+    assert_eq!(t.account_resident(2), 8 * 64 * KIB as u64);
+    for i in 0..8 {
+        let b = t.get(&quiet, &key(i)).expect("the quiet tenant's blocks stay");
+        assert_eq!(&b.payload[..], &payload(i, 64 * KIB)[..]);
+    }
+    // The heavy tenant keeps its newest blocks: the oldest went first.
+    assert!(t.get(&heavy, &key(163)).is_some() && t.get(&heavy, &key(100)).is_none());
+    assert_eq!(t.account_resident(1), 256 * KIB as u64);
+
+    // Pinned blocks stay; when they fill the quota, the tenant's next block is refused.
+    let newest: Vec<_> = (148..164).map(key).collect();
+    t.pin(&heavy, &newest).unwrap();
+    let err = put_for(&t, heavy, 999, 16 * KIB).unwrap_err();
+    assert!(matches!(err, ServerError::Capacity(ref m) if m.contains("pinned")), "{err}");
+    assert!(newest.iter().all(|k| t.contains(&heavy, k)));
+    t.unpin(&heavy, &newest);
+    put_for(&t, heavy, 999, 16 * KIB).unwrap();
+    // A block larger than the quota can never fit it.
+    assert!(matches!(put_for(&t, heavy, 1000, 512 * KIB), Err(ServerError::Capacity(_))));
+    // Unassigned namespaces have no quota.
+    for i in 2000..2004 {
+        put_for(&t, NS, i, 64 * KIB).unwrap();
+    }
+}

@@ -138,8 +138,22 @@ impl TierStack {
     }
 
     /// Zero-copy ingest, step one: an unpublished DRAM slot of `len` bytes to receive into.
-    pub fn reserve(&self, len: usize) -> Result<SlotWriter, ServerError> {
-        self.dram.reserve(len)
+    pub fn reserve(&self, ns: &NamespaceId, len: usize) -> Result<SlotWriter, ServerError> {
+        self.dram.reserve_for(ns, len)
+    }
+
+    /// Counts `ns`'s DRAM bytes against `account`, whose quota `bytes` (if any) its own blocks
+    /// make room under (see `crate::dram`, "Accounts").
+    pub fn assign_account(&self, ns: NamespaceId, account: u32, quota: Option<u64>) {
+        if let Some(q) = quota {
+            self.dram.set_account_quota(account, q);
+        }
+        self.dram.assign_account(ns, account);
+    }
+
+    /// DRAM bytes resident for an account.
+    pub fn account_resident(&self, account: u32) -> u64 {
+        self.dram.account_resident(account)
     }
 
     /// Zero-copy ingest, step two: publishes a slot whose bytes the caller verified.
@@ -327,7 +341,7 @@ mod tests {
         let frames: Vec<BlockFrame> = (0..16).map(|i| frame(ns, i)).collect();
         for f in frames.iter().chain([frame(other, 99)].iter()) {
             s.backpressure().await;
-            let mut slot = s.reserve(f.payload.len()).unwrap();
+            let mut slot = s.reserve(&f.header.namespace, f.payload.len()).unwrap();
             slot.buf_mut().copy_from_slice(&f.payload);
             s.commit(slot, f.header, Priority::Normal).unwrap();
         }
