@@ -79,6 +79,12 @@ pub struct ServerConfig {
     /// request must present a credential; `auth_token` then is the operator's (every namespace).
     /// Default: none (one user: whoever reaches the listeners).
     pub tenants: Vec<TenantConfig>,
+    /// Connections each listener (gRPC, data plane) serves at once; more wait in the kernel's
+    /// backlog. Default: `1024`.
+    pub max_connections: usize,
+    /// Connections one peer (an IP address; a local user on the same-node socket) may hold on each
+    /// listener; more are closed on arrival. Default: `256`.
+    pub max_connections_per_peer: usize,
 }
 
 /// One tenant: its credentials, its grants and its quotas (`None`: no quota of that kind).
@@ -140,6 +146,8 @@ impl Default for ServerConfig {
             metrics_token: None,
             samenode_socket: "auto".into(),
             tenants: Vec::new(),
+            max_connections: 1024,
+            max_connections_per_peer: 256,
         }
     }
 }
@@ -245,6 +253,15 @@ impl ServerConfig {
             }
         }
         crate::tenants::Tenants::from_config(self)?;
+        if self.max_connections == 0 || self.max_connections > 1 << 20 {
+            return bad(format!("max_connections must be 1..=1048576, got {}", self.max_connections));
+        }
+        if self.max_connections_per_peer == 0 || self.max_connections_per_peer > self.max_connections {
+            return bad(format!(
+                "max_connections_per_peer must be 1..=max_connections ({}), got {}",
+                self.max_connections, self.max_connections_per_peer
+            ));
+        }
         let mut addrs = vec![("listen", self.listen), ("data_listen", self.data_listen)];
         if let Some(m) = self.metrics_listen {
             addrs.push(("metrics_listen", m));
@@ -271,6 +288,11 @@ impl ServerConfig {
             }
         }
         Ok(())
+    }
+
+    /// The connection limits of the gRPC and data-plane listeners.
+    pub fn conn_limits(&self) -> crate::listen::ConnLimits {
+        crate::listen::ConnLimits { total: self.max_connections, per_peer: self.max_connections_per_peer }
     }
 
     /// The codec blocks demoted to disk get, `None` for `keep` (call after [`Self::validate`]).

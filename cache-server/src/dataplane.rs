@@ -37,13 +37,12 @@ use xxhash_rust::xxh3::xxh3_64;
 use crate::deadline::Deadlined;
 use crate::dram::Priority;
 use crate::error::ServerError;
+use crate::listen::Peer;
 use crate::metrics::{error, observe};
 use crate::state::NodeState;
 use crate::tenants::{Access, Principal};
 use crate::tiers::Load;
 
-/// Most concurrent data-plane connections; more wait in the accept backlog.
-pub const MAX_CONNECTIONS: usize = 1024;
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 const IO_BUF: usize = 64 * 1024;
 
@@ -61,7 +60,7 @@ pub async fn serve_unix(listener: UnixListener, state: Arc<NodeState>, stop: wat
 
 /// Serves one already-accepted data-plane stream (an in-memory duplex, a socket accepted by the
 /// caller) until the peer closes it, it fails, or `stop` turns true. Its pin leases are released
-/// when it ends. Not counted against [`MAX_CONNECTIONS`]: a caller that accepts streams itself
+/// when it ends. Not counted against `max_connections`: a caller that accepts streams itself
 /// bounds them itself.
 pub async fn serve_stream<S>(stream: S, state: Arc<NodeState>, stop: watch::Receiver<bool>)
 where
@@ -97,22 +96,25 @@ where
     }
 }
 
-/// A listener the data plane accepts from: each accepted connection as owned read and write
-/// halves (no lock between them) and a peer name for logs.
+/// An accepted connection as owned read and write halves (no lock between them) and a peer
+/// name for logs.
+type Accepted<R, W> = ((R, W, String), Peer);
+
+/// A listener the data plane accepts from.
 trait Accept: Send + 'static {
     type Read: AsyncRead + Unpin + Send + 'static;
     type Write: AsyncWrite + Unpin + Send + 'static;
-    fn accept_split(&self) -> impl Future<Output = std::io::Result<(Self::Read, Self::Write, String)>> + Send;
+    fn accept_split(&self) -> impl Future<Output = std::io::Result<Accepted<Self::Read, Self::Write>>> + Send;
 }
 
 impl Accept for TcpListener {
     type Read = tokio::net::tcp::OwnedReadHalf;
     type Write = tokio::net::tcp::OwnedWriteHalf;
-    async fn accept_split(&self) -> std::io::Result<(Self::Read, Self::Write, String)> {
+    async fn accept_split(&self) -> std::io::Result<Accepted<Self::Read, Self::Write>> {
         let (sock, peer) = self.accept().await?;
         let _ = sock.set_nodelay(true);
         let (r, w) = sock.into_split();
-        Ok((r, w, peer.to_string()))
+        Ok(((r, w, peer.to_string()), Peer::Ip(peer.ip())))
     }
 }
 
@@ -120,19 +122,20 @@ impl Accept for TcpListener {
 impl Accept for UnixListener {
     type Read = tokio::net::unix::OwnedReadHalf;
     type Write = tokio::net::unix::OwnedWriteHalf;
-    async fn accept_split(&self) -> std::io::Result<(Self::Read, Self::Write, String)> {
+    async fn accept_split(&self) -> std::io::Result<Accepted<Self::Read, Self::Write>> {
         let (sock, peer) = self.accept().await?;
+        let who = sock.peer_cred().map_or(Peer::Unknown, |c| Peer::Uid(c.uid()));
         let (r, w) = sock.into_split();
-        Ok((r, w, format!("{peer:?}")))
+        Ok(((r, w, format!("{peer:?}")), who))
     }
 }
 
-/// Accepts connections (at most [`MAX_CONNECTIONS`] at once) until `stop` turns true; then ends
-/// every connection before returning.
+/// Accepts connections (within `max_connections` and `max_connections_per_peer`) until `stop`
+/// turns true; then ends every connection before returning.
 async fn accept_loop<L: Accept>(listener: L, state: Arc<NodeState>, stop: watch::Receiver<bool>) {
-    crate::accept_bounded(
+    crate::listen::accept_bounded(
         "data plane",
-        MAX_CONNECTIONS,
+        state.config().conn_limits(),
         stop,
         || listener.accept_split(),
         |(r, w, peer), stop| serve_halves(r, w, state.clone(), stop, peer),

@@ -24,6 +24,7 @@ pub mod deadline;
 pub mod disk;
 pub mod dram;
 pub mod error;
+pub mod listen;
 pub mod metrics;
 pub mod samenode;
 pub mod session_log;
@@ -65,54 +66,6 @@ pub struct RunningServer {
 /// Resolves once `stop` turns true (or its sender is gone).
 pub(crate) async fn stopped(stop: &mut watch::Receiver<bool>) {
     let _ = stop.wait_for(|s| *s).await;
-}
-
-/// The accept loop of every listener: takes connections from `accept` while fewer than `max` are
-/// being served (more wait in the kernel's backlog) and runs `serve` on each until `stop` turns
-/// true; then ends every connection before returning. A failed accept (out of descriptors) backs
-/// off instead of spinning.
-pub(crate) async fn accept_bounded<C, A, F, S, G>(
-    what: &'static str,
-    max: usize,
-    mut stop: watch::Receiver<bool>,
-    mut accept: A,
-    serve: S,
-) where
-    A: FnMut() -> F,
-    F: std::future::Future<Output = std::io::Result<C>>,
-    S: Fn(C, watch::Receiver<bool>) -> G,
-    G: std::future::Future<Output = ()> + Send + 'static,
-{
-    let permits = Arc::new(tokio::sync::Semaphore::new(max));
-    let mut conns = tokio::task::JoinSet::new();
-    loop {
-        let permit = tokio::select! {
-            _ = stopped(&mut stop) => break,
-            p = permits.clone().acquire_owned() => match p {
-                Ok(p) => p,
-                Err(_) => break,
-            },
-        };
-        let accepted = tokio::select! {
-            _ = stopped(&mut stop) => break,
-            a = accept() => a,
-        };
-        let conn = match accepted {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::warn!("{what} accept: {e}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        let task = serve(conn, stop.clone());
-        conns.spawn(async move {
-            task.await;
-            drop(permit);
-        });
-        while conns.try_join_next().is_some() {}
-    }
-    conns.shutdown().await;
 }
 
 impl RunningServer {
@@ -203,6 +156,11 @@ pub async fn start(
             }
         }));
     }
+    let fds = listen::raise_fd_limit();
+    let wanted = 2 * config.max_connections as u64 + 256;
+    if fds.is_some_and(|n| n < wanted) {
+        tracing::warn!(limit = fds, wanted, "the open-descriptor limit is below what max_connections needs");
+    }
     let state = Arc::new(NodeState::open(config, data_addr)?);
     // Bound only now that the data directory's lock is held: a stale socket there is ours to replace.
     let samenode = match &samenode_path {
@@ -263,16 +221,18 @@ pub async fn start(
             }
         }
     };
+    let (incoming, accepting) = listen::grpc_incoming(grpc_listener, state.config().conn_limits(), stop_rx.clone());
+    tasks.push(accepting);
     let mut grpc_stop = stop_rx;
-    // tonic does not apply its own `tcp_nodelay` to sockets given through `serve_with_incoming`:
-    // without this, small answers (a lookup, a resume manifest) wait ~40 ms for Nagle + delayed ACK.
-    let incoming = tokio_stream::StreamExt::map(tokio_stream::wrappers::TcpListenerStream::new(grpc_listener), |s| {
-        s.inspect(|sock| {
-            let _ = sock.set_nodelay(true);
-        })
-    });
     let grpc = tokio::spawn(
         tonic::transport::Server::builder()
+            // Peers that vanished without a FIN are found and their connections closed; no
+            // connection lives forever (clients reconnect on the GOAWAY); requests are bounded.
+            .http2_keepalive_interval(Some(Duration::from_secs(30)))
+            .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+            .max_connection_age(Duration::from_secs(3600))
+            .max_connection_age_grace(Duration::from_secs(30))
+            .max_concurrent_streams(256)
             .add_service(tonic::service::interceptor::InterceptedService::new(service, check_auth))
             .serve_with_incoming_shutdown(incoming, async move { stopped(&mut grpc_stop).await }),
     );

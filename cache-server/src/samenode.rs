@@ -51,6 +51,7 @@ use xxhash_rust::xxh3::Xxh3;
 
 use crate::dram::Priority;
 use crate::error::ServerError;
+use crate::listen::{ConnLimits, Peer};
 use crate::metrics::{error, observe};
 use crate::state::NodeState;
 use crate::tenants::{Access, Principal};
@@ -108,11 +109,17 @@ pub fn bind(path: &Path) -> Result<UnixListener, ServerError> {
 /// Accepts same-node connections (at most [`MAX_CONNECTIONS`] at once) until `stop` turns true;
 /// then ends every connection (unmapping their buffers) and removes the socket file at `path`.
 pub async fn serve(listener: UnixListener, path: PathBuf, state: Arc<NodeState>, stop: watch::Receiver<bool>) {
-    crate::accept_bounded(
+    let limits =
+        ConnLimits { total: MAX_CONNECTIONS, per_peer: state.config().max_connections_per_peer.min(MAX_CONNECTIONS) };
+    crate::listen::accept_bounded(
         "same-node",
-        MAX_CONNECTIONS,
+        limits,
         stop,
-        || async { listener.accept().await.map(|(sock, _)| sock) },
+        || async {
+            let (sock, _) = listener.accept().await?;
+            let who = sock.peer_cred().map_or(Peer::Unknown, |c| Peer::Uid(c.uid()));
+            Ok((sock, who))
+        },
         |sock, mut stop| {
             let state = state.clone();
             async move {

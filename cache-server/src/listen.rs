@@ -1,0 +1,259 @@
+//! The accept loop every listener shares (data plane, same-node socket, gRPC): connections are
+//! bounded in total and per peer (an IP address, or a local user on a Unix socket), a peer over
+//! its share is closed at once and counted, a failed accept (out of descriptors) backs off instead
+//! of spinning, and every connection ends when the node stops.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::sync::watch;
+
+use crate::stopped;
+
+/// Who a connection comes from, for the per-peer limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Peer {
+    Ip(IpAddr),
+    /// A local user (a Unix socket's peer credentials).
+    Uid(u32),
+    /// Not known (a stream handed in by an embedder): limited by the total only.
+    Unknown,
+}
+
+/// How many connections one listener serves at once.
+#[derive(Debug, Clone, Copy)]
+pub struct ConnLimits {
+    /// In total; more wait in the kernel's backlog.
+    pub total: usize,
+    /// From one peer; more are closed on arrival (`kvtier_connections_refused_total`).
+    pub per_peer: usize,
+}
+
+/// Live connections per peer.
+#[derive(Default)]
+struct PeerCounts(Mutex<HashMap<Peer, usize>>);
+
+impl PeerCounts {
+    /// Counts one more connection from `peer`; false (nothing counted) when it has `max`.
+    fn admit(&self, peer: Peer, max: usize) -> bool {
+        if peer == Peer::Unknown {
+            return true;
+        }
+        let mut m = self.0.lock();
+        let n = m.entry(peer).or_default();
+        if *n >= max {
+            return false;
+        }
+        *n += 1;
+        true
+    }
+
+    fn release(&self, peer: Peer) {
+        let mut m = self.0.lock();
+        if let Some(n) = m.get_mut(&peer) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&peer);
+            }
+        }
+    }
+}
+
+/// Takes connections from `accept` within `limits` and runs `serve` on each until `stop` turns
+/// true; then ends every connection before returning.
+pub(crate) async fn accept_bounded<C, A, F, S, G>(
+    what: &'static str,
+    limits: ConnLimits,
+    mut stop: watch::Receiver<bool>,
+    mut accept: A,
+    serve: S,
+) where
+    A: FnMut() -> F,
+    F: std::future::Future<Output = std::io::Result<(C, Peer)>>,
+    S: Fn(C, watch::Receiver<bool>) -> G,
+    G: std::future::Future<Output = ()> + Send + 'static,
+{
+    let permits = Arc::new(tokio::sync::Semaphore::new(limits.total.max(1)));
+    let peers = Arc::new(PeerCounts::default());
+    let mut conns = tokio::task::JoinSet::new();
+    let mut permit = None;
+    loop {
+        let held = match permit.take() {
+            Some(p) => p,
+            None => tokio::select! {
+                _ = stopped(&mut stop) => break,
+                p = permits.clone().acquire_owned() => match p {
+                    Ok(p) => p,
+                    Err(_) => break,
+                },
+            },
+        };
+        let accepted = tokio::select! {
+            _ = stopped(&mut stop) => break,
+            a = accept() => a,
+        };
+        let (conn, peer) = match accepted {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!("{what} accept: {e}");
+                permit = Some(held);
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        if !peers.admit(peer, limits.per_peer) {
+            // Closed on arrival: the slot goes to the next connection.
+            metrics::counter!("kvtier_connections_refused_total", "listener" => what, "reason" => "per_peer")
+                .increment(1);
+            tracing::debug!(?peer, "{what}: connection refused, the peer has {} already", limits.per_peer);
+            drop(conn);
+            permit = Some(held);
+            continue;
+        }
+        let task = serve(conn, stop.clone());
+        let peers = peers.clone();
+        conns.spawn(async move {
+            task.await;
+            peers.release(peer);
+            drop(held);
+        });
+        while conns.try_join_next().is_some() {}
+    }
+    conns.shutdown().await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peers_are_counted_apart_and_released() {
+        let p = PeerCounts::default();
+        let (a, b) = (Peer::Ip([127, 0, 0, 2].into()), Peer::Uid(1000));
+        assert!(p.admit(a, 2) && p.admit(a, 2));
+        assert!(!p.admit(a, 2), "a third from the same peer");
+        assert!(p.admit(b, 2), "another peer is not affected");
+        p.release(a);
+        assert!(p.admit(a, 2), "a released slot is reused");
+        for _ in 0..10 {
+            assert!(p.admit(Peer::Unknown, 2), "unknown peers are limited by the total only");
+        }
+        p.release(b);
+        assert!(!p.0.lock().contains_key(&b), "no entry is kept for a peer with no connection");
+    }
+}
+
+/// A gRPC connection handed to tonic: it holds its slot (total and per peer) until tonic drops it.
+pub struct TrackedTcp {
+    inner: tokio::net::TcpStream,
+    _slot: tokio::sync::oneshot::Sender<()>,
+}
+
+/// The gRPC listener's connections, within `limits`, as the stream tonic serves: a connection
+/// keeps its slot until tonic drops it.
+pub(crate) fn grpc_incoming(
+    listener: tokio::net::TcpListener,
+    limits: ConnLimits,
+    stop: watch::Receiver<bool>,
+) -> (tokio_stream::wrappers::ReceiverStream<std::io::Result<TrackedTcp>>, tokio::task::JoinHandle<()>) {
+    let (tx, rx) = tokio::sync::mpsc::channel(16);
+    let task = tokio::spawn(async move {
+        accept_bounded(
+            "grpc",
+            limits,
+            stop,
+            || async {
+                let (sock, peer) = listener.accept().await?;
+                // tonic does not apply its own `tcp_nodelay` to sockets given through
+                // `serve_with_incoming`: without this, small answers (a lookup, a resume
+                // manifest) wait ~40 ms for Nagle + delayed ACK.
+                let _ = sock.set_nodelay(true);
+                Ok((sock, Peer::Ip(peer.ip())))
+            },
+            |sock, _stop| {
+                let tx = tx.clone();
+                async move {
+                    let (slot, freed) = tokio::sync::oneshot::channel();
+                    if tx.send(Ok(TrackedTcp { inner: sock, _slot: slot })).await.is_ok() {
+                        // Resolves (with an error) when tonic drops the connection.
+                        let _ = freed.await;
+                    }
+                }
+            },
+        )
+        .await
+    });
+    (tokio_stream::wrappers::ReceiverStream::new(rx), task)
+}
+
+impl tokio::io::AsyncRead for TrackedTcp {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().inner).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for TrackedTcp {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
+impl tonic::transport::server::Connected for TrackedTcp {
+    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.inner.connect_info()
+    }
+}
+
+/// Raises this process's soft limit on open descriptors to its hard limit (every connection is
+/// one; the default soft limit of 1024 would cap the node below `max_connections`). Returns the
+/// limit in force.
+pub fn raise_fd_limit() -> Option<u64> {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let cur = getrlimit(Resource::Nofile);
+    if cur.current < cur.maximum {
+        let raised = Rlimit { current: cur.maximum, maximum: cur.maximum };
+        if setrlimit(Resource::Nofile, raised).is_ok() {
+            return cur.maximum;
+        }
+    }
+    cur.current
+}

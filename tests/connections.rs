@@ -1,0 +1,116 @@
+//! Connection limits against a real server: 2,000 hostile connections from one address — on the
+//! data plane (finished hellos left idle, or hellos that never send their token) and on the gRPC
+//! port (sockets that never speak) — don't lock out a client from another address, with and
+//! without auth; the refusals are counted, and the hostile address gets its share back once its
+//! connections close.
+
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use kvtier_client::{ClientConfig, KvClient};
+use kvtier_proto::dataplane::{Hello, PROTOCOL_VERSION};
+use kvtier_tests::*;
+use tokio::io::AsyncWriteExt;
+use tokio::net::{TcpSocket, TcpStream};
+
+const HOSTILE: usize = 2000;
+const TOKEN: &str = "the-one-good-token-0001";
+
+/// Raises this process's descriptor limit (the hostile side holds thousands of sockets); how many
+/// hostile connections per listener it allows.
+fn hostile_count() -> usize {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let cur = getrlimit(Resource::Nofile);
+    if let Some(max) = cur.maximum {
+        let _ = setrlimit(Resource::Nofile, Rlimit { current: Some(max), maximum: Some(max) });
+    }
+    let limit = getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX);
+    let n = HOSTILE.min((limit.saturating_sub(300) / 2) as usize);
+    assert!(n > 600, "a descriptor limit of {limit} can't hold a meaningful attack");
+    n
+}
+
+/// Opens `n` connections from 127.0.0.2 to `addr`, each sending `first` (possibly nothing).
+async fn open_from_other_address(addr: std::net::SocketAddr, n: usize, first: &[u8]) -> Vec<TcpStream> {
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let sock = TcpSocket::new_v4().unwrap();
+        sock.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+        // Connections over the per-peer limit are accepted and closed: the connect itself works.
+        let Ok(mut s) = sock.connect(addr).await else { continue };
+        if !first.is_empty() {
+            let _ = s.write_all(first).await;
+        }
+        out.push(s);
+    }
+    out
+}
+
+/// A client from 127.0.0.1 registers, stores and loads; how long that took.
+async fn good_client_round_trip(server: &ServerProcess, token: Option<&str>) -> Duration {
+    let t = Instant::now();
+    let cfg = ClientConfig {
+        auth_token: token.map(str::to_string),
+        request_timeout: Duration::from_secs(30),
+        ..ClientConfig::default()
+    };
+    let client = KvClient::connect(&server.grpc_addr(), cfg).await.expect("connect");
+    let ns = client.register(namespace("good", b"", small_layout())).await.unwrap();
+    let doc = tokens(3, 64);
+    let blocks = full_block_payloads(&ns, &doc);
+    client.store(&ns, &doc, &blocks).await.unwrap().ok().unwrap();
+    assert_eq!(client.load(&ns, &doc).await.unwrap(), blocks);
+    t.elapsed()
+}
+
+async fn hostile_connections_do_not_lock_out_a_good_client(auth: bool) {
+    let n = hostile_count();
+    let mut args = vec!["--dram-capacity", "64MiB"];
+    if auth {
+        args.extend(["--auth-token", TOKEN]);
+    }
+    let server = ServerProcess::start(&args);
+    // Data plane: without auth a finished hello (then silence, for the 5-minute idle timeout);
+    // with auth a hello that announces a token and never sends it.
+    let hello = if auth {
+        Hello::encode(PROTOCOL_VERSION, &[b'x'; 100])[..20].to_vec()
+    } else {
+        Hello::encode(PROTOCOL_VERSION, b"")
+    };
+    let data = open_from_other_address(server.data, n, &hello).await;
+    let grpc = open_from_other_address(server.grpc, n, b"").await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let took = good_client_round_trip(&server, auth.then_some(TOKEN)).await;
+    assert!(took < Duration::from_secs(5), "the good client waited {took:?} behind {n} hostile connections");
+    let m = server.scrape();
+    let refused = |listener| metric(&m, "kvtier_connections_refused_total", &[("listener", listener)]);
+    // 256 per peer are served; the rest were closed on arrival.
+    assert!(refused("data plane") >= (n - 256) as f64 * 0.95, "data plane refusals: {}", refused("data plane"));
+    assert!(refused("grpc") >= (n - 256) as f64 * 0.95, "gRPC refusals: {}", refused("grpc"));
+
+    // Once the hostile connections close, the address gets its share back.
+    drop(data);
+    drop(grpc);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let sock = TcpSocket::new_v4().unwrap();
+    sock.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+    let mut s = sock.connect(server.data).await.unwrap().into_std().unwrap();
+    s.set_nonblocking(false).unwrap();
+    let token = if auth { TOKEN.as_bytes() } else { b"" };
+    s.write_all(&Hello::encode(PROTOCOL_VERSION, token)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut reply = [0u8; 4];
+    std::io::Read::read_exact(&mut s, &mut reply).expect("the hello is answered");
+    assert_eq!(reply[0], 0, "the hello is accepted");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_thousand_hostile_connections_without_auth() {
+    hostile_connections_do_not_lock_out_a_good_client(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_thousand_hostile_connections_with_auth() {
+    hostile_connections_do_not_lock_out_a_good_client(true).await;
+}
