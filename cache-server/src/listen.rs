@@ -125,27 +125,6 @@ pub(crate) async fn accept_bounded<C, A, F, S, G>(
     conns.shutdown().await;
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn peers_are_counted_apart_and_released() {
-        let p = PeerCounts::default();
-        let (a, b) = (Peer::Ip([127, 0, 0, 2].into()), Peer::Uid(1000));
-        assert!(p.admit(a, 2) && p.admit(a, 2));
-        assert!(!p.admit(a, 2), "a third from the same peer");
-        assert!(p.admit(b, 2), "another peer is not affected");
-        p.release(a);
-        assert!(p.admit(a, 2), "a released slot is reused");
-        for _ in 0..10 {
-            assert!(p.admit(Peer::Unknown, 2), "unknown peers are limited by the total only");
-        }
-        p.release(b);
-        assert!(!p.0.lock().contains_key(&b), "no entry is kept for a peer with no connection");
-    }
-}
-
 /// A gRPC connection handed to tonic: it holds its slot (total and per peer) until tonic drops it.
 pub struct TrackedTcp {
     inner: tokio::net::TcpStream,
@@ -256,4 +235,25 @@ pub fn raise_fd_limit() -> Option<u64> {
         }
     }
     cur.current
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peers_are_counted_apart_and_released() {
+        let p = PeerCounts::default();
+        let (a, b) = (Peer::Ip([127, 0, 0, 2].into()), Peer::Uid(1000));
+        assert!(p.admit(a, 2) && p.admit(a, 2));
+        assert!(!p.admit(a, 2), "a third from the same peer");
+        assert!(p.admit(b, 2), "another peer is not affected");
+        p.release(a);
+        assert!(p.admit(a, 2), "a released slot is reused");
+        for _ in 0..10 {
+            assert!(p.admit(Peer::Unknown, 2), "unknown peers are limited by the total only");
+        }
+        p.release(b);
+        assert!(!p.0.lock().contains_key(&b), "no entry is kept for a peer with no connection");
+    }
 }
