@@ -304,3 +304,57 @@ async fn a_hello_that_never_finishes_is_cut_off() {
     client.store(&ns, &t, &full_block_payloads(&ns, &t)).await.unwrap().ok().unwrap();
     assert_eq!(client.lookup(&ns, &t).await.unwrap(), 64);
 }
+
+/// Re-putting blocks with pin leases pins each once (the connection's lease list doesn't grow),
+/// and one connection leases at most `MAX_LEASED_PINS` blocks: the rest are refused per block.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pin_leases_count_each_block_once_and_are_capped_per_connection() {
+    use kvtier_server::dataplane::MAX_LEASED_PINS;
+    let server = ServerProcess::start(&["--dram-capacity", "512MiB"]);
+    let client = server.client().await;
+    let mut layout = tiny_layout();
+    layout.block_tokens = 64; // 4 KiB blocks: one slot each
+    let ns = client.register(namespace("leases", b"", layout)).await.unwrap();
+    let bb = ns.block_bytes();
+    let mut raw = Raw::open(&server);
+    let mut put_leased = |frames: &[&kvtier_proto::BlockFrame]| -> Vec<ItemStatus> {
+        let h = RequestHeader {
+            op: Op::Put,
+            flags: kvtier_proto::dataplane::FLAG_PIN_LEASE,
+            request_id: 1,
+            count: frames.len() as u32,
+            namespace: NamespaceId([0; 16]),
+        };
+        raw.0.write_all(&h.encode()).unwrap();
+        for f in frames {
+            raw.send_frame(&f.header, &f.payload);
+        }
+        raw.response().unwrap();
+        raw.statuses(frames.len())
+    };
+    let frames_of = |seed: u32, blocks: usize| -> Vec<kvtier_proto::BlockFrame> {
+        ns.keys(&tokens(seed, blocks * 64)).into_iter().map(|k| ns.frame(k, 64, payload_for(&k, bb)).unwrap()).collect()
+    };
+
+    // The same 4 blocks, 1,000 times each.
+    let four = frames_of(1, 4);
+    let again: Vec<_> = four.iter().cycle().take(4000).collect();
+    assert!(put_leased(&again).iter().all(|s| *s == ItemStatus::Ok));
+    assert_eq!(client.stats().await.unwrap().tiers[0].pinned_bytes, 4 * bb);
+
+    // Past the per-connection lease count, blocks are refused (and not stored pinned).
+    let many = frames_of(2, MAX_LEASED_PINS + 12);
+    let mut refused = 0;
+    for chunk in many.chunks(4096) {
+        let refs: Vec<_> = chunk.iter().collect();
+        refused += put_leased(&refs).iter().filter(|s| **s == ItemStatus::Capacity).count();
+    }
+    assert_eq!(refused, 16, "4 + {} blocks leased, {MAX_LEASED_PINS} allowed", MAX_LEASED_PINS + 12);
+    assert_eq!(client.stats().await.unwrap().tiers[0].pinned_bytes, MAX_LEASED_PINS as u64 * bb);
+    drop(raw);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while client.stats().await.unwrap().tiers[0].pinned_bytes != 0 {
+        assert!(std::time::Instant::now() < deadline, "leases outlived their connection");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}

@@ -167,16 +167,37 @@ struct Connection<R, W> {
     principal: Option<Principal>,
 }
 
+/// Most blocks one connection may hold pin leases on (a 1M-token context in blocks of 16).
+pub const MAX_LEASED_PINS: usize = 1 << 16;
+
 /// Pins held for a client between a session's upload and its park; released by `RELEASE` or
-/// when the connection ends, however it ends.
+/// when the connection ends, however it ends. One pin per block however often it is re-put, and
+/// at most [`MAX_LEASED_PINS`] blocks.
 struct PinLeases {
     state: Arc<NodeState>,
-    pins: Vec<(NamespaceId, BlockKey)>,
+    pins: std::collections::HashSet<(NamespaceId, BlockKey)>,
 }
 
 impl PinLeases {
+    /// Pins a block for this connection (once); false when it can't be pinned (over the pinned
+    /// limit, evicted meanwhile, or this connection's lease count).
+    fn pin(&mut self, ns: NamespaceId, key: BlockKey) -> bool {
+        if self.pins.contains(&(ns, key)) {
+            return true;
+        }
+        if self.pins.len() >= MAX_LEASED_PINS {
+            error("lease_pins_per_connection");
+            return false;
+        }
+        if self.state.tiers().pin_lease(&ns, &key).is_err() {
+            return false;
+        }
+        self.pins.insert((ns, key));
+        true
+    }
+
     fn release(&mut self) {
-        for (ns, key) in self.pins.drain(..) {
+        for (ns, key) in self.pins.drain() {
             self.state.tiers().unpin_lease(&ns, &key);
         }
     }
@@ -196,7 +217,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             wr: BufWriter::with_capacity(IO_BUF, Deadlined::new(w, stall)),
             stall,
             idle,
-            leases: PinLeases { state: state.clone(), pins: Vec::new() },
+            leases: PinLeases { state: state.clone(), pins: Default::default() },
             state,
             scratch: Vec::new(),
             principal: None,
@@ -353,12 +374,10 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             if status == ItemStatus::Present && req.flags & FLAG_REPORT_PRESENT == 0 {
                 status = ItemStatus::Ok;
             }
-            if status.is_held() && req.flags & FLAG_PIN_LEASE != 0 {
-                match self.state.tiers().pin_lease(&header.namespace, &header.key) {
-                    Ok(()) => self.leases.pins.push((header.namespace, header.key)),
-                    // Over the pinned limit, or evicted in the instant since it was stored.
-                    Err(_) => status = ItemStatus::Capacity,
-                }
+            // Over the pinned limit, evicted in the instant since it was stored, or past the
+            // connection's lease count.
+            if status.is_held() && req.flags & FLAG_PIN_LEASE != 0 && !self.leases.pin(header.namespace, header.key) {
+                status = ItemStatus::Capacity;
             }
             if !status.is_held() {
                 error(item_kind(status));
