@@ -34,11 +34,37 @@ pub struct TierStack {
     demotion: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Parks `fsync` the disk before they are acknowledged.
     sync_parks: bool,
+    /// Bytes read from disk that connections still hold (a reader that stops reading keeps its
+    /// block), in KiB: a quarter of the DRAM cap, at least 64 MiB. A read that can't get its bytes
+    /// within the disk read wait is `Busy`.
+    disk_read_budget: Arc<tokio::sync::Semaphore>,
+    disk_read_budget_kib: usize,
+}
+
+/// A disk block's bytes, holding their share of the disk read budget until the last view of
+/// them is dropped.
+struct Budgeted {
+    bytes: bytes::Bytes,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl AsRef<[u8]> for Budgeted {
+    fn as_ref(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
+/// The disk read budget's size, in KiB, for a DRAM tier of `dram_capacity` bytes.
+fn disk_read_budget_kib(dram_capacity: u64) -> usize {
+    ((dram_capacity / 4).max(64 << 20) >> 10) as usize
 }
 
 impl TierStack {
     pub fn new(dram: DramTier, disk: Option<Arc<DiskTier>>, sync_parks: bool) -> Self {
+        let budget = disk_read_budget_kib(dram.stats().capacity_bytes);
         TierStack {
+            disk_read_budget: Arc::new(tokio::sync::Semaphore::new(budget)),
+            disk_read_budget_kib: budget,
             dram,
             in_transit: InTransitTier::default(),
             disk,
@@ -95,9 +121,17 @@ impl TierStack {
             }
         }
         let Some(disk) = self.disk.clone() else { return Load::Miss };
-        if !disk.contains(ns, key) {
-            return Load::Miss;
-        }
+        let Some(header) = disk.header(ns, key) else { return Load::Miss };
+        // The block's bytes count against the read budget until every view of them is gone.
+        let kib = (header.payload_len.div_ceil(1024) as usize).min(self.disk_read_budget_kib) as u32;
+        let permit =
+            match tokio::time::timeout(DISK_READ_WAIT, self.disk_read_budget.clone().acquire_many_owned(kib)).await {
+                Ok(Ok(p)) => p,
+                _ => {
+                    ::metrics::counter!("kvtier_tier_busy_total", "tier" => TierId::Disk.as_str()).increment(1);
+                    return Load::Busy;
+                }
+            };
         let (n, k) = (*ns, *key);
         let load = match self.io.run(Some(DISK_READ_WAIT), move || Tier::get(&*disk, &n, &k)).await {
             Ok(load) => load,
@@ -110,12 +144,12 @@ impl TierStack {
                 return Load::Miss;
             }
         };
-        if let Load::Hit(b) = &load {
-            if self.second_disk_hit(ns, key) && Tier::put(&self.dram, b.header, &b.payload, Priority::Normal).is_ok() {
-                ::metrics::counter!("kvtier_disk_promotions_total").increment(1);
-            }
+        let Load::Hit(mut b) = load else { return load };
+        if self.second_disk_hit(ns, key) && Tier::put(&self.dram, b.header, &b.payload, Priority::Normal).is_ok() {
+            ::metrics::counter!("kvtier_disk_promotions_total").increment(1);
         }
-        load
+        b.payload = bytes::Bytes::from_owner(Budgeted { bytes: b.payload, _permit: permit });
+        Load::Hit(b)
     }
 
     fn second_disk_hit(&self, ns: &NamespaceId, key: &BlockKey) -> bool {
