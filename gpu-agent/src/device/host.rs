@@ -1,0 +1,577 @@
+//! The host backend: a [`Device`] whose "device memory" is ordinary RAM and whose streams are
+//! worker threads, one per stream, fed through a bounded queue. Copies and codec launches run on
+//! the worker, so an event really completes later than the call that enqueued the work, in stream
+//! order, as on a GPU. It checks everything the CUDA backend checks (bounds, freed and foreign
+//! handles, registration, capacity), so code tested here meets the same errors there.
+//!
+//! Codec launches run `kvtier-kernels`' CPU codec, the reference the CUDA kernels match.
+
+use std::collections::HashMap;
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::Arc;
+
+use kvtier_kernels::{Codec, KvBlockView};
+use kvtier_proto::CodecId;
+use parking_lot::{Condvar, Mutex, RwLock};
+
+use super::{
+    check_lengths, check_no_overlap, CodecOp, Device, DeviceBuf, DeviceOrdinal, DeviceRange, HostBuffer, HostRange,
+    MemInfo, Registration,
+};
+use crate::codec::fp8_payload_header;
+use crate::error::{AgentError, Result};
+
+/// Default depth of a stream's queue (operations, not bytes). Default: 4096.
+pub const DEFAULT_QUEUE_DEPTH: usize = 4096;
+
+type Mem = Arc<RwLock<Box<[u8]>>>;
+
+/// A host-memory device. Cloning shares it.
+///
+/// ```
+/// use kvtier_agent::{Device, HostBuffer, HostDevice};
+/// let dev = HostDevice::new(0, 1 << 20);
+/// let host = HostBuffer::from_vec(vec![7u8; 64]);
+/// let _reg = dev.register_host(&host).unwrap();
+/// let page = dev.alloc(64).unwrap();
+/// let stream = dev.new_stream().unwrap();
+/// dev.copy_h2d(&stream, &host.range(0, 64), page.all()).unwrap();
+/// let done = dev.record(&stream).unwrap();
+/// dev.wait(&done).unwrap();
+/// assert_eq!(dev.read_sync(page.all()).unwrap(), vec![7u8; 64]);
+/// ```
+#[derive(Clone)]
+pub struct HostDevice {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    ordinal: DeviceOrdinal,
+    capacity: usize,
+    queue_depth: usize,
+    table: Mutex<Table>,
+}
+
+struct Table {
+    next_id: u64,
+    live: HashMap<u64, Mem>,
+    used: usize,
+}
+
+impl HostDevice {
+    /// A device numbered `ordinal` with `capacity` bytes of "device memory".
+    pub fn new(ordinal: DeviceOrdinal, capacity: usize) -> Self {
+        HostDevice {
+            inner: Arc::new(Inner {
+                ordinal,
+                capacity,
+                queue_depth: DEFAULT_QUEUE_DEPTH,
+                table: Mutex::new(Table { next_id: 1, live: HashMap::new(), used: 0 }),
+            }),
+        }
+    }
+
+    /// Operations a stream's queue holds before enqueueing blocks (backpressure, as a GPU's
+    /// push buffer). Values below 1 become 1. Default: [`DEFAULT_QUEUE_DEPTH`].
+    pub fn with_queue_depth(self, depth: usize) -> Self {
+        HostDevice {
+            inner: Arc::new(Inner {
+                ordinal: self.inner.ordinal,
+                capacity: self.inner.capacity,
+                queue_depth: depth.max(1),
+                table: Mutex::new(Table { next_id: 1, live: HashMap::new(), used: 0 }),
+            }),
+        }
+    }
+
+    /// An event that the host completes by hand ([`EventTrigger::complete`]): the stand-in for
+    /// "this layer's source bytes have arrived", and a test gate.
+    pub fn user_event(&self) -> (HostEvent, EventTrigger) {
+        let c = Arc::new(Completion::default());
+        (HostEvent(c.clone()), EventTrigger(c))
+    }
+
+    fn lookup(&self, buf: &DeviceBuf) -> Result<Mem> {
+        if buf.device() != self.inner.ordinal {
+            return Err(AgentError::WrongDevice { expected: self.inner.ordinal, found: buf.device() });
+        }
+        let t = self.inner.table.lock();
+        match t.live.get(&buf.id()) {
+            Some(m) => Ok(m.clone()),
+            None if buf.id() < t.next_id => Err(AgentError::FreedHandle(buf.id())),
+            None => Err(AgentError::UnknownHandle(buf.id())),
+        }
+    }
+
+    fn range_mem(&self, r: &DeviceRange, what: &'static str) -> Result<Mem> {
+        let m = self.lookup(&r.buf)?;
+        r.check(what)?;
+        Ok(m)
+    }
+
+    fn check_stream(&self, s: &HostStream) -> Result<()> {
+        if s.device != self.inner.ordinal {
+            return Err(AgentError::WrongDevice { expected: self.inner.ordinal, found: s.device });
+        }
+        Ok(())
+    }
+}
+
+/// Where a [`HostEvent`] stands.
+#[derive(Default)]
+struct Completion {
+    state: Mutex<Option<Result<()>>>,
+    cv: Condvar,
+}
+
+impl Completion {
+    fn complete(&self, r: Result<()>) {
+        let mut s = self.state.lock();
+        if s.is_none() {
+            *s = Some(r);
+            self.cv.notify_all();
+        }
+    }
+
+    fn wait(&self) -> Result<()> {
+        let mut s = self.state.lock();
+        loop {
+            if let Some(r) = s.as_ref() {
+                return r.clone();
+            }
+            self.cv.wait(&mut s);
+        }
+    }
+
+    fn query(&self) -> Result<bool> {
+        match self.state.lock().as_ref() {
+            None => Ok(false),
+            Some(Ok(())) => Ok(true),
+            Some(Err(e)) => Err(e.clone()),
+        }
+    }
+}
+
+/// An event of the host backend.
+#[derive(Clone)]
+pub struct HostEvent(Arc<Completion>);
+
+impl std::fmt::Debug for HostEvent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HostEvent({:?})", self.0.state.lock().as_ref().map(|r| r.is_ok()))
+    }
+}
+
+/// Completes a [`HostDevice::user_event`]. Dropping it without completing completes the event
+/// with [`AgentError::StreamClosed`], so nothing waits forever.
+pub struct EventTrigger(Arc<Completion>);
+
+impl EventTrigger {
+    /// Completes the event (successfully, or with `Err`).
+    pub fn complete(self, r: Result<()>) {
+        self.0.complete(r);
+    }
+}
+
+impl Drop for EventTrigger {
+    fn drop(&mut self) {
+        self.0.complete(Err(AgentError::StreamClosed));
+    }
+}
+
+enum Op {
+    Run(Box<dyn FnOnce() -> Result<()> + Send>),
+    Record(Arc<Completion>),
+    Wait(Arc<Completion>),
+}
+
+/// A stream of the host backend: a worker thread and a bounded queue. Dropping it lets the
+/// worker finish what was enqueued and exit.
+pub struct HostStream {
+    device: DeviceOrdinal,
+    tx: SyncSender<Op>,
+}
+
+impl HostStream {
+    fn send(&self, op: Op) -> Result<()> {
+        self.tx.send(op).map_err(|_| AgentError::StreamClosed)
+    }
+}
+
+fn worker(rx: Receiver<Op>) {
+    // The first failure since the last recorded event; reported to the next one.
+    let mut failed: Option<AgentError> = None;
+    while let Ok(op) = rx.recv() {
+        match op {
+            Op::Run(f) => {
+                if let Err(e) = f() {
+                    failed.get_or_insert(e);
+                }
+            }
+            Op::Record(c) => c.complete(failed.take().map_or(Ok(()), Err)),
+            // A stream waiting on an event does not inherit its error (as cuStreamWaitEvent).
+            Op::Wait(c) => {
+                let _ = c.wait();
+            }
+        }
+    }
+}
+
+/// Runs `f` with `src` locked for reading and `dst` for writing, taking the two locks in address
+/// order so that two streams copying in opposite directions cannot deadlock. Same lock: `f` gets
+/// one slice as both (the caller copies within it).
+fn with_two(src: &RwLock<Box<[u8]>>, dst: &RwLock<Box<[u8]>>, f: impl FnOnce(Option<&[u8]>, &mut [u8])) {
+    if std::ptr::eq(src, dst) {
+        f(None, &mut dst.write());
+        return;
+    }
+    if (src as *const _ as usize) < (dst as *const _ as usize) {
+        let s = src.read();
+        let mut d = dst.write();
+        f(Some(&s), &mut d);
+    } else {
+        let mut d = dst.write();
+        let s = src.read();
+        f(Some(&s), &mut d);
+    }
+}
+
+fn copy_between(src: &RwLock<Box<[u8]>>, so: usize, dst: &RwLock<Box<[u8]>>, doff: usize, len: usize) {
+    with_two(src, dst, |s, d| match s {
+        Some(s) => d[doff..doff + len].copy_from_slice(&s[so..so + len]),
+        None => d.copy_within(so..so + len, doff),
+    });
+}
+
+impl Device for HostDevice {
+    type Stream = HostStream;
+    type Event = HostEvent;
+
+    fn ordinal(&self) -> DeviceOrdinal {
+        self.inner.ordinal
+    }
+
+    fn mem_info(&self) -> Result<MemInfo> {
+        let used = self.inner.table.lock().used;
+        Ok(MemInfo { free: self.inner.capacity - used, total: self.inner.capacity })
+    }
+
+    fn alloc(&self, len: usize) -> Result<DeviceBuf> {
+        let mut t = self.inner.table.lock();
+        let free = self.inner.capacity - t.used;
+        if len > free {
+            return Err(AgentError::OutOfMemory { requested: len, free });
+        }
+        let id = t.next_id;
+        t.next_id += 1;
+        t.used += len;
+        t.live.insert(id, Arc::new(RwLock::new(vec![0u8; len].into_boxed_slice())));
+        Ok(DeviceBuf::new(self.inner.ordinal, id, len))
+    }
+
+    fn free(&self, buf: DeviceBuf) -> Result<()> {
+        if buf.device() != self.inner.ordinal {
+            return Err(AgentError::WrongDevice { expected: self.inner.ordinal, found: buf.device() });
+        }
+        let mut t = self.inner.table.lock();
+        match t.live.remove(&buf.id()) {
+            Some(_) => {
+                t.used -= buf.len();
+                Ok(())
+            }
+            None if buf.id() < t.next_id => Err(AgentError::FreedHandle(buf.id())),
+            None => Err(AgentError::UnknownHandle(buf.id())),
+        }
+    }
+
+    fn register_host(&self, buf: &HostBuffer) -> Result<Registration> {
+        buf.register(self.inner.ordinal, None)
+    }
+
+    fn new_stream(&self) -> Result<HostStream> {
+        let (tx, rx) = sync_channel(self.inner.queue_depth);
+        std::thread::Builder::new()
+            .name(format!("kvtier-hostdev{}-stream", self.inner.ordinal))
+            .spawn(move || worker(rx))
+            .map_err(|e| AgentError::Driver { op: "spawn stream worker", detail: e.to_string() })?;
+        Ok(HostStream { device: self.inner.ordinal, tx })
+    }
+
+    fn copy_h2d(&self, stream: &HostStream, src: &HostRange, dst: DeviceRange) -> Result<()> {
+        self.check_stream(stream)?;
+        src.buf.require_registered(self.inner.ordinal)?;
+        src.check()?;
+        let d = self.range_mem(&dst, "device destination")?;
+        check_lengths(src.len, dst.len)?;
+        let (s, so, doff, len) = (src.buf.mem().clone(), src.offset, dst.offset, dst.len);
+        stream.send(Op::Run(Box::new(move || {
+            copy_between(&s.data, so, &d, doff, len);
+            Ok(())
+        })))
+    }
+
+    fn copy_d2h(&self, stream: &HostStream, src: DeviceRange, dst: &HostRange) -> Result<()> {
+        self.check_stream(stream)?;
+        dst.buf.require_registered(self.inner.ordinal)?;
+        dst.check()?;
+        let s = self.range_mem(&src, "device source")?;
+        check_lengths(src.len, dst.len)?;
+        let (d, so, doff, len) = (dst.buf.mem().clone(), src.offset, dst.offset, src.len);
+        stream.send(Op::Run(Box::new(move || {
+            copy_between(&s, so, &d.data, doff, len);
+            Ok(())
+        })))
+    }
+
+    fn copy_d2d(&self, stream: &HostStream, src: DeviceRange, dst: DeviceRange) -> Result<()> {
+        self.check_stream(stream)?;
+        let s = self.range_mem(&src, "device source")?;
+        let d = self.range_mem(&dst, "device destination")?;
+        check_lengths(src.len, dst.len)?;
+        check_no_overlap(src, dst)?;
+        let (so, doff, len) = (src.offset, dst.offset, src.len);
+        stream.send(Op::Run(Box::new(move || {
+            copy_between(&s, so, &d, doff, len);
+            Ok(())
+        })))
+    }
+
+    fn launch_codec(&self, stream: &HostStream, op: &CodecOp) -> Result<()> {
+        self.check_stream(stream)?;
+        op.validate()?;
+        let [a, b, st] = op.buffers();
+        let (ma, mb, ms) = (self.range_mem(&a, "codec")?, self.range_mem(&b, "codec")?, self.range_mem(&st, "codec")?);
+        let op = *op;
+        stream.send(Op::Run(Box::new(move || {
+            // The CPU reference on the worker; a coding failure sets the status word, as the
+            // kernel does. Inputs are copied out first so no two locks are held at once.
+            let ok = match op {
+                CodecOp::Fp8Encode { spec, src, body, .. } => {
+                    let input = ma.read()[src.offset..src.offset + src.len].to_vec();
+                    let encoded = KvBlockView::new(spec, &input)
+                        .and_then(|v| Codec::new(CodecId::FP8_E4M3).with_parallel_min_bytes(usize::MAX).encode(&v));
+                    match encoded {
+                        Ok(p) => {
+                            let hdr = fp8_payload_header(&spec).len();
+                            mb.write()[body.offset..body.offset + body.len].copy_from_slice(&p[hdr..]);
+                            true
+                        }
+                        Err(_) => false,
+                    }
+                }
+                CodecOp::Fp8Decode { spec, body, out, .. } => {
+                    let mut payload = fp8_payload_header(&spec);
+                    payload.extend_from_slice(&ma.read()[body.offset..body.offset + body.len]);
+                    let mut decoded = vec![0u8; out.len];
+                    let codec = Codec::new(CodecId::FP8_E4M3).with_parallel_min_bytes(usize::MAX);
+                    match codec.decode_into(&payload, &spec, spec.dtype, &mut decoded) {
+                        Ok(()) => {
+                            mb.write()[out.offset..out.offset + out.len].copy_from_slice(&decoded);
+                            true
+                        }
+                        Err(_) => false,
+                    }
+                }
+            };
+            let word: u32 = if ok { 0 } else { 1 };
+            ms.write()[st.offset..st.offset + 4].copy_from_slice(&word.to_le_bytes());
+            Ok(())
+        })))
+    }
+
+    fn record(&self, stream: &HostStream) -> Result<HostEvent> {
+        self.check_stream(stream)?;
+        let c = Arc::new(Completion::default());
+        stream.send(Op::Record(c.clone()))?;
+        Ok(HostEvent(c))
+    }
+
+    fn stream_wait(&self, stream: &HostStream, event: &HostEvent) -> Result<()> {
+        self.check_stream(stream)?;
+        stream.send(Op::Wait(event.0.clone()))
+    }
+
+    fn wait(&self, event: &HostEvent) -> Result<()> {
+        event.0.wait()
+    }
+
+    fn query(&self, event: &HostEvent) -> Result<bool> {
+        event.0.query()
+    }
+
+    fn read_sync(&self, src: DeviceRange) -> Result<Vec<u8>> {
+        let m = self.range_mem(&src, "device source")?;
+        let out = m.read()[src.offset..src.offset + src.len].to_vec();
+        Ok(out)
+    }
+
+    fn write_sync(&self, dst: DeviceRange, bytes: &[u8]) -> Result<()> {
+        let m = self.range_mem(&dst, "device destination")?;
+        check_lengths(bytes.len(), dst.len)?;
+        m.write()[dst.offset..dst.offset + dst.len].copy_from_slice(bytes);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn setup() -> (HostDevice, HostStream, HostBuffer, Registration) {
+        let dev = HostDevice::new(0, 1 << 20);
+        let s = dev.new_stream().unwrap();
+        let h = HostBuffer::from_vec((0..=255u8).collect());
+        let r = dev.register_host(&h).unwrap();
+        (dev, s, h, r)
+    }
+
+    #[test]
+    fn h2d_d2d_d2h_round_trip_is_exact() {
+        let (dev, s, h, _r) = setup();
+        let a = dev.alloc(256).unwrap();
+        let b = dev.alloc(256).unwrap();
+        let back = HostBuffer::new(256);
+        let _r2 = dev.register_host(&back).unwrap();
+        dev.copy_h2d(&s, &h.range(0, 256), a.all()).unwrap();
+        dev.copy_d2d(&s, a.range(0, 128), b.range(128, 128)).unwrap();
+        dev.copy_d2d(&s, a.range(128, 128), b.range(0, 128)).unwrap();
+        dev.copy_d2h(&s, b.all(), &back.range(0, 256)).unwrap();
+        dev.wait(&dev.record(&s).unwrap()).unwrap();
+        let want: Vec<u8> = (128..=255u8).chain(0..128).collect();
+        assert_eq!(back.to_vec(), want);
+    }
+
+    #[test]
+    fn copies_within_one_buffer() {
+        let (dev, s, h, _r) = setup();
+        let a = dev.alloc(256).unwrap();
+        dev.copy_h2d(&s, &h.range(0, 16), a.range(0, 16)).unwrap();
+        dev.copy_d2d(&s, a.range(0, 16), a.range(100, 16)).unwrap();
+        dev.wait(&dev.record(&s).unwrap()).unwrap();
+        assert_eq!(dev.read_sync(a.range(100, 16)).unwrap(), (0..16u8).collect::<Vec<_>>());
+        assert_eq!(dev.copy_d2d(&s, a.range(0, 16), a.range(8, 16)), Err(AgentError::Overlap));
+    }
+
+    #[test]
+    fn events_complete_after_the_work_and_in_stream_order() {
+        let (dev, s, h, _r) = setup();
+        let a = dev.alloc(256).unwrap();
+        let (gate, open) = dev.user_event();
+        dev.stream_wait(&s, &gate).unwrap();
+        dev.copy_h2d(&s, &h.range(0, 256), a.all()).unwrap();
+        let ev = dev.record(&s).unwrap();
+        // The stream is held at the gate: the copy has not run and the event is pending.
+        assert_eq!(dev.query(&ev), Ok(false));
+        assert_eq!(dev.read_sync(a.range(255, 1)).unwrap(), [0]);
+        open.complete(Ok(()));
+        dev.wait(&ev).unwrap();
+        assert_eq!(dev.query(&ev), Ok(true));
+        assert_eq!(dev.read_sync(a.range(255, 1)).unwrap(), [255]);
+    }
+
+    #[test]
+    fn refused_copies_name_the_problem() {
+        let (dev, s, h, _r) = setup();
+        let a = dev.alloc(64).unwrap();
+        let other = HostDevice::new(1, 1 << 20);
+        let foreign = other.alloc(64).unwrap();
+        assert!(matches!(
+            dev.copy_h2d(&s, &h.range(0, 65), a.range(0, 65)),
+            Err(AgentError::OutOfBounds { what: "device destination", .. })
+        ));
+        assert!(matches!(dev.copy_h2d(&s, &h.range(250, 10), a.range(0, 10)), Err(AgentError::OutOfBounds { what: "host", .. })));
+        assert_eq!(dev.copy_h2d(&s, &h.range(0, 8), a.range(0, 9)), Err(AgentError::LengthMismatch { src: 8, dst: 9 }));
+        assert_eq!(dev.copy_d2d(&s, foreign.all(), a.all()), Err(AgentError::WrongDevice { expected: 0, found: 1 }));
+        let other_stream = other.new_stream().unwrap();
+        assert_eq!(dev.record(&other_stream).err(), Some(AgentError::WrongDevice { expected: 0, found: 1 }));
+        let unpinned = HostBuffer::new(64);
+        assert_eq!(
+            dev.copy_d2h(&s, a.all(), &unpinned.range(0, 64)),
+            Err(AgentError::NotRegistered { buffer: unpinned.id(), device: 0 })
+        );
+        dev.free(a).unwrap();
+        assert_eq!(dev.copy_h2d(&s, &h.range(0, 8), a.range(0, 8)), Err(AgentError::FreedHandle(a.id())));
+        assert_eq!(dev.free(a), Err(AgentError::FreedHandle(a.id())));
+        let never = DeviceBuf::new(0, 999, 8);
+        assert_eq!(dev.read_sync(never.all()), Err(AgentError::UnknownHandle(999)));
+        // Nothing was enqueued by the refused calls: the stream is healthy.
+        dev.wait(&dev.record(&s).unwrap()).unwrap();
+    }
+
+    #[test]
+    fn registration_ends_when_dropped() {
+        let (dev, s, h, r) = setup();
+        let a = dev.alloc(8).unwrap();
+        assert!(matches!(dev.register_host(&h), Err(AgentError::AlreadyRegistered { .. })));
+        dev.copy_h2d(&s, &h.range(0, 8), a.all()).unwrap();
+        drop(r);
+        assert!(!h.is_registered(0));
+        assert!(matches!(dev.copy_h2d(&s, &h.range(0, 8), a.all()), Err(AgentError::NotRegistered { .. })));
+        // The copy enqueued before unregistering still lands.
+        dev.wait(&dev.record(&s).unwrap()).unwrap();
+        assert_eq!(dev.read_sync(a.all()).unwrap(), (0..8u8).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn capacity_is_a_hard_cap_and_free_returns_it() {
+        let dev = HostDevice::new(3, 100);
+        let a = dev.alloc(60).unwrap();
+        assert_eq!(dev.alloc(41), Err(AgentError::OutOfMemory { requested: 41, free: 40 }));
+        assert_eq!(dev.mem_info().unwrap(), MemInfo { free: 40, total: 100 });
+        dev.free(a).unwrap();
+        assert_eq!(dev.mem_info().unwrap().free, 100);
+        assert_eq!(dev.alloc(100).unwrap().device(), 3);
+    }
+
+    #[test]
+    fn a_failed_operation_fails_the_next_event_only() {
+        let (dev, s, _h, _r) = setup();
+        let (gate, open) = dev.user_event();
+        dev.stream_wait(&s, &gate).unwrap();
+        s.send(Op::Run(Box::new(|| Err(AgentError::Driver { op: "injected", detail: "fault".into() })))).unwrap();
+        let first = dev.record(&s).unwrap();
+        let second = dev.record(&s).unwrap();
+        open.complete(Ok(()));
+        assert!(matches!(dev.wait(&first), Err(AgentError::Driver { op: "injected", .. })));
+        assert_eq!(dev.wait(&second), Ok(()));
+    }
+
+    #[test]
+    fn freeing_during_a_copy_keeps_the_memory_until_it_lands() {
+        let (dev, s, h, _r) = setup();
+        let a = dev.alloc(256).unwrap();
+        let back = HostBuffer::new(256);
+        let _r2 = dev.register_host(&back).unwrap();
+        let (gate, open) = dev.user_event();
+        dev.stream_wait(&s, &gate).unwrap();
+        dev.copy_h2d(&s, &h.range(0, 256), a.all()).unwrap();
+        dev.copy_d2h(&s, a.all(), &back.range(0, 256)).unwrap();
+        let ev = dev.record(&s).unwrap();
+        dev.free(a).unwrap();
+        open.complete(Ok(()));
+        dev.wait(&ev).unwrap();
+        assert_eq!(back.to_vec(), (0..=255u8).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn opposite_copies_on_two_streams_do_not_deadlock() {
+        let (dev, s1, _h, _r) = setup();
+        let s2 = dev.new_stream().unwrap();
+        let a = dev.alloc(1 << 16).unwrap();
+        let b = dev.alloc(1 << 16).unwrap();
+        for _ in 0..200 {
+            dev.copy_d2d(&s1, a.all(), b.all()).unwrap();
+            dev.copy_d2d(&s2, b.all(), a.all()).unwrap();
+        }
+        let (e1, e2) = (dev.record(&s1).unwrap(), dev.record(&s2).unwrap());
+        assert_eq!((dev.wait(&e1), dev.wait(&e2)), (Ok(()), Ok(())));
+    }
+
+    #[test]
+    fn dropped_trigger_fails_its_waiters_instead_of_hanging() {
+        let dev = HostDevice::new(0, 0);
+        let (ev, trigger) = dev.user_event();
+        drop(trigger);
+        assert_eq!(dev.wait(&ev), Err(AgentError::StreamClosed));
+    }
+}
