@@ -57,6 +57,12 @@ pub enum AgentError {
     /// The pool holds no block under that key.
     #[error("block not in the page pool")]
     NotResident,
+    /// The block is pinned by a live session and cannot be removed.
+    #[error("block is pinned")]
+    Pinned,
+    /// Unpinning a block that holds no pin.
+    #[error("block is not pinned")]
+    NotPinned,
     /// A block's bytes do not match the pool's page size.
     #[error("block is {len} bytes, pool pages are {page} bytes")]
     PageSizeMismatch { len: usize, page: usize },

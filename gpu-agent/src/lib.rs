@@ -31,4 +31,4 @@ pub use device::host::{EventTrigger, HostDevice, HostEvent, HostStream};
 pub use device::{fp8_body_len, CodecOp, Device, DeviceBuf, DeviceOrdinal, DeviceRange, HostBuffer, HostRange, MemInfo, Registration};
 pub use error::{AgentError, Result};
 pub use pipeline::{LayerPipeline, LoadHandle, SaveReport, Transfer};
-// pub use pool::{Capacity, PagePool, PoolConfig, PoolStats, Spill};
+pub use pool::{Capacity, MemorySpill, PagePool, PoolConfig, PoolStats, Spill};

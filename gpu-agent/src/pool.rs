@@ -1,0 +1,582 @@
+//! The G1 page pool: a capped set of device pages holding hot prefix blocks and live sessions'
+//! blocks, keyed by (namespace, block key).
+//!
+//! - **Capacity** is fixed when the pool is built ([`Capacity`]: bytes, or a fraction of the
+//!   device's free memory), carved as one device allocation of equal pages. Nothing grows later.
+//! - **Eviction** is LRU over unpinned blocks. An evicted block that exists only here (it came
+//!   from an engine's pages) is copied out and handed to the [`Spill`] target — G2 through the
+//!   same-node path in the agent; a block that came from a tier is dropped (the tier still holds
+//!   it). A failing spill is counted and the block dropped: G1 is a cache.
+//! - **Pins** keep a live session's blocks resident; when every page is pinned an insert is
+//!   [`AgentError::PoolExhausted`] (the caller recomputes or spills elsewhere).
+//! - **Loads** into an engine's pages are device-to-device copies on the pool's stream, which
+//!   orders them after the insert that filled the page and before any eviction that reuses it.
+//!
+//! The pool is a plain `&mut self` structure (the agent owns it on one task). A spill runs inside
+//! [`PagePool::insert_from_device`] when room must be made: it waits for the page's copy-out and
+//! calls the spill target, which for the same-node path is a memcpy into a registered buffer.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use kvtier_proto::{BlockKey, NamespaceId, ScopedKey};
+use parking_lot::Mutex;
+
+use crate::device::{Device, DeviceBuf, DeviceRange, HostBuffer, HostRange, Registration};
+use crate::error::{AgentError, Result};
+
+/// Where evicted blocks go (G2 through the same-node client in the agent).
+pub trait Spill: Send + Sync {
+    /// Takes a copy of an evicted block's bytes.
+    fn spill(&self, ns: &NamespaceId, key: &BlockKey, bytes: &[u8]) -> Result<()>;
+}
+
+/// An in-memory spill target: keeps every block it receives, in order. The trait's stand-in for
+/// the server in tests and on a node without one.
+#[derive(Debug, Default, Clone)]
+pub struct MemorySpill {
+    blocks: Arc<Mutex<Vec<SpilledBlock>>>,
+}
+
+/// A block a [`MemorySpill`] received: its key and bytes.
+pub type SpilledBlock = (ScopedKey, Vec<u8>);
+
+impl MemorySpill {
+    /// Every block received so far, oldest first.
+    pub fn received(&self) -> Vec<SpilledBlock> {
+        self.blocks.lock().clone()
+    }
+
+    /// The latest bytes received for a key.
+    pub fn get(&self, ns: &NamespaceId, key: &BlockKey) -> Option<Vec<u8>> {
+        self.blocks.lock().iter().rev().find(|((n, k), _)| n == ns && k == key).map(|(_, b)| b.clone())
+    }
+}
+
+impl Spill for MemorySpill {
+    fn spill(&self, ns: &NamespaceId, key: &BlockKey, bytes: &[u8]) -> Result<()> {
+        self.blocks.lock().push(((*ns, *key), bytes.to_vec()));
+        Ok(())
+    }
+}
+
+/// How big the pool is.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Capacity {
+    /// At most this many bytes (rounded down to whole pages).
+    Bytes(usize),
+    /// This fraction, in (0, 1], of the device's free memory when the pool is built.
+    FractionOfFree(f64),
+}
+
+/// Pool settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PoolConfig {
+    page_bytes: usize,
+    capacity: Capacity,
+}
+
+impl PoolConfig {
+    /// Pages of `page_bytes` (one block of the namespace's layout and codec).
+    pub fn new(page_bytes: usize) -> Self {
+        PoolConfig { page_bytes, capacity: Capacity::FractionOfFree(0.2) }
+    }
+
+    /// Default: `Capacity::FractionOfFree(0.2)`.
+    pub fn with_capacity(mut self, c: Capacity) -> Self {
+        self.capacity = c;
+        self
+    }
+
+    /// The number of pages for a device with `free` bytes free.
+    fn pages(&self, free: usize) -> Result<usize> {
+        if self.page_bytes == 0 {
+            return Err(AgentError::Config("page size must be above zero".into()));
+        }
+        let bytes = match self.capacity {
+            Capacity::Bytes(b) => b,
+            Capacity::FractionOfFree(f) if f > 0.0 && f <= 1.0 => (free as f64 * f) as usize,
+            Capacity::FractionOfFree(f) => {
+                return Err(AgentError::Config(format!("pool fraction {f} not in (0, 1]")));
+            }
+        };
+        match bytes / self.page_bytes {
+            0 => Err(AgentError::Config(format!("pool capacity {bytes} bytes holds no {}-byte page", self.page_bytes))),
+            n => Ok(n),
+        }
+    }
+}
+
+/// Counters of a pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PoolStats {
+    pub pages: usize,
+    pub resident: usize,
+    pub pinned: usize,
+    pub hits: u64,
+    pub misses: u64,
+    pub inserts: u64,
+    pub evictions: u64,
+    /// Evicted blocks handed to the spill target.
+    pub spills: u64,
+    pub spilled_bytes: u64,
+    /// Evicted blocks dropped because a tier already holds them.
+    pub clean_drops: u64,
+    pub spill_errors: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    page: usize,
+    pins: u32,
+    tick: u64,
+    /// A tier already holds these bytes (the block was loaded from one).
+    clean: bool,
+}
+
+/// The G1 page pool on one device.
+pub struct PagePool<D: Device, S: Spill> {
+    device: Arc<D>,
+    spill: S,
+    slab: DeviceBuf,
+    page_bytes: usize,
+    pages: usize,
+    free: Vec<usize>,
+    index: HashMap<ScopedKey, Entry>,
+    /// Unpinned blocks by last use (a pinned block leaves this map until its last unpin).
+    lru: BTreeMap<u64, ScopedKey>,
+    tick: u64,
+    stream: D::Stream,
+    staging: HostBuffer,
+    _staging_reg: Registration,
+    stats: PoolStats,
+}
+
+impl<D: Device, S: Spill> PagePool<D, S> {
+    /// Carves the pool out of `device` (one allocation) and a one-page registered staging buffer
+    /// for spills.
+    pub fn new(device: Arc<D>, spill: S, config: PoolConfig) -> Result<Self> {
+        let pages = config.pages(device.mem_info()?.free)?;
+        let bytes = pages
+            .checked_mul(config.page_bytes)
+            .ok_or_else(|| AgentError::Config(format!("{pages} pages of {} bytes overflow", config.page_bytes)))?;
+        let slab = device.alloc(bytes)?;
+        let built = (|| {
+            let stream = device.new_stream()?;
+            let staging = HostBuffer::new(config.page_bytes);
+            let reg = device.register_host(&staging)?;
+            Ok((stream, staging, reg))
+        })();
+        let (stream, staging, reg) = match built {
+            Ok(v) => v,
+            Err(e) => {
+                let _ = device.free(slab);
+                return Err(e);
+            }
+        };
+        Ok(PagePool {
+            device,
+            spill,
+            slab,
+            page_bytes: config.page_bytes,
+            pages,
+            free: (0..pages).rev().collect(),
+            index: HashMap::new(),
+            lru: BTreeMap::new(),
+            tick: 0,
+            stream,
+            staging,
+            _staging_reg: reg,
+            stats: PoolStats { pages, ..PoolStats::default() },
+        })
+    }
+
+    pub fn page_bytes(&self) -> usize {
+        self.page_bytes
+    }
+
+    pub fn pages(&self) -> usize {
+        self.pages
+    }
+
+    pub fn stats(&self) -> PoolStats {
+        PoolStats {
+            resident: self.index.len(),
+            pinned: self.index.values().filter(|e| e.pins > 0).count(),
+            ..self.stats
+        }
+    }
+
+    pub fn spill_target(&self) -> &S {
+        &self.spill
+    }
+
+    pub fn contains(&self, ns: &NamespaceId, key: &BlockKey) -> bool {
+        self.index.contains_key(&(*ns, *key))
+    }
+
+    /// Every resident key (what the agent reports to the server).
+    pub fn keys(&self) -> Vec<ScopedKey> {
+        self.index.keys().copied().collect()
+    }
+
+    fn page_range(&self, page: usize) -> DeviceRange {
+        self.slab.range(page * self.page_bytes, self.page_bytes)
+    }
+
+    fn next_tick(&mut self) -> u64 {
+        self.tick += 1;
+        self.tick
+    }
+
+    fn touch(&mut self, k: ScopedKey) {
+        let t = self.next_tick();
+        if let Some(e) = self.index.get_mut(&k) {
+            if e.pins == 0 {
+                self.lru.remove(&e.tick);
+                self.lru.insert(t, k);
+            }
+            e.tick = t;
+        }
+    }
+
+    /// A free page, evicting the least recently used unpinned block if there is none.
+    fn take_page(&mut self) -> Result<usize> {
+        if let Some(p) = self.free.pop() {
+            return Ok(p);
+        }
+        let (_, victim) = self.lru.pop_first().ok_or(AgentError::PoolExhausted { pages: self.pages })?;
+        let entry = self.index.remove(&victim).ok_or(AgentError::NotResident)?;
+        self.stats.evictions += 1;
+        if entry.clean {
+            self.stats.clean_drops += 1;
+        } else {
+            self.spill_page(&victim, entry.page);
+        }
+        Ok(entry.page)
+    }
+
+    /// Copies a page out and hands it to the spill target; failures are counted, not returned
+    /// (the block is dropped either way).
+    fn spill_page(&mut self, key: &ScopedKey, page: usize) {
+        let staged = (|| {
+            let range = self.staging.range(0, self.page_bytes);
+            self.device.copy_d2h(&self.stream, self.page_range(page), &range)?;
+            let ev = self.device.record(&self.stream)?;
+            self.device.wait(&ev)?;
+            Ok::<_, AgentError>(self.staging.to_vec())
+        })();
+        match staged.and_then(|bytes| self.spill.spill(&key.0, &key.1, &bytes).map(|()| bytes.len())) {
+            Ok(n) => {
+                self.stats.spills += 1;
+                self.stats.spilled_bytes += n as u64;
+            }
+            Err(_) => self.stats.spill_errors += 1,
+        }
+    }
+
+    fn insert_with(
+        &mut self,
+        ns: &NamespaceId,
+        key: &BlockKey,
+        len: usize,
+        clean: bool,
+        copy: impl FnOnce(&D, &D::Stream, DeviceRange) -> Result<()>,
+    ) -> Result<D::Event> {
+        if len != self.page_bytes {
+            return Err(AgentError::PageSizeMismatch { len, page: self.page_bytes });
+        }
+        let k = (*ns, *key);
+        if self.index.contains_key(&k) {
+            // Content-addressed: the same key holds the same bytes.
+            self.touch(k);
+            return self.device.record(&self.stream);
+        }
+        let page = self.take_page()?;
+        if let Err(e) = copy(&self.device, &self.stream, self.page_range(page)) {
+            self.free.push(page);
+            return Err(e);
+        }
+        let tick = self.next_tick();
+        self.index.insert(k, Entry { page, pins: 0, tick, clean });
+        self.lru.insert(tick, k);
+        self.stats.inserts += 1;
+        self.device.record(&self.stream)
+    }
+
+    /// Keeps a copy of an engine's page (a block only the engine has: spilled when evicted).
+    /// Returns the event of the copy.
+    pub fn insert_from_device(&mut self, ns: &NamespaceId, key: &BlockKey, src: DeviceRange) -> Result<D::Event> {
+        self.insert_with(ns, key, src.len, false, |d, s, dst| d.copy_d2d(s, src, dst))
+    }
+
+    /// Keeps a block loaded from a tier (staged in host memory): dropped, not spilled, when
+    /// evicted.
+    pub fn insert_from_host(&mut self, ns: &NamespaceId, key: &BlockKey, src: &HostRange) -> Result<D::Event> {
+        self.insert_with(ns, key, src.len, true, |d, s, dst| d.copy_h2d(s, src, dst))
+    }
+
+    /// Copies a resident block into an engine's page (device to device); `None` on a miss.
+    pub fn load_into(&mut self, ns: &NamespaceId, key: &BlockKey, dst: DeviceRange) -> Result<Option<D::Event>> {
+        if dst.len != self.page_bytes {
+            return Err(AgentError::PageSizeMismatch { len: dst.len, page: self.page_bytes });
+        }
+        let k = (*ns, *key);
+        let Some(page) = self.index.get(&k).map(|e| e.page) else {
+            self.stats.misses += 1;
+            return Ok(None);
+        };
+        self.device.copy_d2d(&self.stream, self.page_range(page), dst)?;
+        let ev = self.device.record(&self.stream)?;
+        self.stats.hits += 1;
+        self.touch(k);
+        Ok(Some(ev))
+    }
+
+    /// Pins a resident block (a live session's); returns its pin count.
+    pub fn pin(&mut self, ns: &NamespaceId, key: &BlockKey) -> Result<u32> {
+        let e = self.index.get_mut(&(*ns, *key)).ok_or(AgentError::NotResident)?;
+        if e.pins == 0 {
+            self.lru.remove(&e.tick);
+        }
+        e.pins += 1;
+        Ok(e.pins)
+    }
+
+    /// Drops one pin; at zero the block is evictable again (as most recently used).
+    pub fn unpin(&mut self, ns: &NamespaceId, key: &BlockKey) -> Result<u32> {
+        let k = (*ns, *key);
+        let e = self.index.get_mut(&k).ok_or(AgentError::NotResident)?;
+        if e.pins == 0 {
+            return Err(AgentError::NotPinned);
+        }
+        e.pins -= 1;
+        let left = e.pins;
+        if left == 0 {
+            let t = self.next_tick();
+            if let Some(e) = self.index.get_mut(&k) {
+                e.tick = t;
+            }
+            self.lru.insert(t, k);
+        }
+        Ok(left)
+    }
+
+    /// Forgets a block without spilling it (e.g. its namespace was purged). Pinned blocks stay.
+    pub fn remove(&mut self, ns: &NamespaceId, key: &BlockKey) -> Result<()> {
+        let k = (*ns, *key);
+        let e = self.index.get(&k).copied().ok_or(AgentError::NotResident)?;
+        if e.pins > 0 {
+            return Err(AgentError::Pinned);
+        }
+        self.index.remove(&k);
+        self.lru.remove(&e.tick);
+        self.free.push(e.page);
+        Ok(())
+    }
+}
+
+impl<D: Device, S: Spill> Drop for PagePool<D, S> {
+    fn drop(&mut self) {
+        // Never panics: a failed free is the device's to report, not ours.
+        let _ = self.device.free(self.slab);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{HostDevice, MemInfo};
+
+    const PAGE: usize = 1024;
+
+    fn ns(n: u8) -> NamespaceId {
+        NamespaceId([n; kvtier_proto::NAMESPACE_ID_LEN])
+    }
+
+    fn key(n: u8) -> BlockKey {
+        BlockKey([n; kvtier_proto::KEY_LEN])
+    }
+
+    struct Fix {
+        dev: Arc<HostDevice>,
+        engine: DeviceBuf,
+        pool: PagePool<HostDevice, MemorySpill>,
+    }
+
+    /// A pool of `pages` pages and an engine buffer of 8 pages, page i filled with i + 1.
+    fn fix(pages: usize) -> Fix {
+        let dev = Arc::new(HostDevice::new(0, 1 << 20));
+        let engine = dev.alloc(8 * PAGE).unwrap();
+        for i in 0..8 {
+            dev.write_sync(engine.range(i * PAGE, PAGE), &[i as u8 + 1; PAGE]).unwrap();
+        }
+        let cfg = PoolConfig::new(PAGE).with_capacity(Capacity::Bytes(pages * PAGE + PAGE / 2));
+        let pool = PagePool::new(dev.clone(), MemorySpill::default(), cfg).unwrap();
+        Fix { dev, engine, pool }
+    }
+
+    impl Fix {
+        fn put(&mut self, k: u8, engine_page: usize) {
+            let ev = self.pool.insert_from_device(&ns(1), &key(k), self.engine.range(engine_page * PAGE, PAGE)).unwrap();
+            self.dev.wait(&ev).unwrap();
+        }
+
+        /// Loads `k` into engine page 7 and returns its first byte (None on a miss).
+        fn get(&mut self, k: u8) -> Option<u8> {
+            let ev = self.pool.load_into(&ns(1), &key(k), self.engine.range(7 * PAGE, PAGE)).unwrap()?;
+            self.dev.wait(&ev).unwrap();
+            let bytes = self.dev.read_sync(self.engine.range(7 * PAGE, PAGE)).unwrap();
+            assert!(bytes.iter().all(|b| *b == bytes[0]));
+            Some(bytes[0])
+        }
+    }
+
+    #[test]
+    fn capacity_is_a_fraction_of_free_memory_or_bytes() {
+        let dev = Arc::new(HostDevice::new(0, 1 << 20));
+        let _used = dev.alloc(1 << 19).unwrap();
+        let p = PagePool::new(dev.clone(), MemorySpill::default(), PoolConfig::new(4096)).unwrap();
+        // 20% of the 512 KiB free, in whole 4 KiB pages.
+        assert_eq!(p.pages(), (((1 << 19) as f64 * 0.2) as usize) / 4096);
+        assert_eq!(dev.mem_info().unwrap().free, (1 << 19) - p.pages() * 4096);
+        drop(p);
+        assert_eq!(dev.mem_info().unwrap(), MemInfo { free: 1 << 19, total: 1 << 20 });
+        let p = PagePool::new(dev.clone(), MemorySpill::default(), PoolConfig::new(4096).with_capacity(Capacity::Bytes(10_000))).unwrap();
+        assert_eq!((p.pages(), p.stats().pages), (2, 2));
+        for bad in [Capacity::FractionOfFree(0.0), Capacity::FractionOfFree(1.5), Capacity::FractionOfFree(f64::NAN), Capacity::Bytes(100)] {
+            let r = PagePool::new(dev.clone(), MemorySpill::default(), PoolConfig::new(4096).with_capacity(bad));
+            assert!(matches!(r, Err(AgentError::Config(_))), "{bad:?}");
+        }
+        assert!(matches!(PagePool::new(dev.clone(), MemorySpill::default(), PoolConfig::new(0)), Err(AgentError::Config(_))));
+        let too_big = PoolConfig::new(4096).with_capacity(Capacity::Bytes(1 << 20));
+        assert!(matches!(PagePool::new(dev, MemorySpill::default(), too_big), Err(AgentError::OutOfMemory { .. })));
+    }
+
+    #[test]
+    fn hits_are_device_to_device_copies_of_the_exact_bytes() {
+        let mut f = fix(4);
+        f.put(10, 2);
+        assert!(f.pool.contains(&ns(1), &key(10)));
+        assert!(!f.pool.contains(&ns(2), &key(10)), "namespaces never share keys");
+        // Overwrite the engine's source page: the pool kept its own copy.
+        f.dev.write_sync(f.engine.range(2 * PAGE, PAGE), &[0xEE; PAGE]).unwrap();
+        assert_eq!(f.get(10), Some(3));
+        assert_eq!(f.get(11), None);
+        let s = f.pool.stats();
+        assert_eq!((s.hits, s.misses, s.inserts, s.resident), (1, 1, 1, 1));
+        assert!(matches!(
+            f.pool.load_into(&ns(1), &key(10), f.engine.range(0, PAGE - 1)),
+            Err(AgentError::PageSizeMismatch { len, page: PAGE }) if len == PAGE - 1
+        ));
+        assert!(matches!(
+            f.pool.insert_from_device(&ns(1), &key(12), f.engine.range(0, 2 * PAGE)),
+            Err(AgentError::PageSizeMismatch { .. })
+        ));
+    }
+
+    #[test]
+    fn the_least_recently_used_block_is_spilled_with_its_bytes() {
+        let mut f = fix(3);
+        f.put(1, 0);
+        f.put(2, 1);
+        f.put(3, 2);
+        assert_eq!(f.get(1), Some(1)); // 1 is now the most recent; 2 the least
+        f.put(4, 3);
+        let spilled = f.pool.spill_target().received();
+        assert_eq!(spilled.len(), 1);
+        assert_eq!(spilled[0].0, (ns(1), key(2)));
+        assert_eq!(spilled[0].1, vec![2u8; PAGE]);
+        assert_eq!(f.get(2), None);
+        assert_eq!((f.get(1), f.get(3), f.get(4)), (Some(1), Some(3), Some(4)));
+        let s = f.pool.stats();
+        assert_eq!((s.evictions, s.spills, s.spilled_bytes, s.resident), (1, 1, PAGE as u64, 3));
+        // Re-inserting a resident key takes no page and evicts nothing.
+        f.put(4, 5);
+        assert_eq!(f.pool.stats().evictions, 1);
+        assert_eq!(f.get(4), Some(4));
+    }
+
+    #[test]
+    fn pinned_blocks_stay_and_a_fully_pinned_pool_refuses() {
+        let mut f = fix(2);
+        f.put(1, 0);
+        f.put(2, 1);
+        assert_eq!(f.pool.pin(&ns(1), &key(1)), Ok(1));
+        assert_eq!(f.pool.pin(&ns(1), &key(1)), Ok(2));
+        f.pool.pin(&ns(1), &key(2)).unwrap();
+        assert_eq!(f.pool.stats().pinned, 2);
+        let r = f.pool.insert_from_device(&ns(1), &key(3), f.engine.range(2 * PAGE, PAGE));
+        assert!(matches!(r, Err(AgentError::PoolExhausted { pages: 2 })));
+        assert_eq!(f.pool.remove(&ns(1), &key(2)), Err(AgentError::Pinned));
+        assert_eq!(f.pool.unpin(&ns(1), &key(2)), Ok(0));
+        assert_eq!(f.pool.unpin(&ns(1), &key(2)), Err(AgentError::NotPinned));
+        // Block 1 is older but pinned (twice): block 2 goes.
+        f.put(3, 2);
+        assert_eq!(f.pool.spill_target().received()[0].0, (ns(1), key(2)));
+        assert_eq!(f.pool.unpin(&ns(1), &key(1)), Ok(1));
+        assert_eq!(f.pool.pin(&ns(1), &key(9)), Err(AgentError::NotResident));
+        assert_eq!(f.get(1), Some(1));
+    }
+
+    #[test]
+    fn unpinned_blocks_rejoin_the_lru_as_most_recent() {
+        let mut f = fix(2);
+        f.put(1, 0);
+        f.put(2, 1);
+        f.pool.pin(&ns(1), &key(1)).unwrap();
+        f.pool.unpin(&ns(1), &key(1)).unwrap();
+        f.put(3, 2);
+        assert_eq!(f.pool.spill_target().received()[0].0, (ns(1), key(2)));
+    }
+
+    #[test]
+    fn blocks_from_a_tier_are_dropped_not_spilled() {
+        let mut f = fix(1);
+        let staged = HostBuffer::from_vec(vec![9u8; PAGE]);
+        let _reg = f.dev.register_host(&staged).unwrap();
+        let ev = f.pool.insert_from_host(&ns(1), &key(1), &staged.range(0, PAGE)).unwrap();
+        f.dev.wait(&ev).unwrap();
+        assert_eq!(f.get(1), Some(9));
+        f.put(2, 1);
+        let s = f.pool.stats();
+        assert_eq!((s.evictions, s.clean_drops, s.spills), (1, 1, 0));
+        assert!(f.pool.spill_target().received().is_empty());
+    }
+
+    struct FailingSpill;
+
+    impl Spill for FailingSpill {
+        fn spill(&self, _: &NamespaceId, _: &BlockKey, _: &[u8]) -> Result<()> {
+            Err(AgentError::Spill("G2 full".into()))
+        }
+    }
+
+    #[test]
+    fn a_failed_spill_is_counted_and_the_insert_still_succeeds() {
+        let dev = Arc::new(HostDevice::new(0, 1 << 20));
+        let engine = dev.alloc(2 * PAGE).unwrap();
+        let cfg = PoolConfig::new(PAGE).with_capacity(Capacity::Bytes(PAGE));
+        let mut pool = PagePool::new(dev.clone(), FailingSpill, cfg).unwrap();
+        pool.insert_from_device(&ns(1), &key(1), engine.range(0, PAGE)).unwrap();
+        pool.insert_from_device(&ns(1), &key(2), engine.range(PAGE, PAGE)).unwrap();
+        let s = pool.stats();
+        assert_eq!((s.evictions, s.spill_errors, s.spills, s.resident), (1, 1, 0, 1));
+        assert!(pool.contains(&ns(1), &key(2)) && !pool.contains(&ns(1), &key(1)));
+    }
+
+    #[test]
+    fn a_refused_copy_gives_its_page_back() {
+        let mut f = fix(1);
+        f.dev.free(f.engine).unwrap();
+        let r = f.pool.insert_from_device(&ns(1), &key(1), f.engine.range(0, PAGE));
+        assert_eq!(r.err(), Some(AgentError::FreedHandle(f.engine.id())));
+        assert_eq!(f.pool.stats().resident, 0);
+        let other = f.dev.alloc(PAGE).unwrap();
+        f.dev.wait(&f.pool.insert_from_device(&ns(1), &key(2), other.all()).unwrap()).unwrap();
+        assert_eq!(f.pool.keys(), vec![(ns(1), key(2))]);
+        f.pool.remove(&ns(1), &key(2)).unwrap();
+        assert_eq!(f.pool.remove(&ns(1), &key(2)), Err(AgentError::NotResident));
+        assert_eq!(f.pool.stats().evictions, 0);
+    }
+}
