@@ -30,5 +30,8 @@ pub mod pool;
 pub use device::host::{EventTrigger, HostDevice, HostEvent, HostStream};
 pub use device::{fp8_body_len, CodecOp, Device, DeviceBuf, DeviceOrdinal, DeviceRange, HostBuffer, HostRange, MemInfo, Registration};
 pub use error::{AgentError, Result};
+
+#[cfg(feature = "cuda")]
+pub use device::cuda::{CudaDevice, CudaEventHandle, CudaStreamHandle};
 pub use pipeline::{LayerPipeline, LoadHandle, SaveReport, Transfer};
 pub use pool::{Capacity, MemorySpill, PagePool, PoolConfig, PoolStats, Spill};

@@ -426,6 +426,17 @@ mod tests {
     }
 
     #[test]
+    fn meets_the_device_contract() {
+        let dev = HostDevice::new(0, 1 << 20);
+        super::super::conformance::copies_and_errors(&dev, &HostDevice::new(1, 1 << 20));
+    }
+
+    #[test]
+    fn codec_launches_run_the_cpu_reference() {
+        super::super::conformance::fp8_codec_matches_kvtier_kernels(&HostDevice::new(0, 16 << 20));
+    }
+
+    #[test]
     fn h2d_d2d_d2h_round_trip_is_exact() {
         let (dev, s, h, _r) = setup();
         let a = dev.alloc(256).unwrap();

@@ -27,6 +27,9 @@
 
 pub mod host;
 
+#[cfg(test)]
+pub(crate) mod conformance;
+
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
