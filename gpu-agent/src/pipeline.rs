@@ -217,7 +217,7 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     use super::*;
-    use crate::{DeviceBuf, HostBuffer, HostDevice, Registration};
+    use crate::{DeviceBuf, HostBuffer, HostDevice, HostEvent, Registration};
 
     const LAYERS: usize = 4;
     const PAGES: usize = 3;
@@ -262,8 +262,6 @@ mod tests {
                 .collect(),
         )
     }
-
-    use crate::HostEvent;
 
     fn assert_layer_exact(f: &Fixture, l: usize) {
         for p in 0..PAGES {

@@ -333,6 +333,20 @@ impl<D: Device, S: Spill> PagePool<D, S> {
         Ok(Some(ev))
     }
 
+    /// Pins a resident block and returns its page, for a layer-pipelined load that copies
+    /// slices of it on another stream (the [`crate::pipeline`]'s `DeviceToDevice` transfers). The
+    /// pin keeps the page from being evicted and reused under the copy: [`PagePool::unpin`] it
+    /// once the load's events have completed. Counts as a hit; a miss is `Ok(None)`.
+    pub fn pin_for_load(&mut self, ns: &NamespaceId, key: &BlockKey) -> Result<Option<DeviceRange>> {
+        let Some(page) = self.index.get(&(*ns, *key)).map(|e| e.page) else {
+            self.stats.misses += 1;
+            return Ok(None);
+        };
+        self.pin(ns, key)?;
+        self.stats.hits += 1;
+        Ok(Some(self.page_range(page)))
+    }
+
     /// Pins a resident block (a live session's); returns its pin count.
     pub fn pin(&mut self, ns: &NamespaceId, key: &BlockKey) -> Result<u32> {
         let e = self.index.get_mut(&(*ns, *key)).ok_or(AgentError::NotResident)?;
@@ -542,6 +556,52 @@ mod tests {
         let s = f.pool.stats();
         assert_eq!((s.evictions, s.clean_drops, s.spills), (1, 1, 0));
         assert!(f.pool.spill_target().received().is_empty());
+    }
+
+    #[test]
+    fn a_layer_pipelined_load_reads_pinned_pages_on_another_stream() {
+        use crate::pipeline::{LayerPipeline, LayerSource, Transfer};
+        // Each block (page) holds 4 layers of PAGE / 4 bytes, layer-first.
+        let mut f = fix(2);
+        f.put(1, 0);
+        f.put(2, 1);
+        let pipe = LayerPipeline::new(f.dev.clone()).unwrap();
+        let pages: Vec<_> = [1u8, 2].iter().map(|k| f.pool.pin_for_load(&ns(1), &key(*k)).unwrap().unwrap()).collect();
+        assert_eq!(f.pool.pin_for_load(&ns(1), &key(9)), Ok(None));
+        let dst = f.dev.alloc(2 * PAGE).unwrap();
+        let lb = PAGE / 4;
+        let layers = (0..4)
+            .map(|l| {
+                LayerSource::new(
+                    pages
+                        .iter()
+                        .enumerate()
+                        .map(|(b, p)| Transfer::DeviceToDevice {
+                            src: p.buf.range(p.offset + l * lb, lb),
+                            dst: dst.range(l * 2 * lb + b * lb, lb),
+                        })
+                        .collect(),
+                )
+            })
+            .collect();
+        let h = pipe.start_load_kv(layers);
+        // Pinned: a new block cannot take their pages while the load runs.
+        assert!(matches!(
+            f.pool.insert_from_device(&ns(1), &key(3), f.engine.range(2 * PAGE, PAGE)),
+            Err(AgentError::PoolExhausted { .. })
+        ));
+        assert!(h.wait_all().iter().all(Result::is_ok));
+        let got = f.dev.read_sync(dst.all()).unwrap();
+        for l in 0..4 {
+            assert_eq!(&got[l * 2 * lb..l * 2 * lb + lb], &vec![1u8; lb][..], "layer {l} block 1");
+            assert_eq!(&got[l * 2 * lb + lb..(l + 1) * 2 * lb], &vec![2u8; lb][..], "layer {l} block 2");
+        }
+        for k in [1u8, 2] {
+            assert_eq!(f.pool.unpin(&ns(1), &key(k)), Ok(0));
+        }
+        assert_eq!(f.pool.stats().hits, 2);
+        f.put(3, 2);
+        assert_eq!(f.pool.stats().evictions, 1);
     }
 
     struct FailingSpill;

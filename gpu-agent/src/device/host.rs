@@ -21,7 +21,8 @@ use super::{
 use crate::codec::fp8_payload_header;
 use crate::error::{AgentError, Result};
 
-/// Default depth of a stream's queue (operations, not bytes). Default: 4096.
+/// Depth of a stream's queue (operations, not bytes) unless [`HostDevice::with_queue_depth`] says
+/// otherwise.
 pub const DEFAULT_QUEUE_DEPTH: usize = 4096;
 
 type Mem = Arc<RwLock<Box<[u8]>>>;
@@ -59,25 +60,19 @@ struct Table {
 }
 
 impl HostDevice {
-    /// A device numbered `ordinal` with `capacity` bytes of "device memory".
+    /// A device numbered `ordinal` with `capacity` bytes of "device memory" and streams of
+    /// [`DEFAULT_QUEUE_DEPTH`] operations.
     pub fn new(ordinal: DeviceOrdinal, capacity: usize) -> Self {
+        Self::with_queue_depth(ordinal, capacity, DEFAULT_QUEUE_DEPTH)
+    }
+
+    /// As [`HostDevice::new`], with streams that hold `depth` operations before enqueueing blocks
+    /// (backpressure, as a GPU's push buffer). A depth below 1 becomes 1.
+    pub fn with_queue_depth(ordinal: DeviceOrdinal, capacity: usize, depth: usize) -> Self {
         HostDevice {
             inner: Arc::new(Inner {
                 ordinal,
                 capacity,
-                queue_depth: DEFAULT_QUEUE_DEPTH,
-                table: Mutex::new(Table { next_id: 1, live: HashMap::new(), used: 0 }),
-            }),
-        }
-    }
-
-    /// Operations a stream's queue holds before enqueueing blocks (backpressure, as a GPU's
-    /// push buffer). Values below 1 become 1. Default: [`DEFAULT_QUEUE_DEPTH`].
-    pub fn with_queue_depth(self, depth: usize) -> Self {
-        HostDevice {
-            inner: Arc::new(Inner {
-                ordinal: self.inner.ordinal,
-                capacity: self.inner.capacity,
                 queue_depth: depth.max(1),
                 table: Mutex::new(Table { next_id: 1, live: HashMap::new(), used: 0 }),
             }),
@@ -576,6 +571,24 @@ mod tests {
         }
         let (e1, e2) = (dev.record(&s1).unwrap(), dev.record(&s2).unwrap());
         assert_eq!((dev.wait(&e1), dev.wait(&e2)), (Ok(()), Ok(())));
+    }
+
+    #[test]
+    fn a_full_queue_blocks_the_caller_and_loses_nothing() {
+        let dev = HostDevice::with_queue_depth(0, 1 << 20, 1);
+        let s = dev.new_stream().unwrap();
+        let h = HostBuffer::from_vec((0..=255u8).collect());
+        let _r = dev.register_host(&h).unwrap();
+        let a = dev.alloc(256 * 100).unwrap();
+        for i in 0..100 {
+            dev.copy_h2d(&s, &h.range(i, 256 - i), a.range(256 * i, 256 - i)).unwrap();
+        }
+        dev.wait(&dev.record(&s).unwrap()).unwrap();
+        let got = dev.read_sync(a.all()).unwrap();
+        for i in 0..100 {
+            assert_eq!(got[256 * i], i as u8);
+            assert_eq!(got[256 * i + 255 - i], 255);
+        }
     }
 
     #[test]
