@@ -15,6 +15,10 @@ use std::sync::Arc;
 use crate::device::{Device, DeviceRange, HostRange};
 use crate::error::{AgentError, Result};
 
+/// Saved layers awaiting [`LayerPipeline::wait_for_save`] at most; a save beyond that is failed
+/// (the list is bounded like every queue). A forward pass saves each layer once, then waits.
+pub const MAX_PENDING_SAVES: usize = 4096;
+
 /// One copy of a load or save.
 #[derive(Debug, Clone)]
 pub enum Transfer {
@@ -145,6 +149,28 @@ impl SaveReport {
 }
 
 /// A load stream and a save stream on one device.
+///
+/// ```
+/// use std::sync::Arc;
+/// use kvtier_agent::pipeline::{LayerPipeline, LayerSource, Transfer};
+/// use kvtier_agent::{Device, HostBuffer, HostDevice};
+///
+/// let dev = Arc::new(HostDevice::new(0, 1 << 20));
+/// let staged = HostBuffer::from_vec((0..64).collect()); // 4 layers of 16 bytes
+/// let _pinned = dev.register_host(&staged).unwrap();
+/// let engine = dev.alloc(64).unwrap();
+/// let pipe = LayerPipeline::new(dev.clone()).unwrap();
+/// let layers = (0..4)
+///     .map(|l| LayerSource::new(vec![Transfer::HostToDevice {
+///         src: staged.range(16 * l, 16),
+///         dst: engine.range(16 * l, 16),
+///     }]))
+///     .collect();
+/// let load = pipe.start_load_kv(layers);
+/// load.wait_for_layer_load(0).unwrap(); // layer 0 is usable; later ones may still be copying
+/// assert_eq!(dev.read_sync(engine.range(0, 16)).unwrap(), (0..16).collect::<Vec<u8>>());
+/// assert!(load.wait_all().iter().all(Result::is_ok));
+/// ```
 pub struct LayerPipeline<D: Device> {
     device: Arc<D>,
     load: D::Stream,
@@ -189,7 +215,13 @@ impl<D: Device> LayerPipeline<D> {
     /// layer's forward pass) when given. Failures are reported by [`LayerPipeline::wait_for_save`].
     pub fn save_kv_layer(&mut self, layer: usize, transfers: &[Transfer], compute_done: Option<&D::Event>) {
         let dev = &*self.device;
+        let pending = self.saves.len();
         let done = (|| {
+            if pending >= MAX_PENDING_SAVES {
+                return Err(AgentError::Config(format!(
+                    "{pending} saved layers not yet waited for: call wait_for_save"
+                )));
+            }
             if let Some(e) = compute_done {
                 dev.stream_wait(&self.save, e)?;
             }
@@ -399,5 +431,19 @@ mod tests {
             assert_eq!(all[src_off(l, 0)..src_off(l + 1, 0)], want[src_off(l, 0)..src_off(l + 1, 0)], "layer {l}");
         }
         assert!(f.pipe.wait_for_save().layers.is_empty());
+    }
+
+    #[test]
+    fn pending_saves_are_bounded() {
+        let mut f = fixture(7);
+        for l in 0..MAX_PENDING_SAVES + 1 {
+            f.pipe.save_kv_layer(l, &[], None);
+        }
+        let report = f.pipe.wait_for_save();
+        assert_eq!(report.layers.len(), MAX_PENDING_SAVES + 1);
+        assert_eq!(report.failed().len(), 1);
+        assert_eq!(report.failed()[0].0, MAX_PENDING_SAVES);
+        f.pipe.save_kv_layer(0, &[], None);
+        assert!(f.pipe.wait_for_save().is_ok());
     }
 }

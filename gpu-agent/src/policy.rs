@@ -78,20 +78,18 @@ pub struct LinkMonitor {
     bytes_per_sec: u64,
     window: Duration,
     samples: VecDeque<(Instant, u64)>,
-    in_window: u64,
 }
 
 impl LinkMonitor {
     pub fn new(bytes_per_sec: u64, window: Duration) -> Self {
-        LinkMonitor { bytes_per_sec, window, samples: VecDeque::new(), in_window: 0 }
+        LinkMonitor { bytes_per_sec, window, samples: VecDeque::new() }
     }
 
     /// Drops samples that left the window: a sample at `t` counts while `now - t < window`.
     fn expire(&mut self, now: Instant) {
-        while let Some(&(t, b)) = self.samples.front() {
+        while let Some(&(t, _)) = self.samples.front() {
             if now.saturating_duration_since(t) >= self.window {
                 self.samples.pop_front();
-                self.in_window -= b;
             } else {
                 break;
             }
@@ -104,7 +102,6 @@ impl LinkMonitor {
         let now = self.samples.back().map_or(now, |&(t, _)| now.max(t));
         self.expire(now);
         self.samples.push_back((now, bytes));
-        self.in_window += bytes;
     }
 
     /// Bytes moved in the window ending at `now`.
@@ -168,6 +165,23 @@ fn link_key(a: DeviceOrdinal, b: DeviceOrdinal) -> (DeviceOrdinal, DeviceOrdinal
 }
 
 /// The node's GPUs, their shares, their links and who borrowed what.
+///
+/// ```
+/// use std::time::Instant;
+/// use kvtier_agent::policy::{BorrowConfig, Decision, DeclineReason, PeerPolicy};
+/// const GIB: u64 = 1 << 30;
+/// let now = Instant::now();
+/// let mut p = PeerPolicy::new(BorrowConfig::default()).unwrap();
+/// p.add_gpu(3, 100 * GIB).unwrap(); // 20 GiB shares
+/// p.add_gpu(7, 100 * GIB).unwrap();
+/// p.add_link(3, 7, 100 * GIB).unwrap(); // 100 GiB/s: 30 GiB per 1 s window allowed
+/// let d = p.decide(3, 20 * GIB, now).unwrap();
+/// assert_eq!(d, Decision::Local);
+/// p.commit(3, 20 * GIB, &d, now).unwrap();
+/// assert!(matches!(p.decide(3, 10 * GIB, now).unwrap(), Decision::Borrow { from: 7, .. }));
+/// p.record_link_traffic(3, 7, now, 25 * GIB).unwrap(); // the engine's own peer traffic
+/// assert!(matches!(p.decide(3, 10 * GIB, now).unwrap(), Decision::Decline(DeclineReason::LinkBudget { .. })));
+/// ```
 #[derive(Debug, Clone)]
 pub struct PeerPolicy {
     config: BorrowConfig,

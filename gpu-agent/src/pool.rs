@@ -135,6 +135,24 @@ struct Entry {
 }
 
 /// The G1 page pool on one device.
+///
+/// ```
+/// use std::sync::Arc;
+/// use kvtier_agent::pool::{Capacity, MemorySpill, PagePool, PoolConfig};
+/// use kvtier_agent::{Device, HostDevice};
+/// use kvtier_proto::{BlockKey, NamespaceId};
+///
+/// let dev = Arc::new(HostDevice::new(0, 1 << 20));
+/// let engine = dev.alloc(2 * 256).unwrap();
+/// dev.write_sync(engine.range(0, 256), &[7; 256]).unwrap();
+/// let cfg = PoolConfig::new(256).with_capacity(Capacity::Bytes(256)); // one page
+/// let mut pool = PagePool::new(dev.clone(), MemorySpill::default(), cfg).unwrap();
+/// let (ns, a, b) = (NamespaceId([1; 16]), BlockKey([1; 32]), BlockKey([2; 32]));
+/// pool.insert_from_device(&ns, &a, engine.range(0, 256)).unwrap();
+/// pool.insert_from_device(&ns, &b, engine.range(256, 256)).unwrap(); // evicts and spills `a`
+/// assert_eq!(pool.spill_target().get(&ns, &a), Some(vec![7; 256]));
+/// assert!(pool.load_into(&ns, &a, engine.range(256, 256)).unwrap().is_none());
+/// ```
 pub struct PagePool<D: Device, S: Spill> {
     device: Arc<D>,
     spill: S,

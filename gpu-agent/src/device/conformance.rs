@@ -121,6 +121,8 @@ pub(crate) fn fp8_codec_matches_kvtier_kernels<D: Device>(dev: &D) {
     assert!(matches!(dev.launch_codec(&s, &op), Err(AgentError::Codec(_))));
     let op = CodecOp::Fp8Encode { spec, src: buf.range(4, 128), body: buf.range(1024, fp8_body_len(&spec)), status: buf.range(2048, 4) };
     assert!(matches!(dev.launch_codec(&s, &op), Err(AgentError::Codec(_))));
+    let op = CodecOp::Fp8Encode { spec, src: buf.range(0, 128), body: buf.range(64, fp8_body_len(&spec)), status: buf.range(2048, 4) };
+    assert_eq!(dev.launch_codec(&s, &op), Err(AgentError::Overlap));
     let spec8 = spec.with_dtype(DType::Fp8E4m3);
     let op = CodecOp::Fp8Encode { spec: spec8, src: buf.range(0, 64), body: buf.range(1024, fp8_body_len(&spec8)), status: buf.range(2048, 4) };
     assert!(matches!(dev.launch_codec(&s, &op), Err(AgentError::Codec(_))));

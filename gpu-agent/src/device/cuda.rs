@@ -28,10 +28,7 @@ use crate::codec::{kernel_dtype, FP8_CUDA_SRC, FP8_DECODE_KERNEL, FP8_ENCODE_KER
 use crate::error::{AgentError, Result};
 
 fn driver(op: &'static str) -> impl Fn(result::DriverError) -> AgentError {
-    move |e| match e.0 {
-        sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => AgentError::OutOfMemory { requested: 0, free: 0 },
-        _ => AgentError::Driver { op, detail: e.to_string() },
-    }
+    move |e| AgentError::Driver { op, detail: e.to_string() }
 }
 
 /// Whether a CUDA driver library can be loaded on this machine (it says nothing of GPUs).
@@ -205,11 +202,11 @@ impl Device for CudaDevice {
         self.bind()?;
         // SAFETY: allocates fresh device memory in the bound context; its contents are only ever
         // read as bytes. A zero-length buffer gets one byte so that it has an address.
-        let ptr = unsafe { result::malloc_sync(len.max(1)) }.map_err(|e| match driver("cuMemAlloc")(e) {
-            AgentError::OutOfMemory { .. } => {
+        let ptr = unsafe { result::malloc_sync(len.max(1)) }.map_err(|e| match e.0 {
+            sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
                 AgentError::OutOfMemory { requested: len, free: self.mem_info().map_or(0, |m| m.free) }
             }
-            other => other,
+            _ => driver("cuMemAlloc")(e),
         })?;
         let mut t = self.inner.table.lock();
         let id = t.next_id;

@@ -341,6 +341,9 @@ impl CodecOp {
                 return Err(AgentError::Codec(format!("{what} range is {got} bytes, {want} needed")));
             }
         }
+        for (x, y) in [(block, body), (block, status), (body, status)] {
+            check_no_overlap(*x, *y)?;
+        }
         let rows = spec.rows();
         if rows > u32::MAX as usize || spec.elements() > isize::MAX as usize {
             return Err(AgentError::Codec(format!("block of {rows} rows is too large for one launch")));
