@@ -34,4 +34,4 @@ pub use error::{AgentError, Result};
 #[cfg(feature = "cuda")]
 pub use device::cuda::{CudaDevice, CudaEventHandle, CudaStreamHandle};
 pub use pipeline::{LayerPipeline, LoadHandle, SaveReport, Transfer};
-pub use pool::{Capacity, MemorySpill, PagePool, PoolConfig, PoolStats, Spill};
+pub use pool::{Capacity, MemorySpill, PagePool, PoolConfig, PoolStats, Spill, SpilledBlock};

@@ -7,6 +7,10 @@
 //!   from an engine's pages) is copied out and handed to the [`Spill`] target — G2 through the
 //!   same-node path in the agent; a block that came from a tier is dropped (the tier still holds
 //!   it). A failing spill is counted and the block dropped: G1 is a cache.
+//! - **Encoding on the way out** ([`PoolConfig::with_fp8_spill`]): the device's FP8 kernel
+//!   encodes the evicted page before it is copied out, so the copy moves about half the bytes of
+//!   a bf16 block, and the spill target gets exactly the payload `kvtier_kernels::encode` writes
+//!   for `CodecId::FP8_E4M3`. A block the codec refuses (NaN, Inf) is spilled raw.
 //! - **Pins** keep a live session's blocks resident; when every page is pinned an insert is
 //!   [`AgentError::PoolExhausted`] (the caller recomputes or spills elsewhere).
 //! - **Loads** into an engine's pages are device-to-device copies on the pool's stream, which
@@ -19,16 +23,19 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use kvtier_proto::{BlockKey, NamespaceId, ScopedKey};
+use kvtier_kernels::BlockSpec;
+use kvtier_proto::{BlockKey, CodecId, DType, NamespaceId, ScopedKey};
 use parking_lot::Mutex;
 
-use crate::device::{Device, DeviceBuf, DeviceRange, HostBuffer, HostRange, Registration};
+use crate::codec::{fp8_payload_header, CODEC_ALIGN};
+use crate::device::{fp8_body_len, CodecOp, Device, DeviceBuf, DeviceRange, HostBuffer, HostRange, Registration};
 use crate::error::{AgentError, Result};
 
 /// Where evicted blocks go (G2 through the same-node client in the agent).
 pub trait Spill: Send + Sync {
-    /// Takes a copy of an evicted block's bytes.
-    fn spill(&self, ns: &NamespaceId, key: &BlockKey, bytes: &[u8]) -> Result<()>;
+    /// Takes a copy of an evicted block: its payload under `codec` (`CodecId::RAW`: the engine's
+    /// bytes exactly; otherwise a `kvtier_kernels` payload).
+    fn spill(&self, ns: &NamespaceId, key: &BlockKey, codec: CodecId, payload: &[u8]) -> Result<()>;
 }
 
 /// An in-memory spill target: keeps every block it receives, in order. The trait's stand-in for
@@ -38,8 +45,13 @@ pub struct MemorySpill {
     blocks: Arc<Mutex<Vec<SpilledBlock>>>,
 }
 
-/// A block a [`MemorySpill`] received: its key and bytes.
-pub type SpilledBlock = (ScopedKey, Vec<u8>);
+/// A block a [`MemorySpill`] received.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SpilledBlock {
+    pub key: ScopedKey,
+    pub codec: CodecId,
+    pub payload: Vec<u8>,
+}
 
 impl MemorySpill {
     /// Every block received so far, oldest first.
@@ -47,15 +59,15 @@ impl MemorySpill {
         self.blocks.lock().clone()
     }
 
-    /// The latest bytes received for a key.
+    /// The latest payload received for a key.
     pub fn get(&self, ns: &NamespaceId, key: &BlockKey) -> Option<Vec<u8>> {
-        self.blocks.lock().iter().rev().find(|((n, k), _)| n == ns && k == key).map(|(_, b)| b.clone())
+        self.blocks.lock().iter().rev().find(|b| b.key == (*ns, *key)).map(|b| b.payload.clone())
     }
 }
 
 impl Spill for MemorySpill {
-    fn spill(&self, ns: &NamespaceId, key: &BlockKey, bytes: &[u8]) -> Result<()> {
-        self.blocks.lock().push(((*ns, *key), bytes.to_vec()));
+    fn spill(&self, ns: &NamespaceId, key: &BlockKey, codec: CodecId, payload: &[u8]) -> Result<()> {
+        self.blocks.lock().push(SpilledBlock { key: (*ns, *key), codec, payload: payload.to_vec() });
         Ok(())
     }
 }
@@ -74,12 +86,21 @@ pub enum Capacity {
 pub struct PoolConfig {
     page_bytes: usize,
     capacity: Capacity,
+    fp8_spill: Option<BlockSpec>,
 }
 
 impl PoolConfig {
     /// Pages of `page_bytes` (one block of the namespace's layout and codec).
     pub fn new(page_bytes: usize) -> Self {
-        PoolConfig { page_bytes, capacity: Capacity::FractionOfFree(0.2) }
+        PoolConfig { page_bytes, capacity: Capacity::FractionOfFree(0.2), fp8_spill: None }
+    }
+
+    /// Encode evicted blocks as FP8 E4M3 (per-row scales) on the device before copying them
+    /// out; every page holds one block of `spec` (bf16, fp16 or fp32, `spec.byte_len()` equal to
+    /// the page size). Default: off (blocks are spilled raw).
+    pub fn with_fp8_spill(mut self, spec: BlockSpec) -> Self {
+        self.fp8_spill = Some(spec);
+        self
     }
 
     /// Default: `Capacity::FractionOfFree(0.2)`.
@@ -92,6 +113,15 @@ impl PoolConfig {
     fn pages(&self, free: usize) -> Result<usize> {
         if self.page_bytes == 0 {
             return Err(AgentError::Config("page size must be above zero".into()));
+        }
+        if let Some(spec) = &self.fp8_spill {
+            spec.validate().map_err(|e| AgentError::Config(format!("FP8 spill block: {e}")))?;
+            if !matches!(spec.dtype, DType::Bf16 | DType::Fp16 | DType::Fp32) || spec.byte_len() != self.page_bytes {
+                return Err(AgentError::Config(format!(
+                    "FP8 spill needs a bf16/fp16/fp32 block of the page size ({} bytes), got {spec:?}",
+                    self.page_bytes
+                )));
+            }
         }
         let bytes = match self.capacity {
             Capacity::Bytes(b) => b,
@@ -119,7 +149,12 @@ pub struct PoolStats {
     pub evictions: u64,
     /// Evicted blocks handed to the spill target.
     pub spills: u64,
+    /// Payload bytes handed to the spill target.
     pub spilled_bytes: u64,
+    /// Spills encoded on the device.
+    pub encoded_spills: u64,
+    /// Blocks the device codec refused (NaN, Inf), spilled raw instead.
+    pub raw_fallbacks: u64,
     /// Evicted blocks dropped because a tier already holds them.
     pub clean_drops: u64,
     pub spill_errors: u64,
@@ -167,7 +202,17 @@ pub struct PagePool<D: Device, S: Spill> {
     stream: D::Stream,
     staging: HostBuffer,
     _staging_reg: Registration,
+    encoder: Option<Encoder>,
     stats: PoolStats,
+}
+
+/// Device scratch for encoding a page on its way out: the body at 0, the status word at
+/// `status_at`.
+struct Encoder {
+    spec: BlockSpec,
+    scratch: DeviceBuf,
+    body_len: usize,
+    status_at: usize,
 }
 
 impl<D: Device, S: Spill> PagePool<D, S> {
@@ -179,9 +224,18 @@ impl<D: Device, S: Spill> PagePool<D, S> {
             .checked_mul(config.page_bytes)
             .ok_or_else(|| AgentError::Config(format!("{pages} pages of {} bytes overflow", config.page_bytes)))?;
         let slab = device.alloc(bytes)?;
+        let mut encoder = None;
         let built = (|| {
+            let mut staging_len = config.page_bytes;
+            if let Some(spec) = config.fp8_spill {
+                let body_len = fp8_body_len(&spec);
+                let status_at = body_len.next_multiple_of(CODEC_ALIGN);
+                let scratch = device.alloc(status_at + CODEC_ALIGN)?;
+                encoder = Some(Encoder { spec, scratch, body_len, status_at });
+                staging_len = staging_len.max(status_at + 4);
+            }
             let stream = device.new_stream()?;
-            let staging = HostBuffer::new(config.page_bytes);
+            let staging = HostBuffer::new(staging_len);
             let reg = device.register_host(&staging)?;
             Ok((stream, staging, reg))
         })();
@@ -189,6 +243,9 @@ impl<D: Device, S: Spill> PagePool<D, S> {
             Ok(v) => v,
             Err(e) => {
                 let _ = device.free(slab);
+                if let Some(enc) = encoder {
+                    let _ = device.free(enc.scratch);
+                }
                 return Err(e);
             }
         };
@@ -205,6 +262,7 @@ impl<D: Device, S: Spill> PagePool<D, S> {
             stream,
             staging,
             _staging_reg: reg,
+            encoder,
             stats: PoolStats { pages, ..PoolStats::default() },
         })
     }
@@ -274,23 +332,54 @@ impl<D: Device, S: Spill> PagePool<D, S> {
         Ok(entry.page)
     }
 
-    /// Copies a page out and hands it to the spill target; failures are counted, not returned
-    /// (the block is dropped either way).
+    /// Copies a page out (encoded on the device when configured) and hands it to the spill
+    /// target; failures are counted, not returned (the block is dropped either way).
     fn spill_page(&mut self, key: &ScopedKey, page: usize) {
-        let staged = (|| {
-            let range = self.staging.range(0, self.page_bytes);
-            self.device.copy_d2h(&self.stream, self.page_range(page), &range)?;
-            let ev = self.device.record(&self.stream)?;
-            self.device.wait(&ev)?;
-            Ok::<_, AgentError>(self.staging.to_vec())
-        })();
-        match staged.and_then(|bytes| self.spill.spill(&key.0, &key.1, &bytes).map(|()| bytes.len())) {
-            Ok(n) => {
+        let staged = self.stage_encoded(page).transpose().unwrap_or_else(|| self.stage_raw(page));
+        let sent = staged.and_then(|(codec, payload)| {
+            self.spill.spill(&key.0, &key.1, codec, &payload).map(|()| (codec, payload.len()))
+        });
+        match sent {
+            Ok((codec, n)) => {
                 self.stats.spills += 1;
                 self.stats.spilled_bytes += n as u64;
+                if codec != CodecId::RAW {
+                    self.stats.encoded_spills += 1;
+                }
             }
             Err(_) => self.stats.spill_errors += 1,
         }
+    }
+
+    fn stage_raw(&self, page: usize) -> Result<(CodecId, Vec<u8>)> {
+        self.device.copy_d2h(&self.stream, self.page_range(page), &self.staging.range(0, self.page_bytes))?;
+        self.device.wait(&self.device.record(&self.stream)?)?;
+        let mut out = vec![0u8; self.page_bytes];
+        self.staging.read(0, &mut out)?;
+        Ok((CodecId::RAW, out))
+    }
+
+    /// The page as an FP8 payload, encoded on the device; `Ok(None)` when not configured or when
+    /// the codec refused the block (counted; the caller spills it raw).
+    fn stage_encoded(&mut self, page: usize) -> Result<Option<(CodecId, Vec<u8>)>> {
+        let Some(enc) = &self.encoder else { return Ok(None) };
+        let (body, status) = (enc.scratch.range(0, enc.body_len), enc.scratch.range(enc.status_at, 4));
+        let op = CodecOp::Fp8Encode { spec: enc.spec, src: self.page_range(page), body, status };
+        self.device.launch_codec(&self.stream, &op)?;
+        self.device.copy_d2h(&self.stream, body, &self.staging.range(0, enc.body_len))?;
+        self.device.copy_d2h(&self.stream, status, &self.staging.range(enc.status_at, 4))?;
+        self.device.wait(&self.device.record(&self.stream)?)?;
+        let mut word = [0u8; 4];
+        self.staging.read(enc.status_at, &mut word)?;
+        if word != [0; 4] {
+            self.stats.raw_fallbacks += 1;
+            return Ok(None);
+        }
+        let mut payload = fp8_payload_header(&enc.spec);
+        let header = payload.len();
+        payload.resize(header + enc.body_len, 0);
+        self.staging.read(0, &mut payload[header..])?;
+        Ok(Some((CodecId::FP8_E4M3, payload)))
     }
 
     fn insert_with(
@@ -412,6 +501,9 @@ impl<D: Device, S: Spill> Drop for PagePool<D, S> {
     fn drop(&mut self) {
         // Never panics: a failed free is the device's to report, not ours.
         let _ = self.device.free(self.slab);
+        if let Some(enc) = &self.encoder {
+            let _ = self.device.free(enc.scratch);
+        }
     }
 }
 
@@ -517,8 +609,8 @@ mod tests {
         f.put(4, 3);
         let spilled = f.pool.spill_target().received();
         assert_eq!(spilled.len(), 1);
-        assert_eq!(spilled[0].0, (ns(1), key(2)));
-        assert_eq!(spilled[0].1, vec![2u8; PAGE]);
+        assert_eq!(spilled[0].key, (ns(1), key(2)));
+        assert_eq!((spilled[0].codec, &spilled[0].payload), (CodecId::RAW, &vec![2u8; PAGE]));
         assert_eq!(f.get(2), None);
         assert_eq!((f.get(1), f.get(3), f.get(4)), (Some(1), Some(3), Some(4)));
         let s = f.pool.stats();
@@ -545,7 +637,7 @@ mod tests {
         assert_eq!(f.pool.unpin(&ns(1), &key(2)), Err(AgentError::NotPinned));
         // Block 1 is older but pinned (twice): block 2 goes.
         f.put(3, 2);
-        assert_eq!(f.pool.spill_target().received()[0].0, (ns(1), key(2)));
+        assert_eq!(f.pool.spill_target().received()[0].key, (ns(1), key(2)));
         assert_eq!(f.pool.unpin(&ns(1), &key(1)), Ok(1));
         assert_eq!(f.pool.pin(&ns(1), &key(9)), Err(AgentError::NotResident));
         assert_eq!(f.get(1), Some(1));
@@ -559,7 +651,7 @@ mod tests {
         f.pool.pin(&ns(1), &key(1)).unwrap();
         f.pool.unpin(&ns(1), &key(1)).unwrap();
         f.put(3, 2);
-        assert_eq!(f.pool.spill_target().received()[0].0, (ns(1), key(2)));
+        assert_eq!(f.pool.spill_target().received()[0].key, (ns(1), key(2)));
     }
 
     #[test]
@@ -622,10 +714,44 @@ mod tests {
         assert_eq!(f.pool.stats().evictions, 1);
     }
 
+    #[test]
+    fn spills_can_be_encoded_on_the_device_exactly_as_the_cpu_codec() {
+        use kvtier_kernels::KvBlockView;
+        let spec = BlockSpec::new(2, 4, 2, 64, DType::Bf16);
+        let page = spec.byte_len();
+        let dev = Arc::new(HostDevice::new(0, 1 << 20));
+        let engine = dev.alloc(3 * page).unwrap();
+        let block: Vec<u8> = (0..spec.elements())
+            .flat_map(|i| half::bf16::from_f32(((i * 37 % 101) as f32 - 50.0) * 0.37).to_bits().to_le_bytes())
+            .collect();
+        let mut nan_block = block.clone();
+        nan_block[6..8].copy_from_slice(&half::bf16::NAN.to_bits().to_le_bytes());
+        dev.write_sync(engine.range(0, page), &block).unwrap();
+        dev.write_sync(engine.range(page, page), &nan_block).unwrap();
+        let cfg = PoolConfig::new(page).with_capacity(Capacity::Bytes(page)).with_fp8_spill(spec);
+        let mut pool = PagePool::new(dev.clone(), MemorySpill::default(), cfg).unwrap();
+        pool.insert_from_device(&ns(1), &key(1), engine.range(0, page)).unwrap();
+        pool.insert_from_device(&ns(1), &key(2), engine.range(page, page)).unwrap();
+        pool.insert_from_device(&ns(1), &key(3), engine.range(2 * page, page)).unwrap();
+        let got = pool.spill_target().received();
+        let want = kvtier_kernels::encode(CodecId::FP8_E4M3, &KvBlockView::new(spec, &block).unwrap()).unwrap();
+        assert_eq!(got[0], SpilledBlock { key: (ns(1), key(1)), codec: CodecId::FP8_E4M3, payload: want.clone() });
+        assert!(want.len() < page * 3 / 5, "{} of {page}", want.len());
+        // The NaN block cannot be quantized: it goes out as the engine's bytes.
+        assert_eq!(got[1], SpilledBlock { key: (ns(1), key(2)), codec: CodecId::RAW, payload: nan_block });
+        let s = pool.stats();
+        assert_eq!((s.spills, s.encoded_spills, s.raw_fallbacks), (2, 1, 1));
+        assert_eq!(s.spilled_bytes, (want.len() + page) as u64);
+        for bad in [spec.with_dtype(DType::Fp8E4m3), BlockSpec::new(2, 4, 2, 128, DType::Bf16)] {
+            let cfg = PoolConfig::new(page).with_capacity(Capacity::Bytes(page)).with_fp8_spill(bad);
+            assert!(matches!(PagePool::new(dev.clone(), MemorySpill::default(), cfg), Err(AgentError::Config(_))));
+        }
+    }
+
     struct FailingSpill;
 
     impl Spill for FailingSpill {
-        fn spill(&self, _: &NamespaceId, _: &BlockKey, _: &[u8]) -> Result<()> {
+        fn spill(&self, _: &NamespaceId, _: &BlockKey, _: CodecId, _: &[u8]) -> Result<()> {
             Err(AgentError::Spill("G2 full".into()))
         }
     }
@@ -797,9 +923,9 @@ mod model_tests {
                 prop_assert_eq!(resident, want);
             }
             let spilled = pool.spill_target().received();
-            prop_assert_eq!(spilled.iter().map(|((_, k), _)| k.0[0]).collect::<Vec<_>>(), model.spilled.clone());
-            for ((_, k), bytes) in spilled {
-                prop_assert_eq!(bytes, vec![k.0[0] + 100; PAGE]);
+            prop_assert_eq!(spilled.iter().map(|b| b.key.1 .0[0]).collect::<Vec<_>>(), model.spilled.clone());
+            for b in spilled {
+                prop_assert_eq!(b.payload, vec![b.key.1 .0[0] + 100; PAGE]);
             }
             let s = pool.stats();
             prop_assert_eq!(s.spills as usize, model.spilled.len());
