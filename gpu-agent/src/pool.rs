@@ -10,7 +10,9 @@
 //! - **Encoding on the way out** ([`PoolConfig::with_fp8_spill`]): the device's FP8 kernel
 //!   encodes the evicted page before it is copied out, so the copy moves about half the bytes of
 //!   a bf16 block, and the spill target gets exactly the payload `kvtier_kernels::encode` writes
-//!   for `CodecId::FP8_E4M3`. A block the codec refuses (NaN, Inf) is spilled raw.
+//!   for `CodecId::FP8_E4M3`. A block the codec refuses (NaN, Inf) is spilled raw. On the way
+//!   in, [`PagePool::insert_fp8_from_host`] copies such a payload's body to the device and
+//!   decodes it there into the page.
 //! - **Pins** keep a live session's blocks resident; when every page is pinned an insert is
 //!   [`AgentError::PoolExhausted`] (the caller recomputes or spills elsewhere).
 //! - **Loads** into an engine's pages are device-to-device copies on the pool's stream, which
@@ -206,7 +208,7 @@ pub struct PagePool<D: Device, S: Spill> {
     stats: PoolStats,
 }
 
-/// Device scratch for encoding a page on its way out: the body at 0, the status word at
+/// Device scratch for coding a page on its way out or in: the body at 0, the status word at
 /// `status_at`.
 struct Encoder {
     spec: BlockSpec,
@@ -421,6 +423,57 @@ impl<D: Device, S: Spill> PagePool<D, S> {
     /// evicted.
     pub fn insert_from_host(&mut self, ns: &NamespaceId, key: &BlockKey, src: &HostRange) -> Result<D::Event> {
         self.insert_with(ns, key, src.len, true, |d, s, dst| d.copy_h2d(s, src, dst))
+    }
+
+    /// Keeps a block that a tier holds as an FP8 payload (`kvtier_kernels::encode` with
+    /// `CodecId::FP8_E4M3`, staged in host memory): its body is copied to the device and decoded
+    /// there into the page, so the copy moves the smaller bytes. Needs
+    /// [`PoolConfig::with_fp8_spill`] and a payload of exactly that block shape. Waits for the
+    /// decode: a payload the device refuses (a NaN code, a bad scale) is an error and leaves no
+    /// entry.
+    pub fn insert_fp8_from_host(&mut self, ns: &NamespaceId, key: &BlockKey, payload: &HostRange) -> Result<()> {
+        let Some(enc) = &self.encoder else {
+            return Err(AgentError::Config("the pool was built without an FP8 block shape (with_fp8_spill)".into()));
+        };
+        let (spec, body_len, status_at, scratch) = (enc.spec, enc.body_len, enc.status_at, enc.scratch);
+        let header = fp8_payload_header(&spec);
+        if payload.len != header.len() + body_len {
+            return Err(AgentError::Codec(format!("FP8 payload is {} bytes, {} expected", payload.len, header.len() + body_len)));
+        }
+        let mut got = vec![0u8; header.len()];
+        payload.buf.read(payload.offset, &mut got)?;
+        if got != header {
+            return Err(AgentError::Codec("payload is not an FP8 per-row payload of the pool's block shape".into()));
+        }
+        let k = (*ns, *key);
+        if self.index.contains_key(&k) {
+            self.touch(k);
+            return Ok(());
+        }
+        let page = self.take_page()?;
+        let (body, status) = (scratch.range(0, body_len), scratch.range(status_at, 4));
+        let decoded = (|| {
+            self.device.copy_h2d(&self.stream, &payload.buf.range(payload.offset + header.len(), body_len), body)?;
+            let op = CodecOp::Fp8Decode { spec, body, out: self.page_range(page), status };
+            self.device.launch_codec(&self.stream, &op)?;
+            self.device.copy_d2h(&self.stream, status, &self.staging.range(status_at, 4))?;
+            self.device.wait(&self.device.record(&self.stream)?)?;
+            let mut word = [0u8; 4];
+            self.staging.read(status_at, &mut word)?;
+            if word != [0; 4] {
+                return Err(AgentError::Codec("the device refused the FP8 body (NaN code or bad scale)".into()));
+            }
+            Ok(())
+        })();
+        if let Err(e) = decoded {
+            self.free.push(page);
+            return Err(e);
+        }
+        let tick = self.next_tick();
+        self.index.insert(k, Entry { page, pins: 0, tick, clean: true });
+        self.lru.insert(tick, k);
+        self.stats.inserts += 1;
+        Ok(())
     }
 
     /// Copies a resident block into an engine's page (device to device); `None` on a miss.
@@ -746,6 +799,47 @@ mod tests {
             let cfg = PoolConfig::new(page).with_capacity(Capacity::Bytes(page)).with_fp8_spill(bad);
             assert!(matches!(PagePool::new(dev.clone(), MemorySpill::default(), cfg), Err(AgentError::Config(_))));
         }
+    }
+
+    #[test]
+    fn fp8_payloads_are_decoded_on_the_device_on_the_way_in() {
+        use kvtier_kernels::KvBlockView;
+        let spec = BlockSpec::new(2, 4, 2, 64, DType::Fp16);
+        let page = spec.byte_len();
+        let block: Vec<u8> = (0..spec.elements())
+            .flat_map(|i| half::f16::from_f32(((i * 53 % 97) as f32 - 48.0) * 0.11).to_bits().to_le_bytes())
+            .collect();
+        let payload = kvtier_kernels::encode(CodecId::FP8_E4M3, &KvBlockView::new(spec, &block).unwrap()).unwrap();
+        let want = kvtier_kernels::decode(CodecId::FP8_E4M3, &payload, &spec).unwrap();
+        let dev = Arc::new(HostDevice::new(0, 1 << 20));
+        let engine = dev.alloc(page).unwrap();
+        let staged = HostBuffer::from_vec(payload.clone());
+        let _reg = dev.register_host(&staged).unwrap();
+        let cfg = PoolConfig::new(page).with_capacity(Capacity::Bytes(2 * page)).with_fp8_spill(spec);
+        let mut pool = PagePool::new(dev.clone(), MemorySpill::default(), cfg).unwrap();
+        pool.insert_fp8_from_host(&ns(1), &key(1), &staged.range(0, payload.len())).unwrap();
+        let ev = pool.load_into(&ns(1), &key(1), engine.all()).unwrap().unwrap();
+        dev.wait(&ev).unwrap();
+        assert_eq!(dev.read_sync(engine.all()).unwrap(), want);
+        // A NaN code in the body: refused, nothing kept.
+        let mut bad = payload.clone();
+        let codes_at = 32 + 4 * spec.rows();
+        bad[codes_at + 3] = 0x7F;
+        let bad_buf = HostBuffer::from_vec(bad);
+        let _reg2 = dev.register_host(&bad_buf).unwrap();
+        let r = pool.insert_fp8_from_host(&ns(1), &key(2), &bad_buf.range(0, payload.len()));
+        assert!(matches!(r, Err(AgentError::Codec(_))), "{r:?}");
+        assert!(!pool.contains(&ns(1), &key(2)));
+        // Wrong shape or length: refused before any copy.
+        assert!(matches!(pool.insert_fp8_from_host(&ns(1), &key(3), &staged.range(0, payload.len() - 1)), Err(AgentError::Codec(_))));
+        staged.write(6, &[DType::Bf16 as u8]).unwrap();
+        assert!(matches!(pool.insert_fp8_from_host(&ns(1), &key(3), &staged.range(0, payload.len())), Err(AgentError::Codec(_))));
+        // Both pages are still usable: the refused inserts gave theirs back.
+        assert_eq!(pool.stats().resident, 1);
+        pool.insert_from_device(&ns(1), &key(4), engine.all()).unwrap();
+        assert_eq!((pool.stats().resident, pool.stats().evictions), (2, 0));
+        let plain = PagePool::new(dev.clone(), MemorySpill::default(), PoolConfig::new(page).with_capacity(Capacity::Bytes(page)));
+        assert!(matches!(plain.unwrap().insert_fp8_from_host(&ns(1), &key(1), &staged.range(0, payload.len())), Err(AgentError::Config(_))));
     }
 
     struct FailingSpill;
