@@ -28,10 +28,13 @@ pub mod policy;
 pub mod pool;
 
 pub use device::host::{EventTrigger, HostDevice, HostEvent, HostStream};
-pub use device::{fp8_body_len, CodecOp, Device, DeviceBuf, DeviceOrdinal, DeviceRange, HostBuffer, HostRange, MemInfo, Registration};
+pub use device::{
+    fp8_body_len, CodecOp, Device, DeviceBuf, DeviceOrdinal, DeviceRange, HostBuffer, HostRange, MemInfo, Registration,
+    Transfer,
+};
 pub use error::{AgentError, Result};
 
 #[cfg(feature = "cuda")]
 pub use device::cuda::{CudaDevice, CudaEventHandle, CudaStreamHandle};
-pub use pipeline::{LayerPipeline, LoadHandle, SaveReport, Transfer};
+pub use pipeline::{LayerPipeline, LoadHandle, SaveReport};
 pub use pool::{Capacity, MemorySpill, PagePool, PoolConfig, PoolStats, Spill, SpilledBlock};

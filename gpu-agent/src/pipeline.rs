@@ -8,49 +8,20 @@
 //!
 //! Errors are per layer: a refused copy (bad range, freed page), a failure while copying, or a
 //! source that could not be fetched (a [`LayerSource::ready`] event that completed with an error)
-//! fails that layer only; the engine recomputes it. Layers complete in order (one stream).
+//! fails that layer only; the engine recomputes it. Layers complete in order (one stream). Each
+//! layer's copies go to the device as one batch ([`Device::copy_batch`]), so a layer of many pages
+//! takes one slot of the stream's bounded queue on the host backend; a load of more layers than
+//! the queue holds makes `start_load_kv` wait for room (backpressure).
 
 use std::sync::Arc;
 
-use crate::device::{Device, DeviceRange, HostRange};
+pub use crate::device::Transfer;
+use crate::device::Device;
 use crate::error::{AgentError, Result};
 
 /// Saved layers awaiting [`LayerPipeline::wait_for_save`] at most; a save beyond that is failed
 /// (the list is bounded like every queue). A forward pass saves each layer once, then waits.
 pub const MAX_PENDING_SAVES: usize = 4096;
-
-/// One copy of a load or save.
-#[derive(Debug, Clone)]
-pub enum Transfer {
-    /// From staged host bytes (G2 through the same-node path) into engine pages.
-    HostToDevice { src: HostRange, dst: DeviceRange },
-    /// From G1 pages (or another engine buffer) into engine pages.
-    DeviceToDevice { src: DeviceRange, dst: DeviceRange },
-    /// From engine pages out to host bytes (saving).
-    DeviceToHost { src: DeviceRange, dst: HostRange },
-}
-
-impl Transfer {
-    /// Bytes this transfer moves.
-    pub fn len(&self) -> usize {
-        match self {
-            Transfer::HostToDevice { dst, .. } | Transfer::DeviceToDevice { dst, .. } => dst.len,
-            Transfer::DeviceToHost { src, .. } => src.len,
-        }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    fn enqueue<D: Device>(&self, dev: &D, stream: &D::Stream) -> Result<()> {
-        match self {
-            Transfer::HostToDevice { src, dst } => dev.copy_h2d(stream, src, *dst),
-            Transfer::DeviceToDevice { src, dst } => dev.copy_d2d(stream, *src, *dst),
-            Transfer::DeviceToHost { src, dst } => dev.copy_d2h(stream, *src, dst),
-        }
-    }
-}
 
 /// One layer of a load: its copies, and optionally an event that says its source bytes are ready
 /// (e.g. the same-node client finished staging this layer from G2). The copies wait for it on the
@@ -200,9 +171,7 @@ impl<D: Device> LayerPipeline<D> {
                     if let Some(r) = &l.ready {
                         dev.stream_wait(&self.load, r)?;
                     }
-                    for t in &l.transfers {
-                        t.enqueue(dev, &self.load)?;
-                    }
+                    dev.copy_batch(&self.load, &l.transfers)?;
                     dev.record(&self.load)
                 })();
                 LayerState { ready: l.ready, done }
@@ -225,9 +194,7 @@ impl<D: Device> LayerPipeline<D> {
             if let Some(e) = compute_done {
                 dev.stream_wait(&self.save, e)?;
             }
-            for t in transfers {
-                t.enqueue(dev, &self.save)?;
-            }
+            dev.copy_batch(&self.save, transfers)?;
             dev.record(&self.save)
         })();
         self.saves.push((layer, done));

@@ -15,8 +15,8 @@ use kvtier_proto::CodecId;
 use parking_lot::{Condvar, Mutex, RwLock};
 
 use super::{
-    check_lengths, check_no_overlap, CodecOp, Device, DeviceBuf, DeviceOrdinal, DeviceRange, HostBuffer, HostRange,
-    MemInfo, Registration,
+    check_lengths, check_no_overlap, CodecOp, Device, DeviceBuf, DeviceOrdinal, DeviceRange, HostBuffer, HostMem,
+    HostRange, MemInfo, Registration, Transfer,
 };
 use crate::codec::fp8_payload_header;
 use crate::error::{AgentError, Result};
@@ -238,6 +238,68 @@ fn copy_between(src: &RwLock<Box<[u8]>>, so: usize, dst: &RwLock<Box<[u8]>>, dof
     });
 }
 
+/// One side of a checked copy: a host buffer's memory or a device allocation.
+enum Side {
+    Host(Arc<HostMem>),
+    Dev(Mem),
+}
+
+impl Side {
+    fn lock(&self) -> &RwLock<Box<[u8]>> {
+        match self {
+            Side::Host(h) => &h.data,
+            Side::Dev(d) => d,
+        }
+    }
+}
+
+/// A copy that passed every check, holding both memories alive until it has run.
+struct Prepared {
+    src: Side,
+    src_off: usize,
+    dst: Side,
+    dst_off: usize,
+    len: usize,
+}
+
+impl Prepared {
+    fn run(&self) {
+        copy_between(self.src.lock(), self.src_off, self.dst.lock(), self.dst_off, self.len);
+    }
+}
+
+impl HostDevice {
+    /// Checks a copy as the CUDA backend does (registration, bounds, handles, lengths, overlap).
+    fn prepare(&self, t: &Transfer) -> Result<Prepared> {
+        let host = |r: &HostRange| -> Result<Side> {
+            r.buf.require_registered(self.inner.ordinal)?;
+            r.check()?;
+            Ok(Side::Host(r.buf.mem().clone()))
+        };
+        Ok(match t {
+            Transfer::HostToDevice { src, dst } => {
+                let s = host(src)?;
+                let d = self.range_mem(dst, "device destination")?;
+                check_lengths(src.len, dst.len)?;
+                Prepared { src: s, src_off: src.offset, dst: Side::Dev(d), dst_off: dst.offset, len: dst.len }
+            }
+            Transfer::DeviceToHost { src, dst } => {
+                let d = host(dst)?;
+                let s = self.range_mem(src, "device source")?;
+                check_lengths(src.len, dst.len)?;
+                Prepared { src: Side::Dev(s), src_off: src.offset, dst: d, dst_off: dst.offset, len: src.len }
+            }
+            Transfer::DeviceToDevice { src, dst } => {
+                let s = self.range_mem(src, "device source")?;
+                let d = self.range_mem(dst, "device destination")?;
+                check_lengths(src.len, dst.len)?;
+                check_no_overlap(*src, *dst)?;
+                Prepared { src: Side::Dev(s), src_off: src.offset, dst: Side::Dev(d), dst_off: dst.offset, len: src.len }
+            }
+        })
+    }
+}
+
 impl Device for HostDevice {
     type Stream = HostStream;
     type Event = HostEvent;
@@ -294,39 +356,39 @@ impl Device for HostDevice {
 
     fn copy_h2d(&self, stream: &HostStream, src: &HostRange, dst: DeviceRange) -> Result<()> {
         self.check_stream(stream)?;
-        src.buf.require_registered(self.inner.ordinal)?;
-        src.check()?;
-        let d = self.range_mem(&dst, "device destination")?;
-        check_lengths(src.len, dst.len)?;
-        let (s, so, doff, len) = (src.buf.mem().clone(), src.offset, dst.offset, dst.len);
+        let c = self.prepare(&Transfer::HostToDevice { src: src.clone(), dst })?;
         stream.send(Op::Run(Box::new(move || {
-            copy_between(&s.data, so, &d, doff, len);
+            c.run();
             Ok(())
         })))
     }
 
     fn copy_d2h(&self, stream: &HostStream, src: DeviceRange, dst: &HostRange) -> Result<()> {
         self.check_stream(stream)?;
-        dst.buf.require_registered(self.inner.ordinal)?;
-        dst.check()?;
-        let s = self.range_mem(&src, "device source")?;
-        check_lengths(src.len, dst.len)?;
-        let (d, so, doff, len) = (dst.buf.mem().clone(), src.offset, dst.offset, src.len);
+        let c = self.prepare(&Transfer::DeviceToHost { src, dst: dst.clone() })?;
         stream.send(Op::Run(Box::new(move || {
-            copy_between(&s, so, &d.data, doff, len);
+            c.run();
             Ok(())
         })))
     }
 
     fn copy_d2d(&self, stream: &HostStream, src: DeviceRange, dst: DeviceRange) -> Result<()> {
         self.check_stream(stream)?;
-        let s = self.range_mem(&src, "device source")?;
-        let d = self.range_mem(&dst, "device destination")?;
-        check_lengths(src.len, dst.len)?;
-        check_no_overlap(src, dst)?;
-        let (so, doff, len) = (src.offset, dst.offset, src.len);
+        let c = self.prepare(&Transfer::DeviceToDevice { src, dst })?;
         stream.send(Op::Run(Box::new(move || {
-            copy_between(&s, so, &d, doff, len);
+            c.run();
+            Ok(())
+        })))
+    }
+
+    fn copy_batch(&self, stream: &HostStream, transfers: &[Transfer]) -> Result<()> {
+        self.check_stream(stream)?;
+        let copies = transfers.iter().map(|t| self.prepare(t)).collect::<Result<Vec<_>>>()?;
+        if copies.is_empty() {
+            return Ok(());
+        }
+        stream.send(Op::Run(Box::new(move || {
+            copies.iter().for_each(Prepared::run);
             Ok(())
         })))
     }
@@ -589,6 +651,30 @@ mod tests {
             assert_eq!(got[256 * i], i as u8);
             assert_eq!(got[256 * i + 255 - i], 255);
         }
+    }
+
+    #[test]
+    fn a_batch_is_one_queue_entry_and_all_or_nothing() {
+        // A queue of two entries behind a held stream: a batch of 64 copies and the event after
+        // it still go in (64 single copies would block the caller), and one bad copy refuses the
+        // whole batch.
+        let dev = HostDevice::with_queue_depth(0, 1 << 20, 2);
+        let s = dev.new_stream().unwrap();
+        let h = HostBuffer::from_vec((0..=255u8).collect());
+        let _r = dev.register_host(&h).unwrap();
+        let a = dev.alloc(64 * 4).unwrap();
+        let (gate, open) = dev.user_event();
+        dev.stream_wait(&s, &gate).unwrap();
+        let mut batch: Vec<_> =
+            (0..64).map(|i| Transfer::HostToDevice { src: h.range(i * 4, 4), dst: a.range(i * 4, 4) }).collect();
+        batch.push(Transfer::HostToDevice { src: h.range(0, 4), dst: a.range(64 * 4, 4) });
+        assert!(matches!(dev.copy_batch(&s, &batch), Err(AgentError::OutOfBounds { .. })));
+        batch.pop();
+        dev.copy_batch(&s, &batch).unwrap();
+        let ev = dev.record(&s).unwrap();
+        open.complete(Ok(()));
+        dev.wait(&ev).unwrap();
+        assert_eq!(dev.read_sync(a.all()).unwrap(), (0..=255u8).collect::<Vec<_>>());
     }
 
     #[test]

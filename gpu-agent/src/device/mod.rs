@@ -360,6 +360,41 @@ impl CodecOp {
     }
 }
 
+/// One copy between host and device memory or within a device: the unit of a layer's load or
+/// save ([`crate::pipeline`]) and of [`Device::copy_batch`].
+#[derive(Debug, Clone)]
+pub enum Transfer {
+    /// From host bytes (staged from G2 through the same-node path) into device pages.
+    HostToDevice { src: HostRange, dst: DeviceRange },
+    /// From device pages (G1, or another engine buffer) into device pages.
+    DeviceToDevice { src: DeviceRange, dst: DeviceRange },
+    /// From device pages out to host bytes (saving).
+    DeviceToHost { src: DeviceRange, dst: HostRange },
+}
+
+impl Transfer {
+    /// Bytes this transfer moves.
+    pub fn len(&self) -> usize {
+        match self {
+            Transfer::HostToDevice { dst, .. } | Transfer::DeviceToDevice { dst, .. } => dst.len,
+            Transfer::DeviceToHost { src, .. } => src.len,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Enqueues this one copy.
+    pub fn enqueue<D: Device + ?Sized>(&self, dev: &D, stream: &D::Stream) -> Result<()> {
+        match self {
+            Transfer::HostToDevice { src, dst } => dev.copy_h2d(stream, src, *dst),
+            Transfer::DeviceToDevice { src, dst } => dev.copy_d2d(stream, *src, *dst),
+            Transfer::DeviceToHost { src, dst } => dev.copy_d2h(stream, *src, dst),
+        }
+    }
+}
+
 /// What moves pages: one GPU (or a host stand-in). See the module doc for the contract.
 ///
 /// Streams and events are the backend's own types; device memory is a [`DeviceBuf`] handle so that
@@ -396,6 +431,14 @@ pub trait Device: Send + Sync + 'static {
     /// Enqueues a device → device copy on this device (the ranges may be in one buffer; they must
     /// not overlap).
     fn copy_d2d(&self, stream: &Self::Stream, src: DeviceRange, dst: DeviceRange) -> Result<()>;
+
+    /// Enqueues several copies, in order. The host backend checks them all first and enqueues
+    /// them as one entry of the stream's queue (nothing is enqueued if one is refused); the
+    /// default, which the CUDA backend uses, enqueues them one by one, so a refused copy may
+    /// leave the ones before it enqueued. Either way an error means the batch failed.
+    fn copy_batch(&self, stream: &Self::Stream, transfers: &[Transfer]) -> Result<()> {
+        transfers.iter().try_for_each(|t| t.enqueue(self, stream))
+    }
 
     /// Enqueues a codec kernel.
     fn launch_codec(&self, stream: &Self::Stream, op: &CodecOp) -> Result<()>;
