@@ -194,7 +194,8 @@ mod tests {
             spec.order = order;
             let bytes = vec![0x11u8; spec.byte_len()];
             let payload =
-                kvtier_kernels::encode(CodecId::FP8_E4M3, &kvtier_kernels::KvBlockView::new(spec, &bytes).unwrap()).unwrap();
+                kvtier_kernels::encode(CodecId::FP8_E4M3, &kvtier_kernels::KvBlockView::new(spec, &bytes).unwrap())
+                    .unwrap();
             assert_eq!(&payload[..32], &fp8_payload_header(&spec)[..], "{dtype:?} {order:?}");
             assert_eq!(payload.len(), 32 + fp8_body_len(&spec));
         }

@@ -15,8 +15,8 @@
 
 use std::sync::Arc;
 
-pub use crate::device::Transfer;
 use crate::device::Device;
+pub use crate::device::Transfer;
 use crate::error::{AgentError, Result};
 
 /// Saved layers awaiting [`LayerPipeline::wait_for_save`] at most; a save beyond that is failed
@@ -202,11 +202,7 @@ impl<D: Device> LayerPipeline<D> {
 
     /// Blocks until every layer saved since the last call has been copied; each layer's outcome.
     pub fn wait_for_save(&mut self) -> SaveReport {
-        let layers = self
-            .saves
-            .drain(..)
-            .map(|(l, ev)| (l, ev.and_then(|e| self.device.wait(&e))))
-            .collect();
+        let layers = self.saves.drain(..).map(|(l, ev)| (l, ev.and_then(|e| self.device.wait(&e)))).collect();
         SaveReport { layers }
     }
 }

@@ -277,7 +277,10 @@ impl PeerPolicy {
     pub fn commit(&mut self, requester: DeviceOrdinal, bytes: u64, decision: &Decision, now: Instant) -> Result<()> {
         match decision {
             Decision::Local => {
-                let g = self.gpus.get_mut(&requester).ok_or_else(|| AgentError::Config(format!("unknown GPU {requester}")))?;
+                let g = self
+                    .gpus
+                    .get_mut(&requester)
+                    .ok_or_else(|| AgentError::Config(format!("unknown GPU {requester}")))?;
                 if g.free() < bytes {
                     return Err(AgentError::OutOfMemory { requested: bytes as usize, free: g.free() as usize });
                 }
@@ -302,16 +305,22 @@ impl PeerPolicy {
     /// `from`. More than is held is refused and changes nothing.
     pub fn release(&mut self, requester: DeviceOrdinal, from: DeviceOrdinal, bytes: u64) -> Result<()> {
         if requester == from {
-            let g = self.gpus.get_mut(&requester).ok_or_else(|| AgentError::Config(format!("unknown GPU {requester}")))?;
+            let g =
+                self.gpus.get_mut(&requester).ok_or_else(|| AgentError::Config(format!("unknown GPU {requester}")))?;
             if g.own_used < bytes {
-                return Err(AgentError::Config(format!("GPU {requester} releases {bytes} bytes but uses {}", g.own_used)));
+                return Err(AgentError::Config(format!(
+                    "GPU {requester} releases {bytes} bytes but uses {}",
+                    g.own_used
+                )));
             }
             g.own_used -= bytes;
             return Ok(());
         }
         let held = self.borrowed.get(&(requester, from)).copied().unwrap_or(0);
         if held < bytes {
-            return Err(AgentError::Config(format!("GPU {requester} returns {bytes} bytes to {from} but borrowed {held}")));
+            return Err(AgentError::Config(format!(
+                "GPU {requester} returns {bytes} bytes to {from} but borrowed {held}"
+            )));
         }
         let g = self.gpus.get_mut(&from).ok_or_else(|| AgentError::Config(format!("unknown GPU {from}")))?;
         g.lent -= bytes;

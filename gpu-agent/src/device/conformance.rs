@@ -38,7 +38,10 @@ pub(crate) fn copies_and_errors<D: Device>(dev: &D, other: &D) {
     assert_eq!(dev.copy_d2d(&s, a.range(0, 16), a.range(8, 16)), Err(AgentError::Overlap));
     let foreign = other.alloc(64).unwrap();
     let found = other.ordinal();
-    assert_eq!(dev.copy_d2d(&s, foreign.all(), a.range(0, 64)), Err(AgentError::WrongDevice { expected: dev.ordinal(), found }));
+    assert_eq!(
+        dev.copy_d2d(&s, foreign.all(), a.range(0, 64)),
+        Err(AgentError::WrongDevice { expected: dev.ordinal(), found })
+    );
     let unpinned = HostBuffer::new(64);
     assert!(matches!(dev.copy_h2d(&s, &unpinned.range(0, 64), a.range(0, 64)), Err(AgentError::NotRegistered { .. })));
     dev.free(b).unwrap();
@@ -76,7 +79,9 @@ fn random_block(spec: &BlockSpec, seed: u64) -> Vec<u8> {
 /// the status word.
 pub(crate) fn fp8_codec_matches_kvtier_kernels<D: Device>(dev: &D) {
     let s = dev.new_stream().unwrap();
-    for (i, (dtype, hd)) in [(DType::Bf16, 128u16), (DType::Fp16, 64), (DType::Fp32, 96), (DType::Bf16, 40)].into_iter().enumerate() {
+    for (i, (dtype, hd)) in
+        [(DType::Bf16, 128u16), (DType::Fp16, 64), (DType::Fp32, 96), (DType::Bf16, 40)].into_iter().enumerate()
+    {
         let spec = BlockSpec::new(3, 16, 4, hd, dtype);
         let bytes = random_block(&spec, i as u64 + 1);
         let cpu = kvtier_kernels::encode(CodecId::FP8_E4M3, &KvBlockView::new(spec, &bytes).unwrap()).unwrap();
@@ -86,13 +91,21 @@ pub(crate) fn fp8_codec_matches_kvtier_kernels<D: Device>(dev: &D) {
         let out = dev.alloc(bytes.len()).unwrap();
         let status = dev.alloc(16).unwrap();
         dev.write_sync(src.all(), &bytes).unwrap();
-        dev.launch_codec(&s, &CodecOp::Fp8Encode { spec, src: src.all(), body: body.all(), status: status.range(0, 4) }).unwrap();
+        dev.launch_codec(
+            &s,
+            &CodecOp::Fp8Encode { spec, src: src.all(), body: body.all(), status: status.range(0, 4) },
+        )
+        .unwrap();
         dev.wait(&dev.record(&s).unwrap()).unwrap();
         assert_eq!(dev.read_sync(status.range(0, 4)).unwrap(), [0; 4], "{dtype:?} encode status");
         assert!(dev.read_sync(body.all()).unwrap() == cpu[32..], "{dtype:?} hd {hd}: encoded body differs");
         // Decode the CPU's body on the device.
         dev.write_sync(body.all(), &cpu[32..]).unwrap();
-        dev.launch_codec(&s, &CodecOp::Fp8Decode { spec, body: body.all(), out: out.all(), status: status.range(0, 4) }).unwrap();
+        dev.launch_codec(
+            &s,
+            &CodecOp::Fp8Decode { spec, body: body.all(), out: out.all(), status: status.range(0, 4) },
+        )
+        .unwrap();
         dev.wait(&dev.record(&s).unwrap()).unwrap();
         let want = kvtier_kernels::decode(CodecId::FP8_E4M3, &cpu, &spec).unwrap();
         assert_eq!(dev.read_sync(status.range(0, 4)).unwrap(), [0; 4], "{dtype:?} decode status");
@@ -107,7 +120,11 @@ pub(crate) fn fp8_codec_matches_kvtier_kernels<D: Device>(dev: &D) {
         };
         bad[5 * es..6 * es].copy_from_slice(&nan);
         dev.write_sync(src.all(), &bad).unwrap();
-        dev.launch_codec(&s, &CodecOp::Fp8Encode { spec, src: src.all(), body: body.all(), status: status.range(0, 4) }).unwrap();
+        dev.launch_codec(
+            &s,
+            &CodecOp::Fp8Encode { spec, src: src.all(), body: body.all(), status: status.range(0, 4) },
+        )
+        .unwrap();
         dev.wait(&dev.record(&s).unwrap()).unwrap();
         assert_ne!(dev.read_sync(status.range(0, 4)).unwrap(), [0; 4], "{dtype:?} NaN row not flagged");
         for b in [src, body, out, status] {
@@ -119,12 +136,27 @@ pub(crate) fn fp8_codec_matches_kvtier_kernels<D: Device>(dev: &D) {
     let buf = dev.alloc(4096).unwrap();
     let op = CodecOp::Fp8Encode { spec, src: buf.range(0, 128), body: buf.range(1024, 10), status: buf.range(2048, 4) };
     assert!(matches!(dev.launch_codec(&s, &op), Err(AgentError::Codec(_))));
-    let op = CodecOp::Fp8Encode { spec, src: buf.range(4, 128), body: buf.range(1024, fp8_body_len(&spec)), status: buf.range(2048, 4) };
+    let op = CodecOp::Fp8Encode {
+        spec,
+        src: buf.range(4, 128),
+        body: buf.range(1024, fp8_body_len(&spec)),
+        status: buf.range(2048, 4),
+    };
     assert!(matches!(dev.launch_codec(&s, &op), Err(AgentError::Codec(_))));
-    let op = CodecOp::Fp8Encode { spec, src: buf.range(0, 128), body: buf.range(64, fp8_body_len(&spec)), status: buf.range(2048, 4) };
+    let op = CodecOp::Fp8Encode {
+        spec,
+        src: buf.range(0, 128),
+        body: buf.range(64, fp8_body_len(&spec)),
+        status: buf.range(2048, 4),
+    };
     assert_eq!(dev.launch_codec(&s, &op), Err(AgentError::Overlap));
     let spec8 = spec.with_dtype(DType::Fp8E4m3);
-    let op = CodecOp::Fp8Encode { spec: spec8, src: buf.range(0, 64), body: buf.range(1024, fp8_body_len(&spec8)), status: buf.range(2048, 4) };
+    let op = CodecOp::Fp8Encode {
+        spec: spec8,
+        src: buf.range(0, 64),
+        body: buf.range(1024, fp8_body_len(&spec8)),
+        status: buf.range(2048, 4),
+    };
     assert!(matches!(dev.launch_codec(&s, &op), Err(AgentError::Codec(_))));
     dev.free(buf).unwrap();
 }

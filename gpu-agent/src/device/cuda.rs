@@ -305,7 +305,8 @@ impl Device for CudaDevice {
         self.bind()?;
         // SAFETY: both ranges were checked against live allocations of this context and do not
         // overlap; memory is freed only after a context synchronize.
-        unsafe { result::memcpy_dtod_async(d, s, src.len, stream.stream.cu_stream()) }.map_err(driver("cuMemcpyDtoDAsync"))
+        unsafe { result::memcpy_dtod_async(d, s, src.len, stream.stream.cu_stream()) }
+            .map_err(driver("cuMemcpyDtoDAsync"))
     }
 
     fn launch_codec(&self, stream: &CudaStreamHandle, op: &CodecOp) -> Result<()> {
@@ -315,12 +316,10 @@ impl Device for CudaDevice {
             CodecOp::Fp8Encode { spec, src, body, status } => (spec, src, body, status),
             CodecOp::Fp8Decode { spec, body, out, status } => (spec, body, out, status),
         };
-        let (i, o, st) = (
-            self.range_ptr(&input, "codec")?,
-            self.range_ptr(&output, "codec")?,
-            self.range_ptr(&status, "codec")?,
-        );
-        let dtype = kernel_dtype(spec.dtype).ok_or_else(|| AgentError::Codec(format!("no FP8 kernel for {:?}", spec.dtype)))?;
+        let (i, o, st) =
+            (self.range_ptr(&input, "codec")?, self.range_ptr(&output, "codec")?, self.range_ptr(&status, "codec")?);
+        let dtype =
+            kernel_dtype(spec.dtype).ok_or_else(|| AgentError::Codec(format!("no FP8 kernel for {:?}", spec.dtype)))?;
         let k = self.kernels()?;
         let func = match op {
             CodecOp::Fp8Encode { .. } => &k.encode,
@@ -328,7 +327,8 @@ impl Device for CudaDevice {
         };
         let (rows32, hd32) = (rows as u32, hd as u32);
         let blocks = rows32.div_ceil(FP8_ROWS_PER_BLOCK);
-        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (32 * FP8_ROWS_PER_BLOCK, 1, 1), shared_mem_bytes: 0 };
+        let cfg =
+            LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (32 * FP8_ROWS_PER_BLOCK, 1, 1), shared_mem_bytes: 0 };
         self.bind()?;
         // SAFETY: `st` is 4 checked bytes of a live allocation.
         unsafe { result::memset_d8_async(st, 0, 4, stream.stream.cu_stream()) }.map_err(driver("cuMemsetD8Async"))?;
@@ -406,12 +406,14 @@ mod tests {
     fn meets_the_device_contract_on_a_gpu() {
         let dev = CudaDevice::new(0).unwrap();
         // A second handle table on the same GPU stands in for another device's handles.
-        let other = CudaDevice { inner: Arc::new(Inner {
-            ordinal: 99,
-            ctx: dev.inner.ctx.clone(),
-            table: Mutex::new(Table { next_id: 1, live: HashMap::new() }),
-            kernels: OnceLock::new(),
-        }) };
+        let other = CudaDevice {
+            inner: Arc::new(Inner {
+                ordinal: 99,
+                ctx: dev.inner.ctx.clone(),
+                table: Mutex::new(Table { next_id: 1, live: HashMap::new() }),
+                kernels: OnceLock::new(),
+            }),
+        };
         super::super::conformance::copies_and_errors(&dev, &other);
     }
 

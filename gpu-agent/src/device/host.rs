@@ -294,7 +294,13 @@ impl HostDevice {
                 let d = self.range_mem(dst, "device destination")?;
                 check_lengths(src.len, dst.len)?;
                 check_no_overlap(*src, *dst)?;
-                Prepared { src: Side::Dev(s), src_off: src.offset, dst: Side::Dev(d), dst_off: dst.offset, len: src.len }
+                Prepared {
+                    src: Side::Dev(s),
+                    src_off: src.offset,
+                    dst: Side::Dev(d),
+                    dst_off: dst.offset,
+                    len: src.len,
+                }
             }
         })
     }
@@ -547,7 +553,10 @@ mod tests {
             dev.copy_h2d(&s, &h.range(0, 65), a.range(0, 65)),
             Err(AgentError::OutOfBounds { what: "device destination", .. })
         ));
-        assert!(matches!(dev.copy_h2d(&s, &h.range(250, 10), a.range(0, 10)), Err(AgentError::OutOfBounds { what: "host", .. })));
+        assert!(matches!(
+            dev.copy_h2d(&s, &h.range(250, 10), a.range(0, 10)),
+            Err(AgentError::OutOfBounds { what: "host", .. })
+        ));
         assert_eq!(dev.copy_h2d(&s, &h.range(0, 8), a.range(0, 9)), Err(AgentError::LengthMismatch { src: 8, dst: 9 }));
         assert_eq!(dev.copy_d2d(&s, foreign.all(), a.all()), Err(AgentError::WrongDevice { expected: 0, found: 1 }));
         let other_stream = other.new_stream().unwrap();

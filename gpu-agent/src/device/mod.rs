@@ -335,7 +335,8 @@ impl CodecOp {
                 )));
             }
         }
-        let want = [(block.len, spec.byte_len(), "block"), (body.len, fp8_body_len(spec), "body"), (status.len, 4, "status")];
+        let want =
+            [(block.len, spec.byte_len(), "block"), (body.len, fp8_body_len(spec), "body"), (status.len, 4, "status")];
         for (got, want, what) in want {
             if got != want {
                 return Err(AgentError::Codec(format!("{what} range is {got} bytes, {want} needed")));
