@@ -8,7 +8,9 @@
 //!   synchronizes the context first, so copies already enqueued on the memory finish.
 //! - Host memory: [`HostBuffer`]s pinned with `cuMemHostRegister` (portable); unregistered on
 //!   drop of the [`Registration`], after the context has drained. Each stream keeps the host
-//!   buffers of its in-flight copies alive until an event recorded after them completes.
+//!   buffers of its in-flight copies alive until an event recorded after them completes. One
+//!   buffer can be registered with one CUDA device of a process at a time (the driver pins a
+//!   range once; a second device gets [`AgentError::Driver`]).
 //! - Events are created with blocking sync, so a wait sleeps instead of spinning.
 //! - Codec kernels: [`crate::codec::FP8_CUDA_SRC`] compiled by NVRTC on first use, with precise
 //!   division and no FMA contraction.
@@ -238,6 +240,10 @@ impl Device for CudaDevice {
     fn register_host(&self, buf: &HostBuffer) -> Result<Registration> {
         if buf.is_registered(self.inner.ordinal) {
             return Err(AgentError::AlreadyRegistered { buffer: buf.id(), device: self.inner.ordinal });
+        }
+        if buf.is_empty() {
+            // Nothing to pin (and the driver refuses an empty range).
+            return buf.register(self.inner.ordinal, None);
         }
         self.bind()?;
         let addr = buf.addr();

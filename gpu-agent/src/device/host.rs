@@ -590,6 +590,20 @@ mod tests {
     }
 
     #[test]
+    fn a_second_registration_is_refused_and_undoes_itself() {
+        let h = HostBuffer::new(8);
+        let first = h.register(0, None).unwrap();
+        let undone = Arc::new(Mutex::new(false));
+        let flag = undone.clone();
+        let r = h.register(0, Some(Box::new(move || *flag.lock() = true)));
+        assert!(matches!(r, Err(AgentError::AlreadyRegistered { device: 0, .. })));
+        assert!(*undone.lock());
+        assert!(h.is_registered(0));
+        drop(first);
+        assert!(!h.is_registered(0));
+    }
+
+    #[test]
     fn capacity_is_a_hard_cap_and_free_returns_it() {
         let dev = HostDevice::new(3, 100);
         let a = dev.alloc(60).unwrap();

@@ -221,7 +221,9 @@ impl HostBuffer {
         self.inner.addr
     }
 
-    /// Marks the buffer registered with `device`; the [`Registration`] undoes it on drop.
+    /// Marks the buffer registered with `device`; the [`Registration`] runs `on_drop` when it
+    /// is dropped. If the buffer is already registered there, `on_drop` runs now and the answer is
+    /// [`AgentError::AlreadyRegistered`] (so a backend that pinned the memory first unpins it).
     pub(crate) fn register(
         &self,
         device: DeviceOrdinal,
@@ -229,6 +231,10 @@ impl HostBuffer {
     ) -> Result<Registration> {
         let mut reg = self.inner.registered.lock();
         if reg.contains(&device) {
+            drop(reg);
+            if let Some(f) = on_drop {
+                f();
+            }
             return Err(AgentError::AlreadyRegistered { buffer: self.id(), device });
         }
         reg.push(device);
