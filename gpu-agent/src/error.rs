@@ -27,6 +27,10 @@ pub enum AgentError {
     /// A device-to-device copy whose source and destination ranges overlap.
     #[error("copy source and destination overlap")]
     Overlap,
+    /// An IPC handle that names no exported memory: garbage, from another machine, or its
+    /// exporter freed the memory.
+    #[error("bad IPC handle: {0}")]
+    BadIpcHandle(String),
     /// The handle was freed earlier (use after free is refused, never undefined).
     #[error("device buffer {0} was freed")]
     FreedHandle(u64),

@@ -29,8 +29,8 @@ pub mod pool;
 
 pub use device::host::{EventTrigger, HostDevice, HostEvent, HostStream};
 pub use device::{
-    fp8_body_len, CodecOp, Device, DeviceBuf, DeviceOrdinal, DeviceRange, HostBuffer, HostRange, MemInfo, Registration,
-    Transfer,
+    fp8_body_len, CodecOp, Device, DeviceBuf, DeviceOrdinal, DeviceRange, HostBuffer, HostRange, IpcHandle, MemInfo,
+    Registration, Transfer,
 };
 pub use error::{AgentError, Result};
 

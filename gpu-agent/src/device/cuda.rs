@@ -12,6 +12,9 @@
 //!   buffer can be registered with one CUDA device of a process at a time (the driver pins a
 //!   range once; a second device gets [`AgentError::Driver`]).
 //! - Events are created with blocking sync, so a wait sleeps instead of spinning.
+//! - IPC: an engine's exported allocation is opened with `cuIpcOpenMemHandle` (lazy peer
+//!   access) into the same handle table and closed by `free`. The driver refuses handles the same
+//!   process exported, so this path needs the engine in another process (not in these tests).
 //! - Codec kernels: [`crate::codec::FP8_CUDA_SRC`] compiled by NVRTC on first use, with precise
 //!   division and no FMA contraction.
 
@@ -24,7 +27,7 @@ use parking_lot::Mutex;
 
 use super::{
     check_lengths, check_no_overlap, CodecOp, Device, DeviceBuf, DeviceOrdinal, DeviceRange, HostBuffer, HostRange,
-    MemInfo, Registration,
+    IpcHandle, MemInfo, Registration,
 };
 use crate::codec::{kernel_dtype, FP8_CUDA_SRC, FP8_DECODE_KERNEL, FP8_ENCODE_KERNEL, FP8_ROWS_PER_BLOCK};
 use crate::error::{AgentError, Result};
@@ -54,7 +57,24 @@ struct Inner {
 
 struct Table {
     next_id: u64,
-    live: HashMap<u64, CUdeviceptr>,
+    /// Device addresses; `true` for memory imported from another process (closed with
+    /// `cuIpcCloseMemHandle`, not freed).
+    live: HashMap<u64, (CUdeviceptr, bool)>,
+}
+
+/// Unmaps an import or frees an allocation of the bound context.
+///
+/// # Safety
+/// `ptr` came from `cuIpcOpenMemHandle` (`imported`) or `cuMemAlloc` in the bound context, is
+/// released once, and no enqueued work uses it any more.
+unsafe fn release(ptr: CUdeviceptr, imported: bool) -> std::result::Result<(), result::DriverError> {
+    if imported {
+        // SAFETY: the caller's contract.
+        unsafe { sys::cuIpcCloseMemHandle(ptr) }.result()
+    } else {
+        // SAFETY: the caller's contract.
+        unsafe { result::free_sync(ptr) }
+    }
 }
 
 struct Kernels {
@@ -65,10 +85,11 @@ struct Kernels {
 impl Drop for Inner {
     fn drop(&mut self) {
         let _ = self.ctx.synchronize();
-        for (_, ptr) in self.table.get_mut().live.drain() {
-            // SAFETY: every pointer in the table came from cuMemAlloc in this context and was
-            // not freed (free removes it first); the context has drained, so nothing uses it.
-            let _ = unsafe { result::free_sync(ptr) };
+        for (_, (ptr, imported)) in self.table.get_mut().live.drain() {
+            // SAFETY: every address in the table came from cuMemAlloc or cuIpcOpenMemHandle in
+            // this context (bound by the synchronize above) and was not released (free removes it
+            // first); the context has drained, so nothing uses it.
+            let _ = unsafe { release(ptr, imported) };
         }
     }
 }
@@ -107,7 +128,7 @@ impl CudaDevice {
         }
         let t = self.inner.table.lock();
         match t.live.get(&buf.id()) {
-            Some(p) => Ok(*p),
+            Some((p, _)) => Ok(*p),
             None if buf.id() < t.next_id => Err(AgentError::FreedHandle(buf.id())),
             None => Err(AgentError::UnknownHandle(buf.id())),
         }
@@ -213,15 +234,45 @@ impl Device for CudaDevice {
         let mut t = self.inner.table.lock();
         let id = t.next_id;
         t.next_id += 1;
-        t.live.insert(id, ptr);
+        t.live.insert(id, (ptr, false));
         Ok(DeviceBuf::new(self.inner.ordinal, id, len))
+    }
+
+    fn export_ipc(&self, buf: DeviceBuf) -> Result<IpcHandle> {
+        let ptr = self.ptr(&buf)?;
+        if self.inner.table.lock().live.get(&buf.id()).is_some_and(|(_, imported)| *imported) {
+            return Err(AgentError::BadIpcHandle("imported memory cannot be exported again".into()));
+        }
+        self.bind()?;
+        let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
+        // SAFETY: `ptr` is a live cuMemAlloc allocation of the bound context; `h` is a valid
+        // handle to write.
+        unsafe { sys::cuIpcGetMemHandle(&mut h, ptr) }.result().map_err(driver("cuIpcGetMemHandle"))?;
+        Ok(IpcHandle::from_bytes(h.reserved.map(|c| c as u8), buf.len()))
+    }
+
+    fn import_ipc(&self, handle: &IpcHandle) -> Result<DeviceBuf> {
+        self.bind()?;
+        let h = sys::CUipcMemHandle { reserved: handle.bytes().map(|b| b as std::ffi::c_char) };
+        let mut ptr: CUdeviceptr = 0;
+        let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as std::ffi::c_uint;
+        // SAFETY: `ptr` is a valid place for the mapped address; the driver checks the handle.
+        unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, h, flags) }
+            .result()
+            .map_err(|e| AgentError::BadIpcHandle(format!("cuIpcOpenMemHandle: {e}")))?;
+        // The handle's length is the exporter's word; copies are checked against it.
+        let mut t = self.inner.table.lock();
+        let id = t.next_id;
+        t.next_id += 1;
+        t.live.insert(id, (ptr, true));
+        Ok(DeviceBuf::new(self.inner.ordinal, id, handle.len()))
     }
 
     fn free(&self, buf: DeviceBuf) -> Result<()> {
         if buf.device() != self.inner.ordinal {
             return Err(AgentError::WrongDevice { expected: self.inner.ordinal, found: buf.device() });
         }
-        let ptr = {
+        let (ptr, imported) = {
             let mut t = self.inner.table.lock();
             match t.live.remove(&buf.id()) {
                 Some(p) => p,
@@ -232,9 +283,10 @@ impl Device for CudaDevice {
         self.bind()?;
         // Copies already enqueued on the memory finish first (the contract).
         self.inner.ctx.synchronize().map_err(driver("cuCtxSynchronize"))?;
-        // SAFETY: `ptr` came from cuMemAlloc in this context and was just removed from the
-        // table, so it is freed exactly once; the context has drained, so no work uses it.
-        unsafe { result::free_sync(ptr) }.map_err(driver("cuMemFree"))
+        // SAFETY: `ptr` came from cuMemAlloc or cuIpcOpenMemHandle in this context and was just
+        // removed from the table, so it is released exactly once; the context has drained, so no
+        // work uses it.
+        unsafe { release(ptr, imported) }.map_err(driver("cuMemFree"))
     }
 
     fn register_host(&self, buf: &HostBuffer) -> Result<Registration> {

@@ -16,7 +16,7 @@ use parking_lot::{Condvar, Mutex, RwLock};
 
 use super::{
     check_lengths, check_no_overlap, CodecOp, Device, DeviceBuf, DeviceOrdinal, DeviceRange, HostBuffer, HostMem,
-    HostRange, MemInfo, Registration, Transfer,
+    HostRange, IpcHandle, MemInfo, Registration, Transfer,
 };
 use crate::codec::fp8_payload_header;
 use crate::error::{AgentError, Result};
@@ -48,6 +48,7 @@ pub struct HostDevice {
 
 struct Inner {
     ordinal: DeviceOrdinal,
+    instance: u64,
     capacity: usize,
     queue_depth: usize,
     table: Mutex<Table>,
@@ -55,8 +56,22 @@ struct Inner {
 
 struct Table {
     next_id: u64,
-    live: HashMap<u64, Mem>,
+    /// Allocations and imports; `true` for imported memory (not counted in `used`).
+    live: HashMap<u64, (Mem, bool)>,
     used: usize,
+}
+
+/// Memory exported by host devices of this process, by handle bytes: the host backend's stand-in
+/// for the driver's IPC table.
+static EXPORTS: std::sync::OnceLock<Mutex<HashMap<[u8; 64], Mem>>> = std::sync::OnceLock::new();
+
+/// Makes every host device's handles distinct from every other's.
+static NEXT_INSTANCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+const IPC_MAGIC: &[u8; 8] = b"KVHOSTIP";
+
+fn exports() -> &'static Mutex<HashMap<[u8; 64], Mem>> {
+    EXPORTS.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
 impl HostDevice {
@@ -72,6 +87,7 @@ impl HostDevice {
         HostDevice {
             inner: Arc::new(Inner {
                 ordinal,
+                instance: NEXT_INSTANCE.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
                 capacity,
                 queue_depth: depth.max(1),
                 table: Mutex::new(Table { next_id: 1, live: HashMap::new(), used: 0 }),
@@ -92,7 +108,7 @@ impl HostDevice {
         }
         let t = self.inner.table.lock();
         match t.live.get(&buf.id()) {
-            Some(m) => Ok(m.clone()),
+            Some((m, _)) => Ok(m.clone()),
             None if buf.id() < t.next_id => Err(AgentError::FreedHandle(buf.id())),
             None => Err(AgentError::UnknownHandle(buf.id())),
         }
@@ -328,8 +344,37 @@ impl Device for HostDevice {
         let id = t.next_id;
         t.next_id += 1;
         t.used += len;
-        t.live.insert(id, Arc::new(RwLock::new(vec![0u8; len].into_boxed_slice())));
+        t.live.insert(id, (Arc::new(RwLock::new(vec![0u8; len].into_boxed_slice())), false));
         Ok(DeviceBuf::new(self.inner.ordinal, id, len))
+    }
+
+    fn export_ipc(&self, buf: DeviceBuf) -> Result<IpcHandle> {
+        let mem = self.lookup(&buf)?;
+        if self.inner.table.lock().live.get(&buf.id()).is_some_and(|(_, imported)| *imported) {
+            return Err(AgentError::BadIpcHandle("imported memory cannot be exported again".into()));
+        }
+        let mut bytes = [0u8; 64];
+        bytes[..8].copy_from_slice(IPC_MAGIC);
+        bytes[8..16].copy_from_slice(&self.inner.instance.to_le_bytes());
+        bytes[16..24].copy_from_slice(&buf.id().to_le_bytes());
+        exports().lock().insert(bytes, mem);
+        Ok(IpcHandle::from_bytes(bytes, buf.len()))
+    }
+
+    fn import_ipc(&self, handle: &IpcHandle) -> Result<DeviceBuf> {
+        let mem =
+            exports().lock().get(handle.bytes()).cloned().ok_or_else(|| {
+                AgentError::BadIpcHandle("no memory exported under this handle in this process".into())
+            })?;
+        let real = mem.read().len();
+        if handle.len() != real {
+            return Err(AgentError::BadIpcHandle(format!("handle says {} bytes, the export is {real}", handle.len())));
+        }
+        let mut t = self.inner.table.lock();
+        let id = t.next_id;
+        t.next_id += 1;
+        t.live.insert(id, (mem, true));
+        Ok(DeviceBuf::new(self.inner.ordinal, id, real))
     }
 
     fn free(&self, buf: DeviceBuf) -> Result<()> {
@@ -338,8 +383,13 @@ impl Device for HostDevice {
         }
         let mut t = self.inner.table.lock();
         match t.live.remove(&buf.id()) {
-            Some(_) => {
-                t.used -= buf.len();
+            Some((_, imported)) => {
+                if !imported {
+                    t.used -= buf.len();
+                    // Its exports die with it.
+                    let (inst, id) = (self.inner.instance.to_le_bytes(), buf.id().to_le_bytes());
+                    exports().lock().retain(|k, _| !(k[..8] == IPC_MAGIC[..] && k[8..16] == inst && k[16..24] == id));
+                }
                 Ok(())
             }
             None if buf.id() < t.next_id => Err(AgentError::FreedHandle(buf.id())),
@@ -601,6 +651,40 @@ mod tests {
         assert!(h.is_registered(0));
         drop(first);
         assert!(!h.is_registered(0));
+    }
+
+    #[test]
+    fn imported_engine_memory_is_the_engine_memory() {
+        // The engine (its own device handle table) exports its KV buffer; the agent imports it
+        // and writes into it with an ordinary copy.
+        let engine = HostDevice::new(0, 1 << 20);
+        let agent = HostDevice::new(0, 1 << 20);
+        let kv = engine.alloc(256).unwrap();
+        let handle = engine.export_ipc(kv).unwrap();
+        assert_eq!(handle.len(), 256);
+        let mapped = agent.import_ipc(&handle).unwrap();
+        assert_eq!(agent.mem_info().unwrap().free, 1 << 20, "imports use the exporter's memory");
+        let s = agent.new_stream().unwrap();
+        let h = HostBuffer::from_vec((0..=255u8).collect());
+        let _r = agent.register_host(&h).unwrap();
+        agent.copy_h2d(&s, &h.range(0, 256), mapped.all()).unwrap();
+        agent.wait(&agent.record(&s).unwrap()).unwrap();
+        assert_eq!(engine.read_sync(kv.all()).unwrap(), (0..=255u8).collect::<Vec<_>>());
+        assert!(matches!(agent.export_ipc(mapped), Err(AgentError::BadIpcHandle(_))));
+        // Unmapping leaves the engine's memory alone; the handle can be imported again.
+        agent.free(mapped).unwrap();
+        assert_eq!(agent.read_sync(mapped.all()), Err(AgentError::FreedHandle(mapped.id())));
+        assert_eq!(engine.read_sync(kv.range(0, 2)).unwrap(), [0, 1]);
+        let again = agent.import_ipc(&handle).unwrap();
+        assert!(matches!(
+            agent.import_ipc(&IpcHandle::from_bytes(*handle.bytes(), 255)),
+            Err(AgentError::BadIpcHandle(_))
+        ));
+        // Once the engine frees it, the handle names nothing.
+        engine.free(kv).unwrap();
+        assert!(matches!(agent.import_ipc(&handle), Err(AgentError::BadIpcHandle(_))));
+        assert!(matches!(agent.import_ipc(&IpcHandle::from_bytes([7; 64], 256)), Err(AgentError::BadIpcHandle(_))));
+        agent.free(again).unwrap();
     }
 
     #[test]

@@ -44,6 +44,34 @@ use crate::error::{AgentError, Result};
 /// A device's index on its node (CUDA ordinal; any distinct number for host devices).
 pub type DeviceOrdinal = u32;
 
+/// A device allocation exported for another process (CUDA: `cuIpcGetMemHandle`'s 64 opaque
+/// bytes) with its length: what an engine hands the agent so that the agent reads and writes the
+/// engine's own KV buffers ([`Device::import_ipc`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct IpcHandle {
+    bytes: [u8; 64],
+    len: usize,
+}
+
+impl IpcHandle {
+    /// A handle received from another process (e.g. over the same-node socket).
+    pub fn from_bytes(bytes: [u8; 64], len: usize) -> Self {
+        IpcHandle { bytes, len }
+    }
+
+    pub fn bytes(&self) -> &[u8; 64] {
+        &self.bytes
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
 /// Free and total bytes of a device's memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemInfo {
@@ -422,6 +450,18 @@ pub trait Device: Send + Sync + 'static {
 
     /// Frees a buffer. Its handle is invalid afterwards; work already enqueued on it finishes.
     fn free(&self, buf: DeviceBuf) -> Result<()>;
+
+    /// Exports an allocation this device made, for another process to import (the engine's side;
+    /// the agent exports nothing in production, tests use it to stand in for an engine). The
+    /// exporter must keep the memory until every importer has freed its handle.
+    fn export_ipc(&self, buf: DeviceBuf) -> Result<IpcHandle>;
+
+    /// Maps memory another process exported into this device's handle table: the returned
+    /// handle works with every copy and codec launch, and [`Device::free`] unmaps it (the
+    /// exporter's memory stays). It does not count against this device's free memory. CUDA
+    /// refuses to import memory the same process exported; the host backend's handles, in turn,
+    /// work only inside one process (its stand-in for an engine is another `HostDevice`).
+    fn import_ipc(&self, handle: &IpcHandle) -> Result<DeviceBuf>;
 
     /// Registers (pins) a host buffer for asynchronous copies with this device until the
     /// returned value is dropped.
