@@ -53,6 +53,9 @@ struct Inner {
     ctx: Arc<CudaContext>,
     table: Mutex<Table>,
     kernels: OnceLock<std::result::Result<Kernels, AgentError>>,
+    /// Events other devices recorded after peer copies touching this device's memory; `free`
+    /// waits for them (its own context synchronize does not cover other devices' streams).
+    foreign: Mutex<Vec<CudaEvent>>,
 }
 
 struct Table {
@@ -85,6 +88,10 @@ struct Kernels {
 impl Drop for Inner {
     fn drop(&mut self) {
         let _ = self.ctx.synchronize();
+        for ev in self.foreign.get_mut().drain(..) {
+            let _ = ev.synchronize();
+        }
+        let _ = self.ctx.bind_to_thread();
         for (_, (ptr, imported)) in self.table.get_mut().live.drain() {
             // SAFETY: every address in the table came from cuMemAlloc or cuIpcOpenMemHandle in
             // this context (bound by the synchronize above) and was not released (free removes it
@@ -109,6 +116,7 @@ impl CudaDevice {
                 ctx,
                 table: Mutex::new(Table { next_id: 1, live: HashMap::new() }),
                 kernels: OnceLock::new(),
+                foreign: Mutex::new(Vec::new()),
             }),
         })
     }
@@ -281,8 +289,12 @@ impl Device for CudaDevice {
             }
         };
         self.bind()?;
-        // Copies already enqueued on the memory finish first (the contract).
+        // Copies already enqueued on the memory finish first (the contract), peers' included.
         self.inner.ctx.synchronize().map_err(driver("cuCtxSynchronize"))?;
+        for ev in self.inner.foreign.lock().drain(..) {
+            ev.synchronize().map_err(driver("cuEventSynchronize"))?;
+        }
+        self.bind()?;
         // SAFETY: `ptr` came from cuMemAlloc or cuIpcOpenMemHandle in this context and was just
         // removed from the table, so it is released exactly once; the context has drained, so no
         // work uses it.
@@ -365,6 +377,47 @@ impl Device for CudaDevice {
         // overlap; memory is freed only after a context synchronize.
         unsafe { result::memcpy_dtod_async(d, s, src.len, stream.stream.cu_stream()) }
             .map_err(driver("cuMemcpyDtoDAsync"))
+    }
+
+    fn copy_peer(
+        &self,
+        stream: &CudaStreamHandle,
+        src_dev: &CudaDevice,
+        src: DeviceRange,
+        dst_dev: &CudaDevice,
+        dst: DeviceRange,
+    ) -> Result<()> {
+        self.check_stream(stream)?;
+        let s = src_dev.range_ptr(&src, "peer source")?;
+        let d = dst_dev.range_ptr(&dst, "peer destination")?;
+        check_lengths(src.len, dst.len)?;
+        if Arc::ptr_eq(&src_dev.inner, &dst_dev.inner) {
+            check_no_overlap(src, dst)?;
+        }
+        self.bind()?;
+        // SAFETY: both ranges were checked against live allocations of their own devices'
+        // contexts. A device frees memory only after synchronizing its own context and waiting
+        // for the events peers recorded after their copies of it (`foreign` below).
+        unsafe {
+            result::memcpy_peer_async(
+                dst_dev.inner.ctx.cu_ctx(),
+                d,
+                src_dev.inner.ctx.cu_ctx(),
+                s,
+                src.len,
+                stream.stream.cu_stream(),
+            )
+        }
+        .map_err(driver("cuMemcpyPeerAsync"))?;
+        for other in [src_dev, dst_dev] {
+            if !Arc::ptr_eq(&other.inner, &self.inner) {
+                let ev = stream.stream.record_event(None).map_err(driver("cuEventRecord"))?;
+                let mut f = other.inner.foreign.lock();
+                f.retain(|e| !matches!(e.try_is_complete(), Ok(true)));
+                f.push(ev);
+            }
+        }
+        Ok(())
     }
 
     fn launch_codec(&self, stream: &CudaStreamHandle, op: &CodecOp) -> Result<()> {
@@ -470,6 +523,7 @@ mod tests {
                 ctx: dev.inner.ctx.clone(),
                 table: Mutex::new(Table { next_id: 1, live: HashMap::new() }),
                 kernels: OnceLock::new(),
+                foreign: Mutex::new(Vec::new()),
             }),
         };
         super::super::conformance::copies_and_errors(&dev, &other);

@@ -437,6 +437,29 @@ impl Device for HostDevice {
         })))
     }
 
+    fn copy_peer(
+        &self,
+        stream: &HostStream,
+        src_dev: &HostDevice,
+        src: DeviceRange,
+        dst_dev: &HostDevice,
+        dst: DeviceRange,
+    ) -> Result<()> {
+        self.check_stream(stream)?;
+        let s = src_dev.range_mem(&src, "peer source")?;
+        let d = dst_dev.range_mem(&dst, "peer destination")?;
+        check_lengths(src.len, dst.len)?;
+        if Arc::ptr_eq(&s, &d) {
+            check_no_overlap(src, dst)?;
+        }
+        let c =
+            Prepared { src: Side::Dev(s), src_off: src.offset, dst: Side::Dev(d), dst_off: dst.offset, len: src.len };
+        stream.send(Op::Run(Box::new(move || {
+            c.run();
+            Ok(())
+        })))
+    }
+
     fn copy_batch(&self, stream: &HostStream, transfers: &[Transfer]) -> Result<()> {
         self.check_stream(stream)?;
         let copies = transfers.iter().map(|t| self.prepare(t)).collect::<Result<Vec<_>>>()?;
@@ -685,6 +708,37 @@ mod tests {
         assert!(matches!(agent.import_ipc(&handle), Err(AgentError::BadIpcHandle(_))));
         assert!(matches!(agent.import_ipc(&IpcHandle::from_bytes([7; 64], 256)), Err(AgentError::BadIpcHandle(_))));
         agent.free(again).unwrap();
+    }
+
+    #[test]
+    fn peer_copies_move_bytes_between_devices_and_check_both_tables() {
+        let (g3, g7) = (HostDevice::new(3, 1 << 20), HostDevice::new(7, 1 << 20));
+        let s = g3.new_stream().unwrap();
+        let mine = g3.alloc(128).unwrap();
+        let back = g3.alloc(128).unwrap();
+        let lent = g7.alloc(128).unwrap();
+        g3.write_sync(mine.all(), &[5; 128]).unwrap();
+        g3.copy_peer(&s, &g3, mine.all(), &g7, lent.all()).unwrap();
+        g3.copy_peer(&s, &g7, lent.all(), &g3, back.all()).unwrap();
+        g3.wait(&g3.record(&s).unwrap()).unwrap();
+        assert_eq!(g7.read_sync(lent.all()).unwrap(), [5; 128]);
+        assert_eq!(g3.read_sync(back.all()).unwrap(), [5; 128]);
+        // A handle checked against the wrong device's table, a stream of the other device.
+        assert_eq!(
+            g3.copy_peer(&s, &g3, lent.all(), &g7, mine.all()),
+            Err(AgentError::WrongDevice { expected: 3, found: 7 })
+        );
+        let s7 = g7.new_stream().unwrap();
+        assert_eq!(
+            g3.copy_peer(&s7, &g3, mine.all(), &g7, lent.all()),
+            Err(AgentError::WrongDevice { expected: 3, found: 7 })
+        );
+        assert!(matches!(
+            g3.copy_peer(&s, &g3, mine.all(), &g7, lent.range(64, 128)),
+            Err(AgentError::OutOfBounds { .. })
+        ));
+        g7.free(lent).unwrap();
+        assert_eq!(g3.copy_peer(&s, &g3, mine.all(), &g7, lent.all()), Err(AgentError::FreedHandle(lent.id())));
     }
 
     #[test]

@@ -479,6 +479,18 @@ pub trait Device: Send + Sync + 'static {
     /// not overlap).
     fn copy_d2d(&self, stream: &Self::Stream, src: DeviceRange, dst: DeviceRange) -> Result<()>;
 
+    /// Enqueues a copy between two devices of this backend (peer GPUs over NVLink or PCIe) on a
+    /// stream of this device: `src` lives on `src_dev`, `dst` on `dst_dev`, either of which may be
+    /// this device. Handles are checked against their own device's table.
+    fn copy_peer(
+        &self,
+        stream: &Self::Stream,
+        src_dev: &Self,
+        src: DeviceRange,
+        dst_dev: &Self,
+        dst: DeviceRange,
+    ) -> Result<()>;
+
     /// Enqueues several copies, in order. The host backend checks them all first and enqueues
     /// them as one entry of the stream's queue (nothing is enqueued if one is refused); the
     /// default, which the CUDA backend uses, enqueues them one by one, so a refused copy may
