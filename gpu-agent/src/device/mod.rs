@@ -1,4 +1,5 @@
-//! The `Device` seam: device pages, streams, events, registered host memory and codec kernel
+//! The `Device` seam: device pages, streams, events, copies (single, batched, between peer
+//! devices), registered host memory, an engine's buffers imported by IPC handle and codec kernel
 //! launches, with one contract for every backend.
 //!
 //! - [`host::HostDevice`]: "device" memory in ordinary RAM, each stream a worker thread, so events
@@ -18,7 +19,8 @@
 //!   completes with an error if any of that work failed while running (errors are reported to the
 //!   first event recorded after the failure, not to later ones).
 //! - Freeing a buffer invalidates its handle at once; copies already enqueued on it still finish
-//!   (the memory outlives them).
+//!   (the memory outlives them; on CUDA `free` waits for them, peers' copies included). Freeing an
+//!   imported buffer unmaps it; the exporter's memory stays.
 //! - Host memory is [`HostBuffer`]: the agent owns it, so an in-flight copy can keep it alive.
 //!   While a copy into or out of a host buffer is in flight, its bytes in that range are
 //!   unspecified to the CPU: wait on the event first (as with `cudaMemcpyAsync`).
