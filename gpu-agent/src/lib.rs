@@ -1,4 +1,44 @@
-//! The agent that will sit beside each GPU: an HBM page pool and the movement of pages between an
-//! engine's KV buffers and kvtier's tiers (device copies, shared memory, RDMA), encoding on the
-//! way out and decoding on the way in. Nothing is implemented yet: engines reach the server through
-//! `kvtier-client` over loopback until this crate lands (see DESIGN.md).
+//! The agent beside each GPU: an HBM page pool and the movement of pages between an engine's KV
+//! buffers and kvtier's tiers, encoding on the way out and decoding on the way in (DESIGN.md,
+//! "gpu-agent").
+//!
+//! Components, one per module:
+//!
+//! - [`device`]: the [`Device`] seam — device pages, streams, events, batched and peer copies,
+//!   registered host memory, import of an engine's buffers by IPC handle, codec kernel launches —
+//!   with a host backend ([`HostDevice`], ordinary RAM, a worker thread per stream) that CI runs
+//!   on, and a CUDA backend through cudarc behind the `cuda` feature.
+//! - [`pipeline`]: layer-pipelined load and save shaped like vLLM's connector
+//!   (`start_load_kv` / `wait_for_layer_load` / `save_kv_layer` / `wait_for_save`), so an engine
+//!   computes layer 0 while later layers are still being copied.
+//! - [`pool`]: the G1 page pool — a capped set of device pages keyed by block, LRU eviction into a
+//!   [`Spill`] target, pins for live sessions, loads into engine pages as device-to-device copies.
+//! - [`policy`]: pure policy (time passed in, no I/O): borrowing HBM from peer GPUs and the rule
+//!   that declines a borrow that would push a link past its bandwidth budget.
+//! - [`codec`]: FP8 E4M3 kernels as CUDA C for NVRTC, written to be byte-identical to
+//!   `kvtier_kernels` (checked on a GPU by the ignored tests; not yet run).
+//! - [`AgentError`]: the crate's one error type.
+//!
+//! Not here yet: NVFP4 and rotated (`+had`) kernels, a node-level pool that carries out the
+//! borrowing policy's decisions by itself (the policy and peer copies exist; `tests/borrow.rs`
+//! wires them by hand), RDMA, KV events to the server, the same-node [`Spill`] implementation and
+//! the `kvtier agent` command.
+
+pub mod codec;
+pub mod device;
+mod error;
+pub mod pipeline;
+pub mod policy;
+pub mod pool;
+
+pub use device::host::{EventTrigger, HostDevice, HostEvent, HostStream};
+pub use device::{
+    fp8_body_len, CodecOp, Device, DeviceBuf, DeviceOrdinal, DeviceRange, HostBuffer, HostRange, IpcHandle, MemInfo,
+    Registration, Transfer,
+};
+pub use error::{AgentError, Result};
+
+#[cfg(feature = "cuda")]
+pub use device::cuda::{CudaDevice, CudaEventHandle, CudaStreamHandle};
+pub use pipeline::{LayerPipeline, LoadHandle, SaveReport};
+pub use pool::{Capacity, MemorySpill, PagePool, PoolConfig, PoolStats, Spill, SpilledBlock};

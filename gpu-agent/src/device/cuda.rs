@@ -1,0 +1,537 @@
+//! The CUDA backend (cargo feature `cuda`): the [`Device`] contract through cudarc's driver API,
+//! with the driver and NVRTC loaded at run time. The build needs no CUDA toolkit; on a machine
+//! without a driver [`CudaDevice::new`] returns [`AgentError::DeviceUnavailable`] (it checks for
+//! the library before cudarc would panic on its absence).
+//!
+//! - Device memory: `cuMemAlloc` allocations behind the same handle table as the host backend,
+//!   so bounds, freed and foreign handles are refused before the driver sees them. `free`
+//!   synchronizes the context first, so copies already enqueued on the memory finish.
+//! - Host memory: [`HostBuffer`]s pinned with `cuMemHostRegister` (portable); unregistered on
+//!   drop of the [`Registration`], after the context has drained. Each stream keeps the host
+//!   buffers of its in-flight copies alive until an event recorded after them completes. One
+//!   buffer can be registered with one CUDA device of a process at a time (the driver pins a
+//!   range once; a second device gets [`AgentError::Driver`]).
+//! - Events are created with blocking sync, so a wait sleeps instead of spinning.
+//! - IPC: an engine's exported allocation is opened with `cuIpcOpenMemHandle` (lazy peer
+//!   access) into the same handle table and closed by `free`. The driver refuses handles the same
+//!   process exported, so this path needs the engine in another process (not in these tests).
+//! - Codec kernels: [`crate::codec::FP8_CUDA_SRC`] compiled by NVRTC on first use, with precise
+//!   division and no FMA contraction.
+
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::sys::{self, CUdeviceptr};
+use cudarc::driver::{result, CudaContext, CudaEvent, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use parking_lot::Mutex;
+
+use super::{
+    check_lengths, check_no_overlap, CodecOp, Device, DeviceBuf, DeviceOrdinal, DeviceRange, HostBuffer, HostRange,
+    IpcHandle, MemInfo, Registration,
+};
+use crate::codec::{kernel_dtype, FP8_CUDA_SRC, FP8_DECODE_KERNEL, FP8_ENCODE_KERNEL, FP8_ROWS_PER_BLOCK};
+use crate::error::{AgentError, Result};
+
+fn driver(op: &'static str) -> impl Fn(result::DriverError) -> AgentError {
+    move |e| AgentError::Driver { op, detail: e.to_string() }
+}
+
+/// Whether a CUDA driver library can be loaded on this machine (it says nothing of GPUs).
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen the driver's candidate library names and drops what it opened.
+    unsafe { sys::is_culib_present() }
+}
+
+/// One GPU through the CUDA driver. Cloning shares it.
+#[derive(Clone)]
+pub struct CudaDevice {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    ordinal: DeviceOrdinal,
+    ctx: Arc<CudaContext>,
+    table: Mutex<Table>,
+    kernels: OnceLock<std::result::Result<Kernels, AgentError>>,
+    /// Events other devices recorded after peer copies touching this device's memory; `free`
+    /// waits for them (its own context synchronize does not cover other devices' streams).
+    foreign: Mutex<Vec<CudaEvent>>,
+}
+
+struct Table {
+    next_id: u64,
+    /// Device addresses; `true` for memory imported from another process (closed with
+    /// `cuIpcCloseMemHandle`, not freed).
+    live: HashMap<u64, (CUdeviceptr, bool)>,
+}
+
+/// Unmaps an import or frees an allocation of the bound context.
+///
+/// # Safety
+/// `ptr` came from `cuIpcOpenMemHandle` (`imported`) or `cuMemAlloc` in the bound context, is
+/// released once, and no enqueued work uses it any more.
+unsafe fn release(ptr: CUdeviceptr, imported: bool) -> std::result::Result<(), result::DriverError> {
+    if imported {
+        // SAFETY: the caller's contract.
+        unsafe { sys::cuIpcCloseMemHandle(ptr) }.result()
+    } else {
+        // SAFETY: the caller's contract.
+        unsafe { result::free_sync(ptr) }
+    }
+}
+
+struct Kernels {
+    encode: CudaFunction,
+    decode: CudaFunction,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let _ = self.ctx.synchronize();
+        for ev in self.foreign.get_mut().drain(..) {
+            let _ = ev.synchronize();
+        }
+        let _ = self.ctx.bind_to_thread();
+        for (_, (ptr, imported)) in self.table.get_mut().live.drain() {
+            // SAFETY: every address in the table came from cuMemAlloc or cuIpcOpenMemHandle in
+            // this context (bound by the synchronize above) and was not released (free removes it
+            // first); the context has drained, so nothing uses it.
+            let _ = unsafe { release(ptr, imported) };
+        }
+    }
+}
+
+impl CudaDevice {
+    /// Opens GPU `ordinal`. Without a driver library, or without that GPU:
+    /// [`AgentError::DeviceUnavailable`], never a panic.
+    pub fn new(ordinal: DeviceOrdinal) -> Result<Self> {
+        if !driver_present() {
+            return Err(AgentError::DeviceUnavailable("no CUDA driver library (libcuda.so) on this machine".into()));
+        }
+        let ctx = CudaContext::new(ordinal as usize)
+            .map_err(|e| AgentError::DeviceUnavailable(format!("CUDA device {ordinal}: {e}")))?;
+        Ok(CudaDevice {
+            inner: Arc::new(Inner {
+                ordinal,
+                ctx,
+                table: Mutex::new(Table { next_id: 1, live: HashMap::new() }),
+                kernels: OnceLock::new(),
+                foreign: Mutex::new(Vec::new()),
+            }),
+        })
+    }
+
+    /// The device's name as the driver reports it.
+    pub fn name(&self) -> Result<String> {
+        self.inner.ctx.name().map_err(driver("cuDeviceGetName"))
+    }
+
+    fn bind(&self) -> Result<()> {
+        self.inner.ctx.bind_to_thread().map_err(driver("cuCtxSetCurrent"))
+    }
+
+    fn ptr(&self, buf: &DeviceBuf) -> Result<CUdeviceptr> {
+        if buf.device() != self.inner.ordinal {
+            return Err(AgentError::WrongDevice { expected: self.inner.ordinal, found: buf.device() });
+        }
+        let t = self.inner.table.lock();
+        match t.live.get(&buf.id()) {
+            Some((p, _)) => Ok(*p),
+            None if buf.id() < t.next_id => Err(AgentError::FreedHandle(buf.id())),
+            None => Err(AgentError::UnknownHandle(buf.id())),
+        }
+    }
+
+    /// The device address of a checked range.
+    fn range_ptr(&self, r: &DeviceRange, what: &'static str) -> Result<CUdeviceptr> {
+        let base = self.ptr(&r.buf)?;
+        r.check(what)?;
+        Ok(base + r.offset as u64)
+    }
+
+    fn check_stream(&self, s: &CudaStreamHandle) -> Result<()> {
+        if s.device != self.inner.ordinal {
+            return Err(AgentError::WrongDevice { expected: self.inner.ordinal, found: s.device });
+        }
+        Ok(())
+    }
+
+    fn kernels(&self) -> Result<&Kernels> {
+        self.inner
+            .kernels
+            .get_or_init(|| {
+                // SAFETY: only tries to dlopen NVRTC's candidate library names.
+                if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+                    return Err(AgentError::DeviceUnavailable("no NVRTC library (libnvrtc.so) on this machine".into()));
+                }
+                let opts = cudarc::nvrtc::CompileOptions {
+                    ftz: Some(false),
+                    prec_div: Some(true),
+                    fmad: Some(false),
+                    ..Default::default()
+                };
+                let ptx = cudarc::nvrtc::compile_ptx_with_opts(FP8_CUDA_SRC, opts)
+                    .map_err(|e| AgentError::Driver { op: "nvrtcCompileProgram", detail: e.to_string() })?;
+                let module = self.inner.ctx.load_module(ptx).map_err(driver("cuModuleLoadData"))?;
+                Ok(Kernels {
+                    encode: module.load_function(FP8_ENCODE_KERNEL).map_err(driver("cuModuleGetFunction"))?,
+                    decode: module.load_function(FP8_DECODE_KERNEL).map_err(driver("cuModuleGetFunction"))?,
+                })
+            })
+            .as_ref()
+            .map_err(Clone::clone)
+    }
+}
+
+/// A CUDA stream and the host buffers its in-flight copies use.
+pub struct CudaStreamHandle {
+    device: DeviceOrdinal,
+    stream: Arc<CudaStream>,
+    /// Host buffers of copies not yet known to be done, each with an event recorded after its
+    /// copy. Pruned on every enqueue; drained (after a synchronize) on drop.
+    in_flight: Mutex<Vec<(CudaEvent, HostBuffer)>>,
+}
+
+impl CudaStreamHandle {
+    /// Keeps `buf` alive until the work enqueued so far has run.
+    fn keep(&self, buf: &HostBuffer) -> Result<()> {
+        let ev = self.stream.record_event(None).map_err(driver("cuEventRecord"))?;
+        let mut f = self.in_flight.lock();
+        f.retain(|(e, _)| !matches!(e.try_is_complete(), Ok(true)));
+        f.push((ev, buf.clone()));
+        Ok(())
+    }
+}
+
+impl Drop for CudaStreamHandle {
+    fn drop(&mut self) {
+        // The buffers may be released only after their copies: wait for them (errors are the
+        // context's to report; never panic here).
+        let _ = self.stream.synchronize();
+        self.in_flight.get_mut().clear();
+    }
+}
+
+/// A CUDA event (shared).
+#[derive(Clone)]
+pub struct CudaEventHandle(Arc<CudaEvent>);
+
+impl Device for CudaDevice {
+    type Stream = CudaStreamHandle;
+    type Event = CudaEventHandle;
+
+    fn ordinal(&self) -> DeviceOrdinal {
+        self.inner.ordinal
+    }
+
+    fn mem_info(&self) -> Result<MemInfo> {
+        let (free, total) = self.inner.ctx.mem_get_info().map_err(driver("cuMemGetInfo"))?;
+        Ok(MemInfo { free, total })
+    }
+
+    fn alloc(&self, len: usize) -> Result<DeviceBuf> {
+        self.bind()?;
+        // SAFETY: allocates fresh device memory in the bound context; its contents are only ever
+        // read as bytes. A zero-length buffer gets one byte so that it has an address.
+        let ptr = unsafe { result::malloc_sync(len.max(1)) }.map_err(|e| match e.0 {
+            sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
+                AgentError::OutOfMemory { requested: len, free: self.mem_info().map_or(0, |m| m.free) }
+            }
+            _ => driver("cuMemAlloc")(e),
+        })?;
+        let mut t = self.inner.table.lock();
+        let id = t.next_id;
+        t.next_id += 1;
+        t.live.insert(id, (ptr, false));
+        Ok(DeviceBuf::new(self.inner.ordinal, id, len))
+    }
+
+    fn export_ipc(&self, buf: DeviceBuf) -> Result<IpcHandle> {
+        let ptr = self.ptr(&buf)?;
+        if self.inner.table.lock().live.get(&buf.id()).is_some_and(|(_, imported)| *imported) {
+            return Err(AgentError::BadIpcHandle("imported memory cannot be exported again".into()));
+        }
+        self.bind()?;
+        let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
+        // SAFETY: `ptr` is a live cuMemAlloc allocation of the bound context; `h` is a valid
+        // handle to write.
+        unsafe { sys::cuIpcGetMemHandle(&mut h, ptr) }.result().map_err(driver("cuIpcGetMemHandle"))?;
+        Ok(IpcHandle::from_bytes(h.reserved.map(|c| c as u8), buf.len()))
+    }
+
+    fn import_ipc(&self, handle: &IpcHandle) -> Result<DeviceBuf> {
+        self.bind()?;
+        let h = sys::CUipcMemHandle { reserved: handle.bytes().map(|b| b as std::ffi::c_char) };
+        let mut ptr: CUdeviceptr = 0;
+        let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as std::ffi::c_uint;
+        // SAFETY: `ptr` is a valid place for the mapped address; the driver checks the handle.
+        unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, h, flags) }
+            .result()
+            .map_err(|e| AgentError::BadIpcHandle(format!("cuIpcOpenMemHandle: {e}")))?;
+        // The handle's length is the exporter's word; copies are checked against it.
+        let mut t = self.inner.table.lock();
+        let id = t.next_id;
+        t.next_id += 1;
+        t.live.insert(id, (ptr, true));
+        Ok(DeviceBuf::new(self.inner.ordinal, id, handle.len()))
+    }
+
+    fn free(&self, buf: DeviceBuf) -> Result<()> {
+        if buf.device() != self.inner.ordinal {
+            return Err(AgentError::WrongDevice { expected: self.inner.ordinal, found: buf.device() });
+        }
+        let (ptr, imported) = {
+            let mut t = self.inner.table.lock();
+            match t.live.remove(&buf.id()) {
+                Some(p) => p,
+                None if buf.id() < t.next_id => return Err(AgentError::FreedHandle(buf.id())),
+                None => return Err(AgentError::UnknownHandle(buf.id())),
+            }
+        };
+        self.bind()?;
+        // Copies already enqueued on the memory finish first (the contract), peers' included.
+        self.inner.ctx.synchronize().map_err(driver("cuCtxSynchronize"))?;
+        for ev in self.inner.foreign.lock().drain(..) {
+            ev.synchronize().map_err(driver("cuEventSynchronize"))?;
+        }
+        self.bind()?;
+        // SAFETY: `ptr` came from cuMemAlloc or cuIpcOpenMemHandle in this context and was just
+        // removed from the table, so it is released exactly once; the context has drained, so no
+        // work uses it.
+        unsafe { release(ptr, imported) }.map_err(driver("cuMemFree"))
+    }
+
+    fn register_host(&self, buf: &HostBuffer) -> Result<Registration> {
+        if buf.is_registered(self.inner.ordinal) {
+            return Err(AgentError::AlreadyRegistered { buffer: buf.id(), device: self.inner.ordinal });
+        }
+        if buf.is_empty() {
+            // Nothing to pin (and the driver refuses an empty range).
+            return buf.register(self.inner.ordinal, None);
+        }
+        self.bind()?;
+        let addr = buf.addr();
+        // SAFETY: `addr..addr + len` is the heap block of `buf`, which never moves or shrinks
+        // while any clone of it lives; the Registration returned holds a clone, so the memory
+        // outlives the registration.
+        unsafe { sys::cuMemHostRegister_v2(addr as *mut _, buf.len(), sys::CU_MEMHOSTREGISTER_PORTABLE) }
+            .result()
+            .map_err(driver("cuMemHostRegister"))?;
+        let ctx = self.inner.ctx.clone();
+        let unregister = move || {
+            let _ = ctx.bind_to_thread();
+            let _ = ctx.synchronize();
+            // SAFETY: `addr` was registered above and is unregistered once, here; the buffer is
+            // still alive (the Registration holds it until after this runs).
+            let _ = unsafe { sys::cuMemHostUnregister(addr as *mut _) };
+        };
+        buf.register(self.inner.ordinal, Some(Box::new(unregister)))
+    }
+
+    fn new_stream(&self) -> Result<CudaStreamHandle> {
+        let stream = self.inner.ctx.new_stream().map_err(driver("cuStreamCreate"))?;
+        Ok(CudaStreamHandle { device: self.inner.ordinal, stream, in_flight: Mutex::new(Vec::new()) })
+    }
+
+    fn copy_h2d(&self, stream: &CudaStreamHandle, src: &HostRange, dst: DeviceRange) -> Result<()> {
+        self.check_stream(stream)?;
+        src.buf.require_registered(self.inner.ordinal)?;
+        src.check()?;
+        let d = self.range_ptr(&dst, "device destination")?;
+        check_lengths(src.len, dst.len)?;
+        self.bind()?;
+        let host = (src.buf.addr() + src.offset) as *const std::ffi::c_void;
+        // SAFETY: both ranges were checked against their buffers; the host buffer is pinned
+        // (registered) and kept alive by `keep` until this copy has run; the device memory is
+        // freed only after a context synchronize.
+        unsafe { sys::cuMemcpyHtoDAsync_v2(d, host, src.len, stream.stream.cu_stream()) }
+            .result()
+            .map_err(driver("cuMemcpyHtoDAsync"))?;
+        stream.keep(&src.buf)
+    }
+
+    fn copy_d2h(&self, stream: &CudaStreamHandle, src: DeviceRange, dst: &HostRange) -> Result<()> {
+        self.check_stream(stream)?;
+        dst.buf.require_registered(self.inner.ordinal)?;
+        dst.check()?;
+        let s = self.range_ptr(&src, "device source")?;
+        check_lengths(src.len, dst.len)?;
+        self.bind()?;
+        let host = (dst.buf.addr() + dst.offset) as *mut std::ffi::c_void;
+        // SAFETY: as in copy_h2d; the host range is written only by this copy until its event
+        // (the contract tells the CPU not to look before).
+        unsafe { sys::cuMemcpyDtoHAsync_v2(host, s, src.len, stream.stream.cu_stream()) }
+            .result()
+            .map_err(driver("cuMemcpyDtoHAsync"))?;
+        stream.keep(&dst.buf)
+    }
+
+    fn copy_d2d(&self, stream: &CudaStreamHandle, src: DeviceRange, dst: DeviceRange) -> Result<()> {
+        self.check_stream(stream)?;
+        let s = self.range_ptr(&src, "device source")?;
+        let d = self.range_ptr(&dst, "device destination")?;
+        check_lengths(src.len, dst.len)?;
+        check_no_overlap(src, dst)?;
+        self.bind()?;
+        // SAFETY: both ranges were checked against live allocations of this context and do not
+        // overlap; memory is freed only after a context synchronize.
+        unsafe { result::memcpy_dtod_async(d, s, src.len, stream.stream.cu_stream()) }
+            .map_err(driver("cuMemcpyDtoDAsync"))
+    }
+
+    fn copy_peer(
+        &self,
+        stream: &CudaStreamHandle,
+        src_dev: &CudaDevice,
+        src: DeviceRange,
+        dst_dev: &CudaDevice,
+        dst: DeviceRange,
+    ) -> Result<()> {
+        self.check_stream(stream)?;
+        let s = src_dev.range_ptr(&src, "peer source")?;
+        let d = dst_dev.range_ptr(&dst, "peer destination")?;
+        check_lengths(src.len, dst.len)?;
+        if Arc::ptr_eq(&src_dev.inner, &dst_dev.inner) {
+            check_no_overlap(src, dst)?;
+        }
+        self.bind()?;
+        // SAFETY: both ranges were checked against live allocations of their own devices'
+        // contexts. A device frees memory only after synchronizing its own context and waiting
+        // for the events peers recorded after their copies of it (`foreign` below).
+        unsafe {
+            result::memcpy_peer_async(
+                dst_dev.inner.ctx.cu_ctx(),
+                d,
+                src_dev.inner.ctx.cu_ctx(),
+                s,
+                src.len,
+                stream.stream.cu_stream(),
+            )
+        }
+        .map_err(driver("cuMemcpyPeerAsync"))?;
+        for other in [src_dev, dst_dev] {
+            if !Arc::ptr_eq(&other.inner, &self.inner) {
+                let ev = stream.stream.record_event(None).map_err(driver("cuEventRecord"))?;
+                let mut f = other.inner.foreign.lock();
+                f.retain(|e| !matches!(e.try_is_complete(), Ok(true)));
+                f.push(ev);
+            }
+        }
+        Ok(())
+    }
+
+    fn launch_codec(&self, stream: &CudaStreamHandle, op: &CodecOp) -> Result<()> {
+        self.check_stream(stream)?;
+        let (rows, hd) = op.validate()?;
+        let (spec, input, output, status) = match *op {
+            CodecOp::Fp8Encode { spec, src, body, status } => (spec, src, body, status),
+            CodecOp::Fp8Decode { spec, body, out, status } => (spec, body, out, status),
+        };
+        let (i, o, st) =
+            (self.range_ptr(&input, "codec")?, self.range_ptr(&output, "codec")?, self.range_ptr(&status, "codec")?);
+        let dtype =
+            kernel_dtype(spec.dtype).ok_or_else(|| AgentError::Codec(format!("no FP8 kernel for {:?}", spec.dtype)))?;
+        let k = self.kernels()?;
+        let func = match op {
+            CodecOp::Fp8Encode { .. } => &k.encode,
+            CodecOp::Fp8Decode { .. } => &k.decode,
+        };
+        let (rows32, hd32) = (rows as u32, hd as u32);
+        let blocks = rows32.div_ceil(FP8_ROWS_PER_BLOCK);
+        let cfg =
+            LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (32 * FP8_ROWS_PER_BLOCK, 1, 1), shared_mem_bytes: 0 };
+        self.bind()?;
+        // SAFETY: `st` is 4 checked bytes of a live allocation.
+        unsafe { result::memset_d8_async(st, 0, 4, stream.stream.cu_stream()) }.map_err(driver("cuMemsetD8Async"))?;
+        let mut launch = stream.stream.launch_builder(func);
+        launch.arg(&i).arg(&o).arg(&st).arg(&rows32).arg(&hd32).arg(&dtype);
+        // SAFETY: the arguments match the kernel's signature (three device pointers, two u32,
+        // one int); `validate` checked that input, output and status hold exactly the bytes the
+        // kernel reads and writes for `rows` rows of `hd` elements, at aligned offsets.
+        unsafe { launch.launch(cfg) }.map_err(driver("cuLaunchKernel"))?;
+        Ok(())
+    }
+
+    fn record(&self, stream: &CudaStreamHandle) -> Result<CudaEventHandle> {
+        self.check_stream(stream)?;
+        let ev = stream
+            .stream
+            .record_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))
+            .map_err(driver("cuEventRecord"))?;
+        Ok(CudaEventHandle(Arc::new(ev)))
+    }
+
+    fn stream_wait(&self, stream: &CudaStreamHandle, event: &CudaEventHandle) -> Result<()> {
+        self.check_stream(stream)?;
+        stream.stream.wait(&event.0).map_err(driver("cuStreamWaitEvent"))
+    }
+
+    fn wait(&self, event: &CudaEventHandle) -> Result<()> {
+        event.0.synchronize().map_err(driver("cuEventSynchronize"))
+    }
+
+    fn query(&self, event: &CudaEventHandle) -> Result<bool> {
+        event.0.try_is_complete().map_err(driver("cuEventQuery"))
+    }
+
+    fn read_sync(&self, src: DeviceRange) -> Result<Vec<u8>> {
+        let s = self.range_ptr(&src, "device source")?;
+        self.bind()?;
+        let mut out = vec![0u8; src.len];
+        // SAFETY: the device range was checked against a live allocation; `out` is exactly
+        // `src.len` bytes.
+        unsafe { result::memcpy_dtoh_sync(&mut out, s) }.map_err(driver("cuMemcpyDtoH"))?;
+        Ok(out)
+    }
+
+    fn write_sync(&self, dst: DeviceRange, bytes: &[u8]) -> Result<()> {
+        let d = self.range_ptr(&dst, "device destination")?;
+        check_lengths(bytes.len(), dst.len)?;
+        self.bind()?;
+        // SAFETY: as in read_sync.
+        unsafe { result::memcpy_htod_sync(d, bytes) }.map_err(driver("cuMemcpyHtoD"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs everywhere: without a driver library the device is unavailable, as an error.
+    #[test]
+    fn no_driver_is_an_error_not_a_panic() {
+        match CudaDevice::new(0) {
+            Err(AgentError::DeviceUnavailable(why)) => {
+                assert!(!why.is_empty());
+                if !driver_present() {
+                    assert!(why.contains("no CUDA driver library"), "{why}");
+                }
+            }
+            Err(other) => panic!("expected DeviceUnavailable, got {other:?}"),
+            Ok(dev) => assert!(dev.mem_info().unwrap().total > 0),
+        }
+    }
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU (CUDA driver)"]
+    fn meets_the_device_contract_on_a_gpu() {
+        let dev = CudaDevice::new(0).unwrap();
+        // A second handle table on the same GPU stands in for another device's handles.
+        let other = CudaDevice {
+            inner: Arc::new(Inner {
+                ordinal: 99,
+                ctx: dev.inner.ctx.clone(),
+                table: Mutex::new(Table { next_id: 1, live: HashMap::new() }),
+                kernels: OnceLock::new(),
+                foreign: Mutex::new(Vec::new()),
+            }),
+        };
+        super::super::conformance::copies_and_errors(&dev, &other);
+    }
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU (CUDA driver)"]
+    fn fp8_kernels_match_kvtier_kernels_byte_for_byte() {
+        super::super::conformance::fp8_codec_matches_kvtier_kernels(&CudaDevice::new(0).unwrap());
+    }
+}
