@@ -85,6 +85,10 @@ pub struct ServerConfig {
     /// Connections one peer (an IP address; a local user on the same-node socket) may hold on each
     /// listener; more are closed on arrival. Default: `256`.
     pub max_connections_per_peer: usize,
+    /// Most block keys all parked sessions' manifests may name together (32 bytes of memory
+    /// each, outside the DRAM cap); `0`: a 256th of `dram_capacity` in keys (an eighth of it in
+    /// bytes), at least 1M. Default: `0`.
+    pub max_session_keys: u64,
 }
 
 /// One tenant: its credentials, its grants and its quotas (`None`: no quota of that kind).
@@ -148,6 +152,7 @@ impl Default for ServerConfig {
             tenants: Vec::new(),
             max_connections: 1024,
             max_connections_per_peer: 256,
+            max_session_keys: 0,
         }
     }
 }
@@ -288,6 +293,14 @@ impl ServerConfig {
             }
         }
         Ok(())
+    }
+
+    /// The limit on keys named by all manifests (see `max_session_keys`).
+    pub fn max_session_keys(&self) -> u64 {
+        match self.max_session_keys {
+            0 => (self.dram_capacity.0 / 256).max(1 << 20),
+            n => n,
+        }
     }
 
     /// The connection limits of the gRPC and data-plane listeners.

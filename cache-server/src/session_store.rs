@@ -236,6 +236,7 @@ mod tests {
             bytes_per_token: layout().bytes_per_token(),
             max_context_tokens: 1 << 20,
             quota: None,
+            max_manifest_keys: 1 << 24,
         }
     }
 

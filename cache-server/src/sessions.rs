@@ -69,6 +69,8 @@ pub struct SessionLimits {
     pub max_context_tokens: u64,
     /// The quotas of the tenant that owns the namespace, if it has any.
     pub quota: Option<SessionQuota>,
+    /// Most keys all parked manifests together may name (their memory: 32 bytes each).
+    pub max_manifest_keys: u64,
 }
 
 /// A tenant's session quotas, over all of its namespaces.
@@ -88,6 +90,8 @@ pub struct SessionTable {
     expired_order: VecDeque<(SessionId, Instant)>,
     /// Per namespace: live sessions and the bytes they stand for (for the tenants' quotas).
     usage: HashMap<NamespaceId, (u64, u64)>,
+    /// Keys named by every manifest (tails included).
+    manifest_keys: u64,
 }
 
 fn check_shape(keys: usize, has_tail: bool, token_count: u64, limits: &SessionLimits) -> Result<(), ServerError> {
@@ -140,6 +144,12 @@ impl SessionTable {
 
     /// Counts a manifest in (`sign` +1) or out (-1) of its namespace's usage.
     fn track(&mut self, m: &SessionManifest, added: bool) {
+        let keys = m.keys.len() as u64 + u64::from(m.tail.is_some());
+        if added {
+            self.manifest_keys += keys;
+        } else {
+            self.manifest_keys = self.manifest_keys.saturating_sub(keys);
+        }
         let u = self.usage.entry(m.namespace).or_default();
         if added {
             u.0 += 1;
@@ -170,6 +180,23 @@ impl SessionTable {
     /// session's current (bytes), `None` for a new session; `bytes` what it will stand for.
     fn check_quota(&self, limits: &SessionLimits, replaced: Option<u64>, bytes: u64) -> Result<(), ServerError> {
         let Some(q) = &limits.quota else { return Ok(()) };
+        self.check_tenant_quota(q, replaced, bytes)
+    }
+
+    /// Refuses manifests that would name more keys than the node holds for all of them:
+    /// `replaced` keys go, `added` come.
+    fn check_manifest_keys(&self, limits: &SessionLimits, replaced: u64, added: u64) -> Result<(), ServerError> {
+        let after = self.manifest_keys.saturating_sub(replaced) + added;
+        if after > limits.max_manifest_keys {
+            return Err(ServerError::Capacity(format!(
+                "parked sessions would name {after} block keys, past the node's max_session_keys {}",
+                limits.max_manifest_keys
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_tenant_quota(&self, q: &SessionQuota, replaced: Option<u64>, bytes: u64) -> Result<(), ServerError> {
         let (sessions, held) = self.count_in(&q.namespaces);
         if let Some(max) = q.max_sessions {
             if replaced.is_none() && sessions >= max {
@@ -239,6 +266,8 @@ impl SessionTable {
         }
         let replaced = self.sessions.get(&sid).map(|m| m.bytes);
         self.check_quota(limits, replaced, spec.token_count * limits.bytes_per_token)?;
+        let old_keys = self.sessions.get(&sid).map_or(0, |m| m.keys.len() as u64 + u64::from(m.tail.is_some()));
+        self.check_manifest_keys(limits, old_keys, spec.keys.len() as u64 + u64::from(spec.tail.is_some()))?;
         pin_or_report(tier, &spec.namespace, &spec.keys, spec.tail)?;
         if let Some(old) = self.sessions.get(&sid) {
             tier.unpin(&old.namespace, &old.pinned_keys());
@@ -296,6 +325,8 @@ impl SessionTable {
         }
         check_shape(base_blocks + new_keys.len(), tail.is_some(), token_count, limits)?;
         self.check_quota(limits, Some(cur.bytes), token_count * limits.bytes_per_token)?;
+        let dropped = (cur.keys.len() - base_blocks) as u64 + u64::from(cur.tail.is_some());
+        self.check_manifest_keys(limits, dropped, new_keys.len() as u64 + u64::from(tail.is_some()))?;
         pin_or_report(tier, &ns, &new_keys, tail)?;
         let Some(mut cur) = self.remove(&sid) else {
             return Err(ServerError::SessionNotFound(id.into()));
@@ -415,6 +446,7 @@ mod tests {
             bytes_per_token: layout().bytes_per_token(),
             max_context_tokens: 64,
             quota: None,
+            max_manifest_keys: 1 << 20,
         }
     }
 
@@ -494,6 +526,31 @@ mod tests {
         assert_eq!(t.count_in(&[ns1, ns2]), (1, 2 * u64::from(BT) * bpt));
         t.expire(&tier, now + Duration::from_secs(60));
         assert_eq!(t.count_in(&[ns1, ns2, other]), (0, 0));
+    }
+
+    #[test]
+    fn manifests_together_name_at_most_max_manifest_keys() {
+        let tier = DramTier::new(DramConfig { capacity_bytes: 1 << 20, max_pinned_ratio: 0.9 });
+        let ns = NamespaceId([4; 16]);
+        let lim = SessionLimits { max_manifest_keys: 5, ..limits() };
+        let mut t = SessionTable::default();
+        let now = Instant::now();
+        // One block named many times over: the manifests, not the blocks, are what costs here.
+        let k = put(&tier, ns, 1, BT);
+        let named = |id: &str, n: usize| ParkSpec {
+            id: id.into(),
+            ..spec(ns, vec![k; n], None, (n as u64) * u64::from(BT), 0)
+        };
+        t.park(&tier, named("a", 3), &lim, now).unwrap();
+        let e = t.park(&tier, named("b", 3), &lim, now).unwrap_err();
+        assert!(matches!(e, ServerError::Capacity(ref m) if m.contains("max_session_keys")), "{e}");
+        t.park(&tier, named("b", 2), &lim, now).unwrap();
+        // Replacing a manifest counts only the difference; extending too.
+        t.park(&tier, ParkSpec { expected_version: 1, ..named("a", 1) }, &lim, now).unwrap();
+        t.extend(&tier, ns, "b", 1, 2, vec![k, k], None, 4 * u64::from(BT), &lim, now).unwrap();
+        assert!(t.extend(&tier, ns, "b", 2, 4, vec![k], None, 5 * u64::from(BT), &lim, now).is_err());
+        assert!(t.drop_session(&tier, ns, "b"));
+        t.park(&tier, named("c", 4), &lim, now).unwrap();
     }
 
     #[test]

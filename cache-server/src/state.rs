@@ -374,6 +374,7 @@ impl NodeState {
             bytes_per_token: ns.layout.bytes_per_token(),
             max_context_tokens: self.config.max_context_tokens,
             quota,
+            max_manifest_keys: self.config.max_session_keys(),
         }
     }
 
