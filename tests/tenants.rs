@@ -226,3 +226,42 @@ async fn a_tenant_writing_past_its_dram_quota_evicts_only_its_own_blocks() {
     assert!(resident <= 64 << 20, "the node's cap holds: {resident}");
     assert!(metric(&server.scrape(), "kvtier_quota_evictions_total", &[]) >= 3000.0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_namespace_is_unregistered_by_its_owner_only_and_stays_gone_after_a_restart() {
+    let cfg_dir = tempfile::tempdir().unwrap();
+    let cfg = config(cfg_dir.path());
+    let data = tempfile::tempdir().unwrap();
+    let args = ["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB", "--disk-capacity", "64MiB"];
+    let mut server = ServerProcess::start_in(data.path(), &args);
+    let a = client_as(&server, Some(TOKEN_A)).await;
+    let b = client_as(&server, Some(TOKEN_B)).await;
+    let gone = a.register(namespace("a", b"gone", small_layout())).await.unwrap();
+    let kept = a.register(namespace("a", b"kept", small_layout())).await.unwrap();
+    let doc = tokens(6, 48);
+    for ns in [&gone, &kept] {
+        let blocks = full_block_payloads(ns, &doc);
+        a.park(ns, "s", &doc, &blocks, &ParkOptions::default(), 0).await.unwrap();
+    }
+    forbidden(b.unregister(&gone).await, "another tenant unregisters");
+    let (sessions, blocks) = a.unregister(&gone).await.unwrap();
+    assert_eq!((sessions, blocks), (1, 3));
+    let err = a.lookup(&gone, &doc).await.unwrap_err();
+    assert!(matches!(err, ClientError::UnknownNamespace(_)), "{err}");
+    assert_eq!(a.stats().await.unwrap().namespaces, 1);
+
+    // After a restart the unregistered namespace (and its session) stay gone; the other is back.
+    drop(a);
+    drop(b);
+    let _ = server.child.kill();
+    let _ = server.child.wait();
+    server = ServerProcess::start_in(data.path(), &args);
+    let a = client_as(&server, Some(TOKEN_A)).await;
+    assert_eq!(a.stats().await.unwrap().namespaces, 1);
+    assert_eq!(a.resume(&kept, "s").await.unwrap().blocks, full_block_payloads(&kept, &doc));
+    let err = a.resume(&gone, "s").await.unwrap_err();
+    assert!(matches!(err, ClientError::UnknownNamespace(_)), "{err}");
+    // Registering it again starts empty.
+    let again = a.register(namespace("a", b"gone", small_layout())).await.unwrap();
+    assert_eq!(a.lookup(&again, &doc).await.unwrap(), 0);
+}

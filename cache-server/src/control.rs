@@ -338,6 +338,18 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         }))
     }
 
+    async fn unregister_namespace(
+        &self,
+        r: Request<pb::UnregisterNamespaceRequest>,
+    ) -> Result<Response<pb::UnregisterNamespaceResponse>, Status> {
+        let p = principal(&r)?;
+        let id = ns_id(&r.get_ref().namespace_id).map_err(to_status)?;
+        // It appends to (and syncs) the namespace and session logs.
+        let (sessions_dropped, blocks_removed) =
+            self.on_io(move |s| s.unregister_namespace(&p, &id)).await.map_err(to_status)?;
+        Ok(Response::new(pb::UnregisterNamespaceResponse { sessions_dropped, blocks_removed }))
+    }
+
     async fn purge(&self, r: Request<pb::PurgeRequest>) -> Result<Response<pb::PurgeResponse>, Status> {
         let p = principal(&r)?;
         let id = ns_id(&r.get_ref().namespace_id).map_err(to_status)?;

@@ -42,28 +42,67 @@ pub struct NodeState {
     _dir_lock: std::fs::File,
 }
 
-/// Reads `namespaces.log`: records of (length, xxh3, protobuf `NamespaceSpec`). A torn last record
-/// is ignored (its registration was never acknowledged).
-fn read_namespace_log(path: &std::path::Path) -> Vec<Namespace> {
+/// Marks a `namespaces.log` record as an unregistration (its body is the 16-byte id).
+const NS_TOMBSTONE: u32 = 1 << 31;
+
+/// One `namespaces.log` record: (length | flags, xxh3 of the body, body).
+fn namespace_record(flags: u32, body: &[u8]) -> Vec<u8> {
+    let mut rec = Vec::with_capacity(body.len() + 12);
+    rec.extend_from_slice(&(body.len() as u32 | flags).to_le_bytes());
+    rec.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(body).to_le_bytes());
+    rec.extend_from_slice(body);
+    rec
+}
+
+/// Reads `namespaces.log`: registrations (protobuf `NamespaceSpec`) and unregistrations, in order;
+/// the namespaces registered at its end, and whether it holds unregistrations (worth compacting).
+/// A torn last record is ignored (its change was never acknowledged).
+fn read_namespace_log(path: &std::path::Path) -> (HashMap<NamespaceId, Namespace>, bool) {
     use prost::Message;
-    let Ok(data) = std::fs::read(path) else { return Vec::new() };
-    let mut out = Vec::new();
+    let mut out = HashMap::new();
+    let mut tombstones = false;
+    let Ok(data) = std::fs::read(path) else { return (out, false) };
     let mut rest = &data[..];
     while rest.len() >= 12 {
-        let len = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]) as usize;
+        let word = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]);
+        let len = (word & !NS_TOMBSTONE) as usize;
         let mut sum = [0u8; 8];
         sum.copy_from_slice(&rest[4..12]);
         let Some(body) = rest.get(12..12 + len) else { break };
         if xxhash_rust::xxh3::xxh3_64(body) != u64::from_le_bytes(sum) {
             break;
         }
-        if let Some(ns) = kvtier_proto::pb::NamespaceSpec::decode(body).ok().and_then(|pb| Namespace::from_pb(&pb).ok())
+        if word & NS_TOMBSTONE != 0 {
+            tombstones = true;
+            if let Ok(id) = NamespaceId::from_slice(body) {
+                out.remove(&id);
+            }
+        } else if let Some(ns) =
+            kvtier_proto::pb::NamespaceSpec::decode(body).ok().and_then(|pb| Namespace::from_pb(&pb).ok())
         {
-            out.push(ns);
+            out.insert(ns.id(), ns);
         }
         rest = &rest[12 + len..];
     }
-    out
+    (out, tombstones)
+}
+
+/// Rewrites `namespaces.log` with only `live` (atomically: a new file renamed over it, synced).
+fn compact_namespace_log(path: &std::path::Path, live: &HashMap<NamespaceId, Namespace>) -> std::io::Result<()> {
+    use prost::Message;
+    let tmp = path.with_extension("log.tmp");
+    let mut data = Vec::new();
+    for ns in live.values() {
+        data.extend_from_slice(&namespace_record(0, &ns.to_pb().encode_to_vec()));
+    }
+    let f = std::fs::File::create(&tmp)?;
+    std::io::Write::write_all(&mut &f, &data)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, path)?;
+    if let Some(dir) = path.parent() {
+        std::fs::File::open(dir)?.sync_all()?;
+    }
+    Ok(())
 }
 
 /// Holds `<data_dir>/LOCK` so a second server on the same directory is refused.
@@ -143,8 +182,16 @@ impl NodeState {
             );
         }
         let ns_path = config.data_dir.join("namespaces.log");
-        let namespaces: HashMap<NamespaceId, Namespace> =
-            read_namespace_log(&ns_path).into_iter().map(|ns| (ns.id(), ns)).collect();
+        let (namespaces, tombstones) = read_namespace_log(&ns_path);
+        if tombstones {
+            compact_namespace_log(&ns_path, &namespaces)?;
+        }
+        // Blocks of namespaces unregistered before the restart are still in their segments:
+        // they are forgotten again (their bytes go with their segments).
+        for gone in disk.namespaces().into_iter().filter(|id| !namespaces.contains_key(id)) {
+            let n = disk.purge_namespace(&gone).len();
+            tracing::info!(blocks = n, "blocks of an unregistered namespace dropped at recovery");
+        }
         let f = std::fs::OpenOptions::new().create(true).append(true).open(&ns_path)?;
         let state = NodeState {
             tiers: TierStack::new(dram, Some(Arc::new(disk)), fsync),
@@ -263,11 +310,7 @@ impl NodeState {
         // which replay folds into one.
         if let Some(log) = &self.namespace_log {
             use prost::Message;
-            let body = ns.to_pb().encode_to_vec();
-            let mut rec = Vec::with_capacity(body.len() + 12);
-            rec.extend_from_slice(&(body.len() as u32).to_le_bytes());
-            rec.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(&body).to_le_bytes());
-            rec.extend_from_slice(&body);
+            let rec = namespace_record(0, &ns.to_pb().encode_to_vec());
             let f = log.lock();
             std::io::Write::write_all(&mut &*f, &rec)?;
             let syncer = f.try_clone()?;
@@ -284,6 +327,34 @@ impl NodeState {
             metrics::gauge!("kvtier_namespaces").set(map.len() as f64);
         }
         Ok(id)
+    }
+
+    /// Unregisters a namespace `by` may write: it stops being known (logged, synced, before
+    /// anything else), then its sessions are dropped and its blocks removed. Returns (sessions
+    /// dropped, blocks removed). Blocks still pinned by another connection's lease stay until
+    /// evicted.
+    pub fn unregister_namespace(&self, by: &Principal, id: &NamespaceId) -> Result<(u64, u64), ServerError> {
+        self.namespace_for(by, id, Access::Write)?;
+        if let Some(log) = &self.namespace_log {
+            let rec = namespace_record(NS_TOMBSTONE, &id.0);
+            let f = log.lock();
+            std::io::Write::write_all(&mut &*f, &rec)?;
+            let syncer = f.try_clone()?;
+            drop(f);
+            syncer.sync_data()?;
+        }
+        {
+            let mut map = self.namespaces.write();
+            map.remove(id);
+            metrics::gauge!("kvtier_namespaces").set(map.len() as f64);
+        }
+        let mut dropped = 0;
+        for m in self.sessions.list(Some(*id)) {
+            dropped += u64::from(self.sessions.drop_session(self.tiers.session_pins(), *id, &m.id));
+        }
+        let removed = self.tiers.purge(id);
+        tracing::info!(principal = by.name(), dropped, removed, "namespace unregistered");
+        Ok((dropped, removed))
     }
 
     /// Whether `p` may `access` a registered namespace (without copying it: the data plane asks

@@ -1029,6 +1029,15 @@ impl KvClient {
         Ok(self.timed(async move { Ok(g.purge(req).await?.into_inner()) }).await?.blocks_removed)
     }
 
+    /// Removes a namespace from the server: its sessions are dropped, its blocks removed, and
+    /// the server's slot for it freed. Returns (sessions dropped, blocks removed).
+    pub async fn unregister(&self, ns: &NamespaceHandle) -> Result<(u64, u64), ClientError> {
+        let req = pb::UnregisterNamespaceRequest { namespace_id: Bytes::copy_from_slice(&ns.id.0) };
+        let mut g = self.grpc();
+        let r = self.timed(async move { Ok(g.unregister_namespace(req).await?.into_inner()) }).await?;
+        Ok((r.sessions_dropped, r.blocks_removed))
+    }
+
     /// The raw gRPC client, for requests the typed API doesn't cover (and for tests that send
     /// malformed ones on purpose).
     pub fn raw_grpc(&self) -> KvTierClient<InterceptedService<Channel, impl tonic::service::Interceptor + Clone>> {

@@ -417,6 +417,11 @@ impl DiskTier {
         Some((loc.header, payload))
     }
 
+    /// The namespaces of the indexed blocks.
+    pub fn namespaces(&self) -> HashSet<NamespaceId> {
+        self.inner.lock().index.keys().map(|k| k.0).collect()
+    }
+
     /// Forgets every unpinned block of a namespace (their bytes go with their segments); returns
     /// their keys.
     pub fn purge_namespace(&self, ns: &NamespaceId) -> Vec<BlockKey> {
