@@ -51,6 +51,11 @@ use crate::CodecError;
 /// small enough to stay in the core's cache between the rotation and the quantization.
 const ROTATION_BATCH_ELEMENTS: usize = 8192;
 
+/// The largest NVFP4 global scale the fused rotated decoder takes (2^98): every decoded value is
+/// then at most `6 · 448 · 2^98 < 2^110`, below [`ROTATION_MAX_DECODED`], so the check the unfused
+/// path makes cannot fail. Larger ones (only in payloads the encoder did not write) take that path.
+const NVFP4_FUSED_MAX_GLOBAL: f32 = 3.169_126_5e29;
+
 /// A layer-first NVFP4 block encoded on one thread rotates each plane once into a scratch buffer
 /// of at most this many bytes (and reads it for the amax, then for the codes); larger planes are
 /// rotated twice, batch by batch.
@@ -478,10 +483,31 @@ impl Codec {
                 let per_row = info.fp8_scales == Fp8ScaleMode::PerTokenHead;
                 let codes = parts.codes();
                 let chunks = split_rows(spec.rows(), hd * os, parallel, out, hd * os, &mut [], 0);
+                let scale_of = |r: usize| if per_row { scales[r] } else { scales[spec.plane_of_row(r)] };
+                if let Some(rot) = rot.as_ref().filter(|rot| {
+                    isa.fuses_rotated_decode(rot, out_dtype) && scales.iter().all(|s| *s <= ROTATION_MAX_INPUT)
+                }) {
+                    // Dequantized and inverse-rotated in one pass per row (no f32 rows in memory);
+                    // scales this small keep every decoded value below ROTATION_MAX_DECODED.
+                    return run(parallel, chunks, |c| {
+                        let (r0, r1) = (c.rows.start, c.rows.end);
+                        let bad = isa.fp8_decode_rows_rotated(
+                            rot,
+                            &codes[r0 * hd..r1 * hd],
+                            |k| scale_of(r0 + k),
+                            out_dtype,
+                            c.a,
+                        );
+                        if bad {
+                            Err(bad_code())
+                        } else {
+                            Ok(())
+                        }
+                    });
+                }
                 run(parallel, chunks, |c| {
                     sink.rows(c, |r, dtype, dst| {
-                        let s = if per_row { scales[r] } else { scales[spec.plane_of_row(r)] };
-                        isa.fp8_decode_row(&codes[r * hd..(r + 1) * hd], s, dtype, dst)
+                        isa.fp8_decode_row(&codes[r * hd..(r + 1) * hd], scale_of(r), dtype, dst)
                     })
                 })
             }
@@ -493,6 +519,28 @@ impl Codec {
                 let (bs, codes) = (parts.block_scales(), parts.codes());
                 let (nb, cb) = (hd.div_ceil(16), hd.div_ceil(2));
                 let chunks = split_rows(spec.rows(), hd * os, parallel, out, hd * os, &mut [], 0);
+                if let Some(rot) = rot.as_ref().filter(|rot| {
+                    isa.fuses_rotated_decode(rot, out_dtype) && g.iter().all(|s| *s <= NVFP4_FUSED_MAX_GLOBAL)
+                }) {
+                    // Dequantized and inverse-rotated in one pass per row (no f32 rows in memory);
+                    // global scales this small keep every decoded value below ROTATION_MAX_DECODED.
+                    return run(parallel, chunks, |c| {
+                        let (r0, r1) = (c.rows.start, c.rows.end);
+                        let bad = isa.nvfp4_decode_rows_rotated(
+                            rot,
+                            &bs[r0 * nb..r1 * nb],
+                            &codes[r0 * cb..r1 * cb],
+                            |k| g[spec.plane_of_row(r0 + k)],
+                            out_dtype,
+                            c.a,
+                        );
+                        if bad {
+                            Err(bad_code())
+                        } else {
+                            Ok(())
+                        }
+                    });
+                }
                 run(parallel, chunks, |c| {
                     sink.rows(c, |r, dtype, dst| {
                         let gp = g[spec.plane_of_row(r)];
@@ -704,8 +752,6 @@ impl Sink<'_> {
     where
         F: Fn(usize, DType, &mut [u8]) -> bool,
     {
-        let bad_code =
-            || CodecError::Corrupt("payload holds a NaN or signed scale code the encoder never writes".into());
         let (hd, os) = (self.hd, self.out_dtype.size() as usize);
         let r0 = c.rows.start;
         let Some(rot) = self.rot else {
@@ -738,6 +784,11 @@ impl Sink<'_> {
         }
         Ok(())
     }
+}
+
+/// The error for a payload holding a code the encoder never writes.
+fn bad_code() -> CodecError {
+    CodecError::Corrupt("payload holds a NaN or signed scale code the encoder never writes".into())
 }
 
 /// Largest `|x|` of every plane of the rows `source` gives the kernels; [`CodecError::NonFinite`]

@@ -353,3 +353,143 @@ unsafe fn quantize<const N: usize>(v: &[__m512; N], se: f32, off: usize, dst: &m
         fp8_chunk::<N, false>(v, p, p, off, dst);
     }
 }
+
+/// FP8 codes of one chunk (`16N` bytes at `off` of the row `c`) as f32 times `sc = 256·scale`
+/// into `v`: code → the FP16 pattern of `code·2^-8` (sign-extend the byte to 16 bits, shift the
+/// magnitude under the FP16 exponent, keep bit 15 as the sign), FP16 → f32 (exact), one product:
+/// `fl(e4m3(code) · scale)`, the scalar decoder's value (`avx2::fp8_decode_row`'s construction on
+/// sixteen lanes). Returns the running max of `code & 0x7F` (0x7F: a NaN code) folded into `bad`.
+#[inline(always)]
+unsafe fn fp8_dequant_chunk<const N: usize>(c: &[u8], off: usize, sc: __m512, v: &mut [__m512; N], bad: __m128i) -> __m128i {
+    assert!(off + 16 * N <= c.len());
+    let mut bad = bad;
+    for (k, x) in v.iter_mut().enumerate() {
+        // SAFETY: bytes off + 16k .. + 16 are inside c (assert above).
+        let b = _mm_loadu_si128(c.as_ptr().add(off + 16 * k) as *const __m128i);
+        bad = _mm_max_epu8(bad, _mm_and_si128(b, _mm_set1_epi8(0x7F)));
+        let w = _mm256_cvtepi8_epi16(b);
+        let h = _mm256_and_si256(_mm256_slli_epi16::<7>(w), _mm256_set1_epi16(0xBF80u16 as i16));
+        *x = _mm512_mul_ps(_mm512_cvtph_ps(h), sc);
+    }
+    bad
+}
+
+/// Multiplies a chunk by `mul` (elements `off..off + 16N`) and stores it at elements `off..` of
+/// the row `o` in `dtype`.
+#[inline(always)]
+unsafe fn store_chunk<const N: usize>(v: &[__m512; N], mul: &[f32], off: usize, dtype: DType, o: &mut [u8]) {
+    assert!(off + 16 * N <= mul.len() && (off + 16 * N) * dtype.size() as usize <= o.len());
+    for (k, x) in v.iter().enumerate() {
+        // SAFETY: elements off + 16k .. + 16 are inside mul and o (assert above).
+        store16(dtype, o, off + 16 * k, _mm512_mul_ps(*x, _mm512_loadu_ps(mul.as_ptr().add(off + 16 * k))));
+    }
+}
+
+/// FP8 decoding fused with the inverse rotation, one row at a time in registers: each chunk's
+/// codes dequantized ([`fp8_dequant_chunk`], the decoder's `fl(code · scale)`), the transform
+/// ([`wht_regs16`]), times `mul`, stored as `dtype`: the bytes of decoding every row into f32
+/// and unrotating those ([`unrotate_rows`]), with no f32 row in memory. `scale(k)`: the scale of
+/// row `k` of `codes` (`mul.len()` codes per row). Returns whether a NaN code (never written by
+/// the encoder) was met; `dst` is then unspecified. The caller has checked [`covers`] and that
+/// every scale is small enough that no decoded value can pass
+/// `crate::rotation::ROTATION_MAX_DECODED` (the check `unrotate_rows`' amax serves).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c,fma")]
+pub(crate) unsafe fn fp8_decode_rows_rotated<F: Fn(usize) -> f32>(
+    codes: &[u8],
+    scale: F,
+    mul: &[f32],
+    chunks: &[usize],
+    dtype: DType,
+    dst: &mut [u8],
+) -> bool {
+    debug_assert!(covers(dtype, chunks));
+    let hd = mul.len();
+    let mut bad = _mm_setzero_si128();
+    for (r, (c, o)) in codes.chunks_exact(hd).zip(dst.chunks_exact_mut(hd * dtype.size() as usize)).enumerate() {
+        let sc = _mm512_set1_ps(scale(r) * 256.0);
+        let mut off = 0;
+        for &n in chunks {
+            by_chunk!(n, |v| {
+                bad = fp8_dequant_chunk(c, off, sc, &mut v, bad);
+                wht_regs16(&mut v);
+                store_chunk(&v, mul, off, dtype, o);
+            });
+            off += n;
+        }
+    }
+    _mm_movemask_epi8(_mm_cmpeq_epi8(bad, _mm_set1_epi8(0x7F))) != 0
+}
+
+/// The sixteen E2M1 values in code order (sign in bit 3), for a lane permute.
+const E2M1_SIGNED: [f32; 16] = [
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+];
+
+/// NVFP4 decoding fused with the inverse rotation, one row at a time in registers (see
+/// [`fp8_decode_rows_rotated`]): a row's block scales `d = fl(e4m3(bs) · g)` computed sixteen at
+/// a time (the FP16 construction of [`fp8_dequant_chunk`], times `256·g`), then for each
+/// micro-block (one vector) the sixteen products `fl(e2m1(c) · d)` as a table and each element's
+/// nibble picking its entry by a lane permute; then the transform, times `mul`, stored as `dtype`.
+/// The bytes of `scalar::nvfp4_decode_row` into f32 followed by [`unrotate_rows`]. `g(k)`: the
+/// global scale of row `k`. Returns whether a block scale code is not a valid unsigned E4M3 code
+/// (`dst` is then unspecified). The caller has checked [`covers`] (so `mul.len()` is a multiple
+/// of 16) and that every global scale is at most 2^98 (so no decoded value can pass
+/// `crate::rotation::ROTATION_MAX_DECODED`).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c,fma")]
+pub(crate) unsafe fn nvfp4_decode_rows_rotated<F: Fn(usize) -> f32>(
+    bs: &[u8],
+    codes: &[u8],
+    g: F,
+    mul: &[f32],
+    chunks: &[usize],
+    dtype: DType,
+    dst: &mut [u8],
+) -> bool {
+    debug_assert!(covers(dtype, chunks));
+    let hd = mul.len();
+    assert!(hd % 16 == 0);
+    let (nb, cb) = (hd / 16, hd / 2);
+    let table = _mm512_loadu_ps(E2M1_SIGNED.as_ptr());
+    let shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+    let halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    let mut d = vec![0f32; nb.next_multiple_of(16)];
+    let mut bad = _mm_setzero_si128();
+    let rows = codes.len() / cb.max(1);
+    assert!(rows * nb <= bs.len());
+    for (r, (c, o)) in codes.chunks_exact(cb).zip(dst.chunks_exact_mut(hd * dtype.size() as usize)).enumerate() {
+        let rbs = &bs[r * nb..(r + 1) * nb];
+        let gs = _mm512_set1_ps(g(r) * 256.0);
+        let mut b = 0;
+        while b < nb {
+            let m = (nb - b).min(16);
+            let k: __mmask16 = if m == 16 { 0xFFFF } else { (1u16 << m) - 1 };
+            // SAFETY: the mask keeps the load to bytes b..b + m of rbs (masked-out bytes are not
+            // read and read as 0); d has room for sixteen lanes at b (its length is a multiple
+            // of 16 above nb).
+            let s = _mm_maskz_loadu_epi8(k, rbs.as_ptr().add(b) as *const i8);
+            bad = _mm_max_epu8(bad, s);
+            let h = _mm256_slli_epi16::<7>(_mm256_cvtepu8_epi16(s));
+            _mm512_storeu_ps(d.as_mut_ptr().add(b), _mm512_mul_ps(_mm512_cvtph_ps(h), gs));
+            b += 16;
+        }
+        let mut off = 0;
+        for &n in chunks {
+            by_chunk!(n, |v| {
+                assert!(off + 16 * v.len() <= hd);
+                for (k, x) in v.iter_mut().enumerate() {
+                    let blk = off / 16 + k;
+                    let t = _mm512_mul_ps(table, _mm512_set1_ps(d[blk]));
+                    // SAFETY: the 8 code bytes of block blk (8·blk .. + 8 ≤ cb) are inside c.
+                    let w = _mm_loadl_epi64(c.as_ptr().add(8 * blk) as *const __m128i);
+                    let idx = _mm512_srlv_epi32(_mm512_permutexvar_epi32(halves, _mm512_castsi128_si512(w)), shifts);
+                    *x = _mm512_permutexvar_ps(idx, t);
+                }
+                wht_regs16(&mut v);
+                store_chunk(&v, mul, off, dtype, o);
+            });
+            off += n;
+        }
+    }
+    // Valid block scales are unsigned E4M3 codes below 0x7F (NaN).
+    _mm_movemask_epi8(_mm_cmpeq_epi8(_mm_max_epu8(bad, _mm_set1_epi8(0x7F)), bad)) != 0
+}

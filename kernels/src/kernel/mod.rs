@@ -291,6 +291,67 @@ impl Isa {
         scalar::row_amax_bits(DType::Fp32, src)
     }
 
+    /// Whether [`Isa::fp8_decode_rows_rotated`] and [`Isa::nvfp4_decode_rows_rotated`] have a
+    /// fused kernel for rows of `rot` decoded into `out` (else the caller decodes into f32 and
+    /// calls [`Isa::unrotate_rows`]).
+    pub(crate) fn fuses_rotated_decode(self, rot: &Rotation, out: DType) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if let Isa::Avx512(_) = self {
+            return avx512::covers(out, rot.chunks());
+        }
+        let _ = (rot, out);
+        false
+    }
+
+    /// FP8 rows (`rot.head_dim()` codes each) decoded with `scale(k)` for row `k` and
+    /// inverse-rotated into `dst` as `out`, in one pass per row: the bytes of decoding into f32
+    /// and [`Isa::unrotate_rows`]. Only where [`Isa::fuses_rotated_decode`]; the caller has
+    /// checked every scale is at most [`crate::rotation::ROTATION_MAX_INPUT`] (so no decoded
+    /// value passes [`crate::rotation::ROTATION_MAX_DECODED`]). Returns whether a NaN code was
+    /// met (`dst` is then unspecified).
+    pub(crate) fn fp8_decode_rows_rotated<F: Fn(usize) -> f32>(
+        self,
+        rot: &Rotation,
+        codes: &[u8],
+        scale: F,
+        out: DType,
+        dst: &mut [u8],
+    ) -> bool {
+        assert!(self.fuses_rotated_decode(rot, out), "no fused rotated decoder");
+        #[cfg(target_arch = "x86_64")]
+        if let Isa::Avx512(_) = self {
+            // SAFETY: an Avx512 Isa exists only after the AVX-512 and AVX2 features were detected.
+            return unsafe { avx512::fp8_decode_rows_rotated(codes, scale, rot.mul(), rot.chunks(), out, dst) };
+        }
+        let _ = (codes, scale, dst);
+        unreachable!("checked by the assert above")
+    }
+
+    /// NVFP4 rows (`ceil(hd/16)` block scales and `ceil(hd/2)` code bytes each) decoded with the
+    /// global scale `g(k)` for row `k` and inverse-rotated into `dst` as `out`, in one pass per
+    /// row: the bytes of decoding into f32 and [`Isa::unrotate_rows`]. Only where
+    /// [`Isa::fuses_rotated_decode`]; the caller has checked every global scale is at most 2^98
+    /// (so no decoded value passes [`crate::rotation::ROTATION_MAX_DECODED`]). Returns whether a
+    /// block scale code is not a valid unsigned E4M3 code (`dst` is then unspecified).
+    pub(crate) fn nvfp4_decode_rows_rotated<F: Fn(usize) -> f32>(
+        self,
+        rot: &Rotation,
+        bs: &[u8],
+        codes: &[u8],
+        g: F,
+        out: DType,
+        dst: &mut [u8],
+    ) -> bool {
+        assert!(self.fuses_rotated_decode(rot, out), "no fused rotated decoder");
+        #[cfg(target_arch = "x86_64")]
+        if let Isa::Avx512(_) = self {
+            // SAFETY: an Avx512 Isa exists only after the AVX-512 and AVX2 features were detected.
+            return unsafe { avx512::nvfp4_decode_rows_rotated(bs, codes, g, rot.mul(), rot.chunks(), out, dst) };
+        }
+        let _ = (bs, codes, g, dst);
+        unreachable!("checked by the assert above")
+    }
+
     /// Unscaled E4M3 codes of f32 values (a division by 1 is exact).
     pub(crate) fn e4m3_slice(self, xs: &[f32], out: &mut [u8]) {
         let bytes: Vec<u8> = xs.iter().flat_map(|v| v.to_le_bytes()).collect();
