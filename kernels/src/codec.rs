@@ -313,8 +313,29 @@ impl Codec {
         run(parallel, chunks, |c| {
             let r0 = c.rows.start;
             if let (None, Some(rot)) = (&plane_scales, source.rot) {
-                // Rotated, one scale per row: rotated and quantized in one pass per row.
-                return source.checked_batches(c.rows.clone(), |b0, bytes| {
+                // Rotated, one scale per row: rotated and quantized in one pass per row, the
+                // range check folded into that pass where the kernel can (the rows are refused
+                // afterwards, by the same check and error, and what was written discarded).
+                let per = (ROTATION_BATCH_ELEMENTS / hd).max(1);
+                let mut b0 = r0;
+                while b0 < c.rows.end {
+                    let e = (b0 + per).min(c.rows.end);
+                    let (o, n) = (b0 - r0, e - b0);
+                    let (sc, co) = (&mut c.b[4 * o..4 * (o + n)], &mut c.a[o * hd..(o + n) * hd]);
+                    match isa.fp8_encode_rows_rotated_fused(rot, spec.dtype, source.src_rows(b0..e), sc, co) {
+                        None => break,
+                        Some(bits) => {
+                            if bits > ROTATION_MAX_INPUT.to_bits() {
+                                source.checked(b0..e)?;
+                            }
+                            b0 = e;
+                        }
+                    }
+                }
+                if b0 == c.rows.end {
+                    return Ok(());
+                }
+                return source.checked_batches(b0..c.rows.end, |b0, bytes| {
                     let (o, n) = (b0 - r0, bytes.len() / row_bytes);
                     let (sc, co) = (&mut c.b[4 * o..4 * (o + n)], &mut c.a[o * hd..(o + n) * hd]);
                     isa.fp8_encode_rows_rotated(rot, spec.dtype, bytes, sc, co).map_err(|k| source.bad_row(b0 + k))

@@ -75,24 +75,47 @@ unsafe fn store16(dtype: DType, dst: &mut [u8], i: usize, v: __m512) {
     }
 }
 
-/// The forward rotation of one chunk, elements `off..off + 16N` of the row `s` (dtype `dtype`):
-/// times `mul`, [`wht_regs16`], left in `v`. Returns the max of the rotated values' magnitude
-/// bits in sixteen u32 lanes.
+/// `max(|a|, |b|)` with the sign cleared, lane by lane, in one operation (`vrangeps`, "max
+/// absolute value, sign cleared"): on finite lanes the same bits as the max of the magnitudes'
+/// bits; a NaN lane gives a NaN.
 #[inline(always)]
-unsafe fn fwd_chunk<const N: usize>(dtype: DType, s: &[u8], mul: &[f32], off: usize, v: &mut [__m512; N]) -> __m512i {
+unsafe fn max_abs(a: __m512, b: __m512) -> __m512 {
+    _mm512_range_ps::<0b1011>(a, b)
+}
+
+/// The forward rotation of one chunk, elements `off..off + 16N` of the row `s` (dtype `dtype`):
+/// times `mul`, [`wht_regs16`], left in `v`. Returns the max magnitude of the rotated values in
+/// sixteen lanes ([`max_abs`]), and folds the magnitudes of the loaded values into `src_max`
+/// (for the caller's range check, which the rotated codecs make on the source).
+#[inline(always)]
+unsafe fn fwd_chunk<const N: usize>(
+    dtype: DType,
+    s: &[u8],
+    mul: &[f32],
+    off: usize,
+    v: &mut [__m512; N],
+    src_max: &mut __m512,
+) -> __m512 {
     let end = off + 16 * N;
     assert!(end <= mul.len() && end * dtype.size() as usize <= s.len());
     for (k, x) in v.iter_mut().enumerate() {
         // SAFETY: elements off + 16k .. off + 16k + 16 ≤ end are inside s and mul (assert above).
-        *x = _mm512_mul_ps(load16(dtype, s, off + 16 * k), _mm512_loadu_ps(mul.as_ptr().add(off + 16 * k)));
+        let l = load16(dtype, s, off + 16 * k);
+        *src_max = max_abs(*src_max, l);
+        *x = _mm512_mul_ps(l, _mm512_loadu_ps(mul.as_ptr().add(off + 16 * k)));
     }
     wht_regs16(v);
-    let abs = _mm512_set1_epi32(ABS);
-    let mut m = _mm512_setzero_si512();
+    let mut m = _mm512_setzero_ps();
     for x in v.iter() {
-        m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_castps_si512(*x), abs));
+        m = max_abs(m, *x);
     }
     m
+}
+
+/// The largest lane of [`max_abs`] results, as f32 bits (sign cleared).
+#[inline(always)]
+unsafe fn max_bits(m: __m512) -> u32 {
+    _mm512_reduce_max_epu32(_mm512_and_si512(_mm512_castps_si512(m), _mm512_set1_epi32(ABS)))
 }
 
 /// Stores `v` (a chunk of `16N` f32) at elements `off..` of `o` as little-endian f32.
@@ -153,7 +176,8 @@ pub(crate) unsafe fn rotate_rows(
         let mut off = 0;
         for &n in chunks {
             by_chunk!(n, |v| {
-                fwd_chunk(dtype, s, mul, off, &mut v);
+                let mut src_max = _mm512_setzero_ps();
+                fwd_chunk(dtype, s, mul, off, &mut v, &mut src_max);
                 store_f32s(&v, off, o);
             });
             off += n;
@@ -229,7 +253,54 @@ unsafe fn e4m3_codes16<const EXACT: bool>(x: __m512, p: __m512, q: __m512) -> __
     _mm512_cvtepi32_epi8(_mm512_or_si512(mag, sign))
 }
 
-/// Quantizes one rotated chunk held in `v` into `dst[off..off + 16N]` (see [`e4m3_codes16`]).
+/// The E4M3 magnitude code of `|x| / s` (as [`e4m3_codes16`]) plus
+/// [`E4M3_BIAS`], times 16, in 32-bit lanes: after the rounding addition `t = a + m`, `t` and `m`
+/// share their high bits (`a < m`, so the sum stays in `m`'s binade) and `t − m` is the count of
+/// E4M3 steps (≤ 16), so `t`'s low 16 bits are that count and its high 16 bits `m >> 16` (a
+/// positive i16, the exponent field shifted by 7); one `vpmaddwd` with weights (16, 1) gives
+/// `16·units + (m >> 16) = 16·(units + (m >> 20))`, at most 16·1256: three operations fewer than
+/// `(t − m) + (m >> 20)`, the rest done once per 32 codes on words ([`e4m3_codes64`]).
+#[inline(always)]
+unsafe fn e4m3_x16<const EXACT: bool>(x: __m512, p: __m512, q: __m512) -> __m512i {
+    let a = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(ABS)));
+    let a = if EXACT {
+        _mm512_fmadd_ps(a, p, _mm512_mul_ps(a, q))
+    } else {
+        _mm512_min_ps(_mm512_div_ps(a, p), _mm512_set1_ps(448.0))
+    };
+    let ab = _mm512_castps_si512(a);
+    let m = _mm512_max_epi32(
+        _mm512_add_epi32(_mm512_and_si512(ab, _mm512_set1_epi32(0x7F80_0000)), _mm512_set1_epi32(20 << 23)),
+        _mm512_set1_epi32(141 << 23),
+    );
+    let t = _mm512_castps_si512(_mm512_add_ps(a, _mm512_castsi512_ps(m)));
+    _mm512_madd_epi16(t, _mm512_set1_epi32(0x0001_0010))
+}
+
+/// The 64 E4M3 codes of four vectors (elements in order: `x0`'s sixteen, then `x1`'s, …), the
+/// bytes of [`e4m3_codes16`] on each: [`e4m3_x16`] of each, packed to words (exact: every value
+/// fits 16 bits unsigned), `>> 4` and the bias removed on 32 words at once, packed to bytes; the
+/// signs from the inputs packed the same way with signed saturation (which keeps each sign bit,
+/// −0 included) and merged into bit 7; one lane permute undoes the packs' interleaving of the
+/// 128-bit lanes.
+#[inline(always)]
+unsafe fn e4m3_codes64<const EXACT: bool>(x: &[__m512; 4], p: __m512, q: __m512) -> __m512i {
+    let w0 = _mm512_packus_epi32(e4m3_x16::<EXACT>(x[0], p, q), e4m3_x16::<EXACT>(x[1], p, q));
+    let w1 = _mm512_packus_epi32(e4m3_x16::<EXACT>(x[2], p, q), e4m3_x16::<EXACT>(x[3], p, q));
+    let bias = _mm512_set1_epi16(E4M3_BIAS as i16);
+    let m0 = _mm512_sub_epi16(_mm512_srli_epi16::<4>(w0), bias);
+    let m1 = _mm512_sub_epi16(_mm512_srli_epi16::<4>(w1), bias);
+    let mag = _mm512_packus_epi16(m0, m1);
+    let xb = |k: usize| _mm512_castps_si512(x[k]);
+    let sgn = _mm512_packs_epi16(_mm512_packs_epi32(xb(0), xb(1)), _mm512_packs_epi32(xb(2), xb(3)));
+    // mag | (sgn & 0x80)
+    let codes = _mm512_ternarylogic_epi32::<0xF8>(mag, sgn, _mm512_set1_epi8(0x80u8 as i8));
+    // Dword 4i + L (elements 16i + 4L ..) sits at 4L + i after the packs.
+    _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), codes)
+}
+
+/// Quantizes one rotated chunk held in `v` into `dst[off..off + 16N]` (see [`e4m3_codes16`]),
+/// four vectors at a time where it can ([`e4m3_codes64`]).
 #[inline(always)]
 unsafe fn fp8_chunk<const N: usize, const EXACT: bool>(
     v: &[__m512; N],
@@ -239,9 +310,17 @@ unsafe fn fp8_chunk<const N: usize, const EXACT: bool>(
     dst: &mut [u8],
 ) {
     assert!(off + 16 * N <= dst.len());
-    for (k, x) in v.iter().enumerate() {
+    let mut k = 0;
+    while k + 4 <= N {
+        let four = [v[k], v[k + 1], v[k + 2], v[k + 3]];
+        // SAFETY: bytes off + 16k .. + 64 are inside dst (assert above, k + 4 ≤ N).
+        _mm512_storeu_si512(dst.as_mut_ptr().add(off + 16 * k) as *mut _, e4m3_codes64::<EXACT>(&four, p, q));
+        k += 4;
+    }
+    while k < N {
         // SAFETY: bytes off + 16k .. + 16 are inside dst (assert above).
-        _mm_storeu_si128(dst.as_mut_ptr().add(off + 16 * k) as *mut __m128i, e4m3_codes16::<EXACT>(*x, p, q));
+        _mm_storeu_si128(dst.as_mut_ptr().add(off + 16 * k) as *mut __m128i, e4m3_codes16::<EXACT>(v[k], p, q));
+        k += 1;
     }
 }
 
@@ -249,9 +328,12 @@ unsafe fn fp8_chunk<const N: usize, const EXACT: bool>(
 /// row is a single chunk: rotated in registers, its amax reduced from them, its scale
 /// (`crate::scale::fp8_scale`) computed, and its codes written from the same registers. Rows of
 /// several chunks are rotated into `fb` (head_dim f32, in L1) first. The bytes are those of
-/// rotating every row and encoding the f32 rows with `fp8_encode_rows`. The caller has checked
-/// every row (finite, within `crate::rotation::ROTATION_MAX_INPUT`), so every rotated value is
-/// finite.
+/// rotating every row and encoding the f32 rows with `fp8_encode_rows`.
+///
+/// Returns the largest magnitude of the *source* values as f32 bits (NaN and Inf above every
+/// finite value): the caller refuses the rows (and discards what was written) when it passes
+/// `crate::rotation::ROTATION_MAX_INPUT`, so that check costs no pass of its own. Any input is
+/// safe here: non-finite or huge values only make meaningless codes.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c,fma")]
 pub(crate) unsafe fn fp8_encode_rows_rotated(
     dtype: DType,
@@ -260,14 +342,13 @@ pub(crate) unsafe fn fp8_encode_rows_rotated(
     chunks: &[usize],
     scales: &mut [u8],
     codes: &mut [u8],
-) {
-    if !covers(dtype, chunks) {
-        return avx2::fp8_encode_rows_rotated(dtype, src, mul, chunks, scales, codes);
-    }
+) -> u32 {
+    debug_assert!(covers(dtype, chunks));
     let hd = mul.len();
     let row_bytes = hd * dtype.size() as usize;
     let rows = codes.len() / hd.max(1);
     assert!(rows * row_bytes <= src.len() && 4 * rows <= scales.len());
+    let mut src_max = _mm512_setzero_ps();
     if let [n] = *chunks {
         // Two rows at a time: their rotations, then their scales, then their codes, so that one
         // row's scalar scale arithmetic (a chain of divisions) overlaps the other's vector work.
@@ -278,10 +359,10 @@ pub(crate) unsafe fn fp8_encode_rows_rotated(
             let (c0, c1) = scales[4 * r..4 * r + 8].split_at_mut(4);
             by_chunk!(n, |v| {
                 let mut w = v;
-                let m0 = fwd_chunk(dtype, s0, mul, 0, &mut v);
-                let m1 = fwd_chunk(dtype, s1, mul, 0, &mut w);
-                let se0 = row_scale(_mm512_reduce_max_epu32(m0), c0);
-                let se1 = row_scale(_mm512_reduce_max_epu32(m1), c1);
+                let m0 = fwd_chunk(dtype, s0, mul, 0, &mut v, &mut src_max);
+                let m1 = fwd_chunk(dtype, s1, mul, 0, &mut w, &mut src_max);
+                let se0 = row_scale(max_bits(m0), c0);
+                let se1 = row_scale(max_bits(m1), c1);
                 quantize(&v, se0, 0, d0);
                 quantize(&w, se1, 0, d1);
             });
@@ -292,27 +373,27 @@ pub(crate) unsafe fn fp8_encode_rows_rotated(
             let dst = &mut codes[r * hd..(r + 1) * hd];
             let sc = &mut scales[4 * r..4 * r + 4];
             by_chunk!(n, |v| {
-                let m = fwd_chunk(dtype, s, mul, 0, &mut v);
-                let se = row_scale(_mm512_reduce_max_epu32(m), sc);
+                let m = fwd_chunk(dtype, s, mul, 0, &mut v, &mut src_max);
+                let se = row_scale(max_bits(m), sc);
                 quantize(&v, se, 0, dst);
             });
         }
-        return;
+        return max_bits(src_max);
     }
     // Several chunks: rotate the row into `fb` (f32 bytes), then quantize from it.
     let mut fb = vec![0u8; hd * 4];
     for r in 0..rows {
         let s = &src[r * row_bytes..(r + 1) * row_bytes];
-        let mut acc = _mm512_setzero_si512();
+        let mut acc = _mm512_setzero_ps();
         let mut off = 0;
         for &n in chunks {
             by_chunk!(n, |v| {
-                acc = _mm512_max_epu32(acc, fwd_chunk(dtype, s, mul, off, &mut v));
+                acc = max_abs(acc, fwd_chunk(dtype, s, mul, off, &mut v, &mut src_max));
                 store_f32s(&v, off, &mut fb);
             });
             off += n;
         }
-        let se = row_scale(_mm512_reduce_max_epu32(acc), &mut scales[4 * r..4 * r + 4]);
+        let se = row_scale(max_bits(acc), &mut scales[4 * r..4 * r + 4]);
         let dst = &mut codes[r * hd..(r + 1) * hd];
         let mut off = 0;
         for &n in chunks {
@@ -326,6 +407,7 @@ pub(crate) unsafe fn fp8_encode_rows_rotated(
             off += n;
         }
     }
+    max_bits(src_max)
 }
 
 /// Writes the FP8 scale of a row of amax bits `bits` into `sc` (4 bytes, little-endian) and

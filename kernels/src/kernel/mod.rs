@@ -175,10 +175,7 @@ impl Isa {
         scales: &mut [u8],
         codes: &mut [u8],
     ) -> Result<(), usize> {
-        #[cfg(target_arch = "x86_64")]
-        if let (Isa::Avx512(_), true) = (self, self.simd(dtype)) {
-            // SAFETY: an Avx512 Isa exists only after the AVX-512 and AVX2 features were detected.
-            unsafe { avx512::fp8_encode_rows_rotated(dtype, src, rot.mul(), rot.chunks(), scales, codes) };
+        if self.fp8_encode_rows_rotated_fused(rot, dtype, src, scales, codes).is_some() {
             return Ok(());
         }
         #[cfg(target_arch = "x86_64")]
@@ -190,6 +187,29 @@ impl Isa {
         let mut rotated = vec![0u8; src.len() / dtype.size() as usize * 4];
         self.rotate_rows(rot, dtype, src, &mut rotated);
         self.fp8_encode_rows(DType::Fp32, &rotated, rot.head_dim(), scales, codes)
+    }
+
+    /// [`Isa::fp8_encode_rows_rotated`] on rows nobody has checked, where a kernel does it in
+    /// one pass with the range check folded in (AVX-512, chunks it holds in registers):
+    /// `Some(bits)`, the largest magnitude of the source values as f32 bits (NaN and Inf above
+    /// every finite value). When that passes [`crate::rotation::ROTATION_MAX_INPUT`] the scales
+    /// and codes written are meaningless and the caller refuses the rows. `None` (nothing
+    /// written) where there is no such kernel.
+    pub(crate) fn fp8_encode_rows_rotated_fused(
+        self,
+        rot: &Rotation,
+        dtype: DType,
+        src: &[u8],
+        scales: &mut [u8],
+        codes: &mut [u8],
+    ) -> Option<u32> {
+        #[cfg(target_arch = "x86_64")]
+        if let (Isa::Avx512(_), true) = (self, avx512::covers(dtype, rot.chunks())) {
+            // SAFETY: an Avx512 Isa exists only after the AVX-512 and AVX2 features were detected.
+            return Some(unsafe { avx512::fp8_encode_rows_rotated(dtype, src, rot.mul(), rot.chunks(), scales, codes) });
+        }
+        let _ = (rot, dtype, src, scales, codes);
+        None
     }
 
     pub(crate) fn fp8_decode_row(self, codes: &[u8], scale: f32, out: DType, dst: &mut [u8]) -> bool {
