@@ -36,7 +36,7 @@ const ABS: i32 = 0x7FFF_FFFF;
 
 const BF16: u8 = DType::Bf16 as u8;
 const FP16: u8 = DType::Fp16 as u8;
-const FP32: u8 = DType::Fp32 as u8;
+pub(crate) const FP32: u8 = DType::Fp32 as u8;
 const FP8: u8 = DType::Fp8E4m3 as u8;
 
 /// The dtype of a const-generic code: the loops are instantiated once per dtype, so the match on
@@ -308,7 +308,7 @@ pub(crate) fn recip_split(s: f32) -> (f32, f32) {
 /// [`recip_split`] of eight lanes.
 #[inline]
 #[target_feature(enable = "avx2,f16c,fma")]
-unsafe fn recip_split8(s: __m256) -> (__m256, __m256) {
+pub(crate) unsafe fn recip_split8(s: __m256) -> (__m256, __m256) {
     let hi = _mm256_div_ps(_mm256_set1_ps(1.0), s);
     let one = _mm256_set1_pd(1.0);
     let lo = |s4: __m128, h4: __m128| {
@@ -655,7 +655,7 @@ unsafe fn row_abs_partial<const D: u8>(src: &[u8]) -> __m256i {
 /// `codec::fp8_scale` of eight amaxes: `canonical(amax / 448, 20 bits)`, 0 below 2^-100.
 #[inline]
 #[target_feature(enable = "avx2,f16c,fma")]
-unsafe fn fp8_scale8(amax: __m256) -> __m256 {
+pub(crate) unsafe fn fp8_scale8(amax: __m256) -> __m256 {
     let s = _mm256_castps_si256(_mm256_div_ps(amax, _mm256_set1_ps(crate::formats::E4M3_MAX)));
     let low = _mm256_and_si256(s, _mm256_set1_epi32(0xF));
     let up = _mm256_add_epi32(_mm256_or_si256(s, _mm256_set1_epi32(0xF)), _mm256_set1_epi32(1));
@@ -668,7 +668,7 @@ unsafe fn fp8_scale8(amax: __m256) -> __m256 {
 /// [`exact_ok`] of all eight lanes.
 #[inline]
 #[target_feature(enable = "avx2,f16c,fma")]
-unsafe fn exact_ok8(s: __m256) -> bool {
+pub(crate) unsafe fn exact_ok8(s: __m256) -> bool {
     let low = _mm256_and_si256(_mm256_castps_si256(s), _mm256_set1_epi32(0xF));
     let canon = _mm256_castsi256_ps(_mm256_cmpeq_epi32(low, _mm256_setzero_si256()));
     let lo = _mm256_cmp_ps::<_CMP_GE_OQ>(s, _mm256_set1_ps(8.673_617e-19));
@@ -822,7 +822,7 @@ unsafe fn block_abs<const D: u8>(src: &[u8], b: usize) -> __m256i {
 /// words of each lane are folded last.
 #[inline]
 #[target_feature(enable = "avx2,f16c,fma")]
-unsafe fn reduce8<const D: u8>(v: &[__m256i; 8]) -> __m256 {
+pub(crate) unsafe fn reduce8<const D: u8>(v: &[__m256i; 8]) -> __m256 {
     let w16 = D == BF16 || D == FP16;
     let mx = |a: __m256i, b: __m256i| if w16 { _mm256_max_epu16(a, b) } else { _mm256_max_epu32(a, b) };
     let t01 = mx(_mm256_unpacklo_epi32(v[0], v[1]), _mm256_unpackhi_epi32(v[0], v[1])); // [A B A B]

@@ -98,18 +98,26 @@ unsafe fn fwd_chunk<const N: usize>(
 ) -> __m512 {
     let end = off + 16 * N;
     assert!(end <= mul.len() && end * dtype.size() as usize <= s.len());
+    // The chunk's own max first, so the running `src_max` takes one operation per chunk.
+    let mut lm = _mm512_setzero_ps();
     for (k, x) in v.iter_mut().enumerate() {
         // SAFETY: elements off + 16k .. off + 16k + 16 ≤ end are inside s and mul (assert above).
         let l = load16(dtype, s, off + 16 * k);
-        *src_max = max_abs(*src_max, l);
+        lm = max_abs(lm, l);
         *x = _mm512_mul_ps(l, _mm512_loadu_ps(mul.as_ptr().add(off + 16 * k)));
     }
+    *src_max = max_abs(*src_max, lm);
     wht_regs16(v);
-    let mut m = _mm512_setzero_ps();
-    for x in v.iter() {
-        m = max_abs(m, *x);
+    // A tree, so its latency is log2(N) operations.
+    let mut m = *v;
+    let mut w = N;
+    while w > 1 {
+        for k in 0..w / 2 {
+            m[k] = max_abs(m[k], m[k + w / 2]);
+        }
+        w /= 2;
     }
-    m
+    m[0]
 }
 
 /// The largest lane of [`max_abs`] results, as f32 bits (sign cleared).
@@ -299,31 +307,6 @@ unsafe fn e4m3_codes64<const EXACT: bool>(x: &[__m512; 4], p: __m512, q: __m512)
     _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), codes)
 }
 
-/// Quantizes one rotated chunk held in `v` into `dst[off..off + 16N]` (see [`e4m3_codes16`]),
-/// four vectors at a time where it can ([`e4m3_codes64`]).
-#[inline(always)]
-unsafe fn fp8_chunk<const N: usize, const EXACT: bool>(
-    v: &[__m512; N],
-    p: __m512,
-    q: __m512,
-    off: usize,
-    dst: &mut [u8],
-) {
-    assert!(off + 16 * N <= dst.len());
-    let mut k = 0;
-    while k + 4 <= N {
-        let four = [v[k], v[k + 1], v[k + 2], v[k + 3]];
-        // SAFETY: bytes off + 16k .. + 64 are inside dst (assert above, k + 4 ≤ N).
-        _mm512_storeu_si512(dst.as_mut_ptr().add(off + 16 * k) as *mut _, e4m3_codes64::<EXACT>(&four, p, q));
-        k += 4;
-    }
-    while k < N {
-        // SAFETY: bytes off + 16k .. + 16 are inside dst (assert above).
-        _mm_storeu_si128(dst.as_mut_ptr().add(off + 16 * k) as *mut __m128i, e4m3_codes16::<EXACT>(v[k], p, q));
-        k += 1;
-    }
-}
-
 /// `avx2::fp8_encode_rows_rotated` on AVX-512, one row at a time and without a buffer when the
 /// row is a single chunk: rotated in registers, its amax reduced from them, its scale
 /// (`crate::scale::fp8_scale`) computed, and its codes written from the same registers. Rows of
@@ -349,65 +332,108 @@ pub(crate) unsafe fn fp8_encode_rows_rotated(
     let rows = codes.len() / hd.max(1);
     assert!(rows * row_bytes <= src.len() && 4 * rows <= scales.len());
     let mut src_max = _mm512_setzero_ps();
-    if let [n] = *chunks {
-        // Two rows at a time: their rotations, then their scales, then their codes, so that one
-        // row's scalar scale arithmetic (a chain of divisions) overlaps the other's vector work.
-        let mut r = 0;
-        while r + 2 <= rows {
-            let (s0, s1) = src[r * row_bytes..(r + 2) * row_bytes].split_at(row_bytes);
-            let (d0, d1) = codes[r * hd..(r + 2) * hd].split_at_mut(hd);
-            let (c0, c1) = scales[4 * r..4 * r + 8].split_at_mut(4);
-            by_chunk!(n, |v| {
-                let mut w = v;
-                let m0 = fwd_chunk(dtype, s0, mul, 0, &mut v, &mut src_max);
-                let m1 = fwd_chunk(dtype, s1, mul, 0, &mut w, &mut src_max);
-                let se0 = row_scale(max_bits(m0), c0);
-                let se1 = row_scale(max_bits(m1), c1);
-                quantize(&v, se0, 0, d0);
-                quantize(&w, se1, 0, d1);
-            });
-            r += 2;
+    // Eight rows at a time: each rotated in registers chunk by chunk and stored as f32 into `buf`
+    // (in L1), its amax taken from the registers; then the eight scales computed together
+    // (`avx2::fp8_scale8`, the lanes of `crate::scale::fp8_scale`) and the codes written from
+    // `buf`. No row waits on its own scale's chain of divisions.
+    let mut buf = vec![0f32; 8 * hd];
+    let mut r = 0;
+    while r + 8 <= rows {
+        let mut amax = [_mm256_setzero_si256(); 8];
+        for (k, am) in amax.iter_mut().enumerate() {
+            let s = &src[(r + k) * row_bytes..(r + k + 1) * row_bytes];
+            let m = fwd_row(dtype, s, mul, chunks, &mut buf[k * hd..(k + 1) * hd], &mut src_max);
+            *am = _mm256_castps_si256(_mm256_max_ps(_mm512_castps512_ps256(m), _mm512_extractf32x8_ps::<1>(m)));
         }
-        for r in r..rows {
-            let s = &src[r * row_bytes..(r + 1) * row_bytes];
-            let dst = &mut codes[r * hd..(r + 1) * hd];
-            let sc = &mut scales[4 * r..4 * r + 4];
-            by_chunk!(n, |v| {
-                let m = fwd_chunk(dtype, s, mul, 0, &mut v, &mut src_max);
-                let se = row_scale(max_bits(m), sc);
-                quantize(&v, se, 0, dst);
-            });
+        // The magnitudes' bits (sign cleared): an integer max orders them like the values.
+        let s = avx2::fp8_scale8(avx2::reduce8::<{ avx2::FP32 }>(&amax));
+        // s = 0 (amax below 2^-100) encodes with scale 1, as the scalar code does.
+        let is0 = _mm256_cmp_ps::<_CMP_EQ_OQ>(s, _mm256_setzero_ps());
+        let se = _mm256_blendv_ps(s, _mm256_set1_ps(1.0), is0);
+        let (yh, yl) = avx2::recip_split8(se);
+        // SAFETY: 32 bytes at 4r are inside scales (r + 8 ≤ rows, assert above).
+        _mm256_storeu_ps(scales.as_mut_ptr().add(4 * r) as *mut f32, s);
+        let mut sv = [0f32; 8];
+        // SAFETY: sv is 32 bytes.
+        _mm256_storeu_ps(sv.as_mut_ptr(), se);
+        let all_exact = avx2::exact_ok8(se);
+        for (k, &sk) in sv.iter().enumerate() {
+            let row = &buf[k * hd..(k + 1) * hd];
+            let dst = &mut codes[(r + k) * hd..(r + k + 1) * hd];
+            let idx = _mm512_set1_epi32(k as i32);
+            if all_exact || avx2::exact_ok(sk) {
+                let p = _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(yh));
+                let q = _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(yl));
+                quantize_row::<true>(row, p, q, dst);
+            } else {
+                let p = _mm512_set1_ps(sk);
+                quantize_row::<false>(row, p, p, dst);
+            }
         }
-        return max_bits(src_max);
+        r += 8;
     }
-    // Several chunks: rotate the row into `fb` (f32 bytes), then quantize from it.
-    let mut fb = vec![0u8; hd * 4];
-    for r in 0..rows {
+    // The rows left (fewer than eight), one at a time.
+    for r in r..rows {
         let s = &src[r * row_bytes..(r + 1) * row_bytes];
-        let mut acc = _mm512_setzero_ps();
-        let mut off = 0;
-        for &n in chunks {
-            by_chunk!(n, |v| {
-                acc = max_abs(acc, fwd_chunk(dtype, s, mul, off, &mut v, &mut src_max));
-                store_f32s(&v, off, &mut fb);
-            });
-            off += n;
-        }
-        let se = row_scale(max_bits(acc), &mut scales[4 * r..4 * r + 4]);
+        let row = &mut buf[..hd];
+        let m = fwd_row(dtype, s, mul, chunks, row, &mut src_max);
+        let se = row_scale(max_bits(m), &mut scales[4 * r..4 * r + 4]);
         let dst = &mut codes[r * hd..(r + 1) * hd];
-        let mut off = 0;
-        for &n in chunks {
-            by_chunk!(n, |v| {
-                for (k, x) in v.iter_mut().enumerate() {
-                    // SAFETY: elements off + 16k .. + 16 ≤ hd are inside fb (hd f32).
-                    *x = _mm512_loadu_ps(fb.as_ptr().add(4 * (off + 16 * k)) as *const f32);
-                }
-                quantize(&v, se, off, dst);
-            });
-            off += n;
+        if avx2::exact_ok(se) {
+            let (hi, lo) = avx2::recip_split(se);
+            quantize_row::<true>(row, _mm512_set1_ps(hi), _mm512_set1_ps(lo), dst);
+        } else {
+            let p = _mm512_set1_ps(se);
+            quantize_row::<false>(row, p, p, dst);
         }
     }
     max_bits(src_max)
+}
+
+/// One row of `s` rotated chunk by chunk in registers ([`fwd_chunk`]) and stored into `row`
+/// (f32); returns the max magnitude of the rotated values in sixteen lanes ([`max_abs`]).
+#[inline(always)]
+unsafe fn fwd_row(dtype: DType, s: &[u8], mul: &[f32], chunks: &[usize], row: &mut [f32], src_max: &mut __m512) -> __m512 {
+    let mut acc = _mm512_setzero_ps();
+    let mut off = 0;
+    for &n in chunks {
+        by_chunk!(n, |v| {
+            acc = max_abs(acc, fwd_chunk(dtype, s, mul, off, &mut v, src_max));
+            assert!(off + 16 * v.len() <= row.len());
+            for (k, x) in v.iter().enumerate() {
+                // SAFETY: elements off + 16k .. + 16 are inside row (assert above).
+                _mm512_storeu_ps(row.as_mut_ptr().add(off + 16 * k), *x);
+            }
+        });
+        off += n;
+    }
+    acc
+}
+
+/// The E4M3 codes of the f32 `row` divided by the scale whose [`e4m3_codes16`] operands are `p`,
+/// `q`, into `dst` (`row.len()` a multiple of 16): 64 at a time ([`e4m3_codes64`]), then 16.
+#[inline(always)]
+unsafe fn quantize_row<const EXACT: bool>(row: &[f32], p: __m512, q: __m512, dst: &mut [u8]) {
+    let n = row.len();
+    assert!(n % 16 == 0 && dst.len() >= n);
+    let (rp, dp) = (row.as_ptr(), dst.as_mut_ptr());
+    let mut i = 0;
+    while i + 64 <= n {
+        // SAFETY: elements i .. i + 64 are inside row and dst (loop condition, assert above).
+        let x = [
+            _mm512_loadu_ps(rp.add(i)),
+            _mm512_loadu_ps(rp.add(i + 16)),
+            _mm512_loadu_ps(rp.add(i + 32)),
+            _mm512_loadu_ps(rp.add(i + 48)),
+        ];
+        _mm512_storeu_si512(dp.add(i) as *mut _, e4m3_codes64::<EXACT>(&x, p, q));
+        i += 64;
+    }
+    while i < n {
+        // SAFETY: elements i .. i + 16 are inside row and dst (n is a multiple of 16).
+        _mm_storeu_si128(dp.add(i) as *mut __m128i, e4m3_codes16::<EXACT>(_mm512_loadu_ps(rp.add(i)), p, q));
+        i += 16;
+    }
 }
 
 /// Writes the FP8 scale of a row of amax bits `bits` into `sc` (4 bytes, little-endian) and
@@ -423,48 +449,74 @@ fn row_scale(bits: u32, sc: &mut [u8]) -> f32 {
     }
 }
 
-/// [`fp8_chunk`] with divisor `se`: the exact reciprocal form where `avx2::exact_ok` allows it,
-/// the division otherwise.
-#[inline(always)]
-unsafe fn quantize<const N: usize>(v: &[__m512; N], se: f32, off: usize, dst: &mut [u8]) {
-    if avx2::exact_ok(se) {
-        let (hi, lo) = avx2::recip_split(se);
-        fp8_chunk::<N, true>(v, _mm512_set1_ps(hi), _mm512_set1_ps(lo), off, dst);
-    } else {
-        let p = _mm512_set1_ps(se);
-        fp8_chunk::<N, false>(v, p, p, off, dst);
-    }
-}
-
 /// FP8 codes of one chunk (`16N` bytes at `off` of the row `c`) as f32 times `sc = 256·scale`
 /// into `v`: code → the FP16 pattern of `code·2^-8` (sign-extend the byte to 16 bits, shift the
 /// magnitude under the FP16 exponent, keep bit 15 as the sign), FP16 → f32 (exact), one product:
 /// `fl(e4m3(code) · scale)`, the scalar decoder's value (`avx2::fp8_decode_row`'s construction on
-/// sixteen lanes). Returns the running max of `code & 0x7F` (0x7F: a NaN code) folded into `bad`.
+/// sixteen lanes).
+/// Returns the running max of `code & 0x7F` (0x7F: a NaN code) folded into `bad`.
 #[inline(always)]
-unsafe fn fp8_dequant_chunk<const N: usize>(c: &[u8], off: usize, sc: __m512, v: &mut [__m512; N], bad: __m128i) -> __m128i {
+unsafe fn fp8_dequant_chunk<const N: usize>(
+    c: &[u8],
+    off: usize,
+    sc: __m512,
+    v: &mut [__m512; N],
+    bad: __m128i,
+) -> __m128i {
     assert!(off + 16 * N <= c.len());
     let mut bad = bad;
     for (k, x) in v.iter_mut().enumerate() {
         // SAFETY: bytes off + 16k .. + 16 are inside c (assert above).
         let b = _mm_loadu_si128(c.as_ptr().add(off + 16 * k) as *const __m128i);
         bad = _mm_max_epu8(bad, _mm_and_si128(b, _mm_set1_epi8(0x7F)));
-        let w = _mm256_cvtepi8_epi16(b);
-        let h = _mm256_and_si256(_mm256_slli_epi16::<7>(w), _mm256_set1_epi16(0xBF80u16 as i16));
+        let h = _mm256_and_si256(_mm256_slli_epi16::<7>(_mm256_cvtepi8_epi16(b)), _mm256_set1_epi16(0xBF80u16 as i16));
         *x = _mm512_mul_ps(_mm512_cvtph_ps(h), sc);
     }
     bad
 }
 
 /// Multiplies a chunk by `mul` (elements `off..off + 16N`) and stores it at elements `off..` of
-/// the row `o` in `dtype`.
+/// the row `o` in `dtype` (BF16 two vectors at a time, [`store32_bf16`]).
 #[inline(always)]
 unsafe fn store_chunk<const N: usize>(v: &[__m512; N], mul: &[f32], off: usize, dtype: DType, o: &mut [u8]) {
     assert!(off + 16 * N <= mul.len() && (off + 16 * N) * dtype.size() as usize <= o.len());
-    for (k, x) in v.iter().enumerate() {
-        // SAFETY: elements off + 16k .. + 16 are inside mul and o (assert above).
-        store16(dtype, o, off + 16 * k, _mm512_mul_ps(*x, _mm512_loadu_ps(mul.as_ptr().add(off + 16 * k))));
+    let m = |k: usize| _mm512_mul_ps(v[k], _mm512_loadu_ps(mul.as_ptr().add(off + 16 * k)));
+    let mut k = 0;
+    if dtype == DType::Bf16 {
+        while k + 2 <= N {
+            // SAFETY: elements off + 16k .. + 32 are inside mul and o (assert above, k + 2 ≤ N).
+            store32_bf16(o.as_mut_ptr().add(2 * (off + 16 * k)), m(k), m(k + 1));
+            k += 2;
+        }
     }
+    while k < N {
+        // SAFETY: elements off + 16k .. + 16 are inside mul and o (assert above).
+        store16(dtype, o, off + 16 * k, m(k));
+        k += 1;
+    }
+}
+
+/// Stores 32 f32 (`a` then `b`) as BF16 at `p` (64 bytes), rounding to nearest even: the bytes of
+/// [`store16`]'s `(bits + 0x7FFF + lsb) >> 16`, on words: the high halves `h` and low halves `l`
+/// of all 32 gathered by two word permutes, then `h + 1` where `l + (h & 1) > 0x8000` (the
+/// saturating add keeps `l = 0xFFFF` above the threshold): the carry of the 32-bit sum.
+///
+/// # Safety
+///
+/// AVX-512F/BW (the file's contract); `p .. p + 64` writable.
+#[inline(always)]
+unsafe fn store32_bf16(p: *mut u8, a: __m512, b: __m512) {
+    let (a, b) = (_mm512_castps_si512(a), _mm512_castps_si512(b));
+    let odd = _mm512_set_epi16(
+        63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9,
+        7, 5, 3, 1,
+    );
+    let one = _mm512_set1_epi16(1);
+    let h = _mm512_permutex2var_epi16(a, odd, b);
+    let l = _mm512_permutex2var_epi16(a, _mm512_sub_epi16(odd, one), b);
+    let up = _mm512_cmpgt_epu16_mask(_mm512_adds_epu16(l, _mm512_and_si512(h, one)), _mm512_set1_epi16(0x8000u16 as i16));
+    // SAFETY: p .. p + 64 is writable (this function's contract).
+    _mm512_storeu_si512(p as *mut _, _mm512_mask_add_epi16(h, up, h, one));
 }
 
 /// FP8 decoding fused with the inverse rotation, one row at a time in registers: each chunk's
