@@ -41,7 +41,7 @@ use kvtier_proto::{CodecId, DType, MemoryOrder};
 use rayon::prelude::*;
 
 use crate::block::{load_f32, BlockSpec, KvBlockView};
-use crate::kernel::{scalar, Backend, Isa};
+use crate::kernel::{scalar, Backend, Isa, ROTATED_SAFE_BITS};
 use crate::payload::{Format, Fp8ScaleMode, PayloadInfo, PayloadParts, PAYLOAD_HEADER_LEN};
 use crate::rotation::{Rotation, DEFAULT_ROTATION_SEED, ROTATION_MAX_DECODED, ROTATION_MAX_INPUT};
 use crate::scale::{fp8_scale, nvfp4_plane_scales};
@@ -396,6 +396,21 @@ impl Codec {
             type Plane<'b> = (usize, (&'b mut [u8], (&'b mut [u8], &'b mut [u8])));
             let plane = |scratch: &mut Vec<u8>, (p, (pscale, (pbs, pcodes))): Plane| {
                 let rows = p * per_plane..(p + 1) * per_plane;
+                if let Some(rot) = source.rot {
+                    // Rotated into `scratch` with the plane's amax taken from the registers, the
+                    // range check proven by it (or made on the source when it cannot be), then
+                    // the codes from `scratch` while it is in cache.
+                    scratch.resize(per_plane * hd * 4, 0);
+                    if let Some(bits) = isa.rotate_rows_max(rot, spec.dtype, source.src_rows(rows.clone()), scratch) {
+                        if bits > ROTATED_SAFE_BITS {
+                            source.checked(rows.clone())?;
+                        }
+                        let (g, enc) = nvfp4_plane_scales(f32::from_bits(bits));
+                        pscale.copy_from_slice(&g.to_le_bytes());
+                        isa.nvfp4_encode_plane_f32(hd, scratch, g, enc, pbs, pcodes);
+                        return Ok(());
+                    }
+                }
                 let psrc = source.whole(rows.clone(), scratch)?;
                 let bits = isa.row_amax_bits(kspec.dtype, psrc);
                 if bits >= 0x7F80_0000 {

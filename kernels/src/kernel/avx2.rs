@@ -137,7 +137,7 @@ unsafe fn store8_u8(dst: &mut [u8], i: usize, v: __m256i) {
 /// The low byte of each 32-bit lane, lane k in byte k of the result.
 #[inline]
 #[target_feature(enable = "avx2,f16c,fma")]
-unsafe fn bytes8(v: __m256i) -> u64 {
+pub(crate) unsafe fn bytes8(v: __m256i) -> u64 {
     let shuf = _mm256_setr_epi8(
         0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, //
         0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
@@ -216,7 +216,7 @@ unsafe fn e2m1_mag8_biased(a: __m256) -> __m256i {
 }
 
 /// `2e = (m >> 22) − 149·2` in [`e2m1_mag8_biased`].
-const E2M1_BIAS: i32 = 298;
+pub(crate) const E2M1_BIAS: i32 = 298;
 
 /// `64·(code + E2M1_BIAS)` for eight non-negative, non-NaN f32, saturating at 6: the E2M1 code
 /// of [`e2m1_mag8_biased`], with its last three operations replaced by one multiply-add. After
@@ -852,7 +852,7 @@ pub(crate) unsafe fn reduce8<const D: u8>(v: &[__m256i; 8]) -> __m256 {
 /// operations (a division by 6, two products, a division).
 #[inline]
 #[target_feature(enable = "avx2,f16c,fma")]
-unsafe fn block_scales8(amax: __m256, g: f32, enc: f32) -> (__m256i, __m256) {
+pub(crate) unsafe fn block_scales8(amax: __m256, g: f32, enc: f32) -> (__m256i, __m256) {
     let t = _mm256_mul_ps(_mm256_div_ps(amax, _mm256_set1_ps(6.0)), _mm256_set1_ps(enc));
     let c = e4m3_mag8(t, true);
     let d = _mm256_mul_ps(e4m3_mag_to_f32_8(c), _mm256_set1_ps(g));

@@ -299,8 +299,8 @@ unsafe fn e4m3_codes64<const EXACT: bool>(x: &[__m512; 4], p: __m512, q: __m512)
     let m0 = _mm512_sub_epi16(_mm512_srli_epi16::<4>(w0), bias);
     let m1 = _mm512_sub_epi16(_mm512_srli_epi16::<4>(w1), bias);
     let mag = _mm512_packus_epi16(m0, m1);
-    let xb = |k: usize| _mm512_castps_si512(x[k]);
-    let sgn = _mm512_packs_epi16(_mm512_packs_epi32(xb(0), xb(1)), _mm512_packs_epi32(xb(2), xb(3)));
+    let xb = [_mm512_castps_si512(x[0]), _mm512_castps_si512(x[1]), _mm512_castps_si512(x[2]), _mm512_castps_si512(x[3])];
+    let sgn = _mm512_packs_epi16(_mm512_packs_epi32(xb[0], xb[1]), _mm512_packs_epi32(xb[2], xb[3]));
     // mag | (sgn & 0x80)
     let codes = _mm512_ternarylogic_epi32::<0xF8>(mag, sgn, _mm512_set1_epi8(0x80u8 as i8));
     // Dword 4i + L (elements 16i + 4L ..) sits at 4L + i after the packs.
@@ -480,18 +480,19 @@ unsafe fn fp8_dequant_chunk<const N: usize>(
 #[inline(always)]
 unsafe fn store_chunk<const N: usize>(v: &[__m512; N], mul: &[f32], off: usize, dtype: DType, o: &mut [u8]) {
     assert!(off + 16 * N <= mul.len() && (off + 16 * N) * dtype.size() as usize <= o.len());
-    let m = |k: usize| _mm512_mul_ps(v[k], _mm512_loadu_ps(mul.as_ptr().add(off + 16 * k)));
+    let mp = mul.as_ptr().add(off);
     let mut k = 0;
     if dtype == DType::Bf16 {
         while k + 2 <= N {
             // SAFETY: elements off + 16k .. + 32 are inside mul and o (assert above, k + 2 ≤ N).
-            store32_bf16(o.as_mut_ptr().add(2 * (off + 16 * k)), m(k), m(k + 1));
+            let (a, b) = (_mm512_mul_ps(v[k], _mm512_loadu_ps(mp.add(16 * k))), _mm512_mul_ps(v[k + 1], _mm512_loadu_ps(mp.add(16 * k + 16))));
+            store32_bf16(o.as_mut_ptr().add(2 * (off + 16 * k)), a, b);
             k += 2;
         }
     }
     while k < N {
         // SAFETY: elements off + 16k .. + 16 are inside mul and o (assert above).
-        store16(dtype, o, off + 16 * k, m(k));
+        store16(dtype, o, off + 16 * k, _mm512_mul_ps(v[k], _mm512_loadu_ps(mp.add(16 * k))));
         k += 1;
     }
 }
@@ -626,4 +627,206 @@ pub(crate) unsafe fn nvfp4_decode_rows_rotated<F: Fn(usize) -> f32>(
     }
     // Valid block scales are unsigned E4M3 codes below 0x7F (NaN).
     _mm_movemask_epi8(_mm_cmpeq_epi8(_mm_max_epu8(bad, _mm_set1_epi8(0x7F)), bad)) != 0
+}
+
+/// [`rotate_rows`] for rows this file covers ([`covers`]), returning the largest magnitude of the
+/// rotated values as f32 bits (NaN above every finite value; a source holding a NaN, an infinity
+/// or a value beyond `crate::rotation::ROTATION_MAX_INPUT` always gives more than
+/// [`ROTATED_SAFE_BITS`]), taken from the registers: the NVFP4 plane amax without another pass.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c,fma")]
+pub(crate) unsafe fn rotate_rows_max(dtype: DType, src: &[u8], mul: &[f32], chunks: &[usize], out: &mut [u8]) -> u32 {
+    debug_assert!(covers(dtype, chunks));
+    let hd = mul.len();
+    let mut acc = _mm512_setzero_ps();
+    let mut src_max = _mm512_setzero_ps();
+    for (s, o) in src.chunks_exact(hd * dtype.size() as usize).zip(out.chunks_exact_mut(hd * 4)) {
+        let mut off = 0;
+        for &n in chunks {
+            by_chunk!(n, |v| {
+                acc = max_abs(acc, fwd_chunk(dtype, s, mul, off, &mut v, &mut src_max));
+                store_f32s(&v, off, o);
+            });
+            off += n;
+        }
+    }
+    max_bits(acc)
+}
+
+/// Rotated values all at most 2^90 in magnitude prove the source finite and within
+/// `crate::rotation::ROTATION_MAX_INPUT` (2^100): a chunk of `n ≤ 256` channels holding `|x| >
+/// 2^100` has a rotated norm above 2^100 (the rotation keeps norms, to f32 rounding), so some
+/// rotated value above `2^100 / sqrt(n) ≥ 2^96`; a NaN or infinity makes NaN or infinite rotated
+/// values. Above it, the caller checks the source itself.
+pub(crate) const ROTATED_SAFE_BITS: u32 = 0x6C80_0000; // 2^90
+
+/// NVFP4 codes of rows of little-endian f32 (`hd` a multiple of 16 per row) of one plane, with
+/// its global scale `g` and encode factor `enc`: the bytes of `scalar::nvfp4_encode_row` (and of
+/// `avx2::nvfp4_encode_rows`). Three steps over the plane, so that no row waits on its own
+/// chain of divisions: every micro-block's amax ([`block_amax8`], eight blocks per tree), then
+/// every block scale code and reciprocal sixteen at a time ([`block_scales16`]), then every
+/// block's codes ([`nvfp4_codes8`]) with its reciprocal broadcast from memory.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c,fma")]
+pub(crate) unsafe fn nvfp4_encode_rows_f32(src: &[u8], hd: usize, g: f32, enc: f32, bs: &mut [u8], codes: &mut [u8]) {
+    assert!(hd % 16 == 0 && hd > 0);
+    let (nb, cb) = (hd / 16, hd / 2);
+    let rows = bs.len() / nb;
+    let blocks = rows * nb;
+    assert!(src.len() >= blocks * 64 && codes.len() >= rows * cb && bs.len() == blocks);
+    // Block amaxes, then reciprocals, in one buffer (padded to whole vectors).
+    let mut t = vec![0f32; blocks.next_multiple_of(16)];
+    let mut b = 0;
+    while b < blocks {
+        let m = (blocks - b).min(8);
+        // SAFETY: blocks b .. b + m are inside src (assert above); t has room for eight lanes at
+        // b (its length is a multiple of 16 at or above blocks, and b is a multiple of 8).
+        let am = block_amax8(src.as_ptr().add(64 * b) as *const f32, m);
+        _mm256_storeu_ps(t.as_mut_ptr().add(b), am);
+        b += 8;
+    }
+    let mut b = 0;
+    while b < blocks {
+        let m = (blocks - b).min(16);
+        let k: __mmask16 = if m == 16 { 0xFFFF } else { (1u16 << m) - 1 };
+        // SAFETY: t has sixteen lanes at b (see above); the byte store is masked to bs's m bytes
+        // at b.
+        let (c, inv) = block_scales16(_mm512_loadu_ps(t.as_ptr().add(b)), g, enc);
+        _mm512_storeu_ps(t.as_mut_ptr().add(b), inv);
+        _mm512_mask_cvtepi32_storeu_epi8(bs.as_mut_ptr().add(b) as *mut i8, k, c);
+        b += 16;
+    }
+    let mut b = 0;
+    while b < blocks {
+        // Eight blocks at a time, never across a row (the rows' codes are contiguous, so only
+        // the count matters).
+        let m = (nb - b % nb).min(8);
+        // SAFETY: blocks b .. b + m are inside src, t and codes (8 bytes per block; asserts above).
+        nvfp4_codes8(src.as_ptr().add(64 * b) as *const f32, t.as_ptr().add(b), m, codes.as_mut_ptr().add(8 * b));
+        b += m;
+    }
+}
+
+/// The amaxes of micro-blocks `0..m` (`1 ≤ m ≤ 8`; sixteen f32 each at `p`) in lanes `0..m`
+/// (0 in the others): a tree of unpacks and [`max_abs`] keeping each lane to one block's
+/// elements, then the 128-bit lanes folded.
+///
+/// # Safety
+///
+/// AVX-512 (the file's contract); `p .. p + 16m` readable.
+#[inline(always)]
+unsafe fn block_amax8(p: *const f32, m: usize) -> __m256 {
+    let mut x = [_mm512_setzero_ps(); 8];
+    for (k, v) in x.iter_mut().enumerate().take(m) {
+        // SAFETY: block k < m is readable (this function's contract).
+        *v = _mm512_loadu_ps(p.add(16 * k));
+    }
+    // After the 32-bit and 64-bit unpack levels each 128-bit lane L holds, for four blocks, the
+    // max over that lane's four elements.
+    let (p01, p23, p45, p67) = (amax_l1(x[0], x[1]), amax_l1(x[2], x[3]), amax_l1(x[4], x[5]), amax_l1(x[6], x[7]));
+    let (q0, q1) = (amax_l2(p01, p23), amax_l2(p45, p67));
+    // [q0.L0, q0.L2, q1.L0, q1.L2] ∨ [q0.L1, q0.L3, q1.L1, q1.L3], then the two halves of each.
+    let r = _mm512_max_ps(_mm512_shuffle_f32x4::<0b10_00_10_00>(q0, q1), _mm512_shuffle_f32x4::<0b11_01_11_01>(q0, q1));
+    let r = _mm512_max_ps(r, _mm512_shuffle_f32x4::<0b10_11_00_01>(r, r));
+    // Blocks 0–3 in lanes 0–3, blocks 4–7 in lanes 8–11.
+    _mm512_castps512_ps256(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 0, 0, 0, 0, 0, 0, 0, 0), r))
+}
+
+/// `avx2::block_scales8` on sixteen lanes: the block scale codes (32-bit lanes) and multipliers
+/// `1/d` (0 where `d = 0`) of sixteen micro-block amaxes, with the same operations as
+/// `crate::scale::nvfp4_block_scale` (a division by 6, a product, the saturating E4M3 rounding,
+/// the code's exact value times `g`, a division).
+#[inline(always)]
+unsafe fn block_scales16(amax: __m512, g: f32, enc: f32) -> (__m512i, __m512) {
+    let t = _mm512_mul_ps(_mm512_div_ps(amax, _mm512_set1_ps(6.0)), _mm512_set1_ps(enc));
+    let a = _mm512_min_ps(t, _mm512_set1_ps(448.0));
+    let ab = _mm512_castps_si512(a);
+    let m = _mm512_max_epi32(
+        _mm512_add_epi32(_mm512_and_si512(ab, _mm512_set1_epi32(0x7F80_0000)), _mm512_set1_epi32(20 << 23)),
+        _mm512_set1_epi32(141 << 23),
+    );
+    let tt = _mm512_castps_si512(_mm512_add_ps(a, _mm512_castsi512_ps(m)));
+    let c = _mm512_sub_epi32(_mm512_add_epi32(_mm512_sub_epi32(tt, m), _mm512_srli_epi32::<20>(m)), _mm512_set1_epi32(E4M3_BIAS));
+    // The code's exact value: normal codes by their bit pattern, subnormal ones as c · 2^-9.
+    let normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32::<20>(c), _mm512_set1_epi32(120 << 23)));
+    let sub = _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(0.001953125));
+    let is_sub = _mm512_cmplt_epi32_mask(c, _mm512_set1_epi32(8));
+    let d = _mm512_mul_ps(_mm512_mask_blend_ps(is_sub, normal, sub), _mm512_set1_ps(g));
+    let nz = _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(d, _mm512_setzero_ps());
+    (c, _mm512_maskz_div_ps(nz, _mm512_set1_ps(1.0), d))
+}
+
+/// The E2M1 code bytes of micro-blocks `0..m` (`1 ≤ m ≤ 8`; sixteen f32 each at `p`), each
+/// multiplied by its reciprocal `inv[k]`, into `8m` bytes at `out` (element 2i in the low
+/// nibble): [`e2m1_x64`] per vector, packed and paired by [`e2m1_pairs`], one word permute into
+/// element order.
+///
+/// # Safety
+///
+/// AVX-512 (the file's contract); `p .. p + 16m` and `inv .. inv + m` readable, `out .. out + 8m`
+/// writable.
+#[inline(always)]
+unsafe fn nvfp4_codes8(p: *const f32, inv: *const f32, m: usize, out: *mut u8) {
+    let mut qs = [_mm512_setzero_ps(); 8];
+    for (k, q) in qs.iter_mut().enumerate().take(m) {
+        // SAFETY: block k < m and its reciprocal are readable (this function's contract).
+        *q = _mm512_mul_ps(_mm512_loadu_ps(p.add(16 * k)), _mm512_set1_ps(*inv.add(k)));
+    }
+    let nib = _mm512_packus_epi16(e2m1_pairs(&qs, 0), e2m1_pairs(&qs, 4));
+    // Lane L, word j (vector j's elements 4L .. 4L + 3) → word 4j + L.
+    let idx = _mm512_set_epi16(
+        31, 23, 15, 7, 30, 22, 14, 6, 29, 21, 13, 5, 28, 20, 12, 4, 27, 19, 11, 3, 26, 18, 10, 2, 25, 17, 9, 1, 24, 16,
+        8, 0,
+    );
+    let k: __mmask64 = if m == 8 { u64::MAX } else { (1u64 << (8 * m)) - 1 };
+    // SAFETY: the mask keeps the store to the 8m writable bytes at out.
+    _mm512_mask_storeu_epi8(out as *mut i8, k, _mm512_permutexvar_epi16(idx, nib));
+}
+
+/// The first level of [`block_amax8`]'s tree: per 128-bit lane, `[a0∨a2, c0∨c2, a1∨a3,
+/// c1∨c3]` of the magnitudes.
+#[inline(always)]
+unsafe fn amax_l1(a: __m512, c: __m512) -> __m512 {
+    max_abs(_mm512_unpacklo_ps(a, c), _mm512_unpackhi_ps(a, c))
+}
+
+/// The second level: per 128-bit lane, the four blocks' maxes over the lane.
+#[inline(always)]
+unsafe fn amax_l2(a: __m512, c: __m512) -> __m512 {
+    let (a, c) = (_mm512_castps_pd(a), _mm512_castps_pd(c));
+    _mm512_max_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, c)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, c)))
+}
+
+/// The E2M1 codes of the products `q[o..o + 4]` with their signs, packed to bytes (per 128-bit
+/// lane L: each vector's elements 4L .. 4L + 3) and paired into nibbles: eight words per lane.
+#[inline(always)]
+unsafe fn e2m1_pairs(q: &[__m512; 8], o: usize) -> __m512i {
+    let w0 = _mm512_packus_epi32(e2m1_x64(q[o]), e2m1_x64(q[o + 1]));
+    let w1 = _mm512_packus_epi32(e2m1_x64(q[o + 2]), e2m1_x64(q[o + 3]));
+    let bias = _mm512_set1_epi16(avx2::E2M1_BIAS as i16);
+    let s0 = _mm512_srli_epi16::<12>(_mm512_packs_epi32(_mm512_castps_si512(q[o]), _mm512_castps_si512(q[o + 1])));
+    let s1 = _mm512_srli_epi16::<12>(_mm512_packs_epi32(_mm512_castps_si512(q[o + 2]), _mm512_castps_si512(q[o + 3])));
+    let eight = _mm512_set1_epi16(8);
+    // code | (sign & 8)
+    let c0 = _mm512_ternarylogic_epi32::<0xF8>(_mm512_sub_epi16(_mm512_srli_epi16::<6>(w0), bias), s0, eight);
+    let c1 = _mm512_ternarylogic_epi32::<0xF8>(_mm512_sub_epi16(_mm512_srli_epi16::<6>(w1), bias), s1, eight);
+    _mm512_maddubs_epi16(_mm512_packus_epi16(c0, c1), _mm512_set1_epi16(0x1001))
+}
+
+/// `min(|q|, 6)` with the sign cleared, in one operation (`vrangeps`, "min absolute value, sign
+/// cleared"), for finite `q`.
+#[inline(always)]
+unsafe fn min_abs6(q: __m512) -> __m512 {
+    _mm512_range_ps::<0b1010>(q, _mm512_set1_ps(6.0))
+}
+
+/// `64·(code + E2M1_BIAS)` of sixteen finite f32: `avx2::e2m1_mag8_x64` on sixteen lanes.
+#[inline(always)]
+unsafe fn e2m1_x64(q: __m512) -> __m512i {
+    let a = min_abs6(q);
+    let ab = _mm512_castps_si512(a);
+    let m = _mm512_max_epi32(
+        _mm512_add_epi32(_mm512_and_si512(ab, _mm512_set1_epi32(0x7F80_0000)), _mm512_set1_epi32(22 << 23)),
+        _mm512_set1_epi32(149 << 23),
+    );
+    let t = _mm512_castps_si512(_mm512_add_ps(a, _mm512_castsi512_ps(m)));
+    _mm512_madd_epi16(t, _mm512_set1_epi32(0x0001_0040))
 }

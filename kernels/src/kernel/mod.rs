@@ -14,6 +14,11 @@ pub(crate) mod scalar;
 use kvtier_proto::DType;
 
 use crate::rotation::Rotation;
+/// See [`Isa::rotate_rows_max`].
+#[cfg(target_arch = "x86_64")]
+pub(crate) use avx512::ROTATED_SAFE_BITS;
+#[cfg(not(target_arch = "x86_64"))]
+pub(crate) const ROTATED_SAFE_BITS: u32 = 0x6C80_0000;
 use crate::CodecError;
 
 /// Which implementation runs the kernels.
@@ -370,6 +375,34 @@ impl Isa {
         }
         let _ = (bs, codes, g, dst);
         unreachable!("checked by the assert above")
+    }
+
+    /// For the rotated NVFP4 encoder, one plane at a time, where a kernel does it (AVX-512,
+    /// chunks it holds in registers): rotates the rows of `src` into `scratch` as f32 (the bytes
+    /// of [`Isa::rotate_rows`]) and returns the largest rotated magnitude as f32 bits, taken from
+    /// the registers. At most [`ROTATED_SAFE_BITS`] proves every source value finite and within
+    /// [`crate::rotation::ROTATION_MAX_INPUT`]; above it the caller checks the source. `None`
+    /// (nothing written) where there is no such kernel.
+    pub(crate) fn rotate_rows_max(self, rot: &Rotation, dtype: DType, src: &[u8], scratch: &mut [u8]) -> Option<u32> {
+        #[cfg(target_arch = "x86_64")]
+        if let (Isa::Avx512(_), true) = (self, avx512::covers(dtype, rot.chunks())) {
+            // SAFETY: an Avx512 Isa exists only after the AVX-512 and AVX2 features were detected.
+            return Some(unsafe { avx512::rotate_rows_max(dtype, src, rot.mul(), rot.chunks(), scratch) });
+        }
+        let _ = (rot, dtype, src, scratch);
+        None
+    }
+
+    /// NVFP4 codes of rows of little-endian f32 (`hd` each) of one plane with its global scale
+    /// `g` and encode factor `enc`: the bytes of [`Isa::nvfp4_encode_rows`].
+    pub(crate) fn nvfp4_encode_plane_f32(self, hd: usize, src: &[u8], g: f32, enc: f32, bs: &mut [u8], codes: &mut [u8]) {
+        #[cfg(target_arch = "x86_64")]
+        if let (Isa::Avx512(_), true) = (self, hd % 16 == 0 && hd > 0) {
+            // SAFETY: an Avx512 Isa exists only after the AVX-512 and AVX2 features were detected.
+            return unsafe { avx512::nvfp4_encode_rows_f32(src, hd, g, enc, bs, codes) };
+        }
+        let spec = crate::BlockSpec::new(1, (src.len() / (4 * hd.max(1))) as u32, 1, hd as u16, DType::Fp32);
+        self.nvfp4_encode_rows(&spec, 0, src, &[], &[g], &[enc], bs, codes)
     }
 
     /// Unscaled E4M3 codes of f32 values (a division by 1 is exact).
