@@ -325,7 +325,7 @@ impl Codec {
                     match isa.fp8_encode_rows_rotated_fused(rot, spec.dtype, source.src_rows(b0..e), sc, co) {
                         None => break,
                         Some(bits) => {
-                            if bits > ROTATION_MAX_INPUT.to_bits() {
+                            if bits > ROTATED_SAFE_BITS {
                                 source.checked(b0..e)?;
                             }
                             b0 = e;

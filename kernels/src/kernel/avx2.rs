@@ -115,7 +115,9 @@ unsafe fn store8<const D: u8>(dst: &mut [u8], i: usize, v: __m256) {
             _mm_storeu_si128(dst.as_mut_ptr().add(2 * i) as *mut __m128i, _mm256_castsi256_si128(p));
         }
         DType::Fp16 => {
-            let c = _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(-65504.0)), _mm256_set1_ps(65504.0));
+            // The bound first: `maxps`/`minps` return their second operand when one is NaN, so a
+            // NaN stays NaN, as `f32::clamp` keeps it in the scalar code.
+            let c = _mm256_min_ps(_mm256_set1_ps(65504.0), _mm256_max_ps(_mm256_set1_ps(-65504.0), v));
             let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(c);
             // SAFETY: 16 bytes at 2*i are inside dst.
             _mm_storeu_si128(dst.as_mut_ptr().add(2 * i) as *mut __m128i, h);
@@ -1031,6 +1033,11 @@ pub(crate) unsafe fn fp8_decode_row(codes: &[u8], scale: f32, out: DType, dst: &
 #[target_feature(enable = "avx2,f16c,fma")]
 unsafe fn fp8_decode_t<const D: u8>(codes: &[u8], scale: f32, dst: &mut [u8]) -> bool {
     let out = dt(D);
+    if !(scale * 256.0).is_finite() {
+        // A scale above 2^119.9 (never written by the encoder, whose scales stay below
+        // f32::MAX / 448): `256 · scale` would overflow where `code · scale` does not.
+        return scalar::fp8_decode_row(codes, scale, out, dst);
+    }
     let os = out.size() as usize;
     let n = codes.len();
     let sc = _mm256_set1_ps(scale * 256.0);

@@ -65,7 +65,8 @@ unsafe fn store16(dtype: DType, dst: &mut [u8], i: usize, v: __m512) {
             _mm256_storeu_si256(dst.as_mut_ptr().add(2 * i) as *mut __m256i, _mm512_cvtepi32_epi16(r));
         }
         DType::Fp16 => {
-            let c = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-65504.0)), _mm512_set1_ps(65504.0));
+            // The bound first, so a NaN stays NaN (as in `avx2::store8`).
+            let c = _mm512_min_ps(_mm512_set1_ps(65504.0), _mm512_max_ps(_mm512_set1_ps(-65504.0), v));
             let h = _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(c);
             // SAFETY: 32 bytes at 2*i are inside dst.
             _mm256_storeu_si256(dst.as_mut_ptr().add(2 * i) as *mut __m256i, h);
@@ -76,8 +77,9 @@ unsafe fn store16(dtype: DType, dst: &mut [u8], i: usize, v: __m512) {
 }
 
 /// `max(|a|, |b|)` with the sign cleared, lane by lane, in one operation (`vrangeps`, "max
-/// absolute value, sign cleared"): on finite lanes the same bits as the max of the magnitudes'
-/// bits; a NaN lane gives a NaN.
+/// absolute value, sign cleared"): on finite and infinite lanes the same bits as the max of the
+/// magnitudes' bits. A NaN operand may be dropped, so NaNs are found another way (see
+/// [`fwd_chunk`]).
 #[inline(always)]
 unsafe fn max_abs(a: __m512, b: __m512) -> __m512 {
     _mm512_range_ps::<0b1011>(a, b)
@@ -85,8 +87,11 @@ unsafe fn max_abs(a: __m512, b: __m512) -> __m512 {
 
 /// The forward rotation of one chunk, elements `off..off + 16N` of the row `s` (dtype `dtype`):
 /// times `mul`, [`wht_regs16`], left in `v`. Returns the max magnitude of the rotated values in
-/// sixteen lanes ([`max_abs`]), and folds the magnitudes of the loaded values into `src_max`
-/// (for the caller's range check, which the rotated codecs make on the source).
+/// sixteen lanes ([`max_abs`]; meaningful when they are all finite), and folds the magnitude bits
+/// of the chunk's first rotated vector into `probe` (integer max, so NaN and Inf show): every
+/// rotated value of a chunk depends on every one of its inputs through the butterflies, so one
+/// NaN or infinite input makes *every* rotated value of its chunk NaN or infinite, and one
+/// vector tells. Together with [`ROTATED_SAFE_BITS`] this is the rotated codecs' range check.
 #[inline(always)]
 unsafe fn fwd_chunk<const N: usize>(
     dtype: DType,
@@ -94,20 +99,16 @@ unsafe fn fwd_chunk<const N: usize>(
     mul: &[f32],
     off: usize,
     v: &mut [__m512; N],
-    src_max: &mut __m512,
+    probe: &mut __m512i,
 ) -> __m512 {
     let end = off + 16 * N;
     assert!(end <= mul.len() && end * dtype.size() as usize <= s.len());
-    // The chunk's own max first, so the running `src_max` takes one operation per chunk.
-    let mut lm = _mm512_setzero_ps();
     for (k, x) in v.iter_mut().enumerate() {
         // SAFETY: elements off + 16k .. off + 16k + 16 ≤ end are inside s and mul (assert above).
-        let l = load16(dtype, s, off + 16 * k);
-        lm = max_abs(lm, l);
-        *x = _mm512_mul_ps(l, _mm512_loadu_ps(mul.as_ptr().add(off + 16 * k)));
+        *x = _mm512_mul_ps(load16(dtype, s, off + 16 * k), _mm512_loadu_ps(mul.as_ptr().add(off + 16 * k)));
     }
-    *src_max = max_abs(*src_max, lm);
     wht_regs16(v);
+    *probe = _mm512_max_epu32(*probe, _mm512_and_si512(_mm512_castps_si512(v[0]), _mm512_set1_epi32(ABS)));
     // A tree, so its latency is log2(N) operations.
     let mut m = *v;
     let mut w = N;
@@ -184,8 +185,8 @@ pub(crate) unsafe fn rotate_rows(
         let mut off = 0;
         for &n in chunks {
             by_chunk!(n, |v| {
-                let mut src_max = _mm512_setzero_ps();
-                fwd_chunk(dtype, s, mul, off, &mut v, &mut src_max);
+                let mut probe = _mm512_setzero_si512();
+                fwd_chunk(dtype, s, mul, off, &mut v, &mut probe);
                 store_f32s(&v, off, o);
             });
             off += n;
@@ -299,7 +300,8 @@ unsafe fn e4m3_codes64<const EXACT: bool>(x: &[__m512; 4], p: __m512, q: __m512)
     let m0 = _mm512_sub_epi16(_mm512_srli_epi16::<4>(w0), bias);
     let m1 = _mm512_sub_epi16(_mm512_srli_epi16::<4>(w1), bias);
     let mag = _mm512_packus_epi16(m0, m1);
-    let xb = [_mm512_castps_si512(x[0]), _mm512_castps_si512(x[1]), _mm512_castps_si512(x[2]), _mm512_castps_si512(x[3])];
+    let xb =
+        [_mm512_castps_si512(x[0]), _mm512_castps_si512(x[1]), _mm512_castps_si512(x[2]), _mm512_castps_si512(x[3])];
     let sgn = _mm512_packs_epi16(_mm512_packs_epi32(xb[0], xb[1]), _mm512_packs_epi32(xb[2], xb[3]));
     // mag | (sgn & 0x80)
     let codes = _mm512_ternarylogic_epi32::<0xF8>(mag, sgn, _mm512_set1_epi8(0x80u8 as i8));
@@ -313,10 +315,11 @@ unsafe fn e4m3_codes64<const EXACT: bool>(x: &[__m512; 4], p: __m512, q: __m512)
 /// several chunks are rotated into `fb` (head_dim f32, in L1) first. The bytes are those of
 /// rotating every row and encoding the f32 rows with `fp8_encode_rows`.
 ///
-/// Returns the largest magnitude of the *source* values as f32 bits (NaN and Inf above every
-/// finite value): the caller refuses the rows (and discards what was written) when it passes
-/// `crate::rotation::ROTATION_MAX_INPUT`, so that check costs no pass of its own. Any input is
-/// safe here: non-finite or huge values only make meaningless codes.
+/// Returns the largest rotated magnitude as f32 bits (NaN and Inf above every finite value, see
+/// [`fwd_chunk`]'s probe): at most [`ROTATED_SAFE_BITS`] proves every source value finite and
+/// within `crate::rotation::ROTATION_MAX_INPUT`, so the range check costs no pass of its own;
+/// above it the caller checks the source rows (and discards what was written if it refuses
+/// them). Any input is safe here: non-finite or huge values only make meaningless codes.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c,fma")]
 pub(crate) unsafe fn fp8_encode_rows_rotated(
     dtype: DType,
@@ -331,7 +334,9 @@ pub(crate) unsafe fn fp8_encode_rows_rotated(
     let row_bytes = hd * dtype.size() as usize;
     let rows = codes.len() / hd.max(1);
     assert!(rows * row_bytes <= src.len() && 4 * rows <= scales.len());
-    let mut src_max = _mm512_setzero_ps();
+    // The range check: NaN/Inf probes, and the rotated amaxes (integer max of their bits).
+    let mut probe = _mm512_setzero_si512();
+    let mut rot_max = _mm256_setzero_si256();
     // Eight rows at a time: each rotated in registers chunk by chunk and stored as f32 into `buf`
     // (in L1), its amax taken from the registers; then the eight scales computed together
     // (`avx2::fp8_scale8`, the lanes of `crate::scale::fp8_scale`) and the codes written from
@@ -342,11 +347,13 @@ pub(crate) unsafe fn fp8_encode_rows_rotated(
         let mut amax = [_mm256_setzero_si256(); 8];
         for (k, am) in amax.iter_mut().enumerate() {
             let s = &src[(r + k) * row_bytes..(r + k + 1) * row_bytes];
-            let m = fwd_row(dtype, s, mul, chunks, &mut buf[k * hd..(k + 1) * hd], &mut src_max);
+            let m = fwd_row(dtype, s, mul, chunks, &mut buf[k * hd..(k + 1) * hd], &mut probe);
             *am = _mm256_castps_si256(_mm256_max_ps(_mm512_castps512_ps256(m), _mm512_extractf32x8_ps::<1>(m)));
         }
         // The magnitudes' bits (sign cleared): an integer max orders them like the values.
-        let s = avx2::fp8_scale8(avx2::reduce8::<{ avx2::FP32 }>(&amax));
+        let amax = avx2::reduce8::<{ avx2::FP32 }>(&amax);
+        rot_max = _mm256_max_epu32(rot_max, _mm256_castps_si256(amax));
+        let s = avx2::fp8_scale8(amax);
         // s = 0 (amax below 2^-100) encodes with scale 1, as the scalar code does.
         let is0 = _mm256_cmp_ps::<_CMP_EQ_OQ>(s, _mm256_setzero_ps());
         let se = _mm256_blendv_ps(s, _mm256_set1_ps(1.0), is0);
@@ -376,8 +383,10 @@ pub(crate) unsafe fn fp8_encode_rows_rotated(
     for r in r..rows {
         let s = &src[r * row_bytes..(r + 1) * row_bytes];
         let row = &mut buf[..hd];
-        let m = fwd_row(dtype, s, mul, chunks, row, &mut src_max);
-        let se = row_scale(max_bits(m), &mut scales[4 * r..4 * r + 4]);
+        let m = fwd_row(dtype, s, mul, chunks, row, &mut probe);
+        let bits = max_bits(m);
+        rot_max = _mm256_max_epu32(rot_max, _mm256_set1_epi32(bits as i32));
+        let se = row_scale(bits, &mut scales[4 * r..4 * r + 4]);
         let dst = &mut codes[r * hd..(r + 1) * hd];
         if avx2::exact_ok(se) {
             let (hi, lo) = avx2::recip_split(se);
@@ -387,18 +396,25 @@ pub(crate) unsafe fn fp8_encode_rows_rotated(
             quantize_row::<false>(row, p, p, dst);
         }
     }
-    max_bits(src_max)
+    _mm512_reduce_max_epu32(_mm512_max_epu32(probe, _mm512_castsi256_si512(rot_max)))
 }
 
 /// One row of `s` rotated chunk by chunk in registers ([`fwd_chunk`]) and stored into `row`
 /// (f32); returns the max magnitude of the rotated values in sixteen lanes ([`max_abs`]).
 #[inline(always)]
-unsafe fn fwd_row(dtype: DType, s: &[u8], mul: &[f32], chunks: &[usize], row: &mut [f32], src_max: &mut __m512) -> __m512 {
+unsafe fn fwd_row(
+    dtype: DType,
+    s: &[u8],
+    mul: &[f32],
+    chunks: &[usize],
+    row: &mut [f32],
+    probe: &mut __m512i,
+) -> __m512 {
     let mut acc = _mm512_setzero_ps();
     let mut off = 0;
     for &n in chunks {
         by_chunk!(n, |v| {
-            acc = max_abs(acc, fwd_chunk(dtype, s, mul, off, &mut v, src_max));
+            acc = max_abs(acc, fwd_chunk(dtype, s, mul, off, &mut v, probe));
             assert!(off + 16 * v.len() <= row.len());
             for (k, x) in v.iter().enumerate() {
                 // SAFETY: elements off + 16k .. + 16 are inside row (assert above).
@@ -415,7 +431,7 @@ unsafe fn fwd_row(dtype: DType, s: &[u8], mul: &[f32], chunks: &[usize], row: &m
 #[inline(always)]
 unsafe fn quantize_row<const EXACT: bool>(row: &[f32], p: __m512, q: __m512, dst: &mut [u8]) {
     let n = row.len();
-    assert!(n % 16 == 0 && dst.len() >= n);
+    assert!(n.is_multiple_of(16) && dst.len() >= n);
     let (rp, dp) = (row.as_ptr(), dst.as_mut_ptr());
     let mut i = 0;
     while i + 64 <= n {
@@ -485,7 +501,10 @@ unsafe fn store_chunk<const N: usize>(v: &[__m512; N], mul: &[f32], off: usize, 
     if dtype == DType::Bf16 {
         while k + 2 <= N {
             // SAFETY: elements off + 16k .. + 32 are inside mul and o (assert above, k + 2 ≤ N).
-            let (a, b) = (_mm512_mul_ps(v[k], _mm512_loadu_ps(mp.add(16 * k))), _mm512_mul_ps(v[k + 1], _mm512_loadu_ps(mp.add(16 * k + 16))));
+            let (a, b) = (
+                _mm512_mul_ps(v[k], _mm512_loadu_ps(mp.add(16 * k))),
+                _mm512_mul_ps(v[k + 1], _mm512_loadu_ps(mp.add(16 * k + 16))),
+            );
             store32_bf16(o.as_mut_ptr().add(2 * (off + 16 * k)), a, b);
             k += 2;
         }
@@ -515,7 +534,8 @@ unsafe fn store32_bf16(p: *mut u8, a: __m512, b: __m512) {
     let one = _mm512_set1_epi16(1);
     let h = _mm512_permutex2var_epi16(a, odd, b);
     let l = _mm512_permutex2var_epi16(a, _mm512_sub_epi16(odd, one), b);
-    let up = _mm512_cmpgt_epu16_mask(_mm512_adds_epu16(l, _mm512_and_si512(h, one)), _mm512_set1_epi16(0x8000u16 as i16));
+    let up =
+        _mm512_cmpgt_epu16_mask(_mm512_adds_epu16(l, _mm512_and_si512(h, one)), _mm512_set1_epi16(0x8000u16 as i16));
     // SAFETY: p .. p + 64 is writable (this function's contract).
     _mm512_storeu_si512(p as *mut _, _mm512_mask_add_epi16(h, up, h, one));
 }
@@ -556,9 +576,7 @@ pub(crate) unsafe fn fp8_decode_rows_rotated<F: Fn(usize) -> f32>(
 }
 
 /// The sixteen E2M1 values in code order (sign in bit 3), for a lane permute.
-const E2M1_SIGNED: [f32; 16] = [
-    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
-];
+const E2M1_SIGNED: [f32; 16] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
 
 /// NVFP4 decoding fused with the inverse rotation, one row at a time in registers (see
 /// [`fp8_decode_rows_rotated`]): a row's block scales `d = fl(e4m3(bs) · g)` computed sixteen at
@@ -582,7 +600,7 @@ pub(crate) unsafe fn nvfp4_decode_rows_rotated<F: Fn(usize) -> f32>(
 ) -> bool {
     debug_assert!(covers(dtype, chunks));
     let hd = mul.len();
-    assert!(hd % 16 == 0);
+    assert!(hd.is_multiple_of(16));
     let (nb, cb) = (hd / 16, hd / 2);
     let table = _mm512_loadu_ps(E2M1_SIGNED.as_ptr());
     let shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
@@ -638,18 +656,18 @@ pub(crate) unsafe fn rotate_rows_max(dtype: DType, src: &[u8], mul: &[f32], chun
     debug_assert!(covers(dtype, chunks));
     let hd = mul.len();
     let mut acc = _mm512_setzero_ps();
-    let mut src_max = _mm512_setzero_ps();
+    let mut probe = _mm512_setzero_si512();
     for (s, o) in src.chunks_exact(hd * dtype.size() as usize).zip(out.chunks_exact_mut(hd * 4)) {
         let mut off = 0;
         for &n in chunks {
             by_chunk!(n, |v| {
-                acc = max_abs(acc, fwd_chunk(dtype, s, mul, off, &mut v, &mut src_max));
+                acc = max_abs(acc, fwd_chunk(dtype, s, mul, off, &mut v, &mut probe));
                 store_f32s(&v, off, o);
             });
             off += n;
         }
     }
-    max_bits(acc)
+    max_bits(acc).max(_mm512_reduce_max_epu32(probe))
 }
 
 /// Rotated values all at most 2^90 in magnitude prove the source finite and within
@@ -667,7 +685,7 @@ pub(crate) const ROTATED_SAFE_BITS: u32 = 0x6C80_0000; // 2^90
 /// block's codes ([`nvfp4_codes8`]) with its reciprocal broadcast from memory.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c,fma")]
 pub(crate) unsafe fn nvfp4_encode_rows_f32(src: &[u8], hd: usize, g: f32, enc: f32, bs: &mut [u8], codes: &mut [u8]) {
-    assert!(hd % 16 == 0 && hd > 0);
+    assert!(hd.is_multiple_of(16) && hd > 0);
     let (nb, cb) = (hd / 16, hd / 2);
     let rows = bs.len() / nb;
     let blocks = rows * nb;
@@ -727,7 +745,10 @@ unsafe fn block_amax8(p: *const f32, m: usize) -> __m256 {
     let r = _mm512_max_ps(_mm512_shuffle_f32x4::<0b10_00_10_00>(q0, q1), _mm512_shuffle_f32x4::<0b11_01_11_01>(q0, q1));
     let r = _mm512_max_ps(r, _mm512_shuffle_f32x4::<0b10_11_00_01>(r, r));
     // Blocks 0–3 in lanes 0–3, blocks 4–7 in lanes 8–11.
-    _mm512_castps512_ps256(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 0, 0, 0, 0, 0, 0, 0, 0), r))
+    _mm512_castps512_ps256(_mm512_permutexvar_ps(
+        _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 0, 0, 0, 0, 0, 0, 0, 0),
+        r,
+    ))
 }
 
 /// `avx2::block_scales8` on sixteen lanes: the block scale codes (32-bit lanes) and multipliers
@@ -744,7 +765,10 @@ unsafe fn block_scales16(amax: __m512, g: f32, enc: f32) -> (__m512i, __m512) {
         _mm512_set1_epi32(141 << 23),
     );
     let tt = _mm512_castps_si512(_mm512_add_ps(a, _mm512_castsi512_ps(m)));
-    let c = _mm512_sub_epi32(_mm512_add_epi32(_mm512_sub_epi32(tt, m), _mm512_srli_epi32::<20>(m)), _mm512_set1_epi32(E4M3_BIAS));
+    let c = _mm512_sub_epi32(
+        _mm512_add_epi32(_mm512_sub_epi32(tt, m), _mm512_srli_epi32::<20>(m)),
+        _mm512_set1_epi32(E4M3_BIAS),
+    );
     // The code's exact value: normal codes by their bit pattern, subnormal ones as c · 2^-9.
     let normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32::<20>(c), _mm512_set1_epi32(120 << 23)));
     let sub = _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(0.001953125));

@@ -196,10 +196,11 @@ impl Isa {
 
     /// [`Isa::fp8_encode_rows_rotated`] on rows nobody has checked, where a kernel does it in
     /// one pass with the range check folded in (AVX-512, chunks it holds in registers):
-    /// `Some(bits)`, the largest magnitude of the source values as f32 bits (NaN and Inf above
-    /// every finite value). When that passes [`crate::rotation::ROTATION_MAX_INPUT`] the scales
-    /// and codes written are meaningless and the caller refuses the rows. `None` (nothing
-    /// written) where there is no such kernel.
+    /// `Some(bits)`, the largest rotated magnitude as f32 bits (NaN and Inf above every finite
+    /// value). At most [`ROTATED_SAFE_BITS`] proves every source value finite and within
+    /// [`crate::rotation::ROTATION_MAX_INPUT`]; above it the caller checks the source rows itself
+    /// (and discards the scales and codes written if it refuses them). `None` (nothing written)
+    /// where there is no such kernel.
     pub(crate) fn fp8_encode_rows_rotated_fused(
         self,
         rot: &Rotation,
@@ -211,7 +212,9 @@ impl Isa {
         #[cfg(target_arch = "x86_64")]
         if let (Isa::Avx512(_), true) = (self, avx512::covers(dtype, rot.chunks())) {
             // SAFETY: an Avx512 Isa exists only after the AVX-512 and AVX2 features were detected.
-            return Some(unsafe { avx512::fp8_encode_rows_rotated(dtype, src, rot.mul(), rot.chunks(), scales, codes) });
+            return Some(unsafe {
+                avx512::fp8_encode_rows_rotated(dtype, src, rot.mul(), rot.chunks(), scales, codes)
+            });
         }
         let _ = (rot, dtype, src, scales, codes);
         None
@@ -395,9 +398,17 @@ impl Isa {
 
     /// NVFP4 codes of rows of little-endian f32 (`hd` each) of one plane with its global scale
     /// `g` and encode factor `enc`: the bytes of [`Isa::nvfp4_encode_rows`].
-    pub(crate) fn nvfp4_encode_plane_f32(self, hd: usize, src: &[u8], g: f32, enc: f32, bs: &mut [u8], codes: &mut [u8]) {
+    pub(crate) fn nvfp4_encode_plane_f32(
+        self,
+        hd: usize,
+        src: &[u8],
+        g: f32,
+        enc: f32,
+        bs: &mut [u8],
+        codes: &mut [u8],
+    ) {
         #[cfg(target_arch = "x86_64")]
-        if let (Isa::Avx512(_), true) = (self, hd % 16 == 0 && hd > 0) {
+        if let (Isa::Avx512(_), true) = (self, hd.is_multiple_of(16) && hd > 0) {
             // SAFETY: an Avx512 Isa exists only after the AVX-512 and AVX2 features were detected.
             return unsafe { avx512::nvfp4_encode_rows_f32(src, hd, g, enc, bs, codes) };
         }
