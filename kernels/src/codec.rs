@@ -527,10 +527,11 @@ impl Codec {
                     // scales this small keep every decoded value below ROTATION_MAX_DECODED.
                     return run(parallel, chunks, |c| {
                         let (r0, r1) = (c.rows.start, c.rows.end);
+                        let plane_scale = plane_values(&spec, r0, &scales);
                         let bad = isa.fp8_decode_rows_rotated(
                             rot,
                             &codes[r0 * hd..r1 * hd],
-                            |k| scale_of(r0 + k),
+                            |k| if per_row { scales[r0 + k] } else { plane_scale(k) },
                             out_dtype,
                             c.a,
                         );
@@ -566,7 +567,7 @@ impl Codec {
                             rot,
                             &bs[r0 * nb..r1 * nb],
                             &codes[r0 * cb..r1 * cb],
-                            |k| g[spec.plane_of_row(r0 + k)],
+                            plane_values(&spec, r0, &g),
                             out_dtype,
                             c.a,
                         );
@@ -819,6 +820,22 @@ impl Sink<'_> {
             b = e;
         }
         Ok(())
+    }
+}
+
+/// `k ↦ values[plane of row r0 + k]` for calls with `k` never decreasing, as the row kernels make
+/// them: the plane (a division) is found once per run of rows sharing it, not once per row.
+fn plane_values<'a>(spec: &'a BlockSpec, r0: usize, values: &'a [f32]) -> impl Fn(usize) -> f32 + 'a {
+    let run = std::cell::Cell::new((r0, r0, 0f32));
+    move |k| {
+        let r = r0 + k;
+        let (start, end, v) = run.get();
+        if (start..end).contains(&r) {
+            return v;
+        }
+        let v = values[spec.plane_of_row(r)];
+        run.set((r, spec.plane_run_end(r), v));
+        v
     }
 }
 
