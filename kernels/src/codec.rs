@@ -527,7 +527,7 @@ impl Codec {
                     // scales this small keep every decoded value below ROTATION_MAX_DECODED.
                     return run(parallel, chunks, |c| {
                         let (r0, r1) = (c.rows.start, c.rows.end);
-                        let plane_scale = plane_values(&spec, r0, &scales);
+                        let plane_scale = plane_values(spec, r0, &scales);
                         let bad = isa.fp8_decode_rows_rotated(
                             rot,
                             &codes[r0 * hd..r1 * hd],
@@ -567,7 +567,7 @@ impl Codec {
                             rot,
                             &bs[r0 * nb..r1 * nb],
                             &codes[r0 * cb..r1 * cb],
-                            plane_values(&spec, r0, &g),
+                            plane_values(spec, r0, &g),
                             out_dtype,
                             c.a,
                         );

@@ -76,6 +76,12 @@ pub mod __testing {
         }
     }
 
+    /// Whether AVX-512 backends resolved from now on may use AVX512-BF16 where the CPU has it
+    /// (default: yes); a process-wide switch, so that tests can compare both routes.
+    pub fn avx512_bf16(enabled: bool) {
+        crate::kernel::AVX512_BF16_OFF.store(!enabled, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Unscaled E2M1 codes of `xs`, one per byte, through `backend`'s vector kernel.
     pub fn e2m1_codes(backend: Backend, xs: &[f32]) -> Result<Vec<u8>, CodecError> {
         let mut out = vec![0u8; xs.len()];

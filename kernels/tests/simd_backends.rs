@@ -3,7 +3,8 @@
 //! engine dtype), values near the formats' and the rotation's limits (2^100), the largest finite
 //! values, infinities and NaNs, for odd head dims and row counts; and on payloads with corrupted
 //! codes, block scales and scales (NaN codes, invalid block scales, scales near the fused
-//! decoders' bounds). Encode and decode, every codec, serial and split over threads.
+//! decoders' bounds). Encode and decode (with and without AVX512-BF16), every codec, serial and
+//! split over threads.
 
 mod common;
 
@@ -104,9 +105,12 @@ fn decodes_agree(id: CodecId, scaling: &Fp8Scaling, spec: BlockSpec, payload: &[
         let n = spec.elements() * out.size() as usize;
         let mut want = vec![0u8; n];
         let want_res = codec(id, scaling, Backend::Scalar, usize::MAX).decode_into(payload, &spec, out, &mut want);
-        for (b, par) in backends() {
+        for (b, par, bf16) in backends().into_iter().flat_map(|(b, par)| [(b, par, true), (b, par, false)]) {
+            // Both routes of the AVX-512 BF16 store (AVX512-BF16 where the CPU has it, or not).
+            kvtier_kernels::__testing::avx512_bf16(bf16);
             let mut got = vec![0u8; n];
             let got_res = codec(id, scaling, b, par).decode_into(payload, &spec, out, &mut got);
+            kvtier_kernels::__testing::avx512_bf16(true);
             prop_assert_eq!(
                 format!("{got_res:?}"),
                 format!("{want_res:?}"),

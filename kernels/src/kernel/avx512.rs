@@ -492,9 +492,16 @@ unsafe fn fp8_dequant_chunk<const N: usize>(
 }
 
 /// Multiplies a chunk by `mul` (elements `off..off + 16N`) and stores it at elements `off..` of
-/// the row `o` in `dtype` (BF16 two vectors at a time, [`store32_bf16`]).
+/// the row `o` in `dtype`: BF16 two vectors at a time, by `vcvtne2ps2bf16` with `NE`
+/// ([`store32_bf16_ne`]) else by [`store32_bf16`].
 #[inline(always)]
-unsafe fn store_chunk<const N: usize>(v: &[__m512; N], mul: &[f32], off: usize, dtype: DType, o: &mut [u8]) {
+unsafe fn store_chunk<const N: usize, const NE: bool>(
+    v: &[__m512; N],
+    mul: &[f32],
+    off: usize,
+    dtype: DType,
+    o: &mut [u8],
+) {
     assert!(off + 16 * N <= mul.len() && (off + 16 * N) * dtype.size() as usize <= o.len());
     let mp = mul.as_ptr().add(off);
     let mut k = 0;
@@ -505,7 +512,12 @@ unsafe fn store_chunk<const N: usize>(v: &[__m512; N], mul: &[f32], off: usize, 
                 _mm512_mul_ps(v[k], _mm512_loadu_ps(mp.add(16 * k))),
                 _mm512_mul_ps(v[k + 1], _mm512_loadu_ps(mp.add(16 * k + 16))),
             );
-            store32_bf16(o.as_mut_ptr().add(2 * (off + 16 * k)), a, b);
+            let p = o.as_mut_ptr().add(2 * (off + 16 * k));
+            if NE {
+                store32_bf16_ne(p, a, b);
+            } else {
+                store32_bf16(p, a, b);
+            }
             k += 2;
         }
     }
@@ -515,6 +527,31 @@ unsafe fn store_chunk<const N: usize>(v: &[__m512; N], mul: &[f32], off: usize, 
         k += 1;
     }
 }
+
+/// [`store32_bf16`] by one `vcvtne2ps2bf16` (AVX512-BF16), which rounds to nearest even like it
+/// but reads subnormal inputs as zero: the callers take it only for rows that cannot hold a
+/// subnormal value (see [`BF16NE_MIN_SCALE`]) and no NaN.
+///
+/// # Safety
+///
+/// AVX-512F and AVX512-BF16 (the calling kernel enables both and is only reached after they were
+/// detected); `p .. p + 64` writable.
+#[inline(always)]
+unsafe fn store32_bf16_ne(p: *mut u8, a: __m512, b: __m512) {
+    // The second operand fills the low half.
+    let r = _mm512_cvtne2ps_pbh(b, a);
+    // SAFETY: p .. p + 64 is writable (this function's contract); __m512bh is 64 bytes of bits.
+    _mm512_storeu_si512(p as *mut _, std::mem::transmute::<__m512bh, __m512i>(r));
+}
+
+/// Rows whose decode scale is 0 or at least this (2^-80) decode with no subnormal f32 anywhere
+/// (so [`store32_bf16_ne`] is exact on them). Every dequantized value `fl(e4m3 · s)` (or
+/// `fl(e2m1 · fl(e4m3 · g))`) is 0 or a multiple of `2^(e − 35)` (`e` the scale's exponent: the
+/// codes are at least 2^-10 of the scale, and a rounded value is a multiple of its own ulp); the
+/// butterflies' sums and differences stay multiples of it (rounding only to coarser multiples);
+/// the final product by `±fl(1/sqrt(n)) ≥ 1/16` keeps nonzero values above `2^(e − 40)`, normal
+/// for `e ≥ −80`.
+const BF16NE_MIN_SCALE: f32 = 8.271_806e-25; // 2^-80
 
 /// Stores 32 f32 (`a` then `b`) as BF16 at `p` (64 bytes), rounding to nearest even: the bytes of
 /// [`store16`]'s `(bits + 0x7FFF + lsb) >> 16`, on words: the high halves `h` and low halves `l`
@@ -557,22 +594,79 @@ pub(crate) unsafe fn fp8_decode_rows_rotated<F: Fn(usize) -> f32>(
     dtype: DType,
     dst: &mut [u8],
 ) -> bool {
+    fp8_decode_rows_rotated_t::<F, false>(codes, scale, mul, chunks, dtype, dst)
+}
+
+/// [`fp8_decode_rows_rotated`] storing BF16 by `vcvtne2ps2bf16` in the rows whose scale allows
+/// it ([`bf16ne_ok`]).
+///
+/// # Safety
+///
+/// As [`fp8_decode_rows_rotated`], and AVX512-BF16 detected.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c,fma,avx512bf16")]
+pub(crate) unsafe fn fp8_decode_rows_rotated_bf16ne<F: Fn(usize) -> f32>(
+    codes: &[u8],
+    scale: F,
+    mul: &[f32],
+    chunks: &[usize],
+    dtype: DType,
+    dst: &mut [u8],
+) -> bool {
+    fp8_decode_rows_rotated_t::<F, true>(codes, scale, mul, chunks, dtype, dst)
+}
+
+/// Whether rows of this decode scale may take [`store32_bf16_ne`] (see [`BF16NE_MIN_SCALE`]).
+#[inline(always)]
+fn bf16ne_ok(s: f32) -> bool {
+    s == 0.0 || s >= BF16NE_MIN_SCALE
+}
+
+#[inline(always)]
+unsafe fn fp8_decode_rows_rotated_t<F: Fn(usize) -> f32, const NE: bool>(
+    codes: &[u8],
+    scale: F,
+    mul: &[f32],
+    chunks: &[usize],
+    dtype: DType,
+    dst: &mut [u8],
+) -> bool {
     debug_assert!(covers(dtype, chunks));
     let hd = mul.len();
     let mut bad = _mm_setzero_si128();
     for (r, (c, o)) in codes.chunks_exact(hd).zip(dst.chunks_exact_mut(hd * dtype.size() as usize)).enumerate() {
-        let sc = _mm512_set1_ps(scale(r) * 256.0);
-        let mut off = 0;
-        for &n in chunks {
-            by_chunk!(n, |v| {
-                bad = fp8_dequant_chunk(c, off, sc, &mut v, bad);
-                wht_regs16(&mut v);
-                store_chunk(&v, mul, off, dtype, o);
-            });
-            off += n;
-        }
+        let s = scale(r);
+        let sc = _mm512_set1_ps(s * 256.0);
+        bad = if NE && bf16ne_ok(s) {
+            fp8_decode_row::<true>(c, sc, mul, chunks, dtype, o, bad)
+        } else {
+            fp8_decode_row::<false>(c, sc, mul, chunks, dtype, o, bad)
+        };
     }
     _mm_movemask_epi8(_mm_cmpeq_epi8(bad, _mm_set1_epi8(0x7F))) != 0
+}
+
+/// One row of [`fp8_decode_rows_rotated_t`]: codes `c`, `sc = 256·scale`, into `o`.
+#[inline(always)]
+unsafe fn fp8_decode_row<const NE: bool>(
+    c: &[u8],
+    sc: __m512,
+    mul: &[f32],
+    chunks: &[usize],
+    dtype: DType,
+    o: &mut [u8],
+    bad: __m128i,
+) -> __m128i {
+    let mut bad = bad;
+    let mut off = 0;
+    for &n in chunks {
+        by_chunk!(n, |v| {
+            bad = fp8_dequant_chunk(c, off, sc, &mut v, bad);
+            wht_regs16(&mut v);
+            store_chunk::<_, NE>(&v, mul, off, dtype, o);
+        });
+        off += n;
+    }
+    bad
 }
 
 /// The sixteen E2M1 values in code order (sign in bit 3), for a lane permute.
@@ -598,20 +692,50 @@ pub(crate) unsafe fn nvfp4_decode_rows_rotated<F: Fn(usize) -> f32>(
     dtype: DType,
     dst: &mut [u8],
 ) -> bool {
+    nvfp4_decode_rows_rotated_t::<F, false>(bs, codes, g, mul, chunks, dtype, dst)
+}
+
+/// [`nvfp4_decode_rows_rotated`] storing BF16 by `vcvtne2ps2bf16` in the rows whose global scale
+/// allows it ([`bf16ne_ok`]).
+///
+/// # Safety
+///
+/// As [`nvfp4_decode_rows_rotated`], and AVX512-BF16 detected.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c,fma,avx512bf16")]
+pub(crate) unsafe fn nvfp4_decode_rows_rotated_bf16ne<F: Fn(usize) -> f32>(
+    bs: &[u8],
+    codes: &[u8],
+    g: F,
+    mul: &[f32],
+    chunks: &[usize],
+    dtype: DType,
+    dst: &mut [u8],
+) -> bool {
+    nvfp4_decode_rows_rotated_t::<F, true>(bs, codes, g, mul, chunks, dtype, dst)
+}
+
+#[inline(always)]
+unsafe fn nvfp4_decode_rows_rotated_t<F: Fn(usize) -> f32, const NE: bool>(
+    bs: &[u8],
+    codes: &[u8],
+    g: F,
+    mul: &[f32],
+    chunks: &[usize],
+    dtype: DType,
+    dst: &mut [u8],
+) -> bool {
     debug_assert!(covers(dtype, chunks));
     let hd = mul.len();
     assert!(hd.is_multiple_of(16));
     let (nb, cb) = (hd / 16, hd / 2);
-    let table = _mm512_loadu_ps(E2M1_SIGNED.as_ptr());
-    let shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
-    let halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     let mut d = vec![0f32; nb.next_multiple_of(16)];
     let mut bad = _mm_setzero_si128();
     let rows = codes.len() / cb.max(1);
     assert!(rows * nb <= bs.len());
     for (r, (c, o)) in codes.chunks_exact(cb).zip(dst.chunks_exact_mut(hd * dtype.size() as usize)).enumerate() {
         let rbs = &bs[r * nb..(r + 1) * nb];
-        let gs = _mm512_set1_ps(g(r) * 256.0);
+        let gr = g(r);
+        let gs = _mm512_set1_ps(gr * 256.0);
         let mut b = 0;
         while b < nb {
             let m = (nb - b).min(16);
@@ -625,26 +749,50 @@ pub(crate) unsafe fn nvfp4_decode_rows_rotated<F: Fn(usize) -> f32>(
             _mm512_storeu_ps(d.as_mut_ptr().add(b), _mm512_mul_ps(_mm512_cvtph_ps(h), gs));
             b += 16;
         }
-        let mut off = 0;
-        for &n in chunks {
-            by_chunk!(n, |v| {
-                assert!(off + 16 * v.len() <= hd);
-                for (k, x) in v.iter_mut().enumerate() {
-                    let blk = off / 16 + k;
-                    let t = _mm512_mul_ps(table, _mm512_set1_ps(d[blk]));
-                    // SAFETY: the 8 code bytes of block blk (8·blk .. + 8 ≤ cb) are inside c.
-                    let w = _mm_loadl_epi64(c.as_ptr().add(8 * blk) as *const __m128i);
-                    let idx = _mm512_srlv_epi32(_mm512_permutexvar_epi32(halves, _mm512_castsi128_si512(w)), shifts);
-                    *x = _mm512_permutexvar_ps(idx, t);
-                }
-                wht_regs16(&mut v);
-                store_chunk(&v, mul, off, dtype, o);
-            });
-            off += n;
+        if NE && bf16ne_ok(gr) {
+            nvfp4_decode_row::<true>(c, &d, mul, chunks, dtype, o);
+        } else {
+            nvfp4_decode_row::<false>(c, &d, mul, chunks, dtype, o);
         }
     }
     // Valid block scales are unsigned E4M3 codes below 0x7F (NaN).
     _mm_movemask_epi8(_mm_cmpeq_epi8(_mm_max_epu8(bad, _mm_set1_epi8(0x7F)), bad)) != 0
+}
+
+/// One row of [`nvfp4_decode_rows_rotated_t`]: code bytes `c`, block scales `d` (decoded), into
+/// `o`.
+#[inline(always)]
+unsafe fn nvfp4_decode_row<const NE: bool>(
+    c: &[u8],
+    d: &[f32],
+    mul: &[f32],
+    chunks: &[usize],
+    dtype: DType,
+    o: &mut [u8],
+) {
+    let hd = mul.len();
+    assert!(c.len() == hd / 2 && d.len() >= hd / 16);
+    let table = _mm512_loadu_ps(E2M1_SIGNED.as_ptr());
+    let shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+    let halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    let mut off = 0;
+    for &n in chunks {
+        by_chunk!(n, |v| {
+            assert!(off + 16 * v.len() <= hd);
+            for (k, x) in v.iter_mut().enumerate() {
+                let blk = off / 16 + k;
+                let t = _mm512_mul_ps(table, _mm512_set1_ps(d[blk]));
+                // SAFETY: the 8 code bytes of block blk (8·blk .. + 8 ≤ hd / 2 = c.len()) are
+                // inside c (assert above).
+                let w = _mm_loadl_epi64(c.as_ptr().add(8 * blk) as *const __m128i);
+                let idx = _mm512_srlv_epi32(_mm512_permutexvar_epi32(halves, _mm512_castsi128_si512(w)), shifts);
+                *x = _mm512_permutexvar_ps(idx, t);
+            }
+            wht_regs16(&mut v);
+            store_chunk::<_, NE>(&v, mul, off, dtype, o);
+        });
+        off += n;
+    }
 }
 
 /// [`rotate_rows`] for rows this file covers ([`covers`]), returning the largest magnitude of the

@@ -67,15 +67,28 @@ impl Backend {
         }
     }
 
+    /// Whether the AVX-512 kernels may also use AVX512-BF16 (where detected, unless a test turned
+    /// it off with `__testing::avx512_bf16`).
+    fn avx512bf16_in_use() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            std::is_x86_feature_detected!("avx512bf16") && !AVX512_BF16_OFF.load(std::sync::atomic::Ordering::Relaxed)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    }
+
     pub(crate) fn resolve(self) -> Result<Isa, CodecError> {
         match self {
             Backend::Scalar => Ok(Isa::Scalar),
-            Backend::Auto if Self::avx512_available() => Ok(Isa::Avx512(Avx512Token(()))),
+            Backend::Auto if Self::avx512_available() => Ok(Isa::Avx512(Avx512Token(Self::avx512bf16_in_use()))),
             Backend::Auto if Self::avx2_available() => Ok(Isa::Avx2(Avx2Token(()))),
             Backend::Auto => Ok(Isa::Scalar),
             Backend::Avx2 if Self::avx2_available() => Ok(Isa::Avx2(Avx2Token(()))),
             Backend::Avx2 => Err(CodecError::BackendUnavailable("avx2+f16c")),
-            Backend::Avx512 if Self::avx512_available() => Ok(Isa::Avx512(Avx512Token(()))),
+            Backend::Avx512 if Self::avx512_available() => Ok(Isa::Avx512(Avx512Token(Self::avx512bf16_in_use()))),
             Backend::Avx512 => Err(CodecError::BackendUnavailable("avx512f+bw+vl+dq")),
         }
     }
@@ -86,9 +99,13 @@ impl Backend {
 pub(crate) struct Avx2Token(());
 
 /// Proof that AVX-512 F, BW, VL and DQ were detected, and everything an [`Avx2Token`] proves:
-/// only [`Backend::resolve`] makes one.
+/// only [`Backend::resolve`] makes one. Its flag: AVX512-BF16 was detected too (and is in use).
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Avx512Token(());
+pub(crate) struct Avx512Token(bool);
+
+/// Test hook: set, the AVX-512 backend resolved afterwards leaves AVX512-BF16 unused (the same
+/// bytes by another route).
+pub(crate) static AVX512_BF16_OFF: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// A resolved backend.
 #[derive(Debug, Clone, Copy)]
@@ -347,9 +364,15 @@ impl Isa {
     ) -> bool {
         assert!(self.fuses_rotated_decode(rot, out), "no fused rotated decoder");
         #[cfg(target_arch = "x86_64")]
-        if let Isa::Avx512(_) = self {
-            // SAFETY: an Avx512 Isa exists only after the AVX-512 and AVX2 features were detected.
-            return unsafe { avx512::fp8_decode_rows_rotated(codes, scale, rot.mul(), rot.chunks(), out, dst) };
+        if let Isa::Avx512(Avx512Token(bf16)) = self {
+            let (mul, chunks) = (rot.mul(), rot.chunks());
+            if bf16 {
+                // SAFETY: an Avx512 Isa exists only after the AVX-512 and AVX2 features were
+                // detected; its flag says AVX512-BF16 was detected too.
+                return unsafe { avx512::fp8_decode_rows_rotated_bf16ne(codes, scale, mul, chunks, out, dst) };
+            }
+            // SAFETY: as above.
+            return unsafe { avx512::fp8_decode_rows_rotated(codes, scale, mul, chunks, out, dst) };
         }
         let _ = (codes, scale, dst);
         unreachable!("checked by the assert above")
@@ -372,9 +395,15 @@ impl Isa {
     ) -> bool {
         assert!(self.fuses_rotated_decode(rot, out), "no fused rotated decoder");
         #[cfg(target_arch = "x86_64")]
-        if let Isa::Avx512(_) = self {
-            // SAFETY: an Avx512 Isa exists only after the AVX-512 and AVX2 features were detected.
-            return unsafe { avx512::nvfp4_decode_rows_rotated(bs, codes, g, rot.mul(), rot.chunks(), out, dst) };
+        if let Isa::Avx512(Avx512Token(bf16)) = self {
+            let (mul, chunks) = (rot.mul(), rot.chunks());
+            if bf16 {
+                // SAFETY: an Avx512 Isa exists only after the AVX-512 and AVX2 features were
+                // detected; its flag says AVX512-BF16 was detected too.
+                return unsafe { avx512::nvfp4_decode_rows_rotated_bf16ne(bs, codes, g, mul, chunks, out, dst) };
+            }
+            // SAFETY: as above.
+            return unsafe { avx512::nvfp4_decode_rows_rotated(bs, codes, g, mul, chunks, out, dst) };
         }
         let _ = (bs, codes, g, dst);
         unreachable!("checked by the assert above")
