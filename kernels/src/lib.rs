@@ -12,7 +12,8 @@
 //! - [`rotation`]: the randomized Hadamard rotation along `head_dim` of the `+had` codecs, which
 //!   spreads outlier channels before quantization and is undone after decoding.
 //! - [`payload`]: the self-describing payload (format, shape, dtype, scales) of every codec but raw.
-//! - [`Backend`]: the scalar reference or AVX2+F16C kernels (chosen at run time, identical bytes).
+//! - [`Backend`]: the scalar reference, AVX2+F16C kernels, or AVX-512 ones for the rotated codecs
+//!   (chosen at run time, identical bytes).
 //! - [`policy`]: [`policy::CodecPolicy`] — which codec per tier, the age rule, `lossless_only`.
 //! - Private leaf math, shared by every backend: `scale` (amax → FP8 scale, NVFP4 global and
 //!   block scales) and `fwht` (the Walsh–Hadamard butterflies, scalar and vector).

@@ -1,19 +1,29 @@
 //! AVX-512 row kernels for the rotated (`+had`) codecs, sixteen f32 lanes at a time: the forward
-//! rotation, the inverse rotation, and the forward rotation fused with FP8 quantization. They
-//! write the same bytes as [`super::scalar`] and [`super::avx2`]: the same IEEE operations on the
-//! same values in the same order (the butterflies of [`crate::fwht::avx512`]), the same exact
-//! quotient as `avx2::quot`, the same E4M3 rounding construction as `avx2::e4m3_mag8_biased`.
+//! rotation, the inverse rotation, the forward rotation fused with FP8 quantization, FP8 and
+//! NVFP4 dequantization fused with the inverse rotation, and the NVFP4 quantizer of rotated
+//! planes. They write the same bytes as [`super::scalar`] and [`super::avx2`]: the same IEEE
+//! operations on the same values in the same order (the butterflies of [`crate::fwht::avx512`]),
+//! the same exact quotient as `avx2::quot`, the same E4M3/E2M1 rounding constructions as
+//! `avx2::e4m3_mag8_biased` and `avx2::e2m1_mag8_x64`, the same block-scale arithmetic as
+//! `avx2::block_scales8`.
 //!
 //! A row is held in registers chunk by chunk (a chunk of 128 is eight vectors): loaded, rotated,
-//! and then stored as f32 (`rotate_rows`), quantized straight from the registers
-//! (`fp8_encode_rows_rotated`), or multiplied and stored in the output dtype (`unrotate_rows`).
-//! Rows whose chunks have no register form here (a chunk shorter than 16 or longer than 256) and
-//! FP8 sources or outputs go to the AVX2 kernels, which every CPU with these features also runs.
+//! and then stored as f32 (`rotate_rows`, `rotate_rows_max`), or stored as f32 in an L1 buffer of
+//! eight rows whose scales are computed together before their codes are written
+//! (`fp8_encode_rows_rotated`); decoding, codes are dequantized into registers, transformed,
+//! multiplied and stored in the output dtype (`fp8_decode_rows_rotated`,
+//! `nvfp4_decode_rows_rotated`, and their `_bf16ne` forms storing BF16 by `vcvtne2ps2bf16`).
+//! The range check of the rotated encoders (finite, within 2^100) is read off the rotated values
+//! ([`fwd_chunk`], [`ROTATED_SAFE_BITS`]). Rows whose chunks have no register form here (a chunk
+//! shorter than 16 or longer than 256) and FP8 sources or outputs go to the AVX2 kernels, which
+//! every CPU with these features also runs.
 //!
 //! Safety, once for the whole file: every function here is `#[target_feature(enable = "avx512f,
 //! avx512bw, avx512vl, avx512dq, avx2, f16c, fma")]` (or `inline(always)` and only called from
 //! such functions) and is only called through [`super::Isa::Avx512`], which is only constructed
-//! after `is_x86_feature_detected!` returned true for every one of those features. Every
+//! after `is_x86_feature_detected!` returned true for every one of those features; the `_bf16ne`
+//! kernels also enable "avx512bf16" and are only called when the `Isa`'s token says it was
+//! detected too. Every
 //! unaligned load or store reads or writes whole elements `i..i + 16` of a slice whose length was
 //! checked by an `assert!` in the same function, as noted at each access.
 

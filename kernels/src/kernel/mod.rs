@@ -1,7 +1,9 @@
 //! Row kernels and the choice between them. A row is the `head_dim` elements of one (layer,
 //! K|V, token, head). [`scalar`] is the reference; [`avx2`] (x86-64 with AVX2 and F16C, chosen at
-//! run time) writes identical bytes faster, and [`avx512`] (AVX-512 F/BW/VL/DQ on top) does so
-//! for the rotations of the `+had` codecs, the other kernels staying AVX2 there. The codec calls these through [`Isa`], one call per
+//! run time) writes identical bytes faster, and [`avx512`] (AVX-512 F/BW/VL/DQ on top, and
+//! AVX512-BF16 where present) does so for the `+had` codecs — the rotation fused with FP8
+//! quantization, with FP8 and NVFP4 dequantization, and NVFP4 quantization of rotated planes — the
+//! other kernels staying AVX2 there. The codec calls these through [`Isa`], one call per
 //! run of rows for the encoders (a chunk, or a plane for NVFP4) and per row for decoding, so the
 //! feature check and the dtype dispatch happen once per run, not per element.
 
