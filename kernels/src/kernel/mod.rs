@@ -103,6 +103,7 @@ pub(crate) struct Avx2Token(());
 /// Proof that AVX-512 F, BW, VL and DQ were detected, and everything an [`Avx2Token`] proves:
 /// only [`Backend::resolve`] makes one. Its flag: AVX512-BF16 was detected too (and is in use).
 #[derive(Debug, Clone, Copy)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) struct Avx512Token(bool);
 
 /// Test hook: set, the AVX-512 backend resolved afterwards leaves AVX512-BF16 unused (the same
