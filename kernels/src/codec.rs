@@ -41,7 +41,7 @@ use kvtier_proto::{CodecId, DType, MemoryOrder};
 use rayon::prelude::*;
 
 use crate::block::{load_f32, BlockSpec, KvBlockView};
-use crate::kernel::{scalar, Backend, Isa};
+use crate::kernel::{scalar, Backend, Isa, ROTATED_SAFE_BITS};
 use crate::payload::{Format, Fp8ScaleMode, PayloadInfo, PayloadParts, PAYLOAD_HEADER_LEN};
 use crate::rotation::{Rotation, DEFAULT_ROTATION_SEED, ROTATION_MAX_DECODED, ROTATION_MAX_INPUT};
 use crate::scale::{fp8_scale, nvfp4_plane_scales};
@@ -50,6 +50,11 @@ use crate::CodecError;
 /// Rotated rows are handed to the kernels in batches of about this many elements (32 KiB of f32),
 /// small enough to stay in the core's cache between the rotation and the quantization.
 const ROTATION_BATCH_ELEMENTS: usize = 8192;
+
+/// The largest NVFP4 global scale the fused rotated decoder takes (2^98): every decoded value is
+/// then at most `6 · 448 · 2^98 < 2^110`, below [`ROTATION_MAX_DECODED`], so the check the unfused
+/// path makes cannot fail. Larger ones (only in payloads the encoder did not write) take that path.
+const NVFP4_FUSED_MAX_GLOBAL: f32 = 3.169_126_5e29;
 
 /// A layer-first NVFP4 block encoded on one thread rotates each plane once into a scratch buffer
 /// of at most this many bytes (and reads it for the amax, then for the codes); larger planes are
@@ -308,8 +313,29 @@ impl Codec {
         run(parallel, chunks, |c| {
             let r0 = c.rows.start;
             if let (None, Some(rot)) = (&plane_scales, source.rot) {
-                // Rotated, one scale per row: rotated and quantized in one pass per row.
-                return source.checked_batches(c.rows.clone(), |b0, bytes| {
+                // Rotated, one scale per row: rotated and quantized in one pass per row, the
+                // range check folded into that pass where the kernel can (the rows are refused
+                // afterwards, by the same check and error, and what was written discarded).
+                let per = (ROTATION_BATCH_ELEMENTS / hd).max(1);
+                let mut b0 = r0;
+                while b0 < c.rows.end {
+                    let e = (b0 + per).min(c.rows.end);
+                    let (o, n) = (b0 - r0, e - b0);
+                    let (sc, co) = (&mut c.b[4 * o..4 * (o + n)], &mut c.a[o * hd..(o + n) * hd]);
+                    match isa.fp8_encode_rows_rotated_fused(rot, spec.dtype, source.src_rows(b0..e), sc, co) {
+                        None => break,
+                        Some(bits) => {
+                            if bits > ROTATED_SAFE_BITS {
+                                source.checked(b0..e)?;
+                            }
+                            b0 = e;
+                        }
+                    }
+                }
+                if b0 == c.rows.end {
+                    return Ok(());
+                }
+                return source.checked_batches(b0..c.rows.end, |b0, bytes| {
                     let (o, n) = (b0 - r0, bytes.len() / row_bytes);
                     let (sc, co) = (&mut c.b[4 * o..4 * (o + n)], &mut c.a[o * hd..(o + n) * hd]);
                     isa.fp8_encode_rows_rotated(rot, spec.dtype, bytes, sc, co).map_err(|k| source.bad_row(b0 + k))
@@ -370,6 +396,21 @@ impl Codec {
             type Plane<'b> = (usize, (&'b mut [u8], (&'b mut [u8], &'b mut [u8])));
             let plane = |scratch: &mut Vec<u8>, (p, (pscale, (pbs, pcodes))): Plane| {
                 let rows = p * per_plane..(p + 1) * per_plane;
+                if let Some(rot) = source.rot {
+                    // Rotated into `scratch` with the plane's amax taken from the registers, the
+                    // range check proven by it (or made on the source when it cannot be), then
+                    // the codes from `scratch` while it is in cache.
+                    scratch.resize(per_plane * hd * 4, 0);
+                    if let Some(bits) = isa.rotate_rows_max(rot, spec.dtype, source.src_rows(rows.clone()), scratch) {
+                        if bits > ROTATED_SAFE_BITS {
+                            source.checked(rows.clone())?;
+                        }
+                        let (g, enc) = nvfp4_plane_scales(f32::from_bits(bits));
+                        pscale.copy_from_slice(&g.to_le_bytes());
+                        isa.nvfp4_encode_plane_f32(hd, scratch, g, enc, pbs, pcodes);
+                        return Ok(());
+                    }
+                }
                 let psrc = source.whole(rows.clone(), scratch)?;
                 let bits = isa.row_amax_bits(kspec.dtype, psrc);
                 if bits >= 0x7F80_0000 {
@@ -478,10 +519,32 @@ impl Codec {
                 let per_row = info.fp8_scales == Fp8ScaleMode::PerTokenHead;
                 let codes = parts.codes();
                 let chunks = split_rows(spec.rows(), hd * os, parallel, out, hd * os, &mut [], 0);
+                let scale_of = |r: usize| if per_row { scales[r] } else { scales[spec.plane_of_row(r)] };
+                if let Some(rot) = rot.as_ref().filter(|rot| {
+                    isa.fuses_rotated_decode(rot, out_dtype) && scales.iter().all(|s| *s <= ROTATION_MAX_INPUT)
+                }) {
+                    // Dequantized and inverse-rotated in one pass per row (no f32 rows in memory);
+                    // scales this small keep every decoded value below ROTATION_MAX_DECODED.
+                    return run(parallel, chunks, |c| {
+                        let (r0, r1) = (c.rows.start, c.rows.end);
+                        let plane_scale = plane_values(spec, r0, &scales);
+                        let bad = isa.fp8_decode_rows_rotated(
+                            rot,
+                            &codes[r0 * hd..r1 * hd],
+                            |k| if per_row { scales[r0 + k] } else { plane_scale(k) },
+                            out_dtype,
+                            c.a,
+                        );
+                        if bad {
+                            Err(bad_code())
+                        } else {
+                            Ok(())
+                        }
+                    });
+                }
                 run(parallel, chunks, |c| {
                     sink.rows(c, |r, dtype, dst| {
-                        let s = if per_row { scales[r] } else { scales[spec.plane_of_row(r)] };
-                        isa.fp8_decode_row(&codes[r * hd..(r + 1) * hd], s, dtype, dst)
+                        isa.fp8_decode_row(&codes[r * hd..(r + 1) * hd], scale_of(r), dtype, dst)
                     })
                 })
             }
@@ -493,6 +556,28 @@ impl Codec {
                 let (bs, codes) = (parts.block_scales(), parts.codes());
                 let (nb, cb) = (hd.div_ceil(16), hd.div_ceil(2));
                 let chunks = split_rows(spec.rows(), hd * os, parallel, out, hd * os, &mut [], 0);
+                if let Some(rot) = rot.as_ref().filter(|rot| {
+                    isa.fuses_rotated_decode(rot, out_dtype) && g.iter().all(|s| *s <= NVFP4_FUSED_MAX_GLOBAL)
+                }) {
+                    // Dequantized and inverse-rotated in one pass per row (no f32 rows in memory);
+                    // global scales this small keep every decoded value below ROTATION_MAX_DECODED.
+                    return run(parallel, chunks, |c| {
+                        let (r0, r1) = (c.rows.start, c.rows.end);
+                        let bad = isa.nvfp4_decode_rows_rotated(
+                            rot,
+                            &bs[r0 * nb..r1 * nb],
+                            &codes[r0 * cb..r1 * cb],
+                            plane_values(spec, r0, &g),
+                            out_dtype,
+                            c.a,
+                        );
+                        if bad {
+                            Err(bad_code())
+                        } else {
+                            Ok(())
+                        }
+                    });
+                }
                 run(parallel, chunks, |c| {
                     sink.rows(c, |r, dtype, dst| {
                         let gp = g[spec.plane_of_row(r)];
@@ -704,8 +789,6 @@ impl Sink<'_> {
     where
         F: Fn(usize, DType, &mut [u8]) -> bool,
     {
-        let bad_code =
-            || CodecError::Corrupt("payload holds a NaN or signed scale code the encoder never writes".into());
         let (hd, os) = (self.hd, self.out_dtype.size() as usize);
         let r0 = c.rows.start;
         let Some(rot) = self.rot else {
@@ -738,6 +821,27 @@ impl Sink<'_> {
         }
         Ok(())
     }
+}
+
+/// `k ↦ values[plane of row r0 + k]` for calls with `k` never decreasing, as the row kernels make
+/// them: the plane (a division) is found once per run of rows sharing it, not once per row.
+fn plane_values<'a>(spec: &'a BlockSpec, r0: usize, values: &'a [f32]) -> impl Fn(usize) -> f32 + 'a {
+    let run = std::cell::Cell::new((r0, r0, 0f32));
+    move |k| {
+        let r = r0 + k;
+        let (start, end, v) = run.get();
+        if (start..end).contains(&r) {
+            return v;
+        }
+        let v = values[spec.plane_of_row(r)];
+        run.set((r, spec.plane_run_end(r), v));
+        v
+    }
+}
+
+/// The error for a payload holding a code the encoder never writes.
+fn bad_code() -> CodecError {
+    CodecError::Corrupt("payload holds a NaN or signed scale code the encoder never writes".into())
 }
 
 /// Largest `|x|` of every plane of the rows `source` gives the kernels; [`CodecError::NonFinite`]

@@ -12,7 +12,8 @@
 //! - [`rotation`]: the randomized Hadamard rotation along `head_dim` of the `+had` codecs, which
 //!   spreads outlier channels before quantization and is undone after decoding.
 //! - [`payload`]: the self-describing payload (format, shape, dtype, scales) of every codec but raw.
-//! - [`Backend`]: the scalar reference or AVX2+F16C kernels (chosen at run time, identical bytes).
+//! - [`Backend`]: the scalar reference, AVX2+F16C kernels, or AVX-512 ones for the rotated codecs
+//!   (chosen at run time, identical bytes).
 //! - [`policy`]: [`policy::CodecPolicy`] — which codec per tier, the age rule, `lossless_only`.
 //! - Private leaf math, shared by every backend: `scale` (amax → FP8 scale, NVFP4 global and
 //!   block scales) and `fwht` (the Walsh–Hadamard butterflies, scalar and vector).
@@ -74,6 +75,12 @@ pub mod __testing {
             s ^= s << 17;
             (s >> 40) as f32 / (1u64 << 24) as f32
         }
+    }
+
+    /// Whether AVX-512 backends resolved from now on may use AVX512-BF16 where the CPU has it
+    /// (default: yes); a process-wide switch, so that tests can compare both routes.
+    pub fn avx512_bf16(enabled: bool) {
+        crate::kernel::AVX512_BF16_OFF.store(!enabled, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Unscaled E2M1 codes of `xs`, one per byte, through `backend`'s vector kernel.

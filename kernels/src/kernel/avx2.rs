@@ -36,7 +36,7 @@ const ABS: i32 = 0x7FFF_FFFF;
 
 const BF16: u8 = DType::Bf16 as u8;
 const FP16: u8 = DType::Fp16 as u8;
-const FP32: u8 = DType::Fp32 as u8;
+pub(crate) const FP32: u8 = DType::Fp32 as u8;
 const FP8: u8 = DType::Fp8E4m3 as u8;
 
 /// The dtype of a const-generic code: the loops are instantiated once per dtype, so the match on
@@ -115,7 +115,9 @@ unsafe fn store8<const D: u8>(dst: &mut [u8], i: usize, v: __m256) {
             _mm_storeu_si128(dst.as_mut_ptr().add(2 * i) as *mut __m128i, _mm256_castsi256_si128(p));
         }
         DType::Fp16 => {
-            let c = _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(-65504.0)), _mm256_set1_ps(65504.0));
+            // The bound first: `maxps`/`minps` return their second operand when one is NaN, so a
+            // NaN stays NaN, as `f32::clamp` keeps it in the scalar code.
+            let c = _mm256_min_ps(_mm256_set1_ps(65504.0), _mm256_max_ps(_mm256_set1_ps(-65504.0), v));
             let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(c);
             // SAFETY: 16 bytes at 2*i are inside dst.
             _mm_storeu_si128(dst.as_mut_ptr().add(2 * i) as *mut __m128i, h);
@@ -137,7 +139,7 @@ unsafe fn store8_u8(dst: &mut [u8], i: usize, v: __m256i) {
 /// The low byte of each 32-bit lane, lane k in byte k of the result.
 #[inline]
 #[target_feature(enable = "avx2,f16c,fma")]
-unsafe fn bytes8(v: __m256i) -> u64 {
+pub(crate) unsafe fn bytes8(v: __m256i) -> u64 {
     let shuf = _mm256_setr_epi8(
         0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, //
         0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
@@ -216,7 +218,7 @@ unsafe fn e2m1_mag8_biased(a: __m256) -> __m256i {
 }
 
 /// `2e = (m >> 22) − 149·2` in [`e2m1_mag8_biased`].
-const E2M1_BIAS: i32 = 298;
+pub(crate) const E2M1_BIAS: i32 = 298;
 
 /// `64·(code + E2M1_BIAS)` for eight non-negative, non-NaN f32, saturating at 6: the E2M1 code
 /// of [`e2m1_mag8_biased`], with its last three operations replaced by one multiply-add. After
@@ -308,7 +310,7 @@ pub(crate) fn recip_split(s: f32) -> (f32, f32) {
 /// [`recip_split`] of eight lanes.
 #[inline]
 #[target_feature(enable = "avx2,f16c,fma")]
-unsafe fn recip_split8(s: __m256) -> (__m256, __m256) {
+pub(crate) unsafe fn recip_split8(s: __m256) -> (__m256, __m256) {
     let hi = _mm256_div_ps(_mm256_set1_ps(1.0), s);
     let one = _mm256_set1_pd(1.0);
     let lo = |s4: __m128, h4: __m128| {
@@ -655,7 +657,7 @@ unsafe fn row_abs_partial<const D: u8>(src: &[u8]) -> __m256i {
 /// `codec::fp8_scale` of eight amaxes: `canonical(amax / 448, 20 bits)`, 0 below 2^-100.
 #[inline]
 #[target_feature(enable = "avx2,f16c,fma")]
-unsafe fn fp8_scale8(amax: __m256) -> __m256 {
+pub(crate) unsafe fn fp8_scale8(amax: __m256) -> __m256 {
     let s = _mm256_castps_si256(_mm256_div_ps(amax, _mm256_set1_ps(crate::formats::E4M3_MAX)));
     let low = _mm256_and_si256(s, _mm256_set1_epi32(0xF));
     let up = _mm256_add_epi32(_mm256_or_si256(s, _mm256_set1_epi32(0xF)), _mm256_set1_epi32(1));
@@ -668,7 +670,7 @@ unsafe fn fp8_scale8(amax: __m256) -> __m256 {
 /// [`exact_ok`] of all eight lanes.
 #[inline]
 #[target_feature(enable = "avx2,f16c,fma")]
-unsafe fn exact_ok8(s: __m256) -> bool {
+pub(crate) unsafe fn exact_ok8(s: __m256) -> bool {
     let low = _mm256_and_si256(_mm256_castps_si256(s), _mm256_set1_epi32(0xF));
     let canon = _mm256_castsi256_ps(_mm256_cmpeq_epi32(low, _mm256_setzero_si256()));
     let lo = _mm256_cmp_ps::<_CMP_GE_OQ>(s, _mm256_set1_ps(8.673_617e-19));
@@ -822,7 +824,7 @@ unsafe fn block_abs<const D: u8>(src: &[u8], b: usize) -> __m256i {
 /// words of each lane are folded last.
 #[inline]
 #[target_feature(enable = "avx2,f16c,fma")]
-unsafe fn reduce8<const D: u8>(v: &[__m256i; 8]) -> __m256 {
+pub(crate) unsafe fn reduce8<const D: u8>(v: &[__m256i; 8]) -> __m256 {
     let w16 = D == BF16 || D == FP16;
     let mx = |a: __m256i, b: __m256i| if w16 { _mm256_max_epu16(a, b) } else { _mm256_max_epu32(a, b) };
     let t01 = mx(_mm256_unpacklo_epi32(v[0], v[1]), _mm256_unpackhi_epi32(v[0], v[1])); // [A B A B]
@@ -852,7 +854,7 @@ unsafe fn reduce8<const D: u8>(v: &[__m256i; 8]) -> __m256 {
 /// operations (a division by 6, two products, a division).
 #[inline]
 #[target_feature(enable = "avx2,f16c,fma")]
-unsafe fn block_scales8(amax: __m256, g: f32, enc: f32) -> (__m256i, __m256) {
+pub(crate) unsafe fn block_scales8(amax: __m256, g: f32, enc: f32) -> (__m256i, __m256) {
     let t = _mm256_mul_ps(_mm256_div_ps(amax, _mm256_set1_ps(6.0)), _mm256_set1_ps(enc));
     let c = e4m3_mag8(t, true);
     let d = _mm256_mul_ps(e4m3_mag_to_f32_8(c), _mm256_set1_ps(g));
@@ -1031,6 +1033,11 @@ pub(crate) unsafe fn fp8_decode_row(codes: &[u8], scale: f32, out: DType, dst: &
 #[target_feature(enable = "avx2,f16c,fma")]
 unsafe fn fp8_decode_t<const D: u8>(codes: &[u8], scale: f32, dst: &mut [u8]) -> bool {
     let out = dt(D);
+    if !(scale * 256.0).is_finite() {
+        // A scale above 2^119.9 (never written by the encoder, whose scales stay below
+        // f32::MAX / 448): `256 · scale` would overflow where `code · scale` does not.
+        return scalar::fp8_decode_row(codes, scale, out, dst);
+    }
     let os = out.size() as usize;
     let n = codes.len();
     let sc = _mm256_set1_ps(scale * 256.0);

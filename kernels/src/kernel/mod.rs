@@ -1,7 +1,9 @@
 //! Row kernels and the choice between them. A row is the `head_dim` elements of one (layer,
 //! K|V, token, head). [`scalar`] is the reference; [`avx2`] (x86-64 with AVX2 and F16C, chosen at
-//! run time) writes identical bytes faster, and [`avx512`] (AVX-512 F/BW/VL/DQ on top) does so
-//! for the rotations of the `+had` codecs, the other kernels staying AVX2 there. The codec calls these through [`Isa`], one call per
+//! run time) writes identical bytes faster, and [`avx512`] (AVX-512 F/BW/VL/DQ on top, and
+//! AVX512-BF16 where present) does so for the `+had` codecs — the rotation fused with FP8
+//! quantization, with FP8 and NVFP4 dequantization, and NVFP4 quantization of rotated planes — the
+//! other kernels staying AVX2 there. The codec calls these through [`Isa`], one call per
 //! run of rows for the encoders (a chunk, or a plane for NVFP4) and per row for decoding, so the
 //! feature check and the dtype dispatch happen once per run, not per element.
 
@@ -14,6 +16,11 @@ pub(crate) mod scalar;
 use kvtier_proto::DType;
 
 use crate::rotation::Rotation;
+/// See [`Isa::rotate_rows_max`].
+#[cfg(target_arch = "x86_64")]
+pub(crate) use avx512::ROTATED_SAFE_BITS;
+#[cfg(not(target_arch = "x86_64"))]
+pub(crate) const ROTATED_SAFE_BITS: u32 = 0x6C80_0000;
 use crate::CodecError;
 
 /// Which implementation runs the kernels.
@@ -62,15 +69,28 @@ impl Backend {
         }
     }
 
+    /// Whether the AVX-512 kernels may also use AVX512-BF16 (where detected, unless a test turned
+    /// it off with `__testing::avx512_bf16`).
+    fn avx512bf16_in_use() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            std::is_x86_feature_detected!("avx512bf16") && !AVX512_BF16_OFF.load(std::sync::atomic::Ordering::Relaxed)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    }
+
     pub(crate) fn resolve(self) -> Result<Isa, CodecError> {
         match self {
             Backend::Scalar => Ok(Isa::Scalar),
-            Backend::Auto if Self::avx512_available() => Ok(Isa::Avx512(Avx512Token(()))),
+            Backend::Auto if Self::avx512_available() => Ok(Isa::Avx512(Avx512Token(Self::avx512bf16_in_use()))),
             Backend::Auto if Self::avx2_available() => Ok(Isa::Avx2(Avx2Token(()))),
             Backend::Auto => Ok(Isa::Scalar),
             Backend::Avx2 if Self::avx2_available() => Ok(Isa::Avx2(Avx2Token(()))),
             Backend::Avx2 => Err(CodecError::BackendUnavailable("avx2+f16c")),
-            Backend::Avx512 if Self::avx512_available() => Ok(Isa::Avx512(Avx512Token(()))),
+            Backend::Avx512 if Self::avx512_available() => Ok(Isa::Avx512(Avx512Token(Self::avx512bf16_in_use()))),
             Backend::Avx512 => Err(CodecError::BackendUnavailable("avx512f+bw+vl+dq")),
         }
     }
@@ -81,9 +101,14 @@ impl Backend {
 pub(crate) struct Avx2Token(());
 
 /// Proof that AVX-512 F, BW, VL and DQ were detected, and everything an [`Avx2Token`] proves:
-/// only [`Backend::resolve`] makes one.
+/// only [`Backend::resolve`] makes one. Its flag: AVX512-BF16 was detected too (and is in use).
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Avx512Token(());
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(crate) struct Avx512Token(bool);
+
+/// Test hook: set, the AVX-512 backend resolved afterwards leaves AVX512-BF16 unused (the same
+/// bytes by another route).
+pub(crate) static AVX512_BF16_OFF: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// A resolved backend.
 #[derive(Debug, Clone, Copy)]
@@ -175,10 +200,7 @@ impl Isa {
         scales: &mut [u8],
         codes: &mut [u8],
     ) -> Result<(), usize> {
-        #[cfg(target_arch = "x86_64")]
-        if let (Isa::Avx512(_), true) = (self, self.simd(dtype)) {
-            // SAFETY: an Avx512 Isa exists only after the AVX-512 and AVX2 features were detected.
-            unsafe { avx512::fp8_encode_rows_rotated(dtype, src, rot.mul(), rot.chunks(), scales, codes) };
+        if self.fp8_encode_rows_rotated_fused(rot, dtype, src, scales, codes).is_some() {
             return Ok(());
         }
         #[cfg(target_arch = "x86_64")]
@@ -190,6 +212,32 @@ impl Isa {
         let mut rotated = vec![0u8; src.len() / dtype.size() as usize * 4];
         self.rotate_rows(rot, dtype, src, &mut rotated);
         self.fp8_encode_rows(DType::Fp32, &rotated, rot.head_dim(), scales, codes)
+    }
+
+    /// [`Isa::fp8_encode_rows_rotated`] on rows nobody has checked, where a kernel does it in
+    /// one pass with the range check folded in (AVX-512, chunks it holds in registers):
+    /// `Some(bits)`, the largest rotated magnitude as f32 bits (NaN and Inf above every finite
+    /// value). At most [`ROTATED_SAFE_BITS`] proves every source value finite and within
+    /// [`crate::rotation::ROTATION_MAX_INPUT`]; above it the caller checks the source rows itself
+    /// (and discards the scales and codes written if it refuses them). `None` (nothing written)
+    /// where there is no such kernel.
+    pub(crate) fn fp8_encode_rows_rotated_fused(
+        self,
+        rot: &Rotation,
+        dtype: DType,
+        src: &[u8],
+        scales: &mut [u8],
+        codes: &mut [u8],
+    ) -> Option<u32> {
+        #[cfg(target_arch = "x86_64")]
+        if let (Isa::Avx512(_), true) = (self, avx512::covers(dtype, rot.chunks())) {
+            // SAFETY: an Avx512 Isa exists only after the AVX-512 and AVX2 features were detected.
+            return Some(unsafe {
+                avx512::fp8_encode_rows_rotated(dtype, src, rot.mul(), rot.chunks(), scales, codes)
+            });
+        }
+        let _ = (rot, dtype, src, scales, codes);
+        None
     }
 
     pub(crate) fn fp8_decode_row(self, codes: &[u8], scale: f32, out: DType, dst: &mut [u8]) -> bool {
@@ -289,6 +337,115 @@ impl Isa {
         }
         rot.inverse_rows_ref(src, dtype, dst);
         scalar::row_amax_bits(DType::Fp32, src)
+    }
+
+    /// Whether [`Isa::fp8_decode_rows_rotated`] and [`Isa::nvfp4_decode_rows_rotated`] have a
+    /// fused kernel for rows of `rot` decoded into `out` (else the caller decodes into f32 and
+    /// calls [`Isa::unrotate_rows`]).
+    pub(crate) fn fuses_rotated_decode(self, rot: &Rotation, out: DType) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if let Isa::Avx512(_) = self {
+            return avx512::covers(out, rot.chunks());
+        }
+        let _ = (rot, out);
+        false
+    }
+
+    /// FP8 rows (`rot.head_dim()` codes each) decoded with `scale(k)` for row `k` and
+    /// inverse-rotated into `dst` as `out`, in one pass per row: the bytes of decoding into f32
+    /// and [`Isa::unrotate_rows`]. Only where [`Isa::fuses_rotated_decode`]; the caller has
+    /// checked every scale is at most [`crate::rotation::ROTATION_MAX_INPUT`] (so no decoded
+    /// value passes [`crate::rotation::ROTATION_MAX_DECODED`]). Returns whether a NaN code was
+    /// met (`dst` is then unspecified).
+    pub(crate) fn fp8_decode_rows_rotated<F: Fn(usize) -> f32>(
+        self,
+        rot: &Rotation,
+        codes: &[u8],
+        scale: F,
+        out: DType,
+        dst: &mut [u8],
+    ) -> bool {
+        assert!(self.fuses_rotated_decode(rot, out), "no fused rotated decoder");
+        #[cfg(target_arch = "x86_64")]
+        if let Isa::Avx512(Avx512Token(bf16)) = self {
+            let (mul, chunks) = (rot.mul(), rot.chunks());
+            if bf16 {
+                // SAFETY: an Avx512 Isa exists only after the AVX-512 and AVX2 features were
+                // detected; its flag says AVX512-BF16 was detected too.
+                return unsafe { avx512::fp8_decode_rows_rotated_bf16ne(codes, scale, mul, chunks, out, dst) };
+            }
+            // SAFETY: as above.
+            return unsafe { avx512::fp8_decode_rows_rotated(codes, scale, mul, chunks, out, dst) };
+        }
+        let _ = (codes, scale, dst);
+        unreachable!("checked by the assert above")
+    }
+
+    /// NVFP4 rows (`ceil(hd/16)` block scales and `ceil(hd/2)` code bytes each) decoded with the
+    /// global scale `g(k)` for row `k` and inverse-rotated into `dst` as `out`, in one pass per
+    /// row: the bytes of decoding into f32 and [`Isa::unrotate_rows`]. Only where
+    /// [`Isa::fuses_rotated_decode`]; the caller has checked every global scale is at most 2^98
+    /// (so no decoded value passes [`crate::rotation::ROTATION_MAX_DECODED`]). Returns whether a
+    /// block scale code is not a valid unsigned E4M3 code (`dst` is then unspecified).
+    pub(crate) fn nvfp4_decode_rows_rotated<F: Fn(usize) -> f32>(
+        self,
+        rot: &Rotation,
+        bs: &[u8],
+        codes: &[u8],
+        g: F,
+        out: DType,
+        dst: &mut [u8],
+    ) -> bool {
+        assert!(self.fuses_rotated_decode(rot, out), "no fused rotated decoder");
+        #[cfg(target_arch = "x86_64")]
+        if let Isa::Avx512(Avx512Token(bf16)) = self {
+            let (mul, chunks) = (rot.mul(), rot.chunks());
+            if bf16 {
+                // SAFETY: an Avx512 Isa exists only after the AVX-512 and AVX2 features were
+                // detected; its flag says AVX512-BF16 was detected too.
+                return unsafe { avx512::nvfp4_decode_rows_rotated_bf16ne(bs, codes, g, mul, chunks, out, dst) };
+            }
+            // SAFETY: as above.
+            return unsafe { avx512::nvfp4_decode_rows_rotated(bs, codes, g, mul, chunks, out, dst) };
+        }
+        let _ = (bs, codes, g, dst);
+        unreachable!("checked by the assert above")
+    }
+
+    /// For the rotated NVFP4 encoder, one plane at a time, where a kernel does it (AVX-512,
+    /// chunks it holds in registers): rotates the rows of `src` into `scratch` as f32 (the bytes
+    /// of [`Isa::rotate_rows`]) and returns the largest rotated magnitude as f32 bits, taken from
+    /// the registers. At most [`ROTATED_SAFE_BITS`] proves every source value finite and within
+    /// [`crate::rotation::ROTATION_MAX_INPUT`]; above it the caller checks the source. `None`
+    /// (nothing written) where there is no such kernel.
+    pub(crate) fn rotate_rows_max(self, rot: &Rotation, dtype: DType, src: &[u8], scratch: &mut [u8]) -> Option<u32> {
+        #[cfg(target_arch = "x86_64")]
+        if let (Isa::Avx512(_), true) = (self, avx512::covers(dtype, rot.chunks())) {
+            // SAFETY: an Avx512 Isa exists only after the AVX-512 and AVX2 features were detected.
+            return Some(unsafe { avx512::rotate_rows_max(dtype, src, rot.mul(), rot.chunks(), scratch) });
+        }
+        let _ = (rot, dtype, src, scratch);
+        None
+    }
+
+    /// NVFP4 codes of rows of little-endian f32 (`hd` each) of one plane with its global scale
+    /// `g` and encode factor `enc`: the bytes of [`Isa::nvfp4_encode_rows`].
+    pub(crate) fn nvfp4_encode_plane_f32(
+        self,
+        hd: usize,
+        src: &[u8],
+        g: f32,
+        enc: f32,
+        bs: &mut [u8],
+        codes: &mut [u8],
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        if let (Isa::Avx512(_), true) = (self, hd.is_multiple_of(16) && hd > 0) {
+            // SAFETY: an Avx512 Isa exists only after the AVX-512 and AVX2 features were detected.
+            return unsafe { avx512::nvfp4_encode_rows_f32(src, hd, g, enc, bs, codes) };
+        }
+        let spec = crate::BlockSpec::new(1, (src.len() / (4 * hd.max(1))) as u32, 1, hd as u16, DType::Fp32);
+        self.nvfp4_encode_rows(&spec, 0, src, &[], &[g], &[enc], bs, codes)
     }
 
     /// Unscaled E4M3 codes of f32 values (a division by 1 is exact).
