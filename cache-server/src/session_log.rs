@@ -384,6 +384,40 @@ mod tests {
         assert_eq!(unreadable, 1, "one damaged stretch: the bad record and the torn one after it");
     }
 
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config { cases: 96, ..Default::default() })]
+        /// Fuzz: any byte of a log flipped to any value, or the log cut anywhere, costs at most
+        /// the records it touched; every other record replays.
+        #[test]
+        fn any_damage_costs_only_the_records_it_touches(at in 0usize..10_000, mask in 1u8..=255, cut in proptest::bool::ANY) {
+            let dir = tempfile::tempdir().unwrap();
+            let ids: Vec<String> = (0..12).map(|i| format!("s{i}")).collect();
+            let recs: Vec<Vec<u8>> = ids.iter().zip(1..).map(|(id, seq)| encode(PUT, seq, &s(id, 1, 5000))).collect();
+            let mut data: Vec<u8> = recs.concat();
+            let at = at % data.len();
+            if cut { data.truncate(at) } else { data[at] ^= mask }
+            std::fs::write(dir.path().join("sessions.log"), &data).unwrap();
+            let (_log, live, _bad) = SessionLog::open(dir.path(), true, 100).unwrap();
+            // The record holding byte `at`, and only it (or, cut, it and those after), may be lost.
+            let mut start = 0;
+            let mut hit = 0;
+            for (i, r) in recs.iter().enumerate() {
+                if at >= start && at < start + r.len() { hit = i; }
+                start += r.len();
+            }
+            let expected: Vec<&str> = ids.iter().enumerate()
+                .filter(|(i, _)| if cut { *i < hit } else { *i != hit })
+                .map(|(_, id)| id.as_str()).collect();
+            let mut got: Vec<&str> = live.iter().map(|s| s.id.as_str()).collect();
+            got.sort_by_key(|id| id[1..].parse::<u32>().unwrap_or(0));
+            let missing: Vec<&&str> = expected.iter().filter(|id| !got.contains(id)).collect();
+            proptest::prop_assert!(missing.is_empty(), "lost {:?} for damage at byte {} (record {})", missing, at, hit);
+            for m in &live {
+                proptest::prop_assert_eq!(m, &s(&m.id, 1, 5000), "a replayed record differs");
+            }
+        }
+    }
+
     /// An append the file refuses leaves nothing behind: later appends and a replay see only
     /// whole records.
     #[test]
