@@ -9,11 +9,14 @@
 //! `<data_dir>/LOCK` (`flock`) for its life, so a second server on the same directory is refused.
 //!
 //! # Cap and eviction
-//! The sum of segment file sizes never exceeds `capacity_bytes`: before a record is appended, the
-//! oldest sealed segments holding no pinned block are deleted (their blocks become misses) until
-//! it fits. Pinned blocks (parked sessions) keep their segment; when only such segments remain
-//! the write fails with a capacity error. FIFO by segment wastes no space on fragmentation and
-//! needs no tombstones; compacting segments that are mostly pinned is future work.
+//! The sum of segment file sizes never exceeds `capacity_bytes`: before a new segment is started,
+//! the oldest sealed segments holding no pinned block are deleted (their blocks become misses)
+//! until a whole segment, plus half a segment kept for compaction, fits. Pinned blocks (parked
+//! sessions) keep their segment; when only such segments remain, the one pins hold least of (at
+//! most half of it) is compacted: its pinned blocks are copied into the new segment, synced, and
+//! only then is it deleted, so a few small sessions can't freeze the tier. When every segment is
+//! mostly pinned the write fails with a capacity error. FIFO by segment wastes no space on
+//! fragmentation and needs no tombstones.
 //!
 //! # Reads, corruption and recovery
 //! A read is one `pread` of header + payload, verified (header checksum, key, payload checksum);
@@ -282,41 +285,44 @@ impl DiskTier {
         if record > self.cfg.segment_bytes {
             return Err(ServerError::TooLarge { len: record, capacity: self.cfg.segment_bytes });
         }
-        // Under the index lock only bookkeeping: segment files are created and deleted with just
-        // the write lock held, so readers and the DRAM eviction hook never wait on the disk.
-        let roll = {
-            let mut st = self.inner.lock();
-            if st.index.contains_key(&key) {
-                return Ok(());
-            }
-            let full = st.segments.get(&st.active).is_none_or(|s| s.len + record > self.cfg.segment_bytes);
-            full.then(|| {
-                // Room for a whole new segment first, so the cap holds however the segment fills.
-                let mut doomed = Vec::new();
-                while st.total_bytes + self.cfg.segment_bytes > self.cfg.capacity_bytes {
-                    match self.evict_one(&mut st) {
-                        Some(id) => doomed.push(id),
-                        None => return (doomed, false),
-                    }
+        let mut compacted = false;
+        loop {
+            // Under the index lock only bookkeeping: segment files are created and deleted with
+            // just the write lock held, so readers and the DRAM eviction hook never wait on the disk.
+            let roll = {
+                let mut st = self.inner.lock();
+                if st.index.contains_key(&key) {
+                    return Ok(());
                 }
-                (doomed, true)
-            })
-        };
-        if let Some((doomed, room)) = roll {
+                let full = st.segments.get(&st.active).is_none_or(|s| s.len + record > self.cfg.segment_bytes);
+                full.then(|| {
+                    // Room for a whole new segment first, so the cap holds however the segment fills,
+                    // and for compaction's copies.
+                    let mut doomed = Vec::new();
+                    while st.total_bytes + self.cfg.segment_bytes + self.compaction_reserve() > self.cfg.capacity_bytes
+                    {
+                        match self.evict_one(&mut st) {
+                            Some(id) => doomed.push(id),
+                            None => return (doomed, false),
+                        }
+                    }
+                    (doomed, true)
+                })
+            };
+            let Some((doomed, room)) = roll else { break };
             for id in doomed {
                 let _ = std::fs::remove_file(segment_path(&self.seg_dir, id));
             }
             if !room {
+                // Every sealed segment holds a pinned block: free the one pins hold least of.
+                if !compacted && self.compact()? {
+                    compacted = true;
+                    continue;
+                }
                 return Err(ServerError::Capacity("the disk tier is full of pinned session blocks".into()));
             }
-            let id = self.inner.lock().active + 1;
-            let segment = self.create_segment(id)?;
-            let mut st = self.inner.lock();
-            if let Some(sealed) = st.segments.get(&st.active).map(|s| s.file.clone()) {
-                st.unsynced.push(sealed);
-            }
-            st.segments.insert(id, segment);
-            st.active = id;
+            self.roll_to_new_segment()?;
+            break;
         }
         let (file, offset, seg) = {
             let st = self.inner.lock();
@@ -357,6 +363,130 @@ impl DiskTier {
             .increment(header.payload_len);
         self.publish_gauges();
         Ok(())
+    }
+
+    /// Room kept free for [`DiskTier::compact`]'s copies: half a segment (it only compacts segments
+    /// pins hold at most half of).
+    fn compaction_reserve(&self) -> u64 {
+        align_up(self.cfg.segment_bytes / 2)
+    }
+
+    /// Seals the active segment and starts a new one (the caller holds the write lock).
+    fn roll_to_new_segment(&self) -> Result<u64, ServerError> {
+        let id = self.inner.lock().active + 1;
+        let segment = self.create_segment(id)?;
+        let mut st = self.inner.lock();
+        if let Some(sealed) = st.segments.get(&st.active).map(|s| s.file.clone()) {
+            st.unsynced.push(sealed);
+        }
+        st.segments.insert(id, segment);
+        st.active = id;
+        Ok(id)
+    }
+
+    /// Frees the sealed segment whose pinned blocks are fewest in bytes (at most half of it):
+    /// its pinned blocks are copied into a new segment, which is synced before the old one is
+    /// deleted, so a pinned block is on disk, durably, at every moment. The cap holds throughout.
+    /// False when no segment can be freed this way. The caller holds the write lock.
+    fn compact(&self) -> Result<bool, ServerError> {
+        let record_of = |l: &Loc| align_up(FRAME_HEADER_LEN as u64 + l.header.payload_len);
+        let (victim, blocks, source) = {
+            let st = self.inner.lock();
+            let mut best: Option<(u64, u64, Vec<(IndexKey, Loc)>)> = None;
+            for (&id, seg) in &st.segments {
+                if id == st.active {
+                    continue;
+                }
+                let pinned: Vec<(IndexKey, Loc)> = seg
+                    .keys
+                    .iter()
+                    .filter(|k| st.pins.contains_key(*k))
+                    .filter_map(|k| st.index.get(k).filter(|l| l.seg == id).map(|l| (*k, *l)))
+                    .collect();
+                let bytes: u64 = pinned.iter().map(|(_, l)| record_of(l)).sum();
+                if best.as_ref().is_none_or(|b| bytes < b.1) {
+                    best = Some((id, bytes, pinned));
+                }
+            }
+            let Some((id, bytes, pinned)) = best else { return Ok(false) };
+            let seg_len = st.segments.get(&id).map_or(0, |s| s.len);
+            let cap = self.cfg.capacity_bytes;
+            // Worth it (half the segment or more comes free), within the cap while both copies
+            // exist, and leaving room for the new segment to fill.
+            if bytes * 2 > seg_len
+                || st.total_bytes + bytes > cap
+                || st.total_bytes - seg_len + self.cfg.segment_bytes + self.compaction_reserve() > cap
+            {
+                return Ok(false);
+            }
+            let source = st.segments.get(&id).map(|s| s.file.clone());
+            (id, pinned, source)
+        };
+        let Some(source) = source else { return Ok(false) };
+        let target = self.roll_to_new_segment()?;
+        let file = {
+            let st = self.inner.lock();
+            st.segments.get(&target).map(|s| s.file.clone())
+        };
+        let Some(file) = file else { return Ok(false) };
+        let mut moved = Vec::with_capacity(blocks.len());
+        let mut offset = 0u64;
+        for (k, loc) in &blocks {
+            let len = record_of(loc);
+            let mut buf = vec![0u8; len as usize];
+            let read = std::os::unix::fs::FileExt::read_exact_at(&*source, &mut buf, loc.offset);
+            let end = FRAME_HEADER_LEN + loc.header.payload_len as usize;
+            let sound = read.is_ok()
+                && FrameHeader::decode(&buf).is_ok_and(|h| h == loc.header)
+                && loc.header.verify_payload(&buf[FRAME_HEADER_LEN..end]).is_ok();
+            if !sound {
+                // Lost already: a read would have found it corrupt too.
+                self.counters.corrupt.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            std::os::unix::fs::FileExt::write_all_at(&*file, &buf, offset)?;
+            moved.push((*k, Loc { seg: target, offset, header: loc.header }));
+            offset += len;
+        }
+        file.sync_data()?;
+        let doomed = {
+            let mut st = self.inner.lock();
+            for (k, new) in &moved {
+                if st.index.get(k).is_some_and(|l| l.seg == victim) {
+                    st.index.insert(*k, *new);
+                }
+            }
+            if let Some(s) = st.segments.get_mut(&target) {
+                s.len = offset;
+                s.keys.extend(moved.iter().map(|(k, _)| *k));
+            }
+            st.total_bytes += offset;
+            // A block of the victim pinned while it was being copied keeps the victim.
+            let still_pinned = st.segments.get(&victim).is_some_and(|s| {
+                s.keys.iter().any(|k| st.pins.contains_key(k) && st.index.get(k).is_some_and(|l| l.seg == victim))
+            });
+            if still_pinned {
+                None
+            } else {
+                let seg = st.segments.remove(&victim);
+                if let Some(seg) = &seg {
+                    for k in &seg.keys {
+                        if st.index.get(k).is_some_and(|l| l.seg == victim) {
+                            st.index.remove(k);
+                        }
+                    }
+                    st.total_bytes -= seg.len;
+                }
+                seg.map(|_| victim)
+            }
+        };
+        let Some(victim) = doomed else { return Ok(false) };
+        let _ = std::fs::remove_file(segment_path(&self.seg_dir, victim));
+        self.counters.evicted_segments.fetch_add(1, Ordering::Relaxed);
+        ::metrics::counter!("kvtier_disk_compactions_total").increment(1);
+        tracing::info!(segment = victim, relocated = moved.len(), "disk segment held only by pins compacted");
+        self.publish_gauges();
+        Ok(true)
     }
 
     /// Makes every write so far durable: syncs the active segment and every segment sealed since
