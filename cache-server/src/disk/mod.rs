@@ -392,7 +392,9 @@ impl DiskTier {
         let record_of = |l: &Loc| align_up(FRAME_HEADER_LEN as u64 + l.header.payload_len);
         let (victim, blocks, source) = {
             let st = self.inner.lock();
-            let mut best: Option<(u64, u64, Vec<(IndexKey, Loc)>)> = None;
+            // (segment, pinned record bytes, its pinned blocks)
+            type Candidate = (u64, u64, Vec<(IndexKey, Loc)>);
+            let mut best: Option<Candidate> = None;
             for (&id, seg) in &st.segments {
                 if id == st.active {
                     continue;
