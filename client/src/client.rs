@@ -182,7 +182,11 @@ impl NamespaceHandle {
     /// Frames for `(key, tokens, payload)` of blocks `first_index..` of a context, each encoded
     /// with [`NamespaceHandle::codec_for_block`] (in parallel when any is encoded). Sink blocks
     /// are flagged [`FRAME_FLAG_KEEP_LOSSLESS`], so no tier quantizes them later either.
-    pub(crate) fn frames(&self, first_index: usize, blocks: Vec<(BlockKey, u32, Bytes)>) -> Result<Vec<BlockFrame>, ClientError> {
+    pub(crate) fn frames(
+        &self,
+        first_index: usize,
+        blocks: Vec<(BlockKey, u32, Bytes)>,
+    ) -> Result<Vec<BlockFrame>, ClientError> {
         let one = |(i, (k, n, b)): (usize, (BlockKey, u32, Bytes))| {
             let index = first_index + i;
             let frame = self.frame_with(self.codec_for_block(index), k, n, b)?;

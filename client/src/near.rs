@@ -344,7 +344,12 @@ impl AutoNear {
 /// The byte ranges of blocks of `block_bytes` at `offsets` in a buffer of `len` bytes; an error
 /// for one outside it, or, with `disjoint`, for two that overlap (two blocks loaded into the same
 /// bytes).
-fn block_ranges(len: usize, offsets: &[u64], block_bytes: u64, disjoint: bool) -> Result<Vec<Range<usize>>, ClientError> {
+fn block_ranges(
+    len: usize,
+    offsets: &[u64],
+    block_bytes: u64,
+    disjoint: bool,
+) -> Result<Vec<Range<usize>>, ClientError> {
     let mut out = Vec::with_capacity(offsets.len());
     for (i, &o) in offsets.iter().enumerate() {
         let r = usize::try_from(o)
@@ -578,7 +583,10 @@ mod tests {
     #[test]
     fn connect_errors_name_their_reason() {
         use std::io::{Error, ErrorKind};
-        assert_eq!(FallbackReason::from_connect_error(&Error::from(ErrorKind::NotFound)), FallbackReason::SocketMissing);
+        assert_eq!(
+            FallbackReason::from_connect_error(&Error::from(ErrorKind::NotFound)),
+            FallbackReason::SocketMissing
+        );
         assert_eq!(
             FallbackReason::from_connect_error(&Error::from(ErrorKind::PermissionDenied)),
             FallbackReason::PermissionDenied

@@ -890,10 +890,16 @@ impl Client {
         if let Some((cell, off)) = shared_range(&out) {
             // In a shared buffer: the server copies the blocks straight into it (same node).
             // `out`, a view of the buffer, is held until the call returns.
-            return self.run(py, "load", ns, || 0, async |c, h| {
-                let mut buf = cell.buf.write().await;
-                Ok(c.load_prefix_into_buffer(&h, &tokens[..usable], &mut buf, off, room).await? * bt)
-            });
+            return self.run(
+                py,
+                "load",
+                ns,
+                || 0,
+                async |c, h| {
+                    let mut buf = cell.buf.write().await;
+                    Ok(c.load_prefix_into_buffer(&h, &tokens[..usable], &mut buf, off, room).await? * bt)
+                },
+            );
         }
         let dst = out.as_mut_slice();
         // Lookup and load in one request; raw blocks land in `out` straight from the socket.
