@@ -117,6 +117,8 @@ async fn a_server_without_a_socket_is_reached_over_tcp_counted_not_advertised() 
     round_trip(&client, &h, 5).await;
     let stats = client.samenode_stats();
     assert_eq!(stats.fallbacks.get(&FallbackReason::NotAdvertised), Some(&3), "{stats:?}");
+    let (_, why) = stats.last_fallback.clone().expect("a last fallback");
+    assert!(why.contains("advertises no same-node socket"), "{why}");
     assert_eq!(stats.loads + stats.stores, 0);
     assert!(!stats.active);
 }

@@ -17,9 +17,10 @@
 //! `kvtier_client_samenode_fallback_total{reason}`, and in one log line (`tracing`, target
 //! `kvtier_client::near`) the first time each reason occurs. Reasons that follow from what the
 //! server said about itself (no socket advertised, another host) hold for the client's life;
-//! a failed connection (socket missing, permission denied, refused hello) is retried after
-//! [`RETRY_AFTER`]. [`ClientConfig::samenode`](crate::ClientConfig) `= SameNodeMode::Off` turns
-//! the path off (nothing is counted then).
+//! after a failed connection (socket missing, permission denied, refused hello) or a request that
+//! failed on its connection, the socket is tried again after [`RETRY_AFTER`].
+//! [`ClientConfig::samenode`](crate::ClientConfig) `= SameNodeMode::Off` turns the path off
+//! (nothing is counted then).
 //!
 //! Connections to the socket are pooled (at most `data_connections`, like the data plane's);
 //! a buffer is registered on each connection the first time that connection serves it, and
@@ -181,6 +182,8 @@ struct Counters {
 /// The automatic path's state: the plan, a pool of same-node connections, the counters.
 pub(crate) struct AutoNear {
     plan: Plan,
+    /// What made the plan `Never`, for the fallback's detail.
+    never_why: String,
     token: Option<String>,
     connect_timeout: Duration,
     request_timeout: Duration,
@@ -211,8 +214,17 @@ impl NearLease<'_> {
 
 impl AutoNear {
     pub(crate) fn new(cfg: &ClientConfig, info: &pb::InfoResponse) -> Self {
+        let ours = crate::samenode::host_id();
+        let plan = plan(cfg.samenode, &info.samenode_socket, &info.host_id, &ours);
+        let never_why = match plan {
+            Plan::Never(FallbackReason::NotAdvertised) => "the server advertises no same-node socket".to_string(),
+            Plan::Never(FallbackReason::UnknownHost) => "this host's boot id is unknown".to_string(),
+            Plan::Never(_) => format!("the server's boot id {:?} is not ours ({ours:?})", info.host_id),
+            _ => String::new(),
+        };
         AutoNear {
-            plan: plan(cfg.samenode, &info.samenode_socket, &info.host_id, &crate::samenode::host_id()),
+            plan,
+            never_why,
             token: cfg.auth_token.clone(),
             connect_timeout: cfg.connect_timeout,
             request_timeout: cfg.request_timeout,
@@ -231,7 +243,7 @@ impl AutoNear {
     async fn lease(&self) -> Result<NearLease<'_>, NoNear> {
         let path = match &self.plan {
             Plan::Off => return Err(NoNear::Off),
-            Plan::Never(r) => return Err(NoNear::Fallback(*r, "what the server advertised".into())),
+            Plan::Never(r) => return Err(NoNear::Fallback(*r, self.never_why.clone())),
             Plan::Use(p) => p,
         };
         if let Ok(c) = self.counters.lock() {
@@ -296,7 +308,10 @@ impl AutoNear {
         *c.stats.fallbacks.entry(reason).or_default() += 1;
         c.stats.last_fallback = Some((reason, why.to_string()));
         if matches!(reason, FallbackReason::Io) {
+            // A connection failed mid-request (the server stalled or went away): keep off the
+            // socket for a while rather than pay a timeout on every call.
             c.stats.active = false;
+            c.down = Some((reason, why.to_string(), Instant::now()));
         }
         if c.logged.insert(reason) {
             match reason {
