@@ -532,6 +532,11 @@ fn info_dict<'py>(py: Python<'py>, i: &SessionInfo) -> PyResult<Bound<'py, PyDic
 ///
 /// A buffer given to a call must not be resized, freed or written by another thread, nor given
 /// to another call, until the call returns (the GIL is released while it runs).
+///
+/// KV that lies inside a buffer from `alloc_buffer` (a `SharedBuffer`, or NumPy/torch views of
+/// it) moves through the server's same-node socket when the server runs on this host: the server
+/// copies it straight into or out of that memory. Anything else, or a server elsewhere, goes over
+/// TCP; `samenode_stats()` says which and why.
 #[pyclass(module = "kvtier._native")]
 struct Client {
     engine: EngineClient,
