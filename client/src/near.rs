@@ -165,6 +165,13 @@ impl SameNodeStats {
     }
 }
 
+/// What a call does after a same-node request.
+enum Step<T> {
+    Done(T),
+    Retry,
+    Tcp,
+}
+
 /// Why no same-node connection was leased.
 enum NoNear {
     Off,
@@ -199,6 +206,8 @@ pub(crate) struct AutoNear {
 struct NearLease<'a> {
     pool: &'a AutoNear,
     conn: SameNode,
+    /// Taken from the pool (the server may have closed it meanwhile), not opened for this call.
+    reused: bool,
     _permit: SemaphorePermit<'a>,
 }
 
@@ -240,7 +249,8 @@ impl AutoNear {
         self.plan == Plan::Off
     }
 
-    async fn lease(&self) -> Result<NearLease<'_>, NoNear> {
+    /// A connection for one call: a pooled one unless `fresh`, else a new one.
+    async fn lease(&self, fresh: bool) -> Result<NearLease<'_>, NoNear> {
         let path = match &self.plan {
             Plan::Off => return Err(NoNear::Off),
             Plan::Never(r) => return Err(NoNear::Fallback(*r, self.never_why.clone())),
@@ -254,19 +264,25 @@ impl AutoNear {
             }
         }
         let permit = self.permits.acquire().await.map_err(|_| NoNear::Fallback(FallbackReason::Io, "closed".into()))?;
-        let pooled = self.idle.lock().ok().and_then(|mut idle| {
-            // Connections idle past `pool_idle` may have been closed by the server's idle timeout.
-            idle.retain(|(_, at)| at.elapsed() < self.idle_for);
-            idle.pop()
-        });
+        let pooled = if fresh {
+            None
+        } else {
+            self.idle.lock().ok().and_then(|mut idle| {
+                // Connections idle past `pool_idle` may have been closed by the server's idle
+                // timeout.
+                idle.retain(|(_, at)| at.elapsed() < self.idle_for);
+                idle.pop()
+            })
+        };
+        // A pooled connection whose sweep fails is dropped; a fresh one has nothing to sweep.
+        let pooled = match pooled {
+            Some((mut conn, _)) if conn.holds_dropped() => conn.sweep().await.is_ok().then_some(conn),
+            Some((conn, _)) => Some(conn),
+            None => None,
+        };
+        let reused = pooled.is_some();
         let conn = match pooled {
-            Some((mut conn, _)) => {
-                if conn.holds_dropped() {
-                    // A failed sweep breaks only this connection; a fresh one has nothing to sweep.
-                    let _ = conn.sweep().await;
-                }
-                conn
-            }
+            Some(conn) => conn,
             None => {
                 let opened = SameNode::open(
                     path,
@@ -295,10 +311,7 @@ impl AutoNear {
                 }
             }
         };
-        if !conn.is_usable() {
-            return Err(NoNear::Fallback(FallbackReason::Io, "a pooled connection failed".into()));
-        }
-        Ok(NearLease { pool: self, conn, _permit: permit })
+        Ok(NearLease { pool: self, conn, reused, _permit: permit })
     }
 
     /// Counts a call that went over TCP; logs the first of each reason.
@@ -409,6 +422,53 @@ fn dests<'a>(buf: &'a mut [u8], ranges: &[Range<usize>]) -> Vec<BlockDest<'a>> {
 }
 
 impl KvClient {
+    /// A same-node connection for a call, or `None` when the call is to go over TCP (off, or a
+    /// fallback, counted). `fresh`: not from the pool (a retry).
+    async fn near_lease(&self, fresh: bool) -> Option<NearLease<'_>> {
+        let near = self.near();
+        match near.lease(fresh).await {
+            Ok(lease) => Some(lease),
+            Err(NoNear::Off) => None,
+            Err(NoNear::Fallback(r, why)) => {
+                near.fell_back(r, &why);
+                None
+            }
+        }
+    }
+
+    /// What follows a same-node request: its answer, a retry on a fresh connection (a transport
+    /// failure on a pooled connection, which the server may have closed; loads and stores are
+    /// idempotent), or TCP (counted). An error TCP would give too (an unknown namespace) is
+    /// returned as it is.
+    fn near_outcome<T>(
+        &self,
+        lease: NearLease<'_>,
+        load: bool,
+        fresh: &mut bool,
+        r: Result<T, ClientError>,
+    ) -> Result<Step<T>, ClientError> {
+        let near = self.near();
+        let reused = lease.reused;
+        // A broken connection is closed here; one that refused a request is kept.
+        lease.finish();
+        match r {
+            Ok(v) => {
+                near.served(load);
+                Ok(Step::Done(v))
+            }
+            Err(e) => {
+                let why = e.to_string();
+                let reason = near.after_error(e)?;
+                if reason == FallbackReason::Io && reused && !*fresh {
+                    *fresh = true;
+                    return Ok(Step::Retry);
+                }
+                near.fell_back(reason, &why);
+                Ok(Step::Tcp)
+            }
+        }
+    }
+
     /// Loads blocks by key into `buf`: block `i` lands at `offsets[i]`, in the layout's dtype.
     /// Over the same-node socket when the server is on this host (one copy, by the server, no
     /// payload on a socket), else over TCP into the same places (see the module docs). True where
@@ -427,23 +487,14 @@ impl KvClient {
             return Err(ClientError::InvalidArgument(format!("{} keys but {} offsets", keys.len(), offsets.len())));
         }
         let ranges = block_ranges(buf.len(), offsets, ns.block_bytes(), true)?;
-        let near = self.near();
-        match near.lease().await {
-            Ok(mut lease) => match lease.conn.load_into_buffer(ns, keys, buf, offsets, stop_at_miss).await {
-                Ok(landed) => {
-                    lease.finish();
-                    near.served(true);
-                    return Ok(landed);
-                }
-                Err(e) => {
-                    // A broken connection is closed here; one that refused a request is kept.
-                    lease.finish();
-                    let why = e.to_string();
-                    near.fell_back(near.after_error(e)?, &why);
-                }
-            },
-            Err(NoNear::Off) => {}
-            Err(NoNear::Fallback(r, why)) => near.fell_back(r, &why),
+        let mut fresh = false;
+        while let Some(mut lease) = self.near_lease(fresh).await {
+            let r = lease.conn.load_into_buffer(ns, keys, buf, offsets, stop_at_miss).await;
+            match self.near_outcome(lease, true, &mut fresh, r)? {
+                Step::Done(landed) => return Ok(landed),
+                Step::Retry => continue,
+                Step::Tcp => break,
+            }
         }
         let mut dests = dests(buf.as_mut_slice(), &ranges);
         self.load_keys_into(ns, keys, &mut dests, stop_at_miss).await
@@ -541,21 +592,14 @@ impl KvClient {
         } else if ns.codec() != CodecId::RAW {
             near.fell_back(FallbackReason::Encoded, &format!("the handle encodes with {}", ns.codec().name()));
         } else {
-            match near.lease().await {
-                Ok(mut lease) => match lease.conn.store_from_buffer_at(ns, keys, first_index, buf, offsets).await {
-                    Ok(st) => {
-                        lease.finish();
-                        near.served(false);
-                        return Ok(st);
-                    }
-                    Err(e) => {
-                        lease.finish();
-                        let why = e.to_string();
-                        near.fell_back(near.after_error(e)?, &why);
-                    }
-                },
-                Err(NoNear::Off) => {}
-                Err(NoNear::Fallback(r, why)) => near.fell_back(r, &why),
+            let mut fresh = false;
+            while let Some(mut lease) = self.near_lease(fresh).await {
+                let r = lease.conn.store_from_buffer_at(ns, keys, first_index, buf, offsets).await;
+                match self.near_outcome(lease, false, &mut fresh, r)? {
+                    Step::Done(st) => return Ok(st),
+                    Step::Retry => continue,
+                    Step::Tcp => break,
+                }
             }
         }
         // Over TCP the payloads are copied out of the buffer once (a `Bytes` must own its memory;
@@ -579,6 +623,16 @@ impl KvClient {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Compiles only if the shared-buffer calls' futures are `Send` (so they can be spawned).
+    #[allow(dead_code)]
+    fn buffer_calls_are_send(c: &KvClient, h: &NamespaceHandle, buf: &mut SharedBuffer) {
+        fn send<T: Send>(_: T) {}
+        send(c.load_keys_into_buffer(h, &[], buf, &[], false));
+        send(c.load_prefix_into_buffer(h, &[], buf, 0, 0));
+        send(c.store_keys_from_buffer(h, &[], buf, &[]));
+        send(c.store_prefix_from_buffer(h, &[], 0, buf, 0, 0));
+    }
 
     #[test]
     fn the_plan_needs_a_socket_and_the_same_boot_id() {
