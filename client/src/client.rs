@@ -53,6 +53,9 @@ pub struct ClientConfig {
     /// A pooled data-plane connection idle this long is closed instead of reused; keep it below
     /// the server's `idle_timeout` (5 minutes by default). Default: 60 s.
     pub pool_idle: Duration,
+    /// Whether calls into and from a [`crate::SharedBuffer`] use the server's same-node socket
+    /// on their own when the server runs on this host (see [`crate::near`]). Default: `Auto`.
+    pub samenode: crate::SameNodeMode,
 }
 
 impl Default for ClientConfig {
@@ -66,6 +69,7 @@ impl Default for ClientConfig {
             auth_token: None,
             park_retries: 3,
             pool_idle: Duration::from_secs(60),
+            samenode: crate::SameNodeMode::Auto,
         }
     }
 }
@@ -178,7 +182,11 @@ impl NamespaceHandle {
     /// Frames for `(key, tokens, payload)` of blocks `first_index..` of a context, each encoded
     /// with [`NamespaceHandle::codec_for_block`] (in parallel when any is encoded). Sink blocks
     /// are flagged [`FRAME_FLAG_KEEP_LOSSLESS`], so no tier quantizes them later either.
-    fn frames(&self, first_index: usize, blocks: Vec<(BlockKey, u32, Bytes)>) -> Result<Vec<BlockFrame>, ClientError> {
+    pub(crate) fn frames(
+        &self,
+        first_index: usize,
+        blocks: Vec<(BlockKey, u32, Bytes)>,
+    ) -> Result<Vec<BlockFrame>, ClientError> {
         let one = |(i, (k, n, b)): (usize, (BlockKey, u32, Bytes))| {
             let index = first_index + i;
             let frame = self.frame_with(self.codec_for_block(index), k, n, b)?;
@@ -324,6 +332,7 @@ struct Inner {
     cfg: ClientConfig,
     info: pb::InfoResponse,
     batch_blocks: usize,
+    near: crate::near::AutoNear,
 }
 
 /// The engine-facing client. Cheap to clone; clones share connections.
@@ -393,7 +402,8 @@ impl KvClient {
         let pool =
             DataPool::new(dial, cfg.auth_token.clone(), cfg.data_connections, cfg.connect_timeout, cfg.pool_idle);
         let batch_blocks = cfg.max_batch_blocks.min(info.max_blocks_per_request as usize).max(1);
-        Ok(KvClient { inner: Arc::new(Inner { grpc, pool, cfg, info, batch_blocks }) })
+        let near = crate::near::AutoNear::new(&cfg, &info);
+        Ok(KvClient { inner: Arc::new(Inner { grpc, pool, cfg, info, batch_blocks, near }) })
     }
 
     /// A connection to the server's same-node socket, for loads into and stores from this
@@ -433,6 +443,10 @@ impl KvClient {
     /// What the server said about itself on connect.
     pub fn server_info(&self) -> &pb::InfoResponse {
         &self.inner.info
+    }
+
+    pub(crate) fn near(&self) -> &crate::near::AutoNear {
+        &self.inner.near
     }
 
     fn grpc(&self) -> Grpc {
@@ -482,7 +496,7 @@ impl KvClient {
     }
 
     /// Refuses, before anything is sent, a context longer than the server accepts.
-    fn check_context(&self, tokens: usize) -> Result<(), ClientError> {
+    pub(crate) fn check_context(&self, tokens: usize) -> Result<(), ClientError> {
         let max = self.inner.info.max_context_tokens;
         if tokens as u64 > max {
             return Err(ClientError::ContextTooLong(format!(

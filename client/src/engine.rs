@@ -10,7 +10,9 @@ use bytes::Bytes;
 use kvtier_proto::Namespace;
 use tokio::sync::Mutex;
 
-use crate::{ClientConfig, ClientError, KvClient, NamespaceHandle, ParkOptions, ResumedSession, SessionInfo};
+use crate::{
+    ClientConfig, ClientError, KvClient, NamespaceHandle, ParkOptions, ResumedSession, SameNodeStats, SessionInfo,
+};
 
 /// Why an engine call came back empty.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -64,6 +66,12 @@ impl EngineClient {
     pub fn with_retry_after(mut self, d: Duration) -> Self {
         self.retry_after = d;
         self
+    }
+
+    /// What the automatic same-node path of the current connection did so far (see
+    /// [`crate::near`]); empty before a call connected, and counted afresh after a reconnect.
+    pub async fn samenode_stats(&self) -> SameNodeStats {
+        self.conn.lock().await.client.as_ref().map(KvClient::samenode_stats).unwrap_or_default()
     }
 
     async fn handle(&self, ns: &Namespace) -> Result<(KvClient, NamespaceHandle), ClientError> {

@@ -7,6 +7,8 @@
 //!   ([`KvClient::connect_with`]: a Unix socket, an in-process stream).
 //! - [`SameNode`] ([`KvClient::samenode`]): on the server's host, blocks loaded into and stored
 //!   from this process's own [`SharedBuffer`]s by offset, one copy each way, no payload on a socket.
+//!   [`near`]: the same, automatic — `KvClient`'s `*_buffer` calls go over the same-node socket
+//!   when the server is on this host, and over TCP (counted, logged once) when it can't.
 //! - [`EngineClient`]: the never-raise wrapper; every error or timeout becomes a [`Miss`].
 //!
 //! ```no_run
@@ -29,6 +31,7 @@ mod conn;
 mod connector;
 mod engine;
 mod error;
+pub mod near;
 mod samenode;
 
 pub use client::{
@@ -41,4 +44,5 @@ pub use connector::{BoxedStream, ConnectFuture, DataPlaneConnector, DataStream};
 pub use engine::{EngineClient, Loaded, Miss};
 pub use error::ClientError;
 pub use kvtier_proto::dataplane::ItemStatus;
+pub use near::{FallbackReason, SameNodeMode, SameNodeStats};
 pub use samenode::{BufferId, SameNode, SharedBuffer};

@@ -31,6 +31,7 @@ use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -49,6 +50,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::UnixStream;
 
 use crate::client::{decode_frame_into, NamespaceHandle};
+use crate::near::FallbackReason;
 use crate::ClientError;
 
 static NEXT_BUFFER: AtomicU64 = AtomicU64::new(1);
@@ -60,6 +62,10 @@ pub struct SharedBuffer {
     map: MmapMut,
     fd: OwnedFd,
     uid: u64,
+    /// Connections that registered this buffer hold a `Weak` of it: once the buffer is dropped
+    /// they unregister it (before their next registration or pooled use), so the server unmaps
+    /// it and its pages are freed.
+    alive: Arc<()>,
 }
 
 impl SharedBuffer {
@@ -78,7 +84,7 @@ impl SharedBuffer {
         // a load borrows this buffer mutably, so no Rust reference observes a concurrent write.
         let map = unsafe { MmapOptions::new().len(len).populate().map_mut(&fd) }
             .map_err(|e| ClientError::Io(format!("shared buffer: mmap: {e}")))?;
-        Ok(SharedBuffer { map, fd, uid: NEXT_BUFFER.fetch_add(1, Ordering::Relaxed) })
+        Ok(SharedBuffer { map, fd, uid: NEXT_BUFFER.fetch_add(1, Ordering::Relaxed), alive: Arc::new(()) })
     }
 
     pub fn len(&self) -> usize {
@@ -101,6 +107,12 @@ impl SharedBuffer {
     pub fn fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()
     }
+
+    /// The address of the first byte of the mapping (fixed for the buffer's life): lets a binding
+    /// tell whether a caller's array lives inside this buffer.
+    pub fn as_ptr(&self) -> *const u8 {
+        self.map.as_ptr()
+    }
 }
 
 /// A buffer's id on one same-node connection.
@@ -115,8 +127,8 @@ pub struct SameNode {
     timeout: Duration,
     max_items: usize,
     next_request: u32,
-    /// `SharedBuffer` uid → (id on this connection, length).
-    registered: HashMap<u64, BufferId>,
+    /// `SharedBuffer` uid → its id on this connection, and whether the buffer still lives.
+    registered: HashMap<u64, (BufferId, Weak<()>)>,
     broken: Option<String>,
     verify_loads: bool,
 }
@@ -131,24 +143,41 @@ impl SameNode {
         request_timeout: Duration,
         max_items: usize,
     ) -> Result<Self, ClientError> {
+        Self::open(path, token, connect_timeout, request_timeout, max_items).await.map_err(|(_, e)| e)
+    }
+
+    /// [`SameNode::connect`], saying beside the error why the path can't be used here (for the
+    /// automatic path's fallback counter).
+    pub(crate) async fn open(
+        path: &Path,
+        token: Option<&str>,
+        connect_timeout: Duration,
+        request_timeout: Duration,
+        max_items: usize,
+    ) -> Result<Self, (FallbackReason, ClientError)> {
         let cerr = |reason: String| ClientError::Connect { addr: path.display().to_string(), reason };
         let hello = async {
-            let mut sock = UnixStream::connect(path).await.map_err(|e| cerr(e.to_string()))?;
-            sock.write_all(&encode_hello(token.unwrap_or("").as_bytes())).await?;
+            let mut sock = UnixStream::connect(path)
+                .await
+                .map_err(|e| (FallbackReason::from_connect_error(&e), cerr(e.to_string())))?;
+            let io = |e: std::io::Error| (FallbackReason::ConnectFailed, ClientError::from(e));
+            sock.write_all(&encode_hello(token.unwrap_or("").as_bytes())).await.map_err(io)?;
             let mut r = [0u8; 4];
-            sock.read_exact(&mut r).await?;
-            let (status, msg_len) = HelloReply::decode(&r)?;
+            sock.read_exact(&mut r).await.map_err(io)?;
+            let (status, msg_len) =
+                HelloReply::decode(&r).map_err(|e| (FallbackReason::ConnectFailed, ClientError::from(e)))?;
             let mut msg = vec![0u8; msg_len as usize];
-            sock.read_exact(&mut msg).await?;
+            sock.read_exact(&mut msg).await.map_err(io)?;
             let msg = String::from_utf8_lossy(&msg).into_owned();
             match status {
                 Status::Ok => Ok(sock),
-                Status::Unauthenticated => Err(ClientError::Unauthenticated(msg)),
-                _ => Err(cerr(msg)),
+                Status::Unauthenticated => Err((FallbackReason::Unauthenticated, ClientError::Unauthenticated(msg))),
+                _ => Err((FallbackReason::ConnectFailed, cerr(msg))),
             }
         };
-        let sock =
-            tokio::time::timeout(connect_timeout, hello).await.map_err(|_| ClientError::Timeout(connect_timeout))??;
+        let sock = tokio::time::timeout(connect_timeout, hello)
+            .await
+            .map_err(|_| (FallbackReason::ConnectFailed, ClientError::Timeout(connect_timeout)))??;
         Ok(SameNode {
             sock,
             path: path.to_path_buf(),
@@ -159,6 +188,30 @@ impl SameNode {
             broken: None,
             verify_loads: true,
         })
+    }
+
+    /// False once a request failed on the transport or timed out: every later call fails.
+    pub fn is_usable(&self) -> bool {
+        self.broken.is_none()
+    }
+
+    /// Whether a buffer this connection registered has been dropped since (see
+    /// [`SameNode::sweep`]).
+    pub(crate) fn holds_dropped(&self) -> bool {
+        self.registered.values().any(|(_, alive)| alive.strong_count() == 0)
+    }
+
+    /// Unregisters every buffer this connection registered that has been dropped since, so the
+    /// server unmaps it (its pages are freed only then). Runs before every new registration.
+    pub async fn sweep(&mut self) -> Result<(), ClientError> {
+        let dead: Vec<u64> =
+            self.registered.iter().filter(|(_, (_, alive))| alive.strong_count() == 0).map(|(uid, _)| *uid).collect();
+        for uid in dead {
+            if let Some((id, _)) = self.registered.remove(&uid) {
+                self.unregister_id(id).await?;
+            }
+        }
+        Ok(())
     }
 
     /// Whether the server checks each loaded block against its checksum as it copies it (one
@@ -175,11 +228,12 @@ impl SameNode {
 
     /// Registers `buf` on this connection (idempotent: a buffer registered already keeps its id).
     pub async fn register(&mut self, buf: &SharedBuffer) -> Result<BufferId, ClientError> {
-        if let Some(id) = self.registered.get(&buf.uid) {
+        if let Some((id, _)) = self.registered.get(&buf.uid) {
             return Ok(*id);
         }
+        self.sweep().await?;
         let id = self.register_fd(buf.fd(), buf.len() as u64).await?;
-        self.registered.insert(buf.uid, id);
+        self.registered.insert(buf.uid, (id, Arc::downgrade(&buf.alive)));
         Ok(id)
     }
 
@@ -196,9 +250,13 @@ impl SameNode {
 
     /// Unregisters `buf`: the server unmaps it.
     pub async fn unregister(&mut self, buf: &SharedBuffer) -> Result<(), ClientError> {
-        let Some(id) = self.registered.remove(&buf.uid) else {
+        let Some((id, _)) = self.registered.remove(&buf.uid) else {
             return Err(ClientError::InvalidArgument("the buffer is not registered on this connection".into()));
         };
+        self.unregister_id(id).await
+    }
+
+    async fn unregister_id(&mut self, id: BufferId) -> Result<(), ClientError> {
         let req = self.request(SnOp::Unregister, 0, 0, id.0, NamespaceId([0; 16]));
         let msg = req.encode();
         guard(&mut self.broken, self.timeout, do_simple(&mut self.sock, &msg, SnOp::Unregister, req.request_id))
@@ -279,6 +337,20 @@ impl SameNode {
         buf: &SharedBuffer,
         offsets: &[u64],
     ) -> Result<Vec<ItemStatus>, ClientError> {
+        self.store_from_buffer_at(ns, keys, None, buf, offsets).await
+    }
+
+    /// [`SameNode::store_from_buffer`] of blocks `first_index..` of a context: those among the
+    /// namespace's lossless sink blocks are flagged [`FRAME_FLAG_KEEP_LOSSLESS`], as
+    /// `KvClient::store_from` flags them.
+    pub(crate) async fn store_from_buffer_at(
+        &mut self,
+        ns: &NamespaceHandle,
+        keys: &[BlockKey],
+        first_index: Option<usize>,
+        buf: &SharedBuffer,
+        offsets: &[u64],
+    ) -> Result<Vec<ItemStatus>, ClientError> {
         if keys.len() != offsets.len() {
             return Err(ClientError::InvalidArgument(format!("{} keys but {} offsets", keys.len(), offsets.len())));
         }
@@ -291,9 +363,12 @@ impl SameNode {
         let id = self.register(buf).await?;
         let layout = ns.namespace.layout;
         let bb = ns.block_bytes();
-        let flags = if ns.namespace.is_lossless() { FRAME_FLAG_KEEP_LOSSLESS } else { 0 };
+        let lossless = ns.namespace.is_lossless();
+        let sinks = ns.lossless_sink_blocks();
         let bytes = buf.as_slice();
-        let item = |(k, o): (&BlockKey, &u64)| {
+        let item = |(i, (k, o)): (usize, (&BlockKey, &u64))| {
+            let sink = first_index.is_some_and(|f| f + i < sinks);
+            let flags = if lossless || sink { FRAME_FLAG_KEEP_LOSSLESS } else { 0 };
             // An item outside the buffer goes with no checksum: the server answers OutOfRange.
             let checksum = usize::try_from(*o)
                 .ok()
@@ -312,9 +387,9 @@ impl SameNode {
             StoreItem { header, offset: *o }
         };
         let items: Vec<StoreItem> = if keys.len() > 1 {
-            keys.par_iter().zip(offsets.par_iter()).map(item).collect()
+            keys.par_iter().zip(offsets.par_iter()).enumerate().map(item).collect()
         } else {
-            keys.iter().zip(offsets).map(item).collect()
+            keys.iter().zip(offsets).enumerate().map(item).collect()
         };
         self.store_items(id, &items).await
     }

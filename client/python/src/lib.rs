@@ -6,17 +6,26 @@
 //! included, through `kvtier.as_bytes`): stores send a raw buffer without copying it (or encode
 //! straight from it); `load_into` decodes straight into the caller's buffer, `resume_into` copies
 //! the decoded blocks into it, `load`/`resume` return a new `bytearray`.
+//!
+//! `Client.alloc_buffer` hands out a [`SharedBuffer`]: this process's shared memory (a sealed
+//! memfd) that NumPy and torch view without a copy. A call whose KV lives inside one goes over the
+//! server's same-node socket when the server is on this host (the server copies each block once,
+//! straight into or out of it), and over TCP otherwise (`kvtier_client::near`).
 
 use std::collections::BTreeMap;
-use std::sync::{Mutex, OnceLock};
+use std::ffi::{c_int, c_void};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 use bytes::Bytes;
-use kvtier_client::{BlockDest, ClientConfig, EngineClient, ItemStatus, Miss, ParkOptions, SessionInfo, StoredAs};
+use kvtier_client::{
+    BlockDest, ClientConfig, EngineClient, ItemStatus, Miss, ParkOptions, SameNodeMode, SessionInfo, StoredAs,
+};
 use kvtier_proto::{CodecId, DType, HashScheme, KvLayout, MemoryOrder, Namespace as NsSpec};
 use pyo3::buffer::PyBuffer;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyValueError};
+use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict};
 
@@ -326,6 +335,120 @@ impl AsRef<[u8]> for HeldBuffer {
     }
 }
 
+/// The memory of one `SharedBuffer`: the Rust buffer (locked for a call: loads write it, stores
+/// read it) and where it is mapped, fixed for its life.
+struct BufferCell {
+    buf: tokio::sync::RwLock<kvtier_client::SharedBuffer>,
+    addr: usize,
+    len: usize,
+}
+
+/// Every live `SharedBuffer` of this process, so a call can tell whether a caller's array lies in
+/// one (by address range).
+static BUFFERS: Mutex<Vec<Weak<BufferCell>>> = Mutex::new(Vec::new());
+
+/// The shared buffer `held` lies in, and its offset there.
+fn shared_range(held: &HeldBuffer) -> Option<(Arc<BufferCell>, u64)> {
+    let (addr, len) = (held.0.buf_ptr() as usize, held.len());
+    if len == 0 {
+        return None;
+    }
+    let mut all = BUFFERS.lock().ok()?;
+    all.retain(|w| w.strong_count() > 0);
+    all.iter()
+        .filter_map(Weak::upgrade)
+        .find(|c| addr >= c.addr && addr.checked_add(len).is_some_and(|end| end <= c.addr + c.len))
+        .map(|c| {
+            let off = (addr - c.addr) as u64;
+            (c, off)
+        })
+}
+
+/// The one shared buffer every one of `held` lies in, and their offsets there; `None` if any lies
+/// elsewhere (the call then goes the usual way).
+fn shared_ranges(held: &[HeldBuffer]) -> Option<(Arc<BufferCell>, Vec<u64>)> {
+    let mut cell: Option<Arc<BufferCell>> = None;
+    let mut offsets = Vec::with_capacity(held.len());
+    for h in held {
+        let (c, off) = shared_range(h)?;
+        match &cell {
+            Some(first) if !Arc::ptr_eq(first, &c) => return None,
+            Some(_) => {}
+            None => cell = Some(c),
+        }
+        offsets.push(off);
+    }
+    cell.map(|c| (c, offsets))
+}
+
+/// Shared memory for kvtier's same-node path, from `Client.alloc_buffer(nbytes)`: a writable
+/// buffer (`memoryview(buf)`, `np.frombuffer(buf, dtype)`, `torch.frombuffer(buf, dtype=...)`
+/// view it without a copy). `load_into`, `load_keys_into`, `store` and `store_keys` whose KV lies
+/// inside one move it through the server's same-node socket when the server runs on this host:
+/// the server copies each block straight into (or out of) this memory, no payload on a socket.
+///
+/// The memory lives as long as this object or any view of it (a view holds a reference); a
+/// client closing (or being collected) closes its same-node connections, after which the server
+/// no longer maps the buffer: it stays valid here and works with any other client. A buffer
+/// dropped while a client is connected stays mapped by the server until that connection's next
+/// call, then is unregistered. Calls into the same buffer run one at a time while one of them
+/// writes it (a load); don't write it from Python while a call that reads or writes it runs.
+#[pyclass(module = "kvtier._native", name = "SharedBuffer", frozen)]
+struct PySharedBuffer {
+    cell: Arc<BufferCell>,
+}
+
+impl PySharedBuffer {
+    fn new(nbytes: usize) -> PyResult<Self> {
+        let buf = kvtier_client::SharedBuffer::new(nbytes).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let (addr, len) = (buf.as_ptr() as usize, buf.len());
+        let cell = Arc::new(BufferCell { buf: tokio::sync::RwLock::new(buf), addr, len });
+        if let Ok(mut all) = BUFFERS.lock() {
+            all.retain(|w| w.strong_count() > 0);
+            all.push(Arc::downgrade(&cell));
+        }
+        Ok(PySharedBuffer { cell })
+    }
+}
+
+#[pymethods]
+impl PySharedBuffer {
+    /// A writable, one-dimensional buffer of unsigned bytes over the whole mapping.
+    ///
+    /// # Safety
+    /// Called by Python with a valid `view`; the view keeps a reference to this object, so the
+    /// mapping (owned by `cell`, fixed in place, sealed against shrinking) outlives it.
+    unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
+        let (addr, len) = (slf.get().cell.addr, slf.get().cell.len);
+        let len = ffi::Py_ssize_t::try_from(len).map_err(|_| PyValueError::new_err("buffer too large"))?;
+        // SAFETY: `view` comes from Python; the memory is this object's mapping (see above).
+        let rc = unsafe { ffi::PyBuffer_FillInfo(view, slf.as_ptr(), addr as *mut c_void, len, 0, flags) };
+        if rc != 0 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+
+    fn __len__(&self) -> usize {
+        self.cell.len
+    }
+
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.cell.len
+    }
+
+    /// Where the buffer is mapped in this process.
+    #[getter]
+    fn address(&self) -> usize {
+        self.cell.addr
+    }
+
+    fn __repr__(&self) -> String {
+        format!("SharedBuffer(nbytes={}, address={:#x})", self.cell.len, self.cell.addr)
+    }
+}
+
 /// Token ids as a call takes them: a one-dimensional integer array (NumPy of any integer dtype,
 /// `array.array`, any buffer of 16-, 32- or 64-bit integers), read in one pass without making a
 /// Python object per token, or any sequence of `int`s. Each id must lie in `0..2**32`.
@@ -418,6 +541,11 @@ fn info_dict<'py>(py: Python<'py>, i: &SessionInfo) -> PyResult<Bound<'py, PyDic
 ///
 /// A buffer given to a call must not be resized, freed or written by another thread, nor given
 /// to another call, until the call returns (the GIL is released while it runs).
+///
+/// KV that lies inside a buffer from `alloc_buffer` (a `SharedBuffer`, or NumPy/torch views of
+/// it) moves through the server's same-node socket when the server runs on this host: the server
+/// copies it straight into or out of that memory. Anything else, or a server elsewhere, goes over
+/// TCP; `samenode_stats()` says which and why.
 #[pyclass(module = "kvtier._native")]
 struct Client {
     engine: EngineClient,
@@ -553,6 +681,67 @@ impl Client {
         )
     }
 
+    /// `load_keys_into` whose destinations lie in one shared buffer, at `offsets`.
+    fn load_shared(
+        &self,
+        py: Python<'_>,
+        ns: &Namespace,
+        hashes: Vec<Vec<u8>>,
+        cell: Arc<BufferCell>,
+        offsets: Vec<u64>,
+        timeout_s: Option<f64>,
+    ) -> PyResult<Vec<bool>> {
+        let n = hashes.len();
+        let budget = timeout_s.map(|t| positive_duration("timeout_s", t)).transpose()?;
+        self.run_within(
+            py,
+            "load",
+            ns,
+            budget,
+            || vec![false; n],
+            async |c, h| {
+                let keys: Vec<_> = hashes.iter().map(|k| h.engine_key(k)).collect();
+                let mut buf = cell.buf.write().await;
+                c.load_keys_into_buffer(&h, &keys, &mut buf, &offsets, false).await
+            },
+        )
+    }
+
+    /// `store_keys` whose blocks lie in one shared buffer, at `offsets`: True where the server
+    /// holds the block now.
+    fn store_shared<'py>(
+        &self,
+        py: Python<'py>,
+        ns: &Namespace,
+        hashes: Vec<Vec<u8>>,
+        cell: Arc<BufferCell>,
+        offsets: Vec<u64>,
+        timeout_s: Option<f64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let n = hashes.len();
+        let budget = timeout_s.map(|t| positive_duration("timeout_s", t)).transpose()?;
+        let st = self.run_within(
+            py,
+            "store",
+            ns,
+            budget,
+            || None,
+            async |c, h| {
+                let keys: Vec<_> = hashes.iter().map(|k| h.engine_key(k)).collect();
+                let buf = cell.buf.read().await;
+                c.store_keys_from_buffer(&h, &keys, &buf, &offsets).await.map(Some)
+            },
+        )?;
+        if let Some(st) = &st {
+            if let Some((index, status)) = st.iter().enumerate().find(|(_, s)| !s.is_held()) {
+                let e = kvtier_client::ClientError::Rejected { index, status: *status };
+                self.on_miss(&Miss { reason: e.reason(), detail: e.to_string() })?;
+            }
+        }
+        let held: Vec<bool> = st.map(|v| v.iter().map(|s| s.is_held()).collect()).unwrap_or_else(|| vec![false; n]);
+        Ok(held.into_pyobject(py)?.into_any())
+    }
+
     /// Records a miss; an error to raise unless in never-raise mode.
     fn on_miss(&self, m: &Miss) -> PyResult<()> {
         if let Ok(mut g) = self.misses.lock() {
@@ -571,20 +760,29 @@ impl Client {
 impl Client {
     /// `addr`: the server's gRPC address (`host:port`). `timeout_s` bounds every call end to end.
     #[new]
-    #[pyo3(signature = (addr, *, never_raise=true, timeout_s=30.0, connections=4, auth_token=None))]
+    /// `samenode`: `"auto"` (calls whose KV lies in a buffer from `alloc_buffer` use the server's
+    /// same-node socket when the server runs on this host) or `"off"` (everything over TCP).
+    #[pyo3(signature = (addr, *, never_raise=true, timeout_s=30.0, connections=4, auth_token=None, samenode="auto"))]
     fn new(
         addr: &str,
         never_raise: bool,
         timeout_s: f64,
         connections: usize,
         auth_token: Option<String>,
+        samenode: &str,
     ) -> PyResult<Self> {
         let budget = positive_duration("timeout_s", timeout_s)?;
+        let samenode = match samenode {
+            "auto" => SameNodeMode::Auto,
+            "off" => SameNodeMode::Off,
+            other => return Err(PyValueError::new_err(format!("samenode must be \"auto\" or \"off\", got {other:?}"))),
+        };
         let cfg = ClientConfig {
             request_timeout: budget,
             connect_timeout: budget.min(Duration::from_secs(5)),
             data_connections: connections.max(1),
             auth_token,
+            samenode,
             ..ClientConfig::default()
         };
         Ok(Client {
@@ -593,6 +791,34 @@ impl Client {
             never_raise,
             misses: Mutex::new(Misses::default()),
         })
+    }
+
+    /// A new zeroed `SharedBuffer` of `nbytes` bytes: shared memory this client's loads land in
+    /// and stores read from directly, over the server's same-node socket when the server runs on
+    /// this host (see `SharedBuffer`). View it with `np.frombuffer(buf, dtype=...)` or
+    /// `torch.frombuffer(buf, dtype=...)` and pass those views (or slices of them) to
+    /// `load_into`, `load_keys_into`, `store` and `store_keys`.
+    fn alloc_buffer(&self, nbytes: usize) -> PyResult<PySharedBuffer> {
+        PySharedBuffer::new(nbytes)
+    }
+
+    /// What the same-node path did on the current connection: a dict with `active` (a same-node
+    /// connection is open), `loads` and `stores` (calls it served), `fallbacks` (calls whose KV
+    /// lay in a shared buffer but went over TCP, by reason: `not_advertised`, `other_host`,
+    /// `socket_missing`, `permission_denied`, `encoded`, ...) and `last_fallback` (`(reason,
+    /// detail)` or `None`).
+    fn samenode_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let rt = runtime()?;
+        let engine = &self.engine;
+        let st = py.detach(|| rt.block_on(engine.samenode_stats()));
+        let d = PyDict::new(py);
+        d.set_item("active", st.active)?;
+        d.set_item("loads", st.loads)?;
+        d.set_item("stores", st.stores)?;
+        let by: BTreeMap<&str, u64> = st.fallbacks.iter().map(|(r, n)| (r.label(), *n)).collect();
+        d.set_item("fallbacks", by)?;
+        d.set_item("last_fallback", st.last_fallback.map(|(r, why)| (r.label(), why)))?;
+        Ok(d)
     }
 
     /// `(reason, detail)` of the last failed call, or `None`.
@@ -635,14 +861,28 @@ impl Client {
             )));
         }
         let full = kv.len() / bb;
-        let blocks = split_blocks(kv, full, bb, 0)?;
-        let report = self.run(
-            py,
-            "store",
-            ns,
-            || None,
-            async |c, h| c.store_from(&h, &tokens, first_block, &blocks).await.map(Some),
-        )?;
+        let report = if let Some((cell, off)) = shared_range(&kv) {
+            // In a shared buffer: the server reads the blocks straight from it (same node).
+            self.run(
+                py,
+                "store",
+                ns,
+                || None,
+                async |c, h| {
+                    let buf = cell.buf.read().await;
+                    c.store_prefix_from_buffer(&h, &tokens, first_block, &buf, off, full).await.map(Some)
+                },
+            )?
+        } else {
+            let blocks = split_blocks(kv, full, bb, 0)?;
+            self.run(
+                py,
+                "store",
+                ns,
+                || None,
+                async |c, h| c.store_from(&h, &tokens, first_block, &blocks).await.map(Some),
+            )?
+        };
         let Some(report) = report else { return Ok(0) };
         // Some blocks refused (e.g. no room): the others are stored; the refusal is a miss.
         if let Err(e) = report.ok() {
@@ -661,6 +901,20 @@ impl Client {
         let mut out = HeldBuffer::open(out, true)?;
         let room = out.len().checked_div(bb).unwrap_or(0);
         let usable = tokens.len().min(room * bt);
+        if let Some((cell, off)) = shared_range(&out) {
+            // In a shared buffer: the server copies the blocks straight into it (same node).
+            // `out`, a view of the buffer, is held until the call returns.
+            return self.run(
+                py,
+                "load",
+                ns,
+                || 0,
+                async |c, h| {
+                    let mut buf = cell.buf.write().await;
+                    Ok(c.load_prefix_into_buffer(&h, &tokens[..usable], &mut buf, off, room).await? * bt)
+                },
+            );
+        }
         let dst = out.as_mut_slice();
         // Lookup and load in one request; raw blocks land in `out` straight from the socket.
         self.run(py, "load", ns, || 0, async |c, h| Ok(c.load_prefix_into(&h, &tokens[..usable], dst).await? * bt))
@@ -711,20 +965,44 @@ impl Client {
     ) -> PyResult<Bound<'py, PyAny>> {
         let hashes = engine_hashes(keys)?;
         let bb = ns.block_bytes() as usize;
-        let blocks: Vec<Vec<Bytes>> = if kv.is_instance_of::<pyo3::types::PyList>()
-            || kv.is_instance_of::<pyo3::types::PyTuple>()
-        {
-            let mut v = Vec::new();
+        let listed = kv.is_instance_of::<pyo3::types::PyList>() || kv.is_instance_of::<pyo3::types::PyTuple>();
+        let mut held = Vec::new();
+        if listed {
             for (i, item) in kv.try_iter()?.enumerate() {
-                let held = HeldBuffer::open(&item?, false)?;
-                if held.len() != bb {
-                    return Err(PyValueError::new_err(format!("buffer {i} is {} bytes; a block is {bb}", held.len())));
+                let h = HeldBuffer::open(&item?, false)?;
+                if h.len() != bb {
+                    return Err(PyValueError::new_err(format!("buffer {i} is {} bytes; a block is {bb}", h.len())));
                 }
-                v.push(vec![Bytes::from_owner(held)]);
+                held.push(h);
             }
-            v
         } else {
-            split_blocks(HeldBuffer::open(kv, false)?, hashes.len(), bb, 0)?.into_iter().map(|b| vec![b]).collect()
+            let h = HeldBuffer::open(kv, false)?;
+            let want = hashes.len() * bb;
+            if h.len() != want {
+                return Err(PyValueError::new_err(format!(
+                    "KV buffer is {} bytes; {} full blocks of {bb} bytes make {want}",
+                    h.len(),
+                    hashes.len()
+                )));
+            }
+            held.push(h);
+        }
+        // In a shared buffer: the server reads the blocks straight from it (same node). A report
+        // names the codec of each copy held, which only the data plane's answer carries.
+        if !report {
+            if let Some((cell, mut offsets)) = shared_ranges(&held) {
+                if !listed {
+                    let base = offsets[0];
+                    offsets = (0..hashes.len() as u64).map(|i| base + i * bb as u64).collect();
+                }
+                return self.store_shared(py, ns, hashes, cell, offsets, timeout_s);
+            }
+        }
+        let blocks: Vec<Vec<Bytes>> = if listed {
+            held.into_iter().map(|h| vec![Bytes::from_owner(h)]).collect()
+        } else {
+            let one = held.pop().ok_or_else(|| PyValueError::new_err("no KV buffer"))?;
+            split_blocks(one, hashes.len(), bb, 0)?.into_iter().map(|b| vec![b]).collect()
         };
         self.store_blocks(py, ns, hashes, blocks, timeout_s, report)
     }
@@ -790,6 +1068,14 @@ impl Client {
                 )));
             }
             held.push(h);
+        }
+        if let Some((cell, mut offsets)) = shared_ranges(&held) {
+            if !listed {
+                let base = offsets[0];
+                offsets = (0..n as u64).map(|i| base + i * bb as u64).collect();
+            }
+            // `held`, views of the buffer, is kept until the call returns.
+            return self.load_shared(py, ns, hashes, cell, offsets, timeout_s);
         }
         let mut dests: Vec<BlockDest<'_>> = if listed {
             held.iter_mut().map(|h| vec![h.as_mut_slice()]).collect()
@@ -1134,6 +1420,7 @@ fn store_word(r: &StoredAs) -> String {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Namespace>()?;
     m.add_class::<Client>()?;
+    m.add_class::<PySharedBuffer>()?;
     let py = m.py();
     m.add("KvtierError", py.get_type::<KvtierError>())?;
     m.add("UnavailableError", py.get_type::<UnavailableError>())?;

@@ -76,6 +76,9 @@ def test_partial_hit_prefills_only_the_missing_suffix(server, model):
     tokens, logits = st.greedy(step, 16)
     assert tokens == want_tokens
     torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
+    # The server is on this host: the adapter's loads and stores went through the same-node path.
+    sn = st.client.samenode_stats()
+    assert sn["loads"] >= 2 and sn["stores"] >= 2 and sn["fallbacks"] == {}, sn
 
 
 def test_agent_session_park_resume_extend(server, model):

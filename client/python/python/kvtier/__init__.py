@@ -7,6 +7,9 @@
     hit = client.lookup(ns, tokens)                        # tokens the server holds, from the start
     client.store(ns, tokens, kv)                           # kv: full blocks back to back (any buffer)
     n = client.load_into(ns, tokens, out)                  # decoded into `out`, returns tokens loaded
+    buf = client.alloc_buffer(nbytes)                      # shared memory: NumPy/torch view it in place;
+    out = np.frombuffer(buf, np.uint8)                     # calls whose KV lies in it go through the
+    n = client.load_into(ns, tokens, out)                  # server's same-node socket when on this host
 
 `Client(addr, never_raise=False)` raises a `KvtierError` subclass instead. KV goes in and out as
 any C-contiguous buffer; `as_bytes` turns NumPy arrays and torch tensors into one without a copy.
@@ -23,6 +26,7 @@ from ._native import (
     Namespace,
     QuotaExceededError,
     SessionNotFoundError,
+    SharedBuffer,
     UnavailableError,
     VersionConflictError,
 )
@@ -37,6 +41,7 @@ __all__ = [
     "Namespace",
     "QuotaExceededError",
     "SessionNotFoundError",
+    "SharedBuffer",
     "UnavailableError",
     "VersionConflictError",
     "as_bytes",

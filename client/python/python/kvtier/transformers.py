@@ -113,13 +113,28 @@ class KvCacheStore:
             )
         return lay.keys, lay.values
 
+    def _host_tensor(self, numel):
+        """A new 1-D CPU tensor of `numel` elements of the KV dtype. It lives in a kvtier shared
+        buffer (`Client.alloc_buffer`), so loads into it and stores from it go through the
+        server's same-node socket, one copy by the server, unless that path has been seen not to
+        work for this client (another host, no socket): then plain memory, over TCP as before."""
+        st = self.client.samenode_stats()
+        if numel == 0 or (st["fallbacks"] and not st["active"]):
+            return torch.empty(numel, dtype=self.dtype)
+        return torch.frombuffer(self.client.alloc_buffer(numel * self.dtype.itemsize), dtype=self.dtype)
+
     def cache_to_blocks(self, cache, start, end, *, tail=False):
         """KV of tokens [start, end) as kvtier blocks back to back (a new contiguous tensor):
         full blocks of `block_tokens`, then, with `tail=True`, the partial last block."""
         bt, L, H, D = self.block_tokens, self.layers, self.kv_heads, self.head_dim
         n = (end - start) // bt
         t = (end - start) - n * bt if tail else 0
-        full = torch.empty((n, L, 2, bt, H, D), dtype=self.dtype)
+        # Without a tail the blocks are the result: built in a shared buffer (see `_host_tensor`).
+        full = (
+            torch.empty((n, L, 2, bt, H, D), dtype=self.dtype)
+            if t
+            else self._host_tensor(n * L * 2 * bt * H * D).view(n, L, 2, bt, H, D)
+        )
         rest = torch.empty((L, 2, t, H, D), dtype=self.dtype)
         for layer in range(L):
             for kv, x in enumerate(self._layer_kv(cache, layer)):
@@ -175,7 +190,8 @@ class KvCacheStore:
         want = min(-(-limit // bt), len(tokens) // bt) * bt
         if want <= 0:
             return None, 0, 0
-        buf = torch.empty(want * self.ns.token_bytes // self.dtype.itemsize, dtype=self.dtype)
+        # A fresh buffer per load: the rebuilt cache may keep views of it.
+        buf = self._host_tensor(want * self.ns.token_bytes // self.dtype.itemsize)
         got = self.client.load_into(self.ns, tokens[:want], buf)
         n = min(got, limit)
         if n <= 0:

@@ -1,0 +1,201 @@
+"""The same-node path from Python, against real `kvtier serve` processes: `Client.alloc_buffer`
+hands out shared memory that NumPy and torch view in place; loads into it and stores from it go
+through the server's Unix socket (the client's `samenode_stats` and the server's own request
+counters say so), and KV anywhere else goes over TCP as before. Every round trip compares bytes."""
+
+import gc
+import os
+import threading
+import urllib.request
+
+import numpy as np
+import pytest
+
+import kvtier
+from kvtier.server import LocalServer
+
+
+def ns(tenant, codec="raw"):
+    return kvtier.Namespace(tenant, "m@1", layers=2, kv_heads=2, head_dim=64, dtype="fp32", block_tokens=16, codec=codec)
+
+
+def kv_for(n_blocks, seed):
+    n = ns("x").block_bytes // 4 * n_blocks
+    return np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+
+
+def served(server, op):
+    """Requests of `op` the server answered (its Prometheus counter)."""
+    url = server.metrics_addr
+    url = url if url.startswith("http") else f"http://{url}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("kvtier_requests_total{") and f'op="{op}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_alloc_buffer_is_writable_shared_memory_viewed_in_place(server):
+    import torch
+
+    c = kvtier.Client(server.addr)
+    buf = c.alloc_buffer(1 << 20)
+    assert isinstance(buf, kvtier.SharedBuffer) and len(buf) == buf.nbytes == 1 << 20
+    mv = memoryview(buf)
+    assert not mv.readonly and mv.nbytes == 1 << 20 and mv.format == "B"
+    a = np.frombuffer(buf, dtype=np.float32)
+    a[10] = 3.5
+    t = torch.frombuffer(buf, dtype=torch.float32)
+    assert t.data_ptr() == buf.address == a.ctypes.data, "every view is the same memory, no copy"
+    assert t[10].item() == 3.5
+    t[11] = -1.0
+    assert a[11] == -1.0 and bytes(mv[44:48]) == np.float32(-1.0).tobytes()
+    # The views keep the memory alive after the buffer object is gone.
+    del buf, mv
+    gc.collect()
+    a[12] = 7.0
+    assert t[12].item() == 7.0
+    with pytest.raises(ValueError):
+        c.alloc_buffer(0)
+
+
+def test_loads_into_and_stores_from_a_shared_buffer_go_over_the_socket(server):
+    import torch
+
+    c = kvtier.Client(server.addr, never_raise=False)
+    n = ns("samenode-py")
+    bb = n.block_bytes
+    toks = list(range(5000, 5064))  # 4 full blocks
+    kv = kv_for(4, 1)
+    loads0, stores0 = served(server, "samenode_load"), served(server, "samenode_store")
+
+    src = c.alloc_buffer(4 * bb)
+    a = np.frombuffer(src, dtype=np.float32)
+    a[:] = kv
+    assert c.store(n, toks, a) == 4
+    st = c.samenode_stats()
+    assert (st["stores"], st["fallbacks"]) == (1, {}), st
+    assert st["active"]
+
+    # Loaded into a second buffer, one block in from its start.
+    dst = c.alloc_buffer(5 * bb)
+    out = np.frombuffer(dst, dtype=np.float32)[bb // 4 : 5 * bb // 4]
+    assert c.load_into(n, toks, out) == 64
+    assert bytes(memoryview(dst)[bb : 5 * bb]) == kv.tobytes()
+    assert bytes(memoryview(dst)[:bb]) == bytes(bb), "nothing landed before the destination"
+    assert c.samenode_stats()["loads"] == 1
+
+    # Keyed: stored from a slice of the buffer, loaded into torch views of another, in reverse.
+    keys = [b"key-%d" % i for i in range(4)]
+    assert c.store_keys(n, keys, a[: 4 * bb // 4]) == [True] * 4
+    t = torch.frombuffer(c.alloc_buffer(4 * bb), dtype=torch.float32)
+    per = bb // 4
+    views = [t[(3 - i) * per : (4 - i) * per] for i in range(4)]
+    assert c.load_keys_into(n, keys, views) == [True] * 4
+    for i in range(4):
+        assert views[i].numpy().tobytes() == kv[i * per : (i + 1) * per].tobytes()
+    # A key never stored is a miss; the others land.
+    assert c.load_keys_into(n, [keys[0], b"absent"], views[:2]) == [True, False]
+
+    st = c.samenode_stats()
+    assert (st["loads"], st["stores"], st["fallbacks"]) == (3, 2, {}), st
+    assert served(server, "samenode_load") - loads0 == 3
+    assert served(server, "samenode_store") - stores0 == 2
+    # The data plane sees the same blocks.
+    back = np.frombuffer(c.load(n, toks), dtype=np.float32)
+    np.testing.assert_array_equal(back, kv)
+
+
+def test_kv_outside_a_shared_buffer_goes_over_tcp(server):
+    c = kvtier.Client(server.addr, never_raise=False)
+    n = ns("samenode-tcp")
+    bb = n.block_bytes
+    loads0 = served(server, "samenode_load") + served(server, "samenode_store")
+    toks = list(range(6000, 6032))
+    kv = kv_for(2, 2)
+    assert c.store(n, toks, kv) == 2
+    out = np.zeros_like(kv)
+    assert c.load_into(n, toks, out) == 32
+    np.testing.assert_array_equal(out, kv)
+    # Destinations only partly in a shared buffer: the whole call goes the usual way.
+    shared = np.frombuffer(c.alloc_buffer(bb), dtype=np.float32)
+    plain = np.zeros(bb // 4, dtype=np.float32)
+    keys = [b"t0", b"t1"]
+    assert c.store_keys(n, keys, kv) == [True, True]
+    assert c.load_keys_into(n, keys, [shared, plain]) == [True, True]
+    assert shared.tobytes() == kv[: bb // 4].tobytes() and plain.tobytes() == kv[bb // 4 :].tobytes()
+    st = c.samenode_stats()
+    assert (st["loads"], st["stores"], st["fallbacks"]) == (0, 0, {}), st
+    assert served(server, "samenode_load") + served(server, "samenode_store") == loads0
+
+
+def test_when_the_socket_cannot_be_used_shared_buffers_go_over_tcp_counted(tmp_path):
+    n = ns("samenode-fallback")
+    toks = list(range(7000, 7032))
+    kv = kv_for(2, 3)
+
+    def round_trip(client):
+        src = client.alloc_buffer(kv.nbytes)
+        np.frombuffer(src, dtype=np.float32)[:] = kv
+        assert client.store(n, toks, np.frombuffer(src, dtype=np.float32)) == 2
+        dst = client.alloc_buffer(kv.nbytes)
+        assert client.load_into(n, toks, np.frombuffer(dst, dtype=np.float32)) == 32
+        assert bytes(memoryview(dst)) == kv.tobytes()
+        return client.samenode_stats()
+
+    # The socket file removed (as in a container that lacks it).
+    with LocalServer() as srv:
+        os.remove(os.path.join(srv.data_dir, "kvtier.sock"))
+        st = round_trip(kvtier.Client(srv.addr, never_raise=False))
+        assert st["fallbacks"] == {"socket_missing": 2}, st
+        assert st["last_fallback"][0] == "socket_missing" and "kvtier.sock" in st["last_fallback"][1]
+        assert (st["loads"], st["stores"], st["active"]) == (0, 0, False)
+        # Turned off: nothing is counted.
+        st = round_trip(kvtier.Client(srv.addr, never_raise=False, samenode="off"))
+        assert (st["loads"], st["stores"], st["fallbacks"]) == (0, 0, {}), st
+
+    # A server that advertises no socket.
+    cfg = tmp_path / "kvtier.toml"
+    cfg.write_text('samenode_socket = "off"\n')
+    with LocalServer(extra_args=["--config", str(cfg)]) as srv:
+        st = round_trip(kvtier.Client(srv.addr, never_raise=False))
+        assert st["fallbacks"] == {"not_advertised": 2}, st
+    with pytest.raises(ValueError):
+        kvtier.Client("127.0.0.1:1", samenode="sometimes")
+
+
+def test_threads_load_into_one_buffer_and_it_outlives_its_client(server):
+    c = kvtier.Client(server.addr, never_raise=False)
+    n = ns("samenode-threads")
+    bb = n.block_bytes
+    docs = [list(range(10_000 + 100 * i, 10_000 + 100 * i + 32)) for i in range(4)]
+    kvs = [kv_for(2, 10 + i) for i in range(4)]
+    for toks, kv in zip(docs, kvs):
+        assert c.store(n, toks, kv) == 2
+    buf = c.alloc_buffer(8 * bb)
+    a = np.frombuffer(buf, dtype=np.float32)
+    per = 2 * bb // 4
+    got = [None] * 4
+
+    def load(i):
+        got[i] = c.load_into(n, docs[i], a[i * per : (i + 1) * per])
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert got == [32] * 4
+    for i in range(4):
+        assert a[i * per : (i + 1) * per].tobytes() == kvs[i].tobytes()
+    assert c.samenode_stats()["loads"] == 4
+
+    # The client goes away; the buffer stays valid and serves a new client.
+    del c
+    gc.collect()
+    a[:] = 0
+    c2 = kvtier.Client(server.addr, never_raise=False)
+    assert c2.load_into(n, docs[0], a[:per]) == 32
+    assert a[:per].tobytes() == kvs[0].tobytes()
+    assert c2.samenode_stats()["loads"] == 1
