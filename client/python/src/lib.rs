@@ -1232,6 +1232,12 @@ impl Client {
         self.run(py, "drop", ns, || false, async |c, h| c.drop_session(&h, session_id).await)
     }
 
+    /// Removes `ns` from the server: its sessions are dropped, its blocks removed and its slot
+    /// freed. Returns `(sessions_dropped, blocks_removed)` (`(0, 0)` on a miss).
+    fn unregister(&self, py: Python<'_>, ns: &Namespace) -> PyResult<(u64, u64)> {
+        self.run(py, "unregister", ns, || (0, 0), async |c, h| c.unregister(&h).await)
+    }
+
     /// Live sessions of `ns`, as dicts.
     fn list_sessions<'py>(&self, py: Python<'py>, ns: &Namespace) -> PyResult<Vec<Bound<'py, PyDict>>> {
         let list = self.run(py, "list", ns, Vec::new, async |c, h| c.list_sessions(Some(&h)).await)?;

@@ -21,9 +21,9 @@ class KvServer:
     """`kvtier serve` on fixed loopback ports, so it can be killed and restarted at the same
     address (the tier's client keeps its address)."""
 
-    def __init__(self, data_dir, *, dram="256MiB", disk=None):
+    def __init__(self, data_dir, *, dram="256MiB", disk=None, config=None):
         self.data_dir = str(data_dir)
-        self.dram, self.disk = dram, disk
+        self.dram, self.disk, self.config = dram, disk, config
         self.port, self.data_port = free_port(), free_port()
         self.addr = f"127.0.0.1:{self.port}"
         self.proc = None
@@ -33,6 +33,8 @@ class KvServer:
                "--metrics", "127.0.0.1:0", "--data-dir", self.data_dir, "--dram-capacity", self.dram]
         if self.disk:
             cmd += ["--disk-capacity", self.disk]
+        if self.config:
+            cmd += ["--config", str(self.config)]
         env = dict(os.environ)
         env.pop("KVTIER_CONFIG", None)
         env.setdefault("KVTIER_LOG", "warn")
