@@ -261,7 +261,23 @@ async fn a_namespace_is_unregistered_by_its_owner_only_and_stays_gone_after_a_re
     assert_eq!(a.resume(&kept, "s").await.unwrap().blocks, full_block_payloads(&kept, &doc));
     let err = a.resume(&gone, "s").await.unwrap_err();
     assert!(matches!(err, ClientError::UnknownNamespace(_)), "{err}");
-    // Registering it again starts empty.
+    // Registering it again starts empty, and stays so across another restart (the copies
+    // written before the unregistration stay gone); what it stores anew survives restarts.
     let again = a.register(namespace("a", b"gone", small_layout())).await.unwrap();
     assert_eq!(a.lookup(&again, &doc).await.unwrap(), 0);
+    drop(a);
+    let _ = server.child.kill();
+    let _ = server.child.wait();
+    server = ServerProcess::start_in(data.path(), &args);
+    let a = client_as(&server, Some(TOKEN_A)).await;
+    let again = a.register(namespace("a", b"gone", small_layout())).await.unwrap();
+    assert_eq!(a.lookup(&again, &doc).await.unwrap(), 0, "old copies came back after a second restart");
+    let fresh = full_block_payloads(&again, &doc);
+    a.park(&again, "new", &doc, &fresh, &ParkOptions::default(), 0).await.unwrap();
+    drop(a);
+    let _ = server.child.kill();
+    let _ = server.child.wait();
+    server = ServerProcess::start_in(data.path(), &args);
+    let a = client_as(&server, Some(TOKEN_A)).await;
+    assert_eq!(a.resume(&again, "new").await.unwrap().blocks, fresh);
 }

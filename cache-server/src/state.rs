@@ -42,7 +42,9 @@ pub struct NodeState {
     _dir_lock: std::fs::File,
 }
 
-/// Marks a `namespaces.log` record as an unregistration (its body is the 16-byte id).
+/// Marks a `namespaces.log` record as an unregistration (its body: the 16-byte id, then the disk
+/// tier's write position at that moment, segment and offset as u64 LE: copies of its blocks before
+/// it predate the unregistration).
 const NS_TOMBSTONE: u32 = 1 << 31;
 
 /// One `namespaces.log` record: (length | flags, xxh3 of the body, body).
@@ -55,13 +57,13 @@ fn namespace_record(flags: u32, body: &[u8]) -> Vec<u8> {
 }
 
 /// Reads `namespaces.log`: registrations (protobuf `NamespaceSpec`) and unregistrations, in order;
-/// the namespaces registered at its end, and whether it holds unregistrations (worth compacting).
-/// A torn last record is ignored (its change was never acknowledged).
-fn read_namespace_log(path: &std::path::Path) -> (HashMap<NamespaceId, Namespace>, bool) {
+/// the namespaces registered at its end, and those unregistered at its end (their blocks may
+/// still be in disk segments). A torn last record is ignored (its change was never acknowledged).
+fn read_namespace_log(path: &std::path::Path) -> (HashMap<NamespaceId, Namespace>, HashMap<NamespaceId, (u64, u64)>) {
     use prost::Message;
     let mut out = HashMap::new();
-    let mut tombstones = false;
-    let Ok(data) = std::fs::read(path) else { return (out, false) };
+    let mut unregistered: HashMap<NamespaceId, (u64, u64)> = HashMap::new();
+    let Ok(data) = std::fs::read(path) else { return (out, unregistered) };
     let mut rest = &data[..];
     while rest.len() >= 12 {
         let word = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]);
@@ -73,9 +75,17 @@ fn read_namespace_log(path: &std::path::Path) -> (HashMap<NamespaceId, Namespace
             break;
         }
         if word & NS_TOMBSTONE != 0 {
-            tombstones = true;
-            if let Ok(id) = NamespaceId::from_slice(body) {
-                out.remove(&id);
+            if let (Some(id), Some(seg), Some(off)) = (body.get(..16), body.get(16..24), body.get(24..32)) {
+                if let Ok(id) = NamespaceId::from_slice(id) {
+                    let word = |b: &[u8]| {
+                        let mut w = [0u8; 8];
+                        w.copy_from_slice(b);
+                        u64::from_le_bytes(w)
+                    };
+                    out.remove(&id);
+                    let mark = unregistered.entry(id).or_default();
+                    *mark = (*mark).max((word(seg), word(off)));
+                }
             }
         } else if let Some(ns) =
             kvtier_proto::pb::NamespaceSpec::decode(body).ok().and_then(|pb| Namespace::from_pb(&pb).ok())
@@ -84,14 +94,31 @@ fn read_namespace_log(path: &std::path::Path) -> (HashMap<NamespaceId, Namespace
         }
         rest = &rest[12 + len..];
     }
-    (out, tombstones)
+    (out, unregistered)
 }
 
-/// Rewrites `namespaces.log` with only `live` (atomically: a new file renamed over it, synced).
-fn compact_namespace_log(path: &std::path::Path, live: &HashMap<NamespaceId, Namespace>) -> std::io::Result<()> {
+fn tombstone_body(id: &NamespaceId, mark: (u64, u64)) -> [u8; 32] {
+    let mut b = [0u8; 32];
+    b[..16].copy_from_slice(&id.0);
+    b[16..24].copy_from_slice(&mark.0.to_le_bytes());
+    b[24..].copy_from_slice(&mark.1.to_le_bytes());
+    b
+}
+
+/// Rewrites `namespaces.log` as one registration per live namespace and one unregistration per
+/// namespace unregistered (kept: their blocks may still sit in disk segments, which recovery scans)
+/// — atomically: a new file renamed over it, synced.
+fn compact_namespace_log(
+    path: &std::path::Path,
+    live: &HashMap<NamespaceId, Namespace>,
+    unregistered: &HashMap<NamespaceId, (u64, u64)>,
+) -> std::io::Result<()> {
     use prost::Message;
     let tmp = path.with_extension("log.tmp");
     let mut data = Vec::new();
+    for (id, mark) in unregistered {
+        data.extend_from_slice(&namespace_record(NS_TOMBSTONE, &tombstone_body(id, *mark)));
+    }
     for ns in live.values() {
         data.extend_from_slice(&namespace_record(0, &ns.to_pb().encode_to_vec()));
     }
@@ -182,15 +209,21 @@ impl NodeState {
             );
         }
         let ns_path = config.data_dir.join("namespaces.log");
-        let (namespaces, tombstones) = read_namespace_log(&ns_path);
-        if tombstones {
-            compact_namespace_log(&ns_path, &namespaces)?;
+        let (namespaces, unregistered) = read_namespace_log(&ns_path);
+        // Copies of an unregistered namespace's blocks written before it was unregistered are
+        // still in their segments: forgotten again (their bytes go with their segments), even if
+        // the namespace was registered anew since. Only explicitly unregistered ones: a
+        // namespace missing from a damaged log keeps its blocks.
+        for (gone, mark) in &unregistered {
+            // Not registered again: every copy goes, also those demoted just after the mark.
+            let before = if namespaces.contains_key(gone) { *mark } else { (u64::MAX, u64::MAX) };
+            let n = disk.purge_namespace_before(gone, before);
+            if n > 0 {
+                tracing::info!(blocks = n, "blocks of an unregistered namespace dropped at recovery");
+            }
         }
-        // Blocks of namespaces unregistered before the restart are still in their segments:
-        // they are forgotten again (their bytes go with their segments).
-        for gone in disk.namespaces().into_iter().filter(|id| !namespaces.contains_key(id)) {
-            let n = disk.purge_namespace(&gone).len();
-            tracing::info!(blocks = n, "blocks of an unregistered namespace dropped at recovery");
+        if !unregistered.is_empty() {
+            compact_namespace_log(&ns_path, &namespaces, &unregistered)?;
         }
         let f = std::fs::OpenOptions::new().create(true).append(true).open(&ns_path)?;
         let state = NodeState {
@@ -336,7 +369,8 @@ impl NodeState {
     pub fn unregister_namespace(&self, by: &Principal, id: &NamespaceId) -> Result<(u64, u64), ServerError> {
         self.namespace_for(by, id, Access::Write)?;
         if let Some(log) = &self.namespace_log {
-            let rec = namespace_record(NS_TOMBSTONE, &id.0);
+            let mark = self.tiers.disk().map_or((0, 0), |d| d.write_position());
+            let rec = namespace_record(NS_TOMBSTONE, &tombstone_body(id, mark));
             let f = log.lock();
             std::io::Write::write_all(&mut &*f, &rec)?;
             let syncer = f.try_clone()?;

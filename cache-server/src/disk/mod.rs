@@ -549,9 +549,29 @@ impl DiskTier {
         Some((loc.header, payload))
     }
 
-    /// The namespaces of the indexed blocks.
-    pub fn namespaces(&self) -> HashSet<NamespaceId> {
-        self.inner.lock().index.keys().map(|k| k.0).collect()
+    /// Where the next record goes (segment, offset): every block written from now on lies at or
+    /// after it.
+    pub fn write_position(&self) -> (u64, u64) {
+        let st = self.inner.lock();
+        (st.active, st.segments.get(&st.active).map_or(0, |s| s.len))
+    }
+
+    /// Forgets every unpinned block of `ns` whose copy lies before `mark` (a [`Self::write_position`]:
+    /// copies written before a namespace was unregistered); returns how many.
+    pub fn purge_namespace_before(&self, ns: &NamespaceId, mark: (u64, u64)) -> usize {
+        let mut st = self.inner.lock();
+        let gone: Vec<IndexKey> = st
+            .index
+            .iter()
+            .filter(|(k, l)| k.0 == *ns && (l.seg, l.offset) < mark && !st.pins.contains_key(*k))
+            .map(|(k, _)| *k)
+            .collect();
+        for k in &gone {
+            st.index.remove(k);
+        }
+        drop(st);
+        self.publish_gauges();
+        gone.len()
     }
 
     /// Forgets every unpinned block of a namespace (their bytes go with their segments); returns

@@ -76,6 +76,11 @@ impl TierStack {
         }
     }
 
+    /// The disk tier, when the node has one.
+    pub fn disk(&self) -> Option<&DiskTier> {
+        self.disk.as_deref()
+    }
+
     /// Every tier, hottest first.
     pub fn tiers(&self) -> impl Iterator<Item = &dyn Tier> {
         let memory: [&dyn Tier; 2] = [&self.dram, &self.in_transit];
