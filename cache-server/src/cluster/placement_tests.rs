@@ -206,9 +206,20 @@ fn placement_is_pinned() {
     let p = Placement::new(&plain(5));
     let got: Vec<String> = (0..6).map(|i| ids(&p, &p.owners(&ns(7), &key(i), 2)).join(",")).collect();
     assert_eq!(got, PINNED);
+    // And the weighted (floating-point) path.
+    let mut members = plain(5);
+    for (i, m) in members.iter_mut().enumerate() {
+        m.capacity = (i as u64 + 1) << 30;
+    }
+    let p = Placement::new(&members);
+    let got: Vec<String> = (0..6).map(|i| ids(&p, &p.owners(&ns(7), &key(i), 2)).join(",")).collect();
+    assert_eq!(got, PINNED_WEIGHTED);
 }
 
-const PINNED: [&str; 6] = ["?", "?", "?", "?", "?", "?"];
+const PINNED: [&str; 6] =
+    ["node-2,node-1", "node-0,node-1", "node-3,node-1", "node-4,node-0", "node-2,node-1", "node-2,node-4"];
+const PINNED_WEIGHTED: [&str; 6] =
+    ["node-2,node-1", "node-0,node-1", "node-3,node-4", "node-4,node-3", "node-2,node-1", "node-4,node-2"];
 
 /// 3 zones × 2 racks × 2 machines × 2 servers per machine.
 fn topology() -> Vec<Member> {
@@ -361,7 +372,7 @@ proptest! {
             let b = before.primary(&ns(1), &key(k)).map(|i| before.members()[i].id.clone());
             let a = after.primary(&ns(1), &key(k)).map(|i| after.members()[i].id.clone());
             if a != b {
-                prop_assert_eq!(a.unwrap().as_str(), "joiner");
+                prop_assert_eq!(a.as_ref().map(NodeId::as_str), Some("joiner"));
             }
         }
     }
