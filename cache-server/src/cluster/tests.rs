@@ -81,6 +81,13 @@ impl RedisServer {
         }
     }
 
+    /// Freezes (`SIGSTOP`) or thaws (`SIGCONT`) the server: connections stay open, nothing answers.
+    fn freeze(&self, frozen: bool) {
+        use rustix::process::{kill_process, Pid, Signal};
+        let child = self.child.as_ref().expect("redis-server is running");
+        kill_process(Pid::from_child(child), if frozen { Signal::STOP } else { Signal::CONT }).unwrap();
+    }
+
     async fn ids(&self) -> BTreeSet<String> {
         let client = redis::Client::open(self.url()).unwrap();
         let mut con = client.get_multiplexed_async_connection().await.unwrap();
@@ -250,4 +257,31 @@ async fn a_restarted_process_takes_its_id_over() {
 async fn a_bad_url_is_a_config_error() {
     let r = RedisMembership::start(RedisMembershipConfig::new("http://nope", member("a"))).await;
     assert!(matches!(r, Err(ServerError::Config(_))), "{:?}", r.err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_redis_makes_calls_time_out_not_hang() {
+    let redis = RedisServer::start();
+    let a = RedisMembership::start(config(&redis, "a", 1500)).await.unwrap();
+    let b = RedisMembership::start(config(&redis, "b", 1500)).await.unwrap();
+    until(&a, Duration::from_secs(3), "seeing b", |s| s.members.len() == 2).await;
+    // Connections stay open and every request waits: only timeouts bound the calls.
+    redis.freeze(true);
+    until(&a, Duration::from_secs(3), "stale", |s| s.stale).await;
+    assert_eq!(ids(&a.snapshot()), ["a", "b"]);
+    let t = Instant::now();
+    let left = b.leave().await;
+    let took = t.elapsed();
+    assert!(left.is_err(), "a leave cannot finish while Redis is frozen");
+    assert!(took < Duration::from_secs(1), "leave took {took:?} with a 300 ms Redis timeout");
+    let t = Instant::now();
+    let c = RedisMembership::start(config(&redis, "c", 1500)).await.unwrap();
+    let took = t.elapsed();
+    assert!(took < Duration::from_secs(1), "start took {took:?} with a 300 ms Redis timeout");
+    assert!(c.snapshot().stale);
+    redis.freeze(false);
+    until(&a, Duration::from_secs(3), "fresh", |s| !s.stale).await;
+    until(&c, Duration::from_secs(3), "registered and seeing a", |s| !s.stale && s.members.len() >= 2).await;
+    // b stopped refreshing: whether its queued leave ran late or not, it is gone within its TTL.
+    until(&a, Duration::from_secs(4), "without b", |s| ids(s) == ["a", "c"]).await;
 }
