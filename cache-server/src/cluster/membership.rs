@@ -50,7 +50,25 @@ impl Snapshot {
     }
 }
 
-/// The seam: where a node learns who its peers are.
+/// The seam: where a node learns who its peers are. No method waits longer than the store's
+/// timeout.
+///
+/// ```
+/// use kvtier_server::cluster::{Embedded, Labels, Member, Membership, NodeId, Placement};
+///
+/// let me = Member {
+///     id: NodeId::new("node-1").unwrap(),
+///     grpc_addr: "127.0.0.1:7070".into(),
+///     data_addr: "127.0.0.1:7071".into(),
+///     labels: Labels::default(),
+///     capacity: 1 << 30,
+/// };
+/// let membership: Box<dyn Membership> = Box::new(Embedded::new(me).unwrap());
+/// let snap = membership.watch().borrow().clone();
+/// assert_eq!(snap.members.len(), 1);
+/// let placement = Placement::new(&snap.members); // rebuilt whenever `watch()` reports a change
+/// assert_eq!(placement.len(), 1);
+/// ```
 pub trait Membership: Send + Sync {
     /// This node, as it announces itself.
     fn local(&self) -> &Member;

@@ -31,6 +31,9 @@ const KEY_SEED: u64 = 0x6b76_7469_6572_4b31; // "kvtierK1"
 /// Seed of the member-id hash (part of the wire contract).
 const MEMBER_SEED: u64 = 0x6b76_7469_6572_4d31; // "kvtierM1"
 
+/// Members whose scores `owners_into` keeps on the stack; larger clusters use one allocation.
+const STACK_SCORES: usize = 128;
+
 /// How close a replica is to a reader; lower is closer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Locality {
@@ -62,6 +65,28 @@ struct Slot {
 }
 
 /// One member list, ready to place keys. Build it once per membership change.
+///
+/// ```
+/// use kvtier_proto::{BlockKey, NamespaceId};
+/// use kvtier_server::cluster::{Labels, Member, NodeId, Placement, Reader};
+///
+/// let member = |id: &str, rack: &str| Member {
+///     id: NodeId::new(id).unwrap(),
+///     grpc_addr: format!("{id}:7070"),
+///     data_addr: format!("{id}:7071"),
+///     labels: Labels::new(Some(id), Some(rack), None),
+///     capacity: 64 << 30,
+/// };
+/// let p = Placement::new(&[member("a", "r1"), member("b", "r1"), member("c", "r2")]);
+/// let (ns, key) = (NamespaceId([1; 16]), BlockKey([7; 32]));
+/// let mut owners = p.owners(&ns, &key, 2);
+/// let racks: Vec<_> = owners.iter().map(|&i| p.members()[i].labels.rack.clone().unwrap()).collect();
+/// assert!(racks.contains(&"r2".to_string()), "two replicas, two racks");
+/// // A reader on machine "c" tries its own machine's copy first.
+/// let here = Labels::new(Some("c"), Some("r2"), None);
+/// p.read_order(Reader { id: None, labels: &here }, &mut owners);
+/// assert_eq!(p.members()[owners[0]].id.as_str(), "c");
+/// ```
 #[derive(Clone, Debug)]
 pub struct Placement {
     /// Sorted by id, one entry per id.
@@ -74,7 +99,7 @@ pub struct Placement {
 }
 
 /// A member's score for one key; higher wins. Ties (astronomically rare) go to the lower index.
-#[derive(Clone, Copy, PartialEq)]
+#[derive(Clone, Copy, Debug)]
 struct Score {
     /// `w / -ln(u)` when weighted, else 0.
     weighted: f64,
@@ -82,11 +107,14 @@ struct Score {
 }
 
 impl Score {
+    const ZERO: Score = Score { weighted: 0.0, hash: 0 };
+
+    fn order(&self, other: &Score) -> std::cmp::Ordering {
+        self.weighted.total_cmp(&other.weighted).then(self.hash.cmp(&other.hash))
+    }
+
     fn beats(self, other: Score) -> bool {
-        match self.weighted.total_cmp(&other.weighted) {
-            std::cmp::Ordering::Equal => self.hash > other.hash,
-            o => o == std::cmp::Ordering::Greater,
-        }
+        self.order(&other) == std::cmp::Ordering::Greater
     }
 }
 
@@ -161,9 +189,30 @@ impl Placement {
             return;
         }
         let k = key_hash(ns, key);
+        if rf == 1 {
+            out.extend(self.best(k));
+            return;
+        }
+        // Every eligible member's score, computed once and sorted best first (on the stack for
+        // up to STACK_SCORES members).
+        let n = self.eligible.len();
+        let mut on_stack = [(Score::ZERO, 0u32); STACK_SCORES];
+        let mut on_heap = Vec::new();
+        let ranked: &mut [(Score, u32)] = if n <= STACK_SCORES {
+            &mut on_stack[..n]
+        } else {
+            on_heap.resize(n, (Score::ZERO, 0));
+            &mut on_heap
+        };
+        for (r, &i) in ranked.iter_mut().zip(&self.eligible) {
+            *r = (self.score(k, &self.slots[i as usize]), i);
+        }
+        ranked.sort_unstable_by(|a, b| b.0.order(&a.0).then(a.1.cmp(&b.1)));
+        const ALL_FRESH: [bool; 3] = [true; 3];
         for _ in 0..rf {
-            let mut best: Option<(usize, [bool; 3], Score)> = None;
-            for &i in &self.eligible {
+            // The first (best-scoring) member with the freshest domains.
+            let mut best: Option<(usize, [bool; 3])> = None;
+            for &(_, i) in ranked.iter() {
                 let i = i as usize;
                 if out.contains(&i) {
                     continue;
@@ -175,17 +224,15 @@ impl Placement {
                     !out.iter().any(|&o| self.slots[o].zone == s.zone),
                     !out.iter().any(|&o| self.slots[o].node == s.node),
                 ];
-                let score = self.score(k, s);
-                let better = match &best {
-                    None => true,
-                    Some((_, bf, bs)) => fresh > *bf || (fresh == *bf && score.beats(*bs)),
-                };
-                if better {
-                    best = Some((i, fresh, score));
+                if best.is_none_or(|(_, bf)| fresh > bf) {
+                    best = Some((i, fresh));
+                    if fresh == ALL_FRESH {
+                        break;
+                    }
                 }
             }
             match best {
-                Some((i, _, _)) => out.push(i),
+                Some((i, _)) => out.push(i),
                 None => break,
             }
         }
@@ -201,7 +248,11 @@ impl Placement {
     /// The single owner of a block at `rf = 1` (allocation-free); `None` when no member has
     /// capacity.
     pub fn primary(&self, ns: &NamespaceId, key: &BlockKey) -> Option<usize> {
-        let k = key_hash(ns, key);
+        self.best(key_hash(ns, key))
+    }
+
+    /// The highest-scoring eligible member for a key hash.
+    fn best(&self, k: u64) -> Option<usize> {
         let mut best: Option<(usize, Score)> = None;
         for &i in &self.eligible {
             let score = self.score(k, &self.slots[i as usize]);

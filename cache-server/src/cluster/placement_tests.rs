@@ -159,6 +159,13 @@ fn owners_are_distinct_and_clamped() {
         assert_eq!(o.iter().collect::<HashSet<_>>().len(), 3);
         assert_eq!(o[0], p.primary(&ns(1), &key(i)).unwrap(), "the first owner is the rf=1 owner");
     }
+    // Past the scores kept on the stack: the same rules.
+    let big = Placement::new(&plain(STACK_SCORES + 72));
+    for i in 0..200 {
+        let o = big.owners(&ns(1), &key(i), 4);
+        assert_eq!(o.iter().collect::<HashSet<_>>().len(), 4);
+        assert_eq!(o[0], big.primary(&ns(1), &key(i)).unwrap());
+    }
     assert_eq!(p.owners(&ns(1), &key(0), 9).len(), 4, "rf is clamped to the members");
     assert_eq!(p.owners(&ns(1), &key(0), 0).len(), 1, "rf 0 reads as 1");
     assert!(Placement::new(&[]).owners(&ns(1), &key(0), 2).is_empty());
