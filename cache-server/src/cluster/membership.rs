@@ -341,8 +341,11 @@ impl Driver {
                             "another process registered this member id; this one no longer refreshes its registration"
                         );
                     }
-                    Status::Claimed => self.claimed = true,
-                    _ => {}
+                    Status::Superseded => {}
+                    Status::Claimed | Status::Refreshed | Status::Recreated => {
+                        self.claimed = true;
+                        self.superseded = false;
+                    }
                 }
                 let lost = reply.status == Status::Recreated;
                 if self.view.polled(now, reply.members, lost, cfg.ttl) {
@@ -455,11 +458,7 @@ impl View {
     }
 
     fn snapshot(&self) -> Snapshot {
-        Snapshot {
-            members: self.members.values().cloned().collect(),
-            stale: self.stale,
-            generation: self.generation,
-        }
+        Snapshot { members: self.members.values().cloned().collect(), stale: self.stale, generation: self.generation }
     }
 }
 
@@ -527,7 +526,9 @@ fn decode(id: &str, fields: &HashMap<String, String>) -> Option<Member> {
 
 /// `[status, id1, [field, value, ...], id2, [...], ...]` from the tick script.
 fn parse_reply(v: Value) -> Result<Reply, ServerError> {
-    let bad = |what: &str| ServerError::Io(std::io::Error::other(format!("cluster membership: odd reply from Redis ({what})")));
+    let bad = |what: &str| {
+        ServerError::Io(std::io::Error::other(format!("cluster membership: odd reply from Redis ({what})")))
+    };
     let Value::Array(items) = v else {
         return Err(bad("not an array"));
     };

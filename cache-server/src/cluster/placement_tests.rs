@@ -236,7 +236,13 @@ fn topology() -> Vec<Member> {
             for h in 0..2 {
                 for s in 0..2 {
                     let node = format!("z{z}-r{r}-h{h}");
-                    v.push(member(&format!("{node}-s{s}"), Some(&node), Some(&format!("r{r}")), Some(&format!("z{z}")), 1 << 30));
+                    v.push(member(
+                        &format!("{node}-s{s}"),
+                        Some(&node),
+                        Some(&format!("r{r}")),
+                        Some(&format!("z{z}")),
+                        1 << 30,
+                    ));
                 }
             }
         }
@@ -284,7 +290,14 @@ fn readers_prefer_their_member_then_machine_rack_zone() {
     let me = &p.members()[p.index_of(&NodeId::new("z1-r0-h0-s0").unwrap()).unwrap()];
     let reader = Reader { id: Some(&me.id), labels: &me.labels };
     let at = |id: &str| p.index_of(&NodeId::new(id).unwrap()).unwrap();
-    let mut owners = vec![at("z2-r0-h0-s0"), at("z1-r1-h0-s0"), at("z1-r0-h1-s1"), at("z1-r0-h0-s1"), at("z1-r0-h0-s0"), at("z0-r0-h0-s0")];
+    let mut owners = vec![
+        at("z2-r0-h0-s0"),
+        at("z1-r1-h0-s0"),
+        at("z1-r0-h1-s1"),
+        at("z1-r0-h0-s1"),
+        at("z1-r0-h0-s0"),
+        at("z0-r0-h0-s0"),
+    ];
     p.read_order(reader, &mut owners);
     assert_eq!(
         ids(&p, &owners),
@@ -294,7 +307,14 @@ fn readers_prefer_their_member_then_machine_rack_zone() {
     let localities: Vec<Locality> = owners.iter().map(|&o| p.locality(reader, o)).collect();
     assert_eq!(
         localities,
-        [Locality::SameMember, Locality::SameNode, Locality::SameRack, Locality::SameZone, Locality::Remote, Locality::Remote]
+        [
+            Locality::SameMember,
+            Locality::SameNode,
+            Locality::SameRack,
+            Locality::SameZone,
+            Locality::Remote,
+            Locality::Remote
+        ]
     );
     // A client with no labels: placement order stands.
     let none = Labels::default();
@@ -338,10 +358,12 @@ fn growing_one_members_capacity_moves_keys_only_onto_it() {
 }
 
 fn arb_member(i: usize) -> impl Strategy<Value = Member> {
-    (0u8..3, 0u8..3, 0u8..4, prop_oneof![Just(0u64), Just(1u64 << 30), 1u64..(8 << 30)]).prop_map(move |(z, r, h, cap)| {
-        let node = format!("h{h}");
-        member(&format!("m{i}"), Some(&node), Some(&format!("r{r}")), Some(&format!("z{z}")), cap)
-    })
+    (0u8..3, 0u8..3, 0u8..4, prop_oneof![Just(0u64), Just(1u64 << 30), 1u64..(8 << 30)]).prop_map(
+        move |(z, r, h, cap)| {
+            let node = format!("h{h}");
+            member(&format!("m{i}"), Some(&node), Some(&format!("r{r}")), Some(&format!("z{z}")), cap)
+        },
+    )
 }
 
 fn arb_cluster() -> impl Strategy<Value = Vec<Member>> {

@@ -16,6 +16,10 @@ use crate::error::ServerError;
 /// `redis-server` from `$REDIS_SERVER`, the PATH or /usr/bin.
 fn redis_binary() -> String {
     if let Ok(p) = std::env::var("REDIS_SERVER") {
+        assert!(
+            std::path::Path::new(&p).is_file(),
+            "$REDIS_SERVER={p:?} is not a file: the cluster tests need a real redis-server"
+        );
         return p;
     }
     for dir in std::env::var("PATH").unwrap_or_default().split(':').chain(["/usr/bin", "/usr/local/bin"]) {
