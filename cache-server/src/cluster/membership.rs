@@ -229,14 +229,8 @@ impl RedisMembership {
         let shared = Arc::new(Shared { cfg, client, con: Mutex::new(con), incarnation, set_key, member_key, tx });
         ::metrics::gauge!("kvtier_membership_stale").set(0.0);
         let mut driver = Driver { shared: shared.clone(), view, claimed: false, superseded: false };
+        // With Redis unreachable this logs the one warning and starts stale, alone.
         driver.tick().await;
-        if driver.view.stale {
-            // `tick` has logged it; say what it means at start.
-            tracing::warn!(
-                member = %shared.cfg.local.id,
-                "cluster membership starts alone: Redis is unreachable; this node registers when it answers"
-            );
-        }
         let task = tokio::spawn(driver.run());
         Ok(RedisMembership { shared, task: Mutex::new(Some(task)) })
     }
