@@ -17,6 +17,7 @@
 //! [`start`] binds every listener, spawns the node and returns the bound addresses; the `kvtier`
 //! binary wraps it with a CLI.
 
+pub mod cluster;
 pub mod config;
 pub mod control;
 pub mod dataplane;

@@ -1,0 +1,127 @@
+//! What the cluster knows about one server: its id, where to reach it, where it sits (node, rack,
+//! zone labels) and how much it can hold. Shared by [`super::membership`], which announces and
+//! watches members, and [`super::placement`], which maps blocks onto them.
+
+use std::fmt;
+
+use crate::error::ServerError;
+
+/// Longest member id, label or address accepted (bytes).
+pub const MAX_FIELD_LEN: usize = 256;
+
+/// A server's id in the cluster: stable across restarts of the same server (placement hashes it,
+/// so a new id moves that server's share of the keys).
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct NodeId(String);
+
+impl NodeId {
+    /// 1 to [`MAX_FIELD_LEN`] bytes of printable ASCII without spaces.
+    pub fn new(id: impl Into<String>) -> Result<Self, ServerError> {
+        let id = id.into();
+        check_field("member id", &id)?;
+        if id.is_empty() {
+            return Err(ServerError::Config("member id is empty".into()));
+        }
+        Ok(NodeId(id))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for NodeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Debug for NodeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", self.0)
+    }
+}
+
+/// Where a member sits. An absent label means "unknown": for spreading replicas such a member
+/// counts as its own domain; for a reader's preference it matches nothing.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Labels {
+    /// The machine (several servers may share one, e.g. one per NUMA socket).
+    pub node: Option<String>,
+    pub rack: Option<String>,
+    pub zone: Option<String>,
+}
+
+impl Labels {
+    pub fn new(node: Option<&str>, rack: Option<&str>, zone: Option<&str>) -> Self {
+        let own = |s: Option<&str>| s.filter(|s| !s.is_empty()).map(str::to_owned);
+        Labels { node: own(node), rack: own(rack), zone: own(zone) }
+    }
+
+    fn validate(&self) -> Result<(), ServerError> {
+        for (what, v) in [("node label", &self.node), ("rack label", &self.rack), ("zone label", &self.zone)] {
+            if let Some(v) = v {
+                check_field(what, v)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One member of the cluster.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Member {
+    pub id: NodeId,
+    /// The gRPC control plane, as peers and clients should dial it (`host:port`).
+    pub grpc_addr: String,
+    /// The bulk data plane (`host:port`).
+    pub data_addr: String,
+    pub labels: Labels,
+    /// Bytes the member offers for blocks; placement gives it a share of the keys in proportion.
+    /// Zero means "owns nothing" (a draining or client-only member).
+    pub capacity: u64,
+}
+
+impl Member {
+    /// Checks every field's length and characters.
+    pub fn validate(&self) -> Result<(), ServerError> {
+        check_field("gRPC address", &self.grpc_addr)?;
+        check_field("data address", &self.data_addr)?;
+        self.labels.validate()
+    }
+}
+
+/// Printable ASCII, no spaces, at most [`MAX_FIELD_LEN`] bytes.
+fn check_field(what: &str, v: &str) -> Result<(), ServerError> {
+    if v.len() > MAX_FIELD_LEN {
+        return Err(ServerError::Config(format!("{what} is {} bytes, more than {MAX_FIELD_LEN}", v.len())));
+    }
+    if !v.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(ServerError::Config(format!("{what} {v:?} must be printable ASCII without spaces")));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_and_fields_are_checked() {
+        assert!(NodeId::new("node-1").is_ok());
+        assert!(NodeId::new("").is_err());
+        assert!(NodeId::new("a b").is_err());
+        assert!(NodeId::new("x".repeat(MAX_FIELD_LEN + 1)).is_err());
+        let mut m = Member {
+            id: NodeId::new("n").unwrap(),
+            grpc_addr: "10.0.0.1:7070".into(),
+            data_addr: "10.0.0.1:7071".into(),
+            labels: Labels::new(Some("host-a"), Some(""), None),
+            capacity: 1,
+        };
+        assert_eq!(m.labels.rack, None, "an empty label is no label");
+        assert!(m.validate().is_ok());
+        m.labels.zone = Some("eu\nwest".into());
+        assert!(m.validate().is_err());
+    }
+}

@@ -1,0 +1,614 @@
+//! Who is in the cluster: the [`Membership`] seam, a watchable [`Snapshot`] of the members, with
+//! [`Embedded`] (one node, in process: a node without `--cluster`) and [`RedisMembership`] (each
+//! node registers itself in Redis under a key with a TTL, refreshes it, and polls the member set).
+//!
+//! Redis layout (all keys share the hash tag `{prefix}`, so they live in one slot of a Redis
+//! Cluster): `{prefix}:member:<id>` is a hash with the member's fields and a TTL;
+//! `{prefix}:members` is the set of ids, pruned of ids whose hash has expired. Every tick runs one
+//! Lua script that refreshes (or re-creates) this node's hash and reads every live member, so a
+//! tick is one round trip and sees a consistent set.
+//!
+//! Failures: every Redis call has a timeout. When Redis can't be reached the last known members
+//! are kept and marked stale (`kvtier_membership_stale` = 1, one warning); when it answers again
+//! the node re-registers at once. For one TTL after that (or after Redis lost our key) members
+//! missing from Redis are kept, so a restarted Redis does not make live members blink out while
+//! they re-register. A member that leaves deletes its key; one that dies disappears when its TTL
+//! runs out.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::future::BoxFuture;
+use parking_lot::Mutex;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{Script, Value};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use super::member::{Labels, Member, NodeId};
+use crate::error::ServerError;
+
+/// Most members a snapshot holds; more in Redis are ignored (and counted).
+pub const MAX_MEMBERS: usize = 4096;
+
+/// The members as one node sees them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Snapshot {
+    /// Sorted by id; always holds this node.
+    pub members: Arc<[Member]>,
+    /// True while the membership store can't be reached: `members` is the last known set.
+    pub stale: bool,
+    /// Bumped on every change of `members` (not of `stale`).
+    pub generation: u64,
+}
+
+impl Snapshot {
+    /// The member with this id.
+    pub fn get(&self, id: &NodeId) -> Option<&Member> {
+        self.members.binary_search_by(|m| m.id.cmp(id)).ok().map(|i| &self.members[i])
+    }
+}
+
+/// The seam: where a node learns who its peers are. No method waits longer than the store's
+/// timeout.
+///
+/// ```
+/// use kvtier_server::cluster::{Embedded, Labels, Member, Membership, NodeId, Placement};
+///
+/// let me = Member {
+///     id: NodeId::new("node-1").unwrap(),
+///     grpc_addr: "127.0.0.1:7070".into(),
+///     data_addr: "127.0.0.1:7071".into(),
+///     labels: Labels::default(),
+///     capacity: 1 << 30,
+/// };
+/// let membership: Box<dyn Membership> = Box::new(Embedded::new(me).unwrap());
+/// let snap = membership.watch().borrow().clone();
+/// assert_eq!(snap.members.len(), 1);
+/// let placement = Placement::new(&snap.members); // rebuilt whenever `watch()` reports a change
+/// assert_eq!(placement.len(), 1);
+/// ```
+pub trait Membership: Send + Sync {
+    /// This node, as it announces itself.
+    fn local(&self) -> &Member;
+
+    /// The current snapshot, and every change after it.
+    fn watch(&self) -> watch::Receiver<Snapshot>;
+
+    /// The current snapshot.
+    fn snapshot(&self) -> Snapshot {
+        self.watch().borrow().clone()
+    }
+
+    /// Leaves the cluster on a graceful stop: stops refreshing and removes this node at once
+    /// (bounded by the store's timeout; if that fails the node disappears when its TTL runs out).
+    fn leave(&self) -> BoxFuture<'_, Result<(), ServerError>>;
+}
+
+/// One node, no store: the snapshot is this node, forever.
+pub struct Embedded {
+    local: Member,
+    tx: watch::Sender<Snapshot>,
+}
+
+impl Embedded {
+    pub fn new(local: Member) -> Result<Self, ServerError> {
+        local.validate()?;
+        let snap = Snapshot { members: Arc::from([local.clone()]), stale: false, generation: 1 };
+        Ok(Embedded { local, tx: watch::Sender::new(snap) })
+    }
+}
+
+impl Membership for Embedded {
+    fn local(&self) -> &Member {
+        &self.local
+    }
+    fn watch(&self) -> watch::Receiver<Snapshot> {
+        self.tx.subscribe()
+    }
+    fn leave(&self) -> BoxFuture<'_, Result<(), ServerError>> {
+        Box::pin(async { Ok(()) })
+    }
+}
+
+/// Settings of [`RedisMembership`]. Values are checked by [`RedisMembership::start`].
+#[derive(Clone, Debug)]
+pub struct RedisMembershipConfig {
+    url: String,
+    local: Member,
+    ttl: Duration,
+    poll: Duration,
+    op_timeout: Duration,
+    prefix: String,
+}
+
+impl RedisMembershipConfig {
+    /// `url` as the redis crate takes it (`redis://[user:pass@]host:port[/db]`, `rediss://`,
+    /// `redis+unix://`); `local` is this node as it announces itself.
+    pub fn new(url: impl Into<String>, local: Member) -> Self {
+        RedisMembershipConfig {
+            url: url.into(),
+            local,
+            ttl: Duration::from_secs(10),
+            poll: Duration::from_secs(1),
+            op_timeout: Duration::from_secs(1),
+            prefix: "kvtier".into(),
+        }
+    }
+
+    /// How long a member's registration lives without a refresh: a killed node disappears after
+    /// this long. Refreshes run every `min(poll interval, ttl / 3)`. 300 ms to 1 hour.
+    /// Default: 10 s.
+    pub fn with_ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// How often the member set is read (and the registration refreshed). 10 ms to the TTL.
+    /// Default: 1 s.
+    pub fn with_poll_interval(mut self, poll: Duration) -> Self {
+        self.poll = poll;
+        self
+    }
+
+    /// The longest any Redis call may take (connecting included). 10 ms to half the TTL.
+    /// Default: 1 s.
+    pub fn with_op_timeout(mut self, t: Duration) -> Self {
+        self.op_timeout = t;
+        self
+    }
+
+    /// Prefix of the keys, so several clusters can share one Redis. Default: `kvtier`.
+    pub fn with_key_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// The interval between ticks (refresh + read).
+    fn tick(&self) -> Duration {
+        self.poll.min(self.ttl / 3)
+    }
+
+    fn validate(&self) -> Result<(), ServerError> {
+        self.local.validate()?;
+        let bad = |m: String| Err(ServerError::Config(format!("cluster membership: {m}")));
+        if !(Duration::from_millis(300)..=Duration::from_secs(3600)).contains(&self.ttl) {
+            return bad(format!("TTL {:?} is outside 300 ms ..= 1 h", self.ttl));
+        }
+        if !(Duration::from_millis(10)..=self.ttl).contains(&self.poll) {
+            return bad(format!("poll interval {:?} is outside 10 ms ..= the TTL", self.poll));
+        }
+        if !(Duration::from_millis(10)..=self.ttl / 2).contains(&self.op_timeout) {
+            return bad(format!("Redis timeout {:?} is outside 10 ms ..= half the TTL", self.op_timeout));
+        }
+        let p = &self.prefix;
+        if p.is_empty() || p.len() > 64 || !p.bytes().all(|b| b.is_ascii_graphic() && b != b'{' && b != b'}') {
+            return bad(format!("key prefix {p:?}: 1 to 64 printable characters, no braces"));
+        }
+        Ok(())
+    }
+}
+
+/// Registers this node in Redis, keeps the registration alive and watches the member set.
+/// Dropping it without [`Membership::leave`] is like a crash: the heartbeat stops and the node
+/// disappears from the others' snapshots when its TTL runs out.
+pub struct RedisMembership {
+    shared: Arc<Shared>,
+    task: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// What the heartbeat task and `leave` share.
+struct Shared {
+    cfg: RedisMembershipConfig,
+    client: redis::Client,
+    /// Replaced by the task after a failed call, so a broken connection never outlives a tick.
+    con: Mutex<ConnectionManager>,
+    /// Distinguishes this process from an earlier (or rival) one with the same id.
+    incarnation: String,
+    set_key: String,
+    member_key: String,
+    tx: watch::Sender<Snapshot>,
+}
+
+impl RedisMembership {
+    /// Registers this node and reads the members once (bounded by the Redis timeout), then keeps
+    /// both up to date in a task. Fails only on a bad configuration: with Redis unreachable it
+    /// starts stale, with itself as the only member, and registers when Redis answers.
+    pub async fn start(cfg: RedisMembershipConfig) -> Result<Self, ServerError> {
+        cfg.validate()?;
+        let client = redis::Client::open(cfg.url.as_str())
+            .map_err(|e| ServerError::Config(format!("cluster membership: Redis URL {:?}: {e}", cfg.url)))?;
+        let con = connection(&client, &cfg)?;
+        let incarnation = incarnation();
+        let prefix = &cfg.prefix;
+        let set_key = format!("{{{prefix}}}:members");
+        let member_key = format!("{{{prefix}}}:member:{}", cfg.local.id);
+        let view = View::new(cfg.local.clone());
+        let tx = watch::Sender::new(view.snapshot());
+        let shared = Arc::new(Shared { cfg, client, con: Mutex::new(con), incarnation, set_key, member_key, tx });
+        ::metrics::gauge!("kvtier_membership_stale").set(0.0);
+        let mut driver = Driver { shared: shared.clone(), view, claimed: false, superseded: false };
+        // With Redis unreachable this logs the one warning and starts stale, alone.
+        driver.tick().await;
+        let task = tokio::spawn(driver.run());
+        Ok(RedisMembership { shared, task: Mutex::new(Some(task)) })
+    }
+}
+
+impl Drop for RedisMembership {
+    fn drop(&mut self) {
+        if let Some(t) = self.task.lock().take() {
+            t.abort();
+        }
+    }
+}
+
+impl Membership for RedisMembership {
+    fn local(&self) -> &Member {
+        &self.shared.cfg.local
+    }
+
+    fn watch(&self) -> watch::Receiver<Snapshot> {
+        self.shared.tx.subscribe()
+    }
+
+    fn leave(&self) -> BoxFuture<'_, Result<(), ServerError>> {
+        Box::pin(async move {
+            if let Some(t) = self.task.lock().take() {
+                t.abort();
+            }
+            let s = &self.shared;
+            let mut con = s.con.lock().clone();
+            let mut call = leave_script().key(&s.set_key);
+            call.key(&s.member_key).arg(s.cfg.local.id.as_str()).arg(&s.incarnation);
+            match tokio::time::timeout(s.cfg.op_timeout, call.invoke_async::<i64>(&mut con)).await {
+                Ok(Ok(_)) => {
+                    tracing::info!(member = %s.cfg.local.id, "left the cluster");
+                    Ok(())
+                }
+                Ok(Err(e)) => Err(redis_error("leave", &e)),
+                Err(_) => Err(timed_out("leave", s.cfg.op_timeout)),
+            }
+        })
+    }
+}
+
+/// The heartbeat task's state.
+struct Driver {
+    shared: Arc<Shared>,
+    view: View,
+    /// Whether this process has registered once (its first registration overwrites an older
+    /// process's key for the same id; later ones only re-create a missing key).
+    claimed: bool,
+    /// Whether a newer process took this id over (logged once).
+    superseded: bool,
+}
+
+impl Driver {
+    async fn run(mut self) {
+        let mut every = tokio::time::interval(self.shared.cfg.tick());
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        every.tick().await; // The first tick completes at once; `start` has just run one.
+        loop {
+            every.tick().await;
+            self.tick().await;
+        }
+    }
+
+    /// One round trip: refresh (or register) and read the members; publish what changed.
+    async fn tick(&mut self) {
+        let s = self.shared.clone();
+        let cfg = &s.cfg;
+        let mut con = s.con.lock().clone();
+        let mode = if self.claimed { "refresh" } else { "claim" };
+        let mut call = tick_script().prepare_invoke();
+        call.key(&s.set_key)
+            .key(&s.member_key)
+            .arg(mode)
+            .arg(cfg.local.id.as_str())
+            .arg(&s.incarnation)
+            .arg(cfg.ttl.as_millis() as u64)
+            .arg(format!("{{{}}}:member:", cfg.prefix))
+            .arg(MAX_MEMBERS);
+        for (f, v) in encode(&cfg.local) {
+            call.arg(f).arg(v);
+        }
+        let reply = match tokio::time::timeout(cfg.op_timeout, call.invoke_async::<Value>(&mut con)).await {
+            Ok(Ok(v)) => parse_reply(v),
+            Ok(Err(e)) => Err(redis_error("tick", &e)),
+            Err(_) => Err(timed_out("tick", cfg.op_timeout)),
+        };
+        let now = Instant::now();
+        match reply {
+            Ok(reply) => {
+                let was_stale = self.view.stale;
+                if reply.invalid > 0 {
+                    ::metrics::counter!("kvtier_membership_invalid_total").increment(reply.invalid);
+                }
+                match reply.status {
+                    Status::Superseded if !self.superseded => {
+                        self.superseded = true;
+                        ::metrics::counter!("kvtier_membership_superseded_total").increment(1);
+                        tracing::error!(
+                            member = %cfg.local.id,
+                            "another process registered this member id; this one no longer refreshes its registration"
+                        );
+                    }
+                    Status::Superseded => {}
+                    Status::Claimed | Status::Refreshed | Status::Recreated => {
+                        self.claimed = true;
+                        self.superseded = false;
+                    }
+                }
+                let lost = reply.status == Status::Recreated;
+                if self.view.polled(now, reply.members, lost, cfg.ttl) {
+                    self.publish();
+                }
+                if was_stale {
+                    ::metrics::gauge!("kvtier_membership_stale").set(0.0);
+                    tracing::info!(
+                        member = %cfg.local.id,
+                        members = self.view.members.len(),
+                        "cluster membership: Redis answers again; registered"
+                    );
+                } else if lost {
+                    tracing::warn!(member = %cfg.local.id, "cluster membership: Redis had lost this node's key; registered again");
+                }
+            }
+            Err(e) => {
+                ::metrics::counter!("kvtier_membership_errors_total").increment(1);
+                // A fresh connection for the next tick: nothing of a broken one carries over.
+                if let Ok(c) = connection(&s.client, cfg) {
+                    *s.con.lock() = c;
+                }
+                if self.view.failed() {
+                    ::metrics::gauge!("kvtier_membership_stale").set(1.0);
+                    tracing::warn!(
+                        member = %cfg.local.id,
+                        members = self.view.members.len(),
+                        "cluster membership: Redis unreachable ({e}); keeping the last known members"
+                    );
+                    self.publish();
+                } else {
+                    tracing::debug!("cluster membership: Redis still unreachable: {e}");
+                }
+            }
+        }
+    }
+
+    fn publish(&self) {
+        ::metrics::gauge!("kvtier_membership_members").set(self.view.members.len() as f64);
+        self.shared.tx.send_replace(self.view.snapshot());
+    }
+}
+
+/// What a tick's script says about this node's own key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Status {
+    /// First registration of this process (overwrote whatever was there).
+    Claimed,
+    Refreshed,
+    /// The key was gone (expired while Redis was unreachable, or Redis lost its data).
+    Recreated,
+    /// Another incarnation holds the key; not touched.
+    Superseded,
+}
+
+struct Reply {
+    status: Status,
+    members: Vec<Member>,
+    /// Entries that could not be read as members.
+    invalid: u64,
+}
+
+/// The member set as one node knows it: what Redis says, merged with what it knew. Pure: the
+/// clock comes in as `now`.
+#[derive(Debug)]
+struct View {
+    local: Member,
+    members: BTreeMap<NodeId, Member>,
+    stale: bool,
+    /// Until then members missing from Redis are kept (Redis just came back or lost its data,
+    /// and live members have not re-registered yet).
+    grace_until: Option<Instant>,
+    generation: u64,
+}
+
+impl View {
+    fn new(local: Member) -> Self {
+        let members = BTreeMap::from([(local.id.clone(), local.clone())]);
+        View { local, members, stale: false, grace_until: None, generation: 1 }
+    }
+
+    /// Redis answered with `polled`; `lost` when it had lost this node's key. True if the
+    /// snapshot changed.
+    fn polled(&mut self, now: Instant, polled: Vec<Member>, lost: bool, grace: Duration) -> bool {
+        let was_stale = std::mem::replace(&mut self.stale, false);
+        if was_stale || lost {
+            self.grace_until = Some(now + grace);
+        }
+        let mut next: BTreeMap<NodeId, Member> = polled.into_iter().map(|m| (m.id.clone(), m)).collect();
+        // This node is always a member of its own view, as it announces itself.
+        next.insert(self.local.id.clone(), self.local.clone());
+        if self.grace_until.is_some_and(|t| now < t) {
+            for (id, m) in &self.members {
+                next.entry(id.clone()).or_insert_with(|| m.clone());
+            }
+        } else {
+            self.grace_until = None;
+        }
+        let changed = next != self.members;
+        if changed {
+            self.members = next;
+            self.generation += 1;
+        }
+        changed || was_stale
+    }
+
+    /// Redis could not be reached. True if this makes the view stale (it was not).
+    fn failed(&mut self) -> bool {
+        !std::mem::replace(&mut self.stale, true)
+    }
+
+    fn snapshot(&self) -> Snapshot {
+        Snapshot { members: self.members.values().cloned().collect(), stale: self.stale, generation: self.generation }
+    }
+}
+
+fn connection(client: &redis::Client, cfg: &RedisMembershipConfig) -> Result<ConnectionManager, ServerError> {
+    let c = ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(cfg.op_timeout))
+        .set_response_timeout(Some(cfg.op_timeout))
+        .set_number_of_retries(1)
+        .set_min_delay(Duration::from_millis(10))
+        .set_max_delay(cfg.op_timeout);
+    ConnectionManager::new_lazy_with_config(client.clone(), c)
+        .map_err(|e| ServerError::Config(format!("cluster membership: Redis client: {e}")))
+}
+
+/// Unique enough per process start: the wall clock in nanoseconds and the pid, hashed.
+fn incarnation() -> String {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let seed = format!("{nanos}/{}", std::process::id());
+    format!("{:016x}", xxhash_rust::xxh3::xxh3_64(seed.as_bytes()))
+}
+
+fn redis_error(what: &str, e: &redis::RedisError) -> ServerError {
+    ServerError::Io(std::io::Error::other(format!("cluster membership {what}: Redis: {e}")))
+}
+
+fn timed_out(what: &str, after: Duration) -> ServerError {
+    ServerError::Io(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!("cluster membership {what}: Redis did not answer within {after:?}"),
+    ))
+}
+
+/// Format version of a member's hash.
+const FORMAT: &str = "1";
+
+/// A member as the fields of its hash (`inc` is added by the script's caller).
+fn encode(m: &Member) -> Vec<(&'static str, String)> {
+    let l = |v: &Option<String>| v.clone().unwrap_or_default();
+    vec![
+        ("v", FORMAT.into()),
+        ("grpc", m.grpc_addr.clone()),
+        ("data", m.data_addr.clone()),
+        ("node", l(&m.labels.node)),
+        ("rack", l(&m.labels.rack)),
+        ("zone", l(&m.labels.zone)),
+        ("capacity", m.capacity.to_string()),
+    ]
+}
+
+/// A member from its id and hash fields; `None` if the entry is not one this version can read.
+fn decode(id: &str, fields: &HashMap<String, String>) -> Option<Member> {
+    if fields.get("v").map(String::as_str) != Some(FORMAT) {
+        return None;
+    }
+    let f = |k: &str| fields.get(k).map(String::as_str);
+    let m = Member {
+        id: NodeId::new(id).ok()?,
+        grpc_addr: f("grpc")?.to_owned(),
+        data_addr: f("data")?.to_owned(),
+        labels: Labels::new(f("node"), f("rack"), f("zone")),
+        capacity: f("capacity")?.parse().ok()?,
+    };
+    m.validate().ok().map(|()| m)
+}
+
+/// `[status, id1, [field, value, ...], id2, [...], ...]` from the tick script.
+fn parse_reply(v: Value) -> Result<Reply, ServerError> {
+    let bad = |what: &str| {
+        ServerError::Io(std::io::Error::other(format!("cluster membership: odd reply from Redis ({what})")))
+    };
+    let Value::Array(items) = v else {
+        return Err(bad("not an array"));
+    };
+    let mut items = items.into_iter();
+    let status = match items.next().map(redis::from_redis_value::<String>) {
+        Some(Ok(s)) => match s.as_str() {
+            "claimed" => Status::Claimed,
+            "refreshed" => Status::Refreshed,
+            "recreated" => Status::Recreated,
+            "superseded" => Status::Superseded,
+            _ => return Err(bad("unknown status")),
+        },
+        _ => return Err(bad("no status")),
+    };
+    let (mut members, mut invalid) = (Vec::new(), 0u64);
+    while let (Some(id), Some(fields)) = (items.next(), items.next()) {
+        let id = redis::from_redis_value::<String>(id).ok();
+        let fields = redis::from_redis_value::<HashMap<String, String>>(fields).ok();
+        match (id, fields) {
+            (Some(id), Some(fields)) if members.len() < MAX_MEMBERS => match decode(&id, &fields) {
+                Some(m) => members.push(m),
+                None => invalid += 1,
+            },
+            _ => invalid += 1,
+        }
+    }
+    Ok(Reply { status, members, invalid })
+}
+
+/// KEYS: set, own hash. ARGV: mode ("claim" | "refresh"), id, incarnation, ttl ms, member-key
+/// prefix, max members, then field/value pairs of this member. Returns
+/// `{status, id, {field, value, ...}, ...}` for every live member (up to max), pruning the set of
+/// expired ids.
+const TICK_LUA: &str = r#"
+local set, me = KEYS[1], KEYS[2]
+local mode, id, inc, ttl, kp, maxm = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
+local cur = redis.call('HGET', me, 'inc')
+local status
+if mode == 'claim' or not cur then
+  redis.call('DEL', me)
+  redis.call('HSET', me, 'inc', inc, unpack(ARGV, 7))
+  if mode == 'claim' then status = 'claimed' else status = 'recreated' end
+elseif cur == inc then
+  status = 'refreshed'
+else
+  status = 'superseded'
+end
+if status ~= 'superseded' then
+  redis.call('PEXPIRE', me, ttl)
+  redis.call('SADD', set, id)
+end
+local out = {status}
+local n = 0
+for _, m in ipairs(redis.call('SMEMBERS', set)) do
+  local h = redis.call('HGETALL', kp .. m)
+  if #h == 0 then
+    redis.call('SREM', set, m)
+  elseif n < maxm then
+    n = n + 1
+    out[#out + 1] = m
+    out[#out + 1] = h
+  end
+end
+return out
+"#;
+
+/// KEYS: set, own hash. ARGV: id, incarnation. Removes this node if the key is still its own.
+const LEAVE_LUA: &str = r#"
+if redis.call('HGET', KEYS[2], 'inc') == ARGV[2] then
+  redis.call('DEL', KEYS[2])
+  redis.call('SREM', KEYS[1], ARGV[1])
+  return 1
+end
+return 0
+"#;
+
+fn tick_script() -> &'static Script {
+    static S: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
+    S.get_or_init(|| Script::new(TICK_LUA))
+}
+
+fn leave_script() -> &'static Script {
+    static S: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
+    S.get_or_init(|| Script::new(LEAVE_LUA))
+}
+
+#[cfg(test)]
+#[path = "membership_tests.rs"]
+mod view_tests;

@@ -1,0 +1,291 @@
+//! Membership against a real `redis-server` on loopback, started and killed by pid: members see
+//! each other, a graceful leave is seen at once, a dropped member goes after its TTL, Redis down
+//! keeps the snapshot (stale) with every call bounded, Redis back makes members re-register, and a
+//! restarted process takes its id over. Without `redis-server` these tests fail, saying so.
+
+use std::collections::BTreeSet;
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use redis::AsyncCommands;
+
+use super::*;
+use crate::error::ServerError;
+
+/// `redis-server` from `$REDIS_SERVER`, the PATH or /usr/bin.
+fn redis_binary() -> String {
+    if let Ok(p) = std::env::var("REDIS_SERVER") {
+        assert!(
+            std::path::Path::new(&p).is_file(),
+            "$REDIS_SERVER={p:?} is not a file: the cluster tests need a real redis-server"
+        );
+        return p;
+    }
+    for dir in std::env::var("PATH").unwrap_or_default().split(':').chain(["/usr/bin", "/usr/local/bin"]) {
+        let p = std::path::Path::new(dir).join("redis-server");
+        if p.is_file() {
+            return p.display().to_string();
+        }
+    }
+    panic!(
+        "redis-server not found (PATH, /usr/bin, $REDIS_SERVER): the cluster membership tests need a real \
+         Redis. Install it (`apt-get install -y redis-server`; .ci/run does) or point $REDIS_SERVER at one."
+    );
+}
+
+/// A `redis-server` child process on a loopback port; killed by its pid when dropped.
+struct RedisServer {
+    port: u16,
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+}
+
+impl RedisServer {
+    fn start() -> Self {
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let mut s = RedisServer { port, child: None, dir: tempfile::tempdir().unwrap() };
+        s.restart();
+        s
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Starts the server (again) on the same port and waits until it answers PING.
+    fn restart(&mut self) {
+        assert!(self.child.is_none());
+        let child = Command::new(redis_binary())
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting redis-server: {e}"));
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(mut c) = redis::Client::open(self.url()).and_then(|c| c.get_connection()) {
+                if redis::cmd("PING").query::<String>(&mut c).is_ok() {
+                    return;
+                }
+            }
+            assert!(Instant::now() < deadline, "redis-server on port {} did not answer within 10 s", self.port);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Kills the server (SIGKILL to the pid this test started) and reaps it.
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Freezes (`SIGSTOP`) or thaws (`SIGCONT`) the server: connections stay open, nothing answers.
+    fn freeze(&self, frozen: bool) {
+        use rustix::process::{kill_process, Pid, Signal};
+        let child = self.child.as_ref().expect("redis-server is running");
+        kill_process(Pid::from_child(child), if frozen { Signal::STOP } else { Signal::CONT }).unwrap();
+    }
+
+    async fn ids(&self) -> BTreeSet<String> {
+        let client = redis::Client::open(self.url()).unwrap();
+        let mut con = client.get_multiplexed_async_connection().await.unwrap();
+        con.smembers("{kvtier}:members").await.unwrap()
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn member(id: &str) -> Member {
+    Member {
+        id: NodeId::new(id).unwrap(),
+        grpc_addr: format!("127.0.0.1:{}", 7000 + id.len()),
+        data_addr: format!("127.0.0.1:{}", 8000 + id.len()),
+        labels: Labels::new(Some(id), Some("r0"), Some("z0")),
+        capacity: 1 << 30,
+    }
+}
+
+fn config(redis: &RedisServer, id: &str, ttl_ms: u64) -> RedisMembershipConfig {
+    config_for(redis, member(id), ttl_ms)
+}
+
+fn config_for(redis: &RedisServer, m: Member, ttl_ms: u64) -> RedisMembershipConfig {
+    RedisMembershipConfig::new(redis.url(), m)
+        .with_ttl(Duration::from_millis(ttl_ms))
+        .with_poll_interval(Duration::from_millis(100))
+        .with_op_timeout(Duration::from_millis(300))
+}
+
+fn ids(s: &Snapshot) -> Vec<&str> {
+    s.members.iter().map(|m| m.id.as_str()).collect()
+}
+
+/// Waits until `m`'s snapshot satisfies `pred`; panics with the last snapshot after `within`.
+async fn until(m: &dyn Membership, within: Duration, what: &str, pred: impl Fn(&Snapshot) -> bool) {
+    let mut rx = m.watch();
+    if tokio::time::timeout(within, rx.wait_for(|s| pred(s))).await.is_err() {
+        panic!("{}: not {what} within {within:?}; snapshot {:?}", m.local().id, m.snapshot());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_see_each_other_and_a_graceful_leave_is_seen_at_once() {
+    let redis = RedisServer::start();
+    // A long TTL: a member that disappears within a second was deleted, not expired.
+    let ttl = 5000;
+    let a = RedisMembership::start(config(&redis, "a", ttl)).await.unwrap();
+    let b = RedisMembership::start(config(&redis, "b", ttl)).await.unwrap();
+    let c = RedisMembership::start(config(&redis, "c", ttl)).await.unwrap();
+    for m in [&a as &dyn Membership, &b, &c] {
+        until(m, Duration::from_secs(3), "seeing a, b, c", |s| ids(s) == ["a", "b", "c"]).await;
+        let s = m.snapshot();
+        assert!(!s.stale);
+        assert_eq!(s.get(&NodeId::new("b").unwrap()), Some(&member("b")), "every field travels");
+    }
+    let left_at = Instant::now();
+    b.leave().await.unwrap();
+    for m in [&a as &dyn Membership, &c] {
+        until(m, Duration::from_secs(1), "without b", |s| ids(s) == ["a", "c"]).await;
+    }
+    eprintln!("graceful leave seen by both others after {:?}", left_at.elapsed());
+    assert_eq!(redis.ids().await, BTreeSet::from(["a".to_string(), "c".to_string()]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_dropped_without_leaving_disappears_after_its_ttl() {
+    let redis = RedisServer::start();
+    let ttl = Duration::from_millis(1500);
+    let a = RedisMembership::start(config(&redis, "a", 1500)).await.unwrap();
+    let b = RedisMembership::start(config(&redis, "b", 1500)).await.unwrap();
+    until(&a, Duration::from_secs(3), "seeing b", |s| s.members.len() == 2).await;
+    let dropped_at = Instant::now();
+    drop(b); // A crash: the heartbeat stops, nothing is deleted.
+    until(&a, Duration::from_secs(5), "without b", |s| ids(s) == ["a"]).await;
+    let gone_after = dropped_at.elapsed();
+    eprintln!("a dropped member (TTL {ttl:?}) left the others' snapshot after {gone_after:?}");
+    // Its last refresh was at most one tick (100 ms) before the drop.
+    assert!(gone_after >= ttl - Duration::from_millis(150), "gone after {gone_after:?}, before its TTL ran out");
+    assert_eq!(redis.ids().await, BTreeSet::from(["a".to_string()]), "the expired id is pruned from the set");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_down_keeps_the_snapshot_and_redis_back_re_registers() {
+    let mut redis = RedisServer::start();
+    let a = RedisMembership::start(config(&redis, "a", 1500)).await.unwrap();
+    let b = RedisMembership::start(config(&redis, "b", 1500)).await.unwrap();
+    until(&a, Duration::from_secs(3), "seeing b", |s| s.members.len() == 2).await;
+    until(&b, Duration::from_secs(3), "seeing a", |s| s.members.len() == 2).await;
+
+    // Record every snapshot `a` publishes from here on.
+    let mut rx = a.watch();
+    let seen = tokio::spawn(async move {
+        let mut smallest = usize::MAX;
+        while rx.changed().await.is_ok() {
+            smallest = smallest.min(rx.borrow_and_update().members.len());
+        }
+        smallest
+    });
+
+    redis.kill();
+    for m in [&a as &dyn Membership, &b] {
+        until(m, Duration::from_secs(3), "stale", |s| s.stale).await;
+        assert_eq!(ids(&m.snapshot()), ["a", "b"], "the last known members are kept");
+    }
+    // Calls stay bounded while Redis is down: a start (alone, stale) and a leave.
+    let t = Instant::now();
+    let c = RedisMembership::start(config(&redis, "c", 1500)).await.unwrap();
+    let started_in = t.elapsed();
+    assert!(c.snapshot().stale);
+    assert_eq!(ids(&c.snapshot()), ["c"]);
+    let t = Instant::now();
+    assert!(c.leave().await.is_err(), "a leave with Redis down fails");
+    let left_in = t.elapsed();
+    eprintln!("with Redis down: start returned in {started_in:?}, leave in {left_in:?} (Redis timeout 300 ms)");
+    assert!(started_in < Duration::from_secs(2) && left_in < Duration::from_secs(2));
+
+    // Several TTLs pass with Redis down; then it comes back, empty, on the same port.
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+    assert_eq!(ids(&a.snapshot()), ["a", "b"]);
+    redis.restart();
+    for m in [&a as &dyn Membership, &b] {
+        until(m, Duration::from_secs(3), "fresh", |s| !s.stale).await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while redis.ids().await.len() < 2 {
+        assert!(Instant::now() < deadline, "a and b did not re-register: {:?}", redis.ids().await);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(redis.ids().await, BTreeSet::from(["a".to_string(), "b".to_string()]));
+    // Past the grace period both are still there: they re-registered.
+    tokio::time::sleep(Duration::from_millis(1800)).await;
+    assert_eq!(ids(&a.snapshot()), ["a", "b"]);
+    assert_eq!(ids(&b.snapshot()), ["a", "b"]);
+    drop(a);
+    assert_eq!(seen.await.unwrap(), 2, "no snapshot of a lost b, through the outage and the restart");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_process_takes_its_id_over() {
+    let redis = RedisServer::start();
+    let watcher = RedisMembership::start(config(&redis, "w", 5000)).await.unwrap();
+    let old = RedisMembership::start(config(&redis, "a", 5000)).await.unwrap();
+    until(&watcher, Duration::from_secs(3), "seeing a", |s| s.members.len() == 2).await;
+    // The same id from a new process (new address): it wins at once, no wait for the old TTL.
+    let mut moved = member("a");
+    moved.grpc_addr = "127.0.0.1:9999".into();
+    let new = RedisMembership::start(config_for(&redis, moved, 5000)).await.unwrap();
+    let id = NodeId::new("a").unwrap();
+    until(&watcher, Duration::from_secs(3), "seeing a's new address", |s| {
+        s.get(&id).is_some_and(|m| m.grpc_addr == "127.0.0.1:9999")
+    })
+    .await;
+    // The old process leaving does not remove the new one's registration.
+    old.leave().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(watcher.snapshot().get(&id).map(|m| m.grpc_addr.as_str()), Some("127.0.0.1:9999"));
+    new.leave().await.unwrap();
+    until(&watcher, Duration::from_secs(1), "without a", |s| ids(s) == ["w"]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_url_is_a_config_error() {
+    let r = RedisMembership::start(RedisMembershipConfig::new("http://nope", member("a"))).await;
+    assert!(matches!(r, Err(ServerError::Config(_))), "{:?}", r.err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_redis_makes_calls_time_out_not_hang() {
+    let redis = RedisServer::start();
+    let a = RedisMembership::start(config(&redis, "a", 1500)).await.unwrap();
+    let b = RedisMembership::start(config(&redis, "b", 1500)).await.unwrap();
+    until(&a, Duration::from_secs(3), "seeing b", |s| s.members.len() == 2).await;
+    // Connections stay open and every request waits: only timeouts bound the calls.
+    redis.freeze(true);
+    until(&a, Duration::from_secs(3), "stale", |s| s.stale).await;
+    assert_eq!(ids(&a.snapshot()), ["a", "b"]);
+    let t = Instant::now();
+    let left = b.leave().await;
+    let took = t.elapsed();
+    assert!(left.is_err(), "a leave cannot finish while Redis is frozen");
+    assert!(took < Duration::from_secs(1), "leave took {took:?} with a 300 ms Redis timeout");
+    let t = Instant::now();
+    let c = RedisMembership::start(config(&redis, "c", 1500)).await.unwrap();
+    let took = t.elapsed();
+    assert!(took < Duration::from_secs(1), "start took {took:?} with a 300 ms Redis timeout");
+    assert!(c.snapshot().stale);
+    redis.freeze(false);
+    until(&a, Duration::from_secs(3), "fresh", |s| !s.stale).await;
+    until(&c, Duration::from_secs(3), "registered and seeing a", |s| !s.stale && s.members.len() >= 2).await;
+    // b stopped refreshing: whether its queued leave ran late or not, it is gone within its TTL.
+    until(&a, Duration::from_secs(4), "without b", |s| ids(s) == ["a", "c"]).await;
+}
