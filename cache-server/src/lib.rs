@@ -11,6 +11,10 @@
 //! - [`dataplane`]: the framed TCP data plane that moves block payloads.
 //! - [`samenode`]: the same-node path: client buffers registered over a Unix socket, blocks
 //!   copied into and out of them by offset.
+//! - [`tenants`]: credentials, tenants, grants and quotas — who may touch which namespace.
+//! - [`listen`]: the accept loop every listener shares (connection limits in total and per peer).
+//! - [`cluster`]: many nodes — rendezvous placement with replicas and topology, membership
+//!   (embedded, or in Redis). Library only so far: `kvtier serve` is still one node.
 //! - [`config`]: TOML + env + flags, validated at start.
 //! - [`metrics`]: Prometheus `/metrics`.
 //!
