@@ -89,6 +89,18 @@ pub struct ServerConfig {
     /// each, outside the DRAM cap); `0`: a 256th of `dram_capacity` in keys (an eighth of it in
     /// bytes), at least 1M. Default: `0`.
     pub max_session_keys: u64,
+    /// The cluster's membership store, a Redis URL (`redis://host:port`): the node registers
+    /// itself there with a TTL heartbeat and watches the other members (`crate::cluster`); none:
+    /// one node. Placement over the members is not used by the planes yet. Default: none.
+    pub cluster: Option<String>,
+    /// This node's id in the cluster. Default: `<hostname>:<gRPC port>`.
+    pub node_id: Option<String>,
+    /// Topology labels placement spreads replicas over. Default: none.
+    pub rack: Option<String>,
+    pub zone: Option<String>,
+    /// How long a node that stopped heartbeating (killed, partitioned) stays a member.
+    /// Default: `10s`.
+    pub cluster_ttl: DurationStr,
 }
 
 /// One tenant: its credentials, its grants and its quotas (`None`: no quota of that kind).
@@ -153,6 +165,11 @@ impl Default for ServerConfig {
             max_connections: 1024,
             max_connections_per_peer: 256,
             max_session_keys: 0,
+            cluster: None,
+            node_id: None,
+            rack: None,
+            zone: None,
+            cluster_ttl: DurationStr(Duration::from_secs(10)),
         }
     }
 }
@@ -258,6 +275,14 @@ impl ServerConfig {
             }
         }
         crate::tenants::Tenants::from_config(self)?;
+        if let Some(url) = &self.cluster {
+            if !(url.starts_with("redis://") || url.starts_with("rediss://") || url.starts_with("redis+unix://")) {
+                return bad(format!("cluster must be a Redis URL (redis://host:port), got {url:?}"));
+            }
+        }
+        if self.cluster_ttl.0 < Duration::from_secs(1) {
+            return bad(format!("cluster_ttl must be at least 1s, got {}", self.cluster_ttl));
+        }
         if self.max_connections == 0 || self.max_connections > 1 << 20 {
             return bad(format!("max_connections must be 1..=1048576, got {}", self.max_connections));
         }

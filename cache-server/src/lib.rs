@@ -62,6 +62,8 @@ pub struct RunningServer {
     /// The same-node socket (`crate::samenode`), when the node has one; removed by `stop`.
     pub samenode_path: Option<std::path::PathBuf>,
     pub state: Arc<NodeState>,
+    /// The cluster's members as this node sees them (just itself without `cluster`).
+    pub membership: Arc<dyn cluster::Membership>,
     /// Set to true once: every task of the node watches it.
     stop: watch::Sender<bool>,
     grpc: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
@@ -71,6 +73,33 @@ pub struct RunningServer {
 /// Resolves once `stop` turns true (or its sender is gone).
 pub(crate) async fn stopped(stop: &mut watch::Receiver<bool>) {
     let _ = stop.wait_for(|s| *s).await;
+}
+
+/// This node as a cluster member, registered in the configured store (or alone).
+async fn join_cluster(
+    state: &NodeState,
+    grpc_addr: SocketAddr,
+    data_addr: SocketAddr,
+) -> Result<Arc<dyn cluster::Membership>, ServerError> {
+    let c = state.config();
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default();
+    let id = match &c.node_id {
+        Some(id) => id.clone(),
+        None => format!("{}:{}", if host.is_empty() { "kvtier" } else { &host }, grpc_addr.port()),
+    };
+    let local = cluster::Member {
+        id: cluster::NodeId::new(id)?,
+        grpc_addr: grpc_addr.to_string(),
+        data_addr: data_addr.to_string(),
+        labels: cluster::Labels::new(Some(&host), c.rack.as_deref(), c.zone.as_deref()),
+        capacity: c.dram_capacity.0 + c.disk_capacity.0,
+    };
+    let Some(url) = &c.cluster else { return Ok(Arc::new(cluster::Embedded::new(local)?)) };
+    let cfg = cluster::RedisMembershipConfig::new(url.clone(), local).with_ttl(c.cluster_ttl.0);
+    let m = cluster::RedisMembership::start(cfg).await?;
+    use cluster::Membership as _;
+    tracing::info!(members = m.snapshot().members.len(), "joined the cluster");
+    Ok(Arc::new(m))
 }
 
 impl RunningServer {
@@ -89,6 +118,10 @@ impl RunningServer {
     /// node runs, and once the caller drops its clones of `state` the data directory's `LOCK` is
     /// released, so a node can start again on it in the same process.
     pub async fn stop(mut self, grace: Duration) -> Result<(), ServerError> {
+        // Peers stop counting on this node at once (bounded: else its TTL runs out).
+        if let Ok(Err(e)) = tokio::time::timeout(Duration::from_secs(2), self.membership.leave()).await {
+            tracing::warn!("leaving the cluster: {e}");
+        }
         let _ = self.stop.send(true);
         if tokio::time::timeout(grace, &mut self.grpc).await.is_err() {
             self.grpc.abort();
@@ -241,5 +274,6 @@ pub async fn start(
             .add_service(tonic::service::interceptor::InterceptedService::new(service, check_auth))
             .serve_with_incoming_shutdown(incoming, async move { stopped(&mut grpc_stop).await }),
     );
-    Ok(RunningServer { grpc_addr, data_addr, metrics_addr, samenode_path, state, stop, grpc, tasks })
+    let membership = join_cluster(&state, grpc_addr, data_addr).await?;
+    Ok(RunningServer { grpc_addr, data_addr, metrics_addr, samenode_path, state, membership, stop, grpc, tasks })
 }

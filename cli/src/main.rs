@@ -79,6 +79,12 @@ struct ServeArgs {
     /// Shared secret clients must present (required beyond loopback).
     #[arg(long, env = "KVTIER_AUTH_TOKEN", hide_env_values = true)]
     auth_token: Option<String>,
+    /// The cluster's membership store, e.g. redis://10.0.0.5:6379 (none: one node).
+    #[arg(long, env = "KVTIER_CLUSTER")]
+    cluster: Option<String>,
+    /// This node's id in the cluster (default: <hostname>:<gRPC port>).
+    #[arg(long, env = "KVTIER_NODE_ID")]
+    node_id: Option<String>,
     /// Log filter, e.g. info or kvtier_server=debug.
     #[arg(long, env = "KVTIER_LOG", default_value = "info")]
     log: String,
@@ -267,6 +273,12 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     }
     if let Some(v) = a.auth_token {
         cfg.auth_token = Some(v);
+    }
+    if let Some(v) = a.cluster {
+        cfg.cluster = Some(v);
+    }
+    if let Some(v) = a.node_id {
+        cfg.node_id = Some(v);
     }
     cfg.validate()?;
     let handle = match cfg.metrics_listen {
