@@ -123,6 +123,22 @@ async fn a_server_without_a_socket_is_reached_over_tcp_counted_not_advertised() 
     assert!(!stats.active);
 }
 
+/// A server that says it runs on another host (`host_id` set, as for a container whose socket is
+/// not shared) is reached over TCP: counted `other_host`, whatever its socket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_on_another_host_is_reached_over_tcp_counted_other_host() {
+    let cfg_dir = tempfile::tempdir().unwrap();
+    let cfg = cfg_dir.path().join("kvtier.toml");
+    std::fs::write(&cfg, "host_id = \"some-other-machine\"\n").unwrap();
+    let server = ServerProcess::start(&["--config", cfg.to_str().unwrap()]);
+    let (client, h) = connect(&server, SameNodeMode::Auto).await;
+    assert_eq!(client.samenode_plan(), &Plan::Never(FallbackReason::OtherHost));
+    round_trip(&client, &h, 7).await;
+    let stats = client.samenode_stats();
+    assert_eq!(stats.fallbacks.get(&FallbackReason::OtherHost), Some(&3), "{stats:?}");
+    assert_eq!(served(&server, "samenode_load") + served(&server, "samenode_store"), 0.0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_removed_socket_means_tcp_counted_socket_missing() {
     let server = ServerProcess::start(&[]);

@@ -101,6 +101,10 @@ pub struct ServerConfig {
     /// How long a node that stopped heartbeating (killed, partitioned) stays a member.
     /// Default: `10s`.
     pub cluster_ttl: DurationStr,
+    /// What `Info` reports as this node's host (clients use the same-node socket only when it is
+    /// their own boot id); set it when the socket is not reachable from where clients run even on
+    /// the same kernel (another container without the socket mounted). Default: the boot id.
+    pub host_id: Option<String>,
 }
 
 /// One tenant: its credentials, its grants and its quotas (`None`: no quota of that kind).
@@ -170,6 +174,7 @@ impl Default for ServerConfig {
             rack: None,
             zone: None,
             cluster_ttl: DurationStr(Duration::from_secs(10)),
+            host_id: None,
         }
     }
 }

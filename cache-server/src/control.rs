@@ -186,7 +186,7 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
             dram_capacity_bytes: c.dram_capacity.0,
             // `start` leaves the resolved absolute path here, or "off".
             samenode_socket: if c.samenode_socket == "off" { String::new() } else { c.samenode_socket.clone() },
-            host_id: crate::samenode::host_id().to_string(),
+            host_id: c.host_id.clone().unwrap_or_else(|| crate::samenode::host_id().to_string()),
         }))
     }
 
