@@ -281,3 +281,49 @@ async fn a_namespace_is_unregistered_by_its_owner_only_and_stays_gone_after_a_re
     let a = client_as(&server, Some(TOKEN_A)).await;
     assert_eq!(a.resume(&again, "new").await.unwrap().blocks, fresh);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_past_its_disk_quota_does_not_push_anothers_blocks_off_the_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("quota.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[[tenants]]\nname = \"heavy\"\ntokens = [\"{TOKEN_A}\"]\ndisk_bytes = \"8MiB\"\n\n\
+             [[tenants]]\nname = \"quiet\"\ntokens = [\"{TOKEN_B}\"]\n"
+        ),
+    )
+    .unwrap();
+    let server = ServerProcess::start(&[
+        "--config",
+        cfg.to_str().unwrap(),
+        "--dram-capacity",
+        "16MiB",
+        "--disk-capacity",
+        "64MiB",
+    ]);
+    let heavy = client_as(&server, Some(TOKEN_A)).await;
+    let quiet = client_as(&server, Some(TOKEN_B)).await;
+    let ns_q = quiet.register(namespace("quiet", b"q", small_layout())).await.unwrap();
+    let ns_h = heavy.register(namespace("heavy", b"h", small_layout())).await.unwrap();
+    // 24 MiB for the quiet tenant: more than DRAM holds, so part of it is on disk.
+    let quiet_doc = tokens(11, 768 * 16);
+    let quiet_blocks = full_block_payloads(&ns_q, &quiet_doc);
+    quiet.store(&ns_q, &quiet_doc, &quiet_blocks).await.unwrap().ok().unwrap();
+    // 160 MiB from the heavy one, whose disk quota is 8 MiB.
+    for round in 0..10u32 {
+        let doc = tokens(200 + round, 512 * 16);
+        let blocks = full_block_payloads(&ns_h, &doc);
+        heavy.store(&ns_h, &doc, &blocks).await.unwrap().ok().unwrap();
+    }
+    tokio::time::sleep(std::time::Duration::from_secs(1)).await; // the demotion queue drains
+    assert_eq!(quiet.lookup(&ns_q, &quiet_doc).await.unwrap(), quiet_doc.len(), "every quiet block is still held");
+    let got = quiet.load(&ns_q, &quiet_doc).await.unwrap();
+    assert!(
+        got.len() == quiet_blocks.len() && got == quiet_blocks,
+        "{} of {} quiet blocks loaded",
+        got.len(),
+        quiet_blocks.len()
+    );
+    assert!(metric(&server.scrape(), "kvtier_disk_demotions_over_quota_total", &[]) > 0.0);
+}

@@ -138,6 +138,11 @@ pub struct TenantConfig {
     /// used blocks make room first.
     #[serde(default)]
     pub dram_bytes: Option<ByteSize>,
+    /// Most bytes of the tenant's blocks on disk; past it, its blocks leaving DRAM are dropped
+    /// instead of demoted (its parked sessions' blocks still go to disk: `max_session_bytes`
+    /// bounds those), so it can't push other tenants' blocks off the disk.
+    #[serde(default)]
+    pub disk_bytes: Option<ByteSize>,
 }
 
 impl Default for ServerConfig {

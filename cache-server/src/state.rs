@@ -263,7 +263,7 @@ impl NodeState {
     /// is configured.
     fn account(&self, ns: &Namespace) {
         if let Some(t) = self.tenants.tenant(&ns.tenant) {
-            self.tiers.assign_account(ns.id(), t.index, t.quotas.dram_bytes);
+            self.tiers.assign_account(ns.id(), t.index, t.quotas.dram_bytes, t.quotas.disk_bytes);
         }
     }
 

@@ -34,6 +34,7 @@ pub struct Quotas {
     pub max_sessions: Option<u64>,
     pub max_session_bytes: Option<u64>,
     pub dram_bytes: Option<u64>,
+    pub disk_bytes: Option<u64>,
 }
 
 /// A configured tenant.
@@ -140,6 +141,7 @@ impl Tenants {
                     max_sessions: t.max_sessions,
                     max_session_bytes: t.max_session_bytes.map(|b| b.0),
                     dram_bytes: t.dram_bytes.map(|b| b.0),
+                    disk_bytes: t.disk_bytes.map(|b| b.0),
                 },
             });
             if out.by_name.insert(t.name.clone(), tenant.clone()).is_some() {

@@ -78,6 +78,40 @@ struct Inner {
     pinned_bytes: u64,
     /// Segments sealed since the last [`DiskTier::sync`]: it syncs them with the active one.
     unsynced: Vec<Arc<File>>,
+    /// The account of each namespace that has one, and each account's live bytes and quota
+    /// (see [`DiskTier::assign_account`]).
+    ns_accounts: HashMap<NamespaceId, u32>,
+    accounts: HashMap<u32, DiskAccount>,
+}
+
+/// One account's payload bytes indexed on disk, and its quota.
+#[derive(Debug, Default, Clone, Copy)]
+struct DiskAccount {
+    live: u64,
+    quota: Option<u64>,
+}
+
+impl Inner {
+    fn account_of(&self, ns: &NamespaceId) -> Option<u32> {
+        self.ns_accounts.get(ns).copied()
+    }
+
+    /// Indexes a block not indexed before, counting it against its namespace's account.
+    fn index_new(&mut self, k: IndexKey, loc: Loc) {
+        if let Some(a) = self.account_of(&k.0).and_then(|a| self.accounts.get_mut(&a)) {
+            a.live += loc.header.payload_len;
+        }
+        self.index.insert(k, loc);
+    }
+
+    /// Forgets a block, uncounting it.
+    fn unindex(&mut self, k: &IndexKey) -> Option<Loc> {
+        let loc = self.index.remove(k)?;
+        if let Some(a) = self.account_of(&k.0).and_then(|a| self.accounts.get_mut(&a)) {
+            a.live = a.live.saturating_sub(loc.header.payload_len);
+        }
+        Some(loc)
+    }
 }
 
 #[derive(Default)]
@@ -170,6 +204,8 @@ impl DiskTier {
             pins: HashMap::new(),
             pinned_bytes: 0,
             unsynced: Vec::new(),
+            ns_accounts: HashMap::new(),
+            accounts: HashMap::new(),
         };
         let mut report = RecoveryReport::default();
         for id in ids {
@@ -266,7 +302,7 @@ impl DiskTier {
         let mut n = 0u64;
         for k in &seg.keys {
             if st.index.get(k).is_some_and(|l| l.seg == id) {
-                st.index.remove(k);
+                st.unindex(k);
                 n += 1;
             }
         }
@@ -354,7 +390,7 @@ impl DiskTier {
             s.len = offset + record;
             s.keys.push(key);
             st.total_bytes += record;
-            st.index.insert(key, Loc { seg, offset, header: *header });
+            st.index_new(key, Loc { seg, offset, header: *header });
         }
         drop(st);
         self.counters.writes.fetch_add(1, Ordering::Relaxed);
@@ -474,7 +510,7 @@ impl DiskTier {
                 if let Some(seg) = &seg {
                     for k in &seg.keys {
                         if st.index.get(k).is_some_and(|l| l.seg == victim) {
-                            st.index.remove(k);
+                            st.unindex(k);
                         }
                     }
                     st.total_bytes -= seg.len;
@@ -536,7 +572,7 @@ impl DiskTier {
             tracing::error!(?key, seg = loc.seg, offset = loc.offset, "disk block failed verification; removed");
             let mut st = self.inner.lock();
             if st.index.get(&k).is_some_and(|l| l.seg == loc.seg && l.offset == loc.offset) {
-                st.index.remove(&k);
+                st.unindex(&k);
             }
             return None;
         }
@@ -547,6 +583,32 @@ impl DiskTier {
             .increment(loc.header.payload_len);
         let payload = Bytes::from(buf).slice(FRAME_HEADER_LEN..);
         Some((loc.header, payload))
+    }
+
+    /// Counts the blocks of `ns` (those held now, and every one written from now on) against
+    /// `account`, whose quota of payload bytes is `quota` (none: no quota). A tenant at its quota
+    /// gets no more of its evicted blocks demoted here ([`Self::over_quota`]), so it can't push
+    /// other tenants' blocks off the disk.
+    pub fn assign_account(&self, ns: NamespaceId, account: u32, quota: Option<u64>) {
+        let mut st = self.inner.lock();
+        if let Some(q) = quota {
+            st.accounts.entry(account).or_default().quota = Some(q);
+        }
+        if st.ns_accounts.insert(ns, account).is_none() {
+            let held: u64 = st.index.iter().filter(|(k, _)| k.0 == ns).map(|(_, l)| l.header.payload_len).sum();
+            st.accounts.entry(account).or_default().live += held;
+        }
+    }
+
+    /// Whether the account of `ns` holds its quota or more here.
+    pub fn over_quota(&self, ns: &NamespaceId) -> bool {
+        let st = self.inner.lock();
+        st.account_of(ns).and_then(|a| st.accounts.get(&a)).is_some_and(|a| a.quota.is_some_and(|q| a.live >= q))
+    }
+
+    /// Payload bytes indexed here for `account`.
+    pub fn account_live(&self, account: u32) -> u64 {
+        self.inner.lock().accounts.get(&account).map_or(0, |a| a.live)
     }
 
     /// Where the next record goes (segment, offset): every block written from now on lies at or
@@ -567,7 +629,7 @@ impl DiskTier {
             .map(|(k, _)| *k)
             .collect();
         for k in &gone {
-            st.index.remove(k);
+            st.unindex(k);
         }
         drop(st);
         self.publish_gauges();
@@ -581,7 +643,7 @@ impl DiskTier {
         let gone: Vec<IndexKey> =
             st.index.keys().filter(|k| k.0 == *ns && !st.pins.contains_key(*k)).copied().collect();
         for k in &gone {
-            st.index.remove(k);
+            st.unindex(k);
         }
         drop(st);
         self.publish_gauges();
@@ -595,7 +657,7 @@ impl DiskTier {
         if st.pins.contains_key(&k) {
             return false;
         }
-        let removed = st.index.remove(&k).is_some();
+        let removed = st.unindex(&k).is_some();
         drop(st);
         self.publish_gauges();
         removed

@@ -192,3 +192,36 @@ fn a_damaged_header_costs_one_record() {
         assert!(t.read(&NamespaceId([1; 16]), &frame(i).header.key).is_none(), "block {i}");
     }
 }
+
+#[test]
+fn accounts_count_live_bytes_through_writes_evictions_and_removals() {
+    let dir = tempfile::tempdir().unwrap();
+    let cap = 1 << 20;
+    let (t, _) = open(dir.path(), cap);
+    let ns = NamespaceId([1; 16]);
+    let bb = layout().block_bytes();
+    for i in 0..3 {
+        let f = frame(i);
+        t.write(&f.header, &f.payload).unwrap();
+    }
+    // Blocks held before the assignment count too.
+    t.assign_account(ns, 7, Some(5 * bb));
+    assert_eq!(t.account_live(7), 3 * bb);
+    assert!(!t.over_quota(&ns));
+    for i in 3..5 {
+        let f = frame(i);
+        t.write(&f.header, &f.payload).unwrap();
+    }
+    assert!(t.over_quota(&ns), "5 blocks are the quota");
+    assert!(t.remove(&ns, &frame(0).header.key));
+    assert_eq!(t.account_live(7), 4 * bb);
+    assert!(!t.over_quota(&ns));
+    // Segments evicted by the node's FIFO uncount their blocks.
+    for i in 5..200 {
+        let f = frame(i);
+        t.write(&f.header, &f.payload).unwrap();
+    }
+    let held = (0..200).filter(|i| t.contains(&ns, &frame(*i).header.key)).count() as u64;
+    assert_eq!(t.account_live(7), held * bb);
+    assert!(!t.over_quota(&NamespaceId([2; 16])), "an unassigned namespace has no quota");
+}

@@ -93,6 +93,11 @@ pub fn start(
         if probe.contains(&block.header.namespace, &block.header.key) {
             return;
         }
+        // Its tenant holds its disk quota: its own block goes, nobody else's.
+        if probe.over_quota(&block.header.namespace) {
+            ::metrics::counter!("kvtier_disk_demotions_over_quota_total").increment(1);
+            return;
+        }
         // An earlier copy of the same key is queued: that one will be written.
         if !hook_transit.admit(&block) {
             return;

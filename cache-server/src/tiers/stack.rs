@@ -181,13 +181,17 @@ impl TierStack {
         self.dram.reserve_for(ns, len)
     }
 
-    /// Counts `ns`'s DRAM bytes against `account`, whose quota `bytes` (if any) its own blocks
-    /// make room under (see `crate::dram`, "Accounts").
-    pub fn assign_account(&self, ns: NamespaceId, account: u32, quota: Option<u64>) {
-        if let Some(q) = quota {
+    /// Counts `ns`'s bytes against `account`: in DRAM, under a quota its own blocks make room
+    /// under (see `crate::dram`, "Accounts"); on disk, under a quota past which its evicted
+    /// blocks are not demoted (see [`DiskTier::assign_account`]).
+    pub fn assign_account(&self, ns: NamespaceId, account: u32, dram_quota: Option<u64>, disk_quota: Option<u64>) {
+        if let Some(q) = dram_quota {
             self.dram.set_account_quota(account, q);
         }
         self.dram.assign_account(ns, account);
+        if let Some(d) = &self.disk {
+            d.assign_account(ns, account, disk_quota);
+        }
     }
 
     /// DRAM bytes resident for an account.
