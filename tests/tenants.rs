@@ -289,7 +289,7 @@ async fn a_tenant_past_its_disk_quota_does_not_push_anothers_blocks_off_the_disk
     std::fs::write(
         &cfg,
         format!(
-            "[[tenants]]\nname = \"heavy\"\ntokens = [\"{TOKEN_A}\"]\ndisk_bytes = \"8MiB\"\n\n\
+            "[[tenants]]\nname = \"heavy\"\ntokens = [\"{TOKEN_A}\"]\ndram_bytes = \"8MiB\"\ndisk_bytes = \"8MiB\"\n\n\
              [[tenants]]\nname = \"quiet\"\ntokens = [\"{TOKEN_B}\"]\n"
         ),
     )
@@ -306,17 +306,41 @@ async fn a_tenant_past_its_disk_quota_does_not_push_anothers_blocks_off_the_disk
     let quiet = client_as(&server, Some(TOKEN_B)).await;
     let ns_q = quiet.register(namespace("quiet", b"q", small_layout())).await.unwrap();
     let ns_h = heavy.register(namespace("heavy", b"h", small_layout())).await.unwrap();
+    // Stores go in steps of 64 blocks (the demotion queue's depth), each once the queue is empty:
+    // a machine too busy to write a queue's worth in the writers' 5 s wait would drop demotions,
+    // which is not what this test is about.
+    let drained = || async {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while metric(&server.scrape(), "kvtier_disk_queue_depth", &[]) > 0.0 {
+            assert!(std::time::Instant::now() < deadline, "the demotion queue never drained");
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    };
     // 24 MiB for the quiet tenant: more than DRAM holds, so part of it is on disk.
     let quiet_doc = tokens(11, 768 * 16);
     let quiet_blocks = full_block_payloads(&ns_q, &quiet_doc);
-    quiet.store(&ns_q, &quiet_doc, &quiet_blocks).await.unwrap().ok().unwrap();
-    // 160 MiB from the heavy one, whose disk quota is 8 MiB.
+    for first in (0..768).step_by(64) {
+        let end = (first + 64) * 16;
+        quiet
+            .store_from(&ns_q, &quiet_doc[..end], first, &quiet_blocks[first..first + 64])
+            .await
+            .unwrap()
+            .ok()
+            .unwrap();
+        drained().await;
+    }
+    // 160 MiB from the heavy one, whose DRAM and disk quotas are 8 MiB each: its own evictions are
+    // what would fill the disk (the DRAM quota keeps this about the disk: few of the quiet
+    // tenant's blocks have to leave DRAM, so a busy machine's demotion queue can't drop them).
     for round in 0..10u32 {
         let doc = tokens(200 + round, 512 * 16);
         let blocks = full_block_payloads(&ns_h, &doc);
-        heavy.store(&ns_h, &doc, &blocks).await.unwrap().ok().unwrap();
+        for first in (0..512).step_by(64) {
+            let end = (first + 64) * 16;
+            heavy.store_from(&ns_h, &doc[..end], first, &blocks[first..first + 64]).await.unwrap().ok().unwrap();
+            drained().await;
+        }
     }
-    tokio::time::sleep(std::time::Duration::from_secs(1)).await; // the demotion queue drains
     assert_eq!(quiet.lookup(&ns_q, &quiet_doc).await.unwrap(), quiet_doc.len(), "every quiet block is still held");
     let got = quiet.load(&ns_q, &quiet_doc).await.unwrap();
     assert!(
