@@ -132,6 +132,16 @@ fn compact_namespace_log(
     Ok(())
 }
 
+/// Appends a record to `namespaces.log` and syncs it; the file lock covers the write only, so
+/// concurrent registrations share the sync.
+fn append_synced(log: &Mutex<std::fs::File>, rec: &[u8]) -> std::io::Result<()> {
+    let f = log.lock();
+    std::io::Write::write_all(&mut &*f, rec)?;
+    let syncer = f.try_clone()?;
+    drop(f);
+    syncer.sync_data()
+}
+
 /// Holds `<data_dir>/LOCK` so a second server on the same directory is refused.
 fn lock_data_dir(dir: &std::path::Path) -> Result<std::fs::File, ServerError> {
     let path = dir.join("LOCK");
@@ -344,11 +354,7 @@ impl NodeState {
         if let Some(log) = &self.namespace_log {
             use prost::Message;
             let rec = namespace_record(0, &ns.to_pb().encode_to_vec());
-            let f = log.lock();
-            std::io::Write::write_all(&mut &*f, &rec)?;
-            let syncer = f.try_clone()?;
-            drop(f);
-            syncer.sync_data()?;
+            append_synced(log, &rec)?;
         }
         self.account(&ns);
         let mut map = self.namespaces.write();
@@ -371,11 +377,7 @@ impl NodeState {
         if let Some(log) = &self.namespace_log {
             let mark = self.tiers.disk().map_or((0, 0), |d| d.write_position());
             let rec = namespace_record(NS_TOMBSTONE, &tombstone_body(id, mark));
-            let f = log.lock();
-            std::io::Write::write_all(&mut &*f, &rec)?;
-            let syncer = f.try_clone()?;
-            drop(f);
-            syncer.sync_data()?;
+            append_synced(log, &rec)?;
         }
         {
             let mut map = self.namespaces.write();
