@@ -105,6 +105,36 @@ pub struct ServerConfig {
     /// their own boot id); set it when the socket is not reachable from where clients run even on
     /// the same kernel (another container without the socket mounted). Default: the boot id.
     pub host_id: Option<String>,
+    /// TLS on the gRPC and data-plane listeners, and client certificates (mTLS) as credentials:
+    /// a `[tls]` table, see [`TlsConfig`]. The same-node socket and `/metrics` stay plain (local).
+    /// Default: none (plain TCP: keep the listeners on loopback or a trusted network).
+    pub tls: Option<TlsConfig>,
+}
+
+/// The node's certificate and key, and how clients' certificates are checked (`[tls]`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsConfig {
+    /// The node's certificate chain (PEM, leaf first), e.g. from `kvtier cert node`.
+    pub cert: PathBuf,
+    /// Its private key (PEM: PKCS#8, PKCS#1 or SEC1).
+    pub key: PathBuf,
+    /// CA certificates (PEM) that client certificates are verified against; none: clients present
+    /// no certificate and authenticate with tokens.
+    #[serde(default)]
+    pub client_ca: Option<PathBuf>,
+    /// With `client_ca`: whether every client must present a certificate it signed (`true`), or may
+    /// come with a token only (`false`). Default: `true`.
+    #[serde(default = "default_true")]
+    pub require_client_cert: bool,
+    /// Client-certificate names (DNS or URI subject-alternative names) that act as the operator:
+    /// the cluster's other nodes, admin tools. Tenants name theirs in `cert_names`.
+    #[serde(default)]
+    pub operator_names: Vec<String>,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 /// One tenant: its credentials, its grants and its quotas (`None`: no quota of that kind).
@@ -119,6 +149,10 @@ pub struct TenantConfig {
     /// A file holding one more token (its whole content, surrounding whitespace trimmed).
     #[serde(default)]
     pub token_file: Option<PathBuf>,
+    /// Client-certificate names (DNS or URI subject-alternative names, exact) that authenticate
+    /// as this tenant when the certificate verifies against `tls.client_ca` (mTLS).
+    #[serde(default)]
+    pub cert_names: Vec<String>,
     /// Tenants whose namespaces this one may read (look up, load, resume, list).
     #[serde(default)]
     pub read: Vec<String>,
@@ -180,6 +214,7 @@ impl Default for ServerConfig {
             zone: None,
             cluster_ttl: DurationStr(Duration::from_secs(10)),
             host_id: None,
+            tls: None,
         }
     }
 }
@@ -285,6 +320,9 @@ impl ServerConfig {
             }
         }
         crate::tenants::Tenants::from_config(self)?;
+        if let Some(tls) = &self.tls {
+            crate::tls::TlsAcceptors::load(tls)?;
+        }
         if let Some(url) = &self.cluster {
             if !(url.starts_with("redis://") || url.starts_with("rediss://") || url.starts_with("redis+unix://")) {
                 return bad(format!("cluster must be a Redis URL (redis://host:port), got {url:?}"));
@@ -307,8 +345,13 @@ impl ServerConfig {
             addrs.push(("metrics_listen", m));
         }
         for (name, a) in &addrs {
-            if !a.ip().is_loopback() && self.auth_token.is_none() && self.tenants.is_empty() {
-                return bad(format!("{name} {a} is beyond loopback: set auth_token or tenants to expose it"));
+            // Client certificates a CA must have signed are a credential too (not for /metrics).
+            let certs_required = *name != "metrics_listen"
+                && self.tls.as_ref().is_some_and(|t| t.client_ca.is_some() && t.require_client_cert);
+            if !a.ip().is_loopback() && self.auth_token.is_none() && self.tenants.is_empty() && !certs_required {
+                return bad(format!(
+                    "{name} {a} is beyond loopback: set auth_token, tenants or required client certificates to expose it"
+                ));
             }
         }
         for (i, (n1, a1)) in addrs.iter().enumerate() {

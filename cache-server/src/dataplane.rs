@@ -46,10 +46,41 @@ use crate::tiers::Load;
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 const IO_BUF: usize = 64 * 1024;
 
-/// Accepts TCP data-plane connections (with `TCP_NODELAY`) until `stop` turns true; then ends
-/// every connection (their pin leases are released as they drop) before returning.
-pub async fn serve(listener: TcpListener, state: Arc<NodeState>, stop: watch::Receiver<bool>) {
-    accept_loop(listener, state, stop).await
+/// Accepts TCP data-plane connections (with `TCP_NODELAY`; over TLS with `tls`) until `stop`
+/// turns true; then ends every connection (their pin leases are released as they drop) before
+/// returning.
+pub async fn serve(
+    listener: TcpListener,
+    state: Arc<NodeState>,
+    stop: watch::Receiver<bool>,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+) {
+    let Some(tls) = tls else { return accept_loop(listener, state, stop).await };
+    crate::listen::accept_bounded(
+        "data plane",
+        state.config().conn_limits(),
+        stop,
+        || async {
+            let (sock, peer) = listener.accept().await?;
+            let _ = sock.set_nodelay(true);
+            Ok(((sock, peer), Peer::Ip(peer.ip())))
+        },
+        |(sock, peer), stop| {
+            let (state, tls) = (state.clone(), tls.clone());
+            async move {
+                // In the connection's own task: a slow handshake holds only its own slot.
+                match crate::tls::accept(&tls, sock).await {
+                    Ok((stream, names)) => {
+                        let cert = state.tenants().authenticate_cert(&names);
+                        let (r, w) = tokio::io::split(stream);
+                        serve_halves(r, w, state, stop, peer.to_string(), cert).await
+                    }
+                    Err(e) => tracing::debug!(%peer, "data plane TLS handshake failed: {e}"),
+                }
+            }
+        },
+    )
+    .await
 }
 
 /// Accepts data-plane connections on a Unix socket until `stop` turns true, like [`serve`].
@@ -77,18 +108,25 @@ where
     R: AsyncRead + Unpin + Send + 'static,
     W: AsyncWrite + Unpin + Send + 'static,
 {
-    serve_halves(r, w, state, stop, "stream".to_string()).await
+    serve_halves(r, w, state, stop, "stream".to_string(), None).await
 }
 
-/// Runs one connection over a read half and a write half until it ends or `stop` turns true.
-async fn serve_halves<R, W>(r: R, w: W, state: Arc<NodeState>, mut stop: watch::Receiver<bool>, peer: String)
-where
+/// Runs one connection over a read half and a write half until it ends or `stop` turns true;
+/// `cert`: whom its verified TLS client certificate names.
+async fn serve_halves<R, W>(
+    r: R,
+    w: W,
+    state: Arc<NodeState>,
+    mut stop: watch::Receiver<bool>,
+    peer: String,
+    cert: Option<Principal>,
+) where
     R: AsyncRead + Unpin + Send,
     W: AsyncWrite + Unpin + Send,
 {
     tokio::select! {
         _ = crate::stopped(&mut stop) => {}
-        res = Connection::new(r, w, state).run() => {
+        res = Connection::new(r, w, state, cert).run() => {
             if let Err(e) = res {
                 tracing::debug!(%peer, "data plane connection closed: {e}");
             }
@@ -138,7 +176,7 @@ async fn accept_loop<L: Accept>(listener: L, state: Arc<NodeState>, stop: watch:
         state.config().conn_limits(),
         stop,
         || listener.accept_split(),
-        |(r, w, peer), stop| serve_halves(r, w, state.clone(), stop, peer),
+        |(r, w, peer), stop| serve_halves(r, w, state.clone(), stop, peer, None),
     )
     .await
 }
@@ -165,6 +203,8 @@ struct Connection<R, W> {
     leases: PinLeases,
     /// Who the hello's token authenticated (`None` until then).
     principal: Option<Principal>,
+    /// Whom the connection's verified TLS client certificate names, if anyone.
+    cert: Option<Principal>,
 }
 
 /// Most blocks one connection may hold pin leases on (a 1M-token context in blocks of 16).
@@ -210,7 +250,7 @@ impl Drop for PinLeases {
 }
 
 impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W> {
-    fn new(r: R, w: W, state: Arc<NodeState>) -> Self {
+    fn new(r: R, w: W, state: Arc<NodeState>, cert: Option<Principal>) -> Self {
         let (stall, idle) = (state.config().stall_timeout.0, state.config().idle_timeout.0);
         Connection {
             rd: BufReader::with_capacity(IO_BUF, Deadlined::new(r, stall)),
@@ -221,6 +261,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             state,
             scratch: Vec::new(),
             principal: None,
+            cert,
         }
     }
 
@@ -318,9 +359,9 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             return Err(ConnError::Protocol(msg));
         }
         let presented = (!token.is_empty()).then_some(&token[..]);
-        let Some(principal) = self.state.tenants().authenticate(presented) else {
+        let Some(principal) = self.state.tenants().resolve(self.cert.as_ref(), presented) else {
             error("unauthenticated");
-            self.wr.write_all(&HelloReply::encode(Status::Unauthenticated, "bad or missing auth token")).await?;
+            self.wr.write_all(&HelloReply::encode(Status::Unauthenticated, "bad or missing credential (auth token or client certificate)")).await?;
             self.wr.flush().await?;
             return Err(ConnError::Protocol("unauthenticated".into()));
         };

@@ -38,6 +38,7 @@ pub mod sessions;
 pub mod state;
 pub mod tenants;
 pub mod tiers;
+pub mod tls;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -209,7 +210,16 @@ pub async fn start(
     ::metrics::gauge!("kvtier_tier_capacity_bytes", "tier" => TierId::Dram.as_str())
         .set(state.config().dram_capacity.0 as f64);
 
-    tasks.push(tokio::spawn(dataplane::serve(data_listener, state.clone(), stop_rx.clone())));
+    let tls = match &state.config().tls {
+        Some(t) => Some(tls::TlsAcceptors::load(t)?),
+        None => None,
+    };
+    tasks.push(tokio::spawn(dataplane::serve(
+        data_listener,
+        state.clone(),
+        stop_rx.clone(),
+        tls.as_ref().map(|t| t.data.clone()),
+    )));
     if let Some((listener, path)) = samenode {
         tasks.push(tokio::spawn(samenode::serve(listener, path, state.clone(), stop_rx.clone())));
     }
@@ -245,7 +255,8 @@ pub async fn start(
     let check_auth = move |mut req: tonic::Request<()>| -> Result<tonic::Request<()>, tonic::Status> {
         let presented = req.metadata().get("authorization").and_then(|v| v.to_str().ok());
         let token = presented.and_then(|v| v.strip_prefix("Bearer ")).map(str::as_bytes);
-        match auth_state.tenants().authenticate(token) {
+        let cert = req.extensions().get::<listen::GrpcPeer>().and_then(|p| p.cert.as_ref());
+        match auth_state.tenants().resolve(cert, token) {
             Some(principal) => {
                 req.extensions_mut().insert(principal);
                 Ok(req)
@@ -253,13 +264,20 @@ pub async fn start(
             None => {
                 crate::metrics::error("unauthenticated");
                 Err(tonic::Status::unauthenticated(format!(
-                    "{}: missing or bad bearer token",
+                    "{}: missing or bad credential (bearer token or client certificate)",
                     kvtier_proto::codes::UNAUTHENTICATED
                 )))
             }
         }
     };
-    let (incoming, accepting) = listen::grpc_incoming(grpc_listener, state.config().conn_limits(), stop_rx.clone());
+    let cert_state = state.clone();
+    let (incoming, accepting) = listen::grpc_incoming(
+        grpc_listener,
+        state.config().conn_limits(),
+        stop_rx.clone(),
+        tls.map(|t| t.grpc),
+        move |names| cert_state.tenants().authenticate_cert(names),
+    );
     tasks.push(accepting);
     let mut grpc_stop = stop_rx;
     let grpc = tokio::spawn(

@@ -1,7 +1,8 @@
 //! The accept loop every listener shares (data plane, same-node socket, gRPC): connections are
 //! bounded in total and per peer (an IP address, or a local user on a Unix socket), a peer over
 //! its share is closed at once and counted, a failed accept (out of descriptors) backs off instead
-//! of spinning, and every connection ends when the node stops.
+//! of spinning, and every connection ends when the node stops. TLS handshakes run inside a
+//! connection's own task, never in the accept loop.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -12,6 +13,7 @@ use parking_lot::Mutex;
 use tokio::sync::watch;
 
 use crate::stopped;
+use crate::tenants::Principal;
 
 /// Who a connection comes from, for the per-peer limit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -125,20 +127,39 @@ pub(crate) async fn accept_bounded<C, A, F, S, G>(
     conns.shutdown().await;
 }
 
-/// A gRPC connection handed to tonic: it holds its slot (total and per peer) until tonic drops it.
-pub struct TrackedTcp {
-    inner: tokio::net::TcpStream,
+/// A gRPC connection handed to tonic (plain TCP or TLS): it holds its slot (total and per peer)
+/// until tonic drops it.
+pub struct GrpcConn {
+    inner: GrpcStream,
+    info: GrpcPeer,
     _slot: tokio::sync::oneshot::Sender<()>,
 }
 
-/// The gRPC listener's connections, within `limits`, as the stream tonic serves: a connection
-/// keeps its slot until tonic drops it.
+enum GrpcStream {
+    Plain(tokio::net::TcpStream),
+    Tls(Box<tokio_rustls::server::TlsStream<tokio::net::TcpStream>>),
+}
+
+/// What every gRPC call of a connection finds in its request's extensions.
+#[derive(Debug, Clone)]
+pub struct GrpcPeer {
+    pub remote: std::net::SocketAddr,
+    /// Whom the connection's verified TLS client certificate names, if anyone.
+    pub cert: Option<Principal>,
+}
+
+/// The gRPC listener's connections, within `limits` (over TLS with `tls`, the handshake in the
+/// connection's own task), as the stream tonic serves: a connection keeps its slot until tonic
+/// drops it. `cert_principal` maps a client certificate's names to whom they stand for.
 pub(crate) fn grpc_incoming(
     listener: tokio::net::TcpListener,
     limits: ConnLimits,
     stop: watch::Receiver<bool>,
-) -> (tokio_stream::wrappers::ReceiverStream<std::io::Result<TrackedTcp>>, tokio::task::JoinHandle<()>) {
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    cert_principal: impl Fn(&[String]) -> Option<Principal> + Send + Sync + 'static,
+) -> (tokio_stream::wrappers::ReceiverStream<std::io::Result<GrpcConn>>, tokio::task::JoinHandle<()>) {
     let (tx, rx) = tokio::sync::mpsc::channel(16);
+    let cert_principal = Arc::new(cert_principal);
     let task = tokio::spawn(async move {
         accept_bounded(
             "grpc",
@@ -150,13 +171,24 @@ pub(crate) fn grpc_incoming(
                 // `serve_with_incoming`: without this, small answers (a lookup, a resume
                 // manifest) wait ~40 ms for Nagle + delayed ACK.
                 let _ = sock.set_nodelay(true);
-                Ok((sock, Peer::Ip(peer.ip())))
+                Ok(((sock, peer), Peer::Ip(peer.ip())))
             },
-            |sock, _stop| {
-                let tx = tx.clone();
+            |(sock, remote), _stop| {
+                let (tx, tls, cert_principal) = (tx.clone(), tls.clone(), cert_principal.clone());
                 async move {
+                    let (inner, cert) = match tls {
+                        None => (GrpcStream::Plain(sock), None),
+                        Some(acceptor) => match crate::tls::accept(&acceptor, sock).await {
+                            Ok((stream, names)) => (GrpcStream::Tls(Box::new(stream)), cert_principal(&names)),
+                            Err(e) => {
+                                tracing::debug!(%remote, "gRPC TLS handshake failed: {e}");
+                                return;
+                            }
+                        },
+                    };
                     let (slot, freed) = tokio::sync::oneshot::channel();
-                    if tx.send(Ok(TrackedTcp { inner: sock, _slot: slot })).await.is_ok() {
+                    let conn = GrpcConn { inner, info: GrpcPeer { remote, cert }, _slot: slot };
+                    if tx.send(Ok(conn)).await.is_ok() {
                         // Resolves (with an error) when tonic drops the connection.
                         let _ = freed.await;
                     }
@@ -168,23 +200,33 @@ pub(crate) fn grpc_incoming(
     (tokio_stream::wrappers::ReceiverStream::new(rx), task)
 }
 
-impl tokio::io::AsyncRead for TrackedTcp {
+/// Forwards an I/O call to whichever stream the connection is.
+macro_rules! grpc_stream {
+    ($self:ident, $s:ident => $e:expr) => {
+        match &mut $self.get_mut().inner {
+            GrpcStream::Plain($s) => $e,
+            GrpcStream::Tls($s) => $e,
+        }
+    };
+}
+
+impl tokio::io::AsyncRead for GrpcConn {
     fn poll_read(
         self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
         buf: &mut tokio::io::ReadBuf<'_>,
     ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.get_mut().inner).poll_read(cx, buf)
+        grpc_stream!(self, s => std::pin::Pin::new(s).poll_read(cx, buf))
     }
 }
 
-impl tokio::io::AsyncWrite for TrackedTcp {
+impl tokio::io::AsyncWrite for GrpcConn {
     fn poll_write(
         self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
         buf: &[u8],
     ) -> std::task::Poll<std::io::Result<usize>> {
-        std::pin::Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+        grpc_stream!(self, s => std::pin::Pin::new(s).poll_write(cx, buf))
     }
 
     fn poll_write_vectored(
@@ -192,33 +234,36 @@ impl tokio::io::AsyncWrite for TrackedTcp {
         cx: &mut std::task::Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> std::task::Poll<std::io::Result<usize>> {
-        std::pin::Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+        grpc_stream!(self, s => std::pin::Pin::new(s).poll_write_vectored(cx, bufs))
     }
 
     fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
+        match &self.inner {
+            GrpcStream::Plain(s) => s.is_write_vectored(),
+            GrpcStream::Tls(s) => s.is_write_vectored(),
+        }
     }
 
     fn poll_flush(
         self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+        grpc_stream!(self, s => std::pin::Pin::new(s).poll_flush(cx))
     }
 
     fn poll_shutdown(
         self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+        grpc_stream!(self, s => std::pin::Pin::new(s).poll_shutdown(cx))
     }
 }
 
-impl tonic::transport::server::Connected for TrackedTcp {
-    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+impl tonic::transport::server::Connected for GrpcConn {
+    type ConnectInfo = GrpcPeer;
 
     fn connect_info(&self) -> Self::ConnectInfo {
-        self.inner.connect_info()
+        self.info.clone()
     }
 }
 

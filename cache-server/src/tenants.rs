@@ -68,6 +68,15 @@ impl Principal {
         }
     }
 
+    /// Whether two credentials stand for the same principal.
+    pub fn same_as(&self, other: &Principal) -> bool {
+        match (self, other) {
+            (Principal::Operator, Principal::Operator) => true,
+            (Principal::Tenant(a), Principal::Tenant(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+
     /// The tenant's name, or `"operator"` (for logs and audit lines).
     pub fn name(&self) -> &str {
         match self {
@@ -99,6 +108,8 @@ pub struct Tenants {
     /// timing independent of how much of a guessed token is right (only of its hash, which tells
     /// an attacker nothing about the token).
     by_token: HashMap<[u8; 32], Principal>,
+    /// Client-certificate names (verified by TLS against `tls.client_ca`) and whom they stand for.
+    by_cert_name: HashMap<String, Principal>,
     by_name: HashMap<String, Arc<Tenant>>,
 }
 
@@ -154,14 +165,28 @@ impl Tenants {
                 })?;
                 tokens.push(text.trim().to_string());
             }
-            if tokens.is_empty() {
-                return Err(ServerError::Config(format!("tenant {:?} has no token", t.name)));
+            if tokens.is_empty() && t.cert_names.is_empty() {
+                return Err(ServerError::Config(format!("tenant {:?} has neither a token nor cert_names", t.name)));
+            }
+            for n in &t.cert_names {
+                out.add_cert_name(n, Principal::Tenant(tenant.clone()))?;
             }
             for tok in tokens {
                 check_token(&t.name, &tok)?;
                 if out.by_token.insert(token_hash(tok.as_bytes()), Principal::Tenant(tenant.clone())).is_some() {
                     return Err(ServerError::Config(format!("tenant {:?}: a token is used twice", t.name)));
                 }
+            }
+        }
+        if !out.by_cert_name.is_empty() && c.tls.as_ref().is_none_or(|t| t.client_ca.is_none()) {
+            return Err(ServerError::Config("tenants name cert_names but tls.client_ca is not set".into()));
+        }
+        if let Some(tls) = &c.tls {
+            for n in &tls.operator_names {
+                out.add_cert_name(n, Principal::Operator)?;
+            }
+            if !tls.operator_names.is_empty() && tls.client_ca.is_none() {
+                return Err(ServerError::Config("tls.operator_names is set but tls.client_ca is not".into()));
             }
         }
         if let Some(op) = &c.auth_token {
@@ -172,9 +197,54 @@ impl Tenants {
         Ok(out)
     }
 
-    /// Whether callers must present a credential (any token is configured).
+    fn add_cert_name(&mut self, name: &str, who: Principal) -> Result<(), ServerError> {
+        if name.is_empty() || name.len() > 1024 {
+            return Err(ServerError::Config("every certificate name must be 1..=1024 bytes".into()));
+        }
+        if self.by_cert_name.insert(name.to_string(), who).is_some() {
+            return Err(ServerError::Config(format!("certificate name {name:?} is given to two principals")));
+        }
+        Ok(())
+    }
+
+    /// Whether callers must present a credential (any token or certificate name is configured).
     pub fn required(&self) -> bool {
-        !self.by_token.is_empty()
+        !self.by_token.is_empty() || !self.by_cert_name.is_empty()
+    }
+
+    /// The principal a verified client certificate's names stand for: `None` when no name is
+    /// configured, or when its names point at two different principals (refused, not guessed).
+    pub fn authenticate_cert(&self, names: &[String]) -> Option<Principal> {
+        let mut found: Option<&Principal> = None;
+        for n in names {
+            if let Some(p) = self.by_cert_name.get(n) {
+                match found {
+                    Some(f) if !f.same_as(p) => {
+                        tracing::warn!("a client certificate names two principals: refused");
+                        return None;
+                    }
+                    _ => found = Some(p),
+                }
+            }
+        }
+        found.cloned()
+    }
+
+    /// Who a connection or call acts for, from what it presented: its certificate's principal
+    /// (from [`Self::authenticate_cert`]) and/or a token. A token beside a certificate principal
+    /// must name the same principal; `None` when refused.
+    pub fn resolve(&self, cert: Option<&Principal>, token: Option<&[u8]>) -> Option<Principal> {
+        match (cert, token) {
+            (Some(p), None) => Some(p.clone()),
+            (Some(p), Some(t)) => match self.authenticate(Some(t)) {
+                Some(q) if q.same_as(p) => Some(q),
+                _ => {
+                    metrics::counter!("kvtier_auth_failed_total").increment(1);
+                    None
+                }
+            },
+            (None, token) => self.authenticate(token),
+        }
     }
 
     /// The principal a presented token (`None`: no token) stands for; `None` when refused.
@@ -226,6 +296,52 @@ mod tests {
         assert!(t.authenticate(None).is_none());
     }
 
+    fn tls_cfg() -> ServerConfig {
+        let mut c = cfg();
+        c.tenants[0].cert_names = vec!["a.clients".into(), "spiffe://fleet/a".into()];
+        c.tenants.push(TenantConfig { name: "certonly".into(), cert_names: vec!["co".into()], ..Default::default() });
+        c.tls = Some(crate::config::TlsConfig {
+            cert: "node.pem".into(),
+            key: "node.key".into(),
+            client_ca: Some("ca.pem".into()),
+            require_client_cert: false,
+            operator_names: vec!["ops".into()],
+        });
+        c
+    }
+
+    #[test]
+    fn certificate_names_map_to_one_principal_and_a_token_must_agree() {
+        let t = Tenants::from_config(&tls_cfg()).unwrap();
+        let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(t.authenticate_cert(&names(&["spiffe://fleet/a"])).unwrap().name(), "a");
+        assert_eq!(t.authenticate_cert(&names(&["unknown", "a.clients"])).unwrap().name(), "a");
+        assert_eq!(t.authenticate_cert(&names(&["co"])).unwrap().name(), "certonly");
+        assert!(matches!(t.authenticate_cert(&names(&["ops"])), Some(Principal::Operator)));
+        assert!(t.authenticate_cert(&names(&["unknown"])).is_none());
+        assert!(t.authenticate_cert(&names(&["a.clients", "co"])).is_none(), "two principals: refused");
+        let a = t.authenticate_cert(&names(&["a.clients"])).unwrap();
+        assert_eq!(t.resolve(Some(&a), None).unwrap().name(), "a");
+        assert_eq!(t.resolve(Some(&a), Some(b"token-of-tenant-a")).unwrap().name(), "a");
+        assert!(t.resolve(Some(&a), Some(b"token-of-tenant-b")).is_none(), "certificate a, token b");
+        assert!(t.resolve(Some(&a), Some(b"no such token at all")).is_none());
+        assert_eq!(t.resolve(None, Some(b"token-of-tenant-b")).unwrap().name(), "b");
+        assert!(t.resolve(None, None).is_none(), "certificate names make credentials required");
+    }
+
+    #[test]
+    fn certificate_names_need_a_client_ca_and_belong_to_one_principal() {
+        let mut c = tls_cfg();
+        c.tls.as_mut().unwrap().client_ca = None;
+        assert!(Tenants::from_config(&c).unwrap_err().to_string().contains("client_ca"));
+        let mut c = tls_cfg();
+        c.tls.as_mut().unwrap().operator_names = vec!["co".into()];
+        assert!(Tenants::from_config(&c).unwrap_err().to_string().contains("two principals"));
+        let mut c = tls_cfg();
+        c.tenants[1].tokens.clear();
+        assert!(Tenants::from_config(&c).unwrap_err().to_string().contains("neither a token nor cert_names"));
+    }
+
     #[test]
     fn no_credentials_configured_means_one_user() {
         let t = Tenants::from_config(&ServerConfig::default()).unwrap();
@@ -260,7 +376,7 @@ mod tests {
         assert!(Tenants::from_config(&c).unwrap_err().to_string().contains("16..=1024"));
         let mut c = cfg();
         c.tenants[0].tokens.clear();
-        assert!(Tenants::from_config(&c).unwrap_err().to_string().contains("no token"));
+        assert!(Tenants::from_config(&c).unwrap_err().to_string().contains("neither a token nor cert_names"));
         let mut c = cfg();
         c.tenants.push(c.tenants[0].clone());
         assert!(Tenants::from_config(&c).unwrap_err().to_string().contains("twice"));

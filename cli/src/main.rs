@@ -1,5 +1,6 @@
 //! The `kvtier` binary: `kvtier serve` runs a node; the other subcommands are a small client for
-//! trying a node by hand (`put`, `get`, `lookup`, `session park|resume|extend|ls|drop`, `stats`).
+//! trying a node by hand (`put`, `get`, `lookup`, `session park|resume|extend|ls|drop`, `stats`);
+//! `kvtier cert` makes TLS certificates.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -11,6 +12,8 @@ use clap::{Args, Parser, Subcommand};
 use kvtier_client::{ClientConfig, KvClient, NamespaceHandle, ParkOptions};
 use kvtier_proto::{BlockKey, DType, HashScheme, KvLayout, Namespace};
 use kvtier_server::config::{ByteSize, DurationStr, ServerConfig};
+
+mod cert;
 
 #[derive(Parser)]
 #[command(name = "kvtier", version, about = "A KV-cache tiering service for LLM inference")]
@@ -34,6 +37,9 @@ enum Cmd {
     Session(SessionCmd),
     /// Tier and session statistics.
     Stats(ConnArgs),
+    /// TLS certificates: a CA, node certificates, client certificates (mTLS tenants).
+    #[command(subcommand)]
+    Cert(cert::CertCmd),
     /// Capacity planner (runs `kvtier-bench plan` from beside this binary; same arguments).
     #[command(disable_help_flag = true)]
     Plan {
@@ -97,8 +103,30 @@ struct ConnArgs {
     server: String,
     #[arg(long, env = "KVTIER_AUTH_TOKEN", hide_env_values = true)]
     auth_token: Option<String>,
+    /// The CA (PEM) of a server that runs TLS: connect over TLS.
+    #[arg(long, env = "KVTIER_TLS_CA")]
+    tls_ca: Option<PathBuf>,
+    /// This client's certificate (PEM), for servers that take client certificates; with --tls-key.
+    #[arg(long, env = "KVTIER_TLS_CERT", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    #[arg(long, env = "KVTIER_TLS_KEY", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
     #[command(flatten)]
     ns: NsArgs,
+}
+
+impl ConnArgs {
+    fn client_config(&self) -> anyhow::Result<ClientConfig> {
+        let tls = match &self.tls_ca {
+            Some(ca) => {
+                let ident = self.tls_cert.as_deref().zip(self.tls_key.as_deref());
+                Some(kvtier_client::ClientTls::from_files(ca, ident)?)
+            }
+            None if self.tls_cert.is_some() => bail!("--tls-cert needs --tls-ca"),
+            None => None,
+        };
+        Ok(ClientConfig { auth_token: self.auth_token.clone(), tls, ..Default::default() })
+    }
 }
 
 /// The namespace to use (defaults: a small demo model).
@@ -215,19 +243,21 @@ fn plan(args: &[String]) -> anyhow::Result<()> {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    if let Cmd::Plan { args } = &cli.cmd {
-        return plan(args);
-    }
+    let cmd = match cli.cmd {
+        Cmd::Plan { args } => return plan(&args),
+        Cmd::Cert(c) => return cert::run(c),
+        other => other,
+    };
     let rt = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
     rt.block_on(async move {
-        match cli.cmd {
+        match cmd {
             Cmd::Serve(a) => serve(a).await,
             Cmd::Put(a) => put(a).await,
             Cmd::Get(a) => get(a).await,
             Cmd::Lookup(a) => lookup(a).await,
             Cmd::Session(s) => session(s).await,
             Cmd::Stats(c) => stats(c).await,
-            Cmd::Plan { .. } => Ok(()),
+            Cmd::Plan { .. } | Cmd::Cert(_) => Ok(()),
         }
     })
 }
@@ -329,7 +359,7 @@ impl NsArgs {
 }
 
 async fn connect(c: &ConnArgs) -> anyhow::Result<(KvClient, NamespaceHandle)> {
-    let cfg = ClientConfig { auth_token: c.auth_token.clone(), ..Default::default() };
+    let cfg = c.client_config()?;
     let client = KvClient::connect(&c.server, cfg).await.with_context(|| format!("connecting to {}", c.server))?;
     let ns = client.register(c.ns.namespace()?).await?;
     Ok((client, ns))
@@ -522,8 +552,7 @@ async fn session(s: SessionCmd) -> anyhow::Result<()> {
 }
 
 async fn stats(c: ConnArgs) -> anyhow::Result<()> {
-    let cfg = ClientConfig { auth_token: c.auth_token.clone(), ..Default::default() };
-    let client = KvClient::connect(&c.server, cfg).await?;
+    let client = KvClient::connect(&c.server, c.client_config()?).await?;
     let s = client.stats().await?;
     println!(
         "uptime {:?}, {} namespace(s), {} session(s)",

@@ -56,6 +56,9 @@ pub struct ClientConfig {
     /// Whether calls into and from a [`crate::SharedBuffer`] use the server's same-node socket
     /// on their own when the server runs on this host (see [`crate::near`]). Default: `Auto`.
     pub samenode: crate::SameNodeMode,
+    /// TLS to a node whose listeners run it (gRPC and data plane), with this client's certificate
+    /// where the node takes client certificates. Default: none (plain TCP).
+    pub tls: Option<crate::ClientTls>,
 }
 
 impl Default for ClientConfig {
@@ -70,6 +73,7 @@ impl Default for ClientConfig {
             park_retries: 3,
             pool_idle: Duration::from_secs(60),
             samenode: crate::SameNodeMode::Auto,
+            tls: None,
         }
     }
 }
@@ -366,13 +370,23 @@ impl KvClient {
         cfg: ClientConfig,
         connector: Option<Arc<dyn DataPlaneConnector>>,
     ) -> Result<Self, ClientError> {
-        let url = if addr.contains("://") { addr.to_string() } else { format!("http://{addr}") };
+        let scheme = if cfg.tls.is_some() { "https" } else { "http" };
+        let url = if addr.contains("://") { addr.to_string() } else { format!("{scheme}://{addr}") };
         let cerr = |reason: String| ClientError::Connect { addr: addr.to_string(), reason };
-        let endpoint = Endpoint::from_shared(url)
+        let mut endpoint = Endpoint::from_shared(url)
             .map_err(|e| cerr(e.to_string()))?
             .connect_timeout(cfg.connect_timeout)
             .timeout(cfg.request_timeout)
             .tcp_nodelay(true);
+        // The host the node's certificate must name (unless `ClientTls::server_name` says which).
+        let host = endpoint.uri().host().unwrap_or_default().to_string();
+        let tls_dial = match &cfg.tls {
+            Some(tls) => {
+                endpoint = endpoint.tls_config(tls.tonic_config(&host)).map_err(|e| cerr(format!("TLS: {e}")))?;
+                Some(crate::tls::TlsDial::new(tls, &host)?)
+            }
+            None => None,
+        };
         let channel = tokio::time::timeout(cfg.connect_timeout, endpoint.connect())
             .await
             .map_err(|_| ClientError::Timeout(cfg.connect_timeout))?
@@ -390,14 +404,26 @@ impl KvClient {
         let mut grpc = KvTierClient::with_interceptor(channel, Auth(auth))
             .max_decoding_message_size(64 << 20)
             .max_encoding_message_size(64 << 20);
-        let info = grpc.info(pb::InfoRequest {}).await?.into_inner();
+        let info = match grpc.info(pb::InfoRequest {}).await {
+            Ok(r) => r.into_inner(),
+            // A plain client's HTTP/2 preface to a TLS listener ends as a bare transport error.
+            Err(s) if cfg.tls.is_none() && matches!(s.code(), tonic::Code::Unknown | tonic::Code::Unavailable) => {
+                return Err(cerr(format!("{s} (if the node runs TLS, give the client its CA: ClientConfig::tls)")))
+            }
+            Err(s) => return Err(s.into()),
+        };
         let dial = match connector {
             Some(c) => Dial::Custom(c),
-            None => Dial::Tcp(
-                info.data_addr
+            None => {
+                let data_addr = info
+                    .data_addr
                     .parse::<SocketAddr>()
-                    .map_err(|_| cerr(format!("server announced a bad data address {:?}", info.data_addr)))?,
-            ),
+                    .map_err(|_| cerr(format!("server announced a bad data address {:?}", info.data_addr)))?;
+                match tls_dial {
+                    Some(t) => Dial::Tls(data_addr, t),
+                    None => Dial::Tcp(data_addr),
+                }
+            }
         };
         let pool =
             DataPool::new(dial, cfg.auth_token.clone(), cfg.data_connections, cfg.connect_timeout, cfg.pool_idle);

@@ -119,6 +119,25 @@ impl DataConn {
         Self::hello(Box::new(r), Box::new(w), token).await
     }
 
+    /// Connects over TLS (`dial`: the rustls configuration and the name the node's certificate
+    /// must carry), then says hello.
+    pub(crate) async fn connect_tls(
+        addr: SocketAddr,
+        dial: &crate::tls::TlsDial,
+        token: Option<&str>,
+    ) -> Result<Self, ClientError> {
+        let failed = |reason: String| ClientError::Connect { addr: addr.to_string(), reason };
+        let sock = TcpStream::connect(addr).await.map_err(|e| failed(e.to_string()))?;
+        let _ = sock.set_nodelay(true);
+        let stream = dial
+            .connector
+            .connect(dial.name.clone(), sock)
+            .await
+            .map_err(|e| failed(format!("TLS handshake: {e}")))?;
+        let (r, w) = tokio::io::split(stream);
+        Self::hello(Box::new(r), Box::new(w), token).await
+    }
+
     /// Says hello over a stream from a [`DataPlaneConnector`].
     pub(crate) async fn over(stream: BoxedStream, token: Option<&str>) -> Result<Self, ClientError> {
         let (r, w) = tokio::io::split(stream);
@@ -338,6 +357,8 @@ impl DataConn {
 pub(crate) enum Dial {
     /// TCP to the server's announced data address (the default).
     Tcp(SocketAddr),
+    /// TLS over TCP to it (the node runs TLS, `ClientConfig::tls`).
+    Tls(SocketAddr, crate::tls::TlsDial),
     /// Streams from a caller's connector.
     Custom(Arc<dyn DataPlaneConnector>),
 }
@@ -346,6 +367,7 @@ impl Dial {
     async fn connect(&self, token: Option<&str>) -> Result<DataConn, ClientError> {
         match self {
             Dial::Tcp(addr) => DataConn::connect(*addr, token).await,
+            Dial::Tls(addr, dial) => DataConn::connect_tls(*addr, dial, token).await,
             Dial::Custom(connector) => {
                 let stream = connector
                     .connect()

@@ -33,6 +33,7 @@ mod engine;
 mod error;
 pub mod near;
 mod samenode;
+mod tls;
 
 pub use client::{
     decode_frame, decode_frame_into, BlockDest, ClientConfig, KvClient, NamespaceHandle, ParkOptions, ResumedSession,
@@ -46,3 +47,4 @@ pub use error::ClientError;
 pub use kvtier_proto::dataplane::ItemStatus;
 pub use near::{FallbackReason, SameNodeMode, SameNodeStats};
 pub use samenode::{BufferId, SameNode, SharedBuffer};
+pub use tls::ClientTls;

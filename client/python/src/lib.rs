@@ -762,7 +762,13 @@ impl Client {
     #[new]
     /// `samenode`: `"auto"` (calls whose KV lies in a buffer from `alloc_buffer` use the server's
     /// same-node socket when the server runs on this host) or `"off"` (everything over TCP).
-    #[pyo3(signature = (addr, *, never_raise=true, timeout_s=30.0, connections=4, auth_token=None, samenode="auto"))]
+    /// `tls_ca`: the PEM file of the CA a node that runs TLS has its certificate from (TLS on
+    /// both planes); `tls_cert` / `tls_key`: this client's certificate and key, for nodes that take
+    /// client certificates (the certificate's name is the tenant); `tls_server_name`: the name the
+    /// node's certificate must carry (default: the host of `addr`).
+    #[pyo3(signature = (addr, *, never_raise=true, timeout_s=30.0, connections=4, auth_token=None, samenode="auto",
+                        tls_ca=None, tls_cert=None, tls_key=None, tls_server_name=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         addr: &str,
         never_raise: bool,
@@ -770,7 +776,26 @@ impl Client {
         connections: usize,
         auth_token: Option<String>,
         samenode: &str,
+        tls_ca: Option<std::path::PathBuf>,
+        tls_cert: Option<std::path::PathBuf>,
+        tls_key: Option<std::path::PathBuf>,
+        tls_server_name: Option<String>,
     ) -> PyResult<Self> {
+        let tls = match (tls_ca, tls_cert, tls_key) {
+            (None, None, None) => None,
+            (Some(ca), cert, key) => {
+                let ident = match (&cert, &key) {
+                    (Some(c), Some(k)) => Some((c.as_path(), k.as_path())),
+                    (None, None) => None,
+                    _ => return Err(PyValueError::new_err("tls_cert and tls_key go together")),
+                };
+                let mut t = kvtier_client::ClientTls::from_files(&ca, ident)
+                    .map_err(|e| PyValueError::new_err(e.to_string()))?;
+                t.server_name = tls_server_name;
+                Some(t)
+            }
+            (None, _, _) => return Err(PyValueError::new_err("tls_cert needs tls_ca (the node's CA)")),
+        };
         let budget = positive_duration("timeout_s", timeout_s)?;
         let samenode = match samenode {
             "auto" => SameNodeMode::Auto,
@@ -783,6 +808,7 @@ impl Client {
             data_connections: connections.max(1),
             auth_token,
             samenode,
+            tls,
             ..ClientConfig::default()
         };
         Ok(Client {

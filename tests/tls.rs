@@ -1,0 +1,244 @@
+//! TLS on both planes and client certificates as credentials, against a real server whose
+//! certificates come from `kvtier cert`: a tenant named by its certificate reaches its own data
+//! and nothing of another's; clients without a certificate, with one from another CA, speaking
+//! plain TCP or checking for another name are refused while the server keeps serving; a token
+//! beside a certificate must name the same principal.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use kvtier_client::{ClientConfig, ClientError, ClientTls, KvClient, ParkOptions};
+use kvtier_tests::*;
+
+const CAROL_TOKEN: &str = "carol-secret-token-0001";
+
+/// `kvtier cert ...` in `dir`; panics with its output when it fails.
+fn cert(args: &[&str]) {
+    let out = Command::new(kvtier_bin()).arg("cert").args(args).output().expect("run kvtier cert");
+    assert!(out.status.success(), "kvtier cert {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// A CA with a node certificate for 127.0.0.1 and localhost, clients alice, bob and ops, and a
+/// second, unrelated CA ("rogue") that also issued an "alice".
+fn pki(dir: &Path) -> (PathBuf, PathBuf) {
+    let (ca, rogue) = (dir.join("ca"), dir.join("rogue"));
+    let (ca_s, rogue_s) = (ca.to_str().unwrap(), rogue.to_str().unwrap());
+    cert(&["ca", "--dir", ca_s]);
+    cert(&["node", "--dir", ca_s, "--name", "node", "--host", "127.0.0.1", "--host", "localhost"]);
+    for who in ["alice", "bob", "ops"] {
+        cert(&["client", "--dir", ca_s, "--name", who]);
+    }
+    cert(&["ca", "--dir", rogue_s]);
+    cert(&["client", "--dir", rogue_s, "--name", "alice"]);
+    (ca, rogue)
+}
+
+fn config(dir: &Path, ca: &Path, require_client_cert: bool) -> PathBuf {
+    let path = dir.join("tls.toml");
+    let p = |f: &str| ca.join(f).display().to_string();
+    std::fs::write(
+        &path,
+        format!(
+            r#"
+[tls]
+cert = "{}"
+key = "{}"
+client_ca = "{}"
+require_client_cert = {require_client_cert}
+operator_names = ["ops"]
+
+[[tenants]]
+name = "alice"
+cert_names = ["alice"]
+
+[[tenants]]
+name = "bob"
+cert_names = ["bob"]
+
+[[tenants]]
+name = "carol"
+tokens = ["{CAROL_TOKEN}"]
+"#,
+            p("node.pem"),
+            p("node.key"),
+            p("ca.pem")
+        ),
+    )
+    .unwrap();
+    path
+}
+
+fn tls(ca: &Path, who: Option<(&Path, &str)>) -> ClientTls {
+    let ident = who.map(|(dir, name)| (dir.join(format!("{name}.pem")), dir.join(format!("{name}.key"))));
+    ClientTls::from_files(&ca.join("ca.pem"), ident.as_ref().map(|(c, k)| (c.as_path(), k.as_path()))).unwrap()
+}
+
+async fn connect(server: &ServerProcess, tls: Option<ClientTls>, token: Option<&str>) -> Result<KvClient, ClientError> {
+    let cfg = ClientConfig {
+        tls,
+        auth_token: token.map(str::to_string),
+        connect_timeout: Duration::from_secs(5),
+        request_timeout: Duration::from_secs(10),
+        ..ClientConfig::default()
+    };
+    KvClient::connect(&server.grpc_addr(), cfg).await
+}
+
+/// Connecting, or the first call after it, fails (a refused handshake can surface either way).
+async fn refused(server: &ServerProcess, tls: Option<ClientTls>, token: Option<&str>, what: &str) -> String {
+    match connect(server, tls, token).await {
+        Err(e) => e.to_string(),
+        Ok(c) => match c.stats().await {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("{what}: the server answered"),
+        },
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_named_by_client_certificates_over_tls_on_both_planes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (ca, rogue) = pki(tmp.path());
+    let cfg = config(tmp.path(), &ca, true);
+    let server = ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"]);
+
+    // alice, by her certificate alone: register, store, load (data plane), park, resume.
+    let alice = connect(&server, Some(tls(&ca, Some((&ca, "alice")))), None).await.expect("alice connects");
+    let ns = alice.register(namespace("alice", b"alice's salt", small_layout())).await.unwrap();
+    let doc = tokens(7, 64);
+    let blocks = full_block_payloads(&ns, &doc);
+    alice.store(&ns, &doc, &blocks).await.unwrap().ok().unwrap();
+    assert_eq!(alice.load(&ns, &doc).await.unwrap(), blocks, "exact bytes back over TLS");
+    let keys = ns.keys(&doc);
+    let mut out = vec![0u8; blocks.len() * ns.block_bytes() as usize];
+    let mut dests: Vec<_> = out.chunks_exact_mut(ns.block_bytes() as usize).map(|c| vec![c]).collect();
+    let got = alice.load_keys_into(&ns, &keys, &mut dests, true).await.unwrap();
+    assert!(got.iter().all(|&hit| hit) && got.len() == blocks.len(), "fused load over TLS: {got:?}");
+    assert_eq!(out, blocks.concat());
+    alice.park(&ns, "agent", &doc, &blocks, &ParkOptions::default(), 0).await.unwrap();
+    assert_eq!(alice.resume(&ns, "agent").await.unwrap().blocks, blocks);
+
+    // bob's certificate is bob: nothing of alice's.
+    let bob = connect(&server, Some(tls(&ca, Some((&ca, "bob")))), None).await.expect("bob connects");
+    assert!(matches!(bob.lookup(&ns, &doc).await, Err(ClientError::Forbidden(_))));
+    assert!(matches!(bob.load_keys(&ns, &keys).await, Err(ClientError::Forbidden(_))));
+    assert!(bob.list_sessions(None).await.unwrap().is_empty());
+
+    // The operator's certificate reaches everything.
+    let ops = connect(&server, Some(tls(&ca, Some((&ca, "ops")))), None).await.expect("ops connects");
+    assert_eq!(ops.list_sessions(None).await.unwrap().len(), 1);
+    assert_eq!(ops.load(&ns, &doc).await.unwrap(), blocks);
+
+    // Refused, each with the server serving on: no client certificate (it is required here), a
+    // certificate from another CA, plain TCP, a server name the node's certificate lacks.
+    let msgs = [
+        refused(&server, Some(tls(&ca, None)), Some(CAROL_TOKEN), "no client certificate").await,
+        refused(&server, Some(tls(&ca, Some((&rogue, "alice")))), None, "another CA's alice").await,
+        refused(&server, None, Some(CAROL_TOKEN), "plain TCP").await,
+        {
+            let mut t = tls(&ca, Some((&ca, "alice")));
+            t.server_name = Some("kvtier.example.com".into());
+            refused(&server, Some(t), None, "another server name").await
+        },
+    ];
+    for m in &msgs {
+        assert!(!m.is_empty());
+    }
+    assert!(msgs[3].contains("certificate") || msgs[3].contains("Certificate") || msgs[3].contains("transport"), "{}", msgs[3]);
+
+    // The data plane speaks TLS only: a plain hello gets no answer, and the connection closes.
+    let mut raw = std::net::TcpStream::connect(server.data).unwrap();
+    raw.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+    raw.write_all(&kvtier_proto::dataplane::Hello::encode(kvtier_proto::dataplane::PROTOCOL_VERSION, b"")).unwrap();
+    let mut answer = Vec::new();
+    let _ = raw.read_to_end(&mut answer);
+    assert!(
+        answer.is_empty() || answer[0] == 0x15,
+        "a plain client gets nothing but a TLS alert, got {:?}",
+        &answer[..answer.len().min(16)]
+    );
+
+    // Still serving alice, byte-exact; failed handshakes are counted.
+    assert_eq!(alice.load(&ns, &doc).await.unwrap(), blocks);
+    let text = server.scrape();
+    assert!(metric(&text, "kvtier_errors_total", &[("kind", "tls_handshake")]) >= 4.0, "handshake failures counted");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_optional_client_certificates_tokens_work_and_must_agree_with_a_certificate() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (ca, _rogue) = pki(tmp.path());
+    let cfg = config(tmp.path(), &ca, false);
+    let server = ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"]);
+
+    // carol has a token and no certificate: TLS for privacy, the token for who she is.
+    let carol = connect(&server, Some(tls(&ca, None)), Some(CAROL_TOKEN)).await.expect("carol connects");
+    let ns = carol.register(namespace("carol", b"", small_layout())).await.unwrap();
+    let doc = tokens(3, 32);
+    let blocks = full_block_payloads(&ns, &doc);
+    carol.store(&ns, &doc, &blocks).await.unwrap().ok().unwrap();
+    assert_eq!(carol.load(&ns, &doc).await.unwrap(), blocks);
+
+    // Neither a certificate nor a token: refused. alice's certificate with carol's token: two
+    // principals, refused rather than guessed.
+    let none = refused(&server, Some(tls(&ca, None)), None, "no credential").await;
+    assert!(none.contains("nauthenticated"), "{none}");
+    let both = refused(&server, Some(tls(&ca, Some((&ca, "alice")))), Some(CAROL_TOKEN), "two principals").await;
+    assert!(both.contains("nauthenticated"), "{both}");
+    // The data plane decides the same way: gRPC as carol (token), data-plane streams made with
+    // alice's certificate and carol's token in the hello: refused.
+    let alice_tls = tls(&ca, Some((&ca, "alice"))).rustls_config().unwrap();
+    let data = server.data;
+    let connector = move || {
+        let alice_tls = alice_tls.clone();
+        async move {
+            let sock = tokio::net::TcpStream::connect(data).await?;
+            let name = rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap();
+            let s = tokio_rustls::TlsConnector::from(alice_tls).connect(name, sock).await?;
+            Ok(Box::new(s) as kvtier_client::BoxedStream)
+        }
+    };
+    let cfg = ClientConfig {
+        tls: Some(tls(&ca, None)),
+        auth_token: Some(CAROL_TOKEN.into()),
+        ..ClientConfig::default()
+    };
+    let mixed = KvClient::connect_with(&server.grpc_addr(), cfg, connector).await.expect("gRPC as carol");
+    match mixed.load_keys(&ns, &ns.keys(&doc)).await {
+        Err(ClientError::Unauthenticated(_)) => {}
+        other => panic!("a certificate and a token of two principals on the data plane: {other:?}"),
+    }
+    assert_eq!(carol.load(&ns, &doc).await.unwrap(), blocks, "carol is unaffected");
+}
+
+#[test]
+fn bad_tls_settings_stop_the_server_at_start_with_the_setting_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (ca, _) = pki(tmp.path());
+    let run = |toml: String| {
+        let path = tmp.path().join("bad.toml");
+        std::fs::write(&path, toml).unwrap();
+        let out = Command::new(kvtier_bin())
+            .args(["serve", "--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0", "--no-metrics", "--config"])
+            .arg(&path)
+            .arg("--data-dir")
+            .arg(tmp.path().join("data"))
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "the server must not start");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let p = |f: &str| ca.join(f).display().to_string();
+    let missing = run(format!("[tls]\ncert = \"{}\"\nkey = \"{}\"\n", p("nope.pem"), p("node.key")));
+    assert!(missing.contains("tls.cert") && missing.contains("nope.pem"), "{missing}");
+    let not_a_key = run(format!("[tls]\ncert = \"{}\"\nkey = \"{}\"\n", p("node.pem"), p("node.pem")));
+    assert!(not_a_key.contains("tls.key"), "{not_a_key}");
+    let no_ca = run(format!(
+        "[tls]\ncert = \"{}\"\nkey = \"{}\"\n[[tenants]]\nname = \"x\"\ncert_names = [\"x\"]\n",
+        p("node.pem"),
+        p("node.key")
+    ));
+    assert!(no_ca.contains("client_ca"), "{no_ca}");
+}
