@@ -242,3 +242,35 @@ fn bad_tls_settings_stop_the_server_at_start_with_the_setting_named() {
     ));
     assert!(no_ca.contains("client_ca"), "{no_ca}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_never_finishes_its_handshake_is_closed_and_holds_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (ca, _) = pki(tmp.path());
+    let cfg = config(tmp.path(), &ca, true);
+    let server = ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"]);
+    // Silent connections on both listeners: closed after the handshake timeout (10 s).
+    let t0 = std::time::Instant::now();
+    let silent: Vec<_> = [server.data, server.grpc].iter().map(|a| std::net::TcpStream::connect(a).unwrap()).collect();
+    // Meanwhile a good client is served.
+    let alice = connect(&server, Some(tls(&ca, Some((&ca, "alice")))), None).await.expect("alice connects");
+    alice.stats().await.unwrap();
+    for mut s in silent {
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let mut buf = [0u8; 64];
+        let n = s.read(&mut buf).unwrap_or(0);
+        assert_eq!(n, 0, "closed without an answer");
+    }
+    let waited = t0.elapsed();
+    assert!(waited >= Duration::from_secs(9) && waited < Duration::from_secs(25), "closed after {waited:?}");
+    // Counted just after the socket closes: give the counter a moment.
+    let mut timeouts = 0.0;
+    for _ in 0..50 {
+        timeouts = metric(&server.scrape(), "kvtier_errors_total", &[("kind", "tls_handshake_timeout")]);
+        if timeouts >= 2.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(timeouts, 2.0, "both silent connections timed out");
+}
