@@ -5,7 +5,7 @@
 //! Pure parts (tested): [`stats`], [`model`] (KV bytes, prefill FLOPs, GPUs, links, planner),
 //! [`trace`] (deterministic Zipf workload). Measuring parts: [`limits`], [`blocks`], [`replay`],
 //! [`contention`] (tail latency while sessions park), [`samenode`] (registered buffers beside
-//! memcpy and TCP),
+//! memcpy and TCP), [`tls`] (the data plane over TLS beside plain TCP),
 //! with real server processes from [`servers`] and the Python side from [`pydriver`]; output
 //! through [`report`] and [`plot`].
 
@@ -20,6 +20,7 @@ pub mod report;
 pub mod samenode;
 pub mod servers;
 pub mod stats;
+pub mod tls;
 pub mod trace;
 
 pub use stats::{gbps, median, percentile};

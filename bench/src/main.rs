@@ -34,6 +34,9 @@ enum What {
     /// The same-node path (registered buffers over the node's Unix socket) beside memcpy and the
     /// TCP data plane, same run. Not part of `all`.
     Samenode,
+    /// The data plane over TLS (client certificates) beside plain TCP and the loopback limit,
+    /// same run. Not part of `all`.
+    Tls,
     /// Capacity planner (pure arithmetic, no servers).
     Plan,
 }
@@ -83,6 +86,12 @@ struct Args {
     /// Concurrency levels of `samenode` (one same-node connection per task), comma-separated.
     #[arg(long, default_value = "1,4")]
     samenode_concurrency: String,
+    /// Block sizes of `tls`, comma-separated.
+    #[arg(long, default_value = "64KiB,1MiB")]
+    tls_sizes: String,
+    /// Concurrency levels of `tls`, comma-separated.
+    #[arg(long, default_value = "1,4")]
+    tls_concurrency: String,
     /// The Python that runs the Python client's figures and LMCache's server (default:
     /// $KVTIER_BENCH_PYTHON, the active virtualenv, the checkout's .venv, python3).
     #[arg(long)]
@@ -457,6 +466,22 @@ fn main() -> anyhow::Result<()> {
         println!("{table}");
         std::fs::write(out.join("samenode.md"), &table)?;
         std::fs::write(out.join("samenode.json"), serde_json::to_string_pretty(&rows)?)?;
+        return Ok(());
+    }
+
+    if a.what == What::Tls {
+        let cfg = kvtier_bench::tls::TlsConfig {
+            sizes: list(&a.tls_sizes, parse_size)?,
+            concurrency: list(&a.tls_concurrency, |c| Ok(c.trim().parse::<usize>()?))?,
+            bytes_per_cell: if quick { 64 << 20 } else { 256 << 20 },
+            runs,
+        };
+        let bin = servers::find_kvtier(a.kvtier_bin.as_deref())?;
+        let rows = kvtier_bench::tls::run(&bin, &data_dir.join("tls"), &out, &cfg)?;
+        let table = kvtier_bench::tls::table(&rows);
+        println!("{table}");
+        std::fs::write(out.join("tls.md"), &table)?;
+        std::fs::write(out.join("tls.json"), serde_json::to_string_pretty(&rows)?)?;
         return Ok(());
     }
 
