@@ -1,7 +1,8 @@
 //! `kvtier-bench samenode`: the same-node path (buffers registered over the node's Unix socket,
-//! blocks copied by offset) beside a memcpy of the same bytes (one thread) and the TCP data
-//! plane's fused paths (`load_keys_into`, `store_keys`), in the same run against one real
-//! `kvtier` process.
+//! blocks copied by offset) beside a memcpy of the same bytes (one thread), the TCP data plane's
+//! fused paths (`load_keys_into`, `store_keys`) and Redis over its own Unix socket (GET, then a
+//! copy into the destination; SET), in the same run against one real `kvtier` process and one
+//! real `redis-server` (skipped with a line saying why when it is not installed).
 //!
 //! Every path moves blocks of one size between the same shapes of memory: a working set of
 //! `WORKING_SET` bytes of stored blocks, loaded block `i` → offset `i` of the destination, stored
@@ -18,7 +19,7 @@ use kvtier_proto::{BlockKey, HashScheme, Namespace};
 use serde::Serialize;
 
 use crate::blocks::layout_for;
-use crate::servers::KvtierServer;
+use crate::servers::{KvtierServer, RedisServer};
 use crate::stats::{median, percentile, ratio};
 
 /// Bytes of stored blocks the loads cycle over (past the last-level cache).
@@ -99,13 +100,35 @@ pub fn run(bin: &Path, dir: &Path, log: &Path, cfg: &SameNodeConfig) -> anyhow::
     // Room for the working set plus every store of a run (evicted as they age).
     let dram = (WORKING_SET * 2 + cfg.bytes_per_cell * 2 + (256 << 20)) as u64;
     let server = KvtierServer::start(bin, dir, dram, log)?;
+    let redis = match crate::servers::find_redis(None) {
+        Ok(bin) => match RedisServer::start_with_unix(&bin, &dir.join("redis")) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                eprintln!("samenode: Redis over its Unix socket skipped: {e:#}");
+                None
+            }
+        },
+        Err(why) => {
+            eprintln!("samenode: Redis over its Unix socket skipped: {why}");
+            None
+        }
+    };
+    let redis_url = redis.as_ref().and_then(|r| r.unix_socket.as_ref()).map(|p| format!("redis+unix://{}", p.display()));
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(max_c.clamp(2, 8)).enable_all().build()?;
-    let out = rt.block_on(measure(&server.grpc_addr, cfg));
+    let out = rt.block_on(measure(&server.grpc_addr, cfg, redis_url.as_deref()));
     drop(server);
+    drop(redis);
     out
 }
 
-async fn measure(addr: &str, cfg: &SameNodeConfig) -> anyhow::Result<Vec<Row>> {
+/// Keys a task's Redis stores cycle over (overwritten, so Redis holds a bounded amount).
+const REDIS_STORE_KEYS: usize = 64;
+
+async fn measure(addr: &str, cfg: &SameNodeConfig, redis_url: Option<&str>) -> anyhow::Result<Vec<Row>> {
+    let redis = match redis_url {
+        Some(url) => Some(redis::Client::open(url)?),
+        None => None,
+    };
     let ccfg = ClientConfig { data_connections: 4, ..ClientConfig::default() };
     let client = KvClient::connect(addr, ccfg).await?;
     let mut rows = Vec::new();
@@ -132,6 +155,19 @@ async fn measure(addr: &str, cfg: &SameNodeConfig) -> anyhow::Result<Vec<Row>> {
         fill(&mut mem_dst, 3);
         let mut shm_dst = SharedBuffer::new(WORKING_SET)?;
         fill(shm_dst.as_mut_slice(), 4);
+        // The same working set in Redis, under its own keys.
+        let redis_key = |i: usize| format!("ws:{size}:{i}");
+        if let Some(r) = &redis {
+            let mut conn = r.get_multiplexed_async_connection().await?;
+            redis::cmd("FLUSHALL").query_async::<()>(&mut conn).await?;
+            for chunk in (0..n).collect::<Vec<_>>().chunks(16) {
+                let mut p = redis::pipe();
+                for &i in chunk {
+                    p.cmd("SET").arg(redis_key(i)).arg(&seed_src[i * size..(i + 1) * size]).ignore();
+                }
+                p.query_async::<()>(&mut conn).await?;
+            }
+        }
         for &c in &cfg.concurrency {
             let ops = (cfg.bytes_per_cell / (size * c)).max(4);
             let bytes = ops * c * size;
@@ -148,7 +184,13 @@ async fn measure(addr: &str, cfg: &SameNodeConfig) -> anyhow::Result<Vec<Row>> {
                 fill(&mut tcp_src, 20 + t);
                 tasks.push((near, dst, src, vec![0u8; WORKING_SET], Bytes::from(tcp_src)));
             }
-            let mut acc: [Acc; 8] = Default::default();
+            let mut redis_conns = Vec::new();
+            if let Some(r) = &redis {
+                for _ in 0..c {
+                    redis_conns.push(r.get_multiplexed_async_connection().await?);
+                }
+            }
+            let mut acc: [Acc; 10] = Default::default();
             for run in 0..cfg.runs {
                 if c == 1 {
                     let (wall, lat) = memcpy(size, ops, &mem_src, &mut mem_dst);
@@ -235,6 +277,54 @@ async fn measure(addr: &str, cfg: &SameNodeConfig) -> anyhow::Result<Vec<Row>> {
                     .await?;
                     acc[pi].add(bytes, t0.elapsed().as_secs_f64(), results.concat());
                 }
+                // Redis over its Unix socket: GET then a copy into the destination; SET.
+                if !redis_conns.is_empty() {
+                    let t0 = Instant::now();
+                    let results =
+                        futures::future::try_join_all(redis_conns.iter().zip(tasks.iter_mut()).enumerate().map(
+                            |(t, (conn, task))| {
+                                let mut conn = conn.clone();
+                                async move {
+                                    let mut lat = Vec::with_capacity(ops);
+                                    for op in 0..ops {
+                                        let i = (op * c + t) % n;
+                                        let s = Instant::now();
+                                        let v: Vec<u8> =
+                                            redis::cmd("GET").arg(redis_key(i)).query_async(&mut conn).await?;
+                                        ensure!(v.len() == size, "Redis returned {} bytes for block {i}", v.len());
+                                        task.3[i * size..(i + 1) * size].copy_from_slice(&v);
+                                        lat.push(s.elapsed().as_secs_f64());
+                                    }
+                                    Ok::<_, anyhow::Error>(lat)
+                                }
+                            },
+                        ))
+                        .await?;
+                    acc[8].add(bytes, t0.elapsed().as_secs_f64(), results.concat());
+                    let t0 = Instant::now();
+                    let results =
+                        futures::future::try_join_all(redis_conns.iter().zip(tasks.iter()).enumerate().map(
+                            |(t, (conn, task))| {
+                                let mut conn = conn.clone();
+                                async move {
+                                    let mut lat = Vec::with_capacity(ops);
+                                    for op in 0..ops {
+                                        let i = (op * c + t) % n;
+                                        let s = Instant::now();
+                                        redis::cmd("SET")
+                                            .arg(format!("st:{t}:{}", op % REDIS_STORE_KEYS))
+                                            .arg(&task.4[i * size..(i + 1) * size])
+                                            .query_async::<()>(&mut conn)
+                                            .await?;
+                                        lat.push(s.elapsed().as_secs_f64());
+                                    }
+                                    Ok::<_, anyhow::Error>(lat)
+                                }
+                            },
+                        ))
+                        .await?;
+                    acc[9].add(bytes, t0.elapsed().as_secs_f64(), results.concat());
+                }
             }
             let names = [
                 ("copy", "memcpy (1 thread)"),
@@ -245,6 +335,8 @@ async fn measure(addr: &str, cfg: &SameNodeConfig) -> anyhow::Result<Vec<Row>> {
                 ("load", "same-node load_into_buffer, unverified"),
                 ("copy2", "memcpy into a memfd buffer (1 thread)"),
                 ("load", "same-node load_into_buffer x8 per call, unverified"),
+                ("load", "Redis GET over its Unix socket, + copy"),
+                ("store", "Redis SET over its Unix socket"),
             ];
             for (a, (op, path)) in acc.into_iter().zip(names) {
                 if a.gbps.is_empty() {

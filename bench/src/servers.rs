@@ -141,15 +141,32 @@ pub struct RedisServer {
     pub port: u16,
     pid: i32,
     pub version: String,
+    /// Its Unix socket, when started with one ([`RedisServer::start_with_unix`]).
+    pub unix_socket: Option<PathBuf>,
 }
 
 impl RedisServer {
     pub fn start(bin: &Path, dir: &Path) -> anyhow::Result<RedisServer> {
+        Self::start_inner(bin, dir, false)
+    }
+
+    /// [`RedisServer::start`] that also listens on a Unix socket in `dir` (mode 0700): the fair
+    /// peer of a same-node path.
+    pub fn start_with_unix(bin: &Path, dir: &Path) -> anyhow::Result<RedisServer> {
+        Self::start_inner(bin, dir, true)
+    }
+
+    fn start_inner(bin: &Path, dir: &Path, unix: bool) -> anyhow::Result<RedisServer> {
         std::fs::create_dir_all(dir)?;
         let port = free_port()?;
         let pidfile = dir.join(format!("redis-{port}.pid"));
         let _ = std::fs::remove_file(&pidfile);
-        let status = Command::new(bin)
+        let unix_socket = unix.then(|| dir.join(format!("redis-{port}.sock")));
+        let mut cmd = Command::new(bin);
+        if let Some(sock) = &unix_socket {
+            cmd.arg("--unixsocket").arg(sock).args(["--unixsocketperm", "700"]);
+        }
+        let status = cmd
             .args([
                 "--port",
                 &port.to_string(),
@@ -192,7 +209,7 @@ impl RedisServer {
             .and_then(|o| String::from_utf8(o.stdout).ok())
             .and_then(|s| s.split_whitespace().find_map(|w| w.strip_prefix("v=").map(str::to_string)))
             .unwrap_or_default();
-        Ok(RedisServer { port, pid, version })
+        Ok(RedisServer { port, pid, version, unix_socket })
     }
 
     pub fn url(&self) -> String {
