@@ -26,6 +26,8 @@
 pub mod cluster;
 pub mod config;
 pub mod control;
+#[cfg(test)]
+mod crash_tests;
 pub mod dataplane;
 pub mod deadline;
 pub mod disk;

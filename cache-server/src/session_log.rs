@@ -253,7 +253,9 @@ impl SessionLog {
             f.sync_data()?;
         }
         fs.rename(&tmp, &path)?;
-        let _ = fs.sync_dir(dir);
+        // Until the rename is durable a power loss takes the old file back, and with it every
+        // park acknowledged into the new one: no start without it.
+        fs.sync_dir(dir)?;
         let file = fs.open(&path, OpenMode::Existing)?;
         let end = Mutex::new(file.len()?);
         let log = SessionLog { path, file, end, sync, next_seq: AtomicU64::new(max_seq + 1) };

@@ -65,7 +65,8 @@ fn namespace_record(flags: u32, body: &[u8]) -> Vec<u8> {
 
 /// Reads `namespaces.log`: registrations (protobuf `NamespaceSpec`) and unregistrations, in order;
 /// the namespaces registered at its end, and those unregistered at its end (their blocks may
-/// still be in disk segments). A torn last record is ignored (its change was never acknowledged).
+/// still be in disk segments). A torn or damaged record is skipped: replay goes on at the next
+/// whole one, so a refused or torn append hides no later registration.
 type NamespaceLogContents = (HashMap<NamespaceId, Namespace>, HashMap<NamespaceId, (u64, u64)>);
 
 fn read_namespace_log(fs: &dyn FileSystem, path: &std::path::Path) -> NamespaceLogContents {
@@ -73,16 +74,19 @@ fn read_namespace_log(fs: &dyn FileSystem, path: &std::path::Path) -> NamespaceL
     let mut out = HashMap::new();
     let mut unregistered: HashMap<NamespaceId, (u64, u64)> = HashMap::new();
     let Ok(Some(data)) = fs.read_all(path) else { return (out, unregistered) };
-    let mut rest = &data[..];
-    while rest.len() >= 12 {
-        let word = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]);
-        let len = (word & !NS_TOMBSTONE) as usize;
-        let mut sum = [0u8; 8];
-        sum.copy_from_slice(&rest[4..12]);
-        let Some(body) = rest.get(12..12 + len) else { break };
-        if xxhash_rust::xxh3::xxh3_64(body) != u64::from_le_bytes(sum) {
-            break;
-        }
+    let mut at = 0;
+    while at < data.len() {
+        let Some((word, body)) = namespace_record_at(&data, at) else {
+            // Torn or damaged: the next whole, verified record (one bad record hides no other).
+            match (at + 1..data.len()).find(|&i| namespace_record_at(&data, i).is_some()) {
+                Some(i) => {
+                    at = i;
+                    continue;
+                }
+                None => break,
+            }
+        };
+        at += 12 + body.len();
         if word & NS_TOMBSTONE != 0 {
             if let (Some(id), Some(seg), Some(off)) = (body.get(..16), body.get(16..24), body.get(24..32)) {
                 if let Ok(id) = NamespaceId::from_slice(id) {
@@ -101,9 +105,19 @@ fn read_namespace_log(fs: &dyn FileSystem, path: &std::path::Path) -> NamespaceL
         {
             out.insert(ns.id(), ns);
         }
-        rest = &rest[12 + len..];
     }
     (out, unregistered)
+}
+
+/// The verified `namespaces.log` record at `at`: (length word, body).
+fn namespace_record_at(data: &[u8], at: usize) -> Option<(u32, &[u8])> {
+    let head = data.get(at..at + 12)?;
+    let word = u32::from_le_bytes([head[0], head[1], head[2], head[3]]);
+    let mut sum = [0u8; 8];
+    sum.copy_from_slice(&head[4..12]);
+    let len = (word & !NS_TOMBSTONE) as usize;
+    let body = data.get(at + 12..at + 12 + len)?;
+    (xxhash_rust::xxh3::xxh3_64(body) == u64::from_le_bytes(sum)).then_some((word, body))
 }
 
 fn tombstone_body(id: &NamespaceId, mark: (u64, u64)) -> [u8; 32] {
@@ -149,7 +163,11 @@ fn append_synced(log: &NamespaceLog, rec: &[u8]) -> std::io::Result<()> {
     {
         let _appending = log.lock.lock();
         let end = log.file.len()?;
-        log.file.write_all_at(rec, end)?;
+        if let Err(e) = log.file.write_all_at(rec, end) {
+            // A refused append (a full disk) leaves no torn record behind.
+            let _ = log.file.set_len(end);
+            return Err(e);
+        }
     }
     log.file.sync_data()
 }
@@ -262,6 +280,9 @@ impl NodeState {
             compact_namespace_log(&*fs, &ns_path, &namespaces, &unregistered)?;
         }
         let f = fs.open(&ns_path, OpenMode::Create)?;
+        // Its name made durable (a registration synced into a file whose directory entry a power
+        // loss takes back is lost).
+        fs.sync_dir(&config.data_dir)?;
         let state = NodeState {
             tiers: TierStack::new(dram, Some(Arc::new(disk)), fsync),
             sessions: SessionStore::new(Some(log)),

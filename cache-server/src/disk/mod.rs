@@ -195,7 +195,8 @@ impl DiskTier {
         }
         cfg.segment_bytes = cfg.segment_bytes.clamp(RECORD_ALIGN, (cfg.capacity_bytes / 4).max(RECORD_ALIGN));
         let seg_dir = cfg.dir.join("segments");
-        fs.create_dir_all(&seg_dir)
+        // The directory's own name made durable too, or every segment in it could vanish with it.
+        fs.create_dir_durable(&seg_dir)
             .map_err(|e| ServerError::Config(format!("disk tier directory {}: {e}", seg_dir.display())))?;
         let start = Instant::now();
         let mut ids: Vec<u64> = fs
@@ -232,12 +233,12 @@ impl DiskTier {
             report.segments += 1;
             report.bytes += scanned.valid_len;
             inner.total_bytes += scanned.valid_len;
-            // A truncated tail is made durable with the next sync.
+            // A truncated tail is made durable with the next sync (until then a power loss may
+            // bring the torn bytes back, which the next scan drops again).
             if scanned.truncated {
                 inner.dirty.insert(id);
             }
-            let synced = if scanned.truncated { 0 } else { scanned.valid_len };
-            let seg = Segment { file, len: scanned.valid_len, synced, failed: false, keys };
+            let seg = Segment { file, len: scanned.valid_len, synced: scanned.valid_len, failed: false, keys };
             inner.segments.insert(id, seg);
             inner.active = id;
         }
@@ -292,8 +293,12 @@ impl DiskTier {
         let path = segment_path(&self.seg_dir, id);
         let file = self.fs.open(&path, OpenMode::CreateNew).map_err(|e| io_err("creating", &path, e))?;
         // The new name made durable, so a synced record in it can't vanish with its directory
-        // entry after a power loss.
-        self.fs.sync_dir(&self.seg_dir).map_err(|e| io_err("syncing", &self.seg_dir, e))?;
+        // entry after a power loss. If that fails the file goes again (the next roll creates it
+        // anew and finds no stale name in its way).
+        if let Err(e) = self.fs.sync_dir(&self.seg_dir) {
+            let _ = self.fs.remove_file(&path);
+            return Err(io_err("syncing", &self.seg_dir, e));
+        }
         Ok(Segment { file, len: 0, synced: 0, failed: false, keys: Vec::new() })
     }
 
@@ -535,20 +540,48 @@ impl DiskTier {
         Ok(true)
     }
 
-    /// Makes every write so far durable: syncs the active segment and every segment sealed since
-    /// the last call.
+    /// Makes every write so far durable: syncs every segment holding records no sync covered yet.
+    ///
+    /// Safe to call concurrently: each call syncs every segment not known durable up to the length
+    /// it saw, and a segment counts as durable only after a sync of it returned. A failed sync may
+    /// have lost its writes for good (Linux reports a writeback error once, marks the pages clean,
+    /// and a second fsync succeeds without them), so its segment's blocks past the last good sync
+    /// are forgotten (a park writes them again from memory; otherwise they are misses) and the
+    /// segment takes no more records.
     pub fn sync(&self) -> Result<(), ServerError> {
-        let files: Vec<(u64, Arc<dyn FsFile>)> = {
-            let mut st = self.inner.lock();
-            let mut ids = std::mem::take(&mut st.dirty);
-            ids.insert(st.active);
-            ids.iter().filter_map(|id| st.segments.get(id).map(|s| (*id, s.file.clone()))).collect()
+        let todo: Vec<(u64, Arc<dyn FsFile>, u64)> = {
+            let st = self.inner.lock();
+            st.dirty.iter().filter_map(|id| st.segments.get(id).map(|s| (*id, s.file.clone(), s.len))).collect()
         };
-        for (i, (_, f)) in files.iter().enumerate() {
-            if let Err(e) = f.sync_data() {
-                // Not durable yet: the next call tries them again.
-                self.inner.lock().dirty.extend(files[i..].iter().map(|(id, _)| *id));
-                return Err(e.into());
+        for (id, file, len) in todo {
+            let res = file.sync_data();
+            let mut st = self.inner.lock();
+            let st = &mut *st;
+            let Some(seg) = st.segments.get_mut(&id) else {
+                st.dirty.remove(&id);
+                continue;
+            };
+            if let Err(e) = res {
+                seg.failed = true;
+                let synced = seg.synced;
+                let doubtful: Vec<IndexKey> = seg
+                    .keys
+                    .iter()
+                    .filter(|k| st.index.get(*k).is_some_and(|l| l.seg == id && l.offset >= synced))
+                    .copied()
+                    .collect();
+                for k in &doubtful {
+                    st.unindex(k);
+                }
+                st.dirty.remove(&id);
+                self.counters.write_errors.fetch_add(1, Ordering::Relaxed);
+                ::metrics::counter!("kvtier_errors_total", "kind" => "disk_sync").increment(1);
+                tracing::error!(segment = id, forgotten = doubtful.len(), "disk segment fsync failed: {e}");
+                return Err(io_err("syncing", &segment_path(&self.seg_dir, id), e));
+            }
+            seg.synced = seg.synced.max(len);
+            if seg.synced >= seg.len {
+                st.dirty.remove(&id);
             }
         }
         Ok(())
