@@ -224,10 +224,35 @@ fn step(h: &Harness, node: &NodeState, acked: &mut Acked, namespaces: &[Namespac
     }
 }
 
-/// Runs `ops` on a fresh node, cuts power after `freeze` changes (or at the end), crashes with
-/// `mode`, reopens and checks; then crashes once more right after recovery (torn) and checks
-/// again.
-fn run(ops: &[(u8, u8, u8)], freeze: Option<u64>, mode: CrashMode, disk_capacity: u64) -> Result<(), String> {
+/// A fault injected before step `at` of a workload.
+#[derive(Debug, Clone, Copy)]
+enum Fault {
+    /// The disk full from the `n`th write on, for three steps.
+    Enospc { at: usize, n: u64 },
+    /// The next file sync fails (EIO), losing what it covered.
+    SyncEio { at: usize },
+    /// The next directory sync fails.
+    DirSyncEio { at: usize },
+}
+
+fn fault_strategy() -> impl Strategy<Value = Option<Fault>> {
+    proptest::option::of(prop_oneof![
+        (0usize..28, 1u64..6).prop_map(|(at, n)| Fault::Enospc { at, n }),
+        (0usize..28).prop_map(|at| Fault::SyncEio { at }),
+        (0usize..28).prop_map(|at| Fault::DirSyncEio { at }),
+    ])
+}
+
+/// Runs `ops` on a fresh node (with `fault` injected on the way), cuts power after `freeze`
+/// changes (or at the end), crashes with `mode`, reopens and checks; then crashes once more right
+/// after recovery (torn) and checks again.
+fn run(
+    ops: &[(u8, u8, u8)],
+    fault: Option<Fault>,
+    freeze: Option<u64>,
+    mode: CrashMode,
+    disk_capacity: u64,
+) -> Result<(), String> {
     let h = Harness::new(disk_capacity);
     let namespaces = [namespace("m1"), namespace("m2")];
     let mut acked = Acked::default();
@@ -238,7 +263,14 @@ fn run(ops: &[(u8, u8, u8)], freeze: Option<u64>, mode: CrashMode, disk_capacity
         if let Some(n) = freeze {
             h.fs.freeze_after(n);
         }
-        for &o in ops {
+        for (i, &o) in ops.iter().enumerate() {
+            match fault {
+                Some(Fault::Enospc { at, n }) if at == i => h.fs.enospc_from(Some(n)),
+                Some(Fault::Enospc { at, .. }) if at + 3 == i => h.fs.enospc_from(None),
+                Some(Fault::SyncEio { at }) if at == i => h.fs.fail_syncs(1),
+                Some(Fault::DirSyncEio { at }) if at == i => h.fs.fail_dir_syncs(1),
+                _ => {}
+            }
             step(&h, &node, &mut acked, &namespaces, o);
         }
         h.fs.crash(mode);
@@ -257,17 +289,19 @@ fn mode(torn: Option<u64>) -> CrashMode {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
 
-    /// Crash points over a whole workload, every unsynced change dropped or torn.
+    /// Crash points over a whole workload with a fault or none on the way (ENOSPC, EIO on a file
+    /// or directory sync), every unsynced change dropped or torn.
     #[test]
     fn acknowledged_parks_and_namespaces_survive_power_loss(
         ops in proptest::collection::vec((0u8..7, any::<u8>(), any::<u8>()), 4..28),
+        fault in fault_strategy(),
         freeze in proptest::option::weighted(0.8, 0u64..400),
         torn in proptest::option::of(any::<u64>()),
     ) {
         // A disk small enough to roll, evict and compact segments under the workload.
-        if let Err(e) = run(&ops, freeze, mode(torn), 512 << 10) {
+        if let Err(e) = run(&ops, fault, freeze, mode(torn), 512 << 10) {
             return Err(TestCaseError::fail(e));
         }
     }
@@ -278,7 +312,7 @@ proptest! {
 #[test]
 fn a_park_on_a_fresh_node_survives_power_loss() {
     let ops = [(2, 0, 0)];
-    run(&ops, None, CrashMode::DropUnsynced, 1 << 20).unwrap();
+    run(&ops, None, None, CrashMode::DropUnsynced, 1 << 20).unwrap();
 }
 
 /// Parks `ids` (each of one fresh block) on `node`; returns those acknowledged.
