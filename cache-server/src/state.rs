@@ -244,6 +244,9 @@ impl NodeState {
                 config,
             });
         }
+        // The data directory's own name durable (it may have just been created), or everything
+        // in it could vanish with it.
+        fs.create_dir_durable(&config.data_dir)?;
         let (disk, report) = DiskTier::open_with(
             DiskConfig {
                 dir: config.data_dir.clone(),

@@ -436,6 +436,10 @@ impl FileSystem for FaultFs {
 
     fn sync_dir(&self, dir: &Path) -> io::Result<()> {
         let mut w = self.world.lock();
+        if w.root.starts_with(dir) && w.root != dir {
+            // Above the root: outside this world, durable by definition.
+            return Ok(());
+        }
         if !w.dir_exists(dir) {
             return Err(io::Error::new(io::ErrorKind::NotFound, format!("{} not found", dir.display())));
         }

@@ -91,8 +91,9 @@ pub trait FileSystem: Send + Sync + Debug {
     fn create_dir_durable(&self, dir: &Path) -> io::Result<()> {
         self.create_dir_all(dir)?;
         match dir.parent() {
-            Some(p) if !p.as_os_str().is_empty() => self.sync_dir(p),
-            _ => Ok(()),
+            Some(p) if p.as_os_str().is_empty() => self.sync_dir(Path::new(".")),
+            Some(p) => self.sync_dir(p),
+            None => Ok(()),
         }
     }
 }
