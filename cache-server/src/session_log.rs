@@ -257,7 +257,7 @@ impl SessionLog {
         // park acknowledged into the new one: no start without it.
         fs.sync_dir(dir)?;
         let file = fs.open(&path, OpenMode::Existing)?;
-        let end = Mutex::new(file.len()?);
+        let end = Mutex::new(file.size()?);
         let log = SessionLog { path, file, end, sync, next_seq: AtomicU64::new(max_seq + 1) };
         Ok((log, sessions.into_iter().map(|(_, s)| s).collect(), unreadable))
     }

@@ -162,7 +162,7 @@ fn compact_namespace_log(
 fn append_synced(log: &NamespaceLog, rec: &[u8]) -> std::io::Result<()> {
     {
         let _appending = log.lock.lock();
-        let end = log.file.len()?;
+        let end = log.file.size()?;
         if let Err(e) = log.file.write_all_at(rec, end) {
             // A refused append (a full disk) leaves no torn record behind.
             let _ = log.file.set_len(end);

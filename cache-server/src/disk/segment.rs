@@ -36,7 +36,7 @@ pub(super) struct Scanned {
 /// length its valid header gives. Zeros are unwritten space. A run of unreadable boundaries is
 /// counted once.
 pub(super) fn scan_segment(file: &dyn FsFile) -> std::io::Result<Scanned> {
-    let file_len = file.len()?;
+    let file_len = file.size()?;
     let mut out = Scanned { records: Vec::new(), valid_len: 0, discarded: 0, truncated: false };
     let mut offset = 0u64;
     let mut header = [0u8; FRAME_HEADER_LEN];

@@ -172,7 +172,7 @@ impl FsFile for FaultFile {
         })
     }
 
-    fn len(&self) -> io::Result<u64> {
+    fn size(&self) -> io::Result<u64> {
         self.with(|w, ino| Ok(w.files[ino].data.len() as u64))
     }
 
@@ -481,7 +481,7 @@ mod tests {
         fs.crash(CrashMode::DropUnsynced);
         assert_eq!(fs.contents(&a).unwrap(), b"durable");
         assert!(fs.contents(&b).is_none(), "created, synced, but its directory never was");
-        assert!(f.len().is_err(), "handles from before the crash are dead");
+        assert!(f.size().is_err(), "handles from before the crash are dead");
         // An unsynced rename is undone; a synced one holds.
         fs.rename(&a, &b).unwrap();
         fs.crash(CrashMode::DropUnsynced);
@@ -516,7 +516,7 @@ mod tests {
             f.write_all_at(&vec![7u8; 3 * PAGE as usize], 0).unwrap();
             fs.crash(CrashMode::Torn(seed));
             let data = fs.contents(&root.join("a")).unwrap();
-            assert!(data.len() as u64 % PAGE == 0 && data.len() as u64 <= 3 * PAGE);
+            assert!((data.len() as u64).is_multiple_of(PAGE) && data.len() as u64 <= 3 * PAGE);
             assert!(data.chunks(PAGE as usize).all(|p| p.iter().all(|&b| b == p[0])), "seed {seed}");
         }
     }

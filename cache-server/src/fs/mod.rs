@@ -44,7 +44,8 @@ pub trait FsFile: Send + Sync + Debug {
     /// Writes all of `buf` at `offset`, extending the file if needed. On an error a prefix may
     /// have been written.
     fn write_all_at(&self, buf: &[u8], offset: u64) -> io::Result<()>;
-    fn len(&self) -> io::Result<u64>;
+    /// The file's size in bytes.
+    fn size(&self) -> io::Result<u64>;
     fn set_len(&self, len: u64) -> io::Result<()>;
     /// Makes every write so far durable (`fdatasync`).
     fn sync_data(&self) -> io::Result<()>;
@@ -68,7 +69,7 @@ pub trait FileSystem: Send + Sync + Debug {
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(e),
         };
-        let mut data = vec![0u8; f.len()? as usize];
+        let mut data = vec![0u8; f.size()? as usize];
         f.read_exact_at(&mut data, 0)?;
         Ok(Some(data))
     }
@@ -119,7 +120,7 @@ impl FsFile for StdFile {
     fn write_all_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
         std::os::unix::fs::FileExt::write_all_at(&self.0, buf, offset)
     }
-    fn len(&self) -> io::Result<u64> {
+    fn size(&self) -> io::Result<u64> {
         Ok(self.0.metadata()?.len())
     }
     fn set_len(&self, len: u64) -> io::Result<()> {
