@@ -409,6 +409,29 @@ fn a_refused_namespace_append_hides_nothing() {
     assert!(node.namespace(&c.id()).is_ok(), "acknowledged after the refused one");
 }
 
+/// One damaged record in the middle of `namespaces.log` costs that registration only.
+#[test]
+fn a_damaged_namespace_record_costs_only_itself() {
+    let h = Harness::new(1 << 20);
+    let (a, b, c) = (namespace("a"), namespace("b"), namespace("c"));
+    let path = h.dir.path().join("namespaces.log");
+    let mut lens = Vec::new();
+    {
+        let node = h.open().unwrap();
+        for ns in [&a, &b, &c] {
+            node.register_namespace(&Principal::Operator, ns.clone()).unwrap();
+            lens.push(h.fs.contents(&path).unwrap().len());
+        }
+    }
+    let mut data = h.fs.contents(&path).unwrap();
+    data[lens[0] + 20] ^= 0x40; // inside b's record
+    h.fs.set_contents(&path, data);
+    let node = h.open().unwrap();
+    assert!(node.namespace(&a.id()).is_ok());
+    assert!(node.namespace(&b.id()).is_err());
+    assert!(node.namespace(&c.id()).is_ok(), "the record after the damaged one is read");
+}
+
 /// The session log is rewritten and renamed into place at every start; if the directory can't be
 /// synced after that, the start fails rather than acknowledging parks into a file a power loss
 /// would take back.

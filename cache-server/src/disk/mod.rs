@@ -579,8 +579,11 @@ impl DiskTier {
                 tracing::error!(segment = id, forgotten = doubtful.len(), "disk segment fsync failed: {e}");
                 return Err(io_err("syncing", &segment_path(&self.seg_dir, id), e));
             }
-            seg.synced = seg.synced.max(len);
-            if seg.synced >= seg.len {
+            // A segment another call's sync failed on stays doubtful, whatever this sync says.
+            if !seg.failed {
+                seg.synced = seg.synced.max(len);
+            }
+            if seg.failed || seg.synced >= seg.len {
                 st.dirty.remove(&id);
             }
         }
