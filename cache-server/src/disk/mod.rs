@@ -24,6 +24,13 @@
 //! segment is scanned and every payload verified: a torn record (header valid, payload short or
 //! not matching its checksum) is dropped and counted, and a segment is truncated after its last
 //! whole record.
+//!
+//! # Durability
+//! All file work goes through [`crate::fs`]. The `segments` directory and every new segment's
+//! name are synced when created. Each segment knows how far a sync covered it; [`DiskTier::sync`]
+//! syncs every segment written past that. A failed sync forgets the segment's blocks past it and
+//! seals the segment: the kernel may have dropped those writes, and a retried sync would report
+//! success without them. Power loss is tested in `crate::crash_tests` on `fs::fault::FaultFs`.
 
 pub mod recode;
 mod segment;
