@@ -3,7 +3,7 @@
 //! ([`crate::state`]). It is the exact set of operations those make — open or create, positional
 //! reads and writes, `set_len`, `fsync`, rename, remove, a directory's `fsync`, list — and no more,
 //! so that a test can put a file system under them that loses what a power cut would lose
-//! ([`fault::FaultFs`], with the `fault-fs` feature or in this crate's tests).
+//! (`fault::FaultFs`, with the `fault-fs` feature or in this crate's tests).
 //!
 //! [`StdFs`] is the real one: each call is the `std::fs` call it names. The node holds it as an
 //! `Arc<dyn FileSystem>` chosen when it opens, and each open file as an `Arc<dyn FsFile>`: one
