@@ -5,6 +5,8 @@
 //! - [`dram`]: the G2 DRAM tier — slab storage by size class, a concurrent index, S3-FIFO
 //!   eviction with pins and priorities, a hard byte cap.
 //! - [`disk`]: the G3 disk tier — append-only segment files, recovery by scan, pins.
+//! - [`fs`]: the file layer under the segments and the logs (`std::fs`, or a fault-injecting
+//!   one for power-loss tests).
 //! - [`sessions`]: parked agent sessions (manifests, TTLs, compare-and-set versions);
 //!   [`session_store`] keeps them with their [`session_log`] written outside the table's lock.
 //! - [`control`]: the gRPC control plane (lookup, sessions, stats, admin).
@@ -24,11 +26,14 @@
 pub mod cluster;
 pub mod config;
 pub mod control;
+#[cfg(test)]
+mod crash_tests;
 pub mod dataplane;
 pub mod deadline;
 pub mod disk;
 pub mod dram;
 pub mod error;
+pub mod fs;
 pub mod listen;
 pub mod metrics;
 pub mod samenode;

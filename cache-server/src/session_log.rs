@@ -10,10 +10,9 @@
 //! `fsync` where they overlap (the file lock covers the write only).
 
 use std::collections::HashMap;
-use std::fs::File;
-use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
@@ -23,6 +22,7 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use crate::dram::Priority;
 use crate::error::ServerError;
+use crate::fs::{FileSystem, FsFile, OpenMode, StdFs};
 
 /// Records of the first format (no sequence number: file order is their order).
 const PUT_V1: u8 = 1;
@@ -66,11 +66,12 @@ pub fn unix_ms(t: SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO).as_millis() as u64
 }
 
-/// The log file: appends serialize on `file`; `fsync`s run on a second handle, outside that lock.
+/// The log file: appends serialize on `end` (where the next record goes); `fsync`s run outside
+/// that lock.
 pub struct SessionLog {
     path: PathBuf,
-    file: Mutex<File>,
-    syncer: File,
+    file: Arc<dyn FsFile>,
+    end: Mutex<u64>,
     sync: bool,
     /// The next record's sequence number.
     next_seq: AtomicU64,
@@ -190,14 +191,22 @@ impl SessionLog {
     /// returns them with the number of damaged stretches skipped (each a torn or corrupt record,
     /// or several in a row; replay continues at the next whole record).
     pub fn open(dir: &Path, sync: bool, now_ms: u64) -> Result<(SessionLog, Vec<LoggedSession>, u64), ServerError> {
+        Self::open_with(&StdFs::shared(), dir, sync, now_ms)
+    }
+
+    /// [`Self::open`] on the file system `fs`.
+    pub fn open_with(
+        fs: &Arc<dyn FileSystem>,
+        dir: &Path,
+        sync: bool,
+        now_ms: u64,
+    ) -> Result<(SessionLog, Vec<LoggedSession>, u64), ServerError> {
         let path = dir.join("sessions.log");
         // Per session, the newest record seen (a tombstone is `None`).
         let mut newest: HashMap<(NamespaceId, String), (u64, Option<LoggedSession>)> = HashMap::new();
         let mut unreadable = 0u64;
         let mut max_seq = 0u64;
-        if let Ok(mut f) = File::open(&path) {
-            let mut data = Vec::new();
-            f.read_to_end(&mut data)?;
+        if let Some(data) = fs.read_all(&path)? {
             let mut at = 0usize;
             let mut ordinal = 0u64;
             while at < data.len() {
@@ -233,21 +242,23 @@ impl SessionLog {
             .collect();
         sessions.sort_by(|a, b| (a.1.namespace, &a.1.id).cmp(&(b.1.namespace, &b.1.id)));
         // Compact: write the live set to a new file, sync it, and move it into place.
+        let mut data = Vec::new();
+        for (seq, s) in &sessions {
+            data.extend_from_slice(&encode(PUT, *seq, s));
+        }
         let tmp = dir.join("sessions.log.tmp");
         {
-            let mut f = File::create(&tmp)?;
-            for (seq, s) in &sessions {
-                f.write_all(&encode(PUT, *seq, s))?;
-            }
-            f.sync_all()?;
+            let f = fs.open(&tmp, OpenMode::Truncate)?;
+            f.write_all_at(&data, 0)?;
+            f.sync_data()?;
         }
-        std::fs::rename(&tmp, &path)?;
-        if let Ok(d) = File::open(dir) {
-            let _ = d.sync_all();
-        }
-        let file = std::fs::OpenOptions::new().append(true).open(&path)?;
-        let syncer = file.try_clone()?;
-        let log = SessionLog { path, file: Mutex::new(file), syncer, sync, next_seq: AtomicU64::new(max_seq + 1) };
+        fs.rename(&tmp, &path)?;
+        // Until the rename is durable a power loss takes the old file back, and with it every
+        // park acknowledged into the new one: no start without it.
+        fs.sync_dir(dir)?;
+        let file = fs.open(&path, OpenMode::Existing)?;
+        let end = Mutex::new(file.size()?);
+        let log = SessionLog { path, file, end, sync, next_seq: AtomicU64::new(max_seq + 1) };
         Ok((log, sessions.into_iter().map(|(_, s)| s).collect(), unreadable))
     }
 
@@ -262,28 +273,20 @@ impl SessionLog {
             ServerError::Io(std::io::Error::new(e.kind(), format!("appending to {}: {e}", self.path.display())))
         };
         {
-            let f = self.file.lock();
-            let before = f.metadata().map(|m| m.len());
-            if let Err(e) = (&*f).write_all(rec) {
+            let mut end = self.end.lock();
+            if let Err(e) = self.file.write_all_at(rec, *end) {
                 // A refused append (a full disk) leaves no torn record behind: cut it off.
-                if let Ok(len) = before {
-                    let _ = f.set_len(len);
-                }
+                let _ = self.file.set_len(*end);
                 return Err(io(e));
             }
+            *end += rec.len() as u64;
         }
         if sync {
             // Outside the file lock: appends that land meanwhile are covered by this sync or
             // their own.
-            self.syncer.sync_data().map_err(io)?;
+            self.file.sync_data().map_err(io)?;
         }
         Ok(())
-    }
-
-    /// The same log appending through `file` (tests make appends fail with a read-only handle).
-    #[cfg(test)]
-    pub(crate) fn with_file_for_test(self, file: File) -> Self {
-        SessionLog { file: Mutex::new(file), ..self }
     }
 
     /// Records a park or extend as change `seq`. Durable on return unless the log was opened
@@ -302,6 +305,7 @@ impl SessionLog {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::Write;
 
     fn s(id: &str, v: u64, expires: u64) -> LoggedSession {
         LoggedSession {
@@ -418,22 +422,26 @@ mod tests {
         }
     }
 
-    /// An append the file refuses leaves nothing behind: later appends and a replay see only
-    /// whole records.
+    /// An append the file refuses (a full disk, half the record written) leaves nothing behind:
+    /// later appends and a replay see only whole records.
     #[test]
     fn a_refused_append_leaves_no_torn_record() {
         let dir = tempfile::tempdir().unwrap();
-        let (log, _, _) = SessionLog::open(dir.path(), true, 0).unwrap();
+        let fault = crate::fs::fault::FaultFs::new(dir.path());
+        let fs = fault.shared();
+        let path = dir.path().join("sessions.log");
+        let (log, _, _) = SessionLog::open_with(&fs, dir.path(), true, 0).unwrap();
         log.put(log.next_seq(), &s("a", 1, 5000)).unwrap();
-        let len = std::fs::metadata(dir.path().join("sessions.log")).unwrap().len();
-        // The same log writing through a read-only handle: every append fails.
-        let ro = std::fs::File::open(dir.path().join("sessions.log")).unwrap();
-        let log = log.with_file_for_test(ro);
+        let len = fault.contents(&path).unwrap().len();
+        fault.enospc_from(Some(1));
         assert!(log.put(log.next_seq(), &s("b", 1, 5000)).is_err());
-        assert_eq!(std::fs::metadata(dir.path().join("sessions.log")).unwrap().len(), len);
+        assert_eq!(fault.contents(&path).unwrap().len(), len);
+        fault.enospc_from(None);
+        log.put(log.next_seq(), &s("c", 1, 5000)).unwrap();
         drop(log);
-        let (_log, live, unreadable) = SessionLog::open(dir.path(), true, 100).unwrap();
-        assert_eq!((live.len(), unreadable), (1, 0));
+        let (_log, live, unreadable) = SessionLog::open_with(&fs, dir.path(), true, 100).unwrap();
+        let ids: Vec<&str> = live.iter().map(|s| s.id.as_str()).collect();
+        assert_eq!((ids, unreadable), (vec!["a", "c"], 0));
     }
 
     #[test]

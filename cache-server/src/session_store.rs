@@ -329,11 +329,11 @@ mod tests {
         let tier = DramTier::new(DramConfig::new(1 << 20));
         let ns = NamespaceId([6; 16]);
         let keys: Vec<BlockKey> = (0..2).map(|i| block(&tier, ns, i)).collect();
-        let (log, _, _) = SessionLog::open(dir.path(), true, 0).unwrap();
-        // The log's file made unwritable under it: a read-only handle in its place.
-        let store = SessionStore::new(Some(
-            log.with_file_for_test(std::fs::File::open(dir.path().join("sessions.log")).unwrap()),
-        ));
+        let fault = crate::fs::fault::FaultFs::new(dir.path());
+        let (log, _, _) = SessionLog::open_with(&fault.shared(), dir.path(), true, 0).unwrap();
+        // The disk full from now on: every append fails.
+        fault.enospc_from(Some(1));
+        let store = SessionStore::new(Some(log));
         let err = store.park(&tier, spec(ns, "s", keys.clone(), 0), &limits()).unwrap_err();
         assert!(matches!(err, ServerError::Io(_)), "{err}");
         assert!(store.is_empty());

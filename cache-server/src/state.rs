@@ -15,6 +15,7 @@ use crate::config::ServerConfig;
 use crate::disk::{DiskConfig, DiskTier, RecoveryReport};
 use crate::dram::{DramConfig, DramOptions, DramTier, RegionMode};
 use crate::error::ServerError;
+use crate::fs::{FileSystem, FsFile, OpenMode, StdFs};
 use crate::session_log::{unix_ms, SessionLog};
 use crate::session_store::SessionStore;
 use crate::sessions::{SessionLimits, SessionQuota};
@@ -38,8 +39,14 @@ pub struct NodeState {
     io: IoPool,
     /// With a disk tier: every registered namespace, so sessions restored after a restart know
     /// their layout before any client registers again.
-    namespace_log: Option<Mutex<std::fs::File>>,
+    namespace_log: Option<NamespaceLog>,
     _dir_lock: std::fs::File,
+}
+
+/// `namespaces.log`, open for appending (the lock serializes appends; syncs run outside it).
+struct NamespaceLog {
+    file: Arc<dyn FsFile>,
+    lock: Mutex<()>,
 }
 
 /// Marks a `namespaces.log` record as an unregistration (its body: the 16-byte id, then the disk
@@ -58,22 +65,28 @@ fn namespace_record(flags: u32, body: &[u8]) -> Vec<u8> {
 
 /// Reads `namespaces.log`: registrations (protobuf `NamespaceSpec`) and unregistrations, in order;
 /// the namespaces registered at its end, and those unregistered at its end (their blocks may
-/// still be in disk segments). A torn last record is ignored (its change was never acknowledged).
-fn read_namespace_log(path: &std::path::Path) -> (HashMap<NamespaceId, Namespace>, HashMap<NamespaceId, (u64, u64)>) {
+/// still be in disk segments). A torn or damaged record is skipped: replay goes on at the next
+/// whole one, so a refused or torn append hides no later registration.
+type NamespaceLogContents = (HashMap<NamespaceId, Namespace>, HashMap<NamespaceId, (u64, u64)>);
+
+fn read_namespace_log(fs: &dyn FileSystem, path: &std::path::Path) -> NamespaceLogContents {
     use prost::Message;
     let mut out = HashMap::new();
     let mut unregistered: HashMap<NamespaceId, (u64, u64)> = HashMap::new();
-    let Ok(data) = std::fs::read(path) else { return (out, unregistered) };
-    let mut rest = &data[..];
-    while rest.len() >= 12 {
-        let word = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]);
-        let len = (word & !NS_TOMBSTONE) as usize;
-        let mut sum = [0u8; 8];
-        sum.copy_from_slice(&rest[4..12]);
-        let Some(body) = rest.get(12..12 + len) else { break };
-        if xxhash_rust::xxh3::xxh3_64(body) != u64::from_le_bytes(sum) {
-            break;
-        }
+    let Ok(Some(data)) = fs.read_all(path) else { return (out, unregistered) };
+    let mut at = 0;
+    while at < data.len() {
+        let Some((word, body)) = namespace_record_at(&data, at) else {
+            // Torn or damaged: the next whole, verified record (one bad record hides no other).
+            match (at + 1..data.len()).find(|&i| namespace_record_at(&data, i).is_some()) {
+                Some(i) => {
+                    at = i;
+                    continue;
+                }
+                None => break,
+            }
+        };
+        at += 12 + body.len();
         if word & NS_TOMBSTONE != 0 {
             if let (Some(id), Some(seg), Some(off)) = (body.get(..16), body.get(16..24), body.get(24..32)) {
                 if let Ok(id) = NamespaceId::from_slice(id) {
@@ -92,9 +105,19 @@ fn read_namespace_log(path: &std::path::Path) -> (HashMap<NamespaceId, Namespace
         {
             out.insert(ns.id(), ns);
         }
-        rest = &rest[12 + len..];
     }
     (out, unregistered)
+}
+
+/// The verified `namespaces.log` record at `at`: (length word, body).
+fn namespace_record_at(data: &[u8], at: usize) -> Option<(u32, &[u8])> {
+    let head = data.get(at..at + 12)?;
+    let word = u32::from_le_bytes([head[0], head[1], head[2], head[3]]);
+    let mut sum = [0u8; 8];
+    sum.copy_from_slice(&head[4..12]);
+    let len = (word & !NS_TOMBSTONE) as usize;
+    let body = data.get(at + 12..at + 12 + len)?;
+    (xxhash_rust::xxh3::xxh3_64(body) == u64::from_le_bytes(sum)).then_some((word, body))
 }
 
 fn tombstone_body(id: &NamespaceId, mark: (u64, u64)) -> [u8; 32] {
@@ -109,6 +132,7 @@ fn tombstone_body(id: &NamespaceId, mark: (u64, u64)) -> [u8; 32] {
 /// namespace unregistered (kept: their blocks may still sit in disk segments, which recovery scans)
 /// — atomically: a new file renamed over it, synced.
 fn compact_namespace_log(
+    fs: &dyn FileSystem,
     path: &std::path::Path,
     live: &HashMap<NamespaceId, Namespace>,
     unregistered: &HashMap<NamespaceId, (u64, u64)>,
@@ -122,24 +146,30 @@ fn compact_namespace_log(
     for ns in live.values() {
         data.extend_from_slice(&namespace_record(0, &ns.to_pb().encode_to_vec()));
     }
-    let f = std::fs::File::create(&tmp)?;
-    std::io::Write::write_all(&mut &f, &data)?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, path)?;
+    let f = fs.open(&tmp, OpenMode::Truncate)?;
+    f.write_all_at(&data, 0)?;
+    f.sync_data()?;
+    drop(f);
+    fs.rename(&tmp, path)?;
     if let Some(dir) = path.parent() {
-        std::fs::File::open(dir)?.sync_all()?;
+        fs.sync_dir(dir)?;
     }
     Ok(())
 }
 
 /// Appends a record to `namespaces.log` and syncs it; the file lock covers the write only, so
 /// concurrent registrations share the sync.
-fn append_synced(log: &Mutex<std::fs::File>, rec: &[u8]) -> std::io::Result<()> {
-    let f = log.lock();
-    std::io::Write::write_all(&mut &*f, rec)?;
-    let syncer = f.try_clone()?;
-    drop(f);
-    syncer.sync_data()
+fn append_synced(log: &NamespaceLog, rec: &[u8]) -> std::io::Result<()> {
+    {
+        let _appending = log.lock.lock();
+        let end = log.file.size()?;
+        if let Err(e) = log.file.write_all_at(rec, end) {
+            // A refused append (a full disk) leaves no torn record behind.
+            let _ = log.file.set_len(end);
+            return Err(e);
+        }
+    }
+    log.file.sync_data()
 }
 
 /// Holds `<data_dir>/LOCK` so a second server on the same directory is refused.
@@ -172,6 +202,16 @@ fn lock_data_dir(dir: &std::path::Path) -> Result<std::fs::File, ServerError> {
 impl NodeState {
     /// Locks the data directory, opens the disk tier and replays the session log (if enabled).
     pub fn open(config: ServerConfig, data_addr: SocketAddr) -> Result<Self, ServerError> {
+        Self::open_with(config, data_addr, StdFs::shared())
+    }
+
+    /// [`Self::open`] keeping the disk tier, `sessions.log` and `namespaces.log` on `fs` (the
+    /// `LOCK` file is always a real one).
+    pub fn open_with(
+        config: ServerConfig,
+        data_addr: SocketAddr,
+        fs: Arc<dyn FileSystem>,
+    ) -> Result<Self, ServerError> {
         let tenants = Tenants::from_config(&config)?;
         let dir_lock = lock_data_dir(&config.data_dir)?;
         let dram = DramTier::with_options(
@@ -204,14 +244,21 @@ impl NodeState {
                 config,
             });
         }
-        let (disk, report) = DiskTier::open(DiskConfig {
-            dir: config.data_dir.clone(),
-            capacity_bytes: config.disk_capacity.0,
-            segment_bytes: config.disk_segment_bytes.0,
-            sync_writes: false,
-        })?;
+        // The data directory's own name durable (it may have just been created), or everything
+        // in it could vanish with it.
+        fs.create_dir_durable(&config.data_dir)?;
+        let (disk, report) = DiskTier::open_with(
+            DiskConfig {
+                dir: config.data_dir.clone(),
+                capacity_bytes: config.disk_capacity.0,
+                segment_bytes: config.disk_segment_bytes.0,
+                sync_writes: false,
+            },
+            fs.clone(),
+        )?;
         tracing::info!(?report, "disk tier recovered");
-        let (log, logged, unreadable) = SessionLog::open(&config.data_dir, fsync, unix_ms(SystemTime::now()))?;
+        let (log, logged, unreadable) =
+            SessionLog::open_with(&fs, &config.data_dir, fsync, unix_ms(SystemTime::now()))?;
         if unreadable > 0 {
             tracing::warn!(
                 unreadable,
@@ -219,7 +266,7 @@ impl NodeState {
             );
         }
         let ns_path = config.data_dir.join("namespaces.log");
-        let (namespaces, unregistered) = read_namespace_log(&ns_path);
+        let (namespaces, unregistered) = read_namespace_log(&*fs, &ns_path);
         // Copies of an unregistered namespace's blocks written before it was unregistered are
         // still in their segments: forgotten again (their bytes go with their segments), even if
         // the namespace was registered anew since. Only explicitly unregistered ones: a
@@ -233,9 +280,12 @@ impl NodeState {
             }
         }
         if !unregistered.is_empty() {
-            compact_namespace_log(&ns_path, &namespaces, &unregistered)?;
+            compact_namespace_log(&*fs, &ns_path, &namespaces, &unregistered)?;
         }
-        let f = std::fs::OpenOptions::new().create(true).append(true).open(&ns_path)?;
+        let f = fs.open(&ns_path, OpenMode::Create)?;
+        // Its name made durable (a registration synced into a file whose directory entry a power
+        // loss takes back is lost).
+        fs.sync_dir(&config.data_dir)?;
         let state = NodeState {
             tiers: TierStack::new(dram, Some(Arc::new(disk)), fsync),
             sessions: SessionStore::new(Some(log)),
@@ -244,7 +294,7 @@ impl NodeState {
             data_addr,
             disk_recovery: Some(report),
             io: IoPool::default(),
-            namespace_log: Some(Mutex::new(f)),
+            namespace_log: Some(NamespaceLog { file: f, lock: Mutex::new(()) }),
             _dir_lock: dir_lock,
             tenants,
             config,

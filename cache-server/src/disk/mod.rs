@@ -24,12 +24,18 @@
 //! segment is scanned and every payload verified: a torn record (header valid, payload short or
 //! not matching its checksum) is dropped and counted, and a segment is truncated after its last
 //! whole record.
+//!
+//! # Durability
+//! All file work goes through [`crate::fs`]. The `segments` directory and every new segment's
+//! name are synced when created. Each segment knows how far a sync covered it; [`DiskTier::sync`]
+//! syncs every segment written past that. A failed sync forgets the segment's blocks past it and
+//! seals the segment: the kernel may have dropped those writes, and a retried sync would report
+//! success without them. Power loss is tested in `crate::crash_tests` on `fs::fault::FaultFs`.
 
 pub mod recode;
 mod segment;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
-use std::fs::File;
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -41,6 +47,7 @@ use parking_lot::Mutex;
 
 use crate::dram::IndexKey;
 use crate::error::ServerError;
+use crate::fs::{FileSystem, FsFile, OpenMode, StdFs};
 use segment::{align_up, scan_segment, segment_path, RECORD_ALIGN};
 
 /// Disk tier settings.
@@ -63,9 +70,14 @@ struct Loc {
 }
 
 struct Segment {
-    file: Arc<File>,
+    file: Arc<dyn FsFile>,
     /// Bytes written (records incl. padding); the file's size.
     len: u64,
+    /// Bytes known durable: a sync covered them.
+    synced: u64,
+    /// A sync of it failed: no more records go into it (what it lost can't be made durable by
+    /// syncing again).
+    failed: bool,
     keys: Vec<IndexKey>,
 }
 
@@ -76,8 +88,8 @@ struct Inner {
     total_bytes: u64,
     pins: HashMap<IndexKey, u32>,
     pinned_bytes: u64,
-    /// Segments sealed since the last [`DiskTier::sync`]: it syncs them with the active one.
-    unsynced: Vec<Arc<File>>,
+    /// Segments holding records no sync covered yet: [`DiskTier::sync`] syncs them.
+    dirty: BTreeSet<u64>,
     /// The account of each namespace that has one, and each account's live bytes and quota
     /// (see [`DiskTier::assign_account`]).
     ns_accounts: HashMap<NamespaceId, u32>,
@@ -158,6 +170,7 @@ pub struct DiskStats {
 
 pub struct DiskTier {
     cfg: DiskConfig,
+    fs: Arc<dyn FileSystem>,
     seg_dir: PathBuf,
     inner: Mutex<Inner>,
     /// One writer at a time: appends are sequential within the active segment.
@@ -178,22 +191,26 @@ fn io_err(what: &str, path: &Path, e: std::io::Error) -> ServerError {
 impl DiskTier {
     /// Opens (or creates) the tier in `cfg.dir` and recovers its contents. The caller holds the
     /// directory's lock.
-    pub fn open(mut cfg: DiskConfig) -> Result<(DiskTier, RecoveryReport), ServerError> {
+    pub fn open(cfg: DiskConfig) -> Result<(DiskTier, RecoveryReport), ServerError> {
+        Self::open_with(cfg, StdFs::shared())
+    }
+
+    /// [`Self::open`] on the file system `fs`.
+    pub fn open_with(mut cfg: DiskConfig, fs: Arc<dyn FileSystem>) -> Result<(DiskTier, RecoveryReport), ServerError> {
         if cfg.capacity_bytes < 4 * RECORD_ALIGN {
             return Err(ServerError::Config(format!("disk_capacity {} is too small", cfg.capacity_bytes)));
         }
         cfg.segment_bytes = cfg.segment_bytes.clamp(RECORD_ALIGN, (cfg.capacity_bytes / 4).max(RECORD_ALIGN));
         let seg_dir = cfg.dir.join("segments");
-        std::fs::create_dir_all(&seg_dir)
+        // The directory's own name made durable too, or every segment in it could vanish with it.
+        fs.create_dir_durable(&seg_dir)
             .map_err(|e| ServerError::Config(format!("disk tier directory {}: {e}", seg_dir.display())))?;
         let start = Instant::now();
-        let mut ids: Vec<u64> = std::fs::read_dir(&seg_dir)
+        let mut ids: Vec<u64> = fs
+            .list(&seg_dir)
             .map_err(|e| io_err("reading", &seg_dir, e))?
-            .filter_map(|e| e.ok())
-            .filter_map(|e| {
-                let name = e.file_name().into_string().ok()?;
-                name.strip_prefix("seg-")?.strip_suffix(".kvs")?.parse().ok()
-            })
+            .into_iter()
+            .filter_map(|name| name.strip_prefix("seg-")?.strip_suffix(".kvs")?.parse().ok())
             .collect();
         ids.sort_unstable();
         let mut inner = Inner {
@@ -203,20 +220,16 @@ impl DiskTier {
             total_bytes: 0,
             pins: HashMap::new(),
             pinned_bytes: 0,
-            unsynced: Vec::new(),
+            dirty: BTreeSet::new(),
             ns_accounts: HashMap::new(),
             accounts: HashMap::new(),
         };
         let mut report = RecoveryReport::default();
         for id in ids {
             let path = segment_path(&seg_dir, id);
-            let scanned = scan_segment(&path).map_err(|e| io_err("scanning", &path, e))?;
+            let file = fs.open(&path, OpenMode::Existing).map_err(|e| io_err("opening", &path, e))?;
+            let scanned = scan_segment(&*file).map_err(|e| io_err("scanning", &path, e))?;
             report.discarded += scanned.discarded;
-            let file = std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(&path)
-                .map_err(|e| io_err("opening", &path, e))?;
             let mut keys = Vec::with_capacity(scanned.records.len());
             for (offset, header) in scanned.records {
                 let k = (header.namespace, header.key);
@@ -227,13 +240,20 @@ impl DiskTier {
             report.segments += 1;
             report.bytes += scanned.valid_len;
             inner.total_bytes += scanned.valid_len;
-            inner.segments.insert(id, Segment { file: Arc::new(file), len: scanned.valid_len, keys });
+            // A truncated tail is made durable with the next sync (until then a power loss may
+            // bring the torn bytes back, which the next scan drops again).
+            if scanned.truncated {
+                inner.dirty.insert(id);
+            }
+            let seg = Segment { file, len: scanned.valid_len, synced: scanned.valid_len, failed: false, keys };
+            inner.segments.insert(id, seg);
             inner.active = id;
         }
         report.blocks = inner.index.len() as u64;
         report.millis = start.elapsed().as_millis() as u64;
         let tier = DiskTier {
             cfg,
+            fs,
             seg_dir,
             inner: Mutex::new(inner),
             write_lock: Mutex::new(()),
@@ -278,16 +298,15 @@ impl DiskTier {
     /// Creates the file of segment `id` (no lock held: creating a file can wait on the disk).
     fn create_segment(&self, id: u64) -> Result<Segment, ServerError> {
         let path = segment_path(&self.seg_dir, id);
-        let file = std::fs::OpenOptions::new()
-            .create_new(true)
-            .read(true)
-            .write(true)
-            .open(&path)
-            .map_err(|e| io_err("creating", &path, e))?;
+        let file = self.fs.open(&path, OpenMode::CreateNew).map_err(|e| io_err("creating", &path, e))?;
         // The new name made durable, so a synced record in it can't vanish with its directory
-        // entry after a power loss.
-        File::open(&self.seg_dir).and_then(|d| d.sync_all()).map_err(|e| io_err("syncing", &self.seg_dir, e))?;
-        Ok(Segment { file: Arc::new(file), len: 0, keys: Vec::new() })
+        // entry after a power loss. If that fails the file goes again (the next roll creates it
+        // anew and finds no stale name in its way).
+        if let Err(e) = self.fs.sync_dir(&self.seg_dir) {
+            let _ = self.fs.remove_file(&path);
+            return Err(io_err("syncing", &self.seg_dir, e));
+        }
+        Ok(Segment { file, len: 0, synced: 0, failed: false, keys: Vec::new() })
     }
 
     /// Forgets the oldest sealed segment without pinned blocks and returns its id (the caller
@@ -330,7 +349,8 @@ impl DiskTier {
                 if st.index.contains_key(&key) {
                     return Ok(());
                 }
-                let full = st.segments.get(&st.active).is_none_or(|s| s.len + record > self.cfg.segment_bytes);
+                let full =
+                    st.segments.get(&st.active).is_none_or(|s| s.failed || s.len + record > self.cfg.segment_bytes);
                 full.then(|| {
                     // Room for a whole new segment first, so the cap holds however the segment fills,
                     // and for compaction's copies.
@@ -347,7 +367,7 @@ impl DiskTier {
             };
             let Some((doomed, room)) = roll else { break };
             for id in doomed {
-                let _ = std::fs::remove_file(segment_path(&self.seg_dir, id));
+                let _ = self.fs.remove_file(&segment_path(&self.seg_dir, id));
             }
             if !room {
                 // Every sealed segment holds a pinned block: free the one pins hold least of.
@@ -371,13 +391,8 @@ impl DiskTier {
         buf.extend_from_slice(payload);
         buf.resize(record as usize, 0);
         let t = Instant::now();
-        let res = std::os::unix::fs::FileExt::write_all_at(&*file, &buf, offset).and_then(|_| {
-            if self.cfg.sync_writes {
-                file.sync_data()
-            } else {
-                Ok(())
-            }
-        });
+        let res =
+            file.write_all_at(&buf, offset).and_then(|_| if self.cfg.sync_writes { file.sync_data() } else { Ok(()) });
         ::metrics::histogram!("kvtier_disk_write_seconds").record(t.elapsed().as_secs_f64());
         if let Err(e) = res {
             self.counters.write_errors.fetch_add(1, Ordering::Relaxed);
@@ -388,7 +403,13 @@ impl DiskTier {
         let mut st = self.inner.lock();
         if let Some(s) = st.segments.get_mut(&seg) {
             s.len = offset + record;
+            if self.cfg.sync_writes {
+                s.synced = s.len;
+            }
             s.keys.push(key);
+            if s.synced < s.len {
+                st.dirty.insert(seg);
+            }
             st.total_bytes += record;
             st.index_new(key, Loc { seg, offset, header: *header });
         }
@@ -412,9 +433,7 @@ impl DiskTier {
         let id = self.inner.lock().active + 1;
         let segment = self.create_segment(id)?;
         let mut st = self.inner.lock();
-        if let Some(sealed) = st.segments.get(&st.active).map(|s| s.file.clone()) {
-            st.unsynced.push(sealed);
-        }
+        // The sealed segment stays in `dirty` until a sync covers it.
         st.segments.insert(id, segment);
         st.active = id;
         Ok(id)
@@ -472,7 +491,7 @@ impl DiskTier {
         for (k, loc) in &blocks {
             let len = record_of(loc);
             let mut buf = vec![0u8; len as usize];
-            let read = std::os::unix::fs::FileExt::read_exact_at(&*source, &mut buf, loc.offset);
+            let read = source.read_exact_at(&mut buf, loc.offset);
             let end = FRAME_HEADER_LEN + loc.header.payload_len as usize;
             let sound = read.is_ok()
                 && FrameHeader::decode(&buf).is_ok_and(|h| h == loc.header)
@@ -482,7 +501,7 @@ impl DiskTier {
                 self.counters.corrupt.fetch_add(1, Ordering::Relaxed);
                 continue;
             }
-            std::os::unix::fs::FileExt::write_all_at(&*file, &buf, offset)?;
+            file.write_all_at(&buf, offset)?;
             moved.push((*k, Loc { seg: target, offset, header: loc.header }));
             offset += len;
         }
@@ -496,6 +515,7 @@ impl DiskTier {
             }
             if let Some(s) = st.segments.get_mut(&target) {
                 s.len = offset;
+                s.synced = offset;
                 s.keys.extend(moved.iter().map(|(k, _)| *k));
             }
             st.total_bytes += offset;
@@ -519,7 +539,7 @@ impl DiskTier {
             }
         };
         let Some(victim) = doomed else { return Ok(false) };
-        let _ = std::fs::remove_file(segment_path(&self.seg_dir, victim));
+        let _ = self.fs.remove_file(&segment_path(&self.seg_dir, victim));
         self.counters.evicted_segments.fetch_add(1, Ordering::Relaxed);
         ::metrics::counter!("kvtier_disk_compactions_total").increment(1);
         tracing::info!(segment = victim, relocated = moved.len(), "disk segment held only by pins compacted");
@@ -527,20 +547,51 @@ impl DiskTier {
         Ok(true)
     }
 
-    /// Makes every write so far durable: syncs the active segment and every segment sealed since
-    /// the last call.
+    /// Makes every write so far durable: syncs every segment holding records no sync covered yet.
+    ///
+    /// Safe to call concurrently: each call syncs every segment not known durable up to the length
+    /// it saw, and a segment counts as durable only after a sync of it returned. A failed sync may
+    /// have lost its writes for good (Linux reports a writeback error once, marks the pages clean,
+    /// and a second fsync succeeds without them), so its segment's blocks past the last good sync
+    /// are forgotten (a park writes them again from memory; otherwise they are misses) and the
+    /// segment takes no more records.
     pub fn sync(&self) -> Result<(), ServerError> {
-        let files: Vec<Arc<File>> = {
-            let mut st = self.inner.lock();
-            let mut files = std::mem::take(&mut st.unsynced);
-            files.extend(st.segments.get(&st.active).map(|s| s.file.clone()));
-            files
+        let todo: Vec<(u64, Arc<dyn FsFile>, u64)> = {
+            let st = self.inner.lock();
+            st.dirty.iter().filter_map(|id| st.segments.get(id).map(|s| (*id, s.file.clone(), s.len))).collect()
         };
-        for (i, f) in files.iter().enumerate() {
-            if let Err(e) = f.sync_data() {
-                // Not durable yet: the next call tries them again.
-                self.inner.lock().unsynced.extend(files[i..].iter().cloned());
-                return Err(e.into());
+        for (id, file, len) in todo {
+            let res = file.sync_data();
+            let mut st = self.inner.lock();
+            let st = &mut *st;
+            let Some(seg) = st.segments.get_mut(&id) else {
+                st.dirty.remove(&id);
+                continue;
+            };
+            if let Err(e) = res {
+                seg.failed = true;
+                let synced = seg.synced;
+                let doubtful: Vec<IndexKey> = seg
+                    .keys
+                    .iter()
+                    .filter(|k| st.index.get(*k).is_some_and(|l| l.seg == id && l.offset >= synced))
+                    .copied()
+                    .collect();
+                for k in &doubtful {
+                    st.unindex(k);
+                }
+                st.dirty.remove(&id);
+                self.counters.write_errors.fetch_add(1, Ordering::Relaxed);
+                ::metrics::counter!("kvtier_errors_total", "kind" => "disk_sync").increment(1);
+                tracing::error!(segment = id, forgotten = doubtful.len(), "disk segment fsync failed: {e}");
+                return Err(io_err("syncing", &segment_path(&self.seg_dir, id), e));
+            }
+            // A segment another call's sync failed on stays doubtful, whatever this sync says.
+            if !seg.failed {
+                seg.synced = seg.synced.max(len);
+            }
+            if seg.failed || seg.synced >= seg.len {
+                st.dirty.remove(&id);
             }
         }
         Ok(())
@@ -561,7 +612,7 @@ impl DiskTier {
         let t = Instant::now();
         let len = FRAME_HEADER_LEN + loc.header.payload_len as usize;
         let mut buf = vec![0u8; len];
-        let res = std::os::unix::fs::FileExt::read_exact_at(&*file, &mut buf, loc.offset);
+        let res = file.read_exact_at(&mut buf, loc.offset);
         ::metrics::histogram!("kvtier_disk_read_seconds").record(t.elapsed().as_secs_f64());
         let ok = res.is_ok()
             && FrameHeader::decode(&buf).is_ok_and(|h| h == loc.header)

@@ -4,6 +4,8 @@ use std::path::{Path, PathBuf};
 
 use kvtier_proto::{FrameHeader, FRAME_HEADER_LEN};
 
+use crate::fs::FsFile;
+
 /// Every record starts on a 4 KiB boundary (the page and NVMe sector size class).
 pub(super) const RECORD_ALIGN: u64 = 4096;
 
@@ -22,6 +24,8 @@ pub(super) struct Scanned {
     pub valid_len: u64,
     /// Records dropped: torn (cut short) or failing their checksums.
     pub discarded: u64,
+    /// The file was cut to `valid_len` (not synced yet).
+    pub truncated: bool,
 }
 
 /// Reads a segment front to back, verifying every record, and truncates a torn tail.
@@ -31,11 +35,9 @@ pub(super) struct Scanned {
 /// boundary and looks for a valid header there, and so on; a damaged payload is skipped by the
 /// length its valid header gives. Zeros are unwritten space. A run of unreadable boundaries is
 /// counted once.
-pub(super) fn scan_segment(path: &Path) -> std::io::Result<Scanned> {
-    use std::os::unix::fs::FileExt;
-    let file = std::fs::OpenOptions::new().read(true).write(true).open(path)?;
-    let file_len = file.metadata()?.len();
-    let mut out = Scanned { records: Vec::new(), valid_len: 0, discarded: 0 };
+pub(super) fn scan_segment(file: &dyn FsFile) -> std::io::Result<Scanned> {
+    let file_len = file.size()?;
+    let mut out = Scanned { records: Vec::new(), valid_len: 0, discarded: 0, truncated: false };
     let mut offset = 0u64;
     let mut header = [0u8; FRAME_HEADER_LEN];
     let mut payload = Vec::new();
@@ -73,6 +75,7 @@ pub(super) fn scan_segment(path: &Path) -> std::io::Result<Scanned> {
     }
     if out.valid_len < file_len {
         file.set_len(out.valid_len)?;
+        out.truncated = true;
     }
     Ok(out)
 }
