@@ -143,7 +143,7 @@ async fn measure(clients: &[(&'static str, KvClient); 2], cfg: &TlsConfig) -> an
                         let mut lat = Vec::with_capacity(ops);
                         for op in 0..ops {
                             let i = (op * c + t) % n;
-                            let k = [key(size, 1 + run * 64 + t, op)];
+                            let k = [key(size, 1 + c * 100_000 + run * 1000 + t, op)];
                             let s = Instant::now();
                             let st = client.store_keys(ns, &k, &[vec![src.slice(i * size..(i + 1) * size)]]).await?;
                             lat.push(s.elapsed().as_secs_f64());
