@@ -1058,3 +1058,7 @@ impl KvClient {
         self.grpc()
     }
 }
+
+/// Requests a node sends its peers on a client's behalf.
+#[path = "client_peer.rs"]
+mod peer;
