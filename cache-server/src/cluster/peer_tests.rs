@@ -132,7 +132,7 @@ fn member(id: &str) -> Member {
 }
 
 fn namespace() -> Namespace {
-    Namespace::new("acme", "m", KvLayout::new(1, 1, 64, DType::Fp16, 16), HashScheme::Blake3, b"salt".to_vec())
+    Namespace::new("acme", "m", KvLayout::new(1, 1, 64, DType::Fp16, 16), HashScheme::Blake3, b"salt")
 }
 
 fn block(ns: &Namespace, i: u32) -> StoredBlock {
