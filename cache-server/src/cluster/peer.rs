@@ -407,34 +407,34 @@ impl PeerTier {
             let member = &p.members()[peer];
             let ns = &job.ns;
             async move {
-                if self.is_down(&member.id, now) {
-                    return (
-                        member,
-                        blocks.len(),
-                        Err(ServerError::Peer { peer: member.id.to_string(), reason: "down".into() }),
-                    );
-                }
-                (member, blocks.len(), self.bounded(self.transport.put(member, ns, blocks)).await)
+                // A peer known to be down is not tried (`None`): its copies are dropped.
+                let res = if self.is_down(&member.id, now) {
+                    None
+                } else {
+                    Some(self.bounded(self.transport.put(member, ns, blocks)).await)
+                };
+                (member, blocks, res)
             }
         });
-        for (member, n, res) in futures::future::join_all(calls).await {
+        for (member, blocks, res) in futures::future::join_all(calls).await {
             match res {
-                Ok(held) => {
+                Some(Ok(held)) => {
                     bump(&self.counters.forwarded, held as u64);
                     ::metrics::counter!("kvtier_peer_forwarded_blocks_total").increment(held as u64);
+                    let sent: u64 = blocks.iter().map(|b| b.payload.len() as u64).sum();
+                    bump(&self.counters.bytes_out, sent);
+                    ::metrics::counter!("kvtier_tier_bytes_out_total", "tier" => "peer").increment(sent);
                 }
-                Err(e) => {
-                    bump(&self.counters.forward_dropped, n as u64);
-                    ::metrics::counter!("kvtier_peer_forward_dropped_total").increment(n as u64);
-                    if !matches!(&e, ServerError::Peer { reason, .. } if reason == "down") {
+                failed => {
+                    let n = blocks.len() as u64;
+                    bump(&self.counters.forward_dropped, n);
+                    ::metrics::counter!("kvtier_peer_forward_dropped_total").increment(n);
+                    if let Some(Err(e)) = failed {
                         self.failed(member, "put", &e);
                     }
                 }
             }
         }
-        let sent: u64 = by_peer.values().flatten().map(|b| b.payload.len() as u64).sum();
-        bump(&self.counters.bytes_out, sent);
-        ::metrics::counter!("kvtier_tier_bytes_out_total", "tier" => "peer").increment(sent);
     }
 
     /// The tier's counters: hits and misses of loads, bytes received and forwarded, peer
