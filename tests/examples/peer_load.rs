@@ -54,9 +54,11 @@ async fn main() {
     let dir = tempfile::tempdir().unwrap();
     let (n1, n2) = (node(&redis, dir.path(), "n1"), node(&redis, dir.path(), "n2"));
     let deadline = Instant::now() + Duration::from_secs(15);
-    while metric(&n2.scrape(), "kvtier_membership_members", &[]) != 2.0 {
-        assert!(Instant::now() < deadline, "the nodes did not see each other");
-        std::thread::sleep(Duration::from_millis(50));
+    for n in [&n1, &n2] {
+        while metric(&n.scrape(), "kvtier_membership_members", &[]) != 2.0 {
+            assert!(Instant::now() < deadline, "the nodes did not see each other");
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
     let layout = KvLayout::new(8, 8, 128, DType::Bf16, 32); // 1 MiB blocks
     let spec = namespace("bench", b"bench", layout);
@@ -66,6 +68,17 @@ async fn main() {
     let toks = tokens(9, BLOCKS * 32);
     let payloads = full_block_payloads(&ns1, &toks);
     c1.store(&ns1, &toks, &payloads).await.unwrap().ok().unwrap();
+    // Forwarding to n2 (the owner of about half the blocks) runs after the store: wait until
+    // n1's count of forwarded blocks stops moving.
+    let mut last = -1.0;
+    for _ in 0..60 {
+        std::thread::sleep(Duration::from_millis(500));
+        let now = metric(&n1.scrape(), "kvtier_peer_forwarded_blocks_total", &[]);
+        if now > 0.0 && now == last {
+            break;
+        }
+        last = now;
+    }
     // Blocks n2 doesn't hold: every load of them through n2 goes to n1.
     let keys = ns1.keys(&toks);
     let held = c2.exists_keys(&ns2, &keys).await.unwrap();
