@@ -105,6 +105,17 @@ pub struct ServerConfig {
     /// their own boot id); set it when the socket is not reachable from where clients run even on
     /// the same kernel (another container without the socket mounted). Default: the boot id.
     pub host_id: Option<String>,
+    /// Owners of each block in a cluster (replicas placed by rendezvous hashing, spread over
+    /// racks and zones); every node must use the same. Default: `1`.
+    pub cluster_rf: usize,
+    /// Bound of one request to a peer node, connecting included: past it the peer's keys are
+    /// misses (or go to their next replica). Default: `2s`.
+    pub peer_timeout: DurationStr,
+    /// Whether a block loaded from a peer is kept in this node's DRAM (counted against its cap
+    /// like any other block). Default: `true`.
+    pub peer_cache: bool,
+    /// Requests to peers running at once, over all clients. Default: `64`.
+    pub peer_max_inflight: usize,
     /// TLS on the gRPC and data-plane listeners, and client certificates (mTLS) as credentials:
     /// a `[tls]` table, see [`TlsConfig`]. The same-node socket and `/metrics` stay plain (local).
     /// Default: none (plain TCP: keep the listeners on loopback or a trusted network).
@@ -214,6 +225,10 @@ impl Default for ServerConfig {
             zone: None,
             cluster_ttl: DurationStr(Duration::from_secs(10)),
             host_id: None,
+            cluster_rf: 1,
+            peer_timeout: DurationStr(Duration::from_secs(2)),
+            peer_cache: true,
+            peer_max_inflight: 64,
             tls: None,
         }
     }
@@ -330,6 +345,19 @@ impl ServerConfig {
         }
         if self.cluster_ttl.0 < Duration::from_secs(1) {
             return bad(format!("cluster_ttl must be at least 1s, got {}", self.cluster_ttl));
+        }
+        if !(1..=crate::cluster::placement::MAX_RF).contains(&self.cluster_rf) {
+            return bad(format!(
+                "cluster_rf must be 1..={}, got {}",
+                crate::cluster::placement::MAX_RF,
+                self.cluster_rf
+            ));
+        }
+        if self.peer_timeout.0 < Duration::from_millis(10) || self.peer_timeout.0 > Duration::from_secs(600) {
+            return bad(format!("peer_timeout must be 10ms..=600s, got {}", self.peer_timeout));
+        }
+        if !(1..=4096).contains(&self.peer_max_inflight) {
+            return bad(format!("peer_max_inflight must be 1..=4096, got {}", self.peer_max_inflight));
         }
         if self.max_connections == 0 || self.max_connections > 1 << 20 {
             return bad(format!("max_connections must be 1..=1048576, got {}", self.max_connections));

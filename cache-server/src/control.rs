@@ -41,6 +41,7 @@ pub fn to_status(e: ServerError) -> Status {
         ServerError::InvalidRequest(_) | ServerError::Proto(_) => tonic::Code::InvalidArgument,
         ServerError::Io(e) if e.kind() == std::io::ErrorKind::StorageFull => tonic::Code::ResourceExhausted,
         ServerError::Config(_) | ServerError::Io(_) => tonic::Code::Internal,
+        ServerError::Peer { .. } => tonic::Code::Unavailable,
     };
     let mut status = Status::new(code, format!("{}: {e}", e.code()));
     if let Ok(v) = e.code().parse() {
@@ -218,9 +219,11 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
             let ns = self.state.namespace_for(&p, &id, Access::Read)?;
             self.state.check_context(&ns, r.keys.len())?;
             let keys = keys(&r.keys)?;
-            Ok::<_, ServerError>(self.state.tiers().longest_prefix(&id, &keys))
+            Ok::<_, ServerError>((ns, keys))
         })();
-        let matched = res.map_err(to_status)?;
+        let (ns, keys) = res.map_err(to_status)?;
+        // Local tiers first, then (in a cluster) the owners of the keys after the local prefix.
+        let matched = self.state.tiers().longest_prefix_with_peers(&ns, &keys).await;
         observe("lookup", start);
         Ok(Response::new(pb::LookupResponse { matched_blocks: matched as u32 }))
     }
@@ -321,6 +324,8 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
                 evictions: s.evictions,
                 bytes_in: s.bytes_in,
                 bytes_out: s.bytes_out,
+                requests: s.requests,
+                errors: s.errors,
             })
             .collect();
         let (sessions, namespaces) = match p.tenant() {

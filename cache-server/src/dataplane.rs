@@ -17,14 +17,18 @@
 //! continues; a problem that loses the framing (bad frame header, oversized frame, too many
 //! blocks, truncated stream) is answered with a request-level error when possible and only that
 //! connection is closed. A block that was not completely received is never visible.
+//!
+//! In a cluster (see `crate::cluster::peer`), a `GET`'s keys that no local tier holds are loaded
+//! from their owners before the answer starts, and blocks a `PUT` stored are queued for their
+//! other owners; requests flagged `FLAG_PEER` (from another node) do neither.
 
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvtier_proto::dataplane::{
-    Hello, HelloReply, ItemStatus, Op, RequestHeader, ResponseHeader, Status, FLAG_PIN_LEASE, FLAG_REPORT_PRESENT,
-    FLAG_STOP_AT_MISS, HELLO_LEN, NO_CODEC, PROTOCOL_VERSION, REQUEST_HEADER_LEN,
+    Hello, HelloReply, ItemStatus, Op, RequestHeader, ResponseHeader, Status, FLAG_PEER, FLAG_PIN_LEASE,
+    FLAG_REPORT_PRESENT, FLAG_STOP_AT_MISS, HELLO_LEN, NO_CODEC, PROTOCOL_VERSION, REQUEST_HEADER_LEN,
 };
 use kvtier_proto::{BlockKey, FrameHeader, NamespaceId, ProtoError, FRAME_HEADER_LEN, KEY_LEN};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
@@ -396,6 +400,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         let mut statuses = Vec::with_capacity(req.count as usize);
         let report = req.flags & FLAG_REPORT_PRESENT != 0;
         let mut codecs = Vec::with_capacity(if report { 2 * req.count as usize } else { 0 });
+        let mut stored: Vec<(NamespaceId, BlockKey)> = Vec::new();
         for i in 0..req.count {
             let mut fh = [0u8; FRAME_HEADER_LEN];
             self.rd.read_exact(&mut fh).await.inspect_err(|_| error("dataplane_truncated"))?;
@@ -412,6 +417,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
                 return self.fatal(Op::Put as u8, req.request_id, Status::TooLarge, &format!("frame {i}: {msg}")).await;
             }
             let mut status = self.put_one(&header).await?;
+            let fresh = status == ItemStatus::Ok;
             if status == ItemStatus::Present && req.flags & FLAG_REPORT_PRESENT == 0 {
                 status = ItemStatus::Ok;
             }
@@ -422,6 +428,8 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             }
             if !status.is_held() {
                 error(item_kind(status));
+            } else if fresh {
+                stored.push((header.namespace, header.key));
             }
             if report {
                 let codec = match status {
@@ -437,6 +445,9 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         self.wr.write_all(&h.encode()).await?;
         self.wr.write_all(&statuses).await?;
         self.wr.write_all(&codecs).await?;
+        if req.flags & FLAG_PEER == 0 {
+            forward_to_peers(&self.state, stored);
+        }
         observe("dataplane_put", start);
         Ok(())
     }
@@ -504,6 +515,8 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         let start = Instant::now();
         let Some(raw) = self.read_keys(&req).await? else { return Ok(()) };
         let ns: NamespaceId = req.namespace;
+        // In a cluster: what no local tier holds, from its owners (bounded by `peer_timeout`).
+        let mut remote = fetch_from_peers(&self.state.clone(), &req, &raw).await;
         let h = ResponseHeader::ok(Op::Get, req.request_id, req.count);
         self.wr.write_all(&h.encode()).await?;
         let stop_at_miss = req.flags & FLAG_STOP_AT_MISS != 0;
@@ -517,7 +530,11 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             k.copy_from_slice(chunk);
             let key = BlockKey(k);
             // A disk read runs on the I/O pool; a saturated pool (`Busy`) answers a miss.
-            match self.state.tiers().get(&ns, &key).await {
+            let load = match self.state.tiers().get(&ns, &key).await {
+                Load::Hit(b) => Load::Hit(b),
+                other => remote.remove(&key).map_or(other, Load::Hit),
+            };
+            match load {
                 Load::Hit(b) => {
                     self.wr.write_all(&[ItemStatus::Ok as u8]).await?;
                     self.wr.write_all(&b.header.encode()).await?;
@@ -558,6 +575,41 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         self.wr.write_all(&statuses).await?;
         observe("dataplane_exists", start);
         Ok(())
+    }
+}
+
+/// For a `GET` from a client (not from a peer): the requested blocks no local tier holds,
+/// loaded from their owners (see `crate::cluster::peer`). Empty outside a cluster.
+async fn fetch_from_peers(
+    state: &NodeState,
+    req: &RequestHeader,
+    raw: &[u8],
+) -> std::collections::HashMap<BlockKey, crate::dram::StoredBlock> {
+    if req.flags & FLAG_PEER != 0 || state.tiers().peers().is_none() {
+        return Default::default();
+    }
+    let Ok(ns) = state.namespace(&req.namespace) else { return Default::default() };
+    let keys: Vec<BlockKey> = raw
+        .chunks_exact(KEY_LEN)
+        .map(|c| {
+            let mut k = [0u8; KEY_LEN];
+            k.copy_from_slice(c);
+            BlockKey(k)
+        })
+        .collect();
+    state.tiers().fetch_from_peers(&ns, &keys).await
+}
+
+/// Queues the blocks a client's `PUT` just stored for their other owners (per namespace).
+fn forward_to_peers(state: &NodeState, mut stored: Vec<(NamespaceId, BlockKey)>) {
+    if stored.is_empty() || state.tiers().peers().is_none() {
+        return;
+    }
+    stored.sort_unstable_by_key(|(ns, _)| ns.0);
+    for group in stored.chunk_by(|a, b| a.0 == b.0) {
+        let Ok(ns) = state.namespace(&group[0].0) else { continue };
+        let keys: Vec<BlockKey> = group.iter().map(|(_, k)| *k).collect();
+        state.tiers().forward_to_peers(ns, &keys);
     }
 }
 

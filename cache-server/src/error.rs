@@ -39,6 +39,10 @@ pub enum ServerError {
     Proto(#[from] ProtoError),
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
+    /// A peer node (the G4 tier) could not be reached or answered wrongly; callers turn it into
+    /// a miss.
+    #[error("peer {peer}: {reason}")]
+    Peer { peer: String, reason: String },
 }
 
 impl ServerError {
@@ -61,7 +65,7 @@ impl ServerError {
             }
             ServerError::InvalidRequest(_) | ServerError::Proto(_) => codes::INVALID_REQUEST,
             ServerError::Io(e) if e.kind() == std::io::ErrorKind::StorageFull => codes::DISK_FULL,
-            ServerError::Config(_) | ServerError::Io(_) => codes::INTERNAL,
+            ServerError::Config(_) | ServerError::Io(_) | ServerError::Peer { .. } => codes::INTERNAL,
         }
     }
 
@@ -83,6 +87,7 @@ impl ServerError {
             ServerError::Config(_) => "config",
             ServerError::Io(e) if e.kind() == std::io::ErrorKind::StorageFull => "disk_full",
             ServerError::Io(_) => "io",
+            ServerError::Peer { .. } => "peer",
         }
     }
 }

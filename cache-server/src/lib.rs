@@ -16,7 +16,7 @@
 //! - [`tenants`]: credentials, tenants, grants and quotas — who may touch which namespace.
 //! - [`listen`]: the accept loop every listener shares (connection limits in total and per peer).
 //! - [`cluster`]: many nodes — rendezvous placement with replicas and topology, membership
-//!   (embedded, or in Redis). Library only so far: `kvtier serve` is still one node.
+//!   (embedded, or in Redis), the G4 peer tier (loads from and stores to a block's owners).
 //! - [`config`]: TOML + env + flags, validated at start.
 //! - [`metrics`]: Prometheus `/metrics`.
 //!
@@ -109,6 +109,34 @@ async fn join_cluster(
 }
 
 impl RunningServer {
+    /// Puts the G4 peer tier under this node's own tiers (see [`cluster::peer`]), reaching the
+    /// other members through `transport`; does nothing for a node without `cluster`. The
+    /// `kvtier` binary calls it right after [`start`] with a transport over `kvtier-client`.
+    pub fn attach_peers(&mut self, transport: Arc<dyn cluster::PeerTransport>) {
+        let c = self.state.config();
+        if c.cluster.is_none() {
+            return;
+        }
+        if c.auth_token.is_none() && !c.tenants.is_empty() {
+            tracing::warn!(
+                "tenants without auth_token: this node can't authenticate to its peers (they must share auth_token)"
+            );
+        }
+        let cfg =
+            cluster::PeerConfig { rf: c.cluster_rf, timeout: c.peer_timeout.0, max_inflight: c.peer_max_inflight };
+        let local = self.membership.local();
+        let (tier, task) = cluster::PeerTier::start(
+            local.id.clone(),
+            local.labels.clone(),
+            self.membership.watch(),
+            transport,
+            cfg,
+            self.stop.subscribe(),
+        );
+        self.state.tiers().attach_peers(tier, c.peer_cache);
+        self.tasks.push(task);
+    }
+
     /// Runs until the gRPC server stops.
     pub async fn wait(&mut self) -> Result<(), ServerError> {
         match (&mut self.grpc).await {

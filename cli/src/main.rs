@@ -2,6 +2,8 @@
 //! trying a node by hand (`put`, `get`, `lookup`, `session park|resume|extend|ls|drop`, `stats`);
 //! `kvtier cert` makes TLS certificates.
 
+mod peers;
+
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -316,7 +318,9 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         None => None,
     };
     let (cap, disk_cap, dir) = (cfg.dram_capacity, cfg.disk_capacity, cfg.data_dir.clone());
-    let server = kvtier_server::start(cfg, handle).await?;
+    let peer_transport = peers::ClientTransport::new(cfg.auth_token.clone(), cfg.peer_timeout.0);
+    let mut server = kvtier_server::start(cfg, handle).await?;
+    server.attach_peers(std::sync::Arc::new(peer_transport));
     let metrics = server.metrics_addr.map(|m| format!("http://{m}/metrics")).unwrap_or_else(|| "off".into());
     let disk = match server.state.disk_recovery() {
         Some(r) => format!(

@@ -1084,3 +1084,7 @@ impl KvClient {
         self.grpc()
     }
 }
+
+/// Requests a node sends its peers on a client's behalf.
+#[path = "client_peer.rs"]
+mod peer;

@@ -445,6 +445,10 @@ impl DataPool {
     }
 }
 
+/// Requests a node sends its peers on a client's behalf.
+#[path = "conn_peer.rs"]
+mod peer;
+
 #[cfg(test)]
 mod tests {
     use super::*;

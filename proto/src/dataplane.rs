@@ -30,6 +30,9 @@
 //! connection lives or until `RELEASE`, so a session's blocks can't be evicted between their upload
 //! and the park that pins them for good; a client that dies mid-park leaks nothing.
 //!
+//! A `GET` or `PUT` with [`FLAG_PEER`] comes from another node of the cluster asking on a
+//! client's behalf: it is served from the node's own tiers and never forwarded again.
+//!
 //! A request-level error (bad header, too many items, unknown namespace) is a [`ResponseHeader`]
 //! with a non-zero status and a UTF-8 message of `msg_len` bytes; no item statuses follow. After a
 //! request-level error the server closes the connection when it can't find the next request's start.
@@ -48,6 +51,9 @@ pub const FLAG_PIN_LEASE: u16 = 1;
 pub const FLAG_STOP_AT_MISS: u16 = 2;
 /// `PUT` flag: answer [`ItemStatus::Present`] for blocks already held.
 pub const FLAG_REPORT_PRESENT: u16 = 4;
+/// `GET`, `PUT`: sent by a node on a client's behalf (the G4 peer tier). The peer answers from
+/// its own tiers only and forwards nothing, so a request never travels further than one hop.
+pub const FLAG_PEER: u16 = 8;
 /// In a [`FLAG_REPORT_PRESENT`] answer: no copy held (the item was refused).
 pub const NO_CODEC: u16 = u16::MAX;
 

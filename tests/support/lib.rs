@@ -4,9 +4,11 @@
 //! - [`faults`]: a fault-injecting wrapper for any byte stream (delay, stall, cut, corrupt).
 //! - [`harness`]: N real nodes in this process, their data planes reached over in-memory streams
 //!   (or Unix sockets) through that wrapper.
+//! - [`redis`]: a real `redis-server` on loopback for the cluster tests.
 
 pub mod faults;
 pub mod harness;
+pub mod redis;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::SocketAddr;

@@ -3,15 +3,19 @@
 //! - [`member`]: a member's id, addresses, topology labels (node, rack, zone) and capacity.
 //! - [`placement`]: pure rendezvous placement of a block over the members, with replicas spread
 //!   across racks and zones and a reader's preference order.
+//! - [`peer`]: the G4 peer tier — a local miss asks the block's owners (one request per peer),
+//!   stores are forwarded to them; the network behind the [`PeerTransport`] seam.
 //! - [`membership`]: the [`Membership`] seam — a watchable snapshot of the members, kept in
 //!   process for a single node ([`Embedded`]) or in Redis with a TTL heartbeat ([`RedisMembership`]).
 
 pub mod member;
 pub mod membership;
+pub mod peer;
 pub mod placement;
 
 pub use member::{Labels, Member, NodeId};
 pub use membership::{Embedded, Membership, RedisMembership, RedisMembershipConfig, Snapshot};
+pub use peer::{PeerConfig, PeerFuture, PeerTier, PeerTransport};
 pub use placement::{Locality, Placement, Reader};
 
 #[cfg(test)]

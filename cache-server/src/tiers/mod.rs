@@ -50,6 +50,10 @@ pub struct TierStats {
     pub evictions: u64,
     pub bytes_in: u64,
     pub bytes_out: u64,
+    /// Requests sent to other nodes (the peer tier; 0 for the others).
+    pub requests: u64,
+    /// Requests that failed or came back wrong (the peer tier; 0 for the others).
+    pub errors: u64,
 }
 
 /// A tier that can pin blocks for parked sessions and leases.
@@ -172,6 +176,7 @@ impl Tier for DramTier {
             evictions: s.evictions,
             bytes_in: s.bytes_in,
             bytes_out: s.bytes_out,
+            ..TierStats::default()
         }
     }
 }
@@ -221,6 +226,7 @@ impl Tier for DiskTier {
             evictions: d.evicted_blocks,
             bytes_in: d.bytes_in,
             bytes_out: d.bytes_out,
+            ..TierStats::default()
         }
     }
     fn does_io(&self) -> bool {

@@ -2,18 +2,24 @@
 //! the one API the control and data planes use on them: presence, longest prefix, a verified read
 //! (promoting a block read twice from disk), zero-copy ingest, persist, pins, purge and stats.
 //! Handlers never reach past it, so a new tier is one more entry in [`TierStack::tiers`].
+//!
+//! With a cluster, the peer tier (G4, [`crate::cluster::PeerTier`]) sits under the local ones:
+//! it is asynchronous and batched (one request per peer per client request), so instead of a
+//! [`Tier`] entry it has two calls of its own — [`TierStack::fetch_from_peers`] for the keys
+//! every local tier missed, [`TierStack::forward_to_peers`] for blocks just stored.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use kvtier_proto::{BlockKey, CodecId, FrameHeader, NamespaceId, TierId};
+use kvtier_proto::{BlockKey, CodecId, FrameHeader, Namespace, NamespaceId, TierId};
 use parking_lot::Mutex;
 
 use super::demotion::{self, DemotionDepth};
 use super::{InTransitTier, IoPool, Load, PinTier, Tier, TierStats};
+use crate::cluster::PeerTier;
 use crate::disk::DiskTier;
-use crate::dram::{DramTier, IndexKey, InsertOutcome, Priority, SlotWriter};
+use crate::dram::{DramTier, IndexKey, InsertOutcome, Priority, SlotWriter, StoredBlock};
 use crate::error::ServerError;
 
 /// How long a disk read waits for an I/O slot before it is answered `Busy` (a miss the engine
@@ -39,7 +45,18 @@ pub struct TierStack {
     /// within the disk read wait is `Busy`.
     disk_read_budget: Arc<tokio::sync::Semaphore>,
     disk_read_budget_kib: usize,
+    /// The peer tier, once the node joined a cluster.
+    peers: OnceLock<Peers>,
 }
+
+/// The peer tier and whether blocks loaded from it are kept in DRAM.
+struct Peers {
+    tier: Arc<PeerTier>,
+    cache_locally: bool,
+}
+
+/// Most payload bytes one request loads from peers (keys past it are misses).
+const MAX_PEER_FETCH_BYTES: u64 = 256 << 20;
 
 /// A disk block's bytes, holding their share of the disk read budget until the last view of
 /// them is dropped.
@@ -73,6 +90,7 @@ impl TierStack {
             io: IoPool::default(),
             demotion: Mutex::new(None),
             sync_parks,
+            peers: OnceLock::new(),
         }
     }
 
@@ -169,6 +187,74 @@ impl TierStack {
             hits.remove(&(*ns, *key));
         }
         again
+    }
+
+    /// Puts the peer tier under the local ones (once; later calls are ignored). With
+    /// `cache_locally`, a block loaded from a peer is kept in DRAM like any other block.
+    pub fn attach_peers(&self, tier: Arc<PeerTier>, cache_locally: bool) {
+        let _ = self.peers.set(Peers { tier, cache_locally });
+    }
+
+    /// The peer tier, when the node is part of a cluster.
+    pub fn peers(&self) -> Option<&Arc<PeerTier>> {
+        self.peers.get().map(|p| &p.tier)
+    }
+
+    /// The blocks among `keys` that no local tier holds, loaded from their owners (one request
+    /// per peer; at most 256 MiB of payload per call, keys past it miss), verified, and cached
+    /// in DRAM when the node is set to. Empty without a peer tier; a failure is a miss.
+    pub async fn fetch_from_peers(&self, ns: &Namespace, keys: &[BlockKey]) -> HashMap<BlockKey, StoredBlock> {
+        let Some(peers) = self.peers.get() else { return HashMap::new() };
+        let id = ns.id();
+        let held = self.exists(&id, keys);
+        let most = (MAX_PEER_FETCH_BYTES / ns.layout.block_bytes().max(1)).max(1) as usize;
+        let mut missing: Vec<BlockKey> = keys.iter().zip(held).filter(|(_, h)| !h).map(|(k, _)| *k).collect();
+        missing.sort_unstable_by_key(|k| k.0);
+        missing.dedup();
+        missing.truncate(most);
+        if missing.is_empty() {
+            return HashMap::new();
+        }
+        let got = peers.tier.fetch(ns, &missing).await;
+        let mut out = HashMap::with_capacity(got.len());
+        for (k, b) in missing.into_iter().zip(got) {
+            let Some(b) = b else { continue };
+            if peers.cache_locally && Tier::put(&self.dram, b.header, &b.payload, Priority::Normal).is_ok() {
+                ::metrics::counter!("kvtier_peer_cached_total").increment(1);
+            }
+            out.insert(k, b);
+        }
+        out
+    }
+
+    /// [`TierStack::longest_prefix`], continued — with a peer tier — by what the owners of the
+    /// keys after it hold (one request per peer; a failed peer holds nothing).
+    pub async fn longest_prefix_with_peers(&self, ns: &Namespace, keys: &[BlockKey]) -> usize {
+        let id = ns.id();
+        let n = self.longest_prefix(&id, keys);
+        let Some(peers) = self.peers.get() else { return n };
+        if n == keys.len() {
+            return n;
+        }
+        let local = self.exists(&id, &keys[n..]);
+        let ask: Vec<BlockKey> = keys[n..].iter().zip(&local).filter(|(_, h)| !**h).map(|(k, _)| *k).collect();
+        let mut remote = peers.tier.held(ns, &ask).await.into_iter();
+        n + local.into_iter().take_while(|&here| here || remote.next().unwrap_or(false)).count()
+    }
+
+    /// Queues blocks this node just stored (and holds in DRAM) for their other owners; nothing
+    /// without a peer tier. See [`PeerTier::forward`].
+    pub fn forward_to_peers(&self, ns: Namespace, keys: &[BlockKey]) {
+        let Some(peers) = self.peers.get() else { return };
+        let id = ns.id();
+        let in_memory = |k: &BlockKey| {
+            self.tiers().filter(|t| !t.does_io()).find_map(|t| match t.get(&id, k) {
+                Load::Hit(b) => Some(b),
+                _ => None,
+            })
+        };
+        let blocks: Vec<StoredBlock> = keys.iter().filter_map(in_memory).collect();
+        peers.tier.forward(ns, blocks);
     }
 
     /// Whether the hottest tier (DRAM) holds the block: a write of it can be skipped.
@@ -297,7 +383,8 @@ impl TierStack {
 
     /// Counters of the tiers that hold capacity of their own (DRAM, disk), hottest first.
     pub fn stats(&self) -> Vec<(TierId, TierStats)> {
-        self.tiers().filter(|t| t.id() != TierId::InTransit).map(|t| (t.id(), t.stats())).collect()
+        let local = self.tiers().filter(|t| t.id() != TierId::InTransit).map(|t| (t.id(), t.stats()));
+        local.chain(self.peers.get().map(|p| (TierId::Peer, p.tier.stats()))).collect()
     }
 
     /// Waits while the demotion queue is full, so writers slow down to the disk's pace instead

@@ -1,0 +1,135 @@
+//! The network under the server's G4 peer tier (`kvtier_server::cluster::PeerTransport`): one
+//! pooled [`KvClient`] per peer (TCP data plane; QUIC later), authenticated with this node's
+//! `auth_token` — the operator's token, which every node of a cluster must share. Before a
+//! peer first sees a namespace it is registered there: a namespace's id is a hash of its spec, so
+//! the same spec registers the same namespace on every node, and the operator may register any
+//! tenant's. A failed call drops the peer's client and registrations, so the next call starts over.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kvtier_client::{ClientConfig, KvClient, NamespaceHandle, SameNodeMode};
+use kvtier_proto::{BlockFrame, BlockKey, Namespace, NamespaceId};
+use kvtier_server::cluster::{Member, NodeId, PeerFuture, PeerTransport};
+use kvtier_server::dram::StoredBlock;
+use kvtier_server::ServerError;
+
+/// A client for one peer and the namespaces registered there.
+struct Peer {
+    addr: String,
+    client: KvClient,
+    namespaces: Mutex<HashMap<NamespaceId, NamespaceHandle>>,
+}
+
+/// [`PeerTransport`] over `kvtier-client`.
+pub struct ClientTransport {
+    cfg: ClientConfig,
+    peers: Mutex<HashMap<NodeId, Arc<Peer>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl ClientTransport {
+    /// Calls bounded by `timeout`, authenticated with `auth_token`.
+    pub fn new(auth_token: Option<String>, timeout: Duration) -> Self {
+        let cfg = ClientConfig {
+            connect_timeout: timeout,
+            request_timeout: timeout,
+            data_connections: 4,
+            max_batch_blocks: usize::MAX,
+            auth_token,
+            samenode: SameNodeMode::Off,
+            ..ClientConfig::default()
+        };
+        ClientTransport { cfg, peers: Mutex::new(HashMap::new()) }
+    }
+
+    fn err(peer: &Member, e: impl std::fmt::Display) -> ServerError {
+        ServerError::Peer { peer: peer.id.to_string(), reason: e.to_string() }
+    }
+
+    /// The peer's client (connecting once), and its handle for `ns` (registering it once).
+    async fn handle(&self, peer: &Member, ns: &Namespace) -> Result<(Arc<Peer>, NamespaceHandle), ServerError> {
+        let known = lock(&self.peers).get(&peer.id).filter(|p| p.addr == peer.grpc_addr).cloned();
+        let p = match known {
+            Some(p) => p,
+            None => {
+                let client =
+                    KvClient::connect(&peer.grpc_addr, self.cfg.clone()).await.map_err(|e| Self::err(peer, e))?;
+                let p = Arc::new(Peer { addr: peer.grpc_addr.clone(), client, namespaces: Mutex::new(HashMap::new()) });
+                lock(&self.peers).insert(peer.id.clone(), p.clone());
+                p
+            }
+        };
+        let id = ns.id();
+        let known = lock(&p.namespaces).get(&id).cloned();
+        let h = match known {
+            Some(h) => h,
+            None => {
+                let h = p.client.register(ns.clone()).await.map_err(|e| Self::err(peer, e))?;
+                lock(&p.namespaces).insert(id, h.clone());
+                h
+            }
+        };
+        Ok((p, h))
+    }
+
+    fn forget(&self, peer: &Member) {
+        lock(&self.peers).remove(&peer.id);
+    }
+}
+
+impl PeerTransport for ClientTransport {
+    fn get<'a>(
+        &'a self,
+        peer: &'a Member,
+        ns: &'a Namespace,
+        keys: &'a [BlockKey],
+    ) -> PeerFuture<'a, Vec<Option<StoredBlock>>> {
+        Box::pin(async move {
+            let (p, h) = self.handle(peer, ns).await?;
+            match p.client.peer_load_keys(&h, keys).await {
+                Ok(frames) => Ok(frames
+                    .into_iter()
+                    .map(|f| f.map(|BlockFrame { header, payload }| StoredBlock { header, payload }))
+                    .collect()),
+                Err(e) => {
+                    self.forget(peer);
+                    Err(Self::err(peer, e))
+                }
+            }
+        })
+    }
+
+    fn exists<'a>(&'a self, peer: &'a Member, ns: &'a Namespace, keys: &'a [BlockKey]) -> PeerFuture<'a, Vec<bool>> {
+        Box::pin(async move {
+            let (p, h) = self.handle(peer, ns).await?;
+            // The data plane's EXISTS answers from the peer's own tiers only.
+            p.client.exists_keys(&h, keys).await.map_err(|e| {
+                self.forget(peer);
+                Self::err(peer, e)
+            })
+        })
+    }
+
+    fn put<'a>(&'a self, peer: &'a Member, ns: &'a Namespace, blocks: &'a [StoredBlock]) -> PeerFuture<'a, usize> {
+        Box::pin(async move {
+            let _ = self.handle(peer, ns).await?;
+            let Some(p) = lock(&self.peers).get(&peer.id).cloned() else {
+                return Err(Self::err(peer, "no client"));
+            };
+            let frames: Vec<BlockFrame> =
+                blocks.iter().map(|b| BlockFrame { header: b.header, payload: b.payload.clone() }).collect();
+            match p.client.peer_store_frames(&frames).await {
+                Ok(st) => Ok(st.iter().filter(|s| s.is_held()).count()),
+                Err(e) => {
+                    self.forget(peer);
+                    Err(Self::err(peer, e))
+                }
+            }
+        })
+    }
+}

@@ -1,0 +1,44 @@
+//! Data-plane requests one node sends another on a client's behalf (the server's G4 peer tier):
+//! a `GET` and a `PUT` flagged [`FLAG_PEER`], so the peer serves them from its own tiers and
+//! never forwards them again. A child of `conn` so that it reuses the connection's framing.
+
+use bytes::BytesMut;
+use kvtier_proto::dataplane::{ItemStatus, Op, FLAG_PEER};
+use kvtier_proto::{BlockFrame, BlockKey, NamespaceId};
+use tokio::io::AsyncReadExt;
+
+use super::DataConn;
+use crate::ClientError;
+
+impl DataConn {
+    /// A `GET` flagged [`FLAG_PEER`]: every key looked up on its own (no stop at a miss); `None`
+    /// for a miss. Every returned frame was verified against its checksum and checked to be the
+    /// key and namespace asked for.
+    pub(crate) async fn get_peer(
+        &mut self,
+        ns: NamespaceId,
+        keys: &[BlockKey],
+        max_frame: u64,
+    ) -> Result<Vec<Option<BlockFrame>>, ClientError> {
+        self.keyed_request(Op::Get, FLAG_PEER, ns, keys).await?;
+        let mut out = Vec::with_capacity(keys.len());
+        for key in keys {
+            if ItemStatus::from_u8(self.rd.read_u8().await?)? != ItemStatus::Ok {
+                out.push(None);
+                continue;
+            }
+            let header = self.read_frame_header(ns, key, max_frame).await?;
+            let mut payload = BytesMut::zeroed(header.payload_len as usize);
+            self.rd.read_exact(&mut payload).await?;
+            let payload = payload.freeze();
+            header.verify_payload(&payload)?;
+            out.push(Some(BlockFrame { header, payload }));
+        }
+        Ok(out)
+    }
+
+    /// A `PUT` flagged [`FLAG_PEER`]; one status per frame.
+    pub(crate) async fn put_peer(&mut self, frames: &[BlockFrame]) -> Result<Vec<ItemStatus>, ClientError> {
+        self.put_frames(frames, FLAG_PEER).await
+    }
+}

@@ -1,0 +1,104 @@
+//! Remote load through the G4 peer tier beside a local load and raw loopback TCP, same run:
+//! `cargo build --release --bins && cargo run --release -p kvtier-tests --example peer_load`
+//! (needs `redis-server`). Two real nodes, 1 MiB blocks, `peer_cache = false` so every remote load
+//! crosses nodes; medians of 5 runs. Not a test: figures depend on the machine.
+
+use std::time::{Duration, Instant};
+
+use kvtier_proto::{BlockKey, DType, KvLayout};
+use kvtier_tests::redis::Redis;
+use kvtier_tests::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const BLOCKS: usize = 256;
+
+fn node(redis: &Redis, dir: &std::path::Path, id: &str) -> ServerProcess {
+    let cfg = dir.join(format!("{id}.toml"));
+    let toml =
+        format!("cluster = \"{}\"\nnode_id = \"{id}\"\npeer_cache = false\npeer_timeout = \"10s\"\n", redis.url());
+    std::fs::write(&cfg, toml).unwrap();
+    ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "1GiB"])
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// GB/s of one stream writing `bytes` through loopback TCP in 1 MiB writes.
+async fn loopback(bytes: usize) -> f64 {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let reader = tokio::spawn(async move {
+        let (mut s, _) = l.accept().await.unwrap();
+        let mut buf = vec![0u8; 1 << 20];
+        let mut n = 0;
+        while n < bytes {
+            n += s.read(&mut buf).await.unwrap();
+        }
+    });
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.set_nodelay(true).unwrap();
+    let chunk = vec![7u8; 1 << 20];
+    let t = Instant::now();
+    for _ in 0..bytes >> 20 {
+        s.write_all(&chunk).await.unwrap();
+    }
+    reader.await.unwrap();
+    bytes as f64 / t.elapsed().as_secs_f64() / 1e9
+}
+
+#[tokio::main]
+async fn main() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (n1, n2) = (node(&redis, dir.path(), "n1"), node(&redis, dir.path(), "n2"));
+    let deadline = Instant::now() + Duration::from_secs(15);
+    for n in [&n1, &n2] {
+        while metric(&n.scrape(), "kvtier_membership_members", &[]) != 2.0 {
+            assert!(Instant::now() < deadline, "the nodes did not see each other");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    let layout = KvLayout::new(8, 8, 128, DType::Bf16, 32); // 1 MiB blocks
+    let spec = namespace("bench", b"bench", layout);
+    let (c1, c2) = (n1.client().await, n2.client().await);
+    let ns1 = c1.register(spec.clone()).await.unwrap();
+    let ns2 = c2.register(spec).await.unwrap();
+    let toks = tokens(9, BLOCKS * 32);
+    let payloads = full_block_payloads(&ns1, &toks);
+    c1.store(&ns1, &toks, &payloads).await.unwrap().ok().unwrap();
+    // Forwarding to n2 (the owner of about half the blocks) runs after the store: wait until
+    // n1's count of forwarded blocks stops moving.
+    let mut last = -1.0;
+    for _ in 0..60 {
+        std::thread::sleep(Duration::from_millis(500));
+        let now = metric(&n1.scrape(), "kvtier_peer_forwarded_blocks_total", &[]);
+        if now > 0.0 && now == last {
+            break;
+        }
+        last = now;
+    }
+    // Blocks n2 doesn't hold: every load of them through n2 goes to n1.
+    let keys = ns1.keys(&toks);
+    let held = c2.exists_keys(&ns2, &keys).await.unwrap();
+    let remote: Vec<BlockKey> = keys.iter().zip(&held).filter(|(_, h)| !**h).map(|(k, _)| *k).collect();
+    let bytes = remote.len() as f64 * layout.block_bytes() as f64;
+    let (mut local, mut peer, mut tcp) = (vec![], vec![], vec![]);
+    for _ in 0..5 {
+        let t = Instant::now();
+        let got = c1.load_keys(&ns1, &remote).await.unwrap();
+        local.push(bytes / t.elapsed().as_secs_f64() / 1e9);
+        assert!(got.iter().all(Option::is_some));
+        let t = Instant::now();
+        let got = c2.load_keys(&ns2, &remote).await.unwrap();
+        peer.push(bytes / t.elapsed().as_secs_f64() / 1e9);
+        assert!(got.iter().all(Option::is_some), "remote load missed");
+        tcp.push(loopback(remote.len() << 20).await);
+    }
+    let (l, p, t) = (median(local), median(peer), median(tcp));
+    println!("{} blocks of 1 MiB, medians of 5 runs", remote.len());
+    println!("local load (client -> node holding the blocks): {l:.2} GB/s");
+    println!("remote load (client -> node -> owner, one request): {p:.2} GB/s ({:.2}x local)", p / l);
+    println!("loopback TCP, one stream: {t:.2} GB/s (remote = {:.2}x of it)", p / t);
+}

@@ -1,0 +1,208 @@
+//! The G4 peer tier between real `kvtier serve` processes sharing a real `redis-server` on
+//! loopback: a block stored through one node loads through another (exact bytes, one peer
+//! request per owner per client request, counted by the server itself), a replica serves when
+//! the other owner was killed, and a stalled or killed sole owner gives a miss within a bounded
+//! time, never a hang.
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use kvtier_client::KvClient;
+use kvtier_proto::{pb, BlockKey, NamespaceId};
+use kvtier_server::cluster::{Labels, Member, NodeId, Placement};
+use kvtier_tests::redis::Redis;
+use kvtier_tests::*;
+
+const IDS: [&str; 3] = ["n1", "n2", "n3"];
+
+/// A node of the cluster (64 MiB of DRAM, so every node has the same placement weight).
+fn node(redis: &Redis, dir: &std::path::Path, id: &str, rf: usize) -> ServerProcess {
+    let cfg = dir.join(format!("{id}.toml"));
+    std::fs::write(
+        &cfg,
+        format!(
+            "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\ncluster_rf = {rf}\npeer_timeout = \"1s\"\n",
+            redis.url()
+        ),
+    )
+    .unwrap();
+    ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"])
+}
+
+/// Three nodes that see each other.
+fn cluster(redis: &Redis, dir: &std::path::Path, rf: usize) -> Vec<ServerProcess> {
+    let nodes: Vec<ServerProcess> = IDS.iter().map(|id| node(redis, dir, id, rf)).collect();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    for n in &nodes {
+        while metric(&n.scrape(), "kvtier_membership_members", &[]) != 3.0 {
+            assert!(Instant::now() < deadline, "the nodes did not see each other");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    nodes
+}
+
+/// The placement every node computes (same ids, same host label, same capacity).
+fn placement() -> Placement {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default();
+    let members: Vec<Member> = IDS
+        .iter()
+        .map(|id| Member {
+            id: NodeId::new(*id).unwrap(),
+            grpc_addr: String::new(),
+            data_addr: String::new(),
+            labels: Labels::new(Some(&host), None, None),
+            capacity: 64 << 20,
+        })
+        .collect();
+    Placement::new(&members)
+}
+
+fn owners(p: &Placement, ns: &NamespaceId, key: &BlockKey, rf: usize) -> BTreeSet<&'static str> {
+    p.owners(ns, key, rf)
+        .into_iter()
+        .map(|i| IDS[IDS.iter().position(|id| *id == p.members()[i].id.as_str()).unwrap()])
+        .collect()
+}
+
+/// The peer tier's line of a node's `Stats`.
+async fn peer_stats(c: &KvClient) -> pb::TierStats {
+    c.stats().await.unwrap().tiers.into_iter().find(|t| t.tier == "peer").expect("a peer tier in Stats")
+}
+
+/// Waits until `node` has forwarded `n` blocks to their other owners.
+fn until_forwarded(node: &ServerProcess, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let done = metric(&node.scrape(), "kvtier_peer_forwarded_blocks_total", &[]);
+        if done >= n as f64 {
+            return;
+        }
+        assert!(Instant::now() < deadline, "forwarded {done} of {n} blocks");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn signal(node: &ServerProcess, sig: rustix::process::Signal) {
+    let pid = rustix::process::Pid::from_raw(node.child.id() as i32).unwrap();
+    rustix::process::kill_process(pid, sig).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_stored_via_one_node_loads_via_another_with_one_request_per_peer() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let nodes = cluster(&redis, dir.path(), 1);
+    let (a, c) = (nodes[0].client().await, nodes[2].client().await);
+    let spec = namespace("acme", b"peer-salt", small_layout());
+    let ns_a = a.register(spec.clone()).await.unwrap();
+    let toks = tokens(1, 24 * 16);
+    let payloads = full_block_payloads(&ns_a, &toks);
+    a.store(&ns_a, &toks, &payloads).await.unwrap().ok().unwrap();
+
+    let p = placement();
+    let keys = ns_a.keys(&toks);
+    let owner: Vec<&str> = keys.iter().map(|k| *owners(&p, &ns_a.id, k, 1).iter().next().unwrap()).collect();
+    until_forwarded(&nodes[0], owner.iter().filter(|o| **o != "n1").count());
+
+    // Through n3: its own blocks were forwarded to it; the others come from n1 and n2.
+    let ns_c = c.register(spec).await.unwrap();
+    // A lookup through n3 sees the whole prefix (its owners answer for what n3 lacks).
+    assert_eq!(c.lookup(&ns_c, &toks).await.unwrap(), toks.len());
+    let before = peer_stats(&c).await;
+    let loaded = c.load(&ns_c, &toks).await.unwrap();
+    assert_eq!(loaded.len(), payloads.len(), "every block loads through n3");
+    assert!(loaded == payloads, "exact bytes");
+    let after = peer_stats(&c).await;
+    let remote: BTreeSet<&str> = owner.iter().copied().filter(|o| *o != "n3").collect();
+    let remote_blocks = owner.iter().filter(|o| **o != "n3").count() as u64;
+    assert!(remote_blocks > 0 && !remote.is_empty(), "some blocks live elsewhere: {owner:?}");
+    assert_eq!(after.requests - before.requests, remote.len() as u64, "one request per peer: {remote:?}");
+    assert_eq!(after.hits - before.hits, remote_blocks);
+    assert_eq!(after.errors, 0);
+
+    // Cached on n3 (peer_cache): the same load asks no peer.
+    let again = c.load(&ns_c, &toks).await.unwrap();
+    assert!(again == payloads);
+    assert_eq!(peer_stats(&c).await.requests, after.requests, "served from n3's DRAM");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_rf2_a_killed_owner_leaves_the_other_replica() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let mut nodes = cluster(&redis, dir.path(), 2);
+    let a = nodes[0].client().await;
+    let spec = namespace("acme", b"rf2-salt", small_layout());
+    let ns = a.register(spec.clone()).await.unwrap();
+    let toks = tokens(2, 24 * 16);
+    let payloads = full_block_payloads(&ns, &toks);
+    a.store(&ns, &toks, &payloads).await.unwrap().ok().unwrap();
+    let p = placement();
+    let keys = ns.keys(&toks);
+    let copies: usize = keys.iter().map(|k| owners(&p, &ns.id, k, 2).iter().filter(|o| **o != "n1").count()).sum();
+    until_forwarded(&nodes[0], copies);
+    let on_n1_n2 = keys.iter().filter(|k| owners(&p, &ns.id, k, 2) == BTreeSet::from(["n1", "n2"])).count();
+    assert!(on_n1_n2 > 0, "some blocks are owned by n1 and n2 only");
+
+    // kill -9 n2 while it is still a member: n3 finds n1's replica of what n2 co-owned.
+    let _ = nodes[1].child.kill();
+    let _ = nodes[1].child.wait();
+    let c = nodes[2].client().await;
+    let ns_c = c.register(spec).await.unwrap();
+    let t = Instant::now();
+    let loaded = c.load(&ns_c, &toks).await.unwrap();
+    assert!(loaded == payloads, "all {} blocks, exact, without n2", payloads.len());
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_or_killed_sole_owner_is_a_bounded_miss() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let mut nodes = cluster(&redis, dir.path(), 1);
+    let a = nodes[0].client().await;
+    let spec = namespace("acme", b"dead-salt", small_layout());
+    let ns = a.register(spec.clone()).await.unwrap();
+    let toks = tokens(3, 32 * 16);
+    let payloads = full_block_payloads(&ns, &toks);
+    a.store(&ns, &toks, &payloads).await.unwrap().ok().unwrap();
+    let p = placement();
+    let keys = ns.keys(&toks);
+    let owner: Vec<&str> = keys.iter().map(|k| *owners(&p, &ns.id, k, 1).iter().next().unwrap()).collect();
+    until_forwarded(&nodes[0], owner.iter().filter(|o| **o != "n1").count());
+    let on_n2: Vec<BlockKey> = keys.iter().zip(&owner).filter(|(_, o)| **o == "n2").map(|(k, _)| *k).collect();
+    assert!(!on_n2.is_empty());
+
+    let on_n1: Vec<BlockKey> = keys.iter().zip(&owner).filter(|(_, o)| **o == "n1").map(|(k, _)| *k).collect();
+    assert!(!on_n1.is_empty());
+    let c = nodes[2].client().await;
+    let ns_c = c.register(spec).await.unwrap();
+
+    // Killed (kill -9), still a member for up to its TTL: its keys miss at once.
+    let _ = nodes[1].child.kill();
+    let _ = nodes[1].child.wait();
+    let t = Instant::now();
+    let got = c.load_keys(&ns_c, &on_n2).await.unwrap();
+    assert!(got.iter().all(Option::is_none), "n2's blocks miss");
+    assert!(t.elapsed() < Duration::from_secs(3), "a killed owner held the load {:?}", t.elapsed());
+    assert!(peer_stats(&c).await.errors >= 1, "the peer error is counted");
+
+    // Stalled (SIGSTOP): its socket accepts, nothing answers. A miss within peer_timeout (1 s).
+    signal(&nodes[0], rustix::process::Signal::STOP);
+    let t = Instant::now();
+    let got = c.load_keys(&ns_c, &on_n1).await.unwrap();
+    let took = t.elapsed();
+    signal(&nodes[0], rustix::process::Signal::CONT);
+    assert!(got.iter().all(Option::is_none), "n1's blocks miss while it stalls");
+    assert!(took < Duration::from_secs(3), "a stalled owner held the load {took:?}");
+
+    // What n3 holds itself still loads, exact.
+    let mine: Vec<(BlockKey, &Bytes)> =
+        keys.iter().zip(&payloads).zip(&owner).filter(|(_, o)| **o == "n3").map(|((k, p), _)| (*k, p)).collect();
+    let got = c.load_keys(&ns_c, &mine.iter().map(|r| r.0).collect::<Vec<_>>()).await.unwrap();
+    for ((_, want), f) in mine.iter().zip(got) {
+        assert_eq!(&f.expect("held by n3").payload, *want);
+    }
+}
