@@ -274,3 +274,51 @@ async fn a_client_that_never_finishes_its_handshake_is_closed_and_holds_nothing(
     }
     assert_eq!(timeouts, 2.0, "both silent connections timed out");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_of_a_tls_cluster_reach_each_other_over_tls_with_their_node_certificates() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (ca, _) = pki(tmp.path());
+    let redis = kvtier_tests::redis::Redis::start();
+    let operator = "cluster-operator-token-0001";
+    let p = |f: &str| ca.join(f).display().to_string();
+    let nodes: Vec<ServerProcess> = ["n1", "n2"]
+        .iter()
+        .map(|id| {
+            let cfg = tmp.path().join(format!("{id}.toml"));
+            std::fs::write(
+                &cfg,
+                format!(
+                    "auth_token = \"{operator}\"\ncluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\n\
+                     peer_timeout = \"2s\"\n\n[tls]\ncert = \"{}\"\nkey = \"{}\"\nclient_ca = \"{}\"\n\n\
+                     [[tenants]]\nname = \"alice\"\ncert_names = [\"alice\"]\n",
+                    redis.url(),
+                    p("node.pem"),
+                    p("node.key"),
+                    p("ca.pem")
+                ),
+            )
+            .unwrap();
+            ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"])
+        })
+        .collect();
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    for n in &nodes {
+        while metric(&n.scrape(), "kvtier_membership_members", &[]) != 2.0 {
+            assert!(std::time::Instant::now() < deadline, "the nodes did not see each other");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    let a1 = connect(&nodes[0], Some(tls(&ca, Some((&ca, "alice")))), None).await.expect("alice at n1");
+    let a2 = connect(&nodes[1], Some(tls(&ca, Some((&ca, "alice")))), None).await.expect("alice at n2");
+    let ns1 = a1.register(namespace("alice", b"fleet", small_layout())).await.unwrap();
+    let ns2 = a2.register(namespace("alice", b"fleet", small_layout())).await.unwrap();
+    let doc = tokens(11, 512);
+    let blocks = full_block_payloads(&ns1, &doc);
+    a1.store(&ns1, &doc, &blocks).await.unwrap().ok().unwrap();
+    // Through n2: the blocks n1 owns come from n1 over TLS (n2's node certificate, the operator's
+    // token), byte-exact.
+    assert_eq!(a2.load(&ns2, &doc).await.unwrap(), blocks);
+    let peer = a2.stats().await.unwrap().tiers.into_iter().find(|t| t.tier == "peer").expect("a peer tier");
+    assert!(peer.requests >= 1 && peer.errors == 0, "n2 asked n1 over TLS: {peer:?}");
+}

@@ -318,7 +318,19 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         None => None,
     };
     let (cap, disk_cap, dir) = (cfg.dram_capacity, cfg.disk_capacity, cfg.data_dir.clone());
-    let peer_transport = peers::ClientTransport::new(cfg.auth_token.clone(), cfg.peer_timeout.0);
+    // With TLS, nodes reach each other over TLS too: the node's own certificate as the client's
+    // (node certificates from `kvtier cert node` are good for both), peers checked against
+    // `client_ca`, the CA the cluster's certificates come from.
+    let peer_tls = match (&cfg.tls, &cfg.cluster) {
+        (Some(t), Some(_)) => {
+            let ca = t.client_ca.as_deref().context(
+                "a cluster with [tls] needs tls.client_ca: the CA the nodes' certificates come from (nodes verify each other with it)",
+            )?;
+            Some(kvtier_client::ClientTls::from_files(ca, Some((&t.cert, &t.key)))?)
+        }
+        _ => None,
+    };
+    let peer_transport = peers::ClientTransport::new(cfg.auth_token.clone(), cfg.peer_timeout.0, peer_tls);
     let mut server = kvtier_server::start(cfg, handle).await?;
     server.attach_peers(std::sync::Arc::new(peer_transport));
     let metrics = server.metrics_addr.map(|m| format!("http://{m}/metrics")).unwrap_or_else(|| "off".into());

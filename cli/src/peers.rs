@@ -33,8 +33,9 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl ClientTransport {
-    /// Calls bounded by `timeout`, authenticated with `auth_token`.
-    pub fn new(auth_token: Option<String>, timeout: Duration) -> Self {
+    /// Calls bounded by `timeout`, authenticated with `auth_token` (and over TLS with `tls`, the
+    /// node's own certificate presented to its peers).
+    pub fn new(auth_token: Option<String>, timeout: Duration, tls: Option<kvtier_client::ClientTls>) -> Self {
         let cfg = ClientConfig {
             connect_timeout: timeout,
             request_timeout: timeout,
@@ -42,6 +43,7 @@ impl ClientTransport {
             max_batch_blocks: usize::MAX,
             auth_token,
             samenode: SameNodeMode::Off,
+            tls,
             ..ClientConfig::default()
         };
         ClientTransport { cfg, peers: Mutex::new(HashMap::new()) }
