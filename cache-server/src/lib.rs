@@ -29,6 +29,7 @@ pub mod deadline;
 pub mod disk;
 pub mod dram;
 pub mod error;
+pub mod gather;
 pub mod listen;
 pub mod metrics;
 pub mod samenode;
