@@ -32,7 +32,6 @@ use tokio::net::TcpListener;
 #[cfg(unix)]
 use tokio::net::UnixListener;
 use tokio::sync::watch;
-use xxhash_rust::xxh3::xxh3_64;
 
 use crate::deadline::Deadlined;
 use crate::dram::Priority;
@@ -430,7 +429,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         };
         // A stream that ends here drops `slot`, which returns it unpublished.
         self.rd.read_exact(slot.buf_mut()).await.inspect_err(|_| error("dataplane_truncated"))?;
-        if xxh3_64(slot.buf_mut()) != header.checksum {
+        if kvtier_proto::checksum(slot.buf_mut()) != header.checksum {
             return Ok(ItemStatus::ChecksumMismatch);
         }
         Ok(match tier.commit(slot, header, Priority::Normal) {

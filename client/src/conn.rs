@@ -69,9 +69,9 @@ impl OutFrame for GatherFrame {
 /// The xxh3-64 of segments taken back to back (the frame checksum of a gathered payload).
 pub(crate) fn checksum_of(parts: &[impl AsRef<[u8]>]) -> u64 {
     if let [one] = parts {
-        return xxhash_rust::xxh3::xxh3_64(one.as_ref());
+        return kvtier_proto::checksum(one.as_ref());
     }
-    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    let mut h = kvtier_proto::Checksummer::new();
     for p in parts {
         h.update(p.as_ref());
     }
