@@ -98,7 +98,10 @@ mod tests {
             self.out.extend_from_slice(&data[..n]);
             std::task::Poll::Ready(Ok(n))
         }
-        fn poll_flush(self: std::pin::Pin<&mut Self>, _: &mut std::task::Context<'_>) -> std::task::Poll<io::Result<()>> {
+        fn poll_flush(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<io::Result<()>> {
             std::task::Poll::Ready(Ok(()))
         }
         fn poll_shutdown(

@@ -20,8 +20,8 @@
 //! | 104 | 16 | reserved, zero |
 //! | 120 | 8 | header checksum (xxh3-64 of bytes 0..120) |
 
-use bytes::Bytes;
 use crate::checksum::checksum;
+use bytes::Bytes;
 
 use crate::{BlockKey, DType, KvLayout, MemoryOrder, NamespaceId, ProtoError, KEY_LEN, NAMESPACE_ID_LEN};
 
