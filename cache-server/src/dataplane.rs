@@ -31,16 +31,16 @@ use kvtier_proto::dataplane::{
     FLAG_REPORT_PRESENT, FLAG_STOP_AT_MISS, HELLO_LEN, NO_CODEC, PROTOCOL_VERSION, REQUEST_HEADER_LEN,
 };
 use kvtier_proto::{BlockKey, FrameHeader, NamespaceId, ProtoError, FRAME_HEADER_LEN, KEY_LEN};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, BufReader};
 use tokio::net::TcpListener;
 #[cfg(unix)]
 use tokio::net::UnixListener;
 use tokio::sync::watch;
-use xxhash_rust::xxh3::xxh3_64;
 
 use crate::deadline::Deadlined;
 use crate::dram::Priority;
 use crate::error::ServerError;
+use crate::gather::GatherWriter;
 use crate::listen::Peer;
 use crate::metrics::{error, observe};
 use crate::state::NodeState;
@@ -196,7 +196,8 @@ enum ConnError {
 
 struct Connection<R, W> {
     rd: BufReader<Deadlined<R>>,
-    wr: BufWriter<Deadlined<W>>,
+    /// Headers and statuses are buffered; a payload leaves with them in one vectored write.
+    wr: GatherWriter<Deadlined<W>>,
     /// No byte for this long inside a request (or while the peer doesn't read its answer) ends
     /// the connection.
     stall: Duration,
@@ -258,7 +259,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         let (stall, idle) = (state.config().stall_timeout.0, state.config().idle_timeout.0);
         Connection {
             rd: BufReader::with_capacity(IO_BUF, Deadlined::new(r, stall)),
-            wr: BufWriter::with_capacity(IO_BUF, Deadlined::new(w, stall)),
+            wr: GatherWriter::with_capacity(IO_BUF, Deadlined::new(w, stall)),
             stall,
             idle,
             leases: PinLeases { state: state.clone(), pins: Default::default() },
@@ -480,7 +481,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         };
         // A stream that ends here drops `slot`, which returns it unpublished.
         self.rd.read_exact(slot.buf_mut()).await.inspect_err(|_| error("dataplane_truncated"))?;
-        if xxh3_64(slot.buf_mut()) != header.checksum {
+        if kvtier_proto::checksum(slot.buf_mut()) != header.checksum {
             return Ok(ItemStatus::ChecksumMismatch);
         }
         Ok(match tier.commit(slot, header, Priority::Normal) {

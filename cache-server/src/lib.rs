@@ -34,6 +34,7 @@ pub mod disk;
 pub mod dram;
 pub mod error;
 pub mod fs;
+pub mod gather;
 pub mod listen;
 pub mod metrics;
 pub mod samenode;

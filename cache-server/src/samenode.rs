@@ -47,7 +47,6 @@ use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
 use tokio::io::{AsyncWriteExt, Interest};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::watch;
-use xxhash_rust::xxh3::Xxh3;
 
 use crate::dram::Priority;
 use crate::error::ServerError;
@@ -603,7 +602,7 @@ fn copy_out(src: &[u8], dst: *mut u8, checksum: Option<u64>) -> bool {
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
         return true;
     };
-    let mut h = Xxh3::new();
+    let mut h = kvtier_proto::Checksummer::new();
     let mut at = 0;
     for chunk in src.chunks(CHUNK) {
         // SAFETY: the caller bounds-checked `dst .. dst + src.len()` against a live mapping of the
@@ -619,7 +618,7 @@ fn copy_out(src: &[u8], dst: *mut u8, checksum: Option<u64>) -> bool {
 /// Copies a payload from `src` (a client's buffer) into `dst` (a reserved slot) chunk by chunk,
 /// hashing each chunk of *our copy* right after it landed; whether our copy matches `checksum`.
 fn copy_in_verified(src: *const u8, dst: &mut [u8], checksum: u64) -> bool {
-    let mut h = Xxh3::new();
+    let mut h = kvtier_proto::Checksummer::new();
     let mut at = 0;
     for chunk in dst.chunks_mut(CHUNK) {
         // SAFETY: the caller bounds-checked `src .. src + dst.len()` against a live mapping of the

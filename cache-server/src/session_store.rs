@@ -253,7 +253,7 @@ mod tests {
             key,
             layout: layout(),
             payload_len: payload.len() as u64,
-            checksum: xxhash_rust::xxh3::xxh3_64(&payload),
+            checksum: kvtier_proto::checksum(&payload),
         };
         tier.insert(header, &payload, Priority::Normal).unwrap();
         key

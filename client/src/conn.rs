@@ -30,6 +30,10 @@ type BoxRead = Box<dyn AsyncRead + Unpin + Send>;
 type BoxWrite = Box<dyn AsyncWrite + Unpin + Send>;
 
 const IO_BUF: usize = 64 * 1024;
+/// The receive buffer: headers and statuses are read through it; a payload read finds at most
+/// this much of itself there (copied out once) and takes the rest from the socket straight into
+/// its destination. Smaller than a block, so most of a block's bytes are never copied in user space.
+const READ_BUF: usize = 16 * 1024;
 
 /// A frame to send: its header and its payload as one or more parts, sent back to back.
 pub(crate) trait OutFrame {
@@ -65,9 +69,9 @@ impl OutFrame for GatherFrame {
 /// The xxh3-64 of segments taken back to back (the frame checksum of a gathered payload).
 pub(crate) fn checksum_of(parts: &[impl AsRef<[u8]>]) -> u64 {
     if let [one] = parts {
-        return xxhash_rust::xxh3::xxh3_64(one.as_ref());
+        return kvtier_proto::checksum(one.as_ref());
     }
-    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    let mut h = kvtier_proto::Checksummer::new();
     for p in parts {
         h.update(p.as_ref());
     }
@@ -146,7 +150,7 @@ impl DataConn {
 
     async fn hello(r: BoxRead, w: BoxWrite, token: Option<&str>) -> Result<Self, ClientError> {
         let mut c =
-            DataConn { rd: BufReader::with_capacity(IO_BUF, r), wr: BufWriter::with_capacity(IO_BUF, w), next_id: 1 };
+            DataConn { rd: BufReader::with_capacity(READ_BUF, r), wr: BufWriter::with_capacity(IO_BUF, w), next_id: 1 };
         c.wr.write_all(&Hello::encode(PROTOCOL_VERSION, token.unwrap_or("").as_bytes())).await?;
         c.wr.flush().await?;
         let mut reply = [0u8; 4];
@@ -282,6 +286,19 @@ impl DataConn {
         Ok(header)
     }
 
+    /// Reads a payload of `n` bytes into a buffer of its own, never zeroed first (the socket
+    /// writes every byte of it: zeroing was one more pass over each block).
+    async fn read_payload(&mut self, n: usize) -> Result<Bytes, ClientError> {
+        let mut payload = BytesMut::with_capacity(n);
+        while payload.len() < n {
+            let want = (n - payload.len()) as u64;
+            if (&mut self.rd).take(want).read_buf(&mut payload).await? == 0 {
+                return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
+            }
+        }
+        Ok(payload.freeze())
+    }
+
     /// Loads blocks straight into `dests` (one per key): a raw payload the size of its
     /// destination is read from the socket into it and verified there, any other is read once
     /// into a buffer and handed to `decode` with its destination. With `stop_at_miss`, the server
@@ -314,9 +331,8 @@ impl DataConn {
                 out.push(if checksum_of(dest) == header.checksum { Landed::Ok } else { Landed::Bad });
                 continue;
             }
-            let mut payload = BytesMut::zeroed(header.payload_len as usize);
-            self.rd.read_exact(&mut payload).await?;
-            let frame = BlockFrame { header, payload: payload.freeze() };
+            let payload = self.read_payload(header.payload_len as usize).await?;
+            let frame = BlockFrame { header, payload };
             let ok = header.verify_payload(&frame.payload).is_ok() && decode(&frame, dest).is_ok();
             out.push(if ok { Landed::Ok } else { Landed::Bad });
         }
@@ -343,9 +359,7 @@ impl DataConn {
                 continue;
             }
             let header = self.read_frame_header(ns, key, max_frame).await?;
-            let mut payload = BytesMut::zeroed(header.payload_len as usize);
-            self.rd.read_exact(&mut payload).await?;
-            let payload: Bytes = payload.freeze();
+            let payload = self.read_payload(header.payload_len as usize).await?;
             header.verify_payload(&payload)?;
             out.push(Some(BlockFrame { header, payload }));
         }

@@ -373,7 +373,7 @@ impl SameNode {
             let checksum = usize::try_from(*o)
                 .ok()
                 .and_then(|o| bytes.get(o..o.checked_add(bb as usize)?))
-                .map_or(0, xxhash_rust::xxh3::xxh3_64);
+                .map_or(0, kvtier_proto::checksum);
             let header = FrameHeader {
                 codec: CodecId::RAW,
                 tokens: layout.block_tokens,

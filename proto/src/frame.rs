@@ -20,8 +20,8 @@
 //! | 104 | 16 | reserved, zero |
 //! | 120 | 8 | header checksum (xxh3-64 of bytes 0..120) |
 
+use crate::checksum::checksum;
 use bytes::Bytes;
-use xxhash_rust::xxh3::xxh3_64;
 
 use crate::{BlockKey, DType, KvLayout, MemoryOrder, NamespaceId, ProtoError, KEY_LEN, NAMESPACE_ID_LEN};
 
@@ -129,7 +129,7 @@ impl FrameHeader {
         h[80..88].copy_from_slice(&self.payload_len.to_le_bytes());
         h[88..96].copy_from_slice(&self.checksum.to_le_bytes());
         h[96..104].copy_from_slice(&self.layout.opaque_block_bytes.to_le_bytes());
-        let hc = xxh3_64(&h[..120]);
+        let hc = checksum(&h[..120]);
         h[120..128].copy_from_slice(&hc.to_le_bytes());
         h
     }
@@ -149,7 +149,7 @@ impl FrameHeader {
         if b[0..4] != FRAME_MAGIC {
             return Err(ProtoError::BadMagic(u32_at(0)));
         }
-        if u64_at(120) != xxh3_64(&b[..120]) {
+        if u64_at(120) != checksum(&b[..120]) {
             return Err(ProtoError::HeaderChecksum);
         }
         let version = u16_at(4);
@@ -226,7 +226,7 @@ impl FrameHeader {
         if payload.len() as u64 != self.payload_len {
             return Err(ProtoError::Truncated { need: self.payload_len as usize, have: payload.len() });
         }
-        let actual = xxh3_64(payload);
+        let actual = checksum(payload);
         if actual != self.checksum {
             return Err(ProtoError::PayloadChecksum { expected: self.checksum, actual });
         }
@@ -272,7 +272,7 @@ impl BlockFrame {
             key,
             layout,
             payload_len: payload.len() as u64,
-            checksum: xxh3_64(&payload),
+            checksum: checksum(&payload),
         };
         BlockFrame { header, payload }
     }

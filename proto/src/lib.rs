@@ -13,6 +13,7 @@
 //! - [`pb`]: the gRPC control-plane messages and service generated from `proto/kvtier.proto`.
 //! - [`codes`]: stable error codes shown at the service boundary.
 
+mod checksum;
 pub mod codes;
 pub mod dataplane;
 mod error;
@@ -23,6 +24,7 @@ mod namespace;
 pub mod samenode;
 mod tier;
 
+pub use checksum::{checksum, Checksummer};
 pub use error::ProtoError;
 pub use frame::{
     BlockFrame, CodecId, FrameHeader, FRAME_FLAGS_KNOWN, FRAME_FLAG_KEEP_LOSSLESS, FRAME_HEADER_LEN, FRAME_MAGIC,
