@@ -10,11 +10,13 @@
 //! - [`sessions`]: parked agent sessions (manifests, TTLs, compare-and-set versions);
 //!   [`session_store`] keeps them with their [`session_log`] written outside the table's lock.
 //! - [`control`]: the gRPC control plane (lookup, sessions, stats, admin).
-//! - [`dataplane`]: the framed TCP data plane that moves block payloads.
+//! - [`dataplane`]: the framed TCP data plane that moves block payloads ([`gather`]: a served
+//!   block's header and payload leave in one vectored write).
 //! - [`samenode`]: the same-node path: client buffers registered over a Unix socket, blocks
 //!   copied into and out of them by offset.
 //! - [`tenants`]: credentials, tenants, grants and quotas — who may touch which namespace.
 //! - [`listen`]: the accept loop every listener shares (connection limits in total and per peer).
+//! - [`tls`]: TLS on the gRPC and data-plane listeners; client certificates as credentials.
 //! - [`cluster`]: many nodes — rendezvous placement with replicas and topology, membership
 //!   (embedded, or in Redis), the G4 peer tier (loads from and stores to a block's owners).
 //! - [`config`]: TOML + env + flags, validated at start.
