@@ -48,7 +48,7 @@ use parking_lot::Mutex;
 use crate::dram::IndexKey;
 use crate::error::ServerError;
 use crate::fs::{FileSystem, FsFile, OpenMode, StdFs};
-use segment::{align_up, scan_segment, segment_path, RECORD_ALIGN};
+use segment::{align_up, hidden_header, scan_segment, segment_path, RECORD_ALIGN};
 
 /// Disk tier settings.
 #[derive(Debug, Clone)]
@@ -339,6 +339,13 @@ impl DiskTier {
         let record = align_up(FRAME_HEADER_LEN as u64 + header.payload_len);
         if record > self.cfg.segment_bytes {
             return Err(ServerError::TooLarge { len: record, capacity: self.cfg.segment_bytes });
+        }
+        if let Some(at) = hidden_header(payload) {
+            ::metrics::counter!("kvtier_disk_refused_hidden_frames_total").increment(1);
+            tracing::warn!(at, "a block whose payload hides a frame header was not written to disk");
+            return Err(ServerError::InvalidRequest(format!(
+                "the block's payload holds a kvtier frame header at byte {at}: not written to disk"
+            )));
         }
         let mut compacted = false;
         loop {

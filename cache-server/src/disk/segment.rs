@@ -13,6 +13,24 @@ pub(super) fn align_up(n: u64) -> u64 {
     n.div_ceil(RECORD_ALIGN) * RECORD_ALIGN
 }
 
+/// The offset of the first record header hidden in `payload`: a block frame header that decodes,
+/// at a place a record could start (a 4 KiB boundary of the segment, the record itself starting on
+/// one). The recovery scan, after a damaged header, looks for the next record at those boundaries;
+/// a payload carrying a valid frame there — a tenant's bytes crafted to look like another
+/// namespace's block — could then be taken for a record. Such payloads are refused at write: real
+/// KV bytes decode as a header (magic, version, flags and a 64-bit checksum) with probability
+/// about 2^-96. Costs one 4-byte compare per 4 KiB of payload.
+pub(super) fn hidden_header(payload: &[u8]) -> Option<usize> {
+    let first = RECORD_ALIGN as usize - FRAME_HEADER_LEN;
+    (first..payload.len())
+        .step_by(RECORD_ALIGN as usize)
+        .filter(|&at| payload.len() - at >= FRAME_HEADER_LEN)
+        .find(|&at| {
+            payload[at..at + 4] == kvtier_proto::FRAME_MAGIC
+                && FrameHeader::decode(&payload[at..at + FRAME_HEADER_LEN]).is_ok()
+        })
+}
+
 pub(super) fn segment_path(dir: &Path, id: u64) -> PathBuf {
     dir.join(format!("seg-{id:010}.kvs"))
 }

@@ -225,3 +225,49 @@ fn accounts_count_live_bytes_through_writes_evictions_and_removals() {
     assert_eq!(t.account_live(7), held * bb);
     assert!(!t.over_quota(&NamespaceId([2; 16])), "an unassigned namespace has no quota");
 }
+
+#[test]
+fn a_payload_hiding_a_frame_header_where_recovery_would_look_is_never_written() {
+    // A tenant's block whose bytes carry another namespace's complete frame at a 4 KiB boundary of
+    // the segment: were it written, a damaged header before it would let the recovery scan take the
+    // planted frame for a record (bytes of the tenant's choosing under someone else's key).
+    let dir = tempfile::tempdir().unwrap();
+    let (t, _) = open(dir.path(), 1 << 20);
+    let victim = BlockFrame::new(
+        NamespaceId([9; 16]),
+        BlockKey([7; 32]),
+        KvLayout::opaque(64, DType::Fp16, 16),
+        CodecId::RAW,
+        16,
+        Bytes::from(vec![0xAB; 64]),
+    );
+    let planted = victim.to_bytes();
+    let at = RECORD_ALIGN as usize - FRAME_HEADER_LEN;
+    let mut bytes = vec![0u8; layout().block_bytes() as usize];
+    bytes[at..at + planted.len()].copy_from_slice(&planted);
+    let key = BlockKey([3; 32]);
+    let carrier = BlockFrame::new(NamespaceId([1; 16]), key, layout(), CodecId::RAW, 16, Bytes::from(bytes.clone()));
+    let err = t.write(&carrier.header, &carrier.payload).unwrap_err();
+    assert!(err.to_string().contains("frame header at byte 3968"), "{err}");
+    assert!(!t.contains(&carrier.header.namespace, &key));
+
+    // Damage the first record on disk and recover: nothing of the victim's namespace appears.
+    let f = frame(1);
+    t.write(&f.header, &f.payload).unwrap();
+    t.sync().unwrap();
+    drop(t);
+    let seg = segment_path(&dir.path().join("segments"), 1);
+    let mut raw = std::fs::read(&seg).unwrap();
+    raw[10] ^= 0xFF;
+    std::fs::write(&seg, raw).unwrap();
+    let (t, r) = open(dir.path(), 1 << 20);
+    assert_eq!((r.blocks, r.discarded), (0, 1));
+    assert!(!t.contains(&victim.header.namespace, &victim.header.key));
+
+    // The same frame anywhere recovery never looks is ordinary payload.
+    let mut elsewhere = vec![0u8; layout().block_bytes() as usize];
+    elsewhere[100..100 + planted.len()].copy_from_slice(&planted);
+    let ok = BlockFrame::new(NamespaceId([1; 16]), BlockKey([4; 32]), layout(), CodecId::RAW, 16, Bytes::from(elsewhere));
+    t.write(&ok.header, &ok.payload).unwrap();
+    assert!(t.contains(&ok.header.namespace, &ok.header.key));
+}
