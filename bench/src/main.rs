@@ -454,7 +454,7 @@ fn main() -> anyhow::Result<()> {
     }
 
     if a.what == What::Samenode {
-        let cfg = kvtier_bench::samenode::SameNodeConfig {
+        let cfg = kvtier_bench::samenode::CellsConfig {
             sizes: list(&a.samenode_sizes, parse_size)?,
             concurrency: list(&a.samenode_concurrency, |c| Ok(c.trim().parse::<usize>()?))?,
             bytes_per_cell: if quick { 64 << 20 } else { 256 << 20 },
@@ -470,7 +470,7 @@ fn main() -> anyhow::Result<()> {
     }
 
     if a.what == What::Tls {
-        let cfg = kvtier_bench::tls::TlsConfig {
+        let cfg = kvtier_bench::samenode::CellsConfig {
             sizes: list(&a.tls_sizes, parse_size)?,
             concurrency: list(&a.tls_concurrency, |c| Ok(c.trim().parse::<usize>()?))?,
             bytes_per_cell: if quick { 64 << 20 } else { 256 << 20 },

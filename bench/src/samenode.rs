@@ -25,8 +25,10 @@ use crate::stats::{median, percentile, ratio};
 /// Bytes of stored blocks the loads cycle over (past the last-level cache).
 const WORKING_SET: usize = 128 << 20;
 
+/// What a path-by-path bench (`samenode`, `tls`) measures: block sizes, concurrency levels, bytes
+/// each path moves per run and cell, runs.
 #[derive(Debug, Clone)]
-pub struct SameNodeConfig {
+pub struct CellsConfig {
     pub sizes: Vec<usize>,
     pub concurrency: Vec<usize>,
     /// Bytes each path moves per run and cell.
@@ -34,6 +36,7 @@ pub struct SameNodeConfig {
     pub runs: usize,
 }
 
+/// One path's figure in one cell (size, concurrency, operation) of a path-by-path bench.
 #[derive(Debug, Clone, Serialize)]
 pub struct Row {
     pub size: usize,
@@ -95,7 +98,7 @@ fn memcpy(size: usize, ops: usize, src: &[u8], dst: &mut [u8]) -> (f64, Vec<f64>
     (t.elapsed().as_secs_f64(), lat)
 }
 
-pub fn run(bin: &Path, dir: &Path, log: &Path, cfg: &SameNodeConfig) -> anyhow::Result<Vec<Row>> {
+pub fn run(bin: &Path, dir: &Path, log: &Path, cfg: &CellsConfig) -> anyhow::Result<Vec<Row>> {
     let max_c = cfg.concurrency.iter().copied().max().unwrap_or(1);
     // Room for the working set plus every store of a run (evicted as they age).
     let dram = (WORKING_SET * 2 + cfg.bytes_per_cell * 2 + (256 << 20)) as u64;
@@ -124,7 +127,7 @@ pub fn run(bin: &Path, dir: &Path, log: &Path, cfg: &SameNodeConfig) -> anyhow::
 /// Keys a task's Redis stores cycle over (overwritten, so Redis holds a bounded amount).
 const REDIS_STORE_KEYS: usize = 64;
 
-async fn measure(addr: &str, cfg: &SameNodeConfig, redis_url: Option<&str>) -> anyhow::Result<Vec<Row>> {
+async fn measure(addr: &str, cfg: &CellsConfig, redis_url: Option<&str>) -> anyhow::Result<Vec<Row>> {
     let redis = match redis_url {
         Some(url) => Some(redis::Client::open(url)?),
         None => None,

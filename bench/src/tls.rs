@@ -12,34 +12,14 @@ use anyhow::{ensure, Context};
 use bytes::Bytes;
 use kvtier_client::{ClientConfig, ClientTls, ItemStatus, KvClient};
 use kvtier_proto::{BlockKey, HashScheme, Namespace};
-use serde::Serialize;
 
 use crate::blocks::layout_for;
+use crate::samenode::{CellsConfig, Row};
 use crate::servers::KvtierServer;
 use crate::stats::{median, percentile, ratio};
 
 /// Bytes of stored blocks the loads cycle over.
 const WORKING_SET: usize = 64 << 20;
-
-#[derive(Debug, Clone)]
-pub struct TlsConfig {
-    pub sizes: Vec<usize>,
-    pub concurrency: Vec<usize>,
-    pub bytes_per_cell: usize,
-    pub runs: usize,
-}
-
-#[derive(Debug, Clone, Serialize)]
-pub struct Row {
-    pub size: usize,
-    pub concurrency: usize,
-    pub op: &'static str,
-    pub path: &'static str,
-    pub gbps: f64,
-    pub gbps_runs: Vec<f64>,
-    pub p50_us: f64,
-    pub p99_us: f64,
-}
 
 fn cert(bin: &Path, args: &[&str]) -> anyhow::Result<()> {
     let out = Command::new(bin).arg("cert").args(args).output().context("running kvtier cert")?;
@@ -55,7 +35,7 @@ fn key(size: usize, tag: usize, i: usize) -> BlockKey {
     BlockKey(*blake3::hash(&k).as_bytes())
 }
 
-pub fn run(bin: &Path, dir: &Path, log_dir: &Path, cfg: &TlsConfig) -> anyhow::Result<Vec<Row>> {
+pub fn run(bin: &Path, dir: &Path, log_dir: &Path, cfg: &CellsConfig) -> anyhow::Result<Vec<Row>> {
     let pki = dir.join("pki");
     let _ = std::fs::remove_dir_all(&pki);
     let p = pki.to_str().context("a UTF-8 path")?;
@@ -89,7 +69,7 @@ pub fn run(bin: &Path, dir: &Path, log_dir: &Path, cfg: &TlsConfig) -> anyhow::R
 
 type Acc = (Vec<f64>, Vec<f64>);
 
-async fn measure(clients: &[(&'static str, KvClient); 2], cfg: &TlsConfig) -> anyhow::Result<Vec<Row>> {
+async fn measure(clients: &[(&'static str, KvClient); 2], cfg: &CellsConfig) -> anyhow::Result<Vec<Row>> {
     let mut rows = Vec::new();
     for &size in &cfg.sizes {
         let n = WORKING_SET / size;
