@@ -146,7 +146,11 @@ async fn tenants_named_by_client_certificates_over_tls_on_both_planes() {
     for m in &msgs {
         assert!(!m.is_empty());
     }
-    assert!(msgs[3].contains("certificate") || msgs[3].contains("Certificate") || msgs[3].contains("transport"), "{}", msgs[3]);
+    assert!(
+        msgs[3].contains("certificate") || msgs[3].contains("Certificate") || msgs[3].contains("transport"),
+        "{}",
+        msgs[3]
+    );
 
     // The data plane speaks TLS only: a plain hello gets no answer, and the connection closes.
     let mut raw = std::net::TcpStream::connect(server.data).unwrap();
@@ -200,11 +204,8 @@ async fn with_optional_client_certificates_tokens_work_and_must_agree_with_a_cer
             Ok(Box::new(s) as kvtier_client::BoxedStream)
         }
     };
-    let cfg = ClientConfig {
-        tls: Some(tls(&ca, None)),
-        auth_token: Some(CAROL_TOKEN.into()),
-        ..ClientConfig::default()
-    };
+    let cfg =
+        ClientConfig { tls: Some(tls(&ca, None)), auth_token: Some(CAROL_TOKEN.into()), ..ClientConfig::default() };
     let mixed = KvClient::connect_with(&server.grpc_addr(), cfg, connector).await.expect("gRPC as carol");
     match mixed.load_keys(&ns, &ns.keys(&doc)).await {
         Err(ClientError::Unauthenticated(_)) => {}

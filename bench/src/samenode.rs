@@ -116,7 +116,8 @@ pub fn run(bin: &Path, dir: &Path, log: &Path, cfg: &CellsConfig) -> anyhow::Res
             None
         }
     };
-    let redis_url = redis.as_ref().and_then(|r| r.unix_socket.as_ref()).map(|p| format!("redis+unix://{}", p.display()));
+    let redis_url =
+        redis.as_ref().and_then(|r| r.unix_socket.as_ref()).map(|p| format!("redis+unix://{}", p.display()));
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(max_c.clamp(2, 8)).enable_all().build()?;
     let out = rt.block_on(measure(&server.grpc_addr, cfg, redis_url.as_deref()));
     drop(server);
@@ -283,49 +284,46 @@ async fn measure(addr: &str, cfg: &CellsConfig, redis_url: Option<&str>) -> anyh
                 // Redis over its Unix socket: GET then a copy into the destination; SET.
                 if !redis_conns.is_empty() {
                     let t0 = Instant::now();
-                    let results =
-                        futures::future::try_join_all(redis_conns.iter().zip(tasks.iter_mut()).enumerate().map(
-                            |(t, (conn, task))| {
-                                let mut conn = conn.clone();
-                                async move {
-                                    let mut lat = Vec::with_capacity(ops);
-                                    for op in 0..ops {
-                                        let i = (op * c + t) % n;
-                                        let s = Instant::now();
-                                        let v: Vec<u8> =
-                                            redis::cmd("GET").arg(redis_key(i)).query_async(&mut conn).await?;
-                                        ensure!(v.len() == size, "Redis returned {} bytes for block {i}", v.len());
-                                        task.3[i * size..(i + 1) * size].copy_from_slice(&v);
-                                        lat.push(s.elapsed().as_secs_f64());
-                                    }
-                                    Ok::<_, anyhow::Error>(lat)
+                    let results = futures::future::try_join_all(
+                        redis_conns.iter().zip(tasks.iter_mut()).enumerate().map(|(t, (conn, task))| {
+                            let mut conn = conn.clone();
+                            async move {
+                                let mut lat = Vec::with_capacity(ops);
+                                for op in 0..ops {
+                                    let i = (op * c + t) % n;
+                                    let s = Instant::now();
+                                    let v: Vec<u8> = redis::cmd("GET").arg(redis_key(i)).query_async(&mut conn).await?;
+                                    ensure!(v.len() == size, "Redis returned {} bytes for block {i}", v.len());
+                                    task.3[i * size..(i + 1) * size].copy_from_slice(&v);
+                                    lat.push(s.elapsed().as_secs_f64());
                                 }
-                            },
-                        ))
-                        .await?;
+                                Ok::<_, anyhow::Error>(lat)
+                            }
+                        }),
+                    )
+                    .await?;
                     acc[8].add(bytes, t0.elapsed().as_secs_f64(), results.concat());
                     let t0 = Instant::now();
-                    let results =
-                        futures::future::try_join_all(redis_conns.iter().zip(tasks.iter()).enumerate().map(
-                            |(t, (conn, task))| {
-                                let mut conn = conn.clone();
-                                async move {
-                                    let mut lat = Vec::with_capacity(ops);
-                                    for op in 0..ops {
-                                        let i = (op * c + t) % n;
-                                        let s = Instant::now();
-                                        redis::cmd("SET")
-                                            .arg(format!("st:{t}:{}", op % REDIS_STORE_KEYS))
-                                            .arg(&task.4[i * size..(i + 1) * size])
-                                            .query_async::<()>(&mut conn)
-                                            .await?;
-                                        lat.push(s.elapsed().as_secs_f64());
-                                    }
-                                    Ok::<_, anyhow::Error>(lat)
+                    let results = futures::future::try_join_all(redis_conns.iter().zip(tasks.iter()).enumerate().map(
+                        |(t, (conn, task))| {
+                            let mut conn = conn.clone();
+                            async move {
+                                let mut lat = Vec::with_capacity(ops);
+                                for op in 0..ops {
+                                    let i = (op * c + t) % n;
+                                    let s = Instant::now();
+                                    redis::cmd("SET")
+                                        .arg(format!("st:{t}:{}", op % REDIS_STORE_KEYS))
+                                        .arg(&task.4[i * size..(i + 1) * size])
+                                        .query_async::<()>(&mut conn)
+                                        .await?;
+                                    lat.push(s.elapsed().as_secs_f64());
                                 }
-                            },
-                        ))
-                        .await?;
+                                Ok::<_, anyhow::Error>(lat)
+                            }
+                        },
+                    ))
+                    .await?;
                     acc[9].add(bytes, t0.elapsed().as_secs_f64(), results.concat());
                 }
             }

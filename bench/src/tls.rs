@@ -53,8 +53,10 @@ pub fn run(bin: &Path, dir: &Path, log_dir: &Path, cfg: &CellsConfig) -> anyhow:
     let dram = (WORKING_SET * 2 + cfg.bytes_per_cell * 2 + (256 << 20)) as u64;
     let plain = KvtierServer::start(bin, &dir.join("plain"), dram, &log_dir.join("tls-plain.log"))?;
     let toml_s = toml.to_str().context("a UTF-8 path")?;
-    let tls = KvtierServer::start_with(bin, &dir.join("tls"), dram, &log_dir.join("tls-tls.log"), &["--config", toml_s])?;
-    let client_tls = ClientTls::from_files(&pki.join("ca.pem"), Some((&pki.join("bench.pem"), &pki.join("bench.key"))))?;
+    let tls =
+        KvtierServer::start_with(bin, &dir.join("tls"), dram, &log_dir.join("tls-tls.log"), &["--config", toml_s])?;
+    let client_tls =
+        ClientTls::from_files(&pki.join("ca.pem"), Some((&pki.join("bench.pem"), &pki.join("bench.key"))))?;
     let max_c = cfg.concurrency.iter().copied().max().unwrap_or(1);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(max_c.clamp(2, 8)).enable_all().build()?;
     rt.block_on(async {
@@ -85,7 +87,8 @@ async fn measure(clients: &[(&'static str, KvClient); 2], cfg: &CellsConfig) -> 
                 .await?;
             let keys: Vec<BlockKey> = (0..n).map(|i| key(size, 0, i)).collect();
             for chunk in (0..n).collect::<Vec<_>>().chunks(64) {
-                let blocks: Vec<Vec<Bytes>> = chunk.iter().map(|&i| vec![src.slice(i * size..(i + 1) * size)]).collect();
+                let blocks: Vec<Vec<Bytes>> =
+                    chunk.iter().map(|&i| vec![src.slice(i * size..(i + 1) * size)]).collect();
                 let st = client.store_keys(&ns, &keys[chunk[0]..chunk[0] + chunk.len()], &blocks).await?;
                 ensure!(st.iter().all(|s| s.is_held()), "seeding: {st:?}");
             }
@@ -174,7 +177,8 @@ pub fn table(rows: &[Row]) -> String {
     let fmt = |x: f64| if x.is_finite() { format!("{x:.2}") } else { "—".into() };
     for r in rows.iter().filter(|r| r.op != "tcp") {
         let same = |m: &&Row| m.size == r.size && m.concurrency == r.concurrency;
-        let plain = rows.iter().filter(same).find(|m| m.op == r.op && m.path == "plain TCP").map_or(f64::NAN, |m| m.gbps);
+        let plain =
+            rows.iter().filter(same).find(|m| m.op == r.op && m.path == "plain TCP").map_or(f64::NAN, |m| m.gbps);
         let tcp = rows.iter().filter(same).find(|m| m.op == "tcp").map_or(f64::NAN, |m| m.gbps);
         let runs: Vec<String> = r.gbps_runs.iter().map(|g| format!("{g:.2}")).collect();
         s.push_str(&format!(

@@ -335,9 +335,6 @@ impl ServerConfig {
             }
         }
         crate::tenants::Tenants::from_config(self)?;
-        if let Some(tls) = &self.tls {
-            crate::tls::TlsAcceptors::load(tls)?;
-        }
         if let Some(url) = &self.cluster {
             if !(url.starts_with("redis://") || url.starts_with("rediss://") || url.starts_with("redis+unix://")) {
                 return bad(format!("cluster must be a Redis URL (redis://host:port), got {url:?}"));

@@ -366,7 +366,12 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         let presented = (!token.is_empty()).then_some(&token[..]);
         let Some(principal) = self.state.tenants().resolve(self.cert.as_ref(), presented) else {
             error("unauthenticated");
-            self.wr.write_all(&HelloReply::encode(Status::Unauthenticated, "bad or missing credential (auth token or client certificate)")).await?;
+            self.wr
+                .write_all(&HelloReply::encode(
+                    Status::Unauthenticated,
+                    "bad or missing credential (auth token or client certificate)",
+                ))
+                .await?;
             self.wr.flush().await?;
             return Err(ConnError::Protocol("unauthenticated".into()));
         };

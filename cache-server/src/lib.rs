@@ -192,6 +192,11 @@ pub async fn start(
     config.validate()?;
     config.normalize();
     config.prepare_data_dir()?;
+    // Certificates and keys are read once, before anything is bound or opened.
+    let tls = match &config.tls {
+        Some(t) => Some(tls::TlsAcceptors::load(t)?),
+        None => None,
+    };
     let (grpc_listener, grpc_addr) = bind("listen", config.listen).await?;
     let (data_listener, data_addr) = bind("data_listen", config.data_listen).await?;
     let samenode_path = match config.samenode_path() {
@@ -246,10 +251,6 @@ pub async fn start(
     ::metrics::gauge!("kvtier_tier_capacity_bytes", "tier" => TierId::Dram.as_str())
         .set(state.config().dram_capacity.0 as f64);
 
-    let tls = match &state.config().tls {
-        Some(t) => Some(tls::TlsAcceptors::load(t)?),
-        None => None,
-    };
     tasks.push(tokio::spawn(dataplane::serve(
         data_listener,
         state.clone(),

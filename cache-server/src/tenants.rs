@@ -236,8 +236,9 @@ impl Tenants {
     pub fn resolve(&self, cert: Option<&Principal>, token: Option<&[u8]>) -> Option<Principal> {
         match (cert, token) {
             (Some(p), None) => Some(p.clone()),
-            (Some(p), Some(t)) => match self.authenticate(Some(t)) {
-                Some(q) if q.same_as(p) => Some(q),
+            // A bad token is counted by `authenticate`; a good one naming someone else here.
+            (Some(p), Some(t)) => match self.authenticate(Some(t))? {
+                q if q.same_as(p) => Some(q),
                 _ => {
                     metrics::counter!("kvtier_auth_failed_total").increment(1);
                     None

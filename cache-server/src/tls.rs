@@ -78,9 +78,8 @@ impl TlsAcceptors {
                 builder.with_client_cert_verifier(verifier.build().map_err(|e| bad("client_ca", path, e))?)
             }
         };
-        let data = builder
-            .with_single_cert(certs, key)
-            .map_err(|e| ServerError::Config(format!("tls.cert/tls.key: {e}")))?;
+        let data =
+            builder.with_single_cert(certs, key).map_err(|e| ServerError::Config(format!("tls.cert/tls.key: {e}")))?;
         let mut grpc = data.clone();
         grpc.alpn_protocols = vec![b"h2".to_vec()];
         Ok(TlsAcceptors { grpc: TlsAcceptor::from(Arc::new(grpc)), data: TlsAcceptor::from(Arc::new(data)) })

@@ -107,7 +107,13 @@ fn san(name: &str) -> anyhow::Result<SanType> {
     Ok(SanType::DnsName(name.try_into().with_context(|| format!("{name:?} is not a DNS-style name"))?))
 }
 
-fn leaf(dir: &Path, name: &str, sans: &[String], usages: Vec<ExtendedKeyUsagePurpose>, days: u32) -> anyhow::Result<()> {
+fn leaf(
+    dir: &Path,
+    name: &str,
+    sans: &[String],
+    usages: Vec<ExtendedKeyUsagePurpose>,
+    days: u32,
+) -> anyhow::Result<()> {
     if name.is_empty() {
         bail!("--name must not be empty");
     }

@@ -133,11 +133,8 @@ impl DataConn {
         let failed = |reason: String| ClientError::Connect { addr: addr.to_string(), reason };
         let sock = TcpStream::connect(addr).await.map_err(|e| failed(e.to_string()))?;
         let _ = sock.set_nodelay(true);
-        let stream = dial
-            .connector
-            .connect(dial.name.clone(), sock)
-            .await
-            .map_err(|e| failed(format!("TLS handshake: {e}")))?;
+        let stream =
+            dial.connector.connect(dial.name.clone(), sock).await.map_err(|e| failed(format!("TLS handshake: {e}")))?;
         let (r, w) = tokio::io::split(stream);
         Self::hello(Box::new(r), Box::new(w), token).await
     }

@@ -53,7 +53,8 @@ impl ClientTls {
     pub fn rustls_config(&self) -> Result<Arc<rustls::ClientConfig>, ClientError> {
         let bad = |what: &str, e: &dyn std::fmt::Display| ClientError::InvalidArgument(format!("TLS {what}: {e}"));
         let mut roots = rustls::RootCertStore::empty();
-        let cas = CertificateDer::pem_slice_iter(&self.ca_pem).collect::<Result<Vec<_>, _>>().map_err(|e| bad("CA", &e))?;
+        let cas =
+            CertificateDer::pem_slice_iter(&self.ca_pem).collect::<Result<Vec<_>, _>>().map_err(|e| bad("CA", &e))?;
         if cas.is_empty() {
             return Err(bad("CA", &"no PEM certificate"));
         }
@@ -80,10 +81,14 @@ impl ClientTls {
         Ok(Arc::new(cfg))
     }
 
+    /// `server_name`, else `host` (an IPv6 address without its brackets).
+    fn name_for<'a>(&'a self, host: &'a str) -> &'a str {
+        self.server_name.as_deref().unwrap_or(host).trim_start_matches('[').trim_end_matches(']')
+    }
+
     /// The name checked in the node's certificate when connecting to `host`.
     pub(crate) fn server_name(&self, host: &str) -> Result<ServerName<'static>, ClientError> {
-        let name = self.server_name.as_deref().unwrap_or(host);
-        let name = name.trim_start_matches('[').trim_end_matches(']');
+        let name = self.name_for(host);
         ServerName::try_from(name.to_string())
             .map_err(|e| ClientError::InvalidArgument(format!("TLS server name {name:?}: {e}")))
     }
@@ -91,7 +96,7 @@ impl ClientTls {
     /// tonic's configuration of the gRPC channel (same CA, identity and name).
     pub(crate) fn tonic_config(&self, host: &str) -> tonic::transport::ClientTlsConfig {
         use tonic::transport::{Certificate, ClientTlsConfig, Identity};
-        let name = self.server_name.as_deref().unwrap_or(host).trim_start_matches('[').trim_end_matches(']');
+        let name = self.name_for(host);
         let mut c = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(&self.ca_pem)).domain_name(name);
         if let Some((cert, key)) = &self.identity {
             c = c.identity(Identity::from_pem(cert, key));

@@ -22,13 +22,12 @@ pub(super) fn align_up(n: u64) -> u64 {
 /// about 2^-96. Costs one 4-byte compare per 4 KiB of payload.
 pub(super) fn hidden_header(payload: &[u8]) -> Option<usize> {
     let first = RECORD_ALIGN as usize - FRAME_HEADER_LEN;
-    (first..payload.len())
-        .step_by(RECORD_ALIGN as usize)
-        .filter(|&at| payload.len() - at >= FRAME_HEADER_LEN)
-        .find(|&at| {
+    (first..payload.len()).step_by(RECORD_ALIGN as usize).filter(|&at| payload.len() - at >= FRAME_HEADER_LEN).find(
+        |&at| {
             payload[at..at + 4] == kvtier_proto::FRAME_MAGIC
                 && FrameHeader::decode(&payload[at..at + FRAME_HEADER_LEN]).is_ok()
-        })
+        },
+    )
 }
 
 pub(super) fn segment_path(dir: &Path, id: u64) -> PathBuf {

@@ -267,7 +267,8 @@ fn a_payload_hiding_a_frame_header_where_recovery_would_look_is_never_written() 
     // The same frame anywhere recovery never looks is ordinary payload.
     let mut elsewhere = vec![0u8; layout().block_bytes() as usize];
     elsewhere[100..100 + planted.len()].copy_from_slice(&planted);
-    let ok = BlockFrame::new(NamespaceId([1; 16]), BlockKey([4; 32]), layout(), CodecId::RAW, 16, Bytes::from(elsewhere));
+    let ok =
+        BlockFrame::new(NamespaceId([1; 16]), BlockKey([4; 32]), layout(), CodecId::RAW, 16, Bytes::from(elsewhere));
     t.write(&ok.header, &ok.payload).unwrap();
     assert!(t.contains(&ok.header.namespace, &ok.header.key));
 }
