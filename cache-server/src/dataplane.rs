@@ -406,6 +406,8 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         let mut statuses = Vec::with_capacity(req.count as usize);
         let report = req.flags & FLAG_REPORT_PRESENT != 0;
         let mut codecs = Vec::with_capacity(if report { 2 * req.count as usize } else { 0 });
+        // In a cluster, a client's fresh blocks go on to their other owners; elsewhere nothing is kept.
+        let forward = req.flags & FLAG_PEER == 0 && self.state.tiers().peers().is_some();
         let mut stored: Vec<(NamespaceId, BlockKey)> = Vec::new();
         for i in 0..req.count {
             let mut fh = [0u8; FRAME_HEADER_LEN];
@@ -434,7 +436,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             }
             if !status.is_held() {
                 error(item_kind(status));
-            } else if fresh {
+            } else if fresh && forward {
                 stored.push((header.namespace, header.key));
             }
             if report {
@@ -451,7 +453,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         self.wr.write_all(&h.encode()).await?;
         self.wr.write_all(&statuses).await?;
         self.wr.write_all(&codecs).await?;
-        if req.flags & FLAG_PEER == 0 {
+        if forward {
             forward_to_peers(&self.state, stored);
         }
         observe("dataplane_put", start);
@@ -522,7 +524,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         let Some(raw) = self.read_keys(&req).await? else { return Ok(()) };
         let ns: NamespaceId = req.namespace;
         // In a cluster: what no local tier holds, from its owners (bounded by `peer_timeout`).
-        let mut remote = fetch_from_peers(&self.state.clone(), &req, &raw).await;
+        let mut remote = fetch_from_peers(&self.state, &req, &raw).await;
         let h = ResponseHeader::ok(Op::Get, req.request_id, req.count);
         self.wr.write_all(&h.encode()).await?;
         let stop_at_miss = req.flags & FLAG_STOP_AT_MISS != 0;
