@@ -328,3 +328,67 @@ async fn a_node_without_a_socket_says_so() {
     }
     cluster.stop().await;
 }
+
+/// `RssShmem` of this process in bytes: shared memory it has pages of (the in-process server's
+/// mappings of client buffers included).
+fn rss_shmem() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|l| l.starts_with("RssShmem:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 1024
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sparse_buffer_does_not_make_the_server_allocate_its_pages() {
+    use rustix::fs::{MemfdFlags, SealFlags};
+    let (cluster, client, h) = setup().await;
+    let mut near = client.samenode().await.unwrap();
+    // 2 GiB claimed, not one page touched: registering it must not fill it (the server used to
+    // map it populated, which allocated, and charged to the server, every page).
+    let sparse = rustix::fs::memfd_create("sparse", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).unwrap();
+    rustix::fs::ftruncate(&sparse, 2 << 30).unwrap();
+    rustix::fs::fcntl_add_seals(&sparse, SealFlags::SHRINK).unwrap();
+    let before = rss_shmem();
+    near.register_fd(sparse.as_fd(), 2 << 30).await.unwrap();
+    let grown = rss_shmem().saturating_sub(before);
+    assert!(grown < 256 << 20, "registering a sparse 2 GiB buffer made this process hold {grown} more bytes");
+    // A touched buffer still loads, and the connection serves as before.
+    let (src, keys, offsets) = filled(&h, 9, 2);
+    assert_eq!(near.store_from_buffer(&h, &keys, &src, &offsets).await.unwrap(), vec![ItemStatus::Ok; 2]);
+    let mut dst = SharedBuffer::new(src.len()).unwrap();
+    assert_eq!(near.load_into_buffer(&h, &keys, &mut dst, &offsets, false).await.unwrap(), vec![true; 2]);
+    assert_eq!(dst.as_slice(), src.as_slice());
+    cluster.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_node_wide_cap_on_registered_bytes_holds_across_connections() {
+    let cluster = Cluster::start_with(1, Transport::Duplex, |_, c| {
+        c.samenode_max_registered_bytes = kvtier_server::config::ByteSize(1 << 20);
+    })
+    .await;
+    let first = cluster.link(0).await.client;
+    let second = cluster.link(0).await.client;
+    let mut near1 = first.samenode().await.unwrap();
+    let mut near2 = second.samenode().await.unwrap();
+    let big = SharedBuffer::new(768 << 10).unwrap();
+    let other = SharedBuffer::new(512 << 10).unwrap();
+    near1.register(&big).await.unwrap();
+    // Together they'd pass 1 MiB: refused before anything is mapped, the first connection's
+    // buffer untouched.
+    let e = near2.register(&other).await.unwrap_err();
+    assert!(is_refusal(&e, codes::CAPACITY, "samenode_max_registered_bytes"), "{e}");
+    assert_eq!(mappings_of(std::slice::from_ref(&other)), 1, "a refused buffer was mapped by the server");
+    // The first connection gone, its bytes return to the node and the second registers.
+    drop(near1);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match near2.register(&other).await {
+            Ok(_) => break,
+            Err(e) if Instant::now() < deadline && is_refusal(&e, codes::CAPACITY, "samenode") => {
+                tokio::time::sleep(Duration::from_millis(20)).await
+            }
+            Err(e) => panic!("the closed connection's bytes were not given back: {e}"),
+        }
+    }
+    cluster.stop().await;
+}

@@ -73,6 +73,11 @@ pub struct ServerConfig {
     /// path is too long for a socket), `"off"`, or a path. Created with mode 0600, removed on stop.
     /// Default: `auto`.
     pub samenode_socket: String,
+    /// Most bytes of buffers all same-node clients together may have registered at once. The
+    /// server maps them, and pages a client never touched are filled by the server's copies (and
+    /// charged to it), so this bounds what clients can make the server hold there; `0`: the
+    /// host's physical memory. Default: `0`.
+    pub samenode_max_registered_bytes: ByteSize,
     /// Tenants as principals (`[[tenants]]` tables, see [`TenantConfig`]): each credential belongs
     /// to one tenant, which reaches only the namespaces it registered (`tenant = <its name>` in the
     /// namespace spec) and those other tenants granted it here. With any tenant configured every
@@ -215,6 +220,7 @@ impl Default for ServerConfig {
             idle_timeout: DurationStr(Duration::from_secs(300)),
             metrics_token: None,
             samenode_socket: "auto".into(),
+            samenode_max_registered_bytes: ByteSize(0),
             tenants: Vec::new(),
             max_connections: 1024,
             max_connections_per_peer: 256,
@@ -406,6 +412,14 @@ impl ServerConfig {
         }
     }
 
+    /// The limit on bytes of registered same-node buffers (see `samenode_max_registered_bytes`).
+    pub fn samenode_max_registered_bytes(&self) -> u64 {
+        match self.samenode_max_registered_bytes.0 {
+            0 => physical_memory().unwrap_or(64 << 30),
+            n => n,
+        }
+    }
+
     /// The connection limits of the gRPC and data-plane listeners.
     pub fn conn_limits(&self) -> crate::listen::ConnLimits {
         crate::listen::ConnLimits { total: self.max_connections, per_peer: self.max_connections_per_peer }
@@ -449,6 +463,14 @@ impl ServerConfig {
 
 /// Longest Unix socket path (with its NUL) on Linux.
 const SUN_PATH_MAX: usize = 108;
+
+/// The host's physical memory (`MemTotal` in `/proc/meminfo`), if it can be read.
+fn physical_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
 
 /// A byte count written as `512MiB`, `4GiB`, `1.5G`, `64k` or a plain number.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -17,8 +17,10 @@
 //!   so no page the server maps can disappear under it: a truncating client can't SIGBUS the node.
 //! - Every offset + length is bounds-checked against the registered length before a byte moves.
 //! - Buffers are per connection, capped in number ([`MAX_BUFFERS_PER_CONNECTION`]) and bytes
-//!   ([`MAX_BUFFER_BYTES_PER_CONNECTION`]); they are unmapped when the connection ends (or on
-//!   `UNREGISTER`), and the server never touches one after. Requests are served one at a time per
+//!   ([`MAX_BUFFER_BYTES_PER_CONNECTION`]), and all connections' bytes together are capped by
+//!   `samenode_max_registered_bytes`; they are unmapped when the connection ends (or on
+//!   `UNREGISTER`), and the server never touches one after. A sparse memfd is mapped without
+//!   populating it, so claiming a large buffer never makes the server allocate its pages. Requests are served one at a time per
 //!   connection, so no copy outlives its request.
 //! - The server only ever copies blocks into a client's own buffer and reads from it; no client is
 //!   given a mapping of the server's arena or of anything holding other namespaces' blocks.
@@ -32,6 +34,7 @@ use std::io::IoSliceMut;
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -110,6 +113,7 @@ pub fn bind(path: &Path) -> Result<UnixListener, ServerError> {
 pub async fn serve(listener: UnixListener, path: PathBuf, state: Arc<NodeState>, stop: watch::Receiver<bool>) {
     let limits =
         ConnLimits { total: MAX_CONNECTIONS, per_peer: state.config().max_connections_per_peer.min(MAX_CONNECTIONS) };
+    let budget = Arc::new(RegisteredBudget::new(state.config().samenode_max_registered_bytes()));
     crate::listen::accept_bounded(
         "same-node",
         limits,
@@ -121,10 +125,11 @@ pub async fn serve(listener: UnixListener, path: PathBuf, state: Arc<NodeState>,
         },
         |sock, mut stop| {
             let state = state.clone();
+            let budget = budget.clone();
             async move {
                 tokio::select! {
                     _ = crate::stopped(&mut stop) => {}
-                    res = Conn::new(sock, state).run() => {
+                    res = Conn::new(sock, state, budget).run() => {
                         if let Err(e) = res {
                             tracing::debug!("same-node connection closed: {e}");
                         }
@@ -175,10 +180,17 @@ impl Registered {
             return Err(format!("the memfd is {size} bytes, smaller than the {claimed} claimed"));
         }
         let len = usize::try_from(claimed).map_err(|_| "buffer too large for this host".to_string())?;
-        // Shared and writable: loads land where the client reads them. Populated now, so the
-        // first copy into it doesn't take a page fault per 4 KiB (the client touched its pages
-        // first, so they are charged to it).
-        let map = MmapOptions::new().len(len).populate().map_raw(&fd).map_err(|e| format!("mmap: {e}"))?;
+        // Shared and writable: loads land where the client reads them. Populated now when the
+        // client has already touched every page (they are charged to it), so the first copy into
+        // it doesn't take a page fault per 4 KiB. A sparse memfd is not: populating it would make
+        // the server allocate (and be charged for) memory the client only claimed.
+        let allocated = u64::try_from(st.st_blocks).unwrap_or(0).saturating_mul(512);
+        let mut options = MmapOptions::new();
+        options.len(len);
+        if allocated >= claimed {
+            options.populate();
+        }
+        let map = options.map_raw(&fd).map_err(|e| format!("mmap: {e}"))?;
         Ok(Registered { map, len: claimed })
     }
 
@@ -194,26 +206,78 @@ impl Registered {
     }
 }
 
-/// The buffers of one connection, unmapped when it drops.
-#[derive(Default)]
+/// The bytes of buffers all same-node connections have registered, held against
+/// `samenode_max_registered_bytes` (reserved before a buffer is mapped, released when it is
+/// unmapped).
+pub(crate) struct RegisteredBudget {
+    used: AtomicU64,
+    cap: u64,
+}
+
+impl RegisteredBudget {
+    pub(crate) fn new(cap: u64) -> Self {
+        RegisteredBudget { used: AtomicU64::new(0), cap }
+    }
+
+    fn reserve(&self, n: u64) -> Result<(), String> {
+        let res = self.used.fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+            used.checked_add(n).filter(|&total| total <= self.cap)
+        });
+        match res {
+            Ok(used) => {
+                ::metrics::gauge!("kvtier_samenode_registered_bytes").set((used + n) as f64);
+                Ok(())
+            }
+            Err(used) => Err(format!(
+                "{n} more bytes would pass the {} bytes of buffers this node maps for all same-node clients ({used} \
+                 registered; samenode_max_registered_bytes)",
+                self.cap
+            )),
+        }
+    }
+
+    fn release(&self, n: u64) {
+        let used = self.used.fetch_sub(n, Ordering::AcqRel) - n;
+        ::metrics::gauge!("kvtier_samenode_registered_bytes").set(used as f64);
+    }
+}
+
+/// The buffers of one connection, unmapped when it drops (their bytes go back to the node's
+/// budget then).
 struct Buffers {
     by_id: HashMap<u32, Registered>,
     bytes: u64,
     next_id: u32,
+    budget: Arc<RegisteredBudget>,
 }
 
 impl Buffers {
-    fn add(&mut self, r: Registered) -> Result<u32, String> {
+    fn new(budget: Arc<RegisteredBudget>) -> Self {
+        Buffers { by_id: HashMap::new(), bytes: 0, next_id: 0, budget }
+    }
+
+    /// Checks `fd` against this connection's and the node's caps, then maps it: nothing is
+    /// mapped (or populated) for a buffer over a cap.
+    fn add(&mut self, fd: OwnedFd, claimed: u64) -> Result<u32, Refusal> {
         if self.by_id.len() >= MAX_BUFFERS_PER_CONNECTION {
-            return Err(format!("this connection already has {MAX_BUFFERS_PER_CONNECTION} buffers registered"));
+            return Err(Refusal::Cap(format!(
+                "this connection already has {MAX_BUFFERS_PER_CONNECTION} buffers registered"
+            )));
         }
-        if self.bytes + r.len > MAX_BUFFER_BYTES_PER_CONNECTION {
-            return Err(format!(
-                "{} more bytes would pass the {MAX_BUFFER_BYTES_PER_CONNECTION} bytes of buffers one connection may \
-                 register",
-                r.len
-            ));
+        if self.bytes.saturating_add(claimed) > MAX_BUFFER_BYTES_PER_CONNECTION {
+            return Err(Refusal::Cap(format!(
+                "{claimed} more bytes would pass the {MAX_BUFFER_BYTES_PER_CONNECTION} bytes of buffers one connection \
+                 may register"
+            )));
         }
+        self.budget.reserve(claimed).map_err(Refusal::Cap)?;
+        let r = match Registered::map(fd, claimed) {
+            Ok(r) => r,
+            Err(msg) => {
+                self.budget.release(claimed);
+                return Err(Refusal::Bad(msg));
+            }
+        };
         self.next_id = self.next_id.wrapping_add(1).max(1);
         while self.by_id.contains_key(&self.next_id) {
             self.next_id = self.next_id.wrapping_add(1).max(1);
@@ -227,11 +291,29 @@ impl Buffers {
         match self.by_id.remove(&id) {
             Some(r) => {
                 self.bytes -= r.len;
+                self.budget.release(r.len);
                 true
             }
             None => false,
         }
     }
+}
+
+impl Drop for Buffers {
+    fn drop(&mut self) {
+        self.by_id.clear();
+        if self.bytes > 0 {
+            self.budget.release(self.bytes);
+        }
+    }
+}
+
+/// Why a buffer was not registered.
+enum Refusal {
+    /// Over a cap: the client may retry after unregistering something.
+    Cap(String),
+    /// Not a buffer the server can use.
+    Bad(String),
 }
 
 struct Conn {
@@ -249,7 +331,7 @@ struct Conn {
 }
 
 impl Conn {
-    fn new(sock: UnixStream, state: Arc<NodeState>) -> Self {
+    fn new(sock: UnixStream, state: Arc<NodeState>, budget: Arc<RegisteredBudget>) -> Self {
         Conn {
             sock,
             state,
@@ -257,7 +339,7 @@ impl Conn {
             rpos: 0,
             rend: 0,
             fds: VecDeque::new(),
-            buffers: Buffers::default(),
+            buffers: Buffers::new(budget),
             out: Vec::new(),
             principal: None,
         }
@@ -447,17 +529,10 @@ impl Conn {
         let Some(fd) = self.fds.pop_front() else {
             return self.refuse(req, Status::BadRequest, "REGISTER carried no file descriptor (SCM_RIGHTS)");
         };
-        let registered = Registered::map(fd, claimed).and_then(|r| self.buffers.add(r));
-        match registered {
+        match self.buffers.add(fd, claimed) {
             Ok(id) => self.answer(sn::ok(SnOp::Register, req.request_id, id)),
-            Err(msg) => {
-                let status = if msg.contains("already has") || msg.contains("would pass") {
-                    Status::TooLarge
-                } else {
-                    Status::BadRequest
-                };
-                self.refuse(req, status, &format!("buffer refused: {msg}"))
-            }
+            Err(Refusal::Cap(msg)) => self.refuse(req, Status::TooLarge, &format!("buffer refused: {msg}")),
+            Err(Refusal::Bad(msg)) => self.refuse(req, Status::BadRequest, &format!("buffer refused: {msg}")),
         }
     }
 
