@@ -96,7 +96,8 @@ pub struct ServerConfig {
     pub max_session_keys: u64,
     /// The cluster's membership store, a Redis URL (`redis://host:port`): the node registers
     /// itself there with a TTL heartbeat and watches the other members (`crate::cluster`); none:
-    /// one node. Placement over the members is not used by the planes yet. Default: none.
+    /// one node. Keys placed on other members are loaded from and stored to them (the peer tier,
+    /// `crate::cluster::peer`). Default: none.
     pub cluster: Option<String>,
     /// This node's id in the cluster. Default: `<hostname>:<gRPC port>`.
     pub node_id: Option<String>,
@@ -121,6 +122,11 @@ pub struct ServerConfig {
     pub peer_cache: bool,
     /// Requests to peers running at once, over all clients. Default: `64`.
     pub peer_max_inflight: usize,
+    /// Hedged peer reads (with `cluster_rf` >= 2): when a replica has not answered a load within
+    /// this delay, the keys are also asked of their next replica and the first answer is used.
+    /// `"auto"`: the 95th percentile of recent peer loads (so about one in twenty is hedged);
+    /// a duration such as `"20ms"`; or `"off"`. Default: `auto`.
+    pub peer_hedge: String,
     /// TLS on the gRPC and data-plane listeners, and client certificates (mTLS) as credentials:
     /// a `[tls]` table, see [`TlsConfig`]. The same-node socket and `/metrics` stay plain (local).
     /// Default: none (plain TCP: keep the listeners on loopback or a trusted network).
@@ -235,6 +241,7 @@ impl Default for ServerConfig {
             peer_timeout: DurationStr(Duration::from_secs(2)),
             peer_cache: true,
             peer_max_inflight: 64,
+            peer_hedge: "auto".into(),
             tls: None,
         }
     }
@@ -359,6 +366,9 @@ impl ServerConfig {
         if self.peer_timeout.0 < Duration::from_millis(10) || self.peer_timeout.0 > Duration::from_secs(600) {
             return bad(format!("peer_timeout must be 10ms..=600s, got {}", self.peer_timeout));
         }
+        if let Err(e) = self.peer_hedge() {
+            return bad(e);
+        }
         if !(1..=4096).contains(&self.peer_max_inflight) {
             return bad(format!("peer_max_inflight must be 1..=4096, got {}", self.peer_max_inflight));
         }
@@ -417,6 +427,19 @@ impl ServerConfig {
         match self.samenode_max_registered_bytes.0 {
             0 => physical_memory().unwrap_or(64 << 30),
             n => n,
+        }
+    }
+
+    /// When peer loads are hedged (see `peer_hedge`).
+    pub fn peer_hedge(&self) -> Result<crate::cluster::Hedge, String> {
+        use crate::cluster::Hedge;
+        match self.peer_hedge.trim() {
+            "auto" => Ok(Hedge::Auto),
+            "off" => Ok(Hedge::Off),
+            d => match d.parse::<DurationStr>() {
+                Ok(DurationStr(after)) if !after.is_zero() => Ok(Hedge::After(after)),
+                _ => Err(format!("peer_hedge must be \"auto\", \"off\" or a duration above 0 such as 20ms, got {d:?}")),
+            },
         }
     }
 
@@ -568,6 +591,22 @@ impl<'de> Deserialize<'de> for DurationStr {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn peer_hedge_parses_and_bad_values_are_refused() {
+        use crate::cluster::Hedge;
+        let mut c = ServerConfig::default();
+        assert_eq!(c.peer_hedge(), Ok(Hedge::Auto));
+        c.peer_hedge = "off".into();
+        assert_eq!(c.peer_hedge(), Ok(Hedge::Off));
+        c.peer_hedge = "25ms".into();
+        assert_eq!(c.peer_hedge(), Ok(Hedge::After(Duration::from_millis(25))));
+        for bad in ["0ms", "soon", ""] {
+            c.peer_hedge = bad.into();
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.contains("peer_hedge"), "{bad:?}: {e}");
+        }
+    }
 
     #[test]
     fn sizes_parse() {

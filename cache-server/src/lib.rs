@@ -125,8 +125,13 @@ impl RunningServer {
                 "tenants without auth_token: this node can't authenticate to its peers (they must share auth_token)"
             );
         }
-        let cfg =
-            cluster::PeerConfig { rf: c.cluster_rf, timeout: c.peer_timeout.0, max_inflight: c.peer_max_inflight };
+        let cfg = cluster::PeerConfig {
+            rf: c.cluster_rf,
+            timeout: c.peer_timeout.0,
+            max_inflight: c.peer_max_inflight,
+            // Checked by `ServerConfig::validate` before the node started.
+            hedge: c.peer_hedge().unwrap_or(cluster::Hedge::Auto),
+        };
         let local = self.membership.local();
         let (tier, task) = cluster::PeerTier::start(
             local.id.clone(),

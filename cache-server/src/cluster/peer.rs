@@ -6,8 +6,9 @@
 //! from its own tiers and never forwards: a request travels at most one hop). Each key goes to its
 //! best replica first (this node's machine, then its rack, zone, the rest; see
 //! [`Placement::read_order`]); keys whose owner failed (refused, cut, timed out) are asked of
-//! their next replica in one more round. Every block that comes back is checked — namespace, key,
-//! layout, size, checksum — and anything wrong is a miss, never wrong bytes.
+//! their next replica in one more round; keys whose replica is late are hedged: asked of their
+//! next replica too, the first answer used ([`Hedge`]). Every block that comes back is checked —
+//! namespace, key, layout, size, checksum — and anything wrong is a miss, never wrong bytes.
 //!
 //! A store accepted by a node is forwarded to the block's other owners through a bounded queue
 //! (a `PUT` flagged `FLAG_PEER`), so every owner holds it without the client knowing the
@@ -81,6 +82,61 @@ pub struct PeerConfig {
     pub timeout: Duration,
     /// Peer calls running at once, over all requests (`peer_max_inflight`).
     pub max_inflight: usize,
+    /// When a load from a replica is also asked of the next one (`peer_hedge`).
+    pub hedge: Hedge,
+}
+
+/// When a load from a peer is hedged: the keys a replica has not answered for by then are also
+/// asked of their next replica, and each key is taken from the first answer that holds it (so
+/// one slow or stalling node doesn't set the cluster's tail latency). Only keys with another
+/// replica (`rf` >= 2) are hedged; hedges take `peer_max_inflight` permits like any call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Hedge {
+    Off,
+    /// After the 95th percentile of the last [`LATENCY_WINDOW`] peer loads; until
+    /// [`MIN_LATENCY_SAMPLES`] have been seen, after a quarter of `peer_timeout`.
+    Auto,
+    After(Duration),
+}
+
+/// Peer load latencies [`Hedge::Auto`] keeps.
+pub const LATENCY_WINDOW: usize = 128;
+/// Peer loads [`Hedge::Auto`] waits for before it trusts its percentile.
+pub const MIN_LATENCY_SAMPLES: usize = 16;
+/// The shortest hedge delay `auto` picks (below it, a hedge costs more than it saves).
+const MIN_HEDGE_DELAY: Duration = Duration::from_micros(500);
+
+/// How long to wait for a replica before hedging, given recent latencies (pure; `None`: never).
+pub fn hedge_delay(hedge: Hedge, recent: &[Duration], timeout: Duration) -> Option<Duration> {
+    match hedge {
+        Hedge::Off => None,
+        Hedge::After(d) => Some(d),
+        Hedge::Auto if recent.len() < MIN_LATENCY_SAMPLES => Some(timeout / 4),
+        Hedge::Auto => {
+            let mut sorted = recent.to_vec();
+            sorted.sort_unstable();
+            let p95 = sorted[(sorted.len() * 95).div_ceil(100).saturating_sub(1)];
+            Some(p95.max(MIN_HEDGE_DELAY))
+        }
+    }
+}
+
+/// The last [`LATENCY_WINDOW`] peer load latencies, oldest overwritten first.
+#[derive(Default)]
+struct LatencyWindow {
+    samples: Vec<Duration>,
+    next: usize,
+}
+
+impl LatencyWindow {
+    fn push(&mut self, d: Duration) {
+        if self.samples.len() < LATENCY_WINDOW {
+            self.samples.push(d);
+        } else {
+            self.samples[self.next] = d;
+        }
+        self.next = (self.next + 1) % LATENCY_WINDOW;
+    }
 }
 
 #[derive(Default)]
@@ -93,6 +149,8 @@ struct Counters {
     bytes_out: AtomicU64,
     forwarded: AtomicU64,
     forward_dropped: AtomicU64,
+    hedges: AtomicU64,
+    hedge_wins: AtomicU64,
 }
 
 fn bump(c: &AtomicU64, n: u64) {
@@ -118,13 +176,28 @@ pub struct PeerTier {
     inflight: Arc<Semaphore>,
     /// Peers that failed, and until when they are skipped.
     down: Mutex<HashMap<NodeId, Instant>>,
+    /// Recent peer load latencies, for [`Hedge::Auto`].
+    latencies: Mutex<LatencyWindow>,
     counters: Counters,
     forward_tx: mpsc::Sender<ForwardJob>,
     forward_bytes: Arc<Semaphore>,
 }
 
-/// Keys of one request, grouped by the peer asked for them: (member index, key indices).
-type Plan = Vec<(usize, Vec<usize>)>;
+/// The blocks of one answer to the keys `idx`, with their key indices.
+fn hits(idx: &[usize], answer: Result<Vec<Option<StoredBlock>>, ()>) -> Vec<(usize, StoredBlock)> {
+    match answer {
+        Ok(blocks) => idx.iter().zip(blocks).filter_map(|(&k, b)| Some((k, b?))).collect(),
+        Err(()) => Vec::new(),
+    }
+}
+
+/// One unhedged answer to the keys `idx`: its blocks, and every key when the call failed.
+fn settle(idx: &[usize], answer: Result<Vec<Option<StoredBlock>>, ()>) -> (Vec<(usize, StoredBlock)>, Vec<usize>) {
+    match answer {
+        Ok(blocks) => (hits(idx, Ok(blocks)), Vec::new()),
+        Err(()) => (Vec::new(), idx.to_vec()),
+    }
+}
 
 impl PeerTier {
     /// The peer tier of member `local` (labels `labels`) over the members `members` reports.
@@ -151,6 +224,7 @@ impl PeerTier {
             inflight: Arc::new(Semaphore::new(cfg.max_inflight.max(1))),
             cfg,
             down: Mutex::new(HashMap::new()),
+            latencies: Mutex::new(LatencyWindow::default()),
             counters: Counters::default(),
             forward_tx: tx,
             forward_bytes: Arc::new(Semaphore::new(FORWARD_BYTES)),
@@ -206,6 +280,7 @@ impl PeerTier {
     /// Loads `keys` (which every local tier missed) from their owners: one entry per key, a
     /// verified block or `None`. Never waits much longer than two `peer_timeout`s (a first
     /// round, and one for the keys of failed peers); never errs: a failure is a miss, counted.
+    /// A replica that is late is hedged (see [`Hedge`]).
     pub async fn fetch(&self, ns: &Namespace, keys: &[BlockKey]) -> Vec<Option<StoredBlock>> {
         let mut out: Vec<Option<StoredBlock>> = vec![None; keys.len()];
         let p = self.placement();
@@ -221,11 +296,17 @@ impl PeerTier {
             if plan.is_empty() {
                 break;
             }
-            let plan: Plan = plan.into_iter().collect();
-            let failed = self.run_round(&p, ns, keys, plan, &mut out).await;
-            // Only keys whose peer failed are worth asking of their next replica: an owner that
-            // answered "miss" was asked for a block the cluster doesn't hold.
-            pending = failed;
+            let calls = plan.iter().map(|(&peer, idx)| self.ask_hedged(&p, ns, keys, peer, idx, &candidates, round));
+            // Only keys whose peer failed (and that no hedge asked of their next replica) are
+            // worth asking again: an owner that answered "miss" was asked for a block the
+            // cluster doesn't hold.
+            pending = Vec::new();
+            for (hits, failed) in futures::future::join_all(calls).await {
+                for (i, b) in hits {
+                    out[i] = Some(b);
+                }
+                pending.extend(failed);
+            }
         }
         let hits = out.iter().filter(|b| b.is_some()).count() as u64;
         let misses = keys.len() as u64 - hits;
@@ -234,6 +315,151 @@ impl PeerTier {
         ::metrics::counter!("kvtier_tier_hits_total", "tier" => "peer").increment(hits);
         ::metrics::counter!("kvtier_tier_misses_total", "tier" => "peer").increment(misses);
         out
+    }
+
+    /// One peer's share of a round: asks member `peer` for the keys `idx`. When hedging is on and
+    /// `peer` has not answered within the hedge delay, the keys that have a next replica
+    /// (`candidates[k][round + 1]`) are asked of it too, one request per replica, and each key is
+    /// taken from the first answer that holds it. Returns the blocks got (key index, block) and
+    /// the keys still worth asking elsewhere: those whose peer failed and that no hedge asked.
+    #[allow(clippy::too_many_arguments)]
+    async fn ask_hedged(
+        &self,
+        p: &Placement,
+        ns: &Namespace,
+        keys: &[BlockKey],
+        peer: usize,
+        idx: &[usize],
+        candidates: &[Vec<usize>],
+        round: usize,
+    ) -> (Vec<(usize, StoredBlock)>, Vec<usize>) {
+        let primary = self.ask(&p.members()[peer], ns, keys, idx);
+        tokio::pin!(primary);
+        let mut alts: HashMap<usize, Vec<usize>> = HashMap::new();
+        let delay = hedge_delay(self.cfg.hedge, &self.latencies.lock().samples, self.cfg.timeout);
+        if let Some(delay) = delay {
+            for &k in idx {
+                if let Some(&alt) = candidates[k].get(round + 1) {
+                    alts.entry(alt).or_default().push(k);
+                }
+            }
+            if !alts.is_empty() {
+                if let Ok(answer) = tokio::time::timeout(delay, &mut primary).await {
+                    return settle(idx, answer);
+                }
+            }
+        }
+        if alts.is_empty() {
+            return settle(idx, primary.await);
+        }
+        let hedged = alts.values().map(Vec::len).sum::<usize>() as u64;
+        bump(&self.counters.hedges, hedged);
+        ::metrics::counter!("kvtier_peer_hedged_keys_total").increment(hedged);
+        let hedge = futures::future::join_all(
+            alts.iter().map(|(&alt, sub)| async move { (sub, self.ask(&p.members()[alt], ns, keys, sub).await) }),
+        );
+        tokio::pin!(hedge);
+        let asked_again = |k: &usize| alts.values().any(|sub| sub.contains(k));
+        tokio::select! {
+            answer = &mut primary => match answer {
+                // The first replica answered first: its answer stands (the hedge is dropped).
+                Ok(blocks) => settle(idx, Ok(blocks)),
+                // It failed: the hedge's answers are all there is.
+                Err(()) => {
+                    let mut got = Vec::new();
+                    for (sub, answer) in hedge.await {
+                        got.extend(hits(sub, answer));
+                    }
+                    bump(&self.counters.hedge_wins, got.len() as u64);
+                    ::metrics::counter!("kvtier_peer_hedge_wins_total").increment(got.len() as u64);
+                    let failed = idx.iter().copied().filter(|k| !asked_again(k)).collect();
+                    (got, failed)
+                }
+            },
+            answers = &mut hedge => {
+                let mut got: Vec<(usize, StoredBlock)> = Vec::new();
+                for (sub, answer) in answers {
+                    got.extend(hits(sub, answer));
+                }
+                bump(&self.counters.hedge_wins, got.len() as u64);
+                ::metrics::counter!("kvtier_peer_hedge_wins_total").increment(got.len() as u64);
+                // Keys the hedge didn't bring wait for the first replica (still bounded by
+                // `peer_timeout`).
+                if got.len() == idx.len() {
+                    return (got, Vec::new());
+                }
+                match primary.await {
+                    Ok(blocks) => {
+                        for (&k, b) in idx.iter().zip(blocks) {
+                            if let Some(b) = b {
+                                if !got.iter().any(|(i, _)| *i == k) {
+                                    got.push((k, b));
+                                }
+                            }
+                        }
+                        (got, Vec::new())
+                    }
+                    Err(()) => {
+                        let failed = idx
+                            .iter()
+                            .copied()
+                            .filter(|k| !asked_again(k) && !got.iter().any(|(i, _)| i == k))
+                            .collect();
+                        (got, failed)
+                    }
+                }
+            }
+        }
+    }
+
+    /// Asks `member` for the keys `idx` (indices into `keys`) in one request: per key asked, a
+    /// verified block or `None` (a miss, or a block that failed its checks, counted); `Err` when
+    /// the call failed (counted, and the peer skipped for [`DOWN_FOR`]).
+    async fn ask(
+        &self,
+        member: &Member,
+        ns: &Namespace,
+        keys: &[BlockKey],
+        idx: &[usize],
+    ) -> Result<Vec<Option<StoredBlock>>, ()> {
+        let asked: Vec<BlockKey> = idx.iter().map(|&i| keys[i]).collect();
+        let start = Instant::now();
+        match self.bounded(self.transport.get(member, ns, &asked)).await {
+            Ok(blocks) if blocks.len() == asked.len() => {
+                self.latencies.lock().push(start.elapsed());
+                Ok(blocks
+                    .into_iter()
+                    .zip(&asked)
+                    .map(|(got, key)| got.filter(|b| self.accept(member, ns, key, b)))
+                    .collect())
+            }
+            Ok(blocks) => {
+                let e = ServerError::Peer {
+                    peer: member.id.to_string(),
+                    reason: format!("{} answers for {} keys", blocks.len(), asked.len()),
+                };
+                self.failed(member, "get", &e);
+                Err(())
+            }
+            Err(e) => {
+                self.failed(member, "get", &e);
+                Err(())
+            }
+        }
+    }
+
+    /// Whether a block `member` sent for `key` may be used (counted either way).
+    fn accept(&self, member: &Member, ns: &Namespace, key: &BlockKey, b: &StoredBlock) -> bool {
+        if self.check(ns, key, b) {
+            bump(&self.counters.bytes_in, b.payload.len() as u64);
+            ::metrics::counter!("kvtier_tier_bytes_in_total", "tier" => "peer").increment(b.payload.len() as u64);
+            true
+        } else {
+            bump(&self.counters.errors, 1);
+            ::metrics::counter!("kvtier_peer_errors_total", "op" => "bad_block").increment(1);
+            tracing::warn!(peer = %member.id, "a peer sent a block that fails its checks; a miss");
+            false
+        }
     }
 
     /// Per key: its other owners, best first for this node, without the peers known to be down.
@@ -284,61 +510,6 @@ impl PeerTier {
             }
         }
         out
-    }
-
-    /// One request per planned peer, concurrently; fills `out` with the verified blocks and
-    /// returns the key indices whose peer failed.
-    async fn run_round(
-        &self,
-        p: &Placement,
-        ns: &Namespace,
-        keys: &[BlockKey],
-        plan: Plan,
-        out: &mut [Option<StoredBlock>],
-    ) -> Vec<usize> {
-        let calls = plan.iter().map(|(peer, idx)| {
-            let member = &p.members()[*peer];
-            let asked: Vec<BlockKey> = idx.iter().map(|&i| keys[i]).collect();
-            async move {
-                let res = self.bounded(self.transport.get(member, ns, &asked)).await;
-                (member, asked, res)
-            }
-        });
-        let answers = futures::future::join_all(calls).await;
-        let mut failed = Vec::new();
-        for ((member, asked, res), (_, idx)) in answers.into_iter().zip(&plan) {
-            match res {
-                Ok(blocks) if blocks.len() == asked.len() => {
-                    for ((&i, key), got) in idx.iter().zip(&asked).zip(blocks) {
-                        if let Some(b) = got {
-                            if self.check(ns, key, &b) {
-                                bump(&self.counters.bytes_in, b.payload.len() as u64);
-                                ::metrics::counter!("kvtier_tier_bytes_in_total", "tier" => "peer")
-                                    .increment(b.payload.len() as u64);
-                                out[i] = Some(b);
-                            } else {
-                                bump(&self.counters.errors, 1);
-                                ::metrics::counter!("kvtier_peer_errors_total", "op" => "bad_block").increment(1);
-                                tracing::warn!(peer = %member.id, "a peer sent a block that fails its checks; a miss");
-                            }
-                        }
-                    }
-                }
-                Ok(blocks) => {
-                    let e = ServerError::Peer {
-                        peer: member.id.to_string(),
-                        reason: format!("{} answers for {} keys", blocks.len(), asked.len()),
-                    };
-                    self.failed(member, "get", &e);
-                    failed.extend_from_slice(idx);
-                }
-                Err(e) => {
-                    self.failed(member, "get", &e);
-                    failed.extend_from_slice(idx);
-                }
-            }
-        }
-        failed
     }
 
     /// Runs one peer call within `peer_timeout`, its start included (a permit of
@@ -451,6 +622,11 @@ impl PeerTier {
             errors: get(&c.errors),
             ..TierStats::default()
         }
+    }
+
+    /// Keys asked of a second replica because the first was late, and keys the hedge served.
+    pub fn hedge_counts(&self) -> (u64, u64) {
+        (self.counters.hedges.load(Ordering::Relaxed), self.counters.hedge_wins.load(Ordering::Relaxed))
     }
 
     /// Blocks forwarded to other owners, and blocks that could not be (queue full, peer failed).

@@ -29,6 +29,15 @@ enum Mode {
     Stall,
     /// Refuses at once.
     Refuse,
+    /// Answers honestly after this many milliseconds.
+    Late(u64),
+    /// Refuses after this many milliseconds.
+    LateRefusal(u64),
+    /// Answers honestly, every `n`th call after `ms` milliseconds and the others at once.
+    Straggler {
+        every: usize,
+        ms: u64,
+    },
 }
 
 #[derive(Default)]
@@ -38,6 +47,8 @@ struct Fake {
     modes: Mutex<HashMap<String, Mode>>,
     /// Every call: (peer, op, keys or blocks).
     calls: Mutex<Vec<(String, &'static str, usize)>>,
+    /// What every honest answer costs, in milliseconds (a network's round trip).
+    base_ms: Mutex<u64>,
 }
 
 impl Fake {
@@ -61,9 +72,24 @@ impl PeerTransport for Fake {
             self.calls.lock().push((id.clone(), "get", keys.len()));
             let mode = self.mode(&id);
             let refuse = || ServerError::Peer { peer: id.clone(), reason: "refused".into() };
+            let base = *self.base_ms.lock();
+            if base > 0 {
+                tokio::time::sleep(Duration::from_millis(base)).await;
+            }
             match mode {
                 Mode::Stall => std::future::pending::<()>().await,
                 Mode::Refuse => return Err(refuse()),
+                Mode::Late(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
+                Mode::LateRefusal(ms) => {
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                    return Err(refuse());
+                }
+                Mode::Straggler { every, ms } => {
+                    let n = self.calls.lock().iter().filter(|c| c.0 == id && c.1 == "get").count();
+                    if n % every == 0 {
+                        tokio::time::sleep(Duration::from_millis(ms)).await;
+                    }
+                }
                 _ => {}
             }
             let held = self.held.lock().get(&id).cloned().unwrap_or_default();
@@ -154,6 +180,10 @@ struct Setup {
 
 /// Node "a" of members a, b, c, with every block `0..n` held by its owners (other than "a").
 fn setup(rf: usize, n: u32, timeout: Duration) -> (Setup, Vec<StoredBlock>) {
+    setup_hedged(rf, n, timeout, Hedge::Off)
+}
+
+fn setup_hedged(rf: usize, n: u32, timeout: Duration, hedge: Hedge) -> (Setup, Vec<StoredBlock>) {
     let members = vec![member("a"), member("b"), member("c")];
     let placement = Placement::new(&members);
     let snap = Snapshot { members: Arc::from(members), stale: false, generation: 1 };
@@ -168,7 +198,7 @@ fn setup(rf: usize, n: u32, timeout: Duration) -> (Setup, Vec<StoredBlock>) {
         }
     }
     let (stop, stop_rx) = watch::channel(false);
-    let cfg = PeerConfig { rf, timeout, max_inflight: 8 };
+    let cfg = PeerConfig { rf, timeout, max_inflight: 8, hedge };
     let (tier, _task) =
         PeerTier::start(NodeId::new("a").unwrap(), Labels::new(Some("a"), None, None), rx, fake.clone(), cfg, stop_rx);
     (Setup { tier, fake, placement, ns, _stop: stop, _members: members_tx }, blocks)
@@ -294,4 +324,130 @@ async fn forwards_reach_every_other_owner_once() {
             assert!(s.fake.held.lock()[o].contains_key(&b.header.key), "{o} holds its replica");
         }
     }
+}
+
+/// Blocks `a` holds no copy of (both replicas remote, so a late one can be hedged), and how many
+/// of them ask "b" first.
+fn remote_pairs(s: &Setup, blocks: &[StoredBlock]) -> (Vec<StoredBlock>, usize) {
+    let remote: Vec<StoredBlock> =
+        blocks.iter().filter(|b| !s.owners(b, 2).contains(&"a".to_string())).cloned().collect();
+    let p = s.tier.placement();
+    let first_b = s
+        .tier
+        .candidates(&p, &s.ns.id(), &keys(&remote))
+        .iter()
+        .filter(|c| p.members()[c[0]].id.to_string() == "b")
+        .count();
+    (remote, first_b)
+}
+
+#[tokio::test]
+async fn a_late_replica_is_hedged_and_the_next_one_answers() {
+    let (s, blocks) = setup_hedged(2, 64, Duration::from_secs(5), Hedge::After(Duration::from_millis(20)));
+    let (remote, first_b) = remote_pairs(&s, &blocks);
+    assert!(first_b > 0 && remote.len() > first_b, "placement gave b first for {first_b} of {}", remote.len());
+    s.fake.modes.lock().insert("b".into(), Mode::Late(2_000));
+    let t = Instant::now();
+    let got = s.tier.fetch(&s.ns, &keys(&remote)).await;
+    let took = t.elapsed();
+    assert!(took < Duration::from_millis(1_000), "hedged fetch took {took:?}, b answers after 2 s");
+    for (b, g) in remote.iter().zip(&got) {
+        assert!(g.as_ref().is_some_and(|g| g.payload == b.payload), "every block, byte-exact");
+    }
+    assert_eq!(s.tier.hedge_counts(), (first_b as u64, first_b as u64), "b's keys hedged to c, and c served them");
+    // Without hedging the same fetch waits for b.
+    let (s, blocks) = setup_hedged(2, 64, Duration::from_secs(5), Hedge::Off);
+    let (remote, _) = remote_pairs(&s, &blocks);
+    s.fake.modes.lock().insert("b".into(), Mode::Late(300));
+    let t = Instant::now();
+    s.tier.fetch(&s.ns, &keys(&remote)).await;
+    assert!(t.elapsed() >= Duration::from_millis(300));
+    assert_eq!(s.tier.hedge_counts(), (0, 0));
+}
+
+#[tokio::test]
+async fn a_hedge_that_misses_waits_for_the_first_replica() {
+    let (s, blocks) = setup_hedged(2, 64, Duration::from_secs(5), Hedge::After(Duration::from_millis(10)));
+    let (remote, _) = remote_pairs(&s, &blocks);
+    // c lost its copies (a dropped forward): the hedge misses, so b's late answer is used.
+    s.fake.held.lock().remove("c");
+    s.fake.modes.lock().insert("b".into(), Mode::Late(100));
+    let p = s.tier.placement();
+    let asks_b_first: Vec<StoredBlock> = remote
+        .iter()
+        .zip(s.tier.candidates(&p, &s.ns.id(), &keys(&remote)))
+        .filter(|(_, c)| p.members()[c[0]].id.to_string() == "b")
+        .map(|(b, _)| b.clone())
+        .collect();
+    assert!(!asks_b_first.is_empty());
+    let got = s.tier.fetch(&s.ns, &keys(&asks_b_first)).await;
+    for (b, g) in asks_b_first.iter().zip(&got) {
+        assert!(g.as_ref().is_some_and(|g| g.payload == b.payload), "b's late copy, byte-exact");
+    }
+    assert_eq!(s.tier.hedge_counts(), (asks_b_first.len() as u64, 0), "hedged, and the hedge served none");
+}
+
+#[tokio::test]
+async fn a_refusing_first_replica_is_covered_by_the_hedge_without_a_second_round() {
+    let (s, blocks) = setup_hedged(2, 64, Duration::from_secs(5), Hedge::After(Duration::from_millis(10)));
+    let (remote, first_b) = remote_pairs(&s, &blocks);
+    // b is slow, then refuses: the hedge already asked c, so nobody is asked a third time.
+    s.fake.modes.lock().insert("b".into(), Mode::LateRefusal(50));
+    let got = s.tier.fetch(&s.ns, &keys(&remote)).await;
+    assert!(got.iter().all(Option::is_some), "c served every key, b's included");
+    let gets_of_c = s.fake.calls("get").iter().filter(|c| c.0 == "c").count();
+    assert!(gets_of_c <= 2, "c asked once for its own keys and once as b's hedge: {:?}", s.fake.calls("get"));
+    assert!(first_b > 0);
+}
+
+/// Median and 99th percentile.
+fn p50_p99(mut v: Vec<Duration>) -> (Duration, Duration) {
+    v.sort_unstable();
+    (v[v.len() / 2], v[(v.len() * 99).div_ceil(100) - 1])
+}
+
+/// The seed's straggler: one node stalls now and then. With `auto` hedging the tail stays near
+/// the healthy cluster's; without it the stall is the tail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_straggling_replica_does_not_set_the_tail_with_auto_hedging() {
+    async fn run(hedge: Hedge, straggle: bool) -> (Duration, Duration) {
+        let (s, blocks) = setup_hedged(2, 256, Duration::from_secs(5), hedge);
+        let (remote, _) = remote_pairs(&s, &blocks);
+        *s.fake.base_ms.lock() = 2;
+        if straggle {
+            s.fake.modes.lock().insert("b".into(), Mode::Straggler { every: 25, ms: 100 });
+        }
+        let mut took = Vec::new();
+        for chunk in remote.chunks(2).cycle().take(200) {
+            let t = Instant::now();
+            let got = s.tier.fetch(&s.ns, &keys(chunk)).await;
+            took.push(t.elapsed());
+            assert!(got.iter().all(Option::is_some));
+        }
+        p50_p99(took)
+    }
+    let healthy = run(Hedge::Auto, false).await;
+    let hedged = run(Hedge::Auto, true).await;
+    let unhedged = run(Hedge::Off, true).await;
+    eprintln!("p50/p99: healthy {healthy:?}, straggler hedged {hedged:?}, unhedged {unhedged:?}");
+    assert!(unhedged.1 >= Duration::from_millis(100), "the stall shows without hedging: {unhedged:?}");
+    assert!(hedged.1 * 2 < unhedged.1, "hedging cut the stall off the tail: {hedged:?} vs {unhedged:?}");
+    assert!(hedged.1 < healthy.1 * 3, "hedged p99 {:?} vs healthy p99 {:?}", hedged.1, healthy.1);
+}
+
+#[test]
+fn the_auto_hedge_delay_is_the_recent_p95() {
+    let t = Duration::from_secs(2);
+    assert_eq!(hedge_delay(Hedge::Off, &[], t), None);
+    assert_eq!(hedge_delay(Hedge::After(Duration::from_millis(7)), &[], t), Some(Duration::from_millis(7)));
+    assert_eq!(hedge_delay(Hedge::Auto, &[Duration::from_millis(1); 3], t), Some(t / 4), "too few samples");
+    let recent: Vec<Duration> = (1..=100).map(Duration::from_millis).collect();
+    assert_eq!(hedge_delay(Hedge::Auto, &recent, t), Some(Duration::from_millis(95)));
+    assert_eq!(hedge_delay(Hedge::Auto, &[Duration::from_micros(10); 20], t), Some(MIN_HEDGE_DELAY));
+    let mut w = LatencyWindow::default();
+    for i in 0..(LATENCY_WINDOW as u64 + 10) {
+        w.push(Duration::from_millis(i));
+    }
+    assert_eq!(w.samples.len(), LATENCY_WINDOW, "the window keeps only the latest");
+    assert!(w.samples.iter().all(|d| *d >= Duration::from_millis(10)));
 }
