@@ -1,6 +1,7 @@
 //! `kvtier serve --cluster redis://...` against a real redis-server: nodes register themselves and
 //! see each other; a node that stops gracefully leaves at once, one that is killed is gone after
-//! its TTL; a node without `--cluster` is one node, as before.
+//! its TTL; Redis killed and restarted leaves the membership stale but whole, then rebuilt; a node
+//! without `--cluster` is one node, as before.
 
 use std::time::{Duration, Instant};
 
@@ -70,4 +71,55 @@ fn a_bad_cluster_url_is_refused_at_start() {
         "http://x",
     ]);
     assert!(!ok && err.contains("cluster"), "{err}");
+}
+
+/// Redis killed (its data lost) and started again on the same port: the nodes keep their last
+/// membership meanwhile (marked stale, no member dropped even past the TTL), a load across nodes
+/// neither hangs nor fails, and when Redis is back the nodes register again — the member set in
+/// Redis is whole without a restart of any node, and a node that joins afterwards sees them all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_and_restarted_keeps_then_rebuilds_the_membership() {
+    let mut redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let mut n1 = node(&redis, dir.path(), "n1");
+    let mut n2 = node(&redis, dir.path(), "n2");
+    until_members(&n1, 2.0, Duration::from_secs(10));
+    until_members(&n2, 2.0, Duration::from_secs(10));
+    let (c1, c2) = (n1.client().await, n2.client().await);
+    let spec = namespace("acme", b"redis-down", small_layout());
+    let ns1 = c1.register(spec.clone()).await.unwrap();
+    let ns2 = c2.register(spec).await.unwrap();
+    let toks = tokens(7, 16 * 16);
+    let payloads = full_block_payloads(&ns1, &toks);
+    c1.store(&ns1, &toks, &payloads).await.unwrap().ok().unwrap();
+
+    redis.kill();
+    let stale = |n: &ServerProcess| metric(&n.scrape(), "kvtier_membership_stale", &[]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while stale(&n1) != 1.0 || stale(&n2) != 1.0 {
+        assert!(Instant::now() < deadline, "the nodes never noticed Redis was gone");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Well past the 2 s TTL: nobody is dropped for Redis's sake.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(members(&n1), 2.0);
+    assert_eq!(members(&n2), 2.0);
+    // n1's blocks (forwarded to n2 where n2 owns them, loaded from n1 otherwise) still come
+    // through n2, promptly.
+    let t = Instant::now();
+    let loaded = c2.load(&ns2, &toks).await.unwrap();
+    assert!(t.elapsed() < Duration::from_secs(3), "a load with Redis down took {:?}", t.elapsed());
+    assert!(loaded == payloads, "every block, exact bytes, with Redis down");
+
+    redis.restart();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while stale(&n1) != 0.0 || stale(&n2) != 0.0 {
+        assert!(Instant::now() < deadline, "the nodes did not notice Redis was back");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The fresh Redis learned both nodes again: a newcomer sees three members.
+    let n3 = node(&redis, dir.path(), "n3");
+    until_members(&n3, 3.0, Duration::from_secs(10));
+    until_members(&n1, 3.0, Duration::from_secs(10));
+    assert!(n1.alive() && n2.alive());
 }
