@@ -2,7 +2,8 @@
 //! certificates come from `kvtier cert`: a tenant named by its certificate reaches its own data
 //! and nothing of another's; clients without a certificate, with one from another CA, speaking
 //! plain TCP or checking for another name are refused while the server keeps serving; a token
-//! beside a certificate must name the same principal.
+//! beside a certificate must name the same principal; the nodes of a cluster reach each other
+//! over TLS, or QUIC, with their node certificates.
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -276,22 +277,20 @@ async fn a_client_that_never_finishes_its_handshake_is_closed_and_holds_nothing(
     assert_eq!(timeouts, 2.0, "both silent connections timed out");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nodes_of_a_tls_cluster_reach_each_other_over_tls_with_their_node_certificates() {
-    let tmp = tempfile::tempdir().unwrap();
-    let (ca, _) = pki(tmp.path());
-    let redis = kvtier_tests::redis::Redis::start();
+/// Two nodes of one TLS cluster (node certificates from `ca`, the operator's token shared), with
+/// `extra` config lines, once they see each other.
+fn tls_cluster(dir: &Path, ca: &Path, redis: &kvtier_tests::redis::Redis, extra: &str) -> Vec<ServerProcess> {
     let operator = "cluster-operator-token-0001";
     let p = |f: &str| ca.join(f).display().to_string();
     let nodes: Vec<ServerProcess> = ["n1", "n2"]
         .iter()
         .map(|id| {
-            let cfg = tmp.path().join(format!("{id}.toml"));
+            let cfg = dir.join(format!("{id}.toml"));
             std::fs::write(
                 &cfg,
                 format!(
                     "auth_token = \"{operator}\"\ncluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\n\
-                     peer_timeout = \"2s\"\n\n[tls]\ncert = \"{}\"\nkey = \"{}\"\nclient_ca = \"{}\"\n\n\
+                     peer_timeout = \"2s\"\n{extra}\n\n[tls]\ncert = \"{}\"\nkey = \"{}\"\nclient_ca = \"{}\"\n\n\
                      [[tenants]]\nname = \"alice\"\ncert_names = [\"alice\"]\n",
                     redis.url(),
                     p("node.pem"),
@@ -310,16 +309,98 @@ async fn nodes_of_a_tls_cluster_reach_each_other_over_tls_with_their_node_certif
             std::thread::sleep(Duration::from_millis(50));
         }
     }
-    let a1 = connect(&nodes[0], Some(tls(&ca, Some((&ca, "alice")))), None).await.expect("alice at n1");
-    let a2 = connect(&nodes[1], Some(tls(&ca, Some((&ca, "alice")))), None).await.expect("alice at n2");
+    nodes
+}
+
+/// Alice stores through n1 and loads through n2; the blocks n1 owns come from n1 (n2's node
+/// certificate, the operator's token), byte-exact. The peer tier's line of n2's `Stats`.
+async fn stored_at_n1_loads_at_n2(nodes: &[ServerProcess], ca: &Path) -> kvtier_proto::pb::TierStats {
+    let a1 = connect(&nodes[0], Some(tls(ca, Some((ca, "alice")))), None).await.expect("alice at n1");
+    let a2 = connect(&nodes[1], Some(tls(ca, Some((ca, "alice")))), None).await.expect("alice at n2");
     let ns1 = a1.register(namespace("alice", b"fleet", small_layout())).await.unwrap();
     let ns2 = a2.register(namespace("alice", b"fleet", small_layout())).await.unwrap();
     let doc = tokens(11, 512);
     let blocks = full_block_payloads(&ns1, &doc);
     a1.store(&ns1, &doc, &blocks).await.unwrap().ok().unwrap();
-    // Through n2: the blocks n1 owns come from n1 over TLS (n2's node certificate, the operator's
-    // token), byte-exact.
     assert_eq!(a2.load(&ns2, &doc).await.unwrap(), blocks);
-    let peer = a2.stats().await.unwrap().tiers.into_iter().find(|t| t.tier == "peer").expect("a peer tier");
+    a2.stats().await.unwrap().tiers.into_iter().find(|t| t.tier == "peer").expect("a peer tier")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_of_a_tls_cluster_reach_each_other_over_tls_with_their_node_certificates() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (ca, _) = pki(tmp.path());
+    let redis = kvtier_tests::redis::Redis::start();
+    let nodes = tls_cluster(tmp.path(), &ca, &redis, "");
+    let peer = stored_at_n1_loads_at_n2(&nodes, &ca).await;
     assert!(peer.requests >= 1 && peer.errors == 0, "n2 asked n1 over TLS: {peer:?}");
+    assert_eq!(metric(&nodes[0].scrape(), "kvtier_quic_streams_total", &[]), 0.0, "no QUIC unless asked for");
+}
+
+/// `peer_transport = "quic"`: the nodes' data planes reach each other over QUIC (one connection,
+/// a stream per pooled connection), a client with the cluster's certificate may use it too, and
+/// one without a certificate or with another CA's is refused at the handshake.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_reach_each_other_over_quic_and_strangers_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (ca, rogue) = pki(tmp.path());
+    let redis = kvtier_tests::redis::Redis::start();
+    let nodes = tls_cluster(tmp.path(), &ca, &redis, "peer_transport = \"quic\"");
+    let peer = stored_at_n1_loads_at_n2(&nodes, &ca).await;
+    assert!(peer.requests >= 1 && peer.errors == 0, "n2 asked n1: {peer:?}");
+    let n1 = nodes[0].scrape();
+    assert!(metric(&n1, "kvtier_quic_connections_total", &[]) >= 1.0, "n2 reached n1 over QUIC");
+    assert!(metric(&n1, "kvtier_quic_streams_total", &[]) >= 1.0);
+
+    // Alice's own client over QUIC: her certificate is her credential there too.
+    let quic_client = |who: ClientTls| {
+        let grpc = nodes[0].grpc_addr();
+        let data = nodes[0].data.to_string();
+        async move {
+            let cfg = ClientConfig {
+                tls: Some(who.clone()),
+                connect_timeout: Duration::from_secs(5),
+                request_timeout: Duration::from_secs(5),
+                ..ClientConfig::default()
+            };
+            let quic = kvtier_client::QuicConnector::new(&data, &who)?;
+            KvClient::connect_with(&grpc, cfg, quic).await
+        }
+    };
+    let alice = quic_client(tls(&ca, Some((&ca, "alice")))).await.expect("alice over QUIC");
+    let ns = alice.register(namespace("alice", b"quic", small_layout())).await.unwrap();
+    let doc = tokens(12, 256);
+    let blocks = full_block_payloads(&ns, &doc);
+    alice.store(&ns, &doc, &blocks).await.unwrap().ok().unwrap();
+    assert_eq!(alice.load(&ns, &doc).await.unwrap(), blocks);
+    let streams = metric(&nodes[0].scrape(), "kvtier_quic_streams_total", &[]);
+    assert!(streams > metric(&n1, "kvtier_quic_streams_total", &[]), "alice's data went over QUIC");
+
+    // No client certificate: refused before any stream is served.
+    let e = kvtier_client::QuicConnector::new(&nodes[0].data.to_string(), &tls(&ca, None)).unwrap_err();
+    assert!(e.to_string().contains("client certificate"), "{e}");
+    // Another CA's "alice" (its gRPC channel is refused as well, so only the QUIC handshake is
+    // tried here): the handshake fails and the node counts it.
+    let rogue_tls = tls(&ca, Some((&rogue, "alice")));
+    let before = metric(&nodes[0].scrape(), "kvtier_errors_total", &[("kind", "quic_handshake")]);
+    let quic = kvtier_client::QuicConnector::new(&nodes[0].data.to_string(), &rogue_tls).unwrap();
+    let stream = kvtier_client::DataPlaneConnector::connect(&quic).await;
+    let refused = match stream {
+        Err(_) => true,
+        Ok(mut s) => {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            // The client may finish its side first: the refusal shows on the first exchange.
+            let _ = s.write_all(b"KVDP\x01\x00\x00\x00").await;
+            let mut b = [0u8; 8];
+            tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut b)).await.map_or(true, |r| r.is_err())
+        }
+    };
+    assert!(refused, "a certificate from another CA got a QUIC stream served");
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while metric(&nodes[0].scrape(), "kvtier_errors_total", &[("kind", "quic_handshake")]) <= before {
+        assert!(std::time::Instant::now() < deadline, "the refused handshake was not counted");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // And the node goes on serving alice.
+    assert_eq!(alice.load(&ns, &doc).await.unwrap(), blocks);
 }

@@ -127,6 +127,12 @@ pub struct ServerConfig {
     /// `"auto"`: the 95th percentile of recent peer loads (so about one in twenty is hedged);
     /// a duration such as `"20ms"`; or `"off"`. Default: `auto`.
     pub peer_hedge: String,
+    /// How this node's data plane is reached by its peers: `"tcp"` (the data-plane listener, TLS
+    /// when `[tls]` is set) or `"quic"`: a QUIC listener on the same port number over UDP, one
+    /// QUIC connection per peer with a stream per pooled connection, and peers dial it. QUIC needs
+    /// `[tls]` with `client_ca` (nodes present their node certificates to each other, and a node
+    /// without one is refused). Every node of a cluster must use the same. Default: `tcp`.
+    pub peer_transport: String,
     /// TLS on the gRPC and data-plane listeners, and client certificates (mTLS) as credentials:
     /// a `[tls]` table, see [`TlsConfig`]. The same-node socket and `/metrics` stay plain (local).
     /// Default: none (plain TCP: keep the listeners on loopback or a trusted network).
@@ -242,6 +248,7 @@ impl Default for ServerConfig {
             peer_cache: true,
             peer_max_inflight: 64,
             peer_hedge: "auto".into(),
+            peer_transport: "tcp".into(),
             tls: None,
         }
     }
@@ -368,6 +375,16 @@ impl ServerConfig {
         }
         if let Err(e) = self.peer_hedge() {
             return bad(e);
+        }
+        match self.peer_transport.as_str() {
+            "tcp" => {}
+            "quic" if self.tls.as_ref().is_some_and(|t| t.client_ca.is_some()) => {}
+            "quic" => {
+                return bad("peer_transport = \"quic\" needs [tls] with client_ca: nodes authenticate each other by \
+                            their certificates (kvtier cert ca / kvtier cert node)"
+                    .into())
+            }
+            other => return bad(format!("peer_transport must be \"tcp\" or \"quic\", got {other:?}")),
         }
         if !(1..=4096).contains(&self.peer_max_inflight) {
             return bad(format!("peer_max_inflight must be 1..=4096, got {}", self.peer_max_inflight));
@@ -606,6 +623,15 @@ mod tests {
             let e = c.validate().unwrap_err().to_string();
             assert!(e.contains("peer_hedge"), "{bad:?}: {e}");
         }
+    }
+
+    #[test]
+    fn quic_between_nodes_needs_a_client_ca() {
+        let mut c = ServerConfig { peer_transport: "quic".into(), ..ServerConfig::default() };
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("client_ca"), "{e}");
+        c.peer_transport = "udp".into();
+        assert!(c.validate().unwrap_err().to_string().contains("peer_transport"));
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //!
 //! The connection is generic over its byte stream: TCP ([`serve`]), a Unix socket
 //! ([`serve_unix`]), or any `AsyncRead + AsyncWrite` stream accepted elsewhere ([`serve_stream`]:
-//! an in-memory duplex in the in-process test harness, QUIC streams later). TCP and Unix sockets
+//! an in-memory duplex in the in-process test harness; QUIC streams between nodes, `crate::quic`). TCP and Unix sockets
 //! are split into owned halves (no lock between reader and writer); any other stream is split
 //! with `tokio::io::split`. The framing itself is I/O-free and lives in `kvtier_proto`.
 //!
@@ -116,8 +116,9 @@ where
 }
 
 /// Runs one connection over a read half and a write half until it ends or `stop` turns true;
-/// `cert`: whom its verified TLS client certificate names.
-async fn serve_halves<R, W>(
+/// `cert`: whom its verified TLS client certificate names (a TLS connection's, or a QUIC
+/// connection's for each of its streams, see `crate::quic`).
+pub(crate) async fn serve_halves<R, W>(
     r: R,
     w: W,
     state: Arc<NodeState>,

@@ -39,6 +39,7 @@ pub mod fs;
 pub mod gather;
 pub mod listen;
 pub mod metrics;
+pub mod quic;
 pub mod samenode;
 pub mod session_log;
 pub mod session_store;
@@ -204,6 +205,11 @@ pub async fn start(
     };
     let (grpc_listener, grpc_addr) = bind("listen", config.listen).await?;
     let (data_listener, data_addr) = bind("data_listen", config.data_listen).await?;
+    // QUIC between nodes: UDP on the data plane's own address and port.
+    let quic = match (config.peer_transport.as_str(), tls.as_ref().and_then(|t| t.quic.clone())) {
+        ("quic", Some(q)) => Some(quic::bind(data_addr, q)?),
+        _ => None,
+    };
     let samenode_path = match config.samenode_path() {
         Some(path) => Some(path),
         None if config.samenode_socket == "auto" => {
@@ -262,6 +268,9 @@ pub async fn start(
         stop_rx.clone(),
         tls.as_ref().map(|t| t.data.clone()),
     )));
+    if let Some(endpoint) = quic {
+        tasks.push(tokio::spawn(quic::serve(endpoint, state.clone(), stop_rx.clone())));
+    }
     if let Some((listener, path)) = samenode {
         tasks.push(tokio::spawn(samenode::serve(listener, path, state.clone(), stop_rx.clone())));
     }

@@ -21,11 +21,13 @@ use crate::error::ServerError;
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The acceptors of the node's two TCP listeners: gRPC announces HTTP/2 by ALPN, the data plane
-/// nothing.
+/// nothing; and the same identity for the QUIC listener between nodes (TLS 1.3 only, client
+/// certificates always required, ALPN [`crate::quic::ALPN`]) when `client_ca` is set.
 #[derive(Clone)]
 pub struct TlsAcceptors {
     pub grpc: TlsAcceptor,
     pub data: TlsAcceptor,
+    pub quic: Option<Arc<rustls::ServerConfig>>,
 }
 
 impl std::fmt::Debug for TlsAcceptors {
@@ -78,12 +80,40 @@ impl TlsAcceptors {
                 builder.with_client_cert_verifier(verifier.build().map_err(|e| bad("client_ca", path, e))?)
             }
         };
+        let quic = match &cfg.client_ca {
+            Some(path) => Some(Arc::new(quic_config(path, certs.clone(), key.clone_key())?)),
+            None => None,
+        };
         let data =
             builder.with_single_cert(certs, key).map_err(|e| ServerError::Config(format!("tls.cert/tls.key: {e}")))?;
         let mut grpc = data.clone();
         grpc.alpn_protocols = vec![b"h2".to_vec()];
-        Ok(TlsAcceptors { grpc: TlsAcceptor::from(Arc::new(grpc)), data: TlsAcceptor::from(Arc::new(data)) })
+        Ok(TlsAcceptors { grpc: TlsAcceptor::from(Arc::new(grpc)), data: TlsAcceptor::from(Arc::new(data)), quic })
     }
+}
+
+/// The QUIC listener's TLS: TLS 1.3 (QUIC has no other), a client certificate from `client_ca`
+/// always required (only nodes and clients of the cluster's CA speak QUIC to a node).
+fn quic_config(
+    client_ca: &Path,
+    certs: Vec<CertificateDer<'static>>,
+    key: PrivateKeyDer<'static>,
+) -> Result<rustls::ServerConfig, ServerError> {
+    let mut roots = rustls::RootCertStore::empty();
+    for c in read_certs("client_ca", client_ca)? {
+        roots.add(c).map_err(|e| bad("client_ca", client_ca, e))?;
+    }
+    let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
+        .build()
+        .map_err(|e| bad("client_ca", client_ca, e))?;
+    let mut c = rustls::ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(|e| ServerError::Config(format!("tls (QUIC): {e}")))?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(certs, key)
+        .map_err(|e| ServerError::Config(format!("tls.cert/tls.key: {e}")))?;
+    c.alpn_protocols = vec![crate::quic::ALPN.to_vec()];
+    Ok(c)
 }
 
 /// Runs the server side of a handshake within [`HANDSHAKE_TIMEOUT`]; returns the stream and the

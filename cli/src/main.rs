@@ -330,7 +330,8 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         }
         _ => None,
     };
-    let peer_transport = peers::ClientTransport::new(cfg.auth_token.clone(), cfg.peer_timeout.0, peer_tls);
+    let quic = cfg.peer_transport == "quic";
+    let peer_transport = peers::ClientTransport::new(cfg.auth_token.clone(), cfg.peer_timeout.0, peer_tls, quic);
     let mut server = kvtier_server::start(cfg, handle).await?;
     server.attach_peers(std::sync::Arc::new(peer_transport));
     let metrics = server.metrics_addr.map(|m| format!("http://{m}/metrics")).unwrap_or_else(|| "off".into());

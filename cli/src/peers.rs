@@ -1,5 +1,6 @@
 //! The network under the server's G4 peer tier (`kvtier_server::cluster::PeerTransport`): one
-//! pooled [`KvClient`] per peer (TCP data plane; QUIC later), authenticated with this node's
+//! pooled [`KvClient`] per peer (data plane over TCP, or over one QUIC connection per peer with
+//! `peer_transport = "quic"`), authenticated with this node's
 //! `auth_token` — the operator's token, which every node of a cluster must share. Before a
 //! peer first sees a namespace it is registered there: a namespace's id is a hash of its spec, so
 //! the same spec registers the same namespace on every node, and the operator may register any
@@ -9,7 +10,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvtier_client::{ClientConfig, KvClient, NamespaceHandle, SameNodeMode};
+use kvtier_client::{ClientConfig, KvClient, NamespaceHandle, QuicConnector, SameNodeMode};
 use kvtier_proto::{BlockFrame, BlockKey, Namespace, NamespaceId};
 use kvtier_server::cluster::{Member, NodeId, PeerFuture, PeerTransport};
 use kvtier_server::dram::StoredBlock;
@@ -25,6 +26,8 @@ struct Peer {
 /// [`PeerTransport`] over `kvtier-client`.
 pub struct ClientTransport {
     cfg: ClientConfig,
+    /// Whether peers' data planes are reached over QUIC (their UDP listener on the data port).
+    quic: bool,
     peers: Mutex<HashMap<NodeId, Arc<Peer>>>,
 }
 
@@ -34,8 +37,14 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl ClientTransport {
     /// Calls bounded by `timeout`, authenticated with `auth_token` (and over TLS with `tls`, the
-    /// node's own certificate presented to its peers).
-    pub fn new(auth_token: Option<String>, timeout: Duration, tls: Option<kvtier_client::ClientTls>) -> Self {
+    /// node's own certificate presented to its peers); data over QUIC with `quic` (which needs
+    /// `tls`).
+    pub fn new(
+        auth_token: Option<String>,
+        timeout: Duration,
+        tls: Option<kvtier_client::ClientTls>,
+        quic: bool,
+    ) -> Self {
         let cfg = ClientConfig {
             connect_timeout: timeout,
             request_timeout: timeout,
@@ -46,7 +55,7 @@ impl ClientTransport {
             tls,
             ..ClientConfig::default()
         };
-        ClientTransport { cfg, peers: Mutex::new(HashMap::new()) }
+        ClientTransport { cfg, quic, peers: Mutex::new(HashMap::new()) }
     }
 
     fn err(peer: &Member, e: impl std::fmt::Display) -> ServerError {
@@ -59,8 +68,14 @@ impl ClientTransport {
         let p = match known {
             Some(p) => p,
             None => {
-                let client =
-                    KvClient::connect(&peer.grpc_addr, self.cfg.clone()).await.map_err(|e| Self::err(peer, e))?;
+                let client = match (&self.cfg.tls, self.quic) {
+                    (Some(tls), true) => {
+                        let quic = QuicConnector::new(&peer.data_addr, tls).map_err(|e| Self::err(peer, e))?;
+                        KvClient::connect_with(&peer.grpc_addr, self.cfg.clone(), quic).await
+                    }
+                    _ => KvClient::connect(&peer.grpc_addr, self.cfg.clone()).await,
+                }
+                .map_err(|e| Self::err(peer, e))?;
                 let p = Arc::new(Peer { addr: peer.grpc_addr.clone(), client, namespaces: Mutex::new(HashMap::new()) });
                 lock(&self.peers).insert(peer.id.clone(), p.clone());
                 p

@@ -32,6 +32,7 @@ mod connector;
 mod engine;
 mod error;
 pub mod near;
+mod quic;
 mod samenode;
 mod tls;
 
@@ -47,4 +48,5 @@ pub use error::ClientError;
 pub use kvtier_proto::dataplane::ItemStatus;
 pub use near::{FallbackReason, SameNodeMode, SameNodeStats};
 pub use samenode::{BufferId, SameNode, SharedBuffer};
+pub use quic::QuicConnector;
 pub use tls::ClientTls;

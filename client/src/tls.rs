@@ -82,7 +82,7 @@ impl ClientTls {
     }
 
     /// `server_name`, else `host` (an IPv6 address without its brackets).
-    fn name_for<'a>(&'a self, host: &'a str) -> &'a str {
+    pub(crate) fn name_for<'a>(&'a self, host: &'a str) -> &'a str {
         self.server_name.as_deref().unwrap_or(host).trim_start_matches('[').trim_end_matches(']')
     }
 

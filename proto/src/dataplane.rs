@@ -45,6 +45,8 @@ pub const HELLO_LEN: usize = 8;
 pub const REQUEST_HEADER_LEN: usize = 32;
 pub const RESPONSE_HEADER_LEN: usize = 16;
 pub const MAX_TOKEN_LEN: usize = 1024;
+/// The ALPN protocol of the data plane over QUIC (one bidirectional stream per connection).
+pub const QUIC_ALPN: &[u8] = b"kvtier-data/1";
 /// `PUT` flag: keep the blocks pinned until `RELEASE` or the end of the connection.
 pub const FLAG_PIN_LEASE: u16 = 1;
 /// `GET` flag: stop at the first miss (the longest stored prefix in one request).
