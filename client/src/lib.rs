@@ -47,6 +47,6 @@ pub use engine::{EngineClient, Loaded, Miss};
 pub use error::ClientError;
 pub use kvtier_proto::dataplane::ItemStatus;
 pub use near::{FallbackReason, SameNodeMode, SameNodeStats};
-pub use samenode::{BufferId, SameNode, SharedBuffer};
 pub use quic::QuicConnector;
+pub use samenode::{BufferId, SameNode, SharedBuffer};
 pub use tls::ClientTls;

@@ -1,7 +1,9 @@
 //! Remote load through the G4 peer tier beside a local load and raw loopback TCP, same run:
 //! `cargo build --release --bins && cargo run --release -p kvtier-tests --example peer_load`
 //! (needs `redis-server`). Two real nodes, 1 MiB blocks, `peer_cache = false` so every remote load
-//! crosses nodes; medians of 5 runs. Not a test: figures depend on the machine.
+//! crosses nodes; medians of 5 runs. Three clusters one after the other: plain TCP between the
+//! nodes, TLS over TCP, and QUIC (`peer_transport = "quic"`, TLS 1.3 inside) — QUIC's fair peer is
+//! TLS over TCP. Not a test: figures depend on the machine.
 
 use std::time::{Duration, Instant};
 
@@ -12,12 +14,61 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const BLOCKS: usize = 256;
 
-fn node(redis: &Redis, dir: &std::path::Path, id: &str) -> ServerProcess {
+const TOKEN: &str = "bench-operator-token-0001";
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Between {
+    Tcp,
+    Tls,
+    Quic,
+}
+
+/// A CA and a node certificate for 127.0.0.1 in `dir` (`kvtier cert`).
+fn pki(dir: &std::path::Path) {
+    for args in [&["ca"][..], &["node", "--name", "node", "--host", "127.0.0.1"][..]] {
+        let out = std::process::Command::new(kvtier_bin())
+            .arg("cert")
+            .args(args)
+            .arg("--dir")
+            .arg(dir)
+            .output()
+            .expect("kvtier cert");
+        assert!(out.status.success(), "kvtier cert: {}", String::from_utf8_lossy(&out.stderr));
+    }
+}
+
+fn node(redis: &Redis, dir: &std::path::Path, id: &str, between: Between) -> ServerProcess {
     let cfg = dir.join(format!("{id}.toml"));
-    let toml =
-        format!("cluster = \"{}\"\nnode_id = \"{id}\"\npeer_cache = false\npeer_timeout = \"10s\"\n", redis.url());
+    let mut toml = format!(
+        "auth_token = \"{TOKEN}\"\ncluster = \"{}\"\nnode_id = \"{id}\"\npeer_cache = false\npeer_timeout = \"10s\"\n",
+        redis.url()
+    );
+    if between == Between::Quic {
+        toml.push_str("peer_transport = \"quic\"\n");
+    }
+    if between != Between::Tcp {
+        let p = |f: &str| dir.join(f).display().to_string();
+        toml.push_str(&format!(
+            "\n[tls]\ncert = \"{}\"\nkey = \"{}\"\nclient_ca = \"{}\"\n",
+            p("node.pem"),
+            p("node.key"),
+            p("ca.pem")
+        ));
+    }
     std::fs::write(&cfg, toml).unwrap();
     ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "1GiB"])
+}
+
+async fn client(node: &ServerProcess, dir: &std::path::Path, between: Between) -> kvtier_client::KvClient {
+    let tls = (between != Between::Tcp).then(|| {
+        kvtier_client::ClientTls::from_files(
+            &dir.join("ca.pem"),
+            Some((dir.join("node.pem").as_path(), dir.join("node.key").as_path())),
+        )
+        .unwrap()
+    });
+    let cfg = kvtier_client::ClientConfig { tls, auth_token: Some(TOKEN.into()), ..Default::default() };
+    kvtier_client::KvClient::connect(&node.grpc_addr(), cfg).await.expect("connect")
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -50,9 +101,27 @@ async fn loopback(bytes: usize) -> f64 {
 
 #[tokio::main]
 async fn main() {
+    let mut rows = Vec::new();
+    for between in [Between::Tcp, Between::Tls, Between::Quic] {
+        rows.push((between, run(between).await));
+    }
+    println!("| between the nodes | local load GB/s | remote load GB/s | remote / local | loopback TCP GB/s | remote / TCP |");
+    println!("|---|---|---|---|---|---|");
+    for (b, (n, l, p, t)) in &rows {
+        println!("| {b:?} ({n} x 1 MiB) | {l:.2} | {p:.2} | {:.2}x | {t:.2} | {:.2}x |", p / l, p / t);
+    }
+    let remote = |b: Between| rows.iter().find(|r| r.0 == b).map(|r| r.1 .2).unwrap_or(f64::NAN);
+    println!("QUIC / TLS over TCP, remote loads: {:.2}x", remote(Between::Quic) / remote(Between::Tls));
+}
+
+/// (blocks, local GB/s, remote GB/s, loopback TCP GB/s): medians of 5 runs.
+async fn run(between: Between) -> (usize, f64, f64, f64) {
     let redis = Redis::start();
     let dir = tempfile::tempdir().unwrap();
-    let (n1, n2) = (node(&redis, dir.path(), "n1"), node(&redis, dir.path(), "n2"));
+    if between != Between::Tcp {
+        pki(dir.path());
+    }
+    let (n1, n2) = (node(&redis, dir.path(), "n1", between), node(&redis, dir.path(), "n2", between));
     let deadline = Instant::now() + Duration::from_secs(15);
     for n in [&n1, &n2] {
         while metric(&n.scrape(), "kvtier_membership_members", &[]) != 2.0 {
@@ -62,7 +131,7 @@ async fn main() {
     }
     let layout = KvLayout::new(8, 8, 128, DType::Bf16, 32); // 1 MiB blocks
     let spec = namespace("bench", b"bench", layout);
-    let (c1, c2) = (n1.client().await, n2.client().await);
+    let (c1, c2) = (client(&n1, dir.path(), between).await, client(&n2, dir.path(), between).await);
     let ns1 = c1.register(spec.clone()).await.unwrap();
     let ns2 = c2.register(spec).await.unwrap();
     let toks = tokens(9, BLOCKS * 32);
@@ -96,9 +165,8 @@ async fn main() {
         assert!(got.iter().all(Option::is_some), "remote load missed");
         tcp.push(loopback(remote.len() << 20).await);
     }
-    let (l, p, t) = (median(local), median(peer), median(tcp));
-    println!("{} blocks of 1 MiB, medians of 5 runs", remote.len());
-    println!("local load (client -> node holding the blocks): {l:.2} GB/s");
-    println!("remote load (client -> node -> owner, one request): {p:.2} GB/s ({:.2}x local)", p / l);
-    println!("loopback TCP, one stream: {t:.2} GB/s (remote = {:.2}x of it)", p / t);
+    if between == Between::Quic {
+        assert!(metric(&n1.scrape(), "kvtier_quic_streams_total", &[]) >= 1.0, "the peer load went over QUIC");
+    }
+    (remote.len(), median(local), median(peer), median(tcp))
 }
