@@ -8,7 +8,7 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use kvtier_client::KvClient;
+use kvtier_client::{KvClient, SharedBuffer};
 use kvtier_proto::{pb, BlockKey, NamespaceId};
 use kvtier_server::cluster::{Labels, Member, NodeId, Placement};
 use kvtier_tests::redis::Redis;
@@ -205,4 +205,53 @@ async fn a_stalled_or_killed_sole_owner_is_a_bounded_miss() {
     for ((_, want), f) in mine.iter().zip(got) {
         assert_eq!(&f.expect("held by n3").payload, *want);
     }
+}
+
+/// The data plane's `EXISTS` and the same-node path see the cluster, not just the node: through
+/// n3, `exists_keys` reports blocks held by n1 and n2, a same-node load into a shared buffer gets
+/// them (exact bytes, counted as peer hits), and a same-node store on n1 reaches the blocks'
+/// other owners.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exists_and_the_same_node_path_see_the_other_nodes() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let nodes = cluster(&redis, dir.path(), 1);
+    let (a, c) = (nodes[0].client().await, nodes[2].client().await);
+    let spec = namespace("acme", b"near-salt", small_layout());
+    let ns_a = a.register(spec.clone()).await.unwrap();
+    let ns_c = c.register(spec).await.unwrap();
+    let toks = tokens(5, 24 * 16);
+    let payloads = full_block_payloads(&ns_a, &toks);
+    let keys = ns_a.keys(&toks);
+    let p = placement();
+    let owner: Vec<&str> = keys.iter().map(|k| *owners(&p, &ns_a.id, k, 1).iter().next().unwrap()).collect();
+    let elsewhere = owner.iter().filter(|o| **o != "n1").count();
+    assert!(elsewhere > 0 && owner.iter().any(|o| *o != "n3"), "{owner:?}");
+
+    // Stored through n1's same-node socket, then forwarded to the other owners.
+    let bb = ns_a.block_bytes() as usize;
+    let mut src = SharedBuffer::new(keys.len() * bb).unwrap();
+    for (i, pl) in payloads.iter().enumerate() {
+        src.as_mut_slice()[i * bb..(i + 1) * bb].copy_from_slice(pl);
+    }
+    let offsets: Vec<u64> = (0..keys.len() as u64).map(|i| i * bb as u64).collect();
+    let mut near_a = a.samenode().await.expect("n1's same-node socket");
+    let st = near_a.store_from_buffer(&ns_a, &keys, &src, &offsets).await.unwrap();
+    assert!(st.iter().all(|s| *s == kvtier_client::ItemStatus::Ok), "{st:?}");
+    until_forwarded(&nodes[0], elsewhere);
+
+    // EXISTS through n3 answers for the cluster (before: only n3's own share).
+    let held = c.exists_keys(&ns_c, &keys).await.unwrap();
+    assert!(held.iter().all(|h| *h), "every block is held somewhere: {held:?}");
+
+    // A same-node load through n3 gets every block, the remote ones from their owners.
+    let before = peer_stats(&c).await;
+    let mut near_c = c.samenode().await.expect("n3's same-node socket");
+    let mut dst = SharedBuffer::new(keys.len() * bb).unwrap();
+    let got = near_c.load_into_buffer(&ns_c, &keys, &mut dst, &offsets, false).await.unwrap();
+    assert!(got.iter().all(|g| *g), "{got:?}");
+    assert!(dst.as_slice() == src.as_slice(), "exact bytes");
+    let after = peer_stats(&c).await;
+    let remote = owner.iter().filter(|o| **o != "n3").count() as u64;
+    assert_eq!(after.hits - before.hits, remote, "n3 loaded the blocks it doesn't own from their owners");
 }

@@ -19,8 +19,9 @@
 //! connection is closed. A block that was not completely received is never visible.
 //!
 //! In a cluster (see `crate::cluster::peer`), a `GET`'s keys that no local tier holds are loaded
-//! from their owners before the answer starts, and blocks a `PUT` stored are queued for their
-//! other owners; requests flagged `FLAG_PEER` (from another node) do neither.
+//! from their owners before the answer starts, an `EXISTS` asks the owners of the keys no local
+//! tier holds, and blocks a `PUT` stored are queued for their other owners; requests flagged
+//! `FLAG_PEER` (from another node) do none of these.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -572,13 +573,16 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
                 BlockKey(k)
             })
             .collect();
-        let statuses: Vec<u8> = self
-            .state
-            .tiers()
-            .exists(&ns, &keys)
-            .into_iter()
-            .map(|held| if held { ItemStatus::Ok as u8 } else { ItemStatus::Miss as u8 })
-            .collect();
+        // A client's question in a cluster is answered for the cluster (the owners of what no
+        // local tier holds are asked); a peer's, for this node.
+        let held = match self.state.namespace(&ns) {
+            Ok(spec) if req.flags & FLAG_PEER == 0 && self.state.tiers().peers().is_some() => {
+                self.state.tiers().exists_with_peers(&spec, &keys).await
+            }
+            _ => self.state.tiers().exists(&ns, &keys),
+        };
+        let statuses: Vec<u8> =
+            held.into_iter().map(|held| if held { ItemStatus::Ok as u8 } else { ItemStatus::Miss as u8 }).collect();
         let h = ResponseHeader::ok(Op::Exists, req.request_id, req.count);
         self.wr.write_all(&h.encode()).await?;
         self.wr.write_all(&statuses).await?;
@@ -609,8 +613,9 @@ async fn fetch_from_peers(
     state.tiers().fetch_from_peers(&ns, &keys).await
 }
 
-/// Queues the blocks a client's `PUT` just stored for their other owners (per namespace).
-fn forward_to_peers(state: &NodeState, mut stored: Vec<(NamespaceId, BlockKey)>) {
+/// Queues the blocks a client's `PUT` (or a same-node store) just stored for their other owners
+/// (per namespace); nothing outside a cluster.
+pub(crate) fn forward_to_peers(state: &NodeState, mut stored: Vec<(NamespaceId, BlockKey)>) {
     if stored.is_empty() || state.tiers().peers().is_none() {
         return;
     }

@@ -43,7 +43,7 @@ use kvtier_proto::samenode::{
     self as sn, decode_hello, LoadItem, SnOp, SnRequest, StoreItem, FLAG_VERIFY, HELLO_LEN, PROTOCOL_VERSION,
     REQUEST_LEN,
 };
-use kvtier_proto::{FrameHeader, NamespaceId};
+use kvtier_proto::{BlockKey, FrameHeader, NamespaceId};
 use memmap2::{MmapOptions, MmapRaw};
 use rustix::fs::SealFlags;
 use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
@@ -57,7 +57,6 @@ use crate::listen::{ConnLimits, Peer};
 use crate::metrics::{error, observe};
 use crate::state::NodeState;
 use crate::tenants::{Access, Principal};
-use crate::tiers::Load;
 
 /// Most buffers one connection may have registered at once.
 pub const MAX_BUFFERS_PER_CONNECTION: usize = 64;
@@ -559,6 +558,19 @@ impl Conn {
         let stop_at_miss = req.flags & FLAG_STOP_AT_MISS != 0;
         let verify = req.flags & FLAG_VERIFY != 0;
         let n = req.count as usize;
+        // In a cluster: what no local tier holds, from its owners (one request per owner, within
+        // `peer_timeout`), as the data plane's GET does.
+        let remote = match self.state.namespace(&ns) {
+            Ok(spec) if self.state.tiers().peers().is_some() => {
+                let keys: Vec<BlockKey> = body
+                    .chunks_exact(sn::LOAD_ITEM_LEN)
+                    .filter_map(|raw| LoadItem::decode(raw).ok())
+                    .map(|i| i.key)
+                    .collect();
+                self.state.tiers().fetch_from_peers(&spec, &keys).await
+            }
+            _ => HashMap::new(),
+        };
         let mut statuses = Vec::with_capacity(n);
         let mut headers = Vec::new();
         let mut missed = false;
@@ -569,26 +581,29 @@ impl Conn {
             }
             let status = match LoadItem::decode(raw) {
                 Ok(item) if !self.fits(req.buffer, item.offset, item.room) => ItemStatus::OutOfRange,
-                Ok(item) => match self.state.tiers().get(&ns, &item.key).await {
-                    Load::Hit(b) => match self
-                        .buffers
-                        .by_id
-                        .get(&req.buffer)
-                        .and_then(|r| r.at(item.offset, b.payload.len() as u64))
+                Ok(item) => {
+                    match self.state.tiers().get(&ns, &item.key).await.hit().or_else(|| remote.get(&item.key).cloned())
                     {
-                        Some(dst) if b.payload.len() as u64 <= item.room => {
-                            if copy_out(&b.payload, dst, verify.then_some(b.header.checksum)) {
-                                headers.extend_from_slice(&b.header.encode());
-                                ItemStatus::Ok
-                            } else {
-                                tracing::error!(key = %item.key, "a stored block failed its checksum on a same-node load");
-                                ItemStatus::ChecksumMismatch
+                        Some(b) => match self
+                            .buffers
+                            .by_id
+                            .get(&req.buffer)
+                            .and_then(|r| r.at(item.offset, b.payload.len() as u64))
+                        {
+                            Some(dst) if b.payload.len() as u64 <= item.room => {
+                                if copy_out(&b.payload, dst, verify.then_some(b.header.checksum)) {
+                                    headers.extend_from_slice(&b.header.encode());
+                                    ItemStatus::Ok
+                                } else {
+                                    tracing::error!(key = %item.key, "a stored block failed its checksum on a same-node load");
+                                    ItemStatus::ChecksumMismatch
+                                }
                             }
-                        }
-                        _ => ItemStatus::OutOfRange,
-                    },
-                    Load::Busy | Load::Miss => ItemStatus::Miss,
-                },
+                            _ => ItemStatus::OutOfRange,
+                        },
+                        None => ItemStatus::Miss,
+                    }
+                }
                 Err(_) => ItemStatus::BadHeader,
             };
             if status != ItemStatus::Ok {
@@ -613,27 +628,38 @@ impl Conn {
             return self.refuse(req, Status::BadRequest, &format!("no buffer {} is registered", req.buffer));
         }
         let mut statuses = Vec::with_capacity(req.count as usize);
+        let mut stored = Vec::new();
         for raw in body.chunks_exact(sn::STORE_ITEM_LEN) {
-            let status = self.store_one(req.buffer, raw).await;
+            let (status, header) = self.store_one(req.buffer, raw).await;
             if !status.is_held() {
                 error(kind(status));
+            }
+            if let (ItemStatus::Ok, Some(h)) = (status, header) {
+                stored.push((h.namespace, h.key));
             }
             statuses.push(status as u8);
             tokio::task::coop::consume_budget().await;
         }
+        // In a cluster, the blocks' other owners get them too (after the answer, like a PUT's).
+        crate::dataplane::forward_to_peers(&self.state, stored);
         self.answer(sn::ok(SnOp::Store, req.request_id, req.count));
         self.out.extend_from_slice(&statuses);
         observe("samenode_store", start);
     }
 
-    async fn store_one(&self, buffer: u32, raw: &[u8]) -> ItemStatus {
-        let Ok((h, offset)) = StoreItem::split(raw) else { return ItemStatus::BadHeader };
-        let Ok(sent) = FrameHeader::decode(h) else { return ItemStatus::BadHeader };
-        let Some(principal) = &self.principal else { return ItemStatus::Forbidden };
+    /// Stores one item; its status, and the admitted frame header.
+    async fn store_one(&self, buffer: u32, raw: &[u8]) -> (ItemStatus, Option<FrameHeader>) {
+        let Ok((h, offset)) = StoreItem::split(raw) else { return (ItemStatus::BadHeader, None) };
+        let Ok(sent) = FrameHeader::decode(h) else { return (ItemStatus::BadHeader, None) };
+        let Some(principal) = &self.principal else { return (ItemStatus::Forbidden, None) };
         let header = match self.state.admit_frame(principal, &sent) {
             Ok(h) => h,
-            Err(status) => return status,
+            Err(status) => return (status, None),
         };
+        (self.store_admitted(buffer, offset, header).await, Some(header))
+    }
+
+    async fn store_admitted(&self, buffer: u32, offset: u64, header: FrameHeader) -> ItemStatus {
         if header.payload_len > self.state.config().max_frame_bytes.0 {
             return ItemStatus::SizeMismatch;
         }

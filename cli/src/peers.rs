@@ -124,8 +124,8 @@ impl PeerTransport for ClientTransport {
     fn exists<'a>(&'a self, peer: &'a Member, ns: &'a Namespace, keys: &'a [BlockKey]) -> PeerFuture<'a, Vec<bool>> {
         Box::pin(async move {
             let (p, h) = self.handle(peer, ns).await?;
-            // The data plane's EXISTS answers from the peer's own tiers only.
-            p.client.exists_keys(&h, keys).await.map_err(|e| {
+            // Flagged as a peer's: answered from the peer's own tiers, never passed on.
+            p.client.peer_exists_keys(&h, keys).await.map_err(|e| {
                 self.forget(peer);
                 Self::err(peer, e)
             })

@@ -1,6 +1,6 @@
 //! What a kvtier node needs of [`KvClient`] to reach its peers (the server's G4 peer tier):
-//! loads and stores flagged `FLAG_PEER`, so the peer answers from its own tiers and never asks
-//! or forwards further. Engines don't call these.
+//! loads, presence checks and stores flagged `FLAG_PEER`, so the peer answers from its own tiers
+//! and never asks or forwards further. Engines don't call these.
 
 use futures::future::try_join_all;
 use kvtier_proto::dataplane::ItemStatus;
@@ -26,6 +26,23 @@ impl KvClient {
                 let mut lease = self.inner.pool.lease().await?;
                 let conn = lease.conn.as_mut().ok_or_else(|| ClientError::Io("no connection".into()))?;
                 let got = conn.get_peer(id, c, max_frame).await?;
+                lease.release().await;
+                Ok::<_, ClientError>(got)
+            })))
+            .await?;
+        Ok(results.into_iter().flatten().collect())
+    }
+
+    /// Which keys the server's own tiers hold (it asks no peer). One data-plane request per
+    /// `max_blocks_per_request` keys.
+    pub async fn peer_exists_keys(&self, ns: &NamespaceHandle, keys: &[BlockKey]) -> Result<Vec<bool>, ClientError> {
+        let per = (self.inner.info.max_blocks_per_request as usize).max(1);
+        let id = ns.id;
+        let results = self
+            .timed(try_join_all(keys.chunks(per).map(|c| async move {
+                let mut lease = self.inner.pool.lease().await?;
+                let conn = lease.conn.as_mut().ok_or_else(|| ClientError::Io("no connection".into()))?;
+                let got = conn.exists_peer(id, c).await?;
                 lease.release().await;
                 Ok::<_, ClientError>(got)
             })))

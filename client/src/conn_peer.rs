@@ -1,6 +1,6 @@
 //! Data-plane requests one node sends another on a client's behalf (the server's G4 peer tier):
-//! a `GET` and a `PUT` flagged [`FLAG_PEER`], so the peer serves them from its own tiers and
-//! never forwards them again. A child of `conn` so that it reuses the connection's framing.
+//! a `GET`, an `EXISTS` and a `PUT` flagged [`FLAG_PEER`], so the peer serves them from its own
+//! tiers and never asks or forwards further. A child of `conn` so that it reuses the connection's framing.
 
 use bytes::BytesMut;
 use kvtier_proto::dataplane::{ItemStatus, Op, FLAG_PEER};
@@ -35,6 +35,14 @@ impl DataConn {
             out.push(Some(BlockFrame { header, payload }));
         }
         Ok(out)
+    }
+
+    /// An `EXISTS` flagged [`FLAG_PEER`]: which keys the peer's own tiers hold.
+    pub(crate) async fn exists_peer(&mut self, ns: NamespaceId, keys: &[BlockKey]) -> Result<Vec<bool>, ClientError> {
+        self.keyed_request(Op::Exists, FLAG_PEER, ns, keys).await?;
+        let mut st = vec![0u8; keys.len()];
+        self.rd.read_exact(&mut st).await?;
+        st.into_iter().map(|b| Ok(ItemStatus::from_u8(b)? == ItemStatus::Ok)).collect()
     }
 
     /// A `PUT` flagged [`FLAG_PEER`]; one status per frame.

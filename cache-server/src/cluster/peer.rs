@@ -424,7 +424,7 @@ impl PeerTier {
     ) -> Result<Vec<Option<StoredBlock>>, ()> {
         let asked: Vec<BlockKey> = idx.iter().map(|&i| keys[i]).collect();
         let start = Instant::now();
-        match self.bounded(self.transport.get(member, ns, &asked)).await {
+        match self.bounded(member, self.transport.get(member, ns, &asked)).await {
             Ok(blocks) if blocks.len() == asked.len() => {
                 self.latencies.lock().push(start.elapsed());
                 Ok(blocks
@@ -491,7 +491,7 @@ impl PeerTier {
             let member = &p.members()[peer];
             let asked: Vec<BlockKey> = idx.iter().map(|&i| keys[i]).collect();
             async move {
-                let res = self.bounded(self.transport.exists(member, ns, &asked)).await;
+                let res = self.bounded(member, self.transport.exists(member, ns, &asked)).await;
                 (member, idx, res)
             }
         });
@@ -514,9 +514,9 @@ impl PeerTier {
 
     /// Runs one peer call within `peer_timeout`, its start included (a permit of
     /// `peer_max_inflight`); counted in `kvtier_peer_requests_total`.
-    async fn bounded<T>(&self, call: PeerFuture<'_, T>) -> Result<T, ServerError> {
+    async fn bounded<T>(&self, peer: &Member, call: PeerFuture<'_, T>) -> Result<T, ServerError> {
         let t = self.cfg.timeout;
-        let late = || ServerError::Peer { peer: String::new(), reason: format!("no answer within {t:?}") };
+        let late = || ServerError::Peer { peer: peer.id.to_string(), reason: format!("no answer within {t:?}") };
         tokio::time::timeout(t, async {
             let _permit = self.inflight.acquire().await.map_err(|_| late())?;
             bump(&self.counters.requests, 1);
@@ -582,7 +582,7 @@ impl PeerTier {
                 let res = if self.is_down(&member.id, now) {
                     None
                 } else {
-                    Some(self.bounded(self.transport.put(member, ns, blocks)).await)
+                    Some(self.bounded(member, self.transport.put(member, ns, blocks)).await)
                 };
                 (member, blocks, res)
             }

@@ -37,6 +37,16 @@ pub enum Load {
     Miss,
 }
 
+impl Load {
+    /// The block, if this was a hit.
+    pub fn hit(self) -> Option<StoredBlock> {
+        match self {
+            Load::Hit(b) => Some(b),
+            Load::Busy | Load::Miss => None,
+        }
+    }
+}
+
 /// One tier's counters, in the shape `Stats` reports.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct TierStats {

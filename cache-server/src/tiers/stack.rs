@@ -242,6 +242,23 @@ impl TierStack {
         n + local.into_iter().take_while(|&here| here || remote.next().unwrap_or(false)).count()
     }
 
+    /// [`TierStack::exists`], completed — with a peer tier — by what the owners of the keys no
+    /// local tier holds hold (one request per peer; a failed peer holds nothing).
+    pub async fn exists_with_peers(&self, ns: &Namespace, keys: &[BlockKey]) -> Vec<bool> {
+        let id = ns.id();
+        let mut held = self.exists(&id, keys);
+        let Some(peers) = self.peers.get() else { return held };
+        let missing: Vec<usize> = (0..keys.len()).filter(|&i| !held[i]).collect();
+        if missing.is_empty() {
+            return held;
+        }
+        let ask: Vec<BlockKey> = missing.iter().map(|&i| keys[i]).collect();
+        for (i, there) in missing.into_iter().zip(peers.tier.held(ns, &ask).await) {
+            held[i] = there;
+        }
+        held
+    }
+
     /// Queues blocks this node just stored (and holds in DRAM) for their other owners; nothing
     /// without a peer tier. See [`PeerTier::forward`].
     pub fn forward_to_peers(&self, ns: Namespace, keys: &[BlockKey]) {
