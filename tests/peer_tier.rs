@@ -255,3 +255,40 @@ async fn exists_and_the_same_node_path_see_the_other_nodes() {
     let remote = owner.iter().filter(|o| **o != "n3").count() as u64;
     assert_eq!(after.hits - before.hits, remote, "n3 loaded the blocks it doesn't own from their owners");
 }
+
+/// A remote load larger than one chunk (`cluster::fetch::CHUNK_BYTES`, 16 MiB) is fetched in
+/// chunks that run ahead of the answer — more than one request per owner — and every block is
+/// still exact and in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_remote_load_comes_in_chunks_and_exact() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let nodes = cluster(&redis, dir.path(), 1);
+    let (a, c) = (nodes[0].client().await, nodes[2].client().await);
+    let layout = kvtier_proto::KvLayout::new(8, 8, 128, kvtier_proto::DType::Bf16, 32); // 1 MiB blocks
+    let spec = namespace("acme", b"chunks", layout);
+    let ns_a = a.register(spec.clone()).await.unwrap();
+    let ns_c = c.register(spec).await.unwrap();
+    let toks = tokens(8, 40 * 32);
+    let payloads = full_block_payloads(&ns_a, &toks);
+    a.store(&ns_a, &toks, &payloads).await.unwrap().ok().unwrap();
+    let p = placement();
+    let keys = ns_a.keys(&toks);
+    let owner: Vec<&str> = keys.iter().map(|k| *owners(&p, &ns_a.id, k, 1).iter().next().unwrap()).collect();
+    until_forwarded(&nodes[0], owner.iter().filter(|o| **o != "n1").count());
+    let remote = owner.iter().filter(|o| **o != "n3").count();
+    assert!(remote > 16, "more than one chunk of remote blocks: {remote}");
+    let owners_asked: BTreeSet<&str> = owner.iter().copied().filter(|o| *o != "n3").collect();
+
+    let before = peer_stats(&c).await;
+    let loaded = c.load(&ns_c, &toks).await.unwrap();
+    assert!(loaded == payloads, "all {} blocks, exact and in order", payloads.len());
+    let after = peer_stats(&c).await;
+    assert_eq!(after.hits - before.hits, remote as u64);
+    assert!(
+        after.requests - before.requests > owners_asked.len() as u64,
+        "chunked: {} requests for {} owners",
+        after.requests - before.requests,
+        owners_asked.len()
+    );
+}

@@ -525,8 +525,9 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         let start = Instant::now();
         let Some(raw) = self.read_keys(&req).await? else { return Ok(()) };
         let ns: NamespaceId = req.namespace;
-        // In a cluster: what no local tier holds, from its owners (bounded by `peer_timeout`).
-        let mut remote = fetch_from_peers(&self.state, &req, &raw).await;
+        // In a cluster: what no local tier holds, from its owners (bounded by `peer_timeout`),
+        // in chunks running ahead of this answer.
+        let mut remote = peer_fetch(&self.state, &req, &raw);
         let h = ResponseHeader::ok(Op::Get, req.request_id, req.count);
         self.wr.write_all(&h.encode()).await?;
         let stop_at_miss = req.flags & FLAG_STOP_AT_MISS != 0;
@@ -542,7 +543,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             // A disk read runs on the I/O pool; a saturated pool (`Busy`) answers a miss.
             let load = match self.state.tiers().get(&ns, &key).await {
                 Load::Hit(b) => Load::Hit(b),
-                other => remote.remove(&key).map_or(other, Load::Hit),
+                other => remote.take(&key).await.map_or(other, Load::Hit),
             };
             match load {
                 Load::Hit(b) => {
@@ -592,25 +593,22 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
 }
 
 /// For a `GET` from a client (not from a peer): the requested blocks no local tier holds,
-/// loaded from their owners (see `crate::cluster::peer`). Empty outside a cluster.
-async fn fetch_from_peers(
-    state: &NodeState,
-    req: &RequestHeader,
-    raw: &[u8],
-) -> std::collections::HashMap<BlockKey, crate::dram::StoredBlock> {
-    if req.flags & FLAG_PEER != 0 || state.tiers().peers().is_none() {
-        return Default::default();
-    }
-    let Ok(ns) = state.namespace(&req.namespace) else { return Default::default() };
-    let keys: Vec<BlockKey> = raw
-        .chunks_exact(KEY_LEN)
-        .map(|c| {
-            let mut k = [0u8; KEY_LEN];
-            k.copy_from_slice(c);
-            BlockKey(k)
-        })
-        .collect();
-    state.tiers().fetch_from_peers(&ns, &keys).await
+/// loaded from their owners ahead of the answer (see `crate::cluster::fetch`). Nothing outside a
+/// cluster.
+fn peer_fetch(state: &Arc<NodeState>, req: &RequestHeader, raw: &[u8]) -> crate::cluster::fetch::PeerFetch {
+    let ns = (req.flags & FLAG_PEER == 0).then(|| state.namespace(&req.namespace).ok()).flatten();
+    let keys: Vec<BlockKey> = if ns.is_some() {
+        raw.chunks_exact(KEY_LEN)
+            .map(|c| {
+                let mut k = [0u8; KEY_LEN];
+                k.copy_from_slice(c);
+                BlockKey(k)
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    crate::cluster::fetch::PeerFetch::start(state, ns, &keys)
 }
 
 /// Queues the blocks a client's `PUT` (or a same-node store) just stored for their other owners

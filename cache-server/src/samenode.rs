@@ -51,6 +51,7 @@ use tokio::io::{AsyncWriteExt, Interest};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::watch;
 
+use crate::cluster::fetch::PeerFetch;
 use crate::dram::Priority;
 use crate::error::ServerError;
 use crate::listen::{ConnLimits, Peer};
@@ -558,19 +559,18 @@ impl Conn {
         let stop_at_miss = req.flags & FLAG_STOP_AT_MISS != 0;
         let verify = req.flags & FLAG_VERIFY != 0;
         let n = req.count as usize;
-        // In a cluster: what no local tier holds, from its owners (one request per owner, within
-        // `peer_timeout`), as the data plane's GET does.
-        let remote = match self.state.namespace(&ns) {
-            Ok(spec) if self.state.tiers().peers().is_some() => {
-                let keys: Vec<BlockKey> = body
-                    .chunks_exact(sn::LOAD_ITEM_LEN)
-                    .filter_map(|raw| LoadItem::decode(raw).ok())
-                    .map(|i| i.key)
-                    .collect();
-                self.state.tiers().fetch_from_peers(&spec, &keys).await
-            }
-            _ => HashMap::new(),
+        // In a cluster: what no local tier holds, from its owners (within `peer_timeout`, in
+        // chunks ahead of the copies), as the data plane's GET does.
+        let spec = self.state.namespace(&ns).ok().filter(|_| self.state.tiers().peers().is_some());
+        let keys: Vec<BlockKey> = match spec {
+            Some(_) => body
+                .chunks_exact(sn::LOAD_ITEM_LEN)
+                .filter_map(|raw| LoadItem::decode(raw).ok())
+                .map(|i| i.key)
+                .collect(),
+            None => Vec::new(),
         };
+        let mut remote = PeerFetch::start(&self.state, spec, &keys);
         let mut statuses = Vec::with_capacity(n);
         let mut headers = Vec::new();
         let mut missed = false;
@@ -582,8 +582,12 @@ impl Conn {
             let status = match LoadItem::decode(raw) {
                 Ok(item) if !self.fits(req.buffer, item.offset, item.room) => ItemStatus::OutOfRange,
                 Ok(item) => {
-                    match self.state.tiers().get(&ns, &item.key).await.hit().or_else(|| remote.get(&item.key).cloned())
-                    {
+                    let local = self.state.tiers().get(&ns, &item.key).await.hit();
+                    let found = match local {
+                        Some(b) => Some(b),
+                        None => remote.take(&item.key).await,
+                    };
+                    match found {
                         Some(b) => match self
                             .buffers
                             .by_id

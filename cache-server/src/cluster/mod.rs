@@ -8,6 +8,7 @@
 //! - [`membership`]: the [`Membership`] seam — a watchable snapshot of the members, kept in
 //!   process for a single node ([`Embedded`]) or in Redis with a TTL heartbeat ([`RedisMembership`]).
 
+pub mod fetch;
 pub mod member;
 pub mod membership;
 pub mod peer;
