@@ -15,7 +15,7 @@ pub mod placement;
 
 pub use member::{Labels, Member, NodeId};
 pub use membership::{Embedded, Membership, RedisMembership, RedisMembershipConfig, Snapshot};
-pub use peer::{PeerConfig, PeerFuture, PeerTier, PeerTransport};
+pub use peer::{LocalHolding, PeerConfig, PeerFuture, PeerTier, PeerTransport};
 pub use placement::{Locality, Placement, Reader};
 
 #[cfg(test)]
