@@ -55,11 +55,8 @@ async fn stores_evictions_purges_and_sessions_arrive_with_their_keys() {
     client.park(&ns, "agent-1", &doc, &full_block_payloads(&ns, &doc), &ParkOptions::default(), 0).await.unwrap();
     assert!(client.drop_session(&ns, "agent-1").await.unwrap());
     let got = collect(&mut w, |g| g.iter().any(|e| e.kind == EventKind::SessionDropped)).await;
-    let sessions: Vec<(EventKind, &str)> = got
-        .iter()
-        .filter(|e| e.kind != EventKind::Stored)
-        .map(|e| (e.kind, e.session_id.as_str()))
-        .collect();
+    let sessions: Vec<(EventKind, &str)> =
+        got.iter().filter(|e| e.kind != EventKind::Stored).map(|e| (e.kind, e.session_id.as_str())).collect();
     assert_eq!(sessions, vec![(EventKind::SessionParked, "agent-1"), (EventKind::SessionDropped, "agent-1")]);
 
     // A flood three times the cap: evictions name keys the node no longer holds.
@@ -133,7 +130,8 @@ async fn a_tenant_watches_only_its_own_namespaces_and_watchers_are_capped() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = tenants_config(dir.path(), "events_max_watchers = 5\nevents_max_watchers_per_tenant = 2");
     let server = ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"]);
-    let (a, b, op) = (client_as(&server, TOKEN_A).await, client_as(&server, TOKEN_B).await, client_as(&server, OPERATOR).await);
+    let (a, b, op) =
+        (client_as(&server, TOKEN_A).await, client_as(&server, TOKEN_B).await, client_as(&server, OPERATOR).await);
     let ns_a = a.register(namespace("a", b"a", small_layout())).await.unwrap();
     let ns_b = b.register(namespace("b", b"b", small_layout())).await.unwrap();
 

@@ -54,8 +54,11 @@ async fn the_hint_names_each_nodes_prefix_and_the_sessions_node_and_a_dead_node_
     }
     let (a, b, c) = (nodes[0].client().await, nodes[1].client().await, nodes[2].client().await);
     let spec = namespace("acme", b"route-salt", small_layout());
-    let (ns_a, ns_b, ns_c) =
-        (a.register(spec.clone()).await.unwrap(), b.register(spec.clone()).await.unwrap(), c.register(spec).await.unwrap());
+    let (ns_a, ns_b, ns_c) = (
+        a.register(spec.clone()).await.unwrap(),
+        b.register(spec.clone()).await.unwrap(),
+        c.register(spec).await.unwrap(),
+    );
 
     // A document stored through n1: n1 holds all of it, each other node the blocks it owns.
     let doc = tokens(1, 24 * 16);

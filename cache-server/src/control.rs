@@ -278,7 +278,11 @@ impl ControlPlane {
         (Some(local), others, snap.stale)
     }
 
-    async fn route_hint_for(&self, p: &Principal, r: pb::RouteHintRequest) -> Result<pb::RouteHintResponse, ServerError> {
+    async fn route_hint_for(
+        &self,
+        p: &Principal,
+        r: pb::RouteHintRequest,
+    ) -> Result<pb::RouteHintResponse, ServerError> {
         let id = ns_id(&r.namespace_id)?;
         let ns = self.state.namespace_for(p, &id, Access::Read)?;
         if !r.tokens.is_empty() && !r.keys.is_empty() {

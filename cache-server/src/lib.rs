@@ -293,13 +293,10 @@ pub async fn start(
     state.sessions().attach_events(events.clone());
     tasks.push(tokio::spawn(events::flusher(events.clone(), stop_rx.clone())));
     let membership_cell = Arc::new(std::sync::OnceLock::new());
-    let service = KvTierServer::new(control::ControlPlane::with_node(
-        state.clone(),
-        membership_cell.clone(),
-        stop_rx.clone(),
-    ))
-        .max_decoding_message_size(MAX_GRPC_MESSAGE)
-        .max_encoding_message_size(MAX_GRPC_MESSAGE);
+    let service =
+        KvTierServer::new(control::ControlPlane::with_node(state.clone(), membership_cell.clone(), stop_rx.clone()))
+            .max_decoding_message_size(MAX_GRPC_MESSAGE)
+            .max_encoding_message_size(MAX_GRPC_MESSAGE);
     // Every call is authenticated here; the handlers authorize it against the principal this
     // leaves in the request's extensions.
     let auth_state = state.clone();

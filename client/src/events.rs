@@ -71,8 +71,7 @@ impl KvEvent {
             Ok(pb::KvEventKind::Lagged) => EventKind::Lagged,
             _ => EventKind::Other(e.kind),
         };
-        let namespace =
-            if e.namespace_id.is_empty() { None } else { Some(NamespaceId::from_slice(&e.namespace_id)?) };
+        let namespace = if e.namespace_id.is_empty() { None } else { Some(NamespaceId::from_slice(&e.namespace_id)?) };
         let keys = e.keys.iter().map(|k| BlockKey::try_from(&k[..])).collect::<Result<Vec<_>, _>>()?;
         Ok(KvEvent {
             node_id: e.node_id,
@@ -117,9 +116,8 @@ impl KvClient {
 
     /// [`KvClient::watch_events`] by namespace id.
     pub async fn watch_events_ids(&self, namespaces: &[NamespaceId]) -> Result<EventWatch, ClientError> {
-        let req = pb::WatchEventsRequest {
-            namespace_ids: namespaces.iter().map(|n| Bytes::copy_from_slice(&n.0)).collect(),
-        };
+        let req =
+            pb::WatchEventsRequest { namespace_ids: namespaces.iter().map(|n| Bytes::copy_from_slice(&n.0)).collect() };
         let mut g = self.grpc();
         let stream = self.timed(async move { Ok(g.watch_events(req).await?.into_inner()) }).await?;
         Ok(EventWatch { stream })

@@ -135,7 +135,12 @@ impl KvClient {
     }
 }
 
-fn keys_request(ns: &NamespaceHandle, keys: &[BlockKey], session: Option<&str>, local_only: bool) -> pb::RouteHintRequest {
+fn keys_request(
+    ns: &NamespaceHandle,
+    keys: &[BlockKey],
+    session: Option<&str>,
+    local_only: bool,
+) -> pb::RouteHintRequest {
     pb::RouteHintRequest {
         namespace_id: Bytes::copy_from_slice(&ns.id.0),
         keys: keys.iter().map(|k| Bytes::copy_from_slice(&k.0)).collect(),

@@ -1286,9 +1286,13 @@ impl Client {
         session: Option<String>,
     ) -> PyResult<Option<Bound<'py, PyDict>>> {
         let tokens = tokens.0;
-        let hint = self.run(py, "route_hint", ns, || None, async |c, h| {
-            c.route_hint(&h, &tokens, session.as_deref()).await.map(Some)
-        })?;
+        let hint = self.run(
+            py,
+            "route_hint",
+            ns,
+            || None,
+            async |c, h| c.route_hint(&h, &tokens, session.as_deref()).await.map(Some),
+        )?;
         let Some(hint) = hint else { return Ok(None) };
         let d = PyDict::new(py);
         d.set_item("total_blocks", hint.total_blocks)?;
