@@ -229,6 +229,7 @@ async fn a_stalled_watcher_gets_lagged_while_the_node_keeps_serving_in_bounded_m
     }
     let took = started.elapsed();
     let rss_after = rss_kib(server.child.id());
+    eprintln!("stalled watcher: 2000 session calls in {took:?}, node RSS {rss_before} -> {rss_after} KiB");
     assert!(took < Duration::from_secs(60), "2000 session calls took {took:?} beside a stalled watcher");
     assert!(
         rss_after < rss_before + 32 * 1024,
@@ -296,4 +297,41 @@ async fn the_cli_prints_one_line_per_event_and_the_route() {
     assert!(ok, "{err}");
     assert!(out.contains("node cli-node") && out.contains("prefix=1 blocks (16 tokens)"), "{out}");
     assert!(out.contains("best cli-node"), "{out}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_disk_tier_evictions_say_where_the_blocks_went() {
+    // 2 MiB of DRAM over 16 MiB of disk in 1 MiB segments: a flood of 38 MiB demotes blocks to
+    // disk, and recycles the disk's oldest segments.
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("disk.toml");
+    std::fs::write(&cfg, "disk_segment_bytes = \"1MiB\"\n").unwrap();
+    let server = ServerProcess::start(&[
+        "--config",
+        cfg.to_str().unwrap(),
+        "--dram-capacity",
+        "2MiB",
+        "--disk-capacity",
+        "16MiB",
+    ]);
+    let client = server.client().await;
+    let ns = client.register(namespace("disk-ev", b"", small_layout())).await.unwrap();
+    let mut w = client.watch_events(&[&ns]).await.unwrap();
+    let flood = tokens(3, 1200 * 16);
+    for toks in flood.chunks(30 * 16) {
+        client.store(&ns, toks, &full_block_payloads(&ns, toks)).await.unwrap();
+    }
+    let from_disk = |g: &[KvEvent]| g.iter().filter(|e| e.kind == EventKind::Evicted && e.tier == "disk").count();
+    let got = collect(&mut w, |g| from_disk(g) > 0).await;
+    let demoted = got.iter().filter(|e| e.kind == EventKind::Evicted && e.tier == "dram");
+    assert!(demoted.clone().count() > 0 && demoted.clone().all(|e| e.to_tier == "disk"), "{got:?}");
+    // Blocks a recycled segment held, with no copy in DRAM: gone from the node.
+    let gone: Vec<BlockKey> = got
+        .iter()
+        .filter(|e| e.kind == EventKind::Evicted && e.tier == "disk" && e.to_tier.is_empty())
+        .flat_map(|e| e.keys.iter().copied())
+        .collect();
+    assert!(!gone.is_empty());
+    let held = client.exists_keys(&ns, &gone).await.unwrap();
+    assert!(held.iter().all(|h| !h), "{} of {} keys evicted from disk are still held", held.iter().filter(|h| **h).count(), gone.len());
 }

@@ -840,6 +840,13 @@ impl DramTier {
         self.shared.index.contains_key(&(*ns, *key))
     }
 
+    /// [`DramTier::contains`] as a closure that doesn't keep the tier alive (false once it is
+    /// gone): for another tier's observers.
+    pub fn weak_contains(&self) -> impl Fn(&NamespaceId, &BlockKey) -> bool + Send + Sync + 'static {
+        let shared = Arc::downgrade(&self.shared);
+        move |ns, key| shared.upgrade().is_some_and(|s| s.index.contains_key(&(*ns, *key)))
+    }
+
     /// A block's header without counting a hit or changing eviction state.
     pub fn header(&self, ns: &NamespaceId, key: &BlockKey) -> Option<FrameHeader> {
         self.shared.index.get(&(*ns, *key)).map(|e| e.header)

@@ -115,6 +115,21 @@ impl TierStack {
                 bus.evicted(ns, std::slice::from_ref(key), TierId::Dram, to);
             }
         })));
+        // Disk evictions (a segment recycled): gone, unless DRAM holds a copy (promoted).
+        if let Some(disk) = &self.disk {
+            let bus = Arc::downgrade(&self.events);
+            let in_dram = self.dram.weak_contains();
+            disk.set_eviction_observer(Some(Arc::new(move |keys: &[IndexKey]| {
+                let Some(bus) = bus.upgrade() else { return };
+                if !bus.is_watched() {
+                    return;
+                }
+                for (ns, key) in keys {
+                    let to = in_dram(ns, key).then_some(TierId::Dram);
+                    bus.evicted(ns, std::slice::from_ref(key), TierId::Disk, to);
+                }
+            })));
+        }
         self
     }
 
