@@ -1,7 +1,8 @@
 //! Routing hints across a cluster of three real `kvtier serve` processes sharing a real
 //! `redis-server` on loopback: asked of any node, the hint reports for every member the prefix it
 //! holds (checked against the placement the nodes compute) and which node holds a session; a node
-//! killed with `kill -9` is reported unknown (or gone) within the peer timeout, never a hang.
+//! stalled (SIGSTOP) or killed with `kill -9` is reported unknown (or gone) within the peer
+//! timeout, never a hang.
 
 use std::time::{Duration, Instant};
 
@@ -38,6 +39,11 @@ fn owner(ns: &NamespaceId, key: &BlockKey) -> &'static str {
     let p = Placement::new(&members);
     let i = p.owners(ns, key, 1)[0];
     IDS[IDS.iter().position(|id| *id == p.members()[i].id.as_str()).unwrap()]
+}
+
+fn signal(node: &ServerProcess, sig: rustix::process::Signal) {
+    let pid = rustix::process::Pid::from_raw(node.child.id() as i32).unwrap();
+    rustix::process::kill_process(pid, sig).unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -91,6 +97,26 @@ async fn the_hint_names_each_nodes_prefix_and_the_sessions_node_and_a_dead_node_
     assert_eq!(hint.best().unwrap().node_id, "n3", "the session's node wins");
     let no_session = b.route_hint(&ns_b, &doc, None).await.unwrap();
     assert_eq!(no_session.best().unwrap().node_id, "n1", "the longest prefix wins");
+
+    // n2 stalled (SIGSTOP: its sockets accept, nothing answers): unknown within the peer
+    // timeout (1 s), never a hang.
+    signal(&nodes[1], rustix::process::Signal::STOP);
+    let t = Instant::now();
+    let hint = a.route_hint(&ns_a, &doc, Some("agent-7")).await;
+    let took = t.elapsed();
+    signal(&nodes[1], rustix::process::Signal::CONT);
+    let hint = hint.unwrap();
+    assert!(took < Duration::from_secs(3), "a stalled node held the hint {took:?}");
+    let n2 = hint.node("n2").expect("n2 is still a member");
+    assert!(!n2.reachable && n2.error.is_some(), "{n2:?}");
+    assert!(hint.node("n3").is_some_and(|n| n.reachable && n.holds_session), "{hint:?}");
+
+    // Resumed, it is asked again once the 2 s its failure is remembered have passed.
+    let deadline = Instant::now() + Duration::from_secs(6);
+    while !a.route_hint(&ns_a, &doc, None).await.unwrap().node("n2").is_some_and(|n| n.reachable) {
+        assert!(Instant::now() < deadline, "n2 was not asked again after it resumed");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 
     // kill -9 n3 (still a member until its TTL): reported unknown within the peer timeout.
     let _ = nodes[2].child.kill();
