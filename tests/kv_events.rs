@@ -356,5 +356,10 @@ async fn with_a_disk_tier_evictions_say_where_the_blocks_went() {
         .collect();
     assert!(!gone.is_empty());
     let held = client.exists_keys(&ns, &gone).await.unwrap();
-    assert!(held.iter().all(|h| !h), "{} of {} keys evicted from disk are still held", held.iter().filter(|h| **h).count(), gone.len());
+    assert!(
+        held.iter().all(|h| !h),
+        "{} of {} keys evicted from disk are still held",
+        held.iter().filter(|h| **h).count(),
+        gone.len()
+    );
 }
