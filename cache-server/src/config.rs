@@ -133,6 +133,15 @@ pub struct ServerConfig {
     /// `[tls]` with `client_ca` (nodes present their node certificates to each other, and a node
     /// without one is refused). Every node of a cluster must use the same. Default: `tcp`.
     pub peer_transport: String,
+    /// `WatchEvents` streams open at once on this node, over all callers. Default: `64`.
+    pub events_max_watchers: usize,
+    /// `WatchEvents` streams one tenant may hold open at once (the operator is bound by
+    /// `events_max_watchers` only). Default: `8`.
+    pub events_max_watchers_per_tenant: usize,
+    /// Events kept for watchers that fall behind; a watcher further behind gets `LAGGED` (and
+    /// resyncs with `Lookup` / `RouteHint`). Bounds the memory of events at ~this many batches of
+    /// at most 512 keys. Default: `4096`.
+    pub events_buffer: usize,
     /// TLS on the gRPC and data-plane listeners, and client certificates (mTLS) as credentials:
     /// a `[tls]` table, see [`TlsConfig`]. The same-node socket and `/metrics` stay plain (local).
     /// Default: none (plain TCP: keep the listeners on loopback or a trusted network).
@@ -249,6 +258,9 @@ impl Default for ServerConfig {
             peer_max_inflight: 64,
             peer_hedge: "auto".into(),
             peer_transport: "tcp".into(),
+            events_max_watchers: 64,
+            events_max_watchers_per_tenant: 8,
+            events_buffer: 4096,
             tls: None,
         }
     }
@@ -388,6 +400,15 @@ impl ServerConfig {
         }
         if !(1..=4096).contains(&self.peer_max_inflight) {
             return bad(format!("peer_max_inflight must be 1..=4096, got {}", self.peer_max_inflight));
+        }
+        if !(1..=65_536).contains(&self.events_max_watchers) || self.events_max_watchers_per_tenant == 0 {
+            return bad(format!(
+                "events_max_watchers must be 1..=65536 and events_max_watchers_per_tenant at least 1, got {} and {}",
+                self.events_max_watchers, self.events_max_watchers_per_tenant
+            ));
+        }
+        if !(1..=1 << 20).contains(&self.events_buffer) {
+            return bad(format!("events_buffer must be 1..=1048576, got {}", self.events_buffer));
         }
         if self.max_connections == 0 || self.max_connections > 1 << 20 {
             return bad(format!("max_connections must be 1..=1048576, got {}", self.max_connections));

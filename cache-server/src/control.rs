@@ -1,14 +1,20 @@
 //! The gRPC control plane: namespaces, lookup, sessions, stats and admin. Block payloads never
 //! travel here; `Info` tells clients where the data plane listens.
 
-use std::sync::Arc;
+use std::collections::HashSet;
+use std::pin::Pin;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use kvtier_proto::{codes, pb, BlockKey, Namespace, NamespaceId};
 use tonic::{Request, Response, Status};
 
+use tokio::sync::{broadcast, watch};
+
+use crate::cluster::{LocalHolding, Member, Membership};
 use crate::dram::Priority;
 use crate::error::ServerError;
+use crate::events::{EventKind, KvEvent, WatchSlot};
 use crate::metrics::{observe, server_error};
 use crate::sessions::{ParkSpec, SessionManifest};
 use crate::state::NodeState;
@@ -16,11 +22,25 @@ use crate::tenants::{Access, Principal};
 
 pub struct ControlPlane {
     state: Arc<NodeState>,
+    /// The cluster as this node sees it, once it joined (routing hints list its members).
+    membership: Arc<OnceLock<Arc<dyn Membership>>>,
+    /// Turns true when the node stops: open event streams end.
+    stop: Option<watch::Receiver<bool>>,
 }
 
 impl ControlPlane {
     pub fn new(state: Arc<NodeState>) -> Self {
-        ControlPlane { state }
+        ControlPlane { state, membership: Arc::new(OnceLock::new()), stop: None }
+    }
+
+    /// The control plane of a started node: routing hints read `membership` once it is set, and
+    /// event streams end when `stop` turns true.
+    pub fn with_node(
+        state: Arc<NodeState>,
+        membership: Arc<OnceLock<Arc<dyn Membership>>>,
+        stop: watch::Receiver<bool>,
+    ) -> Self {
+        ControlPlane { state, membership, stop: Some(stop) }
     }
 }
 
@@ -174,8 +194,205 @@ impl ControlPlane {
     }
 }
 
+/// An event stream as the gRPC service returns it.
+pub type EventStream = Pin<Box<dyn futures::Stream<Item = Result<pb::KvEvent, Status>> + Send>>;
+
+fn event_pb(node: &str, e: &KvEvent) -> pb::KvEvent {
+    let kind = match e.kind {
+        EventKind::Stored => pb::KvEventKind::BlocksStored,
+        EventKind::Evicted => pb::KvEventKind::BlocksEvicted,
+        EventKind::Purged => pb::KvEventKind::BlocksPurged,
+        EventKind::SessionParked => pb::KvEventKind::SessionParked,
+        EventKind::SessionDropped => pb::KvEventKind::SessionDropped,
+        EventKind::SessionExpired => pb::KvEventKind::SessionExpired,
+    };
+    pb::KvEvent {
+        node_id: node.to_string(),
+        seq: e.seq,
+        kind: kind as i32,
+        namespace_id: bytes::Bytes::copy_from_slice(&e.namespace.0),
+        keys: e.keys.iter().map(|k| bytes::Bytes::copy_from_slice(&k.0)).collect(),
+        tier: e.tier.map(|t| t.as_str().to_string()).unwrap_or_default(),
+        to_tier: e.to_tier.map(|t| t.as_str().to_string()).unwrap_or_default(),
+        session_id: e.session.clone().unwrap_or_default(),
+        missed: 0,
+        unix_ms: e.unix_ms,
+    }
+}
+
+/// One watcher's stream: its receiver, its slot under the watcher limits, and what it may see.
+struct Watch {
+    rx: broadcast::Receiver<Arc<KvEvent>>,
+    _slot: WatchSlot,
+    state: Arc<NodeState>,
+    principal: Principal,
+    /// The namespaces asked for; `None`: every namespace the principal may read.
+    only: Option<HashSet<NamespaceId>>,
+    stop: Option<watch::Receiver<bool>>,
+}
+
+impl Watch {
+    /// The next event this watcher may see; `None` when the node stops.
+    async fn next(&mut self) -> Option<pb::KvEvent> {
+        loop {
+            let got = match &mut self.stop {
+                Some(stop) => tokio::select! {
+                    _ = crate::stopped(stop) => return None,
+                    got = self.rx.recv() => got,
+                },
+                None => self.rx.recv().await,
+            };
+            let node = self.state.tiers().events().node();
+            match got {
+                Ok(e) => {
+                    let visible = match &self.only {
+                        Some(only) => only.contains(&e.namespace),
+                        None => self.state.may_read(&self.principal, &e.namespace),
+                    };
+                    if visible {
+                        return Some(event_pb(node, &e));
+                    }
+                }
+                Err(broadcast::error::RecvError::Lagged(missed)) => {
+                    ::metrics::counter!("kvtier_event_watchers_lagged_total").increment(1);
+                    return Some(pb::KvEvent {
+                        node_id: node.to_string(),
+                        kind: pb::KvEventKind::Lagged as i32,
+                        missed,
+                        ..Default::default()
+                    });
+                }
+                Err(broadcast::error::RecvError::Closed) => return None,
+            }
+        }
+    }
+}
+
+impl ControlPlane {
+    /// This node as a routing hint lists it, and the other members (none without a cluster).
+    fn members(&self) -> (Option<Member>, Vec<Member>, bool) {
+        let Some(m) = self.membership.get() else { return (None, Vec::new(), false) };
+        let local = m.local().clone();
+        let snap = m.snapshot();
+        let others = snap.members.iter().filter(|x| x.id != local.id).cloned().collect();
+        (Some(local), others, snap.stale)
+    }
+
+    async fn route_hint_for(
+        &self,
+        p: &Principal,
+        r: pb::RouteHintRequest,
+    ) -> Result<pb::RouteHintResponse, ServerError> {
+        let id = ns_id(&r.namespace_id)?;
+        let ns = self.state.namespace_for(p, &id, Access::Read)?;
+        if !r.tokens.is_empty() && !r.keys.is_empty() {
+            return Err(ServerError::InvalidRequest("give tokens or keys, not both".into()));
+        }
+        if r.session_id.len() > 256 {
+            return Err(ServerError::InvalidRequest("session_id must be at most 256 bytes".into()));
+        }
+        let block_tokens = u64::from(ns.layout.block_tokens);
+        let chain = if r.tokens.is_empty() {
+            keys(&r.keys)?
+        } else {
+            if r.tokens.len() as u64 > self.state.config().max_context_tokens {
+                return Err(ServerError::ContextTooLong {
+                    tokens: r.tokens.len() as u64,
+                    max: self.state.config().max_context_tokens,
+                });
+            }
+            // The same derivation as every client's (`kvtier_proto::KeyChain`).
+            let mut chain = kvtier_proto::KeyChain::new(&ns);
+            if !r.key_extra.is_empty() {
+                chain = chain.with_extra(&r.key_extra);
+            }
+            chain.full_blocks(&r.tokens)
+        };
+        self.state.check_context(&ns, chain.len())?;
+        let session = (!r.session_id.is_empty()).then_some(r.session_id.as_str());
+        let here = LocalHolding {
+            prefix_blocks: self.state.tiers().longest_prefix(&id, &chain) as u32,
+            session_tokens: session.and_then(|s| self.state.sessions().tokens_of(id, s)),
+        };
+        let holding = |m: Option<&Member>, h: &LocalHolding, answering: bool| pb::NodeHolding {
+            node_id: m.map(|m| m.id.to_string()).unwrap_or_default(),
+            grpc_addr: m.map(|m| m.grpc_addr.clone()).unwrap_or_default(),
+            data_addr: m.map(|m| m.data_addr.clone()).unwrap_or_default(),
+            answering,
+            reachable: true,
+            prefix_blocks: h.prefix_blocks,
+            prefix_tokens: u64::from(h.prefix_blocks) * block_tokens,
+            holds_session: h.session_tokens.is_some(),
+            session_tokens: h.session_tokens.unwrap_or(0),
+            error: String::new(),
+        };
+        let (local, others, stale) = self.members();
+        let mut nodes = vec![holding(local.as_ref(), &here, true)];
+        if !r.local_only && !others.is_empty() {
+            let answers = match self.state.tiers().peers() {
+                Some(peers) => peers.route_hints(&others, &ns, &chain, session).await,
+                None => others.iter().map(|_| Err("this node has no peer transport".to_string())).collect(),
+            };
+            for (m, a) in others.iter().zip(answers) {
+                nodes.push(match a {
+                    Ok(h) => holding(Some(m), &h, false),
+                    Err(why) => pb::NodeHolding {
+                        node_id: m.id.to_string(),
+                        grpc_addr: m.grpc_addr.clone(),
+                        data_addr: m.data_addr.clone(),
+                        reachable: false,
+                        error: why,
+                        ..Default::default()
+                    },
+                });
+            }
+        }
+        Ok(pb::RouteHintResponse {
+            total_blocks: chain.len() as u32,
+            block_tokens: ns.layout.block_tokens,
+            nodes,
+            membership_stale: stale,
+        })
+    }
+}
+
 #[tonic::async_trait]
 impl pb::kv_tier_server::KvTier for ControlPlane {
+    type WatchEventsStream = EventStream;
+
+    async fn watch_events(
+        &self,
+        r: Request<pb::WatchEventsRequest>,
+    ) -> Result<Response<Self::WatchEventsStream>, Status> {
+        let p = principal(&r)?;
+        let mut only = HashSet::new();
+        for raw in &r.get_ref().namespace_ids {
+            let id = ns_id(raw).map_err(to_status)?;
+            self.state.namespace_for(&p, &id, Access::Read).map_err(to_status)?;
+            only.insert(id);
+        }
+        let bus = self.state.tiers().events().clone();
+        let slot = bus.admit(p.tenant().map(|t| t.name.as_str())).map_err(to_status)?;
+        let w = Watch {
+            rx: bus.subscribe(),
+            _slot: slot,
+            state: self.state.clone(),
+            principal: p,
+            only: (!only.is_empty()).then_some(only),
+            stop: self.stop.clone(),
+        };
+        let stream = futures::stream::unfold(w, |mut w| async move { w.next().await.map(|e| (Ok(e), w)) });
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn route_hint(&self, r: Request<pb::RouteHintRequest>) -> Result<Response<pb::RouteHintResponse>, Status> {
+        let start = Instant::now();
+        let p = principal(&r)?;
+        let out = self.route_hint_for(&p, r.into_inner()).await.map_err(to_status)?;
+        observe("route_hint", start);
+        Ok(Response::new(out))
+    }
+
     async fn info(&self, _r: Request<pb::InfoRequest>) -> Result<Response<pb::InfoResponse>, Status> {
         let c = self.state.config();
         Ok(Response::new(pb::InfoResponse {

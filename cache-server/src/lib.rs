@@ -35,6 +35,7 @@ pub mod deadline;
 pub mod disk;
 pub mod dram;
 pub mod error;
+pub mod events;
 pub mod fs;
 pub mod gather;
 pub mod listen;
@@ -297,9 +298,19 @@ pub async fn start(
         }
     }));
 
-    let service = KvTierServer::new(control::ControlPlane::new(state.clone()))
-        .max_decoding_message_size(MAX_GRPC_MESSAGE)
-        .max_encoding_message_size(MAX_GRPC_MESSAGE);
+    // Events: session events through the tier stack's bus, published every few milliseconds.
+    let events = state.tiers().events().clone();
+    events.set_limits(events::WatchLimits {
+        max_watchers: state.config().events_max_watchers,
+        max_per_tenant: state.config().events_max_watchers_per_tenant,
+    });
+    state.sessions().attach_events(events.clone());
+    tasks.push(tokio::spawn(events::flusher(events.clone(), stop_rx.clone())));
+    let membership_cell = Arc::new(std::sync::OnceLock::new());
+    let service =
+        KvTierServer::new(control::ControlPlane::with_node(state.clone(), membership_cell.clone(), stop_rx.clone()))
+            .max_decoding_message_size(MAX_GRPC_MESSAGE)
+            .max_encoding_message_size(MAX_GRPC_MESSAGE);
     // Every call is authenticated here; the handlers authorize it against the principal this
     // leaves in the request's extensions.
     let auth_state = state.clone();
@@ -344,5 +355,7 @@ pub async fn start(
             .serve_with_incoming_shutdown(incoming, async move { stopped(&mut grpc_stop).await }),
     );
     let membership = join_cluster(&state, grpc_addr, data_addr).await?;
+    events.set_node(membership.local().id.as_str());
+    let _ = membership_cell.set(membership.clone());
     Ok(RunningServer { grpc_addr, data_addr, metrics_addr, samenode_path, state, membership, stop, grpc, tasks })
 }

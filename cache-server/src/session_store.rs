@@ -12,6 +12,7 @@ use kvtier_proto::NamespaceId;
 use parking_lot::Mutex;
 
 use crate::error::ServerError;
+use crate::events::{EventBus, EventKind};
 use crate::session_log::{unix_ms, LoggedSession, SessionLog};
 use crate::sessions::{ParkSpec, SessionLimits, SessionManifest, SessionTable};
 use crate::tiers::PinTier;
@@ -19,6 +20,8 @@ use crate::tiers::PinTier;
 pub struct SessionStore {
     table: Mutex<SessionTable>,
     log: Option<SessionLog>,
+    /// Where session events go (parked, dropped, expired), once the node attached its bus.
+    events: std::sync::OnceLock<std::sync::Arc<EventBus>>,
 }
 
 /// A change that is made in memory and still has to reach the log.
@@ -44,7 +47,18 @@ fn logged(m: &SessionManifest, now: Instant) -> LoggedSession {
 
 impl SessionStore {
     pub fn new(log: Option<SessionLog>) -> Self {
-        SessionStore { table: Mutex::new(SessionTable::default()), log }
+        SessionStore { table: Mutex::new(SessionTable::default()), log, events: std::sync::OnceLock::new() }
+    }
+
+    /// Publishes session events through `bus` from now on (once).
+    pub fn attach_events(&self, bus: std::sync::Arc<EventBus>) {
+        let _ = self.events.set(bus);
+    }
+
+    fn emit(&self, kind: EventKind, ns: &NamespaceId, id: &str) {
+        if let Some(bus) = self.events.get() {
+            bus.session(kind, ns, id);
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -74,13 +88,17 @@ impl SessionStore {
             let pending = self.log.as_ref().map(|log| Pending { seq: log.next_seq(), record: logged(&m, now) });
             (m, pending)
         };
-        let (Some(log), Some(p)) = (&self.log, pending) else { return Ok(m) };
+        let (Some(log), Some(p)) = (&self.log, pending) else {
+            self.emit(EventKind::SessionParked, &m.namespace, &m.id);
+            return Ok(m);
+        };
         if let Err(e) = log.put(p.seq, &p.record) {
             let mut table = self.table.lock();
             table.undo(pins, m.namespace, &m.id, m.version);
             self.publish(table.len());
             return Err(e);
         }
+        self.emit(EventKind::SessionParked, &m.namespace, &m.id);
         Ok(m)
     }
 
@@ -142,7 +160,13 @@ impl SessionStore {
                 );
             }
         }
+        self.emit(EventKind::SessionDropped, &ns, id);
         true
+    }
+
+    /// A live session's token count, its TTL untouched; `None` when there is none.
+    pub fn tokens_of(&self, ns: NamespaceId, id: &str) -> Option<u64> {
+        self.table.lock().tokens_of(ns, id, Instant::now())
     }
 
     /// Sessions and the bytes they stand for, over `namespaces`.
@@ -170,6 +194,9 @@ impl SessionStore {
             (dead, seqs)
         };
         ::metrics::counter!("kvtier_sessions_expired_total").increment(dead.len() as u64);
+        for (ns, id) in &dead {
+            self.emit(EventKind::SessionExpired, ns, id);
+        }
         if let Some(log) = &self.log {
             for ((ns, id), seq) in dead.iter().zip(seqs) {
                 let _ = log.delete(seq, *ns, id);

@@ -355,6 +355,11 @@ impl SessionTable {
     }
 
     /// Returns the manifest and restarts its TTL (an agent that resumes is alive).
+    /// A live session's token count, without touching its TTL (for routing hints).
+    pub fn tokens_of(&self, ns: NamespaceId, id: &str, now: Instant) -> Option<u64> {
+        self.sessions.get(&(ns, id.to_string())).filter(|m| m.expires_at > now).map(|m| m.token_count)
+    }
+
     pub fn resume(
         &mut self,
         tier: &dyn PinTier,

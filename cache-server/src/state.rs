@@ -231,7 +231,7 @@ impl NodeState {
         let fsync = config.session_durability == "fsync";
         if config.disk_capacity.0 == 0 {
             return Ok(NodeState {
-                tiers: TierStack::new(dram, None, fsync),
+                tiers: TierStack::new(dram, None, fsync).with_event_buffer(config.events_buffer),
                 sessions: SessionStore::new(None),
                 namespaces: RwLock::new(HashMap::new()),
                 started: Instant::now(),
@@ -287,7 +287,7 @@ impl NodeState {
         // loss takes back is lost).
         fs.sync_dir(&config.data_dir)?;
         let state = NodeState {
-            tiers: TierStack::new(dram, Some(Arc::new(disk)), fsync),
+            tiers: TierStack::new(dram, Some(Arc::new(disk)), fsync).with_event_buffer(config.events_buffer),
             sessions: SessionStore::new(Some(log)),
             namespaces: RwLock::new(namespaces),
             started: Instant::now(),

@@ -3,6 +3,7 @@
 //! `kvtier cert` makes TLS certificates.
 
 mod peers;
+mod watch;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -39,6 +40,10 @@ enum Cmd {
     Session(SessionCmd),
     /// Tier and session statistics.
     Stats(ConnArgs),
+    /// Follow a node's KV events (stored, evicted, purged keys; sessions), one line each.
+    Events(watch::EventsArgs),
+    /// Which nodes hold how long a prefix of a token sequence, and a session: a routing hint.
+    Route(watch::RouteArgs),
     /// TLS certificates: a CA, node certificates, client certificates (mTLS tenants).
     #[command(subcommand)]
     Cert(cert::CertCmd),
@@ -259,6 +264,8 @@ fn main() -> anyhow::Result<()> {
             Cmd::Lookup(a) => lookup(a).await,
             Cmd::Session(s) => session(s).await,
             Cmd::Stats(c) => stats(c).await,
+            Cmd::Events(a) => watch::events(a).await,
+            Cmd::Route(a) => watch::route(a).await,
             Cmd::Plan { .. } | Cmd::Cert(_) => Ok(()),
         }
     })

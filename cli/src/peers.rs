@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use kvtier_client::{ClientConfig, KvClient, NamespaceHandle, QuicConnector, SameNodeMode};
 use kvtier_proto::{BlockFrame, BlockKey, Namespace, NamespaceId};
-use kvtier_server::cluster::{Member, NodeId, PeerFuture, PeerTransport};
+use kvtier_server::cluster::{LocalHolding, Member, NodeId, PeerFuture, PeerTransport};
 use kvtier_server::dram::StoredBlock;
 use kvtier_server::ServerError;
 
@@ -129,6 +129,26 @@ impl PeerTransport for ClientTransport {
                 self.forget(peer);
                 Self::err(peer, e)
             })
+        })
+    }
+
+    fn route_local<'a>(
+        &'a self,
+        peer: &'a Member,
+        ns: &'a Namespace,
+        keys: &'a [BlockKey],
+        session: Option<&'a str>,
+    ) -> PeerFuture<'a, LocalHolding> {
+        Box::pin(async move {
+            let (p, h) = self.handle(peer, ns).await?;
+            // A `RouteHint` with `local_only`: the peer answers from its own tiers and sessions.
+            match p.client.route_hint_local(&h, keys, session).await {
+                Ok((prefix, session_tokens)) => Ok(LocalHolding { prefix_blocks: prefix as u32, session_tokens }),
+                Err(e) => {
+                    self.forget(peer);
+                    Err(Self::err(peer, e))
+                }
+            }
         })
     }
 

@@ -1088,3 +1088,13 @@ impl KvClient {
 /// Requests a node sends its peers on a client's behalf.
 #[path = "client_peer.rs"]
 mod peer;
+
+/// Routing hints: which nodes hold a request's prefix and session.
+#[path = "routing.rs"]
+mod routing;
+pub use routing::{NodeHolding, RouteHint};
+
+/// KV events: a node's stream of stored, evicted and purged keys and session changes.
+#[path = "events.rs"]
+mod events;
+pub use events::{EventKind, EventWatch, KvEvent};

@@ -40,6 +40,7 @@ pub use client::{
     decode_frame, decode_frame_into, BlockDest, ClientConfig, KvClient, NamespaceHandle, ParkOptions, ResumedSession,
     SessionInfo, StoreReport, StoredAs,
 };
+pub use client::{EventKind, EventWatch, KvEvent, NodeHolding, RouteHint};
 #[cfg(unix)]
 pub use connector::UnixConnector;
 pub use connector::{BoxedStream, ConnectFuture, DataPlaneConnector, DataStream};

@@ -16,7 +16,7 @@ pub mod placement;
 
 pub use member::{Labels, Member, NodeId};
 pub use membership::{Embedded, Membership, RedisMembership, RedisMembershipConfig, Snapshot};
-pub use peer::{Hedge, PeerConfig, PeerFuture, PeerTier, PeerTransport};
+pub use peer::{Hedge, LocalHolding, PeerConfig, PeerFuture, PeerTier, PeerTransport};
 pub use placement::{Locality, Placement, Reader};
 
 #[cfg(test)]

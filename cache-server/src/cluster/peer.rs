@@ -71,6 +71,31 @@ pub trait PeerTransport: Send + Sync + 'static {
 
     /// Which of `keys` `peer`'s own tiers hold, in one request.
     fn exists<'a>(&'a self, peer: &'a Member, ns: &'a Namespace, keys: &'a [BlockKey]) -> PeerFuture<'a, Vec<bool>>;
+
+    /// How long a prefix of `keys` `peer`'s own tiers hold, and whether it holds `session`, in
+    /// one request (a `RouteHint` with `local_only`, authorized like any other call). A transport
+    /// that can't ask says so (the peer is then reported unknown).
+    fn route_local<'a>(
+        &'a self,
+        peer: &'a Member,
+        ns: &'a Namespace,
+        keys: &'a [BlockKey],
+        session: Option<&'a str>,
+    ) -> PeerFuture<'a, LocalHolding> {
+        let _ = (ns, keys, session);
+        Box::pin(async move {
+            Err(ServerError::Peer { peer: peer.id.to_string(), reason: "this transport has no route hints".into() })
+        })
+    }
+}
+
+/// What one node holds of a routing hint's request.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LocalHolding {
+    /// Leading keys its own tiers hold.
+    pub prefix_blocks: u32,
+    /// The session's token count, when it holds the session.
+    pub session_tokens: Option<u64>,
 }
 
 /// Settings of the peer tier (from `ServerConfig`).
@@ -510,6 +535,32 @@ impl PeerTier {
             }
         }
         out
+    }
+
+    /// Asks each of `members` (other nodes) what it holds of `keys` and `session`, concurrently,
+    /// one request each, every one within `peer_timeout`. A peer known to be down is not asked;
+    /// a peer that fails is reported as the reason why (unknown), never waited on longer.
+    pub async fn route_hints(
+        &self,
+        members: &[Member],
+        ns: &Namespace,
+        keys: &[BlockKey],
+        session: Option<&str>,
+    ) -> Vec<Result<LocalHolding, String>> {
+        let now = Instant::now();
+        let calls = members.iter().map(|member| async move {
+            if self.is_down(&member.id, now) {
+                return Err(format!("down (failed within the last {DOWN_FOR:?})"));
+            }
+            match self.bounded(member, self.transport.route_local(member, ns, keys, session)).await {
+                Ok(h) => Ok(h),
+                Err(e) => {
+                    self.failed(member, "route", &e);
+                    Err(e.to_string())
+                }
+            }
+        });
+        futures::future::join_all(calls).await
     }
 
     /// Runs one peer call within `peer_timeout`, its start included (a permit of

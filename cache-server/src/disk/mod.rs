@@ -176,6 +176,8 @@ pub struct DiskTier {
     /// One writer at a time: appends are sequential within the active segment.
     write_lock: Mutex<()>,
     counters: Counters,
+    /// Told the keys of each segment evicted (KV events), under the tier's lock.
+    observer: parking_lot::RwLock<Option<crate::dram::EvictionObserver>>,
 }
 
 impl std::fmt::Debug for DiskTier {
@@ -258,6 +260,7 @@ impl DiskTier {
             inner: Mutex::new(inner),
             write_lock: Mutex::new(()),
             counters: Counters::default(),
+            observer: parking_lot::RwLock::new(None),
         };
         tier.publish_gauges();
         ::metrics::counter!("kvtier_disk_recovered_blocks_total").increment(report.blocks);
@@ -319,17 +322,30 @@ impl DiskTier {
         let (&id, _) = victim?;
         let seg = st.segments.remove(&id)?;
         let mut n = 0u64;
+        let observer = self.observer.read().clone();
+        let mut gone = Vec::new();
         for k in &seg.keys {
             if st.index.get(k).is_some_and(|l| l.seg == id) {
                 st.unindex(k);
                 n += 1;
+                if observer.is_some() {
+                    gone.push(*k);
+                }
             }
+        }
+        if let Some(observe) = observer.filter(|_| !gone.is_empty()) {
+            observe(&gone);
         }
         st.total_bytes -= seg.len;
         self.counters.evicted_blocks.fetch_add(n, Ordering::Relaxed);
         self.counters.evicted_segments.fetch_add(1, Ordering::Relaxed);
         ::metrics::counter!("kvtier_tier_evictions_total", "tier" => TierId::Disk.as_str()).increment(n);
         Some(id)
+    }
+
+    /// Sets (or clears) the observer told the keys of the blocks each evicted segment held.
+    pub fn set_eviction_observer(&self, observer: Option<crate::dram::EvictionObserver>) {
+        *self.observer.write() = observer;
     }
 
     /// Appends a block (no-op if present). The payload must match `header` (the caller verified it).

@@ -190,6 +190,10 @@ pub struct DramStats {
 /// tier's lock held: it must not block, nor call back into the tier.
 pub type EvictionHook = Arc<dyn Fn(IndexKey, StoredBlock) + Send + Sync>;
 
+/// Called with the keys one reservation evicted from DRAM (under the tier's lock: keep it short
+/// and non-blocking). Unlike [`EvictionHook`] it holds no block, so it never delays a slot's reuse.
+pub type EvictionObserver = Arc<dyn Fn(&[IndexKey]) + Send + Sync>;
+
 fn view_of(buf: &SharedSlot, len: u64) -> Bytes {
     buf.view(len as usize)
 }
@@ -245,6 +249,8 @@ struct State {
     leases: BTreeMap<(Instant, u64), usize>,
     leased: u64,
     accounts: HashMap<u32, Account>,
+    /// Keys evicted by the reservation under way, for the eviction observer.
+    evicted: Vec<IndexKey>,
 }
 
 struct Shared {
@@ -257,6 +263,8 @@ struct Shared {
     state: Mutex<State>,
     counters: Counters,
     hook: RwLock<Option<EvictionHook>>,
+    /// Told the keys each reservation evicted (KV events), after the demotion hook.
+    observer: RwLock<Option<EvictionObserver>>,
     /// The account of each namespace that has one.
     ns_accounts: RwLock<HashMap<NamespaceId, u32>>,
 }
@@ -454,6 +462,7 @@ impl Shared {
             let Some((buf, header)) = self.unindex(st, &victim.key) else { continue };
             self.counters.evictions.fetch_add(1, Ordering::Relaxed);
             ::metrics::counter!("kvtier_tier_evictions_total", "tier" => TierId::Dram.as_str()).increment(1);
+            st.evicted.push(victim.key);
             if hook {
                 demoted.push((victim.key, StoredBlock { header, payload: view_of(&buf, header.payload_len) }));
             }
@@ -516,6 +525,7 @@ impl Shared {
             self.counters.evictions.fetch_add(1, Ordering::Relaxed);
             ::metrics::counter!("kvtier_tier_evictions_total", "tier" => TierId::Dram.as_str()).increment(1);
             ::metrics::counter!("kvtier_quota_evictions_total").increment(1);
+            st.evicted.push(key);
             if hook {
                 demoted.push((key, StoredBlock { header, payload: view_of(&buf, header.payload_len) }));
             }
@@ -579,9 +589,11 @@ impl DramTier {
                 leases: BTreeMap::new(),
                 leased: 0,
                 accounts: HashMap::new(),
+                evicted: Vec::new(),
             }),
             counters: Counters::default(),
             hook: RwLock::new(None),
+            observer: RwLock::new(None),
             ns_accounts: RwLock::new(HashMap::new()),
         };
         Ok(DramTier { shared: Arc::new(shared) })
@@ -593,7 +605,6 @@ impl DramTier {
         self.shared.arena.region()
     }
 
-    /// Sets (or clears) the hook that receives evicted blocks: the NVMe demotion point.
     /// Gives `account` (not 0) a quota of `bytes` resident (see the module doc, "Accounts").
     /// Set quotas before blocks arrive: blocks already held are counted, not queued for it.
     pub fn set_account_quota(&self, account: u32, bytes: u64) {
@@ -614,6 +625,12 @@ impl DramTier {
         self.shared.state.lock().accounts.get(&account).map_or(0, |a| a.resident)
     }
 
+    /// Sets (or clears) the observer told the keys of evicted blocks (see [`EvictionObserver`]).
+    pub fn set_eviction_observer(&self, observer: Option<EvictionObserver>) {
+        *self.shared.observer.write() = observer;
+    }
+
+    /// Sets (or clears) the hook that receives evicted blocks: the NVMe demotion point.
     pub fn set_eviction_hook(&self, hook: Option<EvictionHook>) {
         *self.shared.hook.write() = hook;
     }
@@ -674,6 +691,12 @@ impl DramTier {
             for (key, block) in demoted.drain(..) {
                 hook(key, block);
             }
+        }
+        if !st.evicted.is_empty() {
+            if let Some(observe) = self.shared.observer.read().as_ref() {
+                observe(&st.evicted);
+            }
+            st.evicted.clear();
         }
         drop(st);
         lease
@@ -815,6 +838,13 @@ impl DramTier {
     /// Presence without counting a hit or changing eviction state.
     pub fn contains(&self, ns: &NamespaceId, key: &BlockKey) -> bool {
         self.shared.index.contains_key(&(*ns, *key))
+    }
+
+    /// [`DramTier::contains`] as a closure that doesn't keep the tier alive (false once it is
+    /// gone): for another tier's observers.
+    pub fn weak_contains(&self) -> impl Fn(&NamespaceId, &BlockKey) -> bool + Send + Sync + 'static {
+        let shared = Arc::downgrade(&self.shared);
+        move |ns, key| shared.upgrade().is_some_and(|s| s.index.contains_key(&(*ns, *key)))
     }
 
     /// A block's header without counting a hit or changing eviction state.

@@ -21,6 +21,7 @@ use crate::cluster::PeerTier;
 use crate::disk::DiskTier;
 use crate::dram::{DramTier, IndexKey, InsertOutcome, Priority, SlotWriter, StoredBlock};
 use crate::error::ServerError;
+use crate::events::EventBus;
 
 /// How long a disk read waits for an I/O slot before it is answered `Busy` (a miss the engine
 /// recomputes beats a load that waits behind a saturated disk).
@@ -47,6 +48,8 @@ pub struct TierStack {
     disk_read_budget_kib: usize,
     /// The peer tier, once the node joined a cluster.
     peers: OnceLock<Peers>,
+    /// Where block events go (see [`crate::events`]).
+    events: Arc<EventBus>,
 }
 
 /// The peer tier and whether blocks loaded from it are kept in DRAM.
@@ -91,7 +94,48 @@ impl TierStack {
             demotion: Mutex::new(None),
             sync_parks,
             peers: OnceLock::new(),
+            events: Arc::new(EventBus::default()),
         }
+        .with_event_buffer(4096)
+    }
+
+    /// The same stack publishing its block events through a bus that keeps `buffer` events for
+    /// watchers that fall behind (`events_buffer`).
+    pub fn with_event_buffer(mut self, buffer: usize) -> Self {
+        self.events = Arc::new(EventBus::new(buffer));
+        // DRAM evictions: to disk when the node has one (the demotion queue takes them), else gone.
+        let bus = Arc::downgrade(&self.events);
+        let to = self.disk.is_some().then_some(TierId::Disk);
+        self.dram.set_eviction_observer(Some(Arc::new(move |keys: &[IndexKey]| {
+            let Some(bus) = bus.upgrade() else { return };
+            if !bus.is_watched() {
+                return;
+            }
+            for (ns, key) in keys {
+                bus.evicted(ns, std::slice::from_ref(key), TierId::Dram, to);
+            }
+        })));
+        // Disk evictions (a segment recycled): gone, unless DRAM holds a copy (promoted).
+        if let Some(disk) = &self.disk {
+            let bus = Arc::downgrade(&self.events);
+            let in_dram = self.dram.weak_contains();
+            disk.set_eviction_observer(Some(Arc::new(move |keys: &[IndexKey]| {
+                let Some(bus) = bus.upgrade() else { return };
+                if !bus.is_watched() {
+                    return;
+                }
+                for (ns, key) in keys {
+                    let to = in_dram(ns, key).then_some(TierId::Dram);
+                    bus.evicted(ns, std::slice::from_ref(key), TierId::Disk, to);
+                }
+            })));
+        }
+        self
+    }
+
+    /// The node's event bus: block events come from here, session events from the session store.
+    pub fn events(&self) -> &Arc<EventBus> {
+        &self.events
     }
 
     /// The disk tier, when the node has one.
@@ -170,6 +214,7 @@ impl TierStack {
         let Load::Hit(mut b) = load else { return load };
         if self.second_disk_hit(ns, key) && Tier::put(&self.dram, b.header, &b.payload, Priority::Normal).is_ok() {
             ::metrics::counter!("kvtier_disk_promotions_total").increment(1);
+            self.events.stored(ns, std::slice::from_ref(key), TierId::Dram);
         }
         b.payload = bytes::Bytes::from_owner(Budgeted { bytes: b.payload, _permit: permit });
         Load::Hit(b)
@@ -221,6 +266,7 @@ impl TierStack {
             let Some(b) = b else { continue };
             if peers.cache_locally && Tier::put(&self.dram, b.header, &b.payload, Priority::Normal).is_ok() {
                 ::metrics::counter!("kvtier_peer_cached_total").increment(1);
+                self.events.stored(&id, std::slice::from_ref(&k), TierId::Dram);
             }
             out.insert(k, b);
         }
@@ -309,7 +355,11 @@ impl TierStack {
         header: FrameHeader,
         priority: Priority,
     ) -> Result<InsertOutcome, ServerError> {
-        self.dram.commit(slot, header, priority)
+        let out = self.dram.commit(slot, header, priority)?;
+        if out == InsertOutcome::Inserted {
+            self.events.stored(&header.namespace, std::slice::from_ref(&header.key), TierId::Dram);
+        }
+        Ok(out)
     }
 
     /// Revokes reserved DRAM slots held past their deadline; returns how many.
@@ -374,6 +424,7 @@ impl TierStack {
             return Err(ServerError::MissingBlocks { missing, missing_tail });
         }
         let sync = self.sync_parks;
+        let written: Vec<BlockKey> = blocks.iter().map(|b| b.header.key).collect();
         self.io
             .run(None, move || {
                 for b in &blocks {
@@ -385,6 +436,7 @@ impl TierStack {
                 Ok::<_, ServerError>(())
             })
             .await??;
+        self.events.stored(ns, &written, TierId::Disk);
         Ok(())
     }
 
@@ -394,6 +446,10 @@ impl TierStack {
         let mut gone: std::collections::HashSet<BlockKey> = std::collections::HashSet::new();
         for t in self.tiers() {
             gone.extend(t.purge(ns));
+        }
+        if self.events.is_watched() {
+            let keys: Vec<BlockKey> = gone.iter().copied().collect();
+            self.events.purged(ns, &keys);
         }
         gone.len() as u64
     }

@@ -1270,6 +1270,87 @@ impl Client {
         list.iter().map(|i| info_dict(py, i)).collect()
     }
 
+    /// Which nodes hold how long a prefix of `tokens`, and which hold `session`: a dict with
+    /// `total_blocks`, `block_tokens`, `membership_stale`, `best` (the node id to send the request
+    /// to: the session's node, else the longest prefix; `None` if no node answered) and `nodes`, a
+    /// list of dicts (`node_id`, `grpc_addr`, `data_addr`, `answering`, `reachable`,
+    /// `prefix_blocks`, `prefix_tokens`, `holds_session`, `session_tokens`, `error`). A node that
+    /// did not answer within the server's peer timeout is listed with `reachable=False`. `None` on
+    /// a miss (in never-raise mode).
+    #[pyo3(signature = (ns, tokens, *, session=None))]
+    fn route_hint<'py>(
+        &self,
+        py: Python<'py>,
+        ns: &Namespace,
+        tokens: TokenIds,
+        session: Option<String>,
+    ) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let tokens = tokens.0;
+        let hint = self.run(
+            py,
+            "route_hint",
+            ns,
+            || None,
+            async |c, h| c.route_hint(&h, &tokens, session.as_deref()).await.map(Some),
+        )?;
+        let Some(hint) = hint else { return Ok(None) };
+        let d = PyDict::new(py);
+        d.set_item("total_blocks", hint.total_blocks)?;
+        d.set_item("block_tokens", hint.block_tokens)?;
+        d.set_item("membership_stale", hint.membership_stale)?;
+        d.set_item("best", hint.best().map(|n| n.node_id.clone()))?;
+        let nodes = hint
+            .nodes
+            .iter()
+            .map(|n| {
+                let nd = PyDict::new(py);
+                nd.set_item("node_id", &n.node_id)?;
+                nd.set_item("grpc_addr", &n.grpc_addr)?;
+                nd.set_item("data_addr", &n.data_addr)?;
+                nd.set_item("answering", n.answering)?;
+                nd.set_item("reachable", n.reachable)?;
+                nd.set_item("prefix_blocks", n.prefix_blocks)?;
+                nd.set_item("prefix_tokens", n.prefix_tokens)?;
+                nd.set_item("holds_session", n.holds_session)?;
+                nd.set_item("session_tokens", n.session_tokens)?;
+                nd.set_item("error", n.error.clone())?;
+                Ok(nd)
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        d.set_item("nodes", nodes)?;
+        Ok(Some(d))
+    }
+
+    /// The server's KV events for `ns` (or, with `all=True`, every namespace this client may
+    /// read), as an iterator of dicts (`node_id`, `seq`, `kind` — `stored`, `evicted`, `purged`,
+    /// `session_parked`, `session_dropped`, `session_expired`, `lagged` — `namespace` (hex),
+    /// `keys` (list of bytes), `tier`, `to_tier`, `session_id`, `missed`, `unix_ms`). Iterating
+    /// waits for the next event with the GIL released; `next_event(timeout_s)` waits at most that
+    /// long. `lagged` means events were lost: resync with `lookup` / `route_hint`. Raises (in
+    /// either mode) when the watch can't be opened: another tenant's namespace, too many watchers.
+    #[pyo3(signature = (ns, *, all=false))]
+    fn watch_events(&self, py: Python<'_>, ns: &Namespace, all: bool) -> PyResult<EventStream> {
+        let rt = runtime()?;
+        let engine = &self.engine;
+        let budget = self.budget;
+        let res = py.detach(|| {
+            rt.block_on(engine.call_within("watch_events", &ns.spec, budget, |c, h| async move {
+                if all {
+                    c.watch_events(&[]).await
+                } else {
+                    c.watch_events(&[&h]).await
+                }
+            }))
+        });
+        match res {
+            Ok(w) => Ok(EventStream { watch: Mutex::new(Some(w)) }),
+            Err(m) => {
+                self.on_miss(&m)?;
+                Err(miss_to_err(&m))
+            }
+        }
+    }
+
     /// Server statistics: one dict per tier, plus sessions and namespaces.
     fn stats<'py>(&self, py: Python<'py>, ns: &Namespace) -> PyResult<Bound<'py, PyDict>> {
         let s = self.run(py, "stats", ns, || None, async |c, _| c.stats().await.map(Some))?;
@@ -1448,10 +1529,118 @@ fn store_word(r: &StoredAs) -> String {
     }
 }
 
+/// An open event stream (`Client.watch_events`); iterate it, or call `next_event(timeout_s)`.
+/// `close()` (or dropping it) ends the watch on the server.
+#[pyclass(module = "kvtier._native", frozen)]
+struct EventStream {
+    watch: Mutex<Option<kvtier_client::EventWatch>>,
+}
+
+fn event_dict<'py>(py: Python<'py>, e: &kvtier_client::KvEvent) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("node_id", &e.node_id)?;
+    d.set_item("seq", e.seq)?;
+    d.set_item("kind", e.kind.as_str())?;
+    d.set_item("namespace", e.namespace.map(|n| n.to_hex()))?;
+    let keys: Vec<Bound<'py, PyBytes>> = e.keys.iter().map(|k| PyBytes::new(py, &k.0)).collect();
+    d.set_item("keys", keys)?;
+    d.set_item("tier", &e.tier)?;
+    d.set_item("to_tier", &e.to_tier)?;
+    d.set_item("session_id", &e.session_id)?;
+    d.set_item("missed", e.missed)?;
+    d.set_item("unix_ms", e.unix_ms)?;
+    Ok(d)
+}
+
+/// What one wait for an event gave.
+enum Waited {
+    Event(kvtier_client::KvEvent),
+    Ended,
+    TimedOut,
+}
+
+impl EventStream {
+    /// Waits up to `slice` for the next event, the GIL released.
+    fn wait(&self, py: Python<'_>, slice: Duration) -> PyResult<Waited> {
+        let rt = runtime()?;
+        let watch = &self.watch;
+        let got = py.detach(|| {
+            let mut g = watch.lock().map_err(|_| "the event stream's lock is poisoned".to_string())?;
+            let Some(w) = g.as_mut() else { return Ok(Waited::Ended) };
+            match rt.block_on(async { tokio::time::timeout(slice, w.next()).await }) {
+                Err(_) => Ok(Waited::TimedOut),
+                Ok(Ok(Some(e))) => Ok(Waited::Event(e)),
+                Ok(Ok(None)) => {
+                    *g = None;
+                    Ok(Waited::Ended)
+                }
+                Ok(Err(e)) => {
+                    *g = None;
+                    Err(e.to_string())
+                }
+            }
+        });
+        got.map_err(|e| UnavailableError::new_err(format!("io: the event stream failed: {e}")))
+    }
+
+    /// The next event within `timeout` (forever when `None`), checking for Ctrl-C between waits.
+    fn next_within<'py>(&self, py: Python<'py>, timeout: Option<Duration>) -> PyResult<Option<Waited>> {
+        let deadline = timeout.map(|t| std::time::Instant::now() + t);
+        loop {
+            let slice = match deadline {
+                Some(d) => d.saturating_duration_since(std::time::Instant::now()).min(Duration::from_millis(200)),
+                None => Duration::from_millis(200),
+            };
+            match self.wait(py, slice)? {
+                Waited::TimedOut => {
+                    py.check_signals()?;
+                    if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+                        return Ok(None);
+                    }
+                }
+                other => return Ok(Some(other)),
+            }
+        }
+    }
+}
+
+#[pymethods]
+impl EventStream {
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    fn __next__<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        match self.next_within(py, None)? {
+            Some(Waited::Event(e)) => event_dict(py, &e).map(Some),
+            // The stream ended: StopIteration.
+            _ => Ok(None),
+        }
+    }
+
+    /// The next event, or `None` when none came within `timeout_s` or the stream ended.
+    #[pyo3(signature = (timeout_s=None))]
+    fn next_event<'py>(&self, py: Python<'py>, timeout_s: Option<f64>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let timeout = timeout_s.map(|t| positive_duration("timeout_s", t)).transpose()?;
+        match self.next_within(py, timeout)? {
+            Some(Waited::Event(e)) => event_dict(py, &e).map(Some),
+            _ => Ok(None),
+        }
+    }
+
+    /// Ends the watch.
+    fn close(&self) {
+        if let Ok(mut g) = self.watch.lock() {
+            *g = None;
+        }
+    }
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Namespace>()?;
     m.add_class::<Client>()?;
+    m.add_class::<EventStream>()?;
     m.add_class::<PySharedBuffer>()?;
     let py = m.py();
     m.add("KvtierError", py.get_type::<KvtierError>())?;
