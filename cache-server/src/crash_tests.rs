@@ -515,3 +515,98 @@ fn a_synced_disk_tier_survives_power_loss_on_its_own() {
         }
     }
 }
+
+/// A first-format `namespaces.log` record (length word with the tombstone flag, xxh3, body).
+fn legacy_namespace_record(tombstone: bool, body: &[u8]) -> Vec<u8> {
+    let mut rec = (body.len() as u32 | if tombstone { 1 << 31 } else { 0 }).to_le_bytes().to_vec();
+    rec.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(body).to_le_bytes());
+    rec.extend_from_slice(body);
+    rec
+}
+
+/// An unregistration's body: the id, then the disk tier's write position (segment, offset).
+fn unregistration_body(id: NamespaceId) -> Vec<u8> {
+    let mut b = id.0.to_vec();
+    b.extend_from_slice(&[0u8; 16]);
+    b
+}
+
+/// Tenant A registers a namespace whose salt (the tenant's bytes) embeds a whole record that
+/// unregisters tenant B's namespace — as the first format would accept it, and keyed with a
+/// secret an attacker might guess. A's record is then damaged in its length, so replay
+/// resynchronizes inside its body. B stays registered with its blocks, the plant is not applied,
+/// and the damaged stretch is counted.
+#[test]
+fn a_record_planted_in_a_namespace_spec_is_never_replayed() {
+    use kvtier_proto::record_log::{encode_record, LogKey};
+    let b = Namespace::new("tenant-b", "m", layout(), HashScheme::Blake3, b"b");
+    let mut keyed_plant = vec![1u8]; // an unregistration
+    keyed_plant.extend(unregistration_body(b.id()));
+    let plants = [
+        legacy_namespace_record(true, &unregistration_body(b.id())),
+        encode_record(&LogKey([0; 32]), &keyed_plant),
+    ];
+    for (i, plant) in plants.iter().enumerate() {
+        let h = Harness::new(1 << 20);
+        let path = h.dir.path().join("namespaces.log");
+        let a = Namespace::new("tenant-a", "m", layout(), HashScheme::Blake3, plant);
+        let after = Namespace::new("tenant-a", "after", layout(), HashScheme::Blake3, b"x");
+        let before_a;
+        let f = frame(b.id(), 1);
+        {
+            let node = h.open().unwrap();
+            node.register_namespace(&Principal::Operator, b.clone()).unwrap();
+            h.store(&node, &f);
+            h.rt.block_on(node.tiers().persist(&b.id(), &[f.header.key], None)).unwrap();
+            before_a = h.fs.contents(&path).unwrap().len();
+            node.register_namespace(&Principal::Operator, a.clone()).unwrap();
+            node.register_namespace(&Principal::Operator, after.clone()).unwrap();
+        }
+        let mut data = h.fs.contents(&path).unwrap();
+        data[before_a + 5] ^= 0x01;
+        h.fs.set_contents(&path, data);
+        let ((_, unregistered), _, _, skipped) =
+            crate::state::read_namespace_log(&*h.fs.shared(), &path).unwrap();
+        assert!(unregistered.is_empty(), "plant {i}: an unregistration was replayed");
+        assert_eq!(skipped, 1, "plant {i}: A's damaged record (with the plant in it) skipped");
+        let node = h.open().unwrap();
+        assert!(node.namespace(&b.id()).is_ok(), "plant {i}: B's namespace unregistered by A's plant");
+        assert!(node.namespace(&a.id()).is_err(), "plant {i}: A's damaged record is lost");
+        assert!(node.namespace(&after.id()).is_ok(), "plant {i}: the record after it replays");
+        let disk = node.tiers().disk().unwrap();
+        assert!(disk.read(&b.id(), &f.header.key).is_some(), "plant {i}: B's block purged");
+    }
+}
+
+/// A `namespaces.log` of the first format opens with every registration and unregistration
+/// intact, is rewritten in the keyed format (durably: a power loss right after the open keeps
+/// it), and a restart after that keeps everything.
+#[test]
+fn a_first_format_namespace_log_migrates_to_the_keyed_one() {
+    use kvtier_proto::record_log::{read_log_header, LogHeader, LogKind};
+    use prost::Message;
+    let h = Harness::new(1 << 20);
+    let path = h.dir.path().join("namespaces.log");
+    drop(h.open().unwrap()); // creates the file
+    let (a, b, c, d) = (namespace("a"), namespace("b"), namespace("c"), namespace("d"));
+    let mut data = Vec::new();
+    for ns in [&a, &b, &c] {
+        data.extend(legacy_namespace_record(false, &ns.to_pb().encode_to_vec()));
+    }
+    data.extend(legacy_namespace_record(true, &unregistration_body(b.id())));
+    h.fs.set_contents(&path, data);
+    {
+        let node = h.open().unwrap();
+        assert!(node.namespace(&a.id()).is_ok() && node.namespace(&c.id()).is_ok());
+        assert!(node.namespace(&b.id()).is_err(), "unregistered in the old log");
+        let now = h.fs.contents(&path).unwrap();
+        assert!(matches!(read_log_header(LogKind::Namespaces, &now), Ok(LogHeader::Keyed(_))));
+        node.register_namespace(&Principal::Operator, d.clone()).unwrap();
+    }
+    h.fs.crash(CrashMode::DropUnsynced);
+    let node = h.open().unwrap();
+    for ns in [&a, &c, &d] {
+        assert!(node.namespace(&ns.id()).is_ok(), "{} lost after the migration", ns.model);
+    }
+    assert!(node.namespace(&b.id()).is_err());
+}
