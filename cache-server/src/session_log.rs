@@ -20,51 +20,14 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
 
-use kvtier_proto::record_log::{encode_log_header, encode_record, read_log, LogContents, LogKey, LogKind};
-use kvtier_proto::{BlockKey, NamespaceId, KEY_LEN, NAMESPACE_ID_LEN};
+pub use kvtier_proto::record_log::sessions::LoggedSession;
+use kvtier_proto::record_log::sessions::{decode_body, encode_body, read_session_log, DROP, MAX_RECORD, PUT};
+use kvtier_proto::record_log::{encode_log_header, encode_record, LogKey, LogKind};
+use kvtier_proto::NamespaceId;
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::dram::Priority;
 use crate::error::ServerError;
 use crate::fs::{FileSystem, FsFile, OpenMode, StdFs};
-
-/// Records of the first format (no sequence number: file order is their order).
-const PUT_V1: u8 = 1;
-const DROP_V1: u8 = 2;
-/// Numbered records.
-const PUT: u8 = 3;
-const DROP: u8 = 4;
-
-/// A session as the log stores it (times as wall-clock milliseconds, so they survive restarts).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LoggedSession {
-    pub namespace: NamespaceId,
-    pub id: String,
-    pub keys: Vec<BlockKey>,
-    pub tail: Option<BlockKey>,
-    pub token_count: u64,
-    pub ttl_ms: u64,
-    pub expires_unix_ms: u64,
-    pub priority: Priority,
-    pub version: u64,
-}
-
-impl LoggedSession {
-    /// Namespace and id only: what a drop record carries, and where a decoded record starts.
-    fn tombstone(namespace: NamespaceId, id: String) -> Self {
-        LoggedSession {
-            namespace,
-            id,
-            keys: Vec::new(),
-            tail: None,
-            token_count: 0,
-            ttl_ms: 0,
-            expires_unix_ms: 0,
-            priority: Priority::Normal,
-            version: 0,
-        }
-    }
-}
 
 pub fn unix_ms(t: SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO).as_millis() as u64
@@ -91,132 +54,21 @@ pub(crate) fn fresh_log_key() -> Result<LogKey, ServerError> {
     Ok(LogKey(key))
 }
 
-/// A record's body: kind, sequence number, namespace, id, and for a park the manifest.
-fn encode_body(kind: u8, seq: u64, s: &LoggedSession) -> Vec<u8> {
-    let mut b = Vec::with_capacity(72 + s.id.len() + s.keys.len() * KEY_LEN);
-    b.push(kind);
-    b.extend_from_slice(&seq.to_le_bytes());
-    b.extend_from_slice(&s.namespace.0);
-    b.extend_from_slice(&(s.id.len() as u32).to_le_bytes());
-    b.extend_from_slice(s.id.as_bytes());
-    if kind == PUT {
-        for v in [s.version, s.token_count, s.ttl_ms, s.expires_unix_ms] {
-            b.extend_from_slice(&v.to_le_bytes());
-        }
-        b.push(s.priority as u8);
-        b.extend_from_slice(&(s.keys.len() as u32).to_le_bytes());
-        for k in &s.keys {
-            b.extend_from_slice(&k.0);
-        }
-        match s.tail {
-            Some(t) => {
-                b.push(1);
-                b.extend_from_slice(&t.0);
-            }
-            None => b.push(0),
-        }
-    }
-    b
-}
-
-struct Cursor<'a>(&'a [u8]);
-
-impl Cursor<'_> {
-    fn take(&mut self, n: usize) -> Option<&[u8]> {
-        if self.0.len() < n {
-            return None;
-        }
-        let (a, b) = self.0.split_at(n);
-        self.0 = b;
-        Some(a)
-    }
-    fn u64(&mut self) -> Option<u64> {
-        self.take(8).map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
-    }
-    fn u32(&mut self) -> Option<u32> {
-        self.take(4).map(|b| u32::from_le_bytes(b.try_into().unwrap_or([0; 4])))
-    }
-    fn key(&mut self) -> Option<BlockKey> {
-        self.take(KEY_LEN).and_then(|b| BlockKey::try_from(b).ok())
-    }
-}
-
-/// (kind, sequence number, session) of one record body; tombstones carry only namespace and id.
-/// A first-format record has no number: `ordinal` (its place in the file) stands in.
-fn decode(body: &[u8], ordinal: u64) -> Option<(u8, u64, LoggedSession)> {
-    let mut c = Cursor(body);
-    let kind = c.take(1)?[0];
-    let seq = match kind {
-        PUT | DROP => c.u64()?,
-        PUT_V1 | DROP_V1 => ordinal,
-        _ => return None,
-    };
-    let ns = NamespaceId::from_slice(c.take(NAMESPACE_ID_LEN)?).ok()?;
-    let n = c.u32()? as usize;
-    let id = String::from_utf8(c.take(n)?.to_vec()).ok()?;
-    let mut s = LoggedSession::tombstone(ns, id);
-    if kind == PUT || kind == PUT_V1 {
-        s.version = c.u64()?;
-        s.token_count = c.u64()?;
-        s.ttl_ms = c.u64()?;
-        s.expires_unix_ms = c.u64()?;
-        s.priority = Priority::from_u32(u32::from(c.take(1)?[0]));
-        let n = c.u32()? as usize;
-        s.keys = (0..n).map(|_| c.key()).collect::<Option<Vec<_>>>()?;
-        if c.take(1)?[0] == 1 {
-            s.tail = Some(c.key()?);
-        }
-    }
-    let kind = if kind == PUT_V1 {
-        PUT
-    } else if kind == DROP_V1 {
-        DROP
-    } else {
-        kind
-    };
-    Some((kind, seq, s))
-}
-
-/// Largest record body replay believes (a manifest of 1M keys is ~32 MiB).
-const MAX_RECORD: usize = 64 << 20;
-
 /// The verified first-format record starting at `at`: (where the next one starts, kind, sequence
 /// number, session); `None` when the bytes there are not a whole record with a matching checksum.
 fn legacy_record_at(data: &[u8], at: usize, ordinal: u64) -> Option<(usize, u8, u64, LoggedSession)> {
-    let mut c = Cursor(data.get(at..)?);
-    let len = c.u32()? as usize;
-    let sum = c.u64()?;
+    let head = data.get(at..at.checked_add(12)?)?;
+    let len = u32::from_le_bytes(head[..4].try_into().ok()?) as usize;
+    let sum = u64::from_le_bytes(head[4..].try_into().ok()?);
     if len > MAX_RECORD {
         return None;
     }
-    let body = c.take(len)?;
+    let body = data.get(at + 12..at + 12 + len)?;
     if xxh3_64(body) != sum {
         return None;
     }
-    let (kind, seq, s) = decode(body, ordinal)?;
+    let (kind, seq, s) = decode_body(body, ordinal)?;
     Some((at + 12 + len, kind, seq, s))
-}
-
-/// Every record of a log file in file order, (kind, sequence number, session), and the damaged
-/// stretches skipped. A current-format file's records verify against its secret; a first-format
-/// file (no header) is read with its xxh3 checksums, once, before it is rewritten.
-pub fn replay_records(data: &[u8]) -> Result<(Vec<(u8, u64, LoggedSession)>, u64), ServerError> {
-    let mut out = Vec::new();
-    match read_log(LogKind::Sessions, data, MAX_RECORD).map_err(|e| ServerError::Config(format!("sessions.log: {e}")))? {
-        LogContents::Keyed { scan, .. } => {
-            let mut skipped = scan.skipped;
-            for (_, body) in scan.records {
-                // Every record is the server's own (its tag verified); one this build cannot
-                // decode is counted, not trusted.
-                match decode(body, 0) {
-                    Some((kind @ (PUT | DROP), seq, s)) if body[0] == kind => out.push((kind, seq, s)),
-                    _ => skipped += 1,
-                }
-            }
-            Ok((out, skipped))
-        }
-        LogContents::Legacy => Ok(legacy_records(data)),
-    }
 }
 
 /// The records of a first-format log (each a u32 length, the xxh3 of the body, the body): replay
@@ -242,6 +94,17 @@ pub fn legacy_records(data: &[u8]) -> (Vec<(u8, u64, LoggedSession)>, u64) {
         out.push((kind, seq, s));
     }
     (out, unreadable)
+}
+
+/// Every record of a log file in file order, (kind, sequence number, session), and the damaged
+/// stretches skipped. A current-format file's records verify against its secret
+/// ([`read_session_log`]); a first-format file (no header) is read with its xxh3 checksums, once,
+/// before it is rewritten.
+pub fn replay_records(data: &[u8]) -> Result<(Vec<(u8, u64, LoggedSession)>, u64), ServerError> {
+    match read_session_log(data).map_err(|e| ServerError::Config(format!("sessions.log: {e}")))? {
+        Some(read) => Ok(read),
+        None => Ok(legacy_records(data)),
+    }
 }
 
 impl SessionLog {
@@ -352,7 +215,9 @@ impl SessionLog {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvtier_proto::record_log::sessions::{DROP_V1, PUT_V1};
     use kvtier_proto::record_log::{read_log_header, LogHeader, LOG_HEADER_LEN};
+    use kvtier_proto::{BlockKey, Priority, KEY_LEN};
     use std::io::Write;
 
     /// The secret of the test files written without the log.

@@ -17,7 +17,8 @@ use crate::dram::{DramConfig, DramOptions, DramTier, RegionMode};
 use crate::error::ServerError;
 use crate::fs::{FileSystem, FsFile, OpenMode, StdFs};
 use crate::session_log::{fresh_log_key, unix_ms, SessionLog};
-use kvtier_proto::record_log::{encode_log_header, encode_record, read_log, LogContents, LogKey, LogKind};
+use kvtier_proto::record_log::namespaces::{read_namespace_log as read_namespace_records, NamespaceRecord};
+use kvtier_proto::record_log::{encode_log_header, encode_record, read_log_header, LogHeader, LogKey, LogKind};
 use crate::session_store::SessionStore;
 use crate::sessions::{SessionLimits, SessionQuota};
 use crate::tenants::{Access, Principal, Tenants};
@@ -52,22 +53,10 @@ struct NamespaceLog {
     key: LogKey,
 }
 
-/// A `namespaces.log` record's first body byte: a registration (then protobuf `NamespaceSpec`).
-const NS_REGISTER: u8 = 0;
-/// A `namespaces.log` record's first body byte: an unregistration (then the 16-byte id, then the
-/// disk tier's write position at that moment, segment and offset as u64 LE: copies of its blocks
-/// before it predate the unregistration).
-const NS_UNREGISTER: u8 = 1;
-/// Largest record body replay believes (a `NamespaceSpec` is well under a KiB).
-const MAX_NS_RECORD: usize = 1 << 20;
-
 /// One `namespaces.log` record, framed by `kvtier_proto::record_log` and keyed with the file's
 /// secret: a namespace spec is a tenant's bytes, and no bytes in it can pass for a record.
-fn namespace_record(key: &LogKey, kind: u8, body: &[u8]) -> Vec<u8> {
-    let mut b = Vec::with_capacity(body.len() + 1);
-    b.push(kind);
-    b.extend_from_slice(body);
-    encode_record(key, &b)
+fn namespace_record(key: &LogKey, record: &NamespaceRecord<'_>) -> Vec<u8> {
+    encode_record(key, &record.encode())
 }
 
 /// What `namespaces.log` holds: the namespaces registered at its end, and those unregistered at
@@ -84,28 +73,25 @@ pub(crate) enum NamespaceLogFormat {
 }
 
 /// Registrations and unregistrations, in file order, applied.
-fn apply_namespace_records<'a>(records: impl IntoIterator<Item = (u8, &'a [u8])>) -> NamespaceLogContents {
+fn apply_namespace_records<'a>(records: impl IntoIterator<Item = NamespaceRecord<'a>>) -> NamespaceLogContents {
     use prost::Message;
     let mut out = HashMap::new();
     let mut unregistered: HashMap<NamespaceId, (u64, u64)> = HashMap::new();
-    for (kind, body) in records {
-        if kind == NS_UNREGISTER {
-            if let (Some(id), Some(seg), Some(off)) = (body.get(..16), body.get(16..24), body.get(24..32)) {
-                if let Ok(id) = NamespaceId::from_slice(id) {
-                    let word = |b: &[u8]| {
-                        let mut w = [0u8; 8];
-                        w.copy_from_slice(b);
-                        u64::from_le_bytes(w)
-                    };
-                    out.remove(&id);
-                    let mark = unregistered.entry(id).or_default();
-                    *mark = (*mark).max((word(seg), word(off)));
+    for record in records {
+        match record {
+            NamespaceRecord::Unregister { id, mark: at } => {
+                out.remove(&id);
+                let mark = unregistered.entry(id).or_default();
+                *mark = (*mark).max(at);
+            }
+            NamespaceRecord::Register(spec) => {
+                if let Some(ns) = kvtier_proto::pb::NamespaceSpec::decode(spec)
+                    .ok()
+                    .and_then(|pb| Namespace::from_pb(&pb).ok())
+                {
+                    out.insert(ns.id(), ns);
                 }
             }
-        } else if let Some(ns) =
-            kvtier_proto::pb::NamespaceSpec::decode(body).ok().and_then(|pb| Namespace::from_pb(&pb).ok())
-        {
-            out.insert(ns.id(), ns);
         }
     }
     (out, unregistered)
@@ -122,14 +108,16 @@ pub(crate) fn read_namespace_log(
     let Some(data) = fs.read_all(path)? else {
         return Ok(((HashMap::new(), HashMap::new()), NamespaceLogFormat::Missing, None, 0));
     };
-    let (contents, format, key, skipped) = match read_log(LogKind::Namespaces, &data, MAX_NS_RECORD)
-        .map_err(|e| ServerError::Config(format!("{}: {e}", path.display())))?
-    {
-        LogContents::Keyed { key, scan } => {
-            let records = scan.records.iter().filter_map(|(_, b)| Some((*b.first()?, b.get(1..)?)));
-            (apply_namespace_records(records), NamespaceLogFormat::Keyed, Some(key), scan.skipped)
+    let what = |e: kvtier_proto::ProtoError| ServerError::Config(format!("{}: {e}", path.display()));
+    let (contents, format, key, skipped) = match read_namespace_records(&data).map_err(what)? {
+        Some((records, skipped)) => {
+            let key = match read_log_header(LogKind::Namespaces, &data).map_err(what)? {
+                LogHeader::Keyed(key) => Some(key),
+                LogHeader::Legacy => None,
+            };
+            (apply_namespace_records(records), NamespaceLogFormat::Keyed, key, skipped)
         }
-        LogContents::Legacy => {
+        None => {
             let (records, skipped) = legacy_namespace_records(&data);
             (apply_namespace_records(records), NamespaceLogFormat::Legacy, None, skipped)
         }
@@ -142,7 +130,7 @@ const LEGACY_NS_TOMBSTONE: u32 = 1 << 31;
 
 /// The records of a first-format `namespaces.log` (each a length word with the tombstone flag, the
 /// xxh3 of the body, the body), as (kind, body), and the damaged stretches skipped.
-fn legacy_namespace_records(data: &[u8]) -> (Vec<(u8, &[u8])>, u64) {
+fn legacy_namespace_records(data: &[u8]) -> (Vec<NamespaceRecord<'_>>, u64) {
     let mut out = Vec::new();
     let mut skipped = 0;
     let mut at = 0;
@@ -159,7 +147,11 @@ fn legacy_namespace_records(data: &[u8]) -> (Vec<(u8, &[u8])>, u64) {
             }
         };
         at += 12 + body.len();
-        out.push((if word & LEGACY_NS_TOMBSTONE != 0 { NS_UNREGISTER } else { NS_REGISTER }, body));
+        if word & LEGACY_NS_TOMBSTONE == 0 {
+            out.push(NamespaceRecord::Register(body));
+        } else if let Some(r) = body.get(..32).and_then(NamespaceRecord::unregistration) {
+            out.push(r);
+        }
     }
     (out, skipped)
 }
@@ -173,14 +165,6 @@ fn legacy_namespace_record_at(data: &[u8], at: usize) -> Option<(u32, &[u8])> {
     let len = (word & !LEGACY_NS_TOMBSTONE) as usize;
     let body = data.get(at + 12..at + 12 + len)?;
     (xxhash_rust::xxh3::xxh3_64(body) == u64::from_le_bytes(sum)).then_some((word, body))
-}
-
-fn tombstone_body(id: &NamespaceId, mark: (u64, u64)) -> [u8; 32] {
-    let mut b = [0u8; 32];
-    b[..16].copy_from_slice(&id.0);
-    b[16..24].copy_from_slice(&mark.0.to_le_bytes());
-    b[24..].copy_from_slice(&mark.1.to_le_bytes());
-    b
 }
 
 /// Rewrites `namespaces.log` under a new secret `key` — its header, one registration per live
@@ -198,10 +182,10 @@ fn compact_namespace_log(
     let tmp = path.with_extension("log.tmp");
     let mut data = encode_log_header(LogKind::Namespaces, key);
     for (id, mark) in unregistered {
-        data.extend_from_slice(&namespace_record(key, NS_UNREGISTER, &tombstone_body(id, *mark)));
+        data.extend_from_slice(&namespace_record(key, &NamespaceRecord::Unregister { id: *id, mark: *mark }));
     }
     for ns in live.values() {
-        data.extend_from_slice(&namespace_record(key, NS_REGISTER, &ns.to_pb().encode_to_vec()));
+        data.extend_from_slice(&namespace_record(key, &NamespaceRecord::Register(&ns.to_pb().encode_to_vec())));
     }
     let f = fs.open(&tmp, OpenMode::Truncate)?;
     f.write_all_at(&data, 0)?;
@@ -469,7 +453,7 @@ impl NodeState {
         // which replay folds into one.
         if let Some(log) = &self.namespace_log {
             use prost::Message;
-            let rec = namespace_record(&log.key, NS_REGISTER, &ns.to_pb().encode_to_vec());
+            let rec = namespace_record(&log.key, &NamespaceRecord::Register(&ns.to_pb().encode_to_vec()));
             append_synced(log, &rec)?;
         }
         self.account(&ns);
@@ -492,7 +476,7 @@ impl NodeState {
         self.namespace_for(by, id, Access::Write)?;
         if let Some(log) = &self.namespace_log {
             let mark = self.tiers.disk().map_or((0, 0), |d| d.write_position());
-            let rec = namespace_record(&log.key, NS_UNREGISTER, &tombstone_body(id, mark));
+            let rec = namespace_record(&log.key, &NamespaceRecord::Unregister { id: *id, mark });
             append_synced(log, &rec)?;
         }
         {

@@ -16,6 +16,9 @@
 
 use crate::ProtoError;
 
+pub mod namespaces;
+pub mod sessions;
+
 /// The current format (the first one, with no header and an xxh3 checksum per record, is read
 /// by the server's migration only).
 pub const LOG_FORMAT_VERSION: u16 = 2;
