@@ -15,6 +15,17 @@ pub fn align_up(n: u64) -> u64 {
     n.div_ceil(RECORD_ALIGN) * RECORD_ALIGN
 }
 
+/// One record as a segment holds it: the frame header, the payload, zeros up to the next
+/// boundary.
+pub fn encode_record(header: &FrameHeader, payload: &[u8]) -> Vec<u8> {
+    let len = align_up(FRAME_HEADER_LEN as u64 + payload.len() as u64) as usize;
+    let mut buf = Vec::with_capacity(len);
+    buf.extend_from_slice(&header.encode());
+    buf.extend_from_slice(payload);
+    buf.resize(len, 0);
+    buf
+}
+
 /// The offset of the first record header hidden in `payload`: a block frame header that decodes,
 /// at a place a record could start (a 4 KiB boundary of the segment, the record itself starting on
 /// one). The recovery scan, after a damaged header, looks for the next record at those boundaries;

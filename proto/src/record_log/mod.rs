@@ -270,4 +270,15 @@ mod tests {
         assert_eq!(read_log(LogKind::Sessions, &[], 64).unwrap(), LogContents::Legacy);
         assert_eq!(read_log(LogKind::Sessions, &[1, 0, 0, 0, 9, 9], 64).unwrap(), LogContents::Legacy);
     }
+
+    /// Found by the `logs` fuzz target: a file ending inside the header's second copy (the first
+    /// verifies) reads as keyed, with no records and nothing skipped.
+    #[test]
+    fn a_file_ending_in_the_second_header_copy_has_no_records() {
+        let f = file(&[b"x"]);
+        for len in [HEADER_COPY_LEN, HEADER_COPY_LEN + 1, LOG_HEADER_LEN - 1] {
+            let c = read_log(LogKind::Sessions, &f[..len], 64).unwrap();
+            assert_eq!(c, LogContents::Keyed { key: KEY, scan: LogScan::default() });
+        }
+    }
 }
