@@ -542,10 +542,8 @@ fn a_record_planted_in_a_namespace_spec_is_never_replayed() {
     let b = Namespace::new("tenant-b", "m", layout(), HashScheme::Blake3, b"b");
     let mut keyed_plant = vec![1u8]; // an unregistration
     keyed_plant.extend(unregistration_body(b.id()));
-    let plants = [
-        legacy_namespace_record(true, &unregistration_body(b.id())),
-        encode_record(&LogKey([0; 32]), &keyed_plant),
-    ];
+    let plants =
+        [legacy_namespace_record(true, &unregistration_body(b.id())), encode_record(&LogKey([0; 32]), &keyed_plant)];
     for (i, plant) in plants.iter().enumerate() {
         let h = Harness::new(1 << 20);
         let path = h.dir.path().join("namespaces.log");
@@ -565,8 +563,7 @@ fn a_record_planted_in_a_namespace_spec_is_never_replayed() {
         let mut data = h.fs.contents(&path).unwrap();
         data[before_a + 5] ^= 0x01;
         h.fs.set_contents(&path, data);
-        let ((_, unregistered), _, _, skipped) =
-            crate::state::read_namespace_log(&*h.fs.shared(), &path).unwrap();
+        let ((_, unregistered), _, _, skipped) = crate::state::read_namespace_log(&*h.fs.shared(), &path).unwrap();
         assert!(unregistered.is_empty(), "plant {i}: an unregistration was replayed");
         assert_eq!(skipped, 1, "plant {i}: A's damaged record (with the plant in it) skipped");
         let node = h.open().unwrap();

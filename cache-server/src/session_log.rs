@@ -21,7 +21,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use parking_lot::Mutex;
 
 pub use kvtier_proto::record_log::sessions::LoggedSession;
-use kvtier_proto::record_log::sessions::{decode_body, encode_body, read_session_log, DROP, MAX_RECORD, PUT};
+use kvtier_proto::record_log::sessions::{
+    decode_body, encode_body, read_session_log, SessionReplay, DROP, MAX_RECORD, PUT,
+};
 use kvtier_proto::record_log::{encode_log_header, encode_record, LogKey, LogKind};
 use kvtier_proto::NamespaceId;
 use xxhash_rust::xxh3::xxh3_64;
@@ -73,7 +75,7 @@ fn legacy_record_at(data: &[u8], at: usize, ordinal: u64) -> Option<(usize, u8, 
 
 /// The records of a first-format log (each a u32 length, the xxh3 of the body, the body): replay
 /// goes on after a damaged record at the next offset where a whole, verified one starts.
-pub fn legacy_records(data: &[u8]) -> (Vec<(u8, u64, LoggedSession)>, u64) {
+pub fn legacy_records(data: &[u8]) -> SessionReplay {
     let mut out = Vec::new();
     let mut unreadable = 0u64;
     let mut at = 0usize;
@@ -100,7 +102,7 @@ pub fn legacy_records(data: &[u8]) -> (Vec<(u8, u64, LoggedSession)>, u64) {
 /// stretches skipped. A current-format file's records verify against its secret
 /// ([`read_session_log`]); a first-format file (no header) is read with its xxh3 checksums, once,
 /// before it is rewritten.
-pub fn replay_records(data: &[u8]) -> Result<(Vec<(u8, u64, LoggedSession)>, u64), ServerError> {
+pub fn replay_records(data: &[u8]) -> Result<SessionReplay, ServerError> {
     match read_session_log(data).map_err(|e| ServerError::Config(format!("sessions.log: {e}")))? {
         Some(read) => Ok(read),
         None => Ok(legacy_records(data)),
@@ -448,11 +450,8 @@ mod tests {
     fn a_record_planted_in_a_manifest_is_never_replayed() {
         let (ns_a, ns_b) = (NamespaceId([0xa; 16]), NamespaceId([0xb; 16]));
         let drop_b = encode_body(DROP, u64::MAX / 2, &LoggedSession::tombstone(ns_b, "b".into()));
-        let plants = [
-            legacy_frame(&drop_b),
-            encode_record(&LogKey([0; 32]), &drop_b),
-            encode_record(&TEST_KEY, &drop_b),
-        ];
+        let plants =
+            [legacy_frame(&drop_b), encode_record(&LogKey([0; 32]), &drop_b), encode_record(&TEST_KEY, &drop_b)];
         for (i, plant) in plants.iter().enumerate() {
             let dir = tempfile::tempdir().unwrap();
             let path = dir.path().join("sessions.log");

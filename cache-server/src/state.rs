@@ -17,13 +17,13 @@ use crate::dram::{DramConfig, DramOptions, DramTier, RegionMode};
 use crate::error::ServerError;
 use crate::fs::{FileSystem, FsFile, OpenMode, StdFs};
 use crate::session_log::{fresh_log_key, unix_ms, SessionLog};
-use kvtier_proto::record_log::namespaces::{read_namespace_log as read_namespace_records, NamespaceRecord};
-use kvtier_proto::record_log::{encode_log_header, encode_record, read_log_header, LogHeader, LogKey, LogKind};
 use crate::session_store::SessionStore;
 use crate::sessions::{SessionLimits, SessionQuota};
 use crate::tenants::{Access, Principal, Tenants};
 use crate::tiers::demotion::queue_headroom;
 use crate::tiers::{IoPool, TierStack};
+use kvtier_proto::record_log::namespaces::{read_namespace_log as read_namespace_records, NamespaceRecord};
+use kvtier_proto::record_log::{encode_log_header, encode_record, read_log_header, LogHeader, LogKey, LogKind};
 
 /// Most namespaces one node accepts (each costs a map entry; tenants don't need thousands).
 pub const MAX_NAMESPACES: usize = 4096;
@@ -85,9 +85,8 @@ fn apply_namespace_records<'a>(records: impl IntoIterator<Item = NamespaceRecord
                 *mark = (*mark).max(at);
             }
             NamespaceRecord::Register(spec) => {
-                if let Some(ns) = kvtier_proto::pb::NamespaceSpec::decode(spec)
-                    .ok()
-                    .and_then(|pb| Namespace::from_pb(&pb).ok())
+                if let Some(ns) =
+                    kvtier_proto::pb::NamespaceSpec::decode(spec).ok().and_then(|pb| Namespace::from_pb(&pb).ok())
                 {
                     out.insert(ns.id(), ns);
                 }

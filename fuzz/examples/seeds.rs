@@ -57,7 +57,14 @@ fn segments() -> std::io::Result<()> {
     for (i, len) in [100usize, 4096 - 104, 5000, 64].into_iter().enumerate() {
         let payload: Vec<u8> = (0..len).map(|j| (j * 7 + i) as u8).collect();
         let layout = KvLayout::opaque(len as u64, DType::Fp16, 16);
-        let f = BlockFrame::new(NamespaceId([3; 16]), BlockKey([i as u8; 32]), layout, CodecId::RAW, 1, Bytes::from(payload));
+        let f = BlockFrame::new(
+            NamespaceId([3; 16]),
+            BlockKey([i as u8; 32]),
+            layout,
+            CodecId::RAW,
+            1,
+            Bytes::from(payload),
+        );
         seg.extend(kvtier_proto::segment::encode_record(&f.header, &f.payload));
         if i == 0 || i == 2 {
             write("segment", &format!("records-{}", i + 1), &seg)?;
@@ -88,7 +95,10 @@ fn logs() -> std::io::Result<()> {
     sessions.extend(encode_log_header(LogKind::Sessions, &key));
     sessions.extend(encode_record(&key, &encode_body(PUT, 1, &session("a", 3))));
     sessions.extend(encode_record(&key, &encode_body(PUT, 2, &session("b", 1))));
-    sessions.extend(encode_record(&key, &encode_body(DROP, 3, &LoggedSession::tombstone(NamespaceId([1; 16]), "a".into()))));
+    sessions.extend(encode_record(
+        &key,
+        &encode_body(DROP, 3, &LoggedSession::tombstone(NamespaceId([1; 16]), "a".into())),
+    ));
     write("logs", "sessions", &sessions)?;
     let n = sessions.len();
     sessions[n - 30] ^= 4;
@@ -99,7 +109,10 @@ fn logs() -> std::io::Result<()> {
     // crate builds the vocabulary without the gRPC messages, and the target does not decode it).
     let spec = b"tenant t, model m, layout 2x16x2x64 fp16, salt";
     namespaces.extend(encode_record(&key, &NamespaceRecord::Register(spec).encode()));
-    namespaces.extend(encode_record(&key, &NamespaceRecord::Unregister { id: NamespaceId([2; 16]), mark: (3, 4096) }.encode()));
+    namespaces.extend(encode_record(
+        &key,
+        &NamespaceRecord::Unregister { id: NamespaceId([2; 16]), mark: (3, 4096) }.encode(),
+    ));
     namespaces.extend(encode_record(&key, &NamespaceRecord::Register(b"tenant u").encode()));
     write("logs", "namespaces", &namespaces)?;
     let n = namespaces.len();

@@ -59,7 +59,8 @@ fuzz_target!(|data: &[u8]| {
     match read_log(kind, &clean, max) {
         Ok(LogContents::Keyed { scan: again, .. }) => {
             assert_eq!(again.skipped, 0);
-            let bodies = |s: &kvtier_proto::record_log::LogScan<'_>| s.records.iter().map(|r| r.1.to_vec()).collect::<Vec<_>>();
+            let bodies =
+                |s: &kvtier_proto::record_log::LogScan<'_>| s.records.iter().map(|r| r.1.to_vec()).collect::<Vec<_>>();
             assert_eq!(bodies(&again), bodies(&scan), "a clean rewrite reads back different records");
         }
         other => panic!("a clean rewrite read as {other:?}"),
@@ -78,7 +79,11 @@ fuzz_target!(|data: &[u8]| {
             let (records, skipped) = read_namespace_log(file).expect("header read above").expect("keyed");
             assert_eq!(records.len() as u64 + skipped, total, "records and skips do not add up");
             for r in records {
-                assert_eq!(NamespaceRecord::decode(&r.encode()), Some(r.clone()), "a namespace record does not round-trip");
+                assert_eq!(
+                    NamespaceRecord::decode(&r.encode()),
+                    Some(r.clone()),
+                    "a namespace record does not round-trip"
+                );
             }
         }
     }

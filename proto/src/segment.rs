@@ -43,21 +43,19 @@ pub fn hidden_header(payload: &[u8]) -> Option<usize> {
 /// What the scan reads a segment through.
 pub trait SegmentBytes {
     /// The segment's length in bytes.
-    fn len(&self) -> io::Result<u64>;
+    fn size(&self) -> io::Result<u64>;
     /// Fills `buf` from `offset` (an error if the segment ends first).
     fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
 }
 
 impl SegmentBytes for [u8] {
-    fn len(&self) -> io::Result<u64> {
-        Ok(<[u8]>::len(self) as u64)
+    fn size(&self) -> io::Result<u64> {
+        Ok(self.len() as u64)
     }
     fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         let start = usize::try_from(offset).map_err(|_| io::ErrorKind::UnexpectedEof)?;
-        let src = start
-            .checked_add(buf.len())
-            .and_then(|end| self.get(start..end))
-            .ok_or(io::ErrorKind::UnexpectedEof)?;
+        let src =
+            start.checked_add(buf.len()).and_then(|end| self.get(start..end)).ok_or(io::ErrorKind::UnexpectedEof)?;
         buf.copy_from_slice(src);
         Ok(())
     }
@@ -83,7 +81,7 @@ pub struct SegmentScan {
 /// length its valid header gives. Zeros are unwritten space. A run of unreadable boundaries is
 /// counted once.
 pub fn scan_segment<R: SegmentBytes + ?Sized>(file: &R) -> io::Result<SegmentScan> {
-    let file_len = file.len()?;
+    let file_len = file.size()?;
     let mut out = SegmentScan::default();
     let mut offset = 0u64;
     let mut header = [0u8; FRAME_HEADER_LEN];

@@ -29,7 +29,7 @@ pub(super) struct Scanned {
 struct FileBytes<'a>(&'a dyn FsFile);
 
 impl SegmentBytes for FileBytes<'_> {
-    fn len(&self) -> std::io::Result<u64> {
+    fn size(&self) -> std::io::Result<u64> {
         self.0.size()
     }
     fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
@@ -41,7 +41,8 @@ impl SegmentBytes for FileBytes<'_> {
 pub(super) fn scan_segment(file: &dyn FsFile) -> std::io::Result<Scanned> {
     let file_len = file.size()?;
     let scan = kvtier_proto::segment::scan_segment(&FileBytes(file))?;
-    let mut out = Scanned { records: scan.records, valid_len: scan.valid_len, discarded: scan.discarded, truncated: false };
+    let mut out =
+        Scanned { records: scan.records, valid_len: scan.valid_len, discarded: scan.discarded, truncated: false };
     if out.valid_len < file_len {
         file.set_len(out.valid_len)?;
         out.truncated = true;

@@ -92,7 +92,9 @@ pub fn read_log_header(kind: LogKind, file: &[u8]) -> Result<LogHeader, ProtoErr
         }
         let version = u16::from_le_bytes([copy[8], copy[9]]);
         if version != LOG_FORMAT_VERSION {
-            return Err(ProtoError::LogHeader(format!("format version {version}, this build reads {LOG_FORMAT_VERSION}")));
+            return Err(ProtoError::LogHeader(format!(
+                "format version {version}, this build reads {LOG_FORMAT_VERSION}"
+            )));
         }
         let got = u16::from_le_bytes([copy[10], copy[11]]);
         if got != kind as u16 {

@@ -133,10 +133,15 @@ pub fn decode_body(body: &[u8], ordinal: u64) -> Option<(u8, u64, LoggedSession)
 /// Largest record body replay believes (a manifest of 1M keys is ~32 MiB).
 pub const MAX_RECORD: usize = 64 << 20;
 
+/// One replayed record: kind ([`PUT`] or [`DROP`]), sequence number, session.
+pub type SessionRecord = (u8, u64, LoggedSession);
+/// The records of a log in file order, and the damaged stretches skipped.
+pub type SessionReplay = (Vec<SessionRecord>, u64);
+
 /// The records of a current-format `sessions.log`, (kind, sequence number, session) in file
 /// order, and the damaged stretches skipped; `None` for a file without a header (the first
 /// format, which the server reads with its own legacy reader).
-pub fn read_session_log(file: &[u8]) -> Result<Option<(Vec<(u8, u64, LoggedSession)>, u64)>, ProtoError> {
+pub fn read_session_log(file: &[u8]) -> Result<Option<SessionReplay>, ProtoError> {
     let LogContents::Keyed { scan, .. } = read_log(LogKind::Sessions, file, MAX_RECORD)? else {
         return Ok(None);
     };
