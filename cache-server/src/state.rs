@@ -59,9 +59,17 @@ fn namespace_record(key: &LogKey, record: &NamespaceRecord<'_>) -> Vec<u8> {
     encode_record(key, &record.encode())
 }
 
-/// What `namespaces.log` holds: the namespaces registered at its end, and those unregistered at
-/// its end (their blocks may still be in disk segments) with their marks.
-pub(crate) type NamespaceLogContents = (HashMap<NamespaceId, Namespace>, HashMap<NamespaceId, (u64, u64)>);
+/// What `namespaces.log` holds at its end.
+#[derive(Debug, Default)]
+pub(crate) struct NamespaceLogContents {
+    /// The namespaces registered.
+    pub live: HashMap<NamespaceId, Namespace>,
+    /// Namespaces unregistered, with the disk tier's write position then (their blocks may still
+    /// be in disk segments).
+    pub unregistered: HashMap<NamespaceId, (u64, u64)>,
+    /// Namespaces purged, with the disk tier's write position at the latest purge.
+    pub purged: HashMap<NamespaceId, (u64, u64)>,
+}
 
 /// How `namespaces.log` was found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,25 +83,28 @@ pub(crate) enum NamespaceLogFormat {
 /// Registrations and unregistrations, in file order, applied.
 fn apply_namespace_records<'a>(records: impl IntoIterator<Item = NamespaceRecord<'a>>) -> NamespaceLogContents {
     use prost::Message;
-    let mut out = HashMap::new();
-    let mut unregistered: HashMap<NamespaceId, (u64, u64)> = HashMap::new();
+    let mut c = NamespaceLogContents::default();
     for record in records {
         match record {
             NamespaceRecord::Unregister { id, mark: at } => {
-                out.remove(&id);
-                let mark = unregistered.entry(id).or_default();
+                c.live.remove(&id);
+                let mark = c.unregistered.entry(id).or_default();
+                *mark = (*mark).max(at);
+            }
+            NamespaceRecord::Purge { id, mark: at } => {
+                let mark = c.purged.entry(id).or_default();
                 *mark = (*mark).max(at);
             }
             NamespaceRecord::Register(spec) => {
                 if let Some(ns) =
                     kvtier_proto::pb::NamespaceSpec::decode(spec).ok().and_then(|pb| Namespace::from_pb(&pb).ok())
                 {
-                    out.insert(ns.id(), ns);
+                    c.live.insert(ns.id(), ns);
                 }
             }
         }
     }
-    (out, unregistered)
+    c
 }
 
 /// Reads `namespaces.log`: registrations and unregistrations, in order, and the records skipped.
@@ -105,7 +116,7 @@ pub(crate) fn read_namespace_log(
     path: &std::path::Path,
 ) -> Result<(NamespaceLogContents, NamespaceLogFormat, Option<LogKey>, u64), ServerError> {
     let Some(data) = fs.read_all(path)? else {
-        return Ok(((HashMap::new(), HashMap::new()), NamespaceLogFormat::Missing, None, 0));
+        return Ok((NamespaceLogContents::default(), NamespaceLogFormat::Missing, None, 0));
     };
     let what = |e: kvtier_proto::ProtoError| ServerError::Config(format!("{}: {e}", path.display()));
     let (contents, format, key, skipped) = match read_namespace_records(&data).map_err(what)? {
@@ -167,23 +178,25 @@ fn legacy_namespace_record_at(data: &[u8], at: usize) -> Option<(u32, &[u8])> {
 }
 
 /// Rewrites `namespaces.log` under a new secret `key` — its header, one registration per live
-/// namespace and one unregistration per namespace unregistered (kept: their blocks may still sit
-/// in disk segments, which recovery scans) — atomically: a new file synced, renamed over it, the
+/// namespace, one unregistration per namespace unregistered and one purge per namespace purged
+/// (kept: their blocks may still sit in disk segments, which recovery scans) — atomically: a new file synced, renamed over it, the
 /// directory synced. Also how the file is created (header first, durable before any record).
 fn compact_namespace_log(
     fs: &dyn FileSystem,
     path: &std::path::Path,
     key: &LogKey,
-    live: &HashMap<NamespaceId, Namespace>,
-    unregistered: &HashMap<NamespaceId, (u64, u64)>,
+    contents: &NamespaceLogContents,
 ) -> std::io::Result<()> {
     use prost::Message;
     let tmp = path.with_extension("log.tmp");
     let mut data = encode_log_header(LogKind::Namespaces, key);
-    for (id, mark) in unregistered {
+    for (id, mark) in &contents.unregistered {
         data.extend_from_slice(&namespace_record(key, &NamespaceRecord::Unregister { id: *id, mark: *mark }));
     }
-    for ns in live.values() {
+    for (id, mark) in &contents.purged {
+        data.extend_from_slice(&namespace_record(key, &NamespaceRecord::Purge { id: *id, mark: *mark }));
+    }
+    for ns in contents.live.values() {
         data.extend_from_slice(&namespace_record(key, &NamespaceRecord::Register(&ns.to_pb().encode_to_vec())));
     }
     let f = fs.open(&tmp, OpenMode::Truncate)?;
@@ -306,7 +319,8 @@ impl NodeState {
             );
         }
         let ns_path = config.data_dir.join("namespaces.log");
-        let ((namespaces, unregistered), ns_format, ns_key, ns_skipped) = read_namespace_log(&*fs, &ns_path)?;
+        let (ns_log, ns_format, ns_key, ns_skipped) = read_namespace_log(&*fs, &ns_path)?;
+        let (namespaces, unregistered) = (&ns_log.live, &ns_log.unregistered);
         if ns_skipped > 0 {
             tracing::warn!(skipped = ns_skipped, "namespace log had unreadable (torn or damaged) records");
         }
@@ -314,7 +328,7 @@ impl NodeState {
         // still in their segments: forgotten again (their bytes go with their segments), even if
         // the namespace was registered anew since. Only explicitly unregistered ones: a
         // namespace missing from a damaged log keeps its blocks.
-        for (gone, mark) in &unregistered {
+        for (gone, mark) in unregistered {
             // Not registered again: every copy goes, also those demoted just after the mark.
             let before = if namespaces.contains_key(gone) { *mark } else { (u64::MAX, u64::MAX) };
             let n = disk.purge_namespace_before(gone, before);
@@ -327,10 +341,14 @@ impl NodeState {
         // directory synced, so no registration is acknowledged into a file a power loss would
         // take back.
         let ns_key = match ns_key {
-            Some(key) if ns_format == NamespaceLogFormat::Keyed && unregistered.is_empty() => key,
+            Some(key)
+                if ns_format == NamespaceLogFormat::Keyed && unregistered.is_empty() && ns_log.purged.is_empty() =>
+            {
+                key
+            }
             _ => {
                 let key = fresh_log_key()?;
-                compact_namespace_log(&*fs, &ns_path, &key, &namespaces, &unregistered)?;
+                compact_namespace_log(&*fs, &ns_path, &key, &ns_log)?;
                 key
             }
         };
@@ -338,7 +356,7 @@ impl NodeState {
         let state = NodeState {
             tiers: TierStack::new(dram, Some(Arc::new(disk)), fsync),
             sessions: SessionStore::new(Some(log)),
-            namespaces: RwLock::new(namespaces),
+            namespaces: RwLock::new(ns_log.live.clone()),
             started: Instant::now(),
             data_addr,
             disk_recovery: Some(report),
@@ -365,6 +383,17 @@ impl NodeState {
         ::metrics::counter!("kvtier_sessions_recovered_total").increment(ok);
         ::metrics::counter!("kvtier_sessions_lost_total").increment(lost);
         tracing::info!(recovered = ok, lost, "sessions restored from the session log");
+        // Copies of a purged namespace's blocks written before the purge are still in their
+        // segments: forgotten again, now that the restored sessions pin theirs (a purge spares
+        // the blocks a parked session pins).
+        if let Some(disk) = state.tiers.disk() {
+            for (ns, mark) in &ns_log.purged {
+                let n = disk.purge_namespace_before(ns, *mark);
+                if n > 0 {
+                    tracing::info!(blocks = n, "blocks of a purged namespace dropped at recovery");
+                }
+            }
+        }
         Ok(state)
     }
 
@@ -490,6 +519,18 @@ impl NodeState {
         let removed = self.tiers.purge(id);
         tracing::info!(principal = by.name(), dropped, removed, "namespace unregistered");
         Ok((dropped, removed))
+    }
+
+    /// Removes every block of a namespace `by` may write from every tier, except those a parked
+    /// session pins; returns how many distinct blocks went. Logged (and synced) first with the
+    /// disk tier's write position, so copies on disk before it stay gone after a restart.
+    pub fn purge_namespace(&self, by: &Principal, id: &NamespaceId) -> Result<u64, ServerError> {
+        self.namespace_for(by, id, Access::Write)?;
+        if let Some(log) = &self.namespace_log {
+            let mark = self.tiers.disk().map_or((0, 0), |d| d.write_position());
+            append_synced(log, &namespace_record(&log.key, &NamespaceRecord::Purge { id: *id, mark }))?;
+        }
+        Ok(self.tiers.purge(id))
     }
 
     /// Whether `p` may `access` a registered namespace (without copying it: the data plane asks

@@ -114,6 +114,8 @@ fn logs() -> std::io::Result<()> {
         &NamespaceRecord::Unregister { id: NamespaceId([2; 16]), mark: (3, 4096) }.encode(),
     ));
     namespaces.extend(encode_record(&key, &NamespaceRecord::Register(b"tenant u").encode()));
+    namespaces
+        .extend(encode_record(&key, &NamespaceRecord::Purge { id: NamespaceId([4; 16]), mark: (5, 8192) }.encode()));
     write("logs", "namespaces", &namespaces)?;
     let n = namespaces.len();
     namespaces[n - 40] ^= 4;

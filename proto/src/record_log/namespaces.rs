@@ -1,5 +1,5 @@
 //! The records of `namespaces.log`: a registration (a protobuf `NamespaceSpec`, which the server
-//! decodes) or an unregistration (the id and the disk tier's write position then), as bodies of
+//! decodes), an unregistration or a purge (the id and the disk tier's write position then), as bodies of
 //! [`super`]'s keyed records; and the replay of a whole file, as the server runs it at start (and
 //! the fuzz target on arbitrary bytes).
 
@@ -11,6 +11,8 @@ use super::{read_log, LogContents, LogKind};
 pub const REGISTER: u8 = 0;
 /// A body's first byte: an unregistration.
 pub const UNREGISTER: u8 = 1;
+/// A body's first byte: a purge (the namespace stays registered).
+pub const PURGE: u8 = 2;
 /// Largest record body replay believes (a `NamespaceSpec` is well under a KiB).
 pub const MAX_RECORD: usize = 1 << 20;
 
@@ -22,6 +24,9 @@ pub enum NamespaceRecord<'a> {
     /// A namespace unregistered when the disk tier's write position was `mark` (segment,
     /// offset): copies of its blocks before it predate the unregistration.
     Unregister { id: NamespaceId, mark: (u64, u64) },
+    /// A namespace's blocks purged when the disk tier's write position was `mark`: copies on
+    /// disk before it are gone (except those a parked session pinned).
+    Purge { id: NamespaceId, mark: (u64, u64) },
 }
 
 impl NamespaceRecord<'_> {
@@ -34,9 +39,9 @@ impl NamespaceRecord<'_> {
                 b.extend_from_slice(spec);
                 b
             }
-            NamespaceRecord::Unregister { id, mark } => {
+            NamespaceRecord::Unregister { id, mark } | NamespaceRecord::Purge { id, mark } => {
                 let mut b = Vec::with_capacity(1 + NAMESPACE_ID_LEN + 16);
-                b.push(UNREGISTER);
+                b.push(if matches!(self, NamespaceRecord::Purge { .. }) { PURGE } else { UNREGISTER });
                 b.extend_from_slice(&id.0);
                 b.extend_from_slice(&mark.0.to_le_bytes());
                 b.extend_from_slice(&mark.1.to_le_bytes());
@@ -51,6 +56,10 @@ impl NamespaceRecord<'_> {
         match kind {
             REGISTER => Some(NamespaceRecord::Register(rest)),
             UNREGISTER => NamespaceRecord::unregistration(rest),
+            PURGE => match NamespaceRecord::unregistration(rest)? {
+                NamespaceRecord::Unregister { id, mark } => Some(NamespaceRecord::Purge { id, mark }),
+                _ => None,
+            },
             _ => None,
         }
     }
