@@ -209,3 +209,34 @@ async fn a_full_disk_leaves_dram_serving_and_says_so() {
     assert!(client.stats().await.unwrap().tiers.len() == 2);
     drop(server);
 }
+
+/// A purge holds across a restart of the real server (`kill -9`): the purged blocks stay gone
+/// from the disk tier's segments, a parked session's blocks (which a purge spares) come back.
+/// Without the purge record in `namespaces.log`, the dropped session's blocks loaded again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_purge_holds_across_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = ["--dram-capacity", DRAM, "--disk-capacity", DISK];
+    let mut server = ServerProcess::start_in(dir.path(), &args);
+    let client = server.client().await;
+    let ns = client.register(namespace("purged", b"s", small_layout())).await.unwrap();
+    let opts = ParkOptions { ttl: Some(Duration::from_secs(3600)), priority: None };
+    let (kept, gone) = (tokens(1, 640), tokens(2, 640));
+    let kept_blocks = session_payloads(&ns, &kept);
+    // Both parked (so their blocks are on disk and synced); one dropped, then the purge.
+    client.park(&ns, "kept", &kept, &kept_blocks, &opts, 0).await.unwrap();
+    client.park(&ns, "gone", &gone, &session_payloads(&ns, &gone), &opts, 0).await.unwrap();
+    assert!(client.drop_session(&ns, "gone").await.unwrap());
+    assert!(client.purge(&ns).await.unwrap() > 0);
+    assert!(client.load(&ns, &gone).await.unwrap().is_empty(), "purged");
+    server.child.kill().unwrap();
+    server.child.wait().unwrap();
+    drop(server);
+
+    let server = ServerProcess::start_in(dir.path(), &args);
+    let client = server.client().await;
+    let ns = client.register(namespace("purged", b"s", small_layout())).await.unwrap();
+    assert_eq!(client.load(&ns, &gone).await.unwrap().len(), 0, "purged blocks came back after a restart");
+    let r = client.resume(&ns, "kept").await.unwrap();
+    assert!(r.blocks == kept_blocks, "the parked session's blocks");
+}

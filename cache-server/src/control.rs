@@ -575,8 +575,8 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
     async fn purge(&self, r: Request<pb::PurgeRequest>) -> Result<Response<pb::PurgeResponse>, Status> {
         let p = principal(&r)?;
         let id = ns_id(&r.get_ref().namespace_id).map_err(to_status)?;
-        self.state.namespace_for(&p, &id, Access::Write).map_err(to_status)?;
-        let removed = self.state.tiers().purge(&id);
+        // It appends to (and syncs) the namespace log.
+        let removed = self.on_io(move |s| s.purge_namespace(&p, &id)).await.map_err(to_status)?;
         Ok(Response::new(pb::PurgeResponse { blocks_removed: removed }))
     }
 }

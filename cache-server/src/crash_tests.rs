@@ -177,12 +177,12 @@ fn check(node: &NodeState, acked: &Acked, namespaces: &[Namespace]) -> Result<()
 /// may be down); only successes are recorded as acknowledged.
 fn step(h: &Harness, node: &NodeState, acked: &mut Acked, namespaces: &[Namespace], (op, a, b): (u8, u8, u8)) {
     let ns = &namespaces[0];
-    match op % 7 {
+    match op % 8 {
         0 | 1 => {
             // Blocks stored, and some demoted to disk (the demotion thread's call).
             let f = frame(ns.id(), u32::from(a) % BLOCKS);
             h.store(node, &f);
-            if op % 7 == 1 {
+            if op % 8 == 1 {
                 if let Some(d) = node.tiers().disk() {
                     let _ = d.write(&f.header, &f.payload);
                 }
@@ -211,6 +211,11 @@ fn step(h: &Harness, node: &NodeState, acked: &mut Acked, namespaces: &[Namespac
             if node.sessions().drop_session(node.tiers().session_pins(), ns.id(), &id) {
                 acked.dropped.insert(id);
             }
+        }
+        7 => {
+            // A purge: every block of the namespace not pinned by a parked session goes (durably:
+            // recovery checks no acknowledged park lost a block).
+            let _ = node.purge_namespace(&Principal::Operator, &ns.id());
         }
         _ => {
             let other = &namespaces[1];
@@ -514,4 +519,138 @@ fn a_synced_disk_tier_survives_power_loss_on_its_own() {
             }
         }
     }
+}
+
+/// A first-format `namespaces.log` record (length word with the tombstone flag, xxh3, body).
+fn legacy_namespace_record(tombstone: bool, body: &[u8]) -> Vec<u8> {
+    let mut rec = (body.len() as u32 | if tombstone { 1 << 31 } else { 0 }).to_le_bytes().to_vec();
+    rec.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(body).to_le_bytes());
+    rec.extend_from_slice(body);
+    rec
+}
+
+/// An unregistration's body: the id, then the disk tier's write position (segment, offset).
+fn unregistration_body(id: NamespaceId) -> Vec<u8> {
+    let mut b = id.0.to_vec();
+    b.extend_from_slice(&[0u8; 16]);
+    b
+}
+
+/// Tenant A registers a namespace whose salt (the tenant's bytes) embeds a whole record that
+/// unregisters tenant B's namespace — as the first format would accept it, and keyed with a
+/// secret an attacker might guess. A's record is then damaged in its length, so replay
+/// resynchronizes inside its body. B stays registered with its blocks, the plant is not applied,
+/// and the damaged stretch is counted.
+#[test]
+fn a_record_planted_in_a_namespace_spec_is_never_replayed() {
+    use kvtier_proto::record_log::{encode_record, LogKey};
+    let b = Namespace::new("tenant-b", "m", layout(), HashScheme::Blake3, b"b");
+    let mut keyed_plant = vec![1u8]; // an unregistration
+    keyed_plant.extend(unregistration_body(b.id()));
+    let plants =
+        [legacy_namespace_record(true, &unregistration_body(b.id())), encode_record(&LogKey([0; 32]), &keyed_plant)];
+    for (i, plant) in plants.iter().enumerate() {
+        let h = Harness::new(1 << 20);
+        let path = h.dir.path().join("namespaces.log");
+        let a = Namespace::new("tenant-a", "m", layout(), HashScheme::Blake3, plant);
+        let after = Namespace::new("tenant-a", "after", layout(), HashScheme::Blake3, b"x");
+        let before_a;
+        let f = frame(b.id(), 1);
+        {
+            let node = h.open().unwrap();
+            node.register_namespace(&Principal::Operator, b.clone()).unwrap();
+            h.store(&node, &f);
+            h.rt.block_on(node.tiers().persist(&b.id(), &[f.header.key], None)).unwrap();
+            before_a = h.fs.contents(&path).unwrap().len();
+            node.register_namespace(&Principal::Operator, a.clone()).unwrap();
+            node.register_namespace(&Principal::Operator, after.clone()).unwrap();
+        }
+        let mut data = h.fs.contents(&path).unwrap();
+        data[before_a + 5] ^= 0x01;
+        h.fs.set_contents(&path, data);
+        let (crate::state::NamespaceLogContents { unregistered, .. }, _, _, skipped) =
+            crate::state::read_namespace_log(&*h.fs.shared(), &path).unwrap();
+        assert!(unregistered.is_empty(), "plant {i}: an unregistration was replayed");
+        assert_eq!(skipped, 1, "plant {i}: A's damaged record (with the plant in it) skipped");
+        let node = h.open().unwrap();
+        assert!(node.namespace(&b.id()).is_ok(), "plant {i}: B's namespace unregistered by A's plant");
+        assert!(node.namespace(&a.id()).is_err(), "plant {i}: A's damaged record is lost");
+        assert!(node.namespace(&after.id()).is_ok(), "plant {i}: the record after it replays");
+        let disk = node.tiers().disk().unwrap();
+        assert!(disk.read(&b.id(), &f.header.key).is_some(), "plant {i}: B's block purged");
+    }
+}
+
+/// A `namespaces.log` of the first format opens with every registration and unregistration
+/// intact, is rewritten in the keyed format (durably: a power loss right after the open keeps
+/// it), and a restart after that keeps everything.
+#[test]
+fn a_first_format_namespace_log_migrates_to_the_keyed_one() {
+    use kvtier_proto::record_log::{read_log_header, LogHeader, LogKind};
+    use prost::Message;
+    let h = Harness::new(1 << 20);
+    let path = h.dir.path().join("namespaces.log");
+    drop(h.open().unwrap()); // creates the file
+    let (a, b, c, d) = (namespace("a"), namespace("b"), namespace("c"), namespace("d"));
+    let mut data = Vec::new();
+    for ns in [&a, &b, &c] {
+        data.extend(legacy_namespace_record(false, &ns.to_pb().encode_to_vec()));
+    }
+    data.extend(legacy_namespace_record(true, &unregistration_body(b.id())));
+    h.fs.set_contents(&path, data);
+    {
+        let node = h.open().unwrap();
+        assert!(node.namespace(&a.id()).is_ok() && node.namespace(&c.id()).is_ok());
+        assert!(node.namespace(&b.id()).is_err(), "unregistered in the old log");
+        let now = h.fs.contents(&path).unwrap();
+        assert!(matches!(read_log_header(LogKind::Namespaces, &now), Ok(LogHeader::Keyed(_))));
+        node.register_namespace(&Principal::Operator, d.clone()).unwrap();
+    }
+    h.fs.crash(CrashMode::DropUnsynced);
+    let node = h.open().unwrap();
+    for ns in [&a, &c, &d] {
+        assert!(node.namespace(&ns.id()).is_ok(), "{} lost after the migration", ns.model);
+    }
+    assert!(node.namespace(&b.id()).is_err());
+}
+
+/// A purge is durable: blocks of the namespace on disk before it stay gone after a restart (and a
+/// power loss right after the purge returned), while a block a parked session pins, and blocks
+/// written after the purge (a new one, a purged one put again), come back.
+#[test]
+fn a_purge_survives_a_restart() {
+    let h = Harness::new(1 << 20);
+    let ns = namespace("m");
+    let frames: Vec<BlockFrame> = (0..6).map(|i| frame(ns.id(), i)).collect();
+    {
+        let node = h.open().unwrap();
+        node.register_namespace(&Principal::Operator, ns.clone()).unwrap();
+        for f in &frames[..4] {
+            h.store(&node, f);
+        }
+        let keys: Vec<BlockKey> = frames[..4].iter().map(|f| f.header.key).collect();
+        h.rt.block_on(node.tiers().persist(&ns.id(), &keys, None)).unwrap();
+        h.park(&node, &ns, "kept", vec![frames[0].header.key], 0).unwrap();
+        let removed = node.purge_namespace(&Principal::Operator, &ns.id()).unwrap();
+        assert!(removed >= 3, "{removed}");
+        let disk = node.tiers().disk().unwrap();
+        let on_disk: Vec<usize> = (0..4).filter(|&i| disk.read(&ns.id(), &frames[i].header.key).is_some()).collect();
+        assert_eq!(on_disk, [0], "the block the session pins stays on disk");
+        for f in [&frames[2], &frames[4]] {
+            h.store(&node, f);
+        }
+        h.rt.block_on(node.tiers().persist(&ns.id(), &[frames[2].header.key, frames[4].header.key], None)).unwrap();
+    }
+    h.fs.crash(CrashMode::DropUnsynced);
+    let node = h.open().unwrap();
+    let disk = node.tiers().disk().unwrap();
+    let on_disk: Vec<usize> = (0..6).filter(|&i| disk.read(&ns.id(), &frames[i].header.key).is_some()).collect();
+    assert_eq!(on_disk, [0, 2, 4], "purged blocks came back, or later ones were lost");
+    assert_eq!(node.sessions().list(Some(ns.id())).len(), 1, "the session pinning block 0");
+    // And again: the purge record still holds at the next start (the log was compacted).
+    drop(node);
+    let node = h.open().unwrap();
+    let disk = node.tiers().disk().unwrap();
+    let on_disk: Vec<usize> = (0..6).filter(|&i| disk.read(&ns.id(), &frames[i].header.key).is_some()).collect();
+    assert_eq!(on_disk, [0, 2, 4]);
 }

@@ -1,8 +1,11 @@
 //! The durable record of parked sessions: an append-only log of manifest records (park/extend
-//! writes the whole manifest; drop and expiry write a tombstone), each length-prefixed,
-//! checksummed and numbered. A park is acknowledged only after its blocks are on disk and its
-//! record is appended and `fsync`ed (unless `session_durability = "async"`). At start the log is
-//! replayed (a torn last record is ignored) and rewritten with the live sessions only.
+//! writes the whole manifest; drop and expiry write a tombstone), each numbered and framed by
+//! `kvtier_proto::record_log` (a tag keyed with the file's secret, so no bytes a tenant puts in a
+//! manifest or session id can pass for a record). A park is acknowledged only after its blocks
+//! are on disk and its record is appended and `fsync`ed (unless `session_durability = "async"`).
+//! At start the log is replayed (a torn or damaged record costs itself only) and rewritten, with
+//! a new secret, holding the live sessions only; a log of the first format (no header, an xxh3
+//! checksum per record) is read by [`legacy_records`] and so migrated.
 //!
 //! Records are appended outside the session table's lock, so two changes to one session can
 //! reach the file out of order; each carries the sequence number it was given under that lock,
@@ -17,50 +20,16 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
 
-use kvtier_proto::{BlockKey, NamespaceId, KEY_LEN, NAMESPACE_ID_LEN};
+pub use kvtier_proto::record_log::sessions::LoggedSession;
+use kvtier_proto::record_log::sessions::{
+    decode_body, encode_body, read_session_log, SessionReplay, DROP, MAX_RECORD, PUT,
+};
+use kvtier_proto::record_log::{encode_log_header, encode_record, LogKey, LogKind};
+use kvtier_proto::NamespaceId;
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::dram::Priority;
 use crate::error::ServerError;
 use crate::fs::{FileSystem, FsFile, OpenMode, StdFs};
-
-/// Records of the first format (no sequence number: file order is their order).
-const PUT_V1: u8 = 1;
-const DROP_V1: u8 = 2;
-/// Numbered records.
-const PUT: u8 = 3;
-const DROP: u8 = 4;
-
-/// A session as the log stores it (times as wall-clock milliseconds, so they survive restarts).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LoggedSession {
-    pub namespace: NamespaceId,
-    pub id: String,
-    pub keys: Vec<BlockKey>,
-    pub tail: Option<BlockKey>,
-    pub token_count: u64,
-    pub ttl_ms: u64,
-    pub expires_unix_ms: u64,
-    pub priority: Priority,
-    pub version: u64,
-}
-
-impl LoggedSession {
-    /// Namespace and id only: what a drop record carries, and where a decoded record starts.
-    fn tombstone(namespace: NamespaceId, id: String) -> Self {
-        LoggedSession {
-            namespace,
-            id,
-            keys: Vec::new(),
-            tail: None,
-            token_count: 0,
-            ttl_ms: 0,
-            expires_unix_ms: 0,
-            priority: Priority::Normal,
-            version: 0,
-        }
-    }
-}
 
 pub fn unix_ms(t: SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO).as_millis() as u64
@@ -75,115 +44,69 @@ pub struct SessionLog {
     sync: bool,
     /// The next record's sequence number.
     next_seq: AtomicU64,
+    /// The file's secret: what records' tags are keyed with.
+    key: LogKey,
 }
 
-fn encode(kind: u8, seq: u64, s: &LoggedSession) -> Vec<u8> {
-    let mut b = Vec::with_capacity(72 + s.id.len() + s.keys.len() * KEY_LEN);
-    b.push(kind);
-    b.extend_from_slice(&seq.to_le_bytes());
-    b.extend_from_slice(&s.namespace.0);
-    b.extend_from_slice(&(s.id.len() as u32).to_le_bytes());
-    b.extend_from_slice(s.id.as_bytes());
-    if kind == PUT {
-        for v in [s.version, s.token_count, s.ttl_ms, s.expires_unix_ms] {
-            b.extend_from_slice(&v.to_le_bytes());
-        }
-        b.push(s.priority as u8);
-        b.extend_from_slice(&(s.keys.len() as u32).to_le_bytes());
-        for k in &s.keys {
-            b.extend_from_slice(&k.0);
-        }
-        match s.tail {
-            Some(t) => {
-                b.push(1);
-                b.extend_from_slice(&t.0);
-            }
-            None => b.push(0),
-        }
-    }
-    let mut rec = Vec::with_capacity(b.len() + 12);
-    rec.extend_from_slice(&(b.len() as u32).to_le_bytes());
-    rec.extend_from_slice(&xxh3_64(&b).to_le_bytes());
-    rec.extend_from_slice(&b);
-    rec
+/// A fresh secret for a log file, from the OS's random source.
+pub(crate) fn fresh_log_key() -> Result<LogKey, ServerError> {
+    let mut key = [0u8; 32];
+    getrandom::fill(&mut key)
+        .map_err(|e| ServerError::Io(std::io::Error::other(format!("no OS randomness for a log secret: {e}"))))?;
+    Ok(LogKey(key))
 }
 
-struct Cursor<'a>(&'a [u8]);
-
-impl Cursor<'_> {
-    fn take(&mut self, n: usize) -> Option<&[u8]> {
-        if self.0.len() < n {
-            return None;
-        }
-        let (a, b) = self.0.split_at(n);
-        self.0 = b;
-        Some(a)
-    }
-    fn u64(&mut self) -> Option<u64> {
-        self.take(8).map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
-    }
-    fn u32(&mut self) -> Option<u32> {
-        self.take(4).map(|b| u32::from_le_bytes(b.try_into().unwrap_or([0; 4])))
-    }
-    fn key(&mut self) -> Option<BlockKey> {
-        self.take(KEY_LEN).and_then(|b| BlockKey::try_from(b).ok())
-    }
-}
-
-/// (kind, sequence number, session) of one record body; tombstones carry only namespace and id.
-/// A first-format record has no number: `ordinal` (its place in the file) stands in.
-fn decode(body: &[u8], ordinal: u64) -> Option<(u8, u64, LoggedSession)> {
-    let mut c = Cursor(body);
-    let kind = c.take(1)?[0];
-    let seq = match kind {
-        PUT | DROP => c.u64()?,
-        PUT_V1 | DROP_V1 => ordinal,
-        _ => return None,
-    };
-    let ns = NamespaceId::from_slice(c.take(NAMESPACE_ID_LEN)?).ok()?;
-    let n = c.u32()? as usize;
-    let id = String::from_utf8(c.take(n)?.to_vec()).ok()?;
-    let mut s = LoggedSession::tombstone(ns, id);
-    if kind == PUT || kind == PUT_V1 {
-        s.version = c.u64()?;
-        s.token_count = c.u64()?;
-        s.ttl_ms = c.u64()?;
-        s.expires_unix_ms = c.u64()?;
-        s.priority = Priority::from_u32(u32::from(c.take(1)?[0]));
-        let n = c.u32()? as usize;
-        s.keys = (0..n).map(|_| c.key()).collect::<Option<Vec<_>>>()?;
-        if c.take(1)?[0] == 1 {
-            s.tail = Some(c.key()?);
-        }
-    }
-    let kind = if kind == PUT_V1 {
-        PUT
-    } else if kind == DROP_V1 {
-        DROP
-    } else {
-        kind
-    };
-    Some((kind, seq, s))
-}
-
-/// Largest record body replay believes (a manifest of 1M keys is ~32 MiB).
-const MAX_RECORD: usize = 64 << 20;
-
-/// The verified record starting at `at`: (where the next one starts, kind, sequence number,
-/// session); `None` when the bytes there are not a whole record with a matching checksum.
-fn record_at(data: &[u8], at: usize, ordinal: u64) -> Option<(usize, u8, u64, LoggedSession)> {
-    let mut c = Cursor(data.get(at..)?);
-    let len = c.u32()? as usize;
-    let sum = c.u64()?;
+/// The verified first-format record starting at `at`: (where the next one starts, kind, sequence
+/// number, session); `None` when the bytes there are not a whole record with a matching checksum.
+fn legacy_record_at(data: &[u8], at: usize, ordinal: u64) -> Option<(usize, u8, u64, LoggedSession)> {
+    let head = data.get(at..at.checked_add(12)?)?;
+    let len = u32::from_le_bytes(head[..4].try_into().ok()?) as usize;
+    let sum = u64::from_le_bytes(head[4..].try_into().ok()?);
     if len > MAX_RECORD {
         return None;
     }
-    let body = c.take(len)?;
+    let body = data.get(at + 12..at + 12 + len)?;
     if xxh3_64(body) != sum {
         return None;
     }
-    let (kind, seq, s) = decode(body, ordinal)?;
+    let (kind, seq, s) = decode_body(body, ordinal)?;
     Some((at + 12 + len, kind, seq, s))
+}
+
+/// The records of a first-format log (each a u32 length, the xxh3 of the body, the body): replay
+/// goes on after a damaged record at the next offset where a whole, verified one starts.
+pub fn legacy_records(data: &[u8]) -> SessionReplay {
+    let mut out = Vec::new();
+    let mut unreadable = 0u64;
+    let mut at = 0usize;
+    let mut ordinal = 0u64;
+    while at < data.len() {
+        let Some((next, kind, seq, s)) = legacy_record_at(data, at, ordinal + 1) else {
+            unreadable += 1;
+            match (at + 1..data.len()).find(|&i| legacy_record_at(data, i, ordinal + 1).is_some()) {
+                Some(i) => {
+                    at = i;
+                    continue;
+                }
+                None => break,
+            }
+        };
+        at = next;
+        ordinal += 1;
+        out.push((kind, seq, s));
+    }
+    (out, unreadable)
+}
+
+/// Every record of a log file in file order, (kind, sequence number, session), and the damaged
+/// stretches skipped. A current-format file's records verify against its secret
+/// ([`read_session_log`]); a first-format file (no header) is read with its xxh3 checksums, once,
+/// before it is rewritten.
+pub fn replay_records(data: &[u8]) -> Result<SessionReplay, ServerError> {
+    match read_session_log(data).map_err(|e| ServerError::Config(format!("sessions.log: {e}")))? {
+        Some(read) => Ok(read),
+        None => Ok(legacy_records(data)),
+    }
 }
 
 impl SessionLog {
@@ -207,23 +130,9 @@ impl SessionLog {
         let mut unreadable = 0u64;
         let mut max_seq = 0u64;
         if let Some(data) = fs.read_all(&path)? {
-            let mut at = 0usize;
-            let mut ordinal = 0u64;
-            while at < data.len() {
-                let Some((next, kind, seq, s)) = record_at(&data, at, ordinal + 1) else {
-                    // A damaged or torn record: skip to the next place a whole, verified record
-                    // starts, so one bad record costs that record, never the ones after it.
-                    unreadable += 1;
-                    match (at + 1..data.len()).find(|&i| record_at(&data, i, ordinal + 1).is_some()) {
-                        Some(i) => {
-                            at = i;
-                            continue;
-                        }
-                        None => break,
-                    }
-                };
-                at = next;
-                ordinal += 1;
+            let (records, bad) = replay_records(&data)?;
+            unreadable = bad;
+            for (kind, seq, s) in records {
                 max_seq = max_seq.max(seq);
                 let id = (s.namespace, s.id.clone());
                 let record = (seq, (kind == PUT).then_some(s));
@@ -241,10 +150,12 @@ impl SessionLog {
             .filter(|(_, s)| s.expires_unix_ms > now_ms)
             .collect();
         sessions.sort_by(|a, b| (a.1.namespace, &a.1.id).cmp(&(b.1.namespace, &b.1.id)));
-        // Compact: write the live set to a new file, sync it, and move it into place.
-        let mut data = Vec::new();
+        // Compact: write the live set to a new file under a new secret (its header first), sync
+        // it, and move it into place.
+        let key = fresh_log_key()?;
+        let mut data = encode_log_header(LogKind::Sessions, &key);
         for (seq, s) in &sessions {
-            data.extend_from_slice(&encode(PUT, *seq, s));
+            data.extend_from_slice(&encode_record(&key, &encode_body(PUT, *seq, s)));
         }
         let tmp = dir.join("sessions.log.tmp");
         {
@@ -258,7 +169,7 @@ impl SessionLog {
         fs.sync_dir(dir)?;
         let file = fs.open(&path, OpenMode::Existing)?;
         let end = Mutex::new(file.size()?);
-        let log = SessionLog { path, file, end, sync, next_seq: AtomicU64::new(max_seq + 1) };
+        let log = SessionLog { path, file, end, sync, next_seq: AtomicU64::new(max_seq + 1), key };
         Ok((log, sessions.into_iter().map(|(_, s)| s).collect(), unreadable))
     }
 
@@ -292,20 +203,58 @@ impl SessionLog {
     /// Records a park or extend as change `seq`. Durable on return unless the log was opened
     /// without sync.
     pub fn put(&self, seq: u64, s: &LoggedSession) -> Result<(), ServerError> {
-        self.append(&encode(PUT, seq, s), self.sync)
+        self.append(&encode_record(&self.key, &encode_body(PUT, seq, s)), self.sync)
     }
 
     /// Records a drop or expiry as change `seq` (not synced: losing it only resurrects a session
     /// until its TTL).
     pub fn delete(&self, seq: u64, ns: NamespaceId, id: &str) -> Result<(), ServerError> {
-        self.append(&encode(DROP, seq, &LoggedSession::tombstone(ns, id.to_string())), false)
+        let body = encode_body(DROP, seq, &LoggedSession::tombstone(ns, id.to_string()));
+        self.append(&encode_record(&self.key, &body), false)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvtier_proto::record_log::sessions::{DROP_V1, PUT_V1};
+    use kvtier_proto::record_log::{read_log_header, LogHeader, LOG_HEADER_LEN};
+    use kvtier_proto::{BlockKey, Priority, KEY_LEN};
     use std::io::Write;
+
+    /// The secret of the test files written without the log.
+    const TEST_KEY: LogKey = LogKey([9; 32]);
+
+    /// A record framed with [`TEST_KEY`].
+    fn encode(kind: u8, seq: u64, s: &LoggedSession) -> Vec<u8> {
+        encode_record(&TEST_KEY, &encode_body(kind, seq, s))
+    }
+
+    /// A log file keyed with [`TEST_KEY`] holding `records`.
+    fn keyed_file(records: &[u8]) -> Vec<u8> {
+        let mut f = encode_log_header(LogKind::Sessions, &TEST_KEY);
+        f.extend_from_slice(records);
+        f
+    }
+
+    /// A record as the first format framed it (u32 length, xxh3 of the body, body).
+    fn legacy_encode(kind: u8, seq: u64, s: &LoggedSession) -> Vec<u8> {
+        legacy_frame(&encode_body(kind, seq, s))
+    }
+
+    fn legacy_frame(body: &[u8]) -> Vec<u8> {
+        let mut rec = (body.len() as u32).to_le_bytes().to_vec();
+        rec.extend_from_slice(&xxh3_64(body).to_le_bytes());
+        rec.extend_from_slice(body);
+        rec
+    }
+
+    fn file_key(path: &Path) -> LogKey {
+        match read_log_header(LogKind::Sessions, &std::fs::read(path).unwrap()).unwrap() {
+            LogHeader::Keyed(k) => k,
+            LogHeader::Legacy => panic!("{} has no header", path.display()),
+        }
+    }
 
     fn s(id: &str, v: u64, expires: u64) -> LoggedSession {
         LoggedSession {
@@ -334,8 +283,10 @@ mod tests {
             log.put(log.next_seq(), &s("old", 1, 10)).unwrap();
         }
         // A torn record at the end (a crash mid-append) is ignored.
-        let mut f = std::fs::OpenOptions::new().append(true).open(dir.path().join("sessions.log")).unwrap();
-        f.write_all(&encode(PUT, 99, &s("torn", 1, 9000))[..30]).unwrap();
+        let path = dir.path().join("sessions.log");
+        let key = file_key(&path);
+        let mut f = std::fs::OpenOptions::new().append(true).open(&path).unwrap();
+        f.write_all(&encode_record(&key, &encode_body(PUT, 99, &s("torn", 1, 9000)))[..30]).unwrap();
         let (_log, live, bad) = SessionLog::open(dir.path(), true, 100).unwrap();
         assert_eq!(live, vec![s("a", 2, 6000)]);
         assert_eq!(bad, 1);
@@ -381,7 +332,7 @@ mod tests {
         data.extend(&encode(PUT, 9, &s("torn", 1, 5000))[..50]);
         data.extend(&recs[2]);
         data.extend(&recs[3]);
-        std::fs::write(&path, data).unwrap();
+        std::fs::write(&path, keyed_file(&data)).unwrap();
         let (_log, live, unreadable) = SessionLog::open(dir.path(), true, 100).unwrap();
         let ids: Vec<&str> = live.iter().map(|s| s.id.as_str()).collect();
         assert_eq!(ids, ["a", "c", "d"]);
@@ -390,21 +341,23 @@ mod tests {
 
     proptest::proptest! {
         #![proptest_config(proptest::test_runner::Config { cases: 96, ..Default::default() })]
-        /// Fuzz: any byte of a log flipped to any value, or the log cut anywhere, costs at most
-        /// the records it touched; every other record replays.
+        /// Fuzz: any byte of a log flipped to any value (its header included: one damaged copy
+        /// costs nothing), or the log cut anywhere after its header (written whole, renamed into
+        /// place), costs at most the records it touched; every other record replays.
         #[test]
         fn any_damage_costs_only_the_records_it_touches(at in 0usize..10_000, mask in 1u8..=255, cut in proptest::bool::ANY) {
             let dir = tempfile::tempdir().unwrap();
             let ids: Vec<String> = (0..12).map(|i| format!("s{i}")).collect();
             let recs: Vec<Vec<u8>> = ids.iter().zip(1..).map(|(id, seq)| encode(PUT, seq, &s(id, 1, 5000))).collect();
-            let mut data: Vec<u8> = recs.concat();
-            let at = at % data.len();
+            let mut data: Vec<u8> = keyed_file(&recs.concat());
+            let at = if cut { LOG_HEADER_LEN + at % (data.len() - LOG_HEADER_LEN) } else { at % data.len() };
             if cut { data.truncate(at) } else { data[at] ^= mask }
             std::fs::write(dir.path().join("sessions.log"), &data).unwrap();
             let (_log, live, _bad) = SessionLog::open(dir.path(), true, 100).unwrap();
-            // The record holding byte `at`, and only it (or, cut, it and those after), may be lost.
-            let mut start = 0;
-            let mut hit = 0;
+            // The record holding byte `at`, and only it (or, cut, it and those after), may be lost;
+            // a byte of the header costs none.
+            let mut start = LOG_HEADER_LEN;
+            let mut hit = usize::MAX;
             for (i, r) in recs.iter().enumerate() {
                 if at >= start && at < start + r.len() { hit = i; }
                 start += r.len();
@@ -449,15 +402,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let v1 = |kind: u8, s: &LoggedSession| {
             // The first format: no sequence number after the kind byte.
-            let mut rec = encode(kind + 2, 0, s);
-            let body_len = u32::from_le_bytes(rec[0..4].try_into().unwrap()) as usize - 8;
             let mut body = vec![kind];
-            body.extend_from_slice(&rec[12 + 9..]);
-            rec.clear();
-            rec.extend_from_slice(&(body_len as u32).to_le_bytes());
-            rec.extend_from_slice(&xxh3_64(&body).to_le_bytes());
-            rec.extend_from_slice(&body);
-            rec
+            body.extend_from_slice(&encode_body(kind + 2, 0, s)[9..]);
+            legacy_frame(&body)
         };
         let mut data = Vec::new();
         data.extend(v1(PUT_V1, &s("a", 1, 5000)));
@@ -467,5 +414,68 @@ mod tests {
         std::fs::write(dir.path().join("sessions.log"), data).unwrap();
         let (_log, live, bad) = SessionLog::open(dir.path(), true, 100).unwrap();
         assert_eq!((live, bad), (vec![s("a", 2, 6000)], 0));
+    }
+
+    /// A log written by the first format (no header, xxh3 per record) opens with every session
+    /// intact, is rewritten in the current one, and a restart after that keeps everything.
+    #[test]
+    fn a_first_format_log_migrates_to_the_keyed_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sessions.log");
+        let mut data = Vec::new();
+        data.extend(legacy_encode(PUT, 1, &s("a", 1, 5000)));
+        data.extend(legacy_encode(PUT, 2, &s("b", 1, 5000)));
+        data.extend(legacy_encode(PUT, 3, &s("a", 2, 6000)));
+        data.extend(legacy_encode(DROP, 4, &LoggedSession::tombstone(NamespaceId([7; 16]), "b".into())));
+        data.extend(legacy_encode(PUT, 5, &s("c", 1, 5000)));
+        std::fs::write(&path, data).unwrap();
+        let expected = vec![s("a", 2, 6000), s("c", 1, 5000)];
+        {
+            let (log, live, bad) = SessionLog::open(dir.path(), true, 100).unwrap();
+            assert_eq!((&live, bad), (&expected, 0));
+            let _ = file_key(&path); // now has a header
+            assert!(log.next_seq() > 5, "numbers go on from the migrated ones");
+            log.put(log.next_seq(), &s("d", 1, 5000)).unwrap();
+        }
+        let (_log, live, bad) = SessionLog::open(dir.path(), true, 100).unwrap();
+        let ids: Vec<&str> = live.iter().map(|s| s.id.as_str()).collect();
+        assert_eq!((ids, bad), (vec!["a", "c", "d"], 0));
+    }
+
+    /// Tenant A parks a session whose manifest (block keys are the client's bytes) embeds a whole
+    /// record dropping tenant B's session — in the first format, and keyed with secrets an
+    /// attacker might guess; then A's record's header is damaged, so replay resynchronizes inside
+    /// its body. B's session survives, A's planted record is not applied, the stretch is counted.
+    #[test]
+    fn a_record_planted_in_a_manifest_is_never_replayed() {
+        let (ns_a, ns_b) = (NamespaceId([0xa; 16]), NamespaceId([0xb; 16]));
+        let drop_b = encode_body(DROP, u64::MAX / 2, &LoggedSession::tombstone(ns_b, "b".into()));
+        let plants =
+            [legacy_frame(&drop_b), encode_record(&LogKey([0; 32]), &drop_b), encode_record(&TEST_KEY, &drop_b)];
+        for (i, plant) in plants.iter().enumerate() {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("sessions.log");
+            let victim = LoggedSession { namespace: ns_b, ..s("b", 1, 5000) };
+            let before_a;
+            {
+                let (log, _, _) = SessionLog::open(dir.path(), true, 0).unwrap();
+                log.put(log.next_seq(), &victim).unwrap();
+                before_a = std::fs::metadata(&path).unwrap().len() as usize;
+                let mut bytes = vec![0u8; 7]; // lands the plant mid-key, as any offset would do
+                bytes.extend_from_slice(plant);
+                bytes.resize(bytes.len().div_ceil(KEY_LEN) * KEY_LEN, 0);
+                let keys = bytes.chunks(KEY_LEN).map(|c| BlockKey::try_from(c).unwrap()).collect();
+                log.put(log.next_seq(), &LoggedSession { namespace: ns_a, keys, ..s("a", 1, 5000) }).unwrap();
+                log.put(log.next_seq(), &LoggedSession { namespace: ns_a, ..s("after", 1, 5000) }).unwrap();
+            }
+            // A's record damaged in its length (a torn write, a flipped bit).
+            let mut data = std::fs::read(&path).unwrap();
+            data[before_a + 5] ^= 0x01;
+            std::fs::write(&path, data).unwrap();
+            let (_log, live, unreadable) = SessionLog::open(dir.path(), true, 100).unwrap();
+            let ids: Vec<(NamespaceId, &str)> = live.iter().map(|s| (s.namespace, s.id.as_str())).collect();
+            assert_eq!(ids, vec![(ns_a, "after"), (ns_b, "b")], "plant {i}: B's session must survive");
+            assert_eq!(unreadable, 1, "plant {i}: A's damaged record (and the plant in it) skipped");
+        }
     }
 }

@@ -16,12 +16,14 @@ use crate::disk::{DiskConfig, DiskTier, RecoveryReport};
 use crate::dram::{DramConfig, DramOptions, DramTier, RegionMode};
 use crate::error::ServerError;
 use crate::fs::{FileSystem, FsFile, OpenMode, StdFs};
-use crate::session_log::{unix_ms, SessionLog};
+use crate::session_log::{fresh_log_key, unix_ms, SessionLog};
 use crate::session_store::SessionStore;
 use crate::sessions::{SessionLimits, SessionQuota};
 use crate::tenants::{Access, Principal, Tenants};
 use crate::tiers::demotion::queue_headroom;
 use crate::tiers::{IoPool, TierStack};
+use kvtier_proto::record_log::namespaces::{read_namespace_log as read_namespace_records, NamespaceRecord};
+use kvtier_proto::record_log::{encode_log_header, encode_record, read_log_header, LogHeader, LogKey, LogKind};
 
 /// Most namespaces one node accepts (each costs a map entry; tenants don't need thousands).
 pub const MAX_NAMESPACES: usize = 4096;
@@ -47,38 +49,106 @@ pub struct NodeState {
 struct NamespaceLog {
     file: Arc<dyn FsFile>,
     lock: Mutex<()>,
+    /// The file's secret: what its records' tags are keyed with.
+    key: LogKey,
 }
 
-/// Marks a `namespaces.log` record as an unregistration (its body: the 16-byte id, then the disk
-/// tier's write position at that moment, segment and offset as u64 LE: copies of its blocks before
-/// it predate the unregistration).
-const NS_TOMBSTONE: u32 = 1 << 31;
-
-/// One `namespaces.log` record: (length | flags, xxh3 of the body, body).
-fn namespace_record(flags: u32, body: &[u8]) -> Vec<u8> {
-    let mut rec = Vec::with_capacity(body.len() + 12);
-    rec.extend_from_slice(&(body.len() as u32 | flags).to_le_bytes());
-    rec.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(body).to_le_bytes());
-    rec.extend_from_slice(body);
-    rec
+/// One `namespaces.log` record, framed by `kvtier_proto::record_log` and keyed with the file's
+/// secret: a namespace spec is a tenant's bytes, and no bytes in it can pass for a record.
+fn namespace_record(key: &LogKey, record: &NamespaceRecord<'_>) -> Vec<u8> {
+    encode_record(key, &record.encode())
 }
 
-/// Reads `namespaces.log`: registrations (protobuf `NamespaceSpec`) and unregistrations, in order;
-/// the namespaces registered at its end, and those unregistered at its end (their blocks may
-/// still be in disk segments). A torn or damaged record is skipped: replay goes on at the next
-/// whole one, so a refused or torn append hides no later registration.
-type NamespaceLogContents = (HashMap<NamespaceId, Namespace>, HashMap<NamespaceId, (u64, u64)>);
+/// What `namespaces.log` holds at its end.
+#[derive(Debug, Default)]
+pub(crate) struct NamespaceLogContents {
+    /// The namespaces registered.
+    pub live: HashMap<NamespaceId, Namespace>,
+    /// Namespaces unregistered, with the disk tier's write position then (their blocks may still
+    /// be in disk segments).
+    pub unregistered: HashMap<NamespaceId, (u64, u64)>,
+    /// Namespaces purged, with the disk tier's write position at the latest purge.
+    pub purged: HashMap<NamespaceId, (u64, u64)>,
+}
 
-fn read_namespace_log(fs: &dyn FileSystem, path: &std::path::Path) -> NamespaceLogContents {
+/// How `namespaces.log` was found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum NamespaceLogFormat {
+    Missing,
+    /// The first format: no header, an xxh3 checksum per record (rewritten at open).
+    Legacy,
+    Keyed,
+}
+
+/// Registrations and unregistrations, in file order, applied.
+fn apply_namespace_records<'a>(records: impl IntoIterator<Item = NamespaceRecord<'a>>) -> NamespaceLogContents {
     use prost::Message;
-    let mut out = HashMap::new();
-    let mut unregistered: HashMap<NamespaceId, (u64, u64)> = HashMap::new();
-    let Ok(Some(data)) = fs.read_all(path) else { return (out, unregistered) };
+    let mut c = NamespaceLogContents::default();
+    for record in records {
+        match record {
+            NamespaceRecord::Unregister { id, mark: at } => {
+                c.live.remove(&id);
+                let mark = c.unregistered.entry(id).or_default();
+                *mark = (*mark).max(at);
+            }
+            NamespaceRecord::Purge { id, mark: at } => {
+                let mark = c.purged.entry(id).or_default();
+                *mark = (*mark).max(at);
+            }
+            NamespaceRecord::Register(spec) => {
+                if let Some(ns) =
+                    kvtier_proto::pb::NamespaceSpec::decode(spec).ok().and_then(|pb| Namespace::from_pb(&pb).ok())
+                {
+                    c.live.insert(ns.id(), ns);
+                }
+            }
+        }
+    }
+    c
+}
+
+/// Reads `namespaces.log`: registrations and unregistrations, in order, and the records skipped.
+/// A torn or damaged record is skipped: replay goes on at the next whole one, so a refused or
+/// torn append hides no later registration. A current-format file's records verify against its
+/// secret (the key, returned); a first-format one is read once with its old checksums.
+pub(crate) fn read_namespace_log(
+    fs: &dyn FileSystem,
+    path: &std::path::Path,
+) -> Result<(NamespaceLogContents, NamespaceLogFormat, Option<LogKey>, u64), ServerError> {
+    let Some(data) = fs.read_all(path)? else {
+        return Ok((NamespaceLogContents::default(), NamespaceLogFormat::Missing, None, 0));
+    };
+    let what = |e: kvtier_proto::ProtoError| ServerError::Config(format!("{}: {e}", path.display()));
+    let (contents, format, key, skipped) = match read_namespace_records(&data).map_err(what)? {
+        Some((records, skipped)) => {
+            let key = match read_log_header(LogKind::Namespaces, &data).map_err(what)? {
+                LogHeader::Keyed(key) => Some(key),
+                LogHeader::Legacy => None,
+            };
+            (apply_namespace_records(records), NamespaceLogFormat::Keyed, key, skipped)
+        }
+        None => {
+            let (records, skipped) = legacy_namespace_records(&data);
+            (apply_namespace_records(records), NamespaceLogFormat::Legacy, None, skipped)
+        }
+    };
+    Ok((contents, format, key, skipped))
+}
+
+/// Marks a first-format `namespaces.log` record as an unregistration (in its length word).
+const LEGACY_NS_TOMBSTONE: u32 = 1 << 31;
+
+/// The records of a first-format `namespaces.log` (each a length word with the tombstone flag, the
+/// xxh3 of the body, the body), as (kind, body), and the damaged stretches skipped.
+fn legacy_namespace_records(data: &[u8]) -> (Vec<NamespaceRecord<'_>>, u64) {
+    let mut out = Vec::new();
+    let mut skipped = 0;
     let mut at = 0;
     while at < data.len() {
-        let Some((word, body)) = namespace_record_at(&data, at) else {
+        let Some((word, body)) = legacy_namespace_record_at(data, at) else {
+            skipped += 1;
             // Torn or damaged: the next whole, verified record (one bad record hides no other).
-            match (at + 1..data.len()).find(|&i| namespace_record_at(&data, i).is_some()) {
+            match (at + 1..data.len()).find(|&i| legacy_namespace_record_at(data, i).is_some()) {
                 Some(i) => {
                     at = i;
                     continue;
@@ -87,64 +157,47 @@ fn read_namespace_log(fs: &dyn FileSystem, path: &std::path::Path) -> NamespaceL
             }
         };
         at += 12 + body.len();
-        if word & NS_TOMBSTONE != 0 {
-            if let (Some(id), Some(seg), Some(off)) = (body.get(..16), body.get(16..24), body.get(24..32)) {
-                if let Ok(id) = NamespaceId::from_slice(id) {
-                    let word = |b: &[u8]| {
-                        let mut w = [0u8; 8];
-                        w.copy_from_slice(b);
-                        u64::from_le_bytes(w)
-                    };
-                    out.remove(&id);
-                    let mark = unregistered.entry(id).or_default();
-                    *mark = (*mark).max((word(seg), word(off)));
-                }
-            }
-        } else if let Some(ns) =
-            kvtier_proto::pb::NamespaceSpec::decode(body).ok().and_then(|pb| Namespace::from_pb(&pb).ok())
-        {
-            out.insert(ns.id(), ns);
+        if word & LEGACY_NS_TOMBSTONE == 0 {
+            out.push(NamespaceRecord::Register(body));
+        } else if let Some(r) = body.get(..32).and_then(NamespaceRecord::unregistration) {
+            out.push(r);
         }
     }
-    (out, unregistered)
+    (out, skipped)
 }
 
-/// The verified `namespaces.log` record at `at`: (length word, body).
-fn namespace_record_at(data: &[u8], at: usize) -> Option<(u32, &[u8])> {
+/// The verified first-format `namespaces.log` record at `at`: (length word, body).
+fn legacy_namespace_record_at(data: &[u8], at: usize) -> Option<(u32, &[u8])> {
     let head = data.get(at..at + 12)?;
     let word = u32::from_le_bytes([head[0], head[1], head[2], head[3]]);
     let mut sum = [0u8; 8];
     sum.copy_from_slice(&head[4..12]);
-    let len = (word & !NS_TOMBSTONE) as usize;
+    let len = (word & !LEGACY_NS_TOMBSTONE) as usize;
     let body = data.get(at + 12..at + 12 + len)?;
     (xxhash_rust::xxh3::xxh3_64(body) == u64::from_le_bytes(sum)).then_some((word, body))
 }
 
-fn tombstone_body(id: &NamespaceId, mark: (u64, u64)) -> [u8; 32] {
-    let mut b = [0u8; 32];
-    b[..16].copy_from_slice(&id.0);
-    b[16..24].copy_from_slice(&mark.0.to_le_bytes());
-    b[24..].copy_from_slice(&mark.1.to_le_bytes());
-    b
-}
-
-/// Rewrites `namespaces.log` as one registration per live namespace and one unregistration per
-/// namespace unregistered (kept: their blocks may still sit in disk segments, which recovery scans)
-/// — atomically: a new file renamed over it, synced.
+/// Rewrites `namespaces.log` under a new secret `key` — its header, one registration per live
+/// namespace, one unregistration per namespace unregistered and one purge per namespace purged
+/// (kept: their blocks may still sit in disk segments, which recovery scans) — atomically: a new file synced, renamed over it, the
+/// directory synced. Also how the file is created (header first, durable before any record).
 fn compact_namespace_log(
     fs: &dyn FileSystem,
     path: &std::path::Path,
-    live: &HashMap<NamespaceId, Namespace>,
-    unregistered: &HashMap<NamespaceId, (u64, u64)>,
+    key: &LogKey,
+    contents: &NamespaceLogContents,
 ) -> std::io::Result<()> {
     use prost::Message;
     let tmp = path.with_extension("log.tmp");
-    let mut data = Vec::new();
-    for (id, mark) in unregistered {
-        data.extend_from_slice(&namespace_record(NS_TOMBSTONE, &tombstone_body(id, *mark)));
+    let mut data = encode_log_header(LogKind::Namespaces, key);
+    for (id, mark) in &contents.unregistered {
+        data.extend_from_slice(&namespace_record(key, &NamespaceRecord::Unregister { id: *id, mark: *mark }));
     }
-    for ns in live.values() {
-        data.extend_from_slice(&namespace_record(0, &ns.to_pb().encode_to_vec()));
+    for (id, mark) in &contents.purged {
+        data.extend_from_slice(&namespace_record(key, &NamespaceRecord::Purge { id: *id, mark: *mark }));
+    }
+    for ns in contents.live.values() {
+        data.extend_from_slice(&namespace_record(key, &NamespaceRecord::Register(&ns.to_pb().encode_to_vec())));
     }
     let f = fs.open(&tmp, OpenMode::Truncate)?;
     f.write_all_at(&data, 0)?;
@@ -266,12 +319,16 @@ impl NodeState {
             );
         }
         let ns_path = config.data_dir.join("namespaces.log");
-        let (namespaces, unregistered) = read_namespace_log(&*fs, &ns_path);
+        let (ns_log, ns_format, ns_key, ns_skipped) = read_namespace_log(&*fs, &ns_path)?;
+        let (namespaces, unregistered) = (&ns_log.live, &ns_log.unregistered);
+        if ns_skipped > 0 {
+            tracing::warn!(skipped = ns_skipped, "namespace log had unreadable (torn or damaged) records");
+        }
         // Copies of an unregistered namespace's blocks written before it was unregistered are
         // still in their segments: forgotten again (their bytes go with their segments), even if
         // the namespace was registered anew since. Only explicitly unregistered ones: a
         // namespace missing from a damaged log keeps its blocks.
-        for (gone, mark) in &unregistered {
+        for (gone, mark) in unregistered {
             // Not registered again: every copy goes, also those demoted just after the mark.
             let before = if namespaces.contains_key(gone) { *mark } else { (u64::MAX, u64::MAX) };
             let n = disk.purge_namespace_before(gone, before);
@@ -279,22 +336,32 @@ impl NodeState {
                 tracing::info!(blocks = n, "blocks of an unregistered namespace dropped at recovery");
             }
         }
-        if !unregistered.is_empty() {
-            compact_namespace_log(&*fs, &ns_path, &namespaces, &unregistered)?;
-        }
-        let f = fs.open(&ns_path, OpenMode::Create)?;
-        // Its name made durable (a registration synced into a file whose directory entry a power
-        // loss takes back is lost).
-        fs.sync_dir(&config.data_dir)?;
+        // Rewritten under a new secret when it is new (its header durable before any record), of
+        // the first format (migrated), or holds unregistrations (compacted); the rename and its
+        // directory synced, so no registration is acknowledged into a file a power loss would
+        // take back.
+        let ns_key = match ns_key {
+            Some(key)
+                if ns_format == NamespaceLogFormat::Keyed && unregistered.is_empty() && ns_log.purged.is_empty() =>
+            {
+                key
+            }
+            _ => {
+                let key = fresh_log_key()?;
+                compact_namespace_log(&*fs, &ns_path, &key, &ns_log)?;
+                key
+            }
+        };
+        let f = fs.open(&ns_path, OpenMode::Existing)?;
         let state = NodeState {
             tiers: TierStack::new(dram, Some(Arc::new(disk)), fsync).with_event_buffer(config.events_buffer),
             sessions: SessionStore::new(Some(log)),
-            namespaces: RwLock::new(namespaces),
+            namespaces: RwLock::new(ns_log.live.clone()),
             started: Instant::now(),
             data_addr,
             disk_recovery: Some(report),
             io: IoPool::default(),
-            namespace_log: Some(NamespaceLog { file: f, lock: Mutex::new(()) }),
+            namespace_log: Some(NamespaceLog { file: f, lock: Mutex::new(()), key: ns_key }),
             _dir_lock: dir_lock,
             tenants,
             config,
@@ -316,6 +383,17 @@ impl NodeState {
         ::metrics::counter!("kvtier_sessions_recovered_total").increment(ok);
         ::metrics::counter!("kvtier_sessions_lost_total").increment(lost);
         tracing::info!(recovered = ok, lost, "sessions restored from the session log");
+        // Copies of a purged namespace's blocks written before the purge are still in their
+        // segments: forgotten again, now that the restored sessions pin theirs (a purge spares
+        // the blocks a parked session pins).
+        if let Some(disk) = state.tiers.disk() {
+            for (ns, mark) in &ns_log.purged {
+                let n = disk.purge_namespace_before(ns, *mark);
+                if n > 0 {
+                    tracing::info!(blocks = n, "blocks of a purged namespace dropped at recovery");
+                }
+            }
+        }
         Ok(state)
     }
 
@@ -403,7 +481,7 @@ impl NodeState {
         // which replay folds into one.
         if let Some(log) = &self.namespace_log {
             use prost::Message;
-            let rec = namespace_record(0, &ns.to_pb().encode_to_vec());
+            let rec = namespace_record(&log.key, &NamespaceRecord::Register(&ns.to_pb().encode_to_vec()));
             append_synced(log, &rec)?;
         }
         self.account(&ns);
@@ -426,7 +504,7 @@ impl NodeState {
         self.namespace_for(by, id, Access::Write)?;
         if let Some(log) = &self.namespace_log {
             let mark = self.tiers.disk().map_or((0, 0), |d| d.write_position());
-            let rec = namespace_record(NS_TOMBSTONE, &tombstone_body(id, mark));
+            let rec = namespace_record(&log.key, &NamespaceRecord::Unregister { id: *id, mark });
             append_synced(log, &rec)?;
         }
         {
@@ -441,6 +519,18 @@ impl NodeState {
         let removed = self.tiers.purge(id);
         tracing::info!(principal = by.name(), dropped, removed, "namespace unregistered");
         Ok((dropped, removed))
+    }
+
+    /// Removes every block of a namespace `by` may write from every tier, except those a parked
+    /// session pins; returns how many distinct blocks went. Logged (and synced) first with the
+    /// disk tier's write position, so copies on disk before it stay gone after a restart.
+    pub fn purge_namespace(&self, by: &Principal, id: &NamespaceId) -> Result<u64, ServerError> {
+        self.namespace_for(by, id, Access::Write)?;
+        if let Some(log) = &self.namespace_log {
+            let mark = self.tiers.disk().map_or((0, 0), |d| d.write_position());
+            append_synced(log, &namespace_record(&log.key, &NamespaceRecord::Purge { id: *id, mark }))?;
+        }
+        Ok(self.tiers.purge(id))
     }
 
     /// Whether `p` may `access` a registered namespace (without copying it: the data plane asks

@@ -1,13 +1,17 @@
 //! Writes a seed corpus for each fuzz target into `fuzz/corpus/<target>/`: valid encodings the
-//! fuzzer mutates from (a frame past its checksum, every request header, a payload of every codec),
-//! so that it starts beyond the magic numbers and checksums. `bash scripts/test fuzz` runs it first.
+//! fuzzer mutates from (a frame past its checksum, every request header, a payload of every codec,
+//! segments and metadata logs as the server's encoders write them), so that it starts beyond the
+//! magic numbers, checksums and keyed tags. `bash scripts/test fuzz` runs it first.
 
 use std::path::Path;
 
 use bytes::Bytes;
 use kvtier_kernels::{encode, BlockSpec, KvBlockView};
 use kvtier_proto::dataplane::{Hello, Op, RequestHeader};
-use kvtier_proto::{BlockFrame, BlockKey, CodecId, DType, KvLayout, NamespaceId};
+use kvtier_proto::record_log::namespaces::NamespaceRecord;
+use kvtier_proto::record_log::sessions::{encode_body, LoggedSession, DROP, PUT};
+use kvtier_proto::record_log::{encode_log_header, encode_record, LogKey, LogKind};
+use kvtier_proto::{BlockFrame, BlockKey, CodecId, DType, KvLayout, NamespaceId, Priority};
 
 fn write(target: &str, name: &str, bytes: &[u8]) -> std::io::Result<()> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus").join(target);
@@ -43,5 +47,77 @@ fn main() -> std::io::Result<()> {
             }
         }
     }
-    Ok(())
+    segments()?;
+    logs()
+}
+
+/// Segments of 1, 3 and 4 records (payloads under, at and over 4 KiB), the last one damaged.
+fn segments() -> std::io::Result<()> {
+    let mut seg = Vec::new();
+    for (i, len) in [100usize, 4096 - 104, 5000, 64].into_iter().enumerate() {
+        let payload: Vec<u8> = (0..len).map(|j| (j * 7 + i) as u8).collect();
+        let layout = KvLayout::opaque(len as u64, DType::Fp16, 16);
+        let f = BlockFrame::new(
+            NamespaceId([3; 16]),
+            BlockKey([i as u8; 32]),
+            layout,
+            CodecId::RAW,
+            1,
+            Bytes::from(payload),
+        );
+        seg.extend(kvtier_proto::segment::encode_record(&f.header, &f.payload));
+        if i == 0 || i == 2 {
+            write("segment", &format!("records-{}", i + 1), &seg)?;
+        }
+    }
+    seg[2 * 4096 + 20] ^= 0x10; // the third record's header
+    write("segment", "damaged", &seg)?;
+    // Torn: the last record cut short.
+    write("segment", "torn", &seg[..seg.len() - 100])
+}
+
+/// A `sessions.log` and a `namespaces.log` as the server writes them (the first byte picks the
+/// log in the target), whole and with one damaged record.
+fn logs() -> std::io::Result<()> {
+    let key = LogKey([0x5a; 32]);
+    let session = |id: &str, keys: usize| LoggedSession {
+        namespace: NamespaceId([1; 16]),
+        id: id.into(),
+        keys: (0..keys).map(|i| BlockKey([i as u8; 32])).collect(),
+        tail: Some(BlockKey([9; 32])),
+        token_count: keys as u64 * 16,
+        ttl_ms: 60_000,
+        expires_unix_ms: 1 << 41,
+        priority: Priority::High,
+        version: 2,
+    };
+    let mut sessions = vec![0u8];
+    sessions.extend(encode_log_header(LogKind::Sessions, &key));
+    sessions.extend(encode_record(&key, &encode_body(PUT, 1, &session("a", 3))));
+    sessions.extend(encode_record(&key, &encode_body(PUT, 2, &session("b", 1))));
+    sessions.extend(encode_record(
+        &key,
+        &encode_body(DROP, 3, &LoggedSession::tombstone(NamespaceId([1; 16]), "a".into())),
+    ));
+    write("logs", "sessions", &sessions)?;
+    let n = sessions.len();
+    sessions[n - 30] ^= 4;
+    write("logs", "sessions-damaged", &sessions)?;
+    let mut namespaces = vec![1u8];
+    namespaces.extend(encode_log_header(LogKind::Namespaces, &key));
+    // A registration carries the server's protobuf `NamespaceSpec`, opaque at this layer (this
+    // crate builds the vocabulary without the gRPC messages, and the target does not decode it).
+    let spec = b"tenant t, model m, layout 2x16x2x64 fp16, salt";
+    namespaces.extend(encode_record(&key, &NamespaceRecord::Register(spec).encode()));
+    namespaces.extend(encode_record(
+        &key,
+        &NamespaceRecord::Unregister { id: NamespaceId([2; 16]), mark: (3, 4096) }.encode(),
+    ));
+    namespaces.extend(encode_record(&key, &NamespaceRecord::Register(b"tenant u").encode()));
+    namespaces
+        .extend(encode_record(&key, &NamespaceRecord::Purge { id: NamespaceId([4; 16]), mark: (5, 8192) }.encode()));
+    write("logs", "namespaces", &namespaces)?;
+    let n = namespaces.len();
+    namespaces[n - 40] ^= 4;
+    write("logs", "namespaces-damaged", &namespaces)
 }

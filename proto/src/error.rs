@@ -39,6 +39,8 @@ pub enum ProtoError {
     LossyCodec { codec: u16 },
     #[error("unknown codec id {0}")]
     UnknownCodec(u16),
+    #[error("metadata log header: {0}")]
+    LogHeader(String),
     #[error("malformed data-plane message: {0}")]
     Malformed(String),
 }

@@ -11,6 +11,8 @@
 //! - [`samenode`]: the same-node protocol: buffers registered over a Unix socket, blocks copied
 //!   into and out of them by offset, no payload on the socket.
 //! - [`pb`]: the gRPC control-plane messages and service generated from `proto/kvtier.proto`.
+//! - [`record_log`]: the framing of the node's metadata logs (keyed record tags) and their
+//!   recovery scan; [`segment`]: the disk tier's segment records and their recovery scan.
 //! - [`codes`]: stable error codes shown at the service boundary.
 
 mod checksum;
@@ -21,7 +23,9 @@ mod frame;
 mod key;
 mod layout;
 mod namespace;
+pub mod record_log;
 pub mod samenode;
+pub mod segment;
 mod tier;
 
 pub use checksum::{checksum, Checksummer};

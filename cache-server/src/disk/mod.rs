@@ -409,10 +409,7 @@ impl DiskTier {
             let seg = st.segments.get(&active).ok_or_else(|| ServerError::Config("active segment vanished".into()))?;
             (seg.file.clone(), seg.len, active)
         };
-        let mut buf = Vec::with_capacity(record as usize);
-        buf.extend_from_slice(&header.encode());
-        buf.extend_from_slice(payload);
-        buf.resize(record as usize, 0);
+        let buf = kvtier_proto::segment::encode_record(header, payload);
         let t = Instant::now();
         let res =
             file.write_all_at(&buf, offset).and_then(|_| if self.cfg.sync_writes { file.sync_data() } else { Ok(()) });
