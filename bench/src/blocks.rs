@@ -15,7 +15,8 @@
 //!   request, received from the socket straight into the caller's buffer and verified there
 //!   (what `load_prefix_into` and Python's `Client.load_into` run); its store is `store_keys`;
 //! - `engine-fused-x8` — the same, 8 blocks per call (an engine loading a prefix), striped over
-//!   the pool's connections when the call moves 4 MiB or more.
+//!   the pool's connections when the call moves 4 MiB or more; its store is `store_keys` of 8
+//!   blocks per call, striped likewise.
 
 use std::time::Instant;
 
@@ -154,11 +155,16 @@ enum Path {
     LoadInto,
     /// `load_keys_into(stop_at_miss)` of 8 blocks into the caller's buffer.
     LoadInto8,
+    /// `store_keys` of 8 blocks per call, under keys of their own.
+    StoreKeys8,
 }
+
+/// Blocks the caller's buffer of a load holds, filled in turn (the most blocks per call).
+const DEST_SLOTS: usize = 8;
 
 /// Blocks per call of a path.
 fn per_call(p: Path) -> usize {
-    if p == Path::LoadInto8 {
+    if matches!(p, Path::LoadInto8 | Path::StoreKeys8) {
         8
     } else {
         1
@@ -170,6 +176,8 @@ fn per_call(p: Path) -> usize {
 fn space(p: Path, run: usize) -> usize {
     if p == Path::StoreKeys {
         run + (1 << 32)
+    } else if p == Path::StoreKeys8 {
+        run + (2 << 32)
     } else {
         run
     }
@@ -194,8 +202,11 @@ async fn run_path(
             tokio::spawn(async move {
                 let per = per_call(path);
                 let mut lat = Vec::with_capacity(n / per);
-                // The caller's buffer (an engine's KV pages), touched before the clock counts.
-                let mut buf = vec![1u8; size * per];
+                // The caller's buffer (an engine's KV pages), touched before the clock counts:
+                // room for 8 blocks on every path, filled in turn, so a one-block load lands in
+                // memory as cold as an 8-block one does (a one-block buffer would stay in the
+                // core's cache and flatter the one-block paths).
+                let mut buf = vec![1u8; size * DEST_SLOTS];
                 let kspace = space(path, run);
                 for first in (0..n).step_by(per) {
                     let keys: Vec<BlockKey> =
@@ -207,8 +218,9 @@ async fn run_path(
                             let st = client.store_frames(std::slice::from_ref(&frame)).await?;
                             anyhow::ensure!(st.iter().all(|s| *s == ItemStatus::Ok), "kvtier refused a block: {st:?}");
                         }
-                        Path::StoreKeys => {
-                            let st = client.store_keys(&ns, &keys, &[vec![data.clone()]]).await?;
+                        Path::StoreKeys | Path::StoreKeys8 => {
+                            let blocks = vec![vec![data.clone()]; keys.len()];
+                            let st = client.store_keys(&ns, &keys, &blocks).await?;
                             anyhow::ensure!(
                                 st.iter().all(|s| matches!(s, ItemStatus::Ok | ItemStatus::Present)),
                                 "kvtier refused a block: {st:?}"
@@ -232,10 +244,12 @@ async fn run_path(
                                 .next()
                                 .flatten()
                                 .ok_or_else(|| anyhow::anyhow!("kvtier lost a block it acknowledged"))?;
-                            buf.copy_from_slice(&f.payload);
+                            let at = (first % DEST_SLOTS) * size;
+                            buf[at..at + size].copy_from_slice(&f.payload);
                         }
                         Path::LoadInto | Path::LoadInto8 => {
-                            let room = &mut buf[..size * keys.len()];
+                            let at = (first % DEST_SLOTS) * size;
+                            let room = &mut buf[at..at + size * keys.len()];
                             let mut dests: Vec<BlockDest<'_>> = room.chunks_exact_mut(size).map(|c| vec![c]).collect();
                             let ok = client.load_keys_into(&ns, &keys, &mut dests, true).await?;
                             anyhow::ensure!(ok.iter().all(|x| *x), "kvtier lost a block it acknowledged: {ok:?}");
@@ -266,6 +280,7 @@ pub async fn run_kvtier(
     let paths = [
         ("kvtier", "store", Path::StoreFrames),
         ("engine-fused", "store", Path::StoreKeys),
+        ("engine-fused-x8", "store", Path::StoreKeys8),
         ("kvtier", "load", Path::LoadKeys),
         ("engine-old", "load", Path::LookupLoadCopy),
         ("engine-fused", "load", Path::LoadInto),

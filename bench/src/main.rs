@@ -264,7 +264,9 @@ fn main() -> anyhow::Result<()> {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
         let mut cells: Vec<Cell> = Vec::new();
         // kvtier: a real process on loopback (or the one given).
-        let cap = 2 * cfg.bytes_per_cell.max(2 * (4 << 20) * 16) as u64 + (256 << 20);
+        // Three store paths per run (store_frames, store_keys, store_keys of 8), each under keys
+        // of its own, all held until the run's loads are done.
+        let cap = 3 * cfg.bytes_per_cell.max(2 * (4 << 20) * 16) as u64 + (256 << 20);
         let (server, addr) = match &a.server {
             Some(s) => (None, s.clone()),
             None => {

@@ -261,6 +261,7 @@ pub fn wire_tables(cells: &[Cell], l: &crate::limits::Limits, rt: &RoundTrips, n
         ("tcp", "TCP"),
         ("kvtier", "Rust `store_frames`"),
         ("engine-fused", "Rust `store_keys`"),
+        ("engine-fused-x8", "`store_keys`, 8 blocks/call"),
         ("python", "Python `store`"),
         ("python-keys", "Python `store_keys`"),
         ("lmcache", "LMCache PUT"),

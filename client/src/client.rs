@@ -532,15 +532,28 @@ impl KvClient {
         Ok(())
     }
 
-    /// Splits frames into batches bounded by block count and bytes (as index ranges).
+    /// Splits frames into batches bounded by block count and bytes (as index ranges), spread over
+    /// the pool's connections when the call moves enough bytes to gain from it (as [`Self::stripes`]).
     fn batches(&self, frames: &[BlockFrame]) -> Vec<std::ops::Range<usize>> {
+        self.split_batches(frames, true)
+    }
+
+    /// [`Self::batches`] for requests sent one after another on one connection (no striping).
+    fn batches_on_one(&self, frames: &[BlockFrame]) -> Vec<std::ops::Range<usize>> {
+        self.split_batches(frames, false)
+    }
+
+    fn split_batches(&self, frames: &[BlockFrame], stripe: bool) -> Vec<std::ops::Range<usize>> {
+        let total: u64 = frames.iter().map(|f| f.payload.len() as u64).sum();
+        let mut most = self.inner.batch_blocks.max(1);
+        if stripe && total >= STRIPE_MIN_BYTES {
+            most = most.min(frames.len().div_ceil(self.inner.cfg.data_connections.max(1))).max(1);
+        }
         let mut out = Vec::new();
         let (mut start, mut bytes) = (0usize, 0u64);
         for (i, f) in frames.iter().enumerate() {
             let n = i - start;
-            if n > 0
-                && (n >= self.inner.batch_blocks || bytes + f.payload.len() as u64 > self.inner.cfg.max_batch_bytes)
-            {
+            if n > 0 && (n >= most || bytes + f.payload.len() as u64 > self.inner.cfg.max_batch_bytes) {
                 out.push(start..i);
                 start = i;
                 bytes = 0;
@@ -943,7 +956,7 @@ impl KvClient {
         let conn = lease.conn.as_mut().ok_or_else(|| ClientError::Io("no connection".into()))?;
         let outcome = async {
             let to_send = &frames[first..];
-            for r in self.batches(to_send) {
+            for r in self.batches_on_one(to_send) {
                 let offset = first + r.start;
                 let st = conn.put(&to_send[r], true).await?;
                 if let Some((i, s)) = st.iter().enumerate().find(|(_, s)| **s != ItemStatus::Ok) {
@@ -964,7 +977,7 @@ impl KvClient {
                 if resp.missing_tail && has_tail {
                     again.extend(frames.last().cloned());
                 }
-                for r in self.batches(&again) {
+                for r in self.batches_on_one(&again) {
                     let st = conn.put(&again[r], true).await?;
                     if let Some((i, s)) = st.iter().enumerate().find(|(_, s)| **s != ItemStatus::Ok) {
                         return Err(ClientError::Rejected { index: i, status: *s });

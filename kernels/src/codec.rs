@@ -527,14 +527,14 @@ impl Codec {
                     // scales this small keep every decoded value below ROTATION_MAX_DECODED.
                     return run(parallel, chunks, |c| {
                         let (r0, r1) = (c.rows.start, c.rows.end);
-                        let plane_scale = plane_values(spec, r0, &scales);
-                        let bad = isa.fp8_decode_rows_rotated(
-                            rot,
-                            &codes[r0 * hd..r1 * hd],
-                            |k| if per_row { scales[r0 + k] } else { plane_scale(k) },
-                            out_dtype,
-                            c.a,
-                        );
+                        let codes = &codes[r0 * hd..r1 * hd];
+                        // Per row, a plain index the kernel inlines (no call per row).
+                        let bad = if per_row {
+                            let row_scales = &scales[r0..r1];
+                            isa.fp8_decode_rows_rotated(rot, codes, |k| row_scales[k], out_dtype, c.a)
+                        } else {
+                            isa.fp8_decode_rows_rotated(rot, codes, plane_values(spec, r0, &scales), out_dtype, c.a)
+                        };
                         if bad {
                             Err(bad_code())
                         } else {

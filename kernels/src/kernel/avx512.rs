@@ -491,14 +491,27 @@ unsafe fn fp8_dequant_chunk<const N: usize>(
 ) -> __m128i {
     assert!(off + 16 * N <= c.len());
     let mut bad = bad;
-    for (k, x) in v.iter_mut().enumerate() {
-        // SAFETY: bytes off + 16k .. + 16 are inside c (assert above).
+    // Thirty-two codes at a time where the chunk has them: the NaN check, the sign extension and
+    // the FP16 construction on one 256/512-bit vector each, then two conversions.
+    let mut bad32 = _mm256_setzero_si256();
+    let mut k = 0;
+    while k + 2 <= N {
+        // SAFETY: bytes off + 16k .. + 32 are inside c (assert above, k + 2 ≤ N).
+        let b = _mm256_loadu_si256(c.as_ptr().add(off + 16 * k) as *const __m256i);
+        bad32 = _mm256_max_epu8(bad32, _mm256_and_si256(b, _mm256_set1_epi8(0x7F)));
+        let h = _mm512_and_si512(_mm512_slli_epi16::<7>(_mm512_cvtepi8_epi16(b)), _mm512_set1_epi16(0xBF80u16 as i16));
+        v[k] = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), sc);
+        v[k + 1] = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(h)), sc);
+        k += 2;
+    }
+    if k < N {
+        // SAFETY: bytes off + 16k .. + 16 are inside c (assert above, k < N).
         let b = _mm_loadu_si128(c.as_ptr().add(off + 16 * k) as *const __m128i);
         bad = _mm_max_epu8(bad, _mm_and_si128(b, _mm_set1_epi8(0x7F)));
         let h = _mm256_and_si256(_mm256_slli_epi16::<7>(_mm256_cvtepi8_epi16(b)), _mm256_set1_epi16(0xBF80u16 as i16));
-        *x = _mm512_mul_ps(_mm512_cvtph_ps(h), sc);
+        v[k] = _mm512_mul_ps(_mm512_cvtph_ps(h), sc);
     }
-    bad
+    _mm_max_epu8(bad, _mm_max_epu8(_mm256_castsi256_si128(bad32), _mm256_extracti128_si256::<1>(bad32)))
 }
 
 /// Multiplies a chunk by `mul` (elements `off..off + 16N`) and stores it at elements `off..` of
