@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use kvtier_client::{KvClient, SharedBuffer};
 use kvtier_proto::{pb, BlockKey, NamespaceId};
-use kvtier_server::cluster::{Labels, Member, NodeId, Placement};
+use kvtier_server::cluster::Placement;
 use kvtier_tests::redis::Redis;
 use kvtier_tests::*;
 
@@ -45,18 +45,7 @@ fn cluster(redis: &Redis, dir: &std::path::Path, rf: usize) -> Vec<ServerProcess
 
 /// The placement every node computes (same ids, same host label, same capacity).
 fn placement() -> Placement {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default();
-    let members: Vec<Member> = IDS
-        .iter()
-        .map(|id| Member {
-            id: NodeId::new(*id).unwrap(),
-            grpc_addr: String::new(),
-            data_addr: String::new(),
-            labels: Labels::new(Some(&host), None, None),
-            capacity: 64 << 20,
-        })
-        .collect();
-    Placement::new(&members)
+    kvtier_tests::redis::placement(&IDS, 64 << 20)
 }
 
 fn owners(p: &Placement, ns: &NamespaceId, key: &BlockKey, rf: usize) -> BTreeSet<&'static str> {

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use kvtier_client::ParkOptions;
 use kvtier_proto::{BlockKey, NamespaceId};
-use kvtier_server::cluster::{Labels, Member, NodeId, Placement};
+
 use kvtier_tests::redis::Redis;
 use kvtier_tests::*;
 
@@ -25,18 +25,7 @@ fn node(redis: &Redis, dir: &std::path::Path, id: &str) -> ServerProcess {
 }
 
 fn owner(ns: &NamespaceId, key: &BlockKey) -> &'static str {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default();
-    let members: Vec<Member> = IDS
-        .iter()
-        .map(|id| Member {
-            id: NodeId::new(*id).unwrap(),
-            grpc_addr: String::new(),
-            data_addr: String::new(),
-            labels: Labels::new(Some(&host), None, None),
-            capacity: 64 << 20,
-        })
-        .collect();
-    let p = Placement::new(&members);
+    let p = kvtier_tests::redis::placement(&IDS, 64 << 20);
     let i = p.owners(ns, key, 1)[0];
     IDS[IDS.iter().position(|id| *id == p.members()[i].id.as_str()).unwrap()]
 }

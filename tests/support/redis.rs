@@ -1,5 +1,6 @@
 //! A real `redis-server` on a free loopback port (`$REDIS_SERVER` or the PATH), for the cluster
-//! tests; killed by its pid when dropped.
+//! tests; killed by its pid when dropped. And the placement the nodes of such a test cluster
+//! compute, so a test knows which node owns a key.
 
 use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
@@ -60,4 +61,22 @@ impl Drop for Redis {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The placement every node of a test cluster computes: members `ids` on this host (the
+/// hostname label every node gets), `capacity` bytes of DRAM each.
+pub fn placement(ids: &[&str], capacity: u64) -> kvtier_server::cluster::Placement {
+    use kvtier_server::cluster::{Labels, Member, NodeId, Placement};
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default();
+    let members: Vec<Member> = ids
+        .iter()
+        .map(|id| Member {
+            id: NodeId::new(*id).expect("a node id"),
+            grpc_addr: String::new(),
+            data_addr: String::new(),
+            labels: Labels::new(Some(&host), None, None),
+            capacity,
+        })
+        .collect();
+    Placement::new(&members)
 }
