@@ -20,8 +20,8 @@
 //!   ([`MAX_BUFFER_BYTES_PER_CONNECTION`]), and all connections' bytes together are capped by
 //!   `samenode_max_registered_bytes`; they are unmapped when the connection ends (or on
 //!   `UNREGISTER`), and the server never touches one after. A sparse memfd is mapped without
-//!   populating it, so claiming a large buffer never makes the server allocate its pages. Requests are served one at a time per
-//!   connection, so no copy outlives its request.
+//!   populating it, so claiming a large buffer never makes the server allocate its pages.
+//!   Requests are served one at a time per connection, so no copy outlives its request.
 //! - The server only ever copies blocks into a client's own buffer and reads from it; no client is
 //!   given a mapping of the server's arena or of anything holding other namespaces' blocks.
 //!

@@ -148,9 +148,10 @@ async fn run(between: Between) -> (usize, f64, f64, f64) {
         }
         last = now;
     }
-    // Blocks n2 doesn't hold: every load of them through n2 goes to n1.
+    // Blocks n2 doesn't hold itself (a peer's EXISTS: n2's own tiers, not the cluster's): every
+    // load of them through n2 goes to n1.
     let keys = ns1.keys(&toks);
-    let held = c2.exists_keys(&ns2, &keys).await.unwrap();
+    let held = c2.peer_exists_keys(&ns2, &keys).await.unwrap();
     let remote: Vec<BlockKey> = keys.iter().zip(&held).filter(|(_, h)| !**h).map(|(k, _)| *k).collect();
     let bytes = remote.len() as f64 * layout.block_bytes() as f64;
     let (mut local, mut peer, mut tcp) = (vec![], vec![], vec![]);
