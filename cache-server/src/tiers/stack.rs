@@ -58,9 +58,6 @@ struct Peers {
     cache_locally: bool,
 }
 
-/// Most payload bytes one request loads from peers (keys past it are misses).
-const MAX_PEER_FETCH_BYTES: u64 = 256 << 20;
-
 /// A disk block's bytes, holding their share of the disk read budget until the last view of
 /// them is dropped.
 struct Budgeted {
@@ -245,18 +242,15 @@ impl TierStack {
         self.peers.get().map(|p| &p.tier)
     }
 
-    /// The blocks among `keys` that no local tier holds, loaded from their owners (one request
-    /// per peer; at most 256 MiB of payload per call, keys past it miss), verified, and cached
-    /// in DRAM when the node is set to. Empty without a peer tier; a failure is a miss.
+    /// The blocks among `keys` (distinct; one chunk of a request, planned and capped by
+    /// `crate::cluster::fetch`) that no local tier holds by now, loaded from their owners (one
+    /// request per peer), verified, and cached in DRAM when the node is set to. Empty without a
+    /// peer tier; a failure is a miss.
     pub async fn fetch_from_peers(&self, ns: &Namespace, keys: &[BlockKey]) -> HashMap<BlockKey, StoredBlock> {
         let Some(peers) = self.peers.get() else { return HashMap::new() };
         let id = ns.id();
         let held = self.exists(&id, keys);
-        let most = (MAX_PEER_FETCH_BYTES / ns.layout.block_bytes().max(1)).max(1) as usize;
-        let mut missing: Vec<BlockKey> = keys.iter().zip(held).filter(|(_, h)| !h).map(|(k, _)| *k).collect();
-        missing.sort_unstable_by_key(|k| k.0);
-        missing.dedup();
-        missing.truncate(most);
+        let missing: Vec<BlockKey> = keys.iter().zip(held).filter(|(_, h)| !h).map(|(k, _)| *k).collect();
         if missing.is_empty() {
             return HashMap::new();
         }
