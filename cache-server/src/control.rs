@@ -11,7 +11,7 @@ use tonic::{Request, Response, Status};
 
 use tokio::sync::{broadcast, watch};
 
-use crate::cluster::{LocalHolding, Member, Membership};
+use crate::cluster::{replicas, LocalHolding, Member, Membership};
 use crate::dram::Priority;
 use crate::error::ServerError;
 use crate::events::{EventKind, KvEvent, WatchSlot};
@@ -95,17 +95,7 @@ fn opt_key(b: &[u8]) -> Result<Option<BlockKey>, ServerError> {
 }
 
 fn session_info(m: &SessionManifest, now: Instant) -> pb::SessionInfo {
-    pb::SessionInfo {
-        session_id: m.id.clone(),
-        namespace_id: bytes::Bytes::copy_from_slice(&m.namespace.0),
-        version: m.version,
-        token_count: m.token_count,
-        blocks: m.keys.len() as u32,
-        has_tail: m.tail.is_some(),
-        bytes: m.bytes,
-        expires_in_ms: m.expires_at.saturating_duration_since(now).as_millis() as u64,
-        priority: m.priority as u32,
-    }
+    m.info_pb(now)
 }
 
 fn park_response(r: Result<SessionManifest, ServerError>) -> Result<Response<pb::ParkResponse>, Status> {
@@ -167,7 +157,90 @@ impl ControlPlane {
         let limits = self.state.session_limits(&ns);
         // The blocks go to disk before the table is touched, and without holding its lock.
         self.state.tiers().persist(&ns_id, &spec.keys, spec.tail).await?;
-        self.on_io(move |s| s.sessions().park(s.tiers().session_pins(), spec, &limits)).await
+        let m = self.on_io(move |s| s.sessions().park(s.tiers().session_pins(), spec, &limits)).await?;
+        // In a cluster with `cluster_rf` >= 2: acknowledged once `rf` nodes hold it.
+        replicas::replicate(&self.state, &ns, &m).await?;
+        Ok(m)
+    }
+
+    /// In a cluster that replicates sessions: if an owner of the session holds a newer copy
+    /// than this node (or this node has none), adopts it, so the resume answers with the newest
+    /// version any reachable owner has. Waits at most `CHECK_WAIT` when this node has a copy,
+    /// `peer_timeout` when it has none; a failure leaves this node's copy (or none) in place.
+    async fn adopt_newer_copy(&self, ns: &Namespace, id: &str) {
+        let Some(peers) = replicas::replicating(&self.state) else { return };
+        let local = self.state.sessions().peek(ns.id(), id).map_or(0, |m| m.version);
+        let wait = if local > 0 { replicas::CHECK_WAIT.min(peers.timeout()) } else { peers.timeout() };
+        let Some((from, m)) = replicas::newest_elsewhere(peers, ns, id, local, wait).await else { return };
+        let version = m.version;
+        if let Err(e) = replicas::adopt(&self.state, peers, &from, ns, m).await {
+            tracing::warn!(session = id, peer = %from.id, version, "could not adopt the session's newer copy: {e}");
+            ::metrics::counter!("kvtier_session_adopt_failures_total").increment(1);
+        }
+    }
+
+    /// A peer's `SessionReplica` call (operator only): this node's own copy of a session.
+    async fn replica_call(
+        &self,
+        p: &Principal,
+        r: pb::SessionReplicaRequest,
+    ) -> Result<pb::SessionReplicaResponse, ServerError> {
+        if !matches!(p, Principal::Operator) {
+            return Err(ServerError::Forbidden("session replicas are for the cluster's nodes (the operator)".into()));
+        }
+        let id = ns_id(&r.namespace_id)?;
+        let ns = self.state.namespace(&id)?;
+        let held = |m: Option<SessionManifest>| {
+            let now = Instant::now();
+            let (manifest, ttl_ms) = m.as_ref().map(|m| replicas::manifest_to_pb(m, now)).unzip();
+            pb::SessionReplicaResponse { held: manifest.is_some(), manifest, ttl_ms: ttl_ms.unwrap_or(0), ..Default::default() }
+        };
+        match pb::session_replica_request::Op::try_from(r.op) {
+            Ok(pb::session_replica_request::Op::Get) => Ok(held(self.state.sessions().peek(id, &r.session_id))),
+            Ok(pb::session_replica_request::Op::Drop) => {
+                let version = r.manifest.as_ref().and_then(|m| m.info.as_ref()).map_or(u64::MAX, |i| i.version);
+                let session = r.session_id.clone();
+                self.on_io(move |s| Ok(s.sessions().drop_replica(s.tiers().session_pins(), id, &session, version))).await?;
+                Ok(held(self.state.sessions().peek(id, &r.session_id)))
+            }
+            Ok(pb::session_replica_request::Op::Put) => {
+                let copy = r.manifest.as_ref().ok_or_else(|| ServerError::InvalidRequest("PUT without a manifest".into()))?;
+                let m = replicas::manifest_from_pb(id, copy, r.ttl_ms, Instant::now())?;
+                if m.id != r.session_id {
+                    return Err(ServerError::InvalidRequest("the manifest is another session's".into()));
+                }
+                if m.ttl > self.state.config().session_max_ttl.0 {
+                    return Err(ServerError::InvalidRequest(format!(
+                        "ttl {:?} exceeds the server's session_max_ttl {}",
+                        m.ttl,
+                        self.state.config().session_max_ttl
+                    )));
+                }
+                if let Err(e) = self.state.tiers().persist(&id, &m.keys, m.tail).await {
+                    return match e {
+                        ServerError::MissingBlocks { missing, missing_tail } => Ok(pb::SessionReplicaResponse {
+                            missing_blocks: missing,
+                            missing_tail,
+                            ..Default::default()
+                        }),
+                        e => Err(e),
+                    };
+                }
+                let limits = self.state.session_limits(&ns);
+                let kept = self.on_io(move |s| Ok(s.sessions().put_replica(s.tiers().session_pins(), m, &limits))).await?;
+                match kept {
+                    Ok(m) => Ok(held(Some(m))),
+                    Err(ServerError::VersionConflict { .. }) => Ok(held(self.state.sessions().peek(id, &r.session_id))),
+                    Err(ServerError::MissingBlocks { missing, missing_tail }) => Ok(pb::SessionReplicaResponse {
+                        missing_blocks: missing,
+                        missing_tail,
+                        ..Default::default()
+                    }),
+                    Err(e) => Err(e),
+                }
+            }
+            Err(_) => Err(ServerError::InvalidRequest(format!("unknown session replica op {}", r.op))),
+        }
     }
 
     async fn extend(&self, p: &Principal, r: pb::ExtendRequest) -> Result<SessionManifest, ServerError> {
@@ -177,7 +250,7 @@ impl ControlPlane {
         let new_keys = keys(&r.new_keys)?;
         let tail = opt_key(&r.tail_key)?;
         self.state.tiers().persist(&ns_id, &new_keys, tail).await?;
-        self.on_io(move |s| {
+        let m = self.on_io(move |s| {
             s.sessions().extend(
                 s.tiers().session_pins(),
                 ns_id,
@@ -190,7 +263,9 @@ impl ControlPlane {
                 &limits,
             )
         })
-        .await
+        .await?;
+        replicas::replicate(&self.state, &ns, &m).await?;
+        Ok(m)
     }
 }
 
@@ -385,6 +460,17 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         Ok(Response::new(Box::pin(stream)))
     }
 
+    async fn session_replica(
+        &self,
+        r: Request<pb::SessionReplicaRequest>,
+    ) -> Result<Response<pb::SessionReplicaResponse>, Status> {
+        let start = Instant::now();
+        let p = principal(&r)?;
+        let out = self.replica_call(&p, r.into_inner()).await.map_err(to_status)?;
+        observe("session_replica", start);
+        Ok(Response::new(out))
+    }
+
     async fn route_hint(&self, r: Request<pb::RouteHintRequest>) -> Result<Response<pb::RouteHintResponse>, Status> {
         let start = Instant::now();
         let p = principal(&r)?;
@@ -465,18 +551,12 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         let start = Instant::now();
         let p = principal(&r)?;
         let r = r.into_inner();
-        let res = (|| {
-            let id = ns_id(&r.namespace_id)?;
-            self.state.namespace_for(&p, &id, Access::Read)?;
-            self.state.sessions().resume(self.state.tiers().session_pins(), id, &r.session_id)
-        })();
-        let m = res.map_err(to_status)?;
+        let id = ns_id(&r.namespace_id).map_err(to_status)?;
+        let ns = self.state.namespace_for(&p, &id, Access::Read).map_err(to_status)?;
+        self.adopt_newer_copy(&ns, &r.session_id).await;
+        let m = self.state.sessions().resume(self.state.tiers().session_pins(), id, &r.session_id).map_err(to_status)?;
         observe("resume", start);
-        Ok(Response::new(pb::SessionManifest {
-            info: Some(session_info(&m, Instant::now())),
-            keys: m.keys.iter().map(|k| bytes::Bytes::copy_from_slice(&k.0)).collect(),
-            tail_key: m.tail.map(|k| bytes::Bytes::copy_from_slice(&k.0)).unwrap_or_default(),
-        }))
+        Ok(Response::new(m.to_pb(Instant::now())))
     }
 
     async fn drop_session(
@@ -489,10 +569,17 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         let id = ns_id(&r.namespace_id).map_err(to_status)?;
         self.state.namespace_for(&p, &id, Access::Write).map_err(to_status)?;
         let session = r.session_id;
+        let ns = self.state.namespace(&id).map_err(to_status)?;
         let dropped = self
-            .on_io(move |s| Ok(s.sessions().drop_session(s.tiers().session_pins(), id, &session)))
+            .on_io({
+                let session = session.clone();
+                move |s| Ok(s.sessions().drop_session(s.tiers().session_pins(), id, &session))
+            })
             .await
             .map_err(to_status)?;
+        if let Some(peers) = replicas::replicating(&self.state) {
+            replicas::drop_elsewhere(peers, ns, session);
+        }
         observe("drop", start);
         Ok(Response::new(pb::DropSessionResponse { dropped }))
     }

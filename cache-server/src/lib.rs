@@ -145,6 +145,8 @@ impl RunningServer {
         );
         self.state.tiers().attach_peers(tier, c.peer_cache);
         self.tasks.push(task);
+        // With `cluster_rf` >= 2: parked sessions' missing copies re-made after membership changes.
+        self.tasks.push(tokio::spawn(cluster::replicas::repair_loop(self.state.clone(), self.stop.subscribe())));
     }
 
     /// Runs until the gRPC server stops.

@@ -141,11 +141,36 @@ impl SessionStore {
         out
     }
 
+    /// Keeps another node's copy of a session (see [`SessionTable::put_replica`]); durable on
+    /// return when the node logs sessions.
+    pub fn put_replica(
+        &self,
+        pins: &dyn PinTier,
+        m: SessionManifest,
+        limits: &SessionLimits,
+    ) -> Result<SessionManifest, ServerError> {
+        self.change(pins, |t, now| t.put_replica(pins, m, limits, now))
+    }
+
+    /// This node's copy of a live session, its TTL untouched.
+    pub fn peek(&self, ns: NamespaceId, id: &str) -> Option<SessionManifest> {
+        self.table.lock().peek(ns, id, Instant::now())
+    }
+
     /// Drops a session; false if there was none.
     pub fn drop_session(&self, pins: &dyn PinTier, ns: NamespaceId, id: &str) -> bool {
+        self.drop_if(pins, ns, id, u64::MAX)
+    }
+
+    /// Drops this node's copy of a session if its version is at most `version`.
+    pub fn drop_replica(&self, pins: &dyn PinTier, ns: NamespaceId, id: &str, version: u64) -> bool {
+        self.drop_if(pins, ns, id, version)
+    }
+
+    fn drop_if(&self, pins: &dyn PinTier, ns: NamespaceId, id: &str, version: u64) -> bool {
         let seq = {
             let mut table = self.table.lock();
-            let dropped = table.drop_session(pins, ns, id);
+            let dropped = table.drop_replica(pins, ns, id, version);
             self.publish(table.len());
             if !dropped {
                 return false;

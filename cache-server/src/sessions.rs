@@ -40,6 +40,30 @@ pub struct SessionManifest {
 }
 
 impl SessionManifest {
+    /// What the control plane reports of the session.
+    pub fn info_pb(&self, now: Instant) -> kvtier_proto::pb::SessionInfo {
+        kvtier_proto::pb::SessionInfo {
+            session_id: self.id.clone(),
+            namespace_id: bytes::Bytes::copy_from_slice(&self.namespace.0),
+            version: self.version,
+            token_count: self.token_count,
+            blocks: self.keys.len() as u32,
+            has_tail: self.tail.is_some(),
+            bytes: self.bytes,
+            expires_in_ms: self.expires_at.saturating_duration_since(now).as_millis() as u64,
+            priority: self.priority as u32,
+        }
+    }
+
+    /// The manifest as `ResumeSession` returns it.
+    pub fn to_pb(&self, now: Instant) -> kvtier_proto::pb::SessionManifest {
+        kvtier_proto::pb::SessionManifest {
+            info: Some(self.info_pb(now)),
+            keys: self.keys.iter().map(|k| bytes::Bytes::copy_from_slice(&k.0)).collect(),
+            tail_key: self.tail.map(|k| bytes::Bytes::copy_from_slice(&k.0)).unwrap_or_default(),
+        }
+    }
+
     fn pinned_keys(&self) -> Vec<BlockKey> {
         let mut k = self.keys.clone();
         k.extend(self.tail);
@@ -376,6 +400,56 @@ impl SessionTable {
             }
             None => Err(self.absent_error(&sid, now)),
         }
+    }
+
+    /// A live session's manifest, its TTL untouched (what a peer asking for this node's copy
+    /// gets).
+    pub fn peek(&self, ns: NamespaceId, id: &str, now: Instant) -> Option<SessionManifest> {
+        self.sessions.get(&(ns, id.to_string())).filter(|m| m.expires_at > now).cloned()
+    }
+
+    /// Keeps another node's copy of a session, version and expiry as they are, unless this node
+    /// holds that version or a newer one (`VersionConflict`, `actual` = the version held). Its
+    /// blocks must be resident here (`MissingBlocks` otherwise); the shape, manifest-key and
+    /// quota limits apply as to a park.
+    pub fn put_replica(
+        &mut self,
+        tier: &dyn PinTier,
+        m: SessionManifest,
+        limits: &SessionLimits,
+        now: Instant,
+    ) -> Result<SessionManifest, ServerError> {
+        check_shape(m.keys.len(), m.tail.is_some(), m.token_count, limits)?;
+        if m.version == 0 {
+            return Err(ServerError::InvalidRequest("a session replica needs a version above 0".into()));
+        }
+        let sid = (m.namespace, m.id.clone());
+        self.reap_if_expired(tier, &sid, now);
+        let current = self.sessions.get(&sid).map(|c| c.version).unwrap_or(0);
+        if current >= m.version {
+            return Err(ServerError::VersionConflict { id: m.id, expected: m.version, actual: current });
+        }
+        let replaced = self.sessions.get(&sid).map(|c| c.bytes);
+        self.check_quota(limits, replaced, m.token_count * limits.bytes_per_token)?;
+        let old_keys = self.sessions.get(&sid).map_or(0, |c| c.keys.len() as u64 + u64::from(c.tail.is_some()));
+        self.check_manifest_keys(limits, old_keys, m.keys.len() as u64 + u64::from(m.tail.is_some()))?;
+        pin_or_report(tier, &m.namespace, &m.keys, m.tail)?;
+        if let Some(old) = self.sessions.get(&sid) {
+            tier.unpin(&old.namespace, &old.pinned_keys());
+        }
+        let m = SessionManifest { bytes: m.token_count * limits.bytes_per_token, ..m };
+        self.expired.remove(&sid);
+        self.insert(sid, m.clone());
+        Ok(m)
+    }
+
+    /// Drops this node's copy of a session if its version is at most `version`; true if it went.
+    pub fn drop_replica(&mut self, tier: &dyn PinTier, ns: NamespaceId, id: &str, version: u64) -> bool {
+        let sid = (ns, id.to_string());
+        if self.sessions.get(&sid).is_some_and(|m| m.version <= version) {
+            return self.drop_session(tier, ns, id);
+        }
+        false
     }
 
     /// Drops a session and unpins its blocks; false if there was none.

@@ -8,12 +8,14 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvtier_client::{ClientConfig, KvClient, NamespaceHandle, QuicConnector, SameNodeMode};
-use kvtier_proto::{BlockFrame, BlockKey, Namespace, NamespaceId};
-use kvtier_server::cluster::{LocalHolding, Member, NodeId, PeerFuture, PeerTransport};
+use kvtier_proto::pb::session_replica_request::Op;
+use kvtier_proto::{pb, BlockFrame, BlockKey, Namespace, NamespaceId};
+use kvtier_server::cluster::{replicas, LocalHolding, Member, NodeId, PeerFuture, PeerTransport, ReplicaPut};
 use kvtier_server::dram::StoredBlock;
+use kvtier_server::sessions::SessionManifest;
 use kvtier_server::ServerError;
 
 /// A client for one peer and the namespaces registered there.
@@ -167,6 +169,85 @@ impl PeerTransport for ClientTransport {
                     Err(Self::err(peer, e))
                 }
             }
+        })
+    }
+
+    fn session_get<'a>(
+        &'a self,
+        peer: &'a Member,
+        ns: &'a Namespace,
+        id: &'a str,
+    ) -> PeerFuture<'a, Option<SessionManifest>> {
+        Box::pin(async move {
+            let r = self.replica_call(peer, ns, id, Op::Get, None).await?;
+            match (r.held, r.manifest) {
+                (true, Some(m)) => Ok(Some(
+                    replicas::manifest_from_pb(ns.id(), &m, r.ttl_ms, Instant::now()).map_err(|e| Self::err(peer, e))?,
+                )),
+                _ => Ok(None),
+            }
+        })
+    }
+
+    fn session_put<'a>(
+        &'a self,
+        peer: &'a Member,
+        ns: &'a Namespace,
+        m: &'a SessionManifest,
+    ) -> PeerFuture<'a, ReplicaPut> {
+        Box::pin(async move {
+            let r = self.replica_call(peer, ns, &m.id, Op::Put, Some(replicas::manifest_to_pb(m, Instant::now()))).await?;
+            if !r.missing_blocks.is_empty() || r.missing_tail {
+                return Ok(ReplicaPut::Missing { blocks: r.missing_blocks, tail: r.missing_tail });
+            }
+            match r.manifest.and_then(|m| m.info) {
+                Some(info) if r.held => Ok(ReplicaPut::Held(info.version)),
+                _ => Err(Self::err(peer, "the session copy was not kept")),
+            }
+        })
+    }
+
+    fn session_drop<'a>(
+        &'a self,
+        peer: &'a Member,
+        ns: &'a Namespace,
+        id: &'a str,
+        version: u64,
+    ) -> PeerFuture<'a, bool> {
+        Box::pin(async move {
+            let upto = pb::SessionManifest {
+                info: Some(pb::SessionInfo { version, ..Default::default() }),
+                ..Default::default()
+            };
+            let r = self.replica_call(peer, ns, id, Op::Drop, Some((upto, 0))).await?;
+            Ok(!r.held)
+        })
+    }
+}
+
+impl ClientTransport {
+    /// One `SessionReplica` call to `peer` (with the manifest of a PUT, or the version up to
+    /// which a DROP removes the copy).
+    async fn replica_call(
+        &self,
+        peer: &Member,
+        ns: &Namespace,
+        id: &str,
+        op: Op,
+        manifest: Option<(pb::SessionManifest, u64)>,
+    ) -> Result<pb::SessionReplicaResponse, ServerError> {
+        let (p, _) = self.handle(peer, ns).await?;
+        let (manifest, ttl_ms) = manifest.unzip();
+        let req = pb::SessionReplicaRequest {
+            namespace_id: bytes::Bytes::copy_from_slice(&ns.id().0),
+            session_id: id.to_string(),
+            op: op as i32,
+            manifest,
+            ttl_ms: ttl_ms.unwrap_or(0),
+        };
+        p.client.session_replica(req).await.map_err(|e| {
+            self.forget(peer);
+            Self::err(peer, e)
         })
     }
 }

@@ -4,7 +4,7 @@
 
 use futures::future::try_join_all;
 use kvtier_proto::dataplane::ItemStatus;
-use kvtier_proto::{BlockFrame, BlockKey};
+use kvtier_proto::{pb, BlockFrame, BlockKey};
 
 use super::{KvClient, NamespaceHandle};
 use crate::ClientError;
@@ -64,5 +64,12 @@ impl KvClient {
             })))
             .await?;
         Ok(results.into_iter().flatten().collect())
+    }
+
+    /// A `SessionReplica` call: reads, writes or drops the node's own copy of a parked session
+    /// (how nodes replicate sessions; the node accepts it from its operator only).
+    pub async fn session_replica(&self, req: pb::SessionReplicaRequest) -> Result<pb::SessionReplicaResponse, ClientError> {
+        let mut g = self.grpc();
+        self.timed(async move { Ok(g.session_replica(req).await?.into_inner()) }).await
     }
 }

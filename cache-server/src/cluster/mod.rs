@@ -5,6 +5,8 @@
 //!   across racks and zones and a reader's preference order.
 //! - [`peer`]: the G4 peer tier — a local miss asks the block's owners (one request per peer),
 //!   stores are forwarded to them; the network behind the [`PeerTransport`] seam.
+//! - [`replicas`]: replicated sessions — parks held by `rf` nodes, resumes that find the newest
+//!   copy on any node, copies re-made after a membership change.
 //! - [`membership`]: the [`Membership`] seam — a watchable snapshot of the members, kept in
 //!   process for a single node ([`Embedded`]) or in Redis with a TTL heartbeat ([`RedisMembership`]).
 
@@ -13,10 +15,11 @@ pub mod member;
 pub mod membership;
 pub mod peer;
 pub mod placement;
+pub mod replicas;
 
 pub use member::{Labels, Member, NodeId};
 pub use membership::{Embedded, Membership, RedisMembership, RedisMembershipConfig, Snapshot};
-pub use peer::{Hedge, LocalHolding, PeerConfig, PeerFuture, PeerTier, PeerTransport};
+pub use peer::{Hedge, LocalHolding, PeerConfig, PeerFuture, PeerTier, PeerTransport, ReplicaPut};
 pub use placement::{Locality, Placement, Reader};
 
 #[cfg(test)]

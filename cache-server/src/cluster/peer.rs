@@ -39,6 +39,7 @@ use super::member::{Labels, Member, NodeId};
 use super::membership::Snapshot;
 use super::placement::{Placement, Reader};
 use crate::dram::StoredBlock;
+use crate::sessions::SessionManifest;
 use crate::error::ServerError;
 use crate::tiers::TierStats;
 
@@ -87,6 +88,54 @@ pub trait PeerTransport: Send + Sync + 'static {
             Err(ServerError::Peer { peer: peer.id.to_string(), reason: "this transport has no route hints".into() })
         })
     }
+
+    /// `peer`'s own copy of a parked session, if it holds one (its TTL untouched).
+    fn session_get<'a>(
+        &'a self,
+        peer: &'a Member,
+        ns: &'a Namespace,
+        id: &'a str,
+    ) -> PeerFuture<'a, Option<SessionManifest>> {
+        let _ = (ns, id);
+        Box::pin(async move { Err(no_sessions(peer)) })
+    }
+
+    /// Makes `peer` keep a copy of a session (its blocks sent before), unless it holds a newer
+    /// version; durable there on return when `peer` logs sessions.
+    fn session_put<'a>(
+        &'a self,
+        peer: &'a Member,
+        ns: &'a Namespace,
+        m: &'a SessionManifest,
+    ) -> PeerFuture<'a, ReplicaPut> {
+        let _ = (ns, m);
+        Box::pin(async move { Err(no_sessions(peer)) })
+    }
+
+    /// Drops `peer`'s copy of a session if its version is at most `version`; whether it went.
+    fn session_drop<'a>(
+        &'a self,
+        peer: &'a Member,
+        ns: &'a Namespace,
+        id: &'a str,
+        version: u64,
+    ) -> PeerFuture<'a, bool> {
+        let _ = (ns, id, version);
+        Box::pin(async move { Err(no_sessions(peer)) })
+    }
+}
+
+fn no_sessions(peer: &Member) -> ServerError {
+    ServerError::Peer { peer: peer.id.to_string(), reason: "this transport does not replicate sessions".into() }
+}
+
+/// A peer's answer to [`PeerTransport::session_put`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ReplicaPut {
+    /// The peer holds the session now, at this version (the one sent, or a newer one it had).
+    Held(u64),
+    /// The peer lacks these blocks of the manifest (indices into its keys; and the tail).
+    Missing { blocks: Vec<u32>, tail: bool },
 }
 
 /// What one node holds of a routing hint's request.
@@ -259,7 +308,7 @@ impl PeerTier {
     }
 
     /// The current placement (rebuilt after a membership change).
-    fn placement(&self) -> Arc<Placement> {
+    pub(crate) fn placement(&self) -> Arc<Placement> {
         let (generation, members) = {
             let snap = self.members.borrow();
             (snap.generation, snap.members.clone())
@@ -271,7 +320,7 @@ impl PeerTier {
         p.1.clone()
     }
 
-    fn is_down(&self, id: &NodeId, now: Instant) -> bool {
+    pub(crate) fn is_down(&self, id: &NodeId, now: Instant) -> bool {
         let mut down = self.down.lock();
         match down.get(id) {
             Some(until) if *until > now => true,
@@ -283,7 +332,7 @@ impl PeerTier {
         }
     }
 
-    fn failed(&self, peer: &Member, what: &'static str, e: &ServerError) {
+    pub(crate) fn failed(&self, peer: &Member, what: &'static str, e: &ServerError) {
         bump(&self.counters.errors, 1);
         ::metrics::counter!("kvtier_peer_errors_total", "op" => what).increment(1);
         let mut down = self.down.lock();
@@ -565,7 +614,7 @@ impl PeerTier {
 
     /// Runs one peer call within `peer_timeout`, its start included (a permit of
     /// `peer_max_inflight`); counted in `kvtier_peer_requests_total`.
-    async fn bounded<T>(&self, peer: &Member, call: PeerFuture<'_, T>) -> Result<T, ServerError> {
+    pub(crate) async fn bounded<T>(&self, peer: &Member, call: PeerFuture<'_, T>) -> Result<T, ServerError> {
         let t = self.cfg.timeout;
         let late = || ServerError::Peer { peer: peer.id.to_string(), reason: format!("no answer within {t:?}") };
         tokio::time::timeout(t, async {
@@ -579,7 +628,7 @@ impl PeerTier {
     }
 
     /// Whether a block a peer sent is the one asked for and intact.
-    fn check(&self, ns: &Namespace, key: &BlockKey, b: &StoredBlock) -> bool {
+    pub(crate) fn check(&self, ns: &Namespace, key: &BlockKey, b: &StoredBlock) -> bool {
         let h = &b.header;
         h.namespace == ns.id()
             && h.key == *key
@@ -657,6 +706,31 @@ impl PeerTier {
                 }
             }
         }
+    }
+
+    /// This node's id in the cluster.
+    pub fn local(&self) -> &NodeId {
+        &self.local
+    }
+
+    /// How many nodes hold each block and each parked session (`cluster_rf`).
+    pub fn rf(&self) -> usize {
+        self.cfg.rf
+    }
+
+    /// The bound of one peer call (`peer_timeout`).
+    pub fn timeout(&self) -> Duration {
+        self.cfg.timeout
+    }
+
+    /// The network to the peers.
+    pub(crate) fn transport(&self) -> &dyn PeerTransport {
+        self.transport.as_ref()
+    }
+
+    /// The membership this tier follows (re-replication watches it).
+    pub(crate) fn members(&self) -> watch::Receiver<Snapshot> {
+        self.members.clone()
     }
 
     /// The tier's counters: hits and misses of loads, bytes received and forwarded, peer

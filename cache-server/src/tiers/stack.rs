@@ -267,6 +267,13 @@ impl TierStack {
         out
     }
 
+    /// Keeps a block fetched (and checked) from a peer in DRAM, announcing it like a store.
+    pub fn put_fetched(&self, b: &StoredBlock, priority: Priority) -> Result<(), ServerError> {
+        Tier::put(&self.dram, b.header, &b.payload, priority)?;
+        self.events.stored(&b.header.namespace, std::slice::from_ref(&b.header.key), TierId::Dram);
+        Ok(())
+    }
+
     /// [`TierStack::longest_prefix`], continued — with a peer tier — by what the owners of the
     /// keys after it hold (one request per peer; a failed peer holds nothing).
     pub async fn longest_prefix_with_peers(&self, ns: &Namespace, keys: &[BlockKey]) -> usize {

@@ -1,0 +1,382 @@
+//! Replicated sessions: with `cluster_rf` >= 2, a parked session — its manifest and its blocks —
+//! is on `rf` nodes before the park is acknowledged; a resume on any node finds the newest copy
+//! among the session's owners and adopts it (the blocks fetched from the node that holds them);
+//! after a membership change each holder re-makes the copies that are missing, in the
+//! background, bounded.
+//!
+//! A session's owners are the rendezvous owners of a key derived from its id (the same
+//! placement as blocks, so they spread over racks and zones): the node a park reaches keeps its
+//! copy and sends one to the first `rf - 1` other owners that take it, going down the order past
+//! nodes that fail. Copies carry the session's version; a node never replaces a copy with an
+//! older one, and a resume adopts a newer copy than its own, so a node that was away (restarted,
+//! partitioned) can't serve a stale manifest once its peers answer. Every call is bounded by
+//! `peer_timeout`; a resume with a copy of its own waits at most [`CHECK_WAIT`] for the owners.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use kvtier_proto::{pb, BlockKey, Namespace, NamespaceId};
+use tokio::sync::watch;
+
+use super::member::Member;
+use super::peer::{PeerTier, ReplicaPut};
+use super::placement::{Placement, MAX_RF};
+use crate::dram::{Priority, StoredBlock};
+use crate::error::ServerError;
+use crate::sessions::SessionManifest;
+use crate::state::NodeState;
+use crate::tiers::Load;
+
+/// Payload bytes sent to a peer per request when copying a session's blocks.
+const COPY_CHUNK_BYTES: usize = 16 << 20;
+/// Keys asked of a peer per request when adopting its copy of a session.
+const ADOPT_CHUNK_KEYS: usize = 32;
+/// How long a resume that has a copy of its own waits for the owners' versions.
+pub const CHECK_WAIT: Duration = Duration::from_millis(250);
+/// Sessions one re-replication pass looks at.
+const REPAIR_BATCH: usize = 4096;
+/// Sessions re-replication copies at once.
+const REPAIR_CONCURRENCY: usize = 4;
+/// How soon a re-replication pass that left copies missing runs again.
+const REPAIR_RETRY: Duration = Duration::from_secs(5);
+
+/// The placement key of a session: a domain-separated hash of its id.
+pub fn session_key(id: &str) -> BlockKey {
+    let mut h = blake3::Hasher::new();
+    h.update(b"kvtier session\0");
+    h.update(id.as_bytes());
+    BlockKey(*h.finalize().as_bytes())
+}
+
+/// The members that own session `id` (up to [`MAX_RF`]), best first, without this node and
+/// the peers known to be down.
+fn owners(peers: &PeerTier, p: &Placement, ns: &NamespaceId, id: &str) -> Vec<usize> {
+    let now = Instant::now();
+    let n = p.members().len().min(MAX_RF);
+    let mut out = p.owners(ns, &session_key(id), n);
+    out.retain(|&i| {
+        let m = &p.members()[i];
+        m.id != *peers.local() && !peers.is_down(&m.id, now)
+    });
+    out
+}
+
+/// The replicating peer tier, when this node is in a cluster with `cluster_rf` >= 2.
+pub fn replicating(state: &NodeState) -> Option<&Arc<PeerTier>> {
+    state.tiers().peers().filter(|p| p.rf() >= 2)
+}
+
+/// Makes sure `m` (just parked or extended here) is held by `rf` nodes, this one included:
+/// sends the blocks the next owners lack and the manifest. Returns how many nodes hold it; an
+/// error names the nodes that failed when fewer than `rf` do (this node's copy stays).
+pub async fn replicate(state: &NodeState, ns: &Namespace, m: &SessionManifest) -> Result<usize, ServerError> {
+    let Some(peers) = replicating(state) else { return Ok(1) };
+    let rf = peers.rf();
+    let p = peers.placement();
+    let order = owners(peers, &p, &ns.id(), &m.id);
+    let (mut held, mut next) = (1, 0);
+    let mut failures = Vec::new();
+    while held < rf && next < order.len() {
+        let take = (rf - held).min(order.len() - next);
+        let batch = &order[next..next + take];
+        next += take;
+        let copies = batch.iter().map(|&i| copy_to(state, peers, &p.members()[i], ns, m));
+        for (&i, r) in batch.iter().zip(futures::future::join_all(copies).await) {
+            match r {
+                Ok(()) => held += 1,
+                Err(e) => {
+                    peers.failed(&p.members()[i], "session", &e);
+                    failures.push(format!("{}: {e}", p.members()[i].id));
+                }
+            }
+        }
+    }
+    ::metrics::counter!("kvtier_session_copies_total").increment(held as u64 - 1);
+    if held < rf {
+        ::metrics::counter!("kvtier_session_underreplicated_total").increment(1);
+        let why = if failures.is_empty() { "no other live member".to_string() } else { failures.join("; ") };
+        return Err(ServerError::Peer {
+            peer: "cluster".into(),
+            reason: format!(
+                "session {:?} version {} is held by {held} of {rf} nodes (kept here; park again to retry): {why}",
+                m.id, m.version
+            ),
+        });
+    }
+    Ok(held)
+}
+
+/// Gives `member` a copy of `m`: the blocks it lacks, then the manifest.
+async fn copy_to(
+    state: &NodeState,
+    peers: &PeerTier,
+    member: &Member,
+    ns: &Namespace,
+    m: &SessionManifest,
+) -> Result<(), ServerError> {
+    let bad = |reason: String| ServerError::Peer { peer: member.id.to_string(), reason };
+    let mut keys = m.keys.clone();
+    keys.extend(m.tail);
+    // Twice at most: blocks it had may be evicted between the check and the manifest.
+    for attempt in 0..2 {
+        let have = peers.bounded(member, peers.transport().exists(member, ns, &keys)).await?;
+        if have.len() != keys.len() {
+            return Err(bad(format!("{} answers for {} keys", have.len(), keys.len())));
+        }
+        let missing: Vec<BlockKey> = keys.iter().zip(have).filter(|(_, h)| !h).map(|(k, _)| *k).collect();
+        send_blocks(state, peers, member, ns, &missing).await?;
+        match peers.bounded(member, peers.transport().session_put(member, ns, m)).await? {
+            ReplicaPut::Held(v) if v >= m.version => return Ok(()),
+            ReplicaPut::Held(v) => return Err(bad(format!("kept version {v}, not {}", m.version))),
+            ReplicaPut::Missing { .. } if attempt == 0 => continue,
+            ReplicaPut::Missing { blocks, tail } => {
+                return Err(bad(format!("lost {} blocks (tail: {tail}) before the manifest", blocks.len())))
+            }
+        }
+    }
+    Err(bad("blocks kept going missing".into()))
+}
+
+/// Sends `keys` (read from this node's tiers) to `member`, in requests of about
+/// [`COPY_CHUNK_BYTES`].
+async fn send_blocks(
+    state: &NodeState,
+    peers: &PeerTier,
+    member: &Member,
+    ns: &Namespace,
+    keys: &[BlockKey],
+) -> Result<(), ServerError> {
+    let id = ns.id();
+    let mut chunk: Vec<StoredBlock> = Vec::new();
+    let mut bytes = 0usize;
+    for (i, k) in keys.iter().enumerate() {
+        match state.tiers().get(&id, k).await {
+            Load::Hit(b) => {
+                bytes += b.payload.len();
+                chunk.push(b);
+            }
+            Load::Busy | Load::Miss => {
+                return Err(ServerError::MissingBlocks { missing: vec![i as u32], missing_tail: false })
+            }
+        }
+        if bytes >= COPY_CHUNK_BYTES || i + 1 == keys.len() {
+            let held = peers.bounded(member, peers.transport().put(member, ns, &chunk)).await?;
+            if held < chunk.len() {
+                return Err(ServerError::Peer {
+                    peer: member.id.to_string(),
+                    reason: format!("kept {held} of {} blocks", chunk.len()),
+                });
+            }
+            chunk.clear();
+            bytes = 0;
+        }
+    }
+    Ok(())
+}
+
+/// The newest copy of session `id` the owners hold, if newer than `local_version` (0: none
+/// here): the owners are asked at once, each given at most `wait`; a peer that fails is
+/// skipped for a while, one that is merely slower than `wait` is not.
+pub async fn newest_elsewhere(
+    peers: &PeerTier,
+    ns: &Namespace,
+    id: &str,
+    local_version: u64,
+    wait: Duration,
+) -> Option<(Member, SessionManifest)> {
+    let p = peers.placement();
+    let ask: Vec<&Member> = owners(peers, &p, &ns.id(), id).into_iter().take(peers.rf() + 1).map(|i| &p.members()[i]).collect();
+    let calls = ask.iter().map(|&member| async move {
+        let call = peers.bounded(member, peers.transport().session_get(member, ns, id));
+        match tokio::time::timeout(wait, call).await {
+            Ok(Ok(found)) => found.map(|m| (member.clone(), m)),
+            Ok(Err(e)) => {
+                peers.failed(member, "session", &e);
+                None
+            }
+            Err(_) => None,
+        }
+    });
+    futures::future::join_all(calls)
+        .await
+        .into_iter()
+        .flatten()
+        .filter(|(_, m)| m.version > local_version && m.namespace == ns.id() && m.id == id)
+        .max_by_key(|(_, m)| m.version)
+}
+
+/// Makes `from`'s copy of a session this node's own: fetches the blocks this node lacks from
+/// `from` (each checked), makes them durable with the disk tier, and keeps the manifest (unless
+/// a newer version got here meanwhile).
+pub async fn adopt(
+    state: &Arc<NodeState>,
+    peers: &PeerTier,
+    from: &Member,
+    ns: &Namespace,
+    m: SessionManifest,
+) -> Result<(), ServerError> {
+    let id = ns.id();
+    let mut keys = m.keys.clone();
+    keys.extend(m.tail);
+    let held = state.tiers().exists(&id, &keys);
+    let missing: Vec<BlockKey> = keys.iter().zip(held).filter(|(_, h)| !h).map(|(k, _)| *k).collect();
+    for chunk in missing.chunks(ADOPT_CHUNK_KEYS) {
+        let got = peers.bounded(from, peers.transport().get(from, ns, chunk)).await?;
+        if got.len() != chunk.len() {
+            return Err(ServerError::Peer {
+                peer: from.id.to_string(),
+                reason: format!("{} answers for {} keys", got.len(), chunk.len()),
+            });
+        }
+        for (k, b) in chunk.iter().zip(got) {
+            let b = match b {
+                Some(b) if peers.check(ns, k, &b) => b,
+                _ => {
+                    return Err(ServerError::Peer {
+                        peer: from.id.to_string(),
+                        reason: "a block of its session copy is missing or fails its checks".into(),
+                    })
+                }
+            };
+            state.tiers().put_fetched(&b, m.priority)?;
+        }
+    }
+    state.tiers().persist(&id, &m.keys, m.tail).await?;
+    let limits = state.session_limits(ns);
+    let st = state.clone();
+    let kept = state.io().run(None, move || st.sessions().put_replica(st.tiers().session_pins(), m, &limits)).await?;
+    match kept {
+        Ok(_) | Err(ServerError::VersionConflict { .. }) => {
+            ::metrics::counter!("kvtier_session_adopted_total").increment(1);
+            Ok(())
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Drops the owners' copies of a session, in the background (best effort: a copy that stays
+/// expires with its TTL).
+pub fn drop_elsewhere(peers: &Arc<PeerTier>, ns: Namespace, id: String) {
+    let peers = peers.clone();
+    tokio::spawn(async move {
+        let p = peers.placement();
+        let calls = owners(&peers, &p, &ns.id(), &id).into_iter().take(peers.rf() + 1).map(|i| {
+            let member = &p.members()[i];
+            let (peers, ns, id) = (&peers, &ns, &id);
+            async move {
+                if let Err(e) = peers.bounded(member, peers.transport().session_drop(member, ns, id, u64::MAX)).await {
+                    peers.failed(member, "session", &e);
+                }
+            }
+        });
+        futures::future::join_all(calls).await;
+    });
+}
+
+/// Re-replication: after every membership change (and again while copies are missing), each
+/// session this node holds is checked against its first `rf` live owners, and the copies they
+/// lack are made; a newer copy found there is adopted. Ends when `stop` turns true.
+pub async fn repair_loop(state: Arc<NodeState>, mut stop: watch::Receiver<bool>) {
+    let Some(peers) = replicating(&state).cloned() else { return };
+    let mut members = peers.members();
+    let mut incomplete = false;
+    loop {
+        tokio::select! {
+            _ = crate::stopped(&mut stop) => return,
+            changed = members.changed() => if changed.is_err() { return },
+            _ = tokio::time::sleep(REPAIR_RETRY), if incomplete => {}
+        }
+        // Let a burst of changes (a node leaving and coming back) settle into one pass.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        members.borrow_and_update();
+        incomplete = !repair_pass(&state, &peers).await;
+    }
+}
+
+/// One pass over (up to [`REPAIR_BATCH`]) sessions held here; true if every copy is in place.
+pub async fn repair_pass(state: &Arc<NodeState>, peers: &Arc<PeerTier>) -> bool {
+    let sessions: Vec<SessionManifest> = state.sessions().list(None).into_iter().take(REPAIR_BATCH).collect();
+    let results: Vec<bool> = futures::stream::iter(sessions)
+        .map(|m| repair_one(state, peers, m))
+        .buffer_unordered(REPAIR_CONCURRENCY)
+        .collect()
+        .await;
+    results.into_iter().all(|ok| ok)
+}
+
+async fn repair_one(state: &Arc<NodeState>, peers: &Arc<PeerTier>, m: SessionManifest) -> bool {
+    let Ok(ns) = state.namespace(&m.namespace) else { return true };
+    let p = peers.placement();
+    // The first `rf` live owners, less this node.
+    let all = owners(peers, &p, &m.namespace, &m.id);
+    let mine = p.owners(&m.namespace, &session_key(&m.id), peers.rf());
+    let here = mine.iter().any(|&i| p.members()[i].id == *peers.local());
+    let want = peers.rf() - usize::from(here);
+    let mut ok = true;
+    for &i in all.iter().take(want) {
+        let member = &p.members()[i];
+        let theirs = match peers.bounded(member, peers.transport().session_get(member, &ns, &m.id)).await {
+            Ok(t) => t,
+            Err(e) => {
+                peers.failed(member, "session", &e);
+                ok = false;
+                continue;
+            }
+        };
+        match theirs {
+            Some(t) if t.version == m.version => {}
+            Some(t) if t.version > m.version => {
+                if let Err(e) = adopt(state, peers, member, &ns, t).await {
+                    tracing::warn!(session = %m.id, peer = %member.id, "could not adopt a newer copy: {e}");
+                    ok = false;
+                }
+                return ok;
+            }
+            _ => match copy_to(state, peers, member, &ns, &m).await {
+                Ok(()) => ::metrics::counter!("kvtier_session_recopied_total").increment(1),
+                Err(e) => {
+                    peers.failed(member, "session", &e);
+                    tracing::warn!(session = %m.id, peer = %member.id, "session copy not re-made: {e}");
+                    ok = false;
+                }
+            },
+        }
+    }
+    ok
+}
+
+/// A session as a `SessionReplica` call carries it, and its TTL in ms.
+pub fn manifest_to_pb(m: &SessionManifest, now: Instant) -> (pb::SessionManifest, u64) {
+    (m.to_pb(now), m.ttl.as_millis() as u64)
+}
+
+/// The session a `SessionReplica` call carries (its size in bytes is recomputed by the node
+/// that keeps it).
+pub fn manifest_from_pb(
+    ns: NamespaceId,
+    m: &pb::SessionManifest,
+    ttl_ms: u64,
+    now: Instant,
+) -> Result<SessionManifest, ServerError> {
+    let info = m.info.as_ref().ok_or_else(|| ServerError::InvalidRequest("a session copy without info".into()))?;
+    let key = |b: &[u8]| BlockKey::try_from(b).map_err(ServerError::from);
+    let keys = m.keys.iter().map(|k| key(k)).collect::<Result<Vec<_>, _>>()?;
+    let tail = if m.tail_key.is_empty() { None } else { Some(key(&m.tail_key)?) };
+    if info.session_id.is_empty() || info.session_id.len() > 256 {
+        return Err(ServerError::InvalidRequest("session_id must be 1..=256 bytes".into()));
+    }
+    let ttl = Duration::from_millis(ttl_ms);
+    Ok(SessionManifest {
+        namespace: ns,
+        id: info.session_id.clone(),
+        keys,
+        tail,
+        token_count: info.token_count,
+        ttl,
+        expires_at: now + Duration::from_millis(info.expires_in_ms).min(ttl),
+        priority: Priority::from_u32(info.priority),
+        version: info.version,
+        bytes: info.bytes,
+    })
+}

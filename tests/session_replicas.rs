@@ -1,0 +1,268 @@
+//! Replicated sessions between real `kvtier serve` processes sharing a real `redis-server` on
+//! loopback (`cluster_rf = 2`): a park is acknowledged once two nodes hold it; a node killed
+//! with SIGKILL under load loses no acknowledged session (each resumes, exact bytes, from any
+//! other node); a rolling restart of every node — each coming back empty — loses none either,
+//! because the copies are re-made after each membership change; a resume anywhere sees the
+//! newest version; a drop reaches the copies; and only the operator may touch a node's copies.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use kvtier_client::{ClientError, KvClient, NamespaceHandle, ParkOptions};
+use kvtier_proto::pb;
+use kvtier_tests::redis::Redis;
+use kvtier_tests::*;
+
+const IDS: [&str; 3] = ["n1", "n2", "n3"];
+
+fn config(redis: &Redis, dir: &std::path::Path, id: &str, extra: &str) -> std::path::PathBuf {
+    let cfg = dir.join(format!("{id}.toml"));
+    std::fs::write(
+        &cfg,
+        format!(
+            "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\ncluster_rf = 2\npeer_timeout = \"1s\"\n{extra}",
+            redis.url()
+        ),
+    )
+    .unwrap();
+    cfg
+}
+
+/// A DRAM-only node (a restart starts it empty).
+fn node(redis: &Redis, dir: &std::path::Path, id: &str) -> ServerProcess {
+    let cfg = config(redis, dir, id, "");
+    ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"])
+}
+
+fn until_members(nodes: &[&ServerProcess], n: f64) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    for s in nodes {
+        while metric(&s.scrape(), "kvtier_membership_members", &[]) != n {
+            assert!(Instant::now() < deadline, "the nodes did not see {n} members");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+fn cluster(redis: &Redis, dir: &std::path::Path) -> Vec<ServerProcess> {
+    let nodes: Vec<ServerProcess> = IDS.iter().map(|id| node(redis, dir, id)).collect();
+    until_members(&nodes.iter().collect::<Vec<_>>(), 3.0);
+    nodes
+}
+
+async fn handle(c: &KvClient) -> NamespaceHandle {
+    c.register(namespace("agents", b"replicas", small_layout())).await.unwrap()
+}
+
+/// Session `i`'s tokens (a few blocks and a tail) and every block's bytes.
+fn session(ns: &NamespaceHandle, i: u32) -> (Vec<u32>, Vec<Bytes>) {
+    let toks = tokens(1000 + i, 16 * 5 + 7);
+    let blocks = session_payloads(ns, &toks);
+    (toks, blocks)
+}
+
+/// How many nodes hold each session (their own copies, from `ListSessions` on each).
+async fn copies(clients: &[&KvClient]) -> HashMap<String, usize> {
+    let mut out = HashMap::new();
+    for c in clients {
+        for s in c.list_sessions(None).await.unwrap() {
+            *out.entry(s.id).or_insert(0) += 1;
+        }
+    }
+    out
+}
+
+async fn until_every_session_has_two_copies(clients: &[&KvClient], n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let c = copies(clients).await;
+        if c.len() == n && c.values().all(|&k| k >= 2) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "copies not re-made: {c:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acknowledged_sessions_survive_a_node_killed_under_load() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let mut nodes = cluster(&redis, dir.path());
+    let c1 = nodes[0].client().await;
+    let ns1 = handle(&c1).await;
+    const N: u32 = 12;
+    for i in 0..N {
+        let (toks, blocks) = session(&ns1, i);
+        let info = c1.park(&ns1, &format!("s{i}"), &toks, &blocks, &ParkOptions::default(), 0).await.unwrap();
+        assert_eq!(info.version, 1);
+    }
+    // Acknowledged means two nodes hold each one already (n1 and at least one other).
+    let (c2, c3) = (nodes[1].client().await, nodes[2].client().await);
+    let held = copies(&[&c1, &c2, &c3]).await;
+    assert_eq!(held.len(), N as usize);
+    assert!(held.values().all(|&k| k >= 2), "{held:?}");
+
+    // Load on n1 while it dies: a client keeps storing and loading blocks through it.
+    let load = {
+        let c = nodes[0].client().await;
+        let ns = handle(&c).await;
+        tokio::spawn(async move {
+            let mut i = 0u32;
+            let t = Instant::now();
+            while t.elapsed() < Duration::from_secs(3) {
+                let toks = tokens(50_000 + i, 16 * 4);
+                let p = full_block_payloads(&ns, &toks);
+                if c.store(&ns, &toks, &p).await.is_ok() {
+                    if let Ok(got) = c.load(&ns, &toks).await {
+                        assert!(got.iter().zip(&p).all(|(g, p)| g.is_empty() || g == p), "wrong bytes under load");
+                    }
+                }
+                i += 1;
+            }
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let _ = nodes[0].child.kill();
+    let _ = nodes[0].child.wait();
+    load.await.unwrap();
+
+    // Every acknowledged session resumes, exact bytes, through either survivor, at once (before
+    // n1's TTL has even run out of the membership).
+    let (ns2, ns3) = (handle(&c2).await, handle(&c3).await);
+    for i in 0..N {
+        let (c, ns) = if i % 2 == 0 { (&c2, &ns2) } else { (&c3, &ns3) };
+        let t = Instant::now();
+        let r = c.resume(ns, &format!("s{i}")).await.unwrap_or_else(|e| panic!("s{i}: {e}"));
+        assert!(t.elapsed() < Duration::from_secs(3), "resume of s{i} took {:?}", t.elapsed());
+        assert_eq!(r.info.version, 1);
+        assert!(r.blocks == session(ns, i).1, "s{i}: wrong bytes");
+    }
+    // A session nobody parked is still not found, promptly.
+    let err = c2.resume(&ns2, "never-parked").await.unwrap_err();
+    assert!(matches!(err, ClientError::SessionNotFound(_)), "{err}");
+    assert!(nodes[1].alive() && nodes[2].alive());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_restart_of_every_node_loses_no_parked_session() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let mut nodes = cluster(&redis, dir.path());
+    const N: u32 = 9;
+    {
+        // Parked through all three nodes in turn.
+        for i in 0..N {
+            let c = nodes[i as usize % 3].client().await;
+            let ns = handle(&c).await;
+            let (toks, blocks) = session(&ns, i);
+            c.park(&ns, &format!("r{i}"), &toks, &blocks, &ParkOptions::default(), 0).await.unwrap();
+        }
+    }
+    for k in 0..3 {
+        // A graceful stop, then the node comes back with nothing (a fresh data directory).
+        let pid = rustix::process::Pid::from_raw(nodes[k].child.id() as i32).unwrap();
+        rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
+        let _ = nodes[k].child.wait();
+        nodes[k] = node(&redis, dir.path(), IDS[k]);
+        until_members(&nodes.iter().collect::<Vec<_>>(), 3.0);
+        let clients = [nodes[0].client().await, nodes[1].client().await, nodes[2].client().await];
+        until_every_session_has_two_copies(&clients.iter().collect::<Vec<_>>(), N as usize).await;
+    }
+    // Nothing lost: every session resumes, exact bytes, from every node.
+    for (j, n) in nodes.iter().enumerate() {
+        let c = n.client().await;
+        let ns = handle(&c).await;
+        for i in 0..N {
+            let r = c.resume(&ns, &format!("r{i}")).await.unwrap_or_else(|e| panic!("r{i} on {}: {e}", IDS[j]));
+            assert!(r.blocks == session(&ns, i).1, "r{i} on {}: wrong bytes", IDS[j]);
+        }
+    }
+    let recopied: f64 = nodes.iter().map(|n| metric(&n.scrape(), "kvtier_session_recopied_total", &[])).sum();
+    assert!(recopied > 0.0, "the copies were re-made by re-replication");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resume_anywhere_sees_the_newest_version_and_a_drop_reaches_the_copies() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let nodes = cluster(&redis, dir.path());
+    let clients = [nodes[0].client().await, nodes[1].client().await, nodes[2].client().await];
+    let ns: Vec<NamespaceHandle> =
+        futures::future::join_all(clients.iter().map(|c| async move { handle(c).await })).await;
+    let turn1 = tokens(77, 16 * 3);
+    let b1 = session_payloads(&ns[0], &turn1);
+    clients[0].park(&ns[0], "agent", &turn1, &b1, &ParkOptions::default(), 0).await.unwrap();
+
+    // Turn 2 on n2 (it adopts version 1 on resume, then extends it to 2), turn 3 on n3.
+    let mut turn2 = turn1.clone();
+    turn2.extend(tokens(78, 16 * 2));
+    let b2 = session_payloads(&ns[1], &turn2);
+    assert_eq!(clients[1].resume(&ns[1], "agent").await.unwrap().info.version, 1);
+    let info = clients[1].extend(&ns[1], "agent", 1, 3 * 16, &turn2, &b2[3..]).await.unwrap();
+    assert_eq!(info.version, 2);
+    let mut turn3 = turn2.clone();
+    turn3.extend(tokens(79, 9));
+    let b3 = session_payloads(&ns[2], &turn3);
+    assert_eq!(clients[2].resume(&ns[2], "agent").await.unwrap().info.version, 2);
+    let info = clients[2].extend(&ns[2], "agent", 2, 5 * 16, &turn3, &b3[5..]).await.unwrap();
+    assert_eq!(info.version, 3);
+
+    // n1 parked version 1 and was never told of 2 or 3 directly: its resume still answers 3.
+    for (c, ns) in clients.iter().zip(&ns) {
+        let r = c.resume(ns, "agent").await.unwrap();
+        assert_eq!(r.info.version, 3);
+        assert_eq!(r.info.token_count, turn3.len() as u64);
+        assert!(r.blocks == b3, "wrong bytes");
+    }
+
+    // A drop through one node reaches the others' copies.
+    assert!(clients[1].drop_session(&ns[1], "agent").await.unwrap());
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while copies(&clients.iter().collect::<Vec<_>>()).await.contains_key("agent") {
+        assert!(Instant::now() < deadline, "copies outlived the drop");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for (c, ns) in clients.iter().zip(&ns) {
+        let err = c.resume(ns, "agent").await.unwrap_err();
+        assert!(matches!(err, ClientError::SessionNotFound(_)), "{err}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_park_with_too_few_live_nodes_is_not_acknowledged_and_tenants_cannot_touch_copies() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    // One node alone in a cluster that wants two copies.
+    let cfg = config(
+        &redis,
+        dir.path(),
+        "solo",
+        "auth_token = \"operator-secret-0123456789\"\n[[tenants]]\nname = \"agents\"\ntokens = [\"agents-secret-0123456789\"]\n",
+    );
+    let solo = ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"]);
+    let addr = solo.grpc_addr();
+    let connect = |token: &str| {
+        let cfg = kvtier_client::ClientConfig { auth_token: Some(token.into()), ..Default::default() };
+        KvClient::connect(&addr, cfg)
+    };
+    let tenant = connect("agents-secret-0123456789").await.unwrap();
+    let ns = handle(&tenant).await;
+    let (toks, blocks) = session(&ns, 1);
+    let err = tenant.park(&ns, "lonely", &toks, &blocks, &ParkOptions::default(), 0).await.unwrap_err();
+    assert!(err.to_string().contains("held by 1 of 2 nodes"), "{err}");
+
+    // A node's copies answer the operator only.
+    let req = pb::SessionReplicaRequest {
+        namespace_id: Bytes::copy_from_slice(&ns.id.0),
+        session_id: "lonely".into(),
+        ..Default::default()
+    };
+    let err = tenant.session_replica(req.clone()).await.unwrap_err();
+    assert!(err.to_string().to_lowercase().contains("forbidden"), "{err}");
+    let op = connect("operator-secret-0123456789").await.unwrap();
+    let r = op.session_replica(req).await.unwrap();
+    assert!(r.held, "the node keeps its own copy of a park it could not replicate");
+    assert!(solo.scrape().contains("kvtier_session_underreplicated_total"));
+}
