@@ -16,12 +16,12 @@ use kvtier_tests::*;
 
 const IDS: [&str; 3] = ["n1", "n2", "n3"];
 
-fn config(redis: &Redis, dir: &std::path::Path, id: &str, extra: &str) -> std::path::PathBuf {
+fn config(redis: &Redis, dir: &std::path::Path, id: &str, rf: usize, extra: &str) -> std::path::PathBuf {
     let cfg = dir.join(format!("{id}.toml"));
     std::fs::write(
         &cfg,
         format!(
-            "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\ncluster_rf = 2\npeer_timeout = \"1s\"\n{extra}",
+            "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\ncluster_rf = {rf}\npeer_timeout = \"1s\"\n{extra}",
             redis.url()
         ),
     )
@@ -29,10 +29,14 @@ fn config(redis: &Redis, dir: &std::path::Path, id: &str, extra: &str) -> std::p
     cfg
 }
 
-/// A DRAM-only node (a restart starts it empty).
-fn node(redis: &Redis, dir: &std::path::Path, id: &str) -> ServerProcess {
-    let cfg = config(redis, dir, id, "");
+/// A DRAM-only node with `cluster_rf` = `rf` (a restart starts it empty).
+fn node_rf(redis: &Redis, dir: &std::path::Path, id: &str, rf: usize) -> ServerProcess {
+    let cfg = config(redis, dir, id, rf, "");
     ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"])
+}
+
+fn node(redis: &Redis, dir: &std::path::Path, id: &str) -> ServerProcess {
+    node_rf(redis, dir, id, 2)
 }
 
 fn until_members(nodes: &[&ServerProcess], n: f64) {
@@ -239,6 +243,7 @@ async fn a_park_with_too_few_live_nodes_is_not_acknowledged_and_tenants_cannot_t
         &redis,
         dir.path(),
         "solo",
+        2,
         "auth_token = \"operator-secret-0123456789\"\n[[tenants]]\nname = \"agents\"\ntokens = [\"agents-secret-0123456789\"]\n",
     );
     let solo = ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"]);
@@ -265,4 +270,39 @@ async fn a_park_with_too_few_live_nodes_is_not_acknowledged_and_tenants_cannot_t
     let r = op.session_replica(req).await.unwrap();
     assert!(r.held, "the node keeps its own copy of a park it could not replicate");
     assert!(solo.scrape().contains("kvtier_session_underreplicated_total"));
+}
+
+/// With `cluster_rf` = 1 a session has one copy, and it follows the agent: a resume on another
+/// node moves it there (exact bytes), and the old node's copy goes, so it can't go stale.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_one_copy_a_session_moves_to_the_node_that_resumes_it() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let n1 = node_rf(&redis, dir.path(), "n1", 1);
+    let n2 = node_rf(&redis, dir.path(), "n2", 1);
+    until_members(&[&n1, &n2], 2.0);
+    let (c1, c2) = (n1.client().await, n2.client().await);
+    let (ns1, ns2) = (handle(&c1).await, handle(&c2).await);
+    let (toks, blocks) = session(&ns1, 5);
+    c1.park(&ns1, "mover", &toks, &blocks, &ParkOptions::default(), 0).await.unwrap();
+    let r = c2.resume(&ns2, "mover").await.unwrap();
+    assert!(r.blocks == blocks, "wrong bytes after the move");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let (on1, on2) = (c1.list_sessions(None).await.unwrap().len(), c2.list_sessions(None).await.unwrap().len());
+        if (on1, on2) == (0, 1) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "copies on n1, n2: {on1}, {on2}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Extended on n2, then resumed on n1 again: n1 gets the new version, not its old one.
+    let mut turn2 = toks.clone();
+    turn2.extend(tokens(6, 40));
+    let b2 = session_payloads(&ns2, &turn2);
+    let info = c2.extend(&ns2, "mover", 1, 5 * 16, &turn2, &b2[5..]).await.unwrap();
+    assert_eq!(info.version, 2);
+    let r = c1.resume(&ns1, "mover").await.unwrap();
+    assert_eq!(r.info.version, 2);
+    assert!(r.blocks == b2, "wrong bytes after the second move");
 }

@@ -543,7 +543,7 @@ fn main() -> anyhow::Result<()> {
                 let pb = bar(trace.events.len() as u64, "trace");
                 pb.set_message(format!("{} cache {f}× docs", m.name));
                 let cfg = ReplayConfig { model: *m, scale, gpu, link, cache_fraction: f };
-                let r = rt.block_on(replay::replay(&s.grpc_addr, &trace, &cfg, cap, &pb))?;
+                let r = rt.block_on(replay::replay(std::slice::from_ref(&s.grpc_addr), &trace, &cfg, cap, &pb))?;
                 pb.finish_and_clear();
                 drop(s);
                 results.push(r);

@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use kvtier_client::{ClientConfig, KvClient, ParkOptions};
-use kvtier_proto::{BlockKey, DType, HashScheme, KvLayout, Namespace};
+use kvtier_proto::{pb, BlockKey, DType, HashScheme, KvLayout, Namespace};
 use serde::Serialize;
 
 use crate::model::{Codec, Gpu, Link, Model};
@@ -115,6 +115,10 @@ pub struct TierHits {
 #[derive(Debug, Clone, Serialize)]
 pub struct ReplayResult {
     pub model: &'static str,
+    /// Nodes the replicas were spread over (1: one shared node).
+    pub nodes: usize,
+    /// Full-size bytes the nodes fetched from each other (their peer tiers' bytes in).
+    pub bytes_between_nodes: f64,
     pub gpu: &'static str,
     pub link: &'static str,
     pub scale: u64,
@@ -155,9 +159,12 @@ pub struct ReplayConfig {
     pub cache_fraction: f64,
 }
 
-/// Replays `trace` against the server at `addr` (whose DRAM cap the caller sized).
+/// Replays `trace` against the servers at `addrs` (whose DRAM caps the caller sized): one node,
+/// or the nodes of a cluster, replica `r`'s requests going to node `r % n`; a session parks on
+/// node `session % n`, resumes where the trace's replica for that turn runs, and is extended
+/// and dropped there.
 pub async fn replay(
-    addr: &str,
+    addrs: &[String],
     trace: &Trace,
     cfg: &ReplayConfig,
     dram_cap: u64,
@@ -165,22 +172,35 @@ pub async fn replay(
 ) -> anyhow::Result<ReplayResult> {
     let wall = Instant::now();
     let layout = replay_layout(&cfg.model, cfg.scale)?;
-    let client = KvClient::connect(addr, ClientConfig { data_connections: 4, ..Default::default() }).await?;
-    let ns = client
-        .register(Namespace::new(
-            "bench",
-            format!("{} bytes/{}", cfg.model.name, cfg.scale),
-            layout,
-            HashScheme::Blake3,
-            b"trace",
-        ))
-        .await?;
+    anyhow::ensure!(!addrs.is_empty(), "no server to replay against");
+    let mut clients = Vec::with_capacity(addrs.len());
+    let mut handles = Vec::with_capacity(addrs.len());
+    for addr in addrs {
+        let c = KvClient::connect(addr, ClientConfig { data_connections: 4, ..Default::default() }).await?;
+        let ns = c
+            .register(Namespace::new(
+                "bench",
+                format!("{} bytes/{}", cfg.model.name, cfg.scale),
+                layout,
+                HashScheme::Blake3,
+                b"trace",
+            ))
+            .await?;
+        clients.push(c);
+        handles.push(ns);
+    }
+    let node_count = addrs.len() as u32;
+    let ns = handles[0].clone();
     let block = Bytes::from(vec![0x5au8; layout.block_bytes() as usize]);
     let bpt = cfg.model.kv_bytes_per_token(Codec::Bf16);
-    let before = client.stats().await?;
+    let before = cluster_stats(&clients).await?;
+    // Where each session is now (the node its last park, extend or resume went to).
+    let mut at: HashMap<u32, usize> = HashMap::new();
 
     let mut r = ReplayResult {
         model: cfg.model.name,
+        nodes: addrs.len(),
+        bytes_between_nodes: 0.0,
         gpu: cfg.gpu.name,
         link: cfg.link.name,
         scale: cfg.scale,
@@ -229,13 +249,14 @@ pub async fn replay(
     for e in &trace.events {
         match e.op {
             Op::Prefix { replica, doc, suffix_tokens, request } => {
+                let (client, ns) = (&clients[(replica % node_count) as usize], &handles[(replica % node_count) as usize]);
                 let toks = request_tokens(trace, doc, suffix_tokens, request);
                 let keys = ns.keys(&toks);
-                let hit = client.lookup_keys(&ns, &keys).await?;
+                let hit = client.lookup_keys(ns, &keys).await?;
                 let mut loaded = 0;
                 if hit > 0 {
                     let t = Instant::now();
-                    let frames = client.load_keys(&ns, &keys[..hit]).await?;
+                    let frames = client.load_keys(ns, &keys[..hit]).await?;
                     load_secs += t.elapsed().as_secs_f64();
                     loaded = frames.iter().take_while(|f| f.is_some()).count();
                     load_bytes += frames.iter().flatten().map(|f| f.payload.len() as u64).sum::<u64>();
@@ -262,21 +283,27 @@ pub async fn replay(
                 account(hit_tokens as f64, toks.len() as f64, &mut saved, &mut cold, &mut r);
             }
             Op::Park { session, tokens: n } => {
+                let node = (session % node_count) as usize;
+                at.insert(session, node);
+                let (client, ns) = (&clients[node], &handles[node]);
                 let toks: Vec<u32> = tokens(session_stream(session), 0, n).collect();
                 let blocks = session_blocks(&layout, &block, 0, n);
                 store_bytes += blocks.iter().map(|b| b.len() as u64).sum::<u64>();
-                match client.park(&ns, &format!("s{session}"), &toks, &blocks, &ParkOptions::default(), 0).await {
+                match client.park(ns, &format!("s{session}"), &toks, &blocks, &ParkOptions::default(), 0).await {
                     Ok(info) => {
                         sessions.insert(session, (info.version, n));
                     }
                     Err(_) => r.park_failures += 1,
                 }
             }
-            Op::Resume { session, .. } => {
+            Op::Resume { session, replica } => {
+                let node = (replica % node_count) as usize;
+                at.insert(session, node);
+                let (client, ns) = (&clients[node], &handles[node]);
                 r.resumes += 1;
                 let total = sessions.get(&session).map(|s| s.1).unwrap_or(0);
                 let t = Instant::now();
-                match client.resume(&ns, &format!("s{session}")).await {
+                match client.resume(ns, &format!("s{session}")).await {
                     Ok(res) => {
                         load_secs += t.elapsed().as_secs_f64();
                         load_bytes += res.blocks.iter().map(|b| b.len() as u64).sum::<u64>();
@@ -296,20 +323,22 @@ pub async fn replay(
                 }
             }
             Op::Extend { session, tokens: n } => {
+                let node = at.get(&session).copied().unwrap_or((session % node_count) as usize);
+                let (client, ns) = (&clients[node], &handles[node]);
                 let toks: Vec<u32> = tokens(session_stream(session), 0, n).collect();
                 let id = format!("s{session}");
                 let ok = match sessions.get(&session).copied() {
                     Some((version, prev)) => {
                         let blocks = session_blocks(&layout, &block, prev, n);
                         store_bytes += blocks.iter().map(|b| b.len() as u64).sum::<u64>();
-                        client.extend(&ns, &id, version, prev as usize, &toks, &blocks).await.ok()
+                        client.extend(ns, &id, version, prev as usize, &toks, &blocks).await.ok()
                     }
                     None => {
                         // Lost earlier: the engine recomputed it and parks it afresh.
-                        let _ = client.drop_session(&ns, &id).await;
+                        let _ = client.drop_session(ns, &id).await;
                         let blocks = session_blocks(&layout, &block, 0, n);
                         store_bytes += blocks.iter().map(|b| b.len() as u64).sum::<u64>();
-                        client.park(&ns, &id, &toks, &blocks, &ParkOptions::default(), 0).await.ok()
+                        client.park(ns, &id, &toks, &blocks, &ParkOptions::default(), 0).await.ok()
                     }
                 };
                 match ok {
@@ -323,16 +352,19 @@ pub async fn replay(
                 }
             }
             Op::Drop { session } => {
-                let _ = client.drop_session(&ns, &format!("s{session}")).await;
+                let node = at.remove(&session).unwrap_or((session % node_count) as usize);
+                let _ = clients[node].drop_session(&handles[node], &format!("s{session}")).await;
                 sessions.remove(&session);
             }
         }
         pb.inc(1);
     }
-    let after = client.stats().await?;
-    for t in &after.tiers {
-        let b = before.tiers.iter().find(|x| x.tier == t.tier);
-        let hits = t.hits - b.map(|x| x.hits).unwrap_or(0);
+    let after = cluster_stats(&clients).await?;
+    let peer_in = |s: &[pb::TierStats]| s.iter().filter(|t| t.tier == "peer").map(|t| t.bytes_in).sum::<u64>();
+    r.bytes_between_nodes = (peer_in(&after) - peer_in(&before)) as f64 * cfg.scale as f64;
+    for t in merged(&after) {
+        let b = merged(&before).into_iter().find(|x| x.tier == t.tier);
+        let hits = t.hits - b.as_ref().map(|x| x.hits).unwrap_or(0);
         let misses = t.misses - b.map(|x| x.misses).unwrap_or(0);
         r.tiers.push(TierHits {
             tier: t.tier.clone(),
@@ -349,9 +381,36 @@ pub async fn replay(
     r.ttft_saved_mean_s = saved.iter().sum::<f64>() / saved.len().max(1) as f64;
     r.ttft_saved_median_s = median(saved);
     r.ttft_cold_mean_s = cold.iter().sum::<f64>() / cold.len().max(1) as f64;
-    let _ = client.purge(&ns).await;
+    for c in &clients {
+        let _ = c.purge(&ns).await;
+    }
     r.wall_s = wall.elapsed().as_secs_f64();
     Ok(r)
+}
+
+/// Every node's tier counters (one list, node after node).
+async fn cluster_stats(clients: &[KvClient]) -> anyhow::Result<Vec<pb::TierStats>> {
+    let mut out = Vec::new();
+    for c in clients {
+        out.extend(c.stats().await?.tiers);
+    }
+    Ok(out)
+}
+
+/// Tier counters summed over nodes, one entry per tier.
+fn merged(stats: &[pb::TierStats]) -> Vec<pb::TierStats> {
+    let mut out: Vec<pb::TierStats> = Vec::new();
+    for t in stats {
+        match out.iter_mut().find(|x| x.tier == t.tier) {
+            Some(x) => {
+                x.hits += t.hits;
+                x.misses += t.misses;
+                x.bytes_in += t.bytes_in;
+            }
+            None => out.push(t.clone()),
+        }
+    }
+    out
 }
 
 /// Payloads of a session's full blocks from token `from` (rounded down to a block) to `to`, then

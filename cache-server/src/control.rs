@@ -163,19 +163,29 @@ impl ControlPlane {
         Ok(m)
     }
 
-    /// In a cluster that replicates sessions: if an owner of the session holds a newer copy
-    /// than this node (or this node has none), adopts it, so the resume answers with the newest
-    /// version any reachable owner has. Waits at most `CHECK_WAIT` when this node has a copy,
-    /// `peer_timeout` when it has none; a failure leaves this node's copy (or none) in place.
+    /// In a cluster: if this node has no copy of the session, adopts the newest copy another
+    /// member holds (with any `cluster_rf`: a session parked with rf = 1 moves to the node the
+    /// agent resumes on); with `cluster_rf` >= 2, also when an owner holds a newer copy than
+    /// this node's, so the resume answers with the newest version any reachable owner has. Waits
+    /// at most `CHECK_WAIT` when this node has a copy, `peer_timeout` when it has none; a
+    /// failure leaves this node's copy (or none) in place.
     async fn adopt_newer_copy(&self, ns: &Namespace, id: &str) {
-        let Some(peers) = replicas::replicating(&self.state) else { return };
+        let Some(peers) = self.state.tiers().peers() else { return };
         let local = self.state.sessions().peek(ns.id(), id).map_or(0, |m| m.version);
+        if local > 0 && peers.rf() < 2 {
+            return;
+        }
         let wait = if local > 0 { replicas::CHECK_WAIT.min(peers.timeout()) } else { peers.timeout() };
         let Some((from, m)) = replicas::newest_elsewhere(peers, ns, id, local, wait).await else { return };
         let version = m.version;
-        if let Err(e) = replicas::adopt(&self.state, peers, &from, ns, m).await {
-            tracing::warn!(session = id, peer = %from.id, version, "could not adopt the session's newer copy: {e}");
-            ::metrics::counter!("kvtier_session_adopt_failures_total").increment(1);
+        match replicas::adopt(&self.state, peers, &from, ns, m).await {
+            // With one copy per session, the session moves: the old node's copy would go stale.
+            Ok(()) if peers.rf() < 2 => replicas::drop_copy(peers, from, ns.clone(), id.to_string(), version),
+            Ok(()) => {}
+            Err(e) => {
+                tracing::warn!(session = id, peer = %from.id, version, "could not adopt the session's newer copy: {e}");
+                ::metrics::counter!("kvtier_session_adopt_failures_total").increment(1);
+            }
         }
     }
 

@@ -723,6 +723,13 @@ impl PeerTier {
         self.cfg.timeout
     }
 
+    /// Counts `bytes` of blocks received from a peer outside [`PeerTier::fetch`] (a session
+    /// copy adopted), as the tier's bytes in.
+    pub(crate) fn received(&self, bytes: u64) {
+        bump(&self.counters.bytes_in, bytes);
+        ::metrics::counter!("kvtier_tier_bytes_in_total", "tier" => "peer").increment(bytes);
+    }
+
     /// The network to the peers.
     pub(crate) fn transport(&self) -> &dyn PeerTransport {
         self.transport.as_ref()

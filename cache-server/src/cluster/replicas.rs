@@ -176,8 +176,10 @@ async fn send_blocks(
 }
 
 /// The newest copy of session `id` the owners hold, if newer than `local_version` (0: none
-/// here): the owners are asked at once, each given at most `wait`; a peer that fails is
-/// skipped for a while, one that is merely slower than `wait` is not.
+/// here): the first `rf + 1` owners are asked at once — every member (up to [`MAX_RF`]) when
+/// this node has no copy, since with `rf` = 1 a session stays on the node that parked it —
+/// each given at most `wait`; a peer that fails is skipped for a while, one that is merely
+/// slower than `wait` is not.
 pub async fn newest_elsewhere(
     peers: &PeerTier,
     ns: &Namespace,
@@ -186,7 +188,8 @@ pub async fn newest_elsewhere(
     wait: Duration,
 ) -> Option<(Member, SessionManifest)> {
     let p = peers.placement();
-    let ask: Vec<&Member> = owners(peers, &p, &ns.id(), id).into_iter().take(peers.rf() + 1).map(|i| &p.members()[i]).collect();
+    let n = if local_version == 0 { MAX_RF } else { peers.rf() + 1 };
+    let ask: Vec<&Member> = owners(peers, &p, &ns.id(), id).into_iter().take(n).map(|i| &p.members()[i]).collect();
     let calls = ask.iter().map(|&member| async move {
         let call = peers.bounded(member, peers.transport().session_get(member, ns, id));
         match tokio::time::timeout(wait, call).await {
@@ -239,6 +242,7 @@ pub async fn adopt(
                     })
                 }
             };
+            peers.received(b.payload.len() as u64);
             state.tiers().put_fetched(&b, m.priority)?;
         }
     }
@@ -271,6 +275,17 @@ pub fn drop_elsewhere(peers: &Arc<PeerTier>, ns: Namespace, id: String) {
             }
         });
         futures::future::join_all(calls).await;
+    });
+}
+
+/// Drops `member`'s copy of a session up to `version`, in the background (a session adopted
+/// with `cluster_rf` = 1 moves rather than being copied).
+pub fn drop_copy(peers: &Arc<PeerTier>, member: Member, ns: Namespace, id: String, version: u64) {
+    let peers = peers.clone();
+    tokio::spawn(async move {
+        if let Err(e) = peers.bounded(&member, peers.transport().session_drop(&member, &ns, &id, version)).await {
+            peers.failed(&member, "session", &e);
+        }
     });
 }
 
