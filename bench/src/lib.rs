@@ -5,11 +5,13 @@
 //! Pure parts (tested): [`stats`], [`model`] (KV bytes, prefill FLOPs, GPUs, links, planner),
 //! [`trace`] (deterministic Zipf workload). Measuring parts: [`limits`], [`blocks`], [`replay`],
 //! [`contention`] (tail latency while sessions park), [`samenode`] (registered buffers beside
-//! memcpy and TCP), [`tls`] (the data plane over TLS beside plain TCP),
+//! memcpy and TCP), [`tls`] (the data plane over TLS beside plain TCP), [`cluster`] (1–3 nodes:
+//! cross-node loads, the trace over a cluster),
 //! with real server processes from [`servers`] and the Python side from [`pydriver`]; output
 //! through [`report`] and [`plot`].
 
 pub mod blocks;
+pub mod cluster;
 pub mod contention;
 pub mod limits;
 pub mod model;

@@ -37,6 +37,10 @@ enum What {
     /// The data plane over TLS (client certificates) beside plain TCP and the loopback limit,
     /// same run. Not part of `all`.
     Tls,
+    /// 1, 2 and 3 nodes sharing a real redis-server: cross-node loads beside local loads and
+    /// loopback TCP, and the trace with its replicas over 3 nodes beside one shared node. Not
+    /// part of `all`.
+    Cluster,
     /// Capacity planner (pure arithmetic, no servers).
     Plan,
 }
@@ -506,6 +510,36 @@ fn main() -> anyhow::Result<()> {
         println!("{table}");
         std::fs::write(out.join("contention.md"), &table)?;
         std::fs::write(out.join("contention.json"), serde_json::to_string_pretty(&rows)?)?;
+        return Ok(());
+    }
+
+    if a.what == What::Cluster {
+        let bin = servers::find_kvtier(a.kvtier_bin.as_deref())?;
+        let redis_bin = servers::find_redis(a.redis_bin.as_deref()).map_err(anyhow::Error::msg)?;
+        let dir = data_dir.join("cluster");
+        let blocks_n = if quick { 64 } else { 256 };
+        let loads = kvtier_bench::cluster::loads(&bin, &redis_bin, &dir, &out, blocks_n, runs)?;
+        let tcfg = if quick {
+            TraceConfig { seed: a.seed, prefix_requests: 150, sessions: 8, turns: 3, docs: 48, ..Default::default() }
+        } else {
+            TraceConfig { seed: a.seed, prefix_requests: 400, sessions: 24, turns: 4, docs: 64, ..Default::default() }
+        };
+        let trace = Trace::generate(&tcfg);
+        let scale = a.scale.unwrap_or(if quick { 1024 } else { 256 });
+        let m = models(&a.model)?[0];
+        let layout = replay::replay_layout(&m, scale)?;
+        let (docs, sessions) = replay::working_set(&trace, &layout);
+        // Half the distinct documents fit, in total, in every set-up.
+        let cap = (0.5 * docs as f64) as u64 + (sessions as f64 / 0.85) as u64 + (48 << 20);
+        let cfg = ReplayConfig { model: m, scale, gpu, link, cache_fraction: 0.5 };
+        let replays = kvtier_bench::cluster::replays(&bin, &redis_bin, &dir, &out, &trace, &cfg, cap)?;
+        let table = kvtier_bench::cluster::table(&loads, &replays);
+        println!(
+            "{table}\nTrace: {} replicas over the nodes, {} documents, {} prefix requests, {} sessions × {} turns; {} bytes/token scaled 1/{scale}; total DRAM the same in every set-up (half the documents' KV plus the sessions' peak). The nodes share this machine's 2 cores.",
+            tcfg.replicas, tcfg.docs, tcfg.prefix_requests, tcfg.sessions, tcfg.turns, m.name
+        );
+        std::fs::write(out.join("cluster.md"), &table)?;
+        std::fs::write(out.join("cluster.json"), serde_json::to_string_pretty(&json!({ "loads": loads, "replays": replays }))?)?;
         return Ok(());
     }
 

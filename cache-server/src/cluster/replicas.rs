@@ -222,8 +222,15 @@ pub async fn adopt(
     let id = ns.id();
     let mut keys = m.keys.clone();
     keys.extend(m.tail);
-    let held = state.tiers().exists(&id, &keys);
-    let missing: Vec<BlockKey> = keys.iter().zip(held).filter(|(_, h)| !h).map(|(k, _)| *k).collect();
+    // Every block is held in DRAM from the moment it is here until the manifest pins it, so
+    // fetching the later blocks can't evict the earlier ones.
+    let mut hold = DramHold { state, ns: id, keys: Vec::with_capacity(keys.len()) };
+    let mut missing = Vec::new();
+    for k in &keys {
+        if !hold.add(k) {
+            missing.push(*k);
+        }
+    }
     for chunk in missing.chunks(ADOPT_CHUNK_KEYS) {
         let got = peers.bounded(from, peers.transport().get(from, ns, chunk)).await?;
         if got.len() != chunk.len() {
@@ -244,6 +251,12 @@ pub async fn adopt(
             };
             peers.received(b.payload.len() as u64);
             state.tiers().put_fetched(&b, m.priority)?;
+            if !hold.add(k) {
+                return Err(ServerError::Capacity(format!(
+                    "no room to hold session {:?}'s blocks while it is adopted",
+                    m.id
+                )));
+            }
         }
     }
     state.tiers().persist(&id, &m.keys, m.tail).await?;
@@ -256,6 +269,32 @@ pub async fn adopt(
             Ok(())
         }
         Err(e) => Err(e),
+    }
+}
+
+/// Blocks held in DRAM (lease pins) while a session copy is adopted; let go when dropped.
+struct DramHold<'a> {
+    state: &'a NodeState,
+    ns: NamespaceId,
+    keys: Vec<BlockKey>,
+}
+
+impl DramHold<'_> {
+    /// Holds `key` if DRAM has it; false if it does not (or can't pin more).
+    fn add(&mut self, key: &BlockKey) -> bool {
+        let ok = self.state.tiers().pin_lease(&self.ns, key).is_ok();
+        if ok {
+            self.keys.push(*key);
+        }
+        ok
+    }
+}
+
+impl Drop for DramHold<'_> {
+    fn drop(&mut self) {
+        for k in &self.keys {
+            self.state.tiers().unpin_lease(&self.ns, k);
+        }
     }
 }
 
