@@ -17,6 +17,9 @@
 //!   that declines a borrow that would push a link past its bandwidth budget.
 //! - [`codec`]: FP8 E4M3 kernels as CUDA C for NVRTC, written to be byte-identical to
 //!   `kvtier_kernels` (checked on a GPU by the ignored tests; not yet run).
+//! - [`mover`]: one-sided bulk movers ([`mover::BulkMover`]) into a peer's leased slot, by its
+//!   `(addr, rkey, len)` descriptor: an in-process loopback fabric, and RDMA verbs behind the
+//!   `rdma` feature (no device at run time: [`AgentError::NoRdmaDevice`], use TCP/QUIC).
 //! - [`AgentError`]: the crate's one error type.
 //!
 //! Not here yet: NVFP4 and rotated (`+had`) kernels, a node-level pool that carries out the
@@ -27,6 +30,7 @@
 pub mod codec;
 pub mod device;
 mod error;
+pub mod mover;
 pub mod pipeline;
 pub mod policy;
 pub mod pool;

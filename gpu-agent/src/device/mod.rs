@@ -245,8 +245,8 @@ impl HostBuffer {
         &self.inner
     }
 
-    /// The start of the memory, for a DMA engine (the CUDA backend).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    /// The start of the memory, for a DMA engine (the CUDA backend, an RDMA NIC) and the
+    /// address a bulk mover's slot descriptor names.
     pub(crate) fn addr(&self) -> usize {
         self.inner.addr
     }
