@@ -37,11 +37,12 @@ impl LoopbackFabric {
     /// The registered buffer holding `window` entirely, as a NIC would resolve it.
     fn resolve(&self, window: &SlotDescriptor) -> Result<(HostBuffer, usize)> {
         let regions = self.regions.lock();
-        let buf =
-            regions.get(&window.rkey).ok_or_else(|| AgentError::RemoteAccess(format!("unknown rkey {:#x}", window.rkey)))?;
+        let buf = regions
+            .get(&window.rkey)
+            .ok_or_else(|| AgentError::RemoteAccess(format!("unknown rkey {:#x}", window.rkey)))?;
         let base = buf.addr() as u64;
-        let inside =
-            window.addr >= base && window.addr.checked_add(window.len).is_some_and(|end| end <= base + buf.len() as u64);
+        let inside = window.addr >= base
+            && window.addr.checked_add(window.len).is_some_and(|end| end <= base + buf.len() as u64);
         if !inside {
             return Err(AgentError::RemoteAccess(format!(
                 "{:#x}+{} is outside the region of rkey {:#x}",
@@ -198,7 +199,8 @@ mod tests {
         let arena = lessor.register(&HostBuffer::new(64 << 10)).unwrap();
         let slot = SlotDescriptor::decode(&lessor.describe(&arena, 8 << 10, 4096).unwrap().encode()).unwrap();
         let client = LoopbackMover::new(&fabric);
-        let staging = client.register(&HostBuffer::from_vec((0..8192u32).map(|i| (i * 7 + 3) as u8).collect())).unwrap();
+        let staging =
+            client.register(&HostBuffer::from_vec((0..8192u32).map(|i| (i * 7 + 3) as u8).collect())).unwrap();
         (fabric, lessor, arena, slot, client, staging)
     }
 

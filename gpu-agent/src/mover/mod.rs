@@ -139,7 +139,9 @@ impl EndpointDescriptor {
         let u32_at = |o: usize| u32::from_le_bytes([bytes[o], bytes[o + 1], bytes[o + 2], bytes[o + 3]]);
         let (qpn, psn) = (u32_at(4), u32_at(8));
         if qpn >= 1 << 24 || psn >= 1 << 24 || bytes[14..16] != [0, 0] {
-            return Err(AgentError::BadDescriptor(format!("endpoint qpn {qpn:#x} / psn {psn:#x} / padding out of range")));
+            return Err(AgentError::BadDescriptor(format!(
+                "endpoint qpn {qpn:#x} / psn {psn:#x} / padding out of range"
+            )));
         }
         let mut gid = [0u8; 16];
         gid.copy_from_slice(&bytes[16..32]);
@@ -303,8 +305,10 @@ mod tests {
             assert!(matches!(EndpointDescriptor::decode(&bad), Err(AgentError::BadDescriptor(_))), "byte {at}");
         }
         // A slot descriptor is not an endpoint.
-        assert!(EndpointDescriptor::decode(&[SlotDescriptor { addr: 1, rkey: 2, len: 3 }.encode(), [0; 24]].concat()[..32])
-            .is_err());
+        assert!(EndpointDescriptor::decode(
+            &[SlotDescriptor { addr: 1, rkey: 2, len: 3 }.encode(), [0; 24]].concat()[..32]
+        )
+        .is_err());
     }
 
     #[test]
@@ -314,7 +318,11 @@ mod tests {
         assert_eq!(s.window(40, 60).unwrap(), SlotDescriptor { addr: 1040, rkey: 3, len: 60 });
         assert_eq!(s.window(100, 0).unwrap().len, 0);
         for (off, len) in [(0, 101), (1, 100), (101, 0), (u64::MAX, 2), (50, u64::MAX)] {
-            assert_eq!(s.window(off, len), Err(AgentError::OutsideLease { offset: off, len, slot: 100 }), "{off}+{len}");
+            assert_eq!(
+                s.window(off, len),
+                Err(AgentError::OutsideLease { offset: off, len, slot: 100 }),
+                "{off}+{len}"
+            );
         }
         let local = HostBuffer::new(10);
         assert!(matches!(check_move(&local, 5, &s, 0, 6), Err(AgentError::OutOfBounds { .. })));
@@ -343,7 +351,10 @@ mod tests {
             wr_id: 5,
             result: Err(AgentError::RemoteAccess("bad rkey".into())),
         }]])));
-        assert_eq!(wait_completion(&q, 5, "test", Duration::from_secs(5)), Err(AgentError::RemoteAccess("bad rkey".into())));
+        assert_eq!(
+            wait_completion(&q, 5, "test", Duration::from_secs(5)),
+            Err(AgentError::RemoteAccess("bad rkey".into()))
+        );
     }
 
     #[test]
