@@ -646,9 +646,11 @@ mod tests {
     #[test]
     fn device_headers_match_the_cpu_codec() {
         for codec in [CodecId::FP8_E4M3, CodecId::FP8_E4M3_HAD, CodecId::NVFP4, CodecId::NVFP4_HAD] {
-            for (dtype, order, hd) in
-                [(DType::Bf16, MemoryOrder::LayerFirst, 24), (DType::Fp16, MemoryOrder::BlockFirst, 17), (DType::Fp32, MemoryOrder::LayerFirst, 64)]
-            {
+            for (dtype, order, hd) in [
+                (DType::Bf16, MemoryOrder::LayerFirst, 24),
+                (DType::Fp16, MemoryOrder::BlockFirst, 17),
+                (DType::Fp32, MemoryOrder::LayerFirst, 64),
+            ] {
                 let mut spec = BlockSpec::new(2, 3, 2, hd, dtype);
                 spec.order = order;
                 let bytes = vec![0x11u8; spec.byte_len()];

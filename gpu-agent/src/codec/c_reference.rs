@@ -167,8 +167,7 @@ fn run(op: &str, spec: &BlockSpec, seed: u16, rotate: bool, input: &[u8]) -> Opt
         seed.to_string(),
         u32::from(rotate).to_string(),
     ];
-    let mut child =
-        Command::new(driver()).args(&args).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    let mut child = Command::new(driver()).args(&args).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
     let mut stdin = child.stdin.take().unwrap();
     let data = input.to_vec();
     let writer = std::thread::spawn(move || stdin.write_all(&data));

@@ -195,17 +195,13 @@ impl RdmaDevice {
             unsafe { ibv_destroy_cq(cq) };
             return Err(e);
         }
+        // SAFETY: `qp` was just created and is live.
+        let qpn = unsafe { (*qp).qp_num };
         let mover = RdmaMover {
             dev: d.clone(),
             cq,
             qp,
-            // SAFETY: `qp` is live.
-            local: EndpointDescriptor {
-                qpn: unsafe { (*qp).qp_num },
-                psn: psn_for(qp as usize),
-                lid: d.lid,
-                gid: d.gid,
-            },
+            local: EndpointDescriptor { qpn, psn: psn_for(qp as usize), lid: d.lid, gid: d.gid },
             state: Mutex::new(State::Reset),
             next_wr: AtomicU64::new(1),
         };
