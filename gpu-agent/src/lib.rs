@@ -43,6 +43,6 @@ pub use device::{
 pub use error::{AgentError, Result};
 
 #[cfg(feature = "cuda")]
-pub use device::cuda::{CudaDevice, CudaEventHandle, CudaStreamHandle};
+pub use device::cuda::{gpu_report, CudaDevice, CudaEventHandle, CudaStreamHandle};
 pub use pipeline::{LayerPipeline, LoadHandle, SaveReport};
 pub use pool::{Capacity, MemorySpill, PagePool, PoolConfig, PoolStats, Spill, SpilledBlock};

@@ -37,6 +37,9 @@ use crate::codec::{
 use crate::error::{AgentError, Result};
 use kvtier_proto::{CodecId, MemoryOrder};
 
+mod report;
+pub use report::gpu_report;
+
 fn driver(op: &'static str) -> impl Fn(result::DriverError) -> AgentError {
     move |e| AgentError::Driver { op, detail: e.to_string() }
 }
