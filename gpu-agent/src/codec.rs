@@ -214,12 +214,6 @@ __device__ __forceinline__ u32 kv_plane_of_row(u64 r, u32 tokens, u32 heads, u32
     return (u32)(r / ((u64)tokens * heads));
 }
 
-// The first row of its plane (token 0, head 0).
-__device__ __forceinline__ u32 kv_first_of_plane(u64 r, u32 tokens, u32 heads, u32 planes, u32 block_first) {
-    if (block_first) return (u32)(r < (u64)planes * heads && r % heads == 0u);
-    return (u32)(r % ((u64)tokens * heads) == 0u);
-}
-
 // The rotation chunk (power of two, largest first: the binary digits of hd) holding channel i.
 __device__ __forceinline__ void kv_chunk_of(u32 i, u32 hd, u32* off, u32* n) {
     u32 o = 0u;

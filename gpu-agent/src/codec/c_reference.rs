@@ -318,3 +318,36 @@ fn c_helpers_refuse_what_kvtier_kernels_refuses() {
         }
     }
 }
+
+/// Declarations of the CUDA names the kernels use, for a syntax and type check of the whole NVRTC
+/// program as C++ (argument counts and types of every call, undeclared names, typos) on a
+/// machine without NVRTC.
+const CUDA_DECLARATIONS: &str = r#"
+#define __device__
+#define __forceinline__ inline
+#define __global__
+#define __shared__
+struct KvDim3 { unsigned x, y, z; };
+extern KvDim3 threadIdx, blockIdx, blockDim;
+unsigned __float_as_uint(float); float __uint_as_float(unsigned);
+float __fdiv_rn(float, float); float __fmul_rn(float, float); float __fadd_rn(float, float);
+float __fsub_rn(float, float); float __fsqrt_rn(float);
+float rintf(float); float fminf(float, float); float fmaxf(float, float);
+void __syncwarp(); unsigned __shfl_xor_sync(unsigned, unsigned, int); int __any_sync(unsigned, int);
+unsigned atomicOr(unsigned*, unsigned); unsigned atomicMax(unsigned*, unsigned);
+"#;
+
+#[test]
+fn the_whole_cuda_program_type_checks_as_cpp() {
+    let dir = std::env::temp_dir().join(format!("kvtier-agent-cuda-syntax-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = dir.join("kernels.cpp");
+    std::fs::write(&src, [CUDA_DECLARATIONS, &super::cuda_source()].concat()).unwrap();
+    let out = Command::new("c++")
+        .args(["-std=c++17", "-fsyntax-only", "-Wall", "-Wextra", "-Werror"])
+        .arg(&src)
+        .output()
+        .expect("this check needs the system C++ compiler `c++`");
+    assert!(out.status.success(), "the CUDA program does not type-check:\n{}", String::from_utf8_lossy(&out.stderr));
+    let _ = std::fs::remove_dir_all(dir);
+}
