@@ -136,6 +136,44 @@ impl CudaDevice {
         self.inner.ctx.name().map_err(driver("cuDeviceGetName"))
     }
 
+    /// Exports `range` of device memory as a dma-buf file descriptor, so that a NIC can register
+    /// the device pages themselves (GPUDirect RDMA: `mover::rdma::RdmaDevice::register_dmabuf`,
+    /// feature `rdma`). [`AgentError::Unsupported`] where the GPU or driver has no dma-buf export
+    /// (it needs the open kernel modules); the driver also refuses ranges that are not page-aligned.
+    pub fn export_dmabuf(&self, range: DeviceRange) -> Result<std::os::fd::OwnedFd> {
+        let ptr = self.range_ptr(&range, "dma-buf")?;
+        self.bind()?;
+        let supported = self
+            .inner
+            .ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED)
+            .map_err(driver("cuDeviceGetAttribute"))?;
+        if supported == 0 {
+            return Err(AgentError::Unsupported(format!("GPU {} cannot export dma-buf handles", self.inner.ordinal)));
+        }
+        let mut fd: std::ffi::c_int = -1;
+        // SAFETY: `ptr..ptr + len` is a checked range of a live allocation of the bound context;
+        // `fd` is a valid place for the driver to write a descriptor.
+        unsafe {
+            sys::cuMemGetHandleForAddressRange(
+                (&mut fd as *mut std::ffi::c_int).cast(),
+                ptr,
+                range.len,
+                sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                0,
+            )
+        }
+        .result()
+        .map_err(|e| match e.0 {
+            sys::CUresult::CUDA_ERROR_NOT_SUPPORTED => {
+                AgentError::Unsupported(format!("dma-buf export on GPU {}: {e}", self.inner.ordinal))
+            }
+            _ => driver("cuMemGetHandleForAddressRange")(e),
+        })?;
+        // SAFETY: the driver returned a new descriptor that nothing else owns.
+        Ok(unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) })
+    }
+
     fn bind(&self) -> Result<()> {
         self.inner.ctx.bind_to_thread().map_err(driver("cuCtxSetCurrent"))
     }
@@ -601,6 +639,19 @@ mod tests {
     #[ignore = "needs an NVIDIA GPU (CUDA driver)"]
     fn fp8_kernels_match_kvtier_kernels_byte_for_byte() {
         super::super::conformance::fp8_codec_matches_kvtier_kernels(&CudaDevice::new(0).unwrap());
+    }
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU (CUDA driver)"]
+    fn device_pages_export_as_dma_buf_or_say_unsupported() {
+        let dev = CudaDevice::new(0).unwrap();
+        let buf = dev.alloc(2 << 20).unwrap();
+        match dev.export_dmabuf(buf.all()) {
+            Ok(fd) => assert!(std::os::fd::AsRawFd::as_raw_fd(&fd) >= 0),
+            Err(AgentError::Unsupported(why)) => eprintln!("dma-buf: {why}"),
+            Err(other) => panic!("expected a dma-buf fd or Unsupported, got {other:?}"),
+        }
+        dev.free(buf).unwrap();
     }
 
     #[test]

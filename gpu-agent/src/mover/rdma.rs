@@ -209,13 +209,22 @@ impl RdmaDevice {
         Ok(mover)
     }
 
-    /// Registers `len` bytes at `offset` of a dma-buf (device pages a GPU driver exported, e.g.
-    /// with `cuMemGetHandleForAddressRange`), at remote address `iova`, so that peers can move
-    /// into and out of device memory directly. [`AgentError::Unsupported`] where the kernel, the
-    /// NIC driver or the GPU driver cannot (the caller then stages through host memory).
-    pub fn register_dmabuf(&self, fd: i32, offset: u64, len: usize, iova: u64) -> Result<RdmaDmabufRegion> {
+    /// Registers `len` bytes at `offset` of a dma-buf (device pages a GPU driver exported: with
+    /// the `cuda` feature, `CudaDevice::export_dmabuf`), at remote address `iova`, so that peers
+    /// can move into and out of device memory directly. The registration keeps its own reference
+    /// to the dma-buf; `fd` may be closed afterwards. [`AgentError::Unsupported`] where the kernel,
+    /// the NIC driver or the GPU driver cannot (the caller then stages through host memory).
+    pub fn register_dmabuf(
+        &self,
+        fd: std::os::fd::BorrowedFd<'_>,
+        offset: u64,
+        len: usize,
+        iova: u64,
+    ) -> Result<RdmaDmabufRegion> {
         let access = access_flags();
-        // SAFETY: the PD is live; the kernel checks the fd, range and access.
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&fd);
+        // SAFETY: the PD is live; `fd` is an open descriptor for the call; the kernel checks that it
+        // is a dma-buf, and the range and access.
         let mr = unsafe { ibv_reg_dmabuf_mr(self.inner.pd, offset, len, iova, fd, access) };
         if mr.is_null() {
             let e = std::io::Error::last_os_error();
