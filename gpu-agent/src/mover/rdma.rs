@@ -570,28 +570,38 @@ impl BulkMover for RdmaMover {
 mod tests {
     use super::*;
 
-    /// Runs everywhere: on a machine without an RDMA device opening one is `NoRdmaDevice`, never
-    /// a panic; with one, a loopback connection (a mover connected to a second mover of the same
-    /// device) moves bytes.
+    /// Runs everywhere: on a machine without an RDMA device opening one is `NoRdmaDevice`, never a
+    /// panic; an unknown name is the same error.
     #[test]
-    fn no_device_is_an_error_or_a_device_moves_bytes() {
+    fn no_device_is_a_clear_error() {
         match RdmaDevice::open(None) {
             Err(AgentError::NoRdmaDevice(why)) => {
                 assert!(why.contains("ibv_get_device_list") || why.contains("no RDMA devices"), "{why}");
-                eprintln!("no RDMA device here: {why}");
+                assert!(AgentError::NoRdmaDevice(why).to_string().contains("TCP/QUIC"));
             }
             Err(other) => panic!("expected NoRdmaDevice, got {other:?}"),
-            Ok(dev) => {
-                let (a, b) = (dev.mover().unwrap(), dev.mover().unwrap());
-                a.connect(&b.endpoint()).unwrap();
-                b.connect(&a.endpoint()).unwrap();
-                let arena = b.register(&HostBuffer::new(8192)).unwrap();
-                let slot = b.describe(&arena, 4096, 4096).unwrap();
-                let src = a.register(&HostBuffer::from_vec((0..4096u32).map(|i| i as u8).collect())).unwrap();
-                a.write(&src, 0, &slot, 0, 4096, Duration::from_secs(5)).unwrap();
-                assert_eq!(&arena.buffer().to_vec()[4096..], &src.buffer().to_vec()[..]);
-            }
+            Ok(dev) => assert!(!dev.name().is_empty()),
         }
         assert!(matches!(RdmaDevice::open(Some("no-such-device")), Err(AgentError::NoRdmaDevice(_))));
+    }
+
+    /// Two movers of one device connected to each other (an active port needed): a WRITE into a
+    /// leased slot and a READ back, exact bytes; a move past the lease is refused before posting.
+    #[test]
+    #[ignore = "needs an RDMA device with an active port"]
+    fn loopback_connection_moves_bytes() {
+        let dev = RdmaDevice::open(None).unwrap();
+        let (a, b) = (dev.mover().unwrap(), dev.mover().unwrap());
+        a.connect(&b.endpoint()).unwrap();
+        b.connect(&a.endpoint()).unwrap();
+        let arena = b.register(&HostBuffer::new(8192)).unwrap();
+        let slot = SlotDescriptor::decode(&b.describe(&arena, 4096, 4096).unwrap().encode()).unwrap();
+        let src = a.register(&HostBuffer::from_vec((0..8192u32).map(|i| (i * 13) as u8).collect())).unwrap();
+        let t = Duration::from_secs(5);
+        a.write(&src, 0, &slot, 0, 4096, t).unwrap();
+        assert_eq!(&arena.buffer().to_vec()[4096..], &src.buffer().to_vec()[..4096]);
+        a.read(&slot, 100, &src, 4096, 1000, t).unwrap();
+        assert_eq!(&src.buffer().to_vec()[4096..5096], &src.buffer().to_vec()[100..1100]);
+        assert!(matches!(a.write(&src, 0, &slot, 4000, 200, t), Err(AgentError::OutsideLease { .. })));
     }
 }
