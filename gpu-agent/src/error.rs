@@ -76,6 +76,30 @@ pub enum AgentError {
     /// A configuration value is out of range (see the setter's doc).
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// No RDMA device can be used (the `rdma` feature is off, no verbs provider, or no device):
+    /// bulk moves take the TCP/QUIC path instead.
+    #[error("no RDMA device: {0}; use the TCP/QUIC path")]
+    NoRdmaDevice(String),
+    /// A verbs call failed (opening the device, registering memory, connecting, posting).
+    #[error("RDMA error in {op}: {detail}")]
+    Rdma { op: &'static str, detail: String },
+    /// The peer refused a one-sided access: unknown rkey, or a range outside the memory it
+    /// registered (the NIC's remote access error).
+    #[error("remote access refused: {0}")]
+    RemoteAccess(String),
+    /// A one-sided move is outside the leased slot its descriptor names.
+    #[error("move of {len} bytes at offset {offset} is outside the leased slot of {slot} bytes")]
+    OutsideLease { offset: u64, len: u64, slot: u64 },
+    /// A slot or endpoint descriptor from a peer does not decode.
+    #[error("bad descriptor: {0}")]
+    BadDescriptor(String),
+    /// A bulk move did not complete in time. The mover is then broken (its queue pair flushed):
+    /// reconnect or use the TCP/QUIC path.
+    #[error("{op} did not complete within {waited_ms} ms")]
+    Timeout { op: &'static str, waited_ms: u64 },
+    /// The driver or hardware cannot do this (e.g. registering device pages through dma-buf).
+    #[error("unsupported: {0}")]
+    Unsupported(String),
 }
 
 impl From<CodecError> for AgentError {

@@ -15,18 +15,25 @@
 //!   [`Spill`] target, pins for live sessions, loads into engine pages as device-to-device copies.
 //! - [`policy`]: pure policy (time passed in, no I/O): borrowing HBM from peer GPUs and the rule
 //!   that declines a borrow that would push a link past its bandwidth budget.
-//! - [`codec`]: FP8 E4M3 kernels as CUDA C for NVRTC, written to be byte-identical to
-//!   `kvtier_kernels` (checked on a GPU by the ignored tests; not yet run).
+//! - [`codec`]: FP8 E4M3, NVFP4 and their rotated (`+had`) forms as CUDA C for NVRTC, written to
+//!   be byte-identical to `kvtier_kernels`: their arithmetic is compiled as C and matched byte for
+//!   byte in every test run; the kernels themselves are checked on a GPU by the ignored tests and
+//!   `scripts/gpu-check` (not yet run on a GPU).
+//! - [`mover`]: one-sided bulk movers ([`mover::BulkMover`]) into a peer's leased slot, by its
+//!   `(addr, rkey, len)` descriptor: an in-process loopback fabric, and RDMA verbs behind the
+//!   `rdma` feature (no device at run time: [`AgentError::NoRdmaDevice`], use TCP/QUIC).
 //! - [`AgentError`]: the crate's one error type.
 //!
-//! Not here yet: NVFP4 and rotated (`+had`) kernels, a node-level pool that carries out the
-//! borrowing policy's decisions by itself (the policy and peer copies exist; `tests/borrow.rs`
-//! wires them by hand), RDMA, KV events to the server, the same-node [`Spill`] implementation and
-//! the `kvtier agent` command.
+//! Not here yet: a node-level pool that carries out the borrowing policy's decisions by itself
+//! (the policy and peer copies exist; `tests/borrow.rs` wires them by hand), KV events to the
+//! server, the same-node [`Spill`] implementation, the `kvtier agent` command, and a server-side
+//! lease protocol that hands out [`mover::SlotDescriptor`]s (the movers exist; nothing calls them
+//! yet).
 
 pub mod codec;
 pub mod device;
 mod error;
+pub mod mover;
 pub mod pipeline;
 pub mod policy;
 pub mod pool;
@@ -39,6 +46,6 @@ pub use device::{
 pub use error::{AgentError, Result};
 
 #[cfg(feature = "cuda")]
-pub use device::cuda::{CudaDevice, CudaEventHandle, CudaStreamHandle};
+pub use device::cuda::{gpu_report, CudaDevice, CudaEventHandle, CudaStreamHandle};
 pub use pipeline::{LayerPipeline, LoadHandle, SaveReport};
 pub use pool::{Capacity, MemorySpill, PagePool, PoolConfig, PoolStats, Spill, SpilledBlock};

@@ -160,3 +160,93 @@ pub(crate) fn fp8_codec_matches_kvtier_kernels<D: Device>(dev: &D) {
     assert!(matches!(dev.launch_codec(&s, &op), Err(AgentError::Codec(_))));
     dev.free(buf).unwrap();
 }
+
+/// Every codec with a kernel (FP8, FP8+had, NVFP4, NVFP4+had), launched by id: the body is the CPU
+/// codec's payload after its header, decoding the CPU's body gives the CPU's bytes, in both memory
+/// orders, every dtype and head dims that are and are not multiples of 16 and powers of two. Bad
+/// input sets the status word; head dims past the kernels' limit are refused.
+pub(crate) fn codecs_by_id_match_kvtier_kernels<D: Device>(dev: &D) {
+    use crate::codec::{device_body_len, payload_header, MAX_DEVICE_HEAD_DIM};
+    use kvtier_proto::MemoryOrder;
+    let s = dev.new_stream().unwrap();
+    let codecs = [CodecId::FP8_E4M3, CodecId::FP8_E4M3_HAD, CodecId::NVFP4, CodecId::NVFP4_HAD];
+    let shapes = [
+        (DType::Bf16, 128u16, MemoryOrder::LayerFirst),
+        (DType::Fp16, 64, MemoryOrder::BlockFirst),
+        (DType::Fp32, 96, MemoryOrder::LayerFirst),
+        (DType::Bf16, 40, MemoryOrder::BlockFirst),
+        (DType::Fp16, 576, MemoryOrder::LayerFirst),
+    ];
+    for (i, (dtype, hd, order)) in shapes.into_iter().enumerate() {
+        let mut spec = BlockSpec::new(3, 16, 4, hd, dtype);
+        spec.order = order;
+        let bytes = random_block(&spec, i as u64 + 11);
+        for codec in codecs {
+            let seed = 0x4B56 ^ i as u16;
+            let cpu = kvtier_kernels::Codec::new(codec)
+                .with_rotation_seed(seed)
+                .encode(&KvBlockView::new(spec, &bytes).unwrap())
+                .unwrap();
+            assert_eq!(&cpu[..32], &payload_header(codec, &spec, seed).unwrap()[..]);
+            let body_len = device_body_len(codec, &spec).unwrap();
+            let (src, body, out, status) = (
+                dev.alloc(bytes.len()).unwrap(),
+                dev.alloc(body_len).unwrap(),
+                dev.alloc(bytes.len()).unwrap(),
+                dev.alloc(16).unwrap(),
+            );
+            dev.write_sync(src.all(), &bytes).unwrap();
+            let st = status.range(0, 4);
+            let enc =
+                CodecOp::Encode { codec, rotation_seed: seed, spec, src: src.all(), body: body.all(), status: st };
+            dev.launch_codec(&s, &enc).unwrap();
+            dev.wait(&dev.record(&s).unwrap()).unwrap();
+            let what = format!("{} {dtype:?} hd {hd} {order:?}", codec.name());
+            assert_eq!(dev.read_sync(st).unwrap(), [0; 4], "{what}: encode status");
+            assert!(dev.read_sync(body.all()).unwrap() == cpu[32..], "{what}: encoded body differs");
+            dev.write_sync(body.all(), &cpu[32..]).unwrap();
+            let dec =
+                CodecOp::Decode { codec, rotation_seed: seed, spec, body: body.all(), out: out.all(), status: st };
+            dev.launch_codec(&s, &dec).unwrap();
+            dev.wait(&dev.record(&s).unwrap()).unwrap();
+            let want = kvtier_kernels::decode(codec, &cpu, &spec).unwrap();
+            assert_eq!(dev.read_sync(st).unwrap(), [0; 4], "{what}: decode status");
+            assert!(dev.read_sync(out.all()).unwrap() == want, "{what}: decoded bytes differ");
+            // An infinity in one row: flagged by every codec.
+            let mut bad = bytes.clone();
+            let es = dtype.size() as usize;
+            let inf: Vec<u8> = match dtype {
+                DType::Fp32 => f32::INFINITY.to_le_bytes().to_vec(),
+                DType::Fp16 => half::f16::INFINITY.to_bits().to_le_bytes().to_vec(),
+                _ => half::bf16::INFINITY.to_bits().to_le_bytes().to_vec(),
+            };
+            bad[7 * es..8 * es].copy_from_slice(&inf);
+            dev.write_sync(src.all(), &bad).unwrap();
+            dev.launch_codec(&s, &enc).unwrap();
+            dev.wait(&dev.record(&s).unwrap()).unwrap();
+            assert_ne!(dev.read_sync(st).unwrap(), [0; 4], "{what}: Inf not flagged");
+            for b in [src, body, out, status] {
+                dev.free(b).unwrap();
+            }
+        }
+    }
+    // Refused: a codec without a kernel, a head dim past the limit, a wrong body length.
+    let buf = dev.alloc(1 << 20).unwrap();
+    let spec = BlockSpec::new(1, 1, 1, 16, DType::Bf16);
+    let op = |codec, spec: BlockSpec, body_len| CodecOp::Encode {
+        codec,
+        rotation_seed: 0,
+        spec,
+        src: buf.range(0, spec.byte_len()),
+        body: buf.range(1 << 19, body_len),
+        status: buf.range((1 << 20) - 16, 4),
+    };
+    let lz4 = op(CodecId::NVFP4_LZ4, spec, 64);
+    assert!(matches!(dev.launch_codec(&s, &lz4), Err(AgentError::Codec(m)) if m.contains("no device kernel")));
+    let wide = BlockSpec::new(1, 1, 1, (MAX_DEVICE_HEAD_DIM + 16) as u16, DType::Bf16);
+    let too_wide = op(CodecId::NVFP4, wide, device_body_len(CodecId::NVFP4, &wide).unwrap());
+    assert!(matches!(dev.launch_codec(&s, &too_wide), Err(AgentError::Codec(m)) if m.contains("head_dim")));
+    let short = op(CodecId::NVFP4_HAD, spec, device_body_len(CodecId::NVFP4_HAD, &spec).unwrap() - 1);
+    assert!(matches!(dev.launch_codec(&s, &short), Err(AgentError::Codec(m)) if m.contains("body")));
+    dev.free(buf).unwrap();
+}

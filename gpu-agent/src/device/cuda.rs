@@ -15,8 +15,10 @@
 //! - IPC: an engine's exported allocation is opened with `cuIpcOpenMemHandle` (lazy peer
 //!   access) into the same handle table and closed by `free`. The driver refuses handles the same
 //!   process exported, so this path needs the engine in another process (not in these tests).
-//! - Codec kernels: [`crate::codec::FP8_CUDA_SRC`] compiled by NVRTC on first use, with precise
-//!   division and no FMA contraction.
+//! - Codec kernels: [`crate::codec::cuda_source`] (FP8, NVFP4 and their `+had` forms) compiled by
+//!   NVRTC on first use, with precise division and no FMA contraction; [`Device::launch_codec`]
+//!   picks the kernels by codec id (NVFP4 encodes are three launches: plane amaxes, block scales
+//!   and codes, global scales).
 
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
@@ -29,8 +31,14 @@ use super::{
     check_lengths, check_no_overlap, CodecOp, Device, DeviceBuf, DeviceOrdinal, DeviceRange, HostBuffer, HostRange,
     IpcHandle, MemInfo, Registration,
 };
-use crate::codec::{kernel_dtype, FP8_CUDA_SRC, FP8_DECODE_KERNEL, FP8_ENCODE_KERNEL, FP8_ROWS_PER_BLOCK};
+use crate::codec::{
+    cuda_source, kernel_dtype, FP8_DECODE_KERNEL, FP8_ENCODE_KERNEL, FP8_ROWS_PER_BLOCK, QUANT_KERNELS,
+};
 use crate::error::{AgentError, Result};
+use kvtier_proto::{CodecId, MemoryOrder};
+
+mod report;
+pub use report::gpu_report;
 
 fn driver(op: &'static str) -> impl Fn(result::DriverError) -> AgentError {
     move |e| AgentError::Driver { op, detail: e.to_string() }
@@ -83,6 +91,8 @@ unsafe fn release(ptr: CUdeviceptr, imported: bool) -> std::result::Result<(), r
 struct Kernels {
     encode: CudaFunction,
     decode: CudaFunction,
+    /// [`QUANT_KERNELS`], in that order.
+    quant: Vec<CudaFunction>,
 }
 
 impl Drop for Inner {
@@ -124,6 +134,44 @@ impl CudaDevice {
     /// The device's name as the driver reports it.
     pub fn name(&self) -> Result<String> {
         self.inner.ctx.name().map_err(driver("cuDeviceGetName"))
+    }
+
+    /// Exports `range` of device memory as a dma-buf file descriptor, so that a NIC can register
+    /// the device pages themselves (GPUDirect RDMA: `mover::rdma::RdmaDevice::register_dmabuf`,
+    /// feature `rdma`). [`AgentError::Unsupported`] where the GPU or driver has no dma-buf export
+    /// (it needs the open kernel modules); the driver also refuses ranges that are not page-aligned.
+    pub fn export_dmabuf(&self, range: DeviceRange) -> Result<std::os::fd::OwnedFd> {
+        let ptr = self.range_ptr(&range, "dma-buf")?;
+        self.bind()?;
+        let supported = self
+            .inner
+            .ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED)
+            .map_err(driver("cuDeviceGetAttribute"))?;
+        if supported == 0 {
+            return Err(AgentError::Unsupported(format!("GPU {} cannot export dma-buf handles", self.inner.ordinal)));
+        }
+        let mut fd: std::ffi::c_int = -1;
+        // SAFETY: `ptr..ptr + len` is a checked range of a live allocation of the bound context;
+        // `fd` is a valid place for the driver to write a descriptor.
+        unsafe {
+            sys::cuMemGetHandleForAddressRange(
+                (&mut fd as *mut std::ffi::c_int).cast(),
+                ptr,
+                range.len,
+                sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                0,
+            )
+        }
+        .result()
+        .map_err(|e| match e.0 {
+            sys::CUresult::CUDA_ERROR_NOT_SUPPORTED => {
+                AgentError::Unsupported(format!("dma-buf export on GPU {}: {e}", self.inner.ordinal))
+            }
+            _ => driver("cuMemGetHandleForAddressRange")(e),
+        })?;
+        // SAFETY: the driver returned a new descriptor that nothing else owns.
+        Ok(unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) })
     }
 
     fn bind(&self) -> Result<()> {
@@ -170,12 +218,16 @@ impl CudaDevice {
                     fmad: Some(false),
                     ..Default::default()
                 };
-                let ptx = cudarc::nvrtc::compile_ptx_with_opts(FP8_CUDA_SRC, opts)
+                let ptx = cudarc::nvrtc::compile_ptx_with_opts(cuda_source(), opts)
                     .map_err(|e| AgentError::Driver { op: "nvrtcCompileProgram", detail: e.to_string() })?;
                 let module = self.inner.ctx.load_module(ptx).map_err(driver("cuModuleLoadData"))?;
                 Ok(Kernels {
                     encode: module.load_function(FP8_ENCODE_KERNEL).map_err(driver("cuModuleGetFunction"))?,
                     decode: module.load_function(FP8_DECODE_KERNEL).map_err(driver("cuModuleGetFunction"))?,
+                    quant: QUANT_KERNELS
+                        .iter()
+                        .map(|k| module.load_function(k).map_err(driver("cuModuleGetFunction")))
+                        .collect::<Result<_>>()?,
                 })
             })
             .as_ref()
@@ -423,32 +475,86 @@ impl Device for CudaDevice {
     fn launch_codec(&self, stream: &CudaStreamHandle, op: &CodecOp) -> Result<()> {
         self.check_stream(stream)?;
         let (rows, hd) = op.validate()?;
-        let (spec, input, output, status) = match *op {
-            CodecOp::Fp8Encode { spec, src, body, status } => (spec, src, body, status),
-            CodecOp::Fp8Decode { spec, body, out, status } => (spec, body, out, status),
-        };
+        let (codec, seed, spec, ..) = op.parts();
+        let [input, output, status] = op.buffers();
         let (i, o, st) =
             (self.range_ptr(&input, "codec")?, self.range_ptr(&output, "codec")?, self.range_ptr(&status, "codec")?);
         let dtype =
-            kernel_dtype(spec.dtype).ok_or_else(|| AgentError::Codec(format!("no FP8 kernel for {:?}", spec.dtype)))?;
+            kernel_dtype(spec.dtype).ok_or_else(|| AgentError::Codec(format!("no kernel for {:?}", spec.dtype)))?;
         let k = self.kernels()?;
-        let func = match op {
-            CodecOp::Fp8Encode { .. } => &k.encode,
-            CodecOp::Fp8Decode { .. } => &k.decode,
-        };
-        let (rows32, hd32) = (rows as u32, hd as u32);
+        let (rows32, hd32, seed32) = (rows as u32, hd as u32, u32::from(seed));
+        let (tokens, heads) = (spec.tokens, u32::from(spec.kv_heads));
+        let block_first = u32::from(spec.order == MemoryOrder::BlockFirst);
+        let planes = spec.planes() as u32;
         let blocks = rows32.div_ceil(FP8_ROWS_PER_BLOCK);
-        let cfg =
-            LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (32 * FP8_ROWS_PER_BLOCK, 1, 1), shared_mem_bytes: 0 };
+        // One f32 row per warp in shared memory (validate caps head_dim for these kernels).
+        let smem = FP8_ROWS_PER_BLOCK * hd32 * 4;
+        let cfg = |shared_mem_bytes: u32| LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (32 * FP8_ROWS_PER_BLOCK, 1, 1),
+            shared_mem_bytes,
+        };
+        let cu = stream.stream.cu_stream();
         self.bind()?;
         // SAFETY: `st` is 4 checked bytes of a live allocation.
-        unsafe { result::memset_d8_async(st, 0, 4, stream.stream.cu_stream()) }.map_err(driver("cuMemsetD8Async"))?;
-        let mut launch = stream.stream.launch_builder(func);
-        launch.arg(&i).arg(&o).arg(&st).arg(&rows32).arg(&hd32).arg(&dtype);
-        // SAFETY: the arguments match the kernel's signature (three device pointers, two u32,
-        // one int); `validate` checked that input, output and status hold exactly the bytes the
-        // kernel reads and writes for `rows` rows of `hd` elements, at aligned offsets.
-        unsafe { launch.launch(cfg) }.map_err(driver("cuLaunchKernel"))?;
+        unsafe { result::memset_d8_async(st, 0, 4, cu) }.map_err(driver("cuMemsetD8Async"))?;
+        let launched = match (codec, op.is_encode()) {
+            (CodecId::FP8_E4M3, encode) => {
+                let mut launch = stream.stream.launch_builder(if encode { &k.encode } else { &k.decode });
+                launch.arg(&i).arg(&o).arg(&st).arg(&rows32).arg(&hd32).arg(&dtype);
+                // SAFETY: the arguments match the kernel's signature (three device pointers, two
+                // u32, one int); `validate` checked that input, output and status hold exactly the
+                // bytes the kernel reads and writes for `rows` rows of `hd` elements, at aligned
+                // offsets.
+                unsafe { launch.launch(cfg(0)) }
+            }
+            (CodecId::FP8_E4M3_HAD, encode) => {
+                let mut launch = stream.stream.launch_builder(&k.quant[if encode { 0 } else { 1 }]);
+                launch.arg(&i).arg(&o).arg(&st).arg(&rows32).arg(&hd32).arg(&dtype).arg(&seed32);
+                // SAFETY: as above, plus the seed (u32); the shared memory holds one row of `hd`
+                // f32 per warp, and `validate` capped `hd` so that it fits.
+                unsafe { launch.launch(cfg(smem)) }
+            }
+            (_, true) => {
+                // NVFP4 (plain or +had): plane amaxes into the zeroed scale words, then block
+                // scales and codes, then the scale words become global scales.
+                let rotate = u32::from(codec == CodecId::NVFP4_HAD);
+                // SAFETY: the body's first 4 * planes bytes are its scale words, inside the
+                // checked body range.
+                unsafe { result::memset_d8_async(o, 0, 4 * planes as usize, cu) }.map_err(driver("cuMemsetD8Async"))?;
+                let mut amax = stream.stream.launch_builder(&k.quant[2]);
+                amax.arg(&i).arg(&o).arg(&st).arg(&rows32).arg(&hd32).arg(&dtype).arg(&rotate).arg(&seed32);
+                amax.arg(&tokens).arg(&heads).arg(&block_first);
+                // SAFETY: the arguments match `kvtier_nvfp4_amax_rows`; the source holds `rows` rows
+                // of `hd` elements, the body starts with one u32 per plane; shared memory as above.
+                unsafe { amax.launch(cfg(smem)) }.map_err(driver("cuLaunchKernel"))?;
+                let mut enc = stream.stream.launch_builder(&k.quant[3]);
+                enc.arg(&i).arg(&o).arg(&rows32).arg(&hd32).arg(&dtype).arg(&rotate).arg(&seed32);
+                enc.arg(&tokens).arg(&heads).arg(&block_first);
+                // SAFETY: the arguments match `kvtier_nvfp4_encode_rows`; `validate` checked the
+                // body is exactly the NVFP4 body of `spec`.
+                unsafe { enc.launch(cfg(smem)) }.map_err(driver("cuLaunchKernel"))?;
+                let mut globals = stream.stream.launch_builder(&k.quant[4]);
+                globals.arg(&o).arg(&planes);
+                let g = LaunchConfig {
+                    grid_dim: (planes.div_ceil(256), 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: the arguments match `kvtier_nvfp4_globals`; the body holds `planes` words.
+                unsafe { globals.launch(g) }
+            }
+            (_, false) => {
+                let rotate = u32::from(codec == CodecId::NVFP4_HAD);
+                let mut launch = stream.stream.launch_builder(&k.quant[5]);
+                launch.arg(&i).arg(&o).arg(&st).arg(&rows32).arg(&hd32).arg(&dtype).arg(&rotate).arg(&seed32);
+                launch.arg(&tokens).arg(&heads).arg(&block_first);
+                // SAFETY: the arguments match `kvtier_nvfp4_decode_rows`; `validate` checked the body
+                // and output sizes; shared memory as above (used only when rotating).
+                unsafe { launch.launch(cfg(if rotate == 1 { smem } else { 0 })) }
+            }
+        };
+        launched.map_err(driver("cuLaunchKernel"))?;
         Ok(())
     }
 
@@ -533,5 +639,24 @@ mod tests {
     #[ignore = "needs an NVIDIA GPU (CUDA driver)"]
     fn fp8_kernels_match_kvtier_kernels_byte_for_byte() {
         super::super::conformance::fp8_codec_matches_kvtier_kernels(&CudaDevice::new(0).unwrap());
+    }
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU (CUDA driver)"]
+    fn device_pages_export_as_dma_buf_or_say_unsupported() {
+        let dev = CudaDevice::new(0).unwrap();
+        let buf = dev.alloc(2 << 20).unwrap();
+        match dev.export_dmabuf(buf.all()) {
+            Ok(fd) => assert!(std::os::fd::AsRawFd::as_raw_fd(&fd) >= 0),
+            Err(AgentError::Unsupported(why)) => eprintln!("dma-buf: {why}"),
+            Err(other) => panic!("expected a dma-buf fd or Unsupported, got {other:?}"),
+        }
+        dev.free(buf).unwrap();
+    }
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU (CUDA driver)"]
+    fn nvfp4_and_rotated_kernels_match_kvtier_kernels_byte_for_byte() {
+        super::super::conformance::codecs_by_id_match_kvtier_kernels(&CudaDevice::new(0).unwrap());
     }
 }

@@ -10,15 +10,15 @@ use std::collections::HashMap;
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::Arc;
 
+use kvtier_kernels::payload::PAYLOAD_HEADER_LEN;
 use kvtier_kernels::{Codec, KvBlockView};
-use kvtier_proto::CodecId;
 use parking_lot::{Condvar, Mutex, RwLock};
 
 use super::{
     check_lengths, check_no_overlap, CodecOp, Device, DeviceBuf, DeviceOrdinal, DeviceRange, HostBuffer, HostMem,
     HostRange, IpcHandle, MemInfo, Registration, Transfer,
 };
-use crate::codec::fp8_payload_header;
+use crate::codec::payload_header;
 use crate::error::{AgentError, Result};
 
 /// Depth of a stream's queue (operations, not bytes) unless [`HostDevice::with_queue_depth`] says
@@ -481,32 +481,32 @@ impl Device for HostDevice {
         stream.send(Op::Run(Box::new(move || {
             // The CPU reference on the worker; a coding failure sets the status word, as the
             // kernel does. Inputs are copied out first so no two locks are held at once.
-            let ok = match op {
-                CodecOp::Fp8Encode { spec, src, body, .. } => {
-                    let input = ma.read()[src.offset..src.offset + src.len].to_vec();
-                    let encoded = KvBlockView::new(spec, &input)
-                        .and_then(|v| Codec::new(CodecId::FP8_E4M3).with_parallel_min_bytes(usize::MAX).encode(&v));
-                    match encoded {
-                        Ok(p) => {
-                            let hdr = fp8_payload_header(&spec).len();
-                            mb.write()[body.offset..body.offset + body.len].copy_from_slice(&p[hdr..]);
-                            true
-                        }
-                        Err(_) => false,
+            let (codec, seed, spec, _, _, _) = op.parts();
+            let [input, output, _] = op.buffers();
+            let cpu = Codec::new(codec).with_rotation_seed(seed).with_parallel_min_bytes(usize::MAX);
+            let ok = if op.is_encode() {
+                let src = ma.read()[input.offset..input.offset + input.len].to_vec();
+                match KvBlockView::new(spec, &src).and_then(|v| cpu.encode(&v)) {
+                    Ok(p) => {
+                        mb.write()[output.offset..output.offset + output.len].copy_from_slice(&p[PAYLOAD_HEADER_LEN..]);
+                        true
                     }
+                    Err(_) => false,
                 }
-                CodecOp::Fp8Decode { spec, body, out, .. } => {
-                    let mut payload = fp8_payload_header(&spec);
-                    payload.extend_from_slice(&ma.read()[body.offset..body.offset + body.len]);
-                    let mut decoded = vec![0u8; out.len];
-                    let codec = Codec::new(CodecId::FP8_E4M3).with_parallel_min_bytes(usize::MAX);
-                    match codec.decode_into(&payload, &spec, spec.dtype, &mut decoded) {
-                        Ok(()) => {
-                            mb.write()[out.offset..out.offset + out.len].copy_from_slice(&decoded);
-                            true
+            } else {
+                match payload_header(codec, &spec, seed) {
+                    Some(mut payload) => {
+                        payload.extend_from_slice(&ma.read()[input.offset..input.offset + input.len]);
+                        let mut decoded = vec![0u8; output.len];
+                        match cpu.decode_into(&payload, &spec, spec.dtype, &mut decoded) {
+                            Ok(()) => {
+                                mb.write()[output.offset..output.offset + output.len].copy_from_slice(&decoded);
+                                true
+                            }
+                            Err(_) => false,
                         }
-                        Err(_) => false,
                     }
+                    None => false,
                 }
             };
             let word: u32 = if ok { 0 } else { 1 };
@@ -570,6 +570,11 @@ mod tests {
     #[test]
     fn codec_launches_run_the_cpu_reference() {
         super::super::conformance::fp8_codec_matches_kvtier_kernels(&HostDevice::new(0, 16 << 20));
+    }
+
+    #[test]
+    fn codec_launches_by_id_run_the_cpu_reference() {
+        super::super::conformance::codecs_by_id_match_kvtier_kernels(&HostDevice::new(0, 16 << 20));
     }
 
     #[test]

@@ -39,6 +39,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use kvtier_kernels::BlockSpec;
+use kvtier_proto::CodecId;
 use parking_lot::{Mutex, RwLock};
 
 use crate::error::{AgentError, Result};
@@ -245,8 +246,8 @@ impl HostBuffer {
         &self.inner
     }
 
-    /// The start of the memory, for a DMA engine (the CUDA backend).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    /// The start of the memory, for a DMA engine (the CUDA backend, an RDMA NIC) and the
+    /// address a bulk mover's slot descriptor names.
     pub(crate) fn addr(&self) -> usize {
         self.inner.addr
     }
@@ -328,20 +329,43 @@ impl Drop for Registration {
     }
 }
 
-/// A codec kernel launch: FP8 E4M3 with one scale per row (per (token, head)), the body of
-/// `kvtier_kernels`' `fp8-e4m3` payload (f32 scales, one per row, then one code byte per element;
-/// see `kvtier_kernels::payload`). Byte-identical to `kvtier_kernels::encode(CodecId::FP8_E4M3, ..)`
-/// after its 32-byte header.
+/// A codec kernel launch. `Fp8Encode`/`Fp8Decode`: FP8 E4M3 with one scale per row (per (token,
+/// head)), the body of `kvtier_kernels`' `fp8-e4m3` payload (f32 scales, one per row, then one code
+/// byte per element; see `kvtier_kernels::payload`). `Encode`/`Decode`: any codec with a kernel,
+/// picked by id ([`crate::codec::device_codec`]: FP8, NVFP4 and their `+had` forms), the body of
+/// `kvtier_kernels::Codec::new(codec).with_rotation_seed(rotation_seed)`'s payload. Either way the
+/// body is byte-identical to the CPU codec's payload after its 32-byte header
+/// ([`crate::codec::payload_header`]).
 ///
 /// `status` is 4 bytes the kernel sets to a non-zero `u32` when a row could not be coded (NaN or
-/// Inf in the input; a NaN code or a bad scale in a body): the output is then unusable. It is
-/// written by the launch's own stream work, so read it after the event.
+/// Inf in the input, or beyond 2^100 for a rotated codec; a NaN code or a bad scale in a body): the
+/// output is then unusable. It is written by the launch's own stream work, so read it after the
+/// event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CodecOp {
     /// `src` (a block of `spec`, bf16/fp16/fp32) → `body` ([`fp8_body_len`] bytes).
     Fp8Encode { spec: BlockSpec, src: DeviceRange, body: DeviceRange, status: DeviceRange },
     /// `body` → `out` (a block of `spec` in `spec.dtype`).
     Fp8Decode { spec: BlockSpec, body: DeviceRange, out: DeviceRange, status: DeviceRange },
+    /// `src` → `body` ([`crate::codec::device_body_len`] bytes) with `codec`; `rotation_seed` is
+    /// used by the `+had` codecs.
+    Encode {
+        codec: CodecId,
+        rotation_seed: u16,
+        spec: BlockSpec,
+        src: DeviceRange,
+        body: DeviceRange,
+        status: DeviceRange,
+    },
+    /// `body` → `out` with `codec` and the rotation seed its payload header records.
+    Decode {
+        codec: CodecId,
+        rotation_seed: u16,
+        spec: BlockSpec,
+        body: DeviceRange,
+        out: DeviceRange,
+        status: DeviceRange,
+    },
 }
 
 /// Bytes of an FP8 per-row body for `spec`: 4 per row, 1 per element.
@@ -350,18 +374,50 @@ pub fn fp8_body_len(spec: &BlockSpec) -> usize {
 }
 
 impl CodecOp {
-    /// Checks shapes and lengths (the same checks on every backend). Returns the row count and
-    /// head dim.
-    pub(crate) fn validate(&self) -> Result<(usize, usize)> {
-        let (spec, block, body, status) = match self {
-            CodecOp::Fp8Encode { spec, src, body, status } => (spec, src, body, status),
-            CodecOp::Fp8Decode { spec, body, out, status } => (spec, out, body, status),
-        };
-        spec.validate()?;
-        if !matches!(spec.dtype, kvtier_proto::DType::Bf16 | kvtier_proto::DType::Fp16 | kvtier_proto::DType::Fp32) {
-            return Err(AgentError::Codec(format!("FP8 kernels take bf16, fp16 or fp32 blocks, not {:?}", spec.dtype)));
+    /// The codec, rotation seed, shape, block (input of an encode, output of a decode), body and
+    /// status of the launch.
+    pub(crate) fn parts(&self) -> (CodecId, u16, BlockSpec, DeviceRange, DeviceRange, DeviceRange) {
+        match *self {
+            CodecOp::Fp8Encode { spec, src, body, status } => (CodecId::FP8_E4M3, 0, spec, src, body, status),
+            CodecOp::Fp8Decode { spec, body, out, status } => (CodecId::FP8_E4M3, 0, spec, out, body, status),
+            CodecOp::Encode { codec, rotation_seed, spec, src, body, status } => {
+                (codec, rotation_seed, spec, src, body, status)
+            }
+            CodecOp::Decode { codec, rotation_seed, spec, body, out, status } => {
+                (codec, rotation_seed, spec, out, body, status)
+            }
         }
-        for (r, what) in [(block, "codec block"), (body, "codec body"), (status, "codec status")] {
+    }
+
+    /// Whether the launch encodes (else it decodes).
+    pub(crate) fn is_encode(&self) -> bool {
+        matches!(self, CodecOp::Fp8Encode { .. } | CodecOp::Encode { .. })
+    }
+
+    /// Checks codec, shapes and lengths (the same checks on every backend). Returns the row count
+    /// and head dim.
+    pub(crate) fn validate(&self) -> Result<(usize, usize)> {
+        let (codec, _, spec, block, body, status) = self.parts();
+        let spec = &spec;
+        spec.validate()?;
+        if !crate::codec::device_codec(codec) {
+            return Err(AgentError::Codec(format!("no device kernel for codec {}", codec.name())));
+        }
+        if !matches!(spec.dtype, kvtier_proto::DType::Bf16 | kvtier_proto::DType::Fp16 | kvtier_proto::DType::Fp32) {
+            return Err(AgentError::Codec(format!(
+                "the codec kernels take bf16, fp16 or fp32 blocks, not {:?}",
+                spec.dtype
+            )));
+        }
+        if codec != CodecId::FP8_E4M3 && spec.row_len() > crate::codec::MAX_DEVICE_HEAD_DIM {
+            return Err(AgentError::Codec(format!(
+                "{} kernels take head_dim up to {}, not {}",
+                codec.name(),
+                crate::codec::MAX_DEVICE_HEAD_DIM,
+                spec.row_len()
+            )));
+        }
+        for (r, what) in [(&block, "codec block"), (&body, "codec body"), (&status, "codec status")] {
             r.check(what)?;
             if r.offset % crate::codec::CODEC_ALIGN != 0 {
                 return Err(AgentError::Codec(format!(
@@ -371,15 +427,15 @@ impl CodecOp {
                 )));
             }
         }
-        let want =
-            [(block.len, spec.byte_len(), "block"), (body.len, fp8_body_len(spec), "body"), (status.len, 4, "status")];
+        let body_len = crate::codec::device_body_len(codec, spec).unwrap_or(usize::MAX);
+        let want = [(block.len, spec.byte_len(), "block"), (body.len, body_len, "body"), (status.len, 4, "status")];
         for (got, want, what) in want {
             if got != want {
                 return Err(AgentError::Codec(format!("{what} range is {got} bytes, {want} needed")));
             }
         }
         for (x, y) in [(block, body), (block, status), (body, status)] {
-            check_no_overlap(*x, *y)?;
+            check_no_overlap(x, y)?;
         }
         let rows = spec.rows();
         if rows > u32::MAX as usize || spec.elements() > isize::MAX as usize {
@@ -388,11 +444,13 @@ impl CodecOp {
         Ok((rows, spec.row_len()))
     }
 
-    /// The device buffers the launch touches.
+    /// The device buffers the launch touches, inputs first: (input, output, status).
     pub(crate) fn buffers(&self) -> [DeviceRange; 3] {
-        match *self {
-            CodecOp::Fp8Encode { src, body, status, .. } => [src, body, status],
-            CodecOp::Fp8Decode { body, out, status, .. } => [body, out, status],
+        let (_, _, _, block, body, status) = self.parts();
+        if self.is_encode() {
+            [block, body, status]
+        } else {
+            [body, block, status]
         }
     }
 }
