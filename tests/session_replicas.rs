@@ -306,3 +306,37 @@ async fn with_one_copy_a_session_moves_to_the_node_that_resumes_it() {
     assert_eq!(r.info.version, 2);
     assert!(r.blocks == b2, "wrong bytes after the second move");
 }
+
+/// A namespace's own `replicas` overrides the cluster's `cluster_rf`: in an rf = 1 cluster, a
+/// namespace registered with 2 has its sessions on two nodes and they survive n1's SIGKILL,
+/// while the default namespace's session (one copy, on n1) is a miss afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_namespace_chooses_its_own_replication_factor() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let mut nodes: Vec<ServerProcess> = IDS.iter().map(|id| node_rf(&redis, dir.path(), id, 1)).collect();
+    until_members(&nodes.iter().collect::<Vec<_>>(), 3.0);
+    let spec = |replicas: u8| namespace("agents", b"own-rf", small_layout()).with_replicas(replicas);
+    let c1 = nodes[0].client().await;
+    let (two, one) = (c1.register(spec(2)).await.unwrap(), c1.register(spec(0)).await.unwrap());
+    assert_ne!(two.id, one.id, "replicas is part of the namespace's identity");
+    let (t2, b2) = session(&two, 1);
+    let (t1, b1) = session(&one, 1);
+    c1.park(&two, "kept", &t2, &b2, &ParkOptions::default(), 0).await.unwrap();
+    c1.park(&one, "single", &t1, &b1, &ParkOptions::default(), 0).await.unwrap();
+    let clients = [c1, nodes[1].client().await, nodes[2].client().await];
+    let held = copies(&clients.iter().collect::<Vec<_>>()).await;
+    assert!(held["kept"] >= 2, "{held:?}");
+    assert_eq!(held["single"], 1, "{held:?}");
+
+    let _ = nodes[0].child.kill();
+    let _ = nodes[0].child.wait();
+    let c2 = &clients[1];
+    let (two2, one2) = (c2.register(spec(2)).await.unwrap(), c2.register(spec(0)).await.unwrap());
+    let r = c2.resume(&two2, "kept").await.unwrap();
+    assert!(r.blocks == b2, "wrong bytes");
+    let t = Instant::now();
+    let err = c2.resume(&one2, "single").await.unwrap_err();
+    assert!(matches!(err, ClientError::SessionNotFound(_)), "{err}");
+    assert!(t.elapsed() < Duration::from_secs(3), "the miss took {:?}", t.elapsed());
+}

@@ -111,8 +111,10 @@ pub struct ServerConfig {
     /// their own boot id); set it when the socket is not reachable from where clients run even on
     /// the same kernel (another container without the socket mounted). Default: the boot id.
     pub host_id: Option<String>,
-    /// Owners of each block in a cluster (replicas placed by rendezvous hashing, spread over
-    /// racks and zones); every node must use the same. Default: `1`.
+    /// Owners of each block, and nodes holding each parked session, in a cluster (replicas
+    /// placed by rendezvous hashing, spread over racks and zones); every node must use the same.
+    /// A namespace registered with `replicas` set uses its own instead. With 2 or more, a park
+    /// is acknowledged once that many nodes hold the session. Default: `1`.
     pub cluster_rf: usize,
     /// Bound of one request to a peer node, connecting included: past it the peer's keys are
     /// misses (or go to their next replica). Default: `2s`.

@@ -172,7 +172,7 @@ impl ControlPlane {
     async fn adopt_newer_copy(&self, ns: &Namespace, id: &str) {
         let Some(peers) = self.state.tiers().peers() else { return };
         let local = self.state.sessions().peek(ns.id(), id).map_or(0, |m| m.version);
-        if local > 0 && peers.rf() < 2 {
+        if local > 0 && peers.rf_for(ns) < 2 {
             return;
         }
         let wait = if local > 0 { replicas::CHECK_WAIT.min(peers.timeout()) } else { peers.timeout() };
@@ -180,7 +180,7 @@ impl ControlPlane {
         let version = m.version;
         match replicas::adopt(&self.state, peers, &from, ns, m).await {
             // With one copy per session, the session moves: the old node's copy would go stale.
-            Ok(()) if peers.rf() < 2 => replicas::drop_copy(peers, from, ns.clone(), id.to_string(), version),
+            Ok(()) if peers.rf_for(ns) < 2 => replicas::drop_copy(peers, from, ns.clone(), id.to_string(), version),
             Ok(()) => {}
             Err(e) => {
                 tracing::warn!(session = id, peer = %from.id, version, "could not adopt the session's newer copy: {e}");
@@ -587,7 +587,7 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
             })
             .await
             .map_err(to_status)?;
-        if let Some(peers) = replicas::replicating(&self.state) {
+        if let Some(peers) = replicas::replicating(&self.state, &ns) {
             replicas::drop_elsewhere(peers, ns, session);
         }
         observe("drop", start);

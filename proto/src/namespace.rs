@@ -82,7 +82,14 @@ pub struct Namespace {
     /// Blocks are only ever stored and kept lossless: a quantized store is refused, and no tier
     /// re-encodes them lossily. Always so for an opaque layout. Part of the identity when set.
     pub lossless: bool,
+    /// In a cluster: how many nodes hold each block and parked session (1..=[`MAX_REPLICAS`]);
+    /// 0 leaves it to the cluster's default (`cluster_rf`). Part of the identity when set, so
+    /// every node derives the same factor from the same spec.
+    pub replicas: u8,
 }
+
+/// Most copies a namespace may ask a cluster to keep.
+pub const MAX_REPLICAS: u8 = 8;
 
 impl Namespace {
     pub fn new(
@@ -100,6 +107,7 @@ impl Namespace {
             salt: salt.to_vec(),
             engine: String::new(),
             lossless: false,
+            replicas: 0,
         }
     }
 
@@ -113,6 +121,12 @@ impl Namespace {
     /// The same namespace, lossless only (see [`Namespace::lossless`]).
     pub fn with_lossless(mut self, lossless: bool) -> Self {
         self.lossless = lossless;
+        self
+    }
+
+    /// The same namespace, held by `replicas` nodes of a cluster (see [`Namespace::replicas`]).
+    pub fn with_replicas(mut self, replicas: u8) -> Self {
+        self.replicas = replicas;
         self
     }
 
@@ -135,6 +149,9 @@ impl Namespace {
         if self.engine.len() > MAX_ENGINE_LEN {
             return bad(format!("engine must be at most {MAX_ENGINE_LEN} bytes"));
         }
+        if self.replicas > MAX_REPLICAS {
+            return bad(format!("replicas must be 0 (the cluster's default) ..={MAX_REPLICAS}, got {}", self.replicas));
+        }
         self.layout.validate()
     }
 
@@ -152,6 +169,10 @@ impl Namespace {
             out.extend_from_slice(&(self.engine.len() as u32).to_le_bytes());
             out.extend_from_slice(self.engine.as_bytes());
             out.push(u8::from(self.lossless));
+        }
+        if self.replicas != 0 {
+            out.extend_from_slice(b"replicas");
+            out.push(self.replicas);
         }
         out
     }
@@ -179,6 +200,7 @@ impl Namespace {
             salt: bytes::Bytes::copy_from_slice(&self.salt),
             engine: self.engine.clone(),
             lossless: self.lossless,
+            replicas: u32::from(self.replicas),
         }
     }
 
@@ -193,6 +215,7 @@ impl Namespace {
             salt: pb.salt.to_vec(),
             engine: pb.engine.clone(),
             lossless: pb.lossless,
+            replicas: u8::try_from(pb.replicas).unwrap_or(u8::MAX),
         };
         ns.validate()?;
         Ok(ns)
@@ -230,6 +253,8 @@ mod tests {
         variants.push(base.clone().with_engine("engine=vllm;pp=0"));
         variants.push(base.clone().with_engine("engine=vllm;pp=1"));
         variants.push(base.clone().with_lossless(true));
+        variants.push(base.clone().with_replicas(2));
+        variants.push(base.clone().with_replicas(3));
         let mut v = base.clone();
         v.layout = KvLayout::opaque(4096, DType::Fp16, 16);
         variants.push(v.clone());
@@ -288,5 +313,13 @@ mod tests {
         let mut pb = n.to_pb();
         pb.layout = None;
         assert!(Namespace::from_pb(&pb).is_err());
+    }
+
+    #[test]
+    fn replicas_are_bounded_and_zero_keeps_the_id() {
+        assert_eq!(ns().with_replicas(0).id(), ns().id(), "0 (the cluster's default) is no change");
+        assert!(ns().with_replicas(8).validate().is_ok());
+        let err = ns().with_replicas(9).validate().unwrap_err().to_string();
+        assert!(err.contains("replicas"), "{err}");
     }
 }

@@ -345,8 +345,8 @@ impl PeerTier {
     }
 
     /// The other owners of `key`, best replica first for this node.
-    fn other_owners(&self, p: &Placement, ns: &NamespaceId, key: &BlockKey, out: &mut Vec<usize>) {
-        p.owners_into(ns, key, self.cfg.rf, out);
+    fn other_owners(&self, p: &Placement, ns: &NamespaceId, rf: usize, key: &BlockKey, out: &mut Vec<usize>) {
+        p.owners_into(ns, key, rf, out);
         p.read_order(Reader { id: Some(&self.local), labels: &self.labels }, out);
         out.retain(|&i| p.members().get(i).is_some_and(|m| m.id != self.local));
     }
@@ -358,7 +358,7 @@ impl PeerTier {
     pub async fn fetch(&self, ns: &Namespace, keys: &[BlockKey]) -> Vec<Option<StoredBlock>> {
         let mut out: Vec<Option<StoredBlock>> = vec![None; keys.len()];
         let p = self.placement();
-        let candidates = self.candidates(&p, &ns.id(), keys);
+        let candidates = self.candidates(&p, ns, keys);
         let mut pending: Vec<usize> = (0..keys.len()).collect();
         for round in 0..2 {
             let mut plan: HashMap<usize, Vec<usize>> = HashMap::new();
@@ -537,12 +537,13 @@ impl PeerTier {
     }
 
     /// Per key: its other owners, best first for this node, without the peers known to be down.
-    fn candidates(&self, p: &Placement, id: &NamespaceId, keys: &[BlockKey]) -> Vec<Vec<usize>> {
+    fn candidates(&self, p: &Placement, ns: &Namespace, keys: &[BlockKey]) -> Vec<Vec<usize>> {
+        let (id, rf) = (ns.id(), self.rf_for(ns));
         let now = Instant::now();
         let mut owners = Vec::new();
         keys.iter()
             .map(|key| {
-                self.other_owners(p, id, key, &mut owners);
+                self.other_owners(p, &id, rf, key, &mut owners);
                 owners.retain(|&i| !self.is_down(&p.members()[i].id, now));
                 owners.clone()
             })
@@ -556,7 +557,7 @@ impl PeerTier {
         let mut out = vec![false; keys.len()];
         let p = self.placement();
         let mut plan: HashMap<usize, Vec<usize>> = HashMap::new();
-        for (k, c) in self.candidates(&p, &ns.id(), keys).into_iter().enumerate() {
+        for (k, c) in self.candidates(&p, ns, keys).into_iter().enumerate() {
             if let Some(&peer) = c.first() {
                 plan.entry(peer).or_default().push(k);
             }
@@ -664,12 +665,12 @@ impl PeerTier {
     /// Sends one accepted store to the blocks' other owners: one request per owner.
     async fn forward_now(&self, job: ForwardJob) {
         let p = self.placement();
-        let id = job.ns.id();
+        let (id, rf) = (job.ns.id(), self.rf_for(&job.ns));
         let now = Instant::now();
         let mut by_peer: HashMap<usize, Vec<StoredBlock>> = HashMap::new();
         let mut owners = Vec::new();
         for b in &job.blocks {
-            self.other_owners(&p, &id, &b.header.key, &mut owners);
+            self.other_owners(&p, &id, rf, &b.header.key, &mut owners);
             for &o in &owners {
                 by_peer.entry(o).or_default().push(b.clone());
             }
@@ -713,9 +714,18 @@ impl PeerTier {
         &self.local
     }
 
-    /// How many nodes hold each block and each parked session (`cluster_rf`).
+    /// How many nodes hold each block and each parked session by default (`cluster_rf`).
     pub fn rf(&self) -> usize {
         self.cfg.rf
+    }
+
+    /// How many nodes hold each block and parked session of `ns`: its own `replicas`, else
+    /// `cluster_rf`.
+    pub fn rf_for(&self, ns: &Namespace) -> usize {
+        match ns.replicas {
+            0 => self.cfg.rf,
+            n => usize::from(n).min(super::placement::MAX_RF),
+        }
     }
 
     /// The bound of one peer call (`peer_timeout`).

@@ -326,6 +326,35 @@ async fn forwards_reach_every_other_owner_once() {
     }
 }
 
+/// A namespace's own `replicas` overrides `cluster_rf`: with rf 1 for the cluster, blocks of a
+/// namespace registered with 2 are forwarded to both owners, and load from the second when the
+/// first refuses.
+#[tokio::test]
+async fn a_namespace_with_its_own_replicas_is_placed_with_them() {
+    let (s, _) = setup(1, 0, Duration::from_secs(5));
+    let ns = namespace().with_replicas(2);
+    assert_eq!((s.tier.rf(), s.tier.rf_for(&ns), s.tier.rf_for(&s.ns)), (1, 2, 1));
+    let blocks: Vec<StoredBlock> = (0..32).map(|i| block(&ns, i)).collect();
+    s.tier.forward(ns.clone(), blocks.clone());
+    let owners = |b: &StoredBlock| -> Vec<String> {
+        s.placement.owners(&ns.id(), &b.header.key, 2).into_iter().map(|i| s.placement.members()[i].id.to_string()).collect()
+    };
+    let want: usize = blocks.iter().map(|b| owners(b).iter().filter(|o| *o != "a").count()).sum();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while s.tier.forward_counts().0 < want as u64 {
+        assert!(Instant::now() < deadline, "forwarded {:?} of {want}", s.tier.forward_counts());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Blocks both of whose owners are remote: with "b" refusing, "c" serves every one.
+    let remote: Vec<StoredBlock> = blocks.iter().filter(|b| !owners(b).contains(&"a".to_string())).cloned().collect();
+    assert!(!remote.is_empty());
+    s.fake.modes.lock().insert("b".into(), Mode::Refuse);
+    let got = s.tier.fetch(&ns, &keys(&remote)).await;
+    for (b, g) in remote.iter().zip(&got) {
+        assert_eq!(g.as_ref().map(|g| &g.payload), Some(&b.payload), "the other replica serves it");
+    }
+}
+
 /// Blocks `a` holds no copy of (both replicas remote, so a late one can be hedged), and how many
 /// of them ask "b" first.
 fn remote_pairs(s: &Setup, blocks: &[StoredBlock]) -> (Vec<StoredBlock>, usize) {
@@ -334,7 +363,7 @@ fn remote_pairs(s: &Setup, blocks: &[StoredBlock]) -> (Vec<StoredBlock>, usize) 
     let p = s.tier.placement();
     let first_b = s
         .tier
-        .candidates(&p, &s.ns.id(), &keys(&remote))
+        .candidates(&p, &s.ns, &keys(&remote))
         .iter()
         .filter(|c| p.members()[c[0]].id.to_string() == "b")
         .count();
@@ -375,7 +404,7 @@ async fn a_hedge_that_misses_waits_for_the_first_replica() {
     let p = s.tier.placement();
     let asks_b_first: Vec<StoredBlock> = remote
         .iter()
-        .zip(s.tier.candidates(&p, &s.ns.id(), &keys(&remote)))
+        .zip(s.tier.candidates(&p, &s.ns, &keys(&remote)))
         .filter(|(_, c)| p.members()[c[0]].id.to_string() == "b")
         .map(|(b, _)| b.clone())
         .collect();

@@ -1,4 +1,4 @@
-//! Replicated sessions: with `cluster_rf` >= 2, a parked session — its manifest and its blocks —
+//! Replicated sessions: with `rf` >= 2 (the namespace's `replicas`, else `cluster_rf`), a parked session — its manifest and its blocks —
 //! is on `rf` nodes before the park is acknowledged; a resume on any node finds the newest copy
 //! among the session's owners and adopts it (the blocks fetched from the node that holds them);
 //! after a membership change each holder re-makes the copies that are missing, in the
@@ -62,17 +62,17 @@ fn owners(peers: &PeerTier, p: &Placement, ns: &NamespaceId, id: &str) -> Vec<us
     out
 }
 
-/// The replicating peer tier, when this node is in a cluster with `cluster_rf` >= 2.
-pub fn replicating(state: &NodeState) -> Option<&Arc<PeerTier>> {
-    state.tiers().peers().filter(|p| p.rf() >= 2)
+/// The peer tier, when this node is in a cluster and sessions of `ns` have `rf` >= 2 copies.
+pub fn replicating<'a>(state: &'a NodeState, ns: &Namespace) -> Option<&'a Arc<PeerTier>> {
+    state.tiers().peers().filter(|p| p.rf_for(ns) >= 2)
 }
 
 /// Makes sure `m` (just parked or extended here) is held by `rf` nodes, this one included:
 /// sends the blocks the next owners lack and the manifest. Returns how many nodes hold it; an
 /// error names the nodes that failed when fewer than `rf` do (this node's copy stays).
 pub async fn replicate(state: &NodeState, ns: &Namespace, m: &SessionManifest) -> Result<usize, ServerError> {
-    let Some(peers) = replicating(state) else { return Ok(1) };
-    let rf = peers.rf();
+    let Some(peers) = replicating(state, ns) else { return Ok(1) };
+    let rf = peers.rf_for(ns);
     let p = peers.placement();
     let order = owners(peers, &p, &ns.id(), &m.id);
     let (mut held, mut next) = (1, 0);
@@ -188,7 +188,7 @@ pub async fn newest_elsewhere(
     wait: Duration,
 ) -> Option<(Member, SessionManifest)> {
     let p = peers.placement();
-    let n = if local_version == 0 { MAX_RF } else { peers.rf() + 1 };
+    let n = if local_version == 0 { MAX_RF } else { peers.rf_for(ns) + 1 };
     let ask: Vec<&Member> = owners(peers, &p, &ns.id(), id).into_iter().take(n).map(|i| &p.members()[i]).collect();
     let calls = ask.iter().map(|&member| async move {
         let call = peers.bounded(member, peers.transport().session_get(member, ns, id));
@@ -304,7 +304,7 @@ pub fn drop_elsewhere(peers: &Arc<PeerTier>, ns: Namespace, id: String) {
     let peers = peers.clone();
     tokio::spawn(async move {
         let p = peers.placement();
-        let calls = owners(&peers, &p, &ns.id(), &id).into_iter().take(peers.rf() + 1).map(|i| {
+        let calls = owners(&peers, &p, &ns.id(), &id).into_iter().take(peers.rf_for(&ns) + 1).map(|i| {
             let member = &p.members()[i];
             let (peers, ns, id) = (&peers, &ns, &id);
             async move {
@@ -332,7 +332,7 @@ pub fn drop_copy(peers: &Arc<PeerTier>, member: Member, ns: Namespace, id: Strin
 /// session this node holds is checked against its first `rf` live owners, and the copies they
 /// lack are made; a newer copy found there is adopted. Ends when `stop` turns true.
 pub async fn repair_loop(state: Arc<NodeState>, mut stop: watch::Receiver<bool>) {
-    let Some(peers) = replicating(&state).cloned() else { return };
+    let Some(peers) = state.tiers().peers().cloned() else { return };
     let mut members = peers.members();
     let mut incomplete = false;
     loop {
@@ -361,12 +361,16 @@ pub async fn repair_pass(state: &Arc<NodeState>, peers: &Arc<PeerTier>) -> bool 
 
 async fn repair_one(state: &Arc<NodeState>, peers: &Arc<PeerTier>, m: SessionManifest) -> bool {
     let Ok(ns) = state.namespace(&m.namespace) else { return true };
+    let rf = peers.rf_for(&ns);
+    if rf < 2 {
+        return true;
+    }
     let p = peers.placement();
     // The first `rf` live owners, less this node.
     let all = owners(peers, &p, &m.namespace, &m.id);
-    let mine = p.owners(&m.namespace, &session_key(&m.id), peers.rf());
+    let mine = p.owners(&m.namespace, &session_key(&m.id), rf);
     let here = mine.iter().any(|&i| p.members()[i].id == *peers.local());
-    let want = peers.rf() - usize::from(here);
+    let want = rf - usize::from(here);
     let mut ok = true;
     for &i in all.iter().take(want) {
         let member = &p.members()[i];

@@ -89,7 +89,7 @@ impl Namespace {
     #[new]
     #[pyo3(signature = (tenant, model, *, layers, kv_heads, head_dim, dtype="bf16", block_tokens=16, salt=&b""[..],
         hashing="blake3", tp_rank=0, tp_world=1, order="layer_first", codec="raw", lossless_sink_blocks=0,
-        lossless=false))]
+        lossless=false, replicas=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         tenant: &str,
@@ -107,6 +107,7 @@ impl Namespace {
         codec: &str,
         lossless_sink_blocks: usize,
         lossless: bool,
+        replicas: u8,
     ) -> PyResult<Self> {
         let bad = |m: String| PyValueError::new_err(m);
         let dtype = DType::parse(dtype).map_err(|e| bad(e.to_string()))?;
@@ -132,7 +133,7 @@ impl Namespace {
             order,
             opaque_block_bytes: 0,
         };
-        let spec = NsSpec::new(tenant, model, layout, hashing, salt).with_lossless(lossless);
+        let spec = NsSpec::new(tenant, model, layout, hashing, salt).with_lossless(lossless).with_replicas(replicas);
         spec.validate().map_err(|e| bad(e.to_string()))?;
         check_codec(&spec, codec_id)?;
         Ok(Namespace { spec, codec: codec_id, lossless_sink_blocks })
