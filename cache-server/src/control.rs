@@ -470,6 +470,18 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         Ok(Response::new(Box::pin(stream)))
     }
 
+    async fn members(&self, r: Request<pb::MembersRequest>) -> Result<Response<pb::MembersResponse>, Status> {
+        principal(&r)?;
+        let Some(m) = self.membership.get() else { return Ok(Response::new(pb::MembersResponse::default())) };
+        let snap = m.snapshot();
+        Ok(Response::new(pb::MembersResponse {
+            members: snap.members.iter().map(Member::to_pb).collect(),
+            local_id: m.local().id.as_str().to_string(),
+            cluster_rf: self.state.config().cluster_rf as u32,
+            stale: snap.stale,
+        }))
+    }
+
     async fn session_replica(
         &self,
         r: Request<pb::SessionReplicaRequest>,

@@ -1111,3 +1111,8 @@ pub use routing::{NodeHolding, RouteHint};
 #[path = "events.rs"]
 mod events;
 pub use events::{EventKind, EventWatch, KvEvent};
+
+/// Stores and loads straight to a block's owners in a cluster.
+#[path = "owners.rs"]
+mod owners;
+pub use owners::{ClusterMembers, OwnerRouter};

@@ -9,6 +9,8 @@
 //!   from this process's own [`SharedBuffer`]s by offset, one copy each way, no payload on a socket.
 //!   [`near`]: the same, automatic — `KvClient`'s `*_buffer` calls go over the same-node socket
 //!   when the server is on this host, and over TCP (counted, logged once) when it can't.
+//! - [`OwnerRouter`]: in a cluster, stores and loads sent straight to each block's owner (the
+//!   members from `Members`, placed as the nodes place them), one hop instead of two.
 //! - [`EngineClient`]: the never-raise wrapper; every error or timeout becomes a [`Miss`].
 //!
 //! ```no_run
@@ -40,7 +42,7 @@ pub use client::{
     decode_frame, decode_frame_into, BlockDest, ClientConfig, KvClient, NamespaceHandle, ParkOptions, ResumedSession,
     SessionInfo, StoreReport, StoredAs,
 };
-pub use client::{EventKind, EventWatch, KvEvent, NodeHolding, RouteHint};
+pub use client::{ClusterMembers, EventKind, EventWatch, KvEvent, NodeHolding, OwnerRouter, RouteHint};
 #[cfg(unix)]
 pub use connector::UnixConnector;
 pub use connector::{BoxedStream, ConnectFuture, DataPlaneConnector, DataStream};

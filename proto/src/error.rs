@@ -7,6 +7,8 @@ pub enum ProtoError {
     InvalidLayout(String),
     #[error("invalid namespace: {0}")]
     InvalidNamespace(String),
+    #[error("invalid cluster member: {0}")]
+    InvalidMember(String),
     #[error("unknown dtype code {0}")]
     UnknownDType(u32),
     #[error("unknown memory order code {0}")]

@@ -16,6 +16,7 @@
 //! - [`codes`]: stable error codes shown at the service boundary.
 
 mod checksum;
+pub mod cluster;
 pub mod codes;
 pub mod dataplane;
 mod error;

@@ -1,8 +1,8 @@
 //! Cluster: who the members are and which of them own a block.
 //!
-//! - [`member`]: a member's id, addresses, topology labels (node, rack, zone) and capacity.
-//! - [`placement`]: pure rendezvous placement of a block over the members, with replicas spread
-//!   across racks and zones and a reader's preference order.
+//! - [`member`], [`placement`] (from `kvtier_proto::cluster`, shared with clients): a member's id,
+//!   addresses, labels and capacity; pure rendezvous placement of a block over the members, with
+//!   replicas spread across racks and zones and a reader's preference order.
 //! - [`peer`]: the G4 peer tier — a local miss asks the block's owners (one request per peer),
 //!   stores are forwarded to them; the network behind the [`PeerTransport`] seam.
 //! - [`replicas`]: replicated sessions — parks held by `rf` nodes, resumes that find the newest
@@ -11,10 +11,9 @@
 //!   process for a single node ([`Embedded`]) or in Redis with a TTL heartbeat ([`RedisMembership`]).
 
 pub mod fetch;
-pub mod member;
+pub use kvtier_proto::cluster::{member, placement};
 pub mod membership;
 pub mod peer;
-pub mod placement;
 pub mod replicas;
 
 pub use member::{Labels, Member, NodeId};

@@ -16,7 +16,7 @@
 
 use std::collections::HashMap;
 
-use kvtier_proto::{BlockKey, NamespaceId, KEY_LEN, NAMESPACE_ID_LEN};
+use crate::{BlockKey, NamespaceId, KEY_LEN, NAMESPACE_ID_LEN};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use super::member::{Labels, Member, NodeId};
@@ -68,7 +68,7 @@ struct Slot {
 ///
 /// ```
 /// use kvtier_proto::{BlockKey, NamespaceId};
-/// use kvtier_server::cluster::{Labels, Member, NodeId, Placement, Reader};
+/// use kvtier_proto::cluster::{Labels, Member, NodeId, Placement, Reader};
 ///
 /// let member = |id: &str, rack: &str| Member {
 ///     id: NodeId::new(id).unwrap(),

@@ -1,10 +1,10 @@
 //! What the cluster knows about one server: its id, where to reach it, where it sits (node, rack,
 //! zone labels) and how much it can hold. Shared by [`super::membership`], which announces and
-//! watches members, and [`super::placement`], which maps blocks onto them.
+//! watches members (in the server), and [`super::placement`], which maps blocks onto them.
 
 use std::fmt;
 
-use crate::error::ServerError;
+use crate::ProtoError;
 
 /// Longest member id, label or address accepted (bytes).
 pub const MAX_FIELD_LEN: usize = 256;
@@ -16,11 +16,11 @@ pub struct NodeId(String);
 
 impl NodeId {
     /// 1 to [`MAX_FIELD_LEN`] bytes of printable ASCII without spaces.
-    pub fn new(id: impl Into<String>) -> Result<Self, ServerError> {
+    pub fn new(id: impl Into<String>) -> Result<Self, ProtoError> {
         let id = id.into();
         check_field("member id", &id)?;
         if id.is_empty() {
-            return Err(ServerError::Config("member id is empty".into()));
+            return Err(ProtoError::InvalidMember("member id is empty".into()));
         }
         Ok(NodeId(id))
     }
@@ -58,7 +58,7 @@ impl Labels {
         Labels { node: own(node), rack: own(rack), zone: own(zone) }
     }
 
-    fn validate(&self) -> Result<(), ServerError> {
+    fn validate(&self) -> Result<(), ProtoError> {
         for (what, v) in [("node label", &self.node), ("rack label", &self.rack), ("zone label", &self.zone)] {
             if let Some(v) = v {
                 check_field(what, v)?;
@@ -84,20 +84,53 @@ pub struct Member {
 
 impl Member {
     /// Checks every field's length and characters.
-    pub fn validate(&self) -> Result<(), ServerError> {
+    pub fn validate(&self) -> Result<(), ProtoError> {
         check_field("gRPC address", &self.grpc_addr)?;
         check_field("data address", &self.data_addr)?;
         self.labels.validate()
     }
 }
 
+#[cfg(feature = "grpc")]
+impl Member {
+    /// The member as `Members` lists it.
+    pub fn to_pb(&self) -> crate::pb::ClusterMember {
+        let label = |l: &Option<String>| l.clone().unwrap_or_default();
+        crate::pb::ClusterMember {
+            node_id: self.id.as_str().to_string(),
+            grpc_addr: self.grpc_addr.clone(),
+            data_addr: self.data_addr.clone(),
+            node: label(&self.labels.node),
+            rack: label(&self.labels.rack),
+            zone: label(&self.labels.zone),
+            capacity: self.capacity,
+        }
+    }
+
+    /// A member `Members` listed, checked.
+    pub fn from_pb(m: &crate::pb::ClusterMember) -> Result<Self, ProtoError> {
+        fn label(l: &str) -> Option<&str> {
+            (!l.is_empty()).then_some(l)
+        }
+        let member = Member {
+            id: NodeId::new(m.node_id.clone())?,
+            grpc_addr: m.grpc_addr.clone(),
+            data_addr: m.data_addr.clone(),
+            labels: Labels::new(label(&m.node), label(&m.rack), label(&m.zone)),
+            capacity: m.capacity,
+        };
+        member.validate()?;
+        Ok(member)
+    }
+}
+
 /// Printable ASCII, no spaces, at most [`MAX_FIELD_LEN`] bytes.
-fn check_field(what: &str, v: &str) -> Result<(), ServerError> {
+fn check_field(what: &str, v: &str) -> Result<(), ProtoError> {
     if v.len() > MAX_FIELD_LEN {
-        return Err(ServerError::Config(format!("{what} is {} bytes, more than {MAX_FIELD_LEN}", v.len())));
+        return Err(ProtoError::InvalidMember(format!("{what} is {} bytes, more than {MAX_FIELD_LEN}", v.len())));
     }
     if !v.bytes().all(|b| b.is_ascii_graphic()) {
-        return Err(ServerError::Config(format!("{what} {v:?} must be printable ASCII without spaces")));
+        return Err(ProtoError::InvalidMember(format!("{what} {v:?} must be printable ASCII without spaces")));
     }
     Ok(())
 }

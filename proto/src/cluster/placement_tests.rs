@@ -3,7 +3,7 @@
 
 use std::collections::HashSet;
 
-use kvtier_proto::{BlockKey, NamespaceId};
+use crate::{BlockKey, NamespaceId};
 use proptest::prelude::*;
 
 use super::*;
