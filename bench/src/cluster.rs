@@ -4,7 +4,8 @@
 //! - **Cross-node loads**: 1 MiB blocks stored through n1 (which keeps them all and forwards each
 //!   to its owner); those the last node does not own are loaded through it — every block crosses
 //!   nodes through the G4 peer tier — beside the same blocks loaded from n1, which holds them
-//!   (the same-node figure), and one loopback TCP stream (the wire's limit). The nodes share this
+//!   (the same-node figure), a client of the last node sending each key straight to its owner
+//!   (`OwnerRouter`, one hop instead of two), and one loopback TCP stream (the wire's limit). The nodes share this
 //!   machine's cores, so read the ratios.
 //! - **Trace replay over a cluster**: the synthetic replicas + sessions trace with its 4 replicas
 //!   spread over 3 nodes (the same total DRAM as one shared node), with and without the locality
@@ -16,7 +17,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use kvtier_client::{ClientConfig, KvClient};
+use kvtier_client::{ClientConfig, KvClient, OwnerRouter};
 use kvtier_proto::{BlockKey, DType, HashScheme, KvLayout, Namespace};
 use serde::Serialize;
 
@@ -36,6 +37,8 @@ pub struct LoadRow {
     pub local_gbps: f64,
     /// Loaded through a node that holds none of them (NaN with one node).
     pub remote_gbps: f64,
+    /// Loaded by a client of that node sending each key straight to its owner (`OwnerRouter`).
+    pub direct_gbps: f64,
     pub tcp_gbps: f64,
 }
 
@@ -161,7 +164,8 @@ async fn measure_loads(nodes: &[KvtierServer], blocks: usize, runs: usize) -> an
         keys.iter().zip(held).filter(|(_, h)| !h).map(|(k, _)| *k).collect()
     };
     let bytes = (remote.len() as u64 * layout.block_bytes()) as f64;
-    let (mut local, mut cross, mut tcp) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut local, mut cross, mut direct, mut tcp) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let router = OwnerRouter::new(clients[reader].clone(), ClientConfig::default()).await?;
     for _ in 0..runs {
         // Local: from n1, which holds them all.
         let t = Instant::now();
@@ -173,6 +177,10 @@ async fn measure_loads(nodes: &[KvtierServer], blocks: usize, runs: usize) -> an
             let got = clients[reader].load_keys(&handles[reader], &remote).await?;
             cross.push(bytes / t.elapsed().as_secs_f64() / 1e9);
             anyhow::ensure!(got.iter().all(Option::is_some), "a cross-node load missed");
+            let t = Instant::now();
+            let got = router.load_keys(&handles[reader], &remote).await?;
+            direct.push(bytes / t.elapsed().as_secs_f64() / 1e9);
+            anyhow::ensure!(got.iter().all(Option::is_some), "a direct load missed");
         }
         tcp.push(limits::tcp_gbps(remote.len() << 20)?);
     }
@@ -182,6 +190,7 @@ async fn measure_loads(nodes: &[KvtierServer], blocks: usize, runs: usize) -> an
         blocks: remote.len(),
         local_gbps: median(local),
         remote_gbps: if cross.is_empty() { f64::NAN } else { median(cross) },
+        direct_gbps: if direct.is_empty() { f64::NAN } else { median(direct) },
         tcp_gbps: median(tcp),
     })
 }
@@ -194,7 +203,8 @@ pub struct ReplayRow {
 }
 
 /// The trace with its replicas over one shared node, then over 3 nodes with and without
-/// `peer_cache`; every set-up has the same total DRAM (`dram_total`).
+/// `peer_cache`, and with clients storing and loading straight to the owners; every set-up has
+/// the same total DRAM (`dram_total`).
 pub fn replays(
     bin: &Path,
     redis_bin: &Path,
@@ -204,20 +214,22 @@ pub fn replays(
     cfg: &ReplayConfig,
     dram_total: u64,
 ) -> anyhow::Result<Vec<ReplayRow>> {
-    let setups: [(&str, usize, &str); 3] = [
-        ("1 shared node", 1, ""),
-        ("3 nodes, locality (peer_cache on)", 3, "peer_cache = true\n"),
-        ("3 nodes, no locality (peer_cache off)", 3, "peer_cache = false\n"),
+    let setups: [(&str, usize, &str, bool); 4] = [
+        ("1 shared node", 1, "", false),
+        ("3 nodes, locality (peer_cache on)", 3, "peer_cache = true\n", false),
+        ("3 nodes, no locality (peer_cache off)", 3, "peer_cache = false\n", false),
+        ("3 nodes, clients straight to the owners", 3, "peer_cache = false\n", true),
     ];
     let mut rows = Vec::new();
-    for (i, (setup, n, extra)) in setups.iter().enumerate() {
+    for (i, (setup, n, extra, direct)) in setups.iter().enumerate() {
         eprintln!("cluster: trace replay, {setup}");
         let redis = RedisServer::start(redis_bin, &dir.join(format!("redis-replay-{i}")))?;
         let nodes = start_cluster(bin, &redis, &dir.join(format!("replay-{i}")), out, *n, dram_total / *n as u64, extra)?;
         let addrs: Vec<String> = nodes.iter().map(|s| s.grpc_addr.clone()).collect();
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
         let pb = indicatif::ProgressBar::hidden();
-        let result = rt.block_on(replay::replay(&addrs, trace, cfg, dram_total / *n as u64, &pb))?;
+        let cfg = ReplayConfig { direct_to_owners: *direct, ..*cfg };
+        let result = rt.block_on(replay::replay(&addrs, trace, &cfg, dram_total / *n as u64, &pb))?;
         rows.push(ReplayRow { setup: setup.to_string(), result });
         drop(nodes);
         drop(redis);
@@ -228,17 +240,19 @@ pub fn replays(
 /// The markdown tables of both measurements.
 pub fn table(loads: &[LoadRow], replays: &[ReplayRow]) -> String {
     let mut s = String::from(
-        "| nodes | blocks × 1 MiB | local load GB/s | cross-node load GB/s | loopback TCP GB/s | cross-node / local | cross-node / TCP |\n|---|---|---|---|---|---|---|\n",
+        "| nodes | blocks × 1 MiB | local load GB/s | cross-node load GB/s | straight to the owner GB/s | loopback TCP GB/s | cross-node / local | owner / local | cross-node / TCP |\n|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in loads {
         s.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
             r.nodes,
             r.blocks,
             f2(r.local_gbps),
             f2(r.remote_gbps),
+            f2(r.direct_gbps),
             f2(r.tcp_gbps),
             f2(r.remote_gbps / r.local_gbps),
+            f2(r.direct_gbps / r.local_gbps),
             f2(r.remote_gbps / r.tcp_gbps),
         ));
     }

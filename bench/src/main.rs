@@ -531,7 +531,7 @@ fn main() -> anyhow::Result<()> {
         let (docs, sessions) = replay::working_set(&trace, &layout);
         // Half the distinct documents fit, in total, in every set-up.
         let cap = (0.5 * docs as f64) as u64 + (sessions as f64 / 0.85) as u64 + (48 << 20);
-        let cfg = ReplayConfig { model: m, scale, gpu, link, cache_fraction: 0.5 };
+        let cfg = ReplayConfig { model: m, scale, gpu, link, cache_fraction: 0.5, direct_to_owners: false };
         let replays = kvtier_bench::cluster::replays(&bin, &redis_bin, &dir, &out, &trace, &cfg, cap)?;
         let table = kvtier_bench::cluster::table(&loads, &replays);
         println!(
@@ -576,7 +576,7 @@ fn main() -> anyhow::Result<()> {
                 let s = KvtierServer::start(&bin, &data_dir.join("kvtier-trace"), cap, &out.join("kvtier-trace.log"))?;
                 let pb = bar(trace.events.len() as u64, "trace");
                 pb.set_message(format!("{} cache {f}× docs", m.name));
-                let cfg = ReplayConfig { model: *m, scale, gpu, link, cache_fraction: f };
+                let cfg = ReplayConfig { model: *m, scale, gpu, link, cache_fraction: f, direct_to_owners: false };
                 let r = rt.block_on(replay::replay(std::slice::from_ref(&s.grpc_addr), &trace, &cfg, cap, &pb))?;
                 pb.finish_and_clear();
                 drop(s);

@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
 
 use bytes::Bytes;
-use kvtier_client::{ClientConfig, KvClient, ParkOptions};
+use kvtier_client::{ClientConfig, KvClient, OwnerRouter, ParkOptions};
 use kvtier_proto::{pb, BlockKey, DType, HashScheme, KvLayout, Namespace};
 use serde::Serialize;
 
@@ -152,6 +152,9 @@ pub struct ReplayResult {
 }
 
 pub struct ReplayConfig {
+    /// In a cluster: replicas store and load prefix blocks straight to their owners
+    /// (`OwnerRouter`) instead of through their own node.
+    pub direct_to_owners: bool,
     pub model: Model,
     pub scale: u64,
     pub gpu: Gpu,
@@ -190,6 +193,12 @@ pub async fn replay(
         handles.push(ns);
     }
     let node_count = addrs.len() as u32;
+    let mut routers = Vec::new();
+    if cfg.direct_to_owners {
+        for c in &clients {
+            routers.push(OwnerRouter::new(c.clone(), ClientConfig { data_connections: 4, ..Default::default() }).await?);
+        }
+    }
     let ns = handles[0].clone();
     let block = Bytes::from(vec![0x5au8; layout.block_bytes() as usize]);
     let bpt = cfg.model.kv_bytes_per_token(Codec::Bf16);
@@ -256,7 +265,10 @@ pub async fn replay(
                 let mut loaded = 0;
                 if hit > 0 {
                     let t = Instant::now();
-                    let frames = client.load_keys(ns, &keys[..hit]).await?;
+                    let frames = match routers.get((replica % node_count) as usize) {
+                        Some(r) => r.load_keys(ns, &keys[..hit]).await?,
+                        None => client.load_keys(ns, &keys[..hit]).await?,
+                    };
                     load_secs += t.elapsed().as_secs_f64();
                     loaded = frames.iter().take_while(|f| f.is_some()).count();
                     load_bytes += frames.iter().flatten().map(|f| f.payload.len() as u64).sum::<u64>();
@@ -271,7 +283,10 @@ pub async fn replay(
                     .map(|k| ns.frame(*k, BLOCK_TOKENS, block.clone()))
                     .collect::<Result<Vec<_>, _>>()?;
                 if !frames.is_empty() {
-                    let st = client.store_frames(&frames).await?;
+                    let st = match routers.get((replica % node_count) as usize) {
+                        Some(r) => r.store_frames(ns, &frames).await?,
+                        None => client.store_frames(&frames).await?,
+                    };
                     store_bytes += st.iter().filter(|s| **s == kvtier_client::ItemStatus::Ok).count() as u64
                         * layout.block_bytes();
                     owner.insert(doc, replica);
