@@ -1083,7 +1083,8 @@ mod tests {
             st ^= st << 17;
             st
         };
-        let mut scales = vec![1.0f32, 2f32.powi(-60), 2f32.powi(100), crate::scale::fp8_scale(1.0), crate::scale::fp8_scale(3.3e-7)];
+        let mut scales =
+            vec![1.0f32, 2f32.powi(-60), 2f32.powi(100), crate::scale::fp8_scale(1.0), crate::scale::fp8_scale(3.3e-7)];
         for _ in 0..3000 {
             let e = (next() % 160) as i32 - 60;
             let m = (next() as u32) & 0x007F_FFF0;

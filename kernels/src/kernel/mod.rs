@@ -555,7 +555,7 @@ mod rotated_fp8_tests {
                 4 => u * 2f32.powi(100),
                 _ => u * 2f32.powi(e),
             };
-            if specials && next() % 97 == 0 {
+            if specials && next().is_multiple_of(97) {
                 *v = match next() % 5 {
                     0 => f32::NAN,
                     1 => f32::INFINITY,
