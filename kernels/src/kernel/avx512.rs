@@ -272,51 +272,91 @@ unsafe fn e4m3_codes16<const EXACT: bool>(x: __m512, p: __m512, q: __m512) -> __
     _mm512_cvtepi32_epi8(_mm512_or_si512(mag, sign))
 }
 
-/// The E4M3 magnitude code of `|x| / s` (as [`e4m3_codes16`]) plus
-/// [`E4M3_BIAS`], times 16, in 32-bit lanes: after the rounding addition `t = a + m`, `t` and `m`
-/// share their high bits (`a < m`, so the sum stays in `m`'s binade) and `t − m` is the count of
-/// E4M3 steps (≤ 16), so `t`'s low 16 bits are that count and its high 16 bits `m >> 16` (a
-/// positive i16, the exponent field shifted by 7); one `vpmaddwd` with weights (16, 1) gives
-/// `16·units + (m >> 16) = 16·(units + (m >> 20))`, at most 16·1256: three operations fewer than
-/// `(t − m) + (m >> 20)`, the rest done once per 32 codes on words ([`e4m3_codes64`]).
+/// The E4M3 code of `x / s` (as [`e4m3_codes16`]) in a signed 32-bit form, from the signed
+/// quotient, with no `|x|` taken: `r = 16·(code + E4M3_BIAS) − 32768·sign`.
+///
+/// The quotient `y` is computed from the signed `x` (`EXACT`: `fl(x·p + fl(x·q))`; else the
+/// division clamped to ±448 by [`clamp448`]); rounding is symmetric, so `|q|` is the quotient of
+/// `|x|` bit for bit, and `y` has the sign of `x`, zeros included (with `EXACT` that needs `q ≥ 0`,
+/// which [`recip_split_rd`] guarantees: `−0·p + −0·q = −0`, where a negative `q` would give
+/// `+0`). The rounding magnitude `m` of [`e4m3_codes16`] is built with that sign: the exponent
+/// field of `y` with its sign bit, plus 20, then `vrangeps` "max absolute value, sign of the first
+/// operand" against 2^14 (the `max` with `141 << 23` and the copy of the sign in one operation);
+/// `t = y + m` is then `±(|q| + m)`, the same magnitude bits as there, with the sign in bit 31. Its
+/// low word is the count of E4M3 steps (≤ 16), its high word as an i16 is
+/// `(m >> 16) − 32768·sign`; one `vpmaddwd` with weights (16, 1) gives `r`, in
+/// [−14720, 20096]. [`e4m3_codes64`] finishes it on words.
 #[inline(always)]
-unsafe fn e4m3_x16<const EXACT: bool>(x: __m512, p: __m512, q: __m512) -> __m512i {
-    let a = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(ABS)));
-    let a = if EXACT {
-        _mm512_fmadd_ps(a, p, _mm512_mul_ps(a, q))
-    } else {
-        _mm512_min_ps(_mm512_div_ps(a, p), _mm512_set1_ps(448.0))
-    };
-    let ab = _mm512_castps_si512(a);
-    let m = _mm512_max_epi32(
-        _mm512_add_epi32(_mm512_and_si512(ab, _mm512_set1_epi32(0x7F80_0000)), _mm512_set1_epi32(20 << 23)),
-        _mm512_set1_epi32(141 << 23),
+unsafe fn e4m3_x16s<const EXACT: bool>(x: __m512, p: __m512, q: __m512) -> __m512i {
+    let y = if EXACT { _mm512_fmadd_ps(x, p, _mm512_mul_ps(x, q)) } else { clamp448(_mm512_div_ps(x, p)) };
+    // The sign and exponent of the quotient y, the exponent plus 20 (at most 135 + 20: no carry
+    // into the sign).
+    let e = _mm512_add_epi32(
+        _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(0xFF80_0000u32 as i32)),
+        _mm512_set1_epi32(20 << 23),
     );
-    let t = _mm512_castps_si512(_mm512_add_ps(a, _mm512_castsi512_ps(m)));
+    // ±max(|e|, 2^14) with e's sign: "max absolute value" (imm bits 1:0 = 0b11), "sign of the first operand" (bits 3:2 = 0b00).
+    let m = _mm512_range_ps::<0b0011>(_mm512_castsi512_ps(e), _mm512_set1_ps(16384.0));
+    let t = _mm512_castps_si512(_mm512_add_ps(y, m));
     _mm512_madd_epi16(t, _mm512_set1_epi32(0x0001_0010))
 }
 
+/// `±min(|v|, 448)` with `v`'s sign (`vrangeps` "min absolute value, sign of the first
+/// operand"): the saturation of the division path of [`e4m3_x16s`], on finite `v`.
+#[inline(always)]
+unsafe fn clamp448(v: __m512) -> __m512 {
+    _mm512_range_ps::<0b0010>(v, _mm512_set1_ps(448.0))
+}
+
 /// The 64 E4M3 codes of four vectors (elements in order: `x0`'s sixteen, then `x1`'s, …), the
-/// bytes of [`e4m3_codes16`] on each: [`e4m3_x16`] of each, packed to words (exact: every value
-/// fits 16 bits unsigned), `>> 4` and the bias removed on 32 words at once, packed to bytes; the
-/// signs from the inputs packed the same way with signed saturation (which keeps each sign bit,
-/// −0 included) and merged into bit 7; one lane permute undoes the packs' interleaving of the
+/// bytes of [`e4m3_codes16`] on each: [`e4m3_x16s`] of each, packed to words with signed
+/// saturation (exact: every value is in i16), so a word is `16·(code + E4M3_BIAS) + 32768·sign`
+/// (as u16); minus `16·E4M3_BIAS` and `>> 4` that is `code | sign << 11` (`code ≤ 126`), and one
+/// `vpmaddubsw` with byte weights (1, 16) moves the sign to bit 7: `code + 16·(8·sign)`; packed to
+/// bytes (no saturation: at most 254); one lane permute undoes the packs' interleaving of the
 /// 128-bit lanes.
 #[inline(always)]
 unsafe fn e4m3_codes64<const EXACT: bool>(x: &[__m512; 4], p: __m512, q: __m512) -> __m512i {
-    let w0 = _mm512_packus_epi32(e4m3_x16::<EXACT>(x[0], p, q), e4m3_x16::<EXACT>(x[1], p, q));
-    let w1 = _mm512_packus_epi32(e4m3_x16::<EXACT>(x[2], p, q), e4m3_x16::<EXACT>(x[3], p, q));
-    let bias = _mm512_set1_epi16(E4M3_BIAS as i16);
-    let m0 = _mm512_sub_epi16(_mm512_srli_epi16::<4>(w0), bias);
-    let m1 = _mm512_sub_epi16(_mm512_srli_epi16::<4>(w1), bias);
-    let mag = _mm512_packus_epi16(m0, m1);
-    let xb =
-        [_mm512_castps_si512(x[0]), _mm512_castps_si512(x[1]), _mm512_castps_si512(x[2]), _mm512_castps_si512(x[3])];
-    let sgn = _mm512_packs_epi16(_mm512_packs_epi32(xb[0], xb[1]), _mm512_packs_epi32(xb[2], xb[3]));
-    // mag | (sgn & 0x80)
-    let codes = _mm512_ternarylogic_epi32::<0xF8>(mag, sgn, _mm512_set1_epi8(0x80u8 as i8));
+    let w0 = _mm512_packs_epi32(e4m3_x16s::<EXACT>(x[0], p, q), e4m3_x16s::<EXACT>(x[1], p, q));
+    let w1 = _mm512_packs_epi32(e4m3_x16s::<EXACT>(x[2], p, q), e4m3_x16s::<EXACT>(x[3], p, q));
+    let bias = _mm512_set1_epi16((16 * E4M3_BIAS) as i16);
+    let weights = _mm512_set1_epi16(0x1001);
+    let c0 = _mm512_maddubs_epi16(_mm512_srli_epi16::<4>(_mm512_sub_epi16(w0, bias)), weights);
+    let c1 = _mm512_maddubs_epi16(_mm512_srli_epi16::<4>(_mm512_sub_epi16(w1, bias)), weights);
+    let codes = _mm512_packus_epi16(c0, c1);
     // Dword 4i + L (elements 16i + 4L ..) sits at 4L + i after the packs.
     _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), codes)
+}
+
+/// `(fl↓(1/s), fl(1/s − fl↓(1/s)))`: the reciprocal split of `avx2::recip_split` with the high
+/// part rounded down, so the low part is never negative (what [`e4m3_x16s`] needs for the sign of
+/// zeros). The quotient `fl(a·p + fl(a·q))` is still exactly the division for the scales
+/// `avx2::exact_ok` accepts: the argument at `avx2::quot` holds with `|q| < ulp(p)` instead of
+/// half of it, which doubles its error terms to at most `2^-46` (scaled to `a, s ∈ [1, 2)`),
+/// still inside the `2^-45` that separates `a/s` from every rounding midpoint. The low part is
+/// the rounded difference of an f64 reciprocal and `p` (exact in f64; not negative because
+/// rounding to f64 keeps `1/s ≥ p`). `tests::rd_split_quotient_is_the_division` checks it.
+#[inline]
+pub(crate) fn recip_split_rd(s: f32) -> (f32, f32) {
+    let r = 1.0 / f64::from(s);
+    let mut hi = 1.0 / s;
+    if f64::from(hi) > r {
+        // s > 0 and finite here, so hi is positive and finite: one step down is the next f32.
+        hi = f32::from_bits(hi.to_bits() - 1);
+    }
+    (hi, (r - f64::from(hi)) as f32)
+}
+
+/// [`recip_split_rd`] of eight lanes (positive normal scales): the high part by a division
+/// rounded toward −∞, the low part from an f64 reciprocal.
+#[inline(always)]
+unsafe fn recip_split_rd8(s: __m256) -> (__m256, __m256) {
+    let hi = _mm512_castps512_ps256(_mm512_div_round_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(
+        _mm512_set1_ps(1.0),
+        _mm512_castps256_ps512(s),
+    ));
+    let r = _mm512_div_pd(_mm512_set1_pd(1.0), _mm512_cvtps_pd(s));
+    (hi, _mm512_cvtpd_ps(_mm512_sub_pd(r, _mm512_cvtps_pd(hi))))
 }
 
 /// `avx2::fp8_encode_rows_rotated` on AVX-512, one row at a time and without a buffer when the
@@ -367,7 +407,7 @@ pub(crate) unsafe fn fp8_encode_rows_rotated(
         // s = 0 (amax below 2^-100) encodes with scale 1, as the scalar code does.
         let is0 = _mm256_cmp_ps::<_CMP_EQ_OQ>(s, _mm256_setzero_ps());
         let se = _mm256_blendv_ps(s, _mm256_set1_ps(1.0), is0);
-        let (yh, yl) = avx2::recip_split8(se);
+        let (yh, yl) = recip_split_rd8(se);
         // SAFETY: 32 bytes at 4r are inside scales (r + 8 ≤ rows, assert above).
         _mm256_storeu_ps(scales.as_mut_ptr().add(4 * r) as *mut f32, s);
         let mut sv = [0f32; 8];
@@ -399,7 +439,7 @@ pub(crate) unsafe fn fp8_encode_rows_rotated(
         let se = row_scale(bits, &mut scales[4 * r..4 * r + 4]);
         let dst = &mut codes[r * hd..(r + 1) * hd];
         if avx2::exact_ok(se) {
-            let (hi, lo) = avx2::recip_split(se);
+            let (hi, lo) = recip_split_rd(se);
             quantize_row::<true>(row, _mm512_set1_ps(hi), _mm512_set1_ps(lo), dst);
         } else {
             let p = _mm512_set1_ps(se);
@@ -1024,4 +1064,90 @@ unsafe fn e2m1_x64(q: __m512) -> __m512i {
     );
     let t = _mm512_castps_si512(_mm512_add_ps(a, _mm512_castsi512_ps(m)));
     _mm512_madd_epi16(t, _mm512_set1_epi32(0x0001_0040))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The quotient of [`recip_split_rd`]'s parts is the division, for the scales the exact path
+    /// takes (20 significant bits, 2^-60 ..= 2^100) and every `a ≤ 448·s` tried: every bf16
+    /// mantissa at every binade up to the bound, and random f32 quotients; the low part is never
+    /// negative.
+    #[test]
+    fn rd_split_quotient_is_the_division() {
+        let mut st = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = move || {
+            st ^= st << 13;
+            st ^= st >> 7;
+            st ^= st << 17;
+            st
+        };
+        let mut scales =
+            vec![1.0f32, 2f32.powi(-60), 2f32.powi(100), crate::scale::fp8_scale(1.0), crate::scale::fp8_scale(3.3e-7)];
+        for _ in 0..3000 {
+            let e = (next() % 160) as i32 - 60;
+            let m = (next() as u32) & 0x007F_FFF0;
+            scales.push(f32::from_bits((((e + 127) as u32) << 23) | m));
+        }
+        for &s in &scales {
+            assert!(avx2::exact_ok(s), "{s:e}");
+            let (p, q) = recip_split_rd(s);
+            assert!(q >= 0.0 && q.is_sign_positive(), "{s:e}: {q:e}");
+            let quot = |a: f32| a.mul_add(p, a * q);
+            for mant in 0..128u32 {
+                for binade in 0..10 {
+                    let a = f32::from_bits(((127 + binade) << 23) | (mant << 16)) * s / 2f32.powi(9);
+                    let a = f32::from_bits(a.to_bits() & 0xFFFF_0000); // a bf16 value
+                    if a <= 448.0 * s {
+                        assert_eq!(quot(a).to_bits(), (a / s).to_bits(), "a {a:e} s {s:e}");
+                    }
+                }
+            }
+            for _ in 0..64 {
+                let a = f32::from_bits((next() as u32) & 0x7F7F_FFFF);
+                let a = a.min(448.0 * s);
+                let code = crate::formats::e4m3_from_f32;
+                if a / s >= 2f32.powi(-12) {
+                    assert_eq!(quot(a).to_bits(), (a / s).to_bits(), "a {a:e} s {s:e}");
+                    assert_eq!(quot(-a).to_bits(), (-a / s).to_bits(), "-a {a:e} s {s:e}");
+                }
+                // Below 2^-12 the quotient may leave the normal range; both are code ±0 then.
+                assert_eq!(code(quot(-a)), code(-a / s), "-a {a:e} s {s:e}");
+            }
+            assert_eq!(quot(-0.0).to_bits(), (-0.0f32).to_bits());
+        }
+    }
+
+    /// `vrangeps` with "sign of the first operand" copies the first operand's sign, as
+    /// [`e4m3_x16s`] and [`clamp448`] rely on.
+    #[test]
+    fn range_takes_the_sign_of_the_first_operand() {
+        if !crate::Backend::avx512_available() {
+            return;
+        }
+        #[target_feature(enable = "avx512f,avx512dq")]
+        unsafe fn go(a: f32, b: f32) -> (f32, f32) {
+            let (va, vb) = (_mm512_set1_ps(a), _mm512_set1_ps(b));
+            let mut o = [0f32; 32];
+            // SAFETY: o holds 32 f32.
+            unsafe {
+                _mm512_storeu_ps(o.as_mut_ptr(), _mm512_range_ps::<0b0011>(va, vb));
+                _mm512_storeu_ps(o.as_mut_ptr().add(16), _mm512_range_ps::<0b0010>(va, vb));
+            }
+            (o[0], o[16])
+        }
+        for (a, b, mx, mn) in [
+            (-3.0f32, 2.0f32, -3.0f32, -2.0f32),
+            (3.0, -2.0, 3.0, 2.0),
+            (-1.0, 16384.0, -16384.0, -1.0),
+            (-0.0, 448.0, -448.0, -0.0),
+            (500.0, 448.0, 500.0, 448.0),
+            (-500.0, 448.0, -500.0, -448.0),
+        ] {
+            // SAFETY: AVX-512F and DQ were detected (avx512_available).
+            let (x, n) = unsafe { go(a, b) };
+            assert_eq!((x.to_bits(), n.to_bits()), (mx.to_bits(), mn.to_bits()), "{a} {b}");
+        }
+    }
 }
