@@ -123,3 +123,54 @@ async fn redis_killed_and_restarted_keeps_then_rebuilds_the_membership() {
     until_members(&n1, 3.0, Duration::from_secs(10));
     assert!(n1.alive() && n2.alive());
 }
+
+/// `advertise_host`: the nodes announce the host they are to be dialled at (here `localhost`,
+/// with their listeners' ports), and peers and clients dial that: a block stored through one
+/// node loads through the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_announce_and_dial_the_advertised_host() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let start = |id: &str| {
+        let cfg = dir.path().join(format!("{id}.toml"));
+        std::fs::write(
+            &cfg,
+            format!(
+                "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\nadvertise_host = \"localhost\"\npeer_cache = false\n",
+                redis.url()
+            ),
+        )
+        .unwrap();
+        ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"])
+    };
+    let (n1, n2) = (start("n1"), start("n2"));
+    until_members(&n1, 2.0, Duration::from_secs(10));
+    until_members(&n2, 2.0, Duration::from_secs(10));
+    let c1 = n1.client().await;
+    let members = c1.members().await.unwrap();
+    let me = members.members.iter().find(|m| m.id.as_str() == "n1").unwrap();
+    assert_eq!(me.grpc_addr, format!("localhost:{}", n1.grpc.port()));
+    assert_eq!(me.data_addr, format!("localhost:{}", n1.data.port()));
+    let c2 = n2.client().await;
+    let spec = namespace("acme", b"advertise", small_layout());
+    let (ns1, ns2) = (c1.register(spec.clone()).await.unwrap(), c2.register(spec).await.unwrap());
+    let toks = tokens(5, 16 * 16);
+    let payloads = full_block_payloads(&ns1, &toks);
+    c1.store(&ns1, &toks, &payloads).await.unwrap().ok().unwrap();
+    // Forwarding to n2 runs after the acknowledgement: wait until every block loads through n2.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let got = c2.load(&ns2, &toks).await.unwrap();
+        if got == payloads {
+            break;
+        }
+        let peer = c2.stats().await.unwrap().tiers.into_iter().find(|t| t.tier == "peer").unwrap();
+        assert!(Instant::now() < deadline, "not every block loaded through n2: {peer:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let peer = c2.stats().await.unwrap().tiers.into_iter().find(|t| t.tier == "peer").unwrap();
+    assert!(peer.hits > 0, "some blocks came from n1");
+
+    let (ok, _, err) = cli(&["serve", "--no-metrics", "--advertise-host", "box:7070"]);
+    assert!(!ok && err.contains("advertise_host"), "{err}");
+}

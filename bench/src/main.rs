@@ -539,6 +539,46 @@ fn main() -> anyhow::Result<()> {
             tcfg.replicas, tcfg.docs, tcfg.prefix_requests, tcfg.sessions, tcfg.turns, m.name
         );
         std::fs::write(out.join("cluster.md"), &table)?;
+        let pts = |f: &dyn Fn(&kvtier_bench::cluster::LoadRow) -> f64| -> Vec<(f64, f64)> {
+            loads.iter().filter(|r| f(r).is_finite()).map(|r| (r.nodes as f64, f(r))).collect()
+        };
+        let series = vec![
+            Series { name: "local load (the node holding them)".into(), points: pts(&|r| r.local_gbps), markers_only: false },
+            Series { name: "through a node that holds none".into(), points: pts(&|r| r.remote_gbps), markers_only: false },
+            Series { name: "client straight to the owner".into(), points: pts(&|r| r.direct_gbps), markers_only: false },
+            Series { name: "loopback TCP, one stream".into(), points: pts(&|r| r.tcp_gbps), markers_only: false },
+        ];
+        let path = out.join("cluster_loads.png");
+        plot::line_chart(
+            &path,
+            &Chart {
+                title: "1 MiB loads by cluster size (nodes share 2 cores)",
+                x_desc: "nodes",
+                y_desc: "GB/s",
+                log_x: false,
+                log_y: false,
+                series,
+                x_names: None,
+            },
+        )?;
+        let path2 = out.join("cluster_trace.png");
+        plot::line_chart(
+            &path2,
+            &Chart {
+                title: "Trace over 3 nodes: prefix token hit rate (same total DRAM)",
+                x_desc: "set-up",
+                y_desc: "token hit rate",
+                log_x: false,
+                log_y: false,
+                series: vec![Series {
+                    name: "prefix token hit rate".into(),
+                    points: replays.iter().enumerate().map(|(i, r)| (i as f64, r.result.prefix_token_hit_rate)).collect(),
+                    markers_only: true,
+                }],
+                x_names: Some(replays.iter().map(|r| r.setup.clone()).collect()),
+            },
+        )?;
+        eprintln!("plots: {} {}", path.display(), path2.display());
         std::fs::write(out.join("cluster.json"), serde_json::to_string_pretty(&json!({ "loads": loads, "replays": replays }))?)?;
         return Ok(());
     }

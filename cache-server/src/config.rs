@@ -101,6 +101,10 @@ pub struct ServerConfig {
     pub cluster: Option<String>,
     /// This node's id in the cluster. Default: `<hostname>:<gRPC port>`.
     pub node_id: Option<String>,
+    /// The host (name or IP) other nodes and clients dial this node at, with the listeners'
+    /// ports — for listeners on `0.0.0.0` / `::` or behind NAT. Default: the listen address's IP,
+    /// or the machine's hostname when that is unspecified.
+    pub advertise_host: Option<String>,
     /// Topology labels placement spreads replicas over. Default: none.
     pub rack: Option<String>,
     pub zone: Option<String>,
@@ -250,6 +254,7 @@ impl Default for ServerConfig {
             max_session_keys: 0,
             cluster: None,
             node_id: None,
+            advertise_host: None,
             rack: None,
             zone: None,
             cluster_ttl: DurationStr(Duration::from_secs(10)),
@@ -309,6 +314,12 @@ impl ServerConfig {
         }
         if self.max_context_tokens == 0 {
             return bad("max_context_tokens must be positive".into());
+        }
+        if let Some(h) = &self.advertise_host {
+            let ipv6 = h.parse::<std::net::Ipv6Addr>().is_ok();
+            if h.is_empty() || h.len() > 253 || !h.bytes().all(|b| b.is_ascii_graphic()) || (h.contains(':') && !ipv6) {
+                return bad(format!("advertise_host must be a host name or IP address without a port, got {h:?}"));
+            }
         }
         if self.max_frame_bytes.0 < 4096 || self.max_frame_bytes.0 > (1 << 32) {
             return bad(format!("max_frame_bytes must be between 4KiB and 4GiB, got {}", self.max_frame_bytes));

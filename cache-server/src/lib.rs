@@ -86,6 +86,25 @@ pub(crate) async fn stopped(stop: &mut watch::Receiver<bool>) {
     let _ = stop.wait_for(|s| *s).await;
 }
 
+/// The address peers and clients dial for a listener bound at `bound`: `advertise_host` with its
+/// port; else the bound address, unless it is unspecified (`0.0.0.0`, `::`), then the machine's
+/// `hostname` with its port.
+fn advertised(advertise_host: Option<&str>, hostname: &str, bound: SocketAddr) -> String {
+    let port = bound.port();
+    let host = match advertise_host {
+        Some(h) => h.to_string(),
+        None if !bound.ip().is_unspecified() => return bound.to_string(),
+        None if !hostname.is_empty() => hostname.to_string(),
+        None => return bound.to_string(),
+    };
+    // An IPv6 literal needs brackets before its port.
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
 /// This node as a cluster member, registered in the configured store (or alone).
 async fn join_cluster(
     state: &NodeState,
@@ -100,8 +119,8 @@ async fn join_cluster(
     };
     let local = cluster::Member {
         id: cluster::NodeId::new(id)?,
-        grpc_addr: grpc_addr.to_string(),
-        data_addr: data_addr.to_string(),
+        grpc_addr: advertised(c.advertise_host.as_deref(), &host, grpc_addr),
+        data_addr: advertised(c.advertise_host.as_deref(), &host, data_addr),
         labels: cluster::Labels::new(Some(&host), c.rack.as_deref(), c.zone.as_deref()),
         capacity: c.dram_capacity.0 + c.disk_capacity.0,
     };
@@ -360,4 +379,19 @@ pub async fn start(
     events.set_node(membership.local().id.as_str());
     let _ = membership_cell.set(membership.clone());
     Ok(RunningServer { grpc_addr, data_addr, metrics_addr, samenode_path, state, membership, stop, grpc, tasks })
+}
+
+#[cfg(test)]
+mod advertised_tests {
+    use super::advertised;
+
+    #[test]
+    fn the_advertised_address_keeps_the_port_and_names_a_dialable_host() {
+        let bound = |s: &str| s.parse().unwrap();
+        assert_eq!(advertised(None, "box", bound("10.0.0.5:7070")), "10.0.0.5:7070");
+        assert_eq!(advertised(None, "box", bound("0.0.0.0:7070")), "box:7070");
+        assert_eq!(advertised(None, "", bound("0.0.0.0:7070")), "0.0.0.0:7070");
+        assert_eq!(advertised(Some("kv-3.internal"), "box", bound("0.0.0.0:7071")), "kv-3.internal:7071");
+        assert_eq!(advertised(Some("fd00::5"), "box", bound("[::]:7071")), "[fd00::5]:7071");
+    }
 }

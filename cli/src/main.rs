@@ -98,6 +98,10 @@ struct ServeArgs {
     /// This node's id in the cluster (default: <hostname>:<gRPC port>).
     #[arg(long, env = "KVTIER_NODE_ID")]
     node_id: Option<String>,
+    /// The host other nodes and clients dial this node at (default: the listen IP, or the
+    /// hostname when listening on 0.0.0.0).
+    #[arg(long, env = "KVTIER_ADVERTISE_HOST")]
+    advertise_host: Option<String>,
     /// Log filter, e.g. info or kvtier_server=debug.
     #[arg(long, env = "KVTIER_LOG", default_value = "info")]
     log: String,
@@ -318,6 +322,9 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     }
     if let Some(v) = a.node_id {
         cfg.node_id = Some(v);
+    }
+    if let Some(v) = a.advertise_host {
+        cfg.advertise_host = Some(v);
     }
     cfg.validate()?;
     let handle = match cfg.metrics_listen {
