@@ -169,6 +169,9 @@ struct Entry {
     tick: u64,
     /// A tier already holds these bytes (the block was loaded from one).
     clean: bool,
+    /// Reserved for a save still being written layer by layer ([`PagePool::reserve`]): pinned,
+    /// and invisible to loads until [`PagePool::commit`].
+    filling: bool,
 }
 
 /// The G1 page pool on one device.
@@ -279,7 +282,7 @@ impl<D: Device, S: Spill> PagePool<D, S> {
 
     pub fn stats(&self) -> PoolStats {
         PoolStats {
-            resident: self.index.len(),
+            resident: self.index.values().filter(|e| !e.filling).count(),
             pinned: self.index.values().filter(|e| e.pins > 0).count(),
             ..self.stats
         }
@@ -290,12 +293,59 @@ impl<D: Device, S: Spill> PagePool<D, S> {
     }
 
     pub fn contains(&self, ns: &NamespaceId, key: &BlockKey) -> bool {
-        self.index.contains_key(&(*ns, *key))
+        self.index.get(&(*ns, *key)).is_some_and(|e| !e.filling)
     }
 
     /// Every resident key (what the agent reports to the server).
     pub fn keys(&self) -> Vec<ScopedKey> {
-        self.index.keys().copied().collect()
+        self.index.iter().filter(|(_, e)| !e.filling).map(|(k, _)| *k).collect()
+    }
+
+    /// Reserves a page for a block that an engine saves layer by layer (copies into slices of
+    /// the page on the caller's own stream): the page is pinned and the block invisible to loads
+    /// until [`PagePool::commit`]; [`PagePool::abort`] gives the page back. `Ok(None)` when the
+    /// pool already holds the key, or another save is filling it (content-addressed: the same
+    /// key is the same bytes, so nothing needs copying). May evict (and spill) to make room;
+    /// [`AgentError::PoolExhausted`] when every page is pinned.
+    pub fn reserve(&mut self, ns: &NamespaceId, key: &BlockKey) -> Result<Option<DeviceRange>> {
+        let k = (*ns, *key);
+        if self.index.contains_key(&k) {
+            self.touch(k);
+            return Ok(None);
+        }
+        let page = self.take_page()?;
+        let tick = self.next_tick();
+        self.index.insert(k, Entry { page, pins: 1, tick, clean: false, filling: true });
+        Ok(Some(self.page_range(page)))
+    }
+
+    /// Makes a reserved block a resident one: visible to loads, evictable (most recently used),
+    /// spilled when evicted. Call once every copy into its page has completed.
+    pub fn commit(&mut self, ns: &NamespaceId, key: &BlockKey) -> Result<()> {
+        let k = (*ns, *key);
+        let e = self.index.get_mut(&k).filter(|e| e.filling).ok_or(AgentError::NotResident)?;
+        e.filling = false;
+        e.pins -= 1;
+        let evictable = e.pins == 0;
+        self.stats.inserts += 1;
+        if evictable {
+            let t = self.next_tick();
+            if let Some(e) = self.index.get_mut(&k) {
+                e.tick = t;
+            }
+            self.lru.insert(t, k);
+        }
+        Ok(())
+    }
+
+    /// Gives a reserved page back (the save failed or its engine went away). Wait for the copies
+    /// into the page first, or let them land in a free page no one reads.
+    pub fn abort(&mut self, ns: &NamespaceId, key: &BlockKey) -> Result<()> {
+        let k = (*ns, *key);
+        let e = self.index.get(&k).copied().filter(|e| e.filling).ok_or(AgentError::NotResident)?;
+        self.index.remove(&k);
+        self.free.push(e.page);
+        Ok(())
     }
 
     fn page_range(&self, page: usize) -> DeviceRange {
@@ -407,7 +457,7 @@ impl<D: Device, S: Spill> PagePool<D, S> {
             return Err(e);
         }
         let tick = self.next_tick();
-        self.index.insert(k, Entry { page, pins: 0, tick, clean });
+        self.index.insert(k, Entry { page, pins: 0, tick, clean, filling: false });
         self.lru.insert(tick, k);
         self.stats.inserts += 1;
         self.device.record(&self.stream)
@@ -474,7 +524,7 @@ impl<D: Device, S: Spill> PagePool<D, S> {
             return Err(e);
         }
         let tick = self.next_tick();
-        self.index.insert(k, Entry { page, pins: 0, tick, clean: true });
+        self.index.insert(k, Entry { page, pins: 0, tick, clean: true, filling: false });
         self.lru.insert(tick, k);
         self.stats.inserts += 1;
         Ok(())
@@ -486,7 +536,7 @@ impl<D: Device, S: Spill> PagePool<D, S> {
             return Err(AgentError::PageSizeMismatch { len: dst.len, page: self.page_bytes });
         }
         let k = (*ns, *key);
-        let Some(page) = self.index.get(&k).map(|e| e.page) else {
+        let Some(page) = self.index.get(&k).filter(|e| !e.filling).map(|e| e.page) else {
             self.stats.misses += 1;
             return Ok(None);
         };
@@ -502,7 +552,7 @@ impl<D: Device, S: Spill> PagePool<D, S> {
     /// pin keeps the page from being evicted and reused under the copy: [`PagePool::unpin`] it
     /// once the load's events have completed. Counts as a hit; a miss is `Ok(None)`.
     pub fn pin_for_load(&mut self, ns: &NamespaceId, key: &BlockKey) -> Result<Option<DeviceRange>> {
-        let Some(page) = self.index.get(&(*ns, *key)).map(|e| e.page) else {
+        let Some(page) = self.index.get(&(*ns, *key)).filter(|e| !e.filling).map(|e| e.page) else {
             self.stats.misses += 1;
             return Ok(None);
         };
@@ -513,7 +563,7 @@ impl<D: Device, S: Spill> PagePool<D, S> {
 
     /// Pins a resident block (a live session's); returns its pin count.
     pub fn pin(&mut self, ns: &NamespaceId, key: &BlockKey) -> Result<u32> {
-        let e = self.index.get_mut(&(*ns, *key)).ok_or(AgentError::NotResident)?;
+        let e = self.index.get_mut(&(*ns, *key)).filter(|e| !e.filling).ok_or(AgentError::NotResident)?;
         if e.pins == 0 {
             self.lru.remove(&e.tick);
         }
@@ -524,7 +574,7 @@ impl<D: Device, S: Spill> PagePool<D, S> {
     /// Drops one pin; at zero the block is evictable again (as most recently used).
     pub fn unpin(&mut self, ns: &NamespaceId, key: &BlockKey) -> Result<u32> {
         let k = (*ns, *key);
-        let e = self.index.get_mut(&k).ok_or(AgentError::NotResident)?;
+        let e = self.index.get_mut(&k).filter(|e| !e.filling).ok_or(AgentError::NotResident)?;
         if e.pins == 0 {
             return Err(AgentError::NotPinned);
         }
