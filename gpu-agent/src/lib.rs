@@ -17,15 +17,21 @@
 //!   that declines a borrow that would push a link past its bandwidth budget.
 //! - [`codec`]: FP8 E4M3 kernels as CUDA C for NVRTC, written to be byte-identical to
 //!   `kvtier_kernels` (checked on a GPU by the ignored tests; not yet run).
+//! - [`engine`]: the engine-facing side — an [`engine::Agent`] (the G1 pool over a
+//!   [`engine::BackingStore`], G2 below it) and the engine socket: an engine registers its KV
+//!   buffer by IPC handle (a sealed memfd on the host backend), saves pages layer by layer under
+//!   block keys and loads keys into pages with a completion per layer. The store's same-node
+//!   implementation and the `kvtier agent` command live in cli/ (this crate has no network
+//!   client).
 //! - [`AgentError`]: the crate's one error type.
 //!
 //! Not here yet: NVFP4 and rotated (`+had`) kernels, a node-level pool that carries out the
 //! borrowing policy's decisions by itself (the policy and peer copies exist; `tests/borrow.rs`
-//! wires them by hand), RDMA, KV events to the server, the same-node [`Spill`] implementation and
-//! the `kvtier agent` command.
+//! wires them by hand), RDMA, KV events to the server.
 
 pub mod codec;
 pub mod device;
+pub mod engine;
 mod error;
 pub mod pipeline;
 pub mod policy;
