@@ -91,7 +91,8 @@ fn settings(a: &AgentArgs) -> anyhow::Result<Settings> {
         }
         None => toml::Table::new(),
     };
-    let known = ["server", "socket", "device", "gpu", "host_memory", "page_bytes", "pool_capacity", "pool_fraction", "metrics"];
+    let known =
+        ["server", "socket", "device", "gpu", "host_memory", "page_bytes", "pool_capacity", "pool_fraction", "metrics"];
     if let Some(k) = table.keys().find(|k| !known.contains(&k.as_str())) {
         bail!("[agent]: unknown key {k:?} (known: {})", known.join(", "));
     }
@@ -107,7 +108,9 @@ fn settings(a: &AgentArgs) -> anyhow::Result<Settings> {
     let bytes = |flag: Option<ByteSize>, k: &str| -> anyhow::Result<Option<u64>> {
         match flag {
             Some(b) => Ok(Some(b.0)),
-            None => text(k)?.map(|s| s.parse::<ByteSize>().map(|b| b.0).map_err(|e| anyhow::anyhow!("[agent] {k}: {e}"))).transpose(),
+            None => text(k)?
+                .map(|s| s.parse::<ByteSize>().map(|b| b.0).map_err(|e| anyhow::anyhow!("[agent] {k}: {e}")))
+                .transpose(),
         }
     };
     let server = a.server.clone().or(text("server")?).unwrap_or_else(|| "127.0.0.1:7070".into());
@@ -163,7 +166,10 @@ struct Link {
 
 impl SameNodeStore {
     async fn connect(client: KvClient, block_bytes: usize) -> anyhow::Result<Self> {
-        let near = client.samenode().await.context("the server's same-node socket (the agent must run on the server's host)")?;
+        let near = client
+            .samenode()
+            .await
+            .context("the server's same-node socket (the agent must run on the server's host)")?;
         let buf = SharedBuffer::new(block_bytes * STORE_CHUNK_BLOCKS)?;
         Ok(SameNodeStore {
             inner: Arc::new(StoreInner {
@@ -266,12 +272,15 @@ pub async fn run(a: AgentArgs) -> anyhow::Result<()> {
     let s = settings(&a)?;
     let page_bytes = usize::try_from(s.page_bytes).context("--page-bytes")?;
     let cfg = ClientConfig { auth_token: a.auth_token.clone(), ..Default::default() };
-    let client = KvClient::connect(&s.server, cfg).await.with_context(|| format!("connecting to the server at {}", s.server))?;
+    let client =
+        KvClient::connect(&s.server, cfg).await.with_context(|| format!("connecting to the server at {}", s.server))?;
     let store = SameNodeStore::connect(client, page_bytes).await?;
     let mut config = AgentConfig::new(page_bytes);
     config.capacity = s.capacity;
     match s.device.as_str() {
-        "host" => serve_device(Arc::new(HostDevice::new(s.gpu, usize::try_from(s.host_memory)?)), store, config, &s).await,
+        "host" => {
+            serve_device(Arc::new(HostDevice::new(s.gpu, usize::try_from(s.host_memory)?)), store, config, &s).await
+        }
         _ => cuda(store, config, &s).await,
     }
 }
@@ -297,7 +306,8 @@ async fn serve_device<D: Device>(
     let metrics = match s.metrics {
         Some(addr) => {
             let handle = kvtier_server::metrics::install()?;
-            let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding /metrics at {addr}"))?;
+            let listener =
+                tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding /metrics at {addr}"))?;
             let bound = listener.local_addr()?;
             tokio::spawn(kvtier_server::metrics::serve(listener, handle, None));
             tokio::spawn(publish_metrics(agent.clone()));
@@ -305,7 +315,8 @@ async fn serve_device<D: Device>(
         }
         None => None,
     };
-    let server = EngineServer::bind(agent.clone(), &s.socket).with_context(|| format!("binding {}", s.socket.display()))?;
+    let server =
+        EngineServer::bind(agent.clone(), &s.socket).with_context(|| format!("binding {}", s.socket.display()))?;
     let stats = agent.stats();
     println!(
         "kvtier agent listening on {} (device {} {}, G1 {} pages of {} bytes, server {}, metrics {})",

@@ -87,7 +87,9 @@ pub(crate) fn import_shared(handle: &IpcHandle) -> Result<Option<Storage>> {
     let seals = rustix::fs::fcntl_get_seals(&file)
         .map_err(|e| bad(format!("{path} is not a sealable memfd (F_GET_SEALS: {e})")))?;
     if !seals.contains(SealFlags::SHRINK) {
-        return Err(bad("the memfd is not sealed with F_SEAL_SHRINK (pages that can vanish would crash the agent)".into()));
+        return Err(bad(
+            "the memfd is not sealed with F_SEAL_SHRINK (pages that can vanish would crash the agent)".into()
+        ));
     }
     let size = u64::try_from(st.st_size).unwrap_or(0);
     if size < handle.len() as u64 {
@@ -138,7 +140,10 @@ mod tests {
         assert_eq!(seen, (0..=255u8).collect::<Vec<_>>(), "the engine sees the agent's write");
         rustix::io::pwrite(&engine_view, &[9; 16], 0).unwrap();
         assert_eq!(dev.read_sync(buf.range(0, 16)).unwrap(), [9; 16], "the agent sees the engine's write");
-        assert!(matches!(dev.copy_h2d(&s, &host.range(0, 256), buf.range(4000, 256)), Err(AgentError::OutOfBounds { .. })));
+        assert!(matches!(
+            dev.copy_h2d(&s, &host.range(0, 256), buf.range(4000, 256)),
+            Err(AgentError::OutOfBounds { .. })
+        ));
         assert!(matches!(dev.export_ipc(buf), Err(AgentError::BadIpcHandle(_))));
         dev.free(buf).unwrap();
     }

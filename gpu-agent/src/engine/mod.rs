@@ -32,7 +32,9 @@ use std::time::{Duration, Instant};
 use kvtier_proto::{BlockKey, Namespace, NamespaceId};
 use parking_lot::Mutex;
 
-use self::proto::{counts, encode_answer, encode_refusal, open_answer, BufferSource, Item, Op, Refusal, Request, Status};
+use self::proto::{
+    counts, encode_answer, encode_refusal, open_answer, BufferSource, Item, Op, Refusal, Request, Status,
+};
 use crate::device::{Device, DeviceBuf, DeviceRange, HostBuffer, IpcHandle, Registration, Transfer};
 use crate::error::{AgentError, Result};
 use crate::pipeline::{LayerPipeline, LayerSource};
@@ -164,8 +166,11 @@ pub struct Agent<D: Device, B: BackingStore> {
 impl<D: Device, B: BackingStore> Agent<D, B> {
     /// Builds the pool on `device` (failing on a capacity that holds no page).
     pub fn new(device: Arc<D>, store: B, config: AgentConfig) -> Result<Self> {
-        let pool =
-            PagePool::new(device.clone(), store.clone(), PoolConfig::new(config.page_bytes).with_capacity(config.capacity))?;
+        let pool = PagePool::new(
+            device.clone(),
+            store.clone(),
+            PoolConfig::new(config.page_bytes).with_capacity(config.capacity),
+        )?;
         Ok(Agent { device, store, pool: Mutex::new(pool), config, counters: Counters::default() })
     }
 
@@ -264,7 +269,15 @@ impl<D: Device, B: BackingStore> Session<D, B> {
     pub fn new(agent: Arc<Agent<D, B>>) -> Result<Self> {
         let pipe = LayerPipeline::new(agent.device.clone())?;
         add(&agent.counters.connections, 1);
-        Ok(Session { agent, ns: None, buffers: HashMap::new(), next_buffer: 1, saves: HashMap::new(), pipe, staging: None })
+        Ok(Session {
+            agent,
+            ns: None,
+            buffers: HashMap::new(),
+            next_buffer: 1,
+            saves: HashMap::new(),
+            pipe,
+            staging: None,
+        })
     }
 
     /// Handles one request; `send` gets every answer (one, or for a LOAD, one plus one per
@@ -305,11 +318,17 @@ impl<D: Device, B: BackingStore> Session<D, B> {
         if bb != self.agent.config.page_bytes as u64 {
             return Err(Refusal::new(
                 Status::SizeMismatch,
-                format!("blocks of this layout are {bb} bytes; this agent's G1 pages are {}", self.agent.config.page_bytes),
+                format!(
+                    "blocks of this layout are {bb} bytes; this agent's G1 pages are {}",
+                    self.agent.config.page_bytes
+                ),
             ));
         }
-        if bb % layers as u64 != 0 {
-            return Err(Refusal::new(Status::SizeMismatch, format!("{bb}-byte blocks don't split into {layers} layers")));
+        if !bb.is_multiple_of(layers as u64) {
+            return Err(Refusal::new(
+                Status::SizeMismatch,
+                format!("{bb}-byte blocks don't split into {layers} layers"),
+            ));
         }
         self.agent.store.open_namespace(&ns).map_err(refusal)?;
         let id = ns.id();
@@ -348,7 +367,10 @@ impl<D: Device, B: BackingStore> Session<D, B> {
         let handle = match (source, &fd) {
             (BufferSource::Memfd, Some(fd)) => IpcHandle::host_shared_memory(std::process::id(), fd.as_raw_fd(), len),
             (BufferSource::Memfd, None) => {
-                return Err(Refusal::new(Status::BadRequest, "a memfd buffer needs its descriptor attached (SCM_RIGHTS)"))
+                return Err(Refusal::new(
+                    Status::BadRequest,
+                    "a memfd buffer needs its descriptor attached (SCM_RIGHTS)",
+                ))
             }
             (BufferSource::CudaIpc(bytes), _) => IpcHandle::from_bytes(bytes, len),
         };
@@ -402,7 +424,10 @@ impl<D: Device, B: BackingStore> Session<D, B> {
                 None => "its layer 0 was not saved on this connection".to_string(),
                 Some(s) => format!("layer {} comes next", s.next_layer),
             };
-            return Err(Refusal::new(Status::UnknownKey, format!("SAVE of layer {layer} for key {}: {why}", hex(&it.key))));
+            return Err(Refusal::new(
+                Status::UnknownKey,
+                format!("SAVE of layer {layer} for key {}: {why}", hex(&it.key)),
+            ));
         }
         let transfers: Vec<Transfer> = items
             .iter()
@@ -448,13 +473,20 @@ impl<D: Device, B: BackingStore> Session<D, B> {
         if self.saves.len() + fresh.len() > max {
             return Err(Refusal::new(
                 Status::Busy,
-                format!("{} saves open on this connection; at most {max} (finish their last layer first)", self.saves.len()),
+                format!(
+                    "{} saves open on this connection; at most {max} (finish their last layer first)",
+                    self.saves.len()
+                ),
             ));
         }
         if let Some(it) = items.iter().find(|it| self.saves.get(&it.key).is_some_and(|s| s.next_layer != 0)) {
             return Err(Refusal::new(
                 Status::BadRequest,
-                format!("key {} is already being saved (layer {} comes next)", hex(&it.key), self.saves[&it.key].next_layer),
+                format!(
+                    "key {} is already being saved (layer {} comes next)",
+                    hex(&it.key),
+                    self.saves[&it.key].next_layer
+                ),
             ));
         }
         let mut pool = self.agent.pool.lock();
@@ -512,7 +544,13 @@ impl<D: Device, B: BackingStore> Session<D, B> {
         add(&c.loaded_from_g1, g1 as u64);
         add(&c.loaded_from_g2, (found - g1) as u64);
         add(&c.load_misses, (items.len() - found) as u64);
-        send(encode_answer(Op::Load, Status::Ok, 0, request_id, &counts(&[found as u32, g1 as u32, (found - g1) as u32])))?;
+        send(encode_answer(
+            Op::Load,
+            Status::Ok,
+            0,
+            request_id,
+            &counts(&[found as u32, g1 as u32, (found - g1) as u32]),
+        ))?;
         let staging = self.staging.as_ref().map(|(h, _)| h.clone());
         let layer_sources = (0..layers)
             .map(|l| {
@@ -581,8 +619,13 @@ impl<D: Device, B: BackingStore> Session<D, B> {
                 let _ = pool.unpin(&nsid, k);
             }
         };
-        let pinned: Vec<(usize, BlockKey)> =
-            in_g1.iter().zip(items).enumerate().filter(|(_, (r, _))| r.is_some()).map(|(i, (_, it))| (i, it.key)).collect();
+        let pinned: Vec<(usize, BlockKey)> = in_g1
+            .iter()
+            .zip(items)
+            .enumerate()
+            .filter(|(_, (r, _))| r.is_some())
+            .map(|(i, (_, it))| (i, it.key))
+            .collect();
         // The rest, from the store, as far as the staging buffer reaches.
         let cap = self.agent.config.max_store_blocks_per_load;
         let wanted: Vec<usize> = (0..items.len()).filter(|i| in_g1[*i].is_none()).take(cap).collect();

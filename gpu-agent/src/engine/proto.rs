@@ -418,12 +418,14 @@ mod tests {
         kind[0] = 7;
         assert!(bad(Op::Register as u8, &kind).message.contains("kind"));
         // A layout the proto refuses (0 layers), a dtype that does not exist.
-        let open = Request::Open(Namespace::new("t", "m", KvLayout::new(0, 2, 64, DType::Fp16, 16), HashScheme::Blake3, b""))
-            .encode(1);
+        let open =
+            Request::Open(Namespace::new("t", "m", KvLayout::new(0, 2, 64, DType::Fp16, 16), HashScheme::Blake3, b""))
+                .encode(1);
         assert!(bad(Op::Open as u8, &open[HEADER_LEN..]).message.contains("layout"));
-        let mut dtype = Request::Open(Namespace::new("t", "m", KvLayout::new(1, 2, 64, DType::Fp16, 16), HashScheme::Blake3, b""))
-            .encode(1)[HEADER_LEN..]
-            .to_vec();
+        let mut dtype =
+            Request::Open(Namespace::new("t", "m", KvLayout::new(1, 2, 64, DType::Fp16, 16), HashScheme::Blake3, b""))
+                .encode(1)[HEADER_LEN..]
+                .to_vec();
         dtype[2 + 1 + 2 + 1 + 6] = 42;
         assert_eq!(bad(Op::Open as u8, &dtype).status, Status::BadRequest);
         for n in 0..40 {

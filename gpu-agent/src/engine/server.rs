@@ -19,7 +19,9 @@ use std::os::fd::OwnedFd;
 
 use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
 
-use super::proto::{decode_request, encode_refusal, BufferSource, Header, Op, Refusal, Request, Status, HEADER_LEN, MAX_BODY};
+use super::proto::{
+    decode_request, encode_refusal, BufferSource, Header, Op, Refusal, Request, Status, HEADER_LEN, MAX_BODY,
+};
 use super::{Agent, BackingStore, Session};
 use crate::device::Device;
 
@@ -125,8 +127,8 @@ impl Conn {
         let mut anc = RecvAncillaryBuffer::new(&mut space);
         let end = self.end;
         let mut iov = [IoSliceMut::new(&mut self.buf[end..])];
-        let msg = rustix::net::recvmsg(&self.sock, &mut iov, &mut anc, RecvFlags::CMSG_CLOEXEC)
-            .map_err(|_| ReadError::Io)?;
+        let msg =
+            rustix::net::recvmsg(&self.sock, &mut iov, &mut anc, RecvFlags::CMSG_CLOEXEC).map_err(|_| ReadError::Io)?;
         for m in anc.drain() {
             if let RecvAncillaryMessage::ScmRights(fds) = m {
                 self.fds.extend(fds);

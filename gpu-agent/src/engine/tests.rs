@@ -146,7 +146,9 @@ impl Eng {
     }
 
     fn save_all_layers(&mut self, buf: u32, items: &[Item]) -> Vec<Ans> {
-        (0..LAYERS as u16).map(|layer| self.one(Request::Save { buffer: buf, layer, items: items.to_vec() }, None)).collect()
+        (0..LAYERS as u16)
+            .map(|layer| self.one(Request::Save { buffer: buf, layer, items: items.to_vec() }, None))
+            .collect()
     }
 }
 
@@ -240,18 +242,27 @@ fn bad_requests_get_clear_errors() {
     assert_eq!((st(&r), r.msg().contains("G1 pages are 1024")), (Status::SizeMismatch, true), "{}", r.msg());
     e.open();
     // A buffer smaller than its pages; a memfd without its descriptor; an unsealed memfd.
-    let r = e.one(Request::Register { source: BufferSource::Memfd, len: BLOCK as u64, pages: 2 }, Some(m.fd.try_clone().unwrap()));
+    let r = e.one(
+        Request::Register { source: BufferSource::Memfd, len: BLOCK as u64, pages: 2 },
+        Some(m.fd.try_clone().unwrap()),
+    );
     assert_eq!(st(&r), Status::SizeMismatch, "{}", r.msg());
     let r = e.one(Request::Register { source: BufferSource::Memfd, len: 2 * BLOCK as u64, pages: 2 }, None);
     assert!(r.msg().contains("descriptor"), "{}", r.msg());
     let loose = EngineMem::new(2, false);
-    let r = e.one(Request::Register { source: BufferSource::Memfd, len: 2 * BLOCK as u64, pages: 2 }, Some(loose.fd.try_clone().unwrap()));
+    let r = e.one(
+        Request::Register { source: BufferSource::Memfd, len: 2 * BLOCK as u64, pages: 2 },
+        Some(loose.fd.try_clone().unwrap()),
+    );
     assert!(r.msg().contains("F_SEAL_SHRINK"), "{}", r.msg());
     // A CUDA handle on the host backend names nothing.
     let r = e.one(Request::Register { source: BufferSource::CudaIpc([1; 64]), len: 2 * BLOCK as u64, pages: 2 }, None);
     assert_eq!(st(&r), Status::BadRequest, "{}", r.msg());
     let b = e.register(&m);
-    let r = e.one(Request::Register { source: BufferSource::Memfd, len: 2 * BLOCK as u64, pages: 2 }, Some(m.fd.try_clone().unwrap()));
+    let r = e.one(
+        Request::Register { source: BufferSource::Memfd, len: 2 * BLOCK as u64, pages: 2 },
+        Some(m.fd.try_clone().unwrap()),
+    );
     assert_eq!(st(&r), Status::Busy, "one buffer per connection here: {}", r.msg());
     // Unknown buffer, page and layer out of range.
     let r = e.one(Request::Save { buffer: b + 5, layer: 0, items: items(&[(0, 1)]) }, None);

@@ -354,7 +354,12 @@ fn a_reserved_block_is_invisible_until_committed_then_spills_like_an_engine_bloc
     f.dev.wait(&f.dev.record(&s).unwrap()).unwrap();
     // Pinned while filling: two more blocks evict only each other's way, never the reserved one.
     f.put(2, 0);
-    assert!(matches!(f.pool.reserve(&ns(1), &key(3)).unwrap(), Some(_)), "evicts block 2, not the reserved one");
+    assert!(f.pool.reserve(&ns(1), &key(3)).unwrap().is_some());
+    assert_eq!(
+        f.pool.spill_target().get(&ns(1), &key(2)),
+        Some(vec![1; PAGE]),
+        "block 2 made room, not the reserved one"
+    );
     f.pool.abort(&ns(1), &key(3)).unwrap();
     assert_eq!(f.pool.abort(&ns(1), &key(3)), Err(AgentError::NotResident));
     f.pool.commit(&ns(1), &key(1)).unwrap();
