@@ -552,40 +552,54 @@ impl<D: Device, B: BackingStore> Session<D, B> {
             &counts(&[found as u32, g1 as u32, (found - g1) as u32]),
         ))?;
         let staging = self.staging.as_ref().map(|(h, _)| h.clone());
-        let layer_sources = (0..layers)
-            .map(|l| {
-                let transfers = sources
-                    .iter()
-                    .zip(items)
-                    .filter_map(|(src, it)| {
-                        let dst = engine.range((l * pages as usize + it.page as usize) * lb, lb);
-                        Some(match src {
-                            LoadSource::G1(page) => {
-                                Transfer::DeviceToDevice { src: page.buf.range(page.offset + l * lb, lb), dst }
-                            }
-                            LoadSource::Staged(j) => {
-                                Transfer::HostToDevice { src: staging.as_ref()?.range(j * bb + l * lb, lb), dst }
-                            }
-                        })
+        let layer_source = |l: usize| {
+            let transfers = sources
+                .iter()
+                .zip(items)
+                .filter_map(|(src, it)| {
+                    let dst = engine.range((l * pages as usize + it.page as usize) * lb, lb);
+                    Some(match src {
+                        LoadSource::G1(page) => {
+                            Transfer::DeviceToDevice { src: page.buf.range(page.offset + l * lb, lb), dst }
+                        }
+                        LoadSource::Staged(j) => {
+                            Transfer::HostToDevice { src: staging.as_ref()?.range(j * bb + l * lb, lb), dst }
+                        }
                     })
-                    .collect();
-                LayerSource::new(transfers)
-            })
-            .collect();
+                })
+                .collect();
+            LayerSource::new(transfers)
+        };
         let started = Instant::now();
-        let handle = self.pipe.start_load_kv(layer_sources);
+        // Layer by layer on the load stream (so in order), answering every layer that has landed
+        // between enqueues: layer 0's answer does not wait for the later layers' enqueueing.
+        let mut handles = Vec::with_capacity(layers);
+        let mut answered = 0;
         let mut sent = Ok(());
+        let answer = |l: usize, r: Result<()>| match r {
+            Ok(()) => encode_answer(Op::Layer, Status::Ok, l as u16, request_id, &[]),
+            Err(e) => encode_refusal(Op::Layer, request_id, &refusal(e)),
+        };
         for l in 0..layers {
-            let msg = match handle.wait_for_layer_load(l) {
-                Ok(()) => encode_answer(Op::Layer, Status::Ok, l as u16, request_id, &[]),
-                Err(e) => encode_refusal(Op::Layer, request_id, &refusal(e)),
-            };
+            handles.push(self.pipe.start_load_kv(vec![layer_source(l)]));
+            while answered < handles.len() && sent.is_ok() {
+                match handles[answered].is_layer_ready(0) {
+                    Ok(false) => break,
+                    r => sent = send(answer(answered, r.map(|_| ()))),
+                }
+                answered += 1;
+            }
+        }
+        for (l, h) in handles.iter().enumerate().skip(answered) {
+            let r = h.wait_for_layer_load(0);
             if sent.is_ok() {
-                sent = send(msg);
+                sent = send(answer(l, r));
             }
         }
         // Every layer has completed (or failed) before the G1 pages are unpinned.
-        let _ = handle.wait_all();
+        for h in &handles {
+            let _ = h.wait_all();
+        }
         self.agent.record_copies(found * bb, started);
         let mut pool = self.agent.pool.lock();
         for (src, it) in sources.iter().zip(items) {
