@@ -429,3 +429,64 @@ fn the_socket_carries_descriptors_answers_per_layer_and_enforces_its_limits() {
     drop(server);
     assert!(!path.exists());
 }
+
+/// A store that refuses everything: the server down or full.
+#[derive(Clone, Default)]
+struct DownStore;
+
+impl Spill for DownStore {
+    fn spill(&self, _: &NamespaceId, _: &BlockKey, _: kvtier_proto::CodecId, _: &[u8]) -> Result<()> {
+        Err(AgentError::Spill("server unreachable".into()))
+    }
+}
+
+impl BackingStore for DownStore {
+    fn open_namespace(&self, _: &Namespace) -> Result<()> {
+        Ok(())
+    }
+    fn fetch(&self, _: &NamespaceId, _: &[BlockKey], _: usize, _: &mut [u8]) -> Result<Vec<bool>> {
+        Err(AgentError::Spill("server unreachable".into()))
+    }
+}
+
+#[test]
+fn a_store_that_fails_turns_spills_into_drops_and_fetches_into_misses() {
+    let mut cfg = AgentConfig::new(BLOCK);
+    cfg.capacity = Capacity::Bytes(BLOCK);
+    let a = Arc::new(Agent::new(Arc::new(HostDevice::new(0, 16 << 20)), DownStore, cfg).unwrap());
+    let mut m = EngineMem::new(2, true);
+    m.fill(0, 1);
+    m.fill(1, 2);
+    let mut e = Session::new(a.clone()).unwrap();
+    let call = |e: &mut Session<HostDevice, DownStore>, req: Request, fd: Option<OwnedFd>| {
+        let mut out = Vec::new();
+        e.handle(1, req, fd, &mut |msg| {
+            out.push(msg);
+            Ok(())
+        })
+        .unwrap();
+        parse(out)
+    };
+    assert_eq!(call(&mut e, Request::Open(namespace()), None)[0].status(), 0);
+    let reg = Request::Register { source: BufferSource::Memfd, len: 2 * BLOCK as u64, pages: 2 };
+    let b = call(&mut e, reg, Some(m.fd.try_clone().unwrap()))[0].u32s()[0];
+    for k in [1u8, 2] {
+        for layer in 0..LAYERS as u16 {
+            let r = call(&mut e, Request::Save { buffer: b, layer, items: items(&[(u32::from(k) - 1, k)]) }, None);
+            assert_eq!(r[0].status(), 0, "{}", r[0].msg());
+        }
+    }
+    // Block 1 was evicted to make room and its spill failed: dropped, counted.
+    let st = a.stats();
+    assert_eq!((st.pool.evictions, st.pool.spills, st.pool.spill_errors), (1, 0, 1));
+    // Loading it: the store's failure is a miss, the engine gets a clean answer and recomputes.
+    let got = call(&mut e, Request::Load { buffer: b, items: items(&[(0, 1), (1, 2)]) }, None);
+    assert_eq!(got[0].u32s(), [0, 0, 0], "the prefix stops at the first key");
+    assert!(got[1..].iter().all(|g| g.status() == 0));
+    let st = a.stats();
+    assert_eq!((st.store_errors, st.load_misses, st.pool.pinned), (1, 2, 0));
+    // Block 2 is still a G1 hit on its own.
+    let got = call(&mut e, Request::Load { buffer: b, items: items(&[(0, 2)]) }, None);
+    assert_eq!(got[0].u32s(), [1, 1, 0]);
+    assert_eq!(m.block(0), m.block(1));
+}
