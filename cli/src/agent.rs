@@ -187,7 +187,8 @@ impl SameNodeStore {
     }
 
     /// Runs `f` on the link, reopening a connection that broke earlier. Called on the agent's
-    /// connection threads (never on a runtime thread), so blocking on the runtime is fine.
+    /// connection threads (never on a runtime thread: `block_on` there would panic), so blocking
+    /// on the runtime is fine; bounded by the client's request timeout.
     fn with_link<T>(
         &self,
         f: impl AsyncFnOnce(&mut Link) -> Result<T, kvtier_client::ClientError>,
@@ -343,7 +344,9 @@ async fn publish_metrics<D: Device>(agent: Arc<Agent<D, SameNodeStore>>) {
     let mut tick = tokio::time::interval(Duration::from_millis(250));
     loop {
         tick.tick().await;
-        let s = agent.stats();
+        // Off the runtime's threads: the pool's lock can be held across a spill to the server.
+        let a = agent.clone();
+        let Ok(s) = tokio::task::spawn_blocking(move || a.stats()).await else { continue };
         let p = s.pool;
         metrics::gauge!("kvtier_agent_pool_pages").set(p.pages as f64);
         metrics::gauge!("kvtier_agent_pool_bytes").set(p.pages as f64 * page);
