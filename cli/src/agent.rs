@@ -25,8 +25,9 @@ use kvtier_proto::dataplane::ItemStatus;
 use kvtier_proto::{BlockKey, CodecId, Namespace, NamespaceId};
 use kvtier_server::config::ByteSize;
 
-/// Blocks one same-node exchange with the server moves at most (the store's shared buffer).
-const STORE_CHUNK_BLOCKS: usize = 64;
+/// Bytes one same-node exchange with the server moves at most (the store's shared buffer, in
+/// whole blocks, at least one).
+const STORE_BUFFER_BYTES: usize = 64 << 20;
 
 #[derive(Args)]
 pub struct AgentArgs {
@@ -164,13 +165,17 @@ struct Link {
     block_bytes: usize,
 }
 
+fn chunk_blocks(block_bytes: usize) -> usize {
+    (STORE_BUFFER_BYTES / block_bytes.max(1)).max(1)
+}
+
 impl SameNodeStore {
     async fn connect(client: KvClient, block_bytes: usize) -> anyhow::Result<Self> {
         let near = client
             .samenode()
             .await
             .context("the server's same-node socket (the agent must run on the server's host)")?;
-        let buf = SharedBuffer::new(block_bytes * STORE_CHUNK_BLOCKS)?;
+        let buf = SharedBuffer::new(block_bytes * chunk_blocks(block_bytes))?;
         Ok(SameNodeStore {
             inner: Arc::new(StoreInner {
                 rt: tokio::runtime::Handle::current(),
@@ -251,9 +256,10 @@ impl BackingStore for SameNodeStore {
     ) -> kvtier_agent::Result<Vec<bool>> {
         let h = self.handle(ns)?;
         let mut found = Vec::with_capacity(keys.len());
-        for (c, chunk) in keys.chunks(STORE_CHUNK_BLOCKS).enumerate() {
+        let per = chunk_blocks(block_bytes);
+        for (c, chunk) in keys.chunks(per).enumerate() {
             let offsets: Vec<u64> = (0..chunk.len() as u64).map(|i| i * block_bytes as u64).collect();
-            let dst = &mut out[c * STORE_CHUNK_BLOCKS * block_bytes..][..chunk.len() * block_bytes];
+            let dst = &mut out[c * per * block_bytes..][..chunk.len() * block_bytes];
             let got = self.with_link(async |l: &mut Link| {
                 let landed = l.near.load_into_buffer(&h, chunk, &mut l.buf, &offsets, false).await?;
                 dst.copy_from_slice(&l.buf.as_slice()[..chunk.len() * block_bytes]);

@@ -57,7 +57,7 @@ fn main() -> BenchResult<()> {
     let lb = block / layers;
     let mut cfg = AgentConfig::new(block);
     cfg.capacity = Capacity::Bytes(pages * block);
-    cfg.max_store_blocks_per_load = 1;
+    cfg.max_store_bytes_per_load = block;
     let dev = Arc::new(HostDevice::new(0, 2 * pages * block + (64 << 20)));
     let agent = Arc::new(Agent::new(dev, MemorySpill::default(), cfg)?);
     let dir = tempfile::tempdir()?;

@@ -85,9 +85,10 @@ pub struct AgentConfig {
     /// Keys one connection may have between the SAVE of layer 0 and that of the last layer
     /// (each holds a pinned G1 page). Default: 1024.
     pub max_open_saves_per_connection: usize,
-    /// Blocks one LOAD may take from the store (the size of each connection's staging buffer, in
-    /// blocks; keys past it are misses). Default: 256.
-    pub max_store_blocks_per_load: usize,
+    /// Bytes one LOAD may take from the store: each connection's staging buffer (allocated on its
+    /// first load that misses G1), rounded down to whole blocks, at least one; keys past it are
+    /// misses. Default: 64 MiB (so 64 connections stage at most 4 GiB).
+    pub max_store_bytes_per_load: usize,
     /// How long a connection may sit between requests. Default: 10 minutes.
     pub idle_timeout: Duration,
     /// How long reading the rest of a request, or writing an answer, may take. Default: 10 s.
@@ -95,6 +96,11 @@ pub struct AgentConfig {
 }
 
 impl AgentConfig {
+    /// Blocks of a connection's staging buffer.
+    fn store_blocks_per_load(&self) -> usize {
+        (self.max_store_bytes_per_load / self.page_bytes.max(1)).max(1)
+    }
+
     pub fn new(page_bytes: usize) -> Self {
         AgentConfig {
             page_bytes,
@@ -102,7 +108,7 @@ impl AgentConfig {
             max_connections: 64,
             max_buffers_per_connection: 8,
             max_open_saves_per_connection: 1024,
-            max_store_blocks_per_load: 256,
+            max_store_bytes_per_load: 64 << 20,
             idle_timeout: Duration::from_secs(600),
             io_timeout: Duration::from_secs(10),
         }
@@ -641,7 +647,7 @@ impl<D: Device, B: BackingStore> Session<D, B> {
             .map(|(i, (_, it))| (i, it.key))
             .collect();
         // The rest, from the store, as far as the staging buffer reaches.
-        let cap = self.agent.config.max_store_blocks_per_load;
+        let cap = self.agent.config.store_blocks_per_load();
         let wanted: Vec<usize> = (0..items.len()).filter(|i| in_g1[*i].is_none()).take(cap).collect();
         let mut fetched = vec![false; items.len()];
         let mut slot = vec![0usize; items.len()];
@@ -684,7 +690,7 @@ impl<D: Device, B: BackingStore> Session<D, B> {
             return Ok(h.clone());
         }
         let bb = self.agent.config.page_bytes;
-        let h = HostBuffer::new(bb * self.agent.config.max_store_blocks_per_load);
+        let h = HostBuffer::new(bb * self.agent.config.store_blocks_per_load());
         let reg = self.agent.device.register_host(&h)?;
         self.staging = Some((h.clone(), reg));
         Ok(h)

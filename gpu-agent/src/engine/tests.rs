@@ -490,3 +490,28 @@ fn a_store_that_fails_turns_spills_into_drops_and_fetches_into_misses() {
     assert_eq!(got[0].u32s(), [1, 1, 0]);
     assert_eq!(m.block(0), m.block(1));
 }
+
+#[test]
+fn a_load_takes_from_the_store_only_what_its_staging_buffer_holds() {
+    let a = agent(1, |c| c.max_store_bytes_per_load = 2 * BLOCK + BLOCK / 2);
+    let mut m = EngineMem::new(4, true);
+    for p in 0..4 {
+        m.fill(p, 60 + p as u8);
+    }
+    let mut e = Eng::new(&a);
+    e.open();
+    let b = e.register(&m);
+    for p in 0..4u8 {
+        assert!(e.save_all_layers(b, &items(&[(u32::from(p), p + 1)])).iter().all(|s| s.status() == 0));
+    }
+    assert_eq!(a.stats().pool.spills, 3);
+    // Keys 1..3 are in the store, key 4 in G1; two blocks fit the staging buffer: 1 and 2 land,
+    // 3 is a miss, so the prefix is two long (key 4's pin is given back).
+    let m2 = EngineMem::new(4, true);
+    let b2 = e.register(&m2);
+    let got = e.call(Request::Load { buffer: b2, items: items(&[(0, 1), (1, 2), (2, 3), (3, 4)]) }, None);
+    assert_eq!(got[0].u32s(), [2, 0, 2]);
+    assert_eq!((m2.block(0), m2.block(1)), (m.block(0), m.block(1)));
+    assert_eq!(m2.block(2), vec![0u8; BLOCK]);
+    assert_eq!(a.stats().pool.pinned, 0);
+}
