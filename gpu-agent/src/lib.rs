@@ -47,4 +47,4 @@ pub use error::{AgentError, Result};
 #[cfg(feature = "cuda")]
 pub use device::cuda::{CudaDevice, CudaEventHandle, CudaStreamHandle};
 pub use pipeline::{LayerPipeline, LoadHandle, SaveReport};
-pub use pool::{Capacity, MemorySpill, PagePool, PoolConfig, PoolStats, Spill, SpilledBlock};
+pub use pool::{Capacity, MemorySpill, PagePool, PoolChange, PoolConfig, PoolStats, Spill, SpilledBlock};

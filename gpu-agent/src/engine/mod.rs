@@ -193,6 +193,12 @@ impl<D: Device, B: BackingStore> Agent<D, B> {
         self.pool.lock().keys()
     }
 
+    /// What G1 took in and gave up since the last call (for KV events), and whether some
+    /// changes were lost (then resync from [`Agent::resident_keys`]).
+    pub fn take_g1_changes(&self) -> (Vec<crate::pool::PoolChange>, bool) {
+        self.pool.lock().take_changes()
+    }
+
     pub fn stats(&self) -> AgentStats {
         let c = &self.counters;
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);

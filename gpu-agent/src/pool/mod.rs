@@ -22,7 +22,7 @@
 //! [`PagePool::insert_from_device`] when room must be made: it waits for the page's copy-out and
 //! calls the spill target, which for the same-node path is a memcpy into a registered buffer.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 
 use kvtier_kernels::BlockSpec;
@@ -73,6 +73,20 @@ impl Spill for MemorySpill {
         Ok(())
     }
 }
+
+/// A change in what the pool holds, for the agent to report to the server (KV events).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PoolChange {
+    /// The pool now holds this block.
+    Stored(ScopedKey),
+    /// The block left the pool; `below`: a tier under it still holds the bytes (it was loaded
+    /// from one, or its spill succeeded), else they are gone.
+    Evicted { key: ScopedKey, below: bool },
+}
+
+/// Changes kept for [`PagePool::take_changes`]; past this the oldest are dropped and the taker
+/// is told to resync from [`PagePool::keys`].
+pub const MAX_PENDING_CHANGES: usize = 1 << 16;
 
 /// How big the pool is.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -209,6 +223,8 @@ pub struct PagePool<D: Device, S: Spill> {
     _staging_reg: Registration,
     encoder: Option<Encoder>,
     stats: PoolStats,
+    changes: VecDeque<PoolChange>,
+    changes_lost: bool,
 }
 
 /// Device scratch for coding a page on its way out or in: the body at 0, the status word at
@@ -269,6 +285,8 @@ impl<D: Device, S: Spill> PagePool<D, S> {
             _staging_reg: reg,
             encoder,
             stats: PoolStats { pages, ..PoolStats::default() },
+            changes: VecDeque::new(),
+            changes_lost: false,
         })
     }
 
@@ -301,6 +319,21 @@ impl<D: Device, S: Spill> PagePool<D, S> {
         self.index.iter().filter(|(_, e)| !e.filling).map(|(k, _)| *k).collect()
     }
 
+    fn note(&mut self, c: PoolChange) {
+        if self.changes.len() >= MAX_PENDING_CHANGES {
+            self.changes.pop_front();
+            self.changes_lost = true;
+        }
+        self.changes.push_back(c);
+    }
+
+    /// The changes since the last call, oldest first, and whether some were dropped (more than
+    /// [`MAX_PENDING_CHANGES`] piled up): then resync from [`PagePool::keys`].
+    pub fn take_changes(&mut self) -> (Vec<PoolChange>, bool) {
+        let lost = std::mem::take(&mut self.changes_lost);
+        (self.changes.drain(..).collect(), lost)
+    }
+
     /// Reserves a page for a block that an engine saves layer by layer (copies into slices of
     /// the page on the caller's own stream): the page is pinned and the block invisible to loads
     /// until [`PagePool::commit`]; [`PagePool::abort`] gives the page back. `Ok(None)` when the
@@ -328,6 +361,7 @@ impl<D: Device, S: Spill> PagePool<D, S> {
         e.pins -= 1;
         let evictable = e.pins == 0;
         self.stats.inserts += 1;
+        self.note(PoolChange::Stored(k));
         if evictable {
             let t = self.next_tick();
             if let Some(e) = self.index.get_mut(&k) {
@@ -376,17 +410,20 @@ impl<D: Device, S: Spill> PagePool<D, S> {
         let (_, victim) = self.lru.pop_first().ok_or(AgentError::PoolExhausted { pages: self.pages })?;
         let entry = self.index.remove(&victim).ok_or(AgentError::NotResident)?;
         self.stats.evictions += 1;
-        if entry.clean {
+        let below = if entry.clean {
             self.stats.clean_drops += 1;
+            true
         } else {
-            self.spill_page(&victim, entry.page);
-        }
+            self.spill_page(&victim, entry.page)
+        };
+        self.note(PoolChange::Evicted { key: victim, below });
         Ok(entry.page)
     }
 
     /// Copies a page out (encoded on the device when configured) and hands it to the spill
-    /// target; failures are counted, not returned (the block is dropped either way).
-    fn spill_page(&mut self, key: &ScopedKey, page: usize) {
+    /// target; failures are counted, not returned (the block is dropped either way). Whether the
+    /// spill target took it.
+    fn spill_page(&mut self, key: &ScopedKey, page: usize) -> bool {
         let staged = self.stage_encoded(page).transpose().unwrap_or_else(|| self.stage_raw(page));
         let sent = staged.and_then(|(codec, payload)| {
             self.spill.spill(&key.0, &key.1, codec, &payload).map(|()| (codec, payload.len()))
@@ -398,8 +435,12 @@ impl<D: Device, S: Spill> PagePool<D, S> {
                 if codec != CodecId::RAW {
                     self.stats.encoded_spills += 1;
                 }
+                true
             }
-            Err(_) => self.stats.spill_errors += 1,
+            Err(_) => {
+                self.stats.spill_errors += 1;
+                false
+            }
         }
     }
 
@@ -460,6 +501,7 @@ impl<D: Device, S: Spill> PagePool<D, S> {
         self.index.insert(k, Entry { page, pins: 0, tick, clean, filling: false });
         self.lru.insert(tick, k);
         self.stats.inserts += 1;
+        self.note(PoolChange::Stored(k));
         self.device.record(&self.stream)
     }
 
@@ -527,6 +569,7 @@ impl<D: Device, S: Spill> PagePool<D, S> {
         self.index.insert(k, Entry { page, pins: 0, tick, clean: true, filling: false });
         self.lru.insert(tick, k);
         self.stats.inserts += 1;
+        self.note(PoolChange::Stored(k));
         Ok(())
     }
 
@@ -600,6 +643,7 @@ impl<D: Device, S: Spill> PagePool<D, S> {
         self.index.remove(&k);
         self.lru.remove(&e.tick);
         self.free.push(e.page);
+        self.note(PoolChange::Evicted { key: k, below: false });
         Ok(())
     }
 }

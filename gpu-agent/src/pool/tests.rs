@@ -371,3 +371,37 @@ fn a_reserved_block_is_invisible_until_committed_then_spills_like_an_engine_bloc
     f.put(5, 4);
     assert_eq!(f.pool.spill_target().get(&ns(1), &key(1)), Some(vec![3; PAGE]));
 }
+
+#[test]
+fn changes_say_what_the_pool_took_in_and_gave_up() {
+    let mut f = fix(2);
+    let sk = |k: u8| (ns(1), key(k));
+    let staged = HostBuffer::from_vec(vec![9u8; PAGE]);
+    let _reg = f.dev.register_host(&staged).unwrap();
+    f.dev.wait(&f.pool.insert_from_host(&ns(1), &key(1), &staged.range(0, PAGE)).unwrap()).unwrap();
+    f.put(2, 1);
+    f.put(2, 1); // already held: no change
+    let page = f.pool.reserve(&ns(1), &key(3)).unwrap().unwrap(); // evicts 1 (clean: still below)
+    assert_eq!(page.len, PAGE);
+    let (changes, lost) = f.pool.take_changes();
+    assert!(!lost);
+    assert_eq!(
+        changes,
+        [PoolChange::Stored(sk(1)), PoolChange::Stored(sk(2)), PoolChange::Evicted { key: sk(1), below: true }],
+        "a reserved block is not reported until committed"
+    );
+    f.pool.commit(&ns(1), &key(3)).unwrap();
+    f.put(4, 3); // evicts 2: spilled, so still below
+    f.pool.remove(&ns(1), &key(3)).unwrap(); // forgotten: gone
+    let (changes, _) = f.pool.take_changes();
+    assert_eq!(
+        changes,
+        [
+            PoolChange::Stored(sk(3)),
+            PoolChange::Evicted { key: sk(2), below: true },
+            PoolChange::Stored(sk(4)),
+            PoolChange::Evicted { key: sk(3), below: false },
+        ]
+    );
+    assert_eq!(f.pool.take_changes(), (vec![], false));
+}
