@@ -21,6 +21,16 @@ fn agent(args: &[&str]) -> Command {
     cmd
 }
 
+/// A spawned `kvtier agent`, killed by its pid if a test ends early.
+struct AgentProcess(std::process::Child);
+
+impl Drop for AgentProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
@@ -60,7 +70,8 @@ fn an_agent_configured_by_toml_answers_engines_serves_metrics_and_stops_on_sigte
         ),
     )
     .unwrap();
-    let mut child = agent(&["--config", cfg.to_str().unwrap()]).stdout(Stdio::piped()).spawn().unwrap();
+    let mut proc = AgentProcess(agent(&["--config", cfg.to_str().unwrap()]).stdout(Stdio::piped()).spawn().unwrap());
+    let child = &mut proc.0;
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let first = lines.next().and_then(|l| l.ok()).unwrap_or_default();
     assert!(first.contains("kvtier agent listening"), "{first}");
@@ -92,7 +103,7 @@ fn an_agent_configured_by_toml_answers_engines_serves_metrics_and_stops_on_sigte
     assert_eq!(metric(&text, "kvtier_agent_engine_connections", &[]), 2.0);
     assert_eq!(metric(&text, "kvtier_agent_refused_total", &[]), 1.0);
 
-    let pid = rustix::process::Pid::from_child(&child);
+    let pid = rustix::process::Pid::from_child(child);
     rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
     let status = child.wait().unwrap();
     assert!(status.success(), "{status}");
@@ -122,4 +133,111 @@ fn agent_configuration_errors_name_the_setting() {
     let closed = format!("127.0.0.1:{}", free_port());
     let err = run(&mut agent(&["--server", &closed, "--page-bytes", "4096"]));
     assert!(err.contains(&format!("connecting to the server at {closed}")), "{err}");
+}
+
+/// Registers a sealed memfd of `pages` pages with the agent over `sock`; the buffer id.
+fn register_memfd(sock: &mut UnixStream, pages: u32) -> u32 {
+    use std::io::IoSlice;
+    use std::mem::MaybeUninit;
+    use std::os::fd::AsFd;
+
+    use kvtier_agent::engine::proto::BufferSource;
+    use rustix::fs::{MemfdFlags, SealFlags};
+    use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+
+    let len = u64::from(pages) * BLOCK;
+    let fd = rustix::fs::memfd_create("engine", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).unwrap();
+    rustix::fs::ftruncate(&fd, len).unwrap();
+    rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW).unwrap();
+    let msg = Request::Register { source: BufferSource::Memfd, len, pages }.encode(2);
+    let fds = [fd.as_fd()];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut anc = SendAncillaryBuffer::new(&mut space);
+    assert!(anc.push(SendAncillaryMessage::ScmRights(&fds)));
+    let n = rustix::net::sendmsg(&*sock, &[IoSlice::new(&msg)], &mut anc, SendFlags::NOSIGNAL).unwrap();
+    sock.write_all(&msg[n..]).unwrap();
+    let mut h = [0u8; HEADER_LEN];
+    sock.read_exact(&mut h).unwrap();
+    let h = Header::decode(&h);
+    let mut body = vec![0u8; h.body_len as usize];
+    sock.read_exact(&mut body).unwrap();
+    assert_eq!(h.status, 0, "{}", String::from_utf8_lossy(&body));
+    u32::from_le_bytes(body[..4].try_into().unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_g1_holds_is_published_on_the_nodes_kv_events_as_hbm() {
+    use kvtier_agent::engine::proto::Item;
+    use kvtier_client::EventKind;
+    use kvtier_proto::{BlockKey, KEY_LEN};
+
+    let server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
+    let dir = tempfile::tempdir().unwrap();
+    let sock_path = dir.path().join("agent.sock");
+    let mut proc = AgentProcess(
+        agent(&[
+            "--server",
+            &server.grpc_addr(),
+            "--socket",
+            sock_path.to_str().unwrap(),
+            "--host-memory",
+            "8MiB",
+            "--page-bytes",
+            &BLOCK.to_string(),
+            "--pool-capacity",
+            &(2 * BLOCK).to_string(),
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap(),
+    );
+    let child = &mut proc.0;
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = lines.next().and_then(|l| l.ok()).unwrap_or_default();
+    assert!(first.contains("kvtier agent listening"), "{first}");
+    std::thread::spawn(move || for _ in lines {});
+
+    let ns = Namespace::new("t", "m", KvLayout::new(4, 2, 64, DType::Fp16, 16), HashScheme::Blake3, b"s");
+    let client = server.client().await;
+    let handle = client.register(ns.clone()).await.unwrap();
+    let mut watch = client.watch_events(&[&handle]).await.unwrap();
+    let keys: Vec<BlockKey> = (1..=3u8).map(|i| BlockKey([i; KEY_LEN])).collect();
+    let engine = tokio::task::spawn_blocking(move || {
+        let mut sock = UnixStream::connect(&sock_path).unwrap();
+        let (h, _) = call(&mut sock, &Request::Open(ns));
+        assert_eq!(h.status, 0);
+        let buffer = register_memfd(&mut sock, 3);
+        // Three blocks into a two-page pool: the first is spilled into the server.
+        for (i, k) in keys.iter().enumerate() {
+            for layer in 0..4 {
+                let items = vec![Item { page: i as u32, key: *k }];
+                let (h, body) = call(&mut sock, &Request::Save { buffer, layer, items });
+                assert_eq!(h.status, 0, "{}", String::from_utf8_lossy(&body));
+            }
+        }
+        keys
+    });
+    let keys = engine.await.unwrap();
+    let (mut in_hbm, mut left_hbm) = (Vec::new(), Vec::new());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while (in_hbm.iter().filter(|k| **k != keys[0]).count() < 2 || left_hbm.is_empty()) && Instant::now() < deadline {
+        let Ok(Ok(Some(e))) = tokio::time::timeout(Duration::from_secs(5), watch.next()).await else { break };
+        match (e.kind, e.tier.as_str()) {
+            (EventKind::Stored, "hbm") => in_hbm.extend(e.keys),
+            (EventKind::Evicted, "hbm") => {
+                assert_eq!(e.to_tier, "dram", "a spilled block is still on the node");
+                left_hbm.extend(e.keys);
+            }
+            _ => {}
+        }
+    }
+    in_hbm.sort();
+    // Within one report interval the last change of a key wins: block 1 may have been stored and
+    // spilled between two reports, and then only its leaving is reported.
+    in_hbm.retain(|k| *k != keys[0]);
+    assert_eq!(in_hbm, keys[1..], "the blocks G1 holds were reported in G1");
+    assert_eq!(left_hbm, [keys[0]], "the spilled block was reported leaving G1");
+    let pid = rustix::process::Pid::from_child(child);
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
+    assert!(child.wait().unwrap().success());
 }

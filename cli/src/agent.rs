@@ -18,7 +18,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::Args;
 use kvtier_agent::engine::{Agent, AgentConfig, BackingStore, EngineServer};
-use kvtier_agent::pool::{Capacity, Spill};
+use kvtier_agent::pool::{Capacity, PoolChange, Spill};
 use kvtier_agent::{AgentError, Device, HostDevice};
 use kvtier_client::{ClientConfig, KvClient, NamespaceHandle, SameNode, SharedBuffer};
 use kvtier_proto::dataplane::ItemStatus;
@@ -186,6 +186,10 @@ impl SameNodeStore {
         })
     }
 
+    fn client(&self) -> &KvClient {
+        &self.inner.client
+    }
+
     fn handle(&self, ns: &NamespaceId) -> kvtier_agent::Result<NamespaceHandle> {
         let map = self.inner.namespaces.lock().map_err(|_| AgentError::Spill("namespace map poisoned".into()))?;
         map.get(ns).cloned().ok_or_else(|| AgentError::Spill("namespace not opened with the server".into()))
@@ -322,6 +326,7 @@ async fn serve_device<D: Device>(
         }
         None => None,
     };
+    tokio::spawn(report_g1(agent.clone()));
     let server =
         EngineServer::bind(agent.clone(), &s.socket).with_context(|| format!("binding {}", s.socket.display()))?;
     let stats = agent.stats();
@@ -343,6 +348,66 @@ async fn serve_device<D: Device>(
     drop(server);
     Ok(())
 }
+
+/// How often G1's changes go to the server.
+const REPORT_EVERY: Duration = Duration::from_millis(100);
+
+/// Reports what G1 took in and gave up to the server (`ReportAgentBlocks`), which publishes it on
+/// the node's KV events with tier `hbm`. Within one interval the last change of a key wins; when
+/// changes were lost (the pool's log overflowed) every resident key is reported stored again. A
+/// failed report is counted and dropped (the events are advisory; the next ones follow).
+async fn report_g1<D: Device>(agent: Arc<Agent<D, SameNodeStore>>) {
+    let client = agent.store().client().clone();
+    let mut tick = tokio::time::interval(REPORT_EVERY);
+    loop {
+        tick.tick().await;
+        let a = agent.clone();
+        let Ok((changes, resync)) = tokio::task::spawn_blocking(move || {
+            let (changes, lost) = a.take_g1_changes();
+            (changes, lost.then(|| a.resident_keys()))
+        })
+        .await
+        else {
+            continue;
+        };
+        // Per namespace, per key: stored (0), evicted with a copy below (1), dropped (2).
+        let mut last: HashMap<NamespaceId, HashMap<BlockKey, u8>> = HashMap::new();
+        for (ns, key) in resync.unwrap_or_default() {
+            last.entry(ns).or_default().insert(key, 0);
+        }
+        for c in changes {
+            let ((ns, key), what) = match c {
+                PoolChange::Stored(k) => (k, 0),
+                PoolChange::Evicted { key, below } => (key, if below { 1 } else { 2 }),
+            };
+            last.entry(ns).or_default().insert(key, what);
+        }
+        for (ns, keys) in last {
+            let keys: Vec<(BlockKey, u8)> = keys.into_iter().collect();
+            for chunk in keys.chunks(REPORT_MAX_KEYS) {
+                let pick = |w: u8| -> Vec<bytes::Bytes> {
+                    chunk.iter().filter(|(_, x)| *x == w).map(|(k, _)| bytes::Bytes::copy_from_slice(&k.0)).collect()
+                };
+                let req = kvtier_proto::pb::AgentBlocksReport {
+                    namespace_id: bytes::Bytes::copy_from_slice(&ns.0),
+                    stored: pick(0),
+                    evicted: pick(1),
+                    dropped: pick(2),
+                };
+                match client.raw_grpc().report_agent_blocks(req).await {
+                    Ok(_) => metrics::counter!("kvtier_agent_reported_keys_total").increment(chunk.len() as u64),
+                    Err(e) => {
+                        metrics::counter!("kvtier_agent_report_errors_total").increment(1);
+                        tracing::warn!("reporting G1 blocks to the server: {e}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Keys per report (the server's default `max_blocks_per_request`).
+const REPORT_MAX_KEYS: usize = 4096;
 
 /// Copies the agent's counters into the metrics registry four times a second.
 async fn publish_metrics<D: Device>(agent: Arc<Agent<D, SameNodeStore>>) {

@@ -188,6 +188,10 @@ impl<D: Device, B: BackingStore> Agent<D, B> {
         &self.device
     }
 
+    pub fn store(&self) -> &B {
+        &self.store
+    }
+
     /// Every key G1 holds now (for reporting to the server).
     pub fn resident_keys(&self) -> Vec<kvtier_proto::ScopedKey> {
         self.pool.lock().keys()
