@@ -241,3 +241,28 @@ async fn what_g1_holds_is_published_on_the_nodes_kv_events_as_hbm() {
     rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
     assert!(child.wait().unwrap().success());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_agent_reports_are_refused() {
+    use kvtier_proto::pb::AgentBlocksReport;
+
+    let server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
+    let client = server.client().await;
+    let ns = Namespace::new("t", "m", KvLayout::new(4, 2, 64, DType::Fp16, 16), HashScheme::Blake3, b"s");
+    let report = |ns: &Namespace, stored: Vec<bytes::Bytes>| AgentBlocksReport {
+        namespace_id: bytes::Bytes::copy_from_slice(&ns.id().0),
+        stored,
+        evicted: vec![],
+        dropped: vec![],
+    };
+    let key = bytes::Bytes::from(vec![7u8; 32]);
+    let err = client.raw_grpc().report_agent_blocks(report(&ns, vec![key.clone()])).await.unwrap_err();
+    assert!(err.message().contains("unknown namespace"), "{err}");
+    client.register(ns.clone()).await.unwrap();
+    client.raw_grpc().report_agent_blocks(report(&ns, vec![key.clone()])).await.unwrap();
+    let err = client.raw_grpc().report_agent_blocks(report(&ns, vec![bytes::Bytes::from_static(b"short")])).await;
+    assert_eq!(err.unwrap_err().code(), tonic::Code::InvalidArgument);
+    let err = client.raw_grpc().report_agent_blocks(report(&ns, vec![key; 4097])).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(err.message().contains("at most 4096"), "{err}");
+}

@@ -27,7 +27,8 @@
 //!
 //! Not here yet: NVFP4 and rotated (`+had`) kernels, a node-level pool that carries out the
 //! borrowing policy's decisions by itself (the policy and peer copies exist; `tests/borrow.rs`
-//! wires them by hand), RDMA, KV events to the server.
+//! wires them by hand), RDMA, and a G1 tier in the server's lookups (G1's changes are reported as
+//! KV events: [`PagePool::take_changes`]).
 
 pub mod codec;
 pub mod device;
