@@ -2,7 +2,7 @@
 //! engine process and the agent. An engine on the host backend keeps its KV pages in a sealed
 //! memfd and names it by an [`IpcHandle`] of the shared-memory kind (the owning process id and
 //! its descriptor number, [`IpcHandle::host_shared_memory`]); [`super::Device::import_ipc`] on a
-//! [`super::HostDevice`] maps it (`/proc/<pid>/fd/<fd>`), so the agent's copies read and write the
+//! [`crate::HostDevice`] maps it (`/proc/<pid>/fd/<fd>`), so the agent's copies read and write the
 //! engine's own pages, as `cuIpcOpenMemHandle` gives it the engine's HBM.
 //!
 //! The same rules as the server's same-node buffers: only a memfd sealed against shrinking
