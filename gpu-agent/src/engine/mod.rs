@@ -560,13 +560,18 @@ impl<D: Device, B: BackingStore> Session<D, B> {
         add(&c.loaded_from_g1, g1 as u64);
         add(&c.loaded_from_g2, (found - g1) as u64);
         add(&c.load_misses, (items.len() - found) as u64);
-        send(encode_answer(
+        let started_answer = send(encode_answer(
             Op::Load,
             Status::Ok,
             0,
             request_id,
             &counts(&[found as u32, g1 as u32, (found - g1) as u32]),
-        ))?;
+        ));
+        if let Err(e) = started_answer {
+            // The engine went away: nothing was enqueued, give the pins back.
+            self.unpin_g1(&nsid, &sources, items);
+            return Err(e);
+        }
         let staging = self.staging.as_ref().map(|(h, _)| h.clone());
         let layer_source = |l: usize| {
             let transfers = sources
@@ -617,13 +622,17 @@ impl<D: Device, B: BackingStore> Session<D, B> {
             let _ = h.wait_all();
         }
         self.agent.record_copies(found * bb, started);
+        self.unpin_g1(&nsid, &sources, items);
+        sent
+    }
+
+    fn unpin_g1(&self, nsid: &NamespaceId, sources: &[LoadSource], items: &[Item]) {
         let mut pool = self.agent.pool.lock();
         for (src, it) in sources.iter().zip(items) {
             if matches!(src, LoadSource::G1(_)) {
-                let _ = pool.unpin(&nsid, &it.key);
+                let _ = pool.unpin(nsid, &it.key);
             }
         }
-        sent
     }
 
     /// Which leading keys can be loaded and from where: G1 hits pinned, the rest fetched from the

@@ -515,3 +515,27 @@ fn a_load_takes_from_the_store_only_what_its_staging_buffer_holds() {
     assert_eq!(m2.block(2), vec![0u8; BLOCK]);
     assert_eq!(a.stats().pool.pinned, 0);
 }
+
+#[test]
+fn an_engine_that_goes_away_mid_load_leaves_nothing_pinned() {
+    let a = agent(4, |_| {});
+    let mut m = EngineMem::new(2, true);
+    m.fill(0, 1);
+    let mut e = Eng::new(&a);
+    e.open();
+    let b = e.register(&m);
+    assert!(e.save_all_layers(b, &items(&[(0, 1)])).iter().all(|r| r.status() == 0));
+    for fail_at in [0, 2] {
+        let mut sent = 0;
+        let r = e.s.handle(9, Request::Load { buffer: b, items: items(&[(1, 1)]) }, None, &mut |_| {
+            sent += 1;
+            if sent > fail_at {
+                Err(std::io::Error::new(std::io::ErrorKind::BrokenPipe, "engine gone"))
+            } else {
+                Ok(())
+            }
+        });
+        assert!(r.is_err());
+        assert_eq!(a.stats().pool.pinned, 0, "failing after {fail_at} answers");
+    }
+}
