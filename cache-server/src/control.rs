@@ -6,7 +6,7 @@ use std::pin::Pin;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use kvtier_proto::{codes, pb, BlockKey, Namespace, NamespaceId};
+use kvtier_proto::{codes, pb, BlockKey, Namespace, NamespaceId, TierId};
 use tonic::{Request, Response, Status};
 
 use tokio::sync::{broadcast, watch};
@@ -491,6 +491,36 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         let out = self.replica_call(&p, r.into_inner()).await.map_err(to_status)?;
         observe("session_replica", start);
         Ok(Response::new(out))
+    }
+
+    async fn report_agent_blocks(
+        &self,
+        r: Request<pb::AgentBlocksReport>,
+    ) -> Result<Response<pb::AgentBlocksAck>, Status> {
+        let p = principal(&r)?;
+        let r = r.into_inner();
+        let res = (|| {
+            let id = ns_id(&r.namespace_id)?;
+            self.state.namespace_for(&p, &id, Access::Write)?;
+            let n = r.stored.len() + r.evicted.len() + r.dropped.len();
+            let max = self.state.config().max_blocks_per_request as usize;
+            if n > max {
+                return Err(ServerError::InvalidRequest(format!("{n} keys in one agent report; at most {max}")));
+            }
+            Ok::<_, ServerError>((id, keys(&r.stored)?, keys(&r.evicted)?, keys(&r.dropped)?))
+        })();
+        let (id, stored, evicted, dropped) = res.map_err(to_status)?;
+        let events = self.state.tiers().events();
+        if !stored.is_empty() {
+            events.stored(&id, &stored, TierId::Hbm);
+        }
+        if !evicted.is_empty() {
+            events.evicted(&id, &evicted, TierId::Hbm, Some(TierId::Dram));
+        }
+        if !dropped.is_empty() {
+            events.evicted(&id, &dropped, TierId::Hbm, None);
+        }
+        Ok(Response::new(pb::AgentBlocksAck {}))
     }
 
     async fn route_hint(&self, r: Request<pb::RouteHintRequest>) -> Result<Response<pb::RouteHintResponse>, Status> {

@@ -1,7 +1,8 @@
-//! The `kvtier` binary: `kvtier serve` runs a node; the other subcommands are a small client for
+//! The `kvtier` binary: `kvtier serve` runs a node, `kvtier agent` a GPU agent beside it; the other subcommands are a small client for
 //! trying a node by hand (`put`, `get`, `lookup`, `session park|resume|extend|ls|drop`, `stats`);
 //! `kvtier cert` makes TLS certificates.
 
+mod agent;
 mod peers;
 mod watch;
 
@@ -29,6 +30,9 @@ struct Cli {
 enum Cmd {
     /// Run a node (embedded defaults: loopback, DRAM cap = 1/4 of RAM, ./kvtier-data).
     Serve(ServeArgs),
+    /// Run the GPU agent of one device beside a node's server: a G1 page pool that same-node
+    /// engines save to and load from over a Unix socket, spilling into the server.
+    Agent(agent::AgentArgs),
     /// Store the KV blocks of a token sequence.
     Put(PutArgs),
     /// Load the longest stored prefix of a token sequence.
@@ -263,6 +267,7 @@ fn main() -> anyhow::Result<()> {
     rt.block_on(async move {
         match cmd {
             Cmd::Serve(a) => serve(a).await,
+            Cmd::Agent(a) => agent::run(a).await,
             Cmd::Put(a) => put(a).await,
             Cmd::Get(a) => get(a).await,
             Cmd::Lookup(a) => lookup(a).await,

@@ -19,19 +19,26 @@
 //!   be byte-identical to `kvtier_kernels`: their arithmetic is compiled as C and matched byte for
 //!   byte in every test run; the kernels themselves are checked on a GPU by the ignored tests and
 //!   `scripts/gpu-check` (not yet run on a GPU).
+//! - [`engine`]: the engine-facing side — an [`engine::Agent`] (the G1 pool over a
+//!   [`engine::BackingStore`], G2 below it) and the engine socket: an engine registers its KV
+//!   buffer by IPC handle (a sealed memfd on the host backend), saves pages layer by layer under
+//!   block keys and loads keys into pages with a completion per layer. The store's same-node
+//!   implementation and the `kvtier agent` command live in cli/ (this crate has no network
+//!   client).
 //! - [`mover`]: one-sided bulk movers ([`mover::BulkMover`]) into a peer's leased slot, by its
 //!   `(addr, rkey, len)` descriptor: an in-process loopback fabric, and RDMA verbs behind the
 //!   `rdma` feature (no device at run time: [`AgentError::NoRdmaDevice`], use TCP/QUIC).
 //! - [`AgentError`]: the crate's one error type.
 //!
 //! Not here yet: a node-level pool that carries out the borrowing policy's decisions by itself
-//! (the policy and peer copies exist; `tests/borrow.rs` wires them by hand), KV events to the
-//! server, the same-node [`Spill`] implementation, the `kvtier agent` command, and a server-side
-//! lease protocol that hands out [`mover::SlotDescriptor`]s (the movers exist; nothing calls them
-//! yet).
+//! (the policy and peer copies exist; `tests/borrow.rs` wires them by hand), a G1 tier in the
+//! server's lookups (G1's changes are reported as KV events: [`PagePool::take_changes`]), and a
+//! server-side lease protocol that hands out [`mover::SlotDescriptor`]s (the movers exist;
+//! nothing calls them yet).
 
 pub mod codec;
 pub mod device;
+pub mod engine;
 mod error;
 pub mod mover;
 pub mod pipeline;
@@ -48,4 +55,4 @@ pub use error::{AgentError, Result};
 #[cfg(feature = "cuda")]
 pub use device::cuda::{gpu_report, CudaDevice, CudaEventHandle, CudaStreamHandle};
 pub use pipeline::{LayerPipeline, LoadHandle, SaveReport};
-pub use pool::{Capacity, MemorySpill, PagePool, PoolConfig, PoolStats, Spill, SpilledBlock};
+pub use pool::{Capacity, MemorySpill, PagePool, PoolChange, PoolConfig, PoolStats, Spill, SpilledBlock};

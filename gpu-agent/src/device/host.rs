@@ -14,6 +14,7 @@ use kvtier_kernels::payload::PAYLOAD_HEADER_LEN;
 use kvtier_kernels::{Codec, KvBlockView};
 use parking_lot::{Condvar, Mutex, RwLock};
 
+use super::shm::{self, Storage};
 use super::{
     check_lengths, check_no_overlap, CodecOp, Device, DeviceBuf, DeviceOrdinal, DeviceRange, HostBuffer, HostMem,
     HostRange, IpcHandle, MemInfo, Registration, Transfer,
@@ -25,7 +26,7 @@ use crate::error::{AgentError, Result};
 /// otherwise.
 pub const DEFAULT_QUEUE_DEPTH: usize = 4096;
 
-type Mem = Arc<RwLock<Box<[u8]>>>;
+type Mem = Arc<RwLock<Storage>>;
 
 /// A host-memory device. Cloning shares it.
 ///
@@ -231,7 +232,7 @@ fn worker(rx: Receiver<Op>) {
 /// Runs `f` with `src` locked for reading and `dst` for writing, taking the two locks in address
 /// order so that two streams copying in opposite directions cannot deadlock. Same lock: `f` gets
 /// one slice as both (the caller copies within it).
-fn with_two(src: &RwLock<Box<[u8]>>, dst: &RwLock<Box<[u8]>>, f: impl FnOnce(Option<&[u8]>, &mut [u8])) {
+fn with_two(src: &RwLock<Storage>, dst: &RwLock<Storage>, f: impl FnOnce(Option<&[u8]>, &mut [u8])) {
     if std::ptr::eq(src, dst) {
         f(None, &mut dst.write());
         return;
@@ -247,7 +248,7 @@ fn with_two(src: &RwLock<Box<[u8]>>, dst: &RwLock<Box<[u8]>>, f: impl FnOnce(Opt
     }
 }
 
-fn copy_between(src: &RwLock<Box<[u8]>>, so: usize, dst: &RwLock<Box<[u8]>>, doff: usize, len: usize) {
+fn copy_between(src: &RwLock<Storage>, so: usize, dst: &RwLock<Storage>, doff: usize, len: usize) {
     with_two(src, dst, |s, d| match s {
         Some(s) => d[doff..doff + len].copy_from_slice(&s[so..so + len]),
         None => d.copy_within(so..so + len, doff),
@@ -261,7 +262,7 @@ enum Side {
 }
 
 impl Side {
-    fn lock(&self) -> &RwLock<Box<[u8]>> {
+    fn lock(&self) -> &RwLock<Storage> {
         match self {
             Side::Host(h) => &h.data,
             Side::Dev(d) => d,
@@ -344,7 +345,7 @@ impl Device for HostDevice {
         let id = t.next_id;
         t.next_id += 1;
         t.used += len;
-        t.live.insert(id, (Arc::new(RwLock::new(vec![0u8; len].into_boxed_slice())), false));
+        t.live.insert(id, (Arc::new(RwLock::new(Storage::Heap(vec![0u8; len].into_boxed_slice()))), false));
         Ok(DeviceBuf::new(self.inner.ordinal, id, len))
     }
 
@@ -362,6 +363,13 @@ impl Device for HostDevice {
     }
 
     fn import_ipc(&self, handle: &IpcHandle) -> Result<DeviceBuf> {
+        if let Some(mapped) = shm::import_shared(handle)? {
+            let mut t = self.inner.table.lock();
+            let id = t.next_id;
+            t.next_id += 1;
+            t.live.insert(id, (Arc::new(RwLock::new(mapped)), true));
+            return Ok(DeviceBuf::new(self.inner.ordinal, id, handle.len()));
+        }
         let mem =
             exports().lock().get(handle.bytes()).cloned().ok_or_else(|| {
                 AgentError::BadIpcHandle("no memory exported under this handle in this process".into())

@@ -28,6 +28,7 @@
 //!   handle early is safe, the memory stays until the copy is done).
 
 pub mod host;
+pub mod shm;
 
 #[cfg(test)]
 pub(crate) mod conformance;
@@ -167,7 +168,7 @@ pub(crate) struct HostMem {
     id: u64,
     /// CPU access and the host backend's copies take this lock; its heap block never moves, so
     /// `addr` stays valid for a DMA engine while the `Arc` lives.
-    pub(crate) data: RwLock<Box<[u8]>>,
+    pub(crate) data: RwLock<shm::Storage>,
     addr: usize,
     len: usize,
     registered: Mutex<Vec<DeviceOrdinal>>,
@@ -187,7 +188,7 @@ impl HostBuffer {
 
     /// Takes ownership of `bytes`.
     pub fn from_vec(bytes: Vec<u8>) -> Self {
-        let mut data = bytes.into_boxed_slice();
+        let mut data = shm::Storage::Heap(bytes.into_boxed_slice());
         let addr = data.as_mut_ptr() as usize;
         let len = data.len();
         HostBuffer {

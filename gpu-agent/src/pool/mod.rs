@@ -22,7 +22,7 @@
 //! [`PagePool::insert_from_device`] when room must be made: it waits for the page's copy-out and
 //! calls the spill target, which for the same-node path is a memcpy into a registered buffer.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 
 use kvtier_kernels::BlockSpec;
@@ -73,6 +73,20 @@ impl Spill for MemorySpill {
         Ok(())
     }
 }
+
+/// A change in what the pool holds, for the agent to report to the server (KV events).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PoolChange {
+    /// The pool now holds this block.
+    Stored(ScopedKey),
+    /// The block left the pool; `below`: a tier under it still holds the bytes (it was loaded
+    /// from one, or its spill succeeded), else they are gone.
+    Evicted { key: ScopedKey, below: bool },
+}
+
+/// Changes kept for [`PagePool::take_changes`]; past this the oldest are dropped and the taker
+/// is told to resync from [`PagePool::keys`].
+pub const MAX_PENDING_CHANGES: usize = 1 << 16;
 
 /// How big the pool is.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -169,6 +183,9 @@ struct Entry {
     tick: u64,
     /// A tier already holds these bytes (the block was loaded from one).
     clean: bool,
+    /// Reserved for a save still being written layer by layer ([`PagePool::reserve`]): pinned,
+    /// and invisible to loads until [`PagePool::commit`].
+    filling: bool,
 }
 
 /// The G1 page pool on one device.
@@ -206,6 +223,8 @@ pub struct PagePool<D: Device, S: Spill> {
     _staging_reg: Registration,
     encoder: Option<Encoder>,
     stats: PoolStats,
+    changes: VecDeque<PoolChange>,
+    changes_lost: bool,
 }
 
 /// Device scratch for coding a page on its way out or in: the body at 0, the status word at
@@ -266,6 +285,8 @@ impl<D: Device, S: Spill> PagePool<D, S> {
             _staging_reg: reg,
             encoder,
             stats: PoolStats { pages, ..PoolStats::default() },
+            changes: VecDeque::new(),
+            changes_lost: false,
         })
     }
 
@@ -279,7 +300,7 @@ impl<D: Device, S: Spill> PagePool<D, S> {
 
     pub fn stats(&self) -> PoolStats {
         PoolStats {
-            resident: self.index.len(),
+            resident: self.index.values().filter(|e| !e.filling).count(),
             pinned: self.index.values().filter(|e| e.pins > 0).count(),
             ..self.stats
         }
@@ -290,12 +311,75 @@ impl<D: Device, S: Spill> PagePool<D, S> {
     }
 
     pub fn contains(&self, ns: &NamespaceId, key: &BlockKey) -> bool {
-        self.index.contains_key(&(*ns, *key))
+        self.index.get(&(*ns, *key)).is_some_and(|e| !e.filling)
     }
 
     /// Every resident key (what the agent reports to the server).
     pub fn keys(&self) -> Vec<ScopedKey> {
-        self.index.keys().copied().collect()
+        self.index.iter().filter(|(_, e)| !e.filling).map(|(k, _)| *k).collect()
+    }
+
+    fn note(&mut self, c: PoolChange) {
+        if self.changes.len() >= MAX_PENDING_CHANGES {
+            self.changes.pop_front();
+            self.changes_lost = true;
+        }
+        self.changes.push_back(c);
+    }
+
+    /// The changes since the last call, oldest first, and whether some were dropped (more than
+    /// [`MAX_PENDING_CHANGES`] piled up): then resync from [`PagePool::keys`].
+    pub fn take_changes(&mut self) -> (Vec<PoolChange>, bool) {
+        let lost = std::mem::take(&mut self.changes_lost);
+        (self.changes.drain(..).collect(), lost)
+    }
+
+    /// Reserves a page for a block that an engine saves layer by layer (copies into slices of
+    /// the page on the caller's own stream): the page is pinned and the block invisible to loads
+    /// until [`PagePool::commit`]; [`PagePool::abort`] gives the page back. `Ok(None)` when the
+    /// pool already holds the key, or another save is filling it (content-addressed: the same
+    /// key is the same bytes, so nothing needs copying). May evict (and spill) to make room;
+    /// [`AgentError::PoolExhausted`] when every page is pinned.
+    pub fn reserve(&mut self, ns: &NamespaceId, key: &BlockKey) -> Result<Option<DeviceRange>> {
+        let k = (*ns, *key);
+        if self.index.contains_key(&k) {
+            self.touch(k);
+            return Ok(None);
+        }
+        let page = self.take_page()?;
+        let tick = self.next_tick();
+        self.index.insert(k, Entry { page, pins: 1, tick, clean: false, filling: true });
+        Ok(Some(self.page_range(page)))
+    }
+
+    /// Makes a reserved block a resident one: visible to loads, evictable (most recently used),
+    /// spilled when evicted. Call once every copy into its page has completed.
+    pub fn commit(&mut self, ns: &NamespaceId, key: &BlockKey) -> Result<()> {
+        let k = (*ns, *key);
+        let e = self.index.get_mut(&k).filter(|e| e.filling).ok_or(AgentError::NotResident)?;
+        e.filling = false;
+        e.pins -= 1;
+        let evictable = e.pins == 0;
+        self.stats.inserts += 1;
+        self.note(PoolChange::Stored(k));
+        if evictable {
+            let t = self.next_tick();
+            if let Some(e) = self.index.get_mut(&k) {
+                e.tick = t;
+            }
+            self.lru.insert(t, k);
+        }
+        Ok(())
+    }
+
+    /// Gives a reserved page back (the save failed or its engine went away). Wait for the copies
+    /// into the page first, or let them land in a free page no one reads.
+    pub fn abort(&mut self, ns: &NamespaceId, key: &BlockKey) -> Result<()> {
+        let k = (*ns, *key);
+        let e = self.index.get(&k).copied().filter(|e| e.filling).ok_or(AgentError::NotResident)?;
+        self.index.remove(&k);
+        self.free.push(e.page);
+        Ok(())
     }
 
     fn page_range(&self, page: usize) -> DeviceRange {
@@ -326,17 +410,20 @@ impl<D: Device, S: Spill> PagePool<D, S> {
         let (_, victim) = self.lru.pop_first().ok_or(AgentError::PoolExhausted { pages: self.pages })?;
         let entry = self.index.remove(&victim).ok_or(AgentError::NotResident)?;
         self.stats.evictions += 1;
-        if entry.clean {
+        let below = if entry.clean {
             self.stats.clean_drops += 1;
+            true
         } else {
-            self.spill_page(&victim, entry.page);
-        }
+            self.spill_page(&victim, entry.page)
+        };
+        self.note(PoolChange::Evicted { key: victim, below });
         Ok(entry.page)
     }
 
     /// Copies a page out (encoded on the device when configured) and hands it to the spill
-    /// target; failures are counted, not returned (the block is dropped either way).
-    fn spill_page(&mut self, key: &ScopedKey, page: usize) {
+    /// target; failures are counted, not returned (the block is dropped either way). Whether the
+    /// spill target took it.
+    fn spill_page(&mut self, key: &ScopedKey, page: usize) -> bool {
         let staged = self.stage_encoded(page).transpose().unwrap_or_else(|| self.stage_raw(page));
         let sent = staged.and_then(|(codec, payload)| {
             self.spill.spill(&key.0, &key.1, codec, &payload).map(|()| (codec, payload.len()))
@@ -348,8 +435,12 @@ impl<D: Device, S: Spill> PagePool<D, S> {
                 if codec != CodecId::RAW {
                     self.stats.encoded_spills += 1;
                 }
+                true
             }
-            Err(_) => self.stats.spill_errors += 1,
+            Err(_) => {
+                self.stats.spill_errors += 1;
+                false
+            }
         }
     }
 
@@ -407,9 +498,10 @@ impl<D: Device, S: Spill> PagePool<D, S> {
             return Err(e);
         }
         let tick = self.next_tick();
-        self.index.insert(k, Entry { page, pins: 0, tick, clean });
+        self.index.insert(k, Entry { page, pins: 0, tick, clean, filling: false });
         self.lru.insert(tick, k);
         self.stats.inserts += 1;
+        self.note(PoolChange::Stored(k));
         self.device.record(&self.stream)
     }
 
@@ -474,9 +566,10 @@ impl<D: Device, S: Spill> PagePool<D, S> {
             return Err(e);
         }
         let tick = self.next_tick();
-        self.index.insert(k, Entry { page, pins: 0, tick, clean: true });
+        self.index.insert(k, Entry { page, pins: 0, tick, clean: true, filling: false });
         self.lru.insert(tick, k);
         self.stats.inserts += 1;
+        self.note(PoolChange::Stored(k));
         Ok(())
     }
 
@@ -486,7 +579,7 @@ impl<D: Device, S: Spill> PagePool<D, S> {
             return Err(AgentError::PageSizeMismatch { len: dst.len, page: self.page_bytes });
         }
         let k = (*ns, *key);
-        let Some(page) = self.index.get(&k).map(|e| e.page) else {
+        let Some(page) = self.index.get(&k).filter(|e| !e.filling).map(|e| e.page) else {
             self.stats.misses += 1;
             return Ok(None);
         };
@@ -502,7 +595,7 @@ impl<D: Device, S: Spill> PagePool<D, S> {
     /// pin keeps the page from being evicted and reused under the copy: [`PagePool::unpin`] it
     /// once the load's events have completed. Counts as a hit; a miss is `Ok(None)`.
     pub fn pin_for_load(&mut self, ns: &NamespaceId, key: &BlockKey) -> Result<Option<DeviceRange>> {
-        let Some(page) = self.index.get(&(*ns, *key)).map(|e| e.page) else {
+        let Some(page) = self.index.get(&(*ns, *key)).filter(|e| !e.filling).map(|e| e.page) else {
             self.stats.misses += 1;
             return Ok(None);
         };
@@ -513,7 +606,7 @@ impl<D: Device, S: Spill> PagePool<D, S> {
 
     /// Pins a resident block (a live session's); returns its pin count.
     pub fn pin(&mut self, ns: &NamespaceId, key: &BlockKey) -> Result<u32> {
-        let e = self.index.get_mut(&(*ns, *key)).ok_or(AgentError::NotResident)?;
+        let e = self.index.get_mut(&(*ns, *key)).filter(|e| !e.filling).ok_or(AgentError::NotResident)?;
         if e.pins == 0 {
             self.lru.remove(&e.tick);
         }
@@ -524,7 +617,7 @@ impl<D: Device, S: Spill> PagePool<D, S> {
     /// Drops one pin; at zero the block is evictable again (as most recently used).
     pub fn unpin(&mut self, ns: &NamespaceId, key: &BlockKey) -> Result<u32> {
         let k = (*ns, *key);
-        let e = self.index.get_mut(&k).ok_or(AgentError::NotResident)?;
+        let e = self.index.get_mut(&k).filter(|e| !e.filling).ok_or(AgentError::NotResident)?;
         if e.pins == 0 {
             return Err(AgentError::NotPinned);
         }
@@ -550,6 +643,7 @@ impl<D: Device, S: Spill> PagePool<D, S> {
         self.index.remove(&k);
         self.lru.remove(&e.tick);
         self.free.push(e.page);
+        self.note(PoolChange::Evicted { key: k, below: false });
         Ok(())
     }
 }

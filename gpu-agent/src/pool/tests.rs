@@ -338,3 +338,70 @@ fn a_refused_copy_gives_its_page_back() {
     assert_eq!(f.pool.remove(&ns(1), &key(2)), Err(AgentError::NotResident));
     assert_eq!(f.pool.stats().evictions, 0);
 }
+
+#[test]
+fn a_reserved_block_is_invisible_until_committed_then_spills_like_an_engine_block() {
+    let mut f = fix(2);
+    let s = f.dev.new_stream().unwrap();
+    let page = f.pool.reserve(&ns(1), &key(1)).unwrap().expect("a fresh key gets a page");
+    // Filled in two halves ("layers") on the caller's stream.
+    f.dev.copy_d2d(&s, f.engine.range(2 * PAGE, PAGE / 2), page.buf.range(page.offset, PAGE / 2)).unwrap();
+    assert!(!f.pool.contains(&ns(1), &key(1)));
+    assert_eq!(f.get(1), None, "a load does not see a block still being filled");
+    assert_eq!(f.pool.pin(&ns(1), &key(1)), Err(AgentError::NotResident));
+    assert_eq!(f.pool.reserve(&ns(1), &key(1)).unwrap(), None, "a second save of the same key copies nothing");
+    f.dev.copy_d2d(&s, f.engine.range(2 * PAGE, PAGE / 2), page.buf.range(page.offset + PAGE / 2, PAGE / 2)).unwrap();
+    f.dev.wait(&f.dev.record(&s).unwrap()).unwrap();
+    // Pinned while filling: two more blocks evict only each other's way, never the reserved one.
+    f.put(2, 0);
+    assert!(f.pool.reserve(&ns(1), &key(3)).unwrap().is_some());
+    assert_eq!(
+        f.pool.spill_target().get(&ns(1), &key(2)),
+        Some(vec![1; PAGE]),
+        "block 2 made room, not the reserved one"
+    );
+    f.pool.abort(&ns(1), &key(3)).unwrap();
+    assert_eq!(f.pool.abort(&ns(1), &key(3)), Err(AgentError::NotResident));
+    f.pool.commit(&ns(1), &key(1)).unwrap();
+    assert_eq!(f.pool.commit(&ns(1), &key(1)), Err(AgentError::NotResident), "commit once");
+    assert_eq!(f.get(1), Some(3));
+    assert_eq!(f.pool.stats().resident, 1);
+    // Committed blocks are engine blocks: evicting them spills their bytes.
+    f.put(4, 3);
+    f.put(5, 4);
+    assert_eq!(f.pool.spill_target().get(&ns(1), &key(1)), Some(vec![3; PAGE]));
+}
+
+#[test]
+fn changes_say_what_the_pool_took_in_and_gave_up() {
+    let mut f = fix(2);
+    let sk = |k: u8| (ns(1), key(k));
+    let staged = HostBuffer::from_vec(vec![9u8; PAGE]);
+    let _reg = f.dev.register_host(&staged).unwrap();
+    f.dev.wait(&f.pool.insert_from_host(&ns(1), &key(1), &staged.range(0, PAGE)).unwrap()).unwrap();
+    f.put(2, 1);
+    f.put(2, 1); // already held: no change
+    let page = f.pool.reserve(&ns(1), &key(3)).unwrap().unwrap(); // evicts 1 (clean: still below)
+    assert_eq!(page.len, PAGE);
+    let (changes, lost) = f.pool.take_changes();
+    assert!(!lost);
+    assert_eq!(
+        changes,
+        [PoolChange::Stored(sk(1)), PoolChange::Stored(sk(2)), PoolChange::Evicted { key: sk(1), below: true }],
+        "a reserved block is not reported until committed"
+    );
+    f.pool.commit(&ns(1), &key(3)).unwrap();
+    f.put(4, 3); // evicts 2: spilled, so still below
+    f.pool.remove(&ns(1), &key(3)).unwrap(); // forgotten: gone
+    let (changes, _) = f.pool.take_changes();
+    assert_eq!(
+        changes,
+        [
+            PoolChange::Stored(sk(3)),
+            PoolChange::Evicted { key: sk(2), below: true },
+            PoolChange::Stored(sk(4)),
+            PoolChange::Evicted { key: sk(3), below: false },
+        ]
+    );
+    assert_eq!(f.pool.take_changes(), (vec![], false));
+}

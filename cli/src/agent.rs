@@ -1,0 +1,444 @@
+//! `kvtier agent`: the GPU agent of one device (run one per GPU, or one per node on the host
+//! backend). It holds a G1 page pool on the device, serves same-node engines on a Unix socket
+//! (`kvtier_agent::engine`), spills the pool's evictions into the node's server (G2) and loads
+//! pool misses back from it, both through the server's same-node socket (registered memfd
+//! buffers) — [`SameNodeStore`], the agent's `BackingStore`, lives here because kvtier-agent
+//! builds without a network client (DESIGN.md). `/metrics` shows the pool, the copies and the
+//! spills.
+//!
+//! Configuration: flags, their `KVTIER_AGENT_*` environment variables, or an `[agent]` table in
+//! the `--config` TOML file (keys as the flags, with `_`: `server`, `socket`, `device`, `gpu`,
+//! `host_memory`, `page_bytes`, `pool_capacity`, `pool_fraction`, `metrics`); flags win.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use kvtier_agent::engine::{Agent, AgentConfig, BackingStore, EngineServer};
+use kvtier_agent::pool::{Capacity, PoolChange, Spill};
+use kvtier_agent::{AgentError, Device, HostDevice};
+use kvtier_client::{ClientConfig, KvClient, NamespaceHandle, SameNode, SharedBuffer};
+use kvtier_proto::dataplane::ItemStatus;
+use kvtier_proto::{BlockKey, CodecId, Namespace, NamespaceId};
+use kvtier_server::config::ByteSize;
+
+/// Bytes one same-node exchange with the server moves at most (the store's shared buffer, in
+/// whole blocks, at least one).
+const STORE_BUFFER_BYTES: usize = 64 << 20;
+
+#[derive(Args)]
+pub struct AgentArgs {
+    /// TOML file with an `[agent]` table; flags and environment variables override it.
+    #[arg(long, env = "KVTIER_CONFIG")]
+    config: Option<PathBuf>,
+    /// The node's server (gRPC address); the agent reaches its same-node socket from there.
+    #[arg(long, env = "KVTIER_AGENT_SERVER")]
+    server: Option<String>,
+    #[arg(long, env = "KVTIER_AUTH_TOKEN", hide_env_values = true)]
+    auth_token: Option<String>,
+    /// The engine socket this agent listens on.
+    #[arg(long, env = "KVTIER_AGENT_SOCKET")]
+    socket: Option<PathBuf>,
+    /// `host` (RAM stands in for HBM) or `cuda`.
+    #[arg(long, env = "KVTIER_AGENT_DEVICE")]
+    device: Option<String>,
+    /// The GPU's ordinal (cuda), or the host device's number.
+    #[arg(long, env = "KVTIER_AGENT_GPU")]
+    gpu: Option<u32>,
+    /// The host backend's "device memory". Default: 1GiB.
+    #[arg(long, env = "KVTIER_AGENT_HOST_MEMORY")]
+    host_memory: Option<ByteSize>,
+    /// Bytes of one block (the engines' layout): the G1 page size.
+    #[arg(long, env = "KVTIER_AGENT_PAGE_BYTES")]
+    page_bytes: Option<ByteSize>,
+    /// G1 capacity in bytes (overrides --pool-fraction).
+    #[arg(long, env = "KVTIER_AGENT_POOL_CAPACITY")]
+    pool_capacity: Option<ByteSize>,
+    /// G1 capacity as a fraction of the device's free memory. Default: 0.2.
+    #[arg(long, env = "KVTIER_AGENT_POOL_FRACTION")]
+    pool_fraction: Option<f64>,
+    /// Prometheus /metrics address.
+    #[arg(long, env = "KVTIER_AGENT_METRICS")]
+    metrics: Option<std::net::SocketAddr>,
+    #[arg(long, env = "KVTIER_LOG", default_value = "info")]
+    log: String,
+}
+
+/// Settings after the file, the environment and the flags.
+struct Settings {
+    server: String,
+    socket: PathBuf,
+    device: String,
+    gpu: u32,
+    host_memory: u64,
+    page_bytes: u64,
+    capacity: Capacity,
+    metrics: Option<std::net::SocketAddr>,
+}
+
+fn settings(a: &AgentArgs) -> anyhow::Result<Settings> {
+    let table = match &a.config {
+        Some(p) => {
+            let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            let doc: toml::Table = text.parse().with_context(|| format!("parsing {}", p.display()))?;
+            match doc.get("agent") {
+                Some(toml::Value::Table(t)) => t.clone(),
+                Some(_) => bail!("{}: `agent` must be a table", p.display()),
+                None => toml::Table::new(),
+            }
+        }
+        None => toml::Table::new(),
+    };
+    let known =
+        ["server", "socket", "device", "gpu", "host_memory", "page_bytes", "pool_capacity", "pool_fraction", "metrics"];
+    if let Some(k) = table.keys().find(|k| !known.contains(&k.as_str())) {
+        bail!("[agent]: unknown key {k:?} (known: {})", known.join(", "));
+    }
+    let text = |k: &str| -> anyhow::Result<Option<String>> {
+        match table.get(k) {
+            None => Ok(None),
+            Some(toml::Value::String(s)) => Ok(Some(s.clone())),
+            Some(toml::Value::Integer(i)) => Ok(Some(i.to_string())),
+            Some(toml::Value::Float(f)) => Ok(Some(f.to_string())),
+            Some(v) => bail!("[agent] {k}: expected a string or a number, got {v}"),
+        }
+    };
+    let bytes = |flag: Option<ByteSize>, k: &str| -> anyhow::Result<Option<u64>> {
+        match flag {
+            Some(b) => Ok(Some(b.0)),
+            None => text(k)?
+                .map(|s| s.parse::<ByteSize>().map(|b| b.0).map_err(|e| anyhow::anyhow!("[agent] {k}: {e}")))
+                .transpose(),
+        }
+    };
+    let server = a.server.clone().or(text("server")?).unwrap_or_else(|| "127.0.0.1:7070".into());
+    let socket = a.socket.clone().or(text("socket")?.map(PathBuf::from)).unwrap_or_else(|| "kvtier-agent.sock".into());
+    let device = a.device.clone().or(text("device")?).unwrap_or_else(|| "host".into());
+    if !matches!(device.as_str(), "host" | "cuda") {
+        bail!("--device must be host or cuda, got {device:?}");
+    }
+    let gpu = match a.gpu {
+        Some(g) => g,
+        None => text("gpu")?.map(|s| s.parse()).transpose().context("[agent] gpu")?.unwrap_or(0),
+    };
+    let host_memory = bytes(a.host_memory, "host_memory")?.unwrap_or(1 << 30);
+    let Some(page_bytes) = bytes(a.page_bytes, "page_bytes")? else {
+        bail!("--page-bytes is required: the bytes of one block of the engines' layout");
+    };
+    let fraction = match a.pool_fraction {
+        Some(f) => Some(f),
+        None => text("pool_fraction")?.map(|s| s.parse::<f64>()).transpose().context("[agent] pool_fraction")?,
+    };
+    let capacity = match (bytes(a.pool_capacity, "pool_capacity")?, fraction) {
+        (Some(b), _) => Capacity::Bytes(usize::try_from(b).context("pool capacity")?),
+        (None, Some(f)) => Capacity::FractionOfFree(f),
+        (None, None) => Capacity::FractionOfFree(0.2),
+    };
+    let metrics = match a.metrics {
+        Some(m) => Some(m),
+        None => text("metrics")?.map(|s| s.parse()).transpose().context("[agent] metrics")?,
+    };
+    Ok(Settings { server, socket, device, gpu, host_memory, page_bytes, capacity, metrics })
+}
+
+/// G2 through the server's same-node socket: spills are stores from a shared buffer, fetches
+/// are loads into it. One connection, one exchange at a time; a broken connection is reopened
+/// on the next call.
+#[derive(Clone)]
+pub struct SameNodeStore {
+    inner: Arc<StoreInner>,
+}
+
+struct StoreInner {
+    rt: tokio::runtime::Handle,
+    client: KvClient,
+    link: Mutex<Link>,
+    namespaces: Mutex<HashMap<NamespaceId, NamespaceHandle>>,
+}
+
+struct Link {
+    near: SameNode,
+    buf: SharedBuffer,
+    block_bytes: usize,
+}
+
+fn chunk_blocks(block_bytes: usize) -> usize {
+    (STORE_BUFFER_BYTES / block_bytes.max(1)).max(1)
+}
+
+impl SameNodeStore {
+    async fn connect(client: KvClient, block_bytes: usize) -> anyhow::Result<Self> {
+        let near = client
+            .samenode()
+            .await
+            .context("the server's same-node socket (the agent must run on the server's host)")?;
+        let buf = SharedBuffer::new(block_bytes * chunk_blocks(block_bytes))?;
+        Ok(SameNodeStore {
+            inner: Arc::new(StoreInner {
+                rt: tokio::runtime::Handle::current(),
+                client,
+                link: Mutex::new(Link { near, buf, block_bytes }),
+                namespaces: Mutex::new(HashMap::new()),
+            }),
+        })
+    }
+
+    fn client(&self) -> &KvClient {
+        &self.inner.client
+    }
+
+    fn handle(&self, ns: &NamespaceId) -> kvtier_agent::Result<NamespaceHandle> {
+        let map = self.inner.namespaces.lock().map_err(|_| AgentError::Spill("namespace map poisoned".into()))?;
+        map.get(ns).cloned().ok_or_else(|| AgentError::Spill("namespace not opened with the server".into()))
+    }
+
+    /// Runs `f` on the link, reopening a connection that broke earlier. Called on the agent's
+    /// connection threads (never on a runtime thread: `block_on` there would panic), so blocking
+    /// on the runtime is fine; bounded by the client's request timeout.
+    fn with_link<T>(
+        &self,
+        f: impl AsyncFnOnce(&mut Link) -> Result<T, kvtier_client::ClientError>,
+    ) -> kvtier_agent::Result<T> {
+        let mut link = self.inner.link.lock().map_err(|_| AgentError::Spill("store link poisoned".into()))?;
+        self.inner.rt.block_on(async {
+            if !link.near.is_usable() {
+                link.near = self.inner.client.samenode().await.map_err(|e| AgentError::Spill(e.to_string()))?;
+            }
+            f(&mut link).await.map_err(|e| AgentError::Spill(e.to_string()))
+        })
+    }
+}
+
+impl Spill for SameNodeStore {
+    fn spill(&self, ns: &NamespaceId, key: &BlockKey, codec: CodecId, payload: &[u8]) -> kvtier_agent::Result<()> {
+        if codec != CodecId::RAW {
+            return Err(AgentError::Spill(format!("the same-node store takes raw blocks, not {}", codec.name())));
+        }
+        let h = self.handle(ns)?;
+        let status = self.with_link(async |l: &mut Link| {
+            if payload.len() != l.block_bytes {
+                return Err(kvtier_client::ClientError::InvalidArgument(format!(
+                    "a {}-byte block; the store's blocks are {}",
+                    payload.len(),
+                    l.block_bytes
+                )));
+            }
+            l.buf.as_mut_slice()[..payload.len()].copy_from_slice(payload);
+            l.near.store_from_buffer(&h, &[*key], &l.buf, &[0]).await
+        })?;
+        match status.first() {
+            Some(ItemStatus::Ok | ItemStatus::Present) => Ok(()),
+            other => Err(AgentError::Spill(format!("the server refused the block: {other:?}"))),
+        }
+    }
+}
+
+impl BackingStore for SameNodeStore {
+    fn open_namespace(&self, ns: &Namespace) -> kvtier_agent::Result<()> {
+        let id = ns.id();
+        if self.handle(&id).is_ok() {
+            return Ok(());
+        }
+        let h = self
+            .inner
+            .rt
+            .block_on(self.inner.client.register(ns.clone()))
+            .map_err(|e| AgentError::Spill(format!("registering the namespace with the server: {e}")))?;
+        self.inner.namespaces.lock().map_err(|_| AgentError::Spill("namespace map poisoned".into()))?.insert(id, h);
+        Ok(())
+    }
+
+    fn fetch(
+        &self,
+        ns: &NamespaceId,
+        keys: &[BlockKey],
+        block_bytes: usize,
+        out: &mut [u8],
+    ) -> kvtier_agent::Result<Vec<bool>> {
+        let h = self.handle(ns)?;
+        let mut found = Vec::with_capacity(keys.len());
+        let per = chunk_blocks(block_bytes);
+        for (c, chunk) in keys.chunks(per).enumerate() {
+            let offsets: Vec<u64> = (0..chunk.len() as u64).map(|i| i * block_bytes as u64).collect();
+            let dst = &mut out[c * per * block_bytes..][..chunk.len() * block_bytes];
+            let got = self.with_link(async |l: &mut Link| {
+                let landed = l.near.load_into_buffer(&h, chunk, &mut l.buf, &offsets, false).await?;
+                dst.copy_from_slice(&l.buf.as_slice()[..chunk.len() * block_bytes]);
+                Ok(landed)
+            })?;
+            found.extend(got);
+        }
+        Ok(found)
+    }
+}
+
+pub async fn run(a: AgentArgs) -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&a.log).context("--log")?)
+        .with_writer(std::io::stderr)
+        .init();
+    let s = settings(&a)?;
+    let page_bytes = usize::try_from(s.page_bytes).context("--page-bytes")?;
+    let cfg = ClientConfig { auth_token: a.auth_token.clone(), ..Default::default() };
+    let client =
+        KvClient::connect(&s.server, cfg).await.with_context(|| format!("connecting to the server at {}", s.server))?;
+    let store = SameNodeStore::connect(client, page_bytes).await?;
+    let mut config = AgentConfig::new(page_bytes);
+    config.capacity = s.capacity;
+    match s.device.as_str() {
+        "host" => {
+            serve_device(Arc::new(HostDevice::new(s.gpu, usize::try_from(s.host_memory)?)), store, config, &s).await
+        }
+        _ => cuda(store, config, &s).await,
+    }
+}
+
+#[cfg(feature = "cuda")]
+async fn cuda(store: SameNodeStore, config: AgentConfig, s: &Settings) -> anyhow::Result<()> {
+    let dev = kvtier_agent::CudaDevice::new(s.gpu).context("opening the GPU")?;
+    serve_device(Arc::new(dev), store, config, s).await
+}
+
+#[cfg(not(feature = "cuda"))]
+async fn cuda(_store: SameNodeStore, _config: AgentConfig, _s: &Settings) -> anyhow::Result<()> {
+    bail!("this kvtier was built without the `cuda` feature (cargo build --features cuda)")
+}
+
+async fn serve_device<D: Device>(
+    device: Arc<D>,
+    store: SameNodeStore,
+    config: AgentConfig,
+    s: &Settings,
+) -> anyhow::Result<()> {
+    let agent = Arc::new(Agent::new(device, store, config).context("building the G1 pool")?);
+    let metrics = match s.metrics {
+        Some(addr) => {
+            let handle = kvtier_server::metrics::install()?;
+            let listener =
+                tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding /metrics at {addr}"))?;
+            let bound = listener.local_addr()?;
+            tokio::spawn(kvtier_server::metrics::serve(listener, handle, None));
+            tokio::spawn(publish_metrics(agent.clone()));
+            Some(bound)
+        }
+        None => None,
+    };
+    tokio::spawn(report_g1(agent.clone()));
+    let server =
+        EngineServer::bind(agent.clone(), &s.socket).with_context(|| format!("binding {}", s.socket.display()))?;
+    let stats = agent.stats();
+    println!(
+        "kvtier agent listening on {} (device {} {}, G1 {} pages of {} bytes, server {}, metrics {})",
+        s.socket.display(),
+        s.device,
+        s.gpu,
+        stats.pool.pages,
+        s.page_bytes,
+        s.server,
+        metrics.map_or("off".into(), |m| format!("http://{m}/metrics")),
+    );
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    drop(server);
+    Ok(())
+}
+
+/// How often G1's changes go to the server.
+const REPORT_EVERY: Duration = Duration::from_millis(100);
+
+/// Reports what G1 took in and gave up to the server (`ReportAgentBlocks`), which publishes it on
+/// the node's KV events with tier `hbm`. Within one interval the last change of a key wins; when
+/// changes were lost (the pool's log overflowed) every resident key is reported stored again. A
+/// failed report is counted and dropped (the events are advisory; the next ones follow).
+async fn report_g1<D: Device>(agent: Arc<Agent<D, SameNodeStore>>) {
+    let client = agent.store().client().clone();
+    let mut tick = tokio::time::interval(REPORT_EVERY);
+    loop {
+        tick.tick().await;
+        let a = agent.clone();
+        let Ok((changes, resync)) = tokio::task::spawn_blocking(move || {
+            let (changes, lost) = a.take_g1_changes();
+            (changes, lost.then(|| a.resident_keys()))
+        })
+        .await
+        else {
+            continue;
+        };
+        // Per namespace, per key: stored (0), evicted with a copy below (1), dropped (2).
+        let mut last: HashMap<NamespaceId, HashMap<BlockKey, u8>> = HashMap::new();
+        for (ns, key) in resync.unwrap_or_default() {
+            last.entry(ns).or_default().insert(key, 0);
+        }
+        for c in changes {
+            let ((ns, key), what) = match c {
+                PoolChange::Stored(k) => (k, 0),
+                PoolChange::Evicted { key, below } => (key, if below { 1 } else { 2 }),
+            };
+            last.entry(ns).or_default().insert(key, what);
+        }
+        for (ns, keys) in last {
+            let keys: Vec<(BlockKey, u8)> = keys.into_iter().collect();
+            for chunk in keys.chunks(REPORT_MAX_KEYS) {
+                let pick = |w: u8| -> Vec<bytes::Bytes> {
+                    chunk.iter().filter(|(_, x)| *x == w).map(|(k, _)| bytes::Bytes::copy_from_slice(&k.0)).collect()
+                };
+                let req = kvtier_proto::pb::AgentBlocksReport {
+                    namespace_id: bytes::Bytes::copy_from_slice(&ns.0),
+                    stored: pick(0),
+                    evicted: pick(1),
+                    dropped: pick(2),
+                };
+                match client.raw_grpc().report_agent_blocks(req).await {
+                    Ok(_) => metrics::counter!("kvtier_agent_reported_keys_total").increment(chunk.len() as u64),
+                    Err(e) => {
+                        metrics::counter!("kvtier_agent_report_errors_total").increment(1);
+                        tracing::warn!("reporting G1 blocks to the server: {e}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Keys per report (the server's default `max_blocks_per_request`).
+const REPORT_MAX_KEYS: usize = 4096;
+
+/// Copies the agent's counters into the metrics registry four times a second.
+async fn publish_metrics<D: Device>(agent: Arc<Agent<D, SameNodeStore>>) {
+    let page = agent.config().page_bytes as f64;
+    let mut tick = tokio::time::interval(Duration::from_millis(250));
+    loop {
+        tick.tick().await;
+        // Off the runtime's threads: the pool's lock can be held across a spill to the server.
+        let a = agent.clone();
+        let Ok(s) = tokio::task::spawn_blocking(move || a.stats()).await else { continue };
+        let p = s.pool;
+        metrics::gauge!("kvtier_agent_pool_pages").set(p.pages as f64);
+        metrics::gauge!("kvtier_agent_pool_bytes").set(p.pages as f64 * page);
+        metrics::gauge!("kvtier_agent_resident_pages").set(p.resident as f64);
+        metrics::gauge!("kvtier_agent_resident_bytes").set(p.resident as f64 * page);
+        metrics::gauge!("kvtier_agent_pinned_pages").set(p.pinned as f64);
+        metrics::gauge!("kvtier_agent_engine_connections").set(s.connections as f64);
+        metrics::counter!("kvtier_agent_evictions_total").absolute(p.evictions);
+        metrics::counter!("kvtier_agent_spills_total").absolute(p.spills);
+        metrics::counter!("kvtier_agent_spilled_bytes_total").absolute(p.spilled_bytes);
+        metrics::counter!("kvtier_agent_spill_errors_total").absolute(p.spill_errors);
+        metrics::counter!("kvtier_agent_requests_total").absolute(s.requests);
+        metrics::counter!("kvtier_agent_refused_total").absolute(s.refused);
+        metrics::counter!("kvtier_agent_saved_blocks_total").absolute(s.saved_blocks);
+        metrics::counter!("kvtier_agent_loaded_blocks_total", "from" => "g1").absolute(s.loaded_from_g1);
+        metrics::counter!("kvtier_agent_loaded_blocks_total", "from" => "g2").absolute(s.loaded_from_g2);
+        metrics::counter!("kvtier_agent_load_misses_total").absolute(s.load_misses);
+        metrics::counter!("kvtier_agent_store_errors_total").absolute(s.store_errors);
+        metrics::counter!("kvtier_agent_copy_bytes_total").absolute(s.copy_bytes);
+        if s.copy_seconds > 0.0 {
+            metrics::gauge!("kvtier_agent_copy_gbps").set(s.copy_bytes as f64 / s.copy_seconds / 1e9);
+        }
+    }
+}

@@ -1,0 +1,739 @@
+//! The agent's engine-facing side: what a same-node engine asks of the agent, and the G1 pool
+//! behind it.
+//!
+//! - [`proto`]: the wire format of the engine socket, without I/O.
+//! - [`Agent`] (this file): one device, its G1 [`PagePool`] and the [`BackingStore`] below it
+//!   (G2 through the same-node path: evictions spill into it, pool misses load back from it), and
+//!   counters for `/metrics`. [`Session`] is one engine connection's state — its namespace, its
+//!   registered KV buffers (imported by IPC handle: a CUDA handle, or a sealed memfd on the host
+//!   backend), the saves it has under way — and turns requests into device copies: SAVE copies a
+//!   layer of engine pages into reserved G1 pages; LOAD pins the G1 hits, fetches the rest from
+//!   the store into a registered staging buffer and copies every layer into the engine's pages
+//!   with [`LayerPipeline`], answering as each layer lands.
+//! - [`server`]: the Unix socket: threads, descriptors, limits and timeouts.
+//!
+//! The store is a trait so that this crate needs no network client: the `kvtier agent` command
+//! (cli/) implements it with kvtier-client's same-node path; tests use [`MemorySpill`].
+
+pub mod proto;
+pub mod server;
+
+pub use server::EngineServer;
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::{HashMap, HashSet};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvtier_proto::{BlockKey, Namespace, NamespaceId};
+use parking_lot::Mutex;
+
+use self::proto::{
+    counts, encode_answer, encode_refusal, open_answer, BufferSource, Item, Op, Refusal, Request, Status,
+};
+use crate::device::{Device, DeviceBuf, DeviceRange, HostBuffer, IpcHandle, Registration, Transfer};
+use crate::error::{AgentError, Result};
+use crate::pipeline::{LayerPipeline, LayerSource};
+use crate::pool::{Capacity, MemorySpill, PagePool, PoolConfig, PoolStats, Spill};
+
+/// The tier below G1 (G2 on this node, through the same-node path): takes evicted blocks
+/// ([`Spill`]) and gives them back.
+pub trait BackingStore: Spill + Clone + 'static {
+    /// Makes a namespace known below (registers it with the server) before blocks of it move.
+    fn open_namespace(&self, ns: &Namespace) -> Result<()>;
+
+    /// Reads raw blocks by key into `out` (block `i` at `i * block_bytes`); true where block `i`
+    /// landed.
+    fn fetch(&self, ns: &NamespaceId, keys: &[BlockKey], block_bytes: usize, out: &mut [u8]) -> Result<Vec<bool>>;
+}
+
+impl BackingStore for MemorySpill {
+    fn open_namespace(&self, _ns: &Namespace) -> Result<()> {
+        Ok(())
+    }
+
+    fn fetch(&self, ns: &NamespaceId, keys: &[BlockKey], block_bytes: usize, out: &mut [u8]) -> Result<Vec<bool>> {
+        Ok(keys
+            .iter()
+            .enumerate()
+            .map(|(i, k)| match self.get(ns, k) {
+                Some(b) if b.len() == block_bytes => {
+                    out[i * block_bytes..(i + 1) * block_bytes].copy_from_slice(&b);
+                    true
+                }
+                _ => false,
+            })
+            .collect())
+    }
+}
+
+/// Agent settings.
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    /// Bytes of one block (one G1 page): every engine's namespace must have this block size.
+    pub page_bytes: usize,
+    /// G1 capacity. Default: 20% of the device's free memory.
+    pub capacity: Capacity,
+    /// Engine connections at once. Default: 64.
+    pub max_connections: usize,
+    /// KV buffers one connection may register. Default: 8.
+    pub max_buffers_per_connection: usize,
+    /// Keys one connection may have between the SAVE of layer 0 and that of the last layer
+    /// (each holds a pinned G1 page). Default: 1024.
+    pub max_open_saves_per_connection: usize,
+    /// Bytes one LOAD may take from the store: each connection's staging buffer (allocated on its
+    /// first load that misses G1), rounded down to whole blocks, at least one; keys past it are
+    /// misses. Default: 64 MiB (so 64 connections stage at most 4 GiB).
+    pub max_store_bytes_per_load: usize,
+    /// How long a connection may sit between requests. Default: 10 minutes.
+    pub idle_timeout: Duration,
+    /// How long reading the rest of a request, or writing an answer, may take. Default: 10 s.
+    pub io_timeout: Duration,
+}
+
+impl AgentConfig {
+    /// Blocks of a connection's staging buffer.
+    fn store_blocks_per_load(&self) -> usize {
+        (self.max_store_bytes_per_load / self.page_bytes.max(1)).max(1)
+    }
+
+    pub fn new(page_bytes: usize) -> Self {
+        AgentConfig {
+            page_bytes,
+            capacity: Capacity::FractionOfFree(0.2),
+            max_connections: 64,
+            max_buffers_per_connection: 8,
+            max_open_saves_per_connection: 1024,
+            max_store_bytes_per_load: 64 << 20,
+            idle_timeout: Duration::from_secs(600),
+            io_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Counters of an agent (monotonic unless said otherwise).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct AgentStats {
+    pub pool: PoolStats,
+    /// Engine connections now open (a gauge).
+    pub connections: u64,
+    pub requests: u64,
+    /// Requests answered with an error status.
+    pub refused: u64,
+    pub saved_layers: u64,
+    /// Blocks whose last layer was saved (committed to G1).
+    pub saved_blocks: u64,
+    pub loads: u64,
+    pub loaded_from_g1: u64,
+    pub loaded_from_g2: u64,
+    /// Keys of loads that were in neither G1 nor G2 (the engine recomputes them).
+    pub load_misses: u64,
+    /// Fetches from the store that failed (their keys became misses).
+    pub store_errors: u64,
+    /// Bytes moved by engine copies (saves and loads), and the wall time from enqueueing them to
+    /// their completion: `copy_bytes / copy_seconds` is the copies' throughput.
+    pub copy_bytes: u64,
+    pub copy_seconds: f64,
+}
+
+#[derive(Default)]
+struct Counters {
+    connections: AtomicU64,
+    requests: AtomicU64,
+    refused: AtomicU64,
+    saved_layers: AtomicU64,
+    saved_blocks: AtomicU64,
+    loads: AtomicU64,
+    loaded_from_g1: AtomicU64,
+    loaded_from_g2: AtomicU64,
+    load_misses: AtomicU64,
+    store_errors: AtomicU64,
+    copy_bytes: AtomicU64,
+    copy_nanos: AtomicU64,
+}
+
+fn add(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+/// One device's agent: the G1 pool over a backing store. Shared by every engine connection.
+pub struct Agent<D: Device, B: BackingStore> {
+    device: Arc<D>,
+    store: B,
+    pool: Mutex<PagePool<D, B>>,
+    config: AgentConfig,
+    counters: Counters,
+}
+
+impl<D: Device, B: BackingStore> Agent<D, B> {
+    /// Builds the pool on `device` (failing on a capacity that holds no page).
+    pub fn new(device: Arc<D>, store: B, config: AgentConfig) -> Result<Self> {
+        let pool = PagePool::new(
+            device.clone(),
+            store.clone(),
+            PoolConfig::new(config.page_bytes).with_capacity(config.capacity),
+        )?;
+        Ok(Agent { device, store, pool: Mutex::new(pool), config, counters: Counters::default() })
+    }
+
+    pub fn config(&self) -> &AgentConfig {
+        &self.config
+    }
+
+    pub fn device(&self) -> &Arc<D> {
+        &self.device
+    }
+
+    pub fn store(&self) -> &B {
+        &self.store
+    }
+
+    /// Every key G1 holds now (for reporting to the server).
+    pub fn resident_keys(&self) -> Vec<kvtier_proto::ScopedKey> {
+        self.pool.lock().keys()
+    }
+
+    /// What G1 took in and gave up since the last call (for KV events), and whether some
+    /// changes were lost (then resync from [`Agent::resident_keys`]).
+    pub fn take_g1_changes(&self) -> (Vec<crate::pool::PoolChange>, bool) {
+        self.pool.lock().take_changes()
+    }
+
+    pub fn stats(&self) -> AgentStats {
+        let c = &self.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        AgentStats {
+            pool: self.pool.lock().stats(),
+            connections: get(&c.connections),
+            requests: get(&c.requests),
+            refused: get(&c.refused),
+            saved_layers: get(&c.saved_layers),
+            saved_blocks: get(&c.saved_blocks),
+            loads: get(&c.loads),
+            loaded_from_g1: get(&c.loaded_from_g1),
+            loaded_from_g2: get(&c.loaded_from_g2),
+            load_misses: get(&c.load_misses),
+            store_errors: get(&c.store_errors),
+            copy_bytes: get(&c.copy_bytes),
+            copy_seconds: get(&c.copy_nanos) as f64 / 1e9,
+        }
+    }
+
+    fn record_copies(&self, bytes: usize, since: Instant) {
+        add(&self.counters.copy_bytes, bytes as u64);
+        add(&self.counters.copy_nanos, since.elapsed().as_nanos() as u64);
+    }
+}
+
+/// The namespace a connection opened.
+struct OpenNs {
+    id: NamespaceId,
+    layers: usize,
+    layer_bytes: usize,
+}
+
+/// A registered engine KV buffer: `[layer][page][layer_bytes]`.
+struct EngineBuffer {
+    buf: DeviceBuf,
+    pages: u32,
+}
+
+/// A key between the SAVE of its layer 0 and of its last layer.
+struct OpenSave {
+    /// Its reserved G1 page; `None` when G1 already held the key (nothing to copy).
+    page: Option<DeviceRange>,
+    next_layer: usize,
+}
+
+/// Where one loaded block comes from.
+enum LoadSource {
+    G1(DeviceRange),
+    Staged(usize),
+}
+
+/// One engine connection's state. Dropping it gives back what it held: reserved G1 pages of
+/// unfinished saves, imported buffers.
+pub struct Session<D: Device, B: BackingStore> {
+    agent: Arc<Agent<D, B>>,
+    ns: Option<OpenNs>,
+    buffers: HashMap<u32, EngineBuffer>,
+    next_buffer: u32,
+    saves: HashMap<BlockKey, OpenSave>,
+    pipe: LayerPipeline<D>,
+    /// Blocks fetched from the store for a load, registered with the device.
+    staging: Option<(HostBuffer, Registration)>,
+}
+
+type Answer = std::result::Result<Vec<u8>, Refusal>;
+
+fn refusal(e: AgentError) -> Refusal {
+    let status = match &e {
+        AgentError::PoolExhausted { .. } | AgentError::OutOfMemory { .. } => Status::Busy,
+        AgentError::OutOfBounds { .. } | AgentError::LayerOutOfRange { .. } => Status::OutOfRange,
+        AgentError::BadIpcHandle(_) | AgentError::Config(_) => Status::BadRequest,
+        AgentError::PageSizeMismatch { .. } | AgentError::LengthMismatch { .. } => Status::SizeMismatch,
+        _ => Status::Internal,
+    };
+    Refusal::new(status, e.to_string())
+}
+
+impl<D: Device, B: BackingStore> Session<D, B> {
+    pub fn new(agent: Arc<Agent<D, B>>) -> Result<Self> {
+        let pipe = LayerPipeline::new(agent.device.clone())?;
+        add(&agent.counters.connections, 1);
+        Ok(Session {
+            agent,
+            ns: None,
+            buffers: HashMap::new(),
+            next_buffer: 1,
+            saves: HashMap::new(),
+            pipe,
+            staging: None,
+        })
+    }
+
+    /// Handles one request; `send` gets every answer (one, or for a LOAD, one plus one per
+    /// layer as it lands). `fd` is the descriptor that came with the request, if any. An `Err`
+    /// from `send` (the engine went away) stops the request and is returned.
+    pub fn handle(
+        &mut self,
+        request_id: u32,
+        req: Request,
+        fd: Option<OwnedFd>,
+        send: &mut dyn FnMut(Vec<u8>) -> std::io::Result<()>,
+    ) -> std::io::Result<()> {
+        let c = &self.agent.counters;
+        add(&c.requests, 1);
+        let op = req.op();
+        let answer = match req {
+            Request::Open(ns) => self.open(ns),
+            Request::Register { source, len, pages } => self.register(source, fd, len, pages),
+            Request::Save { buffer, layer, items } => self.save(buffer, layer as usize, &items),
+            Request::Load { buffer, items } => return self.load(request_id, buffer, &items, send),
+            Request::Unregister { buffer } => self.unregister(buffer),
+        };
+        match answer {
+            Ok(body) => send(encode_answer(op, Status::Ok, 0, request_id, &body)),
+            Err(r) => {
+                add(&self.agent.counters.refused, 1);
+                send(encode_refusal(op, request_id, &r))
+            }
+        }
+    }
+
+    fn open(&mut self, ns: Namespace) -> Answer {
+        if self.ns.is_some() {
+            return Err(Refusal::new(Status::BadRequest, "a namespace is already open on this connection"));
+        }
+        let bb = ns.layout.block_bytes();
+        let layers = usize::from(ns.layout.layers);
+        if bb != self.agent.config.page_bytes as u64 {
+            return Err(Refusal::new(
+                Status::SizeMismatch,
+                format!(
+                    "blocks of this layout are {bb} bytes; this agent's G1 pages are {}",
+                    self.agent.config.page_bytes
+                ),
+            ));
+        }
+        if !bb.is_multiple_of(layers as u64) {
+            return Err(Refusal::new(
+                Status::SizeMismatch,
+                format!("{bb}-byte blocks don't split into {layers} layers"),
+            ));
+        }
+        self.agent.store.open_namespace(&ns).map_err(refusal)?;
+        let id = ns.id();
+        let body = open_answer(bb, layers as u32, &id);
+        self.ns = Some(OpenNs { id, layers, layer_bytes: bb as usize / layers });
+        Ok(body)
+    }
+
+    fn opened(&self) -> std::result::Result<&OpenNs, Refusal> {
+        self.ns.as_ref().ok_or_else(|| Refusal::new(Status::BadRequest, "OPEN a namespace first"))
+    }
+
+    fn register(&mut self, source: BufferSource, fd: Option<OwnedFd>, len: u64, pages: u32) -> Answer {
+        let ns = self.opened()?;
+        if self.buffers.len() >= self.agent.config.max_buffers_per_connection {
+            return Err(Refusal::new(
+                Status::Busy,
+                format!("{} buffers already registered on this connection", self.buffers.len()),
+            ));
+        }
+        let need = (ns.layers as u64).checked_mul(u64::from(pages)).and_then(|n| n.checked_mul(ns.layer_bytes as u64));
+        let len_usize = usize::try_from(len).ok();
+        match (need, len_usize) {
+            (Some(n), Some(_)) if pages > 0 && n <= len => {}
+            _ => {
+                return Err(Refusal::new(
+                    Status::SizeMismatch,
+                    format!(
+                        "a buffer of {pages} pages × {} layers × {} bytes does not fit in {len} bytes",
+                        ns.layers, ns.layer_bytes
+                    ),
+                ))
+            }
+        }
+        let len = len_usize.unwrap_or(0);
+        let handle = match (source, &fd) {
+            (BufferSource::Memfd, Some(fd)) => IpcHandle::host_shared_memory(std::process::id(), fd.as_raw_fd(), len),
+            (BufferSource::Memfd, None) => {
+                return Err(Refusal::new(
+                    Status::BadRequest,
+                    "a memfd buffer needs its descriptor attached (SCM_RIGHTS)",
+                ))
+            }
+            (BufferSource::CudaIpc(bytes), _) => IpcHandle::from_bytes(bytes, len),
+        };
+        let buf = self.agent.device.import_ipc(&handle).map_err(refusal)?;
+        drop(fd); // the mapping (or CUDA's import) outlives the descriptor
+        let id = self.next_buffer;
+        self.next_buffer += 1;
+        self.buffers.insert(id, EngineBuffer { buf, pages });
+        Ok(id.to_le_bytes().to_vec())
+    }
+
+    fn unregister(&mut self, buffer: u32) -> Answer {
+        let b = self
+            .buffers
+            .remove(&buffer)
+            .ok_or_else(|| Refusal::new(Status::UnknownBuffer, format!("no buffer {buffer} on this connection")))?;
+        self.agent.device.free(b.buf).map_err(refusal)?;
+        Ok(Vec::new())
+    }
+
+    /// The engine buffer and a check that every item's page is in it.
+    fn buffer_for(&self, buffer: u32, items: &[Item]) -> std::result::Result<(DeviceBuf, u32), Refusal> {
+        let b = self
+            .buffers
+            .get(&buffer)
+            .ok_or_else(|| Refusal::new(Status::UnknownBuffer, format!("no buffer {buffer} on this connection")))?;
+        if let Some(it) = items.iter().find(|it| it.page >= b.pages) {
+            return Err(Refusal::new(
+                Status::OutOfRange,
+                format!("page {} is past the end of buffer {buffer} ({} pages)", it.page, b.pages),
+            ));
+        }
+        Ok((b.buf, b.pages))
+    }
+
+    fn save(&mut self, buffer: u32, layer: usize, items: &[Item]) -> Answer {
+        let (layers, lb, nsid) = {
+            let ns = self.opened()?;
+            (ns.layers, ns.layer_bytes, ns.id)
+        };
+        let (engine, pages) = self.buffer_for(buffer, items)?;
+        if layer >= layers {
+            return Err(Refusal::new(Status::OutOfRange, format!("layer {layer} of a {layers}-layer namespace")));
+        }
+        let mut seen = HashSet::new();
+        let items: Vec<Item> = items.iter().filter(|it| seen.insert(it.key)).copied().collect();
+        if layer == 0 {
+            self.open_saves(&nsid, &items)?;
+        } else if let Some(it) = items.iter().find(|it| self.saves.get(&it.key).is_none_or(|s| s.next_layer != layer)) {
+            let why = match self.saves.get(&it.key) {
+                None => "its layer 0 was not saved on this connection".to_string(),
+                Some(s) => format!("layer {} comes next", s.next_layer),
+            };
+            return Err(Refusal::new(
+                Status::UnknownKey,
+                format!("SAVE of layer {layer} for key {}: {why}", hex(&it.key)),
+            ));
+        }
+        let transfers: Vec<Transfer> = items
+            .iter()
+            .filter_map(|it| {
+                let page = self.saves.get(&it.key)?.page?;
+                let src = engine.range((layer * pages as usize + it.page as usize) * lb, lb);
+                Some(Transfer::DeviceToDevice { src, dst: page.buf.range(page.offset + layer * lb, lb) })
+            })
+            .collect();
+        let started = Instant::now();
+        self.pipe.save_kv_layer(layer, &transfers, None);
+        let report = self.pipe.wait_for_save();
+        if let Some((_, e)) = report.failed().into_iter().next() {
+            self.abort_saves(&nsid, items.iter().map(|it| it.key));
+            return Err(refusal(e));
+        }
+        self.agent.record_copies(transfers.len() * lb, started);
+        add(&self.agent.counters.saved_layers, 1);
+        let mut committed = 0u32;
+        let mut pool = self.agent.pool.lock();
+        for it in &items {
+            let last = layer + 1 == layers;
+            let Some(s) = self.saves.get_mut(&it.key) else { continue };
+            s.next_layer += 1;
+            if last {
+                let had_page = s.page.is_some();
+                self.saves.remove(&it.key);
+                if had_page && pool.commit(&nsid, &it.key).is_ok() {
+                    committed += 1;
+                }
+            }
+        }
+        drop(pool);
+        add(&self.agent.counters.saved_blocks, u64::from(committed));
+        Ok(counts(&[transfers.len() as u32, committed]))
+    }
+
+    /// Layer 0 of a save: reserves a G1 page per new key. All or nothing: on a refusal the pages
+    /// this call reserved are given back.
+    fn open_saves(&mut self, nsid: &NamespaceId, items: &[Item]) -> std::result::Result<(), Refusal> {
+        let fresh: Vec<&Item> = items.iter().filter(|it| !self.saves.contains_key(&it.key)).collect();
+        let max = self.agent.config.max_open_saves_per_connection;
+        if self.saves.len() + fresh.len() > max {
+            return Err(Refusal::new(
+                Status::Busy,
+                format!(
+                    "{} saves open on this connection; at most {max} (finish their last layer first)",
+                    self.saves.len()
+                ),
+            ));
+        }
+        if let Some(it) = items.iter().find(|it| self.saves.get(&it.key).is_some_and(|s| s.next_layer != 0)) {
+            return Err(Refusal::new(
+                Status::BadRequest,
+                format!(
+                    "key {} is already being saved (layer {} comes next)",
+                    hex(&it.key),
+                    self.saves[&it.key].next_layer
+                ),
+            ));
+        }
+        let mut pool = self.agent.pool.lock();
+        let mut reserved = Vec::new();
+        for it in fresh {
+            match pool.reserve(nsid, &it.key) {
+                Ok(page) => {
+                    self.saves.insert(it.key, OpenSave { page, next_layer: 0 });
+                    reserved.push(it.key);
+                }
+                Err(e) => {
+                    for k in &reserved {
+                        if let Some(OpenSave { page: Some(_), .. }) = self.saves.remove(k) {
+                            let _ = pool.abort(nsid, k);
+                        }
+                    }
+                    return Err(refusal(e));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn abort_saves(&mut self, nsid: &NamespaceId, keys: impl Iterator<Item = BlockKey>) {
+        let mut pool = self.agent.pool.lock();
+        for k in keys {
+            if let Some(OpenSave { page: Some(_), .. }) = self.saves.remove(&k) {
+                let _ = pool.abort(nsid, &k);
+            }
+        }
+    }
+
+    fn load(
+        &mut self,
+        request_id: u32,
+        buffer: u32,
+        items: &[Item],
+        send: &mut dyn FnMut(Vec<u8>) -> std::io::Result<()>,
+    ) -> std::io::Result<()> {
+        let planned = self.plan_load(buffer, items);
+        let (engine, pages, sources) = match planned {
+            Ok(p) => p,
+            Err(r) => {
+                add(&self.agent.counters.refused, 1);
+                return send(encode_refusal(Op::Load, request_id, &r));
+            }
+        };
+        let Some(ns) = self.ns.as_ref() else { return Ok(()) };
+        let (layers, lb, nsid) = (ns.layers, ns.layer_bytes, ns.id);
+        let bb = lb * layers;
+        let c = &self.agent.counters;
+        add(&c.loads, 1);
+        let g1 = sources.iter().filter(|s| matches!(s, LoadSource::G1(_))).count();
+        let found = sources.len();
+        add(&c.loaded_from_g1, g1 as u64);
+        add(&c.loaded_from_g2, (found - g1) as u64);
+        add(&c.load_misses, (items.len() - found) as u64);
+        let started_answer = send(encode_answer(
+            Op::Load,
+            Status::Ok,
+            0,
+            request_id,
+            &counts(&[found as u32, g1 as u32, (found - g1) as u32]),
+        ));
+        if let Err(e) = started_answer {
+            // The engine went away: nothing was enqueued, give the pins back.
+            self.unpin_g1(&nsid, &sources, items);
+            return Err(e);
+        }
+        let staging = self.staging.as_ref().map(|(h, _)| h.clone());
+        let layer_source = |l: usize| {
+            let transfers = sources
+                .iter()
+                .zip(items)
+                .filter_map(|(src, it)| {
+                    let dst = engine.range((l * pages as usize + it.page as usize) * lb, lb);
+                    Some(match src {
+                        LoadSource::G1(page) => {
+                            Transfer::DeviceToDevice { src: page.buf.range(page.offset + l * lb, lb), dst }
+                        }
+                        LoadSource::Staged(j) => {
+                            Transfer::HostToDevice { src: staging.as_ref()?.range(j * bb + l * lb, lb), dst }
+                        }
+                    })
+                })
+                .collect();
+            LayerSource::new(transfers)
+        };
+        let started = Instant::now();
+        // Layer by layer on the load stream (so in order), answering every layer that has landed
+        // between enqueues: layer 0's answer does not wait for the later layers' enqueueing.
+        let mut handles = Vec::with_capacity(layers);
+        let mut answered = 0;
+        let mut sent = Ok(());
+        let answer = |l: usize, r: Result<()>| match r {
+            Ok(()) => encode_answer(Op::Layer, Status::Ok, l as u16, request_id, &[]),
+            Err(e) => encode_refusal(Op::Layer, request_id, &refusal(e)),
+        };
+        for l in 0..layers {
+            handles.push(self.pipe.start_load_kv(vec![layer_source(l)]));
+            while answered < handles.len() && sent.is_ok() {
+                match handles[answered].is_layer_ready(0) {
+                    Ok(false) => break,
+                    r => sent = send(answer(answered, r.map(|_| ()))),
+                }
+                answered += 1;
+            }
+        }
+        for (l, h) in handles.iter().enumerate().skip(answered) {
+            let r = h.wait_for_layer_load(0);
+            if sent.is_ok() {
+                sent = send(answer(l, r));
+            }
+        }
+        // Every layer has completed (or failed) before the G1 pages are unpinned.
+        for h in &handles {
+            let _ = h.wait_all();
+        }
+        self.agent.record_copies(found * bb, started);
+        self.unpin_g1(&nsid, &sources, items);
+        sent
+    }
+
+    fn unpin_g1(&self, nsid: &NamespaceId, sources: &[LoadSource], items: &[Item]) {
+        let mut pool = self.agent.pool.lock();
+        for (src, it) in sources.iter().zip(items) {
+            if matches!(src, LoadSource::G1(_)) {
+                let _ = pool.unpin(nsid, &it.key);
+            }
+        }
+    }
+
+    /// Which leading keys can be loaded and from where: G1 hits pinned, the rest fetched from the
+    /// store into the staging buffer.
+    fn plan_load(
+        &mut self,
+        buffer: u32,
+        items: &[Item],
+    ) -> std::result::Result<(DeviceBuf, u32, Vec<LoadSource>), Refusal> {
+        let (layers, lb, nsid) = {
+            let ns = self.opened()?;
+            (ns.layers, ns.layer_bytes, ns.id)
+        };
+        let bb = layers * lb;
+        let (engine, pages) = self.buffer_for(buffer, items)?;
+        let mut in_g1: Vec<Option<DeviceRange>> = {
+            let mut pool = self.agent.pool.lock();
+            items.iter().map(|it| pool.pin_for_load(&nsid, &it.key).ok().flatten()).collect()
+        };
+        let unpin = |agent: &Agent<D, B>, ranges: &[(usize, BlockKey)]| {
+            let mut pool = agent.pool.lock();
+            for (_, k) in ranges {
+                let _ = pool.unpin(&nsid, k);
+            }
+        };
+        let pinned: Vec<(usize, BlockKey)> = in_g1
+            .iter()
+            .zip(items)
+            .enumerate()
+            .filter(|(_, (r, _))| r.is_some())
+            .map(|(i, (_, it))| (i, it.key))
+            .collect();
+        // The rest, from the store, as far as the staging buffer reaches.
+        let cap = self.agent.config.store_blocks_per_load();
+        let wanted: Vec<usize> = (0..items.len()).filter(|i| in_g1[*i].is_none()).take(cap).collect();
+        let mut fetched = vec![false; items.len()];
+        let mut slot = vec![0usize; items.len()];
+        if !wanted.is_empty() {
+            let got = (|| -> Result<Vec<bool>> {
+                let staging = self.staging_buffer()?;
+                let keys: Vec<BlockKey> = wanted.iter().map(|i| items[*i].key).collect();
+                let mut out = vec![0u8; keys.len() * bb];
+                let got = self.agent.store.fetch(&nsid, &keys, bb, &mut out)?;
+                staging.write(0, &out)?;
+                Ok(got)
+            })();
+            match got {
+                Ok(got) => {
+                    for (j, (i, hit)) in wanted.iter().zip(got).enumerate() {
+                        fetched[*i] = hit;
+                        slot[*i] = j;
+                    }
+                }
+                // The store failing is a miss, never an error for the engine; counted.
+                Err(_) => add(&self.agent.counters.store_errors, 1),
+            }
+        }
+        let mut sources = Vec::new();
+        for i in 0..items.len() {
+            match in_g1[i].take() {
+                Some(r) => sources.push(LoadSource::G1(r)),
+                None if fetched[i] => sources.push(LoadSource::Staged(slot[i])),
+                None => break,
+            }
+        }
+        let found = sources.len();
+        let beyond: Vec<(usize, BlockKey)> = pinned.into_iter().filter(|(i, _)| *i >= found).collect();
+        unpin(&self.agent, &beyond);
+        Ok((engine, pages, sources))
+    }
+
+    fn staging_buffer(&mut self) -> Result<HostBuffer> {
+        if let Some((h, _)) = &self.staging {
+            return Ok(h.clone());
+        }
+        let bb = self.agent.config.page_bytes;
+        let h = HostBuffer::new(bb * self.agent.config.store_blocks_per_load());
+        let reg = self.agent.device.register_host(&h)?;
+        self.staging = Some((h.clone(), reg));
+        Ok(h)
+    }
+}
+
+impl<D: Device, B: BackingStore> Drop for Session<D, B> {
+    fn drop(&mut self) {
+        add_neg(&self.agent.counters.connections);
+        if let Some(ns) = &self.ns {
+            let id = ns.id;
+            let keys: Vec<BlockKey> = self.saves.keys().copied().collect();
+            self.abort_saves(&id, keys.into_iter());
+        }
+        for (_, b) in self.buffers.drain() {
+            let _ = self.agent.device.free(b.buf);
+        }
+    }
+}
+
+fn add_neg(c: &AtomicU64) {
+    c.fetch_sub(1, Ordering::Relaxed);
+}
+
+fn hex(k: &BlockKey) -> String {
+    k.0[..8].iter().map(|b| format!("{b:02x}")).collect::<String>() + "…"
+}

@@ -1,0 +1,205 @@
+//! The engine socket: a Unix listener, one thread per engine connection (at most
+//! `max_connections`), each reading requests ([`super::proto`]) with the descriptors that come
+//! with them (`SCM_RIGHTS`, at most [`MAX_PENDING_FDS`] waiting) and handing them to its
+//! [`Session`]. A connection idle past `idle_timeout`, or that stalls mid-request or mid-answer
+//! past `io_timeout`, is closed, and its session gives back what it held. A request larger than
+//! [`MAX_BODY`] is refused and the connection closed (its body is never read).
+
+use std::collections::VecDeque;
+use std::io::{IoSliceMut, Write};
+use std::mem::MaybeUninit;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use std::os::fd::OwnedFd;
+
+use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
+
+use super::proto::{
+    decode_request, encode_refusal, BufferSource, Header, Op, Refusal, Request, Status, HEADER_LEN, MAX_BODY,
+};
+use super::{Agent, BackingStore, Session};
+use crate::device::Device;
+
+/// Descriptors received and not yet claimed by a REGISTER; more closes the connection.
+pub const MAX_PENDING_FDS: usize = 4;
+
+/// A running engine socket. Dropping it stops accepting (open connections run until they end).
+pub struct EngineServer {
+    path: PathBuf,
+    stop: Arc<AtomicBool>,
+    accept: Option<JoinHandle<()>>,
+}
+
+impl EngineServer {
+    /// Listens at `path` (a stale socket file there is replaced; mode 0600) and serves `agent`.
+    pub fn bind<D: Device, B: BackingStore>(agent: Arc<Agent<D, B>>, path: &Path) -> std::io::Result<Self> {
+        if path.exists() {
+            std::fs::remove_file(path)?;
+        }
+        let listener = UnixListener::bind(path)?;
+        std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let active = Arc::new(AtomicUsize::new(0));
+        let flag = stop.clone();
+        let accept = std::thread::Builder::new().name("kvtier-agent-accept".into()).spawn(move || {
+            for conn in listener.incoming() {
+                if flag.load(Ordering::Acquire) {
+                    break;
+                }
+                let Ok(mut sock) = conn else {
+                    // Out of descriptors or similar: back off instead of spinning.
+                    std::thread::sleep(Duration::from_millis(50));
+                    continue;
+                };
+                let max = agent.config().max_connections;
+                if active.fetch_add(1, Ordering::AcqRel) >= max {
+                    active.fetch_sub(1, Ordering::AcqRel);
+                    let r = Refusal::new(Status::Busy, format!("the agent serves at most {max} engine connections"));
+                    let _ = sock.set_write_timeout(Some(Duration::from_secs(1)));
+                    let _ = sock.write_all(&encode_refusal(Op::Open, 0, &r));
+                    continue;
+                }
+                let (agent, active) = (agent.clone(), active.clone());
+                let spawned = std::thread::Builder::new().name("kvtier-agent-engine".into()).spawn(move || {
+                    serve_connection(agent, sock);
+                    active.fetch_sub(1, Ordering::AcqRel);
+                });
+                if spawned.is_err() {
+                    // The closure (and its counter decrement) was dropped with the error.
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
+        })?;
+        Ok(EngineServer { path: path.to_path_buf(), stop, accept: Some(accept) })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for EngineServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        // Wakes the accept loop so it sees the flag.
+        let _ = UnixStream::connect(&self.path);
+        if let Some(t) = self.accept.take() {
+            let _ = t.join();
+        }
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Reads a connection's bytes and the descriptors that come with them.
+struct Conn {
+    sock: UnixStream,
+    buf: Vec<u8>,
+    start: usize,
+    end: usize,
+    fds: VecDeque<OwnedFd>,
+}
+
+#[derive(Debug)]
+enum ReadError {
+    Closed,
+    Io,
+    TooManyFds,
+}
+
+impl Conn {
+    /// One `recvmsg`; 0 bytes is the end of the stream.
+    fn fill(&mut self) -> Result<(), ReadError> {
+        if self.start == self.end {
+            self.start = 0;
+            self.end = 0;
+        }
+        if self.end == self.buf.len() {
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_PENDING_FDS))];
+        let mut anc = RecvAncillaryBuffer::new(&mut space);
+        let end = self.end;
+        let mut iov = [IoSliceMut::new(&mut self.buf[end..])];
+        let msg =
+            rustix::net::recvmsg(&self.sock, &mut iov, &mut anc, RecvFlags::CMSG_CLOEXEC).map_err(|_| ReadError::Io)?;
+        for m in anc.drain() {
+            if let RecvAncillaryMessage::ScmRights(fds) = m {
+                self.fds.extend(fds);
+            }
+        }
+        if self.fds.len() > MAX_PENDING_FDS {
+            return Err(ReadError::TooManyFds);
+        }
+        if msg.bytes == 0 {
+            return Err(ReadError::Closed);
+        }
+        self.end += msg.bytes;
+        Ok(())
+    }
+
+    fn read_exact(&mut self, n: usize) -> Result<Vec<u8>, ReadError> {
+        while self.end - self.start < n {
+            self.fill()?;
+        }
+        let out = self.buf[self.start..self.start + n].to_vec();
+        self.start += n;
+        Ok(out)
+    }
+}
+
+fn serve_connection<D: Device, B: BackingStore>(agent: Arc<Agent<D, B>>, sock: UnixStream) {
+    let (idle, io) = (agent.config().idle_timeout, agent.config().io_timeout);
+    let Ok(mut session) = Session::new(agent) else { return };
+    let Ok(writer) = sock.try_clone() else { return };
+    if writer.set_write_timeout(Some(io)).is_err() {
+        return;
+    }
+    let mut writer = writer;
+    let mut conn = Conn { sock, buf: vec![0u8; 64 << 10], start: 0, end: 0, fds: VecDeque::new() };
+    loop {
+        // Between requests the idle timeout; inside one the I/O timeout.
+        if conn.sock.set_read_timeout(Some(idle)).is_err() {
+            return;
+        }
+        if conn.start == conn.end && conn.fill().is_err() {
+            return;
+        }
+        if conn.sock.set_read_timeout(Some(io)).is_err() {
+            return;
+        }
+        let Ok(head) = conn.read_exact(HEADER_LEN) else { return };
+        let Ok(head) = <[u8; HEADER_LEN]>::try_from(head.as_slice()) else { return };
+        let h = Header::decode(&head);
+        let op = Op::from_u8(h.op).unwrap_or(Op::Open);
+        if h.body_len as usize > MAX_BODY {
+            let r = Refusal::new(Status::BadRequest, format!("a {}-byte request; at most {MAX_BODY}", h.body_len));
+            let _ = writer.write_all(&encode_refusal(op, h.request_id, &r));
+            return;
+        }
+        let Ok(body) = conn.read_exact(h.body_len as usize) else { return };
+        let req = match decode_request(h.op, &body) {
+            Ok(r) => r,
+            Err(r) => {
+                if writer.write_all(&encode_refusal(op, h.request_id, &r)).is_err() {
+                    return;
+                }
+                continue;
+            }
+        };
+        let fd = match req {
+            Request::Register { source: BufferSource::Memfd, .. } => conn.fds.pop_front(),
+            _ => None,
+        };
+        let mut send = |msg: Vec<u8>| writer.write_all(&msg);
+        if session.handle(h.request_id, req, fd, &mut send).is_err() {
+            return;
+        }
+    }
+}

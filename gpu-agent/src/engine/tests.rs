@@ -1,0 +1,541 @@
+//! Tests of the engine side on the host backend: sessions driven in process (engine buffers are
+//! real sealed memfds imported as IPC memory), and the socket with real descriptors.
+
+use std::io::{IoSlice, Read, Write};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+
+use kvtier_proto::{DType, HashScheme, KvLayout, KEY_LEN};
+use memmap2::MmapMut;
+use rustix::fs::{MemfdFlags, SealFlags};
+use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+
+use super::proto::{Header, HEADER_LEN};
+use super::*;
+use crate::HostDevice;
+
+const LAYERS: usize = 4;
+/// 2 (K, V) × 4 layers × 2 heads × 8 dims × 2 bytes × 4 tokens = 1 KiB blocks, 256-byte layers.
+const BLOCK: usize = 1024;
+const LB: usize = BLOCK / LAYERS;
+
+fn namespace() -> Namespace {
+    Namespace::new("t", "m", KvLayout::new(LAYERS as u16, 2, 8, DType::Fp16, 4), HashScheme::Blake3, b"s")
+}
+
+fn key(n: u8) -> BlockKey {
+    BlockKey([n; KEY_LEN])
+}
+
+/// An engine's KV buffer: a sealed memfd of `pages` pages, mapped here too.
+struct EngineMem {
+    fd: OwnedFd,
+    map: MmapMut,
+    pages: usize,
+}
+
+impl EngineMem {
+    fn new(pages: usize, seal: bool) -> Self {
+        let fd = rustix::fs::memfd_create("engine", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).unwrap();
+        rustix::fs::ftruncate(&fd, (pages * BLOCK) as u64).unwrap();
+        if seal {
+            rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW).unwrap();
+        }
+        // SAFETY: a memfd of this test's own, sized above.
+        let map = unsafe { MmapMut::map_mut(&fd) }.unwrap();
+        EngineMem { fd, map, pages }
+    }
+
+    fn at(&self, layer: usize, page: usize) -> std::ops::Range<usize> {
+        let o = (layer * self.pages + page) * LB;
+        o..o + LB
+    }
+
+    /// Page `page` of every layer filled with bytes derived from `seed`.
+    fn fill(&mut self, page: usize, seed: u8) {
+        for l in 0..LAYERS {
+            let r = self.at(l, page);
+            for (i, b) in self.map[r].iter_mut().enumerate() {
+                *b = seed.wrapping_mul(31).wrapping_add((i * 7 + l * 13) as u8);
+            }
+        }
+    }
+
+    fn block(&self, page: usize) -> Vec<u8> {
+        (0..LAYERS).flat_map(|l| self.map[self.at(l, page)].to_vec()).collect()
+    }
+}
+
+type TestAgent = Agent<HostDevice, MemorySpill>;
+
+fn agent(pool_pages: usize, tweak: impl FnOnce(&mut AgentConfig)) -> Arc<TestAgent> {
+    let mut cfg = AgentConfig::new(BLOCK);
+    cfg.capacity = Capacity::Bytes(pool_pages * BLOCK);
+    tweak(&mut cfg);
+    Arc::new(Agent::new(Arc::new(HostDevice::new(0, 64 << 20)), MemorySpill::default(), cfg).unwrap())
+}
+
+/// A session driven in process; answers collected.
+struct Eng {
+    s: Session<HostDevice, MemorySpill>,
+    next: u32,
+}
+
+#[derive(Debug)]
+struct Ans {
+    h: Header,
+    body: Vec<u8>,
+}
+
+impl Ans {
+    fn status(&self) -> u8 {
+        self.h.status
+    }
+    fn u32s(&self) -> Vec<u32> {
+        self.body.chunks(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect()
+    }
+    fn msg(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+fn parse(all: Vec<Vec<u8>>) -> Vec<Ans> {
+    all.into_iter()
+        .map(|m| Ans { h: Header::decode(m[..HEADER_LEN].try_into().unwrap()), body: m[HEADER_LEN..].to_vec() })
+        .collect()
+}
+
+impl Eng {
+    fn new(a: &Arc<TestAgent>) -> Self {
+        Eng { s: Session::new(a.clone()).unwrap(), next: 1 }
+    }
+
+    fn call(&mut self, req: Request, fd: Option<OwnedFd>) -> Vec<Ans> {
+        let mut out = Vec::new();
+        self.next += 1;
+        self.s
+            .handle(self.next, req, fd, &mut |m| {
+                out.push(m);
+                Ok(())
+            })
+            .unwrap();
+        parse(out)
+    }
+
+    fn one(&mut self, req: Request, fd: Option<OwnedFd>) -> Ans {
+        let mut a = self.call(req, fd);
+        assert_eq!(a.len(), 1);
+        a.remove(0)
+    }
+
+    fn open(&mut self) {
+        let a = self.one(Request::Open(namespace()), None);
+        assert_eq!(a.status(), 0, "{}", a.msg());
+        assert_eq!(&a.body[..8], &(BLOCK as u64).to_le_bytes());
+    }
+
+    fn register(&mut self, m: &EngineMem) -> u32 {
+        let fd = m.fd.try_clone().unwrap();
+        let a = self.one(
+            Request::Register { source: BufferSource::Memfd, len: (m.pages * BLOCK) as u64, pages: m.pages as u32 },
+            Some(fd),
+        );
+        assert_eq!(a.status(), 0, "{}", a.msg());
+        a.u32s()[0]
+    }
+
+    fn save_all_layers(&mut self, buf: u32, items: &[Item]) -> Vec<Ans> {
+        (0..LAYERS as u16)
+            .map(|layer| self.one(Request::Save { buffer: buf, layer, items: items.to_vec() }, None))
+            .collect()
+    }
+}
+
+fn items(pairs: &[(u32, u8)]) -> Vec<Item> {
+    pairs.iter().map(|(p, k)| Item { page: *p, key: key(*k) }).collect()
+}
+
+#[test]
+fn saved_layers_reload_byte_identical_into_another_engines_pages() {
+    let a = agent(8, |_| {});
+    let mut m1 = EngineMem::new(4, true);
+    for p in 0..4 {
+        m1.fill(p, p as u8 + 1);
+    }
+    let mut e1 = Eng::new(&a);
+    e1.open();
+    let b1 = e1.register(&m1);
+    let saved = e1.save_all_layers(b1, &items(&[(0, 10), (1, 11), (2, 12), (3, 13)]));
+    assert!(saved.iter().all(|s| s.status() == 0));
+    assert_eq!(saved[0].u32s(), [4, 0]);
+    assert_eq!(saved[LAYERS - 1].u32s(), [4, 4], "the last layer commits every block");
+    assert_eq!(a.stats().pool.resident, 4);
+
+    // A second engine, its own buffer, the pages in another order.
+    let m2 = EngineMem::new(4, true);
+    let mut e2 = Eng::new(&a);
+    e2.open();
+    let b2 = e2.register(&m2);
+    let got = e2.call(Request::Load { buffer: b2, items: items(&[(3, 10), (2, 11), (1, 12), (0, 13)]) }, None);
+    assert_eq!(got.len(), 1 + LAYERS);
+    assert_eq!(got[0].u32s(), [4, 4, 0], "found, from G1, from G2");
+    for (l, g) in got[1..].iter().enumerate() {
+        assert_eq!((g.h.op, g.status(), g.h.aux as usize), (Op::Layer as u8, 0, l));
+    }
+    for (dst, src) in [(3, 0), (2, 1), (1, 2), (0, 3)] {
+        assert_eq!(m2.block(dst), m1.block(src), "page {dst}");
+    }
+    let st = a.stats();
+    assert_eq!((st.loaded_from_g1, st.saved_blocks, st.pool.pinned), (4, 4, 0));
+    assert!(st.copy_bytes >= 8 * BLOCK as u64 && st.copy_seconds > 0.0);
+}
+
+#[test]
+fn a_small_pool_spills_and_loads_come_back_from_the_store_layer_by_layer() {
+    let a = agent(2, |_| {});
+    let mut m1 = EngineMem::new(6, true);
+    for p in 0..6 {
+        m1.fill(p, 40 + p as u8);
+    }
+    let mut e1 = Eng::new(&a);
+    e1.open();
+    let b1 = e1.register(&m1);
+    // Two blocks at a time (the pool holds two): six blocks, four spilled.
+    for chunk in [[(0, 1), (1, 2)], [(2, 3), (3, 4)], [(4, 5), (5, 6)]] {
+        assert!(e1.save_all_layers(b1, &items(&chunk)).iter().all(|s| s.status() == 0));
+    }
+    let st = a.stats();
+    assert_eq!((st.pool.spills, st.pool.resident), (4, 2));
+    // A prefix of six plus one key no one stored: six found, the last a miss.
+    let m2 = EngineMem::new(7, true);
+    let mut e2 = Eng::new(&a);
+    e2.open();
+    let b2 = e2.register(&m2);
+    let keys = items(&[(0, 1), (1, 2), (2, 3), (3, 4), (4, 5), (5, 6), (6, 99)]);
+    let got = e2.call(Request::Load { buffer: b2, items: keys }, None);
+    assert_eq!(got[0].u32s(), [6, 2, 4]);
+    assert!(got[1..].iter().all(|g| g.status() == 0));
+    for p in 0..6 {
+        assert_eq!(m2.block(p), m1.block(p), "block {p}");
+    }
+    assert_eq!(m2.block(6), vec![0u8; BLOCK], "a miss leaves its page alone");
+    assert_eq!(a.stats().load_misses, 1);
+    assert_eq!(a.stats().pool.pinned, 0);
+}
+
+#[test]
+fn bad_requests_get_clear_errors() {
+    let a = agent(4, |c| {
+        c.max_buffers_per_connection = 1;
+        c.max_open_saves_per_connection = 2;
+    });
+    let m = EngineMem::new(2, true);
+    let mut e = Eng::new(&a);
+    let st = |a: &Ans| Status::try_from_u8(a.status());
+    // Nothing before OPEN.
+    let r = e.one(Request::Load { buffer: 1, items: vec![] }, None);
+    assert_eq!((st(&r), r.msg().contains("OPEN")), (Status::BadRequest, true));
+    // A layout whose blocks are not the agent's page size.
+    let wrong = Namespace::new("t", "m", KvLayout::new(4, 2, 16, DType::Fp16, 4), HashScheme::Blake3, b"s");
+    let r = e.one(Request::Open(wrong), None);
+    assert_eq!((st(&r), r.msg().contains("G1 pages are 1024")), (Status::SizeMismatch, true), "{}", r.msg());
+    e.open();
+    // A buffer smaller than its pages; a memfd without its descriptor; an unsealed memfd.
+    let r = e.one(
+        Request::Register { source: BufferSource::Memfd, len: BLOCK as u64, pages: 2 },
+        Some(m.fd.try_clone().unwrap()),
+    );
+    assert_eq!(st(&r), Status::SizeMismatch, "{}", r.msg());
+    let r = e.one(Request::Register { source: BufferSource::Memfd, len: 2 * BLOCK as u64, pages: 2 }, None);
+    assert!(r.msg().contains("descriptor"), "{}", r.msg());
+    let loose = EngineMem::new(2, false);
+    let r = e.one(
+        Request::Register { source: BufferSource::Memfd, len: 2 * BLOCK as u64, pages: 2 },
+        Some(loose.fd.try_clone().unwrap()),
+    );
+    assert!(r.msg().contains("F_SEAL_SHRINK"), "{}", r.msg());
+    // A CUDA handle on the host backend names nothing.
+    let r = e.one(Request::Register { source: BufferSource::CudaIpc([1; 64]), len: 2 * BLOCK as u64, pages: 2 }, None);
+    assert_eq!(st(&r), Status::BadRequest, "{}", r.msg());
+    let b = e.register(&m);
+    let r = e.one(
+        Request::Register { source: BufferSource::Memfd, len: 2 * BLOCK as u64, pages: 2 },
+        Some(m.fd.try_clone().unwrap()),
+    );
+    assert_eq!(st(&r), Status::Busy, "one buffer per connection here: {}", r.msg());
+    // Unknown buffer, page and layer out of range.
+    let r = e.one(Request::Save { buffer: b + 5, layer: 0, items: items(&[(0, 1)]) }, None);
+    assert_eq!(st(&r), Status::UnknownBuffer);
+    let r = e.one(Request::Save { buffer: b, layer: 0, items: items(&[(0, 1), (2, 2)]) }, None);
+    assert_eq!((st(&r), r.msg().contains("page 2")), (Status::OutOfRange, true), "{}", r.msg());
+    let r = e.one(Request::Load { buffer: b, items: items(&[(7, 1)]) }, None);
+    assert_eq!(st(&r), Status::OutOfRange);
+    let r = e.one(Request::Save { buffer: b, layer: LAYERS as u16, items: items(&[(0, 1)]) }, None);
+    assert_eq!(st(&r), Status::OutOfRange);
+    // A later layer of a key whose layer 0 was never saved; layers out of order.
+    let r = e.one(Request::Save { buffer: b, layer: 1, items: items(&[(0, 1)]) }, None);
+    assert_eq!((st(&r), r.msg().contains("layer 0 was not saved")), (Status::UnknownKey, true), "{}", r.msg());
+    assert_eq!(e.one(Request::Save { buffer: b, layer: 0, items: items(&[(0, 1)]) }, None).status(), 0);
+    let r = e.one(Request::Save { buffer: b, layer: 2, items: items(&[(0, 1)]) }, None);
+    assert_eq!((st(&r), r.msg().contains("layer 1 comes next")), (Status::UnknownKey, true), "{}", r.msg());
+    // At most two open saves on this connection.
+    let r = e.one(Request::Save { buffer: b, layer: 0, items: items(&[(0, 2), (1, 3)]) }, None);
+    assert_eq!(st(&r), Status::Busy, "{}", r.msg());
+    assert_eq!(a.stats().pool.pinned, 1, "the refused save reserved nothing");
+    // Unknown keys load as misses, not errors.
+    let got = e.call(Request::Load { buffer: b, items: items(&[(0, 77)]) }, None);
+    assert_eq!(got[0].u32s(), [0, 0, 0]);
+    let r = e.one(Request::Unregister { buffer: b + 9 }, None);
+    assert_eq!(st(&r), Status::UnknownBuffer);
+    assert_eq!(e.one(Request::Unregister { buffer: b }, None).status(), 0);
+    assert!(a.stats().refused >= 14);
+}
+
+#[test]
+fn a_session_that_goes_away_mid_save_gives_its_pages_back() {
+    let a = agent(2, |_| {});
+    let m = EngineMem::new(2, true);
+    let mut e = Eng::new(&a);
+    e.open();
+    let b = e.register(&m);
+    assert_eq!(e.one(Request::Save { buffer: b, layer: 0, items: items(&[(0, 1), (1, 2)]) }, None).status(), 0);
+    // Both pages are held by the unfinished save: another engine can't save now.
+    let mut other = Eng::new(&a);
+    other.open();
+    let ob = other.register(&m);
+    let r = other.one(Request::Save { buffer: ob, layer: 0, items: items(&[(0, 3)]) }, None);
+    assert_eq!(Status::try_from_u8(r.status()), Status::Busy);
+    assert_eq!(a.stats().connections, 2);
+    drop(e);
+    assert_eq!(a.stats().connections, 1);
+    assert_eq!((a.stats().pool.pinned, a.stats().pool.resident), (0, 0));
+    assert!(other.save_all_layers(ob, &items(&[(0, 3)])).iter().all(|r| r.status() == 0));
+}
+
+impl Status {
+    fn try_from_u8(v: u8) -> Status {
+        [
+            Status::Ok,
+            Status::BadRequest,
+            Status::OutOfRange,
+            Status::UnknownBuffer,
+            Status::UnknownKey,
+            Status::Busy,
+            Status::Internal,
+            Status::SizeMismatch,
+        ]
+        .into_iter()
+        .find(|s| *s as u8 == v)
+        .unwrap()
+    }
+}
+
+/// The engine's end of the socket.
+struct Client {
+    sock: UnixStream,
+}
+
+impl Client {
+    fn send(&mut self, req: &Request, id: u32, fd: Option<&OwnedFd>) {
+        let msg = req.encode(id);
+        match fd {
+            None => self.sock.write_all(&msg).unwrap(),
+            Some(fd) => {
+                let fds = [fd.as_fd()];
+                let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+                let mut anc = SendAncillaryBuffer::new(&mut space);
+                assert!(anc.push(SendAncillaryMessage::ScmRights(&fds)));
+                let n = rustix::net::sendmsg(&self.sock, &[IoSlice::new(&msg)], &mut anc, SendFlags::NOSIGNAL).unwrap();
+                self.sock.write_all(&msg[n..]).unwrap();
+            }
+        }
+    }
+
+    fn answer(&mut self) -> Option<Ans> {
+        let mut h = [0u8; HEADER_LEN];
+        self.sock.read_exact(&mut h).ok()?;
+        let h = Header::decode(&h);
+        let mut body = vec![0u8; h.body_len as usize];
+        self.sock.read_exact(&mut body).ok()?;
+        Some(Ans { h, body })
+    }
+}
+
+#[test]
+fn the_socket_carries_descriptors_answers_per_layer_and_enforces_its_limits() {
+    let a = agent(4, |c| {
+        c.max_connections = 2;
+        c.idle_timeout = std::time::Duration::from_millis(300);
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("agent.sock");
+    let server = EngineServer::bind(a.clone(), &path).unwrap();
+    let mut m = EngineMem::new(2, true);
+    m.fill(0, 5);
+    m.fill(1, 6);
+    let mut c = Client { sock: UnixStream::connect(&path).unwrap() };
+    c.send(&Request::Open(namespace()), 1, None);
+    assert_eq!(c.answer().unwrap().status(), 0);
+    c.send(&Request::Register { source: BufferSource::Memfd, len: 2 * BLOCK as u64, pages: 2 }, 2, Some(&m.fd));
+    let buf = c.answer().unwrap().u32s()[0];
+    // Every layer sent before reading an answer (as an engine saving during its forward pass).
+    for layer in 0..LAYERS as u16 {
+        c.send(&Request::Save { buffer: buf, layer, items: items(&[(0, 1), (1, 2)]) }, 10 + u32::from(layer), None);
+    }
+    for layer in 0..LAYERS as u32 {
+        let ans = c.answer().unwrap();
+        assert_eq!((ans.h.request_id, ans.status()), (10 + layer, 0));
+    }
+    // Load both into the other page order; one answer, then one per layer.
+    m.map.fill(0);
+    c.send(&Request::Load { buffer: buf, items: items(&[(1, 1), (0, 2)]) }, 20, None);
+    assert_eq!(c.answer().unwrap().u32s(), [2, 2, 0]);
+    for l in 0..LAYERS {
+        let ans = c.answer().unwrap();
+        assert_eq!((ans.h.op, ans.h.aux as usize, ans.h.request_id), (Op::Layer as u8, l, 20));
+    }
+    let mut want = EngineMem::new(2, true);
+    want.fill(0, 6);
+    want.fill(1, 5);
+    assert_eq!((m.block(0), m.block(1)), (want.block(0), want.block(1)));
+    // A malformed body is refused and the connection stays in step.
+    c.sock.write_all(&Header { body_len: 3, op: Op::Load as u8, status: 0, aux: 0, request_id: 30 }.encode()).unwrap();
+    c.sock.write_all(&[1, 2, 3]).unwrap();
+    let ans = c.answer().unwrap();
+    assert_eq!((ans.h.request_id, ans.status()), (30, Status::BadRequest as u8));
+    // Two connections at most: a third is told so and closed.
+    let second = Client { sock: UnixStream::connect(&path).unwrap() };
+    let mut third = Client { sock: UnixStream::connect(&path).unwrap() };
+    let ans = third.answer().unwrap();
+    assert_eq!(ans.status(), Status::Busy as u8, "{}", ans.msg());
+    assert!(third.answer().is_none());
+    // An oversized request closes the connection without reading its body.
+    let h = Header { body_len: (proto::MAX_BODY + 1) as u32, op: Op::Load as u8, status: 0, aux: 0, request_id: 31 };
+    c.sock.write_all(&h.encode()).unwrap();
+    let ans = c.answer().unwrap();
+    assert_eq!((ans.h.request_id, ans.status()), (31, Status::BadRequest as u8));
+    assert!(c.answer().is_none());
+    // An idle connection is closed after the idle timeout.
+    drop(second);
+    while a.stats().connections > 0 {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    let mut idle = Client { sock: UnixStream::connect(&path).unwrap() };
+    let t = std::time::Instant::now();
+    assert!(idle.answer().is_none());
+    assert!(t.elapsed() < std::time::Duration::from_secs(5));
+    drop(server);
+    assert!(!path.exists());
+}
+
+/// A store that refuses everything: the server down or full.
+#[derive(Clone, Default)]
+struct DownStore;
+
+impl Spill for DownStore {
+    fn spill(&self, _: &NamespaceId, _: &BlockKey, _: kvtier_proto::CodecId, _: &[u8]) -> Result<()> {
+        Err(AgentError::Spill("server unreachable".into()))
+    }
+}
+
+impl BackingStore for DownStore {
+    fn open_namespace(&self, _: &Namespace) -> Result<()> {
+        Ok(())
+    }
+    fn fetch(&self, _: &NamespaceId, _: &[BlockKey], _: usize, _: &mut [u8]) -> Result<Vec<bool>> {
+        Err(AgentError::Spill("server unreachable".into()))
+    }
+}
+
+#[test]
+fn a_store_that_fails_turns_spills_into_drops_and_fetches_into_misses() {
+    let mut cfg = AgentConfig::new(BLOCK);
+    cfg.capacity = Capacity::Bytes(BLOCK);
+    let a = Arc::new(Agent::new(Arc::new(HostDevice::new(0, 16 << 20)), DownStore, cfg).unwrap());
+    let mut m = EngineMem::new(2, true);
+    m.fill(0, 1);
+    m.fill(1, 2);
+    let mut e = Session::new(a.clone()).unwrap();
+    let call = |e: &mut Session<HostDevice, DownStore>, req: Request, fd: Option<OwnedFd>| {
+        let mut out = Vec::new();
+        e.handle(1, req, fd, &mut |msg| {
+            out.push(msg);
+            Ok(())
+        })
+        .unwrap();
+        parse(out)
+    };
+    assert_eq!(call(&mut e, Request::Open(namespace()), None)[0].status(), 0);
+    let reg = Request::Register { source: BufferSource::Memfd, len: 2 * BLOCK as u64, pages: 2 };
+    let b = call(&mut e, reg, Some(m.fd.try_clone().unwrap()))[0].u32s()[0];
+    for k in [1u8, 2] {
+        for layer in 0..LAYERS as u16 {
+            let r = call(&mut e, Request::Save { buffer: b, layer, items: items(&[(u32::from(k) - 1, k)]) }, None);
+            assert_eq!(r[0].status(), 0, "{}", r[0].msg());
+        }
+    }
+    // Block 1 was evicted to make room and its spill failed: dropped, counted.
+    let st = a.stats();
+    assert_eq!((st.pool.evictions, st.pool.spills, st.pool.spill_errors), (1, 0, 1));
+    // Loading it: the store's failure is a miss, the engine gets a clean answer and recomputes.
+    let got = call(&mut e, Request::Load { buffer: b, items: items(&[(0, 1), (1, 2)]) }, None);
+    assert_eq!(got[0].u32s(), [0, 0, 0], "the prefix stops at the first key");
+    assert!(got[1..].iter().all(|g| g.status() == 0));
+    let st = a.stats();
+    assert_eq!((st.store_errors, st.load_misses, st.pool.pinned), (1, 2, 0));
+    // Block 2 is still a G1 hit on its own.
+    let got = call(&mut e, Request::Load { buffer: b, items: items(&[(0, 2)]) }, None);
+    assert_eq!(got[0].u32s(), [1, 1, 0]);
+    assert_eq!(m.block(0), m.block(1));
+}
+
+#[test]
+fn a_load_takes_from_the_store_only_what_its_staging_buffer_holds() {
+    let a = agent(1, |c| c.max_store_bytes_per_load = 2 * BLOCK + BLOCK / 2);
+    let mut m = EngineMem::new(4, true);
+    for p in 0..4 {
+        m.fill(p, 60 + p as u8);
+    }
+    let mut e = Eng::new(&a);
+    e.open();
+    let b = e.register(&m);
+    for p in 0..4u8 {
+        assert!(e.save_all_layers(b, &items(&[(u32::from(p), p + 1)])).iter().all(|s| s.status() == 0));
+    }
+    assert_eq!(a.stats().pool.spills, 3);
+    // Keys 1..3 are in the store, key 4 in G1; two blocks fit the staging buffer: 1 and 2 land,
+    // 3 is a miss, so the prefix is two long (key 4's pin is given back).
+    let m2 = EngineMem::new(4, true);
+    let b2 = e.register(&m2);
+    let got = e.call(Request::Load { buffer: b2, items: items(&[(0, 1), (1, 2), (2, 3), (3, 4)]) }, None);
+    assert_eq!(got[0].u32s(), [2, 0, 2]);
+    assert_eq!((m2.block(0), m2.block(1)), (m.block(0), m.block(1)));
+    assert_eq!(m2.block(2), vec![0u8; BLOCK]);
+    assert_eq!(a.stats().pool.pinned, 0);
+}
+
+#[test]
+fn an_engine_that_goes_away_mid_load_leaves_nothing_pinned() {
+    let a = agent(4, |_| {});
+    let mut m = EngineMem::new(2, true);
+    m.fill(0, 1);
+    let mut e = Eng::new(&a);
+    e.open();
+    let b = e.register(&m);
+    assert!(e.save_all_layers(b, &items(&[(0, 1)])).iter().all(|r| r.status() == 0));
+    for fail_at in [0, 2] {
+        let mut sent = 0;
+        let r = e.s.handle(9, Request::Load { buffer: b, items: items(&[(1, 1)]) }, None, &mut |_| {
+            sent += 1;
+            if sent > fail_at {
+                Err(std::io::Error::new(std::io::ErrorKind::BrokenPipe, "engine gone"))
+            } else {
+                Ok(())
+            }
+        });
+        assert!(r.is_err());
+        assert_eq!(a.stats().pool.pinned, 0, "failing after {fail_at} answers");
+    }
+}

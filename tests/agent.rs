@@ -1,0 +1,268 @@
+//! `kvtier agent` as a process beside a real `kvtier serve`: configured from an `[agent]` TOML
+//! table, it answers engines on its Unix socket, serves `/metrics` and stops on SIGTERM (removing
+//! its socket); configuration errors name the setting at fault. (The engine round trip with
+//! spills, reloads and byte equality is `client/python/tests/test_agent.py`.)
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvtier_agent::engine::proto::{Header, Request, Status, HEADER_LEN};
+use kvtier_proto::{DType, HashScheme, KvLayout, Namespace};
+use kvtier_tests::*;
+
+/// 4 layers × 2 heads × 64 × fp16 × 16 tokens, K and V: 32 KiB blocks.
+const BLOCK: u64 = 2 * 4 * 2 * 64 * 2 * 16;
+
+fn agent(args: &[&str]) -> Command {
+    let mut cmd = Command::new(kvtier_bin());
+    cmd.arg("agent").args(args).env_remove("KVTIER_CONFIG").env("KVTIER_LOG", "warn");
+    cmd
+}
+
+/// A spawned `kvtier agent`, killed by its pid if a test ends early.
+struct AgentProcess(std::process::Child);
+
+impl Drop for AgentProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn call(sock: &mut UnixStream, req: &Request) -> (Header, Vec<u8>) {
+    sock.write_all(&req.encode(1)).unwrap();
+    let mut h = [0u8; HEADER_LEN];
+    sock.read_exact(&mut h).unwrap();
+    let h = Header::decode(&h);
+    let mut body = vec![0u8; h.body_len as usize];
+    sock.read_exact(&mut body).unwrap();
+    (h, body)
+}
+
+fn scrape(port: u16) -> String {
+    let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else { return String::new() };
+    let _ = s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out
+}
+
+#[test]
+fn an_agent_configured_by_toml_answers_engines_serves_metrics_and_stops_on_sigterm() {
+    let server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
+    let dir = tempfile::tempdir().unwrap();
+    let sock_path = dir.path().join("agent.sock");
+    let port = free_port();
+    let cfg = dir.path().join("agent.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[agent]\nserver = \"{}\"\nsocket = \"{}\"\ndevice = \"host\"\nhost_memory = \"8MiB\"\npage_bytes = {BLOCK}\n\
+             pool_capacity = \"256KiB\"\nmetrics = \"127.0.0.1:{port}\"\n",
+            server.grpc_addr(),
+            sock_path.display()
+        ),
+    )
+    .unwrap();
+    let mut proc = AgentProcess(agent(&["--config", cfg.to_str().unwrap()]).stdout(Stdio::piped()).spawn().unwrap());
+    let child = &mut proc.0;
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = lines.next().and_then(|l| l.ok()).unwrap_or_default();
+    assert!(first.contains("kvtier agent listening"), "{first}");
+    assert!(first.contains("G1 8 pages of 32768 bytes"), "{first}");
+    std::thread::spawn(move || for _ in lines {});
+
+    let layout = KvLayout::new(4, 2, 64, DType::Fp16, 16);
+    let mut engine = UnixStream::connect(&sock_path).unwrap();
+    let (h, body) = call(&mut engine, &Request::Open(Namespace::new("t", "m", layout, HashScheme::Blake3, b"s")));
+    assert_eq!(h.status, Status::Ok as u8, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(body[..8], BLOCK.to_le_bytes());
+    // Another layout's blocks don't fit this agent's pages: said so, by size.
+    let mut other = UnixStream::connect(&sock_path).unwrap();
+    let wrong = KvLayout::new(4, 2, 128, DType::Fp16, 16);
+    let (h, body) = call(&mut other, &Request::Open(Namespace::new("t", "m", wrong, HashScheme::Blake3, b"s")));
+    assert_eq!(h.status, Status::SizeMismatch as u8);
+    assert!(String::from_utf8_lossy(&body).contains("G1 pages are 32768"));
+
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let text = loop {
+        let t = scrape(port);
+        if metric(&t, "kvtier_agent_engine_connections", &[]) >= 2.0 || Instant::now() > deadline {
+            break t;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(metric(&text, "kvtier_agent_pool_pages", &[]), 8.0, "{text}");
+    assert_eq!(metric(&text, "kvtier_agent_pool_bytes", &[]), 8.0 * BLOCK as f64);
+    assert_eq!(metric(&text, "kvtier_agent_engine_connections", &[]), 2.0);
+    assert_eq!(metric(&text, "kvtier_agent_refused_total", &[]), 1.0);
+
+    let pid = rustix::process::Pid::from_child(child);
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status}");
+    assert!(!sock_path.exists(), "the agent removes its socket when it stops");
+    drop(server);
+}
+
+#[test]
+fn agent_configuration_errors_name_the_setting() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |cmd: &mut Command| {
+        let out = cmd.output().unwrap();
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = run(&mut agent(&["--socket", dir.path().join("a.sock").to_str().unwrap()]));
+    assert!(err.contains("--page-bytes is required"), "{err}");
+    let err = run(&mut agent(&["--device", "tpu", "--page-bytes", "4096"]));
+    assert!(err.contains("host or cuda"), "{err}");
+    let cfg = dir.path().join("bad.toml");
+    std::fs::write(&cfg, "[agent]\npage_bytes = 4096\npool_size = \"1GiB\"\n").unwrap();
+    let err = run(&mut agent(&["--config", cfg.to_str().unwrap()]));
+    assert!(err.contains("unknown key \"pool_size\""), "{err}");
+    std::fs::write(&cfg, "[agent]\npage_bytes = \"lots\"\n").unwrap();
+    let err = run(&mut agent(&["--config", cfg.to_str().unwrap()]));
+    assert!(err.contains("page_bytes"), "{err}");
+    let closed = format!("127.0.0.1:{}", free_port());
+    let err = run(&mut agent(&["--server", &closed, "--page-bytes", "4096"]));
+    assert!(err.contains(&format!("connecting to the server at {closed}")), "{err}");
+}
+
+/// Registers a sealed memfd of `pages` pages with the agent over `sock`; the buffer id.
+fn register_memfd(sock: &mut UnixStream, pages: u32) -> u32 {
+    use std::io::IoSlice;
+    use std::mem::MaybeUninit;
+    use std::os::fd::AsFd;
+
+    use kvtier_agent::engine::proto::BufferSource;
+    use rustix::fs::{MemfdFlags, SealFlags};
+    use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+
+    let len = u64::from(pages) * BLOCK;
+    let fd = rustix::fs::memfd_create("engine", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).unwrap();
+    rustix::fs::ftruncate(&fd, len).unwrap();
+    rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW).unwrap();
+    let msg = Request::Register { source: BufferSource::Memfd, len, pages }.encode(2);
+    let fds = [fd.as_fd()];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut anc = SendAncillaryBuffer::new(&mut space);
+    assert!(anc.push(SendAncillaryMessage::ScmRights(&fds)));
+    let n = rustix::net::sendmsg(&*sock, &[IoSlice::new(&msg)], &mut anc, SendFlags::NOSIGNAL).unwrap();
+    sock.write_all(&msg[n..]).unwrap();
+    let mut h = [0u8; HEADER_LEN];
+    sock.read_exact(&mut h).unwrap();
+    let h = Header::decode(&h);
+    let mut body = vec![0u8; h.body_len as usize];
+    sock.read_exact(&mut body).unwrap();
+    assert_eq!(h.status, 0, "{}", String::from_utf8_lossy(&body));
+    u32::from_le_bytes(body[..4].try_into().unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_g1_holds_is_published_on_the_nodes_kv_events_as_hbm() {
+    use kvtier_agent::engine::proto::Item;
+    use kvtier_client::EventKind;
+    use kvtier_proto::{BlockKey, KEY_LEN};
+
+    let server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
+    let dir = tempfile::tempdir().unwrap();
+    let sock_path = dir.path().join("agent.sock");
+    let mut proc = AgentProcess(
+        agent(&[
+            "--server",
+            &server.grpc_addr(),
+            "--socket",
+            sock_path.to_str().unwrap(),
+            "--host-memory",
+            "8MiB",
+            "--page-bytes",
+            &BLOCK.to_string(),
+            "--pool-capacity",
+            &(2 * BLOCK).to_string(),
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap(),
+    );
+    let child = &mut proc.0;
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = lines.next().and_then(|l| l.ok()).unwrap_or_default();
+    assert!(first.contains("kvtier agent listening"), "{first}");
+    std::thread::spawn(move || for _ in lines {});
+
+    let ns = Namespace::new("t", "m", KvLayout::new(4, 2, 64, DType::Fp16, 16), HashScheme::Blake3, b"s");
+    let client = server.client().await;
+    let handle = client.register(ns.clone()).await.unwrap();
+    let mut watch = client.watch_events(&[&handle]).await.unwrap();
+    let keys: Vec<BlockKey> = (1..=3u8).map(|i| BlockKey([i; KEY_LEN])).collect();
+    let engine = tokio::task::spawn_blocking(move || {
+        let mut sock = UnixStream::connect(&sock_path).unwrap();
+        let (h, _) = call(&mut sock, &Request::Open(ns));
+        assert_eq!(h.status, 0);
+        let buffer = register_memfd(&mut sock, 3);
+        // Three blocks into a two-page pool: the first is spilled into the server.
+        for (i, k) in keys.iter().enumerate() {
+            for layer in 0..4 {
+                let items = vec![Item { page: i as u32, key: *k }];
+                let (h, body) = call(&mut sock, &Request::Save { buffer, layer, items });
+                assert_eq!(h.status, 0, "{}", String::from_utf8_lossy(&body));
+            }
+        }
+        keys
+    });
+    let keys = engine.await.unwrap();
+    let (mut in_hbm, mut left_hbm) = (Vec::new(), Vec::new());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while (in_hbm.iter().filter(|k| **k != keys[0]).count() < 2 || left_hbm.is_empty()) && Instant::now() < deadline {
+        let Ok(Ok(Some(e))) = tokio::time::timeout(Duration::from_secs(5), watch.next()).await else { break };
+        match (e.kind, e.tier.as_str()) {
+            (EventKind::Stored, "hbm") => in_hbm.extend(e.keys),
+            (EventKind::Evicted, "hbm") => {
+                assert_eq!(e.to_tier, "dram", "a spilled block is still on the node");
+                left_hbm.extend(e.keys);
+            }
+            _ => {}
+        }
+    }
+    in_hbm.sort();
+    // Within one report interval the last change of a key wins: block 1 may have been stored and
+    // spilled between two reports, and then only its leaving is reported.
+    in_hbm.retain(|k| *k != keys[0]);
+    assert_eq!(in_hbm, keys[1..], "the blocks G1 holds were reported in G1");
+    assert_eq!(left_hbm, [keys[0]], "the spilled block was reported leaving G1");
+    let pid = rustix::process::Pid::from_child(child);
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
+    assert!(child.wait().unwrap().success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_agent_reports_are_refused() {
+    use kvtier_proto::pb::AgentBlocksReport;
+
+    let server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
+    let client = server.client().await;
+    let ns = Namespace::new("t", "m", KvLayout::new(4, 2, 64, DType::Fp16, 16), HashScheme::Blake3, b"s");
+    let report = |ns: &Namespace, stored: Vec<bytes::Bytes>| AgentBlocksReport {
+        namespace_id: bytes::Bytes::copy_from_slice(&ns.id().0),
+        stored,
+        evicted: vec![],
+        dropped: vec![],
+    };
+    let key = bytes::Bytes::from(vec![7u8; 32]);
+    let err = client.raw_grpc().report_agent_blocks(report(&ns, vec![key.clone()])).await.unwrap_err();
+    assert!(err.message().contains("unknown namespace"), "{err}");
+    client.register(ns.clone()).await.unwrap();
+    client.raw_grpc().report_agent_blocks(report(&ns, vec![key.clone()])).await.unwrap();
+    let err = client.raw_grpc().report_agent_blocks(report(&ns, vec![bytes::Bytes::from_static(b"short")])).await;
+    assert_eq!(err.unwrap_err().code(), tonic::Code::InvalidArgument);
+    let err = client.raw_grpc().report_agent_blocks(report(&ns, vec![key; 4097])).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(err.message().contains("at most 4096"), "{err}");
+}
