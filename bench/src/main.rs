@@ -540,7 +540,7 @@ fn main() -> anyhow::Result<()> {
         );
         std::fs::write(out.join("cluster.md"), &table)?;
         let pts = |f: &dyn Fn(&kvtier_bench::cluster::LoadRow) -> f64| -> Vec<(f64, f64)> {
-            loads.iter().filter(|r| f(r).is_finite()).map(|r| (r.nodes as f64, f(r))).collect()
+            loads.iter().filter(|r| f(r).is_finite()).map(|r| (r.nodes as f64 - 1.0, f(r))).collect()
         };
         let series = vec![
             Series { name: "local load (the node holding them)".into(), points: pts(&|r| r.local_gbps), markers_only: false },
@@ -558,7 +558,7 @@ fn main() -> anyhow::Result<()> {
                 log_x: false,
                 log_y: false,
                 series,
-                x_names: None,
+                x_names: Some(loads.iter().map(|r| format!("{} node(s)", r.nodes)).collect()),
             },
         )?;
         let path2 = out.join("cluster_trace.png");
