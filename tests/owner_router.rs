@@ -2,7 +2,9 @@
 //! three real `kvtier serve` nodes sharing a real `redis-server` (`cluster_rf = 1`): each block
 //! lands on its owner alone (the home node is no relay: it receives only its own), loads come
 //! back exact without the home node asking a peer, and with an owner killed its stores go
-//! through the home node and its loads are misses — never an error or wrong bytes.
+//! through the home node and its loads are misses — never an error or wrong bytes. A node that
+//! relays a client's store keeps its copy at low priority: under pressure it goes before the
+//! blocks the node owns.
 
 use std::time::{Duration, Instant};
 
@@ -14,6 +16,10 @@ use kvtier_tests::*;
 const IDS: [&str; 3] = ["n1", "n2", "n3"];
 
 fn node(redis: &Redis, dir: &std::path::Path, id: &str) -> ServerProcess {
+    node_with(redis, dir, id, "64MiB")
+}
+
+fn node_with(redis: &Redis, dir: &std::path::Path, id: &str, dram: &str) -> ServerProcess {
     let cfg = dir.join(format!("{id}.toml"));
     std::fs::write(
         &cfg,
@@ -23,7 +29,7 @@ fn node(redis: &Redis, dir: &std::path::Path, id: &str) -> ServerProcess {
         ),
     )
     .unwrap();
-    ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"])
+    ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", dram])
 }
 
 async fn tier(c: &KvClient, name: &str) -> pb::TierStats {
@@ -100,4 +106,37 @@ async fn stores_and_loads_go_straight_to_the_owners_and_fall_back_through_home()
             assert!(g.as_ref().is_some_and(|f| f.payload == p2[i]), "block {i} is on the home node");
         }
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relayed_copy_goes_before_the_blocks_a_node_owns() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let ids = ["n1", "n2"];
+    let nodes: Vec<ServerProcess> = ids.iter().map(|id| node_with(&redis, dir.path(), id, "4MiB")).collect();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    for n in &nodes {
+        while metric(&n.scrape(), "kvtier_membership_members", &[]) != 2.0 {
+            assert!(Instant::now() < deadline, "the nodes did not see each other");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    let c1 = nodes[0].client().await;
+    let ns = c1.register(namespace("acme", b"relay", small_layout())).await.unwrap();
+    // About 5 MiB of blocks through n1 (4 MiB of DRAM): half are n2's, relayed.
+    let toks = tokens(31, 16 * 160);
+    let payloads = full_block_payloads(&ns, &toks);
+    let keys = ns.keys(&toks);
+    for (k, p) in keys.chunks(16).zip(payloads.chunks(16)) {
+        let frames: Vec<BlockFrame> = k.iter().zip(p).map(|(k, p)| ns.frame(*k, 16, p.clone()).unwrap()).collect();
+        c1.store_frames(&frames).await.unwrap();
+    }
+    let p = kvtier_tests::redis::placement(&ids, 4 << 20);
+    let mine = |k: &kvtier_proto::BlockKey| p.members()[p.owners(&ns.id, k, 1)[0]].id.as_str() == "n1";
+    let held = c1.peer_exists_keys(&ns, &keys).await.unwrap();
+    let owned = keys.iter().filter(|k| mine(k)).count();
+    let owned_held = keys.iter().zip(&held).filter(|(k, h)| mine(k) && **h).count();
+    let relayed_held = keys.iter().zip(&held).filter(|(k, h)| !mine(k) && **h).count();
+    assert!(relayed_held < keys.len() - owned, "n1 had to evict ({relayed_held} relayed copies kept)");
+    assert_eq!(owned_held, owned, "n1 kept every block it owns ({relayed_held} relayed copies kept)");
 }

@@ -426,7 +426,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
                 let msg = ProtoError::PayloadTooLarge { actual: header.payload_len, limit: max }.to_string();
                 return self.fatal(Op::Put as u8, req.request_id, Status::TooLarge, &format!("frame {i}: {msg}")).await;
             }
-            let mut status = self.put_one(&header).await?;
+            let mut status = self.put_one(&header, forward).await?;
             let fresh = status == ItemStatus::Ok;
             if status == ItemStatus::Present && req.flags & FLAG_REPORT_PRESENT == 0 {
                 status = ItemStatus::Ok;
@@ -462,7 +462,9 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         Ok(())
     }
 
-    async fn put_one(&mut self, sent: &FrameHeader) -> Result<ItemStatus, ConnError> {
+    /// One frame of a `PUT`; `relayed`: a client's store in a cluster (kept at
+    /// [`NodeState::store_priority`]), else a peer's (kept at normal priority).
+    async fn put_one(&mut self, sent: &FrameHeader, relayed: bool) -> Result<ItemStatus, ConnError> {
         let principal = self.principal()?;
         let header = match self.state.admit_frame(&principal, sent) {
             Ok(h) => h,
@@ -493,7 +495,8 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         if kvtier_proto::checksum(slot.buf_mut()) != header.checksum {
             return Ok(ItemStatus::ChecksumMismatch);
         }
-        Ok(match tier.commit(slot, header, Priority::Normal) {
+        let priority = if relayed { self.state.store_priority(&header) } else { Priority::Normal };
+        Ok(match tier.commit(slot, header, priority) {
             Ok(_) => ItemStatus::Ok,
             Err(ServerError::Capacity(_) | ServerError::TooLarge { .. }) => ItemStatus::Capacity,
             Err(_) => ItemStatus::Internal,

@@ -52,7 +52,6 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::watch;
 
 use crate::cluster::fetch::PeerFetch;
-use crate::dram::Priority;
 use crate::error::ServerError;
 use crate::listen::{ConnLimits, Peer};
 use crate::metrics::{error, observe};
@@ -690,7 +689,7 @@ impl Conn {
             // `slot` drops here unpublished.
             return ItemStatus::ChecksumMismatch;
         }
-        match tier.commit(slot, header, Priority::Normal) {
+        match tier.commit(slot, header, self.state.store_priority(&header)) {
             Ok(_) => ItemStatus::Ok,
             Err(ServerError::Capacity(_) | ServerError::TooLarge { .. }) => ItemStatus::Capacity,
             Err(_) => ItemStatus::Internal,

@@ -13,7 +13,7 @@ use parking_lot::{Mutex, RwLock};
 
 use crate::config::ServerConfig;
 use crate::disk::{DiskConfig, DiskTier, RecoveryReport};
-use crate::dram::{DramConfig, DramOptions, DramTier, RegionMode};
+use crate::dram::{DramConfig, DramOptions, DramTier, Priority, RegionMode};
 use crate::error::ServerError;
 use crate::fs::{FileSystem, FsFile, OpenMode, StdFs};
 use crate::session_log::{fresh_log_key, unix_ms, SessionLog};
@@ -564,6 +564,18 @@ impl NodeState {
     /// The ids of the namespaces a tenant registered.
     pub fn namespaces_of(&self, tenant: &str) -> Vec<NamespaceId> {
         self.namespaces.read().iter().filter(|(_, ns)| ns.tenant == tenant).map(|(id, _)| *id).collect()
+    }
+
+    /// The priority a client's fresh block is kept at in DRAM: `Low` on a node of a cluster
+    /// that is not one of the block's owners — it relays the block to them and keeps a copy that
+    /// goes first under pressure, so the cluster's memory holds the owners' copies — `Normal`
+    /// otherwise.
+    pub fn store_priority(&self, h: &FrameHeader) -> Priority {
+        let Some(peers) = self.tiers().peers() else { return Priority::Normal };
+        match self.namespace(&h.namespace) {
+            Ok(ns) if !peers.owns(&ns, &h.key) => Priority::Low,
+            _ => Priority::Normal,
+        }
     }
 
     pub fn namespace(&self, id: &NamespaceId) -> Result<Namespace, ServerError> {

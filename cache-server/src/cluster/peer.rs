@@ -740,6 +740,14 @@ impl PeerTier {
         ::metrics::counter!("kvtier_tier_bytes_in_total", "tier" => "peer").increment(bytes);
     }
 
+    /// Whether this node is one of the owners of `key` (of namespace `ns`).
+    pub fn owns(&self, ns: &Namespace, key: &BlockKey) -> bool {
+        let p = self.placement();
+        let mut owners = Vec::with_capacity(super::placement::MAX_RF);
+        p.owners_into(&ns.id(), key, self.rf_for(ns), &mut owners);
+        owners.iter().any(|&i| p.members()[i].id == self.local)
+    }
+
     /// The network to the peers.
     pub(crate) fn transport(&self) -> &dyn PeerTransport {
         self.transport.as_ref()
