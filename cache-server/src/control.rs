@@ -167,7 +167,9 @@ impl ControlPlane {
         let limits = self.state.session_limits(&ns);
         // The blocks go to disk before the table is touched, and without holding its lock.
         self.state.tiers().persist(&ns_id, &spec.keys, spec.tail).await?;
-        self.on_io(move |s| s.sessions().park(s.tiers().session_pins(), spec, &limits)).await
+        let m = self.on_io(move |s| s.sessions().park(s.tiers().session_pins(), spec, &limits)).await?;
+        self.state.tiers().share_session(&m).await; // Redis tier: the manifest and blocks shared (no-op without one)
+        Ok(m)
     }
 
     async fn extend(&self, p: &Principal, r: pb::ExtendRequest) -> Result<SessionManifest, ServerError> {
@@ -177,7 +179,7 @@ impl ControlPlane {
         let new_keys = keys(&r.new_keys)?;
         let tail = opt_key(&r.tail_key)?;
         self.state.tiers().persist(&ns_id, &new_keys, tail).await?;
-        self.on_io(move |s| {
+        let m = self.on_io(move |s| {
             s.sessions().extend(
                 s.tiers().session_pins(),
                 ns_id,
@@ -190,7 +192,9 @@ impl ControlPlane {
                 &limits,
             )
         })
-        .await
+        .await?;
+        self.state.tiers().share_session(&m).await; // Redis tier: the manifest and blocks shared (no-op without one)
+        Ok(m)
     }
 }
 
@@ -470,7 +474,15 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
             self.state.namespace_for(&p, &id, Access::Read)?;
             self.state.sessions().resume(self.state.tiers().session_pins(), id, &r.session_id)
         })();
-        let m = res.map_err(to_status)?;
+        // Redis tier: a session this node doesn't hold, from its manifest there (no-op without one).
+        let m = match res {
+            Err(e @ (ServerError::SessionNotFound(_) | ServerError::SessionExpired { .. })) => {
+                let id = ns_id(&r.namespace_id).map_err(to_status)?;
+                self.state.tiers().resume_shared(&id, &r.session_id).await.ok_or(e)
+            }
+            other => other,
+        };
+        let m = m.map_err(to_status)?;
         observe("resume", start);
         Ok(Response::new(pb::SessionManifest {
             info: Some(session_info(&m, Instant::now())),
@@ -489,6 +501,7 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         let id = ns_id(&r.namespace_id).map_err(to_status)?;
         self.state.namespace_for(&p, &id, Access::Write).map_err(to_status)?;
         let session = r.session_id;
+        self.state.tiers().drop_shared(&id, &session).await; // Redis tier: its manifest too (no-op without one)
         let dropped = self
             .on_io(move |s| Ok(s.sessions().drop_session(s.tiers().session_pins(), id, &session)))
             .await

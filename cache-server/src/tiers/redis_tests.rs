@@ -1,0 +1,1 @@
+//! Tests of the Redis tier against a real `redis-server`.
