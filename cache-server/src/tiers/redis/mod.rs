@@ -3,9 +3,10 @@
 //! the replication and failover Redis gives, without kvtier's own replica set.
 //!
 //! It sits under the local tiers like the peer tier: a load that every local tier missed asks
-//! Redis ([`RedisTier::fetch`]: one `MGET` per chunk of a request on one Redis; on a cluster one
-//! `GET` per key, sent together on the multiplexed connection, so a dead master only takes its own
-//! keys), bounded by `timeout`; an error or a timeout is a miss, counted, never a hang. A store is
+//! Redis ([`RedisTier::fetch`]: per chunk of a request, one pipeline of `GET`s per Redis node —
+//! on a cluster, per master owning some of the keys, all sent at once, so a dead master only
+//! takes its own keys; see [`nodes`]), bounded by `timeout`; an error or a timeout is a miss,
+//! counted, never a hang. A store is
 //! written through in the background ([`RedisTier::store`]: a bounded queue, dropped and counted
 //! when full), so a store never waits for Redis.
 //!
@@ -17,7 +18,7 @@
 //! Keys: `<prefix>:<namespace hex>:b:<key hex>` for blocks and `<prefix>:<namespace hex>:s:<session
 //! id hex>` for manifests. No hash tag: each key hashes to its own slot, so a Redis Cluster
 //! spreads blocks over all its masters (a tag per namespace would put a whole model's KV on one
-//! master); keys are only ever read one by one (or by an `MGET` the cluster client splits).
+//! master); every command names one key, so no command ever crosses slots.
 //!
 //! The byte budget is this node's own: a [`Ledger`] of the keys it wrote (value, key and an
 //! estimate of Redis's per-key overhead), each with its expiry. A write that would pass the budget
@@ -36,7 +37,6 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use kvtier_proto::{BlockFrame, BlockKey, Namespace, NamespaceId, FRAME_HEADER_LEN};
 use parking_lot::Mutex;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use tokio::sync::{mpsc, watch, Semaphore};
 
 use super::TierStats;
@@ -44,14 +44,15 @@ use crate::config::RedisTierConfig;
 use crate::dram::{Priority, StoredBlock};
 use crate::error::ServerError;
 use crate::sessions::SessionManifest;
+use nodes::Nodes;
+
+pub mod nodes;
 
 /// What Redis keeps per key beyond its name and value (dict entry, object headers), roughly;
 /// counted against the budget with every key.
 pub const KEY_OVERHEAD: u64 = 96;
 /// Most write jobs waiting (each a store request's blocks).
 const WRITE_QUEUE: usize = 1024;
-/// How long after a failed connection attempt to a Redis Cluster the next one is made.
-const RECONNECT_AFTER: Duration = Duration::from_secs(1);
 
 /// This node's account of what it keeps in Redis (see the module doc). Plain data: time comes in
 /// as `now`.
@@ -174,120 +175,6 @@ impl Ledger {
     }
 }
 
-/// A connection: one Redis (a reconnecting manager) or a Redis Cluster (slots followed by the
-/// cluster client).
-#[derive(Clone)]
-enum Conn {
-    Single(ConnectionManager),
-    Cluster(redis::cluster_async::ClusterConnection),
-}
-
-impl Conn {
-    async fn query<T: redis::FromRedisValue>(&mut self, cmd: &redis::Cmd) -> redis::RedisResult<T> {
-        match self {
-            Conn::Single(c) => cmd.query_async(c).await,
-            Conn::Cluster(c) => cmd.query_async(c).await,
-        }
-    }
-
-    async fn pipe<T: redis::FromRedisValue>(&mut self, pipe: &redis::Pipeline) -> redis::RedisResult<T> {
-        match self {
-            Conn::Single(c) => pipe.query_async(c).await,
-            Conn::Cluster(c) => pipe.query_async(c).await,
-        }
-    }
-}
-
-/// How the tier reaches Redis.
-enum Connector {
-    Single { client: redis::Client, con: Mutex<ConnectionManager> },
-    Cluster {
-        client: redis::cluster::ClusterClient,
-        con: tokio::sync::Mutex<Option<redis::cluster_async::ClusterConnection>>,
-        last_try: Mutex<Option<Instant>>,
-    },
-}
-
-fn manager(client: &redis::Client, timeout: Duration) -> Result<ConnectionManager, ServerError> {
-    let c = ConnectionManagerConfig::new()
-        .set_connection_timeout(Some(timeout))
-        .set_response_timeout(Some(timeout))
-        .set_number_of_retries(1)
-        .set_min_delay(Duration::from_millis(10))
-        .set_max_delay(timeout);
-    ConnectionManager::new_lazy_with_config(client.clone(), c)
-        .map_err(|e| ServerError::Config(format!("[redis_tier] Redis client: {e}")))
-}
-
-impl Connector {
-    fn new(cfg: &RedisTierConfig) -> Result<Self, ServerError> {
-        let t = cfg.timeout.0;
-        if cfg.cluster {
-            let client = redis::cluster::ClusterClient::builder(cfg.seeds())
-                .connection_timeout(t)
-                .response_timeout(t)
-                .retries(1)
-                .min_retry_wait(10)
-                .max_retry_wait(t.as_millis() as u64)
-                .build()
-                .map_err(|e| ServerError::Config(format!("[redis_tier] Redis Cluster client: {e}")))?;
-            Ok(Connector::Cluster { client, con: tokio::sync::Mutex::new(None), last_try: Mutex::new(None) })
-        } else {
-            let url = cfg.seeds().into_iter().next().unwrap_or_default();
-            let client = redis::Client::open(url.as_str())
-                .map_err(|e| ServerError::Config(format!("[redis_tier] Redis URL {url:?}: {e}")))?;
-            let con = Mutex::new(manager(&client, t)?);
-            Ok(Connector::Single { client, con })
-        }
-    }
-
-    /// A connection to use now; `None` while a Redis Cluster can't be reached (tried again once
-    /// per [`RECONNECT_AFTER`]).
-    async fn get(&self, timeout: Duration) -> Option<Conn> {
-        match self {
-            Connector::Single { con, .. } => Some(Conn::Single(con.lock().clone())),
-            Connector::Cluster { client, con, last_try } => {
-                let mut guard = tokio::time::timeout(timeout, con.lock()).await.ok()?;
-                if let Some(c) = guard.as_ref() {
-                    return Some(Conn::Cluster(c.clone()));
-                }
-                let now = Instant::now();
-                {
-                    let mut last = last_try.lock();
-                    if last.is_some_and(|t| now < t + RECONNECT_AFTER) {
-                        return None;
-                    }
-                    *last = Some(now);
-                }
-                match tokio::time::timeout(timeout, client.get_async_connection()).await {
-                    Ok(Ok(c)) => {
-                        *guard = Some(c.clone());
-                        Some(Conn::Cluster(c))
-                    }
-                    Ok(Err(e)) => {
-                        tracing::warn!("redis tier: can't reach the Redis Cluster: {e}");
-                        None
-                    }
-                    Err(_) => {
-                        tracing::warn!("redis tier: the Redis Cluster did not answer within {timeout:?}");
-                        None
-                    }
-                }
-            }
-        }
-    }
-
-    /// After a failed call on one Redis: a fresh connection for the next one, so nothing of a
-    /// broken one carries over (a cluster connection heals itself: it refreshes its slots).
-    fn failed(&self, timeout: Duration) {
-        if let Connector::Single { client, con } = self {
-            if let Ok(c) = manager(client, timeout) {
-                *con.lock() = c;
-            }
-        }
-    }
-}
-
 #[derive(Default)]
 struct Counters {
     hits: AtomicU64,
@@ -322,12 +209,19 @@ struct Put {
 /// The Redis tier of one node. Cheap to share (`Arc`).
 pub struct RedisTier {
     cfg: RedisTierConfig,
-    con: Connector,
+    nodes: Nodes,
     ledger: Mutex<Ledger>,
     counters: Counters,
     write_tx: mpsc::Sender<WriteJob>,
     write_bytes: Arc<Semaphore>,
     write_queue_bytes: usize,
+}
+
+/// `CMD key`.
+fn one_key(cmd: &str, key: &str) -> redis::Cmd {
+    let mut c = redis::cmd(cmd);
+    c.arg(key);
+    c
 }
 
 /// `<prefix>:<namespace hex>:b:<key hex>`.
@@ -366,13 +260,13 @@ impl RedisTier {
         stop: watch::Receiver<bool>,
     ) -> Result<(Arc<RedisTier>, tokio::task::JoinHandle<()>), ServerError> {
         cfg.validate()?;
-        let con = Connector::new(&cfg)?;
+        let nodes = Nodes::new(&cfg.seeds(), cfg.cluster, cfg.timeout.0)?;
         let (tx, rx) = mpsc::channel(WRITE_QUEUE);
         let queue = cfg.write_queue_bytes.0 as usize;
         let tier = Arc::new(RedisTier {
             ledger: Mutex::new(Ledger::new(cfg.budget.0)),
             cfg,
-            con,
+            nodes,
             counters: Counters::default(),
             write_tx: tx,
             write_bytes: Arc::new(Semaphore::new(queue)),
@@ -383,79 +277,39 @@ impl RedisTier {
         Ok((tier, task))
     }
 
-    fn timeout(&self) -> Duration {
-        self.cfg.timeout.0
-    }
-
-    fn error(&self, op: &'static str, why: &dyn std::fmt::Display) {
-        bump(&self.counters.errors, 1);
-        ::metrics::counter!("kvtier_redis_errors_total", "op" => op).increment(1);
-        tracing::debug!("redis tier {op}: {why}");
-    }
-
-    /// Runs `call` on a connection within the timeout; a failure is counted under `op`.
-    async fn call<T, F, Fut>(&self, op: &'static str, call: F) -> Option<T>
-    where
-        F: FnOnce(Conn) -> Fut,
-        Fut: std::future::Future<Output = redis::RedisResult<T>>,
-    {
-        bump(&self.counters.requests, 1);
-        ::metrics::counter!("kvtier_redis_requests_total", "op" => op).increment(1);
-        let t = self.timeout();
-        let res = tokio::time::timeout(t, async {
-            let Some(con) = self.con.get(t).await else {
-                return Err(redis::RedisError::from((redis::ErrorKind::Io, "no connection to the Redis Cluster")));
-            };
-            call(con).await
-        })
-        .await;
-        match res {
-            Ok(Ok(v)) => Some(v),
-            Ok(Err(e)) => {
-                self.error(op, &e);
-                self.con.failed(t);
-                None
-            }
-            Err(_) => {
-                self.error(op, &format!("no answer within {t:?}"));
-                self.con.failed(t);
-                None
-            }
+    /// Sends one single-key command per key (see [`Nodes::run`]); failures counted under `op`.
+    async fn run(&self, op: &'static str, keys: &[String], cmds: Vec<redis::Cmd>) -> Vec<Option<redis::Value>> {
+        let r = self.nodes.run(keys, cmds).await;
+        bump(&self.counters.requests, r.pipelines);
+        ::metrics::counter!("kvtier_redis_requests_total", "op" => op).increment(r.pipelines);
+        if !r.failures.is_empty() {
+            let n = r.failures.len() as u64;
+            bump(&self.counters.errors, n);
+            ::metrics::counter!("kvtier_redis_errors_total", "op" => op).increment(n);
+            tracing::debug!("redis tier {op}: {}", r.failures.join("; "));
         }
+        r.values
     }
 
     /// Loads `keys` (which every local tier missed): one entry per key, a verified block or
-    /// `None`. Never waits much longer than `timeout`; never errs: a failure is a miss, counted.
+    /// `None`. One pipeline of `GET`s per Redis node (on a cluster, per master that owns some of
+    /// the keys), all at once, each within the timeout; never errs: a failure is a miss, counted.
     pub async fn fetch(&self, ns: &Namespace, keys: &[BlockKey]) -> Vec<Option<StoredBlock>> {
         if keys.is_empty() {
             return Vec::new();
         }
         let id = ns.id();
         let names: Vec<String> = keys.iter().map(|k| block_key(&self.cfg.key_prefix, &id, k)).collect();
-        let values: Vec<Option<Bytes>> = match &self.con {
-            Connector::Single { .. } => {
-                let mut cmd = redis::cmd("MGET");
-                for n in &names {
-                    cmd.arg(n);
-                }
-                self.call("get", |mut c| async move { c.query::<Vec<Option<Bytes>>>(&cmd).await })
-                    .await
-                    .filter(|v| v.len() == names.len())
-                    .unwrap_or_else(|| vec![None; names.len()])
-            }
-            // One GET per key, all sent at once on the multiplexed connection: a master that is
-            // down takes only its own keys with it.
-            Connector::Cluster { .. } => {
-                let gets = names.iter().map(|n| {
-                    let mut cmd = redis::cmd("GET");
-                    cmd.arg(n);
-                    self.call("get", |mut c| async move { c.query::<Option<Bytes>>(&cmd).await })
-                });
-                futures::future::join_all(gets).await.into_iter().map(Option::flatten).collect()
-            }
-        };
-        let out: Vec<Option<StoredBlock>> =
-            keys.iter().zip(values).map(|(k, v)| v.and_then(|v| self.accept(ns, k, v))).collect();
+        let cmds = names.iter().map(|n| one_key("GET", n)).collect();
+        let values = self.run("get", &names, cmds).await;
+        let out: Vec<Option<StoredBlock>> = keys
+            .iter()
+            .zip(values)
+            .map(|(k, v)| match v {
+                Some(redis::Value::BulkString(b)) => self.accept(ns, k, Bytes::from(b)),
+                _ => None,
+            })
+            .collect();
         let hits = out.iter().filter(|b| b.is_some()).count() as u64;
         let misses = keys.len() as u64 - hits;
         bump(&self.counters.hits, hits);
@@ -487,33 +341,15 @@ impl RedisTier {
         }
     }
 
-    /// Which of `keys` Redis holds (one pipelined round trip on one Redis; one `EXISTS` per key,
-    /// sent at once, on a cluster). A failure reads as "not held": a lookup may under-report.
+    /// Which of `keys` Redis holds (one pipeline of `EXISTS` per node). A failure reads as "not
+    /// held": a lookup may under-report.
     pub async fn held(&self, ns: &NamespaceId, keys: &[BlockKey]) -> Vec<bool> {
         if keys.is_empty() {
             return Vec::new();
         }
         let names: Vec<String> = keys.iter().map(|k| block_key(&self.cfg.key_prefix, ns, k)).collect();
-        match &self.con {
-            Connector::Single { .. } => {
-                let mut pipe = redis::pipe();
-                for n in &names {
-                    pipe.cmd("EXISTS").arg(n);
-                }
-                let got = self
-                    .call("exists", |mut c| async move { c.pipe::<Vec<bool>>(&pipe).await })
-                    .await;
-                got.filter(|v| v.len() == names.len()).unwrap_or_else(|| vec![false; names.len()])
-            }
-            Connector::Cluster { .. } => {
-                let calls = names.iter().map(|n| {
-                    let mut cmd = redis::cmd("EXISTS");
-                    cmd.arg(n);
-                    self.call("exists", |mut c| async move { c.query::<bool>(&cmd).await })
-                });
-                futures::future::join_all(calls).await.into_iter().map(|h| h.unwrap_or(false)).collect()
-            }
-        }
+        let cmds = names.iter().map(|n| one_key("EXISTS", n)).collect();
+        self.run("exists", &names, cmds).await.into_iter().map(|v| matches!(v, Some(redis::Value::Int(1)))).collect()
     }
 
     /// Queues blocks this node just stored to be written to Redis (with `block_ttl`), after the
@@ -551,9 +387,9 @@ impl RedisTier {
         }
     }
 
-    /// Writes `puts` (after making room for them in the budget), within the timeout; returns
-    /// how many were written (0 when the call failed: those writes stay counted, they may have
-    /// landed).
+    /// Writes `puts` (after making room for them in the budget: one pipeline of `DEL`s and `SET`s
+    /// per node), within the timeout; returns how many were written (writes that failed stay
+    /// counted: they may have landed).
     async fn write(&self, puts: Vec<Put>) -> usize {
         let now = Instant::now();
         let mut admitted = Vec::with_capacity(puts.len());
@@ -581,53 +417,34 @@ impl RedisTier {
         }
         let n = admitted.len();
         let sent: u64 = admitted.iter().map(|p| p.value.len() as u64).sum();
-        let ok = match &self.con {
-            Connector::Single { .. } => {
-                let mut pipe = redis::pipe();
-                if !evicted.is_empty() {
-                    let mut del = redis::cmd("DEL");
-                    for e in &evicted {
-                        del.arg(&e.key);
-                    }
-                    pipe.add_command(del).ignore();
-                }
-                for p in &admitted {
-                    pipe.cmd("SET").arg(&p.key).arg(p.value.as_ref()).arg("PX").arg(p.ttl.as_millis() as u64).ignore();
-                }
-                self.call("set", |mut c| async move { c.pipe::<()>(&pipe).await })
-                .await
-                .is_some()
-            }
-            Connector::Cluster { .. } => {
-                let dels = evicted.iter().map(|e| {
-                    let mut cmd = redis::cmd("DEL");
-                    cmd.arg(&e.key);
-                    self.call("del", |mut c| async move { c.query::<()>(&cmd).await })
-                });
-                let sets = admitted.iter().map(|p| {
-                    let mut cmd = redis::cmd("SET");
-                    cmd.arg(&p.key).arg(p.value.as_ref()).arg("PX").arg(p.ttl.as_millis() as u64);
-                    self.call("set", |mut c| async move { c.query::<()>(&cmd).await })
-                });
-                let (d, s) = futures::future::join(futures::future::join_all(dels), futures::future::join_all(sets)).await;
-                d.iter().chain(s.iter()).all(Option::is_some)
-            }
-        };
+        let mut names: Vec<String> = evicted.iter().map(|e| e.key.clone()).collect();
+        let mut cmds: Vec<redis::Cmd> = names.iter().map(|k| one_key("DEL", k)).collect();
+        for p in &admitted {
+            let mut set = redis::cmd("SET");
+            set.arg(&p.key).arg(p.value.as_ref()).arg("PX").arg(p.ttl.as_millis() as u64);
+            cmds.push(set);
+            names.push(p.key.clone());
+        }
+        let replies = self.run("set", &names, cmds).await;
+        let (dels, sets) = replies.split_at(evicted.len());
+        // A key whose delete failed may still be in Redis: it counts again.
+        let not_deleted: Vec<Evicted> =
+            evicted.iter().zip(dels).filter(|(_, r)| r.is_none()).map(|(e, _)| e.clone()).collect();
+        let written = sets.iter().filter(|r| r.is_some()).count();
         if !evicted.is_empty() {
             let k = evicted.len() as u64;
             bump(&self.counters.evictions, k);
             ::metrics::counter!("kvtier_redis_budget_evictions_total").increment(k);
         }
-        if ok {
-            bump(&self.counters.written, n as u64);
+        if !not_deleted.is_empty() {
+            self.ledger.lock().restore(not_deleted);
+        }
+        bump(&self.counters.written, written as u64);
+        if written == n {
             bump(&self.counters.bytes_out, sent);
             ::metrics::counter!("kvtier_tier_bytes_out_total", "tier" => "redis").increment(sent);
-            n
-        } else {
-            // The deletes may not have happened: those keys count again.
-            self.ledger.lock().restore(evicted);
-            0
         }
+        written
     }
 
     /// Writes a parked session to Redis: its blocks not known to live there as long as the
@@ -671,9 +488,11 @@ impl RedisTier {
     /// counted), or can't be reached in time.
     pub async fn resume(&self, ns: &NamespaceId, id: &str) -> Option<SessionManifest> {
         let name = session_key(&self.cfg.key_prefix, ns, id);
-        let mut cmd = redis::cmd("GET");
-        cmd.arg(&name);
-        let value = self.call("session_get", |mut c| async move { c.query::<Option<Bytes>>(&cmd).await }).await??;
+        let keys = [name.clone()];
+        let value = match self.run("session_get", &keys, vec![one_key("GET", &name)]).await.pop().flatten()? {
+            redis::Value::BulkString(b) => b,
+            _ => return None,
+        };
         let now = Instant::now();
         let Some(m) = decode_manifest(&value, now).filter(|m| m.namespace == *ns && m.id == id) else {
             bump(&self.counters.bad_values, 1);
@@ -682,9 +501,9 @@ impl RedisTier {
             return None;
         };
         let ttl = m.ttl + self.cfg.session_ttl_slack.0;
-        let mut cmd = redis::cmd("PEXPIRE");
-        cmd.arg(&name).arg(ttl.as_millis() as u64);
-        let _ = self.call("session_touch", |mut c| async move { c.query::<i64>(&cmd).await }).await;
+        let mut touch = one_key("PEXPIRE", &name);
+        touch.arg(ttl.as_millis() as u64);
+        self.run("session_touch", &keys, vec![touch]).await;
         ::metrics::counter!("kvtier_redis_session_resumes_total").increment(1);
         Some(m)
     }
@@ -693,9 +512,8 @@ impl RedisTier {
     /// budget: other sessions and the prefix cache may share them).
     pub async fn drop_session(&self, ns: &NamespaceId, id: &str) {
         let name = session_key(&self.cfg.key_prefix, ns, id);
-        let mut cmd = redis::cmd("DEL");
-        cmd.arg(&name);
-        if self.call("session_del", |mut c| async move { c.query::<i64>(&cmd).await }).await.is_some() {
+        let keys = [name.clone()];
+        if self.run("session_del", &keys, vec![one_key("DEL", &name)]).await[0].is_some() {
             self.ledger.lock().forget(&name);
         }
     }
@@ -732,7 +550,7 @@ impl RedisTier {
 
     /// Whether Redis is a Redis Cluster.
     pub fn is_cluster(&self) -> bool {
-        matches!(self.con, Connector::Cluster { .. })
+        self.nodes.is_cluster()
     }
 
     /// The configured key prefix.
@@ -860,5 +678,4 @@ impl<'a> Reader<'a> {
 }
 
 #[cfg(test)]
-#[path = "redis_tests.rs"]
 mod tests;

@@ -1,1 +1,0 @@
-//! Tests of the Redis tier against a real `redis-server`.
