@@ -440,6 +440,7 @@ impl RedisTier {
             self.ledger.lock().restore(not_deleted);
         }
         bump(&self.counters.written, written as u64);
+        ::metrics::counter!("kvtier_redis_written_keys_total").increment(written as u64);
         if written == n {
             bump(&self.counters.bytes_out, sent);
             ::metrics::counter!("kvtier_tier_bytes_out_total", "tier" => "redis").increment(sent);
