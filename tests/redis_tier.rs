@@ -18,7 +18,8 @@ const PREFIX: &str = "kvt";
 /// A node whose Redis tier is `redis_tier` (the lines of the `[redis_tier]` table).
 fn node(dir: &std::path::Path, name: &str, redis_tier: &str) -> ServerProcess {
     let cfg = dir.join(format!("{name}.toml"));
-    std::fs::write(&cfg, format!("[redis_tier]\nkey_prefix = \"{PREFIX}\"\ntimeout = \"300ms\"\n{redis_tier}\n")).unwrap();
+    std::fs::write(&cfg, format!("[redis_tier]\nkey_prefix = \"{PREFIX}\"\ntimeout = \"300ms\"\n{redis_tier}\n"))
+        .unwrap();
     ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"])
 }
 
@@ -57,7 +58,8 @@ async fn redis_stats(c: &KvClient) -> pb::TierStats {
 async fn a_block_stored_on_one_node_loads_on_another_byte_identical() {
     let redis = Redis::start();
     let dir = tempfile::tempdir().unwrap();
-    let (n1, n2) = (node(dir.path(), "n1", &one_redis(&redis, "64MiB")), node(dir.path(), "n2", &one_redis(&redis, "64MiB")));
+    let (n1, n2) =
+        (node(dir.path(), "n1", &one_redis(&redis, "64MiB")), node(dir.path(), "n2", &one_redis(&redis, "64MiB")));
     let (a, b) = (n1.client().await, n2.client().await);
     let spec = namespace("acme", b"redis-salt", small_layout());
     let ns_a = a.register(spec.clone()).await.unwrap();
@@ -84,7 +86,8 @@ async fn a_block_stored_on_one_node_loads_on_another_byte_identical() {
 async fn a_session_parked_on_one_node_resumes_on_another() {
     let redis = Redis::start();
     let dir = tempfile::tempdir().unwrap();
-    let (n1, n2) = (node(dir.path(), "n1", &one_redis(&redis, "64MiB")), node(dir.path(), "n2", &one_redis(&redis, "64MiB")));
+    let (n1, n2) =
+        (node(dir.path(), "n1", &one_redis(&redis, "64MiB")), node(dir.path(), "n2", &one_redis(&redis, "64MiB")));
     let (a, b) = (n1.client().await, n2.client().await);
     let spec = namespace("agents", b"s", small_layout());
     let ns_a = a.register(spec.clone()).await.unwrap();
@@ -111,7 +114,8 @@ async fn a_session_parked_on_one_node_resumes_on_another() {
 async fn a_value_damaged_in_redis_is_a_miss_and_counted() {
     let redis = Redis::start();
     let dir = tempfile::tempdir().unwrap();
-    let (n1, n2) = (node(dir.path(), "n1", &one_redis(&redis, "64MiB")), node(dir.path(), "n2", &one_redis(&redis, "64MiB")));
+    let (n1, n2) =
+        (node(dir.path(), "n1", &one_redis(&redis, "64MiB")), node(dir.path(), "n2", &one_redis(&redis, "64MiB")));
     let (a, b) = (n1.client().await, n2.client().await);
     let spec = namespace("acme", b"damage", small_layout());
     let ns_a = a.register(spec.clone()).await.unwrap();
@@ -121,7 +125,10 @@ async fn a_value_damaged_in_redis_is_a_miss_and_counted() {
     until_written(&n1, 12);
     // Four bytes of block 5's payload (past the 128-byte frame header) overwritten in Redis.
     let keys = ns_a.keys(&toks);
-    assert_eq!(redis_cli(redis.port, &["SETRANGE", &block_name(&ns_a, &keys[5]), "1000", "XYZW"]).trim().parse::<u64>().ok(), Some(128 + 32768));
+    assert_eq!(
+        redis_cli(redis.port, &["SETRANGE", &block_name(&ns_a, &keys[5]), "1000", "XYZW"]).trim().parse::<u64>().ok(),
+        Some(128 + 32768)
+    );
     let ns_b = b.register(spec).await.unwrap();
     let loaded = b.load(&ns_b, &toks).await.unwrap();
     assert_eq!(loaded.len(), 5, "the load stops at the damaged block");
@@ -136,7 +143,8 @@ async fn a_value_damaged_in_redis_is_a_miss_and_counted() {
 async fn a_dead_redis_makes_misses_in_time_stores_still_succeed_and_a_restarted_one_works_again() {
     let mut redis = Redis::start();
     let dir = tempfile::tempdir().unwrap();
-    let (n1, n2) = (node(dir.path(), "n1", &one_redis(&redis, "64MiB")), node(dir.path(), "n2", &one_redis(&redis, "64MiB")));
+    let (n1, n2) =
+        (node(dir.path(), "n1", &one_redis(&redis, "64MiB")), node(dir.path(), "n2", &one_redis(&redis, "64MiB")));
     let (a, b) = (n1.client().await, n2.client().await);
     let spec = namespace("acme", b"dead", small_layout());
     let (ns_a, ns_b) = (a.register(spec.clone()).await.unwrap(), b.register(spec).await.unwrap());
@@ -157,8 +165,8 @@ async fn a_dead_redis_makes_misses_in_time_stores_still_succeed_and_a_restarted_
     assert!(metric(&n2.scrape(), "kvtier_redis_errors_total", &[]) >= 1.0);
 
     redis.restart(); // empty: Redis lost its data
-    // The first write after the restart may still meet the broken connection: a new document
-    // each round until one crosses.
+                     // The first write after the restart may still meet the broken connection: a new document
+                     // each round until one crosses.
     let deadline = Instant::now() + Duration::from_secs(15);
     for round in 0.. {
         let doc = tokens(1000 + round, 8 * 16);

@@ -222,7 +222,9 @@ impl RedisTierConfig {
         let bad = |m: String| Err(ServerError::Config(format!("[redis_tier] {m}")));
         match (&self.url, self.urls.is_empty(), self.cluster) {
             (Some(_), false, _) => return bad("set url (one Redis) or urls (cluster seeds), not both".into()),
-            (None, true, _) => return bad("needs url = \"redis://host:port\" (or urls = [...] with cluster = true)".into()),
+            (None, true, _) => {
+                return bad("needs url = \"redis://host:port\" (or urls = [...] with cluster = true)".into())
+            }
             (None, false, false) if self.urls.len() > 1 => {
                 return bad("several urls are the seeds of a Redis Cluster: set cluster = true (or one url)".into())
             }
@@ -829,5 +831,36 @@ mod tests {
         let c = ServerConfig { disk_codec: "zstd".into(), ..Default::default() };
         let e = c.validate().unwrap_err().to_string();
         assert!(e.contains("disk_codec \"zstd\"") && e.contains("nvfp4+had+lz4"), "{e}");
+    }
+
+    #[test]
+    fn redis_tier_is_off_by_default_and_bad_settings_are_named() {
+        assert!(ServerConfig::default().redis_tier.is_none());
+        let ok = "[redis_tier]\nurl = \"redis://127.0.0.1:6379\"\nbudget = \"1GiB\"\n";
+        let c = ServerConfig::from_toml_str(ok).unwrap();
+        c.validate().unwrap();
+        let r = c.redis_tier.as_ref().unwrap();
+        assert_eq!(
+            (r.block_ttl.0, r.timeout.0, r.key_prefix.as_str()),
+            (Duration::from_secs(3600), Duration::from_millis(500), "kvtier")
+        );
+        let cluster =
+            "[redis_tier]\ncluster = true\nurls = [\"redis://a:7000\", \"redis://b:7000\"]\nbudget = \"1GiB\"\n";
+        ServerConfig::from_toml_str(cluster).unwrap().validate().unwrap();
+        let bad = |toml: &str, says: &str| {
+            let e = match ServerConfig::from_toml_str(toml) {
+                Ok(c) => c.validate().unwrap_err().to_string(),
+                Err(e) => e.to_string(),
+            };
+            assert!(e.contains(says), "{toml:?}: {e}");
+        };
+        bad("[redis_tier]\nurl = \"redis://h:1\"\n", "budget");
+        bad("[redis_tier]\nbudget = \"1GiB\"\n", "[redis_tier] needs url");
+        bad("[redis_tier]\nurl = \"http://h:1\"\nbudget = \"1GiB\"\n", "not a Redis URL");
+        bad("[redis_tier]\nurls = [\"redis://a:1\", \"redis://b:1\"]\nbudget = \"1GiB\"\n", "cluster = true");
+        bad("[redis_tier]\nurl = \"redis://h:1\"\nbudget = \"1k\"\n", "budget");
+        bad("[redis_tier]\nurl = \"redis://h:1\"\nbudget = \"1GiB\"\nkey_prefix = \"{x}\"\n", "key_prefix");
+        bad("[redis_tier]\nurl = \"redis://h:1\"\nbudget = \"1GiB\"\ntimeout = \"0ms\"\n", "timeout");
+        bad("[redis_tier]\nurl = \"redis://h:1\"\nbudget = \"1GiB\"\nttl = \"1h\"\n", "ttl");
     }
 }

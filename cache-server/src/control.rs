@@ -167,9 +167,7 @@ impl ControlPlane {
         let limits = self.state.session_limits(&ns);
         // The blocks go to disk before the table is touched, and without holding its lock.
         self.state.tiers().persist(&ns_id, &spec.keys, spec.tail).await?;
-        let m = self.on_io(move |s| s.sessions().park(s.tiers().session_pins(), spec, &limits)).await?;
-        self.state.tiers().share_session(&m).await; // Redis tier: the manifest and blocks shared (no-op without one)
-        Ok(m)
+        self.on_io(move |s| s.sessions().park(s.tiers().session_pins(), spec, &limits)).await
     }
 
     async fn extend(&self, p: &Principal, r: pb::ExtendRequest) -> Result<SessionManifest, ServerError> {
@@ -179,7 +177,7 @@ impl ControlPlane {
         let new_keys = keys(&r.new_keys)?;
         let tail = opt_key(&r.tail_key)?;
         self.state.tiers().persist(&ns_id, &new_keys, tail).await?;
-        let m = self.on_io(move |s| {
+        self.on_io(move |s| {
             s.sessions().extend(
                 s.tiers().session_pins(),
                 ns_id,
@@ -192,9 +190,7 @@ impl ControlPlane {
                 &limits,
             )
         })
-        .await?;
-        self.state.tiers().share_session(&m).await; // Redis tier: the manifest and blocks shared (no-op without one)
-        Ok(m)
+        .await
     }
 }
 
@@ -452,7 +448,11 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
     async fn park_session(&self, r: Request<pb::ParkRequest>) -> Result<Response<pb::ParkResponse>, Status> {
         let start = Instant::now();
         let p = principal(&r)?;
-        let out = park_response(self.park(&p, r.into_inner()).await);
+        let parked = self.park(&p, r.into_inner()).await;
+        if let Ok(m) = &parked {
+            self.state.tiers().share_session(m).await; // Redis tier: manifest + blocks shared (no-op without one)
+        }
+        let out = park_response(parked);
         observe("park", start);
         out
     }
@@ -460,7 +460,11 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
     async fn extend_session(&self, r: Request<pb::ExtendRequest>) -> Result<Response<pb::ParkResponse>, Status> {
         let start = Instant::now();
         let p = principal(&r)?;
-        let out = park_response(self.extend(&p, r.into_inner()).await);
+        let extended = self.extend(&p, r.into_inner()).await;
+        if let Ok(m) = &extended {
+            self.state.tiers().share_session(m).await; // Redis tier: manifest + blocks shared (no-op without one)
+        }
+        let out = park_response(extended);
         observe("extend", start);
         out
     }
@@ -475,14 +479,14 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
             self.state.sessions().resume(self.state.tiers().session_pins(), id, &r.session_id)
         })();
         // Redis tier: a session this node doesn't hold, from its manifest there (no-op without one).
-        let m = match res {
+        let res = match res {
             Err(e @ (ServerError::SessionNotFound(_) | ServerError::SessionExpired { .. })) => {
                 let id = ns_id(&r.namespace_id).map_err(to_status)?;
                 self.state.tiers().resume_shared(&id, &r.session_id).await.ok_or(e)
             }
             other => other,
         };
-        let m = m.map_err(to_status)?;
+        let m = res.map_err(to_status)?;
         observe("resume", start);
         Ok(Response::new(pb::SessionManifest {
             info: Some(session_info(&m, Instant::now())),

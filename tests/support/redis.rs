@@ -88,11 +88,8 @@ pub fn redis_cli(port: u16, args: &[&str]) -> String {
         .and_then(|s| std::path::Path::new(&s).parent().map(|d| d.join("redis-cli")))
         .filter(|p| p.is_file())
         .map_or_else(|| "redis-cli".to_string(), |p| p.display().to_string());
-    let out = Command::new(&bin)
-        .args(["-p", &port.to_string()])
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("{bin}: {e}"));
+    let out =
+        Command::new(&bin).args(["-p", &port.to_string()]).args(args).output().unwrap_or_else(|e| panic!("{bin}: {e}"));
     assert!(out.status.success(), "redis-cli {args:?}: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8_lossy(&out.stdout).into_owned()
 }

@@ -377,8 +377,7 @@ impl RedisTier {
             bump(&self.counters.write_dropped, n);
             ::metrics::counter!("kvtier_redis_write_dropped_total").increment(n);
         };
-        let Ok(permit) =
-            self.write_bytes.clone().try_acquire_many_owned(bytes.min(self.write_queue_bytes) as u32)
+        let Ok(permit) = self.write_bytes.clone().try_acquire_many_owned(bytes.min(self.write_queue_bytes) as u32)
         else {
             return dropped();
         };
@@ -546,7 +545,11 @@ impl RedisTier {
     /// Values that failed their checks, blocks written, and blocks not written (queue full).
     pub fn value_counts(&self) -> (u64, u64, u64) {
         let c = &self.counters;
-        (c.bad_values.load(Ordering::Relaxed), c.written.load(Ordering::Relaxed), c.write_dropped.load(Ordering::Relaxed))
+        (
+            c.bad_values.load(Ordering::Relaxed),
+            c.written.load(Ordering::Relaxed),
+            c.write_dropped.load(Ordering::Relaxed),
+        )
     }
 
     /// Whether Redis is a Redis Cluster.
@@ -573,7 +576,11 @@ impl RedisTier {
 }
 
 /// Writes queued stores one job after the other until `stop` turns true or the tier is gone.
-async fn write_loop(tier: std::sync::Weak<RedisTier>, mut rx: mpsc::Receiver<WriteJob>, mut stop: watch::Receiver<bool>) {
+async fn write_loop(
+    tier: std::sync::Weak<RedisTier>,
+    mut rx: mpsc::Receiver<WriteJob>,
+    mut stop: watch::Receiver<bool>,
+) {
     loop {
         let job = tokio::select! {
             _ = crate::stopped(&mut stop) => return,
@@ -653,7 +660,8 @@ fn decode_manifest(b: &[u8], now: Instant) -> Option<SessionManifest> {
     if n > r.0.len() / 32 {
         return None;
     }
-    let keys: Vec<BlockKey> = (0..n).map(|_| r.take(32).and_then(|k| k.try_into().ok()).map(BlockKey)).collect::<Option<_>>()?;
+    let keys: Vec<BlockKey> =
+        (0..n).map(|_| r.take(32).and_then(|k| k.try_into().ok()).map(BlockKey)).collect::<Option<_>>()?;
     let tail = match r.take(1)?[0] {
         0 => None,
         1 => Some(BlockKey(r.take(32)?.try_into().ok()?)),
@@ -662,7 +670,18 @@ fn decode_manifest(b: &[u8], now: Instant) -> Option<SessionManifest> {
     if !r.0.is_empty() {
         return None;
     }
-    Some(SessionManifest { namespace, id, keys, tail, token_count, ttl, expires_at: now + ttl, priority, version, bytes })
+    Some(SessionManifest {
+        namespace,
+        id,
+        keys,
+        tail,
+        token_count,
+        ttl,
+        expires_at: now + ttl,
+        priority,
+        version,
+        bytes,
+    })
 }
 
 struct Reader<'a>(&'a [u8]);

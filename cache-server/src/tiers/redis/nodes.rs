@@ -51,8 +51,8 @@ fn manager(client: &redis::Client, timeout: Duration) -> Result<ConnectionManage
 
 impl Node {
     fn open(url: &str, timeout: Duration) -> Result<Node, ServerError> {
-        let client =
-            redis::Client::open(url).map_err(|e| ServerError::Config(format!("[redis_tier] Redis URL {url:?}: {e}")))?;
+        let client = redis::Client::open(url)
+            .map_err(|e| ServerError::Config(format!("[redis_tier] Redis URL {url:?}: {e}")))?;
         let con = Mutex::new(manager(&client, timeout)?);
         Ok(Node { client, con })
     }
@@ -259,9 +259,8 @@ fn usable(v: Value, failures: &mut Vec<String>, moved: &mut bool) -> Option<Valu
 /// `(first slot, last slot, master url)` of every range `url` serves or knows.
 async fn read_slots(url: &str, timeout: Duration) -> Result<Vec<(u16, u16, String)>, String> {
     let client = redis::Client::open(url).map_err(|e| e.to_string())?;
-    let cfg = redis::AsyncConnectionConfig::new()
-        .set_connection_timeout(Some(timeout))
-        .set_response_timeout(Some(timeout));
+    let cfg =
+        redis::AsyncConnectionConfig::new().set_connection_timeout(Some(timeout)).set_response_timeout(Some(timeout));
     let mut con = client.get_multiplexed_async_connection_with_config(&cfg).await.map_err(|e| e.to_string())?;
     let v: Value = redis::cmd("CLUSTER").arg("SLOTS").query_async(&mut con).await.map_err(|e| e.to_string())?;
     let Value::Array(ranges) = v else { return Err("CLUSTER SLOTS: not an array".into()) };

@@ -63,8 +63,12 @@ impl RedisProc {
             .arg("--dir")
             .arg(self.dir.path());
         if self.cluster {
-            cmd.args(["--cluster-enabled", "yes", "--cluster-node-timeout", "1000"])
-                .args(["--cluster-require-full-coverage", "no", "--cluster-config-file", "nodes.conf"]);
+            cmd.args(["--cluster-enabled", "yes", "--cluster-node-timeout", "1000"]).args([
+                "--cluster-require-full-coverage",
+                "no",
+                "--cluster-config-file",
+                "nodes.conf",
+            ]);
         }
         let child = cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().expect("starting redis-server");
         self.child = Some(child);
