@@ -72,6 +72,8 @@ struct Entry {
     bytes: u64,
     expires: Instant,
     seq: u64,
+    /// Redis acknowledged the write (an unacknowledged one is counted, but written again).
+    confirmed: bool,
 }
 
 /// A key the ledger let go to make room, to be deleted from Redis.
@@ -101,9 +103,16 @@ impl Ledger {
         self.entries.is_empty()
     }
 
-    /// Whether this node wrote `key` and it lives until at least `until`.
+    /// Whether this node wrote `key`, Redis acknowledged it, and it lives until at least `until`.
     pub fn holds_until(&self, key: &str, until: Instant) -> bool {
-        self.entries.get(key).is_some_and(|e| e.expires >= until)
+        self.entries.get(key).is_some_and(|e| e.confirmed && e.expires >= until)
+    }
+
+    /// Marks a write of `key` acknowledged by Redis.
+    pub fn confirm(&mut self, key: &str) {
+        if let Some(e) = self.entries.get_mut(key) {
+            e.confirmed = true;
+        }
     }
 
     /// Forgets keys whose TTL ran out by `now` (Redis dropped them itself).
@@ -147,7 +156,7 @@ impl Ledger {
         }
         let seq = self.next_seq;
         self.next_seq += 1;
-        self.entries.insert(key.to_string(), Entry { bytes, expires, seq });
+        self.entries.insert(key.to_string(), Entry { bytes, expires, seq, confirmed: false });
         self.order.push_back((seq, key.to_string()));
         self.used += bytes;
         Some(evicted)
@@ -161,7 +170,7 @@ impl Ledger {
             }
             let seq = self.next_seq;
             self.next_seq += 1;
-            self.entries.insert(e.key.clone(), Entry { bytes: e.bytes, expires: e.expires, seq });
+            self.entries.insert(e.key.clone(), Entry { bytes: e.bytes, expires: e.expires, seq, confirmed: false });
             self.order.push_front((seq, e.key));
             self.used += e.bytes;
         }
@@ -435,8 +444,14 @@ impl RedisTier {
             bump(&self.counters.evictions, k);
             ::metrics::counter!("kvtier_redis_budget_evictions_total").increment(k);
         }
-        if !not_deleted.is_empty() {
-            self.ledger.lock().restore(not_deleted);
+        {
+            let mut ledger = self.ledger.lock();
+            ledger.restore(not_deleted);
+            for (p, r) in admitted.iter().zip(sets) {
+                if r.is_some() {
+                    ledger.confirm(&p.key);
+                }
+            }
         }
         bump(&self.counters.written, written as u64);
         ::metrics::counter!("kvtier_redis_written_keys_total").increment(written as u64);

@@ -199,6 +199,8 @@ fn the_ledger_lets_go_of_its_oldest_keys_and_never_under_counts() {
     l.admit("old", 90, now + Duration::from_secs(1), now).unwrap();
     assert_eq!(l.admit("new", 50, later, now + Duration::from_secs(2)), Some(vec![]));
     assert_eq!(l.used(), 50);
+    assert!(!l.holds_until("new", now), "not acknowledged yet: written again by the next store");
+    l.confirm("new");
     assert!(l.holds_until("new", now + Duration::from_secs(59)) && !l.holds_until("old", now));
 }
 
