@@ -53,6 +53,9 @@ pub mod nodes;
 pub const KEY_OVERHEAD: u64 = 96;
 /// Most write jobs waiting (each a store request's blocks).
 const WRITE_QUEUE: usize = 1024;
+/// Most value bytes one write sends (so one call within the timeout moves a bounded amount, as a
+/// load's chunks do).
+const WRITE_BATCH_BYTES: usize = 16 << 20;
 
 /// This node's account of what it keeps in Redis (see the module doc). Plain data: time comes in
 /// as `now`.
@@ -395,6 +398,26 @@ impl RedisTier {
         }
     }
 
+    /// [`RedisTier::write`] in batches of at most [`WRITE_BATCH_BYTES`] (each within the timeout);
+    /// returns how many were written.
+    async fn write_batched(&self, puts: Vec<Put>) -> usize {
+        let mut written = 0;
+        let mut batch = Vec::new();
+        let mut bytes = 0;
+        for p in puts {
+            if !batch.is_empty() && bytes + p.value.len() > WRITE_BATCH_BYTES {
+                written += self.write(std::mem::take(&mut batch)).await;
+                bytes = 0;
+            }
+            bytes += p.value.len();
+            batch.push(p);
+        }
+        if !batch.is_empty() {
+            written += self.write(batch).await;
+        }
+        written
+    }
+
     /// Writes `puts` (after making room for them in the budget: one pipeline of `DEL`s and `SET`s
     /// per node), within the timeout; returns how many were written (writes that failed stay
     /// counted: they may have landed).
@@ -484,7 +507,7 @@ impl RedisTier {
             puts.push(Put { key: name, value: frame_value(&b), ttl: ttl.max(self.cfg.block_ttl.0) });
         }
         let blocks = puts.len();
-        if blocks > 0 && self.write(puts).await < blocks {
+        if blocks > 0 && self.write_batched(puts).await < blocks {
             tracing::warn!(session = %m.id, "redis tier: the session's blocks could not all be written; not shared");
             ::metrics::counter!("kvtier_redis_session_errors_total", "op" => "park").increment(1);
             return false;
@@ -613,9 +636,10 @@ async fn write_loop(
             })
             .collect();
         let n = puts.len();
-        if tier.write(puts).await < n {
-            bump(&tier.counters.write_dropped, n as u64);
-            ::metrics::counter!("kvtier_redis_write_dropped_total").increment(n as u64);
+        let lost = (n - tier.write_batched(puts).await.min(n)) as u64;
+        if lost > 0 {
+            bump(&tier.counters.write_dropped, lost);
+            ::metrics::counter!("kvtier_redis_write_dropped_total").increment(lost);
         }
         drop(job);
     }
