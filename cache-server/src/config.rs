@@ -152,6 +152,122 @@ pub struct ServerConfig {
     /// a `[tls]` table, see [`TlsConfig`]. The same-node socket and `/metrics` stay plain (local).
     /// Default: none (plain TCP: keep the listeners on loopback or a trusted network).
     pub tls: Option<TlsConfig>,
+    /// An existing Redis or Redis Cluster (Valkey too) as a tier shared by every node that names
+    /// it: a `[redis_tier]` table, see [`RedisTierConfig`] and `crate::tiers::redis`.
+    /// Default: none (off).
+    pub redis_tier: Option<RedisTierConfig>,
+}
+
+/// The shared Redis tier (`[redis_tier]`): blocks and parked sessions' manifests in an existing
+/// Redis deployment, under a byte budget of kvtier's own. Checked by [`RedisTierConfig::validate`].
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RedisTierConfig {
+    /// One Redis, e.g. `"redis://10.0.0.5:6379/0"` (`rediss://`, `redis+unix://` too). Either this
+    /// or `urls`.
+    #[serde(default)]
+    pub url: Option<String>,
+    /// Seed nodes of a Redis Cluster (with `cluster = true`); any one of them that answers is
+    /// enough to learn the rest.
+    #[serde(default)]
+    pub urls: Vec<String>,
+    /// Whether the deployment is a Redis Cluster (keys hashed to slots over its masters).
+    /// Default: `false`.
+    #[serde(default)]
+    pub cluster: bool,
+    /// Hard cap of what this node keeps in Redis (blocks and manifests, with a per-key overhead
+    /// estimate): past it, this node deletes its own oldest keys first. Per node: a fleet of N
+    /// nodes holds at most N × this. Required.
+    pub budget: ByteSize,
+    /// How long a block lives in Redis after it was written (a parked session's blocks live at
+    /// least as long as the session). Default: `1h`.
+    #[serde(default = "default_redis_block_ttl")]
+    pub block_ttl: DurationStr,
+    /// How much longer than its session a manifest (and its blocks) lives in Redis, so a resume
+    /// just before the session's expiry still finds its blocks. Default: `1m`.
+    #[serde(default = "default_redis_session_slack")]
+    pub session_ttl_slack: DurationStr,
+    /// Bound of every Redis call (connecting included): past it a load is a miss and a write is
+    /// dropped, counted. Default: `500ms`.
+    #[serde(default = "default_redis_timeout")]
+    pub timeout: DurationStr,
+    /// Prefix of every key, so several fleets (or other users) can share a Redis; no braces (they
+    /// would make a Redis Cluster hash tag). Default: `kvtier`.
+    #[serde(default = "default_redis_prefix")]
+    pub key_prefix: String,
+    /// Most payload bytes waiting to be written to Redis; stores past it are not shared (counted
+    /// in `kvtier_redis_write_dropped_total`). Default: `256MiB`.
+    #[serde(default = "default_redis_write_queue")]
+    pub write_queue_bytes: ByteSize,
+}
+
+fn default_redis_block_ttl() -> DurationStr {
+    DurationStr(Duration::from_secs(3600))
+}
+fn default_redis_session_slack() -> DurationStr {
+    DurationStr(Duration::from_secs(60))
+}
+fn default_redis_timeout() -> DurationStr {
+    DurationStr(Duration::from_millis(500))
+}
+fn default_redis_prefix() -> String {
+    "kvtier".into()
+}
+fn default_redis_write_queue() -> ByteSize {
+    ByteSize(256 << 20)
+}
+
+impl RedisTierConfig {
+    /// The URLs to connect to: `url`, or the cluster's seeds.
+    pub fn seeds(&self) -> Vec<String> {
+        self.url.iter().cloned().chain(self.urls.iter().cloned()).collect()
+    }
+
+    /// Checks every setting, naming it in the error.
+    pub fn validate(&self) -> Result<(), ServerError> {
+        let bad = |m: String| Err(ServerError::Config(format!("[redis_tier] {m}")));
+        match (&self.url, self.urls.is_empty(), self.cluster) {
+            (Some(_), false, _) => return bad("set url (one Redis) or urls (cluster seeds), not both".into()),
+            (None, true, _) => {
+                return bad("needs url = \"redis://host:port\" (or urls = [...] with cluster = true)".into())
+            }
+            (None, false, false) if self.urls.len() > 1 => {
+                return bad("several urls are the seeds of a Redis Cluster: set cluster = true (or one url)".into())
+            }
+            _ => {}
+        }
+        for u in self.seeds() {
+            if !(u.starts_with("redis://") || u.starts_with("rediss://") || u.starts_with("redis+unix://")) {
+                return bad(format!("{u:?} is not a Redis URL (redis://host:port)"));
+            }
+            if self.cluster && u.starts_with("redis+unix://") {
+                return bad(format!("{u:?}: a Redis Cluster is reached over TCP"));
+            }
+            if let Err(e) = redis::Client::open(u.as_str()) {
+                return bad(format!("{u:?}: {e}"));
+            }
+        }
+        if self.budget.0 < (1 << 20) {
+            return bad(format!("budget {} is below the minimum of 1MiB", self.budget));
+        }
+        if self.block_ttl.0 < Duration::from_secs(1) {
+            return bad(format!("block_ttl must be at least 1s, got {}", self.block_ttl));
+        }
+        if self.session_ttl_slack.0 > Duration::from_secs(24 * 3600) {
+            return bad(format!("session_ttl_slack must be at most 24h, got {}", self.session_ttl_slack));
+        }
+        if self.timeout.0 < Duration::from_millis(1) || self.timeout.0 > Duration::from_secs(60) {
+            return bad(format!("timeout must be 1ms..=60s, got {}", self.timeout));
+        }
+        let p = &self.key_prefix;
+        if p.is_empty() || p.len() > 64 || !p.bytes().all(|b| b.is_ascii_graphic() && b != b'{' && b != b'}') {
+            return bad(format!("key_prefix {p:?}: 1 to 64 printable characters, no braces"));
+        }
+        if self.write_queue_bytes.0 < (1 << 20) || self.write_queue_bytes.0 > (u32::MAX as u64) {
+            return bad(format!("write_queue_bytes must be 1MiB..4GiB, got {}", self.write_queue_bytes));
+        }
+        Ok(())
+    }
 }
 
 /// The node's certificate and key, and how clients' certificates are checked (`[tls]`).
@@ -269,6 +385,7 @@ impl Default for ServerConfig {
             events_max_watchers_per_tenant: 8,
             events_buffer: 4096,
             tls: None,
+            redis_tier: None,
         }
     }
 }
@@ -410,6 +527,9 @@ impl ServerConfig {
                     .into())
             }
             other => return bad(format!("peer_transport must be \"tcp\" or \"quic\", got {other:?}")),
+        }
+        if let Some(r) = &self.redis_tier {
+            r.validate()?;
         }
         if !(1..=4096).contains(&self.peer_max_inflight) {
             return bad(format!("peer_max_inflight must be 1..=4096, got {}", self.peer_max_inflight));
@@ -724,5 +844,36 @@ mod tests {
         let c = ServerConfig { disk_codec: "zstd".into(), ..Default::default() };
         let e = c.validate().unwrap_err().to_string();
         assert!(e.contains("disk_codec \"zstd\"") && e.contains("nvfp4+had+lz4"), "{e}");
+    }
+
+    #[test]
+    fn redis_tier_is_off_by_default_and_bad_settings_are_named() {
+        assert!(ServerConfig::default().redis_tier.is_none());
+        let ok = "[redis_tier]\nurl = \"redis://127.0.0.1:6379\"\nbudget = \"1GiB\"\n";
+        let c = ServerConfig::from_toml_str(ok).unwrap();
+        c.validate().unwrap();
+        let r = c.redis_tier.as_ref().unwrap();
+        assert_eq!(
+            (r.block_ttl.0, r.timeout.0, r.key_prefix.as_str()),
+            (Duration::from_secs(3600), Duration::from_millis(500), "kvtier")
+        );
+        let cluster =
+            "[redis_tier]\ncluster = true\nurls = [\"redis://a:7000\", \"redis://b:7000\"]\nbudget = \"1GiB\"\n";
+        ServerConfig::from_toml_str(cluster).unwrap().validate().unwrap();
+        let bad = |toml: &str, says: &str| {
+            let e = match ServerConfig::from_toml_str(toml) {
+                Ok(c) => c.validate().unwrap_err().to_string(),
+                Err(e) => e.to_string(),
+            };
+            assert!(e.contains(says), "{toml:?}: {e}");
+        };
+        bad("[redis_tier]\nurl = \"redis://h:1\"\n", "budget");
+        bad("[redis_tier]\nbudget = \"1GiB\"\n", "[redis_tier] needs url");
+        bad("[redis_tier]\nurl = \"http://h:1\"\nbudget = \"1GiB\"\n", "not a Redis URL");
+        bad("[redis_tier]\nurls = [\"redis://a:1\", \"redis://b:1\"]\nbudget = \"1GiB\"\n", "cluster = true");
+        bad("[redis_tier]\nurl = \"redis://h:1\"\nbudget = \"1k\"\n", "budget");
+        bad("[redis_tier]\nurl = \"redis://h:1\"\nbudget = \"1GiB\"\nkey_prefix = \"{x}\"\n", "key_prefix");
+        bad("[redis_tier]\nurl = \"redis://h:1\"\nbudget = \"1GiB\"\ntimeout = \"0ms\"\n", "timeout");
+        bad("[redis_tier]\nurl = \"redis://h:1\"\nbudget = \"1GiB\"\nttl = \"1h\"\n", "ttl");
     }
 }

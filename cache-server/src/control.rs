@@ -586,7 +586,11 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
     async fn park_session(&self, r: Request<pb::ParkRequest>) -> Result<Response<pb::ParkResponse>, Status> {
         let start = Instant::now();
         let p = principal(&r)?;
-        let out = park_response(self.park(&p, r.into_inner()).await);
+        let parked = self.park(&p, r.into_inner()).await;
+        if let Ok(m) = &parked {
+            self.state.tiers().share_session(m).await; // Redis tier: manifest + blocks shared (no-op without one)
+        }
+        let out = park_response(parked);
         observe("park", start);
         out
     }
@@ -594,7 +598,11 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
     async fn extend_session(&self, r: Request<pb::ExtendRequest>) -> Result<Response<pb::ParkResponse>, Status> {
         let start = Instant::now();
         let p = principal(&r)?;
-        let out = park_response(self.extend(&p, r.into_inner()).await);
+        let extended = self.extend(&p, r.into_inner()).await;
+        if let Ok(m) = &extended {
+            self.state.tiers().share_session(m).await; // Redis tier: manifest + blocks shared (no-op without one)
+        }
+        let out = park_response(extended);
         observe("extend", start);
         out
     }
@@ -606,7 +614,15 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         let id = ns_id(&r.namespace_id).map_err(to_status)?;
         let ns = self.state.namespace_for(&p, &id, Access::Read).map_err(to_status)?;
         self.adopt_newer_copy(&ns, &r.session_id).await;
-        let m = self.state.sessions().resume(self.state.tiers().session_pins(), id, &r.session_id).map_err(to_status)?;
+        let res = self.state.sessions().resume(self.state.tiers().session_pins(), id, &r.session_id);
+        // Redis tier: a session this node doesn't hold, from its manifest there (no-op without one).
+        let res = match res {
+            Err(e @ (ServerError::SessionNotFound(_) | ServerError::SessionExpired { .. })) => {
+                self.state.tiers().resume_shared(&id, &r.session_id).await.ok_or(e)
+            }
+            other => other,
+        };
+        let m = res.map_err(to_status)?;
         observe("resume", start);
         Ok(Response::new(m.to_pb(Instant::now())))
     }
@@ -622,6 +638,7 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         self.state.namespace_for(&p, &id, Access::Write).map_err(to_status)?;
         let session = r.session_id;
         let ns = self.state.namespace(&id).map_err(to_status)?;
+        self.state.tiers().drop_shared(&id, &session).await; // Redis tier: its manifest too (no-op without one)
         let dropped = self
             .on_io({
                 let session = session.clone();

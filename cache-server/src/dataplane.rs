@@ -409,7 +409,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         let report = req.flags & FLAG_REPORT_PRESENT != 0;
         let mut codecs = Vec::with_capacity(if report { 2 * req.count as usize } else { 0 });
         // In a cluster, a client's fresh blocks go on to their other owners; elsewhere nothing is kept.
-        let forward = req.flags & FLAG_PEER == 0 && self.state.tiers().peers().is_some();
+        let forward = req.flags & FLAG_PEER == 0 && self.state.tiers().has_remote();
         let mut stored: Vec<(NamespaceId, BlockKey)> = Vec::new();
         for i in 0..req.count {
             let mut fh = [0u8; FRAME_HEADER_LEN];
@@ -580,7 +580,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         // A client's question in a cluster is answered for the cluster (the owners of what no
         // local tier holds are asked); a peer's, for this node.
         let held = match self.state.namespace(&ns) {
-            Ok(spec) if req.flags & FLAG_PEER == 0 && self.state.tiers().peers().is_some() => {
+            Ok(spec) if req.flags & FLAG_PEER == 0 && self.state.tiers().has_remote() => {
                 self.state.tiers().exists_with_peers(&spec, &keys).await
             }
             _ => self.state.tiers().exists(&ns, &keys),
@@ -617,7 +617,7 @@ fn peer_fetch(state: &Arc<NodeState>, req: &RequestHeader, raw: &[u8]) -> crate:
 /// Queues the blocks a client's `PUT` (or a same-node store) just stored for their other owners
 /// (per namespace); nothing outside a cluster.
 pub(crate) fn forward_to_peers(state: &NodeState, mut stored: Vec<(NamespaceId, BlockKey)>) {
-    if stored.is_empty() || state.tiers().peers().is_none() {
+    if stored.is_empty() || !state.tiers().has_remote() {
         return;
     }
     stored.sort_unstable_by_key(|(ns, _)| ns.0);

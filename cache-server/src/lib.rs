@@ -1,7 +1,7 @@
 //! `kvtier-server`: the per-node kvtier service.
 //!
 //! - [`tiers`]: the tier seam — the `Tier` trait and the `TierStack` the planes use, demotion to
-//!   disk, the disk I/O pool.
+//!   disk, the disk I/O pool, and an existing Redis deployment as a shared tier.
 //! - [`dram`]: the G2 DRAM tier — slab storage by size class, a concurrent index, S3-FIFO
 //!   eviction with pins and priorities, a hard byte cap.
 //! - [`disk`]: the G3 disk tier — append-only segment files, recovery by scan, pins.
@@ -281,6 +281,11 @@ pub async fn start(
         None => None,
     };
     state.tiers().start_demotion(state.config().disk_codec_id());
+    if let Some(shared) = state.config().redis_tier.clone() {
+        let (tier, task) = tiers::RedisTier::start(shared, stop_rx.clone())?;
+        state.tiers().attach_redis(tier);
+        tasks.push(task);
+    }
     ::metrics::gauge!("kvtier_tier_capacity_bytes", "tier" => TierId::Dram.as_str())
         .set(state.config().dram_capacity.0 as f64);
 

@@ -560,7 +560,7 @@ impl Conn {
         let n = req.count as usize;
         // In a cluster: what no local tier holds, from its owners (within `peer_timeout`, in
         // chunks ahead of the copies), as the data plane's GET does.
-        let spec = self.state.namespace(&ns).ok().filter(|_| self.state.tiers().peers().is_some());
+        let spec = self.state.namespace(&ns).ok().filter(|_| self.state.tiers().has_remote());
         let keys: Vec<BlockKey> = match spec {
             Some(_) => body
                 .chunks_exact(sn::LOAD_ITEM_LEN)

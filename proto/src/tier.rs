@@ -55,6 +55,8 @@ pub enum TierId {
     Disk,
     /// G4: other nodes.
     Peer,
+    /// A Redis (or Redis Cluster) deployment the fleet shares.
+    Redis,
 }
 
 impl TierId {
@@ -70,6 +72,7 @@ impl TierId {
             TierId::InTransit => "in_transit",
             TierId::Disk => "disk",
             TierId::Peer => "peer",
+            TierId::Redis => "redis",
         }
     }
 }

@@ -68,7 +68,7 @@ impl PeerFetch {
             done: 0,
             got: HashMap::new(),
         };
-        let Some(ns) = ns.filter(|_| state.tiers().peers().is_some()) else { return f };
+        let Some(ns) = ns.filter(|_| state.tiers().has_remote()) else { return f };
         let block = ns.layout.block_bytes().max(1);
         let per_chunk = (CHUNK_BYTES / block).max(1) as usize;
         let most = (MAX_FETCH_BYTES / block).max(1) as usize;
@@ -93,7 +93,7 @@ impl PeerFetch {
             let Some(keys) = self.todo.pop_front() else { return };
             let (state, ns) = (self.state.clone(), ns.clone());
             self.running
-                .push_back(ChunkTask(tokio::spawn(async move { state.tiers().fetch_from_peers(&ns, &keys).await })));
+                .push_back(ChunkTask(tokio::spawn(async move { state.tiers().fetch_remote(&ns, &keys).await })));
         }
     }
 

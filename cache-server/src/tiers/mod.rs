@@ -7,10 +7,13 @@
 //! - [`in_transit`]: [`InTransitTier`] — blocks evicted from DRAM and not yet on disk.
 //! - [`demotion`]: the eviction hook, the bounded demotion queue and the thread that writes it out.
 //! - [`io`]: [`IoPool`] — the bounded pool disk reads and writes run on, off the async workers.
+//! - [`redis`]: [`RedisTier`] — an existing Redis / Redis Cluster deployment as a tier the fleet
+//!   shares (blocks and session manifests, checksums verified, a byte budget of its own).
 
 pub mod demotion;
 pub mod in_transit;
 pub mod io;
+pub mod redis;
 pub mod stack;
 
 use bytes::Bytes;
@@ -24,6 +27,7 @@ use crate::metrics::error;
 pub use demotion::DemotionDepth;
 pub use in_transit::InTransitTier;
 pub use io::IoPool;
+pub use redis::RedisTier;
 pub use stack::TierStack;
 
 /// What a tier answers to a read (after foyer's engine `Load`): being busy is a normal answer,

@@ -7,6 +7,12 @@
 //! it is asynchronous and batched (one request per peer per client request), so instead of a
 //! [`Tier`] entry it has two calls of its own — [`TierStack::fetch_from_peers`] for the keys
 //! every local tier missed, [`TierStack::forward_to_peers`] for blocks just stored.
+//!
+//! The shared Redis tier ([`RedisTier`], when `[redis_tier]` is set) sits under the peers in the
+//! same way: [`TierStack::fetch_remote`] asks the peers, then Redis, for what no local tier holds;
+//! the lookups (`*_with_peers`) count what Redis holds; [`TierStack::forward_to_peers`] also
+//! queues the blocks for Redis; and parked sessions' manifests go there too
+//! ([`TierStack::share_session`], [`TierStack::resume_shared`]).
 
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
@@ -16,6 +22,7 @@ use kvtier_proto::{BlockKey, CodecId, FrameHeader, Namespace, NamespaceId, TierI
 use parking_lot::Mutex;
 
 use super::demotion::{self, DemotionDepth};
+use super::redis::RedisTier;
 use super::{InTransitTier, IoPool, Load, PinTier, Tier, TierStats};
 use crate::cluster::PeerTier;
 use crate::disk::DiskTier;
@@ -48,6 +55,8 @@ pub struct TierStack {
     disk_read_budget_kib: usize,
     /// The peer tier, once the node joined a cluster.
     peers: OnceLock<Peers>,
+    /// The shared Redis tier, when `[redis_tier]` is set.
+    redis: OnceLock<Arc<RedisTier>>,
     /// Where block events go (see [`crate::events`]).
     events: Arc<EventBus>,
 }
@@ -91,6 +100,7 @@ impl TierStack {
             demotion: Mutex::new(None),
             sync_parks,
             peers: OnceLock::new(),
+            redis: OnceLock::new(),
             events: Arc::new(EventBus::default()),
         }
         .with_event_buffer(4096)
@@ -258,7 +268,9 @@ impl TierStack {
         let mut out = HashMap::with_capacity(got.len());
         for (k, b) in missing.into_iter().zip(got) {
             let Some(b) = b else { continue };
-            if peers.cache_locally && Tier::put(&self.dram, b.header, &b.payload, Priority::Normal).is_ok() {
+            // Low priority: the owners hold the copies that count; this one goes first under
+            // pressure, so a node's memory isn't taken by copies of others' blocks.
+            if peers.cache_locally && Tier::put(&self.dram, b.header, &b.payload, Priority::Low).is_ok() {
                 ::metrics::counter!("kvtier_peer_cached_total").increment(1);
                 self.events.stored(&id, std::slice::from_ref(&k), TierId::Dram);
             }
@@ -274,42 +286,123 @@ impl TierStack {
         Ok(())
     }
 
-    /// [`TierStack::longest_prefix`], continued — with a peer tier — by what the owners of the
-    /// keys after it hold (one request per peer; a failed peer holds nothing).
+    /// Puts the shared Redis tier under the local ones (and the peers'), once; later calls are
+    /// ignored.
+    pub fn attach_redis(&self, tier: Arc<RedisTier>) {
+        let _ = self.redis.set(tier);
+    }
+
+    /// The shared Redis tier, when `[redis_tier]` is set.
+    pub fn redis(&self) -> Option<&Arc<RedisTier>> {
+        self.redis.get()
+    }
+
+    /// Whether blocks may be found beyond this node's own tiers (peers, Redis).
+    pub fn has_remote(&self) -> bool {
+        self.peers.get().is_some() || self.redis.get().is_some()
+    }
+
+    /// [`TierStack::fetch_from_peers`], then — with a Redis tier — the keys still missing from
+    /// Redis (one batched request), verified and kept in DRAM. Empty without either.
+    pub async fn fetch_remote(&self, ns: &Namespace, keys: &[BlockKey]) -> HashMap<BlockKey, StoredBlock> {
+        let mut out = self.fetch_from_peers(ns, keys).await;
+        let Some(redis) = self.redis.get() else { return out };
+        let id = ns.id();
+        let held = self.exists(&id, keys);
+        let missing: Vec<BlockKey> =
+            keys.iter().zip(held).filter(|(k, h)| !h && !out.contains_key(k)).map(|(k, _)| *k).collect();
+        if missing.is_empty() {
+            return out;
+        }
+        for (k, b) in missing.iter().zip(redis.fetch(ns, &missing).await) {
+            let Some(b) = b else { continue };
+            if Tier::put(&self.dram, b.header, &b.payload, Priority::Normal).is_ok() {
+                self.events.stored(&id, std::slice::from_ref(k), TierId::Dram);
+            }
+            out.insert(*k, b);
+        }
+        out
+    }
+
+    /// Which of `keys` (none held locally) the peers (one request per peer) or Redis (one
+    /// batched request for what no peer holds) hold; a failure holds nothing.
+    async fn remote_held(&self, ns: &Namespace, keys: &[BlockKey]) -> Vec<bool> {
+        let mut held = match self.peers.get() {
+            Some(p) if !keys.is_empty() => p.tier.held(ns, keys).await,
+            _ => vec![false; keys.len()],
+        };
+        if let Some(redis) = self.redis.get() {
+            let missing: Vec<usize> = (0..keys.len()).filter(|&i| !held[i]).collect();
+            let ask: Vec<BlockKey> = missing.iter().map(|&i| keys[i]).collect();
+            for (i, there) in missing.into_iter().zip(redis.held(&ns.id(), &ask).await) {
+                held[i] = there;
+            }
+        }
+        held
+    }
+
+    /// [`TierStack::longest_prefix`], continued — with a peer or Redis tier — by what the owners
+    /// of the keys after it (or Redis) hold; a failed peer holds nothing.
     pub async fn longest_prefix_with_peers(&self, ns: &Namespace, keys: &[BlockKey]) -> usize {
         let id = ns.id();
         let n = self.longest_prefix(&id, keys);
-        let Some(peers) = self.peers.get() else { return n };
-        if n == keys.len() {
+        if !self.has_remote() || n == keys.len() {
             return n;
         }
         let local = self.exists(&id, &keys[n..]);
         let ask: Vec<BlockKey> = keys[n..].iter().zip(&local).filter(|(_, h)| !**h).map(|(k, _)| *k).collect();
-        let mut remote = peers.tier.held(ns, &ask).await.into_iter();
+        let mut remote = self.remote_held(ns, &ask).await.into_iter();
         n + local.into_iter().take_while(|&here| here || remote.next().unwrap_or(false)).count()
     }
 
-    /// [`TierStack::exists`], completed — with a peer tier — by what the owners of the keys no
-    /// local tier holds hold (one request per peer; a failed peer holds nothing).
+    /// [`TierStack::exists`], completed — with a peer or Redis tier — by what the owners of the
+    /// keys no local tier holds (or Redis) hold; a failed peer holds nothing.
     pub async fn exists_with_peers(&self, ns: &Namespace, keys: &[BlockKey]) -> Vec<bool> {
         let id = ns.id();
         let mut held = self.exists(&id, keys);
-        let Some(peers) = self.peers.get() else { return held };
+        if !self.has_remote() {
+            return held;
+        }
         let missing: Vec<usize> = (0..keys.len()).filter(|&i| !held[i]).collect();
         if missing.is_empty() {
             return held;
         }
         let ask: Vec<BlockKey> = missing.iter().map(|&i| keys[i]).collect();
-        for (i, there) in missing.into_iter().zip(peers.tier.held(ns, &ask).await) {
+        for (i, there) in missing.into_iter().zip(self.remote_held(ns, &ask).await) {
             held[i] = there;
         }
         held
     }
 
-    /// Queues blocks this node just stored (and holds in DRAM) for their other owners; nothing
-    /// without a peer tier. See [`PeerTier::forward`].
+    /// With a Redis tier: writes a parked (or extended) session's manifest — and those of its
+    /// blocks Redis may not hold as long — to Redis, so any node sharing it can resume the
+    /// session. Bounded by the Redis timeout; a failure is counted and the park stands.
+    pub async fn share_session(&self, m: &crate::sessions::SessionManifest) {
+        let Some(redis) = self.redis.get() else { return };
+        let ns = m.namespace;
+        redis.park(m, |k| async move { self.get(&ns, &k).await.hit() }).await;
+    }
+
+    /// With a Redis tier: a session this node does not hold, from its manifest in Redis (its
+    /// blocks then load through the Redis tier); `None` without one.
+    pub async fn resume_shared(&self, ns: &NamespaceId, id: &str) -> Option<crate::sessions::SessionManifest> {
+        self.redis.get()?.resume(ns, id).await
+    }
+
+    /// With a Redis tier: removes a dropped session's manifest from Redis.
+    pub async fn drop_shared(&self, ns: &NamespaceId, id: &str) {
+        if let Some(redis) = self.redis.get() {
+            redis.drop_session(ns, id).await;
+        }
+    }
+
+    /// Queues blocks this node just stored (and holds in DRAM) for their other owners, and for
+    /// Redis with a Redis tier; nothing without either. See [`PeerTier::forward`] and
+    /// [`RedisTier::store`].
     pub fn forward_to_peers(&self, ns: Namespace, keys: &[BlockKey]) {
-        let Some(peers) = self.peers.get() else { return };
+        if !self.has_remote() {
+            return;
+        }
         let id = ns.id();
         let in_memory = |k: &BlockKey| {
             self.tiers().filter(|t| !t.does_io()).find_map(|t| match t.get(&id, k) {
@@ -318,7 +411,12 @@ impl TierStack {
             })
         };
         let blocks: Vec<StoredBlock> = keys.iter().filter_map(in_memory).collect();
-        peers.tier.forward(ns, blocks);
+        if let Some(redis) = self.redis.get() {
+            redis.store(blocks.clone());
+        }
+        if let Some(peers) = self.peers.get() {
+            peers.tier.forward(ns, blocks);
+        }
     }
 
     /// Whether the hottest tier (DRAM) holds the block: a write of it can be skipped.
@@ -458,7 +556,10 @@ impl TierStack {
     /// Counters of the tiers that hold capacity of their own (DRAM, disk), hottest first.
     pub fn stats(&self) -> Vec<(TierId, TierStats)> {
         let local = self.tiers().filter(|t| t.id() != TierId::InTransit).map(|t| (t.id(), t.stats()));
-        local.chain(self.peers.get().map(|p| (TierId::Peer, p.tier.stats()))).collect()
+        local
+            .chain(self.peers.get().map(|p| (TierId::Peer, p.tier.stats())))
+            .chain(self.redis.get().map(|r| (TierId::Redis, r.stats())))
+            .collect()
     }
 
     /// Waits while the demotion queue is full, so writers slow down to the disk's pace instead
