@@ -64,7 +64,10 @@ async fn client(n: &ServerProcess, dir: &std::path::Path) -> KvClient {
 
 fn owners(ns: &NamespaceId, key: &kvtier_proto::BlockKey) -> BTreeSet<&'static str> {
     let p = kvtier_tests::redis::placement(&IDS, 64 << 20);
-    p.owners(ns, key, 2).into_iter().map(|i| IDS[IDS.iter().position(|id| *id == p.members()[i].id.as_str()).unwrap()]).collect()
+    p.owners(ns, key, 2)
+        .into_iter()
+        .map(|i| IDS[IDS.iter().position(|id| *id == p.members()[i].id.as_str()).unwrap()])
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -129,7 +132,9 @@ async fn a_partition_between_two_nodes_gives_misses_and_replica_reads_never_hang
         let st = tokens(100 + i, 16 * 3 + 5);
         let b = session_payloads(&ns1, &st);
         let t = Instant::now();
-        c1.park(&ns1, &format!("p{i}"), &st, &b, &ParkOptions::default(), 0).await.unwrap_or_else(|e| panic!("p{i}: {e}"));
+        c1.park(&ns1, &format!("p{i}"), &st, &b, &ParkOptions::default(), 0)
+            .await
+            .unwrap_or_else(|e| panic!("p{i}: {e}"));
         assert!(t.elapsed() < Duration::from_secs(3), "park p{i} took {:?}", t.elapsed());
         let r = c2.resume(&ns2, &format!("p{i}")).await.unwrap_or_else(|e| panic!("resume p{i} on n2: {e}"));
         assert!(r.blocks == b, "p{i}: wrong bytes");

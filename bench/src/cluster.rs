@@ -66,7 +66,13 @@ fn start_cluster(
             ),
         )?;
         let log = out.join(format!("cluster-n{i}.log"));
-        nodes.push(KvtierServer::start_with(bin, &d.join("data"), dram, &log, &["--config", cfg.to_str().unwrap_or("")])?);
+        nodes.push(KvtierServer::start_with(
+            bin,
+            &d.join("data"),
+            dram,
+            &log,
+            &["--config", cfg.to_str().unwrap_or("")],
+        )?);
     }
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
@@ -224,7 +230,8 @@ pub fn replays(
     for (i, (setup, n, extra, direct)) in setups.iter().enumerate() {
         eprintln!("cluster: trace replay, {setup}");
         let redis = RedisServer::start(redis_bin, &dir.join(format!("redis-replay-{i}")))?;
-        let nodes = start_cluster(bin, &redis, &dir.join(format!("replay-{i}")), out, *n, dram_total / *n as u64, extra)?;
+        let nodes =
+            start_cluster(bin, &redis, &dir.join(format!("replay-{i}")), out, *n, dram_total / *n as u64, extra)?;
         let addrs: Vec<String> = nodes.iter().map(|s| s.grpc_addr.clone()).collect();
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
         let pb = indicatif::ProgressBar::hidden();

@@ -543,9 +543,21 @@ fn main() -> anyhow::Result<()> {
             loads.iter().filter(|r| f(r).is_finite()).map(|r| (r.nodes as f64 - 1.0, f(r))).collect()
         };
         let series = vec![
-            Series { name: "local load (the node holding them)".into(), points: pts(&|r| r.local_gbps), markers_only: false },
-            Series { name: "through a node that holds none".into(), points: pts(&|r| r.remote_gbps), markers_only: false },
-            Series { name: "client straight to the owner".into(), points: pts(&|r| r.direct_gbps), markers_only: false },
+            Series {
+                name: "local load (the node holding them)".into(),
+                points: pts(&|r| r.local_gbps),
+                markers_only: false,
+            },
+            Series {
+                name: "through a node that holds none".into(),
+                points: pts(&|r| r.remote_gbps),
+                markers_only: false,
+            },
+            Series {
+                name: "client straight to the owner".into(),
+                points: pts(&|r| r.direct_gbps),
+                markers_only: false,
+            },
             Series { name: "loopback TCP, one stream".into(), points: pts(&|r| r.tcp_gbps), markers_only: false },
         ];
         let path = out.join("cluster_loads.png");
@@ -572,14 +584,21 @@ fn main() -> anyhow::Result<()> {
                 log_y: false,
                 series: vec![Series {
                     name: "prefix token hit rate".into(),
-                    points: replays.iter().enumerate().map(|(i, r)| (i as f64, r.result.prefix_token_hit_rate)).collect(),
+                    points: replays
+                        .iter()
+                        .enumerate()
+                        .map(|(i, r)| (i as f64, r.result.prefix_token_hit_rate))
+                        .collect(),
                     markers_only: true,
                 }],
                 x_names: Some(replays.iter().map(|r| r.setup.clone()).collect()),
             },
         )?;
         eprintln!("plots: {} {}", path.display(), path2.display());
-        std::fs::write(out.join("cluster.json"), serde_json::to_string_pretty(&json!({ "loads": loads, "replays": replays }))?)?;
+        std::fs::write(
+            out.join("cluster.json"),
+            serde_json::to_string_pretty(&json!({ "loads": loads, "replays": replays }))?,
+        )?;
         return Ok(());
     }
 

@@ -196,7 +196,8 @@ pub async fn replay(
     let mut routers = Vec::new();
     if cfg.direct_to_owners {
         for c in &clients {
-            routers.push(OwnerRouter::new(c.clone(), ClientConfig { data_connections: 4, ..Default::default() }).await?);
+            routers
+                .push(OwnerRouter::new(c.clone(), ClientConfig { data_connections: 4, ..Default::default() }).await?);
         }
     }
     let ns = handles[0].clone();
@@ -258,7 +259,8 @@ pub async fn replay(
     for e in &trace.events {
         match e.op {
             Op::Prefix { replica, doc, suffix_tokens, request } => {
-                let (client, ns) = (&clients[(replica % node_count) as usize], &handles[(replica % node_count) as usize]);
+                let (client, ns) =
+                    (&clients[(replica % node_count) as usize], &handles[(replica % node_count) as usize]);
                 let toks = request_tokens(trace, doc, suffix_tokens, request);
                 let keys = ns.keys(&toks);
                 let hit = client.lookup_keys(ns, &keys).await?;

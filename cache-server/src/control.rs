@@ -203,18 +203,25 @@ impl ControlPlane {
         let held = |m: Option<SessionManifest>| {
             let now = Instant::now();
             let (manifest, ttl_ms) = m.as_ref().map(|m| replicas::manifest_to_pb(m, now)).unzip();
-            pb::SessionReplicaResponse { held: manifest.is_some(), manifest, ttl_ms: ttl_ms.unwrap_or(0), ..Default::default() }
+            pb::SessionReplicaResponse {
+                held: manifest.is_some(),
+                manifest,
+                ttl_ms: ttl_ms.unwrap_or(0),
+                ..Default::default()
+            }
         };
         match pb::session_replica_request::Op::try_from(r.op) {
             Ok(pb::session_replica_request::Op::Get) => Ok(held(self.state.sessions().peek(id, &r.session_id))),
             Ok(pb::session_replica_request::Op::Drop) => {
                 let version = r.manifest.as_ref().and_then(|m| m.info.as_ref()).map_or(u64::MAX, |i| i.version);
                 let session = r.session_id.clone();
-                self.on_io(move |s| Ok(s.sessions().drop_replica(s.tiers().session_pins(), id, &session, version))).await?;
+                self.on_io(move |s| Ok(s.sessions().drop_replica(s.tiers().session_pins(), id, &session, version)))
+                    .await?;
                 Ok(held(self.state.sessions().peek(id, &r.session_id)))
             }
             Ok(pb::session_replica_request::Op::Put) => {
-                let copy = r.manifest.as_ref().ok_or_else(|| ServerError::InvalidRequest("PUT without a manifest".into()))?;
+                let copy =
+                    r.manifest.as_ref().ok_or_else(|| ServerError::InvalidRequest("PUT without a manifest".into()))?;
                 let m = replicas::manifest_from_pb(id, copy, r.ttl_ms, Instant::now())?;
                 if m.id != r.session_id {
                     return Err(ServerError::InvalidRequest("the manifest is another session's".into()));
@@ -237,15 +244,14 @@ impl ControlPlane {
                     };
                 }
                 let limits = self.state.session_limits(&ns);
-                let kept = self.on_io(move |s| Ok(s.sessions().put_replica(s.tiers().session_pins(), m, &limits))).await?;
+                let kept =
+                    self.on_io(move |s| Ok(s.sessions().put_replica(s.tiers().session_pins(), m, &limits))).await?;
                 match kept {
                     Ok(m) => Ok(held(Some(m))),
                     Err(ServerError::VersionConflict { .. }) => Ok(held(self.state.sessions().peek(id, &r.session_id))),
-                    Err(ServerError::MissingBlocks { missing, missing_tail }) => Ok(pb::SessionReplicaResponse {
-                        missing_blocks: missing,
-                        missing_tail,
-                        ..Default::default()
-                    }),
+                    Err(ServerError::MissingBlocks { missing, missing_tail }) => {
+                        Ok(pb::SessionReplicaResponse { missing_blocks: missing, missing_tail, ..Default::default() })
+                    }
                     Err(e) => Err(e),
                 }
             }
@@ -260,20 +266,21 @@ impl ControlPlane {
         let new_keys = keys(&r.new_keys)?;
         let tail = opt_key(&r.tail_key)?;
         self.state.tiers().persist(&ns_id, &new_keys, tail).await?;
-        let m = self.on_io(move |s| {
-            s.sessions().extend(
-                s.tiers().session_pins(),
-                ns_id,
-                &r.session_id,
-                r.expected_version,
-                r.base_blocks as usize,
-                new_keys,
-                tail,
-                r.token_count,
-                &limits,
-            )
-        })
-        .await?;
+        let m = self
+            .on_io(move |s| {
+                s.sessions().extend(
+                    s.tiers().session_pins(),
+                    ns_id,
+                    &r.session_id,
+                    r.expected_version,
+                    r.base_blocks as usize,
+                    new_keys,
+                    tail,
+                    r.token_count,
+                    &limits,
+                )
+            })
+            .await?;
         replicas::replicate(&self.state, &ns, &m).await?;
         Ok(m)
     }

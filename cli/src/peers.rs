@@ -182,7 +182,8 @@ impl PeerTransport for ClientTransport {
             let r = self.replica_call(peer, ns, id, Op::Get, None).await?;
             match (r.held, r.manifest) {
                 (true, Some(m)) => Ok(Some(
-                    replicas::manifest_from_pb(ns.id(), &m, r.ttl_ms, Instant::now()).map_err(|e| Self::err(peer, e))?,
+                    replicas::manifest_from_pb(ns.id(), &m, r.ttl_ms, Instant::now())
+                        .map_err(|e| Self::err(peer, e))?,
                 )),
                 _ => Ok(None),
             }
@@ -196,7 +197,8 @@ impl PeerTransport for ClientTransport {
         m: &'a SessionManifest,
     ) -> PeerFuture<'a, ReplicaPut> {
         Box::pin(async move {
-            let r = self.replica_call(peer, ns, &m.id, Op::Put, Some(replicas::manifest_to_pb(m, Instant::now()))).await?;
+            let r =
+                self.replica_call(peer, ns, &m.id, Op::Put, Some(replicas::manifest_to_pb(m, Instant::now()))).await?;
             if !r.missing_blocks.is_empty() || r.missing_tail {
                 return Ok(ReplicaPut::Missing { blocks: r.missing_blocks, tail: r.missing_tail });
             }

@@ -68,7 +68,10 @@ impl KvClient {
 
     /// A `SessionReplica` call: reads, writes or drops the node's own copy of a parked session
     /// (how nodes replicate sessions; the node accepts it from its operator only).
-    pub async fn session_replica(&self, req: pb::SessionReplicaRequest) -> Result<pb::SessionReplicaResponse, ClientError> {
+    pub async fn session_replica(
+        &self,
+        req: pb::SessionReplicaRequest,
+    ) -> Result<pb::SessionReplicaResponse, ClientError> {
         let mut g = self.grpc();
         self.timed(async move { Ok(g.session_replica(req).await?.into_inner()) }).await
     }

@@ -163,7 +163,11 @@ impl OwnerRouter {
 
     /// Stores frames of `ns`, each sent to its first owner (the home node for those it owns, or
     /// when the owner fails). One status per frame.
-    pub async fn store_frames(&self, ns: &NamespaceHandle, frames: &[BlockFrame]) -> Result<Vec<ItemStatus>, ClientError> {
+    pub async fn store_frames(
+        &self,
+        ns: &NamespaceHandle,
+        frames: &[BlockFrame],
+    ) -> Result<Vec<ItemStatus>, ClientError> {
         let (p, rf, local) = self.placement().await;
         let plan = Self::plan(&p, rf, local.as_ref(), ns, frames.iter().map(|f| f.header.key));
         let mut out: Vec<Option<ItemStatus>> = vec![None; frames.len()];
@@ -205,7 +209,11 @@ impl OwnerRouter {
 
     /// Loads blocks of `ns`, each from its first owner; keys an owner misses or can't serve are
     /// asked of the home node (which asks its peers). One entry per key.
-    pub async fn load_keys(&self, ns: &NamespaceHandle, keys: &[BlockKey]) -> Result<Vec<Option<BlockFrame>>, ClientError> {
+    pub async fn load_keys(
+        &self,
+        ns: &NamespaceHandle,
+        keys: &[BlockKey],
+    ) -> Result<Vec<Option<BlockFrame>>, ClientError> {
         let (p, rf, local) = self.placement().await;
         let plan = Self::plan(&p, rf, local.as_ref(), ns, keys.iter().copied());
         let mut out: Vec<Option<BlockFrame>> = vec![None; keys.len()];

@@ -39,8 +39,8 @@ use super::member::{Labels, Member, NodeId};
 use super::membership::Snapshot;
 use super::placement::{Placement, Reader};
 use crate::dram::StoredBlock;
-use crate::sessions::SessionManifest;
 use crate::error::ServerError;
+use crate::sessions::SessionManifest;
 use crate::tiers::TierStats;
 
 /// How long a peer that failed is skipped.

@@ -337,7 +337,11 @@ async fn a_namespace_with_its_own_replicas_is_placed_with_them() {
     let blocks: Vec<StoredBlock> = (0..32).map(|i| block(&ns, i)).collect();
     s.tier.forward(ns.clone(), blocks.clone());
     let owners = |b: &StoredBlock| -> Vec<String> {
-        s.placement.owners(&ns.id(), &b.header.key, 2).into_iter().map(|i| s.placement.members()[i].id.to_string()).collect()
+        s.placement
+            .owners(&ns.id(), &b.header.key, 2)
+            .into_iter()
+            .map(|i| s.placement.members()[i].id.to_string())
+            .collect()
     };
     let want: usize = blocks.iter().map(|b| owners(b).iter().filter(|o| *o != "a").count()).sum();
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -361,12 +365,8 @@ fn remote_pairs(s: &Setup, blocks: &[StoredBlock]) -> (Vec<StoredBlock>, usize) 
     let remote: Vec<StoredBlock> =
         blocks.iter().filter(|b| !s.owners(b, 2).contains(&"a".to_string())).cloned().collect();
     let p = s.tier.placement();
-    let first_b = s
-        .tier
-        .candidates(&p, &s.ns, &keys(&remote))
-        .iter()
-        .filter(|c| p.members()[c[0]].id.to_string() == "b")
-        .count();
+    let first_b =
+        s.tier.candidates(&p, &s.ns, &keys(&remote)).iter().filter(|c| p.members()[c[0]].id.to_string() == "b").count();
     (remote, first_b)
 }
 
