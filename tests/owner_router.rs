@@ -41,13 +41,7 @@ async fn stores_and_loads_go_straight_to_the_owners_and_fall_back_through_home()
     let redis = Redis::start();
     let dir = tempfile::tempdir().unwrap();
     let mut nodes: Vec<ServerProcess> = IDS.iter().map(|id| node(&redis, dir.path(), id)).collect();
-    let deadline = Instant::now() + Duration::from_secs(15);
-    for n in &nodes {
-        while metric(&n.scrape(), "kvtier_membership_members", &[]) != 3.0 {
-            assert!(Instant::now() < deadline, "the nodes did not see each other");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
+    until_members(&nodes, 3);
     let home = nodes[0].client().await;
     let router = OwnerRouter::new(home.clone(), ClientConfig::default()).await.unwrap();
     assert_eq!(router.members().len(), 3);
@@ -114,13 +108,7 @@ async fn a_relayed_copy_goes_before_the_blocks_a_node_owns() {
     let dir = tempfile::tempdir().unwrap();
     let ids = ["n1", "n2"];
     let nodes: Vec<ServerProcess> = ids.iter().map(|id| node_with(&redis, dir.path(), id, "4MiB")).collect();
-    let deadline = Instant::now() + Duration::from_secs(15);
-    for n in &nodes {
-        while metric(&n.scrape(), "kvtier_membership_members", &[]) != 2.0 {
-            assert!(Instant::now() < deadline, "the nodes did not see each other");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
+    until_members(&nodes, 2);
     let c1 = nodes[0].client().await;
     let ns = c1.register(namespace("acme", b"relay", small_layout())).await.unwrap();
     // About 5 MiB of blocks through n1 (4 MiB of DRAM): half are n2's, relayed.

@@ -80,13 +80,7 @@ async fn a_partition_between_two_nodes_gives_misses_and_replica_reads_never_hang
         node(&redis, dir.path(), "n2", &["n2", "n3"]),
         node(&redis, dir.path(), "n3", &["n1", "n2", "n3"]),
     ];
-    let deadline = Instant::now() + Duration::from_secs(15);
-    for n in &nodes {
-        while metric(&n.scrape(), "kvtier_membership_members", &[]) != 3.0 {
-            assert!(Instant::now() < deadline, "the nodes did not see each other");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
+    until_members(&nodes, 3);
     let (c1, c2) = (client(&nodes[0], dir.path()).await, client(&nodes[1], dir.path()).await);
     let spec = namespace("agents", b"partition", small_layout());
     let (ns1, ns2) = (c1.register(spec.clone()).await.unwrap(), c2.register(spec).await.unwrap());

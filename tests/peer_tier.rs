@@ -33,13 +33,7 @@ fn node(redis: &Redis, dir: &std::path::Path, id: &str, rf: usize) -> ServerProc
 /// Three nodes that see each other.
 fn cluster(redis: &Redis, dir: &std::path::Path, rf: usize) -> Vec<ServerProcess> {
     let nodes: Vec<ServerProcess> = IDS.iter().map(|id| node(redis, dir, id, rf)).collect();
-    let deadline = Instant::now() + Duration::from_secs(15);
-    for n in &nodes {
-        while metric(&n.scrape(), "kvtier_membership_members", &[]) != 3.0 {
-            assert!(Instant::now() < deadline, "the nodes did not see each other");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
+    until_members(&nodes, 3);
     nodes
 }
 

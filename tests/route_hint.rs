@@ -40,13 +40,7 @@ async fn the_hint_names_each_nodes_prefix_and_the_sessions_node_and_a_dead_node_
     let redis = Redis::start();
     let dir = tempfile::tempdir().unwrap();
     let mut nodes: Vec<ServerProcess> = IDS.iter().map(|id| node(&redis, dir.path(), id)).collect();
-    let deadline = Instant::now() + Duration::from_secs(15);
-    for n in &nodes {
-        while metric(&n.scrape(), "kvtier_membership_members", &[]) != 3.0 {
-            assert!(Instant::now() < deadline, "the nodes did not see each other");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
+    until_members(&nodes, 3);
     let (a, b, c) = (nodes[0].client().await, nodes[1].client().await, nodes[2].client().await);
     let spec = namespace("acme", b"route-salt", small_layout());
     let (ns_a, ns_b, ns_c) = (

@@ -39,19 +39,9 @@ fn node(redis: &Redis, dir: &std::path::Path, id: &str) -> ServerProcess {
     node_rf(redis, dir, id, 2)
 }
 
-fn until_members(nodes: &[&ServerProcess], n: f64) {
-    let deadline = Instant::now() + Duration::from_secs(15);
-    for s in nodes {
-        while metric(&s.scrape(), "kvtier_membership_members", &[]) != n {
-            assert!(Instant::now() < deadline, "the nodes did not see {n} members");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-}
-
 fn cluster(redis: &Redis, dir: &std::path::Path) -> Vec<ServerProcess> {
     let nodes: Vec<ServerProcess> = IDS.iter().map(|id| node(redis, dir, id)).collect();
-    until_members(&nodes.iter().collect::<Vec<_>>(), 3.0);
+    until_members(&nodes, 3);
     nodes
 }
 
@@ -170,7 +160,7 @@ async fn a_rolling_restart_of_every_node_loses_no_parked_session() {
         rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
         let _ = nodes[k].child.wait();
         nodes[k] = node(&redis, dir.path(), IDS[k]);
-        until_members(&nodes.iter().collect::<Vec<_>>(), 3.0);
+        until_members(&nodes, 3);
         let clients = [nodes[0].client().await, nodes[1].client().await, nodes[2].client().await];
         until_every_session_has_two_copies(&clients.iter().collect::<Vec<_>>(), N as usize).await;
     }
@@ -280,7 +270,7 @@ async fn with_one_copy_a_session_moves_to_the_node_that_resumes_it() {
     let dir = tempfile::tempdir().unwrap();
     let n1 = node_rf(&redis, dir.path(), "n1", 1);
     let n2 = node_rf(&redis, dir.path(), "n2", 1);
-    until_members(&[&n1, &n2], 2.0);
+    until_members([&n1, &n2], 2);
     let (c1, c2) = (n1.client().await, n2.client().await);
     let (ns1, ns2) = (handle(&c1).await, handle(&c2).await);
     let (toks, blocks) = session(&ns1, 5);
@@ -315,7 +305,7 @@ async fn a_namespace_chooses_its_own_replication_factor() {
     let redis = Redis::start();
     let dir = tempfile::tempdir().unwrap();
     let mut nodes: Vec<ServerProcess> = IDS.iter().map(|id| node_rf(&redis, dir.path(), id, 1)).collect();
-    until_members(&nodes.iter().collect::<Vec<_>>(), 3.0);
+    until_members(&nodes, 3);
     let spec = |replicas: u8| namespace("agents", b"own-rf", small_layout()).with_replicas(replicas);
     let c1 = nodes[0].client().await;
     let (two, one) = (c1.register(spec(2)).await.unwrap(), c1.register(spec(0)).await.unwrap());

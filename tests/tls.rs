@@ -302,13 +302,7 @@ fn tls_cluster(dir: &Path, ca: &Path, redis: &kvtier_tests::redis::Redis, extra:
             ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"])
         })
         .collect();
-    let deadline = std::time::Instant::now() + Duration::from_secs(15);
-    for n in &nodes {
-        while metric(&n.scrape(), "kvtier_membership_members", &[]) != 2.0 {
-            assert!(std::time::Instant::now() < deadline, "the nodes did not see each other");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
+    until_members(&nodes, 2);
     nodes
 }
 

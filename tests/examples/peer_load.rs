@@ -122,13 +122,7 @@ async fn run(between: Between) -> (usize, f64, f64, f64) {
         pki(dir.path());
     }
     let (n1, n2) = (node(&redis, dir.path(), "n1", between), node(&redis, dir.path(), "n2", between));
-    let deadline = Instant::now() + Duration::from_secs(15);
-    for n in [&n1, &n2] {
-        while metric(&n.scrape(), "kvtier_membership_members", &[]) != 2.0 {
-            assert!(Instant::now() < deadline, "the nodes did not see each other");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
+    until_members([&n1, &n2], 2);
     let layout = KvLayout::new(8, 8, 128, DType::Bf16, 32); // 1 MiB blocks
     let spec = namespace("bench", b"bench", layout);
     let (c1, c2) = (client(&n1, dir.path(), between).await, client(&n2, dir.path(), between).await);

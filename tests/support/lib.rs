@@ -139,6 +139,17 @@ pub fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
 }
 
 /// A small layout: 4 layers, 2 KV heads of 64, fp16, 16 tokens per block = 32 KiB per block.
+/// Waits (up to 15 s) until every one of `nodes` counts `n` cluster members.
+pub fn until_members<'a>(nodes: impl IntoIterator<Item = &'a ServerProcess>, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    for s in nodes {
+        while metric(&s.scrape(), "kvtier_membership_members", &[]) != n as f64 {
+            assert!(Instant::now() < deadline, "the nodes did not see {n} members");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
 pub fn small_layout() -> KvLayout {
     KvLayout::new(4, 2, 64, DType::Fp16, 16)
 }

@@ -222,12 +222,13 @@ pub async fn adopt(
     let id = ns.id();
     let mut keys = m.keys.clone();
     keys.extend(m.tail);
-    // Every block is held in DRAM from the moment it is here until the manifest pins it, so
-    // fetching the later blocks can't evict the earlier ones.
+    // Every block in DRAM is held there from the moment it is here until the manifest pins it,
+    // so fetching the later blocks can't evict the earlier ones. Blocks only on disk stay there
+    // (the manifest pins them on disk); only blocks no local tier has are fetched.
     let mut hold = DramHold { state, ns: id, keys: Vec::with_capacity(keys.len()) };
     let mut missing = Vec::new();
     for k in &keys {
-        if !hold.add(k) {
+        if !hold.add(k) && !state.tiers().holds(&id, k) {
             missing.push(*k);
         }
     }
