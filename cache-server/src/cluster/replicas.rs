@@ -99,7 +99,7 @@ pub async fn replicate(state: &NodeState, ns: &Namespace, m: &SessionManifest) -
         return Err(ServerError::Peer {
             peer: "cluster".into(),
             reason: format!(
-                "session {:?} version {} is held by {held} of {rf} nodes (kept here; park again to retry): {why}",
+                "session {:?} version {} is held by {held} of {rf} nodes (kept here at that version: park again with it to retry): {why}",
                 m.id, m.version
             ),
         });
