@@ -56,6 +56,11 @@ pub struct ServerConfig {
     /// What backs the DRAM tier's one arena: `"anonymous"` memory, or a `"memfd"` a same-node
     /// process can map. Default: `anonymous`.
     pub dram_region: String,
+    /// Fault in every page of the DRAM tier's capacity at start, in the background, so the first
+    /// fill of the cache doesn't pay a page fault (and a zeroing) per 4 KiB in the store path:
+    /// the node holds its whole DRAM capacity from the start. For nodes dedicated to the cache.
+    /// Default: `false`.
+    pub dram_prefault: bool,
     /// How long a client may hold a reserved DRAM slot (a block being received) before it is
     /// revoked, e.g. `"30s"`. Default: `30s`.
     pub lease_timeout: DurationStr,
@@ -358,6 +363,7 @@ impl Default for ServerConfig {
             disk_codec: "keep".into(),
             session_durability: "fsync".into(),
             dram_region: "anonymous".into(),
+            dram_prefault: false,
             lease_timeout: DurationStr(Duration::from_secs(30)),
             stall_timeout: DurationStr(Duration::from_secs(30)),
             idle_timeout: DurationStr(Duration::from_secs(300)),

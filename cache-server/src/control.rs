@@ -158,17 +158,18 @@ impl ControlPlane {
         // The blocks go to disk before the table is touched, and without holding its lock.
         self.state.tiers().persist(&ns_id, &spec.keys, spec.tail).await?;
         let m = self.on_io(move |s| s.sessions().park(s.tiers().session_pins(), spec, &limits)).await?;
-        // In a cluster with `cluster_rf` >= 2: acknowledged once `rf` nodes hold it.
+        // In a cluster where the namespace keeps 2+ copies (`PeerTier::rf_for`: its own
+        // `replicas`, else `cluster_rf`): acknowledged once that many nodes hold it.
         replicas::replicate(&self.state, &ns, &m).await?;
         Ok(m)
     }
 
     /// In a cluster: if this node has no copy of the session, adopts the newest copy another
-    /// member holds (with any `cluster_rf`: a session parked with rf = 1 moves to the node the
-    /// agent resumes on); with `cluster_rf` >= 2, also when an owner holds a newer copy than
-    /// this node's, so the resume answers with the newest version any reachable owner has. Waits
-    /// at most `CHECK_WAIT` when this node has a copy, `peer_timeout` when it has none; a
-    /// failure leaves this node's copy (or none) in place.
+    /// member holds (with any factor: a session parked with rf = 1 moves to the node the agent
+    /// resumes on); where the namespace keeps 2+ copies (`rf_for`), also when an owner holds a
+    /// newer copy than this node's, so the resume answers with the newest version any reachable
+    /// owner has. Waits at most `CHECK_WAIT` when this node has a copy, `peer_timeout` when it
+    /// has none; a failure leaves this node's copy (or none) in place.
     async fn adopt_newer_copy(&self, ns: &Namespace, id: &str) {
         let Some(peers) = self.state.tiers().peers() else { return };
         let local = self.state.sessions().peek(ns.id(), id).map_or(0, |m| m.version);

@@ -47,6 +47,8 @@ pub mod session_store;
 pub mod sessions;
 pub mod state;
 pub mod tenants;
+#[cfg(test)]
+mod test_redis;
 pub mod tiers;
 pub mod tls;
 

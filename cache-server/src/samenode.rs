@@ -3,9 +3,10 @@
 //! copy each way, with no payload on the socket.
 //!
 //! - A load looks the block up through the tier stack and copies it from its slot into the
-//!   client's buffer; the answer carries the frame header. With `FLAG_VERIFY` (the client's
-//!   default) it checks the slot's bytes against the frame checksum while they are in cache, so a
-//!   block damaged in memory is reported, never handed over as good.
+//!   client's buffer; the answer carries the frame header. A DRAM block is checked against its
+//!   frame checksum in the same pass, chunk by chunk while the bytes are in cache (the tier does
+//!   not hash it first), so its bytes are read once; a block damaged in memory is reported and
+//!   removed, never handed over as good. Blocks from other tiers were checked by the tier.
 //! - A store reserves a DRAM lease, copies the payload from the client's buffer into it and
 //!   verifies the checksum on *that copy* before committing: bytes the client can still change
 //!   are never trusted, so a client racing its own store gets `ChecksumMismatch`, never a stored
@@ -40,8 +41,7 @@ use std::time::{Duration, Instant};
 
 use kvtier_proto::dataplane::{HelloReply, ItemStatus, ResponseHeader, Status, FLAG_STOP_AT_MISS};
 use kvtier_proto::samenode::{
-    self as sn, decode_hello, LoadItem, SnOp, SnRequest, StoreItem, FLAG_VERIFY, HELLO_LEN, PROTOCOL_VERSION,
-    REQUEST_LEN,
+    self as sn, decode_hello, LoadItem, SnOp, SnRequest, StoreItem, HELLO_LEN, PROTOCOL_VERSION, REQUEST_LEN,
 };
 use kvtier_proto::{BlockKey, FrameHeader, NamespaceId};
 use memmap2::{MmapOptions, MmapRaw};
@@ -556,7 +556,6 @@ impl Conn {
             return self.refuse(req, Status::BadRequest, &format!("no buffer {} is registered", req.buffer));
         }
         let stop_at_miss = req.flags & FLAG_STOP_AT_MISS != 0;
-        let verify = req.flags & FLAG_VERIFY != 0;
         let n = req.count as usize;
         // In a cluster: what no local tier holds, from its owners (within `peer_timeout`, in
         // chunks ahead of the copies), as the data plane's GET does.
@@ -581,8 +580,9 @@ impl Conn {
             let status = match LoadItem::decode(raw) {
                 Ok(item) if !self.fits(req.buffer, item.offset, item.room) => ItemStatus::OutOfRange,
                 Ok(item) => {
-                    let local = self.state.tiers().get(&ns, &item.key).await.hit();
-                    let found = match local {
+                    // A DRAM hit comes unchecked: `copy_out` checks it as it copies.
+                    let (local, unchecked) = self.state.tiers().get_to_check(&ns, &item.key).await;
+                    let found = match local.hit() {
                         Some(b) => Some(b),
                         None => remote.take(&item.key).await,
                     };
@@ -594,11 +594,11 @@ impl Conn {
                             .and_then(|r| r.at(item.offset, b.payload.len() as u64))
                         {
                             Some(dst) if b.payload.len() as u64 <= item.room => {
-                                if copy_out(&b.payload, dst, verify.then_some(b.header.checksum)) {
+                                if copy_out(&b.payload, dst, unchecked.then_some(b.header.checksum)) {
                                     headers.extend_from_slice(&b.header.encode());
                                     ItemStatus::Ok
                                 } else {
-                                    tracing::error!(key = %item.key, "a stored block failed its checksum on a same-node load");
+                                    self.state.tiers().drop_corrupt(&ns, &item.key);
                                     ItemStatus::ChecksumMismatch
                                 }
                             }
@@ -748,5 +748,29 @@ fn kind(s: ItemStatus) -> &'static str {
         ItemStatus::BadHeader => "bad_header",
         ItemStatus::Internal => "internal",
         ItemStatus::Ok | ItemStatus::Present | ItemStatus::Miss => "ok",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The checked copy lands every byte and says whether the *source* matched the checksum: a
+    /// block damaged in memory (one bit) is reported, an intact one of any length passes.
+    #[test]
+    fn a_checked_copy_reports_a_damaged_source() {
+        for len in [0usize, 1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 17] {
+            let src: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
+            let sum = kvtier_proto::checksum(&src);
+            let mut dst = vec![0u8; len];
+            assert!(copy_out(&src, dst.as_mut_ptr(), Some(sum)), "intact, {len} bytes");
+            assert_eq!(dst, src);
+            assert!(copy_out(&src, dst.as_mut_ptr(), None));
+            if len > 0 {
+                let mut damaged = src.clone();
+                damaged[len / 2] ^= 0x01;
+                assert!(!copy_out(&damaged, dst.as_mut_ptr(), Some(sum)), "damaged, {len} bytes");
+            }
+        }
     }
 }

@@ -271,6 +271,7 @@ impl NodeState {
             DramConfig { capacity_bytes: config.dram_capacity.0, max_pinned_ratio: config.max_pinned_ratio },
             DramOptions {
                 region: if config.dram_region == "memfd" { RegionMode::Memfd } else { RegionMode::Anonymous },
+                prefault: config.dram_prefault,
                 lease_ttl: config.lease_timeout.0,
                 // Readers' views of evicted blocks (the default), plus a full demotion queue.
                 headroom_bytes: (config.disk_capacity.0 > 0).then(|| {

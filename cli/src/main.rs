@@ -81,6 +81,10 @@ struct ServeArgs {
     /// Hard cap of the DRAM tier, e.g. 512MiB or 4GiB.
     #[arg(long, env = "KVTIER_DRAM_CAPACITY")]
     dram_capacity: Option<ByteSize>,
+    /// Fault in the whole DRAM capacity at start (in the background), so the first fill of the
+    /// cache doesn't page-fault in the store path; the node then holds all of it.
+    #[arg(long, env = "KVTIER_DRAM_PREFAULT")]
+    dram_prefault: bool,
     /// Hard cap of the disk tier under DRAM (0: off), e.g. 64GiB.
     #[arg(long, env = "KVTIER_DISK_CAPACITY")]
     disk_capacity: Option<ByteSize>,
@@ -306,6 +310,9 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     }
     if let Some(v) = a.dram_capacity {
         cfg.dram_capacity = v;
+    }
+    if a.dram_prefault {
+        cfg.dram_prefault = true;
     }
     if let Some(v) = a.disk_capacity {
         cfg.disk_capacity = v;

@@ -37,7 +37,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use kvtier_proto::dataplane::{HelloReply, ItemStatus, ResponseHeader, Status};
 use kvtier_proto::samenode::{
-    encode_hello, LoadItem, SnOp, SnRequest, StoreItem, FLAG_STOP_AT_MISS, FLAG_VERIFY, RESPONSE_HEADER_LEN,
+    encode_hello, LoadItem, SnOp, SnRequest, StoreItem, FLAG_STOP_AT_MISS, RESPONSE_HEADER_LEN,
 };
 use kvtier_proto::{
     codes, BlockFrame, BlockKey, CodecId, FrameHeader, NamespaceId, FRAME_FLAG_KEEP_LOSSLESS, FRAME_HEADER_LEN,
@@ -130,7 +130,6 @@ pub struct SameNode {
     /// `SharedBuffer` uid → its id on this connection, and whether the buffer still lives.
     registered: HashMap<u64, (BufferId, Weak<()>)>,
     broken: Option<String>,
-    verify_loads: bool,
 }
 
 impl SameNode {
@@ -186,7 +185,6 @@ impl SameNode {
             next_request: 0,
             registered: HashMap::new(),
             broken: None,
-            verify_loads: true,
         })
     }
 
@@ -212,13 +210,6 @@ impl SameNode {
             }
         }
         Ok(())
-    }
-
-    /// Whether the server checks each loaded block against its checksum as it copies it (one
-    /// extra pass over the bytes, in cache). Without it a load is a bare memcpy from a slot
-    /// verified when it was stored. Default: true.
-    pub fn set_verify_loads(&mut self, verify: bool) {
-        self.verify_loads = verify;
     }
 
     /// The socket this connection goes to.
@@ -298,8 +289,8 @@ impl SameNode {
     }
 
     /// The protocol's `LOAD`: per item, the frame header of the block now at its offset in
-    /// buffer `buffer` (its payload as stored, possibly encoded), or why not. Verified by the
-    /// server unless [`SameNode::set_verify_loads`] turned that off.
+    /// buffer `buffer` (its payload as stored, possibly encoded), or why not. The server checked
+    /// every block it reports `Ok` against its checksum (a DRAM block as it copied it).
     pub async fn load_items(
         &mut self,
         ns: NamespaceId,
@@ -308,7 +299,7 @@ impl SameNode {
         stop_at_miss: bool,
     ) -> Result<Vec<Result<FrameHeader, ItemStatus>>, ClientError> {
         let mut out = Vec::with_capacity(items.len());
-        let flags = if stop_at_miss { FLAG_STOP_AT_MISS } else { 0 } | if self.verify_loads { FLAG_VERIFY } else { 0 };
+        let flags = if stop_at_miss { FLAG_STOP_AT_MISS } else { 0 };
         for batch in items.chunks(self.max_items) {
             if stop_at_miss && out.iter().any(|r: &Result<FrameHeader, ItemStatus>| r.is_err()) {
                 out.extend(batch.iter().map(|_| Err(ItemStatus::Miss)));

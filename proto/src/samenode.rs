@@ -23,7 +23,8 @@
 //!   [`ResponseHeader`], `count` [`ItemStatus`] bytes, then one 128-byte frame header per `Ok`
 //!   item, in order (the block's codec and length; its payload is at the item's offset). With
 //!   [`FLAG_STOP_AT_MISS`] every item after the first one not delivered is a `Miss`, unlooked;
-//!   with [`FLAG_VERIFY`] the server hashes each block as it copies it.
+//!   the server checks every block it hands over against its checksum exactly once (a DRAM
+//!   block as it copies it), whatever the flags say.
 //! - `STORE`: `buffer`, `count` [`StoreItem`]s (frame header, offset of its payload). Answer: a
 //!   [`ResponseHeader`] and `count` [`ItemStatus`] bytes (`Ok`, `Present` already held, or why
 //!   refused).
@@ -43,9 +44,8 @@ pub const REGISTER_BODY_LEN: usize = 8;
 pub const LOAD_ITEM_LEN: usize = KEY_LEN + 16;
 pub const STORE_ITEM_LEN: usize = FRAME_HEADER_LEN + 8;
 const MARKER: u8 = 0x5A;
-/// `LOAD` flag: the server checks each block's bytes against its checksum as it copies them (a
-/// block damaged in the server's memory becomes `ChecksumMismatch`). Without it the copy is a bare
-/// memcpy from a slot verified when it was stored; the client may verify in its buffer itself.
+/// `LOAD` flag sent by older clients to ask for a checked copy. Ignored: every block is now
+/// checked once whatever the flags (a block damaged in the server's memory is `ChecksumMismatch`).
 pub const FLAG_VERIFY: u16 = 8;
 
 /// The hello's fixed part and the token after it.

@@ -4,105 +4,19 @@
 //! restarted process takes its id over. Without `redis-server` these tests fail, saying so.
 
 use std::collections::BTreeSet;
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use redis::AsyncCommands;
 
 use super::*;
 use crate::error::ServerError;
+use crate::test_redis::RedisProc;
 
-/// `redis-server` from `$REDIS_SERVER`, the PATH or /usr/bin.
-fn redis_binary() -> String {
-    if let Ok(p) = std::env::var("REDIS_SERVER") {
-        assert!(
-            std::path::Path::new(&p).is_file(),
-            "$REDIS_SERVER={p:?} is not a file: the cluster tests need a real redis-server"
-        );
-        return p;
-    }
-    for dir in std::env::var("PATH").unwrap_or_default().split(':').chain(["/usr/bin", "/usr/local/bin"]) {
-        let p = std::path::Path::new(dir).join("redis-server");
-        if p.is_file() {
-            return p.display().to_string();
-        }
-    }
-    panic!(
-        "redis-server not found (PATH, /usr/bin, $REDIS_SERVER): the cluster membership tests need a real \
-         Redis. Install it (`apt-get install -y redis-server`; .ci/run does) or point $REDIS_SERVER at one."
-    );
-}
-
-/// A `redis-server` child process on a loopback port; killed by its pid when dropped.
-struct RedisServer {
-    port: u16,
-    child: Option<Child>,
-    dir: tempfile::TempDir,
-}
-
-impl RedisServer {
-    fn start() -> Self {
-        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let mut s = RedisServer { port, child: None, dir: tempfile::tempdir().unwrap() };
-        s.restart();
-        s
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-
-    /// Starts the server (again) on the same port and waits until it answers PING.
-    fn restart(&mut self) {
-        assert!(self.child.is_none());
-        let child = Command::new(redis_binary())
-            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-            .arg("--dir")
-            .arg(self.dir.path())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("starting redis-server: {e}"));
-        self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Ok(mut c) = redis::Client::open(self.url()).and_then(|c| c.get_connection()) {
-                if redis::cmd("PING").query::<String>(&mut c).is_ok() {
-                    return;
-                }
-            }
-            assert!(Instant::now() < deadline, "redis-server on port {} did not answer within 10 s", self.port);
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    /// Kills the server (SIGKILL to the pid this test started) and reaps it.
-    fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    /// Freezes (`SIGSTOP`) or thaws (`SIGCONT`) the server: connections stay open, nothing answers.
-    fn freeze(&self, frozen: bool) {
-        use rustix::process::{kill_process, Pid, Signal};
-        let child = self.child.as_ref().expect("redis-server is running");
-        kill_process(Pid::from_child(child), if frozen { Signal::STOP } else { Signal::CONT }).unwrap();
-    }
-
-    async fn ids(&self) -> BTreeSet<String> {
-        let client = redis::Client::open(self.url()).unwrap();
-        let mut con = client.get_multiplexed_async_connection().await.unwrap();
-        con.smembers("{kvtier}:members").await.unwrap()
-    }
-}
-
-impl Drop for RedisServer {
-    fn drop(&mut self) {
-        self.kill();
-    }
+/// The ids in Redis's membership set.
+async fn member_set(redis: &RedisProc) -> BTreeSet<String> {
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut con = client.get_multiplexed_async_connection().await.unwrap();
+    con.smembers("{kvtier}:members").await.unwrap()
 }
 
 fn member(id: &str) -> Member {
@@ -115,11 +29,11 @@ fn member(id: &str) -> Member {
     }
 }
 
-fn config(redis: &RedisServer, id: &str, ttl_ms: u64) -> RedisMembershipConfig {
+fn config(redis: &RedisProc, id: &str, ttl_ms: u64) -> RedisMembershipConfig {
     config_for(redis, member(id), ttl_ms)
 }
 
-fn config_for(redis: &RedisServer, m: Member, ttl_ms: u64) -> RedisMembershipConfig {
+fn config_for(redis: &RedisProc, m: Member, ttl_ms: u64) -> RedisMembershipConfig {
     RedisMembershipConfig::new(redis.url(), m)
         .with_ttl(Duration::from_millis(ttl_ms))
         .with_poll_interval(Duration::from_millis(100))
@@ -140,7 +54,7 @@ async fn until(m: &dyn Membership, within: Duration, what: &str, pred: impl Fn(&
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn members_see_each_other_and_a_graceful_leave_is_seen_at_once() {
-    let redis = RedisServer::start();
+    let redis = RedisProc::start(false);
     // A long TTL: a member that disappears within a second was deleted, not expired.
     let ttl = 5000;
     let a = RedisMembership::start(config(&redis, "a", ttl)).await.unwrap();
@@ -158,12 +72,12 @@ async fn members_see_each_other_and_a_graceful_leave_is_seen_at_once() {
         until(m, Duration::from_secs(1), "without b", |s| ids(s) == ["a", "c"]).await;
     }
     eprintln!("graceful leave seen by both others after {:?}", left_at.elapsed());
-    assert_eq!(redis.ids().await, BTreeSet::from(["a".to_string(), "c".to_string()]));
+    assert_eq!(member_set(&redis).await, BTreeSet::from(["a".to_string(), "c".to_string()]));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_dropped_without_leaving_disappears_after_its_ttl() {
-    let redis = RedisServer::start();
+    let redis = RedisProc::start(false);
     let ttl = Duration::from_millis(1500);
     let a = RedisMembership::start(config(&redis, "a", 1500)).await.unwrap();
     let b = RedisMembership::start(config(&redis, "b", 1500)).await.unwrap();
@@ -175,12 +89,12 @@ async fn a_member_dropped_without_leaving_disappears_after_its_ttl() {
     eprintln!("a dropped member (TTL {ttl:?}) left the others' snapshot after {gone_after:?}");
     // Its last refresh was at most one tick (100 ms) before the drop.
     assert!(gone_after >= ttl - Duration::from_millis(150), "gone after {gone_after:?}, before its TTL ran out");
-    assert_eq!(redis.ids().await, BTreeSet::from(["a".to_string()]), "the expired id is pruned from the set");
+    assert_eq!(member_set(&redis).await, BTreeSet::from(["a".to_string()]), "the expired id is pruned from the set");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_down_keeps_the_snapshot_and_redis_back_re_registers() {
-    let mut redis = RedisServer::start();
+    let mut redis = RedisProc::start(false);
     let a = RedisMembership::start(config(&redis, "a", 1500)).await.unwrap();
     let b = RedisMembership::start(config(&redis, "b", 1500)).await.unwrap();
     until(&a, Duration::from_secs(3), "seeing b", |s| s.members.len() == 2).await;
@@ -221,11 +135,11 @@ async fn redis_down_keeps_the_snapshot_and_redis_back_re_registers() {
         until(m, Duration::from_secs(3), "fresh", |s| !s.stale).await;
     }
     let deadline = Instant::now() + Duration::from_secs(3);
-    while redis.ids().await.len() < 2 {
-        assert!(Instant::now() < deadline, "a and b did not re-register: {:?}", redis.ids().await);
+    while member_set(&redis).await.len() < 2 {
+        assert!(Instant::now() < deadline, "a and b did not re-register: {:?}", member_set(&redis).await);
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert_eq!(redis.ids().await, BTreeSet::from(["a".to_string(), "b".to_string()]));
+    assert_eq!(member_set(&redis).await, BTreeSet::from(["a".to_string(), "b".to_string()]));
     // Past the grace period both are still there: they re-registered.
     tokio::time::sleep(Duration::from_millis(1800)).await;
     assert_eq!(ids(&a.snapshot()), ["a", "b"]);
@@ -236,7 +150,7 @@ async fn redis_down_keeps_the_snapshot_and_redis_back_re_registers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_process_takes_its_id_over() {
-    let redis = RedisServer::start();
+    let redis = RedisProc::start(false);
     let watcher = RedisMembership::start(config(&redis, "w", 5000)).await.unwrap();
     let old = RedisMembership::start(config(&redis, "a", 5000)).await.unwrap();
     until(&watcher, Duration::from_secs(3), "seeing a", |s| s.members.len() == 2).await;
@@ -265,7 +179,7 @@ async fn a_bad_url_is_a_config_error() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_redis_makes_calls_time_out_not_hang() {
-    let redis = RedisServer::start();
+    let redis = RedisProc::start(false);
     let a = RedisMembership::start(config(&redis, "a", 1500)).await.unwrap();
     let b = RedisMembership::start(config(&redis, "b", 1500)).await.unwrap();
     until(&a, Duration::from_secs(3), "seeing b", |s| s.members.len() == 2).await;

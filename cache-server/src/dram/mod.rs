@@ -123,6 +123,9 @@ pub struct DramOptions {
     /// Most bytes of slots leased at once (one lease is always granted when none is
     /// outstanding). Default (`None`): half the capacity.
     pub max_leased_bytes: Option<u64>,
+    /// Fault in the capacity's pages in the background at start (see [`Arena::prefault`]).
+    /// Default: false.
+    pub prefault: bool,
 }
 
 impl DramOptions {
@@ -140,6 +143,7 @@ impl Default for DramOptions {
             headroom_bytes: None,
             lease_ttl: Duration::from_secs(30),
             max_leased_bytes: None,
+            prefault: false,
         }
     }
 }
@@ -572,6 +576,9 @@ impl DramTier {
             usize::try_from(v).map_err(|_| ServerError::Config(format!("dram: {v} bytes do not fit the address space")))
         };
         let arena = Arena::new(as_usize(capacity)?, as_usize(headroom)?, opts.region)?;
+        if opts.prefault {
+            Arena::prefault(&arena);
+        }
         let shared = Shared {
             arena: Arc::clone(&arena),
             capacity,

@@ -46,7 +46,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
-use memmap2::{MmapOptions, MmapRaw, UncheckedAdvice};
+use memmap2::{Advice, MmapOptions, MmapRaw, UncheckedAdvice};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
@@ -133,6 +133,12 @@ impl Region {
     /// only ever handed to a process trusted with all tenants.
     pub fn fd(&self) -> Option<BorrowedFd<'_>> {
         self.file.as_ref().map(|f| f.as_fd())
+    }
+
+    /// Faults in the pages of `[off, off + len)` writable without writing them
+    /// (`MADV_POPULATE_WRITE`): bytes already there are untouched.
+    fn populate(&self, off: usize, len: usize) -> std::io::Result<()> {
+        self.map.advise_range(Advice::PopulateWrite, off, len.min(self.len().saturating_sub(off)))
     }
 
     /// Gives the whole pages inside `[off, off + len)` back to the OS.
@@ -237,6 +243,33 @@ impl Arena {
 
     pub fn region(&self) -> &Region {
         &self.region
+    }
+
+    /// Faults in the main part (the capacity) on a background thread, 32 MiB at a time, so the
+    /// first fill of the cache doesn't page-fault in the store path. Slots may be written
+    /// meanwhile: populating never changes a byte. Stops when the arena is dropped; a kernel
+    /// without `MADV_POPULATE_WRITE` (before 5.14) or a memory limit ends it with a warning.
+    pub fn prefault(arena: &Arc<Arena>) {
+        const STEP: usize = 32 << 20;
+        let weak = Arc::downgrade(arena);
+        let end = arena.split;
+        let spawned = std::thread::Builder::new().name("kvtier-dram-prefault".into()).spawn(move || {
+            let started = std::time::Instant::now();
+            let mut off = 0;
+            while off < end {
+                let Some(arena) = weak.upgrade() else { return };
+                if let Err(e) = arena.region.populate(off, STEP.min(end - off)) {
+                    tracing::warn!("dram prefault stopped after {off} bytes: {e}");
+                    return;
+                }
+                off += STEP;
+                ::metrics::gauge!("kvtier_dram_prefaulted_bytes").set(off.min(end) as f64);
+            }
+            tracing::info!("dram prefault: {end} bytes in {:.1} s", started.elapsed().as_secs_f64());
+        });
+        if let Err(e) = spawned {
+            tracing::warn!("dram prefault not started: {e}");
+        }
     }
 
     /// Bytes handed out as slots, held or budgeted.
@@ -425,6 +458,26 @@ mod tests {
         drop((s1, s2, s3));
         assert_eq!(a.used_bytes(), 0);
         assert_eq!(a.check(), vec![(0, 8192), (8192, 8192)]);
+    }
+
+    /// Prefaulting allocates exactly the capacity's pages (seen on the memfd behind the region),
+    /// not the headroom's, and changes no byte of a slot written before.
+    #[test]
+    fn prefault_allocates_the_capacity_and_changes_no_byte() {
+        let (main, headroom) = (64usize << 20, 8usize << 20);
+        let a = Arena::new(main, headroom, RegionMode::Memfd).unwrap();
+        let mut s = a.alloc(1 << 20).unwrap();
+        s.as_mut_slice().fill(9);
+        let allocated = || rustix::fs::fstat(a.region().fd().unwrap()).unwrap().st_blocks as usize * 512;
+        assert_eq!(allocated(), 1 << 20, "a sparse region: only the written slot");
+        Arena::prefault(&a);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while allocated() < main {
+            assert!(std::time::Instant::now() < deadline, "only {} of {main} bytes faulted in", allocated());
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert_eq!(allocated(), main, "the headroom stays untouched");
+        assert!(s.as_slice().iter().all(|&b| b == 9), "a slot's bytes are left as they were");
     }
 
     #[test]

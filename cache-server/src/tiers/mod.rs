@@ -143,6 +143,13 @@ impl PinTier for DiskTier {
     }
 }
 
+/// A DRAM block that failed its checksum: counted, logged and removed (its next load is a miss).
+pub(crate) fn drop_corrupt_dram(dram: &DramTier, ns: &NamespaceId, key: &BlockKey) {
+    error("dram_checksum");
+    tracing::error!(?key, "DRAM block failed its checksum; removed");
+    DramTier::remove(dram, ns, key);
+}
+
 impl Tier for DramTier {
     fn id(&self) -> TierId {
         TierId::Dram
@@ -157,9 +164,7 @@ impl Tier for DramTier {
         match DramTier::get(self, ns, key) {
             Some(b) if b.header.verify_payload(&b.payload).is_ok() => Load::Hit(b),
             Some(_) => {
-                error("dram_checksum");
-                tracing::error!(?key, "DRAM block failed its checksum; removed");
-                DramTier::remove(self, ns, key);
+                drop_corrupt_dram(self, ns, key);
                 Load::Miss
             }
             None => Load::Miss,

@@ -194,6 +194,31 @@ impl TierStack {
                 return Load::Hit(b);
             }
         }
+        self.get_from_disk(ns, key).await
+    }
+
+    /// As [`TierStack::get`], except that a DRAM hit comes back *unchecked* (the second field
+    /// is true then): for a caller that hashes the bytes anyway as it moves them (the same-node
+    /// copy), so they are read once, not twice. Such a caller must check the block against its
+    /// header's checksum before anyone sees it, and hand a mismatch to
+    /// [`TierStack::drop_corrupt`]. Other tiers' hits are checked as `get` checks them.
+    pub async fn get_to_check(&self, ns: &NamespaceId, key: &BlockKey) -> (Load, bool) {
+        if let Some(b) = self.dram.get(ns, key) {
+            return (Load::Hit(b), true);
+        }
+        if let Load::Hit(b) = Tier::get(&self.in_transit, ns, key) {
+            return (Load::Hit(b), false);
+        }
+        (self.get_from_disk(ns, key).await, false)
+    }
+
+    /// A DRAM block a [`TierStack::get_to_check`] caller found corrupt: counted, logged and
+    /// removed (the next load of it is a miss), as `get` does with one it checks itself.
+    pub fn drop_corrupt(&self, ns: &NamespaceId, key: &BlockKey) {
+        super::drop_corrupt_dram(&self.dram, ns, key);
+    }
+
+    async fn get_from_disk(&self, ns: &NamespaceId, key: &BlockKey) -> Load {
         let Some(disk) = self.disk.clone() else { return Load::Miss };
         let Some(header) = disk.header(ns, key) else { return Load::Miss };
         // The block's bytes count against the read budget until every view of them is gone.
@@ -670,6 +695,40 @@ mod tests {
         assert!(matches!(s.get(&ns, &keys[0]).await, Load::Miss));
         assert!(s.holds(&other, &frame(other, 99).header.key), "another namespace is untouched");
         tokio::task::spawn_blocking(move || s.stop_demotion()).await.unwrap().unwrap();
+    }
+
+    /// A DRAM hit comes back from `get_to_check` unchecked, for a caller that hashes it as it
+    /// copies it; a block that caller finds damaged is dropped (the next load is a miss), and
+    /// `get` still refuses a damaged block by itself.
+    #[tokio::test]
+    async fn a_damaged_dram_block_goes_to_the_checking_caller_and_is_dropped_after() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = stack(dir.path(), 4 << 20);
+        let ns = NamespaceId([3; 16]);
+        let (good, bad, bad2) = (frame(ns, 1), frame(ns, 2), frame(ns, 3));
+        for (f, damage) in [(&good, false), (&bad, true), (&bad2, true)] {
+            let mut slot = s.reserve(&ns, f.payload.len()).unwrap();
+            slot.buf_mut().copy_from_slice(&f.payload);
+            if damage {
+                slot.buf_mut()[1000] ^= 0x40; // memory gone bad after the block was checked in
+            }
+            s.commit(slot, f.header, Priority::Normal).unwrap();
+        }
+        let (load, unchecked) = s.get_to_check(&ns, &good.header.key).await;
+        let b = load.hit().expect("the good block is held");
+        assert!(unchecked, "a DRAM hit is left to the caller to check");
+        assert_eq!(b.payload, good.payload);
+
+        let (load, unchecked) = s.get_to_check(&ns, &bad.header.key).await;
+        let b = load.hit().expect("handed over unchecked");
+        assert!(unchecked && b.header.verify_payload(&b.payload).is_err());
+        s.drop_corrupt(&ns, &bad.header.key);
+        assert!(!s.holds(&ns, &bad.header.key), "dropped once found damaged");
+        assert!(matches!(s.get_to_check(&ns, &bad.header.key).await.0, Load::Miss));
+
+        assert!(matches!(s.get(&ns, &bad2.header.key).await, Load::Miss), "get checks for itself");
+        assert!(!s.holds(&ns, &bad2.header.key));
+        assert!(s.holds(&ns, &good.header.key), "the good block is untouched");
     }
 
     /// `persist` writes blocks held only in memory to disk; blocks no tier holds are reported by

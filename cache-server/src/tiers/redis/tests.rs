@@ -5,112 +5,28 @@
 //! gives misses, never wrong bytes.
 
 use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use kvtier_proto::{BlockFrame, CodecId, DType, HashScheme, KvLayout};
 
 use super::*;
 use crate::config::{ByteSize, DurationStr};
-
-/// `redis-server` (or `redis-cli`) from `$REDIS_SERVER`'s directory, the PATH or /usr/bin.
-fn binary(name: &str) -> String {
-    if let Ok(p) = std::env::var("REDIS_SERVER") {
-        let p = std::path::Path::new(&p);
-        if name == "redis-server" {
-            return p.display().to_string();
-        }
-        if let Some(sibling) = p.parent().map(|d| d.join(name)).filter(|s| s.is_file()) {
-            return sibling.display().to_string();
-        }
-    }
-    for dir in std::env::var("PATH").unwrap_or_default().split(':').chain(["/usr/bin", "/usr/local/bin"]) {
-        let p = std::path::Path::new(dir).join(name);
-        if p.is_file() {
-            return p.display().to_string();
-        }
-    }
-    panic!("{name} not found (PATH, /usr/bin, $REDIS_SERVER): the Redis tier tests need a real Redis (apt-get install -y redis-server)");
-}
+use crate::test_redis::{binary, RedisProc};
 
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-/// A `redis-server` child on a loopback port; killed by its pid when dropped.
-struct RedisProc {
-    port: u16,
-    child: Option<Child>,
-    dir: tempfile::TempDir,
-    cluster: bool,
-}
-
-impl RedisProc {
-    fn start(cluster: bool) -> Self {
-        let mut s = RedisProc { port: free_port(), child: None, dir: tempfile::tempdir().unwrap(), cluster };
-        s.restart();
-        s
+/// This server's keys under `prefix` and the bytes of their values.
+fn usage(r: &RedisProc, prefix: &str) -> (u64, u64) {
+    let mut c = r.con();
+    let keys: Vec<String> = redis::cmd("KEYS").arg(format!("{prefix}:*")).query(&mut c).unwrap();
+    let mut bytes = 0u64;
+    for k in &keys {
+        bytes += redis::cmd("STRLEN").arg(k).query::<u64>(&mut c).unwrap() + k.len() as u64 + KEY_OVERHEAD;
     }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-
-    fn restart(&mut self) {
-        assert!(self.child.is_none());
-        let mut cmd = Command::new(binary("redis-server"));
-        cmd.args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-            .arg("--dir")
-            .arg(self.dir.path());
-        if self.cluster {
-            cmd.args(["--cluster-enabled", "yes", "--cluster-node-timeout", "1000"]).args([
-                "--cluster-require-full-coverage",
-                "no",
-                "--cluster-config-file",
-                "nodes.conf",
-            ]);
-        }
-        let child = cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().expect("starting redis-server");
-        self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Ok(mut c) = redis::Client::open(self.url()).and_then(|c| c.get_connection()) {
-                if redis::cmd("PING").query::<String>(&mut c).is_ok() {
-                    return;
-                }
-            }
-            assert!(Instant::now() < deadline, "redis-server on port {} did not answer within 10 s", self.port);
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    fn con(&self) -> redis::Connection {
-        redis::Client::open(self.url()).unwrap().get_connection().unwrap()
-    }
-
-    /// This server's keys under `prefix` and the bytes of their values.
-    fn usage(&self, prefix: &str) -> (u64, u64) {
-        let mut c = self.con();
-        let keys: Vec<String> = redis::cmd("KEYS").arg(format!("{prefix}:*")).query(&mut c).unwrap();
-        let mut bytes = 0u64;
-        for k in &keys {
-            bytes += redis::cmd("STRLEN").arg(k).query::<u64>(&mut c).unwrap() + k.len() as u64 + KEY_OVERHEAD;
-        }
-        (keys.len() as u64, bytes)
-    }
-}
-
-impl Drop for RedisProc {
-    fn drop(&mut self) {
-        self.kill();
-    }
+    (keys.len() as u64, bytes)
 }
 
 /// Three cluster-enabled servers joined into a Redis Cluster of three masters (no replicas), with
@@ -312,7 +228,7 @@ async fn the_byte_budget_holds_in_redis_itself() {
         }
     }
     assert!(tier.flush(Duration::from_secs(5)).await);
-    let (keys, bytes) = r.usage(tier.key_prefix());
+    let (keys, bytes) = usage(&r, tier.key_prefix());
     assert!(bytes <= budget, "{keys} keys, {bytes} bytes in Redis past the {budget}-byte budget");
     assert!(bytes > budget / 2, "the budget is used, not starved: {bytes} bytes");
     assert!(tier.stats().evictions > 0);
@@ -334,7 +250,7 @@ async fn a_redis_cluster_spreads_blocks_over_its_masters_and_a_dead_master_gives
     let keys: Vec<BlockKey> = blocks.iter().map(|b| b.header.key).collect();
     tier.store(blocks.clone());
     assert!(tier.flush(Duration::from_secs(10)).await);
-    let per_master: Vec<u64> = nodes.iter().map(|m| m.usage(tier.key_prefix()).0).collect();
+    let per_master: Vec<u64> = nodes.iter().map(|m| usage(m, tier.key_prefix()).0).collect();
     assert_eq!(per_master.iter().sum::<u64>(), 60, "{per_master:?}");
     assert!(per_master.iter().all(|&k| k >= 8), "blocks spread over the masters: {per_master:?}");
     assert_eq!(tier.fetch(&n, &keys).await.iter().filter(|b| b.is_some()).count(), 60);
