@@ -13,6 +13,11 @@
 //! the lookups (`*_with_peers`) count what Redis holds; [`TierStack::forward_to_peers`] also
 //! queues the blocks for Redis; and parked sessions' manifests go there too
 //! ([`TierStack::share_session`], [`TierStack::resume_shared`]).
+//!
+//! G1 ([`AgentTier`]: the HBM pages of this node's GPU agents) sits under the local tiers: the
+//! presence queries (`holds`, `exists`, `longest_prefix`) count what agents reported, and
+//! [`TierStack::get`] of a block only G1 holds asks its agent to spill it and waits (bounded)
+//! for it to land in DRAM.
 
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
@@ -21,6 +26,7 @@ use std::time::Duration;
 use kvtier_proto::{BlockKey, CodecId, FrameHeader, Namespace, NamespaceId, TierId};
 use parking_lot::Mutex;
 
+use super::agent::{AgentTier, AgentTierConfig};
 use super::demotion::{self, DemotionDepth};
 use super::redis::RedisTier;
 use super::{InTransitTier, IoPool, Load, PinTier, Tier, TierStats};
@@ -59,6 +65,8 @@ pub struct TierStack {
     redis: OnceLock<Arc<RedisTier>>,
     /// Where block events go (see [`crate::events`]).
     events: Arc<EventBus>,
+    /// G1: what this node's GPU agents hold, and how to ask them for it.
+    agents: Arc<AgentTier>,
 }
 
 /// The peer tier and whether blocks loaded from it are kept in DRAM.
@@ -102,6 +110,7 @@ impl TierStack {
             peers: OnceLock::new(),
             redis: OnceLock::new(),
             events: Arc::new(EventBus::default()),
+            agents: Arc::new(AgentTier::default()),
         }
         .with_event_buffer(4096)
     }
@@ -140,6 +149,17 @@ impl TierStack {
         self
     }
 
+    /// The same stack with G1 settings (`agent_demand_wait`, `agent_index_max_keys`).
+    pub fn with_agent_tier(mut self, config: AgentTierConfig) -> Self {
+        self.agents = Arc::new(AgentTier::new(config));
+        self
+    }
+
+    /// G1: the index of what this node's GPU agents hold, and their demand links.
+    pub fn agents(&self) -> &Arc<AgentTier> {
+        &self.agents
+    }
+
     /// The node's event bus: block events come from here, session events from the session store.
     pub fn events(&self) -> &Arc<EventBus> {
         &self.events
@@ -156,17 +176,18 @@ impl TierStack {
         memory.into_iter().chain(self.disk.as_deref().map(|d| d as &dyn Tier))
     }
 
-    /// Whether any tier holds the block.
+    /// Whether any tier holds the block (G1 included).
     pub fn holds(&self, ns: &NamespaceId, key: &BlockKey) -> bool {
-        self.tiers().any(|t| t.contains(ns, key))
+        self.tiers().any(|t| t.contains(ns, key)) || self.agents.contains(ns, key)
     }
 
-    /// Per key: whether any tier holds it (one pass per tier).
+    /// Per key: whether any tier holds it (one pass per tier, G1 included).
     pub fn exists(&self, ns: &NamespaceId, keys: &[BlockKey]) -> Vec<bool> {
         let mut held = vec![false; keys.len()];
         for t in self.tiers() {
             t.mark_held(ns, keys, &mut held);
         }
+        self.agents.mark_held(ns, keys, &mut held);
         held
     }
 
@@ -194,8 +215,8 @@ impl TierStack {
                 return Load::Hit(b);
             }
         }
-        let Some(disk) = self.disk.clone() else { return Load::Miss };
-        let Some(header) = disk.header(ns, key) else { return Load::Miss };
+        let Some(disk) = self.disk.clone() else { return self.get_from_agent(ns, key).await };
+        let Some(header) = disk.header(ns, key) else { return self.get_from_agent(ns, key).await };
         // The block's bytes count against the read budget until every view of them is gone.
         let kib = (header.payload_len.div_ceil(1024) as usize).min(self.disk_read_budget_kib) as u32;
         let permit =
@@ -225,6 +246,33 @@ impl TierStack {
         }
         b.payload = bytes::Bytes::from_owner(Budgeted { bytes: b.payload, _permit: permit });
         Load::Hit(b)
+    }
+
+    /// A block only G1 holds: asks its agent to spill it into DRAM (the same-node store) and
+    /// waits for it, at most `agent_demand_wait`; then it is read from DRAM. A wait that runs
+    /// out, or no agent holding the key, is a miss.
+    async fn get_from_agent(&self, ns: &NamespaceId, key: &BlockKey) -> Load {
+        let Some(waiter) = self.agents.demand(ns, key) else { return Load::Miss };
+        let deadline = tokio::time::Instant::now() + self.agents.config().demand_wait;
+        loop {
+            let landed = waiter.landed.notified();
+            // Checked after registering: a block that landed in between is not waited for.
+            if let Load::Hit(b) = Tier::get(&self.dram, ns, key) {
+                self.agents.hit();
+                return Load::Hit(b);
+            }
+            // Woken by a commit of the key; the short slice also catches a store answered
+            // `Present` (it was in DRAM already: nothing committed).
+            let slice = (tokio::time::Instant::now() + Duration::from_millis(20)).min(deadline);
+            if tokio::time::timeout_at(slice, landed).await.is_err() && tokio::time::Instant::now() >= deadline {
+                if let Load::Hit(b) = Tier::get(&self.dram, ns, key) {
+                    self.agents.hit();
+                    return Load::Hit(b);
+                }
+                self.agents.missed("timeout");
+                return Load::Miss;
+            }
+        }
     }
 
     fn second_disk_hit(&self, ns: &NamespaceId, key: &BlockKey) -> bool {
@@ -458,6 +506,7 @@ impl TierStack {
         if out == InsertOutcome::Inserted {
             self.events.stored(&header.namespace, std::slice::from_ref(&header.key), TierId::Dram);
         }
+        self.agents.landed(&header.namespace, &header.key);
         Ok(out)
     }
 
@@ -546,6 +595,7 @@ impl TierStack {
         for t in self.tiers() {
             gone.extend(t.purge(ns));
         }
+        self.agents.purge(ns);
         if self.events.is_watched() {
             let keys: Vec<BlockKey> = gone.iter().copied().collect();
             self.events.purged(ns, &keys);

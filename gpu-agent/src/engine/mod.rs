@@ -203,6 +203,18 @@ impl<D: Device, B: BackingStore> Agent<D, B> {
         self.pool.lock().take_changes()
     }
 
+    /// Copies a resident block out of G1 (raw) for a spill the server asked for; `None` when G1
+    /// no longer holds it. Spill it to the store without holding the pool, then
+    /// [`Agent::mark_spilled`].
+    pub fn copy_out(&self, ns: &NamespaceId, key: &BlockKey) -> Result<Option<Vec<u8>>> {
+        self.pool.lock().copy_out(ns, key)
+    }
+
+    /// Notes that the store now holds a block G1 holds (an eviction then drops it).
+    pub fn mark_spilled(&self, ns: &NamespaceId, key: &BlockKey) {
+        self.pool.lock().mark_clean(ns, key);
+    }
+
     pub fn stats(&self) -> AgentStats {
         let c = &self.counters;
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);

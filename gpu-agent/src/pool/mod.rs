@@ -633,6 +633,27 @@ impl<D: Device, S: Spill> PagePool<D, S> {
         Ok(left)
     }
 
+    /// A resident block's bytes as they are (raw), copied out to the host — for a spill asked
+    /// for by the server (a read wants a block only G1 holds). `Ok(None)` when not resident.
+    pub fn copy_out(&mut self, ns: &NamespaceId, key: &BlockKey) -> Result<Option<Vec<u8>>> {
+        let Some(page) = self.index.get(&(*ns, *key)).filter(|e| !e.filling).map(|e| e.page) else {
+            return Ok(None);
+        };
+        self.stage_raw(page).map(|(_, bytes)| Some(bytes))
+    }
+
+    /// Notes that a tier below now holds a resident block's bytes (it was spilled on demand): an
+    /// eviction drops it instead of spilling it again. False when it is not resident.
+    pub fn mark_clean(&mut self, ns: &NamespaceId, key: &BlockKey) -> bool {
+        match self.index.get_mut(&(*ns, *key)) {
+            Some(e) => {
+                e.clean = true;
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Forgets a block without spilling it (e.g. its namespace was purged). Pinned blocks stay.
     pub fn remove(&mut self, ns: &NamespaceId, key: &BlockKey) -> Result<()> {
         let k = (*ns, *key);
