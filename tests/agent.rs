@@ -140,11 +140,11 @@ fn agent_configuration_errors_name_the_setting() {
 
 /// Registers a sealed memfd of `pages` pages with the agent over `sock`; the buffer id.
 fn register_memfd(sock: &mut UnixStream, pages: u32) -> u32 {
-    register_memfd_with(sock, pages, &[])
+    register_memfd_with(sock, pages, &[]).0
 }
 
-/// [`register_memfd`], the memfd starting with `fill`.
-fn register_memfd_with(sock: &mut UnixStream, pages: u32, fill: &[u8]) -> u32 {
+/// [`register_memfd`], the memfd starting with `fill`; the buffer id and the memfd.
+fn register_memfd_with(sock: &mut UnixStream, pages: u32, fill: &[u8]) -> (u32, std::os::fd::OwnedFd) {
     use std::io::IoSlice;
     use std::mem::MaybeUninit;
     use std::os::fd::AsFd;
@@ -171,7 +171,7 @@ fn register_memfd_with(sock: &mut UnixStream, pages: u32, fill: &[u8]) -> u32 {
     let mut body = vec![0u8; h.body_len as usize];
     sock.read_exact(&mut body).unwrap();
     assert_eq!(h.status, 0, "{}", String::from_utf8_lossy(&body));
-    u32::from_le_bytes(body[..4].try_into().unwrap())
+    (u32::from_le_bytes(body[..4].try_into().unwrap()), fd)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -305,7 +305,7 @@ fn save_through_agent(sock: &std::path::Path, ns: &Namespace, keys: &[kvtier_pro
     let mut s = UnixStream::connect(sock).unwrap();
     let (h, body) = call(&mut s, &Request::Open(ns.clone()));
     assert_eq!(h.status, 0, "{}", String::from_utf8_lossy(&body));
-    let buffer = register_memfd_with(&mut s, pages as u32, &data);
+    let (buffer, _) = register_memfd_with(&mut s, pages as u32, &data);
     for layer in 0..4 {
         let items = keys.iter().enumerate().map(|(i, k)| Item { page: i as u32, key: *k }).collect();
         let (h, body) = call(&mut s, &Request::Save { buffer, layer, items });
@@ -477,4 +477,104 @@ async fn only_the_namespaces_tenant_reports_g1_into_it_or_takes_its_demands() {
         eventually(async || a.lookup_keys(&handle, &[key]).await.unwrap() == 0).await,
         "the stream closed: the agent's keys stop counting"
     );
+}
+
+/// A LOAD of `items` into `buffer` over `sock`: its counts (found, from G1, from G2), after every
+/// layer's answer came back OK.
+fn load_through_agent(sock: &mut UnixStream, buffer: u32, items: Vec<kvtier_agent::engine::proto::Item>) -> Vec<u32> {
+    sock.write_all(&Request::Load { buffer, items }.encode(3)).unwrap();
+    let mut read = || {
+        let mut h = [0u8; HEADER_LEN];
+        sock.read_exact(&mut h).unwrap();
+        let h = Header::decode(&h);
+        let mut body = vec![0u8; h.body_len as usize];
+        sock.read_exact(&mut body).unwrap();
+        assert_eq!(h.status, 0, "{}", String::from_utf8_lossy(&body));
+        body
+    };
+    let counts: Vec<u32> = read().chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect();
+    for _ in 0..4 {
+        read();
+    }
+    counts
+}
+
+#[test]
+fn a_spill_stalled_on_a_stopped_server_does_not_stall_another_connections_g1_load() {
+    use kvtier_agent::engine::proto::Item;
+    use kvtier_proto::{BlockKey, KEY_LEN};
+
+    let server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
+    let dir = tempfile::tempdir().unwrap();
+    let sock_path = dir.path().join("agent.sock");
+    let _agent = start_agent(&[
+        "--server",
+        &server.grpc_addr(),
+        "--socket",
+        sock_path.to_str().unwrap(),
+        "--host-memory",
+        "8MiB",
+        "--page-bytes",
+        &BLOCK.to_string(),
+        "--pool-capacity",
+        &(2 * BLOCK).to_string(),
+    ]);
+    let ns = Namespace::new("t", "m", KvLayout::new(4, 2, 64, DType::Fp16, 16), HashScheme::Blake3, b"s");
+    let keys: Vec<BlockKey> = (1..=3u8).map(|i| BlockKey([i; KEY_LEN])).collect();
+    let data: Vec<u8> = (0..3 * BLOCK as usize).map(|i| (i % 253) as u8 ^ 0x33).collect();
+    // Engine A fills the two-page pool; engine B will load into its own buffer.
+    let mut a = UnixStream::connect(&sock_path).unwrap();
+    assert_eq!(call(&mut a, &Request::Open(ns.clone())).0.status, 0);
+    let (buf_a, _) = register_memfd_with(&mut a, 3, &data);
+    let k2 = keys.clone();
+    let save = move |s: &mut UnixStream, page: u32| {
+        for layer in 0..4 {
+            let items = vec![Item { page, key: k2[page as usize] }];
+            let (h, body) = call(s, &Request::Save { buffer: buf_a, layer, items });
+            assert_eq!(h.status, 0, "{}", String::from_utf8_lossy(&body));
+        }
+    };
+    save(&mut a, 0);
+    save(&mut a, 1);
+    let mut b = UnixStream::connect(&sock_path).unwrap();
+    assert_eq!(call(&mut b, &Request::Open(ns.clone())).0.status, 0);
+    let (buf_b, mem_b) = register_memfd_with(&mut b, 3, &[]);
+    let page_of = |fd: &std::os::fd::OwnedFd, page: usize| {
+        let mut all = vec![0u8; 3 * BLOCK as usize];
+        rustix::io::pread(fd, &mut all, 0).unwrap();
+        block_of(&all, 3, page)
+    };
+
+    // The server stops: block 1's spill (to make room for block 3) can't finish.
+    let spid = rustix::process::Pid::from_child(&server.child);
+    rustix::process::kill_process(spid, rustix::process::Signal::STOP).unwrap();
+    wait_stopped(server.child.id());
+    let saver = std::thread::spawn(move || {
+        let started = Instant::now();
+        save(&mut a, 2);
+        started.elapsed()
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    let started = Instant::now();
+    let got = load_through_agent(&mut b, buf_b, vec![Item { page: 1, key: keys[1] }]);
+    let g1_load = started.elapsed();
+    // Block 1 is on its way to the stopped server: loaded from the copy in flight.
+    let in_flight = load_through_agent(&mut b, buf_b, vec![Item { page: 0, key: keys[0] }]);
+    rustix::process::kill_process(spid, rustix::process::Signal::CONT).unwrap();
+    let save_took = saver.join().unwrap();
+
+    assert_eq!(got, [1, 1, 0], "a G1 hit");
+    assert!(g1_load < Duration::from_secs(1), "the G1 load waited {g1_load:?} behind a stalled spill");
+    assert!(save_took < Duration::from_secs(1), "the save that evicted waited {save_took:?}");
+    assert!(page_of(&mem_b, 1) == block_of(&data, 3, 1), "block 2's bytes");
+    assert_eq!(in_flight, [1, 0, 1], "found outside G1");
+    assert!(page_of(&mem_b, 0) == block_of(&data, 3, 0), "block 1's bytes");
+    // Once the server runs again the spill lands: block 1 loads from the server.
+    let client = tokio::runtime::Runtime::new().unwrap();
+    let landed = client.block_on(async {
+        let c = server.client().await;
+        let h = c.register(ns.clone()).await.unwrap();
+        eventually(async || matches!(c.load_keys(&h, &keys[..1]).await.as_deref(), Ok([Some(_)]))).await
+    });
+    assert!(landed, "the stalled spill reached the server once it ran again");
 }

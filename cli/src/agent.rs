@@ -558,7 +558,7 @@ async fn publish_metrics<D: Device>(agent: Arc<Agent<D, SameNodeStore>>) {
     let mut tick = tokio::time::interval(Duration::from_millis(250));
     loop {
         tick.tick().await;
-        // Off the runtime's threads: the pool's lock can be held across a spill to the server.
+        // Off the runtime's threads: the pool's lock is taken (briefly: spills run outside it).
         let a = agent.clone();
         let Ok(s) = tokio::task::spawn_blocking(move || a.stats()).await else { continue };
         let p = s.pool;

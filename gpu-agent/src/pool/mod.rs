@@ -21,6 +21,10 @@
 //! The pool is a plain `&mut self` structure (the agent owns it on one task). A spill runs inside
 //! [`PagePool::insert_from_device`] when room must be made: it waits for the page's copy-out and
 //! calls the spill target, which for the same-node path is a memcpy into a registered buffer.
+//! With [`PoolConfig::with_deferred_spills`] the page is only copied out there: the copy waits
+//! in [`PagePool::take_spills`] for the owner to hand to the spill target without holding the
+//! pool (one slow spill then stalls nobody else's loads), and [`PagePool::spill_finished`] counts
+//! it and reports the eviction.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
@@ -50,6 +54,15 @@ pub struct MemorySpill {
 /// A block a [`MemorySpill`] received.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SpilledBlock {
+    pub key: ScopedKey,
+    pub codec: CodecId,
+    pub payload: Vec<u8>,
+}
+
+/// An evicted block copied out of its page, waiting to be handed to the spill target
+/// ([`PoolConfig::with_deferred_spills`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingSpill {
     pub key: ScopedKey,
     pub codec: CodecId,
     pub payload: Vec<u8>,
@@ -103,12 +116,21 @@ pub struct PoolConfig {
     page_bytes: usize,
     capacity: Capacity,
     fp8_spill: Option<BlockSpec>,
+    deferred_spills: bool,
 }
 
 impl PoolConfig {
     /// Pages of `page_bytes` (one block of the namespace's layout and codec).
     pub fn new(page_bytes: usize) -> Self {
-        PoolConfig { page_bytes, capacity: Capacity::FractionOfFree(0.2), fp8_spill: None }
+        PoolConfig { page_bytes, capacity: Capacity::FractionOfFree(0.2), fp8_spill: None, deferred_spills: false }
+    }
+
+    /// Evictions copy the page out and leave the spill to the owner ([`PagePool::take_spills`],
+    /// then [`PagePool::spill_finished`]) instead of calling the spill target under `&mut self`.
+    /// Default: off.
+    pub fn with_deferred_spills(mut self) -> Self {
+        self.deferred_spills = true;
+        self
     }
 
     /// Encode evicted blocks as FP8 E4M3 (per-row scales) on the device before copying them
@@ -225,6 +247,9 @@ pub struct PagePool<D: Device, S: Spill> {
     stats: PoolStats,
     changes: VecDeque<PoolChange>,
     changes_lost: bool,
+    deferred_spills: bool,
+    /// Copied-out evictions waiting for [`PagePool::take_spills`] (deferred spills only).
+    outbox: Vec<PendingSpill>,
 }
 
 /// Device scratch for coding a page on its way out or in: the body at 0, the status word at
@@ -287,6 +312,8 @@ impl<D: Device, S: Spill> PagePool<D, S> {
             stats: PoolStats { pages, ..PoolStats::default() },
             changes: VecDeque::new(),
             changes_lost: false,
+            deferred_spills: config.deferred_spills,
+            outbox: Vec::new(),
         })
     }
 
@@ -413,6 +440,18 @@ impl<D: Device, S: Spill> PagePool<D, S> {
         let below = if entry.clean {
             self.stats.clean_drops += 1;
             true
+        } else if self.deferred_spills {
+            match self.stage(entry.page) {
+                Ok((codec, payload)) => {
+                    // Reported once the owner's spill finished.
+                    self.outbox.push(PendingSpill { key: victim, codec, payload });
+                    return Ok(entry.page);
+                }
+                Err(_) => {
+                    self.stats.spill_errors += 1;
+                    false
+                }
+            }
         } else {
             self.spill_page(&victim, entry.page)
         };
@@ -420,11 +459,38 @@ impl<D: Device, S: Spill> PagePool<D, S> {
         Ok(entry.page)
     }
 
+    /// The evictions copied out since the last call, for the owner to spill without holding the
+    /// pool (deferred spills; empty otherwise).
+    pub fn take_spills(&mut self) -> Vec<PendingSpill> {
+        std::mem::take(&mut self.outbox)
+    }
+
+    /// Counts a deferred spill the owner made (`ok`: the target took it) and reports the
+    /// eviction.
+    pub fn spill_finished(&mut self, s: &PendingSpill, ok: bool) {
+        if ok {
+            self.stats.spills += 1;
+            self.stats.spilled_bytes += s.payload.len() as u64;
+            if s.codec != CodecId::RAW {
+                self.stats.encoded_spills += 1;
+            }
+        } else {
+            self.stats.spill_errors += 1;
+        }
+        self.note(PoolChange::Evicted { key: s.key, below: ok });
+    }
+
+    /// A page's bytes on their way out: encoded on the device when configured (and the codec
+    /// takes them), else raw.
+    fn stage(&mut self, page: usize) -> Result<(CodecId, Vec<u8>)> {
+        self.stage_encoded(page).transpose().unwrap_or_else(|| self.stage_raw(page))
+    }
+
     /// Copies a page out (encoded on the device when configured) and hands it to the spill
     /// target; failures are counted, not returned (the block is dropped either way). Whether the
     /// spill target took it.
     fn spill_page(&mut self, key: &ScopedKey, page: usize) -> bool {
-        let staged = self.stage_encoded(page).transpose().unwrap_or_else(|| self.stage_raw(page));
+        let staged = self.stage(page);
         let sent = staged.and_then(|(codec, payload)| {
             self.spill.spill(&key.0, &key.1, codec, &payload).map(|()| (codec, payload.len()))
         });
