@@ -403,7 +403,11 @@ async fn blocks_only_g1_holds_count_in_lookups_and_load_over_tcp_until_the_agent
     let got = client.load_keys(&handle, &keys[3..4]).await.unwrap();
     let took = start.elapsed();
     rustix::process::kill_process(pid, rustix::process::Signal::CONT).unwrap();
-    assert!(got[0].is_none(), "a demand the agent does not answer in time is a miss (took {took:?}): {}", server.scrape());
+    assert!(
+        got[0].is_none(),
+        "a demand the agent does not answer in time is a miss (took {took:?}): {}",
+        server.scrape()
+    );
     assert!(took >= Duration::from_millis(150) && took < Duration::from_secs(2), "waited {took:?}");
     assert_eq!(metric(&server.scrape(), "kvtier_agent_demand_misses_total", &[("reason", "timeout")]), 1.0);
 
@@ -443,7 +447,8 @@ async fn only_the_namespaces_tenant_reports_g1_into_it_or_takes_its_demands() {
         let cfg = ClientConfig { auth_token: Some(token.into()), ..ClientConfig::default() };
         KvClient::connect(&server.grpc_addr(), cfg).await.unwrap()
     };
-    let (a, b, operator) = (as_("tenant-a-secret-0001").await, as_("tenant-b-secret-0002").await, as_("operator-secret-0000").await);
+    let (a, b, operator) =
+        (as_("tenant-a-secret-0001").await, as_("tenant-b-secret-0002").await, as_("operator-secret-0000").await);
     let ns = Namespace::new("a", "m", KvLayout::new(4, 2, 64, DType::Fp16, 16), HashScheme::Blake3, b"s");
     let handle = a.register(ns.clone()).await.unwrap();
     let id = bytes::Bytes::copy_from_slice(&ns.id().0);

@@ -289,7 +289,9 @@ impl NodeState {
         let fsync = config.session_durability == "fsync";
         if config.disk_capacity.0 == 0 {
             return Ok(NodeState {
-                tiers: TierStack::new(dram, None, fsync).with_event_buffer(config.events_buffer).with_agent_tier(agent_tier(&config)),
+                tiers: TierStack::new(dram, None, fsync)
+                    .with_event_buffer(config.events_buffer)
+                    .with_agent_tier(agent_tier(&config)),
                 sessions: SessionStore::new(None),
                 namespaces: RwLock::new(HashMap::new()),
                 started: Instant::now(),
@@ -359,7 +361,9 @@ impl NodeState {
         };
         let f = fs.open(&ns_path, OpenMode::Existing)?;
         let state = NodeState {
-            tiers: TierStack::new(dram, Some(Arc::new(disk)), fsync).with_event_buffer(config.events_buffer).with_agent_tier(agent_tier(&config)),
+            tiers: TierStack::new(dram, Some(Arc::new(disk)), fsync)
+                .with_event_buffer(config.events_buffer)
+                .with_agent_tier(agent_tier(&config)),
             sessions: SessionStore::new(Some(log)),
             namespaces: RwLock::new(ns_log.live.clone()),
             started: Instant::now(),

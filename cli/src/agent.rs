@@ -457,12 +457,7 @@ async fn report_g1<D: Device>(agent: Arc<Agent<D, SameNodeStore>>, demand_store:
 
 /// Sends `keys` as what G1 holds (chunked, `resync`: indexed, not published again); the first
 /// error.
-async fn report_stored(
-    client: &KvClient,
-    ns: &NamespaceId,
-    agent_id: &str,
-    keys: &[BlockKey],
-) -> Result<(), String> {
+async fn report_stored(client: &KvClient, ns: &NamespaceId, agent_id: &str, keys: &[BlockKey]) -> Result<(), String> {
     for chunk in keys.chunks(REPORT_MAX_KEYS) {
         let req = kvtier_proto::pb::AgentBlocksReport {
             namespace_id: bytes::Bytes::copy_from_slice(&ns.0),
