@@ -266,6 +266,11 @@ impl AgentTier {
         ::metrics::gauge!("kvtier_agent_links").set(links as f64);
     }
 
+    /// Whether any agent has a demand link open for `ns` (a cheap check before per-key work).
+    pub fn has_links(&self, ns: &NamespaceId) -> bool {
+        self.index.lock().contains_key(ns)
+    }
+
     /// Whether some agent's G1 holds the key.
     pub fn contains(&self, ns: &NamespaceId, key: &BlockKey) -> bool {
         self.index.lock().get(ns).is_some_and(|n| n.holders.contains_key(key))

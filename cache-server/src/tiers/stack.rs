@@ -40,6 +40,9 @@ use crate::events::EventBus;
 /// recomputes beats a load that waits behind a saturated disk).
 const DISK_READ_WAIT: Duration = Duration::from_secs(2);
 
+/// Keys of one batched read whose G1 demands are sent ahead ([`TierStack::demand_ahead`]).
+const DEMAND_AHEAD: usize = 256;
+
 /// How long a writer waits for room in a full demotion queue before it writes anyway.
 const BACKPRESSURE_WAIT: Duration = Duration::from_secs(5);
 
@@ -246,6 +249,23 @@ impl TierStack {
         }
         b.payload = bytes::Bytes::from_owner(Budgeted { bytes: b.payload, _permit: permit });
         Load::Hit(b)
+    }
+
+    /// Sends the demands for the keys (`raw`: 32 bytes each) that only G1 holds, at most
+    /// [`DEMAND_AHEAD`] of them, before a batched read walks them one by one: the agents spill
+    /// them together instead of one round trip per key. Keep the result until the reads are
+    /// done (each read joins its key's demand instead of sending another).
+    pub fn demand_ahead(&self, ns: &NamespaceId, raw: &[u8]) -> Vec<super::agent::Waiter<'_>> {
+        if !self.agents.has_links(ns) {
+            return Vec::new();
+        }
+        let keys: Vec<BlockKey> = raw
+            .chunks_exact(kvtier_proto::KEY_LEN)
+            .filter_map(|c| BlockKey::try_from(c).ok())
+            .filter(|k| self.agents.contains(ns, k) && !self.tiers().any(|t| t.contains(ns, k)))
+            .take(DEMAND_AHEAD)
+            .collect();
+        keys.iter().filter_map(|k| self.agents.demand(ns, k)).collect()
     }
 
     /// A block only G1 holds: asks its agent to spill it into DRAM (the same-node store) and
