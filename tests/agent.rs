@@ -414,6 +414,7 @@ async fn blocks_only_g1_holds_count_in_lookups_and_load_over_tcp_until_the_agent
     assert_eq!(metric(&server.scrape(), "kvtier_agent_demand_misses_total", &[("reason", "timeout")]), 1.0);
 
     // Killed: its G1 keys stop counting, and a load of them is a prompt miss; the server serves on.
+    let mut watch = client.watch_events(&[&handle]).await.unwrap();
     proc.0.kill().unwrap();
     proc.0.wait().unwrap();
     let rest = &keys[4..];
@@ -426,6 +427,16 @@ async fn blocks_only_g1_holds_count_in_lookups_and_load_over_tcp_until_the_agent
     assert!(got.iter().all(Option::is_none));
     assert!(start.elapsed() < Duration::from_millis(150), "a prompt miss, took {:?}", start.elapsed());
     assert_eq!(metric(&server.scrape(), "kvtier_agent_links", &[]), 0.0);
+    // Routers hear it too: every key left `hbm`, to DRAM where the node still holds it.
+    let mut left: std::collections::HashMap<BlockKey, String> = std::collections::HashMap::new();
+    while left.len() < 6 {
+        let Ok(Ok(Some(e))) = tokio::time::timeout(Duration::from_secs(5), watch.next()).await else { break };
+        if e.kind == kvtier_client::EventKind::Evicted && e.tier == "hbm" {
+            left.extend(e.keys.iter().map(|k| (*k, e.to_tier.clone())));
+        }
+    }
+    assert_eq!(left.len(), 6, "{left:?}");
+    assert_eq!((left[&keys[0]].as_str(), left[&keys[5]].as_str()), ("dram", ""), "{left:?}");
     let again = client.load_keys(&handle, &keys[..3]).await.unwrap();
     assert!(again.iter().all(Option::is_some), "the spilled blocks are the server's own now");
     assert!(server.alive());

@@ -36,6 +36,9 @@ pub const MAX_WAITERS: usize = 4096;
 /// Agents with a demand link open per namespace.
 pub const MAX_LINKS_PER_NAMESPACE: usize = 64;
 
+/// Called with the keys that left G1 when an agent's link closed.
+pub type GoneHook = Arc<dyn Fn(&NamespaceId, &[BlockKey]) + Send + Sync>;
+
 /// Settings of the G1 tier (`agent_demand_wait`, `agent_index_max_keys`).
 #[derive(Debug, Clone, Copy)]
 pub struct AgentTierConfig {
@@ -102,6 +105,8 @@ pub struct AgentTierStats {
 /// The index of what this node's GPU agents hold, and their demand channels.
 pub struct AgentTier {
     config: AgentTierConfig,
+    /// Told the keys only a closed link held (the stack publishes them as leaving `hbm`).
+    on_gone: Mutex<Option<GoneHook>>,
     index: Mutex<HashMap<NamespaceId, NamespaceIndex>>,
     waiting: Mutex<HashMap<(NamespaceId, BlockKey), Waiting>>,
     /// `waiting.len()`, readable without the lock (a store checks it on every commit).
@@ -160,6 +165,7 @@ impl AgentTier {
     pub fn new(config: AgentTierConfig) -> Self {
         AgentTier {
             config,
+            on_gone: Mutex::new(None),
             index: Mutex::new(HashMap::new()),
             waiting: Mutex::new(HashMap::new()),
             waiting_count: AtomicUsize::new(0),
@@ -173,6 +179,11 @@ impl AgentTier {
 
     pub fn config(&self) -> AgentTierConfig {
         self.config
+    }
+
+    /// What to tell when a link closes: the keys only it held (so routers stop counting them).
+    pub fn set_gone_hook(&self, hook: GoneHook) {
+        *self.on_gone.lock() = Some(hook);
     }
 
     /// Opens (or replaces: a reconnect) `agent`'s demand link for `ns`; the receiver is what the
@@ -222,7 +233,12 @@ impl AgentTier {
             index.remove(ns);
         }
         self.publish_gauges(&index);
+        drop(index);
         tracing::info!(agent, keys = gone.len(), "a GPU agent's demand stream closed: its G1 keys no longer count");
+        let hook = self.on_gone.lock().clone();
+        if let Some(hook) = hook.filter(|_| !gone.is_empty()) {
+            hook(ns, &gone);
+        }
         gone
     }
 

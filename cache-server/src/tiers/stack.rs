@@ -122,6 +122,7 @@ impl TierStack {
     /// watchers that fall behind (`events_buffer`).
     pub fn with_event_buffer(mut self, buffer: usize) -> Self {
         self.events = Arc::new(EventBus::new(buffer));
+        self.wire_agent_events();
         // DRAM evictions: to disk when the node has one (the demotion queue takes them), else gone.
         let bus = Arc::downgrade(&self.events);
         let to = self.disk.is_some().then_some(TierId::Disk);
@@ -155,7 +156,30 @@ impl TierStack {
     /// The same stack with G1 settings (`agent_demand_wait`, `agent_index_max_keys`).
     pub fn with_agent_tier(mut self, config: AgentTierConfig) -> Self {
         self.agents = Arc::new(AgentTier::new(config));
+        self.wire_agent_events();
         self
+    }
+
+    /// When an agent's link closes, its keys are published as evicted from `hbm`: to `dram` or
+    /// `disk` when a local tier still holds them, else gone.
+    fn wire_agent_events(&self) {
+        let bus = Arc::downgrade(&self.events);
+        let in_dram = self.dram.weak_contains();
+        let disk = self.disk.clone();
+        self.agents.set_gone_hook(Arc::new(move |ns: &NamespaceId, keys: &[BlockKey]| {
+            let Some(bus) = bus.upgrade() else { return };
+            if !bus.is_watched() {
+                return;
+            }
+            for key in keys {
+                let to = if in_dram(ns, key) {
+                    Some(TierId::Dram)
+                } else {
+                    disk.as_ref().filter(|d| d.contains(ns, key)).map(|_| TierId::Disk)
+                };
+                bus.evicted(ns, std::slice::from_ref(key), TierId::Hbm, to);
+            }
+        }));
     }
 
     /// G1: the index of what this node's GPU agents hold, and their demand links.
