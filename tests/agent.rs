@@ -1,7 +1,10 @@
 //! `kvtier agent` as a process beside a real `kvtier serve`: configured from an `[agent]` TOML
 //! table, it answers engines on its Unix socket, serves `/metrics` and stops on SIGTERM (removing
-//! its socket); configuration errors name the setting at fault. (The engine round trip with
-//! spills, reloads and byte equality is `client/python/tests/test_agent.py`.)
+//! its socket); configuration errors name the setting at fault; blocks only its G1 holds count in
+//! the server's lookups and load through any client (the server asks the agent to spill them),
+//! until the agent dies; only the namespace's tenant (or the operator) reports G1 or takes its
+//! demands. (The engine round trip with spills, reloads and byte equality is
+//! `client/python/tests/test_agent.py`.)
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
@@ -137,6 +140,11 @@ fn agent_configuration_errors_name_the_setting() {
 
 /// Registers a sealed memfd of `pages` pages with the agent over `sock`; the buffer id.
 fn register_memfd(sock: &mut UnixStream, pages: u32) -> u32 {
+    register_memfd_with(sock, pages, &[]).0
+}
+
+/// [`register_memfd`], the memfd starting with `fill`; the buffer id and the memfd.
+fn register_memfd_with(sock: &mut UnixStream, pages: u32, fill: &[u8]) -> (u32, std::os::fd::OwnedFd) {
     use std::io::IoSlice;
     use std::mem::MaybeUninit;
     use std::os::fd::AsFd;
@@ -148,6 +156,7 @@ fn register_memfd(sock: &mut UnixStream, pages: u32) -> u32 {
     let len = u64::from(pages) * BLOCK;
     let fd = rustix::fs::memfd_create("engine", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).unwrap();
     rustix::fs::ftruncate(&fd, len).unwrap();
+    assert_eq!(rustix::io::pwrite(&fd, fill, 0).unwrap(), fill.len());
     rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW).unwrap();
     let msg = Request::Register { source: BufferSource::Memfd, len, pages }.encode(2);
     let fds = [fd.as_fd()];
@@ -162,7 +171,7 @@ fn register_memfd(sock: &mut UnixStream, pages: u32) -> u32 {
     let mut body = vec![0u8; h.body_len as usize];
     sock.read_exact(&mut body).unwrap();
     assert_eq!(h.status, 0, "{}", String::from_utf8_lossy(&body));
-    u32::from_le_bytes(body[..4].try_into().unwrap())
+    (u32::from_le_bytes(body[..4].try_into().unwrap()), fd)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -254,6 +263,8 @@ async fn bad_agent_reports_are_refused() {
         stored,
         evicted: vec![],
         dropped: vec![],
+        agent_id: String::new(),
+        resync: false,
     };
     let key = bytes::Bytes::from(vec![7u8; 32]);
     let err = client.raw_grpc().report_agent_blocks(report(&ns, vec![key.clone()])).await.unwrap_err();
@@ -265,4 +276,323 @@ async fn bad_agent_reports_are_refused() {
     let err = client.raw_grpc().report_agent_blocks(report(&ns, vec![key; 4097])).await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::InvalidArgument);
     assert!(err.message().contains("at most 4096"), "{err}");
+}
+
+/// Starts `kvtier agent` with `args` and waits for its first line (it listens then).
+fn start_agent(args: &[&str]) -> AgentProcess {
+    let mut proc = AgentProcess(agent(args).stdout(Stdio::piped()).spawn().unwrap());
+    let mut lines = BufReader::new(proc.0.stdout.take().unwrap()).lines();
+    let first = lines.next().and_then(|l| l.ok()).unwrap_or_default();
+    assert!(first.contains("kvtier agent listening"), "{first}");
+    std::thread::spawn(move || for _ in lines {});
+    proc
+}
+
+/// The bytes of engine page `page` of a `[layer][page][layer_bytes]` buffer of `pages` pages, as
+/// a block (its layers back to back).
+fn block_of(buffer: &[u8], pages: usize, page: usize) -> Vec<u8> {
+    let layer_bytes = BLOCK as usize / 4;
+    (0..4).flat_map(|l| buffer[(l * pages + page) * layer_bytes..][..layer_bytes].to_vec()).collect()
+}
+
+/// Saves every page of a fresh buffer filled with `seed`'s pattern under `keys` (page i: key i)
+/// through the agent at `sock`; the buffer's bytes.
+fn save_through_agent(sock: &std::path::Path, ns: &Namespace, keys: &[kvtier_proto::BlockKey], seed: u8) -> Vec<u8> {
+    use kvtier_agent::engine::proto::Item;
+    let pages = keys.len();
+    let data: Vec<u8> =
+        (0..pages * BLOCK as usize).map(|i| (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[1] ^ seed).collect();
+    let mut s = UnixStream::connect(sock).unwrap();
+    let (h, body) = call(&mut s, &Request::Open(ns.clone()));
+    assert_eq!(h.status, 0, "{}", String::from_utf8_lossy(&body));
+    let (buffer, _) = register_memfd_with(&mut s, pages as u32, &data);
+    for layer in 0..4 {
+        let items = keys.iter().enumerate().map(|(i, k)| Item { page: i as u32, key: *k }).collect();
+        let (h, body) = call(&mut s, &Request::Save { buffer, layer, items });
+        assert_eq!(h.status, 0, "{}", String::from_utf8_lossy(&body));
+    }
+    data
+}
+
+/// Waits until every thread of process `pid` is stopped (a SIGSTOP takes effect per thread,
+/// not at once).
+fn wait_stopped(pid: u32) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let stopped = || {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return false };
+        tasks.flatten().all(|t| {
+            let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+            // The state follows the command's closing parenthesis.
+            stat.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('T'))
+        })
+    };
+    while !stopped() {
+        assert!(Instant::now() < deadline, "process {pid} did not stop");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Polls `f` every 20 ms until it returns true or 10 s pass; whether it did.
+async fn eventually(mut f: impl AsyncFnMut() -> bool) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        if f().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    false
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_only_g1_holds_count_in_lookups_and_load_over_tcp_until_the_agent_dies() {
+    use kvtier_client::{ClientConfig, KvClient, SameNodeMode};
+    use kvtier_proto::{BlockKey, KEY_LEN};
+
+    let mut server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
+    let dir = tempfile::tempdir().unwrap();
+    let sock_path = dir.path().join("agent.sock");
+    let mut proc = start_agent(&[
+        "--server",
+        &server.grpc_addr(),
+        "--socket",
+        sock_path.to_str().unwrap(),
+        "--host-memory",
+        "8MiB",
+        "--page-bytes",
+        &BLOCK.to_string(),
+        "--pool-capacity",
+        &(16 * BLOCK).to_string(),
+    ]);
+    let ns = Namespace::new("t", "m", KvLayout::new(4, 2, 64, DType::Fp16, 16), HashScheme::Blake3, b"s");
+    let keys: Vec<BlockKey> = (1..=6u8).map(|i| BlockKey([i; KEY_LEN])).collect();
+    let (sp, n2, k2) = (sock_path.clone(), ns.clone(), keys.clone());
+    let data = tokio::task::spawn_blocking(move || save_through_agent(&sp, &n2, &k2, 0x5a)).await.unwrap();
+
+    // A plain client over TCP only, which never talked to the agent.
+    let cfg = ClientConfig { samenode: SameNodeMode::Off, ..ClientConfig::default() };
+    let client = KvClient::connect(&server.grpc_addr(), cfg).await.unwrap();
+    let handle = client.register(ns.clone()).await.unwrap();
+    assert!(
+        eventually(async || client.lookup_keys(&handle, &keys).await.unwrap() == 6).await,
+        "the six blocks G1 holds are counted by the server's lookup"
+    );
+    let text = server.scrape();
+    assert_eq!(metric(&text, "kvtier_agent_index_keys", &[]), 6.0, "{text}");
+    assert_eq!(metric(&text, "kvtier_agent_links", &[]), 1.0);
+    assert_eq!(metric(&text, "kvtier_agent_demands_total", &[]), 0.0, "nothing was asked of the agent yet");
+
+    // Loaded byte-exact: the server asks the agent, which spills them into DRAM.
+    let start = Instant::now();
+    let got = client.load_keys(&handle, &keys[..3]).await.unwrap();
+    let took = start.elapsed();
+    for (i, f) in got.iter().enumerate() {
+        let f = f.as_ref().unwrap_or_else(|| panic!("block {i} missed"));
+        assert!(f.payload[..] == block_of(&data, 6, i)[..], "block {i}: the engine's bytes");
+    }
+    assert!(took < Duration::from_secs(2), "three demanded blocks took {took:?}");
+    let text = server.scrape();
+    // All three asked of the agent up front (the read sends a batch's demands ahead), none missed;
+    // a block that landed before its turn reads as a DRAM hit, so the hits are not counted here.
+    assert_eq!(metric(&text, "kvtier_agent_demands_total", &[]), 3.0, "{text}");
+    assert_eq!(metric(&text, "kvtier_agent_demand_misses_total", &[]), 0.0);
+
+    // A stopped agent can't answer: the load is a miss after the bounded wait, never wrong bytes.
+    let pid = rustix::process::Pid::from_child(&proc.0);
+    rustix::process::kill_process(pid, rustix::process::Signal::STOP).unwrap();
+    wait_stopped(proc.0.id());
+    let start = Instant::now();
+    let got = client.load_keys(&handle, &keys[3..4]).await.unwrap();
+    let took = start.elapsed();
+    rustix::process::kill_process(pid, rustix::process::Signal::CONT).unwrap();
+    assert!(
+        got[0].is_none(),
+        "a demand the agent does not answer in time is a miss (took {took:?}): {}",
+        server.scrape()
+    );
+    assert!(took >= Duration::from_millis(150) && took < Duration::from_secs(2), "waited {took:?}");
+    assert_eq!(metric(&server.scrape(), "kvtier_agent_demand_misses_total", &[("reason", "timeout")]), 1.0);
+
+    // Killed: its G1 keys stop counting, and a load of them is a prompt miss; the server serves on.
+    let mut watch = client.watch_events(&[&handle]).await.unwrap();
+    proc.0.kill().unwrap();
+    proc.0.wait().unwrap();
+    let rest = &keys[4..];
+    assert!(
+        eventually(async || client.lookup_keys(&handle, rest).await.unwrap() == 0).await,
+        "a dead agent's G1 keys no longer count"
+    );
+    let start = Instant::now();
+    let got = client.load_keys(&handle, rest).await.unwrap();
+    assert!(got.iter().all(Option::is_none));
+    assert!(start.elapsed() < Duration::from_millis(150), "a prompt miss, took {:?}", start.elapsed());
+    assert_eq!(metric(&server.scrape(), "kvtier_agent_links", &[]), 0.0);
+    // Routers hear it too: every key left `hbm`, to DRAM where the node still holds it.
+    let mut left: std::collections::HashMap<BlockKey, String> = std::collections::HashMap::new();
+    while left.len() < 6 {
+        let Ok(Ok(Some(e))) = tokio::time::timeout(Duration::from_secs(5), watch.next()).await else { break };
+        if e.kind == kvtier_client::EventKind::Evicted && e.tier == "hbm" {
+            left.extend(e.keys.iter().map(|k| (*k, e.to_tier.clone())));
+        }
+    }
+    assert_eq!(left.len(), 6, "{left:?}");
+    assert_eq!((left[&keys[0]].as_str(), left[&keys[5]].as_str()), ("dram", ""), "{left:?}");
+    let again = client.load_keys(&handle, &keys[..3]).await.unwrap();
+    assert!(again.iter().all(Option::is_some), "the spilled blocks are the server's own now");
+    assert!(server.alive());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_namespaces_tenant_reports_g1_into_it_or_takes_its_demands() {
+    use kvtier_client::{ClientConfig, KvClient};
+    use kvtier_proto::pb::{AgentBlocksReport, AgentDemandsRequest};
+
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("tenants.toml");
+    std::fs::write(
+        &cfg,
+        "auth_token = \"operator-secret-0000\"\n\n[[tenants]]\nname = \"a\"\ntokens = [\"tenant-a-secret-0001\"]\n\n\
+         [[tenants]]\nname = \"b\"\ntokens = [\"tenant-b-secret-0002\"]\n",
+    )
+    .unwrap();
+    let server = ServerProcess::start(&["--dram-capacity", "64MiB", "--config", cfg.to_str().unwrap()]);
+    let as_ = async |token: &str| {
+        let cfg = ClientConfig { auth_token: Some(token.into()), ..ClientConfig::default() };
+        KvClient::connect(&server.grpc_addr(), cfg).await.unwrap()
+    };
+    let (a, b, operator) =
+        (as_("tenant-a-secret-0001").await, as_("tenant-b-secret-0002").await, as_("operator-secret-0000").await);
+    let ns = Namespace::new("a", "m", KvLayout::new(4, 2, 64, DType::Fp16, 16), HashScheme::Blake3, b"s");
+    let handle = a.register(ns.clone()).await.unwrap();
+    let id = bytes::Bytes::copy_from_slice(&ns.id().0);
+    let key = kvtier_proto::BlockKey([9; 32]);
+    let report = |agent: &str| AgentBlocksReport {
+        namespace_id: id.clone(),
+        stored: vec![bytes::Bytes::copy_from_slice(&key.0)],
+        evicted: vec![],
+        dropped: vec![],
+        agent_id: agent.into(),
+        resync: false,
+    };
+    let demands = |agent: &str| AgentDemandsRequest { namespace_id: id.clone(), agent_id: agent.into() };
+
+    let err = b.raw_grpc().agent_demands(demands("b-agent")).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err}");
+    let err = b.raw_grpc().report_agent_blocks(report("b-agent")).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err}");
+    let err = a.raw_grpc().agent_demands(demands("")).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "an agent names itself");
+
+    // The tenant's own agent (and the operator's) may; only a reporter with an open stream counts.
+    let _stream = a.raw_grpc().agent_demands(demands("a-agent")).await.unwrap();
+    let _op_stream = operator.raw_grpc().agent_demands(demands("op-agent")).await.unwrap();
+    a.raw_grpc().report_agent_blocks(report("not-streaming")).await.unwrap();
+    assert_eq!(a.lookup_keys(&handle, &[key]).await.unwrap(), 0, "no stream, not indexed");
+    a.raw_grpc().report_agent_blocks(report("a-agent")).await.unwrap();
+    assert_eq!(a.lookup_keys(&handle, &[key]).await.unwrap(), 1);
+    drop(_stream);
+    assert!(
+        eventually(async || a.lookup_keys(&handle, &[key]).await.unwrap() == 0).await,
+        "the stream closed: the agent's keys stop counting"
+    );
+}
+
+/// A LOAD of `items` into `buffer` over `sock`: its counts (found, from G1, from G2), after every
+/// layer's answer came back OK.
+fn load_through_agent(sock: &mut UnixStream, buffer: u32, items: Vec<kvtier_agent::engine::proto::Item>) -> Vec<u32> {
+    sock.write_all(&Request::Load { buffer, items }.encode(3)).unwrap();
+    let mut read = || {
+        let mut h = [0u8; HEADER_LEN];
+        sock.read_exact(&mut h).unwrap();
+        let h = Header::decode(&h);
+        let mut body = vec![0u8; h.body_len as usize];
+        sock.read_exact(&mut body).unwrap();
+        assert_eq!(h.status, 0, "{}", String::from_utf8_lossy(&body));
+        body
+    };
+    let counts: Vec<u32> = read().chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect();
+    for _ in 0..4 {
+        read();
+    }
+    counts
+}
+
+#[test]
+fn a_spill_stalled_on_a_stopped_server_does_not_stall_another_connections_g1_load() {
+    use kvtier_agent::engine::proto::Item;
+    use kvtier_proto::{BlockKey, KEY_LEN};
+
+    let server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
+    let dir = tempfile::tempdir().unwrap();
+    let sock_path = dir.path().join("agent.sock");
+    let _agent = start_agent(&[
+        "--server",
+        &server.grpc_addr(),
+        "--socket",
+        sock_path.to_str().unwrap(),
+        "--host-memory",
+        "8MiB",
+        "--page-bytes",
+        &BLOCK.to_string(),
+        "--pool-capacity",
+        &(2 * BLOCK).to_string(),
+    ]);
+    let ns = Namespace::new("t", "m", KvLayout::new(4, 2, 64, DType::Fp16, 16), HashScheme::Blake3, b"s");
+    let keys: Vec<BlockKey> = (1..=3u8).map(|i| BlockKey([i; KEY_LEN])).collect();
+    let data: Vec<u8> = (0..3 * BLOCK as usize).map(|i| (i % 253) as u8 ^ 0x33).collect();
+    // Engine A fills the two-page pool; engine B will load into its own buffer.
+    let mut a = UnixStream::connect(&sock_path).unwrap();
+    assert_eq!(call(&mut a, &Request::Open(ns.clone())).0.status, 0);
+    let (buf_a, _) = register_memfd_with(&mut a, 3, &data);
+    let k2 = keys.clone();
+    let save = move |s: &mut UnixStream, page: u32| {
+        for layer in 0..4 {
+            let items = vec![Item { page, key: k2[page as usize] }];
+            let (h, body) = call(s, &Request::Save { buffer: buf_a, layer, items });
+            assert_eq!(h.status, 0, "{}", String::from_utf8_lossy(&body));
+        }
+    };
+    save(&mut a, 0);
+    save(&mut a, 1);
+    let mut b = UnixStream::connect(&sock_path).unwrap();
+    assert_eq!(call(&mut b, &Request::Open(ns.clone())).0.status, 0);
+    let (buf_b, mem_b) = register_memfd_with(&mut b, 3, &[]);
+    let page_of = |fd: &std::os::fd::OwnedFd, page: usize| {
+        let mut all = vec![0u8; 3 * BLOCK as usize];
+        rustix::io::pread(fd, &mut all, 0).unwrap();
+        block_of(&all, 3, page)
+    };
+
+    // The server stops: block 1's spill (to make room for block 3) can't finish.
+    let spid = rustix::process::Pid::from_child(&server.child);
+    rustix::process::kill_process(spid, rustix::process::Signal::STOP).unwrap();
+    wait_stopped(server.child.id());
+    let saver = std::thread::spawn(move || {
+        let started = Instant::now();
+        save(&mut a, 2);
+        started.elapsed()
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    let started = Instant::now();
+    let got = load_through_agent(&mut b, buf_b, vec![Item { page: 1, key: keys[1] }]);
+    let g1_load = started.elapsed();
+    // Block 1 is on its way to the stopped server: loaded from the copy in flight.
+    let in_flight = load_through_agent(&mut b, buf_b, vec![Item { page: 0, key: keys[0] }]);
+    rustix::process::kill_process(spid, rustix::process::Signal::CONT).unwrap();
+    let save_took = saver.join().unwrap();
+
+    assert_eq!(got, [1, 1, 0], "a G1 hit");
+    assert!(g1_load < Duration::from_secs(1), "the G1 load waited {g1_load:?} behind a stalled spill");
+    assert!(save_took < Duration::from_secs(1), "the save that evicted waited {save_took:?}");
+    assert!(page_of(&mem_b, 1) == block_of(&data, 3, 1), "block 2's bytes");
+    assert_eq!(in_flight, [1, 0, 1], "found outside G1");
+    assert!(page_of(&mem_b, 0) == block_of(&data, 3, 0), "block 1's bytes");
+    // Once the server runs again the spill lands: block 1 loads from the server.
+    let client = tokio::runtime::Runtime::new().unwrap();
+    let landed = client.block_on(async {
+        let c = server.client().await;
+        let h = c.register(ns.clone()).await.unwrap();
+        eventually(async || matches!(c.load_keys(&h, &keys[..1]).await.as_deref(), Ok([Some(_)]))).await
+    });
+    assert!(landed, "the stalled spill reached the server once it ran again");
 }

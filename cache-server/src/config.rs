@@ -153,6 +153,12 @@ pub struct ServerConfig {
     /// resyncs with `Lookup` / `RouteHint`). Bounds the memory of events at ~this many batches of
     /// at most 512 keys. Default: `4096`.
     pub events_buffer: usize,
+    /// How long a read of a block that only a GPU agent's G1 holds waits for the agent to spill
+    /// it into DRAM (see `crate::tiers::agent`); past it the read is a miss. Default: `200ms`.
+    pub agent_demand_wait: DurationStr,
+    /// Keys of GPU agents' G1 indexed per namespace (over every agent of the node); past it a
+    /// reported key is not indexed (`kvtier_agent_index_full_total`). Default: `1048576`.
+    pub agent_index_max_keys: usize,
     /// TLS on the gRPC and data-plane listeners, and client certificates (mTLS) as credentials:
     /// a `[tls]` table, see [`TlsConfig`]. The same-node socket and `/metrics` stay plain (local).
     /// Default: none (plain TCP: keep the listeners on loopback or a trusted network).
@@ -390,6 +396,8 @@ impl Default for ServerConfig {
             events_max_watchers: 64,
             events_max_watchers_per_tenant: 8,
             events_buffer: 4096,
+            agent_demand_wait: DurationStr(Duration::from_millis(200)),
+            agent_index_max_keys: 1 << 20,
             tls: None,
             redis_tier: None,
         }
@@ -545,6 +553,12 @@ impl ServerConfig {
                 "events_max_watchers must be 1..=65536 and events_max_watchers_per_tenant at least 1, got {} and {}",
                 self.events_max_watchers, self.events_max_watchers_per_tenant
             ));
+        }
+        if self.agent_demand_wait.0 < Duration::from_millis(1) || self.agent_demand_wait.0 > Duration::from_secs(60) {
+            return bad(format!("agent_demand_wait must be 1ms..=60s, got {}", self.agent_demand_wait));
+        }
+        if !(1..=1 << 26).contains(&self.agent_index_max_keys) {
+            return bad(format!("agent_index_max_keys must be 1..=67108864, got {}", self.agent_index_max_keys));
         }
         if !(1..=1 << 20).contains(&self.events_buffer) {
             return bad(format!("events_buffer must be 1..=1048576, got {}", self.events_buffer));

@@ -290,6 +290,41 @@ impl ControlPlane {
 /// An event stream as the gRPC service returns it.
 pub type EventStream = Pin<Box<dyn futures::Stream<Item = Result<pb::KvEvent, Status>> + Send>>;
 
+/// An agent's demand stream (`AgentDemands`).
+pub type DemandStream = Pin<Box<dyn futures::Stream<Item = Result<pb::AgentDemand, Status>> + Send>>;
+
+/// Keys per `AgentDemand` message at most (what is queued when one is sent).
+const DEMAND_BATCH: usize = 64;
+
+/// An open demand stream: its queue, its registration (dropping it drops the agent's G1 index
+/// for the namespace) and the node's stop signal.
+struct Demands {
+    rx: tokio::sync::mpsc::Receiver<BlockKey>,
+    _link: crate::tiers::agent::AgentLinkGuard,
+    stop: Option<watch::Receiver<bool>>,
+}
+
+impl Demands {
+    /// The next batch of keys; `None` when the link was replaced or the node stops.
+    async fn next(&mut self) -> Option<pb::AgentDemand> {
+        let first = match &mut self.stop {
+            Some(stop) => tokio::select! {
+                _ = crate::stopped(stop) => return None,
+                k = self.rx.recv() => k?,
+            },
+            None => self.rx.recv().await?,
+        };
+        let mut keys = vec![bytes::Bytes::copy_from_slice(&first.0)];
+        while keys.len() < DEMAND_BATCH {
+            match self.rx.try_recv() {
+                Ok(k) => keys.push(bytes::Bytes::copy_from_slice(&k.0)),
+                Err(_) => break,
+            }
+        }
+        Some(pb::AgentDemand { keys })
+    }
+}
+
 fn event_pb(node: &str, e: &KvEvent) -> pb::KvEvent {
     let kind = match e.kind {
         EventKind::Stored => pb::KvEventKind::BlocksStored,
@@ -518,6 +553,13 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
             Ok::<_, ServerError>((id, keys(&r.stored)?, keys(&r.evicted)?, keys(&r.dropped)?))
         })();
         let (id, stored, evicted, dropped) = res.map_err(to_status)?;
+        if !r.agent_id.is_empty() {
+            let left: Vec<BlockKey> = evicted.iter().chain(&dropped).copied().collect();
+            self.state.tiers().agents().report(&id, &r.agent_id, &stored, &left);
+        }
+        if r.resync {
+            return Ok(Response::new(pb::AgentBlocksAck {}));
+        }
         let events = self.state.tiers().events();
         if !stored.is_empty() {
             events.stored(&id, &stored, TierId::Hbm);
@@ -529,6 +571,30 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
             events.evicted(&id, &dropped, TierId::Hbm, None);
         }
         Ok(Response::new(pb::AgentBlocksAck {}))
+    }
+
+    type AgentDemandsStream = DemandStream;
+
+    async fn agent_demands(
+        &self,
+        r: Request<pb::AgentDemandsRequest>,
+    ) -> Result<Response<Self::AgentDemandsStream>, Status> {
+        let p = principal(&r)?;
+        let r = r.into_inner();
+        let res = (|| {
+            let id = ns_id(&r.namespace_id)?;
+            self.state.namespace_for(&p, &id, Access::Write)?;
+            if r.agent_id.is_empty() || r.agent_id.len() > 128 {
+                return Err(ServerError::InvalidRequest("agent_id must be 1..=128 bytes".into()));
+            }
+            Ok::<_, ServerError>(id)
+        })();
+        let id = res.map_err(to_status)?;
+        let (rx, link) = self.state.tiers().agents().open(id, &r.agent_id).map_err(to_status)?;
+        tracing::info!(agent = r.agent_id, principal = p.name(), "a GPU agent opened its demand stream");
+        let d = Demands { rx, _link: link, stop: self.stop.clone() };
+        let stream = futures::stream::unfold(d, |mut d| async move { d.next().await.map(|m| (Ok(m), d)) });
+        Ok(Response::new(Box::pin(stream)))
     }
 
     async fn route_hint(&self, r: Request<pb::RouteHintRequest>) -> Result<Response<pb::RouteHintResponse>, Status> {

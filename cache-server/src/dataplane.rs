@@ -531,6 +531,10 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         // In a cluster: what no local tier holds, from its owners (bounded by `peer_timeout`),
         // in chunks running ahead of this answer.
         let mut remote = peer_fetch(&self.state, &req, &raw);
+        // Blocks only a GPU agent's G1 holds: asked for all at once, so their spills overlap;
+        // each key's read below joins its demand. Released when the answer is done.
+        let state = self.state.clone();
+        let _from_g1 = state.tiers().demand_ahead(&ns, &raw);
         let h = ResponseHeader::ok(Op::Get, req.request_id, req.count);
         self.wr.write_all(&h.encode()).await?;
         let stop_at_miss = req.flags & FLAG_STOP_AT_MISS != 0;

@@ -21,7 +21,7 @@ use crate::session_store::SessionStore;
 use crate::sessions::{SessionLimits, SessionQuota};
 use crate::tenants::{Access, Principal, Tenants};
 use crate::tiers::demotion::queue_headroom;
-use crate::tiers::{IoPool, TierStack};
+use crate::tiers::{AgentTierConfig, IoPool, TierStack};
 use kvtier_proto::record_log::namespaces::{read_namespace_log as read_namespace_records, NamespaceRecord};
 use kvtier_proto::record_log::{encode_log_header, encode_record, read_log_header, LogHeader, LogKey, LogKind};
 
@@ -55,6 +55,11 @@ struct NamespaceLog {
 
 /// One `namespaces.log` record, framed by `kvtier_proto::record_log` and keyed with the file's
 /// secret: a namespace spec is a tenant's bytes, and no bytes in it can pass for a record.
+/// The G1 tier's settings from the node's.
+fn agent_tier(config: &ServerConfig) -> AgentTierConfig {
+    AgentTierConfig { demand_wait: config.agent_demand_wait.0, max_keys_per_namespace: config.agent_index_max_keys }
+}
+
 fn namespace_record(key: &LogKey, record: &NamespaceRecord<'_>) -> Vec<u8> {
     encode_record(key, &record.encode())
 }
@@ -285,7 +290,9 @@ impl NodeState {
         let fsync = config.session_durability == "fsync";
         if config.disk_capacity.0 == 0 {
             return Ok(NodeState {
-                tiers: TierStack::new(dram, None, fsync).with_event_buffer(config.events_buffer),
+                tiers: TierStack::new(dram, None, fsync)
+                    .with_event_buffer(config.events_buffer)
+                    .with_agent_tier(agent_tier(&config)),
                 sessions: SessionStore::new(None),
                 namespaces: RwLock::new(HashMap::new()),
                 started: Instant::now(),
@@ -355,7 +362,9 @@ impl NodeState {
         };
         let f = fs.open(&ns_path, OpenMode::Existing)?;
         let state = NodeState {
-            tiers: TierStack::new(dram, Some(Arc::new(disk)), fsync).with_event_buffer(config.events_buffer),
+            tiers: TierStack::new(dram, Some(Arc::new(disk)), fsync)
+                .with_event_buffer(config.events_buffer)
+                .with_agent_tier(agent_tier(&config)),
             sessions: SessionStore::new(Some(log)),
             namespaces: RwLock::new(ns_log.live.clone()),
             started: Instant::now(),

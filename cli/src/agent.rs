@@ -156,7 +156,8 @@ struct StoreInner {
     rt: tokio::runtime::Handle,
     client: KvClient,
     link: Mutex<Link>,
-    namespaces: Mutex<HashMap<NamespaceId, NamespaceHandle>>,
+    /// Shared by every link of the agent ([`SameNodeStore::another_link`]).
+    namespaces: Arc<Mutex<HashMap<NamespaceId, NamespaceHandle>>>,
 }
 
 struct Link {
@@ -181,9 +182,32 @@ impl SameNodeStore {
                 rt: tokio::runtime::Handle::current(),
                 client,
                 link: Mutex::new(Link { near, buf, block_bytes }),
-                namespaces: Mutex::new(HashMap::new()),
+                namespaces: Arc::new(Mutex::new(HashMap::new())),
             }),
         })
+    }
+
+    /// The same store over a connection of its own (the namespaces opened are shared): spills
+    /// the server asks for go through it, so they never queue behind a G2 fetch whose server
+    /// side waits on them.
+    async fn another_link(&self) -> anyhow::Result<Self> {
+        let block_bytes = self.inner.link.lock().map_err(|_| anyhow::anyhow!("store link poisoned"))?.block_bytes;
+        let client = self.inner.client.clone();
+        let near = client.samenode().await.context("a second same-node connection")?;
+        let buf = SharedBuffer::new(block_bytes)?;
+        Ok(SameNodeStore {
+            inner: Arc::new(StoreInner {
+                rt: tokio::runtime::Handle::current(),
+                client,
+                link: Mutex::new(Link { near, buf, block_bytes }),
+                namespaces: self.inner.namespaces.clone(),
+            }),
+        })
+    }
+
+    /// The namespaces engines opened through this agent.
+    fn namespace_ids(&self) -> Vec<NamespaceId> {
+        self.inner.namespaces.lock().map(|m| m.keys().copied().collect()).unwrap_or_default()
     }
 
     fn client(&self) -> &KvClient {
@@ -286,33 +310,38 @@ pub async fn run(a: AgentArgs) -> anyhow::Result<()> {
     let client =
         KvClient::connect(&s.server, cfg).await.with_context(|| format!("connecting to the server at {}", s.server))?;
     let store = SameNodeStore::connect(client, page_bytes).await?;
+    let demand_store = store.another_link().await?;
     let mut config = AgentConfig::new(page_bytes);
     config.capacity = s.capacity;
     match s.device.as_str() {
         "host" => {
-            serve_device(Arc::new(HostDevice::new(s.gpu, usize::try_from(s.host_memory)?)), store, config, &s).await
+            let dev = Arc::new(HostDevice::new(s.gpu, usize::try_from(s.host_memory)?));
+            serve_device(dev, [store, demand_store], config, &s).await
         }
-        _ => cuda(store, config, &s).await,
+        _ => cuda([store, demand_store], config, &s).await,
     }
 }
 
 #[cfg(feature = "cuda")]
-async fn cuda(store: SameNodeStore, config: AgentConfig, s: &Settings) -> anyhow::Result<()> {
+async fn cuda(stores: [SameNodeStore; 2], config: AgentConfig, s: &Settings) -> anyhow::Result<()> {
     let dev = kvtier_agent::CudaDevice::new(s.gpu).context("opening the GPU")?;
-    serve_device(Arc::new(dev), store, config, s).await
+    serve_device(Arc::new(dev), stores, config, s).await
 }
 
 #[cfg(not(feature = "cuda"))]
-async fn cuda(_store: SameNodeStore, _config: AgentConfig, _s: &Settings) -> anyhow::Result<()> {
+async fn cuda(_stores: [SameNodeStore; 2], _config: AgentConfig, _s: &Settings) -> anyhow::Result<()> {
     bail!("this kvtier was built without the `cuda` feature (cargo build --features cuda)")
 }
 
+/// `stores`: the pool's store (its spills, its fetches) and the link spills the server asks for
+/// go through.
 async fn serve_device<D: Device>(
     device: Arc<D>,
-    store: SameNodeStore,
+    stores: [SameNodeStore; 2],
     config: AgentConfig,
     s: &Settings,
 ) -> anyhow::Result<()> {
+    let [store, demand_store] = stores;
     let agent = Arc::new(Agent::new(device, store, config).context("building the G1 pool")?);
     let metrics = match s.metrics {
         Some(addr) => {
@@ -326,7 +355,13 @@ async fn serve_device<D: Device>(
         }
         None => None,
     };
-    tokio::spawn(report_g1(agent.clone()));
+    // Unique among this node's agents: the pid, and the start time against pid reuse.
+    let agent_id = format!(
+        "agent-{}-{:x}",
+        std::process::id(),
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos())
+    );
+    tokio::spawn(report_g1(agent.clone(), demand_store, agent_id));
     let server =
         EngineServer::bind(agent.clone(), &s.socket).with_context(|| format!("binding {}", s.socket.display()))?;
     let stats = agent.stats();
@@ -356,11 +391,23 @@ const REPORT_EVERY: Duration = Duration::from_millis(100);
 /// the node's KV events with tier `hbm`. Within one interval the last change of a key wins; when
 /// changes were lost (the pool's log overflowed) every resident key is reported stored again. A
 /// failed report is counted and dropped (the events are advisory; the next ones follow).
-async fn report_g1<D: Device>(agent: Arc<Agent<D, SameNodeStore>>) {
+///
+/// It also keeps one `AgentDemands` stream open per namespace an engine opened (re-opened on the
+/// next tick when it ends): while it is open the server indexes this agent's reports for the
+/// namespace as G1 (its lookups count them) and sends on it the keys loads want that only G1
+/// holds ([`serve_demands`]).
+async fn report_g1<D: Device>(agent: Arc<Agent<D, SameNodeStore>>, demand_store: SameNodeStore, agent_id: String) {
     let client = agent.store().client().clone();
     let mut tick = tokio::time::interval(REPORT_EVERY);
+    let mut demands: HashMap<NamespaceId, tokio::task::JoinHandle<()>> = HashMap::new();
     loop {
         tick.tick().await;
+        for ns in agent.store().namespace_ids() {
+            if demands.get(&ns).is_none_or(|t| t.is_finished()) {
+                let task = serve_demands(agent.clone(), demand_store.clone(), ns, agent_id.clone());
+                demands.insert(ns, tokio::spawn(task));
+            }
+        }
         let a = agent.clone();
         let Ok((changes, resync)) = tokio::task::spawn_blocking(move || {
             let (changes, lost) = a.take_g1_changes();
@@ -393,6 +440,8 @@ async fn report_g1<D: Device>(agent: Arc<Agent<D, SameNodeStore>>) {
                     stored: pick(0),
                     evicted: pick(1),
                     dropped: pick(2),
+                    agent_id: agent_id.clone(),
+                    resync: false,
                 };
                 match client.raw_grpc().report_agent_blocks(req).await {
                     Ok(_) => metrics::counter!("kvtier_agent_reported_keys_total").increment(chunk.len() as u64),
@@ -406,6 +455,95 @@ async fn report_g1<D: Device>(agent: Arc<Agent<D, SameNodeStore>>) {
     }
 }
 
+/// Sends `keys` as what G1 holds (chunked, `resync`: indexed, not published again); the first
+/// error.
+async fn report_stored(client: &KvClient, ns: &NamespaceId, agent_id: &str, keys: &[BlockKey]) -> Result<(), String> {
+    for chunk in keys.chunks(REPORT_MAX_KEYS) {
+        let req = kvtier_proto::pb::AgentBlocksReport {
+            namespace_id: bytes::Bytes::copy_from_slice(&ns.0),
+            stored: chunk.iter().map(|k| bytes::Bytes::copy_from_slice(&k.0)).collect(),
+            evicted: vec![],
+            dropped: vec![],
+            agent_id: agent_id.to_string(),
+            resync: true,
+        };
+        client.raw_grpc().report_agent_blocks(req).await.map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+/// One namespace's `AgentDemands` stream: opens it, reports every block of the namespace G1
+/// holds (the server indexes an agent's keys only while its stream is open), then for each key
+/// the server sends copies the page out of G1 and stores it into the server through its own
+/// same-node link (the pool is not held during the store). Returns when the stream ends or
+/// fails (after a pause, so a refusing server is not hammered); the caller re-opens it.
+async fn serve_demands<D: Device>(
+    agent: Arc<Agent<D, SameNodeStore>>,
+    store: SameNodeStore,
+    ns: NamespaceId,
+    agent_id: String,
+) {
+    let client = agent.store().client().clone();
+    let req = kvtier_proto::pb::AgentDemandsRequest {
+        namespace_id: bytes::Bytes::copy_from_slice(&ns.0),
+        agent_id: agent_id.clone(),
+    };
+    let mut stream = match client.raw_grpc().agent_demands(req).await {
+        Ok(s) => s.into_inner(),
+        Err(e) => {
+            metrics::counter!("kvtier_agent_demand_stream_errors_total").increment(1);
+            tracing::warn!("opening the server's demand stream: {e}");
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            return;
+        }
+    };
+    let a = agent.clone();
+    let resident: Vec<BlockKey> = match tokio::task::spawn_blocking(move || a.resident_keys()).await {
+        Ok(keys) => keys.into_iter().filter(|(n, _)| *n == ns).map(|(_, k)| k).collect(),
+        Err(_) => return,
+    };
+    if let Err(e) = report_stored(&client, &ns, &agent_id, &resident).await {
+        tracing::warn!("reporting G1 to the server: {e}");
+    }
+    loop {
+        let demand = match stream.message().await {
+            Ok(Some(d)) => d,
+            Ok(None) => return,
+            Err(e) => {
+                metrics::counter!("kvtier_agent_demand_stream_errors_total").increment(1);
+                tracing::warn!("the server's demand stream: {e}");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                return;
+            }
+        };
+        let keys: Vec<BlockKey> = demand.keys.iter().filter_map(|k| BlockKey::try_from(&k[..]).ok()).collect();
+        let (a, st) = (agent.clone(), store.clone());
+        // One batch at a time: the stream's queue on the server bounds what waits.
+        let _ = tokio::task::spawn_blocking(move || {
+            for key in keys {
+                match a.copy_out(&ns, &key) {
+                    Ok(Some(bytes)) => match st.spill(&ns, &key, CodecId::RAW, &bytes) {
+                        Ok(()) => {
+                            a.mark_spilled(&ns, &key);
+                            metrics::counter!("kvtier_agent_demand_spills_total").increment(1);
+                        }
+                        Err(e) => {
+                            metrics::counter!("kvtier_agent_demand_errors_total").increment(1);
+                            tracing::warn!("spilling a demanded block: {e}");
+                        }
+                    },
+                    Ok(None) => metrics::counter!("kvtier_agent_demand_not_resident_total").increment(1),
+                    Err(e) => {
+                        metrics::counter!("kvtier_agent_demand_errors_total").increment(1);
+                        tracing::warn!("copying a demanded block out of G1: {e}");
+                    }
+                }
+            }
+        })
+        .await;
+    }
+}
+
 /// Keys per report (the server's default `max_blocks_per_request`).
 const REPORT_MAX_KEYS: usize = 4096;
 
@@ -415,7 +553,7 @@ async fn publish_metrics<D: Device>(agent: Arc<Agent<D, SameNodeStore>>) {
     let mut tick = tokio::time::interval(Duration::from_millis(250));
     loop {
         tick.tick().await;
-        // Off the runtime's threads: the pool's lock can be held across a spill to the server.
+        // Off the runtime's threads: the pool's lock is taken (briefly: spills run outside it).
         let a = agent.clone();
         let Ok(s) = tokio::task::spawn_blocking(move || a.stats()).await else { continue };
         let p = s.pool;

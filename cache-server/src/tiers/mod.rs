@@ -4,12 +4,15 @@
 //!
 //! - [`stack`]: [`TierStack`] — lookup, verified get with promotion, zero-copy ingest (reserve →
 //!   commit), persist (make durable), pins, purge and stats, walking the tiers hottest first.
+//! - [`agent`]: [`AgentTier`] — G1, the GPU agents' HBM pages: an index of what they reported,
+//!   and demands that make an agent spill a block a read wants into DRAM.
 //! - [`in_transit`]: [`InTransitTier`] — blocks evicted from DRAM and not yet on disk.
 //! - [`demotion`]: the eviction hook, the bounded demotion queue and the thread that writes it out.
 //! - [`io`]: [`IoPool`] — the bounded pool disk reads and writes run on, off the async workers.
 //! - [`redis`]: [`RedisTier`] — an existing Redis / Redis Cluster deployment as a tier the fleet
 //!   shares (blocks and session manifests, checksums verified, a byte budget of its own).
 
+pub mod agent;
 pub mod demotion;
 pub mod in_transit;
 pub mod io;
@@ -24,6 +27,7 @@ use crate::dram::{DramTier, Priority, StoredBlock};
 use crate::error::ServerError;
 use crate::metrics::error;
 
+pub use agent::{AgentTier, AgentTierConfig};
 pub use demotion::DemotionDepth;
 pub use in_transit::InTransitTier;
 pub use io::IoPool;

@@ -13,6 +13,11 @@
 //! the lookups (`*_with_peers`) count what Redis holds; [`TierStack::forward_to_peers`] also
 //! queues the blocks for Redis; and parked sessions' manifests go there too
 //! ([`TierStack::share_session`], [`TierStack::resume_shared`]).
+//!
+//! G1 ([`AgentTier`]: the HBM pages of this node's GPU agents) sits under the local tiers: the
+//! presence queries (`holds`, `exists`, `longest_prefix`) count what agents reported, and
+//! [`TierStack::get`] of a block only G1 holds asks its agent to spill it and waits (bounded)
+//! for it to land in DRAM.
 
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
@@ -21,6 +26,7 @@ use std::time::Duration;
 use kvtier_proto::{BlockKey, CodecId, FrameHeader, Namespace, NamespaceId, TierId};
 use parking_lot::Mutex;
 
+use super::agent::{AgentTier, AgentTierConfig};
 use super::demotion::{self, DemotionDepth};
 use super::redis::RedisTier;
 use super::{InTransitTier, IoPool, Load, PinTier, Tier, TierStats};
@@ -33,6 +39,9 @@ use crate::events::EventBus;
 /// How long a disk read waits for an I/O slot before it is answered `Busy` (a miss the engine
 /// recomputes beats a load that waits behind a saturated disk).
 const DISK_READ_WAIT: Duration = Duration::from_secs(2);
+
+/// Keys of one batched read whose G1 demands are sent ahead ([`TierStack::demand_ahead`]).
+const DEMAND_AHEAD: usize = 256;
 
 /// How long a writer waits for room in a full demotion queue before it writes anyway.
 const BACKPRESSURE_WAIT: Duration = Duration::from_secs(5);
@@ -59,6 +68,8 @@ pub struct TierStack {
     redis: OnceLock<Arc<RedisTier>>,
     /// Where block events go (see [`crate::events`]).
     events: Arc<EventBus>,
+    /// G1: what this node's GPU agents hold, and how to ask them for it.
+    agents: Arc<AgentTier>,
 }
 
 /// The peer tier and whether blocks loaded from it are kept in DRAM.
@@ -102,6 +113,7 @@ impl TierStack {
             peers: OnceLock::new(),
             redis: OnceLock::new(),
             events: Arc::new(EventBus::default()),
+            agents: Arc::new(AgentTier::default()),
         }
         .with_event_buffer(4096)
     }
@@ -110,6 +122,7 @@ impl TierStack {
     /// watchers that fall behind (`events_buffer`).
     pub fn with_event_buffer(mut self, buffer: usize) -> Self {
         self.events = Arc::new(EventBus::new(buffer));
+        self.wire_agent_events();
         // DRAM evictions: to disk when the node has one (the demotion queue takes them), else gone.
         let bus = Arc::downgrade(&self.events);
         let to = self.disk.is_some().then_some(TierId::Disk);
@@ -140,6 +153,40 @@ impl TierStack {
         self
     }
 
+    /// The same stack with G1 settings (`agent_demand_wait`, `agent_index_max_keys`).
+    pub fn with_agent_tier(mut self, config: AgentTierConfig) -> Self {
+        self.agents = Arc::new(AgentTier::new(config));
+        self.wire_agent_events();
+        self
+    }
+
+    /// When an agent's link closes, its keys are published as evicted from `hbm`: to `dram` or
+    /// `disk` when a local tier still holds them, else gone.
+    fn wire_agent_events(&self) {
+        let bus = Arc::downgrade(&self.events);
+        let in_dram = self.dram.weak_contains();
+        let disk = self.disk.clone();
+        self.agents.set_gone_hook(Arc::new(move |ns: &NamespaceId, keys: &[BlockKey]| {
+            let Some(bus) = bus.upgrade() else { return };
+            if !bus.is_watched() {
+                return;
+            }
+            for key in keys {
+                let to = if in_dram(ns, key) {
+                    Some(TierId::Dram)
+                } else {
+                    disk.as_ref().filter(|d| d.contains(ns, key)).map(|_| TierId::Disk)
+                };
+                bus.evicted(ns, std::slice::from_ref(key), TierId::Hbm, to);
+            }
+        }));
+    }
+
+    /// G1: the index of what this node's GPU agents hold, and their demand links.
+    pub fn agents(&self) -> &Arc<AgentTier> {
+        &self.agents
+    }
+
     /// The node's event bus: block events come from here, session events from the session store.
     pub fn events(&self) -> &Arc<EventBus> {
         &self.events
@@ -156,17 +203,18 @@ impl TierStack {
         memory.into_iter().chain(self.disk.as_deref().map(|d| d as &dyn Tier))
     }
 
-    /// Whether any tier holds the block.
+    /// Whether any tier holds the block (G1 included).
     pub fn holds(&self, ns: &NamespaceId, key: &BlockKey) -> bool {
-        self.tiers().any(|t| t.contains(ns, key))
+        self.tiers().any(|t| t.contains(ns, key)) || self.agents.contains(ns, key)
     }
 
-    /// Per key: whether any tier holds it (one pass per tier).
+    /// Per key: whether any tier holds it (one pass per tier, G1 included).
     pub fn exists(&self, ns: &NamespaceId, keys: &[BlockKey]) -> Vec<bool> {
         let mut held = vec![false; keys.len()];
         for t in self.tiers() {
             t.mark_held(ns, keys, &mut held);
         }
+        self.agents.mark_held(ns, keys, &mut held);
         held
     }
 
@@ -219,8 +267,8 @@ impl TierStack {
     }
 
     async fn get_from_disk(&self, ns: &NamespaceId, key: &BlockKey) -> Load {
-        let Some(disk) = self.disk.clone() else { return Load::Miss };
-        let Some(header) = disk.header(ns, key) else { return Load::Miss };
+        let Some(disk) = self.disk.clone() else { return self.get_from_agent(ns, key).await };
+        let Some(header) = disk.header(ns, key) else { return self.get_from_agent(ns, key).await };
         // The block's bytes count against the read budget until every view of them is gone.
         let kib = (header.payload_len.div_ceil(1024) as usize).min(self.disk_read_budget_kib) as u32;
         let permit =
@@ -250,6 +298,50 @@ impl TierStack {
         }
         b.payload = bytes::Bytes::from_owner(Budgeted { bytes: b.payload, _permit: permit });
         Load::Hit(b)
+    }
+
+    /// Sends the demands for the keys (`raw`: 32 bytes each) that only G1 holds, at most
+    /// [`DEMAND_AHEAD`] of them, before a batched read walks them one by one: the agents spill
+    /// them together instead of one round trip per key. Keep the result until the reads are
+    /// done (each read joins its key's demand instead of sending another).
+    pub fn demand_ahead(&self, ns: &NamespaceId, raw: &[u8]) -> Vec<super::agent::Waiter<'_>> {
+        if !self.agents.has_links(ns) {
+            return Vec::new();
+        }
+        let keys: Vec<BlockKey> = raw
+            .chunks_exact(kvtier_proto::KEY_LEN)
+            .filter_map(|c| BlockKey::try_from(c).ok())
+            .filter(|k| self.agents.contains(ns, k) && !self.tiers().any(|t| t.contains(ns, k)))
+            .take(DEMAND_AHEAD)
+            .collect();
+        keys.iter().filter_map(|k| self.agents.demand(ns, k)).collect()
+    }
+
+    /// A block only G1 holds: asks its agent to spill it into DRAM (the same-node store) and
+    /// waits for it, at most `agent_demand_wait`; then it is read from DRAM. A wait that runs
+    /// out, or no agent holding the key, is a miss.
+    async fn get_from_agent(&self, ns: &NamespaceId, key: &BlockKey) -> Load {
+        let Some(waiter) = self.agents.demand(ns, key) else { return Load::Miss };
+        let deadline = tokio::time::Instant::now() + self.agents.config().demand_wait;
+        loop {
+            let landed = waiter.landed.notified();
+            // Checked after registering: a block that landed in between is not waited for.
+            if let Load::Hit(b) = Tier::get(&self.dram, ns, key) {
+                self.agents.hit();
+                return Load::Hit(b);
+            }
+            // Woken by a commit of the key; the short slice also catches a store answered
+            // `Present` (it was in DRAM already: nothing committed).
+            let slice = (tokio::time::Instant::now() + Duration::from_millis(20)).min(deadline);
+            if tokio::time::timeout_at(slice, landed).await.is_err() && tokio::time::Instant::now() >= deadline {
+                if let Load::Hit(b) = Tier::get(&self.dram, ns, key) {
+                    self.agents.hit();
+                    return Load::Hit(b);
+                }
+                self.agents.missed("timeout");
+                return Load::Miss;
+            }
+        }
     }
 
     fn second_disk_hit(&self, ns: &NamespaceId, key: &BlockKey) -> bool {
@@ -483,6 +575,7 @@ impl TierStack {
         if out == InsertOutcome::Inserted {
             self.events.stored(&header.namespace, std::slice::from_ref(&header.key), TierId::Dram);
         }
+        self.agents.landed(&header.namespace, &header.key);
         Ok(out)
     }
 
@@ -571,6 +664,7 @@ impl TierStack {
         for t in self.tiers() {
             gone.extend(t.purge(ns));
         }
+        self.agents.purge(ns);
         if self.events.is_watched() {
             let keys: Vec<BlockKey> = gone.iter().copied().collect();
             self.events.purged(ns, &keys);

@@ -10,6 +10,10 @@
 //!   layer of engine pages into reserved G1 pages; LOAD pins the G1 hits, fetches the rest from
 //!   the store into a registered staging buffer and copies every layer into the engine's pages
 //!   with [`LayerPipeline`], answering as each layer lands.
+//! - Spills run outside the pool's lock: an eviction copies the page out under it, the copy
+//!   waits in the agent's in-flight map (loads read it from there) and a bounded queue hands it
+//!   to the agent's spill thread, which stores it below. A stalled store stalls the spill thread
+//!   (and, once the queue is full, the saves that need room), never G1 loads.
 //! - [`server`]: the Unix socket: threads, descriptors, limits and timeouts.
 //!
 //! The store is a trait so that this crate needs no network client: the `kvtier agent` command
@@ -38,7 +42,7 @@ use self::proto::{
 use crate::device::{Device, DeviceBuf, DeviceRange, HostBuffer, IpcHandle, Registration, Transfer};
 use crate::error::{AgentError, Result};
 use crate::pipeline::{LayerPipeline, LayerSource};
-use crate::pool::{Capacity, MemorySpill, PagePool, PoolConfig, PoolStats, Spill};
+use crate::pool::{Capacity, MemorySpill, PagePool, PendingSpill, PoolConfig, PoolStats, Spill};
 
 /// The tier below G1 (G2 on this node, through the same-node path): takes evicted blocks
 /// ([`Spill`]) and gives them back.
@@ -160,24 +164,105 @@ fn add(c: &AtomicU64, n: u64) {
     c.fetch_add(n, Ordering::Relaxed);
 }
 
+/// Evicted blocks queued for the spill thread at most; a save that needs room past it waits.
+pub const SPILL_QUEUE: usize = 64;
+
+/// Blocks evicted from G1 and not yet stored below, by key: loads read them from here.
+type InFlight = Arc<Mutex<HashMap<kvtier_proto::ScopedKey, Arc<PendingSpill>>>>;
+
 /// One device's agent: the G1 pool over a backing store. Shared by every engine connection.
 pub struct Agent<D: Device, B: BackingStore> {
     device: Arc<D>,
     store: B,
-    pool: Mutex<PagePool<D, B>>,
+    pool: Arc<Mutex<PagePool<D, B>>>,
     config: AgentConfig,
     counters: Counters,
+    in_flight: InFlight,
+    /// To the spill thread; it ends when the agent (this sender) goes.
+    spills: std::sync::mpsc::SyncSender<Arc<PendingSpill>>,
 }
 
 impl<D: Device, B: BackingStore> Agent<D, B> {
-    /// Builds the pool on `device` (failing on a capacity that holds no page).
+    /// Builds the pool on `device` (failing on a capacity that holds no page) and starts the
+    /// spill thread.
     pub fn new(device: Arc<D>, store: B, config: AgentConfig) -> Result<Self> {
         let pool = PagePool::new(
             device.clone(),
             store.clone(),
-            PoolConfig::new(config.page_bytes).with_capacity(config.capacity),
+            PoolConfig::new(config.page_bytes).with_capacity(config.capacity).with_deferred_spills(),
         )?;
-        Ok(Agent { device, store, pool: Mutex::new(pool), config, counters: Counters::default() })
+        let pool = Arc::new(Mutex::new(pool));
+        let in_flight: InFlight = Arc::default();
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Arc<PendingSpill>>(SPILL_QUEUE);
+        let (p, f, st) = (pool.clone(), in_flight.clone(), store.clone());
+        std::thread::Builder::new()
+            .name("kvtier-agent-spill".into())
+            .spawn(move || {
+                for job in rx {
+                    let ok = st.spill(&job.key.0, &job.key.1, job.codec, &job.payload).is_ok();
+                    // Counted first, then out of the in-flight map once below (or given up): no
+                    // window where a load finds it nowhere, and counts are final when the map
+                    // is empty.
+                    p.lock().spill_finished(&job, ok);
+                    f.lock().remove(&job.key);
+                }
+            })
+            .map_err(|e| AgentError::Config(format!("starting the spill thread: {e}")))?;
+        Ok(Agent { device, store, pool, config, counters: Counters::default(), in_flight, spills: tx })
+    }
+
+    /// Hands the pool's copied-out evictions to the spill thread: into the in-flight map under
+    /// the pool's lock (`pool`), queued after it is released (waiting while the queue is full).
+    fn queue_spills(&self, mut pool: parking_lot::MutexGuard<'_, PagePool<D, B>>) {
+        let pending = pool.take_spills();
+        if pending.is_empty() {
+            return;
+        }
+        let jobs: Vec<Arc<PendingSpill>> = pending.into_iter().map(Arc::new).collect();
+        {
+            let mut f = self.in_flight.lock();
+            for j in &jobs {
+                f.insert(j.key, j.clone());
+            }
+        }
+        drop(pool);
+        for j in jobs {
+            if let Err(e) = self.spills.send(j) {
+                // The spill thread is gone (it never panics; only at teardown): given up.
+                let job = e.0;
+                self.pool.lock().spill_finished(&job, false);
+                self.in_flight.lock().remove(&job.key);
+            }
+        }
+    }
+
+    /// Waits (at most `timeout`) until every eviction so far has been stored below or given up;
+    /// whether it came to that.
+    pub fn wait_for_spills(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while !self.in_flight.lock().is_empty() {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        true
+    }
+
+    /// Raw blocks evicted from G1 whose spill is still under way, into `out` (block `i` at
+    /// `i * block_bytes`); true where block `i` was there.
+    fn read_in_flight(&self, ns: &NamespaceId, keys: &[BlockKey], block_bytes: usize, out: &mut [u8]) -> Vec<bool> {
+        let f = self.in_flight.lock();
+        keys.iter()
+            .enumerate()
+            .map(|(i, k)| match f.get(&(*ns, *k)) {
+                Some(j) if j.codec == kvtier_proto::CodecId::RAW && j.payload.len() == block_bytes => {
+                    out[i * block_bytes..][..block_bytes].copy_from_slice(&j.payload);
+                    true
+                }
+                _ => false,
+            })
+            .collect()
     }
 
     pub fn config(&self) -> &AgentConfig {
@@ -201,6 +286,18 @@ impl<D: Device, B: BackingStore> Agent<D, B> {
     /// changes were lost (then resync from [`Agent::resident_keys`]).
     pub fn take_g1_changes(&self) -> (Vec<crate::pool::PoolChange>, bool) {
         self.pool.lock().take_changes()
+    }
+
+    /// Copies a resident block out of G1 (raw) for a spill the server asked for; `None` when G1
+    /// no longer holds it. Spill it to the store without holding the pool, then
+    /// [`Agent::mark_spilled`].
+    pub fn copy_out(&self, ns: &NamespaceId, key: &BlockKey) -> Result<Option<Vec<u8>>> {
+        self.pool.lock().copy_out(ns, key)
+    }
+
+    /// Notes that the store now holds a block G1 holds (an eviction then drops it).
+    pub fn mark_spilled(&self, ns: &NamespaceId, key: &BlockKey) {
+        self.pool.lock().mark_clean(ns, key);
     }
 
     pub fn stats(&self) -> AgentStats {
@@ -519,10 +616,12 @@ impl<D: Device, B: BackingStore> Session<D, B> {
                             let _ = pool.abort(nsid, k);
                         }
                     }
+                    self.agent.queue_spills(pool);
                     return Err(refusal(e));
                 }
             }
         }
+        self.agent.queue_spills(pool);
         Ok(())
     }
 
@@ -675,7 +774,25 @@ impl<D: Device, B: BackingStore> Session<D, B> {
                 let staging = self.staging_buffer()?;
                 let keys: Vec<BlockKey> = wanted.iter().map(|i| items[*i].key).collect();
                 let mut out = vec![0u8; keys.len() * bb];
-                let got = self.agent.store.fetch(&nsid, &keys, bb, &mut out)?;
+                // Blocks on their way below are read where they are; the rest from the store.
+                let mut got = self.agent.read_in_flight(&nsid, &keys, bb, &mut out);
+                let ask: Vec<usize> = (0..keys.len()).filter(|&j| !got[j]).collect();
+                if !ask.is_empty() {
+                    let ask_keys: Vec<BlockKey> = ask.iter().map(|&j| keys[j]).collect();
+                    let mut fetched = vec![0u8; ask.len() * bb];
+                    match self.agent.store.fetch(&nsid, &ask_keys, bb, &mut fetched) {
+                        Ok(landed) => {
+                            for (n, (&j, hit)) in ask.iter().zip(landed).enumerate() {
+                                if hit {
+                                    out[j * bb..][..bb].copy_from_slice(&fetched[n * bb..][..bb]);
+                                    got[j] = true;
+                                }
+                            }
+                        }
+                        // The store failing is a miss, never an error for the engine; counted.
+                        Err(_) => add(&self.agent.counters.store_errors, 1),
+                    }
+                }
                 staging.write(0, &out)?;
                 Ok(got)
             })();

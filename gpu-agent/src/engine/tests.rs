@@ -205,6 +205,7 @@ fn a_small_pool_spills_and_loads_come_back_from_the_store_layer_by_layer() {
     for chunk in [[(0, 1), (1, 2)], [(2, 3), (3, 4)], [(4, 5), (5, 6)]] {
         assert!(e1.save_all_layers(b1, &items(&chunk)).iter().all(|s| s.status() == 0));
     }
+    assert!(a.wait_for_spills(std::time::Duration::from_secs(5)));
     let st = a.stats();
     assert_eq!((st.pool.spills, st.pool.resident), (4, 2));
     // A prefix of six plus one key no one stored: six found, the last a miss.
@@ -476,7 +477,9 @@ fn a_store_that_fails_turns_spills_into_drops_and_fetches_into_misses() {
             assert_eq!(r[0].status(), 0, "{}", r[0].msg());
         }
     }
-    // Block 1 was evicted to make room and its spill failed: dropped, counted.
+    // Block 1 was evicted to make room and its spill (on the spill thread) failed: dropped,
+    // counted.
+    assert!(a.wait_for_spills(std::time::Duration::from_secs(5)));
     let st = a.stats();
     assert_eq!((st.pool.evictions, st.pool.spills, st.pool.spill_errors), (1, 0, 1));
     // Loading it: the store's failure is a miss, the engine gets a clean answer and recomputes.
@@ -504,6 +507,7 @@ fn a_load_takes_from_the_store_only_what_its_staging_buffer_holds() {
     for p in 0..4u8 {
         assert!(e.save_all_layers(b, &items(&[(u32::from(p), p + 1)])).iter().all(|s| s.status() == 0));
     }
+    assert!(a.wait_for_spills(std::time::Duration::from_secs(5)));
     assert_eq!(a.stats().pool.spills, 3);
     // Keys 1..3 are in the store, key 4 in G1; two blocks fit the staging buffer: 1 and 2 land,
     // 3 is a miss, so the prefix is two long (key 4's pin is given back).

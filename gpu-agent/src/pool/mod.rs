@@ -7,12 +7,14 @@
 //!   from an engine's pages) is copied out and handed to the [`Spill`] target — G2 through the
 //!   same-node path in the agent; a block that came from a tier is dropped (the tier still holds
 //!   it). A failing spill is counted and the block dropped: G1 is a cache.
-//! - **Encoding on the way out** ([`PoolConfig::with_fp8_spill`]): the device's FP8 kernel
-//!   encodes the evicted page before it is copied out, so the copy moves about half the bytes of
+//! - **Encoding on the way out** ([`PoolConfig::with_spill_codec`], any codec with a device
+//!   kernel: FP8, NVFP4 and their `+had` forms; [`PoolConfig::with_fp8_spill`] for FP8): the
+//!   device kernel encodes the evicted page before it is copied out (the generic
+//!   [`CodecOp::Encode`]), so the copy moves about half (FP8) or a quarter (NVFP4) of the bytes of
 //!   a bf16 block, and the spill target gets exactly the payload `kvtier_kernels::encode` writes
-//!   for `CodecId::FP8_E4M3`. A block the codec refuses (NaN, Inf) is spilled raw. On the way
-//!   in, [`PagePool::insert_fp8_from_host`] copies such a payload's body to the device and
-//!   decodes it there into the page.
+//!   for that codec. A block the codec refuses (NaN, Inf) is spilled raw. On the way in,
+//!   [`PagePool::insert_encoded_from_host`] copies such a payload's body to the device and
+//!   decodes it there into the page ([`CodecOp::Decode`]).
 //! - **Pins** keep a live session's blocks resident; when every page is pinned an insert is
 //!   [`AgentError::PoolExhausted`] (the caller recomputes or spills elsewhere).
 //! - **Loads** into an engine's pages are device-to-device copies on the pool's stream, which
@@ -21,6 +23,10 @@
 //! The pool is a plain `&mut self` structure (the agent owns it on one task). A spill runs inside
 //! [`PagePool::insert_from_device`] when room must be made: it waits for the page's copy-out and
 //! calls the spill target, which for the same-node path is a memcpy into a registered buffer.
+//! With [`PoolConfig::with_deferred_spills`] the page is only copied out there: the copy waits
+//! in [`PagePool::take_spills`] for the owner to hand to the spill target without holding the
+//! pool (one slow spill then stalls nobody else's loads), and [`PagePool::spill_finished`] counts
+//! it and reports the eviction.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
@@ -29,8 +35,8 @@ use kvtier_kernels::BlockSpec;
 use kvtier_proto::{BlockKey, CodecId, DType, NamespaceId, ScopedKey};
 use parking_lot::Mutex;
 
-use crate::codec::{fp8_payload_header, CODEC_ALIGN};
-use crate::device::{fp8_body_len, CodecOp, Device, DeviceBuf, DeviceRange, HostBuffer, HostRange, Registration};
+use crate::codec::{device_body_len, device_codec, payload_header, CODEC_ALIGN};
+use crate::device::{CodecOp, Device, DeviceBuf, DeviceRange, HostBuffer, HostRange, Registration};
 use crate::error::{AgentError, Result};
 
 /// Where evicted blocks go (G2 through the same-node client in the agent).
@@ -50,6 +56,15 @@ pub struct MemorySpill {
 /// A block a [`MemorySpill`] received.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SpilledBlock {
+    pub key: ScopedKey,
+    pub codec: CodecId,
+    pub payload: Vec<u8>,
+}
+
+/// An evicted block copied out of its page, waiting to be handed to the spill target
+/// ([`PoolConfig::with_deferred_spills`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingSpill {
     pub key: ScopedKey,
     pub codec: CodecId,
     pub payload: Vec<u8>,
@@ -102,20 +117,45 @@ pub enum Capacity {
 pub struct PoolConfig {
     page_bytes: usize,
     capacity: Capacity,
-    fp8_spill: Option<BlockSpec>,
+    spill_codec: Option<SpillCodec>,
+    deferred_spills: bool,
+}
+
+/// How evicted pages are encoded on the device ([`PoolConfig::with_spill_codec`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct SpillCodec {
+    codec: CodecId,
+    rotation_seed: u16,
+    spec: BlockSpec,
 }
 
 impl PoolConfig {
     /// Pages of `page_bytes` (one block of the namespace's layout and codec).
     pub fn new(page_bytes: usize) -> Self {
-        PoolConfig { page_bytes, capacity: Capacity::FractionOfFree(0.2), fp8_spill: None }
+        PoolConfig { page_bytes, capacity: Capacity::FractionOfFree(0.2), spill_codec: None, deferred_spills: false }
+    }
+
+    /// Evictions copy the page out and leave the spill to the owner ([`PagePool::take_spills`],
+    /// then [`PagePool::spill_finished`]) instead of calling the spill target under `&mut self`.
+    /// Default: off.
+    pub fn with_deferred_spills(mut self) -> Self {
+        self.deferred_spills = true;
+        self
     }
 
     /// Encode evicted blocks as FP8 E4M3 (per-row scales) on the device before copying them
     /// out; every page holds one block of `spec` (bf16, fp16 or fp32, `spec.byte_len()` equal to
     /// the page size). Default: off (blocks are spilled raw).
-    pub fn with_fp8_spill(mut self, spec: BlockSpec) -> Self {
-        self.fp8_spill = Some(spec);
+    pub fn with_fp8_spill(self, spec: BlockSpec) -> Self {
+        self.with_spill_codec(CodecId::FP8_E4M3, 0, spec)
+    }
+
+    /// Encode evicted blocks with `codec` (one with a device kernel: FP8, NVFP4 and their `+had`
+    /// forms, `rotation_seed` used by the latter) on the device before copying them out; every
+    /// page holds one block of `spec` (bf16, fp16 or fp32, `spec.byte_len()` equal to the page
+    /// size). Default: off (blocks are spilled raw).
+    pub fn with_spill_codec(mut self, codec: CodecId, rotation_seed: u16, spec: BlockSpec) -> Self {
+        self.spill_codec = Some(SpillCodec { codec, rotation_seed, spec });
         self
     }
 
@@ -130,11 +170,15 @@ impl PoolConfig {
         if self.page_bytes == 0 {
             return Err(AgentError::Config("page size must be above zero".into()));
         }
-        if let Some(spec) = &self.fp8_spill {
-            spec.validate().map_err(|e| AgentError::Config(format!("FP8 spill block: {e}")))?;
+        if let Some(SpillCodec { codec, spec, .. }) = &self.spill_codec {
+            let name = codec.name();
+            if !device_codec(*codec) {
+                return Err(AgentError::Config(format!("no device kernel encodes {name} spills")));
+            }
+            spec.validate().map_err(|e| AgentError::Config(format!("{name} spill block: {e}")))?;
             if !matches!(spec.dtype, DType::Bf16 | DType::Fp16 | DType::Fp32) || spec.byte_len() != self.page_bytes {
                 return Err(AgentError::Config(format!(
-                    "FP8 spill needs a bf16/fp16/fp32 block of the page size ({} bytes), got {spec:?}",
+                    "{name} spill needs a bf16/fp16/fp32 block of the page size ({} bytes), got {spec:?}",
                     self.page_bytes
                 )));
             }
@@ -225,11 +269,17 @@ pub struct PagePool<D: Device, S: Spill> {
     stats: PoolStats,
     changes: VecDeque<PoolChange>,
     changes_lost: bool,
+    deferred_spills: bool,
+    /// Copied-out evictions waiting for [`PagePool::take_spills`] (deferred spills only).
+    outbox: Vec<PendingSpill>,
 }
 
 /// Device scratch for coding a page on its way out or in: the body at 0, the status word at
-/// `status_at`.
+/// `status_at`; and the codec's payload header.
 struct Encoder {
+    codec: CodecId,
+    rotation_seed: u16,
+    header: Vec<u8>,
     spec: BlockSpec,
     scratch: DeviceBuf,
     body_len: usize,
@@ -248,11 +298,13 @@ impl<D: Device, S: Spill> PagePool<D, S> {
         let mut encoder = None;
         let built = (|| {
             let mut staging_len = config.page_bytes;
-            if let Some(spec) = config.fp8_spill {
-                let body_len = fp8_body_len(&spec);
+            if let Some(SpillCodec { codec, rotation_seed, spec }) = config.spill_codec {
+                let unknown = || AgentError::Config(format!("no device kernel for {}", codec.name()));
+                let body_len = device_body_len(codec, &spec).ok_or_else(unknown)?;
+                let header = payload_header(codec, &spec, rotation_seed).ok_or_else(unknown)?;
                 let status_at = body_len.next_multiple_of(CODEC_ALIGN);
                 let scratch = device.alloc(status_at + CODEC_ALIGN)?;
-                encoder = Some(Encoder { spec, scratch, body_len, status_at });
+                encoder = Some(Encoder { codec, rotation_seed, header, spec, scratch, body_len, status_at });
                 staging_len = staging_len.max(status_at + 4);
             }
             let stream = device.new_stream()?;
@@ -287,6 +339,8 @@ impl<D: Device, S: Spill> PagePool<D, S> {
             stats: PoolStats { pages, ..PoolStats::default() },
             changes: VecDeque::new(),
             changes_lost: false,
+            deferred_spills: config.deferred_spills,
+            outbox: Vec::new(),
         })
     }
 
@@ -413,6 +467,18 @@ impl<D: Device, S: Spill> PagePool<D, S> {
         let below = if entry.clean {
             self.stats.clean_drops += 1;
             true
+        } else if self.deferred_spills {
+            match self.stage(entry.page) {
+                Ok((codec, payload)) => {
+                    // Reported once the owner's spill finished.
+                    self.outbox.push(PendingSpill { key: victim, codec, payload });
+                    return Ok(entry.page);
+                }
+                Err(_) => {
+                    self.stats.spill_errors += 1;
+                    false
+                }
+            }
         } else {
             self.spill_page(&victim, entry.page)
         };
@@ -420,11 +486,38 @@ impl<D: Device, S: Spill> PagePool<D, S> {
         Ok(entry.page)
     }
 
+    /// The evictions copied out since the last call, for the owner to spill without holding the
+    /// pool (deferred spills; empty otherwise).
+    pub fn take_spills(&mut self) -> Vec<PendingSpill> {
+        std::mem::take(&mut self.outbox)
+    }
+
+    /// Counts a deferred spill the owner made (`ok`: the target took it) and reports the
+    /// eviction.
+    pub fn spill_finished(&mut self, s: &PendingSpill, ok: bool) {
+        if ok {
+            self.stats.spills += 1;
+            self.stats.spilled_bytes += s.payload.len() as u64;
+            if s.codec != CodecId::RAW {
+                self.stats.encoded_spills += 1;
+            }
+        } else {
+            self.stats.spill_errors += 1;
+        }
+        self.note(PoolChange::Evicted { key: s.key, below: ok });
+    }
+
+    /// A page's bytes on their way out: encoded on the device when configured (and the codec
+    /// takes them), else raw.
+    fn stage(&mut self, page: usize) -> Result<(CodecId, Vec<u8>)> {
+        self.stage_encoded(page).transpose().unwrap_or_else(|| self.stage_raw(page))
+    }
+
     /// Copies a page out (encoded on the device when configured) and hands it to the spill
     /// target; failures are counted, not returned (the block is dropped either way). Whether the
     /// spill target took it.
     fn spill_page(&mut self, key: &ScopedKey, page: usize) -> bool {
-        let staged = self.stage_encoded(page).transpose().unwrap_or_else(|| self.stage_raw(page));
+        let staged = self.stage(page);
         let sent = staged.and_then(|(codec, payload)| {
             self.spill.spill(&key.0, &key.1, codec, &payload).map(|()| (codec, payload.len()))
         });
@@ -452,12 +545,19 @@ impl<D: Device, S: Spill> PagePool<D, S> {
         Ok((CodecId::RAW, out))
     }
 
-    /// The page as an FP8 payload, encoded on the device; `Ok(None)` when not configured or when
-    /// the codec refused the block (counted; the caller spills it raw).
+    /// The page as a payload of the spill codec, encoded on the device; `Ok(None)` when not
+    /// configured or when the codec refused the block (counted; the caller spills it raw).
     fn stage_encoded(&mut self, page: usize) -> Result<Option<(CodecId, Vec<u8>)>> {
         let Some(enc) = &self.encoder else { return Ok(None) };
         let (body, status) = (enc.scratch.range(0, enc.body_len), enc.scratch.range(enc.status_at, 4));
-        let op = CodecOp::Fp8Encode { spec: enc.spec, src: self.page_range(page), body, status };
+        let op = CodecOp::Encode {
+            codec: enc.codec,
+            rotation_seed: enc.rotation_seed,
+            spec: enc.spec,
+            src: self.page_range(page),
+            body,
+            status,
+        };
         self.device.launch_codec(&self.stream, &op)?;
         self.device.copy_d2h(&self.stream, body, &self.staging.range(0, enc.body_len))?;
         self.device.copy_d2h(&self.stream, status, &self.staging.range(enc.status_at, 4))?;
@@ -468,11 +568,12 @@ impl<D: Device, S: Spill> PagePool<D, S> {
             self.stats.raw_fallbacks += 1;
             return Ok(None);
         }
-        let mut payload = fp8_payload_header(&enc.spec);
+        let codec = enc.codec;
+        let mut payload = enc.header.clone();
         let header = payload.len();
         payload.resize(header + enc.body_len, 0);
         self.staging.read(0, &mut payload[header..])?;
-        Ok(Some((CodecId::FP8_E4M3, payload)))
+        Ok(Some((codec, payload)))
     }
 
     fn insert_with(
@@ -517,21 +618,22 @@ impl<D: Device, S: Spill> PagePool<D, S> {
         self.insert_with(ns, key, src.len, true, |d, s, dst| d.copy_h2d(s, src, dst))
     }
 
-    /// Keeps a block that a tier holds as an FP8 payload (`kvtier_kernels::encode` with
-    /// `CodecId::FP8_E4M3`, staged in host memory): its body is copied to the device and decoded
-    /// there into the page, so the copy moves the smaller bytes. Needs
-    /// [`PoolConfig::with_fp8_spill`] and a payload of exactly that block shape. Waits for the
-    /// decode: a payload the device refuses (a NaN code, a bad scale) is an error and leaves no
-    /// entry.
-    pub fn insert_fp8_from_host(&mut self, ns: &NamespaceId, key: &BlockKey, payload: &HostRange) -> Result<()> {
+    /// Keeps a block that a tier holds as a payload of the pool's spill codec
+    /// (`kvtier_kernels::encode` with that codec and rotation seed, staged in host memory): its
+    /// body is copied to the device and decoded there into the page, so the copy moves the
+    /// smaller bytes. Needs [`PoolConfig::with_spill_codec`] (or `with_fp8_spill`) and a payload
+    /// of exactly that block shape. Waits for the decode: a payload the device refuses (a NaN
+    /// code, a bad scale) is an error and leaves no entry.
+    pub fn insert_encoded_from_host(&mut self, ns: &NamespaceId, key: &BlockKey, payload: &HostRange) -> Result<()> {
         let Some(enc) = &self.encoder else {
-            return Err(AgentError::Config("the pool was built without an FP8 block shape (with_fp8_spill)".into()));
+            return Err(AgentError::Config("the pool was built without a spill codec (with_spill_codec)".into()));
         };
-        let (spec, body_len, status_at, scratch) = (enc.spec, enc.body_len, enc.status_at, enc.scratch);
-        let header = fp8_payload_header(&spec);
+        let (codec, rotation_seed, spec) = (enc.codec, enc.rotation_seed, enc.spec);
+        let (body_len, status_at, scratch, header) = (enc.body_len, enc.status_at, enc.scratch, enc.header.clone());
+        let name = codec.name();
         if payload.len != header.len() + body_len {
             return Err(AgentError::Codec(format!(
-                "FP8 payload is {} bytes, {} expected",
+                "{name} payload is {} bytes, {} expected",
                 payload.len,
                 header.len() + body_len
             )));
@@ -539,7 +641,7 @@ impl<D: Device, S: Spill> PagePool<D, S> {
         let mut got = vec![0u8; header.len()];
         payload.buf.read(payload.offset, &mut got)?;
         if got != header {
-            return Err(AgentError::Codec("payload is not an FP8 per-row payload of the pool's block shape".into()));
+            return Err(AgentError::Codec(format!("payload is not a {name} payload of the pool's block shape")));
         }
         let k = (*ns, *key);
         if self.index.contains_key(&k) {
@@ -550,14 +652,14 @@ impl<D: Device, S: Spill> PagePool<D, S> {
         let (body, status) = (scratch.range(0, body_len), scratch.range(status_at, 4));
         let decoded = (|| {
             self.device.copy_h2d(&self.stream, &payload.buf.range(payload.offset + header.len(), body_len), body)?;
-            let op = CodecOp::Fp8Decode { spec, body, out: self.page_range(page), status };
+            let op = CodecOp::Decode { codec, rotation_seed, spec, body, out: self.page_range(page), status };
             self.device.launch_codec(&self.stream, &op)?;
             self.device.copy_d2h(&self.stream, status, &self.staging.range(status_at, 4))?;
             self.device.wait(&self.device.record(&self.stream)?)?;
             let mut word = [0u8; 4];
             self.staging.read(status_at, &mut word)?;
             if word != [0; 4] {
-                return Err(AgentError::Codec("the device refused the FP8 body (NaN code or bad scale)".into()));
+                return Err(AgentError::Codec(format!("the device refused the {name} body (NaN code or bad scale)")));
             }
             Ok(())
         })();
@@ -631,6 +733,27 @@ impl<D: Device, S: Spill> PagePool<D, S> {
             self.lru.insert(t, k);
         }
         Ok(left)
+    }
+
+    /// A resident block's bytes as they are (raw), copied out to the host — for a spill asked
+    /// for by the server (a read wants a block only G1 holds). `Ok(None)` when not resident.
+    pub fn copy_out(&mut self, ns: &NamespaceId, key: &BlockKey) -> Result<Option<Vec<u8>>> {
+        let Some(page) = self.index.get(&(*ns, *key)).filter(|e| !e.filling).map(|e| e.page) else {
+            return Ok(None);
+        };
+        self.stage_raw(page).map(|(_, bytes)| Some(bytes))
+    }
+
+    /// Notes that a tier below now holds a resident block's bytes (it was spilled on demand): an
+    /// eviction drops it instead of spilling it again. False when it is not resident.
+    pub fn mark_clean(&mut self, ns: &NamespaceId, key: &BlockKey) -> bool {
+        match self.index.get_mut(&(*ns, *key)) {
+            Some(e) => {
+                e.clean = true;
+                true
+            }
+            None => false,
+        }
     }
 
     /// Forgets a block without spilling it (e.g. its namespace was purged). Pinned blocks stay.

@@ -268,7 +268,7 @@ fn fp8_payloads_are_decoded_on_the_device_on_the_way_in() {
     let _reg = dev.register_host(&staged).unwrap();
     let cfg = PoolConfig::new(page).with_capacity(Capacity::Bytes(2 * page)).with_fp8_spill(spec);
     let mut pool = PagePool::new(dev.clone(), MemorySpill::default(), cfg).unwrap();
-    pool.insert_fp8_from_host(&ns(1), &key(1), &staged.range(0, payload.len())).unwrap();
+    pool.insert_encoded_from_host(&ns(1), &key(1), &staged.range(0, payload.len())).unwrap();
     let ev = pool.load_into(&ns(1), &key(1), engine.all()).unwrap().unwrap();
     dev.wait(&ev).unwrap();
     assert_eq!(dev.read_sync(engine.all()).unwrap(), want);
@@ -278,17 +278,17 @@ fn fp8_payloads_are_decoded_on_the_device_on_the_way_in() {
     bad[codes_at + 3] = 0x7F;
     let bad_buf = HostBuffer::from_vec(bad);
     let _reg2 = dev.register_host(&bad_buf).unwrap();
-    let r = pool.insert_fp8_from_host(&ns(1), &key(2), &bad_buf.range(0, payload.len()));
+    let r = pool.insert_encoded_from_host(&ns(1), &key(2), &bad_buf.range(0, payload.len()));
     assert!(matches!(r, Err(AgentError::Codec(_))), "{r:?}");
     assert!(!pool.contains(&ns(1), &key(2)));
     // Wrong shape or length: refused before any copy.
     assert!(matches!(
-        pool.insert_fp8_from_host(&ns(1), &key(3), &staged.range(0, payload.len() - 1)),
+        pool.insert_encoded_from_host(&ns(1), &key(3), &staged.range(0, payload.len() - 1)),
         Err(AgentError::Codec(_))
     ));
     staged.write(6, &[DType::Bf16 as u8]).unwrap();
     assert!(matches!(
-        pool.insert_fp8_from_host(&ns(1), &key(3), &staged.range(0, payload.len())),
+        pool.insert_encoded_from_host(&ns(1), &key(3), &staged.range(0, payload.len())),
         Err(AgentError::Codec(_))
     ));
     // Both pages are still usable: the refused inserts gave theirs back.
@@ -298,9 +298,50 @@ fn fp8_payloads_are_decoded_on_the_device_on_the_way_in() {
     let plain =
         PagePool::new(dev.clone(), MemorySpill::default(), PoolConfig::new(page).with_capacity(Capacity::Bytes(page)));
     assert!(matches!(
-        plain.unwrap().insert_fp8_from_host(&ns(1), &key(1), &staged.range(0, payload.len())),
+        plain.unwrap().insert_encoded_from_host(&ns(1), &key(1), &staged.range(0, payload.len())),
         Err(AgentError::Config(_))
     ));
+}
+
+/// Any codec with a device kernel, not only FP8: an NVFP4+had pool spills exactly the payload
+/// the CPU codec writes with the same rotation seed, and decodes such a payload on the way in to
+/// what the CPU decoder gives; a codec without a kernel is refused when the pool is built.
+#[test]
+fn spills_use_the_generic_device_codec_nvfp4_with_rotation_too() {
+    use kvtier_kernels::KvBlockView;
+    let (codec, seed) = (CodecId::NVFP4_HAD, 0x1234);
+    let spec = BlockSpec::new(2, 4, 2, 64, DType::Bf16);
+    let page = spec.byte_len();
+    let dev = Arc::new(HostDevice::new(0, 1 << 20));
+    let engine = dev.alloc(2 * page).unwrap();
+    let block: Vec<u8> = (0..spec.elements())
+        .flat_map(|i| half::bf16::from_f32(((i * 29 % 89) as f32 - 44.0) * 0.21).to_bits().to_le_bytes())
+        .collect();
+    dev.write_sync(engine.range(0, page), &block).unwrap();
+    let cfg = PoolConfig::new(page).with_capacity(Capacity::Bytes(page)).with_spill_codec(codec, seed, spec);
+    let mut pool = PagePool::new(dev.clone(), MemorySpill::default(), cfg).unwrap();
+    pool.insert_from_device(&ns(1), &key(1), engine.range(0, page)).unwrap();
+    pool.insert_from_device(&ns(1), &key(2), engine.range(page, page)).unwrap();
+    let want = kvtier_kernels::Codec::new(codec)
+        .with_rotation_seed(seed)
+        .encode(&KvBlockView::new(spec, &block).unwrap())
+        .unwrap();
+    let got = pool.spill_target().received();
+    assert_eq!(got[0], SpilledBlock { key: (ns(1), key(1)), codec, payload: want.clone() });
+    assert!(want.len() < page / 3, "{} of {page}", want.len());
+    assert_eq!(pool.stats().encoded_spills, 1);
+
+    let staged = HostBuffer::from_vec(want.clone());
+    let _reg = dev.register_host(&staged).unwrap();
+    pool.insert_encoded_from_host(&ns(1), &key(3), &staged.range(0, want.len())).unwrap();
+    let ev = pool.load_into(&ns(1), &key(3), engine.range(page, page)).unwrap().unwrap();
+    dev.wait(&ev).unwrap();
+    assert_eq!(dev.read_sync(engine.range(page, page)).unwrap(), kvtier_kernels::decode(codec, &want, &spec).unwrap());
+
+    let lz4 =
+        PoolConfig::new(page).with_capacity(Capacity::Bytes(page)).with_spill_codec(CodecId::FP8_E4M3_LZ4, 0, spec);
+    let r = PagePool::new(dev.clone(), MemorySpill::default(), lz4);
+    assert!(matches!(&r, Err(AgentError::Config(m)) if m.contains("no device kernel")), "{:?}", r.err());
 }
 
 struct FailingSpill;
