@@ -496,6 +496,7 @@ impl KvClient {
                 Step::Tcp => break,
             }
         }
+        buf.check_intact()?;
         let mut dests = dests(buf.as_mut_slice(), &ranges);
         self.load_keys_into(ns, keys, &mut dests, stop_at_miss).await
     }
@@ -604,6 +605,7 @@ impl KvClient {
         }
         // Over TCP the payloads are copied out of the buffer once (a `Bytes` must own its memory;
         // the buffer is only borrowed for this call).
+        buf.check_intact()?;
         let bytes = buf.as_slice();
         let blocks: Vec<Bytes> = ranges.iter().map(|r| Bytes::copy_from_slice(&bytes[r.clone()])).collect();
         match first_index {

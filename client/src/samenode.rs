@@ -57,10 +57,17 @@ static NEXT_BUFFER: AtomicU64 = AtomicU64::new(1);
 
 /// This process's shared memory for the same-node path: a memfd of fixed size, sealed against
 /// shrinking and growing (so a server that maps it can never fault on a missing page), mapped
-/// shared and touched once at creation (its pages belong to this process).
+/// shared and touched once at creation (its pages belong to this process) — or, from
+/// [`SharedBuffer::from_file`], a region of a file on tmpfs that someone else made and can't seal
+/// (an engine's own shared memory, such as vLLM's `/dev/shm/vllm_offload_<engine_id>.mmap`),
+/// which the server reaches with `pread`/`pwrite` instead of mapping it.
 pub struct SharedBuffer {
     map: MmapMut,
     fd: OwnedFd,
+    /// Where byte 0 of this buffer is in the file (0 for a memfd of our own).
+    file_base: u64,
+    /// Whether the file can shrink (a region from `from_file`): checked before each use.
+    shrinkable: bool,
     uid: u64,
     /// Connections that registered this buffer hold a `Weak` of it: once the buffer is dropped
     /// they unregister it (before their next registration or pooled use), so the server unmaps
@@ -84,7 +91,75 @@ impl SharedBuffer {
         // a load borrows this buffer mutably, so no Rust reference observes a concurrent write.
         let map = unsafe { MmapOptions::new().len(len).populate().map_mut(&fd) }
             .map_err(|e| ClientError::Io(format!("shared buffer: mmap: {e}")))?;
-        Ok(SharedBuffer { map, fd, uid: NEXT_BUFFER.fetch_add(1, Ordering::Relaxed), alive: Arc::new(()) })
+        Ok(SharedBuffer {
+            map,
+            fd,
+            file_base: 0,
+            shrinkable: false,
+            uid: NEXT_BUFFER.fetch_add(1, Ordering::Relaxed),
+            alive: Arc::new(()),
+        })
+    }
+
+    /// `len` bytes of `file` from `offset` on: a region of a file on tmpfs (`/dev/shm`) that this
+    /// process shares with others, opened read-write, that no seal protects (an engine's own
+    /// shared memory). Mapped shared here (the same pages every other mapping of the file sees),
+    /// not populated. The server never maps it: it copies with `pread`/`pwrite`, so a file
+    /// truncated meanwhile is an error for the call, never a crash of the server. This process
+    /// touches the region only after checking the file's size ([`SharedBuffer::check_intact`]);
+    /// a truncation racing a call can still fault here, as it can in any process that maps it.
+    pub fn from_file(file: std::fs::File, offset: u64, len: usize) -> Result<Self, ClientError> {
+        if len == 0 {
+            return Err(ClientError::InvalidArgument("a file region of 0 bytes".into()));
+        }
+        let end = offset
+            .checked_add(len as u64)
+            .ok_or_else(|| ClientError::InvalidArgument("the region's end overflows".into()))?;
+        let size = file.metadata().map_err(|e| ClientError::Io(format!("file region: fstat: {e}")))?.len();
+        if size < end {
+            return Err(ClientError::InvalidArgument(format!(
+                "the file is {size} bytes; a region of {len} bytes from offset {offset} needs {end}"
+            )));
+        }
+        // SAFETY: a shared mapping of `len` bytes the file holds now. Another process may shrink
+        // the file; every use of the mapping checks the size first (`check_intact`), and the rest
+        // of the risk is the one every process mapping this file takes.
+        let map = unsafe { MmapOptions::new().offset(offset).len(len).map_mut(&file) }
+            .map_err(|e| ClientError::Io(format!("file region: mmap: {e}")))?;
+        Ok(SharedBuffer {
+            map,
+            fd: OwnedFd::from(file),
+            file_base: offset,
+            shrinkable: true,
+            uid: NEXT_BUFFER.fetch_add(1, Ordering::Relaxed),
+            alive: Arc::new(()),
+        })
+    }
+
+    /// Where byte 0 of this buffer lies in its file (0 for a buffer from [`SharedBuffer::new`]).
+    pub fn file_offset(&self) -> u64 {
+        self.file_base
+    }
+
+    /// Whether this is a region of a file that can shrink ([`SharedBuffer::from_file`]).
+    pub fn is_file_region(&self) -> bool {
+        self.shrinkable
+    }
+
+    /// An error if the file was truncated below this region (someone else's file, from
+    /// [`SharedBuffer::from_file`]); always `Ok` for a sealed buffer of our own.
+    pub fn check_intact(&self) -> Result<(), ClientError> {
+        if !self.shrinkable {
+            return Ok(());
+        }
+        let end = self.file_base + self.map.len() as u64;
+        let size = rustix::fs::fstat(&self.fd).map(|st| u64::try_from(st.st_size).unwrap_or(0)).unwrap_or(0);
+        if size < end {
+            return Err(ClientError::InvalidArgument(format!(
+                "the registered file was truncated: it is {size} bytes, the region ends at {end}"
+            )));
+        }
+        Ok(())
     }
 
     pub fn len(&self) -> usize {
@@ -232,7 +307,8 @@ impl SameNode {
             return Ok(*id);
         }
         self.sweep().await?;
-        let id = self.register_fd(buf.fd(), buf.len() as u64).await?;
+        // A file region is registered from the file's start: its items' offsets are file offsets.
+        let id = self.register_fd(buf.fd(), buf.file_base + buf.len() as u64).await?;
         self.registered.insert(buf.uid, (id, Arc::downgrade(&buf.alive)));
         Ok(id)
     }
@@ -280,17 +356,22 @@ impl SameNode {
         if keys.len() != offsets.len() {
             return Err(ClientError::InvalidArgument(format!("{} keys but {} offsets", keys.len(), offsets.len())));
         }
+        buf.check_intact()?;
         let id = self.register(buf).await?;
         let bb = ns.block_bytes();
-        let items: Vec<LoadItem> =
-            keys.iter().zip(offsets).map(|(k, o)| LoadItem { key: *k, offset: *o, room: bb }).collect();
+        let base = buf.file_base;
+        let items: Vec<LoadItem> = keys
+            .iter()
+            .zip(offsets)
+            .map(|(k, o)| LoadItem { key: *k, offset: o.saturating_add(base), room: bb })
+            .collect();
         let got = self.load_items(ns.id, id, &items, stop_at_miss).await?;
         let mut ok = Vec::with_capacity(got.len());
-        for (r, item) in got.into_iter().zip(&items) {
+        for (r, o) in got.into_iter().zip(offsets) {
             ok.push(match r {
                 Ok(h) if h.codec == CodecId::RAW => true,
                 // Stored encoded: decoded in place (the encoded bytes are copied out first).
-                Ok(h) => decode_in_place(buf.as_mut_slice(), item.offset, bb, h).is_ok(),
+                Ok(h) => buf.check_intact().is_ok() && decode_in_place(buf.as_mut_slice(), *o, bb, h).is_ok(),
                 Err(_) => false,
             });
         }
@@ -360,7 +441,9 @@ impl SameNode {
                 ns.codec().name()
             )));
         }
+        buf.check_intact()?;
         let id = self.register(buf).await?;
+        let base = buf.file_base;
         let layout = ns.namespace.layout;
         let bb = ns.block_bytes();
         let lossless = ns.namespace.is_lossless();
@@ -384,7 +467,7 @@ impl SameNode {
                 payload_len: bb,
                 checksum,
             };
-            StoreItem { header, offset: *o }
+            StoreItem { header, offset: o.saturating_add(base) }
         };
         let items: Vec<StoreItem> = if keys.len() > 1 {
             keys.par_iter().zip(offsets.par_iter()).enumerate().map(item).collect()
