@@ -136,6 +136,20 @@ impl SharedBuffer {
         })
     }
 
+    /// The file region this process already has mapped shared at `addr .. addr + len` (an
+    /// engine's own shared memory, e.g. the memory behind vLLM's CPU-tier view), found in
+    /// `/proc/self/maps`, as a [`SharedBuffer::from_file`] of the same file and offset: a second
+    /// mapping of the same pages, so what a load puts in it shows at `addr`. The file is opened
+    /// by its path, or through an open descriptor of this process when it was unlinked. An error
+    /// when the range is not wholly inside shared mappings of one file, contiguous in the file.
+    pub fn from_mapping(addr: usize, len: usize) -> Result<Self, ClientError> {
+        let maps = std::fs::read_to_string("/proc/self/maps")
+            .map_err(|e| ClientError::Io(format!("reading /proc/self/maps: {e}")))?;
+        let found = find_mapping(&maps, addr, len)?;
+        let file = open_mapped_file(&found)?;
+        Self::from_file(file, found.offset, len)
+    }
+
     /// Where byte 0 of this buffer lies in its file (0 for a buffer from [`SharedBuffer::new`]).
     pub fn file_offset(&self) -> u64 {
         self.file_base
@@ -188,6 +202,99 @@ impl SharedBuffer {
     pub fn as_ptr(&self) -> *const u8 {
         self.map.as_ptr()
     }
+}
+
+/// The file behind a range of this process's memory (from `/proc/self/maps`).
+#[derive(Debug, PartialEq, Eq)]
+struct MappedFile {
+    /// The file's device as `major:minor` (hex, as the kernel writes it) and its inode.
+    dev: String,
+    inode: u64,
+    /// The path the kernel shows (may end in ` (deleted)`).
+    path: String,
+    /// The file offset of the range's first byte.
+    offset: u64,
+}
+
+/// The file that the mappings in `maps` (the text of `/proc/<pid>/maps`) covering
+/// `addr .. addr + len` map, shared and contiguously.
+fn find_mapping(maps: &str, addr: usize, len: usize) -> Result<MappedFile, ClientError> {
+    let bad = |m: String| ClientError::InvalidArgument(format!("memory at {addr:#x} (+{len}): {m}"));
+    let end = addr.checked_add(len).filter(|_| len > 0).ok_or_else(|| bad("an empty or overflowing range".into()))?;
+    let mut found: Option<MappedFile> = None;
+    // The address up to which the range is covered so far, and the file offset there.
+    let mut at = addr;
+    for line in maps.lines() {
+        let mut f = line.split_whitespace();
+        let (Some(range), Some(perms), Some(off), Some(dev), Some(inode)) = (f.next(), f.next(), f.next(), f.next(), f.next())
+        else {
+            continue;
+        };
+        let path = f.collect::<Vec<_>>().join(" ");
+        let Some((lo, hi)) = range.split_once('-') else { continue };
+        let (Ok(lo), Ok(hi), Ok(off)) =
+            (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16), u64::from_str_radix(off, 16))
+        else {
+            continue;
+        };
+        if hi <= at || lo > at {
+            continue;
+        }
+        if !perms.starts_with("rw") || perms.as_bytes().get(3) != Some(&b's') {
+            return Err(bad(format!("mapped {perms}, not shared read-write")));
+        }
+        let inode: u64 = inode.parse().unwrap_or(0);
+        if inode == 0 {
+            return Err(bad("not a mapping of a file".into()));
+        }
+        let here = off + (at - lo) as u64;
+        match &found {
+            None => found = Some(MappedFile { dev: dev.to_string(), inode, path, offset: here }),
+            Some(m) => {
+                let want = m.offset + (at - addr) as u64;
+                if m.dev != dev || m.inode != inode || here != want {
+                    return Err(bad("spans mappings of different files or places in a file".into()));
+                }
+            }
+        }
+        at = hi;
+        if at >= end {
+            return found.ok_or_else(|| bad("no mapping".into()));
+        }
+    }
+    Err(bad("not (wholly) inside a mapping".into()))
+}
+
+/// Opens the file of `m` read-write: by its path when it still names that file, else through one
+/// of this process's open descriptors of it (`/proc/self/fd/N` reopens an unlinked file).
+fn open_mapped_file(m: &MappedFile) -> Result<std::fs::File, ClientError> {
+    use std::os::unix::fs::MetadataExt;
+    let same = |meta: &std::fs::Metadata| {
+        let dev = meta.dev();
+        meta.ino() == m.inode
+            && format!("{:02x}:{:02x}", rustix::fs::major(dev), rustix::fs::minor(dev)) == m.dev
+    };
+    let open = |p: &Path| std::fs::OpenOptions::new().read(true).write(true).open(p);
+    if !m.path.is_empty() && !m.path.ends_with(" (deleted)") {
+        if let Ok(f) = open(Path::new(&m.path)) {
+            if f.metadata().is_ok_and(|meta| same(&meta)) {
+                return Ok(f);
+            }
+        }
+    }
+    let fds = std::fs::read_dir("/proc/self/fd").map_err(|e| ClientError::Io(format!("/proc/self/fd: {e}")))?;
+    for e in fds.flatten() {
+        let p = e.path();
+        if std::fs::metadata(&p).is_ok_and(|meta| same(&meta)) {
+            if let Ok(f) = open(&p) {
+                return Ok(f);
+            }
+        }
+    }
+    Err(ClientError::InvalidArgument(format!(
+        "the file mapped there ({}) can't be opened read-write by this process",
+        if m.path.is_empty() { "no path" } else { &m.path }
+    )))
 }
 
 /// A buffer's id on one same-node connection.
@@ -674,5 +781,50 @@ mod tests {
         assert!(rustix::fs::ftruncate(b.fd(), 10).is_err(), "a sealed buffer can't shrink");
         assert!(SharedBuffer::new(0).is_err());
         assert_ne!(SharedBuffer::new(1).unwrap().uid, b.uid);
+    }
+
+    const MAPS: &str = "\
+7f0000000000-7f0000002000 rw-s 00001000 00:1a 42 /dev/shm/vllm_offload_e.mmap
+7f0000002000-7f0000003000 rw-s 00003000 00:1a 42 /dev/shm/vllm_offload_e.mmap
+7f0000003000-7f0000004000 rw-s 00000000 00:1a 43 /dev/shm/other
+7f0000004000-7f0000005000 rw-p 00000000 00:00 0
+7f0000005000-7f0000006000 r--s 00000000 00:1a 44 /dev/shm/ro (deleted)
+";
+
+    #[test]
+    fn a_range_is_found_in_the_maps_only_when_one_file_covers_it_shared_and_contiguous() {
+        let at = |a: usize, l: usize| find_mapping(MAPS, a, l);
+        let m = at(0x7f00_0000_0100, 0x2000).unwrap();
+        assert_eq!((m.dev.as_str(), m.inode, m.offset), ("00:1a", 42, 0x1100));
+        assert_eq!(m.path, "/dev/shm/vllm_offload_e.mmap");
+        assert!(at(0x7f00_0000_2f00, 0x200).is_err(), "into another file");
+        assert!(at(0x7f00_0000_4000, 16).is_err(), "anonymous private memory");
+        assert!(at(0x7f00_0000_5000, 16).is_err(), "read-only");
+        assert!(at(0x7f00_0000_5800, 0x1000).is_err(), "past the last mapping");
+        assert!(at(0x1000, 16).is_err(), "nothing mapped");
+        assert!(at(0x7f00_0000_0000, 0).is_err());
+    }
+
+    #[test]
+    fn a_shared_mapping_of_a_shm_file_is_found_and_mapped_again() {
+        use std::os::unix::fs::FileExt;
+        let path = format!("/dev/shm/kvtier_unit_{}.mmap", std::process::id());
+        let file = std::fs::OpenOptions::new().read(true).write(true).create(true).open(&path).unwrap();
+        file.set_len(3 * 4096).unwrap();
+        // SAFETY: this test's own file, not truncated while mapped.
+        let mut theirs = unsafe { memmap2::MmapMut::map_mut(&file) }.unwrap();
+        std::fs::remove_file(&path).unwrap(); // unlinked, as vLLM does once its workers joined
+        theirs[4096 + 10] = 9;
+        let mine = SharedBuffer::from_mapping(theirs.as_ptr() as usize + 4096 + 3, 100).unwrap();
+        assert!(mine.is_file_region());
+        assert_eq!((mine.file_offset(), mine.len()), (4096 + 3, 100));
+        assert_eq!(mine.as_slice()[7], 9, "the same pages");
+        file.write_all_at(&[5], 4096 + 3).unwrap();
+        assert_eq!(mine.as_slice()[0], 5);
+        assert_eq!(theirs[4096 + 3], 5);
+        let private = vec![0u8; 4096];
+        assert!(SharedBuffer::from_mapping(private.as_ptr() as usize, 100).is_err());
+        file.set_len(4096).unwrap();
+        assert!(mine.check_intact().is_err(), "truncated under the region");
     }
 }
