@@ -47,6 +47,7 @@ pub mod session_store;
 pub mod sessions;
 pub mod state;
 pub mod tenants;
+pub mod tickets;
 pub mod tiers;
 pub mod tls;
 

@@ -564,9 +564,18 @@ impl Conn {
             return self.hello_fail(Status::UnsupportedVersion, &msg).await;
         }
         let presented = (!token.is_empty()).then_some(&token[..]);
-        let Some(principal) = self.state.tenants().authenticate(presented) else {
+        // A ticket from the control plane (`crate::tickets`: how certificate-only clients get
+        // here) or a token.
+        let tenants = self.state.tenants();
+        let principal = match presented {
+            Some(t) if t.starts_with(crate::tickets::TICKET_PREFIX.as_bytes()) && tenants.required() => {
+                tenants.tickets().redeem(t)
+            }
+            _ => tenants.authenticate(presented),
+        };
+        let Some(principal) = principal else {
             error("unauthenticated");
-            return self.hello_fail(Status::Unauthenticated, "bad or missing auth token").await;
+            return self.hello_fail(Status::Unauthenticated, "bad, expired, used or missing auth token or ticket").await;
         };
         self.sock.write_all(&HelloReply::encode(Status::Ok, concat!("kvtier ", env!("CARGO_PKG_VERSION")))).await?;
         Ok(Some(principal))
