@@ -68,7 +68,8 @@ pub enum FallbackReason {
     SocketMissing,
     /// The socket exists but this process may not open it (its mode, its directory's mode).
     PermissionDenied,
-    /// The socket refused this client's token.
+    /// The socket refused this client's token or ticket, or (a client with a certificate and no
+    /// token) no same-node ticket could be had from the control plane.
     Unauthenticated,
     /// Connecting or saying hello failed otherwise (refused, timed out).
     ConnectFailed,
