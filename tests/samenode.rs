@@ -175,7 +175,13 @@ async fn short_and_non_tmpfs_descriptors_are_refused_and_unsealed_ones_are_copie
 
     // A file on disk (the test's temp dir is not tmpfs here; checked so the test means it).
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let on_disk = std::fs::OpenOptions::new().read(true).write(true).create(true).open(dir.path().join("f")).unwrap();
+    let on_disk = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(dir.path().join("f"))
+        .unwrap();
     on_disk.set_len(4096).unwrap();
     if rustix::fs::fstatfs(&on_disk).unwrap().f_type as i64 != 0x0102_1994 {
         let e = near.register_fd(on_disk.as_fd(), 4096).await.unwrap_err();

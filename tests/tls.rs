@@ -459,7 +459,7 @@ async fn certificate_only_clients_reach_the_same_node_socket_with_single_use_tic
     let bob = connect(&server, Some(tls(&ca, Some((&ca, "bob")))), None).await.expect("bob connects");
     let bob_ns = bob.register(namespace("bob", b"bob's salt", small_layout())).await.unwrap();
     let bob_keys = bob_ns.keys(&tokens(32, bob_ns.block_tokens()));
-    bob.store_keys(&bob_ns, &bob_keys, &[vec![bytes::Bytes::from(payload_for(&bob_keys[0], bb))]]).await.unwrap();
+    bob.store_keys(&bob_ns, &bob_keys, &[vec![payload_for(&bob_keys[0], bb)]]).await.unwrap();
     let e = near.load_into_buffer(&bob_ns, &bob_keys, &mut dst, &[0], false).await.unwrap_err();
     assert!(matches!(e, ClientError::Forbidden(_)), "{e}");
     assert_eq!(near.load_into_buffer(&ns, &keys[..1], &mut dst, &[0], false).await.unwrap(), vec![true]);

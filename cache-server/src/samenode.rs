@@ -575,7 +575,9 @@ impl Conn {
         };
         let Some(principal) = principal else {
             error("unauthenticated");
-            return self.hello_fail(Status::Unauthenticated, "bad, expired, used or missing auth token or ticket").await;
+            return self
+                .hello_fail(Status::Unauthenticated, "bad, expired, used or missing auth token or ticket")
+                .await;
         };
         self.sock.write_all(&HelloReply::encode(Status::Ok, concat!("kvtier ", env!("CARGO_PKG_VERSION")))).await?;
         Ok(Some(principal))

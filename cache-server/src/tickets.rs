@@ -35,9 +35,11 @@ impl Tickets {
 
     fn issue_at(&self, who: &Principal, now: Instant) -> Result<String, ServerError> {
         let mut secret = [0u8; 32];
-        getrandom::fill(&mut secret).map_err(|e| ServerError::Io(std::io::Error::other(format!("no randomness for a ticket: {e}"))))?;
+        getrandom::fill(&mut secret)
+            .map_err(|e| ServerError::Io(std::io::Error::other(format!("no randomness for a ticket: {e}"))))?;
         let ticket = format!("{TICKET_PREFIX}{}", hex(&secret));
-        let mut live = self.live.lock().map_err(|_| ServerError::Io(std::io::Error::other("the ticket table is poisoned")))?;
+        let mut live =
+            self.live.lock().map_err(|_| ServerError::Io(std::io::Error::other("the ticket table is poisoned")))?;
         live.retain(|_, (_, expires)| *expires > now);
         if live.len() >= MAX_TICKETS {
             // The one closest to expiring goes: a flood of requests can't grow the table.
@@ -85,7 +87,9 @@ mod tests {
         assert!(a.starts_with(TICKET_PREFIX) && a.len() == TICKET_PREFIX.len() + 64);
         let b = t.issue_at(&Principal::Operator, now).unwrap();
         assert_ne!(a, b);
-        assert!(t.redeem_at(a.as_bytes(), now + Duration::from_secs(59)).is_some_and(|p| p.same_as(&Principal::Operator)));
+        assert!(t
+            .redeem_at(a.as_bytes(), now + Duration::from_secs(59))
+            .is_some_and(|p| p.same_as(&Principal::Operator)));
         assert!(t.redeem_at(a.as_bytes(), now).is_none(), "used once");
         assert!(t.redeem_at(b.as_bytes(), now + TICKET_TTL).is_none(), "expired");
         assert!(t.redeem_at(b"kvsn-ticket:00", now).is_none(), "never issued");

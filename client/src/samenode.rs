@@ -226,7 +226,8 @@ fn find_mapping(maps: &str, addr: usize, len: usize) -> Result<MappedFile, Clien
     let mut at = addr;
     for line in maps.lines() {
         let mut f = line.split_whitespace();
-        let (Some(range), Some(perms), Some(off), Some(dev), Some(inode)) = (f.next(), f.next(), f.next(), f.next(), f.next())
+        let (Some(range), Some(perms), Some(off), Some(dev), Some(inode)) =
+            (f.next(), f.next(), f.next(), f.next(), f.next())
         else {
             continue;
         };
@@ -271,8 +272,7 @@ fn open_mapped_file(m: &MappedFile) -> Result<std::fs::File, ClientError> {
     use std::os::unix::fs::MetadataExt;
     let same = |meta: &std::fs::Metadata| {
         let dev = meta.dev();
-        meta.ino() == m.inode
-            && format!("{:02x}:{:02x}", rustix::fs::major(dev), rustix::fs::minor(dev)) == m.dev
+        meta.ino() == m.inode && format!("{:02x}:{:02x}", rustix::fs::major(dev), rustix::fs::minor(dev)) == m.dev
     };
     let open = |p: &Path| std::fs::OpenOptions::new().read(true).write(true).open(p);
     if !m.path.is_empty() && !m.path.ends_with(" (deleted)") {
@@ -809,7 +809,7 @@ mod tests {
     fn a_shared_mapping_of_a_shm_file_is_found_and_mapped_again() {
         use std::os::unix::fs::FileExt;
         let path = format!("/dev/shm/kvtier_unit_{}.mmap", std::process::id());
-        let file = std::fs::OpenOptions::new().read(true).write(true).create(true).open(&path).unwrap();
+        let file = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path).unwrap();
         file.set_len(3 * 4096).unwrap();
         // SAFETY: this test's own file, not truncated while mapped.
         let mut theirs = unsafe { memmap2::MmapMut::map_mut(&file) }.unwrap();

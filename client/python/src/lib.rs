@@ -893,9 +893,12 @@ impl Client {
         let size = f.metadata().map_err(|e| PyValueError::new_err(format!("fstat: {e}")))?.len();
         let len = match length {
             Some(l) => l,
-            None => usize::try_from(size.saturating_sub(offset)).map_err(|_| PyValueError::new_err("file too large"))?,
+            None => {
+                usize::try_from(size.saturating_sub(offset)).map_err(|_| PyValueError::new_err("file too large"))?
+            }
         };
-        let buf = kvtier_client::SharedBuffer::from_file(f, offset, len).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let buf =
+            kvtier_client::SharedBuffer::from_file(f, offset, len).map_err(|e| PyValueError::new_err(e.to_string()))?;
         Ok(PySharedBuffer::of(buf, None))
     }
 
