@@ -396,6 +396,11 @@ async fn the_node_wide_cap_on_registered_bytes_holds_across_connections() {
     let e = near2.register(&other).await.unwrap_err();
     assert!(is_refusal(&e, codes::CAPACITY, "samenode_max_registered_bytes"), "{e}");
     assert_eq!(mappings_of(std::slice::from_ref(&other)), 1, "a refused buffer was mapped by the server");
+    // A /dev/shm file is not mapped by the server, so it holds none of the cap: 4 MiB of one
+    // registers beside the full budget.
+    let shm = ShmFile::new(4 << 20);
+    near2.register_fd(shm.file.as_fd(), 4 << 20).await.expect("a file costs the server no mapping");
+    assert_eq!(mappings_of(std::slice::from_ref(&other)), 1);
     // The first connection gone, its bytes return to the node and the second registers.
     drop(near1);
     let deadline = Instant::now() + Duration::from_secs(5);

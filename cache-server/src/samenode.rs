@@ -22,9 +22,9 @@
 //!   a message (or, truncated mid-request, an item answered `OutOfRange`), never a fault, and the
 //!   server never grows the file past the registered length.
 //! - Every offset + length is bounds-checked against the registered length before a byte moves.
-//! - Buffers are per connection, capped in number ([`MAX_BUFFERS_PER_CONNECTION`]) and bytes
-//!   ([`MAX_BUFFER_BYTES_PER_CONNECTION`]), and all connections' bytes together are capped by
-//!   `samenode_max_registered_bytes`; they are unmapped when the connection ends (or on
+//! - Buffers are per connection, capped in number ([`MAX_BUFFERS_PER_CONNECTION`]) and mapped
+//!   bytes ([`MAX_BUFFER_BYTES_PER_CONNECTION`]), and all connections' mapped bytes together are
+//!   capped by `samenode_max_registered_bytes` (a file buffer maps nothing and counts for none); they are unmapped when the connection ends (or on
 //!   `UNREGISTER`), and the server never touches one after. A sparse memfd is mapped without
 //!   populating it, so claiming a large buffer never makes the server allocate its pages.
 //!   Requests are served one at a time per connection, so no copy outlives its request.
@@ -198,9 +198,10 @@ enum Copied {
 const TMPFS_MAGIC: i64 = 0x0102_1994;
 
 impl Registered {
-    /// Checks `fd` and maps `claimed` bytes of it (a sealed memfd), or keeps it for `pread`/
-    /// `pwrite` (a tmpfs file that can shrink).
-    fn map(fd: OwnedFd, claimed: u64) -> Result<Registered, String> {
+    /// Checks `fd` and maps `claimed` bytes of it (`sealed`: a memfd sealed with
+    /// `F_SEAL_SHRINK`, which seals can't undo), or keeps it for `pread`/`pwrite` (a tmpfs file
+    /// that can shrink; also one sealed only after the caller looked).
+    fn map(fd: OwnedFd, claimed: u64, sealed: bool) -> Result<Registered, String> {
         if claimed == 0 {
             return Err("a buffer of 0 bytes".into());
         }
@@ -209,7 +210,6 @@ impl Registered {
             return Err("the descriptor is not a memfd or a tmpfs file".into());
         }
         let size = u64::try_from(st.st_size).unwrap_or(0);
-        let sealed = rustix::fs::fcntl_get_seals(&fd).is_ok_and(|s| s.contains(SealFlags::SHRINK));
         if !sealed {
             return Self::file(fd, claimed, size);
         }
@@ -252,6 +252,15 @@ impl Registered {
             return Err(format!("the file is {size} bytes, smaller than the {claimed} claimed"));
         }
         Ok(Registered { memory: Memory::File(std::fs::File::from(fd)), len: claimed })
+    }
+
+    /// The bytes this buffer holds of the connection's and the node's caps: its length when
+    /// mapped, nothing for a file (the server maps none of it).
+    fn charged(&self) -> u64 {
+        match self.memory {
+            Memory::Mapped(_) => self.len,
+            Memory::File(_) => 0,
+        }
     }
 
     /// Where `offset .. offset + len` is, if it lies inside the buffer.
@@ -344,17 +353,21 @@ impl Buffers {
                 "this connection already has {MAX_BUFFERS_PER_CONNECTION} buffers registered"
             )));
         }
-        if self.bytes.saturating_add(claimed) > MAX_BUFFER_BYTES_PER_CONNECTION {
+        // The byte caps bound what the server maps: a file it only copies to and from costs it
+        // no address space, and is not counted.
+        let mapped = rustix::fs::fcntl_get_seals(&fd).is_ok_and(|s| s.contains(SealFlags::SHRINK));
+        let charge = if mapped { claimed } else { 0 };
+        if self.bytes.saturating_add(charge) > MAX_BUFFER_BYTES_PER_CONNECTION {
             return Err(Refusal::Cap(format!(
                 "{claimed} more bytes would pass the {MAX_BUFFER_BYTES_PER_CONNECTION} bytes of buffers one connection \
                  may register"
             )));
         }
-        self.budget.reserve(claimed).map_err(Refusal::Cap)?;
-        let r = match Registered::map(fd, claimed) {
+        self.budget.reserve(charge).map_err(Refusal::Cap)?;
+        let r = match Registered::map(fd, claimed, mapped) {
             Ok(r) => r,
             Err(msg) => {
-                self.budget.release(claimed);
+                self.budget.release(charge);
                 return Err(Refusal::Bad(msg));
             }
         };
@@ -362,7 +375,7 @@ impl Buffers {
         while self.by_id.contains_key(&self.next_id) {
             self.next_id = self.next_id.wrapping_add(1).max(1);
         }
-        self.bytes += r.len;
+        self.bytes += r.charged();
         self.by_id.insert(self.next_id, r);
         Ok(self.next_id)
     }
@@ -370,8 +383,8 @@ impl Buffers {
     fn remove(&mut self, id: u32) -> bool {
         match self.by_id.remove(&id) {
             Some(r) => {
-                self.bytes -= r.len;
-                self.budget.release(r.len);
+                self.bytes -= r.charged();
+                self.budget.release(r.charged());
                 true
             }
             None => false,
