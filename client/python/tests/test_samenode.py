@@ -252,7 +252,10 @@ def test_a_dev_shm_file_registered_loads_and_stores_byte_exact_at_offsets(server
     assert os.path.getsize(shm_file) == size
     with pytest.raises(ValueError):
         c.register_region(np.zeros(4096, np.uint8))  # private memory
-    del dst, other
+    # By descriptor (duplicated: closing ours later is fine), the same pages again.
+    by_fd = c.register_file(fd, offset=4096 + 9 * bb, length=bb)
+    assert np.array_equal(np.frombuffer(by_fd, dtype=np.uint8), kv[1])
+    del dst, other, by_fd
     os.close(fd)
 
 
