@@ -154,29 +154,47 @@ async fn offsets_out_of_range_are_refused_per_item_and_the_connection_goes_on() 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn unsealed_short_and_non_memfd_descriptors_are_refused() {
+async fn short_and_non_tmpfs_descriptors_are_refused_and_unsealed_ones_are_copied_not_mapped() {
     use rustix::fs::{MemfdFlags, SealFlags};
     let (cluster, client, h) = setup().await;
     let mut near = client.samenode().await.unwrap();
 
+    // An unsealed memfd, or one sealed against growing only, can shrink: accepted as a file the
+    // server copies with pread/pwrite (never mapped: see the truncation tests below).
     let unsealed = rustix::fs::memfd_create("t", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).unwrap();
     rustix::fs::ftruncate(&unsealed, 1 << 20).unwrap();
-    let e = near.register_fd(unsealed.as_fd(), 1 << 20).await.unwrap_err();
-    assert!(is_refusal(&e, codes::INVALID_REQUEST, "F_SEAL_SHRINK"), "{e}");
-
-    // Sealed against growing only: still refused (it can shrink).
+    near.register_fd(unsealed.as_fd(), 1 << 20).await.expect("an unsealed memfd is a tmpfs file");
     rustix::fs::fcntl_add_seals(&unsealed, SealFlags::GROW).unwrap();
-    let e = near.register_fd(unsealed.as_fd(), 1 << 20).await.unwrap_err();
-    assert!(is_refusal(&e, codes::INVALID_REQUEST, "F_SEAL_SHRINK"), "{e}");
+    near.register_fd(unsealed.as_fd(), 1 << 20).await.expect("sealed against growing only");
+    let e = near.register_fd(unsealed.as_fd(), 2 << 20).await.unwrap_err();
+    assert!(is_refusal(&e, codes::INVALID_REQUEST, "smaller than the 2097152 claimed"), "{e}");
 
     let short = SharedBuffer::new(4096).unwrap();
     let e = near.register_fd(short.fd(), 8192).await.unwrap_err();
     assert!(is_refusal(&e, codes::INVALID_REQUEST, "smaller than the 8192 claimed"), "{e}");
 
-    let file = tempfile::tempfile().unwrap();
-    file.set_len(4096).unwrap();
-    let e = near.register_fd(file.as_fd(), 4096).await.unwrap_err();
-    assert!(is_refusal(&e, codes::INVALID_REQUEST, "memfd"), "{e}");
+    // A file on disk (the test's temp dir is not tmpfs here; checked so the test means it).
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let on_disk = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(dir.path().join("f"))
+        .unwrap();
+    on_disk.set_len(4096).unwrap();
+    if rustix::fs::fstatfs(&on_disk).unwrap().f_type as i64 != 0x0102_1994 {
+        let e = near.register_fd(on_disk.as_fd(), 4096).await.unwrap_err();
+        assert!(is_refusal(&e, codes::INVALID_REQUEST, "tmpfs"), "{e}");
+    }
+    // A /dev/shm file opened read-only, or for appending, is refused.
+    let shm = ShmFile::new(4096);
+    let read_only = std::fs::File::open(&shm.path).unwrap();
+    let e = near.register_fd(read_only.as_fd(), 4096).await.unwrap_err();
+    assert!(is_refusal(&e, codes::INVALID_REQUEST, "O_RDWR"), "{e}");
+    let appending = std::fs::OpenOptions::new().read(true).append(true).open(&shm.path).unwrap();
+    let e = near.register_fd(appending.as_fd(), 4096).await.unwrap_err();
+    assert!(is_refusal(&e, codes::INVALID_REQUEST, "O_APPEND"), "{e}");
 
     // The same connection registers a good buffer and moves blocks after all that.
     let (src, keys, offsets) = filled(&h, 4, 1);
@@ -378,6 +396,11 @@ async fn the_node_wide_cap_on_registered_bytes_holds_across_connections() {
     let e = near2.register(&other).await.unwrap_err();
     assert!(is_refusal(&e, codes::CAPACITY, "samenode_max_registered_bytes"), "{e}");
     assert_eq!(mappings_of(std::slice::from_ref(&other)), 1, "a refused buffer was mapped by the server");
+    // A /dev/shm file is not mapped by the server, so it holds none of the cap: 4 MiB of one
+    // registers beside the full budget.
+    let shm = ShmFile::new(4 << 20);
+    near2.register_fd(shm.file.as_fd(), 4 << 20).await.expect("a file costs the server no mapping");
+    assert_eq!(mappings_of(std::slice::from_ref(&other)), 1);
     // The first connection gone, its bytes return to the node and the second registers.
     drop(near1);
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -390,5 +413,179 @@ async fn the_node_wide_cap_on_registered_bytes_holds_across_connections() {
             Err(e) => panic!("the closed connection's bytes were not given back: {e}"),
         }
     }
+    cluster.stop().await;
+}
+
+/// A file under `/dev/shm` (tmpfs), as vLLM makes its CPU tier's region, removed on drop.
+struct ShmFile {
+    path: std::path::PathBuf,
+    file: std::fs::File,
+}
+
+impl ShmFile {
+    fn new(len: u64) -> Self {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = std::path::PathBuf::from(format!("/dev/shm/kvtier_test_{}_{n}.mmap", std::process::id()));
+        let file = std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(&path).unwrap();
+        file.set_len(len).unwrap();
+        ShmFile { path, file }
+    }
+
+    fn reopen(&self) -> std::fs::File {
+        std::fs::OpenOptions::new().read(true).write(true).open(&self.path).unwrap()
+    }
+}
+
+impl Drop for ShmFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Raw store items for `keys`' payloads at `offsets` of a buffer (checksums of the payloads the
+/// test wrote there), so a test can store from a file without this process touching a mapping.
+fn store_items(h: &NamespaceHandle, keys: &[BlockKey], offsets: &[u64]) -> Vec<StoreItem> {
+    let bb = h.block_bytes();
+    keys.iter()
+        .zip(offsets)
+        .map(|(k, o)| StoreItem {
+            header: FrameHeader {
+                codec: CodecId::RAW,
+                tokens: h.block_tokens() as u32,
+                flags: 0,
+                namespace: h.id,
+                key: *k,
+                layout: h.namespace.layout,
+                payload_len: bb,
+                checksum: kvtier_proto::checksum(&payload_for(k, bb)),
+            },
+            offset: *o,
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dev_shm_region_stores_and_loads_byte_exact_at_offsets_over_the_socket() {
+    use std::os::unix::fs::FileExt;
+    let (cluster, client, h) = setup().await;
+    let bb = h.block_bytes();
+    let shm = ShmFile::new(16 * bb + 8192);
+    // The engine's rows: 4 blocks written at odd offsets of the file by "the engine" (pwrite,
+    // another handle of the file).
+    let keys = h.keys(&tokens(21, 4 * h.block_tokens()));
+    let base = 4096 + 100; // the region starts inside the file, not page-aligned
+    let rows: Vec<u64> = (0..4u64).map(|i| (3 - i) * bb + 7).collect();
+    for (k, r) in keys.iter().zip(&rows) {
+        shm.file.write_all_at(&payload_for(k, bb), base + r).unwrap();
+    }
+    let mut region = SharedBuffer::from_file(shm.reopen(), base, (8 * bb) as usize).unwrap();
+    assert!(region.is_file_region());
+    let st = client.store_keys_from_buffer(&h, &keys, &region, &rows).await.unwrap();
+    assert_eq!(st, vec![ItemStatus::Ok; 4]);
+    let stats = client.samenode_stats();
+    assert_eq!((stats.stores, stats.fallback_total()), (1, 0), "{stats:?}");
+
+    // Loaded back into other rows of the same region: the bytes land in the file.
+    let back: Vec<u64> = (0..4u64).map(|i| 4 * bb + i * bb).collect();
+    assert_eq!(client.load_keys_into_buffer(&h, &keys, &mut region, &back, false).await.unwrap(), vec![true; 4]);
+    assert_eq!(client.samenode_stats().loads, 1);
+    for (k, o) in keys.iter().zip(&back) {
+        let mut got = vec![0u8; bb as usize];
+        shm.file.read_exact_at(&mut got, base + o).unwrap();
+        assert_eq!(got, payload_for(k, bb), "read through another handle of the file");
+        assert_eq!(&region.as_slice()[*o as usize..(*o + bb) as usize], &got[..], "and through the mapping");
+    }
+    // Nothing was written outside the rows asked for, and the file did not grow.
+    let mut before = vec![0u8; base as usize];
+    shm.file.read_exact_at(&mut before, 0).unwrap();
+    assert!(before.iter().all(|b| *b == 0));
+    assert_eq!(shm.file.metadata().unwrap().len(), 16 * bb + 8192);
+    // An offset past the region is refused by the client, before anything moves.
+    let past = [8 * bb];
+    assert!(client.load_keys_into_buffer(&h, &keys[..1], &mut region, &past, false).await.is_err());
+    cluster.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_region_truncated_by_its_client_is_a_clear_error_and_the_server_goes_on() {
+    let (cluster, client, h) = setup().await;
+    let bb = h.block_bytes();
+    let shm = ShmFile::new(8 * bb);
+    let keys = h.keys(&tokens(22, 4 * h.block_tokens()));
+    let offsets: Vec<u64> = (0..4u64).map(|i| i * bb).collect();
+    {
+        use std::os::unix::fs::FileExt;
+        for (k, o) in keys.iter().zip(&offsets) {
+            shm.file.write_all_at(&payload_for(k, bb), *o).unwrap();
+        }
+    }
+    let mut near = client.samenode().await.unwrap();
+    let id = near.register_fd(shm.file.as_fd(), 8 * bb).await.unwrap();
+    assert_eq!(near.store_items(id, &store_items(&h, &keys, &offsets)).await.unwrap(), vec![ItemStatus::Ok; 4]);
+
+    // Truncated under the registration: loads and stores are refused with a message saying so,
+    // and the file is not grown back.
+    shm.file.set_len(bb).unwrap();
+    let items: Vec<LoadItem> =
+        keys.iter().enumerate().map(|(i, k)| LoadItem { key: *k, offset: (4 + i as u64) * bb, room: bb }).collect();
+    let e = near.load_items(h.id, id, &items, false).await.unwrap_err();
+    assert!(is_refusal(&e, codes::INVALID_REQUEST, "truncated"), "{e}");
+    let e = near.store_items(id, &store_items(&h, &keys, &offsets)).await.unwrap_err();
+    assert!(is_refusal(&e, codes::INVALID_REQUEST, "truncated"), "{e}");
+    assert_eq!(shm.file.metadata().unwrap().len(), bb, "the server never extends the file");
+    // The client side refuses a truncated region before touching its mapping.
+    let mut region = SharedBuffer::from_file(shm.reopen(), 0, bb as usize).unwrap();
+    shm.file.set_len(bb / 2).unwrap();
+    let e = client.load_keys_into_buffer(&h, &keys[..1], &mut region, &[0], false).await.unwrap_err();
+    assert!(e.to_string().contains("truncated"), "{e}");
+
+    // Truncated and restored over and over while loads and stores run: every answer is an
+    // answer (the server, in this process, would die of SIGBUS had it mapped the file).
+    shm.file.set_len(8 * bb).unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let racer = {
+        let (stop, f) = (stop.clone(), shm.reopen());
+        std::thread::spawn(move || {
+            let mut flips = 0u32;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                f.set_len(bb / 3).unwrap();
+                std::thread::yield_now();
+                f.set_len(8 * bb).unwrap();
+                flips += 1;
+            }
+            flips
+        })
+    };
+    let (mut answered, mut refused) = (0, 0);
+    let deadline = Instant::now() + Duration::from_millis(1500);
+    while Instant::now() < deadline {
+        for r in [
+            near.load_items(h.id, id, &items, false).await.map(|v| v.len()),
+            near.store_items(id, &store_items(&h, &keys, &offsets)).await.map(|v| v.len()),
+        ] {
+            match r {
+                Ok(n) => {
+                    assert_eq!(n, 4);
+                    answered += 1;
+                }
+                Err(e) => {
+                    assert!(is_refusal(&e, codes::INVALID_REQUEST, "truncated"), "{e}");
+                    refused += 1;
+                }
+            }
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let flips = racer.join().unwrap();
+    assert!(flips > 10 && answered + refused > 10, "{flips} truncations, {answered} answers, {refused} refusals");
+    assert!(near.is_usable());
+    assert!(shm.file.metadata().unwrap().len() <= 8 * bb, "never grown past the registered length");
+
+    // Other clients were served all along, and are still.
+    let other = cluster.link(0).await.client;
+    let (src, k2, o2) = filled(&h, 23, 2);
+    assert_eq!(other.store_keys_from_buffer(&h, &k2, &src, &o2).await.unwrap(), vec![ItemStatus::Ok; 2]);
+    assert_eq!(other.samenode_stats().stores, 1);
     cluster.stop().await;
 }

@@ -409,3 +409,64 @@ async fn nodes_reach_each_other_over_quic_and_strangers_are_refused() {
     // And the node goes on serving alice.
     assert!(alice.load(&ns, &doc).await.unwrap() == blocks, "still served, exact");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn certificate_only_clients_reach_the_same_node_socket_with_single_use_tickets() {
+    use kvtier_client::{ItemStatus, SameNode, SharedBuffer};
+    let tmp = tempfile::tempdir().unwrap();
+    let (ca, _rogue) = pki(tmp.path());
+    let cfg = config(tmp.path(), &ca, true);
+    let server = ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"]);
+
+    // alice, by her certificate alone: shared-buffer calls go over the same-node socket (the
+    // client fetched a ticket for the connection), not TCP.
+    let alice = connect(&server, Some(tls(&ca, Some((&ca, "alice")))), None).await.expect("alice connects");
+    let ns = alice.register(namespace("alice", b"alice's salt", small_layout())).await.unwrap();
+    let bb = ns.block_bytes();
+    let keys = ns.keys(&tokens(31, 3 * ns.block_tokens()));
+    let mut src = SharedBuffer::new(3 * bb as usize).unwrap();
+    for (i, k) in keys.iter().enumerate() {
+        src.as_mut_slice()[i * bb as usize..(i + 1) * bb as usize].copy_from_slice(&payload_for(k, bb));
+    }
+    let offsets: Vec<u64> = (0..3).map(|i| i * bb).collect();
+    assert_eq!(alice.store_keys_from_buffer(&ns, &keys, &src, &offsets).await.unwrap(), vec![ItemStatus::Ok; 3]);
+    let mut dst = SharedBuffer::new(3 * bb as usize).unwrap();
+    assert_eq!(alice.load_keys_into_buffer(&ns, &keys, &mut dst, &offsets, false).await.unwrap(), vec![true; 3]);
+    assert_eq!(dst.as_slice(), src.as_slice());
+    let st = alice.samenode_stats();
+    assert_eq!((st.stores, st.loads, st.fallback_total()), (1, 1, 0), "{st:?}");
+    let text = server.scrape();
+    assert!(metric(&text, "kvtier_requests_total", &[("op", "samenode_load")]) >= 1.0);
+    assert!(metric(&text, "kvtier_requests_total", &[("op", "samenode_store")]) >= 1.0);
+
+    // A ticket opens one connection, once.
+    let path = std::path::PathBuf::from(&alice.server_info().samenode_socket);
+    let open = |t: String| {
+        let path = path.clone();
+        async move { SameNode::connect(&path, Some(&t), Duration::from_secs(5), Duration::from_secs(10), 64).await }
+    };
+    let ticket = alice.samenode_ticket().await.unwrap();
+    let mut near = open(ticket.clone()).await.expect("a fresh ticket opens the socket");
+    assert!(matches!(open(ticket.clone()).await, Err(ClientError::Unauthenticated(_))), "used twice");
+    let made_up = format!("kvsn-ticket:{}", "ab".repeat(32));
+    assert!(matches!(open(made_up).await, Err(ClientError::Unauthenticated(_))));
+    // It is not a token: gRPC and the data plane don't take it (beside alice's certificate it
+    // names nobody).
+    let fresh = alice.samenode_ticket().await.unwrap();
+    refused(&server, Some(tls(&ca, Some((&ca, "alice")))), Some(&fresh), "a ticket as a token").await;
+
+    // The connection acts for alice, and only alice: bob's namespace is refused on it.
+    let bob = connect(&server, Some(tls(&ca, Some((&ca, "bob")))), None).await.expect("bob connects");
+    let bob_ns = bob.register(namespace("bob", b"bob's salt", small_layout())).await.unwrap();
+    let bob_keys = bob_ns.keys(&tokens(32, bob_ns.block_tokens()));
+    bob.store_keys(&bob_ns, &bob_keys, &[vec![payload_for(&bob_keys[0], bb)]]).await.unwrap();
+    let e = near.load_into_buffer(&bob_ns, &bob_keys, &mut dst, &[0], false).await.unwrap_err();
+    assert!(matches!(e, ClientError::Forbidden(_)), "{e}");
+    assert_eq!(near.load_into_buffer(&ns, &keys[..1], &mut dst, &[0], false).await.unwrap(), vec![true]);
+    // bob's own ticket reaches his block.
+    let mut bob_near = open(bob.samenode_ticket().await.unwrap()).await.unwrap();
+    assert_eq!(bob_near.load_into_buffer(&bob_ns, &bob_keys, &mut dst, &[bb], false).await.unwrap(), vec![true]);
+    let text = server.scrape();
+    assert!(metric(&text, "kvtier_samenode_tickets_total", &[("event", "redeemed")]) >= 3.0);
+    assert!(metric(&text, "kvtier_samenode_tickets_total", &[("event", "unknown")]) >= 2.0);
+}

@@ -605,6 +605,16 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         Ok(Response::new(out))
     }
 
+    async fn same_node_ticket(
+        &self,
+        r: Request<pb::SameNodeTicketRequest>,
+    ) -> Result<Response<pb::SameNodeTicketResponse>, Status> {
+        let p = principal(&r)?;
+        let ticket = self.state.tenants().tickets().issue(&p).map_err(to_status)?;
+        let ttl_ms = crate::tickets::TICKET_TTL.as_millis() as u32;
+        Ok(Response::new(pb::SameNodeTicketResponse { ticket, ttl_ms }))
+    }
+
     async fn info(&self, _r: Request<pb::InfoRequest>) -> Result<Response<pb::InfoResponse>, Status> {
         let c = self.state.config();
         Ok(Response::new(pb::InfoResponse {

@@ -49,6 +49,7 @@ pub mod state;
 pub mod tenants;
 #[cfg(test)]
 mod test_redis;
+pub mod tickets;
 pub mod tiers;
 pub mod tls;
 

@@ -13,13 +13,19 @@
 //!   block that fails its checksum.
 //!
 //! Safety of the client's memory:
-//! - Only memfds sealed with `F_SEAL_SHRINK` are accepted, and only when `fstat` shows at least
-//!   the length the client claims; the mapping covers exactly that length. Seals can't be removed,
+//! - Memfds sealed with `F_SEAL_SHRINK` are mapped, and only when `fstat` shows at least the
+//!   length the client claims; the mapping covers exactly that length. Seals can't be removed,
 //!   so no page the server maps can disappear under it: a truncating client can't SIGBUS the node.
+//! - Anything else must be a regular file on tmpfs opened `O_RDWR` without `O_APPEND` — an
+//!   engine's own shared region, such as vLLM's `/dev/shm/vllm_offload_<engine_id>.mmap`, which
+//!   its owner can't seal. It is never mapped: each copy is a `pread`/`pwrite` at its offset,
+//!   checked against the file's `fstat` size first, so a truncated file is a request refused with
+//!   a message (or, truncated mid-request, an item answered `OutOfRange`), never a fault, and the
+//!   server never grows the file past the registered length.
 //! - Every offset + length is bounds-checked against the registered length before a byte moves.
-//! - Buffers are per connection, capped in number ([`MAX_BUFFERS_PER_CONNECTION`]) and bytes
-//!   ([`MAX_BUFFER_BYTES_PER_CONNECTION`]), and all connections' bytes together are capped by
-//!   `samenode_max_registered_bytes`; they are unmapped when the connection ends (or on
+//! - Buffers are per connection, capped in number ([`MAX_BUFFERS_PER_CONNECTION`]) and mapped
+//!   bytes ([`MAX_BUFFER_BYTES_PER_CONNECTION`]), and all connections' mapped bytes together are
+//!   capped by `samenode_max_registered_bytes` (a file buffer maps nothing and counts for none); they are unmapped when the connection ends (or on
 //!   `UNREGISTER`), and the server never touches one after. A sparse memfd is mapped without
 //!   populating it, so claiming a large buffer never makes the server allocate its pages.
 //!   Requests are served one at a time per connection, so no copy outlives its request.
@@ -71,6 +77,9 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 const READ_BUF: usize = 64 * 1024;
 /// Copy-and-hash step: small enough that the bytes just copied are still in cache when hashed.
 const CHUNK: usize = 64 * 1024;
+/// `pread`/`pwrite` step for file buffers: hashed right after it moved, like [`CHUNK`], but
+/// larger to spread the system call's cost.
+const FILE_CHUNK: usize = 256 * 1024;
 
 /// This host's identity: the kernel's boot id (`/proc/sys/kernel/random/boot_id`), which a client
 /// compares with its own to know it is on the same host; empty where unknown.
@@ -151,30 +160,59 @@ enum ConnError {
     Protocol(String),
 }
 
-/// A client's buffer, mapped shared for as long as it is registered.
+/// A client's buffer for as long as it is registered: a sealed memfd mapped shared, or a file on
+/// tmpfs that can shrink (an engine's own `/dev/shm` region), never mapped, moved with
+/// `pread`/`pwrite`.
 struct Registered {
-    map: MmapRaw,
+    memory: Memory,
     len: u64,
 }
 
+/// How the server reaches a registered buffer's bytes.
+enum Memory {
+    /// A memfd sealed with `F_SEAL_SHRINK`: its pages can't go away, so it is mapped.
+    Mapped(MmapRaw),
+    /// A tmpfs file the client can truncate at any time: mapping it would let a truncation SIGBUS
+    /// the server, so every copy is a `pread`/`pwrite` after an `fstat` size check, and a short
+    /// read or write is an error, never a fault.
+    File(std::fs::File),
+}
+
+/// Where one item's bytes are in a registered buffer (bounds-checked).
+enum Place<'a> {
+    Mapped(*mut u8),
+    File(&'a std::fs::File, u64),
+}
+
+/// How a copy between a slot and a registered buffer ended.
+#[derive(Debug, PartialEq, Eq)]
+enum Copied {
+    Ok,
+    ChecksumMismatch,
+    /// A file buffer ended before the item's last byte (the client truncated it), or its I/O
+    /// failed: nothing usable was copied.
+    Short,
+}
+
+/// `statfs` magic of tmpfs (`/dev/shm`, memfds): file buffers must live in memory.
+const TMPFS_MAGIC: i64 = 0x0102_1994;
+
 impl Registered {
-    /// Checks `fd` and maps `claimed` bytes of it.
-    fn map(fd: OwnedFd, claimed: u64) -> Result<Registered, String> {
+    /// Checks `fd` and maps `claimed` bytes of it (`sealed`: a memfd sealed with
+    /// `F_SEAL_SHRINK`, which seals can't undo), or keeps it for `pread`/`pwrite` (a tmpfs file
+    /// that can shrink; also one sealed only after the caller looked).
+    fn map(fd: OwnedFd, claimed: u64, sealed: bool) -> Result<Registered, String> {
         if claimed == 0 {
             return Err("a buffer of 0 bytes".into());
         }
         let st = rustix::fs::fstat(&fd).map_err(|e| format!("fstat: {e}"))?;
         if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
-            return Err("the descriptor is not a memfd".into());
-        }
-        let seals = rustix::fs::fcntl_get_seals(&fd)
-            .map_err(|e| format!("the descriptor is not a sealable memfd (F_GET_SEALS: {e})"))?;
-        if !seals.contains(SealFlags::SHRINK) {
-            return Err("the memfd is not sealed with F_SEAL_SHRINK (a buffer that can shrink under the server \
-                        would crash it); seal it before registering"
-                .into());
+            return Err("the descriptor is not a memfd or a tmpfs file".into());
         }
         let size = u64::try_from(st.st_size).unwrap_or(0);
+        if !sealed {
+            return Self::file(fd, claimed, size);
+        }
         if size < claimed {
             return Err(format!("the memfd is {size} bytes, smaller than the {claimed} claimed"));
         }
@@ -190,18 +228,70 @@ impl Registered {
             options.populate();
         }
         let map = options.map_raw(&fd).map_err(|e| format!("mmap: {e}"))?;
-        Ok(Registered { map, len: claimed })
+        Ok(Registered { memory: Memory::Mapped(map), len: claimed })
     }
 
-    /// The buffer's address at `offset` if `offset + len` lies inside it.
-    fn at(&self, offset: u64, len: u64) -> Option<*mut u8> {
+    /// A buffer that can shrink: only a tmpfs file opened read-write without `O_APPEND` (an
+    /// appending `pwrite` would write at the end, not at the offset asked).
+    fn file(fd: OwnedFd, claimed: u64, size: u64) -> Result<Registered, String> {
+        let fs = rustix::fs::fstatfs(&fd).map_err(|e| format!("fstatfs: {e}"))?;
+        #[allow(clippy::unnecessary_cast)] // `f_type`'s width differs between targets
+        if fs.f_type as i64 != TMPFS_MAGIC {
+            return Err("the descriptor is neither a memfd sealed with F_SEAL_SHRINK nor a file on tmpfs (/dev/shm); \
+                        seal a memfd before registering it"
+                .into());
+        }
+        let flags = rustix::fs::fcntl_getfl(&fd).map_err(|e| format!("F_GETFL: {e}"))?;
+        if flags & rustix::fs::OFlags::ACCMODE != rustix::fs::OFlags::RDWR {
+            return Err("the file is not open for reading and writing (O_RDWR)".into());
+        }
+        if flags.contains(rustix::fs::OFlags::APPEND) {
+            return Err("the file is open with O_APPEND".into());
+        }
+        if size < claimed {
+            return Err(format!("the file is {size} bytes, smaller than the {claimed} claimed"));
+        }
+        Ok(Registered { memory: Memory::File(std::fs::File::from(fd)), len: claimed })
+    }
+
+    /// The bytes this buffer holds of the connection's and the node's caps: its length when
+    /// mapped, nothing for a file (the server maps none of it).
+    fn charged(&self) -> u64 {
+        match self.memory {
+            Memory::Mapped(_) => self.len,
+            Memory::File(_) => 0,
+        }
+    }
+
+    /// Where `offset .. offset + len` is, if it lies inside the buffer.
+    fn place(&self, offset: u64, len: u64) -> Option<Place<'_>> {
         let end = offset.checked_add(len)?;
         if end > self.len {
             return None;
         }
-        // SAFETY: `offset + len <= self.len`, the mapped length, so the pointer stays inside
-        // (or one past the end of) the mapping.
-        Some(unsafe { self.map.as_mut_ptr().add(offset as usize) })
+        match &self.memory {
+            // SAFETY: `offset + len <= self.len`, the mapped length, so the pointer stays inside
+            // (or one past the end of) the mapping.
+            Memory::Mapped(map) => Some(Place::Mapped(unsafe { map.as_mut_ptr().add(offset as usize) })),
+            Memory::File(f) => Some(Place::File(f, offset)),
+        }
+    }
+
+    /// Why a file buffer can't be used now (the client truncated it below the registered
+    /// length); `None` for a mapped buffer or an intact file.
+    fn truncated(&self) -> Option<String> {
+        let Memory::File(f) = &self.memory else { return None };
+        let size = match f.metadata() {
+            Ok(m) => m.len(),
+            Err(e) => return Some(format!("fstat of the registered file failed: {e}")),
+        };
+        (size < self.len).then(|| {
+            format!(
+                "the registered file is {size} bytes now, shorter than the {} registered: it was truncated; \
+                 unregister it and register it again",
+                self.len
+            )
+        })
     }
 }
 
@@ -263,17 +353,21 @@ impl Buffers {
                 "this connection already has {MAX_BUFFERS_PER_CONNECTION} buffers registered"
             )));
         }
-        if self.bytes.saturating_add(claimed) > MAX_BUFFER_BYTES_PER_CONNECTION {
+        // The byte caps bound what the server maps: a file it only copies to and from costs it
+        // no address space, and is not counted.
+        let mapped = rustix::fs::fcntl_get_seals(&fd).is_ok_and(|s| s.contains(SealFlags::SHRINK));
+        let charge = if mapped { claimed } else { 0 };
+        if self.bytes.saturating_add(charge) > MAX_BUFFER_BYTES_PER_CONNECTION {
             return Err(Refusal::Cap(format!(
                 "{claimed} more bytes would pass the {MAX_BUFFER_BYTES_PER_CONNECTION} bytes of buffers one connection \
                  may register"
             )));
         }
-        self.budget.reserve(claimed).map_err(Refusal::Cap)?;
-        let r = match Registered::map(fd, claimed) {
+        self.budget.reserve(charge).map_err(Refusal::Cap)?;
+        let r = match Registered::map(fd, claimed, mapped) {
             Ok(r) => r,
             Err(msg) => {
-                self.budget.release(claimed);
+                self.budget.release(charge);
                 return Err(Refusal::Bad(msg));
             }
         };
@@ -281,7 +375,7 @@ impl Buffers {
         while self.by_id.contains_key(&self.next_id) {
             self.next_id = self.next_id.wrapping_add(1).max(1);
         }
-        self.bytes += r.len;
+        self.bytes += r.charged();
         self.by_id.insert(self.next_id, r);
         Ok(self.next_id)
     }
@@ -289,8 +383,8 @@ impl Buffers {
     fn remove(&mut self, id: u32) -> bool {
         match self.by_id.remove(&id) {
             Some(r) => {
-                self.bytes -= r.len;
-                self.budget.release(r.len);
+                self.bytes -= r.charged();
+                self.budget.release(r.charged());
                 true
             }
             None => false,
@@ -483,9 +577,20 @@ impl Conn {
             return self.hello_fail(Status::UnsupportedVersion, &msg).await;
         }
         let presented = (!token.is_empty()).then_some(&token[..]);
-        let Some(principal) = self.state.tenants().authenticate(presented) else {
+        // A ticket from the control plane (`crate::tickets`: how certificate-only clients get
+        // here) or a token.
+        let tenants = self.state.tenants();
+        let principal = match presented {
+            Some(t) if t.starts_with(crate::tickets::TICKET_PREFIX.as_bytes()) && tenants.required() => {
+                tenants.tickets().redeem(t)
+            }
+            _ => tenants.authenticate(presented),
+        };
+        let Some(principal) = principal else {
             error("unauthenticated");
-            return self.hello_fail(Status::Unauthenticated, "bad or missing auth token").await;
+            return self
+                .hello_fail(Status::Unauthenticated, "bad, expired, used or missing auth token or ticket")
+                .await;
         };
         self.sock.write_all(&HelloReply::encode(Status::Ok, concat!("kvtier ", env!("CARGO_PKG_VERSION")))).await?;
         Ok(Some(principal))
@@ -506,7 +611,15 @@ impl Conn {
 
     /// Whether `offset + len` lies inside registered buffer `id`.
     fn fits(&self, id: u32, offset: u64, len: u64) -> bool {
-        self.buffers.by_id.get(&id).is_some_and(|b| b.at(offset, len).is_some())
+        self.buffers.by_id.get(&id).is_some_and(|b| b.place(offset, len).is_some())
+    }
+
+    /// Why buffer `id` (a file the client truncated) can't be used now; the error is counted.
+    fn truncated(&self, id: u32) -> Option<String> {
+        let why = self.buffers.by_id.get(&id)?.truncated()?;
+        error("samenode_truncated");
+        tracing::warn!(buffer = id, "same-node request refused: {why}");
+        Some(why)
     }
 
     fn answer(&mut self, h: ResponseHeader) {
@@ -555,6 +668,9 @@ impl Conn {
         if !self.buffers.by_id.contains_key(&req.buffer) {
             return self.refuse(req, Status::BadRequest, &format!("no buffer {} is registered", req.buffer));
         }
+        if let Some(msg) = self.truncated(req.buffer) {
+            return self.refuse(req, Status::BadRequest, &msg);
+        }
         let stop_at_miss = req.flags & FLAG_STOP_AT_MISS != 0;
         let n = req.count as usize;
         // In a cluster: what no local tier holds, from its owners (within `peer_timeout`, in
@@ -591,15 +707,19 @@ impl Conn {
                             .buffers
                             .by_id
                             .get(&req.buffer)
-                            .and_then(|r| r.at(item.offset, b.payload.len() as u64))
+                            .and_then(|r| r.place(item.offset, b.payload.len() as u64))
                         {
                             Some(dst) if b.payload.len() as u64 <= item.room => {
-                                if copy_out(&b.payload, dst, unchecked.then_some(b.header.checksum)) {
-                                    headers.extend_from_slice(&b.header.encode());
-                                    ItemStatus::Ok
-                                } else {
-                                    self.state.tiers().drop_corrupt(&ns, &item.key);
-                                    ItemStatus::ChecksumMismatch
+                                match put(&b.payload, dst, unchecked.then_some(b.header.checksum)) {
+                                    Copied::Ok => {
+                                        headers.extend_from_slice(&b.header.encode());
+                                        ItemStatus::Ok
+                                    }
+                                    Copied::ChecksumMismatch => {
+                                        self.state.tiers().drop_corrupt(&ns, &item.key);
+                                        ItemStatus::ChecksumMismatch
+                                    }
+                                    Copied::Short => ItemStatus::OutOfRange,
                                 }
                             }
                             _ => ItemStatus::OutOfRange,
@@ -629,6 +749,9 @@ impl Conn {
         let start = Instant::now();
         if !self.buffers.by_id.contains_key(&req.buffer) {
             return self.refuse(req, Status::BadRequest, &format!("no buffer {} is registered", req.buffer));
+        }
+        if let Some(msg) = self.truncated(req.buffer) {
+            return self.refuse(req, Status::BadRequest, &msg);
         }
         let mut statuses = Vec::with_capacity(req.count as usize);
         let mut stored = Vec::new();
@@ -682,12 +805,14 @@ impl Conn {
         };
         // Looked up again after the await: the buffer map can't change meanwhile (this
         // connection serves one request at a time), but the borrow can't cross the await.
-        let Some(src) = self.buffers.by_id.get(&buffer).and_then(|b| b.at(offset, header.payload_len)) else {
+        let Some(src) = self.buffers.by_id.get(&buffer).and_then(|b| b.place(offset, header.payload_len)) else {
             return ItemStatus::OutOfRange;
         };
-        if !copy_in_verified(src, slot.buf_mut(), header.checksum) {
+        match take(src, slot.buf_mut(), header.checksum) {
+            Copied::Ok => {}
             // `slot` drops here unpublished.
-            return ItemStatus::ChecksumMismatch;
+            Copied::ChecksumMismatch => return ItemStatus::ChecksumMismatch,
+            Copied::Short => return ItemStatus::OutOfRange,
         }
         match tier.commit(slot, header, self.state.store_priority(&header)) {
             Ok(_) => ItemStatus::Ok,
@@ -695,6 +820,74 @@ impl Conn {
             Err(_) => ItemStatus::Internal,
         }
     }
+}
+
+/// Copies a stored payload into a client's buffer at `dst` (see [`copy_out`]); a file buffer
+/// with `pwrite`s after checking its size, so a truncated file is a short copy, never a fault and
+/// never a file extended past the size the client left it at.
+fn put(src: &[u8], dst: Place<'_>, checksum: Option<u64>) -> Copied {
+    let (file, offset) = match dst {
+        Place::Mapped(p) => {
+            return if copy_out(src, p, checksum) { Copied::Ok } else { Copied::ChecksumMismatch };
+        }
+        Place::File(f, o) => (f, o),
+    };
+    let mut h = checksum.map(|_| kvtier_proto::Checksummer::new());
+    let mut at = offset;
+    for chunk in src.chunks(FILE_CHUNK) {
+        // The size checked before each `pwrite`: one landing past the end would grow the file.
+        // A truncation racing the check and the write can still regrow it, sparse and never past
+        // the registered length; the next request then finds it truncated or intact, never a
+        // fault. A short `pwrite` ends the copy.
+        if !file_holds(file, at, chunk.len()) {
+            return Copied::Short;
+        }
+        match std::os::unix::fs::FileExt::write_at(file, chunk, at) {
+            Ok(n) if n == chunk.len() => {}
+            _ => return Copied::Short,
+        }
+        if let Some(h) = &mut h {
+            h.update(chunk);
+        }
+        at += chunk.len() as u64;
+    }
+    match (h, checksum) {
+        (Some(h), Some(c)) if h.digest() != c => Copied::ChecksumMismatch,
+        _ => Copied::Ok,
+    }
+}
+
+/// Copies a payload from a client's buffer at `src` into `dst` (a reserved slot) and verifies
+/// our copy (see [`copy_in_verified`]); from a file buffer with `pread`s, a short read (the file
+/// was truncated) being an error.
+fn take(src: Place<'_>, dst: &mut [u8], checksum: u64) -> Copied {
+    let (file, offset) = match src {
+        Place::Mapped(p) => {
+            return if copy_in_verified(p, dst, checksum) { Copied::Ok } else { Copied::ChecksumMismatch };
+        }
+        Place::File(f, o) => (f, o),
+    };
+    let mut h = kvtier_proto::Checksummer::new();
+    let mut at = offset;
+    for chunk in dst.chunks_mut(FILE_CHUNK) {
+        if std::os::unix::fs::FileExt::read_exact_at(file, chunk, at).is_err() {
+            return Copied::Short;
+        }
+        h.update(chunk);
+        at += chunk.len() as u64;
+    }
+    if h.digest() == checksum {
+        Copied::Ok
+    } else {
+        Copied::ChecksumMismatch
+    }
+}
+
+/// Whether `file` is at least `offset + len` bytes long now: a `pwrite` inside that never
+/// extends it.
+fn file_holds(file: &std::fs::File, offset: u64, len: usize) -> bool {
+    let end = offset.saturating_add(len as u64);
+    file.metadata().is_ok_and(|m| m.len() >= end)
 }
 
 /// Copies a stored payload to `dst` (a client's buffer). With a `checksum`, chunk by chunk,

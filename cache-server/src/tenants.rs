@@ -111,6 +111,8 @@ pub struct Tenants {
     /// Client-certificate names (verified by TLS against `tls.client_ca`) and whom they stand for.
     by_cert_name: HashMap<String, Principal>,
     by_name: HashMap<String, Arc<Tenant>>,
+    /// Same-node tickets issued to callers of the control plane.
+    tickets: crate::tickets::Tickets,
 }
 
 fn token_hash(token: &[u8]) -> [u8; 32] {
@@ -258,6 +260,11 @@ impl Tenants {
             metrics::counter!("kvtier_auth_failed_total").increment(1);
         }
         found
+    }
+
+    /// The same-node tickets (see [`crate::tickets`]).
+    pub fn tickets(&self) -> &crate::tickets::Tickets {
+        &self.tickets
     }
 
     pub fn tenant(&self, name: &str) -> Option<&Arc<Tenant>> {

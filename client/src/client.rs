@@ -328,7 +328,7 @@ impl tonic::service::Interceptor for Auth {
     }
 }
 
-type Grpc = KvTierClient<InterceptedService<Channel, Auth>>;
+pub(crate) type Grpc = KvTierClient<InterceptedService<Channel, Auth>>;
 
 struct Inner {
     grpc: Grpc,
@@ -428,7 +428,9 @@ impl KvClient {
         let pool =
             DataPool::new(dial, cfg.auth_token.clone(), cfg.data_connections, cfg.connect_timeout, cfg.pool_idle);
         let batch_blocks = cfg.max_batch_blocks.min(info.max_blocks_per_request as usize).max(1);
-        let near = crate::near::AutoNear::new(&cfg, &info);
+        // A client with a certificate and no token gets a ticket for each same-node connection.
+        let cert_only = cfg.auth_token.is_none() && cfg.tls.as_ref().is_some_and(|t| t.identity.is_some());
+        let near = crate::near::AutoNear::new(&cfg, &info, cert_only.then(|| grpc.clone()));
         Ok(KvClient { inner: Arc::new(Inner { grpc, pool, cfg, info, batch_blocks, near }) })
     }
 
@@ -450,9 +452,13 @@ impl KvClient {
             )));
         }
         let cfg = &self.inner.cfg;
+        let ticket = match (&cfg.auth_token, cfg.tls.as_ref().is_some_and(|t| t.identity.is_some())) {
+            (None, true) => Some(self.samenode_ticket().await?),
+            _ => None,
+        };
         crate::SameNode::connect(
             std::path::Path::new(&info.samenode_socket),
-            cfg.auth_token.as_deref(),
+            ticket.as_deref().or(cfg.auth_token.as_deref()),
             cfg.connect_timeout,
             cfg.request_timeout,
             info.max_blocks_per_request as usize,
@@ -464,6 +470,14 @@ impl KvClient {
             }
             other => other,
         })
+    }
+
+    /// A single-use ticket (valid for about a minute) that stands for this client on the
+    /// server's same-node socket, where a TLS client certificate can't be presented: what
+    /// [`KvClient::samenode`] and the automatic path present in the hello when the client has a
+    /// certificate and no token.
+    pub async fn samenode_ticket(&self) -> Result<String, ClientError> {
+        crate::near::fetch_ticket(&self.inner.grpc, self.inner.cfg.connect_timeout).await
     }
 
     /// What the server said about itself on connect.

@@ -68,7 +68,8 @@ pub enum FallbackReason {
     SocketMissing,
     /// The socket exists but this process may not open it (its mode, its directory's mode).
     PermissionDenied,
-    /// The socket refused this client's token.
+    /// The socket refused this client's token or ticket, or (a client with a certificate and no
+    /// token) no same-node ticket could be had from the control plane.
     Unauthenticated,
     /// Connecting or saying hello failed otherwise (refused, timed out).
     ConnectFailed,
@@ -192,6 +193,8 @@ pub(crate) struct AutoNear {
     /// What made the plan `Never`, for the fallback's detail.
     never_why: String,
     token: Option<String>,
+    /// Where a certificate-only client gets a same-node ticket (see [`fetch_ticket`]).
+    tickets: Option<crate::client::Grpc>,
     connect_timeout: Duration,
     request_timeout: Duration,
     max_items: usize,
@@ -222,7 +225,9 @@ impl NearLease<'_> {
 }
 
 impl AutoNear {
-    pub(crate) fn new(cfg: &ClientConfig, info: &pb::InfoResponse) -> Self {
+    /// `tickets`: for a client with a certificate and no token, the control plane to ask for a
+    /// same-node ticket before each new connection.
+    pub(crate) fn new(cfg: &ClientConfig, info: &pb::InfoResponse, tickets: Option<crate::client::Grpc>) -> Self {
         let ours = crate::samenode::host_id();
         let plan = plan(cfg.samenode, &info.samenode_socket, &info.host_id, &ours);
         let never_why = match plan {
@@ -235,6 +240,7 @@ impl AutoNear {
             plan,
             never_why,
             token: cfg.auth_token.clone(),
+            tickets,
             connect_timeout: cfg.connect_timeout,
             request_timeout: cfg.request_timeout,
             max_items: info.max_blocks_per_request as usize,
@@ -284,9 +290,16 @@ impl AutoNear {
         let conn = match pooled {
             Some(conn) => conn,
             None => {
+                let ticket = match &self.tickets {
+                    Some(g) => match fetch_ticket(g, self.connect_timeout).await {
+                        Ok(t) => Some(t),
+                        Err(e) => return Err(self.went_down(FallbackReason::Unauthenticated, e.to_string())),
+                    },
+                    None => None,
+                };
                 let opened = SameNode::open(
                     path,
-                    self.token.as_deref(),
+                    ticket.as_deref().or(self.token.as_deref()),
                     self.connect_timeout,
                     self.request_timeout,
                     self.max_items,
@@ -312,6 +325,15 @@ impl AutoNear {
             }
         };
         Ok(NearLease { pool: self, conn, reused, _permit: permit })
+    }
+
+    /// Records that no connection could be opened (tried again after [`RETRY_AFTER`]).
+    fn went_down(&self, reason: FallbackReason, why: String) -> NoNear {
+        if let Ok(mut c) = self.counters.lock() {
+            c.down = Some((reason, why.clone(), Instant::now()));
+            c.stats.active = false;
+        }
+        NoNear::Fallback(reason, why)
     }
 
     /// Counts a call that went over TCP; logs the first of each reason.
@@ -421,6 +443,17 @@ fn dests<'a>(buf: &'a mut [u8], ranges: &[Range<usize>]) -> Vec<BlockDest<'a>> {
     out.into_iter().map(|s| vec![s.unwrap_or_default()]).collect()
 }
 
+/// A same-node ticket from the control plane (`SameNodeTicket`), which authenticates this call
+/// with the client's certificate: what a client with no token presents in the socket's hello.
+pub(crate) async fn fetch_ticket(g: &crate::client::Grpc, within: Duration) -> Result<String, ClientError> {
+    let mut g = g.clone();
+    match tokio::time::timeout(within, g.same_node_ticket(pb::SameNodeTicketRequest {})).await {
+        Ok(Ok(r)) => Ok(r.into_inner().ticket),
+        Ok(Err(s)) => Err(s.into()),
+        Err(_) => Err(ClientError::Timeout(within)),
+    }
+}
+
 impl KvClient {
     /// A same-node connection for a call, or `None` when the call is to go over TCP (off, or a
     /// fallback, counted). `fresh`: not from the pool (a retry).
@@ -496,6 +529,7 @@ impl KvClient {
                 Step::Tcp => break,
             }
         }
+        buf.check_intact()?;
         let mut dests = dests(buf.as_mut_slice(), &ranges);
         self.load_keys_into(ns, keys, &mut dests, stop_at_miss).await
     }
@@ -604,6 +638,7 @@ impl KvClient {
         }
         // Over TCP the payloads are copied out of the buffer once (a `Bytes` must own its memory;
         // the buffer is only borrowed for this call).
+        buf.check_intact()?;
         let bytes = buf.as_slice();
         let blocks: Vec<Bytes> = ranges.iter().map(|r| Bytes::copy_from_slice(&bytes[r.clone()])).collect();
         match first_index {

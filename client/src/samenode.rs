@@ -57,10 +57,17 @@ static NEXT_BUFFER: AtomicU64 = AtomicU64::new(1);
 
 /// This process's shared memory for the same-node path: a memfd of fixed size, sealed against
 /// shrinking and growing (so a server that maps it can never fault on a missing page), mapped
-/// shared and touched once at creation (its pages belong to this process).
+/// shared and touched once at creation (its pages belong to this process) — or, from
+/// [`SharedBuffer::from_file`], a region of a file on tmpfs that someone else made and can't seal
+/// (an engine's own shared memory, such as vLLM's `/dev/shm/vllm_offload_<engine_id>.mmap`),
+/// which the server reaches with `pread`/`pwrite` instead of mapping it.
 pub struct SharedBuffer {
     map: MmapMut,
     fd: OwnedFd,
+    /// Where byte 0 of this buffer is in the file (0 for a memfd of our own).
+    file_base: u64,
+    /// Whether the file can shrink (a region from `from_file`): checked before each use.
+    shrinkable: bool,
     uid: u64,
     /// Connections that registered this buffer hold a `Weak` of it: once the buffer is dropped
     /// they unregister it (before their next registration or pooled use), so the server unmaps
@@ -84,7 +91,89 @@ impl SharedBuffer {
         // a load borrows this buffer mutably, so no Rust reference observes a concurrent write.
         let map = unsafe { MmapOptions::new().len(len).populate().map_mut(&fd) }
             .map_err(|e| ClientError::Io(format!("shared buffer: mmap: {e}")))?;
-        Ok(SharedBuffer { map, fd, uid: NEXT_BUFFER.fetch_add(1, Ordering::Relaxed), alive: Arc::new(()) })
+        Ok(SharedBuffer {
+            map,
+            fd,
+            file_base: 0,
+            shrinkable: false,
+            uid: NEXT_BUFFER.fetch_add(1, Ordering::Relaxed),
+            alive: Arc::new(()),
+        })
+    }
+
+    /// `len` bytes of `file` from `offset` on: a region of a file on tmpfs (`/dev/shm`) that this
+    /// process shares with others, opened read-write, that no seal protects (an engine's own
+    /// shared memory). Mapped shared here (the same pages every other mapping of the file sees),
+    /// not populated. The server never maps it: it copies with `pread`/`pwrite`, so a file
+    /// truncated meanwhile is an error for the call, never a crash of the server. This process
+    /// touches the region only after checking the file's size ([`SharedBuffer::check_intact`]);
+    /// a truncation racing a call can still fault here, as it can in any process that maps it.
+    pub fn from_file(file: std::fs::File, offset: u64, len: usize) -> Result<Self, ClientError> {
+        if len == 0 {
+            return Err(ClientError::InvalidArgument("a file region of 0 bytes".into()));
+        }
+        let end = offset
+            .checked_add(len as u64)
+            .ok_or_else(|| ClientError::InvalidArgument("the region's end overflows".into()))?;
+        let size = file.metadata().map_err(|e| ClientError::Io(format!("file region: fstat: {e}")))?.len();
+        if size < end {
+            return Err(ClientError::InvalidArgument(format!(
+                "the file is {size} bytes; a region of {len} bytes from offset {offset} needs {end}"
+            )));
+        }
+        // SAFETY: a shared mapping of `len` bytes the file holds now. Another process may shrink
+        // the file; every use of the mapping checks the size first (`check_intact`), and the rest
+        // of the risk is the one every process mapping this file takes.
+        let map = unsafe { MmapOptions::new().offset(offset).len(len).map_mut(&file) }
+            .map_err(|e| ClientError::Io(format!("file region: mmap: {e}")))?;
+        Ok(SharedBuffer {
+            map,
+            fd: OwnedFd::from(file),
+            file_base: offset,
+            shrinkable: true,
+            uid: NEXT_BUFFER.fetch_add(1, Ordering::Relaxed),
+            alive: Arc::new(()),
+        })
+    }
+
+    /// The file region this process already has mapped shared at `addr .. addr + len` (an
+    /// engine's own shared memory, e.g. the memory behind vLLM's CPU-tier view), found in
+    /// `/proc/self/maps`, as a [`SharedBuffer::from_file`] of the same file and offset: a second
+    /// mapping of the same pages, so what a load puts in it shows at `addr`. The file is opened
+    /// by its path, or through an open descriptor of this process when it was unlinked. An error
+    /// when the range is not wholly inside shared mappings of one file, contiguous in the file.
+    pub fn from_mapping(addr: usize, len: usize) -> Result<Self, ClientError> {
+        let maps = std::fs::read_to_string("/proc/self/maps")
+            .map_err(|e| ClientError::Io(format!("reading /proc/self/maps: {e}")))?;
+        let found = find_mapping(&maps, addr, len)?;
+        let file = open_mapped_file(&found)?;
+        Self::from_file(file, found.offset, len)
+    }
+
+    /// Where byte 0 of this buffer lies in its file (0 for a buffer from [`SharedBuffer::new`]).
+    pub fn file_offset(&self) -> u64 {
+        self.file_base
+    }
+
+    /// Whether this is a region of a file that can shrink ([`SharedBuffer::from_file`]).
+    pub fn is_file_region(&self) -> bool {
+        self.shrinkable
+    }
+
+    /// An error if the file was truncated below this region (someone else's file, from
+    /// [`SharedBuffer::from_file`]); always `Ok` for a sealed buffer of our own.
+    pub fn check_intact(&self) -> Result<(), ClientError> {
+        if !self.shrinkable {
+            return Ok(());
+        }
+        let end = self.file_base + self.map.len() as u64;
+        let size = rustix::fs::fstat(&self.fd).map(|st| u64::try_from(st.st_size).unwrap_or(0)).unwrap_or(0);
+        if size < end {
+            return Err(ClientError::InvalidArgument(format!(
+                "the registered file was truncated: it is {size} bytes, the region ends at {end}"
+            )));
+        }
+        Ok(())
     }
 
     pub fn len(&self) -> usize {
@@ -113,6 +202,99 @@ impl SharedBuffer {
     pub fn as_ptr(&self) -> *const u8 {
         self.map.as_ptr()
     }
+}
+
+/// The file behind a range of this process's memory (from `/proc/self/maps`).
+#[derive(Debug, PartialEq, Eq)]
+struct MappedFile {
+    /// The file's device as `major:minor` (hex, as the kernel writes it) and its inode.
+    dev: String,
+    inode: u64,
+    /// The path the kernel shows (may end in ` (deleted)`).
+    path: String,
+    /// The file offset of the range's first byte.
+    offset: u64,
+}
+
+/// The file that the mappings in `maps` (the text of `/proc/<pid>/maps`) covering
+/// `addr .. addr + len` map, shared and contiguously.
+fn find_mapping(maps: &str, addr: usize, len: usize) -> Result<MappedFile, ClientError> {
+    let bad = |m: String| ClientError::InvalidArgument(format!("memory at {addr:#x} (+{len}): {m}"));
+    let end = addr.checked_add(len).filter(|_| len > 0).ok_or_else(|| bad("an empty or overflowing range".into()))?;
+    let mut found: Option<MappedFile> = None;
+    // The address up to which the range is covered so far, and the file offset there.
+    let mut at = addr;
+    for line in maps.lines() {
+        let mut f = line.split_whitespace();
+        let (Some(range), Some(perms), Some(off), Some(dev), Some(inode)) =
+            (f.next(), f.next(), f.next(), f.next(), f.next())
+        else {
+            continue;
+        };
+        let path = f.collect::<Vec<_>>().join(" ");
+        let Some((lo, hi)) = range.split_once('-') else { continue };
+        let (Ok(lo), Ok(hi), Ok(off)) =
+            (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16), u64::from_str_radix(off, 16))
+        else {
+            continue;
+        };
+        if hi <= at || lo > at {
+            continue;
+        }
+        if !perms.starts_with("rw") || perms.as_bytes().get(3) != Some(&b's') {
+            return Err(bad(format!("mapped {perms}, not shared read-write")));
+        }
+        let inode: u64 = inode.parse().unwrap_or(0);
+        if inode == 0 {
+            return Err(bad("not a mapping of a file".into()));
+        }
+        let here = off + (at - lo) as u64;
+        match &found {
+            None => found = Some(MappedFile { dev: dev.to_string(), inode, path, offset: here }),
+            Some(m) => {
+                let want = m.offset + (at - addr) as u64;
+                if m.dev != dev || m.inode != inode || here != want {
+                    return Err(bad("spans mappings of different files or places in a file".into()));
+                }
+            }
+        }
+        at = hi;
+        if at >= end {
+            return found.ok_or_else(|| bad("no mapping".into()));
+        }
+    }
+    Err(bad("not (wholly) inside a mapping".into()))
+}
+
+/// Opens the file of `m` read-write: by its path when it still names that file, else through one
+/// of this process's open descriptors of it (`/proc/self/fd/N` reopens an unlinked file).
+fn open_mapped_file(m: &MappedFile) -> Result<std::fs::File, ClientError> {
+    use std::os::unix::fs::MetadataExt;
+    let same = |meta: &std::fs::Metadata| {
+        let dev = meta.dev();
+        meta.ino() == m.inode && format!("{:02x}:{:02x}", rustix::fs::major(dev), rustix::fs::minor(dev)) == m.dev
+    };
+    let open = |p: &Path| std::fs::OpenOptions::new().read(true).write(true).open(p);
+    if !m.path.is_empty() && !m.path.ends_with(" (deleted)") {
+        if let Ok(f) = open(Path::new(&m.path)) {
+            if f.metadata().is_ok_and(|meta| same(&meta)) {
+                return Ok(f);
+            }
+        }
+    }
+    let fds = std::fs::read_dir("/proc/self/fd").map_err(|e| ClientError::Io(format!("/proc/self/fd: {e}")))?;
+    for e in fds.flatten() {
+        let p = e.path();
+        if std::fs::metadata(&p).is_ok_and(|meta| same(&meta)) {
+            if let Ok(f) = open(&p) {
+                return Ok(f);
+            }
+        }
+    }
+    Err(ClientError::InvalidArgument(format!(
+        "the file mapped there ({}) can't be opened read-write by this process",
+        if m.path.is_empty() { "no path" } else { &m.path }
+    )))
 }
 
 /// A buffer's id on one same-node connection.
@@ -223,7 +405,8 @@ impl SameNode {
             return Ok(*id);
         }
         self.sweep().await?;
-        let id = self.register_fd(buf.fd(), buf.len() as u64).await?;
+        // A file region is registered from the file's start: its items' offsets are file offsets.
+        let id = self.register_fd(buf.fd(), buf.file_base + buf.len() as u64).await?;
         self.registered.insert(buf.uid, (id, Arc::downgrade(&buf.alive)));
         Ok(id)
     }
@@ -271,17 +454,22 @@ impl SameNode {
         if keys.len() != offsets.len() {
             return Err(ClientError::InvalidArgument(format!("{} keys but {} offsets", keys.len(), offsets.len())));
         }
+        buf.check_intact()?;
         let id = self.register(buf).await?;
         let bb = ns.block_bytes();
-        let items: Vec<LoadItem> =
-            keys.iter().zip(offsets).map(|(k, o)| LoadItem { key: *k, offset: *o, room: bb }).collect();
+        let base = buf.file_base;
+        let items: Vec<LoadItem> = keys
+            .iter()
+            .zip(offsets)
+            .map(|(k, o)| LoadItem { key: *k, offset: o.saturating_add(base), room: bb })
+            .collect();
         let got = self.load_items(ns.id, id, &items, stop_at_miss).await?;
         let mut ok = Vec::with_capacity(got.len());
-        for (r, item) in got.into_iter().zip(&items) {
+        for (r, o) in got.into_iter().zip(offsets) {
             ok.push(match r {
                 Ok(h) if h.codec == CodecId::RAW => true,
                 // Stored encoded: decoded in place (the encoded bytes are copied out first).
-                Ok(h) => decode_in_place(buf.as_mut_slice(), item.offset, bb, h).is_ok(),
+                Ok(h) => buf.check_intact().is_ok() && decode_in_place(buf.as_mut_slice(), *o, bb, h).is_ok(),
                 Err(_) => false,
             });
         }
@@ -351,7 +539,9 @@ impl SameNode {
                 ns.codec().name()
             )));
         }
+        buf.check_intact()?;
         let id = self.register(buf).await?;
+        let base = buf.file_base;
         let layout = ns.namespace.layout;
         let bb = ns.block_bytes();
         let lossless = ns.namespace.is_lossless();
@@ -375,7 +565,7 @@ impl SameNode {
                 payload_len: bb,
                 checksum,
             };
-            StoreItem { header, offset: *o }
+            StoreItem { header, offset: o.saturating_add(base) }
         };
         let items: Vec<StoreItem> = if keys.len() > 1 {
             keys.par_iter().zip(offsets.par_iter()).enumerate().map(item).collect()
@@ -582,5 +772,50 @@ mod tests {
         assert!(rustix::fs::ftruncate(b.fd(), 10).is_err(), "a sealed buffer can't shrink");
         assert!(SharedBuffer::new(0).is_err());
         assert_ne!(SharedBuffer::new(1).unwrap().uid, b.uid);
+    }
+
+    const MAPS: &str = "\
+7f0000000000-7f0000002000 rw-s 00001000 00:1a 42 /dev/shm/vllm_offload_e.mmap
+7f0000002000-7f0000003000 rw-s 00003000 00:1a 42 /dev/shm/vllm_offload_e.mmap
+7f0000003000-7f0000004000 rw-s 00000000 00:1a 43 /dev/shm/other
+7f0000004000-7f0000005000 rw-p 00000000 00:00 0
+7f0000005000-7f0000006000 r--s 00000000 00:1a 44 /dev/shm/ro (deleted)
+";
+
+    #[test]
+    fn a_range_is_found_in_the_maps_only_when_one_file_covers_it_shared_and_contiguous() {
+        let at = |a: usize, l: usize| find_mapping(MAPS, a, l);
+        let m = at(0x7f00_0000_0100, 0x2000).unwrap();
+        assert_eq!((m.dev.as_str(), m.inode, m.offset), ("00:1a", 42, 0x1100));
+        assert_eq!(m.path, "/dev/shm/vllm_offload_e.mmap");
+        assert!(at(0x7f00_0000_2f00, 0x200).is_err(), "into another file");
+        assert!(at(0x7f00_0000_4000, 16).is_err(), "anonymous private memory");
+        assert!(at(0x7f00_0000_5000, 16).is_err(), "read-only");
+        assert!(at(0x7f00_0000_5800, 0x1000).is_err(), "past the last mapping");
+        assert!(at(0x1000, 16).is_err(), "nothing mapped");
+        assert!(at(0x7f00_0000_0000, 0).is_err());
+    }
+
+    #[test]
+    fn a_shared_mapping_of_a_shm_file_is_found_and_mapped_again() {
+        use std::os::unix::fs::FileExt;
+        let path = format!("/dev/shm/kvtier_unit_{}.mmap", std::process::id());
+        let file = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path).unwrap();
+        file.set_len(3 * 4096).unwrap();
+        // SAFETY: this test's own file, not truncated while mapped.
+        let mut theirs = unsafe { memmap2::MmapMut::map_mut(&file) }.unwrap();
+        std::fs::remove_file(&path).unwrap(); // unlinked, as vLLM does once its workers joined
+        theirs[4096 + 10] = 9;
+        let mine = SharedBuffer::from_mapping(theirs.as_ptr() as usize + 4096 + 3, 100).unwrap();
+        assert!(mine.is_file_region());
+        assert_eq!((mine.file_offset(), mine.len()), (4096 + 3, 100));
+        assert_eq!(mine.as_slice()[7], 9, "the same pages");
+        file.write_all_at(&[5], 4096 + 3).unwrap();
+        assert_eq!(mine.as_slice()[0], 5);
+        assert_eq!(theirs[4096 + 3], 5);
+        let private = vec![0u8; 4096];
+        assert!(SharedBuffer::from_mapping(private.as_ptr() as usize, 100).is_err());
+        file.set_len(4096).unwrap();
+        assert!(mine.check_intact().is_err(), "truncated under the region");
     }
 }

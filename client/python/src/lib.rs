@@ -342,6 +342,22 @@ struct BufferCell {
     buf: tokio::sync::RwLock<kvtier_client::SharedBuffer>,
     addr: usize,
     len: usize,
+    /// Another mapping of the same memory, someone else's (`Client.register_region`: an engine's
+    /// own view of its shared file): arrays there are served as if they lay at `addr`.
+    alias: Option<usize>,
+}
+
+impl BufferCell {
+    /// Offset of `addr .. addr + len` in this buffer, if it lies inside the buffer's mapping or
+    /// its alias.
+    fn offset_of(&self, addr: usize, len: usize) -> Option<u64> {
+        let end = addr.checked_add(len)?;
+        [Some(self.addr), self.alias]
+            .into_iter()
+            .flatten()
+            .find(|base| addr >= *base && end <= base + self.len)
+            .map(|base| (addr - base) as u64)
+    }
 }
 
 /// Every live `SharedBuffer` of this process, so a call can tell whether a caller's array lies in
@@ -356,13 +372,7 @@ fn shared_range(held: &HeldBuffer) -> Option<(Arc<BufferCell>, u64)> {
     }
     let mut all = BUFFERS.lock().ok()?;
     all.retain(|w| w.strong_count() > 0);
-    all.iter()
-        .filter_map(Weak::upgrade)
-        .find(|c| addr >= c.addr && addr.checked_add(len).is_some_and(|end| end <= c.addr + c.len))
-        .map(|c| {
-            let off = (addr - c.addr) as u64;
-            (c, off)
-        })
+    all.iter().filter_map(Weak::upgrade).find_map(|c| c.offset_of(addr, len).map(|off| (c, off)))
 }
 
 /// The one shared buffer every one of `held` lies in, and their offsets there; `None` if any lies
@@ -402,13 +412,19 @@ struct PySharedBuffer {
 impl PySharedBuffer {
     fn new(nbytes: usize) -> PyResult<Self> {
         let buf = kvtier_client::SharedBuffer::new(nbytes).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok(Self::of(buf, None))
+    }
+
+    /// Wraps `buf` and lists it (with `alias`, another mapping of the same memory) for the calls'
+    /// address-range check.
+    fn of(buf: kvtier_client::SharedBuffer, alias: Option<usize>) -> Self {
         let (addr, len) = (buf.as_ptr() as usize, buf.len());
-        let cell = Arc::new(BufferCell { buf: tokio::sync::RwLock::new(buf), addr, len });
+        let cell = Arc::new(BufferCell { buf: tokio::sync::RwLock::new(buf), addr, len, alias });
         if let Ok(mut all) = BUFFERS.lock() {
             all.retain(|w| w.strong_count() > 0);
             all.push(Arc::downgrade(&cell));
         }
-        Ok(PySharedBuffer { cell })
+        PySharedBuffer { cell }
     }
 }
 
@@ -445,8 +461,24 @@ impl PySharedBuffer {
         self.cell.addr
     }
 
+    /// For a registered file region (`register_file`, `register_region`): where it starts in
+    /// its file; 0 for a buffer from `alloc_buffer`.
+    #[getter]
+    fn file_offset(&self) -> u64 {
+        self.cell.buf.try_read().map(|b| b.file_offset()).unwrap_or(0)
+    }
+
+    /// For `register_region`: the address of the caller's own mapping it stands for.
+    #[getter]
+    fn alias(&self) -> Option<usize> {
+        self.cell.alias
+    }
+
     fn __repr__(&self) -> String {
-        format!("SharedBuffer(nbytes={}, address={:#x})", self.cell.len, self.cell.addr)
+        match self.cell.alias {
+            Some(a) => format!("SharedBuffer(nbytes={}, address={:#x}, alias={a:#x})", self.cell.len, self.cell.addr),
+            None => format!("SharedBuffer(nbytes={}, address={:#x})", self.cell.len, self.cell.addr),
+        }
     }
 }
 
@@ -827,6 +859,65 @@ impl Client {
     /// `load_into`, `load_keys_into`, `store` and `store_keys`.
     fn alloc_buffer(&self, nbytes: usize) -> PyResult<PySharedBuffer> {
         PySharedBuffer::new(nbytes)
+    }
+
+    /// Registers `length` bytes from `offset` of an existing file on tmpfs (`/dev/shm`) that
+    /// others share and may truncate (it can't be sealed, unlike `alloc_buffer`'s memory):
+    /// `file` is a path or an open descriptor (an `int` or an object with `fileno()`, opened
+    /// read-write; it is duplicated). Returns a `SharedBuffer` over this process's own mapping
+    /// of that region (`length` defaults to the rest of the file). Calls whose KV lies in it go
+    /// over the same-node socket, where the server copies with `pread`/`pwrite` and never maps the
+    /// file: a truncated file is an error for the call, never a crash of the server.
+    #[pyo3(signature = (file, offset=0, length=None))]
+    fn register_file(&self, file: &Bound<'_, PyAny>, offset: u64, length: Option<usize>) -> PyResult<PySharedBuffer> {
+        use std::os::fd::BorrowedFd;
+        let f = if let Ok(path) = file.extract::<std::path::PathBuf>() {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&path)
+                .map_err(|e| PyValueError::new_err(format!("{}: {e}", path.display())))?
+        } else {
+            let fd: c_int = match file.extract() {
+                Ok(fd) => fd,
+                Err(_) => file.call_method0("fileno")?.extract()?,
+            };
+            if fd < 0 {
+                return Err(PyValueError::new_err("a negative file descriptor"));
+            }
+            // SAFETY: `fd` is the caller's open descriptor, only borrowed to duplicate it.
+            let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
+            let owned = borrowed.try_clone_to_owned().map_err(|e| PyValueError::new_err(format!("dup: {e}")))?;
+            std::fs::File::from(owned)
+        };
+        let size = f.metadata().map_err(|e| PyValueError::new_err(format!("fstat: {e}")))?.len();
+        let len = match length {
+            Some(l) => l,
+            None => {
+                usize::try_from(size.saturating_sub(offset)).map_err(|_| PyValueError::new_err("file too large"))?
+            }
+        };
+        let buf =
+            kvtier_client::SharedBuffer::from_file(f, offset, len).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok(PySharedBuffer::of(buf, None))
+    }
+
+    /// Registers memory this process already has mapped shared from a tmpfs file — an engine's
+    /// own shared region, e.g. the view vLLM hands its CPU tier over
+    /// `/dev/shm/vllm_offload_<engine_id>.mmap` — found through `/proc/self/maps` (an unlinked
+    /// file through this process's open descriptor of it). `region` is any writable buffer over
+    /// that memory (a `memoryview`, a NumPy array). From then on calls whose KV lies inside
+    /// `region` go over the same-node socket, the server copying each block straight into (or
+    /// out of) the file's pages with `pread`/`pwrite`: one copy, no staging buffer. Keep the
+    /// returned `SharedBuffer` as long as `region` is mapped and drop it before unmapping it
+    /// (until then an array at those addresses is taken for that file). A `ValueError` when the
+    /// memory is not a shared read-write mapping of one file.
+    fn register_region(&self, region: &Bound<'_, PyAny>) -> PyResult<PySharedBuffer> {
+        let held = HeldBuffer::open(region, true)?;
+        let (addr, len) = (held.0.buf_ptr() as usize, held.len());
+        let buf =
+            kvtier_client::SharedBuffer::from_mapping(addr, len).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok(PySharedBuffer::of(buf, Some(addr)))
     }
 
     /// What the same-node path did on the current connection: a dict with `active` (a same-node

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.request
 
 from kvtier.server import find_binary
 
@@ -27,6 +28,7 @@ class KvServer:
         self.port, self.data_port = free_port(), free_port()
         self.addr = f"127.0.0.1:{self.port}"
         self.proc = None
+        self.metrics_addr = None
 
     def start(self, timeout_s=30.0):
         cmd = [find_binary(), "serve", "--listen", self.addr, "--data-listen", f"127.0.0.1:{self.data_port}",
@@ -45,12 +47,21 @@ class KvServer:
             for line in self.proc.stdout:
                 seen.append(line.rstrip())
                 if "listening" in line:
+                    fields = dict(w.split("=", 1) for w in line.split() if "=" in w)
+                    self.metrics_addr = fields.get("metrics")
                     threading.Thread(target=lambda p=self.proc: [None for _ in p.stdout], daemon=True).start()
                     return self
             self.proc.wait()
             if time.monotonic() > deadline:
                 raise RuntimeError(f"kvtier serve did not start: {seen}")
             time.sleep(0.2)
+
+    def served(self, op):
+        """Requests of `op` this server answered since it started (its Prometheus counter)."""
+        url = self.metrics_addr if self.metrics_addr.startswith("http") else f"http://{self.metrics_addr}"
+        text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("kvtier_requests_total{") and f'op="{op}"' in line)
 
     def kill(self):
         """SIGKILL: no goodbye to clients, as a crash or an OOM kill."""

@@ -199,3 +199,89 @@ def test_threads_load_into_one_buffer_and_it_outlives_its_client(server):
     assert c2.load_into(n, docs[0], a[:per]) == 32
     assert a[:per].tobytes() == kvs[0].tobytes()
     assert c2.samenode_stats()["loads"] == 1
+
+
+@pytest.fixture
+def shm_file():
+    """A file under /dev/shm, as vLLM's CPU tier makes its region; removed afterwards."""
+    path = f"/dev/shm/kvtier_pytest_{os.getpid()}_{threading.get_ident()}.mmap"
+    yield path
+    if os.path.exists(path):
+        os.unlink(path)
+
+
+def test_a_dev_shm_file_registered_loads_and_stores_byte_exact_at_offsets(server, shm_file):
+    import mmap
+
+    c = kvtier.Client(server.addr, never_raise=False)
+    n = ns("samenode-file")
+    bb = n.block_bytes
+    size = 10 * bb + 4096
+    with open(shm_file, "wb") as f:
+        f.truncate(size)
+    # The engine's own mapping of its file, as vLLM's SharedOffloadRegion makes it.
+    fd = os.open(shm_file, os.O_RDWR)
+    engine = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    rows = np.frombuffer(engine, dtype=np.uint8)[4096:].reshape(10, bb)
+    region = c.register_region(rows)
+    assert region.alias == rows.ctypes.data and region.file_offset == 4096 and region.nbytes == 10 * bb
+
+    keys = [bytes([i]) * 32 for i in range(4)]
+    kv = np.random.default_rng(3).integers(0, 255, (4, bb), dtype=np.uint8)
+    rows[[7, 2, 5, 0]] = kv
+    loads0, stores0 = served(server, "samenode_load"), served(server, "samenode_store")
+    assert c.store_keys(n, keys, [rows[7], rows[2], rows[5], rows[0]]) == [True] * 4
+    assert served(server, "samenode_store") == stores0 + 1, "stored through the socket, from the file"
+
+    # Loaded into other rows of the engine's own mapping: one copy, by the server, into the file.
+    rows[[1, 3, 6, 9]] = 0
+    assert c.load_keys_into(n, keys, [rows[1], rows[3], rows[6], rows[9]]) == [True] * 4
+    assert served(server, "samenode_load") == loads0 + 1
+    assert np.array_equal(rows[[1, 3, 6, 9]], kv)
+    with open(shm_file, "rb") as f:  # and through the file itself
+        f.seek(4096 + 6 * bb)
+        assert f.read(bb) == kv[2].tobytes()
+    st = c.samenode_stats()
+    assert (st["loads"], st["stores"], st["fallbacks"]) == (1, 1, {}), st
+
+    # register_file: the same file by path, at an offset, through the client's own mapping.
+    other = c.register_file(shm_file, offset=4096 + 8 * bb, length=2 * bb)
+    dst = np.frombuffer(other, dtype=np.uint8).reshape(2, bb)
+    assert c.load_keys_into(n, keys[:2], dst) == [True] * 2
+    assert np.array_equal(rows[8:10], kv[:2]), "the engine's mapping sees what landed"
+    assert os.path.getsize(shm_file) == size
+    with pytest.raises(ValueError):
+        c.register_region(np.zeros(4096, np.uint8))  # private memory
+    # By descriptor (duplicated: closing ours later is fine), the same pages again.
+    by_fd = c.register_file(fd, offset=4096 + 9 * bb, length=bb)
+    assert np.array_equal(np.frombuffer(by_fd, dtype=np.uint8), kv[1])
+    del dst, other, by_fd
+    os.close(fd)
+
+
+def test_a_registered_file_truncated_is_an_error_and_the_server_goes_on(server, shm_file):
+    c = kvtier.Client(server.addr, never_raise=False)
+    n = ns("samenode-trunc")
+    bb = n.block_bytes
+    with open(shm_file, "wb") as f:
+        f.truncate(4 * bb)
+    region = c.register_file(shm_file)
+    rows = np.frombuffer(region, dtype=np.uint8).reshape(4, bb)
+    rows[0] = 7
+    keys = [b"k" * 32]
+    assert c.store_keys(n, keys, [rows[0]]) == [True]
+    os.truncate(shm_file, bb // 2)  # the engine (or anyone) shrinks the file under the registration
+    with pytest.raises(kvtier.KvtierError, match="truncated"):
+        c.load_keys_into(n, keys, [rows[2]])
+    with pytest.raises(kvtier.KvtierError, match="truncated"):
+        c.store_keys(n, [b"j" * 32], [rows[1]])
+    assert os.path.getsize(shm_file) == bb // 2, "nobody grew the file back"
+    # A never_raise client answers a miss instead.
+    quiet = kvtier.Client(server.addr)
+    assert quiet.load_keys_into(n, keys, [rows[3]]) == [False]
+    # The server serves others as before.
+    other = kvtier.Client(server.addr, never_raise=False)
+    buf = other.alloc_buffer(bb)
+    assert other.load_keys_into(n, keys, buf) == [True]
+    assert bytes(memoryview(buf)) == bytes([7]) * bb
+    assert other.samenode_stats()["loads"] == 1

@@ -147,6 +147,12 @@ def test_scheduler_loads_a_prefix_another_engine_stored(kvs, tmp_path):
         assert sum(scheduled) == 64 and not loads
         stored = [a.written[c] for c in a.stored_chunks]
         assert len(stored) == 4
+        # vLLM's region is its own /dev/shm file: the tier registered it, and the chunks went
+        # from vLLM's rows to the server over the same-node socket, with no TCP fallback.
+        assert a.tier._regions, "the CPU tier's shared region is registered"
+        st = a.tier._client.samenode_stats()
+        assert st["stores"] >= 1 and st["fallbacks"] == {}, st
+        assert kvs.served("samenode_store") >= 1
     finally:
         a.shutdown()
 
@@ -160,6 +166,10 @@ def test_scheduler_loads_a_prefix_another_engine_stored(kvs, tmp_path):
         assert len(loads) == 1 and len(loads[0].dst_spec.block_ids) == 4  # 4 GPU blocks loaded
         (promoted,) = b.loaded.values()
         assert promoted == stored  # the bytes A's worker wrote, promoted from kvtier into B's CPU rows
+        # Promoted by the server straight into B's own shared file, over the same-node socket.
+        st = b.tier._client.samenode_stats()
+        assert st["loads"] >= 1 and st["fallbacks"] == {}, st
+        assert kvs.served("samenode_load") >= 1
         assert b.tier.get_stats() is not None or True
     finally:
         b.shutdown()

@@ -33,6 +33,13 @@ dtype, tokens per block, blocks per chunk, chunk bytes, KV-cache layout and grou
 or replicated host layout, TP/PP/PCP/DCP sizes (unless vLLM says the chunk bytes are
 parallelism-agnostic), and the block-hash algorithm.
 
+Same node: when vLLM's CPU-tier region is a shared mapping of its `/dev/shm/vllm_offload_<engine_id>.mmap`
+(as vLLM makes it), the tier registers that memory with the client (`Client.register_region`), so
+when the kvtier server runs on this host each chunk moves between kvtier and vLLM's own rows over
+the server's same-node socket: the server copies it straight into (or out of) the file with
+`pread`/`pwrite`, one copy, no staging buffer, no payload on a socket. Otherwise (another host, no
+socket) jobs go over TCP as before; `client.samenode_stats()` says which and why.
+
 Never breaks the engine: no method raises into vLLM (an exception in connector code kills vLLM's
 EngineCore); a dead, slow or restarting server gives misses and failed jobs, every submitted job
 is reported once by `get_finished_jobs`, and a lookup is a MISS once `lookup_timeout_s` passed.
@@ -296,6 +303,7 @@ class KvtierTier(SecondaryTierManager):
         self._lookup = None
         self._pool = None
         self._rows = None
+        self._regions: list = []
         self._results: queue.SimpleQueue = queue.SimpleQueue()
         self._jobs_lock = threading.Lock()
         self._outstanding: dict[int, concurrent.futures.Future | None] = {}
@@ -367,9 +375,57 @@ class KvtierTier(SecondaryTierManager):
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, int(io_threads)),
                                                            thread_name_prefix="kvtier-vllm-io")
         self._lookup = _KvtierLookup(self, self.tier_type)
+        self._register_region(rows)
         ns_id = getattr(self._ns, "id", "?")
         logger.info("kvtier tier: server %s, tenant %s, namespace %s (%s)", server, tenant,
                     ns_id() if callable(ns_id) else ns_id, self.namespace_fields)
+
+    def _register_region(self, rows) -> None:
+        """Registers vLLM's own CPU-tier memory (its shared `/dev/shm/vllm_offload_<engine_id>.mmap`)
+        with the client, so jobs move chunks between kvtier and those rows over the server's
+        same-node socket when it runs on this host: the server copies each chunk straight into
+        (or out of) the file, one copy, no staging buffer. Memory that is not such a mapping (a
+        test's plain array) just goes over TCP.
+
+        A large region is several files back to back (vLLM's segments, 1 GiB or more each): each
+        run of rows backed by one file is registered on its own, and a job whose chunks span two
+        of them goes over TCP."""
+        n, start = rows.shape[0], 0
+        try:
+            while start < n:
+                end = self._longest_registrable(rows, start)
+                if end == start:
+                    break
+                self._regions.append(self._client.register_region(rows[start:end]))
+                start = end
+        except Exception as e:
+            self._log_once("region", "kvtier tier: registering the CPU tier's region failed: %r", e)
+        if self._regions:
+            logger.info("kvtier tier: the CPU tier's region (%d bytes, %d file(s)) is registered for the "
+                        "same-node path", rows[:start].nbytes, len(self._regions))
+        else:
+            logger.debug("kvtier tier: the CPU tier's region is not a shared file mapping; jobs go over TCP")
+
+    def _longest_registrable(self, rows, start: int) -> int:
+        """The largest `end` such that rows[start:end] lie in one shared file mapping (`start` when
+        not even one row does)."""
+        def ok(end):
+            try:
+                self._client.register_region(rows[start:end])
+                return True
+            except ValueError:
+                return False
+        n = rows.shape[0]
+        if ok(n):
+            return n
+        lo, hi = start, n  # rows[start:lo] registrable (or lo == start), rows[start:hi] not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if ok(mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
     def _disable(self, why: str) -> None:
         if self._disabled is None:
@@ -657,8 +713,10 @@ class KvtierTier(SecondaryTierManager):
             self._wait_all()
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
-            # Drop our export of the primary region, so vLLM can unmap and unlink it.
+            # Drop our export of the primary region, and our own mapping of its file, so vLLM can
+            # unmap and unlink it and its pages are freed.
             self._rows = None
+            self._regions = []
         except Exception as e:
             logger.warning("kvtier tier: shutdown: %r", e)
 
