@@ -288,6 +288,23 @@ fn start_agent(args: &[&str]) -> AgentProcess {
     proc
 }
 
+/// An agent of `server` on `sock`, with 8 MiB of host memory and a G1 pool of `pool_pages` pages
+/// of one block each.
+fn agent_of(server: &ServerProcess, sock: &std::path::Path, pool_pages: u64) -> AgentProcess {
+    start_agent(&[
+        "--server",
+        &server.grpc_addr(),
+        "--socket",
+        sock.to_str().unwrap(),
+        "--host-memory",
+        "8MiB",
+        "--page-bytes",
+        &BLOCK.to_string(),
+        "--pool-capacity",
+        &(pool_pages * BLOCK).to_string(),
+    ])
+}
+
 /// The bytes of engine page `page` of a `[layer][page][layer_bytes]` buffer of `pages` pages, as
 /// a block (its layers back to back).
 fn block_of(buffer: &[u8], pages: usize, page: usize) -> Vec<u8> {
@@ -352,18 +369,7 @@ async fn blocks_only_g1_holds_count_in_lookups_and_load_over_tcp_until_the_agent
     let mut server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
     let dir = tempfile::tempdir().unwrap();
     let sock_path = dir.path().join("agent.sock");
-    let mut proc = start_agent(&[
-        "--server",
-        &server.grpc_addr(),
-        "--socket",
-        sock_path.to_str().unwrap(),
-        "--host-memory",
-        "8MiB",
-        "--page-bytes",
-        &BLOCK.to_string(),
-        "--pool-capacity",
-        &(16 * BLOCK).to_string(),
-    ]);
+    let mut proc = agent_of(&server, &sock_path, 16);
     let ns = Namespace::new("t", "m", KvLayout::new(4, 2, 64, DType::Fp16, 16), HashScheme::Blake3, b"s");
     let keys: Vec<BlockKey> = (1..=6u8).map(|i| BlockKey([i; KEY_LEN])).collect();
     let (sp, n2, k2) = (sock_path.clone(), ns.clone(), keys.clone());
@@ -525,18 +531,7 @@ fn a_spill_stalled_on_a_stopped_server_does_not_stall_another_connections_g1_loa
     let server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
     let dir = tempfile::tempdir().unwrap();
     let sock_path = dir.path().join("agent.sock");
-    let _agent = start_agent(&[
-        "--server",
-        &server.grpc_addr(),
-        "--socket",
-        sock_path.to_str().unwrap(),
-        "--host-memory",
-        "8MiB",
-        "--page-bytes",
-        &BLOCK.to_string(),
-        "--pool-capacity",
-        &(2 * BLOCK).to_string(),
-    ]);
+    let _agent = agent_of(&server, &sock_path, 2);
     let ns = Namespace::new("t", "m", KvLayout::new(4, 2, 64, DType::Fp16, 16), HashScheme::Blake3, b"s");
     let keys: Vec<BlockKey> = (1..=3u8).map(|i| BlockKey([i; KEY_LEN])).collect();
     let data: Vec<u8> = (0..3 * BLOCK as usize).map(|i| (i % 253) as u8 ^ 0x33).collect();
