@@ -7,12 +7,12 @@
 use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
-use kvtier_client::{ClientError, ItemStatus, KvClient, NamespaceHandle, SharedBuffer};
+use kvtier_client::{ClientError, ItemStatus, KvClient, NamespaceHandle, Segment, SharedBuffer};
 use kvtier_proto::codes;
 use kvtier_proto::samenode::{encode_hello, LoadItem, SnOp, SnRequest, StoreItem};
 use kvtier_proto::{BlockKey, CodecId, FrameHeader};
 use kvtier_server::samenode::MAX_BUFFERS_PER_CONNECTION;
-use kvtier_tests::harness::{Cluster, Transport};
+use kvtier_tests::harness::{client_config, Cluster, Transport};
 use kvtier_tests::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -587,5 +587,133 @@ async fn a_region_truncated_by_its_client_is_a_clear_error_and_the_server_goes_o
     let (src, k2, o2) = filled(&h, 23, 2);
     assert_eq!(other.store_keys_from_buffer(&h, &k2, &src, &o2).await.unwrap(), vec![ItemStatus::Ok; 2]);
     assert_eq!(other.samenode_stats().stores, 1);
+    cluster.stop().await;
+}
+
+/// Block `i` of `n` as an engine page split in K and V halves (SGLang's host pool): its first half
+/// in the first half of a buffer of `n` blocks, its second half `v_offset` further on.
+fn kv_halves(bb: u64, n: usize, shift: u64) -> Vec<Vec<Segment>> {
+    let half = bb / 2;
+    let v_offset = n as u64 * half;
+    (0..n as u64)
+        .map(|i| {
+            let k = shift + i * half;
+            vec![Segment { offset: k, len: half }, Segment { offset: k + v_offset, len: bb - half }]
+        })
+        .collect()
+}
+
+/// Blocks in several pieces each (an engine page's K and V halves) are stored from their pieces
+/// and loaded into pieces laid out differently, byte-exact, over the socket and over TCP when the
+/// path is off; pieces outside the buffer or not making one block are refused per item, and a
+/// request naming too many segments ends only its own connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_in_segments_store_and_load_byte_exact_and_bad_segments_are_refused() {
+    let (cluster, client, h) = setup().await;
+    let bb = h.block_bytes();
+    let n = 4;
+    let keys = h.keys(&tokens(21, n * h.block_tokens()));
+    let mut src = SharedBuffer::new(n * bb as usize + 64).unwrap();
+    let src_segs = kv_halves(bb, n, 64);
+    for (k, segs) in keys.iter().zip(&src_segs) {
+        let p = payload_for(k, bb);
+        let (a, b) = (segs[0], segs[1]);
+        src.as_mut_slice()[a.offset as usize..(a.offset + a.len) as usize].copy_from_slice(&p[..a.len as usize]);
+        src.as_mut_slice()[b.offset as usize..(b.offset + b.len) as usize].copy_from_slice(&p[a.len as usize..]);
+    }
+    let mut near = client.samenode().await.unwrap();
+    assert_eq!(near.store_from_buffer_segments(&h, &keys, &src, &src_segs).await.unwrap(), vec![ItemStatus::Ok; n]);
+    assert_eq!(
+        near.store_from_buffer_segments(&h, &keys, &src, &src_segs).await.unwrap(),
+        vec![ItemStatus::Present; n]
+    );
+    // The data plane sees the blocks whole.
+    let whole = client.load_keys(&h, &keys).await.unwrap();
+    assert_eq!(whole.len(), n);
+    for (k, b) in keys.iter().zip(&whole) {
+        assert_eq!(&b.as_ref().expect("held").payload[..], &payload_for(k, bb)[..]);
+    }
+
+    // Loaded into three pieces each, in another order, through the connection and through the
+    // client's automatic path.
+    let third = bb / 3;
+    let dst_segs: Vec<Vec<Segment>> = (0..n as u64)
+        .map(|i| {
+            let at = (n as u64 - 1 - i) * bb;
+            vec![
+                Segment { offset: at + bb - third, len: third },
+                Segment { offset: at, len: third },
+                Segment { offset: at + third, len: bb - 2 * third },
+            ]
+        })
+        .collect();
+    let gather = |buf: &SharedBuffer, segs: &[Segment]| -> Vec<u8> {
+        segs.iter().flat_map(|s| buf.as_slice()[s.offset as usize..(s.offset + s.len) as usize].to_vec()).collect()
+    };
+    let mut dst = SharedBuffer::new(n * bb as usize).unwrap();
+    assert_eq!(near.load_into_buffer_segments(&h, &keys, &mut dst, &dst_segs, false).await.unwrap(), vec![true; n]);
+    for (k, segs) in keys.iter().zip(&dst_segs) {
+        assert_eq!(gather(&dst, segs), payload_for(k, bb));
+    }
+    let mut auto = SharedBuffer::new(n * bb as usize).unwrap();
+    let served = client.samenode_stats().loads;
+    assert_eq!(client.load_keys_into_buffer_segments(&h, &keys, &mut auto, &dst_segs, true).await.unwrap(), vec![true; n]);
+    assert_eq!(client.samenode_stats().loads, served + 1, "the automatic path took the socket");
+    assert_eq!(auto.as_slice(), dst.as_slice());
+
+    // Over TCP (the path off), into the same pieces: the same bytes.
+    let cfg = kvtier_client::ClientConfig { samenode: kvtier_client::SameNodeMode::Off, ..client_config() };
+    let tcp = cluster.link_with(0, cfg).await.client;
+    let th = tcp.register(namespace("near", b"n", small_layout())).await.unwrap();
+    let mut over_tcp = SharedBuffer::new(n * bb as usize).unwrap();
+    assert_eq!(tcp.load_keys_into_buffer_segments(&th, &keys, &mut over_tcp, &dst_segs, true).await.unwrap(), vec![true; n]);
+    assert_eq!(over_tcp.as_slice(), dst.as_slice());
+    let moved = tcp.store_keys_from_buffer_segments(&th, &keys, &src, &src_segs).await.unwrap();
+    assert!(moved.iter().all(|s| s.is_held()), "{moved:?}");
+
+    // Bad pieces, per item: one past the buffer's end, pieces smaller than the block; the good
+    // item after them lands.
+    let len = dst.len() as u64;
+    let bad = vec![
+        vec![Segment { offset: 0, len: bb / 2 }, Segment { offset: len - bb / 2 + 1, len: bb / 2 }],
+        vec![Segment { offset: 0, len: bb - 1 }],
+        dst_segs[0].clone(),
+    ];
+    let id = near.register(&dst).await.unwrap();
+    let got = near.load_segment_items(h.id, id, &[keys[0]; 3], &bad, false).await.unwrap();
+    assert_eq!(got[0], Err(ItemStatus::OutOfRange));
+    assert_eq!(got[1], Err(ItemStatus::OutOfRange));
+    assert_eq!(got[2].as_ref().map(|fh| fh.key), Ok(keys[0]));
+    // A store whose pieces don't make its block: refused, nothing stored.
+    let other = h.keys(&tokens(22, h.block_tokens()));
+    let short = vec![vec![Segment { offset: 64, len: bb - 1 }]];
+    assert_eq!(near.store_from_buffer_segments(&h, &other, &src, &short).await.unwrap(), vec![ItemStatus::SizeMismatch]);
+    let mut one = SharedBuffer::new(bb as usize).unwrap();
+    assert_eq!(near.load_into_buffer(&h, &other, &mut one, &[0], false).await.unwrap(), vec![false]);
+    // The client refuses a block of no piece before sending anything.
+    assert!(matches!(
+        near.load_into_buffer_segments(&h, &keys[..1], &mut dst, &[vec![]], false).await,
+        Err(ClientError::InvalidArgument(_))
+    ));
+
+    // A raw request naming more segments than allowed ends its connection with a clear answer.
+    let path = cluster.node(0).server.samenode_path.clone().unwrap();
+    let mut s = tokio::net::UnixStream::connect(&path).await.unwrap();
+    s.write_all(&encode_hello(b"")).await.unwrap();
+    let mut reply = [0u8; 4];
+    s.read_exact(&mut reply).await.unwrap();
+    assert_eq!(reply[0], 0, "hello accepted");
+    let mut rest = vec![0u8; u16::from_le_bytes([reply[2], reply[3]]) as usize];
+    s.read_exact(&mut rest).await.unwrap();
+    let req = SnRequest { op: SnOp::LoadSegments, flags: 0, request_id: 1, count: 1, buffer: 1, namespace: h.id };
+    let mut msg = req.encode().to_vec();
+    LoadItem { key: keys[0], offset: 1 << 20, room: 0 }.encode_into(&mut msg);
+    s.write_all(&msg).await.unwrap();
+    let mut answer = Vec::new();
+    s.read_to_end(&mut answer).await.unwrap();
+    let text = String::from_utf8_lossy(&answer);
+    assert!(text.contains("segments"), "{text}");
+    // Everyone else is served as before.
+    assert_eq!(near.load_into_buffer_segments(&h, &keys, &mut dst, &dst_segs, true).await.unwrap(), vec![true; n]);
     cluster.stop().await;
 }

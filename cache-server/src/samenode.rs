@@ -47,7 +47,7 @@ use std::time::{Duration, Instant};
 
 use kvtier_proto::dataplane::{HelloReply, ItemStatus, ResponseHeader, Status, FLAG_STOP_AT_MISS};
 use kvtier_proto::samenode::{
-    self as sn, decode_hello, LoadItem, SnOp, SnRequest, StoreItem, HELLO_LEN, PROTOCOL_VERSION, REQUEST_LEN,
+    self as sn, decode_hello, LoadItem, Segment, SnOp, SnRequest, StoreItem, HELLO_LEN, PROTOCOL_VERSION, REQUEST_LEN,
 };
 use kvtier_proto::{BlockKey, FrameHeader, NamespaceId};
 use memmap2::{MmapOptions, MmapRaw};
@@ -179,9 +179,17 @@ enum Memory {
 }
 
 /// Where one item's bytes are in a registered buffer (bounds-checked).
+#[derive(Clone, Copy)]
 enum Place<'a> {
     Mapped(*mut u8),
     File(&'a std::fs::File, u64),
+}
+
+/// One piece of a block in a registered buffer: where, and how many of the block's bytes (a
+/// block in one piece has one; a segmented request's block one per segment it fills).
+struct Piece<'a> {
+    place: Place<'a>,
+    len: usize,
 }
 
 /// How a copy between a slot and a registered buffer ended.
@@ -261,6 +269,23 @@ impl Registered {
             Memory::Mapped(_) => self.len,
             Memory::File(_) => 0,
         }
+    }
+
+    /// The pieces that `payload_len` bytes fill of `segments`, in order (a payload may end before
+    /// the last segment does); `None` if a segment lies outside the buffer or the payload is
+    /// longer than the segments together.
+    fn pieces(&self, segments: &[Segment], payload_len: u64) -> Option<Vec<Piece<'_>>> {
+        let mut left = payload_len;
+        let mut out = Vec::with_capacity(segments.len());
+        for s in segments {
+            let place = self.place(s.offset, s.len)?;
+            let len = left.min(s.len);
+            if len > 0 {
+                out.push(Piece { place, len: usize::try_from(len).ok()? });
+            }
+            left -= len;
+        }
+        (left == 0).then_some(out)
     }
 
     /// Where `offset .. offset + len` is, if it lies inside the buffer.
@@ -533,6 +558,28 @@ impl Conn {
             if !whole && req.op.body_len(req.count) > 0 {
                 return Err(ConnError::Io(std::io::ErrorKind::UnexpectedEof.into()));
             }
+            // A segmented request's table follows its items; one whose items name too many
+            // segments can't be read past, so it ends the connection.
+            let (counts, table) = if req.op.is_segmented() {
+                let (counts, table_len) = match sn::segment_counts(req.op, &body) {
+                    Ok(x) => x,
+                    Err(e) => return self.fatal(req.op as u8, Status::TooLarge, &e.to_string()).await,
+                };
+                let mut raw = Vec::new();
+                let whole = tokio::time::timeout(stall, self.read_exact(table_len, &mut raw))
+                    .await
+                    .map_err(|_| timed_out("samenode_stall_timeout"))??;
+                if !whole {
+                    return Err(ConnError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+                }
+                match Segment::decode_table(&raw) {
+                    Ok(t) => (counts, t),
+                    Err(e) => return self.fatal(req.op as u8, Status::BadRequest, &e.to_string()).await,
+                }
+            } else {
+                (Vec::new(), Vec::new())
+            };
+            let segs = Segments { counts: &counts, table: &table };
             self.out.clear();
             match req.op {
                 SnOp::Register => self.register(&req, &body),
@@ -543,8 +590,8 @@ impl Conn {
                         self.refuse(&req, Status::BadRequest, &format!("no buffer {} is registered", req.buffer));
                     }
                 }
-                SnOp::Load => self.load(&req, &body).await,
-                SnOp::Store => self.store(&req, &body).await,
+                SnOp::Load | SnOp::LoadSegments => self.load(&req, &body, segs).await,
+                SnOp::Store | SnOp::StoreSegments => self.store(&req, &body, segs).await,
             }
             tokio::time::timeout(stall, self.sock.write_all(&self.out))
                 .await
@@ -648,7 +695,7 @@ impl Conn {
         }
     }
 
-    async fn load(&mut self, req: &SnRequest, body: &[u8]) {
+    async fn load(&mut self, req: &SnRequest, body: &[u8], segs: Segments<'_>) {
         let start = Instant::now();
         let ns: NamespaceId = req.namespace;
         let Some(principal) = self.principal.clone() else {
@@ -688,13 +735,24 @@ impl Conn {
         let mut statuses = Vec::with_capacity(n);
         let mut headers = Vec::new();
         let mut missed = false;
+        let mut cursor = segs.cursor(req.op);
         for raw in body.chunks_exact(sn::LOAD_ITEM_LEN) {
+            let item = LoadItem::decode(raw);
+            // Where this item's block goes: its own (offset, room), or its run of the table.
+            let one;
+            let segments = match &item {
+                Ok(i) if !req.op.is_segmented() => {
+                    one = [Segment { offset: i.offset, len: i.room }];
+                    &one[..]
+                }
+                _ => cursor.next(),
+            };
             if missed && stop_at_miss {
                 statuses.push(ItemStatus::Miss as u8);
                 continue;
             }
-            let status = match LoadItem::decode(raw) {
-                Ok(item) if !self.fits(req.buffer, item.offset, item.room) => ItemStatus::OutOfRange,
+            let status = match item {
+                Ok(_) if !segments.iter().all(|s| self.fits(req.buffer, s.offset, s.len)) => ItemStatus::OutOfRange,
                 Ok(item) => {
                     // A DRAM hit comes unchecked: `copy_out` checks it as it copies.
                     let (local, unchecked) = self.state.tiers().get_to_check(&ns, &item.key).await;
@@ -707,10 +765,10 @@ impl Conn {
                             .buffers
                             .by_id
                             .get(&req.buffer)
-                            .and_then(|r| r.place(item.offset, b.payload.len() as u64))
+                            .and_then(|r| r.pieces(segments, b.payload.len() as u64))
                         {
-                            Some(dst) if b.payload.len() as u64 <= item.room => {
-                                match put(&b.payload, dst, unchecked.then_some(b.header.checksum)) {
+                            Some(dst) => {
+                                match put(&b.payload, &dst, unchecked.then_some(b.header.checksum)) {
                                     Copied::Ok => {
                                         headers.extend_from_slice(&b.header.encode());
                                         ItemStatus::Ok
@@ -722,7 +780,7 @@ impl Conn {
                                     Copied::Short => ItemStatus::OutOfRange,
                                 }
                             }
-                            _ => ItemStatus::OutOfRange,
+                            None => ItemStatus::OutOfRange,
                         },
                         None => ItemStatus::Miss,
                     }
@@ -739,13 +797,13 @@ impl Conn {
             // A long request shares its worker with other connections.
             tokio::task::coop::consume_budget().await;
         }
-        self.answer(sn::ok(SnOp::Load, req.request_id, req.count));
+        self.answer(sn::ok(req.op, req.request_id, req.count));
         self.out.extend_from_slice(&statuses);
         self.out.extend_from_slice(&headers);
         observe("samenode_load", start);
     }
 
-    async fn store(&mut self, req: &SnRequest, body: &[u8]) {
+    async fn store(&mut self, req: &SnRequest, body: &[u8], segs: Segments<'_>) {
         let start = Instant::now();
         if !self.buffers.by_id.contains_key(&req.buffer) {
             return self.refuse(req, Status::BadRequest, &format!("no buffer {} is registered", req.buffer));
@@ -755,8 +813,10 @@ impl Conn {
         }
         let mut statuses = Vec::with_capacity(req.count as usize);
         let mut stored = Vec::new();
+        let mut cursor = segs.cursor(req.op);
         for raw in body.chunks_exact(sn::STORE_ITEM_LEN) {
-            let (status, header) = self.store_one(req.buffer, raw).await;
+            let table = req.op.is_segmented().then(|| cursor.next());
+            let (status, header) = self.store_one(req.buffer, raw, table).await;
             if !status.is_held() {
                 error(kind(status));
             }
@@ -768,13 +828,14 @@ impl Conn {
         }
         // In a cluster, the blocks' other owners get them too (after the answer, like a PUT's).
         crate::dataplane::forward_to_peers(&self.state, stored);
-        self.answer(sn::ok(SnOp::Store, req.request_id, req.count));
+        self.answer(sn::ok(req.op, req.request_id, req.count));
         self.out.extend_from_slice(&statuses);
         observe("samenode_store", start);
     }
 
-    /// Stores one item; its status, and the admitted frame header.
-    async fn store_one(&self, buffer: u32, raw: &[u8]) -> (ItemStatus, Option<FrameHeader>) {
+    /// Stores one item (in one piece at its offset, or in `table`'s segments); its status, and
+    /// the admitted frame header.
+    async fn store_one(&self, buffer: u32, raw: &[u8], table: Option<&[Segment]>) -> (ItemStatus, Option<FrameHeader>) {
         let Ok((h, offset)) = StoreItem::split(raw) else { return (ItemStatus::BadHeader, None) };
         let Ok(sent) = FrameHeader::decode(h) else { return (ItemStatus::BadHeader, None) };
         let Some(principal) = &self.principal else { return (ItemStatus::Forbidden, None) };
@@ -782,14 +843,19 @@ impl Conn {
             Ok(h) => h,
             Err(status) => return (status, None),
         };
-        (self.store_admitted(buffer, offset, header).await, Some(header))
+        let one = [Segment { offset, len: header.payload_len }];
+        (self.store_admitted(buffer, table.unwrap_or(&one), header).await, Some(header))
     }
 
-    async fn store_admitted(&self, buffer: u32, offset: u64, header: FrameHeader) -> ItemStatus {
+    async fn store_admitted(&self, buffer: u32, segments: &[Segment], header: FrameHeader) -> ItemStatus {
         if header.payload_len > self.state.config().max_frame_bytes.0 {
             return ItemStatus::SizeMismatch;
         }
-        if !self.fits(buffer, offset, header.payload_len) {
+        // A stored block is exactly its segments.
+        if segments.iter().try_fold(0u64, |t, s| t.checked_add(s.len)) != Some(header.payload_len) {
+            return ItemStatus::SizeMismatch;
+        }
+        if !segments.iter().all(|s| self.fits(buffer, s.offset, s.len)) {
             return ItemStatus::OutOfRange;
         }
         if self.state.tiers().is_hot(&header.namespace, &header.key) {
@@ -805,10 +871,10 @@ impl Conn {
         };
         // Looked up again after the await: the buffer map can't change meanwhile (this
         // connection serves one request at a time), but the borrow can't cross the await.
-        let Some(src) = self.buffers.by_id.get(&buffer).and_then(|b| b.place(offset, header.payload_len)) else {
+        let Some(src) = self.buffers.by_id.get(&buffer).and_then(|b| b.pieces(segments, header.payload_len)) else {
             return ItemStatus::OutOfRange;
         };
-        match take(src, slot.buf_mut(), header.checksum) {
+        match take(&src, slot.buf_mut(), header.checksum) {
             Copied::Ok => {}
             // `slot` drops here unpublished.
             Copied::ChecksumMismatch => return ItemStatus::ChecksumMismatch,
@@ -822,34 +888,61 @@ impl Conn {
     }
 }
 
-/// Copies a stored payload into a client's buffer at `dst` (see [`copy_out`]); a file buffer
-/// with `pwrite`s after checking its size, so a truncated file is a short copy, never a fault and
-/// never a file extended past the size the client left it at.
-fn put(src: &[u8], dst: Place<'_>, checksum: Option<u64>) -> Copied {
-    let (file, offset) = match dst {
-        Place::Mapped(p) => {
-            return if copy_out(src, p, checksum) { Copied::Ok } else { Copied::ChecksumMismatch };
+/// The segments of a segmented request, per item (empty for a request in one piece each).
+#[derive(Clone, Copy)]
+struct Segments<'a> {
+    counts: &'a [u32],
+    table: &'a [Segment],
+}
+
+impl<'a> Segments<'a> {
+    fn cursor(self, op: SnOp) -> SegmentCursor<'a> {
+        SegmentCursor { segs: self, item: 0, at: 0, on: op.is_segmented() }
+    }
+}
+
+/// Hands out each item's run of a segment table in turn (an empty run past the end, or for a
+/// request in one piece each).
+struct SegmentCursor<'a> {
+    segs: Segments<'a>,
+    item: usize,
+    at: usize,
+    on: bool,
+}
+
+impl<'a> SegmentCursor<'a> {
+    fn next(&mut self) -> &'a [Segment] {
+        if !self.on {
+            return &[];
         }
-        Place::File(f, o) => (f, o),
-    };
+        let n = self.segs.counts.get(self.item).copied().unwrap_or(0) as usize;
+        self.item += 1;
+        let run = self.segs.table.get(self.at..self.at + n).unwrap_or(&[]);
+        self.at += n;
+        run
+    }
+}
+
+/// Copies a stored payload into a client's buffer, piece by piece in order (see [`copy_out`]);
+/// into a file buffer with `pwrite`s after checking its size, so a truncated file is a short
+/// copy, never a fault and never a file extended past the size the client left it at. With a
+/// `checksum`, whether the source matched it (hashed as it is copied, across the pieces).
+fn put(src: &[u8], dst: &[Piece<'_>], checksum: Option<u64>) -> Copied {
     let mut h = checksum.map(|_| kvtier_proto::Checksummer::new());
-    let mut at = offset;
-    for chunk in src.chunks(FILE_CHUNK) {
-        // The size checked before each `pwrite`: one landing past the end would grow the file.
-        // A truncation racing the check and the write can still regrow it, sparse and never past
-        // the registered length; the next request then finds it truncated or intact, never a
-        // fault. A short `pwrite` ends the copy.
-        if !file_holds(file, at, chunk.len()) {
+    let mut at = 0;
+    for piece in dst {
+        let Some(part) = src.get(at..at + piece.len) else { return Copied::Short };
+        let whole = match piece.place {
+            Place::Mapped(p) => {
+                copy_out(part, p, h.as_mut());
+                true
+            }
+            Place::File(f, o) => put_file(part, f, o, h.as_mut()),
+        };
+        if !whole {
             return Copied::Short;
         }
-        match std::os::unix::fs::FileExt::write_at(file, chunk, at) {
-            Ok(n) if n == chunk.len() => {}
-            _ => return Copied::Short,
-        }
-        if let Some(h) = &mut h {
-            h.update(chunk);
-        }
-        at += chunk.len() as u64;
+        at += piece.len;
     }
     match (h, checksum) {
         (Some(h), Some(c)) if h.digest() != c => Copied::ChecksumMismatch,
@@ -857,26 +950,54 @@ fn put(src: &[u8], dst: Place<'_>, checksum: Option<u64>) -> Copied {
     }
 }
 
-/// Copies a payload from a client's buffer at `src` into `dst` (a reserved slot) and verifies
-/// our copy (see [`copy_in_verified`]); from a file buffer with `pread`s, a short read (the file
-/// was truncated) being an error.
-fn take(src: Place<'_>, dst: &mut [u8], checksum: u64) -> Copied {
-    let (file, offset) = match src {
-        Place::Mapped(p) => {
-            return if copy_in_verified(p, dst, checksum) { Copied::Ok } else { Copied::ChecksumMismatch };
-        }
-        Place::File(f, o) => (f, o),
-    };
-    let mut h = kvtier_proto::Checksummer::new();
+/// `pwrite`s `src` into a file buffer at `offset`, hashing it into `h` as it goes; false for a
+/// short copy.
+fn put_file(src: &[u8], file: &std::fs::File, offset: u64, mut h: Option<&mut kvtier_proto::Checksummer>) -> bool {
     let mut at = offset;
-    for chunk in dst.chunks_mut(FILE_CHUNK) {
-        if std::os::unix::fs::FileExt::read_exact_at(file, chunk, at).is_err() {
-            return Copied::Short;
+    for chunk in src.chunks(FILE_CHUNK) {
+        // The size checked before each `pwrite`: one landing past the end would grow the file.
+        // A truncation racing the check and the write can still regrow it, sparse and never past
+        // the registered length; the next request then finds it truncated or intact, never a
+        // fault. A short `pwrite` ends the copy.
+        if !file_holds(file, at, chunk.len()) {
+            return false;
         }
-        h.update(chunk);
+        match std::os::unix::fs::FileExt::write_at(file, chunk, at) {
+            Ok(n) if n == chunk.len() => {}
+            _ => return false,
+        }
+        if let Some(h) = h.as_deref_mut() {
+            h.update(chunk);
+        }
         at += chunk.len() as u64;
     }
-    if h.digest() == checksum {
+    true
+}
+
+/// Copies a payload from a client's buffer, piece by piece in order, into `dst` (a reserved
+/// slot) and verifies our copy (see [`copy_in`]); from a file buffer with `pread`s, a short read
+/// (the file was truncated) being an error.
+fn take(src: &[Piece<'_>], dst: &mut [u8], checksum: u64) -> Copied {
+    let mut h = kvtier_proto::Checksummer::new();
+    let mut at = 0;
+    for piece in src {
+        let Some(part) = dst.get_mut(at..at + piece.len) else { return Copied::Short };
+        match piece.place {
+            Place::Mapped(p) => copy_in(p, part, &mut h),
+            Place::File(f, o) => {
+                let mut off = o;
+                for chunk in part.chunks_mut(FILE_CHUNK) {
+                    if std::os::unix::fs::FileExt::read_exact_at(f, chunk, off).is_err() {
+                        return Copied::Short;
+                    }
+                    h.update(chunk);
+                    off += chunk.len() as u64;
+                }
+            }
+        }
+        at += piece.len;
+    }
+    if at == dst.len() && h.digest() == checksum {
         Copied::Ok
     } else {
         Copied::ChecksumMismatch
@@ -890,16 +1011,14 @@ fn file_holds(file: &std::fs::File, offset: u64, len: usize) -> bool {
     file.metadata().is_ok_and(|m| m.len() >= end)
 }
 
-/// Copies a stored payload to `dst` (a client's buffer). With a `checksum`, chunk by chunk,
-/// hashing each chunk of the *source* right after copying it (still in cache); whether the source
-/// matched it.
-fn copy_out(src: &[u8], dst: *mut u8, checksum: Option<u64>) -> bool {
-    let Some(checksum) = checksum else {
+/// Copies a stored payload to `dst` (a client's buffer). With a hasher, chunk by chunk, hashing
+/// each chunk of the *source* right after copying it (still in cache).
+fn copy_out(src: &[u8], dst: *mut u8, h: Option<&mut kvtier_proto::Checksummer>) {
+    let Some(h) = h else {
         // SAFETY: as below, for the whole payload at once.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
-        return true;
+        return;
     };
-    let mut h = kvtier_proto::Checksummer::new();
     let mut at = 0;
     for chunk in src.chunks(CHUNK) {
         // SAFETY: the caller bounds-checked `dst .. dst + src.len()` against a live mapping of the
@@ -909,13 +1028,11 @@ fn copy_out(src: &[u8], dst: *mut u8, checksum: Option<u64>) -> bool {
         h.update(chunk);
         at += chunk.len();
     }
-    h.digest() == checksum
 }
 
-/// Copies a payload from `src` (a client's buffer) into `dst` (a reserved slot) chunk by chunk,
-/// hashing each chunk of *our copy* right after it landed; whether our copy matches `checksum`.
-fn copy_in_verified(src: *const u8, dst: &mut [u8], checksum: u64) -> bool {
-    let mut h = kvtier_proto::Checksummer::new();
+/// Copies a payload from `src` (a client's buffer) into `dst` (part of a reserved slot) chunk by
+/// chunk, hashing each chunk of *our copy* into `h` right after it landed.
+fn copy_in(src: *const u8, dst: &mut [u8], h: &mut kvtier_proto::Checksummer) {
     let mut at = 0;
     for chunk in dst.chunks_mut(CHUNK) {
         // SAFETY: the caller bounds-checked `src .. src + dst.len()` against a live mapping of the
@@ -925,7 +1042,6 @@ fn copy_in_verified(src: *const u8, dst: &mut [u8], checksum: u64) -> bool {
         h.update(chunk);
         at += chunk.len();
     }
-    h.digest() == checksum
 }
 
 fn kind(s: ItemStatus) -> &'static str {
@@ -956,14 +1072,53 @@ mod tests {
             let src: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
             let sum = kvtier_proto::checksum(&src);
             let mut dst = vec![0u8; len];
-            assert!(copy_out(&src, dst.as_mut_ptr(), Some(sum)), "intact, {len} bytes");
+            let whole = |dst: &mut Vec<u8>| [Piece { place: Place::Mapped(dst.as_mut_ptr()), len }];
+            assert_eq!(put(&src, &whole(&mut dst), Some(sum)), Copied::Ok, "intact, {len} bytes");
             assert_eq!(dst, src);
-            assert!(copy_out(&src, dst.as_mut_ptr(), None));
+            assert_eq!(put(&src, &whole(&mut dst), None), Copied::Ok);
             if len > 0 {
                 let mut damaged = src.clone();
                 damaged[len / 2] ^= 0x01;
-                assert!(!copy_out(&damaged, dst.as_mut_ptr(), Some(sum)), "damaged, {len} bytes");
+                assert_eq!(put(&damaged, &whole(&mut dst), Some(sum)), Copied::ChecksumMismatch, "damaged, {len} bytes");
             }
         }
+    }
+
+    /// A block split over segments lands piece by piece in order (the payload may end inside the
+    /// last segment), checked across the pieces; taken back from the same pieces it is the same
+    /// bytes, and one byte changed in a piece fails our copy's check.
+    #[test]
+    fn a_block_in_segments_is_copied_and_checked_across_them() {
+        let src: Vec<u8> = (0..3 * CHUNK + 5).map(|i| (i * 7 % 253) as u8).collect();
+        let sum = kvtier_proto::checksum(&src);
+        let mut buf = vec![0u8; 8 * CHUNK];
+        let segments = [
+            Segment { offset: (5 * CHUNK) as u64, len: CHUNK as u64 + 3 },
+            Segment { offset: 0, len: 1 },
+            Segment { offset: (2 * CHUNK) as u64, len: 3 * CHUNK as u64 },
+        ];
+        let base = buf.as_mut_ptr();
+        let pieces = |segs: &[Segment], payload: usize| -> Option<Vec<Piece<'static>>> {
+            let mut left = payload;
+            let mut out = Vec::new();
+            for s in segs {
+                let len = left.min(s.len as usize);
+                // SAFETY: every segment lies inside `buf` (8 chunks).
+                out.push(Piece { place: Place::Mapped(unsafe { base.add(s.offset as usize) }), len });
+                left -= len;
+            }
+            (left == 0).then_some(out)
+        };
+        let dst = pieces(&segments, src.len()).expect("the segments hold the payload");
+        assert_eq!(put(&src, &dst, Some(sum)), Copied::Ok);
+        assert_eq!(&buf[5 * CHUNK..6 * CHUNK + 3], &src[..CHUNK + 3]);
+        assert_eq!(buf[0], src[CHUNK + 3]);
+        assert_eq!(&buf[2 * CHUNK..2 * CHUNK + 2 * CHUNK + 1], &src[CHUNK + 4..]);
+        let src_pieces = pieces(&segments, src.len()).expect("same pieces");
+        let mut slot = vec![0u8; src.len()];
+        assert_eq!(take(&src_pieces, &mut slot, sum), Copied::Ok);
+        assert_eq!(slot, src);
+        buf[0] ^= 0x80;
+        assert_eq!(take(&src_pieces, &mut slot, sum), Copied::ChecksumMismatch);
     }
 }

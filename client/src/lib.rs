@@ -51,5 +51,6 @@ pub use error::ClientError;
 pub use kvtier_proto::dataplane::ItemStatus;
 pub use near::{FallbackReason, SameNodeMode, SameNodeStats};
 pub use quic::QuicConnector;
+pub use kvtier_proto::samenode::Segment;
 pub use samenode::{BufferId, SameNode, SharedBuffer};
 pub use tls::ClientTls;

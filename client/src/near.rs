@@ -38,7 +38,7 @@ use kvtier_proto::{pb, BlockKey, CodecId};
 use tokio::sync::{Semaphore, SemaphorePermit};
 
 use crate::client::{BlockDest, ClientConfig, KvClient, NamespaceHandle, StoreReport};
-use crate::{ClientError, SameNode, SharedBuffer};
+use crate::{ClientError, SameNode, Segment, SharedBuffer};
 
 /// How long a client keeps off a same-node socket it failed to open before trying again.
 pub const RETRY_AFTER: Duration = Duration::from_secs(10);
@@ -391,56 +391,85 @@ impl AutoNear {
     }
 }
 
-/// The byte ranges of blocks of `block_bytes` at `offsets` in a buffer of `len` bytes; an error
-/// for one outside it, or, with `disjoint`, for two that overlap (two blocks loaded into the same
-/// bytes).
-fn block_ranges(
-    len: usize,
-    offsets: &[u64],
-    block_bytes: u64,
-    disjoint: bool,
-) -> Result<Vec<Range<usize>>, ClientError> {
-    let mut out = Vec::with_capacity(offsets.len());
-    for (i, &o) in offsets.iter().enumerate() {
-        let r = usize::try_from(o)
-            .ok()
-            .and_then(|s| Some(s..s.checked_add(usize::try_from(block_bytes).ok()?)?))
-            .filter(|r| r.end <= len)
-            .ok_or_else(|| {
-                ClientError::InvalidArgument(format!(
-                    "block {i} at offset {o} ({block_bytes} bytes) is outside the {len}-byte buffer"
-                ))
-            })?;
-        out.push(r);
-    }
-    if disjoint {
-        let mut sorted: Vec<&Range<usize>> = out.iter().collect();
-        sorted.sort_by_key(|r| r.start);
-        if let Some(w) = sorted.windows(2).find(|w| w[0].end > w[1].start) {
-            return Err(ClientError::InvalidArgument(format!(
-                "blocks at offsets {} and {} overlap",
-                w[0].start, w[1].start
-            )));
-        }
-    }
-    Ok(out)
+/// Where a call's blocks lie in its [`SharedBuffer`]: each at an offset, in one piece, or each in
+/// its own segments, filled in order.
+#[derive(Clone, Copy)]
+enum Places<'a> {
+    Offsets(&'a [u64]),
+    Segments(&'a [Vec<Segment>]),
 }
 
-/// Disjoint `ranges` of `buf` as destinations, in the order given.
-fn dests<'a>(buf: &'a mut [u8], ranges: &[Range<usize>]) -> Vec<BlockDest<'a>> {
-    let mut order: Vec<usize> = (0..ranges.len()).collect();
-    order.sort_by_key(|&i| ranges[i].start);
-    let mut out: Vec<Option<&'a mut [u8]>> = (0..ranges.len()).map(|_| None).collect();
+impl Places<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Places::Offsets(o) => o.len(),
+            Places::Segments(s) => s.len(),
+        }
+    }
+
+    /// The byte ranges of each block of `block_bytes` in a buffer of `len` bytes; an error for
+    /// one outside it, for segments that don't make one block, or, with `disjoint`, for two
+    /// ranges that overlap (two blocks loaded into the same bytes).
+    fn ranges(&self, len: usize, block_bytes: u64, disjoint: bool) -> Result<Vec<Vec<Range<usize>>>, ClientError> {
+        let range = |i: usize, o: u64, n: u64| {
+            usize::try_from(o)
+                .ok()
+                .and_then(|s| Some(s..s.checked_add(usize::try_from(n).ok()?)?))
+                .filter(|r| r.end <= len)
+                .ok_or_else(|| {
+                    ClientError::InvalidArgument(format!(
+                        "block {i}: {n} bytes at offset {o} are outside the {len}-byte buffer"
+                    ))
+                })
+        };
+        let out: Vec<Vec<Range<usize>>> = match self {
+            Places::Offsets(offsets) => {
+                offsets.iter().enumerate().map(|(i, &o)| range(i, o, block_bytes).map(|r| vec![r])).collect::<Result<_, _>>()?
+            }
+            Places::Segments(segments) => segments
+                .iter()
+                .enumerate()
+                .map(|(i, segs)| {
+                    let total = segs.iter().try_fold(0u64, |t, s| t.checked_add(s.len));
+                    if total != Some(block_bytes) {
+                        return Err(ClientError::InvalidArgument(format!(
+                            "block {i}: its segments hold {total:?} bytes; a block is {block_bytes}"
+                        )));
+                    }
+                    segs.iter().map(|s| range(i, s.offset, s.len)).collect()
+                })
+                .collect::<Result<_, _>>()?,
+        };
+        if disjoint {
+            let mut sorted: Vec<&Range<usize>> = out.iter().flatten().collect();
+            sorted.sort_by_key(|r| r.start);
+            if let Some(w) = sorted.windows(2).find(|w| w[0].end > w[1].start) {
+                return Err(ClientError::InvalidArgument(format!(
+                    "destinations at offsets {} and {} overlap",
+                    w[0].start, w[1].start
+                )));
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Disjoint `ranges` of `buf` (per block, in order) as destinations, in the order given.
+fn dests<'a>(buf: &'a mut [u8], ranges: &[Vec<Range<usize>>]) -> Vec<BlockDest<'a>> {
+    let mut order: Vec<(usize, usize)> =
+        ranges.iter().enumerate().flat_map(|(b, rs)| (0..rs.len()).map(move |j| (b, j))).collect();
+    order.sort_by_key(|&(b, j)| ranges[b][j].start);
+    let mut out: Vec<Vec<Option<&'a mut [u8]>>> = ranges.iter().map(|rs| rs.iter().map(|_| None).collect()).collect();
     let (mut rest, mut base) = (buf, 0usize);
-    for i in order {
-        let r = &ranges[i];
+    for (b, j) in order {
+        let r = &ranges[b][j];
         let (_, tail) = std::mem::take(&mut rest).split_at_mut(r.start - base);
         let (mine, tail) = tail.split_at_mut(r.len());
-        out[i] = Some(mine);
+        out[b][j] = Some(mine);
         rest = tail;
         base = r.end;
     }
-    out.into_iter().map(|s| vec![s.unwrap_or_default()]).collect()
+    out.into_iter().map(|v| v.into_iter().map(|s| s.unwrap_or_default()).collect()).collect()
 }
 
 /// A same-node ticket from the control plane (`SameNodeTicket`), which authenticates this call
@@ -516,13 +545,41 @@ impl KvClient {
         offsets: &[u64],
         stop_at_miss: bool,
     ) -> Result<Vec<bool>, ClientError> {
-        if keys.len() != offsets.len() {
-            return Err(ClientError::InvalidArgument(format!("{} keys but {} offsets", keys.len(), offsets.len())));
+        self.load_buffer(ns, keys, buf, Places::Offsets(offsets), stop_at_miss).await
+    }
+
+    /// [`KvClient::load_keys_into_buffer`] for blocks each in its own segments of `buf`: block
+    /// `i` fills `segments[i]` in order (together one block's bytes; an engine page's K and V
+    /// halves, say). No two segments may overlap.
+    pub async fn load_keys_into_buffer_segments(
+        &self,
+        ns: &NamespaceHandle,
+        keys: &[BlockKey],
+        buf: &mut SharedBuffer,
+        segments: &[Vec<Segment>],
+        stop_at_miss: bool,
+    ) -> Result<Vec<bool>, ClientError> {
+        self.load_buffer(ns, keys, buf, Places::Segments(segments), stop_at_miss).await
+    }
+
+    async fn load_buffer(
+        &self,
+        ns: &NamespaceHandle,
+        keys: &[BlockKey],
+        buf: &mut SharedBuffer,
+        places: Places<'_>,
+        stop_at_miss: bool,
+    ) -> Result<Vec<bool>, ClientError> {
+        if keys.len() != places.len() {
+            return Err(ClientError::InvalidArgument(format!("{} keys but {} places", keys.len(), places.len())));
         }
-        let ranges = block_ranges(buf.len(), offsets, ns.block_bytes(), true)?;
+        let ranges = places.ranges(buf.len(), ns.block_bytes(), true)?;
         let mut fresh = false;
         while let Some(mut lease) = self.near_lease(fresh).await {
-            let r = lease.conn.load_into_buffer(ns, keys, buf, offsets, stop_at_miss).await;
+            let r = match places {
+                Places::Offsets(o) => lease.conn.load_into_buffer(ns, keys, buf, o, stop_at_miss).await,
+                Places::Segments(s) => lease.conn.load_into_buffer_segments(ns, keys, buf, s, stop_at_miss).await,
+            };
             match self.near_outcome(lease, true, &mut fresh, r)? {
                 Step::Done(landed) => return Ok(landed),
                 Step::Retry => continue,
@@ -565,7 +622,19 @@ impl KvClient {
         buf: &SharedBuffer,
         offsets: &[u64],
     ) -> Result<Vec<ItemStatus>, ClientError> {
-        self.store_buffer(ns, keys, None, buf, offsets).await
+        self.store_buffer(ns, keys, None, buf, Places::Offsets(offsets)).await
+    }
+
+    /// [`KvClient::store_keys_from_buffer`] for blocks each in its own segments of `buf`: block
+    /// `i` is `segments[i]` taken in order (together one block's bytes).
+    pub async fn store_keys_from_buffer_segments(
+        &self,
+        ns: &NamespaceHandle,
+        keys: &[BlockKey],
+        buf: &SharedBuffer,
+        segments: &[Vec<Segment>],
+    ) -> Result<Vec<ItemStatus>, ClientError> {
+        self.store_buffer(ns, keys, None, buf, Places::Segments(segments)).await
     }
 
     /// Stores `blocks` full blocks of `tokens` from block `first_block` on, held back to back in
@@ -593,7 +662,7 @@ impl KvClient {
         let bb = ns.block_bytes();
         let offsets: Vec<u64> = (0..blocks as u64).map(|i| offset + i * bb).collect();
         let keys = &keys[first_block..first_block + blocks];
-        let st = self.store_buffer(ns, keys, Some(first_block), buf, &offsets).await?;
+        let st = self.store_buffer(ns, keys, Some(first_block), buf, Places::Offsets(&offsets)).await?;
         let rejected: Vec<(usize, ItemStatus)> =
             st.iter().enumerate().filter(|(_, s)| !s.is_held()).map(|(i, s)| (i, *s)).collect();
         Ok(StoreReport { stored: st.len() - rejected.len(), rejected })
@@ -615,12 +684,12 @@ impl KvClient {
         keys: &[BlockKey],
         first_index: Option<usize>,
         buf: &SharedBuffer,
-        offsets: &[u64],
+        places: Places<'_>,
     ) -> Result<Vec<ItemStatus>, ClientError> {
-        if keys.len() != offsets.len() {
-            return Err(ClientError::InvalidArgument(format!("{} keys but {} offsets", keys.len(), offsets.len())));
+        if keys.len() != places.len() {
+            return Err(ClientError::InvalidArgument(format!("{} keys but {} places", keys.len(), places.len())));
         }
-        let ranges = block_ranges(buf.len(), offsets, ns.block_bytes(), false)?;
+        let ranges = places.ranges(buf.len(), ns.block_bytes(), false)?;
         let near = self.near();
         if near.is_off() {
         } else if ns.codec() != CodecId::RAW {
@@ -628,7 +697,10 @@ impl KvClient {
         } else {
             let mut fresh = false;
             while let Some(mut lease) = self.near_lease(fresh).await {
-                let r = lease.conn.store_from_buffer_at(ns, keys, first_index, buf, offsets).await;
+                let r = match places {
+                    Places::Offsets(o) => lease.conn.store_from_buffer_at(ns, keys, first_index, buf, o).await,
+                    Places::Segments(s) => lease.conn.store_from_buffer_segments(ns, keys, buf, s).await,
+                };
                 match self.near_outcome(lease, false, &mut fresh, r)? {
                     Step::Done(st) => return Ok(st),
                     Step::Retry => continue,
@@ -640,7 +712,13 @@ impl KvClient {
         // the buffer is only borrowed for this call).
         buf.check_intact()?;
         let bytes = buf.as_slice();
-        let blocks: Vec<Bytes> = ranges.iter().map(|r| Bytes::copy_from_slice(&bytes[r.clone()])).collect();
+        let blocks: Vec<Bytes> = ranges
+            .iter()
+            .map(|rs| match &rs[..] {
+                [r] => Bytes::copy_from_slice(&bytes[r.clone()]),
+                many => Bytes::from(many.iter().flat_map(|r| bytes[r.clone()].iter().copied()).collect::<Vec<u8>>()),
+            })
+            .collect();
         match first_index {
             None => {
                 let parts: Vec<Vec<Bytes>> = blocks.into_iter().map(|b| vec![b]).collect();
@@ -702,19 +780,33 @@ mod tests {
     }
 
     #[test]
-    fn block_ranges_refuse_blocks_outside_or_overlapping() {
-        assert_eq!(block_ranges(100, &[0, 50], 50, true).unwrap(), vec![0..50, 50..100]);
-        assert!(block_ranges(100, &[51], 50, true).is_err());
-        assert!(block_ranges(100, &[u64::MAX - 1], 50, true).is_err());
-        assert!(block_ranges(100, &[0, 49], 50, true).is_err());
-        assert_eq!(block_ranges(100, &[0, 49], 50, false).unwrap().len(), 2, "stores may read overlapping bytes");
+    fn places_refuse_blocks_outside_or_overlapping() {
+        let ranges = |o: &[u64], disjoint| Places::Offsets(o).ranges(100, 50, disjoint);
+        assert_eq!(ranges(&[0, 50], true).unwrap(), vec![vec![0..50], vec![50..100]]);
+        assert!(ranges(&[51], true).is_err());
+        assert!(ranges(&[u64::MAX - 1], true).is_err());
+        assert!(ranges(&[0, 49], true).is_err());
+        assert_eq!(ranges(&[0, 49], false).unwrap().len(), 2, "stores may read overlapping bytes");
+        let seg = |offset, len| Segment { offset, len };
+        let split = vec![vec![seg(60, 20), seg(0, 30)], vec![seg(30, 25), seg(80, 20), seg(55, 5)]];
+        assert_eq!(
+            Places::Segments(&split).ranges(100, 50, true).unwrap(),
+            vec![vec![60..80, 0..30], vec![30..55, 80..100, 55..60]]
+        );
+        let short = vec![vec![seg(0, 30), seg(40, 10), seg(60, 5)]];
+        assert!(Places::Segments(&short).ranges(100, 50, true).is_err(), "65 bytes of segments for a 50-byte block");
+        let overlapping = vec![vec![seg(0, 25), seg(20, 25)]];
+        assert!(Places::Segments(&overlapping).ranges(100, 50, true).is_err());
+        assert!(Places::Segments(&overlapping).ranges(100, 50, false).is_ok());
+        let outside = vec![vec![seg(0, 25), seg(90, 25)]];
+        assert!(Places::Segments(&outside).ranges(100, 50, false).is_err());
     }
 
     #[test]
     fn dests_split_the_buffer_in_the_order_given() {
         let mut buf: Vec<u8> = (0..10).collect();
-        let d = dests(&mut buf, &[6..8, 0..2, 3..5]);
-        let got: Vec<Vec<u8>> = d.iter().map(|v| v[0].to_vec()).collect();
-        assert_eq!(got, vec![vec![6, 7], vec![0, 1], vec![3, 4]]);
+        let d = dests(&mut buf, &[vec![6..8, 1..2], vec![0..1], vec![3..5, 9..10]]);
+        let got: Vec<Vec<Vec<u8>>> = d.iter().map(|v| v.iter().map(|s| s.to_vec()).collect()).collect();
+        assert_eq!(got, vec![vec![vec![6, 7], vec![1]], vec![vec![0]], vec![vec![3, 4], vec![9]]]);
     }
 }

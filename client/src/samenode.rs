@@ -37,7 +37,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use kvtier_proto::dataplane::{HelloReply, ItemStatus, ResponseHeader, Status};
 use kvtier_proto::samenode::{
-    encode_hello, LoadItem, SnOp, SnRequest, StoreItem, FLAG_STOP_AT_MISS, RESPONSE_HEADER_LEN,
+    encode_hello, LoadItem, Segment, SnOp, SnRequest, StoreItem, FLAG_STOP_AT_MISS, MAX_SEGMENTS_PER_ITEM,
+    MAX_SEGMENTS_PER_REQUEST, RESPONSE_HEADER_LEN,
 };
 use kvtier_proto::{
     codes, BlockFrame, BlockKey, CodecId, FrameHeader, NamespaceId, FRAME_FLAG_KEEP_LOSSLESS, FRAME_HEADER_LEN,
@@ -487,22 +488,102 @@ impl SameNode {
         stop_at_miss: bool,
     ) -> Result<Vec<Result<FrameHeader, ItemStatus>>, ClientError> {
         let mut out = Vec::with_capacity(items.len());
-        let flags = if stop_at_miss { FLAG_STOP_AT_MISS } else { 0 };
         for batch in items.chunks(self.max_items) {
-            if stop_at_miss && out.iter().any(|r: &Result<FrameHeader, ItemStatus>| r.is_err()) {
-                out.extend(batch.iter().map(|_| Err(ItemStatus::Miss)));
-                continue;
-            }
-            let req = self.request(SnOp::Load, flags, batch.len() as u32, buffer.0, ns);
-            let mut msg = req.encode().to_vec();
-            for it in batch {
-                it.encode_into(&mut msg);
-            }
-            let io = do_load(&mut self.sock, &msg, batch.len(), req.request_id);
-            let got = guard(&mut self.broken, self.timeout, io).await??;
-            out.extend(got);
+            self.load_batch(SnOp::Load, ns, buffer, batch, &[], stop_at_miss, &mut out).await?;
         }
         Ok(out)
+    }
+
+    /// Loads blocks by key straight into `buf`, each into its own segments: block `i` fills
+    /// `segments[i]` in order (an engine page's K and V halves, or its per-layer pieces), in the
+    /// layout's dtype (a block stored encoded is decoded into them). True where block `i` landed
+    /// and was verified by the server; false for a miss, a segment outside the buffer, segments
+    /// that can't hold the block, or a block that failed its checksum.
+    pub async fn load_into_buffer_segments(
+        &mut self,
+        ns: &NamespaceHandle,
+        keys: &[BlockKey],
+        buf: &mut SharedBuffer,
+        segments: &[Vec<Segment>],
+        stop_at_miss: bool,
+    ) -> Result<Vec<bool>, ClientError> {
+        if keys.len() != segments.len() {
+            return Err(ClientError::InvalidArgument(format!("{} keys but {} segment lists", keys.len(), segments.len())));
+        }
+        buf.check_intact()?;
+        let id = self.register(buf).await?;
+        let base = buf.file_base;
+        let placed: Vec<Vec<Segment>> = segments
+            .iter()
+            .map(|v| v.iter().map(|s| Segment { offset: s.offset.saturating_add(base), len: s.len }).collect())
+            .collect();
+        let got = self.load_segment_items(ns.id, id, keys, &placed, stop_at_miss).await?;
+        let bb = ns.block_bytes();
+        let mut ok = Vec::with_capacity(got.len());
+        for (r, segs) in got.into_iter().zip(segments) {
+            ok.push(match r {
+                Ok(h) if h.codec == CodecId::RAW => true,
+                // Stored encoded: gathered from the segments, decoded, and put back in them.
+                Ok(h) => buf.check_intact().is_ok() && decode_in_segments(buf.as_mut_slice(), segs, bb, h).is_ok(),
+                Err(_) => false,
+            });
+        }
+        Ok(ok)
+    }
+
+    /// The protocol's `LOAD_SEGMENTS`: per key, the frame header of the block now in its
+    /// `segments` (offsets in buffer `buffer`, filled in order; its payload as stored), or why
+    /// not. Sent in requests within the protocol's segment caps.
+    pub async fn load_segment_items(
+        &mut self,
+        ns: NamespaceId,
+        buffer: BufferId,
+        keys: &[BlockKey],
+        segments: &[Vec<Segment>],
+        stop_at_miss: bool,
+    ) -> Result<Vec<Result<FrameHeader, ItemStatus>>, ClientError> {
+        let mut out = Vec::with_capacity(keys.len());
+        for range in segment_batches(segments, self.max_items)? {
+            let items: Vec<LoadItem> = keys[range.clone()]
+                .iter()
+                .zip(&segments[range.clone()])
+                .map(|(k, s)| LoadItem { key: *k, offset: s.len() as u64, room: 0 })
+                .collect();
+            let table: Vec<Segment> = segments[range].iter().flatten().copied().collect();
+            self.load_batch(SnOp::LoadSegments, ns, buffer, &items, &table, stop_at_miss, &mut out).await?;
+        }
+        Ok(out)
+    }
+
+    /// One `LOAD` or `LOAD_SEGMENTS` request, its answers appended to `out` (all `Miss` without
+    /// asking when `stop_at_miss` and `out` already has a miss).
+    #[allow(clippy::too_many_arguments)]
+    async fn load_batch(
+        &mut self,
+        op: SnOp,
+        ns: NamespaceId,
+        buffer: BufferId,
+        items: &[LoadItem],
+        table: &[Segment],
+        stop_at_miss: bool,
+        out: &mut Vec<Result<FrameHeader, ItemStatus>>,
+    ) -> Result<(), ClientError> {
+        if stop_at_miss && out.iter().any(|r| r.is_err()) {
+            out.extend(items.iter().map(|_| Err(ItemStatus::Miss)));
+            return Ok(());
+        }
+        let flags = if stop_at_miss { FLAG_STOP_AT_MISS } else { 0 };
+        let req = self.request(op, flags, items.len() as u32, buffer.0, ns);
+        let mut msg = req.encode().to_vec();
+        for it in items {
+            it.encode_into(&mut msg);
+        }
+        for s in table {
+            s.encode_into(&mut msg);
+        }
+        let io = do_load(&mut self.sock, &msg, op, items.len(), req.request_id);
+        out.extend(guard(&mut self.broken, self.timeout, io).await??);
+        Ok(())
     }
 
     /// Stores full raw blocks from `buf`: block `i` is the namespace's block size at
@@ -580,16 +661,97 @@ impl SameNode {
     pub async fn store_items(&mut self, buffer: BufferId, items: &[StoreItem]) -> Result<Vec<ItemStatus>, ClientError> {
         let mut out = Vec::with_capacity(items.len());
         for batch in items.chunks(self.max_items) {
-            let req = self.request(SnOp::Store, 0, batch.len() as u32, buffer.0, NamespaceId([0; 16]));
-            let mut msg = req.encode().to_vec();
-            for it in batch {
-                it.encode_into(&mut msg);
-            }
-            let io = do_store(&mut self.sock, &msg, batch.len(), req.request_id);
-            let got = guard(&mut self.broken, self.timeout, io).await??;
-            out.extend(got);
+            out.extend(self.store_batch(SnOp::Store, buffer, batch, &[]).await?);
         }
         Ok(out)
+    }
+
+    /// Stores full raw blocks from `buf`, each from its own segments: block `i` is `segments[i]`
+    /// taken in order (together the namespace's block size), stored under `keys[i]`. Statuses as
+    /// [`SameNode::store_from_buffer`]'s.
+    pub async fn store_from_buffer_segments(
+        &mut self,
+        ns: &NamespaceHandle,
+        keys: &[BlockKey],
+        buf: &SharedBuffer,
+        segments: &[Vec<Segment>],
+    ) -> Result<Vec<ItemStatus>, ClientError> {
+        if keys.len() != segments.len() {
+            return Err(ClientError::InvalidArgument(format!("{} keys but {} segment lists", keys.len(), segments.len())));
+        }
+        if ns.codec() != CodecId::RAW {
+            return Err(ClientError::InvalidArgument(format!(
+                "the same-node store sends raw blocks; this handle encodes with {} (use store_keys)",
+                ns.codec().name()
+            )));
+        }
+        buf.check_intact()?;
+        let id = self.register(buf).await?;
+        let base = buf.file_base;
+        let layout = ns.namespace.layout;
+        let bb = ns.block_bytes();
+        let flags = if ns.namespace.is_lossless() { FRAME_FLAG_KEEP_LOSSLESS } else { 0 };
+        let bytes = buf.as_slice();
+        let item = |(k, segs): (&BlockKey, &Vec<Segment>)| {
+            // Segments outside the buffer or not making one block go with no checksum: the server
+            // answers OutOfRange or SizeMismatch.
+            let mut h = kvtier_proto::Checksummer::new();
+            for s in segs {
+                let part = usize::try_from(s.offset)
+                    .ok()
+                    .zip(usize::try_from(s.len).ok())
+                    .and_then(|(o, l)| bytes.get(o..o.checked_add(l)?));
+                if let Some(p) = part {
+                    h.update(p);
+                }
+            }
+            let header = FrameHeader {
+                codec: CodecId::RAW,
+                tokens: layout.block_tokens,
+                flags,
+                namespace: ns.id,
+                key: *k,
+                layout,
+                payload_len: bb,
+                checksum: h.digest(),
+            };
+            StoreItem { header, offset: segs.len() as u64 }
+        };
+        let items: Vec<StoreItem> = if keys.len() > 1 {
+            keys.par_iter().zip(segments.par_iter()).map(item).collect()
+        } else {
+            keys.iter().zip(segments).map(item).collect()
+        };
+        let mut out = Vec::with_capacity(keys.len());
+        for range in segment_batches(segments, self.max_items)? {
+            let table: Vec<Segment> = segments[range.clone()]
+                .iter()
+                .flatten()
+                .map(|s| Segment { offset: s.offset.saturating_add(base), len: s.len })
+                .collect();
+            out.extend(self.store_batch(SnOp::StoreSegments, id, &items[range], &table).await?);
+        }
+        Ok(out)
+    }
+
+    /// One `STORE` or `STORE_SEGMENTS` request.
+    async fn store_batch(
+        &mut self,
+        op: SnOp,
+        buffer: BufferId,
+        items: &[StoreItem],
+        table: &[Segment],
+    ) -> Result<Vec<ItemStatus>, ClientError> {
+        let req = self.request(op, 0, items.len() as u32, buffer.0, NamespaceId([0; 16]));
+        let mut msg = req.encode().to_vec();
+        for it in items {
+            it.encode_into(&mut msg);
+        }
+        for s in table {
+            s.encode_into(&mut msg);
+        }
+        let io = do_store(&mut self.sock, &msg, op, items.len(), req.request_id);
+        guard(&mut self.broken, self.timeout, io).await?
     }
 
     fn request(&mut self, op: SnOp, flags: u16, count: u32, buffer: u32, namespace: NamespaceId) -> SnRequest {
@@ -632,9 +794,15 @@ async fn do_simple(s: &mut UnixStream, msg: &[u8], op: SnOp, id: u32) -> Answer<
     read_header(s, op, id).await
 }
 
-async fn do_load(s: &mut UnixStream, msg: &[u8], n: usize, id: u32) -> Answer<Vec<Result<FrameHeader, ItemStatus>>> {
+async fn do_load(
+    s: &mut UnixStream,
+    msg: &[u8],
+    op: SnOp,
+    n: usize,
+    id: u32,
+) -> Answer<Vec<Result<FrameHeader, ItemStatus>>> {
     s.write_all(msg).await?;
-    let h = match read_header(s, SnOp::Load, id).await? {
+    let h = match read_header(s, op, id).await? {
         Ok(h) => h,
         Err(e) => return Ok(Err(e)),
     };
@@ -655,9 +823,9 @@ async fn do_load(s: &mut UnixStream, msg: &[u8], n: usize, id: u32) -> Answer<Ve
     Ok(Ok(res))
 }
 
-async fn do_store(s: &mut UnixStream, msg: &[u8], n: usize, id: u32) -> Answer<Vec<ItemStatus>> {
+async fn do_store(s: &mut UnixStream, msg: &[u8], op: SnOp, n: usize, id: u32) -> Answer<Vec<ItemStatus>> {
     s.write_all(msg).await?;
-    let h = match read_header(s, SnOp::Store, id).await? {
+    let h = match read_header(s, op, id).await? {
         Ok(h) => h,
         Err(e) => return Ok(Err(e)),
     };
@@ -750,6 +918,63 @@ fn decode_in_place(buf: &mut [u8], offset: u64, block_bytes: u64, h: FrameHeader
     let encoded = Bytes::copy_from_slice(&buf[range(h.payload_len).ok_or_else(bad)?]);
     let out = range(block_bytes).ok_or_else(bad)?;
     decode_frame_into(&BlockFrame { header: h, payload: encoded }, &mut buf[out])
+}
+
+/// Runs of consecutive blocks that one segmented request can carry: at most `max_items` blocks
+/// and [`MAX_SEGMENTS_PER_REQUEST`] segments. An error for a block with no segment or more than
+/// [`MAX_SEGMENTS_PER_ITEM`].
+fn segment_batches(segments: &[Vec<Segment>], max_items: usize) -> Result<Vec<std::ops::Range<usize>>, ClientError> {
+    let mut out = Vec::new();
+    let (mut start, mut in_batch) = (0, 0usize);
+    for (i, s) in segments.iter().enumerate() {
+        if s.is_empty() || s.len() as u64 > MAX_SEGMENTS_PER_ITEM {
+            return Err(ClientError::InvalidArgument(format!(
+                "block {i} has {} segments; a block has 1 to {MAX_SEGMENTS_PER_ITEM}",
+                s.len()
+            )));
+        }
+        if i > start && (i - start == max_items.max(1) || in_batch + s.len() > MAX_SEGMENTS_PER_REQUEST) {
+            out.push(start..i);
+            (start, in_batch) = (i, 0);
+        }
+        in_batch += s.len();
+    }
+    if start < segments.len() {
+        out.push(start..segments.len());
+    }
+    Ok(out)
+}
+
+/// Decodes an encoded block that landed in `segments` (in order) into `block_bytes` bytes put
+/// back into the same segments.
+fn decode_in_segments(buf: &mut [u8], segments: &[Segment], block_bytes: u64, h: FrameHeader) -> Result<(), ClientError> {
+    let bad = || ClientError::InvalidArgument("segments outside the buffer or too small for the block".into());
+    let range = |s: &Segment| -> Option<std::ops::Range<usize>> {
+        let start = usize::try_from(s.offset).ok()?;
+        let end = start.checked_add(usize::try_from(s.len).ok()?)?;
+        (end <= buf.len()).then_some(start..end)
+    };
+    let ranges: Vec<_> = segments.iter().map(range).collect::<Option<_>>().ok_or_else(bad)?;
+    let mut encoded = Vec::with_capacity(h.payload_len as usize);
+    for r in &ranges {
+        let want = (h.payload_len as usize - encoded.len()).min(r.len());
+        encoded.extend_from_slice(&buf[r.start..r.start + want]);
+    }
+    if encoded.len() as u64 != h.payload_len {
+        return Err(bad());
+    }
+    let mut decoded = vec![0u8; usize::try_from(block_bytes).map_err(|_| bad())?];
+    decode_frame_into(&BlockFrame { header: h, payload: Bytes::from(encoded) }, &mut decoded)?;
+    let mut at = 0;
+    for r in ranges {
+        let n = (decoded.len() - at).min(r.len());
+        buf[r.start..r.start + n].copy_from_slice(&decoded[at..at + n]);
+        at += n;
+    }
+    if at != decoded.len() {
+        return Err(bad());
+    }
+    Ok(())
 }
 
 /// This host's boot id (`/proc/sys/kernel/random/boot_id`), empty where unknown.

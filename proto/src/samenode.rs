@@ -28,6 +28,15 @@
 //! - `STORE`: `buffer`, `count` [`StoreItem`]s (frame header, offset of its payload). Answer: a
 //!   [`ResponseHeader`] and `count` [`ItemStatus`] bytes (`Ok`, `Present` already held, or why
 //!   refused).
+//! - `LOAD_SEGMENTS` / `STORE_SEGMENTS`: as `LOAD` / `STORE`, for blocks whose bytes lie in
+//!   several places of the buffer (an engine's page split into K and V halves, or into one piece
+//!   per layer: SGLang's host pool). The items are `LOAD`'s and `STORE`'s, each `offset` field
+//!   holding the number of the item's [`Segment`]s (a `LOAD_SEGMENTS` item's `room` is 0), and
+//!   after them the segment table: every item's segments in order, 16 bytes each (offset,
+//!   length). A block fills its segments in order (a load's payload may end before the last
+//!   segment does; a store's payload is exactly its segments). At most
+//!   [`MAX_SEGMENTS_PER_ITEM`] per item and [`MAX_SEGMENTS_PER_REQUEST`] per request. Answers
+//!   as `LOAD`'s and `STORE`'s.
 //!
 //! A request-level error is a [`ResponseHeader`] with a non-zero status and a message; since
 //! every body has a length known from its header, the connection keeps serving after one.
@@ -77,6 +86,8 @@ pub enum SnOp {
     Unregister = 17,
     Load = 18,
     Store = 19,
+    LoadSegments = 20,
+    StoreSegments = 21,
 }
 
 impl SnOp {
@@ -86,19 +97,101 @@ impl SnOp {
             17 => SnOp::Unregister,
             18 => SnOp::Load,
             19 => SnOp::Store,
+            20 => SnOp::LoadSegments,
+            21 => SnOp::StoreSegments,
             other => return Err(ProtoError::Malformed(format!("unknown same-node op {other}"))),
         })
     }
 
-    /// Bytes of body after the header of a request with `count` items.
+    /// Bytes of body after the header of a request with `count` items (for the segmented ops,
+    /// the items; their segment table follows, [`segment_table_len`]).
     pub fn body_len(self, count: u32) -> usize {
         match self {
             SnOp::Register => REGISTER_BODY_LEN,
             SnOp::Unregister => 0,
-            SnOp::Load => count as usize * LOAD_ITEM_LEN,
-            SnOp::Store => count as usize * STORE_ITEM_LEN,
+            SnOp::Load | SnOp::LoadSegments => count as usize * LOAD_ITEM_LEN,
+            SnOp::Store | SnOp::StoreSegments => count as usize * STORE_ITEM_LEN,
         }
     }
+
+    /// Whether the items are followed by a segment table.
+    pub fn is_segmented(self) -> bool {
+        matches!(self, SnOp::LoadSegments | SnOp::StoreSegments)
+    }
+
+    /// The load or store op that moves blocks in one piece each.
+    pub fn unsegmented(self) -> SnOp {
+        match self {
+            SnOp::LoadSegments => SnOp::Load,
+            SnOp::StoreSegments => SnOp::Store,
+            other => other,
+        }
+    }
+}
+
+/// Bytes of one [`Segment`] in a segment table.
+pub const SEGMENT_LEN: usize = 16;
+/// Most segments one block of a segmented request may have (SGLang's `layer_first` pages have
+/// two per layer).
+pub const MAX_SEGMENTS_PER_ITEM: u64 = 1024;
+/// Most segments in one request (a table of 1 MiB).
+pub const MAX_SEGMENTS_PER_REQUEST: usize = 65536;
+
+/// One piece of a block in a registered buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Segment {
+    pub offset: u64,
+    pub len: u64,
+}
+
+impl Segment {
+    pub fn encode_into(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.offset.to_le_bytes());
+        out.extend_from_slice(&self.len.to_le_bytes());
+    }
+
+    /// The segment table `b` (a whole number of segments).
+    pub fn decode_table(b: &[u8]) -> Result<Vec<Segment>, ProtoError> {
+        if b.len() % SEGMENT_LEN != 0 {
+            return Err(ProtoError::Malformed(format!("a segment table of {} bytes", b.len())));
+        }
+        Ok(b.chunks_exact(SEGMENT_LEN)
+            .map(|c| {
+                let (o, l) = c.split_at(8);
+                let u = |x: &[u8]| u64::from_le_bytes(x.try_into().unwrap_or([0; 8]));
+                Segment { offset: u(o), len: u(l) }
+            })
+            .collect())
+    }
+}
+
+/// The number of segments of each item of a segmented request's `items` (its body before the
+/// table), and the table's length in bytes; an error past the limits (the request can't be
+/// served, and its table is not read).
+pub fn segment_counts(op: SnOp, items: &[u8]) -> Result<(Vec<u32>, usize), ProtoError> {
+    let (item_len, at) = match op {
+        SnOp::LoadSegments => (LOAD_ITEM_LEN, KEY_LEN),
+        SnOp::StoreSegments => (STORE_ITEM_LEN, FRAME_HEADER_LEN),
+        other => return Err(ProtoError::Malformed(format!("{other:?} has no segment table"))),
+    };
+    let mut counts = Vec::with_capacity(items.len() / item_len);
+    let mut total = 0usize;
+    for (i, item) in items.chunks_exact(item_len).enumerate() {
+        let n = u64::from_le_bytes(item[at..at + 8].try_into().unwrap_or([0; 8]));
+        if n == 0 || n > MAX_SEGMENTS_PER_ITEM {
+            return Err(ProtoError::Malformed(format!(
+                "item {i} has {n} segments; a block has 1 to {MAX_SEGMENTS_PER_ITEM}"
+            )));
+        }
+        total += n as usize;
+        if total > MAX_SEGMENTS_PER_REQUEST {
+            return Err(ProtoError::Malformed(format!(
+                "more than {MAX_SEGMENTS_PER_REQUEST} segments in one request"
+            )));
+        }
+        counts.push(n as u32);
+    }
+    Ok((counts, total * SEGMENT_LEN))
 }
 
 /// Starts every same-node request.
@@ -239,5 +332,32 @@ mod tests {
         let (ver, tl) = decode_hello(encode_hello(b"tok")[..HELLO_LEN].try_into().unwrap()).unwrap();
         assert_eq!((ver, tl), (PROTOCOL_VERSION, 3));
         assert!(decode_hello(b"KVDP\x01\x00\x00\x00").is_err(), "a data-plane hello is refused");
+    }
+
+    #[test]
+    fn segment_tables_are_counted_and_bounded() {
+        let mut items = Vec::new();
+        for n in [2u64, 3] {
+            LoadItem { key: BlockKey([1; 32]), offset: n, room: 0 }.encode_into(&mut items);
+        }
+        let (counts, len) = segment_counts(SnOp::LoadSegments, &items).unwrap();
+        assert_eq!((counts, len), (vec![2, 3], 5 * SEGMENT_LEN));
+        let mut table = Vec::new();
+        let segs = [Segment { offset: 1 << 33, len: 7 }, Segment { offset: 0, len: u64::MAX }];
+        segs.iter().for_each(|s| s.encode_into(&mut table));
+        assert_eq!(Segment::decode_table(&table).unwrap(), segs);
+        assert!(Segment::decode_table(&table[1..]).is_err());
+        let mut zero = Vec::new();
+        LoadItem { key: BlockKey([1; 32]), offset: 0, room: 0 }.encode_into(&mut zero);
+        assert!(segment_counts(SnOp::LoadSegments, &zero).is_err(), "a block in no segment");
+        let mut many = Vec::new();
+        LoadItem { key: BlockKey([1; 32]), offset: MAX_SEGMENTS_PER_ITEM + 1, room: 0 }.encode_into(&mut many);
+        assert!(segment_counts(SnOp::LoadSegments, &many).is_err());
+        let mut total = Vec::new();
+        for _ in 0..=MAX_SEGMENTS_PER_REQUEST / MAX_SEGMENTS_PER_ITEM as usize {
+            LoadItem { key: BlockKey([1; 32]), offset: MAX_SEGMENTS_PER_ITEM, room: 0 }.encode_into(&mut total);
+        }
+        assert!(segment_counts(SnOp::LoadSegments, &total).is_err(), "over the per-request cap");
+        assert!(segment_counts(SnOp::Load, &items).is_err());
     }
 }
