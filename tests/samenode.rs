@@ -657,7 +657,10 @@ async fn blocks_in_segments_store_and_load_byte_exact_and_bad_segments_are_refus
     }
     let mut auto = SharedBuffer::new(n * bb as usize).unwrap();
     let served = client.samenode_stats().loads;
-    assert_eq!(client.load_keys_into_buffer_segments(&h, &keys, &mut auto, &dst_segs, true).await.unwrap(), vec![true; n]);
+    assert_eq!(
+        client.load_keys_into_buffer_segments(&h, &keys, &mut auto, &dst_segs, true).await.unwrap(),
+        vec![true; n]
+    );
     assert_eq!(client.samenode_stats().loads, served + 1, "the automatic path took the socket");
     assert_eq!(auto.as_slice(), dst.as_slice());
 
@@ -666,7 +669,10 @@ async fn blocks_in_segments_store_and_load_byte_exact_and_bad_segments_are_refus
     let tcp = cluster.link_with(0, cfg).await.client;
     let th = tcp.register(namespace("near", b"n", small_layout())).await.unwrap();
     let mut over_tcp = SharedBuffer::new(n * bb as usize).unwrap();
-    assert_eq!(tcp.load_keys_into_buffer_segments(&th, &keys, &mut over_tcp, &dst_segs, true).await.unwrap(), vec![true; n]);
+    assert_eq!(
+        tcp.load_keys_into_buffer_segments(&th, &keys, &mut over_tcp, &dst_segs, true).await.unwrap(),
+        vec![true; n]
+    );
     assert_eq!(over_tcp.as_slice(), dst.as_slice());
     let moved = tcp.store_keys_from_buffer_segments(&th, &keys, &src, &src_segs).await.unwrap();
     assert!(moved.iter().all(|s| s.is_held()), "{moved:?}");
@@ -687,7 +693,10 @@ async fn blocks_in_segments_store_and_load_byte_exact_and_bad_segments_are_refus
     // A store whose pieces don't make its block: refused, nothing stored.
     let other = h.keys(&tokens(22, h.block_tokens()));
     let short = vec![vec![Segment { offset: 64, len: bb - 1 }]];
-    assert_eq!(near.store_from_buffer_segments(&h, &other, &src, &short).await.unwrap(), vec![ItemStatus::SizeMismatch]);
+    assert_eq!(
+        near.store_from_buffer_segments(&h, &other, &src, &short).await.unwrap(),
+        vec![ItemStatus::SizeMismatch]
+    );
     let mut one = SharedBuffer::new(bb as usize).unwrap();
     assert_eq!(near.load_into_buffer(&h, &other, &mut one, &[0], false).await.unwrap(), vec![false]);
     // The client refuses a block of no piece before sending anything.

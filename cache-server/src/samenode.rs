@@ -767,19 +767,17 @@ impl Conn {
                             .get(&req.buffer)
                             .and_then(|r| r.pieces(segments, b.payload.len() as u64))
                         {
-                            Some(dst) => {
-                                match put(&b.payload, &dst, unchecked.then_some(b.header.checksum)) {
-                                    Copied::Ok => {
-                                        headers.extend_from_slice(&b.header.encode());
-                                        ItemStatus::Ok
-                                    }
-                                    Copied::ChecksumMismatch => {
-                                        self.state.tiers().drop_corrupt(&ns, &item.key);
-                                        ItemStatus::ChecksumMismatch
-                                    }
-                                    Copied::Short => ItemStatus::OutOfRange,
+                            Some(dst) => match put(&b.payload, &dst, unchecked.then_some(b.header.checksum)) {
+                                Copied::Ok => {
+                                    headers.extend_from_slice(&b.header.encode());
+                                    ItemStatus::Ok
                                 }
-                            }
+                                Copied::ChecksumMismatch => {
+                                    self.state.tiers().drop_corrupt(&ns, &item.key);
+                                    ItemStatus::ChecksumMismatch
+                                }
+                                Copied::Short => ItemStatus::OutOfRange,
+                            },
                             None => ItemStatus::OutOfRange,
                         },
                         None => ItemStatus::Miss,
@@ -1079,7 +1077,11 @@ mod tests {
             if len > 0 {
                 let mut damaged = src.clone();
                 damaged[len / 2] ^= 0x01;
-                assert_eq!(put(&damaged, &whole(&mut dst), Some(sum)), Copied::ChecksumMismatch, "damaged, {len} bytes");
+                assert_eq!(
+                    put(&damaged, &whole(&mut dst), Some(sum)),
+                    Copied::ChecksumMismatch,
+                    "damaged, {len} bytes"
+                );
             }
         }
     }

@@ -423,9 +423,11 @@ impl Places<'_> {
                 })
         };
         let out: Vec<Vec<Range<usize>>> = match self {
-            Places::Offsets(offsets) => {
-                offsets.iter().enumerate().map(|(i, &o)| range(i, o, block_bytes).map(|r| vec![r])).collect::<Result<_, _>>()?
-            }
+            Places::Offsets(offsets) => offsets
+                .iter()
+                .enumerate()
+                .map(|(i, &o)| range(i, o, block_bytes).map(|r| vec![r]))
+                .collect::<Result<_, _>>()?,
             Places::Segments(segments) => segments
                 .iter()
                 .enumerate()

@@ -508,7 +508,11 @@ impl SameNode {
         stop_at_miss: bool,
     ) -> Result<Vec<bool>, ClientError> {
         if keys.len() != segments.len() {
-            return Err(ClientError::InvalidArgument(format!("{} keys but {} segment lists", keys.len(), segments.len())));
+            return Err(ClientError::InvalidArgument(format!(
+                "{} keys but {} segment lists",
+                keys.len(),
+                segments.len()
+            )));
         }
         buf.check_intact()?;
         let id = self.register(buf).await?;
@@ -677,7 +681,11 @@ impl SameNode {
         segments: &[Vec<Segment>],
     ) -> Result<Vec<ItemStatus>, ClientError> {
         if keys.len() != segments.len() {
-            return Err(ClientError::InvalidArgument(format!("{} keys but {} segment lists", keys.len(), segments.len())));
+            return Err(ClientError::InvalidArgument(format!(
+                "{} keys but {} segment lists",
+                keys.len(),
+                segments.len()
+            )));
         }
         if ns.codec() != CodecId::RAW {
             return Err(ClientError::InvalidArgument(format!(
@@ -947,7 +955,12 @@ fn segment_batches(segments: &[Vec<Segment>], max_items: usize) -> Result<Vec<st
 
 /// Decodes an encoded block that landed in `segments` (in order) into `block_bytes` bytes put
 /// back into the same segments.
-fn decode_in_segments(buf: &mut [u8], segments: &[Segment], block_bytes: u64, h: FrameHeader) -> Result<(), ClientError> {
+fn decode_in_segments(
+    buf: &mut [u8],
+    segments: &[Segment],
+    block_bytes: u64,
+    h: FrameHeader,
+) -> Result<(), ClientError> {
     let bad = || ClientError::InvalidArgument("segments outside the buffer or too small for the block".into());
     let range = |s: &Segment| -> Option<std::ops::Range<usize>> {
         let start = usize::try_from(s.offset).ok()?;

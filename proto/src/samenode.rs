@@ -185,9 +185,7 @@ pub fn segment_counts(op: SnOp, items: &[u8]) -> Result<(Vec<u32>, usize), Proto
         }
         total += n as usize;
         if total > MAX_SEGMENTS_PER_REQUEST {
-            return Err(ProtoError::Malformed(format!(
-                "more than {MAX_SEGMENTS_PER_REQUEST} segments in one request"
-            )));
+            return Err(ProtoError::Malformed(format!("more than {MAX_SEGMENTS_PER_REQUEST} segments in one request")));
         }
         counts.push(n as u32);
     }

@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use kvtier_client::{
-    BlockDest, ClientConfig, EngineClient, ItemStatus, Miss, ParkOptions, SameNodeMode, SessionInfo, StoredAs,
+    BlockDest, ClientConfig, EngineClient, ItemStatus, Miss, ParkOptions, SameNodeMode, Segment, SessionInfo, StoredAs,
 };
 use kvtier_proto::{CodecId, DType, HashScheme, KvLayout, MemoryOrder, Namespace as NsSpec};
 use pyo3::buffer::PyBuffer;
@@ -366,13 +366,45 @@ static BUFFERS: Mutex<Vec<Weak<BufferCell>>> = Mutex::new(Vec::new());
 
 /// The shared buffer `held` lies in, and its offset there.
 fn shared_range(held: &HeldBuffer) -> Option<(Arc<BufferCell>, u64)> {
-    let (addr, len) = (held.0.buf_ptr() as usize, held.len());
+    cell_of(held.0.buf_ptr() as usize, held.len())
+}
+
+/// The shared buffer the memory at `addr .. addr + len` lies in, and its offset there.
+fn cell_of(addr: usize, len: usize) -> Option<(Arc<BufferCell>, u64)> {
     if len == 0 {
         return None;
     }
     let mut all = BUFFERS.lock().ok()?;
     all.retain(|w| w.strong_count() > 0);
     all.iter().filter_map(Weak::upgrade).find_map(|c| c.offset_of(addr, len).map(|off| (c, off)))
+}
+
+/// The one shared buffer every segment of every block lies in, and the segments as places in it;
+/// `None` if any lies elsewhere (the call then goes the usual way).
+fn shared_segments(blocks: &[Vec<RawSegment>]) -> Option<(Arc<BufferCell>, Vec<Vec<Segment>>)> {
+    let mut cell: Option<Arc<BufferCell>> = None;
+    let mut out = Vec::with_capacity(blocks.len());
+    for segs in blocks {
+        let mut placed = Vec::with_capacity(segs.len());
+        for s in segs {
+            let (c, offset) = match &cell {
+                // The common case: the same buffer as the segment before.
+                Some(first) => (first.clone(), first.offset_of(s.addr, s.len)?),
+                None => cell_of(s.addr, s.len)?,
+            };
+            cell.get_or_insert(c);
+            placed.push(Segment { offset, len: s.len as u64 });
+        }
+        out.push(placed);
+    }
+    cell.map(|c| (c, out))
+}
+
+/// Where a call's blocks lie in a shared buffer: at offsets, one piece each, or each in its own
+/// segments.
+enum Places {
+    Offsets(Vec<u64>),
+    Segments(Vec<Vec<Segment>>),
 }
 
 /// The one shared buffer every one of `held` lies in, and their offsets there; `None` if any lies
@@ -714,14 +746,14 @@ impl Client {
         )
     }
 
-    /// `load_keys_into` whose destinations lie in one shared buffer, at `offsets`.
+    /// `load_keys_into` whose destinations lie in one shared buffer, at `places`.
     fn load_shared(
         &self,
         py: Python<'_>,
         ns: &Namespace,
         hashes: Vec<Vec<u8>>,
         cell: Arc<BufferCell>,
-        offsets: Vec<u64>,
+        places: Places,
         timeout_s: Option<f64>,
     ) -> PyResult<Vec<bool>> {
         let n = hashes.len();
@@ -735,12 +767,15 @@ impl Client {
             async |c, h| {
                 let keys: Vec<_> = hashes.iter().map(|k| h.engine_key(k)).collect();
                 let mut buf = cell.buf.write().await;
-                c.load_keys_into_buffer(&h, &keys, &mut buf, &offsets, false).await
+                match &places {
+                    Places::Offsets(o) => c.load_keys_into_buffer(&h, &keys, &mut buf, o, false).await,
+                    Places::Segments(s) => c.load_keys_into_buffer_segments(&h, &keys, &mut buf, s, false).await,
+                }
             },
         )
     }
 
-    /// `store_keys` whose blocks lie in one shared buffer, at `offsets`: True where the server
+    /// `store_keys` whose blocks lie in one shared buffer, at `places`: True where the server
     /// holds the block now.
     fn store_shared<'py>(
         &self,
@@ -748,7 +783,7 @@ impl Client {
         ns: &Namespace,
         hashes: Vec<Vec<u8>>,
         cell: Arc<BufferCell>,
-        offsets: Vec<u64>,
+        places: Places,
         timeout_s: Option<f64>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let n = hashes.len();
@@ -762,7 +797,10 @@ impl Client {
             async |c, h| {
                 let keys: Vec<_> = hashes.iter().map(|k| h.engine_key(k)).collect();
                 let buf = cell.buf.read().await;
-                c.store_keys_from_buffer(&h, &keys, &buf, &offsets).await.map(Some)
+                match &places {
+                    Places::Offsets(o) => c.store_keys_from_buffer(&h, &keys, &buf, o).await.map(Some),
+                    Places::Segments(s) => c.store_keys_from_buffer_segments(&h, &keys, &buf, s).await.map(Some),
+                }
             },
         )?;
         if let Some(st) = &st {
@@ -1113,7 +1151,7 @@ impl Client {
                     let base = offsets[0];
                     offsets = (0..hashes.len() as u64).map(|i| base + i * bb as u64).collect();
                 }
-                return self.store_shared(py, ns, hashes, cell, offsets, timeout_s);
+                return self.store_shared(py, ns, hashes, cell, Places::Offsets(offsets), timeout_s);
             }
         }
         let blocks: Vec<Vec<Bytes>> = if listed {
@@ -1141,6 +1179,12 @@ impl Client {
     ) -> PyResult<Bound<'py, PyAny>> {
         let hashes = engine_hashes(keys)?;
         let segs = self::segments(segments, ns.block_bytes() as usize, false)?;
+        if let Some((cell, places)) = shared_segments(&segs) {
+            if !report {
+                // The memory is read in place by the server over the same-node socket.
+                return self.store_shared(py, ns, hashes, cell, Places::Segments(places), timeout_s);
+            }
+        }
         let blocks = segs.into_iter().map(|v| v.into_iter().map(Bytes::from_owner).collect()).collect();
         self.store_blocks(py, ns, hashes, blocks, timeout_s, report)
     }
@@ -1193,7 +1237,7 @@ impl Client {
                 offsets = (0..n as u64).map(|i| base + i * bb as u64).collect();
             }
             // `held`, views of the buffer, is kept until the call returns.
-            return self.load_shared(py, ns, hashes, cell, offsets, timeout_s);
+            return self.load_shared(py, ns, hashes, cell, Places::Offsets(offsets), timeout_s);
         }
         let mut dests: Vec<BlockDest<'_>> = if listed {
             held.iter_mut().map(|h| vec![h.as_mut_slice()]).collect()
@@ -1218,6 +1262,9 @@ impl Client {
     ) -> PyResult<Vec<bool>> {
         let hashes = engine_hashes(keys)?;
         let segs = self::segments(segments, ns.block_bytes() as usize, true)?;
+        if let Some((cell, places)) = shared_segments(&segs) {
+            return self.load_shared(py, ns, hashes, cell, Places::Segments(places), timeout_s);
+        }
         let mut dests: Vec<BlockDest<'_>> = segs
             .into_iter()
             .map(|v| {
