@@ -441,8 +441,8 @@ async fn serve_devices<D: Device>(
     let mut paths = Vec::with_capacity(ordinals.len());
     for &o in &ordinals {
         let path = device_socket(&s.socket, o, ordinals.len());
-        let server =
-            EngineServer::bind_device(agent.clone(), o, &path).with_context(|| format!("binding {}", path.display()))?;
+        let server = EngineServer::bind_device(agent.clone(), o, &path)
+            .with_context(|| format!("binding {}", path.display()))?;
         servers.push(server);
         paths.push(path.display().to_string());
     }

@@ -21,8 +21,8 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::device::{Device, DeviceOrdinal};
 pub use crate::device::Transfer;
+use crate::device::{Device, DeviceOrdinal};
 use crate::error::{AgentError, Result};
 
 /// Saved layers awaiting [`LayerPipeline::wait_for_save`] at most; a save beyond that is failed

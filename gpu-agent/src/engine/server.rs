@@ -171,7 +171,11 @@ impl Conn {
     }
 }
 
-fn serve_connection<D: Device, B: BackingStore>(agent: Arc<Agent<D, B>>, device: crate::DeviceOrdinal, sock: UnixStream) {
+fn serve_connection<D: Device, B: BackingStore>(
+    agent: Arc<Agent<D, B>>,
+    device: crate::DeviceOrdinal,
+    sock: UnixStream,
+) {
     let (idle, io) = (agent.config().idle_timeout, agent.config().io_timeout);
     let Ok(mut session) = Session::on_device(agent, device) else { return };
     let Ok(writer) = sock.try_clone() else { return };

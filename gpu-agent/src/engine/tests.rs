@@ -564,8 +564,7 @@ fn node_agent(pages: &[usize], bytes_per_sec: u64) -> Arc<TestAgent> {
     let devices: Vec<Arc<HostDevice>> =
         pages.iter().enumerate().map(|(i, p)| Arc::new(HostDevice::new(i as u32, p * BLOCK))).collect();
     let n = pages.len() as u32;
-    let links: Vec<NodeLink> =
-        (0..n).flat_map(|a| (a + 1..n).map(move |b| NodeLink { a, b, bytes_per_sec })).collect();
+    let links: Vec<NodeLink> = (0..n).flat_map(|a| (a + 1..n).map(move |b| NodeLink { a, b, bytes_per_sec })).collect();
     Arc::new(Agent::node(devices, &links, MemorySpill::default(), cfg).unwrap())
 }
 

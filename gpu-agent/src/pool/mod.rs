@@ -454,7 +454,12 @@ impl<D: Device, S: Spill> PagePool<D, S> {
 
     /// [`PagePool::reserve`] for a block of `owner`'s engine (a peer GPU borrowing the page when
     /// `owner` is not this pool's device).
-    pub fn reserve_for(&mut self, ns: &NamespaceId, key: &BlockKey, owner: DeviceOrdinal) -> Result<Option<DeviceRange>> {
+    pub fn reserve_for(
+        &mut self,
+        ns: &NamespaceId,
+        key: &BlockKey,
+        owner: DeviceOrdinal,
+    ) -> Result<Option<DeviceRange>> {
         let k = (*ns, *key);
         if self.index.contains_key(&k) {
             self.touch(k);
