@@ -27,6 +27,11 @@
 //! in [`PagePool::take_spills`] for the owner to hand to the spill target without holding the
 //! pool (one slow spill then stalls nobody else's loads), and [`PagePool::spill_finished`] counts
 //! it and reports the eviction.
+//!
+//! [`NodePool`] (`node.rs`) is one such pool per device of a node with the borrowing policy
+//! carried out between them; each entry records its owner (the device whose engine the block came
+//! from: [`PagePool::reserve_for`]) so a lender knows which of its pages are lent
+//! ([`PagePool::held_by`], [`PagePool::evict_lent`]).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
