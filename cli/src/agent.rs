@@ -679,6 +679,9 @@ async fn publish_metrics<D: Device>(agent: Arc<Agent<D, SameNodeStore>>) {
         for ((a, z), n) in &b.link_bytes {
             metrics::counter!("kvtier_agent_link_bytes_total", "link" => format!("{a}-{z}")).absolute(*n);
         }
+        for ((a, z), u) in &s.link_use {
+            metrics::gauge!("kvtier_agent_link_use", "link" => format!("{a}-{z}")).set(*u);
+        }
     }
 }
 

@@ -136,6 +136,9 @@ pub struct AgentStats {
     pub pool: PoolStats,
     /// Borrowing between the node's devices (nothing on a one-device node).
     pub borrow: BorrowStats,
+    /// Each link's use now as the borrowing policy's monitor sees it (a gauge: 0.0 idle, 1.0
+    /// saturated), by (lower, higher) ordinal.
+    pub link_use: std::collections::BTreeMap<(crate::DeviceOrdinal, crate::DeviceOrdinal), f64>,
     /// Engine connections now open (a gauge).
     pub connections: u64,
     pub requests: u64,
@@ -331,13 +334,14 @@ impl<D: Device, B: BackingStore> Agent<D, B> {
     pub fn stats(&self) -> AgentStats {
         let c = &self.counters;
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let (pool, borrow) = {
+        let (pool, borrow, link_use) = {
             let p = self.pool.lock();
-            (p.stats(), p.borrow_stats())
+            (p.stats(), p.borrow_stats(), p.link_use(Instant::now()))
         };
         AgentStats {
             pool,
             borrow,
+            link_use,
             connections: get(&c.connections),
             requests: get(&c.requests),
             refused: get(&c.refused),

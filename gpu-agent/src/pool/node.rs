@@ -407,6 +407,12 @@ impl<D: Device, S: Spill> NodePool<D, S> {
         })
     }
 
+    /// Each link's use at `now` as its monitor sees it (0.0 idle, 1.0 saturated; borrowing
+    /// stops at the budget), by (lower, higher) ordinal.
+    pub fn link_use(&self, now: Instant) -> BTreeMap<(DeviceOrdinal, DeviceOrdinal), f64> {
+        self.stats.link_bytes.keys().filter_map(|&(a, b)| Some(((a, b), self.policy.link_use(a, b, now)?))).collect()
+    }
+
     /// Borrowing so far, with each lender's lent pages now.
     pub fn borrow_stats(&self) -> BorrowStats {
         let mut s = self.stats.clone();
