@@ -3,12 +3,18 @@
 //! (`kvtier_agent::engine`), spills the pool's evictions into the node's server (G2) and loads
 //! pool misses back from it, both through the server's same-node socket (registered memfd
 //! buffers) — [`SameNodeStore`], the agent's `BackingStore`, lives here because kvtier-agent
-//! builds without a network client (DESIGN.md). `/metrics` shows the pool, the copies and the
-//! spills.
+//! builds without a network client (DESIGN.md). `/metrics` shows the pool, the copies, the
+//! spills and borrowing between devices.
+//!
+//! On the host backend one agent can stand in for a node of several GPUs (`--host-devices N`):
+//! N host devices with a modelled link of `--link-gbps` GB/s between every pair, a G1 pool on
+//! each, borrowing between them (`kvtier_agent::pool::NodePool`), one engine socket per device
+//! (`<socket>.<ordinal>`).
 //!
 //! Configuration: flags, their `KVTIER_AGENT_*` environment variables, or an `[agent]` table in
 //! the `--config` TOML file (keys as the flags, with `_`: `server`, `socket`, `device`, `gpu`,
-//! `host_memory`, `page_bytes`, `pool_capacity`, `pool_fraction`, `metrics`); flags win.
+//! `host_memory`, `host_devices`, `link_gbps`, `page_bytes`, `pool_capacity`, `pool_fraction`,
+//! `metrics`); flags win.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -18,7 +24,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::Args;
 use kvtier_agent::engine::{Agent, AgentConfig, BackingStore, EngineServer};
-use kvtier_agent::pool::{Capacity, PoolChange, Spill};
+use kvtier_agent::pool::{Capacity, NodeLink, PoolChange, Spill};
 use kvtier_agent::{AgentError, Device, HostDevice};
 use kvtier_client::{ClientConfig, KvClient, NamespaceHandle, SameNode, SharedBuffer};
 use kvtier_proto::dataplane::ItemStatus;
@@ -48,9 +54,18 @@ pub struct AgentArgs {
     /// The GPU's ordinal (cuda), or the host device's number.
     #[arg(long, env = "KVTIER_AGENT_GPU")]
     gpu: Option<u32>,
-    /// The host backend's "device memory". Default: 1GiB.
+    /// The host backend's "device memory" (of each host device). Default: 1GiB.
     #[arg(long, env = "KVTIER_AGENT_HOST_MEMORY")]
     host_memory: Option<ByteSize>,
+    /// Host devices on this node (numbered from --gpu), each with its G1 pool, borrowing pages
+    /// from each other over a modelled link; engines of device N use `<socket>.N`. Host backend
+    /// only. Default: 1.
+    #[arg(long, env = "KVTIER_AGENT_HOST_DEVICES")]
+    host_devices: Option<u32>,
+    /// The modelled link between every pair of host devices, in GB/s (10^9 bytes): borrowing
+    /// stops at 30% of it. Default: 100.
+    #[arg(long, env = "KVTIER_AGENT_LINK_GBPS")]
+    link_gbps: Option<f64>,
     /// Bytes of one block (the engines' layout): the G1 page size.
     #[arg(long, env = "KVTIER_AGENT_PAGE_BYTES")]
     page_bytes: Option<ByteSize>,
@@ -74,6 +89,8 @@ struct Settings {
     device: String,
     gpu: u32,
     host_memory: u64,
+    host_devices: u32,
+    link_bytes_per_sec: u64,
     page_bytes: u64,
     capacity: Capacity,
     metrics: Option<std::net::SocketAddr>,
@@ -92,8 +109,19 @@ fn settings(a: &AgentArgs) -> anyhow::Result<Settings> {
         }
         None => toml::Table::new(),
     };
-    let known =
-        ["server", "socket", "device", "gpu", "host_memory", "page_bytes", "pool_capacity", "pool_fraction", "metrics"];
+    let known = [
+        "server",
+        "socket",
+        "device",
+        "gpu",
+        "host_memory",
+        "host_devices",
+        "link_gbps",
+        "page_bytes",
+        "pool_capacity",
+        "pool_fraction",
+        "metrics",
+    ];
     if let Some(k) = table.keys().find(|k| !known.contains(&k.as_str())) {
         bail!("[agent]: unknown key {k:?} (known: {})", known.join(", "));
     }
@@ -125,6 +153,24 @@ fn settings(a: &AgentArgs) -> anyhow::Result<Settings> {
         None => text("gpu")?.map(|s| s.parse()).transpose().context("[agent] gpu")?.unwrap_or(0),
     };
     let host_memory = bytes(a.host_memory, "host_memory")?.unwrap_or(1 << 30);
+    let host_devices = match a.host_devices {
+        Some(n) => n,
+        None => text("host_devices")?.map(|s| s.parse()).transpose().context("[agent] host_devices")?.unwrap_or(1),
+    };
+    if !(1..=64).contains(&host_devices) {
+        bail!("--host-devices must be 1..=64, got {host_devices}");
+    }
+    if host_devices > 1 && device != "host" {
+        bail!("--host-devices is for the host backend (--device host); a CUDA agent drives one GPU");
+    }
+    let link_gbps = match a.link_gbps {
+        Some(g) => g,
+        None => text("link_gbps")?.map(|s| s.parse::<f64>()).transpose().context("[agent] link_gbps")?.unwrap_or(100.0),
+    };
+    if !(link_gbps.is_finite() && link_gbps > 0.0 && link_gbps <= 1e6) {
+        bail!("--link-gbps must be above 0 and at most 1000000 GB/s, got {link_gbps}");
+    }
+    let link_bytes_per_sec = ((link_gbps * 1e9) as u64).max(1);
     let Some(page_bytes) = bytes(a.page_bytes, "page_bytes")? else {
         bail!("--page-bytes is required: the bytes of one block of the engines' layout");
     };
@@ -141,7 +187,18 @@ fn settings(a: &AgentArgs) -> anyhow::Result<Settings> {
         Some(m) => Some(m),
         None => text("metrics")?.map(|s| s.parse()).transpose().context("[agent] metrics")?,
     };
-    Ok(Settings { server, socket, device, gpu, host_memory, page_bytes, capacity, metrics })
+    Ok(Settings {
+        server,
+        socket,
+        device,
+        gpu,
+        host_memory,
+        host_devices,
+        link_bytes_per_sec,
+        page_bytes,
+        capacity,
+        metrics,
+    })
 }
 
 /// G2 through the server's same-node socket: spills are stores from a shared buffer, fetches
@@ -315,8 +372,13 @@ pub async fn run(a: AgentArgs) -> anyhow::Result<()> {
     config.capacity = s.capacity;
     match s.device.as_str() {
         "host" => {
-            let dev = Arc::new(HostDevice::new(s.gpu, usize::try_from(s.host_memory)?));
-            serve_device(dev, [store, demand_store], config, &s).await
+            let mem = usize::try_from(s.host_memory)?;
+            let last = s.gpu.checked_add(s.host_devices - 1).context("--gpu + --host-devices overflow")?;
+            let devices: Vec<Arc<HostDevice>> = (s.gpu..=last).map(|o| Arc::new(HostDevice::new(o, mem))).collect();
+            let links: Vec<NodeLink> = (s.gpu..=last)
+                .flat_map(|a| (a + 1..=last).map(move |b| NodeLink { a, b, bytes_per_sec: s.link_bytes_per_sec }))
+                .collect();
+            serve_devices(devices, &links, [store, demand_store], config, &s).await
         }
         _ => cuda([store, demand_store], config, &s).await,
     }
@@ -325,7 +387,7 @@ pub async fn run(a: AgentArgs) -> anyhow::Result<()> {
 #[cfg(feature = "cuda")]
 async fn cuda(stores: [SameNodeStore; 2], config: AgentConfig, s: &Settings) -> anyhow::Result<()> {
     let dev = kvtier_agent::CudaDevice::new(s.gpu).context("opening the GPU")?;
-    serve_device(Arc::new(dev), stores, config, s).await
+    serve_devices(vec![Arc::new(dev)], &[], stores, config, s).await
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -333,16 +395,29 @@ async fn cuda(_stores: [SameNodeStore; 2], _config: AgentConfig, _s: &Settings) 
     bail!("this kvtier was built without the `cuda` feature (cargo build --features cuda)")
 }
 
+/// The engine socket of one device: `--socket` itself on a one-device node, else
+/// `<socket>.<ordinal>`.
+fn device_socket(socket: &std::path::Path, ordinal: u32, devices: usize) -> PathBuf {
+    if devices == 1 {
+        return socket.to_path_buf();
+    }
+    let mut name = socket.as_os_str().to_os_string();
+    name.push(format!(".{ordinal}"));
+    PathBuf::from(name)
+}
+
 /// `stores`: the pool's store (its spills, its fetches) and the link spills the server asks for
 /// go through.
-async fn serve_device<D: Device>(
-    device: Arc<D>,
+async fn serve_devices<D: Device>(
+    devices: Vec<Arc<D>>,
+    links: &[NodeLink],
     stores: [SameNodeStore; 2],
     config: AgentConfig,
     s: &Settings,
 ) -> anyhow::Result<()> {
     let [store, demand_store] = stores;
-    let agent = Arc::new(Agent::new(device, store, config).context("building the G1 pool")?);
+    let ordinals: Vec<u32> = devices.iter().map(|d| d.ordinal()).collect();
+    let agent = Arc::new(Agent::node(devices, links, store, config).context("building the G1 pools")?);
     let metrics = match s.metrics {
         Some(addr) => {
             let handle = kvtier_server::metrics::install()?;
@@ -362,14 +437,21 @@ async fn serve_device<D: Device>(
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos())
     );
     tokio::spawn(report_g1(agent.clone(), demand_store, agent_id));
-    let server =
-        EngineServer::bind(agent.clone(), &s.socket).with_context(|| format!("binding {}", s.socket.display()))?;
+    let mut servers = Vec::with_capacity(ordinals.len());
+    let mut paths = Vec::with_capacity(ordinals.len());
+    for &o in &ordinals {
+        let path = device_socket(&s.socket, o, ordinals.len());
+        let server = EngineServer::bind_device(agent.clone(), o, &path)
+            .with_context(|| format!("binding {}", path.display()))?;
+        servers.push(server);
+        paths.push(path.display().to_string());
+    }
     let stats = agent.stats();
     println!(
         "kvtier agent listening on {} (device {} {}, G1 {} pages of {} bytes, server {}, metrics {})",
-        s.socket.display(),
+        paths.join(", "),
         s.device,
-        s.gpu,
+        ordinals.iter().map(u32::to_string).collect::<Vec<_>>().join(","),
         stats.pool.pages,
         s.page_bytes,
         s.server,
@@ -380,7 +462,7 @@ async fn serve_device<D: Device>(
         _ = tokio::signal::ctrl_c() => {}
         _ = term.recv() => {}
     }
-    drop(server);
+    drop(servers);
     Ok(())
 }
 
@@ -578,5 +660,71 @@ async fn publish_metrics<D: Device>(agent: Arc<Agent<D, SameNodeStore>>) {
         if s.copy_seconds > 0.0 {
             metrics::gauge!("kvtier_agent_copy_gbps").set(s.copy_bytes as f64 / s.copy_seconds / 1e9);
         }
+        let b = &s.borrow;
+        for (lender, l) in &b.lenders {
+            let lender = lender.to_string();
+            metrics::gauge!("kvtier_agent_lent_pages", "lender" => lender.clone()).set(l.lent_pages as f64);
+            metrics::gauge!("kvtier_agent_lent_bytes", "lender" => lender.clone()).set(l.lent_pages as f64 * page);
+            metrics::counter!("kvtier_agent_borrows_total", "lender" => lender.clone()).absolute(l.borrows);
+            metrics::counter!("kvtier_agent_borrowed_bytes_total", "lender" => lender).absolute(l.borrowed_bytes);
+        }
+        metrics::counter!("kvtier_agent_borrow_reclaims_total").absolute(b.reclaims);
+        for (reason, n) in [
+            ("link_budget", b.declined_link_budget),
+            ("no_peer_capacity", b.declined_no_peer_capacity),
+            ("no_peer_access", b.declined_no_peer_access),
+        ] {
+            metrics::counter!("kvtier_agent_borrow_declines_total", "reason" => reason).absolute(n);
+        }
+        for ((a, z), n) in &b.link_bytes {
+            metrics::counter!("kvtier_agent_link_bytes_total", "link" => format!("{a}-{z}")).absolute(*n);
+        }
+        for ((a, z), u) in &s.link_use {
+            metrics::gauge!("kvtier_agent_link_use", "link" => format!("{a}-{z}")).set(*u);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cmd {
+        #[command(flatten)]
+        a: AgentArgs,
+    }
+
+    fn parse(args: &[&str]) -> anyhow::Result<Settings> {
+        let cmd = Cmd::try_parse_from(std::iter::once("agent").chain(args.iter().copied()))?;
+        settings(&cmd.a)
+    }
+
+    #[test]
+    fn host_devices_and_their_link_are_checked() {
+        let s = parse(&["--page-bytes", "1KiB", "--host-devices", "4", "--link-gbps", "2.5"]).unwrap();
+        assert_eq!((s.host_devices, s.link_bytes_per_sec), (4, 2_500_000_000));
+        let one = parse(&["--page-bytes", "1KiB"]).unwrap();
+        assert_eq!(one.host_devices, 1);
+        for (bad, why) in [
+            (vec!["--host-devices", "0"], "--host-devices must be 1..=64"),
+            (vec!["--host-devices", "65"], "--host-devices must be 1..=64"),
+            (vec!["--host-devices", "2", "--device", "cuda"], "for the host backend"),
+            (vec!["--link-gbps", "0"], "--link-gbps must be above 0"),
+            (vec!["--link-gbps", "NaN"], "--link-gbps must be above 0"),
+        ] {
+            let args: Vec<&str> = ["--page-bytes", "1KiB"].into_iter().chain(bad.iter().copied()).collect();
+            let e = parse(&args).err().map(|e| format!("{e:#}")).unwrap_or_default();
+            assert!(e.contains(why), "{bad:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn each_device_of_a_node_gets_its_own_socket() {
+        let p = std::path::Path::new("/run/kvtier-agent.sock");
+        assert_eq!(device_socket(p, 3, 1), PathBuf::from("/run/kvtier-agent.sock"));
+        assert_eq!(device_socket(p, 3, 4), PathBuf::from("/run/kvtier-agent.sock.3"));
     }
 }

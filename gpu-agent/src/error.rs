@@ -49,6 +49,10 @@ pub enum AgentError {
     /// A stream's worker is gone (the stream was dropped or its thread died).
     #[error("stream closed")]
     StreamClosed,
+    /// A copy between `device` and `peer` where the node has no peer access between them (or
+    /// the caller was not given the peer device: see [`crate::Transfer::Peer`]).
+    #[error("no peer access from device {device} to device {peer}")]
+    NoPeerAccess { device: u32, peer: u32 },
     /// A codec launch was refused (shape, dtype, buffer sizes) or a CPU codec call failed.
     #[error("codec: {0}")]
     Codec(String),

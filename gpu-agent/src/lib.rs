@@ -12,15 +12,18 @@
 //!   (`start_load_kv` / `wait_for_layer_load` / `save_kv_layer` / `wait_for_save`), so an engine
 //!   computes layer 0 while later layers are still being copied.
 //! - [`pool`]: the G1 page pool — a capped set of device pages keyed by block, LRU eviction into a
-//!   [`Spill`] target, pins for live sessions, loads into engine pages as device-to-device copies.
+//!   [`Spill`] target, pins for live sessions, loads into engine pages as device-to-device copies —
+//!   and [`NodePool`], one such pool per device of a node with the borrowing policy carried out:
+//!   a full device's new block goes into a peer's share over the link ([`Transfer::Peer`]), or the
+//!   borrow is declined and the device evicts into G2; a lender takes lent pages back first.
 //! - [`policy`]: pure policy (time passed in, no I/O): borrowing HBM from peer GPUs and the rule
 //!   that declines a borrow that would push a link past its bandwidth budget.
 //! - [`codec`]: FP8 E4M3, NVFP4 and their rotated (`+had`) forms as CUDA C for NVRTC, written to
 //!   be byte-identical to `kvtier_kernels`: their arithmetic is compiled as C and matched byte for
 //!   byte in every test run; the kernels themselves are checked on a GPU by the ignored tests and
 //!   `scripts/gpu-check` (not yet run on a GPU).
-//! - [`engine`]: the engine-facing side — an [`engine::Agent`] (the G1 pool over a
-//!   [`engine::BackingStore`], G2 below it) and the engine socket: an engine registers its KV
+//! - [`engine`]: the engine-facing side — an [`engine::Agent`] (the node's G1 pools, one device
+//!   or several with links, over a [`engine::BackingStore`], G2 below it) and the engine socket: an engine registers its KV
 //!   buffer by IPC handle (a sealed memfd on the host backend), saves pages layer by layer under
 //!   block keys and loads keys into pages with a completion per layer. The store's same-node
 //!   implementation and the `kvtier agent` command live in cli/ (this crate has no network
@@ -30,11 +33,10 @@
 //!   `rdma` feature (no device at run time: [`AgentError::NoRdmaDevice`], use TCP/QUIC).
 //! - [`AgentError`]: the crate's one error type.
 //!
-//! Not here yet: a node-level pool that carries out the borrowing policy's decisions by itself
-//! (the policy and peer copies exist; `tests/borrow.rs` wires them by hand), a G1 tier in the
-//! server's lookups (G1's changes are reported as KV events: [`PagePool::take_changes`]), and a
-//! server-side lease protocol that hands out [`mover::SlotDescriptor`]s (the movers exist;
-//! nothing calls them yet).
+//! Not here yet: borrowing between real GPUs has not run (no GPU was lent; on the host backend the
+//! link is modelled by the policy's monitor, not by slower copies), the engine's own peer traffic
+//! is not fed to the link monitor (only the agent's copies are), and a server-side lease protocol
+//! that hands out [`mover::SlotDescriptor`]s (the movers exist; nothing calls them yet).
 
 pub mod codec;
 pub mod device;
@@ -55,4 +57,7 @@ pub use error::{AgentError, Result};
 #[cfg(feature = "cuda")]
 pub use device::cuda::{gpu_report, CudaDevice, CudaEventHandle, CudaStreamHandle};
 pub use pipeline::{LayerPipeline, LoadHandle, SaveReport};
-pub use pool::{Capacity, MemorySpill, PagePool, PoolChange, PoolConfig, PoolStats, Spill, SpilledBlock};
+pub use pool::{
+    BorrowStats, Capacity, LenderStats, MemorySpill, NodeLink, NodePool, PagePool, PoolChange, PoolConfig, PoolStats,
+    Spill, SpilledBlock,
+};

@@ -12,11 +12,17 @@
 //! layer's copies go to the device as one batch ([`Device::copy_batch`]), so a layer of many pages
 //! takes one slot of the stream's bounded queue on the host backend; a load of more layers than
 //! the queue holds makes `start_load_kv` wait for room (backpressure).
+//!
+//! A pipeline built [`LayerPipeline::with_peers`] also moves [`Transfer::Peer`] copies (pages
+//! borrowed from a peer GPU) with [`Device::copy_peer`] on the same stream, in order with the
+//! layer's other copies; such a layer goes to the device in runs (local runs still one batch
+//! each), so a refused copy may leave earlier runs enqueued — the layer fails either way.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::device::Device;
 pub use crate::device::Transfer;
+use crate::device::{Device, DeviceOrdinal};
 use crate::error::{AgentError, Result};
 
 /// Saved layers awaiting [`LayerPipeline::wait_for_save`] at most; a save beyond that is failed
@@ -144,6 +150,8 @@ impl SaveReport {
 /// ```
 pub struct LayerPipeline<D: Device> {
     device: Arc<D>,
+    /// Devices this one has peer access to, for [`Transfer::Peer`] copies.
+    peers: HashMap<DeviceOrdinal, Arc<D>>,
     load: D::Stream,
     save: D::Stream,
     saves: Vec<(usize, Result<D::Event>)>,
@@ -153,7 +161,49 @@ impl<D: Device> LayerPipeline<D> {
     pub fn new(device: Arc<D>) -> Result<Self> {
         let load = device.new_stream()?;
         let save = device.new_stream()?;
-        Ok(LayerPipeline { device, load, save, saves: Vec::new() })
+        Ok(LayerPipeline { device, peers: HashMap::new(), load, save, saves: Vec::new() })
+    }
+
+    /// The same pipeline, able to copy to and from `peers` ([`Transfer::Peer`]); the pipeline's
+    /// own device in the list is ignored.
+    pub fn with_peers(mut self, peers: impl IntoIterator<Item = Arc<D>>) -> Self {
+        let own = self.device.ordinal();
+        self.peers.extend(peers.into_iter().filter(|p| p.ordinal() != own).map(|p| (p.ordinal(), p)));
+        self
+    }
+
+    /// The device of `ordinal`: this one or a peer.
+    fn device_of(&self, ordinal: DeviceOrdinal) -> Result<&D> {
+        if ordinal == self.device.ordinal() {
+            return Ok(&self.device);
+        }
+        self.peers
+            .get(&ordinal)
+            .map(|d| &**d)
+            .ok_or(AgentError::NoPeerAccess { device: self.device.ordinal(), peer: ordinal })
+    }
+
+    /// Enqueues a layer's copies on `stream`: one batch when all are local, else local runs as
+    /// batches and peer copies one by one between them, in order.
+    fn enqueue(&self, stream: &D::Stream, transfers: &[Transfer]) -> Result<()> {
+        let dev = &*self.device;
+        let peer = |t: &Transfer| matches!(t, Transfer::Peer { .. });
+        if !transfers.iter().any(peer) {
+            return dev.copy_batch(stream, transfers);
+        }
+        for run in transfers.chunk_by(|a, b| peer(a) == peer(b)) {
+            if !peer(&run[0]) {
+                dev.copy_batch(stream, run)?;
+                continue;
+            }
+            for t in run {
+                if let Transfer::Peer { src, dst } = t {
+                    let (s, d) = (self.device_of(src.buf.device())?, self.device_of(dst.buf.device())?);
+                    dev.copy_peer(stream, s, *src, d, *dst)?;
+                }
+            }
+        }
+        Ok(())
     }
 
     pub fn device(&self) -> &Arc<D> {
@@ -171,7 +221,7 @@ impl<D: Device> LayerPipeline<D> {
                     if let Some(r) = &l.ready {
                         dev.stream_wait(&self.load, r)?;
                     }
-                    dev.copy_batch(&self.load, &l.transfers)?;
+                    self.enqueue(&self.load, &l.transfers)?;
                     dev.record(&self.load)
                 })();
                 LayerState { ready: l.ready, done }
@@ -194,7 +244,7 @@ impl<D: Device> LayerPipeline<D> {
             if let Some(e) = compute_done {
                 dev.stream_wait(&self.save, e)?;
             }
-            dev.copy_batch(&self.save, transfers)?;
+            self.enqueue(&self.save, transfers)?;
             dev.record(&self.save)
         })();
         self.saves.push((layer, done));
@@ -265,6 +315,31 @@ mod tests {
             f.host.read(src_off(l, p), &mut want).unwrap();
             assert_eq!(got, want, "layer {l} page {p}");
         }
+    }
+
+    #[test]
+    fn peer_copies_need_the_peer_and_run_in_order_with_the_layers_other_copies() {
+        let (d0, d1) = (Arc::new(HostDevice::new(0, 1 << 20)), Arc::new(HostDevice::new(1, 1 << 20)));
+        let (a, b, c, d) = (d0.alloc(64).unwrap(), d1.alloc(64).unwrap(), d0.alloc(64).unwrap(), d0.alloc(64).unwrap());
+        d0.write_sync(a.all(), &[5; 64]).unwrap();
+        let to_peer = Transfer::Peer { src: a.all(), dst: b.all() };
+        let lonely = LayerPipeline::new(d0.clone()).unwrap();
+        let h = lonely.start_load_kv(vec![LayerSource::new(vec![to_peer.clone()])]);
+        assert_eq!(h.wait_for_layer_load(0), Err(AgentError::NoPeerAccess { device: 0, peer: 1 }));
+        let s = d0.new_stream().unwrap();
+        assert_eq!(to_peer.enqueue(&*d0, &s), Err(AgentError::NoPeerAccess { device: 0, peer: 1 }));
+        assert!(d0.copy_batch(&s, std::slice::from_ref(&to_peer)).is_err());
+        // Out to the peer, back into another page, then a local copy: one layer, in order.
+        let pipe = LayerPipeline::new(d0.clone()).unwrap().with_peers([d0.clone(), d1.clone()]);
+        let layer = vec![
+            to_peer,
+            Transfer::Peer { src: b.all(), dst: c.all() },
+            Transfer::DeviceToDevice { src: c.all(), dst: d.all() },
+        ];
+        let h = pipe.start_load_kv(vec![LayerSource::new(layer)]);
+        h.wait_for_layer_load(0).unwrap();
+        assert_eq!(d1.read_sync(b.all()).unwrap(), vec![5; 64]);
+        assert_eq!(d0.read_sync(d.all()).unwrap(), vec![5; 64]);
     }
 
     #[test]

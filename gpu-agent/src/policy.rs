@@ -6,8 +6,11 @@
 //! Rules:
 //!
 //! 1. Each GPU reserves a share of its HBM ([`BorrowConfig::with_reserved_fraction`], 20% by
-//!    default) as the node's shared page pool. A GPU's own pages come out of its own share first
-//!    ([`Decision::Local`]).
+//!    default, or exactly the pool the agent carved: [`PeerPolicy::add_gpu_share`]) as the node's
+//!    shared page pool. A GPU's own pages come out of its own share first ([`Decision::Local`]).
+//!    **Its share is its own:** when what it lent to peers is what it is short of, it takes lent
+//!    pages back ([`Decision::Reclaim`]) before borrowing or giving up its own pages, so lending
+//!    never starves the lender.
 //! 2. When its share is full it borrows from a peer it has peer access to (a link): the peer
 //!    with the most free share, then the least loaded link, then the lowest ordinal.
 //! 3. A link's use is the bytes moved over it in a sliding window ([`LinkMonitor`]) divided by
@@ -129,6 +132,10 @@ impl LinkMonitor {
 pub enum Decision {
     /// From the requester's own share.
     Local,
+    /// From the requester's own share once pages it lent are given back: the caller evicts
+    /// pages peers borrowed from it ([`PeerPolicy::release`] as they leave) and asks again.
+    /// [`PeerPolicy::commit`] of it changes nothing.
+    Reclaim,
     /// From `from`'s share, over a link that will be at `link_use` of its bandwidth.
     Borrow { from: DeviceOrdinal, link_use: f64 },
     /// Don't: recompute instead.
@@ -207,6 +214,21 @@ impl PeerPolicy {
         Ok(())
     }
 
+    /// Adds a GPU whose share is exactly `share` bytes (the page pool the agent carved on it,
+    /// whole pages), whatever the reserved fraction says.
+    pub fn add_gpu_share(&mut self, gpu: DeviceOrdinal, share: u64) -> Result<()> {
+        if self.gpus.contains_key(&gpu) {
+            return Err(AgentError::Config(format!("GPU {gpu} added twice")));
+        }
+        self.gpus.insert(gpu, Gpu { share, own_used: 0, lent: 0 });
+        Ok(())
+    }
+
+    /// Bytes of `gpu`'s share its peers hold now.
+    pub fn lent(&self, gpu: DeviceOrdinal) -> u64 {
+        self.gpus.get(&gpu).map_or(0, |g| g.lent)
+    }
+
     /// Declares peer access between `a` and `b` over a link of `bytes_per_sec`.
     pub fn add_link(&mut self, a: DeviceOrdinal, b: DeviceOrdinal, bytes_per_sec: u64) -> Result<()> {
         if a == b || !self.gpus.contains_key(&a) || !self.gpus.contains_key(&b) {
@@ -236,8 +258,12 @@ impl PeerPolicy {
 
     /// Where `bytes` for `requester` should come from at `now`. Changes nothing.
     pub fn decide(&self, requester: DeviceOrdinal, bytes: u64, now: Instant) -> Result<Decision> {
-        if self.gpu(requester)?.free() >= bytes {
+        let own = self.gpu(requester)?;
+        if own.free() >= bytes {
             return Ok(Decision::Local);
+        }
+        if own.lent > 0 && own.free() + own.lent >= bytes {
+            return Ok(Decision::Reclaim);
         }
         let mut reachable = false;
         let mut best_over: Option<f64> = None;
@@ -273,7 +299,7 @@ impl PeerPolicy {
 
     /// Applies a decision taken by [`PeerPolicy::decide`] for the same request: takes the space
     /// and, for a borrow, counts the bytes that fill the peer's pages against the link at `now`.
-    /// A decline changes nothing.
+    /// A decline or a reclaim changes nothing.
     pub fn commit(&mut self, requester: DeviceOrdinal, bytes: u64, decision: &Decision, now: Instant) -> Result<()> {
         match decision {
             Decision::Local => {
@@ -296,7 +322,7 @@ impl PeerPolicy {
                 *self.borrowed.entry((requester, *from)).or_default() += bytes;
                 self.record_link_traffic(requester, *from, now, bytes)?;
             }
-            Decision::Decline(_) => {}
+            Decision::Reclaim | Decision::Decline(_) => {}
         }
         Ok(())
     }
@@ -492,6 +518,29 @@ mod tests {
         p.release(0, 0, 20 * GIB).unwrap();
         assert!(p.release(0, 0, 1).is_err());
         assert_eq!(p.decide(0, 20 * GIB, t).unwrap(), Decision::Local);
+    }
+
+    #[test]
+    fn a_lender_short_of_its_own_share_reclaims_before_it_borrows() {
+        let t = Instant::now();
+        let mut p = node(&[0, 1, 2]);
+        p.add_link(0, 1, BW).unwrap();
+        p.add_link(1, 2, BW).unwrap();
+        take(&mut p, 0, 20 * GIB, t);
+        assert!(matches!(take(&mut p, 0, 15 * GIB, t), Decision::Borrow { from: 1, .. }));
+        assert_eq!(p.lent(1), 15 * GIB);
+        // GPU 1 wants 10 GiB: 5 free, 15 lent. GPU 2 has room, but 1's share is its own.
+        assert_eq!(take(&mut p, 1, 5 * GIB, t), Decision::Local);
+        assert_eq!(take(&mut p, 1, GIB, t), Decision::Reclaim);
+        assert_eq!(p.share(1).unwrap().1, 0, "a reclaim takes nothing by itself");
+        // More than it lent plus what is free: not a reclaim, so it borrows.
+        assert!(matches!(p.decide(1, 16 * GIB, t).unwrap(), Decision::Borrow { from: 2, .. }));
+        p.release(0, 1, GIB).unwrap();
+        assert_eq!(take(&mut p, 1, GIB, t), Decision::Local);
+        // Exact shares for pools carved in whole pages.
+        p.add_gpu_share(7, 3 * 4096).unwrap();
+        assert_eq!(p.share(7).unwrap(), (3 * 4096, 3 * 4096));
+        assert!(p.add_gpu_share(7, 1).is_err());
     }
 
     #[test]

@@ -1,6 +1,7 @@
-//! Borrowing HBM from a peer GPU end to end on two host devices: the policy decides, the agent
-//! allocates on the lender and moves the page with a peer copy, reports the bytes to the link
-//! monitor, and reads the page back; once the link is busy the policy declines (recompute).
+//! Borrowing HBM from a peer GPU on two host devices, with the policy and the copies wired by
+//! hand (the agent does this itself through `pool::NodePool`; see `engine/tests.rs`): the policy
+//! decides, the page is allocated on the lender and filled with a peer copy, the bytes go to the
+//! link monitor, and the page reads back; once the link is busy the policy declines (recompute).
 
 use std::time::{Duration, Instant};
 
@@ -43,6 +44,7 @@ fn a_full_gpu_borrows_a_peer_page_until_the_link_budget_says_recompute() {
                 borrowed.push(p);
             }
             Decision::Borrow { from, .. } => panic!("borrowed from unknown GPU {from}"),
+            Decision::Reclaim => panic!("GPU 3 lent nothing, so it has nothing to reclaim"),
             Decision::Decline(why) => {
                 declined = Some((i, why.clone()));
                 break;

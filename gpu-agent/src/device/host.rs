@@ -319,6 +319,7 @@ impl HostDevice {
                     len: src.len,
                 }
             }
+            Transfer::Peer { src, dst } => return Err(super::peer_refused(self.inner.ordinal, src, dst)),
         })
     }
 }

@@ -466,13 +466,21 @@ pub enum Transfer {
     DeviceToDevice { src: DeviceRange, dst: DeviceRange },
     /// From device pages out to host bytes (saving).
     DeviceToHost { src: DeviceRange, dst: HostRange },
+    /// Between two devices of the node over their link (a page borrowed from a peer GPU): `src`
+    /// and `dst` name their own devices. It needs both device objects, so only a
+    /// [`crate::pipeline::LayerPipeline`] built [`with_peers`](crate::pipeline::LayerPipeline::with_peers)
+    /// enqueues it ([`Device::copy_peer`]); [`Transfer::enqueue`] and [`Device::copy_batch`]
+    /// refuse it ([`AgentError::NoPeerAccess`]).
+    Peer { src: DeviceRange, dst: DeviceRange },
 }
 
 impl Transfer {
     /// Bytes this transfer moves.
     pub fn len(&self) -> usize {
         match self {
-            Transfer::HostToDevice { dst, .. } | Transfer::DeviceToDevice { dst, .. } => dst.len,
+            Transfer::HostToDevice { dst, .. } | Transfer::DeviceToDevice { dst, .. } | Transfer::Peer { dst, .. } => {
+                dst.len
+            }
             Transfer::DeviceToHost { src, .. } => src.len,
         }
     }
@@ -487,6 +495,7 @@ impl Transfer {
             Transfer::HostToDevice { src, dst } => dev.copy_h2d(stream, src, *dst),
             Transfer::DeviceToDevice { src, dst } => dev.copy_d2d(stream, *src, *dst),
             Transfer::DeviceToHost { src, dst } => dev.copy_d2h(stream, *src, dst),
+            Transfer::Peer { src, dst } => Err(self::peer_refused(dev.ordinal(), src, dst)),
         }
     }
 }
@@ -581,6 +590,12 @@ pub trait Device: Send + Sync + 'static {
 
     /// Writes device bytes synchronously (control path and tests).
     fn write_sync(&self, dst: DeviceRange, bytes: &[u8]) -> Result<()>;
+}
+
+/// The error for a [`Transfer::Peer`] enqueued where only one device is known.
+pub(crate) fn peer_refused(device: DeviceOrdinal, src: &DeviceRange, dst: &DeviceRange) -> AgentError {
+    let peer = if src.buf.device() == device { dst.buf.device() } else { src.buf.device() };
+    AgentError::NoPeerAccess { device, peer }
 }
 
 /// Checks a copy's endpoints have the same length.

@@ -2,14 +2,19 @@
 //! behind it.
 //!
 //! - [`proto`]: the wire format of the engine socket, without I/O.
-//! - [`Agent`] (this file): one device, its G1 [`PagePool`] and the [`BackingStore`] below it
-//!   (G2 through the same-node path: evictions spill into it, pool misses load back from it), and
-//!   counters for `/metrics`. [`Session`] is one engine connection's state — its namespace, its
+//! - [`Agent`] (this file): the node's devices — one, or several with peer links
+//!   ([`Agent::node`]) — their G1 pools as one [`NodePool`] that borrows pages between devices
+//!   by the [`crate::policy`] (a full device's new block goes to a peer's share over the link, or
+//!   the borrow is declined and the device evicts into G2 as a one-device agent does), the
+//!   [`BackingStore`] below (G2 through the same-node path: evictions spill into it, pool misses
+//!   load back from it), and counters for `/metrics`. [`Session`] is one engine connection's
+//!   state, on one device ([`Session::on_device`]) — its namespace, its
 //!   registered KV buffers (imported by IPC handle: a CUDA handle, or a sealed memfd on the host
 //!   backend), the saves it has under way — and turns requests into device copies: SAVE copies a
 //!   layer of engine pages into reserved G1 pages; LOAD pins the G1 hits, fetches the rest from
 //!   the store into a registered staging buffer and copies every layer into the engine's pages
-//!   with [`LayerPipeline`], answering as each layer lands.
+//!   with [`LayerPipeline`], answering as each layer lands. A G1 page on another device (a
+//!   borrowed one) is copied over the link ([`Transfer::Peer`]) both ways.
 //! - Spills run outside the pool's lock: an eviction copies the page out under it, the copy
 //!   waits in the agent's in-flight map (loads read it from there) and a bounded queue hands it
 //!   to the agent's spill thread, which stores it below. A stalled store stalls the spill thread
@@ -42,7 +47,8 @@ use self::proto::{
 use crate::device::{Device, DeviceBuf, DeviceRange, HostBuffer, IpcHandle, Registration, Transfer};
 use crate::error::{AgentError, Result};
 use crate::pipeline::{LayerPipeline, LayerSource};
-use crate::pool::{Capacity, MemorySpill, PagePool, PendingSpill, PoolConfig, PoolStats, Spill};
+use crate::policy::BorrowConfig;
+use crate::pool::{BorrowStats, Capacity, MemorySpill, NodeLink, NodePool, PendingSpill, PoolConfig, PoolStats, Spill};
 
 /// The tier below G1 (G2 on this node, through the same-node path): takes evicted blocks
 /// ([`Spill`]) and gives them back.
@@ -97,6 +103,9 @@ pub struct AgentConfig {
     pub idle_timeout: Duration,
     /// How long reading the rest of a request, or writing an answer, may take. Default: 10 s.
     pub io_timeout: Duration,
+    /// Borrowing between the node's devices (the link budget and the monitor's window; each
+    /// device's share is its pool, `capacity`). Default: [`BorrowConfig::default`] (30%, 1 s).
+    pub borrow: BorrowConfig,
 }
 
 impl AgentConfig {
@@ -115,14 +124,21 @@ impl AgentConfig {
             max_store_bytes_per_load: 64 << 20,
             idle_timeout: Duration::from_secs(600),
             io_timeout: Duration::from_secs(10),
+            borrow: BorrowConfig::default(),
         }
     }
 }
 
 /// Counters of an agent (monotonic unless said otherwise).
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct AgentStats {
+    /// The G1 pools, summed over the node's devices.
     pub pool: PoolStats,
+    /// Borrowing between the node's devices (nothing on a one-device node).
+    pub borrow: BorrowStats,
+    /// Each link's use now as the borrowing policy's monitor sees it (a gauge: 0.0 idle, 1.0
+    /// saturated), by (lower, higher) ordinal.
+    pub link_use: std::collections::BTreeMap<(crate::DeviceOrdinal, crate::DeviceOrdinal), f64>,
     /// Engine connections now open (a gauge).
     pub connections: u64,
     pub requests: u64,
@@ -170,11 +186,12 @@ pub const SPILL_QUEUE: usize = 64;
 /// Blocks evicted from G1 and not yet stored below, by key: loads read them from here.
 type InFlight = Arc<Mutex<HashMap<kvtier_proto::ScopedKey, Arc<PendingSpill>>>>;
 
-/// One device's agent: the G1 pool over a backing store. Shared by every engine connection.
+/// A node's agent: the G1 pools of its devices over a backing store. Shared by every engine
+/// connection.
 pub struct Agent<D: Device, B: BackingStore> {
-    device: Arc<D>,
+    devices: Vec<Arc<D>>,
     store: B,
-    pool: Arc<Mutex<PagePool<D, B>>>,
+    pool: Arc<Mutex<NodePool<D, B>>>,
     config: AgentConfig,
     counters: Counters,
     in_flight: InFlight,
@@ -184,12 +201,20 @@ pub struct Agent<D: Device, B: BackingStore> {
 
 impl<D: Device, B: BackingStore> Agent<D, B> {
     /// Builds the pool on `device` (failing on a capacity that holds no page) and starts the
-    /// spill thread.
+    /// spill thread. It never borrows.
     pub fn new(device: Arc<D>, store: B, config: AgentConfig) -> Result<Self> {
-        let pool = PagePool::new(
-            device.clone(),
+        Self::node(vec![device], &[], store, config)
+    }
+
+    /// Builds a pool of `config.capacity` on every device of the node, with peer access over
+    /// `links` (borrowing: [`NodePool`]), and starts the spill thread.
+    pub fn node(devices: Vec<Arc<D>>, links: &[NodeLink], store: B, config: AgentConfig) -> Result<Self> {
+        let pool = NodePool::new(
+            devices.clone(),
             store.clone(),
             PoolConfig::new(config.page_bytes).with_capacity(config.capacity).with_deferred_spills(),
+            config.borrow.clone(),
+            links,
         )?;
         let pool = Arc::new(Mutex::new(pool));
         let in_flight: InFlight = Arc::default();
@@ -208,12 +233,12 @@ impl<D: Device, B: BackingStore> Agent<D, B> {
                 }
             })
             .map_err(|e| AgentError::Config(format!("starting the spill thread: {e}")))?;
-        Ok(Agent { device, store, pool, config, counters: Counters::default(), in_flight, spills: tx })
+        Ok(Agent { devices, store, pool, config, counters: Counters::default(), in_flight, spills: tx })
     }
 
     /// Hands the pool's copied-out evictions to the spill thread: into the in-flight map under
     /// the pool's lock (`pool`), queued after it is released (waiting while the queue is full).
-    fn queue_spills(&self, mut pool: parking_lot::MutexGuard<'_, PagePool<D, B>>) {
+    fn queue_spills(&self, mut pool: parking_lot::MutexGuard<'_, NodePool<D, B>>) {
         let pending = pool.take_spills();
         if pending.is_empty() {
             return;
@@ -269,8 +294,14 @@ impl<D: Device, B: BackingStore> Agent<D, B> {
         &self.config
     }
 
+    /// The node's first device (the only one of [`Agent::new`]).
     pub fn device(&self) -> &Arc<D> {
-        &self.device
+        &self.devices[0]
+    }
+
+    /// The node's devices.
+    pub fn devices(&self) -> &[Arc<D>] {
+        &self.devices
     }
 
     pub fn store(&self) -> &B {
@@ -303,8 +334,14 @@ impl<D: Device, B: BackingStore> Agent<D, B> {
     pub fn stats(&self) -> AgentStats {
         let c = &self.counters;
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let (pool, borrow, link_use) = {
+            let p = self.pool.lock();
+            (p.stats(), p.borrow_stats(), p.link_use(Instant::now()))
+        };
         AgentStats {
-            pool: self.pool.lock().stats(),
+            pool,
+            borrow,
+            link_use,
             connections: get(&c.connections),
             requests: get(&c.requests),
             refused: get(&c.refused),
@@ -356,6 +393,8 @@ enum LoadSource {
 /// unfinished saves, imported buffers.
 pub struct Session<D: Device, B: BackingStore> {
     agent: Arc<Agent<D, B>>,
+    /// The device of this engine (its buffers, its own G1 pool, its staging).
+    device: Arc<D>,
     ns: Option<OpenNs>,
     buffers: HashMap<u32, EngineBuffer>,
     next_buffer: u32,
@@ -379,11 +418,25 @@ fn refusal(e: AgentError) -> Refusal {
 }
 
 impl<D: Device, B: BackingStore> Session<D, B> {
+    /// A session on the node's first device.
     pub fn new(agent: Arc<Agent<D, B>>) -> Result<Self> {
-        let pipe = LayerPipeline::new(agent.device.clone())?;
+        let first = agent.device().ordinal();
+        Self::on_device(agent, first)
+    }
+
+    /// A session of an engine on device `ordinal` of the node.
+    pub fn on_device(agent: Arc<Agent<D, B>>, ordinal: crate::DeviceOrdinal) -> Result<Self> {
+        let device = agent
+            .devices
+            .iter()
+            .find(|d| d.ordinal() == ordinal)
+            .cloned()
+            .ok_or_else(|| AgentError::Config(format!("device {ordinal} is not on this node")))?;
+        let pipe = LayerPipeline::new(device.clone())?.with_peers(agent.devices.iter().cloned());
         add(&agent.counters.connections, 1);
         Ok(Session {
             agent,
+            device,
             ns: None,
             buffers: HashMap::new(),
             next_buffer: 1,
@@ -487,7 +540,7 @@ impl<D: Device, B: BackingStore> Session<D, B> {
             }
             (BufferSource::CudaIpc(bytes), _) => IpcHandle::from_bytes(bytes, len),
         };
-        let buf = self.agent.device.import_ipc(&handle).map_err(refusal)?;
+        let buf = self.device.import_ipc(&handle).map_err(refusal)?;
         drop(fd); // the mapping (or CUDA's import) outlives the descriptor
         let id = self.next_buffer;
         self.next_buffer += 1;
@@ -500,7 +553,7 @@ impl<D: Device, B: BackingStore> Session<D, B> {
             .buffers
             .remove(&buffer)
             .ok_or_else(|| Refusal::new(Status::UnknownBuffer, format!("no buffer {buffer} on this connection")))?;
-        self.agent.device.free(b.buf).map_err(refusal)?;
+        self.device.free(b.buf).map_err(refusal)?;
         Ok(Vec::new())
     }
 
@@ -547,7 +600,7 @@ impl<D: Device, B: BackingStore> Session<D, B> {
             .filter_map(|it| {
                 let page = self.saves.get(&it.key)?.page?;
                 let src = engine.range((layer * pages as usize + it.page as usize) * lb, lb);
-                Some(Transfer::DeviceToDevice { src, dst: page.buf.range(page.offset + layer * lb, lb) })
+                Some(device_copy(src, page.buf.range(page.offset + layer * lb, lb)))
             })
             .collect();
         let started = Instant::now();
@@ -604,8 +657,9 @@ impl<D: Device, B: BackingStore> Session<D, B> {
         }
         let mut pool = self.agent.pool.lock();
         let mut reserved = Vec::new();
+        let (me, now) = (self.device.ordinal(), Instant::now());
         for it in fresh {
-            match pool.reserve(nsid, &it.key) {
+            match pool.reserve(me, nsid, &it.key, now) {
                 Ok(page) => {
                     self.saves.insert(it.key, OpenSave { page, next_layer: 0 });
                     reserved.push(it.key);
@@ -679,9 +733,7 @@ impl<D: Device, B: BackingStore> Session<D, B> {
                 .filter_map(|(src, it)| {
                     let dst = engine.range((l * pages as usize + it.page as usize) * lb, lb);
                     Some(match src {
-                        LoadSource::G1(page) => {
-                            Transfer::DeviceToDevice { src: page.buf.range(page.offset + l * lb, lb), dst }
-                        }
+                        LoadSource::G1(page) => device_copy(page.buf.range(page.offset + l * lb, lb), dst),
                         LoadSource::Staged(j) => {
                             Transfer::HostToDevice { src: staging.as_ref()?.range(j * bb + l * lb, lb), dst }
                         }
@@ -749,7 +801,8 @@ impl<D: Device, B: BackingStore> Session<D, B> {
         let (engine, pages) = self.buffer_for(buffer, items)?;
         let mut in_g1: Vec<Option<DeviceRange>> = {
             let mut pool = self.agent.pool.lock();
-            items.iter().map(|it| pool.pin_for_load(&nsid, &it.key).ok().flatten()).collect()
+            let (me, now) = (self.device.ordinal(), Instant::now());
+            items.iter().map(|it| pool.pin_for_load(me, &nsid, &it.key, now).ok().flatten()).collect()
         };
         let unpin = |agent: &Agent<D, B>, ranges: &[(usize, BlockKey)]| {
             let mut pool = agent.pool.lock();
@@ -827,7 +880,7 @@ impl<D: Device, B: BackingStore> Session<D, B> {
         }
         let bb = self.agent.config.page_bytes;
         let h = HostBuffer::new(bb * self.agent.config.store_blocks_per_load());
-        let reg = self.agent.device.register_host(&h)?;
+        let reg = self.device.register_host(&h)?;
         self.staging = Some((h.clone(), reg));
         Ok(h)
     }
@@ -842,8 +895,17 @@ impl<D: Device, B: BackingStore> Drop for Session<D, B> {
             self.abort_saves(&id, keys.into_iter());
         }
         for (_, b) in self.buffers.drain() {
-            let _ = self.agent.device.free(b.buf);
+            let _ = self.device.free(b.buf);
         }
+    }
+}
+
+/// A copy between device pages: on one device, or over the link to a peer's (a borrowed page).
+fn device_copy(src: DeviceRange, dst: DeviceRange) -> Transfer {
+    if src.buf.device() == dst.buf.device() {
+        Transfer::DeviceToDevice { src, dst }
+    } else {
+        Transfer::Peer { src, dst }
     }
 }
 

@@ -38,6 +38,23 @@ pub struct EngineServer {
 impl EngineServer {
     /// Listens at `path` (a stale socket file there is replaced; mode 0600) and serves `agent`.
     pub fn bind<D: Device, B: BackingStore>(agent: Arc<Agent<D, B>>, path: &Path) -> std::io::Result<Self> {
+        let first = agent.device().ordinal();
+        Self::bind_device(agent, first, path)
+    }
+
+    /// Listens at `path` for engines on device `device` of the agent's node (one socket per
+    /// device); an ordinal not on the node is refused.
+    pub fn bind_device<D: Device, B: BackingStore>(
+        agent: Arc<Agent<D, B>>,
+        device: crate::DeviceOrdinal,
+        path: &Path,
+    ) -> std::io::Result<Self> {
+        if !agent.devices().iter().any(|d| d.ordinal() == device) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("device {device} is not on the agent's node"),
+            ));
+        }
         if path.exists() {
             std::fs::remove_file(path)?;
         }
@@ -66,7 +83,7 @@ impl EngineServer {
                 }
                 let (agent, active) = (agent.clone(), active.clone());
                 let spawned = std::thread::Builder::new().name("kvtier-agent-engine".into()).spawn(move || {
-                    serve_connection(agent, sock);
+                    serve_connection(agent, device, sock);
                     active.fetch_sub(1, Ordering::AcqRel);
                 });
                 if spawned.is_err() {
@@ -154,9 +171,13 @@ impl Conn {
     }
 }
 
-fn serve_connection<D: Device, B: BackingStore>(agent: Arc<Agent<D, B>>, sock: UnixStream) {
+fn serve_connection<D: Device, B: BackingStore>(
+    agent: Arc<Agent<D, B>>,
+    device: crate::DeviceOrdinal,
+    sock: UnixStream,
+) {
     let (idle, io) = (agent.config().idle_timeout, agent.config().io_timeout);
-    let Ok(mut session) = Session::new(agent) else { return };
+    let Ok(mut session) = Session::on_device(agent, device) else { return };
     let Ok(writer) = sock.try_clone() else { return };
     if writer.set_write_timeout(Some(io)).is_err() {
         return;

@@ -13,6 +13,7 @@ use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
 
 use super::proto::{Header, HEADER_LEN};
 use super::*;
+use crate::pool::LenderStats;
 use crate::HostDevice;
 
 const LAYERS: usize = 4;
@@ -109,6 +110,11 @@ fn parse(all: Vec<Vec<u8>>) -> Vec<Ans> {
 impl Eng {
     fn new(a: &Arc<TestAgent>) -> Self {
         Eng { s: Session::new(a.clone()).unwrap(), next: 1 }
+    }
+
+    /// An engine on device `ordinal` of the agent's node.
+    fn on(a: &Arc<TestAgent>, ordinal: u32) -> Self {
+        Eng { s: Session::on_device(a.clone(), ordinal).unwrap(), next: 1 }
     }
 
     fn call(&mut self, req: Request, fd: Option<OwnedFd>) -> Vec<Ans> {
@@ -223,6 +229,10 @@ fn a_small_pool_spills_and_loads_come_back_from_the_store_layer_by_layer() {
     assert_eq!(m2.block(6), vec![0u8; BLOCK], "a miss leaves its page alone");
     assert_eq!(a.stats().load_misses, 1);
     assert_eq!(a.stats().pool.pinned, 0);
+    // A one-device node never borrows, and its evictions are not counted as declines.
+    let b = a.stats().borrow;
+    assert_eq!((b.declines(), b.reclaims, b.lenders[&0]), (0, 0, LenderStats::default()));
+    assert!(b.link_bytes.is_empty());
 }
 
 #[test]
@@ -541,5 +551,164 @@ fn an_engine_that_goes_away_mid_load_leaves_nothing_pinned() {
         });
         assert!(r.is_err());
         assert_eq!(a.stats().pool.pinned, 0, "failing after {fail_at} answers");
+    }
+}
+
+/// A node of host devices 0, 1, ... whose pools hold `pages[i]` blocks each (all of the device's
+/// memory), every pair linked at `bytes_per_sec`, the link monitor's window an hour (nothing
+/// leaves it during a test).
+fn node_agent(pages: &[usize], bytes_per_sec: u64) -> Arc<TestAgent> {
+    let mut cfg = AgentConfig::new(BLOCK);
+    cfg.capacity = Capacity::FractionOfFree(1.0);
+    cfg.borrow = BorrowConfig::default().with_window(Duration::from_secs(3600));
+    let devices: Vec<Arc<HostDevice>> =
+        pages.iter().enumerate().map(|(i, p)| Arc::new(HostDevice::new(i as u32, p * BLOCK))).collect();
+    let n = pages.len() as u32;
+    let links: Vec<NodeLink> = (0..n).flat_map(|a| (a + 1..n).map(move |b| NodeLink { a, b, bytes_per_sec })).collect();
+    Arc::new(Agent::node(devices, &links, MemorySpill::default(), cfg).unwrap())
+}
+
+fn filled(pages: usize, seed: u8) -> EngineMem {
+    let mut m = EngineMem::new(pages, true);
+    for p in 0..pages {
+        m.fill(p, seed + p as u8);
+    }
+    m
+}
+
+#[test]
+fn a_full_device_borrows_a_peer_page_through_its_saves_and_loads_it_back_over_the_link() {
+    let a = node_agent(&[2, 2], 1 << 40);
+    let ns = namespace().id();
+    let m1 = filled(4, 60);
+    let mut e1 = Eng::on(&a, 0);
+    e1.open();
+    let b1 = e1.register(&m1);
+    let saved = e1.save_all_layers(b1, &items(&[(0, 1), (1, 2), (2, 3)]));
+    assert!(saved.iter().all(|s| s.status() == 0), "{:?}", saved.iter().map(Ans::msg).collect::<Vec<_>>());
+    assert_eq!(saved[LAYERS - 1].u32s(), [3, 3]);
+    let st = a.stats();
+    assert_eq!(st.borrow.lenders[&1], LenderStats { lent_pages: 1, borrows: 1, borrowed_bytes: BLOCK as u64 });
+    assert_eq!((st.pool.evictions, st.borrow.declines(), st.pool.resident), (0, 0, 3));
+    assert_eq!(st.borrow.link_bytes[&(0, 1)], BLOCK as u64, "the borrowed page's fill crossed the link");
+    {
+        let node = a.pool.lock();
+        assert_eq!(node.pool(1).unwrap().owner(&(ns, key(3))), Some(0), "device 1's pool holds 0's block");
+        assert_eq!(node.policy().borrowed(0, 1), BLOCK as u64);
+    }
+    // Another engine on device 0 loads all three; the borrowed one crosses the link again.
+    let m2 = EngineMem::new(3, true);
+    let mut e2 = Eng::on(&a, 0);
+    e2.open();
+    let b2 = e2.register(&m2);
+    let got = e2.call(Request::Load { buffer: b2, items: items(&[(2, 1), (1, 2), (0, 3)]) }, None);
+    assert_eq!(got[0].u32s(), [3, 3, 0]);
+    assert!(got[1..].iter().all(|g| g.status() == 0));
+    for (dst, src) in [(2, 0), (1, 1), (0, 2)] {
+        assert_eq!(m2.block(dst), m1.block(src), "page {dst}");
+    }
+    let st = a.stats();
+    assert_eq!((st.borrow.link_bytes[&(0, 1)], st.pool.pinned), (2 * BLOCK as u64, 0));
+    // A save that goes away after layer 0 gives its borrowed page back to the lender's share.
+    let mut e3 = Eng::on(&a, 0);
+    e3.open();
+    let b3 = e3.register(&m1);
+    let r = e3.one(Request::Save { buffer: b3, layer: 0, items: items(&[(3, 4)]) }, None);
+    assert_eq!(r.status(), 0, "{}", r.msg());
+    assert_eq!(a.stats().borrow.lenders[&1].lent_pages, 2);
+    assert_eq!(a.pool.lock().policy().share(1).unwrap(), (2 * BLOCK as u64, 0));
+    drop(e3);
+    assert_eq!(a.stats().borrow.lenders[&1].lent_pages, 1);
+    let node = a.pool.lock();
+    assert_eq!(node.policy().share(1).unwrap(), (2 * BLOCK as u64, BLOCK as u64));
+    assert_eq!(node.policy().borrowed(0, 1), BLOCK as u64);
+    drop(node);
+    assert!(Session::on_device(a.clone(), 9).is_err(), "a device not on the node");
+}
+
+#[test]
+fn past_the_link_budget_a_full_device_declines_and_evicts_into_g2_instead() {
+    // 2 bytes/s over an hour: 30% is 2160 bytes, two 1 KiB fills; device 1 has room for four.
+    let a = node_agent(&[2, 4], 2);
+    let ns = namespace().id();
+    let m1 = filled(5, 80);
+    let mut e1 = Eng::on(&a, 0);
+    e1.open();
+    let b1 = e1.register(&m1);
+    for p in 0..5u32 {
+        let saved = e1.save_all_layers(b1, &items(&[(p, p as u8 + 1)]));
+        assert!(saved.iter().all(|s| s.status() == 0));
+    }
+    assert!(a.wait_for_spills(Duration::from_secs(5)));
+    let st = a.stats();
+    assert_eq!((st.borrow.lenders[&1].borrows, st.borrow.declined_link_budget), (2, 1));
+    assert_eq!((st.pool.evictions, st.pool.spills, st.pool.resident), (1, 1, 4));
+    assert_eq!(a.store().get(&ns, &key(1)), Some(m1.block(0)), "the least recently used block went to G2");
+    let used = st.link_use[&(0, 1)];
+    assert!(used > 0.28 && used <= 0.3, "{used}");
+    // Everything comes back byte-identical: two from device 0's pool, two over the link, one
+    // from G2.
+    let m2 = EngineMem::new(5, true);
+    let mut e2 = Eng::on(&a, 0);
+    e2.open();
+    let b2 = e2.register(&m2);
+    let got = e2.call(Request::Load { buffer: b2, items: items(&[(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]) }, None);
+    assert_eq!(got[0].u32s(), [5, 4, 1]);
+    assert!(got[1..].iter().all(|g| g.status() == 0));
+    for p in 0..5 {
+        assert_eq!(m2.block(p), m1.block(p), "block {p}");
+    }
+}
+
+#[test]
+fn a_lenders_own_blocks_take_its_lent_pages_back_and_are_never_starved() {
+    let a = node_agent(&[1, 3], 1 << 40);
+    let ns = namespace().id();
+    // Device 1's engine saves a block first: the oldest block of its pool.
+    let m1 = filled(3, 200);
+    let mut e1 = Eng::on(&a, 1);
+    e1.open();
+    let b1 = e1.register(&m1);
+    assert!(e1.save_all_layers(b1, &items(&[(0, 10)])).iter().all(|s| s.status() == 0));
+    let m0 = filled(4, 100);
+    let mut e0 = Eng::on(&a, 0);
+    e0.open();
+    let b0 = e0.register(&m0);
+    assert!(e0.save_all_layers(b0, &items(&[(0, 1), (1, 2), (2, 3)])).iter().all(|s| s.status() == 0));
+    assert_eq!(a.stats().borrow.lenders[&1].lent_pages, 2, "the rest of device 1's share is lent");
+    // Device 1 saves two more: its share is its own, so both lent pages come back (spilled to G2
+    // for device 0) although its own block 10 is the least recently used of its pool.
+    assert!(e1.save_all_layers(b1, &items(&[(1, 11), (2, 12)])).iter().all(|s| s.status() == 0));
+    assert!(a.wait_for_spills(Duration::from_secs(5)));
+    let st = a.stats();
+    assert_eq!((st.borrow.reclaims, st.borrow.lenders[&1].lent_pages, st.borrow.declines()), (2, 0, 0));
+    assert_eq!(st.pool.spills, 2);
+    assert_eq!(a.store().get(&ns, &key(2)), Some(m0.block(1)));
+    assert_eq!(a.store().get(&ns, &key(3)), Some(m0.block(2)));
+    {
+        let node = a.pool.lock();
+        let lender = node.pool(1).unwrap();
+        assert!([10, 11, 12].iter().all(|k| lender.contains(&ns, &key(*k))), "the lender kept its own blocks");
+        assert_eq!(lender.owner(&(ns, key(11))), Some(1));
+        assert_eq!((node.policy().borrowed(0, 1), node.policy().lent(1)), (0, 0));
+    }
+    // Device 0 is full and device 1's share holds only its own blocks: no peer has room, so
+    // device 0 evicts its own block.
+    assert!(e0.save_all_layers(b0, &items(&[(3, 4)])).iter().all(|s| s.status() == 0));
+    assert!(a.wait_for_spills(Duration::from_secs(5)));
+    let st = a.stats();
+    assert_eq!((st.borrow.declined_no_peer_capacity, st.pool.spills), (1, 3));
+    assert_eq!(a.store().get(&ns, &key(1)), Some(m0.block(0)));
+    // An engine on device 1 loads device 0's blocks: from G2, and the one in device 0's pool over
+    // the link.
+    let m2 = EngineMem::new(4, true);
+    let mut e2 = Eng::on(&a, 1);
+    drop(e1);
+    e2.open();
+    let b2 = e2.register(&m2);
+    let got = e2.call(Request::Load { buffer: b2, items: items(&[(0, 1), (1, 2), (2, 3), (3, 4)]) }, None);
+    assert_eq!(got[0].u32s(), [4, 1, 3]);
+    for p in 0..4 {
+        assert_eq!(m2.block(p), m0.block(p), "block {p}");
     }
 }

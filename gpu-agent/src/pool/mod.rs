@@ -27,6 +27,11 @@
 //! in [`PagePool::take_spills`] for the owner to hand to the spill target without holding the
 //! pool (one slow spill then stalls nobody else's loads), and [`PagePool::spill_finished`] counts
 //! it and reports the eviction.
+//!
+//! [`NodePool`] (`node.rs`) is one such pool per device of a node with the borrowing policy
+//! carried out between them; each entry records its owner (the device whose engine the block came
+//! from: [`PagePool::reserve_for`]) so a lender knows which of its pages are lent
+//! ([`PagePool::held_by`], [`PagePool::evict_lent`]).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
@@ -36,8 +41,11 @@ use kvtier_proto::{BlockKey, CodecId, DType, NamespaceId, ScopedKey};
 use parking_lot::Mutex;
 
 use crate::codec::{device_body_len, device_codec, payload_header, CODEC_ALIGN};
-use crate::device::{CodecOp, Device, DeviceBuf, DeviceRange, HostBuffer, HostRange, Registration};
+use crate::device::{CodecOp, Device, DeviceBuf, DeviceOrdinal, DeviceRange, HostBuffer, HostRange, Registration};
 use crate::error::{AgentError, Result};
+
+mod node;
+pub use node::{BorrowStats, LenderStats, NodeLink, NodePool};
 
 /// Where evicted blocks go (G2 through the same-node client in the agent).
 pub trait Spill: Send + Sync {
@@ -66,6 +74,8 @@ pub struct SpilledBlock {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PendingSpill {
     pub key: ScopedKey,
+    /// The device whose pool evicted it.
+    pub device: DeviceOrdinal,
     pub codec: CodecId,
     pub payload: Vec<u8>,
 }
@@ -230,6 +240,9 @@ struct Entry {
     /// Reserved for a save still being written layer by layer ([`PagePool::reserve`]): pinned,
     /// and invisible to loads until [`PagePool::commit`].
     filling: bool,
+    /// The device whose engine the block came from: this pool's device, or a peer that borrowed
+    /// the page ([`PagePool::reserve_for`]).
+    owner: DeviceOrdinal,
 }
 
 /// The G1 page pool on one device.
@@ -272,6 +285,8 @@ pub struct PagePool<D: Device, S: Spill> {
     deferred_spills: bool,
     /// Copied-out evictions waiting for [`PagePool::take_spills`] (deferred spills only).
     outbox: Vec<PendingSpill>,
+    /// Pages held (resident or filling) per owner.
+    held: HashMap<DeviceOrdinal, usize>,
 }
 
 /// Device scratch for coding a page on its way out or in: the body at 0, the status word at
@@ -341,6 +356,7 @@ impl<D: Device, S: Spill> PagePool<D, S> {
             changes_lost: false,
             deferred_spills: config.deferred_spills,
             outbox: Vec::new(),
+            held: HashMap::new(),
         })
     }
 
@@ -366,6 +382,49 @@ impl<D: Device, S: Spill> PagePool<D, S> {
 
     pub fn contains(&self, ns: &NamespaceId, key: &BlockKey) -> bool {
         self.index.get(&(*ns, *key)).is_some_and(|e| !e.filling)
+    }
+
+    /// Whether the pool holds the key, resident or still filling.
+    pub fn holds(&self, key: &ScopedKey) -> bool {
+        self.index.contains_key(key)
+    }
+
+    /// Pages that hold nothing.
+    pub fn free_pages(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Pages (resident or filling) holding blocks of `owner`'s engines: this pool's device's
+    /// own, or a peer's that borrowed them.
+    pub fn held_by(&self, owner: DeviceOrdinal) -> usize {
+        self.held.get(&owner).copied().unwrap_or(0)
+    }
+
+    /// The owner of a block the pool holds.
+    pub fn owner(&self, key: &ScopedKey) -> Option<DeviceOrdinal> {
+        self.index.get(key).map(|e| e.owner)
+    }
+
+    fn put(&mut self, k: ScopedKey, e: Entry) {
+        *self.held.entry(e.owner).or_default() += 1;
+        if let Some(old) = self.index.insert(k, e) {
+            self.unhold(old.owner);
+        }
+    }
+
+    fn take(&mut self, k: &ScopedKey) -> Option<Entry> {
+        let e = self.index.remove(k)?;
+        self.unhold(e.owner);
+        Some(e)
+    }
+
+    fn unhold(&mut self, owner: DeviceOrdinal) {
+        if let Some(n) = self.held.get_mut(&owner) {
+            *n -= 1;
+            if *n == 0 {
+                self.held.remove(&owner);
+            }
+        }
     }
 
     /// Every resident key (what the agent reports to the server).
@@ -395,6 +454,17 @@ impl<D: Device, S: Spill> PagePool<D, S> {
     /// key is the same bytes, so nothing needs copying). May evict (and spill) to make room;
     /// [`AgentError::PoolExhausted`] when every page is pinned.
     pub fn reserve(&mut self, ns: &NamespaceId, key: &BlockKey) -> Result<Option<DeviceRange>> {
+        self.reserve_for(ns, key, self.device.ordinal())
+    }
+
+    /// [`PagePool::reserve`] for a block of `owner`'s engine (a peer GPU borrowing the page when
+    /// `owner` is not this pool's device).
+    pub fn reserve_for(
+        &mut self,
+        ns: &NamespaceId,
+        key: &BlockKey,
+        owner: DeviceOrdinal,
+    ) -> Result<Option<DeviceRange>> {
         let k = (*ns, *key);
         if self.index.contains_key(&k) {
             self.touch(k);
@@ -402,7 +472,7 @@ impl<D: Device, S: Spill> PagePool<D, S> {
         }
         let page = self.take_page()?;
         let tick = self.next_tick();
-        self.index.insert(k, Entry { page, pins: 1, tick, clean: false, filling: true });
+        self.put(k, Entry { page, pins: 1, tick, clean: false, filling: true, owner });
         Ok(Some(self.page_range(page)))
     }
 
@@ -431,7 +501,7 @@ impl<D: Device, S: Spill> PagePool<D, S> {
     pub fn abort(&mut self, ns: &NamespaceId, key: &BlockKey) -> Result<()> {
         let k = (*ns, *key);
         let e = self.index.get(&k).copied().filter(|e| e.filling).ok_or(AgentError::NotResident)?;
-        self.index.remove(&k);
+        self.take(&k);
         self.free.push(e.page);
         Ok(())
     }
@@ -462,7 +532,26 @@ impl<D: Device, S: Spill> PagePool<D, S> {
             return Ok(p);
         }
         let (_, victim) = self.lru.pop_first().ok_or(AgentError::PoolExhausted { pages: self.pages })?;
-        let entry = self.index.remove(&victim).ok_or(AgentError::NotResident)?;
+        self.evict(victim)
+    }
+
+    /// Evicts the least recently used unpinned block a peer borrowed its page for (spilled like
+    /// any eviction), leaving a free page: the lender taking its share back. False when no such
+    /// block can be evicted.
+    pub fn evict_lent(&mut self) -> Result<bool> {
+        let own = self.device.ordinal();
+        let found = self.lru.iter().find(|(_, k)| self.index.get(*k).is_some_and(|e| e.owner != own));
+        let Some((&tick, &victim)) = found else { return Ok(false) };
+        self.lru.remove(&tick);
+        let page = self.evict(victim)?;
+        self.free.push(page);
+        Ok(true)
+    }
+
+    /// Takes an unpinned block (already out of the LRU) out of the pool, spilling it or queueing
+    /// its spill; returns its page.
+    fn evict(&mut self, victim: ScopedKey) -> Result<usize> {
+        let entry = self.take(&victim).ok_or(AgentError::NotResident)?;
         self.stats.evictions += 1;
         let below = if entry.clean {
             self.stats.clean_drops += 1;
@@ -471,7 +560,8 @@ impl<D: Device, S: Spill> PagePool<D, S> {
             match self.stage(entry.page) {
                 Ok((codec, payload)) => {
                     // Reported once the owner's spill finished.
-                    self.outbox.push(PendingSpill { key: victim, codec, payload });
+                    let device = self.device.ordinal();
+                    self.outbox.push(PendingSpill { key: victim, device, codec, payload });
                     return Ok(entry.page);
                 }
                 Err(_) => {
@@ -599,7 +689,8 @@ impl<D: Device, S: Spill> PagePool<D, S> {
             return Err(e);
         }
         let tick = self.next_tick();
-        self.index.insert(k, Entry { page, pins: 0, tick, clean, filling: false });
+        let owner = self.device.ordinal();
+        self.put(k, Entry { page, pins: 0, tick, clean, filling: false, owner });
         self.lru.insert(tick, k);
         self.stats.inserts += 1;
         self.note(PoolChange::Stored(k));
@@ -668,7 +759,8 @@ impl<D: Device, S: Spill> PagePool<D, S> {
             return Err(e);
         }
         let tick = self.next_tick();
-        self.index.insert(k, Entry { page, pins: 0, tick, clean: true, filling: false });
+        let owner = self.device.ordinal();
+        self.put(k, Entry { page, pins: 0, tick, clean: true, filling: false, owner });
         self.lru.insert(tick, k);
         self.stats.inserts += 1;
         self.note(PoolChange::Stored(k));
@@ -763,7 +855,7 @@ impl<D: Device, S: Spill> PagePool<D, S> {
         if e.pins > 0 {
             return Err(AgentError::Pinned);
         }
-        self.index.remove(&k);
+        self.take(&k);
         self.lru.remove(&e.tick);
         self.free.push(e.page);
         self.note(PoolChange::Evicted { key: k, below: false });
