@@ -11,6 +11,9 @@
 //!   verifies the checksum on *that copy* before committing: bytes the client can still change
 //!   are never trusted, so a client racing its own store gets `ChecksumMismatch`, never a stored
 //!   block that fails its checksum.
+//! - A block may lie in several pieces of the buffer (`LOAD_SEGMENTS` / `STORE_SEGMENTS`: an
+//!   engine page's K and V halves, or one piece per layer): it is copied piece by piece in order
+//!   and checked across the pieces in the same pass, with every piece bounds-checked first.
 //!
 //! Safety of the client's memory:
 //! - Memfds sealed with `F_SEAL_SHRINK` are mapped, and only when `fstat` shows at least the

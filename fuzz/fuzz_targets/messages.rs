@@ -3,7 +3,7 @@
 #![no_main]
 
 use kvtier_proto::dataplane::{self, Hello, HelloReply, RequestHeader, ResponseHeader};
-use kvtier_proto::samenode::{self, LoadItem, SnRequest, StoreItem};
+use kvtier_proto::samenode::{self, LoadItem, Segment, SnOp, SnRequest, StoreItem};
 use libfuzzer_sys::fuzz_target;
 
 fn fixed<const N: usize>(data: &[u8]) -> Option<[u8; N]> {
@@ -46,5 +46,18 @@ fuzz_target!(|data: &[u8]| {
     }
     if let Ok((h, _)) = StoreItem::split(data) {
         assert_eq!(h.len(), kvtier_proto::FRAME_HEADER_LEN);
+    }
+    // A segmented request's items and table: counts within the caps, a table that round-trips.
+    for op in [SnOp::LoadSegments, SnOp::StoreSegments] {
+        if let Ok((counts, table_len)) = samenode::segment_counts(op, data) {
+            assert!(counts.iter().all(|&n| n >= 1 && u64::from(n) <= samenode::MAX_SEGMENTS_PER_ITEM));
+            assert_eq!(table_len, counts.iter().map(|&n| n as usize).sum::<usize>() * samenode::SEGMENT_LEN);
+            assert!(table_len <= samenode::MAX_SEGMENTS_PER_REQUEST * samenode::SEGMENT_LEN);
+        }
+    }
+    if let Ok(table) = Segment::decode_table(data) {
+        let mut enc = Vec::new();
+        table.iter().for_each(|s| s.encode_into(&mut enc));
+        assert_eq!(enc, data);
     }
 });

@@ -41,9 +41,10 @@ DEADLINE = 2.0  # the backends' timeout_s in these tests
 # ------------------------------------------------------------------------------------ SGLang parts
 
 
-def make_pool(layout, *, head_dim=DIM, fill=None, seed=0):
+def make_pool(layout, *, head_dim=DIM, fill=None, seed=0, allocator="default"):
     """A real CPU MHA host pool (4 layers, 2 heads, bf16, 16-token pages, 9 pages) over CPU
-    "device" buffers, filled with random bf16 values (or `fill`)."""
+    "device" buffers, filled with random bf16 values (or `fill`); `allocator="shm"` puts it in
+    shared memory, as SGLang's `"allocator": "shm"` does."""
     cap = 64
     k = tuple(torch.zeros(cap, HEADS, head_dim, dtype=torch.bfloat16) for _ in range(LAYERS))
     v = tuple(torch.zeros(cap, HEADS, head_dim, dtype=torch.bfloat16) for _ in range(LAYERS))
@@ -55,7 +56,7 @@ def make_pool(layout, *, head_dim=DIM, fill=None, seed=0):
         device=torch.device("cpu"))
     pool = MHATokenToKVPoolHost(info, host_to_device_ratio=2.0, host_size=0, page_size=PAGE, layout=layout,
                                 pin_memory=False, device="cpu", device_capacity_tokens=cap, start_layer=0,
-                                end_layer=LAYERS)
+                                end_layer=LAYERS, allocator_type=allocator)
     buf = pool.kv_buffer
     if fill is None:
         g = torch.Generator().manual_seed(seed)
@@ -212,6 +213,37 @@ def test_pages_round_trip_bit_exact(server, layout, path):
 
     # Storing again sends nothing new and still succeeds.
     assert writer.set(keys, first_page=0) is True
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_shared_memory_host_pool_moves_pages_over_the_same_node_socket(server, layout):
+    """With `"allocator": "shm"` SGLang's host pool is shared memory: the backend registers it and
+    the zero-copy functions move every page's segments over the server's same-node socket (one
+    copy by the server, no payload on a socket), bit-exact; a pool in ordinary memory goes over TCP."""
+    writer = Engine(server.addr, layout, "zero_copy", pool=make_pool(layout, seed=11, allocator="shm"),
+                    allocator="shm")
+    assert writer.backend._regions, "the shared host pool is registered"
+    keys = fresh_keys(4)
+    assert writer.set(keys, first_page=0) is True
+    st = writer.backend.client.samenode_stats()
+    assert st["stores"] >= 1 and not st["fallbacks"], st
+
+    reader = Engine(server.addr, layout, "zero_copy", pool=make_pool(layout, fill=0, allocator="shm"),
+                    allocator="shm")
+    assert reader.get(keys, first_page=3) == 4
+    for i in range(4):
+        np.testing.assert_array_equal(reader.page(3 + i), writer.page(i))
+    assert not reader.page(2).any() and not reader.page(7).any(), "pages outside the load are untouched"
+    st = reader.backend.client.samenode_stats()
+    assert st["loads"] >= 1 and not st["fallbacks"], st
+
+    # The same pages into a pool in ordinary memory: over TCP, the same bytes.
+    plain = Engine(server.addr, layout, "zero_copy")
+    assert not plain.backend._regions
+    assert plain.get(keys, first_page=1) == 4
+    for i in range(4):
+        np.testing.assert_array_equal(plain.page(1 + i), writer.page(i))
+    assert plain.backend.client.samenode_stats()["loads"] == 0
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -7,12 +7,20 @@ launch line, no SGLang patch:
     python -m sglang.launch_server --model-path M --page-size 64 --enable-hierarchical-cache \\
       --hicache-mem-layout page_first --hicache-storage-backend dynamic \\
       --hicache-storage-backend-extra-config '{"backend_name":"kvtier","module_path":"kvtier.sglang",
-        "class_name":"KvtierHiCacheStorage","interface_v1":1,"server":"127.0.0.1:7070","tenant":"acme"}'
+        "class_name":"KvtierHiCacheStorage","interface_v1":1,"server":"127.0.0.1:7070","tenant":"acme",
+        "allocator":"shm"}'
 
 `interface_v1: 1` selects the zero-copy page functions (`batch_get_v1`/`batch_set_v1`): a page's
 segments in the host pool (2 per page for `page_first*`, 2 per layer for `layer_first`) are sent
 from and received into where they are, with no staging copy. Without it SGLang uses the copying
 "generic" functions (`batch_get`/`batch_set` over flat page tensors).
+
+Same node: add `"allocator": "shm"` (SGLang's own option) and SGLang allocates its host pool in
+shared memory (a memfd, still pinned with `cudaHostRegister` on a GPU). The backend registers that
+memory with the client (`Client.register_region`), and when the kvtier server runs on this host
+the zero-copy functions move pages over its same-node socket: the server copies each page's
+segments straight into (or out of) the host pool, one copy, no payload on a socket. A pool in
+ordinary memory goes over TCP as before (logged once at attach).
 
 Extra-config keys besides SGLang's own (`backend_name`, `module_path`, `class_name`, `interface_v1`):
 
@@ -24,6 +32,8 @@ Extra-config keys besides SGLang's own (`backend_name`, `module_path`, `class_na
     exists_timeout_s deadline of one existence query (default 2 s; past it: 0 hits)
     connections      client connections (default 4)
     auth_token       kvtier bearer token
+    allocator        "shm": SGLang's host pool in shared memory, for the same-node path (SGLang reads
+                     this key itself)
 
 Keys are SGLang's page hashes (a SHA-256 chain over the page tokens, salted by `extra_key` /
 `cache_salt`), stored as opaque kvtier keys. What those hashes do not cover is in the kvtier
@@ -158,6 +168,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
         self.ns_flat = None  # the generic functions' namespace
         self.ns_segments = None  # the zero-copy functions' namespace
         self.segments_per_page = 0
+        self._regions = []  # the host pool's memory registered for the same-node path
         self._warned_at = 0.0
         self._lock = threading.Lock()
         self.stats = {"exists": 0, "hits": 0, "gets": 0, "got": 0, "sets": 0, "stored": 0, "errors": 0}
@@ -172,6 +183,28 @@ class KvtierHiCacheStorage(HiCacheStorage):
             logger.error("kvtier HiCache backend: cannot use host pool %s (%s); L3 disabled",
                          type(mem_pool_host).__name__, e)
             self.ns_flat = self.ns_segments = None
+        self._register_host_pool(mem_pool_host)
+
+    def _register_host_pool(self, pool: Any) -> None:
+        """Registers the host pool's memory with the client when it is a shared mapping (SGLang's
+        `"allocator": "shm"`), so the zero-copy functions move pages over the same-node socket
+        when the server is on this host. Anything else (ordinary memory, a pool of several
+        buffers whose pages span them) goes over TCP."""
+        bufs = pool.kv_buffer if isinstance(getattr(pool, "kv_buffer", None), list) else [getattr(pool, "kv_buffer", None)]
+        regions = []
+        try:
+            for t in bufs:
+                view = _byte_view(t, writable=True) if isinstance(t, torch.Tensor) else None
+                if view is None:
+                    raise ValueError("the host pool holds no CPU tensor")
+                regions.append(self.client.register_region(view))
+        except Exception as e:  # noqa: BLE001 - the TCP path serves every call
+            logger.info("kvtier HiCache backend: the host pool is not in shared memory (%s); pages go over TCP "
+                        "(\"allocator\": \"shm\" in the extra config puts it there)", e)
+            return
+        self._regions = regions
+        logger.info("kvtier HiCache backend: the host pool (%d bytes) is registered for the same-node path",
+                    sum(len(r) for r in regions))
 
     def _namespace(self, pool: Any, path: str, block_bytes: int):
         cfg = self.storage_config
