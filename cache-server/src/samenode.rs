@@ -1,6 +1,6 @@
 //! The same-node path: clients on this host register buffers of their own shared memory over a
-//! Unix socket (protocol in `kvtier_proto::samenode`) and move blocks by offset into them, one
-//! copy each way, with no payload on the socket.
+//! Unix socket (protocol in `kvtier_proto::samenode`) and move blocks by offset into them (or
+//! into several segments of them per block), one copy each way, with no payload on the socket.
 //!
 //! - A load looks the block up through the tier stack and copies it from its slot into the
 //!   client's buffer; the answer carries the frame header. A DRAM block is checked against its
@@ -566,7 +566,7 @@ impl Conn {
             let (counts, table) = if req.op.is_segmented() {
                 let (counts, table_len) = match sn::segment_counts(req.op, &body) {
                     Ok(x) => x,
-                    Err(e) => return self.fatal(req.op as u8, Status::TooLarge, &e.to_string()).await,
+                    Err(e) => return self.fatal(req.op as u8, Status::BadRequest, &e.to_string()).await,
                 };
                 let mut raw = Vec::new();
                 let whole = tokio::time::timeout(stall, self.read_exact(table_len, &mut raw))

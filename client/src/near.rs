@@ -39,6 +39,7 @@ use tokio::sync::{Semaphore, SemaphorePermit};
 
 use crate::client::{BlockDest, ClientConfig, KvClient, NamespaceHandle, StoreReport};
 use crate::{ClientError, SameNode, Segment, SharedBuffer};
+use kvtier_proto::samenode::MAX_SEGMENTS_PER_ITEM;
 
 /// How long a client keeps off a same-node socket it failed to open before trying again.
 pub const RETRY_AFTER: Duration = Duration::from_secs(10);
@@ -432,6 +433,14 @@ impl Places<'_> {
                 .iter()
                 .enumerate()
                 .map(|(i, segs)| {
+                    // The same-node protocol's cap, held on both paths so a call's fate doesn't
+                    // depend on where the server runs.
+                    if segs.is_empty() || segs.len() as u64 > MAX_SEGMENTS_PER_ITEM {
+                        return Err(ClientError::InvalidArgument(format!(
+                            "block {i} has {} segments; a block has 1 to {MAX_SEGMENTS_PER_ITEM}",
+                            segs.len()
+                        )));
+                    }
                     let total = segs.iter().try_fold(0u64, |t, s| t.checked_add(s.len));
                     if total != Some(block_bytes) {
                         return Err(ClientError::InvalidArgument(format!(
@@ -443,8 +452,8 @@ impl Places<'_> {
                 .collect::<Result<_, _>>()?,
         };
         if disjoint {
-            let mut sorted: Vec<&Range<usize>> = out.iter().flatten().collect();
-            sorted.sort_by_key(|r| r.start);
+            let mut sorted: Vec<&Range<usize>> = out.iter().flatten().filter(|r| !r.is_empty()).collect();
+            sorted.sort_by_key(|r| (r.start, r.end));
             if let Some(w) = sorted.windows(2).find(|w| w[0].end > w[1].start) {
                 return Err(ClientError::InvalidArgument(format!(
                     "destinations at offsets {} and {} overlap",

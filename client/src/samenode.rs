@@ -546,6 +546,13 @@ impl SameNode {
         segments: &[Vec<Segment>],
         stop_at_miss: bool,
     ) -> Result<Vec<Result<FrameHeader, ItemStatus>>, ClientError> {
+        if keys.len() != segments.len() {
+            return Err(ClientError::InvalidArgument(format!(
+                "{} keys but {} segment lists",
+                keys.len(),
+                segments.len()
+            )));
+        }
         let mut out = Vec::with_capacity(keys.len());
         for range in segment_batches(segments, self.max_items)? {
             let items: Vec<LoadItem> = keys[range.clone()]

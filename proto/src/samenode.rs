@@ -31,12 +31,13 @@
 //! - `LOAD_SEGMENTS` / `STORE_SEGMENTS`: as `LOAD` / `STORE`, for blocks whose bytes lie in
 //!   several places of the buffer (an engine's page split into K and V halves, or into one piece
 //!   per layer: SGLang's host pool). The items are `LOAD`'s and `STORE`'s, each `offset` field
-//!   holding the number of the item's [`Segment`]s (a `LOAD_SEGMENTS` item's `room` is 0), and
+//!   holding the number of the item's [`Segment`]s (a `LOAD_SEGMENTS` item's `room` is ignored), and
 //!   after them the segment table: every item's segments in order, 16 bytes each (offset,
 //!   length). A block fills its segments in order (a load's payload may end before the last
 //!   segment does; a store's payload is exactly its segments). At most
-//!   [`MAX_SEGMENTS_PER_ITEM`] per item and [`MAX_SEGMENTS_PER_REQUEST`] per request. Answers
-//!   as `LOAD`'s and `STORE`'s.
+//!   [`MAX_SEGMENTS_PER_ITEM`] per item and [`MAX_SEGMENTS_PER_REQUEST`] per request (past
+//!   them the request is answered `BadRequest` and the connection ends, its table unread).
+//!   Answers as `LOAD`'s and `STORE`'s, with their own op byte.
 //!
 //! A request-level error is a [`ResponseHeader`] with a non-zero status and a message; since
 //! every body has a length known from its header, the connection keeps serving after one.

@@ -190,6 +190,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
         `"allocator": "shm"`), so the zero-copy functions move pages over the same-node socket
         when the server is on this host. Anything else (ordinary memory, a pool of several
         buffers whose pages span them) goes over TCP."""
+        # A pool registered before is done with: its address range must not be taken for this one.
+        self._regions = []
         bufs = pool.kv_buffer if isinstance(getattr(pool, "kv_buffer", None), list) else [getattr(pool, "kv_buffer", None)]
         regions = []
         try:
@@ -447,4 +449,5 @@ class KvtierHiCacheStorage(HiCacheStorage):
         return None
 
     def close(self) -> None:
-        pass
+        # The pool's registration: an address range taken for that memory must not outlive it.
+        self._regions = []
