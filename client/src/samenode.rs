@@ -625,14 +625,7 @@ impl SameNode {
         if keys.len() != offsets.len() {
             return Err(ClientError::InvalidArgument(format!("{} keys but {} offsets", keys.len(), offsets.len())));
         }
-        if ns.codec() != CodecId::RAW {
-            return Err(ClientError::InvalidArgument(format!(
-                "the same-node store sends raw blocks; this handle encodes with {} (use store_keys)",
-                ns.codec().name()
-            )));
-        }
-        buf.check_intact()?;
-        let id = self.register(buf).await?;
+        let id = self.register_for_raw_store(ns, buf).await?;
         let base = buf.file_base;
         let layout = ns.namespace.layout;
         let bb = ns.block_bytes();
@@ -667,6 +660,23 @@ impl SameNode {
         self.store_items(id, &items).await
     }
 
+    /// `buf`'s id on this connection for a store of raw blocks under `ns` (registered if it isn't
+    /// yet); an error for a handle that encodes, or a file region that was truncated.
+    async fn register_for_raw_store(
+        &mut self,
+        ns: &NamespaceHandle,
+        buf: &SharedBuffer,
+    ) -> Result<BufferId, ClientError> {
+        if ns.codec() != CodecId::RAW {
+            return Err(ClientError::InvalidArgument(format!(
+                "the same-node store sends raw blocks; this handle encodes with {} (use store_keys)",
+                ns.codec().name()
+            )));
+        }
+        buf.check_intact()?;
+        self.register(buf).await
+    }
+
     /// The protocol's `STORE`: each item's payload is read by the server at its offset in buffer
     /// `buffer` and checked against its header's checksum after the copy.
     pub async fn store_items(&mut self, buffer: BufferId, items: &[StoreItem]) -> Result<Vec<ItemStatus>, ClientError> {
@@ -694,14 +704,7 @@ impl SameNode {
                 segments.len()
             )));
         }
-        if ns.codec() != CodecId::RAW {
-            return Err(ClientError::InvalidArgument(format!(
-                "the same-node store sends raw blocks; this handle encodes with {} (use store_keys)",
-                ns.codec().name()
-            )));
-        }
-        buf.check_intact()?;
-        let id = self.register(buf).await?;
+        let id = self.register_for_raw_store(ns, buf).await?;
         let base = buf.file_base;
         let layout = ns.namespace.layout;
         let bb = ns.block_bytes();
