@@ -52,10 +52,12 @@ def _backend(addr, pool, allocator):
              "interface_v1": 1, "server": addr, "tenant": "bench", "timeout_s": 30.0}
     if allocator == "shm":
         extra["allocator"] = "shm"
-    cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, is_mla_model=False,
-                               is_page_first_layout=True, model_name="kvtier-sglang-bench", extra_config=extra)
+    cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                               is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+                               model_name="kvtier-sglang-bench", extra_config=extra)
     b = StorageBackendFactory.create_backend("dynamic", cfg, pool)
     b.register_mem_pool_host(pool)
+    b.on_host_pools_registered()
     return b
 
 
@@ -97,7 +99,7 @@ def run(addr, *, pages=32, layers=32, heads=8, head_dim=128, page=16, rounds=15)
         # The same pages copied inside a pool: K and V rows of every page, as one copy each.
         kv = readers["default"].mem_pool_host.kv_buffer
         t0 = time.perf_counter()
-        kv[:, pages * page:].copy_(writer_pool.kv_buffer[:, :pages * page])
+        kv[:, pages * page:2 * pages * page].copy_(writer_pool.kv_buffer[:, :pages * page])
         times["memcpy"].append(time.perf_counter() - t0)
     if readers["shm"].client.samenode_stats()["loads"] < rounds:
         raise SystemExit(f"the shared pool's loads did not take the same-node path: "
