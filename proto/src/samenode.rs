@@ -153,7 +153,7 @@ impl Segment {
 
     /// The segment table `b` (a whole number of segments).
     pub fn decode_table(b: &[u8]) -> Result<Vec<Segment>, ProtoError> {
-        if b.len() % SEGMENT_LEN != 0 {
+        if !b.len().is_multiple_of(SEGMENT_LEN) {
             return Err(ProtoError::Malformed(format!("a segment table of {} bytes", b.len())));
         }
         Ok(b.chunks_exact(SEGMENT_LEN)
