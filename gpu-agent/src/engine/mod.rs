@@ -15,6 +15,17 @@
 //!   the store into a registered staging buffer and copies every layer into the engine's pages
 //!   with [`LayerPipeline`], answering as each layer lands. A G1 page on another device (a
 //!   borrowed one) is copied over the link ([`Transfer::Peer`]) both ways.
+//! - **Promotion** ([`AgentConfig::promote_loads`], on by default): a block a LOAD fetched from
+//!   the store gets a G1 page reserved through the node pool like a save's (its own pool, a
+//!   reclaimed or borrowed page, or its least recently used unpinned block evicted — never a
+//!   pinned one); each layer, once in the engine's pages, is copied on into it device to device
+//!   (over the link for a borrowed page) on the same load stream, and the layer is answered
+//!   after that copy too, so the engine never reuses its pages under it. When every copy landed
+//!   the block is committed clean (a tier holds it: an eviction drops it without a spill) and
+//!   reported as a G1 change ([`Agent::take_g1_changes`]); the next load of it is a G1 hit. A
+//!   block that finds no page, whose own eviction is still on its way to the store, or whose
+//!   copies failed is not promoted — counted ([`AgentStats::promotions_skipped`]), never an
+//!   error for the load, which the staging buffer serves either way.
 //! - Spills run outside the pool's lock: an eviction copies the page out under it, the copy
 //!   waits in the agent's in-flight map (loads read it from there) and a bounded queue hands it
 //!   to the agent's spill thread, which stores it below. A stalled store stalls the spill thread
