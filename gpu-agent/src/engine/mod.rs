@@ -966,6 +966,9 @@ impl<D: Device, B: BackingStore> Session<D, B> {
     /// still on its way to the store (its leaving is yet to be reported), is not promoted:
     /// counted, and the load goes on from the staging buffer.
     fn reserve_promotions(&self, nsid: &NamespaceId, items: &[Item], sources: &mut [LoadSource]) {
+        if !sources.iter().any(|s| matches!(s, LoadSource::Staged { .. })) {
+            return;
+        }
         let mut skipped = 0;
         let mut pool = self.agent.pool.lock();
         let (me, now) = (self.device.ordinal(), Instant::now());
