@@ -3,8 +3,9 @@
 //! (`kvtier_agent::engine`), spills the pool's evictions into the node's server (G2) and loads
 //! pool misses back from it, both through the server's same-node socket (registered memfd
 //! buffers) — [`SameNodeStore`], the agent's `BackingStore`, lives here because kvtier-agent
-//! builds without a network client (DESIGN.md). `/metrics` shows the pool, the copies, the
-//! spills and borrowing between devices.
+//! builds without a network client (DESIGN.md). Blocks a load fetched from the server are
+//! promoted into G1 unless `--promote-loads false`. `/metrics` shows the pool, the copies, the
+//! spills, the promotions and borrowing between devices.
 //!
 //! On the host backend one agent can stand in for a node of several GPUs (`--host-devices N`):
 //! N host devices with a modelled link of `--link-gbps` GB/s between every pair, a G1 pool on
@@ -14,7 +15,7 @@
 //! Configuration: flags, their `KVTIER_AGENT_*` environment variables, or an `[agent]` table in
 //! the `--config` TOML file (keys as the flags, with `_`: `server`, `socket`, `device`, `gpu`,
 //! `host_memory`, `host_devices`, `link_gbps`, `page_bytes`, `pool_capacity`, `pool_fraction`,
-//! `metrics`); flags win.
+//! `promote_loads`, `metrics`); flags win.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -75,6 +76,10 @@ pub struct AgentArgs {
     /// G1 capacity as a fraction of the device's free memory. Default: 0.2.
     #[arg(long, env = "KVTIER_AGENT_POOL_FRACTION")]
     pool_fraction: Option<f64>,
+    /// Promote blocks an engine's load fetched from the server into G1 (`true` or `false`), so
+    /// the next load of them is a G1 hit. Default: true.
+    #[arg(long, env = "KVTIER_AGENT_PROMOTE_LOADS")]
+    promote_loads: Option<bool>,
     /// Prometheus /metrics address.
     #[arg(long, env = "KVTIER_AGENT_METRICS")]
     metrics: Option<std::net::SocketAddr>,
@@ -93,6 +98,7 @@ struct Settings {
     link_bytes_per_sec: u64,
     page_bytes: u64,
     capacity: Capacity,
+    promote_loads: bool,
     metrics: Option<std::net::SocketAddr>,
 }
 
@@ -120,6 +126,7 @@ fn settings(a: &AgentArgs) -> anyhow::Result<Settings> {
         "page_bytes",
         "pool_capacity",
         "pool_fraction",
+        "promote_loads",
         "metrics",
     ];
     if let Some(k) = table.keys().find(|k| !known.contains(&k.as_str())) {
@@ -131,6 +138,7 @@ fn settings(a: &AgentArgs) -> anyhow::Result<Settings> {
             Some(toml::Value::String(s)) => Ok(Some(s.clone())),
             Some(toml::Value::Integer(i)) => Ok(Some(i.to_string())),
             Some(toml::Value::Float(f)) => Ok(Some(f.to_string())),
+            Some(toml::Value::Boolean(b)) => Ok(Some(b.to_string())),
             Some(v) => bail!("[agent] {k}: expected a string or a number, got {v}"),
         }
     };
@@ -183,6 +191,14 @@ fn settings(a: &AgentArgs) -> anyhow::Result<Settings> {
         (None, Some(f)) => Capacity::FractionOfFree(f),
         (None, None) => Capacity::FractionOfFree(0.2),
     };
+    let promote_loads = match a.promote_loads {
+        Some(p) => p,
+        None => text("promote_loads")?
+            .map(|s| s.parse::<bool>())
+            .transpose()
+            .context("[agent] promote_loads: expected true or false")?
+            .unwrap_or(true),
+    };
     let metrics = match a.metrics {
         Some(m) => Some(m),
         None => text("metrics")?.map(|s| s.parse()).transpose().context("[agent] metrics")?,
@@ -197,6 +213,7 @@ fn settings(a: &AgentArgs) -> anyhow::Result<Settings> {
         link_bytes_per_sec,
         page_bytes,
         capacity,
+        promote_loads,
         metrics,
     })
 }
@@ -370,6 +387,7 @@ pub async fn run(a: AgentArgs) -> anyhow::Result<()> {
     let demand_store = store.another_link().await?;
     let mut config = AgentConfig::new(page_bytes);
     config.capacity = s.capacity;
+    config.promote_loads = s.promote_loads;
     match s.device.as_str() {
         "host" => {
             let mem = usize::try_from(s.host_memory)?;
@@ -656,6 +674,8 @@ async fn publish_metrics<D: Device>(agent: Arc<Agent<D, SameNodeStore>>) {
         metrics::counter!("kvtier_agent_loaded_blocks_total", "from" => "g2").absolute(s.loaded_from_g2);
         metrics::counter!("kvtier_agent_load_misses_total").absolute(s.load_misses);
         metrics::counter!("kvtier_agent_store_errors_total").absolute(s.store_errors);
+        metrics::counter!("kvtier_agent_promotions_total").absolute(s.promotions);
+        metrics::counter!("kvtier_agent_promotions_skipped_total").absolute(s.promotions_skipped);
         metrics::counter!("kvtier_agent_copy_bytes_total").absolute(s.copy_bytes);
         if s.copy_seconds > 0.0 {
             metrics::gauge!("kvtier_agent_copy_gbps").set(s.copy_bytes as f64 / s.copy_seconds / 1e9);
@@ -719,6 +739,24 @@ mod tests {
             let e = parse(&args).err().map(|e| format!("{e:#}")).unwrap_or_default();
             assert!(e.contains(why), "{bad:?}: {e}");
         }
+    }
+
+    #[test]
+    fn promotion_is_on_unless_turned_off_by_flag_or_file() {
+        assert!(parse(&["--page-bytes", "1KiB"]).unwrap().promote_loads);
+        assert!(!parse(&["--page-bytes", "1KiB", "--promote-loads", "false"]).unwrap().promote_loads);
+        assert!(parse(&["--page-bytes", "1KiB", "--promote-loads", "no"]).is_err(), "true or false only");
+        let file = std::env::temp_dir().join(format!("kvtier-agent-promote-{}.toml", std::process::id()));
+        let config = file.to_str().unwrap();
+        std::fs::write(&file, "[agent]\npromote_loads = false\n").unwrap();
+        assert!(!parse(&["--config", config, "--page-bytes", "1KiB"]).unwrap().promote_loads);
+        let flag_wins = parse(&["--config", config, "--page-bytes", "1KiB", "--promote-loads", "true"]).unwrap();
+        assert!(flag_wins.promote_loads);
+        std::fs::write(&file, "[agent]\npromote_loads = \"sometimes\"\n").unwrap();
+        let e =
+            parse(&["--config", config, "--page-bytes", "1KiB"]).err().map(|e| format!("{e:#}")).unwrap_or_default();
+        let _ = std::fs::remove_file(&file);
+        assert!(e.contains("promote_loads"), "{e}");
     }
 
     #[test]

@@ -15,6 +15,17 @@
 //!   the store into a registered staging buffer and copies every layer into the engine's pages
 //!   with [`LayerPipeline`], answering as each layer lands. A G1 page on another device (a
 //!   borrowed one) is copied over the link ([`Transfer::Peer`]) both ways.
+//! - **Promotion** ([`AgentConfig::promote_loads`], on by default): a block a LOAD fetched from
+//!   the store gets a G1 page reserved through the node pool like a save's (its own pool, a
+//!   reclaimed or borrowed page, or its least recently used unpinned block evicted — never a
+//!   pinned one); each layer, once in the engine's pages, is copied on into it device to device
+//!   (over the link for a borrowed page) on the same load stream, and the layer is answered
+//!   after that copy too, so the engine never reuses its pages under it. When every copy landed
+//!   the block is committed clean (a tier holds it: an eviction drops it without a spill) and
+//!   reported as a G1 change ([`Agent::take_g1_changes`]); the next load of it is a G1 hit. A
+//!   block that finds no page, whose own eviction is still on its way to the store, or whose
+//!   copies failed is not promoted — counted ([`AgentStats::promotions_skipped`]), never an
+//!   error for the load, which the staging buffer serves either way.
 //! - Spills run outside the pool's lock: an eviction copies the page out under it, the copy
 //!   waits in the agent's in-flight map (loads read it from there) and a bounded queue hands it
 //!   to the agent's spill thread, which stores it below. A stalled store stalls the spill thread
@@ -106,6 +117,9 @@ pub struct AgentConfig {
     /// Borrowing between the node's devices (the link budget and the monitor's window; each
     /// device's share is its pool, `capacity`). Default: [`BorrowConfig::default`] (30%, 1 s).
     pub borrow: BorrowConfig,
+    /// Promote blocks a load fetched from the store into G1 (clean: an eviction drops them), so
+    /// a hot prefix becomes G1-resident again after an eviction. Default: on.
+    pub promote_loads: bool,
 }
 
 impl AgentConfig {
@@ -125,6 +139,7 @@ impl AgentConfig {
             idle_timeout: Duration::from_secs(600),
             io_timeout: Duration::from_secs(10),
             borrow: BorrowConfig::default(),
+            promote_loads: true,
         }
     }
 }
@@ -154,6 +169,13 @@ pub struct AgentStats {
     pub load_misses: u64,
     /// Fetches from the store that failed (their keys became misses).
     pub store_errors: u64,
+    /// Blocks a load fetched from the store that were promoted into G1 ([`AgentConfig::promote_loads`]).
+    pub promotions: u64,
+    /// Blocks a load fetched from the store that were not promoted: no page to take (every one
+    /// pinned, or the borrow declined into a full pool), the block's own eviction still on its way
+    /// to the store, or a promotion copy or the engine's layer failing. The load itself is served
+    /// either way.
+    pub promotions_skipped: u64,
     /// Bytes moved by engine copies (saves and loads), and the wall time from enqueueing them to
     /// their completion: `copy_bytes / copy_seconds` is the copies' throughput.
     pub copy_bytes: u64,
@@ -172,6 +194,8 @@ struct Counters {
     loaded_from_g2: AtomicU64,
     load_misses: AtomicU64,
     store_errors: AtomicU64,
+    promotions: AtomicU64,
+    promotions_skipped: AtomicU64,
     copy_bytes: AtomicU64,
     copy_nanos: AtomicU64,
 }
@@ -352,6 +376,8 @@ impl<D: Device, B: BackingStore> Agent<D, B> {
             loaded_from_g2: get(&c.loaded_from_g2),
             load_misses: get(&c.load_misses),
             store_errors: get(&c.store_errors),
+            promotions: get(&c.promotions),
+            promotions_skipped: get(&c.promotions_skipped),
             copy_bytes: get(&c.copy_bytes),
             copy_seconds: get(&c.copy_nanos) as f64 / 1e9,
         }
@@ -385,8 +411,21 @@ struct OpenSave {
 
 /// Where one loaded block comes from.
 enum LoadSource {
+    /// A G1 page, pinned for the load.
     G1(DeviceRange),
-    Staged(usize),
+    /// Block `slot` of the staging buffer (fetched from the store); `promote_to`: the G1 page
+    /// reserved for it (promotion), filled from the engine's pages once they landed.
+    Staged { slot: usize, promote_to: Option<DeviceRange> },
+}
+
+/// A load, planned: the engine buffer, its namespace's shape, and each leading key's source.
+struct LoadPlan {
+    engine: DeviceBuf,
+    pages: u32,
+    nsid: NamespaceId,
+    layers: usize,
+    layer_bytes: usize,
+    sources: Vec<LoadSource>,
 }
 
 /// One engine connection's state. Dropping it gives back what it held: reserved G1 pages of
@@ -695,16 +734,14 @@ impl<D: Device, B: BackingStore> Session<D, B> {
         items: &[Item],
         send: &mut dyn FnMut(Vec<u8>) -> std::io::Result<()>,
     ) -> std::io::Result<()> {
-        let planned = self.plan_load(buffer, items);
-        let (engine, pages, sources) = match planned {
+        let plan = match self.plan_load(buffer, items) {
             Ok(p) => p,
             Err(r) => {
                 add(&self.agent.counters.refused, 1);
                 return send(encode_refusal(Op::Load, request_id, &r));
             }
         };
-        let Some(ns) = self.ns.as_ref() else { return Ok(()) };
-        let (layers, lb, nsid) = (ns.layers, ns.layer_bytes, ns.id);
+        let LoadPlan { engine, pages, layers, layer_bytes: lb, ref sources, .. } = plan;
         let bb = lb * layers;
         let c = &self.agent.counters;
         add(&c.loads, 1);
@@ -721,30 +758,49 @@ impl<D: Device, B: BackingStore> Session<D, B> {
             &counts(&[found as u32, g1 as u32, (found - g1) as u32]),
         ));
         if let Err(e) = started_answer {
-            // The engine went away: nothing was enqueued, give the pins back.
-            self.unpin_g1(&nsid, &sources, items);
+            // The engine went away: nothing was enqueued, give the pins and reservations back.
+            self.finish_load(&plan, items, false);
             return Err(e);
         }
         let staging = self.staging.as_ref().map(|(h, _)| h.clone());
+        let engine_range = |l: usize, it: &Item| engine.range((l * pages as usize + it.page as usize) * lb, lb);
         let layer_source = |l: usize| {
             let transfers = sources
                 .iter()
                 .zip(items)
                 .filter_map(|(src, it)| {
-                    let dst = engine.range((l * pages as usize + it.page as usize) * lb, lb);
+                    let dst = engine_range(l, it);
                     Some(match src {
                         LoadSource::G1(page) => device_copy(page.buf.range(page.offset + l * lb, lb), dst),
-                        LoadSource::Staged(j) => {
-                            Transfer::HostToDevice { src: staging.as_ref()?.range(j * bb + l * lb, lb), dst }
+                        LoadSource::Staged { slot, .. } => {
+                            Transfer::HostToDevice { src: staging.as_ref()?.range(slot * bb + l * lb, lb), dst }
                         }
                     })
                 })
                 .collect();
             LayerSource::new(transfers)
         };
+        // Promotions: the layer just landed in the engine's pages, copied on into the reserved G1
+        // pages (device to device, or over the link to a borrowed one). Their own entry of the
+        // layer's handle, so that a failing promotion copy never fails the engine's layer.
+        let promotion_source = |l: usize| {
+            let transfers: Vec<Transfer> = sources
+                .iter()
+                .zip(items)
+                .filter_map(|(src, it)| match src {
+                    LoadSource::Staged { promote_to: Some(page), .. } => {
+                        Some(device_copy(engine_range(l, it), page.buf.range(page.offset + l * lb, lb)))
+                    }
+                    _ => None,
+                })
+                .collect();
+            (!transfers.is_empty()).then(|| LayerSource::new(transfers))
+        };
         let started = Instant::now();
         // Layer by layer on the load stream (so in order), answering every layer that has landed
-        // between enqueues: layer 0's answer does not wait for the later layers' enqueueing.
+        // between enqueues: layer 0's answer does not wait for the later layers' enqueueing. A
+        // layer is answered once its promotion copies have run too, so the engine never reuses
+        // its pages under them.
         let mut handles = Vec::with_capacity(layers);
         let mut answered = 0;
         let mut sent = Ok(());
@@ -752,47 +808,74 @@ impl<D: Device, B: BackingStore> Session<D, B> {
             Ok(()) => encode_answer(Op::Layer, Status::Ok, l as u16, request_id, &[]),
             Err(e) => encode_refusal(Op::Layer, request_id, &refusal(e)),
         };
+        // The engine's layer (entry 0 of its handle), once it and its promotion (entry 1) are done.
+        let landed = |h: &crate::pipeline::LoadHandle<D>| -> Option<Result<()>> {
+            if h.layers() > 1 && matches!(h.is_layer_ready(1), Ok(false)) {
+                return None;
+            }
+            match h.is_layer_ready(0) {
+                Ok(false) => None,
+                r => Some(r.map(|_| ())),
+            }
+        };
         for l in 0..layers {
-            handles.push(self.pipe.start_load_kv(vec![layer_source(l)]));
+            let mut layer = vec![layer_source(l)];
+            layer.extend(promotion_source(l));
+            handles.push(self.pipe.start_load_kv(layer));
             while answered < handles.len() && sent.is_ok() {
-                match handles[answered].is_layer_ready(0) {
-                    Ok(false) => break,
-                    r => sent = send(answer(answered, r.map(|_| ()))),
-                }
+                let Some(r) = landed(&handles[answered]) else { break };
+                sent = send(answer(answered, r));
                 answered += 1;
             }
         }
         for (l, h) in handles.iter().enumerate().skip(answered) {
+            // Its promotion copies first (their outcome is the promotion's, not the engine's).
+            let _ = (1..h.layers()).try_for_each(|p| h.wait_for_layer_load(p));
             let r = h.wait_for_layer_load(0);
             if sent.is_ok() {
                 sent = send(answer(l, r));
             }
         }
-        // Every layer has completed (or failed) before the G1 pages are unpinned.
-        for h in &handles {
-            let _ = h.wait_all();
-        }
+        // Every layer and promotion copy has completed (or failed) before the G1 pages are
+        // unpinned and the promoted ones committed: all of them only if every copy landed.
+        let all_landed = handles.iter().all(|h| h.wait_all().iter().all(Result::is_ok));
         self.agent.record_copies(found * bb, started);
-        self.unpin_g1(&nsid, &sources, items);
+        self.finish_load(&plan, items, all_landed);
         sent
     }
 
-    fn unpin_g1(&self, nsid: &NamespaceId, sources: &[LoadSource], items: &[Item]) {
+    /// The end of a load: unpins its G1 hits, and commits its promoted blocks as clean G1 blocks
+    /// (`promoted`: their copies landed) or gives their reserved pages back (counted as skipped).
+    fn finish_load(&self, plan: &LoadPlan, items: &[Item], promoted: bool) {
+        let nsid = &plan.nsid;
+        let (mut done, mut skipped) = (0, 0);
         let mut pool = self.agent.pool.lock();
-        for (src, it) in sources.iter().zip(items) {
-            if matches!(src, LoadSource::G1(_)) {
-                let _ = pool.unpin(nsid, &it.key);
+        for (src, it) in plan.sources.iter().zip(items) {
+            match src {
+                LoadSource::G1(_) => {
+                    let _ = pool.unpin(nsid, &it.key);
+                }
+                LoadSource::Staged { promote_to: Some(_), .. } => {
+                    // It came from the store: an eviction drops it (no spill), reported as
+                    // still below.
+                    if promoted && pool.commit(nsid, &it.key).is_ok() && pool.mark_clean(nsid, &it.key) {
+                        done += 1;
+                    } else {
+                        let _ = pool.abort(nsid, &it.key);
+                        skipped += 1;
+                    }
+                }
+                LoadSource::Staged { promote_to: None, .. } => {}
             }
         }
+        drop(pool);
+        add(&self.agent.counters.promotions, done);
+        add(&self.agent.counters.promotions_skipped, skipped);
     }
 
     /// Which leading keys can be loaded and from where: G1 hits pinned, the rest fetched from the
-    /// store into the staging buffer.
-    fn plan_load(
-        &mut self,
-        buffer: u32,
-        items: &[Item],
-    ) -> std::result::Result<(DeviceBuf, u32, Vec<LoadSource>), Refusal> {
+    /// store into the staging buffer (and, with promotion on, a G1 page reserved for each).
+    fn plan_load(&mut self, buffer: u32, items: &[Item]) -> std::result::Result<LoadPlan, Refusal> {
         let (layers, lb, nsid) = {
             let ns = self.opened()?;
             (ns.layers, ns.layer_bytes, ns.id)
@@ -864,14 +947,46 @@ impl<D: Device, B: BackingStore> Session<D, B> {
         for i in 0..items.len() {
             match in_g1[i].take() {
                 Some(r) => sources.push(LoadSource::G1(r)),
-                None if fetched[i] => sources.push(LoadSource::Staged(slot[i])),
+                None if fetched[i] => sources.push(LoadSource::Staged { slot: slot[i], promote_to: None }),
                 None => break,
             }
         }
         let found = sources.len();
         let beyond: Vec<(usize, BlockKey)> = pinned.into_iter().filter(|(i, _)| *i >= found).collect();
         unpin(&self.agent, &beyond);
-        Ok((engine, pages, sources))
+        if self.agent.config.promote_loads {
+            self.reserve_promotions(&nsid, items, &mut sources);
+        }
+        Ok(LoadPlan { engine, pages, nsid, layers, layer_bytes: lb, sources })
+    }
+
+    /// Reserves a G1 page for each block of `sources` fetched from the store, through the node
+    /// pool like any save (its own pool, a reclaimed or borrowed page, or its own LRU block
+    /// evicted; never a pinned one). A block that finds no page, or whose eviction from G1 is
+    /// still on its way to the store (its leaving is yet to be reported), is not promoted:
+    /// counted, and the load goes on from the staging buffer.
+    fn reserve_promotions(&self, nsid: &NamespaceId, items: &[Item], sources: &mut [LoadSource]) {
+        if !sources.iter().any(|s| matches!(s, LoadSource::Staged { .. })) {
+            return;
+        }
+        let mut skipped = 0;
+        let mut pool = self.agent.pool.lock();
+        let (me, now) = (self.device.ordinal(), Instant::now());
+        for (src, it) in sources.iter_mut().zip(items) {
+            let LoadSource::Staged { promote_to, .. } = src else { continue };
+            // Under the pool's lock: a spill leaves the in-flight map only after the pool
+            // counted it (and reported the eviction).
+            if self.agent.in_flight.lock().contains_key(&(*nsid, it.key)) {
+                skipped += 1;
+                continue;
+            }
+            match pool.reserve(me, nsid, &it.key, now) {
+                Ok(page) => *promote_to = page, // None: G1 holds it already (or a save fills it)
+                Err(_) => skipped += 1,
+            }
+        }
+        self.agent.queue_spills(pool);
+        add(&self.agent.counters.promotions_skipped, skipped);
     }
 
     fn staging_buffer(&mut self) -> Result<HostBuffer> {

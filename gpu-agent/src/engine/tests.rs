@@ -712,3 +712,247 @@ fn a_lenders_own_blocks_take_its_lent_pages_back_and_are_never_starved() {
         assert_eq!(m2.block(p), m0.block(p), "block {p}");
     }
 }
+
+/// Saves `keys` one block at a time from pages 0.. of `m` (a small pool spills the oldest).
+fn save_each(e: &mut Eng, buf: u32, keys: &[u8]) {
+    for (p, k) in keys.iter().enumerate() {
+        let saved = e.save_all_layers(buf, &items(&[(p as u32, *k)]));
+        assert!(saved.iter().all(|s| s.status() == 0), "{:?}", saved.iter().map(Ans::msg).collect::<Vec<_>>());
+    }
+}
+
+/// A LOAD's first answer (found, from G1, from G2), after checking that every layer landed.
+fn load_counts(e: &mut Eng, buf: u32, pairs: &[(u32, u8)]) -> Vec<u32> {
+    let got = e.call(Request::Load { buffer: buf, items: items(pairs) }, None);
+    assert_eq!(got.len(), 1 + LAYERS);
+    assert!(got[1..].iter().all(|g| g.status() == 0), "{:?}", got.iter().map(Ans::msg).collect::<Vec<_>>());
+    got[0].u32s()
+}
+
+fn stored(changes: &[crate::pool::PoolChange], k: u8) -> bool {
+    changes.contains(&crate::pool::PoolChange::Stored((namespace().id(), key(k))))
+}
+
+#[test]
+fn a_block_loaded_from_g2_is_promoted_into_g1_and_the_next_load_is_a_g1_hit() {
+    let a = agent(2, |_| {});
+    let ns = namespace().id();
+    let m1 = filled(4, 20);
+    let mut e1 = Eng::new(&a);
+    e1.open();
+    let b1 = e1.register(&m1);
+    save_each(&mut e1, b1, &[1, 2, 3]);
+    assert!(a.wait_for_spills(Duration::from_secs(5)));
+    assert_eq!(a.store().get(&ns, &key(1)), Some(m1.block(0)), "block 1 was spilled to G2");
+    let _ = a.take_g1_changes();
+
+    let m2 = EngineMem::new(2, true);
+    let mut e2 = Eng::new(&a);
+    e2.open();
+    let b2 = e2.register(&m2);
+    assert_eq!(load_counts(&mut e2, b2, &[(0, 1)]), [1, 0, 1], "from G2");
+    assert_eq!(m2.block(0), m1.block(0));
+    let st = a.stats();
+    assert_eq!((st.promotions, st.promotions_skipped, st.loaded_from_g2), (1, 0, 1));
+    assert_eq!((st.pool.resident, st.pool.pinned), (2, 0));
+    assert!(a.resident_keys().contains(&(ns, key(1))), "block 1 is in G1 again");
+    let (changes, lost) = a.take_g1_changes();
+    assert!(stored(&changes, 1) && !lost, "the promotion is a G1 change: {changes:?}");
+
+    // The second load is served from G1, byte-identical, and asks G2 for nothing more.
+    assert_eq!(load_counts(&mut e2, b2, &[(1, 1)]), [1, 1, 0], "from G1");
+    assert_eq!(m2.block(1), m1.block(0));
+    let st = a.stats();
+    assert_eq!((st.loaded_from_g1, st.loaded_from_g2, st.promotions), (1, 1, 1));
+
+    // A promoted block came from a tier: evicting it drops it, no second spill.
+    assert!(a.wait_for_spills(Duration::from_secs(5)));
+    let spills = a.stats().pool.spills;
+    let m3 = filled(2, 90);
+    let b3 = e1.register(&m3);
+    save_each(&mut e1, b3, &[7, 8]);
+    assert!(a.wait_for_spills(Duration::from_secs(5)));
+    assert!(!a.resident_keys().contains(&(ns, key(1))));
+    let st = a.stats();
+    assert_eq!(st.pool.clean_drops, 1, "block 1 was dropped, not spilled");
+    assert_eq!(st.pool.spills, spills + 1, "only the other evicted block (an engine's) was spilled");
+    assert_eq!(a.store().received().iter().filter(|b| b.key == (ns, key(1))).count(), 1);
+    let (changes, _) = a.take_g1_changes();
+    let gone = crate::pool::PoolChange::Evicted { key: (ns, key(1)), below: true };
+    assert!(changes.contains(&gone), "reported leaving G1 with G2 still holding it: {changes:?}");
+}
+
+#[test]
+fn with_promotion_off_every_load_of_a_spilled_block_goes_to_g2() {
+    let a = agent(2, |c| c.promote_loads = false);
+    let ns = namespace().id();
+    let m1 = filled(3, 30);
+    let mut e1 = Eng::new(&a);
+    e1.open();
+    let b1 = e1.register(&m1);
+    save_each(&mut e1, b1, &[1, 2, 3]);
+    assert!(a.wait_for_spills(Duration::from_secs(5)));
+    let _ = a.take_g1_changes();
+    let m2 = EngineMem::new(2, true);
+    let b2 = e1.register(&m2);
+    for p in 0..2 {
+        assert_eq!(load_counts(&mut e1, b2, &[(p, 1)]), [1, 0, 1], "load {p}: from G2");
+        assert_eq!(m2.block(p as usize), m1.block(0));
+    }
+    let st = a.stats();
+    assert_eq!((st.loaded_from_g1, st.loaded_from_g2), (0, 2));
+    assert_eq!((st.promotions, st.promotions_skipped, st.pool.evictions), (0, 0, 1));
+    assert!(!a.resident_keys().contains(&(ns, key(1))));
+    assert!(a.take_g1_changes().0.is_empty(), "loads changed nothing in G1");
+}
+
+#[test]
+fn a_pool_whose_pages_are_all_pinned_serves_the_load_from_g2_and_counts_a_skipped_promotion() {
+    let a = agent(2, |_| {});
+    let m1 = filled(5, 50);
+    let mut e1 = Eng::new(&a);
+    e1.open();
+    let b1 = e1.register(&m1);
+    save_each(&mut e1, b1, &[1, 2, 3]);
+    // Another engine's saves of two new blocks hold both pages pinned (layer 0 of 4 saved).
+    let mut e3 = Eng::new(&a);
+    e3.open();
+    let b3 = e3.register(&m1);
+    let r = e3.one(Request::Save { buffer: b3, layer: 0, items: items(&[(3, 4), (4, 5)]) }, None);
+    assert_eq!(r.status(), 0, "{}", r.msg());
+    assert!(a.wait_for_spills(Duration::from_secs(5)));
+    assert_eq!(a.stats().pool.pinned, 2);
+    let _ = a.take_g1_changes();
+
+    let m2 = EngineMem::new(1, true);
+    let mut e2 = Eng::new(&a);
+    e2.open();
+    let b2 = e2.register(&m2);
+    assert_eq!(load_counts(&mut e2, b2, &[(0, 1)]), [1, 0, 1], "served from G2 all the same");
+    assert_eq!(m2.block(0), m1.block(0));
+    let st = a.stats();
+    assert_eq!((st.promotions, st.promotions_skipped, st.pool.pinned), (0, 1, 2));
+    assert!(a.take_g1_changes().0.is_empty());
+    // The pinned saves were left alone: they finish and commit.
+    for layer in 1..LAYERS as u16 {
+        let r = e3.one(Request::Save { buffer: b3, layer, items: items(&[(3, 4), (4, 5)]) }, None);
+        assert_eq!(r.status(), 0, "{}", r.msg());
+    }
+    assert_eq!(a.stats().saved_blocks, 5);
+}
+
+#[test]
+fn promotion_borrows_a_peer_page_when_the_engines_device_is_full() {
+    let a = node_agent(&[1, 1], 1 << 40);
+    let ns = namespace().id();
+    let m1 = filled(2, 70);
+    let mut e0 = Eng::on(&a, 0);
+    e0.open();
+    let b0 = e0.register(&m1);
+    save_each(&mut e0, b0, &[1]);
+    // Block 9 is in G2 only (stored there by another node).
+    let other = filled(1, 9);
+    a.store().spill(&ns, &key(9), kvtier_proto::CodecId::RAW, &other.block(0)).unwrap();
+
+    let m2 = EngineMem::new(3, true);
+    let b2 = e0.register(&m2);
+    assert_eq!(load_counts(&mut e0, b2, &[(0, 1), (1, 9)]), [2, 1, 1]);
+    assert_eq!((m2.block(0), m2.block(1)), (m1.block(0), other.block(0)));
+    let st = a.stats();
+    assert_eq!((st.promotions, st.borrow.lenders[&1].borrows), (1, 1), "device 0 is full: borrowed");
+    assert_eq!(st.borrow.link_bytes[&(0, 1)], BLOCK as u64, "the promotion's fill crossed the link");
+    assert_eq!(a.pool.lock().pool(1).unwrap().owner(&(ns, key(9))), Some(0));
+    // The next load is a G1 hit over the link, byte-identical.
+    assert_eq!(load_counts(&mut e0, b2, &[(2, 9)]), [1, 1, 0]);
+    assert_eq!(m2.block(2), other.block(0));
+    assert_eq!(a.stats().borrow.link_bytes[&(0, 1)], 2 * BLOCK as u64);
+}
+
+/// A store whose spills wait until released (a stalled server); fetches find nothing.
+#[derive(Clone, Default)]
+struct GatedStore {
+    open: Arc<(Mutex<bool>, parking_lot::Condvar)>,
+}
+
+impl GatedStore {
+    fn release(&self) {
+        *self.open.0.lock() = true;
+        self.open.1.notify_all();
+    }
+}
+
+impl Spill for GatedStore {
+    fn spill(&self, _: &NamespaceId, _: &BlockKey, _: kvtier_proto::CodecId, _: &[u8]) -> Result<()> {
+        let mut open = self.open.0.lock();
+        while !*open {
+            self.open.1.wait(&mut open);
+        }
+        Ok(())
+    }
+}
+
+impl BackingStore for GatedStore {
+    fn open_namespace(&self, _: &Namespace) -> Result<()> {
+        Ok(())
+    }
+    fn fetch(&self, _: &NamespaceId, keys: &[BlockKey], _: usize, _: &mut [u8]) -> Result<Vec<bool>> {
+        Ok(vec![false; keys.len()])
+    }
+}
+
+#[test]
+fn a_block_whose_eviction_is_still_being_spilled_is_loaded_but_not_promoted() {
+    let mut cfg = AgentConfig::new(BLOCK);
+    cfg.capacity = Capacity::Bytes(BLOCK);
+    let store = GatedStore::default();
+    let a = Arc::new(Agent::new(Arc::new(HostDevice::new(0, 16 << 20)), store.clone(), cfg).unwrap());
+    let m = filled(3, 5);
+    let mut e = Session::new(a.clone()).unwrap();
+    let mut call = |req: Request, fd: Option<OwnedFd>| {
+        let mut out = Vec::new();
+        e.handle(1, req, fd, &mut |msg| {
+            out.push(msg);
+            Ok(())
+        })
+        .unwrap();
+        parse(out)
+    };
+    assert_eq!(call(Request::Open(namespace()), None)[0].status(), 0);
+    let reg = Request::Register { source: BufferSource::Memfd, len: 3 * BLOCK as u64, pages: 3 };
+    let b = call(reg, Some(m.fd.try_clone().unwrap()))[0].u32s()[0];
+    for k in [1u8, 2] {
+        for layer in 0..LAYERS as u16 {
+            let r = call(Request::Save { buffer: b, layer, items: items(&[(u32::from(k) - 1, k)]) }, None);
+            assert_eq!(r[0].status(), 0, "{}", r[0].msg());
+        }
+    }
+    // Block 1's spill is stalled: the load reads it in flight, and leaves G1 (block 2) alone —
+    // its eviction has not been reported yet, so a promotion now would be reported before it.
+    let got = call(Request::Load { buffer: b, items: items(&[(2, 1)]) }, None);
+    assert_eq!(got[0].u32s(), [1, 0, 1]);
+    assert_eq!(m.block(2), m.block(0));
+    let st = a.stats();
+    assert_eq!((st.promotions, st.promotions_skipped, st.pool.evictions), (0, 1, 1));
+    assert_eq!(a.resident_keys(), [(namespace().id(), key(2))]);
+    store.release();
+    assert!(a.wait_for_spills(Duration::from_secs(5)));
+}
+
+#[test]
+fn an_engine_that_goes_away_before_a_promoting_load_starts_gives_the_reserved_page_back() {
+    let a = agent(2, |_| {});
+    let ns = namespace().id();
+    let m = filled(4, 10);
+    let mut e = Eng::new(&a);
+    e.open();
+    let b = e.register(&m);
+    save_each(&mut e, b, &[1, 2, 3]);
+    assert!(a.wait_for_spills(Duration::from_secs(5)));
+    let gone = |_: Vec<u8>| Err(std::io::Error::new(std::io::ErrorKind::BrokenPipe, "engine gone"));
+    let r = e.s.handle(9, Request::Load { buffer: b, items: items(&[(3, 1)]) }, None, &mut { gone });
+    assert!(r.is_err());
+    let st = a.stats();
+    assert_eq!((st.promotions, st.promotions_skipped, st.pool.pinned), (0, 1, 0));
+    assert!(!a.resident_keys().contains(&(ns, key(1))));
+    assert_eq!(a.pool.lock().pool(0).unwrap().free_pages(), 1, "the reserved page is free again");
+}

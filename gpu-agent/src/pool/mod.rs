@@ -6,7 +6,9 @@
 //! - **Eviction** is LRU over unpinned blocks. An evicted block that exists only here (it came
 //!   from an engine's pages) is copied out and handed to the [`Spill`] target — G2 through the
 //!   same-node path in the agent; a block that came from a tier is dropped (the tier still holds
-//!   it). A failing spill is counted and the block dropped: G1 is a cache.
+//!   it): one inserted from the host ([`PagePool::insert_from_host`]), or one the agent promoted
+//!   from a load and marked clean ([`PagePool::mark_clean`]). A failing spill is counted and the
+//!   block dropped: G1 is a cache.
 //! - **Encoding on the way out** ([`PoolConfig::with_spill_codec`], any codec with a device
 //!   kernel: FP8, NVFP4 and their `+had` forms; [`PoolConfig::with_fp8_spill`] for FP8): the
 //!   device kernel encodes the evicted page before it is copied out (the generic
