@@ -791,6 +791,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::single_range_in_vec_init)] // per block, a list of ranges: here often one
     fn places_refuse_blocks_outside_or_overlapping() {
         let ranges = |o: &[u64], disjoint| Places::Offsets(o).ranges(100, 50, disjoint);
         assert_eq!(ranges(&[0, 50], true).unwrap(), vec![vec![0..50], vec![50..100]]);
@@ -814,6 +815,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::single_range_in_vec_init)] // per block, a list of ranges: here often one
     fn dests_split_the_buffer_in_the_order_given() {
         let mut buf: Vec<u8> = (0..10).collect();
         let d = dests(&mut buf, &[vec![6..8, 1..2], vec![0..1], vec![3..5, 9..10]]);
