@@ -7,8 +7,9 @@
 use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
-use kvtier_client::{ClientError, ItemStatus, KvClient, NamespaceHandle, Segment, SharedBuffer};
+use kvtier_client::{ClientError, ItemStatus, KvClient, NamespaceHandle, SameNode, Segment, SharedBuffer};
 use kvtier_proto::codes;
+use kvtier_proto::dataplane::Status;
 use kvtier_proto::samenode::{encode_hello, LoadItem, SnOp, SnRequest, StoreItem};
 use kvtier_proto::{BlockKey, CodecId, FrameHeader};
 use kvtier_server::samenode::MAX_BUFFERS_PER_CONNECTION;
@@ -262,6 +263,116 @@ async fn a_client_that_dies_mid_request_costs_nobody_else() {
     assert_eq!(dst.as_slice(), src.as_slice());
     let mut fresh = client.samenode().await.unwrap();
     assert_eq!(fresh.load_into_buffer(&h, &keys, &mut dst, &offsets, true).await.unwrap(), vec![true; 2]);
+    cluster.stop().await;
+}
+
+/// A hello of protocol 1 (before the segmented ops) is still served, but a segmented op on it
+/// ends that connection with a message; a version the server doesn't know is refused at hello.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn protocol_1_clients_are_served_without_segments_and_unknown_versions_are_refused() {
+    let (cluster, client, h) = setup().await;
+    let path = cluster.node(0).server.samenode_path.clone().unwrap();
+    let hello = |version: u16| {
+        let mut v = b"KVSN".to_vec();
+        v.extend_from_slice(&version.to_le_bytes());
+        v.extend_from_slice(&0u16.to_le_bytes());
+        v
+    };
+    async fn reply(s: &mut tokio::net::UnixStream, head: usize) -> (Vec<u8>, String) {
+        let mut fixed = vec![0u8; head];
+        s.read_exact(&mut fixed).await.unwrap();
+        let mut msg = vec![0u8; u16::from_le_bytes([fixed[2], fixed[3]]) as usize];
+        s.read_exact(&mut msg).await.unwrap();
+        (fixed, String::from_utf8_lossy(&msg).into_owned())
+    }
+    let mut future = tokio::net::UnixStream::connect(&path).await.unwrap();
+    future.write_all(&hello(9)).await.unwrap();
+    let (fixed, msg) = reply(&mut future, 4).await;
+    assert_eq!(fixed[0], Status::UnsupportedVersion as u8, "{msg}");
+    assert!(msg.contains("protocol 9 is not supported"), "{msg}");
+
+    let mut old = tokio::net::UnixStream::connect(&path).await.unwrap();
+    old.write_all(&hello(1)).await.unwrap();
+    let (fixed, msg) = reply(&mut old, 4).await;
+    assert_eq!(fixed[0], 0, "a protocol-1 hello is accepted: {msg}");
+    let (_, keys, _) = filled(&h, 10, 1);
+    // An UNREGISTER of nothing: a plain op, answered, the connection going on.
+    let req = SnRequest { op: SnOp::Unregister, flags: 0, request_id: 1, count: 0, buffer: 7, namespace: h.id };
+    old.write_all(&req.encode()).await.unwrap();
+    let (fixed, msg) = reply(&mut old, 16).await;
+    assert_eq!(fixed[1], Status::BadRequest as u8, "{msg}");
+    assert!(msg.contains("no buffer 7"), "{msg}");
+    let req = SnRequest { op: SnOp::LoadSegments, flags: 0, request_id: 2, count: 1, buffer: 1, namespace: h.id };
+    let mut msg = req.encode().to_vec();
+    LoadItem { key: keys[0], offset: 1, room: 0 }.encode_into(&mut msg);
+    Segment { offset: 0, len: h.block_bytes() }.encode_into(&mut msg);
+    old.write_all(&msg).await.unwrap();
+    let (fixed, msg) = reply(&mut old, 16).await;
+    assert_eq!(fixed[1], Status::BadRequest as u8, "{msg}");
+    assert!(msg.contains("needs same-node protocol 2"), "{msg}");
+    let mut rest = Vec::new();
+    assert_eq!(old.read_to_end(&mut rest).await.unwrap(), 0, "the connection ended");
+
+    // The current client is unaffected.
+    let mut near = client.samenode().await.unwrap();
+    let (src, keys, offsets) = filled(&h, 11, 2);
+    assert_eq!(near.store_from_buffer(&h, &keys, &src, &offsets).await.unwrap(), vec![ItemStatus::Ok; 2]);
+    cluster.stop().await;
+}
+
+/// A load that times out returns only once the server has stopped copying into its buffer (the
+/// client closes its end and waits for the server's close, which comes within 1 MiB of copies),
+/// so a caller that reuses the buffer at once never has it written behind its back. The node
+/// serves on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timed_out_load_has_stopped_writing_the_buffer_when_it_returns() {
+    let (cluster, client, _) = setup().await;
+    let path = cluster.node(0).server.samenode_path.clone().unwrap();
+    // 1 MiB blocks: a few items keep the server copying for tens of milliseconds.
+    let layout = kvtier_proto::KvLayout::new(16, 8, 128, kvtier_proto::DType::Fp16, 16);
+    let h = client.register(namespace("near-big", b"b", layout)).await.expect("register");
+    assert_eq!(h.block_bytes(), 1 << 20);
+    let (src, keys, offsets) = filled(&h, 9, 16);
+    let mut near = client.samenode().await.unwrap();
+    assert_eq!(near.store_from_buffer(&h, &keys, &src, &offsets).await.unwrap(), vec![ItemStatus::Ok; 16]);
+
+    // 256 copies of those blocks (256 MiB, ~0.1 s of copies) asked for with a 40 ms timeout
+    // (after the buffer's registration, which maps it populated).
+    let bb = h.block_bytes();
+    let n = 256usize;
+    let many: Vec<BlockKey> = (0..n).map(|i| keys[i % keys.len()]).collect();
+    let at: Vec<u64> = (0..n as u64).map(|i| i * bb).collect();
+    let mut dst = SharedBuffer::new(n * bb as usize).unwrap();
+    // The client on a runtime of its own, as in its own process: its timer fires on time
+    // however busy the server's workers are.
+    let (h2, path2) = (h.clone(), path.clone());
+    let (hasty, err, dst) = tokio::task::spawn_blocking(move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async move {
+            let mut hasty = SameNode::connect(&path2, None, Duration::from_secs(5), Duration::from_secs(5), n)
+                .await
+                .expect("connect");
+            hasty.register(&dst).await.expect("register");
+            hasty.set_request_timeout(Duration::from_millis(40));
+            let err = hasty.load_into_buffer(&h2, &many, &mut dst, &at, false).await.unwrap_err();
+            (hasty, err, dst)
+        })
+    })
+    .await
+    .unwrap();
+    assert!(matches!(err, ClientError::Timeout(_)), "{err}");
+    assert!(!hasty.is_usable(), "a timed-out connection is not reused");
+    let seen = dst.as_slice().to_vec();
+    assert!(seen[..bb as usize].iter().any(|b| *b != 0), "the load had started");
+    assert!(seen[(n - 1) * bb as usize..].iter().all(|b| *b == 0), "the load was cut short, not finished");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(dst.as_slice() == seen.as_slice(), "the server wrote into the buffer after the timed-out load returned");
+    drop(hasty);
+
+    // Everyone else is served as before.
+    let mut back = SharedBuffer::new(src.len()).unwrap();
+    assert_eq!(near.load_into_buffer(&h, &keys, &mut back, &offsets, true).await.unwrap(), vec![true; 16]);
+    assert_eq!(back.as_slice(), src.as_slice());
     cluster.stop().await;
 }
 

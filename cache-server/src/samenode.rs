@@ -32,6 +32,10 @@
 //!   `UNREGISTER`), and the server never touches one after. A sparse memfd is mapped without
 //!   populating it, so claiming a large buffer never makes the server allocate its pages.
 //!   Requests are served one at a time per connection, so no copy outlives its request.
+//! - A client that closes its end mid-request (its call timed out, or it died) has left: the
+//!   server looks for that between blocks (every [`LEFT_CHECK_BYTES`] copied) and ends the
+//!   connection there, so it stops writing a buffer its owner may already be reusing. The client
+//!   waits for that close before its timed-out call returns.
 //! - The server only ever copies blocks into a client's own buffer and reads from it; no client is
 //!   given a mapping of the server's arena or of anything holding other namespaces' blocks.
 //!
@@ -50,7 +54,8 @@ use std::time::{Duration, Instant};
 
 use kvtier_proto::dataplane::{HelloReply, ItemStatus, ResponseHeader, Status, FLAG_STOP_AT_MISS};
 use kvtier_proto::samenode::{
-    self as sn, decode_hello, LoadItem, Segment, SnOp, SnRequest, StoreItem, HELLO_LEN, PROTOCOL_VERSION, REQUEST_LEN,
+    self as sn, decode_hello, LoadItem, Segment, SnOp, SnRequest, StoreItem, HELLO_LEN, MIN_PROTOCOL_VERSION,
+    PROTOCOL_VERSION, REQUEST_LEN, SEGMENTS_SINCE_VERSION,
 };
 use kvtier_proto::{BlockKey, FrameHeader, NamespaceId};
 use memmap2::{MmapOptions, MmapRaw};
@@ -83,6 +88,9 @@ const CHUNK: usize = 64 * 1024;
 /// `pread`/`pwrite` step for file buffers: hashed right after it moved, like [`CHUNK`], but
 /// larger to spread the system call's cost.
 const FILE_CHUNK: usize = 256 * 1024;
+/// Bytes a request copies between two looks at whether its client closed its end (one
+/// non-blocking `recv` each).
+pub const LEFT_CHECK_BYTES: u64 = 1 << 20;
 
 /// This host's identity: the kernel's boot id (`/proc/sys/kernel/random/boot_id`), which a client
 /// compares with its own to know it is on the same host; empty where unknown.
@@ -161,6 +169,8 @@ enum ConnError {
     Io(#[from] std::io::Error),
     #[error("{0}")]
     Protocol(String),
+    #[error("the client closed its end during a request")]
+    ClientLeft,
 }
 
 /// A client's buffer for as long as it is registered: a sealed memfd mapped shared, or a file on
@@ -449,6 +459,8 @@ struct Conn {
     out: Vec<u8>,
     /// Who the hello's token authenticated (`None` until then).
     principal: Option<Principal>,
+    /// The protocol version the client's hello said.
+    version: u16,
 }
 
 impl Conn {
@@ -463,6 +475,7 @@ impl Conn {
             buffers: Buffers::new(budget),
             out: Vec::new(),
             principal: None,
+            version: PROTOCOL_VERSION,
         }
     }
 
@@ -550,6 +563,13 @@ impl Conn {
                 Ok(Err(e)) => return self.fatal(head[0], Status::BadRequest, &e.to_string()).await,
                 Err(_) => return self.fatal(head[0], Status::BadRequest, "short request header").await,
             };
+            if req.op.is_segmented() && self.version < SEGMENTS_SINCE_VERSION {
+                let msg = format!(
+                    "{:?} needs same-node protocol {SEGMENTS_SINCE_VERSION}; this connection's hello said {}",
+                    req.op, self.version
+                );
+                return self.fatal(req.op as u8, Status::BadRequest, &msg).await;
+            }
             let limit = self.state.config().max_blocks_per_request;
             if req.count > limit {
                 let msg = format!("{} items in one request exceed max_blocks_per_request {limit}", req.count);
@@ -593,8 +613,8 @@ impl Conn {
                         self.refuse(&req, Status::BadRequest, &format!("no buffer {} is registered", req.buffer));
                     }
                 }
-                SnOp::Load | SnOp::LoadSegments => self.load(&req, &body, segs).await,
-                SnOp::Store | SnOp::StoreSegments => self.store(&req, &body, segs).await,
+                SnOp::Load | SnOp::LoadSegments => self.load(&req, &body, segs).await?,
+                SnOp::Store | SnOp::StoreSegments => self.store(&req, &body, segs).await?,
             }
             tokio::time::timeout(stall, self.sock.write_all(&self.out))
                 .await
@@ -622,10 +642,13 @@ impl Conn {
         tokio::time::timeout_at(deadline, self.read_exact(token_len as usize, &mut token))
             .await
             .map_err(|_| late())??;
-        if version != PROTOCOL_VERSION {
-            let msg = format!("same-node protocol {version} is not supported; this server speaks {PROTOCOL_VERSION}");
+        if !(MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&version) {
+            let msg = format!(
+                "same-node protocol {version} is not supported; this server speaks {MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION}"
+            );
             return self.hello_fail(Status::UnsupportedVersion, &msg).await;
         }
+        self.version = version;
         let presented = (!token.is_empty()).then_some(&token[..]);
         // A ticket from the control plane (`crate::tickets`: how certificate-only clients get
         // here) or a token.
@@ -672,6 +695,17 @@ impl Conn {
         Some(why)
     }
 
+    /// Whether the client has closed its end of the socket (its call gave up, or it died):
+    /// bytes already waiting (a next request) are not a close, and neither is a busy socket.
+    fn client_left(&self) -> bool {
+        let mut probe = [MaybeUninit::<u8>::uninit(); 1];
+        match rustix::net::recv(&self.sock, &mut probe[..], RecvFlags::PEEK | RecvFlags::DONTWAIT) {
+            Ok((_, 0)) => true,
+            Ok(_) => false,
+            Err(e) => e != rustix::io::Errno::WOULDBLOCK && e != rustix::io::Errno::INTR,
+        }
+    }
+
     fn answer(&mut self, h: ResponseHeader) {
         self.out.extend_from_slice(&h.encode());
     }
@@ -698,28 +732,34 @@ impl Conn {
         }
     }
 
-    async fn load(&mut self, req: &SnRequest, body: &[u8], segs: Segments<'_>) {
+    /// A `LOAD` or `LOAD_SEGMENTS`; `Err` only when the client left mid-request.
+    async fn load(&mut self, req: &SnRequest, body: &[u8], segs: Segments<'_>) -> Result<(), ConnError> {
         let start = Instant::now();
         let ns: NamespaceId = req.namespace;
         let Some(principal) = self.principal.clone() else {
-            return self.refuse(req, Status::Unauthenticated, "no hello");
+            self.refuse(req, Status::Unauthenticated, "no hello");
+            return Ok(());
         };
         match self.state.check_namespace(&principal, &ns, Access::Read) {
             Ok(()) => {}
             Err(ItemStatus::Forbidden) => {
                 let msg = format!("tenant {:?} may not read this namespace", principal.name());
-                return self.refuse(req, Status::Forbidden, &msg);
+                self.refuse(req, Status::Forbidden, &msg);
+                return Ok(());
             }
             Err(_) => {
                 error("unknown_namespace");
-                return self.refuse(req, Status::UnknownNamespace, &ServerError::UnknownNamespace(ns).to_string());
+                self.refuse(req, Status::UnknownNamespace, &ServerError::UnknownNamespace(ns).to_string());
+                return Ok(());
             }
         }
         if !self.buffers.by_id.contains_key(&req.buffer) {
-            return self.refuse(req, Status::BadRequest, &format!("no buffer {} is registered", req.buffer));
+            self.refuse(req, Status::BadRequest, &format!("no buffer {} is registered", req.buffer));
+            return Ok(());
         }
         if let Some(msg) = self.truncated(req.buffer) {
-            return self.refuse(req, Status::BadRequest, &msg);
+            self.refuse(req, Status::BadRequest, &msg);
+            return Ok(());
         }
         let stop_at_miss = req.flags & FLAG_STOP_AT_MISS != 0;
         let n = req.count as usize;
@@ -739,6 +779,7 @@ impl Conn {
         let mut headers = Vec::new();
         let mut missed = false;
         let mut cursor = segs.cursor(req.op);
+        let mut unchecked_bytes = 0u64;
         for raw in body.chunks_exact(sn::LOAD_ITEM_LEN) {
             let item = LoadItem::decode(raw);
             // Where this item's block goes: its own (offset, room), or its run of the table.
@@ -764,6 +805,9 @@ impl Conn {
                         None => remote.take(&item.key).await,
                     };
                     match found {
+                        Some(b) if self.left_since(&mut unchecked_bytes, b.payload.len() as u64) => {
+                            return Err(ConnError::ClientLeft)
+                        }
                         Some(b) => match self
                             .buffers
                             .by_id
@@ -802,22 +846,44 @@ impl Conn {
         self.out.extend_from_slice(&statuses);
         self.out.extend_from_slice(&headers);
         observe("samenode_load", start);
+        Ok(())
     }
 
-    async fn store(&mut self, req: &SnRequest, body: &[u8], segs: Segments<'_>) {
+    /// Whether the client left, looked at once per [`LEFT_CHECK_BYTES`] of copies: `pending`
+    /// counts the bytes copied since the last look, `next` the copy about to start (if any).
+    fn left_since(&self, pending: &mut u64, next: u64) -> bool {
+        *pending = pending.saturating_add(next);
+        if *pending < LEFT_CHECK_BYTES {
+            return false;
+        }
+        *pending = 0;
+        self.client_left()
+    }
+
+    /// A `STORE` or `STORE_SEGMENTS`; `Err` only when the client left mid-request.
+    async fn store(&mut self, req: &SnRequest, body: &[u8], segs: Segments<'_>) -> Result<(), ConnError> {
         let start = Instant::now();
         if !self.buffers.by_id.contains_key(&req.buffer) {
-            return self.refuse(req, Status::BadRequest, &format!("no buffer {} is registered", req.buffer));
+            self.refuse(req, Status::BadRequest, &format!("no buffer {} is registered", req.buffer));
+            return Ok(());
         }
         if let Some(msg) = self.truncated(req.buffer) {
-            return self.refuse(req, Status::BadRequest, &msg);
+            self.refuse(req, Status::BadRequest, &msg);
+            return Ok(());
         }
         let mut statuses = Vec::with_capacity(req.count as usize);
         let mut stored = Vec::new();
         let mut cursor = segs.cursor(req.op);
+        let mut unchecked_bytes = 0u64;
         for raw in body.chunks_exact(sn::STORE_ITEM_LEN) {
             let table = req.op.is_segmented().then(|| cursor.next());
+            // Blocks already stored stay (each was checked); the rest are never read.
+            if self.left_since(&mut unchecked_bytes, 0) {
+                crate::dataplane::forward_to_peers(&self.state, stored);
+                return Err(ConnError::ClientLeft);
+            }
             let (status, header) = self.store_one(req.buffer, raw, table).await;
+            unchecked_bytes += header.map_or(0, |h| h.payload_len);
             if !status.is_held() {
                 error(kind(status));
             }
@@ -832,6 +898,7 @@ impl Conn {
         self.answer(sn::ok(req.op, req.request_id, req.count));
         self.out.extend_from_slice(&statuses);
         observe("samenode_store", start);
+        Ok(())
     }
 
     /// Stores one item (in one piece at its offset, or in `table`'s segments); its status, and

@@ -54,6 +54,9 @@ use crate::client::{decode_frame_into, NamespaceHandle};
 use crate::near::FallbackReason;
 use crate::ClientError;
 
+/// How long a timed-out load or store waits for the server to stop touching its buffer.
+const LEAVE_WAIT: Duration = Duration::from_secs(5);
+
 static NEXT_BUFFER: AtomicU64 = AtomicU64::new(1);
 
 /// This process's shared memory for the same-node path: a memfd of fixed size, sealed against
@@ -371,6 +374,11 @@ impl SameNode {
         })
     }
 
+    /// Sets how long each later request may take (the connection's `request_timeout`).
+    pub fn set_request_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
+    }
+
     /// False once a request failed on the transport or timed out: every later call fails.
     pub fn is_usable(&self) -> bool {
         self.broken.is_none()
@@ -585,15 +593,10 @@ impl SameNode {
         }
         let flags = if stop_at_miss { FLAG_STOP_AT_MISS } else { 0 };
         let req = self.request(op, flags, items.len() as u32, buffer.0, ns);
-        let mut msg = req.encode().to_vec();
-        for it in items {
-            it.encode_into(&mut msg);
-        }
-        for s in table {
-            s.encode_into(&mut msg);
-        }
+        let msg = message(&req, items, LoadItem::encode_into, table);
         let io = do_load(&mut self.sock, &msg, op, items.len(), req.request_id);
-        out.extend(guard(&mut self.broken, self.timeout, io).await??);
+        let res = guard(&mut self.broken, self.timeout, io).await;
+        out.extend(self.settled(res).await??);
         Ok(())
     }
 
@@ -761,21 +764,54 @@ impl SameNode {
         table: &[Segment],
     ) -> Result<Vec<ItemStatus>, ClientError> {
         let req = self.request(op, 0, items.len() as u32, buffer.0, NamespaceId([0; 16]));
-        let mut msg = req.encode().to_vec();
-        for it in items {
-            it.encode_into(&mut msg);
-        }
-        for s in table {
-            s.encode_into(&mut msg);
-        }
+        let msg = message(&req, items, StoreItem::encode_into, table);
         let io = do_store(&mut self.sock, &msg, op, items.len(), req.request_id);
-        guard(&mut self.broken, self.timeout, io).await?
+        let res = guard(&mut self.broken, self.timeout, io).await;
+        self.settled(res).await?
+    }
+
+    /// `res` of a load or store, once it is safe to return: after a timeout the server may still
+    /// be copying into (or out of) the caller's buffer, so this end is closed and the server's
+    /// close awaited (it stops within 1 MiB of copies once it sees ours), at most
+    /// [`LEAVE_WAIT`]. Any other failure ended the exchange already.
+    async fn settled<T>(&mut self, res: Answer<T>) -> Answer<T> {
+        if matches!(res, Err(ClientError::Timeout(_))) {
+            let _ = self.sock.shutdown().await;
+            let mut sink = vec![0u8; 64 * 1024];
+            let drained = tokio::time::timeout(LEAVE_WAIT, async {
+                while let Ok(n) = self.sock.read(&mut sink).await {
+                    if n == 0 {
+                        break;
+                    }
+                }
+            })
+            .await;
+            if drained.is_err() {
+                tracing::warn!(
+                    "the same-node server had not closed {LEAVE_WAIT:?} after a timed-out request; it may still copy into that request's buffer"
+                );
+            }
+        }
+        res
     }
 
     fn request(&mut self, op: SnOp, flags: u16, count: u32, buffer: u32, namespace: NamespaceId) -> SnRequest {
         self.next_request = self.next_request.wrapping_add(1);
         SnRequest { op, flags, request_id: self.next_request, count, buffer, namespace }
     }
+}
+
+/// A request's bytes: its header, its items, then its segment table (empty but for the
+/// segmented ops).
+fn message<T>(req: &SnRequest, items: &[T], encode: impl Fn(&T, &mut Vec<u8>), table: &[Segment]) -> Vec<u8> {
+    let mut msg = req.encode().to_vec();
+    for it in items {
+        encode(it, &mut msg);
+    }
+    for s in table {
+        s.encode_into(&mut msg);
+    }
+    msg
 }
 
 /// One answer, or a request-level refusal (the connection still in step).

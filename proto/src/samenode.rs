@@ -28,7 +28,8 @@
 //! - `STORE`: `buffer`, `count` [`StoreItem`]s (frame header, offset of its payload). Answer: a
 //!   [`ResponseHeader`] and `count` [`ItemStatus`] bytes (`Ok`, `Present` already held, or why
 //!   refused).
-//! - `LOAD_SEGMENTS` / `STORE_SEGMENTS`: as `LOAD` / `STORE`, for blocks whose bytes lie in
+//! - `LOAD_SEGMENTS` / `STORE_SEGMENTS` (protocol 2; a connection whose hello said 1 is ended
+//!   with `BadRequest` when it sends one): as `LOAD` / `STORE`, for blocks whose bytes lie in
 //!   several places of the buffer (an engine's page split into K and V halves, or into one piece
 //!   per layer: SGLang's host pool). The items are `LOAD`'s and `STORE`'s, each `offset` field
 //!   holding the number of the item's [`Segment`]s (a `LOAD_SEGMENTS` item's `room` is ignored), and
@@ -46,7 +47,13 @@ pub use crate::dataplane::{ItemStatus, ResponseHeader, Status, FLAG_STOP_AT_MISS
 use crate::{BlockKey, FrameHeader, NamespaceId, ProtoError, FRAME_HEADER_LEN, KEY_LEN, NAMESPACE_ID_LEN};
 
 pub const HELLO_MAGIC: [u8; 4] = *b"KVSN";
-pub const PROTOCOL_VERSION: u16 = 1;
+/// The version a client says in its hello. 2 added `LOAD_SEGMENTS` / `STORE_SEGMENTS`.
+pub const PROTOCOL_VERSION: u16 = 2;
+/// The oldest version a server still accepts: a version-1 connection gets every op but the
+/// segmented ones.
+pub const MIN_PROTOCOL_VERSION: u16 = 1;
+/// The first version with the segmented ops.
+pub const SEGMENTS_SINCE_VERSION: u16 = 2;
 pub const HELLO_LEN: usize = 8;
 pub const REQUEST_LEN: usize = 32;
 /// Bytes of a `REGISTER` body.
