@@ -30,7 +30,7 @@ use kvtier_proto::DType;
 
 use super::scalar;
 use crate::formats::{e4m3_to_f32, E2M1_VALUES};
-use crate::fwht::avx2::{fwht8, wht_regs, wht_rest};
+use crate::fwht::avx2::{fwht8, wht_cross, wht_regs, wht_rest};
 
 const ABS: i32 = 0x7FFF_FFFF;
 
@@ -1129,6 +1129,35 @@ unsafe fn fwd_chunk<const D: u8, const N: usize>(s: &[u8], mul: &[f32], off: usi
     m
 }
 
+/// [`fwd_chunk`] for a chunk of `64·S` elements (128 or 256), in `S` sub-chunks of eight vectors
+/// each rotated through stage 32 ([`wht_regs`]), then the stages between them ([`wht_cross`]):
+/// the same bytes, with no more than eight vectors live during the first five stages.
+#[inline(always)]
+unsafe fn fwd_chunk_split<const D: u8, const S: usize>(s: &[u8], mul: &[f32], off: usize, o: &mut [u8]) -> __m256i {
+    let end = off + 64 * S;
+    assert!(end <= mul.len() && end * dt(D).size() as usize <= s.len() && 4 * end <= o.len());
+    let mut t = [[_mm256_setzero_ps(); 8]; S];
+    for (q, v) in t.iter_mut().enumerate() {
+        for (k, x) in v.iter_mut().enumerate() {
+            let i = off + 64 * q + 8 * k;
+            // SAFETY: elements i .. i + 8 ≤ end are inside s and mul (assert above).
+            *x = _mm256_mul_ps(load8::<D>(s, i), _mm256_loadu_ps(mul.as_ptr().add(i)));
+        }
+        wht_regs(v);
+    }
+    wht_cross(&mut t);
+    let abs = _mm256_set1_epi32(ABS);
+    let mut m = _mm256_setzero_si256();
+    for (q, v) in t.iter().enumerate() {
+        for (k, x) in v.iter().enumerate() {
+            // SAFETY: bytes 4·(off + 64q + 8k) .. + 32 ≤ 4·end are inside o (assert above).
+            _mm256_storeu_ps(o.as_mut_ptr().add(4 * (off + 64 * q + 8 * k)) as *mut f32, *x);
+            m = _mm256_max_epu32(m, _mm256_and_si256(_mm256_castps_si256(*x), abs));
+        }
+    }
+    m
+}
+
 /// [`fwd_chunk`] for a chunk of any power-of-two length `n` (those with no register form:
 /// shorter than 8 or longer than 256), through `buf` (head_dim f32): the vector steps and
 /// [`wht_rest`] for `n ≥ 8`, the scalar reference below.
@@ -1181,8 +1210,8 @@ unsafe fn fwd_row<const D: u8>(s: &[u8], mul: &[f32], chunks: &[usize], buf: &mu
             16 => fwd_chunk::<D, 2>(s, mul, off, o),
             32 => fwd_chunk::<D, 4>(s, mul, off, o),
             64 => fwd_chunk::<D, 8>(s, mul, off, o),
-            128 => fwd_chunk::<D, 16>(s, mul, off, o),
-            256 => fwd_chunk::<D, 32>(s, mul, off, o),
+            128 => fwd_chunk_split::<D, 2>(s, mul, off, o),
+            256 => fwd_chunk_split::<D, 4>(s, mul, off, o),
             _ => fwd_chunk_mem::<D>(s, mul, off, n, buf, o),
         };
         acc = _mm256_max_epu32(acc, m);
@@ -1474,34 +1503,56 @@ pub(crate) fn covers(dtype: DType, chunks: &[usize]) -> bool {
     dtype != DType::Fp8E4m3 && chunks.iter().all(|n| (16..=256).contains(n))
 }
 
-/// Calls `$body` with `$v` bound to the registers of the chunk of length `$n` (16..=256, a power
-/// of two: eight elements a vector).
+/// Calls `$body` with `$t` bound to the registers of the chunk of length `$n` (16..=256, a power
+/// of two; eight elements a vector) as sub-chunks of at most 64 elements, `[[__m256; M]; S]`:
+/// one of `n / 8` vectors up to 64, else `n / 64` of eight (see [`wht_cross`]).
 macro_rules! by_chunk8 {
-    ($n:expr, |$v:ident| $body:expr) => {
+    ($n:expr, |$t:ident| $body:expr) => {
         match $n {
             16 => {
-                let mut $v = [_mm256_setzero_ps(); 2];
+                let mut $t = [[_mm256_setzero_ps(); 2]; 1];
                 $body
             }
             32 => {
-                let mut $v = [_mm256_setzero_ps(); 4];
+                let mut $t = [[_mm256_setzero_ps(); 4]; 1];
                 $body
             }
             64 => {
-                let mut $v = [_mm256_setzero_ps(); 8];
+                let mut $t = [[_mm256_setzero_ps(); 8]; 1];
                 $body
             }
             128 => {
-                let mut $v = [_mm256_setzero_ps(); 16];
+                let mut $t = [[_mm256_setzero_ps(); 8]; 2];
                 $body
             }
             n => {
                 debug_assert_eq!(n, 256);
-                let mut $v = [_mm256_setzero_ps(); 32];
+                let mut $t = [[_mm256_setzero_ps(); 8]; 4];
                 $body
             }
         }
     };
+}
+
+/// The end of a fused decoder's chunk of `S·M·8` elements at `off`, held as `S` sub-chunks of
+/// `M` vectors each already transformed through its own stages ([`wht_regs`]): the stages
+/// between sub-chunks ([`wht_cross`], when `S > 1`, where `M` is 8), then times `mul` and stored
+/// as `D` ([`store_chunk`]).
+#[inline(always)]
+unsafe fn cross_store<const D: u8, const M: usize, const S: usize>(
+    t: &mut [[__m256; M]; S],
+    mul: &[f32],
+    off: usize,
+    o: &mut [u8],
+) {
+    if S > 1 {
+        assert!(M == 8);
+        // SAFETY: M is 8 (assert above), so both name the same type (the cast changes nothing).
+        wht_cross::<S>(&mut *(t as *mut [[__m256; M]; S] as *mut [[__m256; 8]; S]));
+    }
+    for (q, v) in t.iter().enumerate() {
+        store_chunk::<D, M>(v, mul, off + 8 * M * q, o);
+    }
 }
 
 /// Multiplies a chunk held in `v` by `mul` (elements `off..off + 8N`) and stores it at elements
@@ -1612,10 +1663,12 @@ unsafe fn fp8_decode_rows_rot_t<const D: u8>(
         let sc = _mm256_set1_ps(scale(r) * 256.0);
         let mut off = 0;
         for &n in chunks {
-            by_chunk8!(n, |v| {
-                bad = fp8_dequant_chunk(c, off, sc, &mut v, bad);
-                wht_regs(&mut v);
-                store_chunk::<D, _>(&v, mul, off, o);
+            by_chunk8!(n, |t| {
+                for (q, v) in t.iter_mut().enumerate() {
+                    bad = fp8_dequant_chunk(c, off + 64 * q, sc, v, bad);
+                    wht_regs(v);
+                }
+                cross_store::<D, _, _>(&mut t, mul, off, o);
             });
             off += n;
         }
@@ -1671,24 +1724,26 @@ unsafe fn nvfp4_decode_rows_rot_t<const D: u8>(
         let gr = g(r);
         let mut off = 0;
         for &n in chunks {
-            by_chunk8!(n, |v| {
-                assert!(off + 8 * v.len() <= hd && c.len() == cb);
-                for (k, pair) in v.chunks_exact_mut(2).enumerate() {
+            by_chunk8!(n, |t| {
+                assert!(off + n <= hd && c.len() == cb);
+                for (k, pair) in t.iter_mut().flat_map(|v| v.chunks_exact_mut(2)).enumerate() {
                     let blk = off / 16 + k;
                     let s = rbs[blk];
                     worst = worst.max(s);
-                    let t = _mm256_mul_ps(mags, _mm256_set1_ps(e4m3_to_f32(s) * gr));
+                    let tab = _mm256_mul_ps(mags, _mm256_set1_ps(e4m3_to_f32(s) * gr));
                     for (h, x) in pair.iter_mut().enumerate() {
                         // SAFETY: the 4 code bytes 8·blk + 4h .. + 4 ≤ 8·(blk + 1) ≤ hd / 2 =
                         // c.len() are inside c (assert above: blk < (off + n) / 16 ≤ hd / 16).
                         let w = (c.as_ptr().add(8 * blk + 4 * h) as *const u32).read_unaligned();
                         let cv = _mm256_srlv_epi32(_mm256_set1_epi32(w as i32), shifts);
                         let neg = _mm256_and_si256(_mm256_slli_epi32::<28>(cv), sign);
-                        *x = _mm256_or_ps(_mm256_permutevar8x32_ps(t, cv), _mm256_castsi256_ps(neg));
+                        *x = _mm256_or_ps(_mm256_permutevar8x32_ps(tab, cv), _mm256_castsi256_ps(neg));
                     }
                 }
-                wht_regs(&mut v);
-                store_chunk::<D, _>(&v, mul, off, o);
+                for v in t.iter_mut() {
+                    wht_regs(v);
+                }
+                cross_store::<D, _, _>(&mut t, mul, off, o);
             });
             off += n;
         }
