@@ -127,6 +127,7 @@ pub(crate) unsafe fn wht_regs<const N: usize>(v: &mut [__m256; N]) {
 /// Splitting a chunk of 128 or 256 so keeps eight vectors live while its first five stages run
 /// (AVX2 has sixteen registers; [`wht_regs`]`::<16>` spills at every stage).
 #[inline(always)]
+#[allow(clippy::needless_range_loop)] // k picks the same vector of every sub-chunk at once
 pub(crate) unsafe fn wht_cross<const S: usize>(t: &mut [[__m256; 8]; S]) {
     debug_assert!(S == 2 || S == 4);
     for k in 0..8 {

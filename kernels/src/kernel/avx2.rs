@@ -13,6 +13,14 @@
 //!   E2M1 rounding by the same addition trick ([`e2m1_mag8_biased`]), nibbles paired by one
 //!   multiply-add.
 //!
+//! - The rotated (`+had`) codecs: the transform held in registers chunk by chunk
+//!   ([`crate::fwht::avx2`]; chunks of 128 and 256 as sub-chunks of eight vectors, so sixteen
+//!   registers do not spill), fused with FP8 quantization (eight rows through an L1 buffer, the
+//!   range check read off the rotated values, [`fp8_encode_rows_rotated`]) and with FP8 and NVFP4
+//!   dequantization (no f32 row in memory, [`fp8_decode_rows_rotated`],
+//!   [`nvfp4_decode_rows_rotated`]); the NVFP4 plane rotation returns its amax
+//!   ([`rotate_rows_max`]). For the head dims of [`covers`], as the AVX-512 kernels.
+//!
 //! Tails that do not fill a vector go through the scalar code.
 //!
 //! Safety, once for the whole file: every function here is `#[target_feature(enable =
