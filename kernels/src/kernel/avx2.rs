@@ -1138,29 +1138,41 @@ unsafe fn fwd_chunk<const D: u8, const N: usize>(s: &[u8], mul: &[f32], off: usi
 }
 
 /// [`fwd_chunk`] for a chunk of `64·S` elements (128 or 256), in `S` sub-chunks of eight vectors
-/// each rotated through stage 32 ([`wht_regs`]), then the stages between them ([`wht_cross`]):
-/// the same bytes, with no more than eight vectors live during the first five stages.
+/// each rotated through stage 32 ([`wht_regs`]) and stored into `o`, then the stages between
+/// them ([`wht_cross`]) vector by vector, in place in `o` (which is in L1): the same bytes, with
+/// no more than eight vectors live during the first five stages and no spills (kept in registers
+/// the compiler interleaves the sub-chunks and spills; this measured ~4% faster).
 #[inline(always)]
 unsafe fn fwd_chunk_split<const D: u8, const S: usize>(s: &[u8], mul: &[f32], off: usize, o: &mut [u8]) -> __m256i {
     let end = off + 64 * S;
     assert!(end <= mul.len() && end * dt(D).size() as usize <= s.len() && 4 * end <= o.len());
-    let mut t = [[_mm256_setzero_ps(); 8]; S];
-    for (q, v) in t.iter_mut().enumerate() {
+    let op = o.as_mut_ptr() as *mut f32;
+    for q in 0..S {
+        let mut v = [_mm256_setzero_ps(); 8];
         for (k, x) in v.iter_mut().enumerate() {
             let i = off + 64 * q + 8 * k;
             // SAFETY: elements i .. i + 8 ≤ end are inside s and mul (assert above).
             *x = _mm256_mul_ps(load8::<D>(s, i), _mm256_loadu_ps(mul.as_ptr().add(i)));
         }
-        wht_regs(v);
+        wht_regs(&mut v);
+        for (k, x) in v.iter().enumerate() {
+            // SAFETY: f32 elements off + 64q + 8k .. + 8 ≤ end are inside o (assert above).
+            _mm256_storeu_ps(op.add(off + 64 * q + 8 * k), *x);
+        }
     }
-    wht_cross(&mut t);
     let abs = _mm256_set1_epi32(ABS);
     let mut m = _mm256_setzero_si256();
-    for (q, v) in t.iter().enumerate() {
-        for (k, x) in v.iter().enumerate() {
-            // SAFETY: bytes 4·(off + 64q + 8k) .. + 32 ≤ 4·end are inside o (assert above).
-            _mm256_storeu_ps(o.as_mut_ptr().add(4 * (off + 64 * q + 8 * k)) as *mut f32, *x);
-            m = _mm256_max_epu32(m, _mm256_and_si256(_mm256_castps_si256(*x), abs));
+    for k in 0..8 {
+        let mut t = [[_mm256_setzero_ps(); 1]; S];
+        for (q, x) in t.iter_mut().enumerate() {
+            // SAFETY: as above.
+            x[0] = _mm256_loadu_ps(op.add(off + 64 * q + 8 * k));
+        }
+        wht_cross(&mut t);
+        for (q, x) in t.iter().enumerate() {
+            // SAFETY: as above.
+            _mm256_storeu_ps(op.add(off + 64 * q + 8 * k), x[0]);
+            m = _mm256_max_epu32(m, _mm256_and_si256(_mm256_castps_si256(x[0]), abs));
         }
     }
     m
@@ -1553,11 +1565,7 @@ unsafe fn cross_store<const D: u8, const M: usize, const S: usize>(
     off: usize,
     o: &mut [u8],
 ) {
-    if S > 1 {
-        assert!(M == 8);
-        // SAFETY: M is 8 (assert above), so both name the same type (the cast changes nothing).
-        wht_cross::<S>(&mut *(t as *mut [[__m256; M]; S] as *mut [[__m256; 8]; S]));
-    }
+    wht_cross(t);
     for (q, v) in t.iter().enumerate() {
         store_chunk::<D, M>(v, mul, off + 8 * M * q, o);
     }
