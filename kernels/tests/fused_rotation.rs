@@ -2,7 +2,10 @@
 //! (token, head) rotated and quantized in one pass per row) writes the bytes of the scalar
 //! reference (rotate every row into f32, then quantize), encoding and decoding, for the head dims
 //! whose chunks take each kernel form: 8 to 256 in registers, shorter and longer chunks through
-//! memory, composite head dims, and row counts around the batch of eight rows.
+//! memory, composite head dims, and row counts around the batch of eight rows. The AVX2 and
+//! AVX-512 backends both fuse the head dims whose chunks are 16 to 256 (forced explicitly below
+//! with `Backend::Avx2` / `Backend::Avx512` where the CPU has them; that they take the fused
+//! routes is checked in `kernel::fused_rotated_tests`).
 
 mod common;
 

@@ -118,3 +118,34 @@ pub(crate) unsafe fn wht_regs<const N: usize>(v: &mut [__m256; N]) {
         h *= 2;
     }
 }
+
+/// The last stages of [`super::fwht`] on a chunk of `64·S` elements (`S` = 2 or 4; 1: nothing
+/// to do) held as `S` sub-chunks of 64, each already through [`wht_regs`]`::<8>` (stages 1–32),
+/// or any `M` of their vectors (the same `M` of each sub-chunk): stage
+/// 64 between sub-chunks `(0, 1)` and `(2, 3)`, then stage 128 between `(0, 2)` and `(1, 3)`, as
+/// `(a + b, a − b)`; the reference's operations on the same values, so the same bytes (each
+/// value of a stage depends only on the stage before, whatever order they are computed in).
+/// Splitting a chunk of 128 or 256 so keeps eight vectors live while its first five stages run
+/// (AVX2 has sixteen registers; [`wht_regs`]`::<16>` spills at every stage).
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // k picks the same vector of every sub-chunk at once
+pub(crate) unsafe fn wht_cross<const M: usize, const S: usize>(t: &mut [[__m256; M]; S]) {
+    debug_assert!(S <= 4 && S.is_power_of_two());
+    for k in 0..M {
+        if S == 1 {
+            break;
+        } else if S == 2 {
+            let (a, b) = (t[0][k], t[1][k]);
+            t[0][k] = _mm256_add_ps(a, b);
+            t[1][k] = _mm256_sub_ps(a, b);
+        } else {
+            let (a, b, c, d) = (t[0][k], t[1][k], t[2][k], t[3][k]);
+            let (s0, s1) = (_mm256_add_ps(a, b), _mm256_sub_ps(a, b));
+            let (s2, s3) = (_mm256_add_ps(c, d), _mm256_sub_ps(c, d));
+            t[0][k] = _mm256_add_ps(s0, s2);
+            t[1][k] = _mm256_add_ps(s1, s3);
+            t[2][k] = _mm256_sub_ps(s0, s2);
+            t[3][k] = _mm256_sub_ps(s1, s3);
+        }
+    }
+}

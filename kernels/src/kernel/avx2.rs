@@ -13,6 +13,14 @@
 //!   E2M1 rounding by the same addition trick ([`e2m1_mag8_biased`]), nibbles paired by one
 //!   multiply-add.
 //!
+//! - The rotated (`+had`) codecs: the transform held in registers chunk by chunk
+//!   ([`crate::fwht::avx2`]; chunks of 128 and 256 as sub-chunks of eight vectors, so sixteen
+//!   registers do not spill), fused with FP8 quantization (eight rows through an L1 buffer, the
+//!   range check read off the rotated values, [`fp8_encode_rows_rotated`]) and with FP8 and NVFP4
+//!   dequantization (no f32 row in memory, [`fp8_decode_rows_rotated`],
+//!   [`nvfp4_decode_rows_rotated`]); the NVFP4 plane rotation returns its amax
+//!   ([`rotate_rows_max`]). For the head dims of [`covers`], as the AVX-512 kernels.
+//!
 //! Tails that do not fill a vector go through the scalar code.
 //!
 //! Safety, once for the whole file: every function here is `#[target_feature(enable =
@@ -30,7 +38,7 @@ use kvtier_proto::DType;
 
 use super::scalar;
 use crate::formats::{e4m3_to_f32, E2M1_VALUES};
-use crate::fwht::avx2::{fwht8, wht_regs, wht_rest};
+use crate::fwht::avx2::{fwht8, wht_cross, wht_regs, wht_rest};
 
 const ABS: i32 = 0x7FFF_FFFF;
 
@@ -1129,6 +1137,47 @@ unsafe fn fwd_chunk<const D: u8, const N: usize>(s: &[u8], mul: &[f32], off: usi
     m
 }
 
+/// [`fwd_chunk`] for a chunk of `64·S` elements (128 or 256), in `S` sub-chunks of eight vectors
+/// each rotated through stage 32 ([`wht_regs`]) and stored into `o`, then the stages between
+/// them ([`wht_cross`]) vector by vector, in place in `o` (which is in L1): the same bytes, with
+/// no more than eight vectors live during the first five stages and no spills (kept in registers
+/// the compiler interleaves the sub-chunks and spills; this measured ~4% faster).
+#[inline(always)]
+unsafe fn fwd_chunk_split<const D: u8, const S: usize>(s: &[u8], mul: &[f32], off: usize, o: &mut [u8]) -> __m256i {
+    let end = off + 64 * S;
+    assert!(end <= mul.len() && end * dt(D).size() as usize <= s.len() && 4 * end <= o.len());
+    let op = o.as_mut_ptr() as *mut f32;
+    for q in 0..S {
+        let mut v = [_mm256_setzero_ps(); 8];
+        for (k, x) in v.iter_mut().enumerate() {
+            let i = off + 64 * q + 8 * k;
+            // SAFETY: elements i .. i + 8 ≤ end are inside s and mul (assert above).
+            *x = _mm256_mul_ps(load8::<D>(s, i), _mm256_loadu_ps(mul.as_ptr().add(i)));
+        }
+        wht_regs(&mut v);
+        for (k, x) in v.iter().enumerate() {
+            // SAFETY: f32 elements off + 64q + 8k .. + 8 ≤ end are inside o (assert above).
+            _mm256_storeu_ps(op.add(off + 64 * q + 8 * k), *x);
+        }
+    }
+    let abs = _mm256_set1_epi32(ABS);
+    let mut m = _mm256_setzero_si256();
+    for k in 0..8 {
+        let mut t = [[_mm256_setzero_ps(); 1]; S];
+        for (q, x) in t.iter_mut().enumerate() {
+            // SAFETY: as above.
+            x[0] = _mm256_loadu_ps(op.add(off + 64 * q + 8 * k));
+        }
+        wht_cross(&mut t);
+        for (q, x) in t.iter().enumerate() {
+            // SAFETY: as above.
+            _mm256_storeu_ps(op.add(off + 64 * q + 8 * k), x[0]);
+            m = _mm256_max_epu32(m, _mm256_and_si256(_mm256_castps_si256(x[0]), abs));
+        }
+    }
+    m
+}
+
 /// [`fwd_chunk`] for a chunk of any power-of-two length `n` (those with no register form:
 /// shorter than 8 or longer than 256), through `buf` (head_dim f32): the vector steps and
 /// [`wht_rest`] for `n ≥ 8`, the scalar reference below.
@@ -1181,8 +1230,8 @@ unsafe fn fwd_row<const D: u8>(s: &[u8], mul: &[f32], chunks: &[usize], buf: &mu
             16 => fwd_chunk::<D, 2>(s, mul, off, o),
             32 => fwd_chunk::<D, 4>(s, mul, off, o),
             64 => fwd_chunk::<D, 8>(s, mul, off, o),
-            128 => fwd_chunk::<D, 16>(s, mul, off, o),
-            256 => fwd_chunk::<D, 32>(s, mul, off, o),
+            128 => fwd_chunk_split::<D, 2>(s, mul, off, o),
+            256 => fwd_chunk_split::<D, 4>(s, mul, off, o),
             _ => fwd_chunk_mem::<D>(s, mul, off, n, buf, o),
         };
         acc = _mm256_max_epu32(acc, m);
@@ -1270,16 +1319,40 @@ pub(crate) unsafe fn rotate_rows(
     buf: &mut [f32],
     out: &mut [u8],
 ) {
+    by_dtype!(dtype, rotate_rows_t(src, mul, chunks, buf, out));
+}
+
+/// [`rotate_rows`], returning the largest magnitude of the rotated values as f32 bits: an
+/// integer max over every value written, so a NaN or an infinity anywhere shows above every
+/// finite value (the AVX-512 kernels' `rotate_rows_max`: the rotated NVFP4 encoder's plane amax
+/// and, against `super::ROTATED_SAFE_BITS`, its range check, without another pass).
+#[target_feature(enable = "avx2,f16c,fma")]
+pub(crate) unsafe fn rotate_rows_max(
+    dtype: DType,
+    src: &[u8],
+    mul: &[f32],
+    chunks: &[usize],
+    buf: &mut [f32],
+    out: &mut [u8],
+) -> u32 {
     by_dtype!(dtype, rotate_rows_t(src, mul, chunks, buf, out))
 }
 
 #[target_feature(enable = "avx2,f16c,fma")]
-unsafe fn rotate_rows_t<const D: u8>(src: &[u8], mul: &[f32], chunks: &[usize], buf: &mut [f32], out: &mut [u8]) {
+unsafe fn rotate_rows_t<const D: u8>(
+    src: &[u8],
+    mul: &[f32],
+    chunks: &[usize],
+    buf: &mut [f32],
+    out: &mut [u8],
+) -> u32 {
     let hd = mul.len();
     assert!(buf.len() == hd);
+    let mut acc = _mm256_setzero_si256();
     for (s, o) in src.chunks_exact(hd * dt(D).size() as usize).zip(out.chunks_exact_mut(hd * 4)) {
-        fwd_row::<D>(s, mul, chunks, buf, o);
+        acc = _mm256_max_epu32(acc, fwd_row::<D>(s, mul, chunks, buf, o));
     }
+    hmax_epu32(acc)
 }
 
 /// The inverse rotation of `crate::rotation::Rotation` on whole rows: little-endian f32 from
@@ -1343,8 +1416,16 @@ unsafe fn hmax_epu32(v: __m256i) -> u32 {
 /// a small f32 buffer of eight rows, its amax taken from the registers, then the eight rows'
 /// scales computed together and their codes written from the buffer while it is in L1. The bytes
 /// are those of rotating every row (`rotate_rows`) and encoding the f32 rows with
-/// [`fp8_encode_rows`]. The caller has checked that every row is finite and within
-/// `crate::rotation::ROTATION_MAX_INPUT`, so every rotated value is finite.
+/// [`fp8_encode_rows`].
+///
+/// Returns the largest rotated magnitude as f32 bits, the integer max over every rotated value
+/// (NaN and Inf above every finite value): the range check of the rotated codecs folded into the
+/// pass, as the AVX-512 kernel's (see `super::ROTATED_SAFE_BITS`; every rotated value of a chunk
+/// depends on all of its inputs, so a NaN or infinite input makes the whole chunk NaN or
+/// infinite). At most `ROTATED_SAFE_BITS` proves the rows finite and within
+/// `crate::rotation::ROTATION_MAX_INPUT`; above it the caller checks the source rows and discards
+/// what was written if it refuses them. Any input is safe here: non-finite or huge values only
+/// make meaningless codes (no lane operation traps, and the scalar tails saturate NaN).
 #[target_feature(enable = "avx2,f16c,fma")]
 pub(crate) unsafe fn fp8_encode_rows_rotated(
     dtype: DType,
@@ -1353,7 +1434,7 @@ pub(crate) unsafe fn fp8_encode_rows_rotated(
     chunks: &[usize],
     scales: &mut [u8],
     codes: &mut [u8],
-) {
+) -> u32 {
     by_dtype!(dtype, fp8_encode_rows_rot_t(src, mul, chunks, scales, codes))
 }
 
@@ -1364,7 +1445,7 @@ unsafe fn fp8_encode_rows_rot_t<const D: u8>(
     chunks: &[usize],
     scales: &mut [u8],
     codes: &mut [u8],
-) {
+) -> u32 {
     let hd = mul.len();
     let row_bytes = hd * dt(D).size() as usize;
     let rows = codes.len() / hd.max(1);
@@ -1372,6 +1453,8 @@ unsafe fn fp8_encode_rows_rot_t<const D: u8>(
     let mut fb = vec![0f32; hd];
     // Eight rotated rows, f32.
     let mut buf = vec![0u8; 8 * hd * 4];
+    // The magnitude bits of every rotated value, integer max.
+    let mut rot_max = _mm256_setzero_si256();
     let mut r = 0;
     while r + 8 <= rows {
         let mut v = [_mm256_setzero_si256(); 8];
@@ -1379,8 +1462,10 @@ unsafe fn fp8_encode_rows_rot_t<const D: u8>(
             let row = &src[(r + k) * row_bytes..(r + k + 1) * row_bytes];
             *slot = fwd_row::<D>(row, mul, chunks, &mut fb, &mut buf[k * hd * 4..(k + 1) * hd * 4]);
         }
-        // The same scales as `fp8_batch_scales` on the rotated rows (which are finite).
-        let s = fp8_scale8(reduce8::<FP32>(&v));
+        // The same scales as `fp8_batch_scales` on the rotated rows (when they are finite).
+        let amax = reduce8::<FP32>(&v);
+        rot_max = _mm256_max_epu32(rot_max, _mm256_castps_si256(amax));
+        let s = fp8_scale8(amax);
         let is0 = _mm256_cmp_ps::<_CMP_EQ_OQ>(s, _mm256_setzero_ps());
         let se = _mm256_blendv_ps(s, _mm256_set1_ps(1.0), is0);
         let (yh, yl) = recip_split8(se);
@@ -1421,10 +1506,266 @@ unsafe fn fp8_encode_rows_rot_t<const D: u8>(
         let row = &src[k * row_bytes..(k + 1) * row_bytes];
         let f = &mut buf[..hd * 4];
         let bits = hmax_epu32(fwd_row::<D>(row, mul, chunks, &mut fb, f));
+        rot_max = _mm256_max_epu32(rot_max, _mm256_set1_epi32(bits as i32));
         let s = crate::scale::fp8_scale(f32::from_bits(bits));
         scales[4 * k..4 * k + 4].copy_from_slice(&s.to_le_bytes());
         fp8_encode_t::<FP32, true>(f, if s == 0.0 { 1.0 } else { s }, &mut codes[k * hd..(k + 1) * hd]);
     }
+    hmax_epu32(rot_max)
+}
+
+/// Whether rows with these chunk lengths and this dtype take the fused rotated kernels here
+/// ([`fp8_encode_rows_rotated`] with its range check, `rotate_rows` as the NVFP4 plane amax,
+/// [`fp8_decode_rows_rotated`], [`nvfp4_decode_rows_rotated`]): every chunk has a register form
+/// of at least two vectors (16..=256 elements, so `head_dim` is a multiple of 16), the dtype is
+/// not FP8. The set of `super::avx512::covers`, so both backends take the same routes.
+pub(crate) fn covers(dtype: DType, chunks: &[usize]) -> bool {
+    dtype != DType::Fp8E4m3 && chunks.iter().all(|n| (16..=256).contains(n))
+}
+
+/// Calls `$body` with `$t` bound to the registers of the chunk of length `$n` (16..=256, a power
+/// of two; eight elements a vector) as sub-chunks of at most 64 elements, `[[__m256; M]; S]`:
+/// one of `n / 8` vectors up to 64, else `n / 64` of eight (see [`wht_cross`]).
+macro_rules! by_chunk8 {
+    ($n:expr, |$t:ident| $body:expr) => {
+        match $n {
+            16 => {
+                let mut $t = [[_mm256_setzero_ps(); 2]; 1];
+                $body
+            }
+            32 => {
+                let mut $t = [[_mm256_setzero_ps(); 4]; 1];
+                $body
+            }
+            64 => {
+                let mut $t = [[_mm256_setzero_ps(); 8]; 1];
+                $body
+            }
+            128 => {
+                let mut $t = [[_mm256_setzero_ps(); 8]; 2];
+                $body
+            }
+            n => {
+                debug_assert_eq!(n, 256);
+                let mut $t = [[_mm256_setzero_ps(); 8]; 4];
+                $body
+            }
+        }
+    };
+}
+
+/// The end of a fused decoder's chunk of `S·M·8` elements at `off`, held as `S` sub-chunks of
+/// `M` vectors each already transformed through its own stages ([`wht_regs`]): the stages
+/// between sub-chunks ([`wht_cross`], when `S > 1`, where `M` is 8), then times `mul` and stored
+/// as `D` ([`store_chunk`]).
+#[inline(always)]
+unsafe fn cross_store<const D: u8, const M: usize, const S: usize>(
+    t: &mut [[__m256; M]; S],
+    mul: &[f32],
+    off: usize,
+    o: &mut [u8],
+) {
+    wht_cross(t);
+    for (q, v) in t.iter().enumerate() {
+        store_chunk::<D, M>(v, mul, off + 8 * M * q, o);
+    }
+}
+
+/// Multiplies a chunk held in `v` by `mul` (elements `off..off + 8N`) and stores it at elements
+/// `off..` of the row `o` as `D`, rounding like `block::store_f32` (BF16 sixteen at a time, see
+/// [`store16_bf16`]; the others by [`store8`]).
+#[inline(always)]
+unsafe fn store_chunk<const D: u8, const N: usize>(v: &[__m256; N], mul: &[f32], off: usize, o: &mut [u8]) {
+    assert!(off + 8 * N <= mul.len() && (off + 8 * N) * dt(D).size() as usize <= o.len());
+    let mp = mul.as_ptr().add(off);
+    let mut k = 0;
+    if D == BF16 {
+        while k + 2 <= N {
+            // SAFETY: elements off + 8k .. + 16 are inside mul and o (assert above, k + 2 ≤ N).
+            let a = _mm256_mul_ps(v[k], _mm256_loadu_ps(mp.add(8 * k)));
+            let b = _mm256_mul_ps(v[k + 1], _mm256_loadu_ps(mp.add(8 * k + 8)));
+            store16_bf16(o.as_mut_ptr().add(2 * (off + 8 * k)), a, b);
+            k += 2;
+        }
+    }
+    while k < N {
+        // SAFETY: elements off + 8k .. + 8 are inside mul and o (assert above).
+        store8::<D>(o, off + 8 * k, _mm256_mul_ps(v[k], _mm256_loadu_ps(mp.add(8 * k))));
+        k += 1;
+    }
+}
+
+/// Sixteen f32 (`a` then `b`) stored as BF16 at `p` (32 bytes): [`store8`]'s rounding
+/// `(bits + 0x7FFF + lsb) >> 16` on both, one pack (exact: the values fit in 16 bits) and one
+/// lane permute for the two, one store.
+///
+/// # Safety
+///
+/// AVX2 (the file's contract); `p .. p + 32` writable.
+#[inline(always)]
+unsafe fn store16_bf16(p: *mut u8, a: __m256, b: __m256) {
+    let round = |v: __m256| {
+        let b = _mm256_castps_si256(v);
+        let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(1));
+        _mm256_srli_epi32::<16>(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7FFF)), lsb))
+    };
+    // [a 0–3, b 0–3 | a 4–7, b 4–7] → [a 0–7 | b 0–7].
+    let w = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(round(a), round(b)));
+    // SAFETY: p .. p + 32 is writable (this function's contract).
+    _mm256_storeu_si256(p as *mut __m256i, w);
+}
+
+/// FP8 codes of one chunk (`8N` bytes at `off` of the row `c`, `N` even) as f32 times
+/// `sc = 256·scale` into `v`: code → the FP16 pattern of `code·2^-8` (sign-extend the byte to 16
+/// bits, shift the magnitude under the FP16 exponent, keep bit 15 as the sign), FP16 → f32
+/// (exact), one product: `fl(e4m3(code) · scale)`, the scalar decoder's value (as
+/// [`fp8_decode_row`]). Folds the max of `code & 0x7F` (0x7F: a NaN code) into `bad`.
+#[inline(always)]
+unsafe fn fp8_dequant_chunk<const N: usize>(
+    c: &[u8],
+    off: usize,
+    sc: __m256,
+    v: &mut [__m256; N],
+    bad: __m128i,
+) -> __m128i {
+    assert!(off + 8 * N <= c.len() && N.is_multiple_of(2));
+    let mut bad = bad;
+    let mut k = 0;
+    while k + 2 <= N {
+        // SAFETY: bytes off + 8k .. + 16 are inside c (assert above, k + 2 ≤ N).
+        let b = _mm_loadu_si128(c.as_ptr().add(off + 8 * k) as *const __m128i);
+        bad = _mm_max_epu8(bad, _mm_and_si128(b, _mm_set1_epi8(0x7F)));
+        let h = _mm256_and_si256(_mm256_slli_epi16::<7>(_mm256_cvtepi8_epi16(b)), _mm256_set1_epi16(0xBF80u16 as i16));
+        v[k] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), sc);
+        v[k + 1] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256::<1>(h)), sc);
+        k += 2;
+    }
+    bad
+}
+
+/// FP8 decoding fused with the inverse rotation, one row at a time in registers: each chunk's
+/// codes dequantized ([`fp8_dequant_chunk`], the decoder's `fl(code · scale)`), the transform
+/// ([`wht_regs`]), times `mul`, stored as `dtype`: the bytes of decoding every row into f32 and
+/// [`unrotate_rows`], with no f32 row in memory (the AVX-512 kernel's construction on eight
+/// lanes). `scale(k)`: the scale of row `k` of `codes` (`mul.len()` codes per row). Returns
+/// whether a NaN code (never written by the encoder) was met; `dst` is then unspecified. The
+/// caller has checked [`covers`] and that every scale is at most
+/// `crate::rotation::ROTATION_MAX_INPUT` (so `256·scale` is finite and no decoded value can pass
+/// `crate::rotation::ROTATION_MAX_DECODED`, the check `unrotate_rows`' amax serves).
+#[target_feature(enable = "avx2,f16c,fma")]
+pub(crate) unsafe fn fp8_decode_rows_rotated(
+    codes: &[u8],
+    scale: impl Fn(usize) -> f32,
+    mul: &[f32],
+    chunks: &[usize],
+    dtype: DType,
+    dst: &mut [u8],
+) -> bool {
+    by_dtype!(dtype, fp8_decode_rows_rot_t(codes, scale, mul, chunks, dst))
+}
+
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn fp8_decode_rows_rot_t<const D: u8>(
+    codes: &[u8],
+    scale: impl Fn(usize) -> f32,
+    mul: &[f32],
+    chunks: &[usize],
+    dst: &mut [u8],
+) -> bool {
+    debug_assert!(covers(dt(D), chunks));
+    let hd = mul.len();
+    let mut bad = _mm_setzero_si128();
+    for (r, (c, o)) in codes.chunks_exact(hd).zip(dst.chunks_exact_mut(hd * dt(D).size() as usize)).enumerate() {
+        let sc = _mm256_set1_ps(scale(r) * 256.0);
+        let mut off = 0;
+        for &n in chunks {
+            by_chunk8!(n, |t| {
+                for (q, v) in t.iter_mut().enumerate() {
+                    bad = fp8_dequant_chunk(c, off + 64 * q, sc, v, bad);
+                    wht_regs(v);
+                }
+                cross_store::<D, _, _>(&mut t, mul, off, o);
+            });
+            off += n;
+        }
+    }
+    _mm_movemask_epi8(_mm_cmpeq_epi8(bad, _mm_set1_epi8(0x7F))) != 0
+}
+
+/// NVFP4 decoding fused with the inverse rotation, one row at a time in registers (see
+/// [`fp8_decode_rows_rotated`]): for each micro-block its scale `d = fl(e4m3(bs) · g)` (the
+/// scalar decoder's), the eight products `fl(e2m1(c) · d)` of the magnitudes as a table, and each
+/// element's nibble picking its entry by a lane permute (which reads the low three bits) with the
+/// nibble's sign bit or-ed on: `fl(−a·d) = −fl(a·d)` for `d ≥ 0`, zeros included, so the value of
+/// `scalar::nvfp4_decode_row`; then the transform, times `mul`, stored as `dtype`. The bytes of
+/// that decoder into f32 followed by [`unrotate_rows`]. `g(k)`: the global scale of row `k`.
+/// Returns whether a block scale code is not a valid unsigned E4M3 code (`dst` is then
+/// unspecified; a negative or NaN `d` only comes from such a code). The caller has checked
+/// [`covers`] (so `mul.len()` is a multiple of 16) and that every global scale is at most 2^98
+/// (so no decoded value can pass `crate::rotation::ROTATION_MAX_DECODED`).
+#[target_feature(enable = "avx2,f16c,fma")]
+pub(crate) unsafe fn nvfp4_decode_rows_rotated(
+    bs: &[u8],
+    codes: &[u8],
+    g: impl Fn(usize) -> f32,
+    mul: &[f32],
+    chunks: &[usize],
+    dtype: DType,
+    dst: &mut [u8],
+) -> bool {
+    by_dtype!(dtype, nvfp4_decode_rows_rot_t(bs, codes, g, mul, chunks, dst))
+}
+
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn nvfp4_decode_rows_rot_t<const D: u8>(
+    bs: &[u8],
+    codes: &[u8],
+    g: impl Fn(usize) -> f32,
+    mul: &[f32],
+    chunks: &[usize],
+    dst: &mut [u8],
+) -> bool {
+    debug_assert!(covers(dt(D), chunks));
+    let hd = mul.len();
+    assert!(hd.is_multiple_of(16));
+    let (nb, cb) = (hd / 16, hd / 2);
+    let rows = codes.len() / cb.max(1);
+    assert!(rows * nb <= bs.len());
+    let mags = _mm256_loadu_ps(E2M1_VALUES.as_ptr());
+    let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    let sign = _mm256_set1_epi32(i32::MIN);
+    let mut worst = 0u8;
+    for (r, (c, o)) in codes.chunks_exact(cb).zip(dst.chunks_exact_mut(hd * dt(D).size() as usize)).enumerate() {
+        let rbs = &bs[r * nb..(r + 1) * nb];
+        let gr = g(r);
+        let mut off = 0;
+        for &n in chunks {
+            by_chunk8!(n, |t| {
+                assert!(off + n <= hd && c.len() == cb);
+                for (k, pair) in t.iter_mut().flat_map(|v| v.chunks_exact_mut(2)).enumerate() {
+                    let blk = off / 16 + k;
+                    let s = rbs[blk];
+                    worst = worst.max(s);
+                    let tab = _mm256_mul_ps(mags, _mm256_set1_ps(e4m3_to_f32(s) * gr));
+                    for (h, x) in pair.iter_mut().enumerate() {
+                        // SAFETY: the 4 code bytes 8·blk + 4h .. + 4 ≤ 8·(blk + 1) ≤ hd / 2 =
+                        // c.len() are inside c (assert above: blk < (off + n) / 16 ≤ hd / 16).
+                        let w = (c.as_ptr().add(8 * blk + 4 * h) as *const u32).read_unaligned();
+                        let cv = _mm256_srlv_epi32(_mm256_set1_epi32(w as i32), shifts);
+                        let neg = _mm256_and_si256(_mm256_slli_epi32::<28>(cv), sign);
+                        *x = _mm256_or_ps(_mm256_permutevar8x32_ps(tab, cv), _mm256_castsi256_ps(neg));
+                    }
+                }
+                for v in t.iter_mut() {
+                    wht_regs(v);
+                }
+                cross_store::<D, _, _>(&mut t, mul, off, o);
+            });
+            off += n;
+        }
+    }
+    // Valid block scales are unsigned E4M3 codes below 0x7F (NaN).
+    worst >= 0x7F
 }
 
 #[cfg(test)]

@@ -3,7 +3,9 @@
 //! run time) writes identical bytes faster, and [`avx512`] (AVX-512 F/BW/VL/DQ on top, and
 //! AVX512-BF16 where present) does so for the `+had` codecs — the rotation fused with FP8
 //! quantization, with FP8 and NVFP4 dequantization, and NVFP4 quantization of rotated planes — the
-//! other kernels staying AVX2 there. The codec calls these through [`Isa`], one call per
+//! other kernels staying AVX2 there. The AVX2 kernels have the same fused forms on eight lanes
+//! (for the same head dims, [`avx2::covers`]), so a CPU without AVX-512 takes the same routes.
+//! The codec calls these through [`Isa`], one call per
 //! run of rows for the encoders (a chunk, or a plane for NVFP4) and per row for decoding, so the
 //! feature check and the dtype dispatch happen once per run, not per element.
 
@@ -206,7 +208,8 @@ impl Isa {
         #[cfg(target_arch = "x86_64")]
         if self.simd(dtype) {
             // SAFETY: an Avx2 or Avx512 Isa exists only after the AVX2 features were detected.
-            unsafe { avx2::fp8_encode_rows_rotated(dtype, src, rot.mul(), rot.chunks(), scales, codes) };
+            // The rows were checked by the caller: the rotated max it returns has nothing to add.
+            let _ = unsafe { avx2::fp8_encode_rows_rotated(dtype, src, rot.mul(), rot.chunks(), scales, codes) };
             return Ok(());
         }
         let mut rotated = vec![0u8; src.len() / dtype.size() as usize * 4];
@@ -215,7 +218,7 @@ impl Isa {
     }
 
     /// [`Isa::fp8_encode_rows_rotated`] on rows nobody has checked, where a kernel does it in
-    /// one pass with the range check folded in (AVX-512, chunks it holds in registers):
+    /// one pass with the range check folded in (AVX-512 or AVX2, chunks they hold in registers):
     /// `Some(bits)`, the largest rotated magnitude as f32 bits (NaN and Inf above every finite
     /// value). At most [`ROTATED_SAFE_BITS`] proves every source value finite and within
     /// [`crate::rotation::ROTATION_MAX_INPUT`]; above it the caller checks the source rows itself
@@ -235,6 +238,11 @@ impl Isa {
             return Some(unsafe {
                 avx512::fp8_encode_rows_rotated(dtype, src, rot.mul(), rot.chunks(), scales, codes)
             });
+        }
+        #[cfg(target_arch = "x86_64")]
+        if let (Isa::Avx2(_), true) = (self, avx2::covers(dtype, rot.chunks())) {
+            // SAFETY: an Avx2 Isa exists only after AVX2, F16C and FMA were detected.
+            return Some(unsafe { avx2::fp8_encode_rows_rotated(dtype, src, rot.mul(), rot.chunks(), scales, codes) });
         }
         let _ = (rot, dtype, src, scales, codes);
         None
@@ -347,6 +355,10 @@ impl Isa {
         if let Isa::Avx512(_) = self {
             return avx512::covers(out, rot.chunks());
         }
+        #[cfg(target_arch = "x86_64")]
+        if let Isa::Avx2(_) = self {
+            return avx2::covers(out, rot.chunks());
+        }
         let _ = (rot, out);
         false
     }
@@ -376,6 +388,11 @@ impl Isa {
             }
             // SAFETY: as above.
             return unsafe { avx512::fp8_decode_rows_rotated(codes, scale, mul, chunks, out, dst) };
+        }
+        #[cfg(target_arch = "x86_64")]
+        if let Isa::Avx2(_) = self {
+            // SAFETY: an Avx2 Isa exists only after AVX2, F16C and FMA were detected.
+            return unsafe { avx2::fp8_decode_rows_rotated(codes, scale, rot.mul(), rot.chunks(), out, dst) };
         }
         let _ = (codes, scale, dst);
         unreachable!("checked by the assert above")
@@ -408,12 +425,17 @@ impl Isa {
             // SAFETY: as above.
             return unsafe { avx512::nvfp4_decode_rows_rotated(bs, codes, g, mul, chunks, out, dst) };
         }
+        #[cfg(target_arch = "x86_64")]
+        if let Isa::Avx2(_) = self {
+            // SAFETY: an Avx2 Isa exists only after AVX2, F16C and FMA were detected.
+            return unsafe { avx2::nvfp4_decode_rows_rotated(bs, codes, g, rot.mul(), rot.chunks(), out, dst) };
+        }
         let _ = (bs, codes, g, dst);
         unreachable!("checked by the assert above")
     }
 
-    /// For the rotated NVFP4 encoder, one plane at a time, where a kernel does it (AVX-512,
-    /// chunks it holds in registers): rotates the rows of `src` into `scratch` as f32 (the bytes
+    /// For the rotated NVFP4 encoder, one plane at a time, where a kernel does it (AVX-512 or
+    /// AVX2, chunks they hold in registers): rotates the rows of `src` into `scratch` as f32 (the bytes
     /// of [`Isa::rotate_rows`]) and returns the largest rotated magnitude as f32 bits, taken from
     /// the registers. At most [`ROTATED_SAFE_BITS`] proves every source value finite and within
     /// [`crate::rotation::ROTATION_MAX_INPUT`]; above it the caller checks the source. `None`
@@ -423,6 +445,12 @@ impl Isa {
         if let (Isa::Avx512(_), true) = (self, avx512::covers(dtype, rot.chunks())) {
             // SAFETY: an Avx512 Isa exists only after the AVX-512 and AVX2 features were detected.
             return Some(unsafe { avx512::rotate_rows_max(dtype, src, rot.mul(), rot.chunks(), scratch) });
+        }
+        #[cfg(target_arch = "x86_64")]
+        if let (Isa::Avx2(_), true) = (self, avx2::covers(dtype, rot.chunks())) {
+            let mut buf = vec![0f32; rot.head_dim()];
+            // SAFETY: an Avx2 Isa exists only after AVX2, F16C and FMA were detected.
+            return Some(unsafe { avx2::rotate_rows_max(dtype, src, rot.mul(), rot.chunks(), &mut buf, scratch) });
         }
         let _ = (rot, dtype, src, scratch);
         None
@@ -668,6 +696,194 @@ mod rotated_fp8_tests {
                         let (mut gs, mut gc) = (vec![0u8; 4 * rows], vec![0u8; rows * hd]);
                         isa.fp8_encode_rows_rotated(&rot, dtype, &src, &mut gs, &mut gc).unwrap();
                         assert_eq!((gs, gc), (ws.clone(), wc.clone()), "{isa:?} {dtype:?} hd {hd} rows {rows}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod fused_rotated_tests {
+    use super::*;
+    use crate::block::store_f32;
+
+    fn xorshift(seed: u64) -> impl FnMut() -> u64 {
+        let mut s = seed | 1;
+        move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        }
+    }
+
+    /// The vector backends this CPU runs.
+    fn vector_isas() -> Vec<Isa> {
+        let mut isas = vec![];
+        if Backend::avx2_available() {
+            isas.push(Backend::Avx2.resolve().unwrap());
+        }
+        if Backend::avx512_available() {
+            isas.push(Backend::Avx512.resolve().unwrap());
+        }
+        isas
+    }
+
+    const COVERED: [usize; 9] = [16, 32, 64, 128, 256, 48, 96, 80, 496];
+    const NOT_COVERED: [usize; 6] = [8, 24, 100, 512, 576, 7];
+
+    /// The AVX2 backend takes every fused rotated route for the head dims whose chunks it holds
+    /// in registers (so the byte comparisons of the fused kernels below and in
+    /// `tests/fused_rotation.rs` and `tests/simd_backends.rs` run them), and none for the others
+    /// or for FP8 rows.
+    #[test]
+    fn avx2_takes_the_fused_rotated_routes() {
+        if !Backend::avx2_available() {
+            return;
+        }
+        let isa = Backend::Avx2.resolve().unwrap();
+        for hd in COVERED.into_iter().chain(NOT_COVERED) {
+            let rot = Rotation::new(hd, 5);
+            for dtype in [DType::Bf16, DType::Fp16, DType::Fp32, DType::Fp8E4m3] {
+                let want = COVERED.contains(&hd) && dtype != DType::Fp8E4m3;
+                let src = vec![0u8; 3 * hd * dtype.size() as usize];
+                let (mut sc, mut co) = (vec![0u8; 12], vec![0u8; 3 * hd]);
+                let fp8 = isa.fp8_encode_rows_rotated_fused(&rot, dtype, &src, &mut sc, &mut co);
+                let mut scratch = vec![0u8; 3 * hd * 4];
+                let nvfp4 = isa.rotate_rows_max(&rot, dtype, &src, &mut scratch);
+                assert_eq!(fp8.is_some(), want, "fp8 encode, hd {hd} {dtype:?}");
+                assert_eq!(nvfp4.is_some(), want, "nvfp4 plane rotation, hd {hd} {dtype:?}");
+                assert_eq!(isa.fuses_rotated_decode(&rot, dtype), want, "decode, hd {hd} {dtype:?}");
+                if want {
+                    assert_eq!((fp8, nvfp4), (Some(0), Some(0)), "zero rows, hd {hd} {dtype:?}");
+                }
+            }
+        }
+    }
+
+    /// The fused plane rotation of every vector backend writes [`Isa::rotate_rows`]' scalar bytes
+    /// and returns the largest rotated magnitude; a source holding a NaN, an infinity or a value
+    /// beyond 2^100 gives more than [`ROTATED_SAFE_BITS`] (the rotated NVFP4 encoder's range check).
+    #[test]
+    fn fused_plane_rotation_matches_the_reference_and_flags_hostile_rows() {
+        let mut next = xorshift(0x1234_5678);
+        for isa in vector_isas() {
+            for hd in COVERED {
+                let rot = Rotation::new(hd, 9);
+                for dtype in [DType::Bf16, DType::Fp16, DType::Fp32] {
+                    for special in [None, Some(f32::NAN), Some(f32::INFINITY), Some(-2f32.powi(101)), Some(65504.0)] {
+                        let rows = 5;
+                        let mut src = vec![0u8; rows * hd * dtype.size() as usize];
+                        for i in 0..rows * hd {
+                            let u = (next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0;
+                            let e = if dtype == DType::Fp16 { 3 } else { (i / hd) as i32 * 20 - 40 };
+                            store_f32(dtype, &mut src, i, u * 2f32.powi(e));
+                        }
+                        if let Some(v) = special {
+                            store_f32(dtype, &mut src, (next() as usize) % (rows * hd), v);
+                        }
+                        let seen: Vec<f32> = (0..rows * hd).map(|i| crate::block::load_f32(dtype, &src, i)).collect();
+                        let valid =
+                            seen.iter().all(|v| v.is_finite() && v.abs() <= crate::rotation::ROTATION_MAX_INPUT);
+                        let mut want = vec![0u8; rows * hd * 4];
+                        Isa::Scalar.rotate_rows(&rot, dtype, &src, &mut want);
+                        let mut got = vec![0u8; rows * hd * 4];
+                        let bits = isa.rotate_rows_max(&rot, dtype, &src, &mut got).expect("a fused route");
+                        if valid {
+                            assert_eq!(got, want, "{isa:?} {dtype:?} hd {hd}");
+                            assert_eq!(bits, scalar::row_amax_bits(DType::Fp32, &want), "{isa:?} {dtype:?} hd {hd}");
+                            assert!(bits <= ROTATED_SAFE_BITS, "{isa:?} {dtype:?} hd {hd}: {bits:#x}");
+                        } else {
+                            assert!(bits > ROTATED_SAFE_BITS, "{isa:?} {dtype:?} hd {hd} {special:?}: {bits:#x}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The fused FP8 and NVFP4 decoders of every vector backend write the bytes of the scalar
+    /// route (dequantize into f32, then [`Isa::unrotate_rows`]) into every non-FP8 dtype, on
+    /// random codes (every E4M3 and E2M1 code, zeros of both signs) under scales across the whole
+    /// range the codec lets through (2^-130 .. 2^100, and 0), and report a NaN code or an invalid
+    /// block scale exactly when the scalar decoder does.
+    #[test]
+    fn fused_decoders_match_the_scalar_route() {
+        let mut next = xorshift(0xC0FF_EE00);
+        for isa in vector_isas() {
+            for hd in COVERED {
+                let rot = Rotation::new(hd, 21);
+                let rows = 11;
+                for out in [DType::Bf16, DType::Fp16, DType::Fp32] {
+                    for corrupt in [false, true] {
+                        let os = out.size() as usize;
+                        // FP8: codes with NaNs removed unless corrupting.
+                        let mut codes: Vec<u8> = (0..rows * hd).map(|_| next() as u8).collect();
+                        if !corrupt {
+                            codes.iter_mut().filter(|c| **c & 0x7F == 0x7F).for_each(|c| *c &= 0xFE);
+                        }
+                        let scales: Vec<f32> = (0..rows)
+                            .map(|r| match r {
+                                0 => 0.0,
+                                1 => 2f32.powi(100),
+                                2 => f32::from_bits(1),
+                                _ => f32::from_bits(((next() % 226) as u32 + 1) << 23 | (next() as u32 & 0x7F_FFF0)),
+                            })
+                            .collect();
+                        let mut f32s = vec![0u8; rows * hd * 4];
+                        let mut want_bad = false;
+                        for r in 0..rows {
+                            want_bad |= scalar::fp8_decode_row(
+                                &codes[r * hd..(r + 1) * hd],
+                                scales[r],
+                                DType::Fp32,
+                                &mut f32s[r * hd * 4..(r + 1) * hd * 4],
+                            );
+                        }
+                        let mut want = vec![0u8; rows * hd * os];
+                        Isa::Scalar.unrotate_rows(&rot, &f32s, out, &mut want);
+                        assert!(isa.fuses_rotated_decode(&rot, out));
+                        let mut got = vec![0u8; rows * hd * os];
+                        let bad = isa.fp8_decode_rows_rotated(&rot, &codes, |k| scales[k], out, &mut got);
+                        assert_eq!(bad, want_bad, "{isa:?} fp8 NaN flag, {out:?} hd {hd}");
+                        if !want_bad {
+                            assert_eq!(got, want, "{isa:?} fp8 into {out:?}, hd {hd}");
+                        }
+
+                        // NVFP4: block scales below 0x7F unless corrupting.
+                        let (nb, cb) = (hd / 16, hd / 2);
+                        let mut bs: Vec<u8> = (0..rows * nb).map(|_| (next() % 0x7F) as u8).collect();
+                        if corrupt {
+                            let i = (next() as usize) % bs.len();
+                            bs[i] = [0x7F, 0x80, 0xFF][(next() % 3) as usize];
+                        }
+                        let nv: Vec<u8> = (0..rows * cb).map(|_| next() as u8).collect();
+                        let g: Vec<f32> = (0..rows)
+                            .map(|r| match r {
+                                0 => 0.0,
+                                1 => 2f32.powi(98),
+                                _ => f32::from_bits(((next() % 224) as u32 + 1) << 23 | (next() as u32 & 0x7F_FFC0)),
+                            })
+                            .collect();
+                        let mut want_bad = false;
+                        for r in 0..rows {
+                            want_bad |= scalar::nvfp4_decode_row(
+                                &bs[r * nb..(r + 1) * nb],
+                                &nv[r * cb..(r + 1) * cb],
+                                g[r],
+                                0,
+                                hd,
+                                DType::Fp32,
+                                &mut f32s[r * hd * 4..(r + 1) * hd * 4],
+                            );
+                        }
+                        Isa::Scalar.unrotate_rows(&rot, &f32s, out, &mut want);
+                        let bad = isa.nvfp4_decode_rows_rotated(&rot, &bs, &nv, |k| g[k], out, &mut got);
+                        assert_eq!(bad, want_bad, "{isa:?} nvfp4 block-scale flag, {out:?} hd {hd}");
+                        if !want_bad {
+                            assert_eq!(got, want, "{isa:?} nvfp4 into {out:?}, hd {hd}");
+                        }
                     }
                 }
             }
