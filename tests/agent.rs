@@ -265,6 +265,7 @@ async fn bad_agent_reports_are_refused() {
         dropped: vec![],
         agent_id: String::new(),
         resync: false,
+        unspilled: vec![],
     };
     let key = bytes::Bytes::from(vec![7u8; 32]);
     let err = client.raw_grpc().report_agent_blocks(report(&ns, vec![key.clone()])).await.unwrap_err();
@@ -479,6 +480,7 @@ async fn only_the_namespaces_tenant_reports_g1_into_it_or_takes_its_demands() {
         dropped: vec![],
         agent_id: agent.into(),
         resync: false,
+        unspilled: vec![],
     };
     let demands = |agent: &str| AgentDemandsRequest { namespace_id: id.clone(), agent_id: agent.into() };
 
@@ -501,6 +503,68 @@ async fn only_the_namespaces_tenant_reports_g1_into_it_or_takes_its_demands() {
         eventually(async || a.lookup_keys(&handle, &[key]).await.unwrap() == 0).await,
         "the stream closed: the agent's keys stop counting"
     );
+}
+
+/// A demanded block the agent can't spill (it left G1 meanwhile, or its copy failed): the
+/// agent says so, and the read misses at once instead of waiting out `agent_demand_wait`. Only
+/// the agent the demand went to can end the wait. The test plays the agent's side of the
+/// protocol (its demand stream and reports) against a real server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_demand_the_agent_cannot_spill_misses_at_once() {
+    use kvtier_client::{ClientConfig, KvClient, SameNodeMode};
+    use kvtier_proto::pb::{AgentBlocksReport, AgentDemandsRequest};
+
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("kvtier.toml");
+    std::fs::write(&cfg, "agent_demand_wait = \"20s\"\n").unwrap();
+    let server = ServerProcess::start(&["--dram-capacity", "64MiB", "--config", cfg.to_str().unwrap()]);
+    let cfg = ClientConfig { samenode: SameNodeMode::Off, ..ClientConfig::default() };
+    let client = KvClient::connect(&server.grpc_addr(), cfg).await.unwrap();
+    let ns = Namespace::new("t", "m", KvLayout::new(4, 2, 64, DType::Fp16, 16), HashScheme::Blake3, b"s");
+    let handle = client.register(ns.clone()).await.unwrap();
+    let id = bytes::Bytes::copy_from_slice(&ns.id().0);
+    let key = kvtier_proto::BlockKey([7; 32]);
+    let report = |agent: &str, stored: Vec<kvtier_proto::BlockKey>, unspilled: Vec<kvtier_proto::BlockKey>| {
+        let raw = |v: Vec<kvtier_proto::BlockKey>| v.iter().map(|k| bytes::Bytes::copy_from_slice(&k.0)).collect();
+        AgentBlocksReport {
+            namespace_id: id.clone(),
+            stored: raw(stored),
+            evicted: vec![],
+            dropped: vec![],
+            agent_id: agent.into(),
+            resync: false,
+            unspilled: raw(unspilled),
+        }
+    };
+    let mut demands = client
+        .raw_grpc()
+        .agent_demands(AgentDemandsRequest { namespace_id: id.clone(), agent_id: "g1".into() })
+        .await
+        .unwrap()
+        .into_inner();
+    client.raw_grpc().report_agent_blocks(report("g1", vec![key], vec![])).await.unwrap();
+    assert_eq!(client.lookup_keys(&handle, &[key]).await.unwrap(), 1, "G1 holds it");
+
+    let (c, h) = (client.clone(), handle.clone());
+    let start = Instant::now();
+    let read = tokio::spawn(async move { c.load_keys(&h, &[key]).await });
+    let asked = tokio::time::timeout(Duration::from_secs(5), demands.message()).await.unwrap().unwrap().unwrap();
+    assert_eq!(asked.keys, vec![bytes::Bytes::copy_from_slice(&key.0)], "the server asks the agent for it");
+    // Another agent can't end a wait it wasn't asked for.
+    client.raw_grpc().report_agent_blocks(report("other", vec![], vec![key])).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!read.is_finished(), "the read still waits for the agent it asked");
+    client.raw_grpc().report_agent_blocks(report("g1", vec![], vec![key])).await.unwrap();
+    let got = tokio::time::timeout(Duration::from_secs(5), read).await.expect("the read ended").unwrap().unwrap();
+    assert!(got[0].is_none(), "a miss, never bytes");
+    let took = start.elapsed();
+    assert!(took < Duration::from_secs(5), "the read waited {took:?} of its 20 s");
+    let text = server.scrape();
+    assert_eq!(metric(&text, "kvtier_agent_demand_misses_total", &[("reason", "unspilled")]), 1.0, "{text}");
+    // The server goes on: a block stored in DRAM meanwhile is served.
+    let payload = payload_for(&key, handle.block_bytes());
+    client.store_keys(&handle, &[key], &[vec![payload.clone()]]).await.unwrap();
+    assert_eq!(client.load_keys(&handle, &[key]).await.unwrap()[0].as_ref().unwrap().payload, payload);
 }
 
 /// A LOAD of `items` into `buffer` over `sock`: its counts (found, from G1, from G2), after every

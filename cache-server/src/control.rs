@@ -545,17 +545,19 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         let res = (|| {
             let id = ns_id(&r.namespace_id)?;
             self.state.namespace_for(&p, &id, Access::Write)?;
-            let n = r.stored.len() + r.evicted.len() + r.dropped.len();
+            let n = r.stored.len() + r.evicted.len() + r.dropped.len() + r.unspilled.len();
             let max = self.state.config().max_blocks_per_request as usize;
             if n > max {
                 return Err(ServerError::InvalidRequest(format!("{n} keys in one agent report; at most {max}")));
             }
-            Ok::<_, ServerError>((id, keys(&r.stored)?, keys(&r.evicted)?, keys(&r.dropped)?))
+            Ok::<_, ServerError>((id, keys(&r.stored)?, keys(&r.evicted)?, keys(&r.dropped)?, keys(&r.unspilled)?))
         })();
-        let (id, stored, evicted, dropped) = res.map_err(to_status)?;
+        let (id, stored, evicted, dropped, unspilled) = res.map_err(to_status)?;
         if !r.agent_id.is_empty() {
             let left: Vec<BlockKey> = evicted.iter().chain(&dropped).copied().collect();
-            self.state.tiers().agents().report(&id, &r.agent_id, &stored, &left);
+            let agents = self.state.tiers().agents();
+            agents.report(&id, &r.agent_id, &stored, &left);
+            agents.unspilled(&id, &r.agent_id, &unspilled);
         }
         if r.resync {
             return Ok(Response::new(pb::AgentBlocksAck {}));

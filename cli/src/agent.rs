@@ -542,6 +542,7 @@ async fn report_g1<D: Device>(agent: Arc<Agent<D, SameNodeStore>>, demand_store:
                     dropped: pick(2),
                     agent_id: agent_id.clone(),
                     resync: false,
+                    unspilled: vec![],
                 };
                 match client.raw_grpc().report_agent_blocks(req).await {
                     Ok(_) => metrics::counter!("kvtier_agent_reported_keys_total").increment(chunk.len() as u64),
@@ -555,17 +556,37 @@ async fn report_g1<D: Device>(agent: Arc<Agent<D, SameNodeStore>>, demand_store:
     }
 }
 
-/// Sends `keys` as what G1 holds (chunked, `resync`: indexed, not published again); the first
-/// error.
-async fn report_stored(client: &KvClient, ns: &NamespaceId, agent_id: &str, keys: &[BlockKey]) -> Result<(), String> {
+/// What a report says of its keys.
+#[derive(Clone, Copy)]
+enum Reported {
+    /// What G1 holds (`resync`: indexed, not published again).
+    Resident,
+    /// Demanded keys this agent could not spill.
+    Unspilled,
+}
+
+/// Sends `keys` to the server as `what` (chunked; nothing when there are none); the first error.
+async fn report_keys(
+    client: &KvClient,
+    ns: &NamespaceId,
+    agent_id: &str,
+    keys: &[BlockKey],
+    what: Reported,
+) -> Result<(), String> {
     for chunk in keys.chunks(REPORT_MAX_KEYS) {
+        let keys: Vec<bytes::Bytes> = chunk.iter().map(|k| bytes::Bytes::copy_from_slice(&k.0)).collect();
+        let (stored, unspilled) = match what {
+            Reported::Resident => (keys, vec![]),
+            Reported::Unspilled => (vec![], keys),
+        };
         let req = kvtier_proto::pb::AgentBlocksReport {
             namespace_id: bytes::Bytes::copy_from_slice(&ns.0),
-            stored: chunk.iter().map(|k| bytes::Bytes::copy_from_slice(&k.0)).collect(),
+            stored,
             evicted: vec![],
             dropped: vec![],
             agent_id: agent_id.to_string(),
             resync: true,
+            unspilled,
         };
         client.raw_grpc().report_agent_blocks(req).await.map_err(|e| e.to_string())?;
     }
@@ -602,7 +623,7 @@ async fn serve_demands<D: Device>(
         Ok(keys) => keys.into_iter().filter(|(n, _)| *n == ns).map(|(_, k)| k).collect(),
         Err(_) => return,
     };
-    if let Err(e) = report_stored(&client, &ns, &agent_id, &resident).await {
+    if let Err(e) = report_keys(&client, &ns, &agent_id, &resident, Reported::Resident).await {
         tracing::warn!("reporting G1 to the server: {e}");
     }
     loop {
@@ -619,13 +640,15 @@ async fn serve_demands<D: Device>(
         let keys: Vec<BlockKey> = demand.keys.iter().filter_map(|k| BlockKey::try_from(&k[..]).ok()).collect();
         let (a, st) = (agent.clone(), store.clone());
         // One batch at a time: the stream's queue on the server bounds what waits.
-        let _ = tokio::task::spawn_blocking(move || {
+        let unspilled = tokio::task::spawn_blocking(move || {
+            let mut unspilled = Vec::new();
             for key in keys {
                 match a.copy_out(&ns, &key) {
                     Ok(Some(bytes)) => match st.spill(&ns, &key, CodecId::RAW, &bytes) {
                         Ok(()) => {
                             a.mark_spilled(&ns, &key);
                             metrics::counter!("kvtier_agent_demand_spills_total").increment(1);
+                            continue;
                         }
                         Err(e) => {
                             metrics::counter!("kvtier_agent_demand_errors_total").increment(1);
@@ -638,9 +661,16 @@ async fn serve_demands<D: Device>(
                         tracing::warn!("copying a demanded block out of G1: {e}");
                     }
                 }
+                unspilled.push(key);
             }
+            unspilled
         })
-        .await;
+        .await
+        .unwrap_or_default();
+        // The reads waiting on what could not be spilled miss now, not at the end of their wait.
+        if let Err(e) = report_keys(&client, &ns, &agent_id, &unspilled, Reported::Unspilled).await {
+            tracing::warn!("telling the server which demanded blocks could not be spilled: {e}");
+        }
     }
 }
 

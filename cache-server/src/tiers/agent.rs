@@ -5,7 +5,10 @@
 //! (the `AgentDemands` stream the agent keeps open): a read of a key that only G1 holds sends the
 //! key down that channel and waits — at most `agent_demand_wait` — for the agent to spill the
 //! page into DRAM through the same-node socket, then reads it from DRAM like any other block. A
-//! wait that runs out is a miss, never wrong bytes: what is served is what DRAM verified.
+//! wait that runs out is a miss, never wrong bytes: what is served is what DRAM verified. An
+//! agent that can't spill a demanded key (it left G1 meanwhile, or the copy or store failed)
+//! says so (`AgentBlocksReport.unspilled`), and the reads waiting on it miss at once instead of
+//! waiting the rest of `agent_demand_wait`.
 //!
 //! - **Liveness**: an agent's index lives exactly as long as its demand stream. When the stream
 //!   goes away (the agent closed it, crashed or was killed: the connection drops and tonic drops
@@ -17,7 +20,7 @@
 //!   waited on at once (past it, a miss).
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -83,6 +86,10 @@ impl NamespaceIndex {
 /// A key someone waits to see land in DRAM.
 struct Waiting {
     landed: Arc<Notify>,
+    /// Set when the agent asked said it could not spill the key.
+    unspilled: Arc<AtomicBool>,
+    /// The agent the demand went to.
+    asked: String,
     readers: usize,
 }
 
@@ -140,6 +147,15 @@ pub struct Waiter<'a> {
     tier: &'a AgentTier,
     key: (NamespaceId, BlockKey),
     pub landed: Arc<Notify>,
+    unspilled: Arc<AtomicBool>,
+}
+
+impl Waiter<'_> {
+    /// Whether the agent asked for the key said it could not spill it (the wait is over: a
+    /// miss, unless the block is in DRAM after all).
+    pub fn unspilled(&self) -> bool {
+        self.unspilled.load(Ordering::Acquire)
+    }
 }
 
 impl Drop for Waiter<'_> {
@@ -311,31 +327,53 @@ impl AgentTier {
         let mut waiting = self.waiting.lock();
         if let Some(w) = waiting.get_mut(&k) {
             w.readers += 1;
-            let landed = w.landed.clone();
-            return Some(Waiter { tier: self, key: k, landed });
+            let (landed, unspilled) = (w.landed.clone(), w.unspilled.clone());
+            return Some(Waiter { tier: self, key: k, landed, unspilled });
         }
         if waiting.len() >= MAX_WAITERS {
             drop(waiting);
             self.missed("waiters_full");
             return None;
         }
-        let sent = {
+        let asked = {
             let index = self.index.lock();
             index.get(ns).and_then(|nsx| {
-                nsx.agents.values().filter(|l| l.keys.contains(key)).find_map(|l| l.demands.try_send(*key).ok())
+                nsx.agents
+                    .iter()
+                    .filter(|(_, l)| l.keys.contains(key))
+                    .find_map(|(name, l)| l.demands.try_send(*key).ok().map(|()| name.clone()))
             })
         };
-        if sent.is_none() {
+        let Some(asked) = asked else {
             drop(waiting);
             self.missed("not_queued");
             return None;
-        }
+        };
         self.demands.fetch_add(1, Ordering::Relaxed);
         ::metrics::counter!("kvtier_agent_demands_total").increment(1);
-        let landed = Arc::new(Notify::new());
-        waiting.insert(k, Waiting { landed: landed.clone(), readers: 1 });
+        let (landed, unspilled) = (Arc::new(Notify::new()), Arc::new(AtomicBool::new(false)));
+        waiting.insert(k, Waiting { landed: landed.clone(), unspilled: unspilled.clone(), asked, readers: 1 });
         self.waiting_count.store(waiting.len(), Ordering::Release);
-        Some(Waiter { tier: self, key: k, landed })
+        Some(Waiter { tier: self, key: k, landed, unspilled })
+    }
+
+    /// Agent `agent` could not spill these keys of `ns` it was asked for: the reads waiting on
+    /// them give up now. Keys demanded of another agent, or not waited on, are left alone. How
+    /// many waits ended.
+    pub fn unspilled(&self, ns: &NamespaceId, agent: &str, keys: &[BlockKey]) -> usize {
+        if self.waiting_count.load(Ordering::Acquire) == 0 {
+            return 0;
+        }
+        let waiting = self.waiting.lock();
+        let mut ended = 0;
+        for key in keys {
+            if let Some(w) = waiting.get(&(*ns, *key)).filter(|w| w.asked == agent) {
+                w.unspilled.store(true, Ordering::Release);
+                w.landed.notify_waiters();
+                ended += 1;
+            }
+        }
+        ended
     }
 
     /// Wakes the readers waiting for a key that just landed in DRAM.
@@ -417,6 +455,18 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(1), notified).await.expect("woken");
         drop((w, again));
         assert_eq!(tier.waiting_count.load(Ordering::Acquire), 0);
+
+        // An agent that can't spill a key ends the waits it was asked for, and only those.
+        let w = tier.demand(&ns, &key(1)).expect("queued");
+        assert_eq!(rx.try_recv().ok(), Some(key(1)));
+        assert_eq!(tier.unspilled(&ns, "b", &[key(1)]), 0, "not the agent asked");
+        assert_eq!(tier.unspilled(&ns, "a", &[key(2)]), 0, "nobody waits on it");
+        assert!(!w.unspilled());
+        let notified = w.landed.notified();
+        assert_eq!(tier.unspilled(&ns, "a", &[key(1)]), 1);
+        tokio::time::timeout(Duration::from_secs(1), notified).await.expect("woken");
+        assert!(w.unspilled());
+        drop(w);
 
         assert!(tier.report(&ns, "a", &[], &[key(1)]));
         assert!(!tier.contains(&ns, &key(1)));

@@ -319,7 +319,7 @@ impl TierStack {
 
     /// A block only G1 holds: asks its agent to spill it into DRAM (the same-node store) and
     /// waits for it, at most `agent_demand_wait`; then it is read from DRAM. A wait that runs
-    /// out, or no agent holding the key, is a miss.
+    /// out, an agent that says it can't spill the key, or no agent holding it, is a miss.
     async fn get_from_agent(&self, ns: &NamespaceId, key: &BlockKey) -> Load {
         let Some(waiter) = self.agents.demand(ns, key) else { return Load::Miss };
         let deadline = tokio::time::Instant::now() + self.agents.config().demand_wait;
@@ -332,6 +332,10 @@ impl TierStack {
             }
             // Woken by a commit of the key; the short slice also catches a store answered
             // `Present` (it was in DRAM already: nothing committed).
+            if waiter.unspilled() {
+                self.agents.missed("unspilled");
+                return Load::Miss;
+            }
             let slice = (tokio::time::Instant::now() + Duration::from_millis(20)).min(deadline);
             if tokio::time::timeout_at(slice, landed).await.is_err() && tokio::time::Instant::now() >= deadline {
                 if let Load::Hit(b) = Tier::get(&self.dram, ns, key) {
