@@ -1033,6 +1033,8 @@ unsafe fn nvfp4_group<const D: u8, const EIGHT: bool>(
 /// See `scalar::fp8_decode_row`. E4M3 code `c` is turned into the FP16 bit pattern whose value
 /// is `c · 2^-8` (same sign, exponent rebias 7 → 15, subnormals included), converted by F16C, and
 /// multiplied by `256 · scale` — one rounding, the same product as the scalar `table[c] · scale`.
+/// Sixteen codes a step ([`fp8_dequant_chunk`], the fused decoder's), BF16 stored sixteen at a
+/// time ([`store16_bf16`]); then at most one step of eight, then the scalar kernel.
 #[target_feature(enable = "avx2,f16c,fma")]
 pub(crate) unsafe fn fp8_decode_row(codes: &[u8], scale: f32, out: DType, dst: &mut [u8]) -> bool {
     by_dtype!(out, fp8_decode_t(codes, scale, dst))
@@ -1048,28 +1050,43 @@ unsafe fn fp8_decode_t<const D: u8>(codes: &[u8], scale: f32, dst: &mut [u8]) ->
     }
     let os = out.size() as usize;
     let n = codes.len();
+    assert!(n * os <= dst.len());
     let sc = _mm256_set1_ps(scale * 256.0);
-    let m7f = _mm_set1_epi8(0x7F);
-    let mut bad = _mm_setzero_si128();
+    // The max of `code & 0x7F` over the row: 0x7F is a NaN code.
+    let mut worst = _mm_setzero_si128();
     let mut i = 0;
-    while i + 8 <= n {
+    while i + 16 <= n {
+        let mut v = [_mm256_setzero_ps(); 2];
+        worst = fp8_dequant_chunk(codes, i, sc, &mut v, worst);
+        if D == BF16 {
+            // SAFETY: elements i .. i + 16 (32 bytes at 2i) are inside dst (assert above).
+            store16_bf16(dst.as_mut_ptr().add(2 * i), v[0], v[1]);
+        } else {
+            store8::<D>(dst, i, v[0]);
+            store8::<D>(dst, i + 8, v[1]);
+        }
+        i += 16;
+    }
+    if i + 8 <= n {
         // SAFETY: 8 bytes at i are inside codes; the upper 8 lanes are zeroed by the load.
         let b = _mm_loadl_epi64(codes.as_ptr().add(i) as *const __m128i);
-        bad = _mm_or_si128(bad, _mm_cmpeq_epi8(_mm_and_si128(b, m7f), m7f));
-        let w = _mm_cvtepu8_epi16(b);
-        let h = _mm_or_si128(
-            _mm_slli_epi16::<7>(_mm_and_si128(w, _mm_set1_epi16(0x7F))),
-            _mm_slli_epi16::<8>(_mm_and_si128(w, _mm_set1_epi16(0x80))),
-        );
+        worst = _mm_max_epu8(worst, _mm_and_si128(b, _mm_set1_epi8(0x7F)));
+        // As in fp8_dequant_chunk: sign-extend, magnitude under the FP16 exponent, bit 15 the sign.
+        let h = _mm_and_si128(_mm_slli_epi16::<7>(_mm_cvtepi8_epi16(b)), _mm_set1_epi16(0xBF80u16 as i16));
         store8::<D>(dst, i, _mm256_mul_ps(_mm256_cvtph_ps(h), sc));
         i += 8;
     }
     let tail_bad = scalar::fp8_decode_row(&codes[i..], scale, out, &mut dst[i * os..]);
-    _mm_movemask_epi8(bad) != 0 || tail_bad
+    _mm_movemask_epi8(_mm_cmpeq_epi8(worst, _mm_set1_epi8(0x7F))) != 0 || tail_bad
 }
 
-/// See `scalar::nvfp4_decode_row`. Nibble `k` of a little-endian u32 is selected by a per-lane
-/// variable shift, and its magnitude looked up with a lane permute of the eight E2M1 values.
+/// See `scalar::nvfp4_decode_row`. Per micro-block, the eight products `fl(e2m1(c) · d)` of the
+/// magnitudes and `d = fl(e4m3(bs) · g)` as a table; nibble `k` of a little-endian u32 selected by
+/// a per-lane variable shift picks its entry by a lane permute (which reads the low three bits),
+/// the nibble's sign bit or-ed on. That is the scalar value: `fl(−a·d) = −fl(a·d)` for `d ≥ 0` or
+/// `+∞`, zeros and `0·∞`'s default NaN (sign set) included, and the codec refuses a negative or
+/// non-finite `g` before decoding, so `d` is below 0 or NaN only for a block scale this function
+/// flags (`s ≥ 0x7F`, `dst` then unspecified). BF16 stored sixteen at a time ([`store16_bf16`]).
 #[target_feature(enable = "avx2,f16c,fma")]
 pub(crate) unsafe fn nvfp4_decode_row(bs: &[u8], codes: &[u8], g: f32, n: usize, out: DType, dst: &mut [u8]) -> bool {
     by_dtype!(out, nvfp4_decode_t(bs, codes, g, n, dst))
@@ -1078,24 +1095,33 @@ pub(crate) unsafe fn nvfp4_decode_row(bs: &[u8], codes: &[u8], g: f32, n: usize,
 #[target_feature(enable = "avx2,f16c,fma")]
 unsafe fn nvfp4_decode_t<const D: u8>(bs: &[u8], codes: &[u8], g: f32, n: usize, dst: &mut [u8]) -> bool {
     let out = dt(D);
-    let table = _mm256_loadu_ps(E2M1_VALUES.as_ptr());
-    let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
     let full = n / 16;
-    let mut bad = false;
+    assert!(full <= bs.len() && 8 * full <= codes.len() && n * out.size() as usize <= dst.len());
+    let mags = _mm256_loadu_ps(E2M1_VALUES.as_ptr());
+    let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    let sign = _mm256_set1_epi32(i32::MIN);
+    let mut worst = 0u8;
     for (b, &s) in bs.iter().enumerate().take(full) {
-        bad |= s >= 0x7F;
-        let d = _mm256_set1_ps(e4m3_to_f32(s) * g);
-        for h in 0..2 {
-            let o = 8 * b + 4 * h;
-            let w = u32::from_le_bytes([codes[o], codes[o + 1], codes[o + 2], codes[o + 3]]);
-            let c = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w as i32), shifts), _mm256_set1_epi32(0xF));
-            let mag = _mm256_permutevar8x32_ps(table, _mm256_and_si256(c, _mm256_set1_epi32(7)));
-            let sign = _mm256_slli_epi32::<28>(_mm256_and_si256(c, _mm256_set1_epi32(8)));
-            let v = _mm256_or_ps(mag, _mm256_castsi256_ps(sign));
-            store8::<D>(dst, 16 * b + 8 * h, _mm256_mul_ps(v, d));
+        worst = worst.max(s);
+        let tab = _mm256_mul_ps(mags, _mm256_set1_ps(e4m3_to_f32(s) * g));
+        let mut v = [_mm256_setzero_ps(); 2];
+        for (h, x) in v.iter_mut().enumerate() {
+            // SAFETY: the 4 code bytes 8b + 4h .. + 4 ≤ 8·full are inside codes (assert above).
+            let w = (codes.as_ptr().add(8 * b + 4 * h) as *const u32).read_unaligned();
+            let cv = _mm256_srlv_epi32(_mm256_set1_epi32(w as i32), shifts);
+            let neg = _mm256_and_si256(_mm256_slli_epi32::<28>(cv), sign);
+            *x = _mm256_or_ps(_mm256_permutevar8x32_ps(tab, cv), _mm256_castsi256_ps(neg));
+        }
+        if D == BF16 {
+            // SAFETY: elements 16b .. 16b + 16 (32 bytes at 32b) are inside dst (assert above).
+            store16_bf16(dst.as_mut_ptr().add(32 * b), v[0], v[1]);
+        } else {
+            store8::<D>(dst, 16 * b, v[0]);
+            store8::<D>(dst, 16 * b + 8, v[1]);
         }
     }
-    scalar::nvfp4_decode_row(bs, codes, g, full * 16, n, out, dst) || bad
+    // Valid block scales are unsigned E4M3 codes below 0x7F (NaN).
+    scalar::nvfp4_decode_row(bs, codes, g, full * 16, n, out, dst) || worst >= 0x7F
 }
 
 /// E2M1 code of each f32 (one per byte, unscaled); a test hook for the golden vectors.

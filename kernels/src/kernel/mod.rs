@@ -803,6 +803,62 @@ mod fused_rotated_tests {
         }
     }
 
+    /// The plain (unrotated) FP8 and NVFP4 row decoders of every vector backend write the scalar
+    /// kernels' bytes into BF16, FP16 and FP32 for every E4M3 code, every E2M1 nibble under every
+    /// valid block scale, at row lengths around the sixteen- and eight-wide steps and their scalar
+    /// tails, under scales from 0 and subnormal to past `256·scale` overflowing (FP8) and to a
+    /// block scale times `g` overflowing to infinity (NVFP4); and flag a NaN code or an invalid
+    /// block scale exactly when the scalar kernels do.
+    #[test]
+    fn plain_decoders_match_the_scalar_kernels_on_every_code() {
+        let lens = [0usize, 1, 7, 8, 15, 16, 17, 24, 31, 32, 40, 100, 128, 129, 272, 280];
+        for isa in vector_isas() {
+            for out in [DType::Bf16, DType::Fp16, DType::Fp32] {
+                let os = out.size() as usize;
+                for &n in &lens {
+                    for (k, scale) in
+                        [0.0, f32::from_bits(1), 1e-40, 1.0, 3.7, 2f32.powi(100), 2f32.powi(121), f32::MAX]
+                            .into_iter()
+                            .enumerate()
+                    {
+                        for corrupt in [false, true] {
+                            let mut codes: Vec<u8> = (0..n).map(|i| (i * 37 + k) as u8).collect();
+                            if !corrupt {
+                                codes.iter_mut().filter(|c| **c & 0x7F == 0x7F).for_each(|c| *c &= 0xFE);
+                            } else if n > 0 {
+                                codes[(k * 5) % n] = [0x7F, 0xFF][k % 2];
+                            }
+                            let (mut want, mut got) = (vec![0u8; n * os], vec![0u8; n * os]);
+                            let want_bad = scalar::fp8_decode_row(&codes, scale, out, &mut want);
+                            let bad = isa.fp8_decode_row(&codes, scale, out, &mut got);
+                            assert_eq!(bad, want_bad, "{isa:?} fp8 NaN flag, {out:?} n {n} scale {scale}");
+                            if !want_bad {
+                                assert_eq!(got, want, "{isa:?} fp8 into {out:?}, n {n} scale {scale}");
+                            }
+                        }
+                    }
+                    for (k, g) in [0.0, 1e-30, 1.0, 2f32.powi(98), f32::MAX].into_iter().enumerate() {
+                        for corrupt in [false, true] {
+                            let (nb, cb) = (n.div_ceil(16), n.div_ceil(2));
+                            let mut bs: Vec<u8> = (0..nb).map(|b| ((b * 29 + k) % 0x7F) as u8).collect();
+                            if corrupt && nb > 0 {
+                                bs[k % nb] = [0x7F, 0x80, 0xFF][k % 3];
+                            }
+                            let nv: Vec<u8> = (0..cb).map(|i| (i * 37 + 3 * k) as u8).collect();
+                            let (mut want, mut got) = (vec![0u8; n * os], vec![0u8; n * os]);
+                            let want_bad = scalar::nvfp4_decode_row(&bs, &nv, g, 0, n, out, &mut want);
+                            let bad = isa.nvfp4_decode_row(&bs, &nv, g, n, out, &mut got);
+                            assert_eq!(bad, want_bad, "{isa:?} nvfp4 block-scale flag, {out:?} n {n} g {g}");
+                            if !want_bad {
+                                assert_eq!(got, want, "{isa:?} nvfp4 into {out:?}, n {n} g {g}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// The fused FP8 and NVFP4 decoders of every vector backend write the bytes of the scalar
     /// route (dequantize into f32, then [`Isa::unrotate_rows`]) into every non-FP8 dtype, on
     /// random codes (every E4M3 and E2M1 code, zeros of both signs) under scales across the whole
