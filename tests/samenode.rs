@@ -376,6 +376,77 @@ async fn a_timed_out_load_has_stopped_writing_the_buffer_when_it_returns() {
     cluster.stop().await;
 }
 
+/// A long load does not hold the server's worker: on a node whose runtime has one thread, a
+/// second client connects, registers its buffer and loads a block while a 384 MiB load is under
+/// way, long before that load ends (before, the worker was yielded every 128 blocks only).
+#[tokio::test(flavor = "current_thread")]
+async fn a_long_load_leaves_the_worker_to_other_connections() {
+    let (cluster, client, _) = setup().await;
+    let path = cluster.node(0).server.samenode_path.clone().unwrap();
+    let layout = kvtier_proto::KvLayout::new(16, 8, 128, kvtier_proto::DType::Fp16, 16);
+    let h = client.register(namespace("near-long", b"l", layout)).await.expect("register");
+    let bb = h.block_bytes() as usize;
+    assert_eq!(bb, 1 << 20);
+    let (src, keys, offsets) = filled(&h, 13, 16);
+    let mut near = client.samenode().await.unwrap();
+    assert_eq!(near.store_from_buffer(&h, &keys, &src, &offsets).await.unwrap(), vec![ItemStatus::Ok; 16]);
+
+    let n = 384usize;
+    let many: Vec<BlockKey> = (0..n).map(|i| keys[i % keys.len()]).collect();
+    let at: Vec<u64> = (0..n as u64).map(|i| i * bb as u64).collect();
+    // Block i has landed once its last 64 bytes are the block's (copies go front to back); read
+    // through the memfd, which shares its pages with the server's mapping.
+    let tails: Vec<Vec<u8>> = many.iter().map(|k| payload_for(k, bb as u64)[bb - 64..].to_vec()).collect();
+    let mut dst = SharedBuffer::new(n * bb).unwrap();
+    let watch = std::fs::File::from(dst.fd().try_clone_to_owned().unwrap());
+    let landed = move |i: usize| {
+        use std::os::unix::fs::FileExt;
+        let mut tail = [0u8; 64];
+        watch.read_exact_at(&mut tail, (i * bb + bb - 64) as u64).unwrap();
+        tail[..] == tails[i][..]
+    };
+
+    // Both clients on threads and runtimes of their own, as in their own processes: the node's
+    // one thread is this test's.
+    let (h1, p1, many1) = (h.clone(), path.clone(), many.clone());
+    let long = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async move {
+            let mut c = SameNode::connect(&p1, None, Duration::from_secs(20), Duration::from_secs(60), n).await.unwrap();
+            let got = c.load_into_buffer(&h1, &many1, &mut dst, &at, false).await.unwrap();
+            (got, dst)
+        })
+    });
+    let (h2, p2, first) = (h.clone(), path.clone(), keys[0]);
+    let probe = std::thread::spawn(move || {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !landed(0) {
+            assert!(Instant::now() < deadline, "the long load never started");
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let (got, buf) = rt.block_on(async move {
+            let mut c = SameNode::connect(&p2, None, Duration::from_secs(20), Duration::from_secs(60), 1).await.unwrap();
+            let mut buf = SharedBuffer::new(bb).unwrap();
+            let got = c.load_into_buffer(&h2, &[first], &mut buf, &[0], false).await.unwrap();
+            (got, buf)
+        });
+        let done = (0..n).filter(|&i| landed(i)).count();
+        (got, buf.as_slice().to_vec(), done)
+    });
+    let ((probed, probe_bytes, done_then), (long_got, dst)) =
+        tokio::task::spawn_blocking(move || (probe.join().unwrap(), long.join().unwrap())).await.unwrap();
+
+    assert_eq!(probed, vec![true]);
+    assert_eq!(probe_bytes, src.as_slice()[..bb]);
+    assert!(done_then < n / 2, "the second client waited for {done_then} of the long load's {n} blocks");
+    assert_eq!(long_got, vec![true; n]);
+    for (i, k) in many.iter().enumerate() {
+        assert!(dst.as_slice()[i * bb..(i + 1) * bb] == payload_for(k, bb as u64)[..], "block {i}");
+    }
+    cluster.stop().await;
+}
+
 /// Bytes the client changes after it computed the checksum never become a stored block: the
 /// server verifies its own copy. A writer racing the copies can't produce a stored block that
 /// fails its checksum either.

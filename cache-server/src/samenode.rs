@@ -36,6 +36,9 @@
 //!   server looks for that between blocks (every [`LEFT_CHECK_BYTES`] copied) and ends the
 //!   connection there, so it stops writing a buffer its owner may already be reusing. The client
 //!   waits for that close before its timed-out call returns.
+//! - Copies run on the connection's runtime worker, so at the same points a long request also
+//!   yields it: other connections on that worker wait for at most a MiB of copies, however large
+//!   the blocks or the request.
 //! - The server only ever copies blocks into a client's own buffer and reads from it; no client is
 //!   given a mapping of the server's arena or of anything holding other namespaces' blocks.
 //!
@@ -89,7 +92,7 @@ const CHUNK: usize = 64 * 1024;
 /// larger to spread the system call's cost.
 const FILE_CHUNK: usize = 256 * 1024;
 /// Bytes a request copies between two looks at whether its client closed its end (one
-/// non-blocking `recv` each).
+/// non-blocking `recv` each) and two yields of its worker to the other tasks there.
 pub const LEFT_CHECK_BYTES: u64 = 1 << 20;
 
 /// This host's identity: the kernel's boot id (`/proc/sys/kernel/random/boot_id`), which a client
@@ -779,7 +782,7 @@ impl Conn {
         let mut headers = Vec::new();
         let mut missed = false;
         let mut cursor = segs.cursor(req.op);
-        let mut unchecked_bytes = 0u64;
+        let mut copied = 0u64;
         for raw in body.chunks_exact(sn::LOAD_ITEM_LEN) {
             let item = LoadItem::decode(raw);
             // Where this item's block goes: its own (offset, room), or its run of the table.
@@ -804,10 +807,11 @@ impl Conn {
                         Some(b) => Some(b),
                         None => remote.take(&item.key).await,
                     };
+                    let next = found.as_ref().map_or(0, |b| b.payload.len() as u64);
+                    if self.paced(&mut copied, next).await {
+                        return Err(ConnError::ClientLeft);
+                    }
                     match found {
-                        Some(b) if self.left_since(&mut unchecked_bytes, b.payload.len() as u64) => {
-                            return Err(ConnError::ClientLeft)
-                        }
                         Some(b) => match self
                             .buffers
                             .by_id
@@ -849,15 +853,21 @@ impl Conn {
         Ok(())
     }
 
-    /// Whether the client left, looked at once per [`LEFT_CHECK_BYTES`] of copies: `pending`
-    /// counts the bytes copied since the last look, `next` the copy about to start (if any).
-    fn left_since(&self, pending: &mut u64, next: u64) -> bool {
+    /// Once per [`LEFT_CHECK_BYTES`] of copies, between blocks: whether the client left, and if
+    /// not, a yield of this worker to its other tasks (a request of large blocks may not use up
+    /// tokio's per-task budget for hundreds of MiB). `pending` counts the bytes copied since the
+    /// last look, `next` the copy about to start (if any).
+    async fn paced(&self, pending: &mut u64, next: u64) -> bool {
         *pending = pending.saturating_add(next);
         if *pending < LEFT_CHECK_BYTES {
             return false;
         }
         *pending = 0;
-        self.client_left()
+        if self.client_left() {
+            return true;
+        }
+        tokio::task::yield_now().await;
+        false
     }
 
     /// A `STORE` or `STORE_SEGMENTS`; `Err` only when the client left mid-request.
@@ -874,16 +884,16 @@ impl Conn {
         let mut statuses = Vec::with_capacity(req.count as usize);
         let mut stored = Vec::new();
         let mut cursor = segs.cursor(req.op);
-        let mut unchecked_bytes = 0u64;
+        let mut copied = 0u64;
         for raw in body.chunks_exact(sn::STORE_ITEM_LEN) {
             let table = req.op.is_segmented().then(|| cursor.next());
             // Blocks already stored stay (each was checked); the rest are never read.
-            if self.left_since(&mut unchecked_bytes, 0) {
+            if self.paced(&mut copied, 0).await {
                 crate::dataplane::forward_to_peers(&self.state, stored);
                 return Err(ConnError::ClientLeft);
             }
             let (status, header) = self.store_one(req.buffer, raw, table).await;
-            unchecked_bytes += header.map_or(0, |h| h.payload_len);
+            copied += header.map_or(0, |h| h.payload_len);
             if !status.is_held() {
                 error(kind(status));
             }

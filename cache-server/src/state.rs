@@ -230,6 +230,11 @@ fn append_synced(log: &NamespaceLog, rec: &[u8]) -> std::io::Result<()> {
     log.file.sync_data()
 }
 
+/// How long [`lock_data_dir`] waits for a `LOCK` held by someone else before it refuses: a lock
+/// lives as long as any copy of its descriptor, and a child process another thread is starting
+/// (the fork before its `exec`), or a server process on its way out, holds one for a moment.
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Holds `<data_dir>/LOCK` so a second server on the same directory is refused.
 fn lock_data_dir(dir: &std::path::Path) -> Result<std::fs::File, ServerError> {
     let path = dir.join("LOCK");
@@ -237,22 +242,28 @@ fn lock_data_dir(dir: &std::path::Path) -> Result<std::fs::File, ServerError> {
         std::fs::OpenOptions::new().create(true).truncate(false).read(true).write(true).open(&path).map_err(|e| {
             ServerError::Config(format!("data_dir {}: cannot open {}: {e}", dir.display(), path.display()))
         })?;
-    match f.try_lock() {
-        Ok(()) => {
-            let _ = f.set_len(0);
-            let _ = std::io::Write::write_all(&mut &f, format!("pid {}", std::process::id()).as_bytes());
-            Ok(f)
-        }
-        Err(std::fs::TryLockError::WouldBlock) => {
-            let holder = std::fs::read_to_string(&path).unwrap_or_default();
-            Err(ServerError::Config(format!(
-                "data_dir {} is in use by another kvtier server ({})",
-                dir.display(),
-                holder.trim()
-            )))
-        }
-        Err(std::fs::TryLockError::Error(e)) => {
-            Err(ServerError::Config(format!("data_dir {}: cannot lock: {e}", dir.display())))
+    let start = std::time::Instant::now();
+    loop {
+        match f.try_lock() {
+            Ok(()) => {
+                let _ = f.set_len(0);
+                let _ = std::io::Write::write_all(&mut &f, format!("pid {}", std::process::id()).as_bytes());
+                return Ok(f);
+            }
+            Err(std::fs::TryLockError::WouldBlock) if start.elapsed() < LOCK_WAIT => {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            Err(std::fs::TryLockError::WouldBlock) => {
+                let holder = std::fs::read_to_string(&path).unwrap_or_default();
+                return Err(ServerError::Config(format!(
+                    "data_dir {} is in use by another kvtier server ({})",
+                    dir.display(),
+                    holder.trim()
+                )));
+            }
+            Err(std::fs::TryLockError::Error(e)) => {
+                return Err(ServerError::Config(format!("data_dir {}: cannot lock: {e}", dir.display())));
+            }
         }
     }
 }
@@ -654,5 +665,31 @@ impl NodeState {
             return Err(ServerError::ContextTooLong { tokens, max: self.config.max_context_tokens });
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A `LOCK` held for a moment (a descriptor copy a starting child process holds until its
+    /// `exec`) is waited for; one held for good is refused, naming its holder.
+    #[test]
+    fn a_briefly_held_lock_is_waited_for_and_a_held_one_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let held = lock_data_dir(dir.path()).unwrap();
+        let release = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            drop(held);
+        });
+        let second = lock_data_dir(dir.path()).expect("a lock released within the wait is taken");
+        release.join().unwrap();
+
+        let start = std::time::Instant::now();
+        let err = lock_data_dir(dir.path()).unwrap_err().to_string();
+        assert!(start.elapsed() >= LOCK_WAIT, "refused after {:?}", start.elapsed());
+        assert!(err.contains("in use by another kvtier server") && err.contains(&format!("pid {}", std::process::id())), "{err}");
+        drop(second);
+        assert!(lock_data_dir(dir.path()).is_ok());
     }
 }
