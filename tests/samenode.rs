@@ -412,7 +412,8 @@ async fn a_long_load_leaves_the_worker_to_other_connections() {
     let long = std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         rt.block_on(async move {
-            let mut c = SameNode::connect(&p1, None, Duration::from_secs(20), Duration::from_secs(60), n).await.unwrap();
+            let mut c =
+                SameNode::connect(&p1, None, Duration::from_secs(20), Duration::from_secs(60), n).await.unwrap();
             let got = c.load_into_buffer(&h1, &many1, &mut dst, &at, false).await.unwrap();
             (got, dst)
         })
@@ -426,7 +427,8 @@ async fn a_long_load_leaves_the_worker_to_other_connections() {
         }
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         let (got, buf) = rt.block_on(async move {
-            let mut c = SameNode::connect(&p2, None, Duration::from_secs(20), Duration::from_secs(60), 1).await.unwrap();
+            let mut c =
+                SameNode::connect(&p2, None, Duration::from_secs(20), Duration::from_secs(60), 1).await.unwrap();
             let mut buf = SharedBuffer::new(bb).unwrap();
             let got = c.load_into_buffer(&h2, &[first], &mut buf, &[0], false).await.unwrap();
             (got, buf)

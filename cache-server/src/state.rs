@@ -688,7 +688,10 @@ mod tests {
         let start = std::time::Instant::now();
         let err = lock_data_dir(dir.path()).unwrap_err().to_string();
         assert!(start.elapsed() >= LOCK_WAIT, "refused after {:?}", start.elapsed());
-        assert!(err.contains("in use by another kvtier server") && err.contains(&format!("pid {}", std::process::id())), "{err}");
+        assert!(
+            err.contains("in use by another kvtier server") && err.contains(&format!("pid {}", std::process::id())),
+            "{err}"
+        );
         drop(second);
         assert!(lock_data_dir(dir.path()).is_ok());
     }
