@@ -330,12 +330,12 @@ impl TierStack {
                 self.agents.hit();
                 return Load::Hit(b);
             }
-            // Woken by a commit of the key; the short slice also catches a store answered
-            // `Present` (it was in DRAM already: nothing committed).
             if waiter.unspilled() {
                 self.agents.missed("unspilled");
                 return Load::Miss;
             }
+            // Woken by a commit of the key; the short slice also catches a store answered
+            // `Present` (it was in DRAM already: nothing committed).
             let slice = (tokio::time::Instant::now() + Duration::from_millis(20)).min(deadline);
             if tokio::time::timeout_at(slice, landed).await.is_err() && tokio::time::Instant::now() >= deadline {
                 if let Load::Hit(b) = Tier::get(&self.dram, ns, key) {
