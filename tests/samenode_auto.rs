@@ -232,3 +232,63 @@ async fn dropped_buffers_are_unregistered_so_the_per_connection_cap_never_fills(
     assert_eq!(stats.fallback_total(), 0, "{stats:?}");
     assert_eq!(stats.loads, 3 * kvtier_server::samenode::MAX_BUFFERS_PER_CONNECTION as u64);
 }
+
+/// One buffer used by several calls at once (an engine's prefetch and backup on one pool), on
+/// the same-node path and over TCP alike: a load and a store on places no other call holds go
+/// ahead while another call holds some places of the buffer; a load onto a held place waits
+/// until it is released, then lands; every byte is where it belongs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_share_a_buffer_on_disjoint_places_and_wait_on_overlapping_ones() {
+    use kvtier_client::ConcurrentBuffer;
+    use std::time::Duration;
+    let server = ServerProcess::start(&[]);
+    for (seed, mode) in [(40, SameNodeMode::Auto), (50, SameNodeMode::Off)] {
+        let (client, h) = connect(&server, mode).await;
+        let bb = h.block_bytes();
+        let b = bb as usize;
+        let toks = tokens(seed, 8 * h.block_tokens());
+        let (src, keys, offsets) = filled(&h, &toks);
+        assert_eq!(client.store_keys_from_buffer(&h, &keys, &src, &offsets).await.unwrap(), vec![ItemStatus::Ok; 8]);
+
+        let shared = ConcurrentBuffer::new(SharedBuffer::new(8 * b).unwrap());
+        // Another call holds places 0 and 1 (and writes block 1 there itself).
+        let mut held = shared.claim(&[0..2 * b], true).await.unwrap();
+        held.bytes_mut(b..2 * b).unwrap().copy_from_slice(&payload_for(&keys[1], bb));
+
+        let within = Duration::from_secs(20);
+        let landed =
+            tokio::time::timeout(within, client.load_keys_into_buffer(&h, &keys[2..], &shared, &offsets[2..], false))
+                .await
+                .expect("a load on free places is not held up")
+                .unwrap();
+        assert_eq!(landed, vec![true; 6], "{mode:?}");
+        // A store from places 2 and 3 under new keys: what it sends is what lies there.
+        let keys2 = h.keys(&tokens(seed + 1, 2 * h.block_tokens()));
+        let stored = tokio::time::timeout(within, client.store_keys_from_buffer(&h, &keys2, &shared, &offsets[2..4]))
+            .await
+            .expect("a store on free places is not held up")
+            .unwrap();
+        assert_eq!(stored, vec![ItemStatus::Ok; 2], "{mode:?}");
+        for (f, k) in client.load_keys(&h, &keys2).await.unwrap().iter().zip(&keys[2..4]) {
+            assert_eq!(f.as_ref().map(|f| f.payload.clone()), Some(payload_for(k, bb)), "{mode:?}");
+        }
+
+        // A load onto place 0 waits for the holder, then lands.
+        {
+            let onto_held = client.load_keys_into_buffer(&h, &keys[..1], &shared, &offsets[..1], false);
+            tokio::pin!(onto_held);
+            assert!(
+                tokio::time::timeout(Duration::from_millis(300), &mut onto_held).await.is_err(),
+                "{mode:?}: a load onto a held place went ahead"
+            );
+            drop(held);
+            let landed = tokio::time::timeout(within, onto_held).await.expect("released").unwrap();
+            assert_eq!(landed, vec![true], "{mode:?}");
+        }
+
+        let mut shared = shared;
+        assert_eq!(shared.get_mut().as_slice(), src.as_slice(), "{mode:?}: every block in its place");
+    }
+    assert!(served(&server, "samenode_load") >= 2.0, "the automatic client's loads used the socket");
+    assert!(served(&server, "samenode_store") >= 1.0);
+}

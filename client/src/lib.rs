@@ -28,6 +28,7 @@
 //! # Ok(()) }
 //! ```
 
+mod claims;
 mod client;
 mod conn;
 mod connector;
@@ -38,6 +39,7 @@ mod quic;
 mod samenode;
 mod tls;
 
+pub use claims::{BufferClaim, ConcurrentBuffer, LoadBuffer, StoreBuffer};
 pub use client::{
     decode_frame, decode_frame_into, BlockDest, ClientConfig, KvClient, NamespaceHandle, ParkOptions, ResumedSession,
     SessionInfo, StoreReport, StoredAs,

@@ -38,7 +38,8 @@ use kvtier_proto::{pb, BlockKey, CodecId};
 use tokio::sync::{Semaphore, SemaphorePermit};
 
 use crate::client::{BlockDest, ClientConfig, KvClient, NamespaceHandle, StoreReport};
-use crate::{ClientError, SameNode, Segment, SharedBuffer};
+use crate::claims::{BufferAccess, LoadBuffer, StoreBuffer};
+use crate::{ClientError, SameNode, Segment};
 use kvtier_proto::samenode::MAX_SEGMENTS_PER_ITEM;
 
 /// How long a client keeps off a same-node socket it failed to open before trying again.
@@ -466,7 +467,7 @@ impl Places<'_> {
 }
 
 /// Disjoint `ranges` of `buf` (per block, in order) as destinations, in the order given.
-fn dests<'a>(buf: &'a mut [u8], ranges: &[Vec<Range<usize>>]) -> Vec<BlockDest<'a>> {
+pub(crate) fn dests<'a>(buf: &'a mut [u8], ranges: &[Vec<Range<usize>>]) -> Vec<BlockDest<'a>> {
     let mut order: Vec<(usize, usize)> =
         ranges.iter().enumerate().flat_map(|(b, rs)| (0..rs.len()).map(move |j| (b, j))).collect();
     order.sort_by_key(|&(b, j)| ranges[b][j].start);
@@ -548,36 +549,36 @@ impl KvClient {
     /// block `i` landed and verified; false for a miss or a block that failed its checksum. With
     /// `stop_at_miss`, keys after the first miss are reported false. An offset whose block does
     /// not fit in the buffer, or two blocks that overlap, are an `InvalidArgument`.
-    pub async fn load_keys_into_buffer(
+    pub async fn load_keys_into_buffer<'b>(
         &self,
         ns: &NamespaceHandle,
         keys: &[BlockKey],
-        buf: &mut SharedBuffer,
+        buf: impl Into<LoadBuffer<'b>>,
         offsets: &[u64],
         stop_at_miss: bool,
     ) -> Result<Vec<bool>, ClientError> {
-        self.load_buffer(ns, keys, buf, Places::Offsets(offsets), stop_at_miss).await
+        self.load_buffer(ns, keys, buf.into(), Places::Offsets(offsets), stop_at_miss).await
     }
 
     /// [`KvClient::load_keys_into_buffer`] for blocks each in its own segments of `buf`: block
     /// `i` fills `segments[i]` in order (together one block's bytes; an engine page's K and V
     /// halves, say). No two segments may overlap.
-    pub async fn load_keys_into_buffer_segments(
+    pub async fn load_keys_into_buffer_segments<'b>(
         &self,
         ns: &NamespaceHandle,
         keys: &[BlockKey],
-        buf: &mut SharedBuffer,
+        buf: impl Into<LoadBuffer<'b>>,
         segments: &[Vec<Segment>],
         stop_at_miss: bool,
     ) -> Result<Vec<bool>, ClientError> {
-        self.load_buffer(ns, keys, buf, Places::Segments(segments), stop_at_miss).await
+        self.load_buffer(ns, keys, buf.into(), Places::Segments(segments), stop_at_miss).await
     }
 
     async fn load_buffer(
         &self,
         ns: &NamespaceHandle,
         keys: &[BlockKey],
-        buf: &mut SharedBuffer,
+        buf: LoadBuffer<'_>,
         places: Places<'_>,
         stop_at_miss: bool,
     ) -> Result<Vec<bool>, ClientError> {
@@ -585,11 +586,20 @@ impl KvClient {
             return Err(ClientError::InvalidArgument(format!("{} keys but {} places", keys.len(), places.len())));
         }
         let ranges = places.ranges(buf.len(), ns.block_bytes(), true)?;
+        // A buffer shared with other calls: this call's places are its own from here on.
+        let mut claim = None;
+        let mut buf = match buf {
+            LoadBuffer::Own(b) => BufferAccess::Own(b),
+            LoadBuffer::Shared(b) => {
+                let flat: Vec<Range<usize>> = ranges.iter().flatten().cloned().collect();
+                BufferAccess::Claim(claim.insert(b.claim(&flat, true).await?))
+            }
+        };
         let mut fresh = false;
         while let Some(mut lease) = self.near_lease(fresh).await {
             let r = match places {
-                Places::Offsets(o) => lease.conn.load_into_buffer(ns, keys, buf, o, stop_at_miss).await,
-                Places::Segments(s) => lease.conn.load_into_buffer_segments(ns, keys, buf, s, stop_at_miss).await,
+                Places::Offsets(o) => lease.conn.load_at(ns, keys, &mut buf, o, stop_at_miss).await,
+                Places::Segments(s) => lease.conn.load_segments_at(ns, keys, &mut buf, s, stop_at_miss).await,
             };
             match self.near_outcome(lease, true, &mut fresh, r)? {
                 Step::Done(landed) => return Ok(landed),
@@ -597,19 +607,19 @@ impl KvClient {
                 Step::Tcp => break,
             }
         }
-        buf.check_intact()?;
-        let mut dests = dests(buf.as_mut_slice(), &ranges);
+        buf.buffer().check_intact()?;
+        let mut dests = buf.pieces_mut(&ranges)?;
         self.load_keys_into(ns, keys, &mut dests, stop_at_miss).await
     }
 
     /// Loads the longest stored prefix of `tokens` into `buf` from `offset` on (full blocks back
     /// to back, at most `max_blocks`), as [`KvClient::load_keys_into_buffer`] does. Returns the
     /// number of blocks written.
-    pub async fn load_prefix_into_buffer(
+    pub async fn load_prefix_into_buffer<'b>(
         &self,
         ns: &NamespaceHandle,
         tokens: &[u32],
-        buf: &mut SharedBuffer,
+        buf: impl Into<LoadBuffer<'b>>,
         offset: u64,
         max_blocks: usize,
     ) -> Result<usize, ClientError> {
@@ -626,38 +636,38 @@ impl KvClient {
     /// `offsets[i]`. Over the same-node socket when the server is on this host and the handle
     /// stores raw, else over TCP (see the module docs). One status per block: `Ok`, `Present`
     /// (already held), or why it was refused.
-    pub async fn store_keys_from_buffer(
+    pub async fn store_keys_from_buffer<'b>(
         &self,
         ns: &NamespaceHandle,
         keys: &[BlockKey],
-        buf: &SharedBuffer,
+        buf: impl Into<StoreBuffer<'b>>,
         offsets: &[u64],
     ) -> Result<Vec<ItemStatus>, ClientError> {
-        self.store_buffer(ns, keys, None, buf, Places::Offsets(offsets)).await
+        self.store_buffer(ns, keys, None, buf.into(), Places::Offsets(offsets)).await
     }
 
     /// [`KvClient::store_keys_from_buffer`] for blocks each in its own segments of `buf`: block
     /// `i` is `segments[i]` taken in order (together one block's bytes).
-    pub async fn store_keys_from_buffer_segments(
+    pub async fn store_keys_from_buffer_segments<'b>(
         &self,
         ns: &NamespaceHandle,
         keys: &[BlockKey],
-        buf: &SharedBuffer,
+        buf: impl Into<StoreBuffer<'b>>,
         segments: &[Vec<Segment>],
     ) -> Result<Vec<ItemStatus>, ClientError> {
-        self.store_buffer(ns, keys, None, buf, Places::Segments(segments)).await
+        self.store_buffer(ns, keys, None, buf.into(), Places::Segments(segments)).await
     }
 
     /// Stores `blocks` full blocks of `tokens` from block `first_block` on, held back to back in
     /// `buf` from `offset` (as [`KvClient::store_from`] does, lossless sink blocks flagged),
     /// over the same-node socket when it can (see [`KvClient::store_keys_from_buffer`]). Blocks
     /// already held count as stored.
-    pub async fn store_prefix_from_buffer(
+    pub async fn store_prefix_from_buffer<'b>(
         &self,
         ns: &NamespaceHandle,
         tokens: &[u32],
         first_block: usize,
-        buf: &SharedBuffer,
+        buf: impl Into<StoreBuffer<'b>>,
         offset: u64,
         blocks: usize,
     ) -> Result<StoreReport, ClientError> {
@@ -673,7 +683,7 @@ impl KvClient {
         let bb = ns.block_bytes();
         let offsets: Vec<u64> = (0..blocks as u64).map(|i| offset + i * bb).collect();
         let keys = &keys[first_block..first_block + blocks];
-        let st = self.store_buffer(ns, keys, Some(first_block), buf, Places::Offsets(&offsets)).await?;
+        let st = self.store_buffer(ns, keys, Some(first_block), buf.into(), Places::Offsets(&offsets)).await?;
         let rejected: Vec<(usize, ItemStatus)> =
             st.iter().enumerate().filter(|(_, s)| !s.is_held()).map(|(i, s)| (i, *s)).collect();
         Ok(StoreReport { stored: st.len() - rejected.len(), rejected })
@@ -694,13 +704,22 @@ impl KvClient {
         ns: &NamespaceHandle,
         keys: &[BlockKey],
         first_index: Option<usize>,
-        buf: &SharedBuffer,
+        buf: StoreBuffer<'_>,
         places: Places<'_>,
     ) -> Result<Vec<ItemStatus>, ClientError> {
         if keys.len() != places.len() {
             return Err(ClientError::InvalidArgument(format!("{} keys but {} places", keys.len(), places.len())));
         }
         let ranges = places.ranges(buf.len(), ns.block_bytes(), false)?;
+        // A buffer shared with other calls: no load writes this call's places until it returns.
+        let mut claim = None;
+        let buf = match buf {
+            StoreBuffer::Own(b) => BufferAccess::Read(b),
+            StoreBuffer::Shared(b) => {
+                let flat: Vec<Range<usize>> = ranges.iter().flatten().cloned().collect();
+                BufferAccess::Claim(claim.insert(b.claim(&flat, false).await?))
+            }
+        };
         let near = self.near();
         if near.is_off() {
         } else if ns.codec() != CodecId::RAW {
@@ -709,8 +728,8 @@ impl KvClient {
             let mut fresh = false;
             while let Some(mut lease) = self.near_lease(fresh).await {
                 let r = match places {
-                    Places::Offsets(o) => lease.conn.store_from_buffer_at(ns, keys, first_index, buf, o).await,
-                    Places::Segments(s) => lease.conn.store_from_buffer_segments(ns, keys, buf, s).await,
+                    Places::Offsets(o) => lease.conn.store_from_buffer_at(ns, keys, first_index, &buf, o).await,
+                    Places::Segments(s) => lease.conn.store_segments_at(ns, keys, &buf, s).await,
                 };
                 match self.near_outcome(lease, false, &mut fresh, r)? {
                     Step::Done(st) => return Ok(st),
@@ -721,15 +740,21 @@ impl KvClient {
         }
         // Over TCP the payloads are copied out of the buffer once (a `Bytes` must own its memory;
         // the buffer is only borrowed for this call).
-        buf.check_intact()?;
-        let bytes = buf.as_slice();
+        buf.buffer().check_intact()?;
+        let outside = || ClientError::InvalidArgument("a block outside its buffer".into());
         let blocks: Vec<Bytes> = ranges
             .iter()
             .map(|rs| match &rs[..] {
-                [r] => Bytes::copy_from_slice(&bytes[r.clone()]),
-                many => Bytes::from(many.iter().flat_map(|r| bytes[r.clone()].iter().copied()).collect::<Vec<u8>>()),
+                [r] => buf.bytes(r.clone()).map(Bytes::copy_from_slice).ok_or_else(outside),
+                many => {
+                    let mut block = Vec::with_capacity(many.iter().map(|r| r.len()).sum());
+                    for r in many {
+                        block.extend_from_slice(buf.bytes(r.clone()).ok_or_else(outside)?);
+                    }
+                    Ok(Bytes::from(block))
+                }
             })
-            .collect();
+            .collect::<Result<_, ClientError>>()?;
         match first_index {
             None => {
                 let parts: Vec<Vec<Bytes>> = blocks.into_iter().map(|b| vec![b]).collect();
@@ -747,15 +772,18 @@ impl KvClient {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{ConcurrentBuffer, SharedBuffer};
 
     /// Compiles only if the shared-buffer calls' futures are `Send` (so they can be spawned).
     #[allow(dead_code)]
-    fn buffer_calls_are_send(c: &KvClient, h: &NamespaceHandle, buf: &mut SharedBuffer) {
+    fn buffer_calls_are_send(c: &KvClient, h: &NamespaceHandle, buf: &mut SharedBuffer, shared: &ConcurrentBuffer) {
         fn send<T: Send>(_: T) {}
-        send(c.load_keys_into_buffer(h, &[], buf, &[], false));
-        send(c.load_prefix_into_buffer(h, &[], buf, 0, 0));
-        send(c.store_keys_from_buffer(h, &[], buf, &[]));
-        send(c.store_prefix_from_buffer(h, &[], 0, buf, 0, 0));
+        send(c.load_keys_into_buffer(h, &[], &mut *buf, &[], false));
+        send(c.load_prefix_into_buffer(h, &[], &mut *buf, 0, 0));
+        send(c.store_keys_from_buffer(h, &[], &*buf, &[]));
+        send(c.store_prefix_from_buffer(h, &[], 0, &*buf, 0, 0));
+        send(c.load_keys_into_buffer_segments(h, &[], shared, &[], false));
+        send(c.store_keys_from_buffer_segments(h, &[], shared, &[]));
     }
 
     #[test]

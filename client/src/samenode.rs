@@ -50,6 +50,7 @@ use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::UnixStream;
 
+use crate::claims::BufferAccess;
 use crate::client::{decode_frame_into, NamespaceHandle};
 use crate::near::FallbackReason;
 use crate::ClientError;
@@ -460,13 +461,25 @@ impl SameNode {
         offsets: &[u64],
         stop_at_miss: bool,
     ) -> Result<Vec<bool>, ClientError> {
+        self.load_at(ns, keys, &mut BufferAccess::Own(buf), offsets, stop_at_miss).await
+    }
+
+    /// [`SameNode::load_into_buffer`] through any access to the buffer (a claim on its places).
+    pub(crate) async fn load_at(
+        &mut self,
+        ns: &NamespaceHandle,
+        keys: &[BlockKey],
+        buf: &mut BufferAccess<'_, '_>,
+        offsets: &[u64],
+        stop_at_miss: bool,
+    ) -> Result<Vec<bool>, ClientError> {
         if keys.len() != offsets.len() {
             return Err(ClientError::InvalidArgument(format!("{} keys but {} offsets", keys.len(), offsets.len())));
         }
-        buf.check_intact()?;
-        let id = self.register(buf).await?;
+        buf.buffer().check_intact()?;
+        let id = self.register(buf.buffer()).await?;
         let bb = ns.block_bytes();
-        let base = buf.file_base;
+        let base = buf.buffer().file_base;
         let items: Vec<LoadItem> = keys
             .iter()
             .zip(offsets)
@@ -478,7 +491,12 @@ impl SameNode {
             ok.push(match r {
                 Ok(h) if h.codec == CodecId::RAW => true,
                 // Stored encoded: decoded in place (the encoded bytes are copied out first).
-                Ok(h) => buf.check_intact().is_ok() && decode_in_place(buf.as_mut_slice(), *o, bb, h).is_ok(),
+                Ok(h) => {
+                    buf.buffer().check_intact().is_ok()
+                        && block_range(*o, bb)
+                            .and_then(|r| buf.bytes_mut(r))
+                            .is_some_and(|block| decode_in_place(block, h).is_ok())
+                }
                 Err(_) => false,
             });
         }
@@ -515,6 +533,18 @@ impl SameNode {
         segments: &[Vec<Segment>],
         stop_at_miss: bool,
     ) -> Result<Vec<bool>, ClientError> {
+        self.load_segments_at(ns, keys, &mut BufferAccess::Own(buf), segments, stop_at_miss).await
+    }
+
+    /// [`SameNode::load_into_buffer_segments`] through any access to the buffer.
+    pub(crate) async fn load_segments_at(
+        &mut self,
+        ns: &NamespaceHandle,
+        keys: &[BlockKey],
+        buf: &mut BufferAccess<'_, '_>,
+        segments: &[Vec<Segment>],
+        stop_at_miss: bool,
+    ) -> Result<Vec<bool>, ClientError> {
         if keys.len() != segments.len() {
             return Err(ClientError::InvalidArgument(format!(
                 "{} keys but {} segment lists",
@@ -522,9 +552,9 @@ impl SameNode {
                 segments.len()
             )));
         }
-        buf.check_intact()?;
-        let id = self.register(buf).await?;
-        let base = buf.file_base;
+        buf.buffer().check_intact()?;
+        let id = self.register(buf.buffer()).await?;
+        let base = buf.buffer().file_base;
         let placed: Vec<Vec<Segment>> = segments
             .iter()
             .map(|v| v.iter().map(|s| Segment { offset: s.offset.saturating_add(base), len: s.len }).collect())
@@ -536,7 +566,7 @@ impl SameNode {
             ok.push(match r {
                 Ok(h) if h.codec == CodecId::RAW => true,
                 // Stored encoded: gathered from the segments, decoded, and put back in them.
-                Ok(h) => buf.check_intact().is_ok() && decode_in_segments(buf.as_mut_slice(), segs, bb, h).is_ok(),
+                Ok(h) => buf.buffer().check_intact().is_ok() && decode_in_segments(buf, segs, bb, h).is_ok(),
                 Err(_) => false,
             });
         }
@@ -611,7 +641,7 @@ impl SameNode {
         buf: &SharedBuffer,
         offsets: &[u64],
     ) -> Result<Vec<ItemStatus>, ClientError> {
-        self.store_from_buffer_at(ns, keys, None, buf, offsets).await
+        self.store_from_buffer_at(ns, keys, None, &BufferAccess::Read(buf), offsets).await
     }
 
     /// [`SameNode::store_from_buffer`] of blocks `first_index..` of a context: those among the
@@ -622,27 +652,23 @@ impl SameNode {
         ns: &NamespaceHandle,
         keys: &[BlockKey],
         first_index: Option<usize>,
-        buf: &SharedBuffer,
+        buf: &BufferAccess<'_, '_>,
         offsets: &[u64],
     ) -> Result<Vec<ItemStatus>, ClientError> {
         if keys.len() != offsets.len() {
             return Err(ClientError::InvalidArgument(format!("{} keys but {} offsets", keys.len(), offsets.len())));
         }
-        let id = self.register_for_raw_store(ns, buf).await?;
-        let base = buf.file_base;
+        let id = self.register_for_raw_store(ns, buf.buffer()).await?;
+        let base = buf.buffer().file_base;
         let layout = ns.namespace.layout;
         let bb = ns.block_bytes();
         let lossless = ns.namespace.is_lossless();
         let sinks = ns.lossless_sink_blocks();
-        let bytes = buf.as_slice();
         let item = |(i, (k, o)): (usize, (&BlockKey, &u64))| {
             let sink = first_index.is_some_and(|f| f + i < sinks);
             let flags = if lossless || sink { FRAME_FLAG_KEEP_LOSSLESS } else { 0 };
             // An item outside the buffer goes with no checksum: the server answers OutOfRange.
-            let checksum = usize::try_from(*o)
-                .ok()
-                .and_then(|o| bytes.get(o..o.checked_add(bb as usize)?))
-                .map_or(0, kvtier_proto::checksum);
+            let checksum = block_range(*o, bb).and_then(|r| buf.bytes(r)).map_or(0, kvtier_proto::checksum);
             let header = FrameHeader {
                 codec: CodecId::RAW,
                 tokens: layout.block_tokens,
@@ -700,6 +726,17 @@ impl SameNode {
         buf: &SharedBuffer,
         segments: &[Vec<Segment>],
     ) -> Result<Vec<ItemStatus>, ClientError> {
+        self.store_segments_at(ns, keys, &BufferAccess::Read(buf), segments).await
+    }
+
+    /// [`SameNode::store_from_buffer_segments`] through any access to the buffer.
+    pub(crate) async fn store_segments_at(
+        &mut self,
+        ns: &NamespaceHandle,
+        keys: &[BlockKey],
+        buf: &BufferAccess<'_, '_>,
+        segments: &[Vec<Segment>],
+    ) -> Result<Vec<ItemStatus>, ClientError> {
         if keys.len() != segments.len() {
             return Err(ClientError::InvalidArgument(format!(
                 "{} keys but {} segment lists",
@@ -707,22 +744,17 @@ impl SameNode {
                 segments.len()
             )));
         }
-        let id = self.register_for_raw_store(ns, buf).await?;
-        let base = buf.file_base;
+        let id = self.register_for_raw_store(ns, buf.buffer()).await?;
+        let base = buf.buffer().file_base;
         let layout = ns.namespace.layout;
         let bb = ns.block_bytes();
         let flags = if ns.namespace.is_lossless() { FRAME_FLAG_KEEP_LOSSLESS } else { 0 };
-        let bytes = buf.as_slice();
         let item = |(k, segs): (&BlockKey, &Vec<Segment>)| {
             // Segments outside the buffer or not making one block go with no checksum: the server
             // answers OutOfRange or SizeMismatch.
             let mut h = kvtier_proto::Checksummer::new();
             for s in segs {
-                let part = usize::try_from(s.offset)
-                    .ok()
-                    .zip(usize::try_from(s.len).ok())
-                    .and_then(|(o, l)| bytes.get(o..o.checked_add(l)?));
-                if let Some(p) = part {
+                if let Some(p) = block_range(s.offset, s.len).and_then(|r| buf.bytes(r)) {
                     h.update(p);
                 }
             }
@@ -961,17 +993,20 @@ fn refusal(status: Status, message: String) -> ClientError {
     }
 }
 
-/// Decodes an encoded block that landed at `offset` into `block_bytes` bytes at the same offset.
-fn decode_in_place(buf: &mut [u8], offset: u64, block_bytes: u64, h: FrameHeader) -> Result<(), ClientError> {
-    let range = |len: u64| -> Option<std::ops::Range<usize>> {
-        let start = usize::try_from(offset).ok()?;
-        let end = start.checked_add(usize::try_from(len).ok()?)?;
-        (end <= buf.len()).then_some(start..end)
-    };
-    let bad = || ClientError::InvalidArgument("block outside the buffer".into());
-    let encoded = Bytes::copy_from_slice(&buf[range(h.payload_len).ok_or_else(bad)?]);
-    let out = range(block_bytes).ok_or_else(bad)?;
-    decode_frame_into(&BlockFrame { header: h, payload: encoded }, &mut buf[out])
+/// Bytes `offset .. offset + len` as a range of a buffer, if they fit in a `usize`.
+fn block_range(offset: u64, len: u64) -> Option<std::ops::Range<usize>> {
+    let start = usize::try_from(offset).ok()?;
+    Some(start..start.checked_add(usize::try_from(len).ok()?)?)
+}
+
+/// Decodes an encoded block that landed at the start of `block` into the whole of `block`.
+fn decode_in_place(block: &mut [u8], h: FrameHeader) -> Result<(), ClientError> {
+    let encoded = usize::try_from(h.payload_len)
+        .ok()
+        .and_then(|n| block.get(..n))
+        .ok_or_else(|| ClientError::InvalidArgument("an encoded block larger than its place".into()))?;
+    let encoded = Bytes::copy_from_slice(encoded);
+    decode_frame_into(&BlockFrame { header: h, payload: encoded }, block)
 }
 
 /// Runs of consecutive blocks that one segmented request can carry: at most `max_items` blocks
@@ -1002,22 +1037,17 @@ fn segment_batches(segments: &[Vec<Segment>], max_items: usize) -> Result<Vec<st
 /// Decodes an encoded block that landed in `segments` (in order) into `block_bytes` bytes put
 /// back into the same segments.
 fn decode_in_segments(
-    buf: &mut [u8],
+    buf: &mut BufferAccess<'_, '_>,
     segments: &[Segment],
     block_bytes: u64,
     h: FrameHeader,
 ) -> Result<(), ClientError> {
     let bad = || ClientError::InvalidArgument("segments outside the buffer or too small for the block".into());
-    let range = |s: &Segment| -> Option<std::ops::Range<usize>> {
-        let start = usize::try_from(s.offset).ok()?;
-        let end = start.checked_add(usize::try_from(s.len).ok()?)?;
-        (end <= buf.len()).then_some(start..end)
-    };
-    let ranges: Vec<_> = segments.iter().map(range).collect::<Option<_>>().ok_or_else(bad)?;
+    let ranges: Vec<_> = segments.iter().map(|s| block_range(s.offset, s.len)).collect::<Option<_>>().ok_or_else(bad)?;
     let mut encoded = Vec::with_capacity(h.payload_len as usize);
     for r in &ranges {
         let want = (h.payload_len as usize - encoded.len()).min(r.len());
-        encoded.extend_from_slice(&buf[r.start..r.start + want]);
+        encoded.extend_from_slice(buf.bytes(r.start..r.start + want).ok_or_else(bad)?);
     }
     if encoded.len() as u64 != h.payload_len {
         return Err(bad());
@@ -1027,7 +1057,7 @@ fn decode_in_segments(
     let mut at = 0;
     for r in ranges {
         let n = (decoded.len() - at).min(r.len());
-        buf[r.start..r.start + n].copy_from_slice(&decoded[at..at + n]);
+        buf.bytes_mut(r.start..r.start + n).ok_or_else(bad)?.copy_from_slice(&decoded[at..at + n]);
         at += n;
     }
     if at != decoded.len() {

@@ -336,10 +336,10 @@ impl AsRef<[u8]> for HeldBuffer {
     }
 }
 
-/// The memory of one `SharedBuffer`: the Rust buffer (locked for a call: loads write it, stores
-/// read it) and where it is mapped, fixed for its life.
+/// The memory of one `SharedBuffer`: the Rust buffer (each call claims its blocks' places in it:
+/// loads to write them, stores to read them) and where it is mapped, fixed for its life.
 struct BufferCell {
-    buf: tokio::sync::RwLock<kvtier_client::SharedBuffer>,
+    buf: kvtier_client::ConcurrentBuffer,
     addr: usize,
     len: usize,
     /// Another mapping of the same memory, someone else's (`Client.register_region`: an engine's
@@ -434,8 +434,11 @@ fn shared_ranges(held: &[HeldBuffer]) -> Option<(Arc<BufferCell>, Vec<u64>)> {
 /// client closing (or being collected) closes its same-node connections, after which the server
 /// no longer maps the buffer: it stays valid here and works with any other client. A buffer
 /// dropped while a client is connected stays mapped by the server until that connection's next
-/// call, then is unregistered. Calls into the same buffer run one at a time while one of them
-/// writes it (a load); don't write it from Python while a call that reads or writes it runs.
+/// call, then is unregistered. Calls into the same buffer run side by side when their blocks lie
+/// in different places (a prefetch loading some pages while a backup stores others); a load
+/// whose places overlap another running call's, or a store whose places overlap a running
+/// load's, waits for it. Don't write a place from Python while a call that reads or writes it
+/// runs.
 #[pyclass(module = "kvtier._native", name = "SharedBuffer", frozen)]
 struct PySharedBuffer {
     cell: Arc<BufferCell>,
@@ -451,7 +454,7 @@ impl PySharedBuffer {
     /// address-range check.
     fn of(buf: kvtier_client::SharedBuffer, alias: Option<usize>) -> Self {
         let (addr, len) = (buf.as_ptr() as usize, buf.len());
-        let cell = Arc::new(BufferCell { buf: tokio::sync::RwLock::new(buf), addr, len, alias });
+        let cell = Arc::new(BufferCell { buf: kvtier_client::ConcurrentBuffer::new(buf), addr, len, alias });
         if let Ok(mut all) = BUFFERS.lock() {
             all.retain(|w| w.strong_count() > 0);
             all.push(Arc::downgrade(&cell));
@@ -497,7 +500,7 @@ impl PySharedBuffer {
     /// its file; 0 for a buffer from `alloc_buffer`.
     #[getter]
     fn file_offset(&self) -> u64 {
-        self.cell.buf.try_read().map(|b| b.file_offset()).unwrap_or(0)
+        self.cell.buf.file_offset()
     }
 
     /// For `register_region`: the address of the caller's own mapping it stands for.
@@ -766,10 +769,9 @@ impl Client {
             || vec![false; n],
             async |c, h| {
                 let keys: Vec<_> = hashes.iter().map(|k| h.engine_key(k)).collect();
-                let mut buf = cell.buf.write().await;
                 match &places {
-                    Places::Offsets(o) => c.load_keys_into_buffer(&h, &keys, &mut buf, o, false).await,
-                    Places::Segments(s) => c.load_keys_into_buffer_segments(&h, &keys, &mut buf, s, false).await,
+                    Places::Offsets(o) => c.load_keys_into_buffer(&h, &keys, &cell.buf, o, false).await,
+                    Places::Segments(s) => c.load_keys_into_buffer_segments(&h, &keys, &cell.buf, s, false).await,
                 }
             },
         )
@@ -796,10 +798,9 @@ impl Client {
             || None,
             async |c, h| {
                 let keys: Vec<_> = hashes.iter().map(|k| h.engine_key(k)).collect();
-                let buf = cell.buf.read().await;
                 match &places {
-                    Places::Offsets(o) => c.store_keys_from_buffer(&h, &keys, &buf, o).await.map(Some),
-                    Places::Segments(s) => c.store_keys_from_buffer_segments(&h, &keys, &buf, s).await.map(Some),
+                    Places::Offsets(o) => c.store_keys_from_buffer(&h, &keys, &cell.buf, o).await.map(Some),
+                    Places::Segments(s) => c.store_keys_from_buffer_segments(&h, &keys, &cell.buf, s).await.map(Some),
                 }
             },
         )?;
@@ -1025,8 +1026,7 @@ impl Client {
                 ns,
                 || None,
                 async |c, h| {
-                    let buf = cell.buf.read().await;
-                    c.store_prefix_from_buffer(&h, &tokens, first_block, &buf, off, full).await.map(Some)
+                    c.store_prefix_from_buffer(&h, &tokens, first_block, &cell.buf, off, full).await.map(Some)
                 },
             )?
         } else {
@@ -1065,10 +1065,7 @@ impl Client {
                 "load",
                 ns,
                 || 0,
-                async |c, h| {
-                    let mut buf = cell.buf.write().await;
-                    Ok(c.load_prefix_into_buffer(&h, &tokens[..usable], &mut buf, off, room).await? * bt)
-                },
+                async |c, h| Ok(c.load_prefix_into_buffer(&h, &tokens[..usable], &cell.buf, off, room).await? * bt),
             );
         }
         let dst = out.as_mut_slice();
