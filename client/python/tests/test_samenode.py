@@ -201,6 +201,40 @@ def test_threads_load_into_one_buffer_and_it_outlives_its_client(server):
     assert c2.samenode_stats()["loads"] == 1
 
 
+def test_a_store_from_one_buffer_goes_ahead_while_a_load_fills_other_places_of_it(server):
+    """An engine's prefetch (a long load into some pages of its pool) and backup (a store from
+    other pages of the same pool) on two threads: the store returns while the load is still
+    landing, instead of waiting for the whole load. Bytes land and are stored exactly."""
+    c = kvtier.Client(server.addr, never_raise=False)
+    n = kvtier.Namespace("samenode-overlap", "m@1", layers=8, kv_heads=8, head_dim=128, dtype="fp32", block_tokens=16)
+    bb = n.block_bytes
+    assert bb == 1 << 20
+    blocks = 128
+    keys = [b"prefetch-%d" % i for i in range(blocks)]
+    kv = np.random.default_rng(7).integers(1, 255, size=blocks * bb, dtype=np.uint8)
+    assert c.store_keys(n, keys, [kv[i * bb : (i + 1) * bb] for i in range(blocks)]) == [True] * blocks
+
+    buf = c.alloc_buffer((blocks + 1) * bb)
+    a = np.frombuffer(buf, dtype=np.uint8)
+    backup = np.random.default_rng(8).integers(1, 255, size=bb, dtype=np.uint8)
+    a[blocks * bb :] = backup  # the page the backup stores, after the prefetch's pages
+    got = []
+    load = threading.Thread(target=lambda: got.append(c.load_keys_into(n, keys, [a[i * bb : (i + 1) * bb] for i in range(blocks)])))
+    load.start()
+    while a[bb - 1] == 0:  # the prefetch's first page has landed: it is under way
+        pass
+    assert c.store_keys(n, [b"backup"], [a[blocks * bb :]]) == [True]
+    last_landed = a[blocks * bb - 1] != 0
+    load.join()
+    assert not last_landed, "the store waited for the whole load"
+    assert got == [[True] * blocks]
+    assert a[: blocks * bb].tobytes() == kv.tobytes()
+    back = np.zeros(bb, dtype=np.uint8)
+    assert c.load_keys_into(n, [b"backup"], [back]) == [True]
+    assert back.tobytes() == backup.tobytes()
+    assert c.samenode_stats()["fallbacks"] == {}
+
+
 @pytest.fixture
 def shm_file():
     """A file under /dev/shm, as vLLM's CPU tier makes its region; removed afterwards."""
