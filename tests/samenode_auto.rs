@@ -238,6 +238,7 @@ async fn dropped_buffers_are_unregistered_so_the_per_connection_cap_never_fills(
 /// ahead while another call holds some places of the buffer; a load onto a held place waits
 /// until it is released, then lands; every byte is where it belongs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[allow(clippy::single_range_in_vec_init)] // a claim takes a list of ranges: here one
 async fn calls_share_a_buffer_on_disjoint_places_and_wait_on_overlapping_ones() {
     use kvtier_client::ConcurrentBuffer;
     use std::time::Duration;

@@ -75,8 +75,7 @@ impl ConcurrentBuffer {
             released.as_mut().enable();
             {
                 let mut claims = self.claims.lock().map_err(|_| poisoned())?;
-                let conflict =
-                    claims.live.iter().any(|(_, w, theirs)| (write || *w) && overlapping(&ranges, theirs));
+                let conflict = claims.live.iter().any(|(_, w, theirs)| (write || *w) && overlapping(&ranges, theirs));
                 if !conflict {
                     let id = claims.next_id;
                     claims.next_id += 1;
@@ -316,6 +315,7 @@ fn overlapping(a: &[Range<usize>], b: &[Range<usize>]) -> bool {
 }
 
 #[cfg(test)]
+#[allow(clippy::single_range_in_vec_init)] // a claim takes a list of ranges: often one here
 mod tests {
     use super::*;
     use std::time::Duration;

@@ -37,8 +37,8 @@ use kvtier_proto::dataplane::ItemStatus;
 use kvtier_proto::{pb, BlockKey, CodecId};
 use tokio::sync::{Semaphore, SemaphorePermit};
 
-use crate::client::{BlockDest, ClientConfig, KvClient, NamespaceHandle, StoreReport};
 use crate::claims::{BufferAccess, LoadBuffer, StoreBuffer};
+use crate::client::{BlockDest, ClientConfig, KvClient, NamespaceHandle, StoreReport};
 use crate::{ClientError, SameNode, Segment};
 use kvtier_proto::samenode::MAX_SEGMENTS_PER_ITEM;
 

@@ -1043,7 +1043,8 @@ fn decode_in_segments(
     h: FrameHeader,
 ) -> Result<(), ClientError> {
     let bad = || ClientError::InvalidArgument("segments outside the buffer or too small for the block".into());
-    let ranges: Vec<_> = segments.iter().map(|s| block_range(s.offset, s.len)).collect::<Option<_>>().ok_or_else(bad)?;
+    let ranges: Vec<_> =
+        segments.iter().map(|s| block_range(s.offset, s.len)).collect::<Option<_>>().ok_or_else(bad)?;
     let mut encoded = Vec::with_capacity(h.payload_len as usize);
     for r in &ranges {
         let want = (h.payload_len as usize - encoded.len()).min(r.len());

@@ -1025,9 +1025,7 @@ impl Client {
                 "store",
                 ns,
                 || None,
-                async |c, h| {
-                    c.store_prefix_from_buffer(&h, &tokens, first_block, &cell.buf, off, full).await.map(Some)
-                },
+                async |c, h| c.store_prefix_from_buffer(&h, &tokens, first_block, &cell.buf, off, full).await.map(Some),
             )?
         } else {
             let blocks = split_blocks(kv, full, bb, 0)?;
