@@ -22,7 +22,8 @@
 //! Contracts: a buffer is registered per connection and stays mapped by the server until
 //! [`SameNode::unregister`] or until the connection closes (dropping the [`SameNode`]); the server
 //! writes into it only while a `load_into_buffer` call that borrows it mutably runs, and reads it
-//! only while a `store_from_buffer` call borrows it. A call that times out leaves the connection
+//! only while a `store_from_buffer` call borrows it (or, for a buffer that several calls share,
+//! only in the places a call has claimed: see `ConcurrentBuffer`). A call that times out leaves the connection
 //! unusable (every later call says so): open a new one.
 
 use std::collections::HashMap;
@@ -93,7 +94,8 @@ impl SharedBuffer {
         rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW).map_err(|e| io("seal", e))?;
         // SAFETY: the memfd is this process's own, `len` bytes long and sealed so it can't shrink:
         // the mapping stays backed for its life. Other processes (the server) write it only while
-        // a load borrows this buffer mutably, so no Rust reference observes a concurrent write.
+        // a load borrows this buffer mutably, or in the places a load claimed in a
+        // `ConcurrentBuffer` of it, so no Rust reference observes a concurrent write.
         let map = unsafe { MmapOptions::new().len(len).populate().map_mut(&fd) }
             .map_err(|e| ClientError::Io(format!("shared buffer: mmap: {e}")))?;
         Ok(SharedBuffer {
