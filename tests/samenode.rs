@@ -910,3 +910,155 @@ async fn blocks_in_segments_store_and_load_byte_exact_and_bad_segments_are_refus
     assert_eq!(near.load_into_buffer_segments(&h, &keys, &mut dst, &dst_segs, true).await.unwrap(), vec![true; n]);
     cluster.stop().await;
 }
+
+/// Stores whose checksums follow the request (protocol 3, what the client sends by default: it
+/// hashes its blocks while the server copies them): an item whose checksum doesn't match the
+/// server's copy is `ChecksumMismatch` and not stored, the others are; the connection goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checksums_after_a_store_publish_only_the_items_they_match() {
+    let (cluster, client, h) = setup().await;
+    let mut near = client.samenode().await.unwrap();
+    assert_eq!(near.protocol_version(), kvtier_proto::samenode::PROTOCOL_VERSION);
+    let bb = h.block_bytes();
+    let (src, keys, offsets) = filled(&h, 30, 3);
+    let id = near.register(&src).await.unwrap();
+    let items: Vec<StoreItem> = keys
+        .iter()
+        .zip(&offsets)
+        .map(|(k, o)| StoreItem {
+            header: FrameHeader {
+                codec: CodecId::RAW,
+                tokens: h.block_tokens() as u32,
+                flags: 0,
+                namespace: h.id,
+                key: *k,
+                layout: h.namespace.layout,
+                payload_len: bb,
+                // Ignored: the checksums come after the request.
+                checksum: 0,
+            },
+            offset: *o,
+        })
+        .collect();
+    let sum = |i: usize| xxhash_rust::xxh3::xxh3_64(&payload_for(&keys[i], bb));
+    let sums = [sum(0), sum(1) ^ 1, sum(2)];
+    let st = near.store_items_checksums_after(id, &items, &sums).await.unwrap();
+    assert_eq!(st, vec![ItemStatus::Ok, ItemStatus::ChecksumMismatch, ItemStatus::Ok]);
+    assert_eq!(client.exists_keys(&h, &keys).await.unwrap(), vec![true, false, true]);
+    let got = client.load_keys(&h, &[keys[0], keys[2]]).await.unwrap();
+    assert_eq!(got[0].as_ref().map(|f| f.payload.clone()), Some(payload_for(&keys[0], bb)));
+    assert_eq!(got[1].as_ref().map(|f| f.payload.clone()), Some(payload_for(&keys[2], bb)));
+    assert!(near.store_items_checksums_after(id, &items, &sums[..2]).await.is_err(), "a checksum per item");
+
+    // The usual call sends its checksums after the request too, and the refused block gets in.
+    assert_eq!(
+        near.store_from_buffer(&h, &keys, &src, &offsets).await.unwrap(),
+        vec![ItemStatus::Present, ItemStatus::Ok, ItemStatus::Present]
+    );
+    assert_eq!(client.exists_keys(&h, &keys).await.unwrap(), vec![true; 3]);
+    cluster.stop().await;
+}
+
+/// A raw protocol-3 client that sends a store with checksums to follow and leaves before they
+/// do: nothing it sent is stored, and the node serves on. The flag on a load, or on a connection
+/// whose hello said protocol 2, ends that connection with a message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_whose_checksums_never_come_stores_nothing() {
+    use kvtier_proto::samenode::{FLAG_CHECKSUMS_AFTER, PROTOCOL_VERSION};
+    let (cluster, client, h) = setup().await;
+    let path = cluster.node(0).server.samenode_path.clone().unwrap();
+    let bb = h.block_bytes();
+    let (src, keys, offsets) = filled(&h, 31, 2);
+    async fn open(path: &std::path::Path, version: u16) -> tokio::net::UnixStream {
+        let mut s = tokio::net::UnixStream::connect(path).await.unwrap();
+        s.write_all(&kvtier_proto::samenode::encode_hello_version(version, b"")).await.unwrap();
+        let mut r = [0u8; 4];
+        s.read_exact(&mut r).await.unwrap();
+        let mut msg = vec![0u8; u16::from_le_bytes([r[2], r[3]]) as usize];
+        s.read_exact(&mut msg).await.unwrap();
+        assert_eq!(r[0], 0, "hello of protocol {version} accepted: {}", String::from_utf8_lossy(&msg));
+        s
+    }
+    async fn answer(s: &mut tokio::net::UnixStream) -> (Vec<u8>, String) {
+        let mut fixed = vec![0u8; 16];
+        s.read_exact(&mut fixed).await.unwrap();
+        let mut msg = vec![0u8; u16::from_le_bytes([fixed[2], fixed[3]]) as usize];
+        s.read_exact(&mut msg).await.unwrap();
+        (fixed, String::from_utf8_lossy(&msg).into_owned())
+    }
+    let store_req = |buffer: u32| {
+        let req = SnRequest {
+            op: SnOp::Store,
+            flags: FLAG_CHECKSUMS_AFTER,
+            request_id: 2,
+            count: 2,
+            buffer,
+            namespace: h.id,
+        };
+        let mut msg = req.encode().to_vec();
+        for (k, o) in keys.iter().zip(&offsets) {
+            let header = FrameHeader {
+                codec: CodecId::RAW,
+                tokens: h.block_tokens() as u32,
+                flags: 0,
+                namespace: h.id,
+                key: *k,
+                layout: h.namespace.layout,
+                payload_len: bb,
+                // Right, but ignored under the flag: only the checksums after the request count.
+                checksum: xxhash_rust::xxh3::xxh3_64(&payload_for(k, bb)),
+            };
+            StoreItem { header, offset: *o }.encode_into(&mut msg);
+        }
+        msg
+    };
+
+    // Register the buffer by hand (the descriptor rides on the request's first byte).
+    let mut raw = open(&path, PROTOCOL_VERSION).await;
+    {
+        use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+        let req = SnRequest { op: SnOp::Register, flags: 0, request_id: 1, count: 0, buffer: 0, namespace: h.id };
+        let mut msg = req.encode().to_vec();
+        msg.extend_from_slice(&(src.len() as u64).to_le_bytes());
+        let fds = [src.fd()];
+        let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut anc = SendAncillaryBuffer::new(&mut space);
+        assert!(anc.push(SendAncillaryMessage::ScmRights(&fds)));
+        let n = rustix::net::sendmsg(raw.as_fd(), &[std::io::IoSlice::new(&msg)], &mut anc, SendFlags::NOSIGNAL)
+            .unwrap();
+        raw.write_all(&msg[n..]).await.unwrap();
+    }
+    let (fixed, msg) = answer(&mut raw).await;
+    assert_eq!(fixed[1], 0, "registered: {msg}");
+    let buffer = u32::from_le_bytes(fixed[8..12].try_into().unwrap());
+    // The store, then gone before its checksums.
+    raw.write_all(&store_req(buffer)).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    drop(raw);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(client.exists_keys(&h, &keys).await.unwrap(), vec![false; 2], "nothing unverified was stored");
+
+    // The flag where it means nothing, or on protocol 2: the connection ends, saying why.
+    let mut load = open(&path, PROTOCOL_VERSION).await;
+    let req = SnRequest { op: SnOp::Load, flags: FLAG_CHECKSUMS_AFTER, request_id: 1, count: 0, buffer: 1, namespace: h.id };
+    load.write_all(&req.encode()).await.unwrap();
+    let (fixed, msg) = answer(&mut load).await;
+    assert_eq!(fixed[1], Status::BadRequest as u8, "{msg}");
+    assert!(msg.contains("checksums after"), "{msg}");
+    let mut old = open(&path, 2).await;
+    old.write_all(&store_req(1)).await.unwrap();
+    let (fixed, msg) = answer(&mut old).await;
+    assert_eq!(fixed[1], Status::BadRequest as u8, "{msg}");
+    assert!(msg.contains("protocol 3"), "{msg}");
+    let mut rest = Vec::new();
+    assert_eq!(old.read_to_end(&mut rest).await.unwrap(), 0, "the connection ended");
+
+    // The node serves on: the same blocks stored whole by the usual client.
+    let mut near = client.samenode().await.unwrap();
+    assert_eq!(near.store_from_buffer(&h, &keys, &src, &offsets).await.unwrap(), vec![ItemStatus::Ok; 2]);
+    let got = client.load_keys(&h, &keys).await.unwrap();
+    for (f, k) in got.iter().zip(&keys) {
+        assert_eq!(f.as_ref().map(|f| f.payload.clone()), Some(payload_for(k, bb)));
+    }
+    cluster.stop().await;
+}

@@ -69,6 +69,7 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::watch;
 
 use crate::cluster::fetch::PeerFetch;
+use crate::dram::SlotWriter;
 use crate::error::ServerError;
 use crate::listen::{ConnLimits, Peer};
 use crate::metrics::{error, observe};
@@ -573,6 +574,17 @@ impl Conn {
                 );
                 return self.fatal(req.op as u8, Status::BadRequest, &msg).await;
             }
+            if req.flags & sn::FLAG_CHECKSUMS_AFTER != 0
+                && (req.op.unsegmented() != SnOp::Store || self.version < sn::CHECKSUMS_AFTER_SINCE_VERSION)
+            {
+                let msg = format!(
+                    "checksums after the request are for STORE on same-node protocol {}; this is {:?} on {}",
+                    sn::CHECKSUMS_AFTER_SINCE_VERSION,
+                    req.op,
+                    self.version
+                );
+                return self.fatal(req.op as u8, Status::BadRequest, &msg).await;
+            }
             let limit = self.state.config().max_blocks_per_request;
             if req.count > limit {
                 let msg = format!("{} items in one request exceed max_blocks_per_request {limit}", req.count);
@@ -873,26 +885,44 @@ impl Conn {
     /// A `STORE` or `STORE_SEGMENTS`; `Err` only when the client left mid-request.
     async fn store(&mut self, req: &SnRequest, body: &[u8], segs: Segments<'_>) -> Result<(), ConnError> {
         let start = Instant::now();
-        if !self.buffers.by_id.contains_key(&req.buffer) {
-            self.refuse(req, Status::BadRequest, &format!("no buffer {} is registered", req.buffer));
-            return Ok(());
-        }
-        if let Some(msg) = self.truncated(req.buffer) {
+        let after = req.flags & sn::FLAG_CHECKSUMS_AFTER != 0;
+        let refusal = if !self.buffers.by_id.contains_key(&req.buffer) {
+            Some(format!("no buffer {} is registered", req.buffer))
+        } else {
+            self.truncated(req.buffer)
+        };
+        if let Some(msg) = refusal {
+            // The checksums still follow the request: read past them.
+            if after {
+                self.checksums_after(req.count).await?;
+            }
             self.refuse(req, Status::BadRequest, &msg);
             return Ok(());
         }
         let mut statuses = Vec::with_capacity(req.count as usize);
         let mut stored = Vec::new();
+        // With checksums after: the items copied, waiting for their checksums (index, slot,
+        // header, the hash of our copy).
+        let mut copies: Vec<(usize, SlotWriter, FrameHeader, u64)> = Vec::new();
         let mut cursor = segs.cursor(req.op);
         let mut copied = 0u64;
-        for raw in body.chunks_exact(sn::STORE_ITEM_LEN) {
+        for (i, raw) in body.chunks_exact(sn::STORE_ITEM_LEN).enumerate() {
             let table = req.op.is_segmented().then(|| cursor.next());
             // Blocks already stored stay (each was checked); the rest are never read.
             if self.paced(&mut copied, 0).await {
                 crate::dataplane::forward_to_peers(&self.state, stored);
                 return Err(ConnError::ClientLeft);
             }
-            let (status, header) = self.store_one(req.buffer, raw, table).await;
+            let (status, header) = match self.store_one(req.buffer, raw, table, after).await {
+                Stored::Done(status, header) => (status, header),
+                Stored::Copied(slot, header, sum) => {
+                    copied += header.payload_len;
+                    copies.push((i, slot, header, sum));
+                    statuses.push(ItemStatus::Ok as u8);
+                    tokio::task::coop::consume_budget().await;
+                    continue;
+                }
+            };
             copied += header.map_or(0, |h| h.payload_len);
             if !status.is_held() {
                 error(kind(status));
@@ -903,6 +933,24 @@ impl Conn {
             statuses.push(status as u8);
             tokio::task::coop::consume_budget().await;
         }
+        if after {
+            let sums = self.checksums_after(req.count).await?;
+            for (i, slot, mut header, sum) in copies {
+                let status = if sums.get(i) != Some(&sum) {
+                    // `slot` drops here unpublished.
+                    ItemStatus::ChecksumMismatch
+                } else {
+                    header.checksum = sum;
+                    self.commit(slot, header)
+                };
+                if status == ItemStatus::Ok {
+                    stored.push((header.namespace, header.key));
+                } else {
+                    error(kind(status));
+                }
+                statuses[i] = status as u8;
+            }
+        }
         // In a cluster, the blocks' other owners get them too (after the answer, like a PUT's).
         crate::dataplane::forward_to_peers(&self.state, stored);
         self.answer(sn::ok(req.op, req.request_id, req.count));
@@ -911,59 +959,97 @@ impl Conn {
         Ok(())
     }
 
-    /// Stores one item (in one piece at its offset, or in `table`'s segments); its status, and
-    /// the admitted frame header.
-    async fn store_one(&self, buffer: u32, raw: &[u8], table: Option<&[Segment]>) -> (ItemStatus, Option<FrameHeader>) {
-        let Ok((h, offset)) = StoreItem::split(raw) else { return (ItemStatus::BadHeader, None) };
-        let Ok(sent) = FrameHeader::decode(h) else { return (ItemStatus::BadHeader, None) };
-        let Some(principal) = &self.principal else { return (ItemStatus::Forbidden, None) };
-        let header = match self.state.admit_frame(principal, &sent) {
-            Ok(h) => h,
-            Err(status) => return (status, None),
-        };
-        let one = [Segment { offset, len: header.payload_len }];
-        (self.store_admitted(buffer, table.unwrap_or(&one), header).await, Some(header))
+    /// Reads the `count` checksums that follow a [`sn::FLAG_CHECKSUMS_AFTER`] request, within
+    /// the stall timeout.
+    async fn checksums_after(&mut self, count: u32) -> Result<Vec<u64>, ConnError> {
+        let stall = self.state.config().stall_timeout.0;
+        let mut raw = Vec::new();
+        let whole = tokio::time::timeout(stall, self.read_exact(count as usize * sn::CHECKSUM_LEN, &mut raw))
+            .await
+            .map_err(|_| {
+                error("samenode_stall_timeout");
+                ConnError::Io(std::io::Error::new(std::io::ErrorKind::TimedOut, "samenode_stall_timeout"))
+            })??;
+        if !whole && count > 0 {
+            return Err(ConnError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+        }
+        sn::decode_checksums(&raw).map_err(|e| ConnError::Protocol(e.to_string()))
     }
 
-    async fn store_admitted(&self, buffer: u32, segments: &[Segment], header: FrameHeader) -> ItemStatus {
+    /// Stores one item (in one piece at its offset, or in `table`'s segments): its status and
+    /// admitted frame header, or with `after` (its checksum comes later) its verified-to-be copy.
+    async fn store_one(&self, buffer: u32, raw: &[u8], table: Option<&[Segment]>, after: bool) -> Stored {
+        let Ok((h, offset)) = StoreItem::split(raw) else { return Stored::Done(ItemStatus::BadHeader, None) };
+        let Ok(sent) = FrameHeader::decode(h) else { return Stored::Done(ItemStatus::BadHeader, None) };
+        let Some(principal) = &self.principal else { return Stored::Done(ItemStatus::Forbidden, None) };
+        let header = match self.state.admit_frame(principal, &sent) {
+            Ok(h) => h,
+            Err(status) => return Stored::Done(status, None),
+        };
+        let one = [Segment { offset, len: header.payload_len }];
+        let (slot, sum) = match self.copy_admitted(buffer, table.unwrap_or(&one), header).await {
+            Ok(copy) => copy,
+            Err(status) => return Stored::Done(status, Some(header)),
+        };
+        if after {
+            return Stored::Copied(slot, header, sum);
+        }
+        let status = if sum == header.checksum { self.commit(slot, header) } else { ItemStatus::ChecksumMismatch };
+        Stored::Done(status, Some(header))
+    }
+
+    /// Copies an admitted item from the client's buffer into a slot of ours: the slot and the
+    /// hash of the copy, or why not (`Present`: already held, nothing copied).
+    async fn copy_admitted(
+        &self,
+        buffer: u32,
+        segments: &[Segment],
+        header: FrameHeader,
+    ) -> Result<(SlotWriter, u64), ItemStatus> {
         if header.payload_len > self.state.config().max_frame_bytes.0 {
-            return ItemStatus::SizeMismatch;
+            return Err(ItemStatus::SizeMismatch);
         }
         // A stored block is exactly its segments.
         if segments.iter().try_fold(0u64, |t, s| t.checked_add(s.len)) != Some(header.payload_len) {
-            return ItemStatus::SizeMismatch;
+            return Err(ItemStatus::SizeMismatch);
         }
         if !segments.iter().all(|s| self.fits(buffer, s.offset, s.len)) {
-            return ItemStatus::OutOfRange;
+            return Err(ItemStatus::OutOfRange);
         }
         if self.state.tiers().is_hot(&header.namespace, &header.key) {
             // Content-addressed: the same key is the same bytes. Skip the copy.
-            return ItemStatus::Present;
+            return Err(ItemStatus::Present);
         }
         self.state.tiers().backpressure().await;
-        let tier = self.state.tiers();
-        let mut slot = match tier.reserve(&header.namespace, header.payload_len as usize) {
+        let mut slot = match self.state.tiers().reserve(&header.namespace, header.payload_len as usize) {
             Ok(s) => s,
-            Err(ServerError::Capacity(_) | ServerError::TooLarge { .. }) => return ItemStatus::Capacity,
-            Err(_) => return ItemStatus::Internal,
+            Err(ServerError::Capacity(_) | ServerError::TooLarge { .. }) => return Err(ItemStatus::Capacity),
+            Err(_) => return Err(ItemStatus::Internal),
         };
         // Looked up again after the await: the buffer map can't change meanwhile (this
         // connection serves one request at a time), but the borrow can't cross the await.
         let Some(src) = self.buffers.by_id.get(&buffer).and_then(|b| b.pieces(segments, header.payload_len)) else {
-            return ItemStatus::OutOfRange;
+            return Err(ItemStatus::OutOfRange);
         };
-        match take(&src, slot.buf_mut(), header.checksum) {
-            Copied::Ok => {}
-            // `slot` drops here unpublished.
-            Copied::ChecksumMismatch => return ItemStatus::ChecksumMismatch,
-            Copied::Short => return ItemStatus::OutOfRange,
-        }
-        match tier.commit(slot, header, self.state.store_priority(&header)) {
+        // `slot` drops unpublished on a short copy.
+        take(&src, slot.buf_mut()).map(|sum| (slot, sum)).ok_or(ItemStatus::OutOfRange)
+    }
+
+    /// Publishes a verified copy.
+    fn commit(&self, slot: SlotWriter, header: FrameHeader) -> ItemStatus {
+        match self.state.tiers().commit(slot, header, self.state.store_priority(&header)) {
             Ok(_) => ItemStatus::Ok,
             Err(ServerError::Capacity(_) | ServerError::TooLarge { .. }) => ItemStatus::Capacity,
             Err(_) => ItemStatus::Internal,
         }
     }
+}
+
+/// What storing one item came to: its status (and admitted header), or a copy waiting for the
+/// checksum that follows the request.
+enum Stored {
+    Done(ItemStatus, Option<FrameHeader>),
+    Copied(SlotWriter, FrameHeader, u64),
 }
 
 /// The segments of a segmented request, per item (empty for a request in one piece each).
@@ -1053,21 +1139,20 @@ fn put_file(src: &[u8], file: &std::fs::File, offset: u64, mut h: Option<&mut kv
 }
 
 /// Copies a payload from a client's buffer, piece by piece in order, into `dst` (a reserved
-/// slot) and verifies our copy (see [`copy_in`]); from a file buffer with `pread`s, a short read
-/// (the file was truncated) being an error.
-fn take(src: &[Piece<'_>], dst: &mut [u8], checksum: u64) -> Copied {
+/// slot) and hashes our copy (see [`copy_in`]); from a file buffer with `pread`s. The hash of
+/// the copy, or `None` for a short copy (a file truncated meanwhile, or pieces that don't fill
+/// `dst`).
+fn take(src: &[Piece<'_>], dst: &mut [u8]) -> Option<u64> {
     let mut h = kvtier_proto::Checksummer::new();
     let mut at = 0;
     for piece in src {
-        let Some(part) = dst.get_mut(at..at + piece.len) else { return Copied::Short };
+        let part = dst.get_mut(at..at + piece.len)?;
         match piece.place {
             Place::Mapped(p) => copy_in(p, part, &mut h),
             Place::File(f, o) => {
                 let mut off = o;
                 for chunk in part.chunks_mut(FILE_CHUNK) {
-                    if std::os::unix::fs::FileExt::read_exact_at(f, chunk, off).is_err() {
-                        return Copied::Short;
-                    }
+                    std::os::unix::fs::FileExt::read_exact_at(f, chunk, off).ok()?;
                     h.update(chunk);
                     off += chunk.len() as u64;
                 }
@@ -1075,11 +1160,7 @@ fn take(src: &[Piece<'_>], dst: &mut [u8], checksum: u64) -> Copied {
         }
         at += piece.len;
     }
-    if at == dst.len() && h.digest() == checksum {
-        Copied::Ok
-    } else {
-        Copied::ChecksumMismatch
-    }
+    (at == dst.len()).then(|| h.digest())
 }
 
 /// Whether `file` is at least `offset + len` bytes long now: a `pwrite` inside that never
@@ -1198,9 +1279,11 @@ mod tests {
         assert_eq!(&buf[2 * CHUNK..2 * CHUNK + 2 * CHUNK + 1], &src[CHUNK + 4..]);
         let src_pieces = pieces(&segments, src.len()).expect("same pieces");
         let mut slot = vec![0u8; src.len()];
-        assert_eq!(take(&src_pieces, &mut slot, sum), Copied::Ok);
+        assert_eq!(take(&src_pieces, &mut slot), Some(sum), "the copy's hash is the source's");
         assert_eq!(slot, src);
         buf[0] ^= 0x80;
-        assert_eq!(take(&src_pieces, &mut slot, sum), Copied::ChecksumMismatch);
+        assert_ne!(take(&src_pieces, &mut slot), Some(sum), "a changed source hashes otherwise");
+        let mut longer = vec![0u8; src.len() + 1];
+        assert_eq!(take(&src_pieces, &mut longer), None, "pieces that don't fill the slot");
     }
 }

@@ -38,7 +38,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use kvtier_proto::dataplane::{HelloReply, ItemStatus, ResponseHeader, Status};
 use kvtier_proto::samenode::{
-    encode_hello, LoadItem, Segment, SnOp, SnRequest, StoreItem, FLAG_STOP_AT_MISS, MAX_SEGMENTS_PER_ITEM,
+    encode_checksums, encode_hello_version, LoadItem, Segment, SnOp, SnRequest, StoreItem, CHECKSUMS_AFTER_SINCE_VERSION,
+    FLAG_CHECKSUMS_AFTER, FLAG_STOP_AT_MISS, MAX_SEGMENTS_PER_ITEM, PROTOCOL_VERSION,
     MAX_SEGMENTS_PER_REQUEST, RESPONSE_HEADER_LEN,
 };
 use kvtier_proto::{
@@ -319,6 +320,8 @@ pub struct SameNode {
     /// `SharedBuffer` uid → its id on this connection, and whether the buffer still lives.
     registered: HashMap<u64, (BufferId, Weak<()>)>,
     broken: Option<String>,
+    /// The protocol version the server took in the hello.
+    version: u16,
 }
 
 impl SameNode {
@@ -344,12 +347,12 @@ impl SameNode {
         max_items: usize,
     ) -> Result<Self, (FallbackReason, ClientError)> {
         let cerr = |reason: String| ClientError::Connect { addr: path.display().to_string(), reason };
-        let hello = async {
+        let hello = async |version: u16| {
             let mut sock = UnixStream::connect(path)
                 .await
                 .map_err(|e| (FallbackReason::from_connect_error(&e), cerr(e.to_string())))?;
             let io = |e: std::io::Error| (FallbackReason::ConnectFailed, ClientError::from(e));
-            sock.write_all(&encode_hello(token.unwrap_or("").as_bytes())).await.map_err(io)?;
+            sock.write_all(&encode_hello_version(version, token.unwrap_or("").as_bytes())).await.map_err(io)?;
             let mut r = [0u8; 4];
             sock.read_exact(&mut r).await.map_err(io)?;
             let (status, msg_len) =
@@ -358,12 +361,24 @@ impl SameNode {
             sock.read_exact(&mut msg).await.map_err(io)?;
             let msg = String::from_utf8_lossy(&msg).into_owned();
             match status {
-                Status::Ok => Ok(sock),
+                Status::Ok => Ok(Ok(sock)),
+                Status::UnsupportedVersion => Ok(Err(msg)),
                 Status::Unauthenticated => Err((FallbackReason::Unauthenticated, ClientError::Unauthenticated(msg))),
                 _ => Err((FallbackReason::ConnectFailed, cerr(msg))),
             }
         };
-        let sock = tokio::time::timeout(connect_timeout, hello)
+        // A server older than this client (in a rolling upgrade) is asked again in the newest
+        // protocol it may speak without the stores' checksums after the request.
+        let hellos = async {
+            match hello(PROTOCOL_VERSION).await? {
+                Ok(sock) => Ok((sock, PROTOCOL_VERSION)),
+                Err(_) => match hello(CHECKSUMS_AFTER_SINCE_VERSION - 1).await? {
+                    Ok(sock) => Ok((sock, CHECKSUMS_AFTER_SINCE_VERSION - 1)),
+                    Err(msg) => Err((FallbackReason::ConnectFailed, cerr(msg))),
+                },
+            }
+        };
+        let (sock, version) = tokio::time::timeout(connect_timeout, hellos)
             .await
             .map_err(|_| (FallbackReason::ConnectFailed, ClientError::Timeout(connect_timeout)))??;
         Ok(SameNode {
@@ -374,7 +389,13 @@ impl SameNode {
             next_request: 0,
             registered: HashMap::new(),
             broken: None,
+            version,
         })
+    }
+
+    /// The same-node protocol version this connection speaks (the newest both ends know).
+    pub fn protocol_version(&self) -> u16 {
+        self.version
     }
 
     /// Sets how long each later request may take (the connection's `request_timeout`).
@@ -666,11 +687,12 @@ impl SameNode {
         let bb = ns.block_bytes();
         let lossless = ns.namespace.is_lossless();
         let sinks = ns.lossless_sink_blocks();
+        // An item outside the buffer goes with no checksum: the server answers OutOfRange.
+        let sum_of = |i: usize| block_range(offsets[i], bb).and_then(|r| buf.bytes(r)).map_or(0, kvtier_proto::checksum);
+        let after = self.checksums_after();
         let item = |(i, (k, o)): (usize, (&BlockKey, &u64))| {
             let sink = first_index.is_some_and(|f| f + i < sinks);
             let flags = if lossless || sink { FRAME_FLAG_KEEP_LOSSLESS } else { 0 };
-            // An item outside the buffer goes with no checksum: the server answers OutOfRange.
-            let checksum = block_range(*o, bb).and_then(|r| buf.bytes(r)).map_or(0, kvtier_proto::checksum);
             let header = FrameHeader {
                 codec: CodecId::RAW,
                 tokens: layout.block_tokens,
@@ -679,16 +701,21 @@ impl SameNode {
                 key: *k,
                 layout,
                 payload_len: bb,
-                checksum,
+                checksum: if after { 0 } else { sum_of(i) },
             };
             StoreItem { header, offset: o.saturating_add(base) }
         };
-        let items: Vec<StoreItem> = if keys.len() > 1 {
+        let items: Vec<StoreItem> = if keys.len() > 1 && !after {
             keys.par_iter().zip(offsets.par_iter()).enumerate().map(item).collect()
         } else {
             keys.iter().zip(offsets).enumerate().map(item).collect()
         };
-        self.store_items(id, &items).await
+        let mut out = Vec::with_capacity(items.len());
+        for (b, batch) in items.chunks(self.max_items).enumerate() {
+            let sums = after.then_some(Sums { first: b * self.max_items, of: &sum_of });
+            out.extend(self.store_batch(SnOp::Store, id, batch, &[], sums).await?);
+        }
+        Ok(out)
     }
 
     /// `buf`'s id on this connection for a store of raw blocks under `ns` (registered if it isn't
@@ -713,7 +740,35 @@ impl SameNode {
     pub async fn store_items(&mut self, buffer: BufferId, items: &[StoreItem]) -> Result<Vec<ItemStatus>, ClientError> {
         let mut out = Vec::with_capacity(items.len());
         for batch in items.chunks(self.max_items) {
-            out.extend(self.store_batch(SnOp::Store, buffer, batch, &[]).await?);
+            out.extend(self.store_batch(SnOp::Store, buffer, batch, &[], None).await?);
+        }
+        Ok(out)
+    }
+
+    /// The protocol's `STORE` with its items' checksums sent after the request
+    /// ([`FLAG_CHECKSUMS_AFTER`]; the items' header checksums are ignored): `sums[i]` for item
+    /// `i`. An item is stored only if the server's copy hashes to its checksum. Needs a server
+    /// of protocol 3 ([`SameNode::protocol_version`]).
+    pub async fn store_items_checksums_after(
+        &mut self,
+        buffer: BufferId,
+        items: &[StoreItem],
+        sums: &[u64],
+    ) -> Result<Vec<ItemStatus>, ClientError> {
+        if items.len() != sums.len() {
+            return Err(ClientError::InvalidArgument(format!("{} items but {} checksums", items.len(), sums.len())));
+        }
+        if !self.checksums_after() {
+            return Err(ClientError::InvalidArgument(format!(
+                "checksums after the request need same-node protocol {CHECKSUMS_AFTER_SINCE_VERSION}; this connection speaks {}",
+                self.version
+            )));
+        }
+        let sum_of = |i: usize| sums[i];
+        let mut out = Vec::with_capacity(items.len());
+        for (b, batch) in items.chunks(self.max_items).enumerate() {
+            let sums = Sums { first: b * self.max_items, of: &sum_of };
+            out.extend(self.store_batch(SnOp::Store, buffer, batch, &[], Some(sums)).await?);
         }
         Ok(out)
     }
@@ -751,15 +806,19 @@ impl SameNode {
         let layout = ns.namespace.layout;
         let bb = ns.block_bytes();
         let flags = if ns.namespace.is_lossless() { FRAME_FLAG_KEEP_LOSSLESS } else { 0 };
-        let item = |(k, segs): (&BlockKey, &Vec<Segment>)| {
-            // Segments outside the buffer or not making one block go with no checksum: the server
-            // answers OutOfRange or SizeMismatch.
+        // Segments outside the buffer or not making one block go with no checksum: the server
+        // answers OutOfRange or SizeMismatch.
+        let sum_of = |i: usize| {
             let mut h = kvtier_proto::Checksummer::new();
-            for s in segs {
+            for s in &segments[i] {
                 if let Some(p) = block_range(s.offset, s.len).and_then(|r| buf.bytes(r)) {
                     h.update(p);
                 }
             }
+            h.digest()
+        };
+        let after = self.checksums_after();
+        let item = |(i, k): (usize, &BlockKey)| {
             let header = FrameHeader {
                 codec: CodecId::RAW,
                 tokens: layout.block_tokens,
@@ -768,14 +827,14 @@ impl SameNode {
                 key: *k,
                 layout,
                 payload_len: bb,
-                checksum: h.digest(),
+                checksum: if after { 0 } else { sum_of(i) },
             };
-            StoreItem { header, offset: segs.len() as u64 }
+            StoreItem { header, offset: segments[i].len() as u64 }
         };
-        let items: Vec<StoreItem> = if keys.len() > 1 {
-            keys.par_iter().zip(segments.par_iter()).map(item).collect()
+        let items: Vec<StoreItem> = if keys.len() > 1 && !after {
+            keys.par_iter().enumerate().map(item).collect()
         } else {
-            keys.iter().zip(segments).map(item).collect()
+            keys.iter().enumerate().map(item).collect()
         };
         let mut out = Vec::with_capacity(keys.len());
         for range in segment_batches(segments, self.max_items)? {
@@ -784,22 +843,32 @@ impl SameNode {
                 .flatten()
                 .map(|s| Segment { offset: s.offset.saturating_add(base), len: s.len })
                 .collect();
-            out.extend(self.store_batch(SnOp::StoreSegments, id, &items[range], &table).await?);
+            let sums = after.then_some(Sums { first: range.start, of: &sum_of });
+            out.extend(self.store_batch(SnOp::StoreSegments, id, &items[range], &table, sums).await?);
         }
         Ok(out)
     }
 
-    /// One `STORE` or `STORE_SEGMENTS` request.
+    /// Whether this connection's stores send their checksums after the request (the server
+    /// speaks protocol 3), hashing the blocks while the server copies them.
+    fn checksums_after(&self) -> bool {
+        self.version >= CHECKSUMS_AFTER_SINCE_VERSION
+    }
+
+    /// One `STORE` or `STORE_SEGMENTS` request; with `sums`, its items' checksums computed and
+    /// sent after it ([`FLAG_CHECKSUMS_AFTER`]).
     async fn store_batch(
         &mut self,
         op: SnOp,
         buffer: BufferId,
         items: &[StoreItem],
         table: &[Segment],
+        sums: Option<Sums<'_>>,
     ) -> Result<Vec<ItemStatus>, ClientError> {
-        let req = self.request(op, 0, items.len() as u32, buffer.0, NamespaceId([0; 16]));
+        let flags = if sums.is_some() { FLAG_CHECKSUMS_AFTER } else { 0 };
+        let req = self.request(op, flags, items.len() as u32, buffer.0, NamespaceId([0; 16]));
         let msg = message(&req, items, StoreItem::encode_into, table);
-        let io = do_store(&mut self.sock, &msg, op, items.len(), req.request_id);
+        let io = do_store(&mut self.sock, &msg, sums.map(|s| (s, items.len())), op, items.len(), req.request_id);
         let res = guard(&mut self.broken, self.timeout, io).await;
         self.settled(res).await?
     }
@@ -911,8 +980,28 @@ async fn do_load(
     Ok(Ok(res))
 }
 
-async fn do_store(s: &mut UnixStream, msg: &[u8], op: SnOp, n: usize, id: u32) -> Answer<Vec<ItemStatus>> {
+/// The checksums of a store's items, computed after the request was sent: `of(first + i)` for
+/// the request's item `i`.
+#[derive(Clone, Copy)]
+struct Sums<'a> {
+    first: usize,
+    of: &'a (dyn Fn(usize) -> u64 + Sync),
+}
+
+async fn do_store(
+    s: &mut UnixStream,
+    msg: &[u8],
+    sums: Option<(Sums<'_>, usize)>,
+    op: SnOp,
+    n: usize,
+    id: u32,
+) -> Answer<Vec<ItemStatus>> {
     s.write_all(msg).await?;
+    if let Some((sums, count)) = sums {
+        // Hashed while the server copies the same blocks, in the same order.
+        let all: Vec<u64> = (sums.first..sums.first + count).map(sums.of).collect();
+        s.write_all(&encode_checksums(&all)).await?;
+    }
     let h = match read_header(s, op, id).await? {
         Ok(h) => h,
         Err(e) => return Ok(Err(e)),

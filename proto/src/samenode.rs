@@ -39,6 +39,14 @@
 //!   [`MAX_SEGMENTS_PER_ITEM`] per item and [`MAX_SEGMENTS_PER_REQUEST`] per request (past
 //!   them the request is answered `BadRequest` and the connection ends, its table unread).
 //!   Answers as `LOAD`'s and `STORE`'s, with their own op byte.
+//! - Checksums after (protocol 3): a `STORE` or `STORE_SEGMENTS` with [`FLAG_CHECKSUMS_AFTER`]
+//!   ignores its items' header checksums; after the request (items, then any segment table) come
+//!   `count` checksums, 8 bytes each ([`encode_checksums`]), which the client may send while the
+//!   server copies. The server copies every item into a slot of its own hashing the copy, then
+//!   reads the checksums, and publishes an item only if its copy's hash is the item's checksum
+//!   (`ChecksumMismatch` otherwise). The client hashes its blocks while the server copies them,
+//!   instead of before it sends the request. Sent on an older connection, or on another op, the
+//!   flag ends the connection with `BadRequest` (what follows the request can't be known).
 //!
 //! A request-level error is a [`ResponseHeader`] with a non-zero status and a message; since
 //! every body has a length known from its header, the connection keeps serving after one.
@@ -47,13 +55,20 @@ pub use crate::dataplane::{ItemStatus, ResponseHeader, Status, FLAG_STOP_AT_MISS
 use crate::{BlockKey, FrameHeader, NamespaceId, ProtoError, FRAME_HEADER_LEN, KEY_LEN, NAMESPACE_ID_LEN};
 
 pub const HELLO_MAGIC: [u8; 4] = *b"KVSN";
-/// The version a client says in its hello. 2 added `LOAD_SEGMENTS` / `STORE_SEGMENTS`.
-pub const PROTOCOL_VERSION: u16 = 2;
+/// The version a client says in its hello. 2 added `LOAD_SEGMENTS` / `STORE_SEGMENTS`, 3
+/// [`FLAG_CHECKSUMS_AFTER`].
+pub const PROTOCOL_VERSION: u16 = 3;
 /// The oldest version a server still accepts: a version-1 connection gets every op but the
 /// segmented ones.
 pub const MIN_PROTOCOL_VERSION: u16 = 1;
 /// The first version with the segmented ops.
 pub const SEGMENTS_SINCE_VERSION: u16 = 2;
+/// The first version with [`FLAG_CHECKSUMS_AFTER`].
+pub const CHECKSUMS_AFTER_SINCE_VERSION: u16 = 3;
+/// `STORE` / `STORE_SEGMENTS` flag: the items' checksums follow the request (see the module docs).
+pub const FLAG_CHECKSUMS_AFTER: u16 = 16;
+/// Bytes of one checksum after a [`FLAG_CHECKSUMS_AFTER`] request.
+pub const CHECKSUM_LEN: usize = 8;
 pub const HELLO_LEN: usize = 8;
 pub const REQUEST_LEN: usize = 32;
 /// Bytes of a `REGISTER` body.
@@ -67,9 +82,14 @@ pub const FLAG_VERIFY: u16 = 8;
 
 /// The hello's fixed part and the token after it.
 pub fn encode_hello(token: &[u8]) -> Vec<u8> {
+    encode_hello_version(PROTOCOL_VERSION, token)
+}
+
+/// [`encode_hello`] saying `version` (a client asking an older server again).
+pub fn encode_hello_version(version: u16, token: &[u8]) -> Vec<u8> {
     let mut v = Vec::with_capacity(HELLO_LEN + token.len());
     v.extend_from_slice(&HELLO_MAGIC);
-    v.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    v.extend_from_slice(&version.to_le_bytes());
     v.extend_from_slice(&(token.len().min(u16::MAX as usize) as u16).to_le_bytes());
     v.extend_from_slice(&token[..token.len().min(u16::MAX as usize)]);
     v
@@ -135,6 +155,19 @@ impl SnOp {
             other => other,
         }
     }
+}
+
+/// The checksums that follow a [`FLAG_CHECKSUMS_AFTER`] request, in item order.
+pub fn encode_checksums(sums: &[u64]) -> Vec<u8> {
+    sums.iter().flat_map(|c| c.to_le_bytes()).collect()
+}
+
+/// The checksums `b` holds (a whole number of them).
+pub fn decode_checksums(b: &[u8]) -> Result<Vec<u64>, ProtoError> {
+    if !b.len().is_multiple_of(CHECKSUM_LEN) {
+        return Err(ProtoError::Malformed(format!("{} bytes of checksums", b.len())));
+    }
+    Ok(b.chunks_exact(CHECKSUM_LEN).map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8]))).collect())
 }
 
 /// Bytes of one [`Segment`] in a segment table.
@@ -311,6 +344,15 @@ pub fn ok(op: SnOp, request_id: u32, count: u32) -> ResponseHeader {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn checksums_round_trip_and_a_partial_one_is_refused() {
+        let sums = [0, 1, u64::MAX, 0x0123_4567_89ab_cdef];
+        let b = encode_checksums(&sums);
+        assert_eq!(b.len(), sums.len() * CHECKSUM_LEN);
+        assert_eq!(decode_checksums(&b).unwrap(), sums);
+        assert!(decode_checksums(&b[..7]).is_err());
+    }
 
     #[test]
     fn requests_and_items_round_trip() {
