@@ -1024,8 +1024,8 @@ async fn a_store_whose_checksums_never_come_stores_nothing() {
         let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
         let mut anc = SendAncillaryBuffer::new(&mut space);
         assert!(anc.push(SendAncillaryMessage::ScmRights(&fds)));
-        let n = rustix::net::sendmsg(raw.as_fd(), &[std::io::IoSlice::new(&msg)], &mut anc, SendFlags::NOSIGNAL)
-            .unwrap();
+        let n =
+            rustix::net::sendmsg(raw.as_fd(), &[std::io::IoSlice::new(&msg)], &mut anc, SendFlags::NOSIGNAL).unwrap();
         raw.write_all(&msg[n..]).await.unwrap();
     }
     let (fixed, msg) = answer(&mut raw).await;
@@ -1040,7 +1040,8 @@ async fn a_store_whose_checksums_never_come_stores_nothing() {
 
     // The flag where it means nothing, or on protocol 2: the connection ends, saying why.
     let mut load = open(&path, PROTOCOL_VERSION).await;
-    let req = SnRequest { op: SnOp::Load, flags: FLAG_CHECKSUMS_AFTER, request_id: 1, count: 0, buffer: 1, namespace: h.id };
+    let req =
+        SnRequest { op: SnOp::Load, flags: FLAG_CHECKSUMS_AFTER, request_id: 1, count: 0, buffer: 1, namespace: h.id };
     load.write_all(&req.encode()).await.unwrap();
     let (fixed, msg) = answer(&mut load).await;
     assert_eq!(fixed[1], Status::BadRequest as u8, "{msg}");

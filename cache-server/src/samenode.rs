@@ -967,9 +967,9 @@ impl Conn {
         let whole = tokio::time::timeout(stall, self.read_exact(count as usize * sn::CHECKSUM_LEN, &mut raw))
             .await
             .map_err(|_| {
-                error("samenode_stall_timeout");
-                ConnError::Io(std::io::Error::new(std::io::ErrorKind::TimedOut, "samenode_stall_timeout"))
-            })??;
+            error("samenode_stall_timeout");
+            ConnError::Io(std::io::Error::new(std::io::ErrorKind::TimedOut, "samenode_stall_timeout"))
+        })??;
         if !whole && count > 0 {
             return Err(ConnError::Io(std::io::ErrorKind::UnexpectedEof.into()));
         }

@@ -38,9 +38,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use kvtier_proto::dataplane::{HelloReply, ItemStatus, ResponseHeader, Status};
 use kvtier_proto::samenode::{
-    encode_checksums, encode_hello_version, LoadItem, Segment, SnOp, SnRequest, StoreItem, CHECKSUMS_AFTER_SINCE_VERSION,
-    FLAG_CHECKSUMS_AFTER, FLAG_STOP_AT_MISS, MAX_SEGMENTS_PER_ITEM, PROTOCOL_VERSION,
-    MAX_SEGMENTS_PER_REQUEST, RESPONSE_HEADER_LEN,
+    encode_checksums, encode_hello_version, LoadItem, Segment, SnOp, SnRequest, StoreItem,
+    CHECKSUMS_AFTER_SINCE_VERSION, FLAG_CHECKSUMS_AFTER, FLAG_STOP_AT_MISS, MAX_SEGMENTS_PER_ITEM,
+    MAX_SEGMENTS_PER_REQUEST, PROTOCOL_VERSION, RESPONSE_HEADER_LEN,
 };
 use kvtier_proto::{
     codes, BlockFrame, BlockKey, CodecId, FrameHeader, NamespaceId, FRAME_FLAG_KEEP_LOSSLESS, FRAME_HEADER_LEN,
@@ -688,7 +688,8 @@ impl SameNode {
         let lossless = ns.namespace.is_lossless();
         let sinks = ns.lossless_sink_blocks();
         // An item outside the buffer goes with no checksum: the server answers OutOfRange.
-        let sum_of = |i: usize| block_range(offsets[i], bb).and_then(|r| buf.bytes(r)).map_or(0, kvtier_proto::checksum);
+        let sum_of =
+            |i: usize| block_range(offsets[i], bb).and_then(|r| buf.bytes(r)).map_or(0, kvtier_proto::checksum);
         let after = self.checksums_after();
         let item = |(i, (k, o)): (usize, (&BlockKey, &u64))| {
             let sink = first_index.is_some_and(|f| f + i < sinks);
