@@ -922,24 +922,8 @@ async fn checksums_after_a_store_publish_only_the_items_they_match() {
     let bb = h.block_bytes();
     let (src, keys, offsets) = filled(&h, 30, 3);
     let id = near.register(&src).await.unwrap();
-    let items: Vec<StoreItem> = keys
-        .iter()
-        .zip(&offsets)
-        .map(|(k, o)| StoreItem {
-            header: FrameHeader {
-                codec: CodecId::RAW,
-                tokens: h.block_tokens() as u32,
-                flags: 0,
-                namespace: h.id,
-                key: *k,
-                layout: h.namespace.layout,
-                payload_len: bb,
-                // Ignored: the checksums come after the request.
-                checksum: 0,
-            },
-            offset: *o,
-        })
-        .collect();
+    // Their header checksums are right, and ignored: only the checksums after the request count.
+    let items = store_items(&h, &keys, &offsets);
     let sum = |i: usize| xxhash_rust::xxh3::xxh3_64(&payload_for(&keys[i], bb));
     let sums = [sum(0), sum(1) ^ 1, sum(2)];
     let st = near.store_items_checksums_after(id, &items, &sums).await.unwrap();
@@ -996,19 +980,9 @@ async fn a_store_whose_checksums_never_come_stores_nothing() {
             namespace: h.id,
         };
         let mut msg = req.encode().to_vec();
-        for (k, o) in keys.iter().zip(&offsets) {
-            let header = FrameHeader {
-                codec: CodecId::RAW,
-                tokens: h.block_tokens() as u32,
-                flags: 0,
-                namespace: h.id,
-                key: *k,
-                layout: h.namespace.layout,
-                payload_len: bb,
-                // Right, but ignored under the flag: only the checksums after the request count.
-                checksum: xxhash_rust::xxh3::xxh3_64(&payload_for(k, bb)),
-            };
-            StoreItem { header, offset: *o }.encode_into(&mut msg);
+        // Right header checksums, ignored under the flag: only the checksums after it count.
+        for item in store_items(&h, &keys, &offsets) {
+            item.encode_into(&mut msg);
         }
         msg
     };
