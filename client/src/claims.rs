@@ -27,6 +27,8 @@ struct Claims {
     next_id: u64,
     /// The live claims: id, whether it writes, its ranges (sorted, coalesced).
     live: Vec<(u64, bool, Vec<Range<usize>>)>,
+    /// The claims waiting, in the same form; ids grow in arrival order.
+    waiting: Vec<(u64, bool, Vec<Range<usize>>)>,
 }
 
 impl ConcurrentBuffer {
@@ -62,11 +64,20 @@ impl ConcurrentBuffer {
     }
 
     /// Claims `ranges` of the buffer, for writing (`write`) or reading, waiting while a live
-    /// claim that conflicts holds any of them. An `InvalidArgument` for a range outside the
-    /// buffer, or for write ranges that overlap each other. Waiting holds nothing: a claim
-    /// future dropped before it resolves leaves no trace.
+    /// claim that conflicts holds any of them, or one that conflicts waits since before this one
+    /// (in arrival order: a steady stream of stores can't hold a load off for ever). An
+    /// `InvalidArgument` for a range outside the buffer, or for write ranges that overlap each
+    /// other. A claim future dropped before it resolves leaves no trace.
     pub async fn claim(&self, ranges: &[Range<usize>], write: bool) -> Result<BufferClaim<'_>, ClientError> {
         let ranges = normalize(ranges, self.buf.len(), write)?;
+        let id = {
+            let mut claims = self.claims.lock().map_err(|_| poisoned())?;
+            let id = claims.next_id;
+            claims.next_id += 1;
+            claims.waiting.push((id, write, ranges.clone()));
+            id
+        };
+        let mut queued = Queued { owner: self, id, granted: false };
         loop {
             let released = self.released.notified();
             tokio::pin!(released);
@@ -75,11 +86,16 @@ impl ConcurrentBuffer {
             released.as_mut().enable();
             {
                 let mut claims = self.claims.lock().map_err(|_| poisoned())?;
-                let conflict = claims.live.iter().any(|(_, w, theirs)| (write || *w) && overlapping(&ranges, theirs));
+                let earlier = claims.waiting.iter().filter(|(other, ..)| *other < id);
+                let conflict = claims
+                    .live
+                    .iter()
+                    .chain(earlier)
+                    .any(|(_, w, theirs)| (write || *w) && overlapping(&ranges, theirs));
                 if !conflict {
-                    let id = claims.next_id;
-                    claims.next_id += 1;
+                    claims.waiting.retain(|(other, ..)| *other != id);
                     claims.live.push((id, write, ranges.clone()));
+                    queued.granted = true;
                     return Ok(BufferClaim { owner: self, id, write, ranges });
                 }
             }
@@ -273,6 +289,26 @@ impl StoreBuffer<'_> {
     }
 }
 
+/// A claim waiting in line; leaves the line when dropped ungranted (its future was dropped), and
+/// wakes the claims behind it.
+struct Queued<'a> {
+    owner: &'a ConcurrentBuffer,
+    id: u64,
+    granted: bool,
+}
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        if self.granted {
+            return;
+        }
+        let mut claims = self.owner.claims.lock().unwrap_or_else(|p| p.into_inner());
+        claims.waiting.retain(|(id, ..)| *id != self.id);
+        drop(claims);
+        self.owner.released.notify_waiters();
+    }
+}
+
 fn poisoned() -> ClientError {
     ClientError::Io("a shared buffer's claim list was poisoned by a panic".into())
 }
@@ -381,12 +417,49 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn claims_are_served_in_arrival_order_so_a_load_is_not_starved_by_stores() {
+        let b = buffer(64);
+        let store = b.claim(&[0..16], false).await.unwrap();
+        let load = b.claim(&[8..24], true);
+        tokio::pin!(load);
+        assert!(resolves(load.as_mut()).await.is_none(), "the load waits for the store");
+        // A later store of the same places queues behind the waiting load, though it could share
+        // with the first store; one on other places goes ahead.
+        let later = b.claim(&[0..16], false);
+        tokio::pin!(later);
+        assert!(resolves(later.as_mut()).await.is_none(), "the later store waits behind the load");
+        assert!(resolves(b.claim(&[32..40], false)).await.is_some());
+        drop(store);
+        let load = resolves(load).await.expect("the load gets in once the store ended").unwrap();
+        assert!(resolves(later.as_mut()).await.is_none(), "the later store waits for the load");
+        drop(load);
+        assert!(resolves(later).await.is_some(), "and then gets in");
+
+        // A waiting load dropped leaves the line: the store behind it gets in at once.
+        let store = b.claim(&[0..16], false).await.unwrap();
+        {
+            // Boxed, so dropping it drops the future itself.
+            let mut load = Box::pin(b.claim(&[0..16], true));
+            assert!(resolves(load.as_mut()).await.is_none());
+            let later = b.claim(&[0..16], false);
+            tokio::pin!(later);
+            assert!(resolves(later.as_mut()).await.is_none(), "behind the load");
+            drop(load);
+            assert!(resolves(later).await.is_some(), "the load left the line");
+        }
+        drop(store);
+        let claims = b.claims.lock().unwrap();
+        assert!(claims.live.is_empty() && claims.waiting.is_empty());
+    }
+
+    #[tokio::test]
     async fn a_dropped_waiting_claim_leaves_nothing_behind() {
         let b = buffer(64);
         let held = b.claim(&[0..64], true).await.unwrap();
         assert!(resolves(b.claim(&[0..8], true)).await.is_none());
         drop(held);
         assert!(b.claims.lock().unwrap().live.is_empty());
+        assert!(b.claims.lock().unwrap().waiting.is_empty());
         let again = resolves(b.claim(&[0..64], true)).await.expect("nothing is held once every claim ended");
         drop(again);
     }
