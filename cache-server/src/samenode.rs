@@ -966,10 +966,7 @@ impl Conn {
         let mut raw = Vec::new();
         let whole = tokio::time::timeout(stall, self.read_exact(count as usize * sn::CHECKSUM_LEN, &mut raw))
             .await
-            .map_err(|_| {
-            error("samenode_stall_timeout");
-            ConnError::Io(std::io::Error::new(std::io::ErrorKind::TimedOut, "samenode_stall_timeout"))
-        })??;
+            .map_err(|_| timed_out("samenode_stall_timeout"))??;
         if !whole && count > 0 {
             return Err(ConnError::Io(std::io::ErrorKind::UnexpectedEof.into()));
         }
@@ -1043,6 +1040,12 @@ impl Conn {
             Err(_) => ItemStatus::Internal,
         }
     }
+}
+
+/// A budget ran out (`what` names it, counted as an error).
+fn timed_out(what: &'static str) -> ConnError {
+    error(what);
+    ConnError::Io(std::io::Error::new(std::io::ErrorKind::TimedOut, what))
 }
 
 /// What storing one item came to: its status (and admitted header), or a copy waiting for the

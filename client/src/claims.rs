@@ -103,6 +103,16 @@ impl ConcurrentBuffer {
         }
     }
 
+    /// [`ConcurrentBuffer::claim`] of a call's places: each block's ranges, in order.
+    pub(crate) async fn claim_places(
+        &self,
+        places: &[Vec<Range<usize>>],
+        write: bool,
+    ) -> Result<BufferClaim<'_>, ClientError> {
+        let flat: Vec<Range<usize>> = places.iter().flatten().cloned().collect();
+        self.claim(&flat, write).await
+    }
+
     /// The bytes at `r` as a raw slice. Dereferenced only by a claim that covers `r` (so `r` is
     /// inside the mapping), where no other claim that conflicts with it is live.
     fn raw(&self, r: Range<usize>) -> *mut [u8] {

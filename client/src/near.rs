@@ -590,10 +590,7 @@ impl KvClient {
         let mut claim = None;
         let mut buf = match buf {
             LoadBuffer::Own(b) => BufferAccess::Own(b),
-            LoadBuffer::Shared(b) => {
-                let flat: Vec<Range<usize>> = ranges.iter().flatten().cloned().collect();
-                BufferAccess::Claim(claim.insert(b.claim(&flat, true).await?))
-            }
+            LoadBuffer::Shared(b) => BufferAccess::Claim(claim.insert(b.claim_places(&ranges, true).await?)),
         };
         let mut fresh = false;
         while let Some(mut lease) = self.near_lease(fresh).await {
@@ -715,10 +712,7 @@ impl KvClient {
         let mut claim = None;
         let buf = match buf {
             StoreBuffer::Own(b) => BufferAccess::Read(b),
-            StoreBuffer::Shared(b) => {
-                let flat: Vec<Range<usize>> = ranges.iter().flatten().cloned().collect();
-                BufferAccess::Claim(claim.insert(b.claim(&flat, false).await?))
-            }
+            StoreBuffer::Shared(b) => BufferAccess::Claim(claim.insert(b.claim_places(&ranges, false).await?)),
         };
         let near = self.near();
         if near.is_off() {

@@ -711,12 +711,7 @@ impl SameNode {
         } else {
             keys.iter().zip(offsets).enumerate().map(item).collect()
         };
-        let mut out = Vec::with_capacity(items.len());
-        for (b, batch) in items.chunks(self.max_items).enumerate() {
-            let sums = after.then_some(Sums { first: b * self.max_items, of: &sum_of });
-            out.extend(self.store_batch(SnOp::Store, id, batch, &[], sums).await?);
-        }
-        Ok(out)
+        self.store_in_batches(id, &items, after.then_some(&sum_of)).await
     }
 
     /// `buf`'s id on this connection for a store of raw blocks under `ns` (registered if it isn't
@@ -739,9 +734,21 @@ impl SameNode {
     /// The protocol's `STORE`: each item's payload is read by the server at its offset in buffer
     /// `buffer` and checked against its header's checksum after the copy.
     pub async fn store_items(&mut self, buffer: BufferId, items: &[StoreItem]) -> Result<Vec<ItemStatus>, ClientError> {
+        self.store_in_batches(buffer, items, None).await
+    }
+
+    /// `STORE`s of `items` in requests of at most `max_items`; with `sum_of`, each item's
+    /// checksum (by its index in `items`) computed and sent after its request.
+    async fn store_in_batches(
+        &mut self,
+        buffer: BufferId,
+        items: &[StoreItem],
+        sum_of: Option<&(dyn Fn(usize) -> u64 + Sync)>,
+    ) -> Result<Vec<ItemStatus>, ClientError> {
         let mut out = Vec::with_capacity(items.len());
-        for batch in items.chunks(self.max_items) {
-            out.extend(self.store_batch(SnOp::Store, buffer, batch, &[], None).await?);
+        for (b, batch) in items.chunks(self.max_items).enumerate() {
+            let sums = sum_of.map(|of| Sums { first: b * self.max_items, of });
+            out.extend(self.store_batch(SnOp::Store, buffer, batch, &[], sums).await?);
         }
         Ok(out)
     }
@@ -765,13 +772,7 @@ impl SameNode {
                 self.version
             )));
         }
-        let sum_of = |i: usize| sums[i];
-        let mut out = Vec::with_capacity(items.len());
-        for (b, batch) in items.chunks(self.max_items).enumerate() {
-            let sums = Sums { first: b * self.max_items, of: &sum_of };
-            out.extend(self.store_batch(SnOp::Store, buffer, batch, &[], Some(sums)).await?);
-        }
-        Ok(out)
+        self.store_in_batches(buffer, items, Some(&|i: usize| sums[i])).await
     }
 
     /// Stores full raw blocks from `buf`, each from its own segments: block `i` is `segments[i]`
