@@ -83,19 +83,31 @@ impl Acc {
 }
 
 /// One thread copying `ops` blocks of `size` from a source to a destination of the working set's
-/// size, block `i` to offset `i`.
-fn memcpy(size: usize, ops: usize, src: &[u8], dst: &mut [u8]) -> (f64, Vec<f64>) {
+/// size, block `i` to offset `i`, with `copy`.
+fn memcpy(size: usize, ops: usize, src: &[u8], dst: &mut [u8], copy: fn(&[u8], &mut [u8])) -> (f64, Vec<f64>) {
     let n = src.len() / size;
     let mut lat = Vec::with_capacity(ops);
     let t = Instant::now();
     for op in 0..ops {
         let at = (op % n) * size;
         let s = Instant::now();
-        dst[at..at + size].copy_from_slice(&src[at..at + size]);
+        copy(&src[at..at + size], &mut dst[at..at + size]);
         std::hint::black_box(&dst[at]);
         lat.push(s.elapsed().as_secs_f64());
     }
     (t.elapsed().as_secs_f64(), lat)
+}
+
+/// The copy a plain `memcpy` makes.
+fn plain_copy(src: &[u8], dst: &mut [u8]) {
+    dst.copy_from_slice(src);
+}
+
+/// The copy the same-node server makes into a client's buffer: streaming stores, published.
+fn streaming_copy(src: &[u8], dst: &mut [u8]) {
+    // SAFETY: `dst` is a slice of `src`'s length, and a `&mut` can't overlap `src`.
+    unsafe { kvtier_kernels::copy::copy_streaming(src, dst.as_mut_ptr()) };
+    kvtier_kernels::copy::publish();
 }
 
 /// [`memcpy`] of the same `ops` blocks by two threads, each taking every other block: what the
@@ -222,13 +234,15 @@ async fn measure(addr: &str, cfg: &CellsConfig, redis_url: Option<&str>) -> anyh
                     redis_conns.push(r.get_multiplexed_async_connection().await?);
                 }
             }
-            let mut acc: [Acc; 10] = Default::default();
+            let mut acc: [Acc; 11] = Default::default();
             for run in 0..cfg.runs {
                 if c == 1 {
-                    let (wall, lat) = memcpy(size, ops, &mem_src, &mut mem_dst);
+                    let (wall, lat) = memcpy(size, ops, &mem_src, &mut mem_dst, plain_copy);
                     acc[0].add(bytes, wall, lat);
-                    let (wall, lat) = memcpy(size, ops, &mem_src, shm_dst.as_mut_slice());
+                    let (wall, lat) = memcpy(size, ops, &mem_src, shm_dst.as_mut_slice(), plain_copy);
                     acc[6].add(bytes, wall, lat);
+                    let (wall, lat) = memcpy(size, ops, &mem_src, shm_dst.as_mut_slice(), streaming_copy);
+                    acc[10].add(bytes, wall, lat);
                     let (wall, lat) = memcpy_2_threads(size, ops, &mem_src, &mut mem_dst);
                     acc[5].add(bytes, wall, lat);
                 }
@@ -364,6 +378,7 @@ async fn measure(addr: &str, cfg: &CellsConfig, redis_url: Option<&str>) -> anyh
                 ("load", "same-node load_into_buffer x8 per call"),
                 ("load", "Redis GET over its Unix socket, + copy"),
                 ("store", "Redis SET over its Unix socket"),
+                ("copy2", "memcpy into a memfd buffer, streaming stores (1 thread)"),
             ];
             for (a, (op, path)) in acc.into_iter().zip(names) {
                 if a.gbps.is_empty() {

@@ -1173,12 +1173,15 @@ fn file_holds(file: &std::fs::File, offset: u64, len: usize) -> bool {
     file.metadata().is_ok_and(|m| m.len() >= end)
 }
 
-/// Copies a stored payload to `dst` (a client's buffer). With a hasher, chunk by chunk, hashing
-/// each chunk of the *source* right after copying it (still in cache).
+/// Copies a stored payload to `dst` (a client's buffer) with streaming stores (the client reads
+/// it next, not us: see [`kvtier_kernels::copy`]). With a hasher, chunk by chunk, hashing each
+/// chunk of the *source* right after copying it (still in cache). The copy is published before
+/// this returns: the request may go on (and answer) from another worker thread.
 fn copy_out(src: &[u8], dst: *mut u8, h: Option<&mut kvtier_proto::Checksummer>) {
     let Some(h) = h else {
         // SAFETY: as below, for the whole payload at once.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
+        unsafe { kvtier_kernels::copy::copy_streaming(src, dst) };
+        kvtier_kernels::copy::publish();
         return;
     };
     let mut at = 0;
@@ -1186,10 +1189,11 @@ fn copy_out(src: &[u8], dst: *mut u8, h: Option<&mut kvtier_proto::Checksummer>)
         // SAFETY: the caller bounds-checked `dst .. dst + src.len()` against a live mapping of the
         // client's buffer, which is not our memory, so the ranges can't overlap. The client may
         // write those bytes concurrently; they are written through a raw pointer and never read.
-        unsafe { std::ptr::copy_nonoverlapping(chunk.as_ptr(), dst.add(at), chunk.len()) };
+        unsafe { kvtier_kernels::copy::copy_streaming(chunk, dst.add(at)) };
         h.update(chunk);
         at += chunk.len();
     }
+    kvtier_kernels::copy::publish();
 }
 
 /// Copies a payload from `src` (a client's buffer) into `dst` (part of a reserved slot) chunk by

@@ -56,6 +56,11 @@ pub struct ClientConfig {
     /// Whether calls into and from a [`crate::SharedBuffer`] use the server's same-node socket
     /// on their own when the server runs on this host (see [`crate::near`]). Default: `Auto`.
     pub samenode: crate::SameNodeMode,
+    /// The longest a same-node call polls its socket for the answer (on its own thread, without
+    /// parking) before it waits parked; each call polls for about the time its copies take, at
+    /// most this, and at most half this host's cores poll at once. `Duration::ZERO`: never poll,
+    /// leaving every core to the server. Default: 2 ms.
+    pub samenode_poll: Duration,
     /// TLS to a node whose listeners run it (gRPC and data plane), with this client's certificate
     /// where the node takes client certificates. Default: none (plain TCP).
     pub tls: Option<crate::ClientTls>,
@@ -73,6 +78,7 @@ impl Default for ClientConfig {
             park_retries: 3,
             pool_idle: Duration::from_secs(60),
             samenode: crate::SameNodeMode::Auto,
+            samenode_poll: crate::polled::MAX_POLL,
             tls: None,
         }
     }
@@ -456,7 +462,7 @@ impl KvClient {
             (None, true) => Some(self.samenode_ticket().await?),
             _ => None,
         };
-        crate::SameNode::connect(
+        let mut conn = crate::SameNode::connect(
             std::path::Path::new(&info.samenode_socket),
             ticket.as_deref().or(cfg.auth_token.as_deref()),
             cfg.connect_timeout,
@@ -469,7 +475,9 @@ impl KvClient {
                 ClientError::NotSameNode(format!("cannot reach the same-node socket {addr}: {reason}"))
             }
             other => other,
-        })
+        })?;
+        conn.set_answer_poll(cfg.samenode_poll);
+        Ok(conn)
     }
 
     /// A single-use ticket (valid for about a minute) that stands for this client on the

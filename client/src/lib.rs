@@ -35,6 +35,7 @@ mod connector;
 mod engine;
 mod error;
 pub mod near;
+mod polled;
 mod quic;
 mod samenode;
 mod tls;

@@ -199,6 +199,8 @@ pub(crate) struct AutoNear {
     tickets: Option<crate::client::Grpc>,
     connect_timeout: Duration,
     request_timeout: Duration,
+    /// [`crate::ClientConfig::samenode_poll`].
+    answer_poll: Duration,
     max_items: usize,
     idle_for: Duration,
     permits: Semaphore,
@@ -245,6 +247,7 @@ impl AutoNear {
             tickets,
             connect_timeout: cfg.connect_timeout,
             request_timeout: cfg.request_timeout,
+            answer_poll: cfg.samenode_poll,
             max_items: info.max_blocks_per_request as usize,
             idle_for: cfg.pool_idle,
             permits: Semaphore::new(cfg.data_connections.max(1)),
@@ -308,7 +311,8 @@ impl AutoNear {
                 )
                 .await;
                 match opened {
-                    Ok(conn) => {
+                    Ok(mut conn) => {
+                        conn.set_answer_poll(self.answer_poll);
                         if let Ok(mut c) = self.counters.lock() {
                             c.down = None;
                             c.stats.active = true;

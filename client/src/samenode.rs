@@ -33,7 +33,7 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvtier_proto::dataplane::{HelloReply, ItemStatus, ResponseHeader, Status};
@@ -55,6 +55,7 @@ use tokio::net::UnixStream;
 use crate::claims::BufferAccess;
 use crate::client::{decode_frame_into, NamespaceHandle};
 use crate::near::FallbackReason;
+use crate::polled::{poll_budget, PolledSocket};
 use crate::ClientError;
 
 /// How long a timed-out load or store waits for the server to stop touching its buffer.
@@ -312,7 +313,7 @@ pub struct BufferId(pub u32);
 /// One connection to a server's same-node socket (see the module docs). Requests on it run one
 /// at a time (`&mut self`); open one per concurrent stream of work.
 pub struct SameNode {
-    sock: UnixStream,
+    sock: PolledSocket,
     path: PathBuf,
     timeout: Duration,
     max_items: usize,
@@ -322,6 +323,8 @@ pub struct SameNode {
     broken: Option<String>,
     /// The protocol version the server took in the hello.
     version: u16,
+    /// The longest a call polls for its answer (see [`crate::polled`]).
+    poll: Duration,
 }
 
 impl SameNode {
@@ -382,7 +385,7 @@ impl SameNode {
             .await
             .map_err(|_| (FallbackReason::ConnectFailed, ClientError::Timeout(connect_timeout)))??;
         Ok(SameNode {
-            sock,
+            sock: PolledSocket::new(sock),
             path: path.to_path_buf(),
             timeout: request_timeout,
             max_items: max_items.max(1),
@@ -390,7 +393,15 @@ impl SameNode {
             registered: HashMap::new(),
             broken: None,
             version,
+            poll: crate::polled::MAX_POLL,
         })
+    }
+
+    /// The longest a call waits for its answer polling the socket from its own thread before it
+    /// parks (each call polls about as long as its copies should take, at most this; see
+    /// [`crate::ClientConfig::samenode_poll`]). `Duration::ZERO` never polls. Default: 2 ms.
+    pub fn set_answer_poll(&mut self, max: Duration) {
+        self.poll = max;
     }
 
     /// The same-node protocol version this connection speaks (the newest both ends know).
@@ -647,7 +658,9 @@ impl SameNode {
         let flags = if stop_at_miss { FLAG_STOP_AT_MISS } else { 0 };
         let req = self.request(op, flags, items.len() as u32, buffer.0, ns);
         let msg = message(&req, items, LoadItem::encode_into, table);
-        let io = do_load(&mut self.sock, &msg, op, items.len(), req.request_id);
+        let bytes = answer_bytes(items.iter().map(|i| i.room), table);
+        let poll = poll_budget(bytes).min(self.poll);
+        let io = do_load(&mut self.sock, &msg, (op, items.len(), req.request_id), poll);
         let res = guard(&mut self.broken, self.timeout, io).await;
         out.extend(self.settled(res).await??);
         Ok(())
@@ -870,7 +883,10 @@ impl SameNode {
         let flags = if sums.is_some() { FLAG_CHECKSUMS_AFTER } else { 0 };
         let req = self.request(op, flags, items.len() as u32, buffer.0, NamespaceId([0; 16]));
         let msg = message(&req, items, StoreItem::encode_into, table);
-        let io = do_store(&mut self.sock, &msg, sums.map(|s| (s, items.len())), op, items.len(), req.request_id);
+        let bytes = answer_bytes(items.iter().map(|i| i.header.payload_len), table);
+        let poll = poll_budget(bytes).min(self.poll);
+        let io =
+            do_store(&mut self.sock, &msg, sums.map(|s| (s, items.len())), (op, items.len(), req.request_id), poll);
         let res = guard(&mut self.broken, self.timeout, io).await;
         self.settled(res).await?
     }
@@ -881,7 +897,7 @@ impl SameNode {
     /// [`LEAVE_WAIT`]. Any other failure ended the exchange already.
     async fn settled<T>(&mut self, res: Answer<T>) -> Answer<T> {
         if matches!(res, Err(ClientError::Timeout(_))) {
-            let _ = self.sock.shutdown().await;
+            let _ = self.sock.inner().shutdown().await;
             let mut sink = vec![0u8; 64 * 1024];
             let drained = tokio::time::timeout(LEAVE_WAIT, async {
                 while let Ok(n) = self.sock.read(&mut sink).await {
@@ -919,6 +935,15 @@ fn message<T>(req: &SnRequest, items: &[T], encode: impl Fn(&T, &mut Vec<u8>), t
     msg
 }
 
+/// The bytes a request moves: its segment table's, or (unsegmented) its items'.
+fn answer_bytes(items: impl Iterator<Item = u64>, table: &[Segment]) -> u64 {
+    if table.is_empty() {
+        items.fold(0u64, u64::saturating_add)
+    } else {
+        table.iter().map(|s| s.len).fold(0u64, u64::saturating_add)
+    }
+}
+
 /// One answer, or a request-level refusal (the connection still in step).
 type Answer<T> = Result<Result<T, ClientError>, ClientError>;
 
@@ -943,24 +968,24 @@ async fn guard<T>(
     res
 }
 
-async fn do_register(s: &mut UnixStream, msg: &[u8], fd: BorrowedFd<'_>, id: u32) -> Answer<ResponseHeader> {
-    send_with_fd(s, msg, fd).await?;
+async fn do_register(s: &mut PolledSocket, msg: &[u8], fd: BorrowedFd<'_>, id: u32) -> Answer<ResponseHeader> {
+    send_with_fd(s.inner(), msg, fd).await?;
     read_header(s, SnOp::Register, id).await
 }
 
-async fn do_simple(s: &mut UnixStream, msg: &[u8], op: SnOp, id: u32) -> Answer<ResponseHeader> {
+async fn do_simple(s: &mut PolledSocket, msg: &[u8], op: SnOp, id: u32) -> Answer<ResponseHeader> {
     s.write_all(msg).await?;
     read_header(s, op, id).await
 }
 
 async fn do_load(
-    s: &mut UnixStream,
+    s: &mut PolledSocket,
     msg: &[u8],
-    op: SnOp,
-    n: usize,
-    id: u32,
+    (op, n, id): (SnOp, usize, u32),
+    poll: Duration,
 ) -> Answer<Vec<Result<FrameHeader, ItemStatus>>> {
     s.write_all(msg).await?;
+    s.poll_for_answer(poll);
     let h = match read_header(s, op, id).await? {
         Ok(h) => h,
         Err(e) => return Ok(Err(e)),
@@ -991,19 +1016,20 @@ struct Sums<'a> {
 }
 
 async fn do_store(
-    s: &mut UnixStream,
+    s: &mut PolledSocket,
     msg: &[u8],
     sums: Option<(Sums<'_>, usize)>,
-    op: SnOp,
-    n: usize,
-    id: u32,
+    (op, n, id): (SnOp, usize, u32),
+    poll: Duration,
 ) -> Answer<Vec<ItemStatus>> {
+    let sent = Instant::now();
     s.write_all(msg).await?;
     if let Some((sums, count)) = sums {
         // Hashed while the server copies the same blocks, in the same order.
         let all: Vec<u64> = (sums.first..sums.first + count).map(sums.of).collect();
         s.write_all(&encode_checksums(&all)).await?;
     }
+    s.poll_for_answer(poll.saturating_sub(sent.elapsed()));
     let h = match read_header(s, op, id).await? {
         Ok(h) => h,
         Err(e) => return Ok(Err(e)),
@@ -1046,7 +1072,7 @@ async fn send_with_fd(s: &mut UnixStream, bytes: &[u8], fd: BorrowedFd<'_>) -> R
 
 /// Reads an answer's header: `Ok(Err(..))` for a request-level refusal (its message read, the
 /// connection still in step).
-async fn read_header(s: &mut UnixStream, op: SnOp, id: u32) -> Answer<ResponseHeader> {
+async fn read_header(s: &mut PolledSocket, op: SnOp, id: u32) -> Answer<ResponseHeader> {
     let mut b = [0u8; RESPONSE_HEADER_LEN];
     s.read_exact(&mut b).await?;
     let h = ResponseHeader::decode(&b)?;

@@ -14,6 +14,8 @@
 //! - [`payload`]: the self-describing payload (format, shape, dtype, scales) of every codec but raw.
 //! - [`Backend`]: the scalar reference, AVX2+F16C kernels, or AVX-512 ones for the rotated codecs
 //!   (chosen at run time, identical bytes).
+//! - [`copy`]: bulk copies into another process's shared memory with streaming stores (the
+//!   same-node path's loads), and the fence that publishes them.
 //! - [`policy`]: [`policy::CodecPolicy`] — which codec per tier, the age rule, `lossless_only`.
 //! - Private leaf math, shared by every backend: `scale` (amax → FP8 scale, NVFP4 global and
 //!   block scales) and `fwht` (the Walsh–Hadamard butterflies, scalar and vector).
@@ -36,6 +38,7 @@
 
 pub mod block;
 pub mod codec;
+pub mod copy;
 mod error;
 pub mod formats;
 mod fwht;

@@ -1,0 +1,229 @@
+//! A same-node connection's socket, whose answers are awaited by polling it from the calling
+//! thread for a bounded time before parking. An answer is due as soon as the server has copied
+//! the request's blocks (a few hundred µs for a MiB); a thread that parks for that long is woken
+//! through the scheduler — on a VM an interrupt through the hypervisor, tens of µs per hop, and
+//! a tokio call from outside the runtime takes two hops (the I/O driver's thread, then the
+//! caller). Polling keeps the caller on its core and reads the answer the moment it lands.
+//!
+//! Polling costs a core for the wait, so it is bounded: per answer by a budget the caller sizes
+//! from the bytes it asked to move, and per process by [`MAX_POLLERS`] threads at once (the rest
+//! park as before, leaving the other cores to the server's copies).
+
+use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::UnixStream;
+
+/// Room for answers' fixed parts read while polling (header, statuses, frame headers); what does
+/// not fit is read by the ordinary path.
+const RX_BYTES: usize = 16 * 1024;
+/// The longest a caller polls for one answer, however large the request.
+pub(crate) const MAX_POLL: Duration = Duration::from_millis(2);
+/// The fixed part of an answer's expected wait: the two system calls and the server's lookup.
+const POLL_BASE: Duration = Duration::from_micros(50);
+/// The copy speed a poll's budget assumes; a slower server is waited for parked.
+const POLL_BYTES_PER_SEC: u64 = 2_000_000_000;
+
+/// Threads of this process polling for an answer now.
+static POLLERS: AtomicUsize = AtomicUsize::new(0);
+
+/// How many threads of this process may poll at once: half the cores, at least one, so that
+/// pollers never take the cores the server copies on.
+fn max_pollers() -> usize {
+    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1)))
+}
+
+/// How long to poll for the answer to a request that moves `bytes`: the expected copy time plus
+/// the fixed part, at most [`MAX_POLL`].
+pub(crate) fn poll_budget(bytes: u64) -> Duration {
+    let copy = Duration::from_nanos(bytes.saturating_mul(1_000_000_000) / POLL_BYTES_PER_SEC);
+    (POLL_BASE + copy).min(MAX_POLL)
+}
+
+/// A place among [`max_pollers`], held while polling; the count it holds a place in.
+struct Poller(&'static AtomicUsize);
+
+impl Poller {
+    fn acquire() -> Option<Poller> {
+        Poller::acquire_in(&POLLERS, max_pollers())
+    }
+
+    /// A place among `max` counted by `count`, if one is free.
+    fn acquire_in(count: &'static AtomicUsize, max: usize) -> Option<Poller> {
+        count
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < max).then_some(n + 1))
+            .ok()
+            .map(|_| Poller(count))
+    }
+}
+
+impl Drop for Poller {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A same-node connection's socket with the bytes polled ahead of its reads.
+pub(crate) struct PolledSocket {
+    sock: UnixStream,
+    /// Bytes received while polling and not yet read: `rx[start..end]`.
+    rx: Box<[u8]>,
+    start: usize,
+    end: usize,
+}
+
+impl PolledSocket {
+    pub(crate) fn new(sock: UnixStream) -> Self {
+        PolledSocket { sock, rx: vec![0u8; RX_BYTES].into_boxed_slice(), start: 0, end: 0 }
+    }
+
+    /// The socket itself, for what bypasses the polled reads (sending a descriptor, closing).
+    /// Any bytes polled ahead are still read first by [`PolledSocket::read_exact`].
+    pub(crate) fn inner(&mut self) -> &mut UnixStream {
+        &mut self.sock
+    }
+
+    pub(crate) async fn write_all(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        self.sock.write_all(bytes).await
+    }
+
+    /// Polls the socket for up to `budget`, without parking, until some bytes of the answer
+    /// have arrived; false when none did (or none were there at once and this process already
+    /// has its most pollers): the reads that follow then park as usual. End of stream and errors
+    /// are left to those reads.
+    pub(crate) fn poll_for_answer(&mut self, budget: Duration) -> bool {
+        if self.start < self.end {
+            return true;
+        }
+        let deadline = Instant::now() + budget;
+        let mut place = None;
+        loop {
+            match rustix::net::recv(self.sock.as_fd(), &mut self.rx[..], rustix::net::RecvFlags::DONTWAIT) {
+                Ok((0, _)) => return false,
+                Ok((n, _)) => {
+                    self.start = 0;
+                    self.end = n;
+                    return true;
+                }
+                Err(rustix::io::Errno::AGAIN) => {
+                    if place.is_none() {
+                        // Nothing yet: wait polling only with a place among the pollers.
+                        place = Poller::acquire();
+                        if place.is_none() || budget.is_zero() {
+                            return false;
+                        }
+                    }
+                    if Instant::now() >= deadline {
+                        return false;
+                    }
+                    std::hint::spin_loop();
+                }
+                Err(rustix::io::Errno::INTR) => {}
+                Err(_) => return false,
+            }
+        }
+    }
+
+    /// Fills `out`: first from the bytes polled ahead, then from the socket.
+    pub(crate) async fn read_exact(&mut self, out: &mut [u8]) -> std::io::Result<()> {
+        let n = out.len().min(self.end - self.start);
+        out[..n].copy_from_slice(&self.rx[self.start..self.start + n]);
+        self.start += n;
+        if n < out.len() {
+            self.sock.read_exact(&mut out[n..]).await?;
+        }
+        Ok(())
+    }
+
+    /// Reads whatever comes next (the bytes polled ahead first); 0 at the end of the stream.
+    pub(crate) async fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+        if self.start < self.end {
+            let n = out.len().min(self.end - self.start);
+            out[..n].copy_from_slice(&self.rx[self.start..self.start + n]);
+            self.start += n;
+            return Ok(n);
+        }
+        self.sock.read(out).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_poll_lasts_about_the_copy_and_never_past_the_cap() {
+        assert_eq!(poll_budget(0), POLL_BASE);
+        assert_eq!(
+            poll_budget(1 << 20),
+            POLL_BASE + Duration::from_nanos((1u64 << 20) * 1_000_000_000 / POLL_BYTES_PER_SEC)
+        );
+        assert_eq!(poll_budget(64 << 20), MAX_POLL);
+        assert_eq!(poll_budget(u64::MAX), MAX_POLL);
+    }
+
+    #[test]
+    fn no_more_than_the_most_pollers_hold_places_at_once() {
+        static COUNT: AtomicUsize = AtomicUsize::new(0);
+        let a = Poller::acquire_in(&COUNT, 2).expect("a first place");
+        let b = Poller::acquire_in(&COUNT, 2).expect("a second place");
+        assert!(Poller::acquire_in(&COUNT, 2).is_none(), "a third poller while two poll");
+        drop(a);
+        let c = Poller::acquire_in(&COUNT, 2).expect("a place freed by a poller that stopped");
+        drop((b, c));
+        assert_eq!(COUNT.load(Ordering::Acquire), 0);
+    }
+
+    #[tokio::test]
+    async fn bytes_polled_ahead_are_read_first_and_the_rest_from_the_socket() {
+        let (ours, mut theirs) = UnixStream::pair().unwrap();
+        let mut s = PolledSocket::new(ours);
+        theirs.write_all(b"0123456789").await.unwrap();
+        assert!(s.poll_for_answer(Duration::from_secs(5)), "bytes already there are found");
+        theirs.write_all(b"abcde").await.unwrap();
+        let mut first = [0u8; 12];
+        s.read_exact(&mut first).await.unwrap();
+        assert_eq!(&first, b"0123456789ab");
+        let mut rest = [0u8; 3];
+        s.read_exact(&mut rest).await.unwrap();
+        assert_eq!(&rest, b"cde");
+        // Polled bytes not yet read are what a plain read returns first.
+        theirs.write_all(b"xyz").await.unwrap();
+        assert!(s.poll_for_answer(Duration::from_secs(5)));
+        let mut one = [0u8; 2];
+        assert_eq!(s.read(&mut one).await.unwrap(), 2);
+        assert_eq!(&one, b"xy");
+        assert_eq!(s.read(&mut one).await.unwrap(), 1);
+        assert_eq!(one[0], b'z');
+    }
+
+    #[tokio::test]
+    async fn a_poll_with_nothing_to_read_gives_up_after_its_budget_and_the_read_then_waits() {
+        let (ours, mut theirs) = UnixStream::pair().unwrap();
+        let mut s = PolledSocket::new(ours);
+        let t = Instant::now();
+        assert!(!s.poll_for_answer(Duration::from_millis(20)), "nothing was sent");
+        let took = t.elapsed();
+        assert!(
+            took >= Duration::from_millis(20) && took < Duration::from_secs(2),
+            "polled {took:?} for a 20 ms budget"
+        );
+        assert!(!s.poll_for_answer(Duration::ZERO), "a zero budget does not poll");
+        let writer = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            theirs.write_all(b"late").await.unwrap();
+            theirs
+        });
+        let mut got = [0u8; 4];
+        s.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"late");
+        // The peer's close: a poll finds nothing, and the read reports the end.
+        drop(writer.await.unwrap());
+        assert!(!s.poll_for_answer(Duration::from_millis(20)));
+        let err = s.read_exact(&mut got).await.unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::UnexpectedEof);
+    }
+}
