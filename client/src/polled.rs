@@ -1,13 +1,15 @@
-//! A same-node connection's socket, whose answers are awaited by polling it from the calling
-//! thread for a bounded time before parking. An answer is due as soon as the server has copied
-//! the request's blocks (a few hundred µs for a MiB); a thread that parks for that long is woken
-//! through the scheduler — on a VM an interrupt through the hypervisor, tens of µs per hop, and
-//! a tokio call from outside the runtime takes two hops (the I/O driver's thread, then the
-//! caller). Polling keeps the caller on its core and reads the answer the moment it lands.
+//! A same-node connection's socket, whose answers are awaited by polling it for a bounded time
+//! before parking. An answer is due as soon as the server has copied the request's blocks (a few
+//! hundred µs for a MiB); a thread that parks for that long is woken through the scheduler — on a
+//! VM an interrupt through the hypervisor, tens of µs per hop, and a tokio call from outside the
+//! runtime (Python's) takes two hops: the I/O driver's thread, then the caller. Polling keeps the
+//! caller on its core and reads the answer the moment it lands.
 //!
-//! Polling costs a core for the wait, so it is bounded: per answer by a budget the caller sizes
-//! from the bytes it asked to move, and per process by [`MAX_POLLERS`] threads at once (the rest
-//! park as before, leaving the other cores to the server's copies).
+//! Polling is a non-blocking `recv` between yields of the task, so other futures on the same
+//! thread (a join of calls) go on meanwhile. It costs a core for the wait, so it is bounded: per
+//! answer by a budget the caller sizes from the bytes it asked to move, and per process by
+//! [`max_pollers`] calls at once (the rest park as before, leaving the other cores to the server's
+//! copies).
 
 use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -26,10 +28,10 @@ const POLL_BASE: Duration = Duration::from_micros(50);
 /// The copy speed a poll's budget assumes; a slower server is waited for parked.
 const POLL_BYTES_PER_SEC: u64 = 2_000_000_000;
 
-/// Threads of this process polling for an answer now.
+/// Calls of this process polling for an answer now.
 static POLLERS: AtomicUsize = AtomicUsize::new(0);
 
-/// How many threads of this process may poll at once: half the cores, at least one, so that
+/// How many calls of this process may poll at once: half the cores, at least one, so that
 /// pollers never take the cores the server copies on.
 fn max_pollers() -> usize {
     static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
@@ -94,7 +96,7 @@ impl PolledSocket {
     /// have arrived; false when none did (or none were there at once and this process already
     /// has its most pollers): the reads that follow then park as usual. End of stream and errors
     /// are left to those reads.
-    pub(crate) fn poll_for_answer(&mut self, budget: Duration) -> bool {
+    pub(crate) async fn poll_for_answer(&mut self, budget: Duration) -> bool {
         if self.start < self.end {
             return true;
         }
@@ -119,7 +121,9 @@ impl PolledSocket {
                     if Instant::now() >= deadline {
                         return false;
                     }
-                    std::hint::spin_loop();
+                    // Other futures on this thread (a join of calls) go on meanwhile; with none,
+                    // the task is polled again at once, without parking.
+                    tokio::task::yield_now().await;
                 }
                 Err(rustix::io::Errno::INTR) => {}
                 Err(_) => return false,
@@ -182,7 +186,7 @@ mod tests {
         let (ours, mut theirs) = UnixStream::pair().unwrap();
         let mut s = PolledSocket::new(ours);
         theirs.write_all(b"0123456789").await.unwrap();
-        assert!(s.poll_for_answer(Duration::from_secs(5)), "bytes already there are found");
+        assert!(s.poll_for_answer(Duration::from_secs(5)).await, "bytes already there are found");
         theirs.write_all(b"abcde").await.unwrap();
         let mut first = [0u8; 12];
         s.read_exact(&mut first).await.unwrap();
@@ -192,7 +196,7 @@ mod tests {
         assert_eq!(&rest, b"cde");
         // Polled bytes not yet read are what a plain read returns first.
         theirs.write_all(b"xyz").await.unwrap();
-        assert!(s.poll_for_answer(Duration::from_secs(5)));
+        assert!(s.poll_for_answer(Duration::from_secs(5)).await);
         let mut one = [0u8; 2];
         assert_eq!(s.read(&mut one).await.unwrap(), 2);
         assert_eq!(&one, b"xy");
@@ -205,13 +209,13 @@ mod tests {
         let (ours, mut theirs) = UnixStream::pair().unwrap();
         let mut s = PolledSocket::new(ours);
         let t = Instant::now();
-        assert!(!s.poll_for_answer(Duration::from_millis(20)), "nothing was sent");
+        assert!(!s.poll_for_answer(Duration::from_millis(20)).await, "nothing was sent");
         let took = t.elapsed();
         assert!(
             took >= Duration::from_millis(20) && took < Duration::from_secs(2),
             "polled {took:?} for a 20 ms budget"
         );
-        assert!(!s.poll_for_answer(Duration::ZERO), "a zero budget does not poll");
+        assert!(!s.poll_for_answer(Duration::ZERO).await, "a zero budget does not poll");
         let writer = tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(30)).await;
             theirs.write_all(b"late").await.unwrap();
@@ -222,7 +226,7 @@ mod tests {
         assert_eq!(&got, b"late");
         // The peer's close: a poll finds nothing, and the read reports the end.
         drop(writer.await.unwrap());
-        assert!(!s.poll_for_answer(Duration::from_millis(20)));
+        assert!(!s.poll_for_answer(Duration::from_millis(20)).await);
         let err = s.read_exact(&mut got).await.unwrap_err();
         assert_eq!(err.kind(), std::io::ErrorKind::UnexpectedEof);
     }

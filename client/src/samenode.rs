@@ -985,7 +985,7 @@ async fn do_load(
     poll: Duration,
 ) -> Answer<Vec<Result<FrameHeader, ItemStatus>>> {
     s.write_all(msg).await?;
-    s.poll_for_answer(poll);
+    s.poll_for_answer(poll).await;
     let h = match read_header(s, op, id).await? {
         Ok(h) => h,
         Err(e) => return Ok(Err(e)),
@@ -1029,7 +1029,7 @@ async fn do_store(
         let all: Vec<u64> = (sums.first..sums.first + count).map(sums.of).collect();
         s.write_all(&encode_checksums(&all)).await?;
     }
-    s.poll_for_answer(poll.saturating_sub(sent.elapsed()));
+    s.poll_for_answer(poll.saturating_sub(sent.elapsed())).await;
     let h = match read_header(s, op, id).await? {
         Ok(h) => h,
         Err(e) => return Ok(Err(e)),

@@ -834,12 +834,15 @@ impl Client {
     #[new]
     /// `samenode`: `"auto"` (calls whose KV lies in a buffer from `alloc_buffer` use the server's
     /// same-node socket when the server runs on this host) or `"off"` (everything over TCP).
+    /// `samenode_poll_us`: the longest a same-node call polls for its answer before it sleeps
+    /// (about as long as its copies take, at most this; at most half the cores poll at once);
+    /// 0 never polls, leaving every core to the server.
     /// `tls_ca`: the PEM file of the CA a node that runs TLS has its certificate from (TLS on
     /// both planes); `tls_cert` / `tls_key`: this client's certificate and key, for nodes that take
     /// client certificates (the certificate's name is the tenant); `tls_server_name`: the name the
     /// node's certificate must carry (default: the host of `addr`).
     #[pyo3(signature = (addr, *, never_raise=true, timeout_s=30.0, connections=4, auth_token=None, samenode="auto",
-                        tls_ca=None, tls_cert=None, tls_key=None, tls_server_name=None))]
+                        samenode_poll_us=2000, tls_ca=None, tls_cert=None, tls_key=None, tls_server_name=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         addr: &str,
@@ -848,6 +851,7 @@ impl Client {
         connections: usize,
         auth_token: Option<String>,
         samenode: &str,
+        samenode_poll_us: u64,
         tls_ca: Option<std::path::PathBuf>,
         tls_cert: Option<std::path::PathBuf>,
         tls_key: Option<std::path::PathBuf>,
@@ -880,6 +884,7 @@ impl Client {
             data_connections: connections.max(1),
             auth_token,
             samenode,
+            samenode_poll: Duration::from_micros(samenode_poll_us),
             tls,
             ..ClientConfig::default()
         };
