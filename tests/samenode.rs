@@ -90,6 +90,34 @@ async fn stored_from_a_buffer_and_loaded_into_another_the_bytes_are_equal() {
     assert!(!path.exists(), "the socket file is removed when the node stops");
 }
 
+/// Answers read while polling, parked, and partly each (a poll that gives up before the answer)
+/// are the same answers: byte-exact loads, the same statuses, the connection in step after each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_are_the_same_polled_for_parked_or_both() {
+    let (cluster, client, h) = setup().await;
+    let mut near = client.samenode().await.unwrap();
+    let bb = h.block_bytes();
+    let (src, keys, offsets) = filled(&h, 9, 32);
+    for (round, poll) in [Duration::ZERO, Duration::from_micros(1), Duration::from_millis(2)].into_iter().enumerate() {
+        near.set_answer_poll(poll);
+        let mut dst = SharedBuffer::new(src.len()).unwrap();
+        let want = if round == 0 { ItemStatus::Ok } else { ItemStatus::Present };
+        assert_eq!(near.store_from_buffer(&h, &keys, &src, &offsets).await.unwrap(), vec![want; 32], "poll {poll:?}");
+        // One block a call, then all of them in one call, then a miss among them.
+        for (i, k) in keys.iter().enumerate() {
+            assert_eq!(near.load_into_buffer(&h, &[*k], &mut dst, &[offsets[i]], false).await.unwrap(), [true]);
+        }
+        assert_eq!(dst.as_slice(), src.as_slice(), "poll {poll:?}: one block a call");
+        dst.as_mut_slice().fill(0);
+        assert_eq!(near.load_into_buffer(&h, &keys, &mut dst, &offsets, false).await.unwrap(), vec![true; 32]);
+        assert_eq!(dst.as_slice(), src.as_slice(), "poll {poll:?}: one call");
+        let missing = h.keys(&tokens(1000 + round as u32, h.block_tokens()))[0];
+        let got = near.load_into_buffer(&h, &[keys[0], missing, keys[1]], &mut dst, &[0, bb, 2 * bb], false).await;
+        assert_eq!(got.unwrap(), [true, false, true], "poll {poll:?}");
+    }
+    cluster.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn misses_are_reported_and_stop_at_miss_ends_the_prefix() {
     let (cluster, client, h) = setup().await;

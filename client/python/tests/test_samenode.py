@@ -60,10 +60,12 @@ def test_alloc_buffer_is_writable_shared_memory_viewed_in_place(server):
         c.alloc_buffer(0)
 
 
-def test_loads_into_and_stores_from_a_shared_buffer_go_over_the_socket(server):
+@pytest.mark.parametrize("poll_us", [2000, 0], ids=["polled", "parked"])
+def test_loads_into_and_stores_from_a_shared_buffer_go_over_the_socket(server, poll_us):
     import torch
 
-    c = kvtier.Client(server.addr, never_raise=False)
+    # Polled for (the default) or parked on: answers are read alike.
+    c = kvtier.Client(server.addr, never_raise=False, samenode_poll_us=poll_us)
     n = ns("samenode-py")
     bb = n.block_bytes
     toks = list(range(5000, 5064))  # 4 full blocks
