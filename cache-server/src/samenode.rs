@@ -3,7 +3,8 @@
 //! into several segments of them per block), one copy each way, with no payload on the socket.
 //!
 //! - A load looks the block up through the tier stack and copies it from its slot into the
-//!   client's buffer; the answer carries the frame header. A DRAM block is checked against its
+//!   client's buffer with streaming stores (the client reads those bytes next, not us: see
+//!   `kvtier_kernels::copy`), published before the answer; the answer carries the frame header. A DRAM block is checked against its
 //!   frame checksum in the same pass, chunk by chunk while the bytes are in cache (the tier does
 //!   not hash it first), so its bytes are read once; a block damaged in memory is reported and
 //!   removed, never handed over as good. Blocks from other tiers were checked by the tier.
