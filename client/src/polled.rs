@@ -21,12 +21,16 @@ use tokio::net::UnixStream;
 /// Room for answers' fixed parts read while polling (header, statuses, frame headers); what does
 /// not fit is read by the ordinary path.
 const RX_BYTES: usize = 16 * 1024;
-/// The longest a caller polls for one answer, however large the request.
-pub(crate) const MAX_POLL: Duration = Duration::from_millis(2);
+/// The default cap on one answer's poll ([`crate::ClientConfig::samenode_poll`]).
+pub(crate) const MAX_POLL: Duration = Duration::from_micros(2500);
 /// The fixed part of an answer's expected wait: the two system calls and the server's lookup.
 const POLL_BASE: Duration = Duration::from_micros(50);
-/// The copy speed a poll's budget assumes; a slower server is waited for parked.
+/// The copy speed a poll's budget assumes (about half what the server copies at): a slower server
+/// is waited for parked.
 const POLL_BYTES_PER_SEC: u64 = 2_000_000_000;
+/// Requests that move more than this are not polled for: their wait (a millisecond and more) is
+/// long beside a wake-up, and polling it would only burn the core.
+const MAX_POLLED_BYTES: u64 = 4 << 20;
 
 /// Calls of this process polling for an answer now.
 static POLLERS: AtomicUsize = AtomicUsize::new(0);
@@ -39,10 +43,12 @@ fn max_pollers() -> usize {
 }
 
 /// How long to poll for the answer to a request that moves `bytes`: the expected copy time plus
-/// the fixed part, at most [`MAX_POLL`].
+/// the fixed part; zero (don't poll) past [`MAX_POLLED_BYTES`].
 pub(crate) fn poll_budget(bytes: u64) -> Duration {
-    let copy = Duration::from_nanos(bytes.saturating_mul(1_000_000_000) / POLL_BYTES_PER_SEC);
-    (POLL_BASE + copy).min(MAX_POLL)
+    if bytes > MAX_POLLED_BYTES {
+        return Duration::ZERO;
+    }
+    POLL_BASE + Duration::from_nanos(bytes * 1_000_000_000 / POLL_BYTES_PER_SEC)
 }
 
 /// A place among [`max_pollers`], held while polling; the count it holds a place in.
@@ -159,14 +165,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_poll_lasts_about_the_copy_and_never_past_the_cap() {
+    fn a_poll_lasts_about_the_copy_and_a_long_wait_is_not_polled() {
         assert_eq!(poll_budget(0), POLL_BASE);
-        assert_eq!(
-            poll_budget(1 << 20),
-            POLL_BASE + Duration::from_nanos((1u64 << 20) * 1_000_000_000 / POLL_BYTES_PER_SEC)
-        );
-        assert_eq!(poll_budget(64 << 20), MAX_POLL);
-        assert_eq!(poll_budget(u64::MAX), MAX_POLL);
+        let mib = Duration::from_nanos((1u64 << 20) * 1_000_000_000 / POLL_BYTES_PER_SEC);
+        assert_eq!(poll_budget(1 << 20), POLL_BASE + mib);
+        assert!(poll_budget(4 << 20) <= MAX_POLL && !poll_budget(4 << 20).is_zero(), "a 4 MiB block is polled for");
+        assert_eq!(poll_budget((4 << 20) + 1), Duration::ZERO, "a longer wait is not");
+        assert_eq!(poll_budget(64 << 20), Duration::ZERO);
+        assert_eq!(poll_budget(u64::MAX), Duration::ZERO);
     }
 
     #[test]

@@ -399,7 +399,7 @@ impl SameNode {
 
     /// The longest a call waits for its answer polling the socket from its own thread before it
     /// parks (each call polls about as long as its copies should take, at most this; see
-    /// [`crate::ClientConfig::samenode_poll`]). `Duration::ZERO` never polls. Default: 2 ms.
+    /// [`crate::ClientConfig::samenode_poll`]). `Duration::ZERO` never polls. Default: 2.5 ms.
     pub fn set_answer_poll(&mut self, max: Duration) {
         self.poll = max;
     }

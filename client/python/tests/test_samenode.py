@@ -60,7 +60,7 @@ def test_alloc_buffer_is_writable_shared_memory_viewed_in_place(server):
         c.alloc_buffer(0)
 
 
-@pytest.mark.parametrize("poll_us", [2000, 0], ids=["polled", "parked"])
+@pytest.mark.parametrize("poll_us", [2500, 0], ids=["polled", "parked"])
 def test_loads_into_and_stores_from_a_shared_buffer_go_over_the_socket(server, poll_us):
     import torch
 
