@@ -58,8 +58,9 @@ pub struct ClientConfig {
     pub samenode: crate::SameNodeMode,
     /// The longest a same-node call polls its socket for the answer (on its own thread, without
     /// parking) before it waits parked; each call polls for about the time its copies take, at
-    /// most this; calls moving over 4 MiB, and calls while half this host's cores' worth of others
-    /// poll, don't. `Duration::ZERO`: never poll, leaving every core to the server. Default: 2.5 ms.
+    /// most this; calls moving over 4 MiB don't, nor calls while this process has other same-node
+    /// calls in flight. `Duration::ZERO`: never poll, leaving every core to the server. Default:
+    /// 2.5 ms.
     pub samenode_poll: Duration,
     /// TLS to a node whose listeners run it (gRPC and data plane), with this client's certificate
     /// where the node takes client certificates. Default: none (plain TCP).

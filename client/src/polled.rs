@@ -6,10 +6,11 @@
 //! caller on its core and reads the answer the moment it lands.
 //!
 //! Polling is a non-blocking `recv` between yields of the task, so other futures on the same
-//! thread (a join of calls) go on meanwhile. It costs a core for the wait, so it is bounded: per
-//! answer by a budget the caller sizes from the bytes it asked to move, and per process by
-//! [`max_pollers`] calls at once (the rest park as before, leaving the other cores to the server's
-//! copies).
+//! thread go on meanwhile. It costs a core for the wait, so it is bounded: by a budget the caller
+//! sizes from the bytes it asked to move, and to a call that is this process's only same-node
+//! call in flight. With several in flight the server is busy with all of them, an answer is
+//! rarely far, and a poller would only take a core from the server's copies (measured: 64 KiB
+//! loads at concurrency 4 lost a third of their throughput to polling on 2 cores), so they park.
 
 use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -32,15 +33,8 @@ const POLL_BYTES_PER_SEC: u64 = 2_000_000_000;
 /// long beside a wake-up, and polling it would only burn the core.
 const MAX_POLLED_BYTES: u64 = 4 << 20;
 
-/// Calls of this process polling for an answer now.
-static POLLERS: AtomicUsize = AtomicUsize::new(0);
-
-/// How many calls of this process may poll at once: half the cores, at least one, so that
-/// pollers never take the cores the server copies on.
-fn max_pollers() -> usize {
-    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *MAX.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1)))
-}
+/// Same-node calls of this process between their request and their answer.
+static IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
 
 /// How long to poll for the answer to a request that moves `bytes`: the expected copy time plus
 /// the fixed part; zero (don't poll) past [`MAX_POLLED_BYTES`].
@@ -51,24 +45,10 @@ pub(crate) fn poll_budget(bytes: u64) -> Duration {
     POLL_BASE + Duration::from_nanos(bytes * 1_000_000_000 / POLL_BYTES_PER_SEC)
 }
 
-/// A place among [`max_pollers`], held while polling; the count it holds a place in.
-struct Poller(&'static AtomicUsize);
+/// A call between its request and its answer, counted among the calls in flight.
+pub(crate) struct InFlight(&'static AtomicUsize);
 
-impl Poller {
-    fn acquire() -> Option<Poller> {
-        Poller::acquire_in(&POLLERS, max_pollers())
-    }
-
-    /// A place among `max` counted by `count`, if one is free.
-    fn acquire_in(count: &'static AtomicUsize, max: usize) -> Option<Poller> {
-        count
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < max).then_some(n + 1))
-            .ok()
-            .map(|_| Poller(count))
-    }
-}
-
-impl Drop for Poller {
+impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
     }
@@ -77,6 +57,8 @@ impl Drop for Poller {
 /// A same-node connection's socket with the bytes polled ahead of its reads.
 pub(crate) struct PolledSocket {
     sock: UnixStream,
+    /// The calls in flight this connection's calls count among ([`IN_FLIGHT`]).
+    flights: &'static AtomicUsize,
     /// Bytes received while polling and not yet read: `rx[start..end]`.
     rx: Box<[u8]>,
     start: usize,
@@ -85,7 +67,22 @@ pub(crate) struct PolledSocket {
 
 impl PolledSocket {
     pub(crate) fn new(sock: UnixStream) -> Self {
-        PolledSocket { sock, rx: vec![0u8; RX_BYTES].into_boxed_slice(), start: 0, end: 0 }
+        Self::counted_in(sock, &IN_FLIGHT)
+    }
+
+    fn counted_in(sock: UnixStream, flights: &'static AtomicUsize) -> Self {
+        PolledSocket { sock, flights, rx: vec![0u8; RX_BYTES].into_boxed_slice(), start: 0, end: 0 }
+    }
+
+    /// Counts a call in flight on this connection until the guard drops (after its answer).
+    pub(crate) fn in_flight(&self) -> InFlight {
+        self.flights.fetch_add(1, Ordering::AcqRel);
+        InFlight(self.flights)
+    }
+
+    /// Whether the caller's call (counted in flight) is the only one.
+    fn alone(&self) -> bool {
+        self.flights.load(Ordering::Acquire) <= 1
     }
 
     /// The socket itself, for what bypasses the polled reads (sending a descriptor, closing).
@@ -99,15 +96,14 @@ impl PolledSocket {
     }
 
     /// Polls the socket for up to `budget`, without parking, until some bytes of the answer
-    /// have arrived; false when none did (or none were there at once and this process already
-    /// has its most pollers): the reads that follow then park as usual. End of stream and errors
-    /// are left to those reads.
+    /// have arrived; false when none did (or none were there at once, or another call went in
+    /// flight meanwhile): the reads that follow then park as usual. End of stream and errors are
+    /// left to those reads.
     pub(crate) async fn poll_for_answer(&mut self, budget: Duration) -> bool {
         if self.start < self.end {
             return true;
         }
         let deadline = Instant::now() + budget;
-        let mut place = None;
         loop {
             match rustix::net::recv(self.sock.as_fd(), &mut self.rx[..], rustix::net::RecvFlags::DONTWAIT) {
                 Ok((0, _)) => return false,
@@ -117,14 +113,7 @@ impl PolledSocket {
                     return true;
                 }
                 Err(rustix::io::Errno::AGAIN) => {
-                    if place.is_none() {
-                        // Nothing yet: wait polling only with a place among the pollers.
-                        place = Poller::acquire();
-                        if place.is_none() || budget.is_zero() {
-                            return false;
-                        }
-                    }
-                    if Instant::now() >= deadline {
+                    if !self.alone() || Instant::now() >= deadline {
                         return false;
                     }
                     // Other futures on this thread (a join of calls) go on meanwhile; with none,
@@ -175,16 +164,22 @@ mod tests {
         assert_eq!(poll_budget(u64::MAX), Duration::ZERO);
     }
 
-    #[test]
-    fn no_more_than_the_most_pollers_hold_places_at_once() {
-        static COUNT: AtomicUsize = AtomicUsize::new(0);
-        let a = Poller::acquire_in(&COUNT, 2).expect("a first place");
-        let b = Poller::acquire_in(&COUNT, 2).expect("a second place");
-        assert!(Poller::acquire_in(&COUNT, 2).is_none(), "a third poller while two poll");
-        drop(a);
-        let c = Poller::acquire_in(&COUNT, 2).expect("a place freed by a poller that stopped");
-        drop((b, c));
-        assert_eq!(COUNT.load(Ordering::Acquire), 0);
+    #[tokio::test]
+    async fn a_call_polls_only_while_it_is_the_only_one_in_flight() {
+        static FLIGHTS: AtomicUsize = AtomicUsize::new(0);
+        let (ours, _theirs) = UnixStream::pair().unwrap();
+        let mut s = PolledSocket::counted_in(ours, &FLIGHTS);
+        let mine = s.in_flight();
+        let other = s.in_flight();
+        let t = Instant::now();
+        assert!(!s.poll_for_answer(Duration::from_secs(5)).await);
+        assert!(t.elapsed() < Duration::from_secs(1), "with another call in flight it gave up at once");
+        drop(other);
+        let t = Instant::now();
+        assert!(!s.poll_for_answer(Duration::from_millis(20)).await);
+        assert!(t.elapsed() >= Duration::from_millis(20), "alone, it polled its budget");
+        drop(mine);
+        assert_eq!(FLIGHTS.load(Ordering::Acquire), 0);
     }
 
     #[tokio::test]

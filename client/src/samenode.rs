@@ -984,6 +984,7 @@ async fn do_load(
     (op, n, id): (SnOp, usize, u32),
     poll: Duration,
 ) -> Answer<Vec<Result<FrameHeader, ItemStatus>>> {
+    let _flight = s.in_flight();
     s.write_all(msg).await?;
     s.poll_for_answer(poll).await;
     let h = match read_header(s, op, id).await? {
@@ -1022,6 +1023,7 @@ async fn do_store(
     (op, n, id): (SnOp, usize, u32),
     poll: Duration,
 ) -> Answer<Vec<ItemStatus>> {
+    let _flight = s.in_flight();
     let sent = Instant::now();
     s.write_all(msg).await?;
     if let Some((sums, count)) = sums {

@@ -835,8 +835,9 @@ impl Client {
     /// `samenode`: `"auto"` (calls whose KV lies in a buffer from `alloc_buffer` use the server's
     /// same-node socket when the server runs on this host) or `"off"` (everything over TCP).
     /// `samenode_poll_us`: the longest a same-node call polls for its answer before it sleeps
-    /// (about as long as its copies take, at most this; calls moving over 4 MiB don't, and at
-    /// most half the cores poll at once); 0 never polls, leaving every core to the server.
+    /// (about as long as its copies take, at most this; calls moving over 4 MiB don't, nor calls
+    /// while others of this process are in flight); 0 never polls, leaving every core to the
+    /// server.
     /// `tls_ca`: the PEM file of the CA a node that runs TLS has its certificate from (TLS on
     /// both planes); `tls_cert` / `tls_key`: this client's certificate and key, for nodes that take
     /// client certificates (the certificate's name is the tenant); `tls_server_name`: the name the
