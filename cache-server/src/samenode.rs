@@ -4,10 +4,11 @@
 //!
 //! - A load looks the block up through the tier stack and copies it from its slot into the
 //!   client's buffer with streaming stores (the client reads those bytes next, not us: see
-//!   `kvtier_kernels::copy`), published before the answer; the answer carries the frame header. A DRAM block is checked against its
-//!   frame checksum in the same pass, chunk by chunk while the bytes are in cache (the tier does
-//!   not hash it first), so its bytes are read once; a block damaged in memory is reported and
-//!   removed, never handed over as good. Blocks from other tiers were checked by the tier.
+//!   `kvtier_kernels::copy`), published before the answer; the answer carries the frame header.
+//!   A DRAM block is checked against its frame checksum in the same pass, chunk by chunk while
+//!   the bytes are in cache (the tier does not hash it first), so its bytes are read once; a
+//!   block damaged in memory is reported and removed, never handed over as good. Blocks from
+//!   other tiers were checked by the tier.
 //! - A store reserves a DRAM lease, copies the payload from the client's buffer into it and
 //!   verifies the checksum on *that copy* before committing: bytes the client can still change
 //!   are never trusted, so a client racing its own store gets `ChecksumMismatch`, never a stored

@@ -22,7 +22,7 @@
 //!
 //! The modules form layers, each using only those below it (no cycles):
 //! `formats`, `fwht`, `error` → `scale`, `block` → `rotation` → `kernel` → `codec` (with
-//! `payload`, which needs only `block`) → `policy`.
+//! `payload`, which needs only `block`) → `policy`; `copy` stands alone.
 //!
 //! ```
 //! use kvtier_kernels::{decode, encode, BlockSpec, KvBlockView};
