@@ -106,6 +106,52 @@ async fn corrupted_on_the_way_out_is_never_handed_over(transport: Transport) {
     cluster.stop().await;
 }
 
+/// A block that went bad in the node's DRAM after it was checked in (a flipped bit) is served
+/// unchecked and checked once sent: the client takes it for a miss, never for data, and the node
+/// drops it, so the next load is a plain miss; its neighbours load byte-exact throughout.
+async fn damaged_in_dram_is_a_miss_at_the_client_and_dropped_by_the_node(transport: Transport) {
+    let cluster = Cluster::start_with(1, transport, |_, _| {}).await;
+    let link = cluster.link(0).await;
+    let h = register(&link.client).await;
+    let doc = tokens(5, 16 * 3);
+    let blocks = full_block_payloads(&h, &doc);
+    let keys = h.keys(&doc);
+    let tiers = cluster.node(0).state().tiers();
+    for (i, (key, payload)) in keys.iter().zip(&blocks).enumerate() {
+        let frame = h.frame(*key, h.block_tokens() as u32, payload.clone()).unwrap();
+        let mut slot = tiers.reserve(&h.id, payload.len()).unwrap();
+        slot.buf_mut().copy_from_slice(payload);
+        if i == 1 {
+            slot.buf_mut()[321] ^= 0x08;
+        }
+        tiers.commit(slot, frame.header, kvtier_server::dram::Priority::Normal).unwrap();
+    }
+    async fn load(
+        client: &KvClient,
+        h: &NamespaceHandle,
+        keys: &[kvtier_proto::BlockKey],
+    ) -> (Vec<bool>, Vec<Vec<u8>>) {
+        let mut bufs = vec![vec![0u8; h.block_bytes() as usize]; keys.len()];
+        let mut dests: Vec<BlockDest<'_>> = bufs.iter_mut().map(|b| vec![&mut b[..]]).collect();
+        let landed = client.load_keys_into(h, keys, &mut dests, false).await.unwrap();
+        (landed, bufs)
+    }
+    let (landed, got) = load(&link.client, &h, &keys).await;
+    assert_eq!(landed, vec![true, false, true], "the damaged block is a miss");
+    assert_eq!((&got[0][..], &got[2][..]), (&blocks[0][..], &blocks[2][..]));
+    let t = Instant::now();
+    while tiers.holds(&h.id, &keys[1]) {
+        assert!(t.elapsed() < Duration::from_secs(5), "the node kept a block it found damaged");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let (landed, got) = load(&link.client, &h, &keys).await;
+    assert_eq!(landed, vec![true, false, true], "a plain miss now");
+    assert_eq!((&got[0][..], &got[2][..]), (&blocks[0][..], &blocks[2][..]));
+    assert!(tiers.holds(&h.id, &keys[0]) && tiers.holds(&h.id, &keys[2]));
+    assert_eq!(link.client.lookup(&h, &doc).await.unwrap(), 16, "the prefix stops where the block was");
+    cluster.stop().await;
+}
+
 async fn a_cut_mid_put_leaves_no_partial_block(transport: Transport) {
     let cluster = Cluster::start_with(1, transport, |_, _| {}).await;
     let (cut, other) = (cluster.link(0).await, cluster.link(0).await);
@@ -238,6 +284,7 @@ over_both!(
     round_trip,
     corrupted_on_the_way_in_is_refused_and_never_stored,
     corrupted_on_the_way_out_is_never_handed_over,
+    damaged_in_dram_is_a_miss_at_the_client_and_dropped_by_the_node,
     a_cut_mid_put_leaves_no_partial_block,
     a_stall_past_the_timeout_is_a_timeout_then_a_fresh_connection_works,
     three_nodes_one_cut,

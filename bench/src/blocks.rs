@@ -16,7 +16,10 @@
 //!   (what `load_prefix_into` and Python's `Client.load_into` run); its store is `store_keys`;
 //! - `engine-fused-x8` — the same, 8 blocks per call (an engine loading a prefix), striped over
 //!   the pool's connections when the call moves 4 MiB or more; its store is `store_keys` of 8
-//!   blocks per call, striped likewise.
+//!   blocks per call, striped likewise;
+//! - `engine-parked` — `engine-fused`'s load with `ClientConfig::dataplane_poll` at zero: every
+//!   wait for the answer parks the task (what loads did before answers were polled for), so the
+//!   gain of polling is read in the same run. (Stores are never polled for.)
 
 use std::time::Instant;
 
@@ -192,7 +195,7 @@ async fn run_path(
     path: Path,
     c: usize,
     n: usize,
-    run: usize,
+    kspace: usize,
 ) -> anyhow::Result<(f64, Vec<f64>)> {
     let size = data.len();
     let t = Instant::now();
@@ -207,7 +210,6 @@ async fn run_path(
                 // memory as cold as an 8-block one does (a one-block buffer would stay in the
                 // core's cache and flatter the one-block paths).
                 let mut buf = vec![1u8; size * DEST_SLOTS];
-                let kspace = space(path, run);
                 for first in (0..n).step_by(per) {
                     let keys: Vec<BlockKey> =
                         (first..(first + per).min(n)).map(|op| key(size, kspace, task, op)).collect();
@@ -277,19 +279,22 @@ pub async fn run_kvtier(
     pb: &indicatif::ProgressBar,
 ) -> anyhow::Result<Vec<Cell>> {
     let mut out = Vec::new();
+    // The last field: whether the path runs on the client that never polls for answers.
     let paths = [
-        ("kvtier", "store", Path::StoreFrames),
-        ("engine-fused", "store", Path::StoreKeys),
-        ("engine-fused-x8", "store", Path::StoreKeys8),
-        ("kvtier", "load", Path::LoadKeys),
-        ("engine-old", "load", Path::LookupLoadCopy),
-        ("engine-fused", "load", Path::LoadInto),
-        ("engine-fused-x8", "load", Path::LoadInto8),
+        ("kvtier", "store", Path::StoreFrames, false),
+        ("engine-fused", "store", Path::StoreKeys, false),
+        ("engine-fused-x8", "store", Path::StoreKeys8, false),
+        ("kvtier", "load", Path::LoadKeys, false),
+        ("engine-old", "load", Path::LookupLoadCopy, false),
+        ("engine-fused", "load", Path::LoadInto, false),
+        ("engine-parked", "load", Path::LoadInto, true),
+        ("engine-fused-x8", "load", Path::LoadInto8, false),
     ];
     for &c in &cfg.concurrency {
-        let client =
-            KvClient::connect(addr, ClientConfig { data_connections: c, max_batch_blocks: 256, ..Default::default() })
-                .await?;
+        let config = ClientConfig { data_connections: c, max_batch_blocks: 256, ..Default::default() };
+        let client = KvClient::connect(addr, config.clone()).await?;
+        let parked =
+            KvClient::connect(addr, ClientConfig { dataplane_poll: std::time::Duration::ZERO, ..config }).await?;
         for &size in &cfg.sizes {
             pb.set_message(format!("kvtier {} KiB x{c}", size >> 10));
             let ns = client
@@ -305,14 +310,15 @@ pub async fn run_kvtier(
                 tcp.sample(size, c)?;
                 // Paths take turns within each run, so a burst of load from elsewhere on the
                 // machine hits them alike rather than one path's every run.
-                for (i, &(_, _, path)) in paths.iter().enumerate() {
-                    let (secs, lat) = run_path(&client, &ns, &data, path, c, n, run).await?;
+                for (i, &(_, _, path, park)) in paths.iter().enumerate() {
+                    let client = if park { &parked } else { &client };
+                    let (secs, lat) = run_path(client, &ns, &data, path, c, n, space(path, run)).await?;
                     gbps[i].push(bytes as f64 / secs / 1e9);
                     lats[i].extend(lat);
                 }
                 client.purge(&ns).await?;
             }
-            for (i, &(system, op, _)) in paths.iter().enumerate() {
+            for (i, &(system, op, _, _)) in paths.iter().enumerate() {
                 out.push(Cell::from_runs(system, op, size, c, &gbps[i], &lats[i]));
             }
             pb.inc(1);

@@ -250,6 +250,7 @@ pub fn wire_tables(cells: &[Cell], l: &crate::limits::Limits, rt: &RoundTrips, n
         ("kvtier", "Rust `load_keys` (raw)"),
         ("engine-old", "lookup + `load_keys` + copy"),
         ("engine-fused", "fused `load_keys_into`"),
+        ("engine-parked", "fused, parked"),
         ("engine-fused-x8", "fused, 8 blocks/call"),
         ("python", "Python `load_into`"),
         ("python-keys", "Python `load_keys_into`"),

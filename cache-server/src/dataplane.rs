@@ -547,16 +547,24 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             let mut k = [0u8; KEY_LEN];
             k.copy_from_slice(chunk);
             let key = BlockKey(k);
-            // A disk read runs on the I/O pool; a saturated pool (`Busy`) answers a miss.
-            let load = match self.state.tiers().get(&ns, &key).await {
-                Load::Hit(b) => Load::Hit(b),
-                other => remote.take(&key).await.map_or(other, Load::Hit),
+            // A disk read runs on the I/O pool; a saturated pool (`Busy`) answers a miss. A DRAM
+            // hit comes unchecked and is checked once it has been sent (see below).
+            let (load, unchecked) = match self.state.tiers().get_to_check(&ns, &key).await {
+                (Load::Hit(b), unchecked) => (Load::Hit(b), unchecked),
+                (other, _) => (remote.take(&key).await.map_or(other, Load::Hit), false),
             };
             match load {
                 Load::Hit(b) => {
                     self.wr.write_all(&[ItemStatus::Ok as u8]).await?;
                     self.wr.write_all(&b.header.encode()).await?;
                     self.wr.write_all(&b.payload).await?;
+                    // Checked after it left, while the client receives it: the client verifies
+                    // every block against the header's checksum (a mismatch is a miss there,
+                    // never data), so the check here only finds a block damaged in DRAM and
+                    // drops it, and it need not delay the bytes.
+                    if unchecked && b.header.verify_payload(&b.payload).is_err() {
+                        self.state.tiers().drop_corrupt(&ns, &key);
+                    }
                 }
                 Load::Busy | Load::Miss => {
                     self.wr.write_all(&[ItemStatus::Miss as u8]).await?;

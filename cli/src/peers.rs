@@ -54,6 +54,8 @@ impl ClientTransport {
             max_batch_blocks: usize::MAX,
             auth_token,
             samenode: SameNodeMode::Off,
+            // A node's cores are its clients': it waits for its peers parked.
+            dataplane_poll: std::time::Duration::ZERO,
             tls,
             ..ClientConfig::default()
         };

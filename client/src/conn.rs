@@ -22,9 +22,11 @@ use tokio::net::TcpStream;
 use tokio::sync::{Mutex, OwnedSemaphorePermit, Semaphore};
 
 use crate::connector::{BoxedStream, DataPlaneConnector};
+use crate::polled::{InFlight, PolledRead};
 use crate::ClientError;
 
-/// A connection's receive half (TCP's owned half, or one half of a split [`BoxedStream`]).
+/// A connection's receive half, other than plain TCP's (one half of a split [`BoxedStream`], or
+/// of a TLS stream).
 type BoxRead = Box<dyn AsyncRead + Unpin + Send>;
 /// A connection's send half.
 type BoxWrite = Box<dyn AsyncWrite + Unpin + Send>;
@@ -130,9 +132,31 @@ pub(crate) enum Landed {
 }
 
 pub(crate) struct DataConn {
-    rd: BufReader<BoxRead>,
+    rd: BufReader<RxHalf>,
     wr: BufWriter<BoxWrite>,
     next_id: u32,
+    /// The longest a call on this connection polls for its answer (TCP only; see
+    /// [`crate::polled::PolledRead`]).
+    poll: Duration,
+}
+
+/// A connection's receive half: plain TCP's, whose reads can poll for an answer, or any other.
+enum RxHalf {
+    Tcp(PolledRead),
+    Other(BoxRead),
+}
+
+impl AsyncRead for RxHalf {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            RxHalf::Tcp(r) => std::pin::Pin::new(r).poll_read(cx, buf),
+            RxHalf::Other(r) => std::pin::Pin::new(r).poll_read(cx, buf),
+        }
+    }
 }
 
 fn request_error(h: &ResponseHeader, msg: String) -> ClientError {
@@ -153,7 +177,7 @@ impl DataConn {
         let _ = sock.set_nodelay(true);
         // TCP's owned halves: no lock between the reader and the writer.
         let (r, w) = sock.into_split();
-        Self::hello(Box::new(r), Box::new(w), token).await
+        Self::hello(RxHalf::Tcp(PolledRead::new(r)), Box::new(w), token).await
     }
 
     /// Connects over TLS (`dial`: the rustls configuration and the name the node's certificate
@@ -169,18 +193,22 @@ impl DataConn {
         let stream =
             dial.connector.connect(dial.name.clone(), sock).await.map_err(|e| failed(format!("TLS handshake: {e}")))?;
         let (r, w) = tokio::io::split(stream);
-        Self::hello(Box::new(r), Box::new(w), token).await
+        Self::hello(RxHalf::Other(Box::new(r)), Box::new(w), token).await
     }
 
     /// Says hello over a stream from a [`DataPlaneConnector`].
     pub(crate) async fn over(stream: BoxedStream, token: Option<&str>) -> Result<Self, ClientError> {
         let (r, w) = tokio::io::split(stream);
-        Self::hello(Box::new(r), Box::new(w), token).await
+        Self::hello(RxHalf::Other(Box::new(r)), Box::new(w), token).await
     }
 
-    async fn hello(r: BoxRead, w: BoxWrite, token: Option<&str>) -> Result<Self, ClientError> {
-        let mut c =
-            DataConn { rd: BufReader::with_capacity(READ_BUF, r), wr: BufWriter::with_capacity(IO_BUF, w), next_id: 1 };
+    async fn hello(r: RxHalf, w: BoxWrite, token: Option<&str>) -> Result<Self, ClientError> {
+        let mut c = DataConn {
+            rd: BufReader::with_capacity(READ_BUF, r),
+            wr: BufWriter::with_capacity(IO_BUF, w),
+            next_id: 1,
+            poll: Duration::ZERO,
+        };
         c.wr.write_all(&Hello::encode(PROTOCOL_VERSION, token.unwrap_or("").as_bytes())).await?;
         c.wr.flush().await?;
         let mut reply = [0u8; 4];
@@ -193,6 +221,28 @@ impl DataConn {
             Status::Ok => Ok(c),
             Status::Unauthenticated => Err(ClientError::Unauthenticated(msg)),
             other => Err(ClientError::Refused { code: format!("dataplane:{other:?}"), message: msg }),
+        }
+    }
+
+    /// How long a call on this connection may poll for its answer (a TCP connection's only):
+    /// about the time its bytes take, at most `max`; `Duration::ZERO` never polls.
+    pub(crate) fn set_answer_poll(&mut self, max: Duration) {
+        self.poll = max;
+    }
+
+    /// Starts a call whose answer carries about `bytes`: counted in flight and, on TCP, its reads
+    /// poll for the answer (see [`PolledRead`]) until [`DataConn::answered`].
+    fn arm(&mut self, bytes: u64) -> Option<InFlight> {
+        match self.rd.get_mut() {
+            RxHalf::Tcp(r) => Some(r.arm(bytes, self.poll)),
+            RxHalf::Other(_) => None,
+        }
+    }
+
+    /// A call's answer is read: later reads park again.
+    fn answered(&mut self) {
+        if let RxHalf::Tcp(r) = self.rd.get_mut() {
+            r.disarm();
         }
     }
 
@@ -270,6 +320,8 @@ impl DataConn {
             }
         }
         self.wr.flush().await?;
+        // Not polled for: measured, a store's answer came no sooner polled (1 MiB) and 64 KiB
+        // stores lost a fifth, the poll running out before the server had read and checked them.
         self.read_response(Op::Put, id, count).await?;
         let mut st = vec![0u8; frames.len()];
         self.rd.read_exact(&mut st).await?;
@@ -345,6 +397,24 @@ impl DataConn {
         Ok(payload.freeze())
     }
 
+    /// Fills `dest`'s segments in order from the stream, hashing each piece as it lands (still in
+    /// cache, and while the rest is on its way); the checksum of what was read.
+    async fn read_hashed(&mut self, dest: &mut [&mut [u8]]) -> Result<u64, ClientError> {
+        let mut sum = kvtier_proto::Checksummer::new();
+        for seg in dest.iter_mut() {
+            let mut at = 0;
+            while at < seg.len() {
+                let n = self.rd.read(&mut seg[at..]).await?;
+                if n == 0 {
+                    return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
+                }
+                sum.update(&seg[at..at + n]);
+                at += n;
+            }
+        }
+        Ok(sum.digest())
+    }
+
     /// Loads blocks straight into `dests` (one per key): a raw payload the size of its
     /// destination is read from the socket into it and verified there, any other is read once
     /// into a buffer and handed to `decode` with its destination. With `stop_at_miss`, the server
@@ -360,6 +430,7 @@ impl DataConn {
     ) -> Result<Vec<Landed>, ClientError> {
         debug_assert_eq!(keys.len(), dests.len());
         let flags = if stop_at_miss { FLAG_STOP_AT_MISS } else { 0 };
+        let _flight = self.arm(dests.iter().flatten().map(|s| s.len() as u64).sum());
         self.keyed_request(Op::Get, flags, ns, keys).await?;
         let mut out = Vec::with_capacity(keys.len());
         for (key, dest) in keys.iter().zip(dests.iter_mut()) {
@@ -371,10 +442,8 @@ impl DataConn {
             let header = self.read_frame_header(ns, key, max_frame).await?;
             let room: u64 = dest.iter().map(|s| s.len() as u64).sum();
             if header.codec == kvtier_proto::CodecId::RAW && header.payload_len == room {
-                for seg in dest.iter_mut() {
-                    self.rd.read_exact(seg).await?;
-                }
-                out.push(if checksum_of(dest) == header.checksum { Landed::Ok } else { Landed::Bad });
+                let sum = self.read_hashed(dest).await?;
+                out.push(if sum == header.checksum { Landed::Ok } else { Landed::Bad });
                 continue;
             }
             let payload = self.read_payload(header.payload_len as usize).await?;
@@ -382,20 +451,24 @@ impl DataConn {
             let ok = header.verify_payload(&frame.payload).is_ok() && decode(&frame, dest).is_ok();
             out.push(if ok { Landed::Ok } else { Landed::Bad });
         }
+        self.answered();
         Ok(out)
     }
 
     /// Loads blocks; `None` for a miss (and, with `stop_at_miss`, for every key after the first
     /// miss). Every returned frame has been verified against its
-    /// checksum and checked to be the key and namespace asked for.
+    /// checksum and checked to be the key and namespace asked for. `expect`: about how many
+    /// payload bytes the answer carries (what its reads poll for).
     pub(crate) async fn get(
         &mut self,
         ns: NamespaceId,
         keys: &[BlockKey],
         stop_at_miss: bool,
         max_frame: u64,
+        expect: u64,
     ) -> Result<Vec<Option<BlockFrame>>, ClientError> {
         let flags = if stop_at_miss { FLAG_STOP_AT_MISS } else { 0 };
+        let _flight = self.arm(expect);
         self.keyed_request(Op::Get, flags, ns, keys).await?;
         let mut out = Vec::with_capacity(keys.len());
         for key in keys {
@@ -409,6 +482,7 @@ impl DataConn {
             header.verify_payload(&payload)?;
             out.push(Some(BlockFrame { header, payload }));
         }
+        self.answered();
         Ok(out)
     }
 }
@@ -452,6 +526,8 @@ pub(crate) struct DataPool {
     /// connections idle past its `idle_timeout`, and a request sent on one it just closed would
     /// fail.
     max_idle: Duration,
+    /// How long a call on one of its TCP connections may poll for the answer.
+    answer_poll: Duration,
 }
 
 pub(crate) struct Lease<'a> {
@@ -476,6 +552,7 @@ impl DataPool {
         size: usize,
         connect_timeout: Duration,
         max_idle: Duration,
+        answer_poll: Duration,
     ) -> Self {
         DataPool {
             dial,
@@ -484,6 +561,7 @@ impl DataPool {
             permits: Arc::new(Semaphore::new(size.max(1))),
             connect_timeout,
             max_idle,
+            answer_poll,
         }
     }
 
@@ -497,9 +575,13 @@ impl DataPool {
         };
         let conn = match idle {
             Some((c, _)) => c,
-            None => tokio::time::timeout(self.connect_timeout, self.dial.connect(self.token.as_deref()))
-                .await
-                .map_err(|_| ClientError::Timeout(self.connect_timeout))??,
+            None => {
+                let mut c = tokio::time::timeout(self.connect_timeout, self.dial.connect(self.token.as_deref()))
+                    .await
+                    .map_err(|_| ClientError::Timeout(self.connect_timeout))??;
+                c.set_answer_poll(self.answer_poll);
+                c
+            }
         };
         Ok(Lease { pool: self, conn: Some(conn), _permit: permit })
     }

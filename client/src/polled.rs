@@ -11,12 +11,21 @@
 //! call in flight. With several in flight the server is busy with all of them, an answer is
 //! rarely far, and a poller would only take a core from the server's copies (measured: 64 KiB
 //! loads at concurrency 4 lost a third of their throughput to polling on 2 cores), so they park.
+//!
+//! A TCP data-plane connection's receive half ([`PolledRead`]) waits the same way: while a call
+//! has armed it, its reads `recv` straight from the socket (the answer's header, then the blocks
+//! as they stream in, into the caller's destination) and yield when nothing is there yet, so a
+//! load never parks between the request and the last byte of its answer — each park there was
+//! one or two wake-ups of tens of µs, several per MiB as a block arrives in pieces.
 
 use std::os::fd::AsFd;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, ReadBuf};
+use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::UnixStream;
 
 /// Room for answers' fixed parts read while polling (header, statuses, frame headers); what does
@@ -33,7 +42,8 @@ const POLL_BYTES_PER_SEC: u64 = 2_000_000_000;
 /// long beside a wake-up, and polling it would only burn the core.
 const MAX_POLLED_BYTES: u64 = 4 << 20;
 
-/// Same-node calls of this process between their request and their answer.
+/// Calls of this process between their request and their answer: same-node calls, and TCP
+/// data-plane calls on connections that poll ([`PolledRead`]).
 static IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
 
 /// How long to poll for the answer to a request that moves `bytes`: the expected copy time plus
@@ -149,6 +159,89 @@ impl PolledSocket {
     }
 }
 
+/// A TCP data-plane connection's receive half, whose reads poll the socket while a call has armed
+/// it ([`PolledRead::arm`]) and is this process's only call in flight: a non-blocking `recv`
+/// straight into the reader's buffer, and when nothing is there yet the task wakes itself and
+/// yields (other futures on the thread go on) instead of waiting for the I/O driver. Past the
+/// deadline, or once another call is in flight, reads wait parked as any tokio read does, for
+/// the rest of the call. Disarmed, it is the plain half.
+pub(crate) struct PolledRead {
+    half: OwnedReadHalf,
+    flights: &'static AtomicUsize,
+    until: Option<Instant>,
+    /// Bytes taken by polling `recv`s (the rest came through tokio's parked reads).
+    polled: u64,
+}
+
+impl PolledRead {
+    pub(crate) fn new(half: OwnedReadHalf) -> Self {
+        Self::counted_in(half, &IN_FLIGHT)
+    }
+
+    fn counted_in(half: OwnedReadHalf, flights: &'static AtomicUsize) -> Self {
+        PolledRead { half, flights, until: None, polled: 0 }
+    }
+
+    /// Starts a call that expects an answer of `bytes` (its payloads): counted in flight until
+    /// the guard drops, and its reads poll for up to [`poll_budget`] of it, at most `cap`
+    /// (`Duration::ZERO`: never).
+    pub(crate) fn arm(&mut self, bytes: u64, cap: Duration) -> InFlight {
+        self.flights.fetch_add(1, Ordering::AcqRel);
+        let budget = poll_budget(bytes).min(cap);
+        self.until = (!budget.is_zero()).then(|| Instant::now() + budget);
+        InFlight(self.flights)
+    }
+
+    /// Ends a call's polling (its answer is read, or it failed).
+    pub(crate) fn disarm(&mut self) {
+        self.until = None;
+    }
+
+    /// One non-blocking `recv` into `buf`'s unfilled part: `Ready` with what came (nothing at the
+    /// end of the stream) or an error, `Pending` when nothing is there yet.
+    fn try_recv(&mut self, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        loop {
+            // SAFETY: `recv` only writes into the slice, never de-initializing a byte of it, and
+            // `init` is the part it wrote, which is what `assume_init` and `advance` are told.
+            let unfilled = unsafe { buf.unfilled_mut() };
+            match rustix::net::recv(self.half.as_ref().as_fd(), unfilled, rustix::net::RecvFlags::DONTWAIT) {
+                Ok(((init, _), _)) => {
+                    let n = init.len();
+                    // SAFETY: `recv` initialized these `n` bytes of the unfilled part (above).
+                    unsafe { buf.assume_init(n) };
+                    buf.advance(n);
+                    self.polled += n as u64;
+                    return Poll::Ready(Ok(()));
+                }
+                Err(rustix::io::Errno::AGAIN) => return Poll::Pending,
+                Err(rustix::io::Errno::INTR) => {}
+                Err(e) => return Poll::Ready(Err(e.into())),
+            }
+        }
+    }
+}
+
+impl AsyncRead for PolledRead {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        if let Some(until) = this.until {
+            if buf.remaining() == 0 {
+                return Poll::Ready(Ok(()));
+            }
+            if let Poll::Ready(done) = this.try_recv(buf) {
+                return Poll::Ready(done);
+            }
+            if this.flights.load(Ordering::Acquire) <= 1 && Instant::now() < until {
+                // Polled again at once unless other futures of this thread are ready.
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
+            }
+            this.until = None;
+        }
+        Pin::new(&mut this.half).poll_read(cx, buf)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -203,6 +296,84 @@ mod tests {
         assert_eq!(&one, b"xy");
         assert_eq!(s.read(&mut one).await.unwrap(), 1);
         assert_eq!(one[0], b'z');
+    }
+
+    /// Both ends of a loopback TCP connection: our receive half polled (counted in `flights`),
+    /// and the peer's stream.
+    async fn tcp_pair(flights: &'static AtomicUsize) -> (PolledRead, tokio::net::TcpStream) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let ours = tokio::net::TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+        let (theirs, _) = l.accept().await.unwrap();
+        let (r, w) = ours.into_split();
+        std::mem::forget(w); // the send half stays open for the test's length
+        (PolledRead::counted_in(r, flights), theirs)
+    }
+
+    /// An armed call alone in flight takes its whole answer by polling `recv`s, also what comes
+    /// late and in pieces, and sees the end of the stream; the same bytes a parked read gets.
+    #[tokio::test]
+    async fn an_armed_tcp_read_alone_takes_its_answer_by_polling() {
+        static FLIGHTS: AtomicUsize = AtomicUsize::new(0);
+        let (mut r, mut theirs) = tcp_pair(&FLIGHTS).await;
+        let want: Vec<u8> = (0..300_000u32).map(|i| (i * 7 + i / 13) as u8).collect();
+        let sent = want.clone();
+        let writer = tokio::spawn(async move {
+            for piece in sent.chunks(70_000) {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                theirs.write_all(piece).await.unwrap();
+            }
+            theirs
+        });
+        let flight = r.arm(want.len() as u64, Duration::from_secs(5));
+        // A deadline far off, so that the pieces' pacing (and a busy machine) can't outlast it.
+        r.until = Some(Instant::now() + Duration::from_secs(5));
+        let mut got = vec![0u8; want.len()];
+        r.read_exact(&mut got).await.unwrap();
+        assert!(got == want, "the bytes came in order");
+        assert_eq!(r.polled, want.len() as u64, "every byte came by polling");
+        drop(writer.await.unwrap());
+        let mut one = [0u8; 1];
+        assert_eq!(r.read(&mut one).await.unwrap(), 0, "the peer's close is the end of the stream");
+        r.disarm();
+        drop(flight);
+        assert_eq!(FLIGHTS.load(Ordering::Acquire), 0);
+    }
+
+    /// Beside another call in flight, past its deadline, with a zero cap or disarmed, a read
+    /// waits parked (through tokio) and still gets every byte.
+    #[tokio::test]
+    async fn a_tcp_read_parks_beside_other_calls_past_its_deadline_or_disarmed() {
+        static FLIGHTS: AtomicUsize = AtomicUsize::new(0);
+        let (mut r, mut theirs) = tcp_pair(&FLIGHTS).await;
+        let mut got = [0u8; 4];
+        for case in ["another call", "deadline", "zero cap", "disarmed"] {
+            let before = r.polled;
+            let (flight, other) = match case {
+                "another call" => {
+                    let other = FLIGHTS.fetch_add(1, Ordering::AcqRel);
+                    (Some(r.arm(4, Duration::from_secs(5))), Some(other))
+                }
+                "deadline" => (Some(r.arm(4, Duration::from_millis(5))), None),
+                "zero cap" => (Some(r.arm(4, Duration::ZERO)), None),
+                _ => (None, None),
+            };
+            let t = Instant::now();
+            let late = async {
+                tokio::time::sleep(Duration::from_millis(40)).await;
+                theirs.write_all(b"late").await.unwrap();
+            };
+            let (read, ()) = tokio::join!(r.read_exact(&mut got), late);
+            read.unwrap();
+            assert_eq!(&got, b"late", "{case}");
+            assert!(t.elapsed() >= Duration::from_millis(40), "{case}");
+            assert_eq!(r.polled, before, "{case}: the bytes came through a parked read");
+            if other.is_some() {
+                FLIGHTS.fetch_sub(1, Ordering::AcqRel);
+            }
+            r.disarm();
+            drop(flight);
+        }
+        assert_eq!(FLIGHTS.load(Ordering::Acquire), 0);
     }
 
     #[tokio::test]

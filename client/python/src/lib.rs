@@ -837,13 +837,14 @@ impl Client {
     /// `samenode_poll_us`: the longest a same-node call polls for its answer before it sleeps
     /// (about as long as its copies take, at most this; calls moving over 4 MiB don't, nor calls
     /// while others of this process are in flight); 0 never polls, leaving every core to the
-    /// server.
+    /// server. `dataplane_poll_us`: the same for a call over a plain TCP connection, whose reads
+    /// take the answer's blocks as they stream in without sleeping.
     /// `tls_ca`: the PEM file of the CA a node that runs TLS has its certificate from (TLS on
     /// both planes); `tls_cert` / `tls_key`: this client's certificate and key, for nodes that take
     /// client certificates (the certificate's name is the tenant); `tls_server_name`: the name the
     /// node's certificate must carry (default: the host of `addr`).
     #[pyo3(signature = (addr, *, never_raise=true, timeout_s=30.0, connections=4, auth_token=None, samenode="auto",
-                        samenode_poll_us=2500, tls_ca=None, tls_cert=None, tls_key=None, tls_server_name=None))]
+                        samenode_poll_us=2500, dataplane_poll_us=2500, tls_ca=None, tls_cert=None, tls_key=None, tls_server_name=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         addr: &str,
@@ -853,6 +854,7 @@ impl Client {
         auth_token: Option<String>,
         samenode: &str,
         samenode_poll_us: u64,
+        dataplane_poll_us: u64,
         tls_ca: Option<std::path::PathBuf>,
         tls_cert: Option<std::path::PathBuf>,
         tls_key: Option<std::path::PathBuf>,
@@ -886,6 +888,7 @@ impl Client {
             auth_token,
             samenode,
             samenode_poll: Duration::from_micros(samenode_poll_us),
+            dataplane_poll: Duration::from_micros(dataplane_poll_us),
             tls,
             ..ClientConfig::default()
         };
