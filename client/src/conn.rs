@@ -479,12 +479,23 @@ impl DataConn {
             }
             let header = self.read_frame_header(ns, key, max_frame).await?;
             let payload = self.read_payload(header.payload_len as usize).await?;
-            header.verify_payload(&payload)?;
-            out.push(Some(BlockFrame { header, payload }));
+            out.push(verified(BlockFrame { header, payload }));
         }
         self.answered();
         Ok(out)
     }
+}
+
+/// A served frame whose payload was read whole (so the stream is still in step), if it matches
+/// its checksum; one that doesn't (damaged on the wire, or in the serving node's DRAM, which
+/// checks a block only after sending it) is a miss, counted and logged.
+fn verified(frame: BlockFrame) -> Option<BlockFrame> {
+    if frame.header.verify_payload(&frame.payload).is_ok() {
+        return Some(frame);
+    }
+    metrics::counter!("kvtier_client_bad_blocks_total").increment(1);
+    tracing::warn!(key = ?frame.header.key, "a loaded block failed its checksum; reported as a miss");
+    None
 }
 
 /// Where a pool's connections come from.

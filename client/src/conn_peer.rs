@@ -30,9 +30,7 @@ impl DataConn {
             let header = self.read_frame_header(ns, key, max_frame).await?;
             let mut payload = BytesMut::zeroed(header.payload_len as usize);
             self.rd.read_exact(&mut payload).await?;
-            let payload = payload.freeze();
-            header.verify_payload(&payload)?;
-            out.push(Some(BlockFrame { header, payload }));
+            out.push(super::verified(BlockFrame { header, payload: payload.freeze() }));
         }
         Ok(out)
     }
