@@ -10,7 +10,9 @@
 //!   payload). Answer: [`ResponseHeader`] then `count` [`ItemStatus`] bytes.
 //! - `GET`: [`RequestHeader`] (namespace set) with `count` 32-byte keys after it. Answer:
 //!   [`ResponseHeader`] then, per key, an [`ItemStatus`] byte followed — when `Ok` — by the stored
-//!   frame (header + payload).
+//!   frame (header + payload). A reader must check each payload against its header's checksum
+//!   and take a mismatch for a miss: a server checks a block from its DRAM only after sending it
+//!   (and drops one it finds damaged), so the reader's check is what keeps damaged bytes out.
 //!
 //!   With [`FLAG_STOP_AT_MISS`] the server stops loading at the first key it can't serve and
 //!   answers `Miss` for every key after it without looking: an engine's lookup and load of the
