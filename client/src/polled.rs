@@ -58,6 +58,14 @@ pub(crate) fn poll_budget(bytes: u64) -> Duration {
 /// A call between its request and its answer, counted among the calls in flight.
 pub(crate) struct InFlight(&'static AtomicUsize);
 
+impl InFlight {
+    /// Counts one more call in `flights` until the guard drops.
+    fn enter(flights: &'static AtomicUsize) -> Self {
+        flights.fetch_add(1, Ordering::AcqRel);
+        InFlight(flights)
+    }
+}
+
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
@@ -86,8 +94,7 @@ impl PolledSocket {
 
     /// Counts a call in flight on this connection until the guard drops (after its answer).
     pub(crate) fn in_flight(&self) -> InFlight {
-        self.flights.fetch_add(1, Ordering::AcqRel);
-        InFlight(self.flights)
+        InFlight::enter(self.flights)
     }
 
     /// Whether the caller's call (counted in flight) is the only one.
@@ -186,10 +193,10 @@ impl PolledRead {
     /// the guard drops, and its reads poll for up to [`poll_budget`] of it, at most `cap`
     /// (`Duration::ZERO`: never).
     pub(crate) fn arm(&mut self, bytes: u64, cap: Duration) -> InFlight {
-        self.flights.fetch_add(1, Ordering::AcqRel);
+        let flight = InFlight::enter(self.flights);
         let budget = poll_budget(bytes).min(cap);
         self.until = (!budget.is_zero()).then(|| Instant::now() + budget);
-        InFlight(self.flights)
+        flight
     }
 
     /// Ends a call's polling (its answer is read, or it failed).
