@@ -8,7 +8,8 @@ use std::net::TcpStream;
 use bytes::Bytes;
 use kvtier_client::{ClientError, ParkOptions};
 use kvtier_proto::dataplane::{
-    Hello, ItemStatus, Op, RequestHeader, ResponseHeader, Status, PROTOCOL_VERSION, RESPONSE_HEADER_LEN,
+    Hello, ItemStatus, Op, RequestHeader, ResponseHeader, Status, FLAG_CHECKSUM_AFTER, MIN_PROTOCOL_VERSION,
+    PROTOCOL_VERSION, RESPONSE_HEADER_LEN,
 };
 use kvtier_proto::{pb, FrameHeader, NamespaceId};
 use kvtier_tests::*;
@@ -18,17 +19,27 @@ struct Raw(TcpStream);
 
 impl Raw {
     fn open(server: &ServerProcess) -> Raw {
+        Raw::open_version(server, PROTOCOL_VERSION).unwrap()
+    }
+    /// A connection whose hello says `version`; the refusal's status and message if it is refused.
+    fn open_version(server: &ServerProcess, version: u16) -> Result<Raw, (u8, String)> {
         let mut s = TcpStream::connect(server.data).unwrap();
-        s.write_all(&Hello::encode(PROTOCOL_VERSION, b"")).unwrap();
+        s.write_all(&Hello::encode(version, b"")).unwrap();
         let mut r = [0u8; 4];
         s.read_exact(&mut r).unwrap();
         let mut msg = vec![0u8; u16::from_le_bytes([r[2], r[3]]) as usize];
         s.read_exact(&mut msg).unwrap();
-        assert_eq!(r[0], Status::Ok as u8, "{}", String::from_utf8_lossy(&msg));
-        Raw(s)
+        let msg = String::from_utf8_lossy(&msg).into_owned();
+        if r[0] != Status::Ok as u8 {
+            return Err((r[0], msg));
+        }
+        Ok(Raw(s))
     }
     fn put_header(&mut self, count: u32) {
-        let h = RequestHeader { op: Op::Put, flags: 0, request_id: 9, count, namespace: NamespaceId([0; 16]) };
+        self.put_header_flags(count, 0);
+    }
+    fn put_header_flags(&mut self, count: u32, flags: u16) {
+        let h = RequestHeader { op: Op::Put, flags, request_id: 9, count, namespace: NamespaceId([0; 16]) };
         self.0.write_all(&h.encode()).unwrap();
     }
     fn send_frame(&mut self, header: &FrameHeader, payload: &[u8]) {
@@ -190,6 +201,89 @@ async fn every_bad_input_gets_a_clear_error_and_nothing_is_lost() {
     let m = server.scrape();
     for kind in ["size_mismatch", "unknown_namespace", "checksum_mismatch", "key_length", "dataplane_protocol"] {
         assert!(metric(&m, "kvtier_errors_total", &[("kind", kind)]) >= 1.0, "no {kind} error counted:\n{m}");
+    }
+}
+
+/// Protocol 2's checksums after the payloads, sent by hand: the trailer decides (the header's
+/// checksum is ignored), a frame refused before its payload is read still has its trailer drained
+/// so the stream stays in step, and the flag is refused where it can't be framed — on a
+/// protocol-1 connection and on a `GET` — while protocol-1 stores still work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checksums_after_the_payloads_are_checked_and_refused_where_they_cannot_be_framed() {
+    let server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
+    let client = server.client().await;
+    let ns = client.register(namespace("after", b"x", small_layout())).await.unwrap();
+    let bb = ns.block_bytes() as usize;
+    let fresh = |seed: u32| {
+        let k = ns.keys(&tokens(seed, 16))[0];
+        ns.frame(k, 16, payload_for(&k, bb as u64)).unwrap()
+    };
+    let (good, wrong, short, last) = (fresh(1), fresh(2), fresh(3), fresh(4));
+    let mut raw = Raw::open(&server);
+    raw.put_header_flags(4, FLAG_CHECKSUM_AFTER);
+    // Good, its header's checksum zeroed: the trailer is what counts.
+    let mut h = good.header;
+    h.checksum = 0;
+    raw.send_frame(&h, &good.payload);
+    raw.0.write_all(&good.header.checksum.to_le_bytes()).unwrap();
+    // The header's checksum right, the trailer wrong.
+    raw.send_frame(&wrong.header, &wrong.payload);
+    raw.0.write_all(&(wrong.header.checksum ^ 1).to_le_bytes()).unwrap();
+    // Refused on its size before its payload is read: payload and trailer are drained.
+    let mut h = short.header;
+    h.payload_len = 100;
+    raw.send_frame(&h, &[7u8; 100]);
+    raw.0.write_all(&[0xAB; 8]).unwrap();
+    raw.send_frame(&last.header, &last.payload);
+    raw.0.write_all(&last.header.checksum.to_le_bytes()).unwrap();
+    raw.response().unwrap();
+    assert_eq!(
+        raw.statuses(4),
+        vec![ItemStatus::Ok, ItemStatus::ChecksumMismatch, ItemStatus::SizeMismatch, ItemStatus::Ok]
+    );
+    let keys = [good.header.key, wrong.header.key, short.header.key, last.header.key];
+    assert_eq!(client.exists_keys(&ns, &keys).await.unwrap(), vec![true, false, false, true]);
+    // What is held carries the trailer's checksum: it loads back verified.
+    let got = client.load_keys(&ns, &keys).await.unwrap();
+    assert_eq!(got[0].as_ref().map(|f| f.payload.clone()), Some(good.payload.clone()));
+    assert_eq!(got[3].as_ref().map(|f| f.payload.clone()), Some(last.payload.clone()));
+
+    // A protocol-1 connection stores as before, and is refused the flag.
+    let mut old = Raw::open_version(&server, MIN_PROTOCOL_VERSION).unwrap();
+    let one = fresh(5);
+    old.put_header(1);
+    old.send_frame(&one.header, &one.payload);
+    old.response().unwrap();
+    assert_eq!(old.statuses(1), vec![ItemStatus::Ok]);
+    old.put_header_flags(1, FLAG_CHECKSUM_AFTER);
+    let (st, msg) = old.response().unwrap_err();
+    assert_eq!(st, Status::BadRequest);
+    assert!(msg.contains("protocol 2") && msg.contains("protocol 1"), "{msg}");
+    assert!(old.closed(), "the rest of that request can't be framed");
+    // On a GET the flag means nothing it could frame either.
+    let mut raw = Raw::open(&server);
+    let get = RequestHeader { op: Op::Get, flags: FLAG_CHECKSUM_AFTER, request_id: 3, count: 1, namespace: ns.id };
+    raw.0.write_all(&get.encode()).unwrap();
+    raw.0.write_all(&good.header.key.0).unwrap();
+    let (st, msg) = raw.response().unwrap_err();
+    assert_eq!(st, Status::BadRequest);
+    assert!(msg.contains("Get"), "{msg}");
+    assert!(raw.closed());
+    // A version the server doesn't speak is named in the refusal.
+    let (st, msg) = Raw::open_version(&server, PROTOCOL_VERSION + 1).err().expect("refused");
+    assert_eq!(st, Status::UnsupportedVersion as u8);
+    assert!(msg.contains(&format!("{MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION}")), "{msg}");
+
+    // The client's own stores of blocks hashed on the way out (512 KiB, two pieces each) land
+    // byte-exact over TCP, and the server kept serving through all of the above.
+    let layout = kvtier_proto::KvLayout::new(16, 8, 64, kvtier_proto::DType::Fp16, 16);
+    let big = client.register(namespace("after", b"big", layout)).await.unwrap();
+    let keys = big.keys(&tokens(9, 16 * 3));
+    let blocks: Vec<Vec<Bytes>> = keys.iter().map(|k| vec![payload_for(k, big.block_bytes())]).collect();
+    assert!(client.store_keys(&big, &keys, &blocks).await.unwrap().iter().all(|s| *s == ItemStatus::Ok));
+    let got = client.load_keys(&big, &keys).await.unwrap();
+    for (i, k) in keys.iter().enumerate() {
+        assert_eq!(got[i].as_ref().map(|f| f.payload.clone()), Some(payload_for(k, big.block_bytes())), "block {i}");
     }
 }
 

@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use kvtier_client::{BlockDest, ClientError, ItemStatus, KvClient, NamespaceHandle};
-use kvtier_proto::dataplane::{REQUEST_HEADER_LEN, RESPONSE_HEADER_LEN};
+use kvtier_proto::dataplane::{CHECKSUM_LEN, REQUEST_HEADER_LEN, RESPONSE_HEADER_LEN};
 use kvtier_proto::FRAME_HEADER_LEN;
 use kvtier_tests::faults::Dir;
 use kvtier_tests::harness::{Cluster, Transport};
@@ -13,6 +13,8 @@ use kvtier_tests::*;
 
 const RH: u64 = REQUEST_HEADER_LEN as u64;
 const FH: u64 = FRAME_HEADER_LEN as u64;
+/// The checksum after each payload of a `PUT` (protocol 2 sends them after).
+const SUM: u64 = CHECKSUM_LEN as u64;
 
 async fn register(client: &KvClient) -> NamespaceHandle {
     client.register(namespace("streams", b"s", small_layout())).await.expect("register")
@@ -51,7 +53,7 @@ async fn corrupted_on_the_way_in_is_refused_and_never_stored(transport: Transpor
     let doc = tokens(2, 16 * 3);
     let blocks = full_block_payloads(&h, &doc);
     // A bit of the second block's payload flips on its way to the server.
-    link.faults.corrupt_at(Dir::Write, RH + (FH + h.block_bytes()) + FH + 1234, 0x10);
+    link.faults.corrupt_at(Dir::Write, RH + (FH + h.block_bytes() + SUM) + FH + 1234, 0x10);
     let report = link.client.store(&h, &doc, &blocks).await.unwrap();
     assert_eq!(link.faults.corrupted(), 1);
     assert_eq!(report.rejected, vec![(1, ItemStatus::ChecksumMismatch)]);
@@ -63,6 +65,41 @@ async fn corrupted_on_the_way_in_is_refused_and_never_stored(transport: Transpor
     // Sent again undamaged it is stored, and what comes back is what was sent.
     link.client.store(&h, &doc, &blocks).await.unwrap().ok().unwrap();
     assert_eq!(link.client.load(&h, &doc).await.unwrap(), blocks);
+    cluster.stop().await;
+}
+
+/// Blocks of 512 KiB stored by key, each in two parts (K and V): hashed as they are sent, a
+/// piece at a time, with each checksum after its payload. A bit flipped in the second block's
+/// second piece is caught by the node; the others land byte-exact and load back verified.
+async fn hashed_on_the_way_in_and_checked_after_the_payload(transport: Transport) {
+    let cluster = Cluster::start_with(1, transport, |_, _| {}).await;
+    let link = cluster.link(0).await;
+    let layout = kvtier_proto::KvLayout::new(16, 8, 64, kvtier_proto::DType::Fp16, 16);
+    let h = link.client.register(namespace("streams", b"big", layout)).await.expect("register");
+    let bb = h.block_bytes();
+    assert_eq!(bb, 512 << 10);
+    warm(&link.client, &h).await;
+    let keys = h.keys(&tokens(7, 16 * 3));
+    let blocks: Vec<Vec<bytes::Bytes>> = keys
+        .iter()
+        .map(|k| {
+            let p = payload_for(k, bb);
+            vec![p.slice(..bb as usize / 2), p.slice(bb as usize / 2..)]
+        })
+        .collect();
+    link.faults.corrupt_at(Dir::Write, RH + (FH + bb + SUM) + FH + 300_000, 0x20);
+    let st = link.client.store_keys(&h, &keys, &blocks).await.unwrap();
+    assert_eq!(link.faults.corrupted(), 1);
+    assert_eq!(st, vec![ItemStatus::Ok, ItemStatus::ChecksumMismatch, ItemStatus::Ok]);
+    assert_eq!(link.client.exists_keys(&h, &keys).await.unwrap(), vec![true, false, true]);
+    let got = link.client.load_keys(&h, &keys).await.unwrap();
+    assert_eq!(got[0].as_ref().map(|f| f.payload.clone()), Some(payload_for(&keys[0], bb)));
+    assert!(got[1].is_none());
+    assert_eq!(got[2].as_ref().map(|f| f.payload.clone()), Some(payload_for(&keys[2], bb)));
+    // Sent again undamaged, it is stored; the checksum the node kept is the one sent after it.
+    assert_eq!(link.client.store_keys(&h, &keys[1..2], &blocks[1..2]).await.unwrap(), vec![ItemStatus::Ok]);
+    let got = link.client.load_keys(&h, &keys[1..2]).await.unwrap();
+    assert_eq!(got[0].as_ref().map(|f| f.payload.clone()), Some(payload_for(&keys[1], bb)));
     cluster.stop().await;
 }
 
@@ -164,7 +201,7 @@ async fn a_cut_mid_put_leaves_no_partial_block(transport: Transport) {
     let blocks = full_block_payloads(&h, &doc);
     let keys = h.keys(&doc);
     // The stream ends halfway through the third block's payload.
-    cut.faults.cut_after(Dir::Write, RH + 2 * (FH + h.block_bytes()) + FH + h.block_bytes() / 2);
+    cut.faults.cut_after(Dir::Write, RH + 2 * (FH + h.block_bytes() + SUM) + FH + h.block_bytes() / 2);
     let other_doc = tokens(5, 16 * 6);
     let other_blocks = full_block_payloads(&h2, &other_doc);
     let (failed, served) = tokio::join!(cut.client.store(&h, &doc, &blocks), async {
@@ -285,6 +322,7 @@ macro_rules! over_both {
 over_both!(
     round_trip,
     corrupted_on_the_way_in_is_refused_and_never_stored,
+    hashed_on_the_way_in_and_checked_after_the_payload,
     corrupted_on_the_way_out_is_never_handed_over,
     damaged_in_dram_is_a_miss_at_the_client_and_dropped_by_the_node,
     a_cut_mid_put_leaves_no_partial_block,

@@ -28,8 +28,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvtier_proto::dataplane::{
-    Hello, HelloReply, ItemStatus, Op, RequestHeader, ResponseHeader, Status, FLAG_PEER, FLAG_PIN_LEASE,
-    FLAG_REPORT_PRESENT, FLAG_STOP_AT_MISS, HELLO_LEN, NO_CODEC, PROTOCOL_VERSION, REQUEST_HEADER_LEN,
+    Hello, HelloReply, ItemStatus, Op, RequestHeader, ResponseHeader, Status, CHECKSUM_AFTER_SINCE_VERSION,
+    CHECKSUM_LEN, FLAG_CHECKSUM_AFTER, FLAG_PEER, FLAG_PIN_LEASE, FLAG_REPORT_PRESENT, FLAG_STOP_AT_MISS, HELLO_LEN,
+    MIN_PROTOCOL_VERSION, NO_CODEC, PROTOCOL_VERSION, REQUEST_HEADER_LEN,
 };
 use kvtier_proto::{BlockKey, FrameHeader, NamespaceId, ProtoError, FRAME_HEADER_LEN, KEY_LEN};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, BufReader};
@@ -212,6 +213,8 @@ struct Connection<R, W> {
     principal: Option<Principal>,
     /// Whom the connection's verified TLS client certificate names, if anyone.
     cert: Option<Principal>,
+    /// The protocol version the hello said (what the client may send).
+    version: u16,
 }
 
 /// Most blocks one connection may hold pin leases on (a 1M-token context in blocks of 16).
@@ -269,6 +272,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             scratch: Vec::new(),
             principal: None,
             cert,
+            version: MIN_PROTOCOL_VERSION,
         }
     }
 
@@ -313,6 +317,14 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             let msg = format!("{} blocks in one request exceed max_blocks_per_request {limit}", req.count);
             return self.fatal(req.op as u8, req.request_id, Status::TooLarge, &msg).await;
         }
+        if req.flags & FLAG_CHECKSUM_AFTER != 0 && (req.op != Op::Put || self.version < CHECKSUM_AFTER_SINCE_VERSION) {
+            let msg = format!(
+                "checksums after the payloads are for PUT on data-plane protocol {CHECKSUM_AFTER_SINCE_VERSION}; \
+                 this is {:?} on protocol {}",
+                req.op, self.version
+            );
+            return self.fatal(req.op as u8, req.request_id, Status::BadRequest, &msg).await;
+        }
         match req.op {
             Op::Put => self.put(req).await?,
             Op::Get => self.get(req).await?,
@@ -356,9 +368,9 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             error("dataplane_hello_timeout");
             late()
         })??;
-        if hello.version != PROTOCOL_VERSION {
+        if !(MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&hello.version) {
             let msg = format!(
-                "data-plane protocol {} is not supported; this server speaks {PROTOCOL_VERSION}",
+                "data-plane protocol {} is not supported; this server speaks {MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION}",
                 hello.version
             );
             self.wr.write_all(&HelloReply::encode(Status::UnsupportedVersion, &msg)).await?;
@@ -379,6 +391,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         };
         self.wr.write_all(&HelloReply::encode(Status::Ok, concat!("kvtier ", env!("CARGO_PKG_VERSION")))).await?;
         self.wr.flush().await?;
+        self.version = hello.version;
         Ok(principal)
     }
 
@@ -410,6 +423,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         let mut codecs = Vec::with_capacity(if report { 2 * req.count as usize } else { 0 });
         // In a cluster, a client's fresh blocks go on to their other owners; elsewhere nothing is kept.
         let forward = req.flags & FLAG_PEER == 0 && self.state.tiers().has_remote();
+        let after = req.flags & FLAG_CHECKSUM_AFTER != 0;
         let mut stored: Vec<(NamespaceId, BlockKey)> = Vec::new();
         for i in 0..req.count {
             let mut fh = [0u8; FRAME_HEADER_LEN];
@@ -426,7 +440,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
                 let msg = ProtoError::PayloadTooLarge { actual: header.payload_len, limit: max }.to_string();
                 return self.fatal(Op::Put as u8, req.request_id, Status::TooLarge, &format!("frame {i}: {msg}")).await;
             }
-            let mut status = self.put_one(&header, forward).await?;
+            let mut status = self.put_one(&header, forward, after).await?;
             let fresh = status == ItemStatus::Ok;
             if status == ItemStatus::Present && req.flags & FLAG_REPORT_PRESENT == 0 {
                 status = ItemStatus::Ok;
@@ -463,19 +477,22 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
     }
 
     /// One frame of a `PUT`; `relayed`: a client's store in a cluster (kept at
-    /// [`NodeState::store_priority`]), else a peer's (kept at normal priority).
-    async fn put_one(&mut self, sent: &FrameHeader, relayed: bool) -> Result<ItemStatus, ConnError> {
+    /// [`NodeState::store_priority`]), else a peer's (kept at normal priority); `after`: its
+    /// checksum follows the payload ([`FLAG_CHECKSUM_AFTER`]) instead of being in `sent`.
+    async fn put_one(&mut self, sent: &FrameHeader, relayed: bool, after: bool) -> Result<ItemStatus, ConnError> {
         let principal = self.principal()?;
-        let header = match self.state.admit_frame(&principal, sent) {
+        // What follows the frame header: the payload, then its checksum when it comes after.
+        let body = sent.payload_len + if after { CHECKSUM_LEN as u64 } else { 0 };
+        let mut header = match self.state.admit_frame(&principal, sent) {
             Ok(h) => h,
             Err(status) => {
-                self.drain(sent.payload_len).await?;
+                self.drain(body).await?;
                 return Ok(status);
             }
         };
         if self.state.tiers().is_hot(&header.namespace, &header.key) {
             // Content-addressed: the same key is the same bytes. Skip the copy.
-            self.drain(header.payload_len).await?;
+            self.drain(body).await?;
             return Ok(ItemStatus::Present);
         }
         self.state.tiers().backpressure().await;
@@ -483,7 +500,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         let mut slot = match tier.reserve(&header.namespace, header.payload_len as usize) {
             Ok(s) => s,
             Err(e) => {
-                self.drain(header.payload_len).await?;
+                self.drain(body).await?;
                 return Ok(match e {
                     ServerError::Capacity(_) | ServerError::TooLarge { .. } => ItemStatus::Capacity,
                     _ => ItemStatus::Internal,
@@ -491,8 +508,13 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             }
         };
         // A stream that ends here drops `slot`, which returns it unpublished.
-        self.rd.read_exact(slot.buf_mut()).await.inspect_err(|_| error("dataplane_truncated"))?;
-        if kvtier_proto::checksum(slot.buf_mut()) != header.checksum {
+        let sum = read_hashed(&mut self.rd, slot.buf_mut()).await.inspect_err(|_| error("dataplane_truncated"))?;
+        if after {
+            let mut trailer = [0u8; CHECKSUM_LEN];
+            self.rd.read_exact(&mut trailer).await.inspect_err(|_| error("dataplane_truncated"))?;
+            header.checksum = u64::from_le_bytes(trailer);
+        }
+        if sum != header.checksum {
             return Ok(ItemStatus::ChecksumMismatch);
         }
         let priority = if relayed { self.state.store_priority(&header) } else { Priority::Normal };
@@ -656,4 +678,21 @@ fn item_kind(s: ItemStatus) -> &'static str {
         ItemStatus::OutOfRange => "out_of_range",
         ItemStatus::Forbidden => "forbidden",
     }
+}
+
+/// Fills `buf` from the stream, hashing each piece as it lands (still in cache, while the
+/// rest is on its way), and returns the checksum of the whole. Hashing after the last byte
+/// put a pass over the block between the receive and the answer.
+async fn read_hashed<R: AsyncRead + Unpin>(rd: &mut R, buf: &mut [u8]) -> std::io::Result<u64> {
+    let mut sum = kvtier_proto::Checksummer::new();
+    let mut at = 0;
+    while at < buf.len() {
+        let n = rd.read(&mut buf[at..]).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        sum.update(&buf[at..at + n]);
+        at += n;
+    }
+    Ok(sum.digest())
 }

@@ -19,7 +19,7 @@ use tonic::transport::{Channel, Endpoint};
 use kvtier_kernels::{BlockSpec, KvBlockView};
 use rayon::prelude::*;
 
-use crate::conn::{checksum_of, DataPool, Dial, GatherFrame, Landed};
+use crate::conn::{DataPool, Dial, GatherFrame, Landed};
 use crate::connector::DataPlaneConnector;
 use crate::ClientError;
 
@@ -765,9 +765,10 @@ impl KvClient {
                         key: *k,
                         layout,
                         payload_len: bb,
-                        checksum: checksum_of(parts),
+                        // Hashed as it is sent (see `DataConn::put_reporting`).
+                        checksum: 0,
                     };
-                    GatherFrame { header, parts: parts.clone() }
+                    GatherFrame { header, parts: parts.clone(), summed: false }
                 })
                 .collect()
         } else {
@@ -777,7 +778,7 @@ impl KvClient {
                     many => Bytes::from(many.concat()),
                 };
                 let f = ns.frame(*k, tokens, payload)?.with_flags(flags);
-                Ok::<_, ClientError>(GatherFrame { header: f.header, parts: vec![f.payload] })
+                Ok::<_, ClientError>(GatherFrame { header: f.header, parts: vec![f.payload], summed: true })
             };
             keys.par_iter().zip(blocks.par_iter()).map(one).collect::<Result<_, _>>()?
         };

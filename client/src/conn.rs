@@ -13,8 +13,9 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use kvtier_proto::dataplane::{
-    Hello, HelloReply, ItemStatus, Op, RequestHeader, ResponseHeader, Status, FLAG_PIN_LEASE, FLAG_REPORT_PRESENT,
-    FLAG_STOP_AT_MISS, NO_CODEC, PROTOCOL_VERSION, RESPONSE_HEADER_LEN,
+    Hello, HelloReply, ItemStatus, Op, RequestHeader, ResponseHeader, Status, CHECKSUM_AFTER_SINCE_VERSION,
+    FLAG_CHECKSUM_AFTER, FLAG_PIN_LEASE, FLAG_REPORT_PRESENT, FLAG_STOP_AT_MISS, MIN_PROTOCOL_VERSION, NO_CODEC,
+    PROTOCOL_VERSION, RESPONSE_HEADER_LEN,
 };
 use kvtier_proto::{BlockFrame, BlockKey, CodecId, FrameHeader, NamespaceId, ProtoError, FRAME_HEADER_LEN};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
@@ -39,8 +40,13 @@ const READ_BUF: usize = 16 * 1024;
 
 /// A frame to send: its header and its payload as one or more parts, sent back to back.
 pub(crate) trait OutFrame {
+    /// The header; its checksum counts only where [`OutFrame::summed`] says it is known.
     fn header(&self) -> &FrameHeader;
     fn parts(&self) -> &[Bytes];
+    /// Whether the header's checksum is the payload's already (else it is hashed on the way out).
+    fn summed(&self) -> bool {
+        true
+    }
 }
 
 impl OutFrame for BlockFrame {
@@ -53,10 +59,13 @@ impl OutFrame for BlockFrame {
 }
 
 /// A raw payload gathered from several segments (an engine page's K and V planes, one per layer),
-/// with the checksum of their concatenation.
+/// not hashed yet: [`DataConn::put_reporting`] hashes it as it sends it (or before, on a
+/// protocol-1 connection).
 pub(crate) struct GatherFrame {
     pub(crate) header: FrameHeader,
     pub(crate) parts: Vec<Bytes>,
+    /// Whether `header.checksum` is the parts' (an encoded frame's, hashed when it was encoded).
+    pub(crate) summed: bool,
 }
 
 impl OutFrame for GatherFrame {
@@ -65,6 +74,9 @@ impl OutFrame for GatherFrame {
     }
     fn parts(&self) -> &[Bytes] {
         &self.parts
+    }
+    fn summed(&self) -> bool {
+        self.summed
     }
 }
 
@@ -82,6 +94,74 @@ pub(crate) fn checksum_of(parts: &[impl AsRef<[u8]>]) -> u64 {
 
 /// Most slices handed to one vectored write (Linux takes up to 1024).
 const MAX_IOV: usize = 256;
+/// A payload sent with its checksum after it is hashed this much at a time, each piece right
+/// after it has been written (still in cache) while the server receives it.
+const HASH_STEP: usize = 256 * 1024;
+
+/// What one `PUT` writes next: small bytes of its own (request and frame headers, checksums)
+/// and the callers' payload pieces, in order, gathered into one write when it is sent.
+#[derive(Default)]
+struct PutPieces<'a> {
+    small: Vec<u8>,
+    order: Vec<Piece<'a>>,
+}
+
+enum Piece<'a> {
+    /// A range of [`PutPieces::small`].
+    Small(std::ops::Range<usize>),
+    Payload(&'a [u8]),
+}
+
+impl<'a> PutPieces<'a> {
+    fn small(&mut self, b: &[u8]) {
+        let at = self.small.len();
+        self.small.extend_from_slice(b);
+        match self.order.last_mut() {
+            Some(Piece::Small(r)) if r.end == at => r.end += b.len(),
+            _ => self.order.push(Piece::Small(at..at + b.len())),
+        }
+    }
+
+    fn payload(&mut self, b: &'a [u8]) {
+        self.order.push(Piece::Payload(b));
+    }
+
+    fn extend_payload(&mut self, parts: &'a [Bytes]) {
+        self.order.extend(parts.iter().filter(|p| !p.is_empty()).map(|p| Piece::Payload(&p[..])));
+    }
+
+    fn is_empty(&self) -> bool {
+        self.order.is_empty()
+    }
+
+    /// Writes everything queued (one gathered write where the stream takes them) and empties it.
+    async fn send(&mut self, wr: &mut BufWriter<BoxWrite>) -> std::io::Result<()> {
+        let pieces: Vec<&[u8]> = self
+            .order
+            .iter()
+            .map(|p| match p {
+                Piece::Small(r) => &self.small[r.clone()],
+                Piece::Payload(b) => *b,
+            })
+            .collect();
+        if wr.get_ref().is_write_vectored() {
+            // Requests leave the buffer empty (each ends with a flush), so nothing buffered is
+            // overtaken by writing to the stream underneath.
+            debug_assert!(wr.buffer().is_empty());
+            write_gathered(wr.get_mut(), &pieces).await?;
+        } else {
+            // A connector's stream that writes one slice per call: the buffer gathers the small
+            // pieces (large ones pass through it).
+            for p in &pieces {
+                wr.write_all(p).await?;
+            }
+            wr.flush().await?;
+        }
+        self.order.clear();
+        self.small.clear();
+        Ok(())
+    }
+}
 
 /// Writes `pieces` back to back with vectored writes, repeated on partial writes, never copying
 /// a byte. Empty pieces are skipped. Correct on any stream; one that is not
@@ -134,6 +214,8 @@ pub(crate) enum Landed {
 pub(crate) struct DataConn {
     rd: BufReader<RxHalf>,
     wr: BufWriter<BoxWrite>,
+    /// The data-plane protocol version the server took in the hello.
+    version: u16,
     next_id: u32,
     /// The longest a call on this connection polls for its answer (TCP only; see
     /// [`crate::polled::PolledRead`]).
@@ -169,47 +251,59 @@ fn request_error(h: &ResponseHeader, msg: String) -> ClientError {
     }
 }
 
+/// A hello's outcome short of an error: the connection, or the server's word that it does not
+/// speak the version asked (it has closed the connection).
+type Greeted = Result<DataConn, String>;
+
 impl DataConn {
+    /// Connects over TCP saying the newest protocol, or the oldest when the server is older.
+    #[cfg(test)]
     pub(crate) async fn connect(addr: SocketAddr, token: Option<&str>) -> Result<Self, ClientError> {
+        Dial::Tcp(addr).connect(token).await
+    }
+
+    async fn connect_version(addr: SocketAddr, token: Option<&str>, version: u16) -> Result<Greeted, ClientError> {
         let sock = TcpStream::connect(addr)
             .await
             .map_err(|e| ClientError::Connect { addr: addr.to_string(), reason: e.to_string() })?;
         let _ = sock.set_nodelay(true);
         // TCP's owned halves: no lock between the reader and the writer.
         let (r, w) = sock.into_split();
-        Self::hello(RxHalf::Tcp(PolledRead::new(r)), Box::new(w), token).await
+        Self::hello(RxHalf::Tcp(PolledRead::new(r)), Box::new(w), token, version).await
     }
 
     /// Connects over TLS (`dial`: the rustls configuration and the name the node's certificate
     /// must carry), then says hello.
-    pub(crate) async fn connect_tls(
+    async fn connect_tls(
         addr: SocketAddr,
         dial: &crate::tls::TlsDial,
         token: Option<&str>,
-    ) -> Result<Self, ClientError> {
+        version: u16,
+    ) -> Result<Greeted, ClientError> {
         let failed = |reason: String| ClientError::Connect { addr: addr.to_string(), reason };
         let sock = TcpStream::connect(addr).await.map_err(|e| failed(e.to_string()))?;
         let _ = sock.set_nodelay(true);
         let stream =
             dial.connector.connect(dial.name.clone(), sock).await.map_err(|e| failed(format!("TLS handshake: {e}")))?;
         let (r, w) = tokio::io::split(stream);
-        Self::hello(RxHalf::Other(Box::new(r)), Box::new(w), token).await
+        Self::hello(RxHalf::Other(Box::new(r)), Box::new(w), token, version).await
     }
 
     /// Says hello over a stream from a [`DataPlaneConnector`].
-    pub(crate) async fn over(stream: BoxedStream, token: Option<&str>) -> Result<Self, ClientError> {
+    async fn over(stream: BoxedStream, token: Option<&str>, version: u16) -> Result<Greeted, ClientError> {
         let (r, w) = tokio::io::split(stream);
-        Self::hello(RxHalf::Other(Box::new(r)), Box::new(w), token).await
+        Self::hello(RxHalf::Other(Box::new(r)), Box::new(w), token, version).await
     }
 
-    async fn hello(r: RxHalf, w: BoxWrite, token: Option<&str>) -> Result<Self, ClientError> {
+    async fn hello(r: RxHalf, w: BoxWrite, token: Option<&str>, version: u16) -> Result<Greeted, ClientError> {
         let mut c = DataConn {
             rd: BufReader::with_capacity(READ_BUF, r),
             wr: BufWriter::with_capacity(IO_BUF, w),
+            version,
             next_id: 1,
             poll: Duration::ZERO,
         };
-        c.wr.write_all(&Hello::encode(PROTOCOL_VERSION, token.unwrap_or("").as_bytes())).await?;
+        c.wr.write_all(&Hello::encode(version, token.unwrap_or("").as_bytes())).await?;
         c.wr.flush().await?;
         let mut reply = [0u8; 4];
         c.rd.read_exact(&mut reply).await?;
@@ -218,7 +312,8 @@ impl DataConn {
         c.rd.read_exact(&mut msg).await?;
         let msg = String::from_utf8_lossy(&msg).into_owned();
         match status {
-            Status::Ok => Ok(c),
+            Status::Ok => Ok(Ok(c)),
+            Status::UnsupportedVersion => Ok(Err(msg)),
             Status::Unauthenticated => Err(ClientError::Unauthenticated(msg)),
             other => Err(ClientError::Refused { code: format!("dataplane:{other:?}"), message: msg }),
         }
@@ -293,31 +388,54 @@ impl DataConn {
     }
 
     /// Sends a `PUT` of `frames` — request header, then each frame's header and payload parts —
-    /// as gathered writes straight from the callers' memory: one `writev` for as much of the
-    /// request as the socket takes (a block's header and payload go out together; nothing is
-    /// copied into a buffer), then reads the statuses.
+    /// as gathered writes straight from the callers' memory (nothing is copied into a buffer),
+    /// then reads the statuses.
+    ///
+    /// On protocol 2 each payload's checksum follows it ([`FLAG_CHECKSUM_AFTER`]): a frame not
+    /// hashed yet, of [`HASH_STEP`] bytes or more, is hashed that much at a time, each piece right
+    /// after it is written, so the hash runs while the server receives (one write per piece);
+    /// other frames are hashed first if they must be and go out together in one write. On
+    /// protocol 1 every unhashed frame is hashed before anything is sent and the whole request is
+    /// one write.
     async fn put_frames<F: OutFrame>(&mut self, frames: &[F], flags: u16) -> Result<Vec<ItemStatus>, ClientError> {
         let id = self.take_id();
         let count = frames.len() as u32;
-        let req = RequestHeader { op: Op::Put, flags, request_id: id, count, namespace: NamespaceId([0; 16]) }.encode();
-        let headers: Vec<[u8; FRAME_HEADER_LEN]> = frames.iter().map(|f| f.header().encode()).collect();
-        let mut pieces: Vec<&[u8]> = Vec::with_capacity(1 + 2 * frames.len());
-        pieces.push(&req);
-        for (f, h) in frames.iter().zip(&headers) {
-            pieces.push(h);
-            pieces.extend(f.parts().iter().map(|p| &p[..]));
-        }
-        if self.wr.get_ref().is_write_vectored() {
-            // Requests leave the buffer empty (each ends with a flush), so nothing buffered is
-            // overtaken by writing to the stream underneath.
-            debug_assert!(self.wr.buffer().is_empty());
-            write_gathered(self.wr.get_mut(), &pieces).await?;
-        } else {
-            // A connector's stream that writes one slice per call: the buffer gathers the small
-            // pieces (large ones pass through it).
-            for p in &pieces {
-                self.wr.write_all(p).await?;
+        let after = self.version >= CHECKSUM_AFTER_SINCE_VERSION;
+        let flags = if after { flags | FLAG_CHECKSUM_AFTER } else { flags };
+        let req = RequestHeader { op: Op::Put, flags, request_id: id, count, namespace: NamespaceId([0; 16]) };
+        let mut out = PutPieces::default();
+        out.small(&req.encode());
+        for f in frames {
+            let mut header = *f.header();
+            // Hashed while it is sent: a payload of several pieces. A smaller one is hashed here
+            // and goes out with the rest in one write (a write per block cost 64 KiB stores more
+            // than the hash).
+            let streamed = after && !f.summed() && header.payload_len >= HASH_STEP as u64;
+            if !f.summed() && !streamed {
+                header.checksum = checksum_of(f.parts());
             }
+            out.small(&header.encode());
+            if !after {
+                out.extend_payload(f.parts());
+                continue;
+            }
+            if !streamed {
+                out.extend_payload(f.parts());
+                out.small(&header.checksum.to_le_bytes());
+                continue;
+            }
+            let mut sum = kvtier_proto::Checksummer::new();
+            for part in f.parts() {
+                for piece in part.chunks(HASH_STEP) {
+                    out.payload(piece);
+                    out.send(&mut self.wr).await?;
+                    sum.update(piece);
+                }
+            }
+            out.small(&sum.digest().to_le_bytes());
+        }
+        if !out.is_empty() {
+            out.send(&mut self.wr).await?;
         }
         self.wr.flush().await?;
         // Not polled for: measured, a store's answer came no sooner polled (1 MiB) and 64 KiB
@@ -509,16 +627,32 @@ pub(crate) enum Dial {
 }
 
 impl Dial {
+    /// A connection saying the newest protocol; a server that answers it does not speak that one
+    /// (an older node, mid rolling upgrade) is dialled again saying the oldest.
     async fn connect(&self, token: Option<&str>) -> Result<DataConn, ClientError> {
+        let mut refusal = String::new();
+        for version in [PROTOCOL_VERSION, MIN_PROTOCOL_VERSION] {
+            match self.connect_version(token, version).await? {
+                Ok(conn) => return Ok(conn),
+                Err(msg) => {
+                    tracing::debug!(version, "data plane does not speak this protocol version: {msg}");
+                    refusal = msg;
+                }
+            }
+        }
+        Err(ClientError::Refused { code: "dataplane:UnsupportedVersion".into(), message: refusal })
+    }
+
+    async fn connect_version(&self, token: Option<&str>, version: u16) -> Result<Greeted, ClientError> {
         match self {
-            Dial::Tcp(addr) => DataConn::connect(*addr, token).await,
-            Dial::Tls(addr, dial) => DataConn::connect_tls(*addr, dial, token).await,
+            Dial::Tcp(addr) => DataConn::connect_version(*addr, token, version).await,
+            Dial::Tls(addr, dial) => DataConn::connect_tls(*addr, dial, token, version).await,
             Dial::Custom(connector) => {
                 let stream = connector
                     .connect()
                     .await
                     .map_err(|e| ClientError::Connect { addr: "data-plane connector".into(), reason: e.to_string() })?;
-                DataConn::over(stream, token).await
+                DataConn::over(stream, token, version).await
             }
         }
     }
@@ -641,6 +775,111 @@ mod tests {
             let _ = s.read_to_end(&mut rest).await;
         });
         addr
+    }
+
+    /// A data-plane peer speaking protocols up to `newest` (an older node, as a rolling upgrade
+    /// meets it): a hello for a newer one is refused and closed; then one `PUT` of one frame is
+    /// read, and what the peer saw comes back: the version, the flags, the header's checksum,
+    /// the payload and the checksum after it (if the flag said one follows).
+    async fn put_server(
+        newest: u16,
+    ) -> (SocketAddr, tokio::sync::oneshot::Receiver<(u16, u16, u64, Vec<u8>, Option<u64>)>) {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move {
+            loop {
+                let (mut s, _) = l.accept().await.unwrap();
+                let mut hello = [0u8; HELLO_LEN];
+                s.read_exact(&mut hello).await.unwrap();
+                let version = Hello::decode(&hello).unwrap().version;
+                if version > newest {
+                    s.write_all(&HelloReply::encode(Status::UnsupportedVersion, "too new")).await.unwrap();
+                    continue;
+                }
+                s.write_all(&HelloReply::encode(Status::Ok, "")).await.unwrap();
+                let mut rh = [0u8; REQUEST_HEADER_LEN];
+                s.read_exact(&mut rh).await.unwrap();
+                let req = RequestHeader::decode(&rh).unwrap();
+                let mut fh = [0u8; FRAME_HEADER_LEN];
+                s.read_exact(&mut fh).await.unwrap();
+                let header = FrameHeader::decode(&fh).unwrap();
+                let mut payload = vec![0u8; header.payload_len as usize];
+                s.read_exact(&mut payload).await.unwrap();
+                let after = if req.flags & FLAG_CHECKSUM_AFTER != 0 {
+                    let mut t = [0u8; 8];
+                    s.read_exact(&mut t).await.unwrap();
+                    Some(u64::from_le_bytes(t))
+                } else {
+                    None
+                };
+                let h = ResponseHeader {
+                    op: Op::Put as u8,
+                    status: Status::Ok,
+                    msg_len: 0,
+                    request_id: req.request_id,
+                    count: 1,
+                };
+                s.write_all(&h.encode()).await.unwrap();
+                s.write_all(&[ItemStatus::Ok as u8]).await.unwrap();
+                let _ = tx.send((version, req.flags, header.checksum, payload, after));
+                let mut rest = Vec::new();
+                let _ = s.read_to_end(&mut rest).await;
+                return;
+            }
+        });
+        (addr, rx)
+    }
+
+    /// A raw block in two parts, not hashed yet (what `store_keys` sends).
+    fn unhashed(len: usize) -> (GatherFrame, Vec<u8>) {
+        let f = frame(3, len);
+        let mut header = f.header;
+        header.checksum = 0;
+        let cut = len / 3;
+        let parts = vec![f.payload.slice(..cut), f.payload.slice(cut..)];
+        (GatherFrame { header, parts, summed: false }, f.payload.to_vec())
+    }
+
+    #[tokio::test]
+    async fn a_block_is_hashed_as_it_is_sent_and_its_checksum_follows_it() {
+        let (addr, seen) = put_server(PROTOCOL_VERSION).await;
+        let mut conn = DataConn::connect(addr, None).await.unwrap();
+        assert_eq!(conn.version, PROTOCOL_VERSION);
+        // Several hash steps, the last one short, across the parts' boundary.
+        let (f, bytes) = unhashed(2 * HASH_STEP + 12_345);
+        assert_eq!(conn.put_frames(std::slice::from_ref(&f), 0).await.unwrap(), vec![ItemStatus::Ok]);
+        let (version, flags, in_header, payload, after) = seen.await.unwrap();
+        assert_eq!(version, PROTOCOL_VERSION);
+        assert_ne!(flags & FLAG_CHECKSUM_AFTER, 0);
+        assert_eq!(in_header, 0, "the header's checksum is not filled in");
+        assert_eq!(payload, bytes);
+        assert_eq!(after, Some(kvtier_proto::checksum(&bytes)));
+    }
+
+    #[tokio::test]
+    async fn an_older_server_is_spoken_to_in_its_protocol_with_checksums_in_the_headers() {
+        let (addr, seen) = put_server(MIN_PROTOCOL_VERSION).await;
+        let mut conn = DataConn::connect(addr, None).await.unwrap();
+        assert_eq!(conn.version, MIN_PROTOCOL_VERSION, "connected again, saying the oldest");
+        let (f, bytes) = unhashed(HASH_STEP + 1);
+        assert_eq!(conn.put_frames(std::slice::from_ref(&f), 0).await.unwrap(), vec![ItemStatus::Ok]);
+        let (version, flags, in_header, payload, after) = seen.await.unwrap();
+        assert_eq!((version, flags & FLAG_CHECKSUM_AFTER, after), (MIN_PROTOCOL_VERSION, 0, None));
+        assert_eq!(payload, bytes);
+        assert_eq!(in_header, kvtier_proto::checksum(&bytes), "hashed before it was sent, into its header");
+    }
+
+    #[tokio::test]
+    async fn a_server_that_speaks_no_version_of_ours_is_a_clear_refusal() {
+        let (addr, _seen) = put_server(0).await;
+        let Err(err) = DataConn::connect(addr, None).await else {
+            panic!("connected to a server that speaks no version of ours")
+        };
+        assert!(
+            matches!(&err, ClientError::Refused { code, message } if code == "dataplane:UnsupportedVersion" && message == "too new"),
+            "{err:?}"
+        );
     }
 
     fn frame(key: u8, len: usize) -> BlockFrame {

@@ -35,6 +35,18 @@
 //! A `GET` or `PUT` with [`FLAG_PEER`] comes from another node of the cluster asking on a
 //! client's behalf: it is served from the node's own tiers and never forwarded again.
 //!
+//! A `PUT` with [`FLAG_CHECKSUM_AFTER`] (protocol 2) ignores its frame headers' checksums: each
+//! payload is followed by its checksum, 8 bytes little-endian ([`CHECKSUM_LEN`]). The client
+//! hashes each piece of a payload after it has written it, while the server is receiving it,
+//! instead of hashing the whole block before its first byte leaves; the server hashes the pieces
+//! as they land and takes a block only if the trailer matches (`ChecksumMismatch` otherwise). The
+//! checksum the server keeps with the block is the trailer's. Sent on a protocol-1 connection, or
+//! on another op, the flag ends the connection with `BadRequest` (what follows can't be framed).
+//!
+//! Versions: a server accepts a hello of [`MIN_PROTOCOL_VERSION`] to [`PROTOCOL_VERSION`] and
+//! answers any other with `UnsupportedVersion` and a close; a client that gets that answer for
+//! its own version connects again saying the oldest (a rolling upgrade, new clients first).
+//!
 //! A request-level error (bad header, too many items, unknown namespace) is a [`ResponseHeader`]
 //! with a non-zero status and a UTF-8 message of `msg_len` bytes; no item statuses follow. After a
 //! request-level error the server closes the connection when it can't find the next request's start.
@@ -42,7 +54,14 @@
 use crate::{NamespaceId, ProtoError, NAMESPACE_ID_LEN};
 
 pub const HELLO_MAGIC: [u8; 4] = *b"KVDP";
-pub const PROTOCOL_VERSION: u16 = 1;
+/// The version a client says in its hello: 2 added [`FLAG_CHECKSUM_AFTER`].
+pub const PROTOCOL_VERSION: u16 = 2;
+/// The oldest version a server still accepts (every op, no [`FLAG_CHECKSUM_AFTER`]).
+pub const MIN_PROTOCOL_VERSION: u16 = 1;
+/// The first version with [`FLAG_CHECKSUM_AFTER`].
+pub const CHECKSUM_AFTER_SINCE_VERSION: u16 = 2;
+/// Bytes of the checksum after each payload of a [`FLAG_CHECKSUM_AFTER`] `PUT`.
+pub const CHECKSUM_LEN: usize = 8;
 pub const HELLO_LEN: usize = 8;
 pub const REQUEST_HEADER_LEN: usize = 32;
 pub const RESPONSE_HEADER_LEN: usize = 16;
@@ -58,6 +77,9 @@ pub const FLAG_REPORT_PRESENT: u16 = 4;
 /// `GET`, `PUT`: sent by a node on a client's behalf (the G4 peer tier). The peer answers from
 /// its own tiers only and forwards nothing, so a request never travels further than one hop.
 pub const FLAG_PEER: u16 = 8;
+/// `PUT` flag (protocol 2): each payload is followed by its checksum; the frame headers'
+/// checksums are ignored (see the module docs).
+pub const FLAG_CHECKSUM_AFTER: u16 = 16;
 /// In a [`FLAG_REPORT_PRESENT`] answer: no copy held (the item was refused).
 pub const NO_CODEC: u16 = u16::MAX;
 
