@@ -367,7 +367,7 @@ mod tests {
         let hello = Hello::encode(PROTOCOL_VERSION, b"tok");
         let mut fixed = [0u8; HELLO_LEN];
         fixed.copy_from_slice(&hello[..HELLO_LEN]);
-        assert_eq!(Hello::decode(&fixed).unwrap(), Hello { version: 1, token_len: 3 });
+        assert_eq!(Hello::decode(&fixed).unwrap(), Hello { version: PROTOCOL_VERSION, token_len: 3 });
         for v in 0..=11u8 {
             assert_eq!(ItemStatus::from_u8(v).unwrap() as u8, v);
         }
