@@ -765,7 +765,7 @@ impl KvClient {
                         key: *k,
                         layout,
                         payload_len: bb,
-                        // Hashed as it is sent (see `DataConn::put_reporting`).
+                        // Hashed as it is sent (see `DataConn::put_frames`).
                         checksum: 0,
                     };
                     GatherFrame { header, parts: parts.clone(), summed: false }

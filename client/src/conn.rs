@@ -59,7 +59,7 @@ impl OutFrame for BlockFrame {
 }
 
 /// A raw payload gathered from several segments (an engine page's K and V planes, one per layer),
-/// not hashed yet: [`DataConn::put_reporting`] hashes it as it sends it (or before, on a
+/// not hashed yet: [`DataConn::put_frames`] hashes it as it sends it (or before, on a
 /// protocol-1 connection).
 pub(crate) struct GatherFrame {
     pub(crate) header: FrameHeader,
@@ -415,13 +415,11 @@ impl DataConn {
                 header.checksum = checksum_of(f.parts());
             }
             out.small(&header.encode());
-            if !after {
-                out.extend_payload(f.parts());
-                continue;
-            }
             if !streamed {
                 out.extend_payload(f.parts());
-                out.small(&header.checksum.to_le_bytes());
+                if after {
+                    out.small(&header.checksum.to_le_bytes());
+                }
                 continue;
             }
             let mut sum = kvtier_proto::Checksummer::new();
