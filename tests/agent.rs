@@ -61,13 +61,12 @@ fn an_agent_configured_by_toml_answers_engines_serves_metrics_and_stops_on_sigte
     let server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
     let dir = tempfile::tempdir().unwrap();
     let sock_path = dir.path().join("agent.sock");
-    let port = free_port();
     let cfg = dir.path().join("agent.toml");
     std::fs::write(
         &cfg,
         format!(
             "[agent]\nserver = \"{}\"\nsocket = \"{}\"\ndevice = \"host\"\nhost_memory = \"8MiB\"\npage_bytes = {BLOCK}\n\
-             pool_capacity = \"256KiB\"\nmetrics = \"127.0.0.1:{port}\"\n",
+             pool_capacity = \"256KiB\"\nmetrics = \"127.0.0.1:0\"\n",
             server.grpc_addr(),
             sock_path.display()
         ),
@@ -79,6 +78,13 @@ fn an_agent_configured_by_toml_answers_engines_serves_metrics_and_stops_on_sigte
     let first = lines.next().and_then(|l| l.ok()).unwrap_or_default();
     assert!(first.contains("kvtier agent listening"), "{first}");
     assert!(first.contains("G1 8 pages of 32768 bytes"), "{first}");
+    // The kernel picked the metrics port (a port picked here and released could be taken first).
+    let port: u16 = first
+        .split("metrics http://127.0.0.1:")
+        .nth(1)
+        .and_then(|rest| rest.split('/').next())
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no metrics address in {first:?}"));
     std::thread::spawn(move || for _ in lines {});
 
     let layout = KvLayout::new(4, 2, 64, DType::Fp16, 16);

@@ -12,26 +12,22 @@ import urllib.request
 from kvtier.server import find_binary
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class KvServer:
-    """`kvtier serve` on fixed loopback ports, so it can be killed and restarted at the same
-    address (the tier's client keeps its address)."""
+    """`kvtier serve` on loopback, killed and restarted at the same address (the tier's client
+    keeps its address): the first start takes the ports the kernel picks (port 0, read back from
+    the ready line, so no other socket can take them first); restarts ask for those again."""
 
     def __init__(self, data_dir, *, dram="256MiB", disk=None, config=None):
         self.data_dir = str(data_dir)
         self.dram, self.disk, self.config = dram, disk, config
-        self.port, self.data_port = free_port(), free_port()
-        self.addr = f"127.0.0.1:{self.port}"
+        self.port = self.data_port = 0
+        self.addr = None
         self.proc = None
         self.metrics_addr = None
 
     def start(self, timeout_s=30.0):
-        cmd = [find_binary(), "serve", "--listen", self.addr, "--data-listen", f"127.0.0.1:{self.data_port}",
+        cmd = [find_binary(), "serve", "--listen", f"127.0.0.1:{self.port}",
+               "--data-listen", f"127.0.0.1:{self.data_port}",
                "--metrics", "127.0.0.1:0", "--data-dir", self.data_dir, "--dram-capacity", self.dram]
         if self.disk:
             cmd += ["--disk-capacity", self.disk]
@@ -49,6 +45,9 @@ class KvServer:
                 if "listening" in line:
                     fields = dict(w.split("=", 1) for w in line.split() if "=" in w)
                     self.metrics_addr = fields.get("metrics")
+                    self.addr = fields["grpc"]
+                    self.port = int(self.addr.rsplit(":", 1)[1])
+                    self.data_port = int(fields["data"].rsplit(":", 1)[1])
                     threading.Thread(target=lambda p=self.proc: [None for _ in p.stdout], daemon=True).start()
                     return self
             self.proc.wait()

@@ -9,7 +9,6 @@ import os
 import pathlib
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -36,12 +35,6 @@ def binary():
         if cand.exists():
             return str(cand)
     pytest.skip("no kvtier binary: set KVTIER_BIN or cargo build --bins")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(cmd, ready):
@@ -85,20 +78,28 @@ def engine(*args):
 @pytest.fixture
 def services(tmp_path):
     kvtier = binary()
-    port, data_port, metrics_port = free_port(), free_port(), free_port()
-    server, server_log = start([kvtier, "serve", "--listen", f"127.0.0.1:{port}", "--data-listen",
-                                f"127.0.0.1:{data_port}", "--no-metrics", "--data-dir", str(tmp_path / "data"),
-                                "--dram-capacity", "64MiB"], "listening")
+    # Every port is the kernel's pick (port 0), read back from the ready lines: a port picked
+    # here and released can be taken by another socket before the service binds it.
+    server, server_log = start([kvtier, "serve", "--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0",
+                                "--no-metrics", "--data-dir", str(tmp_path / "data"), "--dram-capacity", "64MiB"],
+                               "listening")
+    grpc = next(filter(None, (re.search(r"grpc=(\S+)", x) for x in list(server_log))), None)
     sock = tmp_path / "agent.sock"
+    agent = None
     try:
-        agent, agent_log = start([kvtier, "agent", "--server", f"127.0.0.1:{port}", "--socket", str(sock),
+        assert grpc, server_log
+        agent, agent_log = start([kvtier, "agent", "--server", grpc.group(1), "--socket", str(sock),
                                   "--device", "host", "--host-memory", "16MiB", "--page-bytes", str(BLOCK_BYTES),
-                                  "--pool-capacity", str(POOL_PAGES * BLOCK_BYTES), "--metrics",
-                                  f"127.0.0.1:{metrics_port}"], "kvtier agent listening")
-    except Exception:
+                                  "--pool-capacity", str(POOL_PAGES * BLOCK_BYTES), "--metrics", "127.0.0.1:0"],
+                                 "kvtier agent listening")
+        metrics_url = next(filter(None, (re.search(r"metrics (http://\S+/metrics)", x) for x in list(agent_log))), None)
+        assert metrics_url, agent_log
+    except BaseException:
+        if agent:
+            stop(agent)
         stop(server)
         raise
-    yield sock, f"http://127.0.0.1:{metrics_port}/metrics", agent_log
+    yield sock, metrics_url.group(1), agent_log
     assert stop(agent) == 0, agent_log
     assert not sock.exists(), "the agent removes its socket on SIGTERM"
     assert stop(server) == 0, server_log
