@@ -7,8 +7,8 @@ use bytes::Bytes;
 use half::f16;
 use std::time::{Duration, Instant};
 
-use kvtier_client::{decode_frame, ClientError};
-use kvtier_proto::CodecId;
+use kvtier_client::{decode_frame, BlockDest, ClientConfig, ClientError, ItemStatus, KvClient};
+use kvtier_proto::{BlockKey, CodecId, DType, KvLayout};
 use kvtier_tests::*;
 
 /// A block of smooth fp16 values with a per-block offset, so blocks differ.
@@ -64,6 +64,55 @@ async fn quantized_blocks_come_back_in_the_engines_dtype() {
                 assert_ne!(got, want, "{codec:?} block {i} was not quantized");
             }
         }
+    }
+}
+
+/// Encoded blocks loaded into the caller's buffer are decoded in batches (several blocks on every
+/// core at once once they are large): each lands in its own destination, segments included, byte
+/// for byte what decoding it alone gives, and a hole among them stays a miss at its place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn encoded_blocks_decoded_together_land_each_at_its_place() {
+    let server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
+    // 1 MiB blocks: 12 of them in fp8 are 6 MiB on the wire, more than one decode batch.
+    let layout = KvLayout::new(4, 8, 128, DType::Fp16, 64);
+    let bb = layout.block_bytes() as usize;
+    // One connection: all twelve come in one answer (no striping).
+    let cfg = ClientConfig { data_connections: 1, ..Default::default() };
+    let client = KvClient::connect(&server.grpc_addr(), cfg).await.unwrap();
+    let ns = client.register(namespace("acme", b"s", layout)).await.unwrap().with_codec(CodecId::FP8_E4M3).unwrap();
+    let keys: Vec<BlockKey> = (0..12u8).map(|i| BlockKey([i + 1; 32])).collect();
+    let want_blocks: Vec<Bytes> = (0..12).map(|i| kv_block(bb / 2, i)).collect();
+    let stored: Vec<usize> = (0..12).filter(|i| *i != 5).collect();
+    let st = client
+        .store_keys(
+            &ns,
+            &stored.iter().map(|&i| keys[i]).collect::<Vec<_>>(),
+            &stored.iter().map(|&i| vec![want_blocks[i].clone()]).collect::<Vec<_>>(),
+        )
+        .await
+        .unwrap();
+    assert!(st.iter().all(|s| *s == ItemStatus::Ok), "{st:?}");
+
+    let frames = client.load_keys(&ns, &keys).await.unwrap();
+    let mut buf = vec![0xAAu8; 12 * bb];
+    let mut dests: Vec<BlockDest<'_>> = buf
+        .chunks_exact_mut(bb)
+        .enumerate()
+        .map(|(i, c)| if i == 3 { c.chunks_mut(bb / 4).collect() } else { vec![c] })
+        .collect();
+    let ok = client.load_keys_into(&ns, &keys, &mut dests, false).await.unwrap();
+    assert_eq!(ok, (0..12).map(|i| i != 5).collect::<Vec<_>>());
+    for (i, frame) in frames.iter().enumerate() {
+        let got = &buf[i * bb..(i + 1) * bb];
+        if i == 5 {
+            assert!(frame.is_none());
+            continue;
+        }
+        let frame = frame.as_ref().unwrap();
+        assert_eq!(frame.header.codec, CodecId::FP8_E4M3);
+        assert_eq!(got, &decode_frame(frame).unwrap()[..], "block {i}");
+        let e = rel_error(got, &want_blocks[i]);
+        assert!(e <= 0.07 && got != &want_blocks[i][..], "block {i}: error {e}");
     }
 }
 

@@ -20,12 +20,19 @@
 //! - `engine-parked` — `engine-fused`'s load with `ClientConfig::dataplane_poll` at zero: every
 //!   wait for the answer parks the task (what loads did before answers were polled for), so the
 //!   gain of polling is read in the same run. (Stores are never polled for.)
+//! - `engine-fp8-x8` — `engine-fused-x8` in a namespace that stores `fp8_e4m3` (bf16 blocks of
+//!   KV-like values): `store_keys` encodes on the client, `load_keys_into` decodes into the
+//!   caller's buffer. Its GB/s counts the blocks' bf16 bytes, not the bytes on the wire, so its
+//!   ratio to `engine-fused-x8` is the ratio of KV tokens/s.
+//!
+//! At concurrency 1 the one task runs on the caller's thread, awaited where it is (what the Python
+//! client does: `block_on` on the caller's thread); above 1 each task is `tokio::spawn`ed.
 
 use std::time::Instant;
 
 use bytes::Bytes;
 use kvtier_client::{BlockDest, ClientConfig, ItemStatus, KvClient, NamespaceHandle};
-use kvtier_proto::{pb, BlockKey, DType, HashScheme, KvLayout, Namespace};
+use kvtier_proto::{pb, BlockKey, CodecId, DType, HashScheme, KvLayout, Namespace};
 use serde::{Deserialize, Serialize};
 
 use crate::stats::{median, percentile};
@@ -124,6 +131,26 @@ fn payload(size: usize, seed: usize) -> Bytes {
     Bytes::from((0..size).map(|i| ((i * 131 + seed * 7) % 253) as u8).collect::<Vec<u8>>())
 }
 
+/// `size` bytes of bf16 values shaped like attention KV: roughly normal around zero (a sum of
+/// four uniforms) with one channel in 16 an outlier 8× as large, which is what the codecs'
+/// per-block scales are for. Deterministic in `seed`.
+fn bf16_kv(size: usize, seed: usize) -> Bytes {
+    let mut x = (seed as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut unit = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+    };
+    let mut out = Vec::with_capacity(size);
+    for i in 0..size / 2 {
+        let v = (unit() + unit() + unit() + unit()) * if i % 128 % 16 == 3 { 8.0 } else { 1.0 };
+        // bf16 is the top half of an f32 (truncated).
+        out.extend_from_slice(&((v.to_bits() >> 16) as u16).to_le_bytes());
+    }
+    Bytes::from(out)
+}
+
 struct Sample {
     store_s: f64,
     load_s: f64,
@@ -160,6 +187,10 @@ enum Path {
     LoadInto8,
     /// `store_keys` of 8 blocks per call, under keys of their own.
     StoreKeys8,
+    /// `store_keys` of 8 blocks per call through an `fp8_e4m3` namespace handle.
+    StoreFp8x8,
+    /// `load_keys_into(stop_at_miss)` of 8 `fp8_e4m3` blocks, decoded into the caller's buffer.
+    LoadFp8x8,
 }
 
 /// Blocks the caller's buffer of a load holds, filled in turn (the most blocks per call).
@@ -167,27 +198,26 @@ const DEST_SLOTS: usize = 8;
 
 /// Blocks per call of a path.
 fn per_call(p: Path) -> usize {
-    if matches!(p, Path::LoadInto8 | Path::StoreKeys8) {
+    if matches!(p, Path::LoadInto8 | Path::StoreKeys8 | Path::StoreFp8x8 | Path::LoadFp8x8) {
         8
     } else {
         1
     }
 }
 
-/// Key space of a path's blocks: `store_keys` writes keys of its own, loads read what
-/// `store_frames` wrote.
+/// Key space of a path's blocks: `store_keys` writes keys of its own, raw loads read what
+/// `store_frames` wrote, the fp8 load what the fp8 store wrote.
 fn space(p: Path, run: usize) -> usize {
-    if p == Path::StoreKeys {
-        run + (1 << 32)
-    } else if p == Path::StoreKeys8 {
-        run + (2 << 32)
-    } else {
-        run
+    match p {
+        Path::StoreKeys => run + (1 << 32),
+        Path::StoreKeys8 => run + (2 << 32),
+        Path::StoreFp8x8 | Path::LoadFp8x8 => run + (3 << 32),
+        _ => run,
     }
 }
 
 /// Runs `n` operations of `path` on each of `c` tasks at once; the wall time and every call's
-/// latency in seconds.
+/// latency in seconds. One task is awaited on the caller's thread; several are spawned.
 async fn run_path(
     client: &KvClient,
     ns: &NamespaceHandle,
@@ -197,78 +227,89 @@ async fn run_path(
     n: usize,
     kspace: usize,
 ) -> anyhow::Result<(f64, Vec<f64>)> {
-    let size = data.len();
     let t = Instant::now();
+    if c == 1 {
+        let lat = path_task(client.clone(), ns.clone(), data.clone(), path, 0, n, kspace).await?;
+        return Ok((t.elapsed().as_secs_f64(), lat));
+    }
     let tasks: Vec<_> = (0..c)
-        .map(|task| {
-            let (client, ns, data) = (client.clone(), ns.clone(), data.clone());
-            tokio::spawn(async move {
-                let per = per_call(path);
-                let mut lat = Vec::with_capacity(n / per);
-                // The caller's buffer (an engine's KV pages), touched before the clock counts:
-                // room for 8 blocks on every path, filled in turn, so a one-block load lands in
-                // memory as cold as an 8-block one does (a one-block buffer would stay in the
-                // core's cache and flatter the one-block paths).
-                let mut buf = vec![1u8; size * DEST_SLOTS];
-                for first in (0..n).step_by(per) {
-                    let keys: Vec<BlockKey> =
-                        (first..(first + per).min(n)).map(|op| key(size, kspace, task, op)).collect();
-                    let t = Instant::now();
-                    match path {
-                        Path::StoreFrames => {
-                            let frame = ns.frame(keys[0], ns.block_tokens() as u32, data.clone())?;
-                            let st = client.store_frames(std::slice::from_ref(&frame)).await?;
-                            anyhow::ensure!(st.iter().all(|s| *s == ItemStatus::Ok), "kvtier refused a block: {st:?}");
-                        }
-                        Path::StoreKeys | Path::StoreKeys8 => {
-                            let blocks = vec![vec![data.clone()]; keys.len()];
-                            let st = client.store_keys(&ns, &keys, &blocks).await?;
-                            anyhow::ensure!(
-                                st.iter().all(|s| matches!(s, ItemStatus::Ok | ItemStatus::Present)),
-                                "kvtier refused a block: {st:?}"
-                            );
-                        }
-                        Path::LoadKeys => {
-                            let got = client.load_keys(&ns, &keys).await?;
-                            let f = got
-                                .into_iter()
-                                .next()
-                                .flatten()
-                                .ok_or_else(|| anyhow::anyhow!("kvtier lost a block it acknowledged"))?;
-                            anyhow::ensure!(f.payload.len() == size, "short block");
-                        }
-                        Path::LookupLoadCopy => {
-                            let hit = client.lookup_keys(&ns, &keys).await?;
-                            anyhow::ensure!(hit == keys.len(), "lookup found {hit} of {} blocks", keys.len());
-                            let got = client.load_keys(&ns, &keys).await?;
-                            let f = got
-                                .into_iter()
-                                .next()
-                                .flatten()
-                                .ok_or_else(|| anyhow::anyhow!("kvtier lost a block it acknowledged"))?;
-                            let at = (first % DEST_SLOTS) * size;
-                            buf[at..at + size].copy_from_slice(&f.payload);
-                        }
-                        Path::LoadInto | Path::LoadInto8 => {
-                            let at = (first % DEST_SLOTS) * size;
-                            let room = &mut buf[at..at + size * keys.len()];
-                            let mut dests: Vec<BlockDest<'_>> = room.chunks_exact_mut(size).map(|c| vec![c]).collect();
-                            let ok = client.load_keys_into(&ns, &keys, &mut dests, true).await?;
-                            anyhow::ensure!(ok.iter().all(|x| *x), "kvtier lost a block it acknowledged: {ok:?}");
-                        }
-                    }
-                    lat.push(t.elapsed().as_secs_f64());
-                }
-                std::hint::black_box(&buf);
-                Ok::<_, anyhow::Error>(lat)
-            })
-        })
+        .map(|task| tokio::spawn(path_task(client.clone(), ns.clone(), data.clone(), path, task, n, kspace)))
         .collect();
     let mut lat = Vec::new();
     for t in tasks {
         lat.extend(t.await??);
     }
     Ok((t.elapsed().as_secs_f64(), lat))
+}
+
+/// One task's `n` operations of `path`, back to back; every call's latency in seconds.
+async fn path_task(
+    client: KvClient,
+    ns: NamespaceHandle,
+    data: Bytes,
+    path: Path,
+    task: usize,
+    n: usize,
+    kspace: usize,
+) -> anyhow::Result<Vec<f64>> {
+    let size = data.len();
+    let per = per_call(path);
+    let mut lat = Vec::with_capacity(n / per);
+    // The caller's buffer (an engine's KV pages), touched before the clock counts: room for 8
+    // blocks on every path, filled in turn, so a one-block load lands in memory as cold as an
+    // 8-block one does (a one-block buffer would stay in the core's cache and flatter the
+    // one-block paths).
+    let mut buf = vec![1u8; size * DEST_SLOTS];
+    for first in (0..n).step_by(per) {
+        let keys: Vec<BlockKey> = (first..(first + per).min(n)).map(|op| key(size, kspace, task, op)).collect();
+        let t = Instant::now();
+        match path {
+            Path::StoreFrames => {
+                let frame = ns.frame(keys[0], ns.block_tokens() as u32, data.clone())?;
+                let st = client.store_frames(std::slice::from_ref(&frame)).await?;
+                anyhow::ensure!(st.iter().all(|s| *s == ItemStatus::Ok), "kvtier refused a block: {st:?}");
+            }
+            Path::StoreKeys | Path::StoreKeys8 | Path::StoreFp8x8 => {
+                let blocks = vec![vec![data.clone()]; keys.len()];
+                let st = client.store_keys(&ns, &keys, &blocks).await?;
+                anyhow::ensure!(
+                    st.iter().all(|s| matches!(s, ItemStatus::Ok | ItemStatus::Present)),
+                    "kvtier refused a block: {st:?}"
+                );
+            }
+            Path::LoadKeys => {
+                let got = client.load_keys(&ns, &keys).await?;
+                let f = got
+                    .into_iter()
+                    .next()
+                    .flatten()
+                    .ok_or_else(|| anyhow::anyhow!("kvtier lost a block it acknowledged"))?;
+                anyhow::ensure!(f.payload.len() == size, "short block");
+            }
+            Path::LookupLoadCopy => {
+                let hit = client.lookup_keys(&ns, &keys).await?;
+                anyhow::ensure!(hit == keys.len(), "lookup found {hit} of {} blocks", keys.len());
+                let got = client.load_keys(&ns, &keys).await?;
+                let f = got
+                    .into_iter()
+                    .next()
+                    .flatten()
+                    .ok_or_else(|| anyhow::anyhow!("kvtier lost a block it acknowledged"))?;
+                let at = (first % DEST_SLOTS) * size;
+                buf[at..at + size].copy_from_slice(&f.payload);
+            }
+            Path::LoadInto | Path::LoadInto8 | Path::LoadFp8x8 => {
+                let at = (first % DEST_SLOTS) * size;
+                let room = &mut buf[at..at + size * keys.len()];
+                let mut dests: Vec<BlockDest<'_>> = room.chunks_exact_mut(size).map(|c| vec![c]).collect();
+                let ok = client.load_keys_into(&ns, &keys, &mut dests, true).await?;
+                anyhow::ensure!(ok.iter().all(|x| *x), "kvtier lost a block it acknowledged: {ok:?}");
+            }
+        }
+        lat.push(t.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(&buf);
+    Ok(lat)
 }
 
 /// Runs every (size, concurrency) cell against the kvtier server at `addr`, along every path.
@@ -289,6 +330,8 @@ pub async fn run_kvtier(
         ("engine-fused", "load", Path::LoadInto, false),
         ("engine-parked", "load", Path::LoadInto, true),
         ("engine-fused-x8", "load", Path::LoadInto8, false),
+        ("engine-fp8-x8", "store", Path::StoreFp8x8, false),
+        ("engine-fp8-x8", "load", Path::LoadFp8x8, false),
     ];
     for &c in &cfg.concurrency {
         let config = ClientConfig { data_connections: c, max_batch_blocks: 256, ..Default::default() };
@@ -300,7 +343,9 @@ pub async fn run_kvtier(
             let ns = client
                 .register(Namespace::new("bench", format!("blocks-{size}"), layout_for(size), HashScheme::Blake3, b""))
                 .await?;
+            let fp8 = ns.clone().with_codec(CodecId::FP8_E4M3)?;
             let data = payload(size, c);
+            let kv = bf16_kv(size, c);
             let n = cfg.ops_per_task(size, c).div_ceil(8) * 8;
             let bytes = size * c * n;
             let mut gbps = vec![Vec::new(); paths.len()];
@@ -312,7 +357,9 @@ pub async fn run_kvtier(
                 // machine hits them alike rather than one path's every run.
                 for (i, &(_, _, path, park)) in paths.iter().enumerate() {
                     let client = if park { &parked } else { &client };
-                    let (secs, lat) = run_path(client, &ns, &data, path, c, n, space(path, run)).await?;
+                    let (ns, data) =
+                        if matches!(path, Path::StoreFp8x8 | Path::LoadFp8x8) { (&fp8, &kv) } else { (&ns, &data) };
+                    let (secs, lat) = run_path(client, ns, data, path, c, n, space(path, run)).await?;
                     gbps[i].push(bytes as f64 / secs / 1e9);
                     lats[i].extend(lat);
                 }
@@ -535,5 +582,29 @@ mod tests {
             l.validate().unwrap();
             assert_eq!(l.block_bytes() as usize, size);
         }
+    }
+
+    /// The fp8 path's blocks halve on the wire and come back close: finite bf16 values the codec
+    /// keeps within a few percent (a block of NaNs or zeros would measure nothing real).
+    #[test]
+    fn fp8_blocks_are_kv_like_and_halve() {
+        let size = 1 << 20;
+        let kv = bf16_kv(size, 3);
+        assert_eq!(kv.len(), size);
+        assert_ne!(kv, bf16_kv(size, 4));
+        let f = |b: &[u8]| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16);
+        assert!(kv.chunks_exact(2).all(|b| f(b).is_finite()));
+        let spec = kvtier_kernels::BlockSpec::from_layout(&layout_for(size), layout_for(size).block_tokens);
+        let view = kvtier_kernels::KvBlockView::new(spec, &kv).unwrap();
+        let enc = kvtier_kernels::encode(CodecId::FP8_E4M3, &view).unwrap();
+        assert!(enc.len() * 100 <= size * 55, "fp8 is {} of {size} bytes", enc.len());
+        let dec = kvtier_kernels::decode(CodecId::FP8_E4M3, &enc, &spec).unwrap();
+        let (mut err, mut norm) = (0f64, 0f64);
+        for (a, b) in kv.chunks_exact(2).zip(dec.chunks_exact(2)) {
+            let (a, b) = (f(a) as f64, f(b) as f64);
+            err += (a - b) * (a - b);
+            norm += a * a;
+        }
+        assert!(norm > 0.0 && (err / norm).sqrt() < 0.1, "relative RMS error {}", (err / norm).sqrt());
     }
 }

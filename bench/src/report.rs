@@ -252,6 +252,7 @@ pub fn wire_tables(cells: &[Cell], l: &crate::limits::Limits, rt: &RoundTrips, n
         ("engine-fused", "fused `load_keys_into`"),
         ("engine-parked", "fused, parked"),
         ("engine-fused-x8", "fused, 8 blocks/call"),
+        ("engine-fp8-x8", "fp8, 8 blocks/call (bf16 bytes)"),
         ("python", "Python `load_into`"),
         ("python-keys", "Python `load_keys_into`"),
         ("lmcache", "LMCache server"),
@@ -263,6 +264,7 @@ pub fn wire_tables(cells: &[Cell], l: &crate::limits::Limits, rt: &RoundTrips, n
         ("kvtier", "Rust `store_frames`"),
         ("engine-fused", "Rust `store_keys`"),
         ("engine-fused-x8", "`store_keys`, 8 blocks/call"),
+        ("engine-fp8-x8", "fp8 `store_keys`, 8 blocks/call (bf16 bytes)"),
         ("python", "Python `store`"),
         ("python-keys", "Python `store_keys`"),
         ("lmcache", "LMCache PUT"),
@@ -293,7 +295,7 @@ pub fn wire_tables(cells: &[Cell], l: &crate::limits::Limits, rt: &RoundTrips, n
         }
         s += "\n";
     }
-    s += "### Ratios (same run; ✓/✗ against the issue's goals)\n\n| block | conc | fused / TCP (≥0.85 at 1 MiB ×1) | Python / TCP (≥0.85 at 1 MiB ×1) | fused / old engine path | fused / LMCache (≥1.5 at 1 MiB) | Python / LMCache | fused / Redis GET (≥1.5 at 1 MiB, ≥2 at 64 KiB) | Python / Redis GET | fused / redis-benchmark GET | raw Rust / TCP | store_keys / TCP (≥0.8 at 1 MiB ×1) | Python store / TCP |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+    s += "### Ratios (same run; ✓/✗ against the issue's goals)\n\n| block | conc | fused / TCP (≥0.85 at 1 MiB ×1) | Python / TCP (≥0.85 at 1 MiB ×1) | fused / old engine path | fused / LMCache (≥1.5 at 1 MiB) | Python / LMCache | fused / Redis GET (≥1.5 at 1 MiB, ≥2 at 64 KiB) | Python / Redis GET | fused / redis-benchmark GET | raw Rust / TCP | store_keys / TCP (≥0.8 at 1 MiB ×1) | Python store / TCP | fp8 / raw KV tokens/s, load ×8 (≥1.8 at 1 MiB) | fp8 / raw, store ×8 |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
     for &size in &sizes {
         for &c in &concs {
             let mib = size == 1 << 20;
@@ -313,7 +315,7 @@ pub fn wire_tables(cells: &[Cell], l: &crate::limits::Limits, rt: &RoundTrips, n
                 None
             };
             s += &format!(
-                "| {} | {c} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+                "| {} | {c} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
                 crate::report::size(size),
                 vs_goal(ratio(fused, tcp), one.then_some(0.85)),
                 vs_goal(ratio(py, tcp), one.then_some(0.85)),
@@ -326,6 +328,11 @@ pub fn wire_tables(cells: &[Cell], l: &crate::limits::Limits, rt: &RoundTrips, n
                 f2(ratio(g("kvtier", "load", size, c), tcp)),
                 vs_goal(ratio(g("engine-fused", "store", size, c), tcp), one.then_some(0.8)),
                 vs_goal(ratio(g("python", "store", size, c), tcp), one.then_some(0.8)),
+                vs_goal(
+                    ratio(g("engine-fp8-x8", "load", size, c), g("engine-fused-x8", "load", size, c)),
+                    mib.then_some(1.8)
+                ),
+                f2(ratio(g("engine-fp8-x8", "store", size, c), g("engine-fused-x8", "store", size, c))),
             );
         }
     }
