@@ -59,13 +59,15 @@ pub struct ClientConfig {
     /// The longest a same-node call polls its socket for the answer (on its own thread, without
     /// parking) before it waits parked; each call polls for about the time its copies take, at
     /// most this; calls moving over 4 MiB don't, nor calls while this process has other same-node
-    /// calls in flight. `Duration::ZERO`: never poll, leaving every core to the server. Default:
-    /// 2.5 ms.
+    /// calls in flight, nor calls the process finds parked calls answered sooner for (it times
+    /// its calls both ways, see `client/src/wait.rs`). `Duration::ZERO`: never poll, leaving every
+    /// core to the server. Default: 2.5 ms.
     pub samenode_poll: Duration,
     /// The same for a load over a plain TCP data-plane connection: after its request, its reads
     /// `recv` the answer (header, then the blocks as they stream in) without parking, for about
     /// the time its bytes take at 2 GB/s plus 50 µs, at most this; only while it is this
-    /// process's only call in flight (same-node or TCP), and never for calls moving over 4 MiB.
+    /// process's only call in flight (same-node or TCP), never for calls moving over 4 MiB, and
+    /// not while parked calls are answered sooner (a busy machine, timed as for same-node calls).
     /// TLS and connector streams always park. `Duration::ZERO`: never poll. Default: 2.5 ms.
     pub dataplane_poll: Duration,
     /// TLS to a node whose listeners run it (gRPC and data plane), with this client's certificate

@@ -39,6 +39,7 @@ mod polled;
 mod quic;
 mod samenode;
 mod tls;
+mod wait;
 
 pub use claims::{BufferClaim, ConcurrentBuffer, LoadBuffer, StoreBuffer};
 pub use client::{

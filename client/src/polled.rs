@@ -17,6 +17,9 @@
 //! as they stream in, into the caller's destination) and yield when nothing is there yet, so a
 //! load never parks between the request and the last byte of its answer — each park there was
 //! one or two wake-ups of tens of µs, several per MiB as a block arrives in pieces.
+//!
+//! Whether a call that may poll does is [`crate::wait`]'s choice: polling pays only while the
+//! machine has a core to spare, and the process learns from its calls' times whether it has.
 
 use std::os::fd::AsFd;
 use std::pin::Pin;
@@ -27,6 +30,8 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, ReadBuf};
 use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::UnixStream;
+
+use crate::wait::{WaitTicket, Waits, SAMENODE_WAITS, TCP_WAITS};
 
 /// Room for answers' fixed parts read while polling (header, statuses, frame headers); what does
 /// not fit is read by the ordinary path.
@@ -77,6 +82,8 @@ pub(crate) struct PolledSocket {
     sock: UnixStream,
     /// The calls in flight this connection's calls count among ([`IN_FLIGHT`]).
     flights: &'static AtomicUsize,
+    /// Whether its calls poll or park ([`SAMENODE_WAITS`]).
+    waits: &'static Waits,
     /// Bytes received while polling and not yet read: `rx[start..end]`.
     rx: Box<[u8]>,
     start: usize,
@@ -85,16 +92,25 @@ pub(crate) struct PolledSocket {
 
 impl PolledSocket {
     pub(crate) fn new(sock: UnixStream) -> Self {
-        Self::counted_in(sock, &IN_FLIGHT)
+        Self::counted_in(sock, &IN_FLIGHT, &SAMENODE_WAITS)
     }
 
-    fn counted_in(sock: UnixStream, flights: &'static AtomicUsize) -> Self {
-        PolledSocket { sock, flights, rx: vec![0u8; RX_BYTES].into_boxed_slice(), start: 0, end: 0 }
+    fn counted_in(sock: UnixStream, flights: &'static AtomicUsize, waits: &'static Waits) -> Self {
+        PolledSocket { sock, flights, waits, rx: vec![0u8; RX_BYTES].into_boxed_slice(), start: 0, end: 0 }
     }
 
     /// Counts a call in flight on this connection until the guard drops (after its answer).
     pub(crate) fn in_flight(&self) -> InFlight {
         InFlight::enter(self.flights)
+    }
+
+    /// For a call in flight that may poll for `budget`: the budget it polls for (zero when it
+    /// parks: another call is in flight, or parking is faster now), and the ticket to report its
+    /// time with once answered.
+    pub(crate) fn choose_wait(&self, budget: Duration) -> (Duration, Option<WaitTicket>) {
+        let ticket = if self.alone() { self.waits.start(budget) } else { None };
+        let budget = if ticket.as_ref().is_some_and(WaitTicket::polls) { budget } else { Duration::ZERO };
+        (budget, ticket)
     }
 
     /// Whether the caller's call (counted in flight) is the only one.
@@ -175,6 +191,10 @@ impl PolledSocket {
 pub(crate) struct PolledRead {
     half: OwnedReadHalf,
     flights: &'static AtomicUsize,
+    /// Whether its calls poll or park ([`TCP_WAITS`]).
+    waits: &'static Waits,
+    /// The armed call's choice, reported when it is answered.
+    ticket: Option<WaitTicket>,
     until: Option<Instant>,
     /// Bytes taken by polling `recv`s (the rest came through tokio's parked reads).
     polled: u64,
@@ -182,26 +202,33 @@ pub(crate) struct PolledRead {
 
 impl PolledRead {
     pub(crate) fn new(half: OwnedReadHalf) -> Self {
-        Self::counted_in(half, &IN_FLIGHT)
+        Self::counted_in(half, &IN_FLIGHT, &TCP_WAITS)
     }
 
-    fn counted_in(half: OwnedReadHalf, flights: &'static AtomicUsize) -> Self {
-        PolledRead { half, flights, until: None, polled: 0 }
+    fn counted_in(half: OwnedReadHalf, flights: &'static AtomicUsize, waits: &'static Waits) -> Self {
+        PolledRead { half, flights, waits, ticket: None, until: None, polled: 0 }
     }
 
     /// Starts a call that expects an answer of `bytes` (its payloads): counted in flight until
-    /// the guard drops, and its reads poll for up to [`poll_budget`] of it, at most `cap`
+    /// the guard drops, and, when it is the only call in flight and polling is the faster way
+    /// now ([`crate::wait`]), its reads poll for up to [`poll_budget`] of it, at most `cap`
     /// (`Duration::ZERO`: never).
     pub(crate) fn arm(&mut self, bytes: u64, cap: Duration) -> InFlight {
         let flight = InFlight::enter(self.flights);
         let budget = poll_budget(bytes).min(cap);
-        self.until = (!budget.is_zero()).then(|| Instant::now() + budget);
+        let alone = self.flights.load(Ordering::Acquire) <= 1;
+        self.ticket = if alone { self.waits.start(budget) } else { None };
+        let polls = self.ticket.as_ref().is_some_and(WaitTicket::polls);
+        self.until = polls.then(|| Instant::now() + budget);
         flight
     }
 
-    /// Ends a call's polling (its answer is read, or it failed).
+    /// Ends a call's polling: its answer is read (its time is reported), or it failed.
     pub(crate) fn disarm(&mut self) {
         self.until = None;
+        if let Some(ticket) = self.ticket.take() {
+            ticket.answered();
+        }
     }
 
     /// One non-blocking `recv` into `buf`'s unfilled part: `Ready` with what came (nothing at the
@@ -252,6 +279,10 @@ impl AsyncRead for PolledRead {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wait::Wait;
+
+    /// Calls that always poll: tests of what polling does.
+    static ALWAYS_POLL: Waits = Waits::fixed(Wait::Poll);
 
     #[test]
     fn a_poll_lasts_about_the_copy_and_a_long_wait_is_not_polled() {
@@ -268,7 +299,7 @@ mod tests {
     async fn a_call_polls_only_while_it_is_the_only_one_in_flight() {
         static FLIGHTS: AtomicUsize = AtomicUsize::new(0);
         let (ours, _theirs) = UnixStream::pair().unwrap();
-        let mut s = PolledSocket::counted_in(ours, &FLIGHTS);
+        let mut s = PolledSocket::counted_in(ours, &FLIGHTS, &ALWAYS_POLL);
         let mine = s.in_flight();
         let other = s.in_flight();
         let t = Instant::now();
@@ -305,15 +336,15 @@ mod tests {
         assert_eq!(one[0], b'z');
     }
 
-    /// Both ends of a loopback TCP connection: our receive half polled (counted in `flights`),
-    /// and the peer's stream.
-    async fn tcp_pair(flights: &'static AtomicUsize) -> (PolledRead, tokio::net::TcpStream) {
+    /// Both ends of a loopback TCP connection: our receive half polled (counted in `flights`,
+    /// choosing by `waits`), and the peer's stream.
+    async fn tcp_pair(flights: &'static AtomicUsize, waits: &'static Waits) -> (PolledRead, tokio::net::TcpStream) {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let ours = tokio::net::TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
         let (theirs, _) = l.accept().await.unwrap();
         let (r, w) = ours.into_split();
         std::mem::forget(w); // the send half stays open for the test's length
-        (PolledRead::counted_in(r, flights), theirs)
+        (PolledRead::counted_in(r, flights, waits), theirs)
     }
 
     /// An armed call alone in flight takes its whole answer by polling `recv`s, also what comes
@@ -321,7 +352,7 @@ mod tests {
     #[tokio::test]
     async fn an_armed_tcp_read_alone_takes_its_answer_by_polling() {
         static FLIGHTS: AtomicUsize = AtomicUsize::new(0);
-        let (mut r, mut theirs) = tcp_pair(&FLIGHTS).await;
+        let (mut r, mut theirs) = tcp_pair(&FLIGHTS, &ALWAYS_POLL).await;
         let want: Vec<u8> = (0..300_000u32).map(|i| (i * 7 + i / 13) as u8).collect();
         let sent = want.clone();
         let writer = tokio::spawn(async move {
@@ -351,7 +382,7 @@ mod tests {
     #[tokio::test]
     async fn a_tcp_read_parks_beside_other_calls_past_its_deadline_or_disarmed() {
         static FLIGHTS: AtomicUsize = AtomicUsize::new(0);
-        let (mut r, mut theirs) = tcp_pair(&FLIGHTS).await;
+        let (mut r, mut theirs) = tcp_pair(&FLIGHTS, &ALWAYS_POLL).await;
         let mut got = [0u8; 4];
         for case in ["another call", "deadline", "zero cap", "disarmed"] {
             let before = r.polled;
@@ -380,6 +411,40 @@ mod tests {
             r.disarm();
             drop(flight);
         }
+        assert_eq!(FLIGHTS.load(Ordering::Acquire), 0);
+    }
+
+    /// A call the process chose to park for (parking is faster now) waits parked, on TCP and
+    /// same-node, and still gets every byte.
+    #[tokio::test]
+    async fn a_call_chosen_to_park_reads_parked() {
+        static FLIGHTS: AtomicUsize = AtomicUsize::new(0);
+        static PARK: Waits = Waits::fixed(Wait::Park);
+        let (mut r, mut theirs) = tcp_pair(&FLIGHTS, &PARK).await;
+        let flight = r.arm(4, Duration::from_secs(5));
+        assert!(r.until.is_none(), "the call does not poll");
+        let late = async {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            theirs.write_all(b"late").await.unwrap();
+        };
+        let mut got = [0u8; 4];
+        let (read, ()) = tokio::join!(r.read_exact(&mut got), late);
+        read.unwrap();
+        assert_eq!(&got, b"late");
+        assert_eq!(r.polled, 0, "the bytes came through a parked read");
+        r.disarm();
+        drop(flight);
+
+        let (ours, _theirs) = UnixStream::pair().unwrap();
+        let s = PolledSocket::counted_in(ours, &FLIGHTS, &PARK);
+        let flight = s.in_flight();
+        let (budget, ticket) = s.choose_wait(Duration::from_secs(5));
+        assert_eq!(budget, Duration::ZERO, "a same-node call chosen to park polls for nothing");
+        assert!(ticket.is_some_and(|t| !t.polls()));
+        let other = s.in_flight();
+        let (budget, ticket) = s.choose_wait(Duration::from_secs(5));
+        assert!(budget.is_zero() && ticket.is_none(), "beside another call nothing is chosen or learned");
+        drop((flight, other));
         assert_eq!(FLIGHTS.load(Ordering::Acquire), 0);
     }
 

@@ -985,12 +985,17 @@ async fn do_load(
     poll: Duration,
 ) -> Answer<Vec<Result<FrameHeader, ItemStatus>>> {
     let _flight = s.in_flight();
+    let (poll, wait) = s.choose_wait(poll);
     s.write_all(msg).await?;
     s.poll_for_answer(poll).await;
     let h = match read_header(s, op, id).await? {
         Ok(h) => h,
         Err(e) => return Ok(Err(e)),
     };
+    // The blocks are in the buffer once the answer's header is here.
+    if let Some(ticket) = wait {
+        ticket.answered();
+    }
     check_count(&h, n)?;
     let mut statuses = vec![0u8; n];
     s.read_exact(&mut statuses).await?;
@@ -1024,6 +1029,7 @@ async fn do_store(
     poll: Duration,
 ) -> Answer<Vec<ItemStatus>> {
     let _flight = s.in_flight();
+    let (poll, wait) = s.choose_wait(poll);
     let sent = Instant::now();
     s.write_all(msg).await?;
     if let Some((sums, count)) = sums {
@@ -1036,6 +1042,9 @@ async fn do_store(
         Ok(h) => h,
         Err(e) => return Ok(Err(e)),
     };
+    if let Some(ticket) = wait {
+        ticket.answered();
+    }
     check_count(&h, n)?;
     let mut statuses = vec![0u8; n];
     s.read_exact(&mut statuses).await?;

@@ -836,8 +836,8 @@ impl Client {
     /// same-node socket when the server runs on this host) or `"off"` (everything over TCP).
     /// `samenode_poll_us`: the longest a same-node call polls for its answer before it sleeps
     /// (about as long as its copies take, at most this; calls moving over 4 MiB don't, nor calls
-    /// while others of this process are in flight); 0 never polls, leaving every core to the
-    /// server. `dataplane_poll_us`: the same for a call over a plain TCP connection, whose reads
+    /// while others of this process are in flight, nor while parked calls are answered sooner, as
+    /// on a busy machine); 0 never polls, leaving every core to the server. `dataplane_poll_us`: the same for a call over a plain TCP connection, whose reads
     /// take the answer's blocks as they stream in without sleeping.
     /// `tls_ca`: the PEM file of the CA a node that runs TLS has its certificate from (TLS on
     /// both planes); `tls_cert` / `tls_key`: this client's certificate and key, for nodes that take
