@@ -2,10 +2,10 @@
 //! each way has recently taken for calls of its size in this process.
 //!
 //! Polling pays only while the machine has a core to spare for it. On a quiet machine a polled
-//! 1 MiB load over loopback TCP ran 35% faster than a parked one and a 64 KiB load 40–90% faster;
-//! with one busy process beside it on the same 2 cores (an engine's own threads, a build), the
-//! spinning thread takes the core the server needs to produce the answer, and polled loads ran
-//! 20–40% slower than parked ones. No signal of the operating system told the two apart (CPU
+//! 1 MiB load over loopback TCP ran 25–70% faster than a parked one and a 64 KiB load 30–90%
+//! faster; with one busy process beside it on the same 2 cores (an engine's own threads, a build),
+//! the spinning thread takes the core the server needs to produce the answer, and polled loads ran
+//! 15–45% slower than parked ones. No signal of the operating system told the two apart (CPU
 //! pressure stalls 10–47% of every 20 ms on the quiet machine too, from the poller itself), so
 //! the process measures what it cares about: the time from a call's request to its answer, per
 //! size class ([`WaitChooser`]). Calls take one way; one call in [`EXPLORE_EVERY`] tries the other,
