@@ -39,19 +39,21 @@ impl Wait {
 const CLASSES: usize = 16;
 /// One call in this many takes the other way, to compare it with the way taken.
 pub(crate) const EXPLORE_EVERY: u32 = 16;
-/// Weight of a new call in the estimate of the way taken, and of a new comparison in the
-/// running comparison.
-const WEIGHT: f64 = 0.25;
-/// A call's time counts for at most this many times the estimate it is compared with, and at
-/// least its share: one call preempted for milliseconds does not flip the choice alone.
-const CLAMP: f64 = 4.0;
+/// Weight of a new call in the estimate of the way taken (every call but the trials: a slow
+/// weight, so that one slow call moves it little).
+const WEIGHT_TAKEN: f64 = 0.125;
+/// Weight of a new trial in the running comparison (one call in [`EXPLORE_EVERY`]: a faster one).
+const WEIGHT_TRIAL: f64 = 0.25;
+/// A call's time counts for at most this factor (`ln 4`) above or below the estimate it joins or
+/// is compared with: one call preempted for milliseconds does not flip the choice alone.
+const LN_CLAMP: f64 = std::f64::consts::LN_2 * 2.0;
 /// The other way becomes the way taken once its trials ran this much faster (5%, as a log
 /// ratio): two ways about as fast don't take turns on noise.
 const MARGIN: f64 = 0.05;
 
-/// One size class: the way its calls take, the running estimate of their µs, how the other way
-/// compared when tried (a running mean of `ln(other's µs / estimate then)`: below zero, it was
-/// faster), and its calls.
+/// One size class: the way its calls take, the running estimate of their time (a running mean of
+/// `ln µs`), how the other way compared when tried (a running mean of `ln(other's µs) - estimate
+/// then`: below zero, it was faster), and its calls.
 ///
 /// Each trial of the other way is compared with the estimate of the way taken *at that moment*,
 /// not with a long-run figure of its own, so a drift that slows or speeds both alike (a bigger
@@ -59,12 +61,12 @@ const MARGIN: f64 = 0.05;
 #[derive(Debug, Clone, Copy)]
 struct Class {
     taken: Wait,
-    est_us: Option<f64>,
+    ln_us: Option<f64>,
     other_vs_taken: f64,
     calls: u32,
 }
 
-const FRESH: Class = Class { taken: Wait::Poll, est_us: None, other_vs_taken: 0.0, calls: 0 };
+const FRESH: Class = Class { taken: Wait::Poll, ln_us: None, other_vs_taken: 0.0, calls: 0 };
 
 /// The choice between polling and parking, as plain data: `choose` for a call, `record` of what
 /// it took once answered.
@@ -88,7 +90,7 @@ impl WaitChooser {
     /// [`EXPLORE_EVERY`]th call, once the way taken has a time, the other.
     pub(crate) fn choose(&mut self, class: usize) -> Wait {
         let c = &mut self.classes[class];
-        if c.est_us.is_none() {
+        if c.ln_us.is_none() {
             return c.taken;
         }
         c.calls = c.calls.wrapping_add(1);
@@ -104,22 +106,25 @@ impl WaitChooser {
     /// becomes the way taken.
     pub(crate) fn record(&mut self, class: usize, wait: Wait, took: Duration) {
         let c = &mut self.classes[class];
-        let us = took.as_secs_f64() * 1e6;
-        let Some(est) = c.est_us else {
+        // At least 1 ns, so that the logarithm is finite.
+        let ln_us = (took.as_secs_f64() * 1e6).max(1e-3).ln();
+        let Some(est) = c.ln_us else {
             if wait == c.taken {
-                c.est_us = Some(us);
+                c.ln_us = Some(ln_us);
             }
             return;
         };
-        let us = us.clamp(est / CLAMP, est * CLAMP);
+        let off = (ln_us - est).clamp(-LN_CLAMP, LN_CLAMP);
         if wait == c.taken {
-            c.est_us = Some(est + WEIGHT * (us - est));
+            c.ln_us = Some(est + WEIGHT_TAKEN * off);
             return;
         }
-        c.other_vs_taken += WEIGHT * ((us / est).ln() - c.other_vs_taken);
+        c.other_vs_taken += WEIGHT_TRIAL * (off - c.other_vs_taken);
         if c.other_vs_taken < -MARGIN {
-            // Seen from the new way, the old one is as much slower.
-            *c = Class { taken: wait, est_us: Some(us), other_vs_taken: -c.other_vs_taken, calls: 0 };
+            // The new way's estimate is the old one's plus how the trials compared, and seen from
+            // the new way, the old one is as much slower.
+            let ln_us = Some(est + c.other_vs_taken);
+            *c = Class { taken: wait, ln_us, other_vs_taken: -c.other_vs_taken, calls: 0 };
         }
     }
 
@@ -272,16 +277,24 @@ mod tests {
     }
 
     #[test]
-    fn one_outlier_moves_the_comparison_by_a_bounded_step() {
+    fn one_outlier_moves_the_estimate_and_the_comparison_by_a_bounded_step() {
         let mut c = WaitChooser::new();
         c.record(0, Wait::Poll, 2 * MS);
+        c.record(0, Wait::Poll, Duration::from_secs(1));
+        let est = c.classes[0].ln_us.unwrap().exp();
+        assert!((est - 2_000.0 * 4f64.powf(WEIGHT_TAKEN)).abs() < 1e-6, "a 1 s call counts as 4x: {est}");
+        c.record(0, Wait::Poll, Duration::ZERO);
+        let back = c.classes[0].ln_us.unwrap().exp();
+        assert!((back - est / 4f64.powf(WEIGHT_TAKEN)).abs() < 1e-6, "a 0 s call as a quarter: {back}");
         c.record(0, Wait::Park, Duration::ZERO);
         let step = c.classes[0];
         assert_eq!(step.taken, Wait::Park, "a far faster trial flips the way at once");
-        assert!((step.other_vs_taken - WEIGHT * CLAMP.ln()).abs() < 1e-9, "but counts as 4x at most: {step:?}");
-        c.record(0, Wait::Park, Duration::from_secs(1));
-        let est = c.classes[0].est_us.unwrap();
-        assert!((est - (500.0 + WEIGHT * 1_500.0)).abs() < 1e-6, "a 1 s call counts as 4x the estimate: {est}");
+        assert!((step.other_vs_taken - WEIGHT_TRIAL * LN_CLAMP).abs() < 1e-9, "but counts as 4x at most: {step:?}");
+        let flipped = step.ln_us.unwrap().exp();
+        assert!(
+            (flipped - back / 4f64.powf(WEIGHT_TRIAL)).abs() < 1e-6,
+            "parking estimated from the comparison: {flipped}"
+        );
     }
 
     #[test]
@@ -292,11 +305,11 @@ mod tests {
         let failed = W.start(Duration::from_micros(100)).unwrap();
         assert!(failed.polls(), "the first call of a class polls");
         let _ = failed;
-        assert!(W.with(|c| c.classes[class].est_us).is_none(), "a call that failed reports nothing");
+        assert!(W.with(|c| c.classes[class].ln_us).is_none(), "a call that failed reports nothing");
         let t = W.start(Duration::from_micros(100)).unwrap();
         std::thread::sleep(MS);
         t.answered();
-        let est = W.with(|c| c.classes[class].est_us).unwrap();
+        let est = W.with(|c| c.classes[class].ln_us).unwrap().exp();
         assert!(est >= 1_000.0, "the sleep is in it: {est} µs");
         static FIXED: Waits = Waits::fixed(Wait::Poll);
         for _ in 0..3 {
@@ -304,6 +317,6 @@ mod tests {
             assert!(t.polls());
             t.answered();
         }
-        assert!(FIXED.with(|c| c.classes[WaitChooser::class(MS)].est_us).is_none(), "a fixed way learns nothing");
+        assert!(FIXED.with(|c| c.classes[WaitChooser::class(MS)].ln_us).is_none(), "a fixed way learns nothing");
     }
 }
