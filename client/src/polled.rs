@@ -60,6 +60,16 @@ pub(crate) fn poll_budget(bytes: u64) -> Duration {
     POLL_BASE + Duration::from_nanos(bytes * 1_000_000_000 / POLL_BYTES_PER_SEC)
 }
 
+/// For a call counted in `flights` that may poll for `budget`: the budget it polls for (zero when
+/// it parks: another call is in flight, or `waits` finds parking faster now), and the ticket to
+/// report its time with once answered (none beside other calls: nothing is chosen or learned).
+fn choose_wait(flights: &AtomicUsize, waits: &'static Waits, budget: Duration) -> (Duration, Option<WaitTicket>) {
+    let alone = flights.load(Ordering::Acquire) <= 1;
+    let ticket = if alone { waits.start(budget) } else { None };
+    let budget = if ticket.as_ref().is_some_and(WaitTicket::polls) { budget } else { Duration::ZERO };
+    (budget, ticket)
+}
+
 /// A call between its request and its answer, counted among the calls in flight.
 pub(crate) struct InFlight(&'static AtomicUsize);
 
@@ -108,9 +118,7 @@ impl PolledSocket {
     /// parks: another call is in flight, or parking is faster now), and the ticket to report its
     /// time with once answered.
     pub(crate) fn choose_wait(&self, budget: Duration) -> (Duration, Option<WaitTicket>) {
-        let ticket = if self.alone() { self.waits.start(budget) } else { None };
-        let budget = if ticket.as_ref().is_some_and(WaitTicket::polls) { budget } else { Duration::ZERO };
-        (budget, ticket)
+        choose_wait(self.flights, self.waits, budget)
     }
 
     /// Whether the caller's call (counted in flight) is the only one.
@@ -215,11 +223,9 @@ impl PolledRead {
     /// (`Duration::ZERO`: never).
     pub(crate) fn arm(&mut self, bytes: u64, cap: Duration) -> InFlight {
         let flight = InFlight::enter(self.flights);
-        let budget = poll_budget(bytes).min(cap);
-        let alone = self.flights.load(Ordering::Acquire) <= 1;
-        self.ticket = if alone { self.waits.start(budget) } else { None };
-        let polls = self.ticket.as_ref().is_some_and(WaitTicket::polls);
-        self.until = polls.then(|| Instant::now() + budget);
+        let (budget, ticket) = choose_wait(self.flights, self.waits, poll_budget(bytes).min(cap));
+        self.ticket = ticket;
+        self.until = (!budget.is_zero()).then(|| Instant::now() + budget);
         flight
     }
 
