@@ -118,6 +118,10 @@ fn bad_configuration_is_refused_at_start_with_the_setting_named() {
     let addr = taken.local_addr().unwrap().to_string();
     let err = serve_fails(&["--data-listen", &addr]);
     assert!(err.contains("data_listen") && err.contains(&addr), "{err}");
+    // One-sided leases asked for where they can't be had (no `rdma` feature in this build, or
+    // no verbs device on this machine): the start stops and says which.
+    let err = serve_fails(&["--rdma-device", "mlx5_0"]);
+    assert!(err.contains("--rdma-device mlx5_0") && err.contains("rdma"), "{err}");
 }
 
 #[test]

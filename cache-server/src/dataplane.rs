@@ -23,6 +23,8 @@
 //! tier holds, and blocks a `PUT` stored are queued for their other owners; requests flagged
 //! `FLAG_PEER` (from another node) do none of these.
 
+mod remote;
+
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -42,6 +44,7 @@ use tokio::sync::watch;
 use crate::deadline::Deadlined;
 use crate::dram::Priority;
 use crate::error::ServerError;
+use crate::fabric::RemoteLeases;
 use crate::gather::GatherWriter;
 use crate::listen::Peer;
 use crate::metrics::{error, observe};
@@ -209,6 +212,8 @@ struct Connection<R, W> {
     state: Arc<NodeState>,
     scratch: Vec<u8>,
     leases: PinLeases,
+    /// Slots of the DRAM arena this connection leased to its peer for one-sided moves.
+    remote: RemoteLeases,
     /// Who the hello's token authenticated (`None` until then).
     principal: Option<Principal>,
     /// Whom the connection's verified TLS client certificate names, if anyone.
@@ -268,6 +273,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             stall,
             idle,
             leases: PinLeases { state: state.clone(), pins: Default::default() },
+            remote: RemoteLeases::new(state.config().lease_timeout.0),
             state,
             scratch: Vec::new(),
             principal: None,
@@ -329,6 +335,10 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             Op::Put => self.put(req).await?,
             Op::Get => self.get(req).await?,
             Op::Exists => self.exists(req).await?,
+            Op::LeasePut => self.lease_put(req).await?,
+            Op::Commit => self.commit_leases(req).await?,
+            Op::LeaseGet => self.lease_get(req).await?,
+            Op::EndGet => self.end_get(req).await?,
             Op::Release => {
                 self.leases.release();
                 let h = ResponseHeader::ok(Op::Release, req.request_id, 0);
@@ -677,6 +687,8 @@ fn item_kind(s: ItemStatus) -> &'static str {
         ItemStatus::Present => "present",
         ItemStatus::OutOfRange => "out_of_range",
         ItemStatus::Forbidden => "forbidden",
+        ItemStatus::NoLease => "no_lease",
+        ItemStatus::Elsewhere => "elsewhere",
     }
 }
 

@@ -36,6 +36,7 @@ pub mod disk;
 pub mod dram;
 pub mod error;
 pub mod events;
+pub mod fabric;
 pub mod fs;
 pub mod gather;
 pub mod listen;

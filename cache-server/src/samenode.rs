@@ -1224,6 +1224,8 @@ fn kind(s: ItemStatus) -> &'static str {
         ItemStatus::SizeMismatch => "size_mismatch",
         ItemStatus::BadHeader => "bad_header",
         ItemStatus::Internal => "internal",
+        ItemStatus::NoLease => "no_lease",
+        ItemStatus::Elsewhere => "elsewhere",
         ItemStatus::Ok | ItemStatus::Present | ItemStatus::Miss => "ok",
     }
 }

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant, SystemTime};
 
 use kvtier_proto::dataplane::ItemStatus;
@@ -15,6 +15,7 @@ use crate::config::ServerConfig;
 use crate::disk::{DiskConfig, DiskTier, RecoveryReport};
 use crate::dram::{DramConfig, DramOptions, DramTier, Priority, RegionMode};
 use crate::error::ServerError;
+use crate::fabric::{ArenaAccess, Fabric};
 use crate::fs::{FileSystem, FsFile, OpenMode, StdFs};
 use crate::session_log::{fresh_log_key, unix_ms, SessionLog};
 use crate::session_store::SessionStore;
@@ -31,6 +32,9 @@ pub const MAX_NAMESPACES: usize = 4096;
 pub struct NodeState {
     config: ServerConfig,
     tenants: Tenants,
+    /// The DRAM arena's registration with a one-sided fabric, when one was attached. Declared
+    /// before `tiers`, so it is dropped (deregistered) before the arena is unmapped.
+    arena_access: OnceLock<Arc<ArenaAccess>>,
     tiers: TierStack,
     sessions: SessionStore,
     namespaces: RwLock<HashMap<NamespaceId, Namespace>>,
@@ -312,6 +316,7 @@ impl NodeState {
                 io: IoPool::default(),
                 namespace_log: None,
                 _dir_lock: dir_lock,
+                arena_access: OnceLock::new(),
                 tenants,
                 config,
             });
@@ -384,6 +389,7 @@ impl NodeState {
             io: IoPool::default(),
             namespace_log: Some(NamespaceLog { file: f, lock: Mutex::new(()), key: ns_key }),
             _dir_lock: dir_lock,
+            arena_access: OnceLock::new(),
             tenants,
             config,
         };
@@ -433,6 +439,27 @@ impl NodeState {
     /// Credentials, tenants and their grants and quotas.
     pub fn tenants(&self) -> &Tenants {
         &self.tenants
+    }
+
+    /// Registers the DRAM arena with `fabric`, so that data-plane connections may lease its slots
+    /// to peers that read and write them one-sidedly (see `crate::fabric`). Once per node.
+    pub fn attach_fabric(&self, fabric: &dyn Fabric) -> Result<(), ServerError> {
+        if self.arena_access.get().is_some() {
+            return Err(ServerError::Config("a fabric is already attached to this node's DRAM arena".into()));
+        }
+        let region = self.tiers.dram_region();
+        // SAFETY: the region lives in `self.tiers`, and `arena_access` is declared before it, so
+        // the registration is dropped before the region is unmapped.
+        let access = unsafe { ArenaAccess::register(fabric, region.as_ptr() as *mut u8, region.len())? };
+        tracing::info!(fabric = access.name(), bytes = region.len(), "DRAM arena registered for one-sided access");
+        self.arena_access
+            .set(Arc::new(access))
+            .map_err(|_| ServerError::Config("a fabric is already attached to this node's DRAM arena".into()))
+    }
+
+    /// The DRAM arena's one-sided registration, when a fabric is attached.
+    pub fn arena_access(&self) -> Option<&Arc<ArenaAccess>> {
+        self.arena_access.get()
     }
 
     /// The tier stack: the only way to the blocks.

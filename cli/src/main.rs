@@ -3,6 +3,7 @@
 //! `kvtier cert` makes TLS certificates.
 
 mod agent;
+mod fabric;
 mod peers;
 mod watch;
 
@@ -76,6 +77,10 @@ struct ServeArgs {
     /// Serve no /metrics.
     #[arg(long)]
     no_metrics: bool,
+    /// Register the DRAM arena with this RDMA device (`any`: the first), so peers lease its
+    /// slots and move blocks one-sidedly (needs the `rdma` build feature and a verbs device).
+    #[arg(long, env = "KVTIER_RDMA_DEVICE")]
+    rdma_device: Option<String>,
     #[arg(long, env = "KVTIER_DATA_DIR")]
     data_dir: Option<PathBuf>,
     /// Hard cap of the DRAM tier, e.g. 512MiB or 4GiB.
@@ -360,6 +365,12 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     let peer_transport = peers::ClientTransport::new(cfg.auth_token.clone(), cfg.peer_timeout.0, peer_tls, quic);
     let mut server = kvtier_server::start(cfg, handle).await?;
     server.attach_peers(std::sync::Arc::new(peer_transport));
+    if let Some(device) = &a.rdma_device {
+        if let Err(e) = fabric::attach_rdma(&server.state, device) {
+            server.stop(Duration::from_secs(5)).await?;
+            return Err(e);
+        }
+    }
     let metrics = server.metrics_addr.map(|m| format!("http://{m}/metrics")).unwrap_or_else(|| "off".into());
     let disk = match server.state.disk_recovery() {
         Some(r) => format!(

@@ -704,6 +704,14 @@ impl KvClient {
         (0..n).step_by(per).map(|s| s..(s + per).min(n)).collect()
     }
 
+    /// A data-plane connection of its own for remote leases: slots of the node's DRAM arena that
+    /// a one-sided mover (RDMA) writes and reads outside the connection (see [`LeaseSession`]).
+    /// A node with no fabric attached refuses each lease request with a message saying so.
+    pub async fn lease_session(&self) -> Result<crate::LeaseSession, ClientError> {
+        let conn = self.inner.pool.dedicated().await?;
+        Ok(crate::LeaseSession { conn, max_frame: self.inner.info.max_frame_bytes })
+    }
+
     /// Which of `keys` the server holds (in any tier), each key on its own: engines store chunks
     /// out of order, so a hole does not hide the keys after it. See [`NamespaceHandle::engine_key`].
     pub async fn exists_keys(&self, ns: &NamespaceHandle, keys: &[BlockKey]) -> Result<Vec<bool>, ClientError> {

@@ -761,6 +761,14 @@ impl DataPool {
         }
     }
 
+    /// A connection of its own, outside the pool's count (a [`lease::LeaseSession`]'s: its
+    /// leases live as long as it does, so it never comes back to the pool).
+    pub(crate) async fn dedicated(&self) -> Result<DataConn, ClientError> {
+        tokio::time::timeout(self.connect_timeout, self.dial.connect(self.token.as_deref()))
+            .await
+            .map_err(|_| ClientError::Timeout(self.connect_timeout))?
+    }
+
     pub(crate) async fn lease(&self) -> Result<Lease<'_>, ClientError> {
         let permit = self.permits.clone().acquire_owned().await.map_err(|e| ClientError::Io(e.to_string()))?;
         let idle = {
@@ -786,6 +794,10 @@ impl DataPool {
 /// Requests a node sends its peers on a client's behalf.
 #[path = "conn_peer.rs"]
 mod peer;
+
+/// Remote leases: slots of a node's DRAM arena for one-sided movers.
+#[path = "conn_lease.rs"]
+pub(crate) mod lease;
 
 #[cfg(test)]
 mod tests {

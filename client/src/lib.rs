@@ -48,6 +48,7 @@ pub use client::{
 };
 pub use client::{ClusterMembers, EventKind, EventWatch, KvEvent, NodeHolding, OwnerRouter, RouteHint};
 #[cfg(unix)]
+pub use conn::lease::{GetGrant, LeaseSession, PutGrant};
 pub use connector::UnixConnector;
 pub use connector::{BoxedStream, ConnectFuture, DataPlaneConnector, DataStream};
 pub use engine::{EngineClient, Loaded, Miss};

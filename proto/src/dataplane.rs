@@ -23,6 +23,33 @@
 //! - `RELEASE`: [`RequestHeader`] with `count` 0. Unpins every block this connection stored or
 //!   touched with [`FLAG_PIN_LEASE`]. Answer: a [`ResponseHeader`].
 //!
+//! # Remote leases (one-sided writes and reads of the node's DRAM arena)
+//!
+//! On a node whose DRAM arena is registered with a one-sided fabric (RDMA verbs; see the
+//! server's `fabric` module), a peer can move payloads without the node's CPU touching them
+//! (Mooncake's PutStart / PutEnd). Every lease belongs to the connection that took it and ends
+//! with it; a node without a fabric answers these ops with a request-level `BadRequest` saying so.
+//!
+//! - `LEASE_PUT`: [`RequestHeader`] with `count` 128-byte frame headers after it (no payloads;
+//!   each header's checksum is the payload's to come). Answer: [`ResponseHeader`], then per item
+//!   an [`ItemStatus`] byte followed — when `Ok` — by a [`LeaseGrant`] (the lease id and the
+//!   [`SlotDescriptor`] of exactly `payload_len` bytes to write). `Present`: already held, write
+//!   nothing. Any other status: refused, as a `PUT` would refuse it.
+//! - `COMMIT`: [`RequestHeader`] with `count` lease ids (`u64` each) after it. The node hashes
+//!   each leased slot and publishes the block when it matches the header's checksum. Answer:
+//!   [`ResponseHeader`] then one status per id: `Ok`, `ChecksumMismatch` (nothing stored, the
+//!   lease ended), `Capacity` (revoked at its deadline), [`ItemStatus::NoLease`] (no such lease
+//!   on this connection).
+//! - `LEASE_GET`: [`RequestHeader`] (namespace set) with `count` keys after it (a `GET`'s, with
+//!   [`FLAG_STOP_AT_MISS`] allowed). Answer: [`ResponseHeader`], then per key a status byte
+//!   followed — when `Ok` — by the stored frame's header and a [`LeaseGrant`] of its payload,
+//!   which stays where it is until `END_GET`, the lease's deadline or the connection's end.
+//!   [`ItemStatus::Elsewhere`]: held, but not in the registered arena (on disk, in a peer or the
+//!   agent): load it with `GET`. The reader checks what it read against the header's checksum,
+//!   as for a `GET` (a lease that ended before its read finished is a mismatch, never data).
+//! - `END_GET`: [`RequestHeader`] with `count` lease ids after it; ends those read leases.
+//!   Answer: [`ResponseHeader`] then one status per id (`Ok`, or `NoLease`).
+//!
 //! A `PUT` with [`FLAG_REPORT_PRESENT`] answers [`ItemStatus::Present`] instead of `Ok` for a
 //! block the server already held (its bytes were not taken), so a writer learns what it didn't
 //! need to send; after the item statuses come one little-endian `u16` per item: the codec of the
@@ -141,6 +168,11 @@ pub enum Op {
     Get = 2,
     Release = 3,
     Exists = 4,
+    /// Remote leases (see the module docs).
+    LeasePut = 5,
+    Commit = 6,
+    LeaseGet = 7,
+    EndGet = 8,
 }
 
 impl Op {
@@ -150,6 +182,10 @@ impl Op {
             2 => Ok(Op::Get),
             3 => Ok(Op::Release),
             4 => Ok(Op::Exists),
+            5 => Ok(Op::LeasePut),
+            6 => Ok(Op::Commit),
+            7 => Ok(Op::LeaseGet),
+            8 => Ok(Op::EndGet),
             other => Err(ProtoError::Malformed(format!("unknown data-plane op {other}"))),
         }
     }
@@ -210,6 +246,12 @@ pub enum ItemStatus {
     OutOfRange = 11,
     /// The connection's tenant may not write (or read) the frame's namespace.
     Forbidden = 12,
+    /// Remote leases: no such lease on this connection (never granted, already ended, or a read
+    /// lease past its deadline).
+    NoLease = 13,
+    /// Remote leases: the block is held, but not in memory a one-sided read can reach (on disk,
+    /// in a peer, in the agent's HBM); load it with `GET`.
+    Elsewhere = 14,
 }
 
 impl ItemStatus {
@@ -228,6 +270,8 @@ impl ItemStatus {
             10 => ItemStatus::Present,
             11 => ItemStatus::OutOfRange,
             12 => ItemStatus::Forbidden,
+            13 => ItemStatus::NoLease,
+            14 => ItemStatus::Elsewhere,
             other => return Err(ProtoError::Malformed(format!("unknown item status {other}"))),
         })
     }
@@ -252,6 +296,8 @@ impl ItemStatus {
             ItemStatus::Present => "already present",
             ItemStatus::OutOfRange => "offset and length outside the registered buffer (or the item's room)",
             ItemStatus::Forbidden => "the namespace belongs to another tenant that granted no access",
+            ItemStatus::NoLease => "no such lease on this connection (never granted, ended, or past its deadline)",
+            ItemStatus::Elsewhere => "held outside the registered arena (disk, peer or agent): load it with GET",
         }
     }
 }
@@ -342,6 +388,102 @@ impl ResponseHeader {
     }
 }
 
+/// Magic of an encoded [`SlotDescriptor`].
+const SLOT_MAGIC: [u8; 4] = *b"KVS1";
+/// Bytes of an encoded [`SlotDescriptor`].
+pub const SLOT_DESCRIPTOR_LEN: usize = 24;
+/// Bytes of an encoded [`LeaseGrant`].
+pub const LEASE_GRANT_LEN: usize = 8 + SLOT_DESCRIPTOR_LEN;
+/// Bytes of a lease id in `COMMIT` and `END_GET`.
+pub const LEASE_ID_LEN: usize = 8;
+
+/// A leased slot of a node's registered memory, as the node describes it: the remote virtual
+/// address of its first byte, the remote key of the registration holding it, and its length.
+///
+/// ```
+/// use kvtier_proto::dataplane::SlotDescriptor;
+/// let slot = SlotDescriptor { addr: 0x7f00_0000_1000, rkey: 0x1234, len: 4096 };
+/// assert_eq!(SlotDescriptor::decode(&slot.encode()).unwrap(), slot);
+/// assert!(slot.window(4000, 200).is_none());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SlotDescriptor {
+    pub addr: u64,
+    pub rkey: u32,
+    pub len: u64,
+}
+
+impl SlotDescriptor {
+    /// Little-endian: magic `KVS1`, rkey (u32), addr (u64), len (u64).
+    pub fn encode(&self) -> [u8; SLOT_DESCRIPTOR_LEN] {
+        let mut b = [0u8; SLOT_DESCRIPTOR_LEN];
+        b[0..4].copy_from_slice(&SLOT_MAGIC);
+        b[4..8].copy_from_slice(&self.rkey.to_le_bytes());
+        b[8..16].copy_from_slice(&self.addr.to_le_bytes());
+        b[16..24].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    /// Decodes and checks a descriptor from a peer: exact length, magic, and an address range
+    /// that does not wrap.
+    pub fn decode(bytes: &[u8]) -> Result<Self, ProtoError> {
+        if bytes.len() != SLOT_DESCRIPTOR_LEN {
+            return Err(ProtoError::Malformed(format!(
+                "slot descriptor is {} bytes, {SLOT_DESCRIPTOR_LEN} expected",
+                bytes.len()
+            )));
+        }
+        if bytes[0..4] != SLOT_MAGIC {
+            return Err(ProtoError::Malformed(format!("bad slot descriptor magic {:02x?}", &bytes[0..4])));
+        }
+        let word = |r: std::ops::Range<usize>| {
+            let mut w = [0u8; 8];
+            w[..r.len()].copy_from_slice(&bytes[r]);
+            u64::from_le_bytes(w)
+        };
+        let d = SlotDescriptor { rkey: word(4..8) as u32, addr: word(8..16), len: word(16..24) };
+        if d.addr.checked_add(d.len).is_none() {
+            return Err(ProtoError::Malformed(format!("slot {:#x}+{} wraps the address space", d.addr, d.len)));
+        }
+        Ok(d)
+    }
+
+    /// The part `offset..offset + len` of the slot; `None` when it leaves the slot.
+    pub fn window(&self, offset: u64, len: u64) -> Option<SlotDescriptor> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Some(SlotDescriptor { addr: self.addr + offset, rkey: self.rkey, len }),
+            _ => None,
+        }
+    }
+}
+
+/// What a `LEASE_PUT` or `LEASE_GET` grants per item: the lease's id on this connection and the
+/// slot it covers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseGrant {
+    pub lease: u64,
+    pub slot: SlotDescriptor,
+}
+
+impl LeaseGrant {
+    /// Bytes of an encoded grant.
+    pub const LEN: usize = LEASE_GRANT_LEN;
+
+    /// Little-endian: lease id (u64), then the [`SlotDescriptor`].
+    pub fn encode(&self) -> [u8; LEASE_GRANT_LEN] {
+        let mut b = [0u8; LEASE_GRANT_LEN];
+        b[..8].copy_from_slice(&self.lease.to_le_bytes());
+        b[8..].copy_from_slice(&self.slot.encode());
+        b
+    }
+
+    pub fn decode(b: &[u8; LEASE_GRANT_LEN]) -> Result<Self, ProtoError> {
+        let mut id = [0u8; 8];
+        id.copy_from_slice(&b[..8]);
+        Ok(LeaseGrant { lease: u64::from_le_bytes(id), slot: SlotDescriptor::decode(&b[8..])? })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -368,9 +510,52 @@ mod tests {
         let mut fixed = [0u8; HELLO_LEN];
         fixed.copy_from_slice(&hello[..HELLO_LEN]);
         assert_eq!(Hello::decode(&fixed).unwrap(), Hello { version: PROTOCOL_VERSION, token_len: 3 });
-        for v in 0..=11u8 {
+        for v in 0..=14u8 {
             assert_eq!(ItemStatus::from_u8(v).unwrap() as u8, v);
         }
-        assert!(ItemStatus::from_u8(200).is_err());
+        assert!(ItemStatus::from_u8(15).is_err());
+        for v in 1..=8u8 {
+            assert_eq!(Op::from_u8(v).unwrap() as u8, v);
+        }
+        assert!(Op::from_u8(9).is_err());
+    }
+
+    #[test]
+    fn slot_descriptors_and_grants_round_trip_and_refuse_garbage() {
+        for d in [
+            SlotDescriptor { addr: 0, rkey: 0, len: 0 },
+            SlotDescriptor { addr: 0x7fff_dead_b000, rkey: u32::MAX, len: 1 << 30 },
+            SlotDescriptor { addr: u64::MAX - 10, rkey: 7, len: 10 },
+        ] {
+            let e = d.encode();
+            assert_eq!(&e[..4], b"KVS1");
+            assert_eq!(SlotDescriptor::decode(&e).unwrap(), d);
+            let g = LeaseGrant { lease: 0xfeed_0000_0001, slot: d };
+            assert_eq!(LeaseGrant::decode(&g.encode()).unwrap(), g);
+        }
+        let good = SlotDescriptor { addr: 4096, rkey: 9, len: 64 }.encode();
+        assert!(SlotDescriptor::decode(&good[..23]).is_err());
+        let mut long = good.to_vec();
+        long.push(0);
+        assert!(SlotDescriptor::decode(&long).is_err());
+        let mut magic = good;
+        magic[0] = b'X';
+        assert!(matches!(SlotDescriptor::decode(&magic), Err(ProtoError::Malformed(m)) if m.contains("magic")));
+        let wraps = SlotDescriptor { addr: u64::MAX - 10, rkey: 7, len: 11 }.encode();
+        assert!(matches!(SlotDescriptor::decode(&wraps), Err(ProtoError::Malformed(m)) if m.contains("wraps")));
+        let mut grant = LeaseGrant { lease: 1, slot: SlotDescriptor { addr: 1, rkey: 1, len: 1 } }.encode();
+        grant[8] = 0;
+        assert!(LeaseGrant::decode(&grant).is_err());
+    }
+
+    #[test]
+    fn windows_stay_inside_the_slot() {
+        let s = SlotDescriptor { addr: 1000, rkey: 3, len: 100 };
+        assert_eq!(s.window(0, 100), Some(s));
+        assert_eq!(s.window(40, 60), Some(SlotDescriptor { addr: 1040, rkey: 3, len: 60 }));
+        assert_eq!(s.window(100, 0).unwrap().len, 0);
+        for (off, len) in [(0, 101), (1, 100), (101, 0), (u64::MAX, 2), (50, u64::MAX)] {
+            assert_eq!(s.window(off, len), None, "{off}+{len}");
+        }
     }
 }

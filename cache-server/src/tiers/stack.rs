@@ -545,6 +545,17 @@ impl TierStack {
         self.dram.contains(ns, key)
     }
 
+    /// The DRAM arena every slot is carved from (what a one-sided fabric registers once).
+    pub fn dram_region(&self) -> &crate::dram::Region {
+        self.dram.region()
+    }
+
+    /// The block as DRAM holds it, unchecked (a remote read lease's: the reader checks it), or
+    /// `None` when DRAM doesn't hold it.
+    pub fn dram_block(&self, ns: &NamespaceId, key: &BlockKey) -> Option<crate::dram::StoredBlock> {
+        self.dram.get(ns, key)
+    }
+
     /// Zero-copy ingest, step one: an unpublished DRAM slot of `len` bytes to receive into.
     pub fn reserve(&self, ns: &NamespaceId, len: usize) -> Result<SlotWriter, ServerError> {
         self.dram.reserve_for(ns, len)

@@ -5,6 +5,10 @@
 //! deadline — and fail the same ways: an unknown rkey or a range outside the registration is a
 //! remote access error in the completion, a missing completion is a timeout that breaks the mover.
 //! A test can stall a mover (completions never arrive) to exercise that path.
+//!
+//! Besides this crate's [`HostBuffer`]s, memory another component owns can be registered by
+//! address ([`LoopbackFabric::register_raw`]): the server's DRAM arena, leased to peers slot by
+//! slot, in tests that run a node and its one-sided clients in one process.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -20,8 +24,80 @@ use crate::error::{AgentError, Result};
 /// The shared "network": every region registered by any mover on it, by rkey.
 #[derive(Default)]
 pub struct LoopbackFabric {
-    regions: Mutex<HashMap<u32, HostBuffer>>,
+    regions: Mutex<HashMap<u32, Target>>,
     next_rkey: AtomicU32,
+}
+
+/// What an rkey names.
+enum Target {
+    /// A buffer of this crate.
+    Buffer(HostBuffer),
+    /// Memory registered by address ([`LoopbackFabric::register_raw`]).
+    Raw { base: usize, len: usize },
+}
+
+impl Target {
+    fn addr(&self) -> usize {
+        match self {
+            Target::Buffer(b) => b.addr(),
+            Target::Raw { base, .. } => *base,
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Target::Buffer(b) => b.len(),
+            Target::Raw { len, .. } => *len,
+        }
+    }
+
+    /// Writes `bytes` at `at` (inside the target: [`LoopbackFabric::resolve`] checked it).
+    fn write(&self, at: usize, bytes: &[u8]) -> Result<()> {
+        match self {
+            Target::Buffer(b) => b.write(at, bytes),
+            Target::Raw { base, len } => {
+                crate::device::check_bounds("raw region", at, bytes.len(), *len)?;
+                // SAFETY: `register_raw`'s caller keeps `base..base + len` mapped while it is
+                // registered, and it is: we run under the fabric's lock (`with_target`), which
+                // deregistration takes first. The range is in bounds (checked above).
+                // Like a NIC's DMA, the write does not synchronise with the owner's accesses:
+                // the lease protocol decides who touches a slot when.
+                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), (*base + at) as *mut u8, bytes.len()) };
+                Ok(())
+            }
+        }
+    }
+
+    /// Reads `out.len()` bytes from `at`.
+    fn read(&self, at: usize, out: &mut [u8]) -> Result<()> {
+        match self {
+            Target::Buffer(b) => b.read(at, out),
+            Target::Raw { base, len } => {
+                crate::device::check_bounds("raw region", at, out.len(), *len)?;
+                // SAFETY: as in `write`.
+                unsafe { std::ptr::copy_nonoverlapping((*base + at) as *const u8, out.as_mut_ptr(), out.len()) };
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Memory registered by address on a [`LoopbackFabric`]; deregistered on drop.
+pub struct LoopbackRawRegistration {
+    rkey: u32,
+    fabric: Arc<LoopbackFabric>,
+}
+
+impl LoopbackRawRegistration {
+    pub fn rkey(&self) -> u32 {
+        self.rkey
+    }
+}
+
+impl Drop for LoopbackRawRegistration {
+    fn drop(&mut self) {
+        self.fabric.regions.lock().remove(&self.rkey);
+    }
 }
 
 impl LoopbackFabric {
@@ -34,8 +110,21 @@ impl LoopbackFabric {
         self.regions.lock().len()
     }
 
-    /// The registered buffer holding `window` entirely, as a NIC would resolve it.
-    fn resolve(&self, window: &SlotDescriptor) -> Result<(HostBuffer, usize)> {
+    /// Registers `len` bytes at `base` (memory this crate does not own) for moves by any mover
+    /// on the fabric; its slot descriptors name it by address, as for a buffer.
+    ///
+    /// # Safety
+    /// `base..base + len` must stay mapped until the returned registration is dropped.
+    pub unsafe fn register_raw(self: &Arc<Self>, base: *mut u8, len: usize) -> LoopbackRawRegistration {
+        let rkey = self.next_rkey.fetch_add(1, Ordering::Relaxed);
+        self.regions.lock().insert(rkey, Target::Raw { base: base as usize, len });
+        LoopbackRawRegistration { rkey, fabric: self.clone() }
+    }
+
+    /// Runs `access` on the registered memory holding `window` entirely (as a NIC would resolve
+    /// it) and the window's offset in it, under the fabric's lock: a registration can't be
+    /// dropped, and its memory unmapped, while a move into it is under way.
+    fn with_target(&self, window: &SlotDescriptor, access: impl FnOnce(&Target, usize) -> Result<()>) -> Result<()> {
         let regions = self.regions.lock();
         let buf = regions
             .get(&window.rkey)
@@ -49,7 +138,7 @@ impl LoopbackFabric {
                 window.addr, window.len, window.rkey
             )));
         }
-        Ok((buf.clone(), (window.addr - base) as usize))
+        access(buf, (window.addr - base) as usize)
     }
 }
 
@@ -138,7 +227,7 @@ impl BulkMover for LoopbackMover {
 
     fn register(&self, buf: &HostBuffer) -> Result<LoopbackRegion> {
         let rkey = self.fabric.next_rkey.fetch_add(1, Ordering::Relaxed);
-        self.fabric.regions.lock().insert(rkey, buf.clone());
+        self.fabric.regions.lock().insert(rkey, Target::Buffer(buf.clone()));
         Ok(LoopbackRegion { buf: buf.clone(), rkey, fabric: self.fabric.clone() })
     }
 
@@ -158,10 +247,9 @@ impl BulkMover for LoopbackMover {
     ) -> Result<()> {
         let window = check_move(&local.buf, local_offset, slot, slot_offset, len)?;
         self.post_and_wait("RDMA WRITE", timeout, || {
-            let (remote, at) = self.fabric.resolve(&window)?;
             let mut bytes = vec![0u8; len];
             local.buf.read(local_offset, &mut bytes)?;
-            remote.write(at, &bytes)
+            self.fabric.with_target(&window, |remote, at| remote.write(at, &bytes))
         })
     }
 
@@ -176,9 +264,8 @@ impl BulkMover for LoopbackMover {
     ) -> Result<()> {
         let window = check_move(&local.buf, local_offset, slot, slot_offset, len)?;
         self.post_and_wait("RDMA READ", timeout, || {
-            let (remote, at) = self.fabric.resolve(&window)?;
             let mut bytes = vec![0u8; len];
-            remote.read(at, &mut bytes)?;
+            self.fabric.with_target(&window, |remote, at| remote.read(at, &mut bytes))?;
             local.buf.write(local_offset, &bytes)
         })
     }
@@ -197,7 +284,7 @@ mod tests {
         let fabric = LoopbackFabric::new();
         let lessor = LoopbackMover::new(&fabric);
         let arena = lessor.register(&HostBuffer::new(64 << 10)).unwrap();
-        let slot = SlotDescriptor::decode(&lessor.describe(&arena, 8 << 10, 4096).unwrap().encode()).unwrap();
+        let slot = crate::mover::decode_slot(&lessor.describe(&arena, 8 << 10, 4096).unwrap().encode()).unwrap();
         let client = LoopbackMover::new(&fabric);
         let staging =
             client.register(&HostBuffer::from_vec((0..8192u32).map(|i| (i * 7 + 3) as u8).collect())).unwrap();
@@ -215,6 +302,36 @@ mod tests {
         // Read part of it back into another place of the staging buffer.
         client.read(&slot, 1000, &staging, 5000, 500, T).unwrap();
         assert_eq!(&staging.buffer().to_vec()[5000..5500], &staged[1100..1600]);
+    }
+
+    /// Memory this crate doesn't own, registered by address: moves land in it and come out of it
+    /// like a buffer's, bounded by the registration, and end with it.
+    #[test]
+    fn memory_registered_by_address_is_moved_into_and_out_of_until_deregistered() {
+        let fabric = LoopbackFabric::new();
+        let mut arena = vec![0u8; 16 << 10];
+        let base = arena.as_mut_ptr();
+        // SAFETY: `arena` outlives the registration (dropped below, before `arena`).
+        let reg = unsafe { fabric.register_raw(base, arena.len()) };
+        let slot = SlotDescriptor { addr: base as u64 + 4096, rkey: reg.rkey(), len: 100 };
+        let peer = LoopbackMover::new(&fabric);
+        let staging = peer.register(&HostBuffer::from_vec((0..200u8).collect())).unwrap();
+        peer.write(&staging, 10, &slot, 0, 100, T).unwrap();
+        peer.read(&slot, 50, &staging, 150, 50, T).unwrap();
+        // Past the registration's end: refused by the "NIC", nothing written.
+        let past = SlotDescriptor { addr: base as u64 + (16 << 10) - 10, rkey: reg.rkey(), len: 20 };
+        assert!(matches!(peer.write(&staging, 0, &past, 0, 20, T), Err(AgentError::RemoteAccess(_))));
+        drop(reg);
+        assert!(
+            matches!(peer.write(&staging, 0, &slot, 0, 10, T), Err(AgentError::RemoteAccess(m)) if m.contains("rkey"))
+        );
+        assert_eq!(fabric.registered(), 1, "only the staging buffer is left");
+        let mut back = [0u8; 50];
+        staging.buffer().read(150, &mut back).unwrap();
+        assert_eq!(&back[..], &(60..110u8).collect::<Vec<_>>()[..], "read back out of the registered memory");
+        drop(staging);
+        assert_eq!(&arena[4096..4196], &(10..110u8).collect::<Vec<_>>()[..]);
+        assert!(arena[..4096].iter().chain(&arena[4196..]).all(|&b| b == 0), "nothing outside the slot");
     }
 
     #[test]

@@ -31,69 +31,17 @@ use std::time::{Duration, Instant};
 use crate::device::HostBuffer;
 use crate::error::{AgentError, Result};
 
-/// Magic of an encoded [`SlotDescriptor`].
-const SLOT_MAGIC: [u8; 4] = *b"KVS1";
-/// Bytes of an encoded [`SlotDescriptor`].
-pub const SLOT_DESCRIPTOR_LEN: usize = 24;
+pub use kvtier_proto::dataplane::SlotDescriptor;
+pub use kvtier_proto::dataplane::SLOT_DESCRIPTOR_LEN;
 
-/// A leased slot of a peer's registered memory, as the peer describes it: the remote virtual
-/// address of its first byte, the remote key of the registration holding it, and its length.
-///
-/// ```
-/// use kvtier_agent::mover::SlotDescriptor;
-/// let slot = SlotDescriptor { addr: 0x7f00_0000_1000, rkey: 0x1234, len: 4096 };
-/// assert_eq!(SlotDescriptor::decode(&slot.encode()).unwrap(), slot);
-/// assert!(slot.window(4000, 200).is_err());
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct SlotDescriptor {
-    pub addr: u64,
-    pub rkey: u32,
-    pub len: u64,
+/// Decodes a peer's slot descriptor (see [`SlotDescriptor::decode`]) as this crate's error.
+pub fn decode_slot(bytes: &[u8]) -> Result<SlotDescriptor> {
+    SlotDescriptor::decode(bytes).map_err(|e| AgentError::BadDescriptor(e.to_string()))
 }
 
-impl SlotDescriptor {
-    /// Little-endian: magic `KVS1`, rkey (u32), addr (u64), len (u64).
-    pub fn encode(&self) -> [u8; SLOT_DESCRIPTOR_LEN] {
-        let mut b = [0u8; SLOT_DESCRIPTOR_LEN];
-        b[0..4].copy_from_slice(&SLOT_MAGIC);
-        b[4..8].copy_from_slice(&self.rkey.to_le_bytes());
-        b[8..16].copy_from_slice(&self.addr.to_le_bytes());
-        b[16..24].copy_from_slice(&self.len.to_le_bytes());
-        b
-    }
-
-    /// Decodes and checks a descriptor from a peer: exact length, magic, and an address range
-    /// that does not wrap.
-    pub fn decode(bytes: &[u8]) -> Result<Self> {
-        if bytes.len() != SLOT_DESCRIPTOR_LEN {
-            return Err(AgentError::BadDescriptor(format!(
-                "slot descriptor is {} bytes, {SLOT_DESCRIPTOR_LEN} expected",
-                bytes.len()
-            )));
-        }
-        if bytes[0..4] != SLOT_MAGIC {
-            return Err(AgentError::BadDescriptor(format!("bad slot descriptor magic {:02x?}", &bytes[0..4])));
-        }
-        let word = |r: std::ops::Range<usize>| {
-            let mut w = [0u8; 8];
-            w[..r.len()].copy_from_slice(&bytes[r]);
-            u64::from_le_bytes(w)
-        };
-        let d = SlotDescriptor { rkey: word(4..8) as u32, addr: word(8..16), len: word(16..24) };
-        if d.addr.checked_add(d.len).is_none() {
-            return Err(AgentError::BadDescriptor(format!("slot {:#x}+{} wraps the address space", d.addr, d.len)));
-        }
-        Ok(d)
-    }
-
-    /// The part `offset..offset + len` of the slot, refused when it leaves the slot.
-    pub fn window(&self, offset: u64, len: u64) -> Result<SlotDescriptor> {
-        match offset.checked_add(len) {
-            Some(end) if end <= self.len => Ok(SlotDescriptor { addr: self.addr + offset, rkey: self.rkey, len }),
-            _ => Err(AgentError::OutsideLease { offset, len, slot: self.len }),
-        }
-    }
+/// The part `offset..offset + len` of `slot`, refused when it leaves the slot.
+pub fn window(slot: &SlotDescriptor, offset: u64, len: u64) -> Result<SlotDescriptor> {
+    slot.window(offset, len).ok_or(AgentError::OutsideLease { offset, len, slot: slot.len })
 }
 
 /// Magic of an encoded [`EndpointDescriptor`].
@@ -203,7 +151,7 @@ pub(crate) fn check_move(
     len: usize,
 ) -> Result<SlotDescriptor> {
     crate::device::check_bounds("mover local", local_offset, len, local.len())?;
-    slot.window(slot_offset, len as u64)
+    window(slot, slot_offset, len as u64)
 }
 
 /// One finished request of a mover's completion queue.
@@ -271,26 +219,13 @@ mod tests {
     use std::collections::VecDeque;
 
     #[test]
-    fn descriptors_round_trip_and_refuse_garbage() {
-        for d in [
-            SlotDescriptor { addr: 0, rkey: 0, len: 0 },
-            SlotDescriptor { addr: 0x7fff_dead_b000, rkey: u32::MAX, len: 1 << 30 },
-            SlotDescriptor { addr: u64::MAX - 10, rkey: 7, len: 10 },
-        ] {
-            let e = d.encode();
-            assert_eq!(&e[..4], b"KVS1");
-            assert_eq!(SlotDescriptor::decode(&e).unwrap(), d);
-        }
-        let good = SlotDescriptor { addr: 4096, rkey: 9, len: 64 }.encode();
-        assert!(matches!(SlotDescriptor::decode(&good[..23]), Err(AgentError::BadDescriptor(_))));
-        let mut long = good.to_vec();
-        long.push(0);
-        assert!(matches!(SlotDescriptor::decode(&long), Err(AgentError::BadDescriptor(_))));
-        let mut magic = good;
+    fn peers_descriptors_decode_as_this_crates_errors() {
+        let d = SlotDescriptor { addr: 0x7fff_dead_b000, rkey: u32::MAX, len: 1 << 30 };
+        assert_eq!(decode_slot(&d.encode()).unwrap(), d);
+        let mut magic = d.encode();
         magic[0] = b'X';
-        assert!(matches!(SlotDescriptor::decode(&magic), Err(AgentError::BadDescriptor(m)) if m.contains("magic")));
-        let wraps = SlotDescriptor { addr: u64::MAX - 10, rkey: 7, len: 11 }.encode();
-        assert!(matches!(SlotDescriptor::decode(&wraps), Err(AgentError::BadDescriptor(m)) if m.contains("wraps")));
+        assert!(matches!(decode_slot(&magic), Err(AgentError::BadDescriptor(m)) if m.contains("magic")));
+        assert!(matches!(decode_slot(&magic[..23]), Err(AgentError::BadDescriptor(_))));
     }
 
     #[test]
@@ -314,12 +249,12 @@ mod tests {
     #[test]
     fn windows_stay_inside_the_slot() {
         let s = SlotDescriptor { addr: 1000, rkey: 3, len: 100 };
-        assert_eq!(s.window(0, 100).unwrap(), s);
-        assert_eq!(s.window(40, 60).unwrap(), SlotDescriptor { addr: 1040, rkey: 3, len: 60 });
-        assert_eq!(s.window(100, 0).unwrap().len, 0);
+        assert_eq!(window(&s, 0, 100).unwrap(), s);
+        assert_eq!(window(&s, 40, 60).unwrap(), SlotDescriptor { addr: 1040, rkey: 3, len: 60 });
+        assert_eq!(window(&s, 100, 0).unwrap().len, 0);
         for (off, len) in [(0, 101), (1, 100), (101, 0), (u64::MAX, 2), (50, u64::MAX)] {
             assert_eq!(
-                s.window(off, len),
+                window(&s, off, len),
                 Err(AgentError::OutsideLease { offset: off, len, slot: 100 }),
                 "{off}+{len}"
             );

@@ -209,6 +209,24 @@ impl RdmaDevice {
         Ok(mover)
     }
 
+    /// Registers `len` bytes at `base` — memory this crate does not own, such as the server's
+    /// DRAM arena that it leases to peers slot by slot — for local use and remote reads and
+    /// writes; peers name it by its virtual address.
+    ///
+    /// # Safety
+    /// `base..base + len` must stay mapped until the returned registration is dropped.
+    pub unsafe fn register_raw(&self, base: *mut u8, len: usize) -> Result<RdmaMemoryRegion> {
+        if len == 0 {
+            return Err(AgentError::Rdma { op: "ibv_reg_mr", detail: "cannot register an empty range".into() });
+        }
+        // SAFETY: the PD is live; the caller keeps `base..base + len` mapped while registered.
+        let mr = unsafe { ibv_reg_mr(self.inner.pd, base as *mut _, len, access_flags()) };
+        if mr.is_null() {
+            return Err(rdma_err("ibv_reg_mr"));
+        }
+        Ok(RdmaMemoryRegion { mr, iova: base as u64, len, _dev: self.inner.clone() })
+    }
+
     /// Registers `len` bytes at `offset` of a dma-buf (device pages a GPU driver exported: with
     /// the `cuda` feature, `CudaDevice::export_dmabuf`), at remote address `iova`, so that peers
     /// can move into and out of device memory directly. The registration keeps its own reference
@@ -220,7 +238,7 @@ impl RdmaDevice {
         offset: u64,
         len: usize,
         iova: u64,
-    ) -> Result<RdmaDmabufRegion> {
+    ) -> Result<RdmaMemoryRegion> {
         let access = access_flags();
         let fd = std::os::fd::AsRawFd::as_raw_fd(&fd);
         // SAFETY: the PD is live; `fd` is an open descriptor for the call; the kernel checks that it
@@ -236,7 +254,7 @@ impl RdmaDevice {
                 _ => AgentError::Rdma { op: "ibv_reg_dmabuf_mr", detail: e.to_string() },
             });
         }
-        Ok(RdmaDmabufRegion { mr, iova, len, _dev: self.inner.clone() })
+        Ok(RdmaMemoryRegion { mr, iova, len, _dev: self.inner.clone() })
     }
 }
 
@@ -288,8 +306,9 @@ impl Drop for RdmaRegion {
     }
 }
 
-/// Device pages registered through dma-buf; deregistered on drop.
-pub struct RdmaDmabufRegion {
+/// Memory registered by address or through dma-buf (device pages), named by peers from `iova`;
+/// deregistered on drop.
+pub struct RdmaMemoryRegion {
     mr: *mut ibv_mr,
     iova: u64,
     len: usize,
@@ -297,23 +316,32 @@ pub struct RdmaDmabufRegion {
 }
 
 // SAFETY: as for RdmaRegion.
-unsafe impl Send for RdmaDmabufRegion {}
+unsafe impl Send for RdmaMemoryRegion {}
 // SAFETY: as above.
-unsafe impl Sync for RdmaDmabufRegion {}
+unsafe impl Sync for RdmaMemoryRegion {}
 
-impl RdmaDmabufRegion {
-    /// The descriptor of `len` bytes at `offset` of the registered device pages, for a peer.
+impl RdmaMemoryRegion {
+    /// The descriptor of `len` bytes at `offset` of the registered memory, for a peer.
     pub fn describe(&self, offset: usize, len: usize) -> Result<SlotDescriptor> {
-        crate::device::check_bounds("dma-buf region", offset, len, self.len)?;
+        crate::device::check_bounds("registered region", offset, len, self.len)?;
+        Ok(SlotDescriptor { addr: self.iova + offset as u64, rkey: self.rkey(), len: len as u64 })
+    }
+
+    /// The key peers name the registration by.
+    pub fn rkey(&self) -> u32 {
         // SAFETY: `mr` is live until drop.
-        let rkey = unsafe { (*self.mr).rkey };
-        Ok(SlotDescriptor { addr: self.iova + offset as u64, rkey, len: len as u64 })
+        unsafe { (*self.mr).rkey }
+    }
+
+    /// The address peers name the first registered byte by.
+    pub fn iova(&self) -> u64 {
+        self.iova
     }
 }
 
-impl Drop for RdmaDmabufRegion {
+impl Drop for RdmaMemoryRegion {
     fn drop(&mut self) {
-        // SAFETY: registered in `register_dmabuf`, deregistered once.
+        // SAFETY: registered in `register_raw` or `register_dmabuf`, deregistered once.
         unsafe { ibv_dereg_mr(self.mr) };
     }
 }
@@ -595,7 +623,7 @@ mod tests {
         a.connect(&b.endpoint()).unwrap();
         b.connect(&a.endpoint()).unwrap();
         let arena = b.register(&HostBuffer::new(8192)).unwrap();
-        let slot = SlotDescriptor::decode(&b.describe(&arena, 4096, 4096).unwrap().encode()).unwrap();
+        let slot = crate::mover::decode_slot(&b.describe(&arena, 4096, 4096).unwrap().encode()).unwrap();
         let src = a.register(&HostBuffer::from_vec((0..8192u32).map(|i| (i * 13) as u8).collect())).unwrap();
         let t = Duration::from_secs(5);
         a.write(&src, 0, &slot, 0, 4096, t).unwrap();

@@ -1,0 +1,218 @@
+//! The remote-lease ops of a data-plane connection — `LEASE_PUT`, `COMMIT`, `LEASE_GET`,
+//! `END_GET` (protocol in `kvtier_proto::dataplane`, "Remote leases"; the leases themselves in
+//! `crate::fabric`). The bytes move one-sidedly, outside this connection; it only grants slots,
+//! checks and publishes what was written, and ends leases.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvtier_proto::dataplane::{
+    ItemStatus, LeaseGrant, Op, RequestHeader, ResponseHeader, Status, FLAG_STOP_AT_MISS, LEASE_ID_LEN,
+};
+use kvtier_proto::{BlockKey, FrameHeader, NamespaceId, FRAME_HEADER_LEN, KEY_LEN};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
+
+use super::{forward_to_peers, item_kind, ConnError, Connection};
+use crate::dram::Priority;
+use crate::error::ServerError;
+use crate::fabric::{ArenaAccess, WriteLease};
+use crate::metrics::{error, observe};
+use crate::tenants::Principal;
+
+impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W> {
+    /// The node's arena access; without one, the request's `body` bytes are drained and it is
+    /// refused (the connection stays usable).
+    async fn arena_or_refuse(&mut self, req: &RequestHeader, body: u64) -> Result<Option<Arc<ArenaAccess>>, ConnError> {
+        if let Some(a) = self.state.arena_access() {
+            return Ok(Some(a.clone()));
+        }
+        self.drain(body).await?;
+        error("remote_lease_no_fabric");
+        let msg = "this node's DRAM arena is registered with no one-sided fabric (RDMA); use PUT and GET";
+        self.wr.write_all(&ResponseHeader::error(req.op as u8, req.request_id, Status::BadRequest, msg)).await?;
+        Ok(None)
+    }
+
+    /// `LEASE_PUT`: a slot for each frame header, to be written one-sidedly and committed.
+    pub(super) async fn lease_put(&mut self, req: RequestHeader) -> Result<(), ConnError> {
+        let start = Instant::now();
+        let body = req.count as u64 * FRAME_HEADER_LEN as u64;
+        let Some(arena) = self.arena_or_refuse(&req, body).await? else { return Ok(()) };
+        let principal = self.principal()?;
+        let mut answer = Vec::with_capacity(req.count as usize * (1 + LeaseGrant::LEN));
+        for _ in 0..req.count {
+            let mut fh = [0u8; FRAME_HEADER_LEN];
+            self.rd.read_exact(&mut fh).await?;
+            // Headers are fixed-size here (no payload follows), so a bad one is refused alone.
+            let granted = match FrameHeader::decode(&fh) {
+                Ok(sent) => {
+                    self.state.tiers().backpressure().await;
+                    self.lease_one(&principal, &sent, &arena)
+                }
+                Err(_) => Err(ItemStatus::BadHeader),
+            };
+            match granted {
+                Ok(grant) => {
+                    answer.push(ItemStatus::Ok as u8);
+                    answer.extend_from_slice(&grant.encode());
+                }
+                Err(status) => {
+                    if status != ItemStatus::Present {
+                        error(item_kind(status));
+                    }
+                    answer.push(status as u8);
+                }
+            }
+        }
+        self.wr.write_all(&ResponseHeader::ok(Op::LeasePut, req.request_id, req.count).encode()).await?;
+        self.wr.write_all(&answer).await?;
+        observe("dataplane_lease_put", start);
+        Ok(())
+    }
+
+    /// One frame of a `LEASE_PUT`: its grant, or why there is none (`Present`: already held).
+    fn lease_one(
+        &mut self,
+        principal: &Principal,
+        sent: &FrameHeader,
+        arena: &ArenaAccess,
+    ) -> Result<LeaseGrant, ItemStatus> {
+        let header = self.state.admit_frame(principal, sent)?;
+        if header.payload_len > self.state.config().max_frame_bytes.0 {
+            return Err(ItemStatus::Capacity);
+        }
+        if self.state.tiers().is_hot(&header.namespace, &header.key) {
+            return Err(ItemStatus::Present);
+        }
+        if !self.remote.has_room(Instant::now()) {
+            error("remote_leases_per_connection");
+            return Err(ItemStatus::Capacity);
+        }
+        let mut slot =
+            self.state.tiers().reserve(&header.namespace, header.payload_len as usize).map_err(|e| match e {
+                ServerError::Capacity(_) | ServerError::TooLarge { .. } => ItemStatus::Capacity,
+                _ => ItemStatus::Internal,
+            })?;
+        // Every slot is carved from the registered arena; a slot outside it would be a bug.
+        let desc = arena.describe(slot.buf_mut()).ok_or(ItemStatus::Internal)?;
+        let lease = self.remote.add_write(WriteLease { slot, header });
+        Ok(LeaseGrant { lease, slot: desc })
+    }
+
+    /// Reads the `count` lease ids of a `COMMIT` or `END_GET`.
+    async fn read_lease_ids(&mut self, count: u32) -> Result<Vec<u64>, ConnError> {
+        let mut raw = vec![0u8; count as usize * LEASE_ID_LEN];
+        self.rd.read_exact(&mut raw).await?;
+        Ok(raw
+            .chunks_exact(LEASE_ID_LEN)
+            .map(|c| {
+                let mut id = [0u8; LEASE_ID_LEN];
+                id.copy_from_slice(c);
+                u64::from_le_bytes(id)
+            })
+            .collect())
+    }
+
+    /// `COMMIT`: checks each leased slot against its header's checksum and publishes it.
+    pub(super) async fn commit_leases(&mut self, req: RequestHeader) -> Result<(), ConnError> {
+        let start = Instant::now();
+        let body = req.count as u64 * LEASE_ID_LEN as u64;
+        if self.arena_or_refuse(&req, body).await?.is_none() {
+            return Ok(());
+        }
+        let ids = self.read_lease_ids(req.count).await?;
+        let mut statuses = Vec::with_capacity(ids.len());
+        let mut stored: Vec<(NamespaceId, BlockKey)> = Vec::new();
+        for id in ids {
+            let status = match self.remote.take_write(id) {
+                None => ItemStatus::NoLease,
+                Some(WriteLease { mut slot, header }) => {
+                    if kvtier_proto::checksum(slot.buf_mut()) != header.checksum {
+                        // The peer may still be writing (it committed early): the slot waits.
+                        self.remote.abandon(WriteLease { slot, header });
+                        ItemStatus::ChecksumMismatch
+                    } else {
+                        match self.state.tiers().commit(slot, header, Priority::Normal) {
+                            Ok(_) => {
+                                stored.push((header.namespace, header.key));
+                                ItemStatus::Ok
+                            }
+                            // Revoked at its deadline (or the tier shrank under it).
+                            Err(ServerError::Capacity(_) | ServerError::TooLarge { .. }) => ItemStatus::Capacity,
+                            Err(_) => ItemStatus::Internal,
+                        }
+                    }
+                }
+            };
+            if status != ItemStatus::Ok {
+                error(item_kind(status));
+            }
+            statuses.push(status as u8);
+        }
+        self.wr.write_all(&ResponseHeader::ok(Op::Commit, req.request_id, req.count).encode()).await?;
+        self.wr.write_all(&statuses).await?;
+        forward_to_peers(&self.state, stored);
+        observe("dataplane_commit", start);
+        Ok(())
+    }
+
+    /// `LEASE_GET`: for each key DRAM holds, its header and a read lease on its payload.
+    pub(super) async fn lease_get(&mut self, req: RequestHeader) -> Result<(), ConnError> {
+        let start = Instant::now();
+        let body = req.count as u64 * KEY_LEN as u64;
+        let Some(arena) = self.arena_or_refuse(&req, body).await? else { return Ok(()) };
+        let Some(raw) = self.read_keys(&req).await? else { return Ok(()) };
+        let ns = req.namespace;
+        let stop_at_miss = req.flags & FLAG_STOP_AT_MISS != 0;
+        self.wr.write_all(&ResponseHeader::ok(Op::LeaseGet, req.request_id, req.count).encode()).await?;
+        let mut missed = false;
+        for chunk in raw.chunks_exact(KEY_LEN) {
+            if missed && stop_at_miss {
+                self.wr.write_all(&[ItemStatus::Miss as u8]).await?;
+                continue;
+            }
+            let mut k = [0u8; KEY_LEN];
+            k.copy_from_slice(chunk);
+            let key = BlockKey(k);
+            let now = Instant::now();
+            let status = match self.state.tiers().dram_block(&ns, &key) {
+                Some(block) => match arena.describe(&block.payload) {
+                    Some(_) if !self.remote.has_room(now) => {
+                        error("remote_leases_per_connection");
+                        ItemStatus::Capacity
+                    }
+                    Some(slot) => {
+                        let header = block.header;
+                        let lease = self.remote.add_read(block, now);
+                        self.wr.write_all(&[ItemStatus::Ok as u8]).await?;
+                        self.wr.write_all(&header.encode()).await?;
+                        self.wr.write_all(&LeaseGrant { lease, slot }.encode()).await?;
+                        continue;
+                    }
+                    None => ItemStatus::Elsewhere,
+                },
+                None if self.state.tiers().exists(&ns, &[key]).first() == Some(&true) => ItemStatus::Elsewhere,
+                None => {
+                    missed = true;
+                    ItemStatus::Miss
+                }
+            };
+            self.wr.write_all(&[status as u8]).await?;
+        }
+        observe("dataplane_lease_get", start);
+        Ok(())
+    }
+
+    /// `END_GET`: ends read leases.
+    pub(super) async fn end_get(&mut self, req: RequestHeader) -> Result<(), ConnError> {
+        let ids = self.read_lease_ids(req.count).await?;
+        let now = Instant::now();
+        let statuses: Vec<u8> = ids
+            .into_iter()
+            .map(|id| if self.remote.end_read(id, now) { ItemStatus::Ok as u8 } else { ItemStatus::NoLease as u8 })
+            .collect();
+        self.wr.write_all(&ResponseHeader::ok(Op::EndGet, req.request_id, req.count).encode()).await?;
+        self.wr.write_all(&statuses).await?;
+        Ok(())
+    }
+}

@@ -1,0 +1,184 @@
+//! One-sided access to the node's DRAM arena (DESIGN.md, "One arena, leases, one-sided movers"):
+//! the [`Fabric`] seam a one-sided mover plugs in through (RDMA verbs in `kvtier serve`, the
+//! agent's loopback fabric in tests), the arena's one registration with it ([`ArenaAccess`]),
+//! and the remote leases a data-plane connection holds on it ([`RemoteLeases`]).
+//!
+//! A write lease is a DRAM [`Lease`] (PutStart) whose slot a peer fills one-sidedly; `COMMIT`
+//! hashes the slot and publishes the block (PutEnd). A read lease holds the stored block's view,
+//! so its slot is not reused while the peer reads it. The protocol is in
+//! `kvtier_proto::dataplane` ("Remote leases").
+//!
+//! Limits: at most [`MAX_REMOTE_LEASES`] leases per connection; a write lease is also bounded by
+//! the DRAM tier's lease budget and deadline (`lease_timeout`, revoked after it), a read lease by
+//! the same deadline. Everything ends with the connection. A write lease that ends uncommitted
+//! keeps its slot out of use for [`WRITE_QUARANTINE`] more: a peer's write may still be on the
+//! wire, and it must not land in a slot that holds another block by then.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvtier_proto::dataplane::SlotDescriptor;
+use kvtier_proto::FrameHeader;
+
+use crate::dram::{Lease, StoredBlock};
+use crate::error::ServerError;
+
+/// Most remote leases (write and read together) one connection may hold.
+pub const MAX_REMOTE_LEASES: usize = 4096;
+/// How long the slot of a write lease that ended uncommitted stays out of use.
+pub const WRITE_QUARANTINE: Duration = Duration::from_secs(5);
+
+/// A one-sided fabric: registers memory so that peers holding a descriptor of part of it can
+/// read and write those bytes without this node's CPU (an RDMA NIC's memory registration).
+pub trait Fabric: Send + Sync {
+    /// What it is, for logs and errors ("rdma mlx5_0", "loopback").
+    fn name(&self) -> String;
+
+    /// Registers `len` bytes at `base` for remote reads and writes.
+    ///
+    /// # Safety
+    /// `base..base + len` must stay mapped for as long as the returned registration lives.
+    unsafe fn register(&self, base: *mut u8, len: usize) -> Result<Box<dyn FabricRegistration>, String>;
+}
+
+/// A registration made by a [`Fabric`]; dropping it deregisters.
+pub trait FabricRegistration: Send + Sync {
+    /// The key peers name the registration by.
+    fn rkey(&self) -> u32;
+    /// The address peers name the registration's first byte by (its virtual address, or an I/O
+    /// virtual address).
+    fn remote_base(&self) -> u64;
+}
+
+/// The DRAM arena registered once with a fabric.
+pub struct ArenaAccess {
+    name: String,
+    registration: Box<dyn FabricRegistration>,
+    base: usize,
+    len: usize,
+}
+
+impl ArenaAccess {
+    /// Registers the arena `base..base + len` with `fabric`.
+    ///
+    /// # Safety
+    /// The arena must stay mapped while the returned value lives (the node keeps it beside its
+    /// tiers and drops it first).
+    pub(crate) unsafe fn register(fabric: &dyn Fabric, base: *mut u8, len: usize) -> Result<Self, ServerError> {
+        // SAFETY: forwarded from our caller.
+        let registration = unsafe { fabric.register(base, len) }
+            .map_err(|e| ServerError::Config(format!("registering the DRAM arena with {}: {e}", fabric.name())))?;
+        Ok(ArenaAccess { name: fabric.name(), registration, base: base as usize, len })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The descriptor of `bytes` when they lie inside the arena (a slot's or a stored block's).
+    pub fn describe(&self, bytes: &[u8]) -> Option<SlotDescriptor> {
+        let at = (bytes.as_ptr() as usize).checked_sub(self.base)?;
+        if at.checked_add(bytes.len())? > self.len {
+            return None;
+        }
+        Some(SlotDescriptor {
+            addr: self.registration.remote_base() + at as u64,
+            rkey: self.registration.rkey(),
+            len: bytes.len() as u64,
+        })
+    }
+}
+
+/// A slot a peer is writing: the DRAM lease and the header its bytes must match.
+pub(crate) struct WriteLease {
+    pub(crate) slot: Lease,
+    pub(crate) header: FrameHeader,
+}
+
+/// A block a peer is reading; held until `END_GET`, the deadline or the connection's end.
+struct ReadLease {
+    _block: StoredBlock,
+    deadline: Instant,
+}
+
+/// The remote leases of one data-plane connection.
+pub(crate) struct RemoteLeases {
+    next: u64,
+    writes: HashMap<u64, WriteLease>,
+    reads: HashMap<u64, ReadLease>,
+    read_ttl: Duration,
+}
+
+impl RemoteLeases {
+    pub(crate) fn new(read_ttl: Duration) -> Self {
+        RemoteLeases { next: 0, writes: HashMap::new(), reads: HashMap::new(), read_ttl }
+    }
+
+    /// Leases held now.
+    pub(crate) fn len(&self) -> usize {
+        self.writes.len() + self.reads.len()
+    }
+
+    /// Whether another lease fits under [`MAX_REMOTE_LEASES`] (read leases past their deadline
+    /// are ended first).
+    pub(crate) fn has_room(&mut self, now: Instant) -> bool {
+        self.reads.retain(|_, r| r.deadline > now);
+        self.len() < MAX_REMOTE_LEASES
+    }
+
+    fn id(&mut self) -> u64 {
+        self.next += 1;
+        self.next
+    }
+
+    pub(crate) fn add_write(&mut self, lease: WriteLease) -> u64 {
+        let id = self.id();
+        self.writes.insert(id, lease);
+        id
+    }
+
+    pub(crate) fn take_write(&mut self, id: u64) -> Option<WriteLease> {
+        self.writes.remove(&id)
+    }
+
+    /// Ends a write lease whose bytes were refused: its slot is quarantined like an abandoned one.
+    pub(crate) fn abandon(&self, lease: WriteLease) {
+        quarantine(vec![lease]);
+    }
+
+    pub(crate) fn add_read(&mut self, block: StoredBlock, now: Instant) -> u64 {
+        let id = self.id();
+        self.reads.insert(id, ReadLease { _block: block, deadline: now + self.read_ttl });
+        id
+    }
+
+    /// Ends a read lease; false when there is none by that id (or it passed its deadline).
+    pub(crate) fn end_read(&mut self, id: u64, now: Instant) -> bool {
+        self.reads.remove(&id).is_some_and(|r| r.deadline > now)
+    }
+}
+
+impl Drop for RemoteLeases {
+    fn drop(&mut self) {
+        quarantine(self.writes.drain().map(|(_, w)| w).collect());
+    }
+}
+
+/// Keeps write leases' slots out of use for [`WRITE_QUARANTINE`] (a peer's write may still be
+/// on its way into them), then returns them. Outside a runtime they are returned at once.
+fn quarantine(leases: Vec<WriteLease>) {
+    if leases.is_empty() {
+        return;
+    }
+    ::metrics::counter!("kvtier_remote_leases_abandoned_total").increment(leases.len() as u64);
+    if let Ok(rt) = tokio::runtime::Handle::try_current() {
+        rt.spawn(async move {
+            tokio::time::sleep(WRITE_QUARANTINE).await;
+            drop(leases);
+        });
+    }
+}
+
+/// The node's arena access, shared by its connections.
+pub type SharedArenaAccess = Arc<ArenaAccess>;

@@ -1,0 +1,333 @@
+//! Remote leases against a real in-process node over loopback TCP: a peer leases slots of the
+//! node's DRAM arena over the data plane and moves the bytes one-sidedly. The fabric is the
+//! agent's loopback fabric (a copy in place of an RDMA NIC, which this machine has not), plugged
+//! in behind the server's `Fabric` seam and driven through the agent's `BulkMover` trait, as the
+//! verbs mover would be.
+//!
+//! What is checked: committed blocks load byte for byte through a plain `GET`; read leases hand
+//! out stored payloads and keep their slots from reuse until ended; bytes that don't match their
+//! header, unknown or repeated lease ids, an unknown namespace, a peer that leaves before its
+//! commit, a lease past its deadline and a connection over its lease limit are refused each with
+//! its own status, and nothing refused becomes visible; a node without a fabric says so and
+//! serves on.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use kvtier_agent::mover::loopback::{LoopbackFabric, LoopbackMover, LoopbackRawRegistration, LoopbackRegion};
+use kvtier_agent::mover::BulkMover;
+use kvtier_agent::{AgentError, HostBuffer};
+use kvtier_client::{
+    ClientConfig, ClientError, GetGrant, ItemStatus, KvClient, LeaseSession, NamespaceHandle, PutGrant,
+};
+use kvtier_proto::dataplane::SlotDescriptor;
+use kvtier_proto::{BlockFrame, BlockKey, FrameHeader};
+use kvtier_server::config::{ByteSize, DurationStr};
+use kvtier_server::fabric::{Fabric, FabricRegistration, MAX_REMOTE_LEASES};
+use kvtier_server::{RunningServer, ServerConfig};
+use kvtier_tests::*;
+
+const T: Duration = Duration::from_secs(5);
+
+/// The loopback fabric behind the server's seam.
+struct ArenaOnLoopback(Arc<LoopbackFabric>);
+
+struct ArenaRegistration {
+    reg: LoopbackRawRegistration,
+    base: u64,
+}
+
+impl FabricRegistration for ArenaRegistration {
+    fn rkey(&self) -> u32 {
+        self.reg.rkey()
+    }
+    fn remote_base(&self) -> u64 {
+        self.base
+    }
+}
+
+impl Fabric for ArenaOnLoopback {
+    fn name(&self) -> String {
+        "loopback".into()
+    }
+    unsafe fn register(&self, base: *mut u8, len: usize) -> Result<Box<dyn FabricRegistration>, String> {
+        // SAFETY: forwarded from our caller (the node keeps its arena mapped while registered).
+        let reg = unsafe { self.0.register_raw(base, len) };
+        Ok(Box::new(ArenaRegistration { reg, base: base as u64 }))
+    }
+}
+
+/// A node (with the loopback fabric attached when `fabric`), a client and a namespace.
+struct Setup {
+    _dir: tempfile::TempDir,
+    server: RunningServer,
+    client: KvClient,
+    ns: NamespaceHandle,
+    fabric: Arc<LoopbackFabric>,
+}
+
+async fn setup(fabric: bool, tweak: impl FnOnce(&mut ServerConfig)) -> Setup {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = ServerConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        data_listen: "127.0.0.1:0".parse().unwrap(),
+        metrics_listen: None,
+        data_dir: dir.path().to_path_buf(),
+        dram_capacity: ByteSize(8 << 20),
+        ..ServerConfig::default()
+    };
+    tweak(&mut config);
+    let server = kvtier_server::start(config, None).await.expect("start");
+    let loopback = LoopbackFabric::new();
+    if fabric {
+        server.state.attach_fabric(&ArenaOnLoopback(loopback.clone())).expect("attach");
+        let again = server.state.attach_fabric(&ArenaOnLoopback(loopback.clone()));
+        assert!(again.is_err(), "a second fabric is refused");
+    }
+    let client = KvClient::connect(&server.grpc_addr.to_string(), ClientConfig::default()).await.unwrap();
+    let ns = client.register(namespace("remote", b"r", small_layout())).await.unwrap();
+    Setup { _dir: dir, server, client, ns, fabric: loopback }
+}
+
+/// The peer's side: its own mover on the fabric and a registered staging buffer.
+struct Peer {
+    mover: LoopbackMover,
+    staging: LoopbackRegion,
+}
+
+impl Peer {
+    fn new(fabric: &Arc<LoopbackFabric>, len: usize) -> Peer {
+        let mover = LoopbackMover::new(fabric);
+        let staging = mover.register(&HostBuffer::new(len)).unwrap();
+        Peer { mover, staging }
+    }
+
+    /// Writes `bytes` into `slot` one-sidedly.
+    fn put(&self, slot: &SlotDescriptor, bytes: &[u8]) -> Result<(), AgentError> {
+        kvtier_agent::mover::MoverRegion::buffer(&self.staging).write(0, bytes)?;
+        self.mover.write(&self.staging, 0, slot, 0, bytes.len(), T)
+    }
+
+    /// Reads `slot` one-sidedly.
+    fn get(&self, slot: &SlotDescriptor) -> Vec<u8> {
+        let n = slot.len as usize;
+        self.mover.read(slot, 0, &self.staging, 0, n, T).unwrap();
+        let mut out = vec![0u8; n];
+        kvtier_agent::mover::MoverRegion::buffer(&self.staging).read(0, &mut out).unwrap();
+        out
+    }
+}
+
+fn frames(ns: &NamespaceHandle, seed: u32, n: usize) -> Vec<BlockFrame> {
+    let toks = tokens(seed, ns.block_tokens() * n);
+    ns.keys(&toks)
+        .into_iter()
+        .map(|k| ns.frame(k, ns.block_tokens() as u32, payload_for(&k, ns.block_bytes())).unwrap())
+        .collect()
+}
+
+fn granted(g: &PutGrant) -> kvtier_proto::dataplane::LeaseGrant {
+    match g {
+        PutGrant::Granted(g) => *g,
+        other => panic!("expected a grant, got {other:?}"),
+    }
+}
+
+async fn loaded(client: &KvClient, ns: &NamespaceHandle, keys: &[BlockKey]) -> Vec<Option<Bytes>> {
+    client.load_keys(ns, keys).await.unwrap().into_iter().map(|f| f.map(|f| f.payload)).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_writes_blocks_one_sidedly_and_commits_them() {
+    let s = setup(true, |_| {}).await;
+    let peer = Peer::new(&s.fabric, s.ns.block_bytes() as usize);
+    let blocks = frames(&s.ns, 1, 4);
+    let headers: Vec<FrameHeader> = blocks.iter().map(|b| b.header).collect();
+    let keys: Vec<BlockKey> = headers.iter().map(|h| h.key).collect();
+    let mut session = s.client.lease_session().await.unwrap();
+    let grants = session.lease_put(&headers).await.unwrap();
+    assert_eq!(grants.len(), 4);
+    let mut ids = Vec::new();
+    for (g, b) in grants.iter().zip(&blocks) {
+        let g = granted(g);
+        assert_eq!(g.slot.len, b.header.payload_len, "the slot is exactly the payload");
+        peer.put(&g.slot, &b.payload).unwrap();
+        ids.push(g.lease);
+    }
+    // Written but not committed: nobody sees them yet.
+    assert_eq!(s.client.exists_keys(&s.ns, &keys).await.unwrap(), vec![false; 4]);
+    assert_eq!(session.commit(&ids).await.unwrap(), vec![ItemStatus::Ok; 4]);
+    let got = loaded(&s.client, &s.ns, &keys).await;
+    for (g, b) in got.iter().zip(&blocks) {
+        assert_eq!(g.as_deref(), Some(&b.payload[..]), "byte for byte");
+    }
+    // Held now: a second lease asks for nothing to be written.
+    assert_eq!(session.lease_put(&headers[..1]).await.unwrap(), vec![PutGrant::Present]);
+    // A committed lease is over.
+    assert_eq!(session.commit(&ids[..1]).await.unwrap(), vec![ItemStatus::NoLease]);
+    s.server.stop(T).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_leases_hand_out_stored_payloads_and_keep_their_slots_until_ended() {
+    let s = setup(true, |_| {}).await;
+    let peer = Peer::new(&s.fabric, s.ns.block_bytes() as usize);
+    let blocks = frames(&s.ns, 2, 3);
+    assert_eq!(s.client.store_frames(&blocks).await.unwrap(), vec![ItemStatus::Ok; 3]);
+    let missing = frames(&s.ns, 3, 1)[0].header.key;
+    let keys = [blocks[0].header.key, blocks[1].header.key, missing, blocks[2].header.key];
+    let mut session = s.client.lease_session().await.unwrap();
+
+    let grants = session.lease_get(s.ns.id, &keys, false).await.unwrap();
+    assert_eq!(grants[2], GetGrant::Miss);
+    let mut ids = Vec::new();
+    for (i, b) in [(0, &blocks[0]), (1, &blocks[1]), (3, &blocks[2])] {
+        let GetGrant::Granted { header, grant } = grants[i] else { panic!("{:?}", grants[i]) };
+        assert_eq!(header.key, b.header.key);
+        let bytes = peer.get(&grant.slot);
+        header.verify_payload(&bytes).expect("what a read lease reads checks out");
+        assert!(bytes == b.payload, "the read lease's bytes are the stored block's");
+        ids.push(grant.lease);
+    }
+
+    // The longest stored prefix: everything after the first miss is a miss, unlooked-at.
+    let prefix = session.lease_get(s.ns.id, &[keys[0], missing, keys[1]], true).await.unwrap();
+    assert!(matches!(prefix[0], GetGrant::Granted { .. }));
+    assert_eq!(&prefix[1..], &[GetGrant::Miss, GetGrant::Miss]);
+
+    // A leased slot is not reused: the block purged and the arena filled with other blocks, the
+    // lease still reads the block's bytes.
+    let held = match grants[0] {
+        GetGrant::Granted { grant, .. } => grant,
+        _ => unreachable!(),
+    };
+    s.client.purge(&s.ns).await.unwrap();
+    assert_eq!(loaded(&s.client, &s.ns, &keys[..1]).await, vec![None]);
+    let others = frames(&s.ns, 4, 300); // ~9.4 MiB through an 8 MiB tier
+    for chunk in others.chunks(32) {
+        s.client.store_frames(chunk).await.unwrap();
+    }
+    assert!(peer.get(&held.slot) == blocks[0].payload, "a leased slot was reused while leased");
+
+    assert_eq!(session.end_get(&ids).await.unwrap(), vec![ItemStatus::Ok; 3]);
+    assert_eq!(session.end_get(&ids[..1]).await.unwrap(), vec![ItemStatus::NoLease], "ended once");
+    s.server.stop(T).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_writes_and_bad_ids_are_refused_and_nothing_refused_is_seen() {
+    let s = setup(true, |_| {}).await;
+    let peer = Peer::new(&s.fabric, 2 * s.ns.block_bytes() as usize);
+    let blocks = frames(&s.ns, 5, 4);
+    let keys: Vec<BlockKey> = blocks.iter().map(|b| b.header.key).collect();
+    let mut session = s.client.lease_session().await.unwrap();
+    let grants = session.lease_put(&[blocks[0].header, blocks[1].header]).await.unwrap();
+    let (g0, g1) = (granted(&grants[0]), granted(&grants[1]));
+
+    // Bytes that don't match the header: refused, not stored.
+    let mut wrong = blocks[0].payload.to_vec();
+    wrong[100] ^= 1;
+    peer.put(&g0.slot, &wrong).unwrap();
+    // A write past the slot is refused by the mover before it is posted.
+    let long = vec![7u8; g1.slot.len as usize + 1];
+    assert!(matches!(peer.put(&g1.slot, &long), Err(AgentError::OutsideLease { .. })));
+    peer.put(&g1.slot, &blocks[1].payload).unwrap();
+    let st = session.commit(&[g0.lease, g1.lease, 999_999, g1.lease]).await.unwrap();
+    assert_eq!(st, vec![ItemStatus::ChecksumMismatch, ItemStatus::Ok, ItemStatus::NoLease, ItemStatus::NoLease]);
+    let got = loaded(&s.client, &s.ns, &keys[..2]).await;
+    assert_eq!(got[0], None, "a mismatched block is not stored");
+    assert_eq!(got[1].as_deref(), Some(&blocks[1].payload[..]));
+
+    // An unknown namespace is refused per item.
+    let mut stranger = blocks[2].header;
+    stranger.namespace = kvtier_proto::NamespaceId([0xab; 16]);
+    let st = session.lease_put(&[stranger, blocks[2].header]).await.unwrap();
+    assert_eq!(st[0], PutGrant::Refused(ItemStatus::UnknownNamespace));
+    let g2 = granted(&st[1]);
+
+    // A peer that leaves before its commit: nothing it wrote becomes visible.
+    peer.put(&g2.slot, &blocks[2].payload).unwrap();
+    drop(session);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(s.client.exists_keys(&s.ns, &keys[2..3]).await.unwrap(), vec![false]);
+
+    // The node serves on: the same block leased, written and committed on a new connection.
+    let mut again = s.client.lease_session().await.unwrap();
+    let g = granted(&again.lease_put(&[blocks[2].header]).await.unwrap()[0]);
+    peer.put(&g.slot, &blocks[2].payload).unwrap();
+    assert_eq!(again.commit(&[g.lease]).await.unwrap(), vec![ItemStatus::Ok]);
+    assert_eq!(loaded(&s.client, &s.ns, &keys[2..3]).await[0].as_deref(), Some(&blocks[2].payload[..]));
+    s.server.stop(T).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_lease_past_its_deadline_is_revoked_and_its_commit_refused() {
+    let s = setup(true, |c| c.lease_timeout = DurationStr(Duration::from_millis(300))).await;
+    let peer = Peer::new(&s.fabric, s.ns.block_bytes() as usize);
+    let blocks = frames(&s.ns, 6, 2);
+    let mut session = s.client.lease_session().await.unwrap();
+    let late = granted(&session.lease_put(&[blocks[0].header]).await.unwrap()[0]);
+    peer.put(&late.slot, &blocks[0].payload).unwrap();
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    // The next reservation revokes what is past its deadline.
+    let fresh = granted(&session.lease_put(&[blocks[1].header]).await.unwrap()[0]);
+    peer.put(&fresh.slot, &blocks[1].payload).unwrap();
+    let st = session.commit(&[late.lease, fresh.lease]).await.unwrap();
+    assert_eq!(st, vec![ItemStatus::Capacity, ItemStatus::Ok]);
+    let keys = [blocks[0].header.key, blocks[1].header.key];
+    assert_eq!(s.client.exists_keys(&s.ns, &keys).await.unwrap(), vec![false, true]);
+    s.server.stop(T).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_holds_at_most_its_lease_limit() {
+    let s = setup(true, |_| {}).await;
+    let block = &frames(&s.ns, 7, 1)[0];
+    assert_eq!(s.client.store_frames(std::slice::from_ref(block)).await.unwrap(), vec![ItemStatus::Ok]);
+    let mut session = s.client.lease_session().await.unwrap();
+    let keys = vec![block.header.key; MAX_REMOTE_LEASES / 2];
+    let mut ids = Vec::new();
+    for _ in 0..2 {
+        for g in session.lease_get(s.ns.id, &keys, false).await.unwrap() {
+            let GetGrant::Granted { grant, .. } = g else { panic!("{g:?}") };
+            ids.push(grant.lease);
+        }
+    }
+    assert_eq!(ids.len(), MAX_REMOTE_LEASES);
+    let over = session.lease_get(s.ns.id, &keys[..2], false).await.unwrap();
+    assert_eq!(over, vec![GetGrant::Refused(ItemStatus::Capacity); 2]);
+    let over = session.lease_put(&[frames(&s.ns, 8, 1)[0].header]).await.unwrap();
+    assert_eq!(over, vec![PutGrant::Refused(ItemStatus::Capacity)]);
+    // Ending one makes room for one; another connection has its own limit.
+    assert_eq!(session.end_get(&ids[..1]).await.unwrap(), vec![ItemStatus::Ok]);
+    let one = session.lease_get(s.ns.id, &keys[..2], false).await.unwrap();
+    assert!(matches!(one[0], GetGrant::Granted { .. }));
+    assert_eq!(one[1], GetGrant::Refused(ItemStatus::Capacity));
+    let mut other = s.client.lease_session().await.unwrap();
+    assert!(matches!(other.lease_get(s.ns.id, &keys[..1], false).await.unwrap()[0], GetGrant::Granted { .. }));
+    s.server.stop(T).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_without_a_fabric_refuses_leases_and_serves_on() {
+    let s = setup(false, |_| {}).await;
+    let blocks = frames(&s.ns, 9, 2);
+    let mut session: LeaseSession = s.client.lease_session().await.unwrap();
+    for err in [
+        session.lease_put(&[blocks[0].header]).await.unwrap_err(),
+        session.lease_get(s.ns.id, &[blocks[0].header.key], false).await.unwrap_err(),
+        session.commit(&[1, 2]).await.unwrap_err(),
+    ] {
+        assert!(
+            matches!(&err, ClientError::Refused { code, message } if code == "dataplane:BadRequest" && message.contains("no one-sided fabric")),
+            "{err:?}"
+        );
+    }
+    // Read leases were never granted; the connection is still in step.
+    assert_eq!(session.end_get(&[1]).await.unwrap(), vec![ItemStatus::NoLease]);
+    assert_eq!(s.client.store_frames(&blocks).await.unwrap(), vec![ItemStatus::Ok; 2]);
+    let keys: Vec<BlockKey> = blocks.iter().map(|b| b.header.key).collect();
+    assert_eq!(loaded(&s.client, &s.ns, &keys).await[1].as_deref(), Some(&blocks[1].payload[..]));
+    s.server.stop(T).await.unwrap();
+}
