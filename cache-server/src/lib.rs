@@ -12,6 +12,9 @@
 //! - [`control`]: the gRPC control plane (lookup, sessions, stats, admin).
 //! - [`dataplane`]: the framed TCP data plane that moves block payloads ([`gather`]: a served
 //!   block's header and payload leave in one vectored write).
+//! - [`fabric`]: one-sided access to the DRAM arena — the `Fabric` seam an RDMA NIC plugs in
+//!   through, and the remote leases (`LEASE_PUT` / `COMMIT` / `LEASE_GET` / `END_GET`) a
+//!   data-plane connection grants on it.
 //! - [`samenode`]: the same-node path: client buffers registered over a Unix socket, blocks
 //!   copied into and out of them by offset.
 //! - [`tenants`]: credentials, tenants, grants and quotas — who may touch which namespace.

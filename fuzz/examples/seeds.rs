@@ -7,7 +7,7 @@ use std::path::Path;
 
 use bytes::Bytes;
 use kvtier_kernels::{encode, BlockSpec, KvBlockView};
-use kvtier_proto::dataplane::{Hello, Op, RequestHeader};
+use kvtier_proto::dataplane::{Hello, LeaseGrant, Op, RequestHeader, SlotDescriptor};
 use kvtier_proto::record_log::namespaces::NamespaceRecord;
 use kvtier_proto::record_log::sessions::{encode_body, LoggedSession, DROP, PUT};
 use kvtier_proto::record_log::{encode_log_header, encode_record, LogKey, LogKind};
@@ -26,11 +26,14 @@ fn main() -> std::io::Result<()> {
         let f = BlockFrame::new(NamespaceId([7; 16]), BlockKey([9; 32]), layout, CodecId::RAW, 1, Bytes::from(payload));
         write("frame", &format!("frame-{len}"), &f.to_bytes())?;
     }
-    for (i, op) in [Op::Put, Op::Get, Op::Exists, Op::Release].into_iter().enumerate() {
+    let ops = [Op::Put, Op::Get, Op::Exists, Op::Release, Op::LeasePut, Op::Commit, Op::LeaseGet, Op::EndGet];
+    for (i, op) in ops.into_iter().enumerate() {
         let h = RequestHeader { op, flags: 0, request_id: 1, count: 3, namespace: NamespaceId([1; 16]) };
         write("messages", &format!("request-{i}"), &h.encode())?;
     }
     write("messages", "hello", &Hello::encode(1, b"a-token-of-sixteen-bytes"))?;
+    let grant = LeaseGrant { lease: 7, slot: SlotDescriptor { addr: 0x7f00_0000_1000, rkey: 0x1234, len: 1 << 20 } };
+    write("messages", "lease-grant", &grant.encode())?;
     for (di, dtype) in [DType::Fp16, DType::Bf16, DType::Fp32].into_iter().enumerate() {
         let spec = BlockSpec::new(2, 16, 2, 64, dtype);
         let raw: Vec<u8> = match dtype {

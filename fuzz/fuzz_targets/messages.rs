@@ -2,7 +2,7 @@
 //! that encodes back to itself; none panics.
 #![no_main]
 
-use kvtier_proto::dataplane::{self, Hello, HelloReply, RequestHeader, ResponseHeader};
+use kvtier_proto::dataplane::{self, Hello, HelloReply, LeaseGrant, RequestHeader, ResponseHeader, SlotDescriptor};
 use kvtier_proto::samenode::{self, LoadItem, Segment, SnOp, SnRequest, StoreItem};
 use libfuzzer_sys::fuzz_target;
 
@@ -30,6 +30,16 @@ fuzz_target!(|data: &[u8]| {
     }
     if let Some(raw) = fixed::<4>(data) {
         let _ = HelloReply::decode(&raw);
+    }
+    // A remote lease's grant: a slot that round-trips, whose range never wraps.
+    if let Some(raw) = fixed::<{ dataplane::LEASE_GRANT_LEN }>(data) {
+        if let Ok(g) = LeaseGrant::decode(&raw) {
+            assert_eq!(LeaseGrant::decode(&g.encode()).ok(), Some(g));
+            assert!(g.slot.addr.checked_add(g.slot.len).is_some());
+        }
+    }
+    if let Ok(slot) = SlotDescriptor::decode(data) {
+        assert_eq!(&slot.encode()[..], data);
     }
     if let Some(raw) = fixed::<{ samenode::REQUEST_LEN }>(data) {
         if let Ok(r) = SnRequest::decode(&raw) {

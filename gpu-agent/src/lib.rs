@@ -35,8 +35,10 @@
 //!
 //! Not here yet: borrowing between real GPUs has not run (no GPU was lent; on the host backend the
 //! link is modelled by the policy's monitor, not by slower copies), the engine's own peer traffic
-//! is not fed to the link monitor (only the agent's copies are), and a server-side lease protocol
-//! that hands out [`mover::SlotDescriptor`]s (the movers exist; nothing calls them yet).
+//! is not fed to the link monitor (only the agent's copies are), and the agent's own demand
+//! spills still go through the same-node store: the server's remote leases (its `fabric` module,
+//! [`mover::SlotDescriptor`]s over the data plane) are driven by peers through these movers, not
+//! yet by the agent.
 
 pub mod codec;
 pub mod device;
