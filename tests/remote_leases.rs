@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use kvtier_agent::mover::loopback::{LoopbackFabric, LoopbackMover, LoopbackRawRegistration, LoopbackRegion};
-use kvtier_agent::mover::BulkMover;
+use kvtier_agent::mover::{BulkMover, EndpointDescriptor};
 use kvtier_agent::{AgentError, HostBuffer};
 use kvtier_client::{
     ClientConfig, ClientError, GetGrant, ItemStatus, KvClient, LeaseSession, NamespaceHandle, PutGrant,
@@ -24,7 +24,7 @@ use kvtier_client::{
 use kvtier_proto::dataplane::SlotDescriptor;
 use kvtier_proto::{BlockFrame, BlockKey, FrameHeader};
 use kvtier_server::config::{ByteSize, DurationStr};
-use kvtier_server::fabric::{Fabric, FabricRegistration, MAX_REMOTE_LEASES};
+use kvtier_server::fabric::{Fabric, FabricEndpoint, FabricRegistration, MAX_REMOTE_LEASES};
 use kvtier_server::{RunningServer, ServerConfig};
 use kvtier_tests::*;
 
@@ -56,6 +56,26 @@ impl Fabric for ArenaOnLoopback {
         let reg = unsafe { self.0.register_raw(base, len) };
         Ok(Box::new(ArenaRegistration { reg, base: base as u64 }))
     }
+    /// The loopback needs no queue pairs; it checks the peer's endpoint as the verbs fabric would
+    /// and answers one of its own.
+    fn connect(&self, peer: &[u8]) -> Result<(FabricEndpoint, Vec<u8>), String> {
+        let theirs = EndpointDescriptor::decode(peer).map_err(|e| e.to_string())?;
+        let ours = EndpointDescriptor { qpn: theirs.qpn + 1, psn: 7, lid: 1, gid: [0; 16] };
+        Ok((Box::new(()), ours.encode().to_vec()))
+    }
+}
+
+/// A peer's endpoint as its mover would describe it.
+fn peer_endpoint() -> [u8; 32] {
+    EndpointDescriptor { qpn: 0x42, psn: 9, lid: 1, gid: [0; 16] }.encode()
+}
+
+/// A lease session connected to the node's fabric.
+async fn connected(client: &KvClient) -> LeaseSession {
+    let mut session = client.lease_session().await.unwrap();
+    let node = session.connect(&peer_endpoint()).await.unwrap();
+    assert_eq!(EndpointDescriptor::decode(&node).unwrap().qpn, 0x43, "the node's endpoint comes back");
+    session
 }
 
 /// A node (with the loopback fabric attached when `fabric`), a client and a namespace.
@@ -81,8 +101,8 @@ async fn setup(fabric: bool, tweak: impl FnOnce(&mut ServerConfig)) -> Setup {
     let server = kvtier_server::start(config, None).await.expect("start");
     let loopback = LoopbackFabric::new();
     if fabric {
-        server.state.attach_fabric(&ArenaOnLoopback(loopback.clone())).expect("attach");
-        let again = server.state.attach_fabric(&ArenaOnLoopback(loopback.clone()));
+        server.state.attach_fabric(Arc::new(ArenaOnLoopback(loopback.clone()))).expect("attach");
+        let again = server.state.attach_fabric(Arc::new(ArenaOnLoopback(loopback.clone())));
         assert!(again.is_err(), "a second fabric is refused");
     }
     let client = KvClient::connect(&server.grpc_addr.to_string(), ClientConfig::default()).await.unwrap();
@@ -145,7 +165,7 @@ async fn a_peer_writes_blocks_one_sidedly_and_commits_them() {
     let blocks = frames(&s.ns, 1, 4);
     let headers: Vec<FrameHeader> = blocks.iter().map(|b| b.header).collect();
     let keys: Vec<BlockKey> = headers.iter().map(|h| h.key).collect();
-    let mut session = s.client.lease_session().await.unwrap();
+    let mut session = connected(&s.client).await;
     let grants = session.lease_put(&headers).await.unwrap();
     assert_eq!(grants.len(), 4);
     let mut ids = Vec::new();
@@ -177,7 +197,7 @@ async fn read_leases_hand_out_stored_payloads_and_keep_their_slots_until_ended()
     assert_eq!(s.client.store_frames(&blocks).await.unwrap(), vec![ItemStatus::Ok; 3]);
     let missing = frames(&s.ns, 3, 1)[0].header.key;
     let keys = [blocks[0].header.key, blocks[1].header.key, missing, blocks[2].header.key];
-    let mut session = s.client.lease_session().await.unwrap();
+    let mut session = connected(&s.client).await;
 
     let grants = session.lease_get(s.ns.id, &keys, false).await.unwrap();
     assert_eq!(grants[2], GetGrant::Miss);
@@ -221,7 +241,7 @@ async fn bad_writes_and_bad_ids_are_refused_and_nothing_refused_is_seen() {
     let peer = Peer::new(&s.fabric, 2 * s.ns.block_bytes() as usize);
     let blocks = frames(&s.ns, 5, 4);
     let keys: Vec<BlockKey> = blocks.iter().map(|b| b.header.key).collect();
-    let mut session = s.client.lease_session().await.unwrap();
+    let mut session = connected(&s.client).await;
     let grants = session.lease_put(&[blocks[0].header, blocks[1].header]).await.unwrap();
     let (g0, g1) = (granted(&grants[0]), granted(&grants[1]));
 
@@ -253,7 +273,7 @@ async fn bad_writes_and_bad_ids_are_refused_and_nothing_refused_is_seen() {
     assert_eq!(s.client.exists_keys(&s.ns, &keys[2..3]).await.unwrap(), vec![false]);
 
     // The node serves on: the same block leased, written and committed on a new connection.
-    let mut again = s.client.lease_session().await.unwrap();
+    let mut again = connected(&s.client).await;
     let g = granted(&again.lease_put(&[blocks[2].header]).await.unwrap()[0]);
     peer.put(&g.slot, &blocks[2].payload).unwrap();
     assert_eq!(again.commit(&[g.lease]).await.unwrap(), vec![ItemStatus::Ok]);
@@ -266,7 +286,7 @@ async fn a_write_lease_past_its_deadline_is_revoked_and_its_commit_refused() {
     let s = setup(true, |c| c.lease_timeout = DurationStr(Duration::from_millis(300))).await;
     let peer = Peer::new(&s.fabric, s.ns.block_bytes() as usize);
     let blocks = frames(&s.ns, 6, 2);
-    let mut session = s.client.lease_session().await.unwrap();
+    let mut session = connected(&s.client).await;
     let late = granted(&session.lease_put(&[blocks[0].header]).await.unwrap()[0]);
     peer.put(&late.slot, &blocks[0].payload).unwrap();
     tokio::time::sleep(Duration::from_millis(600)).await;
@@ -285,7 +305,7 @@ async fn a_connection_holds_at_most_its_lease_limit() {
     let s = setup(true, |_| {}).await;
     let block = &frames(&s.ns, 7, 1)[0];
     assert_eq!(s.client.store_frames(std::slice::from_ref(block)).await.unwrap(), vec![ItemStatus::Ok]);
-    let mut session = s.client.lease_session().await.unwrap();
+    let mut session = connected(&s.client).await;
     let keys = vec![block.header.key; MAX_REMOTE_LEASES / 2];
     let mut ids = Vec::new();
     for _ in 0..2 {
@@ -304,7 +324,7 @@ async fn a_connection_holds_at_most_its_lease_limit() {
     let one = session.lease_get(s.ns.id, &keys[..2], false).await.unwrap();
     assert!(matches!(one[0], GetGrant::Granted { .. }));
     assert_eq!(one[1], GetGrant::Refused(ItemStatus::Capacity));
-    let mut other = s.client.lease_session().await.unwrap();
+    let mut other = connected(&s.client).await;
     assert!(matches!(other.lease_get(s.ns.id, &keys[..1], false).await.unwrap()[0], GetGrant::Granted { .. }));
     s.server.stop(T).await.unwrap();
 }
@@ -315,6 +335,7 @@ async fn a_node_without_a_fabric_refuses_leases_and_serves_on() {
     let blocks = frames(&s.ns, 9, 2);
     let mut session: LeaseSession = s.client.lease_session().await.unwrap();
     for err in [
+        session.connect(&peer_endpoint()).await.unwrap_err(),
         session.lease_put(&[blocks[0].header]).await.unwrap_err(),
         session.lease_get(s.ns.id, &[blocks[0].header.key], false).await.unwrap_err(),
         session.commit(&[1, 2]).await.unwrap_err(),
@@ -329,5 +350,45 @@ async fn a_node_without_a_fabric_refuses_leases_and_serves_on() {
     assert_eq!(s.client.store_frames(&blocks).await.unwrap(), vec![ItemStatus::Ok; 2]);
     let keys: Vec<BlockKey> = blocks.iter().map(|b| b.header.key).collect();
     assert_eq!(loaded(&s.client, &s.ns, &keys).await[1].as_deref(), Some(&blocks[1].payload[..]));
+    s.server.stop(T).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_connects_once_with_a_well_formed_endpoint_before_any_lease() {
+    let s = setup(true, |_| {}).await;
+    let block = &frames(&s.ns, 10, 1)[0];
+    let mut session = s.client.lease_session().await.unwrap();
+    let refused = |e: ClientError, what: &str| {
+        assert!(
+            matches!(&e, ClientError::Refused { code, message } if code == "dataplane:BadRequest" && message.contains(what)),
+            "{e:?}"
+        )
+    };
+    refused(session.lease_put(&[block.header]).await.unwrap_err(), "connect to the node's fabric first");
+    refused(session.lease_get(s.ns.id, &[block.header.key], false).await.unwrap_err(), "first");
+    refused(session.connect(b"not an endpoint").await.unwrap_err(), "loopback could not connect");
+    refused(session.connect(&[0u8; 300]).await.unwrap_err(), "at most 256");
+    // Each refusal left the connection in step: the peer connects, then leases.
+    session.connect(&peer_endpoint()).await.unwrap();
+    refused(session.connect(&peer_endpoint()).await.unwrap_err(), "connected to the fabric already");
+    assert!(matches!(session.lease_put(&[block.header]).await.unwrap()[0], PutGrant::Granted(_)));
+    s.server.stop(T).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_write_into_an_abandoned_lease_damages_no_block_stored_after_it() {
+    let s = setup(true, |_| {}).await;
+    let peer = Peer::new(&s.fabric, s.ns.block_bytes() as usize);
+    let blocks = frames(&s.ns, 11, 2);
+    let mut session = connected(&s.client).await;
+    let abandoned = granted(&session.lease_put(&[blocks[0].header]).await.unwrap()[0]);
+    drop(session);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // A block stored right after the lease ended would take its slot, were the slot free.
+    assert_eq!(s.client.store_frames(&blocks[1..]).await.unwrap(), vec![ItemStatus::Ok]);
+    // The peer's write, still on the wire when its connection ended, lands now.
+    peer.put(&abandoned.slot, &vec![0xEE; abandoned.slot.len as usize]).unwrap();
+    let got = loaded(&s.client, &s.ns, &[blocks[1].header.key]).await;
+    assert!(got[0].as_deref() == Some(&blocks[1].payload[..]), "the block stored after the lease is intact");
     s.server.stop(T).await.unwrap();
 }

@@ -319,7 +319,8 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             Err(e) => return self.fatal(hdr[0], 0, Status::BadRequest, &e.to_string()).await,
         };
         let limit = self.state.config().max_blocks_per_request;
-        if req.count > limit {
+        // A `CONNECT`'s count is its endpoint's bytes, bounded on their own.
+        if req.count > limit && req.op != Op::Connect {
             let msg = format!("{} blocks in one request exceed max_blocks_per_request {limit}", req.count);
             return self.fatal(req.op as u8, req.request_id, Status::TooLarge, &msg).await;
         }
@@ -339,6 +340,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             Op::Commit => self.commit_leases(req).await?,
             Op::LeaseGet => self.lease_get(req).await?,
             Op::EndGet => self.end_get(req).await?,
+            Op::Connect => self.connect_fabric(req).await?,
             Op::Release => {
                 self.leases.release();
                 let h = ResponseHeader::ok(Op::Release, req.request_id, 0);

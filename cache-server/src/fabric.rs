@@ -3,6 +3,10 @@
 //! agent's loopback fabric in tests), the arena's one registration with it ([`ArenaAccess`]),
 //! and the remote leases a data-plane connection holds on it ([`RemoteLeases`]).
 //!
+//! A connection first connects its peer to the fabric (`CONNECT`: the two endpoints, an
+//! RDMA reliable-connected queue pair on each side, exchanged), and holds its endpoint for as long
+//! as it lives: a peer's one-sided moves can't reach the node once its connection is gone.
+//!
 //! A write lease is a DRAM [`Lease`] (PutStart) whose slot a peer fills one-sidedly; `COMMIT`
 //! hashes the slot and publishes the block (PutEnd). A read lease holds the stored block's view,
 //! so its slot is not reused while the peer reads it. The protocol is in
@@ -40,7 +44,15 @@ pub trait Fabric: Send + Sync {
     /// # Safety
     /// `base..base + len` must stay mapped for as long as the returned registration lives.
     unsafe fn register(&self, base: *mut u8, len: usize) -> Result<Box<dyn FabricRegistration>, String>;
+
+    /// An endpoint of this node for one peer (an RDMA queue pair) connected to the peer's
+    /// endpoint `peer` (encoded as the peer's fabric encodes it), and this node's endpoint encoded
+    /// for the peer. A malformed or unreachable `peer` is an error the peer is told.
+    fn connect(&self, peer: &[u8]) -> Result<(FabricEndpoint, Vec<u8>), String>;
 }
+
+/// A connected endpoint, held by its data-plane connection and dropped with it.
+pub type FabricEndpoint = Box<dyn std::any::Any + Send + Sync>;
 
 /// A registration made by a [`Fabric`]; dropping it deregisters.
 pub trait FabricRegistration: Send + Sync {
@@ -53,6 +65,7 @@ pub trait FabricRegistration: Send + Sync {
 
 /// The DRAM arena registered once with a fabric.
 pub struct ArenaAccess {
+    fabric: Arc<dyn Fabric>,
     name: String,
     registration: Box<dyn FabricRegistration>,
     base: usize,
@@ -65,11 +78,16 @@ impl ArenaAccess {
     /// # Safety
     /// The arena must stay mapped while the returned value lives (the node keeps it beside its
     /// tiers and drops it first).
-    pub(crate) unsafe fn register(fabric: &dyn Fabric, base: *mut u8, len: usize) -> Result<Self, ServerError> {
+    pub(crate) unsafe fn register(fabric: Arc<dyn Fabric>, base: *mut u8, len: usize) -> Result<Self, ServerError> {
         // SAFETY: forwarded from our caller.
         let registration = unsafe { fabric.register(base, len) }
             .map_err(|e| ServerError::Config(format!("registering the DRAM arena with {}: {e}", fabric.name())))?;
-        Ok(ArenaAccess { name: fabric.name(), registration, base: base as usize, len })
+        Ok(ArenaAccess { name: fabric.name(), fabric, registration, base: base as usize, len })
+    }
+
+    /// Connects a peer's endpoint (see [`Fabric::connect`]).
+    pub(crate) fn connect(&self, peer: &[u8]) -> Result<(FabricEndpoint, Vec<u8>), String> {
+        self.fabric.connect(peer)
     }
 
     pub fn name(&self) -> &str {
@@ -104,6 +122,8 @@ struct ReadLease {
 
 /// The remote leases of one data-plane connection.
 pub(crate) struct RemoteLeases {
+    /// The connection's endpoint on the fabric, once its peer connected.
+    endpoint: Option<FabricEndpoint>,
     next: u64,
     writes: HashMap<u64, WriteLease>,
     reads: HashMap<u64, ReadLease>,
@@ -112,7 +132,15 @@ pub(crate) struct RemoteLeases {
 
 impl RemoteLeases {
     pub(crate) fn new(read_ttl: Duration) -> Self {
-        RemoteLeases { next: 0, writes: HashMap::new(), reads: HashMap::new(), read_ttl }
+        RemoteLeases { endpoint: None, next: 0, writes: HashMap::new(), reads: HashMap::new(), read_ttl }
+    }
+
+    pub(crate) fn is_connected(&self) -> bool {
+        self.endpoint.is_some()
+    }
+
+    pub(crate) fn set_endpoint(&mut self, endpoint: FabricEndpoint) {
+        self.endpoint = Some(endpoint);
     }
 
     /// Leases held now.
@@ -161,6 +189,9 @@ impl RemoteLeases {
 
 impl Drop for RemoteLeases {
     fn drop(&mut self) {
+        // The endpoint first: once it is gone, no move of the peer's reaches the arena any more
+        // (an RDMA queue pair destroyed); what was already on the wire lands within the quarantine.
+        self.endpoint = None;
         quarantine(self.writes.drain().map(|(_, w)| w).collect());
     }
 }

@@ -443,7 +443,7 @@ impl NodeState {
 
     /// Registers the DRAM arena with `fabric`, so that data-plane connections may lease its slots
     /// to peers that read and write them one-sidedly (see `crate::fabric`). Once per node.
-    pub fn attach_fabric(&self, fabric: &dyn Fabric) -> Result<(), ServerError> {
+    pub fn attach_fabric(&self, fabric: Arc<dyn Fabric>) -> Result<(), ServerError> {
         if self.arena_access.get().is_some() {
             return Err(ServerError::Config("a fabric is already attached to this node's DRAM arena".into()));
         }

@@ -13,7 +13,7 @@ pub fn attach_rdma(state: &NodeState, device: &str) -> Result<()> {
         let name = (device != "any").then_some(device);
         let dev = kvtier_agent::mover::open_rdma(name)
             .map_err(|e| anyhow::anyhow!("--rdma-device {device}: {e} (start without it to serve over TCP only)"))?;
-        state.attach_fabric(&verbs::RdmaFabric(dev))?;
+        state.attach_fabric(std::sync::Arc::new(verbs::RdmaFabric(dev)))?;
         Ok(())
     }
     #[cfg(not(feature = "rdma"))]
@@ -29,7 +29,8 @@ pub fn attach_rdma(state: &NodeState, device: &str) -> Result<()> {
 #[cfg(feature = "rdma")]
 mod verbs {
     use kvtier_agent::mover::rdma::{RdmaDevice, RdmaMemoryRegion};
-    use kvtier_server::fabric::{Fabric, FabricRegistration};
+    use kvtier_agent::mover::EndpointDescriptor;
+    use kvtier_server::fabric::{Fabric, FabricEndpoint, FabricRegistration};
 
     /// An RDMA device as the server's fabric.
     pub(super) struct RdmaFabric(pub(super) RdmaDevice);
@@ -54,6 +55,15 @@ mod verbs {
             // SAFETY: forwarded from our caller (the node keeps its arena mapped while registered).
             let region = unsafe { self.0.register_raw(base, len) }.map_err(|e| e.to_string())?;
             Ok(Box::new(Registration(region)))
+        }
+
+        /// A queue pair of its own for each peer's connection, connected to the peer's.
+        fn connect(&self, peer: &[u8]) -> Result<(FabricEndpoint, Vec<u8>), String> {
+            let remote = EndpointDescriptor::decode(peer).map_err(|e| e.to_string())?;
+            let mover = self.0.mover().map_err(|e| e.to_string())?;
+            mover.connect(&remote).map_err(|e| e.to_string())?;
+            let ours = mover.endpoint().encode().to_vec();
+            Ok((Box::new(mover), ours))
         }
     }
 }

@@ -348,6 +348,15 @@ impl DataConn {
     }
 
     async fn read_response(&mut self, op: Op, id: u32, count: u32) -> Result<(), ClientError> {
+        let h = self.read_answer(op, id).await?;
+        if h.count != count {
+            return Err(ProtoError::Malformed(format!("response {h:?} does not answer request {id}")).into());
+        }
+        Ok(())
+    }
+
+    /// The answer header of request `id` (a request-level error as the error it names).
+    async fn read_answer(&mut self, op: Op, id: u32) -> Result<ResponseHeader, ClientError> {
         let mut rh = [0u8; RESPONSE_HEADER_LEN];
         self.rd.read_exact(&mut rh).await?;
         let h = ResponseHeader::decode(&rh)?;
@@ -356,10 +365,10 @@ impl DataConn {
             self.rd.read_exact(&mut msg).await?;
             return Err(request_error(&h, String::from_utf8_lossy(&msg).into_owned()));
         }
-        if h.op != op as u8 || h.request_id != id || h.count != count {
+        if h.op != op as u8 || h.request_id != id {
             return Err(ProtoError::Malformed(format!("response {h:?} does not answer request {id}")).into());
         }
-        Ok(())
+        Ok(h)
     }
 
     /// Stores frames; one status per frame. With `lease`, the server keeps them pinned until

@@ -4,7 +4,9 @@
 //! `kvtier_proto::dataplane`, "Remote leases"). Leases live as long as the session's connection,
 //! so a session is never returned to the pool.
 
-use kvtier_proto::dataplane::{ItemStatus, LeaseGrant, Op, RequestHeader, FLAG_STOP_AT_MISS, LEASE_GRANT_LEN};
+use kvtier_proto::dataplane::{
+    ItemStatus, LeaseGrant, Op, RequestHeader, FLAG_STOP_AT_MISS, LEASE_GRANT_LEN, MAX_ENDPOINT_LEN,
+};
 use kvtier_proto::{BlockKey, FrameHeader, NamespaceId};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -44,6 +46,13 @@ pub struct LeaseSession {
 }
 
 impl LeaseSession {
+    /// Connects this session to the node's fabric: sends this peer's endpoint (an RDMA queue
+    /// pair's, encoded as the peer's mover encodes it) and returns the node's, for the peer's
+    /// mover to connect to. Once per session, before any lease.
+    pub async fn connect(&mut self, endpoint: &[u8]) -> Result<Vec<u8>, ClientError> {
+        self.conn.connect_fabric(endpoint).await
+    }
+
     /// A slot for each frame header (each header's checksum is that of the payload to come).
     pub async fn lease_put(&mut self, headers: &[FrameHeader]) -> Result<Vec<PutGrant>, ClientError> {
         self.conn.lease_put(headers).await
@@ -73,6 +82,22 @@ impl LeaseSession {
 }
 
 impl DataConn {
+    async fn connect_fabric(&mut self, endpoint: &[u8]) -> Result<Vec<u8>, ClientError> {
+        let id = self.take_id();
+        let count = endpoint.len() as u32;
+        let req = RequestHeader { op: Op::Connect, flags: 0, request_id: id, count, namespace: NamespaceId([0; 16]) };
+        self.wr.write_all(&req.encode()).await?;
+        self.wr.write_all(endpoint).await?;
+        self.wr.flush().await?;
+        let h = self.read_answer(Op::Connect, id).await?;
+        if h.count as usize > MAX_ENDPOINT_LEN {
+            return Err(kvtier_proto::ProtoError::Malformed(format!("the node's endpoint is {} bytes", h.count)).into());
+        }
+        let mut theirs = vec![0u8; h.count as usize];
+        self.rd.read_exact(&mut theirs).await?;
+        Ok(theirs)
+    }
+
     async fn lease_put(&mut self, headers: &[FrameHeader]) -> Result<Vec<PutGrant>, ClientError> {
         let id = self.take_id();
         let count = headers.len() as u32;

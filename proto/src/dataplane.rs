@@ -30,6 +30,10 @@
 //! (Mooncake's PutStart / PutEnd). Every lease belongs to the connection that took it and ends
 //! with it; a node without a fabric answers these ops with a request-level `BadRequest` saying so.
 //!
+//! - `CONNECT`: [`RequestHeader`] with `count` bytes of the peer's fabric endpoint after it (an
+//!   RDMA queue pair's, at most [`MAX_ENDPOINT_LEN`]). Answer: [`ResponseHeader`] whose `count` is
+//!   the length of the node's endpoint, then those bytes. Once per connection, before any lease;
+//!   the node's endpoint lives as long as the connection.
 //! - `LEASE_PUT`: [`RequestHeader`] with `count` 128-byte frame headers after it (no payloads;
 //!   each header's checksum is the payload's to come). Answer: [`ResponseHeader`], then per item
 //!   an [`ItemStatus`] byte followed — when `Ok` — by a [`LeaseGrant`] (the lease id and the
@@ -173,6 +177,7 @@ pub enum Op {
     Commit = 6,
     LeaseGet = 7,
     EndGet = 8,
+    Connect = 9,
 }
 
 impl Op {
@@ -186,6 +191,7 @@ impl Op {
             6 => Ok(Op::Commit),
             7 => Ok(Op::LeaseGet),
             8 => Ok(Op::EndGet),
+            9 => Ok(Op::Connect),
             other => Err(ProtoError::Malformed(format!("unknown data-plane op {other}"))),
         }
     }
@@ -394,6 +400,8 @@ const SLOT_MAGIC: [u8; 4] = *b"KVS1";
 pub const SLOT_DESCRIPTOR_LEN: usize = 24;
 /// Bytes of an encoded [`LeaseGrant`].
 pub const LEASE_GRANT_LEN: usize = 8 + SLOT_DESCRIPTOR_LEN;
+/// Longest fabric endpoint a `CONNECT` may carry.
+pub const MAX_ENDPOINT_LEN: usize = 256;
 /// Bytes of a lease id in `COMMIT` and `END_GET`.
 pub const LEASE_ID_LEN: usize = 8;
 
@@ -514,10 +522,10 @@ mod tests {
             assert_eq!(ItemStatus::from_u8(v).unwrap() as u8, v);
         }
         assert!(ItemStatus::from_u8(15).is_err());
-        for v in 1..=8u8 {
+        for v in 1..=9u8 {
             assert_eq!(Op::from_u8(v).unwrap() as u8, v);
         }
-        assert!(Op::from_u8(9).is_err());
+        assert!(Op::from_u8(10).is_err());
     }
 
     #[test]

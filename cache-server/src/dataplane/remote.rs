@@ -1,5 +1,5 @@
-//! The remote-lease ops of a data-plane connection — `LEASE_PUT`, `COMMIT`, `LEASE_GET`,
-//! `END_GET` (protocol in `kvtier_proto::dataplane`, "Remote leases"; the leases themselves in
+//! The remote-lease ops of a data-plane connection — `CONNECT`, `LEASE_PUT`, `COMMIT`,
+//! `LEASE_GET`, `END_GET` (protocol in `kvtier_proto::dataplane`, "Remote leases"; the leases themselves in
 //! `crate::fabric`). The bytes move one-sidedly, outside this connection; it only grants slots,
 //! checks and publishes what was written, and ends leases.
 
@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use kvtier_proto::dataplane::{
     ItemStatus, LeaseGrant, Op, RequestHeader, ResponseHeader, Status, FLAG_STOP_AT_MISS, LEASE_ID_LEN,
+    MAX_ENDPOINT_LEN,
 };
 use kvtier_proto::{BlockKey, FrameHeader, NamespaceId, FRAME_HEADER_LEN, KEY_LEN};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
@@ -20,17 +21,62 @@ use crate::metrics::{error, observe};
 use crate::tenants::Principal;
 
 impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W> {
-    /// The node's arena access; without one, the request's `body` bytes are drained and it is
-    /// refused (the connection stays usable).
-    async fn arena_or_refuse(&mut self, req: &RequestHeader, body: u64) -> Result<Option<Arc<ArenaAccess>>, ConnError> {
-        if let Some(a) = self.state.arena_access() {
-            return Ok(Some(a.clone()));
-        }
+    /// Answers a request-level refusal (the connection stays usable: its `body` bytes are
+    /// drained first).
+    async fn refuse(&mut self, req: &RequestHeader, body: u64, kind: &'static str, msg: &str) -> Result<(), ConnError> {
         self.drain(body).await?;
-        error("remote_lease_no_fabric");
-        let msg = "this node's DRAM arena is registered with no one-sided fabric (RDMA); use PUT and GET";
+        error(kind);
         self.wr.write_all(&ResponseHeader::error(req.op as u8, req.request_id, Status::BadRequest, msg)).await?;
-        Ok(None)
+        Ok(())
+    }
+
+    /// The node's arena access, when a fabric is attached and this connection's peer connected
+    /// to it; otherwise the request (its `body` bytes drained) is refused, saying which is missing.
+    async fn arena_or_refuse(&mut self, req: &RequestHeader, body: u64) -> Result<Option<Arc<ArenaAccess>>, ConnError> {
+        let Some(arena) = self.state.arena_access().cloned() else {
+            let msg = "this node's DRAM arena is registered with no one-sided fabric (RDMA); use PUT and GET";
+            self.refuse(req, body, "remote_lease_no_fabric", msg).await?;
+            return Ok(None);
+        };
+        if !self.remote.is_connected() {
+            let msg = "connect to the node's fabric first (CONNECT with this peer's endpoint)";
+            self.refuse(req, body, "remote_lease_not_connected", msg).await?;
+            return Ok(None);
+        }
+        Ok(Some(arena))
+    }
+
+    /// `CONNECT`: this connection's endpoint on the fabric, connected to the peer's.
+    pub(super) async fn connect_fabric(&mut self, req: RequestHeader) -> Result<(), ConnError> {
+        let body = u64::from(req.count);
+        let Some(arena) = self.state.arena_access().cloned() else {
+            let msg = "this node's DRAM arena is registered with no one-sided fabric (RDMA); use PUT and GET";
+            return self.refuse(&req, body, "remote_lease_no_fabric", msg).await;
+        };
+        if self.remote.is_connected() {
+            return self
+                .refuse(&req, body, "remote_lease_reconnect", "this connection is connected to the fabric already")
+                .await;
+        }
+        if req.count as usize > MAX_ENDPOINT_LEN {
+            let msg = format!("an endpoint of {} bytes; at most {MAX_ENDPOINT_LEN}", req.count);
+            return self.refuse(&req, body, "remote_lease_bad_endpoint", &msg).await;
+        }
+        let mut peer = vec![0u8; req.count as usize];
+        self.rd.read_exact(&mut peer).await?;
+        match arena.connect(&peer) {
+            Ok((endpoint, ours)) => {
+                self.remote.set_endpoint(endpoint);
+                let h = ResponseHeader::ok(Op::Connect, req.request_id, ours.len() as u32);
+                self.wr.write_all(&h.encode()).await?;
+                self.wr.write_all(&ours).await?;
+            }
+            Err(e) => {
+                let msg = format!("{} could not connect this peer's endpoint: {e}", arena.name());
+                self.refuse(&req, 0, "remote_lease_bad_endpoint", &msg).await?;
+            }
+        }
+        Ok(())
     }
 
     /// `LEASE_PUT`: a slot for each frame header, to be written one-sidedly and committed.
