@@ -510,7 +510,7 @@ mod tests {
         bad[1] = 0;
         assert!(RequestHeader::decode(&bad).is_err());
         bad = r.encode();
-        bad[0] = 9;
+        bad[0] = 200;
         assert!(RequestHeader::decode(&bad).is_err());
         let s = ResponseHeader { op: 1, status: Status::TooLarge, msg_len: 5, request_id: 1, count: 0 };
         assert_eq!(ResponseHeader::decode(&s.encode()).unwrap(), s);
