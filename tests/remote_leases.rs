@@ -282,21 +282,31 @@ async fn bad_writes_and_bad_ids_are_refused_and_nothing_refused_is_seen() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_write_lease_past_its_deadline_is_revoked_and_its_commit_refused() {
+async fn leases_past_their_deadline_end_and_their_commits_are_refused() {
     let s = setup(true, |c| c.lease_timeout = DurationStr(Duration::from_millis(300))).await;
     let peer = Peer::new(&s.fabric, s.ns.block_bytes() as usize);
-    let blocks = frames(&s.ns, 6, 2);
+    let blocks = frames(&s.ns, 6, 4);
+    assert_eq!(s.client.store_frames(&blocks[3..]).await.unwrap(), vec![ItemStatus::Ok]);
     let mut session = connected(&s.client).await;
-    let late = granted(&session.lease_put(&[blocks[0].header]).await.unwrap()[0]);
+    let grants = session.lease_put(&[blocks[0].header, blocks[1].header]).await.unwrap();
+    let (late, reaped) = (granted(&grants[0]), granted(&grants[1]));
     peer.put(&late.slot, &blocks[0].payload).unwrap();
+    peer.put(&reaped.slot, &blocks[1].payload).unwrap();
+    let read = match session.lease_get(s.ns.id, &[blocks[3].header.key], false).await.unwrap()[0] {
+        GetGrant::Granted { grant, .. } => grant,
+        other => panic!("{other:?}"),
+    };
     tokio::time::sleep(Duration::from_millis(600)).await;
-    // The next reservation revokes what is past its deadline.
-    let fresh = granted(&session.lease_put(&[blocks[1].header]).await.unwrap()[0]);
-    peer.put(&fresh.slot, &blocks[1].payload).unwrap();
-    let st = session.commit(&[late.lease, fresh.lease]).await.unwrap();
-    assert_eq!(st, vec![ItemStatus::Capacity, ItemStatus::Ok]);
-    let keys = [blocks[0].header.key, blocks[1].header.key];
-    assert_eq!(s.client.exists_keys(&s.ns, &keys).await.unwrap(), vec![false, true]);
+    // Committed late, with no request in between: refused.
+    assert_eq!(session.commit(&[late.lease]).await.unwrap(), vec![ItemStatus::NoLease]);
+    // The next lease request ends what is past its deadline; its own lease is fresh.
+    let fresh = granted(&session.lease_put(&[blocks[2].header]).await.unwrap()[0]);
+    peer.put(&fresh.slot, &blocks[2].payload).unwrap();
+    let st = session.commit(&[reaped.lease, fresh.lease]).await.unwrap();
+    assert_eq!(st, vec![ItemStatus::NoLease, ItemStatus::Ok]);
+    assert_eq!(session.end_get(&[read.lease]).await.unwrap(), vec![ItemStatus::NoLease], "the read lease ended too");
+    let keys: Vec<BlockKey> = blocks.iter().map(|b| b.header.key).collect();
+    assert_eq!(s.client.exists_keys(&s.ns, &keys).await.unwrap(), vec![false, false, true, true]);
     s.server.stop(T).await.unwrap();
 }
 

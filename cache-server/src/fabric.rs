@@ -148,10 +148,17 @@ impl RemoteLeases {
         self.writes.len() + self.reads.len()
     }
 
-    /// Whether another lease fits under [`MAX_REMOTE_LEASES`] (read leases past their deadline
-    /// are ended first).
-    pub(crate) fn has_room(&mut self, now: Instant) -> bool {
+    /// Ends what passed its deadline: read leases at once; write leases (revoked by the DRAM
+    /// tier by now, their commit would fail) into quarantine, since their peer may still be
+    /// writing. Called once per lease request.
+    pub(crate) fn reap(&mut self, now: Instant) {
         self.reads.retain(|_, r| r.deadline > now);
+        let late: Vec<u64> = self.writes.iter().filter(|(_, w)| w.slot.deadline() <= now).map(|(id, _)| *id).collect();
+        quarantine(late.into_iter().filter_map(|id| self.writes.remove(&id)).collect());
+    }
+
+    /// Whether another lease fits under [`MAX_REMOTE_LEASES`].
+    pub(crate) fn has_room(&self) -> bool {
         self.len() < MAX_REMOTE_LEASES
     }
 

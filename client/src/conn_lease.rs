@@ -59,7 +59,8 @@ impl LeaseSession {
     }
 
     /// Publishes written slots: per lease `Ok`, `ChecksumMismatch` (what the slot held did not
-    /// match its header; nothing stored), `Capacity` (revoked at its deadline) or `NoLease`.
+    /// match its header; nothing stored), or `NoLease` (unknown, ended, or past the node's
+    /// `lease_timeout`).
     pub async fn commit(&mut self, leases: &[u64]) -> Result<Vec<ItemStatus>, ClientError> {
         self.conn.lease_ids(Op::Commit, leases).await
     }

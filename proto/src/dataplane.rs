@@ -42,8 +42,8 @@
 //! - `COMMIT`: [`RequestHeader`] with `count` lease ids (`u64` each) after it. The node hashes
 //!   each leased slot and publishes the block when it matches the header's checksum. Answer:
 //!   [`ResponseHeader`] then one status per id: `Ok`, `ChecksumMismatch` (nothing stored, the
-//!   lease ended), `Capacity` (revoked at its deadline), [`ItemStatus::NoLease`] (no such lease
-//!   on this connection).
+//!   lease ended), [`ItemStatus::NoLease`] (no such lease on this connection, or past its
+//!   deadline: the node's `lease_timeout`).
 //! - `LEASE_GET`: [`RequestHeader`] (namespace set) with `count` keys after it (a `GET`'s, with
 //!   [`FLAG_STOP_AT_MISS`] allowed). Answer: [`ResponseHeader`], then per key a status byte
 //!   followed — when `Ok` — by the stored frame's header and a [`LeaseGrant`] of its payload,

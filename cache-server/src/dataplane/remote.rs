@@ -85,6 +85,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         let body = req.count as u64 * FRAME_HEADER_LEN as u64;
         let Some(arena) = self.arena_or_refuse(&req, body).await? else { return Ok(()) };
         let principal = self.principal()?;
+        self.remote.reap(Instant::now());
         let mut answer = Vec::with_capacity(req.count as usize * (1 + LeaseGrant::LEN));
         for _ in 0..req.count {
             let mut fh = [0u8; FRAME_HEADER_LEN];
@@ -130,7 +131,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         if self.state.tiers().is_hot(&header.namespace, &header.key) {
             return Err(ItemStatus::Present);
         }
-        if !self.remote.has_room(Instant::now()) {
+        if !self.remote.has_room() {
             error("remote_leases_per_connection");
             return Err(ItemStatus::Capacity);
         }
@@ -169,9 +170,15 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         let ids = self.read_lease_ids(req.count).await?;
         let mut statuses = Vec::with_capacity(ids.len());
         let mut stored: Vec<(NamespaceId, BlockKey)> = Vec::new();
+        let now = Instant::now();
         for id in ids {
             let status = match self.remote.take_write(id) {
                 None => ItemStatus::NoLease,
+                // Past its deadline (revoked by the DRAM tier): ended, like one reaped already.
+                Some(late) if late.slot.deadline() <= now => {
+                    self.remote.abandon(late);
+                    ItemStatus::NoLease
+                }
                 Some(WriteLease { mut slot, header }) => {
                     if kvtier_proto::checksum(slot.buf_mut()) != header.checksum {
                         // The peer may still be writing (it committed early): the slot waits.
@@ -183,7 +190,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
                                 stored.push((header.namespace, header.key));
                                 ItemStatus::Ok
                             }
-                            // Revoked at its deadline (or the tier shrank under it).
+                            // Revoked between the check above and here.
                             Err(ServerError::Capacity(_) | ServerError::TooLarge { .. }) => ItemStatus::Capacity,
                             Err(_) => ItemStatus::Internal,
                         }
@@ -209,6 +216,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         let Some(arena) = self.arena_or_refuse(&req, body).await? else { return Ok(()) };
         let Some(raw) = self.read_keys(&req).await? else { return Ok(()) };
         let ns = req.namespace;
+        self.remote.reap(Instant::now());
         let stop_at_miss = req.flags & FLAG_STOP_AT_MISS != 0;
         self.wr.write_all(&ResponseHeader::ok(Op::LeaseGet, req.request_id, req.count).encode()).await?;
         let mut missed = false;
@@ -223,7 +231,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             let now = Instant::now();
             let status = match self.state.tiers().dram_block(&ns, &key) {
                 Some(block) => match arena.describe(&block.payload) {
-                    Some(_) if !self.remote.has_room(now) => {
+                    Some(_) if !self.remote.has_room() => {
                         error("remote_leases_per_connection");
                         ItemStatus::Capacity
                     }
