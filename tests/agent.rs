@@ -142,6 +142,12 @@ fn agent_configuration_errors_name_the_setting() {
     let closed = format!("127.0.0.1:{}", free_port());
     let err = run(&mut agent(&["--server", &closed, "--page-bytes", "4096"]));
     assert!(err.contains(&format!("connecting to the server at {closed}")), "{err}");
+    // Spills by RDMA where they can't be had (no `rdma` feature in this build, or no verbs device
+    // on this machine): the agent doesn't start, and says which.
+    let server = ServerProcess::start(&[]);
+    let args = ["--server", &server.grpc_addr(), "--page-bytes", "4096", "--rdma-device", "mlx5_0"];
+    let err = run(&mut agent(&args));
+    assert!(err.contains("--rdma-device mlx5_0") && err.contains("rdma"), "{err}");
 }
 
 /// Registers a sealed memfd of `pages` pages with the agent over `sock`; the buffer id.

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use kvtier_agent::mover::loopback::{LoopbackFabric, LoopbackMover, LoopbackRawRegistration, LoopbackRegion};
+use kvtier_agent::mover::loopback::{LoopbackFabric, LoopbackMover, LoopbackRegion};
 use kvtier_agent::mover::{BulkMover, EndpointDescriptor};
 use kvtier_agent::{AgentError, HostBuffer};
 use kvtier_client::{
@@ -24,51 +24,12 @@ use kvtier_client::{
 use kvtier_proto::dataplane::SlotDescriptor;
 use kvtier_proto::{BlockFrame, BlockKey, FrameHeader};
 use kvtier_server::config::{ByteSize, DurationStr};
-use kvtier_server::fabric::{Fabric, FabricEndpoint, FabricRegistration, MAX_REMOTE_LEASES};
+use kvtier_server::fabric::MAX_REMOTE_LEASES;
 use kvtier_server::{RunningServer, ServerConfig};
+use kvtier_tests::fabric::{peer_endpoint, ArenaOnLoopback};
 use kvtier_tests::*;
 
 const T: Duration = Duration::from_secs(5);
-
-/// The loopback fabric behind the server's seam.
-struct ArenaOnLoopback(Arc<LoopbackFabric>);
-
-struct ArenaRegistration {
-    reg: LoopbackRawRegistration,
-    base: u64,
-}
-
-impl FabricRegistration for ArenaRegistration {
-    fn rkey(&self) -> u32 {
-        self.reg.rkey()
-    }
-    fn remote_base(&self) -> u64 {
-        self.base
-    }
-}
-
-impl Fabric for ArenaOnLoopback {
-    fn name(&self) -> String {
-        "loopback".into()
-    }
-    unsafe fn register(&self, base: *mut u8, len: usize) -> Result<Box<dyn FabricRegistration>, String> {
-        // SAFETY: forwarded from our caller (the node keeps its arena mapped while registered).
-        let reg = unsafe { self.0.register_raw(base, len) };
-        Ok(Box::new(ArenaRegistration { reg, base: base as u64 }))
-    }
-    /// The loopback needs no queue pairs; it checks the peer's endpoint as the verbs fabric would
-    /// and answers one of its own.
-    fn connect(&self, peer: &[u8]) -> Result<(FabricEndpoint, Vec<u8>), String> {
-        let theirs = EndpointDescriptor::decode(peer).map_err(|e| e.to_string())?;
-        let ours = EndpointDescriptor { qpn: theirs.qpn + 1, psn: 7, lid: 1, gid: [0; 16] };
-        Ok((Box::new(()), ours.encode().to_vec()))
-    }
-}
-
-/// A peer's endpoint as its mover would describe it.
-fn peer_endpoint() -> [u8; 32] {
-    EndpointDescriptor { qpn: 0x42, psn: 9, lid: 1, gid: [0; 16] }.encode()
-}
 
 /// A lease session connected to the node's fabric.
 async fn connected(client: &KvClient) -> LeaseSession {

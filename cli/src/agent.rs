@@ -15,7 +15,11 @@
 //! Configuration: flags, their `KVTIER_AGENT_*` environment variables, or an `[agent]` table in
 //! the `--config` TOML file (keys as the flags, with `_`: `server`, `socket`, `device`, `gpu`,
 //! `host_memory`, `host_devices`, `link_gbps`, `page_bytes`, `pool_capacity`, `pool_fraction`,
-//! `promote_loads`, `metrics`); flags win.
+//! `promote_loads`, `metrics`, `rdma_device`); flags win.
+//!
+//! With `--rdma-device`, spills go into leased slots of the server's DRAM as one-sided RDMA
+//! writes (`crate::lease_lane`; the server registers its arena with `serve --rdma-device`), and
+//! over the same-node socket for whatever the lane can't place.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -31,6 +35,8 @@ use kvtier_client::{ClientConfig, KvClient, NamespaceHandle, SameNode, SharedBuf
 use kvtier_proto::dataplane::ItemStatus;
 use kvtier_proto::{BlockKey, CodecId, Namespace, NamespaceId};
 use kvtier_server::config::ByteSize;
+
+use crate::lease_lane::LeaseLane;
 
 /// Bytes one same-node exchange with the server moves at most (the store's shared buffer, in
 /// whole blocks, at least one).
@@ -83,6 +89,11 @@ pub struct AgentArgs {
     /// Prometheus /metrics address.
     #[arg(long, env = "KVTIER_AGENT_METRICS")]
     metrics: Option<std::net::SocketAddr>,
+    /// Spill into leased slots of the server's DRAM with one-sided writes through this RDMA
+    /// device (`any`: the first; the server needs `--rdma-device` too). Needs the `rdma` build
+    /// feature. Default: spills go over the same-node socket.
+    #[arg(long, env = "KVTIER_AGENT_RDMA_DEVICE")]
+    rdma_device: Option<String>,
     #[arg(long, env = "KVTIER_LOG", default_value = "info")]
     log: String,
 }
@@ -100,6 +111,7 @@ struct Settings {
     capacity: Capacity,
     promote_loads: bool,
     metrics: Option<std::net::SocketAddr>,
+    rdma_device: Option<String>,
 }
 
 fn settings(a: &AgentArgs) -> anyhow::Result<Settings> {
@@ -128,6 +140,7 @@ fn settings(a: &AgentArgs) -> anyhow::Result<Settings> {
         "pool_fraction",
         "promote_loads",
         "metrics",
+        "rdma_device",
     ];
     if let Some(k) = table.keys().find(|k| !known.contains(&k.as_str())) {
         bail!("[agent]: unknown key {k:?} (known: {})", known.join(", "));
@@ -203,6 +216,7 @@ fn settings(a: &AgentArgs) -> anyhow::Result<Settings> {
         Some(m) => Some(m),
         None => text("metrics")?.map(|s| s.parse()).transpose().context("[agent] metrics")?,
     };
+    let rdma_device = a.rdma_device.clone().or(text("rdma_device")?);
     Ok(Settings {
         server,
         socket,
@@ -215,6 +229,7 @@ fn settings(a: &AgentArgs) -> anyhow::Result<Settings> {
         capacity,
         promote_loads,
         metrics,
+        rdma_device,
     })
 }
 
@@ -230,6 +245,9 @@ struct StoreInner {
     rt: tokio::runtime::Handle,
     client: KvClient,
     link: Mutex<Link>,
+    /// Spills as one-sided writes into leased slots (`--rdma-device`), shared by every link of
+    /// the agent; `None` without one, or once it failed (spills then take `link`).
+    lane: Arc<Mutex<Option<LeaseLane>>>,
     /// Shared by every link of the agent ([`SameNodeStore::another_link`]).
     namespaces: Arc<Mutex<HashMap<NamespaceId, NamespaceHandle>>>,
 }
@@ -245,7 +263,7 @@ fn chunk_blocks(block_bytes: usize) -> usize {
 }
 
 impl SameNodeStore {
-    async fn connect(client: KvClient, block_bytes: usize) -> anyhow::Result<Self> {
+    async fn connect(client: KvClient, block_bytes: usize, lane: Option<LeaseLane>) -> anyhow::Result<Self> {
         let near = client
             .samenode()
             .await
@@ -256,6 +274,7 @@ impl SameNodeStore {
                 rt: tokio::runtime::Handle::current(),
                 client,
                 link: Mutex::new(Link { near, buf, block_bytes }),
+                lane: Arc::new(Mutex::new(lane)),
                 namespaces: Arc::new(Mutex::new(HashMap::new())),
             }),
         })
@@ -274,6 +293,7 @@ impl SameNodeStore {
                 rt: tokio::runtime::Handle::current(),
                 client,
                 link: Mutex::new(Link { near, buf, block_bytes }),
+                lane: self.inner.lane.clone(),
                 namespaces: self.inner.namespaces.clone(),
             }),
         })
@@ -291,6 +311,30 @@ impl SameNodeStore {
     fn handle(&self, ns: &NamespaceId) -> kvtier_agent::Result<NamespaceHandle> {
         let map = self.inner.namespaces.lock().map_err(|_| AgentError::Spill("namespace map poisoned".into()))?;
         map.get(ns).cloned().ok_or_else(|| AgentError::Spill("namespace not opened with the server".into()))
+    }
+
+    /// Places a block through the lease lane, if the agent has one: true when the server holds
+    /// it now. A lane that fails is closed (logged once); its refusals and its absence leave the
+    /// block to the same-node path.
+    fn spill_on_lane(&self, h: &NamespaceHandle, key: &BlockKey, payload: &[u8]) -> bool {
+        let Ok(mut slot) = self.inner.lane.lock() else { return false };
+        let Some(lane) = slot.as_mut() else { return false };
+        match self.inner.rt.block_on(lane.spill(h, key, payload)) {
+            Ok(true) => {
+                metrics::counter!("kvtier_agent_lease_spills_total", "outcome" => "placed").increment(1);
+                true
+            }
+            Ok(false) => {
+                metrics::counter!("kvtier_agent_lease_spills_total", "outcome" => "refused").increment(1);
+                false
+            }
+            Err(e) => {
+                metrics::counter!("kvtier_agent_lease_spills_total", "outcome" => "failed").increment(1);
+                tracing::warn!("the lease lane failed ({e}); spills go over the same-node socket from now on");
+                *slot = None;
+                false
+            }
+        }
     }
 
     /// Runs `f` on the link, reopening a connection that broke earlier. Called on the agent's
@@ -316,6 +360,9 @@ impl Spill for SameNodeStore {
             return Err(AgentError::Spill(format!("the same-node store takes raw blocks, not {}", codec.name())));
         }
         let h = self.handle(ns)?;
+        if self.spill_on_lane(&h, key, payload) {
+            return Ok(());
+        }
         let status = self.with_link(async |l: &mut Link| {
             if payload.len() != l.block_bytes {
                 return Err(kvtier_client::ClientError::InvalidArgument(format!(
@@ -383,7 +430,11 @@ pub async fn run(a: AgentArgs) -> anyhow::Result<()> {
     let cfg = ClientConfig { auth_token: a.auth_token.clone(), ..Default::default() };
     let client =
         KvClient::connect(&s.server, cfg).await.with_context(|| format!("connecting to the server at {}", s.server))?;
-    let store = SameNodeStore::connect(client, page_bytes).await?;
+    let lane = match &s.rdma_device {
+        Some(device) => Some(lease_lane(&client, device, page_bytes).await?),
+        None => None,
+    };
+    let store = SameNodeStore::connect(client, page_bytes, lane).await?;
     let demand_store = store.another_link().await?;
     let mut config = AgentConfig::new(page_bytes);
     config.capacity = s.capacity;
@@ -400,6 +451,19 @@ pub async fn run(a: AgentArgs) -> anyhow::Result<()> {
         }
         _ => cuda([store, demand_store], config, &s).await,
     }
+}
+
+/// The lease lane over the RDMA device `device` (`--rdma-device`).
+#[cfg(feature = "rdma")]
+async fn lease_lane(client: &KvClient, device: &str, page_bytes: usize) -> anyhow::Result<LeaseLane> {
+    let writer = crate::lease_lane::rdma::RdmaWriter::open(device, page_bytes)
+        .with_context(|| format!("--rdma-device {device} (start without it to spill over the same-node socket)"))?;
+    LeaseLane::connect(client, Box::new(writer)).await.context("connecting the lease lane to the server's fabric")
+}
+
+#[cfg(not(feature = "rdma"))]
+async fn lease_lane(_client: &KvClient, device: &str, _page_bytes: usize) -> anyhow::Result<LeaseLane> {
+    bail!("--rdma-device {device}: this kvtier was built without the `rdma` feature (cargo build --features rdma)")
 }
 
 #[cfg(feature = "cuda")]
@@ -787,6 +851,97 @@ mod tests {
             parse(&["--config", config, "--page-bytes", "1KiB"]).err().map(|e| format!("{e:#}")).unwrap_or_default();
         let _ = std::fs::remove_file(&file);
         assert!(e.contains("promote_loads"), "{e}");
+    }
+
+    /// A writer on the agent's loopback fabric (what an RDMA NIC is to `--rdma-device`, on a
+    /// machine without one), counting its writes; `stall` makes its completions stop arriving.
+    struct LoopbackWriter {
+        mover: kvtier_agent::mover::loopback::LoopbackMover,
+        staging: kvtier_agent::mover::loopback::LoopbackRegion,
+        writes: Arc<std::sync::atomic::AtomicUsize>,
+        stall: Arc<std::sync::atomic::AtomicBool>,
+    }
+
+    impl crate::lease_lane::OneSided for LoopbackWriter {
+        fn endpoint(&self) -> Vec<u8> {
+            kvtier_tests::fabric::peer_endpoint().to_vec()
+        }
+        fn connect(&mut self, server: &[u8]) -> kvtier_agent::Result<()> {
+            kvtier_agent::mover::EndpointDescriptor::decode(server).map(|_| ())
+        }
+        fn write(&mut self, bytes: &[u8], slot: &kvtier_proto::dataplane::SlotDescriptor) -> kvtier_agent::Result<()> {
+            use kvtier_agent::mover::{BulkMover, MoverRegion};
+            use std::sync::atomic::Ordering;
+            self.writes.fetch_add(1, Ordering::SeqCst);
+            if self.stall.load(Ordering::SeqCst) {
+                self.mover.stall();
+            }
+            self.staging.buffer().write(0, bytes)?;
+            self.mover.write(&self.staging, 0, slot, 0, bytes.len(), Duration::from_millis(200))
+        }
+    }
+
+    /// `--rdma-device`'s path on the loopback fabric against an in-process node with that fabric
+    /// attached: spills land in the server's DRAM through leases (the same-node socket unused),
+    /// and once the writer fails the lane closes and spills go on over the same-node socket.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn spills_go_through_the_lease_lane_and_over_the_socket_once_it_fails() {
+        use kvtier_agent::mover::loopback::{LoopbackFabric, LoopbackMover};
+        use kvtier_agent::mover::BulkMover;
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+        let dir = tempfile::tempdir().unwrap();
+        let config = kvtier_server::ServerConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            data_listen: "127.0.0.1:0".parse().unwrap(),
+            metrics_listen: None,
+            data_dir: dir.path().to_path_buf(),
+            dram_capacity: ByteSize(64 << 20),
+            ..Default::default()
+        };
+        let server = kvtier_server::start(config, None).await.unwrap();
+        let fabric = LoopbackFabric::new();
+        server.state.attach_fabric(Arc::new(kvtier_tests::fabric::ArenaOnLoopback(fabric.clone()))).unwrap();
+        let client = KvClient::connect(&server.grpc_addr.to_string(), ClientConfig::default()).await.unwrap();
+        let ns = kvtier_tests::namespace("agent", b"lane", kvtier_tests::small_layout());
+        let h = client.register(ns.clone()).await.unwrap();
+        let block_bytes = h.block_bytes() as usize;
+        let (writes, stall) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicBool::new(false)));
+        let mover = LoopbackMover::new(&fabric);
+        let staging = mover.register(&kvtier_agent::HostBuffer::new(block_bytes)).unwrap();
+        let writer = LoopbackWriter { mover, staging, writes: writes.clone(), stall: stall.clone() };
+        let lane = LeaseLane::connect(&client, Box::new(writer)).await.unwrap();
+        let store = SameNodeStore::connect(client.clone(), block_bytes, Some(lane)).await.unwrap();
+
+        let keys = h.keys(&kvtier_tests::tokens(3, h.block_tokens() * 6));
+        let payloads: Vec<bytes::Bytes> =
+            keys.iter().map(|k| kvtier_tests::payload_for(k, block_bytes as u64)).collect();
+        // The agent spills from its own threads, never from the runtime's.
+        let spill = |range: std::ops::Range<usize>| {
+            let (store, keys, payloads, ns) = (store.clone(), keys.clone(), payloads.clone(), ns.clone());
+            tokio::task::spawn_blocking(move || {
+                store.open_namespace(&ns).unwrap();
+                for i in range {
+                    store.spill(&ns.id(), &keys[i], CodecId::RAW, &payloads[i]).unwrap();
+                }
+            })
+        };
+        spill(0..4).await.unwrap();
+        assert_eq!(writes.load(Ordering::SeqCst), 4, "four spills, four one-sided writes");
+        let loaded = client.load_keys(&h, &keys[..4]).await.unwrap();
+        for (got, want) in loaded.iter().zip(&payloads) {
+            assert!(got.as_ref().map(|f| &f.payload) == Some(want), "a spilled block loads byte for byte");
+        }
+
+        // The writer stops completing: its write times out, the lane closes, the spill still lands.
+        stall.store(true, Ordering::SeqCst);
+        spill(4..6).await.unwrap();
+        assert_eq!(writes.load(Ordering::SeqCst), 5, "one failed write, then no lane");
+        let loaded = client.load_keys(&h, &keys[4..]).await.unwrap();
+        for (got, want) in loaded.iter().zip(&payloads[4..]) {
+            assert!(got.as_ref().map(|f| &f.payload) == Some(want), "spilled over the same-node socket");
+        }
+        server.stop(Duration::from_secs(5)).await.unwrap();
     }
 
     #[test]

@@ -4,6 +4,7 @@
 
 mod agent;
 mod fabric;
+mod lease_lane;
 mod peers;
 mod watch;
 

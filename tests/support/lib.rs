@@ -1,11 +1,13 @@
 //! Test support: starts real `kvtier` server processes on loopback (ephemeral ports, a fresh data
 //! directory each) and builds namespaces and payloads whose bytes can be checked.
 //!
+//! - [`fabric`]: the agent's loopback fabric as a node's one-sided fabric (no RDMA NIC here).
 //! - [`faults`]: a fault-injecting wrapper for any byte stream (delay, stall, cut, corrupt).
 //! - [`harness`]: N real nodes in this process, their data planes reached over in-memory streams
 //!   (or Unix sockets) through that wrapper.
 //! - [`redis`]: a real `redis-server` on loopback for the cluster tests.
 
+pub mod fabric;
 pub mod faults;
 pub mod harness;
 pub mod redis;
