@@ -337,6 +337,29 @@ impl SameNodeStore {
         }
     }
 
+    /// Fetches what the lease lane finds in the server's DRAM (one-sided reads), if the agent
+    /// has a lane; true where block `i` landed in `out`. The lane's lock is released before the
+    /// caller fetches the rest over the same-node socket (a load there may wait on a demand
+    /// spill, which takes the lane).
+    fn fetch_on_lane(&self, h: &NamespaceHandle, keys: &[BlockKey], block_bytes: usize, out: &mut [u8]) -> Vec<bool> {
+        let none = || vec![false; keys.len()];
+        let Ok(mut slot) = self.inner.lane.lock() else { return none() };
+        let Some(lane) = slot.as_mut() else { return none() };
+        match self.inner.rt.block_on(lane.fetch(h, keys, block_bytes, out)) {
+            Ok(landed) => {
+                let n = landed.iter().filter(|l| **l).count() as u64;
+                metrics::counter!("kvtier_agent_lease_fetches_total", "outcome" => "read").increment(n);
+                landed
+            }
+            Err(e) => {
+                metrics::counter!("kvtier_agent_lease_fetches_total", "outcome" => "failed").increment(1);
+                tracing::warn!("the lease lane failed ({e}); blocks move over the same-node socket from now on");
+                *slot = None;
+                none()
+            }
+        }
+    }
+
     /// Runs `f` on the link, reopening a connection that broke earlier. Called on the agent's
     /// connection threads (never on a runtime thread: `block_on` there would panic), so blocking
     /// on the runtime is fine; bounded by the client's request timeout.
@@ -404,17 +427,23 @@ impl BackingStore for SameNodeStore {
         out: &mut [u8],
     ) -> kvtier_agent::Result<Vec<bool>> {
         let h = self.handle(ns)?;
-        let mut found = Vec::with_capacity(keys.len());
-        let per = chunk_blocks(block_bytes);
-        for (c, chunk) in keys.chunks(per).enumerate() {
-            let offsets: Vec<u64> = (0..chunk.len() as u64).map(|i| i * block_bytes as u64).collect();
-            let dst = &mut out[c * per * block_bytes..][..chunk.len() * block_bytes];
+        let mut found = self.fetch_on_lane(&h, keys, block_bytes, out);
+        // What the lane didn't land, over the same-node socket, a buffer's worth at a time.
+        let rest: Vec<usize> = (0..keys.len()).filter(|&i| !found[i]).collect();
+        for chunk in rest.chunks(chunk_blocks(block_bytes)) {
+            let chunk_keys: Vec<BlockKey> = chunk.iter().map(|&i| keys[i]).collect();
+            let offsets: Vec<u64> = (0..chunk.len() as u64).map(|j| j * block_bytes as u64).collect();
             let got = self.with_link(async |l: &mut Link| {
-                let landed = l.near.load_into_buffer(&h, chunk, &mut l.buf, &offsets, false).await?;
-                dst.copy_from_slice(&l.buf.as_slice()[..chunk.len() * block_bytes]);
+                let landed = l.near.load_into_buffer(&h, &chunk_keys, &mut l.buf, &offsets, false).await?;
+                for (j, &i) in chunk.iter().enumerate() {
+                    out[i * block_bytes..(i + 1) * block_bytes]
+                        .copy_from_slice(&l.buf.as_slice()[j * block_bytes..(j + 1) * block_bytes]);
+                }
                 Ok(landed)
             })?;
-            found.extend(got);
+            for (j, &i) in chunk.iter().enumerate() {
+                found[i] = got.get(j).copied().unwrap_or(false);
+            }
         }
         Ok(found)
     }
@@ -859,6 +888,7 @@ mod tests {
         mover: kvtier_agent::mover::loopback::LoopbackMover,
         staging: kvtier_agent::mover::loopback::LoopbackRegion,
         writes: Arc<std::sync::atomic::AtomicUsize>,
+        reads: Arc<std::sync::atomic::AtomicUsize>,
         stall: Arc<std::sync::atomic::AtomicBool>,
     }
 
@@ -879,13 +909,20 @@ mod tests {
             self.staging.buffer().write(0, bytes)?;
             self.mover.write(&self.staging, 0, slot, 0, bytes.len(), Duration::from_millis(200))
         }
+        fn read(&mut self, slot: &kvtier_proto::dataplane::SlotDescriptor, out: &mut [u8]) -> kvtier_agent::Result<()> {
+            use kvtier_agent::mover::{BulkMover, MoverRegion};
+            self.reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            self.mover.read(slot, 0, &self.staging, 0, out.len(), Duration::from_millis(200))?;
+            self.staging.buffer().read(0, out)
+        }
     }
 
     /// `--rdma-device`'s path on the loopback fabric against an in-process node with that fabric
-    /// attached: spills land in the server's DRAM through leases (the same-node socket unused),
-    /// and once the writer fails the lane closes and spills go on over the same-node socket.
+    /// attached: spills land in the server's DRAM through leases and fetches read them back
+    /// one-sidedly (the same-node socket only for what the lane didn't find); once the writer
+    /// fails the lane closes and both go on over the same-node socket.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn spills_go_through_the_lease_lane_and_over_the_socket_once_it_fails() {
+    async fn spills_and_fetches_go_through_the_lease_lane_and_over_the_socket_once_it_fails() {
         use kvtier_agent::mover::loopback::{LoopbackFabric, LoopbackMover};
         use kvtier_agent::mover::BulkMover;
         use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -906,10 +943,12 @@ mod tests {
         let ns = kvtier_tests::namespace("agent", b"lane", kvtier_tests::small_layout());
         let h = client.register(ns.clone()).await.unwrap();
         let block_bytes = h.block_bytes() as usize;
-        let (writes, stall) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicBool::new(false)));
+        let (writes, reads) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let stall = Arc::new(AtomicBool::new(false));
         let mover = LoopbackMover::new(&fabric);
         let staging = mover.register(&kvtier_agent::HostBuffer::new(block_bytes)).unwrap();
-        let writer = LoopbackWriter { mover, staging, writes: writes.clone(), stall: stall.clone() };
+        let writer =
+            LoopbackWriter { mover, staging, writes: writes.clone(), reads: reads.clone(), stall: stall.clone() };
         let lane = LeaseLane::connect(&client, Box::new(writer)).await.unwrap();
         let store = SameNodeStore::connect(client.clone(), block_bytes, Some(lane)).await.unwrap();
 
@@ -933,6 +972,24 @@ mod tests {
             assert!(got.as_ref().map(|f| &f.payload) == Some(want), "a spilled block loads byte for byte");
         }
 
+        // Fetched back through the lane: one-sided reads of what DRAM holds; a key nobody holds
+        // and one the lane doesn't find go the other way (and miss there too).
+        let absent = h.keys(&kvtier_tests::tokens(4, h.block_tokens()))[0];
+        let mut ask: Vec<BlockKey> = keys[..4].to_vec();
+        ask.insert(2, absent);
+        let (fetcher, id) = (store.clone(), ns.id());
+        let (found, out) = tokio::task::spawn_blocking(move || {
+            let mut out = vec![0u8; ask.len() * block_bytes];
+            (fetcher.fetch(&id, &ask, block_bytes, &mut out).unwrap(), out)
+        })
+        .await
+        .unwrap();
+        assert_eq!(found, vec![true, true, false, true, true]);
+        assert_eq!(reads.load(Ordering::SeqCst), 4, "four one-sided reads");
+        for (slot, want) in [0usize, 1, 3, 4].into_iter().zip(&payloads) {
+            assert!(&out[slot * block_bytes..(slot + 1) * block_bytes] == &want[..], "fetched byte for byte");
+        }
+
         // The writer stops completing: its write times out, the lane closes, the spill still lands.
         stall.store(true, Ordering::SeqCst);
         spill(4..6).await.unwrap();
@@ -941,6 +998,16 @@ mod tests {
         for (got, want) in loaded.iter().zip(&payloads[4..]) {
             assert!(got.as_ref().map(|f| &f.payload) == Some(want), "spilled over the same-node socket");
         }
+        // Fetches go over the same-node socket too now.
+        let (fetcher, id, again) = (store.clone(), ns.id(), keys.clone());
+        let (found, out) = tokio::task::spawn_blocking(move || {
+            let mut out = vec![0u8; again.len() * block_bytes];
+            (fetcher.fetch(&id, &again, block_bytes, &mut out).unwrap(), out)
+        })
+        .await
+        .unwrap();
+        assert_eq!((found, reads.load(Ordering::SeqCst)), (vec![true; 6], 4));
+        assert!(out.chunks(block_bytes).zip(&payloads).all(|(got, want)| got == &want[..]), "byte for byte");
         server.stop(Duration::from_secs(5)).await.unwrap();
     }
 

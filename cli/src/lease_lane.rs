@@ -2,18 +2,20 @@
 //! lease session with the node's server (`KvClient::lease_session`, connected to the server's
 //! fabric) and a [`OneSided`] writer on the same fabric. A spilled block is leased, written into
 //! its slot of the server's DRAM from the writer's registered staging buffer (an RDMA WRITE),
-//! and committed; the server's CPU never copies it. The store falls back to the same-node path
-//! for whatever the lane can't place (a refusal, a broken writer), so a spill is never lost to it.
+//! and committed; the server's CPU never copies it. A fetch takes read leases on the blocks the
+//! server holds in DRAM and reads them one-sidedly, checking each against its checksum. The store
+//! falls back to the same-node path for whatever the lane can't place or find (a refusal, a block
+//! on disk or in G1, a broken writer), so nothing is lost to it.
 
 use std::time::Duration;
 
 use bytes::Bytes;
 use kvtier_agent::AgentError;
-use kvtier_client::{ItemStatus, KvClient, LeaseSession, NamespaceHandle, PutGrant};
+use kvtier_client::{GetGrant, ItemStatus, KvClient, LeaseSession, NamespaceHandle, PutGrant};
 use kvtier_proto::dataplane::SlotDescriptor;
 use kvtier_proto::{BlockFrame, BlockKey, CodecId};
 
-/// How long one one-sided write may take before the writer counts as broken.
+/// How long one one-sided move may take before the writer counts as broken.
 #[cfg_attr(not(feature = "rdma"), allow(dead_code))] // the RDMA writer's; a build without it has none
 pub const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -27,6 +29,8 @@ pub trait OneSided: Send {
     fn connect(&mut self, server: &[u8]) -> kvtier_agent::Result<()>;
     /// Writes `bytes` into `slot`, waiting for the completion.
     fn write(&mut self, bytes: &[u8], slot: &SlotDescriptor) -> kvtier_agent::Result<()>;
+    /// Reads `slot` into `out` (exactly its length), waiting for the completion.
+    fn read(&mut self, slot: &SlotDescriptor, out: &mut [u8]) -> kvtier_agent::Result<()>;
 }
 
 /// A lease session and its writer.
@@ -62,6 +66,43 @@ impl LeaseLane {
             Some(PutGrant::Present) => true,
             _ => false,
         })
+    }
+
+    /// Reads the blocks of `keys` the server holds in DRAM into `out` (block `i` at
+    /// `i * block_bytes`), each checked against its checksum where it landed; true where block
+    /// `i` landed. The rest is the caller's to fetch another way.
+    pub async fn fetch(
+        &mut self,
+        h: &NamespaceHandle,
+        keys: &[BlockKey],
+        block_bytes: usize,
+        out: &mut [u8],
+    ) -> Result<Vec<bool>, AgentError> {
+        let lane = |e: kvtier_client::ClientError| AgentError::Spill(format!("lease lane: {e}"));
+        let grants = self.session.lease_get(h.id, keys, false).await.map_err(lane)?;
+        let mut landed = vec![false; keys.len()];
+        let mut leases = Vec::new();
+        let mut failed = None;
+        for (i, g) in grants.iter().enumerate() {
+            let GetGrant::Granted { header, grant } = g else { continue };
+            leases.push(grant.lease);
+            if header.payload_len != block_bytes as u64 || header.codec != CodecId::RAW || failed.is_some() {
+                continue;
+            }
+            let dst = &mut out[i * block_bytes..(i + 1) * block_bytes];
+            match self.writer.read(&grant.slot, dst) {
+                // A lease that ended under the read is a mismatch here, never data.
+                Ok(()) => landed[i] = header.verify_payload(dst).is_ok(),
+                Err(e) => failed = Some(e),
+            }
+        }
+        if !leases.is_empty() {
+            self.session.end_get(&leases).await.map_err(lane)?;
+        }
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(landed),
+        }
     }
 }
 
@@ -109,6 +150,19 @@ pub mod rdma {
             }
             self.staging.buffer().write(0, bytes)?;
             self.mover.write(&self.staging, 0, slot, 0, bytes.len(), WRITE_TIMEOUT)
+        }
+
+        fn read(&mut self, slot: &SlotDescriptor, out: &mut [u8]) -> kvtier_agent::Result<()> {
+            if out.len() > self.staging.buffer().len() || slot.len != out.len() as u64 {
+                return Err(AgentError::Spill(format!(
+                    "a {}-byte slot into {} bytes; staging holds {}",
+                    slot.len,
+                    out.len(),
+                    self.staging.buffer().len()
+                )));
+            }
+            self.mover.read(slot, 0, &self.staging, 0, out.len(), WRITE_TIMEOUT)?;
+            self.staging.buffer().read(0, out)
         }
     }
 }

@@ -36,9 +36,9 @@
 //! Not here yet: borrowing between real GPUs has not run (no GPU was lent; on the host backend the
 //! link is modelled by the policy's monitor, not by slower copies), the engine's own peer traffic
 //! is not fed to the link monitor (only the agent's copies are). The server's remote leases (its
-//! `fabric` module, [`mover::SlotDescriptor`]s over the data plane) take the agent's spills when
-//! `kvtier agent --rdma-device` runs them through the verbs mover (cli's `lease_lane`); loads from
-//! G2 still come over the same-node socket, staged through host memory.
+//! `fabric` module, [`mover::SlotDescriptor`]s over the data plane) carry the agent's spills and
+//! fetches when `kvtier agent --rdma-device` runs them through the verbs mover (cli's
+//! `lease_lane`), staged through host memory: G1 pages are not registered through dma-buf yet.
 
 pub mod codec;
 pub mod device;
