@@ -987,7 +987,7 @@ mod tests {
         assert_eq!(found, vec![true, true, false, true, true]);
         assert_eq!(reads.load(Ordering::SeqCst), 4, "four one-sided reads");
         for (slot, want) in [0usize, 1, 3, 4].into_iter().zip(&payloads) {
-            assert!(&out[slot * block_bytes..(slot + 1) * block_bytes] == &want[..], "fetched byte for byte");
+            assert!(out[slot * block_bytes..(slot + 1) * block_bytes] == want[..], "fetched byte for byte");
         }
 
         // The writer stops completing: its write times out, the lane closes, the spill still lands.
