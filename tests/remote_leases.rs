@@ -26,16 +26,17 @@ use kvtier_proto::{BlockFrame, BlockKey, FrameHeader};
 use kvtier_server::config::{ByteSize, DurationStr};
 use kvtier_server::fabric::MAX_REMOTE_LEASES;
 use kvtier_server::{RunningServer, ServerConfig};
-use kvtier_tests::fabric::{peer_endpoint, ArenaOnLoopback};
+use kvtier_tests::fabric::{connect_peer, peer_endpoint, ArenaOnLoopback};
 use kvtier_tests::*;
 
 const T: Duration = Duration::from_secs(5);
 
-/// A lease session connected to the node's fabric.
-async fn connected(client: &KvClient) -> LeaseSession {
+/// A lease session connected to the node's fabric, and `peer`'s mover connected to the node's end.
+async fn connected_peer(client: &KvClient, peer: &Peer) -> LeaseSession {
     let mut session = client.lease_session().await.unwrap();
     let node = session.connect(&peer_endpoint()).await.unwrap();
-    assert_eq!(EndpointDescriptor::decode(&node).unwrap().qpn, 0x43, "the node's endpoint comes back");
+    EndpointDescriptor::decode(&node).expect("the node's endpoint comes back");
+    connect_peer(&peer.mover, &node).unwrap();
     session
 }
 
@@ -59,6 +60,7 @@ async fn setup(fabric: bool, tweak: impl FnOnce(&mut ServerConfig)) -> Setup {
         ..ServerConfig::default()
     };
     tweak(&mut config);
+    let token = config.auth_token.clone();
     let server = kvtier_server::start(config, None).await.expect("start");
     let loopback = LoopbackFabric::new();
     if fabric {
@@ -66,7 +68,9 @@ async fn setup(fabric: bool, tweak: impl FnOnce(&mut ServerConfig)) -> Setup {
         let again = server.state.attach_fabric(Arc::new(ArenaOnLoopback(loopback.clone())));
         assert!(again.is_err(), "a second fabric is refused");
     }
-    let client = KvClient::connect(&server.grpc_addr.to_string(), ClientConfig::default()).await.unwrap();
+    // The node's operator (its `auth_token`, if it has one).
+    let cfg = ClientConfig { auth_token: token, ..ClientConfig::default() };
+    let client = KvClient::connect(&server.grpc_addr.to_string(), cfg).await.unwrap();
     let ns = client.register(namespace("remote", b"r", small_layout())).await.unwrap();
     Setup { _dir: dir, server, client, ns, fabric: loopback }
 }
@@ -126,7 +130,7 @@ async fn a_peer_writes_blocks_one_sidedly_and_commits_them() {
     let blocks = frames(&s.ns, 1, 4);
     let headers: Vec<FrameHeader> = blocks.iter().map(|b| b.header).collect();
     let keys: Vec<BlockKey> = headers.iter().map(|h| h.key).collect();
-    let mut session = connected(&s.client).await;
+    let mut session = connected_peer(&s.client, &peer).await;
     let grants = session.lease_put(&headers).await.unwrap();
     assert_eq!(grants.len(), 4);
     let mut ids = Vec::new();
@@ -158,7 +162,7 @@ async fn read_leases_hand_out_stored_payloads_and_keep_their_slots_until_ended()
     assert_eq!(s.client.store_frames(&blocks).await.unwrap(), vec![ItemStatus::Ok; 3]);
     let missing = frames(&s.ns, 3, 1)[0].header.key;
     let keys = [blocks[0].header.key, blocks[1].header.key, missing, blocks[2].header.key];
-    let mut session = connected(&s.client).await;
+    let mut session = connected_peer(&s.client, &peer).await;
 
     let grants = session.lease_get(s.ns.id, &keys, false).await.unwrap();
     assert_eq!(grants[2], GetGrant::Miss);
@@ -202,7 +206,7 @@ async fn bad_writes_and_bad_ids_are_refused_and_nothing_refused_is_seen() {
     let peer = Peer::new(&s.fabric, 2 * s.ns.block_bytes() as usize);
     let blocks = frames(&s.ns, 5, 4);
     let keys: Vec<BlockKey> = blocks.iter().map(|b| b.header.key).collect();
-    let mut session = connected(&s.client).await;
+    let mut session = connected_peer(&s.client, &peer).await;
     let grants = session.lease_put(&[blocks[0].header, blocks[1].header]).await.unwrap();
     let (g0, g1) = (granted(&grants[0]), granted(&grants[1]));
 
@@ -234,7 +238,7 @@ async fn bad_writes_and_bad_ids_are_refused_and_nothing_refused_is_seen() {
     assert_eq!(s.client.exists_keys(&s.ns, &keys[2..3]).await.unwrap(), vec![false]);
 
     // The node serves on: the same block leased, written and committed on a new connection.
-    let mut again = connected(&s.client).await;
+    let mut again = connected_peer(&s.client, &peer).await;
     let g = granted(&again.lease_put(&[blocks[2].header]).await.unwrap()[0]);
     peer.put(&g.slot, &blocks[2].payload).unwrap();
     assert_eq!(again.commit(&[g.lease]).await.unwrap(), vec![ItemStatus::Ok]);
@@ -248,7 +252,7 @@ async fn leases_past_their_deadline_end_and_their_commits_are_refused() {
     let peer = Peer::new(&s.fabric, s.ns.block_bytes() as usize);
     let blocks = frames(&s.ns, 6, 4);
     assert_eq!(s.client.store_frames(&blocks[3..]).await.unwrap(), vec![ItemStatus::Ok]);
-    let mut session = connected(&s.client).await;
+    let mut session = connected_peer(&s.client, &peer).await;
     let grants = session.lease_put(&[blocks[0].header, blocks[1].header]).await.unwrap();
     let (late, reaped) = (granted(&grants[0]), granted(&grants[1]));
     peer.put(&late.slot, &blocks[0].payload).unwrap();
@@ -257,10 +261,14 @@ async fn leases_past_their_deadline_end_and_their_commits_are_refused() {
         GetGrant::Granted { grant, .. } => grant,
         other => panic!("{other:?}"),
     };
+    let arena = s.server.state.arena_access().unwrap().clone();
+    assert_eq!(arena.read_leased_bytes(), s.ns.block_bytes(), "the read lease is counted");
     tokio::time::sleep(Duration::from_millis(600)).await;
-    // Committed late, with no request in between: refused.
+    // The connection woke at the deadline with nothing sent: the read lease is over already.
+    assert_eq!(arena.read_leased_bytes(), 0);
+    // Committed late: refused.
     assert_eq!(session.commit(&[late.lease]).await.unwrap(), vec![ItemStatus::NoLease]);
-    // The next lease request ends what is past its deadline; its own lease is fresh.
+    // A lease granted now is fresh.
     let fresh = granted(&session.lease_put(&[blocks[2].header]).await.unwrap()[0]);
     peer.put(&fresh.slot, &blocks[2].payload).unwrap();
     let st = session.commit(&[reaped.lease, fresh.lease]).await.unwrap();
@@ -272,31 +280,47 @@ async fn leases_past_their_deadline_end_and_their_commits_are_refused() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_connection_holds_at_most_its_lease_limit() {
+async fn a_connection_holds_at_most_its_lease_limit_and_the_node_its_read_leased_bytes() {
     let s = setup(true, |_| {}).await;
-    let block = &frames(&s.ns, 7, 1)[0];
+    let peer = Peer::new(&s.fabric, s.ns.block_bytes() as usize);
+    // 1 KiB blocks: 4096 read leases are 4 MiB, half the node's cap (half its 16 MiB headroom).
+    let tiny = s.client.register(namespace("remote", b"tiny", tiny_layout())).await.unwrap();
+    let block = &frames(&tiny, 7, 1)[0];
     assert_eq!(s.client.store_frames(std::slice::from_ref(block)).await.unwrap(), vec![ItemStatus::Ok]);
-    let mut session = connected(&s.client).await;
+    let mut session = connected_peer(&s.client, &peer).await;
     let keys = vec![block.header.key; MAX_REMOTE_LEASES / 2];
     let mut ids = Vec::new();
     for _ in 0..2 {
-        for g in session.lease_get(s.ns.id, &keys, false).await.unwrap() {
+        for g in session.lease_get(tiny.id, &keys, false).await.unwrap() {
             let GetGrant::Granted { grant, .. } = g else { panic!("{g:?}") };
             ids.push(grant.lease);
         }
     }
     assert_eq!(ids.len(), MAX_REMOTE_LEASES);
-    let over = session.lease_get(s.ns.id, &keys[..2], false).await.unwrap();
+    let over = session.lease_get(tiny.id, &keys[..2], false).await.unwrap();
     assert_eq!(over, vec![GetGrant::Refused(ItemStatus::Capacity); 2]);
-    let over = session.lease_put(&[frames(&s.ns, 8, 1)[0].header]).await.unwrap();
+    let over = session.lease_put(&[frames(&s.ns, 9, 1)[0].header]).await.unwrap();
     assert_eq!(over, vec![PutGrant::Refused(ItemStatus::Capacity)]);
     // Ending one makes room for one; another connection has its own limit.
     assert_eq!(session.end_get(&ids[..1]).await.unwrap(), vec![ItemStatus::Ok]);
-    let one = session.lease_get(s.ns.id, &keys[..2], false).await.unwrap();
+    let one = session.lease_get(tiny.id, &keys[..2], false).await.unwrap();
     assert!(matches!(one[0], GetGrant::Granted { .. }));
     assert_eq!(one[1], GetGrant::Refused(ItemStatus::Capacity));
-    let mut other = connected(&s.client).await;
-    assert!(matches!(other.lease_get(s.ns.id, &keys[..1], false).await.unwrap()[0], GetGrant::Granted { .. }));
+    // Another connection has a limit of its own, and the node its cap of read-leased bytes: the
+    // 4 MiB left of it are 128 blocks of 32 KiB.
+    let arena = s.server.state.arena_access().unwrap().clone();
+    assert_eq!(arena.read_leased_bytes(), 4 << 20);
+    let big = &frames(&s.ns, 8, 1)[0];
+    assert_eq!(s.client.store_frames(std::slice::from_ref(big)).await.unwrap(), vec![ItemStatus::Ok]);
+    let mut other = connected_peer(&s.client, &peer).await;
+    let got = other.lease_get(s.ns.id, &vec![big.header.key; 130], false).await.unwrap();
+    assert!(got[..128].iter().all(|g| matches!(g, GetGrant::Granted { .. })));
+    assert_eq!(&got[128..], &[GetGrant::Refused(ItemStatus::Capacity); 2]);
+    assert_eq!(arena.read_leased_bytes(), 8 << 20);
+    // Connections that end give their bytes back.
+    drop((session, other));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(arena.read_leased_bytes(), 0);
     s.server.stop(T).await.unwrap();
 }
 
@@ -338,28 +362,102 @@ async fn a_peer_connects_once_with_a_well_formed_endpoint_before_any_lease() {
     refused(session.lease_put(&[block.header]).await.unwrap_err(), "connect to the node's fabric first");
     refused(session.lease_get(s.ns.id, &[block.header.key], false).await.unwrap_err(), "first");
     refused(session.connect(b"not an endpoint").await.unwrap_err(), "loopback could not connect");
-    refused(session.connect(&[0u8; 300]).await.unwrap_err(), "at most 256");
     // Each refusal left the connection in step: the peer connects, then leases.
     session.connect(&peer_endpoint()).await.unwrap();
     refused(session.connect(&peer_endpoint()).await.unwrap_err(), "connected to the fabric already");
+    assert!(matches!(session.lease_put(&[block.header]).await.unwrap()[0], PutGrant::Granted(_)));
+    // An endpoint over 256 bytes can't be a queue pair's: refused, and the connection ends.
+    let mut big = s.client.lease_session().await.unwrap();
+    let e = big.connect(&[0u8; 300]).await.unwrap_err();
+    assert!(matches!(&e, ClientError::InvalidArgument(m) if m.contains("at most 256")), "{e:?}");
+    assert!(big.lease_put(&[block.header]).await.is_err(), "that connection is gone");
+    assert!(big.lease_put(&[block.header]).await.unwrap_err().to_string().contains("broke earlier"));
+    s.server.stop(T).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_is_cut_off_with_its_connection_and_a_late_write_lands_in_no_other_block() {
+    let s = setup(true, |c| c.lease_timeout = DurationStr(Duration::from_millis(300))).await;
+    let peer = Peer::new(&s.fabric, s.ns.block_bytes() as usize);
+    let blocks = frames(&s.ns, 11, 3);
+    // The connection ends: the peer's moves no longer reach the arena at all.
+    let mut session = connected_peer(&s.client, &peer).await;
+    let gone = granted(&session.lease_put(&[blocks[0].header]).await.unwrap()[0]);
+    drop(session);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let e = peer.put(&gone.slot, &blocks[0].payload).unwrap_err();
+    assert!(matches!(&e, AgentError::RemoteAccess(m) if m.contains("connection")), "{e:?}");
+
+    // A lease that passed its deadline while its peer stays connected: revoked, its slot kept
+    // out of use, so the peer's late write lands in no block stored after it.
+    let other = Peer::new(&s.fabric, s.ns.block_bytes() as usize);
+    let mut session = connected_peer(&s.client, &other).await;
+    let late = granted(&session.lease_put(&[blocks[1].header]).await.unwrap()[0]);
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    // Stored now, it would take the late lease's slot, were that slot free.
+    assert_eq!(s.client.store_frames(&blocks[2..]).await.unwrap(), vec![ItemStatus::Ok]);
+    other.put(&late.slot, &vec![0xEE; late.slot.len as usize]).unwrap();
+    let got = loaded(&s.client, &s.ns, &[blocks[2].header.key]).await;
+    assert!(got[0].as_deref() == Some(&blocks[2].payload[..]), "the block stored after the lease is intact");
+    assert_eq!(session.commit(&[late.lease]).await.unwrap(), vec![ItemStatus::NoLease]);
+    s.server.stop(T).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_operator_connects_to_the_fabric() {
+    const OPERATOR: &str = "operator-token-0123456789";
+    const TENANT: &str = "tenant-token-abcdefghijkl";
+    let s = setup(true, |c| {
+        c.auth_token = Some(OPERATOR.into());
+        c.tenants = vec![kvtier_server::config::TenantConfig {
+            name: "remote".into(),
+            tokens: vec![TENANT.into()],
+            ..Default::default()
+        }];
+    })
+    .await;
+    let as_tenant = KvClient::connect(
+        &s.server.grpc_addr.to_string(),
+        ClientConfig { auth_token: Some(TENANT.into()), ..ClientConfig::default() },
+    )
+    .await
+    .unwrap();
+    let mut session = as_tenant.lease_session().await.unwrap();
+    // One registration covers every tenant's blocks: a tenant may not reach it one-sidedly.
+    let e = session.connect(&peer_endpoint()).await.unwrap_err();
+    assert!(matches!(&e, ClientError::Forbidden(m) if m.contains("only the operator")), "{e:?}");
+    let e = session.lease_get(s.ns.id, &[BlockKey([1; 32])], false).await.unwrap_err();
+    assert!(e.to_string().contains("connect to the node's fabric first"), "{e}");
+    // The operator (the agent, the cluster's nodes) may.
+    let peer = Peer::new(&s.fabric, s.ns.block_bytes() as usize);
+    let mut session = connected_peer(&s.client, &peer).await;
+    let block = &frames(&s.ns, 12, 1)[0];
     assert!(matches!(session.lease_put(&[block.header]).await.unwrap()[0], PutGrant::Granted(_)));
     s.server.stop(T).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_late_write_into_an_abandoned_lease_damages_no_block_stored_after_it() {
-    let s = setup(true, |_| {}).await;
+async fn a_block_outside_dram_is_elsewhere_and_loads_over_get() {
+    let s = setup(true, |c| c.disk_capacity = ByteSize(64 << 20)).await;
     let peer = Peer::new(&s.fabric, s.ns.block_bytes() as usize);
-    let blocks = frames(&s.ns, 11, 2);
-    let mut session = connected(&s.client).await;
-    let abandoned = granted(&session.lease_put(&[blocks[0].header]).await.unwrap()[0]);
-    drop(session);
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    // A block stored right after the lease ended would take its slot, were the slot free.
-    assert_eq!(s.client.store_frames(&blocks[1..]).await.unwrap(), vec![ItemStatus::Ok]);
-    // The peer's write, still on the wire when its connection ended, lands now.
-    peer.put(&abandoned.slot, &vec![0xEE; abandoned.slot.len as usize]).unwrap();
-    let got = loaded(&s.client, &s.ns, &[blocks[1].header.key]).await;
-    assert!(got[0].as_deref() == Some(&blocks[1].payload[..]), "the block stored after the lease is intact");
+    let blocks = frames(&s.ns, 13, 300); // 9.4 MiB through an 8 MiB DRAM tier: the first go to disk
+    for chunk in blocks.chunks(32) {
+        s.client.store_frames(chunk).await.unwrap();
+    }
+    let first = blocks[0].header.key;
+    let mut session = connected_peer(&s.client, &peer).await;
+    let mut answer = GetGrant::Miss;
+    for _ in 0..100 {
+        answer = session.lease_get(s.ns.id, &[first], false).await.unwrap()[0];
+        if answer == GetGrant::Elsewhere {
+            break;
+        }
+        if let GetGrant::Granted { grant, .. } = answer {
+            session.end_get(&[grant.lease]).await.unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(answer, GetGrant::Elsewhere, "demoted to disk: held, but not where a one-sided read reaches");
+    assert!(loaded(&s.client, &s.ns, &[first]).await[0].as_deref() == Some(&blocks[0].payload[..]));
     s.server.stop(T).await.unwrap();
 }

@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 use kvtier_proto::dataplane::{
     Hello, HelloReply, ItemStatus, Op, RequestHeader, ResponseHeader, Status, CHECKSUM_AFTER_SINCE_VERSION,
     CHECKSUM_LEN, FLAG_CHECKSUM_AFTER, FLAG_PEER, FLAG_PIN_LEASE, FLAG_REPORT_PRESENT, FLAG_STOP_AT_MISS, HELLO_LEN,
-    MIN_PROTOCOL_VERSION, NO_CODEC, PROTOCOL_VERSION, REQUEST_HEADER_LEN,
+    MAX_ENDPOINT_LEN, MIN_PROTOCOL_VERSION, NO_CODEC, PROTOCOL_VERSION, REQUEST_HEADER_LEN,
 };
 use kvtier_proto::{BlockKey, FrameHeader, NamespaceId, ProtoError, FRAME_HEADER_LEN, KEY_LEN};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, BufReader};
@@ -288,8 +288,17 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             let mut hdr = [0u8; REQUEST_HEADER_LEN];
             // Between requests the idle budget applies; from the first byte of one, the stall one.
             self.rd.get_mut().set_budget(self.idle);
-            let first = self.rd.read_u8().await;
+            let first = loop {
+                // Remote leases end at their deadlines even while the peer sends nothing (the
+                // idle clock runs on: it lives in the reader, not in this read).
+                let Some(due) = self.remote.next_deadline() else { break self.rd.read_u8().await };
+                match tokio::time::timeout_at(due.into(), self.rd.read_u8()).await {
+                    Ok(r) => break r,
+                    Err(_) => self.remote.reap(Instant::now()),
+                }
+            };
             self.rd.get_mut().set_budget(self.stall);
+            self.remote.reap(Instant::now());
             match first {
                 Ok(b) => hdr[0] = b,
                 Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
@@ -320,6 +329,10 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         };
         let limit = self.state.config().max_blocks_per_request;
         // A `CONNECT`'s count is its endpoint's bytes, bounded on their own.
+        if req.op == Op::Connect && req.count as usize > MAX_ENDPOINT_LEN {
+            let msg = format!("an endpoint of {} bytes; at most {MAX_ENDPOINT_LEN}", req.count);
+            return self.fatal(req.op as u8, req.request_id, Status::TooLarge, &msg).await;
+        }
         if req.count > limit && req.op != Op::Connect {
             let msg = format!("{} blocks in one request exceed max_blocks_per_request {limit}", req.count);
             return self.fatal(req.op as u8, req.request_id, Status::TooLarge, &msg).await;

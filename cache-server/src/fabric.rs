@@ -7,18 +7,28 @@
 //! RDMA reliable-connected queue pair on each side, exchanged), and holds its endpoint for as long
 //! as it lives: a peer's one-sided moves can't reach the node once its connection is gone.
 //!
+//! Trust: the arena is registered once, under one key, so a connected peer's NIC can reach every
+//! byte of it, whatever the leases say — every tenant's blocks. Only the operator (the holder of
+//! `auth_token`, or anyone on a node without tenants) may connect: the GPU agent and the
+//! cluster's nodes, which are trusted with every tenant anyway. Leases keep a trusted peer's
+//! moves where they belong; they are not a security boundary. (Per-lease memory windows bound to
+//! the peer's queue pair would make them one.)
+//!
 //! A write lease is a DRAM [`Lease`] (PutStart) whose slot a peer fills one-sidedly; `COMMIT`
 //! hashes the slot and publishes the block (PutEnd). A read lease holds the stored block's view,
 //! so its slot is not reused while the peer reads it. The protocol is in
 //! `kvtier_proto::dataplane` ("Remote leases").
 //!
 //! Limits: at most [`MAX_REMOTE_LEASES`] leases per connection; a write lease is also bounded by
-//! the DRAM tier's lease budget and deadline (`lease_timeout`, revoked after it), a read lease by
-//! the same deadline. Everything ends with the connection. A write lease that ends uncommitted
-//! keeps its slot out of use for [`WRITE_QUARANTINE`] more: a peer's write may still be on the
-//! wire, and it must not land in a slot that holds another block by then.
+//! the DRAM tier's lease budget, read leases node-wide by half the arena's headroom in bytes
+//! (where a block evicted under its read lease waits). Every lease ends at its deadline
+//! (`lease_timeout`; the connection wakes for it even when its peer sends nothing), and all of
+//! them with the connection. A write lease that ends uncommitted keeps its slot out of use for
+//! [`WRITE_QUARANTINE`] more: a peer's write may still be on the wire, and it must not land in a
+//! slot that holds another block by then.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -70,6 +80,9 @@ pub struct ArenaAccess {
     registration: Box<dyn FabricRegistration>,
     base: usize,
     len: usize,
+    /// Payload bytes under read leases now, node-wide, and their cap.
+    read_leased: AtomicU64,
+    read_cap: u64,
 }
 
 impl ArenaAccess {
@@ -78,11 +91,57 @@ impl ArenaAccess {
     /// # Safety
     /// The arena must stay mapped while the returned value lives (the node keeps it beside its
     /// tiers and drops it first).
-    pub(crate) unsafe fn register(fabric: Arc<dyn Fabric>, base: *mut u8, len: usize) -> Result<Self, ServerError> {
+    /// Registers the arena `base..base + len` with `fabric`; `read_cap`: the most payload bytes
+    /// read leases may hold at once, node-wide.
+    ///
+    /// # Safety
+    /// The arena must stay mapped while the returned value lives (the node keeps it beside its
+    /// tiers and drops it first).
+    pub(crate) unsafe fn register(
+        fabric: Arc<dyn Fabric>,
+        base: *mut u8,
+        len: usize,
+        read_cap: u64,
+    ) -> Result<Self, ServerError> {
         // SAFETY: forwarded from our caller.
         let registration = unsafe { fabric.register(base, len) }
             .map_err(|e| ServerError::Config(format!("registering the DRAM arena with {}: {e}", fabric.name())))?;
-        Ok(ArenaAccess { name: fabric.name(), fabric, registration, base: base as usize, len })
+        Ok(ArenaAccess {
+            name: fabric.name(),
+            fabric,
+            registration,
+            base: base as usize,
+            len,
+            read_leased: AtomicU64::new(0),
+            read_cap,
+        })
+    }
+
+    /// Payload bytes under read leases now, node-wide.
+    pub fn read_leased_bytes(&self) -> u64 {
+        self.read_leased.load(Ordering::Relaxed)
+    }
+
+    /// Counts `bytes` more under read leases; false (nothing counted) past the cap.
+    fn take_read(&self, bytes: u64) -> bool {
+        let mut now = self.read_leased.load(Ordering::Relaxed);
+        loop {
+            if now.saturating_add(bytes) > self.read_cap {
+                return false;
+            }
+            match self.read_leased.compare_exchange_weak(now, now + bytes, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => {
+                    ::metrics::gauge!("kvtier_remote_read_leased_bytes").set((now + bytes) as f64);
+                    return true;
+                }
+                Err(seen) => now = seen,
+            }
+        }
+    }
+
+    fn give_back_read(&self, bytes: u64) {
+        let left = self.read_leased.fetch_sub(bytes, Ordering::Relaxed) - bytes;
+        ::metrics::gauge!("kvtier_remote_read_leased_bytes").set(left as f64);
     }
 
     /// Connects a peer's endpoint (see [`Fabric::connect`]).
@@ -118,6 +177,15 @@ pub(crate) struct WriteLease {
 struct ReadLease {
     _block: StoredBlock,
     deadline: Instant,
+    /// Where its bytes are counted.
+    arena: Arc<ArenaAccess>,
+    bytes: u64,
+}
+
+impl Drop for ReadLease {
+    fn drop(&mut self) {
+        self.arena.give_back_read(self.bytes);
+    }
 }
 
 /// The remote leases of one data-plane connection.
@@ -150,11 +218,24 @@ impl RemoteLeases {
 
     /// Ends what passed its deadline: read leases at once; write leases (revoked by the DRAM
     /// tier by now, their commit would fail) into quarantine, since their peer may still be
-    /// writing. Called once per lease request.
+    /// writing. Called before every request and when the earliest deadline passes.
     pub(crate) fn reap(&mut self, now: Instant) {
+        if self.is_empty() {
+            return;
+        }
         self.reads.retain(|_, r| r.deadline > now);
         let late: Vec<u64> = self.writes.iter().filter(|(_, w)| w.slot.deadline() <= now).map(|(id, _)| *id).collect();
         quarantine(late.into_iter().filter_map(|id| self.writes.remove(&id)).collect());
+    }
+
+    fn is_empty(&self) -> bool {
+        self.writes.is_empty() && self.reads.is_empty()
+    }
+
+    /// The earliest deadline of a lease held, if any.
+    pub(crate) fn next_deadline(&self) -> Option<Instant> {
+        let reads = self.reads.values().map(|r| r.deadline);
+        reads.chain(self.writes.values().map(|w| w.slot.deadline())).min()
     }
 
     /// Whether another lease fits under [`MAX_REMOTE_LEASES`].
@@ -182,10 +263,15 @@ impl RemoteLeases {
         quarantine(vec![lease]);
     }
 
-    pub(crate) fn add_read(&mut self, block: StoredBlock, now: Instant) -> u64 {
+    /// A read lease on `block`, counted against `arena`'s node-wide cap; `None` past it.
+    pub(crate) fn add_read(&mut self, block: StoredBlock, arena: &Arc<ArenaAccess>, now: Instant) -> Option<u64> {
+        let bytes = block.payload.len() as u64;
+        if !arena.take_read(bytes) {
+            return None;
+        }
         let id = self.id();
-        self.reads.insert(id, ReadLease { _block: block, deadline: now + self.read_ttl });
-        id
+        self.reads.insert(id, ReadLease { _block: block, deadline: now + self.read_ttl, arena: arena.clone(), bytes });
+        Some(id)
     }
 
     /// Ends a read lease; false when there is none by that id (or it passed its deadline).

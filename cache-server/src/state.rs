@@ -448,9 +448,11 @@ impl NodeState {
             return Err(ServerError::Config("a fabric is already attached to this node's DRAM arena".into()));
         }
         let region = self.tiers.dram_region();
+        // Read leases keep evicted blocks' slots in the headroom past the capacity: half of it.
+        let read_cap = (region.len() as u64).saturating_sub(self.config.dram_capacity.0) / 2;
         // SAFETY: the region lives in `self.tiers`, and `arena_access` is declared before it, so
         // the registration is dropped before the region is unmapped.
-        let access = unsafe { ArenaAccess::register(fabric, region.as_ptr() as *mut u8, region.len())? };
+        let access = unsafe { ArenaAccess::register(fabric, region.as_ptr() as *mut u8, region.len(), read_cap)? };
         tracing::info!(fabric = access.name(), bytes = region.len(), "DRAM arena registered for one-sided access");
         self.arena_access
             .set(Arc::new(access))

@@ -897,7 +897,7 @@ mod tests {
             kvtier_tests::fabric::peer_endpoint().to_vec()
         }
         fn connect(&mut self, server: &[u8]) -> kvtier_agent::Result<()> {
-            kvtier_agent::mover::EndpointDescriptor::decode(server).map(|_| ())
+            kvtier_tests::fabric::connect_peer(&self.mover, server)
         }
         fn write(&mut self, bytes: &[u8], slot: &kvtier_proto::dataplane::SlotDescriptor) -> kvtier_agent::Result<()> {
             use kvtier_agent::mover::{BulkMover, MoverRegion};

@@ -706,10 +706,11 @@ impl KvClient {
 
     /// A data-plane connection of its own for remote leases: slots of the node's DRAM arena that
     /// a one-sided mover (RDMA) writes and reads outside the connection (see [`LeaseSession`]).
-    /// A node with no fabric attached refuses each lease request with a message saying so.
+    /// A node with no fabric attached refuses each lease request with a message saying so; only
+    /// the operator (`auth_token`) may connect to one.
     pub async fn lease_session(&self) -> Result<crate::LeaseSession, ClientError> {
         let conn = self.inner.pool.dedicated().await?;
-        Ok(crate::LeaseSession { conn, max_frame: self.inner.info.max_frame_bytes })
+        Ok(crate::LeaseSession::new(conn, self.inner.info.max_frame_bytes, self.inner.cfg.request_timeout))
     }
 
     /// Which of `keys` the server holds (in any tier), each key on its own: engines store chunks

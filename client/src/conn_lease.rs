@@ -2,12 +2,16 @@
 //! own on which a peer with a one-sided mover (RDMA) asks a node for slots of its DRAM arena,
 //! moves the bytes outside the connection, and commits or ends the leases (protocol:
 //! `kvtier_proto::dataplane`, "Remote leases"). Leases live as long as the session's connection,
-//! so a session is never returned to the pool.
+//! so a session is never returned to the pool. Every call is bounded by the client's
+//! `request_timeout`; one that times out or fails mid-answer breaks the session (its connection
+//! may be out of step), and later calls say so: open another.
 
 use kvtier_proto::dataplane::{
     ItemStatus, LeaseGrant, Op, RequestHeader, FLAG_STOP_AT_MISS, LEASE_GRANT_LEN, MAX_ENDPOINT_LEN,
 };
 use kvtier_proto::{BlockKey, FrameHeader, NamespaceId};
+use std::time::Duration;
+
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::DataConn;
@@ -41,28 +45,41 @@ pub enum GetGrant {
 /// A data-plane connection for remote leases (see the module docs). Dropping it ends every lease
 /// it holds; the node keeps the slots of uncommitted writes out of use a while longer.
 pub struct LeaseSession {
-    pub(crate) conn: DataConn,
-    pub(crate) max_frame: u64,
+    conn: DataConn,
+    max_frame: u64,
+    timeout: Duration,
+    /// Why the session can't be used any more, once a call broke it.
+    broken: Option<String>,
 }
 
 impl LeaseSession {
+    pub(crate) fn new(conn: DataConn, max_frame: u64, timeout: Duration) -> Self {
+        LeaseSession { conn, max_frame, timeout, broken: None }
+    }
+
     /// Connects this session to the node's fabric: sends this peer's endpoint (an RDMA queue
     /// pair's, encoded as the peer's mover encodes it) and returns the node's, for the peer's
     /// mover to connect to. Once per session, before any lease.
     pub async fn connect(&mut self, endpoint: &[u8]) -> Result<Vec<u8>, ClientError> {
-        self.conn.connect_fabric(endpoint).await
+        self.usable()?;
+        let r = tokio::time::timeout(self.timeout, self.conn.connect_fabric(endpoint)).await;
+        self.settle(r)
     }
 
     /// A slot for each frame header (each header's checksum is that of the payload to come).
     pub async fn lease_put(&mut self, headers: &[FrameHeader]) -> Result<Vec<PutGrant>, ClientError> {
-        self.conn.lease_put(headers).await
+        self.usable()?;
+        let r = tokio::time::timeout(self.timeout, self.conn.lease_put(headers)).await;
+        self.settle(r)
     }
 
     /// Publishes written slots: per lease `Ok`, `ChecksumMismatch` (what the slot held did not
-    /// match its header; nothing stored), or `NoLease` (unknown, ended, or past the node's
-    /// `lease_timeout`).
+    /// match its header; nothing stored), `NoLease` (unknown, ended, or at the node's
+    /// `lease_timeout`), or `Capacity` / `Internal` (the node's tier failed it).
     pub async fn commit(&mut self, leases: &[u64]) -> Result<Vec<ItemStatus>, ClientError> {
-        self.conn.lease_ids(Op::Commit, leases).await
+        self.usable()?;
+        let r = tokio::time::timeout(self.timeout, self.conn.lease_ids(Op::Commit, leases)).await;
+        self.settle(r)
     }
 
     /// Read leases on the payloads of `keys` in `ns` that the node holds in DRAM.
@@ -72,13 +89,46 @@ impl LeaseSession {
         keys: &[BlockKey],
         stop_at_miss: bool,
     ) -> Result<Vec<GetGrant>, ClientError> {
-        self.conn.lease_get(ns, keys, stop_at_miss, self.max_frame).await
+        self.usable()?;
+        let r = tokio::time::timeout(self.timeout, self.conn.lease_get(ns, keys, stop_at_miss, self.max_frame)).await;
+        self.settle(r)
     }
 
     /// Ends read leases: per lease `Ok`, or `NoLease` (unknown, ended, or past its deadline:
     /// a read that finished after it must not be trusted without its checksum).
     pub async fn end_get(&mut self, leases: &[u64]) -> Result<Vec<ItemStatus>, ClientError> {
-        self.conn.lease_ids(Op::EndGet, leases).await
+        self.usable()?;
+        let r = tokio::time::timeout(self.timeout, self.conn.lease_ids(Op::EndGet, leases)).await;
+        self.settle(r)
+    }
+
+    fn usable(&self) -> Result<(), ClientError> {
+        match &self.broken {
+            None => Ok(()),
+            Some(why) => Err(ClientError::Io(format!("this lease session broke earlier ({why}); open another"))),
+        }
+    }
+
+    /// A call's outcome; a timeout or an error other than the node's refusal breaks the session.
+    fn settle<T>(&mut self, r: Result<Result<T, ClientError>, tokio::time::error::Elapsed>) -> Result<T, ClientError> {
+        let e = match r {
+            Ok(Ok(v)) => return Ok(v),
+            Err(_) => ClientError::Timeout(self.timeout),
+            Ok(Err(e)) => e,
+        };
+        // The node answered with a refusal and the connection is in step; anything else may not be.
+        let refused = matches!(
+            e,
+            ClientError::Refused { .. }
+                | ClientError::Forbidden(_)
+                | ClientError::UnknownNamespace(_)
+                | ClientError::InvalidArgument(_)
+                | ClientError::Unauthenticated(_)
+        );
+        if !refused {
+            self.broken = Some(e.to_string());
+        }
+        Err(e)
     }
 }
 

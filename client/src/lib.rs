@@ -47,8 +47,8 @@ pub use client::{
     SessionInfo, StoreReport, StoredAs,
 };
 pub use client::{ClusterMembers, EventKind, EventWatch, KvEvent, NodeHolding, OwnerRouter, RouteHint};
-#[cfg(unix)]
 pub use conn::lease::{GetGrant, LeaseSession, PutGrant};
+#[cfg(unix)]
 pub use connector::UnixConnector;
 pub use connector::{BoxedStream, ConnectFuture, DataPlaneConnector, DataStream};
 pub use engine::{EngineClient, Loaded, Miss};

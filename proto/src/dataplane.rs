@@ -28,12 +28,16 @@
 //! On a node whose DRAM arena is registered with a one-sided fabric (RDMA verbs; see the
 //! server's `fabric` module), a peer can move payloads without the node's CPU touching them
 //! (Mooncake's PutStart / PutEnd). Every lease belongs to the connection that took it and ends
-//! with it; a node without a fabric answers these ops with a request-level `BadRequest` saying so.
+//! with it, or at the node's `lease_timeout`. A node without a fabric answers `CONNECT`,
+//! `LEASE_PUT`, `COMMIT` and `LEASE_GET` with a request-level `BadRequest` saying so (and
+//! `END_GET` with `NoLease` for each id: there is none).
 //!
 //! - `CONNECT`: [`RequestHeader`] with `count` bytes of the peer's fabric endpoint after it (an
 //!   RDMA queue pair's, at most [`MAX_ENDPOINT_LEN`]). Answer: [`ResponseHeader`] whose `count` is
 //!   the length of the node's endpoint, then those bytes. Once per connection, before any lease;
-//!   the node's endpoint lives as long as the connection.
+//!   the node's endpoint lives as long as the connection. The arena is registered once, so a
+//!   connected peer's NIC reaches all of it: only the operator may connect (`Forbidden`
+//!   otherwise). An endpoint over [`MAX_ENDPOINT_LEN`] is `TooLarge` and ends the connection.
 //! - `LEASE_PUT`: [`RequestHeader`] with `count` 128-byte frame headers after it (no payloads;
 //!   each header's checksum is the payload's to come). Answer: [`ResponseHeader`], then per item
 //!   an [`ItemStatus`] byte followed — when `Ok` — by a [`LeaseGrant`] (the lease id and the
@@ -42,8 +46,8 @@
 //! - `COMMIT`: [`RequestHeader`] with `count` lease ids (`u64` each) after it. The node hashes
 //!   each leased slot and publishes the block when it matches the header's checksum. Answer:
 //!   [`ResponseHeader`] then one status per id: `Ok`, `ChecksumMismatch` (nothing stored, the
-//!   lease ended), [`ItemStatus::NoLease`] (no such lease on this connection, or past its
-//!   deadline: the node's `lease_timeout`).
+//!   lease ended), [`ItemStatus::NoLease`] (no such lease on this connection, or at its
+//!   deadline), `Capacity` or `Internal` (the node's tier failed it).
 //! - `LEASE_GET`: [`RequestHeader`] (namespace set) with `count` keys after it (a `GET`'s, with
 //!   [`FLAG_STOP_AT_MISS`] allowed). Answer: [`ResponseHeader`], then per key a status byte
 //!   followed — when `Ok` — by the stored frame's header and a [`LeaseGrant`] of its payload,

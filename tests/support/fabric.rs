@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use kvtier_agent::mover::loopback::{LoopbackFabric, LoopbackRawRegistration};
+use kvtier_agent::mover::loopback::{LoopbackFabric, LoopbackMover, LoopbackRawRegistration};
 use kvtier_agent::mover::EndpointDescriptor;
 use kvtier_server::fabric::{Fabric, FabricEndpoint, FabricRegistration};
 
@@ -36,16 +36,25 @@ impl Fabric for ArenaOnLoopback {
         Ok(Box::new(ArenaRegistration { reg, base: base as u64 }))
     }
 
-    /// The loopback needs no queue pairs; it checks the peer's endpoint as the verbs fabric would
-    /// and answers one of its own (the peer's queue pair number + 1).
+    /// A link of the loopback fabric stands for the queue pair: the peer's endpoint is checked
+    /// as the verbs fabric would check it, and the node's names the link (its "queue pair
+    /// number"), which the peer's mover connects to ([`connect_peer`]). The connection holds the
+    /// link; when it ends, the peer's moves stop reaching the arena.
     fn connect(&self, peer: &[u8]) -> Result<(FabricEndpoint, Vec<u8>), String> {
-        let theirs = EndpointDescriptor::decode(peer).map_err(|e| e.to_string())?;
-        let ours = EndpointDescriptor { qpn: theirs.qpn + 1, psn: 7, lid: 1, gid: [0; 16] };
-        Ok((Box::new(()), ours.encode().to_vec()))
+        EndpointDescriptor::decode(peer).map_err(|e| e.to_string())?;
+        let link = self.0.open_link();
+        let ours = EndpointDescriptor { qpn: link.id(), psn: 7, lid: 1, gid: [0; 16] };
+        Ok((Box::new(link), ours.encode().to_vec()))
     }
 }
 
 /// A peer's endpoint as its mover would describe it (queue pair 0x42).
 pub fn peer_endpoint() -> [u8; 32] {
     EndpointDescriptor { qpn: 0x42, psn: 9, lid: 1, gid: [0; 16] }.encode()
+}
+
+/// Connects a peer's mover to the node's end, as `CONNECT` answered it.
+pub fn connect_peer(mover: &LoopbackMover, node: &[u8]) -> kvtier_agent::Result<()> {
+    mover.connect_link(EndpointDescriptor::decode(node)?.qpn);
+    Ok(())
 }

@@ -1,14 +1,14 @@
 //! The remote-lease ops of a data-plane connection — `CONNECT`, `LEASE_PUT`, `COMMIT`,
-//! `LEASE_GET`, `END_GET` (protocol in `kvtier_proto::dataplane`, "Remote leases"; the leases themselves in
-//! `crate::fabric`). The bytes move one-sidedly, outside this connection; it only grants slots,
-//! checks and publishes what was written, and ends leases.
+//! `LEASE_GET`, `END_GET` (protocol in `kvtier_proto::dataplane`, "Remote leases"; the leases
+//! themselves in `crate::fabric`). The bytes move one-sidedly, outside this connection; it only
+//! connects the peer to the fabric, grants slots, checks and publishes what was written, and ends
+//! leases.
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use kvtier_proto::dataplane::{
-    ItemStatus, LeaseGrant, Op, RequestHeader, ResponseHeader, Status, FLAG_STOP_AT_MISS, LEASE_ID_LEN,
-    MAX_ENDPOINT_LEN,
+    ItemStatus, LeaseGrant, Op, RequestHeader, ResponseHeader, Status, FLAG_PEER, FLAG_STOP_AT_MISS, LEASE_ID_LEN,
 };
 use kvtier_proto::{BlockKey, FrameHeader, NamespaceId, FRAME_HEADER_LEN, KEY_LEN};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
@@ -19,6 +19,11 @@ use crate::error::ServerError;
 use crate::fabric::{ArenaAccess, WriteLease};
 use crate::metrics::{error, observe};
 use crate::tenants::Principal;
+
+/// A write lease this close to its deadline (or a tenth of `lease_timeout`, if less) is not
+/// committed: the DRAM tier could revoke it under the commit, and free its slot without the
+/// quarantine.
+const COMMIT_MARGIN: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W> {
     /// Answers a request-level refusal (the connection stays usable: its `body` bytes are
@@ -58,9 +63,18 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
                 .refuse(&req, body, "remote_lease_reconnect", "this connection is connected to the fabric already")
                 .await;
         }
-        if req.count as usize > MAX_ENDPOINT_LEN {
-            let msg = format!("an endpoint of {} bytes; at most {MAX_ENDPOINT_LEN}", req.count);
-            return self.refuse(&req, body, "remote_lease_bad_endpoint", &msg).await;
+        // One registration covers the whole arena: a connected peer reaches every tenant's blocks.
+        let principal = self.principal()?;
+        if !matches!(principal, Principal::Operator) {
+            self.drain(body).await?;
+            error("remote_lease_forbidden");
+            let msg = format!(
+                "tenant {:?} may not connect to the fabric: one-sided access reaches the whole DRAM arena, \
+                 so only the operator (auth_token) may",
+                principal.name()
+            );
+            self.wr.write_all(&ResponseHeader::error(req.op as u8, req.request_id, Status::Forbidden, &msg)).await?;
+            return Ok(());
         }
         let mut peer = vec![0u8; req.count as usize];
         self.rd.read_exact(&mut peer).await?;
@@ -85,17 +99,15 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         let body = req.count as u64 * FRAME_HEADER_LEN as u64;
         let Some(arena) = self.arena_or_refuse(&req, body).await? else { return Ok(()) };
         let principal = self.principal()?;
-        self.remote.reap(Instant::now());
+        // Once, before any grant: a wait per item would run down the deadlines of earlier grants.
+        self.state.tiers().backpressure().await;
         let mut answer = Vec::with_capacity(req.count as usize * (1 + LeaseGrant::LEN));
         for _ in 0..req.count {
             let mut fh = [0u8; FRAME_HEADER_LEN];
             self.rd.read_exact(&mut fh).await?;
             // Headers are fixed-size here (no payload follows), so a bad one is refused alone.
             let granted = match FrameHeader::decode(&fh) {
-                Ok(sent) => {
-                    self.state.tiers().backpressure().await;
-                    self.lease_one(&principal, &sent, &arena)
-                }
+                Ok(sent) => self.lease_one(&principal, &sent, &arena),
                 Err(_) => Err(ItemStatus::BadHeader),
             };
             match granted {
@@ -124,10 +136,8 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         sent: &FrameHeader,
         arena: &ArenaAccess,
     ) -> Result<LeaseGrant, ItemStatus> {
+        // Its payload's size is its layout's (a registered layout fits `max_frame_bytes`).
         let header = self.state.admit_frame(principal, sent)?;
-        if header.payload_len > self.state.config().max_frame_bytes.0 {
-            return Err(ItemStatus::Capacity);
-        }
         if self.state.tiers().is_hot(&header.namespace, &header.key) {
             return Err(ItemStatus::Present);
         }
@@ -170,27 +180,35 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         let ids = self.read_lease_ids(req.count).await?;
         let mut statuses = Vec::with_capacity(ids.len());
         let mut stored: Vec<(NamespaceId, BlockKey)> = Vec::new();
-        let now = Instant::now();
+        // As a `PUT`: a client's blocks in a cluster go on to their other owners, a peer's don't.
+        let forward = req.flags & FLAG_PEER == 0 && self.state.tiers().has_remote();
+        let margin = COMMIT_MARGIN.min(self.state.config().lease_timeout.0 / 10);
         for id in ids {
             let status = match self.remote.take_write(id) {
                 None => ItemStatus::NoLease,
-                // Past its deadline (revoked by the DRAM tier): ended, like one reaped already.
-                Some(late) if late.slot.deadline() <= now => {
+                // At (or about to reach) its deadline: ended, like one reaped already.
+                Some(late) if late.slot.deadline() <= Instant::now() + margin => {
                     self.remote.abandon(late);
                     ItemStatus::NoLease
                 }
+                // Hashed where the peer wrote it. A (trusted) peer that writes again after its
+                // commit changes a published block under its checksum: every kvtier reader checks
+                // what it received against it, so that is a miss there, never wrong bytes.
                 Some(WriteLease { mut slot, header }) => {
                     if kvtier_proto::checksum(slot.buf_mut()) != header.checksum {
                         // The peer may still be writing (it committed early): the slot waits.
                         self.remote.abandon(WriteLease { slot, header });
                         ItemStatus::ChecksumMismatch
                     } else {
-                        match self.state.tiers().commit(slot, header, Priority::Normal) {
+                        let priority = if forward { self.state.store_priority(&header) } else { Priority::Normal };
+                        match self.state.tiers().commit(slot, header, priority) {
                             Ok(_) => {
-                                stored.push((header.namespace, header.key));
+                                if forward {
+                                    stored.push((header.namespace, header.key));
+                                }
                                 ItemStatus::Ok
                             }
-                            // Revoked between the check above and here.
+                            // The tier shrank under it, or failed.
                             Err(ServerError::Capacity(_) | ServerError::TooLarge { .. }) => ItemStatus::Capacity,
                             Err(_) => ItemStatus::Internal,
                         }
@@ -216,7 +234,6 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         let Some(arena) = self.arena_or_refuse(&req, body).await? else { return Ok(()) };
         let Some(raw) = self.read_keys(&req).await? else { return Ok(()) };
         let ns = req.namespace;
-        self.remote.reap(Instant::now());
         let stop_at_miss = req.flags & FLAG_STOP_AT_MISS != 0;
         self.wr.write_all(&ResponseHeader::ok(Op::LeaseGet, req.request_id, req.count).encode()).await?;
         let mut missed = false;
@@ -237,11 +254,18 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
                     }
                     Some(slot) => {
                         let header = block.header;
-                        let lease = self.remote.add_read(block, now);
-                        self.wr.write_all(&[ItemStatus::Ok as u8]).await?;
-                        self.wr.write_all(&header.encode()).await?;
-                        self.wr.write_all(&LeaseGrant { lease, slot }.encode()).await?;
-                        continue;
+                        match self.remote.add_read(block, &arena, now) {
+                            Some(lease) => {
+                                self.wr.write_all(&[ItemStatus::Ok as u8]).await?;
+                                self.wr.write_all(&header.encode()).await?;
+                                self.wr.write_all(&LeaseGrant { lease, slot }.encode()).await?;
+                                continue;
+                            }
+                            None => {
+                                error("remote_read_leased_bytes");
+                                ItemStatus::Capacity
+                            }
+                        }
                     }
                     None => ItemStatus::Elsewhere,
                 },

@@ -8,9 +8,12 @@
 //!
 //! Besides this crate's [`HostBuffer`]s, memory another component owns can be registered by
 //! address ([`LoopbackFabric::register_raw`]): the server's DRAM arena, leased to peers slot by
-//! slot, in tests that run a node and its one-sided clients in one process.
+//! slot, in tests that run a node and its one-sided clients in one process. Such memory is
+//! reached only by a mover connected through a live [`LoopbackLink`] (what the pair of connected
+//! queue pairs is): the owner opens one per peer and cuts it by dropping it, after which the
+//! peer's moves fail as they would against a destroyed queue pair.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,6 +29,28 @@ use crate::error::{AgentError, Result};
 pub struct LoopbackFabric {
     regions: Mutex<HashMap<u32, Target>>,
     next_rkey: AtomicU32,
+    /// Links open now, by id.
+    links: Mutex<HashSet<u32>>,
+    next_link: AtomicU32,
+}
+
+/// A connection between memory registered by address and one peer's mover; cut when dropped.
+pub struct LoopbackLink {
+    id: u32,
+    fabric: Arc<LoopbackFabric>,
+}
+
+impl LoopbackLink {
+    /// What the peer's mover connects to ([`LoopbackMover::connect_link`]).
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+}
+
+impl Drop for LoopbackLink {
+    fn drop(&mut self) {
+        self.fabric.links.lock().remove(&self.id);
+    }
 }
 
 /// What an rkey names.
@@ -102,7 +127,12 @@ impl Drop for LoopbackRawRegistration {
 
 impl LoopbackFabric {
     pub fn new() -> Arc<Self> {
-        Arc::new(LoopbackFabric { regions: Mutex::new(HashMap::new()), next_rkey: AtomicU32::new(0x100) })
+        Arc::new(LoopbackFabric {
+            regions: Mutex::new(HashMap::new()),
+            next_rkey: AtomicU32::new(0x100),
+            links: Mutex::new(HashSet::new()),
+            next_link: AtomicU32::new(1),
+        })
     }
 
     /// Regions registered now (tests check deregistration).
@@ -121,14 +151,32 @@ impl LoopbackFabric {
         LoopbackRawRegistration { rkey, fabric: self.clone() }
     }
 
+    /// Opens a link for one peer's mover to reach memory registered by address.
+    pub fn open_link(self: &Arc<Self>) -> LoopbackLink {
+        let id = self.next_link.fetch_add(1, Ordering::Relaxed);
+        self.links.lock().insert(id);
+        LoopbackLink { id, fabric: self.clone() }
+    }
+
     /// Runs `access` on the registered memory holding `window` entirely (as a NIC would resolve
     /// it) and the window's offset in it, under the fabric's lock: a registration can't be
-    /// dropped, and its memory unmapped, while a move into it is under way.
-    fn with_target(&self, window: &SlotDescriptor, access: impl FnOnce(&Target, usize) -> Result<()>) -> Result<()> {
+    /// dropped, and its memory unmapped, while a move into it is under way. Memory registered by
+    /// address is reached only over a live `link`.
+    fn with_target(
+        &self,
+        window: &SlotDescriptor,
+        link: Option<u32>,
+        access: impl FnOnce(&Target, usize) -> Result<()>,
+    ) -> Result<()> {
         let regions = self.regions.lock();
         let buf = regions
             .get(&window.rkey)
             .ok_or_else(|| AgentError::RemoteAccess(format!("unknown rkey {:#x}", window.rkey)))?;
+        if matches!(buf, Target::Raw { .. }) && !link.is_some_and(|l| self.links.lock().contains(&l)) {
+            return Err(AgentError::RemoteAccess(
+                "no live connection to the memory's owner (never connected, or its connection ended)".into(),
+            ));
+        }
         let base = buf.addr() as u64;
         let inside = window.addr >= base
             && window.addr.checked_add(window.len).is_some_and(|end| end <= base + buf.len() as u64);
@@ -170,6 +218,8 @@ impl Drop for LoopbackRegion {
 /// One node's mover on a [`LoopbackFabric`].
 pub struct LoopbackMover {
     fabric: Arc<LoopbackFabric>,
+    /// The link it moves over into memory registered by address (0: none).
+    link: AtomicU32,
     completions: Mutex<Vec<Completion>>,
     next_wr: AtomicU64,
     stalled: AtomicBool,
@@ -180,6 +230,7 @@ impl LoopbackMover {
     pub fn new(fabric: &Arc<LoopbackFabric>) -> Self {
         LoopbackMover {
             fabric: fabric.clone(),
+            link: AtomicU32::new(0),
             completions: Mutex::new(Vec::new()),
             next_wr: AtomicU64::new(1),
             stalled: AtomicBool::new(false),
@@ -191,6 +242,15 @@ impl LoopbackMover {
     /// stopped answering, a cut link): every wait times out.
     pub fn stall(&self) {
         self.stalled.store(true, Ordering::Relaxed);
+    }
+
+    /// Connects the mover to the owner's end of a link ([`LoopbackFabric::open_link`]).
+    pub fn connect_link(&self, link: u32) {
+        self.link.store(link, Ordering::Relaxed);
+    }
+
+    fn link(&self) -> Option<u32> {
+        Some(self.link.load(Ordering::Relaxed)).filter(|&l| l != 0)
     }
 
     /// Whether an earlier timeout broke this mover.
@@ -249,7 +309,7 @@ impl BulkMover for LoopbackMover {
         self.post_and_wait("RDMA WRITE", timeout, || {
             let mut bytes = vec![0u8; len];
             local.buf.read(local_offset, &mut bytes)?;
-            self.fabric.with_target(&window, |remote, at| remote.write(at, &bytes))
+            self.fabric.with_target(&window, self.link(), |remote, at| remote.write(at, &bytes))
         })
     }
 
@@ -265,7 +325,7 @@ impl BulkMover for LoopbackMover {
         let window = check_move(&local.buf, local_offset, slot, slot_offset, len)?;
         self.post_and_wait("RDMA READ", timeout, || {
             let mut bytes = vec![0u8; len];
-            self.fabric.with_target(&window, |remote, at| remote.read(at, &mut bytes))?;
+            self.fabric.with_target(&window, self.link(), |remote, at| remote.read(at, &mut bytes))?;
             local.buf.write(local_offset, &bytes)
         })
     }
@@ -304,8 +364,9 @@ mod tests {
         assert_eq!(&staging.buffer().to_vec()[5000..5500], &staged[1100..1600]);
     }
 
-    /// Memory this crate doesn't own, registered by address: moves land in it and come out of it
-    /// like a buffer's, bounded by the registration, and end with it.
+    /// Memory this crate doesn't own, registered by address: moves over a live link land in it
+    /// and come out of it like a buffer's, bounded by the registration; they end with the link,
+    /// and with the registration.
     #[test]
     fn memory_registered_by_address_is_moved_into_and_out_of_until_deregistered() {
         let fabric = LoopbackFabric::new();
@@ -316,11 +377,20 @@ mod tests {
         let slot = SlotDescriptor { addr: base as u64 + 4096, rkey: reg.rkey(), len: 100 };
         let peer = LoopbackMover::new(&fabric);
         let staging = peer.register(&HostBuffer::from_vec((0..200u8).collect())).unwrap();
+        // Not connected to the owner: refused, nothing written.
+        let refused = peer.write(&staging, 10, &slot, 0, 100, T);
+        assert!(matches!(refused, Err(AgentError::RemoteAccess(m)) if m.contains("connection")));
+        let link = fabric.open_link();
+        peer.connect_link(link.id());
         peer.write(&staging, 10, &slot, 0, 100, T).unwrap();
         peer.read(&slot, 50, &staging, 150, 50, T).unwrap();
         // Past the registration's end: refused by the "NIC", nothing written.
         let past = SlotDescriptor { addr: base as u64 + (16 << 10) - 10, rkey: reg.rkey(), len: 20 };
         assert!(matches!(peer.write(&staging, 0, &past, 0, 20, T), Err(AgentError::RemoteAccess(_))));
+        // The owner cuts the link: the peer's moves stop reaching the memory.
+        drop(link);
+        let cut = peer.read(&slot, 0, &staging, 0, 10, T);
+        assert!(matches!(cut, Err(AgentError::RemoteAccess(m)) if m.contains("connection")));
         drop(reg);
         assert!(
             matches!(peer.write(&staging, 0, &slot, 0, 10, T), Err(AgentError::RemoteAccess(m)) if m.contains("rkey"))
