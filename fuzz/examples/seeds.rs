@@ -26,7 +26,8 @@ fn main() -> std::io::Result<()> {
         let f = BlockFrame::new(NamespaceId([7; 16]), BlockKey([9; 32]), layout, CodecId::RAW, 1, Bytes::from(payload));
         write("frame", &format!("frame-{len}"), &f.to_bytes())?;
     }
-    let ops = [Op::Put, Op::Get, Op::Exists, Op::Release, Op::LeasePut, Op::Commit, Op::LeaseGet, Op::EndGet];
+    let ops =
+        [Op::Put, Op::Get, Op::Exists, Op::Release, Op::LeasePut, Op::Commit, Op::LeaseGet, Op::EndGet, Op::Connect];
     for (i, op) in ops.into_iter().enumerate() {
         let h = RequestHeader { op, flags: 0, request_id: 1, count: 3, namespace: NamespaceId([1; 16]) };
         write("messages", &format!("request-{i}"), &h.encode())?;
