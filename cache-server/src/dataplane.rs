@@ -586,14 +586,11 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         self.wr.write_all(&h.encode()).await?;
         let stop_at_miss = req.flags & FLAG_STOP_AT_MISS != 0;
         let mut missed = false;
-        for chunk in raw.chunks_exact(KEY_LEN) {
+        for key in block_keys(&raw) {
             if missed && stop_at_miss {
                 self.wr.write_all(&[ItemStatus::Miss as u8]).await?;
                 continue;
             }
-            let mut k = [0u8; KEY_LEN];
-            k.copy_from_slice(chunk);
-            let key = BlockKey(k);
             // A disk read runs on the I/O pool; a saturated pool (`Busy`) answers a miss. A DRAM
             // hit comes unchecked and is checked once it has been sent (see below).
             let (load, unchecked) = match self.state.tiers().get_to_check(&ns, &key).await {
@@ -628,14 +625,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         let start = Instant::now();
         let Some(raw) = self.read_keys(&req).await? else { return Ok(()) };
         let ns: NamespaceId = req.namespace;
-        let keys: Vec<BlockKey> = raw
-            .chunks_exact(KEY_LEN)
-            .map(|chunk| {
-                let mut k = [0u8; KEY_LEN];
-                k.copy_from_slice(chunk);
-                BlockKey(k)
-            })
-            .collect();
+        let keys: Vec<BlockKey> = block_keys(&raw).collect();
         // A client's question in a cluster is answered for the cluster (the owners of what no
         // local tier holds are asked); a peer's, for this node.
         let held = match self.state.namespace(&ns) {
@@ -660,17 +650,20 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
 fn peer_fetch(state: &Arc<NodeState>, req: &RequestHeader, raw: &[u8]) -> crate::cluster::fetch::PeerFetch {
     let ns = (req.flags & FLAG_PEER == 0).then(|| state.namespace(&req.namespace).ok()).flatten();
     let keys: Vec<BlockKey> = if ns.is_some() {
-        raw.chunks_exact(KEY_LEN)
-            .map(|c| {
-                let mut k = [0u8; KEY_LEN];
-                k.copy_from_slice(c);
-                BlockKey(k)
-            })
-            .collect()
+        block_keys(raw).collect()
     } else {
         Vec::new()
     };
     crate::cluster::fetch::PeerFetch::start(state, ns, &keys)
+}
+
+/// The keys of a `GET`, `EXISTS` or `LEASE_GET`, as they came (`KEY_LEN` bytes each).
+fn block_keys(raw: &[u8]) -> impl Iterator<Item = BlockKey> + '_ {
+    raw.chunks_exact(KEY_LEN).map(|chunk| {
+        let mut k = [0u8; KEY_LEN];
+        k.copy_from_slice(chunk);
+        BlockKey(k)
+    })
 }
 
 /// Queues the blocks a client's `PUT` (or a same-node store) just stored for their other owners

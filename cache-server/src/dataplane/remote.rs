@@ -13,7 +13,7 @@ use kvtier_proto::dataplane::{
 use kvtier_proto::{BlockKey, FrameHeader, NamespaceId, FRAME_HEADER_LEN, KEY_LEN};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 
-use super::{forward_to_peers, item_kind, ConnError, Connection};
+use super::{block_keys, forward_to_peers, item_kind, ConnError, Connection};
 use crate::dram::Priority;
 use crate::error::ServerError;
 use crate::fabric::{ArenaAccess, WriteLease};
@@ -237,14 +237,11 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         let stop_at_miss = req.flags & FLAG_STOP_AT_MISS != 0;
         self.wr.write_all(&ResponseHeader::ok(Op::LeaseGet, req.request_id, req.count).encode()).await?;
         let mut missed = false;
-        for chunk in raw.chunks_exact(KEY_LEN) {
+        for key in block_keys(&raw) {
             if missed && stop_at_miss {
                 self.wr.write_all(&[ItemStatus::Miss as u8]).await?;
                 continue;
             }
-            let mut k = [0u8; KEY_LEN];
-            k.copy_from_slice(chunk);
-            let key = BlockKey(k);
             let now = Instant::now();
             let status = match self.state.tiers().dram_block(&ns, &key) {
                 Some(block) => match arena.describe(&block.payload) {
