@@ -649,11 +649,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
 /// cluster.
 fn peer_fetch(state: &Arc<NodeState>, req: &RequestHeader, raw: &[u8]) -> crate::cluster::fetch::PeerFetch {
     let ns = (req.flags & FLAG_PEER == 0).then(|| state.namespace(&req.namespace).ok()).flatten();
-    let keys: Vec<BlockKey> = if ns.is_some() {
-        block_keys(raw).collect()
-    } else {
-        Vec::new()
-    };
+    let keys: Vec<BlockKey> = if ns.is_some() { block_keys(raw).collect() } else { Vec::new() };
     crate::cluster::fetch::PeerFetch::start(state, ns, &keys)
 }
 
