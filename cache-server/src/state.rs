@@ -444,8 +444,9 @@ impl NodeState {
     /// Registers the DRAM arena with `fabric`, so that data-plane connections may lease its slots
     /// to peers that read and write them one-sidedly (see `crate::fabric`). Once per node.
     pub fn attach_fabric(&self, fabric: Arc<dyn Fabric>) -> Result<(), ServerError> {
+        let attached = || ServerError::Config("a fabric is already attached to this node's DRAM arena".into());
         if self.arena_access.get().is_some() {
-            return Err(ServerError::Config("a fabric is already attached to this node's DRAM arena".into()));
+            return Err(attached());
         }
         let region = self.tiers.dram_region();
         // Read leases keep evicted blocks' slots in the headroom past the capacity: half of it.
@@ -454,9 +455,7 @@ impl NodeState {
         // the registration is dropped before the region is unmapped.
         let access = unsafe { ArenaAccess::register(fabric, region.as_ptr() as *mut u8, region.len(), read_cap)? };
         tracing::info!(fabric = access.name(), bytes = region.len(), "DRAM arena registered for one-sided access");
-        self.arena_access
-            .set(Arc::new(access))
-            .map_err(|_| ServerError::Config("a fabric is already attached to this node's DRAM arena".into()))
+        self.arena_access.set(Arc::new(access)).map_err(|_| attached())
     }
 
     /// The DRAM arena's one-sided registration, when a fabric is attached.

@@ -61,25 +61,19 @@ impl LeaseSession {
     /// pair's, encoded as the peer's mover encodes it) and returns the node's, for the peer's
     /// mover to connect to. Once per session, before any lease.
     pub async fn connect(&mut self, endpoint: &[u8]) -> Result<Vec<u8>, ClientError> {
-        self.usable()?;
-        let r = tokio::time::timeout(self.timeout, self.conn.connect_fabric(endpoint)).await;
-        self.settle(r)
+        self.call(async |c| c.connect_fabric(endpoint).await).await
     }
 
     /// A slot for each frame header (each header's checksum is that of the payload to come).
     pub async fn lease_put(&mut self, headers: &[FrameHeader]) -> Result<Vec<PutGrant>, ClientError> {
-        self.usable()?;
-        let r = tokio::time::timeout(self.timeout, self.conn.lease_put(headers)).await;
-        self.settle(r)
+        self.call(async |c| c.lease_put(headers).await).await
     }
 
     /// Publishes written slots: per lease `Ok`, `ChecksumMismatch` (what the slot held did not
     /// match its header; nothing stored), `NoLease` (unknown, ended, or at the node's
     /// `lease_timeout`), or `Capacity` / `Internal` (the node's tier failed it).
     pub async fn commit(&mut self, leases: &[u64]) -> Result<Vec<ItemStatus>, ClientError> {
-        self.usable()?;
-        let r = tokio::time::timeout(self.timeout, self.conn.lease_ids(Op::Commit, leases)).await;
-        self.settle(r)
+        self.call(async |c| c.lease_ids(Op::Commit, leases).await).await
     }
 
     /// Read leases on the payloads of `keys` in `ns` that the node holds in DRAM.
@@ -89,29 +83,24 @@ impl LeaseSession {
         keys: &[BlockKey],
         stop_at_miss: bool,
     ) -> Result<Vec<GetGrant>, ClientError> {
-        self.usable()?;
-        let r = tokio::time::timeout(self.timeout, self.conn.lease_get(ns, keys, stop_at_miss, self.max_frame)).await;
-        self.settle(r)
+        let max_frame = self.max_frame;
+        self.call(async |c| c.lease_get(ns, keys, stop_at_miss, max_frame).await).await
     }
 
     /// Ends read leases: per lease `Ok`, or `NoLease` (unknown, ended, or past its deadline:
     /// a read that finished after it must not be trusted without its checksum).
     pub async fn end_get(&mut self, leases: &[u64]) -> Result<Vec<ItemStatus>, ClientError> {
+        self.call(async |c| c.lease_ids(Op::EndGet, leases).await).await
+    }
+
+    /// Runs one call on the connection within the timeout; a timeout, or an error other than
+    /// the node's refusal, breaks the session.
+    async fn call<T>(
+        &mut self,
+        f: impl AsyncFnOnce(&mut DataConn) -> Result<T, ClientError>,
+    ) -> Result<T, ClientError> {
         self.usable()?;
-        let r = tokio::time::timeout(self.timeout, self.conn.lease_ids(Op::EndGet, leases)).await;
-        self.settle(r)
-    }
-
-    fn usable(&self) -> Result<(), ClientError> {
-        match &self.broken {
-            None => Ok(()),
-            Some(why) => Err(ClientError::Io(format!("this lease session broke earlier ({why}); open another"))),
-        }
-    }
-
-    /// A call's outcome; a timeout or an error other than the node's refusal breaks the session.
-    fn settle<T>(&mut self, r: Result<Result<T, ClientError>, tokio::time::error::Elapsed>) -> Result<T, ClientError> {
-        let e = match r {
+        let e = match tokio::time::timeout(self.timeout, f(&mut self.conn)).await {
             Ok(Ok(v)) => return Ok(v),
             Err(_) => ClientError::Timeout(self.timeout),
             Ok(Err(e)) => e,
@@ -129,6 +118,13 @@ impl LeaseSession {
             self.broken = Some(e.to_string());
         }
         Err(e)
+    }
+
+    fn usable(&self) -> Result<(), ClientError> {
+        match &self.broken {
+            None => Ok(()),
+            Some(why) => Err(ClientError::Io(format!("this lease session broke earlier ({why}); open another"))),
+        }
     }
 }
 
