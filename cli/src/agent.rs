@@ -313,49 +313,20 @@ impl SameNodeStore {
         map.get(ns).cloned().ok_or_else(|| AgentError::Spill("namespace not opened with the server".into()))
     }
 
-    /// Places a block through the lease lane, if the agent has one: true when the server holds
-    /// it now. A lane that fails is closed (logged once); its refusals and its absence leave the
-    /// block to the same-node path.
-    fn spill_on_lane(&self, h: &NamespaceHandle, key: &BlockKey, payload: &[u8]) -> bool {
-        let Ok(mut slot) = self.inner.lane.lock() else { return false };
-        let Some(lane) = slot.as_mut() else { return false };
-        match self.inner.rt.block_on(lane.spill(h, key, payload)) {
-            Ok(true) => {
-                metrics::counter!("kvtier_agent_lease_spills_total", "outcome" => "placed").increment(1);
-                true
-            }
-            Ok(false) => {
-                metrics::counter!("kvtier_agent_lease_spills_total", "outcome" => "refused").increment(1);
-                false
-            }
+    /// Runs `f` on the lease lane, if the agent has one; `None` without a lane, or when it
+    /// failed: the lane is then closed (logged once) and later calls go over the same-node socket.
+    /// The lane's lock is held only for `f`, so the caller's same-node fallback (a load there may
+    /// wait on a demand spill, which takes the lane) runs without it.
+    fn on_lane<T>(&self, f: impl AsyncFnOnce(&mut LeaseLane) -> kvtier_agent::Result<T>) -> Option<T> {
+        let mut slot = self.inner.lane.lock().ok()?;
+        let lane = slot.as_mut()?;
+        match self.inner.rt.block_on(f(lane)) {
+            Ok(v) => Some(v),
             Err(e) => {
-                metrics::counter!("kvtier_agent_lease_spills_total", "outcome" => "failed").increment(1);
-                tracing::warn!("the lease lane failed ({e}); spills go over the same-node socket from now on");
-                *slot = None;
-                false
-            }
-        }
-    }
-
-    /// Fetches what the lease lane finds in the server's DRAM (one-sided reads), if the agent
-    /// has a lane; true where block `i` landed in `out`. The lane's lock is released before the
-    /// caller fetches the rest over the same-node socket (a load there may wait on a demand
-    /// spill, which takes the lane).
-    fn fetch_on_lane(&self, h: &NamespaceHandle, keys: &[BlockKey], block_bytes: usize, out: &mut [u8]) -> Vec<bool> {
-        let none = || vec![false; keys.len()];
-        let Ok(mut slot) = self.inner.lane.lock() else { return none() };
-        let Some(lane) = slot.as_mut() else { return none() };
-        match self.inner.rt.block_on(lane.fetch(h, keys, block_bytes, out)) {
-            Ok(landed) => {
-                let n = landed.iter().filter(|l| **l).count() as u64;
-                metrics::counter!("kvtier_agent_lease_fetches_total", "outcome" => "read").increment(n);
-                landed
-            }
-            Err(e) => {
-                metrics::counter!("kvtier_agent_lease_fetches_total", "outcome" => "failed").increment(1);
+                metrics::counter!("kvtier_agent_lease_lane_failures_total").increment(1);
                 tracing::warn!("the lease lane failed ({e}); blocks move over the same-node socket from now on");
                 *slot = None;
-                none()
+                None
             }
         }
     }
@@ -383,8 +354,12 @@ impl Spill for SameNodeStore {
             return Err(AgentError::Spill(format!("the same-node store takes raw blocks, not {}", codec.name())));
         }
         let h = self.handle(ns)?;
-        if self.spill_on_lane(&h, key, payload) {
-            return Ok(());
+        if let Some(placed) = self.on_lane(async |l| l.spill(&h, key, payload).await) {
+            let outcome = if placed { "placed" } else { "refused" };
+            metrics::counter!("kvtier_agent_lease_spills_total", "outcome" => outcome).increment(1);
+            if placed {
+                return Ok(());
+            }
         }
         let status = self.with_link(async |l: &mut Link| {
             if payload.len() != l.block_bytes {
@@ -427,7 +402,14 @@ impl BackingStore for SameNodeStore {
         out: &mut [u8],
     ) -> kvtier_agent::Result<Vec<bool>> {
         let h = self.handle(ns)?;
-        let mut found = self.fetch_on_lane(&h, keys, block_bytes, out);
+        let mut found = match self.on_lane(async |l| l.fetch(&h, keys, block_bytes, out).await) {
+            Some(landed) => {
+                let n = landed.iter().filter(|l| **l).count() as u64;
+                metrics::counter!("kvtier_agent_lease_fetches_total").increment(n);
+                landed
+            }
+            None => vec![false; keys.len()],
+        };
         // What the lane didn't land, over the same-node socket, a buffer's worth at a time.
         let rest: Vec<usize> = (0..keys.len()).filter(|&i| !found[i]).collect();
         for chunk in rest.chunks(chunk_blocks(block_bytes)) {
