@@ -9,11 +9,10 @@
 
 use std::time::Duration;
 
-use bytes::Bytes;
 use kvtier_agent::AgentError;
 use kvtier_client::{GetGrant, ItemStatus, KvClient, LeaseSession, NamespaceHandle, PutGrant};
 use kvtier_proto::dataplane::SlotDescriptor;
-use kvtier_proto::{BlockFrame, BlockKey, CodecId};
+use kvtier_proto::{BlockKey, CodecId, FrameHeader};
 
 /// How long one one-sided move may take before the writer counts as broken.
 #[cfg_attr(not(feature = "rdma"), allow(dead_code))] // the RDMA writer's; a build without it has none
@@ -53,13 +52,21 @@ impl LeaseLane {
     /// (committed, or held already), `Ok(false)` when the lane refused it (the caller stores it
     /// the other way).
     pub async fn spill(&mut self, h: &NamespaceHandle, key: &BlockKey, payload: &[u8]) -> Result<bool, AgentError> {
-        let tokens = h.block_tokens() as u32;
-        let frame =
-            BlockFrame::new(h.id, *key, h.namespace.layout, CodecId::RAW, tokens, Bytes::copy_from_slice(payload));
+        // The header of the raw block (no copy of it is made: it is written from `payload`).
+        let header = FrameHeader {
+            codec: CodecId::RAW,
+            tokens: h.block_tokens() as u32,
+            flags: 0,
+            namespace: h.id,
+            key: *key,
+            layout: h.namespace.layout,
+            payload_len: payload.len() as u64,
+            checksum: kvtier_proto::checksum(payload),
+        };
         let lane = |e: kvtier_client::ClientError| AgentError::Spill(format!("lease lane: {e}"));
-        Ok(match self.session.lease_put(&[frame.header]).await.map_err(lane)?.first() {
+        Ok(match self.session.lease_put(&[header]).await.map_err(lane)?.first() {
             Some(PutGrant::Granted(g)) => {
-                self.writer.write(&frame.payload, &g.slot)?;
+                self.writer.write(payload, &g.slot)?;
                 let st = self.session.commit(&[g.lease]).await.map_err(lane)?;
                 st.first() == Some(&ItemStatus::Ok)
             }
