@@ -25,13 +25,28 @@ use crate::tenants::Principal;
 /// quarantine.
 const COMMIT_MARGIN: std::time::Duration = std::time::Duration::from_secs(1);
 
+/// The refusal of every lease op on a node with no fabric.
+const NO_FABRIC: &str = "this node's DRAM arena is registered with no one-sided fabric (RDMA); use PUT and GET";
+
 impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W> {
-    /// Answers a request-level refusal (the connection stays usable: its `body` bytes are
+    /// Answers a request-level `BadRequest` (the connection stays usable: its `body` bytes are
     /// drained first).
     async fn refuse(&mut self, req: &RequestHeader, body: u64, kind: &'static str, msg: &str) -> Result<(), ConnError> {
+        self.refuse_with(req, body, Status::BadRequest, kind, msg).await
+    }
+
+    /// [`Self::refuse`] with another status.
+    async fn refuse_with(
+        &mut self,
+        req: &RequestHeader,
+        body: u64,
+        status: Status,
+        kind: &'static str,
+        msg: &str,
+    ) -> Result<(), ConnError> {
         self.drain(body).await?;
         error(kind);
-        self.wr.write_all(&ResponseHeader::error(req.op as u8, req.request_id, Status::BadRequest, msg)).await?;
+        self.wr.write_all(&ResponseHeader::error(req.op as u8, req.request_id, status, msg)).await?;
         Ok(())
     }
 
@@ -39,8 +54,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
     /// to it; otherwise the request (its `body` bytes drained) is refused, saying which is missing.
     async fn arena_or_refuse(&mut self, req: &RequestHeader, body: u64) -> Result<Option<Arc<ArenaAccess>>, ConnError> {
         let Some(arena) = self.state.arena_access().cloned() else {
-            let msg = "this node's DRAM arena is registered with no one-sided fabric (RDMA); use PUT and GET";
-            self.refuse(req, body, "remote_lease_no_fabric", msg).await?;
+            self.refuse(req, body, "remote_lease_no_fabric", NO_FABRIC).await?;
             return Ok(None);
         };
         if !self.remote.is_connected() {
@@ -55,8 +69,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
     pub(super) async fn connect_fabric(&mut self, req: RequestHeader) -> Result<(), ConnError> {
         let body = u64::from(req.count);
         let Some(arena) = self.state.arena_access().cloned() else {
-            let msg = "this node's DRAM arena is registered with no one-sided fabric (RDMA); use PUT and GET";
-            return self.refuse(&req, body, "remote_lease_no_fabric", msg).await;
+            return self.refuse(&req, body, "remote_lease_no_fabric", NO_FABRIC).await;
         };
         if self.remote.is_connected() {
             return self
@@ -66,15 +79,12 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         // One registration covers the whole arena: a connected peer reaches every tenant's blocks.
         let principal = self.principal()?;
         if !matches!(principal, Principal::Operator) {
-            self.drain(body).await?;
-            error("remote_lease_forbidden");
             let msg = format!(
                 "tenant {:?} may not connect to the fabric: one-sided access reaches the whole DRAM arena, \
                  so only the operator (auth_token) may",
                 principal.name()
             );
-            self.wr.write_all(&ResponseHeader::error(req.op as u8, req.request_id, Status::Forbidden, &msg)).await?;
-            return Ok(());
+            return self.refuse_with(&req, body, Status::Forbidden, "remote_lease_forbidden", &msg).await;
         }
         let mut peer = vec![0u8; req.count as usize];
         self.rd.read_exact(&mut peer).await?;
