@@ -148,6 +148,21 @@ fn agent_configuration_errors_name_the_setting() {
     let args = ["--server", &server.grpc_addr(), "--page-bytes", "4096", "--rdma-device", "mlx5_0"];
     let err = run(&mut agent(&args));
     assert!(err.contains("--rdma-device mlx5_0") && err.contains("rdma"), "{err}");
+    // Several GPUs: a list for the CUDA backend only, and on this build or machine (no `cuda`
+    // feature, or no driver) a start that says why.
+    let err = run(&mut agent(&["--page-bytes", "4096", "--gpus", "0,1"]));
+    assert!(err.contains("--gpus is for --device cuda"), "{err}");
+    let err = run(&mut agent(&[
+        "--server",
+        &server.grpc_addr(),
+        "--page-bytes",
+        "4096",
+        "--device",
+        "cuda",
+        "--gpus",
+        "all",
+    ]));
+    assert!(err.contains("without the `cuda` feature") || err.contains("no CUDA driver library"), "{err}");
 }
 
 /// Registers a sealed memfd of `pages` pages with the agent over `sock`; the buffer id.

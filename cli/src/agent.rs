@@ -1,5 +1,5 @@
-//! `kvtier agent`: the GPU agent of one device (run one per GPU, or one per node on the host
-//! backend). It holds a G1 page pool on the device, serves same-node engines on a Unix socket
+//! `kvtier agent`: the GPU agent of a node's devices (one agent for all of them with `--gpus`,
+//! or one per GPU). It holds a G1 page pool on each device, serves same-node engines on a Unix socket
 //! (`kvtier_agent::engine`), spills the pool's evictions into the node's server (G2) and loads
 //! pool misses back from it, both through the server's same-node socket (registered memfd
 //! buffers) — [`SameNodeStore`], the agent's `BackingStore`, lives here because kvtier-agent
@@ -7,14 +7,16 @@
 //! promoted into G1 unless `--promote-loads false`. `/metrics` shows the pool, the copies, the
 //! spills, the promotions and borrowing between devices.
 //!
-//! On the host backend one agent can stand in for a node of several GPUs (`--host-devices N`):
-//! N host devices with a modelled link of `--link-gbps` GB/s between every pair, a G1 pool on
-//! each, borrowing between them (`kvtier_agent::pool::NodePool`), one engine socket per device
-//! (`<socket>.<ordinal>`).
+//! One agent can drive several devices: the GPUs of `--gpus 0,1,2,3` (or `all`), or, on the host
+//! backend, `--host-devices N` standing in for them. Each has its G1 pool and its engine socket
+//! (`<socket>.<ordinal>`), and they borrow pages from each other
+//! (`kvtier_agent::pool::NodePool`) over the links `kvtier_agent::pool::find_links` finds: GPUs
+//! with peer access, at the rate their timed peer copies show (or `--link-gbps`); host devices,
+//! all pairs at the modelled `--link-gbps` (default 100 GB/s).
 //!
 //! Configuration: flags, their `KVTIER_AGENT_*` environment variables, or an `[agent]` table in
 //! the `--config` TOML file (keys as the flags, with `_`: `server`, `socket`, `device`, `gpu`,
-//! `host_memory`, `host_devices`, `link_gbps`, `page_bytes`, `pool_capacity`, `pool_fraction`,
+//! `gpus`, `host_memory`, `host_devices`, `link_gbps`, `page_bytes`, `pool_capacity`, `pool_fraction`,
 //! `promote_loads`, `metrics`, `rdma_device`); flags win.
 //!
 //! With `--rdma-device`, spills go into leased slots of the server's DRAM as one-sided RDMA
@@ -29,7 +31,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::Args;
 use kvtier_agent::engine::{Agent, AgentConfig, BackingStore, EngineServer};
-use kvtier_agent::pool::{Capacity, NodeLink, PoolChange, Spill};
+use kvtier_agent::pool::{find_links, Capacity, FoundLinks, LinkRate, NodeLink, PoolChange, Spill};
 use kvtier_agent::{AgentError, Device, HostDevice};
 use kvtier_client::{ClientConfig, KvClient, NamespaceHandle, SameNode, SharedBuffer};
 use kvtier_proto::dataplane::ItemStatus;
@@ -41,6 +43,14 @@ use crate::lease_lane::LeaseLane;
 /// Bytes one same-node exchange with the server moves at most (the store's shared buffer, in
 /// whole blocks, at least one).
 const STORE_BUFFER_BYTES: usize = 64 << 20;
+
+/// The host backend's modelled link between two host devices (without --link-gbps): 100 GB/s.
+const HOST_LINK_BYTES_PER_SEC: u64 = 100_000_000_000;
+
+/// The peer copies that rate a link between two GPUs at start: 64 MiB each way, long enough
+/// beside the copies' fixed cost even over NVLink.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+const LINK_PROBE_BYTES: usize = 64 << 20;
 
 #[derive(Args)]
 pub struct AgentArgs {
@@ -58,9 +68,13 @@ pub struct AgentArgs {
     /// `host` (RAM stands in for HBM) or `cuda`.
     #[arg(long, env = "KVTIER_AGENT_DEVICE")]
     device: Option<String>,
-    /// The GPU's ordinal (cuda), or the host device's number.
+    /// The GPU's ordinal (cuda), or the host device's number. Default: 0.
     #[arg(long, env = "KVTIER_AGENT_GPU")]
     gpu: Option<u32>,
+    /// The GPUs this agent drives (cuda): ordinals such as `0,1,2,3`, or `all` (every GPU the
+    /// driver reports). Engines of GPU N use `<socket>.N`. Instead of --gpu.
+    #[arg(long, env = "KVTIER_AGENT_GPUS")]
+    gpus: Option<String>,
     /// The host backend's "device memory" (of each host device). Default: 1GiB.
     #[arg(long, env = "KVTIER_AGENT_HOST_MEMORY")]
     host_memory: Option<ByteSize>,
@@ -69,8 +83,9 @@ pub struct AgentArgs {
     /// only. Default: 1.
     #[arg(long, env = "KVTIER_AGENT_HOST_DEVICES")]
     host_devices: Option<u32>,
-    /// The modelled link between every pair of host devices, in GB/s (10^9 bytes): borrowing
-    /// stops at 30% of it. Default: 100.
+    /// The link between every pair of devices with peer access, in GB/s (10^9 bytes): borrowing
+    /// stops at 30% of it. Default: GPUs, measured at start by timed peer copies; host devices
+    /// (a modelled link), 100.
     #[arg(long, env = "KVTIER_AGENT_LINK_GBPS")]
     link_gbps: Option<f64>,
     /// Bytes of one block (the engines' layout): the G1 page size.
@@ -103,15 +118,58 @@ struct Settings {
     server: String,
     socket: PathBuf,
     device: String,
-    gpu: u32,
+    gpus: Gpus,
     host_memory: u64,
     host_devices: u32,
-    link_bytes_per_sec: u64,
+    /// None: measured (GPUs) or the model's 100 GB/s (host devices).
+    link_bytes_per_sec: Option<u64>,
     page_bytes: u64,
     capacity: Capacity,
     promote_loads: bool,
     metrics: Option<std::net::SocketAddr>,
     rdma_device: Option<String>,
+}
+
+/// The devices an agent drives: one (`--gpu`, the first host device), or a list of GPUs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Gpus {
+    One(u32),
+    Listed(Vec<u32>),
+    /// Every GPU the driver reports.
+    All,
+}
+
+impl std::str::FromStr for Gpus {
+    type Err = anyhow::Error;
+
+    fn from_str(s: &str) -> anyhow::Result<Self> {
+        if s.trim() == "all" {
+            return Ok(Gpus::All);
+        }
+        let mut list = Vec::new();
+        for part in s.split(',') {
+            let o: u32 = part.trim().parse().with_context(|| format!("--gpus {s:?}: {part:?} is not a GPU ordinal"))?;
+            if list.contains(&o) {
+                bail!("--gpus {s:?}: GPU {o} is listed twice");
+            }
+            list.push(o);
+        }
+        if list.len() > 64 {
+            bail!("--gpus {s:?}: at most 64 GPUs");
+        }
+        Ok(Gpus::Listed(list))
+    }
+}
+
+impl Gpus {
+    /// The one device's ordinal: the host backend numbers its devices from it.
+    fn first(&self) -> u32 {
+        match self {
+            Gpus::One(g) => *g,
+            Gpus::Listed(l) => l.first().copied().unwrap_or(0),
+            Gpus::All => 0,
+        }
+    }
 }
 
 fn settings(a: &AgentArgs) -> anyhow::Result<Settings> {
@@ -132,6 +190,7 @@ fn settings(a: &AgentArgs) -> anyhow::Result<Settings> {
         "socket",
         "device",
         "gpu",
+        "gpus",
         "host_memory",
         "host_devices",
         "link_gbps",
@@ -170,8 +229,18 @@ fn settings(a: &AgentArgs) -> anyhow::Result<Settings> {
         bail!("--device must be host or cuda, got {device:?}");
     }
     let gpu = match a.gpu {
-        Some(g) => g,
-        None => text("gpu")?.map(|s| s.parse()).transpose().context("[agent] gpu")?.unwrap_or(0),
+        Some(g) => Some(g),
+        None => text("gpu")?.map(|s| s.parse()).transpose().context("[agent] gpu")?,
+    };
+    let gpus = match (a.gpus.clone().or(text("gpus")?), gpu) {
+        (Some(_), Some(_)) => bail!("give --gpu or --gpus, not both"),
+        (Some(list), None) => {
+            if device != "cuda" {
+                bail!("--gpus is for --device cuda (host devices: --host-devices N, numbered from --gpu)");
+            }
+            list.parse::<Gpus>()?
+        }
+        (None, g) => Gpus::One(g.unwrap_or(0)),
     };
     let host_memory = bytes(a.host_memory, "host_memory")?.unwrap_or(1 << 30);
     let host_devices = match a.host_devices {
@@ -182,16 +251,18 @@ fn settings(a: &AgentArgs) -> anyhow::Result<Settings> {
         bail!("--host-devices must be 1..=64, got {host_devices}");
     }
     if host_devices > 1 && device != "host" {
-        bail!("--host-devices is for the host backend (--device host); a CUDA agent drives one GPU");
+        bail!("--host-devices is for the host backend (--device host); GPUs: --gpus 0,1,.. or all");
     }
     let link_gbps = match a.link_gbps {
-        Some(g) => g,
-        None => text("link_gbps")?.map(|s| s.parse::<f64>()).transpose().context("[agent] link_gbps")?.unwrap_or(100.0),
+        Some(g) => Some(g),
+        None => text("link_gbps")?.map(|s| s.parse::<f64>()).transpose().context("[agent] link_gbps")?,
     };
-    if !(link_gbps.is_finite() && link_gbps > 0.0 && link_gbps <= 1e6) {
-        bail!("--link-gbps must be above 0 and at most 1000000 GB/s, got {link_gbps}");
+    if let Some(g) = link_gbps {
+        if !(g.is_finite() && g > 0.0 && g <= 1e6) {
+            bail!("--link-gbps must be above 0 and at most 1000000 GB/s, got {g}");
+        }
     }
-    let link_bytes_per_sec = ((link_gbps * 1e9) as u64).max(1);
+    let link_bytes_per_sec = link_gbps.map(|g| ((g * 1e9) as u64).max(1));
     let Some(page_bytes) = bytes(a.page_bytes, "page_bytes")? else {
         bail!("--page-bytes is required: the bytes of one block of the engines' layout");
     };
@@ -221,7 +292,7 @@ fn settings(a: &AgentArgs) -> anyhow::Result<Settings> {
         server,
         socket,
         device,
-        gpu,
+        gpus,
         host_memory,
         host_devices,
         link_bytes_per_sec,
@@ -453,12 +524,13 @@ pub async fn run(a: AgentArgs) -> anyhow::Result<()> {
     match s.device.as_str() {
         "host" => {
             let mem = usize::try_from(s.host_memory)?;
-            let last = s.gpu.checked_add(s.host_devices - 1).context("--gpu + --host-devices overflow")?;
-            let devices: Vec<Arc<HostDevice>> = (s.gpu..=last).map(|o| Arc::new(HostDevice::new(o, mem))).collect();
-            let links: Vec<NodeLink> = (s.gpu..=last)
-                .flat_map(|a| (a + 1..=last).map(move |b| NodeLink { a, b, bytes_per_sec: s.link_bytes_per_sec }))
-                .collect();
-            serve_devices(devices, &links, [store, demand_store], config, &s).await
+            let first = s.gpus.first();
+            let last = first.checked_add(s.host_devices - 1).context("--gpu + --host-devices overflow")?;
+            let devices: Vec<Arc<HostDevice>> = (first..=last).map(|o| Arc::new(HostDevice::new(o, mem))).collect();
+            let rate = LinkRate::Fixed(s.link_bytes_per_sec.unwrap_or(HOST_LINK_BYTES_PER_SEC));
+            let links = find_links(&devices, rate).context("linking the host devices")?;
+            log_links(&links, "modelled");
+            serve_devices(devices, &links.links, [store, demand_store], config, &s).await
         }
         _ => cuda([store, demand_store], config, &s).await,
     }
@@ -479,8 +551,46 @@ async fn lease_lane(_client: &KvClient, device: &str, _page_bytes: usize) -> any
 
 #[cfg(feature = "cuda")]
 async fn cuda(stores: [SameNodeStore; 2], config: AgentConfig, s: &Settings) -> anyhow::Result<()> {
-    let dev = kvtier_agent::CudaDevice::new(s.gpu).context("opening the GPU")?;
-    serve_devices(vec![Arc::new(dev)], &[], stores, config, s).await
+    use kvtier_agent::CudaDevice;
+    let ordinals = match &s.gpus {
+        Gpus::One(g) => vec![*g],
+        Gpus::Listed(l) => l.clone(),
+        Gpus::All => {
+            let n = CudaDevice::count().context("--gpus all: counting the GPUs")?;
+            if n == 0 {
+                bail!("--gpus all: the CUDA driver reports no GPU");
+            }
+            (0..n).collect()
+        }
+    };
+    let devices = ordinals
+        .iter()
+        .map(|&o| CudaDevice::new(o).map(Arc::new).with_context(|| format!("opening GPU {o}")))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let rate = match s.link_bytes_per_sec {
+        Some(r) => LinkRate::Fixed(r),
+        None => LinkRate::Measured { bytes: LINK_PROBE_BYTES },
+    };
+    let found =
+        tokio::task::block_in_place(|| find_links(&devices, rate)).context("finding the links between the GPUs")?;
+    log_links(&found, if s.link_bytes_per_sec.is_some() { "--link-gbps" } else { "measured" });
+    serve_devices(devices, &found.links, stores, config, s).await
+}
+
+/// Says which pairs of devices borrow from each other, at what rate (`how`: where it came from),
+/// and which can't.
+fn log_links(found: &FoundLinks, how: &str) {
+    for l in &found.links {
+        tracing::info!(
+            "devices {} and {}: peer access, {:.1} GB/s ({how}); borrowing between them stops at 30% of it",
+            l.a,
+            l.b,
+            l.bytes_per_sec as f64 / 1e9
+        );
+    }
+    for (a, b) in &found.unlinked {
+        tracing::warn!("devices {a} and {b}: no peer access; neither borrows pages from the other");
+    }
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -830,9 +940,9 @@ mod tests {
     #[test]
     fn host_devices_and_their_link_are_checked() {
         let s = parse(&["--page-bytes", "1KiB", "--host-devices", "4", "--link-gbps", "2.5"]).unwrap();
-        assert_eq!((s.host_devices, s.link_bytes_per_sec), (4, 2_500_000_000));
+        assert_eq!((s.host_devices, s.link_bytes_per_sec), (4, Some(2_500_000_000)));
         let one = parse(&["--page-bytes", "1KiB"]).unwrap();
-        assert_eq!(one.host_devices, 1);
+        assert_eq!((one.host_devices, one.link_bytes_per_sec, one.gpus), (1, None, Gpus::One(0)));
         for (bad, why) in [
             (vec!["--host-devices", "0"], "--host-devices must be 1..=64"),
             (vec!["--host-devices", "65"], "--host-devices must be 1..=64"),
@@ -842,6 +952,34 @@ mod tests {
         ] {
             let args: Vec<&str> = ["--page-bytes", "1KiB"].into_iter().chain(bad.iter().copied()).collect();
             let e = parse(&args).err().map(|e| format!("{e:#}")).unwrap_or_default();
+            assert!(e.contains(why), "{bad:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn an_agent_drives_the_gpus_listed_or_all_of_them() {
+        let gpus = |args: &[&str]| -> anyhow::Result<Gpus> {
+            let all: Vec<&str> = ["--page-bytes", "1KiB"].iter().chain(args).copied().collect();
+            parse(&all).map(|s| s.gpus)
+        };
+        assert_eq!(gpus(&["--device", "cuda", "--gpus", "0, 2,3"]).unwrap(), Gpus::Listed(vec![0, 2, 3]));
+        assert_eq!(gpus(&["--device", "cuda", "--gpus", "all"]).unwrap(), Gpus::All);
+        assert_eq!(gpus(&["--device", "cuda", "--gpu", "5"]).unwrap(), Gpus::One(5));
+        let file = std::env::temp_dir().join(format!("kvtier-agent-gpus-{}.toml", std::process::id()));
+        std::fs::write(&file, "[agent]\ndevice = \"cuda\"\ngpus = \"1,0\"\n").unwrap();
+        assert_eq!(gpus(&["--config", file.to_str().unwrap()]).unwrap(), Gpus::Listed(vec![1, 0]));
+        let both = gpus(&["--config", file.to_str().unwrap(), "--gpu", "1"]);
+        std::fs::remove_file(&file).unwrap();
+        assert!(format!("{:#}", both.unwrap_err()).contains("--gpu or --gpus, not both"));
+        for (bad, why) in [
+            (vec!["--gpus", "0,1"], "--gpus is for --device cuda"),
+            (vec!["--device", "cuda", "--gpus", "0,1", "--gpu", "0"], "not both"),
+            (vec!["--device", "cuda", "--gpus", "0,0"], "GPU 0 is listed twice"),
+            (vec!["--device", "cuda", "--gpus", "0,,1"], "\"\" is not a GPU ordinal"),
+            (vec!["--device", "cuda", "--gpus", "one"], "\"one\" is not a GPU ordinal"),
+            (vec!["--device", "cuda", "--gpus=-1"], "\"-1\" is not a GPU ordinal"),
+        ] {
+            let e = gpus(&bad).err().map(|e| format!("{e:#}")).unwrap_or_default();
             assert!(e.contains(why), "{bad:?}: {e}");
         }
     }

@@ -16,6 +16,8 @@
 //!   and [`NodePool`], one such pool per device of a node with the borrowing policy carried out:
 //!   a full device's new block goes into a peer's share over the link ([`Transfer::Peer`]), or the
 //!   borrow is declined and the device evicts into G2; a lender takes lent pages back first.
+//!   [`pool::find_links`] finds the node's links: peer access turned on between each pair of
+//!   devices, each link rated by timed peer copies (or a configured rate).
 //! - [`policy`]: pure policy (time passed in, no I/O): borrowing HBM from peer GPUs and the rule
 //!   that declines a borrow that would push a link past its bandwidth budget.
 //! - [`codec`]: FP8 E4M3, NVFP4 and their rotated (`+had`) forms as CUDA C for NVRTC, written to

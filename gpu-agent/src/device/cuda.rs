@@ -131,6 +131,15 @@ impl CudaDevice {
         })
     }
 
+    /// How many GPUs the driver reports. [`AgentError::DeviceUnavailable`] without a driver.
+    pub fn count() -> Result<u32> {
+        if !driver_present() {
+            return Err(AgentError::DeviceUnavailable("no CUDA driver library (libcuda.so) on this machine".into()));
+        }
+        let n = CudaContext::device_count().map_err(driver("cuDeviceGetCount"))?;
+        Ok(u32::try_from(n).unwrap_or(0))
+    }
+
     /// The device's name as the driver reports it.
     pub fn name(&self) -> Result<String> {
         self.inner.ctx.name().map_err(driver("cuDeviceGetName"))
@@ -431,6 +440,30 @@ impl Device for CudaDevice {
             .map_err(driver("cuMemcpyDtoDAsync"))
     }
 
+    fn enable_peer_access(&self, peer: &CudaDevice) -> Result<bool> {
+        if Arc::ptr_eq(&self.inner, &peer.inner) || self.inner.ordinal == peer.inner.ordinal {
+            return Ok(true);
+        }
+        let mut can: std::ffi::c_int = 0;
+        // SAFETY: `can` is a valid place for the driver to write; both devices are ones the
+        // driver handed out (their contexts are alive).
+        unsafe { sys::cuDeviceCanAccessPeer(&mut can, self.inner.ctx.cu_device(), peer.inner.ctx.cu_device()) }
+            .result()
+            .map_err(driver("cuDeviceCanAccessPeer"))?;
+        if can == 0 {
+            return Ok(false);
+        }
+        self.bind()?;
+        // SAFETY: the peer's context is alive (held by `peer`); the call only maps it for this,
+        // the bound, context.
+        match unsafe { sys::cuCtxEnablePeerAccess(peer.inner.ctx.cu_ctx(), 0) } {
+            sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(true),
+            // The driver's limit of peers per device: the pair copies through the host.
+            sys::CUresult::CUDA_ERROR_TOO_MANY_PEERS => Ok(false),
+            e => Err(driver("cuCtxEnablePeerAccess")(result::DriverError(e))),
+        }
+    }
+
     fn copy_peer(
         &self,
         stream: &CudaStreamHandle,
@@ -633,6 +666,36 @@ mod tests {
             }),
         };
         super::super::conformance::copies_and_errors(&dev, &other);
+    }
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU (CUDA driver)"]
+    fn the_gpus_of_this_machine_are_linked_where_they_have_peer_access() {
+        let n = CudaDevice::count().unwrap();
+        assert!(n >= 1);
+        let devs: Vec<Arc<CudaDevice>> = (0..n).map(|o| Arc::new(CudaDevice::new(o).unwrap())).collect();
+        assert!(devs[0].enable_peer_access(&devs[0]).unwrap(), "a GPU reaches itself");
+        let found = crate::pool::find_links(&devs, crate::pool::LinkRate::Measured { bytes: 64 << 20 }).unwrap();
+        let n = n as usize;
+        assert_eq!(found.links.len() + found.unlinked.len(), n * (n - 1) / 2, "every pair, once");
+        for l in &found.links {
+            eprintln!("GPUs {} and {}: {:.1} GB/s", l.a, l.b, l.bytes_per_sec as f64 / 1e9);
+            assert!(l.bytes_per_sec > 1_000_000_000, "a peer link under 1 GB/s: {l:?}");
+            // Bytes cross it exactly, both ways.
+            let (a, b) = (&devs[l.a as usize], &devs[l.b as usize]);
+            let (x, y) = (a.alloc(1 << 20).unwrap(), b.alloc(1 << 20).unwrap());
+            let bytes: Vec<u8> = (0..1 << 20).map(|i| (i % 251) as u8).collect();
+            a.write_sync(x.all(), &bytes).unwrap();
+            let s = b.new_stream().unwrap();
+            b.copy_peer(&s, a, x.all(), b, y.all()).unwrap();
+            b.wait(&b.record(&s).unwrap()).unwrap();
+            assert_eq!(b.read_sync(y.all()).unwrap(), bytes);
+            a.free(x).unwrap();
+            b.free(y).unwrap();
+        }
+        for (a, b) in &found.unlinked {
+            eprintln!("GPUs {a} and {b}: no peer access");
+        }
     }
 
     #[test]

@@ -52,6 +52,8 @@ struct Inner {
     instance: u64,
     capacity: usize,
     queue_depth: usize,
+    /// Whether peers may reach this device's memory directly ([`Device::enable_peer_access`]).
+    peer_access: bool,
     table: Mutex<Table>,
 }
 
@@ -85,15 +87,27 @@ impl HostDevice {
     /// As [`HostDevice::new`], with streams that hold `depth` operations before enqueueing blocks
     /// (backpressure, as a GPU's push buffer). A depth below 1 becomes 1.
     pub fn with_queue_depth(ordinal: DeviceOrdinal, capacity: usize, depth: usize) -> Self {
+        Self::build(ordinal, capacity, depth, true)
+    }
+
+    fn build(ordinal: DeviceOrdinal, capacity: usize, depth: usize, peer_access: bool) -> Self {
         HostDevice {
             inner: Arc::new(Inner {
                 ordinal,
                 instance: NEXT_INSTANCE.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
                 capacity,
                 queue_depth: depth.max(1),
+                peer_access,
                 table: Mutex::new(Table { next_id: 1, live: HashMap::new(), used: 0 }),
             }),
         }
+    }
+
+    /// As [`HostDevice::new`], for a device with no direct path to any other (a GPU behind
+    /// another PCIe root, without P2P): [`Device::enable_peer_access`] says false both ways, so
+    /// the node declares no link to it. Copies to and from it still work.
+    pub fn without_peer_access(ordinal: DeviceOrdinal, capacity: usize) -> Self {
+        Self::build(ordinal, capacity, DEFAULT_QUEUE_DEPTH, false)
     }
 
     /// An event that the host completes by hand ([`EventTrigger::complete`]): the stand-in for
@@ -444,6 +458,10 @@ impl Device for HostDevice {
             c.run();
             Ok(())
         })))
+    }
+
+    fn enable_peer_access(&self, peer: &HostDevice) -> Result<bool> {
+        Ok(Arc::ptr_eq(&self.inner, &peer.inner) || (self.inner.peer_access && peer.inner.peer_access))
     }
 
     fn copy_peer(

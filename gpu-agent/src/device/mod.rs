@@ -549,6 +549,16 @@ pub trait Device: Send + Sync + 'static {
     /// not overlap).
     fn copy_d2d(&self, stream: &Self::Stream, src: DeviceRange, dst: DeviceRange) -> Result<()>;
 
+    /// Turns on direct access from this device to `peer`'s memory and says whether it is on:
+    /// CUDA calls `cuCtxEnablePeerAccess` where `cuDeviceCanAccessPeer` allows it, so peer copies
+    /// take NVLink or PCIe peer-to-peer instead of bouncing through the host. Turning it on twice
+    /// is fine; a device reaches itself. False where the pair has no direct path (another PCIe
+    /// root, no P2P, the driver's peer limit): copies between them still work, through the host,
+    /// and the node declares no link between them ([`crate::pool::find_links`]), so neither
+    /// borrows from the other. The host backend: true, unless either device was built
+    /// [`without_peer_access`](host::HostDevice::without_peer_access).
+    fn enable_peer_access(&self, peer: &Self) -> Result<bool>;
+
     /// Enqueues a copy between two devices of this backend (peer GPUs over NVLink or PCIe) on a
     /// stream of this device: `src` lives on `src_dev`, `dst` on `dst_dev`, either of which may be
     /// this device. Handles are checked against their own device's table.

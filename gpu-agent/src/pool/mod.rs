@@ -33,7 +33,8 @@
 //! [`NodePool`] (`node.rs`) is one such pool per device of a node with the borrowing policy
 //! carried out between them; each entry records its owner (the device whose engine the block came
 //! from: [`PagePool::reserve_for`]) so a lender knows which of its pages are lent
-//! ([`PagePool::held_by`], [`PagePool::evict_lent`]).
+//! ([`PagePool::held_by`], [`PagePool::evict_lent`]). Which pairs of devices are linked, and how
+//! fast, [`find_links`] (`links.rs`) finds out: peer access turned on, and timed peer copies.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
@@ -46,7 +47,9 @@ use crate::codec::{device_body_len, device_codec, payload_header, CODEC_ALIGN};
 use crate::device::{CodecOp, Device, DeviceBuf, DeviceOrdinal, DeviceRange, HostBuffer, HostRange, Registration};
 use crate::error::{AgentError, Result};
 
+mod links;
 mod node;
+pub use links::{find_links, FoundLinks, LinkRate};
 pub use node::{BorrowStats, LenderStats, NodeLink, NodePool};
 
 /// Where evicted blocks go (G2 through the same-node client in the agent).
