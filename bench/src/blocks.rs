@@ -193,7 +193,8 @@ enum Path {
     LoadFp8x8,
 }
 
-/// Blocks the caller's buffer of a load holds, filled in turn (the most blocks per call).
+/// Blocks the caller's buffer of a load holds, filled in turn (the most blocks per call); the
+/// Python driver (`wire_bench.py`) loads its kvtier and LMCache paths the same way.
 const DEST_SLOTS: usize = 8;
 
 /// Blocks per call of a path.
