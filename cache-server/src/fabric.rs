@@ -19,9 +19,11 @@
 //! so its slot is not reused while the peer reads it. The protocol is in
 //! `kvtier_proto::dataplane` ("Remote leases").
 //!
-//! Limits: at most [`MAX_REMOTE_LEASES`] leases per connection; a write lease is also bounded by
-//! the DRAM tier's lease budget, read leases node-wide by half the arena's headroom in bytes
-//! (where a block evicted under its read lease waits). Every lease ends at its deadline
+//! Limits: at most [`MAX_REMOTE_LEASES`] leases per connection; node-wide, write leases hold at
+//! most half the DRAM tier's lease budget in payload bytes (which plain `PUT`s share, so peers can't
+//! starve the node's own clients; quarantined slots count until they are returned), and read
+//! leases half the arena's headroom in payload bytes (where a block evicted under its read lease
+//! waits). Every lease ends at its deadline
 //! (`lease_timeout`; the connection wakes for it even when its peer sends nothing), and all of
 //! them with the connection. A write lease that ends uncommitted keeps its slot out of use for
 //! [`WRITE_QUARANTINE`] more: a peer's write may still be on the wire, and it must not land in a
@@ -80,19 +82,51 @@ pub struct ArenaAccess {
     registration: Box<dyn FabricRegistration>,
     base: usize,
     len: usize,
-    /// Payload bytes under read leases now, node-wide, and their cap.
+    /// Payload bytes under read leases now, node-wide.
     read_leased: AtomicU64,
-    read_cap: u64,
+    /// Payload bytes under write leases now (quarantined ones included), node-wide.
+    write_leased: AtomicU64,
+    caps: LeaseCaps,
 }
 
+/// The most bytes remote leases may hold at once, node-wide.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LeaseCaps {
+    /// Payload bytes under read leases (they keep evicted blocks' slots in the arena's headroom).
+    pub(crate) read: u64,
+    /// Payload bytes under write leases (their slots come from the DRAM tier's lease budget,
+    /// which `PUT`s share).
+    pub(crate) write: u64,
+}
+
+/// Counts bytes against a node-wide cap: true (counted) when they fit.
+fn take_under(counter: &AtomicU64, cap: u64, bytes: u64, gauge: &'static str) -> bool {
+    let mut now = counter.load(Ordering::Relaxed);
+    loop {
+        if now.saturating_add(bytes) > cap {
+            return false;
+        }
+        match counter.compare_exchange_weak(now, now + bytes, Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => {
+                ::metrics::gauge!(gauge).set((now + bytes) as f64);
+                return true;
+            }
+            Err(seen) => now = seen,
+        }
+    }
+}
+
+fn give_back(counter: &AtomicU64, bytes: u64, gauge: &'static str) {
+    let left = counter.fetch_sub(bytes, Ordering::Relaxed) - bytes;
+    ::metrics::gauge!(gauge).set(left as f64);
+}
+
+const READ_GAUGE: &str = "kvtier_remote_read_leased_bytes";
+const WRITE_GAUGE: &str = "kvtier_remote_write_leased_bytes";
+
 impl ArenaAccess {
-    /// Registers the arena `base..base + len` with `fabric`.
-    ///
-    /// # Safety
-    /// The arena must stay mapped while the returned value lives (the node keeps it beside its
-    /// tiers and drops it first).
-    /// Registers the arena `base..base + len` with `fabric`; `read_cap`: the most payload bytes
-    /// read leases may hold at once, node-wide.
+    /// Registers the arena `base..base + len` with `fabric`; `caps`: the most bytes read and
+    /// write leases may hold at once, node-wide.
     ///
     /// # Safety
     /// The arena must stay mapped while the returned value lives (the node keeps it beside its
@@ -101,7 +135,7 @@ impl ArenaAccess {
         fabric: Arc<dyn Fabric>,
         base: *mut u8,
         len: usize,
-        read_cap: u64,
+        caps: LeaseCaps,
     ) -> Result<Self, ServerError> {
         // SAFETY: forwarded from our caller.
         let registration = unsafe { fabric.register(base, len) }
@@ -113,7 +147,8 @@ impl ArenaAccess {
             base: base as usize,
             len,
             read_leased: AtomicU64::new(0),
-            read_cap,
+            write_leased: AtomicU64::new(0),
+            caps,
         })
     }
 
@@ -122,26 +157,25 @@ impl ArenaAccess {
         self.read_leased.load(Ordering::Relaxed)
     }
 
+    /// Payload bytes under write leases now, node-wide (quarantined ones included).
+    pub fn write_leased_bytes(&self) -> u64 {
+        self.write_leased.load(Ordering::Relaxed)
+    }
+
     /// Counts `bytes` more under read leases; false (nothing counted) past the cap.
     fn take_read(&self, bytes: u64) -> bool {
-        let mut now = self.read_leased.load(Ordering::Relaxed);
-        loop {
-            if now.saturating_add(bytes) > self.read_cap {
-                return false;
-            }
-            match self.read_leased.compare_exchange_weak(now, now + bytes, Ordering::Relaxed, Ordering::Relaxed) {
-                Ok(_) => {
-                    ::metrics::gauge!("kvtier_remote_read_leased_bytes").set((now + bytes) as f64);
-                    return true;
-                }
-                Err(seen) => now = seen,
-            }
-        }
+        take_under(&self.read_leased, self.caps.read, bytes, READ_GAUGE)
     }
 
     fn give_back_read(&self, bytes: u64) {
-        let left = self.read_leased.fetch_sub(bytes, Ordering::Relaxed) - bytes;
-        ::metrics::gauge!("kvtier_remote_read_leased_bytes").set(left as f64);
+        give_back(&self.read_leased, bytes, READ_GAUGE);
+    }
+
+    /// A charge of `bytes` more under write leases, given back when it drops; `None` past the
+    /// cap (nothing counted).
+    pub(crate) fn charge_write(self: &Arc<Self>, bytes: u64) -> Option<WriteCharge> {
+        take_under(&self.write_leased, self.caps.write, bytes, WRITE_GAUGE)
+            .then(|| WriteCharge { arena: Arc::clone(self), bytes })
     }
 
     /// Connects a peer's endpoint (see [`Fabric::connect`]).
@@ -167,10 +201,25 @@ impl ArenaAccess {
     }
 }
 
-/// A slot a peer is writing: the DRAM lease and the header its bytes must match.
+/// A slot a peer is writing: the DRAM lease, the header its bytes must match, and its bytes'
+/// charge against the node-wide cap (given back when the lease is committed or its quarantine
+/// ends).
 pub(crate) struct WriteLease {
     pub(crate) slot: Lease,
     pub(crate) header: FrameHeader,
+    pub(crate) charge: WriteCharge,
+}
+
+/// Payload bytes counted under write leases until dropped.
+pub(crate) struct WriteCharge {
+    arena: Arc<ArenaAccess>,
+    bytes: u64,
+}
+
+impl Drop for WriteCharge {
+    fn drop(&mut self) {
+        give_back(&self.arena.write_leased, self.bytes, WRITE_GAUGE);
+    }
 }
 
 /// A block a peer is reading; held until `END_GET`, the deadline or the connection's end.

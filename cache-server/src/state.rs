@@ -15,7 +15,7 @@ use crate::config::ServerConfig;
 use crate::disk::{DiskConfig, DiskTier, RecoveryReport};
 use crate::dram::{DramConfig, DramOptions, DramTier, Priority, RegionMode};
 use crate::error::ServerError;
-use crate::fabric::{ArenaAccess, Fabric};
+use crate::fabric::{ArenaAccess, Fabric, LeaseCaps};
 use crate::fs::{FileSystem, FsFile, OpenMode, StdFs};
 use crate::session_log::{fresh_log_key, unix_ms, SessionLog};
 use crate::session_store::SessionStore;
@@ -451,9 +451,19 @@ impl NodeState {
         let region = self.tiers.dram_region();
         // Read leases keep evicted blocks' slots in the headroom past the capacity: half of it.
         let read_cap = (region.len() as u64).saturating_sub(self.config.dram_capacity.0) / 2;
+        // Write leases take slots from the DRAM tier's lease budget, which plain `PUT`s share:
+        // peers get half of it, so they can't starve the node's own clients.
+        let write_cap = self.tiers.dram_lease_budget() / 2;
         // SAFETY: the region lives in `self.tiers`, and `arena_access` is declared before it, so
         // the registration is dropped before the region is unmapped.
-        let access = unsafe { ArenaAccess::register(fabric, region.as_ptr() as *mut u8, region.len(), read_cap)? };
+        let access = unsafe {
+            ArenaAccess::register(
+                fabric,
+                region.as_ptr() as *mut u8,
+                region.len(),
+                LeaseCaps { read: read_cap, write: write_cap },
+            )?
+        };
         tracing::info!(fabric = access.name(), bytes = region.len(), "DRAM arena registered for one-sided access");
         self.arena_access.set(Arc::new(access)).map_err(|_| attached())
     }

@@ -144,7 +144,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         &mut self,
         principal: &Principal,
         sent: &FrameHeader,
-        arena: &ArenaAccess,
+        arena: &Arc<ArenaAccess>,
     ) -> Result<LeaseGrant, ItemStatus> {
         // Its payload's size is its layout's (a registered layout fits `max_frame_bytes`).
         let header = self.state.admit_frame(principal, sent)?;
@@ -155,6 +155,11 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             error("remote_leases_per_connection");
             return Err(ItemStatus::Capacity);
         }
+        // Peers' write leases, node-wide, hold at most their share of the DRAM lease budget.
+        let Some(charge) = arena.charge_write(header.payload_len) else {
+            error("remote_write_leased_bytes");
+            return Err(ItemStatus::Capacity);
+        };
         let mut slot =
             self.state.tiers().reserve(&header.namespace, header.payload_len as usize).map_err(|e| match e {
                 ServerError::Capacity(_) | ServerError::TooLarge { .. } => ItemStatus::Capacity,
@@ -162,7 +167,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             })?;
         // Every slot is carved from the registered arena; a slot outside it would be a bug.
         let desc = arena.describe(slot.buf_mut()).ok_or(ItemStatus::Internal)?;
-        let lease = self.remote.add_write(WriteLease { slot, header });
+        let lease = self.remote.add_write(WriteLease { slot, header, charge });
         Ok(LeaseGrant { lease, slot: desc })
     }
 
@@ -204,10 +209,10 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
                 // Hashed where the peer wrote it. A (trusted) peer that writes again after its
                 // commit changes a published block under its checksum: every kvtier reader checks
                 // what it received against it, so that is a miss there, never wrong bytes.
-                Some(WriteLease { mut slot, header }) => {
+                Some(WriteLease { mut slot, header, charge }) => {
                     if kvtier_proto::checksum(slot.buf_mut()) != header.checksum {
                         // The peer may still be writing (it committed early): the slot waits.
-                        self.remote.abandon(WriteLease { slot, header });
+                        self.remote.abandon(WriteLease { slot, header, charge });
                         ItemStatus::ChecksumMismatch
                     } else {
                         let priority = if forward { self.state.store_priority(&header) } else { Priority::Normal };

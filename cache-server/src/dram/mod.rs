@@ -612,6 +612,11 @@ impl DramTier {
         self.shared.arena.region()
     }
 
+    /// The most slot bytes open leases may hold at once ([`DramOptions::max_leased_bytes`]).
+    pub fn lease_budget(&self) -> u64 {
+        self.shared.max_leased
+    }
+
     /// Gives `account` (not 0) a quota of `bytes` resident (see the module doc, "Accounts").
     /// Set quotas before blocks arrive: blocks already held are counted, not queued for it.
     pub fn set_account_quota(&self, account: u32, bytes: u64) {

@@ -550,6 +550,11 @@ impl TierStack {
         self.dram.region()
     }
 
+    /// The DRAM tier's budget of leased slot bytes (every open `PUT` and write lease).
+    pub fn dram_lease_budget(&self) -> u64 {
+        self.dram.lease_budget()
+    }
+
     /// The block as DRAM holds it, unchecked (a remote read lease's: the reader checks it), or
     /// `None` when DRAM doesn't hold it.
     pub fn dram_block(&self, ns: &NamespaceId, key: &BlockKey) -> Option<crate::dram::StoredBlock> {
