@@ -162,6 +162,11 @@ impl Conn {
     }
 
     fn read_exact(&mut self, n: usize) -> Result<Vec<u8>, ReadError> {
+        // A body longer than the buffer (at most `MAX_BODY`, checked by the caller) grows it:
+        // otherwise `fill` would be left no room and read the full buffer as the end of stream.
+        if n > self.buf.len() {
+            self.buf.resize(n, 0);
+        }
         while self.end - self.start < n {
             self.fill()?;
         }

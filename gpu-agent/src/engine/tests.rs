@@ -410,6 +410,17 @@ fn the_socket_carries_descriptors_answers_per_layer_and_enforces_its_limits() {
     want.fill(0, 6);
     want.fill(1, 5);
     assert_eq!((m.block(0), m.block(1)), (want.block(0), want.block(1)));
+    // A request of the most items (a body well past one read of the socket) is read whole and
+    // answered: none of these keys is held, so none lands.
+    let many: Vec<(u32, u8)> = (0..proto::MAX_ITEMS).map(|i| ((i % 2) as u32, 100 + (i % 100) as u8)).collect();
+    c.send(&Request::Load { buffer: buf, items: items(&many) }, 25, None);
+    let ans = c.answer().unwrap();
+    assert_eq!((ans.h.request_id, ans.status()), (25, 0), "{}", ans.msg());
+    assert_eq!(ans.u32s()[0], 0, "no key of that load is held");
+    for l in 0..LAYERS {
+        let ans = c.answer().unwrap();
+        assert_eq!((ans.h.op, ans.h.aux as usize, ans.h.request_id), (Op::Layer as u8, l, 25));
+    }
     // A malformed body is refused and the connection stays in step.
     c.sock.write_all(&Header { body_len: 3, op: Op::Load as u8, status: 0, aux: 0, request_id: 30 }.encode()).unwrap();
     c.sock.write_all(&[1, 2, 3]).unwrap();
