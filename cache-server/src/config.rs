@@ -743,9 +743,13 @@ impl<'de> Deserialize<'de> for ByteSize {
     }
 }
 
-/// A duration written as `500ms`, `30s`, `10m`, `2h` or `1d`.
+/// A duration written as `500ms`, `30s`, `10m`, `2h` or `1d`, at most [`MAX_DURATION`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DurationStr(pub Duration);
+
+/// The longest duration a setting takes: 100 years. Deadlines are `now + duration`, and a
+/// longer one could overflow the clock (a panic on the first request that sets one).
+pub const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 86400);
 
 impl std::str::FromStr for DurationStr {
     type Err = String;
@@ -762,6 +766,9 @@ impl std::str::FromStr for DurationStr {
             "d" => Duration::from_secs(n.saturating_mul(86400)),
             other => return Err(format!("unknown duration unit {other:?} in {s:?}")),
         };
+        if d > MAX_DURATION {
+            return Err(format!("{s:?} is longer than the longest duration a setting takes (36500d, 100 years)"));
+        }
         Ok(DurationStr(d))
     }
 }
@@ -782,6 +789,19 @@ impl<'de> Deserialize<'de> for DurationStr {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn durations_parse_up_to_a_hundred_years() {
+        assert_eq!("36500d".parse::<DurationStr>(), Ok(DurationStr(MAX_DURATION)));
+        assert_eq!("250ms".parse::<DurationStr>(), Ok(DurationStr(Duration::from_millis(250))));
+        for bad in ["36501d", "99999999999999d", "18446744073709551615s"] {
+            let e = bad.parse::<DurationStr>().unwrap_err();
+            assert!(e.contains("longer than the longest duration"), "{bad}: {e}");
+        }
+        // A server given one from its file refuses to start, saying which setting.
+        let e = toml::from_str::<ServerConfig>("lease_timeout = \"99999999999999d\"").unwrap_err().to_string();
+        assert!(e.contains("lease_timeout") || e.contains("longest duration"), "{e}");
+    }
 
     #[test]
     fn peer_hedge_parses_and_bad_values_are_refused() {

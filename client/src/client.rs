@@ -243,6 +243,15 @@ pub fn decode_frame_into(frame: &BlockFrame, out: &mut [u8]) -> Result<(), Clien
         )));
     }
     if h.codec == CodecId::RAW {
+        if frame.payload.len() != out.len() {
+            return Err(kvtier_proto::ProtoError::SizeMismatch {
+                expected: out.len() as u64,
+                actual: frame.payload.len() as u64,
+                tokens: h.tokens,
+                codec: h.codec.0,
+            }
+            .into());
+        }
         out.copy_from_slice(&frame.payload);
         return Ok(());
     }

@@ -506,6 +506,8 @@ impl DataConn {
         if header.key != *key || header.namespace != ns {
             return Err(ProtoError::Malformed(format!("asked for {key:?}, got {:?}", header.key)).into());
         }
+        // A payload whose size its own layout, tokens and codec rule out is not read at all.
+        header.check_size()?;
         Ok(header)
     }
 

@@ -470,7 +470,9 @@ impl Places<'_> {
     }
 }
 
-/// Disjoint `ranges` of `buf` (per block, in order) as destinations, in the order given.
+/// Disjoint `ranges` of `buf` (per block, in order) as destinations, in the order given. An empty
+/// range (a zero-length segment, which may lie anywhere, inside another range too) is an empty
+/// destination.
 pub(crate) fn dests<'a>(buf: &'a mut [u8], ranges: &[Vec<Range<usize>>]) -> Vec<BlockDest<'a>> {
     let mut order: Vec<(usize, usize)> =
         ranges.iter().enumerate().flat_map(|(b, rs)| (0..rs.len()).map(move |j| (b, j))).collect();
@@ -479,6 +481,9 @@ pub(crate) fn dests<'a>(buf: &'a mut [u8], ranges: &[Vec<Range<usize>>]) -> Vec<
     let (mut rest, mut base) = (buf, 0usize);
     for (b, j) in order {
         let r = &ranges[b][j];
+        if r.is_empty() {
+            continue;
+        }
         let (_, tail) = std::mem::take(&mut rest).split_at_mut(r.start - base);
         let (mine, tail) = tail.split_at_mut(r.len());
         out[b][j] = Some(mine);
@@ -847,5 +852,9 @@ mod tests {
         let d = dests(&mut buf, &[vec![6..8, 1..2], vec![0..1], vec![3..5, 9..10]]);
         let got: Vec<Vec<Vec<u8>>> = d.iter().map(|v| v.iter().map(|s| s.to_vec()).collect()).collect();
         assert_eq!(got, vec![vec![vec![6, 7], vec![1]], vec![vec![0]], vec![vec![3, 4], vec![9]]]);
+        // Zero-length segments, at the start of a range and inside one: empty destinations.
+        let d = dests(&mut buf, &[vec![0..4], vec![0..0, 4..6, 2..2]]);
+        let got: Vec<Vec<Vec<u8>>> = d.iter().map(|v| v.iter().map(|s| s.to_vec()).collect()).collect();
+        assert_eq!(got, vec![vec![vec![0, 1, 2, 3]], vec![vec![], vec![4, 5], vec![]]]);
     }
 }

@@ -1175,6 +1175,11 @@ fn decode_in_segments(
     let bad = || ClientError::InvalidArgument("segments outside the buffer or too small for the block".into());
     let ranges: Vec<_> =
         segments.iter().map(|s| block_range(s.offset, s.len)).collect::<Option<_>>().ok_or_else(bad)?;
+    // The encoded bytes landed in these segments: a larger length can't be right, and is not
+    // allocated for.
+    if h.payload_len > ranges.iter().map(|r| r.len() as u64).sum::<u64>() {
+        return Err(bad());
+    }
     let mut encoded = Vec::with_capacity(h.payload_len as usize);
     for r in &ranges {
         let want = (h.payload_len as usize - encoded.len()).min(r.len());
