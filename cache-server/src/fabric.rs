@@ -20,7 +20,7 @@
 //! `kvtier_proto::dataplane` ("Remote leases").
 //!
 //! Limits: at most [`MAX_REMOTE_LEASES`] leases per connection; node-wide, write leases hold at
-//! most half the DRAM tier's lease budget in payload bytes (which plain `PUT`s share, so peers can't
+//! most half the DRAM tier's lease budget in slot bytes (which plain `PUT`s share, so peers can't
 //! starve the node's own clients; quarantined slots count until they are returned), and read
 //! leases half the arena's headroom in payload bytes (where a block evicted under its read lease
 //! waits). Every lease ends at its deadline
@@ -82,11 +82,10 @@ pub struct ArenaAccess {
     registration: Box<dyn FabricRegistration>,
     base: usize,
     len: usize,
-    /// Payload bytes under read leases now, node-wide.
-    read_leased: AtomicU64,
-    /// Payload bytes under write leases now (quarantined ones included), node-wide.
-    write_leased: AtomicU64,
-    caps: LeaseCaps,
+    /// Payload bytes under read leases, node-wide.
+    reads: Arc<LeasedBytes>,
+    /// Slot bytes under write leases (quarantined ones included), node-wide.
+    writes: Arc<LeasedBytes>,
 }
 
 /// The most bytes remote leases may hold at once, node-wide.
@@ -94,35 +93,55 @@ pub struct ArenaAccess {
 pub(crate) struct LeaseCaps {
     /// Payload bytes under read leases (they keep evicted blocks' slots in the arena's headroom).
     pub(crate) read: u64,
-    /// Payload bytes under write leases (their slots come from the DRAM tier's lease budget,
-    /// which `PUT`s share).
+    /// Slot bytes under write leases (taken from the DRAM tier's lease budget, which `PUT`s
+    /// share).
     pub(crate) write: u64,
 }
 
-/// Counts bytes against a node-wide cap: true (counted) when they fit.
-fn take_under(counter: &AtomicU64, cap: u64, bytes: u64, gauge: &'static str) -> bool {
-    let mut now = counter.load(Ordering::Relaxed);
-    loop {
-        if now.saturating_add(bytes) > cap {
-            return false;
-        }
-        match counter.compare_exchange_weak(now, now + bytes, Ordering::Relaxed, Ordering::Relaxed) {
-            Ok(_) => {
-                ::metrics::gauge!(gauge).set((now + bytes) as f64);
-                return true;
+/// Bytes held under one kind of lease, node-wide, against a cap; published as a gauge. Kept
+/// apart from [`ArenaAccess`] so that a charge (which may outlive the node, in a quarantine)
+/// never keeps the registration alive past the arena's mapping.
+struct LeasedBytes {
+    now: AtomicU64,
+    cap: u64,
+    gauge: &'static str,
+}
+
+impl LeasedBytes {
+    fn new(cap: u64, gauge: &'static str) -> Arc<Self> {
+        Arc::new(LeasedBytes { now: AtomicU64::new(0), cap, gauge })
+    }
+
+    /// A charge of `bytes` more, given back when it drops; `None` past the cap (nothing counted).
+    fn charge(self: &Arc<Self>, bytes: u64) -> Option<Charge> {
+        let mut now = self.now.load(Ordering::Relaxed);
+        loop {
+            if now.saturating_add(bytes) > self.cap {
+                return None;
             }
-            Err(seen) => now = seen,
+            match self.now.compare_exchange_weak(now, now + bytes, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => {
+                    ::metrics::gauge!(self.gauge).set((now + bytes) as f64);
+                    return Some(Charge { to: Arc::clone(self), bytes });
+                }
+                Err(seen) => now = seen,
+            }
         }
     }
 }
 
-fn give_back(counter: &AtomicU64, bytes: u64, gauge: &'static str) {
-    let left = counter.fetch_sub(bytes, Ordering::Relaxed) - bytes;
-    ::metrics::gauge!(gauge).set(left as f64);
+/// Bytes counted under a lease until dropped.
+pub(crate) struct Charge {
+    to: Arc<LeasedBytes>,
+    bytes: u64,
 }
 
-const READ_GAUGE: &str = "kvtier_remote_read_leased_bytes";
-const WRITE_GAUGE: &str = "kvtier_remote_write_leased_bytes";
+impl Drop for Charge {
+    fn drop(&mut self) {
+        let left = self.to.now.fetch_sub(self.bytes, Ordering::Relaxed) - self.bytes;
+        ::metrics::gauge!(self.to.gauge).set(left as f64);
+    }
+}
 
 impl ArenaAccess {
     /// Registers the arena `base..base + len` with `fabric`; `caps`: the most bytes read and
@@ -146,36 +165,25 @@ impl ArenaAccess {
             registration,
             base: base as usize,
             len,
-            read_leased: AtomicU64::new(0),
-            write_leased: AtomicU64::new(0),
-            caps,
+            reads: LeasedBytes::new(caps.read, "kvtier_remote_read_leased_bytes"),
+            writes: LeasedBytes::new(caps.write, "kvtier_remote_write_leased_bytes"),
         })
     }
 
     /// Payload bytes under read leases now, node-wide.
     pub fn read_leased_bytes(&self) -> u64 {
-        self.read_leased.load(Ordering::Relaxed)
+        self.reads.now.load(Ordering::Relaxed)
     }
 
-    /// Payload bytes under write leases now, node-wide (quarantined ones included).
+    /// Slot bytes under write leases now, node-wide (quarantined ones included).
     pub fn write_leased_bytes(&self) -> u64 {
-        self.write_leased.load(Ordering::Relaxed)
+        self.writes.now.load(Ordering::Relaxed)
     }
 
-    /// Counts `bytes` more under read leases; false (nothing counted) past the cap.
-    fn take_read(&self, bytes: u64) -> bool {
-        take_under(&self.read_leased, self.caps.read, bytes, READ_GAUGE)
-    }
-
-    fn give_back_read(&self, bytes: u64) {
-        give_back(&self.read_leased, bytes, READ_GAUGE);
-    }
-
-    /// A charge of `bytes` more under write leases, given back when it drops; `None` past the
-    /// cap (nothing counted).
-    pub(crate) fn charge_write(self: &Arc<Self>, bytes: u64) -> Option<WriteCharge> {
-        take_under(&self.write_leased, self.caps.write, bytes, WRITE_GAUGE)
-            .then(|| WriteCharge { arena: Arc::clone(self), bytes })
+    /// A charge of a write lease's slot of `slot_bytes`, given back when it drops; `None` past
+    /// the cap (nothing counted).
+    pub(crate) fn charge_write(&self, slot_bytes: u64) -> Option<Charge> {
+        self.writes.charge(slot_bytes)
     }
 
     /// Connects a peer's endpoint (see [`Fabric::connect`]).
@@ -201,40 +209,20 @@ impl ArenaAccess {
     }
 }
 
-/// A slot a peer is writing: the DRAM lease, the header its bytes must match, and its bytes'
+/// A slot a peer is writing: the DRAM lease, the header its bytes must match, and the slot's
 /// charge against the node-wide cap (given back when the lease is committed or its quarantine
 /// ends).
 pub(crate) struct WriteLease {
     pub(crate) slot: Lease,
     pub(crate) header: FrameHeader,
-    pub(crate) charge: WriteCharge,
-}
-
-/// Payload bytes counted under write leases until dropped.
-pub(crate) struct WriteCharge {
-    arena: Arc<ArenaAccess>,
-    bytes: u64,
-}
-
-impl Drop for WriteCharge {
-    fn drop(&mut self) {
-        give_back(&self.arena.write_leased, self.bytes, WRITE_GAUGE);
-    }
+    pub(crate) charge: Charge,
 }
 
 /// A block a peer is reading; held until `END_GET`, the deadline or the connection's end.
 struct ReadLease {
     _block: StoredBlock,
     deadline: Instant,
-    /// Where its bytes are counted.
-    arena: Arc<ArenaAccess>,
-    bytes: u64,
-}
-
-impl Drop for ReadLease {
-    fn drop(&mut self) {
-        self.arena.give_back_read(self.bytes);
-    }
+    _charge: Charge,
 }
 
 /// The remote leases of one data-plane connection.
@@ -314,12 +302,9 @@ impl RemoteLeases {
 
     /// A read lease on `block`, counted against `arena`'s node-wide cap; `None` past it.
     pub(crate) fn add_read(&mut self, block: StoredBlock, arena: &Arc<ArenaAccess>, now: Instant) -> Option<u64> {
-        let bytes = block.payload.len() as u64;
-        if !arena.take_read(bytes) {
-            return None;
-        }
+        let charge = arena.reads.charge(block.payload.len() as u64)?;
         let id = self.id();
-        self.reads.insert(id, ReadLease { _block: block, deadline: now + self.read_ttl, arena: arena.clone(), bytes });
+        self.reads.insert(id, ReadLease { _block: block, deadline: now + self.read_ttl, _charge: charge });
         Some(id)
     }
 

@@ -155,8 +155,9 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             error("remote_leases_per_connection");
             return Err(ItemStatus::Capacity);
         }
-        // Peers' write leases, node-wide, hold at most their share of the DRAM lease budget.
-        let Some(charge) = arena.charge_write(header.payload_len) else {
+        // Peers' write leases, node-wide, hold at most their share of the DRAM lease budget (in
+        // slot bytes, as the budget counts them); checked before the reserve, which may evict.
+        let Some(charge) = arena.charge_write(crate::dram::slot_bytes(header.payload_len as usize)) else {
             error("remote_write_leased_bytes");
             return Err(ItemStatus::Capacity);
         };

@@ -304,6 +304,12 @@ pub struct Lease {
     key: (Instant, u64),
 }
 
+/// The bytes of the slot (its size class) a payload of `len` bytes takes: what a lease of it
+/// counts against the tier's lease budget.
+pub fn slot_bytes(len: usize) -> u64 {
+    slab::slot_size(len) as u64
+}
+
 /// The former name of [`Lease`].
 pub type SlotWriter = Lease;
 
