@@ -7,11 +7,11 @@
 
 use std::time::Duration;
 
-use kvtier_client::{BlockDest, BoxedStream, ClientConfig, KvClient};
+use kvtier_client::{BlockDest, BoxedStream, ClientConfig, ClientError, KvClient};
 use kvtier_proto::dataplane::{
     Hello, HelloReply, ItemStatus, Op, RequestHeader, ResponseHeader, Status, HELLO_LEN, REQUEST_HEADER_LEN,
 };
-use kvtier_proto::{BlockKey, CodecId, FrameHeader, KvLayout, NamespaceId, KEY_LEN};
+use kvtier_proto::{BlockKey, CodecId, FrameHeader, KvLayout, NamespaceId, ProtoError, KEY_LEN};
 use kvtier_server::config::ByteSize;
 use kvtier_server::ServerConfig;
 use kvtier_tests::*;
@@ -22,7 +22,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
 enum Lie {
     /// A raw frame one byte short of the layout's block.
     ShortRaw,
-    /// A raw frame of the whole `max_frame_bytes`, far past the layout's block.
+    /// A raw frame four times the layout's block.
     HugeRaw,
 }
 
@@ -100,15 +100,11 @@ async fn a_frame_whose_size_does_not_match_its_layout_is_an_error_not_a_panic() 
         // Into the caller's buffer (the engine path), one call and striped.
         let mut room = vec![0u8; bb * keys.len()];
         let mut dests: Vec<BlockDest<'_>> = room.chunks_exact_mut(bb).map(|c| vec![c]).collect();
-        match client.load_keys_into(&ns, &keys, &mut dests, true).await {
-            Ok(landed) => assert!(landed.iter().all(|l| !l), "a lying frame counted as landed: {landed:?}"),
-            Err(e) => assert!(!e.to_string().is_empty()),
-        }
+        let err = client.load_keys_into(&ns, &keys, &mut dests, true).await.unwrap_err();
+        assert!(is_size_mismatch(&err), "{err:?}");
         // Into buffers of the client's own.
-        match client.load_keys(&ns, &keys).await {
-            Ok(got) => assert!(got.iter().all(Option::is_none), "a lying frame handed out as a block"),
-            Err(e) => assert!(!e.to_string().is_empty()),
-        }
+        let err = client.load_keys(&ns, &keys).await.unwrap_err();
+        assert!(is_size_mismatch(&err), "{err:?}");
         // The decoding helper an engine calls on a frame it holds.
         let bad = kvtier_proto::BlockFrame {
             header: FrameHeader {
@@ -124,7 +120,13 @@ async fn a_frame_whose_size_does_not_match_its_layout_is_an_error_not_a_panic() 
             payload: bytes::Bytes::from(vec![1u8; bb - 1]),
         };
         let mut out = vec![0u8; bb];
-        assert!(kvtier_client::decode_frame_into(&bad, &mut out).is_err());
+        let err = kvtier_client::decode_frame_into(&bad, &mut out).unwrap_err();
+        assert!(is_size_mismatch(&err), "{err:?}");
         server.stop(Duration::from_secs(5)).await.unwrap();
     }
+}
+
+/// The error a frame whose size its layout rules out gets (not a hang-up, a timeout or a panic).
+fn is_size_mismatch(e: &ClientError) -> bool {
+    matches!(e, ClientError::Protocol(ProtoError::SizeMismatch { .. }))
 }

@@ -800,7 +800,7 @@ mod tests {
         }
         // A server given one from its file refuses to start, saying which setting.
         let e = toml::from_str::<ServerConfig>("lease_timeout = \"99999999999999d\"").unwrap_err().to_string();
-        assert!(e.contains("lease_timeout") || e.contains("longest duration"), "{e}");
+        assert!(e.contains("lease_timeout") && e.contains("longest duration"), "{e}");
     }
 
     #[test]

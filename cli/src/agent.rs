@@ -118,7 +118,7 @@ struct Settings {
     server: String,
     socket: PathBuf,
     device: String,
-    gpus: Gpus,
+    gpus: DeviceSelection,
     host_memory: u64,
     host_devices: u32,
     /// None: measured (GPUs) or the model's 100 GB/s (host devices).
@@ -130,21 +130,22 @@ struct Settings {
     rdma_device: Option<String>,
 }
 
-/// The devices an agent drives: one (`--gpu`, the first host device), or a list of GPUs.
+/// The devices an agent drives: one (`--gpu`; on the host backend the first of its
+/// `--host-devices`), or a list of GPUs (`--gpus`).
 #[derive(Debug, Clone, PartialEq, Eq)]
-enum Gpus {
+enum DeviceSelection {
     One(u32),
     Listed(Vec<u32>),
     /// Every GPU the driver reports.
     All,
 }
 
-impl std::str::FromStr for Gpus {
+impl std::str::FromStr for DeviceSelection {
     type Err = anyhow::Error;
 
     fn from_str(s: &str) -> anyhow::Result<Self> {
         if s.trim() == "all" {
-            return Ok(Gpus::All);
+            return Ok(DeviceSelection::All);
         }
         let mut list = Vec::new();
         for part in s.split(',') {
@@ -157,18 +158,15 @@ impl std::str::FromStr for Gpus {
         if list.len() > 64 {
             bail!("--gpus {s:?}: at most 64 GPUs");
         }
-        Ok(Gpus::Listed(list))
+        Ok(DeviceSelection::Listed(list))
     }
 }
 
-impl Gpus {
-    /// The one device's ordinal: the host backend numbers its devices from it.
-    fn first(&self) -> u32 {
-        match self {
-            Gpus::One(g) => *g,
-            Gpus::Listed(l) => l.first().copied().unwrap_or(0),
-            Gpus::All => 0,
-        }
+impl DeviceSelection {
+    /// Whether each device's engine socket is `<socket>.<ordinal>` (a list, whatever its length,
+    /// so the names don't depend on how many GPUs a machine has), or `--socket` itself.
+    fn suffixed(&self, host_devices: u32) -> bool {
+        !matches!(self, DeviceSelection::One(_)) || host_devices > 1
     }
 }
 
@@ -228,19 +226,33 @@ fn settings(a: &AgentArgs) -> anyhow::Result<Settings> {
     if !matches!(device.as_str(), "host" | "cuda") {
         bail!("--device must be host or cuda, got {device:?}");
     }
-    let gpu = match a.gpu {
-        Some(g) => Some(g),
-        None => text("gpu")?.map(|s| s.parse()).transpose().context("[agent] gpu")?,
+    // `--gpu` and `--gpus` (flags or their variables) win over the file's `gpu` and `gpus`
+    // together; both at one level is a mistake.
+    let (gpu, gpus) = if a.gpu.is_some() || a.gpus.is_some() {
+        (a.gpu, a.gpus.clone())
+    } else {
+        let gpu = text("gpu")?.map(|s| s.parse::<u32>()).transpose().context("[agent] gpu")?;
+        let gpus = match table.get("gpus") {
+            // `gpus = [0, 1]`, the natural TOML, as well as `gpus = "0,1"` or `"all"`.
+            Some(toml::Value::Array(list)) => Some(
+                list.iter()
+                    .map(|v| v.as_integer().map(|i| i.to_string()).context("[agent] gpus: a list of GPU ordinals"))
+                    .collect::<anyhow::Result<Vec<_>>>()?
+                    .join(","),
+            ),
+            _ => text("gpus")?,
+        };
+        (gpu, gpus)
     };
-    let gpus = match (a.gpus.clone().or(text("gpus")?), gpu) {
+    let gpus = match (gpus, gpu) {
         (Some(_), Some(_)) => bail!("give --gpu or --gpus, not both"),
         (Some(list), None) => {
             if device != "cuda" {
                 bail!("--gpus is for --device cuda (host devices: --host-devices N, numbered from --gpu)");
             }
-            list.parse::<Gpus>()?
+            list.parse::<DeviceSelection>()?
         }
-        (None, g) => Gpus::One(g.unwrap_or(0)),
+        (None, g) => DeviceSelection::One(g.unwrap_or(0)),
     };
     let host_memory = bytes(a.host_memory, "host_memory")?.unwrap_or(1 << 30);
     let host_devices = match a.host_devices {
@@ -524,7 +536,8 @@ pub async fn run(a: AgentArgs) -> anyhow::Result<()> {
     match s.device.as_str() {
         "host" => {
             let mem = usize::try_from(s.host_memory)?;
-            let first = s.gpus.first();
+            // `--gpus` is refused for the host backend: its devices are numbered from `--gpu`.
+            let DeviceSelection::One(first) = s.gpus else { bail!("--gpus is for --device cuda") };
             let last = first.checked_add(s.host_devices - 1).context("--gpu + --host-devices overflow")?;
             let devices: Vec<Arc<HostDevice>> = (first..=last).map(|o| Arc::new(HostDevice::new(o, mem))).collect();
             let rate = LinkRate::Fixed(s.link_bytes_per_sec.unwrap_or(HOST_LINK_BYTES_PER_SEC));
@@ -553,9 +566,9 @@ async fn lease_lane(_client: &KvClient, device: &str, _page_bytes: usize) -> any
 async fn cuda(stores: [SameNodeStore; 2], config: AgentConfig, s: &Settings) -> anyhow::Result<()> {
     use kvtier_agent::CudaDevice;
     let ordinals = match &s.gpus {
-        Gpus::One(g) => vec![*g],
-        Gpus::Listed(l) => l.clone(),
-        Gpus::All => {
+        DeviceSelection::One(g) => vec![*g],
+        DeviceSelection::Listed(l) => l.clone(),
+        DeviceSelection::All => {
             let n = CudaDevice::count().context("--gpus all: counting the GPUs")?;
             if n == 0 {
                 bail!("--gpus all: the CUDA driver reports no GPU");
@@ -588,8 +601,8 @@ fn log_links(found: &FoundLinks, how: &str) {
             l.bytes_per_sec as f64 / 1e9
         );
     }
-    for (a, b) in &found.unlinked {
-        tracing::warn!("devices {a} and {b}: no peer access; neither borrows pages from the other");
+    for u in &found.unlinked {
+        tracing::warn!("devices {} and {}: not linked ({}); neither borrows pages from the other", u.a, u.b, u.why);
     }
 }
 
@@ -598,10 +611,10 @@ async fn cuda(_stores: [SameNodeStore; 2], _config: AgentConfig, _s: &Settings) 
     bail!("this kvtier was built without the `cuda` feature (cargo build --features cuda)")
 }
 
-/// The engine socket of one device: `--socket` itself on a one-device node, else
-/// `<socket>.<ordinal>`.
-fn device_socket(socket: &std::path::Path, ordinal: u32, devices: usize) -> PathBuf {
-    if devices == 1 {
+/// The engine socket of one device: `<socket>.<ordinal>` when `suffixed`
+/// ([`DeviceSelection::suffixed`]), else `--socket` itself.
+fn device_socket(socket: &std::path::Path, ordinal: u32, suffixed: bool) -> PathBuf {
+    if !suffixed {
         return socket.to_path_buf();
     }
     let mut name = socket.as_os_str().to_os_string();
@@ -643,7 +656,7 @@ async fn serve_devices<D: Device>(
     let mut servers = Vec::with_capacity(ordinals.len());
     let mut paths = Vec::with_capacity(ordinals.len());
     for &o in &ordinals {
-        let path = device_socket(&s.socket, o, ordinals.len());
+        let path = device_socket(&s.socket, o, s.gpus.suffixed(s.host_devices));
         let server = EngineServer::bind_device(agent.clone(), o, &path)
             .with_context(|| format!("binding {}", path.display()))?;
         servers.push(server);
@@ -942,7 +955,7 @@ mod tests {
         let s = parse(&["--page-bytes", "1KiB", "--host-devices", "4", "--link-gbps", "2.5"]).unwrap();
         assert_eq!((s.host_devices, s.link_bytes_per_sec), (4, Some(2_500_000_000)));
         let one = parse(&["--page-bytes", "1KiB"]).unwrap();
-        assert_eq!((one.host_devices, one.link_bytes_per_sec, one.gpus), (1, None, Gpus::One(0)));
+        assert_eq!((one.host_devices, one.link_bytes_per_sec, one.gpus), (1, None, DeviceSelection::One(0)));
         for (bad, why) in [
             (vec!["--host-devices", "0"], "--host-devices must be 1..=64"),
             (vec!["--host-devices", "65"], "--host-devices must be 1..=64"),
@@ -958,19 +971,30 @@ mod tests {
 
     #[test]
     fn an_agent_drives_the_gpus_listed_or_all_of_them() {
-        let gpus = |args: &[&str]| -> anyhow::Result<Gpus> {
+        let gpus = |args: &[&str]| -> anyhow::Result<DeviceSelection> {
             let all: Vec<&str> = ["--page-bytes", "1KiB"].iter().chain(args).copied().collect();
             parse(&all).map(|s| s.gpus)
         };
-        assert_eq!(gpus(&["--device", "cuda", "--gpus", "0, 2,3"]).unwrap(), Gpus::Listed(vec![0, 2, 3]));
-        assert_eq!(gpus(&["--device", "cuda", "--gpus", "all"]).unwrap(), Gpus::All);
-        assert_eq!(gpus(&["--device", "cuda", "--gpu", "5"]).unwrap(), Gpus::One(5));
+        assert_eq!(gpus(&["--device", "cuda", "--gpus", "0, 2,3"]).unwrap(), DeviceSelection::Listed(vec![0, 2, 3]));
+        assert_eq!(gpus(&["--device", "cuda", "--gpus", "all"]).unwrap(), DeviceSelection::All);
+        assert_eq!(gpus(&["--device", "cuda", "--gpu", "5"]).unwrap(), DeviceSelection::One(5));
+        // From the file, as a string or a TOML list; a flag wins over both of the file's keys.
         let file = std::env::temp_dir().join(format!("kvtier-agent-gpus-{}.toml", std::process::id()));
+        let cfg = file.to_str().unwrap();
         std::fs::write(&file, "[agent]\ndevice = \"cuda\"\ngpus = \"1,0\"\n").unwrap();
-        assert_eq!(gpus(&["--config", file.to_str().unwrap()]).unwrap(), Gpus::Listed(vec![1, 0]));
-        let both = gpus(&["--config", file.to_str().unwrap(), "--gpu", "1"]);
+        assert_eq!(gpus(&["--config", cfg]).unwrap(), DeviceSelection::Listed(vec![1, 0]));
+        assert_eq!(gpus(&["--config", cfg, "--gpu", "1"]).unwrap(), DeviceSelection::One(1));
+        std::fs::write(&file, "[agent]\ndevice = \"cuda\"\ngpu = 0\ngpus = [2, 3]\n").unwrap();
+        let both = gpus(&["--config", cfg]);
+        assert!(format!("{:#}", both.unwrap_err()).contains("--gpu or --gpus, not both"), "both in one file");
+        std::fs::write(&file, "[agent]\ndevice = \"cuda\"\ngpu = 0\n").unwrap();
+        assert_eq!(gpus(&["--config", cfg, "--gpus", "all"]).unwrap(), DeviceSelection::All);
+        std::fs::write(&file, "[agent]\ndevice = \"cuda\"\ngpus = [2, 3]\n").unwrap();
+        assert_eq!(gpus(&["--config", cfg]).unwrap(), DeviceSelection::Listed(vec![2, 3]));
+        std::fs::write(&file, "[agent]\ndevice = \"cuda\"\ngpus = [\"a\"]\n").unwrap();
+        let bad = gpus(&["--config", cfg]);
         std::fs::remove_file(&file).unwrap();
-        assert!(format!("{:#}", both.unwrap_err()).contains("--gpu or --gpus, not both"));
+        assert!(format!("{:#}", bad.unwrap_err()).contains("a list of GPU ordinals"));
         for (bad, why) in [
             (vec!["--gpus", "0,1"], "--gpus is for --device cuda"),
             (vec!["--device", "cuda", "--gpus", "0,1", "--gpu", "0"], "not both"),
@@ -1134,7 +1158,11 @@ mod tests {
     #[test]
     fn each_device_of_a_node_gets_its_own_socket() {
         let p = std::path::Path::new("/run/kvtier-agent.sock");
-        assert_eq!(device_socket(p, 3, 1), PathBuf::from("/run/kvtier-agent.sock"));
-        assert_eq!(device_socket(p, 3, 4), PathBuf::from("/run/kvtier-agent.sock.3"));
+        assert_eq!(device_socket(p, 3, false), PathBuf::from("/run/kvtier-agent.sock"));
+        assert_eq!(device_socket(p, 3, true), PathBuf::from("/run/kvtier-agent.sock.3"));
+        // A list of GPUs is suffixed whatever its length (`--gpus all` on a one-GPU machine too),
+        // one device or one host device is not, several host devices are.
+        assert!(DeviceSelection::Listed(vec![3]).suffixed(1) && DeviceSelection::All.suffixed(1));
+        assert!(!DeviceSelection::One(3).suffixed(1) && DeviceSelection::One(0).suffixed(4));
     }
 }

@@ -1005,7 +1005,10 @@ async fn do_load(
         res.push(match ItemStatus::from_u8(st)? {
             ItemStatus::Ok => {
                 s.read_exact(&mut fh).await?;
-                Ok(FrameHeader::decode(&fh)?)
+                let h = FrameHeader::decode(&fh)?;
+                // A size its own layout, tokens and codec rule out is not a block.
+                h.check_size()?;
+                Ok(h)
             }
             other => Err(other),
         });

@@ -458,9 +458,23 @@ impl Device for CudaDevice {
         // the bound, context.
         match unsafe { sys::cuCtxEnablePeerAccess(peer.inner.ctx.cu_ctx(), 0) } {
             sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(true),
-            // The driver's limit of peers per device: the pair copies through the host.
-            sys::CUresult::CUDA_ERROR_TOO_MANY_PEERS => Ok(false),
+            // The driver's limit of peers per device, or a pair it won't map after all: the pair
+            // copies through the host.
+            sys::CUresult::CUDA_ERROR_TOO_MANY_PEERS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_UNSUPPORTED => Ok(false),
             e => Err(driver("cuCtxEnablePeerAccess")(result::DriverError(e))),
+        }
+    }
+
+    fn disable_peer_access(&self, peer: &CudaDevice) -> Result<()> {
+        if Arc::ptr_eq(&self.inner, &peer.inner) || self.inner.ordinal == peer.inner.ordinal {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: the peer's context is alive (held by `peer`); the call only unmaps it for the
+        // bound context, and nothing of ours uses the mapping (the pair is not linked).
+        match unsafe { sys::cuCtxDisablePeerAccess(peer.inner.ctx.cu_ctx()) } {
+            sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_NOT_ENABLED => Ok(()),
+            e => Err(driver("cuCtxDisablePeerAccess")(result::DriverError(e))),
         }
     }
 
@@ -693,8 +707,8 @@ mod tests {
             a.free(x).unwrap();
             b.free(y).unwrap();
         }
-        for (a, b) in &found.unlinked {
-            eprintln!("GPUs {a} and {b}: no peer access");
+        for u in &found.unlinked {
+            eprintln!("GPUs {} and {}: not linked ({})", u.a, u.b, u.why);
         }
     }
 

@@ -559,6 +559,13 @@ pub trait Device: Send + Sync + 'static {
     /// [`without_peer_access`](host::HostDevice::without_peer_access).
     fn enable_peer_access(&self, peer: &Self) -> Result<bool>;
 
+    /// Turns direct access from this device to `peer`'s memory off again (CUDA:
+    /// `cuCtxDisablePeerAccess`; a no-op where it was not on): for a pair that turned out to have
+    /// a path one way only, which the node does not use. The host backend: nothing to do.
+    fn disable_peer_access(&self, _peer: &Self) -> Result<()> {
+        Ok(())
+    }
+
     /// Enqueues a copy between two devices of this backend (peer GPUs over NVLink or PCIe) on a
     /// stream of this device: `src` lives on `src_dev`, `dst` on `dst_dev`, either of which may be
     /// this device. Handles are checked against their own device's table.

@@ -28,6 +28,9 @@ use crate::device::Device;
 /// Descriptors received and not yet claimed by a REGISTER; more closes the connection.
 pub const MAX_PENDING_FDS: usize = 4;
 
+/// A connection's read buffer; a longer body (up to [`MAX_BODY`]) grows it while it is read.
+const READ_BUF: usize = 64 << 10;
+
 /// A running engine socket. Dropping it stops accepting (open connections run until they end).
 pub struct EngineServer {
     path: PathBuf,
@@ -172,6 +175,12 @@ impl Conn {
         }
         let out = self.buf[self.start..self.start + n].to_vec();
         self.start += n;
+        // Grown for a big body and drained: back to the usual size, so an idle connection holds
+        // no more than that.
+        if self.buf.len() > READ_BUF && self.start == self.end {
+            self.buf = vec![0u8; READ_BUF];
+            (self.start, self.end) = (0, 0);
+        }
         Ok(out)
     }
 }
@@ -188,7 +197,7 @@ fn serve_connection<D: Device, B: BackingStore>(
         return;
     }
     let mut writer = writer;
-    let mut conn = Conn { sock, buf: vec![0u8; 64 << 10], start: 0, end: 0, fds: VecDeque::new() };
+    let mut conn = Conn { sock, buf: vec![0u8; READ_BUF], start: 0, end: 0, fds: VecDeque::new() };
     loop {
         // Between requests the idle timeout; inside one the I/O timeout.
         if conn.sock.set_read_timeout(Some(idle)).is_err() {

@@ -49,7 +49,7 @@ use crate::error::{AgentError, Result};
 
 mod links;
 mod node;
-pub use links::{find_links, FoundLinks, LinkRate};
+pub use links::{find_links, FoundLinks, LinkRate, Unlinked};
 pub use node::{BorrowStats, LenderStats, NodeLink, NodePool};
 
 /// Where evicted blocks go (G2 through the same-node client in the agent).
