@@ -458,6 +458,21 @@ impl Codec {
     /// Decodes a payload of `spec` (the block as it was encoded: the frame's layout and token
     /// count) into `spec.dtype`.
     pub fn decode(&self, payload: &[u8], spec: &BlockSpec) -> Result<Vec<u8>, CodecError> {
+        // The output is as large as `spec` says, and `spec` may come from a frame header someone
+        // else wrote: nothing is allocated before the payload is known to hold that block.
+        spec.validate()?;
+        let (format, lz4) = split_codec(self.id)?;
+        if format == Format::Raw && !lz4 {
+            if payload.len() != spec.byte_len() {
+                return Err(CodecError::Corrupt(format!(
+                    "raw payload is {} bytes, {} expected",
+                    payload.len(),
+                    spec.byte_len()
+                )));
+            }
+        } else {
+            payload_of(payload, spec)?;
+        }
         let mut out = vec![0u8; spec.byte_len()];
         self.decode_into(payload, spec, spec.dtype, &mut out)?;
         Ok(out)
@@ -490,8 +505,10 @@ impl Codec {
             }
             return convert(spec, payload, out_dtype, out, parallel);
         }
+        // The header first (cheap): a payload of another shape is refused before its body is
+        // decompressed.
+        let info = payload_of(payload, spec)?;
         let parts = PayloadParts::open(payload)?;
-        let info = parts.info;
         let rotated = is_rotated(self.id);
         if info.format != format || info.lz4 != lz4 || info.rotation_seed.is_some() != rotated {
             return Err(CodecError::Corrupt(format!(
@@ -502,9 +519,6 @@ impl Codec {
                 self.id.name()
             )));
         }
-        if info.spec != *spec {
-            return Err(CodecError::ShapeMismatch { expected: format!("{spec:?}"), found: format!("{:?}", info.spec) });
-        }
         let os = out_dtype.size() as usize;
         let hd = spec.row_len();
         let rot = info.rotation_seed.map(|seed| Rotation::new(hd, seed));
@@ -513,8 +527,12 @@ impl Codec {
             Format::Raw => convert(spec, parts.codes(), out_dtype, out, parallel),
             Format::Fp8E4m3 => {
                 let scales = parts.scales();
-                if scales.iter().any(|s| !s.is_finite() || *s < 0.0) {
-                    return Err(CodecError::Corrupt("FP8 scale is negative or not finite".into()));
+                // What the encoder never writes: a negative scale (-0.0 too, which backends would
+                // decode to zeros of different signs), or one above that of the largest finite
+                // amax (its codes would decode past f32).
+                let max = fp8_scale(f32::MAX);
+                if scales.iter().any(|s| !s.is_finite() || s.is_sign_negative() || *s > max) {
+                    return Err(CodecError::Corrupt("FP8 scale is negative, not finite or out of range".into()));
                 }
                 let per_row = info.fp8_scales == Fp8ScaleMode::PerTokenHead;
                 let codes = parts.codes();
@@ -550,8 +568,12 @@ impl Codec {
             }
             Format::Nvfp4 => {
                 let g = parts.scales();
-                if g.iter().any(|s| !s.is_finite() || *s < 0.0) {
-                    return Err(CodecError::Corrupt("NVFP4 global scale is negative or not finite".into()));
+                // As for FP8: what the encoder never writes.
+                let max = nvfp4_plane_scales(f32::MAX).0;
+                if g.iter().any(|s| !s.is_finite() || s.is_sign_negative() || *s > max) {
+                    return Err(CodecError::Corrupt(
+                        "NVFP4 global scale is negative, not finite or out of range".into(),
+                    ));
                 }
                 let (bs, codes) = (parts.block_scales(), parts.codes());
                 let (nb, cb) = (hd.div_ceil(16), hd.div_ceil(2));
@@ -594,6 +616,17 @@ impl Codec {
             }
         }
     }
+}
+
+/// The header of an encoded `payload`, checked to describe a block of `spec`, and its body's
+/// length to be one the stored bytes can hold (LZ4 expands ~255× at most).
+fn payload_of(payload: &[u8], spec: &BlockSpec) -> Result<PayloadInfo, CodecError> {
+    let info = crate::payload::inspect(payload)?;
+    if info.spec != *spec {
+        return Err(CodecError::ShapeMismatch { expected: format!("{spec:?}"), found: format!("{:?}", info.spec) });
+    }
+    crate::payload::check_stored(&info, payload)?;
+    Ok(info)
 }
 
 /// Encodes with the default options of [`Codec::new`].
@@ -913,4 +946,54 @@ fn convert(spec: &BlockSpec, src: &[u8], out_dtype: DType, out: &mut [u8], paral
         scalar::convert_row(spec.dtype, &src[r0 * hd * is..(r0 + n) * hd * is], out_dtype, c.a);
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvtier_proto::{CodecId, DType};
+
+    #[test]
+    fn a_header_claiming_a_huge_block_is_refused_before_anything_that_size_is_allocated() {
+        // 2^40 elements of f32 (4 TiB decoded) claimed by 100 bytes of LZ4: were the block
+        // allocated first, this test would abort.
+        let spec = BlockSpec::new(1024, 65536, 64, 128, DType::Fp32);
+        spec.validate().unwrap();
+        let mut info = PayloadInfo {
+            format: Format::Fp8E4m3,
+            lz4: true,
+            spec,
+            fp8_scales: Fp8ScaleMode::PerTokenHead,
+            rotation_seed: None,
+            body_len: 0,
+        };
+        info.body_len = info.sections().total() as u64;
+        let mut payload = Vec::new();
+        info.write_header(&mut payload);
+        payload.extend_from_slice(&[0u8; 100]);
+        let err = Codec::new(CodecId::FP8_E4M3_LZ4).decode(&payload, &spec).unwrap_err();
+        assert!(matches!(&err, CodecError::Corrupt(m) if m.contains("LZ4 bytes cannot hold")), "{err}");
+        // A frame's spec that is not the payload's own: refused on the header alone.
+        let small = BlockSpec::new(2, 16, 2, 64, DType::Bf16);
+        let err = Codec::new(CodecId::FP8_E4M3_LZ4).decode(&payload, &small).unwrap_err();
+        assert!(matches!(err, CodecError::ShapeMismatch { .. }), "{err}");
+    }
+
+    #[test]
+    fn scales_the_encoder_never_writes_are_corrupt_on_every_path() {
+        let spec = BlockSpec::new(2, 16, 2, 64, DType::Bf16);
+        let bytes: Vec<u8> = (0..spec.byte_len()).map(|i| (i % 97) as u8 & 0x3f).collect();
+        let block = KvBlockView::new(spec, &bytes).unwrap();
+        for codec in [CodecId::FP8_E4M3, CodecId::NVFP4, CodecId::FP8_E4M3_HAD, CodecId::NVFP4_HAD] {
+            let good = encode(codec, &block).unwrap();
+            Codec::new(codec).decode(&good, &spec).unwrap();
+            // The first scale of the body: an FP8 row's, or an NVFP4 plane's global one.
+            for bad in [-0.0f32, -1.0, f32::INFINITY, f32::NAN, 1e36, f32::MAX] {
+                let mut p = good.clone();
+                p[PAYLOAD_HEADER_LEN..PAYLOAD_HEADER_LEN + 4].copy_from_slice(&bad.to_le_bytes());
+                let err = Codec::new(codec).decode(&p, &spec).unwrap_err();
+                assert!(matches!(err, CodecError::Corrupt(_)), "{} scale {bad}: {err}", codec.name());
+            }
+        }
+    }
 }

@@ -155,6 +155,21 @@ impl PayloadInfo {
     }
 }
 
+/// Checks that the bytes after `info`'s header (from [`inspect`] of `payload`) can hold its body:
+/// exactly its length, or for LZ4 no more than LZ4 can expand them to (~255×). Refusing more
+/// keeps a corrupt header from asking for a huge allocation, of the body or of the decoded block.
+pub fn check_stored(info: &PayloadInfo, payload: &[u8]) -> Result<(), CodecError> {
+    let stored = payload.len().saturating_sub(PAYLOAD_HEADER_LEN) as u64;
+    let body_len = info.body_len;
+    if info.lz4 && body_len > stored.saturating_mul(256) + 64 {
+        return Err(CodecError::Corrupt(format!("{stored} LZ4 bytes cannot hold {body_len}")));
+    }
+    if !info.lz4 && stored != body_len {
+        return Err(CodecError::Corrupt(format!("body is {stored} bytes, header says {body_len}")));
+    }
+    Ok(())
+}
+
 /// Reads and checks a payload header (not the body).
 pub fn inspect(payload: &[u8]) -> Result<PayloadInfo, CodecError> {
     let corrupt = |m: String| Err(CodecError::Corrupt(m));
@@ -243,14 +258,10 @@ impl<'a> PayloadParts<'a> {
     /// Parses a payload, decompressing its body if it is LZ4.
     pub fn open(payload: &'a [u8]) -> Result<Self, CodecError> {
         let info = inspect(payload)?;
+        check_stored(&info, payload)?;
         let stored = &payload[PAYLOAD_HEADER_LEN..];
         let body_len = info.body_len as usize;
         let body = if info.lz4 {
-            // LZ4 cannot expand more than ~255×; refusing more keeps a corrupt header from asking
-            // for a huge allocation.
-            if body_len > stored.len().saturating_mul(256) + 64 {
-                return Err(CodecError::Corrupt(format!("{} LZ4 bytes cannot hold {body_len}", stored.len())));
-            }
             let mut out = vec![0u8; body_len];
             let n = lz4_flex::block::decompress_into(stored, &mut out)
                 .map_err(|e| CodecError::Corrupt(format!("lz4: {e}")))?;
@@ -259,9 +270,6 @@ impl<'a> PayloadParts<'a> {
             }
             Cow::Owned(out)
         } else {
-            if stored.len() != body_len {
-                return Err(CodecError::Corrupt(format!("body is {} bytes, header says {body_len}", stored.len())));
-            }
             Cow::Borrowed(stored)
         };
         Ok(PayloadParts { info, body })
