@@ -93,3 +93,58 @@ async fn engine_keys_never_raise() {
     assert_eq!(engine.load_keys_into(&ns, &hashes[1..2], &mut [vec![&mut out[..]]], budget).await, vec![false]);
     assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
 }
+
+/// A same-node load past the call's budget is not cut while the server may still copy into the
+/// caller's buffer: the call ends once the exchange has closed and the server has let go. Here
+/// the server is stopped (SIGSTOP) mid-call and resumed 1.5 s later; the call, budgeted 300 ms,
+/// returns its timeout only after that, and nothing lands in the buffer afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_same_node_call_past_its_budget_waits_until_the_server_lets_go_of_the_buffer() {
+    use kvtier_client::SharedBuffer;
+    use rustix::process::{kill_process, Pid, Signal};
+
+    let server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
+    let ns = namespace("engine", b"sn", small_layout());
+    let typed = server.client().await;
+    let handle = typed.register(ns.clone()).await.unwrap();
+    let t = tokens(6, 64 * handle.block_tokens());
+    let keys = handle.keys(&t);
+    assert_eq!(typed.store(&handle, &t, &full_block_payloads(&handle, &t)).await.unwrap().stored, keys.len());
+    let bb = handle.block_bytes();
+    let offsets: Vec<u64> = (0..keys.len() as u64).map(|i| i * bb).collect();
+    let mut buf = SharedBuffer::new(keys.len() * bb as usize).unwrap();
+    let engine = EngineClient::new(server.grpc_addr(), ClientConfig::default(), Duration::from_millis(300));
+    // Connected, namespace known, same-node path in use: a first load lands.
+    let first = engine
+        .call("load", &ns, |c, h| {
+            let (keys, offsets, buf) = (&keys, &offsets, &mut buf);
+            async move { c.load_keys_into_buffer(&h, keys, buf, offsets, false).await }
+        })
+        .await
+        .unwrap();
+    assert_eq!(first, vec![true; keys.len()]);
+    assert_eq!(typed.samenode_stats().fallbacks.len(), 0);
+    buf.as_mut_slice().fill(0);
+
+    let pid = Pid::from_raw(server.child.id() as i32).unwrap();
+    let start = std::time::Instant::now();
+    kill_process(pid, Signal::STOP).unwrap();
+    let resume = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(1500));
+        kill_process(pid, Signal::CONT).unwrap();
+    });
+    let late = engine
+        .call("load", &ns, |c, h| {
+            let (keys, offsets, buf) = (&keys, &offsets, &mut buf);
+            async move { c.load_keys_into_buffer(&h, keys, buf, offsets, false).await }
+        })
+        .await;
+    let took = start.elapsed();
+    resume.join().unwrap();
+    assert_eq!(late.unwrap_err().reason, "timeout");
+    assert!(took >= Duration::from_millis(1400), "returned after {took:?}, while the server was stopped");
+    // The server let go: nothing lands in the buffer after the call returned.
+    let snapshot = buf.as_slice().to_vec();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(buf.as_slice(), &snapshot[..]);
+}

@@ -650,7 +650,7 @@ impl KvClient {
     ) -> Result<StoreReport, ClientError> {
         self.check_context(tokens.len())?;
         let keys = ns.keys(tokens);
-        if first_block + blocks.len() > keys.len() {
+        if first_block.checked_add(blocks.len()).is_none_or(|end| end > keys.len()) {
             return Err(ClientError::InvalidArgument(format!(
                 "{} blocks from block {first_block} given for {} tokens, which make only {} full blocks",
                 blocks.len(),
@@ -983,7 +983,8 @@ impl KvClient {
             keys: keys.iter().map(|k| Bytes::copy_from_slice(&k.0)).collect(),
             tail_key: tail.map(|k| Bytes::copy_from_slice(&k.0)).unwrap_or_default(),
             token_count: tokens.len() as u64,
-            ttl_ms: opts.ttl.map(|d| d.as_millis().max(1) as u64).unwrap_or(0),
+            // Saturated, never wrapped (a wrapped TTL could read as 0: the server's default).
+            ttl_ms: opts.ttl.map(|d| u64::try_from(d.as_millis().max(1)).unwrap_or(u64::MAX)).unwrap_or(0),
             priority: opts.priority.unwrap_or(1),
             expected_version,
         };

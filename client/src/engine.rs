@@ -119,7 +119,10 @@ impl EngineClient {
     }
 
     /// [`EngineClient::call`] with its own deadline (an engine's per-call budget, e.g. below
-    /// its scheduler's or LMCache's `blocking_timeout_secs`), connecting included.
+    /// its scheduler's or LMCache's `blocking_timeout_secs`), connecting included. A same-node
+    /// exchange still in flight at the deadline is not cut off, since the server may be copying
+    /// into the caller's memory: it times out at the deadline, closes, and the call returns once
+    /// the server has let go (at once normally; at most 5 s more for a server that is stalled).
     pub async fn call_within<T, F, Fut>(
         &self,
         op: &'static str,
@@ -135,9 +138,24 @@ impl EngineClient {
             let (client, h) = self.handle(ns).await?;
             f(client, h).await
         };
-        let res = match tokio::time::timeout(budget, work).await {
-            Ok(r) => r,
-            Err(_) => Err(ClientError::Timeout(budget)),
+        let scope = crate::near::CallScope { deadline: Instant::now() + budget, exchanges: Default::default() };
+        let exchanges = Arc::clone(&scope.exchanges);
+        let res = {
+            // Dropped at the end of this block, before `on_error` (the call may hold the
+            // connection's lock).
+            let mut work = std::pin::pin!(crate::near::CALL_SCOPE.scope(scope, work));
+            match tokio::time::timeout(budget, &mut work).await {
+                Ok(r) => r,
+                // Past the budget the call is cut, but never in the middle of a same-node
+                // exchange: the server may be copying into the caller's memory until the
+                // exchange's own timeout (bounded by the budget) has closed it and seen the
+                // server let go.
+                Err(_) => tokio::select! {
+                    biased;
+                    r = &mut work => r,
+                    _ = exchanges.none_in_flight() => Err(ClientError::Timeout(budget)),
+                },
+            }
         };
         match res {
             Ok(v) => Ok(v),

@@ -29,7 +29,7 @@
 use std::collections::{BTreeMap, HashSet};
 use std::ops::Range;
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -208,6 +208,59 @@ pub(crate) struct AutoNear {
     counters: Mutex<Counters>,
 }
 
+/// A call with a budget ([`crate::EngineClient`]'s): its deadline, and its same-node exchanges in
+/// flight. While one is, the budget must not cancel the call: the server may be copying into (or
+/// out of) the caller's memory, and only the exchange's own timeout — bounded by the deadline —
+/// ends that safely (closing, then waiting for the server to let go). The call is cut once none
+/// is in flight.
+#[derive(Clone)]
+pub(crate) struct CallScope {
+    pub(crate) deadline: Instant,
+    pub(crate) exchanges: Arc<Exchanges>,
+}
+
+/// Same-node exchanges in flight in one call, and a wake-up when one ends.
+#[derive(Default)]
+pub(crate) struct Exchanges {
+    live: std::sync::atomic::AtomicUsize,
+    ended: tokio::sync::Notify,
+}
+
+impl Exchanges {
+    /// Returns once no exchange of the call is in flight.
+    pub(crate) async fn none_in_flight(&self) {
+        loop {
+            let ended = self.ended.notified();
+            if self.live.load(std::sync::atomic::Ordering::Acquire) == 0 {
+                return;
+            }
+            ended.await;
+        }
+    }
+}
+
+tokio::task_local! {
+    /// The budgeted call this task runs, if any.
+    pub(crate) static CALL_SCOPE: CallScope;
+}
+
+/// One exchange counted in its call's [`Exchanges`] until dropped.
+struct InFlight(Arc<Exchanges>);
+
+impl InFlight {
+    fn enter(ex: &Arc<Exchanges>) -> Self {
+        ex.live.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        InFlight(Arc::clone(ex))
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.live.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        self.0.ended.notify_waiters();
+    }
+}
+
 /// A pooled connection for one call; back to the pool with [`NearLease::finish`], closed if
 /// dropped (a call that failed or was cancelled mid-request).
 struct NearLease<'a> {
@@ -216,6 +269,8 @@ struct NearLease<'a> {
     /// Taken from the pool (the server may have closed it meanwhile), not opened for this call.
     reused: bool,
     _permit: SemaphorePermit<'a>,
+    /// Counted among its call's exchanges in flight (a budgeted call's), until it ends.
+    _in_flight: Option<InFlight>,
 }
 
 impl NearLease<'_> {
@@ -330,7 +385,17 @@ impl AutoNear {
                 }
             }
         };
-        Ok(NearLease { pool: self, conn, reused, _permit: permit })
+        // Inside a budgeted call, each request may take what is left of the budget at most (and
+        // the call waits for it: see `CallScope`).
+        let scope = CALL_SCOPE.try_with(|s| s.clone()).ok();
+        let mut conn = conn;
+        let timeout = match &scope {
+            Some(s) => self.request_timeout.min(s.deadline.saturating_duration_since(Instant::now())),
+            None => self.request_timeout,
+        };
+        conn.set_request_timeout(timeout.max(Duration::from_millis(1)));
+        let _in_flight = scope.map(|s| InFlight::enter(&s.exchanges));
+        Ok(NearLease { pool: self, conn, reused, _permit: permit, _in_flight })
     }
 
     /// Records that no connection could be opened (tried again after [`RETRY_AFTER`]).
@@ -679,7 +744,7 @@ impl KvClient {
     ) -> Result<StoreReport, ClientError> {
         self.check_context(tokens.len())?;
         let keys = ns.keys(tokens);
-        if first_block + blocks > keys.len() {
+        if first_block.checked_add(blocks).is_none_or(|end| end > keys.len()) {
             return Err(ClientError::InvalidArgument(format!(
                 "{blocks} blocks from block {first_block} given for {} tokens, which make only {} full blocks",
                 tokens.len(),
@@ -687,7 +752,10 @@ impl KvClient {
             )));
         }
         let bb = ns.block_bytes();
-        let offsets: Vec<u64> = (0..blocks as u64).map(|i| offset + i * bb).collect();
+        let offsets: Vec<u64> = (0..blocks as u64)
+            .map(|i| i.checked_mul(bb).and_then(|at| offset.checked_add(at)))
+            .collect::<Option<_>>()
+            .ok_or_else(|| ClientError::InvalidArgument(format!("{blocks} blocks from offset {offset} pass 2^64")))?;
         let keys = &keys[first_block..first_block + blocks];
         let st = self.store_buffer(ns, keys, Some(first_block), buf.into(), Places::Offsets(&offsets)).await?;
         let rejected: Vec<(usize, ItemStatus)> =

@@ -567,7 +567,10 @@ where
 /// Splits `kv` (held without copying) into block payloads: full blocks of `block_bytes`, then a
 /// shorter tail if `tail_bytes > 0`.
 fn split_blocks(kv: HeldBuffer, full: usize, block_bytes: usize, tail_bytes: usize) -> PyResult<Vec<Bytes>> {
-    let want = full * block_bytes + tail_bytes;
+    let want = full
+        .checked_mul(block_bytes)
+        .and_then(|w| w.checked_add(tail_bytes))
+        .ok_or_else(|| too_large(full, block_bytes))?;
     if kv.len() != want {
         return Err(PyValueError::new_err(format!(
             "KV buffer is {} bytes; {full} full blocks of {block_bytes} bytes{} make {want}",
@@ -860,6 +863,11 @@ impl Client {
         tls_key: Option<std::path::PathBuf>,
         tls_server_name: Option<String>,
     ) -> PyResult<Self> {
+        if !(1..=MAX_CONNECTIONS).contains(&connections) {
+            return Err(PyValueError::new_err(format!(
+                "connections must be 1 to {MAX_CONNECTIONS}, got {connections}"
+            )));
+        }
         let tls = match (tls_ca, tls_cert, tls_key) {
             (None, None, None) => None,
             (Some(ca), cert, key) => {
@@ -884,7 +892,7 @@ impl Client {
         let cfg = ClientConfig {
             request_timeout: budget,
             connect_timeout: budget.min(Duration::from_secs(5)),
-            data_connections: connections.max(1),
+            data_connections: connections,
             auth_token,
             samenode,
             samenode_poll: Duration::from_micros(samenode_poll_us),
@@ -1137,7 +1145,7 @@ impl Client {
             }
         } else {
             let h = HeldBuffer::open(kv, false)?;
-            let want = hashes.len() * bb;
+            let want = hashes.len().checked_mul(bb).ok_or_else(|| too_large(hashes.len(), bb))?;
             if h.len() != want {
                 return Err(PyValueError::new_err(format!(
                     "KV buffer is {} bytes; {} full blocks of {bb} bytes make {want}",
@@ -1226,11 +1234,11 @@ impl Client {
             check_disjoint(held.iter().map(|h| (h.0.buf_ptr() as usize, h.len())).collect())?;
         } else {
             let h = HeldBuffer::open(out, true)?;
-            if h.len() != n * bb {
+            if n.checked_mul(bb) != Some(h.len()) {
                 return Err(PyValueError::new_err(format!(
                     "output buffer is {} bytes; {n} blocks of {bb} bytes make {}",
                     h.len(),
-                    n * bb
+                    n as u128 * bb as u128
                 )));
             }
             held.push(h);
@@ -1630,7 +1638,9 @@ fn segments(raw: Vec<Vec<(usize, usize)>>, block_bytes: usize, writes: bool) -> 
                     "key {i}: segment ({addr:#x}, {len}) is empty or not memory"
                 )));
             }
-            total += len;
+            total = total.checked_add(len).ok_or_else(|| {
+                PyValueError::new_err(format!("key {i}: segments hold more than 2^64 bytes; a block is {block_bytes}"))
+            })?;
             v.push(RawSegment { addr, len });
             all.push((addr, len));
         }
@@ -1648,6 +1658,14 @@ fn segments(raw: Vec<Vec<(usize, usize)>>, block_bytes: usize, writes: bool) -> 
 }
 
 /// Refuses overlapping destination ranges (two keys loaded into the same bytes).
+/// The most data-plane connections a `Client` keeps (each a socket and its buffers on both ends).
+const MAX_CONNECTIONS: usize = 1024;
+
+/// The error for `n` blocks of `block_bytes` that no buffer of this machine can hold.
+fn too_large(n: usize, block_bytes: usize) -> PyErr {
+    PyValueError::new_err(format!("{n} blocks of {block_bytes} bytes pass the address space"))
+}
+
 fn check_disjoint(mut ranges: Vec<(usize, usize)>) -> PyResult<()> {
     ranges.sort_unstable();
     for w in ranges.windows(2) {
@@ -1728,7 +1746,8 @@ impl EventStream {
 
     /// The next event within `timeout` (forever when `None`), checking for Ctrl-C between waits.
     fn next_within<'py>(&self, py: Python<'py>, timeout: Option<Duration>) -> PyResult<Option<Waited>> {
-        let deadline = timeout.map(|t| std::time::Instant::now() + t);
+        // A timeout past what the clock can add is no deadline at all.
+        let deadline = timeout.and_then(|t| std::time::Instant::now().checked_add(t));
         loop {
             let slice = match deadline {
                 Some(d) => d.saturating_duration_since(std::time::Instant::now()).min(Duration::from_millis(200)),

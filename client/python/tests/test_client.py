@@ -200,6 +200,19 @@ def test_bad_buffers_are_refused_clearly(server):
         c.store(n, toks, kv_for(32).reshape(2, -1)[:, ::2])
     with pytest.raises(kvtier.InvalidRequestError, match="blocks from block"):
         c.store(n, toks, kv_for(16), first_block=4)  # past the 4 full blocks of 64 tokens
+    with pytest.raises(kvtier.InvalidRequestError, match="blocks from block"):
+        c.store(n, toks, kv_for(16), first_block=2**64 - 1)  # no overflow on the way
+    for bad in (0, 2**62):
+        with pytest.raises(ValueError, match="connections must be"):
+            kvtier.Client(server.addr, connections=bad)
+    # Sizes no buffer can have: refused, not a wrapped multiplication.
+    huge = kvtier.Namespace("acme", "huge@1", layers=1024, kv_heads=1024, head_dim=4096, dtype="fp32",
+                            block_tokens=65536)
+    assert huge.block_bytes == 2**51
+    with pytest.raises(ValueError, match="address space"):
+        c.store_keys(huge, [b"k%d" % i for i in range(8192)], b"")
+    with pytest.raises(ValueError, match="bytes"):
+        c.load_keys_into(huge, [b"k%d" % i for i in range(8192)], bytearray(0))
     # The server keeps serving.
     assert c.store(n, toks, kv_for(64)) == 4
 
