@@ -8,67 +8,11 @@ use std::net::TcpStream;
 use bytes::Bytes;
 use kvtier_client::{ClientError, ParkOptions};
 use kvtier_proto::dataplane::{
-    Hello, ItemStatus, Op, RequestHeader, ResponseHeader, Status, FLAG_CHECKSUM_AFTER, MIN_PROTOCOL_VERSION,
-    PROTOCOL_VERSION, RESPONSE_HEADER_LEN,
+    Hello, ItemStatus, Op, RequestHeader, Status, FLAG_CHECKSUM_AFTER, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
 };
-use kvtier_proto::{pb, FrameHeader, NamespaceId};
+use kvtier_proto::{pb, NamespaceId};
+use kvtier_tests::raw::Raw;
 use kvtier_tests::*;
-
-/// A blocking data-plane connection that can send anything.
-struct Raw(TcpStream);
-
-impl Raw {
-    fn open(server: &ServerProcess) -> Raw {
-        Raw::open_version(server, PROTOCOL_VERSION).unwrap()
-    }
-    /// A connection whose hello says `version`; the refusal's status and message if it is refused.
-    fn open_version(server: &ServerProcess, version: u16) -> Result<Raw, (u8, String)> {
-        let mut s = TcpStream::connect(server.data).unwrap();
-        s.write_all(&Hello::encode(version, b"")).unwrap();
-        let mut r = [0u8; 4];
-        s.read_exact(&mut r).unwrap();
-        let mut msg = vec![0u8; u16::from_le_bytes([r[2], r[3]]) as usize];
-        s.read_exact(&mut msg).unwrap();
-        let msg = String::from_utf8_lossy(&msg).into_owned();
-        if r[0] != Status::Ok as u8 {
-            return Err((r[0], msg));
-        }
-        Ok(Raw(s))
-    }
-    fn put_header(&mut self, count: u32) {
-        self.put_header_flags(count, 0);
-    }
-    fn put_header_flags(&mut self, count: u32, flags: u16) {
-        let h = RequestHeader { op: Op::Put, flags, request_id: 9, count, namespace: NamespaceId([0; 16]) };
-        self.0.write_all(&h.encode()).unwrap();
-    }
-    fn send_frame(&mut self, header: &FrameHeader, payload: &[u8]) {
-        self.0.write_all(&header.encode()).unwrap();
-        self.0.write_all(payload).unwrap();
-    }
-    /// Reads a response header; on a request-level error returns its status and message.
-    fn response(&mut self) -> Result<ResponseHeader, (Status, String)> {
-        let mut rh = [0u8; RESPONSE_HEADER_LEN];
-        self.0.read_exact(&mut rh).unwrap();
-        let h = ResponseHeader::decode(&rh).unwrap();
-        if h.status != Status::Ok {
-            let mut msg = vec![0u8; h.msg_len as usize];
-            self.0.read_exact(&mut msg).unwrap();
-            return Err((h.status, String::from_utf8_lossy(&msg).into_owned()));
-        }
-        Ok(h)
-    }
-    fn statuses(&mut self, n: usize) -> Vec<ItemStatus> {
-        let mut b = vec![0u8; n];
-        self.0.read_exact(&mut b).unwrap();
-        b.into_iter().map(|s| ItemStatus::from_u8(s).unwrap()).collect()
-    }
-    /// True once the server has closed the connection.
-    fn closed(&mut self) -> bool {
-        let mut b = [0u8; 1];
-        matches!(self.0.read(&mut b), Ok(0) | Err(_))
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_bad_input_gets_a_clear_error_and_nothing_is_lost() {
@@ -86,7 +30,7 @@ async fn every_bad_input_gets_a_clear_error_and_nothing_is_lost() {
     };
 
     // 1. A block whose size doesn't match its layout; the same connection then stores a good one.
-    let mut raw = Raw::open(&server);
+    let mut raw = Raw::open(server.data);
     let bad = fresh(1);
     let mut h = bad.header;
     h.payload_len = 100;
@@ -151,20 +95,20 @@ async fn every_bad_input_gets_a_clear_error_and_nothing_is_lost() {
     assert!(raw.closed());
 
     // 6. Truncated frame: the client dies half-way through a payload. Nothing becomes visible.
-    let mut raw = Raw::open(&server);
+    let mut raw = Raw::open(server.data);
     let f = fresh(6);
     raw.put_header(1);
     raw.0.write_all(&f.header.encode()).unwrap();
     raw.0.write_all(&f.payload[..bb / 2]).unwrap();
     drop(raw);
     // 7. Garbage where a frame header belongs, and too many blocks in one request.
-    let mut raw = Raw::open(&server);
+    let mut raw = Raw::open(server.data);
     raw.put_header(1);
     raw.0.write_all(&[0xAB; 128]).unwrap();
     let (st, msg) = raw.response().unwrap_err();
     assert_eq!(st, Status::BadRequest);
     assert!(msg.contains("magic"), "{msg}");
-    let mut raw = Raw::open(&server);
+    let mut raw = Raw::open(server.data);
     raw.put_header(1_000_000);
     let (st, msg) = raw.response().unwrap_err();
     assert_eq!(st, Status::TooLarge);
@@ -219,7 +163,7 @@ async fn checksums_after_the_payloads_are_checked_and_refused_where_they_cannot_
         ns.frame(k, 16, payload_for(&k, bb as u64)).unwrap()
     };
     let (good, wrong, short, last) = (fresh(1), fresh(2), fresh(3), fresh(4));
-    let mut raw = Raw::open(&server);
+    let mut raw = Raw::open(server.data);
     raw.put_header_flags(4, FLAG_CHECKSUM_AFTER);
     // Good, its header's checksum zeroed: the trailer is what counts.
     let mut h = good.header;
@@ -249,7 +193,7 @@ async fn checksums_after_the_payloads_are_checked_and_refused_where_they_cannot_
     assert_eq!(got[3].as_ref().map(|f| f.payload.clone()), Some(last.payload.clone()));
 
     // A protocol-1 connection stores as before, and is refused the flag.
-    let mut old = Raw::open_version(&server, MIN_PROTOCOL_VERSION).unwrap();
+    let mut old = Raw::open_version(server.data, MIN_PROTOCOL_VERSION).unwrap();
     let one = fresh(5);
     old.put_header(1);
     old.send_frame(&one.header, &one.payload);
@@ -261,7 +205,7 @@ async fn checksums_after_the_payloads_are_checked_and_refused_where_they_cannot_
     assert!(msg.contains("protocol 2") && msg.contains("protocol 1"), "{msg}");
     assert!(old.closed(), "the rest of that request can't be framed");
     // On a GET the flag means nothing it could frame either.
-    let mut raw = Raw::open(&server);
+    let mut raw = Raw::open(server.data);
     let get = RequestHeader { op: Op::Get, flags: FLAG_CHECKSUM_AFTER, request_id: 3, count: 1, namespace: ns.id };
     raw.0.write_all(&get.encode()).unwrap();
     raw.0.write_all(&good.header.key.0).unwrap();
@@ -270,7 +214,7 @@ async fn checksums_after_the_payloads_are_checked_and_refused_where_they_cannot_
     assert!(msg.contains("Get"), "{msg}");
     assert!(raw.closed());
     // A version the server doesn't speak is named in the refusal.
-    let (st, msg) = Raw::open_version(&server, PROTOCOL_VERSION + 1).err().expect("refused");
+    let (st, msg) = Raw::open_version(server.data, PROTOCOL_VERSION + 1).err().expect("refused");
     assert_eq!(st, Status::UnsupportedVersion as u8);
     assert!(msg.contains(&format!("{MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION}")), "{msg}");
 
@@ -293,7 +237,7 @@ async fn a_client_that_dies_mid_park_leaks_no_pins() {
     let client = server.client().await;
     let ns = client.register(namespace("lease", b"", small_layout())).await.unwrap();
     let t = tokens(77, 64);
-    let mut raw = Raw::open(&server);
+    let mut raw = Raw::open(server.data);
     let h = RequestHeader {
         op: Op::Put,
         flags: kvtier_proto::dataplane::FLAG_PIN_LEASE,
@@ -410,7 +354,7 @@ async fn pin_leases_count_each_block_once_and_are_capped_per_connection() {
     layout.block_tokens = 64; // 4 KiB blocks: one slot each
     let ns = client.register(namespace("leases", b"", layout)).await.unwrap();
     let bb = ns.block_bytes();
-    let mut raw = Raw::open(&server);
+    let mut raw = Raw::open(server.data);
     let mut put_leased = |frames: &[&kvtier_proto::BlockFrame]| -> Vec<ItemStatus> {
         let h = RequestHeader {
             op: Op::Put,

@@ -369,73 +369,47 @@ async fn peers_write_leases_hold_half_the_lease_budget_and_plain_puts_keep_the_r
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_malformed_header_in_a_lease_put_is_refused_alone_and_the_connection_stays_in_step() {
-    use kvtier_proto::dataplane::{Hello, LeaseGrant, Op, RequestHeader, ResponseHeader, Status, RESPONSE_HEADER_LEN};
-    use std::io::{Read, Write};
+    use kvtier_proto::dataplane::{LeaseGrant, Op};
+    use kvtier_tests::raw::Raw;
 
     let s = setup(true, |_| {}).await;
     let blocks = frames(&s.ns, 31, 4);
     let data = s.server.data_addr;
     let (statuses, again) = tokio::task::spawn_blocking(move || {
-        let mut c = std::net::TcpStream::connect(data).unwrap();
-        c.write_all(&Hello::encode(kvtier_proto::dataplane::PROTOCOL_VERSION, b"")).unwrap();
-        let mut hello = [0u8; 4];
-        c.read_exact(&mut hello).unwrap();
-        assert_eq!(hello[0], Status::Ok as u8);
-        let mut msg = vec![0u8; u16::from_le_bytes([hello[2], hello[3]]) as usize];
-        c.read_exact(&mut msg).unwrap();
-        let answer = |c: &mut std::net::TcpStream| {
-            let mut rh = [0u8; RESPONSE_HEADER_LEN];
-            c.read_exact(&mut rh).unwrap();
-            let h = ResponseHeader::decode(&rh).unwrap();
-            assert_eq!(h.status, Status::Ok, "a request-level refusal");
-            h
-        };
-        let request = |op, count| RequestHeader { op, flags: 0, request_id: 1, count, namespace: no_namespace() };
+        use std::io::Write;
+        let mut c = Raw::open(data);
         let endpoint = peer_endpoint();
-        c.write_all(&request(Op::Connect, endpoint.len() as u32).encode()).unwrap();
-        c.write_all(&endpoint).unwrap();
-        let h = answer(&mut c);
-        let mut node = vec![0u8; h.count as usize];
-        c.read_exact(&mut node).unwrap();
+        c.request(Op::Connect, 0, endpoint.len() as u32);
+        c.0.write_all(&endpoint).unwrap();
+        let h = c.response().unwrap();
+        c.bytes(h.count as usize);
         // Three headers, the middle one damaged (its own checksum no longer matches).
         let mut bad = blocks[1].header.encode();
         bad[40] ^= 0xFF;
-        c.write_all(&request(Op::LeasePut, 3).encode()).unwrap();
-        c.write_all(&blocks[0].header.encode()).unwrap();
-        c.write_all(&bad).unwrap();
-        c.write_all(&blocks[2].header.encode()).unwrap();
-        let h = answer(&mut c);
-        assert_eq!(h.count, 3);
+        c.request(Op::LeasePut, 0, 3);
+        c.0.write_all(&blocks[0].header.encode()).unwrap();
+        c.0.write_all(&bad).unwrap();
+        c.0.write_all(&blocks[2].header.encode()).unwrap();
+        assert_eq!(c.response().unwrap().count, 3);
         let mut items = Vec::new();
         for _ in 0..3 {
-            let mut st = [0u8; 1];
-            c.read_exact(&mut st).unwrap();
-            let st = ItemStatus::from_u8(st[0]).unwrap();
+            let st = c.statuses(1)[0];
             if st == ItemStatus::Ok {
-                let mut g = [0u8; LeaseGrant::LEN];
-                c.read_exact(&mut g).unwrap();
-                LeaseGrant::decode(&g).unwrap();
+                LeaseGrant::decode(&c.bytes(LeaseGrant::LEN).try_into().unwrap()).unwrap();
             }
             items.push(st);
         }
         // The next request is read where it starts.
-        c.write_all(&request(Op::LeasePut, 1).encode()).unwrap();
-        c.write_all(&blocks[3].header.encode()).unwrap();
-        answer(&mut c);
-        let mut st = [0u8; 1];
-        c.read_exact(&mut st).unwrap();
-        (items, ItemStatus::from_u8(st[0]).unwrap())
+        c.request(Op::LeasePut, 0, 1);
+        c.0.write_all(&blocks[3].header.encode()).unwrap();
+        c.response().unwrap();
+        (items, c.statuses(1)[0])
     })
     .await
     .unwrap();
     assert_eq!(statuses, [ItemStatus::Ok, ItemStatus::BadHeader, ItemStatus::Ok]);
     assert_eq!(again, ItemStatus::Ok);
     s.server.stop(T).await.unwrap();
-}
-
-/// A request header's namespace where the op takes none (the lease ops name theirs per item).
-fn no_namespace() -> kvtier_proto::NamespaceId {
-    kvtier_proto::NamespaceId([0; 16])
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,11 +5,13 @@
 //! - [`faults`]: a fault-injecting wrapper for any byte stream (delay, stall, cut, corrupt).
 //! - [`harness`]: N real nodes in this process, their data planes reached over in-memory streams
 //!   (or Unix sockets) through that wrapper.
+//! - [`raw`]: a blocking data-plane connection that sends hand-built requests.
 //! - [`redis`]: a real `redis-server` on loopback for the cluster tests.
 
 pub mod fabric;
 pub mod faults;
 pub mod harness;
+pub mod raw;
 pub mod redis;
 
 use std::io::{BufRead, BufReader, Read, Write};
