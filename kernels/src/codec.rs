@@ -463,13 +463,7 @@ impl Codec {
         spec.validate()?;
         let (format, lz4) = split_codec(self.id)?;
         if format == Format::Raw && !lz4 {
-            if payload.len() != spec.byte_len() {
-                return Err(CodecError::Corrupt(format!(
-                    "raw payload is {} bytes, {} expected",
-                    payload.len(),
-                    spec.byte_len()
-                )));
-            }
+            raw_of(payload, spec)?;
         } else {
             payload_of(payload, spec)?;
         }
@@ -496,13 +490,7 @@ impl Codec {
         let isa = self.backend.resolve()?;
         let parallel = self.parallel(out.len());
         if format == Format::Raw && !lz4 {
-            if payload.len() != spec.byte_len() {
-                return Err(CodecError::Corrupt(format!(
-                    "raw payload is {} bytes, {} expected",
-                    payload.len(),
-                    spec.byte_len()
-                )));
-            }
+            raw_of(payload, spec)?;
             return convert(spec, payload, out_dtype, out, parallel);
         }
         // The header first (cheap): a payload of another shape is refused before its body is
@@ -616,6 +604,18 @@ impl Codec {
             }
         }
     }
+}
+
+/// Checks that a raw (uncompressed, unencoded) `payload` is exactly a block of `spec`.
+fn raw_of(payload: &[u8], spec: &BlockSpec) -> Result<(), CodecError> {
+    if payload.len() != spec.byte_len() {
+        return Err(CodecError::Corrupt(format!(
+            "raw payload is {} bytes, {} expected",
+            payload.len(),
+            spec.byte_len()
+        )));
+    }
+    Ok(())
 }
 
 /// The header of an encoded `payload`, checked to describe a block of `spec`, and its body's
