@@ -144,7 +144,11 @@ impl Rotation {
         &self.chunks
     }
 
-    /// `y = H · diag(s) · x / sqrt(n)` per chunk, in place. `x.len()` must be `head_dim`.
+    /// `y = H · diag(s) · x / sqrt(n)` per chunk, in place.
+    ///
+    /// # Panics
+    /// If `x.len()` is not `head_dim` (a caller's bug, as with `copy_from_slice`: the codecs
+    /// size every row from a validated spec).
     pub fn forward(&self, x: &mut [f32]) {
         assert_eq!(x.len(), self.head_dim(), "row length");
         x.iter_mut().zip(&self.mul).for_each(|(v, m)| *v *= m);
@@ -152,6 +156,9 @@ impl Rotation {
     }
 
     /// `x = diag(s) · H · y / sqrt(n)` per chunk, in place: the inverse of [`Rotation::forward`].
+    ///
+    /// # Panics
+    /// If `y.len()` is not `head_dim`, as [`Rotation::forward`].
     pub fn inverse(&self, y: &mut [f32]) {
         assert_eq!(y.len(), self.head_dim(), "row length");
         self.butterflies(y);

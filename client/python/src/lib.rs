@@ -913,8 +913,9 @@ impl Client {
     /// this host (see `SharedBuffer`). View it with `np.frombuffer(buf, dtype=...)` or
     /// `torch.frombuffer(buf, dtype=...)` and pass those views (or slices of them) to
     /// `load_into`, `load_keys_into`, `store` and `store_keys`.
-    fn alloc_buffer(&self, nbytes: usize) -> PyResult<PySharedBuffer> {
-        PySharedBuffer::new(nbytes)
+    fn alloc_buffer(&self, py: Python<'_>, nbytes: usize) -> PyResult<PySharedBuffer> {
+        // Faulting in a large buffer takes a while: other Python threads run meanwhile.
+        py.detach(|| PySharedBuffer::new(nbytes))
     }
 
     /// Registers `length` bytes from `offset` of an existing file on tmpfs (`/dev/shm`) that
