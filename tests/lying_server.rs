@@ -68,14 +68,7 @@ async fn fake_data_plane(mut s: DuplexStream, ns: NamespaceId, layout: KvLayout,
 
 async fn lying_client(lie: Lie) -> (kvtier_server::RunningServer, KvClient, kvtier_client::NamespaceHandle) {
     let dir = tempfile::tempdir().unwrap();
-    let config = ServerConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        data_listen: "127.0.0.1:0".parse().unwrap(),
-        metrics_listen: None,
-        data_dir: dir.keep(),
-        dram_capacity: ByteSize(16 << 20),
-        ..ServerConfig::default()
-    };
+    let config = ServerConfig { dram_capacity: ByteSize(16 << 20), ..kvtier_tests::harness::node_config(&dir.keep()) };
     let server = kvtier_server::start(config, None).await.unwrap();
     let layout = small_layout();
     let ns_id = namespace("liar", b"l", layout).id();

@@ -52,14 +52,8 @@ struct Setup {
 
 async fn setup(fabric: bool, tweak: impl FnOnce(&mut ServerConfig)) -> Setup {
     let dir = tempfile::tempdir().unwrap();
-    let mut config = ServerConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        data_listen: "127.0.0.1:0".parse().unwrap(),
-        metrics_listen: None,
-        data_dir: dir.path().to_path_buf(),
-        dram_capacity: ByteSize(8 << 20),
-        ..ServerConfig::default()
-    };
+    let mut config =
+        ServerConfig { dram_capacity: ByteSize(8 << 20), ..kvtier_tests::harness::node_config(dir.path()) };
     tweak(&mut config);
     let token = config.auth_token.clone();
     let server = kvtier_server::start(config, None).await.expect("start");

@@ -1072,14 +1072,8 @@ mod tests {
         use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
         let dir = tempfile::tempdir().unwrap();
-        let config = kvtier_server::ServerConfig {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            data_listen: "127.0.0.1:0".parse().unwrap(),
-            metrics_listen: None,
-            data_dir: dir.path().to_path_buf(),
-            dram_capacity: ByteSize(64 << 20),
-            ..Default::default()
-        };
+        // A harness node: loopback, no metrics, 64 MiB of DRAM.
+        let config = kvtier_tests::harness::node_config(dir.path());
         let server = kvtier_server::start(config, None).await.unwrap();
         let fabric = LoopbackFabric::new();
         server.state.attach_fabric(Arc::new(kvtier_tests::fabric::ArenaOnLoopback(fabric.clone()))).unwrap();
