@@ -297,6 +297,8 @@ fn main() -> anyhow::Result<()> {
             Ok(d) => {
                 let pb = bar(cfg.cells() as u64, "python");
                 let grpc = rt.block_on(kvtier_client::KvClient::connect(&addr, Default::default()))?;
+                // Paths the driver left out: the first reason for each.
+                let mut skipped = std::collections::BTreeMap::new();
                 for &c in &cfg.concurrency {
                     for &size in &cfg.sizes {
                         pb.set_message(format!("python {} KiB x{c}", size >> 10));
@@ -315,6 +317,9 @@ fn main() -> anyhow::Result<()> {
                                 let req = kvtier_proto::pb::PurgeRequest { namespace_id: pydriver::unhex(id)?.into() };
                                 rt.block_on(grpc.raw_grpc().purge(req))?;
                             }
+                            for (path, why) in &r.skipped {
+                                skipped.entry(path.clone()).or_insert_with(|| why.clone());
+                            }
                             runs_.push(r);
                         }
                         cells.extend(pydriver::cells(&runs_, size, c));
@@ -326,6 +331,9 @@ fn main() -> anyhow::Result<()> {
                     "Python client: {} (one `kvtier.Client` with `connections=c`, c threads, one block per call).",
                     d.python().display()
                 ));
+                for (path, why) in skipped {
+                    notes.push(format!("Python `{path}` figures are skipped: {why}."));
+                }
             }
         }
         drop(server);

@@ -139,6 +139,10 @@ pub struct PyRun {
     pub paths: BTreeMap<String, PyPath>,
     /// kvtier namespace ids (hex) the run wrote, for the caller to purge.
     pub namespaces: Vec<String>,
+    /// Paths the driver left out, with the reason (the same-node path where the server is on
+    /// another host or has no same-node socket).
+    #[serde(default)]
+    pub skipped: BTreeMap<String, String>,
 }
 
 /// Store and load cells of each path, from every run of one (size, concurrency) cell.
@@ -184,5 +188,17 @@ mod tests {
         assert_eq!(cs[1].gb_per_s, 2.0);
         assert_eq!(unhex("00ff").unwrap(), vec![0, 255]);
         assert!(unhex("0").is_err());
+        // An older driver says nothing of skipped paths.
+        assert!(run(1.0).skipped.is_empty());
+    }
+
+    #[test]
+    fn a_path_the_driver_left_out_is_no_cell_and_keeps_its_reason() {
+        let r: PyRun = serde_json::from_str(
+            r#"{"bytes": 8, "namespaces": [], "paths": {}, "skipped": {"python-samenode": "0 of 4 loads took the same-node path"}}"#,
+        )
+        .unwrap();
+        assert!(cells(std::slice::from_ref(&r), 1 << 20, 1).is_empty());
+        assert_eq!(r.skipped["python-samenode"], "0 of 4 loads took the same-node path");
     }
 }

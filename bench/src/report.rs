@@ -70,6 +70,38 @@ pub fn limits_table(l: &Limits) -> String {
     s
 }
 
+/// The same-node path from Python beside the peers and the TCP paths of the same run: what an
+/// engine on the server's host gets (the vLLM and SGLang adapters register their host memory).
+/// No goal marks: the issue's goals are read over TCP, in the ratios table above.
+fn samenode_ratios(sizes: &[usize], concs: &[usize], g: &dyn Fn(&str, &str, usize, usize) -> f64, tcp0: f64) -> String {
+    let mut s = String::from(
+        "### The same-node path from Python (blocks in `Client.alloc_buffer` memory; ratios, same run)\n\n\
+         | block | conc | load / TCP | load / Python over TCP | load / LMCache | load / Redis GET | store / TCP | store / Python `store_keys` over TCP | store / LMCache PUT |\n\
+         |---|---|---|---|---|---|---|---|---|\n",
+    );
+    for &size in sizes {
+        for &c in concs {
+            let tcp = match g("tcp", "load", size, c) {
+                t if t.is_finite() => t,
+                _ => tcp0,
+            };
+            let (ld, st) = (g("python-samenode", "load", size, c), g("python-samenode", "store", size, c));
+            s += &format!(
+                "| {} | {c} | {} | {} | {} | {} | {} | {} | {} |\n",
+                crate::report::size(size),
+                f2(ratio(ld, tcp)),
+                f2(ratio(ld, g("python-keys", "load", size, c))),
+                f2(ratio(ld, g("lmcache", "load", size, c))),
+                f2(ratio(ld, g("redis", "load", size, c))),
+                f2(ratio(st, tcp)),
+                f2(ratio(st, g("python-keys", "store", size, c))),
+                f2(ratio(st, g("lmcache", "store", size, c))),
+            );
+        }
+    }
+    s + "\n"
+}
+
 fn find<'a>(cells: &'a [Cell], system: &str, op: &str, size: usize, c: usize) -> Option<&'a Cell> {
     cells.iter().find(|x| x.system == system && x.op == op && x.block_bytes == size && x.concurrency == c)
 }
@@ -255,6 +287,7 @@ pub fn wire_tables(cells: &[Cell], l: &crate::limits::Limits, rt: &RoundTrips, n
         ("engine-fp8-x8", "fp8, 8 blocks/call (bf16 bytes)"),
         ("python", "Python `load_into`"),
         ("python-keys", "Python `load_keys_into`"),
+        ("python-samenode", "Python `load_keys_into`, same node"),
         ("lmcache", "LMCache server"),
         ("redis", "Redis GET (Rust)"),
         ("redis-benchmark", "redis-benchmark GET"),
@@ -267,6 +300,7 @@ pub fn wire_tables(cells: &[Cell], l: &crate::limits::Limits, rt: &RoundTrips, n
         ("engine-fp8-x8", "fp8 `store_keys`, 8 blocks/call (bf16 bytes)"),
         ("python", "Python `store`"),
         ("python-keys", "Python `store_keys`"),
+        ("python-samenode", "Python `store_keys`, same node"),
         ("lmcache", "LMCache PUT"),
         ("redis", "Redis SET (Rust)"),
         ("redis-benchmark", "redis-benchmark SET"),
@@ -335,6 +369,9 @@ pub fn wire_tables(cells: &[Cell], l: &crate::limits::Limits, rt: &RoundTrips, n
                 f2(ratio(g("engine-fp8-x8", "store", size, c), g("engine-fused-x8", "store", size, c))),
             );
         }
+    }
+    if cells.iter().any(|x| x.system == "python-samenode") {
+        s += &samenode_ratios(&sizes, &concs, &g, l.tcp);
     }
     s += "\n### Per-operation latency, loads (ms, p50 / p99 over every run; 8 blocks/call: per call)\n\n| block | conc |";
     let load_sys = &load_sys[1..];

@@ -3,6 +3,7 @@ hands out shared memory that NumPy and torch view in place; loads into it and st
 through the server's Unix socket (the client's `samenode_stats` and the server's own request
 counters say so), and KV anywhere else goes over TCP as before. Every round trip compares bytes."""
 
+import argparse
 import gc
 import os
 import threading
@@ -321,3 +322,28 @@ def test_a_registered_file_truncated_is_an_error_and_the_server_goes_on(server, 
     assert other.load_keys_into(n, keys, buf) == [True]
     assert bytes(memoryview(buf)) == bytes([7]) * bb
     assert other.samenode_stats()["loads"] == 1
+
+
+def test_the_wire_bench_driver_measures_the_same_node_path_only_when_it_is_taken(server, tmp_path):
+    """`kvtier.wire_bench` (the Python side of `kvtier-bench blocks`): every path of a small cell
+    moves the stored bytes, and `python-samenode` is reported only when every one of its calls
+    went over the same-node socket; otherwise it is left out with the reason."""
+    from kvtier import wire_bench
+
+    def cell(addr, run):
+        args = argparse.Namespace(server=addr, size=64 << 10, concurrency=2, ops=4, run=run)
+        return wire_bench.bench_kvtier(args)
+
+    out = cell(server.addr, 0)
+    assert set(out["paths"]) == {"python", "python-keys", "python-samenode"}, out["skipped"]
+    assert out["skipped"] == {} and out["bytes"] == (64 << 10) * 2 * 4
+    near = out["paths"]["python-samenode"]
+    assert len(near["load_lat"]) == len(near["store_lat"]) == 8 and near["load_s"] > 0
+
+    cfg = tmp_path / "kvtier.toml"
+    cfg.write_text('samenode_socket = "off"\n')
+    with LocalServer(extra_args=["--config", str(cfg)]) as srv:
+        out = cell(srv.addr, 1)
+    assert set(out["paths"]) == {"python", "python-keys"}
+    why = out["skipped"]["python-samenode"]
+    assert "0 of 8 loads" in why and "not_advertised" in why, why

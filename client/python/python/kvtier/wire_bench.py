@@ -13,6 +13,12 @@ inside every kvtier call). Paths, each stored then loaded:
   load in one request, received into `out`), in a token namespace;
 - `python-keys`: `Client.store_keys` then `Client.load_keys_into` with engine hashes, in a
   `Namespace.opaque` namespace (what the vLLM, SGLang and LMCache adapters call);
+- `python-samenode`: the same calls with every block in memory from `Client.alloc_buffer` (a
+  shared buffer: stores from it, loads into it), so they take the same-node path — the server
+  copies each block straight between its DRAM tier and the caller's pages, no TCP — as an engine
+  on the server's host does (the vLLM and SGLang adapters register their host memory). The
+  client's `samenode_stats()` must count every one of them as a same-node call; otherwise (the
+  server on another host, no same-node socket) the path is left out and `skipped` says why;
 - `lmcache`: LMCache 0.5.6's `lm://` protocol (`ClientMetaMessage` / `ServerMetaMessage`, as its
   `LMCServerConnector` speaks it): a PUT of the chunk's bytes (unanswered: each thread's store
   phase ends with an EXIST round trip, so it counts until the server has taken every chunk),
@@ -24,7 +30,8 @@ larger than a core's cache, and a one-block buffer reused by every load would st
 flatter every path. The check after each load phase compares every slot with the stored bytes.
 
 Prints one JSON object on stdout: per path, the wall time of the store and load phases, every
-operation's latency (seconds), and the kvtier namespace ids written (the caller purges them).
+operation's latency (seconds), the kvtier namespace ids written (the caller purges them), and
+`skipped`: paths left out, with the reason.
 """
 
 import argparse
@@ -90,6 +97,24 @@ def dest_slots(size):
     return [buf[i * size:(i + 1) * size] for i in range(DEST_SLOTS)]
 
 
+def shared_slots(client, size, data):
+    """`dest_slots` in one `Client.alloc_buffer` shared buffer, plus one more block holding `data`
+    (the source of this thread's same-node stores): (slots, source)."""
+    import numpy as np
+
+    buf = np.frombuffer(client.alloc_buffer(size * (DEST_SLOTS + 1)), dtype=np.uint8)
+    buf.fill(1)
+    src = buf[DEST_SLOTS * size:]
+    src[:] = np.frombuffer(data, dtype=np.uint8)
+    return [buf[i * size:(i + 1) * size] for i in range(DEST_SLOTS)], src
+
+
+def samenode_calls(client):
+    """Same-node loads and stores so far, and the last reason a call went over TCP instead."""
+    st = client.samenode_stats()
+    return st["loads"], st["stores"], st["last_fallback"]
+
+
 def check_slots(system, outs, data, n):
     """Every slot a load wrote holds the stored bytes (all payloads are `data`)."""
     import numpy as np
@@ -127,8 +152,10 @@ def bench_kvtier(args):
     tokens = [[np.arange(bt, dtype=np.uint32) + np.uint32(((t * n + i) * bt) % (1 << 31)) for i in range(n)]
               for t in range(c)]
     keys = [[struct.pack("<QQQ", size, t, i) for i in range(n)] for t in range(c)]
+    near_keys = [[struct.pack("<QQQQ", size, t, i, 1) for i in range(n)] for t in range(c)]
     outs = [dest_slots(size) for _ in range(c)]
-    res = {}
+    near = [shared_slots(client, size, data) for _ in range(c)]
+    res, skipped = {}, {}
 
     def check(ok, what):
         if not ok:
@@ -150,15 +177,32 @@ def bench_kvtier(args):
         return timed_ops(n, lambda i: check(client.load_keys_into(nso, [keys[t][i]], out[i % DEST_SLOTS]) == [True],
                                             "load_keys_into"))
 
-    for system, st, ld in (("python", store, load), ("python-keys", store_keys, load_keys)):
+    def store_near(t):
+        src = near[t][1]
+        return timed_ops(n, lambda i: check(client.store_keys(nso, [near_keys[t][i]], src) == [True], "store_keys"))
+
+    def load_near(t):
+        out = near[t][0]
+        return timed_ops(n, lambda i: check(client.load_keys_into(nso, [near_keys[t][i]], out[i % DEST_SLOTS])
+                                            == [True], "load_keys_into"))
+
+    paths = (("python", store, load, outs), ("python-keys", store_keys, load_keys, outs),
+             ("python-samenode", store_near, load_near, [slots for slots, _ in near]))
+    for system, st, ld, dests in paths:
+        before = samenode_calls(client)
         s_wall, s_lat = run_threads(c, st)
-        for slots in outs:
+        for slots in dests:
             for out in slots:
                 out.fill(1)
         l_wall, l_lat = run_threads(c, ld)
-        check_slots(system, outs, data, n)
+        check_slots(system, dests, data, n)
+        after = samenode_calls(client)
+        if system == "python-samenode" and (after[0] - before[0], after[1] - before[1]) != (c * n, c * n):
+            skipped[system] = (f"{after[0] - before[0]} of {c * n} loads and {after[1] - before[1]} of {c * n} "
+                               f"stores took the same-node path (last fallback: {after[2]})")
+            continue
         res[system] = {"store_s": s_wall, "load_s": l_wall, "store_lat": s_lat, "load_lat": l_lat}
-    return {"bytes": size * c * n, "paths": res, "namespaces": [ns.id, nso.id]}
+    return {"bytes": size * c * n, "paths": res, "namespaces": [ns.id, nso.id], "skipped": skipped}
 
 
 class LmcacheConn:
