@@ -628,6 +628,50 @@ async fn the_node_wide_cap_on_registered_bytes_holds_across_connections() {
     cluster.stop().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_buffer_on_many_connections_is_mapped_once_and_counts_once_against_the_cap() {
+    // A client registers a buffer on every pooled connection that serves it. Each connection
+    // used to map it again (populating it again), and count it again against the node's cap:
+    // here, three registrations of 768 KiB under a 1 MiB cap.
+    let cluster = Cluster::start_with(1, Transport::Duplex, |_, c| {
+        c.samenode_max_registered_bytes = kvtier_server::config::ByteSize(1 << 20);
+    })
+    .await;
+    let client = cluster.link(0).await.client;
+    let h = client.register(namespace("near", b"n", small_layout())).await.expect("register");
+    let bb = h.block_bytes() as usize;
+    let (src, keys, offsets) = filled(&h, 21, 2);
+    let mut dst = SharedBuffer::new((768 << 10).max(2 * bb)).unwrap();
+    let mut conns = Vec::new();
+    for _ in 0..3 {
+        let mut near = client.samenode().await.unwrap();
+        near.register(&dst).await.expect("the same buffer again: already mapped, nothing more to charge");
+        conns.push(near);
+    }
+    assert_eq!(mappings_of(std::slice::from_ref(&dst)), 2, "the client's mapping and the server's one");
+    // Every connection loads into it through the one mapping.
+    assert_eq!(conns[0].store_from_buffer(&h, &keys, &src, &offsets).await.unwrap(), vec![ItemStatus::Ok; 2]);
+    for near in &mut conns {
+        dst.as_mut_slice().fill(0);
+        assert_eq!(near.load_into_buffer(&h, &keys, &mut dst, &offsets, false).await.unwrap(), vec![true; 2]);
+        assert_eq!(&dst.as_slice()[..2 * bb], &src.as_slice()[..2 * bb]);
+    }
+    // Two connections let go (one unregisters, one closes): the third still loads through it.
+    conns[0].unregister(&dst).await.unwrap();
+    drop(conns.remove(1));
+    dst.as_mut_slice().fill(0);
+    assert_eq!(conns[1].load_into_buffer(&h, &keys, &mut dst, &offsets, false).await.unwrap(), vec![true; 2]);
+    assert_eq!(&dst.as_slice()[..2 * bb], &src.as_slice()[..2 * bb]);
+    // Another buffer doesn't fit beside it; once the last connection lets go, it does.
+    let other = SharedBuffer::new(512 << 10).unwrap();
+    let e = conns[0].register(&other).await.unwrap_err();
+    assert!(is_refusal(&e, codes::CAPACITY, "samenode_max_registered_bytes"), "{e}");
+    conns[1].unregister(&dst).await.unwrap();
+    assert_eq!(mappings_of(std::slice::from_ref(&dst)), 1, "the server still maps an unregistered buffer");
+    conns[0].register(&other).await.expect("the unmapped buffer's bytes came back to the node");
+    cluster.stop().await;
+}
+
 /// A file under `/dev/shm` (tmpfs), as vLLM makes its CPU tier's region, removed on drop.
 struct ShmFile {
     path: std::path::PathBuf,

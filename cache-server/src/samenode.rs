@@ -29,9 +29,12 @@
 //!   server never grows the file past the registered length.
 //! - Every offset + length is bounds-checked against the registered length before a byte moves.
 //! - Buffers are per connection, capped in number ([`MAX_BUFFERS_PER_CONNECTION`]) and mapped
-//!   bytes ([`MAX_BUFFER_BYTES_PER_CONNECTION`]), and all connections' mapped bytes together are
-//!   capped by `samenode_max_registered_bytes` (a file buffer maps nothing and counts for none); they are unmapped when the connection ends (or on
-//!   `UNREGISTER`), and the server never touches one after. A sparse memfd is mapped without
+//!   bytes ([`MAX_BUFFER_BYTES_PER_CONNECTION`]), and the bytes the node maps for all connections
+//!   together are capped by `samenode_max_registered_bytes` (a file buffer maps nothing and
+//!   counts for none). A memfd is mapped once for the node ([`Mappings`]), however many
+//!   connections register it (a client registers a buffer on each pooled connection it uses).
+//!   A connection lets go of its buffers when it ends (or on `UNREGISTER`) and never touches one
+//!   after; a mapping is unmapped once no connection has it. A sparse memfd is mapped without
 //!   populating it, so claiming a large buffer never makes the server allocate its pages.
 //!   Requests are served one at a time per connection, so no copy outlives its request.
 //! - A client that closes its end mid-request (its call timed out, or it died) has left: the
@@ -54,7 +57,7 @@ use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use kvtier_proto::dataplane::{HelloReply, ItemStatus, ResponseHeader, Status, FLAG_STOP_AT_MISS};
@@ -138,7 +141,7 @@ pub fn bind(path: &Path) -> Result<UnixListener, ServerError> {
 pub async fn serve(listener: UnixListener, path: PathBuf, state: Arc<NodeState>, stop: watch::Receiver<bool>) {
     let limits =
         ConnLimits { total: MAX_CONNECTIONS, per_peer: state.config().max_connections_per_peer.min(MAX_CONNECTIONS) };
-    let budget = Arc::new(RegisteredBudget::new(state.config().samenode_max_registered_bytes()));
+    let mappings = Mappings::new(state.config().samenode_max_registered_bytes());
     crate::listen::accept_bounded(
         "same-node",
         limits,
@@ -150,11 +153,11 @@ pub async fn serve(listener: UnixListener, path: PathBuf, state: Arc<NodeState>,
         },
         |sock, mut stop| {
             let state = state.clone();
-            let budget = budget.clone();
+            let mappings = mappings.clone();
             async move {
                 tokio::select! {
                     _ = crate::stopped(&mut stop) => {}
-                    res = Conn::new(sock, state, budget).run() => {
+                    res = Conn::new(sock, state, mappings).run() => {
                         if let Err(e) = res {
                             tracing::debug!("same-node connection closed: {e}");
                         }
@@ -189,8 +192,9 @@ struct Registered {
 
 /// How the server reaches a registered buffer's bytes.
 enum Memory {
-    /// A memfd sealed with `F_SEAL_SHRINK`: its pages can't go away, so it is mapped.
-    Mapped(MmapRaw),
+    /// A memfd sealed with `F_SEAL_SHRINK`: its pages can't go away, so it is mapped (once for
+    /// the node, however many connections register it).
+    Mapped(Arc<Mapping>),
     /// A tmpfs file the client can truncate at any time: mapping it would let a truncation SIGBUS
     /// the server, so every copy is a `pread`/`pwrite` after an `fstat` size check, and a short
     /// read or write is an error, never a fault.
@@ -228,33 +232,22 @@ impl Registered {
     /// Checks `fd` and maps `claimed` bytes of it (`sealed`: a memfd sealed with
     /// `F_SEAL_SHRINK`, which seals can't undo), or keeps it for `pread`/`pwrite` (a tmpfs file
     /// that can shrink; also one sealed only after the caller looked).
-    fn map(fd: OwnedFd, claimed: u64, sealed: bool) -> Result<Registered, String> {
+    fn map(fd: OwnedFd, claimed: u64, sealed: bool, mappings: &Arc<Mappings>) -> Result<Registered, Refusal> {
         if claimed == 0 {
-            return Err("a buffer of 0 bytes".into());
+            return Err(Refusal::Bad("a buffer of 0 bytes".into()));
         }
-        let st = rustix::fs::fstat(&fd).map_err(|e| format!("fstat: {e}"))?;
+        let st = rustix::fs::fstat(&fd).map_err(|e| Refusal::Bad(format!("fstat: {e}")))?;
         if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
-            return Err("the descriptor is not a memfd or a tmpfs file".into());
+            return Err(Refusal::Bad("the descriptor is not a memfd or a tmpfs file".into()));
         }
         let size = u64::try_from(st.st_size).unwrap_or(0);
         if !sealed {
-            return Self::file(fd, claimed, size);
+            return Self::file(fd, claimed, size).map_err(Refusal::Bad);
         }
         if size < claimed {
-            return Err(format!("the memfd is {size} bytes, smaller than the {claimed} claimed"));
+            return Err(Refusal::Bad(format!("the memfd is {size} bytes, smaller than the {claimed} claimed")));
         }
-        let len = usize::try_from(claimed).map_err(|_| "buffer too large for this host".to_string())?;
-        // Shared and writable: loads land where the client reads them. Populated now when the
-        // client has already touched every page (they are charged to it), so the first copy into
-        // it doesn't take a page fault per 4 KiB. A sparse memfd is not: populating it would make
-        // the server allocate (and be charged for) memory the client only claimed.
-        let allocated = u64::try_from(st.st_blocks).unwrap_or(0).saturating_mul(512);
-        let mut options = MmapOptions::new();
-        options.len(len);
-        if allocated >= claimed {
-            options.populate();
-        }
-        let map = options.map_raw(&fd).map_err(|e| format!("mmap: {e}"))?;
+        let map = mappings.map(&fd, &st, claimed)?;
         Ok(Registered { memory: Memory::Mapped(map), len: claimed })
     }
 
@@ -314,9 +307,10 @@ impl Registered {
             return None;
         }
         match &self.memory {
-            // SAFETY: `offset + len <= self.len`, the mapped length, so the pointer stays inside
-            // (or one past the end of) the mapping.
-            Memory::Mapped(map) => Some(Place::Mapped(unsafe { map.as_mut_ptr().add(offset as usize) })),
+            // SAFETY: `offset + len <= self.len`, at most the mapped length (`Mappings::map` hands
+            // out a mapping only as long as the claim, or longer), so the pointer stays inside (or
+            // one past the end of) the mapping.
+            Memory::Mapped(m) => Some(Place::Mapped(unsafe { m.map.as_mut_ptr().add(offset as usize) })),
             Memory::File(f) => Some(Place::File(f, offset)),
         }
     }
@@ -375,18 +369,110 @@ impl RegisteredBudget {
     }
 }
 
-/// The buffers of one connection, unmapped when it drops (their bytes go back to the node's
-/// budget then).
+/// The node's mappings of sealed memfds, one per file: a client registers a buffer on each of
+/// its pooled connections, and every registration after the first uses the mapping the first
+/// made — populated once, charged once against `samenode_max_registered_bytes`, one set of page
+/// tables. A mapping lives while any connection has it registered.
+///
+/// A file is named by its device and inode, which stay its own while a mapping holds it. Reusing
+/// another connection's mapping gives a client nothing it didn't have: it had to pass a
+/// descriptor of that very file, so it could map the file itself.
+pub(crate) struct Mappings {
+    budget: RegisteredBudget,
+    by_file: Mutex<HashMap<FileId, Weak<Mapping>>>,
+}
+
+/// A file's device and inode numbers.
+type FileId = (u64, u64);
+
+/// One memfd mapped shared and writable, unmapped (its bytes back in the node's budget) when the
+/// last connection that registered it lets go.
+pub(crate) struct Mapping {
+    map: MmapRaw,
+    len: u64,
+    file: FileId,
+    owner: Arc<Mappings>,
+}
+
+impl Mappings {
+    pub(crate) fn new(cap: u64) -> Arc<Self> {
+        Arc::new(Mappings { budget: RegisteredBudget::new(cap), by_file: Mutex::new(HashMap::new()) })
+    }
+
+    fn files(&self) -> std::sync::MutexGuard<'_, HashMap<FileId, Weak<Mapping>>> {
+        // The map only ever holds whole entries: one left by a panicking holder is still sound.
+        self.by_file.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The node's mapping of the sealed memfd `fd` (`st` its `fstat`), at least `claimed` bytes
+    /// long: the one already made if it is long enough, else a new one of `claimed` bytes,
+    /// charged against the node's budget first (nothing is mapped over it).
+    fn map(self: &Arc<Self>, fd: &OwnedFd, st: &rustix::fs::Stat, claimed: u64) -> Result<Arc<Mapping>, Refusal> {
+        let file: FileId = (st.st_dev as u64, st.st_ino as u64);
+        // The lock is let go before `found` may be dropped: dropping the last holder of a
+        // mapping takes it again.
+        let found = self.files().get(&file).and_then(Weak::upgrade);
+        if let Some(m) = found.filter(|m| m.len >= claimed) {
+            return Ok(m);
+        }
+        let len = usize::try_from(claimed).map_err(|_| Refusal::Bad("buffer too large for this host".into()))?;
+        self.budget.reserve(claimed).map_err(Refusal::Cap)?;
+        // Shared and writable: loads land where the client reads them. Populated now when the
+        // client has already touched every page (they are charged to it), so the first copy into
+        // it doesn't take a page fault per 4 KiB. A sparse memfd is not: populating it would make
+        // the server allocate (and be charged for) memory the client only claimed.
+        let allocated = u64::try_from(st.st_blocks).unwrap_or(0).saturating_mul(512);
+        let mut options = MmapOptions::new();
+        options.len(len);
+        if allocated >= claimed {
+            options.populate();
+        }
+        let map = match options.map_raw(fd) {
+            Ok(map) => map,
+            Err(e) => {
+                self.budget.release(claimed);
+                return Err(Refusal::Bad(format!("mmap: {e}")));
+            }
+        };
+        let m = Arc::new(Mapping { map, len: claimed, file, owner: self.clone() });
+        // Two connections that mapped the same file at once both keep theirs; later ones find
+        // the last (a shorter mapping still held stays valid for those holding it).
+        self.files().insert(file, Arc::downgrade(&m));
+        Ok(m)
+    }
+
+    /// Bytes mapped for all connections now.
+    #[cfg(test)]
+    fn mapped_bytes(&self) -> u64 {
+        self.budget.used.load(Ordering::Acquire)
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        self.owner.budget.release(self.len);
+        let mut files = self.owner.files();
+        // Another mapping of the same file may have taken the entry meanwhile: that one stays.
+        if files.get(&self.file).is_some_and(|w| w.strong_count() == 0) {
+            files.remove(&self.file);
+        }
+    }
+}
+
+/// The buffers of one connection; a memfd's mapping is let go when the connection drops (and
+/// unmapped once no other connection has it registered).
 struct Buffers {
     by_id: HashMap<u32, Registered>,
+    /// Bytes of memfds this connection has registered (each counted on every connection that
+    /// registers it; the node's budget counts each file once).
     bytes: u64,
     next_id: u32,
-    budget: Arc<RegisteredBudget>,
+    mappings: Arc<Mappings>,
 }
 
 impl Buffers {
-    fn new(budget: Arc<RegisteredBudget>) -> Self {
-        Buffers { by_id: HashMap::new(), bytes: 0, next_id: 0, budget }
+    fn new(mappings: Arc<Mappings>) -> Self {
+        Buffers { by_id: HashMap::new(), bytes: 0, next_id: 0, mappings }
     }
 
     /// Checks `fd` against this connection's and the node's caps, then maps it: nothing is
@@ -407,14 +493,7 @@ impl Buffers {
                  may register"
             )));
         }
-        self.budget.reserve(charge).map_err(Refusal::Cap)?;
-        let r = match Registered::map(fd, claimed, mapped) {
-            Ok(r) => r,
-            Err(msg) => {
-                self.budget.release(charge);
-                return Err(Refusal::Bad(msg));
-            }
-        };
+        let r = Registered::map(fd, claimed, mapped, &self.mappings)?;
         self.next_id = self.next_id.wrapping_add(1).max(1);
         while self.by_id.contains_key(&self.next_id) {
             self.next_id = self.next_id.wrapping_add(1).max(1);
@@ -428,19 +507,9 @@ impl Buffers {
         match self.by_id.remove(&id) {
             Some(r) => {
                 self.bytes -= r.charged();
-                self.budget.release(r.charged());
                 true
             }
             None => false,
-        }
-    }
-}
-
-impl Drop for Buffers {
-    fn drop(&mut self) {
-        self.by_id.clear();
-        if self.bytes > 0 {
-            self.budget.release(self.bytes);
         }
     }
 }
@@ -470,7 +539,7 @@ struct Conn {
 }
 
 impl Conn {
-    fn new(sock: UnixStream, state: Arc<NodeState>, budget: Arc<RegisteredBudget>) -> Self {
+    fn new(sock: UnixStream, state: Arc<NodeState>, mappings: Arc<Mappings>) -> Self {
         Conn {
             sock,
             state,
@@ -478,7 +547,7 @@ impl Conn {
             rpos: 0,
             rend: 0,
             fds: VecDeque::new(),
-            buffers: Buffers::new(budget),
+            buffers: Buffers::new(mappings),
             out: Vec::new(),
             principal: None,
             version: PROTOCOL_VERSION,
@@ -1233,6 +1302,52 @@ fn kind(s: ItemStatus) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A sealed memfd of `len` bytes, every page written (so it is mapped populated).
+    fn sealed_memfd(len: u64) -> (OwnedFd, rustix::fs::Stat) {
+        use rustix::fs::{MemfdFlags, SealFlags};
+        let fd = rustix::fs::memfd_create("kvtier-test", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).unwrap();
+        let mut f = std::fs::File::from(fd.try_clone().unwrap());
+        std::io::Write::write_all(&mut f, &vec![7u8; len as usize]).unwrap();
+        rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK).unwrap();
+        let st = rustix::fs::fstat(&fd).unwrap();
+        (fd, st)
+    }
+
+    /// One mapping per file for the node: registrations of the same memfd (a client's pooled
+    /// connections) share it and charge the budget once; a longer claim maps anew; the last
+    /// holder's drop unmaps it and gives its bytes back; a new file over the cap is refused.
+    #[test]
+    fn a_memfd_registered_on_several_connections_is_mapped_and_charged_once() {
+        let mappings = Mappings::new(3 << 20);
+        let (fd, st) = sealed_memfd(2 << 20);
+        let a = mappings.map(&fd, &st, 1 << 20).unwrap_or_else(|_| panic!("first mapping"));
+        let b = mappings.map(&fd, &st, 1 << 20).unwrap_or_else(|_| panic!("second registration"));
+        let shorter = mappings.map(&fd, &st, 4096).unwrap_or_else(|_| panic!("a shorter claim"));
+        assert!(Arc::ptr_eq(&a, &b) && Arc::ptr_eq(&a, &shorter), "the file was mapped again");
+        assert_eq!(mappings.mapped_bytes(), 1 << 20);
+        // Both see the file's bytes through the one mapping.
+        // SAFETY: the mapping is 1 MiB long and the memfd holds 2 MiB of 7s.
+        assert_eq!(unsafe { *a.map.as_ptr().add((1 << 20) - 1) }, 7);
+        // A claim longer than the mapping maps the file again; the shorter one stays valid.
+        let longer = mappings.map(&fd, &st, 2 << 20).unwrap_or_else(|_| panic!("a longer claim"));
+        assert!(!Arc::ptr_eq(&a, &longer));
+        assert_eq!(mappings.mapped_bytes(), 3 << 20);
+        // A second file past the cap (3 MiB mapped already) is refused, nothing mapped for it.
+        let (other, ost) = sealed_memfd(4096);
+        assert!(matches!(mappings.map(&other, &ost, 4096), Err(Refusal::Cap(m)) if m.contains("samenode_max_registered_bytes")));
+        assert_eq!(mappings.mapped_bytes(), 3 << 20);
+        // Registrations find the longest live mapping from now on.
+        let again = mappings.map(&fd, &st, 1 << 20).unwrap_or_else(|_| panic!("again"));
+        assert!(Arc::ptr_eq(&again, &longer));
+        drop((a, b, shorter));
+        assert_eq!(mappings.mapped_bytes(), 2 << 20, "the 1 MiB mapping's bytes came back");
+        drop((longer, again));
+        assert_eq!(mappings.mapped_bytes(), 0);
+        assert!(mappings.files().is_empty(), "an unmapped file's entry was left behind");
+        // The freed budget takes the other file now.
+        assert!(mappings.map(&other, &ost, 4096).is_ok());
+    }
 
     /// The checked copy lands every byte and says whether the *source* matched the checksum: a
     /// block damaged in memory (one bit) is reported, an intact one of any length passes.
