@@ -408,6 +408,7 @@ impl Mappings {
     /// long: the one already made if it is long enough, else a new one of `claimed` bytes,
     /// charged against the node's budget first (nothing is mapped over it).
     fn map(self: &Arc<Self>, fd: &OwnedFd, st: &rustix::fs::Stat, claimed: u64) -> Result<Arc<Mapping>, Refusal> {
+        #[allow(clippy::unnecessary_cast)] // `st_dev`'s and `st_ino`'s widths differ between targets
         let file: FileId = (st.st_dev as u64, st.st_ino as u64);
         // The lock is let go before `found` may be dropped: dropping the last holder of a
         // mapping takes it again.
