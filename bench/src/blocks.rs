@@ -228,22 +228,39 @@ async fn run_path(
     n: usize,
     kspace: usize,
 ) -> anyhow::Result<(f64, Vec<f64>)> {
+    // Each task's destination (an engine's KV pages): room for 8 blocks on every path, filled in
+    // turn, so a one-block load lands in memory as cold as an 8-block one does (a one-block
+    // buffer would stay in the core's cache and flatter the one-block paths). Written here,
+    // before the clock starts, so no page is faulted in on the clock (the Python driver's
+    // destinations are made before its clock too).
+    let mut bufs: Vec<Vec<u8>> = (0..c).map(|_| vec![1u8; data.len() * DEST_SLOTS]).collect();
     let t = Instant::now();
     if c == 1 {
-        let lat = path_task(client.clone(), ns.clone(), data.clone(), path, 0, n, kspace).await?;
-        return Ok((t.elapsed().as_secs_f64(), lat));
+        let buf = bufs.pop().unwrap_or_default();
+        let (lat, buf) = path_task(client.clone(), ns.clone(), data.clone(), path, 0, n, kspace, buf).await?;
+        let secs = t.elapsed().as_secs_f64();
+        drop(buf);
+        return Ok((secs, lat));
     }
-    let tasks: Vec<_> = (0..c)
-        .map(|task| tokio::spawn(path_task(client.clone(), ns.clone(), data.clone(), path, task, n, kspace)))
+    let tasks: Vec<_> = bufs
+        .into_iter()
+        .enumerate()
+        .map(|(task, buf)| tokio::spawn(path_task(client.clone(), ns.clone(), data.clone(), path, task, n, kspace, buf)))
         .collect();
-    let mut lat = Vec::new();
+    let (mut lat, mut bufs) = (Vec::new(), Vec::with_capacity(c));
     for t in tasks {
-        lat.extend(t.await??);
+        let (l, buf) = t.await??;
+        lat.extend(l);
+        bufs.push(buf);
     }
-    Ok((t.elapsed().as_secs_f64(), lat))
+    let secs = t.elapsed().as_secs_f64();
+    drop(bufs);
+    Ok((secs, lat))
 }
 
-/// One task's `n` operations of `path`, back to back; every call's latency in seconds.
+/// One task's `n` operations of `path`, back to back, loading into `buf` (`DEST_SLOTS` blocks);
+/// every call's latency in seconds.
+#[allow(clippy::too_many_arguments)]
 async fn path_task(
     client: KvClient,
     ns: NamespaceHandle,
@@ -252,15 +269,11 @@ async fn path_task(
     task: usize,
     n: usize,
     kspace: usize,
-) -> anyhow::Result<Vec<f64>> {
+    mut buf: Vec<u8>,
+) -> anyhow::Result<(Vec<f64>, Vec<u8>)> {
     let size = data.len();
     let per = per_call(path);
     let mut lat = Vec::with_capacity(n / per);
-    // The caller's buffer (an engine's KV pages), touched before the clock counts: room for 8
-    // blocks on every path, filled in turn, so a one-block load lands in memory as cold as an
-    // 8-block one does (a one-block buffer would stay in the core's cache and flatter the
-    // one-block paths).
-    let mut buf = vec![1u8; size * DEST_SLOTS];
     for first in (0..n).step_by(per) {
         let keys: Vec<BlockKey> = (first..(first + per).min(n)).map(|op| key(size, kspace, task, op)).collect();
         let t = Instant::now();
@@ -310,7 +323,8 @@ async fn path_task(
         lat.push(t.elapsed().as_secs_f64());
     }
     std::hint::black_box(&buf);
-    Ok(lat)
+    // Handed back so it is freed after the clock stops.
+    Ok((lat, buf))
 }
 
 /// Runs every (size, concurrency) cell against the kvtier server at `addr`, along every path.
