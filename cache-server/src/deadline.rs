@@ -27,6 +27,11 @@ impl<S> Deadlined<S> {
         Deadlined { inner, budget, timer: Box::pin(tokio::time::sleep(budget)), armed: false }
     }
 
+    /// The stream inside.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
     /// Sets the budget for the operations that follow (and restarts the clock).
     pub fn set_budget(&mut self, budget: Duration) {
         self.budget = budget;

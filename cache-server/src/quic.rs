@@ -116,6 +116,7 @@ async fn serve_connection(incoming: quinn::Incoming, state: Arc<NodeState>, mut 
             stop.clone(),
             peer.clone(),
             cert.clone(),
+            None,
         ));
         while streams.try_join_next().is_some() {}
     }
