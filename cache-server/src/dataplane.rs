@@ -24,7 +24,7 @@
 //! `FLAG_PEER` (from another node) do none of these.
 
 mod remote;
-mod spin;
+pub(crate) mod spin;
 
 use std::future::Future;
 use std::os::fd::{AsRawFd, RawFd};
@@ -328,9 +328,9 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
                 }
                 Err(e) => return Err(e.into()),
             }
-            let spin = self.rd.get_mut().get_mut();
-            spin.disarm();
-            let busy = spin::Busy::enter(&spin::NODE, spin.id());
+            let poller = self.rd.get_mut().get_mut().poller();
+            poller.disarm();
+            let busy = spin::Busy::enter(poller.gate(), poller.id());
             let done = self.request(hdr).await;
             drop(busy);
             match done {

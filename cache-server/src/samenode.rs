@@ -92,6 +92,9 @@ pub const MAX_CONNECTIONS: usize = 256;
 const MAX_PENDING_FDS: usize = 4;
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 const READ_BUF: usize = 64 * 1024;
+/// Calls that copied up to this many payload bytes are followed by polling for the next one.
+const POLL_AFTER_BYTES: u64 = 256 << 10;
+
 /// Copy-and-hash step: small enough that the bytes just copied are still in cache when hashed.
 const CHUNK: usize = 64 * 1024;
 /// `pread`/`pwrite` step for file buffers: hashed right after it moved, like [`CHUNK`], but
@@ -532,6 +535,10 @@ struct Conn {
     /// Descriptors received with the bytes, in order, waiting for their `REGISTER`.
     fds: VecDeque<OwnedFd>,
     buffers: Buffers,
+    /// Polling the socket for the next request after a small call (`dataplane_poll`).
+    poller: crate::dataplane::spin::Poller,
+    /// Payload bytes the last request copied.
+    moved: u64,
     out: Vec<u8>,
     /// Who the hello's token authenticated (`None` until then).
     principal: Option<Principal>,
@@ -549,6 +556,8 @@ impl Conn {
             rend: 0,
             fds: VecDeque::new(),
             buffers: Buffers::new(mappings),
+            poller: crate::dataplane::spin::Poller::new(&crate::dataplane::spin::NODE),
+            moved: 0,
             out: Vec::new(),
             principal: None,
             version: PROTOCOL_VERSION,
@@ -563,15 +572,30 @@ impl Conn {
             self.rend = 0;
         }
         loop {
-            self.sock.readable().await?;
             let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_PENDING_FDS))];
             let mut anc = RecvAncillaryBuffer::new(&mut space);
             let (sock, buf, end) = (&self.sock, &mut self.rbuf, self.rend);
-            let got = sock.try_io(Interest::READABLE, || {
+            let mut recv = |anc: &mut RecvAncillaryBuffer<'_>| {
                 let mut iov = [IoSliceMut::new(&mut buf[end..])];
-                rustix::net::recvmsg(sock.as_fd(), &mut iov, &mut anc, RecvFlags::CMSG_CLOEXEC | RecvFlags::DONTWAIT)
+                rustix::net::recvmsg(sock.as_fd(), &mut iov, anc, RecvFlags::CMSG_CLOEXEC | RecvFlags::DONTWAIT)
                     .map_err(std::io::Error::from)
-            });
+            };
+            let got = if self.poller.armed() {
+                // Polling for the next request (`crate::dataplane::spin`): straight from the
+                // socket, whatever the runtime last saw of it.
+                match recv(&mut anc) {
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        if self.poller.again() {
+                            yield_once().await;
+                        }
+                        continue;
+                    }
+                    got => got,
+                }
+            } else {
+                sock.readable().await?;
+                sock.try_io(Interest::READABLE, || recv(&mut anc))
+            };
             let msg = match got {
                 Ok(m) => m,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
@@ -625,15 +649,22 @@ impl Conn {
             error(what);
             ConnError::Io(std::io::Error::new(std::io::ErrorKind::TimedOut, what))
         };
+        let poll = self.state.config().dataplane_poll.0;
         loop {
+            // A caller moving small blocks sends its next call soon after the answer: polled for,
+            // as the data plane does (`crate::dataplane::spin`); after a large one it parks.
+            self.poller.arm(if self.moved <= POLL_AFTER_BYTES { poll } else { Duration::ZERO });
+            self.moved = 0;
             // The same budgets as the data plane: `idle_timeout` between requests, `stall_timeout`
             // for the rest of a request and its answer.
             let more = tokio::time::timeout(idle, self.read_exact(REQUEST_LEN, &mut head))
                 .await
                 .map_err(|_| timed_out("samenode_idle_timeout"))??;
+            self.poller.disarm();
             if !more {
                 return Ok(());
             }
+            let _busy = crate::dataplane::spin::Busy::enter(self.poller.gate(), self.poller.id());
             let req = match <&[u8; REQUEST_LEN]>::try_from(head.as_slice()).map(SnRequest::decode) {
                 Ok(Ok(r)) => r,
                 Ok(Err(e)) => return self.fatal(head[0], Status::BadRequest, &e.to_string()).await,
@@ -892,6 +923,7 @@ impl Conn {
                         None => remote.take(&item.key).await,
                     };
                     let next = found.as_ref().map_or(0, |b| b.payload.len() as u64);
+                    self.moved += next;
                     if self.paced(&mut copied, next).await {
                         return Err(ConnError::ClientLeft);
                     }
@@ -989,6 +1021,7 @@ impl Conn {
                 Stored::Done(status, header) => (status, header),
                 Stored::Copied(slot, header, sum) => {
                     copied += header.payload_len;
+                    self.moved += header.payload_len;
                     copies.push((i, slot, header, sum));
                     statuses.push(ItemStatus::Ok as u8);
                     tokio::task::coop::consume_budget().await;
@@ -996,6 +1029,7 @@ impl Conn {
                 }
             };
             copied += header.map_or(0, |h| h.payload_len);
+            self.moved += header.map_or(0, |h| h.payload_len);
             if !status.is_held() {
                 error(kind(status));
             }
@@ -1298,6 +1332,20 @@ fn kind(s: ItemStatus) -> &'static str {
         ItemStatus::Elsewhere => "elsewhere",
         ItemStatus::Ok | ItemStatus::Present | ItemStatus::Miss => "ok",
     }
+}
+
+/// Lets the other tasks of this worker run once, then goes on (a poll's turn between reads).
+async fn yield_once() {
+    let mut yielded = false;
+    std::future::poll_fn(|cx| {
+        if yielded {
+            return std::task::Poll::Ready(());
+        }
+        yielded = true;
+        cx.waker().wake_by_ref();
+        std::task::Poll::Pending
+    })
+    .await
 }
 
 #[cfg(test)]

@@ -92,21 +92,17 @@ impl Drop for Busy {
     }
 }
 
-/// A receive half read by polling its socket while armed ([`SpinRead::arm`]), else as `inner`.
-pub(crate) struct SpinRead<R> {
-    inner: R,
-    /// The socket `inner` reads (`None`: a stream that is no socket of its own, never polled).
-    fd: Option<RawFd>,
+/// One connection's polling: when it may poll for its next request, and for how long.
+pub(crate) struct Poller {
     gate: &'static Gate,
     id: u64,
     /// Polling until then; holds the gate's one polling place while `Some`.
     until: Option<Instant>,
 }
 
-impl<R> SpinRead<R> {
-    /// `fd`: the socket `inner` reads, which must stay open as long as `inner` lives.
-    pub(crate) fn new(inner: R, fd: Option<RawFd>, gate: &'static Gate) -> Self {
-        SpinRead { inner, fd, gate, id: gate.next_conn.fetch_add(1, Ordering::Relaxed), until: None }
+impl Poller {
+    pub(crate) fn new(gate: &'static Gate) -> Self {
+        Poller { gate, id: gate.next_conn.fetch_add(1, Ordering::Relaxed), until: None }
     }
 
     /// This connection, as [`Busy::enter`] takes it.
@@ -114,10 +110,15 @@ impl<R> SpinRead<R> {
         self.id
     }
 
-    /// Polls the socket for up to `budget` from now, if the connection has the node to itself
-    /// (between requests) and no other connection polls; else reads park as usual.
+    /// The connection's gate (for [`Busy::enter`]).
+    pub(crate) fn gate(&self) -> &'static Gate {
+        self.gate
+    }
+
+    /// Polls for up to `budget` from now, if the connection has the node to itself (between
+    /// requests) and no other connection polls; else its reads park as usual.
     pub(crate) fn arm(&mut self, budget: Duration) {
-        if self.fd.is_none() || budget.is_zero() || !self.gate.alone(self.id, 0) {
+        if budget.is_zero() || !self.gate.alone(self.id, 0) {
             return self.disarm();
         }
         if self.until.is_none() && self.gate.polling.swap(true, Ordering::AcqRel) {
@@ -133,20 +134,74 @@ impl<R> SpinRead<R> {
         }
     }
 
-    #[cfg(test)]
     pub(crate) fn armed(&self) -> bool {
         self.until.is_some()
     }
+
+    /// After a read found nothing: whether to poll again (armed, still alone, within the
+    /// budget); when not, polling stops.
+    pub(crate) fn again(&mut self) -> bool {
+        match self.until {
+            Some(until) if self.gate.alone(self.id, 0) && Instant::now() < until => true,
+            _ => {
+                self.disarm();
+                false
+            }
+        }
+    }
 }
 
-impl<R> Drop for SpinRead<R> {
+impl Drop for Poller {
     fn drop(&mut self) {
         self.disarm();
     }
 }
 
+/// A receive half read by polling its socket while armed ([`SpinRead::arm`]), else as `inner`.
+pub(crate) struct SpinRead<R> {
+    inner: R,
+    /// The socket `inner` reads (`None`: a stream that is no socket of its own, never polled).
+    fd: Option<RawFd>,
+    poller: Poller,
+}
+
+impl<R> SpinRead<R> {
+    /// `fd`: the socket `inner` reads, which must stay open as long as `inner` lives.
+    pub(crate) fn new(inner: R, fd: Option<RawFd>, gate: &'static Gate) -> Self {
+        SpinRead { inner, fd, poller: Poller::new(gate) }
+    }
+
+    /// This connection's polling.
+    pub(crate) fn poller(&mut self) -> &mut Poller {
+        &mut self.poller
+    }
+
+    /// [`Poller::arm`], for a stream that is a socket of its own.
+    pub(crate) fn arm(&mut self, budget: Duration) {
+        if self.fd.is_none() {
+            return self.poller.disarm();
+        }
+        self.poller.arm(budget)
+    }
+
+    #[cfg(test)]
+    fn armed(&self) -> bool {
+        self.poller.armed()
+    }
+
+    #[cfg(test)]
+    fn id(&self) -> u64 {
+        self.poller.id()
+    }
+
+    #[cfg(test)]
+    fn disarm(&mut self) {
+        self.poller.disarm()
+    }
+}
+
 /// One non-blocking `recv` into `buf`: `Pending` when nothing is there.
-fn try_recv(fd: BorrowedFd<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+pub(crate) fn try_recv(fd: BorrowedFd<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
     loop {
         // SAFETY: `recv` only writes into the slice, never de-initializing a byte of it, and
         // `init` is the part it wrote, which is what `assume_init` and `advance` are told.
@@ -169,7 +224,7 @@ fn try_recv(fd: BorrowedFd<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<(
 impl<R: AsyncRead + Unpin> AsyncRead for SpinRead<R> {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
         let this = self.get_mut();
-        if let (Some(fd), Some(until)) = (this.fd, this.until) {
+        if let (Some(fd), true) = (this.fd, this.poller.armed()) {
             if buf.remaining() == 0 {
                 return Poll::Ready(Ok(()));
             }
@@ -177,14 +232,11 @@ impl<R: AsyncRead + Unpin> AsyncRead for SpinRead<R> {
             if let Poll::Ready(done) = try_recv(unsafe { BorrowedFd::borrow_raw(fd) }, buf) {
                 return Poll::Ready(done);
             }
-            // Between requests this connection counts as not busy (own = 0); inside one (its
-            // first bytes arrived, the rest are on their way) it is, and may go on polling.
-            if this.gate.alone(this.id, 1) && Instant::now() < until {
+            if this.poller.again() {
                 // Polled again at once unless other tasks of this worker are ready.
                 cx.waker().wake_by_ref();
                 return Poll::Pending;
             }
-            this.disarm();
         }
         Pin::new(&mut this.inner).poll_read(cx, buf)
     }
