@@ -245,7 +245,9 @@ async fn run_path(
     let tasks: Vec<_> = bufs
         .into_iter()
         .enumerate()
-        .map(|(task, buf)| tokio::spawn(path_task(client.clone(), ns.clone(), data.clone(), path, task, n, kspace, buf)))
+        .map(|(task, buf)| {
+            tokio::spawn(path_task(client.clone(), ns.clone(), data.clone(), path, task, n, kspace, buf))
+        })
         .collect();
     let (mut lat, mut bufs) = (Vec::new(), Vec::with_capacity(c));
     for t in tasks {

@@ -1384,7 +1384,9 @@ mod tests {
         assert_eq!(mappings.mapped_bytes(), 3 << 20);
         // A second file past the cap (3 MiB mapped already) is refused, nothing mapped for it.
         let (other, ost) = sealed_memfd(4096);
-        assert!(matches!(mappings.map(&other, &ost, 4096), Err(Refusal::Cap(m)) if m.contains("samenode_max_registered_bytes")));
+        assert!(
+            matches!(mappings.map(&other, &ost, 4096), Err(Refusal::Cap(m)) if m.contains("samenode_max_registered_bytes"))
+        );
         assert_eq!(mappings.mapped_bytes(), 3 << 20);
         // Registrations find the longest live mapping from now on.
         let again = mappings.map(&fd, &st, 1 << 20).unwrap_or_else(|_| panic!("again"));
