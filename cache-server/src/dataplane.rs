@@ -124,7 +124,8 @@ where
 
 /// Runs one connection over a read half and a write half until it ends or `stop` turns true;
 /// `cert`: whom its verified TLS client certificate names (a TLS connection's, or a QUIC
-/// connection's for each of its streams, see `crate::quic`).
+/// connection's for each of its streams, see `crate::quic`); `tcp`: the socket the read half
+/// reads, when it is one of its own (polled for the next request, [`spin`]).
 pub(crate) async fn serve_halves<R, W>(
     r: R,
     w: W,
@@ -147,8 +148,8 @@ pub(crate) async fn serve_halves<R, W>(
     }
 }
 
-/// An accepted connection as owned read and write halves (no lock between them) and a peer
-/// name for logs.
+/// An accepted connection as owned read and write halves (no lock between them), a peer name
+/// for logs, and its socket's descriptor (polled for the next request: [`spin`]).
 type Accepted<R, W> = ((R, W, String, Option<RawFd>), Peer);
 
 /// A listener the data plane accepts from.
