@@ -64,10 +64,11 @@ pub struct ClientConfig {
     /// core to the server. Default: 2.5 ms.
     pub samenode_poll: Duration,
     /// The same for a load over a plain TCP data-plane connection: after its request, its reads
-    /// `recv` the answer (header, then the blocks as they stream in) without parking, for about
-    /// the time its bytes take at 2 GB/s plus 50 µs, at most this; only while it is this
-    /// process's only call in flight (same-node or TCP), never for calls moving over 4 MiB, and
-    /// not while parked calls are answered sooner (a busy machine, timed as for same-node calls).
+    /// `recv` the answer (header, then the blocks as they stream in) without parking: its first
+    /// bytes for about the time 4 MiB at most take at 2 GB/s plus 50 µs, at most this, then on
+    /// while bytes keep coming (a gap of 100 µs, or this if shorter, parks it); only while it is
+    /// this process's only call in flight (same-node or TCP), and not while parked calls are
+    /// answered sooner (a busy machine, timed as for same-node calls).
     /// TLS and connector streams always park. `Duration::ZERO`: never poll. Default: 2.5 ms.
     pub dataplane_poll: Duration,
     /// TLS to a node whose listeners run it (gRPC and data plane), with this client's certificate

@@ -47,6 +47,15 @@ const POLL_BYTES_PER_SEC: u64 = 2_000_000_000;
 /// long beside a wake-up, and polling it would only burn the core.
 const MAX_POLLED_BYTES: u64 = 4 << 20;
 
+/// How long a polled TCP answer may go without a byte before its reads park.
+const STREAM_GAP: Duration = Duration::from_micros(100);
+
+/// The first byte's poll of a TCP answer of `bytes`: as [`poll_budget`], for any length (a long
+/// answer streams in, and its reads poll on while its bytes keep coming: [`STREAM_GAP`]).
+fn stream_budget(bytes: u64) -> Duration {
+    poll_budget(bytes.min(MAX_POLLED_BYTES))
+}
+
 /// Calls of this process between their request and their answer: same-node calls, and TCP
 /// data-plane calls on connections that poll ([`PolledRead`]).
 static IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
@@ -57,7 +66,14 @@ pub(crate) fn poll_budget(bytes: u64) -> Duration {
     if bytes > MAX_POLLED_BYTES {
         return Duration::ZERO;
     }
-    POLL_BASE + Duration::from_nanos(bytes * 1_000_000_000 / POLL_BYTES_PER_SEC)
+    expected_wait(bytes)
+}
+
+/// The time an answer of `bytes` is expected to take: the fixed part plus its copy at
+/// [`POLL_BYTES_PER_SEC`].
+fn expected_wait(bytes: u64) -> Duration {
+    let copy = u128::from(bytes) * 1_000_000_000 / u128::from(POLL_BYTES_PER_SEC);
+    POLL_BASE + Duration::from_nanos(u64::try_from(copy).unwrap_or(u64::MAX))
 }
 
 /// For a call counted in `flights` that may poll for `budget`: the budget it polls for (zero when
@@ -204,6 +220,8 @@ pub(crate) struct PolledRead {
     /// The armed call's choice, reported when it is answered.
     ticket: Option<WaitTicket>,
     until: Option<Instant>,
+    /// How far each byte polled in moves `until` on (a streaming answer polls while it streams).
+    gap: Duration,
     /// Bytes taken by polling `recv`s (the rest came through tokio's parked reads).
     polled: u64,
 }
@@ -214,7 +232,7 @@ impl PolledRead {
     }
 
     fn counted_in(half: OwnedReadHalf, flights: &'static AtomicUsize, waits: &'static Waits) -> Self {
-        PolledRead { half, flights, waits, ticket: None, until: None, polled: 0 }
+        PolledRead { half, flights, waits, ticket: None, until: None, gap: Duration::ZERO, polled: 0 }
     }
 
     /// Starts a call that expects an answer of `bytes` (its payloads): counted in flight until
@@ -223,9 +241,18 @@ impl PolledRead {
     /// (`Duration::ZERO`: never).
     pub(crate) fn arm(&mut self, bytes: u64, cap: Duration) -> InFlight {
         let flight = InFlight::enter(self.flights);
-        let (budget, ticket) = choose_wait(self.flights, self.waits, poll_budget(bytes).min(cap));
+        let first = stream_budget(bytes).min(cap);
+        // The chooser sizes its classes by the whole answer's expected wait, so that calls of
+        // 8 MiB and of 64 MiB are timed apart, though both poll the same for their first bytes.
+        let (polls, ticket) = if first.is_zero() {
+            (false, None)
+        } else {
+            let (budget, ticket) = choose_wait(self.flights, self.waits, expected_wait(bytes));
+            (!budget.is_zero(), ticket)
+        };
+        self.gap = cap.min(STREAM_GAP);
         self.ticket = ticket;
-        self.until = (!budget.is_zero()).then(|| Instant::now() + budget);
+        self.until = polls.then(|| Instant::now() + first);
         flight
     }
 
@@ -269,6 +296,11 @@ impl AsyncRead for PolledRead {
                 return Poll::Ready(Ok(()));
             }
             if let Poll::Ready(done) = this.try_recv(buf) {
+                // Bytes are coming: keep polling while they do, however long the answer.
+                let more = Instant::now() + this.gap;
+                if more > until {
+                    this.until = Some(more);
+                }
                 return Poll::Ready(done);
             }
             if this.flights.load(Ordering::Acquire) <= 1 && Instant::now() < until {
@@ -380,6 +412,45 @@ mod tests {
         assert_eq!(r.read(&mut one).await.unwrap(), 0, "the peer's close is the end of the stream");
         r.disarm();
         drop(flight);
+        assert_eq!(FLIGHTS.load(Ordering::Acquire), 0);
+    }
+
+    /// An answer that keeps streaming in is polled past its first deadline: each piece polled in
+    /// moves the deadline on by the gap, so a long load never parks while its bytes keep coming;
+    /// with no gap the same pacing parks once the first deadline passes.
+    #[tokio::test]
+    async fn a_streaming_answer_is_polled_while_its_bytes_keep_coming() {
+        static FLIGHTS: AtomicUsize = AtomicUsize::new(0);
+        let (mut r, mut theirs) = tcp_pair(&FLIGHTS, &ALWAYS_POLL).await;
+        let want: Vec<u8> = (0..400_000u32).map(|i| (i * 13 + i / 7) as u8).collect();
+        for gap in [Duration::from_secs(2), Duration::ZERO] {
+            let sent = want.clone();
+            let writer = tokio::spawn(async move {
+                for piece in sent.chunks(50_000) {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    theirs.write_all(piece).await.unwrap();
+                }
+                theirs
+            });
+            let before = r.polled;
+            let flight = r.arm(want.len() as u64, Duration::from_secs(5));
+            // The first piece is due in 10 ms, the last in 80: a first deadline of 40 ms is
+            // outlasted by the answer, which only the gap's extensions carry through.
+            r.until = Some(Instant::now() + Duration::from_millis(40));
+            r.gap = gap;
+            let mut got = vec![0u8; want.len()];
+            r.read_exact(&mut got).await.unwrap();
+            assert!(got == want, "gap {gap:?}: the bytes came in order");
+            let polled = r.polled - before;
+            if gap.is_zero() {
+                assert!(polled < want.len() as u64, "no gap: the last pieces came parked ({polled} polled)");
+            } else {
+                assert_eq!(polled, want.len() as u64, "every byte came by polling");
+            }
+            r.disarm();
+            drop(flight);
+            theirs = writer.await.unwrap();
+        }
         assert_eq!(FLIGHTS.load(Ordering::Acquire), 0);
     }
 

@@ -35,7 +35,8 @@ impl Wait {
 }
 
 /// Size classes: calls are compared with calls of the same power of two of their poll budget in
-/// µs (which grows with the bytes they move; at most 4 MiB are polled for).
+/// µs (which grows with the bytes they move: a same-node call's poll budget, a TCP call's expected
+/// wait for its whole answer).
 const CLASSES: usize = 16;
 /// One call in this many takes the other way, to compare it with the way taken.
 pub(crate) const EXPLORE_EVERY: u32 = 16;
