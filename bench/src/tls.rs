@@ -104,9 +104,10 @@ async fn measure(clients: &[(&'static str, KvClient); 2], cfg: &CellsConfig) -> 
                 tcp.push(tokio::task::block_in_place(|| crate::limits::tcp_gbps(cfg.bytes_per_cell.min(256 << 20)))?);
                 let src = &src;
                 for (pi, ((_, client), (ns, keys))) in clients.iter().zip(&nss).enumerate() {
+                    // Each task's destination, written (its pages faulted in) before the clock starts.
+                    let mut dsts: Vec<Vec<u8>> = (0..c).map(|_| vec![1u8; size]).collect();
                     let t0 = Instant::now();
-                    let lat = futures::future::try_join_all((0..c).map(|t| async move {
-                        let mut dst = vec![0u8; size];
+                    let lat = futures::future::try_join_all(dsts.iter_mut().enumerate().map(|(t, dst)| async move {
                         let mut lat = Vec::with_capacity(ops);
                         for op in 0..ops {
                             let i = (op * c + t) % n;
