@@ -250,7 +250,7 @@ impl Registered {
         if size < claimed {
             return Err(Refusal::Bad(format!("the memfd is {size} bytes, smaller than the {claimed} claimed")));
         }
-        let map = mappings.map(&fd, &st, claimed)?;
+        let map = mappings.map(fd, &st, claimed)?;
         Ok(Registered { memory: Memory::Mapped(map), len: claimed })
     }
 
@@ -377,9 +377,15 @@ impl RegisteredBudget {
 /// made — populated once, charged once against `samenode_max_registered_bytes`, one set of page
 /// tables. A mapping lives while any connection has it registered.
 ///
-/// A file is named by its device and inode, which stay its own while a mapping holds it. Reusing
-/// another connection's mapping gives a client nothing it didn't have: it had to pass a
-/// descriptor of that very file, so it could map the file itself.
+/// A file is found by its device and inode numbers, and a registration uses the mapping found
+/// only if its descriptor is the very open file that was mapped (`kcmp(KCMP_FILE)`: a client
+/// passes one descriptor on each of its connections) and still lets the server write to it
+/// (`O_RDWR`, no write seal since). Otherwise the file is mapped anew, which the kernel refuses as
+/// it would have without the registry. The numbers alone would not do: a read-only descriptor of
+/// a file mapped writable by another client, or a memfd sealed against writes after it was
+/// mapped, would have its pages written; and inode numbers are reused while files live (a
+/// hugetlbfs memfd's, and every memfd's before Linux 5.9, come from a wrapping 32-bit counter).
+/// Where `kcmp` is missing (a kernel without it, a seccomp filter) every registration maps anew.
 pub(crate) struct Mappings {
     budget: RegisteredBudget,
     by_file: Mutex<HashMap<FileId, Weak<Mapping>>>,
@@ -394,7 +400,33 @@ pub(crate) struct Mapping {
     map: MmapRaw,
     len: u64,
     file: FileId,
+    /// The descriptor it was mapped through: a later registration shares the mapping only if its
+    /// descriptor is this same open file.
+    fd: OwnedFd,
     owner: Arc<Mappings>,
+}
+
+/// Whether `a` and `b`, descriptors of this process, are the same open file (one descriptor
+/// passed again, or a `dup` of it); false where the kernel can't say (no `kcmp`, or a seccomp
+/// filter refuses it).
+fn same_open_file(a: &OwnedFd, b: &OwnedFd) -> bool {
+    use std::os::fd::AsRawFd;
+    const KCMP_FILE: libc::c_int = 0;
+    let pid = std::process::id() as libc::pid_t;
+    // SAFETY: `kcmp` reads and writes none of this process's memory: it compares the kernel's
+    // file objects behind two descriptor numbers of this process, both open (borrowed) for the
+    // call's length.
+    let r = unsafe { libc::syscall(libc::SYS_kcmp, pid, pid, KCMP_FILE, a.as_raw_fd(), b.as_raw_fd()) };
+    r == 0
+}
+
+/// Whether the server may write through `fd`: open read-write, and sealed against neither writes
+/// nor future writes.
+fn writable(fd: &OwnedFd) -> bool {
+    let rw = rustix::fs::fcntl_getfl(fd).is_ok_and(|f| f & rustix::fs::OFlags::ACCMODE == rustix::fs::OFlags::RDWR);
+    let sealed =
+        rustix::fs::fcntl_get_seals(fd).map_or(true, |s| s.intersects(SealFlags::WRITE | SealFlags::FUTURE_WRITE));
+    rw && !sealed
 }
 
 impl Mappings {
@@ -408,15 +440,16 @@ impl Mappings {
     }
 
     /// The node's mapping of the sealed memfd `fd` (`st` its `fstat`), at least `claimed` bytes
-    /// long: the one already made if it is long enough, else a new one of `claimed` bytes,
-    /// charged against the node's budget first (nothing is mapped over it).
-    fn map(self: &Arc<Self>, fd: &OwnedFd, st: &rustix::fs::Stat, claimed: u64) -> Result<Arc<Mapping>, Refusal> {
+    /// long: the one already made through this same open file if it is long enough and `fd`
+    /// still lets the server write, else a new one of `claimed` bytes, charged against the
+    /// node's budget first (nothing is mapped over it).
+    fn map(self: &Arc<Self>, fd: OwnedFd, st: &rustix::fs::Stat, claimed: u64) -> Result<Arc<Mapping>, Refusal> {
         #[allow(clippy::unnecessary_cast)] // `st_dev`'s and `st_ino`'s widths differ between targets
         let file: FileId = (st.st_dev as u64, st.st_ino as u64);
         // The lock is let go before `found` may be dropped: dropping the last holder of a
         // mapping takes it again.
         let found = self.files().get(&file).and_then(Weak::upgrade);
-        if let Some(m) = found.filter(|m| m.len >= claimed) {
+        if let Some(m) = found.filter(|m| m.len >= claimed && same_open_file(&m.fd, &fd) && writable(&fd)) {
             return Ok(m);
         }
         let len = usize::try_from(claimed).map_err(|_| Refusal::Bad("buffer too large for this host".into()))?;
@@ -431,14 +464,14 @@ impl Mappings {
         if allocated >= claimed {
             options.populate();
         }
-        let map = match options.map_raw(fd) {
+        let map = match options.map_raw(&fd) {
             Ok(map) => map,
             Err(e) => {
                 self.budget.release(claimed);
                 return Err(Refusal::Bad(format!("mmap: {e}")));
             }
         };
-        let m = Arc::new(Mapping { map, len: claimed, file, owner: self.clone() });
+        let m = Arc::new(Mapping { map, len: claimed, file, fd, owner: self.clone() });
         // Two connections that mapped the same file at once both keep theirs; later ones find
         // the last (a shorter mapping still held stays valid for those holding it).
         self.files().insert(file, Arc::downgrade(&m));
@@ -1370,26 +1403,28 @@ mod tests {
     fn a_memfd_registered_on_several_connections_is_mapped_and_charged_once() {
         let mappings = Mappings::new(3 << 20);
         let (fd, st) = sealed_memfd(2 << 20);
-        let a = mappings.map(&fd, &st, 1 << 20).unwrap_or_else(|_| panic!("first mapping"));
-        let b = mappings.map(&fd, &st, 1 << 20).unwrap_or_else(|_| panic!("second registration"));
-        let shorter = mappings.map(&fd, &st, 4096).unwrap_or_else(|_| panic!("a shorter claim"));
+        // Each registration passes the client's one descriptor again (here: a dup of it).
+        let fd_again = || fd.try_clone().unwrap();
+        let a = mappings.map(fd_again(), &st, 1 << 20).unwrap_or_else(|_| panic!("first mapping"));
+        let b = mappings.map(fd_again(), &st, 1 << 20).unwrap_or_else(|_| panic!("second registration"));
+        let shorter = mappings.map(fd_again(), &st, 4096).unwrap_or_else(|_| panic!("a shorter claim"));
         assert!(Arc::ptr_eq(&a, &b) && Arc::ptr_eq(&a, &shorter), "the file was mapped again");
         assert_eq!(mappings.mapped_bytes(), 1 << 20);
         // Both see the file's bytes through the one mapping.
         // SAFETY: the mapping is 1 MiB long and the memfd holds 2 MiB of 7s.
         assert_eq!(unsafe { *a.map.as_ptr().add((1 << 20) - 1) }, 7);
         // A claim longer than the mapping maps the file again; the shorter one stays valid.
-        let longer = mappings.map(&fd, &st, 2 << 20).unwrap_or_else(|_| panic!("a longer claim"));
+        let longer = mappings.map(fd_again(), &st, 2 << 20).unwrap_or_else(|_| panic!("a longer claim"));
         assert!(!Arc::ptr_eq(&a, &longer));
         assert_eq!(mappings.mapped_bytes(), 3 << 20);
         // A second file past the cap (3 MiB mapped already) is refused, nothing mapped for it.
         let (other, ost) = sealed_memfd(4096);
         assert!(
-            matches!(mappings.map(&other, &ost, 4096), Err(Refusal::Cap(m)) if m.contains("samenode_max_registered_bytes"))
+            matches!(mappings.map(other.try_clone().unwrap(), &ost, 4096), Err(Refusal::Cap(m)) if m.contains("samenode_max_registered_bytes"))
         );
         assert_eq!(mappings.mapped_bytes(), 3 << 20);
         // Registrations find the longest live mapping from now on.
-        let again = mappings.map(&fd, &st, 1 << 20).unwrap_or_else(|_| panic!("again"));
+        let again = mappings.map(fd_again(), &st, 1 << 20).unwrap_or_else(|_| panic!("again"));
         assert!(Arc::ptr_eq(&again, &longer));
         drop((a, b, shorter));
         assert_eq!(mappings.mapped_bytes(), 2 << 20, "the 1 MiB mapping's bytes came back");
@@ -1397,7 +1432,40 @@ mod tests {
         assert_eq!(mappings.mapped_bytes(), 0);
         assert!(mappings.files().is_empty(), "an unmapped file's entry was left behind");
         // The freed budget takes the other file now.
-        assert!(mappings.map(&other, &ost, 4096).is_ok());
+        assert!(mappings.map(other, &ost, 4096).is_ok());
+    }
+
+    /// A mapping is shared only with the very open file it was made through, and only while
+    /// that file still lets the server write: a read-only descriptor of the same memfd, a second
+    /// open of it, and the memfd once sealed against writes each map on their own — and the
+    /// kernel refuses the read-only and the sealed one, as it did before mappings were shared.
+    #[test]
+    fn a_mapping_is_shared_only_with_the_same_open_file_still_writable() {
+        use rustix::fs::{Mode, OFlags};
+        let mappings = Mappings::new(8 << 20);
+        let (fd, st) = sealed_memfd(1 << 20);
+        let first = mappings.map(fd.try_clone().unwrap(), &st, 1 << 20).unwrap_or_else(|_| panic!("first"));
+        let path = format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&fd));
+
+        // A read-only open of the same file: not the same open file, and mmap refuses it.
+        let ro = rustix::fs::open(path.as_str(), OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty()).unwrap();
+        assert!(matches!(mappings.map(ro, &st, 1 << 20), Err(Refusal::Bad(m)) if m.contains("mmap")));
+        // A second read-write open: the same file, another open file; mapped on its own.
+        let rw = rustix::fs::open(path.as_str(), OFlags::RDWR | OFlags::CLOEXEC, Mode::empty()).unwrap();
+        let second = mappings.map(rw, &st, 1 << 20).unwrap_or_else(|_| panic!("a read-write reopen maps"));
+        assert!(!Arc::ptr_eq(&first, &second));
+        drop(second);
+        assert_eq!(mappings.mapped_bytes(), 1 << 20);
+
+        // Sealed against future writes after it was mapped: the one descriptor passed again no
+        // longer shares the writable mapping, and mapping it anew is refused.
+        rustix::fs::fcntl_add_seals(&fd, SealFlags::FUTURE_WRITE).unwrap();
+        assert!(
+            matches!(mappings.map(fd.try_clone().unwrap(), &st, 1 << 20), Err(Refusal::Bad(m)) if m.contains("mmap"))
+        );
+        assert_eq!(mappings.mapped_bytes(), 1 << 20, "refused registrations charge nothing");
+        drop(first);
+        assert_eq!(mappings.mapped_bytes(), 0);
     }
 
     /// The checked copy lands every byte and says whether the *source* matched the checksum: a
