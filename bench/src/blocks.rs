@@ -35,6 +35,7 @@ use kvtier_client::{BlockDest, ClientConfig, ItemStatus, KvClient, NamespaceHand
 use kvtier_proto::{pb, BlockKey, CodecId, DType, HashScheme, KvLayout, Namespace};
 use serde::{Deserialize, Serialize};
 
+use crate::cpu::{CpuMark, CpuSpent};
 use crate::stats::{median, percentile};
 
 #[derive(Debug, Clone)]
@@ -65,6 +66,13 @@ pub struct Cell {
     pub p99_ms: f64,
     /// Operations measured, all runs together.
     pub ops: usize,
+    /// Milliseconds of the server's CPU time per GB moved, median over runs (see [`crate::cpu`]);
+    /// `None` where the bench could not read the server's clock (a `--server` it did not start).
+    #[serde(default)]
+    pub server_cpu_ms_per_gb: Option<f64>,
+    /// The same for the client's process (the bench for the Rust paths, the Python driver's).
+    #[serde(default)]
+    pub client_cpu_ms_per_gb: Option<f64>,
 }
 
 impl Cell {
@@ -89,7 +97,17 @@ impl Cell {
             p50_ms: ms(50.0),
             p99_ms: ms(99.0),
             ops: lat_s.len(),
+            server_cpu_ms_per_gb: None,
+            client_cpu_ms_per_gb: None,
         }
+    }
+
+    /// The cell with each run's CPU time (server and client, seconds) for `bytes` moved per run.
+    pub fn with_cpu(mut self, spent: &[CpuSpent], bytes: usize) -> Cell {
+        let (server, client): (Vec<_>, Vec<_>) = spent.iter().map(|s| (s.server_s, s.client_s)).unzip();
+        self.server_cpu_ms_per_gb = crate::cpu::ms_per_gb(&server, bytes);
+        self.client_cpu_ms_per_gb = crate::cpu::ms_per_gb(&client, bytes);
+        self
     }
 
     /// (max − min) / median over runs: how far apart the runs were.
@@ -156,6 +174,8 @@ struct Sample {
     load_s: f64,
     store_lat: Vec<f64>,
     load_lat: Vec<f64>,
+    store_cpu: CpuSpent,
+    load_cpu: CpuSpent,
 }
 
 fn cells(system: &str, size: usize, c: usize, samples: Vec<Sample>, bytes: usize) -> [Cell; 2] {
@@ -167,7 +187,12 @@ fn cells(system: &str, size: usize, c: usize, samples: Vec<Sample>, bytes: usize
     }
     let st: Vec<f64> = samples.iter().map(|s| bytes as f64 / s.store_s / 1e9).collect();
     let ld: Vec<f64> = samples.iter().map(|s| bytes as f64 / s.load_s / 1e9).collect();
-    [Cell::from_runs(system, "store", size, c, &st, &sl), Cell::from_runs(system, "load", size, c, &ld, &ll)]
+    let sc: Vec<CpuSpent> = samples.iter().map(|s| s.store_cpu).collect();
+    let lc: Vec<CpuSpent> = samples.iter().map(|s| s.load_cpu).collect();
+    [
+        Cell::from_runs(system, "store", size, c, &st, &sl).with_cpu(&sc, bytes),
+        Cell::from_runs(system, "load", size, c, &ld, &ll).with_cpu(&lc, bytes),
+    ]
 }
 
 /// The kvtier paths measured (see the module docs).
@@ -219,6 +244,7 @@ fn space(p: Path, run: usize) -> usize {
 
 /// Runs `n` operations of `path` on each of `c` tasks at once; the wall time and every call's
 /// latency in seconds. One task is awaited on the caller's thread; several are spawned.
+#[allow(clippy::too_many_arguments)]
 async fn run_path(
     client: &KvClient,
     ns: &NamespaceHandle,
@@ -227,20 +253,23 @@ async fn run_path(
     c: usize,
     n: usize,
     kspace: usize,
-) -> anyhow::Result<(f64, Vec<f64>)> {
+    server_pid: Option<u32>,
+) -> anyhow::Result<(f64, Vec<f64>, CpuSpent)> {
     // Each task's destination (an engine's KV pages): room for 8 blocks on every path, filled in
     // turn, so a one-block load lands in memory as cold as an 8-block one does (a one-block
     // buffer would stay in the core's cache and flatter the one-block paths). Written here,
     // before the clock starts, so no page is faulted in on the clock (the Python driver's
     // destinations are made before its clock too).
     let mut bufs: Vec<Vec<u8>> = (0..c).map(|_| vec![1u8; data.len() * DEST_SLOTS]).collect();
+    let cpu = CpuMark::now(server_pid);
     let t = Instant::now();
     if c == 1 {
         let buf = bufs.pop().unwrap_or_default();
         let (lat, buf) = path_task(client.clone(), ns.clone(), data.clone(), path, 0, n, kspace, buf).await?;
         let secs = t.elapsed().as_secs_f64();
+        let spent = cpu.spent();
         drop(buf);
-        return Ok((secs, lat));
+        return Ok((secs, lat, spent));
     }
     let tasks: Vec<_> = bufs
         .into_iter()
@@ -256,8 +285,9 @@ async fn run_path(
         bufs.push(buf);
     }
     let secs = t.elapsed().as_secs_f64();
+    let spent = cpu.spent();
     drop(bufs);
-    Ok((secs, lat))
+    Ok((secs, lat, spent))
 }
 
 /// One task's `n` operations of `path`, back to back, loading into `buf` (`DEST_SLOTS` blocks);
@@ -329,9 +359,11 @@ async fn path_task(
     Ok((lat, buf))
 }
 
-/// Runs every (size, concurrency) cell against the kvtier server at `addr`, along every path.
+/// Runs every (size, concurrency) cell against the kvtier server at `addr`, along every path;
+/// with `server_pid`, the server's CPU time per GB beside the bench's own.
 pub async fn run_kvtier(
     addr: &str,
+    server_pid: Option<u32>,
     cfg: &BlocksConfig,
     tcp: &crate::limits::TcpSampler,
     pb: &indicatif::ProgressBar,
@@ -367,6 +399,7 @@ pub async fn run_kvtier(
             let bytes = size * c * n;
             let mut gbps = vec![Vec::new(); paths.len()];
             let mut lats = vec![Vec::new(); paths.len()];
+            let mut cpus = vec![Vec::new(); paths.len()];
             for run in 0..cfg.runs {
                 // Blocking, but nothing else runs on the runtime between two cells' runs.
                 tcp.sample(size, c)?;
@@ -376,14 +409,15 @@ pub async fn run_kvtier(
                     let client = if park { &parked } else { &client };
                     let (ns, data) =
                         if matches!(path, Path::StoreFp8x8 | Path::LoadFp8x8) { (&fp8, &kv) } else { (&ns, &data) };
-                    let (secs, lat) = run_path(client, ns, data, path, c, n, space(path, run)).await?;
+                    let (secs, lat, cpu) = run_path(client, ns, data, path, c, n, space(path, run), server_pid).await?;
                     gbps[i].push(bytes as f64 / secs / 1e9);
                     lats[i].extend(lat);
+                    cpus[i].push(cpu);
                 }
                 client.purge(&ns).await?;
             }
             for (i, &(system, op, _, _)) in paths.iter().enumerate() {
-                out.push(Cell::from_runs(system, op, size, c, &gbps[i], &lats[i]));
+                out.push(Cell::from_runs(system, op, size, c, &gbps[i], &lats[i]).with_cpu(&cpus[i], bytes));
             }
             pb.inc(1);
         }
@@ -453,6 +487,7 @@ pub async fn round_trips(addr: &str, blocks: usize, n: usize) -> anyhow::Result<
 /// Runs every cell against Redis at `url`, plain and pipelined.
 pub async fn run_redis(
     url: &str,
+    server_pid: Option<u32>,
     cfg: &BlocksConfig,
     tcp: &crate::limits::TcpSampler,
     pb: &indicatif::ProgressBar,
@@ -480,7 +515,7 @@ pub async fn run_redis(
                 for run in 0..cfg.runs {
                     // Blocking, but nothing else runs on the runtime between two runs.
                     tcp.sample(size, c)?;
-                    samples.push(redis_sample(&conns, &data, size, n, depth, run).await?);
+                    samples.push(redis_sample(&conns, &data, size, n, depth, run, server_pid).await?);
                     redis::cmd("FLUSHALL").query_async::<()>(&mut conns[0].clone()).await?;
                 }
                 out.extend(cells(&system, size, c, samples, size * c * n));
@@ -528,8 +563,10 @@ async fn redis_sample(
     n: usize,
     depth: usize,
     run: usize,
+    server_pid: Option<u32>,
 ) -> anyhow::Result<Sample> {
     let rkey = move |task: usize, op: usize| key(size, run, task, op).0.to_vec();
+    let cpu = CpuMark::now(server_pid);
     let t = Instant::now();
     let tasks: Vec<_> = conns
         .iter()
@@ -556,6 +593,8 @@ async fn redis_sample(
         store_lat.extend(t.await??);
     }
     let store_s = t.elapsed().as_secs_f64();
+    let store_cpu = cpu.spent();
+    let cpu = CpuMark::now(server_pid);
     let t = Instant::now();
     let tasks: Vec<_> = conns
         .iter()
@@ -585,7 +624,8 @@ async fn redis_sample(
     for t in tasks {
         load_lat.extend(t.await??);
     }
-    Ok(Sample { store_s, load_s: t.elapsed().as_secs_f64(), store_lat, load_lat })
+    let load_s = t.elapsed().as_secs_f64();
+    Ok(Sample { store_s, load_s, store_lat, load_lat, store_cpu, load_cpu: cpu.spent() })
 }
 
 #[cfg(test)]

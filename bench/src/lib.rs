@@ -4,7 +4,7 @@
 //!
 //! Pure parts (tested): [`stats`], [`model`] (KV bytes, prefill FLOPs, GPUs, links, planner),
 //! [`trace`] (deterministic Zipf workload). Measuring parts: [`limits`], [`blocks`], [`replay`],
-//! [`contention`] (tail latency while sessions park), [`samenode`] (registered buffers beside
+//! [`contention`] (tail latency while sessions park), [`cpu`] (server and client CPU per GB), [`samenode`] (registered buffers beside
 //! memcpy and TCP), [`tls`] (the data plane over TLS beside plain TCP), [`cluster`] (1–3 nodes:
 //! cross-node loads, the trace over a cluster),
 //! with real server processes from [`servers`] and the Python side from [`pydriver`]; output
@@ -13,6 +13,7 @@
 pub mod blocks;
 pub mod cluster;
 pub mod contention;
+pub mod cpu;
 pub mod limits;
 pub mod model;
 pub mod plot;

@@ -284,7 +284,8 @@ fn main() -> anyhow::Result<()> {
         };
         let tcp_sampler = limits::TcpSampler::new(cfg.bytes_per_cell.min(64 << 20));
         let pb = bar(cfg.cells() as u64, "kvtier");
-        cells.extend(rt.block_on(blocks::run_kvtier(&addr, &cfg, &tcp_sampler, &pb))?);
+        let server_pid = server.as_ref().map(KvtierServer::pid);
+        cells.extend(rt.block_on(blocks::run_kvtier(&addr, server_pid, &cfg, &tcp_sampler, &pb))?);
         pb.finish_and_clear();
         let mut notes: Vec<String> = Vec::new();
         // gRPC round trips alone: Lookup and ResumeSession of an 8-block session.
@@ -305,14 +306,11 @@ fn main() -> anyhow::Result<()> {
                         let mut runs_ = Vec::new();
                         for run in 0..cfg.runs {
                             tcp_sampler.sample(size, c)?;
-                            let r = d.run(
-                                "kvtier",
-                                &["--server".into(), addr.clone()],
-                                size,
-                                c,
-                                cfg.ops_per_task(size, c),
-                                run,
-                            )?;
+                            let mut to = vec!["--server".to_string(), addr.clone()];
+                            if let Some(pid) = server_pid {
+                                to.extend(["--server-pid".to_string(), pid.to_string()]);
+                            }
+                            let r = d.run("kvtier", &to, size, c, cfg.ops_per_task(size, c), run)?;
                             for id in &r.namespaces {
                                 let req = kvtier_proto::pb::PurgeRequest { namespace_id: pydriver::unhex(id)?.into() };
                                 rt.block_on(grpc.raw_grpc().purge(req))?;
@@ -360,7 +358,7 @@ fn main() -> anyhow::Result<()> {
                             tcp_sampler.sample(size, c)?;
                             runs_.push(d.run(
                                 "lmcache",
-                                &["--port".into(), s.port.to_string()],
+                                &["--port".into(), s.port.to_string(), "--server-pid".into(), s.pid().to_string()],
                                 size,
                                 c,
                                 cfg.ops_per_task(size, c),
@@ -393,7 +391,7 @@ fn main() -> anyhow::Result<()> {
                 let r = RedisServer::start(&bin, &data_dir.join("redis"))?;
                 eprintln!("started redis-server {} on port {}", r.version, r.port);
                 let pb = bar(cfg.cells() as u64, "redis");
-                cells.extend(rt.block_on(blocks::run_redis(&r.url(), &cfg, &tcp_sampler, &pb))?);
+                cells.extend(rt.block_on(blocks::run_redis(&r.url(), Some(r.pid()), &cfg, &tcp_sampler, &pb))?);
                 pb.finish_and_clear();
                 // Redis's own C client, on the same server.
                 match servers::find_bin("redis-benchmark", a.redis_benchmark_bin.as_deref()) {

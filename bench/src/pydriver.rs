@@ -11,6 +11,7 @@ use anyhow::{bail, Context};
 use serde::Deserialize;
 
 use crate::blocks::Cell;
+use crate::cpu::CpuSpent;
 
 /// The repository root this bench was built from (the driver file is read from the checkout, so
 /// a run measures the driver beside the Rust code of the same commit).
@@ -108,6 +109,9 @@ impl Driver {
             "--run",
             &run.to_string(),
         ]);
+        // OpenBLAS (loaded with numpy) keeps worker threads that spin for a while; the driver makes
+        // no BLAS call, and their spinning would count in its CPU time.
+        cmd.env("OPENBLAS_NUM_THREADS", "1");
         let out = cmd.stdin(Stdio::null()).output().context("running the Python driver")?;
         if !out.status.success() {
             bail!(
@@ -129,6 +133,12 @@ pub struct PyPath {
     pub load_s: f64,
     pub store_lat: Vec<f64>,
     pub load_lat: Vec<f64>,
+    /// CPU seconds of each phase: `[server, driver]` (the server's `None` where the driver was not
+    /// given its pid; both `None` from an older driver).
+    #[serde(default)]
+    pub store_cpu: [Option<f64>; 2],
+    #[serde(default)]
+    pub load_cpu: [Option<f64>; 2],
 }
 
 /// The driver's answer for one run of one cell.
@@ -155,8 +165,12 @@ pub fn cells(runs: &[PyRun], size: usize, c: usize) -> Vec<Cell> {
         let ld: Vec<f64> = ps.iter().map(|(p, b)| *b as f64 / p.load_s / 1e9).collect();
         let sl: Vec<f64> = ps.iter().flat_map(|(p, _)| p.store_lat.iter().copied()).collect();
         let ll: Vec<f64> = ps.iter().flat_map(|(p, _)| p.load_lat.iter().copied()).collect();
-        out.push(Cell::from_runs(system, "store", size, c, &st, &sl));
-        out.push(Cell::from_runs(system, "load", size, c, &ld, &ll));
+        let cpu = |f: fn(&PyPath) -> [Option<f64>; 2]| -> Vec<CpuSpent> {
+            ps.iter().map(|(p, _)| CpuSpent { server_s: f(p)[0], client_s: f(p)[1] }).collect()
+        };
+        let bytes = ps.first().map_or(0, |(_, b)| *b);
+        out.push(Cell::from_runs(system, "store", size, c, &st, &sl).with_cpu(&cpu(|p| p.store_cpu), bytes));
+        out.push(Cell::from_runs(system, "load", size, c, &ld, &ll).with_cpu(&cpu(|p| p.load_cpu), bytes));
     }
     out
 }
@@ -186,10 +200,27 @@ mod tests {
         assert_eq!((st.gb_per_s, st.gb_per_s_min, st.gb_per_s_max), (0.5, 0.25, 1.0));
         assert_eq!(st.ops, 6);
         assert_eq!(cs[1].gb_per_s, 2.0);
+        assert_eq!((st.server_cpu_ms_per_gb, st.client_cpu_ms_per_gb), (None, None), "an older driver: no CPU");
         assert_eq!(unhex("00ff").unwrap(), vec![0, 255]);
         assert!(unhex("0").is_err());
         // An older driver says nothing of skipped paths.
         assert!(run(1.0).skipped.is_empty());
+    }
+
+    #[test]
+    fn the_cpu_a_driver_reports_becomes_ms_per_gb() {
+        // 2 GB per phase; loads: the server used 0.2 s then 0.4 s, the driver 1 s then 3 s.
+        let run = |srv: f64, drv: f64| -> PyRun {
+            serde_json::from_str(&format!(
+                r#"{{"bytes": 2000000000, "namespaces": [], "paths": {{"lmcache": {{"store_s": 1, "load_s": 1, "store_lat": [], "load_lat": [], "store_cpu": [null, 0.5], "load_cpu": [{srv}, {drv}]}}}}}}"#
+            ))
+            .unwrap()
+        };
+        let cs = cells(&[run(0.2, 1.0), run(0.4, 3.0)], 1 << 20, 1);
+        let (st, ld) = (&cs[0], &cs[1]);
+        assert_eq!((st.server_cpu_ms_per_gb, st.client_cpu_ms_per_gb), (None, Some(250.0)));
+        let (s, c) = (ld.server_cpu_ms_per_gb.unwrap(), ld.client_cpu_ms_per_gb.unwrap());
+        assert!((s - 150.0).abs() < 1e-9 && (c - 1000.0).abs() < 1e-9, "{s} {c}");
     }
 
     #[test]

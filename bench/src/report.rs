@@ -249,6 +249,63 @@ fn spread_cell(c: Option<&Cell>) -> String {
     }
 }
 
+/// "server + client" ms of CPU per GB of a cell, `—` where it has no figure.
+fn cpu_cell(c: Option<&Cell>) -> String {
+    let ms = |x: Option<f64>| x.map_or("—".to_string(), |v| format!("{v:.0}"));
+    match c {
+        Some(c) if c.server_cpu_ms_per_gb.is_some() || c.client_cpu_ms_per_gb.is_some() => {
+            format!("{} + {}", ms(c.server_cpu_ms_per_gb), ms(c.client_cpu_ms_per_gb))
+        }
+        _ => "—".into(),
+    }
+}
+
+/// What each system's server and client spend per GB moved, loads then stores, and the other
+/// servers' CPU per GB as a multiple of kvtier's (fused `load_keys_into` / `store_keys`).
+fn cpu_tables(cells: &[Cell], sizes: &[usize], concs: &[usize]) -> String {
+    let sys = [
+        ("engine-fused", "kvtier fused (Rust)"),
+        ("engine-fused-x8", "kvtier fused, 8 blocks/call"),
+        ("python", "kvtier Python"),
+        ("lmcache", "LMCache"),
+        ("redis", "Redis (Rust client)"),
+    ];
+    let mut s = String::from(
+        "\n### CPU per GB moved (ms of CPU time per GB: server + client, medians of the runs)\n\nThe kernel's per-process CPU clocks (user + system, every thread), read before and after each phase; client = the bench's process for the Rust paths, the Python driver's for the Python client and LMCache. On 2 shared cores a concurrent cell's GB/s is bound by the CPU that client, server and kernel need per byte: this is that need.\n\n",
+    );
+    for op in ["load", "store"] {
+        s += "| block | conc | op |";
+        for (_, name) in &sys {
+            s += &format!(" {name} |");
+        }
+        s += " LMCache server / kvtier server | Redis server / kvtier server | LMCache total / kvtier total | Redis total / kvtier total |\n|---|---|---|";
+        s += &"---|".repeat(sys.len() + 4);
+        s += "\n";
+        for &size in sizes {
+            for &c in concs {
+                let f = |sys: &str| find(cells, sys, op, size, c);
+                let server = |sys: &str| f(sys).and_then(|x| x.server_cpu_ms_per_gb).unwrap_or(f64::NAN);
+                let total = |sys: &str| {
+                    f(sys).and_then(|x| Some(x.server_cpu_ms_per_gb? + x.client_cpu_ms_per_gb?)).unwrap_or(f64::NAN)
+                };
+                s += &format!("| {} | {c} | {op} |", crate::report::size(size));
+                for (name, _) in &sys {
+                    s += &format!(" {} |", cpu_cell(f(name)));
+                }
+                s += &format!(
+                    " {} | {} | {} | {} |\n",
+                    f2(ratio(server("lmcache"), server("engine-fused"))),
+                    f2(ratio(server("redis"), server("engine-fused"))),
+                    f2(ratio(total("lmcache"), total("engine-fused"))),
+                    f2(ratio(total("redis"), total("engine-fused"))),
+                );
+            }
+        }
+        s += "\n";
+    }
+    s
+}
+
 /// A ratio against a goal: `1.23 ✓` met, `0.80 ✗` not, the bare ratio when there is no goal.
 fn vs_goal(r: f64, goal: Option<f64>) -> String {
     match goal {
@@ -372,6 +429,9 @@ pub fn wire_tables(cells: &[Cell], l: &crate::limits::Limits, rt: &RoundTrips, n
     }
     if cells.iter().any(|x| x.system == "python-samenode") {
         s += &samenode_ratios(&sizes, &concs, &g, l.tcp);
+    }
+    if cells.iter().any(|x| x.server_cpu_ms_per_gb.is_some()) {
+        s += &cpu_tables(cells, &sizes, &concs);
     }
     s += "\n### Per-operation latency, loads (ms, p50 / p99 over every run; 8 blocks/call: per call)\n\n| block | conc |";
     let load_sys = &load_sys[1..];

@@ -215,6 +215,11 @@ impl RedisServer {
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}/", self.port)
     }
+
+    /// The server's pid (for its CPU clock).
+    pub fn pid(&self) -> u32 {
+        self.pid as u32
+    }
 }
 
 impl Drop for RedisServer {

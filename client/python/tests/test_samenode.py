@@ -330,20 +330,27 @@ def test_the_wire_bench_driver_measures_the_same_node_path_only_when_it_is_taken
     went over the same-node socket; otherwise it is left out with the reason."""
     from kvtier import wire_bench
 
-    def cell(addr, run):
-        args = argparse.Namespace(server=addr, size=64 << 10, concurrency=2, ops=4, run=run)
+    def cell(srv, run, pid):
+        args = argparse.Namespace(server=srv.addr, size=64 << 10, concurrency=2, ops=4, run=run, server_pid=pid)
         return wire_bench.bench_kvtier(args)
 
-    out = cell(server.addr, 0)
+    out = cell(server, 0, server.proc.pid)
     assert set(out["paths"]) == {"python", "python-keys", "python-samenode"}, out["skipped"]
     assert out["skipped"] == {} and out["bytes"] == (64 << 10) * 2 * 4
     near = out["paths"]["python-samenode"]
     assert len(near["load_lat"]) == len(near["store_lat"]) == 8 and near["load_s"] > 0
+    # Each phase's CPU: the server's (it copied the blocks) and the driver's own.
+    for path in out["paths"].values():
+        for phase in ("store_cpu", "load_cpu"):
+            srv_s, drv_s = path[phase]
+            assert srv_s is not None and srv_s > 0 and drv_s > 0, (phase, path[phase])
 
     cfg = tmp_path / "kvtier.toml"
     cfg.write_text('samenode_socket = "off"\n')
     with LocalServer(extra_args=["--config", str(cfg)]) as srv:
-        out = cell(srv.addr, 1)
+        out = cell(srv, 1, None)
     assert set(out["paths"]) == {"python", "python-keys"}
+    # Without the server's pid only the driver's CPU is known.
+    assert all(p["load_cpu"][0] is None and p["load_cpu"][1] > 0 for p in out["paths"].values())
     why = out["skipped"]["python-samenode"]
     assert "0 of 8 loads" in why and "not_advertised" in why, why

@@ -30,8 +30,9 @@ larger than a core's cache, and a one-block buffer reused by every load would st
 flatter every path. The check after each load phase compares every slot with the stored bytes.
 
 Prints one JSON object on stdout: per path, the wall time of the store and load phases, every
-operation's latency (seconds), the kvtier namespace ids written (the caller purges them), and
-`skipped`: paths left out, with the reason.
+operation's latency (seconds), the CPU seconds each phase cost (`[server, driver]`: the server's
+given `--server-pid`, else null; the driver's own, every thread), the kvtier namespace ids written
+(the caller purges them), and `skipped`: paths left out, with the reason.
 """
 
 import argparse
@@ -62,8 +63,29 @@ def payload(size, seed):
     return ((np.arange(size, dtype=np.uint64) * 131 + seed * 7) % 253).astype(np.uint8)
 
 
-def run_threads(c, body):
-    """Runs `body(task)` on `c` threads released together; (wall seconds, latencies)."""
+def process_cpu_s(pid):
+    """CPU seconds process `pid` has used so far, all its threads (the kernel's per-process CPU
+    clock, as `clock_getcpuclockid` makes it); None when it can't be read."""
+    try:
+        return time.clock_gettime(((~pid) << 3) | 2)  # MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED)
+    except OSError:
+        return None
+
+
+def cpu_mark(server_pid):
+    return (process_cpu_s(server_pid) if server_pid else None, time.process_time())
+
+
+def cpu_spent(mark, server_pid):
+    """[server seconds or None, this process's seconds] since `mark`."""
+    now = cpu_mark(server_pid)
+    server = now[0] - mark[0] if now[0] is not None and mark[0] is not None else None
+    return [server, now[1] - mark[1]]
+
+
+def run_threads(c, body, server_pid=None):
+    """Runs `body(task)` on `c` threads released together; (wall seconds, latencies, CPU seconds
+    of the server `server_pid` (None without one) and of this process while they ran)."""
     start = threading.Barrier(c + 1)
     lats = [None] * c
     errors = []
@@ -78,14 +100,16 @@ def run_threads(c, body):
     threads = [threading.Thread(target=worker, args=(t,)) for t in range(c)]
     for t in threads:
         t.start()
+    mark = cpu_mark(server_pid)
     start.wait()
     t0 = time.perf_counter()
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    cpu = cpu_spent(mark, server_pid)
     if errors:
         raise errors[0]
-    return wall, [x for lat in lats for x in lat]
+    return wall, [x for lat in lats for x in lat], cpu
 
 
 def dest_slots(size):
@@ -190,18 +214,19 @@ def bench_kvtier(args):
              ("python-samenode", store_near, load_near, [slots for slots, _ in near]))
     for system, st, ld, dests in paths:
         before = samenode_calls(client)
-        s_wall, s_lat = run_threads(c, st)
+        s_wall, s_lat, s_cpu = run_threads(c, st, args.server_pid)
         for slots in dests:
             for out in slots:
                 out.fill(1)
-        l_wall, l_lat = run_threads(c, ld)
+        l_wall, l_lat, l_cpu = run_threads(c, ld, args.server_pid)
         check_slots(system, dests, data, n)
         after = samenode_calls(client)
         if system == "python-samenode" and (after[0] - before[0], after[1] - before[1]) != (c * n, c * n):
             skipped[system] = (f"{after[0] - before[0]} of {c * n} loads and {after[1] - before[1]} of {c * n} "
                                f"stores took the same-node path (last fallback: {after[2]})")
             continue
-        res[system] = {"store_s": s_wall, "load_s": l_wall, "store_lat": s_lat, "load_lat": l_lat}
+        res[system] = {"store_s": s_wall, "load_s": l_wall, "store_lat": s_lat, "load_lat": l_lat,
+                       "store_cpu": s_cpu, "load_cpu": l_cpu}
     return {"bytes": size * c * n, "paths": res, "namespaces": [ns.id, nso.id], "skipped": skipped}
 
 
@@ -296,13 +321,14 @@ def bench_lmcache(args):
     def load(t):
         return timed_ops(n, lambda i: conns[t].get_into(keys[t][i], outs[t][i % DEST_SLOTS]))
 
-    s_wall, s_lat = run_threads(c, store)
-    l_wall, l_lat = run_threads(c, load)
+    s_wall, s_lat, s_cpu = run_threads(c, store, args.server_pid)
+    l_wall, l_lat, l_cpu = run_threads(c, load, args.server_pid)
     check_slots("lmcache", outs, data, n)
     for conn in conns:
         conn.sock.close()
     return {"bytes": size * c * n, "paths": {"lmcache": {"store_s": s_wall, "load_s": l_wall, "store_lat": s_lat,
-                                                         "load_lat": l_lat}}, "namespaces": []}
+                                                         "load_lat": l_lat, "store_cpu": s_cpu, "load_cpu": l_cpu}},
+            "namespaces": []}
 
 
 def main(argv=None):
@@ -314,6 +340,7 @@ def main(argv=None):
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--ops", type=int, default=64, help="operations per thread")
     ap.add_argument("--run", type=int, default=0, help="run number (keeps runs' namespaces apart)")
+    ap.add_argument("--server-pid", type=int, help="the server's pid: its CPU time per phase is reported")
     args = ap.parse_args(argv)
     out = bench_kvtier(args) if args.target == "kvtier" else bench_lmcache(args)
     json.dump(out, sys.stdout)
