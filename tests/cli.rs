@@ -3,6 +3,7 @@
 
 use std::process::Command;
 
+use kvtier_client::ItemStatus;
 use kvtier_tests::*;
 
 #[test]
@@ -154,4 +155,38 @@ fn kvtier_plan_runs_the_capacity_planner() {
     // Llama-3-8B in fp8: 2 x 32 layers x 8 heads x 128 = 65536 elements per token, plus scales.
     assert!(out.contains("KV per token"), "{out}");
     assert!(out.contains("Llama-3-8B"), "{out}");
+}
+
+/// A caller loading small blocks back to back has its next request taken by the server's
+/// polling (`dataplane_poll`), and `/metrics` says how often
+/// (`kvtier_requests_polled_total{plane="dataplane"}`); with `dataplane_poll = "0"` never.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_loads_back_to_back_are_taken_by_polling_and_counted() {
+    const LOADS: usize = 200;
+    for (poll, polls) in [("10ms", true), ("0", false)] {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = dir.path().join("kvtier.toml");
+        std::fs::write(&cfg, format!("dataplane_poll = \"{poll}\"\n")).unwrap();
+        let server = ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"]);
+        let client = server.client().await;
+        let h = client.register(namespace("polled", b"p", small_layout())).await.unwrap();
+        let bb = h.block_bytes() as usize;
+        let keys = h.keys(&tokens(7, 16));
+        let block: Vec<u8> = (0..bb).map(|i| (i % 251) as u8).collect();
+        let st = client.store_keys(&h, &keys, &[vec![bytes::Bytes::from(block.clone())]]).await.unwrap();
+        assert_eq!(st, vec![ItemStatus::Ok]);
+        let mut dst = vec![0u8; bb];
+        for _ in 0..LOADS {
+            let ok = client.load_keys_into(&h, &keys, &mut [vec![&mut dst[..]]], true).await.unwrap();
+            assert!(ok == [true] && dst == block, "a load came back wrong");
+        }
+        let polled = metric(&server.scrape(), "kvtier_requests_polled_total", &[("plane", "dataplane")]);
+        if polls {
+            // Each load after the first may be taken by polling; a busy machine that keeps the
+            // client off its core for 10 ms makes a few park.
+            assert!(polled >= (LOADS / 2) as f64, "{polled} of {LOADS} loads were taken by polling");
+        } else {
+            assert_eq!(polled, 0.0, "dataplane_poll = \"0\" polled");
+        }
+    }
 }

@@ -336,6 +336,10 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
                 Err(e) => return Err(e.into()),
             }
             let poller = self.rd.get_mut().get_mut().poller();
+            // Still armed: the request's first byte came by polling (a parked read disarms).
+            if poller.armed() {
+                spin::count_polled("dataplane");
+            }
             poller.disarm();
             let busy = spin::Busy::enter(poller.gate(), poller.id());
             let done = self.request(hdr).await;

@@ -693,9 +693,14 @@ impl Conn {
             let more = tokio::time::timeout(idle, self.read_exact(REQUEST_LEN, &mut head))
                 .await
                 .map_err(|_| timed_out("samenode_idle_timeout"))??;
+            // Still armed: the request came by polling (a parked read disarms).
+            let polled = self.poller.armed();
             self.poller.disarm();
             if !more {
                 return Ok(());
+            }
+            if polled {
+                crate::dataplane::spin::count_polled("samenode");
             }
             let _busy = crate::dataplane::spin::Busy::enter(self.poller.gate(), self.poller.id());
             let req = match <&[u8; REQUEST_LEN]>::try_from(head.as_slice()).map(SnRequest::decode) {

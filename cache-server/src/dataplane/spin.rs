@@ -157,6 +157,13 @@ impl Drop for Poller {
     }
 }
 
+/// Counts a request whose first bytes arrived while its connection polled for them, on `plane`
+/// (`dataplane` or `samenode`): `kvtier_requests_polled_total`, what an operator reads to see
+/// the polling take (and `dataplane_poll` pay) or not.
+pub(crate) fn count_polled(plane: &'static str) {
+    ::metrics::counter!("kvtier_requests_polled_total", "plane" => plane).increment(1);
+}
+
 /// A receive half read by polling its socket while armed ([`SpinRead::arm`]), else as `inner`.
 pub(crate) struct SpinRead<R> {
     inner: R,
