@@ -36,7 +36,7 @@ const IO_BUF: usize = 64 * 1024;
 /// The receive buffer: headers and statuses are read through it; a payload read finds at most
 /// this much of itself there (copied out once) and takes the rest from the socket straight into
 /// its destination. Smaller than a block, so most of a block's bytes are never copied in user space.
-const READ_BUF: usize = 16 * 1024;
+const READ_BUF: usize = 4 * 1024;
 
 /// A frame to send: its header and its payload as one or more parts, sent back to back.
 pub(crate) trait OutFrame {
