@@ -158,8 +158,8 @@ fn kvtier_plan_runs_the_capacity_planner() {
 }
 
 /// A caller loading small blocks back to back has its next request taken by the server's
-/// polling (`dataplane_poll`), and `/metrics` says how often
-/// (`kvtier_requests_polled_total{plane="dataplane"}`); with `dataplane_poll = "0"` never.
+/// polling (`dataplane_poll`), on the TCP data plane and on the same-node socket, and `/metrics`
+/// says how often (`kvtier_requests_polled_total{plane}`); with `dataplane_poll = "0"` never.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn small_loads_back_to_back_are_taken_by_polling_and_counted() {
     const LOADS: usize = 200;
@@ -180,13 +180,25 @@ async fn small_loads_back_to_back_are_taken_by_polling_and_counted() {
             let ok = client.load_keys_into(&h, &keys, &mut [vec![&mut dst[..]]], true).await.unwrap();
             assert!(ok == [true] && dst == block, "a load came back wrong");
         }
-        let polled = metric(&server.scrape(), "kvtier_requests_polled_total", &[("plane", "dataplane")]);
-        if polls {
-            // Each load after the first may be taken by polling; a busy machine that keeps the
-            // client off its core for 10 ms makes a few park.
-            assert!(polled >= (LOADS / 2) as f64, "{polled} of {LOADS} loads were taken by polling");
-        } else {
-            assert_eq!(polled, 0.0, "dataplane_poll = \"0\" polled");
+        // The same over the same-node socket: the block loaded into a registered buffer.
+        let mut near = client.samenode().await.expect("a same-node connection");
+        let mut buf = kvtier_client::SharedBuffer::new(bb).unwrap();
+        near.register(&buf).await.unwrap();
+        for _ in 0..LOADS {
+            buf.as_mut_slice().fill(0);
+            let ok = near.load_into_buffer(&h, &keys, &mut buf, &[0], false).await.unwrap();
+            assert!(ok == [true] && buf.as_slice() == &block[..], "a same-node load came back wrong");
+        }
+        let m = server.scrape();
+        for plane in ["dataplane", "samenode"] {
+            let polled = metric(&m, "kvtier_requests_polled_total", &[("plane", plane)]);
+            if polls {
+                // Each load after the first may be taken by polling; a busy machine that keeps
+                // the client off its core for 10 ms makes a few park.
+                assert!(polled >= (LOADS / 2) as f64, "{plane}: {polled} of {LOADS} loads were taken by polling");
+            } else {
+                assert_eq!(polled, 0.0, "{plane}: dataplane_poll = \"0\" polled");
+            }
         }
     }
 }
