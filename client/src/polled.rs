@@ -427,16 +427,16 @@ mod tests {
             let sent = want.clone();
             let writer = tokio::spawn(async move {
                 for piece in sent.chunks(50_000) {
-                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    tokio::time::sleep(Duration::from_millis(25)).await;
                     theirs.write_all(piece).await.unwrap();
                 }
                 theirs
             });
             let before = r.polled;
             let flight = r.arm(want.len() as u64, Duration::from_secs(5));
-            // The first piece is due in 10 ms, the last in 80: a first deadline of 40 ms is
-            // outlasted by the answer, which only the gap's extensions carry through.
-            r.until = Some(Instant::now() + Duration::from_millis(40));
+            // The first of 8 pieces is due in 25 ms, the last in 200 or later: a first deadline
+            // of 150 ms is outlasted by the answer, which only the gap's extensions carry through.
+            r.until = Some(Instant::now() + Duration::from_millis(150));
             r.gap = gap;
             let mut got = vec![0u8; want.len()];
             r.read_exact(&mut got).await.unwrap();
