@@ -145,6 +145,12 @@ pub async fn serve(listener: UnixListener, path: PathBuf, state: Arc<NodeState>,
     let limits =
         ConnLimits { total: MAX_CONNECTIONS, per_peer: state.config().max_connections_per_peer.min(MAX_CONNECTIONS) };
     let mappings = Mappings::new(state.config().samenode_max_registered_bytes());
+    if !registrations_share_mappings() {
+        tracing::warn!(
+            "kcmp is refused here (a seccomp filter?): a same-node buffer registered on several connections is mapped, \
+             and counted against samenode_max_registered_bytes, once per connection"
+        );
+    }
     crate::listen::accept_bounded(
         "same-node",
         limits,
@@ -407,17 +413,28 @@ pub(crate) struct Mapping {
 }
 
 /// Whether `a` and `b`, descriptors of this process, are the same open file (one descriptor
-/// passed again, or a `dup` of it); false where the kernel can't say (no `kcmp`, or a seccomp
-/// filter refuses it).
-fn same_open_file(a: &OwnedFd, b: &OwnedFd) -> bool {
+/// passed again, or a `dup` of it); `None` where the kernel can't say (no `kcmp`, or a seccomp
+/// filter refuses it, as Docker's default profile does without `CAP_SYS_PTRACE`).
+fn same_open_file(a: impl AsFd, b: impl AsFd) -> Option<bool> {
     use std::os::fd::AsRawFd;
     const KCMP_FILE: libc::c_int = 0;
     let pid = std::process::id() as libc::pid_t;
+    let (a, b) = (a.as_fd().as_raw_fd(), b.as_fd().as_raw_fd());
     // SAFETY: `kcmp` reads and writes none of this process's memory: it compares the kernel's
     // file objects behind two descriptor numbers of this process, both open (borrowed) for the
     // call's length.
-    let r = unsafe { libc::syscall(libc::SYS_kcmp, pid, pid, KCMP_FILE, a.as_raw_fd(), b.as_raw_fd()) };
-    r == 0
+    let r = unsafe { libc::syscall(libc::SYS_kcmp, pid, pid, KCMP_FILE, a, b) };
+    (r >= 0).then_some(r == 0)
+}
+
+/// Whether this process can tell that a descriptor is an open file it already mapped (`kcmp`):
+/// without it, a buffer registered on several connections is mapped, and counted against
+/// `samenode_max_registered_bytes`, once per connection. Checked once, at the node's start.
+pub fn registrations_share_mappings() -> bool {
+    rustix::fs::memfd_create("kvtier-kcmp-probe", rustix::fs::MemfdFlags::CLOEXEC)
+        .ok()
+        .and_then(|fd| same_open_file(&fd, &fd))
+        .unwrap_or(false)
 }
 
 /// Whether the server may write through `fd`: open read-write, and sealed against neither writes
@@ -449,7 +466,8 @@ impl Mappings {
         // The lock is let go before `found` may be dropped: dropping the last holder of a
         // mapping takes it again.
         let found = self.files().get(&file).and_then(Weak::upgrade);
-        if let Some(m) = found.filter(|m| m.len >= claimed && same_open_file(&m.fd, &fd) && writable(&fd)) {
+        if let Some(m) = found.filter(|m| m.len >= claimed && same_open_file(&m.fd, &fd) == Some(true) && writable(&fd))
+        {
             return Ok(m);
         }
         let len = usize::try_from(claimed).map_err(|_| Refusal::Bad("buffer too large for this host".into()))?;
@@ -1411,6 +1429,12 @@ mod tests {
         // Each registration passes the client's one descriptor again (here: a dup of it).
         let fd_again = || fd.try_clone().unwrap();
         let a = mappings.map(fd_again(), &st, 1 << 20).unwrap_or_else(|_| panic!("first mapping"));
+        if !registrations_share_mappings() {
+            // `kcmp` refused here (a seccomp filter): each registration maps and counts anew.
+            let b = mappings.map(fd_again(), &st, 1 << 20).unwrap_or_else(|_| panic!("second registration"));
+            assert!(!Arc::ptr_eq(&a, &b) && mappings.mapped_bytes() == 2 << 20);
+            return;
+        }
         let b = mappings.map(fd_again(), &st, 1 << 20).unwrap_or_else(|_| panic!("second registration"));
         let shorter = mappings.map(fd_again(), &st, 4096).unwrap_or_else(|_| panic!("a shorter claim"));
         assert!(Arc::ptr_eq(&a, &b) && Arc::ptr_eq(&a, &shorter), "the file was mapped again");
@@ -1462,15 +1486,22 @@ mod tests {
         drop(second);
         assert_eq!(mappings.mapped_bytes(), 1 << 20);
 
-        // Sealed against future writes after it was mapped: the one descriptor passed again no
-        // longer shares the writable mapping, and mapping it anew is refused.
+        drop(first);
+        assert_eq!(mappings.mapped_bytes(), 0);
+
+        // Sealed against future writes after it was mapped: the one descriptor passed again finds
+        // the mapping (the same open file) but no longer shares it, and mapping anew is refused.
+        let (fd, st) = sealed_memfd(1 << 20);
+        let first = mappings.map(fd.try_clone().unwrap(), &st, 1 << 20).unwrap_or_else(|_| panic!("first"));
+        if registrations_share_mappings() {
+            let again = mappings.map(fd.try_clone().unwrap(), &st, 1 << 20).unwrap_or_else(|_| panic!("again"));
+            assert!(Arc::ptr_eq(&first, &again), "the same open file, still writable, shares");
+        }
         rustix::fs::fcntl_add_seals(&fd, SealFlags::FUTURE_WRITE).unwrap();
         assert!(
             matches!(mappings.map(fd.try_clone().unwrap(), &st, 1 << 20), Err(Refusal::Bad(m)) if m.contains("mmap"))
         );
         assert_eq!(mappings.mapped_bytes(), 1 << 20, "refused registrations charge nothing");
-        drop(first);
-        assert_eq!(mappings.mapped_bytes(), 0);
     }
 
     /// The checked copy lands every byte and says whether the *source* matched the checksum: a
