@@ -643,18 +643,6 @@ async fn one_buffer_on_many_connections_is_mapped_once_and_counts_once_against_t
     let (src, keys, offsets) = filled(&h, 21, 2);
     let mut dst = SharedBuffer::new((768 << 10).max(2 * bb)).unwrap();
     let mut conns = Vec::new();
-    if !kvtier_server::samenode::registrations_share_mappings() {
-        // `kcmp` refused here (a seccomp filter): each connection maps the buffer and counts it
-        // again, so the second 768 KiB passes the 1 MiB cap.
-        for i in 0..2 {
-            let mut near = client.samenode().await.unwrap();
-            let r = near.register(&dst).await;
-            assert_eq!(r.is_ok(), i == 0, "registration {i}: {r:?}");
-            conns.push(near);
-        }
-        cluster.stop().await;
-        return;
-    }
     for _ in 0..3 {
         let mut near = client.samenode().await.unwrap();
         near.register(&dst).await.expect("the same buffer again: already mapped, nothing more to charge");

@@ -145,10 +145,10 @@ pub async fn serve(listener: UnixListener, path: PathBuf, state: Arc<NodeState>,
     let limits =
         ConnLimits { total: MAX_CONNECTIONS, per_peer: state.config().max_connections_per_peer.min(MAX_CONNECTIONS) };
     let mappings = Mappings::new(state.config().samenode_max_registered_bytes());
-    if !registrations_share_mappings() {
+    if !mappings.by_open_file {
         tracing::warn!(
-            "kcmp is refused here (a seccomp filter?): a same-node buffer registered on several connections is mapped, \
-             and counted against samenode_max_registered_bytes, once per connection"
+            "kcmp is refused here (a seccomp filter?): a same-node buffer is mapped once per client process (by its \
+             device and inode), not once per open file"
         );
     }
     crate::listen::accept_bounded(
@@ -241,7 +241,13 @@ impl Registered {
     /// Checks `fd` and maps `claimed` bytes of it (`sealed`: a memfd sealed with
     /// `F_SEAL_SHRINK`, which seals can't undo), or keeps it for `pread`/`pwrite` (a tmpfs file
     /// that can shrink; also one sealed only after the caller looked).
-    fn map(fd: OwnedFd, claimed: u64, sealed: bool, mappings: &Arc<Mappings>) -> Result<Registered, Refusal> {
+    fn map(
+        fd: OwnedFd,
+        claimed: u64,
+        sealed: bool,
+        mappings: &Arc<Mappings>,
+        peer: Option<u32>,
+    ) -> Result<Registered, Refusal> {
         if claimed == 0 {
             return Err(Refusal::Bad("a buffer of 0 bytes".into()));
         }
@@ -256,7 +262,7 @@ impl Registered {
         if size < claimed {
             return Err(Refusal::Bad(format!("the memfd is {size} bytes, smaller than the {claimed} claimed")));
         }
-        let map = mappings.map(fd, &st, claimed)?;
+        let map = mappings.map(fd, &st, claimed, peer)?;
         Ok(Registered { memory: Memory::Mapped(map), len: claimed })
     }
 
@@ -391,10 +397,15 @@ impl RegisteredBudget {
 /// a file mapped writable by another client, or a memfd sealed against writes after it was
 /// mapped, would have its pages written; and inode numbers are reused while files live (a
 /// hugetlbfs memfd's, and every memfd's before Linux 5.9, come from a wrapping 32-bit counter).
-/// Where `kcmp` is missing (a kernel without it, a seccomp filter) every registration maps anew.
+/// Where `kcmp` is refused (a seccomp filter), a mapping is shared only among the connections of
+/// the client process that made it (its pid, from the socket's peer credentials), still only
+/// through a descriptor that lets the server write: a process gets nothing it didn't have, and two
+/// live files sharing an inode number could only mix buffers of that one process.
 pub(crate) struct Mappings {
     budget: RegisteredBudget,
     by_file: Mutex<HashMap<FileId, Weak<Mapping>>>,
+    /// Whether sharing is decided by the open file (`kcmp` works here), else by the client process.
+    by_open_file: bool,
 }
 
 /// A file's device and inode numbers.
@@ -409,6 +420,8 @@ pub(crate) struct Mapping {
     /// The descriptor it was mapped through: a later registration shares the mapping only if its
     /// descriptor is this same open file.
     fd: OwnedFd,
+    /// The pid of the client process that registered it first (`None`: unknown).
+    peer: Option<u32>,
     owner: Arc<Mappings>,
 }
 
@@ -428,8 +441,8 @@ fn same_open_file(a: impl AsFd, b: impl AsFd) -> Option<bool> {
 }
 
 /// Whether this process can tell that a descriptor is an open file it already mapped (`kcmp`):
-/// without it, a buffer registered on several connections is mapped, and counted against
-/// `samenode_max_registered_bytes`, once per connection. Checked once, at the node's start.
+/// without it, mappings are shared by client process instead ([`Mappings`]). Checked once, at the
+/// node's start.
 pub fn registrations_share_mappings() -> bool {
     rustix::fs::memfd_create("kvtier-kcmp-probe", rustix::fs::MemfdFlags::CLOEXEC)
         .ok()
@@ -448,7 +461,21 @@ fn writable(fd: &OwnedFd) -> bool {
 
 impl Mappings {
     pub(crate) fn new(cap: u64) -> Arc<Self> {
-        Arc::new(Mappings { budget: RegisteredBudget::new(cap), by_file: Mutex::new(HashMap::new()) })
+        Self::with_identity(cap, registrations_share_mappings())
+    }
+
+    /// `by_open_file`: share by open file (`kcmp`), else by client process.
+    fn with_identity(cap: u64, by_open_file: bool) -> Arc<Self> {
+        Arc::new(Mappings { budget: RegisteredBudget::new(cap), by_file: Mutex::new(HashMap::new()), by_open_file })
+    }
+
+    /// Whether a registration of `fd` by the client process `peer` may use `m`, a mapping of the
+    /// same device and inode: the same open file (or, without `kcmp`, the same client process),
+    /// and a descriptor the server may still write through.
+    fn shares(&self, m: &Mapping, fd: &OwnedFd, peer: Option<u32>) -> bool {
+        let same =
+            if self.by_open_file { same_open_file(&m.fd, fd) == Some(true) } else { peer.is_some() && m.peer == peer };
+        same && writable(fd)
     }
 
     fn files(&self) -> std::sync::MutexGuard<'_, HashMap<FileId, Weak<Mapping>>> {
@@ -457,17 +484,22 @@ impl Mappings {
     }
 
     /// The node's mapping of the sealed memfd `fd` (`st` its `fstat`), at least `claimed` bytes
-    /// long: the one already made through this same open file if it is long enough and `fd`
-    /// still lets the server write, else a new one of `claimed` bytes, charged against the
-    /// node's budget first (nothing is mapped over it).
-    fn map(self: &Arc<Self>, fd: OwnedFd, st: &rustix::fs::Stat, claimed: u64) -> Result<Arc<Mapping>, Refusal> {
+    /// long, for the client process `peer`: the one already made if it is long enough and
+    /// [`Mappings::shares`] it, else a new one of `claimed` bytes, charged against the node's
+    /// budget first (nothing is mapped over it).
+    fn map(
+        self: &Arc<Self>,
+        fd: OwnedFd,
+        st: &rustix::fs::Stat,
+        claimed: u64,
+        peer: Option<u32>,
+    ) -> Result<Arc<Mapping>, Refusal> {
         #[allow(clippy::unnecessary_cast)] // `st_dev`'s and `st_ino`'s widths differ between targets
         let file: FileId = (st.st_dev as u64, st.st_ino as u64);
         // The lock is let go before `found` may be dropped: dropping the last holder of a
         // mapping takes it again.
         let found = self.files().get(&file).and_then(Weak::upgrade);
-        if let Some(m) = found.filter(|m| m.len >= claimed && same_open_file(&m.fd, &fd) == Some(true) && writable(&fd))
-        {
+        if let Some(m) = found.filter(|m| m.len >= claimed && self.shares(m, &fd, peer)) {
             return Ok(m);
         }
         let len = usize::try_from(claimed).map_err(|_| Refusal::Bad("buffer too large for this host".into()))?;
@@ -489,7 +521,7 @@ impl Mappings {
                 return Err(Refusal::Bad(format!("mmap: {e}")));
             }
         };
-        let m = Arc::new(Mapping { map, len: claimed, file, fd, owner: self.clone() });
+        let m = Arc::new(Mapping { map, len: claimed, file, fd, peer, owner: self.clone() });
         // Two connections that mapped the same file at once both keep theirs; later ones find
         // the last (a shorter mapping still held stays valid for those holding it).
         self.files().insert(file, Arc::downgrade(&m));
@@ -523,11 +555,13 @@ struct Buffers {
     bytes: u64,
     next_id: u32,
     mappings: Arc<Mappings>,
+    /// The client process's pid, from the socket's peer credentials (`None`: unknown).
+    peer: Option<u32>,
 }
 
 impl Buffers {
-    fn new(mappings: Arc<Mappings>) -> Self {
-        Buffers { by_id: HashMap::new(), bytes: 0, next_id: 0, mappings }
+    fn new(mappings: Arc<Mappings>, peer: Option<u32>) -> Self {
+        Buffers { by_id: HashMap::new(), bytes: 0, next_id: 0, mappings, peer }
     }
 
     /// Checks `fd` against this connection's and the node's caps, then maps it: nothing is
@@ -548,7 +582,7 @@ impl Buffers {
                  may register"
             )));
         }
-        let r = Registered::map(fd, claimed, mapped, &self.mappings)?;
+        let r = Registered::map(fd, claimed, mapped, &self.mappings, self.peer)?;
         self.next_id = self.next_id.wrapping_add(1).max(1);
         while self.by_id.contains_key(&self.next_id) {
             self.next_id = self.next_id.wrapping_add(1).max(1);
@@ -599,6 +633,7 @@ struct Conn {
 
 impl Conn {
     fn new(sock: UnixStream, state: Arc<NodeState>, mappings: Arc<Mappings>) -> Self {
+        let peer = sock.peer_cred().ok().and_then(|c| c.pid()).and_then(|p| u32::try_from(p).ok());
         Conn {
             sock,
             state,
@@ -606,7 +641,7 @@ impl Conn {
             rpos: 0,
             rend: 0,
             fds: VecDeque::new(),
-            buffers: Buffers::new(mappings),
+            buffers: Buffers::new(mappings, peer),
             poller: crate::dataplane::spin::Poller::new(&crate::dataplane::spin::NODE),
             moved: 0,
             out: Vec::new(),
@@ -1424,83 +1459,114 @@ mod tests {
     /// holder's drop unmaps it and gives its bytes back; a new file over the cap is refused.
     #[test]
     fn a_memfd_registered_on_several_connections_is_mapped_and_charged_once() {
-        let mappings = Mappings::new(3 << 20);
-        let (fd, st) = sealed_memfd(2 << 20);
-        // Each registration passes the client's one descriptor again (here: a dup of it).
-        let fd_again = || fd.try_clone().unwrap();
-        let a = mappings.map(fd_again(), &st, 1 << 20).unwrap_or_else(|_| panic!("first mapping"));
-        if !registrations_share_mappings() {
-            // `kcmp` refused here (a seccomp filter): each registration maps and counts anew.
-            let b = mappings.map(fd_again(), &st, 1 << 20).unwrap_or_else(|_| panic!("second registration"));
-            assert!(!Arc::ptr_eq(&a, &b) && mappings.mapped_bytes() == 2 << 20);
-            return;
+        // One client process (pid 1 here) passing its one descriptor (a dup of it) again: shared
+        // by open file where `kcmp` works, by client process where it doesn't.
+        for by_open_file in [registrations_share_mappings(), false] {
+            let mappings = Mappings::with_identity(3 << 20, by_open_file);
+            let (fd, st) = sealed_memfd(2 << 20);
+            let map = |claimed| mappings.map(fd.try_clone().unwrap(), &st, claimed, Some(1));
+            let a = map(1 << 20).unwrap_or_else(|_| panic!("first mapping"));
+            let b = map(1 << 20).unwrap_or_else(|_| panic!("second registration"));
+            let shorter = map(4096).unwrap_or_else(|_| panic!("a shorter claim"));
+            assert!(Arc::ptr_eq(&a, &b) && Arc::ptr_eq(&a, &shorter), "the file was mapped again");
+            assert_eq!(mappings.mapped_bytes(), 1 << 20);
+            // Both see the file's bytes through the one mapping.
+            // SAFETY: the mapping is 1 MiB long and the memfd holds 2 MiB of 7s.
+            assert_eq!(unsafe { *a.map.as_ptr().add((1 << 20) - 1) }, 7);
+            // A claim longer than the mapping maps the file again; the shorter one stays valid.
+            let longer = map(2 << 20).unwrap_or_else(|_| panic!("a longer claim"));
+            assert!(!Arc::ptr_eq(&a, &longer));
+            assert_eq!(mappings.mapped_bytes(), 3 << 20);
+            // A second file past the cap (3 MiB mapped already) is refused, nothing mapped for it.
+            let (other, ost) = sealed_memfd(4096);
+            assert!(matches!(
+                mappings.map(other.try_clone().unwrap(), &ost, 4096, Some(1)),
+                Err(Refusal::Cap(m)) if m.contains("samenode_max_registered_bytes")
+            ));
+            assert_eq!(mappings.mapped_bytes(), 3 << 20);
+            // Registrations find the longest live mapping from now on.
+            let again = map(1 << 20).unwrap_or_else(|_| panic!("again"));
+            assert!(Arc::ptr_eq(&again, &longer));
+            drop((a, b, shorter));
+            assert_eq!(mappings.mapped_bytes(), 2 << 20, "the 1 MiB mapping's bytes came back");
+            drop((longer, again));
+            assert_eq!(mappings.mapped_bytes(), 0);
+            assert!(mappings.files().is_empty(), "an unmapped file's entry was left behind");
+            // The freed budget takes the other file now.
+            assert!(mappings.map(other, &ost, 4096, Some(1)).is_ok());
         }
-        let b = mappings.map(fd_again(), &st, 1 << 20).unwrap_or_else(|_| panic!("second registration"));
-        let shorter = mappings.map(fd_again(), &st, 4096).unwrap_or_else(|_| panic!("a shorter claim"));
-        assert!(Arc::ptr_eq(&a, &b) && Arc::ptr_eq(&a, &shorter), "the file was mapped again");
-        assert_eq!(mappings.mapped_bytes(), 1 << 20);
-        // Both see the file's bytes through the one mapping.
-        // SAFETY: the mapping is 1 MiB long and the memfd holds 2 MiB of 7s.
-        assert_eq!(unsafe { *a.map.as_ptr().add((1 << 20) - 1) }, 7);
-        // A claim longer than the mapping maps the file again; the shorter one stays valid.
-        let longer = mappings.map(fd_again(), &st, 2 << 20).unwrap_or_else(|_| panic!("a longer claim"));
-        assert!(!Arc::ptr_eq(&a, &longer));
-        assert_eq!(mappings.mapped_bytes(), 3 << 20);
-        // A second file past the cap (3 MiB mapped already) is refused, nothing mapped for it.
-        let (other, ost) = sealed_memfd(4096);
-        assert!(
-            matches!(mappings.map(other.try_clone().unwrap(), &ost, 4096), Err(Refusal::Cap(m)) if m.contains("samenode_max_registered_bytes"))
-        );
-        assert_eq!(mappings.mapped_bytes(), 3 << 20);
-        // Registrations find the longest live mapping from now on.
-        let again = mappings.map(fd_again(), &st, 1 << 20).unwrap_or_else(|_| panic!("again"));
-        assert!(Arc::ptr_eq(&again, &longer));
-        drop((a, b, shorter));
-        assert_eq!(mappings.mapped_bytes(), 2 << 20, "the 1 MiB mapping's bytes came back");
-        drop((longer, again));
-        assert_eq!(mappings.mapped_bytes(), 0);
-        assert!(mappings.files().is_empty(), "an unmapped file's entry was left behind");
-        // The freed budget takes the other file now.
-        assert!(mappings.map(other, &ost, 4096).is_ok());
     }
 
-    /// A mapping is shared only with the very open file it was made through, and only while
-    /// that file still lets the server write: a read-only descriptor of the same memfd, a second
-    /// open of it, and the memfd once sealed against writes each map on their own — and the
-    /// kernel refuses the read-only and the sealed one, as it did before mappings were shared.
+    /// Shared by open file (`kcmp`): a mapping goes only to the very open file it was made
+    /// through — to another process too — and only while that file still lets the server write:
+    /// a read-only descriptor of the same memfd, a second open of it, and the memfd once sealed
+    /// against writes each map on their own, and the kernel refuses the read-only and the sealed
+    /// one, as it did before mappings were shared.
     #[test]
     fn a_mapping_is_shared_only_with_the_same_open_file_still_writable() {
         use rustix::fs::{Mode, OFlags};
-        let mappings = Mappings::new(8 << 20);
+        let kcmp = registrations_share_mappings();
+        let mappings = Mappings::with_identity(8 << 20, true);
         let (fd, st) = sealed_memfd(1 << 20);
-        let first = mappings.map(fd.try_clone().unwrap(), &st, 1 << 20).unwrap_or_else(|_| panic!("first"));
+        let first = mappings.map(fd.try_clone().unwrap(), &st, 1 << 20, Some(1)).unwrap_or_else(|_| panic!("first"));
+        if kcmp {
+            let other_process =
+                mappings.map(fd.try_clone().unwrap(), &st, 1 << 20, Some(2)).unwrap_or_else(|_| panic!("passed on"));
+            assert!(Arc::ptr_eq(&first, &other_process), "the same open file, passed to another process, shares");
+        }
         let path = format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&fd));
-
         // A read-only open of the same file: not the same open file, and mmap refuses it.
         let ro = rustix::fs::open(path.as_str(), OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty()).unwrap();
-        assert!(matches!(mappings.map(ro, &st, 1 << 20), Err(Refusal::Bad(m)) if m.contains("mmap")));
+        assert!(matches!(mappings.map(ro, &st, 1 << 20, Some(1)), Err(Refusal::Bad(m)) if m.contains("mmap")));
         // A second read-write open: the same file, another open file; mapped on its own.
         let rw = rustix::fs::open(path.as_str(), OFlags::RDWR | OFlags::CLOEXEC, Mode::empty()).unwrap();
-        let second = mappings.map(rw, &st, 1 << 20).unwrap_or_else(|_| panic!("a read-write reopen maps"));
+        let second = mappings.map(rw, &st, 1 << 20, Some(1)).unwrap_or_else(|_| panic!("a read-write reopen maps"));
         assert!(!Arc::ptr_eq(&first, &second));
-        drop(second);
-        assert_eq!(mappings.mapped_bytes(), 1 << 20);
-
-        drop(first);
+        drop((first, second));
         assert_eq!(mappings.mapped_bytes(), 0);
+        sealed_after_mapping_is_not_shared(&mappings, kcmp);
+    }
 
-        // Sealed against future writes after it was mapped: the one descriptor passed again finds
-        // the mapping (the same open file) but no longer shares it, and mapping anew is refused.
+    /// Shared by client process (no `kcmp`): a mapping goes to later registrations of the same
+    /// file by the process that made it, through descriptors that let the server write — not to
+    /// another process, not to an unknown one, not through a read-only or write-sealed descriptor.
+    #[test]
+    fn without_kcmp_a_mapping_is_shared_within_one_client_process_only() {
+        use rustix::fs::{Mode, OFlags};
+        let mappings = Mappings::with_identity(8 << 20, false);
         let (fd, st) = sealed_memfd(1 << 20);
-        let first = mappings.map(fd.try_clone().unwrap(), &st, 1 << 20).unwrap_or_else(|_| panic!("first"));
-        if registrations_share_mappings() {
-            let again = mappings.map(fd.try_clone().unwrap(), &st, 1 << 20).unwrap_or_else(|_| panic!("again"));
-            assert!(Arc::ptr_eq(&first, &again), "the same open file, still writable, shares");
+        let first = mappings.map(fd.try_clone().unwrap(), &st, 1 << 20, Some(1)).unwrap_or_else(|_| panic!("first"));
+        let path = format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&fd));
+        let reopen = |flags| rustix::fs::open(path.as_str(), flags | OFlags::CLOEXEC, Mode::empty()).unwrap();
+        // The same process, another read-write open of the file: shared.
+        let same = mappings.map(reopen(OFlags::RDWR), &st, 1 << 20, Some(1)).unwrap_or_else(|_| panic!("same"));
+        assert!(Arc::ptr_eq(&first, &same));
+        // Another process, or one the socket did not name, with the same file: mapped on its own.
+        for peer in [Some(2), None] {
+            let m = mappings.map(reopen(OFlags::RDWR), &st, 1 << 20, peer).unwrap_or_else(|_| panic!("{peer:?}"));
+            assert!(!Arc::ptr_eq(&first, &m), "{peer:?} was handed process 1's mapping");
+        }
+        // The same process through a read-only descriptor: not shared, and mmap refuses it.
+        let ro = mappings.map(reopen(OFlags::RDONLY), &st, 1 << 20, Some(1));
+        assert!(matches!(ro, Err(Refusal::Bad(m)) if m.contains("mmap")));
+        drop((first, same));
+        assert_eq!(mappings.mapped_bytes(), 0);
+        sealed_after_mapping_is_not_shared(&mappings, true);
+    }
+
+    /// A memfd sealed against future writes after it was mapped: the same descriptor from the
+    /// same process finds the mapping (shared until then, where `shares` is true) but no longer
+    /// gets it, and mapping anew is refused; nothing is charged for the refusal.
+    fn sealed_after_mapping_is_not_shared(mappings: &Arc<Mappings>, shares: bool) {
+        let (fd, st) = sealed_memfd(1 << 20);
+        let map = || mappings.map(fd.try_clone().unwrap(), &st, 1 << 20, Some(1));
+        let first = map().unwrap_or_else(|_| panic!("first"));
+        if shares {
+            let again = map().unwrap_or_else(|_| panic!("again"));
+            assert!(Arc::ptr_eq(&first, &again), "the same file, still writable, shares");
         }
         rustix::fs::fcntl_add_seals(&fd, SealFlags::FUTURE_WRITE).unwrap();
-        assert!(
-            matches!(mappings.map(fd.try_clone().unwrap(), &st, 1 << 20), Err(Refusal::Bad(m)) if m.contains("mmap"))
-        );
+        assert!(matches!(map(), Err(Refusal::Bad(m)) if m.contains("mmap")));
         assert_eq!(mappings.mapped_bytes(), 1 << 20, "refused registrations charge nothing");
     }
 
