@@ -633,7 +633,9 @@ struct Conn {
 
 impl Conn {
     fn new(sock: UnixStream, state: Arc<NodeState>, mappings: Arc<Mappings>) -> Self {
-        let peer = sock.peer_cred().ok().and_then(|c| c.pid()).and_then(|p| u32::try_from(p).ok());
+        // A client in a PID namespace the server can't see is reported as pid 0: unknown, so
+        // no two such clients are taken for one process.
+        let peer = sock.peer_cred().ok().and_then(|c| c.pid()).and_then(|p| u32::try_from(p).ok()).filter(|&p| p > 0);
         Conn {
             sock,
             state,
