@@ -97,6 +97,110 @@ pub fn unix_gbps(total: usize) -> anyhow::Result<f64> {
     stream_gbps(a, b, total)
 }
 
+/// Which way a round-trip baseline ([`tcp_round_trips`]) moves its blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RoundTrip {
+    /// The client writes a block, the server answers one byte.
+    Store,
+    /// The client writes one byte, the server answers a block.
+    Load,
+}
+
+/// Where the two sides of a round-trip baseline send from and receive into: one buffer each,
+/// larger than the last-level cache and touched before any clock starts, walked a block at a
+/// time (as a store lands in the next slot of the server's arena and a load in the next pages of
+/// an engine's buffer), so no figure rides on a cache-hot 1 MiB buffer.
+pub struct RoundTripBuffers {
+    client: Vec<u8>,
+    server: Vec<u8>,
+}
+
+impl RoundTripBuffers {
+    pub fn new(span: usize) -> RoundTripBuffers {
+        RoundTripBuffers { client: vec![1u8; span], server: vec![2u8; span] }
+    }
+}
+
+/// The `i`-th block's range in a buffer of `span` bytes (blocks back to back, wrapping).
+fn place(i: usize, block: usize, span: usize) -> std::ops::Range<usize> {
+    let slots = (span / block).max(1);
+    let at = (i % slots) * block;
+    at..at + block
+}
+
+/// Loopback TCP, one block per round trip: `total` bytes in `block`-byte blocks, each answered
+/// before the next is asked for ([`RoundTrip`]), over blocking sockets with Nagle off (a thread
+/// each side, as the stream of [`tcp_gbps`]), blocks taken from and put into `bufs`. What the
+/// plainest protocol that answers every block before the next moves here, now: a store or load
+/// of one block per call is read against this as well as against the stream, whose sender never
+/// waits for its receiver. (Busy-polling both sides instead was measured: on two shared cores the
+/// pollers took the CPU from the side with work, 5–30× slower.) Returns GB/s and each round
+/// trip's seconds.
+pub fn tcp_round_trips(
+    total: usize,
+    block: usize,
+    way: RoundTrip,
+    bufs: &mut RoundTripBuffers,
+) -> anyhow::Result<(f64, Vec<f64>)> {
+    anyhow::ensure!(block > 0, "a round trip moves at least one byte");
+    let n = (total / block).max(1);
+    let l = TcpListener::bind("127.0.0.1:0")?;
+    let mut tx = TcpStream::connect(l.local_addr()?)?;
+    let (mut rx, _) = l.accept()?;
+    tx.set_nodelay(true)?;
+    rx.set_nodelay(true)?;
+    let RoundTripBuffers { client, server } = bufs;
+    let (span_c, span_s) = (client.len(), server.len());
+    anyhow::ensure!(span_c >= block && span_s >= block, "round-trip buffers smaller than a block");
+    std::thread::scope(|scope| {
+        let server = scope.spawn(move || -> std::io::Result<()> {
+            let mut one = [0u8; 1];
+            for i in 0..n {
+                let r = place(i, block, span_s);
+                match way {
+                    RoundTrip::Store => {
+                        rx.read_exact(&mut server[r])?;
+                        rx.write_all(b"k")?;
+                    }
+                    RoundTrip::Load => {
+                        rx.read_exact(&mut one)?;
+                        rx.write_all(&server[r])?;
+                    }
+                }
+            }
+            Ok(())
+        });
+        let mut lat = Vec::with_capacity(n);
+        let mut one = [0u8; 1];
+        let t = Instant::now();
+        let run = (|| -> std::io::Result<()> {
+            for i in 0..n {
+                let r = place(i, block, span_c);
+                let t0 = Instant::now();
+                match way {
+                    RoundTrip::Store => {
+                        tx.write_all(&client[r])?;
+                        tx.read_exact(&mut one)?;
+                    }
+                    RoundTrip::Load => {
+                        tx.write_all(b"g")?;
+                        tx.read_exact(&mut client[r])?;
+                    }
+                }
+                lat.push(t0.elapsed().as_secs_f64());
+            }
+            Ok(())
+        })();
+        let secs = t.elapsed().as_secs_f64();
+        // The server ends when the client's socket closes, whatever happened to the client.
+        drop(tx);
+        let served = server.join().map_err(|_| anyhow::anyhow!("round-trip server panicked"))?;
+        run?;
+        served?;
+        Ok(((n * block) as f64 / secs / 1e9, lat))
+    })
+}
+
 /// Sequential write (4 MiB writes, then fsync) and read (after dropping the file's pages from the
 /// page cache with `posix_fadvise(DONTNEED)`) of a `total`-byte file in `dir`.
 pub fn disk_gbps(dir: &Path, total: usize) -> anyhow::Result<(f64, f64)> {
@@ -182,28 +286,110 @@ pub fn measure(disk_dir: &Path, quick: bool, runs: usize, progress: &indicatif::
 
 /// Loopback TCP sampled through a run (one short stream before each cell's run of each phase),
 /// so every cell has a baseline measured at about the time it ran, not only at the start, on a
-/// machine whose other load comes and goes.
+/// machine whose other load comes and goes. Cells of concurrency 1 also get the round-trip
+/// baselines ([`tcp_round_trips`], system `tcp-rr`): a store and a load of the cell's block size,
+/// one block per round trip.
 pub struct TcpSampler {
     bytes: usize,
     samples: std::sync::Mutex<std::collections::BTreeMap<(usize, usize), Vec<f64>>>,
+    /// Per (op, block size): GB/s of each sample and every round trip's seconds.
+    round_trips: std::sync::Mutex<RoundTripSamples>,
+}
+
+#[derive(Default)]
+struct RoundTripSamples {
+    bufs: Option<RoundTripBuffers>,
+    by_cell: std::collections::BTreeMap<(&'static str, usize), (Vec<f64>, Vec<f64>)>,
 }
 
 impl TcpSampler {
     pub fn new(bytes: usize) -> TcpSampler {
-        TcpSampler { bytes: bytes.max(MIB), samples: Default::default() }
+        TcpSampler { bytes: bytes.max(MIB), samples: Default::default(), round_trips: Default::default() }
     }
 
     /// Streams `bytes` over loopback now (blocking, tens of ms) and files the figure under the
-    /// cell (`size`, `c`).
+    /// cell (`size`, `c`); at `c == 1` also a store and a load of `bytes` one `size` block per
+    /// round trip.
     pub fn sample(&self, size: usize, c: usize) -> anyhow::Result<()> {
         let g = tcp_gbps(self.bytes)?;
         self.samples.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.entry((size, c)).or_default().push(g);
+        if c == 1 {
+            let mut rt = self.round_trips.lock().map_err(|_| anyhow::anyhow!("poisoned"))?;
+            let RoundTripSamples { bufs, by_cell } = &mut *rt;
+            // One sample's bytes (at least 1 MiB; 64 MiB in the blocks bench, above the last-level
+            // caches here), made and touched once.
+            let bufs = bufs.get_or_insert_with(|| RoundTripBuffers::new(self.bytes.max(size)));
+            for (op, way) in [("store", RoundTrip::Store), ("load", RoundTrip::Load)] {
+                let (gbps, lat) = tcp_round_trips(self.bytes, size, way, bufs)?;
+                let cell = by_cell.entry((op, size)).or_default();
+                cell.0.push(gbps);
+                cell.1.extend(lat);
+            }
+        }
         Ok(())
     }
 
-    /// One `tcp` load cell per (size, concurrency): median and range of its samples.
+    /// One `tcp` load cell per (size, concurrency): median and range of its samples; and the
+    /// `tcp-rr` store and load cells of concurrency 1, with their round trips' latencies.
     pub fn cells(&self) -> Vec<crate::blocks::Cell> {
         let s = self.samples.lock().map(|s| s.clone()).unwrap_or_default();
-        s.iter().map(|(&(size, c), v)| crate::blocks::Cell::from_runs("tcp", "load", size, c, v, &[])).collect()
+        let mut cells: Vec<_> =
+            s.iter().map(|(&(size, c), v)| crate::blocks::Cell::from_runs("tcp", "load", size, c, v, &[])).collect();
+        if let Ok(rt) = self.round_trips.lock() {
+            for (&(op, size), (g, lat)) in &rt.by_cell {
+                cells.push(crate::blocks::Cell::from_runs("tcp-rr", op, size, 1, g, lat));
+            }
+        }
+        cells
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn patterned(len: usize, seed: u8) -> Vec<u8> {
+        (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+    }
+
+    #[test]
+    fn a_round_trip_store_lands_each_block_in_its_place_and_a_load_brings_it_back() {
+        // Three places of 1000 bytes, five blocks: places wrap, the last writes win.
+        let mut bufs = RoundTripBuffers { client: patterned(3000, 7), server: vec![0; 3000] };
+        let (gbps, lat) = tcp_round_trips(5000, 1000, RoundTrip::Store, &mut bufs).unwrap();
+        assert!(gbps > 0.0 && gbps.is_finite());
+        assert_eq!(lat.len(), 5);
+        assert_eq!(bufs.server, bufs.client, "the server's places hold the client's blocks");
+
+        bufs.server = patterned(3000, 99);
+        bufs.client = vec![0; 3000];
+        let (_, lat) = tcp_round_trips(3000, 1000, RoundTrip::Load, &mut bufs).unwrap();
+        assert_eq!(lat.len(), 3);
+        assert_eq!(bufs.client, bufs.server, "every block came back into its place");
+    }
+
+    #[test]
+    fn a_round_trip_needs_buffers_of_a_block() {
+        let mut bufs = RoundTripBuffers::new(100);
+        let e = tcp_round_trips(1000, 200, RoundTrip::Load, &mut bufs).unwrap_err();
+        assert!(e.to_string().contains("smaller than a block"), "{e}");
+    }
+
+    #[test]
+    fn only_cells_of_one_caller_get_round_trip_baselines() {
+        let s = TcpSampler::new(MIB);
+        s.sample(64 << 10, 1).unwrap();
+        s.sample(64 << 10, 1).unwrap();
+        s.sample(64 << 10, 4).unwrap();
+        let cells = s.cells();
+        let rr: Vec<_> = cells.iter().filter(|c| c.system == "tcp-rr").collect();
+        assert_eq!(rr.len(), 2, "a store and a load cell");
+        for c in &rr {
+            assert_eq!((c.block_bytes, c.concurrency), (64 << 10, 1));
+            // Two samples of 16 round trips each, every one timed.
+            assert_eq!(c.ops, 32, "{}", c.op);
+            assert!(c.p50_ms > 0.0 && c.p50_ms <= c.p99_ms);
+        }
+        assert_eq!(cells.iter().filter(|c| c.system == "tcp").count(), 2, "(64 KiB, 1) and (64 KiB, 4)");
     }
 }

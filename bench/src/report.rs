@@ -336,6 +336,7 @@ pub fn wire_tables(cells: &[Cell], l: &crate::limits::Limits, rt: &RoundTrips, n
     );
     let load_sys = [
         ("tcp", "TCP"),
+        ("tcp-rr", "TCP, 1 block per round trip"),
         ("kvtier", "Rust `load_keys` (raw)"),
         ("engine-old", "lookup + `load_keys` + copy"),
         ("engine-fused", "fused `load_keys_into`"),
@@ -351,6 +352,7 @@ pub fn wire_tables(cells: &[Cell], l: &crate::limits::Limits, rt: &RoundTrips, n
     ];
     let store_sys = [
         ("tcp", "TCP"),
+        ("tcp-rr", "TCP, 1 block per round trip"),
         ("kvtier", "Rust `store_frames`"),
         ("engine-fused", "Rust `store_keys`"),
         ("engine-fused-x8", "`store_keys`, 8 blocks/call"),
@@ -386,7 +388,7 @@ pub fn wire_tables(cells: &[Cell], l: &crate::limits::Limits, rt: &RoundTrips, n
         }
         s += "\n";
     }
-    s += "### Ratios (same run; ✓/✗ against the issue's goals)\n\n| block | conc | fused / TCP (≥0.85 at 1 MiB ×1) | Python / TCP (≥0.85 at 1 MiB ×1) | fused / old engine path | fused / LMCache (≥1.5 at 1 MiB) | Python / LMCache | fused / Redis GET (≥1.5 at 1 MiB, ≥2 at 64 KiB) | Python / Redis GET | fused / redis-benchmark GET | raw Rust / TCP | store_keys / TCP (≥0.8 at 1 MiB ×1) | Python store / TCP | fp8 / raw KV tokens/s, load ×8 (≥1.8 at 1 MiB) | fp8 / raw, store ×8 |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+    s += "### Ratios (same run; ✓/✗ against the issue's goals)\n\n| block | conc | fused / TCP (≥0.85 at 1 MiB ×1) | Python / TCP (≥0.85 at 1 MiB ×1) | fused / old engine path | fused / LMCache (≥1.5 at 1 MiB) | Python / LMCache | fused / Redis GET (≥1.5 at 1 MiB, ≥2 at 64 KiB) | Python / Redis GET | fused / redis-benchmark GET | raw Rust / TCP | store_keys / TCP (≥0.8 at 1 MiB ×1) | Python store / TCP | fp8 / raw KV tokens/s, load ×8 (≥1.8 at 1 MiB) | fp8 / raw, store ×8 | fused / TCP round trips | store_keys / TCP round trips |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
     for &size in &sizes {
         for &c in &concs {
             let mib = size == 1 << 20;
@@ -406,7 +408,7 @@ pub fn wire_tables(cells: &[Cell], l: &crate::limits::Limits, rt: &RoundTrips, n
                 None
             };
             s += &format!(
-                "| {} | {c} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+                "| {} | {c} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
                 crate::report::size(size),
                 vs_goal(ratio(fused, tcp), one.then_some(0.85)),
                 vs_goal(ratio(py, tcp), one.then_some(0.85)),
@@ -424,6 +426,8 @@ pub fn wire_tables(cells: &[Cell], l: &crate::limits::Limits, rt: &RoundTrips, n
                     mib.then_some(1.8)
                 ),
                 f2(ratio(g("engine-fp8-x8", "store", size, c), g("engine-fused-x8", "store", size, c))),
+                f2(ratio(fused, g("tcp-rr", "load", size, c))),
+                f2(ratio(g("engine-fused", "store", size, c), g("tcp-rr", "store", size, c))),
             );
         }
     }
