@@ -732,6 +732,63 @@ unsafe fn fp8_decode_row<const NE: bool>(
     bad
 }
 
+/// See `scalar::fp8_decode_row`: the plain (unrotated) FP8 decoder on sixteen lanes, thirty-two
+/// codes a step ([`fp8_dequant_chunk`], `avx2::fp8_decode_row`'s construction), BF16 stored
+/// thirty-two at a time ([`store32_bf16`]), other dtypes by [`store16`]; the last codes of a row
+/// not filling a step by the AVX2 kernel. The same bytes as the scalar decoder; returns whether a
+/// NaN code (never written by the encoder) was met, `dst` then unspecified.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c,fma")]
+pub(crate) unsafe fn fp8_decode_plain_row(codes: &[u8], scale: f32, out: DType, dst: &mut [u8]) -> bool {
+    fp8_decode_plain_t::<false>(codes, scale, out, dst)
+}
+
+/// [`fp8_decode_plain_row`] storing BF16 by `vcvtne2ps2bf16` where the scale allows it
+/// ([`bf16ne_ok`]: no decoded value is then subnormal, so the instruction's rounding is the
+/// scalar one).
+///
+/// # Safety
+///
+/// As [`fp8_decode_plain_row`], and AVX512-BF16 detected.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c,fma,avx512bf16")]
+pub(crate) unsafe fn fp8_decode_plain_row_bf16ne(codes: &[u8], scale: f32, out: DType, dst: &mut [u8]) -> bool {
+    fp8_decode_plain_t::<true>(codes, scale, out, dst)
+}
+
+#[inline(always)]
+unsafe fn fp8_decode_plain_t<const NE: bool>(codes: &[u8], scale: f32, out: DType, dst: &mut [u8]) -> bool {
+    if !(scale * 256.0).is_finite() {
+        // As in the AVX2 kernel: `256 · scale` would overflow where `code · scale` does not.
+        return super::scalar::fp8_decode_row(codes, scale, out, dst);
+    }
+    let os = out.size() as usize;
+    let n = codes.len();
+    assert!(n * os <= dst.len());
+    let sc = _mm512_set1_ps(scale * 256.0);
+    let ne = NE && bf16ne_ok(scale);
+    let mut bad = _mm_setzero_si128();
+    let mut i = 0;
+    while i + 32 <= n {
+        let mut v = [_mm512_setzero_ps(); 2];
+        bad = fp8_dequant_chunk(codes, i, sc, &mut v, bad);
+        if out == DType::Bf16 {
+            // SAFETY: elements i .. i + 32 (64 bytes at 2i) are inside dst (assert above).
+            let p = dst.as_mut_ptr().add(2 * i);
+            if ne {
+                store32_bf16_ne(p, v[0], v[1]);
+            } else {
+                store32_bf16(p, v[0], v[1]);
+            }
+        } else {
+            // SAFETY: elements i .. i + 32 are inside dst (assert above).
+            store16(out, dst, i, v[0]);
+            store16(out, dst, i + 16, v[1]);
+        }
+        i += 32;
+    }
+    let tail_bad = avx2::fp8_decode_row(&codes[i..], scale, out, &mut dst[i * os..]);
+    _mm_movemask_epi8(_mm_cmpeq_epi8(bad, _mm_set1_epi8(0x7F))) != 0 || tail_bad
+}
+
 /// The sixteen E2M1 values in code order (sign in bit 3), for a lane permute.
 const E2M1_SIGNED: [f32; 16] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
 

@@ -2,8 +2,9 @@
 //! K|V, token, head). [`scalar`] is the reference; [`avx2`] (x86-64 with AVX2 and F16C, chosen at
 //! run time) writes identical bytes faster, and [`avx512`] (AVX-512 F/BW/VL/DQ on top, and
 //! AVX512-BF16 where present) does so for the `+had` codecs — the rotation fused with FP8
-//! quantization, with FP8 and NVFP4 dequantization, and NVFP4 quantization of rotated planes — the
-//! other kernels staying AVX2 there. The AVX2 kernels have the same fused forms on eight lanes
+//! quantization, with FP8 and NVFP4 dequantization, and NVFP4 quantization of rotated planes —
+//! and for plain FP8 decoding (what a load of an `fp8_e4m3` namespace runs), the other kernels
+//! staying AVX2 there. The AVX2 kernels have the same fused forms on eight lanes
 //! (for the same head dims, [`avx2::covers`]), so a CPU without AVX-512 takes the same routes.
 //! The codec calls these through [`Isa`], one call per
 //! run of rows for the encoders (a chunk, or a plane for NVFP4) and per row for decoding, so the
@@ -35,8 +36,8 @@ pub enum Backend {
     Scalar,
     /// AVX2 + F16C; an error where the CPU lacks them.
     Avx2,
-    /// AVX-512 (F, BW, VL, DQ) for the rotations of the `+had` codecs, AVX2 + F16C for the rest;
-    /// an error where the CPU lacks any of them.
+    /// AVX-512 (F, BW, VL, DQ) for the rotations of the `+had` codecs and plain FP8 decoding,
+    /// AVX2 + F16C for the rest; an error where the CPU lacks any of them.
     Avx512,
 }
 
@@ -249,6 +250,18 @@ impl Isa {
     }
 
     pub(crate) fn fp8_decode_row(self, codes: &[u8], scale: f32, out: DType, dst: &mut [u8]) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if let (Isa::Avx512(Avx512Token(bf16)), true) = (self, self.simd(out)) {
+            // SAFETY: an Avx512 Isa exists only after the AVX-512 and AVX2 features were
+            // detected; its flag says AVX512-BF16 was detected too.
+            return unsafe {
+                if bf16 {
+                    avx512::fp8_decode_plain_row_bf16ne(codes, scale, out, dst)
+                } else {
+                    avx512::fp8_decode_plain_row(codes, scale, out, dst)
+                }
+            };
+        }
         #[cfg(target_arch = "x86_64")]
         if self.simd(out) {
             // SAFETY: as above.
