@@ -512,16 +512,20 @@ impl DataConn {
     }
 
     /// Reads a payload of `n` bytes into a buffer of its own, never zeroed first (the socket
-    /// writes every byte of it: zeroing was one more pass over each block).
-    async fn read_payload(&mut self, n: usize) -> Result<Bytes, ClientError> {
+    /// writes every byte of it: zeroing was one more pass over each block), hashing each piece as
+    /// it lands (still in cache, while the rest is on its way): the payload and its checksum.
+    pub(crate) async fn read_payload_hashed(&mut self, n: usize) -> Result<(Bytes, u64), ClientError> {
         let mut payload = BytesMut::with_capacity(n);
+        let mut sum = kvtier_proto::Checksummer::new();
         while payload.len() < n {
-            let want = (n - payload.len()) as u64;
+            let at = payload.len();
+            let want = (n - at) as u64;
             if (&mut self.rd).take(want).read_buf(&mut payload).await? == 0 {
                 return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
             }
+            sum.update(&payload[at..]);
         }
-        Ok(payload.freeze())
+        Ok((payload.freeze(), sum.digest()))
     }
 
     /// Fills `dest`'s segments in order from the stream, hashing each piece as it lands (still in
@@ -577,12 +581,12 @@ impl DataConn {
                 out.push(if sum == header.checksum { Landed::Ok } else { Landed::Bad });
                 continue;
             }
-            let payload = self.read_payload(header.payload_len as usize).await?;
-            let frame = BlockFrame { header, payload };
-            if header.verify_payload(&frame.payload).is_err() {
+            let (payload, sum) = self.read_payload_hashed(header.payload_len as usize).await?;
+            if sum != header.checksum {
                 out.push(Landed::Bad);
                 continue;
             }
+            let frame = BlockFrame { header, payload };
             // Ok once decoded; `decode_batch` marks a block that does not decode.
             out.push(Landed::Ok);
             encoded_bytes += frame.payload.len();
@@ -620,8 +624,8 @@ impl DataConn {
                 continue;
             }
             let header = self.read_frame_header(ns, key, max_frame).await?;
-            let payload = self.read_payload(header.payload_len as usize).await?;
-            out.push(verified(BlockFrame { header, payload }));
+            let (payload, sum) = self.read_payload_hashed(header.payload_len as usize).await?;
+            out.push(verified(BlockFrame { header, payload }, sum));
         }
         self.answered();
         Ok(out)
@@ -666,11 +670,12 @@ fn decode_batch(batch: &mut Vec<(usize, BlockFrame)>, dests: &mut [Dest<'_>], ou
     }
 }
 
-/// A served frame whose payload was read whole (so the stream is still in step), if it matches
-/// its checksum; one that doesn't (damaged on the wire, or in the serving node's DRAM, which
-/// checks a block only after sending it) is a miss, counted and logged.
-fn verified(frame: BlockFrame) -> Option<BlockFrame> {
-    if frame.header.verify_payload(&frame.payload).is_ok() {
+/// A served frame whose payload was read whole (so the stream is still in step), if `sum`, the
+/// checksum of the payload as it was read, is its header's; one that doesn't match (damaged on the
+/// wire, or in the serving node's DRAM, which checks a block only after sending it) is a miss,
+/// counted and logged.
+fn verified(frame: BlockFrame, sum: u64) -> Option<BlockFrame> {
+    if sum == frame.header.checksum {
         return Some(frame);
     }
     metrics::counter!("kvtier_client_bad_blocks_total").increment(1);
@@ -981,6 +986,37 @@ mod tests {
         let landed = conn.get_into(NamespaceId([1; 16]), &keys, &mut dests, false, 1 << 30, &no_decode).await.unwrap();
         assert_eq!(landed, vec![Landed::Bad, Landed::Ok]);
         assert!(b[..] == good.payload[..]);
+    }
+
+    #[tokio::test]
+    async fn a_payload_read_whole_is_checked_as_it_lands_and_a_damaged_one_never_decoded_or_returned() {
+        let (good, bad) = (frame(1, 300_000), frame(2, 300_000));
+        let mut damaged = bad.payload.to_vec();
+        damaged[299_999] ^= 0x01;
+        let answers = vec![(bad.header, damaged), (good.header, good.payload.to_vec())];
+        let keys = [bad.header.key, good.header.key];
+        let ns = NamespaceId([1; 16]);
+
+        // Destinations of another size than the payloads: both are read whole and handed to the
+        // decoder, which must see the good block only, byte for byte.
+        let mut conn = DataConn::connect(one_get_server(answers.clone()).await, None).await.unwrap();
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink = std::sync::Arc::clone(&seen);
+        let record = move |f: &BlockFrame, _: &mut [&mut [u8]]| -> Result<(), ClientError> {
+            sink.lock().unwrap().push(f.payload.clone());
+            Ok(())
+        };
+        let (mut a, mut b) = (vec![0u8; 1000], vec![0u8; 1000]);
+        let mut dests: Vec<Dest<'_>> = vec![vec![&mut a[..]], vec![&mut b[..]]];
+        let landed = conn.get_into(ns, &keys, &mut dests, false, 1 << 30, &record).await.unwrap();
+        assert_eq!(landed, vec![Landed::Bad, Landed::Ok]);
+        assert_eq!(*seen.lock().unwrap(), vec![good.payload.clone()]);
+
+        // A plain `GET` (the server's peer reads too): the damaged block is a miss.
+        let mut conn = DataConn::connect(one_get_server(answers).await, None).await.unwrap();
+        let got = conn.get(ns, &keys, false, 1 << 30, 600_000).await.unwrap();
+        assert!(got[0].is_none(), "a damaged block is never returned");
+        assert_eq!(got[1].as_ref().map(|f| &f.payload), Some(&good.payload));
     }
 
     #[tokio::test]

@@ -2,7 +2,6 @@
 //! a `GET`, an `EXISTS` and a `PUT` flagged [`FLAG_PEER`], so the peer serves them from its own
 //! tiers and never asks or forwards further. A child of `conn` so that it reuses the connection's framing.
 
-use bytes::BytesMut;
 use kvtier_proto::dataplane::{ItemStatus, Op, FLAG_PEER};
 use kvtier_proto::{BlockFrame, BlockKey, NamespaceId};
 use tokio::io::AsyncReadExt;
@@ -28,9 +27,8 @@ impl DataConn {
                 continue;
             }
             let header = self.read_frame_header(ns, key, max_frame).await?;
-            let mut payload = BytesMut::zeroed(header.payload_len as usize);
-            self.rd.read_exact(&mut payload).await?;
-            out.push(super::verified(BlockFrame { header, payload: payload.freeze() }));
+            let (payload, sum) = self.read_payload_hashed(header.payload_len as usize).await?;
+            out.push(super::verified(BlockFrame { header, payload }, sum));
         }
         Ok(out)
     }
