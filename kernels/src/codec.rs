@@ -548,6 +548,24 @@ impl Codec {
                         }
                     });
                 }
+                if rot.is_none() {
+                    // Plain FP8: one kernel call per chunk of rows, each row's scale a plain index.
+                    return run(parallel, chunks, |c| {
+                        let (r0, r1) = (c.rows.start, c.rows.end);
+                        let codes = &codes[r0 * hd..r1 * hd];
+                        let bad = if per_row {
+                            let row_scales = &scales[r0..r1];
+                            isa.fp8_decode_rows(codes, hd, |k| row_scales[k], out_dtype, c.a)
+                        } else {
+                            isa.fp8_decode_rows(codes, hd, plane_values(spec, r0, &scales), out_dtype, c.a)
+                        };
+                        if bad {
+                            Err(bad_code())
+                        } else {
+                            Ok(())
+                        }
+                    });
+                }
                 run(parallel, chunks, |c| {
                     sink.rows(c, |r, dtype, dst| {
                         isa.fp8_decode_row(&codes[r * hd..(r + 1) * hd], scale_of(r), dtype, dst)

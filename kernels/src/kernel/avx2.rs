@@ -1040,7 +1040,39 @@ pub(crate) unsafe fn fp8_decode_row(codes: &[u8], scale: f32, out: DType, dst: &
     by_dtype!(out, fp8_decode_t(codes, scale, dst))
 }
 
+/// [`fp8_decode_row`] for a run of rows of `hd` codes: row `k` of `codes` with scale `scale(k)`
+/// into row `k` of `dst` (one call and one dtype dispatch per run).
 #[target_feature(enable = "avx2,f16c,fma")]
+pub(crate) unsafe fn fp8_decode_rows<F: Fn(usize) -> f32>(
+    codes: &[u8],
+    hd: usize,
+    scale: F,
+    out: DType,
+    dst: &mut [u8],
+) -> bool {
+    by_dtype!(out, fp8_decode_rows_t(codes, hd, scale, dst))
+}
+
+#[inline(always)]
+unsafe fn fp8_decode_rows_t<const D: u8>(
+    codes: &[u8],
+    hd: usize,
+    scale: impl Fn(usize) -> f32,
+    dst: &mut [u8],
+) -> bool {
+    if hd == 0 {
+        return false;
+    }
+    let os = dt(D).size() as usize;
+    assert!(codes.len().is_multiple_of(hd) && codes.len() * os <= dst.len());
+    let mut bad = false;
+    for (k, (c, o)) in codes.chunks_exact(hd).zip(dst.chunks_exact_mut(hd * os)).enumerate() {
+        bad |= fp8_decode_t::<D>(c, scale(k), o);
+    }
+    bad
+}
+
+#[inline(always)]
 unsafe fn fp8_decode_t<const D: u8>(codes: &[u8], scale: f32, dst: &mut [u8]) -> bool {
     let out = dt(D);
     if !(scale * 256.0).is_finite() {
@@ -1076,7 +1108,7 @@ unsafe fn fp8_decode_t<const D: u8>(codes: &[u8], scale: f32, dst: &mut [u8]) ->
         store8::<D>(dst, i, _mm256_mul_ps(_mm256_cvtph_ps(h), sc));
         i += 8;
     }
-    let tail_bad = scalar::fp8_decode_row(&codes[i..], scale, out, &mut dst[i * os..]);
+    let tail_bad = i < n && scalar::fp8_decode_row(&codes[i..], scale, out, &mut dst[i * os..]);
     _mm_movemask_epi8(_mm_cmpeq_epi8(worst, _mm_set1_epi8(0x7F))) != 0 || tail_bad
 }
 

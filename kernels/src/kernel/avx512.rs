@@ -732,26 +732,60 @@ unsafe fn fp8_decode_row<const NE: bool>(
     bad
 }
 
-/// See `scalar::fp8_decode_row`: the plain (unrotated) FP8 decoder on sixteen lanes, thirty-two
-/// codes a step ([`fp8_dequant_chunk`], `avx2::fp8_decode_row`'s construction), BF16 stored
-/// thirty-two at a time ([`store32_bf16`]), other dtypes by [`store16`]; the last codes of a row
-/// not filling a step by the AVX2 kernel. The same bytes as the scalar decoder; returns whether a
-/// NaN code (never written by the encoder) was met, `dst` then unspecified.
+/// See `scalar::fp8_decode_row`: the plain (unrotated) FP8 decoder on sixteen lanes, for a run
+/// of rows of `hd` codes (row `k` of `codes`, scale `scale(k)`, into row `k` of `dst`, so the
+/// feature check, the dtype dispatch and the call happen once per run): thirty-two codes a step
+/// ([`fp8_dequant_chunk`], `avx2::fp8_decode_row`'s construction), BF16 stored thirty-two at a
+/// time ([`store32_bf16`]), other dtypes by [`store16`]; the last codes of a row not filling a
+/// step by the AVX2 kernel. The same bytes as the scalar decoder; returns whether a NaN code
+/// (never written by the encoder) was met, `dst` then unspecified.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c,fma")]
-pub(crate) unsafe fn fp8_decode_plain_row(codes: &[u8], scale: f32, out: DType, dst: &mut [u8]) -> bool {
-    fp8_decode_plain_t::<false>(codes, scale, out, dst)
+pub(crate) unsafe fn fp8_decode_plain_rows<F: Fn(usize) -> f32>(
+    codes: &[u8],
+    hd: usize,
+    scale: F,
+    out: DType,
+    dst: &mut [u8],
+) -> bool {
+    fp8_decode_plain_rows_t::<F, false>(codes, hd, scale, out, dst)
 }
 
-/// [`fp8_decode_plain_row`] storing BF16 by `vcvtne2ps2bf16` where the scale allows it
+/// [`fp8_decode_plain_rows`] storing BF16 by `vcvtne2ps2bf16` in the rows whose scale allows it
 /// ([`bf16ne_ok`]: no decoded value is then subnormal, so the instruction's rounding is the
 /// scalar one).
 ///
 /// # Safety
 ///
-/// As [`fp8_decode_plain_row`], and AVX512-BF16 detected.
+/// As [`fp8_decode_plain_rows`], and AVX512-BF16 detected.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c,fma,avx512bf16")]
-pub(crate) unsafe fn fp8_decode_plain_row_bf16ne(codes: &[u8], scale: f32, out: DType, dst: &mut [u8]) -> bool {
-    fp8_decode_plain_t::<true>(codes, scale, out, dst)
+pub(crate) unsafe fn fp8_decode_plain_rows_bf16ne<F: Fn(usize) -> f32>(
+    codes: &[u8],
+    hd: usize,
+    scale: F,
+    out: DType,
+    dst: &mut [u8],
+) -> bool {
+    fp8_decode_plain_rows_t::<F, true>(codes, hd, scale, out, dst)
+}
+
+#[inline(always)]
+unsafe fn fp8_decode_plain_rows_t<F: Fn(usize) -> f32, const NE: bool>(
+    codes: &[u8],
+    hd: usize,
+    scale: F,
+    out: DType,
+    dst: &mut [u8],
+) -> bool {
+    if hd == 0 {
+        return false;
+    }
+    let os = out.size() as usize;
+    assert!(codes.len().is_multiple_of(hd) && codes.len() * os <= dst.len());
+    let mut bad = false;
+    for (k, (c, o)) in codes.chunks_exact(hd).zip(dst.chunks_exact_mut(hd * os)).enumerate() {
+        bad |= fp8_decode_plain_t::<NE>(c, scale(k), out, o);
+    }
+    bad
 }
 
 #[inline(always)]
@@ -785,7 +819,7 @@ unsafe fn fp8_decode_plain_t<const NE: bool>(codes: &[u8], scale: f32, out: DTyp
         }
         i += 32;
     }
-    let tail_bad = avx2::fp8_decode_row(&codes[i..], scale, out, &mut dst[i * os..]);
+    let tail_bad = i < n && avx2::fp8_decode_row(&codes[i..], scale, out, &mut dst[i * os..]);
     _mm_movemask_epi8(_mm_cmpeq_epi8(bad, _mm_set1_epi8(0x7F))) != 0 || tail_bad
 }
 

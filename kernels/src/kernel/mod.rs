@@ -250,24 +250,46 @@ impl Isa {
     }
 
     pub(crate) fn fp8_decode_row(self, codes: &[u8], scale: f32, out: DType, dst: &mut [u8]) -> bool {
+        self.fp8_decode_rows(codes, codes.len(), |_| scale, out, dst)
+    }
+
+    /// Plain FP8 rows of `hd` codes (row `k` of `codes` with scale `scale(k)`) into consecutive
+    /// rows of `dst` as `out`, one call per run of rows; whether a NaN code was met (`dst` then
+    /// unspecified). The bytes of `scalar::fp8_decode_row` row by row.
+    pub(crate) fn fp8_decode_rows<F: Fn(usize) -> f32>(
+        self,
+        codes: &[u8],
+        hd: usize,
+        scale: F,
+        out: DType,
+        dst: &mut [u8],
+    ) -> bool {
         #[cfg(target_arch = "x86_64")]
         if let (Isa::Avx512(Avx512Token(bf16)), true) = (self, self.simd(out)) {
             // SAFETY: an Avx512 Isa exists only after the AVX-512 and AVX2 features were
             // detected; its flag says AVX512-BF16 was detected too.
             return unsafe {
                 if bf16 {
-                    avx512::fp8_decode_plain_row_bf16ne(codes, scale, out, dst)
+                    avx512::fp8_decode_plain_rows_bf16ne(codes, hd, scale, out, dst)
                 } else {
-                    avx512::fp8_decode_plain_row(codes, scale, out, dst)
+                    avx512::fp8_decode_plain_rows(codes, hd, scale, out, dst)
                 }
             };
         }
         #[cfg(target_arch = "x86_64")]
         if self.simd(out) {
-            // SAFETY: as above.
-            return unsafe { avx2::fp8_decode_row(codes, scale, out, dst) };
+            // SAFETY: an Avx2 Isa exists only after the CPU features were detected.
+            return unsafe { avx2::fp8_decode_rows(codes, hd, scale, out, dst) };
         }
-        scalar::fp8_decode_row(codes, scale, out, dst)
+        if hd == 0 {
+            return false;
+        }
+        let os = out.size() as usize;
+        let mut bad = false;
+        for (k, (c, o)) in codes.chunks_exact(hd).zip(dst.chunks_exact_mut(hd * os)).enumerate() {
+            bad |= scalar::fp8_decode_row(c, scale(k), out, o);
+        }
+        bad
     }
 
     /// NVFP4 for a run of whole rows: row `k` of `src` is row `r0 + k` of `spec`, encoded with
@@ -822,6 +844,47 @@ mod fused_rotated_tests {
     /// tails, under scales from 0 and subnormal to past `256·scale` overflowing (FP8) and to a
     /// block scale times `g` overflowing to infinity (NVFP4); and flag a NaN code or an invalid
     /// block scale exactly when the scalar kernels do.
+    /// A run of plain FP8 rows decoded in one call writes the scalar bytes row by row, each row
+    /// under its own scale (zero, subnormal, ordinary, large), at head dims that fill the vector
+    /// steps and ones that leave tails; a NaN code in one row of the run is flagged.
+    #[test]
+    fn plain_fp8_runs_of_rows_match_the_scalar_kernel_row_by_row() {
+        let scales = [1.0f32, 0.0, 1e-40, 3.7e-3, 2f32.powi(-90), 17.25, 2f32.powi(100)];
+        for isa in vector_isas() {
+            for out in [DType::Bf16, DType::Fp16, DType::Fp32] {
+                let os = out.size() as usize;
+                for hd in [7usize, 32, 64, 96, 100, 128, 136] {
+                    let rows = 2 * scales.len();
+                    for nan_row in [None, Some(5)] {
+                        let mut codes: Vec<u8> = (0..rows * hd).map(|i| ((i * 53 + i / hd) % 256) as u8).collect();
+                        codes.iter_mut().filter(|c| **c & 0x7F == 0x7F).for_each(|c| *c &= 0xFE);
+                        if let Some(r) = nan_row {
+                            codes[r * hd + hd / 2] = 0xFF;
+                        }
+                        let scale = |k: usize| scales[k % scales.len()];
+                        let mut want = vec![0u8; rows * hd * os];
+                        let mut want_bad = false;
+                        for k in 0..rows {
+                            want_bad |= scalar::fp8_decode_row(
+                                &codes[k * hd..(k + 1) * hd],
+                                scale(k),
+                                out,
+                                &mut want[k * hd * os..(k + 1) * hd * os],
+                            );
+                        }
+                        let mut got = vec![0u8; rows * hd * os];
+                        let bad = isa.fp8_decode_rows(&codes, hd, scale, out, &mut got);
+                        assert_eq!(bad, nan_row.is_some(), "{isa:?} {out:?} hd {hd}");
+                        assert_eq!(bad, want_bad);
+                        if !bad {
+                            assert_eq!(got, want, "{isa:?} fp8 rows into {out:?}, hd {hd}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn plain_decoders_match_the_scalar_kernels_on_every_code() {
         let lens = [0usize, 1, 7, 8, 15, 16, 17, 24, 31, 32, 40, 100, 128, 129, 272, 280];
