@@ -309,9 +309,9 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             self.rd.get_mut().set_budget(self.idle);
             // A caller loading small blocks sends its next request soon after the answer: worth
             // polling for (`spin`). After a large block it takes the answer in first, and
-            // polling for that long only takes the core its client needs; a store's client parks
-            // for its answer, and its next request came no sooner polled for (measured: 64 KiB
-            // stores 5% slower). Those waits park.
+            // polling for that long only takes the core its client needs; after a store the
+            // next request came no sooner polled for (measured: 64 KiB stores 5% slower). Those
+            // waits park. (A store's payload itself is polled for: `put_one`.)
             let poll = if self.moved <= POLL_AFTER_BYTES { self.poll } else { Duration::ZERO };
             self.rd.get_mut().get_mut().arm(poll);
             self.moved = 0;
@@ -569,13 +569,27 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
                 });
             }
         };
+        // The payload comes in pieces; polled for while this connection has the node to itself.
+        self.rd.get_mut().get_mut().poller().arm_streaming(if self.poll.is_zero() {
+            Duration::ZERO
+        } else {
+            PAYLOAD_GAP
+        });
         // A stream that ends here drops `slot`, which returns it unpublished.
-        let sum = read_hashed(&mut self.rd, slot.buf_mut()).await.inspect_err(|_| error("dataplane_truncated"))?;
-        if after {
-            let mut trailer = [0u8; CHECKSUM_LEN];
-            self.rd.read_exact(&mut trailer).await.inspect_err(|_| error("dataplane_truncated"))?;
-            header.checksum = u64::from_le_bytes(trailer);
-        }
+        let sum = read_hashed(&mut self.rd, slot.buf_mut()).await.inspect_err(|_| error("dataplane_truncated"));
+        let sum = match sum {
+            Ok(sum) if after => {
+                let mut trailer = [0u8; CHECKSUM_LEN];
+                let read = self.rd.read_exact(&mut trailer).await.inspect_err(|_| error("dataplane_truncated"));
+                read.map(|_| {
+                    header.checksum = u64::from_le_bytes(trailer);
+                    sum
+                })
+            }
+            other => other,
+        };
+        self.rd.get_mut().get_mut().poller().disarm();
+        let sum = sum?;
         if sum != header.checksum {
             return Ok(ItemStatus::ChecksumMismatch);
         }
@@ -750,6 +764,10 @@ async fn read_hashed<R: AsyncRead + Unpin>(rd: &mut R, buf: &mut [u8]) -> std::i
     }
     Ok(sum.digest())
 }
+
+/// How long a `PUT`'s payload is polled for after each piece of it arrives (while the
+/// connection has the node to itself, `dataplane_poll` not `"0"`); a longer gap parks.
+const PAYLOAD_GAP: Duration = Duration::from_micros(100);
 
 /// Loads that answered up to this many payload bytes are followed by polling for the next
 /// request (`dataplane_poll`, [`spin`]).

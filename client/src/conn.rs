@@ -445,11 +445,16 @@ impl DataConn {
             out.send(&mut self.wr).await?;
         }
         self.wr.flush().await?;
-        // Not polled for: measured, a store's answer came no sooner polled (1 MiB) and 64 KiB
-        // stores lost a fifth, the poll running out before the server had read and checked them.
+        // The answer comes once the server has taken the payload in: polled for about as long
+        // as those bytes take (the server polls for the payload's pieces meanwhile). Measured
+        // together, one block per call: 1 MiB stores 2.25 → 2.85 GB/s, 64 KiB 0.74 → 0.92
+        // (either side polling alone gained little or nothing).
+        let sent: u64 = frames.iter().map(|f| f.header().payload_len).sum();
+        let _flight = self.arm(sent);
         self.read_response(Op::Put, id, count).await?;
         let mut st = vec![0u8; frames.len()];
         self.rd.read_exact(&mut st).await?;
+        self.answered();
         st.into_iter().map(|b| ItemStatus::from_u8(b).map_err(ClientError::from)).collect()
     }
 

@@ -1,6 +1,7 @@
 //! A data-plane connection's receive half that polls its socket for a bounded time before
-//! parking, for the caller's next request after answering a load of small blocks
-//! (`dataplane_poll`, default 50 µs). A parked task is woken through the scheduler — on a VM an
+//! parking: for the caller's next request after answering a load of small blocks
+//! (`dataplane_poll`, default 50 µs), and for the rest of a `PUT`'s payload while its pieces keep
+//! coming ([`Poller::arm_streaming`]). A parked task is woken through the scheduler — on a VM an
 //! interrupt through the hypervisor, tens of µs per wake — and a caller that sends its loads
 //! back to back (an engine loading 64 KiB blocks one call at a time) paid one such wake per
 //! request.
@@ -98,11 +99,17 @@ pub(crate) struct Poller {
     id: u64,
     /// Polling until then; holds the gate's one polling place while `Some`.
     until: Option<Instant>,
+    /// Requests of this connection's own in progress while it polls: 0 between requests, 1
+    /// while it polls for the rest of a request ([`Poller::arm_streaming`]).
+    own: usize,
+    /// While polling for a request's payload: each read that takes bytes extends the poll by
+    /// this much from then ([`Poller::arm_streaming`]).
+    gap: Option<Duration>,
 }
 
 impl Poller {
     pub(crate) fn new(gate: &'static Gate) -> Self {
-        Poller { gate, id: gate.next_conn.fetch_add(1, Ordering::Relaxed), until: None }
+        Poller { gate, id: gate.next_conn.fetch_add(1, Ordering::Relaxed), until: None, own: 0, gap: None }
     }
 
     /// This connection, as [`Busy::enter`] takes it.
@@ -118,13 +125,35 @@ impl Poller {
     /// Polls for up to `budget` from now, if the connection has the node to itself (between
     /// requests) and no other connection polls; else its reads park as usual.
     pub(crate) fn arm(&mut self, budget: Duration) {
-        if budget.is_zero() || !self.gate.alone(self.id, 0) {
+        self.arm_as(budget, 0, None)
+    }
+
+    /// Polls for the rest of the request this connection is serving (a `PUT`'s payload, which
+    /// its client sends in pieces) for up to `gap` after each read that takes bytes, if no
+    /// other connection is serving one or started one recently. A parked read costs a wake-up
+    /// per piece (measured on a 2-vCPU VM: a 1 MiB store, one block per round trip, moves 1.6×
+    /// faster with its receiver polling than parking).
+    pub(crate) fn arm_streaming(&mut self, gap: Duration) {
+        self.arm_as(gap, 1, Some(gap))
+    }
+
+    fn arm_as(&mut self, budget: Duration, own: usize, gap: Option<Duration>) {
+        if budget.is_zero() || !self.gate.alone(self.id, own) {
             return self.disarm();
         }
         if self.until.is_none() && self.gate.polling.swap(true, Ordering::AcqRel) {
             return;
         }
+        self.own = own;
+        self.gap = gap;
         self.until = Some(Instant::now() + budget);
+    }
+
+    /// A polled read took bytes: a streaming poll goes on for its gap from now.
+    fn took_bytes(&mut self) {
+        if let (Some(gap), Some(_)) = (self.gap, self.until) {
+            self.until = Some(Instant::now() + gap);
+        }
     }
 
     /// Stops polling: reads park from now on.
@@ -142,7 +171,7 @@ impl Poller {
     /// budget); when not, polling stops.
     pub(crate) fn again(&mut self) -> bool {
         match self.until {
-            Some(until) if self.gate.alone(self.id, 0) && Instant::now() < until => true,
+            Some(until) if self.gate.alone(self.id, self.own) && Instant::now() < until => true,
             _ => {
                 self.disarm();
                 false
@@ -237,6 +266,7 @@ impl<R: AsyncRead + Unpin> AsyncRead for SpinRead<R> {
             }
             // SAFETY: `fd` is the socket `inner` reads, open while `inner` lives (`new`).
             if let Poll::Ready(done) = try_recv(unsafe { BorrowedFd::borrow_raw(fd) }, buf) {
+                this.poller.took_bytes();
                 return Poll::Ready(done);
             }
             if this.poller.again() {
@@ -332,6 +362,47 @@ mod tests {
         assert!(!plain.armed());
         c.arm(Duration::ZERO);
         assert!(!c.armed());
+    }
+
+    #[tokio::test]
+    async fn a_payload_is_polled_for_while_its_pieces_keep_coming_and_parks_after_a_gap() {
+        let g = gate();
+        let (mut rd, mut peer) = pair(g).await;
+        // Serving a request of its own: a poll for the next request may not start, one for the
+        // rest of this request may.
+        let busy = Busy::enter(g, rd.id());
+        rd.arm(Duration::from_millis(200));
+        assert!(!rd.armed(), "polled for a next request in the middle of one");
+        rd.poller().arm_streaming(Duration::from_millis(300));
+        assert!(rd.armed());
+        // Pieces 80 ms apart, longer in all than the gap: each one extends the poll.
+        let sender = tokio::spawn(async move {
+            for piece in [b"aa", b"bb", b"cc", b"dd", b"ee"] {
+                tokio::time::sleep(Duration::from_millis(80)).await;
+                peer.write_all(piece).await.unwrap();
+            }
+            tokio::time::sleep(Duration::from_millis(800)).await;
+            peer.write_all(b"ff").await.unwrap();
+            peer
+        });
+        let mut got = [0u8; 10];
+        rd.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"aabbccddee");
+        assert!(rd.armed(), "the poll ran out while pieces kept coming within its gap");
+        let mut last = [0u8; 2];
+        rd.read_exact(&mut last).await.unwrap();
+        assert_eq!(&last, b"ff", "bytes after the gap arrive by a parked read");
+        assert!(!rd.armed() && !g.polling.load(Ordering::Acquire), "a gap longer than the poll's ends it");
+        drop(busy);
+        drop(sender.await.unwrap());
+
+        // Another connection serving a request: the payload's reads park.
+        let (mut rd, _peer) = pair(g).await;
+        let own = Busy::enter(g, rd.id());
+        let other = Busy::enter(g, 4242);
+        rd.poller().arm_streaming(Duration::from_millis(200));
+        assert!(!rd.armed(), "polled beside another connection's request");
+        drop((own, other));
     }
 
     #[tokio::test]
