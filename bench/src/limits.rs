@@ -292,14 +292,22 @@ pub fn measure(disk_dir: &Path, quick: bool, runs: usize, progress: &indicatif::
 pub struct TcpSampler {
     bytes: usize,
     samples: std::sync::Mutex<std::collections::BTreeMap<(usize, usize), Vec<f64>>>,
-    /// Per (op, block size): GB/s of each sample and every round trip's seconds.
+    /// The round-trip cells' samples.
     round_trips: std::sync::Mutex<RoundTripSamples>,
 }
 
 #[derive(Default)]
 struct RoundTripSamples {
     bufs: Option<RoundTripBuffers>,
-    by_cell: std::collections::BTreeMap<(&'static str, usize), (Vec<f64>, Vec<f64>)>,
+    /// By (op, block size).
+    by_cell: std::collections::BTreeMap<(&'static str, usize), RoundTripCell>,
+}
+
+/// GB/s of each sample of one round-trip cell, and every round trip's seconds.
+#[derive(Default)]
+struct RoundTripCell {
+    gbps: Vec<f64>,
+    lat: Vec<f64>,
 }
 
 impl TcpSampler {
@@ -322,8 +330,8 @@ impl TcpSampler {
             for (op, way) in [("store", RoundTrip::Store), ("load", RoundTrip::Load)] {
                 let (gbps, lat) = tcp_round_trips(self.bytes, size, way, bufs)?;
                 let cell = by_cell.entry((op, size)).or_default();
-                cell.0.push(gbps);
-                cell.1.extend(lat);
+                cell.gbps.push(gbps);
+                cell.lat.extend(lat);
             }
         }
         Ok(())
@@ -336,8 +344,8 @@ impl TcpSampler {
         let mut cells: Vec<_> =
             s.iter().map(|(&(size, c), v)| crate::blocks::Cell::from_runs("tcp", "load", size, c, v, &[])).collect();
         if let Ok(rt) = self.round_trips.lock() {
-            for (&(op, size), (g, lat)) in &rt.by_cell {
-                cells.push(crate::blocks::Cell::from_runs("tcp-rr", op, size, 1, g, lat));
+            for (&(op, size), c) in &rt.by_cell {
+                cells.push(crate::blocks::Cell::from_runs("tcp-rr", op, size, 1, &c.gbps, &c.lat));
             }
         }
         cells

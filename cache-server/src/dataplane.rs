@@ -570,11 +570,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             }
         };
         // The payload comes in pieces; polled for while this connection has the node to itself.
-        self.rd.get_mut().get_mut().poller().arm_streaming(if self.poll.is_zero() {
-            Duration::ZERO
-        } else {
-            PAYLOAD_GAP
-        });
+        self.rd.get_mut().get_mut().arm_streaming(if self.poll.is_zero() { Duration::ZERO } else { PAYLOAD_GAP });
         // A stream that ends here drops `slot`, which returns it unpublished.
         let sum = read_hashed(&mut self.rd, slot.buf_mut()).await.inspect_err(|_| error("dataplane_truncated"));
         let sum = match sum {

@@ -220,6 +220,14 @@ impl<R> SpinRead<R> {
         self.poller.arm(budget)
     }
 
+    /// [`Poller::arm_streaming`], for a stream that is a socket of its own.
+    pub(crate) fn arm_streaming(&mut self, gap: Duration) {
+        if self.fd.is_none() {
+            return self.poller.disarm();
+        }
+        self.poller.arm_streaming(gap)
+    }
+
     #[cfg(test)]
     fn armed(&self) -> bool {
         self.poller.armed()
@@ -360,6 +368,8 @@ mod tests {
         c.disarm();
         plain.arm(Duration::from_millis(10));
         assert!(!plain.armed());
+        plain.arm_streaming(Duration::from_millis(10));
+        assert!(!plain.armed());
         c.arm(Duration::ZERO);
         assert!(!c.armed());
     }
@@ -373,7 +383,7 @@ mod tests {
         let busy = Busy::enter(g, rd.id());
         rd.arm(Duration::from_millis(200));
         assert!(!rd.armed(), "polled for a next request in the middle of one");
-        rd.poller().arm_streaming(Duration::from_millis(300));
+        rd.arm_streaming(Duration::from_millis(300));
         assert!(rd.armed());
         // Pieces 80 ms apart, longer in all than the gap: each one extends the poll.
         let sender = tokio::spawn(async move {
@@ -400,7 +410,7 @@ mod tests {
         let (mut rd, _peer) = pair(g).await;
         let own = Busy::enter(g, rd.id());
         let other = Busy::enter(g, 4242);
-        rd.poller().arm_streaming(Duration::from_millis(200));
+        rd.arm_streaming(Duration::from_millis(200));
         assert!(!rd.armed(), "polled beside another connection's request");
         drop((own, other));
     }
