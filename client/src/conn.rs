@@ -334,6 +334,14 @@ impl DataConn {
         }
     }
 
+    /// [`DataConn::arm`] for a store that sent `bytes`.
+    fn arm_store(&mut self, bytes: u64) -> Option<InFlight> {
+        match self.rd.get_mut() {
+            RxHalf::Tcp(r) => Some(r.arm_store(bytes, self.poll)),
+            RxHalf::Other(_) => None,
+        }
+    }
+
     /// A call's answer is read: later reads park again.
     fn answered(&mut self) {
         if let RxHalf::Tcp(r) = self.rd.get_mut() {
@@ -450,7 +458,7 @@ impl DataConn {
         // together, one block per call: 1 MiB stores 2.25 → 2.85 GB/s, 64 KiB 0.74 → 0.92
         // (either side polling alone gained little or nothing).
         let sent: u64 = frames.iter().map(|f| f.header().payload_len).sum();
-        let _flight = self.arm(sent);
+        let _flight = self.arm_store(sent);
         self.read_response(Op::Put, id, count).await?;
         let mut st = vec![0u8; frames.len()];
         self.rd.read_exact(&mut st).await?;

@@ -31,7 +31,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, ReadBuf};
 use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::UnixStream;
 
-use crate::wait::{WaitTicket, Waits, SAMENODE_WAITS, TCP_WAITS};
+use crate::wait::{WaitTicket, Waits, SAMENODE_WAITS, TCP_STORE_WAITS, TCP_WAITS};
 
 /// Room for answers' fixed parts read while polling (header, statuses, frame headers); what does
 /// not fit is read by the ordinary path.
@@ -240,6 +240,16 @@ impl PolledRead {
     /// now ([`crate::wait`]), its reads poll for up to [`poll_budget`] of it, at most `cap`
     /// (`Duration::ZERO`: never).
     pub(crate) fn arm(&mut self, bytes: u64, cap: Duration) -> InFlight {
+        self.arm_in(bytes, cap, self.waits)
+    }
+
+    /// [`PolledRead::arm`] for a store's answer, which comes once the server has taken in the
+    /// `bytes` sent: timed apart from loads ([`TCP_STORE_WAITS`]), whose answers carry the bytes.
+    pub(crate) fn arm_store(&mut self, bytes: u64, cap: Duration) -> InFlight {
+        self.arm_in(bytes, cap, &TCP_STORE_WAITS)
+    }
+
+    fn arm_in(&mut self, bytes: u64, cap: Duration, waits: &'static Waits) -> InFlight {
         let flight = InFlight::enter(self.flights);
         let first = stream_budget(bytes).min(cap);
         // The chooser sizes its classes by the whole answer's expected wait, so that calls of
@@ -247,7 +257,7 @@ impl PolledRead {
         let (polls, ticket) = if first.is_zero() {
             (false, None)
         } else {
-            let (budget, ticket) = choose_wait(self.flights, self.waits, expected_wait(bytes));
+            let (budget, ticket) = choose_wait(self.flights, waits, expected_wait(bytes));
             (!budget.is_zero(), ticket)
         };
         self.gap = cap.min(STREAM_GAP);

@@ -144,6 +144,9 @@ pub(crate) struct Waits {
 
 /// TCP data-plane calls' choices ([`crate::polled::PolledRead`]).
 pub(crate) static TCP_WAITS: Waits = Waits::new();
+/// TCP stores' choices, apart from loads' (an answer that comes after the bytes went out, not
+/// with them: [`crate::polled::PolledRead::arm_store`]).
+pub(crate) static TCP_STORE_WAITS: Waits = Waits::new();
 /// Same-node calls' choices ([`crate::polled::PolledSocket`]).
 pub(crate) static SAMENODE_WAITS: Waits = Waits::new();
 
