@@ -1060,16 +1060,8 @@ unsafe fn fp8_decode_rows_t<const D: u8>(
     scale: impl Fn(usize) -> f32,
     dst: &mut [u8],
 ) -> bool {
-    if hd == 0 {
-        return false;
-    }
-    let os = dt(D).size() as usize;
-    assert!(codes.len().is_multiple_of(hd) && codes.len() * os <= dst.len());
-    let mut bad = false;
-    for (k, (c, o)) in codes.chunks_exact(hd).zip(dst.chunks_exact_mut(hd * os)).enumerate() {
-        bad |= fp8_decode_t::<D>(c, scale(k), o);
-    }
-    bad
+    let row = hd * dt(D).size() as usize;
+    super::any_row(codes, hd, dst, row, |k, c, o| fp8_decode_t::<D>(c, scale(k), o))
 }
 
 #[inline(always)]

@@ -776,16 +776,7 @@ unsafe fn fp8_decode_plain_rows_t<F: Fn(usize) -> f32, const NE: bool>(
     out: DType,
     dst: &mut [u8],
 ) -> bool {
-    if hd == 0 {
-        return false;
-    }
-    let os = out.size() as usize;
-    assert!(codes.len().is_multiple_of(hd) && codes.len() * os <= dst.len());
-    let mut bad = false;
-    for (k, (c, o)) in codes.chunks_exact(hd).zip(dst.chunks_exact_mut(hd * os)).enumerate() {
-        bad |= fp8_decode_plain_t::<NE>(c, scale(k), out, o);
-    }
-    bad
+    super::any_row(codes, hd, dst, hd * out.size() as usize, |k, c, o| fp8_decode_plain_t::<NE>(c, scale(k), out, o))
 }
 
 #[inline(always)]

@@ -26,6 +26,28 @@ pub(crate) use avx512::ROTATED_SAFE_BITS;
 pub(crate) const ROTATED_SAFE_BITS: u32 = 0x6C80_0000;
 use crate::CodecError;
 
+/// Runs `row(k, codes, out)` over a run of rows: row `k`'s `hd` input bytes of `src` and its
+/// `out_row` bytes of `dst`; whether any row returned true (all rows run). Inlined into each
+/// backend's kernel, so the row kernel inlines into its loop.
+#[inline(always)]
+pub(crate) fn any_row(
+    src: &[u8],
+    hd: usize,
+    dst: &mut [u8],
+    out_row: usize,
+    mut row: impl FnMut(usize, &[u8], &mut [u8]) -> bool,
+) -> bool {
+    if hd == 0 {
+        return false;
+    }
+    assert!(src.len().is_multiple_of(hd) && src.len() / hd * out_row <= dst.len());
+    let mut any = false;
+    for (k, (c, o)) in src.chunks_exact(hd).zip(dst.chunks_exact_mut(out_row)).enumerate() {
+        any |= row(k, c, o);
+    }
+    any
+}
+
 /// Which implementation runs the kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Backend {
@@ -281,15 +303,7 @@ impl Isa {
             // SAFETY: an Avx2 Isa exists only after the CPU features were detected.
             return unsafe { avx2::fp8_decode_rows(codes, hd, scale, out, dst) };
         }
-        if hd == 0 {
-            return false;
-        }
-        let os = out.size() as usize;
-        let mut bad = false;
-        for (k, (c, o)) in codes.chunks_exact(hd).zip(dst.chunks_exact_mut(hd * os)).enumerate() {
-            bad |= scalar::fp8_decode_row(c, scale(k), out, o);
-        }
-        bad
+        any_row(codes, hd, dst, hd * out.size() as usize, |k, c, o| scalar::fp8_decode_row(c, scale(k), out, o))
     }
 
     /// NVFP4 for a run of whole rows: row `k` of `src` is row `r0 + k` of `spec`, encoded with
