@@ -526,38 +526,22 @@ impl Codec {
                 let codes = parts.codes();
                 let chunks = split_rows(spec.rows(), hd * os, parallel, out, hd * os, &mut [], 0);
                 let scale_of = |r: usize| if per_row { scales[r] } else { scales[spec.plane_of_row(r)] };
-                if let Some(rot) = rot.as_ref().filter(|rot| {
+                // Plain, or rotated where a fused kernel dequantizes and inverse-rotates in one
+                // pass per row (no f32 rows in memory; scales this small keep every decoded value
+                // below ROTATION_MAX_DECODED): one kernel call per chunk of rows, each row's
+                // scale a plain index the kernel inlines.
+                let fused = rot.as_ref().filter(|rot| {
                     isa.fuses_rotated_decode(rot, out_dtype) && scales.iter().all(|s| *s <= ROTATION_MAX_INPUT)
-                }) {
-                    // Dequantized and inverse-rotated in one pass per row (no f32 rows in memory);
-                    // scales this small keep every decoded value below ROTATION_MAX_DECODED.
-                    return run(parallel, chunks, |c| {
-                        let (r0, r1) = (c.rows.start, c.rows.end);
-                        let codes = &codes[r0 * hd..r1 * hd];
-                        // Per row, a plain index the kernel inlines (no call per row).
-                        let bad = if per_row {
-                            let row_scales = &scales[r0..r1];
-                            isa.fp8_decode_rows_rotated(rot, codes, |k| row_scales[k], out_dtype, c.a)
-                        } else {
-                            isa.fp8_decode_rows_rotated(rot, codes, plane_values(spec, r0, &scales), out_dtype, c.a)
-                        };
-                        if bad {
-                            Err(bad_code())
-                        } else {
-                            Ok(())
-                        }
-                    });
-                }
-                if rot.is_none() {
-                    // Plain FP8: one kernel call per chunk of rows, each row's scale a plain index.
+                });
+                if rot.is_none() || fused.is_some() {
                     return run(parallel, chunks, |c| {
                         let (r0, r1) = (c.rows.start, c.rows.end);
                         let codes = &codes[r0 * hd..r1 * hd];
                         let bad = if per_row {
                             let row_scales = &scales[r0..r1];
-                            isa.fp8_decode_rows(codes, hd, |k| row_scales[k], out_dtype, c.a)
+                            fp8_rows(isa, fused, codes, hd, |k| row_scales[k], out_dtype, c.a)
                         } else {
-                            isa.fp8_decode_rows(codes, hd, plane_values(spec, r0, &scales), out_dtype, c.a)
+                            fp8_rows(isa, fused, codes, hd, plane_values(spec, r0, &scales), out_dtype, c.a)
                         };
                         if bad {
                             Err(bad_code())
@@ -871,6 +855,23 @@ impl Sink<'_> {
             b = e;
         }
         Ok(())
+    }
+}
+
+/// FP8 rows of `hd` codes decoded into `dst` as `out` by one kernel call: the fused rotated
+/// decoder under `rot`, else the plain one; whether a code the encoder never writes was met.
+fn fp8_rows<F: Fn(usize) -> f32>(
+    isa: Isa,
+    rot: Option<&Rotation>,
+    codes: &[u8],
+    hd: usize,
+    scale: F,
+    out: DType,
+    dst: &mut [u8],
+) -> bool {
+    match rot {
+        Some(rot) => isa.fp8_decode_rows_rotated(rot, codes, scale, out, dst),
+        None => isa.fp8_decode_rows(codes, hd, scale, out, dst),
     }
 }
 
