@@ -23,6 +23,11 @@ pub struct Limits {
     /// Slowest and fastest run of `tcp`.
     pub tcp_min: f64,
     pub tcp_max: f64,
+    /// The congestion control `tcp` ran (the data plane's on a same-host connection).
+    pub tcp_congestion: String,
+    /// `tcp` on a congestion control that does not pace (`tcp_unpaced_congestion`).
+    pub tcp_unpaced: f64,
+    pub tcp_unpaced_congestion: String,
     pub unix: f64,
     pub disk_write: f64,
     pub disk_read: f64,
@@ -84,12 +89,43 @@ fn stream_gbps<S: Read + Write + Send + 'static>(mut tx: S, mut rx: S, total: us
     Ok((total / MIB * MIB) as f64 / secs / 1e9)
 }
 
-pub fn tcp_gbps(total: usize) -> anyhow::Result<f64> {
+/// A connected loopback TCP pair, Nagle off, both ends on the congestion control kvtier's data
+/// plane takes on a same-host connection ([`kvtier_proto::tcp`]: the system's default unless
+/// `KVTIER_SAME_HOST_CONGESTION` says otherwise), or, with `choice`, the first of it the kernel
+/// takes.
+fn tcp_pair(choice: Option<&[&str]>) -> anyhow::Result<(TcpStream, TcpStream)> {
     let l = TcpListener::bind("127.0.0.1:0")?;
     let tx = TcpStream::connect(l.local_addr()?)?;
-    tx.set_nodelay(true)?;
     let (rx, _) = l.accept()?;
+    for s in [&tx, &rx] {
+        s.set_nodelay(true)?;
+        let peer = s.peer_addr()?.ip();
+        match choice {
+            Some(c) => kvtier_proto::tcp::tune_with(s, peer, c),
+            None => kvtier_proto::tcp::tune_data_socket(s, peer),
+        };
+    }
+    Ok((tx, rx))
+}
+
+/// One loopback TCP stream's GB/s, its sockets set as kvtier's data plane sets a same-host
+/// connection's.
+pub fn tcp_gbps(total: usize) -> anyhow::Result<f64> {
+    let (tx, rx) = tcp_pair(None)?;
     stream_gbps(tx, rx, total)
+}
+
+/// [`tcp_gbps`] on a congestion control that does not pace ([`kvtier_proto::tcp::UNPACED`]), and
+/// its name: what one stream moves where the system's default (e.g. BBR) paces loopback sends.
+pub fn tcp_gbps_unpaced(total: usize) -> anyhow::Result<(f64, String)> {
+    let (tx, rx) = tcp_pair(Some(&kvtier_proto::tcp::UNPACED))?;
+    let cc = kvtier_proto::tcp::congestion(&tx).unwrap_or_else(|| "unknown".into());
+    Ok((stream_gbps(tx, rx, total)?, cc))
+}
+
+/// The congestion control a same-host data-plane connection (and [`tcp_gbps`]) runs here.
+pub fn data_plane_congestion() -> String {
+    tcp_pair(None).ok().and_then(|(tx, _)| kvtier_proto::tcp::congestion(&tx)).unwrap_or_else(|| "unknown".into())
 }
 
 pub fn unix_gbps(total: usize) -> anyhow::Result<f64> {
@@ -144,11 +180,7 @@ pub fn tcp_round_trips(
 ) -> anyhow::Result<(f64, Vec<f64>)> {
     anyhow::ensure!(block > 0, "a round trip moves at least one byte");
     let n = (total / block).max(1);
-    let l = TcpListener::bind("127.0.0.1:0")?;
-    let mut tx = TcpStream::connect(l.local_addr()?)?;
-    let (mut rx, _) = l.accept()?;
-    tx.set_nodelay(true)?;
-    rx.set_nodelay(true)?;
+    let (mut tx, mut rx) = tcp_pair(None)?;
     let RoundTripBuffers { client, server } = bufs;
     let (span_c, span_s) = (client.len(), server.len());
     anyhow::ensure!(span_c >= block && span_s >= block, "round-trip buffers smaller than a block");
@@ -246,6 +278,8 @@ pub fn measure(disk_dir: &Path, quick: bool, runs: usize, progress: &indicatif::
     let mut m1 = Vec::new();
     let mut mn = Vec::new();
     let mut tcp = Vec::new();
+    let mut tcp_unpaced = Vec::new();
+    let mut unpaced_cc = String::new();
     let mut unix = Vec::new();
     let mut dw = Vec::new();
     let mut dr = Vec::new();
@@ -259,6 +293,9 @@ pub fn measure(disk_dir: &Path, quick: bool, runs: usize, progress: &indicatif::
         progress.inc(1);
         progress.set_message("loopback TCP");
         tcp.push(tcp_gbps(total)?);
+        let (g, cc) = tcp_gbps_unpaced(total)?;
+        tcp_unpaced.push(g);
+        unpaced_cc = cc;
         progress.inc(1);
         progress.set_message("Unix socket");
         unix.push(unix_gbps(total)?);
@@ -276,6 +313,9 @@ pub fn measure(disk_dir: &Path, quick: bool, runs: usize, progress: &indicatif::
         tcp_min: tcp.iter().copied().fold(f64::NAN, f64::min),
         tcp_max: tcp.iter().copied().fold(f64::NAN, f64::max),
         tcp: median(tcp),
+        tcp_congestion: data_plane_congestion(),
+        tcp_unpaced: median(tcp_unpaced),
+        tcp_unpaced_congestion: unpaced_cc,
         unix: median(unix),
         disk_write: median(dw),
         disk_read: median(dr),

@@ -80,6 +80,8 @@ pub async fn serve(
         || async {
             let (sock, peer) = listener.accept().await?;
             let _ = sock.set_nodelay(true);
+            // A client on this host: a congestion control that does not pace (`kvtier_proto::tcp`).
+            kvtier_proto::tcp::tune_data_socket(&sock, peer.ip());
             Ok(((sock, peer), Peer::Ip(peer.ip())))
         },
         |(sock, peer), stop| {
@@ -171,6 +173,8 @@ impl Accept for TcpListener {
     async fn accept_split(&self) -> std::io::Result<Accepted<Self::Read, Self::Write>> {
         let (sock, peer) = self.accept().await?;
         let _ = sock.set_nodelay(true);
+        // A client on this host: a congestion control that does not pace (`kvtier_proto::tcp`).
+        kvtier_proto::tcp::tune_data_socket(&sock, peer.ip());
         let fd = sock.as_raw_fd();
         let (r, w) = sock.into_split();
         Ok(((r, w, peer.to_string(), Some(fd)), Peer::Ip(peer.ip())))

@@ -27,6 +27,7 @@ mod namespace;
 pub mod record_log;
 pub mod samenode;
 pub mod segment;
+pub mod tcp;
 mod tier;
 
 pub use checksum::{checksum, Checksummer};
