@@ -160,6 +160,42 @@ fn kvtier_plan_runs_the_capacity_planner() {
 /// A caller loading small blocks back to back has its next request taken by the server's
 /// polling (`dataplane_poll`), on the TCP data plane and on the same-node socket, and `/metrics`
 /// says how often (`kvtier_requests_polled_total{plane}`); with `dataplane_poll = "0"` never.
+
+/// `KVTIER_SAME_HOST_CONGESTION` in the server's environment: a same-host client's data-plane
+/// connection takes the congestion control it names (counted by name), a name the kernel lacks
+/// is counted as refused and changes nothing else, and unset, nothing is set or counted; blocks
+/// come back whole every way.
+#[tokio::test]
+async fn same_host_connections_take_the_congestion_control_asked_for_and_a_bad_name_only_counts() {
+    for (env, counted) in [(Some("reno"), Some("reno")), (Some("no-such-cc,also-none"), Some("refused")), (None, None)]
+    {
+        let vars: Vec<(&str, &str)> = env.map(|v| (kvtier_proto::tcp::CONGESTION_ENV, v)).into_iter().collect();
+        let server = ServerProcess::start_env(&["--dram-capacity", "64MiB"], &vars);
+        let client = server.client().await;
+        let h = client.register(namespace("congestion", b"c", small_layout())).await.unwrap();
+        let bb = h.block_bytes() as usize;
+        let keys = h.keys(&tokens(3, 32));
+        let blocks: Vec<Vec<u8>> =
+            (0..keys.len()).map(|k| (0..bb).map(|i| ((i + 7 * k) % 251) as u8).collect()).collect();
+        let parts: Vec<Vec<bytes::Bytes>> = blocks.iter().map(|b| vec![bytes::Bytes::from(b.clone())]).collect();
+        let st = client.store_keys(&h, &keys, &parts).await.unwrap();
+        assert!(st.iter().all(|s| *s == ItemStatus::Ok), "{env:?}: {st:?}");
+        let mut dst = vec![0u8; bb * keys.len()];
+        let mut dests: Vec<kvtier_client::BlockDest<'_>> = dst.chunks_mut(bb).map(|c| vec![c]).collect();
+        let ok = client.load_keys_into(&h, &keys, &mut dests, true).await.unwrap();
+        assert_eq!(ok, vec![true; keys.len()], "{env:?}");
+        assert_eq!(dst, blocks.concat(), "{env:?}: a load came back wrong");
+        let m = server.scrape();
+        let total = metric(&m, "kvtier_dataplane_congestion_total", &[]);
+        match counted {
+            Some(cc) => {
+                let n = metric(&m, "kvtier_dataplane_congestion_total", &[("cc", cc)]);
+                assert!(n >= 1.0 && n == total, "{env:?}: {n} connections counted as {cc:?} of {total}");
+            }
+            None => assert_eq!(total, 0.0, "no choice, yet a congestion control was set"),
+        }
+    }
+}
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn small_loads_back_to_back_are_taken_by_polling_and_counted() {
     const LOADS: usize = 200;

@@ -100,7 +100,7 @@ fn tcp_pair(choice: Option<&[&str]>) -> anyhow::Result<(TcpStream, TcpStream)> {
     for s in [&tx, &rx] {
         s.set_nodelay(true)?;
         let peer = s.peer_addr()?.ip();
-        match choice {
+        let _ = match choice {
             Some(c) => kvtier_proto::tcp::tune_with(s, peer, c),
             None => kvtier_proto::tcp::tune_data_socket(s, peer),
         };

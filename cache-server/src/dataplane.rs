@@ -80,8 +80,7 @@ pub async fn serve(
         || async {
             let (sock, peer) = listener.accept().await?;
             let _ = sock.set_nodelay(true);
-            // A client on this host: a congestion control that does not pace (`kvtier_proto::tcp`).
-            kvtier_proto::tcp::tune_data_socket(&sock, peer.ip());
+            tune_congestion(&sock, peer);
             Ok(((sock, peer), Peer::Ip(peer.ip())))
         },
         |(sock, peer), stop| {
@@ -167,14 +166,37 @@ trait Accept: Send + 'static {
     fn accept_split(&self) -> impl Future<Output = std::io::Result<Accepted<Self::Read, Self::Write>>> + Send;
 }
 
+/// An accepted data-plane socket from a client on this host takes the congestion control
+/// `KVTIER_SAME_HOST_CONGESTION` asks for, if any ([`kvtier_proto::tcp`]); counted in
+/// `kvtier_dataplane_congestion_total{cc}` (`cc="refused"`: the kernel took none of the names,
+/// warned once; the connection keeps the system's).
+fn tune_congestion(sock: &tokio::net::TcpStream, peer: std::net::SocketAddr) {
+    use kvtier_proto::tcp::Tuned;
+    match kvtier_proto::tcp::tune_data_socket(sock, peer.ip()) {
+        Tuned::System => {}
+        Tuned::Set(cc) => ::metrics::counter!("kvtier_dataplane_congestion_total", "cc" => cc).increment(1),
+        Tuned::Refused => {
+            ::metrics::counter!("kvtier_dataplane_congestion_total", "cc" => "refused").increment(1);
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| {
+                tracing::warn!(
+                    asked = ?kvtier_proto::tcp::same_host_congestion(),
+                    "{} names no congestion control this kernel lets the server take; same-host \
+                     connections keep the system's",
+                    kvtier_proto::tcp::CONGESTION_ENV
+                )
+            });
+        }
+    }
+}
+
 impl Accept for TcpListener {
     type Read = tokio::net::tcp::OwnedReadHalf;
     type Write = tokio::net::tcp::OwnedWriteHalf;
     async fn accept_split(&self) -> std::io::Result<Accepted<Self::Read, Self::Write>> {
         let (sock, peer) = self.accept().await?;
         let _ = sock.set_nodelay(true);
-        // A client on this host: a congestion control that does not pace (`kvtier_proto::tcp`).
-        kvtier_proto::tcp::tune_data_socket(&sock, peer.ip());
+        tune_congestion(&sock, peer);
         let fd = sock.as_raw_fd();
         let (r, w) = sock.into_split();
         Ok(((r, w, peer.to_string(), Some(fd)), Peer::Ip(peer.ip())))

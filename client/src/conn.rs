@@ -267,8 +267,9 @@ impl DataConn {
             .await
             .map_err(|e| ClientError::Connect { addr: addr.to_string(), reason: e.to_string() })?;
         let _ = sock.set_nodelay(true);
-        // A node on this host: a congestion control that does not pace (`kvtier_proto::tcp`).
-        kvtier_proto::tcp::tune_data_socket(&sock, addr.ip());
+        // A node on this host: the congestion control `KVTIER_SAME_HOST_CONGESTION` asks for, if
+        // any (`kvtier_proto::tcp`); the connection works whatever the kernel says.
+        let _ = kvtier_proto::tcp::tune_data_socket(&sock, addr.ip());
         // TCP's owned halves: no lock between the reader and the writer.
         let (r, w) = sock.into_split();
         Self::hello(RxHalf::Tcp(PolledRead::new(r)), Box::new(w), token, version).await
@@ -285,7 +286,7 @@ impl DataConn {
         let failed = |reason: String| ClientError::Connect { addr: addr.to_string(), reason };
         let sock = TcpStream::connect(addr).await.map_err(|e| failed(e.to_string()))?;
         let _ = sock.set_nodelay(true);
-        kvtier_proto::tcp::tune_data_socket(&sock, addr.ip());
+        let _ = kvtier_proto::tcp::tune_data_socket(&sock, addr.ip());
         let stream =
             dial.connector.connect(dial.name.clone(), sock).await.map_err(|e| failed(format!("TLS handshake: {e}")))?;
         let (r, w) = tokio::io::split(stream);

@@ -52,25 +52,42 @@ fn congestion_choice(var: Option<&str>) -> Vec<String> {
     }
 }
 
+/// What [`tune_data_socket`] did to a socket's congestion control.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tuned<'c> {
+    /// Left as it was: no choice made, or a connection that leaves the host.
+    System,
+    /// A same-host connection set to this one.
+    Set(&'c str),
+    /// A same-host connection the kernel let take none of the choice (e.g. a name it lacks, or
+    /// CUBIC where an unprivileged process may not take it): left on the system's default.
+    Refused,
+}
+
 /// Sets a connected socket's congestion control for the data plane: when it stays on this host
 /// (`peer` and its own address: [`same_host`]), the first of [`same_host_congestion`] the kernel
-/// accepts. Returns what it set; `None` when it leaves the host, the choice is `system`, or the
-/// kernel took none of them (the connection works as it was, on the system's default).
-pub fn tune_data_socket(sock: impl AsFd, peer: IpAddr) -> Option<&'static str> {
+/// accepts. The connection works whatever this does.
+pub fn tune_data_socket(sock: impl AsFd, peer: IpAddr) -> Tuned<'static> {
     tune_with(sock, peer, same_host_congestion())
 }
 
 /// [`tune_data_socket`] with the choice `choice` (e.g. [`UNPACED`]) instead of the process's.
-pub fn tune_with<S: AsRef<str>>(sock: impl AsFd, peer: IpAddr, choice: &[S]) -> Option<&str> {
+pub fn tune_with<S: AsRef<str>>(sock: impl AsFd, peer: IpAddr, choice: &[S]) -> Tuned<'_> {
     if choice.is_empty() {
-        return None;
+        return Tuned::System;
     }
-    let local = rustix::net::getsockname(&sock).ok().and_then(|a| std::net::SocketAddr::try_from(a).ok())?;
+    let Some(local) = rustix::net::getsockname(&sock).ok().and_then(|a| std::net::SocketAddr::try_from(a).ok()) else {
+        return Tuned::System;
+    };
     if !same_host(local.ip(), peer) {
-        return None;
+        return Tuned::System;
     }
     let fd = sock.as_fd();
-    choice.iter().map(AsRef::as_ref).find(|cc| rustix::net::sockopt::set_tcp_congestion(fd, cc).is_ok())
+    choice
+        .iter()
+        .map(AsRef::as_ref)
+        .find(|cc| rustix::net::sockopt::set_tcp_congestion(fd, cc).is_ok())
+        .map_or(Tuned::Refused, Tuned::Set)
 }
 
 /// The congestion control `sock` runs now (`None` where the kernel does not say).
@@ -119,10 +136,10 @@ mod tests {
         let (a, _b) = pair();
         let peer = a.peer_addr().unwrap().ip();
         // Reno is built into every kernel and always allowed; a name no kernel has is skipped.
-        assert_eq!(tune_with(&a, peer, &["no-such-cc", "reno"]), Some("reno"));
+        assert_eq!(tune_with(&a, peer, &["no-such-cc", "reno"]), Tuned::Set("reno"));
         assert_eq!(congestion(&a).as_deref(), Some("reno"));
         let (c, _d) = pair();
-        let got = tune_with(&c, peer, &UNPACED).expect("Reno is always allowed");
+        let Tuned::Set(got) = tune_with(&c, peer, &UNPACED) else { panic!("Reno is always allowed") };
         assert_eq!(congestion(&c).as_deref(), Some(got));
     }
 
@@ -132,13 +149,13 @@ mod tests {
         let before = congestion(&a);
         assert!(before.is_some(), "Linux says which congestion control a socket runs");
         // A peer elsewhere: this end's address (loopback) is not the peer's.
-        assert_eq!(tune_with(&a, IpAddr::V4(Ipv4Addr::new(192, 0, 2, 7)), &["reno"]), None);
+        assert_eq!(tune_with(&a, IpAddr::V4(Ipv4Addr::new(192, 0, 2, 7)), &["reno"]), Tuned::System);
         assert_eq!(congestion(&a), before);
         let lo = IpAddr::V4(Ipv4Addr::LOCALHOST);
-        assert_eq!(tune_with(&a, lo, &congestion_choice(Some("system"))), None);
+        assert_eq!(tune_with(&a, lo, &congestion_choice(Some("system"))), Tuned::System);
         assert_eq!(congestion(&a), before);
-        // No name the kernel takes: none set, the connection as it was.
-        assert_eq!(tune_with(&a, lo, &["no-such-cc"]), None);
+        // No name the kernel takes: refused, the connection as it was.
+        assert_eq!(tune_with(&a, lo, &["no-such-cc"]), Tuned::Refused);
         assert_eq!(congestion(&a), before);
     }
 }

@@ -62,8 +62,21 @@ impl ServerProcess {
         s
     }
 
+    /// [`ServerProcess::start`] with `env` set in the server's environment.
+    pub fn start_env(extra: &[&str], env: &[(&str, &str)]) -> ServerProcess {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let dir = tmp.path().to_path_buf();
+        let mut s = Self::start_in_env(&dir, extra, env);
+        s._tmp = Some(tmp);
+        s
+    }
+
     /// Starts a server on a data directory the test owns (to restart on it).
     pub fn start_in(dir: &std::path::Path, extra: &[&str]) -> ServerProcess {
+        Self::start_in_env(dir, extra, &[])
+    }
+
+    fn start_in_env(dir: &std::path::Path, extra: &[&str], env: &[(&str, &str)]) -> ServerProcess {
         let mut cmd = Command::new(kvtier_bin());
         cmd.arg("serve")
             .args(["--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0", "--metrics", "127.0.0.1:0"])
@@ -71,7 +84,9 @@ impl ServerProcess {
             .arg(dir)
             .args(extra)
             .env_remove("KVTIER_CONFIG")
+            .env_remove(kvtier_proto::tcp::CONGESTION_ENV)
             .env("KVTIER_LOG", "warn")
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
         let mut child = cmd.spawn().expect("spawn kvtier serve");
