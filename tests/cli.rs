@@ -157,10 +157,6 @@ fn kvtier_plan_runs_the_capacity_planner() {
     assert!(out.contains("Llama-3-8B"), "{out}");
 }
 
-/// A caller loading small blocks back to back has its next request taken by the server's
-/// polling (`dataplane_poll`), on the TCP data plane and on the same-node socket, and `/metrics`
-/// says how often (`kvtier_requests_polled_total{plane}`); with `dataplane_poll = "0"` never.
-
 /// `KVTIER_SAME_HOST_CONGESTION` in the server's environment: a same-host client's data-plane
 /// connection takes the congestion control it names (counted by name), a name the kernel lacks
 /// is counted as refused and changes nothing else, and unset, nothing is set or counted; blocks
@@ -196,6 +192,10 @@ async fn same_host_connections_take_the_congestion_control_asked_for_and_a_bad_n
         }
     }
 }
+
+/// A caller loading small blocks back to back has its next request taken by the server's
+/// polling (`dataplane_poll`), on the TCP data plane and on the same-node socket, and `/metrics`
+/// says how often (`kvtier_requests_polled_total{plane}`); with `dataplane_poll = "0"` never.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn small_loads_back_to_back_are_taken_by_polling_and_counted() {
     const LOADS: usize = 200;
