@@ -111,21 +111,16 @@ fn tcp_pair(choice: Option<&[&str]>) -> anyhow::Result<(TcpStream, TcpStream)> {
 /// One loopback TCP stream's GB/s, its sockets set as kvtier's data plane sets a same-host
 /// connection's.
 pub fn tcp_gbps(total: usize) -> anyhow::Result<f64> {
-    let (tx, rx) = tcp_pair(None)?;
-    stream_gbps(tx, rx, total)
+    Ok(tcp_stream(total, None)?.0)
 }
 
-/// [`tcp_gbps`] on a congestion control that does not pace ([`kvtier_proto::tcp::UNPACED`]), and
-/// its name: what one stream moves where the system's default (e.g. BBR) paces loopback sends.
-pub fn tcp_gbps_unpaced(total: usize) -> anyhow::Result<(f64, String)> {
-    let (tx, rx) = tcp_pair(Some(&kvtier_proto::tcp::UNPACED))?;
+/// One loopback TCP stream's GB/s on the congestion control `tcp_pair(choice)` gives it (e.g.
+/// [`kvtier_proto::tcp::UNPACED`]: what one stream moves where the system's default, e.g. BBR,
+/// paces loopback sends), and that control's name.
+pub fn tcp_stream(total: usize, choice: Option<&[&str]>) -> anyhow::Result<(f64, String)> {
+    let (tx, rx) = tcp_pair(choice)?;
     let cc = kvtier_proto::tcp::congestion(&tx).unwrap_or_else(|| "unknown".into());
     Ok((stream_gbps(tx, rx, total)?, cc))
-}
-
-/// The congestion control a same-host data-plane connection (and [`tcp_gbps`]) runs here.
-pub fn data_plane_congestion() -> String {
-    tcp_pair(None).ok().and_then(|(tx, _)| kvtier_proto::tcp::congestion(&tx)).unwrap_or_else(|| "unknown".into())
 }
 
 pub fn unix_gbps(total: usize) -> anyhow::Result<f64> {
@@ -279,7 +274,7 @@ pub fn measure(disk_dir: &Path, quick: bool, runs: usize, progress: &indicatif::
     let mut mn = Vec::new();
     let mut tcp = Vec::new();
     let mut tcp_unpaced = Vec::new();
-    let mut unpaced_cc = String::new();
+    let (mut tcp_cc, mut unpaced_cc) = (String::new(), String::new());
     let mut unix = Vec::new();
     let mut dw = Vec::new();
     let mut dr = Vec::new();
@@ -292,8 +287,10 @@ pub fn measure(disk_dir: &Path, quick: bool, runs: usize, progress: &indicatif::
         mn.push(memcpy_gbps(total, 64 * MIB, threads));
         progress.inc(1);
         progress.set_message("loopback TCP");
-        tcp.push(tcp_gbps(total)?);
-        let (g, cc) = tcp_gbps_unpaced(total)?;
+        let (g, cc) = tcp_stream(total, None)?;
+        tcp.push(g);
+        tcp_cc = cc;
+        let (g, cc) = tcp_stream(total, Some(&kvtier_proto::tcp::UNPACED))?;
         tcp_unpaced.push(g);
         unpaced_cc = cc;
         progress.inc(1);
@@ -313,7 +310,7 @@ pub fn measure(disk_dir: &Path, quick: bool, runs: usize, progress: &indicatif::
         tcp_min: tcp.iter().copied().fold(f64::NAN, f64::min),
         tcp_max: tcp.iter().copied().fold(f64::NAN, f64::max),
         tcp: median(tcp),
-        tcp_congestion: data_plane_congestion(),
+        tcp_congestion: tcp_cc,
         tcp_unpaced: median(tcp_unpaced),
         tcp_unpaced_congestion: unpaced_cc,
         unix: median(unix),
