@@ -163,8 +163,12 @@ fn kvtier_plan_runs_the_capacity_planner() {
 /// come back whole every way.
 #[tokio::test]
 async fn same_host_connections_take_the_congestion_control_asked_for_and_a_bad_name_only_counts() {
-    for (env, counted) in [(Some("reno"), Some("reno")), (Some("no-such-cc,also-none"), Some("refused")), (None, None)]
-    {
+    for (env, counted) in [
+        (Some("reno"), Some("reno")),
+        (Some("no-such-cc,also-none"), Some("refused")),
+        (Some("system"), None),
+        (None, None),
+    ] {
         let vars: Vec<(&str, &str)> = env.map(|v| (kvtier_proto::tcp::CONGESTION_ENV, v)).into_iter().collect();
         let server = ServerProcess::start_env(&["--dram-capacity", "64MiB"], &vars);
         let client = server.client().await;
@@ -190,6 +194,59 @@ async fn same_host_connections_take_the_congestion_control_asked_for_and_a_bad_n
             }
             None => assert_eq!(total, 0.0, "no choice, yet a congestion control was set"),
         }
+    }
+}
+
+/// By default (`auto`), a same-host connection that loads with the node to itself runs unpaced
+/// (CUBIC, else Reno), and goes back to the system's congestion control as soon as another
+/// connection's requests run beside it; each switch is counted in
+/// `kvtier_dataplane_congestion_switches_total{cc}`, and blocks come back whole throughout. On a
+/// system whose default control does not pace there is nothing to switch: nothing is counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_alone_runs_unpaced_and_returns_to_the_system_s_control_beside_others() {
+    const LOADS: usize = 200;
+    let system = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control").unwrap();
+    let system = system.trim();
+    let paces = !kvtier_proto::tcp::UNPACED.contains(&system);
+    let server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
+    let (a, b) = (server.client().await, server.client().await);
+    let h = a.register(namespace("switched", b"s", small_layout())).await.unwrap();
+    let bb = h.block_bytes() as usize;
+    let keys = h.keys(&tokens(5, 16));
+    let block: Vec<u8> = (0..bb).map(|i| (i % 253) as u8).collect();
+    let st = a.store_keys(&h, &keys, &[vec![bytes::Bytes::from(block.clone())]]).await.unwrap();
+    assert_eq!(st, vec![ItemStatus::Ok]);
+    async fn loads(
+        c: &kvtier_client::KvClient,
+        h: &kvtier_client::NamespaceHandle,
+        keys: &[kvtier_proto::BlockKey],
+        block: &[u8],
+    ) {
+        let mut dst = vec![0u8; block.len()];
+        for _ in 0..LOADS {
+            dst.fill(0);
+            let ok = c.load_keys_into(h, keys, &mut [vec![&mut dst[..]]], true).await.unwrap();
+            assert!(ok == [true] && dst == block, "a load came back wrong");
+        }
+    }
+    // Alone.
+    loads(&a, &h, &keys, &block).await;
+    let m = server.scrape();
+    let switched = |m: &str, cc: &str| metric(m, "kvtier_dataplane_congestion_switches_total", &[("cc", cc)]);
+    let unpaced: f64 = kvtier_proto::tcp::UNPACED.iter().map(|cc| switched(&m, cc)).sum();
+    if !paces {
+        eprintln!("this system's default congestion control ({system}) does not pace: nothing to switch");
+    }
+    assert_eq!(unpaced >= 1.0, paces, "{system}: {unpaced} switches to an unpaced control while alone");
+    assert_eq!(switched(&m, system), 0.0, "alone, yet switched back to {system}");
+    // Side by side with another connection: back to the system's.
+    let hb = b.register(namespace("switched", b"s", small_layout())).await.unwrap();
+    tokio::join!(loads(&a, &h, &keys, &block), loads(&b, &hb, &keys, &block));
+    let m = server.scrape();
+    let back = switched(&m, system);
+    assert_eq!(back >= 1.0, paces, "{system}: switched back {back} times with another connection loading beside");
+    if !paces {
+        assert_eq!(metric(&m, "kvtier_dataplane_congestion_switches_total", &[]), 0.0);
     }
 }
 

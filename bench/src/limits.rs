@@ -23,7 +23,7 @@ pub struct Limits {
     /// Slowest and fastest run of `tcp`.
     pub tcp_min: f64,
     pub tcp_max: f64,
-    /// The congestion control `tcp` ran (the data plane's on a same-host connection).
+    /// The congestion control `tcp` ran (the system's, as an iperf3 stream's, unless `KVTIER_SAME_HOST_CONGESTION` names one).
     pub tcp_congestion: String,
     /// `tcp` on a congestion control that does not pace (`tcp_unpaced_congestion`).
     pub tcp_unpaced: f64,
@@ -89,10 +89,11 @@ fn stream_gbps<S: Read + Write + Send + 'static>(mut tx: S, mut rx: S, total: us
     Ok((total / MIB * MIB) as f64 / secs / 1e9)
 }
 
-/// A connected loopback TCP pair, Nagle off, both ends on the congestion control kvtier's data
-/// plane takes on a same-host connection ([`kvtier_proto::tcp`]: the system's default unless
-/// `KVTIER_SAME_HOST_CONGESTION` says otherwise), or, with `choice`, the first of it the kernel
-/// takes.
+/// A connected loopback TCP pair, Nagle off, both ends on the system's congestion control (as
+/// an iperf3 stream's would be), or the one `KVTIER_SAME_HOST_CONGESTION` names for a data-plane
+/// connection's life ([`kvtier_proto::tcp::tune_data_socket`]); or, with `choice`, the first of
+/// it the kernel takes. (By default the server runs a connection unpaced while it is alone: read
+/// those cells against the unpaced stream too.)
 fn tcp_pair(choice: Option<&[&str]>) -> anyhow::Result<(TcpStream, TcpStream)> {
     let l = TcpListener::bind("127.0.0.1:0")?;
     let tx = TcpStream::connect(l.local_addr()?)?;

@@ -59,7 +59,7 @@ pub fn limits_table(l: &Limits) -> String {
     let rows = [
         ("memcpy, 1 thread".to_string(), l.memcpy_1),
         (format!("memcpy, {} threads", l.threads), l.memcpy_n),
-        (format!("loopback TCP, 1 stream ({}: the data plane's)", l.tcp_congestion), l.tcp),
+        (format!("loopback TCP, 1 stream ({}: the ratios' baseline)", l.tcp_congestion), l.tcp),
         (format!("loopback TCP, 1 stream, not paced ({})", l.tcp_unpaced_congestion), l.tcp_unpaced),
         ("Unix socket, 1 stream".into(), l.unix),
         (format!("disk sequential write + fsync ({})", l.disk_dir.display()), l.disk_write),

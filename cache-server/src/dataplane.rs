@@ -27,7 +27,7 @@ mod remote;
 pub(crate) mod spin;
 
 use std::future::Future;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -36,6 +36,7 @@ use kvtier_proto::dataplane::{
     CHECKSUM_LEN, FLAG_CHECKSUM_AFTER, FLAG_PEER, FLAG_PIN_LEASE, FLAG_REPORT_PRESENT, FLAG_STOP_AT_MISS, HELLO_LEN,
     MAX_ENDPOINT_LEN, MIN_PROTOCOL_VERSION, NO_CODEC, PROTOCOL_VERSION, REQUEST_HEADER_LEN,
 };
+use kvtier_proto::tcp::{PaceSwitch, Switched, Tuned};
 use kvtier_proto::{BlockKey, FrameHeader, NamespaceId, ProtoError, FRAME_HEADER_LEN, KEY_LEN};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, BufReader};
 use tokio::net::TcpListener;
@@ -80,10 +81,10 @@ pub async fn serve(
         || async {
             let (sock, peer) = listener.accept().await?;
             let _ = sock.set_nodelay(true);
-            tune_congestion(&sock, peer);
-            Ok(((sock, peer), Peer::Ip(peer.ip())))
+            let pace = tune_congestion(&sock, peer);
+            Ok(((sock, peer, pace), Peer::Ip(peer.ip())))
         },
-        |(sock, peer), stop| {
+        |(sock, peer, pace), stop| {
             let (state, tls) = (state.clone(), tls.clone());
             async move {
                 // In the connection's own task: a slow handshake holds only its own slot.
@@ -91,7 +92,9 @@ pub async fn serve(
                     Ok((stream, names)) => {
                         let cert = state.tenants().authenticate_cert(&names);
                         let (r, w) = tokio::io::split(stream);
-                        serve_halves(r, w, state, stop, peer.to_string(), cert, None).await
+                        // The TLS stream owns the socket `pace` switches until the connection ends.
+                        let own = OwnSocket { read_fd: None, pace };
+                        serve_halves(r, w, state, stop, peer.to_string(), cert, own).await
                     }
                     Err(e) => tracing::debug!(%peer, "data plane TLS handshake failed: {e}"),
                 }
@@ -126,13 +129,13 @@ where
     R: AsyncRead + Unpin + Send + 'static,
     W: AsyncWrite + Unpin + Send + 'static,
 {
-    serve_halves(r, w, state, stop, "stream".to_string(), None, None).await
+    serve_halves(r, w, state, stop, "stream".to_string(), None, OwnSocket::default()).await
 }
 
 /// Runs one connection over a read half and a write half until it ends or `stop` turns true;
 /// `cert`: whom its verified TLS client certificate names (a TLS connection's, or a QUIC
-/// connection's for each of its streams, see `crate::quic`); `tcp`: the socket the read half
-/// reads, when it is one of its own (polled for the next request, [`spin`]).
+/// connection's for each of its streams, see `crate::quic`); `own`: what it knows of the socket
+/// under it, when it has one of its own.
 pub(crate) async fn serve_halves<R, W>(
     r: R,
     w: W,
@@ -140,14 +143,14 @@ pub(crate) async fn serve_halves<R, W>(
     mut stop: watch::Receiver<bool>,
     peer: String,
     cert: Option<Principal>,
-    tcp: Option<RawFd>,
+    own: OwnSocket,
 ) where
     R: AsyncRead + Unpin + Send,
     W: AsyncWrite + Unpin + Send,
 {
     tokio::select! {
         _ = crate::stopped(&mut stop) => {}
-        res = Connection::new(r, w, state, cert, tcp).run() => {
+        res = Connection::new(r, w, state, cert, own).run() => {
             if let Err(e) = res {
                 tracing::debug!(%peer, "data plane connection closed: {e}");
             }
@@ -155,9 +158,21 @@ pub(crate) async fn serve_halves<R, W>(
     }
 }
 
+/// What a connection knows of the socket under it, when it has one of its own. Its descriptors
+/// stay open as long as the connection's read and write halves live (they own the socket).
+#[derive(Debug, Default)]
+pub(crate) struct OwnSocket {
+    /// The socket the read half reads as it is (not through TLS): polled for the next request
+    /// ([`spin`]).
+    pub(crate) read_fd: Option<RawFd>,
+    /// A same-host TCP socket whose congestion control is switched per request, unpaced while
+    /// the connection has the node to itself ([`PaceSwitch`]), and its descriptor.
+    pub(crate) pace: Option<(RawFd, PaceSwitch)>,
+}
+
 /// An accepted connection as owned read and write halves (no lock between them), a peer name
-/// for logs, and its socket's descriptor (polled for the next request: [`spin`]).
-type Accepted<R, W> = ((R, W, String, Option<RawFd>), Peer);
+/// for logs, and what it knows of its socket.
+type Accepted<R, W> = ((R, W, String, OwnSocket), Peer);
 
 /// A listener the data plane accepts from.
 trait Accept: Send + 'static {
@@ -167,27 +182,32 @@ trait Accept: Send + 'static {
 }
 
 /// An accepted data-plane socket from a client on this host takes the congestion control
-/// `KVTIER_SAME_HOST_CONGESTION` asks for, if any ([`kvtier_proto::tcp`]); counted in
-/// `kvtier_dataplane_congestion_total{cc}` (`cc="refused"`: the kernel took none of the names,
-/// warned once; the connection keeps the system's).
-fn tune_congestion(sock: &tokio::net::TcpStream, peer: std::net::SocketAddr) {
-    use kvtier_proto::tcp::Tuned;
+/// `KVTIER_SAME_HOST_CONGESTION` asks for ([`kvtier_proto::tcp`]): for its life (counted in
+/// `kvtier_dataplane_congestion_total{cc}`), or switched per request by the connection (`auto`,
+/// the default: the switch returned, with the socket's descriptor).
+fn tune_congestion(sock: &tokio::net::TcpStream, peer: std::net::SocketAddr) -> Option<(RawFd, PaceSwitch)> {
     match kvtier_proto::tcp::tune_data_socket(sock, peer.ip()) {
         Tuned::System => {}
         Tuned::Set(cc) => ::metrics::counter!("kvtier_dataplane_congestion_total", "cc" => cc).increment(1),
-        Tuned::Refused => {
-            ::metrics::counter!("kvtier_dataplane_congestion_total", "cc" => "refused").increment(1);
-            static WARNED: std::sync::Once = std::sync::Once::new();
-            WARNED.call_once(|| {
-                tracing::warn!(
-                    asked = ?kvtier_proto::tcp::same_host_congestion(),
-                    "{} names no congestion control this kernel lets the server take; same-host \
-                     connections keep the system's",
-                    kvtier_proto::tcp::CONGESTION_ENV
-                )
-            });
-        }
+        Tuned::Refused => congestion_refused(),
     }
+    PaceSwitch::for_socket(sock, peer.ip()).map(|p| (sock.as_raw_fd(), p))
+}
+
+/// The kernel let the server take none of the congestion controls asked for: counted as
+/// `kvtier_dataplane_congestion_total{cc="refused"}` and warned once; the connection keeps the
+/// system's and works.
+fn congestion_refused() {
+    ::metrics::counter!("kvtier_dataplane_congestion_total", "cc" => "refused").increment(1);
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    WARNED.call_once(|| {
+        tracing::warn!(
+            asked = ?kvtier_proto::tcp::same_host_congestion(),
+            "{} names no congestion control this kernel lets the server take; same-host \
+             connections keep the system's",
+            kvtier_proto::tcp::CONGESTION_ENV
+        )
+    });
 }
 
 impl Accept for TcpListener {
@@ -196,10 +216,10 @@ impl Accept for TcpListener {
     async fn accept_split(&self) -> std::io::Result<Accepted<Self::Read, Self::Write>> {
         let (sock, peer) = self.accept().await?;
         let _ = sock.set_nodelay(true);
-        tune_congestion(&sock, peer);
-        let fd = sock.as_raw_fd();
+        let pace = tune_congestion(&sock, peer);
+        let own = OwnSocket { read_fd: Some(sock.as_raw_fd()), pace };
         let (r, w) = sock.into_split();
-        Ok(((r, w, peer.to_string(), Some(fd)), Peer::Ip(peer.ip())))
+        Ok(((r, w, peer.to_string(), own), Peer::Ip(peer.ip())))
     }
 }
 
@@ -210,9 +230,9 @@ impl Accept for UnixListener {
     async fn accept_split(&self) -> std::io::Result<Accepted<Self::Read, Self::Write>> {
         let (sock, peer) = self.accept().await?;
         let who = sock.peer_cred().map_or(Peer::Unknown, |c| Peer::Uid(c.uid()));
-        let fd = sock.as_raw_fd();
+        let own = OwnSocket { read_fd: Some(sock.as_raw_fd()), pace: None };
         let (r, w) = sock.into_split();
-        Ok(((r, w, format!("{peer:?}"), Some(fd)), who))
+        Ok(((r, w, format!("{peer:?}"), own), who))
     }
 }
 
@@ -224,7 +244,7 @@ async fn accept_loop<L: Accept>(listener: L, state: Arc<NodeState>, stop: watch:
         state.config().conn_limits(),
         stop,
         || listener.accept_split(),
-        |(r, w, peer, fd), stop| serve_halves(r, w, state.clone(), stop, peer, None, fd),
+        |(r, w, peer, own), stop| serve_halves(r, w, state.clone(), stop, peer, None, own),
     )
     .await
 }
@@ -262,6 +282,8 @@ struct Connection<R, W> {
     moved: u64,
     /// How long to poll the socket for the next request after a small load (`dataplane_poll`).
     poll: Duration,
+    /// The socket's congestion control, switched as each request starts ([`OwnSocket::pace`]).
+    pace: Option<(RawFd, PaceSwitch)>,
 }
 
 /// Most blocks one connection may hold pin leases on (a 1M-token context in blocks of 16).
@@ -307,11 +329,14 @@ impl Drop for PinLeases {
 }
 
 impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W> {
-    fn new(r: R, w: W, state: Arc<NodeState>, cert: Option<Principal>, fd: Option<RawFd>) -> Self {
+    fn new(r: R, w: W, state: Arc<NodeState>, cert: Option<Principal>, own: OwnSocket) -> Self {
         let (stall, idle, poll) =
             (state.config().stall_timeout.0, state.config().idle_timeout.0, state.config().dataplane_poll.0);
         Connection {
-            rd: BufReader::with_capacity(READ_BUF, Deadlined::new(spin::SpinRead::new(r, fd, &spin::NODE), stall)),
+            rd: BufReader::with_capacity(
+                READ_BUF,
+                Deadlined::new(spin::SpinRead::new(r, own.read_fd, &spin::NODE), stall),
+            ),
             wr: GatherWriter::with_capacity(IO_BUF, Deadlined::new(w, stall)),
             stall,
             idle,
@@ -324,6 +349,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             version: MIN_PROTOCOL_VERSION,
             moved: 0,
             poll,
+            pace: own.pace,
         }
     }
 
@@ -368,6 +394,8 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             }
             poller.disarm();
             let busy = spin::Busy::enter(poller.gate(), poller.id());
+            let alone = poller.alone_serving();
+            self.fit_pace(alone);
             let done = self.request(hdr).await;
             drop(busy);
             match done {
@@ -379,6 +407,22 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
                 Err(e) => return Err(e),
                 Ok(()) => {}
             }
+        }
+    }
+
+    /// Switches the socket's congestion control for the request starting now: unpaced if the
+    /// connection has the node to itself (`alone`), the system's if not ([`PaceSwitch`]).
+    fn fit_pace(&mut self, alone: bool) {
+        let Some((fd, pace)) = &mut self.pace else { return };
+        // SAFETY: `fd` is the socket under this connection's halves (`OwnSocket`), which
+        // `self.rd` and `self.wr` own: open while `self` lives.
+        let sock = unsafe { BorrowedFd::borrow_raw(*fd) };
+        match pace.fit(sock, alone) {
+            Switched::Unchanged => {}
+            Switched::To(cc) => {
+                ::metrics::counter!("kvtier_dataplane_congestion_switches_total", "cc" => cc.to_string()).increment(1)
+            }
+            Switched::Refused => congestion_refused(),
         }
     }
 

@@ -116,7 +116,7 @@ async fn serve_connection(incoming: quinn::Incoming, state: Arc<NodeState>, mut 
             stop.clone(),
             peer.clone(),
             cert.clone(),
-            None,
+            crate::dataplane::OwnSocket::default(),
         ));
         while streams.try_join_next().is_some() {}
     }

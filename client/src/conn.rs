@@ -267,8 +267,10 @@ impl DataConn {
             .await
             .map_err(|e| ClientError::Connect { addr: addr.to_string(), reason: e.to_string() })?;
         let _ = sock.set_nodelay(true);
-        // A node on this host: the congestion control `KVTIER_SAME_HOST_CONGESTION` asks for, if
-        // any (`kvtier_proto::tcp`); the connection works whatever the kernel says.
+        // A node on this host: the congestion control `KVTIER_SAME_HOST_CONGESTION` asks for the
+        // connection's life, if it does (`kvtier_proto::tcp`; by default the server switches its
+        // own end per request, and this end keeps the system's); the connection works whatever
+        // the kernel says.
         let _ = kvtier_proto::tcp::tune_data_socket(&sock, addr.ip());
         // TCP's owned halves: no lock between the reader and the writer.
         let (r, w) = sock.into_split();

@@ -1,5 +1,6 @@
 //! What a data-plane TCP connection may set on its socket at both ends beyond Nagle: on a
-//! connection that never leaves the host, a congestion control that does not pace (opt-in,
+//! connection that never leaves the host, a congestion control that does not pace — while the
+//! connection has the node to itself ([`PaceSwitch`]), or for its whole life (opt-in,
 //! [`CONGESTION_ENV`]).
 //!
 //! BBR, the system default on some distributions and cloud images, paces every connection's
@@ -9,9 +10,9 @@
 //! faster under CUBIC. But with many connections at once, loopback segments of one connection are
 //! reordered when its sender moves between CPUs, and a loss-based control takes every reordering
 //! for a loss: 5× the spurious retransmissions, and 64 KiB loads of 8 blocks at concurrency 16
-//! 0.6× as fast. So the system's choice stays the default, and a node whose clients load one
-//! call at a time over same-host TCP can opt in. A connection that leaves the host always keeps
-//! the system's choice.
+//! 0.6× as fast. Hence a switch per request, which the server makes on the connections it sends
+//! loads on: unpaced while one connection is alone, the system's choice as soon as others run. A
+//! connection that leaves the host always keeps the system's choice.
 
 use std::net::IpAddr;
 use std::os::fd::AsFd;
@@ -23,9 +24,8 @@ use std::sync::OnceLock;
 /// allowed). What `KVTIER_SAME_HOST_CONGESTION=unpaced` means.
 pub const UNPACED: [&str; 2] = ["cubic", "reno"];
 
-/// The environment variable that chooses same-host data-plane connections' congestion control,
-/// in the server and the client alike: unset or `system` (the default) leaves the system's;
-/// `unpaced` is [`UNPACED`]; any other value, a comma-separated list to try in turn.
+/// The environment variable that chooses same-host data-plane connections' congestion control
+/// ([`SameHostCongestion`]): `auto`, `system`, `unpaced`, or a comma-separated list of names.
 pub const CONGESTION_ENV: &str = "KVTIER_SAME_HOST_CONGESTION";
 
 /// Whether a connection between `local` and `peer` stays on this host: the peer is a loopback
@@ -35,20 +35,44 @@ pub fn same_host(local: IpAddr, peer: IpAddr) -> bool {
     peer.is_loopback() || peer == local.to_canonical()
 }
 
-/// The congestion controls same-host connections try, from [`CONGESTION_ENV`]; empty (the
-/// system's default) unless it names some. Read once per process.
-pub fn same_host_congestion() -> &'static [String] {
-    static CHOICE: OnceLock<Vec<String>> = OnceLock::new();
+/// How same-host data-plane connections choose their congestion control ([`CONGESTION_ENV`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SameHostCongestion {
+    /// `auto` (the default, unset): the server switches a connection to [`UNPACED`] while it
+    /// has the node to itself and back to the system's when others run ([`PaceSwitch`]); a
+    /// client leaves its own end as the system made it.
+    WhileAlone,
+    /// `system`: the system's, always.
+    System,
+    /// `unpaced` ([`UNPACED`]), or a list of names: the first the kernel accepts, at both ends,
+    /// for the connection's life.
+    Always(Vec<String>),
+}
+
+/// The process's [`SameHostCongestion`], from [`CONGESTION_ENV`]. Read once per process.
+pub fn same_host_congestion() -> &'static SameHostCongestion {
+    static CHOICE: OnceLock<SameHostCongestion> = OnceLock::new();
     CHOICE.get_or_init(|| congestion_choice(std::env::var(CONGESTION_ENV).ok().as_deref()))
 }
 
 /// [`same_host_congestion`] for the variable's value `var` (`None`: unset).
-fn congestion_choice(var: Option<&str>) -> Vec<String> {
+fn congestion_choice(var: Option<&str>) -> SameHostCongestion {
     match var.map(str::trim) {
-        None | Some("") => Vec::new(),
-        Some(v) if v.eq_ignore_ascii_case("system") => Vec::new(),
-        Some(v) if v.eq_ignore_ascii_case("unpaced") => UNPACED.iter().map(|s| s.to_string()).collect(),
-        Some(v) => v.split(',').map(str::trim).filter(|s| !s.is_empty()).map(str::to_string).collect(),
+        None | Some("") => SameHostCongestion::WhileAlone,
+        Some(v) if v.eq_ignore_ascii_case("auto") => SameHostCongestion::WhileAlone,
+        Some(v) if v.eq_ignore_ascii_case("system") => SameHostCongestion::System,
+        Some(v) if v.eq_ignore_ascii_case("unpaced") => {
+            SameHostCongestion::Always(UNPACED.iter().map(|s| s.to_string()).collect())
+        }
+        Some(v) => {
+            let names: Vec<String> =
+                v.split(',').map(str::trim).filter(|s| !s.is_empty()).map(str::to_string).collect();
+            if names.is_empty() {
+                SameHostCongestion::WhileAlone
+            } else {
+                SameHostCongestion::Always(names)
+            }
+        }
     }
 }
 
@@ -64,11 +88,15 @@ pub enum Tuned<'c> {
     Refused,
 }
 
-/// Sets a connected socket's congestion control for the data plane: when it stays on this host
-/// (`peer` and its own address: [`same_host`]), the first of [`same_host_congestion`] the kernel
-/// accepts. The connection works whatever this does.
+/// Sets a connected socket's congestion control for its life, where the process asks for that
+/// ([`SameHostCongestion::Always`]) and the connection stays on this host (`peer` and its own
+/// address: [`same_host`]): the first name the kernel accepts. The connection works whatever
+/// this does.
 pub fn tune_data_socket(sock: impl AsFd, peer: IpAddr) -> Tuned<'static> {
-    tune_with(sock, peer, same_host_congestion())
+    match same_host_congestion() {
+        SameHostCongestion::Always(names) => tune_with(sock, peer, names),
+        SameHostCongestion::WhileAlone | SameHostCongestion::System => Tuned::System,
+    }
 }
 
 /// [`tune_data_socket`] with the choice `choice` (e.g. [`UNPACED`]) instead of the process's.
@@ -93,6 +121,112 @@ pub fn tune_with<S: AsRef<str>>(sock: impl AsFd, peer: IpAddr, choice: &[S]) -> 
 /// The congestion control `sock` runs now (`None` where the kernel does not say).
 pub fn congestion(sock: impl AsFd) -> Option<String> {
     rustix::net::sockopt::tcp_congestion(sock).ok()
+}
+
+/// A same-host connection's congestion control, switched per request by the end that sends the
+/// bulk of its bytes (the server, for loads): [`UNPACED`] while the connection has the node to
+/// itself, the system's as soon as other connections run ([`SameHostCongestion::WhileAlone`]).
+///
+/// Switching a live connection's control is one `setsockopt`; Linux starts the new control's
+/// state afresh and keeps the connection's window. Measured on a 2-vCPU VM whose default is BBR,
+/// a 1 MiB request/response loop on one connection: 2.8 GB/s under BBR, 4.3 from the start under
+/// CUBIC, 4.6 switched from BBR to CUBIC after 200 round trips, 4.0 switched back and forth on
+/// every request.
+#[derive(Debug)]
+pub struct PaceSwitch {
+    /// The unpaced controls to try, in turn ([`UNPACED`]).
+    names: &'static [&'static str],
+    /// The control the socket had when it was made: what it returns to.
+    system: String,
+    /// The unpaced name the kernel took last (tried first next time).
+    unpaced: Option<&'static str>,
+    /// Whether the socket runs unpaced now.
+    unpaced_now: bool,
+    /// The kernel refused a switch: the socket stays as it is from then on.
+    off: bool,
+}
+
+/// What [`PaceSwitch::fit`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Switched<'c> {
+    /// The socket already ran what fits (or the switch is off).
+    Unchanged,
+    /// The socket runs this one now.
+    To(&'c str),
+    /// The kernel took none of the names: the socket keeps what it runs, and the switch is off.
+    Refused,
+}
+
+impl PaceSwitch {
+    /// For a connected socket, as the process chooses ([`same_host_congestion`]): `None` unless
+    /// that is [`SameHostCongestion::WhileAlone`], the connection stays on this host, and its
+    /// control now paces (it is none of [`UNPACED`]: a system whose default is CUBIC has nothing
+    /// to switch).
+    pub fn for_socket(sock: impl AsFd, peer: IpAddr) -> Option<PaceSwitch> {
+        match same_host_congestion() {
+            SameHostCongestion::WhileAlone => PaceSwitch::new(sock, peer),
+            _ => None,
+        }
+    }
+
+    /// [`PaceSwitch::for_socket`] whatever the process chooses.
+    pub fn new(sock: impl AsFd, peer: IpAddr) -> Option<PaceSwitch> {
+        PaceSwitch::among(sock, peer, &UNPACED)
+    }
+
+    /// [`PaceSwitch::new`] with `names` for [`UNPACED`].
+    fn among(sock: impl AsFd, peer: IpAddr, names: &'static [&'static str]) -> Option<PaceSwitch> {
+        let local = rustix::net::getsockname(&sock).ok().and_then(|a| std::net::SocketAddr::try_from(a).ok())?;
+        if !same_host(local.ip(), peer) {
+            return None;
+        }
+        let system = congestion(&sock)?;
+        if names.contains(&system.as_str()) {
+            return None;
+        }
+        Some(PaceSwitch { names, system, unpaced: None, unpaced_now: false, off: false })
+    }
+
+    /// Fits `sock`'s control to whether its connection has the node to itself (`alone`):
+    /// unpaced if so, the system's if not. A syscall only when that changes.
+    pub fn fit(&mut self, sock: impl AsFd, alone: bool) -> Switched<'_> {
+        if self.off || alone == self.unpaced_now {
+            return Switched::Unchanged;
+        }
+        let fd = sock.as_fd();
+        if !alone {
+            if rustix::net::sockopt::set_tcp_congestion(fd, &self.system).is_err() {
+                self.off = true;
+                return Switched::Refused;
+            }
+            self.unpaced_now = false;
+            return Switched::To(&self.system);
+        }
+        let tried = self.unpaced.into_iter().chain(self.names.iter().copied().filter(|n| Some(*n) != self.unpaced));
+        let mut took = None;
+        for name in tried {
+            if rustix::net::sockopt::set_tcp_congestion(fd, name).is_ok() {
+                took = Some(name);
+                break;
+            }
+        }
+        match took {
+            Some(name) => {
+                self.unpaced = Some(name);
+                self.unpaced_now = true;
+                Switched::To(name)
+            }
+            None => {
+                self.off = true;
+                Switched::Refused
+            }
+        }
+    }
+
+    /// The control the socket returns to when others run.
+    pub fn system(&self) -> &str {
+        &self.system
+    }
 }
 
 #[cfg(test)]
@@ -124,11 +258,15 @@ mod tests {
 
     #[test]
     fn the_choice_is_the_system_s_unless_the_variable_names_some() {
-        assert!(congestion_choice(None).is_empty());
-        assert!(congestion_choice(Some(" ")).is_empty());
-        assert!(congestion_choice(Some("System")).is_empty());
-        assert_eq!(congestion_choice(Some("unpaced")), UNPACED);
-        assert_eq!(congestion_choice(Some("reno, ,bbr")), ["reno", "bbr"]);
+        use SameHostCongestion::*;
+        let names = |v: &[&str]| Always(v.iter().map(|s| s.to_string()).collect());
+        assert_eq!(congestion_choice(None), WhileAlone);
+        assert_eq!(congestion_choice(Some(" ")), WhileAlone);
+        assert_eq!(congestion_choice(Some("Auto")), WhileAlone);
+        assert_eq!(congestion_choice(Some(" , ")), WhileAlone);
+        assert_eq!(congestion_choice(Some("System")), System);
+        assert_eq!(congestion_choice(Some("unpaced")), names(&UNPACED));
+        assert_eq!(congestion_choice(Some("reno, ,bbr")), names(&["reno", "bbr"]));
     }
 
     #[test]
@@ -152,10 +290,46 @@ mod tests {
         assert_eq!(tune_with(&a, IpAddr::V4(Ipv4Addr::new(192, 0, 2, 7)), &["reno"]), Tuned::System);
         assert_eq!(congestion(&a), before);
         let lo = IpAddr::V4(Ipv4Addr::LOCALHOST);
-        assert_eq!(tune_with(&a, lo, &congestion_choice(Some("system"))), Tuned::System);
+        assert_eq!(tune_with(&a, lo, &[] as &[&str]), Tuned::System);
         assert_eq!(congestion(&a), before);
         // No name the kernel takes: refused, the connection as it was.
         assert_eq!(tune_with(&a, lo, &["no-such-cc"]), Tuned::Refused);
         assert_eq!(congestion(&a), before);
+    }
+
+    #[test]
+    fn a_switched_connection_runs_unpaced_while_alone_and_the_system_s_control_otherwise() {
+        // The "system's" control: one that paces where the kernel lets this process take it,
+        // else any other than Reno, which stands in for the unpaced ones here.
+        let (a, _b) = pair();
+        let lo = a.peer_addr().unwrap().ip();
+        let Some(system) = ["bbr", "cubic"].into_iter().find(|cc| tune_with(&a, lo, &[*cc]) == Tuned::Set(cc)) else {
+            // Only Reno here: nothing to switch between, and the switch says so.
+            assert_eq!(congestion(&a).as_deref(), Some("reno"));
+            assert!(PaceSwitch::among(&a, lo, &["reno"]).is_none());
+            eprintln!("this kernel lets the test take only Reno: the switch itself is not exercised");
+            return;
+        };
+        let mut sw = PaceSwitch::among(&a, lo, &["no-such-cc", "reno"]).expect("a pacing control on loopback");
+        assert_eq!(sw.system(), system);
+        assert_eq!(sw.fit(&a, false), Switched::Unchanged, "not alone: already the system's");
+        assert_eq!(congestion(&a).as_deref(), Some(system));
+        assert_eq!(sw.fit(&a, true), Switched::To("reno"));
+        assert_eq!(congestion(&a).as_deref(), Some("reno"));
+        assert_eq!(sw.fit(&a, true), Switched::Unchanged);
+        assert_eq!(sw.fit(&a, false), Switched::To(system));
+        assert_eq!(congestion(&a).as_deref(), Some(system));
+        assert_eq!(sw.fit(&a, true), Switched::To("reno"), "the name that worked is tried first");
+        // A socket already on an unpaced control, or a peer elsewhere, has nothing to switch.
+        assert!(PaceSwitch::among(&a, lo, &["reno"]).is_none());
+        let (c, _d) = pair();
+        assert!(PaceSwitch::among(&c, IpAddr::V4(Ipv4Addr::new(192, 0, 2, 7)), &["reno"]).is_none());
+        // No name the kernel takes: refused once, and the socket left as it was from then on.
+        assert_eq!(tune_with(&a, lo, &[system]), Tuned::Set(system));
+        let mut none = PaceSwitch::among(&a, lo, &["no-such-cc"]).expect("a pacing control on loopback");
+        assert_eq!(none.fit(&a, true), Switched::Refused);
+        assert_eq!(congestion(&a).as_deref(), Some(system));
+        assert_eq!(none.fit(&a, true), Switched::Unchanged);
+        assert_eq!(none.fit(&a, false), Switched::Unchanged);
     }
 }

@@ -122,6 +122,12 @@ impl Poller {
         self.gate
     }
 
+    /// Whether this connection, serving a request, has the node to itself: no other connection
+    /// is serving one, and none started one within [`RECENT`].
+    pub(crate) fn alone_serving(&self) -> bool {
+        self.gate.alone(self.id, 1)
+    }
+
     /// Polls for up to `budget` from now, if the connection has the node to itself (between
     /// requests) and no other connection polls; else its reads park as usual.
     pub(crate) fn arm(&mut self, budget: Duration) {
