@@ -207,7 +207,7 @@ async fn a_connection_alone_runs_unpaced_and_returns_to_the_system_s_control_bes
     const LOADS: usize = 200;
     let system = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control").unwrap();
     let system = system.trim();
-    let paces = !kvtier_proto::tcp::UNPACED.contains(&system);
+    let paces = kvtier_proto::tcp::paces(system);
     let server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
     let (a, b) = (server.client().await, server.client().await);
     let h = a.register(namespace("switched", b"s", small_layout())).await.unwrap();

@@ -123,6 +123,13 @@ pub fn congestion(sock: impl AsFd) -> Option<String> {
     rustix::net::sockopt::tcp_congestion(sock).ok()
 }
 
+/// Whether congestion control `cc` paces a connection's sends by itself: BBR and its versions.
+/// (Linux's loss-based controls pace only under the `fq` queueing discipline, which loopback
+/// does not run.)
+pub fn paces(cc: &str) -> bool {
+    cc.starts_with("bbr")
+}
+
 /// A same-host connection's congestion control, switched per request by the end that sends the
 /// bulk of its bytes (the server, for loads): [`UNPACED`] while the connection has the node to
 /// itself, the system's as soon as other connections run ([`SameHostCongestion::WhileAlone`]).
@@ -160,8 +167,7 @@ pub enum Switched<'c> {
 impl PaceSwitch {
     /// For a connected socket, as the process chooses ([`same_host_congestion`]): `None` unless
     /// that is [`SameHostCongestion::WhileAlone`], the connection stays on this host, and its
-    /// control now paces (it is none of [`UNPACED`]: a system whose default is CUBIC has nothing
-    /// to switch).
+    /// control now paces ([`paces`]: a system whose default is CUBIC has nothing to switch).
     pub fn for_socket(sock: impl AsFd, peer: IpAddr) -> Option<PaceSwitch> {
         match same_host_congestion() {
             SameHostCongestion::WhileAlone => PaceSwitch::new(sock, peer),
@@ -171,10 +177,11 @@ impl PaceSwitch {
 
     /// [`PaceSwitch::for_socket`] whatever the process chooses.
     pub fn new(sock: impl AsFd, peer: IpAddr) -> Option<PaceSwitch> {
-        PaceSwitch::among(sock, peer, &UNPACED)
+        PaceSwitch::among(sock, peer, &UNPACED).filter(|sw| paces(&sw.system))
     }
 
-    /// [`PaceSwitch::new`] with `names` for [`UNPACED`].
+    /// A switch between `names` (tried in turn while alone) and the control the socket runs now,
+    /// whatever that is, unless it is one of `names`.
     fn among(sock: impl AsFd, peer: IpAddr, names: &'static [&'static str]) -> Option<PaceSwitch> {
         let local = rustix::net::getsockname(&sock).ok().and_then(|a| std::net::SocketAddr::try_from(a).ok())?;
         if !same_host(local.ip(), peer) {
@@ -295,6 +302,12 @@ mod tests {
         // No name the kernel takes: refused, the connection as it was.
         assert_eq!(tune_with(&a, lo, &["no-such-cc"]), Tuned::Refused);
         assert_eq!(congestion(&a), before);
+    }
+
+    #[test]
+    fn only_bbr_paces() {
+        assert!(paces("bbr") && paces("bbr3"));
+        assert!(!paces("cubic") && !paces("reno") && !paces("dctcp"));
     }
 
     #[test]
