@@ -169,6 +169,14 @@ async fn tenants_named_by_client_certificates_over_tls_on_both_planes() {
     assert_eq!(alice.load(&ns, &doc).await.unwrap(), blocks);
     let text = server.scrape();
     assert!(metric(&text, "kvtier_errors_total", &[("kind", "tls_handshake")]) >= 4.0, "handshake failures counted");
+    // alice loaded alone over TLS: where the system's congestion control paces, the socket under
+    // her TLS connection ran unpaced for it (`KVTIER_SAME_HOST_CONGESTION=auto`, the default).
+    let system = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control").unwrap();
+    let unpaced: f64 = kvtier_proto::tcp::UNPACED
+        .iter()
+        .map(|cc| metric(&text, "kvtier_dataplane_congestion_switches_total", &[("cc", cc)]))
+        .sum();
+    assert_eq!(unpaced >= 1.0, kvtier_proto::tcp::paces(system.trim()), "{system}: {unpaced} switches over TLS");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -394,7 +394,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             }
             poller.disarm();
             let busy = spin::Busy::enter(poller.gate(), poller.id());
-            let alone = poller.alone_serving();
+            let alone = self.pace.is_some() && poller.alone_serving();
             self.fit_pace(alone);
             let done = self.request(hdr).await;
             drop(busy);
