@@ -160,7 +160,8 @@ fn kvtier_plan_runs_the_capacity_planner() {
 /// `KVTIER_SAME_HOST_CONGESTION` in the server's environment: a same-host client's data-plane
 /// connection takes the congestion control it names (counted by name), a name the kernel lacks
 /// is counted as refused and changes nothing else, and unset, nothing is set or counted; blocks
-/// come back whole every way.
+/// come back whole every way; and an answer says its connection was alone (`ANSWER_ALONE`) only
+/// where the server switches per request (unset: `auto`).
 #[tokio::test]
 async fn same_host_connections_take_the_congestion_control_asked_for_and_a_bad_name_only_counts() {
     for (env, counted) in [
@@ -194,6 +195,15 @@ async fn same_host_connections_take_the_congestion_control_asked_for_and_a_bad_n
             }
             None => assert_eq!(total, 0.0, "no choice, yet a congestion control was set"),
         }
+        // An answer says the connection was alone only where the server switches (`auto`, the
+        // default, on a system whose control paces): a raw connection's, well after the others'.
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        let mut raw = kvtier_tests::raw::Raw::open(server.data);
+        raw.put_header(0);
+        let h = raw.response().expect("an empty PUT is answered");
+        let system = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control").unwrap();
+        let switches = env.is_none() && kvtier_proto::tcp::paces(system.trim());
+        assert_eq!(h.flags & kvtier_proto::dataplane::ANSWER_ALONE != 0, switches, "{env:?}, {system}: {h:?}");
     }
 }
 

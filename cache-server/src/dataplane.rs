@@ -284,6 +284,9 @@ struct Connection<R, W> {
     poll: Duration,
     /// The socket's congestion control, switched as each request starts ([`OwnSocket::pace`]).
     pace: Option<(RawFd, PaceSwitch)>,
+    /// The request being served started with the connection alone, on a socket switched
+    /// ([`Connection::pace`]): its answer says so (`ANSWER_ALONE`), for the client's end.
+    alone: bool,
 }
 
 /// Most blocks one connection may hold pin leases on (a 1M-token context in blocks of 16).
@@ -350,6 +353,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             moved: 0,
             poll,
             pace: own.pace,
+            alone: false,
         }
     }
 
@@ -394,8 +398,8 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             }
             poller.disarm();
             let busy = spin::Busy::enter(poller.gate(), poller.id());
-            let alone = self.pace.is_some() && poller.alone_serving();
-            self.fit_pace(alone);
+            self.alone = self.pace.is_some() && poller.alone_serving();
+            self.fit_pace(self.alone);
             let done = self.request(hdr).await;
             drop(busy);
             match done {
@@ -597,7 +601,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             }
             statuses.push(status as u8);
         }
-        let h = ResponseHeader::ok(Op::Put, req.request_id, req.count);
+        let h = ResponseHeader::ok(Op::Put, req.request_id, req.count).alone(self.alone);
         self.wr.write_all(&h.encode()).await?;
         self.wr.write_all(&statuses).await?;
         self.wr.write_all(&codecs).await?;
@@ -699,7 +703,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         // each key's read below joins its demand. Released when the answer is done.
         let state = self.state.clone();
         let _from_g1 = state.tiers().demand_ahead(&ns, &raw);
-        let h = ResponseHeader::ok(Op::Get, req.request_id, req.count);
+        let h = ResponseHeader::ok(Op::Get, req.request_id, req.count).alone(self.alone);
         self.wr.write_all(&h.encode()).await?;
         let stop_at_miss = req.flags & FLAG_STOP_AT_MISS != 0;
         let mut missed = false;
@@ -754,7 +758,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         };
         let statuses: Vec<u8> =
             held.into_iter().map(|held| if held { ItemStatus::Ok as u8 } else { ItemStatus::Miss as u8 }).collect();
-        let h = ResponseHeader::ok(Op::Exists, req.request_id, req.count);
+        let h = ResponseHeader::ok(Op::Exists, req.request_id, req.count).alone(self.alone);
         self.wr.write_all(&h.encode()).await?;
         self.wr.write_all(&statuses).await?;
         observe("dataplane_exists", start);

@@ -8,15 +8,17 @@
 //! ([`DataConn::get_into`]), and verified where they landed.
 
 use std::net::SocketAddr;
+use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use kvtier_proto::dataplane::{
-    Hello, HelloReply, ItemStatus, Op, RequestHeader, ResponseHeader, Status, CHECKSUM_AFTER_SINCE_VERSION,
-    FLAG_CHECKSUM_AFTER, FLAG_PIN_LEASE, FLAG_REPORT_PRESENT, FLAG_STOP_AT_MISS, MIN_PROTOCOL_VERSION, NO_CODEC,
-    PROTOCOL_VERSION, RESPONSE_HEADER_LEN,
+    Hello, HelloReply, ItemStatus, Op, RequestHeader, ResponseHeader, Status, ANSWER_ALONE,
+    CHECKSUM_AFTER_SINCE_VERSION, FLAG_CHECKSUM_AFTER, FLAG_PIN_LEASE, FLAG_REPORT_PRESENT, FLAG_STOP_AT_MISS,
+    MIN_PROTOCOL_VERSION, NO_CODEC, PROTOCOL_VERSION, RESPONSE_HEADER_LEN,
 };
+use kvtier_proto::tcp::PaceSwitch;
 use kvtier_proto::{BlockFrame, BlockKey, CodecId, FrameHeader, NamespaceId, ProtoError, FRAME_HEADER_LEN};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::TcpStream;
@@ -220,6 +222,11 @@ pub(crate) struct DataConn {
     /// The longest a call on this connection polls for its answer (TCP only; see
     /// [`crate::polled::PolledRead`]).
     poll: Duration,
+    /// A same-host TCP socket (plain or under TLS) whose congestion control follows the server's
+    /// answers: unpaced while they say the connection had the node to itself (`ANSWER_ALONE`),
+    /// the system's otherwise ([`PaceSwitch`]); with its descriptor, open while `rd` and `wr`
+    /// (which own the socket) live.
+    pace: Option<(RawFd, PaceSwitch)>,
 }
 
 /// A connection's receive half: plain TCP's, whose reads can poll for an answer, or any other.
@@ -272,9 +279,10 @@ impl DataConn {
         // own end per request, and this end keeps the system's); the connection works whatever
         // the kernel says.
         let _ = kvtier_proto::tcp::tune_data_socket(&sock, addr.ip());
+        let pace = PaceSwitch::for_socket(&sock, addr.ip()).map(|p| (sock.as_raw_fd(), p));
         // TCP's owned halves: no lock between the reader and the writer.
         let (r, w) = sock.into_split();
-        Self::hello(RxHalf::Tcp(PolledRead::new(r)), Box::new(w), token, version).await
+        Self::hello(RxHalf::Tcp(PolledRead::new(r)), Box::new(w), token, version, pace).await
     }
 
     /// Connects over TLS (`dial`: the rustls configuration and the name the node's certificate
@@ -289,25 +297,34 @@ impl DataConn {
         let sock = TcpStream::connect(addr).await.map_err(|e| failed(e.to_string()))?;
         let _ = sock.set_nodelay(true);
         let _ = kvtier_proto::tcp::tune_data_socket(&sock, addr.ip());
+        let pace = PaceSwitch::for_socket(&sock, addr.ip()).map(|p| (sock.as_raw_fd(), p));
         let stream =
             dial.connector.connect(dial.name.clone(), sock).await.map_err(|e| failed(format!("TLS handshake: {e}")))?;
         let (r, w) = tokio::io::split(stream);
-        Self::hello(RxHalf::Other(Box::new(r)), Box::new(w), token, version).await
+        Self::hello(RxHalf::Other(Box::new(r)), Box::new(w), token, version, pace).await
     }
 
     /// Says hello over a stream from a [`DataPlaneConnector`].
     async fn over(stream: BoxedStream, token: Option<&str>, version: u16) -> Result<Greeted, ClientError> {
         let (r, w) = tokio::io::split(stream);
-        Self::hello(RxHalf::Other(Box::new(r)), Box::new(w), token, version).await
+        Self::hello(RxHalf::Other(Box::new(r)), Box::new(w), token, version, None).await
     }
 
-    async fn hello(r: RxHalf, w: BoxWrite, token: Option<&str>, version: u16) -> Result<Greeted, ClientError> {
+    /// `pace`: the switch of the socket under `r` and `w`, if it has one ([`DataConn::pace`]).
+    async fn hello(
+        r: RxHalf,
+        w: BoxWrite,
+        token: Option<&str>,
+        version: u16,
+        pace: Option<(RawFd, PaceSwitch)>,
+    ) -> Result<Greeted, ClientError> {
         let mut c = DataConn {
             rd: BufReader::with_capacity(READ_BUF, r),
             wr: BufWriter::with_capacity(IO_BUF, w),
             version,
             next_id: 1,
             poll: Duration::ZERO,
+            pace,
         };
         c.wr.write_all(&Hello::encode(version, token.unwrap_or("").as_bytes())).await?;
         c.wr.flush().await?;
@@ -369,11 +386,21 @@ impl DataConn {
         Ok(())
     }
 
+    /// Runs this end of a same-host connection unpaced while the server's answers say it had
+    /// the node to itself (`alone`), and on the system's congestion control otherwise: the
+    /// next requests' bytes (a store's) leave as the server sends its own.
+    fn fit_pace(&mut self, alone: bool) {
+        let Some((fd, pace)) = &mut self.pace else { return };
+        // SAFETY: `fd` is the socket `self.rd` and `self.wr` own: open while `self` lives.
+        let _ = pace.fit(unsafe { BorrowedFd::borrow_raw(*fd) }, alone);
+    }
+
     /// The answer header of request `id` (a request-level error as the error it names).
     async fn read_answer(&mut self, op: Op, id: u32) -> Result<ResponseHeader, ClientError> {
         let mut rh = [0u8; RESPONSE_HEADER_LEN];
         self.rd.read_exact(&mut rh).await?;
         let h = ResponseHeader::decode(&rh)?;
+        self.fit_pace(h.flags & ANSWER_ALONE != 0);
         if h.status != Status::Ok {
             let mut msg = vec![0u8; h.msg_len as usize];
             self.rd.read_exact(&mut msg).await?;
@@ -862,6 +889,7 @@ mod tests {
                 msg_len: 0,
                 request_id: req.request_id,
                 count: req.count,
+                flags: 0,
             };
             s.write_all(&h.encode()).await.unwrap();
             for (header, payload) in answers {
@@ -917,6 +945,7 @@ mod tests {
                     msg_len: 0,
                     request_id: req.request_id,
                     count: 1,
+                    flags: 0,
                 };
                 s.write_all(&h.encode()).await.unwrap();
                 s.write_all(&[ItemStatus::Ok as u8]).await.unwrap();
@@ -927,6 +956,67 @@ mod tests {
             }
         });
         (addr, rx)
+    }
+
+    /// A same-host connection's end follows the server's answers: unpaced after one that says
+    /// the connection had the node to itself, on the system's congestion control after one that
+    /// does not (an error answer included), where the system's control paces.
+    #[tokio::test]
+    async fn this_end_runs_unpaced_while_the_server_s_answers_say_the_connection_was_alone() {
+        use kvtier_proto::tcp::{congestion, paces, same_host_congestion, SameHostCongestion, UNPACED};
+        let script =
+            [(ANSWER_ALONE, Status::Ok), (ANSWER_ALONE, Status::Ok), (0, Status::Ok), (ANSWER_ALONE, Status::Ok)];
+        let script = [&script[..], &[(ANSWER_ALONE, Status::Ok), (0, Status::BadRequest)]].concat();
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let answers = script.clone();
+        tokio::spawn(async move {
+            let (mut s, _) = l.accept().await.unwrap();
+            let mut hello = [0u8; HELLO_LEN];
+            s.read_exact(&mut hello).await.unwrap();
+            s.write_all(&HelloReply::encode(Status::Ok, "")).await.unwrap();
+            for (flags, status) in answers {
+                let mut rh = [0u8; REQUEST_HEADER_LEN];
+                s.read_exact(&mut rh).await.unwrap();
+                let req = RequestHeader::decode(&rh).unwrap();
+                let mut keys = vec![0u8; req.count as usize * KEY_LEN];
+                s.read_exact(&mut keys).await.unwrap();
+                let (count, msg) = if status == Status::Ok { (req.count, 0) } else { (0, 2) };
+                let h =
+                    ResponseHeader { op: req.op as u8, status, msg_len: msg, request_id: req.request_id, count, flags };
+                s.write_all(&h.encode()).await.unwrap();
+                s.write_all(&if status == Status::Ok {
+                    vec![ItemStatus::Miss as u8; count as usize]
+                } else {
+                    b"no".to_vec()
+                })
+                .await
+                .unwrap();
+            }
+            let mut rest = Vec::new();
+            let _ = s.read_to_end(&mut rest).await;
+        });
+        let mut c = DataConn::connect(addr, None).await.unwrap();
+        let system = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control").unwrap();
+        let system = system.trim();
+        if *same_host_congestion() != SameHostCongestion::WhileAlone || !paces(system) {
+            assert!(c.pace.is_none(), "{system}: nothing to switch, yet a switch");
+            eprintln!("{system}, {:?}: this end is not switched here", same_host_congestion());
+            return;
+        }
+        let fd = c.pace.as_ref().map(|(fd, _)| *fd).expect("a same-host connection on a pacing control");
+        // SAFETY: `fd` is `c`'s socket, open while `c` lives (it outlives every use below).
+        let cc = || congestion(unsafe { BorrowedFd::borrow_raw(fd) }).unwrap();
+        assert_eq!(cc(), system);
+        for (i, (flags, status)) in script.into_iter().enumerate() {
+            let res = c.exists(NamespaceId([1; 16]), &[BlockKey([i as u8; 32])]).await;
+            assert_eq!(res.is_ok(), status == Status::Ok, "answer {i}: {res:?}");
+            if flags & ANSWER_ALONE != 0 {
+                assert!(UNPACED.contains(&cc().as_str()), "answer {i} said alone: {}", cc());
+            } else {
+                assert_eq!(cc(), system, "answer {i} did not say alone");
+            }
+        }
     }
 
     /// A raw block in two parts, not hashed yet (what `store_keys` sends).

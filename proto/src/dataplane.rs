@@ -4,7 +4,8 @@
 //!
 //! A connection opens with a [`Hello`] (magic, version, optional auth token) answered by a
 //! [`HelloReply`]. Then any number of requests follow; the server answers them in order, so a
-//! client may pipeline.
+//! client may pipeline. An answer's header may carry hints in its `flags` byte
+//! ([`ANSWER_ALONE`]); a client that knows none ignores them.
 //!
 //! - `PUT`: [`RequestHeader`] with `count` frames after it (each a 128-byte frame header and its
 //!   payload). Answer: [`ResponseHeader`] then `count` [`ItemStatus`] bytes.
@@ -352,6 +353,13 @@ impl RequestHeader {
     }
 }
 
+/// [`ResponseHeader::flags`]: as the answered request started, its connection had the node to
+/// itself (no other data-plane connection serving a request, or having started one within
+/// 500 µs), and it stays on the server's host, whose congestion control paces. A client on that
+/// host may run its end of the connection unpaced for its next requests, as the server runs its
+/// own ([`crate::tcp::PaceSwitch`]). Servers before it send 0 in that byte.
+pub const ANSWER_ALONE: u8 = 1;
+
 /// Starts every response.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ResponseHeader {
@@ -360,6 +368,9 @@ pub struct ResponseHeader {
     pub msg_len: u16,
     pub request_id: u32,
     pub count: u32,
+    /// Byte 12: hints to the client ([`ANSWER_ALONE`]); 0 from servers before them, and the
+    /// rest of the header's 16 bytes stays 0.
+    pub flags: u8,
 }
 
 impl ResponseHeader {
@@ -370,6 +381,7 @@ impl ResponseHeader {
         b[2..4].copy_from_slice(&self.msg_len.to_le_bytes());
         b[4..8].copy_from_slice(&self.request_id.to_le_bytes());
         b[8..12].copy_from_slice(&self.count.to_le_bytes());
+        b[12] = self.flags;
         b
     }
 
@@ -380,18 +392,27 @@ impl ResponseHeader {
             msg_len: u16::from_le_bytes([b[2], b[3]]),
             request_id: u32::from_le_bytes([b[4], b[5], b[6], b[7]]),
             count: u32::from_le_bytes([b[8], b[9], b[10], b[11]]),
+            flags: b[12],
         })
     }
 
     /// A successful answer to request `request_id` of `count` items (their statuses follow).
     pub fn ok(op: Op, request_id: u32, count: u32) -> Self {
-        ResponseHeader { op: op as u8, status: Status::Ok, msg_len: 0, request_id, count }
+        ResponseHeader { op: op as u8, status: Status::Ok, msg_len: 0, request_id, count, flags: 0 }
+    }
+
+    /// This answer with [`ANSWER_ALONE`] set if `alone`.
+    pub fn alone(mut self, alone: bool) -> Self {
+        if alone {
+            self.flags |= ANSWER_ALONE;
+        }
+        self
     }
 
     /// A request-level error with its message, ready to write.
     pub fn error(op: u8, request_id: u32, status: Status, msg: &str) -> Vec<u8> {
         let msg = &msg.as_bytes()[..msg.len().min(u16::MAX as usize)];
-        let h = ResponseHeader { op, status, msg_len: msg.len() as u16, request_id, count: 0 };
+        let h = ResponseHeader { op, status, msg_len: msg.len() as u16, request_id, count: 0, flags: 0 };
         let mut v = h.encode().to_vec();
         v.extend_from_slice(msg);
         v
@@ -516,7 +537,14 @@ mod tests {
         bad = r.encode();
         bad[0] = 200;
         assert!(RequestHeader::decode(&bad).is_err());
-        let s = ResponseHeader { op: 1, status: Status::TooLarge, msg_len: 5, request_id: 1, count: 0 };
+        let s = ResponseHeader {
+            op: 1,
+            status: Status::TooLarge,
+            msg_len: 5,
+            request_id: 1,
+            count: 0,
+            flags: ANSWER_ALONE,
+        };
         assert_eq!(ResponseHeader::decode(&s.encode()).unwrap(), s);
         let hello = Hello::encode(PROTOCOL_VERSION, b"tok");
         let mut fixed = [0u8; HELLO_LEN];

@@ -338,7 +338,7 @@ impl StoreItem {
 
 /// A successful answer to a same-node request.
 pub fn ok(op: SnOp, request_id: u32, count: u32) -> ResponseHeader {
-    ResponseHeader { op: op as u8, status: Status::Ok, msg_len: 0, request_id, count }
+    ResponseHeader { op: op as u8, status: Status::Ok, msg_len: 0, request_id, count, flags: 0 }
 }
 
 #[cfg(test)]

@@ -10,9 +10,10 @@
 //! faster under CUBIC. But with many connections at once, loopback segments of one connection are
 //! reordered when its sender moves between CPUs, and a loss-based control takes every reordering
 //! for a loss: 5× the spurious retransmissions, and 64 KiB loads of 8 blocks at concurrency 16
-//! 0.6× as fast. Hence a switch per request, which the server makes on the connections it sends
-//! loads on: unpaced while one connection is alone, the system's choice as soon as others run. A
-//! connection that leaves the host always keeps the system's choice.
+//! 0.6× as fast. Hence a switch per request: the server runs a connection unpaced while it is
+//! alone and on the system's choice as soon as others run, and its answers tell the client,
+//! which switches its own end (the one a store's bytes leave from) likewise. A connection that
+//! leaves the host always keeps the system's choice.
 
 use std::net::IpAddr;
 use std::os::fd::AsFd;
@@ -39,8 +40,9 @@ pub fn same_host(local: IpAddr, peer: IpAddr) -> bool {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SameHostCongestion {
     /// `auto` (the default, unset): the server switches a connection to [`UNPACED`] while it
-    /// has the node to itself and back to the system's when others run ([`PaceSwitch`]); a
-    /// client leaves its own end as the system made it.
+    /// has the node to itself and back to the system's when others run ([`PaceSwitch`]), and
+    /// says so in its answers (`dataplane::ANSWER_ALONE`); a client switches its own end as they
+    /// say, for the requests that follow.
     WhileAlone,
     /// `system`: the system's, always.
     System,
