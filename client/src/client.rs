@@ -622,7 +622,7 @@ impl KvClient {
                 let mut lease = self.inner.pool.lease().await?;
                 let conn = lease.conn.as_mut().ok_or_else(|| ClientError::Io("no connection".into()))?;
                 let st = conn.put(&frames[r], false).await?;
-                lease.release().await;
+                lease.release();
                 Ok::<_, ClientError>(st)
             })))
             .await?;
@@ -695,7 +695,7 @@ impl KvClient {
                 let mut lease = self.inner.pool.lease().await?;
                 let conn = lease.conn.as_mut().ok_or_else(|| ClientError::Io("no connection".into()))?;
                 let got = conn.get(id, c, stop_at_miss, max_frame, c.len() as u64 * block_bytes).await?;
-                lease.release().await;
+                lease.release();
                 Ok::<_, ClientError>(got)
             })))
             .await?;
@@ -732,7 +732,7 @@ impl KvClient {
                 let mut lease = self.inner.pool.lease().await?;
                 let conn = lease.conn.as_mut().ok_or_else(|| ClientError::Io("no connection".into()))?;
                 let got = conn.exists(id, c).await?;
-                lease.release().await;
+                lease.release();
                 Ok::<_, ClientError>(got)
             })))
             .await?;
@@ -809,7 +809,7 @@ impl KvClient {
                 let mut lease = self.inner.pool.lease().await?;
                 let conn = lease.conn.as_mut().ok_or_else(|| ClientError::Io("no connection".into()))?;
                 let st = conn.put_reporting(&frames[r]).await?;
-                lease.release().await;
+                lease.release();
                 Ok::<_, ClientError>(st)
             })))
             .await?;
@@ -866,7 +866,7 @@ impl KvClient {
                 let mut lease = self.inner.pool.lease().await?;
                 let conn = lease.conn.as_mut().ok_or_else(|| ClientError::Io("no connection".into()))?;
                 let got = conn.get_into(id, k, d, stop_at_miss, max_frame, decode).await?;
-                lease.release().await;
+                lease.release();
                 Ok::<_, ClientError>(got)
             })))
             .await?;
@@ -1048,7 +1048,7 @@ impl KvClient {
         .await;
         // On a failed release the connection is dropped, and the server releases on close.
         if conn.release().await.is_ok() {
-            lease.release().await;
+            lease.release();
         }
         outcome
     }

@@ -26,7 +26,7 @@ impl KvClient {
                 let mut lease = self.inner.pool.lease().await?;
                 let conn = lease.conn.as_mut().ok_or_else(|| ClientError::Io("no connection".into()))?;
                 let got = conn.get_peer(id, c, max_frame).await?;
-                lease.release().await;
+                lease.release();
                 Ok::<_, ClientError>(got)
             })))
             .await?;
@@ -43,7 +43,7 @@ impl KvClient {
                 let mut lease = self.inner.pool.lease().await?;
                 let conn = lease.conn.as_mut().ok_or_else(|| ClientError::Io("no connection".into()))?;
                 let got = conn.exists_peer(id, c).await?;
-                lease.release().await;
+                lease.release();
                 Ok::<_, ClientError>(got)
             })))
             .await?;
@@ -59,7 +59,7 @@ impl KvClient {
                 let mut lease = self.inner.pool.lease().await?;
                 let conn = lease.conn.as_mut().ok_or_else(|| ClientError::Io("no connection".into()))?;
                 let st = conn.put_peer(&frames[r]).await?;
-                lease.release().await;
+                lease.release();
                 Ok::<_, ClientError>(st)
             })))
             .await?;

@@ -22,7 +22,7 @@ use kvtier_proto::tcp::PaceSwitch;
 use kvtier_proto::{BlockFrame, BlockKey, CodecId, FrameHeader, NamespaceId, ProtoError, FRAME_HEADER_LEN};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::TcpStream;
-use tokio::sync::{Mutex, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::connector::{BoxedStream, DataPlaneConnector};
 use crate::polled::{InFlight, PolledRead};
@@ -776,8 +776,11 @@ impl Dial {
 pub(crate) struct DataPool {
     dial: Dial,
     token: Option<String>,
-    /// Connections back from a clean request, with when they came back.
-    idle: Mutex<Vec<(DataConn, std::time::Instant)>>,
+    /// Connections back from a clean request, with when they came back. A plain mutex: nothing
+    /// is awaited while it is held, and a caller thread that finds it taken spins briefly instead
+    /// of queueing behind every other thread (an async mutex hands itself to the next waiter in
+    /// turn, so with many Python threads each lease waited for a sleeping thread to be woken).
+    idle: std::sync::Mutex<Vec<(DataConn, std::time::Instant)>>,
     permits: Arc<Semaphore>,
     connect_timeout: Duration,
     /// A pooled connection idle longer than this is closed rather than reused: the server closes
@@ -796,9 +799,13 @@ pub(crate) struct Lease<'a> {
 
 impl Lease<'_> {
     /// Returns the connection to the pool (only after a request completed cleanly).
-    pub(crate) async fn release(mut self) {
+    pub(crate) fn release(mut self) {
         if let Some(c) = self.conn.take() {
-            self.pool.idle.lock().await.push((c, std::time::Instant::now()));
+            // A poisoned list (a panic elsewhere while it was held) takes no more connections:
+            // this one is closed instead.
+            if let Ok(mut idle) = self.pool.idle.lock() {
+                idle.push((c, std::time::Instant::now()));
+            }
         }
     }
 }
@@ -815,7 +822,7 @@ impl DataPool {
         DataPool {
             dial,
             token,
-            idle: Mutex::new(Vec::new()),
+            idle: std::sync::Mutex::new(Vec::new()),
             permits: Arc::new(Semaphore::new(size.max(1))),
             connect_timeout,
             max_idle,
@@ -833,12 +840,17 @@ impl DataPool {
 
     pub(crate) async fn lease(&self) -> Result<Lease<'_>, ClientError> {
         let permit = self.permits.clone().acquire_owned().await.map_err(|e| ClientError::Io(e.to_string()))?;
-        let idle = {
-            let mut idle = self.idle.lock().await;
-            // The most recently used is last; anything idle too long is dropped (closed).
-            idle.retain(|(_, since)| since.elapsed() < self.max_idle);
-            idle.pop()
+        let (idle, stale) = match self.idle.lock() {
+            Ok(mut idle) => {
+                // The most recently used is last; anything idle too long is closed (below, once
+                // the list is let go).
+                let fresh = idle.iter().position(|(_, since)| since.elapsed() < self.max_idle).unwrap_or(idle.len());
+                let stale: Vec<_> = idle.drain(..fresh).collect();
+                (idle.pop(), stale)
+            }
+            Err(_) => (None, Vec::new()),
         };
+        drop(stale);
         let conn = match idle {
             Some((c, _)) => c,
             None => {

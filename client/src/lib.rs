@@ -56,6 +56,7 @@ pub use error::ClientError;
 pub use kvtier_proto::dataplane::ItemStatus;
 pub use kvtier_proto::samenode::Segment;
 pub use near::{FallbackReason, SameNodeMode, SameNodeStats};
+pub use polled::on_caller_thread;
 pub use quic::QuicConnector;
 pub use samenode::{BufferId, SameNode, SharedBuffer};
 pub use tls::ClientTls;

@@ -984,7 +984,15 @@ async fn do_load(
     (op, n, id): (SnOp, usize, u32),
     poll: Duration,
 ) -> Answer<Vec<Result<FrameHeader, ItemStatus>>> {
-    let _flight = s.in_flight();
+    s.exchange(async |s| load_exchange(s, msg, (op, n, id), poll).await).await
+}
+
+async fn load_exchange(
+    s: &mut PolledSocket,
+    msg: &[u8],
+    (op, n, id): (SnOp, usize, u32),
+    poll: Duration,
+) -> Answer<Vec<Result<FrameHeader, ItemStatus>>> {
     let (poll, wait) = s.choose_wait(poll);
     s.write_all(msg).await?;
     s.poll_for_answer(poll).await;
@@ -1031,7 +1039,16 @@ async fn do_store(
     (op, n, id): (SnOp, usize, u32),
     poll: Duration,
 ) -> Answer<Vec<ItemStatus>> {
-    let _flight = s.in_flight();
+    s.exchange(async |s| store_exchange(s, msg, sums, (op, n, id), poll).await).await
+}
+
+async fn store_exchange(
+    s: &mut PolledSocket,
+    msg: &[u8],
+    sums: Option<(Sums<'_>, usize)>,
+    (op, n, id): (SnOp, usize, u32),
+    poll: Duration,
+) -> Answer<Vec<ItemStatus>> {
     let (poll, wait) = s.choose_wait(poll);
     let sent = Instant::now();
     s.write_all(msg).await?;

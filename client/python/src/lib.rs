@@ -667,11 +667,14 @@ impl Client {
         let engine = &self.engine;
         let (spec, codec, sink) = (&ns.spec, ns.codec, ns.lossless_sink_blocks);
         let budget = budget.unwrap_or(self.budget);
+        // This thread blocks on the call and runs nothing else: its answers wake it directly.
         let res = py.detach(|| {
-            rt.block_on(engine.call_within(name, spec, budget, |c, h| async move {
-                let h = h.with_codec(codec)?.with_lossless_sink_blocks(sink);
-                op(c, h).await
-            }))
+            kvtier_client::on_caller_thread(|| {
+                rt.block_on(engine.call_within(name, spec, budget, |c, h| async move {
+                    let h = h.with_codec(codec)?.with_lossless_sink_blocks(sink);
+                    op(c, h).await
+                }))
+            })
         });
         match res {
             Ok(v) => Ok(v),
