@@ -22,10 +22,10 @@
 //! machine has a core to spare, and the process learns from its calls' times whether it has.
 //!
 //! A call run on a caller's own thread ([`on_caller_thread`]: Python's, a `block_on` that runs
-//! nothing else) waits for a TCP answer it does not poll for in the kernel instead — `poll(2)` on
-//! its socket — so the arriving bytes wake that thread directly, rather than the I/O driver's
-//! thread first and the caller through it — while the process has few calls in flight
-//! ([`kernel_wait_limit`]).
+//! nothing else) waits for an answer it does not poll for in the kernel instead — `poll(2)` on
+//! its socket, TCP or same-node — so the arriving bytes wake that thread directly, rather than
+//! the I/O driver's thread first and the caller through it, while the process has few calls in
+//! flight ([`kernel_wait_limit`]).
 
 use std::cell::Cell;
 use std::os::fd::AsFd;
@@ -102,9 +102,10 @@ const CALLER_WAIT_SLICE: rustix::event::Timespec = rustix::event::Timespec { tv_
 struct CallerThread {
     /// Inside [`on_caller_thread`].
     on: bool,
-    /// Armed TCP reads of this thread's call ([`PolledRead::arm`]): one may wait in the kernel;
-    /// several (a load striped over connections, joined on this thread) wait through the driver,
-    /// which wakes whichever answers first.
+    /// This thread's calls awaiting an answer (armed TCP reads, [`PolledRead::arm`], and
+    /// same-node exchanges, [`PolledSocket::exchange`]): one may wait in the kernel; several (a
+    /// load striped over connections, joined on this thread) wait through the driver, which
+    /// wakes whichever answers first.
     armed: usize,
 }
 
@@ -113,7 +114,7 @@ thread_local! {
 }
 
 /// Runs `f` — the `block_on` of one client call, on a thread that runs nothing else meanwhile
-/// (a Python caller's) — letting that call wait for its TCP answers in the kernel: a read with
+/// (a Python caller's) — letting that call wait for its answers in the kernel: a read with
 /// nothing to take sleeps in `poll(2)` on its socket, at most [`CALLER_WAIT_SLICE`] at a time,
 /// instead of parking the thread until the runtime's I/O driver (another thread) wakes it. One
 /// wake-up per answer instead of two.
@@ -239,7 +240,9 @@ impl PolledSocket {
     }
 
     /// Runs `call`, one request and its answer, counted in flight throughout; on a caller's
-    /// thread ([`on_caller_thread`]) its reads may wait for the answer in the kernel.
+    /// thread ([`on_caller_thread`]) its reads may wait for the answer in the kernel. A call cut
+    /// short (its timeout) leaves `armed` set, harmlessly: its connection is broken for good and
+    /// only drained (`read`) before it is closed.
     pub(crate) async fn exchange<T>(&mut self, call: impl AsyncFnOnce(&mut PolledSocket) -> T) -> T {
         let _flight = InFlight::enter_armed(self.flights);
         self.armed = true;
@@ -735,8 +738,9 @@ mod tests {
 
     /// On a caller's thread an armed read with nothing to take sleeps in the kernel and wakes
     /// with its bytes; two armed reads joined on that thread (a striped load), any read off a
-    /// caller's thread, and one beside many calls in flight wait through the driver instead. Every byte arrives either way, and the
-    /// thread's count of armed reads is back to none after each call.
+    /// caller's thread, and one beside many calls in flight wait through the driver instead.
+    /// Every byte arrives either way, and the thread's count of armed reads is back to none
+    /// after each call.
     #[test]
     fn on_a_caller_thread_an_armed_read_sleeps_in_the_kernel_alone_and_through_the_driver_beside_another() {
         static FLIGHTS: AtomicUsize = AtomicUsize::new(0);
