@@ -660,7 +660,7 @@ impl SameNode {
         let msg = message(&req, items, LoadItem::encode_into, table);
         let bytes = answer_bytes(items.iter().map(|i| i.room), table);
         let poll = poll_budget(bytes).min(self.poll);
-        let io = do_load(&mut self.sock, &msg, (op, items.len(), req.request_id), poll);
+        let io = self.sock.exchange(async |s| do_load(s, &msg, (op, items.len(), req.request_id), poll).await);
         let res = guard(&mut self.broken, self.timeout, io).await;
         out.extend(self.settled(res).await??);
         Ok(())
@@ -885,8 +885,8 @@ impl SameNode {
         let msg = message(&req, items, StoreItem::encode_into, table);
         let bytes = answer_bytes(items.iter().map(|i| i.header.payload_len), table);
         let poll = poll_budget(bytes).min(self.poll);
-        let io =
-            do_store(&mut self.sock, &msg, sums.map(|s| (s, items.len())), (op, items.len(), req.request_id), poll);
+        let sums = sums.map(|s| (s, items.len()));
+        let io = self.sock.exchange(async |s| do_store(s, &msg, sums, (op, items.len(), req.request_id), poll).await);
         let res = guard(&mut self.broken, self.timeout, io).await;
         self.settled(res).await?
     }
@@ -978,16 +978,8 @@ async fn do_simple(s: &mut PolledSocket, msg: &[u8], op: SnOp, id: u32) -> Answe
     read_header(s, op, id).await
 }
 
+/// A load's request and answer; run inside [`PolledSocket::exchange`].
 async fn do_load(
-    s: &mut PolledSocket,
-    msg: &[u8],
-    (op, n, id): (SnOp, usize, u32),
-    poll: Duration,
-) -> Answer<Vec<Result<FrameHeader, ItemStatus>>> {
-    s.exchange(async |s| load_exchange(s, msg, (op, n, id), poll).await).await
-}
-
-async fn load_exchange(
     s: &mut PolledSocket,
     msg: &[u8],
     (op, n, id): (SnOp, usize, u32),
@@ -1032,17 +1024,8 @@ struct Sums<'a> {
     of: &'a (dyn Fn(usize) -> u64 + Sync),
 }
 
+/// A store's request and answer; run inside [`PolledSocket::exchange`].
 async fn do_store(
-    s: &mut PolledSocket,
-    msg: &[u8],
-    sums: Option<(Sums<'_>, usize)>,
-    (op, n, id): (SnOp, usize, u32),
-    poll: Duration,
-) -> Answer<Vec<ItemStatus>> {
-    s.exchange(async |s| store_exchange(s, msg, sums, (op, n, id), poll).await).await
-}
-
-async fn store_exchange(
     s: &mut PolledSocket,
     msg: &[u8],
     sums: Option<(Sums<'_>, usize)>,
