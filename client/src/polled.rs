@@ -95,7 +95,7 @@ fn choose_wait(flights: &AtomicUsize, waits: &'static Waits, budget: Duration) -
 
 /// Longest a caller thread's wait sleeps in `poll(2)` at a time; then the call's future is
 /// polled again, so its deadline is seen (a call's budget is far longer than this).
-const CALLER_WAIT_SLICE: rustix::event::Timespec = rustix::event::Timespec { tv_sec: 0, tv_nsec: 5_000_000 };
+const CALLER_WAIT_SLICE: Duration = Duration::from_millis(5);
 
 /// The calling thread's state while [`on_caller_thread`] runs.
 #[derive(Clone, Copy, Default)]
@@ -310,15 +310,20 @@ impl PolledSocket {
         out[..n].copy_from_slice(&self.rx[self.start..self.start + n]);
         self.start += n;
         if n < out.len() && self.armed && may_wait_in_kernel(self.flights) {
+            let mut held = KernelWaits::default();
             while n < out.len() {
                 match rustix::net::recv(self.sock.as_fd(), &mut out[n..], rustix::net::RecvFlags::DONTWAIT) {
                     Ok((0, _)) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
                     Ok((got, _)) => n += got,
                     Err(rustix::io::Errno::AGAIN) => {
-                        if sleep_until_readable(self.sock.as_fd())? {
+                        // Past a slice of sleeps, or a slice without bytes: the call's deadline
+                        // is looked at, then back here.
+                        if held.must_let_go() {
+                            tokio::task::yield_now().await;
+                        } else if sleep_until_readable(self.sock.as_fd())? {
                             self.kernel_waits += 1;
                         } else {
-                            // The slice ended: the call's deadline is looked at, then back here.
+                            held = KernelWaits::default();
                             tokio::task::yield_now().await;
                         }
                     }
@@ -369,6 +374,8 @@ pub(crate) struct PolledRead {
     polled: u64,
     /// Waits in the kernel ([`PolledRead::wait_in_kernel`]) that ended with bytes to read.
     kernel_waits: u64,
+    /// When this read first slept in the kernel since its task last let go ([`KernelWaits`]).
+    held: KernelWaits,
 }
 
 impl PolledRead {
@@ -387,6 +394,7 @@ impl PolledRead {
             gap: Duration::ZERO,
             polled: 0,
             kernel_waits: 0,
+            held: KernelWaits::default(),
         }
     }
 
@@ -407,6 +415,7 @@ impl PolledRead {
     fn arm_in(&mut self, bytes: u64, cap: Duration, waits: &'static Waits) -> InFlight {
         let flight = InFlight::enter_armed(self.flights);
         self.armed = true;
+        self.held = KernelWaits::default();
         let first = stream_budget(bytes).min(cap);
         // The chooser sizes its classes by the whole answer's expected wait, so that calls of
         // 8 MiB and of 64 MiB are timed apart, though both poll the same for their first bytes.
@@ -493,11 +502,16 @@ impl PolledRead {
             if let Poll::Ready(done) = self.try_recv(buf) {
                 return Poll::Ready(done);
             }
+            if self.held.must_let_go() {
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
+            }
             match sleep_until_readable(self.half.as_ref().as_fd()) {
                 // Readable, hung up or failed: the `recv` above says which.
                 Ok(true) => self.kernel_waits += 1,
                 // Nothing yet: polled again at once (the thread runs nothing else).
                 Ok(false) => {
+                    self.held = KernelWaits::default();
                     cx.waker().wake_by_ref();
                     return Poll::Pending;
                 }
@@ -507,11 +521,41 @@ impl PolledRead {
     }
 }
 
+/// How long one read's kernel waits have held its task since it last let go. A read that
+/// sleeps and wakes with a few bytes, again and again (a peer trickling its answer), never
+/// returns `Pending` by itself, so the call's deadline would go unseen: once it has held the task
+/// for [`CALLER_WAIT_SLICE`] it lets go before it sleeps again.
+#[derive(Default)]
+struct KernelWaits(Option<Instant>);
+
+impl KernelWaits {
+    /// Whether the task must be let go (polled again, its deadline checked) before the next
+    /// sleep; if so, the count starts over.
+    fn must_let_go(&mut self) -> bool {
+        let now = Instant::now();
+        match self.0 {
+            Some(since) if now.duration_since(since) >= CALLER_WAIT_SLICE => {
+                self.0 = None;
+                true
+            }
+            Some(_) => false,
+            None => {
+                self.0 = Some(now);
+                false
+            }
+        }
+    }
+}
+
 /// Sleeps in `poll(2)` until `fd` is readable (or hung up, or failed: the next `recv` says
 /// which), at most [`CALLER_WAIT_SLICE`]: false when the slice ended first.
 fn sleep_until_readable(fd: std::os::fd::BorrowedFd<'_>) -> std::io::Result<bool> {
+    const SLICE: rustix::event::Timespec = rustix::event::Timespec {
+        tv_sec: CALLER_WAIT_SLICE.as_secs() as _,
+        tv_nsec: CALLER_WAIT_SLICE.subsec_nanos() as _,
+    };
     let mut fds = [rustix::event::PollFd::new(&fd, rustix::event::PollFlags::IN)];
-    match rustix::event::poll(&mut fds, Some(&CALLER_WAIT_SLICE)) {
+    match rustix::event::poll(&mut fds, Some(&SLICE)) {
         Ok(n) => Ok(n > 0),
         Err(rustix::io::Errno::INTR) => Ok(true),
         Err(e) => Err(e.into()),
@@ -828,6 +872,32 @@ mod tests {
         assert_eq!(r.kernel_waits, 0);
         assert_eq!(FLIGHTS.load(Ordering::Acquire), 0);
         assert_eq!(CALLER_THREAD.with(Cell::get).armed, 0);
+
+        // A peer trickling its answer, a byte every 2 ms (1,000 bytes: 2 s): each sleep ends
+        // with bytes, and the read still lets its task go often enough for the deadline to cut it.
+        let (mut r, mut peer) = rt.block_on(tcp_pair(&FLIGHTS, &PARK));
+        let trickle = rt.spawn(async move {
+            for _ in 0..1000 {
+                if peer.write_all(b"x").await.is_err() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        });
+        let t = Instant::now();
+        let res = on_caller_thread(|| {
+            rt.block_on(async {
+                let _flight = r.arm(1000, Duration::from_secs(5));
+                let mut got = [0u8; 1000];
+                tokio::time::timeout(Duration::from_millis(100), r.read_exact(&mut got)).await
+            })
+        });
+        let took = t.elapsed();
+        assert!(res.is_err(), "the trickle outlasted the deadline: {res:?}");
+        assert!(took < Duration::from_secs(1), "a trickling peer held the call {took:?} past a 100 ms deadline");
+        assert!(r.kernel_waits > 0, "its bytes woke kernel waits");
+        drop(r);
+        let _ = rt.block_on(trickle);
     }
 
     /// A same-node exchange on a caller's thread waits for its answer in the kernel and gets
@@ -870,6 +940,31 @@ mod tests {
         let took = t.elapsed();
         assert!(cut.is_err(), "nothing came: {cut:?}");
         assert!(took >= Duration::from_millis(100) && took < Duration::from_secs(2), "cut after {took:?}");
+
+        // A byte every 2 ms (1,000 bytes: 2 s) is cut by the deadline too.
+        let (ours, mut peer) = rt.block_on(async { UnixStream::pair() }).unwrap();
+        let mut trickled = PolledSocket::counted_in(ours, &FLIGHTS, &SAMENODE_WAITS);
+        let trickle = rt.spawn(async move {
+            for _ in 0..1000 {
+                if peer.write_all(b"x").await.is_err() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        });
+        let t = Instant::now();
+        let cut = on_caller_thread(|| {
+            rt.block_on(trickled.exchange(async |s| {
+                let mut got = [0u8; 1000];
+                tokio::time::timeout(Duration::from_millis(100), s.read_exact(&mut got)).await
+            }))
+        });
+        let took = t.elapsed();
+        assert!(cut.is_err(), "the trickle outlasted the deadline: {cut:?}");
+        assert!(took < Duration::from_secs(1), "a trickling peer held the call {took:?} past a 100 ms deadline");
+        assert!(trickled.kernel_waits > 0);
+        drop(trickled);
+        let _ = rt.block_on(trickle);
 
         let writer = late(rt.block_on(writer).unwrap(), b"plain!");
         let mut got = [0u8; 6];
