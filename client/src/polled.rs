@@ -898,6 +898,24 @@ mod tests {
         assert!(r.kernel_waits > 0, "its bytes woke kernel waits");
         drop(r);
         let _ = rt.block_on(trickle);
+
+        // A peer that dies mid-answer: the sleeping read wakes and says the stream ended.
+        let (mut r, mut peer) = rt.block_on(tcp_pair(&FLIGHTS, &PARK));
+        let dies = rt.spawn(async move {
+            peer.write_all(b"half").await.unwrap();
+            tokio::time::sleep(Duration::from_millis(40)).await;
+        });
+        let res = on_caller_thread(|| {
+            rt.block_on(async {
+                let _flight = r.arm(8, Duration::from_secs(5));
+                let mut got = [0u8; 8];
+                tokio::time::timeout(Duration::from_secs(5), r.read_exact(&mut got)).await
+            })
+        });
+        let err = res.expect("the end of the stream, not the deadline").unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::UnexpectedEof, "{err}");
+        assert!(r.kernel_waits > 0, "the close woke the read's own wait");
+        rt.block_on(dies).unwrap();
     }
 
     /// A same-node exchange on a caller's thread waits for its answer in the kernel and gets
@@ -965,6 +983,24 @@ mod tests {
         assert!(trickled.kernel_waits > 0);
         drop(trickled);
         let _ = rt.block_on(trickle);
+
+        // A server that dies mid-answer: the sleeping read wakes and says the stream ended.
+        let (ours, mut peer) = rt.block_on(async { UnixStream::pair() }).unwrap();
+        let mut orphan = PolledSocket::counted_in(ours, &FLIGHTS, &SAMENODE_WAITS);
+        let dies = rt.spawn(async move {
+            peer.write_all(b"half").await.unwrap();
+            tokio::time::sleep(Duration::from_millis(40)).await;
+        });
+        let res = on_caller_thread(|| {
+            rt.block_on(orphan.exchange(async |s| {
+                let mut got = [0u8; 8];
+                tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut got)).await
+            }))
+        });
+        let err = res.expect("the end of the stream, not the deadline").unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::UnexpectedEof, "{err}");
+        assert!(orphan.kernel_waits > 0, "the close woke the read's own wait");
+        rt.block_on(dies).unwrap();
 
         let writer = late(rt.block_on(writer).unwrap(), b"plain!");
         let mut got = [0u8; 6];
