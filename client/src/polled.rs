@@ -780,6 +780,66 @@ mod tests {
         tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap()
     }
 
+    /// A peer that trickles its answer on `rt`: a byte every 2 ms, 1,000 bytes (2 s), until the
+    /// reader goes away.
+    fn trickle<W: AsyncWriteExt + Unpin + Send + 'static>(
+        rt: &tokio::runtime::Runtime,
+        mut peer: W,
+    ) -> tokio::task::JoinHandle<()> {
+        rt.spawn(async move {
+            for _ in 0..1000 {
+                if peer.write_all(b"x").await.is_err() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        })
+    }
+
+    /// A peer on `rt` that sends half an answer and closes 40 ms later.
+    fn dies_mid_answer<W: AsyncWriteExt + Unpin + Send + 'static>(
+        rt: &tokio::runtime::Runtime,
+        mut peer: W,
+    ) -> tokio::task::JoinHandle<()> {
+        rt.spawn(async move {
+            peer.write_all(b"half").await.unwrap();
+            tokio::time::sleep(Duration::from_millis(40)).await;
+        })
+    }
+
+    /// An armed call's read of `N` bytes on a caller's thread, within `deadline`; how long it took.
+    fn caller_read<const N: usize>(
+        rt: &tokio::runtime::Runtime,
+        r: &mut PolledRead,
+        deadline: Duration,
+    ) -> (Result<std::io::Result<()>, tokio::time::error::Elapsed>, Duration) {
+        let t = Instant::now();
+        let res = on_caller_thread(|| {
+            rt.block_on(async {
+                let _flight = r.arm(N as u64, Duration::from_secs(5));
+                let mut got = [0u8; N];
+                tokio::time::timeout(deadline, r.read_exact(&mut got)).await.map(|r| r.map(|_| ()))
+            })
+        });
+        (res, t.elapsed())
+    }
+
+    /// [`caller_read`] of a same-node exchange.
+    fn caller_exchange<const N: usize>(
+        rt: &tokio::runtime::Runtime,
+        s: &mut PolledSocket,
+        deadline: Duration,
+    ) -> (Result<std::io::Result<()>, tokio::time::error::Elapsed>, Duration) {
+        let t = Instant::now();
+        let res = on_caller_thread(|| {
+            rt.block_on(s.exchange(async |s| {
+                let mut got = [0u8; N];
+                tokio::time::timeout(deadline, s.read_exact(&mut got)).await
+            }))
+        });
+        (res, t.elapsed())
+    }
+
     /// On a caller's thread an armed read with nothing to take sleeps in the kernel and wakes
     /// with its bytes; two armed reads joined on that thread (a striped load), any read off a
     /// caller's thread, and one beside many calls in flight wait through the driver instead.
@@ -858,15 +918,7 @@ mod tests {
         static PARK: Waits = Waits::fixed(Wait::Park);
         let rt = caller_runtime();
         let (mut r, _silent) = rt.block_on(tcp_pair(&FLIGHTS, &PARK));
-        let t = Instant::now();
-        let res = on_caller_thread(|| {
-            rt.block_on(async {
-                let _flight = r.arm(4, Duration::from_secs(5));
-                let mut got = [0u8; 4];
-                tokio::time::timeout(Duration::from_millis(100), r.read_exact(&mut got)).await
-            })
-        });
-        let took = t.elapsed();
+        let (res, took) = caller_read::<4>(&rt, &mut r, Duration::from_millis(100));
         assert!(res.is_err(), "nothing came, so the deadline ended the read: {res:?}");
         assert!(took >= Duration::from_millis(100) && took < Duration::from_secs(2), "cut after {took:?}");
         assert_eq!(r.kernel_waits, 0);
@@ -875,43 +927,19 @@ mod tests {
 
         // A peer trickling its answer, a byte every 2 ms (1,000 bytes: 2 s): each sleep ends
         // with bytes, and the read still lets its task go often enough for the deadline to cut it.
-        let (mut r, mut peer) = rt.block_on(tcp_pair(&FLIGHTS, &PARK));
-        let trickle = rt.spawn(async move {
-            for _ in 0..1000 {
-                if peer.write_all(b"x").await.is_err() {
-                    return;
-                }
-                tokio::time::sleep(Duration::from_millis(2)).await;
-            }
-        });
-        let t = Instant::now();
-        let res = on_caller_thread(|| {
-            rt.block_on(async {
-                let _flight = r.arm(1000, Duration::from_secs(5));
-                let mut got = [0u8; 1000];
-                tokio::time::timeout(Duration::from_millis(100), r.read_exact(&mut got)).await
-            })
-        });
-        let took = t.elapsed();
+        let (mut r, peer) = rt.block_on(tcp_pair(&FLIGHTS, &PARK));
+        let trickling = trickle(&rt, peer);
+        let (res, took) = caller_read::<1000>(&rt, &mut r, Duration::from_millis(100));
         assert!(res.is_err(), "the trickle outlasted the deadline: {res:?}");
         assert!(took < Duration::from_secs(1), "a trickling peer held the call {took:?} past a 100 ms deadline");
         assert!(r.kernel_waits > 0, "its bytes woke kernel waits");
         drop(r);
-        let _ = rt.block_on(trickle);
+        let _ = rt.block_on(trickling);
 
         // A peer that dies mid-answer: the sleeping read wakes and says the stream ended.
-        let (mut r, mut peer) = rt.block_on(tcp_pair(&FLIGHTS, &PARK));
-        let dies = rt.spawn(async move {
-            peer.write_all(b"half").await.unwrap();
-            tokio::time::sleep(Duration::from_millis(40)).await;
-        });
-        let res = on_caller_thread(|| {
-            rt.block_on(async {
-                let _flight = r.arm(8, Duration::from_secs(5));
-                let mut got = [0u8; 8];
-                tokio::time::timeout(Duration::from_secs(5), r.read_exact(&mut got)).await
-            })
-        });
+        let (mut r, peer) = rt.block_on(tcp_pair(&FLIGHTS, &PARK));
+        let dies = dies_mid_answer(&rt, peer);
+        let (res, _) = caller_read::<8>(&rt, &mut r, Duration::from_secs(5));
         let err = res.expect("the end of the stream, not the deadline").unwrap_err();
         assert_eq!(err.kind(), std::io::ErrorKind::UnexpectedEof, "{err}");
         assert!(r.kernel_waits > 0, "the close woke the read's own wait");
@@ -948,55 +976,26 @@ mod tests {
         assert_eq!(s.kernel_waits, 1, "the late bytes woke the thread's own wait");
         assert!(!s.armed && FLIGHTS.load(Ordering::Acquire) == 0);
 
-        let t = Instant::now();
-        let cut = on_caller_thread(|| {
-            rt.block_on(s.exchange(async |s| {
-                let mut got = [0u8; 4];
-                tokio::time::timeout(Duration::from_millis(100), s.read_exact(&mut got)).await
-            }))
-        });
-        let took = t.elapsed();
+        let (cut, took) = caller_exchange::<4>(&rt, &mut s, Duration::from_millis(100));
         assert!(cut.is_err(), "nothing came: {cut:?}");
         assert!(took >= Duration::from_millis(100) && took < Duration::from_secs(2), "cut after {took:?}");
 
         // A byte every 2 ms (1,000 bytes: 2 s) is cut by the deadline too.
-        let (ours, mut peer) = rt.block_on(async { UnixStream::pair() }).unwrap();
+        let (ours, peer) = rt.block_on(async { UnixStream::pair() }).unwrap();
         let mut trickled = PolledSocket::counted_in(ours, &FLIGHTS, &SAMENODE_WAITS);
-        let trickle = rt.spawn(async move {
-            for _ in 0..1000 {
-                if peer.write_all(b"x").await.is_err() {
-                    return;
-                }
-                tokio::time::sleep(Duration::from_millis(2)).await;
-            }
-        });
-        let t = Instant::now();
-        let cut = on_caller_thread(|| {
-            rt.block_on(trickled.exchange(async |s| {
-                let mut got = [0u8; 1000];
-                tokio::time::timeout(Duration::from_millis(100), s.read_exact(&mut got)).await
-            }))
-        });
-        let took = t.elapsed();
+        let trickling = trickle(&rt, peer);
+        let (cut, took) = caller_exchange::<1000>(&rt, &mut trickled, Duration::from_millis(100));
         assert!(cut.is_err(), "the trickle outlasted the deadline: {cut:?}");
         assert!(took < Duration::from_secs(1), "a trickling peer held the call {took:?} past a 100 ms deadline");
         assert!(trickled.kernel_waits > 0);
         drop(trickled);
-        let _ = rt.block_on(trickle);
+        let _ = rt.block_on(trickling);
 
         // A server that dies mid-answer: the sleeping read wakes and says the stream ended.
-        let (ours, mut peer) = rt.block_on(async { UnixStream::pair() }).unwrap();
+        let (ours, peer) = rt.block_on(async { UnixStream::pair() }).unwrap();
         let mut orphan = PolledSocket::counted_in(ours, &FLIGHTS, &SAMENODE_WAITS);
-        let dies = rt.spawn(async move {
-            peer.write_all(b"half").await.unwrap();
-            tokio::time::sleep(Duration::from_millis(40)).await;
-        });
-        let res = on_caller_thread(|| {
-            rt.block_on(orphan.exchange(async |s| {
-                let mut got = [0u8; 8];
-                tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut got)).await
-            }))
-        });
+        let dies = dies_mid_answer(&rt, peer);
+        let (res, _) = caller_exchange::<8>(&rt, &mut orphan, Duration::from_secs(5));
         let err = res.expect("the end of the stream, not the deadline").unwrap_err();
         assert_eq!(err.kind(), std::io::ErrorKind::UnexpectedEof, "{err}");
         assert!(orphan.kernel_waits > 0, "the close woke the read's own wait");
