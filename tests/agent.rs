@@ -359,24 +359,6 @@ fn save_through_agent(sock: &std::path::Path, ns: &Namespace, keys: &[kvtier_pro
     data
 }
 
-/// Waits until every thread of process `pid` is stopped (a SIGSTOP takes effect per thread,
-/// not at once).
-fn wait_stopped(pid: u32) {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let stopped = || {
-        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return false };
-        tasks.flatten().all(|t| {
-            let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
-            // The state follows the command's closing parenthesis.
-            stat.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('T'))
-        })
-    };
-    while !stopped() {
-        assert!(Instant::now() < deadline, "process {pid} did not stop");
-        std::thread::sleep(Duration::from_millis(1));
-    }
-}
-
 /// Polls `f` every 20 ms until it returns true or 10 s pass; whether it did.
 async fn eventually(mut f: impl AsyncFnMut() -> bool) -> bool {
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -432,13 +414,11 @@ async fn blocks_only_g1_holds_count_in_lookups_and_load_over_tcp_until_the_agent
     assert_eq!(metric(&text, "kvtier_agent_demand_misses_total", &[]), 0.0);
 
     // A stopped agent can't answer: the load is a miss after the bounded wait, never wrong bytes.
-    let pid = rustix::process::Pid::from_child(&proc.0);
-    rustix::process::kill_process(pid, rustix::process::Signal::STOP).unwrap();
-    wait_stopped(proc.0.id());
+    stop_process(proc.0.id());
     let start = Instant::now();
     let got = client.load_keys(&handle, &keys[3..4]).await.unwrap();
     let took = start.elapsed();
-    rustix::process::kill_process(pid, rustix::process::Signal::CONT).unwrap();
+    continue_process(proc.0.id());
     assert!(
         got[0].is_none(),
         "a demand the agent does not answer in time is a miss (took {took:?}): {}",
@@ -650,9 +630,7 @@ fn a_spill_stalled_on_a_stopped_server_does_not_stall_another_connections_g1_loa
     };
 
     // The server stops: block 1's spill (to make room for block 3) can't finish.
-    let spid = rustix::process::Pid::from_child(&server.child);
-    rustix::process::kill_process(spid, rustix::process::Signal::STOP).unwrap();
-    wait_stopped(server.child.id());
+    stop_process(server.child.id());
     let saver = std::thread::spawn(move || {
         let started = Instant::now();
         save(&mut a, 2);
@@ -664,7 +642,7 @@ fn a_spill_stalled_on_a_stopped_server_does_not_stall_another_connections_g1_loa
     let g1_load = started.elapsed();
     // Block 1 is on its way to the stopped server: loaded from the copy in flight.
     let in_flight = load_through_agent(&mut b, buf_b, vec![Item { page: 0, key: keys[0] }]);
-    rustix::process::kill_process(spid, rustix::process::Signal::CONT).unwrap();
+    continue_process(server.child.id());
     let save_took = saver.join().unwrap();
 
     assert_eq!(got, [1, 1, 0], "a G1 hit");

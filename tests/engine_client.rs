@@ -101,7 +101,6 @@ async fn engine_keys_never_raise() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_same_node_call_past_its_budget_waits_until_the_server_lets_go_of_the_buffer() {
     use kvtier_client::SharedBuffer;
-    use rustix::process::{kill_process, Pid, Signal};
 
     let server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
     let ns = namespace("engine", b"sn", small_layout());
@@ -126,12 +125,12 @@ async fn a_same_node_call_past_its_budget_waits_until_the_server_lets_go_of_the_
     assert_eq!(typed.samenode_stats().fallbacks.len(), 0);
     buf.as_mut_slice().fill(0);
 
-    let pid = Pid::from_raw(server.child.id() as i32).unwrap();
+    let pid = server.child.id();
     let start = std::time::Instant::now();
-    kill_process(pid, Signal::STOP).unwrap();
+    stop_process(pid);
     let resume = std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_millis(1500));
-        kill_process(pid, Signal::CONT).unwrap();
+        std::thread::sleep(Duration::from_millis(1500).saturating_sub(start.elapsed()));
+        continue_process(pid);
     });
     let late = engine
         .call("load", &ns, |c, h| {

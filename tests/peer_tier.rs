@@ -67,11 +67,6 @@ fn until_forwarded(node: &ServerProcess, n: usize) {
     }
 }
 
-fn signal(node: &ServerProcess, sig: rustix::process::Signal) {
-    let pid = rustix::process::Pid::from_raw(node.child.id() as i32).unwrap();
-    rustix::process::kill_process(pid, sig).unwrap();
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_block_stored_via_one_node_loads_via_another_with_one_request_per_peer() {
     let redis = Redis::start();
@@ -173,11 +168,11 @@ async fn a_stalled_or_killed_sole_owner_is_a_bounded_miss() {
     assert!(peer_stats(&c).await.errors >= 1, "the peer error is counted");
 
     // Stalled (SIGSTOP): its socket accepts, nothing answers. A miss within peer_timeout (1 s).
-    signal(&nodes[0], rustix::process::Signal::STOP);
+    stop_process(nodes[0].child.id());
     let t = Instant::now();
     let got = c.load_keys(&ns_c, &on_n1).await.unwrap();
     let took = t.elapsed();
-    signal(&nodes[0], rustix::process::Signal::CONT);
+    continue_process(nodes[0].child.id());
     assert!(got.iter().all(Option::is_none), "n1's blocks miss while it stalls");
     assert!(took < Duration::from_secs(3), "a stalled owner held the load {took:?}");
 

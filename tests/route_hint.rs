@@ -30,11 +30,6 @@ fn owner(ns: &NamespaceId, key: &BlockKey) -> &'static str {
     IDS[IDS.iter().position(|id| *id == p.members()[i].id.as_str()).unwrap()]
 }
 
-fn signal(node: &ServerProcess, sig: rustix::process::Signal) {
-    let pid = rustix::process::Pid::from_raw(node.child.id() as i32).unwrap();
-    rustix::process::kill_process(pid, sig).unwrap();
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_hint_names_each_nodes_prefix_and_the_sessions_node_and_a_dead_node_as_unknown() {
     let redis = Redis::start();
@@ -83,11 +78,11 @@ async fn the_hint_names_each_nodes_prefix_and_the_sessions_node_and_a_dead_node_
 
     // n2 stalled (SIGSTOP: its sockets accept, nothing answers): unknown within the peer
     // timeout (1 s), never a hang.
-    signal(&nodes[1], rustix::process::Signal::STOP);
+    stop_process(nodes[1].child.id());
     let t = Instant::now();
     let hint = a.route_hint(&ns_a, &doc, Some("agent-7")).await;
     let took = t.elapsed();
-    signal(&nodes[1], rustix::process::Signal::CONT);
+    continue_process(nodes[1].child.id());
     let hint = hint.unwrap();
     assert!(took < Duration::from_secs(3), "a stalled node held the hint {took:?}");
     let n2 = hint.node("n2").expect("n2 is still a member");

@@ -157,7 +157,6 @@ pub fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
         .sum()
 }
 
-/// A small layout: 4 layers, 2 KV heads of 64, fp16, 16 tokens per block = 32 KiB per block.
 /// Waits (up to 15 s) until every one of `nodes` counts `n` cluster members.
 pub fn until_members<'a>(nodes: impl IntoIterator<Item = &'a ServerProcess>, n: usize) {
     let deadline = Instant::now() + Duration::from_secs(15);
@@ -169,6 +168,35 @@ pub fn until_members<'a>(nodes: impl IntoIterator<Item = &'a ServerProcess>, n: 
     }
 }
 
+/// Stops process `pid` (SIGSTOP) and returns once every one of its threads is stopped. `kill`
+/// returns before that: the kernel wakes one thread to take the signal, and until it has, the
+/// process's other threads go on answering requests that arrive — a test that sends a request
+/// right after `kill` could be answered by the "stalled" process.
+pub fn stop_process(pid: u32) {
+    let raw = rustix::process::Pid::from_raw(pid as i32).expect("a child's pid is positive");
+    rustix::process::kill_process(raw, rustix::process::Signal::STOP).expect("SIGSTOP to a child");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let stopped = || {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return false };
+        tasks.flatten().all(|t| {
+            let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+            // The state follows the command's closing parenthesis.
+            stat.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('T'))
+        })
+    };
+    while !stopped() {
+        assert!(Instant::now() < deadline, "process {pid} did not stop");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Lets a process stopped by [`stop_process`] go on (SIGCONT).
+pub fn continue_process(pid: u32) {
+    let raw = rustix::process::Pid::from_raw(pid as i32).expect("a child's pid is positive");
+    rustix::process::kill_process(raw, rustix::process::Signal::CONT).expect("SIGCONT to a child");
+}
+
+/// A small layout: 4 layers, 2 KV heads of 64, fp16, 16 tokens per block = 32 KiB per block.
 pub fn small_layout() -> KvLayout {
     KvLayout::new(4, 2, 64, DType::Fp16, 16)
 }
