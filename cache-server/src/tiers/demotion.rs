@@ -13,8 +13,12 @@ use crate::disk::{self, DiskTier};
 use crate::dram::{self, DramTier};
 use crate::error::ServerError;
 
-/// Blocks waiting to be demoted from DRAM to disk; writers wait when it is full.
+/// Blocks waiting to be demoted from DRAM to disk at most; past that an eviction is dropped.
 pub const DEMOTION_QUEUE: usize = 64;
+/// The depth at which writers wait for room: half the queue, the other half left for the
+/// evictions of writers already past their check (each has room for its block when it looks, and
+/// several evict at once), so that they are queued and not dropped.
+const WRITERS_WAIT_AT: usize = DEMOTION_QUEUE / 2;
 
 /// Address space the DRAM region needs beyond its capacity for blocks evicted and still queued
 /// for disk (their slots are no longer counted against the cap but stay in use until written):
@@ -50,18 +54,27 @@ impl DemotionDepth {
         };
         ::metrics::gauge!("kvtier_disk_queue_depth").set(d as f64);
         if !up {
-            self.room.notify_waiters();
+            // One writer per block gone, not all of them at once (each would evict a block).
+            self.room.notify_one();
         }
     }
 
-    /// Waits until the queue has room or `deadline` passes.
+    /// Whether writers wait now: the demotion thread then writes blocks out as they came rather
+    /// than spend time re-encoding them.
+    fn backed_up(&self) -> bool {
+        self.get() >= WRITERS_WAIT_AT
+    }
+
+    /// Waits until the queue has room (below [`WRITERS_WAIT_AT`]) or `deadline` passes.
     pub async fn wait_for_room(&self, deadline: tokio::time::Instant) {
         loop {
             let woken = self.room.notified();
             tokio::pin!(woken);
             // Registered before the check, so a block leaving in between still wakes us.
             woken.as_mut().enable();
-            if self.get() < DEMOTION_QUEUE {
+            if !self.backed_up() {
+                // A notification taken by `woken` but not awaited passes to the next writer
+                // when it drops (tokio's `Notify`).
                 return;
             }
             if tokio::time::timeout_at(deadline, woken).await.is_err() {
@@ -128,7 +141,7 @@ pub fn start(
                 }
                 // Re-encoding costs CPU; when the queue backs up, blocks go out as they came
                 // rather than be dropped for want of room.
-                let busy = depth.get() > DEMOTION_QUEUE / 2;
+                let busy = depth.backed_up();
                 match write_demoted(&disk, codec, busy, &block) {
                     Ok(()) => ::metrics::counter!("kvtier_disk_demotions_total").increment(1),
                     Err(e) => {
@@ -197,5 +210,67 @@ fn write_demoted(
             disk.write(h, &block.payload)
         }
         Some(Recoded::Kept) | None => disk.write(h, &block.payload),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Writers at a backed-up queue wait, and each block leaving lets one of them go, not all:
+    /// many writers hammering a slow demotion thread never push the queue past its capacity
+    /// (an eviction past it would be dropped).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn many_writers_at_a_slow_queue_never_overflow_it() {
+        let depth = Arc::new(DemotionDepth::default());
+        for _ in 0..WRITERS_WAIT_AT {
+            depth.step(true);
+        }
+        let far = tokio::time::Instant::now() + Duration::from_secs(30);
+        let waiting = tokio::spawn({
+            let depth = depth.clone();
+            async move { depth.wait_for_room(far).await }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!waiting.is_finished(), "a writer at a backed-up queue waits");
+        depth.step(false);
+        tokio::time::timeout(Duration::from_secs(5), waiting).await.unwrap().unwrap();
+
+        // 48 writers, each evicting a block whenever it is let go; a demotion thread taking one
+        // every 200 µs.
+        let (writers, rounds) = (48usize, 40usize);
+        let peak = Arc::new(AtomicUsize::new(0));
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let drain = {
+            let (depth, stop) = (depth.clone(), stop.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) || depth.get() > 0 {
+                    if depth.get() > 0 {
+                        depth.step(false);
+                    }
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+            })
+        };
+        let tasks: Vec<_> = (0..writers)
+            .map(|_| {
+                let (depth, peak) = (depth.clone(), peak.clone());
+                tokio::spawn(async move {
+                    for _ in 0..rounds {
+                        depth.wait_for_room(far).await;
+                        depth.step(true);
+                        peak.fetch_max(depth.get(), Ordering::Relaxed);
+                    }
+                })
+            })
+            .collect();
+        for t in tasks {
+            tokio::time::timeout(Duration::from_secs(60), t).await.unwrap().unwrap();
+        }
+        stop.store(true, Ordering::Relaxed);
+        drain.join().unwrap();
+        let peak = peak.load(Ordering::Relaxed);
+        assert!(peak >= WRITERS_WAIT_AT, "the queue backed up ({peak})");
+        assert!(peak <= DEMOTION_QUEUE, "{writers} writers pushed the queue to {peak}, past {DEMOTION_QUEUE}");
     }
 }
