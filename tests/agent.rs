@@ -636,14 +636,16 @@ fn a_spill_stalled_on_a_stopped_server_does_not_stall_another_connections_g1_loa
         save(&mut a, 2);
         started.elapsed()
     });
-    std::thread::sleep(Duration::from_millis(100));
+    // The save returns with block 1 evicted and its spill still stalled (not a fixed sleep: on
+    // a busy machine the save may not have reached the agent yet, and block 1 would still be in
+    // G1).
+    let save_took = saver.join().unwrap();
     let started = Instant::now();
     let got = load_through_agent(&mut b, buf_b, vec![Item { page: 1, key: keys[1] }]);
     let g1_load = started.elapsed();
     // Block 1 is on its way to the stopped server: loaded from the copy in flight.
     let in_flight = load_through_agent(&mut b, buf_b, vec![Item { page: 0, key: keys[0] }]);
     continue_process(server.child.id());
-    let save_took = saver.join().unwrap();
 
     assert_eq!(got, [1, 1, 0], "a G1 hit");
     assert!(g1_load < Duration::from_secs(1), "the G1 load waited {g1_load:?} behind a stalled spill");

@@ -289,11 +289,30 @@ async fn a_stalled_watcher_gets_lagged_while_the_node_keeps_serving_in_bounded_m
 async fn the_cli_prints_one_line_per_event_and_the_route() {
     let server = ServerProcess::start(&["--dram-capacity", "64MiB", "--node-id", "cli-node"]);
     let addr = server.grpc_addr();
-    let events = std::process::Command::new(kvtier_bin())
+    /// The CLI's process, killed if the test ends before it does.
+    struct Cli(std::process::Child);
+    impl Drop for Cli {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut events = Cli(std::process::Command::new(kvtier_bin())
         .args(["events", "--server", &addr, "--count", "2"])
         .stdout(std::process::Stdio::piped())
         .spawn()
-        .unwrap();
+        .unwrap());
+    // Its lines as they come (a thread reads them), so that the test waits with a deadline.
+    let (tx, lines) = std::sync::mpsc::channel();
+    let stdout = events.0.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
     // The CLI's default namespace; wait until its watch is open.
     let deadline = Instant::now() + Duration::from_secs(10);
     while metric(&server.scrape(), "kvtier_event_watchers", &[]) < 1.0 {
@@ -301,18 +320,23 @@ async fn the_cli_prints_one_line_per_event_and_the_route() {
         std::thread::sleep(Duration::from_millis(20));
     }
     let seq = |r: std::ops::Range<u32>| r.map(|i| i.to_string()).collect::<Vec<_>>().join(",");
-    let (ok, _, err) = cli(&["put", "--server", &addr, "--tokens", &seq(0..16)]);
-    assert!(ok, "{err}");
-    std::thread::sleep(Duration::from_millis(100));
-    let (ok, _, err) = cli(&["put", "--server", &addr, "--tokens", &seq(100..116)]);
-    assert!(ok, "{err}");
-    let out = tokio::task::spawn_blocking(move || events.wait_with_output().unwrap()).await.unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    let lines: Vec<&str> = text.lines().collect();
-    assert_eq!(lines.len(), 2, "{text}");
-    for l in &lines {
-        assert!(l.starts_with("cli-node ") && l.contains(" stored ") && l.contains("tier=dram keys=1 "), "{text}");
+    // The second put after the first one's line: two events, however slow the server's batching.
+    let mut seen = Vec::new();
+    for tokens in [seq(0..16), seq(100..116)] {
+        let (ok, _, err) = cli(&["put", "--server", &addr, "--tokens", &tokens]);
+        assert!(ok, "{err}");
+        seen.push(lines.recv_timeout(Duration::from_secs(10)).unwrap_or_else(|e| panic!("{e}; so far {seen:?}")));
     }
+    for l in &seen {
+        assert!(l.starts_with("cli-node ") && l.contains(" stored ") && l.contains("tier=dram keys=1 "), "{seen:?}");
+    }
+    // `--count 2`: it exits after its second line, printing nothing more.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while events.0.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "the CLI did not exit after {seen:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(lines.recv_timeout(Duration::from_secs(5)).is_err(), "nothing past the count");
 
     let file = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(file.path(), (0..40).map(|i| i.to_string()).collect::<Vec<_>>().join(" ")).unwrap();

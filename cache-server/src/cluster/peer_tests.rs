@@ -491,13 +491,22 @@ async fn a_straggling_replica_does_not_set_the_tail_with_auto_hedging() {
         }
         p50_p99(took)
     }
-    let healthy = run(Hedge::Auto, false).await;
-    let hedged = run(Hedge::Auto, true).await;
-    let unhedged = run(Hedge::Off, true).await;
-    eprintln!("p50/p99: healthy {healthy:?}, straggler hedged {hedged:?}, unhedged {unhedged:?}");
-    assert!(unhedged.1 >= Duration::from_millis(100), "the stall shows without hedging: {unhedged:?}");
-    assert!(hedged.1 * 2 < unhedged.1, "hedging cut the stall off the tail: {hedged:?} vs {unhedged:?}");
-    assert!(hedged.1 < healthy.1 * 3, "hedged p99 {:?} vs healthy p99 {:?}", hedged.1, healthy.1);
+    // Up to three tries, as above: the p99 of 200 samples is the second slowest, and a hedged
+    // fetch (the hedge's delay, then the other replica's 2 ms) is already within a scheduling
+    // stall of three times the healthy p99. A hedge that doesn't work fails all three.
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        let healthy = run(Hedge::Auto, false).await;
+        let hedged = run(Hedge::Auto, true).await;
+        let unhedged = run(Hedge::Off, true).await;
+        eprintln!("p50/p99: healthy {healthy:?}, straggler hedged {hedged:?}, unhedged {unhedged:?}");
+        assert!(unhedged.1 >= Duration::from_millis(100), "the stall shows without hedging: {unhedged:?}");
+        if hedged.1 * 2 < unhedged.1 && hedged.1 < healthy.1 * 3 {
+            return;
+        }
+        seen.push((healthy.1, hedged.1, unhedged.1));
+    }
+    panic!("hedging left the stall on the tail in every try (p99 healthy, hedged, unhedged): {seen:?}");
 }
 
 #[test]

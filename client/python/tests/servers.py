@@ -55,12 +55,28 @@ class KvServer:
                 raise RuntimeError(f"kvtier serve did not start: {seen}")
             time.sleep(0.2)
 
+    def metrics(self):
+        """This server's Prometheus text."""
+        url = self.metrics_addr if self.metrics_addr.startswith("http") else f"http://{self.metrics_addr}"
+        return urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+
     def served(self, op):
         """Requests of `op` this server answered since it started (its Prometheus counter)."""
-        url = self.metrics_addr if self.metrics_addr.startswith("http") else f"http://{self.metrics_addr}"
-        text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in self.metrics().splitlines()
                    if line.startswith("kvtier_requests_total{") and f'op="{op}"' in line)
+
+    def until_demoted(self, timeout_s=30.0):
+        """Waits until nothing is queued for the disk tier (`kvtier_disk_queue_depth` is 0): what
+        DRAM evicted is on disk, so a kill now loses none of it."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            depth = [float(line.rsplit(" ", 1)[1]) for line in self.metrics().splitlines()
+                     if line.startswith("kvtier_disk_queue_depth")]
+            if not depth or depth[0] == 0.0:  # absent: nothing was ever queued
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the demotion queue did not drain: depth {depth}")
+            time.sleep(0.02)
 
     def kill(self):
         """SIGKILL: no goodbye to clients, as a crash or an OOM kill."""

@@ -191,7 +191,7 @@ def test_server_killed_mid_run_then_restarted(tmp_path):
         tier.submit_store(job(2, rand_keys(400, seed=20), range(100, 500)))
         assert collect(tier, {2}, JOB_DEADLINE + 5)[2].success
         assert tier_lookup(tier, keys, "r1")[0] == [HIT] * 4
-        time.sleep(0.5)  # the demotion queue drains
+        srv.until_demoted()
 
         srv.kill()
 
