@@ -34,6 +34,7 @@ mod conn;
 mod connector;
 mod engine;
 mod error;
+mod halves;
 pub mod near;
 mod polled;
 mod quic;
