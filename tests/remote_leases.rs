@@ -13,7 +13,7 @@
 //! serves on.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvtier_agent::mover::loopback::{LoopbackFabric, LoopbackMover, LoopbackRegion};
@@ -25,7 +25,7 @@ use kvtier_client::{
 use kvtier_proto::dataplane::SlotDescriptor;
 use kvtier_proto::{BlockFrame, BlockKey, FrameHeader};
 use kvtier_server::config::{ByteSize, DurationStr};
-use kvtier_server::fabric::MAX_REMOTE_LEASES;
+use kvtier_server::fabric::{MAX_REMOTE_LEASES, WRITE_QUARANTINE};
 use kvtier_server::{RunningServer, ServerConfig};
 use kvtier_tests::fabric::{connect_peer, peer_endpoint, ArenaOnLoopback};
 use kvtier_tests::*;
@@ -116,6 +116,38 @@ fn granted(g: &PutGrant) -> kvtier_proto::dataplane::LeaseGrant {
 
 async fn loaded(client: &KvClient, ns: &NamespaceHandle, keys: &[BlockKey]) -> Vec<Option<Bytes>> {
     client.load_keys(ns, keys).await.unwrap().into_iter().map(|f| f.map(|f| f.payload)).collect()
+}
+
+/// Waits (up to `within`) until `done` holds: the node's connection tasks act on their own time.
+async fn until(within: Duration, what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + within;
+    while !done() {
+        assert!(Instant::now() < deadline, "not within {within:?}: {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Writes `bytes` into `slot` through `peer` until the write is refused (up to 10 s), and the
+/// refusal: the node drops a connection's endpoint when its task sees the connection end, a
+/// little after the client closed it. (The writes before that land in the slot the peer leased.)
+async fn until_cut_off(peer: &Peer, slot: &SlotDescriptor, bytes: &[u8]) -> AgentError {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match peer.put(slot, bytes) {
+            Err(e) => return e,
+            Ok(()) => {
+                assert!(Instant::now() < deadline, "the peer still reaches the arena 10 s after its connection closed")
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Waits until a lease granted before `granted_by` is past its `ttl` on the node's clock (the
+/// same clock: the node runs in this process), and a little more. A lease's end can't be polled
+/// for: a commit or `END_GET` before its deadline would end it early.
+async fn past_deadline(granted_by: Instant, ttl: Duration) {
+    tokio::time::sleep_until((granted_by + ttl + Duration::from_millis(100)).into()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -226,10 +258,11 @@ async fn bad_writes_and_bad_ids_are_refused_and_nothing_refused_is_seen() {
     assert_eq!(st[0], PutGrant::Refused(ItemStatus::UnknownNamespace));
     let g2 = granted(&st[1]);
 
-    // A peer that leaves before its commit: nothing it wrote becomes visible.
+    // A peer that leaves before its commit: nothing it wrote becomes visible, once the node has
+    // seen its connection end.
     peer.put(&g2.slot, &blocks[2].payload).unwrap();
     drop(session);
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    until_cut_off(&peer, &g2.slot, &blocks[2].payload).await;
     assert_eq!(s.client.exists_keys(&s.ns, &keys[2..3]).await.unwrap(), vec![false]);
 
     // The node serves on: the same block leased, written and committed on a new connection.
@@ -258,16 +291,25 @@ async fn leases_past_their_deadline_end_and_their_commits_are_refused() {
     };
     let arena = s.server.state.arena_access().unwrap().clone();
     assert_eq!(arena.read_leased_bytes(), s.ns.block_bytes(), "the read lease is counted");
-    tokio::time::sleep(Duration::from_millis(600)).await;
-    // The connection woke at the deadline with nothing sent: the read lease is over already.
-    assert_eq!(arena.read_leased_bytes(), 0);
-    // Committed late: refused.
+    // The connection wakes at the deadline with nothing sent: the read lease ends then.
+    until(Duration::from_secs(10), "the read lease ends at its deadline", || arena.read_leased_bytes() == 0).await;
+    // Committed late (its deadline came before the read lease's): refused.
     assert_eq!(session.commit(&[late.lease]).await.unwrap(), vec![ItemStatus::NoLease]);
-    // A lease granted now is fresh.
-    let fresh = granted(&session.lease_put(&[blocks[2].header]).await.unwrap()[0]);
-    peer.put(&fresh.slot, &blocks[2].payload).unwrap();
-    let st = session.commit(&[reaped.lease, fresh.lease]).await.unwrap();
-    assert_eq!(st, vec![ItemStatus::NoLease, ItemStatus::Ok]);
+    // A lease granted now is fresh. It too lasts 300 ms, less the node's commit margin of 30 ms:
+    // a machine so busy that the grant, the write and the commit took longer than that tries
+    // again with another.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let asked = Instant::now();
+        let fresh = granted(&session.lease_put(&[blocks[2].header]).await.unwrap()[0]);
+        peer.put(&fresh.slot, &blocks[2].payload).unwrap();
+        let st = session.commit(&[reaped.lease, fresh.lease]).await.unwrap();
+        if st[1] == ItemStatus::NoLease && asked.elapsed() >= Duration::from_millis(270) && Instant::now() < deadline {
+            continue;
+        }
+        assert_eq!(st, vec![ItemStatus::NoLease, ItemStatus::Ok]);
+        break;
+    }
     assert_eq!(session.end_get(&[read.lease]).await.unwrap(), vec![ItemStatus::NoLease], "the read lease ended too");
     let keys: Vec<BlockKey> = blocks.iter().map(|b| b.header.key).collect();
     assert_eq!(s.client.exists_keys(&s.ns, &keys).await.unwrap(), vec![false, false, true, true]);
@@ -314,8 +356,10 @@ async fn a_connection_holds_at_most_its_lease_limit_and_the_node_its_read_leased
     assert_eq!(arena.read_leased_bytes(), 8 << 20);
     // Connections that end give their bytes back.
     drop((session, other));
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(arena.read_leased_bytes(), 0);
+    until(Duration::from_secs(10), "the ended connections give their read-leased bytes back", || {
+        arena.read_leased_bytes() == 0
+    })
+    .await;
     s.server.stop(T).await.unwrap();
 }
 
@@ -333,6 +377,7 @@ async fn peers_write_leases_hold_half_the_lease_budget_and_plain_puts_keep_the_r
     let mut second = connected_peer(&s.client, &peer).await;
     // Peers ask for more than the whole budget: they get their half, whichever connection asks.
     let a = first.lease_put(&headers[..100]).await.unwrap();
+    let a_granted = Instant::now();
     let b = second.lease_put(&headers[100..130]).await.unwrap();
     let grants = a.iter().chain(&b).filter(|g| matches!(g, PutGrant::Granted(_))).count();
     assert_eq!(grants, 64, "{a:?} {b:?}");
@@ -350,12 +395,16 @@ async fn peers_write_leases_hold_half_the_lease_budget_and_plain_puts_keep_the_r
     assert!(matches!(last[0], PutGrant::Granted(_)), "{last:?}");
     assert_eq!(arena.write_leased_bytes(), 2 << 20);
     // Past their deadline the leases end (a commit finds none), but their slots stay counted
-    // while quarantined (a late write may still land in them), and are given back after.
-    tokio::time::sleep(Duration::from_millis(3500)).await;
+    // while quarantined (a late write may still land in them: for 5 s from the deadline at the
+    // soonest, so the check right after the commit has seconds to spare), and are given back
+    // after.
+    past_deadline(a_granted, Duration::from_secs(3)).await;
     assert_eq!(first.commit(&[granted(&a[1]).lease]).await.unwrap(), vec![ItemStatus::NoLease]);
     assert_eq!(arena.write_leased_bytes(), 2 << 20);
-    tokio::time::sleep(kvtier_server::fabric::WRITE_QUARANTINE).await;
-    assert_eq!(arena.write_leased_bytes(), 0);
+    until(WRITE_QUARANTINE + Duration::from_secs(10), "the quarantined slots are given back", || {
+        arena.write_leased_bytes() == 0
+    })
+    .await;
     assert_eq!(loaded(&s.client, &s.ns, &[blocks[0].header.key]).await, vec![Some(blocks[0].payload.clone())]);
     drop((first, second));
     s.server.stop(T).await.unwrap();
@@ -466,8 +515,7 @@ async fn a_peer_is_cut_off_with_its_connection_and_a_late_write_lands_in_no_othe
     let mut session = connected_peer(&s.client, &peer).await;
     let gone = granted(&session.lease_put(&[blocks[0].header]).await.unwrap()[0]);
     drop(session);
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    let e = peer.put(&gone.slot, &blocks[0].payload).unwrap_err();
+    let e = until_cut_off(&peer, &gone.slot, &blocks[0].payload).await;
     assert!(matches!(&e, AgentError::RemoteAccess(m) if m.contains("connection")), "{e:?}");
 
     // A lease that passed its deadline while its peer stays connected: revoked, its slot kept
@@ -475,7 +523,7 @@ async fn a_peer_is_cut_off_with_its_connection_and_a_late_write_lands_in_no_othe
     let other = Peer::new(&s.fabric, s.ns.block_bytes() as usize);
     let mut session = connected_peer(&s.client, &other).await;
     let late = granted(&session.lease_put(&[blocks[1].header]).await.unwrap()[0]);
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    past_deadline(Instant::now(), Duration::from_millis(300)).await;
     // Stored now, it would take the late lease's slot, were that slot free.
     assert_eq!(s.client.store_frames(&blocks[2..]).await.unwrap(), vec![ItemStatus::Ok]);
     other.put(&late.slot, &vec![0xEE; late.slot.len as usize]).unwrap();

@@ -89,10 +89,30 @@ impl RedisProc {
     }
 
     /// Freezes (`SIGSTOP`) or thaws (`SIGCONT`) the server: connections stay open, nothing answers.
+    /// A freeze returns once every thread of the server is stopped (within 5 s, or it panics):
+    /// `kill` returns before that, and until the kernel has stopped them all, the server's other
+    /// threads may still answer.
     pub fn freeze(&self, frozen: bool) {
         use rustix::process::{kill_process, Pid, Signal};
         let child = self.child.as_ref().expect("redis-server is running");
         kill_process(Pid::from_child(child), if frozen { Signal::STOP } else { Signal::CONT }).unwrap();
+        if !frozen {
+            return;
+        }
+        let pid = child.id();
+        let stopped = || {
+            let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return false };
+            tasks.flatten().all(|t| {
+                let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+                // The state follows the command's closing parenthesis.
+                stat.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('T'))
+            })
+        };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !stopped() {
+            assert!(Instant::now() < deadline, "redis-server (pid {pid}) did not stop within 5 s");
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     /// A blocking connection.
