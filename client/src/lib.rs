@@ -34,7 +34,6 @@ mod conn;
 mod connector;
 mod engine;
 mod error;
-mod halves;
 pub mod near;
 mod polled;
 mod quic;

@@ -27,19 +27,24 @@
 //! the I/O driver's thread first and the caller through it, while the process has few calls in
 //! flight ([`kernel_wait_limit`]).
 //!
-//! Both kinds of socket come as [`crate::halves`]: registered with the runtime for read readiness
-//! only while a read waits through the driver, so that an answer a caller thread takes by
-//! `poll(2)`, or a call takes by polling, wakes nobody else.
+//! A TCP connection is registered with the runtime for what its waits need, not for everything:
+//! its send half ([`TcpSend`]) for write readiness only, its receive half for read readiness only
+//! while a read waits through the driver. An answer that a caller thread takes by `poll(2)`, or a
+//! call takes by polling, then wakes nobody else: the driver's thread, sleeping in `epoll_wait`,
+//! is not woken for bytes it has no waiter for (edge-triggered epoll fires on every arrival of a
+//! registered socket).
 
 use std::cell::Cell;
+use std::io::Write;
+use std::os::fd::{AsFd, AsRawFd, RawFd};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, ReadBuf};
-
-use crate::halves::{RecvHalf, SendHalf};
+use tokio::io::unix::AsyncFd;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, Interest, ReadBuf};
+use tokio::net::UnixStream;
 
 use crate::wait::{WaitTicket, Waits, SAMENODE_WAITS, TCP_STORE_WAITS, TCP_WAITS};
 
@@ -201,14 +206,9 @@ fn kernel_wait_limit() -> usize {
     *LIMIT.get_or_init(|| 2 * std::thread::available_parallelism().map_or(1, usize::from))
 }
 
-/// The socket of a same-node connection.
-type SameNodeSocket = std::os::unix::net::UnixStream;
-
 /// A same-node connection's socket with the bytes polled ahead of its reads.
 pub(crate) struct PolledSocket {
-    /// Registered for read readiness only while a read waits through the driver.
-    recv: RecvHalf<SameNodeSocket>,
-    send: SendHalf<SameNodeSocket>,
+    sock: UnixStream,
     /// The calls in flight this connection's calls count among ([`IN_FLIGHT`]).
     flights: &'static AtomicUsize,
     /// Whether its calls poll or park ([`SAMENODE_WAITS`]).
@@ -224,20 +224,13 @@ pub(crate) struct PolledSocket {
 }
 
 impl PolledSocket {
-    /// The connection's socket, once it has said hello.
-    pub(crate) fn new(sock: tokio::net::UnixStream) -> std::io::Result<Self> {
+    pub(crate) fn new(sock: UnixStream) -> Self {
         Self::counted_in(sock, &IN_FLIGHT, &SAMENODE_WAITS)
     }
 
-    fn counted_in(
-        sock: tokio::net::UnixStream,
-        flights: &'static AtomicUsize,
-        waits: &'static Waits,
-    ) -> std::io::Result<Self> {
-        let (recv, send) = crate::halves::split_unix(sock)?;
-        Ok(PolledSocket {
-            recv,
-            send,
+    fn counted_in(sock: UnixStream, flights: &'static AtomicUsize, waits: &'static Waits) -> Self {
+        PolledSocket {
+            sock,
             flights,
             waits,
             rx: vec![0u8; RX_BYTES].into_boxed_slice(),
@@ -245,7 +238,7 @@ impl PolledSocket {
             end: 0,
             armed: false,
             kernel_waits: 0,
-        })
+        }
     }
 
     /// Counts a call in flight on this connection until the guard drops (after its answer).
@@ -278,18 +271,14 @@ impl PolledSocket {
         self.flights.load(Ordering::Acquire) <= 1
     }
 
-    /// The send half, for what bypasses the byte stream (a message with a descriptor attached).
-    pub(crate) fn sender(&mut self) -> &mut SendHalf<SameNodeSocket> {
-        &mut self.send
+    /// The socket itself, for what bypasses the polled reads (sending a descriptor, closing).
+    /// Any bytes polled ahead are still read first by [`PolledSocket::read_exact`].
+    pub(crate) fn inner(&mut self) -> &mut UnixStream {
+        &mut self.sock
     }
 
     pub(crate) async fn write_all(&mut self, bytes: &[u8]) -> std::io::Result<()> {
-        self.send.write_all(bytes).await
-    }
-
-    /// Closes this end for writing: the server sees the end of the stream.
-    pub(crate) async fn shutdown(&mut self) -> std::io::Result<()> {
-        self.send.shutdown().await
+        self.sock.write_all(bytes).await
     }
 
     /// Polls the socket for up to `budget`, without parking, until some bytes of the answer
@@ -302,14 +291,14 @@ impl PolledSocket {
         }
         let deadline = Instant::now() + budget;
         loop {
-            match self.recv.recv_slice(&mut self.rx[..]) {
-                Ok(0) => return false,
-                Ok(n) => {
+            match rustix::net::recv(self.sock.as_fd(), &mut self.rx[..], rustix::net::RecvFlags::DONTWAIT) {
+                Ok((0, _)) => return false,
+                Ok((n, _)) => {
                     self.start = 0;
                     self.end = n;
                     return true;
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                Err(rustix::io::Errno::AGAIN) => {
                     if !self.alone() || Instant::now() >= deadline {
                         return false;
                     }
@@ -317,6 +306,7 @@ impl PolledSocket {
                     // the task is polled again at once, without parking.
                     tokio::task::yield_now().await;
                 }
+                Err(rustix::io::Errno::INTR) => {}
                 Err(_) => return false,
             }
         }
@@ -330,31 +320,29 @@ impl PolledSocket {
         if n < out.len() && self.armed && may_wait_in_kernel(self.flights) {
             let mut held = KernelWaits::default();
             while n < out.len() {
-                match self.recv.recv_slice(&mut out[n..]) {
-                    Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-                    Ok(got) => n += got,
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                match rustix::net::recv(self.sock.as_fd(), &mut out[n..], rustix::net::RecvFlags::DONTWAIT) {
+                    Ok((0, _)) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                    Ok((got, _)) => n += got,
+                    Err(rustix::io::Errno::AGAIN) => {
                         // Past a slice of sleeps, or a slice without bytes: the call's deadline
                         // is looked at, then back here.
                         if held.must_let_go() {
                             tokio::task::yield_now().await;
+                        } else if sleep_until_readable(self.sock.as_fd())? {
+                            self.kernel_waits += 1;
                         } else {
-                            self.recv.unregister();
-                            if sleep_until_readable(self.recv.fd())? {
-                                self.kernel_waits += 1;
-                            } else {
-                                held = KernelWaits::default();
-                                tokio::task::yield_now().await;
-                            }
+                            held = KernelWaits::default();
+                            tokio::task::yield_now().await;
                         }
                     }
-                    Err(e) => return Err(e),
+                    Err(rustix::io::Errno::INTR) => {}
+                    Err(e) => return Err(e.into()),
                 }
             }
             return Ok(());
         }
         if n < out.len() {
-            self.recv.read_exact(&mut out[n..]).await?;
+            self.sock.read_exact(&mut out[n..]).await?;
         }
         Ok(())
     }
@@ -367,15 +355,71 @@ impl PolledSocket {
             self.start += n;
             return Ok(n);
         }
-        self.recv.read(out).await
+        self.sock.read(out).await
     }
 }
 
-/// Splits a connected TCP stream into its receive half (polled, see [`PolledRead`]) and its send
-/// half ([`crate::halves`]).
-pub(crate) fn split_tcp(sock: tokio::net::TcpStream) -> std::io::Result<(PolledRead, SendHalf<std::net::TcpStream>)> {
-    let (recv, send) = crate::halves::split_tcp(sock)?;
-    Ok((PolledRead::new(recv), send))
+/// Splits a connected TCP stream into its receive half and its send half, each on its own
+/// descriptor of the socket, registered with the runtime only for what it waits on (see the
+/// module's comment).
+pub(crate) fn split_tcp(sock: tokio::net::TcpStream) -> std::io::Result<(PolledRead, TcpSend)> {
+    // Non-blocking, as tokio left it; the duplicate shares that (a file status flag).
+    let send = sock.into_std()?;
+    let recv = send.try_clone()?;
+    Ok((PolledRead::new(recv), TcpSend::new(send)?))
+}
+
+/// A TCP data-plane connection's send half, registered with the runtime for write readiness
+/// only: bytes arriving on the socket never wake the I/O driver for it.
+pub(crate) struct TcpSend(AsyncFd<std::net::TcpStream>);
+
+impl TcpSend {
+    fn new(sock: std::net::TcpStream) -> std::io::Result<Self> {
+        // SAFETY: the `AsyncFd` owns `sock`, whose descriptor stays open and the same until the
+        // `AsyncFd` drops (it deregisters first, then closes it).
+        Ok(TcpSend(unsafe { AsyncFd::register_with_interest(sock, Interest::WRITABLE) }?))
+    }
+
+    /// Writes with `op` once the socket has room, waiting through the driver while it has none.
+    fn poll_send(
+        &self,
+        cx: &mut Context<'_>,
+        mut op: impl FnMut(&std::net::TcpStream) -> std::io::Result<usize>,
+    ) -> Poll<std::io::Result<usize>> {
+        loop {
+            let mut ready = std::task::ready!(self.0.poll_write_ready(cx))?;
+            if let Ok(done) = ready.try_io(|s| op(s.get_ref())) {
+                return Poll::Ready(done);
+            }
+        }
+    }
+}
+
+impl AsyncWrite for TcpSend {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        self.poll_send(cx, |mut s| s.write(buf))
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        self.poll_send(cx, |mut s| s.write_vectored(bufs))
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        // Nothing is buffered here: a write is in the socket when it returns.
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(self.0.get_ref().shutdown(std::net::Shutdown::Write))
+    }
 }
 
 /// A TCP data-plane connection's receive half, whose reads poll the socket while a call has armed
@@ -386,10 +430,13 @@ pub(crate) fn split_tcp(sock: tokio::net::TcpStream) -> std::io::Result<(PolledR
 /// does, for the rest of the call (on a caller's thread, in the kernel instead while they may).
 /// Disarmed, its reads wait through the driver.
 pub(crate) struct PolledRead {
-    /// The socket: registered for read readiness when a read first waits through the driver,
-    /// unregistered when one waits in the kernel instead, so that while a caller thread takes
-    /// its answers by `poll(2)` their arrivals do not wake the driver too.
-    recv: RecvHalf<std::net::TcpStream>,
+    /// The socket's registration for read readiness: made when a read first waits through the
+    /// driver, dropped when one waits in the kernel instead, so that while a caller thread takes
+    /// its answers by `poll(2)` their arrivals do not wake the driver too. Declared before
+    /// `sock`, so that it is dropped (deregistered) while the descriptor is still open.
+    driver: Option<AsyncFd<RawFd>>,
+    /// The socket, on a descriptor of its own (the send half has another).
+    sock: std::net::TcpStream,
     flights: &'static AtomicUsize,
     /// Whether its calls poll or park ([`TCP_WAITS`]).
     waits: &'static Waits,
@@ -410,13 +457,14 @@ pub(crate) struct PolledRead {
 }
 
 impl PolledRead {
-    fn new(recv: RecvHalf<std::net::TcpStream>) -> Self {
-        Self::counted_in(recv, &IN_FLIGHT, &TCP_WAITS)
+    pub(crate) fn new(sock: std::net::TcpStream) -> Self {
+        Self::counted_in(sock, &IN_FLIGHT, &TCP_WAITS)
     }
 
-    fn counted_in(recv: RecvHalf<std::net::TcpStream>, flights: &'static AtomicUsize, waits: &'static Waits) -> Self {
+    fn counted_in(sock: std::net::TcpStream, flights: &'static AtomicUsize, waits: &'static Waits) -> Self {
         PolledRead {
-            recv,
+            driver: None,
+            sock,
             flights,
             waits,
             ticket: None,
@@ -474,13 +522,62 @@ impl PolledRead {
     /// One non-blocking `recv` into `buf`'s unfilled part, counted as polled: `Ready` with what
     /// came (nothing at the end of the stream) or an error, `Pending` when nothing is there yet.
     fn try_recv(&mut self, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
-        match self.recv.recv(buf) {
+        match recv_into(&self.sock, buf) {
             Ok(n) => {
                 self.polled += n as u64;
                 Poll::Ready(Ok(()))
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Poll::Pending,
             Err(e) => Poll::Ready(Err(e)),
+        }
+    }
+
+    /// A read that waits through the I/O driver, registering the socket for read readiness
+    /// first if it is not.
+    fn read_through_driver(&mut self, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        let driver = match self.driver.take() {
+            Some(driver) => driver,
+            None => {
+                let fd = self.sock.as_raw_fd();
+                // SAFETY: `fd` is `self.sock`'s, open until `self` drops; the registration lives
+                // in `self.driver`, which is dropped before `self.sock` (the fields' order) and
+                // otherwise only ever emptied, so it never outlives the descriptor.
+                unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }?
+            }
+        };
+        let driver = self.driver.insert(driver);
+        loop {
+            let mut ready = std::task::ready!(driver.poll_read_ready(cx))?;
+            if let Ok(done) = ready.try_io(|_| recv_into(&self.sock, buf)) {
+                return Poll::Ready(done.map(|_| ()));
+            }
+        }
+    }
+
+    /// Whether the socket is registered for read readiness now.
+    #[cfg(test)]
+    fn registered(&self) -> bool {
+        self.driver.is_some()
+    }
+}
+
+/// One non-blocking `recv` from `sock` into `buf`'s unfilled part: how many bytes came (0 at the
+/// end of the stream), `WouldBlock` when none are there yet.
+fn recv_into(sock: &std::net::TcpStream, buf: &mut ReadBuf<'_>) -> std::io::Result<usize> {
+    loop {
+        // SAFETY: `recv` only writes into the slice, never de-initializing a byte of it, and
+        // `init` is the part it wrote, which is what `assume_init` and `advance` are told.
+        let unfilled = unsafe { buf.unfilled_mut() };
+        match rustix::net::recv(sock.as_fd(), unfilled, rustix::net::RecvFlags::DONTWAIT) {
+            Ok(((init, _), _)) => {
+                let n = init.len();
+                // SAFETY: `recv` initialized these `n` bytes of the unfilled part (above).
+                unsafe { buf.assume_init(n) };
+                buf.advance(n);
+                return Ok(n);
+            }
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
         }
     }
 }
@@ -510,7 +607,10 @@ impl AsyncRead for PolledRead {
         if this.armed && buf.remaining() > 0 && may_wait_in_kernel(this.flights) {
             return this.wait_in_kernel(cx, buf);
         }
-        Pin::new(&mut this.recv).poll_read(cx, buf)
+        if buf.remaining() == 0 {
+            return Poll::Ready(Ok(()));
+        }
+        this.read_through_driver(cx, buf)
     }
 }
 
@@ -528,8 +628,8 @@ impl PolledRead {
                 cx.waker().wake_by_ref();
                 return Poll::Pending;
             }
-            self.recv.unregister();
-            match sleep_until_readable(self.recv.fd()) {
+            self.driver = None;
+            match sleep_until_readable(self.sock.as_fd()) {
                 // Readable, hung up or failed: the `recv` above says which.
                 Ok(true) => self.kernel_waits += 1,
                 // Nothing yet: polled again at once (the thread runs nothing else).
@@ -589,7 +689,6 @@ fn sleep_until_readable(fd: std::os::fd::BorrowedFd<'_>) -> std::io::Result<bool
 mod tests {
     use super::*;
     use crate::wait::Wait;
-    use tokio::net::UnixStream;
 
     /// Calls that always poll: tests of what polling does.
     static ALWAYS_POLL: Waits = Waits::fixed(Wait::Poll);
@@ -609,7 +708,7 @@ mod tests {
     async fn a_call_polls_only_while_it_is_the_only_one_in_flight() {
         static FLIGHTS: AtomicUsize = AtomicUsize::new(0);
         let (ours, _theirs) = UnixStream::pair().unwrap();
-        let mut s = PolledSocket::counted_in(ours, &FLIGHTS, &ALWAYS_POLL).unwrap();
+        let mut s = PolledSocket::counted_in(ours, &FLIGHTS, &ALWAYS_POLL);
         let mine = s.in_flight();
         let other = s.in_flight();
         let t = Instant::now();
@@ -626,7 +725,7 @@ mod tests {
     #[tokio::test]
     async fn bytes_polled_ahead_are_read_first_and_the_rest_from_the_socket() {
         let (ours, mut theirs) = UnixStream::pair().unwrap();
-        let mut s = PolledSocket::new(ours).unwrap();
+        let mut s = PolledSocket::new(ours);
         theirs.write_all(b"0123456789").await.unwrap();
         assert!(s.poll_for_answer(Duration::from_secs(5)).await, "bytes already there are found");
         theirs.write_all(b"abcde").await.unwrap();
@@ -652,9 +751,10 @@ mod tests {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let ours = tokio::net::TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
         let (theirs, _) = l.accept().await.unwrap();
-        let (r, w) = crate::halves::split_tcp(ours).unwrap();
+        let (r, w) = split_tcp(ours).unwrap();
         std::mem::forget(w); // the send half stays open for the test's length
-        (PolledRead::counted_in(r, flights, waits), theirs)
+        let PolledRead { sock, .. } = r;
+        (PolledRead::counted_in(sock, flights, waits), theirs)
     }
 
     /// An armed call alone in flight takes its whole answer by polling `recv`s, also what comes
@@ -786,7 +886,7 @@ mod tests {
         drop(flight);
 
         let (ours, _theirs) = UnixStream::pair().unwrap();
-        let s = PolledSocket::counted_in(ours, &FLIGHTS, &PARK).unwrap();
+        let s = PolledSocket::counted_in(ours, &FLIGHTS, &PARK);
         let flight = s.in_flight();
         let (budget, ticket) = s.choose_wait(Duration::from_secs(5));
         assert_eq!(budget, Duration::ZERO, "a same-node call chosen to park polls for nothing");
@@ -893,14 +993,14 @@ mod tests {
             got
         };
 
-        assert!(!r.recv.registered(), "nothing has waited through the driver yet");
+        assert!(!r.registered(), "nothing has waited through the driver yet");
         let writer = late(theirs, b"late");
         let t = Instant::now();
         let got = on_caller_thread(|| alone(&mut r));
         assert_eq!(&got, b"late");
         assert!(t.elapsed() >= Duration::from_millis(40));
         assert_eq!(r.kernel_waits, 1, "the bytes woke the thread's own wait");
-        assert!(!r.recv.registered(), "a wait in the kernel registers nothing");
+        assert!(!r.registered(), "a wait in the kernel registers nothing");
         assert_eq!(CALLER_THREAD.with(Cell::get).armed, 0);
         assert!(!CALLER_THREAD.with(Cell::get).on, "the thread is an ordinary one again");
 
@@ -921,7 +1021,7 @@ mod tests {
         });
         assert_eq!((&got1, &got2), (b"str1", b"str2"));
         assert_eq!((r.kernel_waits, r2.kernel_waits), (1, 0), "joined reads waited through the driver");
-        assert!(r.recv.registered() && r2.recv.registered(), "for which they registered");
+        assert!(r.registered() && r2.registered(), "for which they registered");
 
         let writer = late(rt.block_on(w1).unwrap(), b"off!");
         assert_eq!(&alone(&mut r), b"off!");
@@ -939,7 +1039,7 @@ mod tests {
         let writer = late(rt.block_on(writer).unwrap(), b"back");
         assert_eq!(&on_caller_thread(|| alone(&mut r)), b"back");
         assert_eq!(r.kernel_waits, 2, "the bytes woke the thread's own wait");
-        assert!(!r.recv.registered(), "the registration was dropped before the wait in the kernel");
+        assert!(!r.registered(), "the registration was dropped before the wait in the kernel");
         drop((rt.block_on(writer), rt.block_on(w2)));
         assert_eq!(FLIGHTS.load(Ordering::Acquire), 0);
     }
@@ -987,10 +1087,8 @@ mod tests {
     fn a_same_node_exchange_on_a_caller_thread_waits_in_the_kernel_until_its_deadline() {
         static FLIGHTS: AtomicUsize = AtomicUsize::new(0);
         let rt = caller_runtime();
-        // Sockets are registered with the runtime they are made in.
-        let _in_rt = rt.enter();
-        let (ours, theirs) = UnixStream::pair().unwrap();
-        let mut s = PolledSocket::counted_in(ours, &FLIGHTS, &SAMENODE_WAITS).unwrap();
+        let (ours, theirs) = rt.block_on(async { UnixStream::pair() }).unwrap();
+        let mut s = PolledSocket::counted_in(ours, &FLIGHTS, &SAMENODE_WAITS);
         let late = |mut peer: UnixStream, what: &'static [u8]| {
             rt.spawn(async move {
                 peer.write_all(&what[..2]).await.unwrap();
@@ -1010,7 +1108,6 @@ mod tests {
         .unwrap();
         assert_eq!(&got, b"answer");
         assert_eq!(s.kernel_waits, 1, "the late bytes woke the thread's own wait");
-        assert!(!s.recv.registered(), "nothing waited through the driver");
         assert!(!s.armed && FLIGHTS.load(Ordering::Acquire) == 0);
 
         let (cut, took) = caller_exchange::<4>(&rt, &mut s, Duration::from_millis(100));
@@ -1018,8 +1115,8 @@ mod tests {
         assert!(took >= Duration::from_millis(100) && took < Duration::from_secs(2), "cut after {took:?}");
 
         // A byte every 2 ms (1,000 bytes: 2 s) is cut by the deadline too.
-        let (ours, peer) = UnixStream::pair().unwrap();
-        let mut trickled = PolledSocket::counted_in(ours, &FLIGHTS, &SAMENODE_WAITS).unwrap();
+        let (ours, peer) = rt.block_on(async { UnixStream::pair() }).unwrap();
+        let mut trickled = PolledSocket::counted_in(ours, &FLIGHTS, &SAMENODE_WAITS);
         let trickling = trickle(&rt, peer);
         let (cut, took) = caller_exchange::<1000>(&rt, &mut trickled, Duration::from_millis(100));
         assert!(cut.is_err(), "the trickle outlasted the deadline: {cut:?}");
@@ -1029,8 +1126,8 @@ mod tests {
         let _ = rt.block_on(trickling);
 
         // A server that dies mid-answer: the sleeping read wakes and says the stream ended.
-        let (ours, peer) = UnixStream::pair().unwrap();
-        let mut orphan = PolledSocket::counted_in(ours, &FLIGHTS, &SAMENODE_WAITS).unwrap();
+        let (ours, peer) = rt.block_on(async { UnixStream::pair() }).unwrap();
+        let mut orphan = PolledSocket::counted_in(ours, &FLIGHTS, &SAMENODE_WAITS);
         let dies = dies_mid_answer(&rt, peer);
         let (res, _) = caller_exchange::<8>(&rt, &mut orphan, Duration::from_secs(5));
         let err = res.expect("the end of the stream, not the deadline").unwrap_err();
@@ -1043,20 +1140,13 @@ mod tests {
         on_caller_thread(|| rt.block_on(s.read_exact(&mut got))).unwrap();
         assert_eq!(&got, b"plain!");
         assert_eq!(s.kernel_waits, 1, "outside an exchange the read parked as any tokio read");
-        assert!(s.recv.registered(), "for which it registered the socket");
-        // The next exchange waits in the kernel again, the registration let go first.
-        let writer = late(rt.block_on(writer).unwrap(), b"again!");
-        let (res, _) = caller_exchange::<6>(&rt, &mut s, Duration::from_secs(5));
-        res.unwrap().unwrap();
-        assert_eq!(s.kernel_waits, 2, "the late bytes woke the thread's own wait");
-        assert!(!s.recv.registered(), "a wait in the kernel leaves the socket unregistered");
         drop(rt.block_on(writer));
     }
 
     #[tokio::test]
     async fn a_poll_with_nothing_to_read_gives_up_after_its_budget_and_the_read_then_waits() {
         let (ours, mut theirs) = UnixStream::pair().unwrap();
-        let mut s = PolledSocket::new(ours).unwrap();
+        let mut s = PolledSocket::new(ours);
         let t = Instant::now();
         assert!(!s.poll_for_answer(Duration::from_millis(20)).await, "nothing was sent");
         let took = t.elapsed();

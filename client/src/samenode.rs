@@ -49,12 +49,11 @@ use memmap2::{MmapMut, MmapOptions};
 use rayon::prelude::*;
 use rustix::fs::{MemfdFlags, SealFlags};
 use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::UnixStream;
 
 use crate::claims::BufferAccess;
 use crate::client::{decode_frame_into, NamespaceHandle};
-use crate::halves::SendHalf;
 use crate::near::FallbackReason;
 use crate::polled::{poll_budget, PolledSocket};
 use crate::ClientError;
@@ -385,9 +384,8 @@ impl SameNode {
         let (sock, version) = tokio::time::timeout(connect_timeout, hellos)
             .await
             .map_err(|_| (FallbackReason::ConnectFailed, ClientError::Timeout(connect_timeout)))??;
-        let sock = PolledSocket::new(sock).map_err(|e| (FallbackReason::ConnectFailed, ClientError::from(e)))?;
         Ok(SameNode {
-            sock,
+            sock: PolledSocket::new(sock),
             path: path.to_path_buf(),
             timeout: request_timeout,
             max_items: max_items.max(1),
@@ -899,7 +897,7 @@ impl SameNode {
     /// [`LEAVE_WAIT`]. Any other failure ended the exchange already.
     async fn settled<T>(&mut self, res: Answer<T>) -> Answer<T> {
         if matches!(res, Err(ClientError::Timeout(_))) {
-            let _ = self.sock.shutdown().await;
+            let _ = self.sock.inner().shutdown().await;
             let mut sink = vec![0u8; 64 * 1024];
             let drained = tokio::time::timeout(LEAVE_WAIT, async {
                 while let Ok(n) = self.sock.read(&mut sink).await {
@@ -971,7 +969,7 @@ async fn guard<T>(
 }
 
 async fn do_register(s: &mut PolledSocket, msg: &[u8], fd: BorrowedFd<'_>, id: u32) -> Answer<ResponseHeader> {
-    send_with_fd(s.sender(), msg, fd).await?;
+    send_with_fd(s.inner(), msg, fd).await?;
     read_header(s, SnOp::Register, id).await
 }
 
@@ -1057,22 +1055,19 @@ async fn do_store(
 }
 
 /// Sends `bytes` with `fd` attached to the first of them (`SCM_RIGHTS`).
-async fn send_with_fd(
-    s: &mut SendHalf<std::os::unix::net::UnixStream>,
-    bytes: &[u8],
-    fd: BorrowedFd<'_>,
-) -> Result<(), ClientError> {
+async fn send_with_fd(s: &mut UnixStream, bytes: &[u8], fd: BorrowedFd<'_>) -> Result<(), ClientError> {
     let sent = loop {
-        let mut ready = s.socket().writable().await?;
+        s.writable().await?;
         let fds = [fd];
         let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
         let mut anc = SendAncillaryBuffer::new(&mut space);
         if !anc.push(SendAncillaryMessage::ScmRights(&fds)) {
             return Err(ClientError::Io("no room for the descriptor in the control message".into()));
         }
-        let r = ready.try_io(|sock| {
+        let sock = &*s;
+        let r = sock.try_io(Interest::WRITABLE, || {
             rustix::net::sendmsg(
-                sock.get_ref(),
+                sock.as_fd(),
                 &[IoSlice::new(bytes)],
                 &mut anc,
                 SendFlags::DONTWAIT | SendFlags::NOSIGNAL,
@@ -1080,10 +1075,9 @@ async fn send_with_fd(
             .map_err(std::io::Error::from)
         });
         match r {
-            Ok(Ok(n)) => break n,
-            Ok(Err(e)) => return Err(e.into()),
-            // Not writable after all: readiness cleared, wait again.
-            Err(_) => continue,
+            Ok(n) => break n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e.into()),
         }
     };
     s.write_all(&bytes[sent..]).await?;
