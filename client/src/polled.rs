@@ -535,17 +535,15 @@ impl PolledRead {
     /// A read that waits through the I/O driver, registering the socket for read readiness
     /// first if it is not.
     fn read_through_driver(&mut self, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
-        let driver = match self.driver.take() {
+        let driver = match &mut self.driver {
             Some(driver) => driver,
-            None => {
-                let fd = self.sock.as_raw_fd();
-                // SAFETY: `fd` is `self.sock`'s, open until `self` drops; the registration lives
-                // in `self.driver`, which is dropped before `self.sock` (the fields' order) and
-                // otherwise only ever emptied, so it never outlives the descriptor.
-                unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }?
+            // SAFETY: the descriptor is `self.sock`'s, open until `self` drops; `self.driver` is
+            // dropped before `self.sock` (the fields' order) and is only ever replaced by `None`,
+            // so the registration never outlives the descriptor.
+            empty => {
+                empty.insert(unsafe { AsyncFd::register_with_interest(self.sock.as_raw_fd(), Interest::READABLE) }?)
             }
         };
-        let driver = self.driver.insert(driver);
         loop {
             let mut ready = std::task::ready!(driver.poll_read_ready(cx))?;
             if let Ok(done) = ready.try_io(|_| recv_into(&self.sock, buf)) {
