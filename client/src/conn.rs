@@ -280,11 +280,9 @@ impl DataConn {
         // the kernel says.
         let _ = kvtier_proto::tcp::tune_data_socket(&sock, addr.ip());
         let pace = PaceSwitch::for_socket(&sock, addr.ip()).map(|p| (sock.as_raw_fd(), p));
-        // Two halves, each on its own descriptor: no lock between the reader and the writer, and
-        // each registered with the runtime only for what it waits on.
-        let (r, w) = crate::polled::split_tcp(sock)
-            .map_err(|e| ClientError::Connect { addr: addr.to_string(), reason: e.to_string() })?;
-        Self::hello(RxHalf::Tcp(r), Box::new(w), token, version, pace).await
+        // TCP's owned halves: no lock between the reader and the writer.
+        let (r, w) = sock.into_split();
+        Self::hello(RxHalf::Tcp(PolledRead::new(r)), Box::new(w), token, version, pace).await
     }
 
     /// Connects over TLS (`dial`: the rustls configuration and the name the node's certificate

@@ -26,24 +26,16 @@
 //! its socket, TCP or same-node — so the arriving bytes wake that thread directly, rather than
 //! the I/O driver's thread first and the caller through it, while the process has few calls in
 //! flight ([`kernel_wait_limit`]).
-//!
-//! A TCP connection is registered with the runtime for what its waits need, not for everything:
-//! its send half ([`TcpSend`]) for write readiness only, its receive half for read readiness only
-//! while a read waits through the driver. An answer that a caller thread takes by `poll(2)`, or a
-//! call takes by polling, then wakes nobody else: the driver's thread, sleeping in `epoll_wait`,
-//! is not woken for bytes it has no waiter for (edge-triggered epoll fires on every arrival of a
-//! registered socket).
 
 use std::cell::Cell;
-use std::io::Write;
-use std::os::fd::{AsFd, AsRawFd, RawFd};
+use std::os::fd::AsFd;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use tokio::io::unix::AsyncFd;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, Interest, ReadBuf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, ReadBuf};
+use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::UnixStream;
 
 use crate::wait::{WaitTicket, Waits, SAMENODE_WAITS, TCP_STORE_WAITS, TCP_WAITS};
@@ -359,84 +351,14 @@ impl PolledSocket {
     }
 }
 
-/// Splits a connected TCP stream into its receive half and its send half, each on its own
-/// descriptor of the socket, registered with the runtime only for what it waits on (see the
-/// module's comment).
-pub(crate) fn split_tcp(sock: tokio::net::TcpStream) -> std::io::Result<(PolledRead, TcpSend)> {
-    // Non-blocking, as tokio left it; the duplicate shares that (a file status flag).
-    let send = sock.into_std()?;
-    let recv = send.try_clone()?;
-    Ok((PolledRead::new(recv), TcpSend::new(send)?))
-}
-
-/// A TCP data-plane connection's send half, registered with the runtime for write readiness
-/// only: bytes arriving on the socket never wake the I/O driver for it.
-pub(crate) struct TcpSend(AsyncFd<std::net::TcpStream>);
-
-impl TcpSend {
-    fn new(sock: std::net::TcpStream) -> std::io::Result<Self> {
-        // SAFETY: the `AsyncFd` owns `sock`, whose descriptor stays open and the same until the
-        // `AsyncFd` drops (it deregisters first, then closes it).
-        Ok(TcpSend(unsafe { AsyncFd::register_with_interest(sock, Interest::WRITABLE) }?))
-    }
-
-    /// Writes with `op` once the socket has room, waiting through the driver while it has none.
-    fn poll_send(
-        &self,
-        cx: &mut Context<'_>,
-        mut op: impl FnMut(&std::net::TcpStream) -> std::io::Result<usize>,
-    ) -> Poll<std::io::Result<usize>> {
-        loop {
-            let mut ready = std::task::ready!(self.0.poll_write_ready(cx))?;
-            if let Ok(done) = ready.try_io(|s| op(s.get_ref())) {
-                return Poll::Ready(done);
-            }
-        }
-    }
-}
-
-impl AsyncWrite for TcpSend {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
-        self.poll_send(cx, |mut s| s.write(buf))
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[std::io::IoSlice<'_>],
-    ) -> Poll<std::io::Result<usize>> {
-        self.poll_send(cx, |mut s| s.write_vectored(bufs))
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        true
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        // Nothing is buffered here: a write is in the socket when it returns.
-        Poll::Ready(Ok(()))
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Poll::Ready(self.0.get_ref().shutdown(std::net::Shutdown::Write))
-    }
-}
-
 /// A TCP data-plane connection's receive half, whose reads poll the socket while a call has armed
 /// it ([`PolledRead::arm`]) and is this process's only call in flight: a non-blocking `recv`
 /// straight into the reader's buffer, and when nothing is there yet the task wakes itself and
 /// yields (other futures on the thread go on) instead of waiting for the I/O driver. Past the
-/// deadline, or once another call is in flight, reads wait through the driver as any tokio read
-/// does, for the rest of the call (on a caller's thread, in the kernel instead while they may).
-/// Disarmed, its reads wait through the driver.
+/// deadline, or once another call is in flight, reads wait parked as any tokio read does, for
+/// the rest of the call. Disarmed, it is the plain half.
 pub(crate) struct PolledRead {
-    /// The socket's registration for read readiness: made when a read first waits through the
-    /// driver, dropped when one waits in the kernel instead, so that while a caller thread takes
-    /// its answers by `poll(2)` their arrivals do not wake the driver too. Declared before
-    /// `sock`, so that it is dropped (deregistered) while the descriptor is still open.
-    driver: Option<AsyncFd<RawFd>>,
-    /// The socket, on a descriptor of its own (the send half has another).
-    sock: std::net::TcpStream,
+    half: OwnedReadHalf,
     flights: &'static AtomicUsize,
     /// Whether its calls poll or park ([`TCP_WAITS`]).
     waits: &'static Waits,
@@ -448,7 +370,7 @@ pub(crate) struct PolledRead {
     /// How far each byte polled in moves `until` on (a streaming answer polls while it streams).
     gap: Duration,
     /// Bytes taken by non-blocking `recv`s: polling, or after a wait in the kernel (the rest
-    /// came through reads that waited through the driver).
+    /// came through tokio's parked reads).
     polled: u64,
     /// Waits in the kernel ([`PolledRead::wait_in_kernel`]) that ended with bytes to read.
     kernel_waits: u64,
@@ -457,14 +379,13 @@ pub(crate) struct PolledRead {
 }
 
 impl PolledRead {
-    pub(crate) fn new(sock: std::net::TcpStream) -> Self {
-        Self::counted_in(sock, &IN_FLIGHT, &TCP_WAITS)
+    pub(crate) fn new(half: OwnedReadHalf) -> Self {
+        Self::counted_in(half, &IN_FLIGHT, &TCP_WAITS)
     }
 
-    fn counted_in(sock: std::net::TcpStream, flights: &'static AtomicUsize, waits: &'static Waits) -> Self {
+    fn counted_in(half: OwnedReadHalf, flights: &'static AtomicUsize, waits: &'static Waits) -> Self {
         PolledRead {
-            driver: None,
-            sock,
+            half,
             flights,
             waits,
             ticket: None,
@@ -519,63 +440,26 @@ impl PolledRead {
         }
     }
 
-    /// One non-blocking `recv` into `buf`'s unfilled part, counted as polled: `Ready` with what
-    /// came (nothing at the end of the stream) or an error, `Pending` when nothing is there yet.
+    /// One non-blocking `recv` into `buf`'s unfilled part: `Ready` with what came (nothing at the
+    /// end of the stream) or an error, `Pending` when nothing is there yet.
     fn try_recv(&mut self, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
-        match recv_into(&self.sock, buf) {
-            Ok(n) => {
-                self.polled += n as u64;
-                Poll::Ready(Ok(()))
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Poll::Pending,
-            Err(e) => Poll::Ready(Err(e)),
-        }
-    }
-
-    /// A read that waits through the I/O driver, registering the socket for read readiness
-    /// first if it is not.
-    fn read_through_driver(&mut self, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
-        let driver = match &mut self.driver {
-            Some(driver) => driver,
-            // SAFETY: the descriptor is `self.sock`'s, open until `self` drops; `self.driver` is
-            // dropped before `self.sock` (the fields' order) and is only ever replaced by `None`,
-            // so the registration never outlives the descriptor.
-            empty => {
-                empty.insert(unsafe { AsyncFd::register_with_interest(self.sock.as_raw_fd(), Interest::READABLE) }?)
-            }
-        };
         loop {
-            let mut ready = std::task::ready!(driver.poll_read_ready(cx))?;
-            if let Ok(done) = ready.try_io(|_| recv_into(&self.sock, buf)) {
-                return Poll::Ready(done.map(|_| ()));
+            // SAFETY: `recv` only writes into the slice, never de-initializing a byte of it, and
+            // `init` is the part it wrote, which is what `assume_init` and `advance` are told.
+            let unfilled = unsafe { buf.unfilled_mut() };
+            match rustix::net::recv(self.half.as_ref().as_fd(), unfilled, rustix::net::RecvFlags::DONTWAIT) {
+                Ok(((init, _), _)) => {
+                    let n = init.len();
+                    // SAFETY: `recv` initialized these `n` bytes of the unfilled part (above).
+                    unsafe { buf.assume_init(n) };
+                    buf.advance(n);
+                    self.polled += n as u64;
+                    return Poll::Ready(Ok(()));
+                }
+                Err(rustix::io::Errno::AGAIN) => return Poll::Pending,
+                Err(rustix::io::Errno::INTR) => {}
+                Err(e) => return Poll::Ready(Err(e.into())),
             }
-        }
-    }
-
-    /// Whether the socket is registered for read readiness now.
-    #[cfg(test)]
-    fn registered(&self) -> bool {
-        self.driver.is_some()
-    }
-}
-
-/// One non-blocking `recv` from `sock` into `buf`'s unfilled part: how many bytes came (0 at the
-/// end of the stream), `WouldBlock` when none are there yet.
-fn recv_into(sock: &std::net::TcpStream, buf: &mut ReadBuf<'_>) -> std::io::Result<usize> {
-    loop {
-        // SAFETY: `recv` only writes into the slice, never de-initializing a byte of it, and
-        // `init` is the part it wrote, which is what `assume_init` and `advance` are told.
-        let unfilled = unsafe { buf.unfilled_mut() };
-        match rustix::net::recv(sock.as_fd(), unfilled, rustix::net::RecvFlags::DONTWAIT) {
-            Ok(((init, _), _)) => {
-                let n = init.len();
-                // SAFETY: `recv` initialized these `n` bytes of the unfilled part (above).
-                unsafe { buf.assume_init(n) };
-                buf.advance(n);
-                return Ok(n);
-            }
-            Err(rustix::io::Errno::INTR) => {}
-            Err(e) => return Err(e.into()),
         }
     }
 }
@@ -605,18 +489,14 @@ impl AsyncRead for PolledRead {
         if this.armed && buf.remaining() > 0 && may_wait_in_kernel(this.flights) {
             return this.wait_in_kernel(cx, buf);
         }
-        if buf.remaining() == 0 {
-            return Poll::Ready(Ok(()));
-        }
-        this.read_through_driver(cx, buf)
+        Pin::new(&mut this.half).poll_read(cx, buf)
     }
 }
 
 impl PolledRead {
     /// A read on a caller's thread ([`on_caller_thread`]): takes what is there, else sleeps in
     /// `poll(2)` until bytes come, at most [`CALLER_WAIT_SLICE`]; past that the task is woken
-    /// and polled again (its deadline checked) before it sleeps again. The socket's registration
-    /// for read readiness, if a read made one, is dropped before the first sleep.
+    /// and polled again (its deadline checked) before it sleeps again.
     fn wait_in_kernel(&mut self, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
         loop {
             if let Poll::Ready(done) = self.try_recv(buf) {
@@ -626,8 +506,7 @@ impl PolledRead {
                 cx.waker().wake_by_ref();
                 return Poll::Pending;
             }
-            self.driver = None;
-            match sleep_until_readable(self.sock.as_fd()) {
+            match sleep_until_readable(self.half.as_ref().as_fd()) {
                 // Readable, hung up or failed: the `recv` above says which.
                 Ok(true) => self.kernel_waits += 1,
                 // Nothing yet: polled again at once (the thread runs nothing else).
@@ -749,10 +628,9 @@ mod tests {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let ours = tokio::net::TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
         let (theirs, _) = l.accept().await.unwrap();
-        let (r, w) = split_tcp(ours).unwrap();
+        let (r, w) = ours.into_split();
         std::mem::forget(w); // the send half stays open for the test's length
-        let PolledRead { sock, .. } = r;
-        (PolledRead::counted_in(sock, flights, waits), theirs)
+        (PolledRead::counted_in(r, flights, waits), theirs)
     }
 
     /// An armed call alone in flight takes its whole answer by polling `recv`s, also what comes
@@ -966,8 +844,7 @@ mod tests {
     /// with its bytes; two armed reads joined on that thread (a striped load), any read off a
     /// caller's thread, and one beside many calls in flight wait through the driver instead.
     /// Every byte arrives either way, and the thread's count of armed reads is back to none
-    /// after each call. The socket is registered for read readiness only from a wait through
-    /// the driver to the next wait in the kernel, so a caller thread's answers wake only it.
+    /// after each call.
     #[test]
     fn on_a_caller_thread_an_armed_read_sleeps_in_the_kernel_alone_and_through_the_driver_beside_another() {
         static FLIGHTS: AtomicUsize = AtomicUsize::new(0);
@@ -991,14 +868,12 @@ mod tests {
             got
         };
 
-        assert!(!r.registered(), "nothing has waited through the driver yet");
         let writer = late(theirs, b"late");
         let t = Instant::now();
         let got = on_caller_thread(|| alone(&mut r));
         assert_eq!(&got, b"late");
         assert!(t.elapsed() >= Duration::from_millis(40));
         assert_eq!(r.kernel_waits, 1, "the bytes woke the thread's own wait");
-        assert!(!r.registered(), "a wait in the kernel registers nothing");
         assert_eq!(CALLER_THREAD.with(Cell::get).armed, 0);
         assert!(!CALLER_THREAD.with(Cell::get).on, "the thread is an ordinary one again");
 
@@ -1019,7 +894,6 @@ mod tests {
         });
         assert_eq!((&got1, &got2), (b"str1", b"str2"));
         assert_eq!((r.kernel_waits, r2.kernel_waits), (1, 0), "joined reads waited through the driver");
-        assert!(r.registered() && r2.registered(), "for which they registered");
 
         let writer = late(rt.block_on(w1).unwrap(), b"off!");
         assert_eq!(&alone(&mut r), b"off!");
@@ -1032,12 +906,6 @@ mod tests {
         assert_eq!(&on_caller_thread(|| alone(&mut r)), b"many");
         assert_eq!(r.kernel_waits, 1, "beside {many} other calls in flight the read waited through the driver");
         FLIGHTS.fetch_sub(many, Ordering::AcqRel);
-
-        // Alone again: the next wait is in the kernel, and the registration is let go first.
-        let writer = late(rt.block_on(writer).unwrap(), b"back");
-        assert_eq!(&on_caller_thread(|| alone(&mut r)), b"back");
-        assert_eq!(r.kernel_waits, 2, "the bytes woke the thread's own wait");
-        assert!(!r.registered(), "the registration was dropped before the wait in the kernel");
         drop((rt.block_on(writer), rt.block_on(w2)));
         assert_eq!(FLIGHTS.load(Ordering::Acquire), 0);
     }
