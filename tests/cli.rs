@@ -123,6 +123,28 @@ fn bad_configuration_is_refused_at_start_with_the_setting_named() {
     // no verbs device on this machine): the start stops and says which.
     let err = serve_fails(&["--rdma-device", "mlx5_0"]);
     assert!(err.contains("--rdma-device mlx5_0") && err.contains("rdma"), "{err}");
+    // CPUs: a list that doesn't parse, and one the kernel refuses (no such CPU online).
+    let err = serve_fails(&["--cpus", "3-1"]);
+    assert!(err.contains("cpus = \"3-1\"") && err.contains("backwards"), "{err}");
+    let err = serve_fails(&["--cpus", "1000"]);
+    assert!(err.contains("cpus [1000]") && err.contains("refused") && err.contains("may use"), "{err}");
+}
+
+/// `--cpus` confines every thread of the node to the CPUs named, and the node serves.
+#[test]
+fn a_node_on_one_cpu_runs_every_thread_there_and_serves() {
+    let allowed = kvtier_server::affinity::allowed().unwrap();
+    let cpu = allowed.last().unwrap().to_string();
+    let server = ServerProcess::start(&["--dram-capacity", "64MiB", "--cpus", &cpu]);
+    let tasks: Vec<_> = std::fs::read_dir(format!("/proc/{}/task", server.child.id())).unwrap().flatten().collect();
+    assert!(tasks.len() > 1, "a node runs several threads");
+    for task in tasks {
+        let status = std::fs::read_to_string(task.path().join("status")).unwrap();
+        let list = status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).unwrap().trim();
+        assert_eq!(list, cpu, "thread {:?} of the node", task.file_name());
+    }
+    let (ok, out, err) = cli(&["put", "--server", &server.grpc_addr(), "--text", "one CPU is enough"]);
+    assert!(ok && out.contains("stored"), "{out} {err}");
 }
 
 #[test]

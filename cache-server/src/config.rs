@@ -61,6 +61,11 @@ pub struct ServerConfig {
     /// the node holds its whole DRAM capacity from the start. For nodes dedicated to the cache.
     /// Default: `false`.
     pub dram_prefault: bool,
+    /// The CPUs the node's threads run on, as a Linux cpulist (`"2-5"`, `"0,4-7"`), set before
+    /// its runtime starts (which then runs one worker per CPU): on a host shared with inference
+    /// engines, the cache's threads stay off the engines' cores. Default: none, every CPU the
+    /// process may use ([`crate::affinity`]).
+    pub cpus: Option<String>,
     /// How long a client may hold a reserved DRAM slot (a block being received) before it is
     /// revoked, e.g. `"30s"`. Default: `30s`.
     pub lease_timeout: DurationStr,
@@ -375,6 +380,7 @@ impl Default for ServerConfig {
             session_durability: "fsync".into(),
             dram_region: "anonymous".into(),
             dram_prefault: false,
+            cpus: None,
             lease_timeout: DurationStr(Duration::from_secs(30)),
             stall_timeout: DurationStr(Duration::from_secs(30)),
             dataplane_poll: DurationStr(Duration::from_micros(50)),
@@ -443,6 +449,9 @@ impl ServerConfig {
     /// Checks every setting; the server refuses to start on the first problem.
     pub fn validate(&self) -> Result<(), ServerError> {
         let bad = |m: String| Err(ServerError::Config(m));
+        if let Some(list) = &self.cpus {
+            crate::affinity::parse_cpulist(list)?;
+        }
         if self.dram_capacity.0 < (1 << 20) {
             return bad(format!("dram_capacity {} is below the minimum of 1MiB", self.dram_capacity));
         }

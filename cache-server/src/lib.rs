@@ -22,12 +22,13 @@
 //! - [`tls`]: TLS on the gRPC and data-plane listeners; client certificates as credentials.
 //! - [`cluster`]: many nodes — rendezvous placement with replicas and topology, membership
 //!   (embedded, or in Redis), the G4 peer tier (loads from and stores to a block's owners).
-//! - [`config`]: TOML + env + flags, validated at start.
+//! - [`config`]: TOML + env + flags, validated at start; [`affinity`]: the CPUs the node runs on.
 //! - [`metrics`]: Prometheus `/metrics`.
 //!
 //! [`start`] binds every listener, spawns the node and returns the bound addresses; the `kvtier`
 //! binary wraps it with a CLI.
 
+pub mod affinity;
 pub mod cluster;
 pub mod config;
 pub mod control;

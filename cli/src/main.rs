@@ -91,6 +91,9 @@ struct ServeArgs {
     /// cache doesn't page-fault in the store path; the node then holds all of it.
     #[arg(long, env = "KVTIER_DRAM_PREFAULT")]
     dram_prefault: bool,
+    /// The CPUs the node runs on, a cpulist such as 2-5 or 0,4-7 (default: all it may use).
+    #[arg(long, env = "KVTIER_CPUS")]
+    cpus: Option<String>,
     /// Hard cap of the disk tier under DRAM (0: off), e.g. 64GiB.
     #[arg(long, env = "KVTIER_DISK_CAPACITY")]
     disk_capacity: Option<ByteSize>,
@@ -273,10 +276,22 @@ fn main() -> anyhow::Result<()> {
         Cmd::Cert(c) => return cert::run(c),
         other => other,
     };
+    if let Cmd::Serve(a) = cmd {
+        // The configuration first: its `cpus` confine the process before the runtime starts,
+        // which then runs one worker per CPU of the set.
+        let cfg = serve_config(&a)?;
+        if let Some(list) = &cfg.cpus {
+            let cpus = kvtier_server::affinity::parse_cpulist(list)?;
+            kvtier_server::affinity::confine_process(&cpus)?;
+            tracing::info!("running on CPUs {list}");
+        }
+        let rt = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
+        return rt.block_on(serve(a, cfg));
+    }
     let rt = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
     rt.block_on(async move {
         match cmd {
-            Cmd::Serve(a) => serve(a).await,
+            Cmd::Serve(_) => Ok(()),
             Cmd::Agent(a) => agent::run(a).await,
             Cmd::Put(a) => put(a).await,
             Cmd::Get(a) => get(a).await,
@@ -290,7 +305,9 @@ fn main() -> anyhow::Result<()> {
     })
 }
 
-async fn serve(a: ServeArgs) -> anyhow::Result<()> {
+/// `serve`'s configuration: the file, then environment and flags over it, validated; logging set
+/// up.
+fn serve_config(a: &ServeArgs) -> anyhow::Result<ServerConfig> {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_new(&a.log).context("--log")?)
         .with_writer(std::io::stderr)
@@ -311,8 +328,8 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     if a.no_metrics {
         cfg.metrics_listen = None;
     }
-    if let Some(v) = a.data_dir {
-        cfg.data_dir = v;
+    if let Some(v) = &a.data_dir {
+        cfg.data_dir = v.clone();
     }
     if let Some(v) = a.dram_capacity {
         cfg.dram_capacity = v;
@@ -320,11 +337,14 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     if a.dram_prefault {
         cfg.dram_prefault = true;
     }
+    if let Some(v) = &a.cpus {
+        cfg.cpus = Some(v.clone());
+    }
     if let Some(v) = a.disk_capacity {
         cfg.disk_capacity = v;
     }
-    if let Some(v) = a.disk_codec {
-        cfg.disk_codec = v;
+    if let Some(v) = &a.disk_codec {
+        cfg.disk_codec = v.clone();
     }
     if let Some(v) = a.max_context_tokens {
         cfg.max_context_tokens = v;
@@ -332,19 +352,23 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     if let Some(v) = a.session_ttl {
         cfg.session_ttl = v;
     }
-    if let Some(v) = a.auth_token {
-        cfg.auth_token = Some(v);
+    if let Some(v) = &a.auth_token {
+        cfg.auth_token = Some(v.clone());
     }
-    if let Some(v) = a.cluster {
-        cfg.cluster = Some(v);
+    if let Some(v) = &a.cluster {
+        cfg.cluster = Some(v.clone());
     }
-    if let Some(v) = a.node_id {
-        cfg.node_id = Some(v);
+    if let Some(v) = &a.node_id {
+        cfg.node_id = Some(v.clone());
     }
-    if let Some(v) = a.advertise_host {
-        cfg.advertise_host = Some(v);
+    if let Some(v) = &a.advertise_host {
+        cfg.advertise_host = Some(v.clone());
     }
     cfg.validate()?;
+    Ok(cfg)
+}
+
+async fn serve(a: ServeArgs, cfg: ServerConfig) -> anyhow::Result<()> {
     let handle = match cfg.metrics_listen {
         Some(_) => Some(kvtier_server::metrics::install()?),
         None => None,
