@@ -110,7 +110,7 @@ mod tests {
     #[test]
     fn a_process_confined_to_a_cpu_runs_every_thread_there() {
         if std::env::var_os("KVTIER_AFFINITY_CHILD").is_some() {
-            let before = std::thread::spawn(|| std::thread::park());
+            let before = std::thread::spawn(std::thread::park);
             let all = allowed().unwrap();
             let cpu = *all.last().unwrap();
             let e = confine_process(&[rustix::thread::CpuSet::MAX_CPU - 1]).unwrap_err().to_string();
