@@ -7,7 +7,8 @@
 //! [`contention`] (tail latency while sessions park), [`cpu`] (server and client CPU per GB), [`samenode`] (registered buffers beside
 //! memcpy and TCP), [`tls`] (the data plane over TLS beside plain TCP), [`cluster`] (1–3 nodes:
 //! cross-node loads, the trace over a cluster),
-//! with real server processes from [`servers`] and the Python side from [`pydriver`]; output
+//! with real server processes from [`servers`] (on CPUs of their own with `--pin`: [`placement`])
+//! and the Python side from [`pydriver`]; output
 //! through [`report`] and [`plot`].
 
 pub mod blocks;
@@ -16,6 +17,7 @@ pub mod contention;
 pub mod cpu;
 pub mod limits;
 pub mod model;
+pub mod placement;
 pub mod plot;
 pub mod pydriver;
 pub mod replay;

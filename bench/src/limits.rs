@@ -64,28 +64,35 @@ pub fn memcpy_gbps(total: usize, buf: usize, threads: usize) -> f64 {
 }
 
 /// One sender and one receiver thread moving `total` bytes in 1 MiB writes over a stream pair.
+/// The sender stands for a server (on the servers' CPUs in a pinned run, [`crate::placement`]),
+/// the receiver, this thread, for a client.
 fn stream_gbps<S: Read + Write + Send + 'static>(mut tx: S, mut rx: S, total: usize) -> anyhow::Result<f64> {
-    let r = std::thread::spawn(move || -> std::io::Result<()> {
-        let mut buf = vec![0u8; MIB];
-        let mut left = total;
-        while left > 0 {
-            let n = rx.read(&mut buf)?;
-            if n == 0 {
-                break;
-            }
-            left -= n.min(left);
+    let (ready_tx, ready) = std::sync::mpsc::channel();
+    let sender = std::thread::spawn(move || -> std::io::Result<f64> {
+        crate::placement::move_to_server_cpus()?;
+        let buf = vec![1u8; MIB];
+        let _ = ready_tx.send(());
+        let t = Instant::now();
+        for _ in 0..total / MIB {
+            tx.write_all(&buf)?;
         }
-        rx.write_all(b"k")
+        let mut ack = [0u8; 1];
+        tx.read_exact(&mut ack)?;
+        Ok(t.elapsed().as_secs_f64())
     });
-    let buf = vec![1u8; MIB];
-    let t = Instant::now();
-    for _ in 0..total / MIB {
-        tx.write_all(&buf)?;
+    // Receiving from when the sender is placed and ready.
+    let _ = ready.recv();
+    let mut buf = vec![0u8; MIB];
+    let mut left = total / MIB * MIB;
+    while left > 0 {
+        let n = rx.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        left -= n.min(left);
     }
-    let mut ack = [0u8; 1];
-    tx.read_exact(&mut ack)?;
-    let secs = t.elapsed().as_secs_f64();
-    r.join().map_err(|_| anyhow::anyhow!("receiver panicked"))??;
+    rx.write_all(b"k")?;
+    let secs = sender.join().map_err(|_| anyhow::anyhow!("sender panicked"))??;
     Ok((total / MIB * MIB) as f64 / secs / 1e9)
 }
 
@@ -182,6 +189,7 @@ pub fn tcp_round_trips(
     anyhow::ensure!(span_c >= block && span_s >= block, "round-trip buffers smaller than a block");
     std::thread::scope(|scope| {
         let server = scope.spawn(move || -> std::io::Result<()> {
+            crate::placement::move_to_server_cpus()?;
             let mut one = [0u8; 1];
             for i in 0..n {
                 let r = place(i, block, span_s);

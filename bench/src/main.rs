@@ -103,6 +103,11 @@ struct Args {
     /// Skip the Python client's figures.
     #[arg(long)]
     no_python: bool,
+    /// Every server (kvtier, Redis, LMCache) on the upper half of the CPUs, every client (this
+    /// process's tasks, the Python driver, redis-benchmark) on the rest, and the TCP baseline's
+    /// sender and receiver likewise: the same placement for every system measured.
+    #[arg(long)]
+    pin: bool,
     /// Skip LMCache's server.
     #[arg(long)]
     no_lmcache: bool,
@@ -234,13 +239,18 @@ fn main() -> anyhow::Result<()> {
     let link = *Link::ALL.get(a.link).context("--link is an index into the link table")?;
     let started = Instant::now();
     let cmdline: Vec<String> = std::env::args().collect();
+    // Before any runtime or thread starts: they inherit the clients' CPUs.
+    let pinned = if a.pin { Some(kvtier_bench::placement::pin()?) } else { None };
     let mach = machine();
     println!(
         "# kvtier-bench {}\n\nMachine: {mach}. Command: `{}`.\n",
         if quick { "(quick)" } else { "" },
         cmdline.join(" ")
     );
-    let mut json = json!({ "machine": mach, "command": cmdline, "quick": quick, "runs": runs });
+    if let Some(p) = pinned {
+        println!("Pinned: servers on CPUs {:?}, clients on CPUs {:?}.\n", p.servers, p.clients);
+    }
+    let mut json = json!({ "machine": mach, "command": cmdline, "quick": quick, "runs": runs, "pinned": pinned });
     let all = a.what == What::All;
     let mut plots = Vec::new();
 

@@ -60,6 +60,10 @@ impl KvtierServer {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(log_file);
+        // A pinned run: the node confines itself to the servers' CPUs (its own `--cpus`).
+        if let Some(p) = crate::placement::current() {
+            cmd.arg("--cpus").arg(p.servers_cpulist());
+        }
         // If the bench dies (Ctrl-C, a kill), the server goes with it.
         unsafe {
             use std::os::unix::process::CommandExt;
@@ -166,6 +170,7 @@ impl RedisServer {
         if let Some(sock) = &unix_socket {
             cmd.arg("--unixsocket").arg(sock).args(["--unixsocketperm", "700"]);
         }
+        crate::placement::on_server_cpus(&mut cmd);
         let status = cmd
             .args([
                 "--port",
@@ -289,6 +294,7 @@ impl LmcacheServer {
             .stdin(Stdio::null())
             .stdout(std::fs::File::create(log)?)
             .stderr(std::fs::File::create(log.with_extension("err.log"))?);
+        crate::placement::on_server_cpus(&mut cmd);
         unsafe {
             use std::os::unix::process::CommandExt;
             cmd.pre_exec(|| {
