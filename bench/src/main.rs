@@ -239,9 +239,10 @@ fn main() -> anyhow::Result<()> {
     let link = *Link::ALL.get(a.link).context("--link is an index into the link table")?;
     let started = Instant::now();
     let cmdline: Vec<String> = std::env::args().collect();
-    // Before any runtime or thread starts: they inherit the clients' CPUs.
-    let pinned = if a.pin { Some(kvtier_bench::placement::pin()?) } else { None };
     let mach = machine();
+    // Before any runtime or thread starts (they inherit the clients' CPUs), after the machine's
+    // own count.
+    let pinned = if a.pin { Some(kvtier_bench::placement::pin()?) } else { None };
     println!(
         "# kvtier-bench {}\n\nMachine: {mach}. Command: `{}`.\n",
         if quick { "(quick)" } else { "" },
