@@ -291,6 +291,7 @@ fn main() -> anyhow::Result<()> {
     let rt = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
     rt.block_on(async move {
         match cmd {
+            // Run above, on a runtime started after its `cpus` took effect.
             Cmd::Serve(_) => Ok(()),
             Cmd::Agent(a) => agent::run(a).await,
             Cmd::Put(a) => put(a).await,
