@@ -183,7 +183,11 @@ def bench_kvtier(args):
 
     def check(ok, what):
         if not ok:
-            raise RuntimeError(f"{what} failed: {client.last_miss}")
+            # `last_miss` records failures (timeouts, refusals, bad bytes); a plain miss (the block
+            # is not stored, e.g. evicted because --size x --ops x --concurrency overfills the
+            # server's DRAM) leaves it empty.
+            why = client.last_miss or "not stored (a miss, not an error: evicted, or never written?)"
+            raise RuntimeError(f"{what} failed: {why}")
 
     def store(t):
         return timed_ops(n, lambda i: check(client.store(ns, tokens[t][i], data) == 1, "store"))
