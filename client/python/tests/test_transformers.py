@@ -3,6 +3,8 @@ server, reloaded (in another process too) gives the same tokens as computing it 
 
 import json
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -175,3 +177,20 @@ def test_dead_server_is_a_miss_and_the_model_recomputes(model):
     assert client.last_miss[0] == "connect"
     assert st.park("s", step.tokens, step.cache) is None
     assert st.resume("s") == (None, None)
+
+
+def test_without_torch_the_import_says_what_to_install():
+    # A fresh interpreter where `import torch` fails, as on a machine without it.
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "try:\n"
+        "    import kvtier.transformers\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+        "else:\n"
+        "    print('imported')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "kvtier.transformers needs torch and transformers 5" in out.stdout, out.stdout
+    assert "kvtier[transformers]" in out.stdout

@@ -17,8 +17,13 @@ import hashlib
 import inspect
 import json
 
-import torch
-from transformers import DynamicCache
+try:
+    import torch
+    from transformers import DynamicCache
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        f"kvtier.transformers needs torch and transformers 5 (pip install 'kvtier[transformers]'): {e}"
+    ) from e
 
 from . import Client, Namespace
 
