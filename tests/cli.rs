@@ -327,3 +327,233 @@ async fn small_loads_back_to_back_are_taken_by_polling_and_counted() {
         }
     }
 }
+
+/// The `block i: N bytes xxh3=…` lines of a `get` or `session resume`: the bytes, in order.
+fn block_lines(out: &str) -> Vec<&str> {
+    out.lines().filter(|l| l.trim_start().starts_with("block ")).collect()
+}
+
+/// `session extend` with a context that doesn't start with the session's tokens (the
+/// walkthrough's case: 82 tokens parked, 87 other ones given) is refused, and the session keeps
+/// its version and its bytes. A context that does continue it is extended, reading only the
+/// manifest first: no parked block leaves the node (before, the CLI resumed the whole session).
+#[test]
+fn session_extend_refuses_another_context_and_moves_only_the_new_blocks() {
+    let server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
+    let addr = server.grpc_addr();
+    let text = "The quick brown fox jumps over the lazy dog while the KV cache waits in DRAM again";
+    assert_eq!(text.len(), 82);
+    let (ok, out, err) = cli(&["session", "park", "--server", &addr, "--id", "agent-1", "--text", text]);
+    assert!(ok && out.contains("v1: 82 tokens, 5 blocks + tail"), "{out} {err}");
+    let (ok, parked, err) = cli(&["session", "resume", "--server", &addr, "--id", "agent-1"]);
+    assert!(ok && block_lines(&parked).len() == 6, "{parked} {err}");
+
+    let other = "Different text entirely, longer than the original one for sure, definitely yes indeed!!";
+    let (ok, out, err) = cli(&["session", "extend", "--server", &addr, "--id", "agent-1", "--text", other]);
+    assert!(!ok, "extended with another context: {out}");
+    assert!(
+        err.contains("KV:Request:Invalid")
+            && err.contains("does not continue session \"agent-1\"")
+            && err.contains("first 80 tokens differ"),
+        "{err}"
+    );
+    let (ok, after, err) = cli(&["session", "resume", "--server", &addr, "--id", "agent-1"]);
+    assert!(ok && after.contains("v1: 82 tokens in 6 block(s)"), "{after} {err}");
+    assert_eq!(block_lines(&after), block_lines(&parked), "a refused extend changed the session's bytes");
+
+    // A context that continues it: the manifest is read, the new blocks sent, nothing loaded.
+    let dram_out = || metric(&server.scrape(), "kvtier_tier_bytes_out_total", &[("tier", "dram")]);
+    let before = dram_out();
+    let longer = format!("{text}, and then the agent thought for a while before its next turn came round.");
+    let (ok, out, err) = cli(&["session", "extend", "--server", &addr, "--id", "agent-1", "--text", &longer]);
+    assert!(ok && out.contains(&format!("to v2: {} tokens", longer.len())), "{out} {err}");
+    let moved = dram_out() - before;
+    assert!(moved < 32768.0, "an extend read {moved} bytes of parked blocks out of DRAM");
+    let (ok, out, err) = cli(&["session", "resume", "--server", &addr, "--id", "agent-1"]);
+    assert!(ok, "{err}");
+    assert_eq!(block_lines(&out)[..5], block_lines(&parked)[..5], "the kept blocks changed");
+}
+
+/// A TTL of 0 would park a session that is already expired: the CLI refuses it.
+#[test]
+fn session_park_refuses_a_ttl_of_zero() {
+    let server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
+    let addr = server.grpc_addr();
+    let text = "a session that would be dead on arrival, were it parked";
+    let (ok, out, err) = cli(&["session", "park", "--server", &addr, "--id", "z", "--text", text, "--ttl", "0"]);
+    assert!(!ok && err.contains("--ttl") && err.contains("already expired"), "{out} {err}");
+    let (ok, out, _) = cli(&["session", "ls", "--server", &addr]);
+    assert!(ok && out.contains("0 session(s)"), "{out}");
+}
+
+/// `events --all` registers no namespace: a tenant's token watches its own namespaces without
+/// naming its tenant (the default `cli` tenant's namespace is not its to register).
+#[test]
+fn events_all_works_for_a_tenant_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("tenants.toml");
+    let token = "tenant-a-secret-0001";
+    std::fs::write(
+        &cfg,
+        format!("auth_token = \"operator-secret-0000\"\n\n[[tenants]]\nname = \"a\"\ntokens = [\"{token}\"]\n"),
+    )
+    .unwrap();
+    let server = ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"]);
+    let addr = server.grpc_addr();
+    let mut watch = Command::new(kvtier_bin())
+        .args(["events", "--all", "--count", "1", "--server", &addr, "--auth-token", token])
+        .env_remove("KVTIER_SERVER")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Stores until the watcher sees one (it may subscribe after the first).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let mut n = 0;
+    let status = loop {
+        if let Some(st) = watch.try_wait().unwrap() {
+            break st;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = watch.kill();
+            panic!("events --all saw no event in 20 s");
+        }
+        n += 1;
+        let text = format!("tenant a stores a document of its own, number {n:04}");
+        let (ok, out, err) = cli(&["put", "--server", &addr, "--auth-token", token, "--tenant", "a", "--text", &text]);
+        assert!(ok, "{out} {err}");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
+    let out = watch.wait_with_output().unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(status.success(), "{stdout} {stderr}");
+    assert!(stdout.contains("ns="), "{stdout}");
+}
+
+/// Output into a pipe its reader closed (`kvtier stats | true`) ends the command quietly: no
+/// panic, the exit status a shell gives a command that SIGPIPE ended.
+#[test]
+fn output_into_a_closed_pipe_ends_the_command_quietly() {
+    let server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
+    let addr = server.grpc_addr();
+    let (ok, _, err) = cli(&["session", "park", "--server", &addr, "--id", "s", "--text", &"x".repeat(800)]);
+    assert!(ok, "{err}");
+    for args in [vec!["stats", "--server", &addr], vec!["session", "resume", "--server", &addr, "--id", "s"]] {
+        let mut child = Command::new(kvtier_bin())
+            .args(&args)
+            .env_remove("KVTIER_SERVER")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // The reader goes away at once, long before the command has an answer to print.
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!err.contains("panicked") && err.is_empty(), "{args:?}: {err}");
+        assert_eq!(out.status.code(), Some(141), "{args:?}: {err}");
+    }
+}
+
+/// A user's error is one line (`Error: …`, each cause once), without a backtrace even under
+/// RUST_BACKTRACE=1; errors say their code or kind once.
+#[test]
+fn user_errors_are_one_line_without_backtrace_or_repeats() {
+    let server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
+    let addr = server.grpc_addr();
+    let run = |args: &[&str]| {
+        let out = Command::new(kvtier_bin())
+            .args(args)
+            .env_remove("KVTIER_SERVER")
+            .env_remove("RUST_LIB_BACKTRACE")
+            .env("RUST_BACKTRACE", "1")
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?} should fail");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = run(&["put", "--server", &addr, "--text", "abc"]);
+    assert_eq!(err.trim_end(), "Error: 3 tokens make no full block of 16 tokens", "{err}");
+    // A local check of the namespace flags: said once, naming them, and not a "protocol error".
+    let err = run(&["put", "--server", &addr, "--text", "abc", "--layers", "0"]);
+    assert_eq!(err.matches("invalid KV layout").count(), 1, "{err}");
+    assert!(err.contains("--layers") && !err.contains("protocol error") && !err.contains("Caused by"), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    // A server's refusal: its code once.
+    let err = run(&["session", "resume", "--server", &addr, "--id", "nobody"]);
+    assert_eq!(err.matches("KV:Session:NotFound").count(), 1, "{err}");
+    assert!(err.contains("\"nobody\" not found") && !err.contains("stack backtrace"), "{err}");
+    let (ok, _, err) = cli(&["session", "park", "--server", &addr, "--id", "p", "--text", &"y".repeat(40)]);
+    assert!(ok, "{err}");
+    let err = run(&["session", "park", "--server", &addr, "--id", "p", "--text", &"y".repeat(40)]);
+    assert_eq!(err.matches("KV:Session:Exists").count(), 1, "{err}");
+    assert!(err.contains("--replace"), "the hint names what the CLI can do: {err}");
+}
+
+/// The smaller things a first user trips on: `route --text`, `--out` naming a directory, one
+/// token count for lookup and put past `max_context_tokens`, `--replace` for a session id in
+/// use, and help that lists only what a command takes.
+#[test]
+fn client_commands_take_text_name_paths_and_list_only_their_flags() {
+    let server = ServerProcess::start(&["--dram-capacity", "64MiB", "--max-context-tokens", "64"]);
+    let addr = server.grpc_addr();
+    let text = "a context of forty-eight bytes, three blocks ok";
+    assert_eq!(text.len(), 47);
+    let (ok, out, err) = cli(&["put", "--server", &addr, "--text", text]);
+    assert!(ok, "{out} {err}");
+    let (ok, out, err) = cli(&["route", "--server", &addr, "--text", text]);
+    assert!(ok && out.contains("47 tokens: 2 full blocks") && out.contains("prefix=2 blocks"), "{out} {err}");
+
+    let (ok, _, err) = cli(&["session", "park", "--server", &addr, "--id", "s", "--text", text]);
+    assert!(ok, "{err}");
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let (ok, _, err) = cli(&["session", "resume", "--server", &addr, "--id", "s", "--out", d]);
+    assert!(!ok && err.contains(d), "the error names the path: {err}");
+    // --replace parks over the session (a new version), where a plain park is refused.
+    let (ok, out, err) = cli(&["session", "park", "--server", &addr, "--id", "s", "--text", "other", "--replace"]);
+    assert!(ok && out.contains("v2: 5 tokens"), "{out} {err}");
+
+    // Past max_context_tokens, lookup and put count the same tokens (the tail too).
+    let long = "x".repeat(82);
+    let (ok, _, lookup_err) = cli(&["lookup", "--server", &addr, "--text", &long]);
+    let (ok2, _, put_err) = cli(&["put", "--server", &addr, "--text", &long]);
+    assert!(!ok && !ok2, "{lookup_err} {put_err}");
+    assert!(lookup_err.contains("82 tokens") && put_err.contains("82 tokens"), "{lookup_err} {put_err}");
+
+    let (ok, out, _) = cli(&["stats", "--help"]);
+    assert!(ok && out.contains("--server") && !out.contains("--tenant") && !out.contains("--layers"), "{out}");
+    let (ok, out, _) = cli(&["plan", "--help"]);
+    assert!(ok && out.contains("kvtier plan") && out.contains("--codec"), "{out}");
+    assert!(!out.contains("kvtier-bench [OPTIONS]") && !out.contains("--redis-bin"), "{out}");
+    let (ok, _, err) = cli(&["plan", "limits"]);
+    assert!(!ok && err.contains("limits"), "{err}");
+}
+
+/// A plain client at a TLS node, or at a node's data-plane port, is told what to check, in the
+/// CLI's flags; a TLS client without the certificate an mTLS node requires too.
+#[test]
+fn connection_errors_hint_at_tls_and_the_port_in_the_cli_s_flags() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    for args in
+        [vec!["cert", "ca", "--dir", d], vec!["cert", "node", "--dir", d, "--name", "n1", "--host", "127.0.0.1"]]
+    {
+        let (ok, out, err) = cli(&args);
+        assert!(ok, "{out} {err}");
+    }
+    let cfg = dir.path().join("mtls.toml");
+    std::fs::write(&cfg, format!("[tls]\ncert = \"{d}/n1.pem\"\nkey = \"{d}/n1.key\"\nclient_ca = \"{d}/ca.pem\"\n"))
+        .unwrap();
+    let mtls = ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"]);
+    let (ok, _, err) = cli(&["stats", "--server", &mtls.grpc_addr()]);
+    assert!(!ok && err.contains("runs TLS") && err.contains("--tls-ca"), "{err}");
+    let ca = format!("{d}/ca.pem");
+    let (ok, _, err) = cli(&["stats", "--server", &mtls.grpc_addr(), "--tls-ca", &ca]);
+    assert!(!ok && err.contains("client certificate") && err.contains("--tls-cert"), "{err}");
+    assert!(!err.contains("ClientConfig"), "the CLI's flags, not the Rust API: {err}");
+
+    let plain = ServerProcess::start(&["--dram-capacity", "64MiB"]);
+    let (ok, _, err) = cli(&["stats", "--server", &plain.data.to_string()]);
+    assert!(!ok && err.contains("gRPC port"), "{err}");
+}

@@ -76,3 +76,99 @@ async fn ttl_expiry_unpins_and_resume_says_expired() {
         client.park(&ns, "short-lived", &t, &session_payloads(&ns, &t), &ParkOptions::default(), 0).await.unwrap();
     assert_eq!(info.version, 1);
 }
+
+/// An extend's context must start with the session's tokens: one that doesn't (another first
+/// turn, of any length) is refused with `KV:Request:Invalid`, and the session keeps its version
+/// and its bytes. `session_manifest` reads the manifest alone (no block leaves the node), and a
+/// TTL of 0 is refused before anything is sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn extend_with_a_context_that_does_not_continue_the_session_is_refused() {
+    let server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
+    let client = server.client().await;
+    let ns = client.register(namespace("agents", b"continue", small_layout())).await.unwrap();
+    let turn1 = tokens(11, 82);
+    let blocks1 = session_payloads(&ns, &turn1);
+    client.park(&ns, "agent-1", &turn1, &blocks1, &ParkOptions::default(), 0).await.unwrap();
+
+    let dram_out = |s: &ServerProcess| metric(&s.scrape(), "kvtier_tier_bytes_out_total", &[("tier", "dram")]);
+    let before = dram_out(&server);
+    let m = client.session_manifest(&ns, "agent-1").await.unwrap();
+    assert_eq!((m.info.version, m.info.token_count, m.keys.len(), m.tail_key.is_some()), (1, 82, 5, true));
+    assert_eq!(m.keys, ns.keys(&turn1));
+    assert_eq!(dram_out(&server), before, "reading a manifest moved blocks");
+
+    // Another context, longer than the session's: its first five blocks' keys differ.
+    let other = tokens(12, 87);
+    let base = 82 / ns.block_tokens();
+    let err = client.extend(&ns, "agent-1", 1, 82, &other, &session_payloads(&ns, &other)[base..]).await.unwrap_err();
+    match &err {
+        ClientError::Refused { code, message } => {
+            assert_eq!(code, "KV:Request:Invalid", "{err}");
+            assert!(message.contains("does not continue session \"agent-1\"") && message.contains("first 80 tokens"));
+        }
+        other => panic!("{other}"),
+    }
+    // The same tokens but the last kept block changed: refused too.
+    let mut edited = turn1.clone();
+    edited[79] ^= 1;
+    edited.extend(tokens(13, 20));
+    let err = client.extend(&ns, "agent-1", 1, 82, &edited, &session_payloads(&ns, &edited)[base..]).await;
+    assert!(matches!(err, Err(ClientError::Refused { .. })), "{err:?}");
+    let r = client.resume(&ns, "agent-1").await.unwrap();
+    assert_eq!((r.info.version, r.info.token_count), (1, 82));
+    assert_eq!(r.blocks, blocks1, "a refused extend changed the session's bytes");
+
+    // A context that continues it (an edit past the parked tokens is the new turn's business).
+    let mut turn2 = turn1.clone();
+    turn2.extend(tokens(14, 30));
+    let info = client.extend(&ns, "agent-1", 1, 82, &turn2, &session_payloads(&ns, &turn2)[base..]).await.unwrap();
+    assert_eq!((info.version, info.token_count), (2, 112));
+    assert_eq!(client.resume(&ns, "agent-1").await.unwrap().blocks, session_payloads(&ns, &turn2));
+
+    let zero = ParkOptions { ttl: Some(Duration::ZERO), priority: None };
+    let err = client.park(&ns, "dead", &turn1, &blocks1, &zero, 0).await.unwrap_err();
+    assert!(matches!(err, ClientError::InvalidArgument(ref m) if m.contains("TTL of 0")), "{err}");
+    assert!(matches!(client.resume(&ns, "dead").await, Err(ClientError::SessionNotFound(_))));
+}
+
+/// 64 MiB of DRAM, a 1 GiB disk tier, blocks of 2 MiB. A 30-block
+/// session (60 MiB, past the 90% of DRAM that may be pinned) parks — on disk, where its manifest
+/// pins it — and resumes whole, and so does a 40-block one (80 MiB, more than all of DRAM);
+/// nothing stays pinned in DRAM.
+#[test]
+fn a_session_larger_than_the_pinned_share_of_dram_parks_on_disk() {
+    let server = ServerProcess::start(&["--dram-capacity", "64MiB", "--disk-capacity", "1GiB"]);
+    let addr = server.grpc_addr();
+    let ids: Vec<String> = (3..483).map(|t: u32| t.to_string()).collect();
+    let tokens = ids.join(",");
+    let layout = ["--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--dtype", "bf16"];
+    let with = |cmd: &[&str]| {
+        let mut args = cmd.to_vec();
+        args.extend_from_slice(&["--server", &addr]);
+        args.extend_from_slice(&layout);
+        cli(&args)
+    };
+    let (ok, out, err) = with(&["session", "park", "--id", "big", "--tokens", &tokens]);
+    assert!(ok && out.contains("v1: 480 tokens, 30 blocks"), "{out} {err}");
+    let (ok, out, err) = with(&["session", "resume", "--id", "big"]);
+    assert!(ok && out.contains("480 tokens"), "{out} {err}");
+    let text = server.scrape();
+    assert_eq!(metric(&text, "kvtier_tier_pinned_bytes", &[("tier", "dram")]), 0.0, "{text}");
+    // Larger than the whole of DRAM: the blocks past the pinned share make room by going to
+    // disk before the park pins them there.
+    let more: Vec<String> = (1000..1640).map(|t: u32| t.to_string()).collect();
+    let (ok, out, err) = with(&["session", "park", "--id", "bigger", "--tokens", &more.join(",")]);
+    assert!(ok && out.contains("v1: 640 tokens, 40 blocks"), "{out} {err}");
+    let (ok, out, err) = with(&["session", "resume", "--id", "bigger"]);
+    assert!(ok && out.contains("640 tokens"), "{out} {err}");
+    let (ok, out, err) = cli(&["stats", "--server", &addr]);
+    assert!(ok, "{err}");
+    let disk = out.lines().find(|l| l.trim_start().starts_with("disk:")).unwrap_or_default();
+    assert!(disk.contains("pinned 146800640;"), "the sessions' 60 + 80 MiB are pinned on disk: {out}");
+    let text = server.scrape();
+    assert_eq!(
+        metric(&text, "kvtier_tier_pinned_bytes", &[("tier", "disk")]),
+        146800640.0,
+        "the disk tier's pinned gauge follows its pins: {text}"
+    );
+}

@@ -11,6 +11,7 @@ const TOKEN_A: &str = "tenant-a-secret-0001";
 const TOKEN_B: &str = "tenant-b-secret-0002";
 const TOKEN_C: &str = "tenant-c-secret-0003";
 const TOKEN_Q: &str = "tenant-q-secret-0004";
+const TOKEN_R: &str = "tenant-r-secret-0005";
 const OPERATOR: &str = "operator-secret-0000";
 
 fn config(dir: &std::path::Path) -> std::path::PathBuf {
@@ -39,6 +40,12 @@ name = "q"
 tokens = ["{TOKEN_Q}"]
 max_namespaces = 1
 max_sessions = 1
+
+[[tenants]]
+name = "r"
+tokens = ["{TOKEN_R}"]
+read = ["a"]
+max_namespaces = 1
 "#
         ),
     )
@@ -350,4 +357,103 @@ async fn a_tenant_past_its_disk_quota_does_not_push_anothers_blocks_off_the_disk
         quiet_blocks.len()
     );
     assert!(metric(&server.scrape(), "kvtier_disk_demotions_over_quota_total", &[]) > 0.0);
+}
+
+/// A read grant is usable the way every client reads: it registers the namespace (to learn its id)
+/// and then looks up and loads. Registering an existing namespace of the granting tenant creates
+/// nothing and counts against no quota; creating one stays the owner's, and the grantee is told so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_grantee_registers_the_owners_namespace_to_read_it_and_changes_nothing() {
+    let cfg_dir = tempfile::tempdir().unwrap();
+    let cfg = config(cfg_dir.path());
+    let server = ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"]);
+    let a = client_as(&server, Some(TOKEN_A)).await;
+    let b = client_as(&server, Some(TOKEN_B)).await;
+    let r = client_as(&server, Some(TOKEN_R)).await;
+    let op = client_as(&server, Some(OPERATOR)).await;
+    let ns_a = a.register(namespace("a", b"corpus", small_layout())).await.unwrap();
+    let doc = tokens(12, 64);
+    let blocks = full_block_payloads(&ns_a, &doc);
+    a.store(&ns_a, &doc, &blocks).await.unwrap().ok().unwrap();
+    a.park(&ns_a, "shared", &doc, &blocks, &ParkOptions::default(), 0).await.unwrap();
+
+    // r's own handle, from its own registration (as the CLI and the Python client get one).
+    let ns = r.register(namespace("a", b"corpus", small_layout())).await.expect("a grantee registers");
+    assert_eq!(ns.id, ns_a.id);
+    assert_eq!(r.lookup(&ns, &doc).await.unwrap(), 64);
+    assert_eq!(r.load(&ns, &doc).await.unwrap(), blocks);
+    assert_eq!(r.resume(&ns, "shared").await.unwrap().blocks, blocks);
+
+    // ...and changes nothing, on either plane.
+    let other = tokens(13, 32);
+    let report = r.store(&ns, &other, &full_block_payloads(&ns, &other)).await.unwrap();
+    assert_eq!(report.stored, 0);
+    assert!(report.rejected.iter().all(|(_, s)| *s == ItemStatus::Forbidden), "{:?}", report.rejected);
+    forbidden(r.park(&ns, "r-agent", &doc, &blocks, &ParkOptions::default(), 0).await, "park under a read grant");
+    forbidden(r.drop_session(&ns, "shared").await, "drop under a read grant");
+    forbidden(r.purge(&ns).await, "purge under a read grant");
+    forbidden(r.unregister(&ns).await, "unregister under a read grant");
+    assert_eq!(a.lookup(&ns_a, &other).await.unwrap(), 0, "nothing of r's landed in a's namespace");
+    assert_eq!(a.resume(&ns_a, "shared").await.unwrap().blocks, blocks);
+
+    // Its registration created nothing and counted against nothing: r still registers its one own.
+    assert_eq!(op.stats().await.unwrap().namespaces, 1);
+    r.register(namespace("r", b"own", small_layout())).await.expect("r's max_namespaces is untouched");
+    let Err(err) = r.register(namespace("r", b"second", small_layout())).await else { panic!("past max_namespaces") };
+    assert!(matches!(err, ClientError::QuotaExceeded(_)), "{err}");
+
+    // A namespace of a that a has not registered: r is told it is not there and r can't create it.
+    let Err(ClientError::Forbidden(m)) = r.register(namespace("a", b"not yet", small_layout())).await else {
+        panic!("a grantee created a namespace of the granting tenant")
+    };
+    assert!(
+        m.contains("namespace not registered")
+            && m.contains("tenant \"a\" has not registered it")
+            && m.contains("tenant \"r\" may read it but not create it"),
+        "{m}"
+    );
+    assert_eq!(op.stats().await.unwrap().namespaces, 2);
+
+    // No grant, no registration: the namespace exists, but b is refused as before.
+    forbidden(b.register(namespace("a", b"corpus", small_layout())).await, "register without a grant");
+    let Err(ClientError::Forbidden(m)) = b.register(namespace("a", b"not yet", small_layout())).await else {
+        panic!("a tenant without a grant registered another's namespace")
+    };
+    assert!(!m.contains("not registered"), "nothing told to a tenant without a grant: {m}");
+}
+
+/// The walkthrough's case: a tenant with a read grant uses the `kvtier` CLI's `lookup` and `get`
+/// with `--tenant` naming the granting tenant; its `put` is refused, and so is a tenant without
+/// a grant.
+#[test]
+fn a_read_grant_is_usable_from_the_cli() {
+    let cfg_dir = tempfile::tempdir().unwrap();
+    let cfg = config(cfg_dir.path());
+    let server = ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"]);
+    let addr = server.grpc_addr();
+    let text = "The same documents, searched by one tenant and read by another one's chat.";
+    let as_tenant = |token: &str, cmd: &str, extra: &[&str]| {
+        let mut args = vec![cmd, "--server", &addr, "--auth-token", token, "--tenant", "a", "--text", text];
+        args.extend_from_slice(extra);
+        cli(&args)
+    };
+    let (ok, out, err) = as_tenant(TOKEN_A, "put", &[]);
+    assert!(ok && out.contains("stored 4 of 4"), "{out} {err}");
+
+    let (ok, out, err) = as_tenant(TOKEN_C, "lookup", &[]);
+    assert!(ok && out.contains("64 of 74 tokens are stored"), "{out} {err}");
+    let (ok, out, err) = as_tenant(TOKEN_C, "get", &[]);
+    assert!(ok && out.contains("loaded 4 block(s) = 64 tokens"), "{out} {err}");
+
+    let (ok, out, err) = as_tenant(TOKEN_C, "put", &["--salt", "other"]);
+    assert!(
+        !ok && err.contains("namespace not registered") && err.contains("may read it but not create it"),
+        "{out} {err}"
+    );
+    let (ok, out, err) = as_tenant(TOKEN_C, "put", &[]);
+    assert!(!ok && out.contains("stored 0 of 4") && out.contains("rejected"), "{out} {err}");
+    let (ok, out, err) = as_tenant(TOKEN_B, "lookup", &[]);
+    assert!(!ok && err.contains("forbidden"), "{out} {err}");
+    let (ok, out, _) = as_tenant(TOKEN_A, "lookup", &[]);
+    assert!(ok && out.contains("64 of 74 tokens are stored"), "{out}");
 }

@@ -177,6 +177,10 @@ pub struct ServerConfig {
     /// it: a `[redis_tier]` table, see [`RedisTierConfig`] and `crate::tiers::redis`.
     /// Default: none (off).
     pub redis_tier: Option<RedisTierConfig>,
+    /// The GPU agent's settings (`kvtier agent`, the keys of its flags), so that one file
+    /// (`--config`, `KVTIER_CONFIG`) can configure a node and its agent: an `[agent]` table,
+    /// which `serve` accepts and does not read (the agent checks its keys). Default: none.
+    pub agent: Option<toml::Table>,
 }
 
 /// The shared Redis tier (`[redis_tier]`): blocks and parked sessions' manifests in an existing
@@ -412,6 +416,7 @@ impl Default for ServerConfig {
             agent_index_max_keys: 1 << 20,
             tls: None,
             redis_tier: None,
+            agent: None,
         }
     }
 }
@@ -593,17 +598,29 @@ impl ServerConfig {
                 self.max_connections, self.max_connections_per_peer
             ));
         }
-        let mut addrs = vec![("listen", self.listen), ("data_listen", self.data_listen)];
-        if let Some(m) = self.metrics_listen {
-            addrs.push(("metrics_listen", m));
-        }
-        for (name, a) in &addrs {
-            // Client certificates a CA must have signed are a credential too (not for /metrics).
-            let certs_required = *name != "metrics_listen"
-                && self.tls.as_ref().is_some_and(|t| t.client_ca.is_some() && t.require_client_cert);
+        let addrs = {
+            let mut v = vec![("listen", self.listen), ("data_listen", self.data_listen)];
+            v.extend(self.metrics_listen.map(|m| ("metrics_listen", m)));
+            v
+        };
+        // Client certificates a CA must have signed are a credential too.
+        let certs_required = self.tls.as_ref().is_some_and(|t| t.client_ca.is_some() && t.require_client_cert);
+        for (name, a) in &addrs[..2] {
             if !a.ip().is_loopback() && self.auth_token.is_none() && self.tenants.is_empty() && !certs_required {
                 return bad(format!(
                     "{name} {a} is beyond loopback: set auth_token, tenants or required client certificates to expose it"
+                ));
+            }
+        }
+        // `/metrics` is plain HTTP, and none of those reach it: only its own bearer token does.
+        if let Some(m) = self.metrics_listen.filter(|m| !m.ip().is_loopback()) {
+            let len = self.metrics_token.as_ref().map_or(0, |t| t.len());
+            if !(16..=kvtier_proto::dataplane::MAX_TOKEN_LEN).contains(&len) {
+                return bad(format!(
+                    "metrics_listen {m} is beyond loopback: set metrics_token (16..=1024 bytes; `--metrics-token`, \
+                     KVTIER_METRICS_TOKEN) so that /metrics answers only `Authorization: Bearer <metrics_token>`, \
+                     or keep metrics_listen on loopback{}",
+                    if len > 0 { format!(" (the metrics_token set is {len} bytes)") } else { String::new() }
                 ));
             }
         }
@@ -939,6 +956,59 @@ mod tests {
         bad("[redis_tier]\nurl = \"redis://h:1\"\nbudget = \"1GiB\"\nkey_prefix = \"{x}\"\n", "key_prefix");
         bad("[redis_tier]\nurl = \"redis://h:1\"\nbudget = \"1GiB\"\ntimeout = \"0ms\"\n", "timeout");
         bad("[redis_tier]\nurl = \"redis://h:1\"\nbudget = \"1GiB\"\nttl = \"1h\"\n", "ttl");
+    }
+
+    /// `/metrics` beyond loopback needs its own token: `auth_token`, tenants and client
+    /// certificates guard the gRPC and data planes, not the plain-HTTP `/metrics`.
+    #[test]
+    fn metrics_beyond_loopback_need_a_metrics_token() {
+        let exposed = |token: Option<&str>| ServerConfig {
+            metrics_listen: Some("0.0.0.0:19464".parse().unwrap()),
+            auth_token: Some("a-long-enough-shared-secret".into()),
+            metrics_token: token.map(str::to_string),
+            ..ServerConfig::default()
+        };
+        let e = exposed(None).validate().unwrap_err().to_string();
+        assert!(
+            e.contains("metrics_listen 0.0.0.0:19464 is beyond loopback") && e.contains("set metrics_token"),
+            "{e}"
+        );
+        assert!(!e.contains("auth_token"), "auth_token does not guard /metrics: {e}");
+        let e = exposed(Some("short")).validate().unwrap_err().to_string();
+        assert!(e.contains("metrics_token") && e.contains("5 bytes"), "{e}");
+        exposed(Some("a-metrics-scrape-secret")).validate().unwrap();
+        // Tenants and required client certificates don't stand in for it either.
+        let mut c = exposed(None);
+        c.auth_token = None;
+        c.tenants =
+            vec![TenantConfig { name: "t".into(), tokens: vec!["token-of-tenant-t".into()], ..Default::default() }];
+        assert!(c.validate().unwrap_err().to_string().contains("set metrics_token"));
+        // On loopback /metrics needs nothing; the other listeners still need a credential.
+        let c = ServerConfig { metrics_listen: Some("127.0.0.1:0".parse().unwrap()), ..ServerConfig::default() };
+        c.validate().unwrap();
+        let c = ServerConfig { listen: "0.0.0.0:7070".parse().unwrap(), ..exposed(Some("a-metrics-scrape-secret")) };
+        c.validate().unwrap();
+        let c = ServerConfig { auth_token: None, ..c };
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("listen 0.0.0.0:7070") && e.contains("auth_token"), "{e}");
+    }
+
+    /// One file for a node and its GPU agent: `serve` takes (and ignores) an `[agent]` table, and
+    /// still refuses unknown keys everywhere else.
+    #[test]
+    fn an_agent_table_is_accepted_and_unknown_keys_elsewhere_are_not() {
+        let shared = "dram_capacity = \"256MiB\"\n\n[agent]\nserver = \"127.0.0.1:7070\"\ndevice = \"host\"\n\
+                      host_memory = \"1GiB\"\ngpus = [0, 1]\n";
+        let c = ServerConfig::from_toml_str(shared).unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.dram_capacity, ByteSize(256 << 20));
+        assert!(c.agent.as_ref().is_some_and(|t| t.contains_key("host_memory")));
+        let e = ServerConfig::from_toml_str(&format!("{shared}\n[agnet]\nserver = \"x\"\n")).unwrap_err();
+        assert!(e.to_string().contains("agnet"), "{e}");
+        let e = ServerConfig::from_toml_str(&format!("dram_capacty = \"1GiB\"\n{shared}")).unwrap_err();
+        assert!(e.to_string().contains("dram_capacty"), "{e}");
+        let e = ServerConfig::from_toml_str("agent = \"on\"\n").unwrap_err();
+        assert!(e.to_string().contains("agent"), "{e}");
     }
 
     #[test]

@@ -266,6 +266,7 @@ impl ControlPlane {
         let limits = self.state.session_limits(&ns);
         let new_keys = keys(&r.new_keys)?;
         let tail = opt_key(&r.tail_key)?;
+        let base_key = opt_key(&r.base_key)?;
         self.state.tiers().persist(&ns_id, &new_keys, tail).await?;
         let m = self
             .on_io(move |s| {
@@ -275,6 +276,7 @@ impl ControlPlane {
                     &r.session_id,
                     r.expected_version,
                     r.base_blocks as usize,
+                    base_key,
                     new_keys,
                     tail,
                     r.token_count,

@@ -122,13 +122,14 @@ impl SessionStore {
         id: &str,
         expected_version: u64,
         base_blocks: usize,
+        base_key: Option<kvtier_proto::BlockKey>,
         new_keys: Vec<kvtier_proto::BlockKey>,
         tail: Option<kvtier_proto::BlockKey>,
         token_count: u64,
         limits: &SessionLimits,
     ) -> Result<SessionManifest, ServerError> {
         self.change(pins, |t, now| {
-            t.extend(pins, ns, id, expected_version, base_blocks, new_keys, tail, token_count, limits, now)
+            t.extend(pins, ns, id, expected_version, base_blocks, base_key, new_keys, tail, token_count, limits, now)
         })
     }
 

@@ -314,7 +314,10 @@ impl SessionTable {
     }
 
     /// Appends blocks after the first `base_blocks` full blocks of version `expected_version`,
-    /// replacing the tail. Only the new blocks need to have been sent.
+    /// replacing the tail. Only the new blocks need to have been sent. `base_key` is the caller's
+    /// key of block `base_blocks - 1`: keys chain over every token before them, so a key that
+    /// differs from the manifest's there means the new context does not start with the session's
+    /// tokens, and the extend is refused (`None`, from a client that sends none: not checked).
     #[allow(clippy::too_many_arguments)]
     pub fn extend(
         &mut self,
@@ -323,6 +326,7 @@ impl SessionTable {
         id: &str,
         expected_version: u64,
         base_blocks: usize,
+        base_key: Option<BlockKey>,
         new_keys: Vec<BlockKey>,
         tail: Option<BlockKey>,
         token_count: u64,
@@ -346,6 +350,20 @@ impl SessionTable {
                 "base_blocks {base_blocks} is past the session's {} blocks",
                 cur.keys.len()
             )));
+        }
+        if let Some(key) = base_key {
+            let Some(held) = base_blocks.checked_sub(1).and_then(|i| cur.keys.get(i)) else {
+                return Err(ServerError::InvalidRequest(
+                    "base_key given with base_blocks 0: send it empty when extending from the first block".into(),
+                ));
+            };
+            if *held != key {
+                return Err(ServerError::InvalidRequest(format!(
+                    "the new context does not continue session {id:?}: its first {} tokens differ from the \
+                     parked ones; park it anew (drop it first, or replace it by its version) instead of extending",
+                    base_blocks as u64 * u64::from(limits.block_tokens)
+                )));
+            }
         }
         check_shape(base_blocks + new_keys.len(), tail.is_some(), token_count, limits)?;
         self.check_quota(limits, Some(cur.bytes), token_count * limits.bytes_per_token)?;
@@ -596,12 +614,12 @@ mod tests {
         // Bytes: two blocks' worth are held; a third block's worth is past a 2-block quota.
         let cap = Some(2 * u64::from(BT) * bpt);
         let k4 = put(&tier, ns1, 4, BT);
-        let grow = t.extend(&tier, ns1, "a", 2, 1, vec![k4], None, 2 * u64::from(BT), &quota(None, cap), now);
+        let grow = t.extend(&tier, ns1, "a", 2, 1, None, vec![k4], None, 2 * u64::from(BT), &quota(None, cap), now);
         assert!(matches!(grow, Err(ServerError::QuotaExceeded(ref m)) if m.contains("max_session_bytes")), "{grow:?}");
         // Dropping frees the room, and the counts follow every way out.
         assert!(t.drop_session(&tier, ns2, "b"));
         assert_eq!(t.count_in(&[ns1, ns2]).0, 1);
-        t.extend(&tier, ns1, "a", 2, 1, vec![k4], None, 2 * u64::from(BT), &quota(None, cap), now).unwrap();
+        t.extend(&tier, ns1, "a", 2, 1, None, vec![k4], None, 2 * u64::from(BT), &quota(None, cap), now).unwrap();
         assert_eq!(t.count_in(&[ns1, ns2]), (1, 2 * u64::from(BT) * bpt));
         t.expire(&tier, now + Duration::from_secs(60));
         assert_eq!(t.count_in(&[ns1, ns2, other]), (0, 0));
@@ -626,8 +644,8 @@ mod tests {
         t.park(&tier, named("b", 2), &lim, now).unwrap();
         // Replacing a manifest counts only the difference; extending too.
         t.park(&tier, ParkSpec { expected_version: 1, ..named("a", 1) }, &lim, now).unwrap();
-        t.extend(&tier, ns, "b", 1, 2, vec![k, k], None, 4 * u64::from(BT), &lim, now).unwrap();
-        assert!(t.extend(&tier, ns, "b", 2, 4, vec![k], None, 5 * u64::from(BT), &lim, now).is_err());
+        t.extend(&tier, ns, "b", 1, 2, None, vec![k, k], None, 4 * u64::from(BT), &lim, now).unwrap();
+        assert!(t.extend(&tier, ns, "b", 2, 4, None, vec![k], None, 5 * u64::from(BT), &lim, now).is_err());
         assert!(t.drop_session(&tier, ns, "b"));
         t.park(&tier, named("c", 4), &lim, now).unwrap();
     }
@@ -649,12 +667,12 @@ mod tests {
             Err(ServerError::SessionExists(_))
         ));
         // Extend: block 3 is new, the old tail is released.
-        let m = t.extend(&tier, ns, "agent-1", 1, 2, vec![k[2]], None, 12, &limits(), now).unwrap();
+        let m = t.extend(&tier, ns, "agent-1", 1, 2, Some(k[1]), vec![k[2]], None, 12, &limits(), now).unwrap();
         assert_eq!((m.version, m.keys.len(), m.tail), (2, 3, None));
         assert!(tier.remove(&ns, &tail1), "the replaced tail was unpinned");
         // A stale version is a conflict and changes nothing.
         assert!(matches!(
-            t.extend(&tier, ns, "agent-1", 1, 3, vec![], None, 12, &limits(), now),
+            t.extend(&tier, ns, "agent-1", 1, 3, None, vec![], None, 12, &limits(), now),
             Err(ServerError::VersionConflict { actual: 2, .. })
         ));
         let r = t.resume(&tier, ns, "agent-1", now).unwrap();
@@ -663,6 +681,37 @@ mod tests {
         assert!(t.drop_session(&tier, ns, "agent-1"));
         assert!(tier.remove(&ns, &k[0]), "drop unpins");
         assert!(matches!(t.resume(&tier, ns, "agent-1", now), Err(ServerError::SessionNotFound(_))));
+    }
+
+    /// Keys chain over every token before them: an extend whose key of the last kept block is
+    /// not the manifest's comes from a context that doesn't start with the session's tokens,
+    /// and is refused with the session, its pins and its version as they were.
+    #[test]
+    fn an_extend_of_another_context_is_refused_and_changes_nothing() {
+        let tier = DramTier::new(DramConfig { capacity_bytes: 1 << 20, max_pinned_ratio: 0.9 });
+        let ns = NamespaceId([5; 16]);
+        let mut t = SessionTable::default();
+        let now = Instant::now();
+        let k: Vec<_> = (1..=3).map(|i| put(&tier, ns, i, BT)).collect();
+        let tail = put(&tier, ns, 10, 2);
+        let parked = t.park(&tier, spec(ns, k[..2].to_vec(), Some(tail), 10, 0), &limits(), now).unwrap();
+        let other = put(&tier, ns, 20, BT);
+        let e = t.extend(&tier, ns, "agent-1", 1, 2, Some(other), vec![k[2]], None, 12, &limits(), now).unwrap_err();
+        assert!(
+            matches!(e, ServerError::InvalidRequest(ref m)
+                if m.contains("does not continue session \"agent-1\"") && m.contains("first 8 tokens differ")),
+            "{e}"
+        );
+        // A key given where no block is kept is a malformed request, not a match.
+        let e = t.extend(&tier, ns, "agent-1", 1, 0, Some(k[0]), k.clone(), None, 12, &limits(), now).unwrap_err();
+        assert!(matches!(e, ServerError::InvalidRequest(ref m) if m.contains("base_blocks 0")), "{e}");
+        assert_eq!(t.resume(&tier, ns, "agent-1", now).unwrap(), parked, "a refused extend changed the session");
+        assert!(!tier.remove(&ns, &tail), "the tail stays pinned");
+        assert!(tier.remove(&ns, &k[2]), "the refused extend pinned nothing");
+        // The key of the block before the new ones is the manifest's: extended.
+        let k2 = put(&tier, ns, 3, BT);
+        let m = t.extend(&tier, ns, "agent-1", 1, 2, Some(k[1]), vec![k2], None, 12, &limits(), now).unwrap();
+        assert_eq!((m.version, m.keys.len()), (2, 3));
     }
 
     #[test]

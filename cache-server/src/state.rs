@@ -501,13 +501,16 @@ impl NodeState {
         self.disk_recovery.as_ref()
     }
 
-    /// Registers a namespace (idempotent) for `by` and returns its id. A tenant registers only
-    /// namespaces that name it as their tenant, up to its `max_namespaces`.
+    /// Registers a namespace (idempotent) for `by` and returns its id. A tenant creates only
+    /// namespaces that name it as their tenant, up to its `max_namespaces`. A tenant another
+    /// granted access to (a `read` or `write` grant) may register one of that tenant's namespaces
+    /// that already exists — how every client gets the id before reading it — which creates
+    /// nothing and counts against nothing; creating it stays the owner's (or the operator's).
     pub fn register_namespace(&self, by: &Principal, ns: Namespace) -> Result<NamespaceId, ServerError> {
         ns.validate()?;
         if let Principal::Tenant(t) = by {
             if ns.tenant != t.name {
-                return Err(by.refusal(Access::Write, "namespaces whose tenant is not its own name"));
+                return self.register_granted(by, &ns);
             }
             if let Some(max) = t.quotas.max_namespaces {
                 let map = self.namespaces.read();
@@ -553,6 +556,27 @@ impl NodeState {
             metrics::gauge!("kvtier_namespaces").set(map.len() as f64);
         }
         Ok(id)
+    }
+
+    /// [`Self::register_namespace`] of another tenant's namespace by `by`: its id when it is
+    /// registered and `by` may read it (a grant); refused otherwise, saying which.
+    fn register_granted(&self, by: &Principal, ns: &Namespace) -> Result<NamespaceId, ServerError> {
+        if !by.may(Access::Read, &ns.tenant) {
+            return Err(by.refusal(Access::Write, "namespaces whose tenant is not its own name"));
+        }
+        let id = ns.id();
+        if self.namespaces.read().contains_key(&id) {
+            return Ok(id);
+        }
+        // Granted: telling it the namespace does not exist (yet) confirms nothing it may not know.
+        metrics::counter!("kvtier_auth_denied_total", "access" => Access::Write.as_str()).increment(1);
+        tracing::warn!(principal = by.name(), owner = ns.tenant, "a grantee asked for a namespace not registered");
+        Err(ServerError::Forbidden(format!(
+            "namespace not registered: tenant {owner:?} has not registered it; tenant {me:?} may read it but not \
+             create it (tenant {owner:?} must register it first, with the same model, layout, hash scheme and salt)",
+            owner = ns.tenant,
+            me = by.name(),
+        )))
     }
 
     /// Unregisters a namespace `by` may write: it stops being known (logged, synced, before

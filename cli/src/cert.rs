@@ -132,7 +132,7 @@ fn leaf(
     let stem = file_stem(name);
     write_new(&dir.join(format!("{stem}.key")), &key.serialize_pem(), true)?;
     write_new(&dir.join(format!("{stem}.pem")), &cert.pem(), false)?;
-    println!("wrote {0}/{stem}.pem and {0}/{stem}.key (names: {1})", dir.display(), sans.join(", "));
+    outln!("wrote {0}/{stem}.pem and {0}/{stem}.key (names: {1})", dir.display(), sans.join(", "))?;
     Ok(())
 }
 
@@ -144,7 +144,7 @@ pub fn run(cmd: CertCmd) -> anyhow::Result<()> {
             let cert = ca_params(days).self_signed(&key)?;
             write_new(&dir.join("ca.key"), &key.serialize_pem(), true)?;
             write_new(&dir.join("ca.pem"), &cert.pem(), false)?;
-            println!("wrote {0}/ca.pem and {0}/ca.key", dir.display());
+            outln!("wrote {0}/ca.pem and {0}/ca.key", dir.display())?;
             Ok(())
         }
         CertCmd::Node { dir, name, hosts, days } => leaf(

@@ -2,20 +2,31 @@
 //! trying a node by hand (`put`, `get`, `lookup`, `session park|resume|extend|ls|drop`, `stats`);
 //! `kvtier cert` makes TLS certificates.
 
+/// One line of a client command's answer on stdout, as `println!` but returning an error
+/// instead of panicking: a reader that went away (`kvtier stats | head -1`) ends the command
+/// quietly (see [`StdoutClosed`]).
+macro_rules! outln {
+    ($($arg:tt)*) => {
+        $crate::write_line(format_args!($($arg)*))
+    };
+}
+
 mod agent;
 mod fabric;
 mod lease_lane;
 mod peers;
+mod plan;
 mod watch;
 
 use std::io::Write;
 use std::path::PathBuf;
+use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
 use bytes::Bytes;
 use clap::{Args, Parser, Subcommand};
-use kvtier_client::{ClientConfig, KvClient, NamespaceHandle, ParkOptions};
+use kvtier_client::{ClientConfig, ClientError, KvClient, NamespaceHandle, ParkOptions};
 use kvtier_proto::{BlockKey, DType, HashScheme, KvLayout, Namespace};
 use kvtier_server::config::{ByteSize, DurationStr, ServerConfig};
 
@@ -45,7 +56,7 @@ enum Cmd {
     #[command(subcommand)]
     Session(SessionCmd),
     /// Tier and session statistics.
-    Stats(ConnArgs),
+    Stats(NodeArgs),
     /// Follow a node's KV events (stored, evicted, purged keys; sessions), one line each.
     Events(watch::EventsArgs),
     /// Which nodes hold how long a prefix of a token sequence, and a session: a routing hint.
@@ -53,12 +64,9 @@ enum Cmd {
     /// TLS certificates: a CA, node certificates, client certificates (mTLS tenants).
     #[command(subcommand)]
     Cert(cert::CertCmd),
-    /// Capacity planner (runs `kvtier-bench plan` from beside this binary; same arguments).
-    #[command(disable_help_flag = true)]
-    Plan {
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        args: Vec<String>,
-    },
+    /// Capacity planner: what a fleet's tiers hold and the prefill they save (runs
+    /// `kvtier-bench plan` from beside this binary).
+    Plan(plan::PlanArgs),
 }
 
 #[derive(Args)]
@@ -78,6 +86,9 @@ struct ServeArgs {
     /// Serve no /metrics.
     #[arg(long)]
     no_metrics: bool,
+    /// Bearer token /metrics requires (16..=1024 bytes; required when --metrics is beyond loopback).
+    #[arg(long, env = "KVTIER_METRICS_TOKEN", hide_env_values = true)]
+    metrics_token: Option<String>,
     /// Register the DRAM arena with this RDMA device (`any`: the first), so peers lease its
     /// slots and move blocks one-sidedly (needs the `rdma` build feature and a verbs device).
     #[arg(long, env = "KVTIER_RDMA_DEVICE")]
@@ -124,8 +135,9 @@ struct ServeArgs {
     log: String,
 }
 
+/// How to reach a node.
 #[derive(Args, Clone)]
-struct ConnArgs {
+struct NodeArgs {
     /// The server's gRPC address.
     #[arg(long, env = "KVTIER_SERVER", default_value = "127.0.0.1:7070")]
     server: String,
@@ -139,11 +151,18 @@ struct ConnArgs {
     tls_cert: Option<PathBuf>,
     #[arg(long, env = "KVTIER_TLS_KEY", requires = "tls_cert")]
     tls_key: Option<PathBuf>,
+}
+
+/// A node, and a namespace on it.
+#[derive(Args, Clone)]
+struct ConnArgs {
+    #[command(flatten)]
+    node: NodeArgs,
     #[command(flatten)]
     ns: NsArgs,
 }
 
-impl ConnArgs {
+impl NodeArgs {
     fn client_config(&self) -> anyhow::Result<ClientConfig> {
         let tls = match &self.tls_ca {
             Some(ca) => {
@@ -220,12 +239,16 @@ enum SessionCmd {
         t: TokensArgs,
         #[arg(long)]
         id: String,
-        /// Time to live, e.g. 30s, 10m.
-        #[arg(long)]
+        /// Time to live, e.g. 30s, 10m (default: the server's session TTL).
+        #[arg(long, value_parser = positive_duration)]
         ttl: Option<DurationStr>,
         /// Full blocks then the tail, back to back; synthetic if absent.
         #[arg(long)]
         file: Option<PathBuf>,
+        /// Replace the session if one with this id exists (its version is read first; the
+        /// park fails if it changes meanwhile).
+        #[arg(long)]
+        replace: bool,
     },
     /// Append a turn: the whole context now; only new blocks are sent.
     Extend {
@@ -254,25 +277,79 @@ enum SessionCmd {
     },
 }
 
-/// `kvtier plan ...` is `kvtier-bench plan ...`: the planner lives with the benchmarks.
-fn plan(args: &[String]) -> anyhow::Result<()> {
-    let exe = std::env::current_exe().context("locating this binary")?;
-    let bench = exe.with_file_name("kvtier-bench");
-    if !bench.exists() {
-        bail!("{} is missing: build it with `cargo build --release -p kvtier-bench`", bench.display());
+/// A duration flag that must be more than zero (a session parked with a TTL of 0 is already
+/// expired).
+fn positive_duration(s: &str) -> Result<DurationStr, String> {
+    let d: DurationStr = s.parse()?;
+    if d.0.is_zero() {
+        return Err(format!("{s:?} is no time at all: a session parked for 0 is already expired (try 30s or 10m)"));
     }
-    let status = std::process::Command::new(&bench)
-        .arg("plan")
-        .args(args)
-        .status()
-        .with_context(|| format!("running {}", bench.display()))?;
-    std::process::exit(status.code().unwrap_or(1));
+    Ok(d)
 }
 
-fn main() -> anyhow::Result<()> {
+/// Stdout was closed by its reader (a pipe into `head`): the command stops there, quietly.
+#[derive(Debug)]
+struct StdoutClosed;
+
+impl std::fmt::Display for StdoutClosed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("stdout was closed")
+    }
+}
+
+impl std::error::Error for StdoutClosed {}
+
+/// What [`outln!`] runs.
+fn write_line(args: std::fmt::Arguments<'_>) -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
+    match out.write_fmt(args).and_then(|()| out.write_all(b"\n")) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Err(StdoutClosed.into()),
+        other => other.context("writing to stdout"),
+    }
+}
+
+/// An error as one line: each cause once. A cause whose text the message holds already (an
+/// error that prints its source inside its own text) is not repeated.
+fn describe(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if line.contains(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line
+}
+
+/// Exit status of a command whose stdout closed under it: what a shell reports for a process
+/// ended by SIGPIPE (128 + 13), as for any other command in a pipe that closed early.
+const CLOSED_PIPE_EXIT: u8 = 141;
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.chain().any(|c| c.is::<StdoutClosed>()) => ExitCode::from(CLOSED_PIPE_EXIT),
+        Err(e) => {
+            // A user's error is a sentence, not a stack: the backtrace anyhow took (under
+            // RUST_BACKTRACE) is shown only where RUST_LIB_BACKTRACE asks for it.
+            let mut err = std::io::stderr().lock();
+            let _ = writeln!(err, "Error: {}", describe(&e));
+            if std::env::var_os("RUST_LIB_BACKTRACE").is_some_and(|v| v != "0") {
+                let _ = writeln!(err, "\n{}", e.backtrace());
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let cmd = match cli.cmd {
-        Cmd::Plan { args } => return plan(&args),
+        Cmd::Plan(a) => std::process::exit(plan::run(&a)?),
         Cmd::Cert(c) => return cert::run(c),
         other => other,
     };
@@ -301,7 +378,7 @@ fn main() -> anyhow::Result<()> {
             Cmd::Stats(c) => stats(c).await,
             Cmd::Events(a) => watch::events(a).await,
             Cmd::Route(a) => watch::route(a).await,
-            Cmd::Plan { .. } | Cmd::Cert(_) => Ok(()),
+            Cmd::Plan(_) | Cmd::Cert(_) => Ok(()),
         }
     })
 }
@@ -328,6 +405,9 @@ fn serve_config(a: &ServeArgs) -> anyhow::Result<ServerConfig> {
     }
     if a.no_metrics {
         cfg.metrics_listen = None;
+    }
+    if let Some(v) = &a.metrics_token {
+        cfg.metrics_token = Some(v.clone());
     }
     if let Some(v) = &a.data_dir {
         cfg.data_dir = v.clone();
@@ -434,14 +514,44 @@ impl NsArgs {
         let layout =
             KvLayout::new(self.layers, self.kv_heads, self.head_dim, DType::parse(&self.dtype)?, self.block_tokens);
         let hashing = if self.sha256 { HashScheme::Sha256 } else { HashScheme::Blake3 };
-        Ok(Namespace::new(&self.tenant, &self.model, layout, hashing, self.salt.as_bytes()))
+        let ns = Namespace::new(&self.tenant, &self.model, layout, hashing, self.salt.as_bytes());
+        // Checked here, before connecting: these are this command's own flags.
+        if let Err(e) = ns.validate() {
+            bail!("{e} (the namespace flags: --layers, --kv-heads, --head-dim, --dtype, --block-tokens, --tenant, --model)");
+        }
+        Ok(ns)
     }
 }
 
-async fn connect(c: &ConnArgs) -> anyhow::Result<(KvClient, NamespaceHandle)> {
+/// A client of the node `c` names, no namespace registered.
+async fn connect_client(c: &NodeArgs) -> anyhow::Result<KvClient> {
     let cfg = c.client_config()?;
-    let client = KvClient::connect(&c.server, cfg).await.with_context(|| format!("connecting to {}", c.server))?;
-    let ns = client.register(c.ns.namespace()?).await?;
+    match KvClient::connect(&c.server, cfg).await {
+        Ok(client) => Ok(client),
+        // It names the address already (no context); its hint, in this command's flags.
+        Err(e @ ClientError::Connect { .. }) => {
+            let text = e.to_string();
+            let flag = if text.contains("runs TLS") {
+                "--tls-ca"
+            } else if text.contains("client certificate") {
+                "--tls-cert and --tls-key"
+            } else {
+                return Err(e.into());
+            };
+            match text.strip_suffix(')') {
+                Some(t) => bail!("{t}: {flag})"),
+                None => bail!("{text} ({flag})"),
+            }
+        }
+        Err(e) => Err(e).with_context(|| format!("connecting to {}", c.server)),
+    }
+}
+
+/// A client and the namespace of the namespace flags, registered.
+async fn connect(c: &ConnArgs) -> anyhow::Result<(KvClient, NamespaceHandle)> {
+    let ns = c.ns.namespace()?;
+    let client = connect_client(&c.node).await?;
+    let ns = client.register(ns).await?;
     Ok((client, ns))
 }
 
@@ -514,15 +624,15 @@ async fn put(a: PutArgs) -> anyhow::Result<()> {
     let blocks = payloads(&ns, a.file.as_ref(), &keys, None)?;
     let report = client.store(&ns, &tokens, &blocks).await?;
     let bytes: usize = blocks.iter().map(|b| b.len()).sum();
-    println!(
+    outln!(
         "stored {} of {} block(s), {} bytes, covering {} tokens",
         report.stored,
         keys.len(),
         bytes,
         keys.len() * ns.block_tokens()
-    );
+    )?;
     for (i, st) in &report.rejected {
-        println!("  block {i} rejected: {}", st.describe());
+        outln!("  block {i} rejected: {}", st.describe())?;
     }
     report.ok()?;
     Ok(())
@@ -532,16 +642,16 @@ async fn get(a: GetArgs) -> anyhow::Result<()> {
     let (client, ns) = connect(&a.t.conn).await?;
     let tokens = a.t.tokens()?;
     let blocks = client.load(&ns, &tokens).await?;
-    println!("loaded {} block(s) = {} tokens of {}", blocks.len(), blocks.len() * ns.block_tokens(), tokens.len());
+    outln!("loaded {} block(s) = {} tokens of {}", blocks.len(), blocks.len() * ns.block_tokens(), tokens.len())?;
     for (i, b) in blocks.iter().enumerate() {
-        println!("  block {i}: {} bytes xxh3={}", b.len(), short(b));
+        outln!("  block {i}: {} bytes xxh3={}", b.len(), short(b))?;
     }
     if let Some(p) = a.out {
         let mut f = std::fs::File::create(&p).with_context(|| format!("creating {}", p.display()))?;
         for b in &blocks {
-            f.write_all(b)?;
+            f.write_all(b).with_context(|| format!("writing {}", p.display()))?;
         }
-        println!("wrote {}", p.display());
+        outln!("wrote {}", p.display())?;
     }
     Ok(())
 }
@@ -550,21 +660,35 @@ async fn lookup(a: TokensArgs) -> anyhow::Result<()> {
     let (client, ns) = connect(&a.conn).await?;
     let tokens = a.tokens()?;
     let n = client.lookup(&ns, &tokens).await?;
-    println!("{n} of {} tokens are stored", tokens.len());
+    outln!("{n} of {} tokens are stored", tokens.len())?;
     Ok(())
 }
 
 async fn session(s: SessionCmd) -> anyhow::Result<()> {
     match s {
-        SessionCmd::Park { t, id, ttl, file } => {
+        SessionCmd::Park { t, id, ttl, file, replace } => {
             let (client, ns) = connect(&t.conn).await?;
             let tokens = t.tokens()?;
             let keys = ns.keys(&tokens);
             let tail = ns.tail_key(&tokens).map(|k| (k, (tokens.len() % ns.block_tokens()) as u32));
             let blocks = payloads(&ns, file.as_ref(), &keys, tail)?;
             let opts = ParkOptions { ttl: ttl.map(|d| d.0), priority: None };
-            let info = client.park(&ns, &id, &tokens, &blocks, &opts, 0).await?;
-            println!(
+            let version = match replace {
+                true => match client.session_manifest(&ns, &id).await {
+                    Ok(m) => m.info.version,
+                    Err(ClientError::SessionNotFound(_) | ClientError::SessionExpired(_)) => 0,
+                    Err(e) => return Err(e.into()),
+                },
+                false => 0,
+            };
+            let info = client.park(&ns, &id, &tokens, &blocks, &opts, version).await.map_err(|e| match e {
+                ClientError::SessionExists(_) => anyhow::anyhow!(
+                    "{e}: pass --replace to park over it, `kvtier session extend` to add a turn to it, or \
+                     `kvtier session drop` it first"
+                ),
+                e => e.into(),
+            })?;
+            outln!(
                 "parked {:?} v{}: {} tokens, {} blocks{}, expires in {:?}",
                 info.id,
                 info.version,
@@ -572,79 +696,90 @@ async fn session(s: SessionCmd) -> anyhow::Result<()> {
                 info.blocks,
                 if info.has_tail { " + tail" } else { "" },
                 info.expires_in
-            );
+            )?;
         }
         SessionCmd::Extend { t, id } => {
             let (client, ns) = connect(&t.conn).await?;
             let tokens = t.tokens()?;
-            let cur = client.resume(&ns, &id).await?;
+            // The manifest alone (version, token count): the blocks already parked stay where
+            // they are.
+            let cur = client.session_manifest(&ns, &id).await?;
             let prev = cur.info.token_count as usize;
+            if prev > tokens.len() {
+                bail!(
+                    "session {id:?} holds {prev} tokens and the context given has {}: extend with the whole \
+                     context (the session's tokens and the new ones)",
+                    tokens.len()
+                );
+            }
             let base = prev / ns.block_tokens();
             let keys = ns.keys(&tokens);
             let tail = ns.tail_key(&tokens).map(|k| (k, (tokens.len() % ns.block_tokens()) as u32));
             let blocks = payloads(&ns, None, &keys[base.min(keys.len())..], tail)?;
             let info = client.extend(&ns, &id, cur.info.version, prev, &tokens, &blocks).await?;
-            println!(
-                "extended {:?} to v{}: {} tokens, {} blocks",
-                info.id, info.version, info.token_count, info.blocks
-            );
+            outln!("extended {:?} to v{}: {} tokens, {} blocks", info.id, info.version, info.token_count, info.blocks)?;
         }
         SessionCmd::Resume { conn, id, out } => {
             let (client, ns) = connect(&conn).await?;
             let r = client.resume(&ns, &id).await?;
-            println!(
+            outln!(
                 "resumed {:?} v{}: {} tokens in {} block(s), expires in {:?}",
                 r.info.id,
                 r.info.version,
                 r.info.token_count,
                 r.blocks.len(),
                 r.info.expires_in
-            );
+            )?;
             for (i, b) in r.blocks.iter().enumerate() {
-                println!("  block {i}: {} bytes xxh3={}", b.len(), short(b));
+                outln!("  block {i}: {} bytes xxh3={}", b.len(), short(b))?;
             }
             if let Some(p) = out {
-                let mut f = std::fs::File::create(&p)?;
+                let mut f = std::fs::File::create(&p).with_context(|| format!("creating {}", p.display()))?;
                 for b in &r.blocks {
-                    f.write_all(b)?;
+                    f.write_all(b).with_context(|| format!("writing {}", p.display()))?;
                 }
-                println!("wrote {}", p.display());
+                outln!("wrote {}", p.display())?;
             }
         }
         SessionCmd::Ls(conn) => {
             let (client, ns) = connect(&conn).await?;
             let list = client.list_sessions(Some(&ns)).await?;
-            println!("{} session(s)", list.len());
+            outln!("{} session(s)", list.len())?;
             for s in list {
-                println!(
+                outln!(
                     "  {:<24} v{:<4} {:>8} tokens {:>6} blocks {:>12} bytes  expires in {:?}",
-                    s.id, s.version, s.token_count, s.blocks, s.bytes, s.expires_in
-                );
+                    s.id,
+                    s.version,
+                    s.token_count,
+                    s.blocks,
+                    s.bytes,
+                    s.expires_in
+                )?;
             }
         }
         SessionCmd::Drop { conn, id } => {
             let (client, ns) = connect(&conn).await?;
             let dropped = client.drop_session(&ns, &id).await?;
-            println!("{}", if dropped { format!("dropped {id:?}") } else { format!("no session {id:?}") });
+            outln!("{}", if dropped { format!("dropped {id:?}") } else { format!("no session {id:?}") })?;
         }
     }
     Ok(())
 }
 
-async fn stats(c: ConnArgs) -> anyhow::Result<()> {
-    let client = KvClient::connect(&c.server, c.client_config()?).await?;
+async fn stats(c: NodeArgs) -> anyhow::Result<()> {
+    let client = connect_client(&c).await?;
     let s = client.stats().await?;
-    println!(
+    outln!(
         "uptime {:?}, {} namespace(s), {} session(s)",
         Duration::from_millis(s.uptime_ms),
         s.namespaces,
         s.sessions
-    );
+    )?;
     for t in s.tiers {
-        println!(
+        outln!(
             "{}: {} blocks, resident {} / allocated {} / cap {} bytes, pinned {}; hits {} misses {} evictions {}; in {} out {} bytes",
             t.tier, t.blocks, t.resident_bytes, t.allocated_bytes, t.capacity_bytes, t.pinned_bytes, t.hits, t.misses, t.evictions, t.bytes_in, t.bytes_out
-        );
+        )?;
     }
     Ok(())
 }

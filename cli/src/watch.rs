@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 
-use crate::{connect, ConnArgs};
+use crate::{connect, connect_client, ConnArgs};
 
 #[derive(Args)]
 pub struct EventsArgs {
@@ -25,6 +25,9 @@ pub struct EventsArgs {
 pub struct RouteArgs {
     #[command(flatten)]
     conn: ConnArgs,
+    /// Text whose UTF-8 bytes are the token ids (as `put`, `get` and `session` take it).
+    #[arg(long, conflicts_with_all = ["tokens", "tokens_file"])]
+    text: Option<String>,
     /// File of token ids, separated by commas or white space.
     #[arg(long, conflicts_with = "tokens")]
     tokens_file: Option<PathBuf>,
@@ -38,8 +41,14 @@ pub struct RouteArgs {
 
 /// Prints one line per event: node, sequence, kind, namespace, then the kind's details.
 pub async fn events(a: EventsArgs) -> anyhow::Result<()> {
-    let (client, ns) = connect(&a.conn).await?;
-    let mut watch = if a.all { client.watch_events(&[]).await? } else { client.watch_events(&[&ns]).await? };
+    // With --all no namespace is named, so none is registered: a tenant's credential may not
+    // register the default `cli` tenant's namespace, and needs none to watch its own.
+    let mut watch = if a.all {
+        connect_client(&a.conn.node).await?.watch_events(&[]).await?
+    } else {
+        let (client, ns) = connect(&a.conn).await?;
+        client.watch_events(&[&ns]).await?
+    };
     let mut seen = 0u64;
     while a.count.is_none_or(|n| seen < n) {
         let Some(e) = watch.next().await? else { break };
@@ -56,33 +65,34 @@ pub async fn events(a: EventsArgs) -> anyhow::Result<()> {
                 format!("tier={}{to} keys={} [{}]", e.tier, e.keys.len(), keys.join(","))
             }
         };
-        println!("{} {} {} ns={ns} {detail}", e.node_id, e.seq, e.kind.as_str());
+        outln!("{} {} {} ns={ns} {detail}", e.node_id, e.seq, e.kind.as_str())?;
     }
     Ok(())
 }
 
 /// Prints the hint: one line per node, the best node last.
 pub async fn route(a: RouteArgs) -> anyhow::Result<()> {
-    let tokens: Vec<u32> = match (&a.tokens_file, &a.tokens) {
-        (Some(p), None) => {
+    let tokens: Vec<u32> = match (&a.text, &a.tokens_file, &a.tokens) {
+        (Some(t), None, None) => t.bytes().map(u32::from).collect(),
+        (None, Some(p), None) => {
             let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
             text.split(|c: char| c == ',' || c.is_whitespace())
                 .filter(|s| !s.is_empty())
                 .map(|s| s.parse::<u32>().with_context(|| format!("{}: {s:?} is not a token id", p.display())))
                 .collect::<anyhow::Result<_>>()?
         }
-        (None, Some(t)) => t.clone(),
-        _ => anyhow::bail!("give the tokens with --tokens-file or --tokens"),
+        (None, None, Some(t)) => t.clone(),
+        _ => anyhow::bail!("give the tokens with --text, --tokens or --tokens-file"),
     };
     let (client, ns) = connect(&a.conn).await?;
     let hint = client.route_hint(&ns, &tokens, a.session.as_deref()).await?;
-    println!(
+    outln!(
         "{} tokens: {} full blocks of {} tokens{}",
         tokens.len(),
         hint.total_blocks,
         hint.block_tokens,
         if hint.membership_stale { " (membership stale)" } else { "" }
-    );
+    )?;
     for n in &hint.nodes {
         if n.reachable {
             let session = match (&a.session, n.holds_session) {
@@ -90,17 +100,20 @@ pub async fn route(a: RouteArgs) -> anyhow::Result<()> {
                 (Some(_), false) => " session=no".into(),
                 (None, _) => String::new(),
             };
-            println!(
+            outln!(
                 "node {} grpc={} prefix={} blocks ({} tokens){session}",
-                n.node_id, n.grpc_addr, n.prefix_blocks, n.prefix_tokens
-            );
+                n.node_id,
+                n.grpc_addr,
+                n.prefix_blocks,
+                n.prefix_tokens
+            )?;
         } else {
-            println!("node {} grpc={} unknown: {}", n.node_id, n.grpc_addr, n.error.as_deref().unwrap_or(""));
+            outln!("node {} grpc={} unknown: {}", n.node_id, n.grpc_addr, n.error.as_deref().unwrap_or(""))?;
         }
     }
     match hint.best() {
-        Some(b) => println!("best {} {}", b.node_id, b.grpc_addr),
-        None => println!("best none"),
+        Some(b) => outln!("best {} {}", b.node_id, b.grpc_addr)?,
+        None => outln!("best none")?,
     }
     Ok(())
 }

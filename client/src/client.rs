@@ -11,7 +11,7 @@ use futures::future::try_join_all;
 use kvtier_proto::dataplane::ItemStatus;
 use kvtier_proto::pb::kv_tier_client::KvTierClient;
 use kvtier_proto::{
-    pb, BlockFrame, BlockKey, CodecId, FrameHeader, KeyChain, Namespace, NamespaceId, FRAME_FLAG_KEEP_LOSSLESS,
+    codes, pb, BlockFrame, BlockKey, CodecId, FrameHeader, KeyChain, Namespace, NamespaceId, FRAME_FLAG_KEEP_LOSSLESS,
 };
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
@@ -333,10 +333,20 @@ pub struct ResumedSession {
     pub blocks: Vec<Bytes>,
 }
 
+/// A session's manifest without its KV ([`KvClient::session_manifest`]): its info and keys, full
+/// blocks in order then the tail's.
+#[derive(Debug, Clone)]
+pub struct SessionManifest {
+    pub info: SessionInfo,
+    pub keys: Vec<BlockKey>,
+    pub tail_key: Option<BlockKey>,
+}
+
 /// How to park a session.
 #[derive(Debug, Clone, Default)]
 pub struct ParkOptions {
-    /// `None`: the server's default TTL.
+    /// `None`: the server's default TTL. Zero is refused (`InvalidArgument`); under a
+    /// millisecond rounds up to one.
     pub ttl: Option<Duration>,
     /// 0 low, 1 normal (default), 2 high.
     pub priority: Option<u32>,
@@ -417,7 +427,14 @@ impl KvClient {
             .await
             .map_err(|_| ClientError::Timeout(cfg.connect_timeout))?
             .map_err(|e| {
-                cerr(format!("{e} ({})", std::error::Error::source(&e).map(|s| s.to_string()).unwrap_or_default()))
+                let cause = std::error::Error::source(&e).map(|s| s.to_string()).unwrap_or_default();
+                // A TLS client's hello answered by a plain listener: its bytes are no TLS record.
+                let hint = if cfg.tls.is_some() && cause.contains("InvalidContentType") {
+                    "; the node may not run TLS: connect without TLS"
+                } else {
+                    ""
+                };
+                cerr(format!("{e} ({cause}{hint})"))
             })?;
         let auth = match &cfg.auth_token {
             Some(t) => Some(
@@ -432,11 +449,7 @@ impl KvClient {
             .max_encoding_message_size(64 << 20);
         let info = match grpc.info(pb::InfoRequest {}).await {
             Ok(r) => r.into_inner(),
-            // A plain client's HTTP/2 preface to a TLS listener ends as a bare transport error.
-            Err(s) if cfg.tls.is_none() && matches!(s.code(), tonic::Code::Unknown | tonic::Code::Unavailable) => {
-                return Err(cerr(format!("{s} (if the node runs TLS, give the client its CA: ClientConfig::tls)")))
-            }
-            Err(s) => return Err(s.into()),
+            Err(s) => return Err(first_call_error(addr, s, &cfg)),
         };
         let dial = match connector {
             Some(c) => Dial::Custom(c),
@@ -534,7 +547,8 @@ impl KvClient {
 
     /// Registers (idempotently) a namespace and returns its handle.
     pub async fn register(&self, ns: Namespace) -> Result<NamespaceHandle, ClientError> {
-        ns.validate()?;
+        // The caller's own arguments, checked here: nothing is sent.
+        ns.validate().map_err(|e| ClientError::InvalidArgument(e.to_string()))?;
         let resp = self.grpc().register_namespace(ns.to_pb()).await?.into_inner();
         let id = NamespaceId::from_slice(&resp.namespace_id)?;
         if id != ns.id() {
@@ -554,6 +568,9 @@ impl KvClient {
 
     /// How many leading tokens of `tokens` the server holds (a multiple of the block size).
     pub async fn lookup(&self, ns: &NamespaceHandle, tokens: &[u32]) -> Result<usize, ClientError> {
+        // As a store or load of these tokens would (the server, given only the full blocks'
+        // keys, would count the tail out and name another length).
+        self.check_context(tokens.len())?;
         let keys = ns.keys(tokens);
         Ok(self.lookup_keys(ns, &keys).await? * ns.block_tokens())
     }
@@ -975,6 +992,13 @@ impl KvClient {
         expected_version: u64,
     ) -> Result<SessionInfo, ClientError> {
         self.check_context(tokens.len())?;
+        if opts.ttl == Some(Duration::ZERO) {
+            return Err(ClientError::InvalidArgument(
+                "a TTL of 0 parks a session that is already expired: give a positive TTL, or None for the \
+                 server's default"
+                    .into(),
+            ));
+        }
         let (keys, tail, frames) = Self::session_frames(ns, tokens, 0, blocks)?;
         // Blocks the server already has (a shared prefix) are not sent again.
         let present = self.lookup_keys(ns, &keys).await?;
@@ -1056,7 +1080,8 @@ impl KvClient {
     /// Extends a parked session after a new turn. `tokens` is the whole context now;
     /// `prev_token_count` what the session held at `expected_version`; `blocks` the payloads of
     /// the full blocks from `prev_token_count / block_tokens` on, then the new tail. Blocks
-    /// before that are neither sent nor rewritten.
+    /// before that are neither sent nor rewritten. A context that doesn't start with the
+    /// session's tokens is refused (`Refused` with `KV:Request:Invalid`), the session unchanged.
     pub async fn extend(
         &self,
         ns: &NamespaceHandle,
@@ -1077,6 +1102,9 @@ impl KvClient {
             session_id: session_id.to_string(),
             expected_version,
             base_blocks: base as u32,
+            // The server checks the context continues the session's: keys chain over every
+            // token before them, so the key of the last block kept stands for all of them.
+            base_key: base.checked_sub(1).map(|i| Bytes::copy_from_slice(&keys[i].0)).unwrap_or_default(),
             new_keys: keys[base..].iter().map(|k| Bytes::copy_from_slice(&k.0)).collect(),
             tail_key: tail.map(|k| Bytes::copy_from_slice(&k.0)).unwrap_or_default(),
             token_count: tokens.len() as u64,
@@ -1089,14 +1117,27 @@ impl KvClient {
         .await
     }
 
-    /// Resumes a session: its manifest and every block, full blocks then the tail.
-    pub async fn resume(&self, ns: &NamespaceHandle, session_id: &str) -> Result<ResumedSession, ClientError> {
+    /// A session's manifest alone: its info (version, token count...) and keys, no block moved
+    /// (what [`KvClient::extend`] needs to know). Like a resume, it restarts the session's TTL.
+    pub async fn session_manifest(
+        &self,
+        ns: &NamespaceHandle,
+        session_id: &str,
+    ) -> Result<SessionManifest, ClientError> {
         let req =
             pb::ResumeRequest { namespace_id: Bytes::copy_from_slice(&ns.id.0), session_id: session_id.to_string() };
         let mut g = self.grpc();
         let m = self.timed(async move { Ok(g.resume_session(req).await?.into_inner()) }).await?;
         let keys = m.keys.iter().map(|k| BlockKey::try_from(&k[..])).collect::<Result<Vec<_>, _>>()?;
         let tail_key = if m.tail_key.is_empty() { None } else { Some(BlockKey::try_from(&m.tail_key[..])?) };
+        let info =
+            m.info.map(SessionInfo::from_pb).ok_or_else(|| ClientError::Io("resume answer without info".into()))?;
+        Ok(SessionManifest { info, keys, tail_key })
+    }
+
+    /// Resumes a session: its manifest and every block, full blocks then the tail.
+    pub async fn resume(&self, ns: &NamespaceHandle, session_id: &str) -> Result<ResumedSession, ClientError> {
+        let SessionManifest { info, keys, tail_key } = self.session_manifest(ns, session_id).await?;
         let mut all = keys.clone();
         all.extend(tail_key);
         let frames = self.load_keys(ns, &all).await?;
@@ -1105,8 +1146,6 @@ impl KvClient {
             present.push(f.ok_or(ClientError::Missing { index })?);
         }
         let blocks = decode_frames(present)?;
-        let info =
-            m.info.map(SessionInfo::from_pb).ok_or_else(|| ClientError::Io("resume answer without info".into()))?;
         Ok(ResumedSession { info, keys, tail_key, blocks })
     }
 
@@ -1155,6 +1194,48 @@ impl KvClient {
     pub fn raw_grpc(&self) -> KvTierClient<InterceptedService<Channel, impl tonic::service::Interceptor + Clone>> {
         self.grpc()
     }
+}
+
+/// The innermost cause of a failed call: tonic's own words for a connection that failed are
+/// only "transport error".
+fn root_cause(s: &tonic::Status) -> Option<String> {
+    let mut e: &dyn std::error::Error = std::error::Error::source(s)?;
+    while let Some(next) = e.source() {
+        e = next;
+    }
+    Some(e.to_string())
+}
+
+/// What the first call on a new connection failing means. A server's refusal (it carries a
+/// kvtier code) is itself. A connection that fails after it opened (a node that is down fails
+/// before) is speaking the wrong protocol: a plain client's HTTP/2 to a TLS listener, or to a
+/// listener that isn't gRPC (the data plane, /metrics), gets bytes that are no HTTP/2 or a closed
+/// connection; a TLS client without the certificate its node requires, a closed connection.
+/// Those are said with their cause and what to check.
+fn first_call_error(addr: &str, s: tonic::Status, cfg: &ClientConfig) -> ClientError {
+    if s.metadata().contains_key(codes::METADATA_KEY)
+        || !matches!(
+            s.code(),
+            tonic::Code::Internal | tonic::Code::Unknown | tonic::Code::Unavailable | tonic::Code::Cancelled
+        )
+    {
+        return s.into();
+    }
+    let said = match root_cause(&s) {
+        Some(c) if !s.message().contains(c.as_str()) => format!("{}: {c}", s.message()),
+        _ => s.message().to_string(),
+    };
+    let hint = match &cfg.tls {
+        None => {
+            "the node's answer was not HTTP/2 gRPC: is this its gRPC port (not its data-plane or metrics \
+                 port)? If the node runs TLS, connect over TLS with its CA"
+        }
+        Some(t) if t.identity.is_none() => {
+            "the node may require a client certificate (mTLS): give the client one signed by the node's client CA"
+        }
+        Some(_) => return s.into(),
+    };
+    ClientError::Connect { addr: addr.to_string(), reason: format!("{said} ({hint})") }
 }
 
 /// Requests a node sends its peers on a client's behalf.

@@ -11,33 +11,35 @@ pub enum ClientError {
     Timeout(std::time::Duration),
     #[error("connection failed: {0}")]
     Io(String),
+    /// Bytes or shapes that are wrong (the error is carried, not a source: its text is in this
+    /// one's already, and error-chain printers would say it twice).
     #[error("protocol error: {0}")]
-    Protocol(#[from] ProtoError),
+    Protocol(ProtoError),
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
-    #[error("server refused: {code}: {message}")]
+    #[error("server refused: {}", coded(code, message))]
     Refused { code: String, message: String },
-    #[error("no capacity on the server: {0}")]
+    #[error("{}", labeled("no capacity on the server", .0))]
     Capacity(String),
-    #[error("unknown namespace: {0}")]
+    #[error("{}", labeled("unknown namespace", .0))]
     UnknownNamespace(String),
-    #[error("context too long: {0}")]
+    #[error("{}", labeled("context too long", .0))]
     ContextTooLong(String),
-    #[error("session not found: {0}")]
+    #[error("{}", labeled("session not found", .0))]
     SessionNotFound(String),
-    #[error("session expired: {0}")]
+    #[error("{}", labeled("session expired", .0))]
     SessionExpired(String),
-    #[error("session exists: {0}")]
+    #[error("{}", labeled("session exists", .0))]
     SessionExists(String),
-    #[error("session version conflict: {0}")]
+    #[error("{}", labeled("session version conflict", .0))]
     VersionConflict(String),
     #[error("unauthenticated: {0}")]
     Unauthenticated(String),
     /// Authenticated, but the namespace belongs to another tenant that granted no such access.
-    #[error("forbidden: {0}")]
+    #[error("{}", labeled("forbidden", .0))]
     Forbidden(String),
     /// The tenant is at one of its quotas (namespaces, sessions, session bytes).
-    #[error("quota exceeded: {0}")]
+    #[error("{}", labeled("quota exceeded", .0))]
     QuotaExceeded(String),
     #[error("block {index} rejected: {}", status.describe())]
     Rejected { index: usize, status: ItemStatus },
@@ -49,6 +51,31 @@ pub enum ClientError {
     /// Encoding a block for the namespace's codec, or decoding a stored one, failed.
     #[error("codec: {0}")]
     Codec(String),
+}
+
+/// `label: message`, or the message alone where it is the server's (`KV:…: what went wrong`):
+/// its stable code and its words already say which kind of failure it is, and saying it again
+/// reads `quota exceeded: KV:Quota:Exceeded: quota exceeded: …`.
+fn labeled(label: &str, message: &str) -> String {
+    if message.starts_with("KV:") {
+        message.to_string()
+    } else {
+        format!("{label}: {message}")
+    }
+}
+
+/// `code: message`, the code once: the server's messages start with their code already.
+fn coded(code: &str, message: &str) -> String {
+    match message.strip_prefix(code).and_then(|m| m.strip_prefix(": ")) {
+        Some(_) => message.to_string(),
+        None => format!("{code}: {message}"),
+    }
+}
+
+impl From<ProtoError> for ClientError {
+    fn from(e: ProtoError) -> Self {
+        ClientError::Protocol(e)
+    }
 }
 
 impl ClientError {
@@ -129,5 +156,37 @@ impl From<tonic::Status> for ClientError {
 impl From<tonic::transport::Error> for ClientError {
     fn from(e: tonic::transport::Error) -> Self {
         ClientError::Io(e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refusal(code: &str, message: &str) -> ClientError {
+        let mut s = tonic::Status::new(tonic::Code::InvalidArgument, message);
+        s.metadata_mut().insert(codes::METADATA_KEY, code.parse().unwrap());
+        ClientError::from(s)
+    }
+
+    /// The server words a refusal `CODE: what went wrong`; the client's text says the code and
+    /// the kind once each, wherever it came from.
+    #[test]
+    fn errors_say_their_code_and_kind_once() {
+        let e = refusal(codes::INVALID_REQUEST, "KV:Request:Invalid: invalid request: base_blocks 9 is past 3");
+        assert_eq!(e.to_string(), "server refused: KV:Request:Invalid: invalid request: base_blocks 9 is past 3");
+        let e = refusal(codes::QUOTA, "KV:Quota:Exceeded: quota exceeded: tenant \"t\" is at max_sessions 2");
+        assert!(matches!(e, ClientError::QuotaExceeded(_)));
+        assert_eq!(e.to_string(), "KV:Quota:Exceeded: quota exceeded: tenant \"t\" is at max_sessions 2");
+        let e = refusal(codes::FORBIDDEN, "KV:Auth:Forbidden: forbidden: namespace of tenant \"a\"");
+        assert_eq!(e.to_string(), "KV:Auth:Forbidden: forbidden: namespace of tenant \"a\"");
+        // Raised by the client itself: the kind leads.
+        let e = ClientError::ContextTooLong("90 tokens exceed the server's max_context_tokens 64".into());
+        assert_eq!(e.to_string(), "context too long: 90 tokens exceed the server's max_context_tokens 64");
+        let e = ClientError::Refused { code: "dataplane:Internal".into(), message: "disk read failed".into() };
+        assert_eq!(e.to_string(), "server refused: dataplane:Internal: disk read failed");
+        // A carried protocol error is not also a source: a chain printer says it once.
+        let e = ClientError::from(ProtoError::InvalidLayout("layers must be > 0".into()));
+        assert!(std::error::Error::source(&e).is_none());
     }
 }

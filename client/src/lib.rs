@@ -44,7 +44,7 @@ mod wait;
 pub use claims::{BufferClaim, ConcurrentBuffer, LoadBuffer, StoreBuffer};
 pub use client::{
     decode_frame, decode_frame_into, BlockDest, ClientConfig, KvClient, NamespaceHandle, ParkOptions, ResumedSession,
-    SessionInfo, StoreReport, StoredAs,
+    SessionInfo, SessionManifest, StoreReport, StoredAs,
 };
 pub use client::{ClusterMembers, EventKind, EventWatch, KvEvent, NodeHolding, OwnerRouter, RouteHint};
 pub use conn::lease::{GetGrant, LeaseSession, PutGrant};

@@ -299,7 +299,7 @@ impl ItemStatus {
             ItemStatus::ChecksumMismatch => "checksum mismatch",
             ItemStatus::SizeMismatch => "payload size does not match the layout",
             ItemStatus::UnknownNamespace => "unknown namespace",
-            ItemStatus::Capacity => "no capacity: every resident byte is pinned",
+            ItemStatus::Capacity => "no capacity: the DRAM tier is full of pinned blocks, or pinning this one would pass max_pinned_ratio of dram_capacity",
             ItemStatus::LayoutMismatch => "frame layout differs from the namespace layout",
             ItemStatus::BadHeader => "bad frame header",
             ItemStatus::Internal => "internal error",

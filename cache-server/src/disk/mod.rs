@@ -756,6 +756,7 @@ impl DiskTier {
                 st.pinned_bytes += len;
             }
         }
+        ::metrics::gauge!("kvtier_tier_pinned_bytes", "tier" => TierId::Disk.as_str()).set(st.pinned_bytes as f64);
         Ok(())
     }
 
@@ -776,6 +777,7 @@ impl DiskTier {
                 st.pinned_bytes = st.pinned_bytes.saturating_sub(len);
             }
         }
+        ::metrics::gauge!("kvtier_tier_pinned_bytes", "tier" => TierId::Disk.as_str()).set(st.pinned_bytes as f64);
     }
 
     pub fn stats(&self) -> DiskStats {

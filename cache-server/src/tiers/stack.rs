@@ -70,6 +70,9 @@ pub struct TierStack {
     events: Arc<EventBus>,
     /// G1: what this node's GPU agents hold, and how to ask them for it.
     agents: Arc<AgentTier>,
+    /// Leases a disk tier stands in for: how many leases hold each block without a DRAM pin
+    /// (past the DRAM pinned limit, see [`TierStack::pin_lease`]).
+    unpinned_leases: Mutex<HashMap<IndexKey, u32>>,
 }
 
 /// The peer tier and whether blocks loaded from it are kept in DRAM.
@@ -114,6 +117,7 @@ impl TierStack {
             redis: OnceLock::new(),
             events: Arc::new(EventBus::default()),
             agents: Arc::new(AgentTier::default()),
+            unpinned_leases: Mutex::new(HashMap::new()),
         }
         .with_event_buffer(4096)
     }
@@ -319,8 +323,13 @@ impl TierStack {
 
     /// A block only G1 holds: asks its agent to spill it into DRAM (the same-node store) and
     /// waits for it, at most `agent_demand_wait`; then it is read from DRAM. A wait that runs
-    /// out, an agent that says it can't spill the key, or no agent holding it, is a miss.
+    /// out, or an agent that says it can't spill the key, is a demand miss. A key no agent
+    /// reported holding (every plain miss on a node without agents) is a plain miss: nothing is
+    /// demanded, and no demand miss is counted.
     async fn get_from_agent(&self, ns: &NamespaceId, key: &BlockKey) -> Load {
+        if !self.agents.contains(ns, key) {
+            return Load::Miss;
+        }
         let Some(waiter) = self.agents.demand(ns, key) else { return Load::Miss };
         let deadline = tokio::time::Instant::now() + self.agents.config().demand_wait;
         loop {
@@ -604,12 +613,42 @@ impl TierStack {
         self.dram.reap_leases(std::time::Instant::now())
     }
 
-    /// Pins one DRAM block for a connection's lease (between a session's upload and its park).
+    /// Leases one DRAM block for a connection (between a session's upload and its park, or a
+    /// replica's adoption): pinned, so nothing evicts it before the manifest pins it. Refused for
+    /// a block DRAM does not hold.
+    ///
+    /// Past the DRAM pinned limit (`max_pinned_ratio`), a node with a disk tier leases the block
+    /// without a pin instead of refusing: a parked session's manifest pins its blocks on disk, so
+    /// a session need not fit in DRAM. Such a block, evicted before the park, goes to disk with
+    /// the demotion queue, where the park finds it; one whose demotion was dropped (a full queue,
+    /// the tenant's disk quota) is reported missing and the client sends it again. Without a disk
+    /// tier sessions pin DRAM, and the limit refuses the lease.
+    ///
+    /// Every lease granted is let go with one [`TierStack::unpin_lease`].
     pub fn pin_lease(&self, ns: &NamespaceId, key: &BlockKey) -> Result<(), ServerError> {
-        self.dram.pin(ns, std::slice::from_ref(key))
+        match self.dram.pin(ns, std::slice::from_ref(key)) {
+            Err(ServerError::Capacity(_)) if self.disk.is_some() => {
+                *self.unpinned_leases.lock().entry((*ns, *key)).or_insert(0) += 1;
+                ::metrics::counter!("kvtier_dram_leases_unpinned_total").increment(1);
+                Ok(())
+            }
+            other => other,
+        }
     }
 
+    /// Lets go of one lease [`TierStack::pin_lease`] granted. A block's leases are counted, not
+    /// owned: any of them lets go of an unpinned one first, then of a DRAM pin.
     pub fn unpin_lease(&self, ns: &NamespaceId, key: &BlockKey) {
+        {
+            let mut unpinned = self.unpinned_leases.lock();
+            if let Some(n) = unpinned.get_mut(&(*ns, *key)) {
+                *n -= 1;
+                if *n == 0 {
+                    unpinned.remove(&(*ns, *key));
+                }
+                return;
+            }
+        }
         self.dram.unpin(ns, std::slice::from_ref(key))
     }
 
@@ -843,6 +882,75 @@ mod tests {
         assert!(matches!(s.get(&ns, &bad2.header.key).await, Load::Miss), "get checks for itself");
         assert!(!s.holds(&ns, &bad2.header.key));
         assert!(s.holds(&ns, &good.header.key), "the good block is untouched");
+    }
+
+    /// A miss of a key no GPU agent reported is a plain miss — on a node with no agent, or with
+    /// one that holds other keys — and counts no demand miss; a key an agent holds whose demand
+    /// can't be queued still counts one.
+    #[tokio::test]
+    async fn a_plain_miss_counts_no_demand_miss_and_an_unqueued_demand_does() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = stack(dir.path(), 4 << 20);
+        let ns = NamespaceId([5; 16]);
+        let (missing, held) = (frame(ns, 7).header.key, frame(ns, 8).header.key);
+        assert!(matches!(s.get(&ns, &missing).await, Load::Miss));
+        assert_eq!((s.agents().stats().demands, s.agents().stats().misses), (0, 0), "no agent: no demand miss");
+
+        let (rx, link) = s.agents().open(ns, "agent-0").unwrap();
+        assert!(s.agents().report(&ns, "agent-0", &[held], &[]));
+        assert!(matches!(s.get(&ns, &missing).await, Load::Miss));
+        assert_eq!((s.agents().stats().demands, s.agents().stats().misses), (0, 0), "a key no agent holds");
+
+        drop(rx); // the agent's stream is gone while its link still stands: the demand can't be sent
+        assert!(matches!(s.get(&ns, &held).await, Load::Miss));
+        assert_eq!((s.agents().stats().demands, s.agents().stats().misses), (0, 1), "an unqueued demand");
+        drop(link);
+    }
+
+    /// With a disk tier a session larger than DRAM's pinned share is leased whole (the blocks
+    /// past the limit without a DRAM pin), persisted to disk and let go, leaving nothing pinned in
+    /// DRAM; without one the limit still refuses the lease.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn leases_past_the_dram_pinned_limit_stand_on_the_disk_tier() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = stack(dir.path(), 4 << 20); // under 16 blocks of 256 KiB, 90% of it pinnable
+        s.start_demotion(None);
+        let ns = NamespaceId([6; 16]);
+        let frames: Vec<BlockFrame> = (0..20).map(|i| frame(ns, i)).collect();
+        for f in &frames {
+            s.backpressure().await;
+            let mut slot = s.reserve(&ns, f.payload.len()).unwrap();
+            slot.buf_mut().copy_from_slice(&f.payload);
+            s.commit(slot, f.header, Priority::Normal).unwrap();
+            s.pin_lease(&ns, &f.header.key).expect("leased: the disk stands in past the limit");
+        }
+        let pinned = s.dram.stats().pinned_bytes;
+        assert!(pinned > 0 && pinned <= (4 << 20) * 9 / 10, "DRAM pins stay under the limit: {pinned}");
+        let keys: Vec<BlockKey> = frames.iter().map(|f| f.header.key).collect();
+        s.persist(&ns, &keys, None).await.expect("every block in DRAM, on its way to disk or on disk");
+        let disk = s.disk.clone().unwrap();
+        assert!(keys.iter().all(|k| disk.contains(&ns, k)));
+        // The same block leased twice, once pinned and once not: two let-gos release both.
+        s.pin_lease(&ns, &keys[0]).unwrap();
+        for k in keys.iter().chain([&keys[0]]) {
+            s.unpin_lease(&ns, k);
+        }
+        assert_eq!(s.dram.stats().pinned_bytes, 0, "every lease let go");
+        assert!(s.unpinned_leases.lock().is_empty());
+        for f in &frames {
+            match s.get(&ns, &f.header.key).await {
+                Load::Hit(b) => assert_eq!(b.payload, f.payload),
+                other => panic!("block {} not read: {other:?}", f.header.key),
+            }
+        }
+        tokio::task::spawn_blocking(move || s.stop_demotion()).await.unwrap().unwrap();
+
+        let memory_only = TierStack::new(DramTier::new(DramConfig::new(4 << 20)), None, false);
+        let refused = frames.iter().position(|f| {
+            Tier::put(&memory_only.dram, f.header, &f.payload, Priority::Normal).unwrap();
+            memory_only.pin_lease(&ns, &f.header.key).is_err()
+        });
+        assert!(refused.is_some_and(|n| n < 16), "no disk tier: the pinned limit refuses a lease: {refused:?}");
     }
 
     /// `persist` writes blocks held only in memory to disk; blocks no tier holds are reported by

@@ -60,7 +60,9 @@ fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
 }
 
 fn miss_to_err(m: &Miss) -> PyErr {
-    let msg = format!("{}: {}", m.reason, m.detail);
+    // A server's refusal starts with its stable code (`KV:Auth:Forbidden: forbidden: …`), which
+    // the class and the words after it say already: the reason is not put before it again.
+    let msg = if m.detail.starts_with("KV:") { m.detail.clone() } else { format!("{}: {}", m.reason, m.detail) };
     match m.reason {
         "connect" | "io" | "timeout" | "protocol" | "unauthenticated" => UnavailableError::new_err(msg),
         "capacity" => CapacityError::new_err(msg),
@@ -604,7 +606,8 @@ fn info_dict<'py>(py: Python<'py>, i: &SessionInfo) -> PyResult<Bound<'py, PyDic
 /// `never_raise=True` (what engines want): every failure of the service — server down, timeout,
 /// eviction, a refused request — comes back as a miss (`0`, `None`, an empty result) and is
 /// recorded in `last_miss` and `misses`; the engine recomputes. `never_raise=False`: those raise a
-/// `KvtierError` subclass whose message starts with the reason. In both modes a call whose own
+/// `KvtierError` subclass whose message starts with the server's stable code (`KV:…`) where the
+/// server refused, else with the reason. In both modes a call whose own
 /// arguments are wrong (a buffer of the wrong size, read-only or not contiguous, a bad TTL) raises
 /// `ValueError` before anything is sent: that is a bug in the caller, not a miss.
 ///

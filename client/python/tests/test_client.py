@@ -151,8 +151,20 @@ def test_sessions_and_their_errors(server):
         c.extend(n, "s1", info["version"], 40, toks2, kv2[32 * (n.token_bytes // 4):])
     assert [s["id"] for s in c.list_sessions(n)] == ["s1"]
     assert c.drop_session(n, "s1")
-    with pytest.raises(kvtier.SessionNotFoundError, match="not found"):
+    with pytest.raises(kvtier.SessionNotFoundError, match="not found") as e:
         c.resume(n, "s1")
+    # A server's refusal says its code once, and its kind once (the code leads).
+    assert str(e.value).startswith("KV:Session:NotFound: ") and str(e.value).count("not found") == 1, e.value
+    # An extend whose context doesn't start with the session's tokens is refused, changing nothing.
+    info3 = c.park(n, "s3", toks, kv)
+    other = list(range(1000, 1056))
+    with pytest.raises(kvtier.InvalidRequestError, match="does not continue session") as e:
+        c.extend(n, "s3", info3["version"], 40, other, kv2[32 * (n.token_bytes // 4):])
+    assert str(e.value).count("KV:Request:Invalid") == 1, e.value
+    got_info, got = c.resume(n, "s3")
+    assert got_info["version"] == info3["version"] and got_info["token_count"] == 40
+    np.testing.assert_array_equal(np.frombuffer(got, dtype=np.float32), kv)
+    assert c.drop_session(n, "s3")
     with pytest.raises(ValueError, match="tail"):
         c.park(n, "s2", toks, kv[:-1])  # one float short
     with pytest.raises(ValueError, match="ttl_s"):
