@@ -94,6 +94,17 @@ async fn another_tenant_can_neither_read_nor_change_nor_list_a_tenants_data() {
     assert!(b.list_sessions(None).await.unwrap().is_empty(), "an empty filter lists only b's own sessions");
     let stats = b.stats().await.unwrap();
     assert_eq!((stats.namespaces, stats.sessions), (0, 0), "b's stats count b's own");
+    // Tier figures too: a tenant sees the bytes it holds, none of another's traffic.
+    let dram = |s: &kvtier_proto::pb::StatsResponse| s.tiers.iter().find(|t| t.tier == "dram").cloned().unwrap();
+    let (of_a, of_b) = (dram(&a.stats().await.unwrap()), dram(&stats));
+    let stored: u64 = blocks.iter().map(|p| p.len() as u64).sum();
+    assert!(of_a.resident_bytes >= stored, "a's own blocks: {of_a:?}");
+    assert_eq!(of_b.capacity_bytes, 64 << 20);
+    assert_eq!(
+        (of_b.resident_bytes, of_b.blocks, of_b.hits, of_b.misses, of_b.bytes_in, of_b.bytes_out),
+        (0, 0, 0, 0, 0, 0),
+        "b sees nothing of a's blocks or traffic: {of_b:?}"
+    );
 
     // Poisoning: a purged key re-put with b's bytes is refused per block; a then stores and loads
     // its own bytes. (The parked session's blocks stay pinned through a purge: another document.)
@@ -230,7 +241,9 @@ async fn a_tenant_writing_past_its_dram_quota_evicts_only_its_own_blocks() {
     assert_eq!(quiet.lookup(&ns_q, &quiet_doc).await.unwrap(), quiet_doc.len(), "every quiet block stays");
     assert_eq!(quiet.load(&ns_q, &quiet_doc).await.unwrap(), quiet_blocks);
     let resident: u64 = heavy.stats().await.unwrap().tiers.iter().map(|t| t.resident_bytes).sum();
-    assert!(resident <= 64 << 20, "the node's cap holds: {resident}");
+    assert!(resident <= 24 << 20, "the heavy tenant's stats show its own bytes, within its quota: {resident}");
+    let resident: u64 = quiet.stats().await.unwrap().tiers.iter().map(|t| t.resident_bytes).sum();
+    assert!(resident >= 16 << 20, "the quiet tenant's stats show its 16 MiB: {resident}");
     assert!(metric(&server.scrape(), "kvtier_quota_evictions_total", &[]) >= 3000.0);
 }
 

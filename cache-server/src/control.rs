@@ -768,10 +768,12 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
     /// when a tenant asks.
     async fn stats(&self, r: Request<pb::StatsRequest>) -> Result<Response<pb::StatsResponse>, Status> {
         let p = principal(&r)?;
-        let tiers = self
-            .state
-            .tiers()
-            .stats()
+        // A tenant sees its own bytes in the tiers; the node-wide figures are the operator's.
+        let stats = match p.tenant() {
+            None => self.state.tiers().stats(),
+            Some(t) => self.state.tiers().account_stats(t.index),
+        };
+        let tiers = stats
             .into_iter()
             .map(|(id, s)| pb::TierStats {
                 tier: id.as_str().into(),

@@ -732,6 +732,26 @@ impl TierStack {
     }
 
     /// Counters of the tiers that hold capacity of their own (DRAM, disk), hottest first.
+    /// What a tenant's `Stats` shows of the tiers: the DRAM and disk tiers' capacity and the
+    /// bytes `account` (the tenant's) holds there. Every other figure (blocks, hits, bytes moved,
+    /// pins, the peer and Redis tiers) counts other tenants' traffic too, and is the operator's.
+    pub fn account_stats(&self, account: u32) -> Vec<(TierId, TierStats)> {
+        let dram = TierStats {
+            capacity_bytes: self.dram.stats().capacity_bytes,
+            resident_bytes: self.dram.account_resident(account),
+            ..TierStats::default()
+        };
+        let disk = self.disk.as_ref().map(|d| {
+            let s = TierStats {
+                capacity_bytes: d.capacity(),
+                resident_bytes: d.account_live(account),
+                ..TierStats::default()
+            };
+            (TierId::Disk, s)
+        });
+        std::iter::once((TierId::Dram, dram)).chain(disk).collect()
+    }
+
     pub fn stats(&self) -> Vec<(TierId, TierStats)> {
         let local = self.tiers().filter(|t| t.id() != TierId::InTransit).map(|t| (t.id(), t.stats()));
         local
