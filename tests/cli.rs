@@ -557,3 +557,19 @@ fn connection_errors_hint_at_tls_and_the_port_in_the_cli_s_flags() {
     let (ok, _, err) = cli(&["stats", "--server", &plain.data.to_string()]);
     assert!(!ok && err.contains("gRPC port"), "{err}");
 }
+
+/// A `put` larger than the node keeps evicts its own first blocks, so a lookup of it finds
+/// nothing: `put` says so beside "stored", and says nothing when the prefix is held.
+#[test]
+fn put_says_when_what_it_stored_is_no_longer_held() {
+    let server = ServerProcess::start(&["--dram-capacity", "1MiB"]);
+    let addr = server.grpc_addr();
+    let many: Vec<String> = (1..=6400u32).map(|t| t.to_string()).collect();
+    let (ok, out, err) = cli(&["put", "--server", &addr, "--tokens", &many.join(",")]);
+    assert!(ok, "{err}");
+    assert!(out.contains("stored 400 of 400 block(s)"), "{out}");
+    assert!(out.contains("note: only 0 of those 6400 tokens are held"), "{out}");
+    let (ok, out, err) = cli(&["put", "--server", &addr, "--tokens", "1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16"]);
+    assert!(ok && out.contains("stored 1 of 1 block(s)"), "{out} {err}");
+    assert!(!out.contains("note:"), "the block is held: {out}");
+}

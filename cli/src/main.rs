@@ -635,6 +635,16 @@ async fn put(a: PutArgs) -> anyhow::Result<()> {
         outln!("  block {i} rejected: {}", st.describe())?;
     }
     report.ok()?;
+    // Stored is not held: a prefix larger than what the node keeps evicts its own first blocks,
+    // and a lookup (longest prefix from the start) then finds nothing. Say so.
+    let stored_tokens = keys.len() * ns.block_tokens();
+    let held = client.lookup(&ns, &tokens).await?;
+    if held < stored_tokens {
+        outln!(
+            "note: only {held} of those {stored_tokens} tokens are held from the start now: the node evicted \
+             blocks to make room (its DRAM cap; see `kvtier stats`, or give it --dram-capacity or --disk-capacity)"
+        )?;
+    }
     Ok(())
 }
 
