@@ -132,6 +132,8 @@ fn agent_configuration_errors_name_the_setting() {
     assert!(err.contains("--page-bytes is required"), "{err}");
     let err = run(&mut agent(&["--device", "tpu", "--page-bytes", "4096"]));
     assert!(err.contains("host or cuda"), "{err}");
+    let err = run(&mut agent(&["--page-bytes", "4096", "--metrics", "0.0.0.0:0"]));
+    assert!(err.contains("metrics 0.0.0.0:0 is beyond loopback"), "{err}");
     let cfg = dir.path().join("bad.toml");
     std::fs::write(&cfg, "[agent]\npage_bytes = 4096\npool_size = \"1GiB\"\n").unwrap();
     let err = run(&mut agent(&["--config", cfg.to_str().unwrap()]));

@@ -424,7 +424,7 @@ async fn a_read_grantee_registers_the_owners_namespace_to_read_it_and_changes_no
     assert!(
         m.contains("namespace not registered")
             && m.contains("tenant \"a\" has not registered it")
-            && m.contains("tenant \"r\" may read it but not create it"),
+            && m.contains("tenant \"r\" may use it but not create it"),
         "{m}"
     );
     assert_eq!(op.stats().await.unwrap().namespaces, 2);
@@ -462,7 +462,7 @@ fn a_read_grant_is_usable_from_the_cli() {
 
     let (ok, out, err) = as_tenant(TOKEN_C, "put", &["--salt", "other"]);
     assert!(
-        !ok && err.contains("namespace not registered") && err.contains("may read it but not create it"),
+        !ok && err.contains("namespace not registered") && err.contains("may use it but not create it"),
         "{out} {err}"
     );
     let (ok, out, err) = as_tenant(TOKEN_C, "put", &[]);

@@ -569,10 +569,11 @@ impl NodeState {
             return Ok(id);
         }
         // Granted: telling it the namespace does not exist (yet) confirms nothing it may not know.
-        metrics::counter!("kvtier_auth_denied_total", "access" => Access::Write.as_str()).increment(1);
-        tracing::warn!(principal = by.name(), owner = ns.tenant, "a grantee asked for a namespace not registered");
+        // Not an authentication failure (its own counter, not kvtier_auth_denied_total).
+        metrics::counter!("kvtier_namespace_not_registered_total").increment(1);
+        tracing::debug!(principal = by.name(), owner = ns.tenant, "a grantee asked for a namespace not registered");
         Err(ServerError::Forbidden(format!(
-            "namespace not registered: tenant {owner:?} has not registered it; tenant {me:?} may read it but not \
+            "namespace not registered: tenant {owner:?} has not registered it; tenant {me:?} may use it but not \
              create it (tenant {owner:?} must register it first, with the same model, layout, hash scheme and salt)",
             owner = ns.tenant,
             me = by.name(),

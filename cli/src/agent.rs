@@ -299,6 +299,10 @@ fn settings(a: &AgentArgs) -> anyhow::Result<Settings> {
         Some(m) => Some(m),
         None => text("metrics")?.map(|s| s.parse()).transpose().context("[agent] metrics")?,
     };
+    // The agent's /metrics has no token of its own (the node's needs `metrics_token` there).
+    if let Some(m) = metrics.filter(|m: &std::net::SocketAddr| !m.ip().is_loopback()) {
+        bail!("metrics {m} is beyond loopback: the agent's /metrics takes no token; keep it on loopback");
+    }
     let rdma_device = a.rdma_device.clone().or(text("rdma_device")?);
     Ok(Settings {
         server,

@@ -222,8 +222,9 @@ pub async fn adopt(
     let id = ns.id();
     let mut keys = m.keys.clone();
     keys.extend(m.tail);
-    // Every block in DRAM is held there from the moment it is here until the manifest pins it,
-    // so fetching the later blocks can't evict the earlier ones. Blocks only on disk stay there
+    // Every block in DRAM is held there from the moment it is here until the manifest pins it
+    // (pinned; past DRAM's pinned share, on a node with a disk tier, leased without a pin: such a
+    // block may go to disk, as sent, where `persist` finds it). Blocks only on disk stay there
     // (the manifest pins them on disk); only blocks no local tier has are fetched.
     let mut hold = DramHold { state, ns: id, keys: Vec::with_capacity(keys.len()) };
     let mut missing = Vec::new();
@@ -251,6 +252,9 @@ pub async fn adopt(
                 }
             };
             peers.received(b.payload.len() as u64);
+            // As a data-plane PUT does: a burst of fetched blocks must not overflow the
+            // demotion queue (an overflowing eviction is dropped, and the adoption would fail).
+            state.tiers().backpressure().await;
             state.tiers().put_fetched(&b, m.priority)?;
             if !hold.add(k) {
                 return Err(ServerError::Capacity(format!(

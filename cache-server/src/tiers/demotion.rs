@@ -94,8 +94,10 @@ pub fn start(
     disk: Arc<DiskTier>,
     depth: Arc<DemotionDepth>,
     codec: Option<kvtier_proto::CodecId>,
+    keep_as_sent: KeepAsSent,
 ) -> Option<std::thread::JoinHandle<()>> {
-    let (tx, rx) = std::sync::mpsc::sync_channel::<dram::StoredBlock>(DEMOTION_QUEUE);
+    // Each block with whether it must be written as it was sent (see [`KeepAsSent`]).
+    let (tx, rx) = std::sync::mpsc::sync_channel::<(dram::StoredBlock, bool)>(DEMOTION_QUEUE);
     let hook_depth = depth.clone();
     let probe = disk.clone();
     let (hook_transit, transit) = (transit.clone(), transit.clone());
@@ -115,10 +117,12 @@ pub fn start(
         if !hook_transit.admit(&block) {
             return;
         }
+        // Decided here, under the DRAM lock, while the block's lease (if any) still stands.
+        let as_sent = keep_as_sent(&block.header.namespace, &block.header.key);
         // Findable and counted before the send, so the writer's removal can never run first.
         hook_depth.step(true);
-        if let Err(e) = tx.try_send(block) {
-            let block = match e {
+        if let Err(e) = tx.try_send((block, as_sent)) {
+            let (block, _) = match e {
                 std::sync::mpsc::TrySendError::Full(b) | std::sync::mpsc::TrySendError::Disconnected(b) => b,
             };
             hook_transit.finish(&block);
@@ -133,7 +137,7 @@ pub fn start(
             // A full or failing disk fails every write: say so once per 10 s, count them all.
             let mut last_warning: Option<Instant> = None;
             let mut failed_since_warning = 0u64;
-            for block in rx {
+            for (block, as_sent) in rx {
                 if !transit.is_current(&block) {
                     // Purged while queued: not written.
                     depth.step(false);
@@ -142,7 +146,7 @@ pub fn start(
                 // Re-encoding costs CPU; when the queue backs up, blocks go out as they came
                 // rather than be dropped for want of room.
                 let busy = depth.backed_up();
-                match write_demoted(&disk, codec, busy, &block) {
+                match write_demoted(&disk, codec.filter(|_| !as_sent), busy, &block) {
                     Ok(()) => ::metrics::counter!("kvtier_disk_demotions_total").increment(1),
                     Err(e) => {
                         ::metrics::counter!("kvtier_disk_demotions_failed_total").increment(1);
@@ -167,6 +171,11 @@ pub fn start(
         .map_err(|e| tracing::error!("cannot start the demotion thread: {e}"))
         .ok()
 }
+
+/// Whether a block evicted from DRAM must reach the disk as it was sent, never re-encoded with
+/// the disk codec: a block a session's park has leased (a parked session's blocks are kept as
+/// sent, see [`super::TierStack::pin_lease`]).
+pub type KeepAsSent = Arc<dyn Fn(&kvtier_proto::NamespaceId, &kvtier_proto::BlockKey) -> bool + Send + Sync>;
 
 /// Writes one block evicted from DRAM to disk. It is verified first: a block damaged in memory is
 /// dropped (and counted), never given a fresh checksum by re-encoding. A lossless block is

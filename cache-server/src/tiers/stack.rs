@@ -72,7 +72,7 @@ pub struct TierStack {
     agents: Arc<AgentTier>,
     /// Leases a disk tier stands in for: how many leases hold each block without a DRAM pin
     /// (past the DRAM pinned limit, see [`TierStack::pin_lease`]).
-    unpinned_leases: Mutex<HashMap<IndexKey, u32>>,
+    unpinned_leases: Arc<Mutex<HashMap<IndexKey, u32>>>,
 }
 
 /// The peer tier and whether blocks loaded from it are kept in DRAM.
@@ -117,7 +117,7 @@ impl TierStack {
             redis: OnceLock::new(),
             events: Arc::new(EventBus::default()),
             agents: Arc::new(AgentTier::default()),
-            unpinned_leases: Mutex::new(HashMap::new()),
+            unpinned_leases: Arc::new(Mutex::new(HashMap::new())),
         }
         .with_event_buffer(4096)
     }
@@ -620,7 +620,8 @@ impl TierStack {
     /// Past the DRAM pinned limit (`max_pinned_ratio`), a node with a disk tier leases the block
     /// without a pin instead of refusing: a parked session's manifest pins its blocks on disk, so
     /// a session need not fit in DRAM. Such a block, evicted before the park, goes to disk with
-    /// the demotion queue, where the park finds it; one whose demotion was dropped (a full queue,
+    /// the demotion queue as it was sent (never re-encoded with `disk_codec`), where the park
+    /// finds it; one whose demotion was dropped (a full queue,
     /// the tenant's disk quota) is reported missing and the client sends it again. Without a disk
     /// tier sessions pin DRAM, and the limit refuses the lease.
     ///
@@ -778,7 +779,11 @@ impl TierStack {
     /// with `codec` when set.
     pub fn start_demotion(&self, codec: Option<CodecId>) {
         let Some(disk) = self.disk.clone() else { return };
-        let thread = demotion::start(&self.dram, &self.in_transit, disk, self.depth.clone(), codec);
+        // A block leased without a DRAM pin belongs to a park in progress: evicted, it goes to
+        // disk as sent (a parked session's blocks are never re-encoded).
+        let leased = self.unpinned_leases.clone();
+        let keep_as_sent: demotion::KeepAsSent = Arc::new(move |ns, key| leased.lock().contains_key(&(*ns, *key)));
+        let thread = demotion::start(&self.dram, &self.in_transit, disk, self.depth.clone(), codec, keep_as_sent);
         *self.demotion.lock() = thread;
     }
 
@@ -971,6 +976,61 @@ mod tests {
             memory_only.pin_lease(&ns, &f.header.key).is_err()
         });
         assert!(refused.is_some_and(|n| n < 16), "no disk tier: the pinned limit refuses a lease: {refused:?}");
+    }
+
+    /// A block a park leased past the DRAM pinned limit and that DRAM then evicts reaches the
+    /// disk as it was sent (a parked session's blocks are never re-encoded), while a block
+    /// nobody leased, evicted beside it, is re-encoded with the disk codec as usual.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_leased_block_evicted_past_the_pinned_limit_reaches_disk_as_sent() {
+        // fp16 values in [1, 2): every block is one the lossy disk codec takes.
+        let finite = |ns: NamespaceId, i: u32| {
+            let layout = KvLayout::new(4, 8, 128, DType::Fp16, 32);
+            let key = BlockKey(*blake3::hash(&[&i.to_le_bytes()[..], &ns.0].concat()).as_bytes());
+            let payload: Vec<u8> = (0..layout.block_bytes() / 2)
+                .flat_map(|j| (0x3C00u16 | ((j as u32).wrapping_mul(7).wrapping_add(i) & 0x3FF) as u16).to_le_bytes())
+                .collect();
+            BlockFrame::new(ns, key, layout, CodecId::RAW, 32, Bytes::from(payload))
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let s = stack(dir.path(), 4 << 20);
+        s.start_demotion(Some(CodecId::from_name("fp8").unwrap()));
+        let (parked, cached) = (NamespaceId([7; 16]), NamespaceId([8; 16]));
+        let leased: Vec<BlockFrame> = (0..20).map(|i| finite(parked, i)).collect();
+        for f in &leased {
+            s.backpressure().await;
+            let mut slot = s.reserve(&parked, f.payload.len()).unwrap();
+            slot.buf_mut().copy_from_slice(&f.payload);
+            s.commit(slot, f.header, Priority::Normal).unwrap();
+            s.pin_lease(&parked, &f.header.key).unwrap();
+        }
+        // Blocks nobody leases push the unpinned leased ones out of DRAM, and then themselves.
+        let others: Vec<BlockFrame> = (0..40).map(|i| finite(cached, i)).collect();
+        for f in &others {
+            s.backpressure().await;
+            let mut slot = s.reserve(&cached, f.payload.len()).unwrap();
+            slot.buf_mut().copy_from_slice(&f.payload);
+            s.commit(slot, f.header, Priority::Normal).unwrap();
+        }
+        let keys: Vec<BlockKey> = leased.iter().map(|f| f.header.key).collect();
+        s.persist(&parked, &keys, None).await.unwrap();
+        let stack = Arc::new(s);
+        let stopping = stack.clone();
+        tokio::task::spawn_blocking(move || stopping.stop_demotion()).await.unwrap().unwrap();
+        let disk = stack.disk.clone().unwrap();
+        let mut demoted_leased = 0;
+        for f in &leased {
+            let (h, payload) = disk.read(&parked, &f.header.key).expect("on disk: persisted or demoted");
+            assert!(h.codec == CodecId::RAW && payload == f.payload, "a leased block not as sent: {:?}", h.codec);
+            demoted_leased += usize::from(!stack.dram.contains(&parked, &f.header.key));
+        }
+        assert!(demoted_leased > 0, "some leased blocks left DRAM before the park persisted them");
+        let recoded =
+            others.iter().filter_map(|f| disk.header(&cached, &f.header.key)).filter(|h| h.codec != CodecId::RAW);
+        assert!(recoded.count() > 0, "blocks nobody leased are re-encoded: the codec does take these blocks");
+        for k in &keys {
+            stack.unpin_lease(&parked, k);
+        }
     }
 
     /// `persist` writes blocks held only in memory to disk; blocks no tier holds are reported by
