@@ -62,7 +62,12 @@ fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
 fn miss_to_err(m: &Miss) -> PyErr {
     // A server's refusal starts with its stable code (`KV:Auth:Forbidden: forbidden: …`), which
     // the class and the words after it say already: the reason is not put before it again.
-    let msg = if m.detail.starts_with("KV:") { m.detail.clone() } else { format!("{}: {}", m.reason, m.detail) };
+    // A generic refusal's detail reads `server refused: KV:…`: from the code on, likewise.
+    let msg = match m.detail.find("KV:") {
+        Some(0) => m.detail.clone(),
+        Some(i) if m.detail[..i].ends_with("server refused: ") => m.detail[i..].to_string(),
+        _ => format!("{}: {}", m.reason, m.detail),
+    };
     match m.reason {
         "connect" | "io" | "timeout" | "protocol" | "unauthenticated" => UnavailableError::new_err(msg),
         "capacity" => CapacityError::new_err(msg),

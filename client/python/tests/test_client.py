@@ -160,7 +160,7 @@ def test_sessions_and_their_errors(server):
     other = list(range(1000, 1056))
     with pytest.raises(kvtier.InvalidRequestError, match="does not continue session") as e:
         c.extend(n, "s3", info3["version"], 40, other, kv2[32 * (n.token_bytes // 4):])
-    assert str(e.value).count("KV:Request:Invalid") == 1, e.value
+    assert str(e.value).startswith("KV:Request:Invalid: ") and str(e.value).count("KV:Request:Invalid") == 1, e.value
     got_info, got = c.resume(n, "s3")
     assert got_info["version"] == info3["version"] and got_info["token_count"] == 40
     np.testing.assert_array_equal(np.frombuffer(got, dtype=np.float32), kv)
