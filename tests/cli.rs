@@ -419,7 +419,9 @@ fn events_all_works_for_a_tenant_token() {
             panic!("events --all saw no event in 20 s");
         }
         n += 1;
-        let text = format!("tenant a stores a document of its own, number {n:04}");
+        // New from its first block on: a put of blocks already held changes nothing, and says so
+        // to no watcher.
+        let text = format!("{n:04}: tenant a stores a document of its own, a new one each time");
         let (ok, out, err) = cli(&["put", "--server", &addr, "--auth-token", token, "--tenant", "a", "--text", &text]);
         assert!(ok, "{out} {err}");
         std::thread::sleep(std::time::Duration::from_millis(200));
