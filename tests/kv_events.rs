@@ -387,3 +387,42 @@ async fn with_a_disk_tier_evictions_say_where_the_blocks_went() {
         gone.len()
     );
 }
+
+/// `kvtier events` says how its stream ended, on stderr: a node that stops (SIGTERM) closes it
+/// (exit 0, "closed the event stream"); a node killed mid-stream breaks it (exit 1, "broke").
+#[test]
+fn the_events_cli_says_how_its_stream_ended() {
+    for (signal, ok, says) in [
+        (rustix::process::Signal::TERM, true, "the node closed the event stream (it is stopping) after 0 event(s)"),
+        (rustix::process::Signal::KILL, false, "the event stream broke after 0 event(s)"),
+    ] {
+        let mut server = ServerProcess::start(&["--dram-capacity", "16MiB"]);
+        let mut events = std::process::Command::new(kvtier_bin())
+            .args(["events", "--server", &server.grpc_addr()])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while metric(&server.scrape(), "kvtier_event_watchers", &[]) < 1.0 {
+            assert!(Instant::now() < deadline, "the CLI did not start watching");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let pid = rustix::process::Pid::from_child(&server.child);
+        rustix::process::kill_process(pid, signal).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while events.try_wait().unwrap().is_none() {
+            if Instant::now() > deadline {
+                let _ = events.kill();
+                panic!("{signal:?}: the CLI kept waiting on a stream whose node is gone");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let out = events.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.success(), ok, "{signal:?}: {stderr}");
+        assert!(stderr.contains(says), "{signal:?}: {stderr}");
+        assert!(out.stdout.is_empty(), "nothing on stdout but events");
+        let _ = server.child.wait();
+    }
+}

@@ -51,7 +51,18 @@ pub async fn events(a: EventsArgs) -> anyhow::Result<()> {
     };
     let mut seen = 0u64;
     while a.count.is_none_or(|n| seen < n) {
-        let Some(e) = watch.next().await? else { break };
+        let e = match watch.next().await {
+            Ok(Some(e)) => e,
+            // The node ended the stream: it is stopping. Said on stderr, so a script reading the
+            // events isn't fed a line that is not one.
+            Ok(None) => {
+                eprintln!("the node closed the event stream (it is stopping) after {seen} event(s)");
+                break;
+            }
+            Err(e) => {
+                return Err(anyhow::Error::new(e).context(format!("the event stream broke after {seen} event(s)")))
+            }
+        };
         seen += 1;
         let ns = e.namespace.map(|n| n.to_hex()).unwrap_or_else(|| "-".into());
         let detail = match e.kind {
