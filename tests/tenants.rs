@@ -472,3 +472,31 @@ fn a_read_grant_is_usable_from_the_cli() {
     let (ok, out, _) = as_tenant(TOKEN_A, "lookup", &[]);
     assert!(ok && out.contains("64 of 74 tokens are stored"), "{out}");
 }
+
+/// With a disk tier, a tenant's parked session may be larger than its `dram_bytes` quota: its pins
+/// stop at their share of the quota (as the node's at `max_pinned_ratio`), the rest of the park's
+/// blocks are leased without a pin, and the manifest pins them all on disk.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_session_larger_than_its_dram_quota_parks_on_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("quota.toml");
+    std::fs::write(&cfg, format!("[[tenants]]\nname = \"a\"\ntokens = [\"{TOKEN_A}\"]\ndram_bytes = \"8MiB\"\n"))
+        .unwrap();
+    let server = ServerProcess::start(&[
+        "--config",
+        cfg.to_str().unwrap(),
+        "--dram-capacity",
+        "64MiB",
+        "--disk-capacity",
+        "256MiB",
+    ]);
+    let a = client_as(&server, Some(TOKEN_A)).await;
+    let ns = a.register(namespace("a", b"a", small_layout())).await.unwrap();
+    // 12 MiB of KV (384 blocks of 32 KiB) against an 8 MiB quota.
+    let doc = tokens(3, 384 * 16);
+    let blocks = session_payloads(&ns, &doc);
+    let info = a.park(&ns, "long", &doc, &blocks, &ParkOptions::default(), 0).await.unwrap();
+    assert_eq!(info.token_count as usize, doc.len());
+    assert_eq!(a.resume(&ns, "long").await.unwrap().blocks, blocks, "resumed whole and byte-exact");
+    assert!(metric(&server.scrape(), "kvtier_dram_leases_unpinned_total", &[]) > 0.0, "past its pinned share");
+}

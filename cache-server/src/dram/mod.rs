@@ -220,6 +220,9 @@ struct Entry {
 struct Account {
     resident: u64,
     blocks: u64,
+    /// Slot bytes of its pinned blocks: with a quota, at most `max_pinned_ratio` of it (as the
+    /// node's pins are of the capacity), so its pins leave it room to write.
+    pinned: u64,
     quota: Option<u64>,
     order: VecDeque<(IndexKey, u64)>,
 }
@@ -261,6 +264,8 @@ struct Shared {
     arena: Arc<Arena>,
     capacity: u64,
     max_pinned: u64,
+    /// `max_pinned_ratio`: also the share of a tenant's `dram_bytes` quota it may pin.
+    pinned_ratio: f64,
     lease_ttl: Duration,
     max_leased: u64,
     index: DashMap<IndexKey, Entry>,
@@ -437,6 +442,9 @@ impl Shared {
         st.blocks = st.blocks.saturating_sub(1);
         if e.pins > 0 {
             st.pinned = st.pinned.saturating_sub(e.buf.size() as u64);
+            if let Some(a) = st.accounts.get_mut(&e.account) {
+                a.pinned = a.pinned.saturating_sub(e.buf.size() as u64);
+            }
         }
         Some((e.buf, e.header))
     }
@@ -589,6 +597,7 @@ impl DramTier {
             arena: Arc::clone(&arena),
             capacity,
             max_pinned: (capacity as f64 * ratio) as u64,
+            pinned_ratio: ratio,
             lease_ttl: opts.lease_ttl,
             max_leased: opts.max_leased_bytes.unwrap_or(capacity / 2),
             index: DashMap::new(),
@@ -884,6 +893,8 @@ impl DramTier {
         let mut st = self.shared.state.lock();
         let mut missing = Vec::new();
         let mut newly = 0u64;
+        // Per account (a namespace's blocks all have its namespace's).
+        let mut newly_of: HashMap<u32, u64> = HashMap::new();
         let mut seen = HashSet::new();
         for (i, k) in keys.iter().enumerate() {
             match index.get(&(*ns, *k)) {
@@ -891,6 +902,7 @@ impl DramTier {
                 Some(e) => {
                     if e.pins == 0 && seen.insert(*k) {
                         newly += e.buf.size() as u64;
+                        *newly_of.entry(e.account).or_default() += e.buf.size() as u64;
                     }
                 }
             }
@@ -904,10 +916,25 @@ impl DramTier {
                 st.pinned, self.shared.capacity, self.shared.max_pinned
             )));
         }
+        for (account, more) in &newly_of {
+            let Some(a) = st.accounts.get(account) else { continue };
+            let Some(quota) = a.quota else { continue };
+            let limit = (quota as f64 * self.shared.pinned_ratio) as u64;
+            if a.pinned + more > limit {
+                return Err(ServerError::Capacity(format!(
+                    "pinning {more} more bytes would pass the tenant's pinned share of its dram_bytes quota \
+                     ({} of {quota} bytes pinned, limit {limit})",
+                    a.pinned
+                )));
+            }
+        }
         for k in keys {
             if let Some(mut e) = index.get_mut(&(*ns, *k)) {
                 if e.pins == 0 {
                     st.pinned += e.buf.size() as u64;
+                    if let Some(a) = st.accounts.get_mut(&e.account) {
+                        a.pinned += e.buf.size() as u64;
+                    }
                 }
                 e.pins = e.pins.saturating_add(1);
             }
@@ -929,6 +956,9 @@ impl DramTier {
             e.pins -= 1;
             if e.pins == 0 {
                 st.pinned = st.pinned.saturating_sub(e.buf.size() as u64);
+                if let Some(a) = st.accounts.get_mut(&e.account) {
+                    a.pinned = a.pinned.saturating_sub(e.buf.size() as u64);
+                }
                 if e.place == Place::Parked {
                     // The policy does not touch the index here, so holding `e` is fine.
                     st.policy.unpark(e.level, Item { key, id: e.id, bytes: e.buf.size() as u64 });

@@ -812,13 +812,20 @@ fn a_tenant_at_its_quota_evicts_its_own_blocks_and_never_anothers() {
     assert!(t.get(&heavy, &key(163)).is_some() && t.get(&heavy, &key(100)).is_none());
     assert_eq!(t.account_resident(1), 256 * KIB as u64);
 
-    // Pinned blocks stay; when they fill the quota, the tenant's next block is refused.
+    // Its pins may take max_pinned_ratio (0.9) of its quota, as the node's of the capacity, so
+    // they always leave it room to write: pinning all of the quota is refused, and pinned blocks
+    // stay while its writes make room out of the others.
     let newest: Vec<_> = (148..164).map(key).collect();
-    t.pin(&heavy, &newest).unwrap();
-    let err = put_for(&t, heavy, 999, 16 * KIB).unwrap_err();
-    assert!(matches!(err, ServerError::Capacity(ref m) if m.contains("pinned")), "{err}");
-    assert!(newest.iter().all(|k| t.contains(&heavy, k)));
-    t.unpin(&heavy, &newest);
+    let err = t.pin(&heavy, &newest).unwrap_err();
+    assert!(matches!(err, ServerError::Capacity(ref m) if m.contains("pinned share")), "{err}");
+    t.pin(&heavy, &newest[2..]).unwrap(); // 224 of 256 KiB: under 90%
+    for i in 999..1003 {
+        put_for(&t, heavy, i, 16 * KIB).unwrap();
+    }
+    assert!(newest[2..].iter().all(|k| t.contains(&heavy, k)), "pinned blocks stay");
+    assert!(t.account_resident(1) <= 256 * KIB as u64);
+    t.unpin(&heavy, &newest[2..]);
+    t.pin(&heavy, &newest[..2]).unwrap_err(); // evicted to make room: gone, not pinnable
     put_for(&t, heavy, 999, 16 * KIB).unwrap();
     // A block larger than the quota can never fit it.
     assert!(matches!(put_for(&t, heavy, 1000, 512 * KIB), Err(ServerError::Capacity(_))));
