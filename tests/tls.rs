@@ -285,10 +285,13 @@ async fn a_client_that_never_finishes_its_handshake_is_closed_and_holds_nothing(
     assert_eq!(timeouts, 2.0, "both silent connections timed out");
 }
 
+/// The operator's token of [`tls_cluster`]'s nodes.
+const CLUSTER_OPERATOR: &str = "cluster-operator-token-0001";
+
 /// Two nodes of one TLS cluster (node certificates from `ca`, the operator's token shared), with
 /// `extra` config lines, once they see each other.
 fn tls_cluster(dir: &Path, ca: &Path, redis: &kvtier_tests::redis::Redis, extra: &str) -> Vec<ServerProcess> {
-    let operator = "cluster-operator-token-0001";
+    let operator = CLUSTER_OPERATOR;
     let p = |f: &str| ca.join(f).display().to_string();
     let nodes: Vec<ServerProcess> = ["n1", "n2"]
         .iter()
@@ -336,7 +339,12 @@ async fn stored_at_n1_loads_at_n2(nodes: &[ServerProcess], ca: &Path) -> kvtier_
         assert!(std::time::Instant::now() < deadline, "{} of {} blocks through n2", got.len(), blocks.len());
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    a2.stats().await.unwrap().tiers.into_iter().find(|t| t.tier == "peer").expect("a peer tier")
+    // The peer tier's counters are the node's (every tenant's traffic): the operator's view,
+    // with a node certificate as the peers present it.
+    let op = connect(&nodes[1], Some(tls(ca, Some((ca, "node")))), Some(CLUSTER_OPERATOR))
+        .await
+        .expect("the operator at n2");
+    op.stats().await.unwrap().tiers.into_iter().find(|t| t.tier == "peer").expect("a peer tier")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
