@@ -838,6 +838,15 @@ mod tests {
         TierStack::new(dram, Some(Arc::new(disk)), false)
     }
 
+    /// Writes `f` as a data-plane PUT does: waits for room in the demotion queue, reserves a slot,
+    /// fills it, commits it.
+    async fn ingest(s: &TierStack, f: &BlockFrame) {
+        s.backpressure().await;
+        let mut slot = s.reserve(&f.header.namespace, f.payload.len()).unwrap();
+        slot.buf_mut().copy_from_slice(&f.payload);
+        s.commit(slot, f.header, Priority::Normal).unwrap();
+    }
+
     /// Blocks written through the stack's ingest end up spread over DRAM and disk; every one is
     /// found, read back exactly, and gone from every tier after a purge.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -848,10 +857,7 @@ mod tests {
         let (ns, other) = (NamespaceId([1; 16]), NamespaceId([2; 16]));
         let frames: Vec<BlockFrame> = (0..16).map(|i| frame(ns, i)).collect();
         for f in frames.iter().chain([frame(other, 99)].iter()) {
-            s.backpressure().await;
-            let mut slot = s.reserve(&f.header.namespace, f.payload.len()).unwrap();
-            slot.buf_mut().copy_from_slice(&f.payload);
-            s.commit(slot, f.header, Priority::Normal).unwrap();
+            ingest(&s, f).await;
         }
         while s.demotion_depth() > 0 {
             tokio::time::sleep(Duration::from_millis(5)).await;
@@ -943,10 +949,7 @@ mod tests {
         let ns = NamespaceId([6; 16]);
         let frames: Vec<BlockFrame> = (0..20).map(|i| frame(ns, i)).collect();
         for f in &frames {
-            s.backpressure().await;
-            let mut slot = s.reserve(&ns, f.payload.len()).unwrap();
-            slot.buf_mut().copy_from_slice(&f.payload);
-            s.commit(slot, f.header, Priority::Normal).unwrap();
+            ingest(&s, f).await;
             s.pin_lease(&ns, &f.header.key).expect("leased: the disk stands in past the limit");
         }
         let pinned = s.dram.stats().pinned_bytes;
@@ -998,19 +1001,13 @@ mod tests {
         let (parked, cached) = (NamespaceId([7; 16]), NamespaceId([8; 16]));
         let leased: Vec<BlockFrame> = (0..20).map(|i| finite(parked, i)).collect();
         for f in &leased {
-            s.backpressure().await;
-            let mut slot = s.reserve(&parked, f.payload.len()).unwrap();
-            slot.buf_mut().copy_from_slice(&f.payload);
-            s.commit(slot, f.header, Priority::Normal).unwrap();
+            ingest(&s, f).await;
             s.pin_lease(&parked, &f.header.key).unwrap();
         }
         // Blocks nobody leases push the unpinned leased ones out of DRAM, and then themselves.
         let others: Vec<BlockFrame> = (0..40).map(|i| finite(cached, i)).collect();
         for f in &others {
-            s.backpressure().await;
-            let mut slot = s.reserve(&cached, f.payload.len()).unwrap();
-            slot.buf_mut().copy_from_slice(&f.payload);
-            s.commit(slot, f.header, Priority::Normal).unwrap();
+            ingest(&s, f).await;
         }
         let keys: Vec<BlockKey> = leased.iter().map(|f| f.header.key).collect();
         s.persist(&parked, &keys, None).await.unwrap();
