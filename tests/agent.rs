@@ -509,10 +509,11 @@ async fn only_the_namespaces_tenant_reports_g1_into_it_or_takes_its_demands() {
     };
     let demands = |agent: &str| AgentDemandsRequest { namespace_id: id.clone(), agent_id: agent.into() };
 
+    // b has no grant on a's namespace: answered as if it were not registered.
     let err = b.raw_grpc().agent_demands(demands("b-agent")).await.unwrap_err();
-    assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err}");
+    assert_eq!(err.code(), tonic::Code::NotFound, "{err}");
     let err = b.raw_grpc().report_agent_blocks(report("b-agent")).await.unwrap_err();
-    assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err}");
+    assert_eq!(err.code(), tonic::Code::NotFound, "{err}");
     let err = a.raw_grpc().agent_demands(demands("")).await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::InvalidArgument, "an agent names itself");
 

@@ -135,10 +135,10 @@ async fn a_tenant_watches_only_its_own_namespaces_and_watchers_are_capped() {
     let ns_a = a.register(namespace("a", b"a", small_layout())).await.unwrap();
     let ns_b = b.register(namespace("b", b"b", small_layout())).await.unwrap();
 
-    // b names a's namespace: refused like any other call on it.
+    // b names a's namespace: refused like any other call on it (as if it were not registered).
     match b.watch_events(&[&ns_a]).await {
-        Err(ClientError::Forbidden(m)) => assert!(!m.is_empty()),
-        Err(e) => panic!("expected Forbidden, got {e}"),
+        Err(ClientError::UnknownNamespace(m)) => assert!(!m.is_empty()),
+        Err(e) => panic!("expected UnknownNamespace, got {e}"),
         Ok(_) => panic!("b may watch a's namespace"),
     }
     // b watching "everything it may read" sees its own stores, never a's.

@@ -5,6 +5,7 @@
 
 use kvtier_client::{ClientConfig, ClientError, KvClient, ParkOptions, SharedBuffer};
 use kvtier_proto::dataplane::ItemStatus;
+use kvtier_proto::NamespaceId;
 use kvtier_tests::*;
 
 const TOKEN_A: &str = "tenant-a-secret-0001";
@@ -66,6 +67,24 @@ fn forbidden<T>(r: Result<T, ClientError>, what: &str) {
     }
 }
 
+/// A call on another tenant's namespace (no grant) is answered as the same call on a namespace
+/// nobody registered, the id aside: probing ids tells a tenant nothing of which namespaces
+/// (models, layouts) another uses.
+fn as_if_unregistered<T>(
+    theirs: Result<T, ClientError>,
+    unregistered: Result<T, ClientError>,
+    ids: [&NamespaceId; 2],
+    what: &str,
+) {
+    let (Err(theirs), Err(unregistered)) = (theirs, unregistered) else { panic!("{what}: expected both refused") };
+    assert!(matches!(theirs, ClientError::UnknownNamespace(_)), "{what}: {theirs}");
+    assert_eq!(
+        theirs.to_string().replace(&ids[0].to_string(), "<id>"),
+        unregistered.to_string().replace(&ids[1].to_string(), "<id>"),
+        "{what}: another tenant's namespace answers as an unregistered one"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_tenant_can_neither_read_nor_change_nor_list_a_tenants_data() {
     let cfg_dir = tempfile::tempdir().unwrap();
@@ -81,16 +100,29 @@ async fn another_tenant_can_neither_read_nor_change_nor_list_a_tenants_data() {
     a.store(&ns_a, &doc, &blocks).await.unwrap().ok().unwrap();
     a.park(&ns_a, "a-agent", &doc, &blocks, &ParkOptions::default(), 0).await.unwrap();
 
-    // b knows a's namespace spec (tenant, model, salt) and so its id: the worst case.
+    // b knows a's namespace spec (tenant, model, salt) and so its id: the worst case. It learns
+    // no more than it would of a namespace nobody registered (`none`: one a unregistered).
+    let none = a.register(namespace("a", b"unregistered", small_layout())).await.unwrap();
+    a.unregister(&none).await.unwrap();
+    let ids = [&ns_a.id, &none.id];
     forbidden(b.register(namespace("a", b"a's salt", small_layout())).await, "register as a");
-    forbidden(b.lookup(&ns_a, &doc).await, "lookup");
-    forbidden(b.load_keys(&ns_a, &ns_a.keys(&doc)).await, "data-plane load");
-    forbidden(b.exists_keys(&ns_a, &ns_a.keys(&doc)).await, "data-plane exists");
-    forbidden(b.resume(&ns_a, "a-agent").await, "resume");
-    forbidden(b.drop_session(&ns_a, "a-agent").await, "drop");
-    forbidden(b.purge(&ns_a).await, "purge");
-    forbidden(b.list_sessions(Some(&ns_a)).await, "list a's namespace");
-    forbidden(b.park(&ns_a, "b-agent", &doc, &blocks, &ParkOptions::default(), 0).await, "park");
+    forbidden(b.register(namespace("a", b"unregistered", small_layout())).await, "register as a");
+    as_if_unregistered(b.lookup(&ns_a, &doc).await, b.lookup(&none, &doc).await, ids, "lookup");
+    let (keys, none_keys) = (ns_a.keys(&doc), none.keys(&doc));
+    as_if_unregistered(b.load_keys(&ns_a, &keys).await, b.load_keys(&none, &none_keys).await, ids, "load");
+    as_if_unregistered(b.exists_keys(&ns_a, &keys).await, b.exists_keys(&none, &none_keys).await, ids, "exists");
+    as_if_unregistered(b.resume(&ns_a, "a-agent").await, b.resume(&none, "a-agent").await, ids, "resume");
+    as_if_unregistered(b.drop_session(&ns_a, "a-agent").await, b.drop_session(&none, "a-agent").await, ids, "drop");
+    as_if_unregistered(b.purge(&ns_a).await, b.purge(&none).await, ids, "purge");
+    as_if_unregistered(b.list_sessions(Some(&ns_a)).await, b.list_sessions(Some(&none)).await, ids, "list");
+    let opts = ParkOptions::default();
+    let none_blocks = full_block_payloads(&none, &doc);
+    as_if_unregistered(
+        b.park(&ns_a, "b-agent", &doc, &blocks, &opts, 0).await,
+        b.park(&none, "b-agent", &doc, &none_blocks, &opts, 0).await,
+        ids,
+        "park",
+    );
     assert!(b.list_sessions(None).await.unwrap().is_empty(), "an empty filter lists only b's own sessions");
     let stats = b.stats().await.unwrap();
     assert_eq!((stats.namespaces, stats.sessions), (0, 0), "b's stats count b's own");
@@ -115,7 +147,7 @@ async fn another_tenant_can_neither_read_nor_change_nor_list_a_tenants_data() {
     let poison: Vec<_> = blocks2.iter().map(|p| bytes::Bytes::from(vec![0xEE; p.len()])).collect();
     let report = b.store(&ns_a, &doc2, &poison).await.unwrap();
     assert_eq!(report.stored, 0);
-    assert!(report.rejected.iter().all(|(_, s)| *s == ItemStatus::Forbidden), "{:?}", report.rejected);
+    assert!(report.rejected.iter().all(|(_, s)| *s == ItemStatus::UnknownNamespace), "{:?}", report.rejected);
     assert_eq!(a.lookup(&ns_a, &doc2).await.unwrap(), 0, "nothing of b's landed in a's namespace");
     a.store(&ns_a, &doc2, &blocks2).await.unwrap().ok().unwrap();
     assert_eq!(a.load(&ns_a, &doc2).await.unwrap(), blocks2);
@@ -124,7 +156,12 @@ async fn another_tenant_can_neither_read_nor_change_nor_list_a_tenants_data() {
     let mut near = b.samenode().await.expect("same host: the same-node path opens");
     let mut dst = SharedBuffer::new(blocks.len() * ns_a.block_bytes() as usize).unwrap();
     let at: Vec<u64> = (0..blocks.len() as u64).map(|i| i * ns_a.block_bytes()).collect();
-    forbidden(near.load_into_buffer(&ns_a, &ns_a.keys(&doc), &mut dst, &at, false).await, "same-node load");
+    as_if_unregistered(
+        near.load_into_buffer(&ns_a, &keys, &mut dst, &at, false).await,
+        near.load_into_buffer(&none, &none_keys, &mut dst, &at, false).await,
+        ids,
+        "same-node load",
+    );
     assert!(dst.as_slice().iter().all(|&x| x == 0), "no byte of a's reached b's buffer");
 
     // a's data survived every attempt.
@@ -159,7 +196,8 @@ async fn a_read_grant_allows_reads_only_and_the_operator_sees_everything() {
     assert_eq!(report.rejected, vec![(0, ItemStatus::Forbidden)]);
     // The grant is directed: a reads nothing of c's.
     let ns_c = c.register(namespace("c", b"c", small_layout())).await.unwrap();
-    forbidden(a.lookup(&ns_c, &doc).await, "reverse grant");
+    let err = a.lookup(&ns_c, &doc).await.unwrap_err();
+    assert!(matches!(err, ClientError::UnknownNamespace(_)), "reverse grant: {err}");
 
     // The operator reaches everything; a client with no token or a wrong one reaches nothing.
     assert_eq!(op.list_sessions(None).await.unwrap().len(), 1);
@@ -245,6 +283,7 @@ async fn a_tenant_writing_past_its_dram_quota_evicts_only_its_own_blocks() {
     let own = |s: kvtier_proto::pb::StatsResponse| s.tiers.iter().map(|t| t.resident_bytes).sum::<u64>();
     let (of_heavy, of_quiet) = (own(heavy.stats().await.unwrap()), own(quiet.stats().await.unwrap()));
     assert!(of_quiet >= 16 << 20, "the quiet tenant's 16 MiB: {of_quiet}");
+    assert!(of_heavy <= 24 << 20, "the heavy tenant's writes in flight count against its quota: {of_heavy}");
     assert!(of_heavy + of_quiet <= 64 << 20, "the node's cap holds, and each sees its own: {of_heavy} + {of_quiet}");
     assert!(metric(&server.scrape(), "kvtier_quota_evictions_total", &[]) >= 3000.0);
 }
@@ -265,7 +304,8 @@ async fn a_namespace_is_unregistered_by_its_owner_only_and_stays_gone_after_a_re
         let blocks = full_block_payloads(ns, &doc);
         a.park(ns, "s", &doc, &blocks, &ParkOptions::default(), 0).await.unwrap();
     }
-    forbidden(b.unregister(&gone).await, "another tenant unregisters");
+    let err = b.unregister(&gone).await.unwrap_err();
+    assert!(matches!(err, ClientError::UnknownNamespace(_)), "another tenant unregisters: {err}");
     let (sessions, blocks) = a.unregister(&gone).await.unwrap();
     assert_eq!((sessions, blocks), (1, 3));
     let err = a.lookup(&gone, &doc).await.unwrap_err();

@@ -121,10 +121,10 @@ async fn tenants_named_by_client_certificates_over_tls_on_both_planes() {
     alice.park(&ns, "agent", &doc, &blocks, &ParkOptions::default(), 0).await.unwrap();
     assert_eq!(alice.resume(&ns, "agent").await.unwrap().blocks, blocks);
 
-    // bob's certificate is bob: nothing of alice's.
+    // bob's certificate is bob: nothing of alice's (not even that her namespace exists).
     let bob = connect(&server, Some(tls(&ca, Some((&ca, "bob")))), None).await.expect("bob connects");
-    assert!(matches!(bob.lookup(&ns, &doc).await, Err(ClientError::Forbidden(_))));
-    assert!(matches!(bob.load_keys(&ns, &keys).await, Err(ClientError::Forbidden(_))));
+    assert!(matches!(bob.lookup(&ns, &doc).await, Err(ClientError::UnknownNamespace(_))));
+    assert!(matches!(bob.load_keys(&ns, &keys).await, Err(ClientError::UnknownNamespace(_))));
     assert!(bob.list_sessions(None).await.unwrap().is_empty());
 
     // The operator's certificate reaches everything.
@@ -477,7 +477,7 @@ async fn certificate_only_clients_reach_the_same_node_socket_with_single_use_tic
     let bob_keys = bob_ns.keys(&tokens(32, bob_ns.block_tokens()));
     bob.store_keys(&bob_ns, &bob_keys, &[vec![payload_for(&bob_keys[0], bb)]]).await.unwrap();
     let e = near.load_into_buffer(&bob_ns, &bob_keys, &mut dst, &[0], false).await.unwrap_err();
-    assert!(matches!(e, ClientError::Forbidden(_)), "{e}");
+    assert!(matches!(e, ClientError::UnknownNamespace(_)), "{e}");
     assert_eq!(near.load_into_buffer(&ns, &keys[..1], &mut dst, &[0], false).await.unwrap(), vec![true]);
     // bob's own ticket reaches his block.
     let mut bob_near = open(bob.samenode_ticket().await.unwrap()).await.unwrap();

@@ -618,24 +618,29 @@ impl NodeState {
     }
 
     /// Whether `p` may `access` a registered namespace (without copying it: the data plane asks
-    /// per request).
+    /// per request). See [`Self::namespace_for`] for what a refusal says.
     pub fn check_namespace(&self, p: &Principal, id: &NamespaceId, access: Access) -> Result<(), ItemStatus> {
         let map = self.namespaces.read();
         let ns = map.get(id).ok_or(ItemStatus::UnknownNamespace)?;
         if p.may(access, &ns.tenant) {
-            Ok(())
-        } else {
-            drop(map);
-            p.refusal(access, "another tenant's namespace");
-            Err(ItemStatus::Forbidden)
+            return Ok(());
         }
+        let visible = p.may(Access::Read, &ns.tenant);
+        drop(map);
+        p.refusal(access, "another tenant's namespace");
+        Err(if visible { ItemStatus::Forbidden } else { ItemStatus::UnknownNamespace })
     }
 
-    /// The namespace, when it is registered and `p` may `access` it.
+    /// The namespace, when it is registered and `p` may `access` it. A tenant refused a namespace
+    /// it may read (a write under a read grant) is told it is forbidden; one with no grant on it
+    /// at all gets the answer an unregistered namespace gets, so that probing ids tells a tenant
+    /// nothing about which namespaces (models, layouts) other tenants use. The refusal is counted
+    /// and logged as one (`kvtier_auth_denied_total`) either way.
     pub fn namespace_for(&self, p: &Principal, id: &NamespaceId, access: Access) -> Result<Namespace, ServerError> {
         let ns = self.namespace(id)?;
         if !p.may(access, &ns.tenant) {
-            return Err(p.refusal(access, "another tenant's namespace"));
+            let refusal = p.refusal(access, "another tenant's namespace");
+            return Err(if p.may(Access::Read, &ns.tenant) { refusal } else { ServerError::UnknownNamespace(*id) });
         }
         Ok(ns)
     }
@@ -671,14 +676,15 @@ impl NodeState {
     /// Both ingest paths (the data plane's `PUT`, the same-node store) use it, per frame, without
     /// copying the namespace.
     pub fn admit_frame(&self, by: &Principal, h: &FrameHeader) -> Result<FrameHeader, ItemStatus> {
-        let (layout, lossless, allowed) = {
+        let (layout, lossless, allowed, visible) = {
             let map = self.namespaces.read();
             let ns = map.get(&h.namespace).ok_or(ItemStatus::UnknownNamespace)?;
-            (ns.layout, ns.is_lossless(), by.may(Access::Write, &ns.tenant))
+            (ns.layout, ns.is_lossless(), by.may(Access::Write, &ns.tenant), by.may(Access::Read, &ns.tenant))
         };
         if !allowed {
+            // As `namespace_for`: without any grant, the answer an unregistered namespace gets.
             by.refusal(Access::Write, "another tenant's namespace");
-            return Err(ItemStatus::Forbidden);
+            return Err(if visible { ItemStatus::Forbidden } else { ItemStatus::UnknownNamespace });
         }
         if layout != h.layout {
             return Err(ItemStatus::LayoutMismatch);

@@ -215,10 +215,22 @@ struct Entry {
     account: u32,
 }
 
+/// What an outstanding lease holds: its slot's size against the lease budget, its payload
+/// bytes against its account's quota.
+struct OpenLease {
+    size: usize,
+    account: u32,
+    len: u64,
+}
+
 /// One account's bytes, and with a quota, its blocks oldest first (stale items are skipped).
 #[derive(Default)]
 struct Account {
     resident: u64,
+    /// Payload bytes of its open leases (writes in flight): they count against its quota as
+    /// resident bytes do, so concurrent writers cannot carry it past its quota between
+    /// their reservations and their commits.
+    in_flight: u64,
     blocks: u64,
     /// Slot bytes of its pinned blocks: with a quota, at most `max_pinned_ratio` of it (as the
     /// node's pins are of the capacity), so its pins leave it room to write.
@@ -252,8 +264,8 @@ struct State {
     pinned: u64,
     blocks: u64,
     next_id: u64,
-    /// Outstanding leases by (deadline, id): slot size.
-    leases: BTreeMap<(Instant, u64), usize>,
+    /// Outstanding leases by (deadline, id).
+    leases: BTreeMap<(Instant, u64), OpenLease>,
     leased: u64,
     accounts: HashMap<u32, Account>,
     /// Keys evicted by the reservation under way, for the eviction observer.
@@ -402,11 +414,18 @@ impl Shared {
     /// Ends an outstanding lease (commit or drop); false if it was revoked.
     fn end_lease(&self, st: &mut State, key: (Instant, u64)) -> bool {
         match st.leases.remove(&key) {
-            Some(size) => {
-                st.leased = st.leased.saturating_sub(size as u64);
+            Some(open) => {
+                st.leased = st.leased.saturating_sub(open.size as u64);
+                Self::release_in_flight(st, &open);
                 true
             }
             None => false,
+        }
+    }
+
+    fn release_in_flight(st: &mut State, open: &OpenLease) {
+        if let Some(a) = st.accounts.get_mut(&open.account) {
+            a.in_flight = a.in_flight.saturating_sub(open.len);
         }
     }
 
@@ -418,9 +437,10 @@ impl Shared {
             if entry.key().0 >= now {
                 break;
             }
-            let size = entry.remove();
-            st.leased = st.leased.saturating_sub(size as u64);
-            st.slab.forget(size);
+            let open = entry.remove();
+            st.leased = st.leased.saturating_sub(open.size as u64);
+            Self::release_in_flight(st, &open);
+            st.slab.forget(open.size);
             n += 1;
         }
         if n > 0 {
@@ -498,8 +518,9 @@ impl Shared {
         }
     }
 
-    /// Brings `account` to `size` bytes below its quota by evicting its own blocks, oldest first
-    /// (pinned ones stay). Evicted blocks go to `demoted` when a hook is set.
+    /// Brings `account` to `size` bytes below its quota, counting its writes in flight, by
+    /// evicting its own blocks, oldest first (pinned ones stay). Evicted blocks go to `demoted`
+    /// when a hook is set.
     fn make_room_in_account(
         &self,
         st: &mut State,
@@ -517,13 +538,15 @@ impl Shared {
         let mut pinned_seen = 0usize;
         loop {
             let Some(a) = st.accounts.get_mut(&account) else { return Ok(()) };
-            if a.resident + size <= quota {
+            if a.resident + a.in_flight + size <= quota {
                 return Ok(());
             }
-            // Every block left was met pinned: the quota is held by pins.
+            // Every block left was met pinned: the quota is held by pins and writes in flight.
             if pinned_seen >= a.order.len() {
                 return Err(ServerError::Capacity(format!(
-                    "dram tier: the tenant's dram_bytes quota of {quota} is held by its pinned blocks"
+                    "dram tier: the tenant's dram_bytes quota of {quota} is held by its pinned blocks ({} bytes) \
+                     and its writes in flight ({} bytes); another {size} would pass it",
+                    a.pinned, a.in_flight
                 )));
             }
             let Some((key, id)) = a.order.pop_front() else { return Ok(()) };
@@ -708,7 +731,10 @@ impl DramTier {
         let lease = res.map(|buf| {
             st.next_id += 1;
             let key = (now + self.shared.lease_ttl, st.next_id);
-            st.leases.insert(key, size);
+            st.leases.insert(key, OpenLease { size, account, len: len as u64 });
+            if let Some(a) = st.accounts.get_mut(&account) {
+                a.in_flight += len as u64;
+            }
             st.leased += size as u64;
             Lease { shared: Arc::clone(&self.shared), buf: Some(buf), len, key }
         });

@@ -788,6 +788,44 @@ fn put_for(t: &DramTier, ns: NamespaceId, i: u32, len: usize) -> Result<InsertOu
 }
 
 #[test]
+fn a_tenants_writes_in_flight_count_against_its_quota() {
+    // Concurrent writers reserve before any of them commits: their open leases count, so the
+    // tenant's resident bytes never pass its quota once they all commit (they did before: each
+    // reservation saw only the committed bytes).
+    let t = tier(1024 * KIB, 0.9);
+    let (heavy, quiet) = (NamespaceId([1; 16]), NamespaceId([2; 16]));
+    t.assign_account(heavy, 1);
+    t.set_account_quota(1, 256 * KIB as u64);
+    for i in 0..4 {
+        put_for(&t, heavy, i, 32 * KIB).unwrap(); // 128 KiB resident
+    }
+    let mut open: Vec<_> = (0..8).map(|_| t.reserve_for(&heavy, 32 * KIB).unwrap()).collect();
+    // 8 more in flight: room was made out of its own committed blocks, oldest first.
+    assert_eq!(t.account_resident(1), 0, "its committed blocks made room for the writes in flight");
+    // Its quota is all in flight: a ninth write is refused, saying so, and another tenant's isn't.
+    let err = t.reserve_for(&heavy, 32 * KIB).unwrap_err();
+    assert!(matches!(err, ServerError::Capacity(ref m) if m.contains("in flight")), "{err}");
+    put_for(&t, quiet, 50, 32 * KIB).unwrap();
+    for (n, mut w) in open.drain(..).enumerate() {
+        let i = 100 + n as u32;
+        w.buf_mut().copy_from_slice(&payload(i, 32 * KIB));
+        t.commit(w, header(heavy, i, 32 * KIB), Priority::Normal).unwrap();
+    }
+    assert_eq!(t.account_resident(1), 256 * KIB as u64);
+    // A dropped lease and an expired one give their share back.
+    drop(t.reserve_for(&heavy, 32 * KIB).unwrap());
+    let stale = t.reserve_for(&heavy, 32 * KIB).unwrap();
+    t.reap_leases(stale.deadline() + Duration::from_secs(1));
+    drop(stale);
+    for i in 200..208 {
+        t.reserve_for(&heavy, 32 * KIB).map(drop).unwrap();
+        put_for(&t, heavy, i, 32 * KIB).unwrap();
+        assert!(t.account_resident(1) <= 256 * KIB as u64);
+    }
+    assert_eq!(t.account_resident(1), 256 * KIB as u64);
+}
+
+#[test]
 fn a_tenant_at_its_quota_evicts_its_own_blocks_and_never_anothers() {
     let t = tier(1024 * KIB, 0.9);
     let (heavy, quiet) = (NamespaceId([1; 16]), NamespaceId([2; 16]));
