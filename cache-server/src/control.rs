@@ -216,8 +216,7 @@ impl ControlPlane {
             Ok(pb::session_replica_request::Op::Drop) => {
                 let version = r.manifest.as_ref().and_then(|m| m.info.as_ref()).map_or(u64::MAX, |i| i.version);
                 let session = r.session_id.clone();
-                self.on_io(move |s| Ok(s.sessions().drop_replica(s.tiers().session_pins(), id, &session, version)))
-                    .await?;
+                self.on_io(move |s| s.sessions().drop_replica(s.tiers().session_pins(), id, &session, version)).await?;
                 Ok(held(self.state.sessions().peek(id, &r.session_id)))
             }
             Ok(pb::session_replica_request::Op::Put) => {
@@ -730,7 +729,7 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         let dropped = self
             .on_io({
                 let session = session.clone();
-                move |s| Ok(s.sessions().drop_session(s.tiers().session_pins(), id, &session))
+                move |s| s.sessions().drop_session(s.tiers().session_pins(), id, &session)
             })
             .await
             .map_err(to_status)?;

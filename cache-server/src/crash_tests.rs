@@ -208,7 +208,7 @@ fn step(h: &Harness, node: &NodeState, acked: &mut Acked, namespaces: &[Namespac
         }
         5 => {
             let id = format!("s{}", a % 4);
-            if node.sessions().drop_session(node.tiers().session_pins(), ns.id(), &id) {
+            if let Ok(true) = node.sessions().drop_session(node.tiers().session_pins(), ns.id(), &id) {
                 acked.dropped.insert(id);
             }
         }

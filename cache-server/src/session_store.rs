@@ -158,36 +158,71 @@ impl SessionStore {
         self.table.lock().peek(ns, id, Instant::now())
     }
 
-    /// Drops a session; false if there was none.
-    pub fn drop_session(&self, pins: &dyn PinTier, ns: NamespaceId, id: &str) -> bool {
+    /// Drops a session; false if there was none. With a log, the drop is logged first: one that
+    /// can't be (a full disk) changes nothing and is the caller's error, so a drop that was
+    /// answered never comes back after a restart.
+    pub fn drop_session(&self, pins: &dyn PinTier, ns: NamespaceId, id: &str) -> Result<bool, ServerError> {
         self.drop_if(pins, ns, id, u64::MAX)
     }
 
-    /// Drops this node's copy of a session if its version is at most `version`.
-    pub fn drop_replica(&self, pins: &dyn PinTier, ns: NamespaceId, id: &str, version: u64) -> bool {
+    /// Drops this node's copy of a session if its version is at most `version` (logged first, as
+    /// [`Self::drop_session`]).
+    pub fn drop_replica(
+        &self,
+        pins: &dyn PinTier,
+        ns: NamespaceId,
+        id: &str,
+        version: u64,
+    ) -> Result<bool, ServerError> {
         self.drop_if(pins, ns, id, version)
     }
 
-    fn drop_if(&self, pins: &dyn PinTier, ns: NamespaceId, id: &str, version: u64) -> bool {
-        let seq = {
+    /// Drops a session from memory only, for a caller that logged its going another way (its
+    /// namespace's unregistration, which replay applies to its sessions).
+    pub fn forget_session(&self, pins: &dyn PinTier, ns: NamespaceId, id: &str) -> bool {
+        let mut table = self.table.lock();
+        let dropped = table.drop_session(pins, ns, id);
+        self.publish(table.len());
+        drop(table);
+        if dropped {
+            self.emit(EventKind::SessionDropped, &ns, id);
+        }
+        dropped
+    }
+
+    fn drop_if(&self, pins: &dyn PinTier, ns: NamespaceId, id: &str, version: u64) -> Result<bool, ServerError> {
+        let Some(log) = &self.log else {
             let mut table = self.table.lock();
             let dropped = table.drop_replica(pins, ns, id, version);
             self.publish(table.len());
-            if !dropped {
-                return false;
+            drop(table);
+            if dropped {
+                self.emit(EventKind::SessionDropped, &ns, id);
             }
-            self.log.as_ref().map(SessionLog::next_seq)
+            return Ok(dropped);
         };
-        if let (Some(log), Some(seq)) = (&self.log, seq) {
-            if let Err(e) = log.delete(seq, ns, id) {
-                tracing::warn!(
-                    session = id,
-                    "drop not logged (the session may reappear after a restart until its TTL): {e}"
-                );
+        // The version seen and the tombstone's number, under the lock; the tombstone appended
+        // outside it (as `change` appends); then the session taken out if nothing replaced it
+        // meanwhile. A park that did replace it holds a later number, so replay keeps it too.
+        let (seen, seq) = {
+            let table = self.table.lock();
+            match table.version_of(ns, id) {
+                Some(v) if v <= version => (v, log.next_seq()),
+                _ => return Ok(false),
             }
+        };
+        log.delete(seq, ns, id).map_err(|e| {
+            tracing::warn!(session = id, "drop refused: it could not be logged: {e}");
+            e
+        })?;
+        let mut table = self.table.lock();
+        let dropped = table.undo(pins, ns, id, seen);
+        self.publish(table.len());
+        drop(table);
+        if dropped {
+            self.emit(EventKind::SessionDropped, &ns, id);
         }
-        self.emit(EventKind::SessionDropped, &ns, id);
-        true
+        Ok(true)
     }
 
     /// A live session's token count, its TTL untouched; `None` when there is none.
@@ -224,6 +259,8 @@ impl SessionStore {
             self.emit(EventKind::SessionExpired, ns, id);
         }
         if let Some(log) = &self.log {
+            // An expiry that can't be logged needs none: its record's expiry is in the log, and
+            // a restart drops it by that.
             for ((ns, id), seq) in dead.iter().zip(seqs) {
                 let _ = log.delete(seq, *ns, id);
             }
@@ -354,7 +391,7 @@ mod tests {
                             Err(e) => panic!("{e}"),
                         }
                         if round % 17 == 5 {
-                            store.drop_session(tier.as_ref(), ns, id);
+                            store.drop_session(tier.as_ref(), ns, id).unwrap();
                         }
                     }
                     done
@@ -391,5 +428,40 @@ mod tests {
         assert!(matches!(err, ServerError::Io(_)), "{err}");
         assert!(store.is_empty());
         assert!(tier.remove(&ns, &keys[0]), "the undone park released its pins");
+    }
+
+    /// A drop whose tombstone can't be appended changes nothing and says so: the session stays
+    /// (in memory as in the log, so it can't come back after a restart from a drop that was
+    /// answered). Before, the drop was answered and the session reappeared after a restart.
+    #[test]
+    fn a_drop_that_cannot_be_logged_changes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let tier = DramTier::new(DramConfig::new(1 << 20));
+        let ns = NamespaceId([6; 16]);
+        let keys: Vec<BlockKey> = (0..2).map(|i| block(&tier, ns, i)).collect();
+        let fault = crate::fs::fault::FaultFs::new(dir.path());
+        let fs = fault.shared();
+        let (log, _, _) = SessionLog::open_with(&fs, dir.path(), true, 0).unwrap();
+        let store = SessionStore::new(Some(log));
+        store.park(&tier, spec(ns, "s", keys.clone(), 0), &limits()).unwrap();
+        fault.enospc_from(Some(1));
+        let err = store.drop_session(&tier, ns, "s").unwrap_err();
+        assert!(matches!(err, ServerError::Io(_)), "{err}");
+        assert_eq!(store.peek(ns, "s").map(|m| m.keys), Some(keys.clone()), "still parked");
+        assert!(!tier.remove(&ns, &keys[0]), "still pinned");
+        // With room again, and after a restart: still parked; now the drop is logged and done.
+        fault.enospc_from(None);
+        drop(store);
+        let (log, live, _) = SessionLog::open_with(&fs, dir.path(), true, 0).unwrap();
+        assert_eq!(live.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(), ["s"], "still in the log");
+        let store = SessionStore::new(Some(log));
+        let per_token = layout().bytes_per_token();
+        assert_eq!(store.restore(&tier, live.into_iter().map(|s| (s, per_token)).collect()), (1, 0));
+        assert!(store.drop_session(&tier, ns, "s").unwrap());
+        assert!(!store.drop_session(&tier, ns, "s").unwrap(), "an unknown session is a plain false");
+        assert!(store.is_empty());
+        drop(store);
+        let (_, live, _) = SessionLog::open_with(&fs, dir.path(), true, 0).unwrap();
+        assert!(live.is_empty(), "the drop holds across a restart");
     }
 }

@@ -470,6 +470,11 @@ impl SessionTable {
         false
     }
 
+    /// The version of the session held, live or expired and not yet reaped.
+    pub fn version_of(&self, ns: NamespaceId, id: &str) -> Option<u64> {
+        self.sessions.get(&(ns, id.to_string())).map(|m| m.version)
+    }
+
     /// Drops a session and unpins its blocks; false if there was none.
     pub fn drop_session(&mut self, tier: &dyn PinTier, ns: NamespaceId, id: &str) -> bool {
         match self.remove(&(ns, id.to_string())) {

@@ -598,7 +598,8 @@ impl NodeState {
         }
         let mut dropped = 0;
         for m in self.sessions.list(Some(*id)) {
-            dropped += u64::from(self.sessions.drop_session(self.tiers.session_pins(), *id, &m.id));
+            // The unregistration logged above drops them at replay too.
+            dropped += u64::from(self.sessions.forget_session(self.tiers.session_pins(), *id, &m.id));
         }
         let removed = self.tiers.purge(id);
         tracing::info!(principal = by.name(), dropped, removed, "namespace unregistered");
