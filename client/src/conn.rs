@@ -342,6 +342,20 @@ impl DataConn {
         }
     }
 
+    /// Whether the server closed this idle connection (a restart, its `idle_timeout`), broke it,
+    /// or sent something nobody asked for: looked at without waiting or taking a byte, before a
+    /// pooled connection is reused, so that a request is not sent on a socket already dead.
+    fn closed_while_idle(&mut self) -> bool {
+        use tokio::io::AsyncBufRead;
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        // Idle, nothing is armed: this is the socket's own non-blocking read, buffered.
+        match std::pin::Pin::new(&mut self.rd).poll_fill_buf(&mut cx) {
+            std::task::Poll::Pending => false,
+            // Empty: the end of the stream; bytes: out of step with any request.
+            std::task::Poll::Ready(Ok(_)) | std::task::Poll::Ready(Err(_)) => true,
+        }
+    }
+
     /// How long a call on this connection may poll for its answer (a TCP connection's only):
     /// about the time its bytes take, at most `max`; `Duration::ZERO` never polls.
     pub(crate) fn set_answer_poll(&mut self, max: Duration) {
@@ -840,7 +854,7 @@ impl DataPool {
 
     pub(crate) async fn lease(&self) -> Result<Lease<'_>, ClientError> {
         let permit = self.permits.clone().acquire_owned().await.map_err(|e| ClientError::Io(e.to_string()))?;
-        let (idle, stale) = match self.idle.lock() {
+        let (mut idle, stale) = match self.idle.lock() {
             Ok(mut idle) => {
                 // The most recently used is last; anything idle too long is closed (below, once
                 // the list is let go).
@@ -851,6 +865,12 @@ impl DataPool {
             Err(_) => (None, Vec::new()),
         };
         drop(stale);
+        // One the server closed meanwhile (it restarted: every pooled connection is dead) is
+        // dropped, and the next idle one looked at, then a fresh one dialled.
+        while idle.as_mut().is_some_and(|(c, _)| c.closed_while_idle()) {
+            metrics::counter!("kvtier_client_pooled_connections_closed_total").increment(1);
+            idle = self.idle.lock().ok().and_then(|mut idle| idle.pop());
+        }
         let conn = match idle {
             Some((c, _)) => c,
             None => {
@@ -913,6 +933,43 @@ mod tests {
             let _ = s.read_to_end(&mut rest).await;
         });
         addr
+    }
+
+    /// A pooled connection the server closed while it sat idle (the node restarted) is not
+    /// handed out: the lease dials a fresh one. Before, the next request went out on the dead
+    /// socket and failed ("early eof"): a cluster node's first forward to a restarted peer.
+    #[tokio::test]
+    async fn a_pooled_connection_the_server_closed_is_not_reused() {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let (closed_tx, closed_rx) = tokio::sync::oneshot::channel();
+        let (second_tx, second_rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move {
+            // The first connection: greeted, then closed by the server.
+            let (mut s, _) = l.accept().await.unwrap();
+            let mut hello = [0u8; HELLO_LEN];
+            s.read_exact(&mut hello).await.unwrap();
+            s.write_all(&HelloReply::encode(Status::Ok, "")).await.unwrap();
+            drop(s);
+            let _ = closed_tx.send(());
+            // The second: greeted and kept.
+            let (mut s, _) = l.accept().await.unwrap();
+            s.read_exact(&mut hello).await.unwrap();
+            s.write_all(&HelloReply::encode(Status::Ok, "")).await.unwrap();
+            let _ = second_tx.send(());
+            let mut rest = Vec::new();
+            let _ = s.read_to_end(&mut rest).await;
+        });
+        let pool =
+            DataPool::new(Dial::Tcp(addr), None, 2, Duration::from_secs(5), Duration::from_secs(60), Duration::ZERO);
+        pool.lease().await.unwrap().release();
+        closed_rx.await.unwrap();
+        // The FIN has to reach this end's socket; on loopback it does at once, give it a moment.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let mut second = pool.lease().await.unwrap();
+        let conn = second.conn.as_mut().unwrap();
+        assert!(!conn.closed_while_idle(), "the lease handed out a live connection");
+        tokio::time::timeout(Duration::from_secs(5), second_rx).await.expect("a fresh connection was dialled").unwrap();
     }
 
     /// A data-plane peer speaking protocols up to `newest` (an older node, as a rolling upgrade
