@@ -218,3 +218,47 @@ async fn readers_that_stop_reading_hold_at_most_the_disk_read_budget() {
     assert!(t.elapsed() < Duration::from_secs(8), "{:?}", t.elapsed());
     drop(stalled);
 }
+
+/// Silent sockets from several addresses, together all of the gRPC listener's connections, are
+/// closed once they have sent no HTTP/2 preface for 10 s (`PREFACE_TIMEOUT`): a good client
+/// waiting behind them gets in, and they see their connection closed. Before, they held every
+/// slot for good (tonic waits for a preface forever): `kvtier stats` hung, a lookup failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_grpc_connections_are_closed_and_do_not_starve_the_listener() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("limits.toml");
+    std::fs::write(&cfg, "max_connections = 16\nmax_connections_per_peer = 4\n").unwrap();
+    let server = ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"]);
+    let mut silent = Vec::new();
+    for host in 2..=5u8 {
+        for _ in 0..4 {
+            let sock = TcpSocket::new_v4().unwrap();
+            sock.bind(std::net::SocketAddr::from(([127, 0, 0, host], 0))).unwrap();
+            silent.push(sock.connect(server.grpc).await.unwrap());
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    // The good client waits in the kernel's backlog until the silent ones are closed.
+    let t = Instant::now();
+    let cfg = ClientConfig {
+        connect_timeout: Duration::from_secs(30),
+        request_timeout: Duration::from_secs(30),
+        ..ClientConfig::default()
+    };
+    let client = KvClient::connect(&server.grpc_addr(), cfg).await.expect("connect behind silent sockets");
+    let stats = client.stats().await.expect("served");
+    assert!(!stats.tiers.is_empty());
+    let took = t.elapsed();
+    assert!(took < Duration::from_secs(20), "the good client waited {took:?}");
+
+    // Every silent socket was closed by the server (end of stream), within the preface timeout
+    // and a margin for a busy machine.
+    for mut s in silent {
+        let mut b = [0u8; 1];
+        let read = tokio::time::timeout(Duration::from_secs(20), tokio::io::AsyncReadExt::read(&mut s, &mut b)).await;
+        assert!(matches!(read, Ok(Ok(0)) | Ok(Err(_))), "a silent socket is still open: {read:?}");
+    }
+    let m = server.scrape();
+    assert!(metric(&m, "kvtier_errors_total", &[("kind", "grpc_preface_timeout")]) >= 16.0, "{m}");
+}

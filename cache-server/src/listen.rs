@@ -2,7 +2,9 @@
 //! bounded in total and per peer (an IP address, or a local user on a Unix socket), a peer over
 //! its share is closed at once and counted, a failed accept (out of descriptors) backs off instead
 //! of spinning, and every connection ends when the node stops. TLS handshakes run inside a
-//! connection's own task, never in the accept loop.
+//! connection's own task, never in the accept loop, and so does the wait for a gRPC client's
+//! HTTP/2 preface: a connection that sends none within [`PREFACE_TIMEOUT`] is closed, so silent
+//! sockets can't hold the listener's slots (tonic would wait for a preface forever).
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -127,12 +129,45 @@ pub(crate) async fn accept_bounded<C, A, F, S, G>(
     conns.shutdown().await;
 }
 
+/// How long a gRPC connection has to send the HTTP/2 preface once accepted (once its TLS
+/// handshake is done, under TLS): as long as a data-plane client has for its hello.
+pub const PREFACE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What every HTTP/2 client sends first (RFC 9113, 3.4).
+const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
 /// A gRPC connection handed to tonic (plain TCP or TLS): it holds its slot (total and per peer)
-/// until tonic drops it.
+/// until tonic drops it. Its HTTP/2 preface was read (and checked) before; its first reads give
+/// it back to tonic.
 pub struct GrpcConn {
     inner: GrpcStream,
     info: GrpcPeer,
+    /// How much of [`H2_PREFACE`] tonic has read back.
+    preface_read: usize,
     _slot: tokio::sync::oneshot::Sender<()>,
+}
+
+impl GrpcStream {
+    /// Reads the client's first 24 bytes within `within`: `Ok` if they are the HTTP/2 preface;
+    /// otherwise why the connection is closed (also the `kvtier_errors_total` kind).
+    async fn read_preface(&mut self, within: Duration) -> Result<(), (&'static str, String)> {
+        use tokio::io::AsyncReadExt;
+        let mut got = [0u8; H2_PREFACE.len()];
+        let read = async {
+            match self {
+                GrpcStream::Plain(s) => s.read_exact(&mut got).await,
+                GrpcStream::Tls(s) => s.read_exact(&mut got).await,
+            }
+        };
+        match tokio::time::timeout(within, read).await {
+            Err(_) => Err(("grpc_preface_timeout", format!("no HTTP/2 preface within {within:?}"))),
+            Ok(Err(e)) => Err(("grpc_preface_io", format!("closed before its HTTP/2 preface: {e}"))),
+            Ok(Ok(_)) if &got != H2_PREFACE => {
+                Err(("grpc_not_http2", "its first bytes are not an HTTP/2 preface (not a gRPC client)".into()))
+            }
+            Ok(Ok(_)) => Ok(()),
+        }
+    }
 }
 
 enum GrpcStream {
@@ -176,7 +211,7 @@ pub(crate) fn grpc_incoming(
             |(sock, remote), _stop| {
                 let (tx, tls, cert_principal) = (tx.clone(), tls.clone(), cert_principal.clone());
                 async move {
-                    let (inner, cert) = match tls {
+                    let (mut inner, cert) = match tls {
                         None => (GrpcStream::Plain(sock), None),
                         Some(acceptor) => match crate::tls::accept(&acceptor, sock).await {
                             Ok((stream, names)) => (GrpcStream::Tls(Box::new(stream)), cert_principal(&names)),
@@ -186,8 +221,13 @@ pub(crate) fn grpc_incoming(
                             }
                         },
                     };
+                    if let Err((kind, why)) = inner.read_preface(PREFACE_TIMEOUT).await {
+                        crate::metrics::error(kind);
+                        tracing::debug!(%remote, "gRPC connection closed: {why}");
+                        return;
+                    }
                     let (slot, freed) = tokio::sync::oneshot::channel();
-                    let conn = GrpcConn { inner, info: GrpcPeer { remote, cert }, _slot: slot };
+                    let conn = GrpcConn { inner, info: GrpcPeer { remote, cert }, preface_read: 0, _slot: slot };
                     if tx.send(Ok(conn)).await.is_ok() {
                         // Resolves (with an error) when tonic drops the connection.
                         let _ = freed.await;
@@ -216,6 +256,13 @@ impl tokio::io::AsyncRead for GrpcConn {
         cx: &mut std::task::Context<'_>,
         buf: &mut tokio::io::ReadBuf<'_>,
     ) -> std::task::Poll<std::io::Result<()>> {
+        if self.preface_read < H2_PREFACE.len() {
+            let this = self.get_mut();
+            let n = (H2_PREFACE.len() - this.preface_read).min(buf.remaining());
+            buf.put_slice(&H2_PREFACE[this.preface_read..this.preface_read + n]);
+            this.preface_read += n;
+            return std::task::Poll::Ready(Ok(()));
+        }
         grpc_stream!(self, s => std::pin::Pin::new(s).poll_read(cx, buf))
     }
 }

@@ -1225,7 +1225,14 @@ fn first_call_error(addr: &str, s: tonic::Status, cfg: &ClientConfig) -> ClientE
         Some(c) if !s.message().contains(c.as_str()) => format!("{}: {c}", s.message()),
         _ => s.message().to_string(),
     };
+    let timed_out = said.contains("Timeout expired") || said.to_ascii_lowercase().contains("timed out");
     let hint = match &cfg.tls {
+        // Connected, then nothing: the node's listener is full (its connections wait in the
+        // kernel's backlog) as often as it is the wrong port.
+        _ if timed_out => {
+            "the connection opened but nothing answered in time: the node may be at its max_connections \
+                 (busy, or held by other clients), or this is not its gRPC port"
+        }
         None => {
             "the node's answer was not HTTP/2 gRPC: is this its gRPC port (not its data-plane or metrics \
                  port)? If the node runs TLS, connect over TLS with its CA"
