@@ -159,7 +159,9 @@ struct SmallFs(std::path::PathBuf);
 
 impl SmallFs {
     fn mount(size: &str) -> SmallFs {
-        let dir = std::env::temp_dir().join(format!("kvtier-enospc-{}", std::process::id()));
+        static MOUNTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = MOUNTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("kvtier-enospc-{}-{n}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let out = Command::new("mount")
             .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
@@ -207,6 +209,90 @@ async fn a_full_disk_leaves_dram_serving_and_says_so() {
     assert!(metric(&m, "kvtier_errors_total", &[("kind", "disk_write")]) > 0.0, "{m}");
     // And the server is still up and answering.
     assert!(client.stats().await.unwrap().tiers.len() == 2);
+    drop(server);
+}
+
+/// A disk tier whose file system fills before its capacity (its `disk_capacity` is above what
+/// the file system holds) makes room out of its own oldest unpinned segments, as at its capacity:
+/// demotions go on and a park is durable. Before, every demotion and park failed with the disk
+/// full while the tier held megabytes of evictable blocks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_system_full_before_the_tiers_capacity_is_made_room_in() {
+    let fs = SmallFs::mount("24m");
+    let cfg = fs.0.join("segments.toml");
+    std::fs::write(&cfg, "disk_segment_bytes = \"4MiB\"\n").unwrap();
+    let data = fs.0.join("data");
+    let args = ["--config", cfg.to_str().unwrap(), "--dram-capacity", DRAM, "--disk-capacity", "64MiB"];
+    let server = ServerProcess::start_in(&data, &args);
+    let client = server.client().await;
+    let ns = client.register(namespace("fs-full", b"", small_layout())).await.unwrap();
+    let docs: Vec<Vec<u32>> = (0..24).map(|d| tokens(2500 + d, 1024)).collect(); // 48 MiB > 24 MiB fs
+    for d in &docs {
+        client.store(&ns, d, &full_block_payloads(&ns, d)).await.unwrap().ok().unwrap();
+    }
+    let t = tokens(43, 2048);
+    let opts = ParkOptions { ttl: Some(Duration::from_secs(3600)), priority: None };
+    client
+        .park(&ns, "made-room", &t, &session_payloads(&ns, &t), &opts, 0)
+        .await
+        .expect("a park on a full file system");
+    assert!(client.resume(&ns, "made-room").await.unwrap().blocks == session_payloads(&ns, &t));
+    for d in &docs {
+        let got = client.load(&ns, d).await.unwrap();
+        assert!(got[..] == full_block_payloads(&ns, d)[..got.len()], "a prefix, byte for byte");
+    }
+    let m = server.scrape();
+    assert!(metric(&m, "kvtier_disk_full_evictions_total", &[]) > 0.0, "{m}");
+    // Room made once the file system is full: the few demotions that met it before are all that failed.
+    assert!(metric(&m, "kvtier_disk_demotions_failed_total", &[]) < 8.0, "{m}");
+}
+
+/// Fills `dir`'s file system to the last byte (a file of zeros, written until it is refused).
+fn fill(dir: &std::path::Path) -> std::path::PathBuf {
+    use std::io::Write;
+    let path = dir.join("filler");
+    let mut f = std::fs::File::create(&path).unwrap();
+    let chunk = vec![0u8; 4096];
+    while f.write_all(&chunk).is_ok() {}
+    let _ = f.sync_all();
+    path
+}
+
+/// A node killed on a full disk starts again on it (it refused to: "invalid configuration:
+/// data_dir not writable", then a bare I/O error compacting sessions.log): its parked sessions
+/// resume byte for byte, a park says the disk is full, and once room is made parks work again
+/// without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_stopped_on_a_full_disk_starts_again_and_resumes_its_sessions() {
+    let fs = SmallFs::mount("24m");
+    let data = fs.0.join("data");
+    let args = ["--dram-capacity", DRAM, "--disk-capacity", "16MiB"];
+    let mut server = ServerProcess::start_in(&data, &args);
+    let client = server.client().await;
+    let ns = client.register(namespace("full-restart", b"", small_layout())).await.unwrap();
+    let opts = ParkOptions { ttl: Some(Duration::from_secs(3600)), priority: None };
+    let docs: Vec<Vec<u32>> = (0..3).map(|i| tokens(700 + i, 256)).collect();
+    for (i, d) in docs.iter().enumerate() {
+        client.park(&ns, &format!("s{i}"), d, &session_payloads(&ns, d), &opts, 0).await.unwrap();
+    }
+    let filler = fill(&fs.0);
+    server.child.kill().unwrap();
+    server.child.wait().unwrap();
+    drop(server);
+
+    let server = ServerProcess::start_in(&data, &args);
+    let client = server.client().await;
+    let ns = client.register(namespace("full-restart", b"", small_layout())).await.unwrap();
+    for (i, d) in docs.iter().enumerate() {
+        let r = client.resume(&ns, &format!("s{i}")).await.unwrap();
+        assert!(r.blocks == session_payloads(&ns, d), "session s{i} came back byte for byte");
+    }
+    let t = tokens(42, 1024);
+    let e = client.park(&ns, "no-room", &t, &session_payloads(&ns, &t), &opts, 0).await.unwrap_err();
+    assert!(e.to_string().contains("KV:Disk:Full"), "{e}");
+    std::fs::remove_file(filler).unwrap();
+    client.park(&ns, "room-again", &t, &session_payloads(&ns, &t), &opts, 0).await.unwrap();
+    assert!(client.resume(&ns, "room-again").await.unwrap().blocks == session_payloads(&ns, &t));
     drop(server);
 }
 

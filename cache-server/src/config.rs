@@ -692,11 +692,37 @@ impl ServerConfig {
         let dir = &self.data_dir;
         std::fs::create_dir_all(dir)
             .map_err(|e| ServerError::Config(format!("data_dir {}: cannot create: {e}", dir.display())))?;
+        if let Ok(st) = rustix::fs::statvfs(dir) {
+            let size = st.f_blocks.saturating_mul(st.f_frsize);
+            if self.disk_capacity.0 > size {
+                // Each demotion then meets a full disk before the tier's own eviction would make
+                // room (it evicts at its capacity).
+                tracing::warn!(
+                    "disk_capacity {} is more than the file system of data_dir {} holds ({} bytes): the disk \
+                     tier will fill it and then refuse demotions and parks; set disk_capacity below it",
+                    self.disk_capacity,
+                    dir.display(),
+                    size
+                );
+            }
+        }
         let probe = dir.join(".kvtier-write-probe");
-        std::fs::write(&probe, b"ok")
-            .map_err(|e| ServerError::Config(format!("data_dir {}: not writable: {e}", dir.display())))?;
-        let _ = std::fs::remove_file(probe);
-        Ok(())
+        let wrote = std::fs::write(&probe, b"ok");
+        let _ = std::fs::remove_file(&probe);
+        match wrote {
+            Ok(()) => Ok(()),
+            // Full, not unwritable: the node starts (a node that stopped on a full disk must come
+            // back), serves from DRAM and what is on disk, and says what fails until room is made.
+            Err(e) if e.kind() == std::io::ErrorKind::StorageFull => {
+                tracing::warn!(
+                    "data_dir {} is full: the node starts, but parks and demotions to disk fail until room is \
+                     made there",
+                    dir.display()
+                );
+                Ok(())
+            }
+            Err(e) => Err(ServerError::Config(format!("data_dir {}: not writable: {e}", dir.display()))),
+        }
     }
 
     /// Where the same-node socket goes (absolute), `None` when it is off — or `auto` and

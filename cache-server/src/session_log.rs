@@ -24,7 +24,7 @@ pub use kvtier_proto::record_log::sessions::LoggedSession;
 use kvtier_proto::record_log::sessions::{
     decode_body, encode_body, read_session_log, SessionReplay, DROP, MAX_RECORD, PUT,
 };
-use kvtier_proto::record_log::{encode_log_header, encode_record, LogKey, LogKind};
+use kvtier_proto::record_log::{encode_log_header, encode_record, read_log_header, LogHeader, LogKey, LogKind};
 use kvtier_proto::NamespaceId;
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -129,8 +129,9 @@ impl SessionLog {
         let mut newest: HashMap<(NamespaceId, String), (u64, Option<LoggedSession>)> = HashMap::new();
         let mut unreadable = 0u64;
         let mut max_seq = 0u64;
-        if let Some(data) = fs.read_all(&path)? {
-            let (records, bad) = replay_records(&data)?;
+        let existing = fs.read_all(&path)?;
+        if let Some(data) = &existing {
+            let (records, bad) = replay_records(data)?;
             unreadable = bad;
             for (kind, seq, s) in records {
                 max_seq = max_seq.max(seq);
@@ -150,27 +151,57 @@ impl SessionLog {
             .filter(|(_, s)| s.expires_unix_ms > now_ms)
             .collect();
         sessions.sort_by(|a, b| (a.1.namespace, &a.1.id).cmp(&(b.1.namespace, &b.1.id)));
-        // Compact: write the live set to a new file under a new secret (its header first), sync
-        // it, and move it into place.
-        let key = fresh_log_key()?;
-        let mut data = encode_log_header(LogKind::Sessions, &key);
-        for (seq, s) in &sessions {
-            data.extend_from_slice(&encode_record(&key, &encode_body(PUT, *seq, s)));
-        }
-        let tmp = dir.join("sessions.log.tmp");
-        {
-            let f = fs.open(&tmp, OpenMode::Truncate)?;
-            f.write_all_at(&data, 0)?;
-            f.sync_data()?;
-        }
-        fs.rename(&tmp, &path)?;
-        // Until the rename is durable a power loss takes the old file back, and with it every
-        // park acknowledged into the new one: no start without it.
-        fs.sync_dir(dir)?;
+        let key = match Self::compact(fs, dir, &path, &sessions) {
+            Ok(key) => key,
+            // A full disk: the log stays as it is and is appended to (a node that stopped on a
+            // full disk must start again); compacted at the next start with room.
+            Err(ServerError::Io(e)) if e.kind() == std::io::ErrorKind::StorageFull => {
+                let _ = fs.remove_file(&dir.join("sessions.log.tmp"));
+                let kept = existing.as_deref().map(|d| read_log_header(LogKind::Sessions, d));
+                let Some(Ok(LogHeader::Keyed(key))) = kept else {
+                    return Err(ServerError::Io(std::io::Error::new(
+                        e.kind(),
+                        format!("compacting {} (its older format can't be appended to): {e}", path.display()),
+                    )));
+                };
+                tracing::warn!("{} not compacted ({e}): appending to it as it is", path.display());
+                key
+            }
+            Err(e) => return Err(e),
+        };
         let file = fs.open(&path, OpenMode::Existing)?;
         let end = Mutex::new(file.size()?);
         let log = SessionLog { path, file, end, sync, next_seq: AtomicU64::new(max_seq + 1), key };
         Ok((log, sessions.into_iter().map(|(_, s)| s).collect(), unreadable))
+    }
+
+    /// Writes the live set to a new file under a new secret (its header first), syncs it, and
+    /// moves it into place; the new secret. An error names the file and step.
+    fn compact(
+        fs: &Arc<dyn FileSystem>,
+        dir: &Path,
+        path: &Path,
+        sessions: &[(u64, LoggedSession)],
+    ) -> Result<LogKey, ServerError> {
+        let key = fresh_log_key()?;
+        let mut data = encode_log_header(LogKind::Sessions, &key);
+        for (seq, s) in sessions {
+            data.extend_from_slice(&encode_record(&key, &encode_body(PUT, *seq, s)));
+        }
+        let tmp = dir.join("sessions.log.tmp");
+        let at = |what: &str, e: std::io::Error| {
+            ServerError::Io(std::io::Error::new(e.kind(), format!("{what} {}: {e}", tmp.display())))
+        };
+        {
+            let f = fs.open(&tmp, OpenMode::Truncate).map_err(|e| at("creating", e))?;
+            f.write_all_at(&data, 0).map_err(|e| at("writing", e))?;
+            f.sync_data().map_err(|e| at("syncing", e))?;
+        }
+        fs.rename(&tmp, path).map_err(|e| at("renaming", e))?;
+        // Until the rename is durable a power loss takes the old file back, and with it every
+        // park acknowledged into the new one: no start without it.
+        fs.sync_dir(dir)?;
+        Ok(key)
     }
 
     /// A sequence number for the next change; take it while holding the lock that orders changes
@@ -395,6 +426,33 @@ mod tests {
         let (_log, live, unreadable) = SessionLog::open_with(&fs, dir.path(), true, 100).unwrap();
         let ids: Vec<&str> = live.iter().map(|s| s.id.as_str()).collect();
         assert_eq!((ids, unreadable), (vec!["a", "c"], 0));
+    }
+
+    /// On a full disk the log opens without its compaction: appended to as it is, every
+    /// session kept, compacted at the next open with room.
+    #[test]
+    fn a_full_disk_opens_the_log_uncompacted() {
+        let dir = tempfile::tempdir().unwrap();
+        let fault = crate::fs::fault::FaultFs::new(dir.path());
+        let fs = fault.shared();
+        let path = dir.path().join("sessions.log");
+        let (log, _, _) = SessionLog::open_with(&fs, dir.path(), true, 0).unwrap();
+        log.put(log.next_seq(), &s("a", 1, 5000)).unwrap();
+        log.put(log.next_seq(), &s("a", 2, 5000)).unwrap();
+        drop(log);
+        let before = fault.contents(&path).unwrap();
+        fault.enospc_from(Some(1));
+        let (log, live, bad) = SessionLog::open_with(&fs, dir.path(), true, 100).unwrap();
+        assert_eq!((live, bad), (vec![s("a", 2, 5000)], 0));
+        assert_eq!(fault.contents(&path).unwrap(), before, "not compacted");
+        assert!(fault.contents(&dir.path().join("sessions.log.tmp")).is_none(), "no temporary file left");
+        fault.enospc_from(None);
+        log.put(log.next_seq(), &s("b", 1, 5000)).unwrap();
+        drop(log);
+        let (_log, live, bad) = SessionLog::open_with(&fs, dir.path(), true, 100).unwrap();
+        let ids: Vec<(&str, u64)> = live.iter().map(|s| (s.id.as_str(), s.version)).collect();
+        assert_eq!((ids, bad), (vec![("a", 2), ("b", 1)], 0));
+        assert!(fault.contents(&path).unwrap().len() < before.len() + 200, "compacted once there was room");
     }
 
     #[test]

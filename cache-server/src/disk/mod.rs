@@ -398,7 +398,15 @@ impl DiskTier {
                     compacted = true;
                     continue;
                 }
-                return Err(ServerError::Capacity("the disk tier is full of pinned session blocks".into()));
+                let (pinned, used) = {
+                    let st = self.inner.lock();
+                    (st.pinned_bytes, st.total_bytes)
+                };
+                return Err(ServerError::Capacity(format!(
+                    "the disk tier has no segment to evict: each holds blocks of parked sessions ({pinned} of its \
+                     {used} bytes are pinned; a segment is compacted only while pins hold at most half of it): \
+                     drop sessions or give the disk tier more room"
+                )));
             }
             self.roll_to_new_segment()?;
             break;
@@ -411,8 +419,22 @@ impl DiskTier {
         };
         let buf = kvtier_proto::segment::encode_record(header, payload);
         let t = Instant::now();
-        let res =
-            file.write_all_at(&buf, offset).and_then(|_| if self.cfg.sync_writes { file.sync_data() } else { Ok(()) });
+        let write = || {
+            file.write_all_at(&buf, offset).and_then(|_| if self.cfg.sync_writes { file.sync_data() } else { Ok(()) })
+        };
+        let mut res = write();
+        if res.as_ref().is_err_and(|e| e.kind() == std::io::ErrorKind::StorageFull) {
+            // The file system filled before the tier reached its capacity (other files on it, or a
+            // capacity above its size): room is made out of the tier's own oldest unpinned
+            // segment, as at its capacity, and the record written once more.
+            let doomed = self.evict_one(&mut self.inner.lock());
+            if let Some(id) = doomed {
+                let _ = self.fs.remove_file(&segment_path(&self.seg_dir, id));
+                ::metrics::counter!("kvtier_disk_full_evictions_total").increment(1);
+                tracing::warn!("the disk tier's file system is full: evicted its oldest unpinned segment to write");
+                res = write();
+            }
+        }
         ::metrics::histogram!("kvtier_disk_write_seconds").record(t.elapsed().as_secs_f64());
         if let Err(e) = res {
             self.counters.write_errors.fetch_add(1, Ordering::Relaxed);
