@@ -455,6 +455,33 @@ fn output_into_a_closed_pipe_ends_the_command_quietly() {
         assert!(!err.contains("panicked") && err.is_empty(), "{args:?}: {err}");
         assert_eq!(out.status.code(), Some(141), "{args:?}: {err}");
     }
+    // `--out` is written all the same (it was skipped: the file came after the printed lines),
+    // the bytes a run into an open pipe writes.
+    let dir = tempfile::tempdir().unwrap();
+    let text = "x".repeat(800);
+    let runs = [
+        vec!["session", "resume", "--server", &addr, "--id", "s", "--out"],
+        vec!["get", "--server", &addr, "--text", &text, "--out"],
+    ];
+    for (i, args) in runs.iter().enumerate() {
+        let (whole, piped) = (dir.path().join(format!("{i}-whole")), dir.path().join(format!("{i}-piped")));
+        let (ok, _, err) = cli(&[&args[..], &[whole.to_str().unwrap()]].concat());
+        assert!(ok, "{err}");
+        let mut child = Command::new(kvtier_bin())
+            .args(args)
+            .arg(&piped)
+            .env_remove("KVTIER_SERVER")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        assert_eq!(out.status.code(), Some(141), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        let expected = std::fs::read(&whole).unwrap();
+        assert!(!expected.is_empty());
+        assert!(std::fs::read(&piped).ok() == Some(expected), "{args:?}: --out not written whole");
+    }
 }
 
 /// A user's error is one line (`Error: …`, each cause once), without a backtrace even under

@@ -339,7 +339,9 @@ impl NodeState {
         if unreadable > 0 {
             tracing::warn!(
                 unreadable,
-                "session log had unreadable (torn) records; their parks were never acknowledged"
+                "session log had unreadable records, skipped: a torn tail is a park that was never acknowledged; \
+                 a damaged record elsewhere (a disk fault) may have been a session's newest version, and that \
+                 session is back at an older one or gone"
             );
         }
         let ns_path = config.data_dir.join("namespaces.log");

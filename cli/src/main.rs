@@ -640,9 +640,17 @@ async fn put(a: PutArgs) -> anyhow::Result<()> {
     let stored_tokens = keys.len() * ns.block_tokens();
     let held = client.lookup(&ns, &tokens).await?;
     if held < stored_tokens {
+        // Which cap: with a disk tier, evicted blocks went down to it unless it could not take them.
+        let has_disk = client.stats().await.is_ok_and(|s| s.tiers.iter().any(|t| t.tier == "disk"));
+        let why = if has_disk {
+            "its DRAM and disk tiers are full, or its disk refused writes (a full file system); see `kvtier stats` \
+             and the node's log"
+        } else {
+            "its DRAM cap; see `kvtier stats`, or give it --dram-capacity or --disk-capacity"
+        };
         outln!(
             "note: only {held} of those {stored_tokens} tokens are held from the start now: the node evicted \
-             blocks to make room (its DRAM cap; see `kvtier stats`, or give it --dram-capacity or --disk-capacity)"
+             blocks to make room ({why})"
         )?;
     }
     Ok(())
@@ -652,18 +660,25 @@ async fn get(a: GetArgs) -> anyhow::Result<()> {
     let (client, ns) = connect(&a.t.conn).await?;
     let tokens = a.t.tokens()?;
     let blocks = client.load(&ns, &tokens).await?;
+    // The file first: what is printed may go to a pipe that closes early (`| head`).
+    let wrote = a.out.map(|p| write_blocks(&p, &blocks)).transpose()?;
     outln!("loaded {} block(s) = {} tokens of {}", blocks.len(), blocks.len() * ns.block_tokens(), tokens.len())?;
     for (i, b) in blocks.iter().enumerate() {
         outln!("  block {i}: {} bytes xxh3={}", b.len(), short(b))?;
     }
-    if let Some(p) = a.out {
-        let mut f = std::fs::File::create(&p).with_context(|| format!("creating {}", p.display()))?;
-        for b in &blocks {
-            f.write_all(b).with_context(|| format!("writing {}", p.display()))?;
-        }
+    if let Some(p) = wrote {
         outln!("wrote {}", p.display())?;
     }
     Ok(())
+}
+
+/// Writes `blocks` back to back to `path`; the path, for the caller to report.
+fn write_blocks(path: &std::path::Path, blocks: &[bytes::Bytes]) -> anyhow::Result<PathBuf> {
+    let mut f = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    for b in blocks {
+        f.write_all(b).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(path.to_path_buf())
 }
 
 async fn lookup(a: TokensArgs) -> anyhow::Result<()> {
@@ -732,6 +747,7 @@ async fn session(s: SessionCmd) -> anyhow::Result<()> {
         SessionCmd::Resume { conn, id, out } => {
             let (client, ns) = connect(&conn).await?;
             let r = client.resume(&ns, &id).await?;
+            let wrote = out.map(|p| write_blocks(&p, &r.blocks)).transpose()?;
             outln!(
                 "resumed {:?} v{}: {} tokens in {} block(s), expires in {:?}",
                 r.info.id,
@@ -743,11 +759,7 @@ async fn session(s: SessionCmd) -> anyhow::Result<()> {
             for (i, b) in r.blocks.iter().enumerate() {
                 outln!("  block {i}: {} bytes xxh3={}", b.len(), short(b))?;
             }
-            if let Some(p) = out {
-                let mut f = std::fs::File::create(&p).with_context(|| format!("creating {}", p.display()))?;
-                for b in &r.blocks {
-                    f.write_all(b).with_context(|| format!("writing {}", p.display()))?;
-                }
+            if let Some(p) = wrote {
                 outln!("wrote {}", p.display())?;
             }
         }
