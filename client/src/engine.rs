@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use kvtier_proto::dataplane::ItemStatus;
 use kvtier_proto::Namespace;
 use tokio::sync::Mutex;
 
@@ -96,15 +97,28 @@ impl EngineClient {
         Ok((client, h))
     }
 
-    /// Forgets the connection after a transport failure so the next call reconnects.
-    async fn on_error(&self, e: &ClientError) {
+    /// Forgets the connection after a transport failure so the next call reconnects, and a
+    /// namespace the server says it does not know (unregistered, or a node restarted on an
+    /// empty data dir) so the next call registers it again.
+    async fn on_error(&self, ns: &Namespace, e: &ClientError) {
         if matches!(
             e,
             ClientError::Io(_) | ClientError::Timeout(_) | ClientError::Connect { .. } | ClientError::Protocol(_)
         ) {
             let mut c = self.conn.lock().await;
             c.client = None;
+        } else if matches!(
+            e,
+            ClientError::UnknownNamespace(_) | ClientError::Rejected { status: ItemStatus::UnknownNamespace, .. }
+        ) {
+            self.forget(ns).await;
         }
+    }
+
+    /// Forgets `ns`'s registration: the next call with it registers it again (after
+    /// `unregister`, or when the server answered that it does not know it).
+    pub async fn forget(&self, ns: &Namespace) {
+        self.conn.lock().await.namespaces.retain(|(n, _)| n != ns);
     }
 
     /// Runs `f` with a connected client and `ns`'s handle, within the budget; any error becomes a
@@ -160,7 +174,7 @@ impl EngineClient {
         match res {
             Ok(v) => Ok(v),
             Err(e) => {
-                self.on_error(&e).await;
+                self.on_error(ns, &e).await;
                 Err(miss(op, &e))
             }
         }
@@ -181,10 +195,17 @@ impl EngineClient {
 
     /// Stores full blocks; the number stored (0 on failure).
     pub async fn store(&self, ns: &Namespace, tokens: &[u32], blocks: &[Bytes]) -> usize {
-        self.call("store", ns, |c, h| async move { c.store(&h, tokens, blocks).await })
-            .await
-            .map(|r| r.stored)
-            .unwrap_or(0)
+        self.call("store", ns, |c, h| async move {
+            let r = c.store(&h, tokens, blocks).await?;
+            // As `store_keys`: a namespace the server does not know is forgotten here too.
+            match r.rejected.iter().find(|(_, s)| *s == ItemStatus::UnknownNamespace) {
+                Some(&(index, status)) => Err(ClientError::Rejected { index, status }),
+                None => Ok(r),
+            }
+        })
+        .await
+        .map(|r| r.stored)
+        .unwrap_or(0)
     }
 
     pub async fn park(
@@ -220,7 +241,12 @@ impl EngineClient {
     ) -> Vec<bool> {
         self.call_within("store", ns, budget, |c, h| async move {
             let keys: Vec<_> = hashes.iter().map(|e| h.engine_key(e)).collect();
-            Ok(c.store_keys(&h, &keys, blocks).await?.iter().map(|s| s.is_held()).collect())
+            let statuses = c.store_keys(&h, &keys, blocks).await?;
+            // Per block, but of the whole namespace: an error, so its registration is forgotten.
+            if let Some(index) = statuses.iter().position(|s| *s == ItemStatus::UnknownNamespace) {
+                return Err(ClientError::Rejected { index, status: ItemStatus::UnknownNamespace });
+            }
+            Ok(statuses.iter().map(|s| s.is_held()).collect())
         })
         .await
         .unwrap_or_else(|_| vec![false; hashes.len()])

@@ -14,7 +14,7 @@
 
 use std::collections::BTreeMap;
 use std::ffi::{c_int, c_void};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -45,18 +45,44 @@ create_exception!(
 create_exception!(kvtier, QuotaExceededError, CapacityError, "The tenant is at one of its quotas.");
 
 /// The one runtime every client of this process shares.
+///
+/// One per process: a child forked from a process that used kvtier (`multiprocessing`'s default
+/// start method on Linux) gets a runtime of its own on its first call. The one it inherited is
+/// never touched there: its threads did not survive the fork, and its epoll instance is the
+/// parent's — a socket the child registered in it woke the parent's I/O driver with the child's
+/// pointers (the parent crashed) while the child waited forever.
 fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
-    static RT: OnceLock<Result<tokio::runtime::Runtime, String>> = OnceLock::new();
-    RT.get_or_init(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("kvtier-client")
-            .enable_all()
-            .build()
-            .map_err(|e| e.to_string())
-    })
-    .as_ref()
-    .map_err(|e| KvtierError::new_err(format!("cannot start the client runtime: {e}")))
+    static RT: Mutex<Option<(u32, &'static tokio::runtime::Runtime)>> = Mutex::new(None);
+    let pid = std::process::id();
+    let mut rt = RT.lock().map_err(|_| KvtierError::new_err("the client runtime's lock is poisoned"))?;
+    if let Some((owner, rt)) = *rt {
+        if owner == pid {
+            return Ok(rt);
+        }
+    }
+    let fresh = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("kvtier-client")
+        .enable_all()
+        .build()
+        .map_err(|e| KvtierError::new_err(format!("cannot start the client runtime: {e}")))?;
+    // Leaked, as the inherited one is: a runtime lives as long as its process.
+    let fresh: &'static tokio::runtime::Runtime = Box::leak(Box::new(fresh));
+    *rt = Some((pid, fresh));
+    Ok(fresh)
+}
+
+/// Refuses an object made in another process (before a fork): its connections are the parent's
+/// sockets, and bytes the child sent on them would interleave with the parent's.
+fn same_process(made_in: u32, what: &str) -> PyResult<()> {
+    if made_in == std::process::id() {
+        return Ok(());
+    }
+    Err(KvtierError::new_err(format!(
+        "this {what} was made in process {made_in}, before a fork; its connections belong to that process: make \
+         a new {what} in this one (process {})",
+        std::process::id()
+    )))
 }
 
 fn miss_to_err(m: &Miss) -> PyErr {
@@ -555,6 +581,12 @@ where
     T: pyo3::buffer::Element + Copy + TryInto<u32> + std::fmt::Display,
 {
     let buf = PyBuffer::<T>::get(obj).ok()?;
+    // pyo3 takes a big-endian format ('>' or '!') for a native one on a little-endian host: such
+    // ids (`np.array(ids, '>u4')`) are read by the sequence path instead, as the ints they are.
+    let foreign = if cfg!(target_endian = "little") { [b'>', b'!'] } else { [b'<', b'<'] };
+    if buf.format().to_bytes().first().is_some_and(|c| foreign.contains(c)) {
+        return None;
+    }
     if buf.dimensions() != 1 {
         return Some(Err(PyValueError::new_err(format!(
             "tokens must be one-dimensional; this array has shape {:?}",
@@ -631,6 +663,8 @@ struct Client {
     budget: Duration,
     never_raise: bool,
     misses: Mutex<Misses>,
+    /// The process it was made in (see [`same_process`]).
+    pid: u32,
 }
 
 /// The last miss (reason, detail) and the count of misses by reason.
@@ -641,6 +675,19 @@ struct Misses {
 }
 
 impl Client {
+    /// Forgets `ns`'s registration on this client: its next call registers it again.
+    fn forget(&self, py: Python<'_>, ns: &Namespace) -> PyResult<()> {
+        let rt = self.rt()?;
+        py.detach(|| rt.block_on(self.engine.forget(&ns.spec)));
+        Ok(())
+    }
+
+    /// The runtime its calls run on, in the process it was made in (refused in any other).
+    fn rt(&self) -> PyResult<&'static tokio::runtime::Runtime> {
+        same_process(self.pid, "Client")?;
+        runtime()
+    }
+
     /// Runs `op` (GIL released); in never-raise mode a miss becomes `fallback`.
     fn run<T: Send>(
         &self,
@@ -671,7 +718,7 @@ impl Client {
             ) -> Result<T, kvtier_client::ClientError>
             + Send,
     ) -> PyResult<T> {
-        let rt = runtime()?;
+        let rt = self.rt()?;
         let engine = &self.engine;
         let (spec, codec, sink) = (&ns.spec, ns.codec, ns.lossless_sink_blocks);
         let budget = budget.unwrap_or(self.budget);
@@ -718,6 +765,9 @@ impl Client {
         )?;
         drop(blocks);
         if let Some(st) = &st {
+            if st.iter().any(|r| r.status == ItemStatus::UnknownNamespace) {
+                self.forget(py, ns)?;
+            }
             if let Some((index, r)) = st.iter().enumerate().find(|(_, r)| !r.status.is_held()) {
                 let e = kvtier_client::ClientError::Rejected { index, status: r.status };
                 self.on_miss(&Miss { reason: e.reason(), detail: e.to_string() })?;
@@ -916,6 +966,7 @@ impl Client {
             budget,
             never_raise,
             misses: Mutex::new(Misses::default()),
+            pid: std::process::id(),
         })
     }
 
@@ -994,7 +1045,7 @@ impl Client {
     /// `socket_missing`, `permission_denied`, `encoded`, ...) and `last_fallback` (`(reason,
     /// detail)` or `None`).
     fn samenode_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let rt = runtime()?;
+        let rt = self.rt()?;
         let engine = &self.engine;
         let st = py.detach(|| rt.block_on(engine.samenode_stats()));
         let d = PyDict::new(py);
@@ -1067,6 +1118,9 @@ impl Client {
             )?
         };
         let Some(report) = report else { return Ok(0) };
+        if report.rejected.iter().any(|(_, s)| *s == ItemStatus::UnknownNamespace) {
+            self.forget(py, ns)?;
+        }
         // Some blocks refused (e.g. no room): the others are stored; the refusal is a miss.
         if let Err(e) = report.ok() {
             self.on_miss(&Miss { reason: e.reason(), detail: e.to_string() })?;
@@ -1424,7 +1478,10 @@ impl Client {
     /// Removes `ns` from the server: its sessions are dropped, its blocks removed and its slot
     /// freed. Returns `(sessions_dropped, blocks_removed)` (`(0, 0)` on a miss).
     fn unregister(&self, py: Python<'_>, ns: &Namespace) -> PyResult<(u64, u64)> {
-        self.run(py, "unregister", ns, || (0, 0), async |c, h| c.unregister(&h).await)
+        let gone = self.run(py, "unregister", ns, || (0, 0), async |c, h| c.unregister(&h).await);
+        // Registered again by the next call that names it.
+        self.forget(py, ns)?;
+        gone
     }
 
     /// Live sessions of `ns`, as dicts.
@@ -1493,7 +1550,7 @@ impl Client {
     /// either mode) when the watch can't be opened: another tenant's namespace, too many watchers.
     #[pyo3(signature = (ns, *, all=false))]
     fn watch_events(&self, py: Python<'_>, ns: &Namespace, all: bool) -> PyResult<EventStream> {
-        let rt = runtime()?;
+        let rt = self.rt()?;
         let engine = &self.engine;
         let budget = self.budget;
         let res = py.detach(|| {
@@ -1506,7 +1563,7 @@ impl Client {
             }))
         });
         match res {
-            Ok(w) => Ok(EventStream { watch: Mutex::new(Some(w)) }),
+            Ok(w) => Ok(EventStream { watch: Mutex::new(Some(w)), pid: std::process::id() }),
             Err(m) => {
                 self.on_miss(&m)?;
                 Err(miss_to_err(&m))
@@ -1707,6 +1764,8 @@ fn store_word(r: &StoredAs) -> String {
 #[pyclass(module = "kvtier._native", frozen)]
 struct EventStream {
     watch: Mutex<Option<kvtier_client::EventWatch>>,
+    /// The process it was opened in (see [`same_process`]).
+    pid: u32,
 }
 
 fn event_dict<'py>(py: Python<'py>, e: &kvtier_client::KvEvent) -> PyResult<Bound<'py, PyDict>> {
@@ -1735,6 +1794,7 @@ enum Waited {
 impl EventStream {
     /// Waits up to `slice` for the next event, the GIL released.
     fn wait(&self, py: Python<'_>, slice: Duration) -> PyResult<Waited> {
+        same_process(self.pid, "event stream")?;
         let rt = runtime()?;
         let watch = &self.watch;
         let got = py.detach(|| {

@@ -56,6 +56,9 @@ def test_token_ids_as_integer_arrays(server):
     out = np.zeros_like(kv)
     assert c.load_into(n, np.array(toks, dtype=np.int32), out) == 48
     np.testing.assert_array_equal(out, kv)
+    # Big-endian arrays are their values, not their bytes read little-endian (they were).
+    for dtype in (">i4", ">u4", ">i8", ">u8"):
+        assert c.lookup(n, np.array(toks, dtype=dtype)) == 48, dtype
     # A strided view (every other id) is read in order, not as raw memory.
     wide = np.array([[t, 0] for t in toks], dtype=np.int64)[:, 0]
     assert not wide.flags.c_contiguous and c.lookup(n, wide) == 48
@@ -248,3 +251,77 @@ def test_never_raise_is_the_default(server):
     # Raising mode: the same failure is an exception naming the reason.
     with pytest.raises(kvtier.UnavailableError, match="connect"):
         kvtier.Client("127.0.0.1:1", never_raise=False, timeout_s=1.0).lookup(n, toks)
+
+
+def test_a_forked_child_gets_its_own_runtime_and_the_parent_is_unharmed(server):
+    # multiprocessing's default start method on Linux: a child forked after the parent used
+    # kvtier hung on its first call (the runtime it inherited has no threads, and its epoll
+    # instance is the parent's), and the parent often died of a segfault.
+    import multiprocessing as mp
+    import warnings
+
+    c = kvtier.Client(server.addr, never_raise=False)
+    n = ns(tenant="fork")
+    toks = list(range(5000, 5032))
+    kv = kv_for(32, 4)
+    assert c.store(n, toks, kv) == 2
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+
+    def child():
+        try:
+            fresh = kvtier.Client(server.addr, never_raise=False, timeout_s=5)
+            got = np.zeros_like(kv)
+            n_loaded = fresh.load_into(n, toks, got)
+            try:
+                c.lookup(n, toks)
+                inherited = "no error"
+            except kvtier.KvtierError as e:
+                inherited = str(e)
+            results.put((n_loaded, bool(np.array_equal(got, kv)), inherited))
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            results.put(("error", repr(e), ""))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # "multi-threaded, use of fork()"
+        procs = [ctx.Process(target=child) for _ in range(3)]
+        for p in procs:
+            p.start()
+    for p in procs:
+        p.join(30)
+        assert not p.is_alive(), "a forked child hung"
+        assert p.exitcode == 0
+    for _ in procs:
+        n_loaded, exact, inherited = results.get(timeout=5)
+        assert (n_loaded, exact) == (32, True), (n_loaded, exact)
+        assert "before a fork" in inherited, inherited
+    # The parent goes on, on the same client, byte for byte.
+    out = np.zeros_like(kv)
+    assert c.load_into(n, toks, out) == 32
+    np.testing.assert_array_equal(out, kv)
+
+
+def test_a_namespace_is_registered_again_after_the_server_forgot_it(server):
+    # A client caches its registrations: after an unregister (by it or another client), or a
+    # node restarted on an empty data dir, every call failed with "unknown namespace" for good.
+    a = kvtier.Client(server.addr, never_raise=False)
+    b = kvtier.Client(server.addr, never_raise=False)
+    n = ns(tenant="re-register")
+    toks = list(range(6000, 6032))
+    kv = kv_for(32, 5)
+    assert a.store(n, toks, kv) == 2
+    assert b.lookup(n, toks) == 32
+    a.unregister(n)
+    # The unregistering client registers it again on its next call: empty, and usable.
+    assert a.lookup(n, toks) == 0
+    assert a.store(n, toks, kv) == 2
+    a.unregister(n)
+    # Another client that had it learns on one call, then registers it again.
+    with pytest.raises(kvtier.KvtierError, match="unknown namespace|KV:Namespace:Unknown"):
+        b.store(n, toks, kv)
+    assert b.store(n, toks, kv) == 2
+    assert b.lookup(n, toks) == 32
+    a.unregister(n)
+    with pytest.raises(kvtier.KvtierError):
+        b.lookup(n, toks)
+    assert b.lookup(n, toks) == 0
