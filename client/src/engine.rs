@@ -32,6 +32,8 @@ pub struct Loaded {
 struct Conn {
     client: Option<KvClient>,
     last_attempt: Option<Instant>,
+    /// Why the last attempt to connect failed, said again while backing off.
+    last_failure: Option<ClientError>,
     namespaces: Vec<(Namespace, NamespaceHandle)>,
 }
 
@@ -59,7 +61,12 @@ impl EngineClient {
             cfg,
             budget,
             retry_after: Duration::from_secs(1),
-            conn: Arc::new(Mutex::new(Conn { client: None, last_attempt: None, namespaces: Vec::new() })),
+            conn: Arc::new(Mutex::new(Conn {
+                client: None,
+                last_attempt: None,
+                last_failure: None,
+                namespaces: Vec::new(),
+            })),
         }
     }
 
@@ -79,13 +86,27 @@ impl EngineClient {
         let mut c = self.conn.lock().await;
         if c.client.is_none() {
             if c.last_attempt.is_some_and(|t| t.elapsed() < self.retry_after) {
-                return Err(ClientError::Connect {
-                    addr: self.addr.clone(),
-                    reason: "recently failed; backing off".into(),
+                return Err(match &c.last_failure {
+                    // A refused credential stays refused: said as it was, in its own kind.
+                    Some(e @ ClientError::Unauthenticated(_)) => e.clone(),
+                    Some(e) => ClientError::Connect {
+                        addr: self.addr.clone(),
+                        reason: format!("backing off for up to {:?} after a failed attempt ({e})", self.retry_after),
+                    },
+                    None => ClientError::Connect { addr: self.addr.clone(), reason: "backing off".into() },
                 });
             }
             c.last_attempt = Some(Instant::now());
-            c.client = Some(KvClient::connect(&self.addr, self.cfg.clone()).await?);
+            match KvClient::connect(&self.addr, self.cfg.clone()).await {
+                Ok(client) => {
+                    c.client = Some(client);
+                    c.last_failure = None;
+                }
+                Err(e) => {
+                    c.last_failure = Some(e.clone());
+                    return Err(e);
+                }
+            }
             c.namespaces.clear();
         }
         let client = c.client.clone().ok_or_else(|| ClientError::Io("not connected".into()))?;

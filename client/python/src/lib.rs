@@ -43,6 +43,13 @@ create_exception!(
     "The namespace belongs to another tenant that granted no access."
 );
 create_exception!(kvtier, QuotaExceededError, CapacityError, "The tenant is at one of its quotas.");
+create_exception!(
+    kvtier,
+    UnauthenticatedError,
+    KvtierError,
+    "The server did not accept the credential: no auth token where one is required, a wrong one, or no \
+     accepted client certificate. Retrying does not help."
+);
 
 /// The one runtime every client of this process shares.
 ///
@@ -89,13 +96,16 @@ fn miss_to_err(m: &Miss) -> PyErr {
     // A server's refusal starts with its stable code (`KV:Auth:Forbidden: forbidden: …`), which
     // the class and the words after it say already: the reason is not put before it again.
     // A generic refusal's detail reads `server refused: KV:…`: from the code on, likewise.
+    // Nor is the reason put before a detail that starts with its words (`invalid argument: …`,
+    // `codec: …`).
     let msg = match m.detail.find("KV:") {
-        Some(0) => m.detail.clone(),
-        Some(i) if m.detail[..i].ends_with("server refused: ") => m.detail[i..].to_string(),
-        _ => format!("{}: {}", m.reason, m.detail),
+        Some(i) => m.detail[i..].to_string(),
+        None if m.detail.starts_with(&m.reason.replace('_', " ")) => m.detail.clone(),
+        None => format!("{}: {}", m.reason, m.detail),
     };
     match m.reason {
-        "connect" | "io" | "timeout" | "protocol" | "unauthenticated" => UnavailableError::new_err(msg),
+        "unauthenticated" => UnauthenticatedError::new_err(msg),
+        "connect" | "io" | "timeout" | "protocol" => UnavailableError::new_err(msg),
         "capacity" => CapacityError::new_err(msg),
         "quota" => QuotaExceededError::new_err(msg),
         "forbidden" => ForbiddenError::new_err(msg),
@@ -1886,5 +1896,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("BlockMissingError", py.get_type::<BlockMissingError>())?;
     m.add("ForbiddenError", py.get_type::<ForbiddenError>())?;
     m.add("QuotaExceededError", py.get_type::<QuotaExceededError>())?;
+    m.add("UnauthenticatedError", py.get_type::<UnauthenticatedError>())?;
     Ok(())
 }

@@ -72,3 +72,16 @@ def test_quota_and_unregister(tenant_server):
     assert a.unregister(first) == (0, 1)
     # Its slot is free again.
     assert a.store(ns("a", b"q2"), toks, kv) == 1
+
+
+def test_a_refused_credential_is_its_own_error_and_stays_so(tenant_server):
+    # It was an UnavailableError ("could not be reached") reading "unauthenticated: unauthenticated:
+    # KV:Auth:...", and for the next second "recently failed; backing off", which hid the cause.
+    for token in (None, "not-a-token-of-this-node"):
+        c = kvtier.Client(tenant_server.addr, never_raise=False, auth_token=token)
+        for _ in range(2):
+            with pytest.raises(kvtier.UnauthenticatedError, match="^KV:Auth:Unauthenticated"):
+                c.lookup(ns("a"), list(range(16)))
+        quiet = kvtier.Client(tenant_server.addr, auth_token=token)
+        assert quiet.lookup(ns("a"), list(range(16))) == 0
+        assert quiet.last_miss[0] == "unauthenticated"

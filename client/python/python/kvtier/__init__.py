@@ -27,6 +27,7 @@ from ._native import (
     QuotaExceededError,
     SessionNotFoundError,
     SharedBuffer,
+    UnauthenticatedError,
     UnavailableError,
     VersionConflictError,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "QuotaExceededError",
     "SessionNotFoundError",
     "SharedBuffer",
+    "UnauthenticatedError",
     "UnavailableError",
     "VersionConflictError",
     "as_bytes",
