@@ -564,7 +564,10 @@ impl NodeState {
     /// registered and `by` may read it (a grant); refused otherwise, saying which.
     fn register_granted(&self, by: &Principal, ns: &Namespace) -> Result<NamespaceId, ServerError> {
         if !by.may(Access::Read, &ns.tenant) {
-            return Err(by.refusal(Access::Write, "namespaces whose tenant is not its own name"));
+            // Every call registers first: a lookup is refused here as a read, naming no namespace.
+            return Err(
+                by.refusal(Access::Read, &format!("namespaces of tenant {:?}, which granted it none", ns.tenant))
+            );
         }
         let id = ns.id();
         if self.namespaces.read().contains_key(&id) {

@@ -85,7 +85,9 @@ impl EngineClient {
     async fn handle(&self, ns: &Namespace) -> Result<(KvClient, NamespaceHandle), ClientError> {
         let mut c = self.conn.lock().await;
         if c.client.is_none() {
-            if c.last_attempt.is_some_and(|t| t.elapsed() < self.retry_after) {
+            // Only after a failed attempt: a connection that worked and was closed (or broke)
+            // is dialled again at once.
+            if c.last_failure.is_some() && c.last_attempt.is_some_and(|t| t.elapsed() < self.retry_after) {
                 return Err(match &c.last_failure {
                     // A refused credential stays refused: said as it was, in its own kind.
                     Some(e @ ClientError::Unauthenticated(_)) => e.clone(),
@@ -134,6 +136,14 @@ impl EngineClient {
         ) {
             self.forget(ns).await;
         }
+    }
+
+    /// Closes the connection (its data-plane and same-node connections go with the last call
+    /// still using them); a later call connects again.
+    pub async fn close(&self) {
+        let mut c = self.conn.lock().await;
+        c.client = None;
+        c.namespaces.clear();
     }
 
     /// Forgets `ns`'s registration: the next call with it registers it again (after

@@ -89,7 +89,10 @@ impl SharedBuffer {
         if len == 0 {
             return Err(ClientError::InvalidArgument("a shared buffer of 0 bytes".into()));
         }
-        let io = |what: &str, e: rustix::io::Errno| ClientError::Io(format!("shared buffer: {what}: {e}"));
+        // Local memory, no connection: the caller's request (its size) is what can't be met.
+        let io = |what: &str, e: rustix::io::Errno| {
+            ClientError::InvalidArgument(format!("cannot allocate a shared buffer of {len} bytes: {what}: {e}"))
+        };
         let fd = rustix::fs::memfd_create("kvtier-buffer", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
             .map_err(|e| io("memfd_create", e))?;
         rustix::fs::ftruncate(&fd, len as u64).map_err(|e| io("ftruncate", e))?;
@@ -98,8 +101,9 @@ impl SharedBuffer {
         // the mapping stays backed for its life. Other processes (the server) write it only while
         // a load borrows this buffer mutably, or in the places a load claimed in a
         // `ConcurrentBuffer` of it, so no Rust reference observes a concurrent write.
-        let map = unsafe { MmapOptions::new().len(len).populate().map_mut(&fd) }
-            .map_err(|e| ClientError::Io(format!("shared buffer: mmap: {e}")))?;
+        let map = unsafe { MmapOptions::new().len(len).populate().map_mut(&fd) }.map_err(|e| {
+            ClientError::InvalidArgument(format!("cannot allocate a shared buffer of {len} bytes: mmap: {e}"))
+        })?;
         Ok(SharedBuffer {
             map,
             fd,

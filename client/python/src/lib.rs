@@ -288,6 +288,30 @@ impl Namespace {
         self.spec.id().to_hex()
     }
 
+    /// Equal when every argument is (the same blocks, stored the same way).
+    fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
+        other.cast::<Namespace>().is_ok_and(|o| {
+            let o = o.get();
+            (o.spec == self.spec) && o.codec == self.codec && o.lossless_sink_blocks == self.lossless_sink_blocks
+        })
+    }
+
+    fn __hash__(&self) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (self.spec.id().0, self.codec.name(), self.lossless_sink_blocks).hash(&mut h);
+        h.finish()
+    }
+
+    /// Pickled as its spec (as sent to a server), codec and sink blocks: a namespace goes to
+    /// `spawn`ed workers and through queues.
+    fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<Reduced<'py>> {
+        use prost::Message;
+        let rebuild = py.import("kvtier._native")?.getattr("_namespace_from_state")?;
+        let spec = PyBytes::new(py, &self.spec.to_pb().encode_to_vec());
+        Ok((rebuild, (spec, self.codec.name().to_string(), self.lossless_sink_blocks)))
+    }
+
     fn __repr__(&self) -> String {
         let l = &self.spec.layout;
         if l.is_opaque() {
@@ -448,6 +472,21 @@ fn shared_segments(blocks: &[Vec<RawSegment>]) -> Option<(Arc<BufferCell>, Vec<V
 enum Places {
     Offsets(Vec<u64>),
     Segments(Vec<Vec<Segment>>),
+}
+
+impl Places {
+    /// Its blocks' count against the keys': a mismatch is the caller's argument (`ValueError`
+    /// in both modes, as on the heap path), not a server refusal.
+    fn check(&self, keys: usize, what: &str) -> PyResult<()> {
+        let n = match self {
+            Places::Offsets(o) => o.len(),
+            Places::Segments(s) => s.len(),
+        };
+        if n != keys {
+            return Err(PyValueError::new_err(format!("{keys} keys but {n} {what}")));
+        }
+        Ok(())
+    }
 }
 
 /// The one shared buffer every one of `held` lies in, and their offsets there; `None` if any lies
@@ -834,6 +873,7 @@ impl Client {
         timeout_s: Option<f64>,
     ) -> PyResult<Vec<bool>> {
         let n = hashes.len();
+        places.check(n, "destinations")?;
         let budget = timeout_s.map(|t| positive_duration("timeout_s", t)).transpose()?;
         self.run_within(
             py,
@@ -863,6 +903,7 @@ impl Client {
         timeout_s: Option<f64>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let n = hashes.len();
+        places.check(n, "blocks")?;
         let budget = timeout_s.map(|t| positive_duration("timeout_s", t)).transpose()?;
         let st = self.run_within(
             py,
@@ -1049,6 +1090,25 @@ impl Client {
         Ok(PySharedBuffer::of(buf, Some(addr)))
     }
 
+    /// Closes this client's connections to the server (a call still running keeps its own
+    /// until it returns). The client stays usable: its next call connects again. Also the end
+    /// of a `with kvtier.Client(...) as c:` block.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let rt = self.rt()?;
+        py.detach(|| rt.block_on(self.engine.close()));
+        Ok(())
+    }
+
+    fn __enter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
+        self.close(py)?;
+        Ok(false)
+    }
+
     /// What the same-node path did on the current connection: a dict with `active` (a same-node
     /// connection is open), `loads` and `stores` (calls it served), `fallbacks` (calls whose KV
     /// lay in a shared buffer but went over TCP, by reason: `not_advertised`, `other_host`,
@@ -1108,6 +1168,14 @@ impl Client {
             )));
         }
         let full = kv.len() / bb;
+        let bt = ns.spec.layout.block_tokens as usize;
+        if bt > 0 && first_block.checked_add(full).is_none_or(|end| end > tokens.len() / bt) {
+            return Err(PyValueError::new_err(format!(
+                "KV buffer holds {full} blocks from block {first_block}; the {} tokens make {} full blocks of {bt}",
+                tokens.len(),
+                tokens.len() / bt
+            )));
+        }
         let report = if let Some((cell, off)) = shared_range(&kv) {
             // In a shared buffer: the server reads the blocks straight from it (same node).
             self.run(
@@ -1388,10 +1456,18 @@ impl Client {
         tokens: TokenIds,
         kv: &Bound<'_, PyAny>,
         ttl_s: Option<f64>,
-        priority: Option<u32>,
+        priority: Option<i64>,
         expected_version: u64,
     ) -> PyResult<Option<Bound<'py, PyDict>>> {
         let tokens = tokens.0;
+        // 0 low, 1 normal, 2 high: anything else was clamped (5 became 2) or an OverflowError.
+        let priority = match priority {
+            None => None,
+            Some(p @ 0..=2) => Some(p as u32),
+            Some(p) => {
+                return Err(PyValueError::new_err(format!("priority must be 0 (low), 1 (normal) or 2 (high), got {p}")))
+            }
+        };
         let opts = ParkOptions { ttl: ttl(ttl_s)?, priority };
         let blocks = session_blocks(ns, &tokens, 0, HeldBuffer::open(kv, false)?)?;
         let info = self.run(
@@ -1661,6 +1737,15 @@ fn check_codec(spec: &NsSpec, codec: CodecId) -> PyResult<()> {
             codec.name()
         )));
     }
+    // As the codecs refuse it at the first store (every store failed, as a server refusal).
+    let quantizes = !matches!(codec, CodecId::RAW | CodecId::RAW_LZ4);
+    if quantizes && !spec.layout.is_opaque() && !matches!(spec.layout.dtype, DType::Bf16 | DType::Fp16 | DType::Fp32) {
+        return Err(PyValueError::new_err(format!(
+            "codec {:?} quantizes bf16, fp16 or fp32 KV; this namespace's dtype is {:?}: use raw or raw+lz4",
+            codec.name(),
+            spec.layout.dtype
+        )));
+    }
     Ok(())
 }
 
@@ -1862,10 +1947,16 @@ impl EventStream {
         }
     }
 
-    /// The next event, or `None` when none came within `timeout_s` or the stream ended.
+    /// The next event, or `None` when none came within `timeout_s` or the stream ended;
+    /// `timeout_s=0` takes one already arrived, without waiting.
     #[pyo3(signature = (timeout_s=None))]
     fn next_event<'py>(&self, py: Python<'py>, timeout_s: Option<f64>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let timeout = timeout_s.map(|t| positive_duration("timeout_s", t)).transpose()?;
+        let timeout = timeout_s
+            .map(|t| match Duration::try_from_secs_f64(t) {
+                Ok(d) => Ok(d),
+                Err(_) => Err(PyValueError::new_err(format!("timeout_s must be 0 or more seconds, got {t}"))),
+            })
+            .transpose()?;
         match self.next_within(py, timeout)? {
             Some(Waited::Event(e)) => event_dict(py, &e).map(Some),
             _ => Ok(None),
@@ -1880,9 +1971,25 @@ impl EventStream {
     }
 }
 
+/// What `Namespace.__reduce__` returns: the function that rebuilds it, and its arguments.
+type Reduced<'py> = (Bound<'py, PyAny>, (Bound<'py, PyBytes>, String, usize));
+
+/// A pickled [`Namespace`] (see `Namespace.__reduce__`).
+#[pyfunction]
+fn _namespace_from_state(spec: &[u8], codec: &str, lossless_sink_blocks: usize) -> PyResult<Namespace> {
+    use prost::Message;
+    let bad = |e: String| PyValueError::new_err(format!("not a pickled kvtier Namespace: {e}"));
+    let pb = kvtier_proto::pb::NamespaceSpec::decode(spec).map_err(|e| bad(e.to_string()))?;
+    let spec = NsSpec::from_pb(&pb).map_err(|e| bad(e.to_string()))?;
+    let codec = CodecId::from_name(codec).ok_or_else(|| bad(format!("unknown codec {codec:?}")))?;
+    check_codec(&spec, codec)?;
+    Ok(Namespace { spec, codec, lossless_sink_blocks })
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Namespace>()?;
+    m.add_function(wrap_pyfunction!(_namespace_from_state, m)?)?;
     m.add_class::<Client>()?;
     m.add_class::<EventStream>()?;
     m.add_class::<PySharedBuffer>()?;

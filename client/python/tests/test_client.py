@@ -199,6 +199,13 @@ def test_bad_arguments_are_value_errors_in_both_modes(server):
             c.extend(n, "s", 1, 32, toks, kv_for(7))  # 8 tokens from block 2 on
         with pytest.raises(ValueError, match="read-only"):
             c.resume_into(n, "s", bytes(10))
+        with pytest.raises(ValueError, match="priority"):
+            c.park(n, "s", toks, kv_for(40), priority=5)  # was clamped to 2
+        with pytest.raises(ValueError, match="priority"):
+            c.park(n, "s", toks, kv_for(40), priority=-1)  # was an OverflowError
+    # A codec that can't take the dtype is refused when the namespace is made (every store failed).
+    with pytest.raises(ValueError, match="quantizes"):
+        kvtier.Namespace("acme", "m@1", layers=2, kv_heads=2, head_dim=64, dtype="fp8", codec="fp8")
     # Nothing was parked by any of them.
     assert kvtier.Client(server.addr).list_sessions(n) == []
 
@@ -213,10 +220,15 @@ def test_bad_buffers_are_refused_clearly(server):
         c.load_into(n, toks, bytes(n.block_bytes))
     with pytest.raises(ValueError, match="contiguous"):
         c.store(n, toks, kv_for(32).reshape(2, -1)[:, ::2])
-    with pytest.raises(kvtier.InvalidRequestError, match="blocks from block"):
-        c.store(n, toks, kv_for(16), first_block=4)  # past the 4 full blocks of 64 tokens
-    with pytest.raises(kvtier.InvalidRequestError, match="blocks from block"):
-        c.store(n, toks, kv_for(16), first_block=2**64 - 1)  # no overflow on the way
+    # More KV than the tokens make blocks: the caller's argument, in both modes (it was a server
+    # refusal, a quiet 0 in never-raise mode).
+    for cm in (c, kvtier.Client(server.addr)):
+        with pytest.raises(ValueError, match="blocks from block"):
+            cm.store(n, toks, kv_for(16), first_block=4)  # past the 4 full blocks of 64 tokens
+        with pytest.raises(ValueError, match="blocks from block"):
+            cm.store(n, toks, kv_for(16), first_block=2**64 - 1)  # no overflow on the way
+        with pytest.raises(ValueError, match="blocks from block"):
+            cm.store(n, toks[:40], kv_for(48))  # 3 blocks of KV, 2 full blocks of tokens
     for bad in (0, 2**62):
         with pytest.raises(ValueError, match="connections must be"):
             kvtier.Client(server.addr, connections=bad)
@@ -325,3 +337,24 @@ def test_a_namespace_is_registered_again_after_the_server_forgot_it(server):
     with pytest.raises(kvtier.KvtierError):
         b.lookup(n, toks)
     assert b.lookup(n, toks) == 0
+
+
+def test_namespaces_compare_hash_and_pickle_and_clients_close(server):
+    import pickle
+
+    a, b = ns(tenant="eq"), ns(tenant="eq")
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert a != ns(tenant="other") and a != ns(codec="fp8", tenant="eq") and a != "eq"
+    for n in (a, kvtier.Namespace.opaque("acme", "m@1", block_bytes=4096, engine="vllm", salt=b"s", codec="raw")):
+        back = pickle.loads(pickle.dumps(n))
+        assert back == n and back.id == n.id and repr(back) == repr(n)
+    # `with` closes the client's connections; the client still works after (it connects again).
+    toks = list(range(7000, 7032))
+    with kvtier.Client(server.addr, never_raise=False) as c:
+        assert c.store(a, toks, kv_for(32, 6)) == 2
+    assert c.lookup(a, toks) == 32
+    c.close()
+    assert c.lookup(pickle.loads(pickle.dumps(a)), toks) == 32
+    # A shared buffer that can't be had is the caller's size, not a "connection failed".
+    with pytest.raises(ValueError, match="cannot allocate a shared buffer"):
+        c.alloc_buffer(2**50)

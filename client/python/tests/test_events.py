@@ -76,6 +76,25 @@ def test_events_and_route_hint(events_server):
     got = collect(stream, lambda g: len(keys(g, "evicted")) >= 8)
     assert all(e["tier"] == "dram" and e["to_tier"] == "" for e in got if e["kind"] == "evicted")
 
+    # Polling without waiting (`timeout_s=0`): what has arrived is taken, then None at once.
+    for _ in range(10_000):
+        t0 = time.monotonic()
+        if stream.next_event(timeout_s=0) is None:
+            assert time.monotonic() - t0 < 0.1, "a poll waited"
+            break
+    a.park(mine, "poll-py", toks, kv)
+    deadline = time.monotonic() + 10
+    parked = []
+    while not parked and time.monotonic() < deadline:
+        e = stream.next_event(timeout_s=0)
+        if e is None:
+            time.sleep(0.01)
+        elif e["kind"] == "session_parked":
+            parked.append(e["session_id"])
+    assert parked == ["poll-py"], parked
+    with pytest.raises(ValueError, match="timeout_s"):
+        stream.next_event(timeout_s=-1)
+
     # The routing hint: a plain dict, this node alone (no cluster).
     a.store(mine, toks, kv)
     hint = a.route_hint(mine, toks + [1, 2, 3], session="agent-py")
