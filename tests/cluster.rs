@@ -185,3 +185,65 @@ async fn nodes_announce_and_dial_the_advertised_host() {
     let (ok, _, err) = cli(&["serve", "--no-metrics", "--advertise-host", "box:7070"]);
     assert!(!ok && err.contains("advertise_host"), "{err}");
 }
+
+/// A peer killed and started again where it was (same addresses, same data dir) takes the very
+/// next blocks forwarded to it: the forwarding node's pooled connections to the old process are
+/// found closed and dialled afresh, and the namespace (which a node without a disk tier does not
+/// keep over a restart) is registered there again. Before, the first forward went out on a dead
+/// socket ("early eof"), its blocks were dropped and the peer skipped for 2 s; and every later
+/// forward was refused block by block ("unknown namespace"), for good, counted nowhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_restarted_in_place_takes_the_next_forward() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = |id: &str| {
+        let cfg = dir.path().join(format!("{id}.toml"));
+        let text = format!("cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\n", redis.url());
+        std::fs::write(&cfg, text).unwrap();
+        cfg.to_str().unwrap().to_string()
+    };
+    let (cfg1, cfg2) = (cfg("n1"), cfg("n2"));
+    let args = |cfg: &str| vec!["--config".to_string(), cfg.to_string(), "--dram-capacity".into(), "64MiB".into()];
+    let n1 = ServerProcess::start(&args(&cfg1).iter().map(String::as_str).collect::<Vec<_>>());
+    let mut n2 = ServerProcess::start(&args(&cfg2).iter().map(String::as_str).collect::<Vec<_>>());
+    until_members(&n1, 2.0, Duration::from_secs(10));
+    let c1 = n1.client().await;
+    let ns = c1.register(namespace("acme", b"restart", small_layout())).await.unwrap();
+    let forwarded = |s: &ServerProcess| metric(&s.scrape(), "kvtier_peer_forwarded_blocks_total", &[]);
+    let dropped = |s: &ServerProcess| metric(&s.scrape(), "kvtier_peer_forward_dropped_total", &[]);
+    let wait_forwarded = |above: f64| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while forwarded(&n1) <= above {
+            assert!(
+                Instant::now() < deadline,
+                "n1 forwarded nothing more than {above} to n2 in 10 s: {}",
+                n1.scrape()
+                    .lines()
+                    .filter(|l| l.contains("peer") || l.contains("member"))
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    let doc = tokens(11, 32 * 16);
+    c1.store(&ns, &doc, &full_block_payloads(&ns, &doc)).await.unwrap().ok().unwrap();
+    wait_forwarded(0.0);
+    let doc = tokens(13, 32 * 16);
+    let b = forwarded(&n1);
+    c1.store(&ns, &doc, &full_block_payloads(&ns, &doc)).await.unwrap().ok().unwrap();
+    wait_forwarded(b);
+
+    n2.child.kill().unwrap();
+    n2.child.wait().unwrap();
+    let n2_again = n2.restart_in_place(&args(&cfg2).iter().map(String::as_str).collect::<Vec<_>>());
+    until_members(&n1, 2.0, Duration::from_secs(10));
+    let (before, dropped_before) = (forwarded(&n1), dropped(&n1));
+    let doc = tokens(12, 32 * 16);
+    c1.store(&ns, &doc, &full_block_payloads(&ns, &doc)).await.unwrap().ok().unwrap();
+    wait_forwarded(before);
+    assert_eq!(dropped(&n1), dropped_before, "forwards to the restarted peer were dropped");
+    let m = n1.scrape();
+    assert!(metric(&m, "kvtier_client_pooled_connections_closed_total", &[]) >= 1.0, "{m}");
+    assert!(n2_again.scrape().contains("kvtier_"), "the restarted peer serves");
+}

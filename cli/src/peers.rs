@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvtier_client::{ClientConfig, KvClient, NamespaceHandle, QuicConnector, SameNodeMode};
+use kvtier_proto::dataplane::ItemStatus;
 use kvtier_proto::pb::session_replica_request::Op;
 use kvtier_proto::{pb, BlockFrame, BlockKey, Namespace, NamespaceId};
 use kvtier_server::cluster::{replicas, LocalHolding, Member, NodeId, PeerFuture, PeerTransport, ReplicaPut};
@@ -164,13 +165,25 @@ impl PeerTransport for ClientTransport {
             };
             let frames: Vec<BlockFrame> =
                 blocks.iter().map(|b| BlockFrame { header: b.header, payload: b.payload.clone() }).collect();
-            match p.client.peer_store_frames(&frames).await {
-                Ok(st) => Ok(st.iter().filter(|s| s.is_held()).count()),
+            let mut st = match p.client.peer_store_frames(&frames).await {
+                Ok(st) => st,
                 Err(e) => {
                     self.forget(peer);
-                    Err(Self::err(peer, e))
+                    return Err(Self::err(peer, e));
                 }
+            };
+            // The peer no longer knows the namespace (it restarted without a disk tier, or it was
+            // unregistered there): registered again, and the blocks sent once more. Before, every
+            // later forward to it was refused block by block, for good, and counted nowhere.
+            if st.contains(&ItemStatus::UnknownNamespace) {
+                lock(&p.namespaces).remove(&ns.id());
+                let _ = self.handle(peer, ns).await?;
+                st = p.client.peer_store_frames(&frames).await.map_err(|e| {
+                    self.forget(peer);
+                    Self::err(peer, e)
+                })?;
             }
+            Ok(st.iter().filter(|s| s.is_held()).count())
         })
     }
 

@@ -76,10 +76,21 @@ impl ServerProcess {
         Self::start_in_env(dir, extra, &[])
     }
 
+    /// A server started again where `self` ran: the same data directory and listening addresses
+    /// (its peers and clients find it where it was), with `extra` flags. `self` must have stopped.
+    pub fn restart_in_place(&self, extra: &[&str]) -> ServerProcess {
+        let (grpc, data) = (self.grpc.to_string(), self.data.to_string());
+        Self::start_with(&self.dir, [&grpc, &data], extra, &[])
+    }
+
     fn start_in_env(dir: &std::path::Path, extra: &[&str], env: &[(&str, &str)]) -> ServerProcess {
+        Self::start_with(dir, ["127.0.0.1:0", "127.0.0.1:0"], extra, env)
+    }
+
+    fn start_with(dir: &std::path::Path, listen: [&str; 2], extra: &[&str], env: &[(&str, &str)]) -> ServerProcess {
         let mut cmd = Command::new(kvtier_bin());
         cmd.arg("serve")
-            .args(["--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0", "--metrics", "127.0.0.1:0"])
+            .args(["--listen", listen[0], "--data-listen", listen[1], "--metrics", "127.0.0.1:0"])
             .arg("--data-dir")
             .arg(dir)
             .args(extra)

@@ -693,6 +693,13 @@ impl PeerTier {
                 Some(Ok(held)) => {
                     bump(&self.counters.forwarded, held as u64);
                     ::metrics::counter!("kvtier_peer_forwarded_blocks_total").increment(held as u64);
+                    // Blocks the peer refused (no room, a namespace it does not know) are held
+                    // only here, as a failed forward's are.
+                    let refused = blocks.len().saturating_sub(held) as u64;
+                    if refused > 0 {
+                        bump(&self.counters.forward_dropped, refused);
+                        ::metrics::counter!("kvtier_peer_forward_dropped_total").increment(refused);
+                    }
                     let sent: u64 = blocks.iter().map(|b| b.payload.len() as u64).sum();
                     bump(&self.counters.bytes_out, sent);
                     ::metrics::counter!("kvtier_tier_bytes_out_total", "tier" => "peer").increment(sent);
