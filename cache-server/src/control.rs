@@ -50,9 +50,10 @@ pub fn to_status(e: ServerError) -> Status {
     let code = match &e {
         ServerError::Capacity(_) | ServerError::TooLarge { .. } => tonic::Code::ResourceExhausted,
         ServerError::MissingBlocks { .. } => tonic::Code::FailedPrecondition,
-        ServerError::UnknownNamespace(_) | ServerError::SessionNotFound(_) | ServerError::SessionExpired { .. } => {
-            tonic::Code::NotFound
-        }
+        ServerError::UnknownNamespace(_)
+        | ServerError::SessionNotFound(_)
+        | ServerError::SessionLost(_)
+        | ServerError::SessionExpired { .. } => tonic::Code::NotFound,
         ServerError::SessionExists(_) => tonic::Code::AlreadyExists,
         ServerError::VersionConflict { .. } => tonic::Code::Aborted,
         ServerError::ContextTooLong { .. } => tonic::Code::OutOfRange,

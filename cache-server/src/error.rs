@@ -17,6 +17,12 @@ pub enum ServerError {
     UnknownNamespace(NamespaceId),
     #[error("session {0:?} not found")]
     SessionNotFound(String),
+    /// Parked, then lost when the node last started (a block of it was damaged or gone from
+    /// disk): not found, saying why.
+    #[error(
+        "session {0:?} not found: it was lost when the node last started (a block of it on disk was damaged or gone)"
+    )]
+    SessionLost(String),
     #[error("session {id:?} expired {ago_ms} ms ago")]
     SessionExpired { id: String, ago_ms: u64 },
     #[error("session {0:?} already exists; pass its version to replace it")]
@@ -52,7 +58,7 @@ impl ServerError {
             ServerError::Capacity(_) | ServerError::TooLarge { .. } => codes::CAPACITY,
             ServerError::MissingBlocks { .. } => codes::INVALID_REQUEST,
             ServerError::UnknownNamespace(_) => codes::UNKNOWN_NAMESPACE,
-            ServerError::SessionNotFound(_) => codes::SESSION_NOT_FOUND,
+            ServerError::SessionNotFound(_) | ServerError::SessionLost(_) => codes::SESSION_NOT_FOUND,
             ServerError::SessionExpired { .. } => codes::SESSION_EXPIRED,
             ServerError::SessionExists(_) => codes::SESSION_EXISTS,
             ServerError::VersionConflict { .. } => codes::SESSION_VERSION,
@@ -76,6 +82,7 @@ impl ServerError {
             ServerError::MissingBlocks { .. } => "missing_blocks",
             ServerError::UnknownNamespace(_) => "unknown_namespace",
             ServerError::SessionNotFound(_) => "session_not_found",
+            ServerError::SessionLost(_) => "session_lost",
             ServerError::SessionExpired { .. } => "session_expired",
             ServerError::SessionExists(_) => "session_exists",
             ServerError::VersionConflict { .. } => "version_conflict",

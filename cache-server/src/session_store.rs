@@ -293,6 +293,7 @@ impl SessionStore {
                 Ok(()) => ok += 1,
                 Err(e) => {
                     lost += 1;
+                    table.mark_lost(ns, &id);
                     tracing::error!(session = %id, "parked session lost its blocks on disk: {e}");
                     if let Some(log) = &self.log {
                         let _ = log.delete(log.next_seq(), ns, &id);
@@ -428,6 +429,39 @@ mod tests {
         assert!(matches!(err, ServerError::Io(_)), "{err}");
         assert!(store.is_empty());
         assert!(tier.remove(&ns, &keys[0]), "the undone park released its pins");
+    }
+
+    /// A logged session whose blocks are gone at restore is lost, and asking for it says so
+    /// (it was a bare "not found"); parking it again makes it an ordinary session.
+    #[test]
+    fn a_session_lost_at_restore_says_so_until_parked_again() {
+        let tier = DramTier::new(DramConfig::new(1 << 20));
+        let ns = NamespaceId([6; 16]);
+        let kept: Vec<BlockKey> = (0..2).map(|i| block(&tier, ns, i)).collect();
+        let store = SessionStore::new(None);
+        let logged = |id: &str, keys: Vec<BlockKey>| LoggedSession {
+            namespace: ns,
+            id: id.into(),
+            token_count: keys.len() as u64 * u64::from(BT),
+            keys,
+            tail: None,
+            ttl_ms: 600_000,
+            expires_unix_ms: unix_ms(SystemTime::now()) + 600_000,
+            priority: Priority::Normal,
+            version: 1,
+        };
+        let per_token = layout().bytes_per_token();
+        let gone = vec![BlockKey([0xAB; 32])];
+        let restored =
+            store.restore(&tier, vec![(logged("ok", kept.clone()), per_token), (logged("lost", gone), per_token)]);
+        assert_eq!(restored, (1, 1));
+        let err = store.resume(&tier, ns, "lost").unwrap_err();
+        assert!(matches!(err, ServerError::SessionLost(_)), "{err}");
+        assert_eq!(err.code(), kvtier_proto::codes::SESSION_NOT_FOUND);
+        assert!(err.to_string().contains("lost when the node last started"), "{err}");
+        assert!(matches!(store.resume(&tier, ns, "never"), Err(ServerError::SessionNotFound(_))));
+        store.park(&tier, spec(ns, "lost", kept, 0), &limits()).unwrap();
+        assert!(store.resume(&tier, ns, "lost").is_ok());
     }
 
     /// A drop whose tombstone can't be appended changes nothing and says so: the session stays

@@ -112,6 +112,8 @@ pub struct SessionTable {
     sessions: HashMap<SessionId, SessionManifest>,
     expired: HashMap<SessionId, Instant>,
     expired_order: VecDeque<(SessionId, Instant)>,
+    /// Sessions lost when the node last started (see [`SessionTable::mark_lost`]).
+    lost: std::collections::HashSet<SessionId>,
     /// Per namespace: live sessions and the bytes they stand for (for the tenants' quotas).
     usage: HashMap<NamespaceId, (u64, u64)>,
     /// Keys named by every manifest (tails included).
@@ -188,6 +190,7 @@ impl SessionTable {
     }
 
     fn insert(&mut self, sid: SessionId, m: SessionManifest) {
+        self.lost.remove(&sid);
         self.track(&m, true);
         if let Some(old) = self.sessions.insert(sid, m) {
             self.track(&old, false);
@@ -392,6 +395,7 @@ impl SessionTable {
                 id: sid.1.clone(),
                 ago_ms: now.saturating_duration_since(*at).as_millis() as u64,
             },
+            None if self.lost.contains(sid) => ServerError::SessionLost(sid.1.clone()),
             None => ServerError::SessionNotFound(sid.1.clone()),
         }
     }
@@ -519,6 +523,14 @@ impl SessionTable {
     }
 
     /// Puts back a session recovered from the session log, pinning its blocks.
+    /// Remembers that a logged session could not be restored (its blocks on disk are damaged
+    /// or gone), so that asking for it says so; as many as expired ids are remembered.
+    pub fn mark_lost(&mut self, ns: NamespaceId, id: &str) {
+        if self.lost.len() < EXPIRED_MEMORY {
+            self.lost.insert((ns, id.to_string()));
+        }
+    }
+
     pub fn restore(&mut self, tier: &dyn PinTier, m: SessionManifest) -> Result<(), ServerError> {
         tier.pin(&m.namespace, &m.pinned_keys())?;
         let sid = (m.namespace, m.id.clone());
