@@ -1148,7 +1148,8 @@ impl Client {
 
     /// Stores `len(kv) / block_bytes` full blocks of `tokens` from block `first_block` on; `kv`
     /// holds them back to back. Returns the number of blocks stored (a block the server refuses
-    /// is a miss; the others are still stored).
+    /// is a miss; the others are still stored). With a quantizing codec the blocks are encoded
+    /// here first: one that can't be (a non-finite value) fails the whole call, nothing sent.
     #[pyo3(signature = (ns, tokens, kv, *, first_block=0))]
     fn store(
         &self,
@@ -1207,8 +1208,11 @@ impl Client {
     }
 
     /// Loads the longest stored prefix of `tokens` into `out` (full blocks back to back, in the
-    /// layout's dtype; decoded if stored with a codec). Returns the number of tokens written;
-    /// `out` must have room for the whole prefix asked for, or the load stops where it is full.
+    /// layout's dtype; decoded if stored with a codec). Returns the number of tokens loaded: the
+    /// prefix, up to the first block missing. `out` must have room for the whole prefix asked
+    /// for, or the load stops where it is full. A long load runs as several requests side by
+    /// side, each stopping at its own first miss: past the returned prefix, `out` may hold more
+    /// blocks (the right KV for those positions, not counted) or be left as it was.
     fn load_into(&self, py: Python<'_>, ns: &Namespace, tokens: TokenIds, out: &Bound<'_, PyAny>) -> PyResult<usize> {
         let tokens = tokens.0;
         let bb = ns.block_bytes() as usize;
