@@ -83,7 +83,7 @@ async fn ttl_expiry_unpins_and_resume_says_expired() {
 /// TTL of 0 is refused before anything is sent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn extend_with_a_context_that_does_not_continue_the_session_is_refused() {
-    let server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
+    let server = ServerProcess::start(&["--dram-capacity", "64MiB", "--disk-capacity", "64MiB"]);
     let client = server.client().await;
     let ns = client.register(namespace("agents", b"continue", small_layout())).await.unwrap();
     let turn1 = tokens(11, 82);
@@ -98,6 +98,9 @@ async fn extend_with_a_context_that_does_not_continue_the_session_is_refused() {
     assert_eq!(dram_out(&server), before, "reading a manifest moved blocks");
 
     // Another context, longer than the session's: its first five blocks' keys differ.
+    let disk_in = |s: &ServerProcess| metric(&s.scrape(), "kvtier_tier_bytes_in_total", &[("tier", "disk")]);
+    let disk_before = disk_in(&server);
+    assert!(disk_before > 0.0, "the park made its blocks durable on disk");
     let other = tokens(12, 87);
     let base = 82 / ns.block_tokens();
     let err = client.extend(&ns, "agent-1", 1, 82, &other, &session_payloads(&ns, &other)[base..]).await.unwrap_err();
@@ -114,6 +117,8 @@ async fn extend_with_a_context_that_does_not_continue_the_session_is_refused() {
     edited.extend(tokens(13, 20));
     let err = client.extend(&ns, "agent-1", 1, 82, &edited, &session_payloads(&ns, &edited)[base..]).await;
     assert!(matches!(err, Err(ClientError::Refused { .. })), "{err:?}");
+    // Refused before the new blocks were made durable: nothing was written to disk for them.
+    assert_eq!(disk_in(&server), disk_before, "a refused extend wrote its blocks to disk");
     let r = client.resume(&ns, "agent-1").await.unwrap();
     assert_eq!((r.info.version, r.info.token_count), (1, 82));
     assert_eq!(r.blocks, blocks1, "a refused extend changed the session's bytes");

@@ -267,6 +267,15 @@ impl ControlPlane {
         let new_keys = keys(&r.new_keys)?;
         let tail = opt_key(&r.tail_key)?;
         let base_key = opt_key(&r.base_key)?;
+        // Refused before anything is made durable (and checked again as the change is made).
+        self.state.sessions().check_extend_base(
+            ns_id,
+            &r.session_id,
+            r.expected_version,
+            r.base_blocks as usize,
+            base_key,
+            &limits,
+        )?;
         self.state.tiers().persist(&ns_id, &new_keys, tail).await?;
         let m = self
             .on_io(move |s| {

@@ -316,31 +316,28 @@ impl SessionTable {
         Ok(manifest)
     }
 
-    /// Appends blocks after the first `base_blocks` full blocks of version `expected_version`,
-    /// replacing the tail. Only the new blocks need to have been sent. `base_key` is the caller's
-    /// key of block `base_blocks - 1`: keys chain over every token before them, so a key that
-    /// differs from the manifest's there means the new context does not start with the session's
-    /// tokens, and the extend is refused (`None`, from a client that sends none: not checked).
+    /// The checks an extend makes of the session as it is (it exists, `expected_version` is
+    /// its version, the kept blocks end in `base_key`), without changing anything: made first,
+    /// before the new blocks are made durable, and again under the change.
     #[allow(clippy::too_many_arguments)]
-    pub fn extend(
-        &mut self,
-        tier: &dyn PinTier,
+    pub fn check_extend_base(
+        &self,
         ns: NamespaceId,
         id: &str,
         expected_version: u64,
         base_blocks: usize,
         base_key: Option<BlockKey>,
-        new_keys: Vec<BlockKey>,
-        tail: Option<BlockKey>,
-        token_count: u64,
         limits: &SessionLimits,
         now: Instant,
-    ) -> Result<SessionManifest, ServerError> {
+    ) -> Result<(), ServerError> {
         let sid = (ns, id.to_string());
-        self.reap_if_expired(tier, &sid, now);
         let Some(cur) = self.sessions.get(&sid) else {
             return Err(self.absent_error(&sid, now));
         };
+        if cur.expires_at <= now {
+            let ago_ms = now.saturating_duration_since(cur.expires_at).as_millis() as u64;
+            return Err(ServerError::SessionExpired { id: id.into(), ago_ms });
+        }
         if cur.version != expected_version {
             return Err(ServerError::VersionConflict {
                 id: id.into(),
@@ -368,6 +365,35 @@ impl SessionTable {
                 )));
             }
         }
+        Ok(())
+    }
+
+    /// Appends blocks after the first `base_blocks` full blocks of version `expected_version`,
+    /// replacing the tail. Only the new blocks need to have been sent. `base_key` is the caller's
+    /// key of block `base_blocks - 1`: keys chain over every token before them, so a key that
+    /// differs from the manifest's there means the new context does not start with the session's
+    /// tokens, and the extend is refused (`None`, from a client that sends none: not checked).
+    #[allow(clippy::too_many_arguments)]
+    pub fn extend(
+        &mut self,
+        tier: &dyn PinTier,
+        ns: NamespaceId,
+        id: &str,
+        expected_version: u64,
+        base_blocks: usize,
+        base_key: Option<BlockKey>,
+        new_keys: Vec<BlockKey>,
+        tail: Option<BlockKey>,
+        token_count: u64,
+        limits: &SessionLimits,
+        now: Instant,
+    ) -> Result<SessionManifest, ServerError> {
+        let sid = (ns, id.to_string());
+        self.reap_if_expired(tier, &sid, now);
+        self.check_extend_base(ns, id, expected_version, base_blocks, base_key, limits, now)?;
+        let Some(cur) = self.sessions.get(&sid) else {
+            return Err(self.absent_error(&sid, now));
+        };
         check_shape(base_blocks + new_keys.len(), tail.is_some(), token_count, limits)?;
         self.check_quota(limits, Some(cur.bytes), token_count * limits.bytes_per_token)?;
         let dropped = (cur.keys.len() - base_blocks) as u64 + u64::from(cur.tail.is_some());
