@@ -342,6 +342,11 @@ async fn a_namespace_is_unregistered_by_its_owner_only_and_stays_gone_after_a_re
     server = ServerProcess::start_in(data.path(), &args);
     let a = client_as(&server, Some(TOKEN_A)).await;
     assert_eq!(a.resume(&again, "new").await.unwrap().blocks, fresh);
+    // The session dropped with the unregistration stays dropped, though its blocks (the same
+    // keys) are held again; and no start took it for a lost session.
+    let err = a.resume(&again, "s").await.unwrap_err();
+    assert!(matches!(err, ClientError::SessionNotFound(ref m) if !m.contains("lost")), "{err}");
+    assert_eq!(metric(&server.scrape(), "kvtier_sessions_lost_total", &[]), 0.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -284,6 +284,17 @@ impl SessionStore {
         dead.len()
     }
 
+    /// Writes tombstones for logged sessions that are not restored (their namespace is gone), so
+    /// the next start does not meet them again; best effort: if one can't be written, that start
+    /// drops it the same way.
+    pub fn forget_logged(&self, sessions: &[LoggedSession]) {
+        if let Some(log) = &self.log {
+            for s in sessions {
+                let _ = log.delete(log.next_seq(), s.namespace, &s.id);
+            }
+        }
+    }
+
     /// Puts back sessions recovered from the log, pinning their blocks; a session whose blocks
     /// are gone is dropped from the log. Returns (restored, lost).
     pub fn restore(&self, pins: &dyn PinTier, sessions: Vec<(LoggedSession, u64)>) -> (u64, u64) {

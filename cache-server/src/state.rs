@@ -395,16 +395,25 @@ impl NodeState {
             tenants,
             config,
         };
-        let with_layout = {
+        // Sessions of a namespace unregistered since they were parked went with it (its
+        // unregistration is logged, their tombstones are not): not restored, nor counted lost.
+        let (mut with_layout, mut unregistered) = (Vec::new(), Vec::new());
+        {
             let map = state.namespaces.read();
-            logged
-                .into_iter()
-                .map(|s| {
-                    let per_token = map.get(&s.namespace).map(|n| n.layout.bytes_per_token()).unwrap_or(0);
-                    (s, per_token)
-                })
-                .collect()
-        };
+            for s in logged {
+                match map.get(&s.namespace) {
+                    Some(n) => with_layout.push((s, n.layout.bytes_per_token())),
+                    None => unregistered.push(s),
+                }
+            }
+        }
+        if !unregistered.is_empty() {
+            tracing::info!(
+                sessions = unregistered.len(),
+                "sessions of unregistered namespaces dropped from the session log"
+            );
+            state.sessions.forget_logged(&unregistered);
+        }
         for ns in state.namespaces.read().values() {
             state.account(ns);
         }
