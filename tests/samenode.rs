@@ -1109,3 +1109,33 @@ async fn a_store_whose_checksums_never_come_stores_nothing() {
     }
     cluster.stop().await;
 }
+
+/// A node stopped (SIGSTOP: frozen, swapping) past a load's deadline, then continued, writes
+/// nothing into the buffer the call returned from: the request it reads after waking finds its
+/// client gone before the first copy. Before, the buffered request ran on waking and overwrote
+/// memory an engine had reused since (its job reported failed): silently wrong KV.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_the_client_gave_up_on_while_the_node_was_stopped_writes_nothing() {
+    let server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
+    let client = server.client().await;
+    let h = client.register(namespace("frozen", b"f", small_layout())).await.unwrap();
+    let (src, keys, offsets) = filled(&h, 21, 4);
+    let path = server.dir.join("kvtier.sock");
+    let mut near = SameNode::connect(&path, None, Duration::from_secs(5), Duration::from_secs(5), 4).await.unwrap();
+    near.register(&src).await.unwrap();
+    assert_eq!(near.store_from_buffer(&h, &keys, &src, &offsets).await.unwrap(), vec![ItemStatus::Ok; 4]);
+
+    let mut dst = SharedBuffer::new(src.len()).unwrap();
+    near.register(&dst).await.unwrap();
+    near.set_request_timeout(Duration::from_millis(300));
+    stop_process(server.child.id());
+    let err = near.load_into_buffer(&h, &keys, &mut dst, &offsets, false).await.unwrap_err();
+    assert!(matches!(err, ClientError::Timeout(_)), "{err}");
+    // The engine reuses its rows for something else, then the node wakes up.
+    dst.as_mut_slice().fill(0x5A);
+    continue_process(server.child.id());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(dst.as_slice().iter().all(|&b| b == 0x5A), "the woken node wrote into memory the call had given back");
+    // It serves on.
+    assert_eq!(client.load(&h, &tokens(21, 4 * h.block_tokens())).await.unwrap().len(), 4);
+}

@@ -991,6 +991,12 @@ impl Conn {
         let mut missed = false;
         let mut cursor = segs.cursor(req.op);
         let mut copied = 0u64;
+        // A request read after its client gave up on it (this node was stopped, or swapping, past
+        // the call's deadline) writes nothing into the client's memory, which it may have reused
+        // since: looked at before the first copy, then once per LEFT_CHECK_BYTES.
+        if self.client_left() {
+            return Err(ConnError::ClientLeft);
+        }
         for raw in body.chunks_exact(sn::LOAD_ITEM_LEN) {
             let item = LoadItem::decode(raw);
             // Where this item's block goes: its own (offset, room), or its run of the table.
