@@ -64,6 +64,36 @@ async fn a_server_that_never_answers_costs_one_budget() {
     assert_eq!(n, 0);
 }
 
+/// A call's budget holds while another call of the same client is connecting (holding the
+/// connection's lock for up to its connect timeout): the short call returns at its budget. Before,
+/// it waited for the connecting call (4.8 s past a 0.5 s budget), its miss saying "timed out
+/// after 500ms".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_s_budget_holds_while_another_call_is_connecting() {
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = silent.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((s, _)) = silent.accept().await {
+            held.push(s);
+        }
+    });
+    let cfg = ClientConfig { connect_timeout: Duration::from_secs(5), ..Default::default() };
+    let engine = EngineClient::new(addr, cfg, Duration::from_secs(5));
+    let ns = namespace("engine", b"", small_layout());
+    let slow = {
+        let (engine, ns) = (engine.clone(), ns.clone());
+        tokio::spawn(async move { engine.exists_keys(&ns, &[b"a"], Duration::from_secs(5)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let t = std::time::Instant::now();
+    let held = engine.exists_keys(&ns, &[b"b"], Duration::from_millis(500)).await;
+    let took = t.elapsed();
+    assert_eq!(held, vec![false]);
+    assert!(took < Duration::from_millis(1500), "a 500 ms call took {took:?} behind a connecting one");
+    assert_eq!(slow.await.unwrap(), vec![false]);
+}
+
 /// The engine-key calls never raise either: a live server answers per key (within a 500 ms
 /// budget, once connected), a dead one gives all false within the caller's deadline.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

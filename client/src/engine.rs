@@ -128,8 +128,12 @@ impl EngineClient {
             e,
             ClientError::Io(_) | ClientError::Timeout(_) | ClientError::Connect { .. } | ClientError::Protocol(_)
         ) {
-            let mut c = self.conn.lock().await;
-            c.client = None;
+            // Not waited for: a call past its budget returns now. The lock is held by a call that
+            // is connecting (it installs a fresh client) or registering on this one (which fails
+            // the same way and clears it then).
+            if let Ok(mut c) = self.conn.try_lock() {
+                c.client = None;
+            }
         } else if matches!(
             e,
             ClientError::UnknownNamespace(_) | ClientError::Rejected { status: ItemStatus::UnknownNamespace, .. }
@@ -149,7 +153,10 @@ impl EngineClient {
     /// Forgets `ns`'s registration: the next call with it registers it again (after
     /// `unregister`, or when the server answered that it does not know it).
     pub async fn forget(&self, ns: &Namespace) {
-        self.conn.lock().await.namespaces.retain(|(n, _)| n != ns);
+        // Bounded as `on_error`: a caller holding it is registering, which refreshes it anyway.
+        if let Ok(mut c) = tokio::time::timeout(Duration::from_millis(100), self.conn.lock()).await {
+            c.namespaces.retain(|(n, _)| n != ns);
+        }
     }
 
     /// Runs `f` with a connected client and `ns`'s handle, within the budget; any error becomes a
