@@ -337,6 +337,52 @@ def test_hung_server_gives_misses_within_blocking_timeout(loop):
         hung.close()
 
 
+def test_lookups_stay_within_their_timeout_while_puts_wait_on_a_frozen_server(tmp_path, loop):
+    # A node frozen (SIGSTOP: a black-holed or partitioned peer looks the same) while the engine
+    # keeps offloading: lookups ran on the puts' threads, queued behind puts of up to timeout_s
+    # each, and took 5-14 s against a 1 s lookup_timeout_s (LMCache waits for `contains` with
+    # no timeout of its own).
+    import os
+    import signal
+    import threading
+
+    srv = KvServer(tmp_path / "data").start()
+    try:
+        lmc = Lmc(srv.addr, loop)
+        w = lmc.connector
+        obj = lmc.chunk(seed=8)
+        k = key()
+        lmc.put(k, obj)
+        assert lmc.remote.contains(k)
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        stop = threading.Event()
+
+        def offload():
+            while not stop.is_set():
+                lmc.remote.submit_put_task(key(), obj)
+                time.sleep(0.1)
+
+        t = threading.Thread(target=offload, daemon=True)
+        t.start()
+        try:
+            time.sleep(1.0)  # puts queued on every I/O thread
+            for name, call in (("contains", lambda: lmc.remote.contains(k)),
+                               ("batched_contains", lambda: lmc.remote.batched_contains([k])),
+                               ("batched_async_contains",
+                                lambda: lmc.run(lmc.remote.batched_async_contains("x", [k])))):
+                t0 = time.monotonic()
+                assert not call(), name
+                took = time.monotonic() - t0
+                assert took < w.lookup_timeout_s + 1.0, (name, took)
+        finally:
+            stop.set()
+            t.join()
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        lmc.close()
+    finally:
+        srv.stop()
+
+
 def test_workers_and_mla(server, loop):
     """TP workers keep their own chunks (the key and the namespace carry the worker); an MLA
     deployment's chunks are one namespace for every worker."""

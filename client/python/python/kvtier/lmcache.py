@@ -167,6 +167,10 @@ class KvtierRemoteConnector(RemoteConnector):
         self._zeros = np.zeros(self.full_bytes, np.uint8)  # the padding of partial chunks (read only)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=int(opts.get("io_threads", 4)),
                                                            thread_name_prefix="kvtier-lmcache")
+        # Lookups on threads of their own: queued behind puts (each up to `timeout_s`) they took
+        # far past `lookup_timeout_s` on a node that stopped answering.
+        self._lookup_pool = concurrent.futures.ThreadPoolExecutor(max_workers=2,
+                                                                  thread_name_prefix="kvtier-lmcache-lookup")
         self._lock = threading.Lock()
         self._warned_at = 0.0
         self._closed = False
@@ -203,11 +207,12 @@ class KvtierRemoteConnector(RemoteConnector):
     def _key(key: CacheEngineKey) -> bytes:
         return key.to_string().encode("utf-8")
 
-    async def _offload(self, fn, *args, orphan=None):
-        """Runs `fn` on the I/O threads. If LMCache stops waiting (its timeout cancels this
-        coroutine), `orphan` gets the result when it comes (to release what it allocated)."""
+    async def _offload(self, fn, *args, orphan=None, pool=None):
+        """Runs `fn` on the I/O threads (`pool`, by default the puts' and gets'). If LMCache
+        stops waiting (its timeout cancels this coroutine), `orphan` gets the result when it
+        comes (to release what it allocated)."""
         loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(self._pool, fn, time.monotonic(), *args)
+        fut = loop.run_in_executor(pool or self._pool, fn, time.monotonic(), *args)
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
@@ -227,7 +232,8 @@ class KvtierRemoteConnector(RemoteConnector):
     def _exists_many(self, submitted: float, keys: List[CacheEngineKey]) -> List[bool]:
         n = len(keys)
         try:
-            if n == 0 or self._closed:
+            # One that waited for a thread past the lookup's deadline is "not there", at once.
+            if n == 0 or self._closed or time.monotonic() - submitted > self.lookup_timeout_s:
                 return [False] * n
             found = self.client.exists_keys(self.ns, [self._key(k) for k in keys], timeout_s=self.lookup_timeout_s)
             found = [bool(f) for f in found]
@@ -248,7 +254,7 @@ class KvtierRemoteConnector(RemoteConnector):
 
     async def exists(self, key: CacheEngineKey) -> bool:
         try:
-            return (await self._offload(self._exists_many, [key]))[0]
+            return (await self._offload(self._exists_many, [key], pool=self._lookup_pool))[0]
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001
@@ -270,7 +276,7 @@ class KvtierRemoteConnector(RemoteConnector):
 
     async def batched_async_contains(self, lookup_id: str, keys: List[CacheEngineKey], pin: bool = False) -> int:
         try:
-            return self._leading(await self._offload(self._exists_many, list(keys)))
+            return self._leading(await self._offload(self._exists_many, list(keys), pool=self._lookup_pool))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001
@@ -455,6 +461,7 @@ class KvtierRemoteConnector(RemoteConnector):
     async def close(self) -> None:
         self._closed = True
         self._pool.shutdown(wait=False)
+        self._lookup_pool.shutdown(wait=False)
 
 
 def _clean(s: str) -> str:
