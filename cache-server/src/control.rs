@@ -268,12 +268,13 @@ impl ControlPlane {
         let tail = opt_key(&r.tail_key)?;
         let base_key = opt_key(&r.base_key)?;
         // Refused before anything is made durable (and checked again as the change is made).
-        self.state.sessions().check_extend_base(
+        self.state.sessions().check_extend(
             ns_id,
             &r.session_id,
             r.expected_version,
             r.base_blocks as usize,
             base_key,
+            (new_keys.len(), tail.is_some(), r.token_count),
             &limits,
         )?;
         self.state.tiers().persist(&ns_id, &new_keys, tail).await?;

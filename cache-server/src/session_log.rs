@@ -151,17 +151,32 @@ impl SessionLog {
             .filter(|(_, s)| s.expires_unix_ms > now_ms)
             .collect();
         sessions.sort_by(|a, b| (a.1.namespace, &a.1.id).cmp(&(b.1.namespace, &b.1.id)));
-        let key = match Self::compact(fs, dir, &path, &sessions) {
-            Ok(key) => key,
-            // A full disk: the log stays as it is and is appended to (a node that stopped on a
-            // full disk must start again); compacted at the next start with room.
+        let tmp = dir.join("sessions.log.tmp");
+        let key = match Self::write_compacted(fs, &tmp, &sessions) {
+            Ok(key) => {
+                fs.rename(&tmp, &path).map_err(|e| {
+                    ServerError::Io(std::io::Error::new(e.kind(), format!("renaming {}: {e}", tmp.display())))
+                })?;
+                // Until the rename is durable a power loss takes the old file back, and with it
+                // every park acknowledged into the new one: no start without it.
+                fs.sync_dir(dir)?;
+                key
+            }
+            // A full disk before the compacted file replaced the log: the log stays as it is and
+            // is appended to under its own key (a node that stopped on a full disk must start
+            // again); compacted at the next start with room.
             Err(ServerError::Io(e)) if e.kind() == std::io::ErrorKind::StorageFull => {
-                let _ = fs.remove_file(&dir.join("sessions.log.tmp"));
+                let _ = fs.remove_file(&tmp);
                 let kept = existing.as_deref().map(|d| read_log_header(LogKind::Sessions, d));
                 let Some(Ok(LogHeader::Keyed(key))) = kept else {
+                    let why = if existing.is_none() {
+                        "there is none to append to"
+                    } else {
+                        "its older format can't be appended to"
+                    };
                     return Err(ServerError::Io(std::io::Error::new(
                         e.kind(),
-                        format!("compacting {} (its older format can't be appended to): {e}", path.display()),
+                        format!("writing {} on a full disk ({why}): {e}", path.display()),
                     )));
                 };
                 tracing::warn!("{} not compacted ({e}): appending to it as it is", path.display());
@@ -175,12 +190,11 @@ impl SessionLog {
         Ok((log, sessions.into_iter().map(|(_, s)| s).collect(), unreadable))
     }
 
-    /// Writes the live set to a new file under a new secret (its header first), syncs it, and
-    /// moves it into place; the new secret. An error names the file and step.
-    fn compact(
+    /// Writes the live set to `tmp` under a new secret (its header first) and syncs it; the new
+    /// secret. The caller moves it into place. An error names the file and step.
+    fn write_compacted(
         fs: &Arc<dyn FileSystem>,
-        dir: &Path,
-        path: &Path,
+        tmp: &Path,
         sessions: &[(u64, LoggedSession)],
     ) -> Result<LogKey, ServerError> {
         let key = fresh_log_key()?;
@@ -188,19 +202,12 @@ impl SessionLog {
         for (seq, s) in sessions {
             data.extend_from_slice(&encode_record(&key, &encode_body(PUT, *seq, s)));
         }
-        let tmp = dir.join("sessions.log.tmp");
         let at = |what: &str, e: std::io::Error| {
             ServerError::Io(std::io::Error::new(e.kind(), format!("{what} {}: {e}", tmp.display())))
         };
-        {
-            let f = fs.open(&tmp, OpenMode::Truncate).map_err(|e| at("creating", e))?;
-            f.write_all_at(&data, 0).map_err(|e| at("writing", e))?;
-            f.sync_data().map_err(|e| at("syncing", e))?;
-        }
-        fs.rename(&tmp, path).map_err(|e| at("renaming", e))?;
-        // Until the rename is durable a power loss takes the old file back, and with it every
-        // park acknowledged into the new one: no start without it.
-        fs.sync_dir(dir)?;
+        let f = fs.open(tmp, OpenMode::Truncate).map_err(|e| at("creating", e))?;
+        f.write_all_at(&data, 0).map_err(|e| at("writing", e))?;
+        f.sync_data().map_err(|e| at("syncing", e))?;
         Ok(key)
     }
 

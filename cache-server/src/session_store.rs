@@ -113,20 +113,22 @@ impl SessionStore {
         self.change(pins, |t, now| t.park(pins, spec, limits, now))
     }
 
-    /// Whether an extend of the session as it is now would pass its version and base-key checks
-    /// (see [`SessionTable::check_extend_base`]): asked before the new blocks are made durable,
-    /// so a refused extend writes nothing.
-    pub fn check_extend_base(
+    /// Whether an extend of the session as it is now would pass its checks (see
+    /// [`SessionTable::check_extend`]): asked before the new blocks are made durable, so a
+    /// refused extend writes nothing.
+    #[allow(clippy::too_many_arguments)]
+    pub fn check_extend(
         &self,
         ns: NamespaceId,
         id: &str,
         expected_version: u64,
         base_blocks: usize,
         base_key: Option<kvtier_proto::BlockKey>,
+        shape: (usize, bool, u64),
         limits: &SessionLimits,
     ) -> Result<(), ServerError> {
         let table = self.table.lock();
-        table.check_extend_base(ns, id, expected_version, base_blocks, base_key, limits, Instant::now())
+        table.check_extend(ns, id, expected_version, base_blocks, base_key, shape, limits, Instant::now())
     }
 
     /// Appends blocks to a session (see [`SessionTable::extend`]).

@@ -317,16 +317,18 @@ impl SessionTable {
     }
 
     /// The checks an extend makes of the session as it is (it exists, `expected_version` is
-    /// its version, the kept blocks end in `base_key`), without changing anything: made first,
-    /// before the new blocks are made durable, and again under the change.
+    /// its version, the kept blocks end in `base_key`) and of the extended one (its shape, the
+    /// tenant's quota, the manifest keys), without changing anything: made first, before the new
+    /// blocks are made durable, and again under the change.
     #[allow(clippy::too_many_arguments)]
-    pub fn check_extend_base(
+    pub fn check_extend(
         &self,
         ns: NamespaceId,
         id: &str,
         expected_version: u64,
         base_blocks: usize,
         base_key: Option<BlockKey>,
+        (new_blocks, has_tail, token_count): (usize, bool, u64),
         limits: &SessionLimits,
         now: Instant,
     ) -> Result<(), ServerError> {
@@ -365,6 +367,10 @@ impl SessionTable {
                 )));
             }
         }
+        check_shape(base_blocks + new_blocks, has_tail, token_count, limits)?;
+        self.check_quota(limits, Some(cur.bytes), token_count * limits.bytes_per_token)?;
+        let dropped = (cur.keys.len() - base_blocks) as u64 + u64::from(cur.tail.is_some());
+        self.check_manifest_keys(limits, dropped, new_blocks as u64 + u64::from(has_tail))?;
         Ok(())
     }
 
@@ -390,14 +396,8 @@ impl SessionTable {
     ) -> Result<SessionManifest, ServerError> {
         let sid = (ns, id.to_string());
         self.reap_if_expired(tier, &sid, now);
-        self.check_extend_base(ns, id, expected_version, base_blocks, base_key, limits, now)?;
-        let Some(cur) = self.sessions.get(&sid) else {
-            return Err(self.absent_error(&sid, now));
-        };
-        check_shape(base_blocks + new_keys.len(), tail.is_some(), token_count, limits)?;
-        self.check_quota(limits, Some(cur.bytes), token_count * limits.bytes_per_token)?;
-        let dropped = (cur.keys.len() - base_blocks) as u64 + u64::from(cur.tail.is_some());
-        self.check_manifest_keys(limits, dropped, new_keys.len() as u64 + u64::from(tail.is_some()))?;
+        let shape = (new_keys.len(), tail.is_some(), token_count);
+        self.check_extend(ns, id, expected_version, base_blocks, base_key, shape, limits, now)?;
         pin_or_report(tier, &ns, &new_keys, tail)?;
         let Some(mut cur) = self.remove(&sid) else {
             return Err(ServerError::SessionNotFound(id.into()));
