@@ -708,12 +708,25 @@ fn info_dict<'py>(py: Python<'py>, i: &SessionInfo) -> PyResult<Bound<'py, PyDic
 /// TCP; `samenode_stats()` says which and why.
 #[pyclass(module = "kvtier._native")]
 struct Client {
-    engine: EngineClient,
+    /// Dropped only in the process it was made in (see the `Drop` impl).
+    engine: std::mem::ManuallyDrop<EngineClient>,
     budget: Duration,
     never_raise: bool,
     misses: Mutex<Misses>,
     /// The process it was made in (see [`same_process`]).
     pid: u32,
+}
+
+impl Drop for Client {
+    /// In a forked child a client made by the parent is leaked, not dropped: dropping its sockets
+    /// would deregister them from the epoll instance the child shares with the parent, whose
+    /// connections would then never be woken again.
+    fn drop(&mut self) {
+        if self.pid == std::process::id() {
+            // SAFETY: `engine` is dropped here once, and never used after (this is the drop).
+            unsafe { std::mem::ManuallyDrop::drop(&mut self.engine) };
+        }
+    }
 }
 
 /// The last miss (reason, detail) and the count of misses by reason.
@@ -1013,7 +1026,7 @@ impl Client {
             ..ClientConfig::default()
         };
         Ok(Client {
-            engine: EngineClient::new(addr, cfg, budget),
+            engine: std::mem::ManuallyDrop::new(EngineClient::new(addr, cfg, budget)),
             budget,
             never_raise,
             misses: Mutex::new(Misses::default()),
@@ -1970,7 +1983,21 @@ impl EventStream {
     /// Ends the watch.
     fn close(&self) {
         if let Ok(mut g) = self.watch.lock() {
-            *g = None;
+            let watch = g.take();
+            if self.pid != std::process::id() {
+                // Another process's (before a fork): leaked, as a `Client` is (see its `Drop`).
+                std::mem::forget(watch);
+            }
+        }
+    }
+}
+
+impl Drop for EventStream {
+    fn drop(&mut self) {
+        if self.pid != std::process::id() {
+            if let Ok(mut g) = self.watch.lock() {
+                std::mem::forget(g.take());
+            }
         }
     }
 }
