@@ -736,7 +736,6 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         self.state.namespace_for(&p, &id, Access::Write).map_err(to_status)?;
         let session = r.session_id;
         let ns = self.state.namespace(&id).map_err(to_status)?;
-        self.state.tiers().drop_shared(&id, &session).await; // Redis tier: its manifest too (no-op without one)
         let dropped = self
             .on_io({
                 let session = session.clone();
@@ -744,6 +743,9 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
             })
             .await
             .map_err(to_status)?;
+        // Redis tier: its manifest too (no-op without one), once the local drop is logged (a
+        // drop refused here, on a full disk, leaves the shared copy too).
+        self.state.tiers().drop_shared(&id, &session).await;
         if let Some(peers) = replicas::replicating(&self.state, &ns) {
             replicas::drop_elsewhere(peers, ns, session);
         }

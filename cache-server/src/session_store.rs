@@ -240,7 +240,9 @@ impl SessionStore {
         if dropped {
             self.emit(EventKind::SessionDropped, &ns, id);
         }
-        Ok(true)
+        // False when another call took it out meanwhile, or a park replaced it (that park holds
+        // a later number than the tombstone, so replay keeps it too).
+        Ok(dropped)
     }
 
     /// A live session's token count, its TTL untouched; `None` when there is none.

@@ -548,7 +548,6 @@ impl SessionTable {
         dead
     }
 
-    /// Puts back a session recovered from the session log, pinning its blocks.
     /// Remembers that a logged session could not be restored (its blocks on disk are damaged
     /// or gone), so that asking for it says so; as many as expired ids are remembered.
     pub fn mark_lost(&mut self, ns: NamespaceId, id: &str) {
@@ -557,6 +556,7 @@ impl SessionTable {
         }
     }
 
+    /// Puts back a session recovered from the session log, pinning its blocks.
     pub fn restore(&mut self, tier: &dyn PinTier, m: SessionManifest) -> Result<(), ServerError> {
         tier.pin(&m.namespace, &m.pinned_keys())?;
         let sid = (m.namespace, m.id.clone());

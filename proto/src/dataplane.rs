@@ -306,7 +306,7 @@ impl ItemStatus {
             ItemStatus::LossyCodec => "a quantizing codec in a lossless namespace",
             ItemStatus::Present => "already present",
             ItemStatus::OutOfRange => "offset and length outside the registered buffer (or the item's room)",
-            ItemStatus::Forbidden => "the namespace belongs to another tenant that granted no access",
+            ItemStatus::Forbidden => "forbidden: this tenant may not do this to another tenant's namespace (a read grant allows reads only)",
             ItemStatus::NoLease => "no such lease on this connection (never granted, ended, or past its deadline)",
             ItemStatus::Elsewhere => "held outside the registered arena (disk, peer or agent): load it with GET",
         }

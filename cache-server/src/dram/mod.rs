@@ -535,6 +535,14 @@ impl Shared {
                 "dram tier: a block of {size} bytes is larger than the tenant's dram_bytes quota of {quota}"
             )));
         }
+        // Writes in flight alone leave no room: refused before any of its blocks is evicted.
+        let in_flight = st.accounts.get(&account).map_or(0, |a| a.in_flight);
+        if in_flight + size > quota {
+            return Err(ServerError::Capacity(format!(
+                "dram tier: the tenant's writes in flight ({in_flight} bytes) leave no room for another {size} under \
+                 its dram_bytes quota of {quota}"
+            )));
+        }
         let mut pinned_seen = 0usize;
         loop {
             let Some(a) = st.accounts.get_mut(&account) else { return Ok(()) };

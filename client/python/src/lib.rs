@@ -40,7 +40,7 @@ create_exception!(
     kvtier,
     ForbiddenError,
     KvtierError,
-    "The namespace belongs to another tenant that granted no access."
+    "The namespace belongs to another tenant, which granted this one no such access (a read grant allows reads only)."
 );
 create_exception!(kvtier, QuotaExceededError, CapacityError, "The tenant is at one of its quotas.");
 create_exception!(
