@@ -155,6 +155,11 @@ def test_the_plugin_path_creates_the_connector(server, loop):
     assert rb.connection is None
     with pytest.raises(ValueError, match="url"):
         a.create_connector(ConnectorContext("plugin://kvtier", loop, local, cfg, md, "kvtier"))
+    # An option that isn't a number says which (it was Python's bare conversion error).
+    cfg = engine_config(server.addr)
+    cfg.extra_config["remote_storage_plugin.kvtier.url"] = f"kvtier://{server.addr}?timeout_s=soon"
+    with pytest.raises(ValueError, match="option timeout_s='soon' is not a float"):
+        a.create_connector(ConnectorContext("plugin://kvtier", loop, local, cfg, md, "kvtier"))
 
 
 def test_put_contains_get_round_trip(server, loop):

@@ -134,6 +134,17 @@ class KvtierConnectorAdapter(ConnectorAdapter):
                                      context.config, context.metadata, options)
 
 
+def _option(opts: dict, name: str, default: Any, kind: type) -> Any:
+    """Option `name` as a `kind`; a value that isn't one is an error naming the option (it was
+    Python's bare "could not convert string to float: 'soon'", and LMCache then ran with no
+    connector at all)."""
+    value = opts.get(name, default)
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"kvtier LMCache connector: option {name}={value!r} is not a {kind.__name__}") from None
+
+
 class KvtierRemoteConnector(RemoteConnector):
     """The connector `KvtierConnectorAdapter` creates (see the module docstring)."""
 
@@ -147,13 +158,13 @@ class KvtierRemoteConnector(RemoteConnector):
         self.config = config
         self.metadata = metadata
         blocking = float(getattr(config, "blocking_timeout_secs", 10) or 10)
-        self.timeout_s = min(float(opts.get("timeout_s", 5.0)), 0.8 * blocking)
-        self.lookup_timeout_s = min(float(opts.get("lookup_timeout_s", 1.0)), self.timeout_s)
+        self.timeout_s = min(_option(opts, "timeout_s", 5.0, float), 0.8 * blocking)
+        self.lookup_timeout_s = min(_option(opts, "lookup_timeout_s", 1.0, float), self.timeout_s)
         self.tenant = str(opts.get("tenant", "default"))
         salt = opts.get("salt", b"")
         salt = salt.encode() if isinstance(salt, str) else bytes(salt)
         self.client = kvtier.Client(addr, never_raise=True, timeout_s=self.timeout_s,
-                                    connections=int(opts.get("connections", 4)), auth_token=opts.get("auth_token"))
+                                    connections=_option(opts, "connections", 4, int), auth_token=opts.get("auth_token"))
         self.full_bytes = int(self.full_chunk_size_bytes)
         self.block_bytes = HEADER_BYTES + self.full_bytes
         self.dtype_code = DTYPE_TO_INT.get(self.meta_dtypes[0])
@@ -165,7 +176,7 @@ class KvtierRemoteConnector(RemoteConnector):
             tp_world=1 if metadata.use_mla else int(metadata.world_size),
             hash_algo=_clean(str(getattr(config, "pre_caching_hash_algorithm", "builtin"))), salt=salt)
         self._zeros = np.zeros(self.full_bytes, np.uint8)  # the padding of partial chunks (read only)
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=int(opts.get("io_threads", 4)),
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=_option(opts, "io_threads", 4, int),
                                                            thread_name_prefix="kvtier-lmcache")
         # Lookups on threads of their own: queued behind puts (each up to `timeout_s`) they took
         # far past `lookup_timeout_s` on a node that stopped answering.

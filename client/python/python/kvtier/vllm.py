@@ -601,6 +601,12 @@ class KvtierTier(SecondaryTierManager):
             success = len(done) == len(keys)
             if load and not success and done:
                 good = done
+            if not load and not success:
+                # Said once (every failure is counted in the store-failure metric): a writer whose
+                # stores are all refused (a read-only grant, a full node) logged nothing before.
+                self._log_once("store-failed", "kvtier tier: a store of %d chunks kept %d (last miss: %s); "
+                               "later store failures are only counted", len(keys), len(done),
+                               self._client.last_miss)
         except Exception as e:
             success = False
             self._log_once("job-exc", "kvtier tier: a %s job failed: %r", "load" if load else "store", e)
