@@ -432,6 +432,20 @@ fn events_all_works_for_a_tenant_token() {
     assert!(stdout.contains("ns="), "{stdout}");
 }
 
+/// Runs the CLI with `args`, its standard output a pipe whose reader goes away at once, long
+/// before the command has an answer to print.
+fn into_closed_pipe(args: &[&str]) -> std::process::Output {
+    let mut child = Command::new(kvtier_bin())
+        .args(args)
+        .env_remove("KVTIER_SERVER")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    child.wait_with_output().unwrap()
+}
+
 /// Output into a pipe its reader closed (`kvtier stats | true`) ends the command quietly: no
 /// panic, the exit status a shell gives a command that SIGPIPE ended.
 #[test]
@@ -441,16 +455,7 @@ fn output_into_a_closed_pipe_ends_the_command_quietly() {
     let (ok, _, err) = cli(&["session", "park", "--server", &addr, "--id", "s", "--text", &"x".repeat(800)]);
     assert!(ok, "{err}");
     for args in [vec!["stats", "--server", &addr], vec!["session", "resume", "--server", &addr, "--id", "s"]] {
-        let mut child = Command::new(kvtier_bin())
-            .args(&args)
-            .env_remove("KVTIER_SERVER")
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        // The reader goes away at once, long before the command has an answer to print.
-        drop(child.stdout.take());
-        let out = child.wait_with_output().unwrap();
+        let out = into_closed_pipe(&args);
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!err.contains("panicked") && err.is_empty(), "{args:?}: {err}");
         assert_eq!(out.status.code(), Some(141), "{args:?}: {err}");
@@ -467,16 +472,7 @@ fn output_into_a_closed_pipe_ends_the_command_quietly() {
         let (whole, piped) = (dir.path().join(format!("{i}-whole")), dir.path().join(format!("{i}-piped")));
         let (ok, _, err) = cli(&[&args[..], &[whole.to_str().unwrap()]].concat());
         assert!(ok, "{err}");
-        let mut child = Command::new(kvtier_bin())
-            .args(args)
-            .arg(&piped)
-            .env_remove("KVTIER_SERVER")
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        drop(child.stdout.take());
-        let out = child.wait_with_output().unwrap();
+        let out = into_closed_pipe(&[&args[..], &[piped.to_str().unwrap()]].concat());
         assert_eq!(out.status.code(), Some(141), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
         let expected = std::fs::read(&whole).unwrap();
         assert!(!expected.is_empty());

@@ -35,9 +35,8 @@ async fn live_then_dead_server() {
     assert!(engine.resume(&ns, "nobody").await.is_err());
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_server_that_never_answers_costs_one_budget() {
-    // Accepts TCP connections and then says nothing, forever.
+/// A listener that accepts TCP connections and then says nothing, forever; its address.
+async fn silent_listener() -> String {
     let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = silent.local_addr().unwrap().to_string();
     tokio::spawn(async move {
@@ -46,6 +45,12 @@ async fn a_server_that_never_answers_costs_one_budget() {
             held.push(s);
         }
     });
+    addr
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_never_answers_costs_one_budget() {
+    let addr = silent_listener().await;
     let cfg = ClientConfig {
         connect_timeout: Duration::from_secs(30),
         request_timeout: Duration::from_secs(30),
@@ -70,14 +75,7 @@ async fn a_server_that_never_answers_costs_one_budget() {
 /// after 500ms".
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_s_budget_holds_while_another_call_is_connecting() {
-    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = silent.local_addr().unwrap().to_string();
-    tokio::spawn(async move {
-        let mut held = Vec::new();
-        while let Ok((s, _)) = silent.accept().await {
-            held.push(s);
-        }
-    });
+    let addr = silent_listener().await;
     let cfg = ClientConfig { connect_timeout: Duration::from_secs(5), ..Default::default() };
     let engine = EngineClient::new(addr, cfg, Duration::from_secs(5));
     let ns = namespace("engine", b"", small_layout());
