@@ -198,8 +198,14 @@ impl SessionStore {
     /// Drops a session from memory only, for a caller that logged its going another way (its
     /// namespace's unregistration, which replay applies to its sessions).
     pub fn forget_session(&self, pins: &dyn PinTier, ns: NamespaceId, id: &str) -> bool {
+        self.take_out(ns, id, |t| t.drop_session(pins, ns, id))
+    }
+
+    /// Runs `remove` on the table (true if it took the session out), then publishes the count
+    /// and, if it went, the event.
+    fn take_out(&self, ns: NamespaceId, id: &str, remove: impl FnOnce(&mut SessionTable) -> bool) -> bool {
         let mut table = self.table.lock();
-        let dropped = table.drop_session(pins, ns, id);
+        let dropped = remove(&mut table);
         self.publish(table.len());
         drop(table);
         if dropped {
@@ -210,14 +216,7 @@ impl SessionStore {
 
     fn drop_if(&self, pins: &dyn PinTier, ns: NamespaceId, id: &str, version: u64) -> Result<bool, ServerError> {
         let Some(log) = &self.log else {
-            let mut table = self.table.lock();
-            let dropped = table.drop_replica(pins, ns, id, version);
-            self.publish(table.len());
-            drop(table);
-            if dropped {
-                self.emit(EventKind::SessionDropped, &ns, id);
-            }
-            return Ok(dropped);
+            return Ok(self.take_out(ns, id, |t| t.drop_replica(pins, ns, id, version)));
         };
         // The version seen and the tombstone's number, under the lock; the tombstone appended
         // outside it (as `change` appends); then the session taken out if nothing replaced it
@@ -233,16 +232,9 @@ impl SessionStore {
             tracing::warn!(session = id, "drop refused: it could not be logged: {e}");
             e
         })?;
-        let mut table = self.table.lock();
-        let dropped = table.undo(pins, ns, id, seen);
-        self.publish(table.len());
-        drop(table);
-        if dropped {
-            self.emit(EventKind::SessionDropped, &ns, id);
-        }
         // False when another call took it out meanwhile, or a park replaced it (that park holds
         // a later number than the tombstone, so replay keeps it too).
-        Ok(dropped)
+        Ok(self.take_out(ns, id, |t| t.undo(pins, ns, id, seen)))
     }
 
     /// A live session's token count, its TTL untouched; `None` when there is none.
