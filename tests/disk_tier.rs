@@ -313,7 +313,7 @@ async fn a_purge_holds_across_a_restart() {
     client.park(&ns, "kept", &kept, &kept_blocks, &opts, 0).await.unwrap();
     client.park(&ns, "gone", &gone, &session_payloads(&ns, &gone), &opts, 0).await.unwrap();
     assert!(client.drop_session(&ns, "gone").await.unwrap());
-    assert!(client.purge(&ns).await.unwrap() > 0);
+    assert!(client.purge(&ns).await.unwrap().blocks_removed > 0);
     assert!(client.load(&ns, &gone).await.unwrap().is_empty(), "purged");
     server.child.kill().unwrap();
     server.child.wait().unwrap();

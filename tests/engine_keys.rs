@@ -212,7 +212,7 @@ async fn purge_reaches_every_tier() {
     client.store(&kept, &kept_doc, &full_block_payloads(&kept, &kept_doc)).await.unwrap().ok().unwrap();
     client.store(&gone, &doc, &full_block_payloads(&gone, &doc)).await.unwrap().ok().unwrap();
     let queued = metric(&server.scrape(), "kvtier_disk_queue_depth", &[]);
-    let removed = client.purge(&gone).await.unwrap();
+    let removed = client.purge(&gone).await.unwrap().blocks_removed;
     eprintln!("purge: {removed} blocks removed, {queued} queued for disk at the time");
     let s = client.stats().await.unwrap();
     assert!(s.tiers[1].blocks > 0 || removed > 0, "{s:?}");

@@ -82,7 +82,7 @@ async fn stores_evictions_purges_and_sessions_arrive_with_their_keys() {
     let all: Vec<BlockKey> = want.iter().copied().chain(flood_keys.iter().copied()).collect();
     let held_now: HashSet<BlockKey> =
         all.iter().zip(client.exists_keys(&ns, &all).await.unwrap()).filter(|(_, h)| *h).map(|(k, _)| *k).collect();
-    let removed = client.purge(&ns).await.unwrap();
+    let removed = client.purge(&ns).await.unwrap().blocks_removed;
     assert_eq!(removed as usize, held_now.len());
     let got = collect(&mut w, |g| keys_of(g, EventKind::Purged).len() >= held_now.len()).await;
     assert_eq!(keys_of(&got, EventKind::Purged), held_now);

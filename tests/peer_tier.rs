@@ -270,3 +270,62 @@ async fn a_large_remote_load_comes_in_chunks_and_exact() {
         owners_asked.len()
     );
 }
+
+/// A purge or an unregistration asked of one node reaches every member, so no node keeps (and
+/// hands back through the peer tier) what was deleted; a member that was away (stopped past its
+/// TTL) is named in the answer and asked again when it is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_purge_or_an_unregistration_reaches_every_member_and_one_that_was_away() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    // rf 3: every node holds every block.
+    let nodes = cluster(&redis, dir.path(), 3);
+    let (a, b, c) = (nodes[0].client().await, nodes[1].client().await, nodes[2].client().await);
+    let spec = namespace("acme", b"purge-salt", small_layout());
+    let ns = a.register(spec.clone()).await.unwrap();
+    let (ns_b, ns_c) = (b.register(spec.clone()).await.unwrap(), c.register(spec.clone()).await.unwrap());
+    let toks = tokens(3, 8 * 16);
+    let payloads = full_block_payloads(&ns, &toks);
+    a.store(&ns, &toks, &payloads).await.unwrap().ok().unwrap();
+    until_forwarded(&nodes[0], 16);
+    assert_eq!(c.lookup(&ns_c, &toks).await.unwrap(), toks.len());
+
+    let d = a.purge(&ns).await.unwrap();
+    assert_eq!(d.blocks_removed, 8, "{d:?}");
+    let peers = d.peers.clone().expect("a cluster's purge says what its other members did");
+    assert_eq!((peers.members_done, peers.blocks_removed), (2, 16), "{d:?}");
+    assert!(d.missed().is_empty(), "{d:?}");
+    for (client, h) in [(&a, &ns), (&b, &ns_b), (&c, &ns_c)] {
+        assert_eq!(client.lookup(h, &toks).await.unwrap(), 0, "a member kept purged blocks");
+    }
+
+    // n3 is away (stopped until its TTL ran out) while n1 purges: n1 names it, and purges it
+    // when it is back. n1 and n2 hold nothing after the purge, so n3's lookup answering 0 says
+    // its own copies went.
+    a.store(&ns, &toks, &payloads).await.unwrap().ok().unwrap();
+    until_forwarded(&nodes[0], 32);
+    let pid3 = nodes[2].child.id();
+    stop_process(pid3);
+    until_members(&nodes[..2], 2);
+    let d = a.purge(&ns).await.unwrap();
+    assert_eq!(d.peers.as_ref().map(|p| p.members_done), Some(1), "{d:?}");
+    assert_eq!(d.missed().iter().map(|m| m.node_id.as_str()).collect::<Vec<_>>(), ["n3"], "{d:?}");
+    continue_process(pid3);
+    until_members(&nodes, 3);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while c.lookup(&ns_c, &toks).await.unwrap() != 0 {
+        assert!(Instant::now() < deadline, "n3 still holds blocks purged while it was away");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(metric(&nodes[0].scrape(), "kvtier_peer_deletes_retried_total", &[]) >= 1.0);
+
+    // An unregistration: the namespace is gone from every member.
+    a.store(&ns, &toks, &payloads).await.unwrap().ok().unwrap();
+    until_forwarded(&nodes[0], 48);
+    let d = a.unregister(&ns).await.unwrap();
+    assert_eq!((d.blocks_removed, d.peers.as_ref().map(|p| (p.members_done, p.blocks_removed))), (8, Some((2, 16))));
+    for (client, h) in [(&b, &ns_b), (&c, &ns_c)] {
+        let err = client.lookup(h, &toks).await.unwrap_err();
+        assert!(matches!(err, kvtier_client::ClientError::UnknownNamespace(_)), "{err}");
+    }
+}

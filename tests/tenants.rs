@@ -143,7 +143,7 @@ async fn another_tenant_can_neither_read_nor_change_nor_list_a_tenants_data() {
     let doc2 = tokens(9, 32);
     let blocks2 = full_block_payloads(&ns_a, &doc2);
     a.store(&ns_a, &doc2, &blocks2).await.unwrap().ok().unwrap();
-    assert!(a.purge(&ns_a).await.unwrap() >= 2);
+    assert!(a.purge(&ns_a).await.unwrap().blocks_removed >= 2);
     let poison: Vec<_> = blocks2.iter().map(|p| bytes::Bytes::from(vec![0xEE; p.len()])).collect();
     let report = b.store(&ns_a, &doc2, &poison).await.unwrap();
     assert_eq!(report.stored, 0);
@@ -306,7 +306,8 @@ async fn a_namespace_is_unregistered_by_its_owner_only_and_stays_gone_after_a_re
     }
     let err = b.unregister(&gone).await.unwrap_err();
     assert!(matches!(err, ClientError::UnknownNamespace(_)), "another tenant unregisters: {err}");
-    let (sessions, blocks) = a.unregister(&gone).await.unwrap();
+    let d = a.unregister(&gone).await.unwrap();
+    let (sessions, blocks) = (d.sessions_dropped, d.blocks_removed);
     assert_eq!((sessions, blocks), (1, 3));
     let err = a.lookup(&gone, &doc).await.unwrap_err();
     assert!(matches!(err, ClientError::UnknownNamespace(_)), "{err}");

@@ -323,7 +323,10 @@ fn main() -> anyhow::Result<()> {
                             }
                             let r = d.run("kvtier", &to, size, c, cfg.ops_per_task(size, c), run)?;
                             for id in &r.namespaces {
-                                let req = kvtier_proto::pb::PurgeRequest { namespace_id: pydriver::unhex(id)?.into() };
+                                let req = kvtier_proto::pb::PurgeRequest {
+                                    namespace_id: pydriver::unhex(id)?.into(),
+                                    local_only: false,
+                                };
                                 rt.block_on(grpc.raw_grpc().purge(req))?;
                             }
                             for (path, why) in &r.skipped {

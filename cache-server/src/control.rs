@@ -11,7 +11,7 @@ use tonic::{Request, Response, Status};
 
 use tokio::sync::{broadcast, watch};
 
-use crate::cluster::{replicas, LocalHolding, Member, Membership};
+use crate::cluster::{deletes, replicas, LocalHolding, Member, Membership, NamespaceDelete};
 use crate::dram::Priority;
 use crate::error::ServerError;
 use crate::events::{EventKind, KvEvent, WatchSlot};
@@ -416,6 +416,41 @@ impl ControlPlane {
         let snap = m.snapshot();
         let others = snap.members.iter().filter(|x| x.id != local.id).cloned().collect();
         (Some(local), others, snap.stale)
+    }
+
+    /// After a purge or an unregistration done here: the same on every other member (unless the
+    /// request came from one, `local_only`). `None` on a node without a cluster.
+    async fn delete_elsewhere(
+        &self,
+        ns: &Namespace,
+        local_only: bool,
+        what: NamespaceDelete,
+    ) -> Option<pb::ClusterDelete> {
+        let peers = self.state.tiers().peers()?;
+        if local_only {
+            // Forwards this node queued before the delete would put the blocks back elsewhere.
+            peers.mark_deleted(ns.id());
+            return None;
+        }
+        let (_, others, _) = self.members();
+        let d = deletes::delete_elsewhere(peers, &others, ns, what).await;
+        if !d.failed.is_empty() {
+            tracing::warn!(
+                failed = d.failed.len(),
+                "a namespace {} did not reach every member; they are asked again in the background",
+                what.name()
+            );
+        }
+        Some(pb::ClusterDelete {
+            members_done: d.members_done,
+            blocks_removed: d.blocks_removed,
+            sessions_dropped: d.sessions_dropped,
+            failed: d
+                .failed
+                .into_iter()
+                .map(|(id, reason)| pb::MemberFailure { node_id: id.to_string(), reason })
+                .collect(),
+        })
     }
 
     async fn route_hint_for(
@@ -824,17 +859,21 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
     ) -> Result<Response<pb::UnregisterNamespaceResponse>, Status> {
         let p = principal(&r)?;
         let id = ns_id(&r.get_ref().namespace_id).map_err(to_status)?;
+        let ns = self.state.namespace_for(&p, &id, Access::Write).map_err(to_status)?;
         // It appends to (and syncs) the namespace and session logs.
         let (sessions_dropped, blocks_removed) =
             self.on_io(move |s| s.unregister_namespace(&p, &id)).await.map_err(to_status)?;
-        Ok(Response::new(pb::UnregisterNamespaceResponse { sessions_dropped, blocks_removed }))
+        let peers = self.delete_elsewhere(&ns, r.get_ref().local_only, NamespaceDelete::Unregister).await;
+        Ok(Response::new(pb::UnregisterNamespaceResponse { sessions_dropped, blocks_removed, peers }))
     }
 
     async fn purge(&self, r: Request<pb::PurgeRequest>) -> Result<Response<pb::PurgeResponse>, Status> {
         let p = principal(&r)?;
         let id = ns_id(&r.get_ref().namespace_id).map_err(to_status)?;
+        let ns = self.state.namespace_for(&p, &id, Access::Write).map_err(to_status)?;
         // It appends to (and syncs) the namespace log.
         let removed = self.on_io(move |s| s.purge_namespace(&p, &id)).await.map_err(to_status)?;
-        Ok(Response::new(pb::PurgeResponse { blocks_removed: removed }))
+        let peers = self.delete_elsewhere(&ns, r.get_ref().local_only, NamespaceDelete::Purge).await;
+        Ok(Response::new(pb::PurgeResponse { blocks_removed: removed, peers }))
     }
 }

@@ -14,7 +14,9 @@ use kvtier_client::{ClientConfig, KvClient, NamespaceHandle, QuicConnector, Same
 use kvtier_proto::dataplane::ItemStatus;
 use kvtier_proto::pb::session_replica_request::Op;
 use kvtier_proto::{pb, BlockFrame, BlockKey, Namespace, NamespaceId};
-use kvtier_server::cluster::{replicas, LocalHolding, Member, NodeId, PeerFuture, PeerTransport, ReplicaPut};
+use kvtier_server::cluster::{
+    replicas, LocalHolding, Member, NamespaceDelete, NodeId, PeerFuture, PeerTransport, ReplicaPut,
+};
 use kvtier_server::dram::StoredBlock;
 use kvtier_server::sessions::SessionManifest;
 use kvtier_server::ServerError;
@@ -67,10 +69,10 @@ impl ClientTransport {
         ServerError::Peer { peer: peer.id.to_string(), reason: e.to_string() }
     }
 
-    /// The peer's client (connecting once), and its handle for `ns` (registering it once).
-    async fn handle(&self, peer: &Member, ns: &Namespace) -> Result<(Arc<Peer>, NamespaceHandle), ServerError> {
+    /// The peer's client (connecting once).
+    async fn peer(&self, peer: &Member) -> Result<Arc<Peer>, ServerError> {
         let known = lock(&self.peers).get(&peer.id).filter(|p| p.addr == peer.grpc_addr).cloned();
-        let p = match known {
+        Ok(match known {
             Some(p) => p,
             None => {
                 let client = match (&self.cfg.tls, self.quic) {
@@ -85,7 +87,12 @@ impl ClientTransport {
                 lock(&self.peers).insert(peer.id.clone(), p.clone());
                 p
             }
-        };
+        })
+    }
+
+    /// The peer's client (connecting once), and its handle for `ns` (registering it once).
+    async fn handle(&self, peer: &Member, ns: &Namespace) -> Result<(Arc<Peer>, NamespaceHandle), ServerError> {
+        let p = self.peer(peer).await?;
         let id = ns.id();
         let known = lock(&p.namespaces).get(&id).cloned();
         let h = match known {
@@ -134,6 +141,36 @@ impl PeerTransport for ClientTransport {
                 self.forget(peer);
                 Self::err(peer, e)
             })
+        })
+    }
+
+    fn delete<'a>(&'a self, peer: &'a Member, ns: &'a Namespace, what: NamespaceDelete) -> PeerFuture<'a, (u64, u64)> {
+        Box::pin(async move {
+            // Not registered there first: a peer that does not know the namespace holds nothing.
+            let p = self.peer(peer).await?;
+            let namespace_id = bytes::Bytes::copy_from_slice(&ns.id().0);
+            let mut g = p.client.raw_grpc();
+            let answer = match what {
+                NamespaceDelete::Purge => g
+                    .purge(pb::PurgeRequest { namespace_id, local_only: true })
+                    .await
+                    .map(|r| (0, r.into_inner().blocks_removed)),
+                NamespaceDelete::Unregister => g
+                    .unregister_namespace(pb::UnregisterNamespaceRequest { namespace_id, local_only: true })
+                    .await
+                    .map(|r| r.into_inner())
+                    .map(|r| (r.sessions_dropped, r.blocks_removed)),
+            };
+            // Registered again by the next call that needs it (the tenant registered it anew).
+            lock(&p.namespaces).remove(&ns.id());
+            match answer {
+                Ok(done) => Ok(done),
+                Err(s) if s.code() == tonic::Code::NotFound => Ok((0, 0)),
+                Err(s) => {
+                    self.forget(peer);
+                    Err(Self::err(peer, format!("{}: {}", s.code(), s.message())))
+                }
+            }
         })
     }
 

@@ -1173,26 +1173,59 @@ impl KvClient {
         self.timed(async move { Ok(g.stats(pb::StatsRequest {}).await?.into_inner()) }).await
     }
 
-    /// Admin: removes every unpinned block of a namespace.
-    pub async fn purge(&self, ns: &NamespaceHandle) -> Result<u64, ClientError> {
-        let req = pb::PurgeRequest { namespace_id: Bytes::copy_from_slice(&ns.id.0) };
+    /// Admin: removes every unpinned block of a namespace, on the node and on every other
+    /// member of its cluster (see [`Deleted::missed`] for members that could not be reached).
+    pub async fn purge(&self, ns: &NamespaceHandle) -> Result<Deleted, ClientError> {
+        let req = pb::PurgeRequest { namespace_id: Bytes::copy_from_slice(&ns.id.0), local_only: false };
         let mut g = self.grpc();
-        Ok(self.timed(async move { Ok(g.purge(req).await?.into_inner()) }).await?.blocks_removed)
+        let r = self.timed(async move { Ok(g.purge(req).await?.into_inner()) }).await?;
+        Ok(Deleted { blocks_removed: r.blocks_removed, sessions_dropped: 0, peers: r.peers })
     }
 
     /// Removes a namespace from the server: its sessions are dropped, its blocks removed, and
-    /// the server's slot for it freed. Returns (sessions dropped, blocks removed).
-    pub async fn unregister(&self, ns: &NamespaceHandle) -> Result<(u64, u64), ClientError> {
-        let req = pb::UnregisterNamespaceRequest { namespace_id: Bytes::copy_from_slice(&ns.id.0) };
+    /// the server's slot for it freed — on the node and on every other member of its cluster
+    /// (see [`Deleted::missed`] for members that could not be reached).
+    pub async fn unregister(&self, ns: &NamespaceHandle) -> Result<Deleted, ClientError> {
+        let req = pb::UnregisterNamespaceRequest { namespace_id: Bytes::copy_from_slice(&ns.id.0), local_only: false };
         let mut g = self.grpc();
         let r = self.timed(async move { Ok(g.unregister_namespace(req).await?.into_inner()) }).await?;
-        Ok((r.sessions_dropped, r.blocks_removed))
+        Ok(Deleted { blocks_removed: r.blocks_removed, sessions_dropped: r.sessions_dropped, peers: r.peers })
     }
 
     /// The raw gRPC client, for requests the typed API doesn't cover (and for tests that send
     /// malformed ones on purpose).
     pub fn raw_grpc(&self) -> KvTierClient<InterceptedService<Channel, impl tonic::service::Interceptor + Clone>> {
         self.grpc()
+    }
+}
+
+/// What a purge or an unregistration removed.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Deleted {
+    /// Blocks removed on the node asked.
+    pub blocks_removed: u64,
+    /// Sessions dropped on the node asked (an unregistration's).
+    pub sessions_dropped: u64,
+    /// What the other members of its cluster did; `None` on a node without a cluster.
+    pub peers: Option<pb::ClusterDelete>,
+}
+
+impl Deleted {
+    /// Blocks removed on every member that did it.
+    pub fn total_blocks(&self) -> u64 {
+        self.blocks_removed + self.peers.as_ref().map_or(0, |p| p.blocks_removed)
+    }
+
+    /// Sessions dropped on every member that did it.
+    pub fn total_sessions(&self) -> u64 {
+        self.sessions_dropped + self.peers.as_ref().map_or(0, |p| p.sessions_dropped)
+    }
+
+    /// Members that could not be reached (node id, why): they may still hold the namespace's
+    /// blocks until the node asked reaches them (it retries in the background for up to an
+    /// hour while it runs); asking again is safe.
+    pub fn missed(&self) -> &[pb::MemberFailure] {
+        self.peers.as_ref().map_or(&[], |p| &p.failed)
     }
 }
 

@@ -7,15 +7,19 @@
 //!   stores are forwarded to them; the network behind the [`PeerTransport`] seam.
 //! - [`replicas`]: replicated sessions — parks held by `rf` nodes, resumes that find the newest
 //!   copy on any node, copies re-made after a membership change.
+//! - [`deletes`]: a purge or an unregistration done on every member, and retried on one that
+//!   could not be reached.
 //! - [`membership`]: the [`Membership`] seam — a watchable snapshot of the members, kept in
 //!   process for a single node ([`Embedded`]) or in Redis with a TTL heartbeat ([`RedisMembership`]).
 
+pub mod deletes;
 pub mod fetch;
 pub use kvtier_proto::cluster::{member, placement};
 pub mod membership;
 pub mod peer;
 pub mod replicas;
 
+pub use deletes::{ClusterDelete, NamespaceDelete};
 pub use member::{Labels, Member, NodeId};
 pub use membership::{Embedded, Membership, RedisMembership, RedisMembershipConfig, Snapshot};
 pub use peer::{Hedge, LocalHolding, PeerConfig, PeerFuture, PeerTier, PeerTransport, ReplicaPut};

@@ -27,7 +27,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -35,6 +35,7 @@ use kvtier_proto::{BlockKey, Namespace, NamespaceId};
 use parking_lot::Mutex;
 use tokio::sync::{mpsc, watch, Semaphore};
 
+use super::deletes::NamespaceDelete;
 use super::member::{Labels, Member, NodeId};
 use super::membership::Snapshot;
 use super::placement::{Placement, Reader};
@@ -72,6 +73,11 @@ pub trait PeerTransport: Send + Sync + 'static {
 
     /// Which of `keys` `peer`'s own tiers hold, in one request.
     fn exists<'a>(&'a self, peer: &'a Member, ns: &'a Namespace, keys: &'a [BlockKey]) -> PeerFuture<'a, Vec<bool>>;
+
+    /// Does `what` to namespace `ns` on `peer` alone (which passes it on to nobody): (sessions
+    /// dropped, blocks removed) there. A peer that does not know the namespace holds nothing of
+    /// it: `(0, 0)`, not an error.
+    fn delete<'a>(&'a self, peer: &'a Member, ns: &'a Namespace, what: NamespaceDelete) -> PeerFuture<'a, (u64, u64)>;
 
     /// How long a prefix of `keys` `peer`'s own tiers hold, and whether it holds `session`, in
     /// one request (a `RouteHint` with `local_only`, authorized like any other call). A transport
@@ -235,6 +241,7 @@ fn bump(c: &AtomicU64, n: u64) {
 struct ForwardJob {
     ns: Namespace,
     blocks: Vec<StoredBlock>,
+    queued: Instant,
     _bytes: tokio::sync::OwnedSemaphorePermit,
 }
 
@@ -255,7 +262,17 @@ pub struct PeerTier {
     counters: Counters,
     forward_tx: mpsc::Sender<ForwardJob>,
     forward_bytes: Arc<Semaphore>,
+    /// Namespaces purged or unregistered lately, and when: forwards queued before are dropped.
+    deleted: Mutex<HashMap<NamespaceId, Instant>>,
+    /// Deletes owed to members that could not be reached (see `super::deletes`).
+    owed_deletes: AtomicUsize,
+    /// Members of an earlier placement gone from the current one (killed, stopped), and since
+    /// when: a node that comes back under its id is owed the deletes made while it was away.
+    departed: Mutex<HashMap<NodeId, Instant>>,
 }
+
+/// How long a delete cancels forwards queued before it (the queue drains in far less).
+const DELETED_FOR: Duration = Duration::from_secs(60);
 
 /// The blocks of one answer to the keys `idx`, with their key indices.
 fn hits(idx: &[usize], answer: Result<Vec<Option<StoredBlock>>, ()>) -> Vec<(usize, StoredBlock)> {
@@ -302,6 +319,9 @@ impl PeerTier {
             counters: Counters::default(),
             forward_tx: tx,
             forward_bytes: Arc::new(Semaphore::new(FORWARD_BYTES)),
+            deleted: Mutex::new(HashMap::new()),
+            owed_deletes: AtomicUsize::new(0),
+            departed: Mutex::new(HashMap::new()),
         });
         let task = tokio::spawn(forward_loop(Arc::downgrade(&tier), rx, stop));
         (tier, task)
@@ -315,9 +335,27 @@ impl PeerTier {
         };
         let mut p = self.placement.lock();
         if p.0 != generation {
+            let present = |id: &NodeId| members.binary_search_by(|m| m.id.cmp(id)).is_ok();
+            let now = Instant::now();
+            let mut departed = self.departed.lock();
+            departed.retain(|id, at| now.duration_since(*at) < super::deletes::OWED_FOR && !present(id));
+            for m in p.1.members() {
+                if m.id != self.local && !present(&m.id) && departed.len() < super::membership::MAX_MEMBERS {
+                    departed.entry(m.id.clone()).or_insert(now);
+                }
+            }
+            drop(departed);
             *p = (generation, Arc::new(Placement::new(&members)));
         }
         p.1.clone()
+    }
+
+    /// Members that left the membership within the last [`super::deletes::OWED_FOR`] and have
+    /// not come back, with how long ago they were first seen gone.
+    pub(crate) fn departed(&self) -> Vec<(NodeId, Duration)> {
+        self.placement();
+        let now = Instant::now();
+        self.departed.lock().iter().map(|(id, at)| (id.clone(), now.duration_since(*at))).collect()
     }
 
     pub(crate) fn is_down(&self, id: &NodeId, now: Instant) -> bool {
@@ -657,15 +695,37 @@ impl PeerTier {
         let Ok(permit) = self.forward_bytes.clone().try_acquire_many_owned(bytes.min(FORWARD_BYTES) as u32) else {
             return dropped();
         };
-        if self.forward_tx.try_send(ForwardJob { ns, blocks, _bytes: permit }).is_err() {
+        if self.forward_tx.try_send(ForwardJob { ns, blocks, queued: Instant::now(), _bytes: permit }).is_err() {
             dropped();
         }
     }
 
+    /// Notes that namespace `id` was just purged or unregistered here: stores of it queued for
+    /// forwarding until now are not forwarded (they would put its blocks back on the owners).
+    pub fn mark_deleted(&self, id: NamespaceId) {
+        let now = Instant::now();
+        let mut deleted = self.deleted.lock();
+        deleted.retain(|_, at| now.duration_since(*at) < DELETED_FOR);
+        deleted.insert(id, now);
+    }
+
+    /// Whether a store of `id` queued at `queued` was deleted since.
+    fn deleted_since(&self, id: &NamespaceId, queued: Instant) -> bool {
+        self.deleted.lock().get(id).is_some_and(|at| *at >= queued)
+    }
+
+    pub(crate) fn owed_deletes(&self) -> &AtomicUsize {
+        &self.owed_deletes
+    }
+
     /// Sends one accepted store to the blocks' other owners: one request per owner.
     async fn forward_now(&self, job: ForwardJob) {
-        let p = self.placement();
         let (id, rf) = (job.ns.id(), self.rf_for(&job.ns));
+        if self.deleted_since(&id, job.queued) {
+            tracing::debug!(blocks = job.blocks.len(), "forward of a namespace deleted since not sent");
+            return;
+        }
+        let p = self.placement();
         let now = Instant::now();
         let mut by_peer: HashMap<usize, Vec<StoredBlock>> = HashMap::new();
         let mut owners = Vec::new();

@@ -134,8 +134,10 @@ impl PeerTransport for Fake {
         Box::pin(async move {
             let id = peer.id.to_string();
             self.calls.lock().push((id.clone(), "put", blocks.len()));
-            if self.mode(&id) == Mode::Refuse {
-                return Err(ServerError::Peer { peer: id, reason: "refused".into() });
+            match self.mode(&id) {
+                Mode::Refuse => return Err(ServerError::Peer { peer: id, reason: "refused".into() }),
+                Mode::Late(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
+                _ => {}
             }
             let mut held = self.held.lock();
             let mine = held.entry(id).or_default();
@@ -143,6 +145,21 @@ impl PeerTransport for Fake {
                 mine.insert(b.header.key, b.clone());
             }
             Ok(blocks.len())
+        })
+    }
+
+    fn delete<'a>(&'a self, peer: &'a Member, ns: &'a Namespace, _what: NamespaceDelete) -> PeerFuture<'a, (u64, u64)> {
+        Box::pin(async move {
+            let id = peer.id.to_string();
+            self.calls.lock().push((id.clone(), "delete", 0));
+            if self.mode(&id) == Mode::Refuse {
+                return Err(ServerError::Peer { peer: id, reason: "refused".into() });
+            }
+            let mut held = self.held.lock();
+            let mine = held.entry(id).or_default();
+            let before = mine.len();
+            mine.retain(|_, b| b.header.namespace != ns.id());
+            Ok((0, (before - mine.len()) as u64))
         })
     }
 }
@@ -524,4 +541,58 @@ fn the_auto_hedge_delay_is_the_recent_p95() {
     }
     assert_eq!(w.samples.len(), LATENCY_WINDOW, "the window keeps only the latest");
     assert!(w.samples.iter().all(|d| *d >= Duration::from_millis(10)));
+}
+
+/// A purge reaches every other member; one that refused is reported, and asked again in the
+/// background until it does it.
+#[tokio::test]
+async fn a_delete_reaches_every_member_and_is_retried_on_one_that_failed() {
+    let (s, _blocks) = setup(3, 32, Duration::from_secs(2));
+    s.fake.modes.lock().insert("b".into(), Mode::Refuse);
+    let others = [member("b"), member("c")];
+    let d = super::super::deletes::delete_elsewhere(&s.tier, &others, &s.ns, NamespaceDelete::Purge).await;
+    assert_eq!(d.members_done, 1, "{d:?}");
+    assert_eq!(d.blocks_removed, 32, "c held every block (rf 3): {d:?}");
+    assert_eq!(d.failed.len(), 1, "{d:?}");
+    assert_eq!(d.failed[0].0.as_str(), "b");
+    assert!(s.fake.held.lock()["c"].is_empty());
+    assert_eq!(s.fake.held.lock()["b"].len(), 32, "b refused: it still holds them");
+    // b answers again: the owed delete reaches it.
+    s.fake.modes.lock().insert("b".into(), Mode::Honest);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !s.fake.held.lock()["b"].is_empty() {
+        assert!(Instant::now() < deadline, "the owed delete never reached b: {:?}", s.fake.calls("delete"));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(s.tier.owed_deletes().load(Ordering::Relaxed), 0);
+    let tries = s.fake.calls("delete").iter().filter(|c| c.0 == "b").count();
+    assert!(tries >= 2, "asked again after it refused: {tries}");
+}
+
+/// Stores queued for forwarding before a delete of their namespace are not forwarded after it
+/// (they would put the deleted blocks back on their owners).
+#[tokio::test]
+async fn forwards_queued_before_a_delete_are_not_sent() {
+    let (s, blocks) = setup(3, 32, Duration::from_secs(5));
+    s.fake.held.lock().clear();
+    // Every put takes 300 ms: the first job is in flight while the second waits in the queue.
+    s.fake.modes.lock().insert("b".into(), Mode::Late(300));
+    s.tier.forward(s.ns.clone(), blocks[..16].to_vec());
+    s.tier.forward(s.ns.clone(), blocks[16..].to_vec());
+    s.tier.mark_deleted(s.ns.id());
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let held = s.fake.held.lock();
+    for b in &blocks[16..] {
+        for peer in ["b", "c"] {
+            assert!(!held.get(peer).is_some_and(|h| h.contains_key(&b.header.key)), "{peer} got a deleted block");
+        }
+    }
+    drop(held);
+    // A store after the delete is forwarded as before.
+    s.tier.forward(s.ns.clone(), blocks[16..].to_vec());
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !s.fake.held.lock().get("c").is_some_and(|h| h.contains_key(&blocks[16].header.key)) {
+        assert!(Instant::now() < deadline, "a store after the delete was not forwarded");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }

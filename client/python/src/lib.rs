@@ -956,6 +956,23 @@ impl Client {
     }
 }
 
+/// A `RuntimeWarning` naming the members of the cluster a purge or an unregistration did not
+/// reach.
+fn warn_missed(py: Python<'_>, what: &str, d: &kvtier_client::Deleted) -> PyResult<()> {
+    if d.missed().is_empty() {
+        return Ok(());
+    }
+    let who: Vec<String> = d.missed().iter().map(|m| format!("{} ({})", m.node_id, m.reason)).collect();
+    let msg = format!(
+        "{what} did not reach {} member(s) of the cluster: {}; they may still hold the namespace's \
+         blocks until the node reaches them (it retries in the background)",
+        who.len(),
+        who.join(", ")
+    );
+    let msg = std::ffi::CString::new(msg).unwrap_or_default();
+    PyErr::warn(py, &py.get_type::<pyo3::exceptions::PyRuntimeWarning>(), &msg, 1)
+}
+
 #[pymethods]
 impl Client {
     /// `addr`: the server's gRPC address (`host:port`). `timeout_s` bounds every call end to end.
@@ -1579,12 +1596,35 @@ impl Client {
     }
 
     /// Removes `ns` from the server: its sessions are dropped, its blocks removed and its slot
-    /// freed. Returns `(sessions_dropped, blocks_removed)` (`(0, 0)` on a miss).
+    /// freed, on the node and on every other member of its cluster. Returns `(sessions_dropped,
+    /// blocks_removed)` over every member that did it (`(0, 0)` on a miss); a member that could
+    /// not be reached is named in a `RuntimeWarning` (the node retries it in the background).
     fn unregister(&self, py: Python<'_>, ns: &Namespace) -> PyResult<(u64, u64)> {
-        let gone = self.run(py, "unregister", ns, || (0, 0), async |c, h| c.unregister(&h).await);
+        let gone = self.run(py, "unregister", ns, || None, async |c, h| c.unregister(&h).await.map(Some));
         // Registered again by the next call that names it.
         self.forget(py, ns)?;
-        gone
+        Ok(match gone? {
+            Some(d) => {
+                warn_missed(py, "unregister", &d)?;
+                (d.total_sessions(), d.total_blocks())
+            }
+            None => (0, 0),
+        })
+    }
+
+    /// Removes every unpinned block of `ns`, on the node and on every other member of its
+    /// cluster. Returns how many blocks went over every member that did it (0 on a miss); a
+    /// member that could not be reached is named in a `RuntimeWarning` (the node retries it in
+    /// the background).
+    fn purge(&self, py: Python<'_>, ns: &Namespace) -> PyResult<u64> {
+        let gone = self.run(py, "purge", ns, || None, async |c, h| c.purge(&h).await.map(Some))?;
+        Ok(match gone {
+            Some(d) => {
+                warn_missed(py, "purge", &d)?;
+                d.total_blocks()
+            }
+            None => 0,
+        })
     }
 
     /// Live sessions of `ns`, as dicts.
