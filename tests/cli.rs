@@ -598,3 +598,25 @@ fn put_says_when_what_it_stored_is_no_longer_held() {
     assert!(ok && out.contains("stored 1 of 1 block(s)"), "{out} {err}");
     assert!(!out.contains("note:"), "the block is held: {out}");
 }
+
+/// `kvtier purge` and `kvtier unregister` remove a namespace's blocks (and sessions) and say how
+/// many; a node without a cluster names no other member.
+#[test]
+fn purge_and_unregister_remove_what_they_say() {
+    let server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
+    let addr = server.grpc_addr();
+    let text = "a prefix that a tenant wants gone from the cache, every block of it, right now";
+    let (ok, out, err) = cli(&["put", "--server", &addr, "--text", text]);
+    assert!(ok, "{out} {err}");
+    let (ok, out, err) = cli(&["purge", "--server", &addr]);
+    assert!(ok && out.trim() == "purged: 4 block(s)", "{out} {err}");
+    let (ok, out, err) = cli(&["lookup", "--server", &addr, "--text", text]);
+    assert!(ok && out.starts_with("0 of"), "{out} {err}");
+
+    let (ok, out, err) = cli(&["session", "park", "--server", &addr, "--id", "s", "--text", text]);
+    assert!(ok, "{out} {err}");
+    let (ok, out, err) = cli(&["unregister", "--server", &addr]);
+    assert!(ok && out.trim() == "unregistered: 1 session(s) and 5 block(s)", "{out} {err}");
+    let (ok, out, err) = cli(&["session", "ls", "--server", &addr]);
+    assert!(ok && out.contains("0 session(s)"), "{out} {err}");
+}

@@ -57,6 +57,12 @@ enum Cmd {
     Session(SessionCmd),
     /// Tier and session statistics.
     Stats(NodeArgs),
+    /// Remove every unpinned block of a namespace, on the node and on every other member of its
+    /// cluster.
+    Purge(ConnArgs),
+    /// Remove a namespace (its sessions, its blocks and its slot), on the node and on every other
+    /// member of its cluster.
+    Unregister(ConnArgs),
     /// Follow a node's KV events (stored, evicted, purged keys; sessions), one line each.
     Events(watch::EventsArgs),
     /// Which nodes hold how long a prefix of a token sequence, and a session: a routing hint.
@@ -376,6 +382,8 @@ fn run() -> anyhow::Result<()> {
             Cmd::Lookup(a) => lookup(a).await,
             Cmd::Session(s) => session(s).await,
             Cmd::Stats(c) => stats(c).await,
+            Cmd::Purge(c) => delete(c, false).await,
+            Cmd::Unregister(c) => delete(c, true).await,
             Cmd::Events(a) => watch::events(a).await,
             Cmd::Route(a) => watch::route(a).await,
             Cmd::Plan(_) | Cmd::Cert(_) => Ok(()),
@@ -686,6 +694,36 @@ async fn lookup(a: TokensArgs) -> anyhow::Result<()> {
     let tokens = a.tokens()?;
     let n = client.lookup(&ns, &tokens).await?;
     outln!("{n} of {} tokens are stored", tokens.len())?;
+    Ok(())
+}
+
+/// `purge` (or `unregister`): what went, here and on the other members; an error when a member
+/// could not be reached (the node asks it again in the background).
+async fn delete(c: ConnArgs, unregister: bool) -> anyhow::Result<()> {
+    let (client, ns) = connect(&c).await?;
+    let d = if unregister { client.unregister(&ns).await? } else { client.purge(&ns).await? };
+    let what = if unregister { "unregistered" } else { "purged" };
+    let sessions = |n: u64| if unregister { format!("{n} session(s) and ") } else { String::new() };
+    match &d.peers {
+        Some(p) => outln!(
+            "{what}: {}{} block(s) here, {}{} block(s) on {} other member(s)",
+            sessions(d.sessions_dropped),
+            d.blocks_removed,
+            sessions(p.sessions_dropped),
+            p.blocks_removed,
+            p.members_done
+        )?,
+        None => outln!("{what}: {}{} block(s)", sessions(d.sessions_dropped), d.blocks_removed)?,
+    }
+    if !d.missed().is_empty() {
+        let who: Vec<String> = d.missed().iter().map(|m| format!("{} ({})", m.node_id, m.reason)).collect();
+        bail!(
+            "not done on {} member(s) of the cluster: {}; they may still hold its blocks until the node reaches them \
+             (it asks again in the background; running this again is safe)",
+            who.len(),
+            who.join(", ")
+        );
+    }
     Ok(())
 }
 
