@@ -329,3 +329,58 @@ async fn a_purge_or_an_unregistration_reaches_every_member_and_one_that_was_away
         assert!(matches!(err, kvtier_client::ClientError::UnknownNamespace(_)), "{err}");
     }
 }
+
+/// A tenant at its `max_namespaces` on a node is held to it there when its blocks arrive
+/// forwarded from another node (the forwarding node registers them as the operator); and that
+/// refusal is the tenant's, not a sign the node is down: it stays in use for everyone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_s_quota_holds_for_forwarded_blocks_and_its_refusal_takes_no_node_down() {
+    const OPERATOR: &str = "operator-secret-0123456789";
+    const TOKEN_T: &str = "tenant-t-secret-0123456789";
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let nodes: Vec<ServerProcess> = ["n1", "n2"]
+        .iter()
+        .map(|id| {
+            let cfg = dir.path().join(format!("{id}.toml"));
+            std::fs::write(
+                &cfg,
+                format!(
+                    "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\ncluster_rf = 2\npeer_timeout = \"1s\"\n\
+                     auth_token = \"{OPERATOR}\"\n\n[[tenants]]\nname = \"t\"\ntokens = [\"{TOKEN_T}\"]\nmax_namespaces = 1\n",
+                    redis.url()
+                ),
+            )
+            .unwrap();
+            ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"])
+        })
+        .collect();
+    until_members(&nodes, 2);
+    let client_as = |n: usize, token: &str| {
+        let cfg = kvtier_client::ClientConfig { auth_token: Some(token.into()), ..Default::default() };
+        let addr = nodes[n].grpc_addr();
+        async move { KvClient::connect(&addr, cfg).await }
+    };
+    let (t1, t2, op1) = (
+        client_as(0, TOKEN_T).await.unwrap(),
+        client_as(1, TOKEN_T).await.unwrap(),
+        client_as(0, OPERATOR).await.unwrap(),
+    );
+    let m1 = t1.register(namespace("t", b"m1", small_layout())).await.unwrap();
+    // n2's one namespace of t.
+    t2.register(namespace("t", b"m2", small_layout())).await.unwrap();
+    let toks = tokens(5, 4 * 16);
+    t1.store(&m1, &toks, &full_block_payloads(&m1, &toks)).await.unwrap().ok().unwrap();
+    let dropped = || metric(&nodes[0].scrape(), "kvtier_peer_forward_dropped_total", &[]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while dropped() < 4.0 {
+        assert!(Instant::now() < deadline, "n2 did not refuse t's second namespace: {} dropped", dropped());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(t2.stats().await.unwrap().namespaces, 1, "n2 holds more than t's max_namespaces");
+    // Right after the refusal, n1 still asks n2.
+    let ops = op1.register(namespace("op", b"o", small_layout())).await.unwrap();
+    let hint = op1.route_hint(&ops, &toks, None).await.unwrap();
+    assert!(hint.node("n2").is_some_and(|n| n.reachable), "n2 was taken for down after a tenant's refusal: {hint:?}");
+    assert!(metric(&nodes[0].scrape(), "kvtier_peer_errors_total", &[("op", "put")]) >= 1.0);
+}

@@ -523,16 +523,18 @@ impl NodeState {
             if ns.tenant != t.name {
                 return self.register_granted(by, &ns);
             }
-            if let Some(max) = t.quotas.max_namespaces {
-                let map = self.namespaces.read();
-                let id = ns.id();
-                let held = map.values().filter(|n| n.tenant == t.name).count() as u64;
-                if !map.contains_key(&id) && held >= max {
-                    return Err(ServerError::QuotaExceeded(format!(
-                        "tenant {:?} holds {held} namespaces, its max_namespaces",
-                        t.name
-                    )));
-                }
+        }
+        // The owner's quota, whoever registers it: a peer forwarding the tenant's blocks (as the
+        // operator) counts against it as the tenant itself would.
+        if let Some(max) = self.tenants.tenant(&ns.tenant).and_then(|t| t.quotas.max_namespaces) {
+            let map = self.namespaces.read();
+            let id = ns.id();
+            let held = map.values().filter(|n| n.tenant == ns.tenant).count() as u64;
+            if !map.contains_key(&id) && held >= max {
+                return Err(ServerError::QuotaExceeded(format!(
+                    "tenant {:?} holds {held} namespaces on this node, its max_namespaces is {max} (unregister one first)",
+                    ns.tenant
+                )));
             }
         }
         if ns.layout.block_bytes() > self.config.max_frame_bytes.0 {

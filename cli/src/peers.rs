@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvtier_client::{ClientConfig, KvClient, NamespaceHandle, QuicConnector, SameNodeMode};
+use kvtier_client::{ClientConfig, ClientError, KvClient, NamespaceHandle, QuicConnector, SameNodeMode};
 use kvtier_proto::dataplane::ItemStatus;
 use kvtier_proto::pb::session_replica_request::Op;
 use kvtier_proto::{pb, BlockFrame, BlockKey, Namespace, NamespaceId};
@@ -98,12 +98,29 @@ impl ClientTransport {
         let h = match known {
             Some(h) => h,
             None => {
-                let h = p.client.register(ns.clone()).await.map_err(|e| Self::err(peer, e))?;
+                let h = p.client.register(ns.clone()).await.map_err(|e| self.failure(peer, e))?;
                 lock(&p.namespaces).insert(id, h.clone());
                 h
             }
         };
         Ok((p, h))
+    }
+
+    /// A failed call's error. A refusal the peer answered with (a tenant's quota, no room, a
+    /// tenant's access) keeps its kind, and the connection is kept: the peer is up, and treating
+    /// it as down would skip it for every tenant. Anything else (the connection, a timeout, a
+    /// wrong answer) drops the peer's client, so the next call starts over.
+    fn failure(&self, peer: &Member, e: ClientError) -> ServerError {
+        let on = |m: String| format!("on node {}: {m}", peer.id);
+        match e {
+            ClientError::QuotaExceeded(m) => ServerError::QuotaExceeded(on(m)),
+            ClientError::Capacity(m) => ServerError::Capacity(on(m)),
+            ClientError::Forbidden(m) => ServerError::Forbidden(on(m)),
+            e => {
+                self.forget(peer);
+                Self::err(peer, e)
+            }
+        }
     }
 
     fn forget(&self, peer: &Member) {
@@ -125,10 +142,7 @@ impl PeerTransport for ClientTransport {
                     .into_iter()
                     .map(|f| f.map(|BlockFrame { header, payload }| StoredBlock { header, payload }))
                     .collect()),
-                Err(e) => {
-                    self.forget(peer);
-                    Err(Self::err(peer, e))
-                }
+                Err(e) => Err(self.failure(peer, e)),
             }
         })
     }
@@ -137,10 +151,7 @@ impl PeerTransport for ClientTransport {
         Box::pin(async move {
             let (p, h) = self.handle(peer, ns).await?;
             // Flagged as a peer's: answered from the peer's own tiers, never passed on.
-            p.client.peer_exists_keys(&h, keys).await.map_err(|e| {
-                self.forget(peer);
-                Self::err(peer, e)
-            })
+            p.client.peer_exists_keys(&h, keys).await.map_err(|e| self.failure(peer, e))
         })
     }
 
@@ -186,10 +197,7 @@ impl PeerTransport for ClientTransport {
             // A `RouteHint` with `local_only`: the peer answers from its own tiers and sessions.
             match p.client.route_hint_local(&h, keys, session).await {
                 Ok((prefix, session_tokens)) => Ok(LocalHolding { prefix_blocks: prefix as u32, session_tokens }),
-                Err(e) => {
-                    self.forget(peer);
-                    Err(Self::err(peer, e))
-                }
+                Err(e) => Err(self.failure(peer, e)),
             }
         })
     }
@@ -204,10 +212,7 @@ impl PeerTransport for ClientTransport {
                 blocks.iter().map(|b| BlockFrame { header: b.header, payload: b.payload.clone() }).collect();
             let mut st = match p.client.peer_store_frames(&frames).await {
                 Ok(st) => st,
-                Err(e) => {
-                    self.forget(peer);
-                    return Err(Self::err(peer, e));
-                }
+                Err(e) => return Err(self.failure(peer, e)),
             };
             // The peer no longer knows the namespace (it restarted without a disk tier, or it was
             // unregistered there): registered again, and the blocks sent once more. Before, every
@@ -215,10 +220,7 @@ impl PeerTransport for ClientTransport {
             if st.contains(&ItemStatus::UnknownNamespace) {
                 lock(&p.namespaces).remove(&ns.id());
                 let _ = self.handle(peer, ns).await?;
-                st = p.client.peer_store_frames(&frames).await.map_err(|e| {
-                    self.forget(peer);
-                    Self::err(peer, e)
-                })?;
+                st = p.client.peer_store_frames(&frames).await.map_err(|e| self.failure(peer, e))?;
             }
             Ok(st.iter().filter(|s| s.is_held()).count())
         })
@@ -299,9 +301,6 @@ impl ClientTransport {
             manifest,
             ttl_ms: ttl_ms.unwrap_or(0),
         };
-        p.client.session_replica(req).await.map_err(|e| {
-            self.forget(peer);
-            Self::err(peer, e)
-        })
+        p.client.session_replica(req).await.map_err(|e| self.failure(peer, e))
     }
 }

@@ -370,9 +370,16 @@ impl PeerTier {
         }
     }
 
+    /// Counts a failed call to `peer`; one that did not answer (or answered wrongly) is skipped
+    /// for [`DOWN_FOR`]. A refusal it answered with (a tenant's quota, no room) is not a sign it
+    /// is down: skipping it would turn every tenant's blocks on it into misses.
     pub(crate) fn failed(&self, peer: &Member, what: &'static str, e: &ServerError) {
         bump(&self.counters.errors, 1);
         ::metrics::counter!("kvtier_peer_errors_total", "op" => what).increment(1);
+        if !matches!(e, ServerError::Peer { .. }) {
+            tracing::debug!(peer = %peer.id, "peer {what} refused: {e}");
+            return;
+        }
         let mut down = self.down.lock();
         if down.len() > 4096 {
             down.clear();

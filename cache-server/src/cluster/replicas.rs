@@ -77,6 +77,8 @@ pub async fn replicate(state: &NodeState, ns: &Namespace, m: &SessionManifest) -
     let order = owners(peers, &p, &ns.id(), &m.id);
     let (mut held, mut next) = (1, 0);
     let mut failures = Vec::new();
+    // A refusal a peer answered with (a tenant's quota there, no room) is said as what it is.
+    let mut refusal = None;
     while held < rf && next < order.len() {
         let take = (rf - held).min(order.len() - next);
         let batch = &order[next..next + take];
@@ -88,6 +90,9 @@ pub async fn replicate(state: &NodeState, ns: &Namespace, m: &SessionManifest) -
                 Err(e) => {
                     peers.failed(&p.members()[i], "session", &e);
                     failures.push(format!("{}: {e}", p.members()[i].id));
+                    if !matches!(e, ServerError::Peer { .. }) {
+                        refusal.get_or_insert(e);
+                    }
                 }
             }
         }
@@ -95,13 +100,22 @@ pub async fn replicate(state: &NodeState, ns: &Namespace, m: &SessionManifest) -
     ::metrics::counter!("kvtier_session_copies_total").increment(held as u64 - 1);
     if held < rf {
         ::metrics::counter!("kvtier_session_underreplicated_total").increment(1);
-        let why = if failures.is_empty() { "no other live member".to_string() } else { failures.join("; ") };
-        return Err(ServerError::Peer {
-            peer: "cluster".into(),
-            reason: format!(
-                "session {:?} version {} is held by {held} of {rf} nodes (kept here at that version: park again with it to retry): {why}",
-                m.id, m.version
-            ),
+        let why = if failures.is_empty() {
+            format!(
+                "no other member to hold a copy (members that failed within the last {:?} are skipped)",
+                super::peer::DOWN_FOR
+            )
+        } else {
+            failures.join("; ")
+        };
+        let reason = format!(
+            "session {:?} version {} is held by {held} of {rf} nodes (kept here at that version: park again with it to retry): {why}",
+            m.id, m.version
+        );
+        return Err(match refusal {
+            Some(ServerError::QuotaExceeded(_)) => ServerError::QuotaExceeded(reason),
+            Some(ServerError::Capacity(_)) => ServerError::Capacity(reason),
+            _ => ServerError::Peer { peer: "cluster".into(), reason },
         });
     }
     Ok(held)
