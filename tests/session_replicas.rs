@@ -330,3 +330,50 @@ async fn a_namespace_chooses_its_own_replication_factor() {
     assert!(matches!(err, ClientError::SessionNotFound(_)), "{err}");
     assert!(t.elapsed() < Duration::from_secs(3), "the miss took {:?}", t.elapsed());
 }
+
+/// A node away (stopped past its TTL) while a session was dropped comes back with its old copy:
+/// the nodes that saw the drop remember it, so no resume anywhere takes the copy back (the node
+/// that was away drops it), and no node holds it afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_dropped_while_a_copy_holder_was_away_stays_dropped() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let nodes = cluster(&redis, dir.path());
+    let clients = [nodes[0].client().await, nodes[1].client().await, nodes[2].client().await];
+    let ns: Vec<NamespaceHandle> =
+        futures::future::join_all(clients.iter().map(|c| async move { handle(c).await })).await;
+    let (toks, blocks) = session(&ns[0], 7);
+    clients[0].park(&ns[0], "gone", &toks, &blocks, &ParkOptions::default(), 0).await.unwrap();
+    let mut away = None;
+    for (i, c) in clients.iter().enumerate().skip(1) {
+        if c.list_sessions(None).await.unwrap().iter().any(|s| s.id == "gone") {
+            away = Some(i);
+        }
+    }
+    let away = away.expect("a second node holds a copy");
+    let pid = nodes[away].child.id();
+    stop_process(pid);
+    until_members(nodes.iter().enumerate().filter(|(i, _)| *i != away).map(|(_, n)| n), 2);
+    assert!(clients[0].drop_session(&ns[0], "gone").await.unwrap());
+    continue_process(pid);
+    until_members(&nodes, 3);
+    // The node that was away last, so the others answer while its copy is still there.
+    let mut order: Vec<usize> = (0..3).filter(|&i| i != away).collect();
+    order.push(away);
+    for i in order {
+        let err = clients[i].resume(&ns[i], "gone").await.unwrap_err();
+        assert!(matches!(err, ClientError::SessionNotFound(_)), "n{}: {err}", i + 1);
+    }
+    let c = copies(&clients.iter().collect::<Vec<_>>()).await;
+    assert!(!c.contains_key("gone"), "a dropped session is held again: {c:?}");
+    assert!(metric(&nodes[away].scrape(), "kvtier_session_stale_copies_dropped_total", &[]) >= 1.0);
+
+    // Parked again under the same id after the drop: a new session, replicated and resumed as
+    // any other (the drop is remembered against older copies only).
+    let (toks, blocks) = session(&ns[away], 8);
+    clients[away].park(&ns[away], "gone", &toks, &blocks, &ParkOptions::default(), 0).await.unwrap();
+    for (c, ns) in clients.iter().zip(&ns) {
+        let r = c.resume(ns, "gone").await.unwrap();
+        assert!(r.blocks == blocks, "wrong bytes");
+    }
+}

@@ -16,6 +16,7 @@ use crate::dram::Priority;
 use crate::error::ServerError;
 use crate::events::{EventKind, KvEvent, WatchSlot};
 use crate::metrics::{observe, server_error};
+use crate::session_store::SessionStore;
 use crate::sessions::{ParkSpec, SessionManifest};
 use crate::state::NodeState;
 use crate::tenants::{Access, Principal};
@@ -178,7 +179,14 @@ impl ControlPlane {
             return;
         }
         let wait = if local > 0 { replicas::CHECK_WAIT.min(peers.timeout()) } else { peers.timeout() };
-        let Some((from, m)) = replicas::newest_elsewhere(peers, ns, id, local, wait).await else { return };
+        let found = replicas::newest_elsewhere(&self.state, peers, ns, id, local, wait).await;
+        // This node's copy was dropped elsewhere while it was away: it goes (the resume misses).
+        if let (Some(at), Some(mine)) = (found.dropped_at, self.state.sessions().peek(ns.id(), id)) {
+            if SessionStore::touched_before(&mine, at) {
+                replicas::drop_stale_copy(&self.state, &mine).await;
+            }
+        }
+        let Some((from, m)) = found.newest else { return };
         let version = m.version;
         match replicas::adopt(&self.state, peers, &from, ns, m).await {
             // With one copy per session, the session moves: the old node's copy would go stale.
@@ -202,6 +210,7 @@ impl ControlPlane {
         }
         let id = ns_id(&r.namespace_id)?;
         let ns = self.state.namespace(&id)?;
+        let dropped_at = self.state.sessions().dropped_at(id, &r.session_id);
         let held = |m: Option<SessionManifest>| {
             let now = Instant::now();
             let (manifest, ttl_ms) = m.as_ref().map(|m| replicas::manifest_to_pb(m, now)).unzip();
@@ -209,6 +218,8 @@ impl ControlPlane {
                 held: manifest.is_some(),
                 manifest,
                 ttl_ms: ttl_ms.unwrap_or(0),
+                dropped: dropped_at.is_some(),
+                dropped_ago_ms: dropped_at.map_or(0, |at| now.duration_since(at).as_millis() as u64),
                 ..Default::default()
             }
         };
@@ -218,6 +229,11 @@ impl ControlPlane {
                 let version = r.manifest.as_ref().and_then(|m| m.info.as_ref()).map_or(u64::MAX, |i| i.version);
                 let session = r.session_id.clone();
                 self.on_io(move |s| s.sessions().drop_replica(s.tiers().session_pins(), id, &session, version)).await?;
+                // A drop of every version is the session's (passed on by the node that took
+                // it), not a copy moving away: remembered against its copies coming back.
+                if version == u64::MAX {
+                    self.state.sessions().remember_drop(id, &r.session_id);
+                }
                 Ok(held(self.state.sessions().peek(id, &r.session_id)))
             }
             Ok(pb::session_replica_request::Op::Put) => {
@@ -226,6 +242,11 @@ impl ControlPlane {
                 let m = replicas::manifest_from_pb(id, copy, r.ttl_ms, Instant::now())?;
                 if m.id != r.session_id {
                     return Err(ServerError::InvalidRequest("the manifest is another session's".into()));
+                }
+                // A copy from a node that was away while the session was dropped: not taken back.
+                if self.state.sessions().is_dropped_copy(&m) {
+                    ::metrics::counter!("kvtier_session_dropped_copies_refused_total").increment(1);
+                    return Ok(held(None));
                 }
                 if m.ttl > self.state.config().session_max_ttl.0 {
                     return Err(ServerError::InvalidRequest(format!(
@@ -778,6 +799,8 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
             })
             .await
             .map_err(to_status)?;
+        // Remembered against copies on nodes the drop does not reach now (away, restarting).
+        self.state.sessions().remember_drop(id, &session);
         // Redis tier: its manifest too (no-op without one), once the local drop is logged (a
         // drop refused here, on a full disk, leaves the shared copy too).
         self.state.tiers().drop_shared(&id, &session).await;

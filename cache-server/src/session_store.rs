@@ -22,7 +22,16 @@ pub struct SessionStore {
     log: Option<SessionLog>,
     /// Where session events go (parked, dropped, expired), once the node attached its bus.
     events: std::sync::OnceLock<std::sync::Arc<EventBus>>,
+    /// Sessions dropped here lately (a client's drop, or one passed on by the node that took
+    /// it), and when: a copy last touched before is a dropped one, not to be taken back from a
+    /// node that was away during the drop. In memory only (lost on a restart).
+    drops: Mutex<std::collections::HashMap<(NamespaceId, String), Instant>>,
 }
+
+/// How long a drop is remembered against copies of the session coming back.
+pub const DROP_REMEMBERED: Duration = Duration::from_secs(3600);
+/// Most drops remembered at once; past it the oldest are forgotten.
+const MAX_DROPS_REMEMBERED: usize = 65_536;
 
 /// A change that is made in memory and still has to reach the log.
 struct Pending {
@@ -47,7 +56,46 @@ fn logged(m: &SessionManifest, now: Instant) -> LoggedSession {
 
 impl SessionStore {
     pub fn new(log: Option<SessionLog>) -> Self {
-        SessionStore { table: Mutex::new(SessionTable::default()), log, events: std::sync::OnceLock::new() }
+        SessionStore {
+            table: Mutex::new(SessionTable::default()),
+            log,
+            events: std::sync::OnceLock::new(),
+            drops: Mutex::new(std::collections::HashMap::new()),
+        }
+    }
+
+    /// Remembers that session `id` was dropped (everywhere) now.
+    pub fn remember_drop(&self, ns: NamespaceId, id: &str) {
+        let now = Instant::now();
+        let mut drops = self.drops.lock();
+        if drops.len() >= MAX_DROPS_REMEMBERED {
+            drops.retain(|_, at| now.duration_since(*at) < DROP_REMEMBERED);
+            if drops.len() >= MAX_DROPS_REMEMBERED {
+                // Still full of recent drops: forget the older half.
+                let mut ages: Vec<Instant> = drops.values().copied().collect();
+                ages.sort_unstable();
+                let cut = ages[ages.len() / 2];
+                drops.retain(|_, at| *at > cut);
+            }
+        }
+        drops.insert((ns, id.to_string()), now);
+    }
+
+    /// When session `id` was dropped here, if within [`DROP_REMEMBERED`].
+    pub fn dropped_at(&self, ns: NamespaceId, id: &str) -> Option<Instant> {
+        let at = *self.drops.lock().get(&(ns, id.to_string()))?;
+        (at.elapsed() < DROP_REMEMBERED).then_some(at)
+    }
+
+    /// Whether `m` is a copy of a session dropped at `dropped` (or after it was last touched:
+    /// parked, extended or resumed, which restart its TTL).
+    pub fn touched_before(m: &SessionManifest, dropped: Instant) -> bool {
+        m.expires_at.checked_sub(m.ttl).is_none_or(|touched| touched < dropped)
+    }
+
+    /// Whether `m` is a copy of a session this node dropped since it was last touched.
+    pub fn is_dropped_copy(&self, m: &SessionManifest) -> bool {
+        self.dropped_at(m.namespace, &m.id).is_some_and(|at| Self::touched_before(m, at))
     }
 
     /// Publishes session events through `bus` from now on (once).

@@ -15,7 +15,7 @@ use kvtier_proto::dataplane::ItemStatus;
 use kvtier_proto::pb::session_replica_request::Op;
 use kvtier_proto::{pb, BlockFrame, BlockKey, Namespace, NamespaceId};
 use kvtier_server::cluster::{
-    replicas, LocalHolding, Member, NamespaceDelete, NodeId, PeerFuture, PeerTransport, ReplicaPut,
+    replicas, LocalHolding, Member, NamespaceDelete, NodeId, PeerFuture, PeerTransport, ReplicaCopy, ReplicaPut,
 };
 use kvtier_server::dram::StoredBlock;
 use kvtier_server::sessions::SessionManifest;
@@ -226,21 +226,18 @@ impl PeerTransport for ClientTransport {
         })
     }
 
-    fn session_get<'a>(
-        &'a self,
-        peer: &'a Member,
-        ns: &'a Namespace,
-        id: &'a str,
-    ) -> PeerFuture<'a, Option<SessionManifest>> {
+    fn session_get<'a>(&'a self, peer: &'a Member, ns: &'a Namespace, id: &'a str) -> PeerFuture<'a, ReplicaCopy> {
         Box::pin(async move {
             let r = self.replica_call(peer, ns, id, Op::Get, None).await?;
-            match (r.held, r.manifest) {
-                (true, Some(m)) => Ok(Some(
-                    replicas::manifest_from_pb(ns.id(), &m, r.ttl_ms, Instant::now())
-                        .map_err(|e| Self::err(peer, e))?,
-                )),
-                _ => Ok(None),
-            }
+            let now = Instant::now();
+            let dropped_at = r.dropped.then(|| now.checked_sub(Duration::from_millis(r.dropped_ago_ms))).flatten();
+            let copy = match (r.held, r.manifest) {
+                (true, Some(m)) => {
+                    Some(replicas::manifest_from_pb(ns.id(), &m, r.ttl_ms, now).map_err(|e| Self::err(peer, e))?)
+                }
+                _ => None,
+            };
+            Ok(ReplicaCopy { copy, dropped_at })
         })
     }
 
@@ -253,6 +250,9 @@ impl PeerTransport for ClientTransport {
         Box::pin(async move {
             let r =
                 self.replica_call(peer, ns, &m.id, Op::Put, Some(replicas::manifest_to_pb(m, Instant::now()))).await?;
+            if r.dropped && !r.held {
+                return Ok(ReplicaPut::Dropped);
+            }
             if !r.missing_blocks.is_empty() || r.missing_tail {
                 return Ok(ReplicaPut::Missing { blocks: r.missing_blocks, tail: r.missing_tail });
             }

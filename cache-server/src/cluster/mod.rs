@@ -22,7 +22,7 @@ pub mod replicas;
 pub use deletes::{ClusterDelete, NamespaceDelete};
 pub use member::{Labels, Member, NodeId};
 pub use membership::{Embedded, Membership, RedisMembership, RedisMembershipConfig, Snapshot};
-pub use peer::{Hedge, LocalHolding, PeerConfig, PeerFuture, PeerTier, PeerTransport, ReplicaPut};
+pub use peer::{Hedge, LocalHolding, PeerConfig, PeerFuture, PeerTier, PeerTransport, ReplicaCopy, ReplicaPut};
 pub use placement::{Locality, Placement, Reader};
 
 #[cfg(test)]

@@ -95,13 +95,9 @@ pub trait PeerTransport: Send + Sync + 'static {
         })
     }
 
-    /// `peer`'s own copy of a parked session, if it holds one (its TTL untouched).
-    fn session_get<'a>(
-        &'a self,
-        peer: &'a Member,
-        ns: &'a Namespace,
-        id: &'a str,
-    ) -> PeerFuture<'a, Option<SessionManifest>> {
+    /// `peer`'s own copy of a parked session, if it holds one (its TTL untouched), and when it
+    /// dropped the session, if it did lately.
+    fn session_get<'a>(&'a self, peer: &'a Member, ns: &'a Namespace, id: &'a str) -> PeerFuture<'a, ReplicaCopy> {
         let _ = (ns, id);
         Box::pin(async move { Err(no_sessions(peer)) })
     }
@@ -142,6 +138,19 @@ pub enum ReplicaPut {
     Held(u64),
     /// The peer lacks these blocks of the manifest (indices into its keys; and the tail).
     Missing { blocks: Vec<u32>, tail: bool },
+    /// The peer dropped the session after this copy was last touched: it is not kept there,
+    /// and the sender's copy is a dropped one too.
+    Dropped,
+}
+
+/// A peer's answer to [`PeerTransport::session_get`].
+#[derive(Clone, Debug, Default)]
+pub struct ReplicaCopy {
+    /// Its copy, if it holds one.
+    pub copy: Option<SessionManifest>,
+    /// When it dropped the session (on this node's clock), if it did within the last hour: a
+    /// copy last touched before is a dropped one, wherever it is.
+    pub dropped_at: Option<Instant>,
 }
 
 /// What one node holds of a routing hint's request.

@@ -581,13 +581,14 @@ async fn forwards_queued_before_a_delete_are_not_sent() {
     s.tier.forward(s.ns.clone(), blocks[16..].to_vec());
     s.tier.mark_deleted(s.ns.id());
     tokio::time::sleep(Duration::from_millis(1200)).await;
-    let held = s.fake.held.lock();
-    for b in &blocks[16..] {
-        for peer in ["b", "c"] {
-            assert!(!held.get(peer).is_some_and(|h| h.contains_key(&b.header.key)), "{peer} got a deleted block");
+    {
+        let held = s.fake.held.lock();
+        for b in &blocks[16..] {
+            for peer in ["b", "c"] {
+                assert!(!held.get(peer).is_some_and(|h| h.contains_key(&b.header.key)), "{peer} got a deleted block");
+            }
         }
     }
-    drop(held);
     // A store after the delete is forwarded as before.
     s.tier.forward(s.ns.clone(), blocks[16..].to_vec());
     let deadline = Instant::now() + Duration::from_secs(5);

@@ -24,6 +24,7 @@ use super::peer::{PeerTier, ReplicaPut};
 use super::placement::{Placement, MAX_RF};
 use crate::dram::{Priority, StoredBlock};
 use crate::error::ServerError;
+use crate::session_store::SessionStore;
 use crate::sessions::SessionManifest;
 use crate::state::NodeState;
 use crate::tiers::Load;
@@ -147,9 +148,40 @@ async fn copy_to(
             ReplicaPut::Missing { blocks, tail } => {
                 return Err(bad(format!("lost {} blocks (tail: {tail}) before the manifest", blocks.len())))
             }
+            ReplicaPut::Dropped => return Err(dropped_there(member, &m.id)),
         }
     }
     Err(bad("blocks kept going missing".into()))
+}
+
+/// `member` dropped session `id` after this node's copy was last touched.
+fn dropped_there(member: &Member, id: &str) -> ServerError {
+    ServerError::SessionNotFound(format!(
+        "{id}: dropped on node {} after this copy was last touched (a node away during the drop)",
+        member.id
+    ))
+}
+
+/// Drops this node's copy `m` of a session dropped elsewhere while this node was away (and
+/// remembers the drop, against copies other nodes may still send).
+pub async fn drop_stale_copy(state: &Arc<NodeState>, m: &SessionManifest) {
+    let (st, ns, id, version) = (state.clone(), m.namespace, m.id.clone(), m.version);
+    let gone = state
+        .io()
+        .run(None, move || {
+            st.sessions().remember_drop(ns, &id);
+            st.sessions().drop_replica(st.tiers().session_pins(), ns, &id, version)
+        })
+        .await;
+    match gone {
+        Ok(Ok(true)) => {
+            ::metrics::counter!("kvtier_session_stale_copies_dropped_total").increment(1);
+            tracing::info!(session = %m.id, "dropped a copy of a session dropped elsewhere while this node was away");
+        }
+        Ok(Ok(false)) => {}
+        Ok(Err(e)) => tracing::warn!(session = %m.id, "a stale session copy was not dropped: {e}"),
+        Err(e) => tracing::warn!(session = %m.id, "a stale session copy was not dropped: {e:?}"),
+    }
 }
 
 /// Sends `keys` (read from this node's tiers) to `member`, in requests of about
@@ -189,25 +221,35 @@ async fn send_blocks(
     Ok(())
 }
 
+/// What the owners hold of a session: the newest copy newer than this node's, and the latest
+/// drop any of them (or this node) remembers.
+#[derive(Default)]
+pub struct Elsewhere {
+    pub newest: Option<(Member, SessionManifest)>,
+    pub dropped_at: Option<Instant>,
+}
+
 /// The newest copy of session `id` the owners hold, if newer than `local_version` (0: none
-/// here): the first `rf + 1` owners are asked at once — every member (up to [`MAX_RF`]) when
+/// here) and not a dropped one (last touched before a drop any owner or this node remembers):
+/// the first `rf + 1` owners are asked at once — every member (up to [`MAX_RF`]) when
 /// this node has no copy, since with `rf` = 1 a session stays on the node that parked it —
 /// each given at most `wait`; a peer that fails is skipped for a while, one that is merely
 /// slower than `wait` is not.
 pub async fn newest_elsewhere(
+    state: &NodeState,
     peers: &PeerTier,
     ns: &Namespace,
     id: &str,
     local_version: u64,
     wait: Duration,
-) -> Option<(Member, SessionManifest)> {
+) -> Elsewhere {
     let p = peers.placement();
     let n = if local_version == 0 { MAX_RF } else { peers.rf_for(ns) + 1 };
     let ask: Vec<&Member> = owners(peers, &p, &ns.id(), id).into_iter().take(n).map(|i| &p.members()[i]).collect();
     let calls = ask.iter().map(|&member| async move {
         let call = peers.bounded(member, peers.transport().session_get(member, ns, id));
         match tokio::time::timeout(wait, call).await {
-            Ok(Ok(found)) => found.map(|m| (member.clone(), m)),
+            Ok(Ok(found)) => Some((member.clone(), found)),
             Ok(Err(e)) => {
                 peers.failed(member, "session", &e);
                 None
@@ -215,12 +257,16 @@ pub async fn newest_elsewhere(
             Err(_) => None,
         }
     });
-    futures::future::join_all(calls)
-        .await
+    let answers: Vec<_> = futures::future::join_all(calls).await.into_iter().flatten().collect();
+    let dropped_at =
+        answers.iter().filter_map(|(_, a)| a.dropped_at).chain(state.sessions().dropped_at(ns.id(), id)).max();
+    let newest = answers
         .into_iter()
-        .flatten()
+        .filter_map(|(member, a)| Some((member, a.copy?)))
         .filter(|(_, m)| m.version > local_version && m.namespace == ns.id() && m.id == id)
-        .max_by_key(|(_, m)| m.version)
+        .filter(|(_, m)| dropped_at.is_none_or(|at| !SessionStore::touched_before(m, at)))
+        .max_by_key(|(_, m)| m.version);
+    Elsewhere { newest, dropped_at }
 }
 
 /// Makes `from`'s copy of a session this node's own: fetches the blocks this node lacks from
@@ -401,6 +447,12 @@ async fn repair_one(state: &Arc<NodeState>, peers: &Arc<PeerTier>, m: SessionMan
                 continue;
             }
         };
+        // Dropped there while this node was away: this copy goes, and is not re-made anywhere.
+        if theirs.dropped_at.is_some_and(|at| SessionStore::touched_before(&m, at)) {
+            drop_stale_copy(state, &m).await;
+            return true;
+        }
+        let theirs = theirs.copy;
         match theirs {
             Some(t) if t.version == m.version => {}
             Some(t) if t.version > m.version => {
@@ -412,6 +464,10 @@ async fn repair_one(state: &Arc<NodeState>, peers: &Arc<PeerTier>, m: SessionMan
             }
             _ => match copy_to(state, peers, member, &ns, &m).await {
                 Ok(()) => ::metrics::counter!("kvtier_session_recopied_total").increment(1),
+                Err(ServerError::SessionNotFound(_)) => {
+                    drop_stale_copy(state, &m).await;
+                    return true;
+                }
                 Err(e) => {
                     peers.failed(member, "session", &e);
                     tracing::warn!(session = %m.id, peer = %member.id, "session copy not re-made: {e}");
