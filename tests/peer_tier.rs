@@ -384,3 +384,40 @@ async fn a_tenant_s_quota_holds_for_forwarded_blocks_and_its_refusal_takes_no_no
     assert!(hint.node("n2").is_some_and(|n| n.reachable), "n2 was taken for down after a tenant's refusal: {hint:?}");
     assert!(metric(&nodes[0].scrape(), "kvtier_peer_errors_total", &[("op", "put")]) >= 1.0);
 }
+
+/// Blocks a tenant's DRAM quota evicts within the very store that wrote them (to disk) still
+/// reach their other owners: read back from disk and forwarded, none dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_evicted_within_their_store_are_still_forwarded() {
+    const OPERATOR: &str = "operator-secret-0123456789";
+    const TOKEN_T: &str = "tenant-t-secret-0123456789";
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let nodes: Vec<ServerProcess> = ["n1", "n2"]
+        .iter()
+        .map(|id| {
+            let cfg = dir.path().join(format!("{id}.toml"));
+            std::fs::write(
+                &cfg,
+                format!(
+                    "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\ncluster_rf = 2\npeer_timeout = \"1s\"\n\
+                     auth_token = \"{OPERATOR}\"\n\n[[tenants]]\nname = \"t\"\ntokens = [\"{TOKEN_T}\"]\ndram_bytes = \"1MiB\"\n",
+                    redis.url()
+                ),
+            )
+            .unwrap();
+            let cfg = cfg.to_str().unwrap().to_string();
+            ServerProcess::start(&["--config", &cfg, "--dram-capacity", "64MiB", "--disk-capacity", "64MiB"])
+        })
+        .collect();
+    until_members(&nodes, 2);
+    let cfg = kvtier_client::ClientConfig { auth_token: Some(TOKEN_T.into()), ..Default::default() };
+    let t1 = KvClient::connect(&nodes[0].grpc_addr(), cfg).await.unwrap();
+    let ns = t1.register(namespace("t", b"quota-forward", small_layout())).await.unwrap();
+    // 64 blocks of 32 KiB: twice the tenant's DRAM quota, in one store.
+    let toks = tokens(9, 64 * 16);
+    t1.store(&ns, &toks, &full_block_payloads(&ns, &toks)).await.unwrap().ok().unwrap();
+    assert!(metric(&nodes[0].scrape(), "kvtier_quota_evictions_total", &[]) > 0.0, "the quota evicted nothing");
+    until_forwarded(&nodes[0], 64);
+    assert_eq!(metric(&nodes[0].scrape(), "kvtier_peer_forward_dropped_total", &[]), 0.0);
+}

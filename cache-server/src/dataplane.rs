@@ -785,16 +785,38 @@ fn block_keys(raw: &[u8]) -> impl Iterator<Item = BlockKey> + '_ {
 }
 
 /// Queues the blocks a client's `PUT` (or a same-node store) just stored for their other owners
-/// (per namespace); nothing outside a cluster.
-pub(crate) fn forward_to_peers(state: &NodeState, mut stored: Vec<(NamespaceId, BlockKey)>) {
+/// (per namespace); nothing outside a cluster. Blocks evicted within the store (a tenant's
+/// quota, a full DRAM) are read back from disk in the background and forwarded then.
+pub(crate) fn forward_to_peers(state: &Arc<NodeState>, mut stored: Vec<(NamespaceId, BlockKey)>) {
     if stored.is_empty() || !state.tiers().has_remote() {
         return;
     }
+    let stored_at = std::time::Instant::now();
     stored.sort_unstable_by_key(|(ns, _)| ns.0);
     for group in stored.chunk_by(|a, b| a.0 == b.0) {
         let Ok(ns) = state.namespace(&group[0].0) else { continue };
         let keys: Vec<BlockKey> = group.iter().map(|(_, k)| *k).collect();
-        state.tiers().forward_to_peers(ns, &keys);
+        let gone = state.tiers().forward_to_peers(ns.clone(), &keys);
+        if gone.is_empty() {
+            continue;
+        }
+        let Some(permit) = state.tiers().forward_read_permit() else {
+            state.tiers().forward_dropped(gone.len() as u64);
+            continue;
+        };
+        let state = state.clone();
+        tokio::spawn(async move {
+            let _permit = permit;
+            let id = ns.id();
+            let mut read = Vec::with_capacity(gone.len());
+            for k in &gone {
+                if let crate::tiers::Load::Hit(b) = state.tiers().get(&id, k).await {
+                    read.push(b);
+                }
+            }
+            state.tiers().forward_dropped((gone.len() - read.len()) as u64);
+            state.tiers().forward_blocks(ns, read, stored_at);
+        });
     }
 }
 

@@ -699,21 +699,30 @@ impl PeerTier {
     /// in which another node's load misses it (a miss is always allowed) and, when the queue
     /// is full, a block held only here (counted in `kvtier_peer_forward_dropped_total`).
     pub fn forward(&self, ns: Namespace, blocks: Vec<StoredBlock>) {
+        self.forward_stored_at(ns, blocks, Instant::now());
+    }
+
+    /// [`Self::forward`] of blocks stored at `stored_at` (read back since: a delete of their
+    /// namespace after that time cancels them).
+    pub fn forward_stored_at(&self, ns: Namespace, blocks: Vec<StoredBlock>, stored_at: Instant) {
         if blocks.is_empty() {
             return;
         }
         let bytes: usize = blocks.iter().map(|b| b.payload.len()).sum();
         let n = blocks.len() as u64;
-        let dropped = || {
-            bump(&self.counters.forward_dropped, n);
-            ::metrics::counter!("kvtier_peer_forward_dropped_total").increment(n);
-        };
+        let dropped = || self.count_forward_dropped(n);
         let Ok(permit) = self.forward_bytes.clone().try_acquire_many_owned(bytes.min(FORWARD_BYTES) as u32) else {
             return dropped();
         };
-        if self.forward_tx.try_send(ForwardJob { ns, blocks, queued: Instant::now(), _bytes: permit }).is_err() {
+        if self.forward_tx.try_send(ForwardJob { ns, blocks, queued: stored_at, _bytes: permit }).is_err() {
             dropped();
         }
+    }
+
+    /// Counts `n` blocks that were not forwarded to their other owners (held only here).
+    pub(crate) fn count_forward_dropped(&self, n: u64) {
+        bump(&self.counters.forward_dropped, n);
+        ::metrics::counter!("kvtier_peer_forward_dropped_total").increment(n);
     }
 
     /// Notes that namespace `id` was just purged or unregistered here: stores of it queued for

@@ -73,7 +73,14 @@ pub struct TierStack {
     /// Leases a disk tier stands in for: how many leases hold each block without a DRAM pin
     /// (past the DRAM pinned limit, see [`TierStack::pin_lease`]).
     unpinned_leases: Arc<Mutex<HashMap<IndexKey, u32>>>,
+    /// Reads of just-stored blocks that left DRAM before they were forwarded (a tenant's quota
+    /// or the node's capacity evicting them within the store): at most [`FORWARD_READS`] at once.
+    forward_reads: Arc<tokio::sync::Semaphore>,
 }
+
+/// Most stores whose evicted blocks are read back (from disk) for forwarding at once; past it
+/// such blocks are not forwarded (counted as dropped forwards).
+const FORWARD_READS: usize = 4;
 
 /// The peer tier and whether blocks loaded from it are kept in DRAM.
 struct Peers {
@@ -118,6 +125,7 @@ impl TierStack {
             events: Arc::new(EventBus::default()),
             agents: Arc::new(AgentTier::default()),
             unpinned_leases: Arc::new(Mutex::new(HashMap::new())),
+            forward_reads: Arc::new(tokio::sync::Semaphore::new(FORWARD_READS)),
         }
         .with_event_buffer(4096)
     }
@@ -526,12 +534,14 @@ impl TierStack {
         }
     }
 
-    /// Queues blocks this node just stored (and holds in DRAM) for their other owners, and for
-    /// Redis with a Redis tier; nothing without either. See [`PeerTier::forward`] and
-    /// [`RedisTier::store`].
-    pub fn forward_to_peers(&self, ns: Namespace, keys: &[BlockKey]) {
+    /// Queues blocks this node just stored for their other owners, and for Redis with a Redis
+    /// tier; nothing without either. See [`PeerTier::forward`] and [`RedisTier::store`]. Returns
+    /// the keys that already left memory (evicted within the store: a tenant's quota, a full
+    /// DRAM), for the caller to read back ([`TierStack::forward_read_permit`]) and pass to
+    /// [`TierStack::forward_blocks`], or count ([`TierStack::forward_dropped`]).
+    pub fn forward_to_peers(&self, ns: Namespace, keys: &[BlockKey]) -> Vec<BlockKey> {
         if !self.has_remote() {
-            return;
+            return Vec::new();
         }
         let id = ns.id();
         let in_memory = |k: &BlockKey| {
@@ -540,12 +550,42 @@ impl TierStack {
                 _ => None,
             })
         };
-        let blocks: Vec<StoredBlock> = keys.iter().filter_map(in_memory).collect();
+        let (mut blocks, mut gone) = (Vec::with_capacity(keys.len()), Vec::new());
+        for k in keys {
+            match in_memory(k) {
+                Some(b) => blocks.push(b),
+                None => gone.push(*k),
+            }
+        }
+        self.forward_blocks(ns, blocks, std::time::Instant::now());
+        gone
+    }
+
+    /// A permit to read back evicted blocks for forwarding (at most [`FORWARD_READS`] stores at
+    /// once), on a node with a disk tier (without one they are gone).
+    pub fn forward_read_permit(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        self.disk.as_ref()?;
+        self.forward_reads.clone().try_acquire_owned().ok()
+    }
+
+    /// Forwards blocks stored at `stored_at` (see [`PeerTier::forward_stored_at`]), and stores
+    /// them in Redis with a Redis tier.
+    pub fn forward_blocks(&self, ns: Namespace, blocks: Vec<StoredBlock>, stored_at: std::time::Instant) {
+        if blocks.is_empty() {
+            return;
+        }
         if let Some(redis) = self.redis.get() {
             redis.store(blocks.clone());
         }
         if let Some(peers) = self.peers.get() {
-            peers.tier.forward(ns, blocks);
+            peers.tier.forward_stored_at(ns, blocks, stored_at);
+        }
+    }
+
+    /// Counts `n` just-stored blocks that could not be forwarded.
+    pub fn forward_dropped(&self, n: u64) {
+        if let (Some(peers), true) = (self.peers.get(), n > 0) {
+            peers.tier.count_forward_dropped(n);
         }
     }
 
