@@ -377,3 +377,51 @@ async fn a_session_dropped_while_a_copy_holder_was_away_stays_dropped() {
         assert!(r.blocks == blocks, "wrong bytes");
     }
 }
+
+/// A park left short of copies (the other owner stalled, still a member) is made up for once
+/// that node answers again, without a membership change to set re-replication off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_park_short_of_copies_is_made_up_for_when_the_owner_answers_again() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    // A TTL far above the stall: the stalled node stays a member throughout.
+    let nodes: Vec<ServerProcess> = IDS[..2]
+        .iter()
+        .map(|id| {
+            let cfg = dir.path().join(format!("{id}.toml"));
+            let text = format!(
+                "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"60s\"\ncluster_rf = 2\npeer_timeout = \"1s\"\n",
+                redis.url()
+            );
+            std::fs::write(&cfg, text).unwrap();
+            ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"])
+        })
+        .collect();
+    until_members(&nodes, 2);
+    let clients = [nodes[0].client().await, nodes[1].client().await];
+    let ns = handle(&clients[0]).await;
+    let (toks, blocks) = session(&ns, 9);
+    let pid = nodes[1].child.id();
+    stop_process(pid);
+    let err = clients[0].park(&ns, "short", &toks, &blocks, &ParkOptions::default(), 0).await.unwrap_err();
+    assert!(err.to_string().contains("held by 1 of 2 nodes"), "{err}");
+    continue_process(pid);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while copies(&[&clients[0], &clients[1]]).await.get("short") != Some(&2) {
+        assert!(
+            Instant::now() < deadline,
+            "the missing copy was never made: {}",
+            nodes[0]
+                .scrape()
+                .lines()
+                .filter(|l| l.contains("session") || l.contains("peer_err"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(metric(&nodes[0].scrape(), "kvtier_membership_members", &[]), 2.0, "the membership changed");
+    assert!(metric(&nodes[0].scrape(), "kvtier_session_recopied_total", &[]) >= 1.0);
+    let ns1 = handle(&clients[1]).await;
+    assert!(clients[1].resume(&ns1, "short").await.unwrap().blocks == blocks, "wrong bytes");
+}

@@ -278,6 +278,9 @@ pub struct PeerTier {
     /// Members of an earlier placement gone from the current one (killed, stopped), and since
     /// when: a node that comes back under its id is owed the deletes made while it was away.
     departed: Mutex<HashMap<NodeId, Instant>>,
+    /// Set when a session could not be given all its copies: the re-replication loop runs
+    /// without waiting for a membership change (the peers that failed may be members all along).
+    repair: tokio::sync::Notify,
 }
 
 /// How long a delete cancels forwards queued before it (the queue drains in far less).
@@ -331,6 +334,7 @@ impl PeerTier {
             deleted: Mutex::new(HashMap::new()),
             owed_deletes: AtomicUsize::new(0),
             departed: Mutex::new(HashMap::new()),
+            repair: tokio::sync::Notify::new(),
         });
         let task = tokio::spawn(forward_loop(Arc::downgrade(&tier), rx, stop));
         (tier, task)
@@ -717,6 +721,16 @@ impl PeerTier {
         if self.forward_tx.try_send(ForwardJob { ns, blocks, queued: stored_at, _bytes: permit }).is_err() {
             dropped();
         }
+    }
+
+    /// Asks the re-replication loop for a pass (a session is short of copies).
+    pub(crate) fn want_repair(&self) {
+        self.repair.notify_one();
+    }
+
+    /// Returns when a pass was asked for since the last call.
+    pub(crate) async fn repair_wanted(&self) {
+        self.repair.notified().await;
     }
 
     /// Counts `n` blocks that were not forwarded to their other owners (held only here).

@@ -101,6 +101,8 @@ pub async fn replicate(state: &NodeState, ns: &Namespace, m: &SessionManifest) -
     ::metrics::counter!("kvtier_session_copies_total").increment(held as u64 - 1);
     if held < rf {
         ::metrics::counter!("kvtier_session_underreplicated_total").increment(1);
+        // Made up for by re-replication once the peers answer (every 5 s until then).
+        peers.want_repair();
         let why = if failures.is_empty() {
             format!(
                 "no other member to hold a copy (members that failed within the last {:?} are skipped)",
@@ -393,7 +395,8 @@ pub fn drop_copy(peers: &Arc<PeerTier>, member: Member, ns: Namespace, id: Strin
     });
 }
 
-/// Re-replication: after every membership change (and again while copies are missing), each
+/// Re-replication: after every membership change, after a park or extend left a session short
+/// of copies, and again every [`REPAIR_RETRY`] while copies are missing, each
 /// session this node holds is checked against its first `rf` live owners, and the copies they
 /// lack are made; a newer copy found there is adopted. Ends when `stop` turns true.
 pub async fn repair_loop(state: Arc<NodeState>, mut stop: watch::Receiver<bool>) {
@@ -404,6 +407,7 @@ pub async fn repair_loop(state: Arc<NodeState>, mut stop: watch::Receiver<bool>)
         tokio::select! {
             _ = crate::stopped(&mut stop) => return,
             changed = members.changed() => if changed.is_err() { return },
+            _ = peers.repair_wanted() => {}
             _ = tokio::time::sleep(REPAIR_RETRY), if incomplete => {}
         }
         // Let a burst of changes (a node leaving and coming back) settle into one pass.
@@ -436,7 +440,9 @@ async fn repair_one(state: &Arc<NodeState>, peers: &Arc<PeerTier>, m: SessionMan
     let mine = p.owners(&m.namespace, &session_key(&m.id), rf);
     let here = mine.iter().any(|&i| p.members()[i].id == *peers.local());
     let want = rf - usize::from(here);
-    let mut ok = true;
+    // Too few owners to ask because some failed lately (skipped for a while): not complete, so
+    // the next pass (in `REPAIR_RETRY`) asks them again.
+    let mut ok = all.len() >= want || p.members().len() <= all.len() + 1;
     for &i in all.iter().take(want) {
         let member = &p.members()[i];
         let theirs = match peers.bounded(member, peers.transport().session_get(member, &ns, &m.id)).await {
