@@ -285,6 +285,11 @@ async fn a_tenant_writing_past_its_dram_quota_evicts_only_its_own_blocks() {
     assert!(of_quiet >= 16 << 20, "the quiet tenant's 16 MiB: {of_quiet}");
     assert!(of_heavy <= 24 << 20, "the heavy tenant's writes in flight count against its quota: {of_heavy}");
     assert!(of_heavy + of_quiet <= 64 << 20, "the node's cap holds, and each sees its own: {of_heavy} + {of_quiet}");
+    // Its DRAM line: its quota as the capacity, and the blocks its bytes are.
+    let dram = |s: kvtier_proto::pb::StatsResponse| s.tiers.into_iter().find(|t| t.tier == "dram").unwrap();
+    let q = dram(quiet.stats().await.unwrap());
+    assert_eq!(q.capacity_bytes, 24 << 20, "{q:?}");
+    assert_eq!(q.blocks * quiet_blocks[0].len() as u64, q.resident_bytes, "{q:?}");
     assert!(metric(&server.scrape(), "kvtier_quota_evictions_total", &[]) >= 3000.0);
 }
 

@@ -228,7 +228,7 @@ impl SessionTable {
         if let Some(max) = q.max_sessions {
             if replaced.is_none() && sessions >= max {
                 return Err(ServerError::QuotaExceeded(format!(
-                    "tenant {:?} holds {sessions} sessions, its max_sessions",
+                    "tenant {:?} holds {sessions} sessions on this node, its max_sessions is {max} (drop one first)",
                     q.tenant
                 )));
             }

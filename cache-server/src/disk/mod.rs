@@ -704,6 +704,11 @@ impl DiskTier {
         self.inner.lock().accounts.get(&account).map_or(0, |a| a.live)
     }
 
+    /// `account`'s quota on this tier (`disk_bytes`), if it has one.
+    pub fn account_quota(&self, account: u32) -> Option<u64> {
+        self.inner.lock().accounts.get(&account).and_then(|a| a.quota)
+    }
+
     /// Where the next record goes (segment, offset): every block written from now on lies at or
     /// after it.
     pub fn write_position(&self) -> (u64, u64) {

@@ -683,6 +683,21 @@ impl DramTier {
         self.shared.state.lock().accounts.get(&account).map_or(0, |a| a.resident)
     }
 
+    /// `account`'s share of the tier as a tenant sees it: its quota as the capacity (the tier's
+    /// without one), its resident bytes, blocks and pinned bytes.
+    pub fn account_stats(&self, account: u32) -> crate::tiers::TierStats {
+        let capacity = self.stats().capacity_bytes;
+        let st = self.shared.state.lock();
+        let a = st.accounts.get(&account);
+        crate::tiers::TierStats {
+            capacity_bytes: a.and_then(|a| a.quota).unwrap_or(capacity),
+            resident_bytes: a.map_or(0, |a| a.resident),
+            blocks: a.map_or(0, |a| a.blocks),
+            pinned_bytes: a.map_or(0, |a| a.pinned),
+            ..Default::default()
+        }
+    }
+
     /// Sets (or clears) the observer told the keys of evicted blocks (see [`EvictionObserver`]).
     pub fn set_eviction_observer(&self, observer: Option<EvictionObserver>) {
         *self.shared.observer.write() = observer;

@@ -773,18 +773,15 @@ impl TierStack {
     }
 
     /// Counters of the tiers that hold capacity of their own (DRAM, disk), hottest first.
-    /// What a tenant's `Stats` shows of the tiers: the DRAM and disk tiers' capacity and the
-    /// bytes `account` (the tenant's) holds there. Every other figure (blocks, hits, bytes moved,
-    /// pins, the peer and Redis tiers) counts other tenants' traffic too, and is the operator's.
+    /// What a tenant's `Stats` shows of the tiers: on DRAM and disk, its quota as the capacity
+    /// (the tier's without one) and the bytes `account` (the tenant's) holds there, with its
+    /// blocks and pinned bytes in DRAM. Every other figure (hits, bytes moved, the peer and Redis
+    /// tiers) counts other tenants' traffic too, and is the operator's.
     pub fn account_stats(&self, account: u32) -> Vec<(TierId, TierStats)> {
-        let dram = TierStats {
-            capacity_bytes: self.dram.stats().capacity_bytes,
-            resident_bytes: self.dram.account_resident(account),
-            ..TierStats::default()
-        };
+        let dram = self.dram.account_stats(account);
         let disk = self.disk.as_ref().map(|d| {
             let s = TierStats {
-                capacity_bytes: d.capacity(),
+                capacity_bytes: d.account_quota(account).unwrap_or_else(|| d.capacity()),
                 resident_bytes: d.account_live(account),
                 ..TierStats::default()
             };
