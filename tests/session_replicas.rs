@@ -425,3 +425,37 @@ async fn a_park_short_of_copies_is_made_up_for_when_the_owner_answers_again() {
     let ns1 = handle(&clients[1]).await;
     assert!(clients[1].resume(&ns1, "short").await.unwrap().blocks == blocks, "wrong bytes");
 }
+
+/// A resume through a node where the tenant is at its `max_sessions` can't take the session
+/// another node holds: it says so (a quota), not "not found".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resume_refused_by_the_tenant_s_quota_here_says_so() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let extra = "auth_token = \"operator-secret-0123456789\"\n[[tenants]]\nname = \"agents\"\n\
+                 tokens = [\"agents-secret-0123456789\"]\nmax_sessions = 1\n";
+    let nodes: Vec<ServerProcess> = IDS[..2]
+        .iter()
+        .map(|id| {
+            let cfg = config(&redis, dir.path(), id, 1, extra);
+            ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"])
+        })
+        .collect();
+    until_members(&nodes, 2);
+    let connect = |n: usize| {
+        let cfg =
+            kvtier_client::ClientConfig { auth_token: Some("agents-secret-0123456789".into()), ..Default::default() };
+        let addr = nodes[n].grpc_addr();
+        async move { KvClient::connect(&addr, cfg).await.unwrap() }
+    };
+    let (c1, c2) = (connect(0).await, connect(1).await);
+    let (ns1, ns2) = (handle(&c1).await, handle(&c2).await);
+    let (t1, b1) = session(&ns1, 21);
+    let (t2, b2) = session(&ns2, 22);
+    c1.park(&ns1, "first", &t1, &b1, &ParkOptions::default(), 0).await.unwrap();
+    c2.park(&ns2, "second", &t2, &b2, &ParkOptions::default(), 0).await.unwrap();
+    let err = c2.resume(&ns2, "first").await.unwrap_err();
+    assert!(matches!(err, ClientError::QuotaExceeded(ref m) if m.contains("held by node n1")), "{err}");
+    // Where the tenant has room, it resumes as before.
+    assert!(c1.resume(&ns1, "first").await.unwrap().blocks == b1, "wrong bytes");
+}

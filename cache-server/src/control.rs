@@ -171,12 +171,14 @@ impl ControlPlane {
     /// resumes on); where the namespace keeps 2+ copies (`rf_for`), also when an owner holds a
     /// newer copy than this node's, so the resume answers with the newest version any reachable
     /// owner has. Waits at most `CHECK_WAIT` when this node has a copy, `peer_timeout` when it
-    /// has none; a failure leaves this node's copy (or none) in place.
-    async fn adopt_newer_copy(&self, ns: &Namespace, id: &str) {
-        let Some(peers) = self.state.tiers().peers() else { return };
+    /// has none; a failure leaves this node's copy (or none) in place. Returns why a copy another
+    /// member holds could not be taken when that is a tenant's limit here (its quota, no room),
+    /// for a resume that has no copy of its own to say so rather than "not found".
+    async fn adopt_newer_copy(&self, ns: &Namespace, id: &str) -> Option<ServerError> {
+        let Some(peers) = self.state.tiers().peers() else { return None };
         let local = self.state.sessions().peek(ns.id(), id).map_or(0, |m| m.version);
         if local > 0 && peers.rf_for(ns) < 2 {
-            return;
+            return None;
         }
         let wait = if local > 0 { replicas::CHECK_WAIT.min(peers.timeout()) } else { peers.timeout() };
         let found = replicas::newest_elsewhere(&self.state, peers, ns, id, local, wait).await;
@@ -186,15 +188,29 @@ impl ControlPlane {
                 replicas::drop_stale_copy(&self.state, &mine).await;
             }
         }
-        let Some((from, m)) = found.newest else { return };
+        let Some((from, m)) = found.newest else { return None };
         let version = m.version;
         match replicas::adopt(&self.state, peers, &from, ns, m).await {
             // With one copy per session, the session moves: the old node's copy would go stale.
-            Ok(()) if peers.rf_for(ns) < 2 => replicas::drop_copy(peers, from, ns.clone(), id.to_string(), version),
-            Ok(()) => {}
+            Ok(()) if peers.rf_for(ns) < 2 => {
+                replicas::drop_copy(peers, from, ns.clone(), id.to_string(), version);
+                None
+            }
+            Ok(()) => None,
             Err(e) => {
                 tracing::warn!(session = id, peer = %from.id, version, "could not adopt the session's newer copy: {e}");
                 ::metrics::counter!("kvtier_session_adopt_failures_total").increment(1);
+                match e {
+                    ServerError::QuotaExceeded(m) => Some(ServerError::QuotaExceeded(format!(
+                        "session {id:?} is held by node {} and can't be taken here: {m}",
+                        from.id
+                    ))),
+                    ServerError::Capacity(m) => Some(ServerError::Capacity(format!(
+                        "session {id:?} is held by node {} and can't be taken here: {m}",
+                        from.id
+                    ))),
+                    _ => None,
+                }
             }
         }
     }
@@ -767,8 +783,13 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         let r = r.into_inner();
         let id = ns_id(&r.namespace_id).map_err(to_status)?;
         let ns = self.state.namespace_for(&p, &id, Access::Read).map_err(to_status)?;
-        self.adopt_newer_copy(&ns, &r.session_id).await;
+        let refused = self.adopt_newer_copy(&ns, &r.session_id).await;
         let res = self.state.sessions().resume(self.state.tiers().session_pins(), id, &r.session_id);
+        // Held elsewhere, refused here by a limit: said, not "not found".
+        let res = match (res, refused) {
+            (Err(ServerError::SessionNotFound(_)), Some(why)) => Err(why),
+            (res, _) => res,
+        };
         // Redis tier: a session this node doesn't hold, from its manifest there (no-op without one).
         let res = match res {
             Err(e @ (ServerError::SessionNotFound(_) | ServerError::SessionExpired { .. })) => {
