@@ -175,7 +175,7 @@ impl ControlPlane {
     /// member holds could not be taken when that is a tenant's limit here (its quota, no room),
     /// for a resume that has no copy of its own to say so rather than "not found".
     async fn adopt_newer_copy(&self, ns: &Namespace, id: &str) -> Option<ServerError> {
-        let Some(peers) = self.state.tiers().peers() else { return None };
+        let peers = self.state.tiers().peers()?;
         let local = self.state.sessions().peek(ns.id(), id).map_or(0, |m| m.version);
         if local > 0 && peers.rf_for(ns) < 2 {
             return None;
@@ -188,7 +188,7 @@ impl ControlPlane {
                 replicas::drop_stale_copy(&self.state, &mine).await;
             }
         }
-        let Some((from, m)) = found.newest else { return None };
+        let (from, m) = found.newest?;
         let version = m.version;
         match replicas::adopt(&self.state, peers, &from, ns, m).await {
             // With one copy per session, the session moves: the old node's copy would go stale.
