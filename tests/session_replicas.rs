@@ -376,6 +376,24 @@ async fn a_session_dropped_while_a_copy_holder_was_away_stays_dropped() {
         let r = c.resume(ns, "gone").await.unwrap();
         assert!(r.blocks == blocks, "wrong bytes");
     }
+
+    // Dropped through a node that holds no copy of its own (rf 2 of 3 nodes: one has none):
+    // it says the session was dropped (the owners' copies went), not "no session".
+    let (toks, blocks) = session(&ns[0], 9);
+    clients[0].park(&ns[0], "elsewhere", &toks, &blocks, &ParkOptions::default(), 0).await.unwrap();
+    let mut without = None;
+    for (i, c) in clients.iter().enumerate() {
+        if !c.list_sessions(None).await.unwrap().iter().any(|s| s.id == "elsewhere") {
+            without = Some(i);
+        }
+    }
+    let i = without.expect("a node without a copy");
+    assert!(clients[i].drop_session(&ns[i], "elsewhere").await.unwrap(), "n{} said no session", i + 1);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while copies(&clients.iter().collect::<Vec<_>>()).await.contains_key("elsewhere") {
+        assert!(Instant::now() < deadline, "copies outlived the drop");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// A park left short of copies (the other owner stalled, still a member) is made up for once

@@ -244,13 +244,16 @@ impl ControlPlane {
             Ok(pb::session_replica_request::Op::Drop) => {
                 let version = r.manifest.as_ref().and_then(|m| m.info.as_ref()).map_or(u64::MAX, |i| i.version);
                 let session = r.session_id.clone();
-                self.on_io(move |s| s.sessions().drop_replica(s.tiers().session_pins(), id, &session, version)).await?;
+                let removed = self
+                    .on_io(move |s| s.sessions().drop_replica(s.tiers().session_pins(), id, &session, version))
+                    .await?;
                 // A drop of every version is the session's (passed on by the node that took
                 // it), not a copy moving away: remembered against its copies coming back.
                 if version == u64::MAX {
                     self.state.sessions().remember_drop(id, &r.session_id);
                 }
-                Ok(held(self.state.sessions().peek(id, &r.session_id)))
+                let held = held(self.state.sessions().peek(id, &r.session_id));
+                Ok(pb::SessionReplicaResponse { removed, ..held })
             }
             Ok(pb::session_replica_request::Op::Put) => {
                 let copy =
@@ -825,8 +828,15 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         // Redis tier: its manifest too (no-op without one), once the local drop is logged (a
         // drop refused here, on a full disk, leaves the shared copy too).
         self.state.tiers().drop_shared(&id, &session).await;
+        let mut dropped = dropped;
         if let Some(peers) = replicas::replicating(&self.state, &ns) {
-            replicas::drop_elsewhere(peers, ns, session);
+            let elsewhere = replicas::drop_elsewhere(peers, ns, session);
+            // Not held here (parked through another node): whether an owner's copy went, if they
+            // answer soon; the drop goes on in the background either way.
+            if !dropped {
+                let wait = replicas::CHECK_WAIT.min(peers.timeout());
+                dropped = matches!(tokio::time::timeout(wait, elsewhere).await, Ok(Ok(true)));
+            }
         }
         observe("drop", start);
         Ok(Response::new(pb::DropSessionResponse { dropped }))

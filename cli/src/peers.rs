@@ -276,7 +276,7 @@ impl PeerTransport for ClientTransport {
                 ..Default::default()
             };
             let r = self.replica_call(peer, ns, id, Op::Drop, Some((upto, 0))).await?;
-            Ok(!r.held)
+            Ok(r.removed)
         })
     }
 }

@@ -114,7 +114,8 @@ pub trait PeerTransport: Send + Sync + 'static {
         Box::pin(async move { Err(no_sessions(peer)) })
     }
 
-    /// Drops `peer`'s copy of a session if its version is at most `version`; whether it went.
+    /// Drops `peer`'s copy of a session if its version is at most `version`; whether this call
+    /// removed one.
     fn session_drop<'a>(
         &'a self,
         peer: &'a Member,

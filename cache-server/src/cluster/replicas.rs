@@ -365,9 +365,10 @@ impl Drop for DramHold<'_> {
     }
 }
 
-/// Drops the owners' copies of a session, in the background (best effort: a copy that stays
-/// expires with its TTL).
-pub fn drop_elsewhere(peers: &Arc<PeerTier>, ns: Namespace, id: String) {
+/// Drops the owners' copies of a session, in the background (best effort: a copy on a node
+/// away now is met by the drop the others remember, or expires with its TTL). The task's
+/// answer: whether any owner's copy went.
+pub fn drop_elsewhere(peers: &Arc<PeerTier>, ns: Namespace, id: String) -> tokio::task::JoinHandle<bool> {
     let peers = peers.clone();
     tokio::spawn(async move {
         let p = peers.placement();
@@ -375,13 +376,17 @@ pub fn drop_elsewhere(peers: &Arc<PeerTier>, ns: Namespace, id: String) {
             let member = &p.members()[i];
             let (peers, ns, id) = (&peers, &ns, &id);
             async move {
-                if let Err(e) = peers.bounded(member, peers.transport().session_drop(member, ns, id, u64::MAX)).await {
-                    peers.failed(member, "session", &e);
+                match peers.bounded(member, peers.transport().session_drop(member, ns, id, u64::MAX)).await {
+                    Ok(removed) => removed,
+                    Err(e) => {
+                        peers.failed(member, "session", &e);
+                        false
+                    }
                 }
             }
         });
-        futures::future::join_all(calls).await;
-    });
+        futures::future::join_all(calls).await.into_iter().any(|removed| removed)
+    })
 }
 
 /// Drops `member`'s copy of a session up to `version`, in the background (a session adopted
