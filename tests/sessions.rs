@@ -177,3 +177,34 @@ fn a_session_larger_than_the_pinned_share_of_dram_parks_on_disk() {
         "the disk tier's pinned gauge follows its pins: {text}"
     );
 }
+
+/// An unregistration a cluster member gets late (`local_only`, `as_of_ago_ms`: it was away when
+/// it was asked) keeps the sessions touched since — the namespace was registered again and they
+/// are its — and the namespace with them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_unregistration_keeps_the_sessions_touched_since() {
+    let server = ServerProcess::start(&["--dram-capacity", "128MiB"]);
+    let client = server.client().await;
+    let ns = client.register(namespace("agents", b"late", small_layout())).await.unwrap();
+    let (old, new) = (tokens(31, 100), tokens(32, 100));
+    let (old_blocks, new_blocks) = (session_payloads(&ns, &old), session_payloads(&ns, &new));
+    client.park(&ns, "old", &old, &old_blocks, &ParkOptions::default(), 0).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    client.park(&ns, "new", &new, &new_blocks, &ParkOptions::default(), 0).await.unwrap();
+    let unregister = |ago_ms: u64| kvtier_proto::pb::UnregisterNamespaceRequest {
+        namespace_id: bytes::Bytes::copy_from_slice(&ns.id.0),
+        local_only: true,
+        as_of_ago_ms: ago_ms,
+    };
+    // Asked 300 ms ago: "old" was touched before, "new" since.
+    let r = client.raw_grpc().unregister_namespace(unregister(300)).await.unwrap().into_inner();
+    assert_eq!(r.sessions_dropped, 1, "{r:?}");
+    assert!(client.resume(&ns, "new").await.unwrap().blocks == new_blocks, "wrong bytes");
+    let err = client.resume(&ns, "old").await.unwrap_err();
+    assert!(matches!(err, ClientError::SessionNotFound(_)), "{err}");
+    // Without an age (a plain unregistration): every session goes, and the namespace.
+    let r = client.raw_grpc().unregister_namespace(unregister(0)).await.unwrap().into_inner();
+    assert_eq!(r.sessions_dropped, 1, "{r:?}");
+    let err = client.lookup(&ns, &new).await.unwrap_err();
+    assert!(matches!(err, ClientError::UnknownNamespace(_)), "{err}");
+}

@@ -16,7 +16,6 @@ use crate::dram::Priority;
 use crate::error::ServerError;
 use crate::events::{EventKind, KvEvent, WatchSlot};
 use crate::metrics::{observe, server_error};
-use crate::session_store::SessionStore;
 use crate::sessions::{ParkSpec, SessionManifest};
 use crate::state::NodeState;
 use crate::tenants::{Access, Principal};
@@ -181,12 +180,11 @@ impl ControlPlane {
             return None;
         }
         let wait = if local > 0 { replicas::CHECK_WAIT.min(peers.timeout()) } else { peers.timeout() };
-        let found = replicas::newest_elsewhere(&self.state, peers, ns, id, local, wait).await;
-        // This node's copy was dropped elsewhere while it was away: it goes (the resume misses).
-        if let (Some(at), Some(mine)) = (found.dropped_at, self.state.sessions().peek(ns.id(), id)) {
-            if SessionStore::touched_before(&mine, at) {
-                replicas::drop_stale_copy(&self.state, &mine).await;
-            }
+        let found = replicas::newest_elsewhere(&self.state, peers, ns, id, wait).await;
+        // This node's copy was dropped elsewhere while it was away: it goes (a newer session
+        // under the id, if an owner holds one, is adopted in its place).
+        if let Some((mine, ago)) = &found.stale_here {
+            replicas::drop_stale_copy(&self.state, mine, *ago).await;
         }
         let (from, m) = found.newest?;
         let version = m.version;
@@ -247,10 +245,12 @@ impl ControlPlane {
                 let removed = self
                     .on_io(move |s| s.sessions().drop_replica(s.tiers().session_pins(), id, &session, version))
                     .await?;
-                // A drop of every version is the session's (passed on by the node that took
-                // it), not a copy moving away: remembered against its copies coming back.
-                if version == u64::MAX {
-                    self.state.sessions().remember_drop(id, &r.session_id);
+                // The session's drop (passed on by the node that took it), not a copy moving
+                // away: remembered, as of when it was made, against its copies coming back.
+                if r.dropped {
+                    if let Some(at) = Instant::now().checked_sub(Duration::from_millis(r.dropped_ago_ms)) {
+                        self.state.sessions().remember_drop_at(id, &r.session_id, at);
+                    }
                 }
                 let held = held(self.state.sessions().peek(id, &r.session_id));
                 Ok(pb::SessionReplicaResponse { removed, ..held })
@@ -487,6 +487,11 @@ impl ControlPlane {
             sessions_dropped: d.sessions_dropped,
             failed: d
                 .failed
+                .into_iter()
+                .map(|(id, reason)| pb::MemberFailure { node_id: id.to_string(), reason })
+                .collect(),
+            away: d
+                .away
                 .into_iter()
                 .map(|(id, reason)| pb::MemberFailure { node_id: id.to_string(), reason })
                 .collect(),
@@ -824,13 +829,16 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
             .await
             .map_err(to_status)?;
         // Remembered against copies on nodes the drop does not reach now (away, restarting).
-        self.state.sessions().remember_drop(id, &session);
+        let dropped_at = Instant::now();
+        if dropped {
+            self.state.sessions().remember_drop_at(id, &session, dropped_at);
+        }
         // Redis tier: its manifest too (no-op without one), once the local drop is logged (a
         // drop refused here, on a full disk, leaves the shared copy too).
         self.state.tiers().drop_shared(&id, &session).await;
         let mut dropped = dropped;
         if let Some(peers) = replicas::replicating(&self.state, &ns) {
-            let elsewhere = replicas::drop_elsewhere(peers, ns, session);
+            let elsewhere = replicas::drop_elsewhere(peers, ns, session, dropped_at);
             // Not held here (parked through another node): whether an owner's copy went, if they
             // answer soon; the drop goes on in the background either way.
             if !dropped {
@@ -914,9 +922,15 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         let p = principal(&r)?;
         let id = ns_id(&r.get_ref().namespace_id).map_err(to_status)?;
         let ns = self.state.namespace_for(&p, &id, Access::Write).map_err(to_status)?;
+        // A member reached late (`as_of_ago_ms`): sessions touched since the unregistration was
+        // asked belong to the namespace registered again, and keep it.
+        let as_of = match (r.get_ref().local_only, r.get_ref().as_of_ago_ms) {
+            (true, ago) if ago > 0 => Some(Instant::now().checked_sub(Duration::from_millis(ago))),
+            _ => None,
+        };
         // It appends to (and syncs) the namespace and session logs.
         let (sessions_dropped, blocks_removed) =
-            self.on_io(move |s| s.unregister_namespace(&p, &id)).await.map_err(to_status)?;
+            self.on_io(move |s| s.unregister_namespace_as_of(&p, &id, as_of)).await.map_err(to_status)?;
         let peers = self.delete_elsewhere(&ns, r.get_ref().local_only, NamespaceDelete::Unregister).await;
         Ok(Response::new(pb::UnregisterNamespaceResponse { sessions_dropped, blocks_removed, peers }))
     }

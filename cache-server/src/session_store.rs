@@ -66,6 +66,12 @@ impl SessionStore {
 
     /// Remembers that session `id` was dropped (everywhere) now.
     pub fn remember_drop(&self, ns: NamespaceId, id: &str) {
+        self.remember_drop_at(ns, id, Instant::now());
+    }
+
+    /// Remembers that session `id` was dropped at `at` (learned from the node that took the
+    /// drop): a later drop already remembered stays (a time never moves back, nor past the drop).
+    pub fn remember_drop_at(&self, ns: NamespaceId, id: &str, at: Instant) {
         let now = Instant::now();
         let mut drops = self.drops.lock();
         if drops.len() >= MAX_DROPS_REMEMBERED {
@@ -78,7 +84,8 @@ impl SessionStore {
                 drops.retain(|_, at| *at > cut);
             }
         }
-        drops.insert((ns, id.to_string()), now);
+        let e = drops.entry((ns, id.to_string())).or_insert(at);
+        *e = (*e).max(at);
     }
 
     /// When session `id` was dropped here, if within [`DROP_REMEMBERED`].
@@ -91,6 +98,13 @@ impl SessionStore {
     /// parked, extended or resumed, which restart its TTL).
     pub fn touched_before(m: &SessionManifest, dropped: Instant) -> bool {
         m.expires_at.checked_sub(m.ttl).is_none_or(|touched| touched < dropped)
+    }
+
+    /// [`Self::touched_before`] of a drop `dropped_ago` before `now`, by ages (a drop learned
+    /// from another node may be older than this machine's clock).
+    pub fn touched_before_ago(m: &SessionManifest, dropped_ago: Duration, now: Instant) -> bool {
+        let touched_ago = m.expires_at.checked_sub(m.ttl).map_or(Duration::MAX, |t| now.saturating_duration_since(t));
+        touched_ago > dropped_ago
     }
 
     /// Whether `m` is a copy of a session this node dropped since it was last touched.

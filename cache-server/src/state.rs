@@ -622,6 +622,41 @@ impl NodeState {
         Ok((dropped, removed))
     }
 
+    /// [`Self::unregister_namespace`] as of `as_of` (`Some`: asked then by a member that could
+    /// not reach this node sooner; `Some(None)`: before this machine's clock began). Sessions
+    /// touched since belong to the namespace registered again: if there are any, they stay, and
+    /// the namespace with them; the older sessions are dropped and the unpinned blocks removed.
+    pub fn unregister_namespace_as_of(
+        &self,
+        by: &Principal,
+        id: &NamespaceId,
+        as_of: Option<Option<Instant>>,
+    ) -> Result<(u64, u64), ServerError> {
+        let Some(at) = as_of else { return self.unregister_namespace(by, id) };
+        self.namespace_for(by, id, Access::Write)?;
+        let older = |m: &crate::sessions::SessionManifest| match at {
+            Some(at) => crate::session_store::SessionStore::touched_before(m, at),
+            None => m.expires_at.checked_sub(m.ttl).is_none(),
+        };
+        let (old, newer): (Vec<_>, Vec<_>) = self.sessions.list(Some(*id)).into_iter().partition(|m| older(m));
+        if newer.is_empty() {
+            return self.unregister_namespace(by, id);
+        }
+        let mut dropped = 0;
+        for m in old {
+            dropped += u64::from(self.sessions.drop_replica(self.tiers.session_pins(), *id, &m.id, m.version)?);
+        }
+        let removed = self.purge_namespace(by, id)?;
+        tracing::info!(
+            principal = by.name(),
+            dropped,
+            removed,
+            kept = newer.len(),
+            "a late unregistration kept the sessions touched since"
+        );
+        Ok((dropped, removed))
+    }
+
     /// Removes every block of a namespace `by` may write from every tier, except those a parked
     /// session pins; returns how many distinct blocks went. Logged (and synced) first with the
     /// disk tier's write position, so copies on disk before it stay gone after a restart.

@@ -715,6 +715,14 @@ async fn delete(c: ConnArgs, unregister: bool) -> anyhow::Result<()> {
         )?,
         None => outln!("{what}: {}{} block(s)", sessions(d.sessions_dropped), d.blocks_removed)?,
     }
+    for m in d.away() {
+        outln!(
+            "{}: {} (it gets the {} when it is back)",
+            m.node_id,
+            m.reason,
+            if unregister { "unregistration" } else { "purge" }
+        )?;
+    }
     if !d.missed().is_empty() {
         let who: Vec<String> = d.missed().iter().map(|m| format!("{} ({})", m.node_id, m.reason)).collect();
         bail!(

@@ -98,7 +98,7 @@ impl ClientTransport {
         let h = match known {
             Some(h) => h,
             None => {
-                let h = p.client.register(ns.clone()).await.map_err(|e| self.failure(peer, e))?;
+                let h = p.client.register(ns.clone()).await.map_err(|e| self.failure(peer, ns, e))?;
                 lock(&p.namespaces).insert(id, h.clone());
                 h
             }
@@ -107,15 +107,23 @@ impl ClientTransport {
     }
 
     /// A failed call's error. A refusal the peer answered with (a tenant's quota, no room, a
-    /// tenant's access) keeps its kind, and the connection is kept: the peer is up, and treating
+    /// tenant's access, a namespace it does not know) keeps its kind, and the connection is kept: the peer is up, and treating
     /// it as down would skip it for every tenant. Anything else (the connection, a timeout, a
     /// wrong answer) drops the peer's client, so the next call starts over.
-    fn failure(&self, peer: &Member, e: ClientError) -> ServerError {
+    /// A namespace the peer no longer knows (unregistered there) is forgotten here too, so the
+    /// next call registers it again; it is no sign the peer is down either.
+    fn failure(&self, peer: &Member, ns: &Namespace, e: ClientError) -> ServerError {
         let on = |m: String| format!("on node {}: {m}", peer.id);
         match e {
             ClientError::QuotaExceeded(m) => ServerError::QuotaExceeded(on(m)),
             ClientError::Capacity(m) => ServerError::Capacity(on(m)),
             ClientError::Forbidden(m) => ServerError::Forbidden(on(m)),
+            ClientError::UnknownNamespace(_) => {
+                if let Some(p) = lock(&self.peers).get(&peer.id) {
+                    lock(&p.namespaces).remove(&ns.id());
+                }
+                ServerError::UnknownNamespace(ns.id())
+            }
             e => {
                 self.forget(peer);
                 Self::err(peer, e)
@@ -142,7 +150,7 @@ impl PeerTransport for ClientTransport {
                     .into_iter()
                     .map(|f| f.map(|BlockFrame { header, payload }| StoredBlock { header, payload }))
                     .collect()),
-                Err(e) => Err(self.failure(peer, e)),
+                Err(e) => Err(self.failure(peer, ns, e)),
             }
         })
     }
@@ -151,11 +159,17 @@ impl PeerTransport for ClientTransport {
         Box::pin(async move {
             let (p, h) = self.handle(peer, ns).await?;
             // Flagged as a peer's: answered from the peer's own tiers, never passed on.
-            p.client.peer_exists_keys(&h, keys).await.map_err(|e| self.failure(peer, e))
+            p.client.peer_exists_keys(&h, keys).await.map_err(|e| self.failure(peer, ns, e))
         })
     }
 
-    fn delete<'a>(&'a self, peer: &'a Member, ns: &'a Namespace, what: NamespaceDelete) -> PeerFuture<'a, (u64, u64)> {
+    fn delete<'a>(
+        &'a self,
+        peer: &'a Member,
+        ns: &'a Namespace,
+        what: NamespaceDelete,
+        asked: Instant,
+    ) -> PeerFuture<'a, (u64, u64)> {
         Box::pin(async move {
             // Not registered there first: a peer that does not know the namespace holds nothing.
             let p = self.peer(peer).await?;
@@ -167,7 +181,12 @@ impl PeerTransport for ClientTransport {
                     .await
                     .map(|r| (0, r.into_inner().blocks_removed)),
                 NamespaceDelete::Unregister => g
-                    .unregister_namespace(pb::UnregisterNamespaceRequest { namespace_id, local_only: true })
+                    .unregister_namespace(pb::UnregisterNamespaceRequest {
+                        namespace_id,
+                        local_only: true,
+                        // At least 1: 0 says "now" (a call made at once is made as of now).
+                        as_of_ago_ms: (asked.elapsed().as_millis() as u64).max(1),
+                    })
                     .await
                     .map(|r| r.into_inner())
                     .map(|r| (r.sessions_dropped, r.blocks_removed)),
@@ -197,7 +216,7 @@ impl PeerTransport for ClientTransport {
             // A `RouteHint` with `local_only`: the peer answers from its own tiers and sessions.
             match p.client.route_hint_local(&h, keys, session).await {
                 Ok((prefix, session_tokens)) => Ok(LocalHolding { prefix_blocks: prefix as u32, session_tokens }),
-                Err(e) => Err(self.failure(peer, e)),
+                Err(e) => Err(self.failure(peer, ns, e)),
             }
         })
     }
@@ -212,7 +231,7 @@ impl PeerTransport for ClientTransport {
                 blocks.iter().map(|b| BlockFrame { header: b.header, payload: b.payload.clone() }).collect();
             let mut st = match p.client.peer_store_frames(&frames).await {
                 Ok(st) => st,
-                Err(e) => return Err(self.failure(peer, e)),
+                Err(e) => return Err(self.failure(peer, ns, e)),
             };
             // The peer no longer knows the namespace (it restarted without a disk tier, or it was
             // unregistered there): registered again, and the blocks sent once more. Before, every
@@ -220,7 +239,7 @@ impl PeerTransport for ClientTransport {
             if st.contains(&ItemStatus::UnknownNamespace) {
                 lock(&p.namespaces).remove(&ns.id());
                 let _ = self.handle(peer, ns).await?;
-                st = p.client.peer_store_frames(&frames).await.map_err(|e| self.failure(peer, e))?;
+                st = p.client.peer_store_frames(&frames).await.map_err(|e| self.failure(peer, ns, e))?;
             }
             Ok(st.iter().filter(|s| s.is_held()).count())
         })
@@ -228,16 +247,16 @@ impl PeerTransport for ClientTransport {
 
     fn session_get<'a>(&'a self, peer: &'a Member, ns: &'a Namespace, id: &'a str) -> PeerFuture<'a, ReplicaCopy> {
         Box::pin(async move {
-            let r = self.replica_call(peer, ns, id, Op::Get, None).await?;
+            let r = self.replica_call(peer, ns, id, Op::Get, None, None).await?;
             let now = Instant::now();
-            let dropped_at = r.dropped.then(|| now.checked_sub(Duration::from_millis(r.dropped_ago_ms))).flatten();
+            let dropped_ago = r.dropped.then(|| Duration::from_millis(r.dropped_ago_ms));
             let copy = match (r.held, r.manifest) {
                 (true, Some(m)) => {
                     Some(replicas::manifest_from_pb(ns.id(), &m, r.ttl_ms, now).map_err(|e| Self::err(peer, e))?)
                 }
                 _ => None,
             };
-            Ok(ReplicaCopy { copy, dropped_at })
+            Ok(ReplicaCopy { copy, dropped_ago, answered: now })
         })
     }
 
@@ -248,8 +267,9 @@ impl PeerTransport for ClientTransport {
         m: &'a SessionManifest,
     ) -> PeerFuture<'a, ReplicaPut> {
         Box::pin(async move {
-            let r =
-                self.replica_call(peer, ns, &m.id, Op::Put, Some(replicas::manifest_to_pb(m, Instant::now()))).await?;
+            let r = self
+                .replica_call(peer, ns, &m.id, Op::Put, Some(replicas::manifest_to_pb(m, Instant::now())), None)
+                .await?;
             if r.dropped && !r.held {
                 return Ok(ReplicaPut::Dropped);
             }
@@ -269,13 +289,14 @@ impl PeerTransport for ClientTransport {
         ns: &'a Namespace,
         id: &'a str,
         version: u64,
+        dropped_at: Option<Instant>,
     ) -> PeerFuture<'a, bool> {
         Box::pin(async move {
             let upto = pb::SessionManifest {
                 info: Some(pb::SessionInfo { version, ..Default::default() }),
                 ..Default::default()
             };
-            let r = self.replica_call(peer, ns, id, Op::Drop, Some((upto, 0))).await?;
+            let r = self.replica_call(peer, ns, id, Op::Drop, Some((upto, 0)), dropped_at).await?;
             Ok(r.removed)
         })
     }
@@ -291,6 +312,7 @@ impl ClientTransport {
         id: &str,
         op: Op,
         manifest: Option<(pb::SessionManifest, u64)>,
+        dropped_at: Option<Instant>,
     ) -> Result<pb::SessionReplicaResponse, ServerError> {
         let (p, _) = self.handle(peer, ns).await?;
         let (manifest, ttl_ms) = manifest.unzip();
@@ -300,7 +322,9 @@ impl ClientTransport {
             op: op as i32,
             manifest,
             ttl_ms: ttl_ms.unwrap_or(0),
+            dropped: dropped_at.is_some(),
+            dropped_ago_ms: dropped_at.map_or(0, |at| at.elapsed().as_millis() as u64),
         };
-        p.client.session_replica(req).await.map_err(|e| self.failure(peer, e))
+        p.client.session_replica(req).await.map_err(|e| self.failure(peer, ns, e))
     }
 }

@@ -1186,7 +1186,11 @@ impl KvClient {
     /// the server's slot for it freed — on the node and on every other member of its cluster
     /// (see [`Deleted::missed`] for members that could not be reached).
     pub async fn unregister(&self, ns: &NamespaceHandle) -> Result<Deleted, ClientError> {
-        let req = pb::UnregisterNamespaceRequest { namespace_id: Bytes::copy_from_slice(&ns.id.0), local_only: false };
+        let req = pb::UnregisterNamespaceRequest {
+            namespace_id: Bytes::copy_from_slice(&ns.id.0),
+            local_only: false,
+            as_of_ago_ms: 0,
+        };
         let mut g = self.grpc();
         let r = self.timed(async move { Ok(g.unregister_namespace(req).await?.into_inner()) }).await?;
         Ok(Deleted { blocks_removed: r.blocks_removed, sessions_dropped: r.sessions_dropped, peers: r.peers })
@@ -1226,6 +1230,12 @@ impl Deleted {
     /// hour while it runs); asking again is safe.
     pub fn missed(&self) -> &[pb::MemberFailure] {
         self.peers.as_ref().map_or(&[], |p| &p.failed)
+    }
+
+    /// Members that left the membership lately (killed, stopped) and are asked when they are
+    /// back (node id, since when): not a failure of this call.
+    pub fn away(&self) -> &[pb::MemberFailure] {
+        self.peers.as_ref().map_or(&[], |p| &p.away)
     }
 }
 

@@ -5,10 +5,13 @@
 //! reached — or that left the membership lately (killed: its TTL ran out) — is asked again in the
 //! background, at once when it (re)appears in the membership and every so often, for up to
 //! [`OWED_FOR`], so a node that was down when a tenant deleted its data does not keep serving it
-//! once it is back. What this does not cover: the asking node itself stopping before the member
-//! returns (owed deletes are held in memory), and a member back under another node id.
+//! once it is back. One delete is owed per member and namespace (a later one replaces it: an
+//! unregistration a purge). A late unregistration is made as of when it was asked: sessions
+//! touched since (the namespace registered again) stay, and the namespace with them; a late
+//! purge removes what the member holds then. What this does not cover: the asking node itself
+//! stopping before the member returns (owed deletes are held in memory), and a member back under
+//! another node id.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -51,8 +54,17 @@ pub struct ClusterDelete {
     pub members_done: u32,
     pub blocks_removed: u64,
     pub sessions_dropped: u64,
-    /// Members that could not be reached, and why; each is retried in the background.
+    /// Members that could not be reached, and why; each is asked again in the background.
     pub failed: Vec<(NodeId, String)>,
+    /// Members that left the membership lately (killed, stopped): asked when they are back.
+    pub away: Vec<(NodeId, String)>,
+}
+
+/// A delete owed to a member: what, and when it was asked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Owed {
+    pub what: NamespaceDelete,
+    pub asked: Instant,
 }
 
 /// Asks every member of `others` to do `what` to `ns` on its own, at once, each call within
@@ -63,16 +75,17 @@ pub async fn delete_elsewhere(
     ns: &Namespace,
     what: NamespaceDelete,
 ) -> ClusterDelete {
+    let asked = Instant::now();
     peers.mark_deleted(ns.id());
     let mut out = ClusterDelete::default();
     for (id, ago) in peers.departed() {
         if others.iter().all(|m| m.id != id) {
-            out.failed.push((id.clone(), format!("not a member now (gone {ago:.0?}); asked when it is back")));
-            owe(peers, id, ns.clone(), what);
+            out.away.push((id.clone(), format!("not a member now (gone {ago:.0?}); asked when it is back")));
+            owe(peers, id, ns.clone(), Owed { what, asked });
         }
     }
     let calls =
-        others.iter().map(|m| async move { (m, peers.bounded(m, peers.transport().delete(m, ns, what)).await) });
+        others.iter().map(|m| async move { (m, peers.bounded(m, peers.transport().delete(m, ns, what, asked)).await) });
     for (m, r) in futures::future::join_all(calls).await {
         match r {
             Ok((sessions, blocks)) => {
@@ -83,56 +96,81 @@ pub async fn delete_elsewhere(
             Err(e) => {
                 peers.failed(m, "delete", &e);
                 out.failed.push((m.id.clone(), e.to_string()));
-                owe(peers, m.id.clone(), ns.clone(), what);
+                owe(peers, m.id.clone(), ns.clone(), Owed { what, asked });
             }
         }
     }
     out
 }
 
-/// Retries `what` on member `id` in the background until it answers, [`OWED_FOR`] passes, or
-/// this node's peer tier is gone. The member is looked up in the membership at every try, so one
-/// that left (killed: its TTL ran out) and came back is asked at its new addresses.
-fn owe(peers: &Arc<PeerTier>, id: NodeId, ns: Namespace, what: NamespaceDelete) {
-    let owed = peers.owed_deletes();
-    if owed.fetch_add(1, Ordering::Relaxed) >= MAX_OWED {
-        owed.fetch_sub(1, Ordering::Relaxed);
-        ::metrics::counter!("kvtier_peer_deletes_abandoned_total").increment(1);
-        tracing::warn!(peer = %id, "a {} missed by an unreachable member is not retried: {MAX_OWED} are owed already", what.name());
-        return;
+/// Owes `owed` of `ns` to member `id`: one retrying task per member and namespace, which asks
+/// until the member answers, [`OWED_FOR`] passes, or this node's peer tier is gone. A delete
+/// already owed there is replaced (the task sends the latest; an unregistration is not
+/// replaced by a purge). The member is looked up in the membership at every try, so one that
+/// left (killed: its TTL ran out) and came back is asked at its new addresses.
+fn owe(peers: &Arc<PeerTier>, id: NodeId, ns: Namespace, owed: Owed) {
+    let key = (id.clone(), ns.id());
+    {
+        let mut all = peers.owed_deletes().lock();
+        if let Some(pending) = all.get_mut(&key) {
+            if !(pending.what == NamespaceDelete::Unregister && owed.what == NamespaceDelete::Purge) {
+                *pending = owed;
+            }
+            return;
+        }
+        if all.len() >= MAX_OWED {
+            ::metrics::counter!("kvtier_peer_deletes_abandoned_total").increment(1);
+            tracing::warn!(peer = %id, "a {} missed by an unreachable member is not retried: {MAX_OWED} are owed already", owed.what.name());
+            return;
+        }
+        all.insert(key.clone(), owed);
+        ::metrics::gauge!("kvtier_peer_deletes_owed").set(all.len() as f64);
     }
-    ::metrics::gauge!("kvtier_peer_deletes_owed").increment(1.0);
     let tier = Arc::downgrade(peers);
     let mut members = peers.members();
     tokio::spawn(async move {
         let give_up = Instant::now() + OWED_FOR;
         let mut wait = RETRY_FIRST;
+        let mut watching = true;
         let done = loop {
             // A change of the membership (the member coming back) tries at once.
             tokio::select! {
                 _ = tokio::time::sleep(wait) => wait = (wait * 2).min(RETRY_MAX),
-                changed = members.changed() => if changed.is_err() { return },
+                changed = members.changed(), if watching => watching = changed.is_ok(),
             }
             let Some(peers) = tier.upgrade() else { return };
             if Instant::now() > give_up {
-                break false;
+                break None;
             }
             let member = peers.members().borrow().get(&id).cloned();
             let Some(member) = member else { continue };
-            if peers.bounded(&member, peers.transport().delete(&member, &ns, what)).await.is_ok() {
-                break true;
+            let Some(now_owed) = peers.owed_deletes().lock().get(&key).copied() else { return };
+            let call = peers.transport().delete(&member, &ns, now_owed.what, now_owed.asked);
+            if peers.bounded(&member, call).await.is_ok() {
+                let mut all = peers.owed_deletes().lock();
+                // Replaced meanwhile: the newer one is sent on the next try.
+                if all.get(&key) == Some(&now_owed) {
+                    all.remove(&key);
+                    ::metrics::gauge!("kvtier_peer_deletes_owed").set(all.len() as f64);
+                    break Some(now_owed.what);
+                }
+                wait = Duration::ZERO;
             }
         };
-        ::metrics::gauge!("kvtier_peer_deletes_owed").decrement(1.0);
-        if let Some(peers) = tier.upgrade() {
-            peers.owed_deletes().fetch_sub(1, Ordering::Relaxed);
-        }
-        if done {
-            ::metrics::counter!("kvtier_peer_deletes_retried_total").increment(1);
-            tracing::info!(peer = %id, "a {} the member missed was done there", what.name());
-        } else {
-            ::metrics::counter!("kvtier_peer_deletes_abandoned_total").increment(1);
-            tracing::warn!(peer = %id, "a {} the member missed was given up after {OWED_FOR:?}", what.name());
+        match done {
+            Some(what) => {
+                ::metrics::counter!("kvtier_peer_deletes_retried_total").increment(1);
+                tracing::info!(peer = %id, "a {} the member missed was done there", what.name());
+            }
+            None => {
+                if let Some(peers) = tier.upgrade() {
+                    let mut all = peers.owed_deletes().lock();
+                    all.remove(&key);
+                    ::metrics::gauge!("kvtier_peer_deletes_owed").set(all.len() as f64);
+                }
+                ::metrics::counter!("kvtier_peer_deletes_abandoned_total").increment(1);
+                tracing::warn!(peer = %id, "a delete the member missed was given up after {OWED_FOR:?}");
+            }
         }
     });
 }

@@ -27,7 +27,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -35,7 +35,7 @@ use kvtier_proto::{BlockKey, Namespace, NamespaceId};
 use parking_lot::Mutex;
 use tokio::sync::{mpsc, watch, Semaphore};
 
-use super::deletes::NamespaceDelete;
+use super::deletes::{NamespaceDelete, Owed};
 use super::member::{Labels, Member, NodeId};
 use super::membership::Snapshot;
 use super::placement::{Placement, Reader};
@@ -74,10 +74,17 @@ pub trait PeerTransport: Send + Sync + 'static {
     /// Which of `keys` `peer`'s own tiers hold, in one request.
     fn exists<'a>(&'a self, peer: &'a Member, ns: &'a Namespace, keys: &'a [BlockKey]) -> PeerFuture<'a, Vec<bool>>;
 
-    /// Does `what` to namespace `ns` on `peer` alone (which passes it on to nobody): (sessions
-    /// dropped, blocks removed) there. A peer that does not know the namespace holds nothing of
-    /// it: `(0, 0)`, not an error.
-    fn delete<'a>(&'a self, peer: &'a Member, ns: &'a Namespace, what: NamespaceDelete) -> PeerFuture<'a, (u64, u64)>;
+    /// Does `what` to namespace `ns` on `peer` alone (which passes it on to nobody), as asked at
+    /// `asked` (an unregistration keeps sessions touched since): (sessions dropped, blocks
+    /// removed) there. A peer that does not know the namespace holds nothing of it: `(0, 0)`,
+    /// not an error.
+    fn delete<'a>(
+        &'a self,
+        peer: &'a Member,
+        ns: &'a Namespace,
+        what: NamespaceDelete,
+        asked: Instant,
+    ) -> PeerFuture<'a, (u64, u64)>;
 
     /// How long a prefix of `keys` `peer`'s own tiers hold, and whether it holds `session`, in
     /// one request (a `RouteHint` with `local_only`, authorized like any other call). A transport
@@ -115,15 +122,17 @@ pub trait PeerTransport: Send + Sync + 'static {
     }
 
     /// Drops `peer`'s copy of a session if its version is at most `version`; whether this call
-    /// removed one.
+    /// removed one. `dropped_at`: the session itself was dropped then (not a copy moving away),
+    /// which the peer remembers against copies last touched before.
     fn session_drop<'a>(
         &'a self,
         peer: &'a Member,
         ns: &'a Namespace,
         id: &'a str,
         version: u64,
+        dropped_at: Option<Instant>,
     ) -> PeerFuture<'a, bool> {
-        let _ = (ns, id, version);
+        let _ = (ns, id, version, dropped_at);
         Box::pin(async move { Err(no_sessions(peer)) })
     }
 }
@@ -145,13 +154,23 @@ pub enum ReplicaPut {
 }
 
 /// A peer's answer to [`PeerTransport::session_get`].
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct ReplicaCopy {
     /// Its copy, if it holds one.
     pub copy: Option<SessionManifest>,
-    /// When it dropped the session (on this node's clock), if it did within the last hour: a
-    /// copy last touched before is a dropped one, wherever it is.
-    pub dropped_at: Option<Instant>,
+    /// How long before `answered` it dropped the session, if it did within the last hour: a
+    /// copy last touched before is a dropped one, wherever it is. An age, not an instant: the
+    /// drop may be older than this machine's clock.
+    pub dropped_ago: Option<Duration>,
+    /// When the answer came (this node's clock).
+    pub answered: Instant,
+}
+
+impl ReplicaCopy {
+    /// How long before `now` the peer dropped the session, if it did.
+    pub fn dropped_ago_at(&self, now: Instant) -> Option<Duration> {
+        self.dropped_ago.map(|ago| ago + now.saturating_duration_since(self.answered))
+    }
 }
 
 /// What one node holds of a routing hint's request.
@@ -274,8 +293,9 @@ pub struct PeerTier {
     forward_bytes: Arc<Semaphore>,
     /// Namespaces purged or unregistered lately, and when: forwards queued before are dropped.
     deleted: Mutex<HashMap<NamespaceId, Instant>>,
-    /// Deletes owed to members that could not be reached (see `super::deletes`).
-    owed_deletes: AtomicUsize,
+    /// Deletes owed to members that could not be reached, one per member and namespace (see
+    /// `super::deletes`).
+    owed_deletes: Mutex<HashMap<(NodeId, NamespaceId), Owed>>,
     /// Members of an earlier placement gone from the current one (killed, stopped), and since
     /// when: a node that comes back under its id is owed the deletes made while it was away.
     departed: Mutex<HashMap<NodeId, Instant>>,
@@ -333,7 +353,7 @@ impl PeerTier {
             forward_tx: tx,
             forward_bytes: Arc::new(Semaphore::new(FORWARD_BYTES)),
             deleted: Mutex::new(HashMap::new()),
-            owed_deletes: AtomicUsize::new(0),
+            owed_deletes: Mutex::new(HashMap::new()),
             departed: Mutex::new(HashMap::new()),
             repair: tokio::sync::Notify::new(),
         });
@@ -754,7 +774,7 @@ impl PeerTier {
         self.deleted.lock().get(id).is_some_and(|at| *at >= queued)
     }
 
-    pub(crate) fn owed_deletes(&self) -> &AtomicUsize {
+    pub(crate) fn owed_deletes(&self) -> &Mutex<HashMap<(NodeId, NamespaceId), Owed>> {
         &self.owed_deletes
     }
 

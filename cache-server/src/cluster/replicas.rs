@@ -164,14 +164,16 @@ fn dropped_there(member: &Member, id: &str) -> ServerError {
     ))
 }
 
-/// Drops this node's copy `m` of a session dropped elsewhere while this node was away (and
-/// remembers the drop, against copies other nodes may still send).
-pub async fn drop_stale_copy(state: &Arc<NodeState>, m: &SessionManifest) {
+/// Drops this node's copy `m` of a session dropped elsewhere `dropped_ago` ago, while this node
+/// was away (and remembers the drop as of then, against copies other nodes may still send).
+pub async fn drop_stale_copy(state: &Arc<NodeState>, m: &SessionManifest, dropped_ago: Duration) {
     let (st, ns, id, version) = (state.clone(), m.namespace, m.id.clone(), m.version);
     let gone = state
         .io()
         .run(None, move || {
-            st.sessions().remember_drop(ns, &id);
+            if let Some(at) = Instant::now().checked_sub(dropped_ago) {
+                st.sessions().remember_drop_at(ns, &id, at);
+            }
             st.sessions().drop_replica(st.tiers().session_pins(), ns, &id, version)
         })
         .await;
@@ -228,11 +230,14 @@ async fn send_blocks(
 #[derive(Default)]
 pub struct Elsewhere {
     pub newest: Option<(Member, SessionManifest)>,
-    pub dropped_at: Option<Instant>,
+    /// This node's copy, when it is a dropped one (last touched before that drop), and how
+    /// long ago the drop was: the caller drops it ([`drop_stale_copy`]).
+    pub stale_here: Option<(SessionManifest, Duration)>,
 }
 
-/// The newest copy of session `id` the owners hold, if newer than `local_version` (0: none
-/// here) and not a dropped one (last touched before a drop any owner or this node remembers):
+/// The newest copy of session `id` the owners hold, if newer than this node's (none, or a
+/// dropped one, count as version 0) and not a dropped one itself (last touched before a drop
+/// any owner or this node remembers):
 /// the first `rf + 1` owners are asked at once — every member (up to [`MAX_RF`]) when
 /// this node has no copy, since with `rf` = 1 a session stays on the node that parked it —
 /// each given at most `wait`; a peer that fails is skipped for a while, one that is merely
@@ -242,11 +247,11 @@ pub async fn newest_elsewhere(
     peers: &PeerTier,
     ns: &Namespace,
     id: &str,
-    local_version: u64,
     wait: Duration,
 ) -> Elsewhere {
+    let local = state.sessions().peek(ns.id(), id);
     let p = peers.placement();
-    let n = if local_version == 0 { MAX_RF } else { peers.rf_for(ns) + 1 };
+    let n = if local.is_none() { MAX_RF } else { peers.rf_for(ns) + 1 };
     let ask: Vec<&Member> = owners(peers, &p, &ns.id(), id).into_iter().take(n).map(|i| &p.members()[i]).collect();
     let calls = ask.iter().map(|&member| async move {
         let call = peers.bounded(member, peers.transport().session_get(member, ns, id));
@@ -260,15 +265,26 @@ pub async fn newest_elsewhere(
         }
     });
     let answers: Vec<_> = futures::future::join_all(calls).await.into_iter().flatten().collect();
-    let dropped_at =
-        answers.iter().filter_map(|(_, a)| a.dropped_at).chain(state.sessions().dropped_at(ns.id(), id)).max();
+    // The latest drop anyone remembers, as an age (the youngest).
+    let now = Instant::now();
+    let dropped_ago = answers
+        .iter()
+        .filter_map(|(_, a)| a.dropped_ago_at(now))
+        .chain(state.sessions().dropped_at(ns.id(), id).map(|at| now.saturating_duration_since(at)))
+        .min();
+    let dropped = |m: &SessionManifest| dropped_ago.is_some_and(|ago| SessionStore::touched_before_ago(m, ago, now));
+    let stale_here = local.filter(|m| dropped(m)).zip(dropped_ago);
+    let local_version = match (&stale_here, state.sessions().peek(ns.id(), id)) {
+        (None, Some(m)) => m.version,
+        _ => 0,
+    };
     let newest = answers
         .into_iter()
         .filter_map(|(member, a)| Some((member, a.copy?)))
         .filter(|(_, m)| m.version > local_version && m.namespace == ns.id() && m.id == id)
-        .filter(|(_, m)| dropped_at.is_none_or(|at| !SessionStore::touched_before(m, at)))
+        .filter(|(_, m)| !dropped(m))
         .max_by_key(|(_, m)| m.version);
-    Elsewhere { newest, dropped_at }
+    Elsewhere { newest, stale_here }
 }
 
 /// Makes `from`'s copy of a session this node's own: fetches the blocks this node lacks from
@@ -368,7 +384,12 @@ impl Drop for DramHold<'_> {
 /// Drops the owners' copies of a session, in the background (best effort: a copy on a node
 /// away now is met by the drop the others remember, or expires with its TTL). The task's
 /// answer: whether any owner's copy went.
-pub fn drop_elsewhere(peers: &Arc<PeerTier>, ns: Namespace, id: String) -> tokio::task::JoinHandle<bool> {
+pub fn drop_elsewhere(
+    peers: &Arc<PeerTier>,
+    ns: Namespace,
+    id: String,
+    dropped_at: Instant,
+) -> tokio::task::JoinHandle<bool> {
     let peers = peers.clone();
     tokio::spawn(async move {
         let p = peers.placement();
@@ -376,7 +397,8 @@ pub fn drop_elsewhere(peers: &Arc<PeerTier>, ns: Namespace, id: String) -> tokio
             let member = &p.members()[i];
             let (peers, ns, id) = (&peers, &ns, &id);
             async move {
-                match peers.bounded(member, peers.transport().session_drop(member, ns, id, u64::MAX)).await {
+                let drop = peers.transport().session_drop(member, ns, id, u64::MAX, Some(dropped_at));
+                match peers.bounded(member, drop).await {
                     Ok(removed) => removed,
                     Err(e) => {
                         peers.failed(member, "session", &e);
@@ -394,7 +416,7 @@ pub fn drop_elsewhere(peers: &Arc<PeerTier>, ns: Namespace, id: String) -> tokio
 pub fn drop_copy(peers: &Arc<PeerTier>, member: Member, ns: Namespace, id: String, version: u64) {
     let peers = peers.clone();
     tokio::spawn(async move {
-        if let Err(e) = peers.bounded(&member, peers.transport().session_drop(&member, &ns, &id, version)).await {
+        if let Err(e) = peers.bounded(&member, peers.transport().session_drop(&member, &ns, &id, version, None)).await {
             peers.failed(&member, "session", &e);
         }
     });
@@ -459,11 +481,18 @@ async fn repair_one(state: &Arc<NodeState>, peers: &Arc<PeerTier>, m: SessionMan
             }
         };
         // Dropped there while this node was away: this copy goes, and is not re-made anywhere.
-        if theirs.dropped_at.is_some_and(|at| SessionStore::touched_before(&m, at)) {
-            drop_stale_copy(state, &m).await;
+        let now = Instant::now();
+        let dropped_ago = theirs.dropped_ago_at(now);
+        if let Some(ago) = dropped_ago.filter(|ago| SessionStore::touched_before_ago(&m, *ago, now)) {
+            drop_stale_copy(state, &m, ago).await;
             return true;
         }
-        let theirs = theirs.copy;
+        // Their copy is a dropped one (this node or they remember the drop): never adopted; it
+        // goes when that node meets the drop.
+        let theirs = theirs.copy.filter(|t| {
+            !state.sessions().is_dropped_copy(t)
+                && dropped_ago.is_none_or(|ago| !SessionStore::touched_before_ago(t, ago, now))
+        });
         match theirs {
             Some(t) if t.version == m.version => {}
             Some(t) if t.version > m.version => {
@@ -475,9 +504,11 @@ async fn repair_one(state: &Arc<NodeState>, peers: &Arc<PeerTier>, m: SessionMan
             }
             _ => match copy_to(state, peers, member, &ns, &m).await {
                 Ok(()) => ::metrics::counter!("kvtier_session_recopied_total").increment(1),
-                Err(ServerError::SessionNotFound(_)) => {
-                    drop_stale_copy(state, &m).await;
-                    return true;
+                // The owner refused it as a dropped copy: this node meets the drop through the
+                // owners' answers (above) on the next pass; nothing is dropped on a guess here.
+                Err(ServerError::SessionNotFound(e)) => {
+                    tracing::debug!(session = %m.id, "an owner refused this copy as dropped: {e}");
+                    ok = false;
                 }
                 Err(e) => {
                     peers.failed(member, "session", &e);
