@@ -4,7 +4,8 @@
 //! slow disk delays only the park that waits for it, never another session's resume. A park whose
 //! record can't be written is undone (if nothing changed the session since) and reported.
 //!
-//! Every call here may block on the log: run it on the I/O pool, not on an async worker.
+//! Every call that changes a session may block on the log: run it on the I/O pool, not on an
+//! async worker. The remembered drops (`remember_drop*`, `dropped_at`) are memory only.
 
 use std::time::{Duration, Instant, SystemTime};
 

@@ -4,7 +4,10 @@
 //! `auth_token` — the operator's token, which every node of a cluster must share. Before a
 //! peer first sees a namespace it is registered there: a namespace's id is a hash of its spec, so
 //! the same spec registers the same namespace on every node, and the operator may register any
-//! tenant's. A failed call drops the peer's client and registrations, so the next call starts over.
+//! tenant's (within the tenant's `max_namespaces` there). A call that failed — no answer, a cut
+//! connection — drops the peer's client and registrations, so the next call starts over; a
+//! refusal the peer answered with (a quota, no room, a namespace it no longer knows) keeps its
+//! kind and the connection, and is no sign the peer is down.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

@@ -16,9 +16,10 @@
 //! the acknowledgement.
 //!
 //! Bounds: every peer call runs under `peer_timeout`; at most `peer_max_inflight` calls run at
-//! once (a call that can't start within the timeout is a miss); a peer that failed is skipped
-//! for [`DOWN_FOR`] (its keys go to the next replica or miss at once), so a dead node costs one
-//! timeout, not one per request; the forward queue holds at most [`FORWARD_QUEUE`] requests and
+//! once (a call that can't start within the timeout is a miss); a peer that failed (no answer
+//! in time, a cut connection, a wrong answer — not a refusal such as a tenant's quota there) is
+//! skipped for [`DOWN_FOR`] (its keys go to the next replica or miss at once), so a dead node
+//! costs one timeout, not one per request; the forward queue holds at most [`FORWARD_QUEUE`] requests and
 //! `FORWARD_BYTES` bytes, past which forwards are dropped and counted.
 //!
 //! The network is behind [`PeerTransport`]: the `kvtier` binary plugs in one over

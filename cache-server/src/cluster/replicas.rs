@@ -11,6 +11,13 @@
 //! older one, and a resume adopts a newer copy than its own, so a node that was away (restarted,
 //! partitioned) can't serve a stale manifest once its peers answer. Every call is bounded by
 //! `peer_timeout`; a resume with a copy of its own waits at most [`CHECK_WAIT`] for the owners.
+//!
+//! Drops: every node that takes or is told of a session's drop remembers it for an hour, as of
+//! when it was made (`SessionStore::remember_drop_at`; carried as an age between nodes), and
+//! says so in its `SessionReplica` answers; a copy last touched before a drop anyone remembers
+//! is a dropped one — never adopted, refused as a copy, and dropped by the node that holds it
+//! (one that was away during the drop) — while a session parked again under the id is not.
+//! Re-replication also runs when a park or extend was left short of copies.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -430,17 +437,24 @@ pub async fn repair_loop(state: Arc<NodeState>, mut stop: watch::Receiver<bool>)
     let Some(peers) = state.tiers().peers().cloned() else { return };
     let mut members = peers.members();
     let mut incomplete = false;
+    let mut last_pass = Instant::now();
     loop {
         tokio::select! {
             _ = crate::stopped(&mut stop) => return,
             changed = members.changed() => if changed.is_err() { return },
-            _ = peers.repair_wanted() => {}
+            // A park short of copies: a pass, at most one per `REPAIR_RETRY` (parks refused
+            // copies on and on by a peer, a tenant's quota there, don't each set off a pass).
+            _ = peers.repair_wanted() => tokio::select! {
+                _ = crate::stopped(&mut stop) => return,
+                _ = tokio::time::sleep_until((last_pass + REPAIR_RETRY).into()) => {}
+            },
             _ = tokio::time::sleep(REPAIR_RETRY), if incomplete => {}
         }
         // Let a burst of changes (a node leaving and coming back) settle into one pass.
         tokio::time::sleep(Duration::from_millis(200)).await;
         members.borrow_and_update();
         incomplete = !repair_pass(&state, &peers).await;
+        last_pass = Instant::now();
     }
 }
 
@@ -469,7 +483,13 @@ async fn repair_one(state: &Arc<NodeState>, peers: &Arc<PeerTier>, m: SessionMan
     let want = rf - usize::from(here);
     // Too few owners to ask because some failed lately (skipped for a while): not complete, so
     // the next pass (in `REPAIR_RETRY`) asks them again.
-    let mut ok = all.len() >= want || p.members().len() <= all.len() + 1;
+    let now = Instant::now();
+    let skipped = p
+        .owners(&m.namespace, &session_key(&m.id), p.members().len().min(MAX_RF))
+        .into_iter()
+        .filter(|&i| p.members()[i].id != *peers.local() && peers.is_down(&p.members()[i].id, now))
+        .count();
+    let mut ok = all.len() >= want || skipped == 0;
     for &i in all.iter().take(want) {
         let member = &p.members()[i];
         let theirs = match peers.bounded(member, peers.transport().session_get(member, &ns, &m.id)).await {
