@@ -331,41 +331,52 @@ async fn a_purge_or_an_unregistration_reaches_every_member_and_one_that_was_away
     }
 }
 
+const OPERATOR: &str = "operator-secret-0123456789";
+const TOKEN_T: &str = "tenant-t-secret-0123456789";
+
+/// Two nodes (`cluster_rf` 2) with an operator token and one tenant `t`, whose quota is
+/// `quota` (a TOML line); `extra` flags for both.
+fn tenant_pair(redis: &Redis, dir: &std::path::Path, quota: &str, extra: &[&str]) -> Vec<ServerProcess> {
+    let nodes: Vec<ServerProcess> = ["n1", "n2"]
+        .iter()
+        .map(|id| {
+            let cfg = dir.join(format!("{id}.toml"));
+            std::fs::write(
+                &cfg,
+                format!(
+                    "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\ncluster_rf = 2\npeer_timeout = \"1s\"\n\
+                     auth_token = \"{OPERATOR}\"\n\n[[tenants]]\nname = \"t\"\ntokens = [\"{TOKEN_T}\"]\n{quota}\n",
+                    redis.url()
+                ),
+            )
+            .unwrap();
+            let cfg = cfg.to_str().unwrap().to_string();
+            let mut args = vec!["--config", cfg.as_str(), "--dram-capacity", "64MiB"];
+            args.extend_from_slice(extra);
+            ServerProcess::start(&args)
+        })
+        .collect();
+    until_members(&nodes, 2);
+    nodes
+}
+
+async fn client_as(node: &ServerProcess, token: &str) -> KvClient {
+    let cfg = kvtier_client::ClientConfig { auth_token: Some(token.into()), ..Default::default() };
+    KvClient::connect(&node.grpc_addr(), cfg).await.unwrap()
+}
+
 /// A tenant at its `max_namespaces` on a node is held to it there when its blocks arrive
 /// forwarded from another node (the forwarding node registers them as the operator); and that
 /// refusal is the tenant's, not a sign the node is down: it stays in use for everyone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenant_s_quota_holds_for_forwarded_blocks_and_its_refusal_takes_no_node_down() {
-    const OPERATOR: &str = "operator-secret-0123456789";
-    const TOKEN_T: &str = "tenant-t-secret-0123456789";
     let redis = Redis::start();
     let dir = tempfile::tempdir().unwrap();
-    let nodes: Vec<ServerProcess> = ["n1", "n2"]
-        .iter()
-        .map(|id| {
-            let cfg = dir.path().join(format!("{id}.toml"));
-            std::fs::write(
-                &cfg,
-                format!(
-                    "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\ncluster_rf = 2\npeer_timeout = \"1s\"\n\
-                     auth_token = \"{OPERATOR}\"\n\n[[tenants]]\nname = \"t\"\ntokens = [\"{TOKEN_T}\"]\nmax_namespaces = 1\n",
-                    redis.url()
-                ),
-            )
-            .unwrap();
-            ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"])
-        })
-        .collect();
-    until_members(&nodes, 2);
-    let client_as = |n: usize, token: &str| {
-        let cfg = kvtier_client::ClientConfig { auth_token: Some(token.into()), ..Default::default() };
-        let addr = nodes[n].grpc_addr();
-        async move { KvClient::connect(&addr, cfg).await }
-    };
+    let nodes = tenant_pair(&redis, dir.path(), "max_namespaces = 1", &[]);
     let (t1, t2, op1) = (
-        client_as(0, TOKEN_T).await.unwrap(),
-        client_as(1, TOKEN_T).await.unwrap(),
-        client_as(0, OPERATOR).await.unwrap(),
+        client_as(&nodes[0], TOKEN_T).await,
+        client_as(&nodes[1], TOKEN_T).await,
+        client_as(&nodes[0], OPERATOR).await,
     );
     let m1 = t1.register(namespace("t", b"m1", small_layout())).await.unwrap();
     // n2's one namespace of t.
@@ -390,30 +401,10 @@ async fn a_tenant_s_quota_holds_for_forwarded_blocks_and_its_refusal_takes_no_no
 /// reach their other owners: read back from disk and forwarded, none dropped.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blocks_evicted_within_their_store_are_still_forwarded() {
-    const OPERATOR: &str = "operator-secret-0123456789";
-    const TOKEN_T: &str = "tenant-t-secret-0123456789";
     let redis = Redis::start();
     let dir = tempfile::tempdir().unwrap();
-    let nodes: Vec<ServerProcess> = ["n1", "n2"]
-        .iter()
-        .map(|id| {
-            let cfg = dir.path().join(format!("{id}.toml"));
-            std::fs::write(
-                &cfg,
-                format!(
-                    "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\ncluster_rf = 2\npeer_timeout = \"1s\"\n\
-                     auth_token = \"{OPERATOR}\"\n\n[[tenants]]\nname = \"t\"\ntokens = [\"{TOKEN_T}\"]\ndram_bytes = \"1MiB\"\n",
-                    redis.url()
-                ),
-            )
-            .unwrap();
-            let cfg = cfg.to_str().unwrap().to_string();
-            ServerProcess::start(&["--config", &cfg, "--dram-capacity", "64MiB", "--disk-capacity", "64MiB"])
-        })
-        .collect();
-    until_members(&nodes, 2);
-    let cfg = kvtier_client::ClientConfig { auth_token: Some(TOKEN_T.into()), ..Default::default() };
-    let t1 = KvClient::connect(&nodes[0].grpc_addr(), cfg).await.unwrap();
+    let nodes = tenant_pair(&redis, dir.path(), "dram_bytes = \"1MiB\"", &["--disk-capacity", "64MiB"]);
+    let t1 = client_as(&nodes[0], TOKEN_T).await;
     let ns = t1.register(namespace("t", b"quota-forward", small_layout())).await.unwrap();
     // 64 blocks of 32 KiB: twice the tenant's DRAM quota, in one store.
     let toks = tokens(9, 64 * 16);

@@ -79,6 +79,15 @@ async fn until_every_session_has_two_copies(clients: &[&KvClient], n: usize) {
     }
 }
 
+/// Waits (up to 5 s) until no node holds a copy of session `id`.
+async fn until_no_copy(clients: &[&KvClient], id: &str) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while copies(clients).await.contains_key(id) {
+        assert!(Instant::now() < deadline, "copies of {id:?} outlived the drop");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acknowledged_sessions_survive_a_node_killed_under_load() {
     let redis = Redis::start();
@@ -213,11 +222,7 @@ async fn a_resume_anywhere_sees_the_newest_version_and_a_drop_reaches_the_copies
 
     // A drop through one node reaches the others' copies.
     assert!(clients[1].drop_session(&ns[1], "agent").await.unwrap());
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while copies(&clients.iter().collect::<Vec<_>>()).await.contains_key("agent") {
-        assert!(Instant::now() < deadline, "copies outlived the drop");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    until_no_copy(&clients.iter().collect::<Vec<_>>(), "agent").await;
     for (c, ns) in clients.iter().zip(&ns) {
         let err = c.resume(ns, "agent").await.unwrap_err();
         assert!(matches!(err, ClientError::SessionNotFound(_)), "{err}");
@@ -331,6 +336,32 @@ async fn a_namespace_chooses_its_own_replication_factor() {
     assert!(t.elapsed() < Duration::from_secs(3), "the miss took {:?}", t.elapsed());
 }
 
+/// Parks session `id` (the tokens of `seed`) through n1, stops a node other than n1 that holds a
+/// copy until the others see it gone (its TTL), and drops the session through n1: the stopped
+/// node's index and pid (still stopped).
+async fn dropped_while_a_holder_is_away(
+    nodes: &[ServerProcess],
+    clients: &[KvClient],
+    ns: &[NamespaceHandle],
+    id: &str,
+    seed: u32,
+) -> (usize, u32) {
+    let (toks, blocks) = session(&ns[0], seed);
+    clients[0].park(&ns[0], id, &toks, &blocks, &ParkOptions::default(), 0).await.unwrap();
+    let mut away = None;
+    for (i, c) in clients.iter().enumerate().skip(1) {
+        if c.list_sessions(None).await.unwrap().iter().any(|s| s.id == id) {
+            away = Some(i);
+        }
+    }
+    let away = away.expect("a second node holds a copy");
+    let pid = nodes[away].child.id();
+    stop_process(pid);
+    until_members(nodes.iter().enumerate().filter(|(i, _)| *i != away).map(|(_, n)| n), 2);
+    assert!(clients[0].drop_session(&ns[0], id).await.unwrap());
+    (away, pid)
+}
+
 /// A node away (stopped past its TTL) while a session was dropped comes back with its old copy:
 /// the nodes that saw the drop remember it, so no resume anywhere takes the copy back (the node
 /// that was away drops it), and no node holds it afterwards.
@@ -342,19 +373,7 @@ async fn a_session_dropped_while_a_copy_holder_was_away_stays_dropped() {
     let clients = [nodes[0].client().await, nodes[1].client().await, nodes[2].client().await];
     let ns: Vec<NamespaceHandle> =
         futures::future::join_all(clients.iter().map(|c| async move { handle(c).await })).await;
-    let (toks, blocks) = session(&ns[0], 7);
-    clients[0].park(&ns[0], "gone", &toks, &blocks, &ParkOptions::default(), 0).await.unwrap();
-    let mut away = None;
-    for (i, c) in clients.iter().enumerate().skip(1) {
-        if c.list_sessions(None).await.unwrap().iter().any(|s| s.id == "gone") {
-            away = Some(i);
-        }
-    }
-    let away = away.expect("a second node holds a copy");
-    let pid = nodes[away].child.id();
-    stop_process(pid);
-    until_members(nodes.iter().enumerate().filter(|(i, _)| *i != away).map(|(_, n)| n), 2);
-    assert!(clients[0].drop_session(&ns[0], "gone").await.unwrap());
+    let (away, pid) = dropped_while_a_holder_is_away(&nodes, &clients, &ns, "gone", 7).await;
     continue_process(pid);
     until_members(&nodes, 3);
     // The node that was away last, so the others answer while its copy is still there.
@@ -389,11 +408,7 @@ async fn a_session_dropped_while_a_copy_holder_was_away_stays_dropped() {
     }
     let i = without.expect("a node without a copy");
     assert!(clients[i].drop_session(&ns[i], "elsewhere").await.unwrap(), "n{} said no session", i + 1);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while copies(&clients.iter().collect::<Vec<_>>()).await.contains_key("elsewhere") {
-        assert!(Instant::now() < deadline, "copies outlived the drop");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    until_no_copy(&clients.iter().collect::<Vec<_>>(), "elsewhere").await;
 }
 
 /// A park left short of copies (the other owner stalled, still a member) is made up for once
@@ -490,19 +505,7 @@ async fn a_session_parked_again_while_a_holder_of_the_dropped_one_was_away_is_th
     let clients = [nodes[0].client().await, nodes[1].client().await, nodes[2].client().await];
     let ns: Vec<NamespaceHandle> =
         futures::future::join_all(clients.iter().map(|c| async move { handle(c).await })).await;
-    let (toks, old) = session(&ns[0], 11);
-    clients[0].park(&ns[0], "s", &toks, &old, &ParkOptions::default(), 0).await.unwrap();
-    let mut away = None;
-    for (i, c) in clients.iter().enumerate().skip(1) {
-        if c.list_sessions(None).await.unwrap().iter().any(|s| s.id == "s") {
-            away = Some(i);
-        }
-    }
-    let away = away.expect("a second node holds a copy");
-    let pid = nodes[away].child.id();
-    stop_process(pid);
-    until_members(nodes.iter().enumerate().filter(|(i, _)| *i != away).map(|(_, n)| n), 2);
-    assert!(clients[0].drop_session(&ns[0], "s").await.unwrap());
+    let (_, pid) = dropped_while_a_holder_is_away(&nodes, &clients, &ns, "s", 11).await;
     tokio::time::sleep(Duration::from_millis(50)).await;
     let (toks, new) = session(&ns[0], 12);
     clients[0].park(&ns[0], "s", &toks, &new, &ParkOptions::default(), 0).await.unwrap();
