@@ -79,6 +79,14 @@ async fn until_every_session_has_two_copies(clients: &[&KvClient], n: usize) {
     }
 }
 
+/// The three nodes, a client of each, and each client's handle of the test namespace.
+async fn fleet(redis: &Redis, dir: &std::path::Path) -> (Vec<ServerProcess>, [KvClient; 3], Vec<NamespaceHandle>) {
+    let nodes = cluster(redis, dir);
+    let clients = [nodes[0].client().await, nodes[1].client().await, nodes[2].client().await];
+    let ns = futures::future::join_all(clients.iter().map(|c| async move { handle(c).await })).await;
+    (nodes, clients, ns)
+}
+
 /// Waits (up to 5 s) until no node holds a copy of session `id`.
 async fn until_no_copy(clients: &[&KvClient], id: &str) {
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -190,10 +198,7 @@ async fn a_rolling_restart_of_every_node_loses_no_parked_session() {
 async fn a_resume_anywhere_sees_the_newest_version_and_a_drop_reaches_the_copies() {
     let redis = Redis::start();
     let dir = tempfile::tempdir().unwrap();
-    let nodes = cluster(&redis, dir.path());
-    let clients = [nodes[0].client().await, nodes[1].client().await, nodes[2].client().await];
-    let ns: Vec<NamespaceHandle> =
-        futures::future::join_all(clients.iter().map(|c| async move { handle(c).await })).await;
+    let (_nodes, clients, ns) = fleet(&redis, dir.path()).await;
     let turn1 = tokens(77, 16 * 3);
     let b1 = session_payloads(&ns[0], &turn1);
     clients[0].park(&ns[0], "agent", &turn1, &b1, &ParkOptions::default(), 0).await.unwrap();
@@ -369,10 +374,7 @@ async fn dropped_while_a_holder_is_away(
 async fn a_session_dropped_while_a_copy_holder_was_away_stays_dropped() {
     let redis = Redis::start();
     let dir = tempfile::tempdir().unwrap();
-    let nodes = cluster(&redis, dir.path());
-    let clients = [nodes[0].client().await, nodes[1].client().await, nodes[2].client().await];
-    let ns: Vec<NamespaceHandle> =
-        futures::future::join_all(clients.iter().map(|c| async move { handle(c).await })).await;
+    let (nodes, clients, ns) = fleet(&redis, dir.path()).await;
     let (away, pid) = dropped_while_a_holder_is_away(&nodes, &clients, &ns, "gone", 7).await;
     continue_process(pid);
     until_members(&nodes, 3);
@@ -501,10 +503,7 @@ async fn a_resume_refused_by_the_tenant_s_quota_here_says_so() {
 async fn a_session_parked_again_while_a_holder_of_the_dropped_one_was_away_is_the_one_served() {
     let redis = Redis::start();
     let dir = tempfile::tempdir().unwrap();
-    let nodes = cluster(&redis, dir.path());
-    let clients = [nodes[0].client().await, nodes[1].client().await, nodes[2].client().await];
-    let ns: Vec<NamespaceHandle> =
-        futures::future::join_all(clients.iter().map(|c| async move { handle(c).await })).await;
+    let (nodes, clients, ns) = fleet(&redis, dir.path()).await;
     let (_, pid) = dropped_while_a_holder_is_away(&nodes, &clients, &ns, "s", 11).await;
     tokio::time::sleep(Duration::from_millis(50)).await;
     let (toks, new) = session(&ns[0], 12);

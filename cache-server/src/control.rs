@@ -481,20 +481,15 @@ impl ControlPlane {
                 what.name()
             );
         }
+        let members = |list: Vec<(crate::cluster::NodeId, String)>| {
+            list.into_iter().map(|(id, reason)| pb::MemberFailure { node_id: id.to_string(), reason }).collect()
+        };
         Some(pb::ClusterDelete {
             members_done: d.members_done,
             blocks_removed: d.blocks_removed,
             sessions_dropped: d.sessions_dropped,
-            failed: d
-                .failed
-                .into_iter()
-                .map(|(id, reason)| pb::MemberFailure { node_id: id.to_string(), reason })
-                .collect(),
-            away: d
-                .away
-                .into_iter()
-                .map(|(id, reason)| pb::MemberFailure { node_id: id.to_string(), reason })
-                .collect(),
+            failed: members(d.failed),
+            away: members(d.away),
         })
     }
 
