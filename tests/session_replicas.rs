@@ -413,6 +413,53 @@ async fn a_session_dropped_while_a_copy_holder_was_away_stays_dropped() {
     until_no_copy(&clients.iter().collect::<Vec<_>>(), "elsewhere").await;
 }
 
+/// The nodes that saw a session's drop remember it across a restart (the drop is in their
+/// session logs): killed and started again before the node that was away comes back, they still
+/// refuse its old copy, and no node serves or holds the session afterwards. Before, the drop was
+/// remembered in memory only, and the old copy was taken back everywhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drop_is_remembered_across_a_restart_of_the_nodes_that_saw_it() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let args: Vec<Vec<String>> = IDS
+        .iter()
+        .map(|id| {
+            let cfg = config(&redis, dir.path(), id, 2, "disk_capacity = \"64MiB\"\n");
+            ["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"].map(String::from).to_vec()
+        })
+        .collect();
+    let strs = |i: usize| args[i].iter().map(String::as_str).collect::<Vec<_>>();
+    let mut nodes: Vec<ServerProcess> = (0..3).map(|i| ServerProcess::start(&strs(i))).collect();
+    until_members(&nodes, 3);
+    let mut clients = vec![nodes[0].client().await, nodes[1].client().await, nodes[2].client().await];
+    let ns = futures::future::join_all(clients.iter().map(|c| async move { handle(c).await })).await;
+    let (away, pid) = dropped_while_a_holder_is_away(&nodes, &clients, &ns, "gone", 21).await;
+
+    // Both nodes that saw the drop are killed and started again on their data, the away node
+    // still stopped.
+    let mut before = Vec::new();
+    for i in (0..3).filter(|&i| i != away) {
+        let _ = nodes[i].child.kill();
+        let _ = nodes[i].child.wait();
+        let again = nodes[i].restart_in_place(&strs(i));
+        before.push(std::mem::replace(&mut nodes[i], again));
+        clients[i] = nodes[i].client().await;
+    }
+    until_members(nodes.iter().enumerate().filter(|(i, _)| *i != away).map(|(_, n)| n), 2);
+    continue_process(pid);
+    until_members(&nodes, 3);
+    // The re-replication the return sets off has had its pass (copies refused, the stale one
+    // dropped) before anyone asks.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let mut order: Vec<usize> = (0..3).filter(|&i| i != away).collect();
+    order.push(away);
+    for i in order {
+        let err = clients[i].resume(&ns[i], "gone").await.unwrap_err();
+        assert!(matches!(err, ClientError::SessionNotFound(_)), "n{}: {err}", i + 1);
+    }
+    until_no_copy(&clients.iter().collect::<Vec<_>>(), "gone").await;
+}
+
 /// A park left short of copies (the other owner stalled, still a member) is made up for once
 /// that node answers again, without a membership change to set re-replication off.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

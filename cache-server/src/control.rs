@@ -242,16 +242,19 @@ impl ControlPlane {
             Ok(pb::session_replica_request::Op::Drop) => {
                 let version = r.manifest.as_ref().and_then(|m| m.info.as_ref()).map_or(u64::MAX, |i| i.version);
                 let session = r.session_id.clone();
-                let removed = self
-                    .on_io(move |s| s.sessions().drop_replica(s.tiers().session_pins(), id, &session, version))
-                    .await?;
                 // The session's drop (passed on by the node that took it), not a copy moving
                 // away: remembered, as of when it was made, against its copies coming back.
-                if r.dropped {
-                    if let Some(at) = Instant::now().checked_sub(Duration::from_millis(r.dropped_ago_ms)) {
-                        self.state.sessions().remember_drop_at(id, &r.session_id, at);
-                    }
-                }
+                let dropped_at =
+                    r.dropped.then(|| Instant::now().checked_sub(Duration::from_millis(r.dropped_ago_ms))).flatten();
+                let removed = self
+                    .on_io(move |s| {
+                        let removed = s.sessions().drop_replica(s.tiers().session_pins(), id, &session, version);
+                        if let Some(at) = dropped_at {
+                            s.sessions().remember_drop_at(id, &session, at);
+                        }
+                        removed
+                    })
+                    .await?;
                 let held = held(self.state.sessions().peek(id, &r.session_id));
                 Ok(pb::SessionReplicaResponse { removed, ..held })
             }
@@ -816,18 +819,22 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         self.state.namespace_for(&p, &id, Access::Write).map_err(to_status)?;
         let session = r.session_id;
         let ns = self.state.namespace(&id).map_err(to_status)?;
+        let dropped_at = Instant::now();
         let dropped = self
             .on_io({
                 let session = session.clone();
-                move |s| s.sessions().drop_session(s.tiers().session_pins(), id, &session)
+                move |s| {
+                    let dropped = s.sessions().drop_session(s.tiers().session_pins(), id, &session)?;
+                    // Remembered against copies on nodes the drop does not reach now (away,
+                    // restarting).
+                    if dropped {
+                        s.sessions().remember_drop_at(id, &session, dropped_at);
+                    }
+                    Ok(dropped)
+                }
             })
             .await
             .map_err(to_status)?;
-        // Remembered against copies on nodes the drop does not reach now (away, restarting).
-        let dropped_at = Instant::now();
-        if dropped {
-            self.state.sessions().remember_drop_at(id, &session, dropped_at);
-        }
         // Redis tier: its manifest too (no-op without one), once the local drop is logged (a
         // drop refused here, on a full disk, leaves the shared copy too).
         self.state.tiers().drop_shared(&id, &session).await;

@@ -442,7 +442,7 @@ fn a_damaged_namespace_record_costs_only_itself() {
 /// would take back.
 #[test]
 fn a_session_log_that_cannot_sync_its_directory_acknowledges_nothing_it_would_lose() {
-    use crate::session_log::{LoggedSession, SessionLog};
+    use crate::session_log::{LoggedSession, Replayed, SessionLog};
     let dir = tempfile::tempdir().unwrap();
     let fault = FaultFs::new(dir.path());
     let fs = fault.shared();
@@ -456,14 +456,15 @@ fn a_session_log_that_cannot_sync_its_directory_acknowledges_nothing_it_would_lo
         expires_unix_ms: u64::MAX,
         priority: Priority::Normal,
         version: 1,
+        dropped_unix_ms: 0,
     };
     fault.fail_dir_syncs(1);
     let acked = match SessionLog::open_with(&fs, dir.path(), true, 0) {
-        Ok((log, _, _)) => log.put(log.next_seq(), &s).is_ok(),
+        Ok((log, _)) => log.put(log.next_seq(), &s).is_ok(),
         Err(_) => false,
     };
     fault.crash(CrashMode::DropUnsynced);
-    let (_log, live, _) = SessionLog::open_with(&fs, dir.path(), true, 0).unwrap();
+    let (_log, Replayed { sessions: live, .. }) = SessionLog::open_with(&fs, dir.path(), true, 0).unwrap();
     assert!(!acked || live == vec![s], "an acknowledged park lost with the log's rename");
 }
 

@@ -7,6 +7,11 @@
 //! a new secret, holding the live sessions only; a log of the first format (no header, an xxh3
 //! checksum per record) is read by [`legacy_records`] and so migrated.
 //!
+//! Drops remembered against copies coming back from nodes that were away (`SessionStore`'s
+//! `remember_drop_at`) are records too ([`SessionLog::remember_drop`]): replay returns those made
+//! within the last `DROP_REMEMBERED`, and compaction keeps them, so a node that restarts still
+//! knows a session it saw dropped was dropped.
+//!
 //! Records are appended outside the session table's lock, so two changes to one session can
 //! reach the file out of order; each carries the sequence number it was given under that lock,
 //! and replay keeps, per session, the record with the highest. Appends from many parks share one
@@ -22,7 +27,7 @@ use parking_lot::Mutex;
 
 pub use kvtier_proto::record_log::sessions::LoggedSession;
 use kvtier_proto::record_log::sessions::{
-    decode_body, encode_body, read_session_log, SessionReplay, DROP, MAX_RECORD, PUT,
+    decode_body, encode_body, read_session_log, SessionReplay, DROP, DROPPED, MAX_RECORD, PUT,
 };
 use kvtier_proto::record_log::{encode_log_header, encode_record, read_log_header, LogHeader, LogKey, LogKind};
 use kvtier_proto::NamespaceId;
@@ -30,6 +35,19 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use crate::error::ServerError;
 use crate::fs::{FileSystem, FsFile, OpenMode, StdFs};
+use crate::session_store::DROP_REMEMBERED;
+
+/// What a log's replay found: the sessions alive, the drops still remembered, and the damaged
+/// stretches skipped.
+#[derive(Debug, Default)]
+pub struct Replayed {
+    pub sessions: Vec<LoggedSession>,
+    /// (namespace, session id, when it was dropped in wall-clock ms), made within
+    /// [`DROP_REMEMBERED`] of the start.
+    pub drops: Vec<(NamespaceId, String, u64)>,
+    /// Damaged stretches skipped (each a torn or corrupt record, or several in a row).
+    pub unreadable: u64,
+}
 
 pub fn unix_ms(t: SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO).as_millis() as u64
@@ -110,10 +128,10 @@ pub fn replay_records(data: &[u8]) -> Result<SessionReplay, ServerError> {
 }
 
 impl SessionLog {
-    /// Replays the log in `dir`, rewrites it with the sessions still alive at `now_ms`, and
-    /// returns them with the number of damaged stretches skipped (each a torn or corrupt record,
-    /// or several in a row; replay continues at the next whole record).
-    pub fn open(dir: &Path, sync: bool, now_ms: u64) -> Result<(SessionLog, Vec<LoggedSession>, u64), ServerError> {
+    /// Replays the log in `dir`, rewrites it with the sessions still alive at `now_ms` and the
+    /// drops still remembered, and returns them with the number of damaged stretches skipped
+    /// (replay continues at the next whole record).
+    pub fn open(dir: &Path, sync: bool, now_ms: u64) -> Result<(SessionLog, Replayed), ServerError> {
         Self::open_with(&StdFs::shared(), dir, sync, now_ms)
     }
 
@@ -123,10 +141,12 @@ impl SessionLog {
         dir: &Path,
         sync: bool,
         now_ms: u64,
-    ) -> Result<(SessionLog, Vec<LoggedSession>, u64), ServerError> {
+    ) -> Result<(SessionLog, Replayed), ServerError> {
         let path = dir.join("sessions.log");
         // Per session, the newest record seen (a tombstone is `None`).
         let mut newest: HashMap<(NamespaceId, String), (u64, Option<LoggedSession>)> = HashMap::new();
+        // Per session, its latest remembered drop (time, the record's number).
+        let mut drops: HashMap<(NamespaceId, String), (u64, u64)> = HashMap::new();
         let mut unreadable = 0u64;
         let mut max_seq = 0u64;
         let existing = fs.read_all(&path)?;
@@ -136,6 +156,12 @@ impl SessionLog {
             for (kind, seq, s) in records {
                 max_seq = max_seq.max(seq);
                 let id = (s.namespace, s.id.clone());
+                if kind == DROPPED {
+                    // Changes no session: remembered beside them.
+                    let e = drops.entry(id).or_insert((s.dropped_unix_ms, seq));
+                    *e = (*e).max((s.dropped_unix_ms, seq));
+                    continue;
+                }
                 let record = (seq, (kind == PUT).then_some(s));
                 match newest.get(&id) {
                     Some((have, _)) if *have > seq => {}
@@ -151,8 +177,17 @@ impl SessionLog {
             .filter(|(_, s)| s.expires_unix_ms > now_ms)
             .collect();
         sessions.sort_by(|a, b| (a.1.namespace, &a.1.id).cmp(&(b.1.namespace, &b.1.id)));
+        let remembered = DROP_REMEMBERED.as_millis() as u64;
+        let mut drops: Vec<(u64, LoggedSession)> = drops
+            .into_iter()
+            .filter(|(_, (at, _))| now_ms.saturating_sub(*at) < remembered)
+            .map(|((ns, id), (at, seq))| {
+                (seq, LoggedSession { dropped_unix_ms: at, ..LoggedSession::tombstone(ns, id) })
+            })
+            .collect();
+        drops.sort_by_key(|d| d.0);
         let tmp = dir.join("sessions.log.tmp");
-        let key = match Self::write_compacted(fs, &tmp, &sessions) {
+        let key = match Self::write_compacted(fs, &tmp, &sessions, &drops) {
             Ok(key) => {
                 fs.rename(&tmp, &path).map_err(|e| {
                     ServerError::Io(std::io::Error::new(e.kind(), format!("renaming {}: {e}", tmp.display())))
@@ -187,20 +222,30 @@ impl SessionLog {
         let file = fs.open(&path, OpenMode::Existing)?;
         let end = Mutex::new(file.size()?);
         let log = SessionLog { path, file, end, sync, next_seq: AtomicU64::new(max_seq + 1), key };
-        Ok((log, sessions.into_iter().map(|(_, s)| s).collect(), unreadable))
+        let replayed = Replayed {
+            sessions: sessions.into_iter().map(|(_, s)| s).collect(),
+            drops: drops.into_iter().map(|(_, d)| (d.namespace, d.id, d.dropped_unix_ms)).collect(),
+            unreadable,
+        };
+        Ok((log, replayed))
     }
 
-    /// Writes the live set to `tmp` under a new secret (its header first) and syncs it; the new
-    /// secret. The caller moves it into place. An error names the file and step.
+    /// Writes the live set and the remembered drops to `tmp` under a new secret (its header
+    /// first) and syncs it; the new secret. The caller moves it into place. An error names the
+    /// file and step.
     fn write_compacted(
         fs: &Arc<dyn FileSystem>,
         tmp: &Path,
         sessions: &[(u64, LoggedSession)],
+        drops: &[(u64, LoggedSession)],
     ) -> Result<LogKey, ServerError> {
         let key = fresh_log_key()?;
         let mut data = encode_log_header(LogKind::Sessions, &key);
         for (seq, s) in sessions {
             data.extend_from_slice(&encode_record(&key, &encode_body(PUT, *seq, s)));
+        }
+        for (seq, d) in drops {
+            data.extend_from_slice(&encode_record(&key, &encode_body(DROPPED, *seq, d)));
         }
         let at = |what: &str, e: std::io::Error| {
             ServerError::Io(std::io::Error::new(e.kind(), format!("{what} {}: {e}", tmp.display())))
@@ -249,6 +294,13 @@ impl SessionLog {
     pub fn delete(&self, seq: u64, ns: NamespaceId, id: &str) -> Result<(), ServerError> {
         let body = encode_body(DROP, seq, &LoggedSession::tombstone(ns, id.to_string()));
         self.append(&encode_record(&self.key, &body), false)
+    }
+
+    /// Records that session `id` was dropped at `at_unix_ms` (remembered against its copies
+    /// coming back), as change `seq`; not synced, as a drop's tombstone.
+    pub fn remember_drop(&self, seq: u64, ns: NamespaceId, id: &str, at_unix_ms: u64) -> Result<(), ServerError> {
+        let d = LoggedSession { dropped_unix_ms: at_unix_ms, ..LoggedSession::tombstone(ns, id.to_string()) };
+        self.append(&encode_record(&self.key, &encode_body(DROPPED, seq, &d)), false)
     }
 }
 
@@ -305,14 +357,51 @@ mod tests {
             expires_unix_ms: expires,
             priority: Priority::High,
             version: v,
+            dropped_unix_ms: 0,
         }
+    }
+
+    /// Remembered drops come back from replay (the latest per session) and through compaction,
+    /// until an hour after they were made; they change no session (one parked again under the
+    /// id after its drop replays as parked).
+    #[test]
+    fn remembered_drops_outlive_a_restart_for_an_hour() {
+        let dir = tempfile::tempdir().unwrap();
+        let hour = DROP_REMEMBERED.as_millis() as u64;
+        let now = 10 * hour;
+        let ns = NamespaceId([7; 16]);
+        {
+            let (log, _) = SessionLog::open(dir.path(), true, now).unwrap();
+            log.remember_drop(log.next_seq(), ns, "a", now - 5_000).unwrap();
+            log.remember_drop(log.next_seq(), ns, "a", now - 1_000).unwrap();
+            log.remember_drop(log.next_seq(), ns, "old", now - hour - 1).unwrap();
+            // Dropped, then parked again: the new session is live, its drop still remembered.
+            log.remember_drop(log.next_seq(), ns, "again", now - 2_000).unwrap();
+            log.put(log.next_seq(), &s("again", 1, now + hour)).unwrap();
+        }
+        let expected = |r: &Replayed| {
+            let mut d = r.drops.clone();
+            d.sort();
+            assert_eq!(d, vec![(ns, "a".to_string(), now - 1_000), (ns, "again".to_string(), now - 2_000)]);
+            assert_eq!(r.sessions.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(), ["again"]);
+            assert_eq!(r.unreadable, 0);
+        };
+        let (log, replayed) = SessionLog::open(dir.path(), true, now).unwrap();
+        expected(&replayed);
+        drop(log);
+        // Compacted by that start: the next replays the same, and an hour on forgets them.
+        let (_log, replayed) = SessionLog::open(dir.path(), true, now).unwrap();
+        expected(&replayed);
+        let (_log, replayed) = SessionLog::open(dir.path(), true, now + hour).unwrap();
+        assert!(replayed.drops.is_empty(), "{:?}", replayed.drops);
     }
 
     #[test]
     fn replay_keeps_the_latest_live_version() {
         let dir = tempfile::tempdir().unwrap();
         {
-            let (log, live, bad) = SessionLog::open(dir.path(), true, 0).unwrap();
+            let (log, Replayed { sessions: live, unreadable: bad, .. }) =
+                SessionLog::open(dir.path(), true, 0).unwrap();
             assert!(live.is_empty() && bad == 0);
             log.put(log.next_seq(), &s("a", 1, 5000)).unwrap();
             log.put(log.next_seq(), &s("b", 1, 5000)).unwrap();
@@ -325,12 +414,12 @@ mod tests {
         let key = file_key(&path);
         let mut f = std::fs::OpenOptions::new().append(true).open(&path).unwrap();
         f.write_all(&encode_record(&key, &encode_body(PUT, 99, &s("torn", 1, 9000)))[..30]).unwrap();
-        let (_log, live, bad) = SessionLog::open(dir.path(), true, 100).unwrap();
+        let (_log, Replayed { sessions: live, unreadable: bad, .. }) = SessionLog::open(dir.path(), true, 100).unwrap();
         assert_eq!(live, vec![s("a", 2, 6000)]);
         assert_eq!(bad, 1);
         // Compacted: reopening finds the same without the torn tail.
         drop(_log);
-        let (_log, live, bad) = SessionLog::open(dir.path(), true, 100).unwrap();
+        let (_log, Replayed { sessions: live, unreadable: bad, .. }) = SessionLog::open(dir.path(), true, 100).unwrap();
         assert_eq!((live.len(), bad), (1, 0));
     }
 
@@ -338,7 +427,7 @@ mod tests {
     fn replay_orders_by_sequence_not_by_file_position() {
         let dir = tempfile::tempdir().unwrap();
         {
-            let (log, _, _) = SessionLog::open(dir.path(), true, 0).unwrap();
+            let (log, _) = SessionLog::open(dir.path(), true, 0).unwrap();
             let (s1, s2, s3, s4) = (log.next_seq(), log.next_seq(), log.next_seq(), log.next_seq());
             // Two parks of "a" whose appends raced: version 2 (seq s2) reached the file first.
             log.put(s2, &s("a", 2, 6000)).unwrap();
@@ -347,7 +436,7 @@ mod tests {
             log.delete(s4, NamespaceId([7; 16]), "b").unwrap();
             log.put(s3, &s("b", 1, 5000)).unwrap();
         }
-        let (log, live, bad) = SessionLog::open(dir.path(), true, 100).unwrap();
+        let (log, Replayed { sessions: live, unreadable: bad, .. }) = SessionLog::open(dir.path(), true, 100).unwrap();
         assert_eq!((live, bad), (vec![s("a", 2, 6000)], 0));
         // Numbers keep rising across restarts, so a change made now outranks every old record.
         let next = log.next_seq();
@@ -371,7 +460,7 @@ mod tests {
         data.extend(&recs[2]);
         data.extend(&recs[3]);
         std::fs::write(&path, keyed_file(&data)).unwrap();
-        let (_log, live, unreadable) = SessionLog::open(dir.path(), true, 100).unwrap();
+        let (_log, Replayed { sessions: live, unreadable, .. }) = SessionLog::open(dir.path(), true, 100).unwrap();
         let ids: Vec<&str> = live.iter().map(|s| s.id.as_str()).collect();
         assert_eq!(ids, ["a", "c", "d"]);
         assert_eq!(unreadable, 1, "one damaged stretch: the bad record and the torn one after it");
@@ -391,7 +480,7 @@ mod tests {
             let at = if cut { LOG_HEADER_LEN + at % (data.len() - LOG_HEADER_LEN) } else { at % data.len() };
             if cut { data.truncate(at) } else { data[at] ^= mask }
             std::fs::write(dir.path().join("sessions.log"), &data).unwrap();
-            let (_log, live, _bad) = SessionLog::open(dir.path(), true, 100).unwrap();
+            let (_log, Replayed { sessions: live, unreadable: _bad, .. }) = SessionLog::open(dir.path(), true, 100).unwrap();
             // The record holding byte `at`, and only it (or, cut, it and those after), may be lost;
             // a byte of the header costs none.
             let mut start = LOG_HEADER_LEN;
@@ -421,7 +510,7 @@ mod tests {
         let fault = crate::fs::fault::FaultFs::new(dir.path());
         let fs = fault.shared();
         let path = dir.path().join("sessions.log");
-        let (log, _, _) = SessionLog::open_with(&fs, dir.path(), true, 0).unwrap();
+        let (log, _) = SessionLog::open_with(&fs, dir.path(), true, 0).unwrap();
         log.put(log.next_seq(), &s("a", 1, 5000)).unwrap();
         let len = fault.contents(&path).unwrap().len();
         fault.enospc_from(Some(1));
@@ -430,7 +519,8 @@ mod tests {
         fault.enospc_from(None);
         log.put(log.next_seq(), &s("c", 1, 5000)).unwrap();
         drop(log);
-        let (_log, live, unreadable) = SessionLog::open_with(&fs, dir.path(), true, 100).unwrap();
+        let (_log, Replayed { sessions: live, unreadable, .. }) =
+            SessionLog::open_with(&fs, dir.path(), true, 100).unwrap();
         let ids: Vec<&str> = live.iter().map(|s| s.id.as_str()).collect();
         assert_eq!((ids, unreadable), (vec!["a", "c"], 0));
     }
@@ -443,20 +533,22 @@ mod tests {
         let fault = crate::fs::fault::FaultFs::new(dir.path());
         let fs = fault.shared();
         let path = dir.path().join("sessions.log");
-        let (log, _, _) = SessionLog::open_with(&fs, dir.path(), true, 0).unwrap();
+        let (log, _) = SessionLog::open_with(&fs, dir.path(), true, 0).unwrap();
         log.put(log.next_seq(), &s("a", 1, 5000)).unwrap();
         log.put(log.next_seq(), &s("a", 2, 5000)).unwrap();
         drop(log);
         let before = fault.contents(&path).unwrap();
         fault.enospc_from(Some(1));
-        let (log, live, bad) = SessionLog::open_with(&fs, dir.path(), true, 100).unwrap();
+        let (log, Replayed { sessions: live, unreadable: bad, .. }) =
+            SessionLog::open_with(&fs, dir.path(), true, 100).unwrap();
         assert_eq!((live, bad), (vec![s("a", 2, 5000)], 0));
         assert_eq!(fault.contents(&path).unwrap(), before, "not compacted");
         assert!(fault.contents(&dir.path().join("sessions.log.tmp")).is_none(), "no temporary file left");
         fault.enospc_from(None);
         log.put(log.next_seq(), &s("b", 1, 5000)).unwrap();
         drop(log);
-        let (_log, live, bad) = SessionLog::open_with(&fs, dir.path(), true, 100).unwrap();
+        let (_log, Replayed { sessions: live, unreadable: bad, .. }) =
+            SessionLog::open_with(&fs, dir.path(), true, 100).unwrap();
         let ids: Vec<(&str, u64)> = live.iter().map(|s| (s.id.as_str(), s.version)).collect();
         assert_eq!((ids, bad), (vec![("a", 2), ("b", 1)], 0));
         assert!(fault.contents(&path).unwrap().len() < before.len() + 200, "compacted once there was room");
@@ -477,7 +569,7 @@ mod tests {
         data.extend(v1(PUT_V1, &s("b", 1, 5000)));
         data.extend(v1(DROP_V1, &LoggedSession::tombstone(NamespaceId([7; 16]), "b".into())));
         std::fs::write(dir.path().join("sessions.log"), data).unwrap();
-        let (_log, live, bad) = SessionLog::open(dir.path(), true, 100).unwrap();
+        let (_log, Replayed { sessions: live, unreadable: bad, .. }) = SessionLog::open(dir.path(), true, 100).unwrap();
         assert_eq!((live, bad), (vec![s("a", 2, 6000)], 0));
     }
 
@@ -496,13 +588,14 @@ mod tests {
         std::fs::write(&path, data).unwrap();
         let expected = vec![s("a", 2, 6000), s("c", 1, 5000)];
         {
-            let (log, live, bad) = SessionLog::open(dir.path(), true, 100).unwrap();
+            let (log, Replayed { sessions: live, unreadable: bad, .. }) =
+                SessionLog::open(dir.path(), true, 100).unwrap();
             assert_eq!((&live, bad), (&expected, 0));
             let _ = file_key(&path); // now has a header
             assert!(log.next_seq() > 5, "numbers go on from the migrated ones");
             log.put(log.next_seq(), &s("d", 1, 5000)).unwrap();
         }
-        let (_log, live, bad) = SessionLog::open(dir.path(), true, 100).unwrap();
+        let (_log, Replayed { sessions: live, unreadable: bad, .. }) = SessionLog::open(dir.path(), true, 100).unwrap();
         let ids: Vec<&str> = live.iter().map(|s| s.id.as_str()).collect();
         assert_eq!((ids, bad), (vec!["a", "c", "d"], 0));
     }
@@ -523,7 +616,7 @@ mod tests {
             let victim = LoggedSession { namespace: ns_b, ..s("b", 1, 5000) };
             let before_a;
             {
-                let (log, _, _) = SessionLog::open(dir.path(), true, 0).unwrap();
+                let (log, _) = SessionLog::open(dir.path(), true, 0).unwrap();
                 log.put(log.next_seq(), &victim).unwrap();
                 before_a = std::fs::metadata(&path).unwrap().len() as usize;
                 let mut bytes = vec![0u8; 7]; // lands the plant mid-key, as any offset would do
@@ -537,7 +630,7 @@ mod tests {
             let mut data = std::fs::read(&path).unwrap();
             data[before_a + 5] ^= 0x01;
             std::fs::write(&path, data).unwrap();
-            let (_log, live, unreadable) = SessionLog::open(dir.path(), true, 100).unwrap();
+            let (_log, Replayed { sessions: live, unreadable, .. }) = SessionLog::open(dir.path(), true, 100).unwrap();
             let ids: Vec<(NamespaceId, &str)> = live.iter().map(|s| (s.namespace, s.id.as_str())).collect();
             assert_eq!(ids, vec![(ns_a, "after"), (ns_b, "b")], "plant {i}: B's session must survive");
             assert_eq!(unreadable, 1, "plant {i}: A's damaged record (and the plant in it) skipped");

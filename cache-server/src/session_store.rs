@@ -5,7 +5,8 @@
 //! record can't be written is undone (if nothing changed the session since) and reported.
 //!
 //! Every call that changes a session may block on the log: run it on the I/O pool, not on an
-//! async worker. The remembered drops (`remember_drop*`, `dropped_at`) are memory only.
+//! async worker. The remembered drops (`remember_drop_at`, `dropped_at`) are logged too where the
+//! node has a log, and restored from it at start ([`SessionStore::restore_drops`]).
 
 use std::time::{Duration, Instant, SystemTime};
 
@@ -25,7 +26,7 @@ pub struct SessionStore {
     events: std::sync::OnceLock<std::sync::Arc<EventBus>>,
     /// Sessions dropped here lately (a client's drop, or one passed on by the node that took
     /// it), and when: a copy last touched before is a dropped one, not to be taken back from a
-    /// node that was away during the drop. In memory only (lost on a restart).
+    /// node that was away during the drop. Logged where there is a log (so a restart keeps them).
     drops: Mutex<std::collections::HashMap<(NamespaceId, String), Instant>>,
 }
 
@@ -52,6 +53,7 @@ fn logged(m: &SessionManifest, now: Instant) -> LoggedSession {
         expires_unix_ms: unix_ms(expires),
         priority: m.priority,
         version: m.version,
+        dropped_unix_ms: 0,
     }
 }
 
@@ -65,16 +67,55 @@ impl SessionStore {
         }
     }
 
-    /// Remembers that session `id` was dropped (everywhere) now.
-    pub fn remember_drop(&self, ns: NamespaceId, id: &str) {
-        self.remember_drop_at(ns, id, Instant::now());
+    /// Remembers that session `id` was dropped (everywhere) at `at` (now, or learned from the
+    /// node that took the drop): a later drop already remembered stays (a time never moves back,
+    /// nor past the drop). With a log, a drop remembered anew is appended to it (not synced: a
+    /// power loss may forget it, a killed process does not), so this may block on the log.
+    pub fn remember_drop_at(&self, ns: NamespaceId, id: &str, at: Instant) {
+        let Some(log) = &self.log else {
+            self.remember(ns, id, at);
+            return;
+        };
+        // Numbered under the lock that orders the changes to the map, appended outside it.
+        let seq = {
+            let mut drops = self.drops.lock();
+            if drops.get(&(ns, id.to_string())).is_some_and(|had| *had >= at) {
+                return;
+            }
+            Self::insert_drop(&mut drops, ns, id, at);
+            log.next_seq()
+        };
+        let ago = Instant::now().saturating_duration_since(at);
+        let at_ms = unix_ms(SystemTime::now()).saturating_sub(ago.as_millis() as u64);
+        if let Err(e) = log.remember_drop(seq, ns, id, at_ms) {
+            // Remembered in memory all the same; only a restart before the hour is out forgets it.
+            tracing::warn!(session = id, "a dropped session's tombstone was not logged: {e}");
+        }
     }
 
-    /// Remembers that session `id` was dropped at `at` (learned from the node that took the
-    /// drop): a later drop already remembered stays (a time never moves back, nor past the drop).
-    pub fn remember_drop_at(&self, ns: NamespaceId, id: &str, at: Instant) {
+    /// Puts back the drops a log's replay found (within [`DROP_REMEMBERED`], as wall-clock ms).
+    pub fn restore_drops(&self, drops: Vec<(NamespaceId, String, u64)>) {
+        let (now, now_ms) = (Instant::now(), unix_ms(SystemTime::now()));
+        for (ns, id, at_ms) in drops {
+            let ago = Duration::from_millis(now_ms.saturating_sub(at_ms));
+            if let Some(at) = now.checked_sub(ago) {
+                self.remember(ns, &id, at);
+            }
+        }
+    }
+
+    /// Remembers a drop in memory only.
+    fn remember(&self, ns: NamespaceId, id: &str, at: Instant) {
+        Self::insert_drop(&mut self.drops.lock(), ns, id, at);
+    }
+
+    fn insert_drop(
+        drops: &mut std::collections::HashMap<(NamespaceId, String), Instant>,
+        ns: NamespaceId,
+        id: &str,
+        at: Instant,
+    ) {
         let now = Instant::now();
-        let mut drops = self.drops.lock();
         if drops.len() >= MAX_DROPS_REMEMBERED {
             drops.retain(|_, at| now.duration_since(*at) < DROP_REMEMBERED);
             if drops.len() >= MAX_DROPS_REMEMBERED {
@@ -400,6 +441,7 @@ mod tests {
 
     use super::*;
     use crate::dram::{DramConfig, DramTier, Priority};
+    use crate::session_log::Replayed;
 
     const BT: u32 = 4;
 
@@ -458,7 +500,7 @@ mod tests {
         let tier = Arc::new(DramTier::new(DramConfig::new(64 << 20)));
         let ns = NamespaceId([5; 16]);
         let keys: Vec<BlockKey> = (0..64).map(|i| block(&tier, ns, i)).collect();
-        let (log, _, _) = SessionLog::open(dir.path(), true, 0).unwrap();
+        let (log, _) = SessionLog::open(dir.path(), true, 0).unwrap();
         let store = Arc::new(SessionStore::new(Some(log)));
         let sessions = ["a", "b", "c"];
         let threads: Vec<_> = (0..4)
@@ -491,12 +533,45 @@ mod tests {
             store.list(Some(ns)).into_iter().map(|m| (m.id, m.version, m.keys.len())).collect();
         expected.sort();
         drop(store);
-        let (_log, live, unreadable) = SessionLog::open(dir.path(), true, 0).unwrap();
+        let (_log, Replayed { sessions: live, unreadable, .. }) = SessionLog::open(dir.path(), true, 0).unwrap();
         let mut replayed: Vec<(String, u64, usize)> =
             live.into_iter().map(|s| (s.id, s.version, s.keys.len())).collect();
         replayed.sort();
         assert_eq!(unreadable, 0);
         assert_eq!(replayed, expected);
+    }
+
+    /// A drop remembered with a log is back after a restart, as of when it was made (not when
+    /// the node started again), so a copy touched before it is still a dropped copy and a session
+    /// parked after it is not; remembering the same drop again writes nothing.
+    #[test]
+    fn a_remembered_drop_comes_back_with_its_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let tier = DramTier::new(DramConfig::new(1 << 20));
+        let ns = NamespaceId([6; 16]);
+        let keys: Vec<BlockKey> = (0..2).map(|i| block(&tier, ns, i)).collect();
+        let (log, _) = SessionLog::open(dir.path(), true, unix_ms(SystemTime::now())).unwrap();
+        let store = SessionStore::new(Some(log));
+        let old = store.park(&tier, spec(ns, "s", keys.clone(), 0), &limits()).unwrap();
+        let at = Instant::now();
+        store.drop_session(&tier, ns, "s").unwrap();
+        store.remember_drop_at(ns, "s", at);
+        let size = std::fs::metadata(dir.path().join("sessions.log")).unwrap().len();
+        store.remember_drop_at(ns, "s", at - Duration::from_millis(10));
+        store.remember_drop_at(ns, "s", at);
+        assert_eq!(std::fs::metadata(dir.path().join("sessions.log")).unwrap().len(), size, "logged twice");
+        std::thread::sleep(Duration::from_millis(20));
+        let new = store.park(&tier, spec(ns, "s", keys, 0), &limits()).unwrap();
+        drop(store);
+
+        let (log, replayed) = SessionLog::open(dir.path(), true, unix_ms(SystemTime::now())).unwrap();
+        let store = SessionStore::new(Some(log));
+        store.restore_drops(replayed.drops);
+        let back = store.dropped_at(ns, "s").expect("the drop is remembered");
+        let off = if back > at { back - at } else { at - back };
+        assert!(off < Duration::from_millis(5), "remembered {off:?} away from when it was made");
+        assert!(store.is_dropped_copy(&old), "a copy touched before the drop");
+        assert!(!store.is_dropped_copy(&new), "the session parked after the drop");
     }
 
     /// A park whose record can't be appended is taken back: not visible, its pins released.
@@ -507,7 +582,7 @@ mod tests {
         let ns = NamespaceId([6; 16]);
         let keys: Vec<BlockKey> = (0..2).map(|i| block(&tier, ns, i)).collect();
         let fault = crate::fs::fault::FaultFs::new(dir.path());
-        let (log, _, _) = SessionLog::open_with(&fault.shared(), dir.path(), true, 0).unwrap();
+        let (log, _) = SessionLog::open_with(&fault.shared(), dir.path(), true, 0).unwrap();
         // The disk full from now on: every append fails.
         fault.enospc_from(Some(1));
         let store = SessionStore::new(Some(log));
@@ -535,6 +610,7 @@ mod tests {
             expires_unix_ms: unix_ms(SystemTime::now()) + 600_000,
             priority: Priority::Normal,
             version: 1,
+            dropped_unix_ms: 0,
         };
         let per_token = layout().bytes_per_token();
         let gone = vec![BlockKey([0xAB; 32])];
@@ -561,7 +637,7 @@ mod tests {
         let keys: Vec<BlockKey> = (0..2).map(|i| block(&tier, ns, i)).collect();
         let fault = crate::fs::fault::FaultFs::new(dir.path());
         let fs = fault.shared();
-        let (log, _, _) = SessionLog::open_with(&fs, dir.path(), true, 0).unwrap();
+        let (log, _) = SessionLog::open_with(&fs, dir.path(), true, 0).unwrap();
         let store = SessionStore::new(Some(log));
         store.park(&tier, spec(ns, "s", keys.clone(), 0), &limits()).unwrap();
         fault.enospc_from(Some(1));
@@ -572,7 +648,7 @@ mod tests {
         // With room again, and after a restart: still parked; now the drop is logged and done.
         fault.enospc_from(None);
         drop(store);
-        let (log, live, _) = SessionLog::open_with(&fs, dir.path(), true, 0).unwrap();
+        let (log, Replayed { sessions: live, .. }) = SessionLog::open_with(&fs, dir.path(), true, 0).unwrap();
         assert_eq!(live.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(), ["s"], "still in the log");
         let store = SessionStore::new(Some(log));
         let per_token = layout().bytes_per_token();
@@ -581,7 +657,7 @@ mod tests {
         assert!(!store.drop_session(&tier, ns, "s").unwrap(), "an unknown session is a plain false");
         assert!(store.is_empty());
         drop(store);
-        let (_, live, _) = SessionLog::open_with(&fs, dir.path(), true, 0).unwrap();
+        let (_, Replayed { sessions: live, .. }) = SessionLog::open_with(&fs, dir.path(), true, 0).unwrap();
         assert!(live.is_empty(), "the drop holds across a restart");
     }
 }

@@ -17,7 +17,7 @@ use crate::dram::{DramConfig, DramOptions, DramTier, Priority, RegionMode};
 use crate::error::ServerError;
 use crate::fabric::{ArenaAccess, Fabric, LeaseCaps};
 use crate::fs::{FileSystem, FsFile, OpenMode, StdFs};
-use crate::session_log::{fresh_log_key, unix_ms, SessionLog};
+use crate::session_log::{fresh_log_key, unix_ms, Replayed, SessionLog};
 use crate::session_store::SessionStore;
 use crate::sessions::{SessionLimits, SessionQuota};
 use crate::tenants::{Access, Principal, Tenants};
@@ -334,7 +334,7 @@ impl NodeState {
             fs.clone(),
         )?;
         tracing::info!(?report, "disk tier recovered");
-        let (log, logged, unreadable) =
+        let (log, Replayed { sessions: logged, drops, unreadable }) =
             SessionLog::open_with(&fs, &config.data_dir, fsync, unix_ms(SystemTime::now()))?;
         if unreadable > 0 {
             tracing::warn!(
@@ -421,6 +421,9 @@ impl NodeState {
         ::metrics::counter!("kvtier_sessions_recovered_total").increment(ok);
         ::metrics::counter!("kvtier_sessions_lost_total").increment(lost);
         tracing::info!(recovered = ok, lost, "sessions restored from the session log");
+        // Drops made within the hour stay remembered against copies coming back from nodes that
+        // were away (a restart here between the drop and their return no longer forgets them).
+        state.sessions.restore_drops(drops);
         // Copies of a purged namespace's blocks written before the purge are still in their
         // segments: forgotten again, now that the restored sessions pin theirs (a purge spares
         // the blocks a parked session pins).

@@ -9,7 +9,7 @@ use bytes::Bytes;
 use kvtier_kernels::{encode, BlockSpec, KvBlockView};
 use kvtier_proto::dataplane::{Hello, LeaseGrant, Op, RequestHeader, SlotDescriptor};
 use kvtier_proto::record_log::namespaces::NamespaceRecord;
-use kvtier_proto::record_log::sessions::{encode_body, LoggedSession, DROP, PUT};
+use kvtier_proto::record_log::sessions::{encode_body, LoggedSession, DROP, DROPPED, PUT};
 use kvtier_proto::record_log::{encode_log_header, encode_record, LogKey, LogKind};
 use kvtier_proto::{BlockFrame, BlockKey, CodecId, DType, KvLayout, NamespaceId, Priority};
 
@@ -94,6 +94,7 @@ fn logs() -> std::io::Result<()> {
         expires_unix_ms: 1 << 41,
         priority: Priority::High,
         version: 2,
+        dropped_unix_ms: 0,
     };
     let mut sessions = vec![0u8];
     sessions.extend(encode_log_header(LogKind::Sessions, &key));
@@ -103,6 +104,8 @@ fn logs() -> std::io::Result<()> {
         &key,
         &encode_body(DROP, 3, &LoggedSession::tombstone(NamespaceId([1; 16]), "a".into())),
     ));
+    let remembered = LoggedSession { dropped_unix_ms: 1 << 40, ..LoggedSession::tombstone(NamespaceId([1; 16]), "a".into()) };
+    sessions.extend(encode_record(&key, &encode_body(DROPPED, 4, &remembered)));
     write("logs", "sessions", &sessions)?;
     let n = sessions.len();
     sessions[n - 30] ^= 4;

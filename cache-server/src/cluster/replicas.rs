@@ -13,7 +13,8 @@
 //! `peer_timeout`; a resume with a copy of its own waits at most [`CHECK_WAIT`] for the owners.
 //!
 //! Drops: every node that takes or is told of a session's drop remembers it for an hour, as of
-//! when it was made (`SessionStore::remember_drop_at`; carried as an age between nodes), and
+//! when it was made (`SessionStore::remember_drop_at`; carried as an age between nodes; in the
+//! session log where the node has one, so across its restarts), and
 //! says so in its `SessionReplica` answers; a copy last touched before a drop anyone remembers
 //! is a dropped one — never adopted, refused as a copy, and dropped by the node that holds it
 //! (one that was away during the drop) — while a session parked again under the id is not.

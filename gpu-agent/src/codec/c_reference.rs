@@ -132,23 +132,34 @@ int main(int argc, char** argv) {
 }
 "#;
 
-/// Compiles the helpers and the driver once per test process.
+/// Compiles the helpers and the driver once per source text: in one folder under the system's
+/// temporary one named by the source's hash (reused by later test runs, not one per process),
+/// each process building into its own file and renaming it into place.
 fn driver() -> &'static PathBuf {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     BIN.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("kvtier-agent-cref-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let src = dir.join("helpers.c");
+        let text = [PRELUDE, CUDA_TYPES_SRC, INTRINSICS, CUDA_HELPERS_SRC, DRIVER].concat();
+        let mut h = std::hash::DefaultHasher::new();
+        std::hash::Hash::hash(&text, &mut h);
+        let dir = std::env::temp_dir().join(format!("kvtier-agent-cref-{:016x}", std::hash::Hasher::finish(&h)));
         let bin = dir.join("helpers");
-        std::fs::write(&src, [PRELUDE, CUDA_TYPES_SRC, INTRINSICS, CUDA_HELPERS_SRC, DRIVER].concat()).unwrap();
+        if bin.exists() {
+            return bin;
+        }
+        std::fs::create_dir_all(&dir).unwrap();
+        let pid = std::process::id();
+        let (src, built) = (dir.join(format!("helpers-{pid}.c")), dir.join(format!("helpers-{pid}")));
+        std::fs::write(&src, text).unwrap();
         let out = Command::new("cc")
             .args(["-std=gnu11", "-O1", "-ffp-contract=off", "-fno-fast-math", "-Wall", "-Werror", "-o"])
-            .arg(&bin)
+            .arg(&built)
             .arg(&src)
             .arg("-lm")
             .output()
             .expect("the C check needs the system C compiler `cc`");
+        let _ = std::fs::remove_file(&src);
         assert!(out.status.success(), "cc failed:\n{}", String::from_utf8_lossy(&out.stderr));
+        std::fs::rename(&built, &bin).unwrap();
         bin
     })
 }

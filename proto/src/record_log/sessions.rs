@@ -1,6 +1,8 @@
-//! The records of `sessions.log`: a parked session's manifest (a park or extend) or a tombstone
-//! (a drop or expiry), numbered, as bodies of [`super`]'s keyed records; and the replay of a
-//! whole file, as the server runs it at start (and the fuzz target on arbitrary bytes).
+//! The records of `sessions.log`: a parked session's manifest (a park or extend), a tombstone
+//! (a drop or expiry), or a drop remembered against copies of the session coming back from nodes
+//! that were away (with when it was made), numbered, as bodies of [`super`]'s keyed records; and
+//! the replay of a whole file, as the server runs it at start (and the fuzz target on arbitrary
+//! bytes).
 
 use crate::{BlockKey, NamespaceId, Priority, ProtoError, KEY_LEN, NAMESPACE_ID_LEN};
 
@@ -12,6 +14,9 @@ pub const DROP_V1: u8 = 2;
 /// Numbered records.
 pub const PUT: u8 = 3;
 pub const DROP: u8 = 4;
+/// A session's drop remembered as of `dropped_unix_ms` (it changes no session on replay; a build
+/// before it counts the record as unreadable and goes on).
+pub const DROPPED: u8 = 5;
 
 /// A session as the log stores it (times as wall-clock milliseconds, so they survive restarts).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -25,6 +30,8 @@ pub struct LoggedSession {
     pub expires_unix_ms: u64,
     pub priority: Priority,
     pub version: u64,
+    /// For a [`DROPPED`] record, when the session was dropped; 0 in every other record.
+    pub dropped_unix_ms: u64,
 }
 
 impl LoggedSession {
@@ -40,11 +47,13 @@ impl LoggedSession {
             expires_unix_ms: 0,
             priority: Priority::Normal,
             version: 0,
+            dropped_unix_ms: 0,
         }
     }
 }
 
-/// A record's body: kind, sequence number, namespace, id, and for a park the manifest.
+/// A record's body: kind, sequence number, namespace, id, and for a park the manifest, for a
+/// remembered drop its time.
 pub fn encode_body(kind: u8, seq: u64, s: &LoggedSession) -> Vec<u8> {
     let mut b = Vec::with_capacity(72 + s.id.len() + s.keys.len() * KEY_LEN);
     b.push(kind);
@@ -68,6 +77,8 @@ pub fn encode_body(kind: u8, seq: u64, s: &LoggedSession) -> Vec<u8> {
             }
             None => b.push(0),
         }
+    } else if kind == DROPPED {
+        b.extend_from_slice(&s.dropped_unix_ms.to_le_bytes());
     }
     b
 }
@@ -100,7 +111,7 @@ pub fn decode_body(body: &[u8], ordinal: u64) -> Option<(u8, u64, LoggedSession)
     let mut c = Cursor(body);
     let kind = c.take(1)?[0];
     let seq = match kind {
-        PUT | DROP => c.u64()?,
+        PUT | DROP | DROPPED => c.u64()?,
         PUT_V1 | DROP_V1 => ordinal,
         _ => return None,
     };
@@ -119,6 +130,8 @@ pub fn decode_body(body: &[u8], ordinal: u64) -> Option<(u8, u64, LoggedSession)
         if c.take(1)?[0] == 1 {
             s.tail = Some(c.key()?);
         }
+    } else if kind == DROPPED {
+        s.dropped_unix_ms = c.u64()?;
     }
     let kind = if kind == PUT_V1 {
         PUT
@@ -133,7 +146,7 @@ pub fn decode_body(body: &[u8], ordinal: u64) -> Option<(u8, u64, LoggedSession)
 /// Largest record body replay believes (a manifest of 1M keys is ~32 MiB).
 pub const MAX_RECORD: usize = 64 << 20;
 
-/// One replayed record: kind ([`PUT`] or [`DROP`]), sequence number, session.
+/// One replayed record: kind ([`PUT`], [`DROP`] or [`DROPPED`]), sequence number, session.
 pub type SessionRecord = (u8, u64, LoggedSession);
 /// The records of a log in file order, and the damaged stretches skipped.
 pub type SessionReplay = (Vec<SessionRecord>, u64);
@@ -151,7 +164,7 @@ pub fn read_session_log(file: &[u8]) -> Result<Option<SessionReplay>, ProtoError
         // Every record is the server's own (its tag verified); one this build cannot decode is
         // counted, not trusted.
         match decode_body(body, 0) {
-            Some((kind @ (PUT | DROP), seq, s)) if body.first() == Some(&kind) => out.push((kind, seq, s)),
+            Some((kind @ (PUT | DROP | DROPPED), seq, s)) if body.first() == Some(&kind) => out.push((kind, seq, s)),
             _ => skipped += 1,
         }
     }
