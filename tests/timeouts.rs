@@ -121,6 +121,52 @@ async fn stalled_and_idle_connections_are_closed_and_others_are_served() {
     assert_eq!(recycling.load(&ns, &t).await.unwrap(), blocks, "after a pause past the server's idle timeout");
 }
 
+/// A PUT whose payload trickles in (a byte every 300 ms, under the 700 ms stall timeout) ends
+/// its connection once `lease_timeout` has passed since the frame began, with an answer saying
+/// so; nothing of it is visible, and others are served. Before, such a connection was held open
+/// for as long as the sender kept trickling (its lease revoked, the bytes still taken).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trickled_payload_ends_its_connection_at_the_lease_timeout() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tmp.path().join("kvtier.toml");
+    std::fs::write(&cfg, "stall_timeout = \"700ms\"\nlease_timeout = \"2s\"\n").unwrap();
+    let server = ServerProcess::start(&["--dram-capacity", "64MiB", "--config", cfg.to_str().unwrap()]);
+    let client = server.client().await;
+    let ns = client.register(namespace("limits", b"", small_layout())).await.unwrap();
+    let t = tokens(4, 64);
+    let blocks = full_block_payloads(&ns, &t);
+    let key = ns.keys(&t)[0];
+    let frame =
+        BlockFrame::new(ns.id, key, ns.namespace.layout, CodecId::RAW, ns.block_tokens() as u32, blocks[0].clone());
+    let mut slow = open(&server);
+    let req = RequestHeader { op: Op::Put, flags: 0, request_id: 7, count: 1, namespace: NamespaceId([0; 16]) };
+    slow.write_all(&req.encode()).unwrap();
+    slow.write_all(&frame.header.encode()).unwrap();
+    let mut writer = slow.try_clone().unwrap();
+    let payload = frame.payload.clone();
+    let trickle = std::thread::spawn(move || {
+        for b in payload.iter() {
+            if writer.write_all(&[*b]).is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(300));
+        }
+    });
+    let started = Instant::now();
+    let mut answer = Vec::new();
+    let _ = slow.read_to_end(&mut answer);
+    let waited = started.elapsed();
+    assert!(waited >= Duration::from_millis(1800) && waited < Duration::from_secs(10), "{waited:?}");
+    let text = String::from_utf8_lossy(&answer);
+    assert!(text.contains("did not arrive within lease_timeout"), "{text:?}");
+    trickle.join().unwrap();
+    assert_eq!(client.lookup(&ns, &t[..ns.block_tokens()]).await.unwrap(), 0, "nothing of it is visible");
+    client.store(&ns, &t, &blocks).await.unwrap().ok().unwrap();
+    assert_eq!(client.load(&ns, &t).await.unwrap(), blocks, "others are served");
+    let m = server.scrape();
+    assert!(metric(&m, "kvtier_errors_total", &[("kind", "dataplane_frame_timeout")]) >= 1.0, "{m}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_ask_for_their_token() {
     let tmp = tempfile::tempdir().unwrap();

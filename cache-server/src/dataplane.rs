@@ -576,7 +576,21 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
                 return self.fatal(Op::Put as u8, req.request_id, Status::TooLarge, &format!("frame {i}: {msg}")).await;
             }
             self.moved = u64::MAX;
-            let mut status = self.put_one(&header, forward, after).await?;
+            // A frame's payload arrives within `lease_timeout` (its slot's lease ends then), or
+            // the connection ends: a payload trickled in under the stall timeout would hold a
+            // connection slot, and a lease, for as long as the sender liked.
+            let deadline = self.state.config().lease_timeout.0;
+            let mut status = match tokio::time::timeout(deadline, self.put_one(&header, forward, after)).await {
+                Ok(status) => status?,
+                Err(_) => {
+                    error("dataplane_frame_timeout");
+                    let msg = format!(
+                        "frame {i}: its {} payload bytes did not arrive within lease_timeout ({deadline:?})",
+                        header.payload_len
+                    );
+                    return self.fatal(Op::Put as u8, req.request_id, Status::BadRequest, &msg).await;
+                }
+            };
             let fresh = status == ItemStatus::Ok;
             if status == ItemStatus::Present && req.flags & FLAG_REPORT_PRESENT == 0 {
                 status = ItemStatus::Ok;
