@@ -286,6 +286,8 @@ impl NodeState {
         fs: Arc<dyn FileSystem>,
     ) -> Result<Self, ServerError> {
         let tenants = Tenants::from_config(&config)?;
+        // Tenants' DRAM quotas, set before any block arrives (see `reserve_quotas`).
+        let mut quotas = Vec::new();
         let dir_lock = lock_data_dir(&config.data_dir)?;
         let dram = DramTier::with_options(
             DramConfig { capacity_bytes: config.dram_capacity.0, max_pinned_ratio: config.max_pinned_ratio },
@@ -303,8 +305,13 @@ impl NodeState {
         )
         .map_err(|e| ServerError::Config(format!("the DRAM tier's region: {e}")))?;
         let fsync = config.session_durability == "fsync";
+        for t in tenants.all() {
+            if let Some(q) = t.quotas.dram_bytes {
+                quotas.push((t.index, q));
+            }
+        }
         if config.disk_capacity.0 == 0 {
-            return Ok(NodeState {
+            let state = NodeState {
                 tiers: TierStack::new(dram, None, fsync)
                     .with_event_buffer(config.events_buffer)
                     .with_agent_tier(agent_tier(&config)),
@@ -319,7 +326,9 @@ impl NodeState {
                 arena_access: OnceLock::new(),
                 tenants,
                 config,
-            });
+            };
+            state.reserve_quotas(&quotas);
+            return Ok(state);
         }
         // The data directory's own name durable (it may have just been created), or everything
         // in it could vanish with it.
@@ -395,6 +404,7 @@ impl NodeState {
             tenants,
             config,
         };
+        state.reserve_quotas(&quotas);
         // Sessions of a namespace unregistered since they were parked went with it (its
         // unregistration is logged, their tombstones are not): not restored, nor counted lost.
         let (mut with_layout, mut unregistered) = (Vec::new(), Vec::new());
@@ -436,6 +446,14 @@ impl NodeState {
             }
         }
         Ok(state)
+    }
+
+    /// Sets the tenants' DRAM quotas (account, bytes) before any block arrives: what they
+    /// reserve is kept from the tenants without one and the operator from the start.
+    fn reserve_quotas(&self, quotas: &[(u32, u64)]) {
+        for &(account, bytes) in quotas {
+            self.tiers.reserve_dram_quota(account, bytes);
+        }
     }
 
     /// Counts a namespace's DRAM bytes against its tenant's account (and quota), if the tenant

@@ -267,6 +267,11 @@ impl Tenants {
         &self.tickets
     }
 
+    /// Every configured tenant.
+    pub fn all(&self) -> impl Iterator<Item = &Arc<Tenant>> {
+        self.by_name.values()
+    }
+
     pub fn tenant(&self, name: &str) -> Option<&Arc<Tenant>> {
         self.by_name.get(name)
     }

@@ -55,9 +55,16 @@
 //! against its namespace's account. A reservation for a namespace whose account would pass its
 //! quota first evicts that account's own blocks, oldest first (pinned ones are skipped), so a
 //! tenant at its quota makes room out of its own blocks instead of everybody's; if its pinned
-//! blocks fill the quota the reservation fails with `Capacity`. Other tenants' blocks are then
-//! only ever evicted by the node-wide policy when the whole tier is full, which quotas summing to
-//! at most the capacity prevent.
+//! blocks fill the quota the reservation fails with `Capacity`.
+//!
+//! The accounts without a quota (tenants without `dram_bytes`, the operator's namespaces:
+//! account 0) share what the quotas leave: while quotas reserve part of the capacity (less than
+//! all of it), those accounts together are held to the rest — the *shared pool* — as one quota'd
+//! account is to its quota: past it, their own oldest blocks go first; their pins take at most
+//! `max_pinned_ratio` of the pool, and their writes in flight at most the lease budget's share of
+//! it. So blocks of a tenant under its quota are only ever evicted by the node-wide policy when
+//! the whole tier is full, which quotas summing to less than the capacity prevent. With no quota
+//! set, the pool is the whole tier and the node-wide policy alone decides.
 //!
 //! # Demotion hook
 //! [`DramTier::set_eviction_hook`] is where the NVMe tier (G3) receives demoted blocks: the hook
@@ -223,7 +230,16 @@ struct OpenLease {
     len: u64,
 }
 
-/// One account's bytes, and with a quota, its blocks oldest first (stale items are skipped).
+/// What [`Shared::evict_oldest_of`] met at the front of an account's order.
+enum Evicted {
+    Block,
+    Pinned,
+    /// Removed or replaced since it was queued (or nothing queued).
+    Stale,
+}
+
+/// One account's bytes, and with a quota (or in the shared pool while quotas are set), its
+/// blocks oldest first (stale items are skipped).
 #[derive(Default)]
 struct Account {
     resident: u64,
@@ -268,6 +284,8 @@ struct State {
     leases: BTreeMap<(Instant, u64), OpenLease>,
     leased: u64,
     accounts: HashMap<u32, Account>,
+    /// Bytes the accounts' quotas reserve (their sum).
+    reserved: u64,
     /// Keys evicted by the reservation under way, for the eviction observer.
     evicted: Vec<IndexKey>,
 }
@@ -518,6 +536,117 @@ impl Shared {
         }
     }
 
+    /// The shared pool's bytes (see the module doc, "Accounts"): the capacity the quotas leave,
+    /// while they reserve some of it and less than all; `None` otherwise (no pool rule).
+    fn pool_limit(&self, st: &State) -> Option<u64> {
+        (st.reserved > 0 && st.reserved < self.capacity).then(|| self.capacity - st.reserved)
+    }
+
+    /// Whether `account` has no quota, so shares the pool.
+    fn pooled(st: &State, account: u32) -> bool {
+        st.accounts.get(&account).is_none_or(|a| a.quota.is_none())
+    }
+
+    /// `what` of every account in the pool, summed.
+    fn pool_usage(st: &State, what: impl Fn(&Account) -> u64) -> u64 {
+        st.accounts.values().filter(|a| a.quota.is_none()).map(what).sum()
+    }
+
+    /// For an `account` in the shared pool: brings the pool to `size` bytes below its limit,
+    /// counting its writes in flight, by evicting its accounts' blocks, oldest first (pinned ones
+    /// stay). Its writes in flight may take at most the lease budget's share of the pool.
+    fn make_room_in_pool(
+        &self,
+        st: &mut State,
+        account: u32,
+        size: u64,
+        hook: bool,
+        demoted: &mut Vec<(IndexKey, StoredBlock)>,
+    ) -> Result<(), ServerError> {
+        let Some(pool) = self.pool_limit(st) else { return Ok(()) };
+        if !Self::pooled(st, account) {
+            return Ok(());
+        }
+        let what = "the DRAM the tenants without a dram_bytes quota share (the capacity less the quotas)";
+        if size > pool {
+            return Err(ServerError::Capacity(format!(
+                "dram tier: a block of {size} bytes is larger than {what}: {pool}"
+            )));
+        }
+        let in_flight = Self::pool_usage(st, |a| a.in_flight);
+        let lease_share = (self.max_leased as u128 * pool as u128 / self.capacity.max(1) as u128) as u64;
+        if in_flight > 0 && in_flight + size > lease_share {
+            return Err(ServerError::Capacity(format!(
+                "dram tier: writes in flight ({in_flight} bytes) leave no room for another {size} in the share of \
+                 the lease budget of {what} ({lease_share} of {pool} bytes)"
+            )));
+        }
+        let mut pinned_seen = 0usize;
+        loop {
+            let used = Self::pool_usage(st, |a| a.resident + a.in_flight);
+            if used + size <= pool {
+                return Ok(());
+            }
+            // The pooled account whose oldest block is the oldest (ids grow with each commit).
+            let oldest = st
+                .accounts
+                .iter()
+                .filter(|(_, a)| a.quota.is_none())
+                .filter_map(|(n, a)| a.order.front().map(|(_, id)| (*id, *n)))
+                .min();
+            let queued: usize = st.accounts.values().filter(|a| a.quota.is_none()).map(|a| a.order.len()).sum();
+            let Some((_, victim_account)) = oldest.filter(|_| pinned_seen < queued) else {
+                return Err(ServerError::Capacity(format!(
+                    "dram tier: {what} ({pool} bytes) is held by pinned blocks ({} bytes) and writes in flight \
+                     ({in_flight} bytes); another {size} would pass it",
+                    Self::pool_usage(st, |a| a.pinned)
+                )));
+            };
+            match self.evict_oldest_of(st, victim_account, hook, demoted) {
+                Evicted::Block => pinned_seen = 0,
+                Evicted::Pinned => pinned_seen += 1,
+                Evicted::Stale => {}
+            }
+        }
+    }
+
+    /// Evicts `account`'s oldest block unless it is pinned (then moved to the back of the
+    /// account's order) or gone already.
+    fn evict_oldest_of(
+        &self,
+        st: &mut State,
+        account: u32,
+        hook: bool,
+        demoted: &mut Vec<(IndexKey, StoredBlock)>,
+    ) -> Evicted {
+        let Some((key, id)) = st.accounts.get_mut(&account).and_then(|a| a.order.pop_front()) else {
+            return Evicted::Stale;
+        };
+        let pinned = match self.index.get(&key) {
+            Some(e) if e.id == id => e.pins > 0,
+            _ => return Evicted::Stale, // removed or replaced since
+        };
+        if pinned {
+            if let Some(a) = st.accounts.get_mut(&account) {
+                a.order.push_back((key, id));
+            }
+            return Evicted::Pinned;
+        }
+        let Some((buf, header)) = self.unindex(st, &key) else { return Evicted::Stale };
+        self.counters.evictions.fetch_add(1, Ordering::Relaxed);
+        ::metrics::counter!("kvtier_tier_evictions_total", "tier" => TierId::Dram.as_str()).increment(1);
+        ::metrics::counter!("kvtier_quota_evictions_total").increment(1);
+        st.evicted.push(key);
+        if hook {
+            demoted.push((key, StoredBlock { header, payload: view_of(&buf, header.payload_len) }));
+        }
+        match buf.try_unwrap() {
+            Ok(v) => st.slab.put_free(v),
+            Err(shared) => st.slab.forget(shared.size()),
+        }
+        Evicted::Block
+    }
+
     /// Brings `account` to `size` bytes below its quota, counting its writes in flight, by
     /// evicting its own blocks, oldest first (pinned ones stay). Evicted blocks go to `demoted`
     /// when a hook is set.
@@ -557,30 +686,10 @@ impl Shared {
                     a.pinned, a.in_flight
                 )));
             }
-            let Some((key, id)) = a.order.pop_front() else { return Ok(()) };
-            let pinned = match self.index.get(&key) {
-                Some(e) if e.id == id => e.pins > 0,
-                _ => continue, // stale: removed or replaced since
-            };
-            if pinned {
-                pinned_seen += 1;
-                if let Some(a) = st.accounts.get_mut(&account) {
-                    a.order.push_back((key, id));
-                }
-                continue;
-            }
-            let Some((buf, header)) = self.unindex(st, &key) else { continue };
-            pinned_seen = 0;
-            self.counters.evictions.fetch_add(1, Ordering::Relaxed);
-            ::metrics::counter!("kvtier_tier_evictions_total", "tier" => TierId::Dram.as_str()).increment(1);
-            ::metrics::counter!("kvtier_quota_evictions_total").increment(1);
-            st.evicted.push(key);
-            if hook {
-                demoted.push((key, StoredBlock { header, payload: view_of(&buf, header.payload_len) }));
-            }
-            match buf.try_unwrap() {
-                Ok(v) => st.slab.put_free(v),
-                Err(shared) => st.slab.forget(shared.size()),
+            match self.evict_oldest_of(st, account, hook, demoted) {
+                Evicted::Block => pinned_seen = 0,
+                Evicted::Pinned => pinned_seen += 1,
+                Evicted::Stale => {}
             }
         }
     }
@@ -641,7 +750,9 @@ impl DramTier {
                 next_id: 0,
                 leases: BTreeMap::new(),
                 leased: 0,
-                accounts: HashMap::new(),
+                // Account 0 (namespaces without a tenant's account) is counted like the others.
+                accounts: HashMap::from([(0, Account::default())]),
+                reserved: 0,
                 evicted: Vec::new(),
             }),
             counters: Counters::default(),
@@ -668,6 +779,7 @@ impl DramTier {
     pub fn set_account_quota(&self, account: u32, bytes: u64) {
         let mut st = self.shared.state.lock();
         st.accounts.entry(account).or_default().quota = (account != 0).then_some(bytes);
+        st.reserved = st.accounts.values().filter_map(|a| a.quota).sum();
     }
 
     /// Counts the blocks of `ns` stored from now on against `account` (0: none).
@@ -750,6 +862,7 @@ impl DramTier {
         let res = self
             .shared
             .make_room_in_account(&mut st, account, len as u64, hook.is_some(), &mut demoted)
+            .and_then(|()| self.shared.make_room_in_pool(&mut st, account, len as u64, hook.is_some(), &mut demoted))
             .and_then(|()| self.shared.obtain(&mut st, size, hook.is_some(), &mut demoted));
         let lease = res.map(|buf| {
             st.next_id += 1;
@@ -838,10 +951,12 @@ impl DramTier {
         let level = priority as usize;
         let place = st.policy.insert(level, Item { key, id, bytes: buf.size() as u64 });
         let account = self.shared.ns_accounts.read().get(&header.namespace).copied().unwrap_or(0);
+        let pooled = self.shared.pool_limit(&st).is_some();
         if let Some(a) = st.accounts.get_mut(&account) {
             a.resident += header.payload_len;
             a.blocks += 1;
-            if a.quota.is_some() {
+            // In age order where something may evict it by account: its quota, or the pool's.
+            if a.quota.is_some() || pooled {
                 // Items of blocks gone another way (evicted by the node, purged, removed) are
                 // dropped once they outnumber the live ones (before this block is indexed).
                 if a.order.len() as u64 > 2 * a.blocks + 1024 {
@@ -964,6 +1079,17 @@ impl DramTier {
                 "pinning {newly} more bytes would pass the pinned limit ({} of {} bytes pinned, limit {})",
                 st.pinned, self.shared.capacity, self.shared.max_pinned
             )));
+        }
+        if let Some(pool) = self.shared.pool_limit(&st) {
+            let more: u64 = newly_of.iter().filter(|(a, _)| Shared::pooled(&st, **a)).map(|(_, b)| b).sum();
+            let pinned = Shared::pool_usage(&st, |a| a.pinned);
+            let limit = (pool as f64 * self.shared.pinned_ratio) as u64;
+            if more > 0 && pinned + more > limit {
+                return Err(ServerError::Capacity(format!(
+                    "pinning {more} more bytes would pass the pinned share of the DRAM the tenants without a \
+                     dram_bytes quota share ({pinned} of {pool} bytes pinned, limit {limit})"
+                )));
+            }
         }
         for (account, more) in &newly_of {
             let Some(a) = st.accounts.get(account) else { continue };

@@ -872,3 +872,72 @@ fn a_tenant_at_its_quota_evicts_its_own_blocks_and_never_anothers() {
         put_for(&t, NS, i, 64 * KIB).unwrap();
     }
 }
+
+/// The accounts without a quota (a tenant without `dram_bytes`, the operator's namespaces) share
+/// what the quotas leave: flooding the tier, they evict their own oldest blocks, never those of
+/// a tenant under its quota; their pins and their writes in flight are held to the pool's
+/// shares, so a quota'd tenant can always write. Before, a flood without a quota evicted a
+/// quota'd tenant's blocks to nothing, and its pins or open leases took the room it was promised.
+#[test]
+fn accounts_without_a_quota_share_what_the_quotas_leave() {
+    let t = tier(1024 * KIB, 0.9);
+    let (kept, free, op) = (NamespaceId([1; 16]), NamespaceId([2; 16]), NS);
+    t.assign_account(kept, 1);
+    t.set_account_quota(1, 256 * KIB as u64);
+    t.assign_account(free, 2); // a tenant without a quota
+    for i in 0..12 {
+        put_for(&t, kept, i, 16 * KIB).unwrap(); // 192 KiB, under its quota
+    }
+    // The two without a quota flood the tier four times over between them.
+    for i in 100..164 {
+        put_for(&t, if i % 2 == 0 { free } else { op }, i, 64 * KIB).unwrap();
+        check_caps(&t);
+        assert!(t.account_resident(2) + t.account_resident(0) <= 768 * KIB as u64, "past the pool at {i}");
+    }
+    assert_eq!(t.account_resident(1), 192 * KIB as u64, "the quota'd tenant lost blocks");
+    for i in 0..12 {
+        assert_eq!(&t.get(&kept, &key(i)).expect("kept").payload[..], &payload(i, 16 * KIB)[..]);
+    }
+    // Theirs went oldest first, across both accounts.
+    assert!(t.get(&op, &key(163)).is_some() && t.get(&free, &key(162)).is_some());
+    assert!(t.get(&free, &key(100)).is_none() && t.get(&op, &key(101)).is_none());
+
+    // Pins: at most 0.9 of the pool (691 KiB) between them.
+    let newest_free: Vec<_> = (152..164).filter(|i| i % 2 == 0).map(key).collect(); // 6 x 64 KiB
+    let newest_op: Vec<_> = (152..164).filter(|i| i % 2 == 1).map(key).collect();
+    t.pin(&free, &newest_free).unwrap();
+    t.pin(&op, &newest_op[..4]).unwrap(); // 640 KiB between them
+    let err = t.pin(&op, &newest_op[4..5]).unwrap_err();
+    assert!(matches!(err, ServerError::Capacity(ref m) if m.contains("without a dram_bytes quota")), "{err}");
+    // The quota'd tenant writes its quota's worth all the same.
+    for i in 12..16 {
+        put_for(&t, kept, i, 16 * KIB).unwrap();
+    }
+    assert_eq!(t.account_resident(1), 256 * KIB as u64);
+    t.unpin(&free, &newest_free);
+    t.unpin(&op, &newest_op[..4]);
+
+    // Writes in flight: the pool's share of the lease budget (half the tier: 384 KiB of 768),
+    // then refused saying so, while the quota'd tenant's own still go through.
+    let open: Vec<_> = (0..6).map(|_| t.reserve_for(&free, 64 * KIB).unwrap()).collect();
+    let err = t.reserve_for(&op, 64 * KIB).unwrap_err();
+    assert!(matches!(err, ServerError::Capacity(ref m) if m.contains("writes in flight")), "{err}");
+    put_for(&t, kept, 50, 16 * KIB).unwrap();
+    drop(open);
+    put_for(&t, op, 500, 64 * KIB).unwrap();
+}
+
+/// Quotas that reserve the whole tier (or more) leave no pool: the accounts without one compete
+/// under the node-wide policy, as with no quota at all.
+#[test]
+fn quotas_reserving_the_whole_tier_leave_the_node_wide_policy() {
+    let t = tier(1024 * KIB, 0.9);
+    let kept = NamespaceId([1; 16]);
+    t.assign_account(kept, 1);
+    t.set_account_quota(1, 1024 * KIB as u64);
+    for i in 0..32 {
+        put_for(&t, NS, i, 64 * KIB).unwrap();
+        check_caps(&t);
+    }
+    assert!(t.account_resident(0) > 0);
+}
