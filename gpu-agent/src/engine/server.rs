@@ -1,7 +1,10 @@
 //! The engine socket: a Unix listener, one thread per engine connection (at most
 //! `max_connections`), each reading requests ([`super::proto`]) with the descriptors that come
 //! with them (`SCM_RIGHTS`, at most [`MAX_PENDING_FDS`] waiting) and handing them to its
-//! [`Session`]. A connection idle past `idle_timeout`, or that stalls mid-request or mid-answer
+//! [`Session`]. A descriptor belongs to the request whose bytes it came with: a memfd
+//! `REGISTER` takes the first of its own, and every other one (sent with any other request, a
+//! refused one, or in excess) is closed once its request is done, so a stray descriptor can
+//! never be taken for a later registration's memory. A connection idle past `idle_timeout`, or that stalls mid-request or mid-answer
 //! past `io_timeout`, is closed, and its session gives back what it held. A request larger than
 //! [`MAX_BODY`] is refused and the connection closed (its body is never read).
 
@@ -121,7 +124,11 @@ struct Conn {
     buf: Vec<u8>,
     start: usize,
     end: usize,
-    fds: VecDeque<OwnedFd>,
+    /// Bytes received and consumed since the connection opened (stream offsets).
+    received: u64,
+    consumed: u64,
+    /// Descriptors received, each with the stream offset of the first byte that came with it.
+    fds: VecDeque<(u64, OwnedFd)>,
 }
 
 #[derive(Debug)]
@@ -149,9 +156,12 @@ impl Conn {
         let mut iov = [IoSliceMut::new(&mut self.buf[end..])];
         let msg =
             rustix::net::recvmsg(&self.sock, &mut iov, &mut anc, RecvFlags::CMSG_CLOEXEC).map_err(|_| ReadError::Io)?;
+        // A stream socket hands descriptors over with the first byte of the `sendmsg` they came
+        // with, which is this read's first byte.
+        let at = self.received;
         for m in anc.drain() {
             if let RecvAncillaryMessage::ScmRights(fds) = m {
-                self.fds.extend(fds);
+                self.fds.extend(fds.map(|fd| (at, fd)));
             }
         }
         if self.fds.len() > MAX_PENDING_FDS {
@@ -161,7 +171,26 @@ impl Conn {
             return Err(ReadError::Closed);
         }
         self.end += msg.bytes;
+        self.received += msg.bytes as u64;
         Ok(())
+    }
+
+    /// Takes the first descriptor that came with the bytes from stream offset `from` on (the
+    /// request being handled), closing every one that came before it.
+    fn take_fd_from(&mut self, from: u64) -> Option<OwnedFd> {
+        self.close_fds_before(from);
+        // One that came with a later request's bytes stays for that request.
+        if self.fds.front().is_some_and(|(at, _)| *at < self.consumed) {
+            return self.fds.pop_front().map(|(_, fd)| fd);
+        }
+        None
+    }
+
+    /// Closes the descriptors that came with bytes before stream offset `offset`.
+    fn close_fds_before(&mut self, offset: u64) {
+        while self.fds.front().is_some_and(|(at, _)| *at < offset) {
+            self.fds.pop_front();
+        }
     }
 
     fn read_exact(&mut self, n: usize) -> Result<Vec<u8>, ReadError> {
@@ -175,6 +204,7 @@ impl Conn {
         }
         let out = self.buf[self.start..self.start + n].to_vec();
         self.start += n;
+        self.consumed += n as u64;
         // Grown for a big body and drained: back to the usual size, so an idle connection holds
         // no more than that.
         if self.buf.len() > READ_BUF && self.start == self.end {
@@ -197,8 +227,11 @@ fn serve_connection<D: Device, B: BackingStore>(
         return;
     }
     let mut writer = writer;
-    let mut conn = Conn { sock, buf: vec![0u8; READ_BUF], start: 0, end: 0, fds: VecDeque::new() };
+    let mut conn =
+        Conn { sock, buf: vec![0u8; READ_BUF], start: 0, end: 0, received: 0, consumed: 0, fds: VecDeque::new() };
     loop {
+        // Descriptors that came with the requests handled so far and were not theirs to keep.
+        conn.close_fds_before(conn.consumed);
         // Between requests the idle timeout; inside one the I/O timeout.
         if conn.sock.set_read_timeout(Some(idle)).is_err() {
             return;
@@ -209,6 +242,7 @@ fn serve_connection<D: Device, B: BackingStore>(
         if conn.sock.set_read_timeout(Some(io)).is_err() {
             return;
         }
+        let request_at = conn.consumed;
         let Ok(head) = conn.read_exact(HEADER_LEN) else { return };
         let Ok(head) = <[u8; HEADER_LEN]>::try_from(head.as_slice()) else { return };
         let h = Header::decode(&head);
@@ -229,7 +263,7 @@ fn serve_connection<D: Device, B: BackingStore>(
             }
         };
         let fd = match req {
-            Request::Register { source: BufferSource::Memfd, .. } => conn.fds.pop_front(),
+            Request::Register { source: BufferSource::Memfd, .. } => conn.take_fd_from(request_at),
             _ => None,
         };
         let mut send = |msg: Vec<u8>| writer.write_all(&msg);

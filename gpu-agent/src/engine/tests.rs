@@ -452,6 +452,54 @@ fn the_socket_carries_descriptors_answers_per_layer_and_enforces_its_limits() {
     assert!(!path.exists());
 }
 
+/// A descriptor belongs to the request it came with: one sent with a refused request (or any
+/// other) is closed, never taken for a later registration's memory. Before, descriptors queued
+/// per connection, so the next memfd `REGISTER` mapped the stray one (wrong bytes saved).
+#[test]
+fn a_stray_descriptor_is_never_a_later_registrations_memory() {
+    let a = agent(4, |_| {});
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("agent.sock");
+    let _server = EngineServer::bind(a.clone(), &path).unwrap();
+    let mut stray = EngineMem::new(2, true);
+    stray.fill(0, 9);
+    stray.fill(1, 9);
+    let mut m = EngineMem::new(2, true);
+    m.fill(0, 5);
+    m.fill(1, 6);
+    let mut c = Client { sock: UnixStream::connect(&path).unwrap() };
+    c.send(&Request::Open(namespace()), 1, None);
+    assert_eq!(c.answer().unwrap().status(), 0);
+    // A registration refused (a CUDA IPC handle on the host device) with a memfd attached, and
+    // a request that takes none with one attached.
+    c.send(
+        &Request::Register { source: BufferSource::CudaIpc([1; 64]), len: 2 * BLOCK as u64, pages: 2 },
+        2,
+        Some(&stray.fd),
+    );
+    assert_ne!(c.answer().unwrap().status(), 0);
+    c.send(&Request::Load { buffer: 99, items: items(&[(0, 1)]) }, 3, Some(&stray.fd));
+    assert_ne!(c.answer().unwrap().status(), 0);
+    c.send(&Request::Register { source: BufferSource::Memfd, len: 2 * BLOCK as u64, pages: 2 }, 4, Some(&m.fd));
+    let ans = c.answer().unwrap();
+    assert_eq!(ans.status(), 0, "{}", ans.msg());
+    let buf = ans.u32s()[0];
+    for layer in 0..LAYERS as u16 {
+        c.send(&Request::Save { buffer: buf, layer, items: items(&[(0, 1), (1, 2)]) }, 10 + u32::from(layer), None);
+    }
+    for _ in 0..LAYERS {
+        assert_eq!(c.answer().unwrap().status(), 0);
+    }
+    let want = (m.block(0), m.block(1));
+    m.map.fill(0);
+    c.send(&Request::Load { buffer: buf, items: items(&[(0, 1), (1, 2)]) }, 20, None);
+    assert_eq!(c.answer().unwrap().u32s()[0], 2);
+    for _ in 0..LAYERS {
+        c.answer().unwrap();
+    }
+    assert!((m.block(0), m.block(1)) == want, "the registration mapped another descriptor's memory");
+}
+
 /// A store that refuses everything: the server down or full.
 #[derive(Clone, Default)]
 struct DownStore;
