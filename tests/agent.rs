@@ -681,3 +681,57 @@ fn a_spill_stalled_on_a_stopped_server_does_not_stall_another_connections_g1_loa
     });
     assert!(landed, "the stalled spill reached the server once it ran again");
 }
+
+/// A server that restarts without its registrations (no disk tier) costs the agent no block:
+/// its spills meet a broken connection, then a namespace the server no longer knows, and register
+/// it again; its demand stream likewise. Before, every spill after the restart failed (each
+/// evicted block lost) and the demand stream was refused for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_outlives_a_restart_of_its_server() {
+    use kvtier_client::{ClientConfig, KvClient, SameNodeMode};
+    use kvtier_proto::{BlockKey, KEY_LEN};
+
+    let dir = tempfile::tempdir().unwrap();
+    let data_dir = dir.path().join("data");
+    std::fs::create_dir_all(&data_dir).unwrap();
+    let mut server = ServerProcess::start_in(&data_dir, &["--dram-capacity", "64MiB"]);
+    let sock_path = dir.path().join("agent.sock");
+    let _agent = agent_of(&server, &sock_path, 8);
+    let ns = Namespace::new("t", "m", KvLayout::new(4, 2, 64, DType::Fp16, 16), HashScheme::Blake3, b"s");
+    let first: Vec<BlockKey> = (1..=8u8).map(|i| BlockKey([i; KEY_LEN])).collect();
+    let second: Vec<BlockKey> = (11..=18u8).map(|i| BlockKey([i; KEY_LEN])).collect();
+    let (sp, n, k) = (sock_path.clone(), ns.clone(), first.clone());
+    let data1 = tokio::task::spawn_blocking(move || save_through_agent(&sp, &n, &k, 0x11)).await.unwrap();
+
+    server.child.kill().unwrap();
+    server.child.wait().unwrap();
+    let server = server.restart_in_place(&["--dram-capacity", "64MiB"]);
+    // Eight more through a full pool: the first eight are spilled into the restarted server.
+    let (sp, n, k) = (sock_path.clone(), ns.clone(), second.clone());
+    let data2 = tokio::task::spawn_blocking(move || save_through_agent(&sp, &n, &k, 0x22)).await.unwrap();
+
+    let cfg = ClientConfig { samenode: SameNodeMode::Off, ..ClientConfig::default() };
+    let client = KvClient::connect(&server.grpc_addr(), cfg).await.unwrap();
+    let handle = client.register(ns.clone()).await.unwrap();
+    // Spilled into the server, or still in G1 and reported once the agent re-opened its stream.
+    assert!(
+        eventually(async || client.lookup_keys(&handle, &first).await.unwrap() == 8).await,
+        "the first batch is lost: {}",
+        server.scrape()
+    );
+    let got = client.load_keys(&handle, &first).await.unwrap();
+    for (i, f) in got.iter().enumerate() {
+        let f = f.as_ref().unwrap_or_else(|| panic!("first batch, block {i}: missed"));
+        assert!(f.payload[..] == block_of(&data1, 8, i)[..], "first batch, block {i}: the engine's bytes");
+    }
+    // What G1 still holds is reported and demanded again once the agent re-opened its stream.
+    assert!(
+        eventually(async || client.lookup_keys(&handle, &second).await.unwrap() == 8).await,
+        "the restarted server sees what G1 holds"
+    );
+    let got = client.load_keys(&handle, &second).await.unwrap();
+    for (i, f) in got.iter().enumerate() {
+        let f = f.as_ref().unwrap_or_else(|| panic!("second batch, block {i}: missed"));
+        assert!(f.payload[..] == block_of(&data2, 8, i)[..], "second batch, block {i}: the engine's bytes");
+    }
+}

@@ -400,6 +400,42 @@ impl SameNodeStore {
         map.get(ns).cloned().ok_or_else(|| AgentError::Spill("namespace not opened with the server".into()))
     }
 
+    /// Registers namespace `ns` with the server again (it answered that it does not know it: it
+    /// restarted without its registrations, a node without a disk tier) and keeps the new handle.
+    async fn register_again(&self, ns: &NamespaceId) -> kvtier_agent::Result<NamespaceHandle> {
+        let spec = self.handle(ns)?.namespace;
+        let h = self
+            .inner
+            .client
+            .register(spec)
+            .await
+            .map_err(|e| AgentError::Spill(format!("registering the namespace with the server again: {e}")))?;
+        self.inner
+            .namespaces
+            .lock()
+            .map_err(|_| AgentError::Spill("namespace map poisoned".into()))?
+            .insert(*ns, h.clone());
+        metrics::counter!("kvtier_agent_namespaces_registered_again_total").increment(1);
+        tracing::info!("the server did not know a namespace engines opened (it restarted?): registered it again");
+        Ok(h)
+    }
+
+    /// One spill over the same-node socket: the server's answer for the block.
+    fn spill_over_link(&self, h: &NamespaceHandle, key: &BlockKey, payload: &[u8]) -> kvtier_agent::Result<ItemStatus> {
+        let status = self.with_link(async |l: &mut Link| {
+            if payload.len() != l.block_bytes {
+                return Err(kvtier_client::ClientError::InvalidArgument(format!(
+                    "a {}-byte block; the store's blocks are {}",
+                    payload.len(),
+                    l.block_bytes
+                )));
+            }
+            l.buf.as_mut_slice()[..payload.len()].copy_from_slice(payload);
+            l.near.store_from_buffer(h, &[*key], &l.buf, &[0]).await
+        })?;
+        status.first().copied().ok_or_else(|| AgentError::Spill("the server answered for no block".into()))
+    }
+
     /// Runs `f` on the lease lane, if the agent has one; `None` without a lane, or when it
     /// failed: the lane is then closed (logged once) and later calls go over the same-node socket.
     /// The lane's lock is held only for `f`, so the caller's same-node fallback (a load there may
@@ -448,22 +484,42 @@ impl Spill for SameNodeStore {
                 return Ok(());
             }
         }
-        let status = self.with_link(async |l: &mut Link| {
-            if payload.len() != l.block_bytes {
-                return Err(kvtier_client::ClientError::InvalidArgument(format!(
-                    "a {}-byte block; the store's blocks are {}",
-                    payload.len(),
-                    l.block_bytes
-                )));
+        // A connection the server's restart broke fails once (and is reopened by the next
+        // call), and a server that restarted without its registrations does not know the
+        // namespace: each is tried again once, so a restart costs no block.
+        let status = match self.spill_over_link(&h, key, payload) {
+            Err(_) => self.spill_over_link(&h, key, payload),
+            done => done,
+        };
+        let status = match status {
+            Ok(ItemStatus::UnknownNamespace) => {
+                let h = self.inner.rt.block_on(self.register_again(ns))?;
+                self.spill_over_link(&h, key, payload)
             }
-            l.buf.as_mut_slice()[..payload.len()].copy_from_slice(payload);
-            l.near.store_from_buffer(&h, &[*key], &l.buf, &[0]).await
-        })?;
-        match status.first() {
-            Some(ItemStatus::Ok | ItemStatus::Present) => Ok(()),
-            other => Err(AgentError::Spill(format!("the server refused the block: {other:?}"))),
+            other => other,
+        };
+        match status {
+            Ok(ItemStatus::Ok | ItemStatus::Present) => Ok(()),
+            Ok(other) => Err(spill_failed(format!("the server refused the block: {other:?}"))),
+            Err(e) => Err(spill_failed(e.to_string())),
         }
     }
+}
+
+/// A spill that failed: said in the log (at most once every 10 s, the rest counted by the
+/// agent), so a store that refuses every block is not silent.
+fn spill_failed(why: String) -> AgentError {
+    static LAST: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let last = LAST.load(std::sync::atomic::Ordering::Relaxed);
+    if now >= last + 10
+        && LAST
+            .compare_exchange(last, now, std::sync::atomic::Ordering::Relaxed, std::sync::atomic::Ordering::Relaxed)
+            .is_ok()
+    {
+        tracing::warn!("a block could not be spilled into the server (it is lost from G1): {why}");
+    }
+    AgentError::Spill(why)
 }
 
 impl BackingStore for SameNodeStore {
@@ -813,6 +869,15 @@ async fn serve_demands<D: Device>(
     };
     let mut stream = match client.raw_grpc().agent_demands(req).await {
         Ok(s) => s.into_inner(),
+        Err(e) if e.message().starts_with(kvtier_proto::codes::UNKNOWN_NAMESPACE) => {
+            // The server restarted without its registrations: registered again, and the stream
+            // opened on the next round.
+            if let Err(e) = store.register_again(&ns).await {
+                tracing::warn!("opening the server's demand stream: {e}");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            return;
+        }
         Err(e) => {
             metrics::counter!("kvtier_agent_demand_stream_errors_total").increment(1);
             tracing::warn!("opening the server's demand stream: {e}");
