@@ -34,15 +34,22 @@ pub const MAX_PENDING_FDS: usize = 4;
 /// A connection's read buffer; a longer body (up to [`MAX_BODY`]) grows it while it is read.
 const READ_BUF: usize = 64 << 10;
 
-/// A running engine socket. Dropping it stops accepting (open connections run until they end).
+/// A running engine socket. Dropping it stops accepting (open connections run until they end)
+/// and removes its socket file, if that is still its own.
 pub struct EngineServer {
     path: PathBuf,
+    /// The socket file's (device, inode) as bound: another agent's file there later is not ours
+    /// to remove.
+    file_id: (u64, u64),
+    /// The listener, to shut down when dropped (wakes the accept loop even with the file gone).
+    listener: UnixListener,
     stop: Arc<AtomicBool>,
     accept: Option<JoinHandle<()>>,
 }
 
 impl EngineServer {
-    /// Listens at `path` (a stale socket file there is replaced; mode 0600) and serves `agent`.
+    /// Listens at `path` (a stale socket file there is replaced; one another process listens on
+    /// is refused, `AddrInUse`; mode 0600) and serves `agent`.
     pub fn bind<D: Device, B: BackingStore>(agent: Arc<Agent<D, B>>, path: &Path) -> std::io::Result<Self> {
         let first = agent.device().ordinal();
         Self::bind_device(agent, first, path)
@@ -62,10 +69,24 @@ impl EngineServer {
             ));
         }
         if path.exists() {
+            if UnixStream::connect(path).is_ok() {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::AddrInUse,
+                    format!(
+                        "{} is in use: another agent listens there (give this one its own --socket)",
+                        path.display()
+                    ),
+                ));
+            }
             std::fs::remove_file(path)?;
         }
         let listener = UnixListener::bind(path)?;
         std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+        let file_id = {
+            let m = std::fs::metadata(path)?;
+            (std::os::unix::fs::MetadataExt::dev(&m), std::os::unix::fs::MetadataExt::ino(&m))
+        };
+        let kept = listener.try_clone()?;
         let stop = Arc::new(AtomicBool::new(false));
         let active = Arc::new(AtomicUsize::new(0));
         let flag = stop.clone();
@@ -75,6 +96,9 @@ impl EngineServer {
                     break;
                 }
                 let Ok(mut sock) = conn else {
+                    if flag.load(Ordering::Acquire) {
+                        break;
+                    }
                     // Out of descriptors or similar: back off instead of spinning.
                     std::thread::sleep(Duration::from_millis(50));
                     continue;
@@ -98,7 +122,7 @@ impl EngineServer {
                 }
             }
         })?;
-        Ok(EngineServer { path: path.to_path_buf(), stop, accept: Some(accept) })
+        Ok(EngineServer { path: path.to_path_buf(), file_id, listener: kept, stop, accept: Some(accept) })
     }
 
     pub fn path(&self) -> &Path {
@@ -109,12 +133,19 @@ impl EngineServer {
 impl Drop for EngineServer {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
-        // Wakes the accept loop so it sees the flag.
+        // Wakes the accept loop so it sees the flag: a listener shut down fails its `accept`
+        // (and a connection wakes it too, where the file is still there).
+        let _ = rustix::net::shutdown(&self.listener, rustix::net::Shutdown::Both);
         let _ = UnixStream::connect(&self.path);
         if let Some(t) = self.accept.take() {
             let _ = t.join();
         }
-        let _ = std::fs::remove_file(&self.path);
+        let ours = std::fs::metadata(&self.path).is_ok_and(|m| {
+            (std::os::unix::fs::MetadataExt::dev(&m), std::os::unix::fs::MetadataExt::ino(&m)) == self.file_id
+        });
+        if ours {
+            let _ = std::fs::remove_file(&self.path);
+        }
     }
 }
 

@@ -500,6 +500,45 @@ fn a_stray_descriptor_is_never_a_later_registrations_memory() {
     assert!((m.block(0), m.block(1)) == want, "the registration mapped another descriptor's memory");
 }
 
+/// A socket another agent listens on is refused (it was taken over, then removed when the
+/// second agent stopped); a stopped agent removes only its own socket file, and stops promptly
+/// even with its file gone (it waited for a connection that could no longer come).
+#[test]
+fn an_agents_socket_is_its_own() {
+    let a = agent(4, |_| {});
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("agent.sock");
+    let first = EngineServer::bind(a.clone(), &path).unwrap();
+    let err = EngineServer::bind(a.clone(), &path).err().expect("a second agent on a live socket");
+    assert_eq!(err.kind(), std::io::ErrorKind::AddrInUse, "{err}");
+    assert!(err.to_string().contains("another agent"), "{err}");
+    let mut c = Client { sock: UnixStream::connect(&path).unwrap() };
+    c.send(&Request::Open(namespace()), 1, None);
+    assert_eq!(c.answer().unwrap().status(), 0, "the first still serves");
+
+    // Its file removed and another agent bound there: stopping the first leaves the other's.
+    std::fs::remove_file(&path).unwrap();
+    let second = EngineServer::bind(a.clone(), &path).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        drop(first);
+        let _ = tx.send(());
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(5)).expect("the first agent stopped promptly");
+    assert!(path.exists(), "the second agent's socket is left alone");
+    let mut c = Client { sock: UnixStream::connect(&path).unwrap() };
+    c.send(&Request::Open(namespace()), 1, None);
+    assert_eq!(c.answer().unwrap().status(), 0);
+    // With its file gone, it still stops.
+    std::fs::remove_file(&path).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        drop(second);
+        let _ = tx.send(());
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(5)).expect("stopped with its socket file gone");
+}
+
 /// A store that refuses everything: the server down or full.
 #[derive(Clone, Default)]
 struct DownStore;
