@@ -116,6 +116,8 @@ pub struct AgentArgs {
 /// Settings after the file, the environment and the flags.
 struct Settings {
     server: String,
+    /// The credential the agent presents to the server.
+    auth_token: Option<String>,
     socket: PathBuf,
     device: String,
     gpus: DeviceSelection,
@@ -171,17 +173,25 @@ impl DeviceSelection {
 }
 
 fn settings(a: &AgentArgs) -> anyhow::Result<Settings> {
-    let table = match &a.config {
+    // The `[agent]` table, and the file's top-level `auth_token` (the node's own, as `serve`
+    // reads it from the same file).
+    let (table, node_token) = match &a.config {
         Some(p) => {
             let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
             let doc: toml::Table = text.parse().with_context(|| format!("parsing {}", p.display()))?;
-            match doc.get("agent") {
+            let node_token = match doc.get("auth_token") {
+                None => None,
+                Some(toml::Value::String(t)) => Some(t.clone()),
+                Some(_) => bail!("{}: `auth_token` must be a string", p.display()),
+            };
+            let table = match doc.get("agent") {
                 Some(toml::Value::Table(t)) => t.clone(),
                 Some(_) => bail!("{}: `agent` must be a table", p.display()),
                 None => toml::Table::new(),
-            }
+            };
+            (table, node_token)
         }
-        None => toml::Table::new(),
+        None => (toml::Table::new(), None),
     };
     let known = [
         "server",
@@ -198,6 +208,7 @@ fn settings(a: &AgentArgs) -> anyhow::Result<Settings> {
         "promote_loads",
         "metrics",
         "rdma_device",
+        "auth_token",
     ];
     if let Some(k) = table.keys().find(|k| !known.contains(&k.as_str())) {
         bail!("[agent]: unknown key {k:?} (known: {})", known.join(", "));
@@ -304,7 +315,10 @@ fn settings(a: &AgentArgs) -> anyhow::Result<Settings> {
         bail!("metrics {m} is beyond loopback: the agent's /metrics takes no token; keep it on loopback");
     }
     let rdma_device = a.rdma_device.clone().or(text("rdma_device")?);
+    // The flag (or KVTIER_AUTH_TOKEN), then `[agent] auth_token`, then the file's own.
+    let auth_token = a.auth_token.clone().or(text("auth_token")?).or(node_token);
     Ok(Settings {
+        auth_token,
         server,
         socket,
         device,
@@ -581,7 +595,7 @@ pub async fn run(a: AgentArgs) -> anyhow::Result<()> {
         .init();
     let s = settings(&a)?;
     let page_bytes = usize::try_from(s.page_bytes).context("--page-bytes")?;
-    let cfg = ClientConfig { auth_token: a.auth_token.clone(), ..Default::default() };
+    let cfg = ClientConfig { auth_token: s.auth_token.clone(), ..Default::default() };
     let client =
         KvClient::connect(&s.server, cfg).await.with_context(|| format!("connecting to the server at {}", s.server))?;
     let lane = match &s.rdma_device {
@@ -1093,6 +1107,25 @@ mod tests {
             parse(&["--config", config, "--page-bytes", "1KiB"]).err().map(|e| format!("{e:#}")).unwrap_or_default();
         let _ = std::fs::remove_file(&file);
         assert!(e.contains("promote_loads"), "{e}");
+    }
+
+    /// The agent's credential: the flag, else `[agent] auth_token`, else the file's top-level
+    /// one (the node's, so one file configures `serve` and `agent` with auth on; it was ignored).
+    #[test]
+    fn the_credential_comes_from_the_flag_the_agent_table_or_the_file() {
+        let file = tempfile::NamedTempFile::new().unwrap();
+        let config = file.path().to_str().unwrap();
+        std::fs::write(file.path(), "auth_token = \"node-secret-0123456\"\n[agent]\npage_bytes = \"1KiB\"\n").unwrap();
+        assert_eq!(parse(&["--config", config]).unwrap().auth_token.as_deref(), Some("node-secret-0123456"));
+        std::fs::write(
+            file.path(),
+            "auth_token = \"node-secret-0123456\"\n[agent]\npage_bytes = \"1KiB\"\nauth_token = \"agent-secret-0123\"\n",
+        )
+        .unwrap();
+        assert_eq!(parse(&["--config", config]).unwrap().auth_token.as_deref(), Some("agent-secret-0123"));
+        let flag = parse(&["--config", config, "--auth-token", "flag-secret-012345"]).unwrap();
+        assert_eq!(flag.auth_token.as_deref(), Some("flag-secret-012345"));
+        assert_eq!(parse(&["--page-bytes", "1KiB"]).unwrap().auth_token, None);
     }
 
     /// A writer on the agent's loopback fabric (what an RDMA NIC is to `--rdma-device`, on a
