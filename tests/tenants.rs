@@ -551,3 +551,50 @@ async fn a_tenants_session_larger_than_its_dram_quota_parks_on_disk() {
     assert_eq!(a.resume(&ns, "long").await.unwrap().blocks, blocks, "resumed whole and byte-exact");
     assert!(metric(&server.scrape(), "kvtier_dram_leases_unpinned_total", &[]) > 0.0, "past its pinned share");
 }
+
+/// What quotas reserve is kept from the tenants without one (and the operator): a tenant with no
+/// `dram_bytes` flooding the tier evicts its own blocks, never those of a tenant under its quota,
+/// and the namespaces of owners without a `max_namespaces` share the node's slots the quotas
+/// leave. Before, the flood evicted the quota'd tenant's blocks to nothing, and a tenant without
+/// a `max_namespaces` could take every slot on the node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_quotas_reserve_is_kept_from_tenants_without_one() {
+    const KEPT: &str = "tenant-kept-secret-01";
+    const FREE: &str = "tenant-free-secret-02";
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tenants.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "auth_token = \"{OPERATOR}\"\n\n[[tenants]]\nname = \"kept\"\ntokens = [\"{KEPT}\"]\n\
+             dram_bytes = \"16MiB\"\nmax_namespaces = 4090\n\n[[tenants]]\nname = \"free\"\ntokens = [\"{FREE}\"]\n"
+        ),
+    )
+    .unwrap();
+    let server = ServerProcess::start(&["--config", path.to_str().unwrap(), "--dram-capacity", "64MiB"]);
+    let (kept, free) = (client_as(&server, Some(KEPT)).await, client_as(&server, Some(FREE)).await);
+    let kept_ns = kept.register(namespace("kept", b"", small_layout())).await.unwrap();
+    let free_ns = free.register(namespace("free", b"", small_layout())).await.unwrap();
+    let mine = tokens(1, 16 * 256); // 256 blocks of 32 KiB: 8 MiB, half its quota
+    let blocks = full_block_payloads(&kept_ns, &mine);
+    kept.store(&kept_ns, &mine, &blocks).await.unwrap().ok().unwrap();
+    for seed in 100..132 {
+        let t = tokens(seed, 16 * 256);
+        let p = full_block_payloads(&free_ns, &t);
+        free.store(&free_ns, &t, &p).await.unwrap().ok().unwrap();
+    }
+    assert_eq!(kept.lookup(&kept_ns, &mine).await.unwrap(), mine.len(), "the quota'd tenant's blocks were evicted");
+    assert_eq!(kept.load(&kept_ns, &mine).await.unwrap(), blocks);
+    let last = tokens(131, 16 * 256);
+    assert_eq!(free.lookup(&free_ns, &last).await.unwrap(), last.len(), "the flood keeps its newest");
+
+    // Slots: 4,096 less kept's 4,090 leaves 6 for the others (free's and the operator's).
+    let op = client_as(&server, Some(OPERATOR)).await;
+    for i in 0..4u8 {
+        free.register(namespace("free", &[i], small_layout())).await.unwrap();
+    }
+    op.register(namespace("ops", b"", small_layout())).await.unwrap(); // 6 with free's first
+    let Err(err) = free.register(namespace("free", b"seventh", small_layout())).await else { panic!("past the share") };
+    assert!(matches!(err, ClientError::Capacity(ref m) if m.contains("share 6")), "{err}");
+    kept.register(namespace("kept", b"second", small_layout())).await.expect("kept's slots are its own");
+}

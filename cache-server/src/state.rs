@@ -558,6 +558,7 @@ impl NodeState {
                 )));
             }
         }
+        self.check_shared_namespace_slots(&ns)?;
         if ns.layout.block_bytes() > self.config.max_frame_bytes.0 {
             return Err(ServerError::InvalidRequest(format!(
                 "a block of this layout is {} bytes, above max_frame_bytes {}",
@@ -590,6 +591,34 @@ impl NodeState {
             metrics::gauge!("kvtier_namespaces").set(map.len() as f64);
         }
         Ok(id)
+    }
+
+    /// The namespaces of owners without a `max_namespaces` (tenants without one, the operator's)
+    /// share the node's slots the quotas leave ([`MAX_NAMESPACES`] less their sum, while that
+    /// sum is below it), so they can't take the slots a quota promised.
+    fn check_shared_namespace_slots(&self, ns: &Namespace) -> Result<(), ServerError> {
+        let limit_of = |tenant: &str| self.tenants.tenant(tenant).and_then(|t| t.quotas.max_namespaces);
+        if limit_of(&ns.tenant).is_some() {
+            return Ok(());
+        }
+        let reserved: u64 = self.tenants.all().filter_map(|t| t.quotas.max_namespaces).sum();
+        if reserved == 0 || reserved >= MAX_NAMESPACES as u64 {
+            return Ok(());
+        }
+        let shared = MAX_NAMESPACES as u64 - reserved;
+        let map = self.namespaces.read();
+        if map.contains_key(&ns.id()) {
+            return Ok(());
+        }
+        let held = map.values().filter(|n| limit_of(&n.tenant).is_none()).count() as u64;
+        if held >= shared {
+            return Err(ServerError::Capacity(format!(
+                "the namespaces of tenants without a max_namespaces (and the operator's) share {shared} of this \
+                 node's {MAX_NAMESPACES} slots (the rest is reserved by tenants' max_namespaces), and hold {held}: \
+                 unregister one first"
+            )));
+        }
+        Ok(())
     }
 
     /// [`Self::register_namespace`] of another tenant's namespace by `by`: its id when it is
