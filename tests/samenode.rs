@@ -1139,3 +1139,29 @@ async fn a_load_the_client_gave_up_on_while_the_node_was_stopped_writes_nothing(
     // It serves on.
     assert_eq!(client.load(&h, &tokens(21, 4 * h.block_tokens())).await.unwrap().len(), 4);
 }
+
+/// A same-node store larger than the server's lease budget (half its DRAM tier) in one call is
+/// stored whole: with checksums sent after the request, the client bounds each request's bytes,
+/// since the server holds every item uncommitted until they arrive. Before, the items past the
+/// budget were refused as `Capacity` ("full of pinned blocks", with nothing pinned).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_larger_than_the_lease_budget_is_stored_whole() {
+    let cluster = Cluster::start_with(1, Transport::Duplex, |_, c| {
+        c.dram_capacity = kvtier_server::config::ByteSize(32 << 20);
+    })
+    .await;
+    let client = cluster.link(0).await.client;
+    let h = client.register(namespace("near", b"big", small_layout())).await.unwrap();
+    let mut near = client.samenode().await.unwrap();
+    // 768 blocks of 32 KiB: 24 MiB, over the 16 MiB lease budget, under the tier.
+    let (src, keys, offsets) = filled(&h, 7, 768);
+    let st = near.store_from_buffer(&h, &keys, &src, &offsets).await.unwrap();
+    let refused: Vec<usize> = (0..st.len()).filter(|&i| st[i] != ItemStatus::Ok).collect();
+    assert!(refused.is_empty(), "{} of 768 refused, the first {:?}", refused.len(), st[refused[0]]);
+    let bb = h.block_bytes();
+    let mut dst = SharedBuffer::new(768 * bb as usize).unwrap();
+    let got = near.load_into_buffer(&h, &keys, &mut dst, &offsets, false).await.unwrap();
+    assert_eq!(got.iter().filter(|g| **g).count(), 768);
+    assert!(dst.as_slice() == src.as_slice(), "the bytes loaded back");
+    cluster.stop().await;
+}

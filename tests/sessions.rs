@@ -208,3 +208,31 @@ async fn a_late_unregistration_keeps_the_sessions_touched_since() {
     let err = client.lookup(&ns, &new).await.unwrap_err();
     assert!(matches!(err, ClientError::UnknownNamespace(_)), "{err}");
 }
+
+/// A listing of more sessions than one page holds comes whole and in order (the client asks a
+/// page at a time); each session's own memory counts against `max_session_keys`, so sessions
+/// of one key each can't grow without bound. Before, a node holding ~240k sessions answered
+/// `ListSessions` with a message past gRPC's 64 MiB cap (an error for everyone), and sessions
+/// naming one block each were bounded only by their keys, ~30x below their real memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_sessions_list_page_by_page_and_count_their_own_memory() {
+    // 4,100 sessions of one key: (1 + 32) keys' worth each, 135,300 in all; room for no more.
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("kvtier.toml");
+    std::fs::write(&cfg, "max_session_keys = 135320\n").unwrap();
+    let server = ServerProcess::start(&["--dram-capacity", "64MiB", "--config", cfg.to_str().unwrap()]);
+    let client = server.client().await;
+    let ns = client.register(namespace("agents", b"many", tiny_layout())).await.unwrap();
+    let toks = tokens(3, 16);
+    let blocks = full_block_payloads(&ns, &toks);
+    for i in 0..4100 {
+        client.park(&ns, &format!("s{i:05}"), &toks, &blocks, &ParkOptions::default(), 0).await.unwrap();
+    }
+    let err = client.park(&ns, "one-too-many", &toks, &blocks, &ParkOptions::default(), 0).await.unwrap_err();
+    assert!(matches!(err, ClientError::Capacity(ref m) if m.contains("max_session_keys")), "{err}");
+    let listed = client.list_sessions(Some(&ns)).await.unwrap();
+    let ids: Vec<String> = listed.iter().map(|s| s.id.clone()).collect();
+    let want: Vec<String> = (0..4100).map(|i| format!("s{i:05}")).collect();
+    assert_eq!(ids, want);
+    assert_eq!(client.list_sessions(None).await.unwrap().len(), 4100);
+}

@@ -106,8 +106,9 @@ pub struct ServerConfig {
     /// listener; more are closed on arrival. Default: `256`.
     pub max_connections_per_peer: usize,
     /// Most block keys all parked sessions' manifests may name together (32 bytes of memory
-    /// each, outside the DRAM cap); `0`: a 256th of `dram_capacity` in keys (an eighth of it in
-    /// bytes), at least 1M. Default: `0`.
+    /// each, outside the DRAM cap), each session counting `MANIFEST_OVERHEAD_KEYS` more for its
+    /// own memory; `0`: a 256th of `dram_capacity` in keys (an eighth of it in bytes), at least
+    /// 1M. Default: `0`.
     pub max_session_keys: u64,
     /// The cluster's membership store, a Redis URL (`redis://host:port`): the node registers
     /// itself there with a TTL heartbeat and watches the other members (`crate::cluster`); none:

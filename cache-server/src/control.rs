@@ -95,6 +95,9 @@ fn opt_key(b: &[u8]) -> Result<Option<BlockKey>, ServerError> {
     }
 }
 
+/// Most sessions one `ListSessions` page answers with (each a few hundred bytes at most).
+const MAX_SESSIONS_PAGE: usize = 16_384;
+
 fn session_info(m: &SessionManifest, now: Instant) -> pb::SessionInfo {
     m.info_pb(now)
 }
@@ -864,15 +867,20 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         }
         let now = Instant::now();
         // A tenant sees the sessions of the namespaces it may read, and no others.
-        let sessions = self
-            .state
-            .sessions()
-            .list(ns)
-            .iter()
-            .filter(|m| ns.is_some() || self.state.may_read(&p, &m.namespace))
-            .map(|m| session_info(m, now))
-            .collect();
-        Ok(Response::new(pb::ListSessionsResponse { sessions }))
+        let keep = |m: &SessionManifest| ns.is_some() || self.state.may_read(&p, &m.namespace);
+        if r.limit == 0 {
+            let sessions =
+                self.state.sessions().list(ns).iter().filter(|m| keep(m)).map(|m| session_info(m, now)).collect();
+            return Ok(Response::new(pb::ListSessionsResponse { sessions, more: false }));
+        }
+        let after = match r.after_namespace_id.is_empty() {
+            true => None,
+            false => Some((ns_id(&r.after_namespace_id).map_err(to_status)?, r.after_session_id.as_str())),
+        };
+        let limit = (r.limit as usize).min(MAX_SESSIONS_PAGE);
+        let (page, more) = self.state.sessions().list_page(ns, after, limit, keep);
+        let sessions = page.iter().map(|m| session_info(m, now)).collect();
+        Ok(Response::new(pb::ListSessionsResponse { sessions, more }))
     }
 
     /// Node-wide tier figures for everyone; the session and namespace counts are the tenant's own

@@ -351,6 +351,17 @@ impl SessionStore {
         self.table.lock().count_in(namespaces)
     }
 
+    /// A page of the live sessions (see `SessionTable::list_page`).
+    pub fn list_page(
+        &self,
+        ns: Option<NamespaceId>,
+        after: Option<(NamespaceId, &str)>,
+        limit: usize,
+        keep: impl Fn(&SessionManifest) -> bool,
+    ) -> (Vec<SessionManifest>, bool) {
+        self.table.lock().list_page(ns, after, limit, keep, Instant::now())
+    }
+
     pub fn list(&self, ns: Option<NamespaceId>) -> Vec<SessionManifest> {
         self.table.lock().list(ns, Instant::now())
     }

@@ -107,6 +107,16 @@ pub struct SessionQuota {
     pub max_bytes: Option<u64>,
 }
 
+/// What a session's own memory (its id, its entries in the table) counts against
+/// `max_session_keys`, in keys (32 bytes each): about 1 KiB, so many sessions of few keys can't
+/// hold memory the key count does not see.
+pub const MANIFEST_OVERHEAD_KEYS: u64 = 32;
+
+/// What a manifest of `keys` block keys (and a tail) counts against `max_session_keys`.
+fn manifest_cost(keys: usize, tail: bool) -> u64 {
+    keys as u64 + u64::from(tail) + MANIFEST_OVERHEAD_KEYS
+}
+
 #[derive(Default)]
 pub struct SessionTable {
     sessions: HashMap<SessionId, SessionManifest>,
@@ -170,7 +180,7 @@ impl SessionTable {
 
     /// Counts a manifest in (`sign` +1) or out (-1) of its namespace's usage.
     fn track(&mut self, m: &SessionManifest, added: bool) {
-        let keys = m.keys.len() as u64 + u64::from(m.tail.is_some());
+        let keys = manifest_cost(m.keys.len(), m.tail.is_some());
         if added {
             self.manifest_keys += keys;
         } else {
@@ -216,7 +226,8 @@ impl SessionTable {
         let after = self.manifest_keys.saturating_sub(replaced) + added;
         if after > limits.max_manifest_keys {
             return Err(ServerError::Capacity(format!(
-                "parked sessions would name {after} block keys, past the node's max_session_keys {}",
+                "parked sessions would take {after} keys' worth of memory (each block key they name, and \
+                 {MANIFEST_OVERHEAD_KEYS} per session for its own), past the node's max_session_keys {}",
                 limits.max_manifest_keys
             )));
         }
@@ -293,8 +304,8 @@ impl SessionTable {
         }
         let replaced = self.sessions.get(&sid).map(|m| m.bytes);
         self.check_quota(limits, replaced, spec.token_count * limits.bytes_per_token)?;
-        let old_keys = self.sessions.get(&sid).map_or(0, |m| m.keys.len() as u64 + u64::from(m.tail.is_some()));
-        self.check_manifest_keys(limits, old_keys, spec.keys.len() as u64 + u64::from(spec.tail.is_some()))?;
+        let old_keys = self.sessions.get(&sid).map_or(0, |m| manifest_cost(m.keys.len(), m.tail.is_some()));
+        self.check_manifest_keys(limits, old_keys, manifest_cost(spec.keys.len(), spec.tail.is_some()))?;
         pin_or_report(tier, &spec.namespace, &spec.keys, spec.tail)?;
         if let Some(old) = self.sessions.get(&sid) {
             tier.unpin(&old.namespace, &old.pinned_keys());
@@ -479,8 +490,8 @@ impl SessionTable {
         }
         let replaced = self.sessions.get(&sid).map(|c| c.bytes);
         self.check_quota(limits, replaced, m.token_count * limits.bytes_per_token)?;
-        let old_keys = self.sessions.get(&sid).map_or(0, |c| c.keys.len() as u64 + u64::from(c.tail.is_some()));
-        self.check_manifest_keys(limits, old_keys, m.keys.len() as u64 + u64::from(m.tail.is_some()))?;
+        let old_keys = self.sessions.get(&sid).map_or(0, |c| manifest_cost(c.keys.len(), c.tail.is_some()));
+        self.check_manifest_keys(limits, old_keys, manifest_cost(m.keys.len(), m.tail.is_some()))?;
         pin_or_report(tier, &m.namespace, &m.keys, m.tail)?;
         if let Some(old) = self.sessions.get(&sid) {
             tier.unpin(&old.namespace, &old.pinned_keys());
@@ -527,6 +538,32 @@ impl SessionTable {
     }
 
     /// Live sessions, optionally of one namespace, sorted by id.
+    /// Live sessions in (namespace, id) order that `keep` accepts, after `after` (exclusive), at
+    /// most `limit`; and whether more follow. Only the page is cloned.
+    pub fn list_page(
+        &self,
+        ns: Option<NamespaceId>,
+        after: Option<(NamespaceId, &str)>,
+        limit: usize,
+        keep: impl Fn(&SessionManifest) -> bool,
+        now: Instant,
+    ) -> (Vec<SessionManifest>, bool) {
+        let mut v: Vec<&SessionManifest> = self
+            .sessions
+            .values()
+            .filter(|m| m.expires_at > now && ns.is_none_or(|n| n == m.namespace))
+            .filter(|m| after.is_none_or(|(a_ns, a_id)| (m.namespace, m.id.as_str()) > (a_ns, a_id)))
+            .filter(|m| keep(m))
+            .collect();
+        let more = v.len() > limit;
+        if more {
+            v.select_nth_unstable_by(limit, |a, b| (a.namespace, &a.id).cmp(&(b.namespace, &b.id)));
+            v.truncate(limit);
+        }
+        v.sort_by(|a, b| (a.namespace, &a.id).cmp(&(b.namespace, &b.id)));
+        (v.into_iter().cloned().collect(), more)
+    }
+
     pub fn list(&self, ns: Option<NamespaceId>, now: Instant) -> Vec<SessionManifest> {
         let mut v: Vec<_> = self
             .sessions
@@ -672,7 +709,8 @@ mod tests {
     fn manifests_together_name_at_most_max_manifest_keys() {
         let tier = DramTier::new(DramConfig { capacity_bytes: 1 << 20, max_pinned_ratio: 0.9 });
         let ns = NamespaceId([4; 16]);
-        let lim = SessionLimits { max_manifest_keys: 5, ..limits() };
+        // Five keys, and the two sessions' own memory.
+        let lim = SessionLimits { max_manifest_keys: 5 + 2 * MANIFEST_OVERHEAD_KEYS, ..limits() };
         let mut t = SessionTable::default();
         let now = Instant::now();
         // One block named many times over: the manifests, not the blocks, are what costs here.
@@ -691,6 +729,41 @@ mod tests {
         assert!(t.extend(&tier, ns, "b", 2, 4, None, vec![k], None, 5 * u64::from(BT), &lim, now).is_err());
         assert!(t.drop_session(&tier, ns, "b"));
         t.park(&tier, named("c", 4), &lim, now).unwrap();
+    }
+
+    /// Pages of the listing: in (namespace, id) order, each after the last one's end, only what
+    /// `keep` accepts, `more` until the last.
+    #[test]
+    fn sessions_are_listed_a_page_at_a_time() {
+        let tier = DramTier::new(DramConfig { capacity_bytes: 1 << 20, max_pinned_ratio: 0.9 });
+        let (a, b) = (NamespaceId([1; 16]), NamespaceId([2; 16]));
+        let mut t = SessionTable::default();
+        let now = Instant::now();
+        for ns in [b, a] {
+            let k = put(&tier, ns, 1, BT);
+            for i in (0..7).rev() {
+                let spec = ParkSpec { id: format!("s{i}"), ..spec(ns, vec![k], None, u64::from(BT), 0) };
+                t.park(&tier, spec, &limits(), now).unwrap();
+            }
+        }
+        let mut seen = Vec::new();
+        let mut after: Option<(NamespaceId, String)> = None;
+        loop {
+            let cursor = after.as_ref().map(|(n, id)| (*n, id.as_str()));
+            let (page, more) = t.list_page(None, cursor, 3, |m| m.id != "s5", now);
+            assert!(page.len() <= 3);
+            seen.extend(page.iter().map(|m| (m.namespace, m.id.clone())));
+            after = page.last().map(|m| (m.namespace, m.id.clone()));
+            if !more {
+                break;
+            }
+        }
+        let mut want: Vec<(NamespaceId, String)> =
+            [a, b].iter().flat_map(|n| (0..7).filter(|i| *i != 5).map(|i| (*n, format!("s{i}")))).collect();
+        want.sort();
+        assert_eq!(seen, want);
+        let (only_b, more) = t.list_page(Some(b), None, 100, |_| true, now);
+        assert!(!more && only_b.len() == 7 && only_b.iter().all(|m| m.namespace == b));
     }
 
     #[test]

@@ -1159,13 +1159,30 @@ impl KvClient {
         Ok(self.timed(async move { Ok(g.drop_session(req).await?.into_inner()) }).await?.dropped)
     }
 
-    /// Live sessions of a namespace, or of every namespace.
+    /// Live sessions of a namespace, or of every namespace, in (namespace, id) order: asked for
+    /// a page at a time, so a node holding very many answers in messages of bounded size.
     pub async fn list_sessions(&self, ns: Option<&NamespaceHandle>) -> Result<Vec<SessionInfo>, ClientError> {
-        let req =
-            pb::ListSessionsRequest { namespace_id: ns.map(|n| Bytes::copy_from_slice(&n.id.0)).unwrap_or_default() };
-        let mut g = self.grpc();
-        let r = self.timed(async move { Ok(g.list_sessions(req).await?.into_inner()) }).await?;
-        Ok(r.sessions.into_iter().map(SessionInfo::from_pb).collect())
+        const PAGE: u32 = 4096;
+        let namespace_id = ns.map(|n| Bytes::copy_from_slice(&n.id.0)).unwrap_or_default();
+        let mut out: Vec<SessionInfo> = Vec::new();
+        let (mut after_ns, mut after_id) = (Bytes::new(), String::new());
+        loop {
+            let req = pb::ListSessionsRequest {
+                namespace_id: namespace_id.clone(),
+                limit: PAGE,
+                after_namespace_id: after_ns.clone(),
+                after_session_id: after_id.clone(),
+            };
+            let mut g = self.grpc();
+            let r = self.timed(async move { Ok(g.list_sessions(req).await?.into_inner()) }).await?;
+            let last = r.sessions.last().map(|s| (s.namespace_id.clone(), s.session_id.clone()));
+            out.extend(r.sessions.into_iter().map(SessionInfo::from_pb));
+            match last {
+                Some((n, id)) if r.more => (after_ns, after_id) = (n, id),
+                // A server of before pages answers everything at once (`more` unset).
+                _ => return Ok(out),
+            }
+        }
     }
 
     pub async fn stats(&self) -> Result<pb::StatsResponse, ClientError> {

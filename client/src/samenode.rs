@@ -630,7 +630,7 @@ impl SameNode {
             )));
         }
         let mut out = Vec::with_capacity(keys.len());
-        for range in segment_batches(segments, self.max_items)? {
+        for range in segment_batches(segments, self.max_items, None)? {
             let items: Vec<LoadItem> = keys[range.clone()]
                 .iter()
                 .zip(&segments[range.clone()])
@@ -763,9 +763,10 @@ impl SameNode {
         sum_of: Option<&(dyn Fn(usize) -> u64 + Sync)>,
     ) -> Result<Vec<ItemStatus>, ClientError> {
         let mut out = Vec::with_capacity(items.len());
-        for (b, batch) in items.chunks(self.max_items).enumerate() {
-            let sums = sum_of.map(|of| Sums { first: b * self.max_items, of });
-            out.extend(self.store_batch(SnOp::Store, buffer, batch, &[], sums).await?);
+        let max_bytes = sum_of.is_some().then_some(AFTER_BATCH_BYTES);
+        for range in byte_batches(items.iter().map(|i| i.header.payload_len), self.max_items, max_bytes) {
+            let sums = sum_of.map(|of| Sums { first: range.start, of });
+            out.extend(self.store_batch(SnOp::Store, buffer, &items[range], &[], sums).await?);
         }
         Ok(out)
     }
@@ -856,7 +857,7 @@ impl SameNode {
             keys.iter().enumerate().map(item).collect()
         };
         let mut out = Vec::with_capacity(keys.len());
-        for range in segment_batches(segments, self.max_items)? {
+        for range in segment_batches(segments, self.max_items, after.then_some(AFTER_BATCH_BYTES))? {
             let table: Vec<Segment> = segments[range.clone()]
                 .iter()
                 .flatten()
@@ -1149,9 +1150,13 @@ fn decode_in_place(block: &mut [u8], h: FrameHeader) -> Result<(), ClientError> 
 /// Runs of consecutive blocks that one segmented request can carry: at most `max_items` blocks
 /// and [`MAX_SEGMENTS_PER_REQUEST`] segments. An error for a block with no segment or more than
 /// [`MAX_SEGMENTS_PER_ITEM`].
-fn segment_batches(segments: &[Vec<Segment>], max_items: usize) -> Result<Vec<std::ops::Range<usize>>, ClientError> {
+fn segment_batches(
+    segments: &[Vec<Segment>],
+    max_items: usize,
+    max_bytes: Option<u64>,
+) -> Result<Vec<std::ops::Range<usize>>, ClientError> {
     let mut out = Vec::new();
-    let (mut start, mut in_batch) = (0, 0usize);
+    let (mut start, mut in_batch, mut bytes) = (0, 0usize, 0u64);
     for (i, s) in segments.iter().enumerate() {
         if s.is_empty() || s.len() as u64 > MAX_SEGMENTS_PER_ITEM {
             return Err(ClientError::InvalidArgument(format!(
@@ -1159,16 +1164,48 @@ fn segment_batches(segments: &[Vec<Segment>], max_items: usize) -> Result<Vec<st
                 s.len()
             )));
         }
-        if i > start && (i - start == max_items.max(1) || in_batch + s.len() > MAX_SEGMENTS_PER_REQUEST) {
+        let len = s.iter().fold(0u64, |t, s| t.saturating_add(s.len));
+        let over_bytes = max_bytes.is_some_and(|m| bytes.saturating_add(len) > m);
+        if i > start && (i - start == max_items.max(1) || in_batch + s.len() > MAX_SEGMENTS_PER_REQUEST || over_bytes) {
             out.push(start..i);
-            (start, in_batch) = (i, 0);
+            (start, in_batch, bytes) = (i, 0, 0);
         }
         in_batch += s.len();
+        bytes = bytes.saturating_add(len);
     }
     if start < segments.len() {
         out.push(start..segments.len());
     }
     Ok(out)
+}
+
+/// With checksums sent after a store request, the server holds every item's copy uncommitted
+/// (a lease on a DRAM slot) until they arrive: a request carries at most this many bytes (or one
+/// block), so a batch never needs more of the server's lease budget (half its DRAM tier, shared)
+/// than a few plain stores. Larger batches were refused past that budget (`Capacity`).
+const AFTER_BATCH_BYTES: u64 = 8 << 20;
+
+/// Consecutive ranges of items of `lens` bytes, each of at most `max_items` items and (with
+/// `max_bytes`) at most that many bytes, or one item.
+fn byte_batches(
+    lens: impl Iterator<Item = u64>,
+    max_items: usize,
+    max_bytes: Option<u64>,
+) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let (mut start, mut bytes, mut end) = (0usize, 0u64, 0usize);
+    for (i, len) in lens.enumerate() {
+        if i > start && (i - start == max_items.max(1) || max_bytes.is_some_and(|m| bytes.saturating_add(len) > m)) {
+            out.push(start..i);
+            (start, bytes) = (i, 0);
+        }
+        bytes = bytes.saturating_add(len);
+        end = i + 1;
+    }
+    if start < end {
+        out.push(start..end);
+    }
+    out
 }
 
 /// Decodes an encoded block that landed in `segments` (in order) into `block_bytes` bytes put
