@@ -167,6 +167,52 @@ async fn a_trickled_payload_ends_its_connection_at_the_lease_timeout() {
     assert!(metric(&m, "kvtier_errors_total", &[("kind", "dataplane_frame_timeout")]) >= 1.0, "{m}");
 }
 
+/// Pin leases a `PUT` took are let go once the connection has taken no new one for
+/// `idle_timeout`, even while other requests keep it alive. Before, one `EXISTS` every few
+/// seconds held them for as long as the client liked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pin_leases_end_when_no_new_one_comes_for_the_idle_timeout() {
+    use kvtier_proto::dataplane::{FLAG_PIN_LEASE, RESPONSE_HEADER_LEN};
+    let tmp = tempfile::tempdir().unwrap();
+    let server = server(tmp.path());
+    let client = server.client().await;
+    let ns = client.register(namespace("limits", b"pins", small_layout())).await.unwrap();
+    let t = tokens(5, 16);
+    let blocks = full_block_payloads(&ns, &t);
+    let key = ns.keys(&t)[0];
+    let frame =
+        BlockFrame::new(ns.id, key, ns.namespace.layout, CodecId::RAW, ns.block_tokens() as u32, blocks[0].clone());
+    let pinned = async || {
+        let s = client.stats().await.unwrap();
+        s.tiers.iter().find(|t| t.tier == "dram").map_or(0, |t| t.pinned_bytes)
+    };
+    let mut conn = open(&server);
+    let put =
+        RequestHeader { op: Op::Put, flags: FLAG_PIN_LEASE, request_id: 1, count: 1, namespace: NamespaceId([0; 16]) };
+    conn.write_all(&put.encode()).unwrap();
+    conn.write_all(&frame.header.encode()).unwrap();
+    conn.write_all(&frame.payload).unwrap();
+    let mut answer = [0u8; RESPONSE_HEADER_LEN + 1];
+    conn.read_exact(&mut answer).unwrap();
+    assert_eq!(answer[RESPONSE_HEADER_LEN], 0, "stored and pinned");
+    assert!(pinned().await > 0);
+    // Kept busy (an EXISTS every 600 ms, under the 2 s idle timeout) for 3.5 s.
+    let start = Instant::now();
+    let mut n = 10;
+    while start.elapsed() < Duration::from_millis(3500) {
+        let exists = RequestHeader { op: Op::Exists, flags: 0, request_id: n, count: 1, namespace: ns.id };
+        conn.write_all(&exists.encode()).unwrap();
+        conn.write_all(&key.0).unwrap();
+        conn.read_exact(&mut answer).unwrap();
+        n += 1;
+        std::thread::sleep(Duration::from_millis(600));
+    }
+    assert_eq!(pinned().await, 0, "the lease pins outlived idle_timeout");
+    let m = scrape_with(&server, Some("metrics-secret"));
+    assert!(metric(&m, "kvtier_dataplane_pin_leases_expired_total", &[]) >= 1.0, "{m}");
+    assert_eq!(client.load(&ns, &t).await.unwrap(), blocks, "the block itself stays");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_ask_for_their_token() {
     let tmp = tempfile::tempdir().unwrap();

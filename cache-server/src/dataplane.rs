@@ -292,12 +292,15 @@ struct Connection<R, W> {
 /// Most blocks one connection may hold pin leases on (a 1M-token context in blocks of 16).
 pub const MAX_LEASED_PINS: usize = 1 << 16;
 
-/// Pins held for a client between a session's upload and its park; released by `RELEASE` or
-/// when the connection ends, however it ends. One pin per block however often it is re-put, and
-/// at most [`MAX_LEASED_PINS`] blocks.
+/// Pins held for a client between a session's upload and its park; released by `RELEASE`, when
+/// the connection ends, however it ends, or once it has taken no new one for `idle_timeout` (a
+/// connection kept alive by other requests can't hold them indefinitely). One pin per block
+/// however often it is re-put, and at most [`MAX_LEASED_PINS`] blocks.
 struct PinLeases {
     state: Arc<NodeState>,
     pins: std::collections::HashSet<(NamespaceId, BlockKey)>,
+    /// When the last pin was taken.
+    last: Instant,
 }
 
 impl PinLeases {
@@ -315,7 +318,16 @@ impl PinLeases {
             return false;
         }
         self.pins.insert((ns, key));
+        self.last = Instant::now();
         true
+    }
+
+    /// Releases every pin if none was taken for `hold`: the upload they were for is over.
+    fn release_if_stale(&mut self, hold: Duration) {
+        if !self.pins.is_empty() && self.last.elapsed() >= hold {
+            ::metrics::counter!("kvtier_dataplane_pin_leases_expired_total").increment(self.pins.len() as u64);
+            self.release();
+        }
     }
 
     fn release(&mut self) {
@@ -343,7 +355,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             wr: GatherWriter::with_capacity(IO_BUF, Deadlined::new(w, stall)),
             stall,
             idle,
-            leases: PinLeases { state: state.clone(), pins: Default::default() },
+            leases: PinLeases { state: state.clone(), pins: Default::default(), last: Instant::now() },
             remote: RemoteLeases::new(state.config().lease_timeout.0),
             state,
             scratch: Vec::new(),
@@ -382,6 +394,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             };
             self.rd.get_mut().set_budget(self.stall);
             self.remote.reap(Instant::now());
+            self.leases.release_if_stale(self.idle);
             match first {
                 Ok(b) => hdr[0] = b,
                 Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),

@@ -564,6 +564,8 @@ mod tests {
         let (log, _) = SessionLog::open(dir.path(), true, unix_ms(SystemTime::now())).unwrap();
         let store = SessionStore::new(Some(log));
         let old = store.park(&tier, spec(ns, "s", keys.clone(), 0), &limits()).unwrap();
+        // The log keeps milliseconds: the drop well after the park, the next park well after it.
+        std::thread::sleep(Duration::from_millis(20));
         let at = Instant::now();
         store.drop_session(&tier, ns, "s").unwrap();
         store.remember_drop_at(ns, "s", at);

@@ -981,6 +981,7 @@ async fn publish_metrics<D: Device>(agent: Arc<Agent<D, SameNodeStore>>) {
         metrics::counter!("kvtier_agent_requests_total").absolute(s.requests);
         metrics::counter!("kvtier_agent_refused_total").absolute(s.refused);
         metrics::counter!("kvtier_agent_saved_blocks_total").absolute(s.saved_blocks);
+        metrics::counter!("kvtier_agent_saves_expired_total").absolute(s.saves_expired);
         metrics::counter!("kvtier_agent_loaded_blocks_total", "from" => "g1").absolute(s.loaded_from_g1);
         metrics::counter!("kvtier_agent_loaded_blocks_total", "from" => "g2").absolute(s.loaded_from_g2);
         metrics::counter!("kvtier_agent_load_misses_total").absolute(s.load_misses);

@@ -112,6 +112,9 @@ pub struct AgentConfig {
     pub max_store_bytes_per_load: usize,
     /// How long a connection may sit between requests. Default: 10 minutes.
     pub idle_timeout: Duration,
+    /// How long a save may wait for its next layer: past it the save is given up and its G1 page
+    /// given back (an engine that never sends its last layer can't hold the pool). Default: 60 s.
+    pub save_timeout: Duration,
     /// How long reading the rest of a request, or writing an answer, may take. Default: 10 s.
     pub io_timeout: Duration,
     /// Borrowing between the node's devices (the link budget and the monitor's window; each
@@ -137,6 +140,7 @@ impl AgentConfig {
             max_open_saves_per_connection: 1024,
             max_store_bytes_per_load: 64 << 20,
             idle_timeout: Duration::from_secs(600),
+            save_timeout: Duration::from_secs(60),
             io_timeout: Duration::from_secs(10),
             borrow: BorrowConfig::default(),
             promote_loads: true,
@@ -162,6 +166,8 @@ pub struct AgentStats {
     pub saved_layers: u64,
     /// Blocks whose last layer was saved (committed to G1).
     pub saved_blocks: u64,
+    /// Saves given up because their next layer did not come within `save_timeout`.
+    pub saves_expired: u64,
     pub loads: u64,
     pub loaded_from_g1: u64,
     pub loaded_from_g2: u64,
@@ -189,6 +195,7 @@ struct Counters {
     refused: AtomicU64,
     saved_layers: AtomicU64,
     saved_blocks: AtomicU64,
+    saves_expired: AtomicU64,
     loads: AtomicU64,
     loaded_from_g1: AtomicU64,
     loaded_from_g2: AtomicU64,
@@ -371,6 +378,7 @@ impl<D: Device, B: BackingStore> Agent<D, B> {
             refused: get(&c.refused),
             saved_layers: get(&c.saved_layers),
             saved_blocks: get(&c.saved_blocks),
+            saves_expired: get(&c.saves_expired),
             loads: get(&c.loads),
             loaded_from_g1: get(&c.loaded_from_g1),
             loaded_from_g2: get(&c.loaded_from_g2),
@@ -407,6 +415,8 @@ struct OpenSave {
     /// Its reserved G1 page; `None` when G1 already held the key (nothing to copy).
     page: Option<DeviceRange>,
     next_layer: usize,
+    /// When its last layer so far came (its next is due `save_timeout` after).
+    since: Instant,
 }
 
 /// Where one loaded block comes from.
@@ -657,6 +667,7 @@ impl<D: Device, B: BackingStore> Session<D, B> {
             let last = layer + 1 == layers;
             let Some(s) = self.saves.get_mut(&it.key) else { continue };
             s.next_layer += 1;
+            s.since = Instant::now();
             if last {
                 let had_page = s.page.is_some();
                 self.saves.remove(&it.key);
@@ -700,7 +711,7 @@ impl<D: Device, B: BackingStore> Session<D, B> {
         for it in fresh {
             match pool.reserve(me, nsid, &it.key, now) {
                 Ok(page) => {
-                    self.saves.insert(it.key, OpenSave { page, next_layer: 0 });
+                    self.saves.insert(it.key, OpenSave { page, next_layer: 0, since: now });
                     reserved.push(it.key);
                 }
                 Err(e) => {
@@ -716,6 +727,24 @@ impl<D: Device, B: BackingStore> Session<D, B> {
         }
         self.agent.queue_spills(pool);
         Ok(())
+    }
+
+    /// When the oldest open save is due to be given up ([`AgentConfig::save_timeout`]).
+    pub fn next_save_deadline(&self) -> Option<Instant> {
+        self.saves.values().map(|s| s.since).min().map(|t| t + self.agent.config.save_timeout)
+    }
+
+    /// Gives up the saves whose next layer is overdue at `now`, their G1 pages given back; how
+    /// many.
+    pub fn expire_saves(&mut self, now: Instant) -> usize {
+        let timeout = self.agent.config.save_timeout;
+        let overdue: Vec<BlockKey> =
+            self.saves.iter().filter(|(_, s)| s.since + timeout <= now).map(|(k, _)| *k).collect();
+        if let (Some(ns), false) = (self.ns.as_ref().map(|n| n.id), overdue.is_empty()) {
+            self.abort_saves(&ns, overdue.iter().copied());
+            add(&self.agent.counters.saves_expired, overdue.len() as u64);
+        }
+        overdue.len()
     }
 
     fn abort_saves(&mut self, nsid: &NamespaceId, keys: impl Iterator<Item = BlockKey>) {

@@ -166,6 +166,8 @@ struct Conn {
 enum ReadError {
     Closed,
     Io,
+    /// Nothing arrived within the socket's read timeout.
+    TimedOut,
     TooManyFds,
 }
 
@@ -185,8 +187,13 @@ impl Conn {
         let mut anc = RecvAncillaryBuffer::new(&mut space);
         let end = self.end;
         let mut iov = [IoSliceMut::new(&mut self.buf[end..])];
-        let msg =
-            rustix::net::recvmsg(&self.sock, &mut iov, &mut anc, RecvFlags::CMSG_CLOEXEC).map_err(|_| ReadError::Io)?;
+        let msg = rustix::net::recvmsg(&self.sock, &mut iov, &mut anc, RecvFlags::CMSG_CLOEXEC).map_err(|e| {
+            if e == rustix::io::Errno::AGAIN {
+                ReadError::TimedOut
+            } else {
+                ReadError::Io
+            }
+        })?;
         // A stream socket hands descriptors over with the first byte of the `sendmsg` they came
         // with, which is this read's first byte.
         let at = self.received;
@@ -263,16 +270,28 @@ fn serve_connection<D: Device, B: BackingStore>(
     loop {
         // Descriptors that came with the requests handled so far and were not theirs to keep.
         conn.close_fds_before(conn.consumed);
-        // Between requests the idle timeout; inside one the I/O timeout.
-        if conn.sock.set_read_timeout(Some(idle)).is_err() {
-            return;
-        }
-        if conn.start == conn.end && conn.fill().is_err() {
-            return;
+        // Between requests the idle timeout, waking meanwhile to give up saves whose next layer
+        // is overdue; inside one the I/O timeout.
+        let idle_until = std::time::Instant::now() + idle;
+        while conn.start == conn.end {
+            let now = std::time::Instant::now();
+            let wake = session.next_save_deadline().map_or(idle_until, |d| d.min(idle_until));
+            let wait = wake.saturating_duration_since(now).max(Duration::from_millis(1));
+            if conn.sock.set_read_timeout(Some(wait)).is_err() {
+                return;
+            }
+            match conn.fill() {
+                Ok(()) => {}
+                Err(ReadError::TimedOut) if std::time::Instant::now() < idle_until => {
+                    session.expire_saves(std::time::Instant::now());
+                }
+                Err(_) => return,
+            }
         }
         if conn.sock.set_read_timeout(Some(io)).is_err() {
             return;
         }
+        session.expire_saves(std::time::Instant::now());
         let request_at = conn.consumed;
         let Ok(head) = conn.read_exact(HEADER_LEN) else { return };
         let Ok(head) = <[u8; HEADER_LEN]>::try_from(head.as_slice()) else { return };

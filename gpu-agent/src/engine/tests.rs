@@ -539,6 +539,47 @@ fn an_agents_socket_is_its_own() {
     rx.recv_timeout(std::time::Duration::from_secs(5)).expect("stopped with its socket file gone");
 }
 
+/// A save whose next layer does not come within `save_timeout` is given up and its G1 page
+/// given back, also while its connection sits idle: an engine that never sends its last layer
+/// can't hold the pool. Before, the pages stayed pinned until the connection closed (10 min idle).
+#[test]
+fn an_unfinished_save_gives_its_pages_back_after_the_save_timeout() {
+    let a = agent(4, |c| c.save_timeout = std::time::Duration::from_millis(300));
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("agent.sock");
+    let _server = EngineServer::bind(a.clone(), &path).unwrap();
+    let connect = |m: &EngineMem| {
+        let mut c = Client { sock: UnixStream::connect(&path).unwrap() };
+        c.send(&Request::Open(namespace()), 1, None);
+        assert_eq!(c.answer().unwrap().status(), 0);
+        c.send(&Request::Register { source: BufferSource::Memfd, len: 4 * BLOCK as u64, pages: 4 }, 2, Some(&m.fd));
+        let ans = c.answer().unwrap();
+        assert_eq!(ans.status(), 0, "{}", ans.msg());
+        (c, ans.u32s()[0])
+    };
+    let (ma, mb) = (EngineMem::new(4, true), EngineMem::new(4, true));
+    let (mut stuck, sb) = connect(&ma);
+    let four = items(&[(0, 1), (1, 2), (2, 3), (3, 4)]);
+    stuck.send(&Request::Save { buffer: sb, layer: 0, items: four.clone() }, 3, None);
+    assert_eq!(stuck.answer().unwrap().status(), 0);
+    let (mut other, ob) = connect(&mb);
+    let theirs = items(&[(0, 11), (1, 12)]);
+    other.send(&Request::Save { buffer: ob, layer: 0, items: theirs.clone() }, 4, None);
+    assert_eq!(other.answer().unwrap().status(), Status::Busy as u8, "the pool is held by the open saves");
+    // The stuck engine sends nothing more; its saves expire while its connection is idle.
+    std::thread::sleep(std::time::Duration::from_millis(600));
+    assert_eq!(a.stats().saves_expired, 4);
+    assert_eq!(a.stats().pool.pinned, 0);
+    for layer in 0..LAYERS as u16 {
+        other.send(&Request::Save { buffer: ob, layer, items: theirs.clone() }, 10 + u32::from(layer), None);
+        let ans = other.answer().unwrap();
+        assert_eq!(ans.status(), 0, "layer {layer}: {}", ans.msg());
+    }
+    // The stuck engine's next layer is refused: its save was given up.
+    stuck.send(&Request::Save { buffer: sb, layer: 1, items: four }, 5, None);
+    assert_eq!(stuck.answer().unwrap().status(), Status::UnknownKey as u8);
+}
+
 /// A store that refuses everything: the server down or full.
 #[derive(Clone, Default)]
 struct DownStore;
