@@ -542,11 +542,24 @@ impl BackingStore for SameNodeStore {
         if self.handle(&id).is_ok() {
             return Ok(());
         }
-        let h = self
-            .inner
-            .rt
-            .block_on(self.inner.client.register(ns.clone()))
-            .map_err(|e| AgentError::Spill(format!("registering the namespace with the server: {e}")))?;
+        let h = match self.inner.rt.block_on(self.inner.client.register(ns.clone())) {
+            Ok(h) => h,
+            // The server is down or restarting: engines use G1 meanwhile; the namespace is
+            // registered when a spill or the demand stream meets the server again.
+            Err(
+                e @ (kvtier_client::ClientError::Io(_)
+                | kvtier_client::ClientError::Connect { .. }
+                | kvtier_client::ClientError::Timeout(_)),
+            ) => {
+                tracing::warn!(
+                    "the server can't be reached ({e}): the namespace is served from G1 and registered once it is back"
+                );
+                metrics::counter!("kvtier_agent_namespaces_opened_offline_total").increment(1);
+                kvtier_client::NamespaceHandle::unregistered(ns.clone())
+                    .map_err(|e| AgentError::Spill(format!("the namespace: {e}")))?
+            }
+            Err(e) => return Err(AgentError::Spill(format!("registering the namespace with the server: {e}"))),
+        };
         self.inner.namespaces.lock().map_err(|_| AgentError::Spill("namespace map poisoned".into()))?.insert(id, h);
         Ok(())
     }

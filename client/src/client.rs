@@ -107,6 +107,20 @@ pub struct NamespaceHandle {
 }
 
 impl NamespaceHandle {
+    /// A handle made here, without asking a server (one that can't be reached now): its keys
+    /// are the same as a registered one's; calls through it are answered `UnknownNamespace`
+    /// until the namespace is registered ([`KvClient::register`]).
+    pub fn unregistered(ns: Namespace) -> Result<Self, ClientError> {
+        ns.validate().map_err(|e| ClientError::InvalidArgument(e.to_string()))?;
+        Ok(NamespaceHandle {
+            chain: KeyChain::new(&ns),
+            id: ns.id(),
+            namespace: ns,
+            codec: CodecId::RAW,
+            lossless_sink_blocks: 0,
+        })
+    }
+
     pub fn block_tokens(&self) -> usize {
         self.chain.block_tokens()
     }
