@@ -400,6 +400,8 @@ impl<D: Device, B: BackingStore> Agent<D, B> {
 /// The namespace a connection opened.
 struct OpenNs {
     id: NamespaceId,
+    /// Its spec: what an engine's own block hashes are salted with into keys.
+    spec: Namespace,
     layers: usize,
     layer_bytes: usize,
 }
@@ -511,8 +513,11 @@ impl<D: Device, B: BackingStore> Session<D, B> {
         let answer = match req {
             Request::Open(ns) => self.open(ns),
             Request::Register { source, len, pages } => self.register(source, fd, len, pages),
-            Request::Save { buffer, layer, items } => self.save(buffer, layer as usize, &items),
-            Request::Load { buffer, items } => return self.load(request_id, buffer, &items, send),
+            Request::Save { buffer, layer, items } => self.save(buffer, layer as usize, &self.keyed(items)),
+            Request::Load { buffer, items } => {
+                let items = self.keyed(items);
+                return self.load(request_id, buffer, &items, send);
+            }
             Request::Unregister { buffer } => self.unregister(buffer),
         };
         match answer {
@@ -548,8 +553,16 @@ impl<D: Device, B: BackingStore> Session<D, B> {
         self.agent.store.open_namespace(&ns).map_err(refusal)?;
         let id = ns.id();
         let body = open_answer(bb, layers as u32, &id);
-        self.ns = Some(OpenNs { id, layers, layer_bytes: bb as usize / layers });
+        self.ns = Some(OpenNs { id, spec: ns, layers, layer_bytes: bb as usize / layers });
         Ok(body)
+    }
+
+    /// The items with the engine's block hashes salted into the open namespace's keys, as the
+    /// client salts them (`BlockKey::opaque`): a block an engine saves through the agent is the
+    /// one it finds through the client (or the server) under the same hash, and back.
+    fn keyed(&self, items: Vec<Item>) -> Vec<Item> {
+        let Some(ns) = &self.ns else { return items };
+        items.into_iter().map(|it| Item { key: BlockKey::opaque(&ns.spec, &it.key.0), ..it }).collect()
     }
 
     fn opened(&self) -> std::result::Result<&OpenNs, Refusal> {

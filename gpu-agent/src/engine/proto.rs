@@ -2,7 +2,9 @@
 //! opens a namespace, registers its KV buffer (a sealed memfd on the host backend, a CUDA IPC
 //! handle on a GPU), saves pages layer by layer under block keys and loads keys into pages with
 //! one completion per layer — the shape of vLLM's `save_kv_layer` / `wait_for_save` and
-//! `start_load_kv` / `wait_for_layer_load`.
+//! `start_load_kv` / `wait_for_layer_load`. A key on this socket is the engine's own 32-byte
+//! block hash: the agent salts it into the open namespace (`BlockKey::opaque`) as the client's
+//! engine-key calls do, so a block saved here is found through the client under the same hash.
 //!
 //! Every message, both ways, is a 12-byte header then a body; integers little-endian:
 //!

@@ -25,8 +25,15 @@ fn namespace() -> Namespace {
     Namespace::new("t", "m", KvLayout::new(LAYERS as u16, 2, 8, DType::Fp16, 4), HashScheme::Blake3, b"s")
 }
 
+/// The engine's own block hash `n` (what it sends the agent).
 fn key(n: u8) -> BlockKey {
     BlockKey([n; KEY_LEN])
+}
+
+/// The key block `n` is held under in G1 and the store: the engine's hash salted into the
+/// namespace, as the client salts it.
+fn stored(n: u8) -> BlockKey {
+    BlockKey::opaque(&namespace(), &key(n).0)
 }
 
 /// An engine's KV buffer: a sealed memfd of `pages` pages, mapped here too.
@@ -732,7 +739,7 @@ fn a_full_device_borrows_a_peer_page_through_its_saves_and_loads_it_back_over_th
     assert_eq!(st.borrow.link_bytes[&(0, 1)], BLOCK as u64, "the borrowed page's fill crossed the link");
     {
         let node = a.pool.lock();
-        assert_eq!(node.pool(1).unwrap().owner(&(ns, key(3))), Some(0), "device 1's pool holds 0's block");
+        assert_eq!(node.pool(1).unwrap().owner(&(ns, stored(3))), Some(0), "device 1's pool holds 0's block");
         assert_eq!(node.policy().borrowed(0, 1), BLOCK as u64);
     }
     // Another engine on device 0 loads all three; the borrowed one crosses the link again.
@@ -782,7 +789,7 @@ fn past_the_link_budget_a_full_device_declines_and_evicts_into_g2_instead() {
     let st = a.stats();
     assert_eq!((st.borrow.lenders[&1].borrows, st.borrow.declined_link_budget), (2, 1));
     assert_eq!((st.pool.evictions, st.pool.spills, st.pool.resident), (1, 1, 4));
-    assert_eq!(a.store().get(&ns, &key(1)), Some(m1.block(0)), "the least recently used block went to G2");
+    assert_eq!(a.store().get(&ns, &stored(1)), Some(m1.block(0)), "the least recently used block went to G2");
     let used = st.link_use[&(0, 1)];
     assert!(used > 0.28 && used <= 0.3, "{used}");
     // Everything comes back byte-identical: two from device 0's pool, two over the link, one
@@ -822,13 +829,13 @@ fn a_lenders_own_blocks_take_its_lent_pages_back_and_are_never_starved() {
     let st = a.stats();
     assert_eq!((st.borrow.reclaims, st.borrow.lenders[&1].lent_pages, st.borrow.declines()), (2, 0, 0));
     assert_eq!(st.pool.spills, 2);
-    assert_eq!(a.store().get(&ns, &key(2)), Some(m0.block(1)));
-    assert_eq!(a.store().get(&ns, &key(3)), Some(m0.block(2)));
+    assert_eq!(a.store().get(&ns, &stored(2)), Some(m0.block(1)));
+    assert_eq!(a.store().get(&ns, &stored(3)), Some(m0.block(2)));
     {
         let node = a.pool.lock();
         let lender = node.pool(1).unwrap();
-        assert!([10, 11, 12].iter().all(|k| lender.contains(&ns, &key(*k))), "the lender kept its own blocks");
-        assert_eq!(lender.owner(&(ns, key(11))), Some(1));
+        assert!([10, 11, 12].iter().all(|k| lender.contains(&ns, &stored(*k))), "the lender kept its own blocks");
+        assert_eq!(lender.owner(&(ns, stored(11))), Some(1));
         assert_eq!((node.policy().borrowed(0, 1), node.policy().lent(1)), (0, 0));
     }
     // Device 0 is full and device 1's share holds only its own blocks: no peer has room, so
@@ -837,7 +844,7 @@ fn a_lenders_own_blocks_take_its_lent_pages_back_and_are_never_starved() {
     assert!(a.wait_for_spills(Duration::from_secs(5)));
     let st = a.stats();
     assert_eq!((st.borrow.declined_no_peer_capacity, st.pool.spills), (1, 3));
-    assert_eq!(a.store().get(&ns, &key(1)), Some(m0.block(0)));
+    assert_eq!(a.store().get(&ns, &stored(1)), Some(m0.block(0)));
     // An engine on device 1 loads device 0's blocks: from G2, and the one in device 0's pool over
     // the link.
     let m2 = EngineMem::new(4, true);
@@ -868,8 +875,8 @@ fn load_counts(e: &mut Eng, buf: u32, pairs: &[(u32, u8)]) -> Vec<u32> {
     got[0].u32s()
 }
 
-fn stored(changes: &[crate::pool::PoolChange], k: u8) -> bool {
-    changes.contains(&crate::pool::PoolChange::Stored((namespace().id(), key(k))))
+fn stored_change(changes: &[crate::pool::PoolChange], k: u8) -> bool {
+    changes.contains(&crate::pool::PoolChange::Stored((namespace().id(), stored(k))))
 }
 
 #[test]
@@ -882,7 +889,7 @@ fn a_block_loaded_from_g2_is_promoted_into_g1_and_the_next_load_is_a_g1_hit() {
     let b1 = e1.register(&m1);
     save_each(&mut e1, b1, &[1, 2, 3]);
     assert!(a.wait_for_spills(Duration::from_secs(5)));
-    assert_eq!(a.store().get(&ns, &key(1)), Some(m1.block(0)), "block 1 was spilled to G2");
+    assert_eq!(a.store().get(&ns, &stored(1)), Some(m1.block(0)), "block 1 was spilled to G2");
     let _ = a.take_g1_changes();
 
     let m2 = EngineMem::new(2, true);
@@ -894,9 +901,9 @@ fn a_block_loaded_from_g2_is_promoted_into_g1_and_the_next_load_is_a_g1_hit() {
     let st = a.stats();
     assert_eq!((st.promotions, st.promotions_skipped, st.loaded_from_g2), (1, 0, 1));
     assert_eq!((st.pool.resident, st.pool.pinned), (2, 0));
-    assert!(a.resident_keys().contains(&(ns, key(1))), "block 1 is in G1 again");
+    assert!(a.resident_keys().contains(&(ns, stored(1))), "block 1 is in G1 again");
     let (changes, lost) = a.take_g1_changes();
-    assert!(stored(&changes, 1) && !lost, "the promotion is a G1 change: {changes:?}");
+    assert!(stored_change(&changes, 1) && !lost, "the promotion is a G1 change: {changes:?}");
 
     // The second load is served from G1, byte-identical, and asks G2 for nothing more.
     assert_eq!(load_counts(&mut e2, b2, &[(1, 1)]), [1, 1, 0], "from G1");
@@ -911,13 +918,13 @@ fn a_block_loaded_from_g2_is_promoted_into_g1_and_the_next_load_is_a_g1_hit() {
     let b3 = e1.register(&m3);
     save_each(&mut e1, b3, &[7, 8]);
     assert!(a.wait_for_spills(Duration::from_secs(5)));
-    assert!(!a.resident_keys().contains(&(ns, key(1))));
+    assert!(!a.resident_keys().contains(&(ns, stored(1))));
     let st = a.stats();
     assert_eq!(st.pool.clean_drops, 1, "block 1 was dropped, not spilled");
     assert_eq!(st.pool.spills, spills + 1, "only the other evicted block (an engine's) was spilled");
-    assert_eq!(a.store().received().iter().filter(|b| b.key == (ns, key(1))).count(), 1);
+    assert_eq!(a.store().received().iter().filter(|b| b.key == (ns, stored(1))).count(), 1);
     let (changes, _) = a.take_g1_changes();
-    let gone = crate::pool::PoolChange::Evicted { key: (ns, key(1)), below: true };
+    let gone = crate::pool::PoolChange::Evicted { key: (ns, stored(1)), below: true };
     assert!(changes.contains(&gone), "reported leaving G1 with G2 still holding it: {changes:?}");
 }
 
@@ -941,7 +948,7 @@ fn with_promotion_off_every_load_of_a_spilled_block_goes_to_g2() {
     let st = a.stats();
     assert_eq!((st.loaded_from_g1, st.loaded_from_g2), (0, 2));
     assert_eq!((st.promotions, st.promotions_skipped, st.pool.evictions), (0, 0, 1));
-    assert!(!a.resident_keys().contains(&(ns, key(1))));
+    assert!(!a.resident_keys().contains(&(ns, stored(1))));
     assert!(a.take_g1_changes().0.is_empty(), "loads changed nothing in G1");
 }
 
@@ -991,7 +998,7 @@ fn promotion_borrows_a_peer_page_when_the_engines_device_is_full() {
     save_each(&mut e0, b0, &[1]);
     // Block 9 is in G2 only (stored there by another node).
     let other = filled(1, 9);
-    a.store().spill(&ns, &key(9), kvtier_proto::CodecId::RAW, &other.block(0)).unwrap();
+    a.store().spill(&ns, &stored(9), kvtier_proto::CodecId::RAW, &other.block(0)).unwrap();
 
     let m2 = EngineMem::new(3, true);
     let b2 = e0.register(&m2);
@@ -1000,7 +1007,7 @@ fn promotion_borrows_a_peer_page_when_the_engines_device_is_full() {
     let st = a.stats();
     assert_eq!((st.promotions, st.borrow.lenders[&1].borrows), (1, 1), "device 0 is full: borrowed");
     assert_eq!(st.borrow.link_bytes[&(0, 1)], BLOCK as u64, "the promotion's fill crossed the link");
-    assert_eq!(a.pool.lock().pool(1).unwrap().owner(&(ns, key(9))), Some(0));
+    assert_eq!(a.pool.lock().pool(1).unwrap().owner(&(ns, stored(9))), Some(0));
     // The next load is a G1 hit over the link, byte-identical.
     assert_eq!(load_counts(&mut e0, b2, &[(2, 9)]), [1, 1, 0]);
     assert_eq!(m2.block(2), other.block(0));
@@ -1072,7 +1079,7 @@ fn a_block_whose_eviction_is_still_being_spilled_is_loaded_but_not_promoted() {
     assert_eq!(m.block(2), m.block(0));
     let st = a.stats();
     assert_eq!((st.promotions, st.promotions_skipped, st.pool.evictions), (0, 1, 1));
-    assert_eq!(a.resident_keys(), [(namespace().id(), key(2))]);
+    assert_eq!(a.resident_keys(), [(namespace().id(), stored(2))]);
     store.release();
     assert!(a.wait_for_spills(Duration::from_secs(5)));
 }
@@ -1092,6 +1099,6 @@ fn an_engine_that_goes_away_before_a_promoting_load_starts_gives_the_reserved_pa
     assert!(r.is_err());
     let st = a.stats();
     assert_eq!((st.promotions, st.promotions_skipped, st.pool.pinned), (0, 1, 0));
-    assert!(!a.resident_keys().contains(&(ns, key(1))));
+    assert!(!a.resident_keys().contains(&(ns, stored(1))));
     assert_eq!(a.pool.lock().pool(0).unwrap().free_pages(), 1, "the reserved page is free again");
 }
