@@ -420,10 +420,11 @@ async fn blocks_only_g1_holds_count_in_lookups_and_load_over_tcp_until_the_agent
     }
     assert!(took < Duration::from_secs(2), "three demanded blocks took {took:?}");
     let text = server.scrape();
-    // All three asked of the agent up front (the read sends a batch's demands ahead), none missed;
-    // a block that landed before its turn reads as a DRAM hit, so the hits are not counted here.
+    // All three asked of the agent up front (the read sends a batch's demands ahead), none missed,
+    // each a hit however its read then found it (it counted only those still awaited).
     assert_eq!(metric(&text, "kvtier_agent_demands_total", &[]), 3.0, "{text}");
     assert_eq!(metric(&text, "kvtier_agent_demand_misses_total", &[]), 0.0);
+    assert_eq!(metric(&text, "kvtier_agent_demand_hits_total", &[]), 3.0, "{text}");
 
     // A stopped agent can't answer: the load is a miss after the bounded wait, never wrong bytes.
     stop_process(proc.0.id());

@@ -91,6 +91,8 @@ struct Waiting {
     /// The agent the demand went to.
     asked: String,
     readers: usize,
+    /// Its block landed in DRAM (counted once as a demand hit).
+    landed_once: bool,
 }
 
 /// Counters of the G1 tier.
@@ -352,7 +354,10 @@ impl AgentTier {
         self.demands.fetch_add(1, Ordering::Relaxed);
         ::metrics::counter!("kvtier_agent_demands_total").increment(1);
         let (landed, unspilled) = (Arc::new(Notify::new()), Arc::new(AtomicBool::new(false)));
-        waiting.insert(k, Waiting { landed: landed.clone(), unspilled: unspilled.clone(), asked, readers: 1 });
+        waiting.insert(
+            k,
+            Waiting { landed: landed.clone(), unspilled: unspilled.clone(), asked, readers: 1, landed_once: false },
+        );
         self.waiting_count.store(waiting.len(), Ordering::Release);
         Some(Waiter { tier: self, key: k, landed, unspilled })
     }
@@ -381,13 +386,20 @@ impl AgentTier {
         if self.waiting_count.load(Ordering::Acquire) == 0 {
             return;
         }
-        if let Some(w) = self.waiting.lock().get(&(*ns, *key)) {
+        if let Some(w) = self.waiting.lock().get_mut(&(*ns, *key)) {
+            // A demanded block landing is the demand's hit, however its reader then finds it
+            // (waiting for it, or in DRAM already when its turn comes in a batch that demanded
+            // ahead): counted here, once.
+            if !w.landed_once {
+                w.landed_once = true;
+                self.hit();
+            }
             w.landed.notify_waiters();
         }
     }
 
-    /// Counts a read served from a spilled G1 block.
-    pub fn hit(&self) {
+    /// Counts a demand whose G1 block landed in DRAM for its readers.
+    fn hit(&self) {
         self.hits.fetch_add(1, Ordering::Relaxed);
         ::metrics::counter!("kvtier_agent_demand_hits_total").increment(1);
     }

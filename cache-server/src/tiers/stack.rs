@@ -344,7 +344,6 @@ impl TierStack {
             let landed = waiter.landed.notified();
             // Checked after registering: a block that landed in between is not waited for.
             if let Load::Hit(b) = Tier::get(&self.dram, ns, key) {
-                self.agents.hit();
                 return Load::Hit(b);
             }
             if waiter.unspilled() {
@@ -356,7 +355,6 @@ impl TierStack {
             let slice = (tokio::time::Instant::now() + Duration::from_millis(20)).min(deadline);
             if tokio::time::timeout_at(slice, landed).await.is_err() && tokio::time::Instant::now() >= deadline {
                 if let Load::Hit(b) = Tier::get(&self.dram, ns, key) {
-                    self.agents.hit();
                     return Load::Hit(b);
                 }
                 self.agents.missed("timeout");
