@@ -719,6 +719,21 @@ impl<D: Device, B: BackingStore> Session<D, B> {
             ));
         }
         let mut pool = self.agent.pool.lock();
+        // More new blocks than the node's unpinned pages can never fit: refused before any block
+        // is evicted for them (the reservations below would evict the whole pool first).
+        let stats = pool.stats();
+        let room = stats.pages.saturating_sub(stats.pinned);
+        if fresh.len() > room {
+            return Err(Refusal::new(
+                Status::Busy,
+                format!(
+                    "a save of {} new blocks needs as many G1 pages; the pool has {} of which {} are pinned",
+                    fresh.len(),
+                    stats.pages,
+                    stats.pinned
+                ),
+            ));
+        }
         let mut reserved = Vec::new();
         let (me, now) = (self.device.ordinal(), Instant::now());
         for it in fresh {

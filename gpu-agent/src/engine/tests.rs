@@ -587,6 +587,27 @@ fn an_unfinished_save_gives_its_pages_back_after_the_save_timeout() {
     assert_eq!(stuck.answer().unwrap().status(), Status::UnknownKey as u8);
 }
 
+/// A save of more new blocks than the pool's unpinned pages is refused before anything is
+/// evicted for it. Before, it evicted the whole pool, then was refused.
+#[test]
+fn a_save_larger_than_the_pool_is_refused_before_evicting_anything() {
+    let a = agent(4, |_| {});
+    let mut m = EngineMem::new(5, true);
+    for p in 0..5 {
+        m.fill(p, p as u8 + 1);
+    }
+    let mut e = Eng::new(&a);
+    e.open();
+    let buf = e.register(&m);
+    assert!(e.save_all_layers(buf, &items(&[(0, 1), (1, 2), (2, 3)])).iter().all(|r| r.status() == 0));
+    assert_eq!(a.stats().pool.resident, 3);
+    let five = items(&[(0, 11), (1, 12), (2, 13), (3, 14), (4, 15)]);
+    let r = e.one(Request::Save { buffer: buf, layer: 0, items: five }, None);
+    assert_eq!(r.status(), Status::Busy as u8, "{}", r.msg());
+    assert!(r.msg().contains("needs as many G1 pages"), "{}", r.msg());
+    assert_eq!((a.stats().pool.resident, a.stats().pool.evictions), (3, 0), "nothing was evicted for it");
+}
+
 /// A store that refuses everything: the server down or full.
 #[derive(Clone, Default)]
 struct DownStore;
