@@ -44,6 +44,10 @@ use crate::lease_lane::LeaseLane;
 /// whole blocks, at least one).
 const STORE_BUFFER_BYTES: usize = 64 << 20;
 
+/// The smallest `--page-bytes` taken (a block of one layer, one head of 16, fp16, 1 token, K and V
+/// is 64 bytes).
+const MIN_PAGE_BYTES: u64 = 64;
+
 /// The host backend's modelled link between two host devices (without --link-gbps): 100 GB/s.
 const HOST_LINK_BYTES_PER_SEC: u64 = 100_000_000_000;
 
@@ -62,7 +66,8 @@ pub struct AgentArgs {
     server: Option<String>,
     #[arg(long, env = "KVTIER_AUTH_TOKEN", hide_env_values = true)]
     auth_token: Option<String>,
-    /// The engine socket this agent listens on.
+    /// The engine socket this agent listens on. Default: `kvtier-agent.sock` in the current
+    /// directory.
     #[arg(long, env = "KVTIER_AGENT_SOCKET")]
     socket: Option<PathBuf>,
     /// `host` (RAM stands in for HBM) or `cuda`.
@@ -86,7 +91,7 @@ pub struct AgentArgs {
     /// The link between every pair of devices with peer access, in GB/s (10^9 bytes): borrowing
     /// stops at 30% of it. Default: GPUs, measured at start by timed peer copies; host devices
     /// (a modelled link), 100.
-    #[arg(long, env = "KVTIER_AGENT_LINK_GBPS")]
+    #[arg(long, env = "KVTIER_AGENT_LINK_GBPS", allow_negative_numbers = true)]
     link_gbps: Option<f64>,
     /// Bytes of one block (the engines' layout): the G1 page size.
     #[arg(long, env = "KVTIER_AGENT_PAGE_BYTES")]
@@ -289,6 +294,14 @@ fn settings(a: &AgentArgs) -> anyhow::Result<Settings> {
     let Some(page_bytes) = bytes(a.page_bytes, "page_bytes")? else {
         bail!("--page-bytes is required: the bytes of one block of the engines' layout");
     };
+    // A block is layers x 2 (K, V) x heads x head_dim x element bytes x tokens: even, and far
+    // above a few bytes; a page of 0 or 7 bytes is a mistyped size, not a layout.
+    if page_bytes < MIN_PAGE_BYTES || !page_bytes.is_multiple_of(2) {
+        bail!(
+            "--page-bytes {page_bytes}: one block of the engines' layout (layers x 2 x kv heads x head dim x \
+             element bytes x tokens per block), an even number of at least {MIN_PAGE_BYTES} bytes"
+        );
+    }
     let fraction = match a.pool_fraction {
         Some(f) => Some(f),
         None => text("pool_fraction")?.map(|s| s.parse::<f64>()).transpose().context("[agent] pool_fraction")?,
@@ -1059,11 +1072,19 @@ mod tests {
             (vec!["--host-devices", "2", "--device", "cuda"], "for the host backend"),
             (vec!["--link-gbps", "0"], "--link-gbps must be above 0"),
             (vec!["--link-gbps", "NaN"], "--link-gbps must be above 0"),
+            (vec!["--link-gbps", "-1"], "--link-gbps must be above 0"),
         ] {
             let args: Vec<&str> = ["--page-bytes", "1KiB"].into_iter().chain(bad.iter().copied()).collect();
             let e = parse(&args).err().map(|e| format!("{e:#}")).unwrap_or_default();
             assert!(e.contains(why), "{bad:?}: {e}");
         }
+        // A page that can't be a block is named as such (0 said "a shared buffer of 0 bytes",
+        // 7 built a pool of 7-byte pages).
+        for bad in ["0", "7", "63"] {
+            let e = parse(&["--page-bytes", bad]).err().map(|e| format!("{e:#}")).unwrap_or_default();
+            assert!(e.contains(&format!("--page-bytes {bad}: one block")), "{bad}: {e}");
+        }
+        assert_eq!(parse(&["--page-bytes", "64"]).unwrap().page_bytes, 64);
     }
 
     #[test]
