@@ -526,16 +526,14 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             return Err(ConnError::Protocol(msg));
         }
         let presented = (!token.is_empty()).then_some(&token[..]);
-        let Some(principal) = self.state.tenants().resolve(self.cert.as_ref(), presented) else {
-            error("unauthenticated");
-            self.wr
-                .write_all(&HelloReply::encode(
-                    Status::Unauthenticated,
-                    "bad or missing credential (auth token or client certificate)",
-                ))
-                .await?;
-            self.wr.flush().await?;
-            return Err(ConnError::Protocol("unauthenticated".into()));
+        let principal = match self.state.tenants().resolve(self.cert.as_ref(), presented) {
+            Ok(p) => p,
+            Err(why) => {
+                error("unauthenticated");
+                self.wr.write_all(&HelloReply::encode(Status::Unauthenticated, &why.to_string())).await?;
+                self.wr.flush().await?;
+                return Err(ConnError::Protocol("unauthenticated".into()));
+            }
         };
         self.wr.write_all(&HelloReply::encode(Status::Ok, concat!("kvtier ", env!("CARGO_PKG_VERSION")))).await?;
         self.wr.flush().await?;

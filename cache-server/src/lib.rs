@@ -353,16 +353,13 @@ pub async fn start(
         let token = presented.and_then(|v| v.strip_prefix("Bearer ")).map(str::as_bytes);
         let cert = req.extensions().get::<listen::GrpcPeer>().and_then(|p| p.cert.as_ref());
         match auth_state.tenants().resolve(cert, token) {
-            Some(principal) => {
+            Ok(principal) => {
                 req.extensions_mut().insert(principal);
                 Ok(req)
             }
-            None => {
+            Err(why) => {
                 crate::metrics::error("unauthenticated");
-                Err(tonic::Status::unauthenticated(format!(
-                    "{}: missing or bad credential (bearer token or client certificate)",
-                    kvtier_proto::codes::UNAUTHENTICATED
-                )))
+                Err(tonic::Status::unauthenticated(format!("{}: {why}", kvtier_proto::codes::UNAUTHENTICATED)))
             }
         }
     };

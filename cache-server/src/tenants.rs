@@ -101,6 +101,18 @@ impl Principal {
     }
 }
 
+/// Why a connection's or call's credentials were refused (said to the client: it names only
+/// what the client itself presented).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refused {
+    #[error("missing credential (a bearer token or a client certificate)")]
+    NoCredential,
+    #[error("bad credential: the token is not one this node knows")]
+    BadToken,
+    #[error("the client certificate names {cert:?} and the token {token:?}: both must name the same tenant")]
+    CertAndTokenDiffer { cert: String, token: String },
+}
+
 /// The node's credentials and tenants.
 #[derive(Debug, Default)]
 pub struct Tenants {
@@ -234,19 +246,20 @@ impl Tenants {
 
     /// Who a connection or call acts for, from what it presented: its certificate's principal
     /// (from [`Self::authenticate_cert`]) and/or a token. A token beside a certificate principal
-    /// must name the same principal; `None` when refused.
-    pub fn resolve(&self, cert: Option<&Principal>, token: Option<&[u8]>) -> Option<Principal> {
+    /// must name the same principal; why not when refused.
+    pub fn resolve(&self, cert: Option<&Principal>, token: Option<&[u8]>) -> Result<Principal, Refused> {
         match (cert, token) {
-            (Some(p), None) => Some(p.clone()),
+            (Some(p), None) => Ok(p.clone()),
             // A bad token is counted by `authenticate`; a good one naming someone else here.
-            (Some(p), Some(t)) => match self.authenticate(Some(t))? {
-                q if q.same_as(p) => Some(q),
-                _ => {
+            (Some(p), Some(t)) => match self.authenticate(Some(t)).ok_or(Refused::BadToken)? {
+                q if q.same_as(p) => Ok(q),
+                q => {
                     metrics::counter!("kvtier_auth_failed_total").increment(1);
-                    None
+                    Err(Refused::CertAndTokenDiffer { cert: p.name().to_string(), token: q.name().to_string() })
                 }
             },
-            (None, token) => self.authenticate(token),
+            (None, None) => self.authenticate(None).ok_or(Refused::NoCredential),
+            (None, token) => self.authenticate(token).ok_or(Refused::BadToken),
         }
     }
 
@@ -336,10 +349,20 @@ mod tests {
         let a = t.authenticate_cert(&names(&["a.clients"])).unwrap();
         assert_eq!(t.resolve(Some(&a), None).unwrap().name(), "a");
         assert_eq!(t.resolve(Some(&a), Some(b"token-of-tenant-a")).unwrap().name(), "a");
-        assert!(t.resolve(Some(&a), Some(b"token-of-tenant-b")).is_none(), "certificate a, token b");
-        assert!(t.resolve(Some(&a), Some(b"no such token at all")).is_none());
+        let differ = t.resolve(Some(&a), Some(b"token-of-tenant-b")).unwrap_err();
+        assert_eq!(
+            differ,
+            Refused::CertAndTokenDiffer { cert: "a".into(), token: "b".into() },
+            "certificate a, token b"
+        );
+        assert!(differ.to_string().contains("both must name the same tenant"), "{differ}");
+        assert_eq!(t.resolve(Some(&a), Some(b"no such token at all")).unwrap_err(), Refused::BadToken);
         assert_eq!(t.resolve(None, Some(b"token-of-tenant-b")).unwrap().name(), "b");
-        assert!(t.resolve(None, None).is_none(), "certificate names make credentials required");
+        assert_eq!(
+            t.resolve(None, None).unwrap_err(),
+            Refused::NoCredential,
+            "certificate names make credentials required"
+        );
     }
 
     #[test]
