@@ -213,6 +213,22 @@ async fn pin_leases_end_when_no_new_one_comes_for_the_idle_timeout() {
     assert_eq!(client.load(&ns, &t).await.unwrap(), blocks, "the block itself stays");
 }
 
+/// Half a hello under a stall timeout shorter than the hello's own 10 s: closed at the stall
+/// timeout and counted as a hello timeout (it was counted nowhere).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partial_hello_is_counted_as_a_hello_timeout() {
+    let tmp = tempfile::tempdir().unwrap();
+    let server = server(tmp.path());
+    let mut s = TcpStream::connect(server.data).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let hello = Hello::encode(PROTOCOL_VERSION, b"");
+    s.write_all(&hello[..hello.len() / 2]).unwrap();
+    let waited = closed_after(&mut s);
+    assert!(waited < Duration::from_secs(5), "closed at the stall timeout, took {waited:?}");
+    let m = scrape_with(&server, Some("metrics-secret"));
+    assert!(metric(&m, "kvtier_errors_total", &[("kind", "dataplane_hello_timeout")]) >= 1.0, "{m}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_ask_for_their_token() {
     let tmp = tempfile::tempdir().unwrap();

@@ -56,6 +56,19 @@ use crate::tenants::{Access, Principal};
 use crate::tiers::Load;
 
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A read of the hello: a hello not complete within [`HELLO_TIMEOUT`], or stalled past the
+/// connection's stall timeout (shorter, where it is set so) first, is a hello timeout.
+fn hello_in_time<T>(read: Result<std::io::Result<T>, tokio::time::error::Elapsed>) -> Result<T, ConnError> {
+    match read {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) if e.kind() != std::io::ErrorKind::TimedOut => Err(e.into()),
+        _ => {
+            error("dataplane_hello_timeout");
+            Err(ConnError::Protocol("no complete hello in time".into()))
+        }
+    }
+}
 const IO_BUF: usize = 64 * 1024;
 /// The read side's buffer: requests' headers and keys are read through it, while payloads longer
 /// than it go from the socket straight into their slots (tokio's `BufReader` bypasses its buffer
@@ -496,12 +509,8 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         // The whole hello, token included, within one deadline: a client that announces a token
         // and never sends it holds a connection slot for at most this long.
         let deadline = tokio::time::Instant::now() + HELLO_TIMEOUT;
-        let late = || ConnError::Protocol("no complete hello within 10 s".into());
         let mut h = [0u8; HELLO_LEN];
-        tokio::time::timeout_at(deadline, self.rd.read_exact(&mut h)).await.map_err(|_| {
-            error("dataplane_hello_timeout");
-            late()
-        })??;
+        hello_in_time(tokio::time::timeout_at(deadline, self.rd.read_exact(&mut h)).await)?;
         let hello = match Hello::decode(&h) {
             Ok(h) => h,
             Err(e) => {
@@ -512,10 +521,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             }
         };
         let mut token = vec![0u8; hello.token_len as usize];
-        tokio::time::timeout_at(deadline, self.rd.read_exact(&mut token)).await.map_err(|_| {
-            error("dataplane_hello_timeout");
-            late()
-        })??;
+        hello_in_time(tokio::time::timeout_at(deadline, self.rd.read_exact(&mut token)).await)?;
         if !(MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&hello.version) {
             let msg = format!(
                 "data-plane protocol {} is not supported; this server speaks {MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION}",
