@@ -269,6 +269,9 @@ enum ConnError {
     Io(#[from] std::io::Error),
     #[error("{0}")]
     Protocol(String),
+    /// A `PUT` frame's payload did not all arrive within `lease_timeout` (the duration).
+    #[error("a payload did not arrive within {0:?}")]
+    PayloadLate(Duration),
 }
 
 struct Connection<R, W> {
@@ -593,13 +596,8 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
                 return self.fatal(Op::Put as u8, req.request_id, Status::TooLarge, &format!("frame {i}: {msg}")).await;
             }
             self.moved = u64::MAX;
-            // A frame's payload arrives within `lease_timeout` (its slot's lease ends then), or
-            // the connection ends: a payload trickled in under the stall timeout would hold a
-            // connection slot, and a lease, for as long as the sender liked.
-            let deadline = self.state.config().lease_timeout.0;
-            let mut status = match tokio::time::timeout(deadline, self.put_one(&header, forward, after)).await {
-                Ok(status) => status?,
-                Err(_) => {
+            let mut status = match self.put_one(&header, forward, after).await {
+                Err(ConnError::PayloadLate(deadline)) => {
                     error("dataplane_frame_timeout");
                     let msg = format!(
                         "frame {i}: its {} payload bytes did not arrive within lease_timeout ({deadline:?})",
@@ -607,6 +605,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
                     );
                     return self.fatal(Op::Put as u8, req.request_id, Status::BadRequest, &msg).await;
                 }
+                status => status?,
             };
             let fresh = status == ItemStatus::Ok;
             if status == ItemStatus::Present && req.flags & FLAG_REPORT_PRESENT == 0 {
@@ -649,17 +648,21 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
     async fn put_one(&mut self, sent: &FrameHeader, relayed: bool, after: bool) -> Result<ItemStatus, ConnError> {
         let principal = self.principal()?;
         // What follows the frame header: the payload, then its checksum when it comes after.
+        // It arrives within `lease_timeout` (a slot's lease ends then), or the connection ends:
+        // a payload trickled in under the stall timeout would hold a connection slot, and a
+        // lease, for as long as the sender liked. The server's own waits don't count.
         let body = sent.payload_len + if after { CHECKSUM_LEN as u64 } else { 0 };
+        let late = self.state.config().lease_timeout.0;
         let mut header = match self.state.admit_frame(&principal, sent) {
             Ok(h) => h,
             Err(status) => {
-                self.drain(body).await?;
+                tokio::time::timeout(late, self.drain(body)).await.map_err(|_| ConnError::PayloadLate(late))??;
                 return Ok(status);
             }
         };
         if self.state.tiers().is_hot(&header.namespace, &header.key) {
             // Content-addressed: the same key is the same bytes. Skip the copy.
-            self.drain(body).await?;
+            tokio::time::timeout(late, self.drain(body)).await.map_err(|_| ConnError::PayloadLate(late))??;
             return Ok(ItemStatus::Present);
         }
         self.state.tiers().backpressure().await;
@@ -667,7 +670,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         let mut slot = match tier.reserve(&header.namespace, header.payload_len as usize) {
             Ok(s) => s,
             Err(e) => {
-                self.drain(body).await?;
+                tokio::time::timeout(late, self.drain(body)).await.map_err(|_| ConnError::PayloadLate(late))??;
                 return Ok(match e {
                     ServerError::Capacity(_) | ServerError::TooLarge { .. } => ItemStatus::Capacity,
                     _ => ItemStatus::Internal,
@@ -677,20 +680,24 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
         // The payload comes in pieces; polled for while this connection has the node to itself.
         self.rd.get_mut().get_mut().arm_streaming(if self.poll.is_zero() { Duration::ZERO } else { PAYLOAD_GAP });
         // A stream that ends here drops `slot`, which returns it unpublished.
-        let sum = read_hashed(&mut self.rd, slot.buf_mut()).await.inspect_err(|_| error("dataplane_truncated"));
-        let sum = match sum {
-            Ok(sum) if after => {
-                let mut trailer = [0u8; CHECKSUM_LEN];
-                let read = self.rd.read_exact(&mut trailer).await.inspect_err(|_| error("dataplane_truncated"));
-                read.map(|_| {
-                    header.checksum = u64::from_le_bytes(trailer);
-                    sum
-                })
+        let rd = &mut self.rd;
+        let payload = async {
+            let sum = read_hashed(rd, slot.buf_mut()).await.inspect_err(|_| error("dataplane_truncated"));
+            match sum {
+                Ok(sum) if after => {
+                    let mut trailer = [0u8; CHECKSUM_LEN];
+                    let read = rd.read_exact(&mut trailer).await.inspect_err(|_| error("dataplane_truncated"));
+                    read.map(|_| (sum, Some(u64::from_le_bytes(trailer))))
+                }
+                other => other.map(|sum| (sum, None)),
             }
-            other => other,
         };
+        let read = tokio::time::timeout(late, payload).await;
         self.rd.get_mut().get_mut().poller().disarm();
-        let sum = sum?;
+        let (sum, trailer) = read.map_err(|_| ConnError::PayloadLate(late))??;
+        if let Some(t) = trailer {
+            header.checksum = t;
+        }
         if sum != header.checksum {
             return Ok(ItemStatus::ChecksumMismatch);
         }

@@ -537,7 +537,6 @@ impl SessionTable {
         false
     }
 
-    /// Live sessions, optionally of one namespace, sorted by id.
     /// Live sessions in (namespace, id) order that `keep` accepts, after `after` (exclusive), at
     /// most `limit`; and whether more follow. Only the page is cloned.
     pub fn list_page(
@@ -564,6 +563,7 @@ impl SessionTable {
         (v.into_iter().cloned().collect(), more)
     }
 
+    /// Live sessions, optionally of one namespace, sorted by (namespace, id).
     pub fn list(&self, ns: Option<NamespaceId>, now: Instant) -> Vec<SessionManifest> {
         let mut v: Vec<_> = self
             .sessions

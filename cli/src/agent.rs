@@ -544,7 +544,7 @@ fn spill_failed(why: String) -> AgentError {
             .compare_exchange(last, now, std::sync::atomic::Ordering::Relaxed, std::sync::atomic::Ordering::Relaxed)
             .is_ok()
     {
-        tracing::warn!("a block could not be spilled into the server (it is lost from G1): {why}");
+        tracing::warn!("a block could not be spilled into the server: {why}");
     }
     AgentError::Spill(why)
 }

@@ -63,8 +63,12 @@
 //! account is to its quota: past it, their own oldest blocks go first; their pins take at most
 //! `max_pinned_ratio` of the pool, and their writes in flight at most the lease budget's share of
 //! it. So blocks of a tenant under its quota are only ever evicted by the node-wide policy when
-//! the whole tier is full, which quotas summing to less than the capacity prevent. With no quota
-//! set, the pool is the whole tier and the node-wide policy alone decides.
+//! the whole tier is full, which quotas summing to less than the capacity prevent — counted in
+//! payload bytes, while a slot rounds its block up to a size class (up to a quarter more for
+//! sizes between classes), so quotas and pool of such blocks need that much headroom. With no
+//! quota set, the pool is the whole tier and the node-wide policy alone decides. Set quotas
+//! before blocks arrive (the node does, at start): blocks stored while no pool existed are not
+//! in its order, and the pool can't evict them.
 //!
 //! # Demotion hook
 //! [`DramTier::set_eviction_hook`] is where the NVMe tier (G3) receives demoted blocks: the hook
@@ -229,6 +233,11 @@ struct OpenLease {
     account: u32,
     len: u64,
 }
+
+/// The least of the shared pool's share of the lease budget: one same-node store request's
+/// bytes (the client sends at most 8 MiB with its checksums after), so a small pool still takes
+/// a whole request.
+const POOL_MIN_LEASE_SHARE: u64 = 8 << 20;
 
 /// What [`Shared::evict_oldest_of`] met at the front of an account's order.
 enum Evicted {
@@ -574,14 +583,20 @@ impl Shared {
             )));
         }
         let in_flight = Self::pool_usage(st, |a| a.in_flight);
-        let lease_share = (self.max_leased as u128 * pool as u128 / self.capacity.max(1) as u128) as u64;
+        // The pool's share of the lease budget, and at least one same-node store request's worth
+        // (a client's batch, held uncommitted until its checksums come) where the pool holds it.
+        let lease_share = ((self.max_leased as u128 * pool as u128 / self.capacity.max(1) as u128) as u64)
+            .max(POOL_MIN_LEASE_SHARE.min(pool));
         if in_flight > 0 && in_flight + size > lease_share {
             return Err(ServerError::Capacity(format!(
                 "dram tier: writes in flight ({in_flight} bytes) leave no room for another {size} in the share of \
                  the lease budget of {what} ({lease_share} of {pool} bytes)"
             )));
         }
-        let mut pinned_seen = 0usize;
+        // Per account, its blocks met pinned in this call: one whose every queued block was met
+        // pinned is passed over (its pinned blocks keep their old ids, so it would otherwise
+        // be picked again and again while another account's blocks could go).
+        let mut pinned_in: HashMap<u32, usize> = HashMap::new();
         loop {
             let used = Self::pool_usage(st, |a| a.resident + a.in_flight);
             if used + size <= pool {
@@ -591,11 +606,10 @@ impl Shared {
             let oldest = st
                 .accounts
                 .iter()
-                .filter(|(_, a)| a.quota.is_none())
+                .filter(|(n, a)| a.quota.is_none() && pinned_in.get(n).copied().unwrap_or(0) < a.order.len())
                 .filter_map(|(n, a)| a.order.front().map(|(_, id)| (*id, *n)))
                 .min();
-            let queued: usize = st.accounts.values().filter(|a| a.quota.is_none()).map(|a| a.order.len()).sum();
-            let Some((_, victim_account)) = oldest.filter(|_| pinned_seen < queued) else {
+            let Some((_, victim_account)) = oldest else {
                 return Err(ServerError::Capacity(format!(
                     "dram tier: {what} ({pool} bytes) is held by pinned blocks ({} bytes) and writes in flight \
                      ({in_flight} bytes); another {size} would pass it",
@@ -603,9 +617,8 @@ impl Shared {
                 )));
             };
             match self.evict_oldest_of(st, victim_account, hook, demoted) {
-                Evicted::Block => pinned_seen = 0,
-                Evicted::Pinned => pinned_seen += 1,
-                Evicted::Stale => {}
+                Evicted::Pinned => *pinned_in.entry(victim_account).or_default() += 1,
+                Evicted::Block | Evicted::Stale => {}
             }
         }
     }
@@ -981,7 +994,8 @@ impl DramTier {
         Ok(InsertOutcome::Inserted)
     }
 
-    /// reserve + copy + commit. A key already present is not reserved for again.
+    /// reserve (for the block's namespace: its account's quota, or the shared pool) + copy +
+    /// commit. A key already present is not reserved for again.
     pub fn insert(
         &self,
         header: FrameHeader,
@@ -998,7 +1012,7 @@ impl DramTier {
         if self.contains(&header.namespace, &header.key) {
             return Ok(InsertOutcome::AlreadyPresent);
         }
-        let mut slot = self.reserve(payload.len())?;
+        let mut slot = self.reserve_for(&header.namespace, payload.len())?;
         slot.buf_mut().copy_from_slice(payload);
         self.commit(slot, header, priority)
     }

@@ -917,14 +917,19 @@ fn accounts_without_a_quota_share_what_the_quotas_leave() {
     t.unpin(&free, &newest_free);
     t.unpin(&op, &newest_op[..4]);
 
-    // Writes in flight: the pool's share of the lease budget (half the tier: 384 KiB of 768),
-    // then refused saying so, while the quota'd tenant's own still go through.
-    let open: Vec<_> = (0..6).map(|_| t.reserve_for(&free, 64 * KIB).unwrap()).collect();
-    let err = t.reserve_for(&op, 64 * KIB).unwrap_err();
+    // Writes in flight: the pool's share of the lease budget (on a 64 MiB tier with 32 MiB of
+    // quotas, the budget is 32 MiB and the pool's share 16 MiB), then refused saying so, while
+    // the quota'd tenant's own still go through.
+    let t = tier(64 << 20, 0.9);
+    t.assign_account(kept, 1);
+    t.set_account_quota(1, 32 << 20);
+    t.assign_account(free, 2);
+    let open: Vec<_> = (0..16).map(|_| t.reserve_for(&free, 1 << 20).unwrap()).collect();
+    let err = t.reserve_for(&op, 1 << 20).unwrap_err();
     assert!(matches!(err, ServerError::Capacity(ref m) if m.contains("writes in flight")), "{err}");
-    put_for(&t, kept, 50, 16 * KIB).unwrap();
+    put_for(&t, kept, 50, 1 << 20).unwrap();
     drop(open);
-    put_for(&t, op, 500, 64 * KIB).unwrap();
+    put_for(&t, op, 500, 1 << 20).unwrap();
 }
 
 /// Quotas that reserve the whole tier (or more) leave no pool: the accounts without one compete
@@ -940,4 +945,34 @@ fn quotas_reserving_the_whole_tier_leave_the_node_wide_policy() {
         check_caps(&t);
     }
     assert!(t.account_resident(0) > 0);
+}
+
+/// In the shared pool, an account whose oldest blocks are all pinned is passed over for another
+/// account's unpinned ones (its pinned blocks keep their old ids: it was picked again and again
+/// until the write was refused, "held by pinned blocks"); and a block put for a quota'd tenant's
+/// namespace (a promotion, a peer's copy) counts against its quota, not the pool.
+#[test]
+fn the_pool_passes_over_an_account_whose_blocks_are_pinned() {
+    let t = tier(1024 * KIB, 0.9);
+    let (kept, free, op) = (NamespaceId([1; 16]), NamespaceId([2; 16]), NS);
+    t.assign_account(kept, 1);
+    t.set_account_quota(1, 256 * KIB as u64);
+    t.assign_account(free, 2);
+    // The operator's first blocks, pinned (a parked session): the oldest of the pool.
+    for i in 0..4 {
+        put_for(&t, op, i, 64 * KIB).unwrap();
+    }
+    t.pin(&op, &(0..4).map(key).collect::<Vec<_>>()).unwrap();
+    // A tenant without a quota then writes the pool over twice.
+    for i in 100..124 {
+        put_for(&t, free, i, 64 * KIB).unwrap_or_else(|e| panic!("block {i}: {e}"));
+        check_caps(&t);
+    }
+    assert!((0..4).all(|i| t.contains(&op, &key(i))), "the pinned blocks stay");
+    // The pool is now full to its share with pins and `free`'s blocks; a put for the quota'd
+    // tenant takes its own room.
+    let h = header(kept, 7, 64 * KIB);
+    assert_eq!(t.insert(h, &payload(7, 64 * KIB), Priority::Normal).unwrap(), InsertOutcome::Inserted);
+    assert_eq!(t.account_resident(1), 64 * KIB as u64);
+    assert_eq!(t.account_resident(2) + t.account_resident(0), 768 * KIB as u64);
 }

@@ -613,15 +613,15 @@ impl TierStack {
         self.dram.reserve_for(ns, len)
     }
 
-    /// Counts `ns`'s bytes against `account`: in DRAM, under a quota its own blocks make room
-    /// under (see `crate::dram`, "Accounts"); on disk, under a quota past which its evicted
-    /// blocks are not demoted (see [`DiskTier::assign_account`]).
     /// Gives `account` its DRAM quota before any of its namespaces is registered, so the share
     /// the quotas leave the others (the DRAM tier's shared pool) holds from the start.
     pub fn reserve_dram_quota(&self, account: u32, bytes: u64) {
         self.dram.set_account_quota(account, bytes);
     }
 
+    /// Counts `ns`'s bytes against `account`: in DRAM, under a quota its own blocks make room
+    /// under (see `crate::dram`, "Accounts"); on disk, under a quota past which its evicted
+    /// blocks are not demoted (see [`DiskTier::assign_account`]).
     pub fn assign_account(&self, ns: NamespaceId, account: u32, dram_quota: Option<u64>, disk_quota: Option<u64>) {
         if let Some(q) = dram_quota {
             self.dram.set_account_quota(account, q);

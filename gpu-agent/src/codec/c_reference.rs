@@ -132,16 +132,21 @@ int main(int argc, char** argv) {
 }
 "#;
 
-/// Compiles the helpers and the driver once per source text: in one folder under the system's
-/// temporary one named by the source's hash (reused by later test runs, not one per process),
-/// each process building into its own file and renaming it into place.
+/// The C compiler's flags for the driver.
+const CC_FLAGS: [&str; 6] = ["-std=gnu11", "-O1", "-ffp-contract=off", "-fno-fast-math", "-Wall", "-Werror"];
+
+/// Compiles the helpers and the driver once per source text and flags: in a folder beside the
+/// test binary (the build's own, not a shared temporary one) named by their hash, reused by
+/// later runs; each process builds into its own file and renames it into place.
 fn driver() -> &'static PathBuf {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     BIN.get_or_init(|| {
         let text = [PRELUDE, CUDA_TYPES_SRC, INTRINSICS, CUDA_HELPERS_SRC, DRIVER].concat();
         let mut h = std::hash::DefaultHasher::new();
-        std::hash::Hash::hash(&text, &mut h);
-        let dir = std::env::temp_dir().join(format!("kvtier-agent-cref-{:016x}", std::hash::Hasher::finish(&h)));
+        std::hash::Hash::hash(&(&text, CC_FLAGS), &mut h);
+        let exe = std::env::current_exe().unwrap();
+        let beside = exe.parent().map_or_else(std::env::temp_dir, PathBuf::from);
+        let dir = beside.join(format!("kvtier-agent-cref-{:016x}", std::hash::Hasher::finish(&h)));
         let bin = dir.join("helpers");
         if bin.exists() {
             return bin;
@@ -151,7 +156,8 @@ fn driver() -> &'static PathBuf {
         let (src, built) = (dir.join(format!("helpers-{pid}.c")), dir.join(format!("helpers-{pid}")));
         std::fs::write(&src, text).unwrap();
         let out = Command::new("cc")
-            .args(["-std=gnu11", "-O1", "-ffp-contract=off", "-fno-fast-math", "-Wall", "-Werror", "-o"])
+            .args(CC_FLAGS)
+            .arg("-o")
             .arg(&built)
             .arg(&src)
             .arg("-lm")

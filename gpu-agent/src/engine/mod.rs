@@ -723,14 +723,14 @@ impl<D: Device, B: BackingStore> Session<D, B> {
         // is evicted for them (the reservations below would evict the whole pool first).
         let stats = pool.stats();
         let room = stats.pages.saturating_sub(stats.pinned);
-        if fresh.len() > room {
+        // Keys G1 holds already (or another save is filling) take no page.
+        let needed = fresh.iter().filter(|it| !pool.holds(&(*nsid, it.key))).count();
+        if needed > room {
             return Err(Refusal::new(
                 Status::Busy,
                 format!(
-                    "a save of {} new blocks needs as many G1 pages; the pool has {} of which {} are pinned",
-                    fresh.len(),
-                    stats.pages,
-                    stats.pinned
+                    "a save of {needed} new blocks needs as many G1 pages; the pool has {} of which {} are pinned",
+                    stats.pages, stats.pinned
                 ),
             ));
         }

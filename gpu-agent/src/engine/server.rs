@@ -194,9 +194,10 @@ impl Conn {
                 ReadError::Io
             }
         })?;
-        // A stream socket hands descriptors over with the first byte of the `sendmsg` they came
-        // with, which is this read's first byte.
-        let at = self.received;
+        // A stream read stops after the segment that carried descriptors (earlier segments
+        // without any may come in the same read): the descriptors belong to the message whose
+        // bytes include this read's last byte (a REGISTER is sent in one `sendmsg`).
+        let at = self.received + msg.bytes.saturating_sub(1) as u64;
         for m in anc.drain() {
             if let RecvAncillaryMessage::ScmRights(fds) = m {
                 self.fds.extend(fds.map(|fd| (at, fd)));

@@ -507,6 +507,25 @@ fn a_stray_descriptor_is_never_a_later_registrations_memory() {
     assert!((m.block(0), m.block(1)) == want, "the registration mapped another descriptor's memory");
 }
 
+/// An engine that sends its OPEN and its memfd REGISTER back to back (one read may take both,
+/// the descriptor with the second) gets its buffer: the descriptor belongs to the REGISTER.
+#[test]
+fn a_registration_pipelined_after_open_keeps_its_descriptor() {
+    let a = agent(4, |_| {});
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("agent.sock");
+    let _server = EngineServer::bind(a.clone(), &path).unwrap();
+    for round in 0..20u32 {
+        let m = EngineMem::new(2, true);
+        let mut c = Client { sock: UnixStream::connect(&path).unwrap() };
+        c.send(&Request::Open(namespace()), 1, None);
+        c.send(&Request::Register { source: BufferSource::Memfd, len: 2 * BLOCK as u64, pages: 2 }, 2, Some(&m.fd));
+        assert_eq!(c.answer().unwrap().status(), 0);
+        let ans = c.answer().unwrap();
+        assert_eq!(ans.status(), 0, "round {round}: {}", ans.msg());
+    }
+}
+
 /// A socket another agent listens on is refused (it was taken over, then removed when the
 /// second agent stopped); a stopped agent removes only its own socket file, and stops promptly
 /// even with its file gone (it waited for a connection that could no longer come).
@@ -551,7 +570,7 @@ fn an_agents_socket_is_its_own() {
 /// can't hold the pool. Before, the pages stayed pinned until the connection closed (10 min idle).
 #[test]
 fn an_unfinished_save_gives_its_pages_back_after_the_save_timeout() {
-    let a = agent(4, |c| c.save_timeout = std::time::Duration::from_millis(300));
+    let a = agent(4, |c| c.save_timeout = std::time::Duration::from_millis(1500));
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("agent.sock");
     let _server = EngineServer::bind(a.clone(), &path).unwrap();
@@ -574,7 +593,7 @@ fn an_unfinished_save_gives_its_pages_back_after_the_save_timeout() {
     other.send(&Request::Save { buffer: ob, layer: 0, items: theirs.clone() }, 4, None);
     assert_eq!(other.answer().unwrap().status(), Status::Busy as u8, "the pool is held by the open saves");
     // The stuck engine sends nothing more; its saves expire while its connection is idle.
-    std::thread::sleep(std::time::Duration::from_millis(600));
+    std::thread::sleep(std::time::Duration::from_millis(2500));
     assert_eq!(a.stats().saves_expired, 4);
     assert_eq!(a.stats().pool.pinned, 0);
     for layer in 0..LAYERS as u16 {
@@ -606,6 +625,9 @@ fn a_save_larger_than_the_pool_is_refused_before_evicting_anything() {
     assert_eq!(r.status(), Status::Busy as u8, "{}", r.msg());
     assert!(r.msg().contains("needs as many G1 pages"), "{}", r.msg());
     assert_eq!((a.stats().pool.resident, a.stats().pool.evictions), (3, 0), "nothing was evicted for it");
+    // Five again, three of them held already: two pages are needed, and there is room.
+    let again = items(&[(0, 1), (1, 2), (2, 3), (3, 14), (4, 15)]);
+    assert!(e.save_all_layers(buf, &again).iter().all(|r| r.status() == 0));
 }
 
 /// A store that refuses everything: the server down or full.

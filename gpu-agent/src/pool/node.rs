@@ -187,6 +187,11 @@ impl<D: Device, S: Spill> NodePool<D, S> {
             .ok_or_else(|| AgentError::Config(format!("device {device} is not on this node")))
     }
 
+    /// Whether a device's pool holds `k` already (committed, or a save filling it).
+    pub fn holds(&self, k: &ScopedKey) -> bool {
+        self.holder(k).is_some()
+    }
+
     /// The pool holding a key (resident or filling).
     fn holder(&self, k: &ScopedKey) -> Option<usize> {
         self.pools.iter().position(|p| p.holds(k))
