@@ -11,7 +11,7 @@ use kvtier_proto::dataplane::{Hello, Op, RequestHeader, Status, PROTOCOL_VERSION
 use kvtier_proto::{BlockFrame, CodecId, NamespaceId};
 use kvtier_tests::*;
 
-const CONFIG: &str = "stall_timeout = \"700ms\"\nidle_timeout = \"2s\"\nmetrics_token = \"metrics-secret\"\n";
+const CONFIG: &str = "stall_timeout = \"700ms\"\nidle_timeout = \"2s\"\nmetrics_token = \"metrics-scrape-secret\"\n";
 
 fn server(dir: &std::path::Path) -> ServerProcess {
     let cfg = dir.join("kvtier.toml");
@@ -101,7 +101,7 @@ async fn stalled_and_idle_connections_are_closed_and_others_are_served() {
     std::thread::sleep(Duration::from_secs(3));
     // Meanwhile others are served.
     assert_eq!(client.lookup(&ns, &t).await.unwrap(), t.len(), "others are served meanwhile");
-    let m = scrape_with(&server, Some("metrics-secret"));
+    let m = scrape_with(&server, Some("metrics-scrape-secret"));
     assert!(metric(&m, "kvtier_errors_total", &[("kind", "dataplane_stall_timeout")]) >= 2.0, "{m}");
     drop(sender.join().unwrap());
 
@@ -109,7 +109,7 @@ async fn stalled_and_idle_connections_are_closed_and_others_are_served() {
     let mut idle = open(&server);
     let waited = closed_after(&mut idle);
     assert!(waited >= Duration::from_millis(1800) && waited < Duration::from_secs(10), "{waited:?}");
-    let m = scrape_with(&server, Some("metrics-secret"));
+    let m = scrape_with(&server, Some("metrics-scrape-secret"));
     assert!(metric(&m, "kvtier_errors_total", &[("kind", "dataplane_idle_timeout")]) >= 1.0, "{m}");
 
     // A pooled client idle through all of it still works when it recycles idle connections
@@ -208,7 +208,7 @@ async fn pin_leases_end_when_no_new_one_comes_for_the_idle_timeout() {
         std::thread::sleep(Duration::from_millis(600));
     }
     assert_eq!(pinned().await, 0, "the lease pins outlived idle_timeout");
-    let m = scrape_with(&server, Some("metrics-secret"));
+    let m = scrape_with(&server, Some("metrics-scrape-secret"));
     assert!(metric(&m, "kvtier_dataplane_pin_leases_expired_total", &[]) >= 1.0, "{m}");
     assert_eq!(client.load(&ns, &t).await.unwrap(), blocks, "the block itself stays");
 }
@@ -225,7 +225,7 @@ async fn a_partial_hello_is_counted_as_a_hello_timeout() {
     s.write_all(&hello[..hello.len() / 2]).unwrap();
     let waited = closed_after(&mut s);
     assert!(waited < Duration::from_secs(5), "closed at the stall timeout, took {waited:?}");
-    let m = scrape_with(&server, Some("metrics-secret"));
+    let m = scrape_with(&server, Some("metrics-scrape-secret"));
     assert!(metric(&m, "kvtier_errors_total", &[("kind", "dataplane_hello_timeout")]) >= 1.0, "{m}");
 }
 
@@ -238,7 +238,7 @@ async fn metrics_ask_for_their_token() {
     assert!(!open.contains("kvtier_"), "no metric leaks without the token");
     let wrong = scrape_with(&server, Some("metrics-secreT"));
     assert!(wrong.starts_with("HTTP/1.1 401"), "{wrong}");
-    let ok = scrape_with(&server, Some("metrics-secret"));
+    let ok = scrape_with(&server, Some("metrics-scrape-secret"));
     assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
     assert!(ok.contains("kvtier_"), "{ok}");
 }

@@ -525,6 +525,13 @@ impl ServerConfig {
                 self.disk_capacity
             ));
         }
+        if self.disk_segment_bytes.0 < (1 << 20) {
+            return bad(format!(
+                "disk_segment_bytes {} is below the minimum of 1MiB (a segment holds many blocks; at most a \
+                 quarter of disk_capacity is used)",
+                self.disk_segment_bytes
+            ));
+        }
         if !self.disk_codec.eq_ignore_ascii_case("keep") && CodecId::from_name(&self.disk_codec).is_none() {
             return bad(format!(
                 "disk_codec {:?} is not a codec: \"keep\", or one of {}",
@@ -611,6 +618,12 @@ impl ServerConfig {
                 return bad(format!(
                     "{name} {a} is beyond loopback: set auth_token, tenants or required client certificates to expose it"
                 ));
+            }
+        }
+        // A metrics_token set is one wherever /metrics listens (16..=1024 bytes, as every token).
+        if let Some(t) = &self.metrics_token {
+            if !(16..=kvtier_proto::dataplane::MAX_TOKEN_LEN).contains(&t.len()) {
+                return bad(format!("metrics_token must be 16..=1024 bytes, got {}", t.len()));
             }
         }
         // `/metrics` is plain HTTP, and none of those reach it: only its own bearer token does.
@@ -939,6 +952,11 @@ mod tests {
         c.validate().unwrap();
         let c = ServerConfig::from_toml_str("dram_region = \"hugepages\"").unwrap();
         assert!(c.validate().unwrap_err().to_string().contains("dram_region"));
+        // A segment that can't hold a block was taken, and every park then failed.
+        for small in ["0", "1KiB"] {
+            let c = ServerConfig::from_toml_str(&format!("disk_segment_bytes = \"{small}\"")).unwrap();
+            assert!(c.validate().unwrap_err().to_string().contains("disk_segment_bytes"), "{small}");
+        }
     }
 
     #[test]
@@ -1002,7 +1020,14 @@ mod tests {
         );
         assert!(!e.contains("auth_token"), "auth_token does not guard /metrics: {e}");
         let e = exposed(Some("short")).validate().unwrap_err().to_string();
-        assert!(e.contains("metrics_token") && e.contains("5 bytes"), "{e}");
+        assert!(e.contains("metrics_token must be 16..=1024 bytes, got 5"), "{e}");
+        // On loopback too (it was taken there).
+        let short = ServerConfig {
+            metrics_listen: Some("127.0.0.1:0".parse().unwrap()),
+            metrics_token: Some("short".into()),
+            ..ServerConfig::default()
+        };
+        assert!(short.validate().unwrap_err().to_string().contains("metrics_token must be 16..=1024 bytes"));
         exposed(Some("a-metrics-scrape-secret")).validate().unwrap();
         // Tenants and required client certificates don't stand in for it either.
         let mut c = exposed(None);

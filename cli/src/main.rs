@@ -827,8 +827,11 @@ async fn session(s: SessionCmd) -> anyhow::Result<()> {
         }
         SessionCmd::Drop { conn, id } => {
             let (client, ns) = connect(&conn).await?;
-            let dropped = client.drop_session(&ns, &id).await?;
-            outln!("{}", if dropped { format!("dropped {id:?}") } else { format!("no session {id:?}") })?;
+            if !client.drop_session(&ns, &id).await? {
+                // As a resume of it would: an error (exit 1), not an answer.
+                anyhow::bail!("no session {id:?}: nothing dropped");
+            }
+            outln!("dropped {id:?}")?;
         }
     }
     Ok(())

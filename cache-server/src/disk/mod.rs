@@ -85,7 +85,10 @@ struct Inner {
     index: HashMap<IndexKey, Loc>,
     segments: BTreeMap<u64, Segment>,
     active: u64,
+    /// Bytes of the segment files (records, their headers and padding, dead ones until compacted).
     total_bytes: u64,
+    /// Payload bytes of the blocks indexed.
+    live: u64,
     pins: HashMap<IndexKey, u32>,
     pinned_bytes: u64,
     /// Segments holding records no sync covered yet: [`DiskTier::sync`] syncs them.
@@ -113,7 +116,10 @@ impl Inner {
         if let Some(a) = self.account_of(&k.0).and_then(|a| self.accounts.get_mut(&a)) {
             a.live += loc.header.payload_len;
         }
-        self.index.insert(k, loc);
+        self.live += loc.header.payload_len;
+        if let Some(old) = self.index.insert(k, loc) {
+            self.live = self.live.saturating_sub(old.header.payload_len);
+        }
     }
 
     /// Forgets a block, uncounting it.
@@ -122,6 +128,7 @@ impl Inner {
         if let Some(a) = self.account_of(&k.0).and_then(|a| self.accounts.get_mut(&a)) {
             a.live = a.live.saturating_sub(loc.header.payload_len);
         }
+        self.live = self.live.saturating_sub(loc.header.payload_len);
         Some(loc)
     }
 }
@@ -220,6 +227,7 @@ impl DiskTier {
             segments: BTreeMap::new(),
             active: 0,
             total_bytes: 0,
+            live: 0,
             pins: HashMap::new(),
             pinned_bytes: 0,
             dirty: BTreeSet::new(),
@@ -236,7 +244,10 @@ impl DiskTier {
             for (offset, header) in scanned.records {
                 let k = (header.namespace, header.key);
                 // A later copy of the same key (content-addressed: same bytes) wins.
-                inner.index.insert(k, Loc { seg: id, offset, header });
+                inner.live += header.payload_len;
+                if let Some(old) = inner.index.insert(k, Loc { seg: id, offset, header }) {
+                    inner.live = inner.live.saturating_sub(old.header.payload_len);
+                }
                 keys.push(k);
             }
             report.segments += 1;
@@ -293,7 +304,10 @@ impl DiskTier {
 
     fn publish_gauges(&self) {
         let st = self.inner.lock();
-        ::metrics::gauge!("kvtier_tier_resident_bytes", "tier" => TierId::Disk.as_str()).set(st.total_bytes as f64);
+        ::metrics::gauge!("kvtier_tier_resident_bytes", "tier" => TierId::Disk.as_str()).set(st.live as f64);
+        ::metrics::gauge!("kvtier_tier_allocated_bytes", "tier" => TierId::Disk.as_str()).set(st.total_bytes as f64);
+        ::metrics::gauge!("kvtier_tier_capacity_bytes", "tier" => TierId::Disk.as_str())
+            .set(self.cfg.capacity_bytes as f64);
         ::metrics::gauge!("kvtier_tier_blocks", "tier" => TierId::Disk.as_str()).set(st.index.len() as f64);
         ::metrics::gauge!("kvtier_tier_pinned_bytes", "tier" => TierId::Disk.as_str()).set(st.pinned_bytes as f64);
     }
@@ -813,7 +827,7 @@ impl DiskTier {
         DiskStats {
             capacity_bytes: self.cfg.capacity_bytes,
             used_bytes: st.total_bytes,
-            resident_bytes: st.index.values().map(|l| l.header.payload_len).sum(),
+            resident_bytes: st.live,
             pinned_bytes: st.pinned_bytes,
             blocks: st.index.len() as u64,
             segments: st.segments.len() as u64,

@@ -42,6 +42,14 @@ fn write_read_and_recover() {
         let f = frame(i);
         assert_eq!(t.read(&f.header.namespace, &f.header.key).unwrap().1, f.payload, "block {i}");
     }
+    // Resident is the blocks' payload bytes (it was the segment files' bytes, headers and dead
+    // records included), after recovery and a removal alike.
+    let bb = layout().block_bytes();
+    assert_eq!(t.stats().resident_bytes, 20 * bb);
+    assert!(t.stats().used_bytes > 20 * bb);
+    let f = frame(3);
+    assert!(t.remove(&f.header.namespace, &f.header.key));
+    assert_eq!(t.stats().resident_bytes, 19 * bb);
 }
 
 #[test]
