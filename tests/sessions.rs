@@ -236,3 +236,34 @@ async fn many_sessions_list_page_by_page_and_count_their_own_memory() {
     assert_eq!(ids, want);
     assert_eq!(client.list_sessions(None).await.unwrap().len(), 4100);
 }
+
+/// An extend whose context keeps the session's full blocks but not the tokens of its partial
+/// tail is refused, the session unchanged; one that keeps them extends. Before, only the full
+/// blocks were compared, and the tail's tokens were silently replaced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_extend_that_rewrites_the_sessions_tail_is_refused() {
+    let server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
+    let client = server.client().await;
+    let ns = client.register(namespace("agents", b"tail", small_layout())).await.unwrap();
+    let turn1 = tokens(11, 40); // two full blocks of 16 and a tail of 8
+    let blocks1 = session_payloads(&ns, &turn1);
+    client.park(&ns, "t", &turn1, &blocks1, &ParkOptions::default(), 0).await.unwrap();
+
+    let mut other = turn1[..32].to_vec();
+    other.extend(tokens(99, 8)); // the tail's tokens, rewritten
+    other.extend(tokens(12, 10));
+    let blocks = session_payloads(&ns, &other);
+    let err = client.extend(&ns, "t", 1, 40, &other, &blocks[2..]).await.unwrap_err();
+    let msg = err.to_string();
+    assert!(msg.contains("KV:Request:Invalid") && msg.contains("tokens 32..40 differ"), "{msg}");
+    let r = client.resume(&ns, "t").await.unwrap();
+    assert_eq!((r.info.version, r.info.token_count), (1, 40), "unchanged");
+    assert!(r.blocks == blocks1, "the session's bytes");
+
+    let mut turn2 = turn1.clone();
+    turn2.extend(tokens(12, 10));
+    let blocks2 = session_payloads(&ns, &turn2);
+    let info = client.extend(&ns, "t", 1, 40, &turn2, &blocks2[2..]).await.unwrap();
+    assert_eq!((info.version, info.token_count), (2, 50));
+    assert!(client.resume(&ns, "t").await.unwrap().blocks == blocks2);
+}

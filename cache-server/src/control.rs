@@ -323,6 +323,18 @@ impl ControlPlane {
             (new_keys.len(), tail.is_some(), r.token_count),
             &limits,
         )?;
+        // The tail the context keeps (checked here once: the change's own version check, made
+        // again under the lock, keeps the manifest it was checked against).
+        if let Some(tail) = opt_key(&r.base_tail_key)? {
+            self.state.sessions().check_extend_tail(
+                ns_id,
+                &r.session_id,
+                r.expected_version,
+                r.base_blocks as usize,
+                tail,
+                &limits,
+            )?;
+        }
         self.state.tiers().persist(&ns_id, &new_keys, tail).await?;
         let m = self
             .on_io(move |s| {

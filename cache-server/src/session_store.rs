@@ -10,7 +10,7 @@
 
 use std::time::{Duration, Instant, SystemTime};
 
-use kvtier_proto::NamespaceId;
+use kvtier_proto::{BlockKey, NamespaceId};
 use parking_lot::Mutex;
 
 use crate::error::ServerError;
@@ -341,6 +341,19 @@ impl SessionStore {
         Ok(self.take_out(ns, id, |t| t.undo(pins, ns, id, seen)))
     }
 
+    /// See `SessionTable::check_extend_tail`.
+    pub fn check_extend_tail(
+        &self,
+        ns: NamespaceId,
+        id: &str,
+        expected_version: u64,
+        base_blocks: usize,
+        tail: BlockKey,
+        limits: &SessionLimits,
+    ) -> Result<(), ServerError> {
+        self.table.lock().check_extend_tail(ns, id, expected_version, base_blocks, tail, limits)
+    }
+
     /// A live session's token count, its TTL untouched; `None` when there is none.
     pub fn tokens_of(&self, ns: NamespaceId, id: &str) -> Option<u64> {
         self.table.lock().tokens_of(ns, id, Instant::now())
@@ -448,7 +461,7 @@ impl SessionStore {
 mod tests {
     use std::sync::Arc;
 
-    use kvtier_proto::{BlockKey, CodecId, DType, FrameHeader, KvLayout};
+    use kvtier_proto::{CodecId, DType, FrameHeader, KvLayout};
 
     use super::*;
     use crate::dram::{DramConfig, DramTier, Priority};

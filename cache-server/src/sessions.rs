@@ -385,6 +385,37 @@ impl SessionTable {
         Ok(())
     }
 
+    /// Refuses an extend after every full block of version `expected_version` of a session with a
+    /// partial tail whose context does not keep that tail's tokens (`tail`: the caller's key of
+    /// them, which differs from the manifest's). Other extends (from an earlier block, of another
+    /// version, a session without a tail) are left to [`Self::check_extend`].
+    pub fn check_extend_tail(
+        &self,
+        ns: NamespaceId,
+        id: &str,
+        expected_version: u64,
+        base_blocks: usize,
+        tail: BlockKey,
+        limits: &SessionLimits,
+    ) -> Result<(), ServerError> {
+        let Some(cur) = self.sessions.get(&(ns, id.to_string())) else { return Ok(()) };
+        if cur.version != expected_version || base_blocks != cur.keys.len() {
+            return Ok(());
+        }
+        match cur.tail {
+            Some(held) if held != tail => {
+                let from = base_blocks as u64 * u64::from(limits.block_tokens);
+                Err(ServerError::InvalidRequest(format!(
+                    "the new context does not continue session {id:?}: its tokens {from}..{} differ from the \
+                     session's last (partial-block) ones; park it anew (drop it first, or replace it by its \
+                     version) instead of extending",
+                    cur.token_count
+                )))
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// Appends blocks after the first `base_blocks` full blocks of version `expected_version`,
     /// replacing the tail. Only the new blocks need to have been sent. `base_key` is the caller's
     /// key of block `base_blocks - 1`: keys chain over every token before them, so a key that

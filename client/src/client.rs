@@ -1119,6 +1119,11 @@ impl KvClient {
             // The server checks the context continues the session's: keys chain over every
             // token before them, so the key of the last block kept stands for all of them.
             base_key: base.checked_sub(1).map(|i| Bytes::copy_from_slice(&keys[i].0)).unwrap_or_default(),
+            // And that it keeps the session's partial tail: the tail's tokens are in no block key.
+            base_tail_key: ns
+                .tail_key(&tokens[..prev_token_count])
+                .map(|k| Bytes::copy_from_slice(&k.0))
+                .unwrap_or_default(),
             new_keys: keys[base..].iter().map(|k| Bytes::copy_from_slice(&k.0)).collect(),
             tail_key: tail.map(|k| Bytes::copy_from_slice(&k.0)).unwrap_or_default(),
             token_count: tokens.len() as u64,
