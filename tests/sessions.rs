@@ -267,3 +267,30 @@ async fn an_extend_that_rewrites_the_sessions_tail_is_refused() {
     assert_eq!((info.version, info.token_count), (2, 50));
     assert!(client.resume(&ns, "t").await.unwrap().blocks == blocks2);
 }
+
+/// A session that expired while its node was down says it expired after the restart, as it
+/// would have with the node running (it answered "not found").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_that_expired_while_the_node_was_down_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = ["--dram-capacity", "64MiB", "--disk-capacity", "64MiB"];
+    let mut server = ServerProcess::start_in(dir.path(), &args);
+    let client = server.client().await;
+    let ns = client.register(namespace("agents", b"expiry", small_layout())).await.unwrap();
+    let toks = tokens(21, 40);
+    let blocks = session_payloads(&ns, &toks);
+    let short = ParkOptions { ttl: Some(Duration::from_millis(800)), ..ParkOptions::default() };
+    client.park(&ns, "brief", &toks, &blocks, &short, 0).await.unwrap();
+    client.park(&ns, "lasting", &toks, &blocks, &ParkOptions::default(), 0).await.unwrap();
+    server.child.kill().unwrap();
+    server.child.wait().unwrap();
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let server = server.restart_in_place(&args);
+    let client = server.client().await;
+    let ns = client.register(namespace("agents", b"expiry", small_layout())).await.unwrap();
+    let err = client.resume(&ns, "brief").await.unwrap_err();
+    assert!(matches!(err, ClientError::SessionExpired(_)), "{err}");
+    assert!(client.resume(&ns, "lasting").await.unwrap().blocks == blocks);
+    let err = client.resume(&ns, "never").await.unwrap_err();
+    assert!(matches!(err, ClientError::SessionNotFound(_)), "{err}");
+}

@@ -45,9 +45,18 @@ pub struct Replayed {
     /// (namespace, session id, when it was dropped in wall-clock ms), made within
     /// [`DROP_REMEMBERED`] of the start.
     pub drops: Vec<(NamespaceId, String, u64)>,
+    /// (namespace, session id, when it expired in wall-clock ms) of sessions that expired while
+    /// the node was down, the latest [`EXPIRED_AT_START`] at most.
+    pub expired: Vec<(NamespaceId, String, u64)>,
     /// Damaged stretches skipped (each a torn or corrupt record, or several in a row).
     pub unreadable: u64,
 }
+
+/// A logged session and its record's sequence number.
+type Numbered = (u64, LoggedSession);
+
+/// Most sessions found expired at start that are remembered as expired.
+pub const EXPIRED_AT_START: usize = 16_384;
 
 pub fn unix_ms(t: SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO).as_millis() as u64
@@ -171,11 +180,14 @@ impl SessionLog {
                 }
             }
         }
-        let mut sessions: Vec<(u64, LoggedSession)> = newest
+        // Sessions whose newest record expired while the node was down: not restored, but said
+        // to have expired (as they would have been had the node run), the latest first.
+        let (mut sessions, mut expired): (Vec<Numbered>, Vec<Numbered>) = newest
             .into_values()
             .filter_map(|(seq, s)| s.map(|s| (seq, s)))
-            .filter(|(_, s)| s.expires_unix_ms > now_ms)
-            .collect();
+            .partition(|(_, s)| s.expires_unix_ms > now_ms);
+        expired.sort_by_key(|(_, s)| std::cmp::Reverse(s.expires_unix_ms));
+        expired.truncate(EXPIRED_AT_START);
         sessions.sort_by(|a, b| (a.1.namespace, &a.1.id).cmp(&(b.1.namespace, &b.1.id)));
         let remembered = DROP_REMEMBERED.as_millis() as u64;
         let mut drops: Vec<(u64, LoggedSession)> = drops
@@ -225,6 +237,7 @@ impl SessionLog {
         let replayed = Replayed {
             sessions: sessions.into_iter().map(|(_, s)| s).collect(),
             drops: drops.into_iter().map(|(_, d)| (d.namespace, d.id, d.dropped_unix_ms)).collect(),
+            expired: expired.into_iter().map(|(_, s)| (s.namespace, s.id, s.expires_unix_ms)).collect(),
             unreadable,
         };
         Ok((log, replayed))

@@ -93,6 +93,17 @@ impl SessionStore {
         }
     }
 
+    /// Remembers the sessions a log's replay found expired (when, as wall-clock ms), so asking for
+    /// one says it expired, as it would have had the node been running.
+    pub fn restore_expired(&self, expired: Vec<(NamespaceId, String, u64)>) {
+        let (now, now_ms) = (Instant::now(), unix_ms(SystemTime::now()));
+        let mut table = self.table.lock();
+        for (ns, id, at_ms) in expired {
+            let at = now.checked_sub(Duration::from_millis(now_ms.saturating_sub(at_ms))).unwrap_or(now);
+            table.remember_expired((ns, id), at);
+        }
+    }
+
     /// Puts back the drops a log's replay found (within [`DROP_REMEMBERED`], as wall-clock ms).
     pub fn restore_drops(&self, drops: Vec<(NamespaceId, String, u64)>) {
         let (now, now_ms) = (Instant::now(), unix_ms(SystemTime::now()));

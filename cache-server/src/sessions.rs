@@ -260,7 +260,8 @@ impl SessionTable {
         self.sessions.is_empty()
     }
 
-    fn remember_expired(&mut self, id: SessionId, at: Instant) {
+    /// Remembers that session `id` expired at `at` (asking for it then says so).
+    pub fn remember_expired(&mut self, id: SessionId, at: Instant) {
         self.expired.insert(id.clone(), at);
         self.expired_order.push_back((id, at));
         while self.expired_order.len() > EXPIRED_MEMORY {

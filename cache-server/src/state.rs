@@ -343,7 +343,7 @@ impl NodeState {
             fs.clone(),
         )?;
         tracing::info!(?report, "disk tier recovered");
-        let (log, Replayed { sessions: logged, drops, unreadable }) =
+        let (log, Replayed { sessions: logged, drops, expired, unreadable }) =
             SessionLog::open_with(&fs, &config.data_dir, fsync, unix_ms(SystemTime::now()))?;
         if unreadable > 0 {
             tracing::warn!(
@@ -434,6 +434,7 @@ impl NodeState {
         // Drops made within the hour stay remembered against copies coming back from nodes that
         // were away (a restart here between the drop and their return no longer forgets them).
         state.sessions.restore_drops(drops);
+        state.sessions.restore_expired(expired);
         // Copies of a purged namespace's blocks written before the purge are still in their
         // segments: forgotten again, now that the restored sessions pin theirs (a purge spares
         // the blocks a parked session pins).
