@@ -598,3 +598,28 @@ async fn what_quotas_reserve_is_kept_from_tenants_without_one() {
     assert!(matches!(err, ClientError::Capacity(ref m) if m.contains("share 6")), "{err}");
     kept.register(namespace("kept", b"second", small_layout())).await.expect("kept's slots are its own");
 }
+
+/// Reading or removing a namespace that does not exist, from the CLI, creates nothing: a tenant
+/// at its `max_namespaces` asking about another model is told there is none, not refused for
+/// its quota (the CLI registered the namespace before every command).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cli_questions_about_a_namespace_that_does_not_exist_create_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServerProcess::start(&["--config", config(dir.path()).to_str().unwrap()]);
+    let addr = server.grpc_addr();
+    let q = |args: &[&str]| {
+        let all: Vec<&str> =
+            args.iter().copied().chain(["--server", &addr, "--auth-token", TOKEN_Q, "--tenant", "q"]).collect();
+        cli(&all)
+    };
+    let (ok, out, err) = q(&["put", "--text", "a prefix of tokens long enough for a block or more of them"]);
+    assert!(ok, "{out} {err}");
+    let (ok, out, err) = q(&["lookup", "--model", "never-existed", "--text", "a prefix of tokens"]);
+    assert!(ok && out.contains("0 of 18 tokens"), "{out} {err}");
+    let (ok, out, err) = q(&["session", "ls", "--model", "never-existed"]);
+    assert!(ok && out.contains("0 session(s)"), "{out} {err}");
+    let (ok, _, err) = q(&["unregister", "--model", "never-existed"]);
+    assert!(!ok && err.contains("KV:Namespace:Unknown") && !err.contains("Quota"), "{err}");
+    let client = client_as(&server, Some(TOKEN_Q)).await;
+    assert_eq!(client.stats().await.unwrap().namespaces, 1, "nothing was created");
+}

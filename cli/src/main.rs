@@ -563,6 +563,14 @@ async fn connect(c: &ConnArgs) -> anyhow::Result<(KvClient, NamespaceHandle)> {
     Ok((client, ns))
 }
 
+/// A client and the namespace of the namespace flags, not registered: for commands that read or
+/// remove what is there (registering would create the namespace, and count against the tenant's
+/// `max_namespaces`, for a question about one that does not exist).
+async fn connect_existing(c: &ConnArgs) -> anyhow::Result<(KvClient, NamespaceHandle)> {
+    let ns = NamespaceHandle::unregistered(c.ns.namespace()?)?;
+    Ok((connect_client(&c.node).await?, ns))
+}
+
 impl TokensArgs {
     fn tokens(&self) -> anyhow::Result<Vec<u32>> {
         match (&self.text, &self.tokens) {
@@ -665,9 +673,12 @@ async fn put(a: PutArgs) -> anyhow::Result<()> {
 }
 
 async fn get(a: GetArgs) -> anyhow::Result<()> {
-    let (client, ns) = connect(&a.t.conn).await?;
+    let (client, ns) = connect_existing(&a.t.conn).await?;
     let tokens = a.t.tokens()?;
-    let blocks = client.load(&ns, &tokens).await?;
+    let blocks = match client.load(&ns, &tokens).await {
+        Err(ClientError::UnknownNamespace(_)) => Vec::new(),
+        other => other?,
+    };
     // The file first: what is printed may go to a pipe that closes early (`| head`).
     let wrote = a.out.map(|p| write_blocks(&p, &blocks)).transpose()?;
     outln!("loaded {} block(s) = {} tokens of {}", blocks.len(), blocks.len() * ns.block_tokens(), tokens.len())?;
@@ -690,17 +701,22 @@ fn write_blocks(path: &std::path::Path, blocks: &[bytes::Bytes]) -> anyhow::Resu
 }
 
 async fn lookup(a: TokensArgs) -> anyhow::Result<()> {
-    let (client, ns) = connect(&a.conn).await?;
+    let (client, ns) = connect_existing(&a.conn).await?;
     let tokens = a.tokens()?;
-    let n = client.lookup(&ns, &tokens).await?;
-    outln!("{n} of {} tokens are stored", tokens.len())?;
+    match client.lookup(&ns, &tokens).await {
+        Ok(n) => outln!("{n} of {} tokens are stored", tokens.len())?,
+        Err(ClientError::UnknownNamespace(_)) => {
+            outln!("0 of {} tokens are stored (the node holds no such namespace)", tokens.len())?
+        }
+        Err(e) => return Err(e.into()),
+    }
     Ok(())
 }
 
 /// `purge` (or `unregister`): what went, here and on the other members; an error when a member
 /// could not be reached (the node asks it again in the background).
 async fn delete(c: ConnArgs, unregister: bool) -> anyhow::Result<()> {
-    let (client, ns) = connect(&c).await?;
+    let (client, ns) = connect_existing(&c).await?;
     let d = if unregister { client.unregister(&ns).await? } else { client.purge(&ns).await? };
     let what = if unregister { "unregistered" } else { "purged" };
     let sessions = |n: u64| if unregister { format!("{n} session(s) and ") } else { String::new() };
@@ -791,7 +807,7 @@ async fn session(s: SessionCmd) -> anyhow::Result<()> {
             outln!("extended {:?} to v{}: {} tokens, {} blocks", info.id, info.version, info.token_count, info.blocks)?;
         }
         SessionCmd::Resume { conn, id, out } => {
-            let (client, ns) = connect(&conn).await?;
+            let (client, ns) = connect_existing(&conn).await?;
             let r = client.resume(&ns, &id).await?;
             let wrote = out.map(|p| write_blocks(&p, &r.blocks)).transpose()?;
             outln!(
@@ -810,8 +826,11 @@ async fn session(s: SessionCmd) -> anyhow::Result<()> {
             }
         }
         SessionCmd::Ls(conn) => {
-            let (client, ns) = connect(&conn).await?;
-            let list = client.list_sessions(Some(&ns)).await?;
+            let (client, ns) = connect_existing(&conn).await?;
+            let list = match client.list_sessions(Some(&ns)).await {
+                Err(ClientError::UnknownNamespace(_)) => Vec::new(),
+                other => other?,
+            };
             outln!("{} session(s)", list.len())?;
             for s in list {
                 outln!(
@@ -826,7 +845,7 @@ async fn session(s: SessionCmd) -> anyhow::Result<()> {
             }
         }
         SessionCmd::Drop { conn, id } => {
-            let (client, ns) = connect(&conn).await?;
+            let (client, ns) = connect_existing(&conn).await?;
             if !client.drop_session(&ns, &id).await? {
                 // As a resume of it would: an error (exit 1), not an answer.
                 anyhow::bail!("no session {id:?}: nothing dropped");
