@@ -599,9 +599,9 @@ async fn what_quotas_reserve_is_kept_from_tenants_without_one() {
     kept.register(namespace("kept", b"second", small_layout())).await.expect("kept's slots are its own");
 }
 
-/// Reading or removing a namespace that does not exist, from the CLI, creates nothing: a tenant
-/// at its `max_namespaces` asking about another model is told there is none, not refused for
-/// its quota (the CLI registered the namespace before every command).
+/// A tenant at its `max_namespaces` asking the CLI about a namespace that does not exist is told
+/// there is none, and nothing is created, not refused for its quota (the CLI registers the
+/// namespace it names before every command).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cli_questions_about_a_namespace_that_does_not_exist_create_none() {
     let dir = tempfile::tempdir().unwrap();

@@ -563,12 +563,17 @@ async fn connect(c: &ConnArgs) -> anyhow::Result<(KvClient, NamespaceHandle)> {
     Ok((client, ns))
 }
 
-/// A client and the namespace of the namespace flags, not registered: for commands that read or
-/// remove what is there (registering would create the namespace, and count against the tenant's
-/// `max_namespaces`, for a question about one that does not exist).
+/// [`connect`] for commands that read or remove what is there: a tenant at its
+/// `max_namespaces` asking about a namespace that does not exist is answered about that one
+/// (none there), not refused for its quota — the namespace is not registered then.
 async fn connect_existing(c: &ConnArgs) -> anyhow::Result<(KvClient, NamespaceHandle)> {
-    let ns = NamespaceHandle::unregistered(c.ns.namespace()?)?;
-    Ok((connect_client(&c.node).await?, ns))
+    let spec = c.ns.namespace()?;
+    let client = connect_client(&c.node).await?;
+    let ns = match client.register(spec.clone()).await {
+        Err(ClientError::QuotaExceeded(_)) => NamespaceHandle::unregistered(spec)?,
+        other => other?,
+    };
+    Ok((client, ns))
 }
 
 impl TokensArgs {
