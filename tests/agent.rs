@@ -689,6 +689,18 @@ fn a_spill_stalled_on_a_stopped_server_does_not_stall_another_connections_g1_loa
     assert!(landed, "the stalled spill reached the server once it ran again");
 }
 
+/// A DRAM-only server on a data directory in `dir` (to restart in place: it comes back without
+/// its registrations) and an agent of it with an 8-page pool: the server, the agent's socket,
+/// the agent.
+fn restartable_server_and_agent(dir: &std::path::Path) -> (ServerProcess, std::path::PathBuf, AgentProcess) {
+    let data_dir = dir.join("data");
+    std::fs::create_dir_all(&data_dir).unwrap();
+    let server = ServerProcess::start_in(&data_dir, &["--dram-capacity", "64MiB"]);
+    let sock_path = dir.join("agent.sock");
+    let agent = agent_of(&server, &sock_path, 8);
+    (server, sock_path, agent)
+}
+
 /// A server that restarts without its registrations (no disk tier) costs the agent no block:
 /// its spills meet a broken connection, then a namespace the server no longer knows, and register
 /// it again; its demand stream likewise. Before, every spill after the restart failed (each
@@ -699,11 +711,7 @@ async fn an_agent_outlives_a_restart_of_its_server() {
     use kvtier_proto::{BlockKey, KEY_LEN};
 
     let dir = tempfile::tempdir().unwrap();
-    let data_dir = dir.path().join("data");
-    std::fs::create_dir_all(&data_dir).unwrap();
-    let mut server = ServerProcess::start_in(&data_dir, &["--dram-capacity", "64MiB"]);
-    let sock_path = dir.path().join("agent.sock");
-    let _agent = agent_of(&server, &sock_path, 8);
+    let (mut server, sock_path, _agent) = restartable_server_and_agent(dir.path());
     let ns = Namespace::new("t", "m", KvLayout::new(4, 2, 64, DType::Fp16, 16), HashScheme::Blake3, b"s");
     let first: Vec<BlockKey> = (1..=8u8).map(|i| BlockKey([i; KEY_LEN])).collect();
     let second: Vec<BlockKey> = (11..=18u8).map(|i| BlockKey([i; KEY_LEN])).collect();
@@ -755,11 +763,7 @@ async fn an_engine_opens_through_the_agent_while_the_server_is_down() {
     use kvtier_proto::{BlockKey, KEY_LEN};
 
     let dir = tempfile::tempdir().unwrap();
-    let data_dir = dir.path().join("data");
-    std::fs::create_dir_all(&data_dir).unwrap();
-    let mut server = ServerProcess::start_in(&data_dir, &["--dram-capacity", "64MiB"]);
-    let sock_path = dir.path().join("agent.sock");
-    let _agent = agent_of(&server, &sock_path, 8);
+    let (mut server, sock_path, _agent) = restartable_server_and_agent(dir.path());
     server.child.kill().unwrap();
     server.child.wait().unwrap();
     let ns = Namespace::new("t", "m", KvLayout::new(4, 2, 64, DType::Fp16, 16), HashScheme::Blake3, b"down");

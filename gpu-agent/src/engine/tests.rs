@@ -380,6 +380,32 @@ impl Client {
     }
 }
 
+/// An engine socket of `a` in a fresh folder: the folder (kept while the test runs), the
+/// socket's path, the server.
+fn socket_of(a: &Arc<TestAgent>) -> (tempfile::TempDir, std::path::PathBuf, EngineServer) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("agent.sock");
+    let server = EngineServer::bind(a.clone(), &path).unwrap();
+    (dir, path, server)
+}
+
+/// A connection to the socket at `path` with the test namespace open.
+fn opened(path: &std::path::Path) -> Client {
+    let mut c = Client { sock: UnixStream::connect(path).unwrap() };
+    c.send(&Request::Open(namespace()), 1, None);
+    assert_eq!(c.answer().unwrap().status(), 0);
+    c
+}
+
+/// Registers `m` (all its pages) on `c` by its memfd; the buffer's id.
+fn register_on(c: &mut Client, m: &EngineMem) -> u32 {
+    let len = (m.pages * BLOCK) as u64;
+    c.send(&Request::Register { source: BufferSource::Memfd, len, pages: m.pages as u32 }, 2, Some(&m.fd));
+    let ans = c.answer().unwrap();
+    assert_eq!(ans.status(), 0, "{}", ans.msg());
+    ans.u32s()[0]
+}
+
 #[test]
 fn the_socket_carries_descriptors_answers_per_layer_and_enforces_its_limits() {
     let a = agent(4, |c| {
@@ -465,18 +491,14 @@ fn the_socket_carries_descriptors_answers_per_layer_and_enforces_its_limits() {
 #[test]
 fn a_stray_descriptor_is_never_a_later_registrations_memory() {
     let a = agent(4, |_| {});
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("agent.sock");
-    let _server = EngineServer::bind(a.clone(), &path).unwrap();
+    let (_dir, path, _server) = socket_of(&a);
     let mut stray = EngineMem::new(2, true);
     stray.fill(0, 9);
     stray.fill(1, 9);
     let mut m = EngineMem::new(2, true);
     m.fill(0, 5);
     m.fill(1, 6);
-    let mut c = Client { sock: UnixStream::connect(&path).unwrap() };
-    c.send(&Request::Open(namespace()), 1, None);
-    assert_eq!(c.answer().unwrap().status(), 0);
+    let mut c = opened(&path);
     // A registration refused (a CUDA IPC handle on the host device) with a memfd attached, and
     // a request that takes none with one attached.
     c.send(
@@ -512,9 +534,7 @@ fn a_stray_descriptor_is_never_a_later_registrations_memory() {
 #[test]
 fn a_registration_pipelined_after_open_keeps_its_descriptor() {
     let a = agent(4, |_| {});
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("agent.sock");
-    let _server = EngineServer::bind(a.clone(), &path).unwrap();
+    let (_dir, path, _server) = socket_of(&a);
     for round in 0..20u32 {
         let m = EngineMem::new(2, true);
         let mut c = Client { sock: UnixStream::connect(&path).unwrap() };
@@ -538,9 +558,7 @@ fn an_agents_socket_is_its_own() {
     let err = EngineServer::bind(a.clone(), &path).err().expect("a second agent on a live socket");
     assert_eq!(err.kind(), std::io::ErrorKind::AddrInUse, "{err}");
     assert!(err.to_string().contains("another agent"), "{err}");
-    let mut c = Client { sock: UnixStream::connect(&path).unwrap() };
-    c.send(&Request::Open(namespace()), 1, None);
-    assert_eq!(c.answer().unwrap().status(), 0, "the first still serves");
+    opened(&path); // the first still serves
 
     // Its file removed and another agent bound there: stopping the first leaves the other's.
     std::fs::remove_file(&path).unwrap();
@@ -552,9 +570,7 @@ fn an_agents_socket_is_its_own() {
     });
     rx.recv_timeout(std::time::Duration::from_secs(5)).expect("the first agent stopped promptly");
     assert!(path.exists(), "the second agent's socket is left alone");
-    let mut c = Client { sock: UnixStream::connect(&path).unwrap() };
-    c.send(&Request::Open(namespace()), 1, None);
-    assert_eq!(c.answer().unwrap().status(), 0);
+    opened(&path);
     // With its file gone, it still stops.
     std::fs::remove_file(&path).unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
@@ -571,17 +587,11 @@ fn an_agents_socket_is_its_own() {
 #[test]
 fn an_unfinished_save_gives_its_pages_back_after_the_save_timeout() {
     let a = agent(4, |c| c.save_timeout = std::time::Duration::from_millis(1500));
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("agent.sock");
-    let _server = EngineServer::bind(a.clone(), &path).unwrap();
+    let (_dir, path, _server) = socket_of(&a);
     let connect = |m: &EngineMem| {
-        let mut c = Client { sock: UnixStream::connect(&path).unwrap() };
-        c.send(&Request::Open(namespace()), 1, None);
-        assert_eq!(c.answer().unwrap().status(), 0);
-        c.send(&Request::Register { source: BufferSource::Memfd, len: 4 * BLOCK as u64, pages: 4 }, 2, Some(&m.fd));
-        let ans = c.answer().unwrap();
-        assert_eq!(ans.status(), 0, "{}", ans.msg());
-        (c, ans.u32s()[0])
+        let mut c = opened(&path);
+        let buffer = register_on(&mut c, m);
+        (c, buffer)
     };
     let (ma, mb) = (EngineMem::new(4, true), EngineMem::new(4, true));
     let (mut stuck, sb) = connect(&ma);
