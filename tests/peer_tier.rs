@@ -18,11 +18,16 @@ const IDS: [&str; 3] = ["n1", "n2", "n3"];
 
 /// A node of the cluster (64 MiB of DRAM, so every node has the same placement weight).
 fn node(redis: &Redis, dir: &std::path::Path, id: &str, rf: usize) -> ServerProcess {
+    node_ttl(redis, dir, id, rf, "2s")
+}
+
+/// [`node`] with a membership TTL of `ttl` (a node stalled for less stays a member).
+fn node_ttl(redis: &Redis, dir: &std::path::Path, id: &str, rf: usize, ttl: &str) -> ServerProcess {
     let cfg = dir.join(format!("{id}.toml"));
     std::fs::write(
         &cfg,
         format!(
-            "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\ncluster_rf = {rf}\npeer_timeout = \"1s\"\n",
+            "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"{ttl}\"\ncluster_rf = {rf}\npeer_timeout = \"1s\"\n",
             redis.url()
         ),
     )
@@ -329,6 +334,97 @@ async fn a_purge_or_an_unregistration_reaches_every_member_and_one_that_was_away
         let err = client.lookup(h, &toks).await.unwrap_err();
         assert!(matches!(err, kvtier_client::ClientError::UnknownNamespace(_)), "{err}");
     }
+}
+
+/// An unregistration owed to a member that was away survives a restart of the node that took
+/// it (kept in its `owed_deletes.log`): the node killed and started again before the member comes
+/// back still asks it, and the member serves nothing of the namespace afterwards. Before, what
+/// was owed lived in memory only, and the member kept serving the deleted namespace for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unregistration_owed_to_a_member_away_survives_a_restart_of_the_node_that_took_it() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let mut nodes = cluster(&redis, dir.path(), 3);
+    let (a, c) = (nodes[0].client().await, nodes[2].client().await);
+    let spec = namespace("acme", b"owed-salt", small_layout());
+    let ns = a.register(spec.clone()).await.unwrap();
+    let ns_c = c.register(spec.clone()).await.unwrap();
+    let toks = tokens(4, 8 * 16);
+    a.store(&ns, &toks, &full_block_payloads(&ns, &toks)).await.unwrap().ok().unwrap();
+    until_forwarded(&nodes[0], 16);
+    assert_eq!(c.lookup(&ns_c, &toks).await.unwrap(), toks.len());
+
+    // n3 away (stopped past its TTL) while n1 unregisters the namespace.
+    let pid3 = nodes[2].child.id();
+    stop_process(pid3);
+    until_members(&nodes[..2], 2);
+    let d = a.unregister(&ns).await.unwrap();
+    assert_eq!(d.away().iter().map(|m| m.node_id.as_str()).collect::<Vec<_>>(), ["n3"], "{d:?}");
+    assert!(nodes[0].dir.join("owed_deletes.log").exists(), "what n1 owes is on disk before it answers");
+
+    // n1 killed and started again on its data directory before n3 is back.
+    let _ = nodes[0].child.kill();
+    let _ = nodes[0].child.wait();
+    let cfg = dir.path().join("n1.toml");
+    let again = nodes[0].restart_in_place(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"]);
+    let _before = std::mem::replace(&mut nodes[0], again);
+    until_members(&nodes[..2], 2);
+    continue_process(pid3);
+    until_members(&nodes, 3);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        match c.lookup(&ns_c, &toks).await {
+            Err(kvtier_client::ClientError::UnknownNamespace(_)) => break,
+            other => assert!(Instant::now() < deadline, "n3 still serves the unregistered namespace: {other:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(metric(&nodes[0].scrape(), "kvtier_peer_deletes_retried_total", &[]) >= 1.0, "asked by the restarted n1");
+}
+
+/// Blocks stored while one of their owners was down — stalled, still a member — reach it once it
+/// answers again (hinted handoff), so the other nodes find them through their owner. Before, a
+/// forward to an owner known to be down was dropped: with one copy per block they were held only
+/// by the node that stored them, and every other node missed them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_an_owner_missed_while_it_was_down_are_handed_to_it_when_it_answers() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    // A TTL far above the stall: n3 stays a member, and calls to it fail.
+    let nodes: Vec<ServerProcess> = IDS.iter().map(|id| node_ttl(&redis, dir.path(), id, 1, "60s")).collect();
+    until_members(&nodes, 3);
+    let (a, b) = (nodes[0].client().await, nodes[1].client().await);
+    let spec = namespace("acme", b"handoff-salt", small_layout());
+    let ns = a.register(spec.clone()).await.unwrap();
+    let ns_b = b.register(spec).await.unwrap();
+    let toks = tokens(6, 24 * 16);
+    let payloads = full_block_payloads(&ns, &toks);
+    let p = placement();
+    let to_n3 = ns.keys(&toks).iter().filter(|k| owners(&p, &ns.id, k, 1).contains("n3")).count();
+    assert!(to_n3 > 0, "n3 owns some of the blocks");
+
+    let pid3 = nodes[2].child.id();
+    stop_process(pid3);
+    a.store(&ns, &toks, &payloads).await.unwrap().ok().unwrap();
+    let n1 = |name: &str| metric(&nodes[0].scrape(), name, &[]);
+    // n1's forward to n3 times out (peer_timeout 1 s): its blocks are held as hints.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while n1("kvtier_peer_handoff_pending") < to_n3 as f64 {
+        assert!(Instant::now() < deadline, "{} of {to_n3} blocks held for n3", n1("kvtier_peer_handoff_pending"));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(n1("kvtier_peer_forward_dropped_total"), 0.0);
+    continue_process(pid3);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while n1("kvtier_peer_handoff_sent_total") < to_n3 as f64 {
+        assert!(Instant::now() < deadline, "{} of {to_n3} blocks handed to n3", n1("kvtier_peer_handoff_sent_total"));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(n1("kvtier_peer_handoff_pending"), 0.0);
+    // Through n2: n3's blocks from n3, n1's from n1, its own from itself; exact bytes.
+    let loaded = b.load(&ns_b, &toks).await.unwrap();
+    assert_eq!(loaded.len(), payloads.len(), "every block loads through n2");
+    assert!(loaded == payloads, "exact bytes");
 }
 
 const OPERATOR: &str = "operator-secret-0123456789";

@@ -256,7 +256,9 @@ async fn a_park_with_too_few_live_nodes_is_not_acknowledged_and_tenants_cannot_t
     let ns = handle(&tenant).await;
     let (toks, blocks) = session(&ns, 1);
     let err = tenant.park(&ns, "lonely", &toks, &blocks, &ParkOptions::default(), 0).await.unwrap_err();
-    assert!(err.to_string().contains("held by 1 of 2 nodes"), "{err}");
+    // Said as the cluster's state, not the node's fault: worth retrying.
+    assert!(matches!(err, ClientError::Unavailable(ref m) if m.contains("held by 1 of 2 nodes")), "{err}");
+    assert!(err.to_string().starts_with("KV:Cluster:Unavailable: too few copies: session"), "{err}");
 
     // A node's copies answer the operator only.
     let req = pb::SessionReplicaRequest {
@@ -486,7 +488,7 @@ async fn a_park_short_of_copies_is_made_up_for_when_the_owner_answers_again() {
     let pid = nodes[1].child.id();
     stop_process(pid);
     let err = clients[0].park(&ns, "short", &toks, &blocks, &ParkOptions::default(), 0).await.unwrap_err();
-    assert!(err.to_string().contains("held by 1 of 2 nodes"), "{err}");
+    assert!(matches!(err, ClientError::Unavailable(ref m) if m.contains("held by 1 of 2 nodes")), "{err}");
     continue_process(pid);
     let deadline = Instant::now() + Duration::from_secs(20);
     while copies(&[&clients[0], &clients[1]]).await.get("short") != Some(&2) {

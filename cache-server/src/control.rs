@@ -62,7 +62,7 @@ pub fn to_status(e: ServerError) -> Status {
         ServerError::InvalidRequest(_) | ServerError::Proto(_) => tonic::Code::InvalidArgument,
         ServerError::Io(e) if e.kind() == std::io::ErrorKind::StorageFull => tonic::Code::ResourceExhausted,
         ServerError::Config(_) | ServerError::Io(_) => tonic::Code::Internal,
-        ServerError::Peer { .. } => tonic::Code::Unavailable,
+        ServerError::Peer { .. } | ServerError::ShortOfCopies(_) => tonic::Code::Unavailable,
     };
     let mut status = Status::new(code, format!("{}: {e}", e.code()));
     if let Ok(v) = e.code().parse() {

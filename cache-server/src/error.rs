@@ -49,6 +49,10 @@ pub enum ServerError {
     /// a miss.
     #[error("peer {peer}: {reason}")]
     Peer { peer: String, reason: String },
+    /// A replicated session was kept here but fewer members than its replication factor took a
+    /// copy (they failed or are down); said to the client, who may park again to retry.
+    #[error("too few copies: {0}")]
+    ShortOfCopies(String),
 }
 
 impl ServerError {
@@ -71,7 +75,8 @@ impl ServerError {
             }
             ServerError::InvalidRequest(_) | ServerError::Proto(_) => codes::INVALID_REQUEST,
             ServerError::Io(e) if e.kind() == std::io::ErrorKind::StorageFull => codes::DISK_FULL,
-            ServerError::Config(_) | ServerError::Io(_) | ServerError::Peer { .. } => codes::INTERNAL,
+            ServerError::Peer { .. } | ServerError::ShortOfCopies(_) => codes::UNAVAILABLE,
+            ServerError::Config(_) | ServerError::Io(_) => codes::INTERNAL,
         }
     }
 
@@ -95,6 +100,7 @@ impl ServerError {
             ServerError::Io(e) if e.kind() == std::io::ErrorKind::StorageFull => "disk_full",
             ServerError::Io(_) => "io",
             ServerError::Peer { .. } => "peer",
+            ServerError::ShortOfCopies(_) => "short_of_copies",
         }
     }
 }

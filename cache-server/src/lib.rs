@@ -170,10 +170,20 @@ impl RunningServer {
             cfg,
             self.stop.subscribe(),
         );
+        // Deletes this node owed members that were away when it stopped: asked again.
+        match cluster::deletes::OwedLog::open(&c.data_dir, crate::fs::StdFs::shared()) {
+            Ok((log, owed)) => cluster::deletes::restore(&tier, log, owed),
+            Err(e) => tracing::error!(
+                "{}: {e}; deletes owed to members that are away are kept in memory only",
+                cluster::deletes::OwedLog::FILE
+            ),
+        }
         self.state.tiers().attach_peers(tier, c.peer_cache);
         self.tasks.push(task);
         // With `cluster_rf` >= 2: parked sessions' missing copies re-made after membership changes.
         self.tasks.push(tokio::spawn(cluster::replicas::repair_loop(self.state.clone(), self.stop.subscribe())));
+        // Blocks forwards could not give an owner that was down: handed to it when it answers.
+        self.tasks.push(tokio::spawn(cluster::handoff::handoff_loop(self.state.clone(), self.stop.subscribe())));
     }
 
     /// Runs until the gRPC server stops.

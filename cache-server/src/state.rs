@@ -46,6 +46,9 @@ pub struct NodeState {
     /// With a disk tier: every registered namespace, so sessions restored after a restart know
     /// their layout before any client registers again.
     namespace_log: Option<NamespaceLog>,
+    /// Held while a namespace is created: its quota checks, its log record and its insertion are
+    /// one step, so racing creations can't each pass a check only one of them fits.
+    creating: Mutex<()>,
     _dir_lock: std::fs::File,
 }
 
@@ -322,6 +325,7 @@ impl NodeState {
                 disk_recovery: None,
                 io: IoPool::default(),
                 namespace_log: None,
+                creating: Mutex::new(()),
                 _dir_lock: dir_lock,
                 arena_access: OnceLock::new(),
                 tenants,
@@ -399,6 +403,7 @@ impl NodeState {
             disk_recovery: Some(report),
             io: IoPool::default(),
             namespace_log: Some(NamespaceLog { file: f, lock: Mutex::new(()), key: ns_key }),
+            creating: Mutex::new(()),
             _dir_lock: dir_lock,
             arena_access: OnceLock::new(),
             tenants,
@@ -546,11 +551,17 @@ impl NodeState {
                 return self.register_granted(by, &ns);
             }
         }
+        let id = ns.id();
+        if self.namespaces.read().contains_key(&id) {
+            return Ok(id);
+        }
+        // Creations one at a time (they are rare; registering a known namespace does not wait):
+        // two racing ones each passed the checks below with one slot left, and both were made.
+        let _creating = self.creating.lock();
         // The owner's quota, whoever registers it: a peer forwarding the tenant's blocks (as the
         // operator) counts against it as the tenant itself would.
         if let Some(max) = self.tenants.tenant(&ns.tenant).and_then(|t| t.quotas.max_namespaces) {
             let map = self.namespaces.read();
-            let id = ns.id();
             let held = map.values().filter(|n| n.tenant == ns.tenant).count() as u64;
             if !map.contains_key(&id) && held >= max {
                 return Err(ServerError::QuotaExceeded(format!(
@@ -567,7 +578,6 @@ impl NodeState {
                 self.config.max_frame_bytes
             )));
         }
-        let id = ns.id();
         if self.namespaces.read().contains_key(&id) {
             return Ok(id);
         }
@@ -575,8 +585,7 @@ impl NodeState {
             return Err(ServerError::Capacity(format!("this node already holds {MAX_NAMESPACES} namespaces")));
         }
         // Logged (and synced) before it is visible, and outside the map's lock, which every
-        // data-plane request reads: two racing registrations of one namespace log it twice,
-        // which replay folds into one.
+        // data-plane request reads.
         if let Some(log) = &self.namespace_log {
             use prost::Message;
             let rec = namespace_record(&log.key, &NamespaceRecord::Register(&ns.to_pb().encode_to_vec()));
@@ -866,5 +875,61 @@ mod tests {
         );
         drop(second);
         assert!(lock_data_dir(dir.path()).is_ok());
+    }
+
+    /// Racing creations by a tenant one namespace below its `max_namespaces` make one namespace,
+    /// not one each: the checks, the logged record and the insertion are one step. (With a disk
+    /// tier each creation waits for `namespaces.log`'s sync between its check and its insertion:
+    /// before, all 8 passed the check and the tenant held 8 of 2.)
+    #[test]
+    fn racing_creations_stay_within_max_namespaces_and_the_log_holds_only_those_made() {
+        use crate::config::{ByteSize, TenantConfig};
+        use kvtier_proto::{DType, HashScheme, KvLayout};
+        let dir = tempfile::tempdir().unwrap();
+        let tenant = TenantConfig {
+            name: "q".into(),
+            tokens: vec!["token-of-tenant-q-0123".into()],
+            max_namespaces: Some(2),
+            ..Default::default()
+        };
+        let config = ServerConfig {
+            data_dir: dir.path().to_path_buf(),
+            dram_capacity: ByteSize(8 << 20),
+            disk_capacity: ByteSize(8 << 20),
+            disk_segment_bytes: ByteSize(1 << 20),
+            metrics_listen: None,
+            tenants: vec![tenant],
+            ..ServerConfig::default()
+        };
+        let addr: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let state = Arc::new(NodeState::open(config.clone(), addr).unwrap());
+        let q = state.tenants().authenticate(Some(b"token-of-tenant-q-0123")).unwrap();
+        let ns = |i: u8| {
+            let layout = KvLayout::new(1, 1, 8, DType::Fp16, 16);
+            Namespace::new("q", "m", layout, HashScheme::Blake3, &[i])
+        };
+        state.register_namespace(&q, ns(0)).unwrap();
+        let start = Arc::new(std::sync::Barrier::new(8));
+        let racers: Vec<_> = (1..=8u8)
+            .map(|i| {
+                let (state, q, start) = (state.clone(), q.clone(), start.clone());
+                std::thread::spawn(move || {
+                    start.wait();
+                    state.register_namespace(&q, ns(i))
+                })
+            })
+            .collect();
+        let results: Vec<_> = racers.into_iter().map(|t| t.join().unwrap()).collect();
+        let made = results.iter().filter(|r| r.is_ok()).count();
+        assert_eq!(made, 1, "{results:?}");
+        assert!(results.iter().all(|r| matches!(r, Ok(_) | Err(ServerError::QuotaExceeded(_)))), "{results:?}");
+        assert_eq!(state.namespaces_of("q").len(), 2);
+        // Registering one it holds still works at its quota, without waiting on creations.
+        assert_eq!(state.register_namespace(&q, ns(0)).unwrap(), ns(0).id());
+        drop(q);
+        drop(state);
+        // Started again: the log made no more of them than were made.
+        let again = NodeState::open(config, addr).unwrap();
+        assert_eq!(again.namespaces_of("q").len(), 2);
     }
 }

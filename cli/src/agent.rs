@@ -782,6 +782,77 @@ async fn serve_devices<D: Device>(
     Ok(())
 }
 
+/// How often a run of failures to reach the server is said again at WARN.
+const REMIND_EVERY: Duration = Duration::from_secs(60);
+
+/// What to say of one call to the server, given the run of failures before it.
+#[derive(Debug, PartialEq, Eq)]
+enum Say {
+    /// The first failure of a run, or the first after [`REMIND_EVERY`]: at WARN, with how many
+    /// failed since the last WARN.
+    Warn { since_last: u64 },
+    /// A failure within a run already said: at DEBUG.
+    Debug,
+    /// The first success after `failures` failures: at INFO.
+    Recovered { failures: u64 },
+    /// A success after successes.
+    Nothing,
+}
+
+/// The run of failed calls to the server, process-wide (one agent per process). While the server
+/// is down every namespace's demand stream and every report fails about once a second: each said
+/// at WARN filled the log with the same line, and the moment it came back said nothing.
+#[derive(Default)]
+struct ServerFailures {
+    /// Failures in the current run, failures since the last WARN, and when that WARN was.
+    run: Mutex<(u64, u64, Option<std::time::Instant>)>,
+}
+
+impl ServerFailures {
+    fn failed(&self, now: std::time::Instant) -> Say {
+        let Ok(mut run) = self.run.lock() else { return Say::Debug };
+        run.0 += 1;
+        run.1 += 1;
+        if run.2.is_none_or(|at| now.duration_since(at) >= REMIND_EVERY) || run.0 == 1 {
+            let since_last = run.1;
+            run.1 = 0;
+            run.2 = Some(now);
+            return Say::Warn { since_last };
+        }
+        Say::Debug
+    }
+
+    fn succeeded(&self) -> Say {
+        let Ok(mut run) = self.run.lock() else { return Say::Nothing };
+        let failures = std::mem::take(&mut *run).0;
+        if failures == 0 {
+            Say::Nothing
+        } else {
+            Say::Recovered { failures }
+        }
+    }
+}
+
+static SERVER_FAILURES: ServerFailures = ServerFailures { run: Mutex::new((0, 0, None)) };
+
+/// Says a failed call to the server (`what`: what it was for) as the run it belongs to allows.
+fn server_failed(what: &str, e: &dyn std::fmt::Display) {
+    match SERVER_FAILURES.failed(std::time::Instant::now()) {
+        Say::Warn { since_last } if since_last > 1 => {
+            tracing::warn!("{what}: {e} ({since_last} calls to the server failed since the last warning)")
+        }
+        Say::Warn { .. } => tracing::warn!("{what}: {e} (said again at most once a minute while it lasts)"),
+        _ => tracing::debug!("{what}: {e}"),
+    }
+}
+
+/// Notes a call to the server that worked: the end of a run of failures is said.
+fn server_answered() {
+    if let Say::Recovered { failures } = SERVER_FAILURES.succeeded() {
+        tracing::info!("the server answers again (after {failures} failed calls)");
+    }
+}
+
 /// How often G1's changes go to the server.
 const REPORT_EVERY: Duration = Duration::from_millis(100);
 
@@ -843,10 +914,13 @@ async fn report_g1<D: Device>(agent: Arc<Agent<D, SameNodeStore>>, demand_store:
                     unspilled: vec![],
                 };
                 match client.raw_grpc().report_agent_blocks(req).await {
-                    Ok(_) => metrics::counter!("kvtier_agent_reported_keys_total").increment(chunk.len() as u64),
+                    Ok(_) => {
+                        server_answered();
+                        metrics::counter!("kvtier_agent_reported_keys_total").increment(chunk.len() as u64)
+                    }
                     Err(e) => {
                         metrics::counter!("kvtier_agent_report_errors_total").increment(1);
-                        tracing::warn!("reporting G1 blocks to the server: {e}");
+                        server_failed("reporting G1 blocks to the server", &e);
                     }
                 }
             }
@@ -908,19 +982,22 @@ async fn serve_demands<D: Device>(
         agent_id: agent_id.clone(),
     };
     let mut stream = match client.raw_grpc().agent_demands(req).await {
-        Ok(s) => s.into_inner(),
+        Ok(s) => {
+            server_answered();
+            s.into_inner()
+        }
         Err(e) if e.message().starts_with(kvtier_proto::codes::UNKNOWN_NAMESPACE) => {
             // The server restarted without its registrations: registered again, and the stream
             // opened on the next round.
             if let Err(e) = store.register_again(&ns).await {
-                tracing::warn!("opening the server's demand stream: {e}");
+                server_failed("opening the server's demand stream", &e);
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
             return;
         }
         Err(e) => {
             metrics::counter!("kvtier_agent_demand_stream_errors_total").increment(1);
-            tracing::warn!("opening the server's demand stream: {e}");
+            server_failed("opening the server's demand stream", &e);
             tokio::time::sleep(Duration::from_secs(1)).await;
             return;
         }
@@ -931,7 +1008,7 @@ async fn serve_demands<D: Device>(
         Err(_) => return,
     };
     if let Err(e) = report_keys(&client, &ns, &agent_id, &resident, Reported::Resident).await {
-        tracing::warn!("reporting G1 to the server: {e}");
+        server_failed("reporting G1 to the server", &e);
     }
     loop {
         let demand = match stream.message().await {
@@ -939,7 +1016,7 @@ async fn serve_demands<D: Device>(
             Ok(None) => return,
             Err(e) => {
                 metrics::counter!("kvtier_agent_demand_stream_errors_total").increment(1);
-                tracing::warn!("the server's demand stream: {e}");
+                server_failed("the server's demand stream", &e);
                 tokio::time::sleep(Duration::from_secs(1)).await;
                 return;
             }
@@ -976,7 +1053,7 @@ async fn serve_demands<D: Device>(
         .unwrap_or_default();
         // The reads waiting on what could not be spilled miss now, not at the end of their wait.
         if let Err(e) = report_keys(&client, &ns, &agent_id, &unspilled, Reported::Unspilled).await {
-            tracing::warn!("telling the server which demanded blocks could not be spilled: {e}");
+            server_failed("telling the server which demanded blocks could not be spilled", &e);
         }
     }
 }
@@ -1058,6 +1135,24 @@ mod tests {
     fn parse(args: &[&str]) -> anyhow::Result<Settings> {
         let cmd = Cmd::try_parse_from(std::iter::once("agent").chain(args.iter().copied()))?;
         settings(&cmd.a)
+    }
+
+    /// A run of failed calls to the server is said at WARN once, then once a minute with the
+    /// count since, and its end once; a new run after a success warns at once again.
+    #[test]
+    fn a_run_of_server_failures_is_said_once_a_minute_and_its_end_once() {
+        let f = ServerFailures::default();
+        let t0 = std::time::Instant::now();
+        assert_eq!(f.succeeded(), Say::Nothing);
+        assert_eq!(f.failed(t0), Say::Warn { since_last: 1 });
+        for i in 1..=58 {
+            assert_eq!(f.failed(t0 + Duration::from_secs(i)), Say::Debug, "second {i}");
+        }
+        assert_eq!(f.failed(t0 + REMIND_EVERY), Say::Warn { since_last: 59 });
+        assert_eq!(f.failed(t0 + REMIND_EVERY + Duration::from_secs(1)), Say::Debug);
+        assert_eq!(f.succeeded(), Say::Recovered { failures: 61 });
+        assert_eq!(f.succeeded(), Say::Nothing);
+        assert_eq!(f.failed(t0 + REMIND_EVERY + Duration::from_secs(2)), Say::Warn { since_last: 1 });
     }
 
     #[test]

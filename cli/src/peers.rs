@@ -171,7 +171,7 @@ impl PeerTransport for ClientTransport {
         peer: &'a Member,
         ns: &'a Namespace,
         what: NamespaceDelete,
-        asked: Instant,
+        asked: std::time::SystemTime,
     ) -> PeerFuture<'a, (u64, u64)> {
         Box::pin(async move {
             // Not registered there first: a peer that does not know the namespace holds nothing.
@@ -188,7 +188,7 @@ impl PeerTransport for ClientTransport {
                         namespace_id,
                         local_only: true,
                         // At least 1: 0 says "now" (a call made at once is made as of now).
-                        as_of_ago_ms: (asked.elapsed().as_millis() as u64).max(1),
+                        as_of_ago_ms: (asked.elapsed().unwrap_or_default().as_millis() as u64).max(1),
                     })
                     .await
                     .map(|r| r.into_inner())

@@ -41,6 +41,10 @@ pub enum ClientError {
     /// The tenant is at one of its quotas (namespaces, sessions, session bytes).
     #[error("{}", labeled("quota exceeded", .0))]
     QuotaExceeded(String),
+    /// The server is up, but other members of its cluster it needed could not be reached in time
+    /// (a park left short of its copies, a peer down): retrying later may succeed.
+    #[error("{}", labeled("cluster unavailable", .0))]
+    Unavailable(String),
     #[error("block {index} rejected: {}", status.describe())]
     Rejected { index: usize, status: ItemStatus },
     #[error("block {index} is missing on the server")]
@@ -98,6 +102,7 @@ impl ClientError {
             ClientError::Unauthenticated(_) => "unauthenticated",
             ClientError::Forbidden(_) => "forbidden",
             ClientError::QuotaExceeded(_) => "quota",
+            ClientError::Unavailable(_) => "unavailable",
             ClientError::Rejected { status: ItemStatus::Forbidden, .. } => "forbidden",
             ClientError::Rejected { status: ItemStatus::Capacity, .. } => "capacity",
             ClientError::Rejected { .. } => "rejected",
@@ -135,6 +140,7 @@ impl From<tonic::Status> for ClientError {
             codes::SESSION_VERSION => ClientError::VersionConflict(message),
             codes::FORBIDDEN => ClientError::Forbidden(message),
             codes::QUOTA => ClientError::QuotaExceeded(message),
+            codes::UNAVAILABLE => ClientError::Unavailable(message),
             _ if s.code() == tonic::Code::Unauthenticated => ClientError::Unauthenticated(message),
             // No kvtier code: the transport failed (server gone, connection reset), not the server.
             "" if matches!(

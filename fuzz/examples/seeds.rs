@@ -8,6 +8,7 @@ use std::path::Path;
 use bytes::Bytes;
 use kvtier_kernels::{encode, BlockSpec, KvBlockView};
 use kvtier_proto::dataplane::{Hello, LeaseGrant, Op, RequestHeader, SlotDescriptor};
+use kvtier_proto::record_log::deletes::{self, OwedDeleteRecord};
 use kvtier_proto::record_log::namespaces::NamespaceRecord;
 use kvtier_proto::record_log::sessions::{encode_body, LoggedSession, DROP, DROPPED, PUT};
 use kvtier_proto::record_log::{encode_log_header, encode_record, LogKey, LogKind};
@@ -126,5 +127,15 @@ fn logs() -> std::io::Result<()> {
     write("logs", "namespaces", &namespaces)?;
     let n = namespaces.len();
     namespaces[n - 40] ^= 4;
-    write("logs", "namespaces-damaged", &namespaces)
+    write("logs", "namespaces-damaged", &namespaces)?;
+    let mut owed = vec![2u8];
+    owed.extend(encode_log_header(LogKind::OwedDeletes, &key));
+    for (member, what) in [("n2", deletes::UNREGISTER), ("node-three:7070", deletes::PURGE)] {
+        let r = OwedDeleteRecord { member, what, asked_unix_ms: 1 << 40, spec: b"tenant t, model m" };
+        owed.extend(encode_record(&key, &r.encode()));
+    }
+    write("logs", "owed-deletes", &owed)?;
+    let n = owed.len();
+    owed[n - 20] ^= 4;
+    write("logs", "owed-deletes-damaged", &owed)
 }

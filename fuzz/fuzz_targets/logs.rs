@@ -1,5 +1,5 @@
 //! The replay of the node's metadata logs over arbitrary bytes: the first byte picks
-//! `sessions.log` (even) or `namespaces.log` (odd), the rest is the file. The functions are the
+//! `sessions.log` (0 mod 3), `namespaces.log` (1) or `owed_deletes.log` (2), the rest is the file. The functions are the
 //! server's own (`kvtier_proto::record_log`: header, keyed-record scan, record bodies). Beyond not
 //! panicking: every record returned is, byte for byte, the record its body encodes to under the
 //! file's secret (so it verifies); records never overlap and never outnumber what fits; damaged
@@ -7,6 +7,7 @@
 //! round-trip; and the records re-written as a clean file read back the same with nothing skipped.
 #![no_main]
 
+use kvtier_proto::record_log::deletes::{self, read_owed_deletes_log, OwedDeleteRecord};
 use kvtier_proto::record_log::namespaces::{self, read_namespace_log, NamespaceRecord};
 use kvtier_proto::record_log::sessions::{self, decode_body, encode_body, read_session_log};
 use kvtier_proto::record_log::{
@@ -17,11 +18,21 @@ use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     let Some((&pick, file)) = data.split_first() else { return };
-    let (kind, max) = if pick % 2 == 0 {
-        (LogKind::Sessions, sessions::MAX_RECORD)
-    } else {
-        (LogKind::Namespaces, namespaces::MAX_RECORD)
+    let (kind, max) = match pick % 3 {
+        0 => (LogKind::Sessions, sessions::MAX_RECORD),
+        1 => (LogKind::Namespaces, namespaces::MAX_RECORD),
+        _ => (LogKind::OwedDeletes, deletes::MAX_RECORD),
     };
+    if kind == LogKind::OwedDeletes {
+        // This log has no first format: a file without a header is refused, an empty one owes nothing.
+        let read = read_owed_deletes_log(file);
+        match read_log(kind, file, max) {
+            Ok(LogContents::Legacy) if !file.is_empty() => assert!(read.is_err(), "a file with no header read"),
+            Ok(LogContents::Legacy) => assert_eq!(read.ok(), Some((Vec::new(), 0))),
+            Ok(LogContents::Keyed { .. }) => assert!(read.is_ok(), "a keyed file refused"),
+            Err(_) => assert!(read.is_err(), "a damaged header read"),
+        }
+    }
     let (key, scan) = match read_log(kind, file, max) {
         Err(_) => {
             let copy = LOG_HEADER_LEN / 2;
@@ -84,6 +95,14 @@ fuzz_target!(|data: &[u8]| {
                     Some(r.clone()),
                     "a namespace record does not round-trip"
                 );
+            }
+        }
+        LogKind::OwedDeletes => {
+            let (records, skipped) = read_owed_deletes_log(file).expect("header read above");
+            assert_eq!(records.len() as u64 + skipped, total, "records and skips do not add up");
+            for r in records {
+                let body = r.encode();
+                assert_eq!(OwedDeleteRecord::decode(&body), Some(r), "an owed-delete record does not round-trip");
             }
         }
     }

@@ -4,21 +4,31 @@
 //! and a node that kept them would hand them back through the peer tier. A member that can't be
 //! reached — or that left the membership lately (killed: its TTL ran out) — is asked again in the
 //! background, at once when it (re)appears in the membership and every so often, for up to
-//! [`OWED_FOR`], so a node that was down when a tenant deleted its data does not keep serving it
-//! once it is back. One delete is owed per member and namespace (a later one replaces it: an
-//! unregistration a purge). A late unregistration is made as of when it was asked: sessions
-//! touched since (the namespace registered again) stay, and the namespace with them; a late
-//! purge removes what the member holds then. What this does not cover: the asking node itself
-//! stopping before the member returns (owed deletes are held in memory), and a member back under
-//! another node id.
+//! [`OWED_FOR`] from when the delete was asked, so a node that was down when a tenant deleted its
+//! data does not keep serving it once it is back. One delete is owed per member and namespace (a
+//! later one replaces it: an unregistration a purge). A late unregistration is made as of when it
+//! was asked: sessions touched since (the namespace registered again) stay, and the namespace with
+//! them; a late purge removes what the member holds then.
+//!
+//! What is owed is kept in `owed_deletes.log` in the data directory ([`OwedLog`]), rewritten whole
+//! whenever it changes and durable before the delete is answered, so the asking node restarting
+//! before the member returns loses nothing: it reads the log at start and asks again. What this
+//! does not cover: a member that left the membership before the asking node (re)started (the node
+//! never saw it leave, so owes it nothing), and a member back under another node id.
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use kvtier_proto::Namespace;
+use kvtier_proto::record_log::deletes::{self as records, read_owed_deletes_log, OwedDeleteRecord};
+use kvtier_proto::record_log::{encode_log_header, encode_record, LogKey, LogKind};
+use kvtier_proto::{pb, Namespace};
+use parking_lot::Mutex;
 
 use super::member::{Member, NodeId};
 use super::peer::PeerTier;
+use crate::error::ServerError;
+use crate::fs::FileSystem;
 
 /// How long a delete a member missed is retried.
 pub const OWED_FOR: Duration = Duration::from_secs(3600);
@@ -60,11 +70,150 @@ pub struct ClusterDelete {
     pub away: Vec<(NodeId, String)>,
 }
 
-/// A delete owed to a member: what, and when it was asked.
+/// A delete owed to a member: what, and when it was asked (wall-clock time: it outlives the
+/// process, in [`OwedLog`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Owed {
     pub what: NamespaceDelete,
-    pub asked: Instant,
+    pub asked: SystemTime,
+}
+
+impl Owed {
+    /// How long ago it was asked (zero if the clock went back since).
+    fn age(&self) -> Duration {
+        self.asked.elapsed().unwrap_or_default()
+    }
+}
+
+/// `owed_deletes.log` in a node's data directory: the deletes the node owes members it could not
+/// reach, rewritten whole (a new file synced and renamed over the old) whenever they change, and
+/// read at start.
+#[derive(Debug)]
+pub struct OwedLog {
+    path: PathBuf,
+    fs: Arc<dyn FileSystem>,
+    /// The file's secret: what its records' tags are keyed with.
+    key: LogKey,
+    /// Serializes rewrites: each writes what is owed when it holds this, so the last one written
+    /// is the latest.
+    writing: Mutex<()>,
+}
+
+/// A delete read back from [`OwedLog`]: the member, the namespace, what and when.
+pub type Restored = (NodeId, Namespace, Owed);
+
+impl OwedLog {
+    pub const FILE: &'static str = "owed_deletes.log";
+
+    /// Opens the log in `dir` and reads back the deletes still owed (asked within [`OWED_FOR`]).
+    /// A file whose header no longer verifies is moved aside (`.damaged`, said in the log), not
+    /// read: without its secret no record in it can be trusted.
+    pub fn open(dir: &Path, fs: Arc<dyn FileSystem>) -> Result<(OwedLog, Vec<Restored>), ServerError> {
+        use prost::Message;
+        let path = dir.join(Self::FILE);
+        let data = fs.read_all(&path)?.unwrap_or_default();
+        let mut owed = Vec::new();
+        let key = match read_owed_deletes_log(&data) {
+            Ok((found, skipped)) => {
+                if skipped > 0 {
+                    tracing::warn!("{}: {skipped} damaged record(s) skipped", path.display());
+                }
+                for r in found {
+                    let member = NodeId::new(r.member).ok();
+                    let ns = pb::NamespaceSpec::decode(r.spec).ok().and_then(|pb| Namespace::from_pb(&pb).ok());
+                    let (Some(member), Some(ns)) = (member, ns) else {
+                        tracing::warn!("{}: a record naming no valid member or namespace skipped", path.display());
+                        continue;
+                    };
+                    let what = if r.what == records::UNREGISTER {
+                        NamespaceDelete::Unregister
+                    } else {
+                        NamespaceDelete::Purge
+                    };
+                    let asked = UNIX_EPOCH + Duration::from_millis(r.asked_unix_ms);
+                    let o = Owed { what, asked };
+                    if o.age() < OWED_FOR {
+                        owed.push((member, ns, o));
+                    }
+                }
+                match kvtier_proto::record_log::read_log_header(LogKind::OwedDeletes, &data) {
+                    Ok(kvtier_proto::record_log::LogHeader::Keyed(key)) => key,
+                    _ => crate::session_log::fresh_log_key()?,
+                }
+            }
+            Err(e) => {
+                let aside = dir.join(format!("{}.damaged", Self::FILE));
+                fs.rename(&path, &aside)?;
+                tracing::error!(
+                    "{}: {e}; moved to {} — deletes this node owed members that were away are not asked again",
+                    path.display(),
+                    aside.display()
+                );
+                crate::session_log::fresh_log_key()?
+            }
+        };
+        Ok((OwedLog { path, fs, key, writing: Mutex::new(()) }, owed))
+    }
+
+    /// Writes `owed` as the whole log.
+    pub(crate) fn write(&self, owed: &[Restored]) -> std::io::Result<()> {
+        use prost::Message;
+        let mut data = encode_log_header(LogKind::OwedDeletes, &self.key);
+        for (member, ns, o) in owed {
+            let spec = ns.to_pb().encode_to_vec();
+            let r = OwedDeleteRecord {
+                member: member.as_str(),
+                what: match o.what {
+                    NamespaceDelete::Purge => records::PURGE,
+                    NamespaceDelete::Unregister => records::UNREGISTER,
+                },
+                asked_unix_ms: o.asked.duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64,
+                spec: &spec,
+            };
+            data.extend(encode_record(&self.key, &r.encode()));
+        }
+        self.fs.replace(&self.path, &data)
+    }
+}
+
+/// Makes what `peers` owes durable in its [`OwedLog`] (where it has one), off the async workers.
+/// A write that fails is logged and counted (`kvtier_peer_deletes_unsaved_total`): the deletes
+/// stay owed in memory, and the next change writes them all again.
+async fn save(peers: &Arc<PeerTier>) {
+    let Some(log) = peers.owed_log().cloned() else { return };
+    let tier = peers.clone();
+    let done = tokio::task::spawn_blocking(move || {
+        let _writing = log.writing.lock();
+        let now: Vec<Restored> =
+            tier.owed_deletes().lock().iter().map(|((id, _), (o, ns))| (id.clone(), ns.clone(), *o)).collect();
+        log.write(&now)
+    })
+    .await;
+    let err = match done {
+        Ok(Ok(())) => return,
+        Ok(Err(e)) => e.to_string(),
+        Err(e) => e.to_string(),
+    };
+    ::metrics::counter!("kvtier_peer_deletes_unsaved_total").increment(1);
+    tracing::error!("{}: cannot write the deletes owed to members away: {err}", OwedLog::FILE);
+}
+
+/// Takes back the deletes `log` held when the node started: each owed again (asked again soon
+/// and every so often, as when it was first missed), and the log kept from now on. Call it once,
+/// before the node takes requests (it spawns the tasks that ask).
+pub fn restore(peers: &Arc<PeerTier>, log: OwedLog, owed: Vec<Restored>) {
+    if peers.set_owed_log(log).is_err() {
+        return;
+    }
+    if !owed.is_empty() {
+        tracing::info!(deletes = owed.len(), "deletes owed to members that were away, from before the restart");
+    }
+    for (id, ns, o) in owed {
+        owe(peers, id, ns, o);
+    }
+    // Written again once: what was given up meanwhile goes.
+    let peers = peers.clone();
+    tokio::spawn(async move { save(&peers).await });
 }
 
 /// Asks every member of `others` to do `what` to `ns` on its own, at once, each call within
@@ -75,7 +224,7 @@ pub async fn delete_elsewhere(
     ns: &Namespace,
     what: NamespaceDelete,
 ) -> ClusterDelete {
-    let asked = Instant::now();
+    let asked = SystemTime::now();
     peers.mark_deleted(ns.id());
     let mut out = ClusterDelete::default();
     for (id, ago) in peers.departed() {
@@ -100,6 +249,10 @@ pub async fn delete_elsewhere(
             }
         }
     }
+    // What is owed now is durable before the delete is answered.
+    if !out.away.is_empty() || !out.failed.is_empty() {
+        save(peers).await;
+    }
     out
 }
 
@@ -112,7 +265,7 @@ fn owe(peers: &Arc<PeerTier>, id: NodeId, ns: Namespace, owed: Owed) {
     let key = (id.clone(), ns.id());
     {
         let mut all = peers.owed_deletes().lock();
-        if let Some(pending) = all.get_mut(&key) {
+        if let Some((pending, _)) = all.get_mut(&key) {
             if !(pending.what == NamespaceDelete::Unregister && owed.what == NamespaceDelete::Purge) {
                 *pending = owed;
             }
@@ -123,13 +276,12 @@ fn owe(peers: &Arc<PeerTier>, id: NodeId, ns: Namespace, owed: Owed) {
             tracing::warn!(peer = %id, "a {} missed by an unreachable member is not retried: {MAX_OWED} are owed already", owed.what.name());
             return;
         }
-        all.insert(key.clone(), owed);
+        all.insert(key.clone(), (owed, ns.clone()));
         ::metrics::gauge!("kvtier_peer_deletes_owed").set(all.len() as f64);
     }
     let tier = Arc::downgrade(peers);
     let mut members = peers.members();
     tokio::spawn(async move {
-        let give_up = Instant::now() + OWED_FOR;
         let mut wait = RETRY_FIRST;
         let mut watching = true;
         let done = loop {
@@ -139,19 +291,27 @@ fn owe(peers: &Arc<PeerTier>, id: NodeId, ns: Namespace, owed: Owed) {
                 changed = members.changed(), if watching => watching = changed.is_ok(),
             }
             let Some(peers) = tier.upgrade() else { return };
-            if Instant::now() > give_up {
+            let Some(now_owed) = peers.owed_deletes().lock().get(&key).map(|e| e.0) else { return };
+            // Counted from when it was asked (before a restart of this node too).
+            if now_owed.age() > OWED_FOR {
                 break None;
             }
             let member = peers.members().borrow().get(&id).cloned();
             let Some(member) = member else { continue };
-            let Some(now_owed) = peers.owed_deletes().lock().get(&key).copied() else { return };
             let call = peers.transport().delete(&member, &ns, now_owed.what, now_owed.asked);
             if peers.bounded(&member, call).await.is_ok() {
-                let mut all = peers.owed_deletes().lock();
-                // Replaced meanwhile: the newer one is sent on the next try.
-                if all.get(&key) == Some(&now_owed) {
-                    all.remove(&key);
-                    ::metrics::gauge!("kvtier_peer_deletes_owed").set(all.len() as f64);
+                let done = {
+                    let mut all = peers.owed_deletes().lock();
+                    // Replaced meanwhile: the newer one is sent on the next try.
+                    let done = all.get(&key).map(|e| e.0) == Some(now_owed);
+                    if done {
+                        all.remove(&key);
+                        ::metrics::gauge!("kvtier_peer_deletes_owed").set(all.len() as f64);
+                    }
+                    done
+                };
+                if done {
+                    save(&peers).await;
                     break Some(now_owed.what);
                 }
                 wait = Duration::ZERO;
@@ -164,12 +324,15 @@ fn owe(peers: &Arc<PeerTier>, id: NodeId, ns: Namespace, owed: Owed) {
             }
             None => {
                 if let Some(peers) = tier.upgrade() {
-                    let mut all = peers.owed_deletes().lock();
-                    all.remove(&key);
-                    ::metrics::gauge!("kvtier_peer_deletes_owed").set(all.len() as f64);
+                    {
+                        let mut all = peers.owed_deletes().lock();
+                        all.remove(&key);
+                        ::metrics::gauge!("kvtier_peer_deletes_owed").set(all.len() as f64);
+                    }
+                    save(&peers).await;
                 }
                 ::metrics::counter!("kvtier_peer_deletes_abandoned_total").increment(1);
-                tracing::warn!(peer = %id, "a delete the member missed was given up after {OWED_FOR:?}");
+                tracing::warn!(peer = %id, "a delete the member missed was given up {OWED_FOR:?} after it was asked");
             }
         }
     });

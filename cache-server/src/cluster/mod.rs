@@ -7,13 +7,16 @@
 //!   stores are forwarded to them; the network behind the [`PeerTransport`] seam.
 //! - [`replicas`]: replicated sessions — parks held by `rf` nodes, resumes that find the newest
 //!   copy on any node, copies re-made after a membership change.
+//! - [`handoff`]: blocks a forward could not give an owner that was down, handed to it when it
+//!   answers again.
 //! - [`deletes`]: a purge or an unregistration done on every member, and retried on one that
-//!   could not be reached.
+//!   could not be reached (what is owed kept on disk across restarts).
 //! - [`membership`]: the [`Membership`] seam — a watchable snapshot of the members, kept in
 //!   process for a single node ([`Embedded`]) or in Redis with a TTL heartbeat ([`RedisMembership`]).
 
 pub mod deletes;
 pub mod fetch;
+pub mod handoff;
 pub use kvtier_proto::cluster::{member, placement};
 pub mod membership;
 pub mod peer;

@@ -29,14 +29,15 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant, SystemTime};
 
 use kvtier_proto::{BlockKey, Namespace, NamespaceId};
 use parking_lot::Mutex;
 use tokio::sync::{mpsc, watch, Semaphore};
 
-use super::deletes::{NamespaceDelete, Owed};
+use super::deletes::{NamespaceDelete, Owed, OwedLog};
+use super::handoff::Hints;
 use super::member::{Labels, Member, NodeId};
 use super::membership::Snapshot;
 use super::placement::{Placement, Reader};
@@ -84,7 +85,7 @@ pub trait PeerTransport: Send + Sync + 'static {
         peer: &'a Member,
         ns: &'a Namespace,
         what: NamespaceDelete,
-        asked: Instant,
+        asked: SystemTime,
     ) -> PeerFuture<'a, (u64, u64)>;
 
     /// How long a prefix of `keys` `peer`'s own tiers hold, and whether it holds `session`, in
@@ -294,9 +295,13 @@ pub struct PeerTier {
     forward_bytes: Arc<Semaphore>,
     /// Namespaces purged or unregistered lately, and when: forwards queued before are dropped.
     deleted: Mutex<HashMap<NamespaceId, Instant>>,
-    /// Deletes owed to members that could not be reached, one per member and namespace (see
-    /// `super::deletes`).
-    owed_deletes: Mutex<HashMap<(NodeId, NamespaceId), Owed>>,
+    /// Deletes owed to members that could not be reached, one per member and namespace, with the
+    /// namespace (see `super::deletes`).
+    owed_deletes: Mutex<OwedDeletes>,
+    /// Where they are kept across restarts (set once, by `super::deletes::restore`).
+    owed_log: OnceLock<Arc<OwedLog>>,
+    /// Blocks forwards could not give an owner that was down, by owner (see `super::handoff`).
+    hints: Mutex<Hints>,
     /// Members of an earlier placement gone from the current one (killed, stopped), and since
     /// when: a node that comes back under its id is owed the deletes made while it was away.
     departed: Mutex<HashMap<NodeId, Instant>>,
@@ -304,6 +309,9 @@ pub struct PeerTier {
     /// without waiting for a membership change (the peers that failed may be members all along).
     repair: tokio::sync::Notify,
 }
+
+/// Deletes owed, by member and namespace: what and when, and the namespace.
+pub(crate) type OwedDeletes = HashMap<(NodeId, NamespaceId), (Owed, Namespace)>;
 
 /// How long a delete cancels forwards queued before it (the queue drains in far less).
 const DELETED_FOR: Duration = Duration::from_secs(60);
@@ -355,6 +363,8 @@ impl PeerTier {
             forward_bytes: Arc::new(Semaphore::new(FORWARD_BYTES)),
             deleted: Mutex::new(HashMap::new()),
             owed_deletes: Mutex::new(HashMap::new()),
+            owed_log: OnceLock::new(),
+            hints: Mutex::new(Hints::default()),
             departed: Mutex::new(HashMap::new()),
             repair: tokio::sync::Notify::new(),
         });
@@ -765,18 +775,45 @@ impl PeerTier {
     /// forwarding until now are not forwarded (they would put its blocks back on the owners).
     pub fn mark_deleted(&self, id: NamespaceId) {
         let now = Instant::now();
-        let mut deleted = self.deleted.lock();
-        deleted.retain(|_, at| now.duration_since(*at) < DELETED_FOR);
-        deleted.insert(id, now);
+        {
+            let mut deleted = self.deleted.lock();
+            deleted.retain(|_, at| now.duration_since(*at) < DELETED_FOR);
+            deleted.insert(id, now);
+        }
+        // Nor handed to owners that missed them.
+        let mut hints = self.hints.lock();
+        hints.forget_namespace(&id);
+        ::metrics::gauge!("kvtier_peer_handoff_pending").set(hints.len() as f64);
     }
 
     /// Whether a store of `id` queued at `queued` was deleted since.
-    fn deleted_since(&self, id: &NamespaceId, queued: Instant) -> bool {
+    pub(crate) fn deleted_since(&self, id: &NamespaceId, queued: Instant) -> bool {
         self.deleted.lock().get(id).is_some_and(|at| *at >= queued)
     }
 
-    pub(crate) fn owed_deletes(&self) -> &Mutex<HashMap<(NodeId, NamespaceId), Owed>> {
+    pub(crate) fn owed_deletes(&self) -> &Mutex<OwedDeletes> {
         &self.owed_deletes
+    }
+
+    pub(crate) fn hints(&self) -> &Mutex<Hints> {
+        &self.hints
+    }
+
+    /// Counts `blocks` (`bytes` of payload) an owner took from this node.
+    pub(crate) fn count_forwarded(&self, blocks: u64, bytes: u64) {
+        bump(&self.counters.forwarded, blocks);
+        ::metrics::counter!("kvtier_peer_forwarded_blocks_total").increment(blocks);
+        bump(&self.counters.bytes_out, bytes);
+        ::metrics::counter!("kvtier_tier_bytes_out_total", "tier" => "peer").increment(bytes);
+    }
+
+    pub(crate) fn owed_log(&self) -> Option<&Arc<OwedLog>> {
+        self.owed_log.get()
+    }
+
+    /// Keeps what is owed in `log` from now on; an error if a log was set already.
+    pub(crate) fn set_owed_log(&self, log: OwedLog) -> Result<(), ()> {
+        self.owed_log.set(Arc::new(log)).map_err(|_| ())
     }
 
     /// Sends one accepted store to the blocks' other owners: one request per owner.
@@ -812,25 +849,32 @@ impl PeerTier {
         for (member, blocks, res) in futures::future::join_all(calls).await {
             match res {
                 Some(Ok(held)) => {
-                    bump(&self.counters.forwarded, held as u64);
-                    ::metrics::counter!("kvtier_peer_forwarded_blocks_total").increment(held as u64);
                     // Blocks the peer refused (no room, a namespace it does not know) are held
-                    // only here, as a failed forward's are.
+                    // only here.
                     let refused = blocks.len().saturating_sub(held) as u64;
                     if refused > 0 {
-                        bump(&self.counters.forward_dropped, refused);
-                        ::metrics::counter!("kvtier_peer_forward_dropped_total").increment(refused);
+                        self.count_forward_dropped(refused);
                     }
-                    let sent: u64 = blocks.iter().map(|b| b.payload.len() as u64).sum();
-                    bump(&self.counters.bytes_out, sent);
-                    ::metrics::counter!("kvtier_tier_bytes_out_total", "tier" => "peer").increment(sent);
+                    self.count_forwarded(held as u64, blocks.iter().map(|b| b.payload.len() as u64).sum());
                 }
                 failed => {
-                    let n = blocks.len() as u64;
-                    bump(&self.counters.forward_dropped, n);
-                    ::metrics::counter!("kvtier_peer_forward_dropped_total").increment(n);
-                    if let Some(Err(e)) = failed {
-                        self.failed(member, "put", &e);
+                    // Down (not tried) or no answer: remembered, and handed to it when it answers
+                    // again (`super::handoff`). A refusal it answered with is not remembered.
+                    let missed = matches!(failed, None | Some(Err(ServerError::Peer { .. })));
+                    if let Some(Err(e)) = &failed {
+                        self.failed(member, "put", e);
+                    }
+                    let dropped = if missed {
+                        let keys: Vec<BlockKey> = blocks.iter().map(|b| b.header.key).collect();
+                        let mut hints = self.hints.lock();
+                        let lost = hints.add(&member.id, job.ns.id(), &keys, job.queued);
+                        ::metrics::gauge!("kvtier_peer_handoff_pending").set(hints.len() as f64);
+                        lost
+                    } else {
+                        blocks.len()
+                    };
+                    if dropped > 0 {
+                        self.count_forward_dropped(dropped as u64);
                     }
                 }
             }

@@ -49,6 +49,8 @@ struct Fake {
     calls: Mutex<Vec<(String, &'static str, usize)>>,
     /// What every honest answer costs, in milliseconds (a network's round trip).
     base_ms: Mutex<u64>,
+    /// Every delete asked: (peer, when the delete was asked).
+    asked: Mutex<Vec<(String, std::time::SystemTime)>>,
 }
 
 impl Fake {
@@ -153,11 +155,12 @@ impl PeerTransport for Fake {
         peer: &'a Member,
         ns: &'a Namespace,
         _what: NamespaceDelete,
-        _asked: Instant,
+        asked: std::time::SystemTime,
     ) -> PeerFuture<'a, (u64, u64)> {
         Box::pin(async move {
             let id = peer.id.to_string();
             self.calls.lock().push((id.clone(), "delete", 0));
+            self.asked.lock().push((id.clone(), asked));
             if self.mode(&id) == Mode::Refuse {
                 return Err(ServerError::Peer { peer: id, reason: "refused".into() });
             }
@@ -602,4 +605,63 @@ async fn forwards_queued_before_a_delete_are_not_sent() {
         assert!(Instant::now() < deadline, "a store after the delete was not forwarded");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// What a node owes survives its restart: kept in `owed_deletes.log`, read back by the next peer
+/// tier on the same directory, asked again as of when it was first asked, and gone from the file
+/// once done. A delete asked longer ago than `OWED_FOR` is not taken back; a log whose header no
+/// longer verifies is moved aside, not trusted.
+#[tokio::test]
+async fn deletes_owed_are_kept_across_a_restart_and_asked_as_of_when_they_were_asked() {
+    use super::super::deletes::{delete_elsewhere, restore, Owed, OwedLog, OWED_FOR};
+    let dir = tempfile::tempdir().unwrap();
+    let fs = crate::fs::StdFs::shared();
+    let (s, _blocks) = setup(3, 8, Duration::from_secs(2));
+    let (log, restored) = OwedLog::open(dir.path(), fs.clone()).unwrap();
+    assert!(restored.is_empty());
+    restore(&s.tier, log, restored);
+    s.fake.modes.lock().insert("b".into(), Mode::Refuse);
+    let d = delete_elsewhere(&s.tier, &[member("b"), member("c")], &s.ns, NamespaceDelete::Unregister).await;
+    assert_eq!(d.failed.len(), 1, "{d:?}");
+    let asked = s.fake.asked.lock()[0].1;
+    // The node stops: its peer tier goes, the task asking b with it.
+    drop(s);
+
+    let (log, restored) = OwedLog::open(dir.path(), fs.clone()).unwrap();
+    assert_eq!(restored.len(), 1, "{restored:?}");
+    let (member_id, ns, owed) = &restored[0];
+    assert_eq!((member_id.as_str(), owed.what), ("b", NamespaceDelete::Unregister));
+    let to_ms = |t: std::time::SystemTime| t.duration_since(std::time::UNIX_EPOCH).unwrap().as_millis();
+    assert_eq!(to_ms(owed.asked), to_ms(asked), "as of when it was asked, not when it was read back");
+    let (s2, _blocks) = setup(3, 8, Duration::from_secs(2));
+    assert_eq!(ns.id(), s2.ns.id());
+    restore(&s2.tier, log, restored);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !s2.tier.owed_deletes().lock().is_empty() {
+        assert!(Instant::now() < deadline, "the restored delete never reached b: {:?}", s2.fake.calls("delete"));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let sent: Vec<_> = s2.fake.asked.lock().iter().filter(|(p, _)| p == "b").map(|(_, t)| to_ms(*t)).collect();
+    assert_eq!(sent, [to_ms(asked)]);
+    // Done: the file owes nothing (written before the task ended; give it a moment).
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(OwedLog::open(dir.path(), fs.clone()).unwrap().1.is_empty(), "done, but still in the file");
+
+    // Asked longer ago than OWED_FOR: given up, not taken back.
+    let old =
+        Owed { what: NamespaceDelete::Purge, asked: std::time::SystemTime::now() - OWED_FOR - Duration::from_secs(1) };
+    let (log, _) = OwedLog::open(dir.path(), fs.clone()).unwrap();
+    log.write(&[(NodeId::new("b").unwrap(), s2.ns.clone(), old)]).unwrap();
+    assert!(OwedLog::open(dir.path(), fs.clone()).unwrap().1.is_empty());
+
+    // A damaged header: moved aside and said, the node starts owing nothing.
+    let path = dir.path().join(OwedLog::FILE);
+    let mut data = std::fs::read(&path).unwrap();
+    data[20] ^= 1;
+    data[20 + kvtier_proto::record_log::LOG_HEADER_LEN / 2] ^= 1;
+    std::fs::write(&path, &data).unwrap();
+    let (_, restored) = OwedLog::open(dir.path(), fs.clone()).unwrap();
+    assert!(restored.is_empty());
+    assert_eq!(std::fs::read(dir.path().join("owed_deletes.log.damaged")).unwrap(), data, "kept for the operator");
+    assert!(!path.exists());
 }

@@ -126,7 +126,7 @@ pub async fn replicate(state: &NodeState, ns: &Namespace, m: &SessionManifest) -
         return Err(match refusal {
             Some(ServerError::QuotaExceeded(_)) => ServerError::QuotaExceeded(reason),
             Some(ServerError::Capacity(_)) => ServerError::Capacity(reason),
-            _ => ServerError::Peer { peer: "cluster".into(), reason },
+            _ => ServerError::ShortOfCopies(reason),
         });
     }
     Ok(held)

@@ -30,7 +30,12 @@ use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict};
 
 create_exception!(kvtier, KvtierError, PyException, "Base class of every kvtier error.");
-create_exception!(kvtier, UnavailableError, KvtierError, "The server could not be reached in time.");
+create_exception!(
+    kvtier,
+    UnavailableError,
+    KvtierError,
+    "The server, or members of its cluster it needed (a park short of its copies), could not be reached in time: retrying later may succeed."
+);
 create_exception!(kvtier, CapacityError, KvtierError, "The server has no room (everything resident is pinned).");
 create_exception!(kvtier, SessionNotFoundError, KvtierError, "No such session (never parked, dropped or expired).");
 create_exception!(kvtier, VersionConflictError, KvtierError, "A session changed since the version given.");
@@ -105,7 +110,7 @@ fn miss_to_err(m: &Miss) -> PyErr {
     };
     match m.reason {
         "unauthenticated" => UnauthenticatedError::new_err(msg),
-        "connect" | "io" | "timeout" | "protocol" => UnavailableError::new_err(msg),
+        "connect" | "io" | "timeout" | "protocol" | "unavailable" => UnavailableError::new_err(msg),
         "capacity" => CapacityError::new_err(msg),
         "quota" => QuotaExceededError::new_err(msg),
         "forbidden" => ForbiddenError::new_err(msg),

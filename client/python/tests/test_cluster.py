@@ -117,3 +117,22 @@ def test_a_member_the_purge_missed_is_named_and_purged_when_back(cluster):
     # p2 answers again: the purge it missed reaches it, and nothing of the namespace is left.
     until(lambda: b.lookup(n, toks) == 0, "the owed purge to reach p2")
     assert metric(cluster[0], "kvtier_peer_deletes_retried_total") >= 1
+
+
+def test_a_park_the_cluster_could_not_copy_raises_unavailable(cluster):
+    # cluster_rf 2: a park is acknowledged once both nodes hold it. p2 stalled (still a member):
+    # the park is kept on p1 but not acknowledged, and said as the cluster's state (worth
+    # retrying), not as a bad request.
+    n, toks, kv = ns(), list(range(9000, 9040)), kv_for(40, seed=2)
+    a = kvtier.Client(cluster[0].addr, never_raise=False)
+    pid = cluster[1].proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(kvtier.UnavailableError, match=r"^KV:Cluster:Unavailable: too few copies: .*held by 1 of 2 nodes"):
+            a.park(n, "short", toks, kv)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    # Kept on p1 all along, at the version the error named: it resumes there, exact bytes.
+    info, got = a.resume(n, "short")
+    assert info["version"] == 1 and info["token_count"] == 40
+    np.testing.assert_array_equal(np.frombuffer(got, dtype=np.float32), kv)

@@ -1,5 +1,5 @@
-//! The on-disk framing of kvtier's append-only metadata logs (`sessions.log`, `namespaces.log`)
-//! and their recovery scan, as pure functions over bytes (the server reads and writes the files;
+//! The on-disk framing of kvtier's metadata logs (`sessions.log`, `namespaces.log`, appended to;
+//! `owed_deletes.log`, rewritten whole) and their recovery scan, as pure functions over bytes (the server reads and writes the files;
 //! the fuzz targets feed these functions arbitrary bytes).
 //!
 //! A log file starts with a header: two identical copies of (magic, format version, which log,
@@ -16,6 +16,7 @@
 
 use crate::ProtoError;
 
+pub mod deletes;
 pub mod namespaces;
 pub mod sessions;
 
@@ -41,6 +42,7 @@ pub const RECORD_HEADER_LEN: usize = 4 + 4 + RECORD_TAG_LEN;
 pub enum LogKind {
     Sessions = 1,
     Namespaces = 2,
+    OwedDeletes = 3,
 }
 
 /// A log file's secret: what its records' tags are keyed with.
