@@ -242,7 +242,8 @@ pub enum ItemStatus {
     ChecksumMismatch = 2,
     SizeMismatch = 3,
     UnknownNamespace = 4,
-    /// No room: the tier is full of pinned blocks (or the block is larger than the tier).
+    /// No room: nothing evictable frees enough (pinned or leased blocks, the tenant's share, the
+    /// lease budget, `max_pinned_ratio`), or the block is larger than the tier.
     Capacity = 5,
     /// The frame's layout is not its namespace's layout.
     LayoutMismatch = 6,
@@ -299,7 +300,7 @@ impl ItemStatus {
             ItemStatus::ChecksumMismatch => "checksum mismatch",
             ItemStatus::SizeMismatch => "payload size does not match the layout",
             ItemStatus::UnknownNamespace => "unknown namespace",
-            ItemStatus::Capacity => "no capacity: the DRAM tier is full of pinned blocks, or pinning this one would pass max_pinned_ratio of dram_capacity",
+            ItemStatus::Capacity => "no capacity: no room could be made for it (the DRAM tier, or the tenant's dram_bytes share of it, holds only pinned or leased blocks; the bytes leased to connections are at their limit; or pinning it would pass max_pinned_ratio of dram_capacity), or it is larger than the tier",
             ItemStatus::LayoutMismatch => "frame layout differs from the namespace layout",
             ItemStatus::BadHeader => "bad frame header",
             ItemStatus::Internal => "internal error",

@@ -177,6 +177,9 @@ pub async fn handoff_pass(state: &NodeState, peers: &Arc<PeerTier>) -> Handoff {
         }
         let mut unsent = Vec::new();
         let mut failed = false;
+        // The first request of a pass carries one block: a member still unreachable (a partition)
+        // costs one block read per pass, not a chunk's.
+        let mut probed = false;
         for (ns_id, hints) in by_ns {
             if failed {
                 unsent.extend(hints);
@@ -206,7 +209,8 @@ pub async fn handoff_pass(state: &NodeState, peers: &Arc<PeerTier>) -> Handoff {
                 } else {
                     out.given_up += 1;
                 }
-                if !chunk.is_empty() && (bytes >= CHUNK_BYTES || i + 1 == last) {
+                if !chunk.is_empty() && (!probed || bytes >= CHUNK_BYTES || i + 1 == last) {
+                    probed = true;
                     match peers.bounded(member, peers.transport().put(member, &ns, &chunk)).await {
                         Ok(held) => {
                             out.sent += held as u64;
