@@ -568,3 +568,105 @@ async fn a_session_parked_again_while_a_holder_of_the_dropped_one_was_away_is_th
         }
     }
 }
+
+/// Two extends of one session at the same version through two nodes at once are never both
+/// acknowledged: a node whose copy meets another context at the version it made answers
+/// `VersionConflict`. Before, both writers were told their turn was stored, and the nodes served
+/// different bytes for that version for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_writes_of_one_version_through_two_nodes_are_never_both_acknowledged() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (_nodes, clients, ns) = fleet(&redis, dir.path()).await;
+    let mut raced = 0;
+    for round in 0..48u32 {
+        if raced == 8 {
+            break;
+        }
+        let id = format!("race-{round}");
+        let (toks, blocks) = session(&ns[0], 50 + round);
+        clients[0].park(&ns[0], &id, &toks, &blocks, &ParkOptions::default(), 0).await.unwrap();
+        // Written through its two holders (n1, and n2 when it holds the other copy).
+        if !copies(&[&clients[1]]).await.contains_key(&id) {
+            continue;
+        }
+        raced += 1;
+        let turn = |seed: u32| {
+            let mut t = toks.clone();
+            t.extend(tokens(seed, 16));
+            t
+        };
+        let (ta, tb) = (turn(3000 + round), turn(4000 + round));
+        let (pa, pb) = (session_payloads(&ns[0], &ta), session_payloads(&ns[1], &tb));
+        let base = toks.len() / ns[0].block_tokens();
+        let (a, b) = tokio::join!(
+            clients[0].extend(&ns[0], &id, 1, toks.len(), &ta, &pa[base..]),
+            clients[1].extend(&ns[1], &id, 1, toks.len(), &tb, &pb[base..]),
+        );
+        assert!(!(a.is_ok() && b.is_ok()), "round {round}: both writes of version 2 were acknowledged");
+        for r in [a, b] {
+            if let Err(e) = r {
+                assert!(matches!(e, ClientError::VersionConflict(_)), "round {round}: {e}");
+            }
+        }
+    }
+    assert_eq!(raced, 8, "sessions held by n1 and n2");
+}
+
+/// A drop taken by a node that holds no copy is remembered there too (in its session log): with
+/// one holder killed during the drop and the other (DRAM-only) restarted since, the killed one
+/// comes back with its old copy and no node serves the session. Before, only nodes whose copy
+/// went remembered the drop, and the session came back everywhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drop_taken_by_a_node_without_a_copy_is_remembered_there() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    // n1 and n3 with a disk tier (a killed n1 keeps its copy), n2 DRAM-only (a restart forgets).
+    let args: Vec<Vec<String>> = IDS
+        .iter()
+        .map(|id| {
+            let disk = if *id == "n2" { "" } else { "disk_capacity = \"64MiB\"\n" };
+            let cfg = config(&redis, dir.path(), id, 2, disk);
+            ["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"].map(String::from).to_vec()
+        })
+        .collect();
+    let strs = |i: usize| args[i].iter().map(String::as_str).collect::<Vec<_>>();
+    let mut nodes: Vec<ServerProcess> = (0..3).map(|i| ServerProcess::start(&strs(i))).collect();
+    until_members(&nodes, 3);
+    let mut clients = [nodes[0].client().await, nodes[1].client().await, nodes[2].client().await];
+    let ns = futures::future::join_all(clients.iter().map(|c| async move { handle(c).await })).await;
+    // A session parked through n1 whose other copy is on n2, so n3 holds none.
+    let mut id = None;
+    for i in 0..32u32 {
+        let sid = format!("held-by-n1-n2-{i}");
+        let (toks, blocks) = session(&ns[0], 70 + i);
+        clients[0].park(&ns[0], &sid, &toks, &blocks, &ParkOptions::default(), 0).await.unwrap();
+        let held = copies(&[&clients[1]]).await.contains_key(&sid) && !copies(&[&clients[2]]).await.contains_key(&sid);
+        if held {
+            id = Some(sid);
+            break;
+        }
+    }
+    let id = id.expect("a session held by n1 and n2");
+
+    let _ = nodes[0].child.kill();
+    let _ = nodes[0].child.wait();
+    assert!(clients[2].drop_session(&ns[2], &id).await.unwrap(), "n2's copy went");
+    // n2 restarts empty (DRAM-only: its memory of the drop goes), then n1 comes back with its copy.
+    let _ = nodes[1].child.kill();
+    let _ = nodes[1].child.wait();
+    let mut before = Vec::new();
+    for i in [1, 0] {
+        let again = nodes[i].restart_in_place(&strs(i));
+        before.push(std::mem::replace(&mut nodes[i], again));
+        clients[i] = nodes[i].client().await;
+    }
+    until_members(&nodes, 3);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    for i in [2, 1, 0] {
+        let h = handle(&clients[i]).await;
+        let err = clients[i].resume(&h, &id).await.unwrap_err();
+        assert!(matches!(err, ClientError::SessionNotFound(_)), "n{}: {err}", i + 1);
+    }
+    until_no_copy(&clients.iter().collect::<Vec<_>>(), &id).await;
+}

@@ -55,7 +55,7 @@ pub fn to_status(e: ServerError) -> Status {
         | ServerError::SessionLost(_)
         | ServerError::SessionExpired { .. } => tonic::Code::NotFound,
         ServerError::SessionExists(_) => tonic::Code::AlreadyExists,
-        ServerError::VersionConflict { .. } => tonic::Code::Aborted,
+        ServerError::VersionConflict { .. } | ServerError::ConcurrentWrite { .. } => tonic::Code::Aborted,
         ServerError::ContextTooLong { .. } => tonic::Code::OutOfRange,
         ServerError::Forbidden(_) => tonic::Code::PermissionDenied,
         ServerError::QuotaExceeded(_) => tonic::Code::ResourceExhausted,
@@ -855,12 +855,23 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         self.state.tiers().drop_shared(&id, &session).await;
         let mut dropped = dropped;
         if let Some(peers) = replicas::replicating(&self.state, &ns) {
-            let elsewhere = replicas::drop_elsewhere(peers, ns, session, dropped_at);
+            let elsewhere = replicas::drop_elsewhere(peers, ns, session.clone(), dropped_at);
             // Not held here (parked through another node): whether an owner's copy went, if they
             // answer soon; the drop goes on in the background either way.
             if !dropped {
                 let wait = replicas::CHECK_WAIT.min(peers.timeout());
                 dropped = matches!(tokio::time::timeout(wait, elsewhere).await, Ok(Ok(true)));
+                // An owner's copy went: this node took the drop, and remembers it as its holders
+                // do (in its session log where it has one), against a copy on a node away now.
+                if dropped {
+                    let session = session.clone();
+                    self.on_io(move |s| {
+                        s.sessions().remember_drop_at(id, &session, dropped_at);
+                        Ok(())
+                    })
+                    .await
+                    .map_err(to_status)?;
+                }
             }
         }
         observe("drop", start);

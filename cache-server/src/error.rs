@@ -29,6 +29,13 @@ pub enum ServerError {
     SessionExists(String),
     #[error("session {id:?} is at version {actual}, not {expected}")]
     VersionConflict { id: String, expected: u64, actual: u64 },
+    /// Two nodes took a write of the session at the same time, each making `version`: neither is
+    /// acknowledged (the copies may differ until the next write).
+    #[error(
+        "session {id:?}: another write made version {version} on node {node} at the same time; this one is not \
+         acknowledged (resume to see which the session holds, then write again)"
+    )]
+    ConcurrentWrite { id: String, version: u64, node: String },
     #[error("context of {tokens} tokens exceeds the configured maximum of {max}")]
     ContextTooLong { tokens: u64, max: u64 },
     /// The principal may not touch this namespace (it is another tenant's and not granted).
@@ -65,7 +72,7 @@ impl ServerError {
             ServerError::SessionNotFound(_) | ServerError::SessionLost(_) => codes::SESSION_NOT_FOUND,
             ServerError::SessionExpired { .. } => codes::SESSION_EXPIRED,
             ServerError::SessionExists(_) => codes::SESSION_EXISTS,
-            ServerError::VersionConflict { .. } => codes::SESSION_VERSION,
+            ServerError::VersionConflict { .. } | ServerError::ConcurrentWrite { .. } => codes::SESSION_VERSION,
             ServerError::ContextTooLong { .. } => codes::CONTEXT_TOO_LONG,
             ServerError::Forbidden(_) => codes::FORBIDDEN,
             ServerError::QuotaExceeded(_) => codes::QUOTA,
@@ -91,6 +98,7 @@ impl ServerError {
             ServerError::SessionExpired { .. } => "session_expired",
             ServerError::SessionExists(_) => "session_exists",
             ServerError::VersionConflict { .. } => "version_conflict",
+            ServerError::ConcurrentWrite { .. } => "concurrent_write",
             ServerError::ContextTooLong { .. } => "context_too_long",
             ServerError::Forbidden(_) => "forbidden",
             ServerError::QuotaExceeded(_) => "quota",

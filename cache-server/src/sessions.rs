@@ -40,6 +40,12 @@ pub struct SessionManifest {
 }
 
 impl SessionManifest {
+    /// Whether `other` stands for the same context: the same blocks, tail and token count (two
+    /// copies at one version that differ here were written by two nodes at once).
+    pub fn same_context(&self, other: &SessionManifest) -> bool {
+        self.keys == other.keys && self.tail == other.tail && self.token_count == other.token_count
+    }
+
     /// What the control plane reports of the session.
     pub fn info_pb(&self, now: Instant) -> kvtier_proto::pb::SessionInfo {
         kvtier_proto::pb::SessionInfo {

@@ -279,10 +279,15 @@ impl PeerTransport for ClientTransport {
             if !r.missing_blocks.is_empty() || r.missing_tail {
                 return Ok(ReplicaPut::Missing { blocks: r.missing_blocks, tail: r.missing_tail });
             }
-            match r.manifest.and_then(|m| m.info) {
-                Some(info) if r.held => Ok(ReplicaPut::Held(info.version)),
-                _ => Err(Self::err(peer, "the session copy was not kept")),
+            let theirs = match r.manifest {
+                Some(held) if r.held => replicas::manifest_from_pb(ns.id(), &held, r.ttl_ms, Instant::now())
+                    .map_err(|e| Self::err(peer, e))?,
+                _ => return Err(Self::err(peer, "the session copy was not kept")),
+            };
+            if theirs.version == m.version && !theirs.same_context(m) {
+                return Ok(ReplicaPut::Conflict(theirs.version));
             }
+            Ok(ReplicaPut::Held(theirs.version))
         })
     }
 

@@ -153,6 +153,9 @@ pub enum ReplicaPut {
     /// The peer dropped the session after this copy was last touched: it is not kept there,
     /// and the sender's copy is a dropped one too.
     Dropped,
+    /// The peer holds another context at the same version (another node took a write of the
+    /// session at the same time): nothing was replaced there.
+    Conflict(u64),
 }
 
 /// A peer's answer to [`PeerTransport::session_get`].

@@ -96,6 +96,10 @@ pub async fn replicate(state: &NodeState, ns: &Namespace, m: &SessionManifest) -
         for (&i, r) in batch.iter().zip(futures::future::join_all(copies).await) {
             match r {
                 Ok(()) => held += 1,
+                // Another node wrote this version at the same time: this write is not
+                // acknowledged, however many other owners would take it (that would acknowledge
+                // two contexts at one version).
+                Err(e @ ServerError::ConcurrentWrite { .. }) => return Err(e),
                 Err(e) => {
                     peers.failed(&p.members()[i], "session", &e);
                     failures.push(format!("{}: {e}", p.members()[i].id));
@@ -159,6 +163,10 @@ async fn copy_to(
                 return Err(bad(format!("lost {} blocks (tail: {tail}) before the manifest", blocks.len())))
             }
             ReplicaPut::Dropped => return Err(dropped_there(member, &m.id)),
+            ReplicaPut::Conflict(version) => {
+                ::metrics::counter!("kvtier_session_concurrent_writes_total").increment(1);
+                return Err(ServerError::ConcurrentWrite { id: m.id.clone(), version, node: member.id.to_string() });
+            }
         }
     }
     Err(bad("blocks kept going missing".into()))
@@ -515,7 +523,17 @@ async fn repair_one(state: &Arc<NodeState>, peers: &Arc<PeerTier>, m: SessionMan
                 && dropped_ago.is_none_or(|ago| !SessionStore::touched_before_ago(t, ago, now))
         });
         match theirs {
-            Some(t) if t.version == m.version => {}
+            Some(t) if t.version == m.version => {
+                if !t.same_context(&m) {
+                    // Two writes at once left two contexts at one version (neither acknowledged):
+                    // said, not settled here — the session's next write settles it.
+                    ::metrics::counter!("kvtier_session_conflicting_copies_total").increment(1);
+                    tracing::warn!(
+                        session = %m.id, peer = %member.id, version = m.version,
+                        "another context at the same version there (two writes at once); the next write settles it"
+                    );
+                }
+            }
             Some(t) if t.version > m.version => {
                 if let Err(e) = adopt(state, peers, member, &ns, t).await {
                     tracing::warn!(session = %m.id, peer = %member.id, "could not adopt a newer copy: {e}");
