@@ -69,6 +69,45 @@ fn nodes_see_each_other_leave_at_once_and_expire_when_killed() {
     assert!(n1.alive());
 }
 
+/// Nodes that don't share `cluster_rf`, auth or `[[tenants]]` say so (each publishes those
+/// settings beside its membership, and compares every member's with its own); nodes that share
+/// them say nothing. Before, a node with another `cluster_rf` joined silently, and every park
+/// through it failed ("held by 3 of 5 nodes") while its sessions were stored.
+#[test]
+fn members_whose_shared_settings_differ_are_said() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let start = |id: &str, extra: &str| {
+        let cfg = dir.path().join(format!("{id}.toml"));
+        let text = format!(
+            "cluster = \"redis://127.0.0.1:{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\n{extra}",
+            redis.port
+        );
+        std::fs::write(&cfg, text).unwrap();
+        ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"])
+    };
+    let mismatched = |s: &ServerProcess| metric(&s.scrape(), "kvtier_membership_mismatched_members", &[]);
+    let n1 = start("n1", "cluster_rf = 2\n");
+    let n2 = start("n2", "cluster_rf = 2\n");
+    until_members(&n1, 2.0, Duration::from_secs(10));
+    until_members(&n2, 2.0, Duration::from_secs(10));
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!((mismatched(&n1), mismatched(&n2)), (0.0, 0.0), "the same settings");
+    let n3 = start("n3", "cluster_rf = 3\n");
+    until_members(&n1, 3.0, Duration::from_secs(10));
+    let t = Instant::now();
+    while mismatched(&n1) != 1.0 || mismatched(&n3) != 2.0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "n1 sees {} members with other settings, n3 {}",
+            mismatched(&n1),
+            mismatched(&n3)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(mismatched(&n2), 1.0);
+}
+
 #[test]
 fn a_bad_cluster_url_is_refused_at_start() {
     let (ok, _, err) = cli(&[

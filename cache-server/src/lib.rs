@@ -133,11 +133,50 @@ async fn join_cluster(
         capacity: c.dram_capacity.0 + c.disk_capacity.0,
     };
     let Some(url) = &c.cluster else { return Ok(Arc::new(cluster::Embedded::new(local)?)) };
-    let cfg = cluster::RedisMembershipConfig::new(url.clone(), local).with_ttl(c.cluster_ttl.0);
+    let cfg = cluster::RedisMembershipConfig::new(url.clone(), local)
+        .with_ttl(c.cluster_ttl.0)
+        .with_shared_settings(&shared_settings(c));
     let m = cluster::RedisMembership::start(cfg).await?;
     use cluster::Membership as _;
     tracing::info!(members = m.snapshot().members.len(), "joined the cluster");
     Ok(Arc::new(m))
+}
+
+/// What every node of a cluster must share, as each publishes it (no secrets): `cluster_rf`,
+/// whether `auth_token` is set, and a digest of the `[[tenants]]` (names, grants, quotas and
+/// certificate names; not their tokens).
+fn shared_settings(c: &config::ServerConfig) -> Vec<(&'static str, String)> {
+    let mut tenants: Vec<String> = c
+        .tenants
+        .iter()
+        .map(|t| {
+            let mut grants = (t.read.clone(), t.write.clone());
+            grants.0.sort();
+            grants.1.sort();
+            format!(
+                "{}|{:?}|{:?}|{:?}|{:?}|{:?}|{:?}|{:?}",
+                t.name,
+                grants,
+                t.max_namespaces,
+                t.max_sessions,
+                t.max_session_bytes.map(|b| b.0),
+                t.dram_bytes.map(|b| b.0),
+                t.disk_bytes.map(|b| b.0),
+                t.cert_names
+            )
+        })
+        .collect();
+    tenants.sort();
+    let digest = if tenants.is_empty() {
+        "none".to_string()
+    } else {
+        blake3::hash(tenants.join("\n").as_bytes()).to_hex()[..12].to_string()
+    };
+    vec![
+        ("cluster_rf", c.cluster_rf.to_string()),
+        ("auth", if c.auth_token.is_some() { "on" } else { "off" }.to_string()),
+        ("tenants", digest),
+    ]
 }
 
 impl RunningServer {

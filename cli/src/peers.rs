@@ -127,6 +127,18 @@ impl ClientTransport {
                 }
                 ServerError::UnknownNamespace(ns.id())
             }
+            // The operator's credential refused there: the nodes don't share auth_token (or a
+            // node's TLS identity isn't among its peers' operator_names).
+            ClientError::Unauthenticated(m) => {
+                self.forget(peer);
+                Self::err(
+                    peer,
+                    format!(
+                        "refused this node's credential ({m}): every node of a cluster must share auth_token (and, \
+                         with mTLS, take each other's certificates as the operator)"
+                    ),
+                )
+            }
             e => {
                 self.forget(peer);
                 Self::err(peer, e)

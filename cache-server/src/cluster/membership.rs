@@ -121,6 +121,9 @@ pub struct RedisMembershipConfig {
     poll: Duration,
     op_timeout: Duration,
     prefix: String,
+    /// Settings every member must share (`name=value`, space-separated), published beside the
+    /// member and compared with every other member's (see [`Self::with_shared_settings`]).
+    settings: String,
 }
 
 impl RedisMembershipConfig {
@@ -134,7 +137,16 @@ impl RedisMembershipConfig {
             poll: Duration::from_secs(1),
             op_timeout: Duration::from_secs(1),
             prefix: "kvtier".into(),
+            settings: String::new(),
         }
+    }
+
+    /// Settings every member of the cluster must share, as `(name, value)` pairs (no secrets:
+    /// every member and Redis see them). Each member publishes its own; a member whose differ
+    /// is said at WARN once per difference (`kvtier_membership_mismatched_members`).
+    pub fn with_shared_settings(mut self, settings: &[(&str, String)]) -> Self {
+        self.settings = settings.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" ");
+        self
     }
 
     /// How long a member's registration lives without a refresh: a killed node disappears after
@@ -228,7 +240,8 @@ impl RedisMembership {
         let tx = watch::Sender::new(view.snapshot());
         let shared = Arc::new(Shared { cfg, client, con: Mutex::new(con), incarnation, set_key, member_key, tx });
         ::metrics::gauge!("kvtier_membership_stale").set(0.0);
-        let mut driver = Driver { shared: shared.clone(), view, claimed: false, superseded: false };
+        let mut driver =
+            Driver { shared: shared.clone(), view, claimed: false, superseded: false, mismatched: HashMap::new() };
         // With Redis unreachable this logs the one warning and starts stale, alone.
         driver.tick().await;
         let task = tokio::spawn(driver.run());
@@ -283,6 +296,8 @@ struct Driver {
     claimed: bool,
     /// Whether a newer process took this id over (logged once).
     superseded: bool,
+    /// Members whose shared settings differ from this node's, with theirs (each said once).
+    mismatched: HashMap<NodeId, String>,
 }
 
 impl Driver {
@@ -314,6 +329,9 @@ impl Driver {
         for (f, v) in encode(&cfg.local) {
             call.arg(f).arg(v);
         }
+        if !cfg.settings.is_empty() {
+            call.arg("settings").arg(&cfg.settings);
+        }
         let reply = match tokio::time::timeout(cfg.op_timeout, call.invoke_async::<Value>(&mut con)).await {
             Ok(Ok(v)) => parse_reply(v),
             Ok(Err(e)) => Err(redis_error("tick", &e)),
@@ -341,6 +359,7 @@ impl Driver {
                         self.superseded = false;
                     }
                 }
+                self.compare_settings(&reply.settings);
                 let lost = reply.status == Status::Recreated;
                 if self.view.polled(now, reply.members, lost, cfg.ttl) {
                     self.publish();
@@ -377,10 +396,42 @@ impl Driver {
         }
     }
 
+    /// Says each member whose shared settings differ from this node's, once per difference.
+    fn compare_settings(&mut self, theirs: &[(NodeId, String)]) {
+        let ours = &self.shared.cfg.settings;
+        if ours.is_empty() {
+            return;
+        }
+        let mut now = HashMap::new();
+        for (id, s) in theirs {
+            // A member that publishes none runs an older build: nothing to compare.
+            if s.is_empty() || s == ours || *id == self.shared.cfg.local.id {
+                continue;
+            }
+            if self.mismatched.get(id) != Some(s) {
+                tracing::warn!(
+                    member = %id,
+                    "member {id} runs with {} (this node: {}); every node of a cluster must share them",
+                    differing(s, ours),
+                    differing(ours, s)
+                );
+            }
+            now.insert(id.clone(), s.clone());
+        }
+        ::metrics::gauge!("kvtier_membership_mismatched_members").set(now.len() as f64);
+        self.mismatched = now;
+    }
+
     fn publish(&self) {
         ::metrics::gauge!("kvtier_membership_members").set(self.view.members.len() as f64);
         self.shared.tx.send_replace(self.view.snapshot());
     }
+}
+
+/// The `name=value` pairs of `a` that `b` does not have, space-separated.
+fn differing(a: &str, b: &str) -> String {
+    let b: Vec<&str> = b.split(' ').collect();
+    a.split(' ').filter(|kv| !b.contains(kv)).collect::<Vec<_>>().join(" ")
 }
 
 /// What a tick's script says about this node's own key.
@@ -398,6 +449,8 @@ enum Status {
 struct Reply {
     status: Status,
     members: Vec<Member>,
+    /// Every member's shared settings (empty where it publishes none).
+    settings: Vec<(NodeId, String)>,
     /// Entries that could not be read as members.
     invalid: u64,
 }
@@ -537,19 +590,22 @@ fn parse_reply(v: Value) -> Result<Reply, ServerError> {
         },
         _ => return Err(bad("no status")),
     };
-    let (mut members, mut invalid) = (Vec::new(), 0u64);
+    let (mut members, mut settings, mut invalid) = (Vec::new(), Vec::new(), 0u64);
     while let (Some(id), Some(fields)) = (items.next(), items.next()) {
         let id = redis::from_redis_value::<String>(id).ok();
         let fields = redis::from_redis_value::<HashMap<String, String>>(fields).ok();
         match (id, fields) {
             (Some(id), Some(fields)) if members.len() < MAX_MEMBERS => match decode(&id, &fields) {
-                Some(m) => members.push(m),
+                Some(m) => {
+                    settings.push((m.id.clone(), fields.get("settings").cloned().unwrap_or_default()));
+                    members.push(m);
+                }
                 None => invalid += 1,
             },
             _ => invalid += 1,
         }
     }
-    Ok(Reply { status, members, invalid })
+    Ok(Reply { status, members, settings, invalid })
 }
 
 /// KEYS: set, own hash. ARGV: mode ("claim" | "refresh"), id, incarnation, ttl ms, member-key

@@ -105,3 +105,17 @@ async fn embedded_is_one_member_forever() {
     e.leave().await.unwrap();
     assert_eq!(e.local().id.as_str(), "solo");
 }
+
+/// What a member whose shared settings differ is told: the pairs each side has that the other
+/// does not.
+#[test]
+fn differing_settings_name_only_what_differs() {
+    let ours = "cluster_rf=2 auth=on tenants=none";
+    let theirs = "cluster_rf=5 auth=on tenants=none";
+    assert_eq!(differing(theirs, ours), "cluster_rf=5");
+    assert_eq!(differing(ours, theirs), "cluster_rf=2");
+    assert_eq!(differing(ours, ours), "");
+    let cfg = RedisMembershipConfig::new("redis://127.0.0.1:1", m("a"))
+        .with_shared_settings(&[("cluster_rf", "2".into()), ("auth", "on".into())]);
+    assert_eq!(cfg.settings, "cluster_rf=2 auth=on");
+}
