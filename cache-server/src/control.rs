@@ -161,11 +161,31 @@ impl ControlPlane {
         let limits = self.state.session_limits(&ns);
         // The blocks go to disk before the table is touched, and without holding its lock.
         self.state.tiers().persist(&ns_id, &spec.keys, spec.tail).await?;
+        let prev = self.state.sessions().peek(ns_id, &spec.id);
         let m = self.on_io(move |s| s.sessions().park(s.tiers().session_pins(), spec, &limits)).await?;
         // In a cluster where the namespace keeps 2+ copies (`PeerTier::rf_for`: its own
         // `replicas`, else `cluster_rf`): acknowledged once that many nodes hold it.
-        replicas::replicate(&self.state, &ns, &m).await?;
+        self.replicate_or_revert(&ns, &m, prev).await?;
         Ok(m)
+    }
+
+    /// Replicates `m`, this node's write of a session (see [`replicas::replicate`]); a write that
+    /// met another node's write of the same version is undone here (`prev` put back), so neither
+    /// node keeps serving a turn nobody was told was stored.
+    async fn replicate_or_revert(
+        &self,
+        ns: &Namespace,
+        m: &SessionManifest,
+        prev: Option<SessionManifest>,
+    ) -> Result<(), ServerError> {
+        let Err(e) = replicas::replicate(&self.state, ns, m).await else { return Ok(()) };
+        if matches!(e, ServerError::ConcurrentWrite { .. }) {
+            let made = m.clone();
+            if let Err(undo) = self.on_io(move |s| s.sessions().revert(s.tiers().session_pins(), &made, prev)).await {
+                tracing::warn!(session = %m.id, "a write that met another node's was not undone here: {undo}");
+            }
+        }
+        Err(e)
     }
 
     /// In a cluster: if this node has no copy of the session, adopts the newest copy another
@@ -336,6 +356,8 @@ impl ControlPlane {
             )?;
         }
         self.state.tiers().persist(&ns_id, &new_keys, tail).await?;
+        // What the session was, put back if this write meets another node's of the same version.
+        let prev = self.state.sessions().peek(ns_id, &r.session_id).filter(|p| p.version == r.expected_version);
         let m = self
             .on_io(move |s| {
                 s.sessions().extend(
@@ -352,7 +374,7 @@ impl ControlPlane {
                 )
             })
             .await?;
-        replicas::replicate(&self.state, &ns, &m).await?;
+        self.replicate_or_revert(&ns, &m, prev).await?;
         Ok(m)
     }
 }

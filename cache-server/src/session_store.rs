@@ -286,6 +286,21 @@ impl SessionStore {
         self.change(pins, |t, now| t.put_replica(pins, m, limits, now))
     }
 
+    /// Undoes this node's write `made` of a session, refused as one made at the same time as
+    /// another node's: `prev` (the session before it) put back, or with none the session taken
+    /// out; logged like any change. Nothing changes when the session moved on since.
+    pub fn revert(
+        &self,
+        pins: &dyn PinTier,
+        made: &SessionManifest,
+        prev: Option<SessionManifest>,
+    ) -> Result<(), ServerError> {
+        match prev {
+            Some(prev) => self.change(pins, |t, _| t.revert(pins, made, prev)).map(|_| ()),
+            None => self.drop_replica(pins, made.namespace, &made.id, made.version).map(|_| ()),
+        }
+    }
+
     /// This node's copy of a live session, its TTL untouched.
     pub fn peek(&self, ns: NamespaceId, id: &str) -> Option<SessionManifest> {
         self.table.lock().peek(ns, id, Instant::now())

@@ -567,6 +567,28 @@ impl SessionTable {
 
     /// Drops the session if it is still at `version` (a change that could not be logged is taken
     /// back, unless another change replaced it meanwhile); true if it went.
+    /// Puts `prev` back where `made` — this node's write, refused as one made at the same time as
+    /// another node's — still stands: `prev`'s blocks pinned again, `made`'s released. A
+    /// `VersionConflict` (nothing changed) when the session moved on since, and the pin error
+    /// when a block of `prev` is gone.
+    pub fn revert(
+        &mut self,
+        tier: &dyn PinTier,
+        made: &SessionManifest,
+        prev: SessionManifest,
+    ) -> Result<SessionManifest, ServerError> {
+        let sid = (made.namespace, made.id.clone());
+        let Some(cur) = self.sessions.get(&sid).filter(|c| c.version == made.version && c.same_context(made)) else {
+            let actual = self.sessions.get(&sid).map_or(0, |c| c.version);
+            return Err(ServerError::VersionConflict { id: made.id.clone(), expected: made.version, actual });
+        };
+        let released = cur.pinned_keys();
+        pin_or_report(tier, &prev.namespace, &prev.keys, prev.tail)?;
+        tier.unpin(&made.namespace, &released);
+        self.insert(sid, prev.clone());
+        Ok(prev)
+    }
+
     pub fn undo(&mut self, tier: &dyn PinTier, ns: NamespaceId, id: &str, version: u64) -> bool {
         let sid = (ns, id.to_string());
         if self.sessions.get(&sid).is_some_and(|m| m.version == version) {
