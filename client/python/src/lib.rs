@@ -56,6 +56,9 @@ create_exception!(
      accepted client certificate. Retrying does not help."
 );
 
+/// How long a call blocks before it looks for Ctrl-C (and other signals Python handles).
+const SIGNAL_SLICE: Duration = Duration::from_millis(100);
+
 /// The one runtime every client of this process shares.
 ///
 /// One per process: a child forked from a process that used kvtier (`multiprocessing`'s default
@@ -789,15 +792,27 @@ impl Client {
         let engine = &self.engine;
         let (spec, codec, sink) = (&ns.spec, ns.codec, ns.lossless_sink_blocks);
         let budget = budget.unwrap_or(self.budget);
-        // This thread blocks on the call and runs nothing else: its answers wake it directly.
+        // This thread blocks on the call and runs nothing else: its answers wake it directly. It
+        // takes the GIL back every `SIGNAL_SLICE` to look for Ctrl-C (which cancels the call, as
+        // its deadline would): a call to a stalled server held KeyboardInterrupt back for its
+        // whole budget.
         let res = py.detach(|| {
-            kvtier_client::on_caller_thread(|| {
-                rt.block_on(engine.call_within(name, spec, budget, |c, h| async move {
-                    let h = h.with_codec(codec)?.with_lossless_sink_blocks(sink);
-                    op(c, h).await
-                }))
-            })
-        });
+            let call = engine.call_within(name, spec, budget, |c, h| async move {
+                let h = h.with_codec(codec)?.with_lossless_sink_blocks(sink);
+                op(c, h).await
+            });
+            let mut call = std::pin::pin!(call);
+            loop {
+                let step = kvtier_client::on_caller_thread(|| {
+                    // The timer made inside the runtime (it needs its time driver).
+                    rt.block_on(async { tokio::time::timeout(SIGNAL_SLICE, call.as_mut()).await })
+                });
+                match step {
+                    Ok(res) => break Ok::<_, PyErr>(res),
+                    Err(_) => Python::attach(|py| py.check_signals())?,
+                }
+            }
+        })?;
         match res {
             Ok(v) => Ok(v),
             Err(m) => self.on_miss(&m).map(|()| fallback()),
@@ -1244,8 +1259,9 @@ impl Client {
 
     /// Loads the longest stored prefix of `tokens` into `out` (full blocks back to back, in the
     /// layout's dtype; decoded if stored with a codec). Returns the number of tokens loaded: the
-    /// prefix, up to the first block missing. `out` must have room for the whole prefix asked
-    /// for, or the load stops where it is full. A long load runs as several requests side by
+    /// prefix, up to the first block missing. `out` must be whole blocks (`ValueError` otherwise,
+    /// or when it has room for none of a prefix of one or more) and have room for the whole
+    /// prefix asked for, or the load stops where it is full. A long load runs as several requests side by
     /// side, each stopping at its own first miss: past the returned prefix, `out` may hold more
     /// blocks (the right KV for those positions, not counted) or be left as it was.
     fn load_into(&self, py: Python<'_>, ns: &Namespace, tokens: TokenIds, out: &Bound<'_, PyAny>) -> PyResult<usize> {
@@ -1254,6 +1270,15 @@ impl Client {
         let bt = ns.block_tokens();
         let mut out = HeldBuffer::open(out, true)?;
         let room = out.len().checked_div(bb).unwrap_or(0);
+        // A buffer that is not whole blocks, or holds none of a prefix of one or more, is a
+        // caller's mistake: returning 0 read as a miss.
+        if out.len() % bb.max(1) != 0 || (room == 0 && tokens.len() >= bt) {
+            return Err(PyValueError::new_err(format!(
+                "out holds {} bytes: not a whole number of {bb}-byte blocks, or none of the {} asked for",
+                out.len(),
+                tokens.len() / bt.max(1)
+            )));
+        }
         let usable = tokens.len().min(room * bt);
         if let Some((cell, off)) = shared_range(&out) {
             // In a shared buffer: the server copies the blocks straight into it (same node).

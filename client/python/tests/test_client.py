@@ -229,6 +229,12 @@ def test_bad_buffers_are_refused_clearly(server):
             cm.store(n, toks, kv_for(16), first_block=2**64 - 1)  # no overflow on the way
         with pytest.raises(ValueError, match="blocks from block"):
             cm.store(n, toks[:40], kv_for(48))  # 3 blocks of KV, 2 full blocks of tokens
+    # A load buffer that is not whole blocks (or holds none of the prefix asked for): refused in
+    # both modes. Half a block returned 0, read as a miss; a block and a half loaded one quietly.
+    for cm in (c, kvtier.Client(server.addr)):
+        for size in (n.block_bytes // 2, 3 * n.block_bytes // 2):
+            with pytest.raises(ValueError, match="whole number"):
+                cm.load_into(n, toks, np.zeros(size // 4, np.float32))
     for bad in (0, 2**62):
         with pytest.raises(ValueError, match="connections must be"):
             kvtier.Client(server.addr, connections=bad)
@@ -368,3 +374,40 @@ def test_namespaces_compare_hash_and_pickle_and_clients_close(server):
     # A shared buffer that can't be had is the caller's size, not a "connection failed".
     with pytest.raises(ValueError, match="cannot allocate a shared buffer"):
         c.alloc_buffer(2**50)
+
+
+def test_ctrl_c_interrupts_a_call_to_a_server_that_never_answers():
+    # The call waits up to its timeout_s (20 s here) for a server that accepted and went silent;
+    # Ctrl-C a second in is taken within a moment, not when the call gives up.
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from servers import HungServer
+
+    hung = HungServer()
+    script = f"""
+import time, kvtier
+c = kvtier.Client("{hung.addr}", never_raise=False, timeout_s=20)
+ns = kvtier.Namespace.opaque("acme", "stall", block_bytes=4096)
+print("calling", flush=True)
+t0 = time.monotonic()
+try:
+    c.exists_keys(ns, [b"a"])
+    print("answered", flush=True)
+except KeyboardInterrupt:
+    print(f"interrupted {{time.monotonic() - t0:.2f}}", flush=True)
+"""
+    try:
+        p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "calling"
+        time.sleep(1.0)
+        p.send_signal(signal.SIGINT)
+        out, _ = p.communicate(timeout=30)
+        assert out.startswith("interrupted"), out
+        assert float(out.split()[1]) < 3.0, out
+    finally:
+        if p.poll() is None:
+            p.kill()
+        hung.close()
