@@ -442,6 +442,14 @@ fn serve_config(a: &ServeArgs) -> anyhow::Result<ServerConfig> {
         cfg.session_ttl = v;
     }
     if let Some(v) = &a.auth_token {
+        // KVTIER_AUTH_TOKEN is also the CLI's: exported for the client in the shell that starts
+        // the node, it replaced the file's token without a word.
+        if cfg.auth_token.as_ref().is_some_and(|f| f != v) {
+            tracing::warn!(
+                "auth_token: --auth-token / KVTIER_AUTH_TOKEN overrides the one in {} (they differ)",
+                a.config.as_ref().map_or("the config file".into(), |p| p.display().to_string())
+            );
+        }
         cfg.auth_token = Some(v.clone());
     }
     if let Some(v) = &a.cluster {
