@@ -577,7 +577,7 @@ async fn a_session_parked_again_while_a_holder_of_the_dropped_one_was_away_is_th
 async fn two_writes_of_one_version_through_two_nodes_are_never_both_acknowledged() {
     let redis = Redis::start();
     let dir = tempfile::tempdir().unwrap();
-    let (_nodes, clients, ns) = fleet(&redis, dir.path()).await;
+    let (nodes, clients, ns) = fleet(&redis, dir.path()).await;
     let mut raced = 0;
     // Parks whose other copy went to n3 (about half, and all of them while n1 skips a slow n2
     // for a moment) are passed over.
@@ -625,6 +625,9 @@ async fn two_writes_of_one_version_through_two_nodes_are_never_both_acknowledged
         assert!(r1.blocks == r2.blocks, "round {round}: the holders serve different bytes");
     }
     assert_eq!(raced, 8, "sessions held by n1 and n2");
+    // The writes did meet (not only one after the other, the second refused by its version).
+    let met: f64 = nodes[..2].iter().map(|n| metric(&n.scrape(), "kvtier_session_concurrent_writes_total", &[])).sum();
+    assert!(met >= 1.0, "no round had its two writes meet");
 }
 
 /// A drop taken by a node that holds no copy is remembered there too (in its session log): with

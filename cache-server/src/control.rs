@@ -161,7 +161,12 @@ impl ControlPlane {
         let limits = self.state.session_limits(&ns);
         // The blocks go to disk before the table is touched, and without holding its lock.
         self.state.tiers().persist(&ns_id, &spec.keys, spec.tail).await?;
-        let prev = self.state.sessions().peek(ns_id, &spec.id);
+        // What the session was, put back if this write meets another node's of the same version:
+        // the one this park replaces (none for a new one).
+        let prev = match spec.expected_version {
+            0 => None,
+            v => self.state.sessions().peek(ns_id, &spec.id).filter(|p| p.version == v),
+        };
         let m = self.on_io(move |s| s.sessions().park(s.tiers().session_pins(), spec, &limits)).await?;
         // In a cluster where the namespace keeps 2+ copies (`PeerTier::rf_for`: its own
         // `replicas`, else `cluster_rf`): acknowledged once that many nodes hold it.

@@ -32,8 +32,8 @@ pub enum ServerError {
     /// Two nodes took a write of the session at the same time, each making `version`: neither is
     /// acknowledged (the copies may differ until the next write).
     #[error(
-        "session {id:?}: another write made version {version} on node {node} at the same time; this one is not \
-         acknowledged (resume to see which the session holds, then write again)"
+        "session {id:?}: node {node} holds another context at version {version} (another write made it at the \
+         same time); this one is not acknowledged (resume to see what the session holds, then write again)"
     )]
     ConcurrentWrite { id: String, version: u64, node: String },
     #[error("context of {tokens} tokens exceeds the configured maximum of {max}")]

@@ -150,11 +150,12 @@ fn shared_settings(c: &config::ServerConfig) -> Vec<(&'static str, String)> {
         .tenants
         .iter()
         .map(|t| {
-            let mut grants = (t.read.clone(), t.write.clone());
+            let mut grants = (t.read.clone(), t.write.clone(), t.cert_names.clone());
             grants.0.sort();
             grants.1.sort();
+            grants.2.sort();
             format!(
-                "{}|{:?}|{:?}|{:?}|{:?}|{:?}|{:?}|{:?}",
+                "{}|{:?}|{:?}|{:?}|{:?}|{:?}|{:?}",
                 t.name,
                 grants,
                 t.max_namespaces,
@@ -162,7 +163,6 @@ fn shared_settings(c: &config::ServerConfig) -> Vec<(&'static str, String)> {
                 t.max_session_bytes.map(|b| b.0),
                 t.dram_bytes.map(|b| b.0),
                 t.disk_bytes.map(|b| b.0),
-                t.cert_names
             )
         })
         .collect();

@@ -295,10 +295,28 @@ impl SessionStore {
         made: &SessionManifest,
         prev: Option<SessionManifest>,
     ) -> Result<(), ServerError> {
-        match prev {
-            Some(prev) => self.change(pins, |t, _| t.revert(pins, made, prev)).map(|_| ()),
-            None => self.drop_replica(pins, made.namespace, &made.id, made.version).map(|_| ()),
+        let Some(prev) = prev else {
+            return self.drop_replica(pins, made.namespace, &made.id, made.version).map(|_| ());
+        };
+        let now = Instant::now();
+        let (back, pending) = {
+            let mut table = self.table.lock();
+            let back = table.revert(pins, made, prev)?;
+            self.publish(table.len());
+            let pending = self.log.as_ref().map(|log| Pending { seq: log.next_seq(), record: logged(&back, now) });
+            (back, pending)
+        };
+        if let (Some(log), Some(p)) = (&self.log, pending) {
+            if let Err(e) = log.put(p.seq, &p.record) {
+                // Not logged: `made` (the log's last word) stands again, rather than nothing.
+                let mut table = self.table.lock();
+                let _ = table.revert(pins, &back, made.clone());
+                self.publish(table.len());
+                return Err(e);
+            }
         }
+        self.emit(EventKind::SessionParked, &back.namespace, &back.id);
+        Ok(())
     }
 
     /// This node's copy of a live session, its TTL untouched.

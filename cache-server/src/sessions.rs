@@ -565,8 +565,6 @@ impl SessionTable {
         }
     }
 
-    /// Drops the session if it is still at `version` (a change that could not be logged is taken
-    /// back, unless another change replaced it meanwhile); true if it went.
     /// Puts `prev` back where `made` — this node's write, refused as one made at the same time as
     /// another node's — still stands: `prev`'s blocks pinned again, `made`'s released. A
     /// `VersionConflict` (nothing changed) when the session moved on since, and the pin error
@@ -589,6 +587,8 @@ impl SessionTable {
         Ok(prev)
     }
 
+    /// Drops the session if it is still at `version` (a change that could not be logged is taken
+    /// back, unless another change replaced it meanwhile); true if it went.
     pub fn undo(&mut self, tier: &dyn PinTier, ns: NamespaceId, id: &str, version: u64) -> bool {
         let sid = (ns, id.to_string());
         if self.sessions.get(&sid).is_some_and(|m| m.version == version) {

@@ -551,6 +551,13 @@ impl NodeState {
                 return self.register_granted(by, &ns);
             }
         }
+        if ns.layout.block_bytes() > self.config.max_frame_bytes.0 {
+            return Err(ServerError::InvalidRequest(format!(
+                "a block of this layout is {} bytes, above max_frame_bytes {}",
+                ns.layout.block_bytes(),
+                self.config.max_frame_bytes
+            )));
+        }
         let id = ns.id();
         if self.namespaces.read().contains_key(&id) {
             return Ok(id);
@@ -571,13 +578,6 @@ impl NodeState {
             }
         }
         self.check_shared_namespace_slots(&ns)?;
-        if ns.layout.block_bytes() > self.config.max_frame_bytes.0 {
-            return Err(ServerError::InvalidRequest(format!(
-                "a block of this layout is {} bytes, above max_frame_bytes {}",
-                ns.layout.block_bytes(),
-                self.config.max_frame_bytes
-            )));
-        }
         if self.namespaces.read().contains_key(&id) {
             return Ok(id);
         }

@@ -799,9 +799,11 @@ enum Say {
     Nothing,
 }
 
-/// The run of failed calls to the server, process-wide (one agent per process). While the server
-/// is down every namespace's demand stream and every report fails about once a second: each said
-/// at WARN filled the log with the same line, and the moment it came back said nothing.
+/// A run of failed calls of one kind to the server, process-wide (one agent per process). While
+/// the server is down every namespace's demand stream and every report fails about once a second:
+/// each said at WARN filled the log with the same line, and the moment it came back said nothing.
+/// One run per kind of call ([`REPORTS`], [`DEMANDS`]), so one kind failing while the other works
+/// is still said once a minute.
 #[derive(Default)]
 struct ServerFailures {
     /// Failures in the current run, failures since the last WARN, and when that WARN was.
@@ -833,11 +835,14 @@ impl ServerFailures {
     }
 }
 
-static SERVER_FAILURES: ServerFailures = ServerFailures { run: Mutex::new((0, 0, None)) };
+/// Reports of what G1 holds (changes, resyncs, demanded blocks not spilled).
+static REPORTS: ServerFailures = ServerFailures { run: Mutex::new((0, 0, None)) };
+/// The namespaces' demand streams (opening them, reading them).
+static DEMANDS: ServerFailures = ServerFailures { run: Mutex::new((0, 0, None)) };
 
-/// Says a failed call to the server (`what`: what it was for) as the run it belongs to allows.
-fn server_failed(what: &str, e: &dyn std::fmt::Display) {
-    match SERVER_FAILURES.failed(std::time::Instant::now()) {
+/// Says a failed call to the server (`what`: what it was for) as its kind's run allows.
+fn server_failed(kind: &ServerFailures, what: &str, e: &dyn std::fmt::Display) {
+    match kind.failed(std::time::Instant::now()) {
         Say::Warn { since_last } if since_last > 1 => {
             tracing::warn!("{what}: {e} ({since_last} calls to the server failed since the last warning)")
         }
@@ -846,10 +851,10 @@ fn server_failed(what: &str, e: &dyn std::fmt::Display) {
     }
 }
 
-/// Notes a call to the server that worked: the end of a run of failures is said.
-fn server_answered() {
-    if let Say::Recovered { failures } = SERVER_FAILURES.succeeded() {
-        tracing::info!("the server answers again (after {failures} failed calls)");
+/// Notes a call of `kind` (`what`) to the server that worked: the end of a run of failures is said.
+fn server_answered(kind: &ServerFailures, what: &str) {
+    if let Say::Recovered { failures } = kind.succeeded() {
+        tracing::info!("{what}: the server answers again (after {failures} failed calls)");
     }
 }
 
@@ -915,12 +920,12 @@ async fn report_g1<D: Device>(agent: Arc<Agent<D, SameNodeStore>>, demand_store:
                 };
                 match client.raw_grpc().report_agent_blocks(req).await {
                     Ok(_) => {
-                        server_answered();
+                        server_answered(&REPORTS, "reporting G1 blocks to the server");
                         metrics::counter!("kvtier_agent_reported_keys_total").increment(chunk.len() as u64)
                     }
                     Err(e) => {
                         metrics::counter!("kvtier_agent_report_errors_total").increment(1);
-                        server_failed("reporting G1 blocks to the server", &e);
+                        server_failed(&REPORTS, "reporting G1 blocks to the server", &e);
                     }
                 }
             }
@@ -983,21 +988,21 @@ async fn serve_demands<D: Device>(
     };
     let mut stream = match client.raw_grpc().agent_demands(req).await {
         Ok(s) => {
-            server_answered();
+            server_answered(&DEMANDS, "opening the server's demand stream");
             s.into_inner()
         }
         Err(e) if e.message().starts_with(kvtier_proto::codes::UNKNOWN_NAMESPACE) => {
             // The server restarted without its registrations: registered again, and the stream
             // opened on the next round.
             if let Err(e) = store.register_again(&ns).await {
-                server_failed("opening the server's demand stream", &e);
+                server_failed(&DEMANDS, "opening the server's demand stream", &e);
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
             return;
         }
         Err(e) => {
             metrics::counter!("kvtier_agent_demand_stream_errors_total").increment(1);
-            server_failed("opening the server's demand stream", &e);
+            server_failed(&DEMANDS, "opening the server's demand stream", &e);
             tokio::time::sleep(Duration::from_secs(1)).await;
             return;
         }
@@ -1007,8 +1012,9 @@ async fn serve_demands<D: Device>(
         Ok(keys) => keys.into_iter().filter(|(n, _)| *n == ns).map(|(_, k)| k).collect(),
         Err(_) => return,
     };
-    if let Err(e) = report_keys(&client, &ns, &agent_id, &resident, Reported::Resident).await {
-        server_failed("reporting G1 to the server", &e);
+    match report_keys(&client, &ns, &agent_id, &resident, Reported::Resident).await {
+        Ok(()) => server_answered(&REPORTS, "reporting G1 to the server"),
+        Err(e) => server_failed(&REPORTS, "reporting G1 to the server", &e),
     }
     loop {
         let demand = match stream.message().await {
@@ -1016,7 +1022,7 @@ async fn serve_demands<D: Device>(
             Ok(None) => return,
             Err(e) => {
                 metrics::counter!("kvtier_agent_demand_stream_errors_total").increment(1);
-                server_failed("the server's demand stream", &e);
+                server_failed(&DEMANDS, "the server's demand stream", &e);
                 tokio::time::sleep(Duration::from_secs(1)).await;
                 return;
             }
@@ -1053,7 +1059,7 @@ async fn serve_demands<D: Device>(
         .unwrap_or_default();
         // The reads waiting on what could not be spilled miss now, not at the end of their wait.
         if let Err(e) = report_keys(&client, &ns, &agent_id, &unspilled, Reported::Unspilled).await {
-            server_failed("telling the server which demanded blocks could not be spilled", &e);
+            server_failed(&REPORTS, "telling the server which demanded blocks could not be spilled", &e);
         }
     }
 }

@@ -85,7 +85,10 @@ impl ClientTransport {
                     }
                     _ => KvClient::connect(&peer.grpc_addr, self.cfg.clone()).await,
                 }
-                .map_err(|e| Self::err(peer, e))?;
+                .map_err(|e| match e {
+                    ClientError::Unauthenticated(m) => Self::refused_credential(peer, m),
+                    e => Self::err(peer, e),
+                })?;
                 let p = Arc::new(Peer { addr: peer.grpc_addr.clone(), client, namespaces: Mutex::new(HashMap::new()) });
                 lock(&self.peers).insert(peer.id.clone(), p.clone());
                 p
@@ -131,19 +134,23 @@ impl ClientTransport {
             // node's TLS identity isn't among its peers' operator_names).
             ClientError::Unauthenticated(m) => {
                 self.forget(peer);
-                Self::err(
-                    peer,
-                    format!(
-                        "refused this node's credential ({m}): every node of a cluster must share auth_token (and, \
-                         with mTLS, take each other's certificates as the operator)"
-                    ),
-                )
+                Self::refused_credential(peer, m)
             }
             e => {
                 self.forget(peer);
                 Self::err(peer, e)
             }
         }
+    }
+
+    /// `peer` refused this node's credential: a refusal, not a node down (nothing is retried
+    /// against it as if it were away, no hint is kept for it).
+    fn refused_credential(peer: &Member, m: String) -> ServerError {
+        ServerError::Forbidden(format!(
+            "on node {}: it refused this node's credential ({m}): every node of a cluster must share auth_token \
+             (and, with mTLS, take each other's certificates as the operator)",
+            peer.id
+        ))
     }
 
     fn forget(&self, peer: &Member) {

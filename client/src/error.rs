@@ -42,7 +42,8 @@ pub enum ClientError {
     #[error("{}", labeled("quota exceeded", .0))]
     QuotaExceeded(String),
     /// The server is up, but other members of its cluster it needed could not be reached in time
-    /// (a park left short of its copies, a peer down): retrying later may succeed.
+    /// (a park left short of its copies, a peer down). A park or extend said so was kept on the
+    /// node at its new version: write again with that version (the message says which).
     #[error("{}", labeled("cluster unavailable", .0))]
     Unavailable(String),
     #[error("block {index} rejected: {}", status.describe())]

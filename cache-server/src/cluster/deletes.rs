@@ -94,9 +94,12 @@ pub struct OwedLog {
     fs: Arc<dyn FileSystem>,
     /// The file's secret: what its records' tags are keyed with.
     key: LogKey,
-    /// Serializes rewrites: each writes what is owed when it holds this, so the last one written
-    /// is the latest.
-    writing: Mutex<()>,
+    /// Serializes rewrites, and holds the last generation written: each writes what is owed when
+    /// it holds this, so the last one written is the latest.
+    writing: Mutex<u64>,
+    /// Generations asked for: a save whose generation a later write covered writes nothing (a
+    /// member back with a thousand owed deletes done at once asks a thousand saves).
+    wanted: std::sync::atomic::AtomicU64,
 }
 
 /// A delete read back from [`OwedLog`]: the member, the namespace, what and when.
@@ -152,7 +155,7 @@ impl OwedLog {
                 crate::session_log::fresh_log_key()?
             }
         };
-        Ok((OwedLog { path, fs, key, writing: Mutex::new(()) }, owed))
+        Ok((OwedLog { path, fs, key, writing: Mutex::new(0), wanted: Default::default() }, owed))
     }
 
     /// Writes `owed` as the whole log.
@@ -182,11 +185,18 @@ impl OwedLog {
 async fn save(peers: &Arc<PeerTier>) {
     let Some(log) = peers.owed_log().cloned() else { return };
     let tier = peers.clone();
+    let generation = log.wanted.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
     let done = tokio::task::spawn_blocking(move || {
-        let _writing = log.writing.lock();
+        let mut written = log.writing.lock();
+        if *written >= generation {
+            return Ok(()); // a write begun after this save was asked covered it
+        }
+        let covers = log.wanted.load(std::sync::atomic::Ordering::SeqCst);
         let now: Vec<Restored> =
             tier.owed_deletes().lock().iter().map(|((id, _), (o, ns))| (id.clone(), ns.clone(), *o)).collect();
-        log.write(&now)
+        log.write(&now)?;
+        *written = covers;
+        Ok::<_, std::io::Error>(())
     })
     .await;
     let err = match done {
@@ -294,7 +304,21 @@ fn owe(peers: &Arc<PeerTier>, id: NodeId, ns: Namespace, owed: Owed) {
             let Some(now_owed) = peers.owed_deletes().lock().get(&key).map(|e| e.0) else { return };
             // Counted from when it was asked (before a restart of this node too).
             if now_owed.age() > OWED_FOR {
-                break None;
+                let gone = {
+                    let mut all = peers.owed_deletes().lock();
+                    // Replaced by a newer delete meanwhile: that one is sent on the next try.
+                    let gone = all.get(&key).map(|e| e.0) == Some(now_owed);
+                    if gone {
+                        all.remove(&key);
+                        ::metrics::gauge!("kvtier_peer_deletes_owed").set(all.len() as f64);
+                    }
+                    gone
+                };
+                if gone {
+                    save(&peers).await;
+                    break None;
+                }
+                continue;
             }
             let member = peers.members().borrow().get(&id).cloned();
             let Some(member) = member else { continue };
@@ -323,14 +347,6 @@ fn owe(peers: &Arc<PeerTier>, id: NodeId, ns: Namespace, owed: Owed) {
                 tracing::info!(peer = %id, "a {} the member missed was done there", what.name());
             }
             None => {
-                if let Some(peers) = tier.upgrade() {
-                    {
-                        let mut all = peers.owed_deletes().lock();
-                        all.remove(&key);
-                        ::metrics::gauge!("kvtier_peer_deletes_owed").set(all.len() as f64);
-                    }
-                    save(&peers).await;
-                }
                 ::metrics::counter!("kvtier_peer_deletes_abandoned_total").increment(1);
                 tracing::warn!(peer = %id, "a delete the member missed was given up {OWED_FOR:?} after it was asked");
             }

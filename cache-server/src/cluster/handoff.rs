@@ -200,14 +200,21 @@ pub async fn handoff_pass(state: &NodeState, peers: &Arc<PeerTier>) -> Handoff {
                     continue;
                 }
                 let owner = p.owners(&ns_id, &h.key, rf).contains(&at);
-                if !owner || peers.deleted_since(&ns_id, h.stored) {
+                // This node's own DRAM and disk only (G1 is not asked to spill for a hint).
+                let held = state.tiers().tiers().any(|t| t.contains(&ns_id, &h.key));
+                if !owner || !held || peers.deleted_since(&ns_id, h.stored) {
                     out.given_up += 1;
-                } else if let Load::Hit(b) = state.tiers().get(&ns_id, &h.key).await {
-                    bytes += b.payload.len();
-                    chunk.push(b);
-                    in_chunk.push(h);
                 } else {
-                    out.given_up += 1;
+                    match state.tiers().get(&ns_id, &h.key).await {
+                        Load::Hit(b) => {
+                            bytes += b.payload.len();
+                            chunk.push(b);
+                            in_chunk.push(h);
+                        }
+                        // The disk's read budget taken by loads now: the next pass.
+                        Load::Busy => unsent.push(h),
+                        Load::Miss => out.given_up += 1,
+                    }
                 }
                 if !chunk.is_empty() && (!probed || bytes >= CHUNK_BYTES || i + 1 == last) {
                     probed = true;

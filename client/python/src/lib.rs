@@ -34,7 +34,7 @@ create_exception!(
     kvtier,
     UnavailableError,
     KvtierError,
-    "The server, or members of its cluster it needed (a park short of its copies), could not be reached in time: retrying later may succeed."
+    "The server, or members of its cluster it needed, could not be reached in time. A park or extend short of its copies was kept on the node at its new version: write again with that version."
 );
 create_exception!(kvtier, CapacityError, KvtierError, "The server has no room (everything resident is pinned).");
 create_exception!(kvtier, SessionNotFoundError, KvtierError, "No such session (never parked, dropped or expired).");
@@ -802,16 +802,16 @@ impl Client {
                 op(c, h).await
             });
             let mut call = std::pin::pin!(call);
-            loop {
-                let step = kvtier_client::on_caller_thread(|| {
-                    // The timer made inside the runtime (it needs its time driver).
-                    rt.block_on(async { tokio::time::timeout(SIGNAL_SLICE, call.as_mut()).await })
-                });
+            // One caller-thread section for the whole call (its reads' bookkeeping spans the
+            // slices); the signal check runs no client code.
+            kvtier_client::on_caller_thread(|| loop {
+                // The timer made inside the runtime (it needs its time driver).
+                let step = rt.block_on(async { tokio::time::timeout(SIGNAL_SLICE, call.as_mut()).await });
                 match step {
                     Ok(res) => break Ok::<_, PyErr>(res),
                     Err(_) => Python::attach(|py| py.check_signals())?,
                 }
-            }
+            })
         })?;
         match res {
             Ok(v) => Ok(v),
@@ -1259,9 +1259,9 @@ impl Client {
 
     /// Loads the longest stored prefix of `tokens` into `out` (full blocks back to back, in the
     /// layout's dtype; decoded if stored with a codec). Returns the number of tokens loaded: the
-    /// prefix, up to the first block missing. `out` must be whole blocks (`ValueError` otherwise,
-    /// or when it has room for none of a prefix of one or more) and have room for the whole
-    /// prefix asked for, or the load stops where it is full. A long load runs as several requests side by
+    /// prefix, up to the first block missing. `out` must have room for the whole prefix asked
+    /// for, or the load stops where it is full (`ValueError` when it has room for no block of a
+    /// prefix of one or more). A long load runs as several requests side by
     /// side, each stopping at its own first miss: past the returned prefix, `out` may hold more
     /// blocks (the right KV for those positions, not counted) or be left as it was.
     fn load_into(&self, py: Python<'_>, ns: &Namespace, tokens: TokenIds, out: &Bound<'_, PyAny>) -> PyResult<usize> {
@@ -1270,11 +1270,11 @@ impl Client {
         let bt = ns.block_tokens();
         let mut out = HeldBuffer::open(out, true)?;
         let room = out.len().checked_div(bb).unwrap_or(0);
-        // A buffer that is not whole blocks, or holds none of a prefix of one or more, is a
-        // caller's mistake: returning 0 read as a miss.
-        if out.len() % bb.max(1) != 0 || (room == 0 && tokens.len() >= bt) {
+        // A buffer with room for none of a prefix of one or more blocks is a caller's mistake:
+        // returning 0 read as a miss.
+        if room == 0 && tokens.len() >= bt {
             return Err(PyValueError::new_err(format!(
-                "out holds {} bytes: not a whole number of {bb}-byte blocks, or none of the {} asked for",
+                "out holds {} bytes: no room for one {bb}-byte block of the {} asked for",
                 out.len(),
                 tokens.len() / bt.max(1)
             )));

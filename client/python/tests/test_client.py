@@ -229,12 +229,11 @@ def test_bad_buffers_are_refused_clearly(server):
             cm.store(n, toks, kv_for(16), first_block=2**64 - 1)  # no overflow on the way
         with pytest.raises(ValueError, match="blocks from block"):
             cm.store(n, toks[:40], kv_for(48))  # 3 blocks of KV, 2 full blocks of tokens
-    # A load buffer that is not whole blocks (or holds none of the prefix asked for): refused in
-    # both modes. Half a block returned 0, read as a miss; a block and a half loaded one quietly.
+    # A load buffer with room for no block of the prefix asked for: refused in both modes (it
+    # returned 0, read as a miss).
     for cm in (c, kvtier.Client(server.addr)):
-        for size in (n.block_bytes // 2, 3 * n.block_bytes // 2):
-            with pytest.raises(ValueError, match="whole number"):
-                cm.load_into(n, toks, np.zeros(size // 4, np.float32))
+        with pytest.raises(ValueError, match="no room for one"):
+            cm.load_into(n, toks, np.zeros(n.block_bytes // 8, np.float32))
     for bad in (0, 2**62):
         with pytest.raises(ValueError, match="connections must be"):
             kvtier.Client(server.addr, connections=bad)
