@@ -266,6 +266,18 @@ pub async fn delete_elsewhere(
     out
 }
 
+/// Takes the delete owed to `key` out if it is still `owed` (a newer one that replaced it
+/// stays); whether it went.
+fn settle(peers: &PeerTier, key: &(NodeId, kvtier_proto::NamespaceId), owed: Owed) -> bool {
+    let mut all = peers.owed_deletes().lock();
+    let same = all.get(key).map(|e| e.0) == Some(owed);
+    if same {
+        all.remove(key);
+        ::metrics::gauge!("kvtier_peer_deletes_owed").set(all.len() as f64);
+    }
+    same
+}
+
 /// Owes `owed` of `ns` to member `id`: one retrying task per member and namespace, which asks
 /// until the member answers, [`OWED_FOR`] passes, or this node's peer tier is gone. A delete
 /// already owed there is replaced (the task sends the latest; an unregistration is not
@@ -304,17 +316,8 @@ fn owe(peers: &Arc<PeerTier>, id: NodeId, ns: Namespace, owed: Owed) {
             let Some(now_owed) = peers.owed_deletes().lock().get(&key).map(|e| e.0) else { return };
             // Counted from when it was asked (before a restart of this node too).
             if now_owed.age() > OWED_FOR {
-                let gone = {
-                    let mut all = peers.owed_deletes().lock();
-                    // Replaced by a newer delete meanwhile: that one is sent on the next try.
-                    let gone = all.get(&key).map(|e| e.0) == Some(now_owed);
-                    if gone {
-                        all.remove(&key);
-                        ::metrics::gauge!("kvtier_peer_deletes_owed").set(all.len() as f64);
-                    }
-                    gone
-                };
-                if gone {
+                // Replaced by a newer delete meanwhile: that one is sent on the next try.
+                if settle(&peers, &key, now_owed) {
                     save(&peers).await;
                     break None;
                 }
@@ -324,17 +327,8 @@ fn owe(peers: &Arc<PeerTier>, id: NodeId, ns: Namespace, owed: Owed) {
             let Some(member) = member else { continue };
             let call = peers.transport().delete(&member, &ns, now_owed.what, now_owed.asked);
             if peers.bounded(&member, call).await.is_ok() {
-                let done = {
-                    let mut all = peers.owed_deletes().lock();
-                    // Replaced meanwhile: the newer one is sent on the next try.
-                    let done = all.get(&key).map(|e| e.0) == Some(now_owed);
-                    if done {
-                        all.remove(&key);
-                        ::metrics::gauge!("kvtier_peer_deletes_owed").set(all.len() as f64);
-                    }
-                    done
-                };
-                if done {
+                // Replaced meanwhile: the newer one is sent on the next try.
+                if settle(&peers, &key, now_owed) {
                     save(&peers).await;
                     break Some(now_owed.what);
                 }
