@@ -386,8 +386,11 @@ def test_ctrl_c_interrupts_a_call_to_a_server_that_never_answers():
     from servers import HungServer
 
     hung = HungServer()
+    # Python's own SIGINT handler installed even where the test runs with SIGINT ignored (a
+    # background job of a non-interactive shell), which a child would inherit.
     script = f"""
-import time, kvtier
+import signal, time, kvtier
+signal.signal(signal.SIGINT, signal.default_int_handler)
 c = kvtier.Client("{hung.addr}", never_raise=False, timeout_s=20)
 ns = kvtier.Namespace.opaque("acme", "stall", block_bytes=4096)
 print("calling", flush=True)
