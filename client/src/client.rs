@@ -230,7 +230,7 @@ impl NamespaceHandle {
         if self.codec == CodecId::RAW {
             blocks.into_iter().enumerate().map(one).collect()
         } else {
-            blocks.into_par_iter().enumerate().map(one).collect()
+            kvtier_kernels::par::run(|| blocks.into_par_iter().enumerate().map(one).collect())
         }
     }
 }
@@ -279,7 +279,7 @@ fn decode_frames(frames: Vec<BlockFrame>) -> Result<Vec<Bytes>, ClientError> {
     if frames.iter().all(|f| f.header.codec == CodecId::RAW) {
         Ok(frames.into_iter().map(|f| f.payload).collect())
     } else {
-        frames.par_iter().map(decode_frame).collect()
+        kvtier_kernels::par::run(|| frames.par_iter().map(decode_frame).collect())
     }
 }
 
@@ -420,6 +420,7 @@ impl KvClient {
         cfg: ClientConfig,
         connector: Option<Arc<dyn DataPlaneConnector>>,
     ) -> Result<Self, ClientError> {
+        crate::fork::hold_locks_over_fork();
         let scheme = if cfg.tls.is_some() { "https" } else { "http" };
         let url = if addr.contains("://") { addr.to_string() } else { format!("{scheme}://{addr}") };
         let cerr = |reason: String| ClientError::Connect { addr: addr.to_string(), reason };
@@ -832,7 +833,7 @@ impl KvClient {
                 let f = ns.frame(*k, tokens, payload)?.with_flags(flags);
                 Ok::<_, ClientError>(GatherFrame { header: f.header, parts: vec![f.payload], summed: true })
             };
-            keys.par_iter().zip(blocks.par_iter()).map(one).collect::<Result<_, _>>()?
+            kvtier_kernels::par::run(|| keys.par_iter().zip(blocks.par_iter()).map(one).collect::<Result<_, _>>())?
         };
         let frames = &frames;
         let results = self

@@ -723,7 +723,9 @@ fn decode_batch(batch: &mut Vec<(usize, BlockFrame)>, dests: &mut [Dest<'_>], ou
         jobs.into_iter().filter_map(|(i, f, d)| decode(&f, d).is_err().then_some(i)).collect()
     } else {
         use rayon::prelude::*;
-        jobs.into_par_iter().filter_map(|(i, f, d)| decode(&f, d).is_err().then_some(i)).collect()
+        kvtier_kernels::par::run(|| {
+            jobs.into_par_iter().filter_map(|(i, f, d)| decode(&f, d).is_err().then_some(i)).collect()
+        })
     };
     for i in failed {
         out[i] = Landed::Bad;

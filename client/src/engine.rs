@@ -56,6 +56,7 @@ fn miss(op: &'static str, e: &ClientError) -> Miss {
 impl EngineClient {
     /// `budget` bounds every call end to end (connecting included).
     pub fn new(addr: impl Into<String>, cfg: ClientConfig, budget: Duration) -> Self {
+        crate::fork::hold_locks_over_fork();
         EngineClient {
             addr: addr.into(),
             cfg,

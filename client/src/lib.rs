@@ -34,6 +34,7 @@ mod conn;
 mod connector;
 mod engine;
 mod error;
+mod fork;
 pub mod near;
 mod polled;
 mod quic;

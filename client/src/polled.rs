@@ -67,6 +67,12 @@ fn stream_budget(bytes: u64) -> Duration {
 /// data-plane calls on connections that poll ([`PolledRead`]).
 static IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
 
+/// In a forked child ([`crate::fork`]): the calls counted in flight were the parent's other
+/// threads', which the child does not have.
+pub(crate) fn forget_calls_in_flight() {
+    IN_FLIGHT.store(0, Ordering::Release);
+}
+
 /// How long to poll for the answer to a request that moves `bytes`: the expected copy time plus
 /// the fixed part; zero (don't poll) past [`MAX_POLLED_BYTES`].
 pub(crate) fn poll_budget(bytes: u64) -> Duration {

@@ -724,7 +724,7 @@ impl SameNode {
             StoreItem { header, offset: o.saturating_add(base) }
         };
         let items: Vec<StoreItem> = if keys.len() > 1 && !after {
-            keys.par_iter().zip(offsets.par_iter()).enumerate().map(item).collect()
+            kvtier_kernels::par::run(|| keys.par_iter().zip(offsets.par_iter()).enumerate().map(item).collect())
         } else {
             keys.iter().zip(offsets).enumerate().map(item).collect()
         };
@@ -852,7 +852,7 @@ impl SameNode {
             StoreItem { header, offset: segments[i].len() as u64 }
         };
         let items: Vec<StoreItem> = if keys.len() > 1 && !after {
-            keys.par_iter().enumerate().map(item).collect()
+            kvtier_kernels::par::run(|| keys.par_iter().enumerate().map(item).collect())
         } else {
             keys.iter().enumerate().map(item).collect()
         };

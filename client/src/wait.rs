@@ -13,7 +13,7 @@
 //! its recent trials it becomes the way taken: the choice follows the machine as it gets busy or
 //! quiet.
 
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// How a call waits for its answer.
@@ -150,6 +150,12 @@ pub(crate) static TCP_STORE_WAITS: Waits = Waits::new();
 /// Same-node calls' choices ([`crate::polled::PolledSocket`]).
 pub(crate) static SAMENODE_WAITS: Waits = Waits::new();
 
+/// Every process-wide chooser's lock, held by a thread about to fork ([`crate::fork`]), in one
+/// order.
+pub(crate) fn lock_all() -> Vec<MutexGuard<'static, WaitChooser>> {
+    [&TCP_WAITS, &TCP_STORE_WAITS, &SAMENODE_WAITS].into_iter().map(Waits::lock).collect()
+}
+
 impl Waits {
     pub(crate) const fn new() -> Self {
         Waits { chooser: Mutex::new(WaitChooser::new()), fixed: None }
@@ -161,9 +167,13 @@ impl Waits {
         Waits { chooser: Mutex::new(WaitChooser::new()), fixed: Some(wait) }
     }
 
-    fn with<T>(&self, f: impl FnOnce(&mut WaitChooser) -> T) -> T {
+    fn lock(&self) -> MutexGuard<'_, WaitChooser> {
         // A panic elsewhere while holding it leaves plain numbers behind: still usable.
-        f(&mut self.chooser.lock().unwrap_or_else(|e| e.into_inner()))
+        self.chooser.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&mut WaitChooser) -> T) -> T {
+        f(&mut self.lock())
     }
 
     /// Chooses for a call, starting now, that may poll for `budget`: `None` for a zero budget

@@ -428,8 +428,9 @@ impl Codec {
                 Ok(())
             };
             return if parallel {
+                let planes = planes.collect::<Vec<_>>();
                 let results: Vec<Result<(), CodecError>> =
-                    planes.collect::<Vec<_>>().into_par_iter().map_init(Vec::new, plane).collect();
+                    crate::par::run(|| planes.into_par_iter().map_init(Vec::new, plane).collect());
                 results.into_iter().collect()
             } else {
                 let mut scratch = Vec::new();
@@ -682,7 +683,7 @@ where
     F: Fn(Chunk<'a>) -> Result<(), CodecError> + Sync + Send,
 {
     if parallel && chunks.len() > 1 {
-        let results: Vec<Result<(), CodecError>> = chunks.into_par_iter().map(&f).collect();
+        let results: Vec<Result<(), CodecError>> = crate::par::run(|| chunks.into_par_iter().map(&f).collect());
         results.into_iter().collect()
     } else {
         chunks.into_iter().try_for_each(f)
@@ -926,8 +927,9 @@ fn plane_amax(source: &Source, parallel: bool) -> Result<Vec<f32>, CodecError> {
     };
     let maxes = if parallel {
         let per = (256 * 1024 / row_bytes.max(1)).max(1);
-        let parts: Vec<Result<Vec<u32>, CodecError>> =
-            (0..rows.div_ceil(per)).into_par_iter().map(|i| scan(i * per..((i + 1) * per).min(rows))).collect();
+        let parts: Vec<Result<Vec<u32>, CodecError>> = crate::par::run(|| {
+            (0..rows.div_ceil(per)).into_par_iter().map(|i| scan(i * per..((i + 1) * per).min(rows))).collect()
+        });
         let mut m = vec![0u32; spec.planes()];
         for part in parts {
             for (a, b) in m.iter_mut().zip(part?) {

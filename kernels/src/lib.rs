@@ -17,12 +17,14 @@
 //! - [`copy`]: bulk copies into another process's shared memory with streaming stores (the
 //!   same-node path's loads), and the fence that publishes them.
 //! - [`policy`]: [`policy::CodecPolicy`] — which codec per tier, the age rule, `lossless_only`.
+//! - [`par`]: the thread pool parallel work runs on, a forked child's own included.
 //! - Private leaf math, shared by every backend: `scale` (amax → FP8 scale, NVFP4 global and
 //!   block scales) and `fwht` (the Walsh–Hadamard butterflies, scalar and vector).
 //!
 //! The modules form layers, each using only those below it (no cycles):
 //! `formats`, `fwht`, `error` → `scale`, `block` → `rotation` → `kernel` → `codec` (with
-//! `payload`, which needs only `block`) → `policy`; `copy` stands alone.
+//! `payload`, which needs only `block`) → `policy`; `copy` and `par` stand alone (`codec` runs its
+//! parallel sections through `par`).
 //!
 //! ```
 //! use kvtier_kernels::{decode, encode, BlockSpec, KvBlockView};
@@ -43,6 +45,7 @@ mod error;
 pub mod formats;
 mod fwht;
 mod kernel;
+pub mod par;
 pub mod payload;
 pub mod policy;
 pub mod rotation;

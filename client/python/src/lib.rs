@@ -66,6 +66,9 @@ const SIGNAL_SLICE: Duration = Duration::from_millis(100);
 /// never touched there: its threads did not survive the fork, and its epoll instance is the
 /// parent's — a socket the child registered in it woke the parent's I/O driver with the child's
 /// pointers (the parent crashed) while the child waited forever.
+///
+/// Its lock is taken only with the GIL held, which a thread calling `os.fork` holds: no other
+/// thread holds it at a fork, and the child finds it free.
 fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
     static RT: Mutex<Option<(u32, &'static tokio::runtime::Runtime)>> = Mutex::new(None);
     let pid = std::process::id();
@@ -436,7 +439,8 @@ impl BufferCell {
 }
 
 /// Every live `SharedBuffer` of this process, so a call can tell whether a caller's array lies in
-/// one (by address range).
+/// one (by address range). Locked only with the GIL held, so never held across a fork (as
+/// [`runtime`]'s).
 static BUFFERS: Mutex<Vec<Weak<BufferCell>>> = Mutex::new(Vec::new());
 
 /// The shared buffer `held` lies in, and its offset there.

@@ -273,25 +273,47 @@ def test_never_raise_is_the_default(server):
 def test_a_forked_child_gets_its_own_runtime_and_the_parent_is_unharmed(server):
     # multiprocessing's default start method on Linux: a child forked after the parent used
     # kvtier hung on its first call (the runtime it inherited has no threads, and its epoll
-    # instance is the parent's), and the parent often died of a segfault.
+    # instance is the parent's), and the parent often died of a segfault. Then, with the parent's
+    # threads busy in calls at the fork: a child's first FP8 store waited forever on the parallel
+    # pool the parent had started (its threads are not in the child), and children hung or
+    # crashed in the runtime's thread parking, whose one process-wide table they inherited with
+    # locks held by the parent's threads.
     import gc
     import multiprocessing as mp
+    import threading
     import warnings
 
     # The parent's client is held only here, so a child can drop its copy of it.
     held = [kvtier.Client(server.addr, never_raise=False, timeout_s=5)]
     n = ns(tenant="fork")
+    n8 = ns(codec="fp8", tenant="fork")
     toks = list(range(5000, 5032))
     kv = kv_for(32, 4)
     assert held[0].store(n, toks, kv) == 2
+    # Several FP8 blocks in one call: encoded in parallel, which starts the parent's pool.
+    toks8 = list(range(6000, 6064))
+    assert held[0].store(n8, toks8, kv_for(64, 5)) == 4
+    stop = threading.Event()
+
+    def busy():
+        out = np.zeros_like(kv)
+        while not stop.is_set():
+            held[0].load_into(n, toks, out)
+            held[0].lookup(n8, toks)
+
     ctx = mp.get_context("fork")
     results = ctx.Queue()
 
-    def child():
+    def child(i):
         try:
             fresh = kvtier.Client(server.addr, never_raise=False, timeout_s=5)
             got = np.zeros_like(kv)
             n_loaded = fresh.load_into(n, toks, got)
+            mine = list(range(10_000 + 64 * i, 10_064 + 64 * i))
+            stored8 = fresh.store(n8, mine, kv_for(64, 5))
+            back8 = fresh.load(n8, mine)
+            # The same input, encoded by the parent: the same bytes back.
+            same8 = back8 == fresh.load(n8, toks8)
             try:
                 held[0].lookup(n, toks)
                 said = "no error"
@@ -302,22 +324,35 @@ def test_a_forked_child_gets_its_own_runtime_and_the_parent_is_unharmed(server):
             # deregistered them, and the parent's calls on them then waited forever).
             held.clear()
             gc.collect()
-            results.put((n_loaded, bool(np.array_equal(got, kv)), said))
+            results.put((n_loaded, bool(np.array_equal(got, kv)), stored8, (len(back8), same8), said))
         except BaseException as e:  # noqa: BLE001 - reported to the parent
-            results.put(("error", repr(e), ""))
+            results.put(("error", repr(e), "", "", ""))
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # "multi-threaded, use of fork()"
-        procs = [ctx.Process(target=child) for _ in range(3)]
+    threads = [threading.Thread(target=busy) for _ in range(3)]
+    for t in threads:
+        t.start()
+    procs = []
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # "multi-threaded, use of fork()"
+            for i in range(12):
+                procs.append(ctx.Process(target=child, args=(i,)))
+                procs[-1].start()
         for p in procs:
-            p.start()
-    for p in procs:
-        p.join(30)
-        assert not p.is_alive(), "a forked child hung"
-        assert p.exitcode == 0
+            p.join(30)
+            assert not p.is_alive(), "a forked child hung"
+            assert p.exitcode == 0
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        for p in procs:
+            if p.is_alive():
+                p.kill()
     for _ in procs:
-        n_loaded, exact, said = results.get(timeout=5)
-        assert (n_loaded, exact) == (32, True), (n_loaded, exact)
+        n_loaded, exact, stored8, loaded8, said = results.get(timeout=5)
+        assert (n_loaded, exact) == (32, True), (n_loaded, exact, stored8)
+        assert (stored8, loaded8) == (4, (64 * n8.token_bytes, True)), (stored8, loaded8)
         assert "before a fork" in said, said
     # The parent goes on, on the same client and its pooled connections, byte for byte.
     for _ in range(3):
