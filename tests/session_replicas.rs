@@ -692,3 +692,59 @@ async fn a_drop_taken_by_a_node_without_a_copy_is_remembered_there() {
     }
     until_no_copy(&clients.iter().collect::<Vec<_>>(), &id).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_of_a_namespace_unregistered_while_a_holder_was_away_do_not_come_back() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    // n1 and n3 with a disk tier (n3 comes back with its copy), n2 DRAM-only.
+    let args: Vec<Vec<String>> = IDS
+        .iter()
+        .map(|id| {
+            let disk = if *id == "n2" { "" } else { "disk_capacity = \"64MiB\"\n" };
+            let cfg = config(&redis, dir.path(), id, 2, disk);
+            ["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"].map(String::from).to_vec()
+        })
+        .collect();
+    let strs = |i: usize| args[i].iter().map(String::as_str).collect::<Vec<_>>();
+    let mut nodes: Vec<ServerProcess> = (0..3).map(|i| ServerProcess::start(&strs(i))).collect();
+    until_members(&nodes, 3);
+    let mut clients = [nodes[0].client().await, nodes[1].client().await, nodes[2].client().await];
+    let ns = futures::future::join_all(clients.iter().map(|c| async move { handle(c).await })).await;
+    // A session parked through n1 whose other copy is on n3, so n2 holds none.
+    let mut id = None;
+    for i in 0..32u32 {
+        let sid = format!("held-by-n1-n3-{i}");
+        let (toks, blocks) = session(&ns[0], 90 + i);
+        clients[0].park(&ns[0], &sid, &toks, &blocks, &ParkOptions::default(), 0).await.unwrap();
+        let held = copies(&[&clients[2]]).await.contains_key(&sid) && !copies(&[&clients[1]]).await.contains_key(&sid);
+        if held {
+            id = Some(sid);
+            break;
+        }
+    }
+    let id = id.expect("a session held by n1 and n3");
+
+    // n3 is away while the namespace is unregistered through n1 (n2 takes it too); then n1,
+    // which owes n3 the unregistration, goes down before it can pass it on.
+    let _ = nodes[2].child.kill();
+    let _ = nodes[2].child.wait();
+    let gone = clients[0].unregister(&ns[0]).await.unwrap();
+    assert_eq!(gone.sessions_dropped, 1, "{gone:?}");
+    let _ = nodes[0].child.kill();
+    let _ = nodes[0].child.wait();
+    let again = nodes[2].restart_in_place(&strs(2));
+    let _before = std::mem::replace(&mut nodes[2], again);
+    clients[2] = nodes[2].client().await;
+    until_members(&nodes[1..], 2);
+    assert!(copies(&[&clients[2]]).await.contains_key(&id), "n3 came back with its copy");
+
+    // A resume through n2 registers the namespace again (as a client's first call does) and
+    // must not adopt n3's copy; one through n3 must not serve it either.
+    for i in [1, 2] {
+        let h = handle(&clients[i]).await;
+        let got = clients[i].resume(&h, &id).await;
+        assert!(matches!(got, Err(ClientError::SessionNotFound(_))), "n{}: {:?}", i + 1, got.map(|r| r.info.version));
+    }
+    until_no_copy(&[&clients[1], &clients[2]], &id).await;
+}

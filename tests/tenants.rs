@@ -623,3 +623,44 @@ async fn cli_questions_about_a_namespace_that_does_not_exist_create_none() {
     let client = client_as(&server, Some(TOKEN_Q)).await;
     assert_eq!(client.stats().await.unwrap().namespaces, 1, "nothing was created");
 }
+
+/// A member passes an unregistration on to every other (`local_only`, as the operator): a node
+/// that does not know the namespace still remembers when its sessions went, so that a copy held
+/// by a node that was away is not adopted through it (`tests/session_replicas.rs`). A tenant's
+/// `local_only` unregistration of a namespace unknown here plants nothing against another's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unregistration_passed_on_for_an_unknown_namespace_is_remembered_for_the_operator_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServerProcess::start(&["--config", config(dir.path()).to_str().unwrap()]);
+    let (op, a, b) = (
+        client_as(&server, Some(OPERATOR)).await,
+        client_as(&server, Some(TOKEN_A)).await,
+        client_as(&server, Some(TOKEN_B)).await,
+    );
+    let (passed_on, planted) =
+        (namespace("a", b"passed-on", small_layout()), namespace("a", b"planted", small_layout()));
+    let unregister = |id: NamespaceId| kvtier_proto::pb::UnregisterNamespaceRequest {
+        namespace_id: bytes::Bytes::copy_from_slice(&id.0),
+        local_only: true,
+        as_of_ago_ms: 1,
+    };
+    for (by, ns) in [(&op, &passed_on), (&b, &planted)] {
+        let err = by.raw_grpc().unregister_namespace(unregister(ns.id())).await.unwrap_err();
+        assert_eq!(err.code(), tonic::Code::NotFound, "{err}");
+    }
+    for (ns, remembered) in [(passed_on, true), (planted, false)] {
+        let h = a.register(ns).await.unwrap();
+        let toks = tokens(7, 40);
+        a.park(&h, "s", &toks, &session_payloads(&h, &toks), &ParkOptions::default(), 0).await.unwrap();
+        let r = op
+            .session_replica(kvtier_proto::pb::SessionReplicaRequest {
+                namespace_id: bytes::Bytes::copy_from_slice(&h.id.0),
+                session_id: "s".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        assert!(r.held, "a session parked since is the namespace's own");
+        assert_eq!(r.dropped, remembered, "{r:?}");
+    }
+}

@@ -981,12 +981,35 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
     ) -> Result<Response<pb::UnregisterNamespaceResponse>, Status> {
         let p = principal(&r)?;
         let id = ns_id(&r.get_ref().namespace_id).map_err(to_status)?;
-        let ns = self.state.namespace_for(&p, &id, Access::Write).map_err(to_status)?;
         // A member reached late (`as_of_ago_ms`): sessions touched since the unregistration was
         // asked belong to the namespace registered again, and keep it.
         let as_of = match (r.get_ref().local_only, r.get_ref().as_of_ago_ms) {
             (true, ago) if ago > 0 => Some(Instant::now().checked_sub(Duration::from_millis(ago))),
             _ => None,
+        };
+        let ns = match self.state.namespace_for(&p, &id, Access::Write) {
+            Ok(ns) => ns,
+            Err(e) => {
+                // Passed on by the member that took it, for a namespace this node does not know:
+                // it holds none of the sessions, but remembers when they went, so that a copy
+                // held by a node that was away is not adopted through here (the resume that
+                // asks registers the namespace again). The answer is the same.
+                let asked = as_of.unwrap_or_else(|| Some(Instant::now()));
+                if let (ServerError::UnknownNamespace(_), Principal::Operator, Some(at)) = (&e, &p, asked) {
+                    if r.get_ref().local_only {
+                        let remembered = self
+                            .on_io(move |s| {
+                                s.sessions().remember_unregistered_at(id, at);
+                                Ok(())
+                            })
+                            .await;
+                        if let Err(err) = remembered {
+                            tracing::warn!("an unregistration passed on was not remembered: {err}");
+                        }
+                    }
+                }
+                return Err(to_status(e));
+            }
         };
         // It appends to (and syncs) the namespace and session logs.
         let (sessions_dropped, blocks_removed) =

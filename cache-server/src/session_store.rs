@@ -32,6 +32,11 @@ pub struct SessionStore {
 
 /// How long a drop is remembered against copies of the session coming back.
 pub const DROP_REMEMBERED: Duration = Duration::from_secs(3600);
+
+/// The session id a namespace's unregistration is remembered under, as a drop of every session
+/// it had (no session has an empty id: parks refuse one).
+const WHOLE_NAMESPACE: &str = "";
+
 /// Most drops remembered at once; past it the oldest are forgotten.
 const MAX_DROPS_REMEMBERED: usize = 65_536;
 
@@ -141,10 +146,22 @@ impl SessionStore {
         *e = (*e).max(at);
     }
 
-    /// When session `id` was dropped here, if within [`DROP_REMEMBERED`].
+    /// When session `id` was dropped here, if within [`DROP_REMEMBERED`]: its own drop, or its
+    /// namespace's unregistration ([`Self::remember_unregistered_at`]), whichever came later.
     pub fn dropped_at(&self, ns: NamespaceId, id: &str) -> Option<Instant> {
-        let at = *self.drops.lock().get(&(ns, id.to_string()))?;
-        (at.elapsed() < DROP_REMEMBERED).then_some(at)
+        let drops = self.drops.lock();
+        let own = drops.get(&(ns, id.to_string())).copied();
+        let all = drops.get(&(ns, WHOLE_NAMESPACE.to_string())).copied();
+        own.max(all).filter(|at| at.elapsed() < DROP_REMEMBERED)
+    }
+
+    /// Remembers that namespace `ns` was unregistered at `at`, which dropped every session it had
+    /// then: a copy of one of them, last touched before, is not taken back from a node that was
+    /// away (a resume through a node that took the unregistration re-registers the namespace, and
+    /// adopted the away node's copy). Logged, restored and forgotten after [`DROP_REMEMBERED`] as
+    /// a session's drop is.
+    pub fn remember_unregistered_at(&self, ns: NamespaceId, at: Instant) {
+        self.remember_drop_at(ns, WHOLE_NAMESPACE, at);
     }
 
     /// Whether `m` is a copy of a session dropped at `dropped` (or after it was last touched:
@@ -642,6 +659,22 @@ mod tests {
         assert!(off < Duration::from_millis(5), "remembered {off:?} away from when it was made");
         assert!(store.is_dropped_copy(&old), "a copy touched before the drop");
         assert!(!store.is_dropped_copy(&new), "the session parked after the drop");
+
+        // The namespace unregistered later: every session of it counts as dropped then, and
+        // that is logged and comes back too; another namespace's sessions are untouched.
+        let gone = Instant::now();
+        store.remember_unregistered_at(ns, gone);
+        drop(store);
+        let (log, replayed) = SessionLog::open(dir.path(), true, unix_ms(SystemTime::now())).unwrap();
+        let store = SessionStore::new(Some(log));
+        store.restore_drops(replayed.drops);
+        for id in ["s", "never-parked"] {
+            let at = store.dropped_at(ns, id).expect("the unregistration is remembered");
+            let off = if at > gone { at - gone } else { gone - at };
+            assert!(off < Duration::from_millis(5), "{id}: remembered {off:?} away");
+        }
+        assert!(store.is_dropped_copy(&new), "parked before the unregistration");
+        assert_eq!(store.dropped_at(NamespaceId([9; 16]), "s"), None);
     }
 
     /// A park whose record can't be appended is taken back: not visible, its pins released.

@@ -661,6 +661,17 @@ impl NodeState {
     /// dropped, blocks removed). Blocks still pinned by another connection's lease stay until
     /// evicted.
     pub fn unregister_namespace(&self, by: &Principal, id: &NamespaceId) -> Result<(u64, u64), ServerError> {
+        self.unregister_namespace_at(by, id, Some(Instant::now()))
+    }
+
+    /// [`Self::unregister_namespace`], remembering that the namespace's sessions were dropped
+    /// `at` (`None`: before this machine's clock began, nothing to remember).
+    fn unregister_namespace_at(
+        &self,
+        by: &Principal,
+        id: &NamespaceId,
+        at: Option<Instant>,
+    ) -> Result<(u64, u64), ServerError> {
         self.namespace_for(by, id, Access::Write)?;
         if let Some(log) = &self.namespace_log {
             let mark = self.tiers.disk().map_or((0, 0), |d| d.write_position());
@@ -671,6 +682,9 @@ impl NodeState {
             let mut map = self.namespaces.write();
             map.remove(id);
             metrics::gauge!("kvtier_namespaces").set(map.len() as f64);
+        }
+        if let Some(at) = at {
+            self.sessions.remember_unregistered_at(*id, at);
         }
         let mut dropped = 0;
         for m in self.sessions.list(Some(*id)) {
@@ -700,7 +714,10 @@ impl NodeState {
         };
         let (old, newer): (Vec<_>, Vec<_>) = self.sessions.list(Some(*id)).into_iter().partition(|m| older(m));
         if newer.is_empty() {
-            return self.unregister_namespace(by, id);
+            return self.unregister_namespace_at(by, id, at);
+        }
+        if let Some(at) = at {
+            self.sessions.remember_unregistered_at(*id, at);
         }
         let mut dropped = 0;
         for m in old {
