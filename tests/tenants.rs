@@ -518,8 +518,10 @@ fn a_read_grant_is_usable_from_the_cli() {
     );
     let (ok, out, err) = as_tenant(TOKEN_C, "put", &[]);
     assert!(!ok && out.contains("stored 0 of 4") && out.contains("rejected"), "{out} {err}");
+    // Another tenant's namespace is answered as one nobody registered (the CLI's questions
+    // register nothing, so the registration's "forbidden" is not said either).
     let (ok, out, err) = as_tenant(TOKEN_B, "lookup", &[]);
-    assert!(!ok && err.contains("forbidden"), "{out} {err}");
+    assert!(ok && out.contains("0 of 74 tokens are stored") && out.contains("no such namespace"), "{out} {err}");
     let (ok, out, _) = as_tenant(TOKEN_A, "lookup", &[]);
     assert!(ok && out.contains("64 of 74 tokens are stored"), "{out}");
 }
@@ -622,6 +624,28 @@ async fn cli_questions_about_a_namespace_that_does_not_exist_create_none() {
     assert!(!ok && err.contains("KV:Namespace:Unknown") && !err.contains("Quota"), "{err}");
     let client = client_as(&server, Some(TOKEN_Q)).await;
     assert_eq!(client.stats().await.unwrap().namespaces, 1, "nothing was created");
+
+    // A tenant far from its quota: a typo in the flags created the namespace, for good, and
+    // `purge` said it purged nothing.
+    let a = |args: &[&str]| {
+        let all: Vec<&str> =
+            args.iter().copied().chain(["--server", &addr, "--auth-token", TOKEN_A, "--tenant", "a"]).collect();
+        cli(&all)
+    };
+    let typo = ["--model", "typo-model"];
+    let (ok, out, err) = a(&[&["lookup", "--text", "a prefix of tokens"][..], &typo].concat());
+    assert!(ok && out.contains("0 of 18 tokens") && out.contains("no such namespace"), "{out} {err}");
+    let (ok, out, err) = a(&[&["get", "--text", "a prefix of tokens"][..], &typo].concat());
+    assert!(ok && out.contains("loaded 0 block(s)") && out.contains("no such namespace"), "{out} {err}");
+    let (ok, out, err) = a(&[&["session", "ls"][..], &typo].concat());
+    assert!(ok && out.contains("0 session(s)") && out.contains("no such namespace"), "{out} {err}");
+    for cmd in [&["session", "resume", "--id", "s"][..], &["session", "drop", "--id", "s"], &["purge"], &["unregister"]]
+    {
+        let (ok, _, err) = a(&[cmd, &typo].concat());
+        assert!(!ok && err.contains("KV:Namespace:Unknown"), "{cmd:?}: {err}");
+    }
+    let client = client_as(&server, Some(TOKEN_A)).await;
+    assert_eq!(client.stats().await.unwrap().namespaces, 0, "nothing was created");
 }
 
 /// A member passes an unregistration on to every other (`local_only`, as the operator): a node
@@ -663,4 +687,60 @@ async fn an_unregistration_passed_on_for_an_unknown_namespace_is_remembered_for_
         assert!(r.held, "a session parked since is the namespace's own");
         assert_eq!(r.dropped, remembered, "{r:?}");
     }
+}
+
+/// A tenant's `disk_bytes` holds against a burst: its evicted blocks queued for the disk count
+/// against the quota before they are written (all of a burst passed the check at once, and the
+/// tenant ended a queue's worth of blocks past it, its own Stats showing 2.7 MiB of 2). And a
+/// park its `max_session_bytes` refuses writes nothing to disk (its blocks were made durable
+/// before the check, and stayed: 3x the tenant's disk quota after five refused parks).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_disk_quota_holds_against_bursts_and_refused_parks() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("quota.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[[tenants]]\nname = \"bursty\"\ntokens = [\"{TOKEN_A}\"]\ndram_bytes = \"1MiB\"\ndisk_bytes = \"2MiB\"\n\n\
+             [[tenants]]\nname = \"parker\"\ntokens = [\"{TOKEN_B}\"]\nmax_session_bytes = \"1MiB\"\n"
+        ),
+    )
+    .unwrap();
+    let server = ServerProcess::start(&[
+        "--config",
+        cfg.to_str().unwrap(),
+        "--dram-capacity",
+        "64MiB",
+        "--disk-capacity",
+        "64MiB",
+    ]);
+    let disk_of = |s: kvtier_proto::pb::StatsResponse| {
+        s.tiers.into_iter().find(|t| t.tier == "disk").map_or(0, |t| t.resident_bytes)
+    };
+    let bursty = client_as(&server, Some(TOKEN_A)).await;
+    let ns = bursty.register(namespace("bursty", b"b", small_layout())).await.unwrap();
+    let block = small_layout().block_bytes();
+    // 6 MiB in one call: DRAM keeps 1 MiB, the rest is evicted at once.
+    let doc = tokens(5, 192 * 16);
+    bursty.store(&ns, &doc, &full_block_payloads(&ns, &doc)).await.unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while metric(&server.scrape(), "kvtier_disk_queue_depth", &[]) > 0.0 {
+        assert!(std::time::Instant::now() < deadline, "the demotion queue never drained");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let on_disk = disk_of(bursty.stats().await.unwrap());
+    assert!(on_disk >= 2 * block, "some of the burst went to disk: {on_disk}");
+    assert!(on_disk <= (2 << 20) + block, "{on_disk} bytes on disk, past the 2 MiB quota by more than a block");
+
+    let parker = client_as(&server, Some(TOKEN_B)).await;
+    let ns = parker.register(namespace("parker", b"p", small_layout())).await.unwrap();
+    let toks = tokens(6, 48 * 16);
+    for i in 0..3 {
+        let err = parker
+            .park(&ns, &format!("big{i}"), &toks, &session_payloads(&ns, &toks), &ParkOptions::default(), 0)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, ClientError::QuotaExceeded(ref m) if m.contains("max_session_bytes")), "{err}");
+    }
+    assert_eq!(disk_of(parker.stats().await.unwrap()), 0, "a refused park wrote its blocks to disk");
 }

@@ -159,6 +159,8 @@ impl ControlPlane {
             expected_version: r.expected_version,
         };
         let limits = self.state.session_limits(&ns);
+        // Refused before anything is written (a refused park left its blocks on disk).
+        self.state.sessions().check_park(&spec, &limits)?;
         // The blocks go to disk before the table is touched, and without holding its lock.
         self.state.tiers().persist(&ns_id, &spec.keys, spec.tail).await?;
         // What the session was, put back if this write meets another node's of the same version:

@@ -245,6 +245,12 @@ impl SessionStore {
         self.change(pins, |t, now| t.park(pins, spec, limits, now))
     }
 
+    /// Whether a park would pass its checks now (see [`SessionTable::check_park`]): asked before
+    /// its blocks are made durable, so a refused park writes nothing.
+    pub fn check_park(&self, spec: &ParkSpec, limits: &SessionLimits) -> Result<(), ServerError> {
+        self.table.lock().check_park(spec, limits, Instant::now())
+    }
+
     /// Whether an extend of the session as it is now would pass its checks (see
     /// [`SessionTable::check_extend`]): asked before the new blocks are made durable, so a
     /// refused extend writes nothing.

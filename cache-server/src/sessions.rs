@@ -299,20 +299,10 @@ impl SessionTable {
         limits: &SessionLimits,
         now: Instant,
     ) -> Result<SessionManifest, ServerError> {
-        check_shape(spec.keys.len(), spec.tail.is_some(), spec.token_count, limits)?;
         let sid = (spec.namespace, spec.id.clone());
         self.reap_if_expired(tier, &sid, now);
+        self.check_park(&spec, limits, now)?;
         let current = self.sessions.get(&sid).map(|m| m.version).unwrap_or(0);
-        if spec.expected_version == 0 && current != 0 {
-            return Err(ServerError::SessionExists(spec.id));
-        }
-        if spec.expected_version != current {
-            return Err(ServerError::VersionConflict { id: spec.id, expected: spec.expected_version, actual: current });
-        }
-        let replaced = self.sessions.get(&sid).map(|m| m.bytes);
-        self.check_quota(limits, replaced, spec.token_count * limits.bytes_per_token)?;
-        let old_keys = self.sessions.get(&sid).map_or(0, |m| manifest_cost(m.keys.len(), m.tail.is_some()));
-        self.check_manifest_keys(limits, old_keys, manifest_cost(spec.keys.len(), spec.tail.is_some()))?;
         pin_or_report(tier, &spec.namespace, &spec.keys, spec.tail)?;
         if let Some(old) = self.sessions.get(&sid) {
             tier.unpin(&old.namespace, &old.pinned_keys());
@@ -332,6 +322,29 @@ impl SessionTable {
         self.expired.remove(&sid);
         self.insert(sid, manifest.clone());
         Ok(manifest)
+    }
+
+    /// The checks a park makes (its shape, the version it replaces, the tenant's quota, the
+    /// manifest keys) without changing anything: made first, before the blocks are made durable
+    /// — a refused park wrote its blocks to disk, where they stayed past the tenant's quota —
+    /// and again under the change. A session expired by `now` counts as gone.
+    pub fn check_park(&self, spec: &ParkSpec, limits: &SessionLimits, now: Instant) -> Result<(), ServerError> {
+        check_shape(spec.keys.len(), spec.tail.is_some(), spec.token_count, limits)?;
+        let cur = self.sessions.get(&(spec.namespace, spec.id.clone())).filter(|m| m.expires_at > now);
+        let current = cur.map_or(0, |m| m.version);
+        if spec.expected_version == 0 && current != 0 {
+            return Err(ServerError::SessionExists(spec.id.clone()));
+        }
+        if spec.expected_version != current {
+            return Err(ServerError::VersionConflict {
+                id: spec.id.clone(),
+                expected: spec.expected_version,
+                actual: current,
+            });
+        }
+        self.check_quota(limits, cur.map(|m| m.bytes), spec.token_count * limits.bytes_per_token)?;
+        let old_keys = cur.map_or(0, |m| manifest_cost(m.keys.len(), m.tail.is_some()));
+        self.check_manifest_keys(limits, old_keys, manifest_cost(spec.keys.len(), spec.tail.is_some()))
     }
 
     /// The checks an extend makes of the session as it is (it exists, `expected_version` is

@@ -571,18 +571,20 @@ async fn connect(c: &ConnArgs) -> anyhow::Result<(KvClient, NamespaceHandle)> {
     Ok((client, ns))
 }
 
-/// [`connect`] for commands that read or remove what is there: a tenant at its
-/// `max_namespaces` asking about a namespace that does not exist is answered about that one
-/// (none there), not refused for its quota — the namespace is not registered then.
+/// [`connect`] for commands that read or remove what is there: the namespace is not
+/// registered, so a question about one that does not exist (a typo in a flag) is answered about
+/// that one — none there — and creates nothing (it created the namespace, for good, and took a
+/// tenant's `max_namespaces` slot).
 async fn connect_existing(c: &ConnArgs) -> anyhow::Result<(KvClient, NamespaceHandle)> {
     let spec = c.ns.namespace()?;
     let client = connect_client(&c.node).await?;
-    let ns = match client.register(spec.clone()).await {
-        Err(ClientError::QuotaExceeded(_)) => NamespaceHandle::unregistered(spec)?,
-        other => other?,
-    };
-    Ok((client, ns))
+    Ok((client, NamespaceHandle::unregistered(spec)?))
 }
+
+/// What a read of a namespace the node does not know says beside its (empty) answer.
+const NO_SUCH_NAMESPACE: &str =
+    "the node holds no such namespace: never registered on it, or unregistered; check the namespace flags and the \
+     credential (another tenant's namespace is answered as none)";
 
 impl TokensArgs {
     fn tokens(&self) -> anyhow::Result<Vec<u32>> {
@@ -689,7 +691,10 @@ async fn get(a: GetArgs) -> anyhow::Result<()> {
     let (client, ns) = connect_existing(&a.t.conn).await?;
     let tokens = a.t.tokens()?;
     let blocks = match client.load(&ns, &tokens).await {
-        Err(ClientError::UnknownNamespace(_)) => Vec::new(),
+        Err(ClientError::UnknownNamespace(_)) => {
+            outln!("note: {NO_SUCH_NAMESPACE}")?;
+            Vec::new()
+        }
         other => other?,
     };
     // The file first: what is printed may go to a pipe that closes early (`| head`).
@@ -719,7 +724,7 @@ async fn lookup(a: TokensArgs) -> anyhow::Result<()> {
     match client.lookup(&ns, &tokens).await {
         Ok(n) => outln!("{n} of {} tokens are stored", tokens.len())?,
         Err(ClientError::UnknownNamespace(_)) => {
-            outln!("0 of {} tokens are stored (the node holds no such namespace)", tokens.len())?
+            outln!("0 of {} tokens are stored ({NO_SUCH_NAMESPACE})", tokens.len())?
         }
         Err(e) => return Err(e.into()),
     }
@@ -841,7 +846,10 @@ async fn session(s: SessionCmd) -> anyhow::Result<()> {
         SessionCmd::Ls(conn) => {
             let (client, ns) = connect_existing(&conn).await?;
             let list = match client.list_sessions(Some(&ns)).await {
-                Err(ClientError::UnknownNamespace(_)) => Vec::new(),
+                Err(ClientError::UnknownNamespace(_)) => {
+                    outln!("note: {NO_SUCH_NAMESPACE}")?;
+                    Vec::new()
+                }
                 other => other?,
             };
             outln!("{} session(s)", list.len())?;

@@ -99,10 +99,12 @@ struct Inner {
     accounts: HashMap<u32, DiskAccount>,
 }
 
-/// One account's payload bytes indexed on disk, and its quota.
+/// One account's payload bytes indexed on disk, the bytes of its blocks queued to be written here
+/// ([`DiskTier::reserve_demotion`]), and its quota.
 #[derive(Debug, Default, Clone, Copy)]
 struct DiskAccount {
     live: u64,
+    queued: u64,
     quota: Option<u64>,
 }
 
@@ -707,10 +709,38 @@ impl DiskTier {
         }
     }
 
-    /// Whether the account of `ns` holds its quota or more here.
+    /// Whether the account of `ns` holds its quota or more here, counting its blocks queued to be
+    /// written ([`Self::reserve_demotion`]).
     pub fn over_quota(&self, ns: &NamespaceId) -> bool {
         let st = self.inner.lock();
-        st.account_of(ns).and_then(|a| st.accounts.get(&a)).is_some_and(|a| a.quota.is_some_and(|q| a.live >= q))
+        st.account_of(ns)
+            .and_then(|a| st.accounts.get(&a))
+            .is_some_and(|a| a.quota.is_some_and(|q| a.live.saturating_add(a.queued) >= q))
+    }
+
+    /// Counts a block of `ns` of `bytes` queued to be written here against its account until
+    /// [`Self::release_demotion`], unless that account holds its quota already with what it has
+    /// here and queued (`false`: the block is not to be written). Without it, a burst of one
+    /// tenant's evictions all passed the check before any was written, and the tenant ended a
+    /// queue's worth of blocks past its quota.
+    pub fn reserve_demotion(&self, ns: &NamespaceId, bytes: u64) -> bool {
+        let mut st = self.inner.lock();
+        let Some(a) = st.account_of(ns) else { return true };
+        let acct = st.accounts.entry(a).or_default();
+        if acct.quota.is_some_and(|q| acct.live.saturating_add(acct.queued) >= q) {
+            return false;
+        }
+        acct.queued = acct.queued.saturating_add(bytes);
+        true
+    }
+
+    /// A block [`Self::reserve_demotion`] counted is written (and counted as held) or dropped.
+    pub fn release_demotion(&self, ns: &NamespaceId, bytes: u64) {
+        let mut st = self.inner.lock();
+        if let Some(a) = st.account_of(ns) {
+            let acct = st.accounts.entry(a).or_default();
+            acct.queued = acct.queued.saturating_sub(bytes);
+        }
     }
 
     /// Payload bytes indexed here for `account`.

@@ -235,6 +235,30 @@ fn accounts_count_live_bytes_through_writes_evictions_and_removals() {
 }
 
 #[test]
+fn blocks_queued_for_the_disk_count_against_the_quota_until_written_or_dropped() {
+    let dir = tempfile::tempdir().unwrap();
+    let (t, _) = open(dir.path(), 1 << 20);
+    let ns = NamespaceId([1; 16]);
+    let bb = layout().block_bytes();
+    t.assign_account(ns, 7, Some(3 * bb));
+    let f = frame(0);
+    t.write(&f.header, &f.payload).unwrap();
+    // A burst of evictions: two more fit beside the one held, the rest are refused at once.
+    let admitted = (0..6).filter(|_| t.reserve_demotion(&ns, bb)).count();
+    assert_eq!(admitted, 2, "queued blocks count against the quota");
+    assert!(t.over_quota(&ns));
+    // One queued block written, the other dropped: the account holds what it has.
+    let f = frame(1);
+    t.write(&f.header, &f.payload).unwrap();
+    t.release_demotion(&ns, bb);
+    t.release_demotion(&ns, bb);
+    assert_eq!(t.account_live(7), 2 * bb);
+    assert!(t.reserve_demotion(&ns, bb), "room for one again");
+    assert!(!t.reserve_demotion(&ns, bb));
+    assert!(t.reserve_demotion(&NamespaceId([2; 16]), u64::MAX), "an unassigned namespace has no quota");
+}
+
+#[test]
 fn a_payload_hiding_a_frame_header_where_recovery_would_look_is_never_written() {
     // A tenant's block whose bytes carry another namespace's complete frame at a 4 KiB boundary of
     // the segment: were it written, a damaged header before it would let the recovery scan take the

@@ -108,13 +108,16 @@ pub fn start(
         if probe.contains(&block.header.namespace, &block.header.key) {
             return;
         }
-        // Its tenant holds its disk quota: its own block goes, nobody else's.
-        if probe.over_quota(&block.header.namespace) {
+        // Its tenant holds its disk quota, counting its blocks queued: its own block goes,
+        // nobody else's. Counted against the quota from here until written or dropped.
+        let (ns, bytes) = (block.header.namespace, block.payload.len() as u64);
+        if !probe.reserve_demotion(&ns, bytes) {
             ::metrics::counter!("kvtier_disk_demotions_over_quota_total").increment(1);
             return;
         }
         // An earlier copy of the same key is queued: that one will be written.
         if !hook_transit.admit(&block) {
+            probe.release_demotion(&ns, bytes);
             return;
         }
         // Decided here, under the DRAM lock, while the block's lease (if any) still stands.
@@ -126,6 +129,7 @@ pub fn start(
                 std::sync::mpsc::TrySendError::Full(b) | std::sync::mpsc::TrySendError::Disconnected(b) => b,
             };
             hook_transit.finish(&block);
+            probe.release_demotion(&ns, bytes);
             hook_depth.step(false);
             ::metrics::counter!("kvtier_disk_demotions_dropped_total").increment(1)
         }
@@ -138,8 +142,10 @@ pub fn start(
             let mut last_warning: Option<Instant> = None;
             let mut failed_since_warning = 0u64;
             for (block, as_sent) in rx {
+                let reserved = (block.header.namespace, block.payload.len() as u64);
                 if !transit.is_current(&block) {
                     // Purged while queued: not written.
+                    disk.release_demotion(&reserved.0, reserved.1);
                     depth.step(false);
                     continue;
                 }
@@ -165,6 +171,8 @@ pub fn start(
                 if !transit.finish(&block) {
                     disk.remove(&block.header.namespace, &block.header.key);
                 }
+                // Counted as held now (if written): no longer as queued.
+                disk.release_demotion(&reserved.0, reserved.1);
                 depth.step(false);
             }
         })
