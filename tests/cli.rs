@@ -623,3 +623,32 @@ fn purge_and_unregister_remove_what_they_say() {
     let (ok, out, err) = cli(&["session", "ls", "--server", &addr]);
     assert!(ok && out.contains("0 session(s)"), "{out} {err}");
 }
+
+/// Every gRPC call is counted and timed by method, and a failed one by its status code, whoever
+/// answered it: before, only the calls a handler answered with success were (a resume of a
+/// missing session, a refused credential, `Stats`, `Purge` and six more methods never showed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_grpc_call_is_counted_and_failures_by_their_code() {
+    const TOKEN: &str = "operator-secret-0123456789";
+    let server = ServerProcess::start(&["--dram-capacity", "64MiB", "--auth-token", TOKEN]);
+    let cfg = |t: &str| kvtier_client::ClientConfig { auth_token: Some(t.into()), ..Default::default() };
+    let client = kvtier_client::KvClient::connect(&server.grpc_addr(), cfg(TOKEN)).await.unwrap();
+    let ns = client.register(namespace("acme", b"count", small_layout())).await.unwrap();
+    for _ in 0..3 {
+        assert!(client.resume(&ns, "never-parked").await.is_err());
+    }
+    client.stats().await.unwrap();
+    client.purge(&ns).await.unwrap();
+    // A connect asks the node's `Info` first: refused for the credential.
+    let stranger = kvtier_client::KvClient::connect(&server.grpc_addr(), cfg("not-the-token-0123456789")).await;
+    assert!(stranger.is_err());
+    let m = server.scrape();
+    let count = |op: &str| metric(&m, "kvtier_requests_total", &[("op", op)]);
+    let failed = |op: &str, code: &str| metric(&m, "kvtier_request_errors_total", &[("op", op), ("code", code)]);
+    assert_eq!(count("resume"), 3.0, "{m}");
+    assert_eq!(failed("resume", "not_found"), 3.0, "{m}");
+    assert!(count("stats") == 1.0 && count("purge") == 1.0 && count("register_namespace") == 1.0, "{m}");
+    assert!(failed("info", "unauthenticated") >= 1.0, "{m}");
+    assert_eq!(failed("purge", "not_found"), 0.0, "{m}");
+    assert!(metric(&m, "kvtier_request_seconds_count", &[("op", "stats")]) == 1.0, "{m}");
+}

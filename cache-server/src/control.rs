@@ -15,7 +15,7 @@ use crate::cluster::{deletes, replicas, LocalHolding, Member, Membership, Namesp
 use crate::dram::Priority;
 use crate::error::ServerError;
 use crate::events::{EventKind, KvEvent, WatchSlot};
-use crate::metrics::{observe, server_error};
+use crate::metrics::server_error;
 use crate::sessions::{ParkSpec, SessionManifest};
 use crate::state::NodeState;
 use crate::tenants::{Access, Principal};
@@ -663,10 +663,8 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         &self,
         r: Request<pb::SessionReplicaRequest>,
     ) -> Result<Response<pb::SessionReplicaResponse>, Status> {
-        let start = Instant::now();
         let p = principal(&r)?;
         let out = self.replica_call(&p, r.into_inner()).await.map_err(to_status)?;
-        observe("session_replica", start);
         Ok(Response::new(out))
     }
 
@@ -734,10 +732,8 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
     }
 
     async fn route_hint(&self, r: Request<pb::RouteHintRequest>) -> Result<Response<pb::RouteHintResponse>, Status> {
-        let start = Instant::now();
         let p = principal(&r)?;
         let out = self.route_hint_for(&p, r.into_inner()).await.map_err(to_status)?;
-        observe("route_hint", start);
         Ok(Response::new(out))
     }
 
@@ -770,7 +766,6 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         &self,
         r: Request<pb::NamespaceSpec>,
     ) -> Result<Response<pb::RegisterNamespaceResponse>, Status> {
-        let start = Instant::now();
         let p = principal(&r)?;
         let ns = Namespace::from_pb(r.get_ref()).map_err(|e| to_status(e.into()))?;
         let block_bytes = ns.layout.block_bytes();
@@ -778,7 +773,6 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         let state = self.state.clone();
         let registered = self.state.io().run(None, move || state.register_namespace(&p, ns)).await;
         let id = registered.map_err(|e| to_status(e.into()))?.map_err(to_status)?;
-        observe("register_namespace", start);
         Ok(Response::new(pb::RegisterNamespaceResponse {
             namespace_id: bytes::Bytes::copy_from_slice(&id.0),
             block_bytes,
@@ -786,7 +780,6 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
     }
 
     async fn lookup(&self, r: Request<pb::LookupRequest>) -> Result<Response<pb::LookupResponse>, Status> {
-        let start = Instant::now();
         let p = principal(&r)?;
         let r = r.into_inner();
         let res = (|| {
@@ -799,36 +792,30 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         let (ns, keys) = res.map_err(to_status)?;
         // Local tiers first, then (in a cluster) the owners of the keys after the local prefix.
         let matched = self.state.tiers().longest_prefix_with_peers(&ns, &keys).await;
-        observe("lookup", start);
         Ok(Response::new(pb::LookupResponse { matched_blocks: matched as u32 }))
     }
 
     async fn park_session(&self, r: Request<pb::ParkRequest>) -> Result<Response<pb::ParkResponse>, Status> {
-        let start = Instant::now();
         let p = principal(&r)?;
         let parked = self.park(&p, r.into_inner()).await;
         if let Ok(m) = &parked {
             self.state.tiers().share_session(m).await; // Redis tier: manifest + blocks shared (no-op without one)
         }
         let out = park_response(parked);
-        observe("park", start);
         out
     }
 
     async fn extend_session(&self, r: Request<pb::ExtendRequest>) -> Result<Response<pb::ParkResponse>, Status> {
-        let start = Instant::now();
         let p = principal(&r)?;
         let extended = self.extend(&p, r.into_inner()).await;
         if let Ok(m) = &extended {
             self.state.tiers().share_session(m).await; // Redis tier: manifest + blocks shared (no-op without one)
         }
         let out = park_response(extended);
-        observe("extend", start);
         out
     }
 
     async fn resume_session(&self, r: Request<pb::ResumeRequest>) -> Result<Response<pb::SessionManifest>, Status> {
-        let start = Instant::now();
         let p = principal(&r)?;
         let r = r.into_inner();
         let id = ns_id(&r.namespace_id).map_err(to_status)?;
@@ -848,7 +835,6 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
             other => other,
         };
         let m = res.map_err(to_status)?;
-        observe("resume", start);
         Ok(Response::new(m.to_pb(Instant::now())))
     }
 
@@ -856,7 +842,6 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         &self,
         r: Request<pb::DropSessionRequest>,
     ) -> Result<Response<pb::DropSessionResponse>, Status> {
-        let start = Instant::now();
         let p = principal(&r)?;
         let r = r.into_inner();
         let id = ns_id(&r.namespace_id).map_err(to_status)?;
@@ -903,7 +888,6 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
                 }
             }
         }
-        observe("drop", start);
         Ok(Response::new(pb::DropSessionResponse { dropped }))
     }
 

@@ -23,7 +23,7 @@
 //! - [`cluster`]: many nodes — rendezvous placement with replicas and topology, membership
 //!   (embedded, or in Redis), the G4 peer tier (loads from and stores to a block's owners).
 //! - [`config`]: TOML + env + flags, validated at start; [`affinity`]: the CPUs the node runs on.
-//! - [`metrics`]: Prometheus `/metrics`.
+//! - [`metrics`]: Prometheus `/metrics`; [`grpc_metrics`]: every gRPC call counted by method and status.
 //!
 //! [`start`] binds every listener, spawns the node and returns the bound addresses; the `kvtier`
 //! binary wraps it with a CLI.
@@ -43,6 +43,7 @@ pub mod events;
 pub mod fabric;
 pub mod fs;
 pub mod gather;
+pub mod grpc_metrics;
 pub mod listen;
 pub mod metrics;
 pub mod quic;
@@ -431,6 +432,8 @@ pub async fn start(
             .max_connection_age(Duration::from_secs(3600))
             .max_connection_age_grace(Duration::from_secs(30))
             .max_concurrent_streams(256)
+            // Every call counted by method, failures by status (the credential check's too).
+            .layer(grpc_metrics::GrpcMetricsLayer)
             .add_service(tonic::service::interceptor::InterceptedService::new(service, check_auth))
             .serve_with_incoming_shutdown(incoming, async move { stopped(&mut grpc_stop).await }),
     );
