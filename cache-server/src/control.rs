@@ -801,8 +801,7 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         if let Ok(m) = &parked {
             self.state.tiers().share_session(m).await; // Redis tier: manifest + blocks shared (no-op without one)
         }
-        let out = park_response(parked);
-        out
+        park_response(parked)
     }
 
     async fn extend_session(&self, r: Request<pb::ExtendRequest>) -> Result<Response<pb::ParkResponse>, Status> {
@@ -811,8 +810,7 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         if let Ok(m) = &extended {
             self.state.tiers().share_session(m).await; // Redis tier: manifest + blocks shared (no-op without one)
         }
-        let out = park_response(extended);
-        out
+        park_response(extended)
     }
 
     async fn resume_session(&self, r: Request<pb::ResumeRequest>) -> Result<Response<pb::SessionManifest>, Status> {
