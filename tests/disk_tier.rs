@@ -326,3 +326,33 @@ async fn a_purge_holds_across_a_restart() {
     let r = client.resume(&ns, "kept").await.unwrap();
     assert!(r.blocks == kept_blocks, "the parked session's blocks");
 }
+
+/// A tier's hits and misses count what it served: a park making its blocks durable reads them
+/// for the node's own use, and counts no DRAM hit (each park counted one per block, so a node
+/// that served no load showed dozens of hits); the disk, asked for a block it does not hold,
+/// counts a miss (it never did: its index answered before a read could count one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hits_and_misses_count_what_each_tier_served() {
+    let server = ServerProcess::start(&["--dram-capacity", DRAM, "--disk-capacity", DISK]);
+    let client = server.client().await;
+    let ns = client.register(namespace("disk", b"counts", small_layout())).await.unwrap();
+    let doc = tokens(77, 8 * 16);
+    client.store(&ns, &doc, &full_block_payloads(&ns, &doc)).await.unwrap().ok().unwrap();
+    let tier = |m: &str, what: &str, tier: &str| metric(m, &format!("kvtier_tier_{what}_total"), &[("tier", tier)]);
+    let before = server.scrape();
+    client.park(&ns, "s", &doc, &session_payloads(&ns, &doc), &ParkOptions::default(), 0).await.unwrap();
+    let parked = server.scrape();
+    assert_eq!(tier(&parked, "hits", "dram"), tier(&before, "hits", "dram"), "the park counted DRAM hits");
+    assert_eq!(tier(&parked, "bytes_out", "dram"), tier(&before, "bytes_out", "dram"));
+    assert!(tier(&parked, "bytes_in", "disk") > tier(&before, "bytes_in", "disk"), "the park wrote its blocks");
+
+    assert_eq!(client.load(&ns, &doc).await.unwrap().len(), 8);
+    let loaded = server.scrape();
+    assert_eq!(tier(&loaded, "hits", "dram") - tier(&parked, "hits", "dram"), 8.0, "{loaded}");
+    // Blocks no tier holds: DRAM and the disk were both asked.
+    let absent = tokens(78, 4 * 16);
+    assert_eq!(client.load(&ns, &absent).await.unwrap().len(), 0);
+    let missed = server.scrape();
+    assert!(tier(&missed, "misses", "dram") > tier(&loaded, "misses", "dram"), "{missed}");
+    assert!(tier(&missed, "misses", "disk") > tier(&loaded, "misses", "disk"), "{missed}");
+}

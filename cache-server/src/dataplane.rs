@@ -848,7 +848,7 @@ pub(crate) fn forward_to_peers(state: &Arc<NodeState>, mut stored: Vec<(Namespac
             let id = ns.id();
             let mut read = Vec::with_capacity(gone.len());
             for k in &gone {
-                if let crate::tiers::Load::Hit(b) = state.tiers().get(&id, k).await {
+                if let crate::tiers::Load::Hit(b) = state.tiers().get_for_node(&id, k).await {
                     read.push(b);
                 }
             }

@@ -337,7 +337,7 @@ impl NodeState {
         // The data directory's own name durable (it may have just been created), or everything
         // in it could vanish with it.
         fs.create_dir_durable(&config.data_dir)?;
-        let (disk, report) = DiskTier::open_with(
+        let (disk, mut report) = DiskTier::open_with(
             DiskConfig {
                 dir: config.data_dir.clone(),
                 capacity_bytes: config.disk_capacity.0,
@@ -373,6 +373,7 @@ impl NodeState {
             let n = disk.purge_namespace_before(gone, before);
             if n > 0 {
                 tracing::info!(blocks = n, "blocks of an unregistered namespace dropped at recovery");
+                report.deleted += n as u64;
             }
         }
         // Rewritten under a new secret when it is new (its header durable before any record), of
@@ -392,7 +393,7 @@ impl NodeState {
             }
         };
         let f = fs.open(&ns_path, OpenMode::Existing)?;
-        let state = NodeState {
+        let mut state = NodeState {
             tiers: TierStack::new(dram, Some(Arc::new(disk)), fsync)
                 .with_event_buffer(config.events_buffer)
                 .with_agent_tier(agent_tier(&config)),
@@ -448,6 +449,9 @@ impl NodeState {
                 let n = disk.purge_namespace_before(ns, *mark);
                 if n > 0 {
                     tracing::info!(blocks = n, "blocks of a purged namespace dropped at recovery");
+                    if let Some(r) = state.disk_recovery.as_mut() {
+                        r.deleted += n as u64;
+                    }
                 }
             }
         }

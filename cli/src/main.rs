@@ -496,8 +496,9 @@ async fn serve(a: ServeArgs, cfg: ServerConfig) -> anyhow::Result<()> {
     let metrics = server.metrics_addr.map(|m| format!("http://{m}/metrics")).unwrap_or_else(|| "off".into());
     let disk = match server.state.disk_recovery() {
         Some(r) => format!(
-            " disk={disk_cap} (recovered {} blocks, {} bytes, {} discarded, {} sessions, in {} ms)",
-            r.blocks,
+            " disk={disk_cap} (recovered {} blocks, {} of deleted namespaces dropped, {} bytes scanned, {} discarded, {} sessions, in {} ms)",
+            r.blocks.saturating_sub(r.deleted),
+            r.deleted,
             r.bytes,
             r.discarded,
             server.state.sessions().len(),

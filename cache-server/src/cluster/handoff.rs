@@ -205,7 +205,7 @@ pub async fn handoff_pass(state: &NodeState, peers: &Arc<PeerTier>) -> Handoff {
                 if !owner || !held || peers.deleted_since(&ns_id, h.stored) {
                     out.given_up += 1;
                 } else {
-                    match state.tiers().get(&ns_id, &h.key).await {
+                    match state.tiers().get_for_node(&ns_id, &h.key).await {
                         Load::Hit(b) => {
                             bytes += b.payload.len();
                             chunk.push(b);

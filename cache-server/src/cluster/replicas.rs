@@ -217,7 +217,7 @@ async fn send_blocks(
     let mut chunk: Vec<StoredBlock> = Vec::new();
     let mut bytes = 0usize;
     for (i, k) in keys.iter().enumerate() {
-        match state.tiers().get(&id, k).await {
+        match state.tiers().get_for_node(&id, k).await {
             Load::Hit(b) => {
                 bytes += b.payload.len();
                 chunk.push(b);

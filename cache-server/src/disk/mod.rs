@@ -152,7 +152,11 @@ struct Counters {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RecoveryReport {
     pub segments: u64,
+    /// Blocks found, [`Self::deleted`] among them.
     pub blocks: u64,
+    /// Blocks found that belonged to a namespace purged or unregistered before they were
+    /// written over, forgotten again at start (the node's state counts them, not the scan).
+    pub deleted: u64,
     pub bytes: u64,
     pub discarded: u64,
     pub millis: u64,
@@ -657,14 +661,32 @@ impl DiskTier {
 
     /// Reads and verifies a block. `None` is a miss (absent, or corrupt and now removed).
     pub fn read(&self, ns: &NamespaceId, key: &BlockKey) -> Option<(FrameHeader, Bytes)> {
+        self.read_counted(ns, key, true)
+    }
+
+    /// [`Self::read`] for the node's own use (forwarded to a peer, handed off): no hit or miss
+    /// counted — a tier's hits are what it served.
+    pub fn read_for_node(&self, ns: &NamespaceId, key: &BlockKey) -> Option<(FrameHeader, Bytes)> {
+        self.read_counted(ns, key, false)
+    }
+
+    /// A read that found nothing here, asked by a caller that checked the index first (so
+    /// [`Self::read`] never ran to count it).
+    pub fn count_miss(&self) {
+        self.counters.misses.fetch_add(1, Ordering::Relaxed);
+        ::metrics::counter!("kvtier_tier_misses_total", "tier" => TierId::Disk.as_str()).increment(1);
+    }
+
+    fn read_counted(&self, ns: &NamespaceId, key: &BlockKey, counted: bool) -> Option<(FrameHeader, Bytes)> {
         let k = (*ns, *key);
         let found = {
             let st = self.inner.lock();
             st.index.get(&k).and_then(|l| st.segments.get(&l.seg).map(|s| (*l, s.file.clone())))
         };
         let Some((loc, file)) = found else {
-            self.counters.misses.fetch_add(1, Ordering::Relaxed);
-            ::metrics::counter!("kvtier_tier_misses_total", "tier" => TierId::Disk.as_str()).increment(1);
+            if counted {
+                self.count_miss();
+            }
             return None;
         };
         let t = Instant::now();
@@ -685,11 +707,13 @@ impl DiskTier {
             }
             return None;
         }
-        self.counters.hits.fetch_add(1, Ordering::Relaxed);
-        self.counters.bytes_out.fetch_add(loc.header.payload_len, Ordering::Relaxed);
-        ::metrics::counter!("kvtier_tier_hits_total", "tier" => TierId::Disk.as_str()).increment(1);
-        ::metrics::counter!("kvtier_tier_bytes_out_total", "tier" => TierId::Disk.as_str())
-            .increment(loc.header.payload_len);
+        if counted {
+            self.counters.hits.fetch_add(1, Ordering::Relaxed);
+            self.counters.bytes_out.fetch_add(loc.header.payload_len, Ordering::Relaxed);
+            ::metrics::counter!("kvtier_tier_hits_total", "tier" => TierId::Disk.as_str()).increment(1);
+            ::metrics::counter!("kvtier_tier_bytes_out_total", "tier" => TierId::Disk.as_str())
+                .increment(loc.header.payload_len);
+        }
         let payload = Bytes::from(buf).slice(FRAME_HEADER_LEN..);
         Some((loc.header, payload))
     }

@@ -1040,6 +1040,14 @@ impl DramTier {
         found
     }
 
+    /// The block for the node's own use (made durable for a park, forwarded to a peer, handed
+    /// off): a zero-copy view as [`Self::get`] gives, counted nowhere and leaving its eviction
+    /// state alone — a tier's hits are what it served.
+    pub fn get_for_node(&self, ns: &NamespaceId, key: &BlockKey) -> Option<StoredBlock> {
+        let e = self.shared.index.get(&(*ns, *key))?;
+        Some(StoredBlock { header: e.header, payload: view_of(&e.buf, e.header.payload_len) })
+    }
+
     /// Presence without counting a hit or changing eviction state.
     pub fn contains(&self, ns: &NamespaceId, key: &BlockKey) -> bool {
         self.shared.index.contains_key(&(*ns, *key))

@@ -67,6 +67,14 @@ impl Tier for InTransitTier {
         self.blocks.get(&(*ns, *key)).map(|b| b.header)
     }
     fn get(&self, ns: &NamespaceId, key: &BlockKey) -> Load {
+        let load = self.get_for_node(ns, key);
+        if matches!(load, Load::Hit(_)) {
+            // Served from the queue: a hit of this tier (DRAM counted its miss).
+            ::metrics::counter!("kvtier_tier_hits_total", "tier" => TierId::InTransit.as_str()).increment(1);
+        }
+        load
+    }
+    fn get_for_node(&self, ns: &NamespaceId, key: &BlockKey) -> Load {
         let queued = self.blocks.get(&(*ns, *key)).map(|b| b.clone());
         match queued {
             Some(b) if b.header.verify_payload(&b.payload).is_ok() => Load::Hit(b),

@@ -107,6 +107,14 @@ pub trait Tier: Send + Sync {
     /// [`Tier::does_io`]: callers then run it on the [`IoPool`].
     fn get(&self, ns: &NamespaceId, key: &BlockKey) -> Load;
 
+    /// [`Tier::get`] for the node's own use — a park's blocks made durable, blocks forwarded to
+    /// their owners or handed off, a session's blocks sent to a replica — counted nowhere (no
+    /// hit, no bytes out) and leaving the block's eviction state alone: a tier's hits are what
+    /// it served to clients and peers. The same checks as `get`.
+    fn get_for_node(&self, ns: &NamespaceId, key: &BlockKey) -> Load {
+        self.get(ns, key)
+    }
+
     /// Stores a block whose payload the caller verified.
     fn put(&self, header: FrameHeader, payload: &Bytes, priority: Priority) -> Result<(), ServerError>;
 
@@ -147,6 +155,18 @@ impl PinTier for DiskTier {
     }
 }
 
+/// A DRAM read's answer, checked: a copy that fails its checksum is dropped (a miss).
+fn checked_dram(dram: &DramTier, ns: &NamespaceId, key: &BlockKey, found: Option<StoredBlock>) -> Load {
+    match found {
+        Some(b) if b.header.verify_payload(&b.payload).is_ok() => Load::Hit(b),
+        Some(_) => {
+            drop_corrupt_dram(dram, ns, key);
+            Load::Miss
+        }
+        None => Load::Miss,
+    }
+}
+
 /// A DRAM block that failed its checksum: counted, logged and removed (its next load is a miss).
 pub(crate) fn drop_corrupt_dram(dram: &DramTier, ns: &NamespaceId, key: &BlockKey) {
     error("dram_checksum");
@@ -165,14 +185,10 @@ impl Tier for DramTier {
         DramTier::header(self, ns, key)
     }
     fn get(&self, ns: &NamespaceId, key: &BlockKey) -> Load {
-        match DramTier::get(self, ns, key) {
-            Some(b) if b.header.verify_payload(&b.payload).is_ok() => Load::Hit(b),
-            Some(_) => {
-                drop_corrupt_dram(self, ns, key);
-                Load::Miss
-            }
-            None => Load::Miss,
-        }
+        checked_dram(self, ns, key, DramTier::get(self, ns, key))
+    }
+    fn get_for_node(&self, ns: &NamespaceId, key: &BlockKey) -> Load {
+        checked_dram(self, ns, key, DramTier::get_for_node(self, ns, key))
     }
     fn put(&self, header: FrameHeader, payload: &Bytes, priority: Priority) -> Result<(), ServerError> {
         self.insert(header, payload, priority).map(|_| ())
@@ -220,6 +236,12 @@ impl Tier for DiskTier {
     fn get(&self, ns: &NamespaceId, key: &BlockKey) -> Load {
         // `read` verifies, and drops a copy that fails.
         match self.read(ns, key) {
+            Some((header, payload)) => Load::Hit(StoredBlock { header, payload }),
+            None => Load::Miss,
+        }
+    }
+    fn get_for_node(&self, ns: &NamespaceId, key: &BlockKey) -> Load {
+        match self.read_for_node(ns, key) {
             Some((header, payload)) => Load::Hit(StoredBlock { header, payload }),
             None => Load::Miss,
         }

@@ -257,6 +257,46 @@ impl TierStack {
         self.get_from_disk(ns, key).await
     }
 
+    /// [`TierStack::get`] for the node's own use (see [`Tier::get_for_node`]): counted nowhere,
+    /// promoting nothing, and from this node's own DRAM and disk only (no GPU agent is asked to
+    /// spill for it). `Busy` when the disk's read budget frees no room in time.
+    pub async fn get_for_node(&self, ns: &NamespaceId, key: &BlockKey) -> Load {
+        for t in self.tiers().filter(|t| !t.does_io()) {
+            if let Load::Hit(b) = t.get_for_node(ns, key) {
+                return Load::Hit(b);
+            }
+        }
+        let Some(disk) = self.disk.clone() else { return Load::Miss };
+        let Some(header) = disk.header(ns, key) else { return Load::Miss };
+        let Some(permit) = self.disk_read_permit(&header).await else { return Load::Busy };
+        let (n, k) = (*ns, *key);
+        match self.io.run(Some(DISK_READ_WAIT), move || Tier::get_for_node(&*disk, &n, &k)).await {
+            Ok(Load::Hit(mut b)) => {
+                b.payload = bytes::Bytes::from_owner(Budgeted { bytes: b.payload, _permit: permit });
+                Load::Hit(b)
+            }
+            Ok(other) => other,
+            Err(super::io::IoRefused::Busy) => Load::Busy,
+            Err(super::io::IoRefused::Failed(why)) => {
+                tracing::error!("disk read: {why}");
+                Load::Miss
+            }
+        }
+    }
+
+    /// The disk read budget's share for a block of `header`'s size, waited for at most
+    /// [`DISK_READ_WAIT`] (`None`: counted busy).
+    async fn disk_read_permit(&self, header: &FrameHeader) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        let kib = (header.payload_len.div_ceil(1024) as usize).min(self.disk_read_budget_kib) as u32;
+        match tokio::time::timeout(DISK_READ_WAIT, self.disk_read_budget.clone().acquire_many_owned(kib)).await {
+            Ok(Ok(p)) => Some(p),
+            _ => {
+                ::metrics::counter!("kvtier_tier_busy_total", "tier" => TierId::Disk.as_str()).increment(1);
+                None
+            }
+        }
+    }
+
     /// As [`TierStack::get`], except that a DRAM hit comes back *unchecked* (the second field
     /// is true then): for a caller that hashes the bytes anyway as it moves them (the same-node
     /// copy), so they are read once, not twice. Such a caller must check the block against its
@@ -280,17 +320,13 @@ impl TierStack {
 
     async fn get_from_disk(&self, ns: &NamespaceId, key: &BlockKey) -> Load {
         let Some(disk) = self.disk.clone() else { return self.get_from_agent(ns, key).await };
-        let Some(header) = disk.header(ns, key) else { return self.get_from_agent(ns, key).await };
+        let Some(header) = disk.header(ns, key) else {
+            // Asked, and not held: a miss of this tier (its index said so without a read).
+            disk.count_miss();
+            return self.get_from_agent(ns, key).await;
+        };
         // The block's bytes count against the read budget until every view of them is gone.
-        let kib = (header.payload_len.div_ceil(1024) as usize).min(self.disk_read_budget_kib) as u32;
-        let permit =
-            match tokio::time::timeout(DISK_READ_WAIT, self.disk_read_budget.clone().acquire_many_owned(kib)).await {
-                Ok(Ok(p)) => p,
-                _ => {
-                    ::metrics::counter!("kvtier_tier_busy_total", "tier" => TierId::Disk.as_str()).increment(1);
-                    return Load::Busy;
-                }
-            };
+        let Some(permit) = self.disk_read_permit(&header).await else { return Load::Busy };
         let (n, k) = (*ns, *key);
         let load = match self.io.run(Some(DISK_READ_WAIT), move || Tier::get(&*disk, &n, &k)).await {
             Ok(load) => load,
@@ -516,7 +552,7 @@ impl TierStack {
     pub async fn share_session(&self, m: &crate::sessions::SessionManifest) {
         let Some(redis) = self.redis.get() else { return };
         let ns = m.namespace;
-        redis.park(m, |k| async move { self.get(&ns, &k).await.hit() }).await;
+        redis.park(m, |k| async move { self.get_for_node(&ns, &k).await.hit() }).await;
     }
 
     /// With a Redis tier: a session this node does not hold, from its manifest in Redis (its
@@ -727,7 +763,7 @@ impl TierStack {
             if disk.contains(ns, k) {
                 continue;
             }
-            let in_memory = self.tiers().filter(|t| !t.does_io()).find_map(|t| match t.get(ns, k) {
+            let in_memory = self.tiers().filter(|t| !t.does_io()).find_map(|t| match t.get_for_node(ns, k) {
                 Load::Hit(b) => Some(b),
                 _ => None,
             });
