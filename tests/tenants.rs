@@ -734,6 +734,9 @@ async fn a_tenants_disk_quota_holds_against_bursts_and_refused_parks() {
     }
     let on_disk = disk_of(bursty.stats().await.unwrap());
     assert!(on_disk >= 2 * block, "some of the burst went to disk: {on_disk}");
+    // Its Stats count its blocks there (they said 0 blocks).
+    let disk = bursty.stats().await.unwrap().tiers.into_iter().find(|t| t.tier == "disk").unwrap();
+    assert_eq!(disk.blocks * block, disk.resident_bytes, "{disk:?}");
     assert!(on_disk <= (2 << 20) + block, "{on_disk} bytes on disk, past the 2 MiB quota by more than a block");
 
     let parker = client_as(&server, Some(TOKEN_B)).await;
@@ -747,4 +750,10 @@ async fn a_tenants_disk_quota_holds_against_bursts_and_refused_parks() {
         assert!(matches!(err, ClientError::QuotaExceeded(ref m) if m.contains("max_session_bytes")), "{err}");
     }
     assert_eq!(disk_of(parker.stats().await.unwrap()), 0, "a refused park wrote its blocks to disk");
+    // A park within the quota: its blocks on disk, pinned there, in the tenant's Stats (its
+    // disk showed pinned 0 while the operator's showed the session's bytes).
+    let small = tokens(7, 8 * 16);
+    parker.park(&ns, "small", &small, &session_payloads(&ns, &small), &ParkOptions::default(), 0).await.unwrap();
+    let disk = parker.stats().await.unwrap().tiers.into_iter().find(|t| t.tier == "disk").unwrap();
+    assert_eq!((disk.blocks, disk.pinned_bytes, disk.resident_bytes), (8, 8 * block, 8 * block), "{disk:?}");
 }

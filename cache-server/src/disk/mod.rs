@@ -104,6 +104,9 @@ struct Inner {
 #[derive(Debug, Default, Clone, Copy)]
 struct DiskAccount {
     live: u64,
+    /// Blocks indexed, and the payload bytes of those pinned (a tenant's `Stats`).
+    blocks: u64,
+    pinned: u64,
     queued: u64,
     quota: Option<u64>,
 }
@@ -115,20 +118,31 @@ impl Inner {
 
     /// Indexes a block not indexed before, counting it against its namespace's account.
     fn index_new(&mut self, k: IndexKey, loc: Loc) {
-        if let Some(a) = self.account_of(&k.0).and_then(|a| self.accounts.get_mut(&a)) {
-            a.live += loc.header.payload_len;
-        }
-        self.live += loc.header.payload_len;
-        if let Some(old) = self.index.insert(k, loc) {
+        let len = loc.header.payload_len;
+        self.live += len;
+        let old = self.index.insert(k, loc);
+        if let Some(old) = &old {
             self.live = self.live.saturating_sub(old.header.payload_len);
+        }
+        if let Some(a) = self.account_of(&k.0).and_then(|a| self.accounts.get_mut(&a)) {
+            a.live += len;
+            match old {
+                Some(old) => a.live = a.live.saturating_sub(old.header.payload_len),
+                None => a.blocks += 1,
+            }
         }
     }
 
     /// Forgets a block, uncounting it.
     fn unindex(&mut self, k: &IndexKey) -> Option<Loc> {
         let loc = self.index.remove(k)?;
+        let pinned = self.pins.contains_key(k);
         if let Some(a) = self.account_of(&k.0).and_then(|a| self.accounts.get_mut(&a)) {
             a.live = a.live.saturating_sub(loc.header.payload_len);
+            a.blocks = a.blocks.saturating_sub(1);
+            if pinned {
+                a.pinned = a.pinned.saturating_sub(loc.header.payload_len);
+            }
         }
         self.live = self.live.saturating_sub(loc.header.payload_len);
         Some(loc)
@@ -728,8 +742,18 @@ impl DiskTier {
             st.accounts.entry(account).or_default().quota = Some(q);
         }
         if st.ns_accounts.insert(ns, account).is_none() {
-            let held: u64 = st.index.iter().filter(|(k, _)| k.0 == ns).map(|(_, l)| l.header.payload_len).sum();
-            st.accounts.entry(account).or_default().live += held;
+            let (mut held, mut blocks, mut pinned) = (0, 0, 0);
+            for (k, l) in st.index.iter().filter(|(k, _)| k.0 == ns) {
+                held += l.header.payload_len;
+                blocks += 1;
+                if st.pins.contains_key(k) {
+                    pinned += l.header.payload_len;
+                }
+            }
+            let a = st.accounts.entry(account).or_default();
+            a.live += held;
+            a.blocks += blocks;
+            a.pinned += pinned;
         }
     }
 
@@ -770,6 +794,11 @@ impl DiskTier {
     /// Payload bytes indexed here for `account`.
     pub fn account_live(&self, account: u32) -> u64 {
         self.inner.lock().accounts.get(&account).map_or(0, |a| a.live)
+    }
+
+    /// `account`'s (blocks indexed here, payload bytes of those pinned).
+    pub fn account_blocks_and_pinned(&self, account: u32) -> (u64, u64) {
+        self.inner.lock().accounts.get(&account).map_or((0, 0), |a| (a.blocks, a.pinned))
     }
 
     /// `account`'s quota on this tier (`disk_bytes`), if it has one.
@@ -849,6 +878,9 @@ impl DiskTier {
             if *count == 1 && seen.insert(ik) {
                 let len = st.index.get(&ik).map(|l| l.header.payload_len).unwrap_or(0);
                 st.pinned_bytes += len;
+                if let Some(a) = st.account_of(ns).and_then(|a| st.accounts.get_mut(&a)) {
+                    a.pinned += len;
+                }
             }
         }
         ::metrics::gauge!("kvtier_tier_pinned_bytes", "tier" => TierId::Disk.as_str()).set(st.pinned_bytes as f64);
@@ -870,6 +902,9 @@ impl DiskTier {
                 st.pins.remove(&ik);
                 let len = st.index.get(&ik).map(|l| l.header.payload_len).unwrap_or(0);
                 st.pinned_bytes = st.pinned_bytes.saturating_sub(len);
+                if let Some(a) = st.account_of(ns).and_then(|a| st.accounts.get_mut(&a)) {
+                    a.pinned = a.pinned.saturating_sub(len);
+                }
             }
         }
         ::metrics::gauge!("kvtier_tier_pinned_bytes", "tier" => TierId::Disk.as_str()).set(st.pinned_bytes as f64);

@@ -213,8 +213,19 @@ fn accounts_count_live_bytes_through_writes_evictions_and_removals() {
         t.write(&f.header, &f.payload).unwrap();
     }
     // Blocks held before the assignment count too.
+    t.pin(&ns, &[frame(1).header.key]).unwrap();
     t.assign_account(ns, 7, Some(5 * bb));
     assert_eq!(t.account_live(7), 3 * bb);
+    assert_eq!(t.account_blocks_and_pinned(7), (3, bb), "blocks and pins held before count too");
+    // A block written again (a later copy of the same key) is counted once.
+    let again = frame(2);
+    t.write(&again.header, &again.payload).unwrap();
+    assert_eq!((t.account_live(7), t.account_blocks_and_pinned(7)), (3 * bb, (3, bb)));
+    t.pin(&ns, &[frame(0).header.key]).unwrap();
+    t.unpin(&ns, &[frame(1).header.key]);
+    assert_eq!(t.account_blocks_and_pinned(7), (3, bb));
+    t.unpin(&ns, &[frame(0).header.key]);
+    assert_eq!(t.account_blocks_and_pinned(7), (3, 0));
     assert!(!t.over_quota(&ns));
     for i in 3..5 {
         let f = frame(i);

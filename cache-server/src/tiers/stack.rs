@@ -820,9 +820,12 @@ impl TierStack {
     pub fn account_stats(&self, account: u32) -> Vec<(TierId, TierStats)> {
         let dram = self.dram.account_stats(account);
         let disk = self.disk.as_ref().map(|d| {
+            let (blocks, pinned_bytes) = d.account_blocks_and_pinned(account);
             let s = TierStats {
                 capacity_bytes: d.account_quota(account).unwrap_or_else(|| d.capacity()),
                 resident_bytes: d.account_live(account),
+                blocks,
+                pinned_bytes,
                 ..TierStats::default()
             };
             (TierId::Disk, s)

@@ -1761,6 +1761,8 @@ impl Client {
             let td = PyDict::new(py);
             td.set_item("capacity_bytes", t.capacity_bytes)?;
             td.set_item("resident_bytes", t.resident_bytes)?;
+            td.set_item("allocated_bytes", t.allocated_bytes)?;
+            td.set_item("pinned_bytes", t.pinned_bytes)?;
             td.set_item("blocks", t.blocks)?;
             td.set_item("hits", t.hits)?;
             td.set_item("misses", t.misses)?;
