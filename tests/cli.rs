@@ -52,9 +52,10 @@ fn cli_round_trip_sessions_stats_and_metrics() {
     assert!(out.contains("to v2"), "{out}");
     let (ok, out, err) = cli(&["session", "resume", "--server", &addr, "--id", "agent-1"]);
     assert!(ok, "{err}");
-    assert!(out.contains(&format!("{} tokens", longer.len())), "{out}");
+    assert!(out.contains(&format!("{} tokens in 9 block(s)", longer.len())), "{out}");
+    // The same blocks as the resume counts: 8 full ones and the tail (it said "8 blocks").
     let (ok, out, _) = cli(&["session", "ls", "--server", &addr]);
-    assert!(ok && out.contains("1 session(s)") && out.contains("agent-1"), "{out}");
+    assert!(ok && out.contains("1 session(s)") && out.contains("agent-1") && out.contains("8 + tail blocks"), "{out}");
     let (ok, out, _) = cli(&["session", "drop", "--server", &addr, "--id", "agent-1"]);
     assert!(ok && out.contains("dropped"), "{out}");
     let (ok, _, err) = cli(&["session", "resume", "--server", &addr, "--id", "agent-1"]);

@@ -253,6 +253,15 @@ impl RunningServer {
         for t in self.tasks.drain(..) {
             let _ = t.await;
         }
+        // Without a disk tier nothing of a parked session outlives the process: said, once.
+        let held = self.state.sessions().len();
+        if held > 0 && self.state.tiers().disk().is_none() {
+            tracing::warn!(
+                sessions = held,
+                "stopping with {held} parked session(s) held in DRAM only (no disk tier): they go with this \
+                 process, except where another node of a cluster holds a copy"
+            );
+        }
         // The demotion queue written out to disk, and the disk synced.
         let state = self.state.clone();
         tokio::task::spawn_blocking(move || state.tiers().stop_demotion())

@@ -855,12 +855,14 @@ async fn session(s: SessionCmd) -> anyhow::Result<()> {
             };
             outln!("{} session(s)", list.len())?;
             for s in list {
+                // Full blocks, and the partial tail as `session resume` counts it (in its blocks).
+                let blocks = format!("{}{}", s.blocks, if s.has_tail { " + tail" } else { "" });
                 outln!(
-                    "  {:<24} v{:<4} {:>8} tokens {:>6} blocks {:>12} bytes  expires in {:?}",
+                    "  {:<24} v{:<4} {:>8} tokens {:>10} blocks {:>12} bytes  expires in {:?}",
                     s.id,
                     s.version,
                     s.token_count,
-                    s.blocks,
+                    blocks,
                     s.bytes,
                     s.expires_in
                 )?;

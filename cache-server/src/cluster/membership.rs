@@ -240,8 +240,14 @@ impl RedisMembership {
         let tx = watch::Sender::new(view.snapshot());
         let shared = Arc::new(Shared { cfg, client, con: Mutex::new(con), incarnation, set_key, member_key, tx });
         ::metrics::gauge!("kvtier_membership_stale").set(0.0);
-        let mut driver =
-            Driver { shared: shared.clone(), view, claimed: false, superseded: false, mismatched: HashMap::new() };
+        let mut driver = Driver {
+            shared: shared.clone(),
+            view,
+            claimed: false,
+            superseded: false,
+            mismatched: HashMap::new(),
+            said: Vec::new(),
+        };
         // With Redis unreachable this logs the one warning and starts stale, alone.
         driver.tick().await;
         let task = tokio::spawn(driver.run());
@@ -298,6 +304,8 @@ struct Driver {
     superseded: bool,
     /// Members whose shared settings differ from this node's, with theirs (each said once).
     mismatched: HashMap<NodeId, String>,
+    /// The members last published, so that each one joining or leaving is said once.
+    said: Vec<NodeId>,
 }
 
 impl Driver {
@@ -422,8 +430,24 @@ impl Driver {
         self.mismatched = now;
     }
 
-    fn publish(&self) {
+    fn publish(&mut self) {
         ::metrics::gauge!("kvtier_membership_members").set(self.view.members.len() as f64);
+        let now: Vec<NodeId> = self.view.members.keys().cloned().collect();
+        let first = self.said.is_empty();
+        for id in now.iter().filter(|id| !self.said.contains(id) && *id != &self.shared.cfg.local.id) {
+            if first {
+                tracing::info!(member = %id, "cluster membership: member {id} is in the cluster");
+            } else {
+                tracing::info!(member = %id, "cluster membership: member {id} joined");
+            }
+        }
+        for id in self.said.iter().filter(|id| !now.contains(id)) {
+            tracing::info!(member = %id, "cluster membership: member {id} left (stopped, or its TTL ran out)");
+        }
+        if now != self.said {
+            tracing::info!(members = now.len(), "cluster membership: {} member(s)", now.len());
+        }
+        self.said = now;
         self.shared.tx.send_replace(self.view.snapshot());
     }
 }
