@@ -39,6 +39,10 @@ def test_store_lookup_load_round_trip(server):
     assert c.lookup(n, toks2) == 0  # blocks 0 and 1 are missing, so no prefix
     assert c.store(n, toks2, kv_for(32, 2)) == 2
     assert c.lookup(n, toks2) == 48
+    # Stats give every figure of a tier (pinned and allocated bytes were left out).
+    dram = c.stats(n)["tiers"]["dram"]
+    assert dram["blocks"] == 5 and dram["resident_bytes"] == 5 * n.block_bytes, dram
+    assert dram["allocated_bytes"] >= dram["resident_bytes"] and dram["pinned_bytes"] == 0, dram
 
 
 def test_token_ids_as_integer_arrays(server):
