@@ -294,3 +294,37 @@ async fn a_session_that_expired_while_the_node_was_down_says_so() {
     let err = client.resume(&ns, "never").await.unwrap_err();
     assert!(matches!(err, ClientError::SessionNotFound(_)), "{err}");
 }
+
+/// A session request naming no session is refused, whoever sends it: an empty id is also the
+/// mark under which a node remembers a namespace's unregistration, and a drop of "" passed on
+/// by the node that took it was remembered as the whole namespace dropped (its older sessions
+/// then dropped wherever a resume met them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_request_without_a_session_id_is_refused() {
+    use kvtier_proto::pb;
+    let server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
+    let client = server.client().await;
+    let ns = client.register(namespace("agents", b"no-id", small_layout())).await.unwrap();
+    let toks = tokens(41, 40);
+    client.park(&ns, "s", &toks, &session_payloads(&ns, &toks), &ParkOptions::default(), 0).await.unwrap();
+    let id = bytes::Bytes::copy_from_slice(&ns.id.0);
+    let mut g = client.raw_grpc();
+    let drop = g.drop_session(pb::DropSessionRequest { namespace_id: id.clone(), session_id: String::new() }).await;
+    assert_eq!(drop.unwrap_err().code(), tonic::Code::InvalidArgument);
+    let resume = g.resume_session(pb::ResumeRequest { namespace_id: id.clone(), session_id: String::new() }).await;
+    assert_eq!(resume.unwrap_err().code(), tonic::Code::InvalidArgument);
+    // The operator's replica calls (no auth here: every caller is the operator).
+    let replica = |op: pb::session_replica_request::Op, session: &str| pb::SessionReplicaRequest {
+        namespace_id: id.clone(),
+        session_id: session.into(),
+        op: op as i32,
+        dropped: true,
+        dropped_ago_ms: 1,
+        ..Default::default()
+    };
+    let err = client.session_replica(replica(pb::session_replica_request::Op::Drop, "")).await.unwrap_err();
+    assert!(err.to_string().contains("session_id"), "{err}");
+    let got = client.session_replica(replica(pb::session_replica_request::Op::Get, "s")).await.unwrap();
+    assert!(got.held && !got.dropped, "{got:?}");
+    assert_eq!(client.resume(&ns, "s").await.unwrap().info.version, 1);
+}

@@ -45,6 +45,15 @@ impl ControlPlane {
 }
 
 /// Turns a server error into a gRPC status carrying the stable code in its message and metadata.
+/// A session id as every session request must name one: 1..=256 bytes. (An empty one is also
+/// the mark a namespace's unregistration is remembered under: it must never name a session.)
+fn check_session_id(id: &str) -> Result<(), ServerError> {
+    if id.is_empty() || id.len() > 256 {
+        return Err(ServerError::InvalidRequest("session_id must be 1..=256 bytes".into()));
+    }
+    Ok(())
+}
+
 pub fn to_status(e: ServerError) -> Status {
     server_error(&e);
     let code = match &e {
@@ -145,9 +154,7 @@ impl ControlPlane {
     async fn park(&self, p: &Principal, r: pb::ParkRequest) -> Result<SessionManifest, ServerError> {
         let ns_id = ns_id(&r.namespace_id)?;
         let ns = self.state.namespace_for(p, &ns_id, Access::Write)?;
-        if r.session_id.is_empty() || r.session_id.len() > 256 {
-            return Err(ServerError::InvalidRequest("session_id must be 1..=256 bytes".into()));
-        }
+        check_session_id(&r.session_id)?;
         let spec = ParkSpec {
             namespace: ns_id,
             id: r.session_id,
@@ -253,6 +260,7 @@ impl ControlPlane {
             return Err(ServerError::Forbidden("session replicas are for the cluster's nodes (the operator)".into()));
         }
         let id = ns_id(&r.namespace_id)?;
+        check_session_id(&r.session_id)?;
         let ns = self.state.namespace(&id)?;
         let dropped_at = self.state.sessions().dropped_at(id, &r.session_id);
         let held = |m: Option<SessionManifest>| {
@@ -307,6 +315,15 @@ impl ControlPlane {
                         self.state.config().session_max_ttl
                     )));
                 }
+                let limits = self.state.session_limits(&ns);
+                // Refused before its blocks are made durable (a refused copy left them on disk).
+                match self.state.sessions().check_put_replica(&m, &limits) {
+                    Err(ServerError::VersionConflict { .. }) => {
+                        return Ok(held(self.state.sessions().peek(id, &r.session_id)))
+                    }
+                    Err(e) => return Err(e),
+                    Ok(()) => {}
+                }
                 if let Err(e) = self.state.tiers().persist(&id, &m.keys, m.tail).await {
                     return match e {
                         ServerError::MissingBlocks { missing, missing_tail } => Ok(pb::SessionReplicaResponse {
@@ -317,7 +334,6 @@ impl ControlPlane {
                         e => Err(e),
                     };
                 }
-                let limits = self.state.session_limits(&ns);
                 let kept =
                     self.on_io(move |s| Ok(s.sessions().put_replica(s.tiers().session_pins(), m, &limits))).await?;
                 match kept {
@@ -340,6 +356,7 @@ impl ControlPlane {
         let new_keys = keys(&r.new_keys)?;
         let tail = opt_key(&r.tail_key)?;
         let base_key = opt_key(&r.base_key)?;
+        check_session_id(&r.session_id)?;
         // Refused before anything is made durable (and checked again as the change is made).
         self.state.sessions().check_extend(
             ns_id,
@@ -818,6 +835,7 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         let r = r.into_inner();
         let id = ns_id(&r.namespace_id).map_err(to_status)?;
         let ns = self.state.namespace_for(&p, &id, Access::Read).map_err(to_status)?;
+        check_session_id(&r.session_id).map_err(to_status)?;
         let refused = self.adopt_newer_copy(&ns, &r.session_id).await;
         let res = self.state.sessions().resume(self.state.tiers().session_pins(), id, &r.session_id);
         // Held elsewhere, refused here by a limit: said, not "not found".
@@ -844,6 +862,7 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         let r = r.into_inner();
         let id = ns_id(&r.namespace_id).map_err(to_status)?;
         self.state.namespace_for(&p, &id, Access::Write).map_err(to_status)?;
+        check_session_id(&r.session_id).map_err(to_status)?;
         let session = r.session_id;
         let ns = self.state.namespace(&id).map_err(to_status)?;
         let dropped_at = Instant::now();

@@ -77,6 +77,17 @@ impl SessionStore {
     /// nor past the drop). With a log, a drop remembered anew is appended to it (not synced: a
     /// power loss may forget it, a killed process does not), so this may block on the log.
     pub fn remember_drop_at(&self, ns: NamespaceId, id: &str, at: Instant) {
+        // No session has an empty id (requests are refused one): a drop of one is nothing to
+        // remember, and must not pass for the namespace's unregistration.
+        if id.is_empty() {
+            return;
+        }
+        self.remember_dropped(ns, id, at);
+    }
+
+    /// [`Self::remember_drop_at`] of a session, or of a whole namespace (under
+    /// [`WHOLE_NAMESPACE`]).
+    fn remember_dropped(&self, ns: NamespaceId, id: &str, at: Instant) {
         let Some(log) = &self.log else {
             self.remember(ns, id, at);
             return;
@@ -161,7 +172,7 @@ impl SessionStore {
     /// adopted the away node's copy). Logged, restored and forgotten after [`DROP_REMEMBERED`] as
     /// a session's drop is.
     pub fn remember_unregistered_at(&self, ns: NamespaceId, at: Instant) {
-        self.remember_drop_at(ns, WHOLE_NAMESPACE, at);
+        self.remember_dropped(ns, WHOLE_NAMESPACE, at);
     }
 
     /// Whether `m` is a copy of a session dropped at `dropped` (or after it was last touched:
@@ -243,6 +254,12 @@ impl SessionStore {
         limits: &SessionLimits,
     ) -> Result<SessionManifest, ServerError> {
         self.change(pins, |t, now| t.park(pins, spec, limits, now))
+    }
+
+    /// Whether a replica's copy would pass its checks now (see
+    /// [`SessionTable::check_put_replica`]): asked before its blocks are made durable.
+    pub fn check_put_replica(&self, m: &SessionManifest, limits: &SessionLimits) -> Result<(), ServerError> {
+        self.table.lock().check_put_replica(m, limits, Instant::now())
     }
 
     /// Whether a park would pass its checks now (see [`SessionTable::check_park`]): asked before

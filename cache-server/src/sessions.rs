@@ -529,20 +529,9 @@ impl SessionTable {
         limits: &SessionLimits,
         now: Instant,
     ) -> Result<SessionManifest, ServerError> {
-        check_shape(m.keys.len(), m.tail.is_some(), m.token_count, limits)?;
-        if m.version == 0 {
-            return Err(ServerError::InvalidRequest("a session replica needs a version above 0".into()));
-        }
         let sid = (m.namespace, m.id.clone());
         self.reap_if_expired(tier, &sid, now);
-        let current = self.sessions.get(&sid).map(|c| c.version).unwrap_or(0);
-        if current >= m.version {
-            return Err(ServerError::VersionConflict { id: m.id, expected: m.version, actual: current });
-        }
-        let replaced = self.sessions.get(&sid).map(|c| c.bytes);
-        self.check_quota(limits, replaced, m.token_count * limits.bytes_per_token)?;
-        let old_keys = self.sessions.get(&sid).map_or(0, |c| manifest_cost(c.keys.len(), c.tail.is_some()));
-        self.check_manifest_keys(limits, old_keys, manifest_cost(m.keys.len(), m.tail.is_some()))?;
+        self.check_put_replica(&m, limits, now)?;
         pin_or_report(tier, &m.namespace, &m.keys, m.tail)?;
         if let Some(old) = self.sessions.get(&sid) {
             tier.unpin(&old.namespace, &old.pinned_keys());
@@ -551,6 +540,30 @@ impl SessionTable {
         self.expired.remove(&sid);
         self.insert(sid, m.clone());
         Ok(m)
+    }
+
+    /// The checks [`Self::put_replica`] makes of a copy (its shape and version, the tenant's
+    /// quota, the manifest keys) without changing anything: made first, before its blocks are
+    /// made durable (a refused copy left them on disk), and again under the change. A session
+    /// expired by `now` counts as gone.
+    pub fn check_put_replica(
+        &self,
+        m: &SessionManifest,
+        limits: &SessionLimits,
+        now: Instant,
+    ) -> Result<(), ServerError> {
+        check_shape(m.keys.len(), m.tail.is_some(), m.token_count, limits)?;
+        if m.version == 0 {
+            return Err(ServerError::InvalidRequest("a session replica needs a version above 0".into()));
+        }
+        let cur = self.sessions.get(&(m.namespace, m.id.clone())).filter(|c| c.expires_at > now);
+        let current = cur.map_or(0, |c| c.version);
+        if current >= m.version {
+            return Err(ServerError::VersionConflict { id: m.id.clone(), expected: m.version, actual: current });
+        }
+        self.check_quota(limits, cur.map(|c| c.bytes), m.token_count * limits.bytes_per_token)?;
+        let old_keys = cur.map_or(0, |c| manifest_cost(c.keys.len(), c.tail.is_some()));
+        self.check_manifest_keys(limits, old_keys, manifest_cost(m.keys.len(), m.tail.is_some()))
     }
 
     /// Drops this node's copy of a session if its version is at most `version`; true if it went.

@@ -572,14 +572,25 @@ async fn connect(c: &ConnArgs) -> anyhow::Result<(KvClient, NamespaceHandle)> {
     Ok((client, ns))
 }
 
-/// [`connect`] for commands that read or remove what is there: the namespace is not
-/// registered, so a question about one that does not exist (a typo in a flag) is answered about
-/// that one — none there — and creates nothing (it created the namespace, for good, and took a
-/// tenant's `max_namespaces` slot).
+/// [`connect`] for commands that read or remove what is there. On a node alone the namespace
+/// is not registered, so a question about one that does not exist (a typo in a flag) is
+/// answered about that one — none there — and creates nothing (it created the namespace, for
+/// good, and took a tenant's `max_namespaces` slot). In a cluster it is, as every client does:
+/// a node learns a namespace when first asked about it, and the other members may hold what it
+/// does not (a resume, a load from the owners, a purge or unregistration passed on to them).
+/// A tenant at its `max_namespaces` is answered about the namespace as it is (none there).
 async fn connect_existing(c: &ConnArgs) -> anyhow::Result<(KvClient, NamespaceHandle)> {
     let spec = c.ns.namespace()?;
     let client = connect_client(&c.node).await?;
-    Ok((client, NamespaceHandle::unregistered(spec)?))
+    let in_cluster = client.members().await.is_ok_and(|m| m.members.len() > 1);
+    let ns = match in_cluster {
+        false => NamespaceHandle::unregistered(spec)?,
+        true => match client.register(spec.clone()).await {
+            Err(ClientError::QuotaExceeded(_)) => NamespaceHandle::unregistered(spec)?,
+            other => other?,
+        },
+    };
+    Ok((client, ns))
 }
 
 /// What a read of a namespace the node does not know says beside its (empty) answer.

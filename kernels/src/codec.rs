@@ -185,7 +185,7 @@ impl Codec {
     }
 
     fn parallel(&self, bytes: usize) -> bool {
-        bytes >= self.parallel_min_bytes && rayon::current_num_threads() > 1
+        bytes >= self.parallel_min_bytes && crate::par::current_num_threads() > 1
     }
 
     /// Encodes a block. `raw` returns the engine's bytes unchanged; every other codec returns a

@@ -23,11 +23,7 @@ pub fn run<R: Send>(f: impl FnOnce() -> R + Send) -> R {
         return f();
     }
     let pid = std::process::id();
-    let owner = match GLOBAL_POOL_PROCESS.compare_exchange(0, pid, Ordering::AcqRel, Ordering::Acquire) {
-        Ok(_) => pid,
-        Err(owner) => owner,
-    };
-    if owner == pid {
+    if global_pool_is_ours(pid) {
         return f();
     }
     match child_pool(pid) {
@@ -38,6 +34,28 @@ pub fn run<R: Send>(f: impl FnOnce() -> R + Send) -> R {
             // is in no pool (checked above).
             None => f(),
         },
+    }
+}
+
+/// How many threads parallel work would run on here, as [`run`] picks the pool: asking rayon's
+/// global pool directly would start it without this process claiming it (a child forked after
+/// that would take the parent's thread-less pool for its own).
+pub fn current_num_threads() -> usize {
+    if rayon::current_thread_index().is_some() {
+        return rayon::current_num_threads();
+    }
+    let pid = std::process::id();
+    if global_pool_is_ours(pid) {
+        return rayon::current_num_threads();
+    }
+    child_pool(pid).map_or(1, rayon::ThreadPool::current_num_threads)
+}
+
+/// Whether rayon's global pool is this process's (claiming it when no process has yet).
+fn global_pool_is_ours(pid: u32) -> bool {
+    match GLOBAL_POOL_PROCESS.compare_exchange(0, pid, Ordering::AcqRel, Ordering::Acquire) {
+        Ok(_) => true,
+        Err(owner) => owner == pid,
     }
 }
 

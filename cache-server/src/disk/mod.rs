@@ -117,18 +117,23 @@ impl Inner {
     }
 
     /// Indexes a block not indexed before, counting it against its namespace's account.
+    /// A key still pinned (a park's, whose copy went and came back) counts as pinned again, as
+    /// [`Self::unindex`] uncounted it.
     fn index_new(&mut self, k: IndexKey, loc: Loc) {
         let len = loc.header.payload_len;
-        self.live += len;
-        let old = self.index.insert(k, loc);
-        if let Some(old) = &old {
-            self.live = self.live.saturating_sub(old.header.payload_len);
+        let old = self.index.insert(k, loc).map_or(0, |o| o.header.payload_len);
+        let pinned = self.pins.contains_key(&k);
+        self.live = self.live.saturating_sub(old) + len;
+        if pinned {
+            self.pinned_bytes = self.pinned_bytes.saturating_sub(old) + len;
         }
         if let Some(a) = self.account_of(&k.0).and_then(|a| self.accounts.get_mut(&a)) {
-            a.live += len;
-            match old {
-                Some(old) => a.live = a.live.saturating_sub(old.header.payload_len),
-                None => a.blocks += 1,
+            a.live = a.live.saturating_sub(old) + len;
+            if old == 0 {
+                a.blocks += 1;
+            }
+            if pinned {
+                a.pinned = a.pinned.saturating_sub(old) + len;
             }
         }
     }
@@ -136,6 +141,8 @@ impl Inner {
     /// Forgets a block, uncounting it.
     fn unindex(&mut self, k: &IndexKey) -> Option<Loc> {
         let loc = self.index.remove(k)?;
+        // A pinned key's bytes leave the pinned counts with it (its pin stays, and counts again
+        // if the key is written back; an unpin of it then takes nothing more).
         let pinned = self.pins.contains_key(k);
         if let Some(a) = self.account_of(&k.0).and_then(|a| self.accounts.get_mut(&a)) {
             a.live = a.live.saturating_sub(loc.header.payload_len);
@@ -143,6 +150,9 @@ impl Inner {
             if pinned {
                 a.pinned = a.pinned.saturating_sub(loc.header.payload_len);
             }
+        }
+        if pinned {
+            self.pinned_bytes = self.pinned_bytes.saturating_sub(loc.header.payload_len);
         }
         self.live = self.live.saturating_sub(loc.header.payload_len);
         Some(loc)

@@ -276,7 +276,10 @@ impl TierStack {
                 Load::Hit(b)
             }
             Ok(other) => other,
-            Err(super::io::IoRefused::Busy) => Load::Busy,
+            Err(super::io::IoRefused::Busy) => {
+                ::metrics::counter!("kvtier_tier_busy_total", "tier" => TierId::Disk.as_str()).increment(1);
+                Load::Busy
+            }
             Err(super::io::IoRefused::Failed(why)) => {
                 tracing::error!("disk read: {why}");
                 Load::Miss
@@ -579,7 +582,7 @@ impl TierStack {
         }
         let id = ns.id();
         let in_memory = |k: &BlockKey| {
-            self.tiers().filter(|t| !t.does_io()).find_map(|t| match t.get(&id, k) {
+            self.tiers().filter(|t| !t.does_io()).find_map(|t| match t.get_for_node(&id, k) {
                 Load::Hit(b) => Some(b),
                 _ => None,
             })

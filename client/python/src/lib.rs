@@ -539,11 +539,6 @@ struct PySharedBuffer {
 }
 
 impl PySharedBuffer {
-    fn new(nbytes: usize) -> PyResult<Self> {
-        let buf = kvtier_client::SharedBuffer::new(nbytes).map_err(|e| PyValueError::new_err(e.to_string()))?;
-        Ok(Self::of(buf, None))
-    }
-
     /// Wraps `buf` and lists it (with `alias`, another mapping of the same memory) for the calls'
     /// address-range check.
     fn of(buf: kvtier_client::SharedBuffer, alias: Option<usize>) -> Self {
@@ -1081,8 +1076,10 @@ impl Client {
     /// `torch.frombuffer(buf, dtype=...)` and pass those views (or slices of them) to
     /// `load_into`, `load_keys_into`, `store` and `store_keys`.
     fn alloc_buffer(&self, py: Python<'_>, nbytes: usize) -> PyResult<PySharedBuffer> {
-        // Faulting in a large buffer takes a while: other Python threads run meanwhile.
-        py.detach(|| PySharedBuffer::new(nbytes))
+        // Faulting in a large buffer takes a while: other Python threads run meanwhile. Listed
+        // with the GIL held (see `BUFFERS`).
+        let buf = py.detach(|| kvtier_client::SharedBuffer::new(nbytes));
+        Ok(PySharedBuffer::of(buf.map_err(|e| PyValueError::new_err(e.to_string()))?, None))
     }
 
     /// Registers `length` bytes from `offset` of an existing file on tmpfs (`/dev/shm`) that
