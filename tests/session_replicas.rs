@@ -635,6 +635,44 @@ async fn two_writes_of_one_version_through_two_nodes_are_never_both_acknowledged
     assert!(met >= 1.0, "no round had its two writes meet");
 }
 
+/// n1 and n3 with a disk tier (a killed one keeps its copies) and n2 DRAM-only (a restart
+/// forgets): each node's `serve` arguments (for restarts), the nodes, a client of each and each
+/// client's handle of the test namespace.
+async fn disk_and_dram_fleet(
+    redis: &Redis,
+    dir: &std::path::Path,
+) -> (Vec<Vec<String>>, Vec<ServerProcess>, [KvClient; 3], Vec<NamespaceHandle>) {
+    let args: Vec<Vec<String>> = IDS
+        .iter()
+        .map(|id| {
+            let disk = if *id == "n2" { "" } else { "disk_capacity = \"64MiB\"\n" };
+            let cfg = config(redis, dir, id, 2, disk);
+            ["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"].map(String::from).to_vec()
+        })
+        .collect();
+    let nodes: Vec<ServerProcess> =
+        args.iter().map(|a| ServerProcess::start(&a.iter().map(String::as_str).collect::<Vec<_>>())).collect();
+    until_members(&nodes, 3);
+    let clients = [nodes[0].client().await, nodes[1].client().await, nodes[2].client().await];
+    let ns = futures::future::join_all(clients.iter().map(|c| async move { handle(c).await })).await;
+    (args, nodes, clients, ns)
+}
+
+/// Parks sessions through `clients[0]` until one's other copy is on `clients[with]` and none on
+/// `clients[without]`; its id.
+async fn park_held_by(clients: &[KvClient; 3], ns: &NamespaceHandle, with: usize, without: usize, seed: u32) -> String {
+    for i in 0..32u32 {
+        let sid = format!("held-by-n1-n{}-{i}", with + 1);
+        let (toks, blocks) = session(ns, seed + i);
+        clients[0].park(ns, &sid, &toks, &blocks, &ParkOptions::default(), 0).await.unwrap();
+        let held_with = copies(&[&clients[with]]).await.contains_key(&sid);
+        if held_with && !copies(&[&clients[without]]).await.contains_key(&sid) {
+            return sid;
+        }
+    }
+    panic!("no session held by n1 and n{} alone", with + 1);
+}
+
 /// A drop taken by a node that holds no copy is remembered there too (in its session log): with
 /// one holder killed during the drop and the other (DRAM-only) restarted since, the killed one
 /// comes back with its old copy and no node serves the session. Before, only nodes whose copy
@@ -644,32 +682,10 @@ async fn a_drop_taken_by_a_node_without_a_copy_is_remembered_there() {
     let redis = Redis::start();
     let dir = tempfile::tempdir().unwrap();
     // n1 and n3 with a disk tier (a killed n1 keeps its copy), n2 DRAM-only (a restart forgets).
-    let args: Vec<Vec<String>> = IDS
-        .iter()
-        .map(|id| {
-            let disk = if *id == "n2" { "" } else { "disk_capacity = \"64MiB\"\n" };
-            let cfg = config(&redis, dir.path(), id, 2, disk);
-            ["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"].map(String::from).to_vec()
-        })
-        .collect();
+    let (args, mut nodes, mut clients, ns) = disk_and_dram_fleet(&redis, dir.path()).await;
     let strs = |i: usize| args[i].iter().map(String::as_str).collect::<Vec<_>>();
-    let mut nodes: Vec<ServerProcess> = (0..3).map(|i| ServerProcess::start(&strs(i))).collect();
-    until_members(&nodes, 3);
-    let mut clients = [nodes[0].client().await, nodes[1].client().await, nodes[2].client().await];
-    let ns = futures::future::join_all(clients.iter().map(|c| async move { handle(c).await })).await;
     // A session parked through n1 whose other copy is on n2, so n3 holds none.
-    let mut id = None;
-    for i in 0..32u32 {
-        let sid = format!("held-by-n1-n2-{i}");
-        let (toks, blocks) = session(&ns[0], 70 + i);
-        clients[0].park(&ns[0], &sid, &toks, &blocks, &ParkOptions::default(), 0).await.unwrap();
-        let held = copies(&[&clients[1]]).await.contains_key(&sid) && !copies(&[&clients[2]]).await.contains_key(&sid);
-        if held {
-            id = Some(sid);
-            break;
-        }
-    }
-    let id = id.expect("a session held by n1 and n2");
+    let id = park_held_by(&clients, &ns[0], 1, 2, 70).await;
 
     let _ = nodes[0].child.kill();
     let _ = nodes[0].child.wait();
@@ -698,32 +714,10 @@ async fn sessions_of_a_namespace_unregistered_while_a_holder_was_away_do_not_com
     let redis = Redis::start();
     let dir = tempfile::tempdir().unwrap();
     // n1 and n3 with a disk tier (n3 comes back with its copy), n2 DRAM-only.
-    let args: Vec<Vec<String>> = IDS
-        .iter()
-        .map(|id| {
-            let disk = if *id == "n2" { "" } else { "disk_capacity = \"64MiB\"\n" };
-            let cfg = config(&redis, dir.path(), id, 2, disk);
-            ["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"].map(String::from).to_vec()
-        })
-        .collect();
+    let (args, mut nodes, mut clients, ns) = disk_and_dram_fleet(&redis, dir.path()).await;
     let strs = |i: usize| args[i].iter().map(String::as_str).collect::<Vec<_>>();
-    let mut nodes: Vec<ServerProcess> = (0..3).map(|i| ServerProcess::start(&strs(i))).collect();
-    until_members(&nodes, 3);
-    let mut clients = [nodes[0].client().await, nodes[1].client().await, nodes[2].client().await];
-    let ns = futures::future::join_all(clients.iter().map(|c| async move { handle(c).await })).await;
     // A session parked through n1 whose other copy is on n3, so n2 holds none.
-    let mut id = None;
-    for i in 0..32u32 {
-        let sid = format!("held-by-n1-n3-{i}");
-        let (toks, blocks) = session(&ns[0], 90 + i);
-        clients[0].park(&ns[0], &sid, &toks, &blocks, &ParkOptions::default(), 0).await.unwrap();
-        let held = copies(&[&clients[2]]).await.contains_key(&sid) && !copies(&[&clients[1]]).await.contains_key(&sid);
-        if held {
-            id = Some(sid);
-            break;
-        }
-    }
-    let id = id.expect("a session held by n1 and n3");
+    let id = park_held_by(&clients, &ns[0], 2, 1, 90).await;
 
     // n3 is away while the namespace is unregistered through n1 (n2 takes it too); then n1,
     // which owes n3 the unregistration, goes down before it can pass it on.

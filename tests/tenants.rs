@@ -54,6 +54,22 @@ max_namespaces = 1
     path
 }
 
+/// A server with a 64 MiB disk tier, `dram` of DRAM and `tenants` (TOML) as its configuration.
+fn with_tenants(dir: &std::path::Path, tenants: &str, dram: &str) -> ServerProcess {
+    let cfg = dir.join("quota.toml");
+    std::fs::write(&cfg, tenants).unwrap();
+    ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", dram, "--disk-capacity", "64MiB"])
+}
+
+/// Waits (up to 60 s) until the blocks queued for the disk are written.
+async fn until_demotions_written(server: &ServerProcess) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while metric(&server.scrape(), "kvtier_disk_queue_depth", &[]) > 0.0 {
+        assert!(std::time::Instant::now() < deadline, "the demotion queue never drained");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
 async fn client_as(server: &ServerProcess, token: Option<&str>) -> KvClient {
     let cfg = ClientConfig { auth_token: token.map(str::to_string), ..ClientConfig::default() };
     KvClient::connect(&server.grpc_addr(), cfg).await.expect("connect")
@@ -362,23 +378,14 @@ async fn a_namespace_is_unregistered_by_its_owner_only_and_stays_gone_after_a_re
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenant_past_its_disk_quota_does_not_push_anothers_blocks_off_the_disk() {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = dir.path().join("quota.toml");
-    std::fs::write(
-        &cfg,
-        format!(
+    let server = with_tenants(
+        dir.path(),
+        &format!(
             "[[tenants]]\nname = \"heavy\"\ntokens = [\"{TOKEN_A}\"]\ndram_bytes = \"8MiB\"\ndisk_bytes = \"8MiB\"\n\n\
              [[tenants]]\nname = \"quiet\"\ntokens = [\"{TOKEN_B}\"]\n"
         ),
-    )
-    .unwrap();
-    let server = ServerProcess::start(&[
-        "--config",
-        cfg.to_str().unwrap(),
-        "--dram-capacity",
         "16MiB",
-        "--disk-capacity",
-        "64MiB",
-    ]);
+    );
     let heavy = client_as(&server, Some(TOKEN_A)).await;
     let quiet = client_as(&server, Some(TOKEN_B)).await;
     let ns_q = quiet.register(namespace("quiet", b"q", small_layout())).await.unwrap();
@@ -386,13 +393,7 @@ async fn a_tenant_past_its_disk_quota_does_not_push_anothers_blocks_off_the_disk
     // Stores go in steps of 64 blocks (the demotion queue's depth), each once the queue is empty:
     // a machine too busy to write a queue's worth in the writers' 5 s wait would drop demotions,
     // which is not what this test is about.
-    let drained = || async {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-        while metric(&server.scrape(), "kvtier_disk_queue_depth", &[]) > 0.0 {
-            assert!(std::time::Instant::now() < deadline, "the demotion queue never drained");
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        }
-    };
+    let drained = || until_demotions_written(&server);
     // 24 MiB for the quiet tenant: more than DRAM holds, so part of it is on disk.
     let quiet_doc = tokens(11, 768 * 16);
     let quiet_blocks = full_block_payloads(&ns_q, &quiet_doc);
@@ -701,23 +702,14 @@ async fn an_unregistration_passed_on_for_an_unknown_namespace_is_remembered_for_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenants_disk_quota_holds_against_bursts_and_refused_parks() {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = dir.path().join("quota.toml");
-    std::fs::write(
-        &cfg,
-        format!(
+    let server = with_tenants(
+        dir.path(),
+        &format!(
             "[[tenants]]\nname = \"bursty\"\ntokens = [\"{TOKEN_A}\"]\ndram_bytes = \"1MiB\"\ndisk_bytes = \"2MiB\"\n\n\
              [[tenants]]\nname = \"parker\"\ntokens = [\"{TOKEN_B}\"]\nmax_session_bytes = \"1MiB\"\n"
         ),
-    )
-    .unwrap();
-    let server = ServerProcess::start(&[
-        "--config",
-        cfg.to_str().unwrap(),
-        "--dram-capacity",
         "64MiB",
-        "--disk-capacity",
-        "64MiB",
-    ]);
+    );
     let disk_of = |s: kvtier_proto::pb::StatsResponse| {
         s.tiers.into_iter().find(|t| t.tier == "disk").map_or(0, |t| t.resident_bytes)
     };
@@ -727,11 +719,7 @@ async fn a_tenants_disk_quota_holds_against_bursts_and_refused_parks() {
     // 6 MiB in one call: DRAM keeps 1 MiB, the rest is evicted at once.
     let doc = tokens(5, 192 * 16);
     bursty.store(&ns, &doc, &full_block_payloads(&ns, &doc)).await.unwrap();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while metric(&server.scrape(), "kvtier_disk_queue_depth", &[]) > 0.0 {
-        assert!(std::time::Instant::now() < deadline, "the demotion queue never drained");
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+    until_demotions_written(&server).await;
     let on_disk = disk_of(bursty.stats().await.unwrap());
     assert!(on_disk >= 2 * block, "some of the burst went to disk: {on_disk}");
     // Its Stats count its blocks there (they said 0 blocks).
