@@ -44,7 +44,6 @@ impl ControlPlane {
     }
 }
 
-/// Turns a server error into a gRPC status carrying the stable code in its message and metadata.
 /// A session id as every session request must name one: 1..=256 bytes. (An empty one is also
 /// the mark a namespace's unregistration is remembered under: it must never name a session.)
 fn check_session_id(id: &str) -> Result<(), ServerError> {
@@ -54,6 +53,7 @@ fn check_session_id(id: &str) -> Result<(), ServerError> {
     Ok(())
 }
 
+/// Turns a server error into a gRPC status carrying the stable code in its message and metadata.
 pub fn to_status(e: ServerError) -> Status {
     server_error(&e);
     let code = match &e {

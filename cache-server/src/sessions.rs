@@ -342,9 +342,20 @@ impl SessionTable {
                 actual: current,
             });
         }
-        self.check_quota(limits, cur.map(|m| m.bytes), spec.token_count * limits.bytes_per_token)?;
+        self.check_replacing(cur, (spec.keys.len(), spec.tail.is_some(), spec.token_count), limits)
+    }
+
+    /// The room a session of `(blocks, has_tail, token_count)` replacing `cur` (`None`: a new
+    /// one) needs: the tenant's quota and the manifest keys.
+    fn check_replacing(
+        &self,
+        cur: Option<&SessionManifest>,
+        (blocks, has_tail, token_count): (usize, bool, u64),
+        limits: &SessionLimits,
+    ) -> Result<(), ServerError> {
+        self.check_quota(limits, cur.map(|m| m.bytes), token_count * limits.bytes_per_token)?;
         let old_keys = cur.map_or(0, |m| manifest_cost(m.keys.len(), m.tail.is_some()));
-        self.check_manifest_keys(limits, old_keys, manifest_cost(spec.keys.len(), spec.tail.is_some()))
+        self.check_manifest_keys(limits, old_keys, manifest_cost(blocks, has_tail))
     }
 
     /// The checks an extend makes of the session as it is (it exists, `expected_version` is
@@ -561,9 +572,7 @@ impl SessionTable {
         if current >= m.version {
             return Err(ServerError::VersionConflict { id: m.id.clone(), expected: m.version, actual: current });
         }
-        self.check_quota(limits, cur.map(|c| c.bytes), m.token_count * limits.bytes_per_token)?;
-        let old_keys = cur.map_or(0, |c| manifest_cost(c.keys.len(), c.tail.is_some()));
-        self.check_manifest_keys(limits, old_keys, manifest_cost(m.keys.len(), m.tail.is_some()))
+        self.check_replacing(cur, (m.keys.len(), m.tail.is_some(), m.token_count), limits)
     }
 
     /// Drops this node's copy of a session if its version is at most `version`; true if it went.

@@ -121,7 +121,8 @@ impl Inner {
     /// [`Self::unindex`] uncounted it.
     fn index_new(&mut self, k: IndexKey, loc: Loc) {
         let len = loc.header.payload_len;
-        let old = self.index.insert(k, loc).map_or(0, |o| o.header.payload_len);
+        let replaced = self.index.insert(k, loc).map(|o| o.header.payload_len);
+        let old = replaced.unwrap_or(0);
         let pinned = self.pins.contains_key(&k);
         self.live = self.live.saturating_sub(old) + len;
         if pinned {
@@ -129,9 +130,7 @@ impl Inner {
         }
         if let Some(a) = self.account_of(&k.0).and_then(|a| self.accounts.get_mut(&a)) {
             a.live = a.live.saturating_sub(old) + len;
-            if old == 0 {
-                a.blocks += 1;
-            }
+            a.blocks += u64::from(replaced.is_none());
             if pinned {
                 a.pinned = a.pinned.saturating_sub(old) + len;
             }
