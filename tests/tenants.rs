@@ -262,6 +262,12 @@ async fn quotas_stop_a_tenant_at_its_own_namespaces_and_sessions() {
     for id in ["x", "y", "z"] {
         b.park(&ns_b, id, &doc, &blocks_b, &ParkOptions::default(), 0).await.unwrap();
     }
+    // The refusals are counted under the tenant and the quota it ran into (they were one
+    // `kvtier_errors_total{kind="quota"}` for every tenant alike).
+    let m = server.scrape();
+    let refused = |quota: &str| metric(&m, "kvtier_quota_refusals_total", &[("tenant", "q"), ("quota", quota)]);
+    assert_eq!((refused("max_namespaces"), refused("max_sessions")), (1.0, 1.0), "{m}");
+    assert!(!m.contains("kvtier_quota_refusals_total{tenant=\"b\""), "{m}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

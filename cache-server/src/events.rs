@@ -171,10 +171,14 @@ impl EventBus {
         let mine = w.1.get(&tenant).copied().unwrap_or(0);
         if !tenant.is_empty() && mine >= limits.max_per_tenant {
             ::metrics::counter!("kvtier_event_watchers_refused_total", "limit" => "tenant").increment(1);
-            return Err(ServerError::QuotaExceeded(format!(
-                "tenant {tenant} has {mine} event watchers already; events_max_watchers_per_tenant is {}",
-                limits.max_per_tenant
-            )));
+            return Err(crate::tenants::quota_refused(
+                &tenant,
+                "events_max_watchers_per_tenant",
+                format!(
+                    "tenant {tenant} has {mine} event watchers already; events_max_watchers_per_tenant is {}",
+                    limits.max_per_tenant
+                ),
+            ));
         }
         w.0 += 1;
         *w.1.entry(tenant.clone()).or_insert(0) += 1;

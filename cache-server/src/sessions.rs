@@ -244,19 +244,27 @@ impl SessionTable {
         let (sessions, held) = self.count_in(&q.namespaces);
         if let Some(max) = q.max_sessions {
             if replaced.is_none() && sessions >= max {
-                return Err(ServerError::QuotaExceeded(format!(
-                    "tenant {:?} holds {sessions} sessions on this node, its max_sessions is {max} (drop one first)",
-                    q.tenant
-                )));
+                return Err(crate::tenants::quota_refused(
+                    &q.tenant,
+                    "max_sessions",
+                    format!(
+                        "tenant {:?} holds {sessions} sessions on this node, its max_sessions is {max} (drop one first)",
+                        q.tenant
+                    ),
+                ));
             }
         }
         if let Some(max) = q.max_bytes {
             let after = held - replaced.unwrap_or(0).min(held) + bytes;
             if after > max {
-                return Err(ServerError::QuotaExceeded(format!(
-                    "tenant {:?}'s sessions would stand for {after} bytes, past its max_session_bytes {max}",
-                    q.tenant
-                )));
+                return Err(crate::tenants::quota_refused(
+                    &q.tenant,
+                    "max_session_bytes",
+                    format!(
+                        "tenant {:?}'s sessions would stand for {after} bytes, past its max_session_bytes {max}",
+                        q.tenant
+                    ),
+                ));
             }
         }
         Ok(())

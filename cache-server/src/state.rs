@@ -575,10 +575,14 @@ impl NodeState {
             let map = self.namespaces.read();
             let held = map.values().filter(|n| n.tenant == ns.tenant).count() as u64;
             if !map.contains_key(&id) && held >= max {
-                return Err(ServerError::QuotaExceeded(format!(
-                    "tenant {:?} holds {held} namespaces on this node, its max_namespaces is {max} (unregister one first)",
-                    ns.tenant
-                )));
+                return Err(crate::tenants::quota_refused(
+                    &ns.tenant,
+                    "max_namespaces",
+                    format!(
+                        "tenant {:?} holds {held} namespaces on this node, its max_namespaces is {max} (unregister one first)",
+                        ns.tenant
+                    ),
+                ));
             }
         }
         self.check_shared_namespace_slots(&ns)?;

@@ -27,6 +27,15 @@ impl Access {
     }
 }
 
+/// A tenant refused for one of its quotas: counted under its name and the quota
+/// (`kvtier_quota_refusals_total{tenant,quota}`: tenants are the operator's, so the labels are
+/// bounded) and said at DEBUG, so that an operator sees which tenant runs into which limit.
+pub fn quota_refused(tenant: &str, quota: &'static str, why: String) -> ServerError {
+    ::metrics::counter!("kvtier_quota_refusals_total", "tenant" => tenant.to_string(), "quota" => quota).increment(1);
+    tracing::debug!(tenant, quota, "refused for a quota: {why}");
+    ServerError::QuotaExceeded(why)
+}
+
 /// Quotas of one tenant (`None`: none of that kind).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Quotas {
