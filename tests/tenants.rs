@@ -350,6 +350,12 @@ async fn a_namespace_is_unregistered_by_its_owner_only_and_stays_gone_after_a_re
     // as recovered (3 kept, 3 dropped; it said "recovered 6 blocks").
     let line = server.stdout.iter().find(|l| l.contains("recovered")).cloned().unwrap_or_default();
     assert!(line.contains("recovered 3 blocks, 3 of deleted namespaces dropped"), "{:?}", server.stdout);
+    // So do the metrics, and the gauges are there from the start (the namespaces gauge was
+    // absent until a namespace was registered, the queue's until the first demotion).
+    let m = server.scrape();
+    assert_eq!(metric(&m, "kvtier_disk_recovered_blocks_total", &[]), 3.0, "{m}");
+    assert_eq!(metric(&m, "kvtier_namespaces", &[]), 1.0, "{m}");
+    assert!(m.contains("kvtier_disk_queue_depth 0"), "{m}");
     let a = client_as(&server, Some(TOKEN_A)).await;
     assert_eq!(a.stats().await.unwrap().namespaces, 1);
     assert_eq!(a.resume(&kept, "s").await.unwrap().blocks, full_block_payloads(&kept, &doc));

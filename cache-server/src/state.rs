@@ -332,6 +332,8 @@ impl NodeState {
                 config,
             };
             state.reserve_quotas(&quotas);
+            // Every gauge present from the start, not only once it first changes.
+            metrics::gauge!("kvtier_namespaces").set(0.0);
             return Ok(state);
         }
         // The data directory's own name durable (it may have just been created), or everything
@@ -411,6 +413,9 @@ impl NodeState {
             config,
         };
         state.reserve_quotas(&quotas);
+        // Every gauge present from the start (the namespaces recovered), not only once it first
+        // changes: after a restart it was absent until a namespace was registered.
+        metrics::gauge!("kvtier_namespaces").set(state.namespaces.read().len() as f64);
         // Sessions of a namespace unregistered since they were parked went with it (its
         // unregistration is logged, their tombstones are not): not restored, nor counted lost.
         let (mut with_layout, mut unregistered) = (Vec::new(), Vec::new());
@@ -454,6 +459,10 @@ impl NodeState {
                     }
                 }
             }
+        }
+        // What the scan found and kept: blocks of deleted namespaces are not recovered ones.
+        if let Some(r) = &state.disk_recovery {
+            metrics::counter!("kvtier_disk_recovered_blocks_total").increment(r.blocks.saturating_sub(r.deleted));
         }
         Ok(state)
     }

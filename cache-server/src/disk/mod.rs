@@ -303,7 +303,6 @@ impl DiskTier {
             observer: parking_lot::RwLock::new(None),
         };
         tier.publish_gauges();
-        ::metrics::counter!("kvtier_disk_recovered_blocks_total").increment(report.blocks);
         ::metrics::counter!("kvtier_disk_discarded_blocks_total").increment(report.discarded);
         Ok((tier, report))
     }

@@ -135,6 +135,8 @@ pub fn start(
         }
     });
     dram.set_eviction_hook(Some(hook));
+    // Present from the start (it was absent until the first demotion).
+    ::metrics::gauge!("kvtier_disk_queue_depth").set(depth.get() as f64);
     std::thread::Builder::new()
         .name("kvtier-demote".into())
         .spawn(move || {
