@@ -123,6 +123,49 @@ fn a_bad_cluster_url_is_refused_at_start() {
     assert!(!ok && err.contains("cluster"), "{err}");
 }
 
+/// Two nodes configured with one `node_id`: the second does not start while the first is alive
+/// (exit 1, naming the first's address and the setting), and the first keeps its place. Before,
+/// the second took the id over and the first went on taking parks outside the membership. A node
+/// killed and started again on other ports takes its id over without waiting for its TTL.
+#[test]
+fn a_second_node_with_a_live_nodes_id_is_refused_and_a_restart_elsewhere_is_not() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let mut n1 = node(&redis, dir.path(), "n1");
+    let n2 = node(&redis, dir.path(), "n2");
+    until_members(&n2, 2.0, Duration::from_secs(10));
+    let cfg = dir.path().join("n1.toml");
+    let twin_dir = tempfile::tempdir().unwrap();
+    let (ok, out, err) = cli(&[
+        "serve",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--listen",
+        "127.0.0.1:0",
+        "--data-listen",
+        "127.0.0.1:0",
+        "--no-metrics",
+        "--data-dir",
+        twin_dir.path().to_str().unwrap(),
+    ]);
+    assert!(!ok, "a twin of n1 started: {out}");
+    assert!(err.contains(&n1.grpc.to_string()) && err.contains("node_id"), "{err}");
+    assert!(n1.alive(), "n1 stopped");
+    std::thread::sleep(Duration::from_millis(500));
+    let advertised = redis_cli(redis.port, &["HGET", "{kvtier}:member:n1", "grpc"]);
+    assert_eq!(advertised.trim(), n1.grpc.to_string(), "n1 lost its registration");
+    // n1 killed: its registration lives 2 s more; started again on new ports, it takes the id over
+    // once the old one goes unrefreshed (about 2 s of refresh intervals, not the TTL to the end).
+    let _ = n1.child.kill();
+    let _ = n1.child.wait();
+    let t = Instant::now();
+    let n1b = node(&redis, dir.path(), "n1");
+    assert!(t.elapsed() < Duration::from_secs(8), "the restart took {:?}", t.elapsed());
+    until_members(&n1b, 2.0, Duration::from_secs(10));
+    let advertised = redis_cli(redis.port, &["HGET", "{kvtier}:member:n1", "grpc"]);
+    assert_eq!(advertised.trim(), n1b.grpc.to_string());
+}
+
 /// Redis killed (its data lost) and started again on the same port: the nodes keep their last
 /// membership meanwhile (marked stale, no member dropped even past the TTL), a load across nodes
 /// neither hangs nor fails, and when Redis is back the nodes register again — the member set in

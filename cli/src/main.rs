@@ -517,13 +517,18 @@ async fn serve(a: ServeArgs, cfg: ServerConfig) -> anyhow::Result<()> {
     );
     std::io::stdout().flush()?;
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
+    let fenced = server.membership.fenced();
+    let fenced = tokio::select! {
+        _ = tokio::signal::ctrl_c() => None,
+        _ = term.recv() => None,
+        why = fenced => Some(why),
+    };
     tracing::info!("shutting down");
     server.stop(Duration::from_secs(5)).await?;
-    Ok(())
+    match fenced {
+        Some(why) => bail!("stopped: {why}"),
+        None => Ok(()),
+    }
 }
 
 impl NsArgs {

@@ -84,6 +84,12 @@ pub trait Membership: Send + Sync {
     /// Leaves the cluster on a graceful stop: stops refreshing and removes this node at once
     /// (bounded by the store's timeout; if that fails the node disappears when its TTL runs out).
     fn leave(&self) -> BoxFuture<'_, Result<(), ServerError>>;
+
+    /// Resolves, with the reason, when this node must stop because another live process answers
+    /// for its member id (two nodes configured with one `node_id`). Never, by default.
+    fn fenced(&self) -> BoxFuture<'static, String> {
+        Box::pin(std::future::pending())
+    }
 }
 
 /// One node, no store: the snapshot is this node, forever.
@@ -221,12 +227,19 @@ struct Shared {
     set_key: String,
     member_key: String,
     tx: watch::Sender<Snapshot>,
+    /// Set, with the reason, once another live process holds this node's id.
+    fenced: watch::Sender<Option<String>>,
 }
 
 impl RedisMembership {
     /// Registers this node and reads the members once (bounded by the Redis timeout), then keeps
-    /// both up to date in a task. Fails only on a bad configuration: with Redis unreachable it
-    /// starts stale, with itself as the only member, and registers when Redis answers.
+    /// both up to date in a task. With Redis unreachable it starts stale, with itself as the only
+    /// member, and registers when Redis answers.
+    ///
+    /// Fails on a bad configuration, and when another live process holds this node's id at
+    /// other addresses (a duplicate `node_id`): a registration found under the id is watched for
+    /// up to two of its refresh intervals; if it is refreshed the holder is alive and this node
+    /// does not start; if not, its process is gone and this one takes the id over.
     pub async fn start(cfg: RedisMembershipConfig) -> Result<Self, ServerError> {
         cfg.validate()?;
         let client = redis::Client::open(cfg.url.as_str())
@@ -238,18 +251,30 @@ impl RedisMembership {
         let member_key = format!("{{{prefix}}}:member:{}", cfg.local.id);
         let view = View::new(cfg.local.clone());
         let tx = watch::Sender::new(view.snapshot());
-        let shared = Arc::new(Shared { cfg, client, con: Mutex::new(con), incarnation, set_key, member_key, tx });
+        let fenced = watch::Sender::new(None);
+        let shared =
+            Arc::new(Shared { cfg, client, con: Mutex::new(con), incarnation, set_key, member_key, tx, fenced });
         ::metrics::gauge!("kvtier_membership_stale").set(0.0);
         let mut driver = Driver {
             shared: shared.clone(),
             view,
             claimed: false,
-            superseded: false,
+            take: false,
+            contest: None,
             mismatched: HashMap::new(),
             said: Vec::new(),
         };
         // With Redis unreachable this logs the one warning and starts stale, alone.
         driver.tick().await;
+        // The id registered by another process: watched until it proves alive or dead (or Redis
+        // goes away, and the task goes on watching).
+        while driver.contest.is_some() && !driver.view.stale && shared.fenced.borrow().is_none() {
+            tokio::time::sleep(shared.cfg.tick()).await;
+            driver.tick().await;
+        }
+        if let Some(why) = shared.fenced.borrow().clone() {
+            return Err(ServerError::Config(why));
+        }
         let task = tokio::spawn(driver.run());
         Ok(RedisMembership { shared, task: Mutex::new(Some(task)) })
     }
@@ -270,6 +295,20 @@ impl Membership for RedisMembership {
 
     fn watch(&self) -> watch::Receiver<Snapshot> {
         self.shared.tx.subscribe()
+    }
+
+    fn fenced(&self) -> BoxFuture<'static, String> {
+        let mut rx = self.shared.fenced.subscribe();
+        Box::pin(async move {
+            let why = match rx.wait_for(Option::is_some).await {
+                Ok(why) => why.clone(),
+                Err(_) => None,
+            };
+            match why {
+                Some(why) => why,
+                None => std::future::pending().await,
+            }
+        })
     }
 
     fn leave(&self) -> BoxFuture<'_, Result<(), ServerError>> {
@@ -297,11 +336,14 @@ impl Membership for RedisMembership {
 struct Driver {
     shared: Arc<Shared>,
     view: View,
-    /// Whether this process has registered once (its first registration overwrites an older
-    /// process's key for the same id; later ones only re-create a missing key).
+    /// Whether this process has registered once (its first registration takes the key from an
+    /// earlier process of this node, or one proven gone; later ones only re-create a missing key).
     claimed: bool,
-    /// Whether a newer process took this id over (logged once).
-    superseded: bool,
+    /// Whether the next claim overwrites another process's registration (it was not refreshed
+    /// while watched).
+    take: bool,
+    /// Another process's registration of this id, being watched.
+    contest: Option<Contest>,
     /// Members whose shared settings differ from this node's, with theirs (each said once).
     mismatched: HashMap<NodeId, String>,
     /// The members last published, so that each one joining or leaving is said once.
@@ -313,9 +355,51 @@ impl Driver {
         let mut every = tokio::time::interval(self.shared.cfg.tick());
         every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         every.tick().await; // The first tick completes at once; `start` has just run one.
-        loop {
+                            // A fenced node stops refreshing: the id is the other process's.
+        while self.shared.fenced.borrow().is_none() {
             every.tick().await;
             self.tick().await;
+        }
+    }
+
+    /// This node must stop: another live process answers for its id. Said once, at ERROR.
+    fn fence(&mut self, why: String) {
+        tracing::error!(member = %self.shared.cfg.local.id, "{why}");
+        ::metrics::counter!("kvtier_membership_superseded_total").increment(1);
+        self.shared.fenced.send_replace(Some(why));
+    }
+
+    /// Another process's registration of this id was found (`holder`, its `beat` and refresh
+    /// interval): watched; alive if its beat moves, taken over if it doesn't for two intervals.
+    fn contested(&mut self, now: Instant, holder: String, beat: String, tick: Option<Duration>) {
+        let cfg = &self.shared.cfg;
+        let id = &cfg.local.id;
+        match &self.contest {
+            None => {
+                let watch = 2 * tick.unwrap_or(Duration::from_secs(1)) + 2 * cfg.op_timeout;
+                tracing::warn!(
+                    member = %id,
+                    "member id {id} is registered by another process at {holder}; waiting up to {watch:?} to see \
+                     whether it is alive (a restart at another address) or another node has this node_id"
+                );
+                self.contest = Some(Contest { holder, beat, until: now + watch });
+            }
+            Some(c) if c.holder != holder || c.beat != beat => {
+                self.fence(format!(
+                    "member id {id} is held by a live node at {holder} (its registration is being refreshed): \
+                     two nodes have node_id {id:?}; give each node its own node_id (this one advertises {})",
+                    cfg.local.grpc_addr
+                ));
+            }
+            Some(c) if now >= c.until => {
+                tracing::warn!(
+                    member = %id,
+                    "member id {id}: the registration at {} was not refreshed; its process is gone, taking the id over",
+                    c.holder
+                );
+                self.take = true;
+            }
+            Some(_) => {}
         }
     }
 
@@ -324,7 +408,11 @@ impl Driver {
         let s = self.shared.clone();
         let cfg = &s.cfg;
         let mut con = s.con.lock().clone();
-        let mode = if self.claimed { "refresh" } else { "claim" };
+        let mode = match (self.claimed, self.take) {
+            (true, _) => "refresh",
+            (false, true) => "take",
+            (false, false) => "claim",
+        };
         let mut call = tick_script().prepare_invoke();
         call.key(&s.set_key)
             .key(&s.member_key)
@@ -333,10 +421,13 @@ impl Driver {
             .arg(&s.incarnation)
             .arg(cfg.ttl.as_millis() as u64)
             .arg(format!("{{{}}}:member:", cfg.prefix))
-            .arg(MAX_MEMBERS);
+            .arg(MAX_MEMBERS)
+            .arg(&cfg.local.grpc_addr)
+            .arg(&cfg.local.data_addr);
         for (f, v) in encode(&cfg.local) {
             call.arg(f).arg(v);
         }
+        call.arg("tick").arg(cfg.tick().as_millis() as u64);
         if !cfg.settings.is_empty() {
             call.arg("settings").arg(&cfg.settings);
         }
@@ -352,23 +443,27 @@ impl Driver {
                 if reply.invalid > 0 {
                     ::metrics::counter!("kvtier_membership_invalid_total").increment(reply.invalid);
                 }
-                match reply.status {
-                    Status::Superseded if !self.superseded => {
-                        self.superseded = true;
-                        ::metrics::counter!("kvtier_membership_superseded_total").increment(1);
-                        tracing::error!(
-                            member = %cfg.local.id,
-                            "another process registered this member id; this one no longer refreshes its registration"
-                        );
+                match &reply.status {
+                    Status::Contested { holder, beat, tick } => {
+                        self.contested(now, holder.clone(), beat.clone(), *tick);
+                        return;
                     }
-                    Status::Superseded => {}
+                    Status::Superseded { holder } => {
+                        self.fence(format!(
+                            "another process, at {holder}, registered member id {} while this node's \
+                             registration lapsed: two nodes have this node_id; this one stops so that one \
+                             node answers for it",
+                            cfg.local.id
+                        ));
+                        return;
+                    }
                     Status::Claimed | Status::Refreshed | Status::Recreated => {
                         self.claimed = true;
-                        self.superseded = false;
+                        self.contest = None;
                     }
                 }
                 self.compare_settings(&reply.settings);
-                let lost = reply.status == Status::Recreated;
+                let lost = matches!(reply.status, Status::Recreated);
                 if self.view.polled(now, reply.members, lost, cfg.ttl) {
                     self.publish();
                 }
@@ -459,15 +554,34 @@ fn differing(a: &str, b: &str) -> String {
 }
 
 /// What a tick's script says about this node's own key.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 enum Status {
-    /// First registration of this process (overwrote whatever was there).
+    /// First registration of this process (took the key from an earlier process of this node,
+    /// or one proven gone).
     Claimed,
     Refreshed,
     /// The key was gone (expired while Redis was unreachable, or Redis lost its data).
     Recreated,
-    /// Another incarnation holds the key; not touched.
-    Superseded,
+    /// Another process holds the key at other addresses (not touched): its gRPC address, its
+    /// refresh counter and interval. No members come with it.
+    Contested {
+        holder: String,
+        beat: String,
+        tick: Option<Duration>,
+    },
+    /// Another process took the key over after this one had registered; not touched.
+    Superseded {
+        holder: String,
+    },
+}
+
+/// Another process's registration of this node's id, watched to tell whether it is alive.
+#[derive(Debug)]
+struct Contest {
+    holder: String,
+    beat: String,
+    /// Taken over if its beat has not moved by then.
+    until: Instant,
 }
 
 struct Reply {
@@ -477,6 +591,12 @@ struct Reply {
     settings: Vec<(NodeId, String)>,
     /// Entries that could not be read as members.
     invalid: u64,
+}
+
+impl Reply {
+    fn empty() -> Self {
+        Reply { status: Status::Claimed, members: Vec::new(), settings: Vec::new(), invalid: 0 }
+    }
 }
 
 /// The member set as one node knows it: what Redis says, merged with what it knew. Pure: the
@@ -604,15 +724,21 @@ fn parse_reply(v: Value) -> Result<Reply, ServerError> {
         return Err(bad("not an array"));
     };
     let mut items = items.into_iter();
-    let status = match items.next().map(redis::from_redis_value::<String>) {
-        Some(Ok(s)) => match s.as_str() {
-            "claimed" => Status::Claimed,
-            "refreshed" => Status::Refreshed,
-            "recreated" => Status::Recreated,
-            "superseded" => Status::Superseded,
-            _ => return Err(bad("unknown status")),
-        },
-        _ => return Err(bad("no status")),
+    let mut text = || items.next().and_then(|v| redis::from_redis_value::<String>(v).ok());
+    let (Some(status), Some(detail)) = (text(), text()) else {
+        return Err(bad("no status"));
+    };
+    let status = match status.as_str() {
+        "claimed" => Status::Claimed,
+        "refreshed" => Status::Refreshed,
+        "recreated" => Status::Recreated,
+        "superseded" => Status::Superseded { holder: detail },
+        "contested" => {
+            let (beat, tick) = (text().unwrap_or_default(), text().and_then(|t| t.parse().ok()));
+            let tick = tick.map(Duration::from_millis);
+            return Ok(Reply { status: Status::Contested { holder: detail, beat, tick }, ..Reply::empty() });
+        }
+        _ => return Err(bad("unknown status")),
     };
     let (mut members, mut settings, mut invalid) = (Vec::new(), Vec::new(), 0u64);
     while let (Some(id), Some(fields)) = (items.next(), items.next()) {
@@ -632,29 +758,50 @@ fn parse_reply(v: Value) -> Result<Reply, ServerError> {
     Ok(Reply { status, members, settings, invalid })
 }
 
-/// KEYS: set, own hash. ARGV: mode ("claim" | "refresh"), id, incarnation, ttl ms, member-key
-/// prefix, max members, then field/value pairs of this member. Returns
-/// `{status, id, {field, value, ...}, ...}` for every live member (up to max), pruning the set of
-/// expired ids.
+/// KEYS: set, own hash. ARGV: mode ("claim" | "take" | "refresh"), id, incarnation, ttl ms,
+/// member-key prefix, max members, this member's gRPC address, its data address, then field/value
+/// pairs of this member. Every registration that stands is refreshed with its `beat` counter
+/// bumped, so another process can tell a live holder of an id from a dead one.
+///
+/// "claim" takes the key when it is free, held by this incarnation, or held by another at the
+/// same addresses (this node restarted); held by another process at other addresses it answers
+/// `{"contested", its gRPC address, its beat, its refresh interval ms}` and touches nothing.
+/// "take" overwrites whatever holds it. Otherwise returns
+/// `{status, detail, id, {field, value, ...}, ...}`
+/// for every live member (up to max), pruning the set of expired ids, where `detail` is the
+/// holder's gRPC address when the status is "superseded" (else empty).
 const TICK_LUA: &str = r#"
 local set, me = KEYS[1], KEYS[2]
 local mode, id, inc, ttl, kp, maxm = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
+local grpc, data = ARGV[7], ARGV[8]
 local cur = redis.call('HGET', me, 'inc')
 local status
-if mode == 'claim' or not cur then
-  redis.call('DEL', me)
-  redis.call('HSET', me, 'inc', inc, unpack(ARGV, 7))
-  if mode == 'claim' then status = 'claimed' else status = 'recreated' end
+if mode == 'claim' and cur and cur ~= inc then
+  local h = redis.call('HMGET', me, 'grpc', 'data', 'beat', 'tick')
+  if h[1] ~= grpc or h[2] ~= data then
+    return {'contested', h[1] or '', h[3] or '', h[4] or ''}
+  end
+end
+if mode ~= 'refresh' or not cur then
+  if cur ~= inc then
+    redis.call('DEL', me)
+  end
+  redis.call('HSET', me, 'inc', inc, unpack(ARGV, 9))
+  if mode == 'refresh' then status = 'recreated' else status = 'claimed' end
 elseif cur == inc then
   status = 'refreshed'
 else
   status = 'superseded'
 end
 if status ~= 'superseded' then
+  redis.call('HINCRBY', me, 'beat', 1)
   redis.call('PEXPIRE', me, ttl)
   redis.call('SADD', set, id)
 end
-local out = {status}
+local out = {status, ''}
+if status == 'superseded' then
+  out[2] = redis.call('HGET', me, 'grpc') or ''
+end
 local n = 0
 for _, m in ipairs(redis.call('SMEMBERS', set)) do
   local h = redis.call('HGETALL', kp .. m)

@@ -1,7 +1,8 @@
 //! Membership against a real `redis-server` on loopback, started and killed by pid: members see
 //! each other, a graceful leave is seen at once, a dropped member goes after its TTL, Redis down
-//! keeps the snapshot (stale) with every call bounded, Redis back makes members re-register, and a
-//! restarted process takes its id over. Without `redis-server` these tests fail, saying so.
+//! keeps the snapshot (stale) with every call bounded, Redis back makes members re-register, a
+//! restarted process takes its id over, and a second live node with one id does not start.
+//! Without `redis-server` these tests fail, saying so.
 
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
@@ -167,21 +168,59 @@ async fn a_restarted_process_takes_its_id_over() {
     let watcher = RedisMembership::start(config(&redis, "w", 5000)).await.unwrap();
     let old = RedisMembership::start(config(&redis, "a", 5000)).await.unwrap();
     until(&watcher, Duration::from_secs(3), "seeing a", |s| s.members.len() == 2).await;
-    // The same id from a new process (new address): it wins at once, no wait for the old TTL.
+    // Killed (no leave: its registration lives on for its TTL) and started again at another
+    // address: the new process sees the registration go unrefreshed and takes the id over, well
+    // before the old TTL runs out.
+    drop(old);
     let mut moved = member("a");
     moved.grpc_addr = "127.0.0.1:9999".into();
+    let started = Instant::now();
     let new = RedisMembership::start(config_for(&redis, moved, 5000)).await.unwrap();
+    assert!(started.elapsed() < Duration::from_secs(3), "took {:?} to take a dead id over", started.elapsed());
     let id = NodeId::new("a").unwrap();
     until(&watcher, Duration::from_secs(3), "seeing a's new address", |s| {
         s.get(&id).is_some_and(|m| m.grpc_addr == "127.0.0.1:9999")
     })
     .await;
-    // The old process leaving does not remove the new one's registration.
-    old.leave().await.unwrap();
+    // Restarted at the same addresses while the registration is still there: taken at once.
+    let again = RedisMembership::start(config_for(&redis, new.local().clone(), 5000)).await.unwrap();
+    // The process it replaced learns it lost the id, and stops refreshing.
+    let why = tokio::time::timeout(Duration::from_secs(3), new.fenced()).await.expect("the replaced process fenced");
+    assert!(why.contains("registered member id a"), "{why}");
+    // The replaced process leaving does not remove the new one's registration.
+    new.leave().await.unwrap();
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(watcher.snapshot().get(&id).map(|m| m.grpc_addr.as_str()), Some("127.0.0.1:9999"));
-    new.leave().await.unwrap();
+    again.leave().await.unwrap();
     until(&watcher, Duration::from_secs(1), "without a", |s| ids(s) == ["w"]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_live_node_with_the_same_id_does_not_start() {
+    let redis = RedisProc::start(false);
+    let watcher = RedisMembership::start(config(&redis, "w", 5000)).await.unwrap();
+    let first = RedisMembership::start(config(&redis, "a", 5000)).await.unwrap();
+    until(&watcher, Duration::from_secs(3), "seeing a", |s| s.members.len() == 2).await;
+    let first_addr = first.local().grpc_addr.clone();
+    let mut twin = member("a");
+    twin.grpc_addr = "127.0.0.1:9998".into();
+    twin.data_addr = "127.0.0.1:9997".into();
+    let r = RedisMembership::start(config_for(&redis, twin, 5000)).await;
+    match r {
+        Err(ServerError::Config(why)) => {
+            assert!(why.contains(&first_addr) && why.contains("node_id"), "{why}");
+        }
+        other => panic!("a twin of a live node started: {:?}", other.err()),
+    }
+    // The live node keeps its id and its registration.
+    let id = NodeId::new("a").unwrap();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(watcher.snapshot().get(&id).map(|m| m.grpc_addr.clone()), Some(first_addr));
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), first.fenced()).await.is_err(),
+        "the live node was fenced"
+    );
+    assert!(time_to_live(&redis, "{kvtier}:member:a").await > 4000, "its registration is refreshed");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
