@@ -309,6 +309,32 @@ async fn with_one_copy_a_session_moves_to_the_node_that_resumes_it() {
     assert!(r.blocks == b2, "wrong bytes after the second move");
 }
 
+/// A session that expired on the node holding it says "expired" through a node without a copy
+/// too, as through its holder (the owners' answers carry the expiry). Before, "not found".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_session_says_expired_through_a_node_without_a_copy() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let n1 = node_rf(&redis, dir.path(), "n1", 1);
+    let n2 = node_rf(&redis, dir.path(), "n2", 1);
+    until_members([&n1, &n2], 2);
+    let (c1, c2) = (n1.client().await, n2.client().await);
+    let (ns1, ns2) = (handle(&c1).await, handle(&c2).await);
+    let (toks, blocks) = session(&ns1, 9);
+    let short = ParkOptions { ttl: Some(Duration::from_millis(300)), ..ParkOptions::default() };
+    c1.park(&ns1, "brief", &toks, &blocks, &short, 0).await.unwrap();
+    c1.park(&ns1, "kept", &toks, &blocks, &ParkOptions::default(), 0).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let err = c2.resume(&ns2, "brief").await.unwrap_err();
+    assert!(matches!(err, ClientError::SessionExpired(_)), "through n2: {err}");
+    let err = c1.resume(&ns1, "brief").await.unwrap_err();
+    assert!(matches!(err, ClientError::SessionExpired(_)), "through n1: {err}");
+    // A session nobody had is still "not found"; a live one still moves.
+    let err = c2.resume(&ns2, "never").await.unwrap_err();
+    assert!(matches!(err, ClientError::SessionNotFound(_)), "{err}");
+    assert!(c2.resume(&ns2, "kept").await.unwrap().blocks == blocks);
+}
+
 /// A namespace's own `replicas` overrides the cluster's `cluster_rf`: in an rf = 1 cluster, a
 /// namespace registered with 2 has its sessions on two nodes and they survive n1's SIGKILL,
 /// while the default namespace's session (one copy, on n1) is a miss afterwards.

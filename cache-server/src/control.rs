@@ -209,7 +209,8 @@ impl ControlPlane {
     /// owner has. Waits at most `CHECK_WAIT` when this node has a copy, `peer_timeout` when it
     /// has none; a failure leaves this node's copy (or none) in place. Returns why a copy another
     /// member holds could not be taken when that is a tenant's limit here (its quota, no room),
-    /// for a resume that has no copy of its own to say so rather than "not found".
+    /// or that the session expired on the owners that answered, for a resume that has no copy of
+    /// its own to say so rather than "not found".
     async fn adopt_newer_copy(&self, ns: &Namespace, id: &str) -> Option<ServerError> {
         let peers = self.state.tiers().peers()?;
         let local = self.state.sessions().peek(ns.id(), id).map_or(0, |m| m.version);
@@ -223,7 +224,10 @@ impl ControlPlane {
         if let Some((mine, ago)) = &found.stale_here {
             replicas::drop_stale_copy(&self.state, mine, *ago).await;
         }
-        let (from, m) = found.newest?;
+        let Some((from, m)) = found.newest else {
+            let ago_ms = found.expired_ago?.as_millis() as u64;
+            return Some(ServerError::SessionExpired { id: id.into(), ago_ms });
+        };
         let version = m.version;
         match replicas::adopt(&self.state, peers, &from, ns, m).await {
             // With one copy per session, the session moves: the old node's copy would go stale.
@@ -266,12 +270,18 @@ impl ControlPlane {
         let held = |m: Option<SessionManifest>| {
             let now = Instant::now();
             let (manifest, ttl_ms) = m.as_ref().map(|m| replicas::manifest_to_pb(m, now)).unzip();
+            let expired_ago = match m {
+                Some(_) => None,
+                None => self.state.sessions().expired_ago(id, &r.session_id),
+            };
             pb::SessionReplicaResponse {
                 held: manifest.is_some(),
                 manifest,
                 ttl_ms: ttl_ms.unwrap_or(0),
                 dropped: dropped_at.is_some(),
                 dropped_ago_ms: dropped_at.map_or(0, |at| now.duration_since(at).as_millis() as u64),
+                expired: expired_ago.is_some(),
+                expired_ago_ms: expired_ago.map_or(0, |d| d.as_millis() as u64),
                 ..Default::default()
             }
         };

@@ -359,6 +359,11 @@ impl SessionStore {
         Ok(())
     }
 
+    /// How long ago session `id` expired here, if it did and was not parked again since.
+    pub fn expired_ago(&self, ns: NamespaceId, id: &str) -> Option<Duration> {
+        self.table.lock().expired_ago(ns, id, Instant::now())
+    }
+
     /// This node's copy of a live session, its TTL untouched.
     pub fn peek(&self, ns: NamespaceId, id: &str) -> Option<SessionManifest> {
         self.table.lock().peek(ns, id, Instant::now())

@@ -592,6 +592,17 @@ impl SessionTable {
         false
     }
 
+    /// How long ago session `id` expired by `now`, if it did and was not parked again since (held
+    /// and past its TTL, or remembered as expired).
+    pub fn expired_ago(&self, ns: NamespaceId, id: &str, now: Instant) -> Option<Duration> {
+        let sid = (ns, id.to_string());
+        match self.sessions.get(&sid) {
+            Some(m) if m.expires_at > now => None,
+            Some(m) => Some(now.saturating_duration_since(m.expires_at)),
+            None => self.expired.get(&sid).map(|at| now.saturating_duration_since(*at)),
+        }
+    }
+
     /// The version of the session held, live or expired and not yet reaped.
     pub fn version_of(&self, ns: NamespaceId, id: &str) -> Option<u64> {
         self.sessions.get(&(ns, id.to_string())).map(|m| m.version)

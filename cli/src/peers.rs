@@ -272,13 +272,14 @@ impl PeerTransport for ClientTransport {
             let r = self.replica_call(peer, ns, id, Op::Get, None, None).await?;
             let now = Instant::now();
             let dropped_ago = r.dropped.then(|| Duration::from_millis(r.dropped_ago_ms));
+            let expired_ago = r.expired.then(|| Duration::from_millis(r.expired_ago_ms));
             let copy = match (r.held, r.manifest) {
                 (true, Some(m)) => {
                     Some(replicas::manifest_from_pb(ns.id(), &m, r.ttl_ms, now).map_err(|e| Self::err(peer, e))?)
                 }
                 _ => None,
             };
-            Ok(ReplicaCopy { copy, dropped_ago, answered: now })
+            Ok(ReplicaCopy { copy, dropped_ago, expired_ago, answered: now })
         })
     }
 

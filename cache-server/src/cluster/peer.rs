@@ -167,6 +167,9 @@ pub struct ReplicaCopy {
     /// copy last touched before is a dropped one, wherever it is. An age, not an instant: the
     /// drop may be older than this machine's clock.
     pub dropped_ago: Option<Duration>,
+    /// How long before `answered` the session expired there, when the peer holds no live copy
+    /// because of that (a resume elsewhere says "expired", not "not found").
+    pub expired_ago: Option<Duration>,
     /// When the answer came (this node's clock).
     pub answered: Instant,
 }
@@ -175,6 +178,11 @@ impl ReplicaCopy {
     /// How long before `now` the peer dropped the session, if it did.
     pub fn dropped_ago_at(&self, now: Instant) -> Option<Duration> {
         self.dropped_ago.map(|ago| ago + now.saturating_duration_since(self.answered))
+    }
+
+    /// How long before `now` the session expired on the peer, if that is why it holds none.
+    pub fn expired_ago_at(&self, now: Instant) -> Option<Duration> {
+        self.expired_ago.map(|ago| ago + now.saturating_duration_since(self.answered))
     }
 }
 

@@ -249,6 +249,9 @@ pub struct Elsewhere {
     /// This node's copy, when it is a dropped one (last touched before that drop), and how
     /// long ago the drop was: the caller drops it ([`drop_stale_copy`]).
     pub stale_here: Option<(SessionManifest, Duration)>,
+    /// How long ago the session expired on an owner that holds no live copy (the youngest), when
+    /// no owner dropped it: a resume that finds none says "expired", as the holder would.
+    pub expired_ago: Option<Duration>,
 }
 
 /// The newest copy of session `id` the owners hold, if newer than this node's (none, or a
@@ -294,13 +297,17 @@ pub async fn newest_elsewhere(
         (None, Some(m)) => m.version,
         _ => 0,
     };
+    let expired_ago = match dropped_ago {
+        Some(_) => None,
+        None => answers.iter().filter_map(|(_, a)| a.expired_ago_at(now)).min(),
+    };
     let newest = answers
         .into_iter()
         .filter_map(|(member, a)| Some((member, a.copy?)))
         .filter(|(_, m)| m.version > local_version && m.namespace == ns.id() && m.id == id)
         .filter(|(_, m)| !dropped(m))
         .max_by_key(|(_, m)| m.version);
-    Elsewhere { newest, stale_here }
+    Elsewhere { newest, stale_here, expired_ago }
 }
 
 /// Makes `from`'s copy of a session this node's own: fetches the blocks this node lacks from
