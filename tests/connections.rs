@@ -262,3 +262,56 @@ async fn silent_grpc_connections_are_closed_and_do_not_starve_the_listener() {
     let m = server.scrape();
     assert!(metric(&m, "kvtier_errors_total", &[("kind", "grpc_preface_timeout")]) >= 16.0, "{m}");
 }
+
+/// A client over `max_connections_per_peer` is told why its connection was refused
+/// (`KV:Connections:TooMany`, naming the setting), on the data plane and in a raw hello's answer;
+/// once a connection closes, the next one is served. Before, the refusal reached the client as
+/// "connection failed: early eof".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_over_the_per_peer_limit_is_told_why() {
+    use kvtier_proto::dataplane::{HelloReply, Status};
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("limits.toml");
+    std::fs::write(&cfg, "max_connections = 16\nmax_connections_per_peer = 3\n").unwrap();
+    let server = ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"]);
+    let client = server.client().await;
+    let ns = client.register(namespace("crowded", b"", small_layout())).await.unwrap();
+    let doc = tokens(4, 64);
+    let blocks = full_block_payloads(&ns, &doc);
+    // Three data-plane connections from this address, each past its hello.
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        let mut s = TcpStream::connect(server.data).await.unwrap();
+        s.write_all(&Hello::encode(PROTOCOL_VERSION, b"")).await.unwrap();
+        let mut reply = [0u8; 4];
+        tokio::io::AsyncReadExt::read_exact(&mut s, &mut reply).await.unwrap();
+        assert_eq!(HelloReply::decode(&reply).unwrap().0, Status::Ok);
+        held.push(s);
+    }
+    // A fourth, raw: the answer says why.
+    let mut s = TcpStream::connect(server.data).await.unwrap();
+    s.write_all(&Hello::encode(PROTOCOL_VERSION, b"")).await.unwrap();
+    let mut reply = [0u8; 4];
+    tokio::io::AsyncReadExt::read_exact(&mut s, &mut reply).await.unwrap();
+    let (status, len) = HelloReply::decode(&reply).unwrap();
+    assert_eq!(status, Status::TooManyConnections);
+    let mut msg = vec![0u8; len as usize];
+    tokio::io::AsyncReadExt::read_exact(&mut s, &mut msg).await.unwrap();
+    let msg = String::from_utf8(msg).unwrap();
+    assert!(msg.contains("127.0.0.1") && msg.contains("max_connections_per_peer"), "{msg}");
+    // Through the client: a refusal that names its code and the setting.
+    let err = client.store(&ns, &doc, &blocks).await.unwrap_err();
+    let text = err.to_string();
+    assert!(text.contains("KV:Connections:TooMany") && text.contains("max_connections_per_peer"), "{text}");
+    // A slot freed: the client is served.
+    drop(held.pop());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match client.store(&ns, &doc, &blocks).await {
+            Ok(r) => break r.ok().unwrap(),
+            Err(e) => assert!(Instant::now() < deadline, "still refused after a slot was freed: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(client.load(&ns, &doc).await.unwrap(), blocks);
+}

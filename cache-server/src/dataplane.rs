@@ -113,6 +113,17 @@ pub async fn serve(
                 }
             }
         },
+        // Told why over TLS, the handshake bounded as the answer is.
+        |(sock, _peer, _pace), why| {
+            let tls = tls.clone();
+            async move {
+                let accepted = tokio::time::timeout(crate::listen::REFUSE_WAIT, crate::tls::accept(&tls, sock)).await;
+                if let Ok(Ok((stream, _))) = accepted {
+                    let (r, w) = tokio::io::split(stream);
+                    crate::listen::refuse_with_hello_reply(r, w, why).await;
+                }
+            }
+        },
     )
     .await
 }
@@ -258,6 +269,7 @@ async fn accept_loop<L: Accept>(listener: L, state: Arc<NodeState>, stop: watch:
         stop,
         || listener.accept_split(),
         |(r, w, peer, own), stop| serve_halves(r, w, state.clone(), stop, peer, None, own),
+        |(r, w, _, _), why| crate::listen::refuse_with_hello_reply(r, w, why),
     )
     .await
 }

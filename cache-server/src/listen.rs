@@ -1,6 +1,7 @@
 //! The accept loop every listener shares (data plane, same-node socket, gRPC): connections are
 //! bounded in total and per peer (an IP address, or a local user on a Unix socket), a peer over
-//! its share is closed at once and counted, a failed accept (out of descriptors) backs off instead
+//! its share is refused at once and counted (told why where the listener's protocol can say it
+//! before any request: the data plane's hello answer), a failed accept (out of descriptors) backs off instead
 //! of spinning, and every connection ends when the node stops. TLS handshakes run inside a
 //! connection's own task, never in the accept loop, and so does the wait for a gRPC client's
 //! HTTP/2 preface: a connection that sends none within [`PREFACE_TIMEOUT`] is closed, so silent
@@ -25,6 +26,61 @@ pub enum Peer {
     Uid(u32),
     /// Not known (a stream handed in by an embedder): limited by the total only.
     Unknown,
+}
+
+impl std::fmt::Display for Peer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Peer::Ip(ip) => write!(f, "{ip}"),
+            Peer::Uid(uid) => write!(f, "local user {uid}"),
+            Peer::Unknown => f.write_str("an unknown peer"),
+        }
+    }
+}
+
+/// Refused connections being told why at once, at most; past that they are closed unanswered.
+const MAX_REFUSING: usize = 32;
+
+/// How long a refused connection has to take its answer (and again to close).
+pub(crate) const REFUSE_WAIT: Duration = Duration::from_secs(1);
+
+/// A refusal that says nothing: the connection is closed (listeners whose protocol has no way to
+/// answer before its first request).
+pub(crate) fn close<C>(conn: C, _why: String) -> std::future::Ready<()> {
+    drop(conn);
+    std::future::ready(())
+}
+
+/// A refusal for the protocols that open with a hello answered by a
+/// [`HelloReply`](kvtier_proto::dataplane::HelloReply) (the data plane, the same-node socket):
+/// the answer `TooManyConnections` with `why`, sent without waiting for the hello, then the
+/// client's bytes read and dropped until it closes (closing on unread bytes would reset the
+/// connection, and the reset could take the answer with it), each within [`REFUSE_WAIT`].
+pub(crate) async fn refuse_with_hello_reply<R, W>(mut r: R, mut w: W, why: String)
+where
+    R: tokio::io::AsyncRead + Unpin,
+    W: tokio::io::AsyncWrite + Unpin,
+{
+    use kvtier_proto::dataplane::{HelloReply, Status};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let answer = HelloReply::encode(Status::TooManyConnections, &format!("connection refused: {why}"));
+    let told = async {
+        w.write_all(&answer).await?;
+        w.shutdown().await
+    };
+    if !matches!(tokio::time::timeout(REFUSE_WAIT, told).await, Ok(Ok(()))) {
+        return;
+    }
+    let drained = async {
+        let (mut buf, mut left) = ([0u8; 4096], 64usize << 10);
+        while left > 0 {
+            match r.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => left = left.saturating_sub(n),
+            }
+        }
+    };
+    let _ = tokio::time::timeout(REFUSE_WAIT, drained).await;
 }
 
 /// How many connections one listener serves at once.
@@ -67,21 +123,28 @@ impl PeerCounts {
 }
 
 /// Takes connections from `accept` within `limits` and runs `serve` on each until `stop` turns
-/// true; then ends every connection before returning.
-pub(crate) async fn accept_bounded<C, A, F, S, G>(
+/// true; then ends every connection before returning. A connection over its peer's share is
+/// handed to `refuse` with the reason (in a task of its own, [`MAX_REFUSING`] at once; [`close`]
+/// says nothing).
+pub(crate) async fn accept_bounded<C, A, F, S, G, R, H>(
     what: &'static str,
     limits: ConnLimits,
     mut stop: watch::Receiver<bool>,
     mut accept: A,
     serve: S,
+    refuse: R,
 ) where
     A: FnMut() -> F,
     F: std::future::Future<Output = std::io::Result<(C, Peer)>>,
     S: Fn(C, watch::Receiver<bool>) -> G,
     G: std::future::Future<Output = ()> + Send + 'static,
+    R: Fn(C, String) -> H,
+    H: std::future::Future<Output = ()> + Send + 'static,
 {
     let permits = Arc::new(tokio::sync::Semaphore::new(limits.total.max(1)));
     let peers = Arc::new(PeerCounts::default());
+    let refusing = Arc::new(tokio::sync::Semaphore::new(MAX_REFUSING));
+    let mut refusals = tokio::task::JoinSet::new();
     let mut conns = tokio::task::JoinSet::new();
     let mut permit = None;
     loop {
@@ -113,7 +176,21 @@ pub(crate) async fn accept_bounded<C, A, F, S, G>(
             metrics::counter!("kvtier_connections_refused_total", "listener" => what, "reason" => "per_peer")
                 .increment(1);
             tracing::debug!(?peer, "{what}: connection refused, the peer has {} already", limits.per_peer);
-            drop(conn);
+            match refusing.clone().try_acquire_owned() {
+                Ok(p) => {
+                    let why = format!(
+                        "{peer} has {} connections to this {what} listener already (max_connections_per_peer)",
+                        limits.per_peer
+                    );
+                    let told = refuse(conn, why);
+                    refusals.spawn(async move {
+                        told.await;
+                        drop(p);
+                    });
+                }
+                Err(_) => drop(conn),
+            }
+            while refusals.try_join_next().is_some() {}
             permit = Some(held);
             continue;
         }
@@ -126,6 +203,7 @@ pub(crate) async fn accept_bounded<C, A, F, S, G>(
         });
         while conns.try_join_next().is_some() {}
     }
+    refusals.shutdown().await;
     conns.shutdown().await;
 }
 
@@ -234,6 +312,8 @@ pub(crate) fn grpc_incoming(
                     }
                 }
             },
+            // No answer HTTP/2 can give before the client's preface: closed, and counted.
+            close,
         )
         .await
     });

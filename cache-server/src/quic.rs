@@ -67,6 +67,11 @@ pub async fn serve(endpoint: quinn::Endpoint, state: Arc<NodeState>, stop: watch
             Ok((incoming, peer))
         },
         |incoming, stop| serve_connection(incoming, state.clone(), stop),
+        // Refused before its handshake: QUIC's CONNECTION_REFUSED (no reason travels with it).
+        |incoming, _why| {
+            incoming.refuse();
+            std::future::ready(())
+        },
     )
     .await;
     endpoint.close(quinn::VarInt::from_u32(0), b"node stopping");

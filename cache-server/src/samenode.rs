@@ -174,6 +174,10 @@ pub async fn serve(listener: UnixListener, path: PathBuf, state: Arc<NodeState>,
                 }
             }
         },
+        |sock, why| {
+            let (r, w) = sock.into_split();
+            crate::listen::refuse_with_hello_reply(r, w, why)
+        },
     )
     .await;
     drop(listener);

@@ -338,6 +338,9 @@ impl DataConn {
             Status::Ok => Ok(Ok(c)),
             Status::UnsupportedVersion => Ok(Err(msg)),
             Status::Unauthenticated => Err(ClientError::Unauthenticated(msg)),
+            Status::TooManyConnections => {
+                Err(ClientError::Refused { code: kvtier_proto::codes::TOO_MANY_CONNECTIONS.into(), message: msg })
+            }
             other => Err(ClientError::Refused { code: format!("dataplane:{other:?}"), message: msg }),
         }
     }

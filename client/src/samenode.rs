@@ -1124,6 +1124,7 @@ fn refusal(status: Status, message: String) -> ClientError {
         Status::Forbidden => ClientError::Forbidden(message),
         Status::UnknownNamespace => ClientError::UnknownNamespace(message),
         Status::TooLarge => ClientError::Refused { code: codes::CAPACITY.into(), message },
+        Status::TooManyConnections => ClientError::Refused { code: codes::TOO_MANY_CONNECTIONS.into(), message },
         Status::BadRequest | Status::UnsupportedVersion => {
             ClientError::Refused { code: codes::INVALID_REQUEST.into(), message }
         }

@@ -18,6 +18,8 @@ pub const FORBIDDEN: &str = "KV:Auth:Forbidden";
 /// The tenant is at one of its quotas (namespaces, sessions, session bytes).
 pub const QUOTA: &str = "KV:Quota:Exceeded";
 pub const DISK_FULL: &str = "KV:Disk:Full";
+/// A listener refused the connection: its peer has `max_connections_per_peer` open already.
+pub const TOO_MANY_CONNECTIONS: &str = "KV:Connections:TooMany";
 /// Other members of the cluster could not be reached in time or answered wrongly (a park left
 /// short of its copies, a peer down): the node itself is fine, and retrying later may succeed.
 pub const UNAVAILABLE: &str = "KV:Cluster:Unavailable";

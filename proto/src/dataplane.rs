@@ -215,6 +215,9 @@ pub enum Status {
     UnsupportedVersion = 6,
     /// The connection's tenant may not touch the request's namespace.
     Forbidden = 7,
+    /// Hello only, sent by the server before it closes a connection over its limits
+    /// (`max_connections_per_peer`): the message says which.
+    TooManyConnections = 8,
 }
 
 impl Status {
@@ -228,6 +231,7 @@ impl Status {
             5 => Status::Internal,
             6 => Status::UnsupportedVersion,
             7 => Status::Forbidden,
+            8 => Status::TooManyConnections,
             other => return Err(ProtoError::Malformed(format!("unknown status {other}"))),
         })
     }
