@@ -299,6 +299,10 @@ async fn a_connection_over_the_per_peer_limit_is_told_why() {
     tokio::io::AsyncReadExt::read_exact(&mut s, &mut msg).await.unwrap();
     let msg = String::from_utf8(msg).unwrap();
     assert!(msg.contains("127.0.0.1") && msg.contains("max_connections_per_peer"), "{msg}");
+    let m = server.scrape();
+    assert_eq!(metric(&m, "kvtier_connections_open", &[("listener", "data plane")]), 3.0, "{m}");
+    assert!(metric(&m, "kvtier_connections_open", &[("listener", "grpc")]) >= 1.0, "{m}");
+    assert_eq!(metric(&m, "kvtier_connections_refused_total", &[("listener", "data plane")]), 1.0, "{m}");
     // Through the client: a refusal that names its code and the setting.
     let err = client.store(&ns, &doc, &blocks).await.unwrap_err();
     let text = err.to_string();

@@ -38,6 +38,23 @@ impl std::fmt::Display for Peer {
     }
 }
 
+/// One connection served, counted in `kvtier_connections_open{listener}` for as long as it lives
+/// (however its task ends: finished, or aborted when the node stops).
+struct OpenConnection(&'static str);
+
+impl OpenConnection {
+    fn new(listener: &'static str) -> Self {
+        metrics::gauge!("kvtier_connections_open", "listener" => listener).increment(1.0);
+        OpenConnection(listener)
+    }
+}
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        metrics::gauge!("kvtier_connections_open", "listener" => self.0).decrement(1.0);
+    }
+}
+
 /// Refused connections being told why at once, at most; past that they are closed unanswered.
 const MAX_REFUSING: usize = 32;
 
@@ -196,10 +213,12 @@ pub(crate) async fn accept_bounded<C, A, F, S, G, R, H>(
         }
         let task = serve(conn, stop.clone());
         let peers = peers.clone();
+        let open = OpenConnection::new(what);
         conns.spawn(async move {
             task.await;
             peers.release(peer);
             drop(held);
+            drop(open);
         });
         while conns.try_join_next().is_some() {}
     }
