@@ -59,6 +59,11 @@ async fn peer_stats(c: &KvClient) -> pb::TierStats {
     c.stats().await.unwrap().tiers.into_iter().find(|t| t.tier == "peer").expect("a peer tier in Stats")
 }
 
+/// The DRAM tier's line of a node's `Stats`.
+async fn dram_stats(c: &KvClient) -> pb::TierStats {
+    c.stats().await.unwrap().tiers.into_iter().find(|t| t.tier == "dram").expect("a DRAM tier in Stats")
+}
+
 /// Waits until `node` has forwarded `n` blocks to their other owners.
 fn until_forwarded(node: &ServerProcess, n: usize) {
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -93,22 +98,28 @@ async fn a_block_stored_via_one_node_loads_via_another_with_one_request_per_peer
     let ns_c = c.register(spec).await.unwrap();
     // A lookup through n3 sees the whole prefix (its owners answer for what n3 lacks).
     assert_eq!(c.lookup(&ns_c, &toks).await.unwrap(), toks.len());
-    let before = peer_stats(&c).await;
+    let (before, dram_before) = (peer_stats(&c).await, dram_stats(&c).await);
     let loaded = c.load(&ns_c, &toks).await.unwrap();
     assert_eq!(loaded.len(), payloads.len(), "every block loads through n3");
     assert!(loaded == payloads, "exact bytes");
-    let after = peer_stats(&c).await;
+    let (after, dram_after) = (peer_stats(&c).await, dram_stats(&c).await);
     let remote: BTreeSet<&str> = owner.iter().copied().filter(|o| *o != "n3").collect();
     let remote_blocks = owner.iter().filter(|o| **o != "n3").count() as u64;
     assert!(remote_blocks > 0 && !remote.is_empty(), "some blocks live elsewhere: {owner:?}");
     assert_eq!(after.requests - before.requests, remote.len() as u64, "one request per peer: {remote:?}");
     assert_eq!(after.hits - before.hits, remote_blocks);
     assert_eq!(after.errors, 0);
+    // Each block counted once, where it came from: n3's own from its DRAM, the others from the
+    // peers and as DRAM misses (not also as DRAM hits of the copies the fetch cached).
+    let local_blocks = keys.len() as u64 - remote_blocks;
+    assert_eq!(dram_after.hits - dram_before.hits, local_blocks, "DRAM hits of one load");
+    assert_eq!(dram_after.misses - dram_before.misses, remote_blocks, "DRAM misses of one load");
 
     // Cached on n3 (peer_cache): the same load asks no peer.
     let again = c.load(&ns_c, &toks).await.unwrap();
     assert!(again == payloads);
     assert_eq!(peer_stats(&c).await.requests, after.requests, "served from n3's DRAM");
+    assert_eq!(dram_stats(&c).await.hits - dram_after.hits, keys.len() as u64, "every block a DRAM hit");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -228,15 +239,16 @@ async fn exists_and_the_same_node_path_see_the_other_nodes() {
     assert!(held.iter().all(|h| *h), "every block is held somewhere: {held:?}");
 
     // A same-node load through n3 gets every block, the remote ones from their owners.
-    let before = peer_stats(&c).await;
+    let (before, dram_before) = (peer_stats(&c).await, dram_stats(&c).await);
     let mut near_c = c.samenode().await.expect("n3's same-node socket");
     let mut dst = SharedBuffer::new(keys.len() * bb).unwrap();
     let got = near_c.load_into_buffer(&ns_c, &keys, &mut dst, &offsets, false).await.unwrap();
     assert!(got.iter().all(|g| *g), "{got:?}");
     assert!(dst.as_slice() == src.as_slice(), "exact bytes");
-    let after = peer_stats(&c).await;
+    let (after, dram_after) = (peer_stats(&c).await, dram_stats(&c).await);
     let remote = owner.iter().filter(|o| **o != "n3").count() as u64;
     assert_eq!(after.hits - before.hits, remote, "n3 loaded the blocks it doesn't own from their owners");
+    assert_eq!(dram_after.hits - dram_before.hits, keys.len() as u64 - remote, "DRAM hits: n3's own blocks");
 }
 
 /// A remote load larger than one chunk (`cluster::fetch::CHUNK_BYTES`, 16 MiB) is fetched in

@@ -764,9 +764,17 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             }
             // A disk read runs on the I/O pool; a saturated pool (`Busy`) answers a miss. A DRAM
             // hit comes unchecked and is checked once it has been sent (see below).
-            let (load, unchecked) = match self.state.tiers().get_to_check(&ns, &key).await {
-                (Load::Hit(b), unchecked) => (Load::Hit(b), unchecked),
-                (other, _) => (remote.take(&key).await.map_or(other, Load::Hit), false),
+            // A block planned from the peers is taken from the fetch first (counted there).
+            let fetched = match remote.planned(&key) {
+                true => remote.take_planned(&key).await,
+                false => None,
+            };
+            let (load, unchecked) = match fetched {
+                Some(b) => (Load::Hit(b), false),
+                None => match self.state.tiers().get_to_check(&ns, &key).await {
+                    (Load::Hit(b), unchecked) => (Load::Hit(b), unchecked),
+                    (other, _) => (remote.take(&key).await.map_or(other, Load::Hit), false),
+                },
             };
             match load {
                 Load::Hit(b) => {

@@ -1020,7 +1020,15 @@ impl Conn {
                 Ok(_) if !segments.iter().all(|s| self.fits(req.buffer, s.offset, s.len)) => ItemStatus::OutOfRange,
                 Ok(item) => {
                     // A DRAM hit comes unchecked: `copy_out` checks it as it copies.
-                    let (local, unchecked) = self.state.tiers().get_to_check(&ns, &item.key).await;
+                    // A block planned from the peers is taken from the fetch first (counted there).
+                    let fetched = match remote.planned(&item.key) {
+                        true => remote.take_planned(&item.key).await,
+                        false => None,
+                    };
+                    let (local, unchecked) = match fetched {
+                        Some(b) => (crate::tiers::Load::Hit(b), false),
+                        None => self.state.tiers().get_to_check(&ns, &item.key).await,
+                    };
                     let found = match local.hit() {
                         Some(b) => Some(b),
                         None => remote.take(&item.key).await,

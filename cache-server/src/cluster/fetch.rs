@@ -97,6 +97,21 @@ impl PeerFetch {
         }
     }
 
+    /// Whether `key` is one this request loads from peers (no local tier held it when planned).
+    pub fn planned(&self, key: &BlockKey) -> bool {
+        self.chunk_of.contains_key(key)
+    }
+
+    /// For a key this request loads from peers ([`Self::planned`]): its block if its owners had
+    /// it, taken before any local read so that the copy the fetch cached in DRAM isn't counted as
+    /// a DRAM hit too (the local tiers' misses counted instead); `None` otherwise (not planned, or
+    /// the owners had none: the caller reads the local tiers, which may hold it by now).
+    pub async fn take_planned(&mut self, key: &BlockKey) -> Option<StoredBlock> {
+        let b = self.take(key).await?;
+        self.state.tiers().count_local_miss();
+        Some(b)
+    }
+
     /// The block of `key` if its owners had it, waiting for its chunk (and the ones before it).
     pub async fn take(&mut self, key: &BlockKey) -> Option<StoredBlock> {
         let chunk = *self.chunk_of.get(key)?;

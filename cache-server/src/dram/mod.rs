@@ -1032,12 +1032,16 @@ impl DramTier {
                 ::metrics::counter!("kvtier_tier_bytes_out_total", "tier" => TierId::Dram.as_str())
                     .increment(b.payload.len() as u64);
             }
-            None => {
-                c.misses.fetch_add(1, Ordering::Relaxed);
-                ::metrics::counter!("kvtier_tier_misses_total", "tier" => TierId::Dram.as_str()).increment(1);
-            }
+            None => self.count_miss(),
         }
         found
+    }
+
+    /// A read that found nothing here, asked by a caller that checked the index first (so
+    /// [`Self::get`] never ran to count it).
+    pub fn count_miss(&self) {
+        self.shared.counters.misses.fetch_add(1, Ordering::Relaxed);
+        ::metrics::counter!("kvtier_tier_misses_total", "tier" => TierId::Dram.as_str()).increment(1);
     }
 
     /// The block for the node's own use (made durable for a park, forwarded to a peer, handed

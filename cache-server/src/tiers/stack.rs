@@ -315,6 +315,17 @@ impl TierStack {
         (self.get_from_disk(ns, key).await, false)
     }
 
+    /// A block a request was served from a peer (or Redis) because no local tier held it when the
+    /// request was planned ([`crate::cluster::fetch::PeerFetch`]): a miss of DRAM and of the
+    /// disk, as a read of them would have counted (the fetch, not the request, cached it in DRAM
+    /// meanwhile: that is no hit).
+    pub fn count_local_miss(&self) {
+        self.dram.count_miss();
+        if let Some(disk) = &self.disk {
+            disk.count_miss();
+        }
+    }
+
     /// A DRAM block a [`TierStack::get_to_check`] caller found corrupt: counted, logged and
     /// removed (the next load of it is a miss), as `get` does with one it checks itself.
     pub fn drop_corrupt(&self, ns: &NamespaceId, key: &BlockKey) {
