@@ -335,6 +335,79 @@ async fn an_expired_session_says_expired_through_a_node_without_a_copy() {
     assert!(c2.resume(&ns2, "kept").await.unwrap().blocks == blocks);
 }
 
+/// A node too small for a session is passed over for the next owner, and not sent the
+/// session's blocks again and again: parks through n1 keep their two copies (n1 and n3) although
+/// n2, a 16 MiB node, may come first in placement; with n3 killed, re-replication finds no room on
+/// n2 and leaves it alone (nothing sent, n2 not taken for down), and when n3 is back the copies are
+/// made there. Before, n2 was sent every block on each park and every 5 s of re-replication (its
+/// DRAM churned), and the refusal ("lost N blocks before the manifest") marked it down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_too_small_for_a_session_is_passed_over_not_churned() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let start = |id: &str, dram: &str| {
+        let cfg = config(&redis, dir.path(), id, 2, "");
+        ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", dram])
+    };
+    let n1 = start("n1", "96MiB");
+    let n2 = start("n2", "16MiB");
+    let mut n3 = start("n3", "96MiB");
+    until_members([&n1, &n2, &n3], 3);
+    let (c1, c2, c3) = (n1.client().await, n2.client().await, n3.client().await);
+    let ns = handle(&c1).await;
+    let bytes_into = |c: &KvClient| {
+        let c = c.clone();
+        async move {
+            let s = c.stats().await.unwrap();
+            s.tiers.iter().find(|t| t.tier == "dram").unwrap().bytes_in
+        }
+    };
+    // Sessions of 20 MiB (640 blocks of 32 KiB): more than n2 can hold.
+    let mut parked = Vec::new();
+    for i in 0..3u32 {
+        let toks = tokens(3000 + i, 640 * 16);
+        let blocks = session_payloads(&ns, &toks);
+        let id = format!("big-{i}");
+        c1.park(&ns, &id, &toks, &blocks, &ParkOptions::default(), 0).await.unwrap();
+        parked.push((id, toks, blocks));
+    }
+    assert_eq!(copies(&[&c3]).await.len(), 3, "n3 holds the copies");
+    // n3 killed: n1's re-replication finds only n2, which has no room; n2 is sent nothing (what
+    // it took before are the blocks' own copies, forwarded by the parks' stores).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = bytes_into(&c2).await;
+    let _ = n3.child.kill();
+    let _ = n3.child.wait();
+    until_members([&n1, &n2], 2);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while metric(&n1.scrape(), "kvtier_session_copies_refused_total", &[]) < 3.0 {
+        assert!(Instant::now() < deadline, "n1 never asked n2 for the copies n3 held");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(6)).await; // past a retry of re-replication
+    assert_eq!(bytes_into(&c2).await - before, 0, "n2 was sent blocks of sessions it can't hold");
+    assert_eq!(metric(&n1.scrape(), "kvtier_session_copies_refused_total", &[]), 3.0, "asked n2 again");
+    // n2 still serves, and is not taken for down: a small park through n1 gets its copy there
+    // when n2 is its owner, or on n1 alone otherwise; either way it resumes through n2.
+    let (toks, blocks) = session(&ns, 77);
+    let _ = c1.park(&ns, "small", &toks, &blocks, &ParkOptions::default(), 0).await;
+    let ns2 = handle(&c2).await;
+    assert!(c2.resume(&ns2, "small").await.unwrap().blocks == blocks);
+    // n3 back (empty): the copies are made there again.
+    n3 = start("n3", "96MiB");
+    let c3 = n3.client().await;
+    until_members([&n1, &n2, &n3], 3);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while copies(&[&c3]).await.len() < 3 {
+        assert!(Instant::now() < deadline, "the copies were not made again on n3: {:?}", copies(&[&c3]).await);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let ns3 = handle(&c3).await;
+    for (id, _, blocks) in &parked {
+        assert!(c3.resume(&ns3, id).await.unwrap().blocks == *blocks, "{id} on n3");
+    }
+}
+
 /// A namespace's own `replicas` overrides the cluster's `cluster_rf`: in an rf = 1 cluster, a
 /// namespace registered with 2 has its sessions on two nodes and they survive n1's SIGKILL,
 /// while the default namespace's session (one copy, on n1) is a miss afterwards.

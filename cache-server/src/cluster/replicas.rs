@@ -27,7 +27,7 @@ use futures::StreamExt;
 use kvtier_proto::{pb, BlockKey, Namespace, NamespaceId};
 use tokio::sync::watch;
 
-use super::member::Member;
+use super::member::{Member, NodeId};
 use super::peer::{PeerTier, ReplicaPut};
 use super::placement::{Placement, MAX_RF};
 use crate::dram::{Priority, StoredBlock};
@@ -49,6 +49,12 @@ const REPAIR_BATCH: usize = 4096;
 const REPAIR_CONCURRENCY: usize = 4;
 /// How soon a re-replication pass that left copies missing runs again.
 const REPAIR_RETRY: Duration = Duration::from_secs(5);
+/// How long re-replication leaves a member alone after it had no room for a session's copy (the
+/// first time; doubled on each refusal after, up to [`ROOM_BACKOFF_MAX`]), so a node too small
+/// for a session isn't sent its blocks on every pass, churning its DRAM. Forgotten when the
+/// membership changes.
+const ROOM_BACKOFF: Duration = Duration::from_secs(60);
+const ROOM_BACKOFF_MAX: Duration = Duration::from_secs(15 * 60);
 
 /// The placement key of a session: a domain-separated hash of its id.
 pub fn session_key(id: &str) -> BlockKey {
@@ -145,6 +151,13 @@ async fn copy_to(
     m: &SessionManifest,
 ) -> Result<(), ServerError> {
     let bad = |reason: String| ServerError::Peer { peer: member.id.to_string(), reason };
+    // Larger than all it can hold (DRAM and disk together): nothing is sent.
+    if m.bytes > member.capacity {
+        return Err(ServerError::Capacity(format!(
+            "node {} holds at most {} bytes, and session {:?} is {} bytes",
+            member.id, member.capacity, m.id, m.bytes
+        )));
+    }
     let mut keys = m.keys.clone();
     keys.extend(m.tail);
     // Twice at most: blocks it had may be evicted between the check and the manifest.
@@ -159,8 +172,18 @@ async fn copy_to(
             ReplicaPut::Held(v) if v >= m.version => return Ok(()),
             ReplicaPut::Held(v) => return Err(bad(format!("kept version {v}, not {}", m.version))),
             ReplicaPut::Missing { .. } if attempt == 0 => continue,
+            // It answered, twice, having lost blocks it was just sent: no room for the session
+            // there (its DRAM smaller than the session, or full of pins, and no disk tier to
+            // take the rest), not a node that is down.
             ReplicaPut::Missing { blocks, tail } => {
-                return Err(bad(format!("lost {} blocks (tail: {tail}) before the manifest", blocks.len())))
+                let tail = if tail { " and its tail" } else { "" };
+                return Err(ServerError::Capacity(format!(
+                    "node {} has no room for session {:?}: it evicted {} of its blocks{tail} before the manifest \
+                     could pin them, twice",
+                    member.id,
+                    m.id,
+                    blocks.len()
+                )));
             }
             ReplicaPut::Dropped => return Err(dropped_there(member, &m.id)),
             ReplicaPut::Conflict(version) => {
@@ -454,10 +477,17 @@ pub async fn repair_loop(state: Arc<NodeState>, mut stop: watch::Receiver<bool>)
     let mut members = peers.members();
     let mut incomplete = false;
     let mut last_pass = Instant::now();
+    let backoff = RoomBackoff::default();
     loop {
         tokio::select! {
             _ = crate::stopped(&mut stop) => return,
-            changed = members.changed() => if changed.is_err() { return },
+            changed = members.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+                // A member joined, left or came back (perhaps larger): asked again.
+                backoff.clear();
+            },
             // A park short of copies: a pass, at most one per `REPAIR_RETRY` (parks refused
             // copies on and on by a peer, a tenant's quota there, don't each set off a pass).
             _ = peers.repair_wanted() => tokio::select! {
@@ -469,23 +499,55 @@ pub async fn repair_loop(state: Arc<NodeState>, mut stop: watch::Receiver<bool>)
         // Let a burst of changes (a node leaving and coming back) settle into one pass.
         tokio::time::sleep(Duration::from_millis(200)).await;
         members.borrow_and_update();
-        incomplete = !repair_pass(&state, &peers).await;
+        incomplete = !repair_pass(&state, &peers, &backoff).await;
         last_pass = Instant::now();
     }
 }
 
+/// Members that had no room for a session's copy, left alone for a while ([`ROOM_BACKOFF`]).
+#[derive(Default)]
+struct RoomBackoff(parking_lot::Mutex<std::collections::HashMap<(NamespaceId, String, NodeId), (Instant, u32)>>);
+
+impl RoomBackoff {
+    /// Most (session, member) pairs remembered; past it the oldest go first.
+    const MAX: usize = 65536;
+
+    fn waiting(&self, m: &SessionManifest, member: &NodeId, now: Instant) -> bool {
+        let key = (m.namespace, m.id.clone(), member.clone());
+        self.0.lock().get(&key).is_some_and(|(until, _)| now < *until)
+    }
+
+    fn refused(&self, m: &SessionManifest, member: &NodeId, now: Instant) {
+        let mut map = self.0.lock();
+        if map.len() >= Self::MAX {
+            map.retain(|_, (until, _)| now < *until);
+        }
+        let e = map.entry((m.namespace, m.id.clone(), member.clone())).or_insert((now, 0));
+        let wait = ROOM_BACKOFF.saturating_mul(1 << e.1.min(8)).min(ROOM_BACKOFF_MAX);
+        *e = (now + wait, e.1.saturating_add(1));
+    }
+
+    fn clear(&self) {
+        self.0.lock().clear();
+    }
+}
+
 /// One pass over (up to [`REPAIR_BATCH`]) sessions held here; true if every copy is in place.
-pub async fn repair_pass(state: &Arc<NodeState>, peers: &Arc<PeerTier>) -> bool {
+async fn repair_pass(state: &Arc<NodeState>, peers: &Arc<PeerTier>, backoff: &RoomBackoff) -> bool {
     let sessions: Vec<SessionManifest> = state.sessions().list(None).into_iter().take(REPAIR_BATCH).collect();
     let results: Vec<bool> = futures::stream::iter(sessions)
-        .map(|m| repair_one(state, peers, m))
+        .map(|m| repair_one(state, peers, m, backoff))
         .buffer_unordered(REPAIR_CONCURRENCY)
         .collect()
         .await;
     results.into_iter().all(|ok| ok)
 }
 
-async fn repair_one(state: &Arc<NodeState>, peers: &Arc<PeerTier>, m: SessionManifest) -> bool {
+/// Checks one session held here against its owners, in placement order, until `rf - 1` others
+/// (`rf` when this node is not an owner) hold it: copies the ones that lack it, adopts a newer
+/// copy found. An owner with no room for it is passed over for the next (and left alone for a
+/// while); true if enough copies are in place.
+async fn repair_one(state: &Arc<NodeState>, peers: &Arc<PeerTier>, m: SessionManifest, backoff: &RoomBackoff) -> bool {
     let Ok(ns) = state.namespace(&m.namespace) else { return true };
     let rf = peers.rf_for(&ns);
     if rf < 2 {
@@ -505,14 +567,21 @@ async fn repair_one(state: &Arc<NodeState>, peers: &Arc<PeerTier>, m: SessionMan
         .into_iter()
         .filter(|&i| p.members()[i].id != *peers.local() && peers.is_down(&p.members()[i].id, now))
         .count();
-    let mut ok = all.len() >= want || skipped == 0;
-    for &i in all.iter().take(want) {
+    let mut held = 0;
+    let mut short = false;
+    for &i in &all {
+        if held >= want {
+            break;
+        }
         let member = &p.members()[i];
+        if backoff.waiting(&m, &member.id, now) {
+            continue;
+        }
         let theirs = match peers.bounded(member, peers.transport().session_get(member, &ns, &m.id)).await {
             Ok(t) => t,
             Err(e) => {
                 peers.failed(member, "session", &e);
-                ok = false;
+                short = true;
                 continue;
             }
         };
@@ -540,31 +609,49 @@ async fn repair_one(state: &Arc<NodeState>, peers: &Arc<PeerTier>, m: SessionMan
                         "another context at the same version there (two writes at once); the next write settles it"
                     );
                 }
+                held += 1;
             }
             Some(t) if t.version > m.version => {
                 if let Err(e) = adopt(state, peers, member, &ns, t).await {
                     tracing::warn!(session = %m.id, peer = %member.id, "could not adopt a newer copy: {e}");
-                    ok = false;
+                    return false;
                 }
-                return ok;
+                return !short;
             }
             _ => match copy_to(state, peers, member, &ns, &m).await {
-                Ok(()) => ::metrics::counter!("kvtier_session_recopied_total").increment(1),
+                Ok(()) => {
+                    ::metrics::counter!("kvtier_session_recopied_total").increment(1);
+                    held += 1;
+                }
                 // The owner refused it as a dropped copy: this node meets the drop through the
                 // owners' answers (above) on the next pass; nothing is dropped on a guess here.
                 Err(ServerError::SessionNotFound(e)) => {
                     tracing::debug!(session = %m.id, "an owner refused this copy as dropped: {e}");
-                    ok = false;
+                    short = true;
+                }
+                // No room there (or a tenant's quota): the next owner is asked instead, and this
+                // one left alone for a while rather than sent the blocks again on every pass.
+                Err(e @ (ServerError::Capacity(_) | ServerError::QuotaExceeded(_))) => {
+                    peers.failed(member, "session", &e);
+                    ::metrics::counter!("kvtier_session_copies_refused_total").increment(1);
+                    tracing::warn!(
+                        session = %m.id, peer = %member.id,
+                        "session copy refused there, asking the next owner (and not this one for a while): {e}"
+                    );
+                    backoff.refused(&m, &member.id, Instant::now());
                 }
                 Err(e) => {
                     peers.failed(member, "session", &e);
                     tracing::warn!(session = %m.id, peer = %member.id, "session copy not re-made: {e}");
-                    ok = false;
+                    short = true;
                 }
             },
         }
     }
-    ok
+    // Short of copies for a reason a later pass may not meet (a peer's failure, members skipped
+    // as down): asked again. Short only because the members left have no room: a membership
+    // change asks again.
+    held >= want || (!short && skipped == 0)
 }
 
 /// A session as a `SessionReplica` call carries it, and its TTL in ms.
