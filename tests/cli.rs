@@ -571,6 +571,9 @@ fn connection_errors_hint_at_tls_and_the_port_in_the_cli_s_flags() {
         let (ok, out, err) = cli(&args);
         assert!(ok, "{out} {err}");
     }
+    // A validity past what a certificate can hold is refused with the range (it panicked).
+    let (ok, _, err) = cli(&["cert", "client", "--dir", d, "--name", "c1", "--days", "99999999"]);
+    assert!(!ok && err.contains("1..=36500") && !err.contains("panicked"), "{err}");
     let cfg = dir.path().join("mtls.toml");
     std::fs::write(&cfg, format!("[tls]\ncert = \"{d}/n1.pem\"\nkey = \"{d}/n1.key\"\nclient_ca = \"{d}/ca.pem\"\n"))
         .unwrap();

@@ -516,9 +516,20 @@ impl SessionStore {
         let mut table = self.table.lock();
         let (mut ok, mut lost) = (0u64, 0u64);
         for (s, per_token) in sessions {
+            // A record whose size overflows is a damaged one: the session is lost, as one whose
+            // blocks are gone.
+            let Some(bytes) = s.token_count.checked_mul(per_token) else {
+                lost += 1;
+                table.mark_lost(s.namespace, &s.id);
+                tracing::error!(session = %s.id, tokens = s.token_count, "parked session's record is damaged (its size overflows)");
+                if let Some(log) = &self.log {
+                    let _ = log.delete(log.next_seq(), s.namespace, &s.id);
+                }
+                continue;
+            };
             let m = SessionManifest {
                 namespace: s.namespace,
-                bytes: s.token_count * per_token,
+                bytes,
                 keys: s.keys,
                 tail: s.tail,
                 token_count: s.token_count,
@@ -745,9 +756,15 @@ mod tests {
         };
         let per_token = layout().bytes_per_token();
         let gone = vec![BlockKey([0xAB; 32])];
-        let restored =
-            store.restore(&tier, vec![(logged("ok", kept.clone()), per_token), (logged("lost", gone), per_token)]);
-        assert_eq!(restored, (1, 1));
+        // A record whose size overflows (damaged, its checksum right) is lost too, never a panic.
+        let mut huge = logged("huge", kept.clone());
+        huge.token_count = u64::MAX / 2;
+        let restored = store.restore(
+            &tier,
+            vec![(logged("ok", kept.clone()), per_token), (logged("lost", gone), per_token), (huge, per_token)],
+        );
+        assert_eq!(restored, (1, 2));
+        assert!(matches!(store.resume(&tier, ns, "huge"), Err(ServerError::SessionLost(_))));
         let err = store.resume(&tier, ns, "lost").unwrap_err();
         assert!(matches!(err, ServerError::SessionLost(_)), "{err}");
         assert_eq!(err.code(), kvtier_proto::codes::SESSION_NOT_FOUND);

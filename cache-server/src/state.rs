@@ -628,7 +628,7 @@ impl NodeState {
         if limit_of(&ns.tenant).is_some() {
             return Ok(());
         }
-        let reserved: u64 = self.tenants.all().filter_map(|t| t.quotas.max_namespaces).sum();
+        let reserved = self.tenants.all().filter_map(|t| t.quotas.max_namespaces).fold(0u64, u64::saturating_add);
         if reserved == 0 || reserved >= MAX_NAMESPACES as u64 {
             return Ok(());
         }

@@ -415,7 +415,8 @@ impl SameNodeStore {
 
     /// The namespaces engines opened through this agent.
     fn namespace_ids(&self) -> Vec<NamespaceId> {
-        self.inner.namespaces.lock().map(|m| m.keys().copied().collect()).unwrap_or_default()
+        let m = self.inner.namespaces.lock().unwrap_or_else(|p| p.into_inner());
+        m.keys().copied().collect()
     }
 
     fn client(&self) -> &KvClient {
@@ -1029,6 +1030,7 @@ async fn serve_demands<D: Device>(
         };
         let keys: Vec<BlockKey> = demand.keys.iter().filter_map(|k| BlockKey::try_from(&k[..]).ok()).collect();
         let (a, st) = (agent.clone(), store.clone());
+        let batch = keys.clone();
         // One batch at a time: the stream's queue on the server bounds what waits.
         let unspilled = tokio::task::spawn_blocking(move || {
             let mut unspilled = Vec::new();
@@ -1056,7 +1058,13 @@ async fn serve_demands<D: Device>(
             unspilled
         })
         .await
-        .unwrap_or_default();
+        .unwrap_or_else(|e| {
+            // The batch's task failed (a panic in a copy or a spill): none of it is known to be
+            // spilled, so every key is reported, and its readers miss now rather than wait.
+            metrics::counter!("kvtier_agent_demand_errors_total").increment(1);
+            tracing::error!("serving a batch of demanded blocks failed: {e}");
+            batch
+        });
         // The reads waiting on what could not be spilled miss now, not at the end of their wait.
         if let Err(e) = report_keys(&client, &ns, &agent_id, &unspilled, Reported::Unspilled).await {
             server_failed(&REPORTS, "telling the server which demanded blocks could not be spilled", &e);

@@ -21,7 +21,8 @@ pub enum CertCmd {
     Ca {
         #[arg(long)]
         dir: PathBuf,
-        #[arg(long, default_value_t = 3650)]
+        /// Days of validity: 1 to 36500.
+        #[arg(long, default_value_t = 3650, value_parser = clap::value_parser!(u32).range(1..=36500))]
         days: u32,
     },
     /// A node certificate signed by DIR's CA: DIR/NAME.pem and DIR/NAME.key, valid for every
@@ -33,7 +34,8 @@ pub enum CertCmd {
         name: String,
         #[arg(long = "host", required = true)]
         hosts: Vec<String>,
-        #[arg(long, default_value_t = 825)]
+        /// Days of validity: 1 to 36500.
+        #[arg(long, default_value_t = 825, value_parser = clap::value_parser!(u32).range(1..=36500))]
         days: u32,
     },
     /// A client certificate signed by DIR's CA naming NAME (a DNS-style name, or a URI such as
@@ -43,7 +45,8 @@ pub enum CertCmd {
         dir: PathBuf,
         #[arg(long)]
         name: String,
-        #[arg(long, default_value_t = 825)]
+        /// Days of validity: 1 to 36500.
+        #[arg(long, default_value_t = 825, value_parser = clap::value_parser!(u32).range(1..=36500))]
         days: u32,
     },
 }

@@ -446,7 +446,7 @@ impl AutoNear {
     }
 
     fn stats(&self) -> SameNodeStats {
-        self.counters.lock().map(|c| c.stats.clone()).unwrap_or_default()
+        self.counters.lock().unwrap_or_else(|p| p.into_inner()).stats.clone()
     }
 
     /// A same-node error's fate: `Ok(reason)` to redo the call over TCP, or the error to return

@@ -294,9 +294,11 @@ impl BlockFrame {
     /// Parses and verifies a whole frame without copying the payload.
     pub fn decode(mut b: Bytes) -> Result<Self, ProtoError> {
         let header = FrameHeader::decode(&b)?;
-        let need = FRAME_HEADER_LEN as u64 + header.payload_len;
+        let Some(need) = header.payload_len.checked_add(FRAME_HEADER_LEN as u64) else {
+            return Err(ProtoError::Malformed(format!("a payload length of {} bytes", header.payload_len)));
+        };
         if (b.len() as u64) < need {
-            return Err(ProtoError::Truncated { need: need as usize, have: b.len() });
+            return Err(ProtoError::Truncated { need: usize::try_from(need).unwrap_or(usize::MAX), have: b.len() });
         }
         if (b.len() as u64) > need {
             return Err(ProtoError::Malformed(format!("{} bytes after the payload", b.len() as u64 - need)));
@@ -377,6 +379,16 @@ mod tests {
         assert!(matches!(BlockFrame::decode(Bytes::from(b)), Err(ProtoError::PayloadChecksum { .. })));
         assert!(matches!(BlockFrame::decode(wire.slice(..wire.len() - 1)), Err(ProtoError::Truncated { .. })));
         assert!(matches!(BlockFrame::decode(wire.slice(..60)), Err(ProtoError::Truncated { .. })));
+    }
+
+    /// A header (its checksum right) claiming a payload near `u64::MAX`: refused, never an
+    /// overflow (a frame read back from a shared Redis tier is whatever someone wrote there).
+    #[test]
+    fn a_payload_length_past_u64_is_refused() {
+        let mut h = frame(4, 128).header;
+        h.payload_len = u64::MAX - 10;
+        let wire = Bytes::from(h.encode().to_vec());
+        assert!(matches!(BlockFrame::decode(wire), Err(ProtoError::Malformed(_))));
     }
 
     #[test]

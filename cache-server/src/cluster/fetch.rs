@@ -35,8 +35,15 @@ impl Drop for ChunkTask {
 impl Future for ChunkTask {
     type Output = Chunk;
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Chunk> {
-        // A chunk that panicked or was aborted is a chunk of misses.
-        Pin::new(&mut self.0).poll(cx).map(Result::unwrap_or_default)
+        // A chunk that panicked or was aborted is a chunk of misses (a panic counted).
+        Pin::new(&mut self.0).poll(cx).map(|r| {
+            r.unwrap_or_else(|e| {
+                if e.is_panic() {
+                    ::metrics::counter!("kvtier_errors_total", "kind" => "peer_fetch_panic").increment(1);
+                }
+                Chunk::default()
+            })
+        })
     }
 }
 
