@@ -506,7 +506,10 @@ pub async fn repair_loop(state: Arc<NodeState>, mut stop: watch::Receiver<bool>)
 
 /// Members that had no room for a session's copy, left alone for a while ([`ROOM_BACKOFF`]).
 #[derive(Default)]
-struct RoomBackoff(parking_lot::Mutex<std::collections::HashMap<(NamespaceId, String, NodeId), (Instant, u32)>>);
+struct RoomBackoff(parking_lot::Mutex<std::collections::HashMap<SessionAt, (Instant, u32)>>);
+
+/// A session's copy on one member: namespace, session id, member.
+type SessionAt = (NamespaceId, String, NodeId);
 
 impl RoomBackoff {
     /// Most (session, member) pairs remembered; past it the oldest go first.
