@@ -656,3 +656,23 @@ async fn every_grpc_call_is_counted_and_failures_by_their_code() {
     assert_eq!(failed("purge", "not_found"), 0.0, "{m}");
     assert!(metric(&m, "kvtier_request_seconds_count", &[("op", "stats")]) == 1.0, "{m}");
 }
+
+/// `--timeout` bounds a command against a node that accepts connections but does not answer (a
+/// stopped process: the kernel still completes the handshake), and the error says what may be
+/// wrong. Before, the CLI had no such flag and waited its 30 s request timeout.
+#[test]
+fn a_command_against_a_stopped_node_gives_up_after_its_timeout() {
+    let server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
+    let addr = server.grpc_addr();
+    stop_process(server.child.id());
+    let t = std::time::Instant::now();
+    let (ok, _, err) = cli(&["stats", "--server", &addr, "--timeout", "1s"]);
+    let took = t.elapsed();
+    continue_process(server.child.id());
+    assert!(!ok && err.contains("stopped or overloaded"), "{err}");
+    assert!(took < std::time::Duration::from_secs(5), "gave up after {took:?}");
+    let (ok, _, err) = cli(&["stats", "--server", &addr, "--timeout", "0s"]);
+    assert!(!ok && err.contains("--timeout must be positive"), "{err}");
+    let (ok, out, err) = cli(&["stats", "--server", &addr, "--timeout", "5s"]);
+    assert!(ok && out.contains("uptime"), "{out} {err}");
+}

@@ -157,6 +157,10 @@ struct NodeArgs {
     tls_cert: Option<PathBuf>,
     #[arg(long, env = "KVTIER_TLS_KEY", requires = "tls_cert")]
     tls_key: Option<PathBuf>,
+    /// How long each call to the node may take (connecting included), e.g. 5s or 2m: a node
+    /// that accepts connections but does not answer (stopped, overloaded) fails after this.
+    #[arg(long, env = "KVTIER_TIMEOUT", default_value = "30s")]
+    timeout: DurationStr,
 }
 
 /// A node, and a namespace on it.
@@ -178,7 +182,17 @@ impl NodeArgs {
             None if self.tls_cert.is_some() => bail!("--tls-cert needs --tls-ca"),
             None => None,
         };
-        Ok(ClientConfig { auth_token: self.auth_token.clone(), tls, ..Default::default() })
+        let timeout = self.timeout.0;
+        if timeout.is_zero() {
+            bail!("--timeout must be positive");
+        }
+        Ok(ClientConfig {
+            auth_token: self.auth_token.clone(),
+            tls,
+            request_timeout: timeout,
+            connect_timeout: timeout.min(ClientConfig::default().connect_timeout),
+            ..Default::default()
+        })
     }
 }
 

@@ -1310,8 +1310,8 @@ fn first_call_error(addr: &str, s: tonic::Status, cfg: &ClientConfig) -> ClientE
         // Connected, then nothing: the node's listener is full (its connections wait in the
         // kernel's backlog) as often as it is the wrong port.
         _ if timed_out => {
-            "the connection opened but nothing answered in time: the node may be at its max_connections \
-                 (busy, or held by other clients), or this is not its gRPC port"
+            "the connection opened but nothing answered in time: the node may be stopped or overloaded, at \
+                 its max_connections (busy, or held by other clients), or this is not its gRPC port"
         }
         None => {
             "the node's answer was not HTTP/2 gRPC: is this its gRPC port (not its data-plane or metrics \
