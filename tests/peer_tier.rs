@@ -93,6 +93,11 @@ async fn a_block_stored_via_one_node_loads_via_another_with_one_request_per_peer
     let keys = ns_a.keys(&toks);
     let owner: Vec<&str> = keys.iter().map(|k| *owners(&p, &ns_a.id, k, 1).iter().next().unwrap()).collect();
     until_forwarded(&nodes[0], owner.iter().filter(|o| **o != "n1").count());
+    // The forward queue, and DRAM's open leases, are gauges: drained to 0 once forwarded.
+    let m = nodes[0].scrape();
+    assert!(m.contains("kvtier_peer_forward_queue_bytes ") && m.contains("kvtier_dram_leases "), "{m}");
+    assert_eq!(metric(&m, "kvtier_peer_forward_queue_bytes", &[]), 0.0, "{m}");
+    assert_eq!(metric(&m, "kvtier_dram_leased_bytes", &[]), 0.0, "{m}");
 
     // Through n3: its own blocks were forwarded to it; the others come from n1 and n2.
     let ns_c = c.register(spec).await.unwrap();

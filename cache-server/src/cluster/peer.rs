@@ -764,6 +764,13 @@ impl PeerTier {
         if self.forward_tx.try_send(ForwardJob { ns, blocks, queued: stored_at, _bytes: permit }).is_err() {
             dropped();
         }
+        self.publish_forward_queue();
+    }
+
+    /// `kvtier_peer_forward_queue_bytes`: payload bytes of stores waiting to be forwarded.
+    fn publish_forward_queue(&self) {
+        let queued = FORWARD_BYTES.saturating_sub(self.forward_bytes.available_permits());
+        ::metrics::gauge!("kvtier_peer_forward_queue_bytes").set(queued as f64);
     }
 
     /// Asks the re-replication loop for a pass (a session is short of copies).
@@ -981,6 +988,7 @@ async fn forward_loop(
         };
         let (Some(job), Some(tier)) = (job, tier.upgrade()) else { return };
         tier.forward_now(job).await;
+        tier.publish_forward_queue();
     }
 }
 

@@ -436,6 +436,8 @@ impl Shared {
             .set(st.slab.allocated() as f64);
         ::metrics::gauge!("kvtier_tier_pinned_bytes", "tier" => TierId::Dram.as_str()).set(st.pinned as f64);
         ::metrics::gauge!("kvtier_tier_blocks", "tier" => TierId::Dram.as_str()).set(st.blocks as f64);
+        ::metrics::gauge!("kvtier_dram_leases").set(st.leases.len() as f64);
+        ::metrics::gauge!("kvtier_dram_leased_bytes").set(st.leased as f64);
     }
 
     /// Ends an outstanding lease (commit or drop); false if it was revoked.
