@@ -676,3 +676,25 @@ fn a_command_against_a_stopped_node_gives_up_after_its_timeout() {
     let (ok, out, err) = cli(&["stats", "--server", &addr, "--timeout", "5s"]);
     assert!(ok && out.contains("uptime"), "{out} {err}");
 }
+
+/// `session ls --all` lists the sessions of every namespace, each with its namespace's id; the
+/// namespace flags alone list one namespace's.
+#[test]
+fn session_ls_all_lists_every_namespace_s_sessions() {
+    let server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
+    let addr = server.grpc_addr();
+    let text = "an agent's context, parked between turns in one of two models' namespaces";
+    for (model, id) in [("model-a", "agent-a"), ("model-b", "agent-b")] {
+        let (ok, out, err) = cli(&["session", "park", "--server", &addr, "--model", model, "--id", id, "--text", text]);
+        assert!(ok, "{out} {err}");
+    }
+    let (ok, out, err) = cli(&["session", "ls", "--server", &addr, "--model", "model-a"]);
+    assert!(ok && out.contains("1 session(s)") && out.contains("agent-a") && !out.contains("agent-b"), "{out} {err}");
+    let (ok, out, err) = cli(&["session", "ls", "--server", &addr, "--all"]);
+    assert!(ok && out.contains("2 session(s)"), "{out} {err}");
+    let lines: Vec<&str> = out.lines().filter(|l| l.contains("agent-")).collect();
+    assert_eq!(lines.len(), 2, "{out}");
+    let ns_of = |l: &str| l.split_whitespace().nth(1).map(str::to_string);
+    assert!(lines.iter().all(|l| l.trim_start().starts_with("ns ")), "{out}");
+    assert_ne!(ns_of(lines[0]), ns_of(lines[1]), "each with its own namespace: {out}");
+}

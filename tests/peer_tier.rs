@@ -125,6 +125,11 @@ async fn a_block_stored_via_one_node_loads_via_another_with_one_request_per_peer
     assert!(again == payloads);
     assert_eq!(peer_stats(&c).await.requests, after.requests, "served from n3's DRAM");
     assert_eq!(dram_stats(&c).await.hits - dram_after.hits, keys.len() as u64, "every block a DRAM hit");
+    // The CLI's stats: the peer line says what was asked of the others, not tier sizes.
+    let (ok, out, err) = cli(&["stats", "--server", &nodes[2].grpc_addr()]);
+    let peer = out.lines().find(|l| l.starts_with("peer:")).unwrap_or_default();
+    let want = format!("peer: {} requests, 0 errors; hits {remote_blocks} ", after.requests);
+    assert!(ok && peer.starts_with(&want) && !peer.contains("resident"), "{out} {err}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

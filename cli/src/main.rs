@@ -286,8 +286,14 @@ enum SessionCmd {
         #[arg(long)]
         out: Option<PathBuf>,
     },
-    /// List live sessions of the namespace.
-    Ls(ConnArgs),
+    /// List live sessions of the namespace (with --all: of every namespace the credential may read).
+    Ls {
+        #[command(flatten)]
+        conn: ConnArgs,
+        /// Every namespace's sessions (the namespace flags are ignored), each with its namespace id.
+        #[arg(long)]
+        all: bool,
+    },
     /// Drop a session and unpin its blocks.
     Drop {
         #[command(flatten)]
@@ -874,21 +880,30 @@ async fn session(s: SessionCmd) -> anyhow::Result<()> {
                 outln!("wrote {}", p.display())?;
             }
         }
-        SessionCmd::Ls(conn) => {
-            let (client, ns) = connect_existing(&conn).await?;
-            let list = match client.list_sessions(Some(&ns)).await {
-                Err(ClientError::UnknownNamespace(_)) => {
-                    outln!("note: {NO_SUCH_NAMESPACE}")?;
-                    Vec::new()
+        SessionCmd::Ls { conn, all } => {
+            let list = if all {
+                connect_client(&conn.node).await?.list_sessions(None).await?
+            } else {
+                let (client, ns) = connect_existing(&conn).await?;
+                match client.list_sessions(Some(&ns)).await {
+                    Err(ClientError::UnknownNamespace(_)) => {
+                        outln!("note: {NO_SUCH_NAMESPACE}")?;
+                        Vec::new()
+                    }
+                    other => other?,
                 }
-                other => other?,
             };
             outln!("{} session(s)", list.len())?;
             for s in list {
                 // Full blocks, and the partial tail as `session resume` counts it (in its blocks).
                 let blocks = format!("{}{}", s.blocks, if s.has_tail { " + tail" } else { "" });
+                // With --all, the namespace each belongs to (its id: the first 8 bytes, in hex).
+                let ns = match all {
+                    true => format!("ns {} ", hex_prefix(&s.namespace.0[..8])),
+                    false => String::new(),
+                };
                 outln!(
-                    "  {:<24} v{:<4} {:>8} tokens {:>10} blocks {:>12} bytes  expires in {:?}",
+                    "  {ns}{:<24} v{:<4} {:>8} tokens {:>10} blocks {:>12} bytes  expires in {:?}",
                     s.id,
                     s.version,
                     s.token_count,
@@ -910,6 +925,11 @@ async fn session(s: SessionCmd) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `bytes` as lowercase hex.
+fn hex_prefix(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 async fn stats(c: NodeArgs) -> anyhow::Result<()> {
     let client = connect_client(&c).await?;
     let s = client.stats().await?;
@@ -920,6 +940,18 @@ async fn stats(c: NodeArgs) -> anyhow::Result<()> {
         s.sessions
     )?;
     for t in s.tiers {
+        // The other members hold nothing of this node's: what was asked of them, and how it went.
+        if t.tier == "peer" {
+            outln!(
+                "peer: {} requests, {} errors; hits {} misses {}; received {} bytes",
+                t.requests,
+                t.errors,
+                t.hits,
+                t.misses,
+                t.bytes_in
+            )?;
+            continue;
+        }
         outln!(
             "{}: {} blocks, resident {} / allocated {} / cap {} bytes, pinned {}; hits {} misses {} evictions {}; in {} out {} bytes",
             t.tier, t.blocks, t.resident_bytes, t.allocated_bytes, t.capacity_bytes, t.pinned_bytes, t.hits, t.misses, t.evictions, t.bytes_in, t.bytes_out

@@ -313,6 +313,8 @@ impl StoreReport {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SessionInfo {
     pub id: String,
+    /// The namespace it belongs to (all zeros where the server did not say).
+    pub namespace: NamespaceId,
     pub version: u64,
     pub token_count: u64,
     pub blocks: u32,
@@ -325,6 +327,7 @@ pub struct SessionInfo {
 impl SessionInfo {
     fn from_pb(p: pb::SessionInfo) -> Self {
         SessionInfo {
+            namespace: NamespaceId(p.namespace_id[..].try_into().unwrap_or([0; 16])),
             id: p.session_id,
             version: p.version,
             token_count: p.token_count,
