@@ -717,7 +717,8 @@ async fn a_tenants_disk_quota_holds_against_bursts_and_refused_parks() {
     let server = with_tenants(
         dir.path(),
         &format!(
-            "[[tenants]]\nname = \"bursty\"\ntokens = [\"{TOKEN_A}\"]\ndram_bytes = \"1MiB\"\ndisk_bytes = \"2MiB\"\n\n\
+            "auth_token = \"{OPERATOR}\"\n\
+             [[tenants]]\nname = \"bursty\"\ntokens = [\"{TOKEN_A}\"]\ndram_bytes = \"1MiB\"\ndisk_bytes = \"2MiB\"\n\n\
              [[tenants]]\nname = \"parker\"\ntokens = [\"{TOKEN_B}\"]\nmax_session_bytes = \"1MiB\"\n"
         ),
         "64MiB",
@@ -756,4 +757,26 @@ async fn a_tenants_disk_quota_holds_against_bursts_and_refused_parks() {
     parker.park(&ns, "small", &small, &session_payloads(&ns, &small), &ParkOptions::default(), 0).await.unwrap();
     let disk = parker.stats().await.unwrap().tiers.into_iter().find(|t| t.tier == "disk").unwrap();
     assert_eq!((disk.blocks, disk.pinned_bytes, disk.resident_bytes), (8, 8 * block, 8 * block), "{disk:?}");
+
+    // The operator's Stats break the node down by tenant: each tenant's share is what its own
+    // Stats show; a tenant's Stats list no tenants.
+    let op = client_as(&server, Some(OPERATOR)).await.stats().await.unwrap();
+    let names: Vec<&str> = op.tenants.iter().map(|t| t.tenant.as_str()).collect();
+    assert_eq!(names, ["bursty", "parker"]);
+    for (t, c) in op.tenants.iter().zip([&bursty, &parker]) {
+        let own = c.stats().await.unwrap();
+        assert!(own.tenants.is_empty(), "a tenant sees no other tenant");
+        assert_eq!((t.namespaces, t.sessions), (own.namespaces, own.sessions), "{}", t.tenant);
+        let disk = |tiers: &[kvtier_proto::pb::TierStats]| tiers.iter().find(|x| x.tier == "disk").cloned().unwrap();
+        let (theirs, mine) = (disk(&t.tiers), disk(&own.tiers));
+        assert_eq!(
+            (theirs.blocks, theirs.resident_bytes, theirs.pinned_bytes, theirs.capacity_bytes),
+            (mine.blocks, mine.resident_bytes, mine.pinned_bytes, mine.capacity_bytes),
+            "{}",
+            t.tenant
+        );
+    }
+    assert_eq!(op.tenants[1].sessions, 1);
+    let (ok, out, err) = cli(&["stats", "--server", &server.grpc_addr(), "--auth-token", OPERATOR]);
+    assert!(ok && out.contains("tenant parker: 1 namespace(s), 1 session(s); dram "), "{out} {err}");
 }

@@ -955,36 +955,53 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
             None => self.state.tiers().stats(),
             Some(t) => self.state.tiers().account_stats(t.index),
         };
-        let tiers = stats
-            .into_iter()
-            .map(|(id, s)| pb::TierStats {
-                tier: id.as_str().into(),
-                capacity_bytes: s.capacity_bytes,
-                resident_bytes: s.resident_bytes,
-                allocated_bytes: s.allocated_bytes,
-                pinned_bytes: s.pinned_bytes,
-                blocks: s.blocks,
-                hits: s.hits,
-                misses: s.misses,
-                evictions: s.evictions,
-                bytes_in: s.bytes_in,
-                bytes_out: s.bytes_out,
-                requests: s.requests,
-                errors: s.errors,
-            })
-            .collect();
-        let (sessions, namespaces) = match p.tenant() {
-            None => (self.state.sessions().len() as u64, self.state.namespace_count() as u64),
-            Some(t) => {
-                let own = self.state.namespaces_of(&t.name);
-                (self.state.sessions().count_in(&own).0, own.len() as u64)
+        let tier_pb = |stats: Vec<(TierId, crate::tiers::TierStats)>| -> Vec<pb::TierStats> {
+            stats
+                .into_iter()
+                .map(|(id, s)| pb::TierStats {
+                    tier: id.as_str().into(),
+                    capacity_bytes: s.capacity_bytes,
+                    resident_bytes: s.resident_bytes,
+                    allocated_bytes: s.allocated_bytes,
+                    pinned_bytes: s.pinned_bytes,
+                    blocks: s.blocks,
+                    hits: s.hits,
+                    misses: s.misses,
+                    evictions: s.evictions,
+                    bytes_in: s.bytes_in,
+                    bytes_out: s.bytes_out,
+                    requests: s.requests,
+                    errors: s.errors,
+                })
+                .collect()
+        };
+        // A tenant's namespaces and sessions, as its own Stats counts them.
+        let owned = |t: &crate::tenants::Tenant| {
+            let own = self.state.namespaces_of(&t.name);
+            (self.state.sessions().count_in(&own).0, own.len() as u64)
+        };
+        let ((sessions, namespaces), tenants) = match p.tenant() {
+            None => {
+                let mut tenants: Vec<_> = self.state.tenants().all().collect();
+                tenants.sort_by(|a, b| a.name.cmp(&b.name));
+                let tenants = tenants
+                    .into_iter()
+                    .map(|t| {
+                        let (sessions, namespaces) = owned(t);
+                        let tiers = tier_pb(self.state.tiers().account_stats(t.index));
+                        pb::TenantStats { tenant: t.name.clone(), namespaces, sessions, tiers }
+                    })
+                    .collect();
+                ((self.state.sessions().len() as u64, self.state.namespace_count() as u64), tenants)
             }
+            Some(t) => (owned(t), Vec::new()),
         };
         Ok(Response::new(pb::StatsResponse {
-            tiers,
+            tiers: tier_pb(stats),
             sessions,
             namespaces,
             uptime_ms: self.state.uptime().as_millis() as u64,
+            tenants,
         }))
     }
 

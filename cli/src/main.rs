@@ -957,5 +957,19 @@ async fn stats(c: NodeArgs) -> anyhow::Result<()> {
             t.tier, t.blocks, t.resident_bytes, t.allocated_bytes, t.capacity_bytes, t.pinned_bytes, t.hits, t.misses, t.evictions, t.bytes_in, t.bytes_out
         )?;
     }
+    // The operator's answer: each tenant's share (its quota as the cap where it has one).
+    for t in s.tenants {
+        let tiers: Vec<String> = t
+            .tiers
+            .iter()
+            .map(|x| {
+                format!(
+                    "{} {} blocks, resident {} / cap {} bytes, pinned {}",
+                    x.tier, x.blocks, x.resident_bytes, x.capacity_bytes, x.pinned_bytes
+                )
+            })
+            .collect();
+        outln!("tenant {}: {} namespace(s), {} session(s); {}", t.tenant, t.namespaces, t.sessions, tiers.join("; "))?;
+    }
     Ok(())
 }
