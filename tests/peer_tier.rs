@@ -449,6 +449,89 @@ async fn blocks_an_owner_missed_while_it_was_down_are_handed_to_it_when_it_answe
     assert!(loaded == payloads, "exact bytes");
 }
 
+/// The hints survive a restart of the node that holds them, for the blocks its disk tier keeps:
+/// n1 (a disk tier under 16 MiB of DRAM) stores a document while its owner n3 is stalled, then
+/// more, which pushes the document to disk; n1 is killed and comes back, takes its hints back from
+/// `peer_hints.log`, and hands the document's blocks to n3 once n3 answers: n3 serves them. Before, a restart forgot them (hints lived in memory only), and with one
+/// copy per block the other nodes missed those blocks for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hints_survive_a_restart_of_the_node_that_holds_them() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = |id: &str| {
+        let cfg = dir.path().join(format!("{id}.toml"));
+        let text = format!(
+            "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"60s\"\ncluster_rf = 1\npeer_timeout = \"1s\"\n\
+             disk_capacity = \"112MiB\"\n",
+            redis.url()
+        );
+        std::fs::write(&cfg, text).unwrap();
+        cfg
+    };
+    // Every node 16 MiB of DRAM and 112 MiB of disk: one capacity, so the placement below is theirs.
+    let paths: Vec<_> = IDS.iter().map(|id| cfg(id)).collect();
+    let args: Vec<[&str; 4]> =
+        paths.iter().map(|c| ["--config", c.to_str().unwrap(), "--dram-capacity", "16MiB"]).collect();
+    let nodes: Vec<ServerProcess> = args.iter().map(|a| ServerProcess::start(a)).collect();
+    until_members(&nodes, 3);
+    let a = nodes[0].client().await;
+    let ns = a.register(namespace("acme", b"hints-restart", small_layout())).await.unwrap();
+    let doc = tokens(16, 24 * 16);
+    let payloads = full_block_payloads(&ns, &doc);
+    let p = kvtier_tests::redis::placement(&IDS, 128 << 20);
+    let to_n3 = ns.keys(&doc).iter().filter(|k| owners(&p, &ns.id, k, 1).contains("n3")).count();
+    assert!(to_n3 > 0, "n3 owns some of the blocks");
+
+    let pid3 = nodes[2].child.id();
+    stop_process(pid3);
+    a.store(&ns, &doc, &payloads).await.unwrap().ok().unwrap();
+    // 32 MiB more, in pieces: the document goes down to n1's disk.
+    for i in 0..8u32 {
+        let more = tokens(100 + i, 128 * 16);
+        a.store(&ns, &more, &full_block_payloads(&ns, &more)).await.unwrap();
+    }
+    let n1 = |name: &str| metric(&nodes[0].scrape(), name, &[]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while n1("kvtier_disk_queue_depth") > 0.0 || n1("kvtier_peer_handoff_pending") < to_n3 as f64 {
+        assert!(
+            Instant::now() < deadline,
+            "{} hints, {} queued for disk",
+            n1("kvtier_peer_handoff_pending"),
+            n1("kvtier_disk_queue_depth")
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Saved every 2 s while they change: past that, n1 is killed (no stop to save at) and started
+    // again on its data directory.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let saved = std::fs::metadata(nodes[0].dir.join("peer_hints.log")).map_or(0, |m| m.len());
+    assert!(saved >= (to_n3 * 40) as u64, "peer_hints.log holds {saved} bytes");
+    let mut nodes = nodes;
+    let _ = nodes[0].child.kill();
+    let _ = nodes[0].child.wait();
+    let again = nodes[0].restart_in_place(&args[0]);
+    nodes[0] = again;
+    let n1 = |name: &str| metric(&nodes[0].scrape(), name, &[]);
+    assert!(n1("kvtier_peer_handoff_pending") >= to_n3 as f64, "the hints taken back at start");
+    continue_process(pid3);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while n1("kvtier_peer_handoff_pending") > 0.0 {
+        assert!(Instant::now() < deadline, "{} hints left after the restart", n1("kvtier_peer_handoff_pending"));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(n1("kvtier_peer_handoff_sent_total") >= to_n3 as f64, "the document's blocks handed to n3");
+    // n3 holds its blocks of the document now: served by n3 itself (their only owner), exact.
+    let c3 = nodes[2].client().await;
+    let ns3 = c3.register(namespace("acme", b"hints-restart", small_layout())).await.unwrap();
+    let keys = ns.keys(&doc);
+    let mine: Vec<usize> = (0..keys.len()).filter(|&i| owners(&p, &ns.id, &keys[i], 1).contains("n3")).collect();
+    let got = c3.load_keys(&ns3, &mine.iter().map(|&i| keys[i]).collect::<Vec<_>>()).await.unwrap();
+    for (&i, f) in mine.iter().zip(got) {
+        let f = f.unwrap_or_else(|| panic!("n3 lacks block {i} of the document"));
+        assert!(f.payload == payloads[i], "block {i}: wrong bytes");
+    }
+}
+
 const OPERATOR: &str = "operator-secret-0123456789";
 const TOKEN_T: &str = "tenant-t-secret-0123456789";
 

@@ -8,11 +8,19 @@
 //! purged), its namespace is gone or was deleted since, or the member no longer owns the key
 //! (the membership changed). A refusal the owner answered with (no room, a tenant's quota) is
 //! not a miss: nothing is remembered for it.
+//!
+//! On a node with a disk tier (whose blocks outlive a restart) the hints are kept in
+//! `peer_hints.log` in the data directory ([`HintsLog`]): rewritten whole every
+//! [`SAVE_EVERY`] while they change and when the node stops, read back at start. A node killed
+//! loses at most the hints of its last few seconds.
 
 use std::collections::{HashMap, VecDeque};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use kvtier_proto::record_log::hints::{read_peer_hints_log, PeerHintsRecord, MAX_HINTS_PER_RECORD};
+use kvtier_proto::record_log::{encode_log_header, encode_record, LogKey, LogKind};
 use kvtier_proto::{BlockKey, NamespaceId};
 use tokio::sync::watch;
 
@@ -20,6 +28,7 @@ use super::member::NodeId;
 use super::peer::PeerTier;
 use crate::dram::StoredBlock;
 use crate::error::ServerError;
+use crate::fs::FileSystem;
 use crate::state::NodeState;
 use crate::tiers::Load;
 
@@ -34,6 +43,8 @@ const PASS_EVERY: Duration = Duration::from_secs(1);
 const PASS_KEYS: usize = 4096;
 /// Payload bytes per request to the member.
 const CHUNK_BYTES: usize = 16 << 20;
+/// How often changed hints are written to [`HintsLog`].
+const SAVE_EVERY: Duration = Duration::from_secs(2);
 
 /// One block owed to an owner: its namespace, its key and when it was stored here.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -48,6 +59,8 @@ pub struct Hint {
 pub struct Hints {
     by_member: HashMap<NodeId, VecDeque<Hint>>,
     total: usize,
+    /// Bumped by every change (for [`HintsLog`]: written again when it moved).
+    changes: u64,
 }
 
 impl Hints {
@@ -55,6 +68,7 @@ impl Hints {
     pub fn add(&mut self, member: &NodeId, ns: NamespaceId, keys: &[BlockKey], stored: Instant) -> usize {
         let room = MAX_HINTS - self.total;
         let take = keys.len().min(room);
+        self.changes += 1;
         if take > 0 {
             let q = self.by_member.entry(member.clone()).or_default();
             q.extend(keys[..take].iter().map(|&key| Hint { ns, key, stored }));
@@ -66,6 +80,7 @@ impl Hints {
     /// Up to `n` of `member`'s hints, oldest first.
     pub fn take(&mut self, member: &NodeId, n: usize) -> Vec<Hint> {
         let Some(q) = self.by_member.get_mut(member) else { return Vec::new() };
+        self.changes += 1;
         let out: Vec<Hint> = q.drain(..n.min(q.len())).collect();
         if q.is_empty() {
             self.by_member.remove(member);
@@ -79,6 +94,7 @@ impl Hints {
     pub fn put_back(&mut self, member: &NodeId, hints: Vec<Hint>) -> usize {
         let room = MAX_HINTS - self.total;
         let keep = hints.len().min(room);
+        self.changes += 1;
         let q = self.by_member.entry(member.clone()).or_default();
         for h in hints[..keep].iter().rev() {
             q.push_front(*h);
@@ -93,6 +109,7 @@ impl Hints {
     /// Forgets every hint of namespace `ns` (it was purged or unregistered); how many.
     pub fn forget_namespace(&mut self, ns: &NamespaceId) -> usize {
         let before = self.total;
+        self.changes += 1;
         for q in self.by_member.values_mut() {
             q.retain(|h| h.ns != *ns);
         }
@@ -104,6 +121,7 @@ impl Hints {
     /// Forgets hints stored before `before`; how many.
     pub fn expire(&mut self, before: Instant) -> usize {
         let was = self.total;
+        self.changes += 1;
         for q in self.by_member.values_mut() {
             while q.front().is_some_and(|h| h.stored < before) {
                 q.pop_front();
@@ -125,22 +143,174 @@ impl Hints {
     pub fn is_empty(&self) -> bool {
         self.total == 0
     }
+
+    /// How many changes were made so far.
+    pub fn changes(&self) -> u64 {
+        self.changes
+    }
+
+    /// Every member's hints, oldest first.
+    pub fn snapshot(&self) -> Vec<(NodeId, Vec<Hint>)> {
+        self.by_member.iter().map(|(m, q)| (m.clone(), q.iter().copied().collect())).collect()
+    }
+}
+
+/// The hints of a node with a disk tier, kept in `peer_hints.log` (see the module doc).
+pub struct HintsLog {
+    path: PathBuf,
+    fs: Arc<dyn FileSystem>,
+    /// The file's secret: what its records' tags are keyed with.
+    key: LogKey,
+}
+
+/// A hint read back from [`HintsLog`]: the member, the namespace, the key and when the block
+/// was stored (wall-clock time: it outlived the process).
+pub type SavedHint = (NodeId, NamespaceId, BlockKey, SystemTime);
+
+impl HintsLog {
+    pub const FILE: &'static str = "peer_hints.log";
+
+    /// Opens the log in `dir` and reads back its hints (those younger than [`HINT_FOR`]). A file
+    /// whose header no longer verifies is moved aside (`.damaged`, said in the log), not read.
+    pub fn open(dir: &Path, fs: Arc<dyn FileSystem>) -> Result<(HintsLog, Vec<SavedHint>), ServerError> {
+        let path = dir.join(Self::FILE);
+        let data = fs.read_all(&path)?.unwrap_or_default();
+        let mut saved = Vec::new();
+        let key = match read_peer_hints_log(&data) {
+            Ok((records, skipped)) => {
+                if skipped > 0 {
+                    tracing::warn!("{}: {skipped} damaged record(s) skipped", path.display());
+                }
+                for r in records {
+                    let Ok(member) = NodeId::new(r.member) else { continue };
+                    for (key, stored_ms) in r.hints {
+                        let stored = UNIX_EPOCH + Duration::from_millis(stored_ms);
+                        if stored.elapsed().unwrap_or_default() < HINT_FOR {
+                            saved.push((member.clone(), r.namespace, key, stored));
+                        }
+                    }
+                }
+                match kvtier_proto::record_log::read_log_header(LogKind::PeerHints, &data) {
+                    Ok(kvtier_proto::record_log::LogHeader::Keyed(key)) => key,
+                    _ => crate::session_log::fresh_log_key()?,
+                }
+            }
+            Err(e) => {
+                let aside = dir.join(format!("{}.damaged", Self::FILE));
+                fs.rename(&path, &aside)?;
+                tracing::error!(
+                    "{}: {e}; moved to {} — blocks owed to owners that were down are not handed to them",
+                    path.display(),
+                    aside.display()
+                );
+                crate::session_log::fresh_log_key()?
+            }
+        };
+        Ok((HintsLog { path, fs, key }, saved))
+    }
+
+    /// Writes `hints` (as of `now`, this process's clock and the wall clock) as the whole log.
+    pub fn write(&self, hints: &[(NodeId, Vec<Hint>)], now: (Instant, SystemTime)) -> std::io::Result<()> {
+        let mut data = encode_log_header(LogKind::PeerHints, &self.key);
+        let unix_ms = |stored: Instant| {
+            let wall = now.1.checked_sub(now.0.saturating_duration_since(stored)).unwrap_or(now.1);
+            wall.duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64
+        };
+        for (member, list) in hints {
+            let mut by_ns: HashMap<NamespaceId, Vec<(BlockKey, u64)>> = HashMap::new();
+            for h in list {
+                by_ns.entry(h.ns).or_default().push((h.key, unix_ms(h.stored)));
+            }
+            for (namespace, all) in by_ns {
+                for part in all.chunks(MAX_HINTS_PER_RECORD) {
+                    let r = PeerHintsRecord { member: member.as_str(), namespace, hints: part.to_vec() };
+                    data.extend(encode_record(&self.key, &r.encode()));
+                }
+            }
+        }
+        self.fs.replace(&self.path, &data)
+    }
 }
 
 /// Sends the hints of members that answer again, every [`PASS_EVERY`] while there are any, until
-/// `stop` turns true.
+/// `stop` turns true. On a node with a disk tier, the hints saved before a restart are taken
+/// back first, and the hints are saved as they change and at the stop.
 pub async fn handoff_loop(state: Arc<NodeState>, mut stop: watch::Receiver<bool>) {
     let Some(peers) = state.tiers().peers().cloned() else { return };
+    let log = match state.tiers().disk() {
+        Some(_) => open_log(&state, &peers),
+        None => None,
+    };
+    let mut saved = peers.hints().lock().changes();
+    let mut last_save = Instant::now();
     loop {
-        tokio::select! {
-            _ = crate::stopped(&mut stop) => return,
-            _ = tokio::time::sleep(PASS_EVERY) => {}
+        let stopping = tokio::select! {
+            _ = crate::stopped(&mut stop) => true,
+            _ = tokio::time::sleep(PASS_EVERY) => false,
+        };
+        if !stopping && !peers.hints().lock().is_empty() {
+            handoff_pass(&state, &peers).await;
         }
-        if peers.hints().lock().is_empty() {
-            continue;
+        if let Some(log) = &log {
+            let changes = peers.hints().lock().changes();
+            if changes != saved && (stopping || last_save.elapsed() >= SAVE_EVERY) {
+                save(log, &peers).await;
+                (saved, last_save) = (changes, Instant::now());
+            }
         }
-        handoff_pass(&state, &peers).await;
+        if stopping {
+            return;
+        }
     }
+}
+
+/// Opens the node's [`HintsLog`] and takes its hints back (a log that can't be opened is said,
+/// and the hints are kept in memory only).
+fn open_log(state: &NodeState, peers: &PeerTier) -> Option<Arc<HintsLog>> {
+    let dir = &state.config().data_dir;
+    match HintsLog::open(dir, crate::fs::StdFs::shared()) {
+        Ok((log, saved)) => {
+            if !saved.is_empty() {
+                let (now, wall) = (Instant::now(), SystemTime::now());
+                let mut hints = peers.hints().lock();
+                let mut dropped = 0;
+                for (member, ns, key, stored) in &saved {
+                    let age = wall.duration_since(*stored).unwrap_or_default();
+                    let at = now.checked_sub(age).unwrap_or(now);
+                    dropped += hints.add(member, *ns, std::slice::from_ref(key), at);
+                }
+                drop(hints);
+                if dropped > 0 {
+                    peers.count_forward_dropped(dropped as u64);
+                }
+                ::metrics::gauge!("kvtier_peer_handoff_pending").set(peers.hints().lock().len() as f64);
+                tracing::info!(
+                    blocks = saved.len(),
+                    "blocks owed to owners that were down, from before the restart: handed to them when they answer"
+                );
+            }
+            Some(Arc::new(log))
+        }
+        Err(e) => {
+            tracing::error!("{}: {e}; hints of blocks owed to owners are kept in memory only", HintsLog::FILE);
+            None
+        }
+    }
+}
+
+/// Writes the hints to `log`, off the async workers; a failure is logged and counted
+/// (`kvtier_peer_hints_unsaved_total`), and the next change writes them all again.
+async fn save(log: &Arc<HintsLog>, peers: &Arc<PeerTier>) {
+    let snapshot = peers.hints().lock().snapshot();
+    let log = log.clone();
+    let done = tokio::task::spawn_blocking(move || log.write(&snapshot, (Instant::now(), SystemTime::now()))).await;
+    let err = match done {
+        Ok(Ok(())) => return,
+        Ok(Err(e)) => e.to_string(),
+        Err(e) => e.to_string(),
+    };
+    ::metrics::counter!("kvtier_peer_hints_unsaved_total").increment(1);
+    tracing::error!("{}: cannot write the hints of blocks owed to owners: {err}", HintsLog::FILE);
 }
 
 /// What one pass did.

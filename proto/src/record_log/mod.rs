@@ -1,5 +1,5 @@
 //! The on-disk framing of kvtier's metadata logs (`sessions.log`, `namespaces.log`, appended to;
-//! `owed_deletes.log`, rewritten whole) and their recovery scan, as pure functions over bytes (the server reads and writes the files;
+//! `owed_deletes.log`, `peer_hints.log`, rewritten whole) and their recovery scan, as pure functions over bytes (the server reads and writes the files;
 //! the fuzz targets feed these functions arbitrary bytes).
 //!
 //! A log file starts with a header: two identical copies of (magic, format version, which log,
@@ -17,6 +17,7 @@
 use crate::ProtoError;
 
 pub mod deletes;
+pub mod hints;
 pub mod namespaces;
 pub mod sessions;
 
@@ -43,6 +44,7 @@ pub enum LogKind {
     Sessions = 1,
     Namespaces = 2,
     OwedDeletes = 3,
+    PeerHints = 4,
 }
 
 /// A log file's secret: what its records' tags are keyed with.
