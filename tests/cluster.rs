@@ -151,6 +151,25 @@ fn a_second_node_with_a_live_nodes_id_is_refused_and_a_restart_elsewhere_is_not(
     assert!(!ok, "a twin of n1 started: {out}");
     assert!(err.contains(&n1.grpc.to_string()) && err.contains("node_id"), "{err}");
     assert!(n1.alive(), "n1 stopped");
+    // While the twin watches n1's registration it serves nothing: a store sent to it in that time
+    // is never acknowledged (it was, and was lost when the twin exited).
+    let free = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let (grpc, data) = (free(), free());
+    let mut twin = std::process::Command::new(kvtier_bin())
+        .args(["serve", "--config", cfg.to_str().unwrap(), "--no-metrics"])
+        .args(["--listen", &format!("127.0.0.1:{grpc}"), "--data-listen", &format!("127.0.0.1:{data}")])
+        .arg("--data-dir")
+        .arg(twin_dir.path())
+        .env("KVTIER_LOG", "error")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    let addr = format!("127.0.0.1:{grpc}");
+    let (stored, out, _) = cli(&["put", "--server", &addr, "--timeout", "1s", "--text", "a store nobody keeps"]);
+    assert!(!stored, "the twin acknowledged a store before its id was checked: {out}");
+    assert!(!twin.wait().unwrap().success(), "the twin started");
     std::thread::sleep(Duration::from_millis(500));
     let advertised = redis_cli(redis.port, &["HGET", "{kvtier}:member:n1", "grpc"]);
     assert_eq!(advertised.trim(), n1.grpc.to_string(), "n1 lost its registration");

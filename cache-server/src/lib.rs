@@ -355,6 +355,9 @@ pub async fn start(
     }
     ::metrics::gauge!("kvtier_tier_capacity_bytes", "tier" => TierId::Dram.as_str())
         .set(state.config().dram_capacity.0 as f64);
+    // The node joins (its id checked against live members) before any listener serves: a node
+    // refused for another's id never took a request. Connections meanwhile wait in the backlog.
+    let membership = join_cluster(&state, grpc_addr, data_addr).await?;
 
     tasks.push(tokio::spawn(dataplane::serve(
         data_listener,
@@ -446,7 +449,6 @@ pub async fn start(
             .add_service(tonic::service::interceptor::InterceptedService::new(service, check_auth))
             .serve_with_incoming_shutdown(incoming, async move { stopped(&mut grpc_stop).await }),
     );
-    let membership = join_cluster(&state, grpc_addr, data_addr).await?;
     events.set_node(membership.local().id.as_str());
     let _ = membership_cell.set(membership.clone());
     Ok(RunningServer { grpc_addr, data_addr, metrics_addr, samenode_path, state, membership, stop, grpc, tasks })
