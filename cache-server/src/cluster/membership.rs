@@ -17,7 +17,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures::future::BoxFuture;
 use parking_lot::Mutex;
@@ -261,6 +261,8 @@ impl RedisMembership {
             claimed: false,
             take: false,
             contest: None,
+            since_ms: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64),
+            refreshed: None,
             mismatched: HashMap::new(),
             said: Vec::new(),
         };
@@ -344,6 +346,12 @@ struct Driver {
     take: bool,
     /// Another process's registration of this id, being watched.
     contest: Option<Contest>,
+    /// When this process first registered (unix ms; published as `since`): of two processes
+    /// with one id, the one registered first keeps it when the other took it while this one
+    /// could not reach Redis.
+    since_ms: u64,
+    /// This process's last registration that Redis took.
+    refreshed: Option<Instant>,
     /// Members whose shared settings differ from this node's, with theirs (each said once).
     mismatched: HashMap<NodeId, String>,
     /// The members last published, so that each one joining or leaving is said once.
@@ -427,7 +435,7 @@ impl Driver {
         for (f, v) in encode(&cfg.local) {
             call.arg(f).arg(v);
         }
-        call.arg("tick").arg(cfg.tick().as_millis() as u64);
+        call.arg("tick").arg(cfg.tick().as_millis() as u64).arg("since").arg(self.since_ms);
         if !cfg.settings.is_empty() {
             call.arg("settings").arg(&cfg.settings);
         }
@@ -448,7 +456,25 @@ impl Driver {
                         self.contested(now, holder.clone(), beat.clone(), *tick);
                         return;
                     }
-                    Status::Superseded { holder } => {
+                    Status::Superseded { holder, since } => {
+                        // This node's registration went without it stalling (Redis unreachable from
+                        // here, or Redis lost its data while this node refreshed in time), and the
+                        // holder registered after this node first did: the holder is the newcomer
+                        // (a node given this node's id), and this node takes the id back; the
+                        // holder stops when it sees that. Otherwise this node lapsed (stalled past
+                        // its TTL) and the holder took its place: this one stops.
+                        let cut_off = was_stale || self.refreshed.is_some_and(|t| now.duration_since(t) < cfg.ttl);
+                        if cut_off && since.is_some_and(|h| self.since_ms < h) {
+                            tracing::warn!(
+                                member = %cfg.local.id,
+                                "another process, at {holder}, registered member id {} while this node could not \
+                                 reach Redis; this node has held the id longer and takes it back (two nodes have \
+                                 this node_id: the other stops)",
+                                cfg.local.id
+                            );
+                            (self.claimed, self.take) = (false, true);
+                            return;
+                        }
                         self.fence(format!(
                             "another process, at {holder}, registered member id {} while this node's \
                              registration lapsed: two nodes have this node_id; this one stops so that one \
@@ -460,6 +486,7 @@ impl Driver {
                     Status::Claimed | Status::Refreshed | Status::Recreated => {
                         self.claimed = true;
                         self.contest = None;
+                        self.refreshed = Some(now);
                     }
                 }
                 self.compare_settings(&reply.settings);
@@ -569,9 +596,11 @@ enum Status {
         beat: String,
         tick: Option<Duration>,
     },
-    /// Another process took the key over after this one had registered; not touched.
+    /// Another process took the key over after this one had registered; not touched. `since`:
+    /// when the holder first registered (unix ms), if it says.
     Superseded {
         holder: String,
+        since: Option<u64>,
     },
 }
 
@@ -728,11 +757,13 @@ fn parse_reply(v: Value) -> Result<Reply, ServerError> {
     let (Some(status), Some(detail)) = (text(), text()) else {
         return Err(bad("no status"));
     };
+    // Every status but "contested" has a third element: the holder's `since`.
+    let since = if status == "contested" { None } else { text() };
     let status = match status.as_str() {
         "claimed" => Status::Claimed,
         "refreshed" => Status::Refreshed,
         "recreated" => Status::Recreated,
-        "superseded" => Status::Superseded { holder: detail },
+        "superseded" => Status::Superseded { holder: detail, since: since.and_then(|t| t.parse().ok()) },
         "contested" => {
             let (beat, tick) = (text().unwrap_or_default(), text().and_then(|t| t.parse().ok()));
             let tick = tick.map(Duration::from_millis);
@@ -767,9 +798,10 @@ fn parse_reply(v: Value) -> Result<Reply, ServerError> {
 /// same addresses (this node restarted); held by another process at other addresses it answers
 /// `{"contested", its gRPC address, its beat, its refresh interval ms}` and touches nothing.
 /// "take" overwrites whatever holds it. Otherwise returns
-/// `{status, detail, id, {field, value, ...}, ...}`
-/// for every live member (up to max), pruning the set of expired ids, where `detail` is the
-/// holder's gRPC address when the status is "superseded" (else empty).
+/// `{status, detail, since, id, {field, value, ...}, ...}`
+/// for every live member (up to max), pruning the set of expired ids, where `detail` and `since`
+/// are the holder's gRPC address and first registration (unix ms) when the status is
+/// "superseded" (else empty).
 const TICK_LUA: &str = r#"
 local set, me = KEYS[1], KEYS[2]
 local mode, id, inc, ttl, kp, maxm = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
@@ -798,9 +830,11 @@ if status ~= 'superseded' then
   redis.call('PEXPIRE', me, ttl)
   redis.call('SADD', set, id)
 end
-local out = {status, ''}
+local out = {status, '', ''}
 if status == 'superseded' then
-  out[2] = redis.call('HGET', me, 'grpc') or ''
+  local h = redis.call('HMGET', me, 'grpc', 'since')
+  out[2] = h[1] or ''
+  out[3] = h[2] or ''
 end
 local n = 0
 for _, m in ipairs(redis.call('SMEMBERS', set)) do

@@ -182,15 +182,16 @@ async fn a_restarted_process_takes_its_id_over() {
         s.get(&id).is_some_and(|m| m.grpc_addr == "127.0.0.1:9999")
     })
     .await;
-    // Restarted at the same addresses while the registration is still there: taken at once.
-    let again = RedisMembership::start(config_for(&redis, new.local().clone(), 5000)).await.unwrap();
-    // The process it replaced learns it lost the id, and stops refreshing.
-    let why = tokio::time::timeout(Duration::from_secs(3), new.fenced()).await.expect("the replaced process fenced");
-    assert!(why.contains("registered member id a"), "{why}");
-    // The replaced process leaving does not remove the new one's registration.
-    new.leave().await.unwrap();
+    // Killed again and restarted at the same addresses while its registration is still there:
+    // taken at once (no other process can hold those addresses).
+    let same = new.local().clone();
+    drop(new);
+    let started = Instant::now();
+    let again = RedisMembership::start(config_for(&redis, same, 5000)).await.unwrap();
+    assert!(started.elapsed() < Duration::from_secs(1), "took {:?} at the same addresses", started.elapsed());
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(watcher.snapshot().get(&id).map(|m| m.grpc_addr.as_str()), Some("127.0.0.1:9999"));
+    assert!(tokio::time::timeout(Duration::from_millis(300), again.fenced()).await.is_err());
     again.leave().await.unwrap();
     until(&watcher, Duration::from_secs(1), "without a", |s| ids(s) == ["w"]).await;
 }
@@ -221,6 +222,39 @@ async fn a_second_live_node_with_the_same_id_does_not_start() {
         "the live node was fenced"
     );
     assert!(time_to_live(&redis, "{kvtier}:member:a").await > 4000, "its registration is refreshed");
+}
+
+/// A node given a running node's id while Redis was down (it starts stale, unchecked) and
+/// registered first when Redis came back empty does not take the id from the node that held it:
+/// that node was cut off, not gone, and has held the id longer, so it takes it back and the
+/// newcomer stops. Before, the node that held the id stopped (with its data), and could not
+/// start again while the newcomer ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_cut_off_from_redis_keeps_its_id_against_a_newcomer() {
+    let mut redis = RedisProc::start(false);
+    let watcher = RedisMembership::start(config(&redis, "w", 1500)).await.unwrap();
+    // The node that holds the id ticks slowly, so the newcomer registers first.
+    let held =
+        RedisMembership::start(config(&redis, "a", 1500).with_poll_interval(Duration::from_millis(400))).await.unwrap();
+    until(&watcher, Duration::from_secs(3), "seeing a", |s| s.members.len() == 2).await;
+    redis.kill();
+    until(&held, Duration::from_secs(3), "stale", |s| s.stale).await;
+    let mut twin = member("a");
+    twin.grpc_addr = "127.0.0.1:9996".into();
+    let newcomer = RedisMembership::start(config_for(&redis, twin, 1500)).await.unwrap();
+    assert!(newcomer.snapshot().stale, "started with Redis down, unchecked");
+    tokio::time::sleep(Duration::from_millis(2000)).await; // past the TTL
+    redis.restart();
+    let why = tokio::time::timeout(Duration::from_secs(5), newcomer.fenced()).await.expect("the newcomer stops");
+    assert!(why.contains("node_id"), "{why}");
+    let id = NodeId::new("a").unwrap();
+    let addr = held.local().grpc_addr.clone();
+    until(&watcher, Duration::from_secs(5), "seeing a at the holder's address", |s| {
+        s.get(&id).is_some_and(|m| m.grpc_addr == addr)
+    })
+    .await;
+    assert!(tokio::time::timeout(Duration::from_millis(1500), held.fenced()).await.is_err(), "the holder stopped");
+    assert_eq!(watcher.snapshot().get(&id).map(|m| m.grpc_addr.clone()), Some(addr));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
