@@ -808,6 +808,33 @@ async fn a_drop_taken_by_a_node_without_a_copy_is_remembered_there() {
     until_no_copy(&clients.iter().collect::<Vec<_>>(), &id).await;
 }
 
+/// A node restarted after a session it holds was dropped elsewhere drops its copy on its own,
+/// soon after it starts (its re-replication meets the drop), not only when a resume through it
+/// asks: before, the copy was listed, pinned and routed to for as long as nobody resumed it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_dropped_elsewhere_goes_soon_after_its_holder_restarts() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (args, mut nodes, mut clients, ns) = disk_and_dram_fleet(&redis, dir.path()).await;
+    let strs = |i: usize| args[i].iter().map(String::as_str).collect::<Vec<_>>();
+    // Held by n1 and n3 (both with a disk tier), not by n2.
+    let id = park_held_by(&clients, &ns[0], 2, 1, 90).await;
+    let _ = nodes[2].child.kill();
+    let _ = nodes[2].child.wait();
+    until_members(&nodes[..2], 2);
+    assert!(clients[0].drop_session(&ns[0], &id).await.unwrap());
+    let again = nodes[2].restart_in_place(&strs(2));
+    let _old = std::mem::replace(&mut nodes[2], again);
+    clients[2] = nodes[2].client().await;
+    until_members(&nodes, 3);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while copies(&[&clients[2]]).await.contains_key(&id) {
+        assert!(Instant::now() < deadline, "n3 still holds a copy of a session dropped while it was away");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(metric(&nodes[2].scrape(), "kvtier_session_stale_copies_dropped_total", &[]) >= 1.0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sessions_of_a_namespace_unregistered_while_a_holder_was_away_do_not_come_back() {
     let redis = Redis::start();

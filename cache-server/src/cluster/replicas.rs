@@ -468,14 +468,17 @@ pub fn drop_copy(peers: &Arc<PeerTier>, member: Member, ns: Namespace, id: Strin
     });
 }
 
-/// Re-replication: after every membership change, after a park or extend left a session short
-/// of copies, and again every [`REPAIR_RETRY`] while copies are missing, each
+/// Re-replication: [`REPAIR_RETRY`] after the node starts, after every membership change, after
+/// a park or extend left a session short of copies, and again every [`REPAIR_RETRY`] while copies
+/// are missing, each
 /// session this node holds is checked against its first `rf` live owners, and the copies they
 /// lack are made; a newer copy found there is adopted. Ends when `stop` turns true.
 pub async fn repair_loop(state: Arc<NodeState>, mut stop: watch::Receiver<bool>) {
     let Some(peers) = state.tiers().peers().cloned() else { return };
     let mut members = peers.members();
-    let mut incomplete = false;
+    // A first pass soon after start, as after a change: a node back from a restart holds copies
+    // the others may have dropped (or not hold) meanwhile, and its membership may never change.
+    let mut incomplete = true;
     let mut last_pass = Instant::now();
     let backoff = RoomBackoff::default();
     loop {
