@@ -318,4 +318,18 @@ async fn a_connection_over_the_per_peer_limit_is_told_why() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(client.load(&ns, &doc).await.unwrap(), blocks);
+
+    // gRPC: the client holds one connection; two more with their HTTP/2 preface fill its share,
+    // and a new client is refused with an HTTP/2 GOAWAY that the client names for what it is.
+    let mut grpc_held = Vec::new();
+    for _ in 0..2 {
+        let mut s = TcpStream::connect(server.grpc).await.unwrap();
+        s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").await.unwrap();
+        grpc_held.push(s);
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let err = KvClient::connect(&server.grpc_addr(), ClientConfig::default()).await.err().expect("refused");
+    let text = err.to_string();
+    assert!(text.contains("KV:Connections:TooMany") && text.contains("max_connections_per_peer"), "{text}");
+    drop(grpc_held);
 }

@@ -55,18 +55,14 @@ impl Drop for OpenConnection {
     }
 }
 
+/// How often refused connections are said in the log (with their count since).
+const REFUSALS_SAID_EVERY: Duration = Duration::from_secs(10);
+
 /// Refused connections being told why at once, at most; past that they are closed unanswered.
 const MAX_REFUSING: usize = 32;
 
 /// How long a refused connection has to take its answer (and again to close).
 pub(crate) const REFUSE_WAIT: Duration = Duration::from_secs(1);
-
-/// A refusal that says nothing: the connection is closed (listeners whose protocol has no way to
-/// answer before its first request).
-pub(crate) fn close<C>(conn: C, _why: String) -> std::future::Ready<()> {
-    drop(conn);
-    std::future::ready(())
-}
 
 /// A refusal for the protocols that open with a hello answered by a
 /// [`HelloReply`](kvtier_proto::dataplane::HelloReply) (the data plane, the same-node socket):
@@ -141,8 +137,7 @@ impl PeerCounts {
 
 /// Takes connections from `accept` within `limits` and runs `serve` on each until `stop` turns
 /// true; then ends every connection before returning. A connection over its peer's share is
-/// handed to `refuse` with the reason (in a task of its own, [`MAX_REFUSING`] at once; [`close`]
-/// says nothing).
+/// handed to `refuse` with the reason (in a task of its own, [`MAX_REFUSING`] at once).
 pub(crate) async fn accept_bounded<C, A, F, S, G, R, H>(
     what: &'static str,
     limits: ConnLimits,
@@ -162,6 +157,8 @@ pub(crate) async fn accept_bounded<C, A, F, S, G, R, H>(
     let peers = Arc::new(PeerCounts::default());
     let refusing = Arc::new(tokio::sync::Semaphore::new(MAX_REFUSING));
     let mut refusals = tokio::task::JoinSet::new();
+    // Refusals are said at WARN, at most once per REFUSALS_SAID_EVERY, with how many.
+    let (mut said_at, mut unsaid): (Option<std::time::Instant>, u64) = (None, 0);
     let mut conns = tokio::task::JoinSet::new();
     let mut permit = None;
     loop {
@@ -192,7 +189,16 @@ pub(crate) async fn accept_bounded<C, A, F, S, G, R, H>(
             // Closed on arrival: the slot goes to the next connection.
             metrics::counter!("kvtier_connections_refused_total", "listener" => what, "reason" => "per_peer")
                 .increment(1);
-            tracing::debug!(?peer, "{what}: connection refused, the peer has {} already", limits.per_peer);
+            unsaid += 1;
+            if said_at.is_none_or(|t| t.elapsed() >= REFUSALS_SAID_EVERY) {
+                tracing::warn!(
+                    %peer,
+                    "{what}: refused {unsaid} connection(s) over max_connections_per_peer ({}) since this was last \
+                     said; the last from {peer}",
+                    limits.per_peer
+                );
+                (said_at, unsaid) = (Some(std::time::Instant::now()), 0);
+            }
             match refusing.clone().try_acquire_owned() {
                 Ok(p) => {
                     let why = format!(
@@ -272,6 +278,65 @@ enum GrpcStream {
     Tls(Box<tokio_rustls::server::TlsStream<tokio::net::TcpStream>>),
 }
 
+/// HTTP/2 `ENHANCE_YOUR_CALM` (RFC 9113, 7): what a refused gRPC connection's GOAWAY says.
+pub const H2_ENHANCE_YOUR_CALM: u32 = 0xb;
+
+impl GrpcStream {
+    /// Refuses the connection in HTTP/2's terms: once the client's preface is read, the server's
+    /// (empty) SETTINGS and a GOAWAY with `ENHANCE_YOUR_CALM` and `why` as its debug data, then
+    /// the client's bytes drained until it closes; each step within [`REFUSE_WAIT`].
+    async fn refuse(mut self, why: String) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        if self.read_preface(REFUSE_WAIT).await.is_err() {
+            return;
+        }
+        let debug = format!("{}: connection refused: {why}", kvtier_proto::codes::TOO_MANY_CONNECTIONS);
+        let debug = &debug.as_bytes()[..debug.len().min(1024)];
+        let frame = |kind: u8, payload: &[u8]| {
+            let mut f = Vec::with_capacity(9 + payload.len());
+            f.extend_from_slice(&(payload.len() as u32).to_be_bytes()[1..]);
+            f.extend_from_slice(&[kind, 0, 0, 0, 0, 0]);
+            f.extend_from_slice(payload);
+            f
+        };
+        let mut goaway = Vec::with_capacity(8 + debug.len());
+        goaway.extend_from_slice(&0u32.to_be_bytes()); // last stream id: none was taken
+        goaway.extend_from_slice(&H2_ENHANCE_YOUR_CALM.to_be_bytes());
+        goaway.extend_from_slice(debug);
+        let mut out = frame(0x4, &[]); // SETTINGS
+        out.extend(frame(0x7, &goaway)); // GOAWAY
+        let told = async {
+            match &mut self {
+                GrpcStream::Plain(s) => {
+                    s.write_all(&out).await?;
+                    s.shutdown().await
+                }
+                GrpcStream::Tls(s) => {
+                    s.write_all(&out).await?;
+                    s.shutdown().await
+                }
+            }
+        };
+        if !matches!(tokio::time::timeout(REFUSE_WAIT, told).await, Ok(Ok(()))) {
+            return;
+        }
+        let drained = async {
+            let (mut buf, mut left) = ([0u8; 4096], 64usize << 10);
+            while left > 0 {
+                let n = match &mut self {
+                    GrpcStream::Plain(s) => s.read(&mut buf).await,
+                    GrpcStream::Tls(s) => s.read(&mut buf).await,
+                };
+                match n {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => left = left.saturating_sub(n),
+                }
+            }
+        };
+        let _ = tokio::time::timeout(REFUSE_WAIT, drained).await;
+    }
+}
+
 /// What every gRPC call of a connection finds in its request's extensions.
 #[derive(Debug, Clone)]
 pub struct GrpcPeer {
@@ -331,8 +396,22 @@ pub(crate) fn grpc_incoming(
                     }
                 }
             },
-            // No answer HTTP/2 can give before the client's preface: closed, and counted.
-            close,
+            // Told why in HTTP/2's own terms: after the client's preface, a GOAWAY.
+            |(sock, _remote), why| {
+                let tls = tls.clone();
+                async move {
+                    let stream = match tls {
+                        None => GrpcStream::Plain(sock),
+                        Some(acceptor) => {
+                            match tokio::time::timeout(REFUSE_WAIT, crate::tls::accept(&acceptor, sock)).await {
+                                Ok(Ok((stream, _))) => GrpcStream::Tls(Box::new(stream)),
+                                _ => return,
+                            }
+                        }
+                    };
+                    stream.refuse(why).await;
+                }
+            },
         )
         .await
     });

@@ -1296,6 +1296,21 @@ fn root_cause(s: &tonic::Status) -> Option<String> {
 /// connection; a TLS client without the certificate its node requires, a closed connection.
 /// Those are said with their cause and what to check.
 fn first_call_error(addr: &str, s: tonic::Status, cfg: &ClientConfig) -> ClientError {
+    // The node's listener refused the connection with an HTTP/2 GOAWAY (ENHANCE_YOUR_CALM, which
+    // tonic reads as RESOURCE_EXHAUSTED): this address holds the node's max_connections_per_peer.
+    if s.code() == tonic::Code::ResourceExhausted
+        && !s.metadata().contains_key(codes::METADATA_KEY)
+        && s.message().contains("h2 protocol error")
+    {
+        return ClientError::Refused {
+            code: codes::TOO_MANY_CONNECTIONS.into(),
+            message: format!(
+                "{addr} refused the connection: this address has the node's max_connections_per_peer open \
+                 already ({})",
+                s.message()
+            ),
+        };
+    }
     if s.metadata().contains_key(codes::METADATA_KEY)
         || !matches!(
             s.code(),
