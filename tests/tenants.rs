@@ -356,6 +356,8 @@ async fn a_namespace_is_unregistered_by_its_owner_only_and_stays_gone_after_a_re
     assert_eq!(metric(&m, "kvtier_disk_recovered_blocks_total", &[]), 3.0, "{m}");
     assert_eq!(metric(&m, "kvtier_namespaces", &[]), 1.0, "{m}");
     assert!(m.contains("kvtier_disk_queue_depth 0"), "{m}");
+    assert!(m.contains("kvtier_sessions 1"), "the kept namespace's session: {m}");
+    assert!(m.contains("kvtier_connections_open{listener=\"data plane\"}"), "{m}");
     let a = client_as(&server, Some(TOKEN_A)).await;
     assert_eq!(a.stats().await.unwrap().namespaces, 1);
     assert_eq!(a.resume(&kept, "s").await.unwrap().blocks, full_block_payloads(&kept, &doc));

@@ -334,6 +334,7 @@ impl NodeState {
             state.reserve_quotas(&quotas);
             // Every gauge present from the start, not only once it first changes.
             metrics::gauge!("kvtier_namespaces").set(0.0);
+            metrics::gauge!("kvtier_sessions").set(0.0);
             return Ok(state);
         }
         // The data directory's own name durable (it may have just been created), or everything
@@ -464,6 +465,7 @@ impl NodeState {
         if let Some(r) = &state.disk_recovery {
             metrics::counter!("kvtier_disk_recovered_blocks_total").increment(r.blocks.saturating_sub(r.deleted));
         }
+        metrics::gauge!("kvtier_sessions").set(state.sessions.len() as f64);
         Ok(state)
     }
 

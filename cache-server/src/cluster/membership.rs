@@ -266,6 +266,8 @@ impl RedisMembership {
             mismatched: HashMap::new(),
             said: Vec::new(),
         };
+        // Present from the start (this node alone), not only once the members change.
+        ::metrics::gauge!("kvtier_membership_members").set(1.0);
         // With Redis unreachable this logs the one warning and starts stale, alone.
         driver.tick().await;
         // The id registered by another process: watched until it proves alive or dead (or Redis
