@@ -358,6 +358,11 @@ pub async fn start(
     // The node joins (its id checked against live members) before any listener serves: a node
     // refused for another's id never took a request. Connections meanwhile wait in the backlog.
     let membership = join_cluster(&state, grpc_addr, data_addr).await?;
+    // Each listener's open connections, present from the start (before its task first runs).
+    let listeners = ["grpc", "data plane"].into_iter().chain(samenode.as_ref().map(|_| "same-node"));
+    for what in listeners.chain(quic.as_ref().map(|_| "quic")) {
+        ::metrics::gauge!("kvtier_connections_open", "listener" => what).increment(0.0);
+    }
 
     tasks.push(tokio::spawn(dataplane::serve(
         data_listener,

@@ -155,8 +155,6 @@ pub(crate) async fn accept_bounded<C, A, F, S, G, R, H>(
 {
     let permits = Arc::new(tokio::sync::Semaphore::new(limits.total.max(1)));
     let peers = Arc::new(PeerCounts::default());
-    // Present from the start (0 open), not only once the first connection comes.
-    metrics::gauge!("kvtier_connections_open", "listener" => what).increment(0.0);
     let refusing = Arc::new(tokio::sync::Semaphore::new(MAX_REFUSING));
     let mut refusals = tokio::task::JoinSet::new();
     // Refusals are said at WARN, at most once per REFUSALS_SAID_EVERY, with how many.
