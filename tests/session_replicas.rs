@@ -374,6 +374,12 @@ async fn a_node_too_small_for_a_session_is_passed_over_not_churned() {
     assert_eq!(copies(&[&c3]).await.len(), 3, "n3 holds the copies");
     // n3 killed: n1's re-replication finds only n2, which has no room; n2 is sent nothing (what
     // it took before are the blocks' own copies, forwarded by the parks' stores).
+    // The parks' own forwards (n2 owns some of the blocks) done before the baseline.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while metric(&n1.scrape(), "kvtier_peer_forward_queue_bytes", &[]) > 0.0 {
+        assert!(Instant::now() < deadline, "n1's forwards never drained");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     tokio::time::sleep(Duration::from_millis(500)).await;
     let before = bytes_into(&c2).await;
     let _ = n3.child.kill();

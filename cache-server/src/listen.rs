@@ -1,7 +1,7 @@
 //! The accept loop every listener shares (data plane, same-node socket, gRPC): connections are
 //! bounded in total and per peer (an IP address, or a local user on a Unix socket), a peer over
-//! its share is refused at once and counted (told why where the listener's protocol can say it
-//! before any request: the data plane's hello answer), a failed accept (out of descriptors) backs off instead
+//! its share is refused at once and counted, and told why in its protocol's terms (the data
+//! plane's and the same-node socket's hello answer, an HTTP/2 GOAWAY on gRPC), a failed accept (out of descriptors) backs off instead
 //! of spinning, and every connection ends when the node stops. TLS handshakes run inside a
 //! connection's own task, never in the accept loop, and so does the wait for a gRPC client's
 //! HTTP/2 preface: a connection that sends none within [`PREFACE_TIMEOUT`] is closed, so silent

@@ -371,6 +371,7 @@ impl SameNode {
                 Status::Ok => Ok(Ok(sock)),
                 Status::UnsupportedVersion => Ok(Err(msg)),
                 Status::Unauthenticated => Err((FallbackReason::Unauthenticated, ClientError::Unauthenticated(msg))),
+                Status::TooManyConnections => Err((FallbackReason::ConnectFailed, refusal(status, msg))),
                 _ => Err((FallbackReason::ConnectFailed, cerr(msg))),
             }
         };

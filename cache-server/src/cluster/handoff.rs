@@ -68,8 +68,8 @@ impl Hints {
     pub fn add(&mut self, member: &NodeId, ns: NamespaceId, keys: &[BlockKey], stored: Instant) -> usize {
         let room = MAX_HINTS - self.total;
         let take = keys.len().min(room);
-        self.changes += 1;
         if take > 0 {
+            self.changes += 1;
             let q = self.by_member.entry(member.clone()).or_default();
             q.extend(keys[..take].iter().map(|&key| Hint { ns, key, stored }));
             self.total += take;
@@ -80,7 +80,8 @@ impl Hints {
     /// Up to `n` of `member`'s hints, oldest first.
     pub fn take(&mut self, member: &NodeId, n: usize) -> Vec<Hint> {
         let Some(q) = self.by_member.get_mut(member) else { return Vec::new() };
-        self.changes += 1;
+        // Not a change by itself: a pass gives back what it did not send ([`Self::put_back`]),
+        // and says what it sent or gave up ([`Self::mark_changed`]).
         let out: Vec<Hint> = q.drain(..n.min(q.len())).collect();
         if q.is_empty() {
             self.by_member.remove(member);
@@ -94,7 +95,6 @@ impl Hints {
     pub fn put_back(&mut self, member: &NodeId, hints: Vec<Hint>) -> usize {
         let room = MAX_HINTS - self.total;
         let keep = hints.len().min(room);
-        self.changes += 1;
         let q = self.by_member.entry(member.clone()).or_default();
         for h in hints[..keep].iter().rev() {
             q.push_front(*h);
@@ -109,19 +109,18 @@ impl Hints {
     /// Forgets every hint of namespace `ns` (it was purged or unregistered); how many.
     pub fn forget_namespace(&mut self, ns: &NamespaceId) -> usize {
         let before = self.total;
-        self.changes += 1;
         for q in self.by_member.values_mut() {
             q.retain(|h| h.ns != *ns);
         }
         self.by_member.retain(|_, q| !q.is_empty());
         self.total = self.by_member.values().map(VecDeque::len).sum();
+        self.changes += u64::from(before != self.total);
         before - self.total
     }
 
     /// Forgets hints stored before `before`; how many.
     pub fn expire(&mut self, before: Instant) -> usize {
         let was = self.total;
-        self.changes += 1;
         for q in self.by_member.values_mut() {
             while q.front().is_some_and(|h| h.stored < before) {
                 q.pop_front();
@@ -129,6 +128,7 @@ impl Hints {
         }
         self.by_member.retain(|_, q| !q.is_empty());
         self.total = self.by_member.values().map(VecDeque::len).sum();
+        self.changes += u64::from(was != self.total);
         was - self.total
     }
 
@@ -144,9 +144,14 @@ impl Hints {
         self.total == 0
     }
 
-    /// How many changes were made so far.
+    /// How many changes were made so far (hints added, sent, given up or forgotten).
     pub fn changes(&self) -> u64 {
         self.changes
+    }
+
+    /// Notes a change made through [`Self::take`] (hints sent or given up).
+    pub fn mark_changed(&mut self) {
+        self.changes += 1;
     }
 
     /// Every member's hints, oldest first.
@@ -340,6 +345,7 @@ pub async fn handoff_pass(state: &NodeState, peers: &Arc<PeerTier>) -> Handoff {
         if peers.is_down(&member.id, now) {
             continue;
         }
+        let (sent_before, given_up_before) = (out.sent, out.given_up);
         let taken = peers.hints().lock().take(&id, PASS_KEYS);
         let mut by_ns: HashMap<NamespaceId, Vec<Hint>> = HashMap::new();
         for h in taken {
@@ -411,8 +417,13 @@ pub async fn handoff_pass(state: &NodeState, peers: &Arc<PeerTier>) -> Handoff {
                 }
             }
         }
+        let mut hints = peers.hints().lock();
         if !unsent.is_empty() {
-            out.given_up += peers.hints().lock().put_back(&id, unsent) as u64;
+            out.given_up += hints.put_back(&id, unsent) as u64;
+        }
+        // What was taken and given back unchanged (the member still unreachable) is no change.
+        if out.sent > sent_before || out.given_up > given_up_before {
+            hints.mark_changed();
         }
     }
     ::metrics::counter!("kvtier_peer_handoff_sent_total").increment(out.sent);
@@ -446,11 +457,16 @@ mod tests {
         assert_eq!(h.len(), 14);
         let first = h.take(&a, 3);
         assert_eq!(first.iter().map(|x| x.key).collect::<Vec<_>>(), keys[..3]);
+        // Taken and given back is no change to save; an expiry that removes nothing neither.
+        let changes = h.changes();
         assert_eq!(h.put_back(&a, first[1..].to_vec()), 0);
+        assert_eq!(h.expire(t0), 0);
+        assert_eq!(h.changes(), changes, "nothing changed to save");
         assert_eq!(h.take(&a, 2).iter().map(|x| x.key).collect::<Vec<_>>(), keys[1..3], "given back ahead");
         assert_eq!(h.len(), 11);
         // Expired: a's (stored at t0), not b's.
         assert_eq!(h.expire(t0 + Duration::from_secs(1)), 7);
+        assert!(h.changes() > changes, "an expiry that removed hints is a change");
         assert_eq!(h.members(), std::slice::from_ref(&b));
         assert_eq!(h.forget_namespace(&ns2), 4);
         assert!(h.is_empty() && h.members().is_empty());

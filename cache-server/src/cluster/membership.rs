@@ -238,8 +238,9 @@ impl RedisMembership {
     ///
     /// Fails on a bad configuration, and when another live process holds this node's id at
     /// other addresses (a duplicate `node_id`): a registration found under the id is watched for
-    /// up to two of its refresh intervals; if it is refreshed the holder is alive and this node
-    /// does not start; if not, its process is gone and this one takes the id over.
+    /// up to two of its refresh intervals and two Redis timeouts; if it is refreshed the holder is
+    /// alive and this node does not start; if not, its process is gone and this one takes the id
+    /// over. Redis not answering during the watch is waited out (two TTLs at most, then an error).
     pub async fn start(cfg: RedisMembershipConfig) -> Result<Self, ServerError> {
         cfg.validate()?;
         let client = redis::Client::open(cfg.url.as_str())
@@ -261,7 +262,7 @@ impl RedisMembership {
             claimed: false,
             take: false,
             contest: None,
-            since_ms: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64),
+            since_ms: None,
             refreshed: None,
             mismatched: HashMap::new(),
             said: Vec::new(),
@@ -270,9 +271,19 @@ impl RedisMembership {
         ::metrics::gauge!("kvtier_membership_members").set(1.0);
         // With Redis unreachable this logs the one warning and starts stale, alone.
         driver.tick().await;
-        // The id registered by another process: watched until it proves alive or dead (or Redis
-        // goes away, and the task goes on watching).
-        while driver.contest.is_some() && !driver.view.stale && shared.fenced.borrow().is_none() {
+        // The id registered by another process: watched until it proves alive or dead, through
+        // Redis errors too (a node that could not tell would serve as a twin until fenced), for at
+        // most two TTLs past the watch.
+        let started = Instant::now();
+        while driver.contest.is_some() && shared.fenced.borrow().is_none() {
+            if started.elapsed() > 2 * shared.cfg.ttl + shared.cfg.tick() * 2 + shared.cfg.op_timeout * 2 {
+                let holder = driver.contest.as_ref().map(|c| c.holder.clone()).unwrap_or_default();
+                return Err(ServerError::Config(format!(
+                    "member id {} is registered by another process at {holder}, and Redis did not answer long \
+                     enough to tell whether it is alive",
+                    shared.cfg.local.id
+                )));
+            }
             tokio::time::sleep(shared.cfg.tick()).await;
             driver.tick().await;
         }
@@ -348,10 +359,10 @@ struct Driver {
     take: bool,
     /// Another process's registration of this id, being watched.
     contest: Option<Contest>,
-    /// When this process first registered (unix ms; published as `since`): of two processes
-    /// with one id, the one registered first keeps it when the other took it while this one
-    /// could not reach Redis.
-    since_ms: u64,
+    /// When this process first registered (unix ms; published as `since` from then on): of two
+    /// processes with one id, the one registered first keeps it when the other took it while
+    /// this one could not reach Redis. Wall clocks of different hosts: skew between them counts.
+    since_ms: Option<u64>,
     /// This process's last registration that Redis took.
     refreshed: Option<Instant>,
     /// Members whose shared settings differ from this node's, with theirs (each said once).
@@ -437,7 +448,12 @@ impl Driver {
         for (f, v) in encode(&cfg.local) {
             call.arg(f).arg(v);
         }
-        call.arg("tick").arg(cfg.tick().as_millis() as u64).arg("since").arg(self.since_ms);
+        call.arg("tick").arg(cfg.tick().as_millis() as u64);
+        // Registered from now on, unless this process registered before: its first time.
+        let since = self
+            .since_ms
+            .unwrap_or_else(|| SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64));
+        call.arg("since").arg(since);
         if !cfg.settings.is_empty() {
             call.arg("settings").arg(&cfg.settings);
         }
@@ -458,7 +474,7 @@ impl Driver {
                         self.contested(now, holder.clone(), beat.clone(), *tick);
                         return;
                     }
-                    Status::Superseded { holder, since } => {
+                    Status::Superseded { holder, since, data } => {
                         // This node's registration went without it stalling (Redis unreachable from
                         // here, or Redis lost its data while this node refreshed in time), and the
                         // holder registered after this node first did: the holder is the newcomer
@@ -466,7 +482,11 @@ impl Driver {
                         // holder stops when it sees that. Otherwise this node lapsed (stalled past
                         // its TTL) and the holder took its place: this one stops.
                         let cut_off = was_stale || self.refreshed.is_some_and(|t| now.duration_since(t) < cfg.ttl);
-                        if cut_off && since.is_some_and(|h| self.since_ms < h) {
+                        // At this node's own addresses: an earlier process of this node, brought
+                        // back by Redis (a failover to a lagging replica, a restore): taken back.
+                        let own = *holder == cfg.local.grpc_addr && *data == cfg.local.data_addr;
+                        let senior = since.is_some_and(|h| self.since_ms.is_some_and(|mine| mine < h));
+                        if own || (cut_off && senior) {
                             tracing::warn!(
                                 member = %cfg.local.id,
                                 "another process, at {holder}, registered member id {} while this node could not \
@@ -489,6 +509,7 @@ impl Driver {
                         self.claimed = true;
                         self.contest = None;
                         self.refreshed = Some(now);
+                        self.since_ms.get_or_insert(since);
                     }
                 }
                 self.compare_settings(&reply.settings);
@@ -603,6 +624,8 @@ enum Status {
     Superseded {
         holder: String,
         since: Option<u64>,
+        /// The holder's data address.
+        data: String,
     },
 }
 
@@ -746,7 +769,9 @@ fn decode(id: &str, fields: &HashMap<String, String>) -> Option<Member> {
     m.validate().ok().map(|()| m)
 }
 
-/// `[status, id1, [field, value, ...], id2, [...], ...]` from the tick script.
+/// The tick script's answer: `[status, holder grpc, holder since, holder data, id1, [field,
+/// value, ...], id2, [...], ...]` (the holder's fields empty unless superseded), or
+/// `[contested, holder grpc, beat, tick]`.
 fn parse_reply(v: Value) -> Result<Reply, ServerError> {
     let bad = |what: &str| {
         ServerError::Io(std::io::Error::other(format!("cluster membership: odd reply from Redis ({what})")))
@@ -759,13 +784,18 @@ fn parse_reply(v: Value) -> Result<Reply, ServerError> {
     let (Some(status), Some(detail)) = (text(), text()) else {
         return Err(bad("no status"));
     };
-    // Every status but "contested" has a third element: the holder's `since`.
-    let since = if status == "contested" { None } else { text() };
+    // Every status but "contested" has a third and fourth element: the holder's `since` and data
+    // address.
+    let (since, data) = if status == "contested" { (None, None) } else { (text(), text()) };
     let status = match status.as_str() {
         "claimed" => Status::Claimed,
         "refreshed" => Status::Refreshed,
         "recreated" => Status::Recreated,
-        "superseded" => Status::Superseded { holder: detail, since: since.and_then(|t| t.parse().ok()) },
+        "superseded" => Status::Superseded {
+            holder: detail,
+            since: since.and_then(|t| t.parse().ok()),
+            data: data.unwrap_or_default(),
+        },
         "contested" => {
             let (beat, tick) = (text().unwrap_or_default(), text().and_then(|t| t.parse().ok()));
             let tick = tick.map(Duration::from_millis);
@@ -832,11 +862,12 @@ if status ~= 'superseded' then
   redis.call('PEXPIRE', me, ttl)
   redis.call('SADD', set, id)
 end
-local out = {status, '', ''}
+local out = {status, '', '', ''}
 if status == 'superseded' then
-  local h = redis.call('HMGET', me, 'grpc', 'since')
+  local h = redis.call('HMGET', me, 'grpc', 'since', 'data')
   out[2] = h[1] or ''
   out[3] = h[2] or ''
+  out[4] = h[3] or ''
 end
 local n = 0
 for _, m in ipairs(redis.call('SMEMBERS', set)) do

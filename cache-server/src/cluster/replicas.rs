@@ -515,7 +515,8 @@ struct RoomBackoff(parking_lot::Mutex<std::collections::HashMap<SessionAt, (Inst
 type SessionAt = (NamespaceId, String, NodeId);
 
 impl RoomBackoff {
-    /// Most (session, member) pairs remembered; past it the oldest go first.
+    /// Most (session, member) pairs remembered; past it the ones whose wait is over go, and if
+    /// that is not enough, all (they are asked again on the next pass).
     const MAX: usize = 65536;
 
     fn waiting(&self, m: &SessionManifest, member: &NodeId, now: Instant) -> bool {
@@ -527,6 +528,9 @@ impl RoomBackoff {
         let mut map = self.0.lock();
         if map.len() >= Self::MAX {
             map.retain(|_, (until, _)| now < *until);
+            if map.len() >= Self::MAX {
+                map.clear();
+            }
         }
         let e = map.entry((m.namespace, m.id.clone(), member.clone())).or_insert((now, 0));
         let wait = ROOM_BACKOFF.saturating_mul(1 << e.1.min(8)).min(ROOM_BACKOFF_MAX);
@@ -574,13 +578,14 @@ async fn repair_one(state: &Arc<NodeState>, peers: &Arc<PeerTier>, m: SessionMan
         .filter(|&i| p.members()[i].id != *peers.local() && peers.is_down(&p.members()[i].id, now))
         .count();
     let mut held = 0;
-    let mut short = false;
+    let (mut short, mut refused) = (false, false);
     for &i in &all {
         if held >= want {
             break;
         }
         let member = &p.members()[i];
         if backoff.waiting(&m, &member.id, now) {
+            refused = true;
             continue;
         }
         let theirs = match peers.bounded(member, peers.transport().session_get(member, &ns, &m.id)).await {
@@ -645,6 +650,7 @@ async fn repair_one(state: &Arc<NodeState>, peers: &Arc<PeerTier>, m: SessionMan
                         "session copy refused there, asking the next owner (and not this one for a while): {e}"
                     );
                     backoff.refused(&m, &member.id, Instant::now());
+                    refused = true;
                 }
                 Err(e) => {
                     peers.failed(member, "session", &e);
@@ -654,10 +660,11 @@ async fn repair_one(state: &Arc<NodeState>, peers: &Arc<PeerTier>, m: SessionMan
             },
         }
     }
-    // Short of copies for a reason a later pass may not meet (a peer's failure, members skipped
-    // as down): asked again. Short only because the members left have no room: a membership
-    // change asks again.
-    held >= want || (!short && skipped == 0)
+    // Short of copies: asked again on the next pass (every REPAIR_RETRY while any session is
+    // short), which skips the members left alone for want of room until their wait is over.
+    // Short only because there are not enough members (none failed or was skipped as down):
+    // a membership change asks again.
+    held >= want || (!short && skipped == 0 && !refused)
 }
 
 /// A session as a `SessionReplica` call carries it, and its TTL in ms.
