@@ -9,6 +9,7 @@ use bytes::Bytes;
 use kvtier_kernels::{encode, BlockSpec, KvBlockView};
 use kvtier_proto::dataplane::{Hello, LeaseGrant, Op, RequestHeader, SlotDescriptor};
 use kvtier_proto::record_log::deletes::{self, OwedDeleteRecord};
+use kvtier_proto::record_log::hints::PeerHintsRecord;
 use kvtier_proto::record_log::namespaces::NamespaceRecord;
 use kvtier_proto::record_log::sessions::{encode_body, LoggedSession, DROP, DROPPED, PUT};
 use kvtier_proto::record_log::{encode_log_header, encode_record, LogKey, LogKind};
@@ -105,7 +106,8 @@ fn logs() -> std::io::Result<()> {
         &key,
         &encode_body(DROP, 3, &LoggedSession::tombstone(NamespaceId([1; 16]), "a".into())),
     ));
-    let remembered = LoggedSession { dropped_unix_ms: 1 << 40, ..LoggedSession::tombstone(NamespaceId([1; 16]), "a".into()) };
+    let remembered =
+        LoggedSession { dropped_unix_ms: 1 << 40, ..LoggedSession::tombstone(NamespaceId([1; 16]), "a".into()) };
     sessions.extend(encode_record(&key, &encode_body(DROPPED, 4, &remembered)));
     write("logs", "sessions", &sessions)?;
     let n = sessions.len();
@@ -137,5 +139,16 @@ fn logs() -> std::io::Result<()> {
     write("logs", "owed-deletes", &owed)?;
     let n = owed.len();
     owed[n - 20] ^= 4;
-    write("logs", "owed-deletes-damaged", &owed)
+    write("logs", "owed-deletes-damaged", &owed)?;
+    let mut hints = vec![3u8];
+    hints.extend(encode_log_header(LogKind::PeerHints, &key));
+    for (member, n) in [("n3", 2u8), ("node-two:7070", 1)] {
+        let owed = (0..n).map(|i| (kvtier_proto::BlockKey([i; 32]), 1u64 << 40)).collect();
+        let r = PeerHintsRecord { member, namespace: NamespaceId([5; 16]), hints: owed };
+        hints.extend(encode_record(&key, &r.encode()));
+    }
+    write("logs", "peer-hints", &hints)?;
+    let n = hints.len();
+    hints[n - 20] ^= 4;
+    write("logs", "peer-hints-damaged", &hints)
 }

@@ -1,5 +1,6 @@
 //! The replay of the node's metadata logs over arbitrary bytes: the first byte picks
-//! `sessions.log` (0 mod 3), `namespaces.log` (1) or `owed_deletes.log` (2), the rest is the file. The functions are the
+//! `sessions.log` (0 mod 4), `namespaces.log` (1), `owed_deletes.log` (2) or `peer_hints.log`
+//! (3), the rest is the file. The functions are the
 //! server's own (`kvtier_proto::record_log`: header, keyed-record scan, record bodies). Beyond not
 //! panicking: every record returned is, byte for byte, the record its body encodes to under the
 //! file's secret (so it verifies); records never overlap and never outnumber what fits; damaged
@@ -8,6 +9,7 @@
 #![no_main]
 
 use kvtier_proto::record_log::deletes::{self, read_owed_deletes_log, OwedDeleteRecord};
+use kvtier_proto::record_log::hints::{self, read_peer_hints_log, PeerHintsRecord};
 use kvtier_proto::record_log::namespaces::{self, read_namespace_log, NamespaceRecord};
 use kvtier_proto::record_log::sessions::{self, decode_body, encode_body, read_session_log};
 use kvtier_proto::record_log::{
@@ -18,17 +20,21 @@ use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     let Some((&pick, file)) = data.split_first() else { return };
-    let (kind, max) = match pick % 3 {
+    let (kind, max) = match pick % 4 {
         0 => (LogKind::Sessions, sessions::MAX_RECORD),
         1 => (LogKind::Namespaces, namespaces::MAX_RECORD),
-        _ => (LogKind::OwedDeletes, deletes::MAX_RECORD),
+        2 => (LogKind::OwedDeletes, deletes::MAX_RECORD),
+        _ => (LogKind::PeerHints, hints::MAX_RECORD),
     };
-    if kind == LogKind::OwedDeletes {
-        // This log has no first format: a file without a header is refused, an empty one owes nothing.
-        let read = read_owed_deletes_log(file);
+    if matches!(kind, LogKind::OwedDeletes | LogKind::PeerHints) {
+        // These logs have no first format: a file without a header is refused, an empty one owes nothing.
+        let read = match kind {
+            LogKind::OwedDeletes => read_owed_deletes_log(file).map(|(r, s)| (r.len(), s)),
+            _ => read_peer_hints_log(file).map(|(r, s)| (r.len(), s)),
+        };
         match read_log(kind, file, max) {
             Ok(LogContents::Legacy) if !file.is_empty() => assert!(read.is_err(), "a file with no header read"),
-            Ok(LogContents::Legacy) => assert_eq!(read.ok(), Some((Vec::new(), 0))),
+            Ok(LogContents::Legacy) => assert_eq!(read.ok(), Some((0, 0))),
             Ok(LogContents::Keyed { .. }) => assert!(read.is_ok(), "a keyed file refused"),
             Err(_) => assert!(read.is_err(), "a damaged header read"),
         }
@@ -103,6 +109,14 @@ fuzz_target!(|data: &[u8]| {
             for r in records {
                 let body = r.encode();
                 assert_eq!(OwedDeleteRecord::decode(&body), Some(r), "an owed-delete record does not round-trip");
+            }
+        }
+        LogKind::PeerHints => {
+            let (records, skipped) = read_peer_hints_log(file).expect("header read above");
+            assert_eq!(records.len() as u64 + skipped, total, "records and skips do not add up");
+            for r in records {
+                let body = r.encode();
+                assert_eq!(PeerHintsRecord::decode(&body), Some(r), "a peer-hints record does not round-trip");
             }
         }
     }
