@@ -83,6 +83,41 @@ pub(crate) fn fresh_log_key() -> Result<LogKey, ServerError> {
     Ok(LogKey(key))
 }
 
+/// A log the node rewrites whole (owed deletes, peer hints), opened: what `read` makes of its
+/// bytes (`read` returns it with how many damaged records it skipped, said at WARN) and the
+/// secret to write it again with. A file `read` refuses — its header does not verify, so no
+/// record in it can be trusted — is moved aside (`.damaged`) and said at ERROR with `lost`, what
+/// the node goes without; a fresh secret is drawn then, and for a file that had none.
+pub(crate) fn open_rewritten_log<T: Default>(
+    dir: &Path,
+    file: &str,
+    kind: kvtier_proto::record_log::LogKind,
+    fs: &dyn crate::fs::FileSystem,
+    lost: &str,
+    read: impl FnOnce(&[u8]) -> Result<(T, u64), kvtier_proto::ProtoError>,
+) -> Result<(PathBuf, LogKey, T), ServerError> {
+    let path = dir.join(file);
+    let data = fs.read_all(&path)?.unwrap_or_default();
+    match read(&data) {
+        Ok((found, skipped)) => {
+            if skipped > 0 {
+                tracing::warn!("{}: {skipped} damaged record(s) skipped", path.display());
+            }
+            let key = match kvtier_proto::record_log::read_log_header(kind, &data) {
+                Ok(kvtier_proto::record_log::LogHeader::Keyed(key)) => key,
+                _ => fresh_log_key()?,
+            };
+            Ok((path, key, found))
+        }
+        Err(e) => {
+            let aside = dir.join(format!("{file}.damaged"));
+            fs.rename(&path, &aside)?;
+            tracing::error!("{}: {e}; moved to {} — {lost}", path.display(), aside.display());
+            Ok((path, fresh_log_key()?, T::default()))
+        }
+    }
+}
+
 /// The verified first-format record starting at `at`: (where the next one starts, kind, sequence
 /// number, session); `None` when the bytes there are not a whole record with a matching checksum.
 fn legacy_record_at(data: &[u8], at: usize, ordinal: u64) -> Option<(usize, u8, u64, LoggedSession)> {

@@ -113,19 +113,16 @@ impl OwedLog {
     /// read: without its secret no record in it can be trusted.
     pub fn open(dir: &Path, fs: Arc<dyn FileSystem>) -> Result<(OwedLog, Vec<Restored>), ServerError> {
         use prost::Message;
-        let path = dir.join(Self::FILE);
-        let data = fs.read_all(&path)?.unwrap_or_default();
-        let mut owed = Vec::new();
-        let key = match read_owed_deletes_log(&data) {
-            Ok((found, skipped)) => {
-                if skipped > 0 {
-                    tracing::warn!("{}: {skipped} damaged record(s) skipped", path.display());
-                }
+        let lost = "deletes this node owed members that were away are not asked again";
+        let (path, key, owed) =
+            crate::session_log::open_rewritten_log(dir, Self::FILE, LogKind::OwedDeletes, &*fs, lost, |data| {
+                let (found, mut skipped) = read_owed_deletes_log(data)?;
+                let mut owed = Vec::new();
                 for r in found {
                     let member = NodeId::new(r.member).ok();
                     let ns = pb::NamespaceSpec::decode(r.spec).ok().and_then(|pb| Namespace::from_pb(&pb).ok());
                     let (Some(member), Some(ns)) = (member, ns) else {
-                        tracing::warn!("{}: a record naming no valid member or namespace skipped", path.display());
+                        skipped += 1; // a record naming no valid member or namespace
                         continue;
                     };
                     let what = if r.what == records::UNREGISTER {
@@ -133,28 +130,13 @@ impl OwedLog {
                     } else {
                         NamespaceDelete::Purge
                     };
-                    let asked = UNIX_EPOCH + Duration::from_millis(r.asked_unix_ms);
-                    let o = Owed { what, asked };
+                    let o = Owed { what, asked: UNIX_EPOCH + Duration::from_millis(r.asked_unix_ms) };
                     if o.age() < OWED_FOR {
                         owed.push((member, ns, o));
                     }
                 }
-                match kvtier_proto::record_log::read_log_header(LogKind::OwedDeletes, &data) {
-                    Ok(kvtier_proto::record_log::LogHeader::Keyed(key)) => key,
-                    _ => crate::session_log::fresh_log_key()?,
-                }
-            }
-            Err(e) => {
-                let aside = dir.join(format!("{}.damaged", Self::FILE));
-                fs.rename(&path, &aside)?;
-                tracing::error!(
-                    "{}: {e}; moved to {} — deletes this node owed members that were away are not asked again",
-                    path.display(),
-                    aside.display()
-                );
-                crate::session_log::fresh_log_key()?
-            }
-        };
+                Ok((owed, skipped))
+            })?;
         Ok((OwedLog { path, fs, key, writing: Mutex::new(0), wanted: Default::default() }, owed))
     }
 

@@ -178,16 +178,16 @@ impl HintsLog {
     /// Opens the log in `dir` and reads back its hints (those younger than [`HINT_FOR`]). A file
     /// whose header no longer verifies is moved aside (`.damaged`, said in the log), not read.
     pub fn open(dir: &Path, fs: Arc<dyn FileSystem>) -> Result<(HintsLog, Vec<SavedHint>), ServerError> {
-        let path = dir.join(Self::FILE);
-        let data = fs.read_all(&path)?.unwrap_or_default();
-        let mut saved = Vec::new();
-        let key = match read_peer_hints_log(&data) {
-            Ok((records, skipped)) => {
-                if skipped > 0 {
-                    tracing::warn!("{}: {skipped} damaged record(s) skipped", path.display());
-                }
+        let lost = "blocks owed to owners that were down are not handed to them";
+        let (path, key, saved) =
+            crate::session_log::open_rewritten_log(dir, Self::FILE, LogKind::PeerHints, &*fs, lost, |data| {
+                let (records, mut skipped) = read_peer_hints_log(data)?;
+                let mut saved = Vec::new();
                 for r in records {
-                    let Ok(member) = NodeId::new(r.member) else { continue };
+                    let Ok(member) = NodeId::new(r.member) else {
+                        skipped += 1;
+                        continue;
+                    };
                     for (key, stored_ms) in r.hints {
                         let stored = UNIX_EPOCH + Duration::from_millis(stored_ms);
                         if stored.elapsed().unwrap_or_default() < HINT_FOR {
@@ -195,22 +195,8 @@ impl HintsLog {
                         }
                     }
                 }
-                match kvtier_proto::record_log::read_log_header(LogKind::PeerHints, &data) {
-                    Ok(kvtier_proto::record_log::LogHeader::Keyed(key)) => key,
-                    _ => crate::session_log::fresh_log_key()?,
-                }
-            }
-            Err(e) => {
-                let aside = dir.join(format!("{}.damaged", Self::FILE));
-                fs.rename(&path, &aside)?;
-                tracing::error!(
-                    "{}: {e}; moved to {} — blocks owed to owners that were down are not handed to them",
-                    path.display(),
-                    aside.display()
-                );
-                crate::session_log::fresh_log_key()?
-            }
-        };
+                Ok((saved, skipped))
+            })?;
         Ok((HintsLog { path, fs, key }, saved))
     }
 
