@@ -274,17 +274,23 @@ async fn a_park_with_too_few_live_nodes_is_not_acknowledged_and_tenants_cannot_t
     assert!(solo.scrape().contains("kvtier_session_underreplicated_total"));
 }
 
+/// Two DRAM-only nodes with `cluster_rf` = 1 that see each other, a client of each and its
+/// handle of the test namespace.
+async fn pair_rf1(redis: &Redis, dir: &std::path::Path) -> ([ServerProcess; 2], [KvClient; 2], [NamespaceHandle; 2]) {
+    let nodes = [node_rf(redis, dir, "n1", 1), node_rf(redis, dir, "n2", 1)];
+    until_members(&nodes, 2);
+    let clients = [nodes[0].client().await, nodes[1].client().await];
+    let ns = [handle(&clients[0]).await, handle(&clients[1]).await];
+    (nodes, clients, ns)
+}
+
 /// With `cluster_rf` = 1 a session has one copy, and it follows the agent: a resume on another
 /// node moves it there (exact bytes), and the old node's copy goes, so it can't go stale.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_one_copy_a_session_moves_to_the_node_that_resumes_it() {
     let redis = Redis::start();
     let dir = tempfile::tempdir().unwrap();
-    let n1 = node_rf(&redis, dir.path(), "n1", 1);
-    let n2 = node_rf(&redis, dir.path(), "n2", 1);
-    until_members([&n1, &n2], 2);
-    let (c1, c2) = (n1.client().await, n2.client().await);
-    let (ns1, ns2) = (handle(&c1).await, handle(&c2).await);
+    let (_nodes, [c1, c2], [ns1, ns2]) = pair_rf1(&redis, dir.path()).await;
     let (toks, blocks) = session(&ns1, 5);
     c1.park(&ns1, "mover", &toks, &blocks, &ParkOptions::default(), 0).await.unwrap();
     let r = c2.resume(&ns2, "mover").await.unwrap();
@@ -315,11 +321,7 @@ async fn with_one_copy_a_session_moves_to_the_node_that_resumes_it() {
 async fn an_expired_session_says_expired_through_a_node_without_a_copy() {
     let redis = Redis::start();
     let dir = tempfile::tempdir().unwrap();
-    let n1 = node_rf(&redis, dir.path(), "n1", 1);
-    let n2 = node_rf(&redis, dir.path(), "n2", 1);
-    until_members([&n1, &n2], 2);
-    let (c1, c2) = (n1.client().await, n2.client().await);
-    let (ns1, ns2) = (handle(&c1).await, handle(&c2).await);
+    let (_nodes, [c1, c2], [ns1, ns2]) = pair_rf1(&redis, dir.path()).await;
     let (toks, blocks) = session(&ns1, 9);
     let short = ParkOptions { ttl: Some(Duration::from_millis(300)), ..ParkOptions::default() };
     c1.park(&ns1, "brief", &toks, &blocks, &short, 0).await.unwrap();
