@@ -375,8 +375,9 @@ impl Driver {
     async fn run(mut self) {
         let mut every = tokio::time::interval(self.shared.cfg.tick());
         every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        every.tick().await; // The first tick completes at once; `start` has just run one.
-                            // A fenced node stops refreshing: the id is the other process's.
+        // The first tick completes at once; `start` has just run one.
+        every.tick().await;
+        // A fenced node stops refreshing: the id is the other process's.
         while self.shared.fenced.borrow().is_none() {
             every.tick().await;
             self.tick().await;
