@@ -168,8 +168,21 @@ fn a_second_node_with_a_live_nodes_id_is_refused_and_a_restart_elsewhere_is_not(
     std::thread::sleep(Duration::from_millis(500));
     let addr = format!("127.0.0.1:{grpc}");
     let (stored, out, _) = cli(&["put", "--server", &addr, "--timeout", "1s", "--text", "a store nobody keeps"]);
+    // The twin exits on its own within its watch; one that doesn't is killed here, not left behind.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let exited = loop {
+        match twin.try_wait().unwrap() {
+            Some(status) => break Some(status),
+            None if Instant::now() >= deadline => break None,
+            None => std::thread::sleep(Duration::from_millis(50)),
+        }
+    };
+    if exited.is_none() {
+        let _ = twin.kill();
+        let _ = twin.wait();
+    }
     assert!(!stored, "the twin acknowledged a store before its id was checked: {out}");
-    assert!(!twin.wait().unwrap().success(), "the twin started");
+    assert!(exited.is_some_and(|s| !s.success()), "the twin started: {exited:?}");
     std::thread::sleep(Duration::from_millis(500));
     let advertised = redis_cli(redis.port, &["HGET", "{kvtier}:member:n1", "grpc"]);
     assert_eq!(advertised.trim(), n1.grpc.to_string(), "n1 lost its registration");
