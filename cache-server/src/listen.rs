@@ -75,15 +75,22 @@ where
     W: tokio::io::AsyncWrite + Unpin,
 {
     use kvtier_proto::dataplane::{HelloReply, Status};
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let answer = HelloReply::encode(Status::TooManyConnections, &format!("connection refused: {why}"));
     let told = async {
         w.write_all(&answer).await?;
         w.shutdown().await
     };
-    if !matches!(tokio::time::timeout(REFUSE_WAIT, told).await, Ok(Ok(()))) {
-        return;
+    if matches!(tokio::time::timeout(REFUSE_WAIT, told).await, Ok(Ok(()))) {
+        drain_until_closed(&mut r).await;
     }
+}
+
+/// Reads and drops what a refused client still sends until it closes (closing on unread bytes
+/// would reset the connection, and the reset could take the answer with it): at most 64 KiB,
+/// within [`REFUSE_WAIT`].
+async fn drain_until_closed<R: tokio::io::AsyncRead + Unpin + ?Sized>(r: &mut R) {
+    use tokio::io::AsyncReadExt;
     let drained = async {
         let (mut buf, mut left) = ([0u8; 4096], 64usize << 10);
         while left > 0 {
@@ -94,6 +101,29 @@ where
         }
     };
     let _ = tokio::time::timeout(REFUSE_WAIT, drained).await;
+}
+
+/// Reads the client's HTTP/2 frames up to its first request's HEADERS (at most 64 KiB of them):
+/// a GOAWAY that reaches an HTTP/2 client before it sent its request finds that request still
+/// queued, and the client reports a connection closed under it, not the refusal. A client that
+/// sends no request (or closes) ends the wait.
+async fn read_until_first_request<R: tokio::io::AsyncRead + Unpin + ?Sized>(r: &mut R) -> std::io::Result<()> {
+    use tokio::io::AsyncReadExt;
+    const HEADERS: u8 = 0x1;
+    let mut left = 64usize << 10;
+    loop {
+        let mut head = [0u8; 9];
+        r.read_exact(&mut head).await?;
+        if head[3] == HEADERS {
+            return Ok(());
+        }
+        let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+        left = left.checked_sub(9 + len).ok_or(std::io::ErrorKind::InvalidData)?;
+        let skipped = tokio::io::copy(&mut (&mut *r).take(len as u64), &mut tokio::io::sink()).await?;
+        if skipped < len as u64 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+    }
 }
 
 /// How many connections one listener serves at once.
@@ -256,13 +286,7 @@ impl GrpcStream {
     async fn read_preface(&mut self, within: Duration) -> Result<(), (&'static str, String)> {
         use tokio::io::AsyncReadExt;
         let mut got = [0u8; H2_PREFACE.len()];
-        let read = async {
-            match self {
-                GrpcStream::Plain(s) => s.read_exact(&mut got).await,
-                GrpcStream::Tls(s) => s.read_exact(&mut got).await,
-            }
-        };
-        match tokio::time::timeout(within, read).await {
+        match tokio::time::timeout(within, self.io().read_exact(&mut got)).await {
             Err(_) => Err(("grpc_preface_timeout", format!("no HTTP/2 preface within {within:?}"))),
             Ok(Err(e)) => Err(("grpc_preface_io", format!("closed before its HTTP/2 preface: {e}"))),
             Ok(Ok(_)) if &got != H2_PREFACE => {
@@ -283,15 +307,15 @@ pub const H2_ENHANCE_YOUR_CALM: u32 = 0xb;
 
 impl GrpcStream {
     /// Refuses the connection in HTTP/2's terms: once the client's preface is read, the server's
-    /// (empty) SETTINGS and a GOAWAY with `ENHANCE_YOUR_CALM` and `why` as its debug data, then
-    /// the client's bytes drained until it closes; each step within [`REFUSE_WAIT`].
+    /// (empty) SETTINGS; once the client sent its first request (see
+    /// [`read_until_first_request`]), a GOAWAY with `ENHANCE_YOUR_CALM` and `why` as its debug
+    /// data (last stream 0: the request was not taken); then the client's bytes drained until it
+    /// closes. Each step within [`REFUSE_WAIT`].
     async fn refuse(mut self, why: String) {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        use tokio::io::AsyncWriteExt;
         if self.read_preface(REFUSE_WAIT).await.is_err() {
             return;
         }
-        let debug = format!("{}: connection refused: {why}", kvtier_proto::codes::TOO_MANY_CONNECTIONS);
-        let debug = &debug.as_bytes()[..debug.len().min(1024)];
         let frame = |kind: u8, payload: &[u8]| {
             let mut f = Vec::with_capacity(9 + payload.len());
             f.extend_from_slice(&(payload.len() as u32).to_be_bytes()[1..]);
@@ -299,43 +323,42 @@ impl GrpcStream {
             f.extend_from_slice(payload);
             f
         };
+        let debug = format!("{}: connection refused: {why}", kvtier_proto::codes::TOO_MANY_CONNECTIONS);
+        let debug = &debug.as_bytes()[..debug.len().min(1024)];
         let mut goaway = Vec::with_capacity(8 + debug.len());
         goaway.extend_from_slice(&0u32.to_be_bytes()); // last stream id: none was taken
         goaway.extend_from_slice(&H2_ENHANCE_YOUR_CALM.to_be_bytes());
         goaway.extend_from_slice(debug);
-        let mut out = frame(0x4, &[]); // SETTINGS
-        out.extend(frame(0x7, &goaway)); // GOAWAY
-        let told = async {
-            match &mut self {
-                GrpcStream::Plain(s) => {
-                    s.write_all(&out).await?;
-                    s.shutdown().await
-                }
-                GrpcStream::Tls(s) => {
-                    s.write_all(&out).await?;
-                    s.shutdown().await
-                }
-            }
+        let io = self.io();
+        let settings = async {
+            io.write_all(&frame(0x4, &[])).await?;
+            io.flush().await
         };
-        if !matches!(tokio::time::timeout(REFUSE_WAIT, told).await, Ok(Ok(()))) {
+        if !matches!(tokio::time::timeout(REFUSE_WAIT, settings).await, Ok(Ok(()))) {
             return;
         }
-        let drained = async {
-            let (mut buf, mut left) = ([0u8; 4096], 64usize << 10);
-            while left > 0 {
-                let n = match &mut self {
-                    GrpcStream::Plain(s) => s.read(&mut buf).await,
-                    GrpcStream::Tls(s) => s.read(&mut buf).await,
-                };
-                match n {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => left = left.saturating_sub(n),
-                }
-            }
+        let _ = tokio::time::timeout(REFUSE_WAIT, read_until_first_request(io)).await;
+        let told = async {
+            io.write_all(&frame(0x7, &goaway)).await?;
+            io.shutdown().await
         };
-        let _ = tokio::time::timeout(REFUSE_WAIT, drained).await;
+        if matches!(tokio::time::timeout(REFUSE_WAIT, told).await, Ok(Ok(()))) {
+            drain_until_closed(io).await;
+        }
+    }
+
+    /// The connection's bytes, under TLS or not.
+    fn io(&mut self) -> &mut (dyn GrpcIo + '_) {
+        match self {
+            GrpcStream::Plain(s) => s,
+            GrpcStream::Tls(s) => s.as_mut(),
+        }
     }
 }
+
+/// What a gRPC connection's byte stream is (plain TCP or TLS over it).
+trait GrpcIo: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> GrpcIo for T {}
 
 /// What every gRPC call of a connection finds in its request's extensions.
 #[derive(Debug, Clone)]
