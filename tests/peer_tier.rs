@@ -68,8 +68,10 @@ async fn dram_stats(c: &KvClient) -> pb::TierStats {
 fn until_forwarded(node: &ServerProcess, n: usize) {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let done = metric(&node.scrape(), "kvtier_peer_forwarded_blocks_total", &[]);
-        if done >= n as f64 {
+        let m = node.scrape();
+        let done = metric(&m, "kvtier_peer_forwarded_blocks_total", &[]);
+        // The queue's gauge is lowered just after the count is raised.
+        if done >= n as f64 && metric(&m, "kvtier_peer_forward_queue_bytes", &[]) == 0.0 {
             return;
         }
         assert!(Instant::now() < deadline, "forwarded {done} of {n} blocks");
@@ -501,18 +503,26 @@ async fn hints_survive_a_restart_of_the_node_that_holds_them() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    // Saved every 2 s while they change: past that, n1 is killed (no stop to save at) and started
-    // again on its data directory.
-    tokio::time::sleep(Duration::from_secs(4)).await;
-    let saved = std::fs::metadata(nodes[0].dir.join("peer_hints.log")).map_or(0, |m| m.len());
-    assert!(saved >= (to_n3 * 40) as u64, "peer_hints.log holds {saved} bytes");
+    // Saved every 2 s while they change: once on disk, n1 is killed (no stop to save at) and
+    // started again on its data directory.
+    let saved = || std::fs::metadata(nodes[0].dir.join("peer_hints.log")).map_or(0, |m| m.len());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while saved() < (to_n3 * 40) as u64 {
+        assert!(Instant::now() < deadline, "peer_hints.log holds {} bytes", saved());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let mut nodes = nodes;
     let _ = nodes[0].child.kill();
     let _ = nodes[0].child.wait();
     let again = nodes[0].restart_in_place(&args[0]);
-    nodes[0] = again;
+    let _old = std::mem::replace(&mut nodes[0], again);
     let n1 = |name: &str| metric(&nodes[0].scrape(), name, &[]);
-    assert!(n1("kvtier_peer_handoff_pending") >= to_n3 as f64, "the hints taken back at start");
+    // Read back by a task of its own, soon after start.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while n1("kvtier_peer_handoff_pending") < to_n3 as f64 {
+        assert!(Instant::now() < deadline, "{} hints taken back at start", n1("kvtier_peer_handoff_pending"));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     continue_process(pid3);
     let deadline = Instant::now() + Duration::from_secs(30);
     while n1("kvtier_peer_handoff_pending") > 0.0 {
@@ -530,6 +540,111 @@ async fn hints_survive_a_restart_of_the_node_that_holds_them() {
         let f = f.unwrap_or_else(|| panic!("n3 lacks block {i} of the document"));
         assert!(f.payload == payloads[i], "block {i}: wrong bytes");
     }
+}
+
+/// A node killed and started again with empty memory (rf 2) is still its keys' first replica
+/// for the others, and misses them all: each miss it answers is asked of the key's other replica,
+/// so every block still loads through another node, and the blocks it missed are sent back to it
+/// (read repair). Before, a block whose first replica was the restarted node was a miss until
+/// stored again, though its other replica held it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_restarted_empty_is_backed_by_the_other_replicas_and_repaired_by_reads() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let mut nodes = cluster(&redis, dir.path(), 2);
+    let a = nodes[0].client().await;
+    let spec = namespace("acme", b"restart-salt", small_layout());
+    let ns = a.register(spec.clone()).await.unwrap();
+    let toks = tokens(7, 48 * 16);
+    let payloads = full_block_payloads(&ns, &toks);
+    a.store(&ns, &toks, &payloads).await.unwrap().ok().unwrap();
+    let p = placement();
+    let keys = ns.keys(&toks);
+    let copies: usize = keys.iter().map(|k| owners(&p, &ns.id, k, 2).iter().filter(|o| **o != "n1").count()).sum();
+    until_forwarded(&nodes[0], copies);
+
+    // n2 killed and started again in place: its DRAM is empty.
+    let _ = nodes[1].child.kill();
+    let _ = nodes[1].child.wait();
+    let cfg = dir.path().join("n2.toml");
+    let again = nodes[1].restart_in_place(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"]);
+    let _old = std::mem::replace(&mut nodes[1], again);
+    until_members(&nodes, 3);
+    let b = nodes[1].client().await;
+    assert_eq!(dram_stats(&b).await.blocks, 0, "n2 came back empty");
+
+    // Through n3 (once it has seen n2's new registration): every block, exact.
+    let c = nodes[2].client().await;
+    let ns_c = c.register(spec).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let loaded = c.load(&ns_c, &toks).await.unwrap();
+        if loaded.len() == payloads.len() {
+            assert!(loaded == payloads, "exact bytes");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} of {} blocks load through n3 with n2 restarted empty (rf 2)",
+            loaded.len(),
+            payloads.len()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // What n2 missed was sent back to it: it holds those blocks now.
+    let repaired = metric(&nodes[2].scrape(), "kvtier_peer_read_repairs_total", &[]);
+    assert!(repaired > 0.0, "n3 asked n2 first for some of n1 and n2's blocks");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while (dram_stats(&b).await.blocks as f64) < repaired {
+        assert!(
+            Instant::now() < deadline,
+            "n2 holds {} of the {repaired} blocks sent back",
+            dram_stats(&b).await.blocks
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(metric(&nodes[2].scrape(), "kvtier_peer_moved_on_keys_total", &[]) >= repaired);
+}
+
+/// A node joins (rf 1): keys that moved to it are stored with their former owners. A lookup and a
+/// load through the newcomer find them there, and it keeps them as their owner; the old members
+/// then find them at it. Before, every key that moved was a miss until stored again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_that_moved_to_a_node_that_joined_load_from_their_former_owners() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let mut nodes: Vec<ServerProcess> = IDS[..2].iter().map(|id| node(&redis, dir.path(), id, 1)).collect();
+    until_members(&nodes, 2);
+    let a = nodes[0].client().await;
+    let spec = namespace("acme", b"join-salt", small_layout());
+    let ns = a.register(spec.clone()).await.unwrap();
+    let toks = tokens(8, 48 * 16);
+    let payloads = full_block_payloads(&ns, &toks);
+    a.store(&ns, &toks, &payloads).await.unwrap().ok().unwrap();
+    let (two, three) = (kvtier_tests::redis::placement(&IDS[..2], 64 << 20), placement());
+    let keys = ns.keys(&toks);
+    let owner = |p: &Placement, k: &BlockKey| p.members()[p.owners(&ns.id, k, 1)[0]].id.to_string();
+    until_forwarded(&nodes[0], keys.iter().filter(|k| owner(&two, k) == "n2").count());
+    let moved = keys.iter().filter(|k| owner(&three, k) == "n3").count();
+    assert!(moved > 0, "some keys move to n3");
+
+    nodes.push(node(&redis, dir.path(), "n3", 1));
+    until_members(&nodes, 3);
+    let c = nodes[2].client().await;
+    let ns_c = c.register(spec.clone()).await.unwrap();
+    assert_eq!(c.lookup(&ns_c, &toks).await.unwrap(), toks.len(), "a lookup through the newcomer");
+    let loaded = c.load(&ns_c, &toks).await.unwrap();
+    assert_eq!(loaded.len(), payloads.len(), "every block loads through the newcomer");
+    assert!(loaded == payloads, "exact bytes");
+    assert_eq!(metric(&nodes[2].scrape(), "kvtier_peer_repaired_here_total", &[]), moved as f64, "kept as their owner");
+    // The old members find the moved keys at their new owner now.
+    let b = nodes[1].client().await;
+    let ns_b = b.register(spec).await.unwrap();
+    let before = peer_stats(&c).await;
+    let moved_keys: Vec<BlockKey> = keys.iter().copied().filter(|k| owner(&three, k) == "n3").collect();
+    let got = b.load_keys(&ns_b, &moved_keys).await.unwrap();
+    assert!(got.iter().all(Option::is_some), "n2 loads every moved block");
+    assert_eq!(peer_stats(&c).await.requests, before.requests, "n3 asked nobody: it holds them");
 }
 
 const OPERATOR: &str = "operator-secret-0123456789";

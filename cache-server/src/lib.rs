@@ -132,6 +132,7 @@ async fn join_cluster(
         data_addr: advertised(c.advertise_host.as_deref(), &host, data_addr),
         labels: cluster::Labels::new(Some(&host), c.rack.as_deref(), c.zone.as_deref()),
         capacity: c.dram_capacity.0 + c.disk_capacity.0,
+        since_ms: 0,
     };
     let Some(url) = &c.cluster else { return Ok(Arc::new(cluster::Embedded::new(local)?)) };
     let cfg = cluster::RedisMembershipConfig::new(url.clone(), local)

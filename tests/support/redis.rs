@@ -76,6 +76,7 @@ pub fn placement(ids: &[&str], capacity: u64) -> kvtier_server::cluster::Placeme
             data_addr: String::new(),
             labels: Labels::new(Some(&host), None, None),
             capacity,
+            since_ms: 0,
         })
         .collect();
     Placement::new(&members)

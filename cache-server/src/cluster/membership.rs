@@ -62,6 +62,7 @@ impl Snapshot {
 ///     data_addr: "127.0.0.1:7071".into(),
 ///     labels: Labels::default(),
 ///     capacity: 1 << 30,
+///     since_ms: 0,
 /// };
 /// let membership: Box<dyn Membership> = Box::new(Embedded::new(me).unwrap());
 /// let snap = membership.watch().borrow().clone();
@@ -766,6 +767,8 @@ fn decode(id: &str, fields: &HashMap<String, String>) -> Option<Member> {
         data_addr: f("data")?.to_owned(),
         labels: Labels::new(f("node"), f("rack"), f("zone")),
         capacity: f("capacity")?.parse().ok()?,
+        // Absent from the hash of a build before it was published: unknown.
+        since_ms: f("since").and_then(|t| t.parse().ok()).unwrap_or(0),
     };
     m.validate().ok().map(|()| m)
 }

@@ -10,6 +10,7 @@ fn m(id: &str) -> Member {
         data_addr: format!("{id}:2"),
         labels: Labels::new(Some("h"), Some("r"), None),
         capacity: 7,
+        since_ms: 0,
     }
 }
 

@@ -7,6 +7,8 @@
 //!   stores are forwarded to them; the network behind the [`PeerTransport`] seam.
 //! - [`replicas`]: replicated sessions — parks held by `rf` nodes, resumes that find the newest
 //!   copy on any node, copies re-made after a membership change.
+//! - [`settle`]: after a membership change, a key's former owners asked after its new ones, and
+//!   what they find sent to the owners that missed it (read repair).
 //! - [`handoff`]: blocks a forward could not give an owner that was down, handed to it when it
 //!   answers again.
 //! - [`deletes`]: a purge or an unregistration done on every member, and retried on one that
@@ -21,6 +23,7 @@ pub use kvtier_proto::cluster::{member, placement};
 pub mod membership;
 pub mod peer;
 pub mod replicas;
+pub mod settle;
 
 pub use deletes::{ClusterDelete, NamespaceDelete};
 pub use member::{Labels, Member, NodeId};

@@ -41,6 +41,7 @@ use super::handoff::Hints;
 use super::member::{Labels, Member, NodeId};
 use super::membership::Snapshot;
 use super::placement::{Placement, Reader};
+use super::settle::{Candidate, Settling};
 use crate::dram::StoredBlock;
 use crate::error::ServerError;
 use crate::sessions::SessionManifest;
@@ -284,6 +285,8 @@ struct ForwardJob {
     ns: Namespace,
     blocks: Vec<StoredBlock>,
     queued: Instant,
+    /// Only to this owner (a read repair), not to every other owner.
+    to: Option<NodeId>,
     _bytes: tokio::sync::OwnedSemaphorePermit,
 }
 
@@ -294,6 +297,8 @@ pub struct PeerTier {
     members: watch::Receiver<Snapshot>,
     /// Placement over the members, rebuilt when the snapshot's generation changes.
     placement: Mutex<(u64, Arc<Placement>)>,
+    /// The placements it replaced lately (see `super::settle`).
+    settling: Mutex<Settling>,
     transport: Arc<dyn PeerTransport>,
     cfg: PeerConfig,
     inflight: Arc<Semaphore>,
@@ -335,12 +340,49 @@ fn hits(idx: &[usize], answer: Result<Vec<Option<StoredBlock>>, ()>) -> Vec<(usi
     }
 }
 
-/// One unhedged answer to the keys `idx`: its blocks, and every key when the call failed.
-fn settle(idx: &[usize], answer: Result<Vec<Option<StoredBlock>>, ()>) -> (Vec<(usize, StoredBlock)>, Vec<usize>) {
+/// What one peer's share of a fetch round came to (key indices).
+#[derive(Default)]
+struct Asked {
+    got: Vec<(usize, StoredBlock)>,
+    /// The call to the key's candidate failed (and no hedge asked its next one).
+    failed: Vec<usize>,
+    /// The candidate answered "not held" (and no hedge asked the next one).
+    missed: Vec<usize>,
+}
+
+/// One unhedged answer to the keys `idx`.
+fn settle(idx: &[usize], answer: Result<Vec<Option<StoredBlock>>, ()>) -> Asked {
     match answer {
-        Ok(blocks) => (hits(idx, Ok(blocks)), Vec::new()),
-        Err(()) => (Vec::new(), idx.to_vec()),
+        Ok(blocks) => {
+            let mut a = Asked::default();
+            for (&k, b) in idx.iter().zip(blocks) {
+                match b {
+                    Some(b) => a.got.push((k, b)),
+                    None => a.missed.push(k),
+                }
+            }
+            a
+        }
+        Err(()) => Asked { failed: idx.to_vec(), ..Asked::default() },
     }
+}
+
+/// Records in `settling`, for a node whose view held only itself until it saw `members`, the
+/// membership as it was before this node joined: `members` without it (a node that joined, or
+/// restarted with empty memory, holds nothing yet of what it owns).
+fn before_joining(settling: &mut Settling, local: &NodeId, members: &[Member], now: Instant) {
+    let others: Vec<Member> = members.iter().filter(|m| &m.id != local).cloned().collect();
+    if !others.is_empty() {
+        settling.replaced(Arc::new(Placement::new(&others)), now);
+    }
+}
+
+/// Most rounds of one fetch: a key's first candidate, and the next ones after a failure or a
+/// miss that is not final (see `super::settle`).
+const FETCH_ROUNDS: usize = 3;
+
+fn unix_ms() -> u64 {
+    SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
 impl PeerTier {
@@ -355,15 +397,18 @@ impl PeerTier {
         stop: watch::Receiver<bool>,
     ) -> (Arc<PeerTier>, tokio::task::JoinHandle<()>) {
         let (tx, rx) = mpsc::channel(FORWARD_QUEUE);
-        let placement = {
+        let (placement, settling) = {
             let snap = members.borrow();
-            (snap.generation, Arc::new(Placement::new(&snap.members)))
+            let mut settling = Settling::default();
+            before_joining(&mut settling, &local, &snap.members, Instant::now());
+            ((snap.generation, Arc::new(Placement::new(&snap.members))), settling)
         };
         let tier = Arc::new(PeerTier {
             local,
             labels,
             members,
             placement: Mutex::new(placement),
+            settling: Mutex::new(settling),
             transport,
             inflight: Arc::new(Semaphore::new(cfg.max_inflight.max(1))),
             cfg,
@@ -401,9 +446,21 @@ impl PeerTier {
                 }
             }
             drop(departed);
-            *p = (generation, Arc::new(Placement::new(&members)));
+            let old = std::mem::replace(&mut *p, (generation, Arc::new(Placement::new(&members)))).1;
+            let mut settling = self.settling.lock();
+            if old.members().iter().all(|m| m.id == self.local) {
+                before_joining(&mut settling, &self.local, &members, now);
+            } else {
+                settling.replaced(old, now);
+            }
         }
         p.1.clone()
+    }
+
+    /// Forgets the placements replaced lately: as in a cluster that has settled.
+    #[cfg(test)]
+    pub(crate) fn forget_settling(&self) {
+        *self.settling.lock() = Settling::default();
     }
 
     /// Members that left the membership within the last [`super::deletes::OWED_FOR`] and have
@@ -453,36 +510,59 @@ impl PeerTier {
     }
 
     /// Loads `keys` (which every local tier missed) from their owners: one entry per key, a
-    /// verified block or `None`. Never waits much longer than two `peer_timeout`s (a first
-    /// round, and one for the keys of failed peers); never errs: a failure is a miss, counted.
-    /// A replica that is late is hedged (see [`Hedge`]).
+    /// verified block or `None`. Never waits much longer than [`FETCH_ROUNDS`] `peer_timeout`s
+    /// (a first round, then one for the keys of failed peers and of owners whose miss is not
+    /// final: see `super::settle`); never errs: a failure is a miss, counted. A replica that is
+    /// late is hedged (see [`Hedge`]). A block found after an owner missed it is sent to that
+    /// owner (read repair).
     pub async fn fetch(&self, ns: &Namespace, keys: &[BlockKey]) -> Vec<Option<StoredBlock>> {
         let mut out: Vec<Option<StoredBlock>> = vec![None; keys.len()];
         let p = self.placement();
         let candidates = self.candidates(&p, ns, keys);
+        let mut cursor = vec![0usize; keys.len()];
+        // Per key: the owners that answered "not held" before a later candidate was asked.
+        let mut missed_by: HashMap<usize, Vec<usize>> = HashMap::new();
         let mut pending: Vec<usize> = (0..keys.len()).collect();
-        for round in 0..2 {
+        for _ in 0..FETCH_ROUNDS {
             let mut plan: HashMap<usize, Vec<usize>> = HashMap::new();
             for &k in &pending {
-                if let Some(&peer) = candidates[k].get(round) {
-                    plan.entry(peer).or_default().push(k);
+                if let Some(c) = candidates[k].get(cursor[k]) {
+                    plan.entry(c.member).or_default().push(k);
                 }
             }
             if plan.is_empty() {
                 break;
             }
-            let calls = plan.iter().map(|(&peer, idx)| self.ask_hedged(&p, ns, keys, peer, idx, &candidates, round));
-            // Only keys whose peer failed (and that no hedge asked of their next replica) are
-            // worth asking again: an owner that answered "miss" was asked for a block the
-            // cluster doesn't hold.
+            let calls = plan.iter().map(|(&peer, idx)| self.ask_hedged(&p, ns, keys, peer, idx, &candidates, &cursor));
             pending = Vec::new();
-            for (hits, failed) in futures::future::join_all(calls).await {
-                for (i, b) in hits {
+            let mut moved_on = 0u64;
+            for asked in futures::future::join_all(calls).await {
+                for (i, b) in asked.got {
                     out[i] = Some(b);
                 }
-                pending.extend(failed);
+                // An owner that answered "miss" was asked for a block the cluster doesn't hold,
+                // unless it is new to the key: then the next candidate is asked too.
+                for k in asked.missed {
+                    let c = candidates[k][cursor[k]];
+                    if c.miss_moves_on && cursor[k] + 1 < candidates[k].len() {
+                        if c.owner {
+                            missed_by.entry(k).or_default().push(c.member);
+                        }
+                        moved_on += 1;
+                        cursor[k] += 1;
+                        pending.push(k);
+                    }
+                }
+                for k in asked.failed {
+                    cursor[k] += 1;
+                    pending.push(k);
+                }
+            }
+            if moved_on > 0 {
+                ::metrics::counter!("kvtier_peer_moved_on_keys_total").increment(moved_on);
             }
         }
+        self.repair_missed(ns, &p, &out, missed_by);
         let hits = out.iter().filter(|b| b.is_some()).count() as u64;
         let misses = keys.len() as u64 - hits;
         bump(&self.counters.hits, hits);
@@ -492,11 +572,35 @@ impl PeerTier {
         out
     }
 
-    /// One peer's share of a round: asks member `peer` for the keys `idx`. When hedging is on and
-    /// `peer` has not answered within the hedge delay, the keys that have a next replica
-    /// (`candidates[k][round + 1]`) are asked of it too, one request per replica, and each key is
-    /// taken from the first answer that holds it. Returns the blocks got (key index, block) and
-    /// the keys still worth asking elsewhere: those whose peer failed and that no hedge asked.
+    /// Read repair: the blocks of `got` that owners answered "not held" for (`missed_by`, key
+    /// index to member indices of `p`) are queued for those owners, through the forward queue
+    /// (bounded; a full queue drops them, and the next read repairs them).
+    fn repair_missed(
+        &self,
+        ns: &Namespace,
+        p: &Placement,
+        got: &[Option<StoredBlock>],
+        missed_by: HashMap<usize, Vec<usize>>,
+    ) {
+        let mut by_owner: HashMap<usize, Vec<StoredBlock>> = HashMap::new();
+        for (k, owners) in missed_by {
+            let Some(b) = &got[k] else { continue };
+            for o in owners {
+                by_owner.entry(o).or_default().push(b.clone());
+            }
+        }
+        for (o, blocks) in by_owner {
+            let n = blocks.len() as u64;
+            if self.enqueue_forward(ns.clone(), blocks, Instant::now(), Some(p.members()[o].id.clone())) {
+                ::metrics::counter!("kvtier_peer_read_repairs_total").increment(n);
+            }
+        }
+    }
+
+    /// One peer's share of a round: asks member `peer` for the keys `idx` (each key's candidate
+    /// at `cursor`). When hedging is on and `peer` has not answered within the hedge delay, the
+    /// keys that have a next candidate are asked of it too, one request per member, and each key
+    /// is taken from the first answer that holds it; a hedged key that neither brought is final.
     #[allow(clippy::too_many_arguments)]
     async fn ask_hedged(
         &self,
@@ -505,17 +609,17 @@ impl PeerTier {
         keys: &[BlockKey],
         peer: usize,
         idx: &[usize],
-        candidates: &[Vec<usize>],
-        round: usize,
-    ) -> (Vec<(usize, StoredBlock)>, Vec<usize>) {
+        candidates: &[Vec<Candidate>],
+        cursor: &[usize],
+    ) -> Asked {
         let primary = self.ask(&p.members()[peer], ns, keys, idx);
         tokio::pin!(primary);
         let mut alts: HashMap<usize, Vec<usize>> = HashMap::new();
         let delay = hedge_delay(self.cfg.hedge, &self.latencies.lock().samples, self.cfg.timeout);
         if let Some(delay) = delay {
             for &k in idx {
-                if let Some(&alt) = candidates[k].get(round + 1) {
-                    alts.entry(alt).or_default().push(k);
+                if let Some(alt) = candidates[k].get(cursor[k] + 1) {
+                    alts.entry(alt.member).or_default().push(k);
                 }
             }
             if !alts.is_empty() {
@@ -535,6 +639,21 @@ impl PeerTier {
         );
         tokio::pin!(hedge);
         let asked_again = |k: &usize| alts.values().any(|sub| sub.contains(k));
+        // What neither the primary nor a hedge brought: failed or missed at the primary, and not
+        // asked again (a hedged key's next candidate has answered for it).
+        let rest = |got: &[(usize, StoredBlock)], primary_answered: bool| {
+            let mut a = Asked::default();
+            for &k in idx {
+                if asked_again(&k) || got.iter().any(|(i, _)| *i == k) {
+                    continue;
+                }
+                match primary_answered {
+                    true => a.missed.push(k),
+                    false => a.failed.push(k),
+                }
+            }
+            a
+        };
         tokio::select! {
             answer = &mut primary => match answer {
                 // The first replica answered first: its answer stands (the hedge is dropped).
@@ -547,8 +666,7 @@ impl PeerTier {
                     }
                     bump(&self.counters.hedge_wins, got.len() as u64);
                     ::metrics::counter!("kvtier_peer_hedge_wins_total").increment(got.len() as u64);
-                    let failed = idx.iter().copied().filter(|k| !asked_again(k)).collect();
-                    (got, failed)
+                    Asked { got, ..rest(&[], false) }
                 }
             },
             answers = &mut hedge => {
@@ -561,7 +679,7 @@ impl PeerTier {
                 // Keys the hedge didn't bring wait for the first replica (still bounded by
                 // `peer_timeout`).
                 if got.len() == idx.len() {
-                    return (got, Vec::new());
+                    return Asked { got, ..Asked::default() };
                 }
                 match primary.await {
                     Ok(blocks) => {
@@ -572,15 +690,12 @@ impl PeerTier {
                                 }
                             }
                         }
-                        (got, Vec::new())
+                        let rest = rest(&got, true);
+                        Asked { got, ..rest }
                     }
                     Err(()) => {
-                        let failed = idx
-                            .iter()
-                            .copied()
-                            .filter(|k| !asked_again(k) && !got.iter().any(|(i, _)| i == k))
-                            .collect();
-                        (got, failed)
+                        let rest = rest(&got, false);
+                        Asked { got, ..rest }
                     }
                 }
             }
@@ -637,52 +752,77 @@ impl PeerTier {
         }
     }
 
-    /// Per key: its other owners, best first for this node, without the peers known to be down.
-    fn candidates(&self, p: &Placement, ns: &Namespace, keys: &[BlockKey]) -> Vec<Vec<usize>> {
+    /// Per key: the members to ask, in order — its other owners, best first for this node, then
+    /// (while ownership settles after a membership change) its former owners — without the peers
+    /// known to be down.
+    pub(crate) fn candidates(&self, p: &Placement, ns: &Namespace, keys: &[BlockKey]) -> Vec<Vec<Candidate>> {
         let (id, rf) = (ns.id(), self.rf_for(ns));
-        let now = Instant::now();
-        let mut owners = Vec::new();
+        let (now, now_ms) = (Instant::now(), unix_ms());
+        let settling = self.settling.lock().clone();
+        let active = settling.active(p, now, now_ms);
+        let (mut owners, mut c) = (Vec::new(), Vec::new());
         keys.iter()
             .map(|key| {
                 self.other_owners(p, &id, rf, key, &mut owners);
-                owners.retain(|&i| !self.is_down(&p.members()[i].id, now));
-                owners.clone()
+                if active {
+                    settling.candidates(p, &id, rf, key, &owners, &self.local, now, now_ms, &mut c);
+                } else {
+                    c.clear();
+                    c.extend(owners.iter().map(|&member| Candidate { member, owner: true, miss_moves_on: false }));
+                }
+                c.retain(|c| !self.is_down(&p.members()[c.member].id, now));
+                c.clone()
             })
             .collect()
     }
 
-    /// Which of `keys` (which no local tier holds) their best live owner holds: one request per
-    /// peer, within `peer_timeout`; a failure reads as "not held". For lookups, which may
-    /// under-report (a load then misses, which is allowed) but never over-report for long.
+    /// Which of `keys` (which no local tier holds) their best live owner holds — or, where that
+    /// owner is new to the key (see `super::settle`), the next candidate: one request per peer
+    /// and round, each within `peer_timeout`; a failure reads as "not held". For lookups, which
+    /// may under-report (a load then misses, which is allowed) but never over-report for long.
     pub async fn held(&self, ns: &Namespace, keys: &[BlockKey]) -> Vec<bool> {
         let mut out = vec![false; keys.len()];
         let p = self.placement();
-        let mut plan: HashMap<usize, Vec<usize>> = HashMap::new();
-        for (k, c) in self.candidates(&p, ns, keys).into_iter().enumerate() {
-            if let Some(&peer) = c.first() {
-                plan.entry(peer).or_default().push(k);
+        let candidates = self.candidates(&p, ns, keys);
+        let mut cursor = vec![0usize; keys.len()];
+        let mut pending: Vec<usize> = (0..keys.len()).collect();
+        for _ in 0..FETCH_ROUNDS {
+            let mut plan: HashMap<usize, Vec<usize>> = HashMap::new();
+            for &k in &pending {
+                if let Some(c) = candidates[k].get(cursor[k]) {
+                    plan.entry(c.member).or_default().push(k);
+                }
             }
-        }
-        let calls = plan.iter().map(|(&peer, idx)| {
-            let member = &p.members()[peer];
-            let asked: Vec<BlockKey> = idx.iter().map(|&i| keys[i]).collect();
-            async move {
-                let res = self.bounded(member, self.transport.exists(member, ns, &asked)).await;
-                (member, idx, res)
+            if plan.is_empty() {
+                break;
             }
-        });
-        for (member, idx, res) in futures::future::join_all(calls).await {
-            match res {
-                Ok(held) if held.len() == idx.len() => {
-                    for (&i, h) in idx.iter().zip(held) {
-                        out[i] = h;
+            let calls = plan.iter().map(|(&peer, idx)| {
+                let member = &p.members()[peer];
+                let asked: Vec<BlockKey> = idx.iter().map(|&i| keys[i]).collect();
+                async move {
+                    let res = self.bounded(member, self.transport.exists(member, ns, &asked)).await;
+                    (member, idx, res)
+                }
+            });
+            pending = Vec::new();
+            for (member, idx, res) in futures::future::join_all(calls).await {
+                match res {
+                    Ok(held) if held.len() == idx.len() => {
+                        for (&i, h) in idx.iter().zip(held) {
+                            out[i] = h;
+                            let c = candidates[i][cursor[i]];
+                            if !h && c.miss_moves_on && cursor[i] + 1 < candidates[i].len() {
+                                cursor[i] += 1;
+                                pending.push(i);
+                            }
+                        }
                     }
+                    Ok(held) => {
+                        let reason = format!("{} answers for {} keys", held.len(), idx.len());
+                        self.failed(member, "exists", &ServerError::Peer { peer: member.id.to_string(), reason });
+                    }
+                    Err(e) => self.failed(member, "exists", &e),
                 }
-                Ok(held) => {
-                    let reason = format!("{} answers for {} keys", held.len(), idx.len());
-                    self.failed(member, "exists", &ServerError::Peer { peer: member.id.to_string(), reason });
-                }
-                Err(e) => self.failed(member, "exists", &e),
             }
         }
         out
@@ -752,19 +892,26 @@ impl PeerTier {
     /// [`Self::forward`] of blocks stored at `stored_at` (read back since: a delete of their
     /// namespace after that time cancels them).
     pub fn forward_stored_at(&self, ns: Namespace, blocks: Vec<StoredBlock>, stored_at: Instant) {
-        if blocks.is_empty() {
-            return;
+        if !blocks.is_empty() {
+            self.enqueue_forward(ns, blocks, stored_at, None);
         }
+    }
+
+    /// Queues `blocks` for their other owners (or, with `to`, for that owner only); false when
+    /// the queue had no room (the blocks are counted as dropped).
+    fn enqueue_forward(&self, ns: Namespace, blocks: Vec<StoredBlock>, queued: Instant, to: Option<NodeId>) -> bool {
         let bytes: usize = blocks.iter().map(|b| b.payload.len()).sum();
         let n = blocks.len() as u64;
-        let dropped = || self.count_forward_dropped(n);
         let Ok(permit) = self.forward_bytes.clone().try_acquire_many_owned(bytes.min(FORWARD_BYTES) as u32) else {
-            return dropped();
+            self.count_forward_dropped(n);
+            return false;
         };
-        if self.forward_tx.try_send(ForwardJob { ns, blocks, queued: stored_at, _bytes: permit }).is_err() {
-            dropped();
+        let sent = self.forward_tx.try_send(ForwardJob { ns, blocks, queued, to, _bytes: permit }).is_ok();
+        if !sent {
+            self.count_forward_dropped(n);
         }
         self.publish_forward_queue();
+        sent
     }
 
     /// `kvtier_peer_forward_queue_bytes`: payload bytes of stores waiting to be forwarded.
@@ -847,6 +994,10 @@ impl PeerTier {
         let mut owners = Vec::new();
         for b in &job.blocks {
             self.other_owners(&p, &id, rf, &b.header.key, &mut owners);
+            // A read repair goes to the owner that missed the block (if it still owns it).
+            if let Some(to) = &job.to {
+                owners.retain(|&o| &p.members()[o].id == to);
+            }
             for &o in &owners {
                 by_peer.entry(o).or_default().push(b.clone());
             }

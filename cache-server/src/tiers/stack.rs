@@ -454,11 +454,24 @@ impl TierStack {
         let mut out = HashMap::with_capacity(got.len());
         for (k, b) in missing.into_iter().zip(got) {
             let Some(b) = b else { continue };
-            // Low priority: the owners hold the copies that count; this one goes first under
-            // pressure, so a node's memory isn't taken by copies of others' blocks.
-            if peers.cache_locally && Tier::put(&self.dram, b.header, &b.payload, Priority::Low).is_ok() {
-                ::metrics::counter!("kvtier_peer_cached_total").increment(1);
-                self.events.stored(&id, std::slice::from_ref(&k), TierId::Dram);
+            // A block this node owns (it joined or restarted lately, or evicted it) is its copy
+            // that counts: kept as a store is (read repair). Another's is kept at low priority,
+            // if at all: it goes first under pressure, so a node's memory isn't taken by copies
+            // of others' blocks.
+            let keep = match peers.tier.owns(ns, &k) {
+                true => Some(Priority::Normal),
+                false => peers.cache_locally.then_some(Priority::Low),
+            };
+            if let Some(priority) = keep {
+                if Tier::put(&self.dram, b.header, &b.payload, priority).is_ok() {
+                    let kind = if priority == Priority::Normal {
+                        "kvtier_peer_repaired_here_total"
+                    } else {
+                        "kvtier_peer_cached_total"
+                    };
+                    ::metrics::counter!(kind).increment(1);
+                    self.events.stored(&id, std::slice::from_ref(&k), TierId::Dram);
+                }
             }
             out.insert(k, b);
         }

@@ -80,6 +80,10 @@ pub struct Member {
     /// Bytes the member offers for blocks; placement gives it a share of the keys in proportion.
     /// Zero means "owns nothing" (a draining or client-only member).
     pub capacity: u64,
+    /// When the member's process first registered (unix ms; 0 when unknown): a member that
+    /// started lately holds little of what it owns yet. Compared with the other fields, so a
+    /// restart is a change of the membership.
+    pub since_ms: u64,
 }
 
 impl Member {
@@ -118,6 +122,7 @@ impl Member {
             data_addr: m.data_addr.clone(),
             labels: Labels::new(label(&m.node), label(&m.rack), label(&m.zone)),
             capacity: m.capacity,
+            since_ms: 0,
         };
         member.validate()?;
         Ok(member)
@@ -151,6 +156,7 @@ mod tests {
             data_addr: "10.0.0.1:7071".into(),
             labels: Labels::new(Some("host-a"), Some(""), None),
             capacity: 1,
+            since_ms: 0,
         };
         assert_eq!(m.labels.rack, None, "an empty label is no label");
         assert!(m.validate().is_ok());

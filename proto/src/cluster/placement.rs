@@ -76,6 +76,7 @@ struct Slot {
 ///     data_addr: format!("{id}:7071"),
 ///     labels: Labels::new(Some(id), Some(rack), None),
 ///     capacity: 64 << 30,
+///     since_ms: 0,
 /// };
 /// let p = Placement::new(&[member("a", "r1"), member("b", "r1"), member("c", "r2")]);
 /// let (ns, key) = (NamespaceId([1; 16]), BlockKey([7; 32]));

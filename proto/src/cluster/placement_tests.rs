@@ -25,6 +25,7 @@ fn member(id: &str, node: Option<&str>, rack: Option<&str>, zone: Option<&str>, 
         data_addr: format!("{id}:7071"),
         labels: Labels::new(node, rack, zone),
         capacity,
+        since_ms: 0,
     }
 }
 
