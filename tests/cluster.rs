@@ -192,7 +192,7 @@ fn a_second_node_with_a_live_nodes_id_is_refused_and_a_restart_elsewhere_is_not(
     let _ = n1.child.wait();
     let t = Instant::now();
     let n1b = node(&redis, dir.path(), "n1");
-    assert!(t.elapsed() < Duration::from_secs(8), "the restart took {:?}", t.elapsed());
+    assert!(t.elapsed() < Duration::from_secs(20), "the restart took {:?}", t.elapsed());
     until_members(&n1b, 2.0, Duration::from_secs(10));
     let advertised = redis_cli(redis.port, &["HGET", "{kvtier}:member:n1", "grpc"]);
     assert_eq!(advertised.trim(), n1b.grpc.to_string());

@@ -310,7 +310,8 @@ impl GrpcStream {
     /// (empty) SETTINGS; once the client sent its first request (see
     /// [`read_until_first_request`]), a GOAWAY with `ENHANCE_YOUR_CALM` and `why` as its debug
     /// data (last stream 0: the request was not taken); then the client's bytes drained until it
-    /// closes. Each step within [`REFUSE_WAIT`].
+    /// closes. Each step within [`REFUSE_WAIT`], the wait for the request within
+    /// [`PREFACE_TIMEOUT`].
     async fn refuse(mut self, why: String) {
         use tokio::io::AsyncWriteExt;
         if self.read_preface(REFUSE_WAIT).await.is_err() {
@@ -337,7 +338,9 @@ impl GrpcStream {
         if !matches!(tokio::time::timeout(REFUSE_WAIT, settings).await, Ok(Ok(()))) {
             return;
         }
-        let _ = tokio::time::timeout(REFUSE_WAIT, read_until_first_request(io)).await;
+        // As long as a client has for its preface: a client stalled past a second (a loaded
+        // host) would otherwise get the GOAWAY ahead of its request again.
+        let _ = tokio::time::timeout(PREFACE_TIMEOUT, read_until_first_request(io)).await;
         let told = async {
             io.write_all(&frame(0x7, &goaway)).await?;
             io.shutdown().await

@@ -78,9 +78,13 @@ impl ServerProcess {
 
     /// A server started again where `self` ran: the same data directory and listening addresses
     /// (its peers and clients find it where it was), with `extra` flags. `self` must have stopped.
-    pub fn restart_in_place(&self, extra: &[&str]) -> ServerProcess {
+    /// The temporary data directory `self` made, if any, goes with the new process (dropping
+    /// `self` no longer removes it from under the new one).
+    pub fn restart_in_place(&mut self, extra: &[&str]) -> ServerProcess {
         let (grpc, data) = (self.grpc.to_string(), self.data.to_string());
-        Self::start_with(&self.dir, [&grpc, &data], extra, &[])
+        let mut again = Self::start_with(&self.dir, [&grpc, &data], extra, &[]);
+        again._tmp = self._tmp.take();
+        again
     }
 
     fn start_in_env(dir: &std::path::Path, extra: &[&str], env: &[(&str, &str)]) -> ServerProcess {
@@ -250,10 +254,44 @@ pub fn tokens(seed: u32, n: usize) -> Vec<u32> {
 
 /// Runs a `kvtier` client subcommand; returns (success, stdout, stderr).
 pub fn cli(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(kvtier_bin()).args(args).env_remove("KVTIER_SERVER").output().expect("run kvtier");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    use std::io::Read;
+    let mut child = Command::new(kvtier_bin())
+        .args(args)
+        .env_remove("KVTIER_SERVER")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run kvtier");
+    let drain = |mut r: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut v = Vec::new();
+            let _ = r.read_to_end(&mut v);
+            String::from_utf8_lossy(&v).into_owned()
+        })
+    };
+    let out = drain(Box::new(child.stdout.take().expect("piped stdout")));
+    let err = drain(Box::new(child.stderr.take().expect("piped stderr")));
+    // A command that should have ended (a `serve` expected to refuse to start, a client command
+    // against a node that hangs) fails the test instead of hanging it.
+    let deadline = Instant::now() + CLI_LIMIT;
+    let status = loop {
+        match child.try_wait().expect("wait for kvtier") {
+            Some(status) => break Some(status),
+            None if Instant::now() >= deadline => {
+                let _ = child.kill();
+                let _ = child.wait();
+                break None;
+            }
+            None => std::thread::sleep(Duration::from_millis(10)),
+        }
+    };
+    let (out, mut err) = (out.join().unwrap_or_default(), err.join().unwrap_or_default());
+    if status.is_none() {
+        err.push_str(&format!("\n[killed by the test: still running after {CLI_LIMIT:?}]"));
+    }
+    (status.is_some_and(|s| s.success()), out, err)
 }
+
+/// Longest a [`cli`] command may run.
+const CLI_LIMIT: Duration = Duration::from_secs(120);

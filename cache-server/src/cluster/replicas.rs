@@ -481,6 +481,7 @@ pub async fn repair_loop(state: Arc<NodeState>, mut stop: watch::Receiver<bool>)
     let mut incomplete = true;
     let mut last_pass = Instant::now();
     let backoff = RoomBackoff::default();
+    let mut generation = members.borrow().generation;
     loop {
         tokio::select! {
             _ = crate::stopped(&mut stop) => return,
@@ -488,8 +489,13 @@ pub async fn repair_loop(state: Arc<NodeState>, mut stop: watch::Receiver<bool>)
                 if changed.is_err() {
                     return;
                 }
-                // A member joined, left or came back (perhaps larger): asked again.
-                backoff.clear();
+                // A member joined, left or came back (perhaps larger): asked again. Not when
+                // only the snapshot's staleness changed (Redis slow for a tick).
+                let now = members.borrow().generation;
+                if now != generation {
+                    generation = now;
+                    backoff.clear();
+                }
             },
             // A park short of copies: a pass, at most one per `REPAIR_RETRY` (parks refused
             // copies on and on by a peer, a tenant's quota there, don't each set off a pass).
