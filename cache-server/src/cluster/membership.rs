@@ -264,6 +264,7 @@ impl RedisMembership {
             take: false,
             contest: None,
             since_ms: None,
+            first_try_ms: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64),
             refreshed: None,
             mismatched: HashMap::new(),
             said: Vec::new(),
@@ -364,6 +365,10 @@ struct Driver {
     /// processes with one id, the one registered first keeps it when the other took it while
     /// this one could not reach Redis. Wall clocks of different hosts: skew between them counts.
     since_ms: Option<u64>,
+    /// When this process first tried to register: what it publishes as `since` until a reply
+    /// confirms a registration (a claim Redis made whose reply timed out must not publish a new
+    /// time on every tick: other nodes read `since` to tell a restart).
+    first_try_ms: u64,
     /// This process's last registration that Redis took.
     refreshed: Option<Instant>,
     /// Members whose shared settings differ from this node's, with theirs (each said once).
@@ -451,10 +456,8 @@ impl Driver {
             call.arg(f).arg(v);
         }
         call.arg("tick").arg(cfg.tick().as_millis() as u64);
-        // Registered from now on, unless this process registered before: its first time.
-        let since = self
-            .since_ms
-            .unwrap_or_else(|| SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64));
+        // Registered from its first try on, unless this process registered before: that time.
+        let since = self.since_ms.unwrap_or(self.first_try_ms);
         call.arg("since").arg(since);
         if !cfg.settings.is_empty() {
             call.arg("settings").arg(&cfg.settings);

@@ -297,8 +297,10 @@ pub struct PeerTier {
     members: watch::Receiver<Snapshot>,
     /// Placement over the members, rebuilt when the snapshot's generation changes.
     placement: Mutex<(u64, Arc<Placement>)>,
-    /// The placements it replaced lately (see `super::settle`).
+    /// The placements it replaced lately, and the members that restarted (see `super::settle`).
     settling: Mutex<Settling>,
+    /// Blocks sent to an owner that missed them lately (owner, namespace, key), and when.
+    repaired_lately: Mutex<HashMap<(NodeId, NamespaceId, BlockKey), Instant>>,
     transport: Arc<dyn PeerTransport>,
     cfg: PeerConfig,
     inflight: Arc<Semaphore>,
@@ -377,6 +379,11 @@ fn before_joining(settling: &mut Settling, local: &NodeId, members: &[Member], n
     }
 }
 
+/// How long a block sent to an owner that missed it is not sent to it again.
+const REPAIRED_FOR: Duration = Duration::from_secs(10);
+/// Most (owner, block) repairs remembered; past it, no more repairs until they age out.
+const MAX_REPAIRED_LATELY: usize = 65_536;
+
 /// Most rounds of one fetch: a key's first candidate, and the next ones after a failure or a
 /// miss that is not final (see `super::settle`).
 const FETCH_ROUNDS: usize = 3;
@@ -399,8 +406,9 @@ impl PeerTier {
         let (tx, rx) = mpsc::channel(FORWARD_QUEUE);
         let (placement, settling) = {
             let snap = members.borrow();
-            let mut settling = Settling::default();
-            before_joining(&mut settling, &local, &snap.members, Instant::now());
+            let (mut settling, now) = (Settling::default(), Instant::now());
+            before_joining(&mut settling, &local, &snap.members, now);
+            settling.at_start(&snap.members, &local, now, unix_ms());
             ((snap.generation, Arc::new(Placement::new(&snap.members))), settling)
         };
         let tier = Arc::new(PeerTier {
@@ -409,6 +417,7 @@ impl PeerTier {
             members,
             placement: Mutex::new(placement),
             settling: Mutex::new(settling),
+            repaired_lately: Mutex::new(HashMap::new()),
             transport,
             inflight: Arc::new(Semaphore::new(cfg.max_inflight.max(1))),
             cfg,
@@ -448,6 +457,7 @@ impl PeerTier {
             drop(departed);
             let old = std::mem::replace(&mut *p, (generation, Arc::new(Placement::new(&members)))).1;
             let mut settling = self.settling.lock();
+            settling.restarts(old.members(), &members, now);
             if old.members().iter().all(|m| m.id == self.local) {
                 before_joining(&mut settling, &self.local, &members, now);
             } else {
@@ -510,16 +520,20 @@ impl PeerTier {
     }
 
     /// Loads `keys` (which every local tier missed) from their owners: one entry per key, a
-    /// verified block or `None`. Never waits much longer than [`FETCH_ROUNDS`] `peer_timeout`s
-    /// (a first round, then one for the keys of failed peers and of owners whose miss is not
-    /// final: see `super::settle`); never errs: a failure is a miss, counted. A replica that is
-    /// late is hedged (see [`Hedge`]). A block found after an owner missed it is sent to that
-    /// owner (read repair).
+    /// verified block or `None`. At most [`FETCH_ROUNDS`] rounds: a first one, then per key one
+    /// retry of a failed call on its next candidate, and the next candidate after a miss that is
+    /// not final (see `super::settle`), so a fetch waits about two `peer_timeout`s at most; never
+    /// errs: a failure is a miss, counted. A replica that is late is hedged (see [`Hedge`]). A
+    /// block found after an owner missed it is sent to that owner (read repair).
     pub async fn fetch(&self, ns: &Namespace, keys: &[BlockKey]) -> Vec<Option<StoredBlock>> {
+        let started = Instant::now();
         let mut out: Vec<Option<StoredBlock>> = vec![None; keys.len()];
         let p = self.placement();
         let candidates = self.candidates(&p, ns, keys);
         let mut cursor = vec![0usize; keys.len()];
+        // Per key: whether a failed call was retried already (once per key, as in a settled
+        // cluster: a fetch waits about two `peer_timeout`s at most).
+        let mut retried = vec![false; keys.len()];
         // Per key: the owners that answered "not held" before a later candidate was asked.
         let mut missed_by: HashMap<usize, Vec<usize>> = HashMap::new();
         let mut pending: Vec<usize> = (0..keys.len()).collect();
@@ -554,15 +568,17 @@ impl PeerTier {
                     }
                 }
                 for k in asked.failed {
-                    cursor[k] += 1;
-                    pending.push(k);
+                    if !std::mem::replace(&mut retried[k], true) {
+                        cursor[k] += 1;
+                        pending.push(k);
+                    }
                 }
             }
             if moved_on > 0 {
                 ::metrics::counter!("kvtier_peer_moved_on_keys_total").increment(moved_on);
             }
         }
-        self.repair_missed(ns, &p, &out, missed_by);
+        self.repair_missed(ns, &p, &out, missed_by, started);
         let hits = out.iter().filter(|b| b.is_some()).count() as u64;
         let misses = keys.len() as u64 - hits;
         bump(&self.counters.hits, hits);
@@ -573,26 +589,50 @@ impl PeerTier {
     }
 
     /// Read repair: the blocks of `got` that owners answered "not held" for (`missed_by`, key
-    /// index to member indices of `p`) are queued for those owners, through the forward queue
-    /// (bounded; a full queue drops them, and the next read repairs them).
+    /// index to member indices of `p`) are queued for those owners through the forward queue, as
+    /// of `asked` (a delete of the namespace since cancels them). Repairs take at most half the
+    /// queue (stores' forwards come first), and a block repaired to an owner lately is not queued
+    /// again for it (concurrent loads of one prefix would each send it); what is not sent now is
+    /// repaired by a later read.
     fn repair_missed(
         &self,
         ns: &Namespace,
         p: &Placement,
         got: &[Option<StoredBlock>],
         missed_by: HashMap<usize, Vec<usize>>,
+        asked: Instant,
     ) {
+        if missed_by.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let id = ns.id();
         let mut by_owner: HashMap<usize, Vec<StoredBlock>> = HashMap::new();
-        for (k, owners) in missed_by {
-            let Some(b) = &got[k] else { continue };
-            for o in owners {
-                by_owner.entry(o).or_default().push(b.clone());
+        {
+            let mut lately = self.repaired_lately.lock();
+            lately.retain(|_, at| now.duration_since(*at) < REPAIRED_FOR);
+            for (k, owners) in missed_by {
+                let Some(b) = &got[k] else { continue };
+                for o in owners {
+                    let to = &p.members()[o].id;
+                    if lately.len() >= MAX_REPAIRED_LATELY {
+                        break;
+                    }
+                    if lately.insert((to.clone(), id, b.header.key), now).is_none() {
+                        by_owner.entry(o).or_default().push(b.clone());
+                    }
+                }
             }
         }
         for (o, blocks) in by_owner {
             let n = blocks.len() as u64;
-            if self.enqueue_forward(ns.clone(), blocks, Instant::now(), Some(p.members()[o].id.clone())) {
+            let bytes: usize = blocks.iter().map(|b| b.payload.len()).sum();
+            let room = self.forward_bytes.available_permits() >= FORWARD_BYTES / 2 + bytes
+                && self.forward_tx.capacity() > FORWARD_QUEUE / 2;
+            if room && self.enqueue_forward(ns.clone(), blocks, asked, Some(p.members()[o].id.clone())) {
                 ::metrics::counter!("kvtier_peer_read_repairs_total").increment(n);
+            } else if !room {
+                ::metrics::counter!("kvtier_peer_read_repairs_dropped_total").increment(n);
             }
         }
     }
@@ -617,8 +657,11 @@ impl PeerTier {
         let mut alts: HashMap<usize, Vec<usize>> = HashMap::new();
         let delay = hedge_delay(self.cfg.hedge, &self.latencies.lock().samples, self.cfg.timeout);
         if let Some(delay) = delay {
+            // Only keys whose misses are final here and there: a hedge that missed ends its key,
+            // which would cut short a key still settling (see `super::settle`).
             for &k in idx {
-                if let Some(alt) = candidates[k].get(cursor[k] + 1) {
+                let (this, next) = (&candidates[k][cursor[k]], candidates[k].get(cursor[k] + 1));
+                if let Some(alt) = next.filter(|alt| !this.miss_moves_on && !alt.miss_moves_on) {
                     alts.entry(alt.member).or_default().push(k);
                 }
             }
@@ -757,15 +800,15 @@ impl PeerTier {
     /// known to be down.
     pub(crate) fn candidates(&self, p: &Placement, ns: &Namespace, keys: &[BlockKey]) -> Vec<Vec<Candidate>> {
         let (id, rf) = (ns.id(), self.rf_for(ns));
-        let (now, now_ms) = (Instant::now(), unix_ms());
+        let now = Instant::now();
         let settling = self.settling.lock().clone();
-        let active = settling.active(p, now, now_ms);
+        let active = settling.active(now);
         let (mut owners, mut c) = (Vec::new(), Vec::new());
         keys.iter()
             .map(|key| {
                 self.other_owners(p, &id, rf, key, &mut owners);
                 if active {
-                    settling.candidates(p, &id, rf, key, &owners, &self.local, now, now_ms, &mut c);
+                    settling.candidates(p, &id, rf, key, &owners, &self.local, now, &mut c);
                 } else {
                     c.clear();
                     c.extend(owners.iter().map(|&member| Candidate { member, owner: true, miss_moves_on: false }));
@@ -902,16 +945,25 @@ impl PeerTier {
     fn enqueue_forward(&self, ns: Namespace, blocks: Vec<StoredBlock>, queued: Instant, to: Option<NodeId>) -> bool {
         let bytes: usize = blocks.iter().map(|b| b.payload.len()).sum();
         let n = blocks.len() as u64;
-        let Ok(permit) = self.forward_bytes.clone().try_acquire_many_owned(bytes.min(FORWARD_BYTES) as u32) else {
-            self.count_forward_dropped(n);
-            return false;
+        let repair = to.is_some();
+        let sent = match self.forward_bytes.clone().try_acquire_many_owned(bytes.min(FORWARD_BYTES) as u32) {
+            Ok(permit) => self.forward_tx.try_send(ForwardJob { ns, blocks, queued, to, _bytes: permit }).is_ok(),
+            Err(_) => false,
         };
-        let sent = self.forward_tx.try_send(ForwardJob { ns, blocks, queued, to, _bytes: permit }).is_ok();
         if !sent {
-            self.count_forward_dropped(n);
+            self.count_dropped(repair, n);
         }
         self.publish_forward_queue();
         sent
+    }
+
+    /// Counts `n` blocks a forward did not give an owner: a store's (held only where it was
+    /// stored) or a read repair's (the next read repairs it).
+    fn count_dropped(&self, repair: bool, n: u64) {
+        match repair {
+            true => ::metrics::counter!("kvtier_peer_read_repairs_dropped_total").increment(n),
+            false => self.count_forward_dropped(n),
+        }
     }
 
     /// `kvtier_peer_forward_queue_bytes`: payload bytes of stores waiting to be forwarded.
@@ -1022,14 +1074,16 @@ impl PeerTier {
                     // only here.
                     let refused = blocks.len().saturating_sub(held) as u64;
                     if refused > 0 {
-                        self.count_forward_dropped(refused);
+                        self.count_dropped(job.to.is_some(), refused);
                     }
                     self.count_forwarded(held as u64, blocks.iter().map(|b| b.payload.len() as u64).sum());
                 }
                 failed => {
                     // Down (not tried) or no answer: remembered, and handed to it when it answers
                     // again (`super::handoff`). A refusal it answered with is not remembered.
-                    let missed = matches!(failed, None | Some(Err(ServerError::Peer { .. })));
+                    // A read repair is not: the next read repairs it (and this node, which
+                    // fetched the block, may not hold it to hand over).
+                    let missed = job.to.is_none() && matches!(failed, None | Some(Err(ServerError::Peer { .. })));
                     if let Some(Err(e)) = &failed {
                         self.failed(member, "put", e);
                     }
@@ -1043,7 +1097,7 @@ impl PeerTier {
                         blocks.len()
                     };
                     if dropped > 0 {
-                        self.count_forward_dropped(dropped as u64);
+                        self.count_dropped(job.to.is_some(), dropped as u64);
                     }
                 }
             }
@@ -1079,6 +1133,19 @@ impl PeerTier {
     pub(crate) fn received(&self, bytes: u64) {
         bump(&self.counters.bytes_in, bytes);
         ::metrics::counter!("kvtier_tier_bytes_in_total", "tier" => "peer").increment(bytes);
+    }
+
+    /// Per key of `keys` (of namespace `ns`): whether this node is one of its owners.
+    pub fn owned_here(&self, ns: &Namespace, keys: &[BlockKey]) -> Vec<bool> {
+        let p = self.placement();
+        let (id, rf) = (ns.id(), self.rf_for(ns));
+        let mut owners = Vec::with_capacity(super::placement::MAX_RF);
+        keys.iter()
+            .map(|key| {
+                p.owners_into(&id, key, rf, &mut owners);
+                owners.iter().any(|&i| p.members()[i].id == self.local)
+            })
+            .collect()
     }
 
     /// Whether this node is one of the owners of `key` (of namespace `ns`).

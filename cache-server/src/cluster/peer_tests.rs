@@ -705,7 +705,16 @@ async fn keys_moved_to_a_newcomer_are_found_at_their_former_owner_and_repaired()
     let before = [member("a"), member("b"), member("c")];
     let after = [member("a"), member("b"), member("c"), member("d")];
     s._members.send(Snapshot { members: Arc::from(after.to_vec()), stale: false, generation: 2 }).unwrap();
-    let got = s.tier.fetch(&s.ns, &keys(&blocks)).await;
+    // A lookup before any load finds what the newcomer misses at the former owners.
+    let held = s.tier.held(&s.ns, &keys(&blocks)).await;
+    for (b, h) in blocks.iter().zip(held) {
+        let was = owner_among(&before, &s, b);
+        assert_eq!(h, was != "a", "lookup of a block {was} held, now owned by {}", owner_among(&after, &s, b));
+    }
+    // Two loads at once: each finds every block, and each missed block is sent to d once.
+    let all = keys(&blocks);
+    let (got, twin) = tokio::join!(s.tier.fetch(&s.ns, &all), s.tier.fetch(&s.ns, &all));
+    assert_eq!(got.iter().filter(|g| g.is_some()).count(), twin.iter().filter(|g| g.is_some()).count());
     let mut moved = Vec::new();
     for (b, g) in blocks.iter().zip(&got) {
         let (was, now) = (owner_among(&before, &s, b), owner_among(&after, &s, b));
@@ -722,16 +731,13 @@ async fn keys_moved_to_a_newcomer_are_found_at_their_former_owner_and_repaired()
     }
     assert!(moved.len() >= 10, "only {} keys moved to the newcomer", moved.len());
     until_held(&s, "d", &moved).await;
+    let sent: usize = s.fake.calls("put").iter().filter(|(to, _)| to == "d").map(|(_, n)| n).sum();
+    assert_eq!(sent, moved.len(), "each block sent to d once");
     // The newcomer answers for them now: one request per member, no second round.
     s.fake.calls.lock().clear();
     let again = s.tier.fetch(&s.ns, &keys(&moved.iter().map(|b| (*b).clone()).collect::<Vec<_>>())).await;
     assert!(again.iter().all(Option::is_some));
     assert_eq!(s.fake.calls("get"), [("d".to_string(), moved.len())]);
-    // And a lookup finds what a load would.
-    let held = s.tier.held(&s.ns, &keys(&blocks)).await;
-    for (b, h) in blocks.iter().zip(held) {
-        assert_eq!(h, owner_among(&before, &s, b) != "a", "lookup of a block {} held", owner_among(&before, &s, b));
-    }
 }
 
 /// A member restarted with empty memory (its registration says it started lately; rf 2): a miss

@@ -3,7 +3,9 @@
 //! owners (or its other replicas) still do. For [`SETTLE_FOR`] after a change, a load asks a
 //! key's former owners after its current ones, and a miss answered by an owner *new to the key*
 //! (one that became its owner within the window, or whose process started within it) is asked of
-//! the next candidate instead of ending there. The peer tier sends the blocks found that way to
+//! the next candidate instead of ending there. A restart is told by the member's registration
+//! time (`since`) changing, timed by this node's clock; only for the members it finds at its own
+//! start does the registration's wall-clock age count. The peer tier sends the blocks found that way to
 //! the owners that missed them (read repair), so the cluster settles as it is read. Outside the
 //! window, and for an owner that held the key throughout it, an owner's miss is final: a block the
 //! cluster doesn't hold costs one round trip, as before.
@@ -29,6 +31,9 @@ const MAX_EARLIER: usize = 4;
 /// Most candidates asked for one key (its owners, then its former owners).
 pub const MAX_CANDIDATES: usize = 8;
 
+/// Most restarts remembered.
+const MAX_RESTARTS: usize = 4096;
+
 /// One member a key may be asked of, in the order to ask.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Candidate {
@@ -40,10 +45,12 @@ pub struct Candidate {
     pub miss_moves_on: bool,
 }
 
-/// The placements replaced within [`SETTLE_FOR`], newest first, with when each was replaced.
+/// The placements replaced within [`SETTLE_FOR`], newest first, with when each was replaced, and
+/// the members that restarted within it.
 #[derive(Clone, Default)]
 pub struct Settling {
     earlier: VecDeque<(Arc<Placement>, Instant)>,
+    restarted: Vec<(NodeId, Instant)>,
 }
 
 impl Settling {
@@ -58,6 +65,43 @@ impl Settling {
         while self.earlier.back().is_some_and(|(_, at)| now.saturating_duration_since(*at) >= SETTLE_FOR) {
             self.earlier.pop_back();
         }
+        self.restarted.retain(|(_, at)| now.saturating_duration_since(*at) < SETTLE_FOR);
+    }
+
+    /// The members went from `old` to `new` (both sorted by id) at `now`: a member in both whose
+    /// registration time changed restarted then.
+    pub fn restarts(&mut self, old: &[Member], new: &[Member], now: Instant) {
+        for m in new {
+            let Ok(i) = old.binary_search_by(|o| o.id.cmp(&m.id)) else { continue };
+            if m.since_ms != 0 && old[i].since_ms != m.since_ms {
+                self.note_restart(m.id.clone(), now);
+            }
+        }
+    }
+
+    /// The members this node finds at its own start (`now`; `now_ms` its wall clock): one whose
+    /// registration is younger than the window, by the two hosts' clocks, counts as restarted
+    /// when it registered (a registration time ahead of this clock, as now).
+    pub fn at_start(&mut self, members: &[Member], local: &NodeId, now: Instant, now_ms: u64) {
+        for m in members.iter().filter(|m| &m.id != local && m.since_ms != 0) {
+            let age = Duration::from_millis(now_ms.saturating_sub(m.since_ms));
+            if age < SETTLE_FOR {
+                self.note_restart(m.id.clone(), now.checked_sub(age).unwrap_or(now));
+            }
+        }
+    }
+
+    fn note_restart(&mut self, id: NodeId, at: Instant) {
+        self.restarted.retain(|(i, _)| *i != id);
+        if self.restarted.len() >= MAX_RESTARTS {
+            self.restarted.remove(0);
+        }
+        self.restarted.push((id, at));
+    }
+
+    /// Whether member `id` restarted within the window at `now`.
+    fn restarted_lately(&self, id: &NodeId, now: Instant) -> bool {
+        self.restarted.iter().any(|(i, at)| i == id && now.saturating_duration_since(*at) < SETTLE_FOR)
     }
 
     /// The placements replaced within the window at `now`, newest first.
@@ -65,10 +109,11 @@ impl Settling {
         self.earlier.iter().filter(move |(_, at)| now.saturating_duration_since(*at) < SETTLE_FOR).map(|(p, _)| &**p)
     }
 
-    /// Whether anything settles at `now`: a placement replaced within the window, or a member of
-    /// `p` whose process started within it (`now_ms`: the wall clock, unix ms).
-    pub fn active(&self, p: &Placement, now: Instant, now_ms: u64) -> bool {
-        self.recent(now).next().is_some() || p.members().iter().any(|m| started_lately(m, now_ms))
+    /// Whether anything settles at `now`: a placement replaced within the window, or a member
+    /// that restarted within it.
+    pub fn active(&self, now: Instant) -> bool {
+        self.recent(now).next().is_some()
+            || self.restarted.iter().any(|(_, at)| now.saturating_duration_since(*at) < SETTLE_FOR)
     }
 
     /// The candidates for `key` (namespace `ns`, `rf` owners): `owners` (indices into `p`, the
@@ -84,7 +129,6 @@ impl Settling {
         owners: &[usize],
         local: &NodeId,
         now: Instant,
-        now_ms: u64,
         out: &mut Vec<Candidate>,
     ) {
         out.clear();
@@ -106,7 +150,7 @@ impl Settling {
             out.push(Candidate {
                 member: i,
                 owner: true,
-                miss_moves_on: started_lately(m, now_ms) || !owned_throughout(&m.id),
+                miss_moves_on: self.restarted_lately(&m.id, now) || !owned_throughout(&m.id),
             });
         }
         for (e, o) in &earlier {
@@ -126,12 +170,6 @@ impl Settling {
             }
         }
     }
-}
-
-/// Whether `m`'s process registered within [`SETTLE_FOR`] of `now_ms` (unix ms): it restarted or
-/// joined lately, and holds little of what it owns.
-pub fn started_lately(m: &Member, now_ms: u64) -> bool {
-    m.since_ms > 0 && now_ms.saturating_sub(m.since_ms) < SETTLE_FOR.as_millis() as u64
 }
 
 #[cfg(test)]
@@ -159,15 +197,18 @@ mod tests {
 
     #[test]
     fn a_steady_cluster_has_nothing_to_settle() {
-        let p = Placement::new(&[member("a", LONG_AGO), member("b", LONG_AGO), member("c", 0)]);
-        let s = Settling::default();
+        let members = [member("a", LONG_AGO), member("b", LONG_AGO), member("c", 0)];
+        let p = Placement::new(&members);
+        let mut s = Settling::default();
         let now = Instant::now();
-        assert!(!s.active(&p, now, NOW_MS));
+        // Found at this node's start, registered an hour ago (or with no time): settled.
+        s.at_start(&members, &members[0].id, now, NOW_MS);
+        assert!(!s.active(now));
         let ns = NamespaceId([7; 16]);
         let mut out = Vec::new();
         for i in 0..50 {
             let owners: Vec<usize> = p.owners(&ns, &key(i), 2).into_iter().filter(|&o| o != 0).collect();
-            s.candidates(&p, &ns, 2, &key(i), &owners, &p.members()[0].id, now, NOW_MS, &mut out);
+            s.candidates(&p, &ns, 2, &key(i), &owners, &p.members()[0].id, now, &mut out);
             assert_eq!(out.len(), owners.len());
             assert!(out.iter().all(|c| c.owner && !c.miss_moves_on), "{out:?}");
         }
@@ -180,8 +221,10 @@ mod tests {
         let ns = NamespaceId([7; 16]);
         let now = Instant::now();
         let mut s = Settling::default();
+        s.restarts(before.members(), after.members(), now);
+        assert!(!s.active(now), "a join is no restart");
         s.replaced(before.clone(), now);
-        assert!(s.active(&after, now, NOW_MS));
+        assert!(s.active(now));
         let local = NodeId::new("a").unwrap();
         let (mut moved, mut kept, mut out) = (0, 0, Vec::new());
         for i in 0..200 {
@@ -189,7 +232,7 @@ mod tests {
             let owner = after.owners(&ns, &k, 1)[0];
             let was = &before.members()[before.owners(&ns, &k, 1)[0]].id;
             let owners: Vec<usize> = [owner].into_iter().filter(|&o| after.members()[o].id != local).collect();
-            s.candidates(&after, &ns, 1, &k, &owners, &local, now, NOW_MS, &mut out);
+            s.candidates(&after, &ns, 1, &k, &owners, &local, now, &mut out);
             let ids: Vec<&str> = out.iter().map(|c| after.members()[c.member].id.as_str()).collect();
             if after.members()[owner].id.as_str() == "c" {
                 // The key moved to the newcomer: its miss moves on, to the former owner (unless
@@ -211,20 +254,24 @@ mod tests {
         assert!(moved > 30 && kept > 30, "{moved} moved, {kept} kept");
         // Past the window: as in a steady cluster.
         let later = now + SETTLE_FOR;
-        assert!(!s.active(&after, later, NOW_MS));
-        s.candidates(&after, &ns, 1, &key(0), &[2], &local, later, NOW_MS, &mut out);
+        assert!(!s.active(later));
+        s.candidates(&after, &ns, 1, &key(0), &[2], &local, later, &mut out);
         assert_eq!(out, [Candidate { member: 2, owner: true, miss_moves_on: false }]);
     }
 
     #[test]
-    fn a_member_that_restarted_lately_moves_on_without_a_placement_change() {
-        let p = Placement::new(&[member("a", LONG_AGO), member("b", NOW_MS - 5_000), member("c", LONG_AGO)]);
-        let s = Settling::default();
+    fn a_member_that_restarted_moves_on_without_a_placement_change() {
+        let old = [member("a", LONG_AGO), member("b", LONG_AGO), member("c", LONG_AGO)];
+        // b's registration time changed: a new process (the wall clock it says is not used).
+        let new = [member("a", LONG_AGO), member("b", 5), member("c", LONG_AGO)];
+        let p = Placement::new(&new);
+        let mut s = Settling::default();
         let now = Instant::now();
-        assert!(s.active(&p, now, NOW_MS));
+        s.restarts(&old, &new, now);
+        assert!(s.active(now));
         let ns = NamespaceId([7; 16]);
         let mut out = Vec::new();
-        s.candidates(&p, &ns, 2, &key(1), &[1, 2], &p.members()[0].id, now, NOW_MS, &mut out);
+        s.candidates(&p, &ns, 2, &key(1), &[1, 2], &p.members()[0].id, now, &mut out);
         assert_eq!(
             out,
             [
@@ -233,7 +280,26 @@ mod tests {
             ]
         );
         // Ten minutes on, it holds what it will hold.
-        assert!(!s.active(&p, now, NOW_MS + SETTLE_FOR.as_millis() as u64));
+        assert!(!s.active(now + SETTLE_FOR));
+    }
+
+    #[test]
+    fn at_start_a_young_registration_counts_by_its_age_and_one_ahead_of_this_clock_as_now() {
+        // Ahead of the monotonic clock's start by more than the window (a host up for minutes).
+        let now = Instant::now() + SETTLE_FOR;
+        let members = [
+            member("a", NOW_MS - 1000),
+            member("b", NOW_MS - (SETTLE_FOR.as_millis() as u64 - 60_000)),
+            member("c", NOW_MS + 3_600_000),
+        ];
+        let mut s = Settling::default();
+        s.at_start(&members, &NodeId::new("a").unwrap(), now, NOW_MS);
+        let id = |x: &str| NodeId::new(x).unwrap();
+        assert!(!s.restarted_lately(&id("a"), now), "this node itself is not asked");
+        assert!(s.restarted_lately(&id("b"), now));
+        assert!(!s.restarted_lately(&id("b"), now + Duration::from_secs(61)), "b's window ends a minute on");
+        assert!(s.restarted_lately(&id("c"), now + SETTLE_FOR - Duration::from_secs(1)), "c's clock is ahead");
+        assert!(!s.restarted_lately(&id("c"), now + SETTLE_FOR));
     }
 
     #[test]

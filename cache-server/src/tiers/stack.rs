@@ -452,13 +452,16 @@ impl TierStack {
         }
         let got = peers.tier.fetch(ns, &missing).await;
         let mut out = HashMap::with_capacity(got.len());
+        let found: Vec<BlockKey> = missing.iter().zip(&got).filter(|(_, b)| b.is_some()).map(|(k, _)| *k).collect();
+        let mut owned = peers.tier.owned_here(ns, &found).into_iter();
         for (k, b) in missing.into_iter().zip(got) {
             let Some(b) = b else { continue };
+            let owned_here = owned.next().unwrap_or(false);
             // A block this node owns (it joined or restarted lately, or evicted it) is its copy
             // that counts: kept as a store is (read repair). Another's is kept at low priority,
             // if at all: it goes first under pressure, so a node's memory isn't taken by copies
             // of others' blocks.
-            let keep = match peers.tier.owns(ns, &k) {
+            let keep = match owned_here {
                 true => Some(Priority::Normal),
                 false => peers.cache_locally.then_some(Priority::Low),
             };
