@@ -134,21 +134,35 @@ async fn a_block_stored_via_one_node_loads_via_another_with_one_request_per_peer
     assert!(ok && peer.starts_with(&want) && !peer.contains("resident"), "{out} {err}");
 }
 
+/// A document of `blocks` blocks (tokens of `seed`) stored through n1 of the rf 2 cluster `nodes`
+/// and forwarded to its other owners: the namespace, n1's handle of it, the tokens, the payloads.
+async fn stored_through_n1(
+    nodes: &[ServerProcess],
+    salt: &[u8],
+    seed: u32,
+    blocks: usize,
+) -> (kvtier_proto::Namespace, kvtier_client::NamespaceHandle, Vec<u32>, Vec<Bytes>) {
+    let a = nodes[0].client().await;
+    let spec = namespace("acme", salt, small_layout());
+    let ns = a.register(spec.clone()).await.unwrap();
+    let toks = tokens(seed, blocks * 16);
+    let payloads = full_block_payloads(&ns, &toks);
+    a.store(&ns, &toks, &payloads).await.unwrap().ok().unwrap();
+    let p = placement();
+    let copies: usize =
+        ns.keys(&toks).iter().map(|k| owners(&p, &ns.id, k, 2).iter().filter(|o| **o != "n1").count()).sum();
+    until_forwarded(&nodes[0], copies);
+    (spec, ns, toks, payloads)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_rf2_a_killed_owner_leaves_the_other_replica() {
     let redis = Redis::start();
     let dir = tempfile::tempdir().unwrap();
     let mut nodes = cluster(&redis, dir.path(), 2);
-    let a = nodes[0].client().await;
-    let spec = namespace("acme", b"rf2-salt", small_layout());
-    let ns = a.register(spec.clone()).await.unwrap();
-    let toks = tokens(2, 24 * 16);
-    let payloads = full_block_payloads(&ns, &toks);
-    a.store(&ns, &toks, &payloads).await.unwrap().ok().unwrap();
+    let (spec, ns, toks, payloads) = stored_through_n1(&nodes, b"rf2-salt", 2, 24).await;
     let p = placement();
     let keys = ns.keys(&toks);
-    let copies: usize = keys.iter().map(|k| owners(&p, &ns.id, k, 2).iter().filter(|o| **o != "n1").count()).sum();
-    until_forwarded(&nodes[0], copies);
     let on_n1_n2 = keys.iter().filter(|k| owners(&p, &ns.id, k, 2) == BTreeSet::from(["n1", "n2"])).count();
     assert!(on_n1_n2 > 0, "some blocks are owned by n1 and n2 only");
 
@@ -552,16 +566,7 @@ async fn a_node_restarted_empty_is_backed_by_the_other_replicas_and_repaired_by_
     let redis = Redis::start();
     let dir = tempfile::tempdir().unwrap();
     let mut nodes = cluster(&redis, dir.path(), 2);
-    let a = nodes[0].client().await;
-    let spec = namespace("acme", b"restart-salt", small_layout());
-    let ns = a.register(spec.clone()).await.unwrap();
-    let toks = tokens(7, 48 * 16);
-    let payloads = full_block_payloads(&ns, &toks);
-    a.store(&ns, &toks, &payloads).await.unwrap().ok().unwrap();
-    let p = placement();
-    let keys = ns.keys(&toks);
-    let copies: usize = keys.iter().map(|k| owners(&p, &ns.id, k, 2).iter().filter(|o| **o != "n1").count()).sum();
-    until_forwarded(&nodes[0], copies);
+    let (spec, _, toks, payloads) = stored_through_n1(&nodes, b"restart-salt", 7, 48).await;
 
     // n2 killed and started again in place: its DRAM is empty.
     let _ = nodes[1].child.kill();

@@ -388,6 +388,18 @@ const MAX_REPAIRED_LATELY: usize = 65_536;
 /// miss that is not final (see `super::settle`).
 const FETCH_ROUNDS: usize = 3;
 
+/// One round's requests: the `pending` keys grouped by their candidate at `cursor` (member index
+/// to key indices); keys with no candidate left are not asked.
+fn plan_round(pending: &[usize], candidates: &[Vec<Candidate>], cursor: &[usize]) -> HashMap<usize, Vec<usize>> {
+    let mut plan: HashMap<usize, Vec<usize>> = HashMap::new();
+    for &k in pending {
+        if let Some(c) = candidates[k].get(cursor[k]) {
+            plan.entry(c.member).or_default().push(k);
+        }
+    }
+    plan
+}
+
 fn unix_ms() -> u64 {
     SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
@@ -538,12 +550,7 @@ impl PeerTier {
         let mut missed_by: HashMap<usize, Vec<usize>> = HashMap::new();
         let mut pending: Vec<usize> = (0..keys.len()).collect();
         for _ in 0..FETCH_ROUNDS {
-            let mut plan: HashMap<usize, Vec<usize>> = HashMap::new();
-            for &k in &pending {
-                if let Some(c) = candidates[k].get(cursor[k]) {
-                    plan.entry(c.member).or_default().push(k);
-                }
-            }
+            let plan = plan_round(&pending, &candidates, &cursor);
             if plan.is_empty() {
                 break;
             }
@@ -830,12 +837,7 @@ impl PeerTier {
         let mut cursor = vec![0usize; keys.len()];
         let mut pending: Vec<usize> = (0..keys.len()).collect();
         for _ in 0..FETCH_ROUNDS {
-            let mut plan: HashMap<usize, Vec<usize>> = HashMap::new();
-            for &k in &pending {
-                if let Some(c) = candidates[k].get(cursor[k]) {
-                    plan.entry(c.member).or_default().push(k);
-                }
-            }
+            let plan = plan_round(&pending, &candidates, &cursor);
             if plan.is_empty() {
                 break;
             }
