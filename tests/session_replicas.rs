@@ -31,6 +31,16 @@ fn config(redis: &Redis, dir: &std::path::Path, id: &str, rf: usize, extra: &str
     cfg
 }
 
+/// Node `i` killed (if it still runs) and started again with `args` on its data directory and
+/// addresses; its client reconnected.
+async fn restart_node(nodes: &mut [ServerProcess], clients: &mut [KvClient], i: usize, args: &[&str]) {
+    let _ = nodes[i].child.kill();
+    let _ = nodes[i].child.wait();
+    let again = nodes[i].restart_in_place(args);
+    nodes[i] = again;
+    clients[i] = nodes[i].client().await;
+}
+
 /// A DRAM-only node with `cluster_rf` = `rf` (a restart starts it empty).
 fn node_rf(redis: &Redis, dir: &std::path::Path, id: &str, rf: usize) -> ServerProcess {
     let cfg = config(redis, dir, id, rf, "");
@@ -560,13 +570,8 @@ async fn a_drop_is_remembered_across_a_restart_of_the_nodes_that_saw_it() {
 
     // Both nodes that saw the drop are killed and started again on their data, the away node
     // still stopped.
-    let mut before = Vec::new();
     for i in (0..3).filter(|&i| i != away) {
-        let _ = nodes[i].child.kill();
-        let _ = nodes[i].child.wait();
-        let again = nodes[i].restart_in_place(&strs(i));
-        before.push(std::mem::replace(&mut nodes[i], again));
-        clients[i] = nodes[i].client().await;
+        restart_node(&mut nodes, &mut clients, i, &strs(i)).await;
     }
     until_members(nodes.iter().enumerate().filter(|(i, _)| *i != away).map(|(_, n)| n), 2);
     continue_process(pid);
@@ -814,11 +819,8 @@ async fn a_drop_taken_by_a_node_without_a_copy_is_remembered_there() {
     // n2 restarts empty (DRAM-only: its memory of the drop goes), then n1 comes back with its copy.
     let _ = nodes[1].child.kill();
     let _ = nodes[1].child.wait();
-    let mut before = Vec::new();
     for i in [1, 0] {
-        let again = nodes[i].restart_in_place(&strs(i));
-        before.push(std::mem::replace(&mut nodes[i], again));
-        clients[i] = nodes[i].client().await;
+        restart_node(&mut nodes, &mut clients, i, &strs(i)).await;
     }
     until_members(&nodes, 3);
     tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -845,9 +847,7 @@ async fn a_copy_dropped_elsewhere_goes_soon_after_its_holder_restarts() {
     let _ = nodes[2].child.wait();
     until_members(&nodes[..2], 2);
     assert!(clients[0].drop_session(&ns[0], &id).await.unwrap());
-    let again = nodes[2].restart_in_place(&strs(2));
-    let _old = std::mem::replace(&mut nodes[2], again);
-    clients[2] = nodes[2].client().await;
+    restart_node(&mut nodes, &mut clients, 2, &strs(2)).await;
     until_members(&nodes, 3);
     let deadline = Instant::now() + Duration::from_secs(30);
     while copies(&[&clients[2]]).await.contains_key(&id) {
@@ -875,9 +875,7 @@ async fn sessions_of_a_namespace_unregistered_while_a_holder_was_away_do_not_com
     assert_eq!(gone.sessions_dropped, 1, "{gone:?}");
     let _ = nodes[0].child.kill();
     let _ = nodes[0].child.wait();
-    let again = nodes[2].restart_in_place(&strs(2));
-    let _before = std::mem::replace(&mut nodes[2], again);
-    clients[2] = nodes[2].client().await;
+    restart_node(&mut nodes, &mut clients, 2, &strs(2)).await;
     until_members(&nodes[1..], 2);
     assert!(copies(&[&clients[2]]).await.contains_key(&id), "n3 came back with its copy");
 
