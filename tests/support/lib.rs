@@ -172,6 +172,21 @@ pub fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
         .sum()
 }
 
+/// Waits (up to 15 s) until `node`'s metric `name` (summed over the samples with `labels`)
+/// reaches `at_least`. A count raised after the effect a test saw (a retry counted once its
+/// answer is back and saved) is read by polling, not once.
+pub fn until_metric(node: &ServerProcess, name: &str, labels: &[(&str, &str)], at_least: f64) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let now = metric(&node.scrape(), name, labels);
+        if now >= at_least {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{name} {labels:?} stayed at {now}, expected {at_least} or more");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// Waits (up to 15 s) until every one of `nodes` counts `n` cluster members.
 pub fn until_members<'a>(nodes: impl IntoIterator<Item = &'a ServerProcess>, n: usize) {
     let deadline = Instant::now() + Duration::from_secs(15);

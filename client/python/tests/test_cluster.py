@@ -116,7 +116,9 @@ def test_a_member_the_purge_missed_is_named_and_purged_when_back(cluster):
         os.kill(pid, signal.SIGCONT)
     # p2 answers again: the purge it missed reaches it, and nothing of the namespace is left.
     until(lambda: b.lookup(n, toks) == 0, "the owed purge to reach p2")
-    assert metric(cluster[0], "kvtier_peer_deletes_retried_total") >= 1
+    # The purge that timed out may have reached p2 once it resumed (it was on the socket); the
+    # owed one is sent again all the same and counted once p2 has answered it.
+    until(lambda: metric(cluster[0], "kvtier_peer_deletes_retried_total") >= 1, "the owed purge to be retried")
 
 
 def test_a_park_the_cluster_could_not_copy_raises_unavailable(cluster):
