@@ -38,8 +38,8 @@ fn nodes_see_each_other_leave_at_once_and_expire_when_killed() {
     let dir = tempfile::tempdir().unwrap();
     let mut n1 = node(&redis, dir.path(), "n1");
     let mut n2 = node(&redis, dir.path(), "n2");
-    until_members(&n1, 2.0, Duration::from_secs(10));
-    until_members(&n2, 2.0, Duration::from_secs(10));
+    until_members(&n1, 2.0, Duration::from_secs(20));
+    until_members(&n2, 2.0, Duration::from_secs(20));
 
     // A graceful stop (SIGTERM): gone well before the 2 s TTL would expire it.
     let pid = rustix::process::Pid::from_raw(n2.child.id() as i32).unwrap();
@@ -52,14 +52,14 @@ fn nodes_see_each_other_leave_at_once_and_expire_when_killed() {
     // registration had left to live just before the kill (its last refresh may have come late on
     // a busy machine; one still under way at the kill only pushes the expiry further out).
     let mut n3 = node(&redis, dir.path(), "n3");
-    until_members(&n1, 2.0, Duration::from_secs(10));
+    until_members(&n1, 2.0, Duration::from_secs(20));
     let read_at = Instant::now();
     let to_live: i64 = redis_cli(redis.port, &["PTTL", "{kvtier}:member:n3"]).trim().parse().unwrap();
     assert!(to_live > 0 && to_live <= 2000, "n3's key has {to_live} ms left of its 2 s TTL");
     let to_live = Duration::from_millis(to_live as u64);
     let _ = n3.child.kill();
     let _ = n3.child.wait();
-    until_members(&n1, 1.0, Duration::from_secs(10));
+    until_members(&n1, 1.0, Duration::from_secs(20));
     let gone = read_at.elapsed();
     // 5 ms for Redis's clock (milliseconds, wall time) against this one.
     assert!(
@@ -89,16 +89,16 @@ fn members_whose_shared_settings_differ_are_said() {
     let mismatched = |s: &ServerProcess| metric(&s.scrape(), "kvtier_membership_mismatched_members", &[]);
     let n1 = start("n1", "cluster_rf = 2\n");
     let n2 = start("n2", "cluster_rf = 2\n");
-    until_members(&n1, 2.0, Duration::from_secs(10));
-    until_members(&n2, 2.0, Duration::from_secs(10));
+    until_members(&n1, 2.0, Duration::from_secs(20));
+    until_members(&n2, 2.0, Duration::from_secs(20));
     std::thread::sleep(Duration::from_millis(1500));
     assert_eq!((mismatched(&n1), mismatched(&n2)), (0.0, 0.0), "the same settings");
     let n3 = start("n3", "cluster_rf = 3\n");
-    until_members(&n1, 3.0, Duration::from_secs(10));
+    until_members(&n1, 3.0, Duration::from_secs(20));
     let t = Instant::now();
     while mismatched(&n1) != 1.0 || mismatched(&n2) != 1.0 || mismatched(&n3) != 2.0 {
         assert!(
-            t.elapsed() < Duration::from_secs(10),
+            t.elapsed() < Duration::from_secs(20),
             "n1, n2 see {}, {} members with other settings, n3 {}",
             mismatched(&n1),
             mismatched(&n2),
@@ -133,7 +133,7 @@ fn a_second_node_with_a_live_nodes_id_is_refused_and_a_restart_elsewhere_is_not(
     let dir = tempfile::tempdir().unwrap();
     let mut n1 = node(&redis, dir.path(), "n1");
     let n2 = node(&redis, dir.path(), "n2");
-    until_members(&n2, 2.0, Duration::from_secs(10));
+    until_members(&n2, 2.0, Duration::from_secs(20));
     let cfg = dir.path().join("n1.toml");
     let twin_dir = tempfile::tempdir().unwrap();
     let (ok, out, err) = cli(&[
@@ -193,7 +193,7 @@ fn a_second_node_with_a_live_nodes_id_is_refused_and_a_restart_elsewhere_is_not(
     let t = Instant::now();
     let n1b = node(&redis, dir.path(), "n1");
     assert!(t.elapsed() < Duration::from_secs(20), "the restart took {:?}", t.elapsed());
-    until_members(&n1b, 2.0, Duration::from_secs(10));
+    until_members(&n1b, 2.0, Duration::from_secs(20));
     let advertised = redis_cli(redis.port, &["HGET", "{kvtier}:member:n1", "grpc"]);
     assert_eq!(advertised.trim(), n1b.grpc.to_string());
 }
@@ -208,8 +208,8 @@ async fn redis_killed_and_restarted_keeps_then_rebuilds_the_membership() {
     let dir = tempfile::tempdir().unwrap();
     let mut n1 = node(&redis, dir.path(), "n1");
     let mut n2 = node(&redis, dir.path(), "n2");
-    until_members(&n1, 2.0, Duration::from_secs(10));
-    until_members(&n2, 2.0, Duration::from_secs(10));
+    until_members(&n1, 2.0, Duration::from_secs(20));
+    until_members(&n2, 2.0, Duration::from_secs(20));
     let (c1, c2) = (n1.client().await, n2.client().await);
     let spec = namespace("acme", b"redis-down", small_layout());
     let ns1 = c1.register(spec.clone()).await.unwrap();
@@ -220,7 +220,7 @@ async fn redis_killed_and_restarted_keeps_then_rebuilds_the_membership() {
 
     redis.kill();
     let stale = |n: &ServerProcess| metric(&n.scrape(), "kvtier_membership_stale", &[]);
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + Duration::from_secs(20);
     while stale(&n1) != 1.0 || stale(&n2) != 1.0 {
         assert!(Instant::now() < deadline, "the nodes never noticed Redis was gone");
         std::thread::sleep(Duration::from_millis(50));
@@ -244,8 +244,8 @@ async fn redis_killed_and_restarted_keeps_then_rebuilds_the_membership() {
     }
     // The fresh Redis learned both nodes again: a newcomer sees three members.
     let n3 = node(&redis, dir.path(), "n3");
-    until_members(&n3, 3.0, Duration::from_secs(10));
-    until_members(&n1, 3.0, Duration::from_secs(10));
+    until_members(&n3, 3.0, Duration::from_secs(20));
+    until_members(&n1, 3.0, Duration::from_secs(20));
     assert!(n1.alive() && n2.alive());
 }
 
@@ -269,8 +269,8 @@ async fn nodes_announce_and_dial_the_advertised_host() {
         ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"])
     };
     let (n1, n2) = (start("n1"), start("n2"));
-    until_members(&n1, 2.0, Duration::from_secs(10));
-    until_members(&n2, 2.0, Duration::from_secs(10));
+    until_members(&n1, 2.0, Duration::from_secs(20));
+    until_members(&n2, 2.0, Duration::from_secs(20));
     let c1 = n1.client().await;
     let members = c1.members().await.unwrap();
     let me = members.members.iter().find(|m| m.id.as_str() == "n1").unwrap();
@@ -283,7 +283,7 @@ async fn nodes_announce_and_dial_the_advertised_host() {
     let payloads = full_block_payloads(&ns1, &toks);
     c1.store(&ns1, &toks, &payloads).await.unwrap().ok().unwrap();
     // Forwarding to n2 runs after the acknowledgement: wait until every block loads through n2.
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let got = c2.load(&ns2, &toks).await.unwrap();
         if got == payloads {
@@ -320,17 +320,17 @@ async fn a_peer_restarted_in_place_takes_the_next_forward() {
     let args = |cfg: &str| vec!["--config".to_string(), cfg.to_string(), "--dram-capacity".into(), "64MiB".into()];
     let n1 = ServerProcess::start(&args(&cfg1).iter().map(String::as_str).collect::<Vec<_>>());
     let mut n2 = ServerProcess::start(&args(&cfg2).iter().map(String::as_str).collect::<Vec<_>>());
-    until_members(&n1, 2.0, Duration::from_secs(10));
+    until_members(&n1, 2.0, Duration::from_secs(20));
     let c1 = n1.client().await;
     let ns = c1.register(namespace("acme", b"restart", small_layout())).await.unwrap();
     let forwarded = |s: &ServerProcess| metric(&s.scrape(), "kvtier_peer_forwarded_blocks_total", &[]);
     let dropped = |s: &ServerProcess| metric(&s.scrape(), "kvtier_peer_forward_dropped_total", &[]);
     let wait_forwarded = |above: f64| {
-        let deadline = Instant::now() + Duration::from_secs(10);
+        let deadline = Instant::now() + Duration::from_secs(20);
         while forwarded(&n1) <= above {
             assert!(
                 Instant::now() < deadline,
-                "n1 forwarded nothing more than {above} to n2 in 10 s: {}",
+                "n1 forwarded nothing more than {above} to n2 in 20 s: {}",
                 n1.scrape()
                     .lines()
                     .filter(|l| l.contains("peer") || l.contains("member"))
@@ -351,7 +351,7 @@ async fn a_peer_restarted_in_place_takes_the_next_forward() {
     n2.child.kill().unwrap();
     n2.child.wait().unwrap();
     let n2_again = n2.restart_in_place(&args(&cfg2).iter().map(String::as_str).collect::<Vec<_>>());
-    until_members(&n1, 2.0, Duration::from_secs(10));
+    until_members(&n1, 2.0, Duration::from_secs(20));
     let (before, dropped_before) = (forwarded(&n1), dropped(&n1));
     let doc = tokens(12, 32 * 16);
     c1.store(&ns, &doc, &full_block_payloads(&ns, &doc)).await.unwrap().ok().unwrap();

@@ -78,10 +78,10 @@ async fn hostile_connections_do_not_lock_out_a_good_client(auth: bool) {
     };
     let data = open_from_other_address(server.data, n, &hello).await;
     let grpc = open_from_other_address(server.grpc, n, b"").await;
-    // 256 per peer are served; the rest were closed on arrival: wait (up to 10 s) until the
+    // 256 per peer are served; the rest were closed on arrival: wait (up to 30 s) until the
     // server has counted them, so the good client comes while the attack is in place.
     let want = (n - 256) as f64 * 0.95;
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let m = server.scrape();
         let refused = |listener| metric(&m, "kvtier_connections_refused_total", &[("listener", listener)]);
@@ -91,7 +91,7 @@ async fn hostile_connections_do_not_lock_out_a_good_client(auth: bool) {
         }
         assert!(
             Instant::now() < deadline,
-            "refusals after 10 s: data plane {data_refused}, gRPC {grpc_refused} (want {want} each)"
+            "refusals after 30 s: data plane {data_refused}, gRPC {grpc_refused} (want {want} each)"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -101,15 +101,15 @@ async fn hostile_connections_do_not_lock_out_a_good_client(auth: bool) {
 
     // Once the hostile connections close, the address gets its share back: the server notices
     // the closes in its own time, so a fresh connection from that address is retried (up to
-    // 10 s) until its hello is answered.
+    // 30 s) until its hello is answered.
     drop(data);
     drop(grpc);
     let token = if auth { TOKEN.as_bytes() } else { b"" };
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + Duration::from_secs(30);
     let reply = loop {
         match fresh_hello(server.data, token).await {
             Ok(reply) => break reply,
-            Err(e) => assert!(Instant::now() < deadline, "no hello from 127.0.0.2 answered within 10 s: {e}"),
+            Err(e) => assert!(Instant::now() < deadline, "no hello from 127.0.0.2 answered within 30 s: {e}"),
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
@@ -172,7 +172,14 @@ async fn readers_that_stop_reading_hold_at_most_the_disk_read_budget() {
         let end = (i * 8 + chunk.len()) * 256;
         client.store_from(&ns, &doc[..end], i * 8, chunk).await.unwrap().ok().unwrap();
     }
-    tokio::time::sleep(Duration::from_secs(2)).await; // the demotion queue drains
+    // The demotion queue drains: given its 2 s as before, then polled (on a busy machine 2 s may
+    // not be enough).
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while metric(&server.scrape(), "kvtier_disk_queue_depth", &[]) > 0.0 {
+        assert!(Instant::now() < deadline, "the demotion queue never drained");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let pid = server.child.id();
     let before = rss_bytes(pid);
 

@@ -112,6 +112,13 @@ async fn a_corrupted_byte_on_disk_is_a_miss_never_wrong_bytes() {
     for d in &docs {
         client.store(&ns, d, &full_block_payloads(&ns, d)).await.unwrap().ok().unwrap();
     }
+    // The demotions the stores set off are written by a thread of their own: the segment files
+    // are read (and written back) only once nothing more is queued for them.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while metric(&server.scrape(), "kvtier_disk_queue_depth", &[]) > 0.0 {
+        assert!(std::time::Instant::now() < deadline, "the demotion queue never drained");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     // Flip one payload byte in the first records of every segment (the oldest, DRAM-evicted blocks).
     let segs = server.dir.join("segments");
     let mut flipped = 0;

@@ -314,7 +314,7 @@ async fn the_cli_prints_one_line_per_event_and_the_route() {
         }
     });
     // The CLI's default namespace; wait until its watch is open.
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + Duration::from_secs(20);
     while metric(&server.scrape(), "kvtier_event_watchers", &[]) < 1.0 {
         assert!(Instant::now() < deadline, "the CLI did not start watching");
         std::thread::sleep(Duration::from_millis(20));
@@ -403,7 +403,7 @@ fn the_events_cli_says_how_its_stream_ended() {
             .stderr(std::process::Stdio::piped())
             .spawn()
             .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
+        let deadline = Instant::now() + Duration::from_secs(20);
         while metric(&server.scrape(), "kvtier_event_watchers", &[]) < 1.0 {
             assert!(Instant::now() < deadline, "the CLI did not start watching");
             std::thread::sleep(Duration::from_millis(20));

@@ -37,9 +37,9 @@ fn block_name(ns: &NamespaceHandle, key: &BlockKey) -> String {
     format!("{PREFIX}:{}:b:{}", hex(&ns.id.0), hex(&key.0))
 }
 
-/// Waits until `node` has written `n` keys to Redis.
+/// Waits (up to 30 s) until `node` has written `n` keys to Redis.
 fn until_written(node: &ServerProcess, n: usize) {
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let done = metric(&node.scrape(), "kvtier_redis_written_keys_total", &[]);
         if done >= n as f64 {

@@ -577,7 +577,8 @@ async fn a_block_outside_dram_is_elsewhere_and_loads_over_get() {
     let first = blocks[0].header.key;
     let mut session = connected_peer(&s.client, &peer).await;
     let mut answer = GetGrant::Miss;
-    for _ in 0..100 {
+    // Up to ~15 s: the demotion to disk runs on a thread of its own.
+    for _ in 0..300 {
         answer = session.lease_get(s.ns.id, &[first], false).await.unwrap()[0];
         if answer == GetGrant::Elsewhere {
             break;

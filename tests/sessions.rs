@@ -64,10 +64,17 @@ async fn ttl_expiry_unpins_and_resume_says_expired() {
     let opts = ParkOptions { ttl: Some(Duration::from_millis(600)), priority: None };
     client.park(&ns, "short-lived", &t, &session_payloads(&ns, &t), &opts, 0).await.unwrap();
     assert!(client.stats().await.unwrap().tiers[0].pinned_bytes > 0);
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    // The sweeper has run: the pins are gone even before anyone asks.
-    assert_eq!(client.stats().await.unwrap().tiers[0].pinned_bytes, 0);
-    assert_eq!(client.stats().await.unwrap().sessions, 0);
+    // The sweeper (every 250 ms, its expiry written on the I/O pool) runs past the TTL: the pins
+    // are gone even before anyone asks. Polled: a fixed 1.5 s was a guess on a busy machine.
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let s = client.stats().await.unwrap();
+        if s.tiers[0].pinned_bytes == 0 && s.sessions == 0 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the expired session still pins: {s:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let err = client.resume(&ns, "short-lived").await.unwrap_err();
     assert!(matches!(err, ClientError::SessionExpired(_)), "{err}");
     assert!(err.to_string().contains("KV:Session:Expired"), "{err}");
@@ -189,15 +196,21 @@ async fn a_late_unregistration_keeps_the_sessions_touched_since() {
     let (old, new) = (tokens(31, 100), tokens(32, 100));
     let (old_blocks, new_blocks) = (session_payloads(&ns, &old), session_payloads(&ns, &new));
     client.park(&ns, "old", &old, &old_blocks, &ParkOptions::default(), 0).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    let old_done = std::time::Instant::now();
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+    let new_asked = std::time::Instant::now();
     client.park(&ns, "new", &new, &new_blocks, &ParkOptions::default(), 0).await.unwrap();
     let unregister = |ago_ms: u64| kvtier_proto::pb::UnregisterNamespaceRequest {
         namespace_id: bytes::Bytes::copy_from_slice(&ns.id.0),
         local_only: true,
         as_of_ago_ms: ago_ms,
     };
-    // Asked 300 ms ago: "old" was touched before, "new" since.
-    let r = client.raw_grpc().unregister_namespace(unregister(300)).await.unwrap().into_inner();
+    // Asked halfway between the two parks: "old" was touched before, "new" since. (The age is
+    // measured from here, not fixed: a fixed 300 ms after a 600 ms gap fails whenever the new park's
+    // answer and this request take longer than 300 ms, as on a busy machine.)
+    let asked_at = old_done + (new_asked - old_done) / 2;
+    let ago = asked_at.elapsed().as_millis() as u64;
+    let r = client.raw_grpc().unregister_namespace(unregister(ago)).await.unwrap().into_inner();
     assert_eq!(r.sessions_dropped, 1, "{r:?}");
     assert!(client.resume(&ns, "new").await.unwrap().blocks == new_blocks, "wrong bytes");
     let err = client.resume(&ns, "old").await.unwrap_err();

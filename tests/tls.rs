@@ -165,10 +165,11 @@ async fn tenants_named_by_client_certificates_over_tls_on_both_planes() {
         &answer[..answer.len().min(16)]
     );
 
-    // Still serving alice, byte-exact; failed handshakes are counted.
+    // Still serving alice, byte-exact; failed handshakes are counted (once the server's side of
+    // each ended, which may be after the client saw the alert: polled).
     assert_eq!(alice.load(&ns, &doc).await.unwrap(), blocks);
+    until_metric(&server, "kvtier_errors_total", &[("kind", "tls_handshake")], 4.0);
     let text = server.scrape();
-    assert!(metric(&text, "kvtier_errors_total", &[("kind", "tls_handshake")]) >= 4.0, "handshake failures counted");
     // alice loaded alone over TLS: where the system's congestion control paces, the socket under
     // her TLS connection ran unpaced for it (`KVTIER_SAME_HOST_CONGESTION=auto`, the default).
     let system = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control").unwrap();
@@ -418,7 +419,7 @@ async fn nodes_reach_each_other_over_quic_and_strangers_are_refused() {
         }
     };
     assert!(refused, "a certificate from another CA got a QUIC stream served");
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
     while metric(&nodes[0].scrape(), "kvtier_errors_total", &[("kind", "quic_handshake")]) <= before {
         assert!(std::time::Instant::now() < deadline, "the refused handshake was not counted");
         std::thread::sleep(Duration::from_millis(50));

@@ -38,6 +38,30 @@ def until(check, what, timeout_s=15.0):
         time.sleep(0.05)
 
 
+def stop_process(pid):
+    """SIGSTOP, returning once every thread of the process is stopped: `kill` returns before that,
+    and until then its other threads go on answering what arrives (tests/support's stop_process)."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped():
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            return False
+        for t in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{t}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue  # a thread that ended meanwhile
+            # The state follows the command's closing parenthesis.
+            if not stat.rpartition(") ")[2].startswith("T"):
+                return False
+        return True
+
+    until(stopped, f"process {pid} to stop", timeout_s=5.0)
+
+
 @pytest.fixture(scope="module")
 def redis_url():
     exe = shutil.which("redis-server")
@@ -107,8 +131,7 @@ def test_a_member_the_purge_missed_is_named_and_purged_when_back(cluster):
     n, toks, kv = ns(), list(range(8000, 8064)), kv_for(64, seed=1)
     a, b = stored_on_both(cluster, n, toks, kv)
     pid = cluster[1].proc.pid
-    os.kill(pid, signal.SIGSTOP)
-    time.sleep(0.2)
+    stop_process(pid)
     try:
         with pytest.warns(RuntimeWarning, match=r"did not reach 1 member.*p2"):
             assert a.purge(n) == 4
@@ -128,7 +151,7 @@ def test_a_park_the_cluster_could_not_copy_raises_unavailable(cluster):
     n, toks, kv = ns(), list(range(9000, 9040)), kv_for(40, seed=2)
     a = kvtier.Client(cluster[0].addr, never_raise=False)
     pid = cluster[1].proc.pid
-    os.kill(pid, signal.SIGSTOP)
+    stop_process(pid)
     try:
         with pytest.raises(kvtier.UnavailableError, match=r"^KV:Cluster:Unavailable: too few copies: .*held by 1 of 2 nodes"):
             a.park(n, "short", toks, kv)

@@ -602,8 +602,13 @@ fn an_unfinished_save_gives_its_pages_back_after_the_save_timeout() {
     let theirs = items(&[(0, 11), (1, 12)]);
     other.send(&Request::Save { buffer: ob, layer: 0, items: theirs.clone() }, 4, None);
     assert_eq!(other.answer().unwrap().status(), Status::Busy as u8, "the pool is held by the open saves");
-    // The stuck engine sends nothing more; its saves expire while its connection is idle.
-    std::thread::sleep(std::time::Duration::from_millis(2500));
+    // The stuck engine sends nothing more; its saves expire while its connection is idle (its
+    // pages given back before they are counted). Polled: a fixed 2.5 s was a guess on a busy machine.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    while a.stats().saves_expired < 4 {
+        assert!(std::time::Instant::now() < deadline, "the saves did not expire: {:?}", a.stats().saves_expired);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
     assert_eq!(a.stats().saves_expired, 4);
     assert_eq!(a.stats().pool.pinned, 0);
     for layer in 0..LAYERS as u16 {
