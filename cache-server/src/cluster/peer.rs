@@ -1152,10 +1152,7 @@ impl PeerTier {
 
     /// Whether this node is one of the owners of `key` (of namespace `ns`).
     pub fn owns(&self, ns: &Namespace, key: &BlockKey) -> bool {
-        let p = self.placement();
-        let mut owners = Vec::with_capacity(super::placement::MAX_RF);
-        p.owners_into(&ns.id(), key, self.rf_for(ns), &mut owners);
-        owners.iter().any(|&i| p.members()[i].id == self.local)
+        self.owned_here(ns, std::slice::from_ref(key)).first().copied().unwrap_or(false)
     }
 
     /// The network to the peers.
