@@ -26,7 +26,10 @@ fn node(redis: &Redis, dir: &std::path::Path, id: &str) -> ServerProcess {
     let cfg = dir.join(format!("{id}.toml"));
     std::fs::write(
         &cfg,
-        format!("cluster = \"redis://127.0.0.1:{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\n", redis.port),
+        format!(
+            "cluster = \"redis://127.0.0.1:{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\npeer_rebalance = \"off\"\n",
+            redis.port
+        ),
     )
     .unwrap();
     ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"])
@@ -80,7 +83,7 @@ fn members_whose_shared_settings_differ_are_said() {
     let start = |id: &str, extra: &str| {
         let cfg = dir.path().join(format!("{id}.toml"));
         let text = format!(
-            "cluster = \"redis://127.0.0.1:{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\n{extra}",
+            "cluster = \"redis://127.0.0.1:{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\npeer_rebalance = \"off\"\n{extra}",
             redis.port
         );
         std::fs::write(&cfg, text).unwrap();
@@ -261,7 +264,7 @@ async fn nodes_announce_and_dial_the_advertised_host() {
         std::fs::write(
             &cfg,
             format!(
-                "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\nadvertise_host = \"localhost\"\npeer_cache = false\n",
+                "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\npeer_rebalance = \"off\"\nadvertise_host = \"localhost\"\npeer_cache = false\n",
                 redis.url()
             ),
         )
@@ -312,7 +315,10 @@ async fn a_peer_restarted_in_place_takes_the_next_forward() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = |id: &str| {
         let cfg = dir.path().join(format!("{id}.toml"));
-        let text = format!("cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\n", redis.url());
+        let text = format!(
+            "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\npeer_rebalance = \"off\"\n",
+            redis.url()
+        );
         std::fs::write(&cfg, text).unwrap();
         cfg.to_str().unwrap().to_string()
     };

@@ -24,7 +24,7 @@ fn node_with(redis: &Redis, dir: &std::path::Path, id: &str, dram: &str) -> Serv
     std::fs::write(
         &cfg,
         format!(
-            "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\npeer_timeout = \"1s\"\npeer_cache = false\n",
+            "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\npeer_rebalance = \"off\"\npeer_timeout = \"1s\"\npeer_cache = false\n",
             redis.url()
         ),
     )

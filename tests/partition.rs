@@ -42,7 +42,7 @@ fn node(redis: &Redis, dir: &std::path::Path, id: &str, operators: &[&str]) -> S
     std::fs::write(
         &cfg,
         format!(
-            "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\ncluster_rf = 2\npeer_timeout = \"1s\"\n\
+            "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\npeer_rebalance = \"off\"\ncluster_rf = 2\npeer_timeout = \"1s\"\n\
              [[tenants]]\nname = \"agents\"\ntokens = [\"{TENANT_TOKEN}\"]\n\
              [tls]\ncert = \"{}\"\nkey = \"{}\"\nclient_ca = \"{}\"\noperator_names = [{}]\nrequire_client_cert = false\n",
             redis.url(),

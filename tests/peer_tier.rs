@@ -27,7 +27,7 @@ fn node_ttl(redis: &Redis, dir: &std::path::Path, id: &str, rf: usize, ttl: &str
     std::fs::write(
         &cfg,
         format!(
-            "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"{ttl}\"\ncluster_rf = {rf}\npeer_timeout = \"1s\"\n",
+            "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"{ttl}\"\npeer_rebalance = \"off\"\ncluster_rf = {rf}\npeer_timeout = \"1s\"\n",
             redis.url()
         ),
     )
@@ -484,7 +484,7 @@ async fn hints_survive_a_restart_of_the_node_that_holds_them() {
     let cfg = |id: &str| {
         let cfg = dir.path().join(format!("{id}.toml"));
         let text = format!(
-            "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"60s\"\ncluster_rf = 1\npeer_timeout = \"1s\"\n\
+            "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"60s\"\npeer_rebalance = \"off\"\ncluster_rf = 1\npeer_timeout = \"1s\"\n\
              disk_capacity = \"112MiB\"\n",
             redis.url()
         );
@@ -660,6 +660,111 @@ async fn keys_that_moved_to_a_node_that_joined_load_from_their_former_owners() {
     assert_eq!(peer_stats(&c).await.requests, before.requests, "n3 asked nobody: it holds them");
 }
 
+/// A node of [`node`]'s kind that hands the blocks it holds to their new owners once a
+/// membership change has been quiet for 1 s.
+fn rebalancing_node(redis: &Redis, dir: &std::path::Path, id: &str, rf: usize) -> ServerProcess {
+    let cfg = dir.join(format!("{id}.toml"));
+    std::fs::write(
+        &cfg,
+        format!(
+            "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\ncluster_rf = {rf}\npeer_timeout = \"1s\"\n\
+             peer_rebalance = \"1s\"\n",
+            redis.url()
+        ),
+    )
+    .unwrap();
+    ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"])
+}
+
+/// Sum of a metric over `nodes`.
+fn summed(nodes: &[ServerProcess], name: &str) -> f64 {
+    nodes.iter().map(|n| metric(&n.scrape(), name, &[])).fold(0.0, |a, b| a + b)
+}
+
+/// Waits (up to 30 s) until `c`'s node holds `n` blocks in DRAM; `what` for the message.
+async fn until_dram_blocks(c: &KvClient, n: usize, nodes: &[ServerProcess], what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while dram_stats(c).await.blocks < n as u64 {
+        assert!(
+            Instant::now() < deadline,
+            "{what} holds {} of the {n} blocks it owns ({} queued for new owners)",
+            dram_stats(c).await.blocks,
+            summed(nodes, "kvtier_peer_rebalance_queued_total")
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// With `cluster_rf` 2, a node restarted with empty memory is handed the blocks it owns by
+/// their other owners, before anyone reads them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_restarted_empty_is_handed_its_blocks_by_the_other_replicas_before_anyone_reads_them() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let mut nodes: Vec<ServerProcess> = IDS.iter().map(|id| rebalancing_node(&redis, dir.path(), id, 2)).collect();
+    until_members(&nodes, 3);
+    let (_, ns, toks, _) = stored_through_n1(&nodes, b"rebalance-restart-salt", 10, 48).await;
+    let owned_by_n2 = ns.keys(&toks).iter().filter(|k| owners(&placement(), &ns.id, k, 2).contains("n2")).count();
+    assert!(owned_by_n2 > 0);
+    let _ = nodes[1].child.kill();
+    let _ = nodes[1].child.wait();
+    let cfg = dir.path().join("n2.toml");
+    let again = nodes[1].restart_in_place(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"]);
+    let _old = std::mem::replace(&mut nodes[1], again);
+    until_members(&nodes, 3);
+    let b = nodes[1].client().await;
+    until_dram_blocks(&b, owned_by_n2, &nodes, "the restarted n2").await;
+    assert_eq!(dram_stats(&b).await.blocks, owned_by_n2 as u64, "only the blocks n2 owns");
+}
+
+/// A node that joins is handed the blocks it now owns by their former owners, before anyone
+/// reads them: once that is done, it serves them with the other nodes stalled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_that_moved_to_a_node_that_joined_are_handed_to_it_before_anyone_reads_them() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let mut nodes: Vec<ServerProcess> = IDS[..2].iter().map(|id| rebalancing_node(&redis, dir.path(), id, 1)).collect();
+    until_members(&nodes, 2);
+    let a = nodes[0].client().await;
+    let spec = namespace("acme", b"rebalance-salt", small_layout());
+    let ns = a.register(spec.clone()).await.unwrap();
+    let toks = tokens(9, 48 * 16);
+    let payloads = full_block_payloads(&ns, &toks);
+    a.store(&ns, &toks, &payloads).await.unwrap().ok().unwrap();
+    let (two, three) = (kvtier_tests::redis::placement(&IDS[..2], 64 << 20), placement());
+    let keys = ns.keys(&toks);
+    let owner = |p: &Placement, k: &BlockKey| p.members()[p.owners(&ns.id, k, 1)[0]].id.to_string();
+    until_forwarded(&nodes[0], keys.iter().filter(|k| owner(&two, k) == "n2").count());
+    let moved: Vec<usize> = (0..keys.len()).filter(|&i| owner(&three, &keys[i]) == "n3").collect();
+    assert!(!moved.is_empty(), "some keys move to n3");
+
+    nodes.push(rebalancing_node(&redis, dir.path(), "n3", 1));
+    until_members(&nodes, 3);
+    // Nobody reads: n1 and n2 queue the moved blocks they own for n3, and handoff sends them.
+    let queued = || summed(&nodes[..2], "kvtier_peer_rebalance_queued_total");
+    let c = nodes[2].client().await;
+    until_dram_blocks(&c, moved.len(), &nodes, "n3").await;
+    // Once by its former owner; twice where n1 took n2's and n3's arrivals as one change (it
+    // then counts itself the former owner of every block).
+    assert!(queued() >= moved.len() as f64, "{} queued", queued());
+    assert_eq!(dram_stats(&c).await.blocks, moved.len() as u64, "only the blocks n3 owns");
+
+    // n1 and n2 stalled: n3 serves what it was handed, exact bytes, asking nobody.
+    let ns_c = c.register(spec).await.unwrap();
+    let before = peer_stats(&c).await;
+    let pids: Vec<u32> = nodes[..2].iter().map(|n| n.child.id()).collect();
+    pids.iter().for_each(|&p| stop_process(p));
+    let moved_keys: Vec<BlockKey> = moved.iter().map(|&i| keys[i]).collect();
+    let got = c.load_keys(&ns_c, &moved_keys).await;
+    pids.iter().for_each(|&p| continue_process(p));
+    let got = got.unwrap();
+    for (j, &i) in moved.iter().enumerate() {
+        let got = got[j].as_ref().map(|f| &f.payload);
+        assert!(got == Some(&payloads[i]), "block {i}: {:?} bytes", got.map(|b| b.len()));
+    }
+    assert_eq!(peer_stats(&c).await.requests, before.requests, "n3 asked nobody");
+}
+
 const OPERATOR: &str = "operator-secret-0123456789";
 const TOKEN_T: &str = "tenant-t-secret-0123456789";
 
@@ -673,7 +778,7 @@ fn tenant_pair(redis: &Redis, dir: &std::path::Path, quota: &str, extra: &[&str]
             std::fs::write(
                 &cfg,
                 format!(
-                    "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\ncluster_rf = 2\npeer_timeout = \"1s\"\n\
+                    "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\npeer_rebalance = \"off\"\ncluster_rf = 2\npeer_timeout = \"1s\"\n\
                      auth_token = \"{OPERATOR}\"\n\n[[tenants]]\nname = \"t\"\ntokens = [\"{TOKEN_T}\"]\n{quota}\n",
                     redis.url()
                 ),

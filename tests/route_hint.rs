@@ -17,7 +17,7 @@ const IDS: [&str; 3] = ["n1", "n2", "n3"];
 fn node(redis: &Redis, dir: &std::path::Path, id: &str) -> ServerProcess {
     let cfg = dir.join(format!("{id}.toml"));
     let body = format!(
-        "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\ncluster_rf = 1\npeer_timeout = \"1s\"\n",
+        "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\npeer_rebalance = \"off\"\ncluster_rf = 1\npeer_timeout = \"1s\"\n",
         redis.url()
     );
     std::fs::write(&cfg, body).unwrap();

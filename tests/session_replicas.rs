@@ -23,7 +23,7 @@ fn config(redis: &Redis, dir: &std::path::Path, id: &str, rf: usize, extra: &str
     std::fs::write(
         &cfg,
         format!(
-            "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\ncluster_rf = {rf}\n{timeout}{extra}",
+            "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\npeer_rebalance = \"off\"\ncluster_rf = {rf}\n{timeout}{extra}",
             redis.url()
         ),
     )
@@ -606,7 +606,7 @@ async fn a_park_short_of_copies_is_made_up_for_when_the_owner_answers_again() {
         .map(|id| {
             let cfg = dir.path().join(format!("{id}.toml"));
             let text = format!(
-                "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"60s\"\ncluster_rf = 2\npeer_timeout = \"1s\"\n",
+                "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"60s\"\npeer_rebalance = \"off\"\ncluster_rf = 2\npeer_timeout = \"1s\"\n",
                 redis.url()
             );
             std::fs::write(&cfg, text).unwrap();

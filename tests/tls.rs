@@ -302,7 +302,7 @@ fn tls_cluster(dir: &Path, ca: &Path, redis: &kvtier_tests::redis::Redis, extra:
             std::fs::write(
                 &cfg,
                 format!(
-                    "auth_token = \"{operator}\"\ncluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\n\
+                    "auth_token = \"{operator}\"\ncluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\npeer_rebalance = \"off\"\n\
                      peer_timeout = \"2s\"\n{extra}\n\n[tls]\ncert = \"{}\"\nkey = \"{}\"\nclient_ca = \"{}\"\n\n\
                      [[tenants]]\nname = \"alice\"\ncert_names = [\"alice\"]\n",
                     redis.url(),

@@ -149,6 +149,11 @@ pub struct ServerConfig {
     /// `"auto"`: the 95th percentile of recent peer loads (so about one in twenty is hedged);
     /// a duration such as `"20ms"`; or `"off"`. Default: `auto`.
     pub peer_hedge: String,
+    /// How long a membership change must stay quiet before this node hands the blocks it holds
+    /// to their new owners (`crate::cluster::rebalance`): a duration such as `"5s"`, or `"off"`
+    /// (moved keys are then found only while reads within ten minutes of the change still ask
+    /// their former owners). Default: `5s`.
+    pub peer_rebalance: String,
     /// How this node's data plane is reached by its peers: `"tcp"` (the data-plane listener, TLS
     /// when `[tls]` is set) or `"quic"`: a QUIC listener on the same port number over UDP, one
     /// QUIC connection per peer with a stream per pooled connection, and peers dial it. QUIC needs
@@ -409,6 +414,7 @@ impl Default for ServerConfig {
             peer_cache: true,
             peer_max_inflight: 64,
             peer_hedge: "auto".into(),
+            peer_rebalance: "5s".into(),
             peer_transport: "tcp".into(),
             events_max_watchers: 64,
             events_max_watchers_per_tenant: 8,
@@ -566,6 +572,9 @@ impl ServerConfig {
         if let Err(e) = self.peer_hedge() {
             return bad(e);
         }
+        if let Err(e) = self.peer_rebalance() {
+            return bad(e);
+        }
         match self.peer_transport.as_str() {
             "tcp" => {}
             "quic" if self.tls.as_ref().is_some_and(|t| t.client_ca.is_some()) => {}
@@ -682,6 +691,18 @@ impl ServerConfig {
             d => match d.parse::<DurationStr>() {
                 Ok(DurationStr(after)) if !after.is_zero() => Ok(Hedge::After(after)),
                 _ => Err(format!("peer_hedge must be \"auto\", \"off\" or a duration above 0 such as 20ms, got {d:?}")),
+            },
+        }
+    }
+
+    /// How long a membership change stays quiet before blocks are handed to their new owners;
+    /// `None` for `off` (see `peer_rebalance`).
+    pub fn peer_rebalance(&self) -> Result<Option<Duration>, String> {
+        match self.peer_rebalance.trim() {
+            "off" => Ok(None),
+            d => match d.parse::<DurationStr>() {
+                Ok(DurationStr(after)) if after <= Duration::from_secs(3600) => Ok(Some(after)),
+                _ => Err(format!("peer_rebalance must be \"off\" or a duration of at most 1h such as 5s, got {d:?}")),
             },
         }
     }
@@ -897,6 +918,21 @@ mod tests {
             c.peer_hedge = bad.into();
             let e = c.validate().unwrap_err().to_string();
             assert!(e.contains("peer_hedge"), "{bad:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn peer_rebalance_parses_and_bad_values_are_refused() {
+        let mut c = ServerConfig::default();
+        assert_eq!(c.peer_rebalance(), Ok(Some(Duration::from_secs(5))));
+        c.peer_rebalance = "off".into();
+        assert_eq!(c.peer_rebalance(), Ok(None));
+        c.peer_rebalance = "0s".into();
+        assert_eq!(c.peer_rebalance(), Ok(Some(Duration::ZERO)));
+        for bad in ["2h", "later", ""] {
+            c.peer_rebalance = bad.into();
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.contains("peer_rebalance"), "{bad:?}: {e}");
         }
     }
 

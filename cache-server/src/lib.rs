@@ -223,6 +223,14 @@ impl RunningServer {
         self.tasks.push(task);
         // With `cluster_rf` >= 2: parked sessions' missing copies re-made after membership changes.
         self.tasks.push(tokio::spawn(cluster::replicas::repair_loop(self.state.clone(), self.stop.subscribe())));
+        // After a membership change, the blocks this node holds handed to their new owners.
+        if let Ok(Some(after)) = c.peer_rebalance() {
+            self.tasks.push(tokio::spawn(cluster::rebalance::rebalance_loop(
+                self.state.clone(),
+                after,
+                self.stop.subscribe(),
+            )));
+        }
         // Blocks forwards could not give an owner that was down: handed to it when it answers.
         self.tasks.push(tokio::spawn(cluster::handoff::handoff_loop(self.state.clone(), self.stop.subscribe())));
     }

@@ -100,7 +100,8 @@ impl ServerProcess {
             .args(extra)
             .env_remove("KVTIER_CONFIG")
             .env_remove(kvtier_proto::tcp::CONGESTION_ENV)
-            .env("KVTIER_LOG", "warn")
+            // `KVTIER_TEST_LOG=info cargo test ...` shows the nodes' logs at that level.
+            .env("KVTIER_LOG", std::env::var("KVTIER_TEST_LOG").unwrap_or_else(|_| "warn".into()))
             .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());

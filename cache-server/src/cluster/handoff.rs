@@ -416,7 +416,10 @@ pub async fn handoff_pass(state: &NodeState, peers: &Arc<PeerTier>) -> Handoff {
     ::metrics::counter!("kvtier_peer_handoff_given_up_total").increment(out.given_up);
     ::metrics::gauge!("kvtier_peer_handoff_pending").set(peers.hints().lock().len() as f64);
     if out.sent > 0 {
-        tracing::info!(sent = out.sent, "blocks owners missed while they were down were handed to them");
+        tracing::info!(
+            sent = out.sent,
+            "blocks owed to their owners were handed to them (missed while they were down, or moved to them)"
+        );
     }
     out
 }

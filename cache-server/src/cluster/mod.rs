@@ -9,6 +9,8 @@
 //!   copy on any node, copies re-made after a membership change.
 //! - [`settle`]: after a membership change, a key's former owners asked after its new ones, and
 //!   what they find sent to the owners that missed it (read repair).
+//! - [`rebalance`]: after a membership change, the blocks this node holds handed to their new
+//!   owners ahead of reads (through the handoff's hints).
 //! - [`handoff`]: blocks a forward could not give an owner that was down, handed to it when it
 //!   answers again.
 //! - [`deletes`]: a purge or an unregistration done on every member, and retried on one that
@@ -22,6 +24,7 @@ pub mod handoff;
 pub use kvtier_proto::cluster::{member, placement};
 pub mod membership;
 pub mod peer;
+pub mod rebalance;
 pub mod replicas;
 pub mod settle;
 

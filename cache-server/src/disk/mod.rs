@@ -320,6 +320,11 @@ impl DiskTier {
         self.inner.lock().index.contains_key(&(*ns, *key))
     }
 
+    /// Every block indexed, by namespace and key (a snapshot, taken under the index's lock).
+    pub fn keys(&self) -> Vec<(NamespaceId, BlockKey)> {
+        self.inner.lock().index.keys().copied().collect()
+    }
+
     /// Sets `held[i]` for every `keys[i]` on disk (one lock for the batch).
     pub fn mark_indexed(&self, ns: &NamespaceId, keys: &[BlockKey], held: &mut [bool]) {
         let st = self.inner.lock();

@@ -1059,6 +1059,11 @@ impl DramTier {
         self.shared.index.contains_key(&(*ns, *key))
     }
 
+    /// Every block held, by namespace and key (a snapshot; blocks come and go meanwhile).
+    pub fn keys(&self) -> Vec<(NamespaceId, BlockKey)> {
+        self.shared.index.iter().map(|e| *e.key()).collect()
+    }
+
     /// [`DramTier::contains`] as a closure that doesn't keep the tier alive (false once it is
     /// gone): for another tier's observers.
     pub fn weak_contains(&self) -> impl Fn(&NamespaceId, &BlockKey) -> bool + Send + Sync + 'static {

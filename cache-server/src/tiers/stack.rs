@@ -220,6 +220,17 @@ impl TierStack {
         self.tiers().any(|t| t.contains(ns, key)) || self.agents.contains(ns, key)
     }
 
+    /// Every block this node's DRAM and disk hold (not G1's), once each: a snapshot.
+    pub fn held_keys(&self) -> Vec<(NamespaceId, BlockKey)> {
+        let mut keys = self.dram.keys();
+        if let Some(disk) = &self.disk {
+            keys.extend(disk.keys());
+            keys.sort_unstable();
+            keys.dedup();
+        }
+        keys
+    }
+
     /// Per key: whether any tier holds it (one pass per tier, G1 included).
     pub fn exists(&self, ns: &NamespaceId, keys: &[BlockKey]) -> Vec<bool> {
         let mut held = vec![false; keys.len()];

@@ -93,7 +93,7 @@ def cluster(tmp_path, redis_url):
         for node_id in ("p1", "p2"):
             cfg = tmp_path / f"{node_id}.toml"
             # A TTL far above a test's stall: a stopped node stays a member, and calls to it fail.
-            cfg.write_text(f'cluster = "{redis_url}"\nnode_id = "{node_id}"\ncluster_ttl = "60s"\n'
+            cfg.write_text(f'cluster = "{redis_url}"\nnode_id = "{node_id}"\ncluster_ttl = "60s"\npeer_rebalance = "off"\n'
                            f'cluster_rf = 2\npeer_timeout = "1s"\n')
             nodes.append(KvServer(tmp_path / node_id, config=cfg).start())
         for n in nodes:
