@@ -6,7 +6,8 @@
 //! the next candidate instead of ending there. A restart is told by the member's registration
 //! time (`since`) changing, timed by this node's clock; only for the members it finds at its own
 //! start does the registration's wall-clock age count. The peer tier sends the blocks found that way to
-//! the owners that missed them (read repair), so the cluster settles as it is read. Outside the
+//! the owners that missed them (read repair), so the cluster settles as it is read (and
+//! `super::rebalance` hands the blocks over ahead of reads, once the change is quiet). Outside the
 //! window, and for an owner that held the key throughout it, an owner's miss is final: a block the
 //! cluster doesn't hold costs one round trip, as before.
 //!
