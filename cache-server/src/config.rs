@@ -152,7 +152,8 @@ pub struct ServerConfig {
     /// How long a membership change must stay quiet before this node hands the blocks it holds
     /// to their new owners (`crate::cluster::rebalance`): a duration such as `"5s"`, or `"off"`
     /// (moved keys are then found only while reads within ten minutes of the change still ask
-    /// their former owners). Default: `5s`.
+    /// their former owners). Default: `30s` (a node restarted within it is one change, not a
+    /// departure whose blocks are copied elsewhere and then back).
     pub peer_rebalance: String,
     /// How this node's data plane is reached by its peers: `"tcp"` (the data-plane listener, TLS
     /// when `[tls]` is set) or `"quic"`: a QUIC listener on the same port number over UDP, one
@@ -414,7 +415,7 @@ impl Default for ServerConfig {
             peer_cache: true,
             peer_max_inflight: 64,
             peer_hedge: "auto".into(),
-            peer_rebalance: "5s".into(),
+            peer_rebalance: "30s".into(),
             peer_transport: "tcp".into(),
             events_max_watchers: 64,
             events_max_watchers_per_tenant: 8,
@@ -702,7 +703,7 @@ impl ServerConfig {
             "off" => Ok(None),
             d => match d.parse::<DurationStr>() {
                 Ok(DurationStr(after)) if after <= Duration::from_secs(3600) => Ok(Some(after)),
-                _ => Err(format!("peer_rebalance must be \"off\" or a duration of at most 1h such as 5s, got {d:?}")),
+                _ => Err(format!("peer_rebalance must be \"off\" or a duration of at most 1h such as 30s, got {d:?}")),
             },
         }
     }
@@ -924,7 +925,7 @@ mod tests {
     #[test]
     fn peer_rebalance_parses_and_bad_values_are_refused() {
         let mut c = ServerConfig::default();
-        assert_eq!(c.peer_rebalance(), Ok(Some(Duration::from_secs(5))));
+        assert_eq!(c.peer_rebalance(), Ok(Some(Duration::from_secs(30))));
         c.peer_rebalance = "off".into();
         assert_eq!(c.peer_rebalance(), Ok(None));
         c.peer_rebalance = "0s".into();

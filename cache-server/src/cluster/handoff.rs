@@ -132,6 +132,16 @@ impl Hints {
         was - self.total
     }
 
+    /// How many of `member`'s hints are waiting.
+    pub fn pending_for(&self, member: &NodeId) -> usize {
+        self.by_member.get(member).map_or(0, VecDeque::len)
+    }
+
+    /// The keys (with their namespaces) waiting for `member`.
+    pub fn pending_keys(&self, member: &NodeId) -> std::collections::HashSet<(NamespaceId, BlockKey)> {
+        self.by_member.get(member).map(|q| q.iter().map(|h| (h.ns, h.key)).collect()).unwrap_or_default()
+    }
+
     pub fn members(&self) -> Vec<NodeId> {
         self.by_member.keys().cloned().collect()
     }

@@ -373,8 +373,9 @@ struct Driver {
     refreshed: Option<Instant>,
     /// Members whose shared settings differ from this node's, with theirs (each said once).
     mismatched: HashMap<NodeId, String>,
-    /// The members last published, so that each one joining or leaving is said once.
-    said: Vec<NodeId>,
+    /// The members last published, with when each registered (`since`), so that each one
+    /// joining, leaving or restarting is said once.
+    said: Vec<(NodeId, u64)>,
 }
 
 impl Driver {
@@ -582,19 +583,26 @@ impl Driver {
 
     fn publish(&mut self) {
         ::metrics::gauge!("kvtier_membership_members").set(self.view.members.len() as f64);
-        let now: Vec<NodeId> = self.view.members.keys().cloned().collect();
+        let now: Vec<(NodeId, u64)> = self.view.members.values().map(|m| (m.id.clone(), m.since_ms)).collect();
         let first = self.said.is_empty();
-        for id in now.iter().filter(|id| !self.said.contains(id) && *id != &self.shared.cfg.local.id) {
-            if first {
-                tracing::info!(member = %id, "cluster membership: member {id} is in the cluster");
-            } else {
-                tracing::info!(member = %id, "cluster membership: member {id} joined");
+        let said_since = |id: &NodeId| self.said.iter().find(|(s, _)| s == id).map(|(_, since)| *since);
+        for (id, since) in now.iter().filter(|(id, _)| *id != self.shared.cfg.local.id) {
+            match said_since(id) {
+                None if first => tracing::info!(member = %id, "cluster membership: member {id} is in the cluster"),
+                None => tracing::info!(member = %id, "cluster membership: member {id} joined"),
+                // Registered again without leaving (killed and started within its TTL): its
+                // memory is empty; the others hand it its blocks (`super::rebalance`).
+                Some(was) if was != 0 && *since != 0 && was != *since => {
+                    tracing::info!(member = %id, "cluster membership: member {id} restarted (registered again)")
+                }
+                Some(_) => {}
             }
         }
-        for id in self.said.iter().filter(|id| !now.contains(id)) {
+        for (id, _) in self.said.iter().filter(|(id, _)| !now.iter().any(|(n, _)| n == id)) {
             tracing::info!(member = %id, "cluster membership: member {id} left (stopped, or its TTL ran out)");
         }
-        if now != self.said {
+        let ids = |v: &[(NodeId, u64)]| v.iter().map(|(id, _)| id.clone()).collect::<Vec<_>>();
+        if ids(&now) != ids(&self.said) {
             tracing::info!(members = now.len(), "cluster membership: {} member(s)", now.len());
         }
         self.said = now;

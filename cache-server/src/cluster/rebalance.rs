@@ -7,15 +7,19 @@
 //! only the first still a member (and not restarted) sends it: the others hold the same block,
 //! and a node that merely cached a block it fetched sends nothing. The new owners are first
 //! asked which of the keys they hold already (a restarted node with a disk recovered its
-//! blocks), so only what they lack is sent. Changes closer together than the quiet period are
-//! one change to a node that saw them together, so two nodes may each take themselves for a
-//! block's former owner and both send it (the receiver answers the second "present").
+//! blocks), so only what they lack is sent, and keys already waiting for them are not queued
+//! twice. A backup pass a minute later has every former owner still a member send what the new
+//! owners still lack (the first may have evicted it), and asks again the members the first pass
+//! left out (down, not answering, not taking hints off the queue).
 //!
 //! Without it a moved key was found only while `super::settle` still asked its former owners
 //! (reads within ten minutes of the change, repaired as read); a key read later missed through
-//! its new owner although the cluster held it. The walk fills at most half of the hints' bound
-//! at a time and waits for handoff to drain them; a further change of the membership ends it
-//! (the next pass, after the next quiet period, starts over from the new placement).
+//! its new owner although the cluster held it. A walk keeps at most [`MEMBER_ROOM`] hints
+//! waiting per member and waits for handoff to send them; a further change of the membership
+//! ends it (the next pass, after the next quiet period, starts from the same placement).
+//! Changes closer together than the quiet period are one change to a node that saw them
+//! together, so two nodes may each take themselves for a block's former owner and both send it
+//! (the receiver answers the second "present").
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -27,12 +31,22 @@ use tokio::sync::watch;
 use super::member::{Member, NodeId};
 use super::peer::PeerTier;
 use super::placement::{Placement, MAX_RF};
+use crate::error::ServerError;
 use crate::state::NodeState;
 
 /// Keys asked of a new owner per `EXISTS` request.
 const ASK_KEYS: usize = 1024;
-/// How often a walk waiting for room in the hints looks again.
+/// Most hints one walk keeps waiting for one member; past it the walk waits for handoff to send
+/// some (about 4,096 a second per member).
+const MEMBER_ROOM: usize = 8192;
+/// How often a walk waiting for room looks again, and how long it waits without progress before
+/// it leaves that member to the next pass.
 const ROOM_POLL: Duration = Duration::from_millis(500);
+const ROOM_STUCK: Duration = Duration::from_secs(60);
+/// When the backup pass runs after a change's first one: every former owner still a member (not
+/// only the first) sends what the new owners still lack, and members skipped before are asked
+/// again. A second backup follows if that one skipped members too.
+const BACKUP_AFTER: [Duration; 2] = [Duration::from_secs(60), Duration::from_secs(300)];
 
 /// The members of `now` that restarted since `before`: in both, with a registration time that
 /// changed (0 is unknown: no restart told).
@@ -56,7 +70,8 @@ impl Planner {
     /// The members (indices into `now`'s members) that `local` hands `key` to after the
     /// placement went from `before` to `now`, into `out`: the key's owners in `now` that were not
     /// among its owners in `before`, or are in `restarted` — when `local` is the first of its
-    /// owners in `before` that is still a member of `now` and not restarted. Empty otherwise.
+    /// owners in `before` that is still a member of `now` and not restarted (with `any_former`:
+    /// any of them, for a backup pass). Empty otherwise.
     #[allow(clippy::too_many_arguments)]
     pub fn new_owners(
         &mut self,
@@ -67,13 +82,18 @@ impl Planner {
         ns: &NamespaceId,
         key: &BlockKey,
         rf: usize,
+        any_former: bool,
         out: &mut Vec<usize>,
     ) {
         out.clear();
         before.owners_into(ns, key, rf, &mut self.before);
         let still_here = |id: &NodeId| now.index_of(id).is_some() && !restarted.contains(id);
-        let sender = self.before.iter().map(|&i| &before.members()[i].id).find(|id| still_here(id));
-        if sender != Some(local) {
+        let mut senders = self.before.iter().map(|&i| &before.members()[i].id).filter(|id| still_here(id));
+        let sends = match any_former {
+            false => senders.next() == Some(local),
+            true => senders.any(|id| id == local),
+        };
+        if !sends {
             return;
         }
         now.owners_into(ns, key, rf, &mut self.now);
@@ -92,131 +112,227 @@ impl Planner {
 pub struct Rebalance {
     /// Blocks queued for a new owner (hints added).
     pub queued: u64,
-    /// Blocks a new owner said it held already.
+    /// Blocks a new owner said it held already, or that were waiting for it already.
     pub held_there: u64,
-    /// Blocks the hints had no room for (counted as forwards dropped).
+    /// Blocks the hints had no room for.
     pub dropped: u64,
+    /// New owners left to the next pass: down, not answering, or not taking hints off the queue.
+    pub skipped_members: u64,
     /// Whether the walk ended early: the membership changed again, or the node is stopping.
     pub cut_short: bool,
 }
 
-/// Runs a pass after every membership change that stayed quiet for `after`, until `stop` turns
-/// true. The first placement it compares with is the one it finds at its start (a node that
-/// starts empty hands nothing over: the others hand to it; one that recovered blocks from its
-/// disk and then sees members it did not see at start asks them which of those they lack).
+/// Runs a pass after every membership change that stayed quiet for `after`, and backup passes
+/// after it ([`BACKUP_AFTER`]), until `stop` turns true. The first placement it compares with is
+/// the one it finds at its start.
 pub async fn rebalance_loop(state: Arc<NodeState>, after: Duration, mut stop: watch::Receiver<bool>) {
     let Some(peers) = state.tiers().peers().cloned() else { return };
     let mut members = peers.members();
     let mut seen = peers.placement();
+    // The change the backup passes are for, and when the next one is due.
+    let mut backup: Option<(Arc<Placement>, Arc<Placement>, usize, tokio::time::Instant)> = None;
     loop {
-        tokio::select! {
+        let due = backup.as_ref().map(|b| b.3);
+        let is_backup = tokio::select! {
             _ = crate::stopped(&mut stop) => return,
-            changed = members.changed() => if changed.is_err() { return },
-        }
-        // Quiet for `after`: a burst of changes (a restart is a leave and a join) is one pass.
-        loop {
-            tokio::select! {
-                _ = crate::stopped(&mut stop) => return,
-                _ = tokio::time::sleep(after) => break,
-                changed = members.changed() => if changed.is_err() { return },
+            changed = members.changed() => if changed.is_err() { return } else { false },
+            _ = tokio::time::sleep_until(due.unwrap_or_else(tokio::time::Instant::now)), if due.is_some() => true,
+        };
+        if !is_backup {
+            // Quiet for `after`: a burst of changes (a restart is a leave and a join) is one pass.
+            loop {
+                tokio::select! {
+                    _ = crate::stopped(&mut stop) => return,
+                    _ = tokio::time::sleep(after) => break,
+                    changed = members.changed() => if changed.is_err() { return },
+                }
             }
+            members.borrow_and_update();
         }
-        members.borrow_and_update();
-        let now = peers.placement();
+        let (before, now, round) = match (&backup, is_backup) {
+            (Some((b, n, round, _)), true) => (b.clone(), n.clone(), *round + 1),
+            _ => (seen.clone(), peers.placement(), 0),
+        };
         let generation = members.borrow().generation;
         let changed = || members.borrow().generation != generation || *stop.borrow();
         let started = Instant::now();
-        let out = rebalance_pass(&state, &peers, &seen, &now, changed).await;
-        // A pass cut short by a further change: the next one starts from the same placement.
-        if !out.cut_short {
-            seen = now;
-        }
-        if out.queued + out.held_there + out.dropped > 0 || out.cut_short {
+        let out = rebalance_pass(&state, &peers, &before, &now, is_backup, changed).await;
+        if out.queued + out.held_there + out.dropped + out.skipped_members > 0 || out.cut_short {
             tracing::info!(
                 queued = out.queued,
                 held_there = out.held_there,
                 dropped = out.dropped,
+                skipped_members = out.skipped_members,
                 cut_short = out.cut_short,
+                backup = is_backup,
                 took_ms = started.elapsed().as_millis() as u64,
+                members_before = before.members().len(),
+                members_now = now.members().len(),
                 "membership changed: blocks this node holds queued for their new owners"
             );
         }
+        if out.cut_short {
+            // A further change: the next pass starts from the same placement.
+            backup = None;
+            continue;
+        }
+        seen = now.clone();
+        backup = match BACKUP_AFTER.get(round) {
+            // After the first pass always; after a backup only if it left members out.
+            Some(wait) if round == 0 || out.skipped_members > 0 => {
+                Some((before, now, round, tokio::time::Instant::now() + *wait))
+            }
+            _ => None,
+        };
     }
 }
 
-/// One pass from `before` to `now` over the blocks this node's DRAM and disk hold; `changed`
-/// says when to stop early.
+/// One pass from `before` to `now` over the blocks this node's DRAM and disk hold (`backup`:
+/// sent by every former owner still here, not only the first); `changed` says when to stop early.
 pub async fn rebalance_pass(
-    state: &NodeState,
+    state: &Arc<NodeState>,
     peers: &Arc<PeerTier>,
-    before: &Placement,
-    now: &Placement,
+    before: &Arc<Placement>,
+    now: &Arc<Placement>,
+    backup: bool,
     changed: impl Fn() -> bool,
 ) -> Rebalance {
     let mut out = Rebalance::default();
-    let restarted = restarted(before.members(), now.members());
+    let same = |a: &Member, b: &Member| a.id == b.id && a.capacity == b.capacity && a.labels == b.labels;
     let same_members = before.members().len() == now.members().len()
-        && before.members().iter().zip(now.members()).all(|(a, b)| a.id == b.id && a.capacity == b.capacity);
-    if same_members && restarted.is_empty() {
+        && before.members().iter().zip(now.members()).all(|(a, b)| same(a, b));
+    if same_members && restarted(before.members(), now.members()).is_empty() {
         return out;
     }
     ::metrics::counter!("kvtier_peer_rebalance_passes_total").increment(1);
-    let mut held = state.tiers().held_keys();
-    held.sort_unstable_by_key(|(ns, _)| ns.0);
-    let (mut planner, mut targets) = (Planner::default(), Vec::with_capacity(MAX_RF));
-    for group in held.chunk_by(|a, b| a.0 == b.0) {
-        let ns_id = group[0].0;
-        let Ok(ns) = state.namespace(&ns_id) else { continue };
-        let rf = peers.rf_for(&ns);
-        // Per new owner (an index into `now`), the keys this node hands to it.
-        let mut by_member: HashMap<usize, Vec<BlockKey>> = HashMap::new();
-        for (_, key) in group {
-            planner.new_owners(before, now, &restarted, peers.local(), &ns_id, key, rf, &mut targets);
-            for &m in &targets {
-                by_member.entry(m).or_default().push(*key);
-            }
+    let pass_started = Instant::now();
+    // The walk and the placement of every key, off the async workers: a node may hold millions.
+    let plan = {
+        let (state, peers, before, now) = (state.clone(), peers.clone(), before.clone(), now.clone());
+        tokio::task::spawn_blocking(move || plan_pass(&state, &peers, &before, &now, backup)).await
+    };
+    let Ok(plan) = plan else { return finish(out) };
+    let mut skipped: Vec<usize> = Vec::new();
+    for ((ns_id, m), keys) in plan {
+        if skipped.contains(&m) {
+            continue;
         }
-        for (m, keys) in by_member {
-            let member = &now.members()[m];
-            for part in keys.chunks(ASK_KEYS) {
+        let member = &now.members()[m];
+        let pending = peers.hints().lock().pending_keys(&member.id);
+        let mut waiting_since = Instant::now();
+        for part in keys.chunks(ASK_KEYS) {
+            if changed() {
+                out.cut_short = true;
+                return finish(out);
+            }
+            // Unregistered or deleted meanwhile: asking its owners would register it there again.
+            let Ok(ns) = state.namespace(&ns_id) else { break };
+            if peers.deleted_since(&ns_id, pass_started) {
+                break;
+            }
+            // Already waiting for it (a forward it missed, an earlier pass): not queued twice.
+            let asked = part.len();
+            let part: Vec<BlockKey> = part.iter().filter(|k| !pending.contains(&(ns_id, **k))).copied().collect();
+            out.held_there += (asked - part.len()) as u64;
+            if part.is_empty() {
+                continue;
+            }
+            // What the owner lacks. A member that doesn't answer is left to the next pass. (Asked
+            // even if it was marked down lately: a member that restarted was, while it was away.)
+            // Tried twice: the first call to a member that restarted may go out on a pooled
+            // connection to its old process.
+            let mut asked = peers.bounded(member, peers.transport().exists(member, &ns, &part)).await;
+            if asked.is_err() {
+                asked = peers.bounded(member, peers.transport().exists(member, &ns, &part)).await;
+            }
+            let there = match asked {
+                Ok(there) if there.len() == part.len() => there,
+                Ok(there) => {
+                    let why = format!("{} answers to EXISTS of {} keys", there.len(), part.len());
+                    peers.failed(member, "exists", &ServerError::Peer { peer: member.id.to_string(), reason: why });
+                    skipped.push(m);
+                    break;
+                }
+                Err(e) => {
+                    peers.failed(member, "exists", &e);
+                    skipped.push(m);
+                    break;
+                }
+            };
+            let lacking: Vec<BlockKey> = part.iter().zip(&there).filter(|(_, held)| !**held).map(|(k, _)| *k).collect();
+            out.held_there += (part.len() - lacking.len()) as u64;
+            // Room for them among the member's hints, as handoff sends them.
+            loop {
+                let waiting = peers.hints().lock().pending_for(&member.id);
+                if waiting + lacking.len() <= MEMBER_ROOM.max(lacking.len()) {
+                    break;
+                }
                 if changed() {
                     out.cut_short = true;
                     return finish(out);
                 }
-                // What the owner lacks; a member that doesn't answer gets them all (handoff
-                // sends them once it does, and a block it holds is answered present).
-                let lacking: Vec<BlockKey> =
-                    match peers.bounded(member, peers.transport().exists(member, &ns, part)).await {
-                        Ok(there) if there.len() == part.len() => {
-                            part.iter().zip(&there).filter(|(_, held)| !**held).map(|(k, _)| *k).collect()
-                        }
-                        Ok(_) => part.to_vec(),
-                        Err(e) => {
-                            peers.failed(member, "exists", &e);
-                            part.to_vec()
-                        }
-                    };
-                out.held_there += (part.len() - lacking.len()) as u64;
-                // Room for them in the hints' first half, waiting for handoff to drain it.
-                while peers.hints().lock().len() + lacking.len() > super::handoff::MAX_HINTS / 2 {
-                    if changed() {
-                        out.cut_short = true;
-                        return finish(out);
-                    }
-                    tokio::time::sleep(ROOM_POLL).await;
+                if peers.is_down(&member.id, Instant::now()) || waiting_since.elapsed() >= ROOM_STUCK {
+                    skipped.push(m);
+                    break;
                 }
-                let dropped = peers.hints().lock().add(&member.id, ns_id, &lacking, Instant::now());
-                out.dropped += dropped as u64;
-                out.queued += (lacking.len() - dropped) as u64;
+                tokio::time::sleep(ROOM_POLL).await;
+            }
+            if skipped.contains(&m) {
+                break;
+            }
+            waiting_since = Instant::now();
+            let (dropped, pending) = {
+                let mut hints = peers.hints().lock();
+                (hints.add(&member.id, ns_id, &lacking, Instant::now()), hints.len())
+            };
+            ::metrics::gauge!("kvtier_peer_handoff_pending").set(pending as f64);
+            out.dropped += dropped as u64;
+            out.queued += (lacking.len() - dropped) as u64;
+        }
+    }
+    out.skipped_members = skipped.len() as u64;
+    finish(out)
+}
+
+/// Per (namespace, new owner as an index into `now`): the keys this node hands to it, from a
+/// snapshot of what its DRAM and disk hold. A `before` of this node alone (it had not seen the
+/// others yet: it started first, or Redis was unreachable at its start) makes it the former owner
+/// of everything it holds: whatever it took while alone is handed to its owners, and what it
+/// recovered from its disk is offered to the owners that lack it (one `EXISTS` per 1,024 keys).
+fn plan_pass(
+    state: &NodeState,
+    peers: &PeerTier,
+    before: &Placement,
+    now: &Placement,
+    backup: bool,
+) -> Vec<((NamespaceId, usize), Vec<BlockKey>)> {
+    let local = peers.local();
+    let restarted = restarted(before.members(), now.members());
+    let mut held = state.tiers().held_keys();
+    held.sort_unstable_by_key(|(ns, _)| ns.0);
+    let (mut planner, mut targets) = (Planner::default(), Vec::with_capacity(MAX_RF));
+    let mut plan: HashMap<(NamespaceId, usize), Vec<BlockKey>> = HashMap::new();
+    for group in held.chunk_by(|a, b| a.0 == b.0) {
+        let ns_id = group[0].0;
+        let Ok(ns) = state.namespace(&ns_id) else { continue };
+        let rf = peers.rf_for(&ns);
+        for (_, key) in group {
+            planner.new_owners(before, now, &restarted, local, &ns_id, key, rf, backup, &mut targets);
+            for &m in &targets {
+                plan.entry((ns_id, m)).or_default().push(*key);
             }
         }
     }
-    finish(out)
+    let mut plan: Vec<_> = plan.into_iter().collect();
+    plan.sort_unstable_by_key(|((ns, m), _)| (*m, ns.0));
+    plan
 }
 
 fn finish(out: Rebalance) -> Rebalance {
     ::metrics::counter!("kvtier_peer_rebalance_queued_total").increment(out.queued);
     ::metrics::counter!("kvtier_peer_rebalance_held_there_total").increment(out.held_there);
+    ::metrics::counter!("kvtier_peer_rebalance_dropped_total").increment(out.dropped);
+    ::metrics::counter!("kvtier_peer_rebalance_skipped_members_total").increment(out.skipped_members);
     out
 }
 
@@ -255,7 +371,7 @@ mod tests {
         for i in 0..400 {
             for h in holders {
                 let local = NodeId::new(*h).unwrap();
-                planner.new_owners(before, now, &restarted, &local, &ns, &key(i), rf, &mut out);
+                planner.new_owners(before, now, &restarted, &local, &ns, &key(i), rf, false, &mut out);
                 if !out.is_empty() {
                     all.push((h.to_string(), i, ids(now, &out)));
                 }
@@ -324,7 +440,6 @@ mod tests {
 
     #[test]
     fn the_first_former_owner_still_here_sends_and_a_caching_node_does_not() {
-        let ns = NamespaceId([7; 16]);
         let before = Placement::new(&[member("a", 1), member("b", 1)]);
         // rf 2 over two nodes: both own every key. a leaves, n joins: for every key, b (the only
         // former owner left) sends it to n. A node that holds a block it only cached (n itself,
@@ -336,7 +451,33 @@ mod tests {
         // Both former owners gone: nobody is asked to send (nobody here held it as an owner).
         let now = Placement::new(&[member("n", 1), member("m", 1)]);
         assert!(plan(&before, &now, &["n", "m"], 2).is_empty());
-        let _ = ns;
+    }
+
+    #[test]
+    fn a_backup_pass_has_every_former_owner_still_here_send() {
+        let ns = NamespaceId([7; 16]);
+        // rf 2 over a and b (both own every key); n joins. For each key n now owns, a first pass
+        // has one of a and b send it; a backup pass both (the first may not hold it any more).
+        let before = Placement::new(&[member("a", 1), member("b", 1)]);
+        let now = Placement::new(&[member("a", 1), member("b", 1), member("n", 2)]);
+        let (mut planner, mut out) = (Planner::default(), Vec::new());
+        let mut senders = |i: u32, any_former: bool| {
+            let mut n = 0;
+            for h in ["a", "b", "n"] {
+                let local = NodeId::new(h).unwrap();
+                planner.new_owners(&before, &now, &[], &local, &ns, &key(i), 2, any_former, &mut out);
+                n += usize::from(!out.is_empty());
+            }
+            n
+        };
+        let mut moved = 0;
+        for i in 0..400 {
+            let to_n = ids(&now, &now.owners(&ns, &key(i), 2)).contains(&"n".to_string());
+            moved += usize::from(to_n);
+            let want = if to_n { (1, 2) } else { (0, 0) };
+            assert_eq!((senders(i, false), senders(i, true)), want, "{i}");
+        }
+        assert!(moved > 50, "{moved}");
     }
 
     #[test]
