@@ -619,6 +619,34 @@ async fn a_node_restarted_empty_is_backed_by_the_other_replicas_and_repaired_by_
     assert!(metric(&nodes[2].scrape(), "kvtier_peer_moved_on_keys_total", &[]) >= repaired);
 }
 
+/// What [`stored_before_n3_joins`] stored through n1 of a two-node `cluster_rf` 1 cluster.
+struct BeforeTheJoin {
+    spec: kvtier_proto::Namespace,
+    toks: Vec<u32>,
+    payloads: Vec<Bytes>,
+    keys: Vec<BlockKey>,
+    /// Indices of the keys n3 owns once it joins.
+    moved: Vec<usize>,
+}
+
+/// Stores 48 blocks through n1 of `nodes` (n1 and n2, `cluster_rf` 1) and waits until n2 holds
+/// those it owns.
+async fn stored_before_n3_joins(nodes: &[ServerProcess], salt: &[u8], seed: u32) -> BeforeTheJoin {
+    let a = nodes[0].client().await;
+    let spec = namespace("acme", salt, small_layout());
+    let ns = a.register(spec.clone()).await.unwrap();
+    let toks = tokens(seed, 48 * 16);
+    let payloads = full_block_payloads(&ns, &toks);
+    a.store(&ns, &toks, &payloads).await.unwrap().ok().unwrap();
+    let (two, three) = (kvtier_tests::redis::placement(&IDS[..2], 64 << 20), placement());
+    let keys = ns.keys(&toks);
+    let owner = |p: &Placement, k: &BlockKey| p.members()[p.owners(&ns.id, k, 1)[0]].id.to_string();
+    until_forwarded(&nodes[0], keys.iter().filter(|k| owner(&two, k) == "n2").count());
+    let moved: Vec<usize> = (0..keys.len()).filter(|&i| owner(&three, &keys[i]) == "n3").collect();
+    assert!(!moved.is_empty(), "some keys move to n3");
+    BeforeTheJoin { spec, toks, payloads, keys, moved }
+}
+
 /// A node joins (rf 1): keys that moved to it are stored with their former owners. A lookup and a
 /// load through the newcomer find them there, and it keeps them as their owner; the old members
 /// then find them at it. Before, every key that moved was a miss until stored again.
@@ -628,18 +656,7 @@ async fn keys_that_moved_to_a_node_that_joined_load_from_their_former_owners() {
     let dir = tempfile::tempdir().unwrap();
     let mut nodes: Vec<ServerProcess> = IDS[..2].iter().map(|id| node(&redis, dir.path(), id, 1)).collect();
     until_members(&nodes, 2);
-    let a = nodes[0].client().await;
-    let spec = namespace("acme", b"join-salt", small_layout());
-    let ns = a.register(spec.clone()).await.unwrap();
-    let toks = tokens(8, 48 * 16);
-    let payloads = full_block_payloads(&ns, &toks);
-    a.store(&ns, &toks, &payloads).await.unwrap().ok().unwrap();
-    let (two, three) = (kvtier_tests::redis::placement(&IDS[..2], 64 << 20), placement());
-    let keys = ns.keys(&toks);
-    let owner = |p: &Placement, k: &BlockKey| p.members()[p.owners(&ns.id, k, 1)[0]].id.to_string();
-    until_forwarded(&nodes[0], keys.iter().filter(|k| owner(&two, k) == "n2").count());
-    let moved = keys.iter().filter(|k| owner(&three, k) == "n3").count();
-    assert!(moved > 0, "some keys move to n3");
+    let BeforeTheJoin { spec, toks, payloads, keys, moved } = stored_before_n3_joins(&nodes, b"join-salt", 8).await;
 
     nodes.push(node(&redis, dir.path(), "n3", 1));
     until_members(&nodes, 3);
@@ -649,12 +666,16 @@ async fn keys_that_moved_to_a_node_that_joined_load_from_their_former_owners() {
     let loaded = c.load(&ns_c, &toks).await.unwrap();
     assert_eq!(loaded.len(), payloads.len(), "every block loads through the newcomer");
     assert!(loaded == payloads, "exact bytes");
-    assert_eq!(metric(&nodes[2].scrape(), "kvtier_peer_repaired_here_total", &[]), moved as f64, "kept as their owner");
+    assert_eq!(
+        metric(&nodes[2].scrape(), "kvtier_peer_repaired_here_total", &[]),
+        moved.len() as f64,
+        "kept as their owner"
+    );
     // The old members find the moved keys at their new owner now.
     let b = nodes[1].client().await;
     let ns_b = b.register(spec).await.unwrap();
     let before = peer_stats(&c).await;
-    let moved_keys: Vec<BlockKey> = keys.iter().copied().filter(|k| owner(&three, k) == "n3").collect();
+    let moved_keys: Vec<BlockKey> = moved.iter().map(|&i| keys[i]).collect();
     let got = b.load_keys(&ns_b, &moved_keys).await.unwrap();
     assert!(got.iter().all(Option::is_some), "n2 loads every moved block");
     assert_eq!(peer_stats(&c).await.requests, before.requests, "n3 asked nobody: it holds them");
@@ -725,18 +746,7 @@ async fn blocks_that_moved_to_a_node_that_joined_are_handed_to_it_before_anyone_
     let dir = tempfile::tempdir().unwrap();
     let mut nodes: Vec<ServerProcess> = IDS[..2].iter().map(|id| rebalancing_node(&redis, dir.path(), id, 1)).collect();
     until_members(&nodes, 2);
-    let a = nodes[0].client().await;
-    let spec = namespace("acme", b"rebalance-salt", small_layout());
-    let ns = a.register(spec.clone()).await.unwrap();
-    let toks = tokens(9, 48 * 16);
-    let payloads = full_block_payloads(&ns, &toks);
-    a.store(&ns, &toks, &payloads).await.unwrap().ok().unwrap();
-    let (two, three) = (kvtier_tests::redis::placement(&IDS[..2], 64 << 20), placement());
-    let keys = ns.keys(&toks);
-    let owner = |p: &Placement, k: &BlockKey| p.members()[p.owners(&ns.id, k, 1)[0]].id.to_string();
-    until_forwarded(&nodes[0], keys.iter().filter(|k| owner(&two, k) == "n2").count());
-    let moved: Vec<usize> = (0..keys.len()).filter(|&i| owner(&three, &keys[i]) == "n3").collect();
-    assert!(!moved.is_empty(), "some keys move to n3");
+    let BeforeTheJoin { spec, payloads, keys, moved, .. } = stored_before_n3_joins(&nodes, b"rebalance-salt", 9).await;
 
     nodes.push(rebalancing_node(&redis, dir.path(), "n3", 1));
     until_members(&nodes, 3);

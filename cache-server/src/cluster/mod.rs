@@ -36,3 +36,16 @@ pub use placement::{Locality, Placement, Reader};
 
 #[cfg(test)]
 mod tests;
+
+/// A member for unit tests: id `id`, registered at `since_ms`, no labels, 1 GiB.
+#[cfg(test)]
+pub(crate) fn test_member(id: &str, since_ms: u64) -> Member {
+    Member {
+        id: NodeId::new(id).expect("a test member's id"),
+        grpc_addr: format!("{id}:1"),
+        data_addr: format!("{id}:2"),
+        labels: Labels::default(),
+        capacity: 1 << 30,
+        since_ms,
+    }
+}

@@ -339,18 +339,7 @@ fn finish(out: Rebalance) -> Rebalance {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cluster::Labels;
-
-    fn member(id: &str, since_ms: u64) -> Member {
-        Member {
-            id: NodeId::new(id).unwrap(),
-            grpc_addr: format!("{id}:1"),
-            data_addr: format!("{id}:2"),
-            labels: Labels::default(),
-            capacity: 1 << 30,
-            since_ms,
-        }
-    }
+    use crate::cluster::test_member as member;
 
     fn key(i: u32) -> BlockKey {
         let mut k = [0u8; 32];

@@ -176,18 +176,7 @@ impl Settling {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cluster::member::Labels;
-
-    fn member(id: &str, since_ms: u64) -> Member {
-        Member {
-            id: NodeId::new(id).unwrap(),
-            grpc_addr: format!("{id}:1"),
-            data_addr: format!("{id}:2"),
-            labels: Labels::default(),
-            capacity: 1 << 30,
-            since_ms,
-        }
-    }
+    use crate::cluster::test_member as member;
 
     fn key(i: u32) -> BlockKey {
         BlockKey(*blake3::hash(&i.to_le_bytes()).as_bytes())
