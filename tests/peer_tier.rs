@@ -577,12 +577,7 @@ async fn a_node_restarted_empty_is_backed_by_the_other_replicas_and_repaired_by_
     let (spec, _, toks, payloads) = stored_through_n1(&nodes, b"restart-salt", 7, 48).await;
 
     // n2 killed and started again in place: its DRAM is empty.
-    let _ = nodes[1].child.kill();
-    let _ = nodes[1].child.wait();
-    let cfg = dir.path().join("n2.toml");
-    let again = nodes[1].restart_in_place(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"]);
-    let _old = std::mem::replace(&mut nodes[1], again);
-    until_members(&nodes, 3);
+    restart_n2_empty(&mut nodes, dir.path());
     let b = nodes[1].client().await;
     assert_eq!(dram_stats(&b).await.blocks, 0, "n2 came back empty");
 
@@ -617,6 +612,17 @@ async fn a_node_restarted_empty_is_backed_by_the_other_replicas_and_repaired_by_
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(metric(&nodes[2].scrape(), "kvtier_peer_moved_on_keys_total", &[]) >= repaired);
+}
+
+/// Kills n2 (`nodes[1]`, a node of [`node`] or [`rebalancing_node`]) and starts it again in
+/// place, DRAM empty; returns once every node sees three members.
+fn restart_n2_empty(nodes: &mut [ServerProcess], dir: &std::path::Path) {
+    let _ = nodes[1].child.kill();
+    let _ = nodes[1].child.wait();
+    let cfg = dir.join("n2.toml");
+    let again = nodes[1].restart_in_place(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"]);
+    nodes[1] = again;
+    until_members(&*nodes, 3);
 }
 
 /// What [`stored_before_n3_joins`] stored through n1 of a two-node `cluster_rf` 1 cluster.
@@ -727,12 +733,7 @@ async fn a_node_restarted_empty_is_handed_its_blocks_by_the_other_replicas_befor
     let (_, ns, toks, _) = stored_through_n1(&nodes, b"rebalance-restart-salt", 10, 48).await;
     let owned_by_n2 = ns.keys(&toks).iter().filter(|k| owners(&placement(), &ns.id, k, 2).contains("n2")).count();
     assert!(owned_by_n2 > 0);
-    let _ = nodes[1].child.kill();
-    let _ = nodes[1].child.wait();
-    let cfg = dir.path().join("n2.toml");
-    let again = nodes[1].restart_in_place(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"]);
-    let _old = std::mem::replace(&mut nodes[1], again);
-    until_members(&nodes, 3);
+    restart_n2_empty(&mut nodes, dir.path());
     let b = nodes[1].client().await;
     until_dram_blocks(&b, owned_by_n2, &nodes, "the restarted n2").await;
     assert_eq!(dram_stats(&b).await.blocks, owned_by_n2 as u64, "only the blocks n2 owns");
