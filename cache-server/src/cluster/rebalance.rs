@@ -120,6 +120,8 @@ pub struct Rebalance {
     pub skipped_members: u64,
     /// Whether the walk ended early: the membership changed again, or the node is stopping.
     pub cut_short: bool,
+    /// Whether the members differed at all (else nothing was walked).
+    pub walked: bool,
 }
 
 /// Runs a pass after every membership change that stayed quiet for `after`, and backup passes
@@ -178,8 +180,10 @@ pub async fn rebalance_loop(state: Arc<NodeState>, after: Duration, mut stop: wa
         }
         seen = now.clone();
         backup = match BACKUP_AFTER.get(round) {
-            // After the first pass always; after a backup only if it left members out.
-            Some(wait) if round == 0 || out.skipped_members > 0 => {
+            // After a first pass that walked (the members differed: a former owner that sent
+            // nothing in it may hold what the first sender lacked); after a backup only if it
+            // left members out.
+            Some(wait) if (round == 0 && out.walked) || out.skipped_members > 0 => {
                 Some((before, now, round, tokio::time::Instant::now() + *wait))
             }
             _ => None,
@@ -204,6 +208,7 @@ pub async fn rebalance_pass(
     if same_members && restarted(before.members(), now.members()).is_empty() {
         return out;
     }
+    out.walked = true;
     ::metrics::counter!("kvtier_peer_rebalance_passes_total").increment(1);
     let pass_started = Instant::now();
     // The walk and the placement of every key, off the async workers: a node may hold millions.
