@@ -123,29 +123,31 @@ mod tests {
     #[tokio::test]
     async fn a_stalled_read_times_out_and_progress_resets_the_clock() {
         let (mut peer, mine) = tokio::io::duplex(64);
-        let mut d = Deadlined::new(mine, Duration::from_millis(150));
-        // Bytes every 100 ms: each read makes progress within the budget, 500 ms in all.
+        // A budget four times the writer's pauses: a loaded machine stretching a 100 ms sleep
+        // to 150 ms (it did) must not fail the read.
+        let mut d = Deadlined::new(mine, Duration::from_millis(400));
+        // Bytes every 100 ms: each read makes progress within the budget, 800 ms in all.
         let writer = tokio::spawn(async move {
-            for i in 0..5u8 {
+            for i in 0..8u8 {
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 peer.write_all(&[i]).await.unwrap();
             }
             peer
         });
-        let mut got = [0u8; 5];
+        let mut got = [0u8; 8];
         d.read_exact(&mut got).await.unwrap();
-        assert_eq!(got, [0, 1, 2, 3, 4]);
+        assert_eq!(got, [0, 1, 2, 3, 4, 5, 6, 7]);
         let _peer = writer.await.unwrap();
         // Then nothing: the next read fails after the budget, not before.
-        let t = std::time::Instant::now();
+        let t = Instant::now();
         let e = d.read_u8().await.unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::TimedOut);
-        assert!(t.elapsed() >= Duration::from_millis(140), "{:?}", t.elapsed());
-        // A longer budget (idle between requests) waits longer.
-        d.set_budget(Duration::from_millis(400));
-        let t = std::time::Instant::now();
-        assert!(d.read_u8().await.is_err());
         assert!(t.elapsed() >= Duration::from_millis(390), "{:?}", t.elapsed());
+        // A longer budget (idle between requests) waits longer.
+        d.set_budget(Duration::from_millis(800));
+        let t = Instant::now();
+        assert!(d.read_u8().await.is_err());
+        assert!(t.elapsed() >= Duration::from_millis(790), "{:?}", t.elapsed());
     }
 
     #[tokio::test]

@@ -122,6 +122,9 @@ pub struct Rebalance {
     pub cut_short: bool,
     /// Whether the members differed at all (else nothing was walked).
     pub walked: bool,
+    /// Low-priority copies (cached or relayed) of keys this node has come to own, raised to
+    /// normal priority: its copy is an owner's now.
+    pub raised: u64,
 }
 
 /// Runs a pass after every membership change that stayed quiet for `after`, and backup passes
@@ -159,12 +162,13 @@ pub async fn rebalance_loop(state: Arc<NodeState>, after: Duration, mut stop: wa
         let changed = || members.borrow().generation != generation || *stop.borrow();
         let started = Instant::now();
         let out = rebalance_pass(&state, &peers, &before, &now, is_backup, changed).await;
-        if out.queued + out.held_there + out.dropped + out.skipped_members > 0 || out.cut_short {
+        if out.queued + out.held_there + out.dropped + out.skipped_members + out.raised > 0 || out.cut_short {
             tracing::info!(
                 queued = out.queued,
                 held_there = out.held_there,
                 dropped = out.dropped,
                 skipped_members = out.skipped_members,
+                raised = out.raised,
                 cut_short = out.cut_short,
                 backup = is_backup,
                 took_ms = started.elapsed().as_millis() as u64,
@@ -216,7 +220,8 @@ pub async fn rebalance_pass(
         let (state, peers, before, now) = (state.clone(), peers.clone(), before.clone(), now.clone());
         tokio::task::spawn_blocking(move || plan_pass(&state, &peers, &before, &now, backup)).await
     };
-    let Ok(plan) = plan else { return finish(out) };
+    let Ok((plan, raised)) = plan else { return finish(out) };
+    out.raised = raised;
     let mut skipped: Vec<usize> = Vec::new();
     for ((ns_id, m), keys) in plan {
         if skipped.contains(&m) {
@@ -299,24 +304,23 @@ pub async fn rebalance_pass(
     finish(out)
 }
 
-/// Per (namespace, new owner as an index into `now`): the keys this node hands to it, from a
+/// Per (namespace, new owner as an index into `now`): the keys this node hands to it.
+type Plan = Vec<((NamespaceId, usize), Vec<BlockKey>)>;
+
+/// The [`Plan`] of a pass, and how many low-priority copies were raised: per (namespace, new
+/// owner as an index into `now`), the keys this node hands to it, from a
 /// snapshot of what its DRAM and disk hold. A `before` of this node alone (it had not seen the
 /// others yet: it started first, or Redis was unreachable at its start) makes it the former owner
 /// of everything it holds: whatever it took while alone is handed to its owners, and what it
 /// recovered from its disk is offered to the owners that lack it (one `EXISTS` per 1,024 keys).
-fn plan_pass(
-    state: &NodeState,
-    peers: &PeerTier,
-    before: &Placement,
-    now: &Placement,
-    backup: bool,
-) -> Vec<((NamespaceId, usize), Vec<BlockKey>)> {
+fn plan_pass(state: &NodeState, peers: &PeerTier, before: &Placement, now: &Placement, backup: bool) -> (Plan, u64) {
     let local = peers.local();
     let restarted = restarted(before.members(), now.members());
     let mut held = state.tiers().held_keys();
     held.sort_unstable_by_key(|(ns, _)| ns.0);
     let (mut planner, mut targets) = (Planner::default(), Vec::with_capacity(MAX_RF));
     let mut plan: HashMap<(NamespaceId, usize), Vec<BlockKey>> = HashMap::new();
+    let mut raised = 0;
     for group in held.chunk_by(|a, b| a.0 == b.0) {
         let ns_id = group[0].0;
         let Ok(ns) = state.namespace(&ns_id) else { continue };
@@ -327,10 +331,19 @@ fn plan_pass(
                 plan.entry((ns_id, m)).or_default().push(*key);
             }
         }
+        // A copy this node kept at low priority (cached from a peer, relayed for its owners) of
+        // a key it now owns: an owner's copy, so it stays like one. Else the new owner answers
+        // the others' `EXISTS` "held" and its only copy goes first under pressure.
+        let keys: Vec<BlockKey> = group.iter().map(|(_, k)| *k).collect();
+        for (key, owned) in keys.iter().zip(peers.owned_here(&ns, &keys)) {
+            if owned && state.tiers().raise_dram_priority(&ns_id, key, crate::dram::Priority::Normal) {
+                raised += 1;
+            }
+        }
     }
     let mut plan: Vec<_> = plan.into_iter().collect();
     plan.sort_unstable_by_key(|((ns, m), _)| (*m, ns.0));
-    plan
+    (plan, raised)
 }
 
 fn finish(out: Rebalance) -> Rebalance {
@@ -338,6 +351,7 @@ fn finish(out: Rebalance) -> Rebalance {
     ::metrics::counter!("kvtier_peer_rebalance_held_there_total").increment(out.held_there);
     ::metrics::counter!("kvtier_peer_rebalance_dropped_total").increment(out.dropped);
     ::metrics::counter!("kvtier_peer_rebalance_skipped_members_total").increment(out.skipped_members);
+    ::metrics::counter!("kvtier_peer_rebalance_raised_total").increment(out.raised);
     out
 }
 

@@ -1059,6 +1059,50 @@ impl DramTier {
         self.shared.index.contains_key(&(*ns, *key))
     }
 
+    /// Raises a held block to `priority` where it sits lower (a copy this node cached or relayed,
+    /// of a key it has come to own): queued again at that level as if just inserted, in its
+    /// account's order too. A pinned block out of the queues keeps its place until unpinned (it
+    /// goes back at its new level). True if it was raised.
+    pub fn raise_priority(&self, ns: &NamespaceId, key: &BlockKey, priority: Priority) -> bool {
+        let k = (*ns, *key);
+        let level = priority as usize;
+        let mut st = self.shared.state.lock();
+        let Some((old_level, place, size, account)) =
+            self.shared.index.get(&k).map(|e| (e.level, e.place, e.buf.size() as u64, e.account))
+        else {
+            return false;
+        };
+        if old_level >= level || place == Place::Out {
+            return false;
+        }
+        st.next_id += 1;
+        let id = st.next_id;
+        // The old queue item turns stale once the entry's id changes; a parked (pinned) entry has
+        // no queue item and is put back into main at its level when unpinned.
+        if let Some(mut e) = self.shared.index.get_mut(&k) {
+            e.id = id;
+            e.level = level;
+        }
+        let parked = place == Place::Parked;
+        st.policy.forget(old_level, place, size, &IndexAccess(&self.shared.index));
+        let new_place = if parked {
+            st.policy.park(level);
+            Place::Parked
+        } else {
+            st.policy.insert(level, Item { key: k, id, bytes: size })
+        };
+        if let Some(mut e) = self.shared.index.get_mut(&k) {
+            e.place = new_place;
+        }
+        let pooled = self.shared.pool_limit(&st).is_some();
+        if let Some(a) = st.accounts.get_mut(&account) {
+            if a.quota.is_some() || pooled {
+                a.order.push_back((k, id));
+            }
+        }
+        true
+    }
+
     /// Every block held, by namespace and key (a snapshot; blocks come and go meanwhile).
     pub fn keys(&self) -> Vec<(NamespaceId, BlockKey)> {
         self.shared.index.iter().map(|e| *e.key()).collect()

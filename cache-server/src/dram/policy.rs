@@ -110,6 +110,11 @@ impl Policy {
         }
     }
 
+    /// Counts an entry parked at `level` that came from another level (its priority raised).
+    pub(super) fn park(&mut self, level: usize) {
+        self.levels[level.min(LEVELS - 1)].parked += 1;
+    }
+
     /// Puts a parked entry (its pin count just reached 0) back into main.
     pub(super) fn unpark(&mut self, level: usize, item: Item) {
         let l = &mut self.levels[level.min(LEVELS - 1)];

@@ -976,3 +976,29 @@ fn the_pool_passes_over_an_account_whose_blocks_are_pinned() {
     assert_eq!(t.account_resident(1), 64 * KIB as u64);
     assert_eq!(t.account_resident(2) + t.account_resident(0), 768 * KIB as u64);
 }
+
+#[test]
+fn a_raised_block_is_evicted_at_its_new_level() {
+    let t = tier(640 * KIB, 0.9);
+    for i in 10..13 {
+        put(&t, i, 64 * KIB, Priority::Normal).unwrap();
+    }
+    for i in 20..26 {
+        put(&t, i, 64 * KIB, Priority::Low).unwrap();
+    }
+    assert!(t.raise_priority(&NS, &key(20), Priority::Normal));
+    assert!(!t.raise_priority(&NS, &key(20), Priority::Normal), "already at that level");
+    assert!(!t.raise_priority(&NS, &key(10), Priority::Low), "never lowered");
+    assert!(!t.raise_priority(&NS, &key(99), Priority::Normal), "not held");
+    // Six more low blocks: the low ones that were there go first, oldest first — not 20, the
+    // oldest of them before it was raised.
+    for i in 30..36 {
+        put(&t, i, 64 * KIB, Priority::Low).unwrap();
+    }
+    assert!(t.contains(&NS, &key(20)), "the raised block outlives the low ones");
+    assert!((10..13).all(|i| t.contains(&NS, &key(i))));
+    assert!((21..26).all(|i| !t.contains(&NS, &key(i))), "the low blocks before it went first");
+    // Its bytes are counted once, at its new level: removing it leaves the tier consistent.
+    assert!(t.remove(&NS, &key(20)));
+    assert_eq!(t.stats().blocks, 9);
+}

@@ -220,6 +220,11 @@ impl TierStack {
         self.tiers().any(|t| t.contains(ns, key)) || self.agents.contains(ns, key)
     }
 
+    /// Raises a DRAM block to `priority` where it sits lower (see `DramTier::raise_priority`).
+    pub fn raise_dram_priority(&self, ns: &NamespaceId, key: &BlockKey, priority: Priority) -> bool {
+        self.dram.raise_priority(ns, key, priority)
+    }
+
     /// Every block this node's DRAM and disk hold (not G1's), once each: a snapshot.
     pub fn held_keys(&self) -> Vec<(NamespaceId, BlockKey)> {
         let mut keys = self.dram.keys();
