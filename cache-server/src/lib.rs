@@ -228,6 +228,7 @@ impl RunningServer {
             self.tasks.push(tokio::spawn(cluster::rebalance::rebalance_loop(
                 self.state.clone(),
                 after,
+                &cluster::rebalance::BACKUP_AFTER,
                 self.stop.subscribe(),
             )));
         }

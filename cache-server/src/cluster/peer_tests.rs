@@ -1,6 +1,7 @@
 //! The peer tier through a fake [`PeerTransport`]: one request per peer per fetch, replicas in
 //! read order, a corrupt, short, foreign or wrong-length answer is a miss (never its bytes), a
-//! stalled peer costs one timeout and is then skipped, and forwards reach every other owner.
+//! stalled peer costs one timeout and is then skipped, and forwards reach every other owner;
+//! after membership changes, blocks are found where they still are and handed to new owners.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -790,4 +791,95 @@ async fn in_a_settled_cluster_an_owners_miss_is_final() {
     assert!(gets.len() <= 2, "one round: {gets:?}");
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert!(s.fake.calls("put").is_empty(), "nothing to repair: {:?}", s.fake.calls("put"));
+}
+
+/// c joins (rf 1) but refuses every request of the first rebalance pass: the pass leaves it out
+/// (asked twice, then skipped), and the backup pass the loop schedules after it asks c again and
+/// queues what c lacks, which the handoff loop sends. c ends with exactly the blocks that moved to
+/// it from this node (b's share is b's to send). Without the backup pass c got none of them.
+#[tokio::test]
+async fn a_new_owner_that_refused_the_first_pass_is_handed_its_blocks_by_the_backup_pass() {
+    use crate::config::{ByteSize, ServerConfig};
+    use crate::state::NodeState;
+    use crate::tenants::Principal;
+
+    let dir = tempfile::tempdir().unwrap();
+    let config = ServerConfig {
+        data_dir: dir.path().to_path_buf(),
+        dram_capacity: ByteSize(16 << 20),
+        metrics_listen: None,
+        ..ServerConfig::default()
+    };
+    let state = Arc::new(NodeState::open(config, "127.0.0.1:0".parse().unwrap()).unwrap());
+    let ns = namespace();
+    state.register_namespace(&Principal::Operator, ns.clone()).unwrap();
+    let blocks: Vec<StoredBlock> = (0..96).map(|i| block(&ns, i)).collect();
+    for b in &blocks {
+        state.tiers().put_fetched(b, crate::dram::Priority::Normal).unwrap();
+    }
+    let (before, after) = (vec![member("a"), member("b")], vec![member("a"), member("b"), member("c")]);
+    let (members_tx, rx) = watch::channel(Snapshot { members: Arc::from(before.clone()), stale: false, generation: 1 });
+    let fake = Arc::new(Fake::default());
+    fake.modes.lock().insert("c".into(), Mode::Refuse);
+    let (stop, stop_rx) = watch::channel(false);
+    let cfg = PeerConfig { rf: 1, timeout: Duration::from_secs(5), max_inflight: 8, hedge: Hedge::Off };
+    let (tier, _task) = PeerTier::start(
+        NodeId::new("a").unwrap(),
+        Labels::new(Some("a"), None, None),
+        rx,
+        fake.clone(),
+        cfg,
+        stop_rx.clone(),
+    );
+    tier.forget_settling();
+    state.tiers().attach_peers(tier, false);
+    const BACKUPS: [Duration; 1] = [Duration::from_millis(300)];
+    tokio::spawn(super::super::rebalance::rebalance_loop(
+        state.clone(),
+        Duration::from_millis(50),
+        &BACKUPS,
+        stop_rx.clone(),
+    ));
+    tokio::spawn(super::super::handoff::handoff_loop(state.clone(), stop_rx));
+    tokio::task::yield_now().await;
+
+    let owner = |members: &[Member], b: &StoredBlock| {
+        let p = Placement::new(members);
+        p.members()[p.owners(&ns.id(), &b.header.key, 1)[0]].id.to_string()
+    };
+    let moved: Vec<BlockKey> =
+        blocks.iter().filter(|b| owner(&before, b) == "a" && owner(&after, b) == "c").map(|b| b.header.key).collect();
+    assert!(moved.len() >= 8, "only {} of this node's blocks move to c", moved.len());
+
+    members_tx.send(Snapshot { members: Arc::from(after), stale: false, generation: 2 }).unwrap();
+    // The first pass asks c twice and leaves it out.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while fake.calls("exists").iter().filter(|(to, _)| to == "c").count() < 2 {
+        assert!(Instant::now() < deadline, "c was never asked: {:?}", fake.calls.lock());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(fake.calls("put").is_empty(), "nothing sent to a member that refuses");
+    fake.modes.lock().insert("c".into(), Mode::Honest);
+
+    // The backup pass asks again; the handoff sends once c is no longer skipped as down.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let held: Vec<BlockKey> = fake.held.lock().get("c").map(|h| h.keys().copied().collect()).unwrap_or_default();
+        if held.len() >= moved.len() {
+            let mut held = held;
+            let mut want = moved.clone();
+            held.sort_unstable_by_key(|k| k.0);
+            want.sort_unstable_by_key(|k| k.0);
+            assert_eq!(held, want, "c holds what moved to it from a, nothing else");
+            break;
+        }
+        assert!(Instant::now() < deadline, "c holds {} of the {} blocks that moved to it", held.len(), moved.len());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Every block c holds is the one a holds.
+    for b in blocks.iter().filter(|b| moved.contains(&b.header.key)) {
+        let there = fake.held.lock()["c"][&b.header.key].clone();
+        assert_eq!((there.header, there.payload), (b.header, b.payload.clone()));
+    }
+    stop.send(true).unwrap();
 }

@@ -46,7 +46,7 @@ const ROOM_STUCK: Duration = Duration::from_secs(60);
 /// When the backup pass runs after a change's first one: every former owner still a member (not
 /// only the first) sends what the new owners still lack, and members skipped before are asked
 /// again. A second backup follows if that one skipped members too.
-const BACKUP_AFTER: [Duration; 2] = [Duration::from_secs(60), Duration::from_secs(300)];
+pub const BACKUP_AFTER: [Duration; 2] = [Duration::from_secs(60), Duration::from_secs(300)];
 
 /// The members of `now` that restarted since `before`: in both, with a registration time that
 /// changed (0 is unknown: no restart told).
@@ -128,9 +128,14 @@ pub struct Rebalance {
 }
 
 /// Runs a pass after every membership change that stayed quiet for `after`, and backup passes
-/// after it ([`BACKUP_AFTER`]), until `stop` turns true. The first placement it compares with is
-/// the one it finds at its start.
-pub async fn rebalance_loop(state: Arc<NodeState>, after: Duration, mut stop: watch::Receiver<bool>) {
+/// `backups` after it (the node runs with [`BACKUP_AFTER`]), until `stop` turns true. The first
+/// placement it compares with is the one it finds at its start.
+pub async fn rebalance_loop(
+    state: Arc<NodeState>,
+    after: Duration,
+    backups: &'static [Duration],
+    mut stop: watch::Receiver<bool>,
+) {
     let Some(peers) = state.tiers().peers().cloned() else { return };
     let mut members = peers.members();
     let mut seen = peers.placement();
@@ -183,7 +188,7 @@ pub async fn rebalance_loop(state: Arc<NodeState>, after: Duration, mut stop: wa
             continue;
         }
         seen = now.clone();
-        backup = match BACKUP_AFTER.get(round) {
+        backup = match backups.get(round) {
             // After a first pass that walked (the members differed: a former owner that sent
             // nothing in it may hold what the first sender lacked); after a backup only if it
             // left members out.
