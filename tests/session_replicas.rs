@@ -445,6 +445,48 @@ async fn a_node_too_small_for_a_session_is_passed_over_not_churned() {
     }
 }
 
+/// A node is passed over for a session larger than it can hold *as stored*: an NVFP4 session of
+/// 24 MiB of raw KV is about 7 MiB, so a 16 MiB node takes its copy (rf 2: the park is
+/// acknowledged only then). Before, the pre-check compared the manifest's raw size
+/// with the node's capacity, and the park failed with `KV:Capacity` naming a node with room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quantized_session_is_copied_to_a_node_smaller_than_its_raw_kv() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let start = |id: &str, dram: &str| {
+        let cfg = config(&redis, dir.path(), id, 2, "peer_timeout = \"10s\"\n");
+        ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", dram])
+    };
+    let n1 = start("n1", "96MiB");
+    let n2 = start("n2", "16MiB");
+    until_members([&n1, &n2], 2);
+    let (c1, c2) = (n1.client().await, n2.client().await);
+    let ns1 = handle(&c1).await.with_codec(kvtier_proto::CodecId::NVFP4).unwrap();
+    // 768 blocks of 32 KiB: 24 MiB of smooth fp16 KV (quantizable), no tail.
+    let toks = tokens(4000, 768 * 16);
+    let elements = small_layout().block_bytes() as usize / 2;
+    let blocks: Vec<Bytes> = (0..768)
+        .map(|b| {
+            (0..elements)
+                .flat_map(|i| {
+                    let v = ((i * 7 + b * 13) as f32 * 0.011).sin() * 3.0;
+                    half::f16::from_f32(v).to_bits().to_le_bytes()
+                })
+                .collect::<Vec<u8>>()
+                .into()
+        })
+        .collect();
+    let info = c1.park(&ns1, "quantized", &toks, &blocks, &ParkOptions::default(), 0).await.unwrap();
+    assert_eq!(info.bytes, 24 << 20, "the manifest counts raw KV");
+    assert_eq!(copies(&[&c1, &c2]).await.get("quantized"), Some(&2), "both nodes hold a copy");
+    assert_eq!(metric(&n1.scrape(), "kvtier_session_copies_refused_total", &[]), 0.0);
+    // A copy is held whole (its blocks pinned there); it resumes through either node alike.
+    let from_n1 = c1.resume(&ns1, "quantized").await.unwrap().blocks;
+    assert_eq!(from_n1.len(), 768);
+    let from_n2 = c2.resume(&handle(&c2).await, "quantized").await.unwrap().blocks;
+    assert!(from_n2 == from_n1, "n2 serves what n1 serves");
+}
+
 /// A namespace's own `replicas` overrides the cluster's `cluster_rf`: in an rf = 1 cluster, a
 /// namespace registered with 2 has its sessions on two nodes and they survive n1's SIGKILL,
 /// while the default namespace's session (one copy, on n1) is a miss afterwards.

@@ -151,15 +151,18 @@ async fn copy_to(
     m: &SessionManifest,
 ) -> Result<(), ServerError> {
     let bad = |reason: String| ServerError::Peer { peer: member.id.to_string(), reason };
-    // Larger than all it can hold (DRAM and disk together): nothing is sent.
-    if m.bytes > member.capacity {
+    let mut keys = m.keys.clone();
+    keys.extend(m.tail);
+    // Larger than all it can hold (DRAM and disk together): nothing is sent. Its size as this
+    // node stores it (an FP8/NVFP4/LZ4 session is 2-4x smaller than the raw KV its manifest
+    // counts); a block not held here counts nothing (the member may hold it already).
+    let stored = state.tiers().stored_bytes(&ns.id(), &keys);
+    if stored > member.capacity {
         return Err(ServerError::Capacity(format!(
-            "node {} holds at most {} bytes, and session {:?} is {} bytes",
+            "node {} holds at most {} bytes, and session {:?} is {stored} bytes as stored ({} bytes of raw KV)",
             member.id, member.capacity, m.id, m.bytes
         )));
     }
-    let mut keys = m.keys.clone();
-    keys.extend(m.tail);
     // Twice at most: blocks it had may be evicted between the check and the manifest.
     for attempt in 0..2 {
         let have = peers.bounded(member, peers.transport().exists(member, ns, &keys)).await?;

@@ -252,6 +252,12 @@ impl TierStack {
         self.tiers().find_map(|t| t.header(ns, key)).map(|h| h.codec)
     }
 
+    /// The payload bytes of `keys` as this node's tiers hold them, hottest copy first (a block
+    /// held nowhere counts nothing); a metadata query: no hit is counted, no block read.
+    pub fn stored_bytes(&self, ns: &NamespaceId, keys: &[BlockKey]) -> u64 {
+        keys.iter().filter_map(|k| self.tiers().find_map(|t| t.header(ns, k))).map(|h| h.payload_len).sum()
+    }
+
     /// How many leading `keys` some tier holds.
     pub fn longest_prefix(&self, ns: &NamespaceId, keys: &[BlockKey]) -> usize {
         let mut n = self.dram.longest_prefix(ns, keys);
