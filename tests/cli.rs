@@ -62,7 +62,7 @@ fn cli_round_trip_sessions_stats_and_metrics() {
     assert!(!ok && err.contains("KV:Session:NotFound"), "{err}");
     // Dropping it again: nothing to drop is a failure, as the resume is (it exited 0).
     let (ok, _, err) = cli(&["session", "drop", "--server", &addr, "--id", "agent-1"]);
-    assert!(!ok && err.contains("no session \"agent-1\""), "{err}");
+    assert!(!ok && err.contains("KV:Session:NotFound: no session \"agent-1\""), "{err}");
 
     let (ok, out, _) = cli(&["stats", "--server", &addr]);
     assert!(ok && out.contains("dram:") && out.contains("hits"), "{out}");

@@ -917,7 +917,10 @@ async fn session(s: SessionCmd) -> anyhow::Result<()> {
             let (client, ns) = connect_existing(&conn).await?;
             if !client.drop_session(&ns, &id).await? {
                 // As a resume of it would: an error (exit 1), not an answer.
-                anyhow::bail!("no session {id:?}: nothing dropped");
+                anyhow::bail!(
+                    "{}: no session {id:?} (never parked, dropped already, or expired): nothing dropped",
+                    kvtier_proto::codes::SESSION_NOT_FOUND
+                );
             }
             outln!("dropped {id:?}")?;
         }
