@@ -155,6 +155,11 @@ pub struct ServerConfig {
     /// their former owners). Default: `30s` (a node restarted within it is one change, not a
     /// departure whose blocks are copied elsewhere and then back).
     pub peer_rebalance: String,
+    /// The same wait for a change that only took members away (a graceful stop leaves at once,
+    /// a killed node after `cluster_ttl`): a member that comes back within it (a rolling restart)
+    /// is handed only what it lacks, and its share is never copied to interim owners and back.
+    /// A duration of at most 1h; `peer_rebalance` when that is longer. Default: `5m`.
+    pub peer_rebalance_departed: String,
     /// How this node's data plane is reached by its peers: `"tcp"` (the data-plane listener, TLS
     /// when `[tls]` is set) or `"quic"`: a QUIC listener on the same port number over UDP, one
     /// QUIC connection per peer with a stream per pooled connection, and peers dial it. QUIC needs
@@ -416,6 +421,7 @@ impl Default for ServerConfig {
             peer_max_inflight: 64,
             peer_hedge: "auto".into(),
             peer_rebalance: "30s".into(),
+            peer_rebalance_departed: "5m".into(),
             peer_transport: "tcp".into(),
             events_max_watchers: 64,
             events_max_watchers_per_tenant: 8,
@@ -576,6 +582,9 @@ impl ServerConfig {
         if let Err(e) = self.peer_rebalance() {
             return bad(e);
         }
+        if let Err(e) = self.peer_rebalance_departed() {
+            return bad(e);
+        }
         match self.peer_transport.as_str() {
             "tcp" => {}
             "quic" if self.tls.as_ref().is_some_and(|t| t.client_ca.is_some()) => {}
@@ -706,6 +715,17 @@ impl ServerConfig {
                 _ => Err(format!("peer_rebalance must be \"off\" or a duration of at most 1h such as 30s, got {d:?}")),
             },
         }
+    }
+
+    /// How long a change that only took members away stays quiet before its pass (see
+    /// `peer_rebalance_departed`; never shorter than `peer_rebalance`'s wait).
+    pub fn peer_rebalance_departed(&self) -> Result<Duration, String> {
+        let d = self.peer_rebalance_departed.trim();
+        let departed = match d.parse::<DurationStr>() {
+            Ok(DurationStr(departed)) if departed <= Duration::from_secs(3600) => departed,
+            _ => return Err(format!("peer_rebalance_departed must be a duration of at most 1h such as 5m, got {d:?}")),
+        };
+        Ok(departed.max(self.peer_rebalance()?.unwrap_or_default()))
     }
 
     /// The connection limits of the gRPC and data-plane listeners.
@@ -934,6 +954,19 @@ mod tests {
             c.peer_rebalance = bad.into();
             let e = c.validate().unwrap_err().to_string();
             assert!(e.contains("peer_rebalance"), "{bad:?}: {e}");
+        }
+        // Departures wait 5 minutes by default, never less than any change.
+        let mut c = ServerConfig::default();
+        assert_eq!(c.peer_rebalance_departed(), Ok(Duration::from_secs(300)));
+        c.peer_rebalance = "10m".into();
+        assert_eq!(c.peer_rebalance_departed(), Ok(Duration::from_secs(600)));
+        c.peer_rebalance_departed = "1s".into();
+        c.peer_rebalance = "off".into();
+        assert_eq!(c.peer_rebalance_departed(), Ok(Duration::from_secs(1)));
+        for bad in ["2h", "off", "soon"] {
+            c.peer_rebalance_departed = bad.into();
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.contains("peer_rebalance_departed"), "{bad:?}: {e}");
         }
     }
 

@@ -224,11 +224,11 @@ impl RunningServer {
         // With `cluster_rf` >= 2: parked sessions' missing copies re-made after membership changes.
         self.tasks.push(tokio::spawn(cluster::replicas::repair_loop(self.state.clone(), self.stop.subscribe())));
         // After a membership change, the blocks this node holds handed to their new owners.
-        if let Ok(Some(after)) = c.peer_rebalance() {
+        if let (Ok(Some(quiet)), Ok(departed)) = (c.peer_rebalance(), c.peer_rebalance_departed()) {
+            let schedule = cluster::rebalance::Schedule { quiet, departed, backups: &cluster::rebalance::BACKUP_AFTER };
             self.tasks.push(tokio::spawn(cluster::rebalance::rebalance_loop(
                 self.state.clone(),
-                after,
-                &cluster::rebalance::BACKUP_AFTER,
+                schedule,
                 self.stop.subscribe(),
             )));
         }

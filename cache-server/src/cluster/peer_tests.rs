@@ -13,6 +13,7 @@ use parking_lot::Mutex;
 use tokio::sync::watch;
 
 use super::*;
+use crate::cluster::rebalance::Schedule;
 
 /// How a fake peer answers.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -793,12 +794,19 @@ async fn in_a_settled_cluster_an_owners_miss_is_final() {
     assert!(s.fake.calls("put").is_empty(), "nothing to repair: {:?}", s.fake.calls("put"));
 }
 
-/// c joins (rf 1) but refuses every request of the first rebalance pass: the pass leaves it out
-/// (asked twice, then skipped), and the backup pass the loop schedules after it asks c again and
-/// queues what c lacks, which the handoff loop sends. c ends with exactly the blocks that moved to
-/// it from this node (b's share is b's to send). Without the backup pass c got none of them.
-#[tokio::test]
-async fn a_new_owner_that_refused_the_first_pass_is_handed_its_blocks_by_the_backup_pass() {
+/// Node "a" of `members` holding 96 blocks in its DRAM, with its rebalance and handoff loops
+/// running on `schedule` against a fake transport (whose members hold nothing yet).
+struct Rebalancing {
+    _state: Arc<crate::state::NodeState>,
+    fake: Arc<Fake>,
+    ns: Namespace,
+    blocks: Vec<StoredBlock>,
+    members: watch::Sender<Snapshot>,
+    stop: watch::Sender<bool>,
+    _dir: tempfile::TempDir,
+}
+
+async fn rebalancing_node(rf: usize, members: Vec<Member>, fake: Arc<Fake>, schedule: Schedule) -> Rebalancing {
     use crate::config::{ByteSize, ServerConfig};
     use crate::state::NodeState;
     use crate::tenants::Principal;
@@ -817,41 +825,86 @@ async fn a_new_owner_that_refused_the_first_pass_is_handed_its_blocks_by_the_bac
     for b in &blocks {
         state.tiers().put_fetched(b, crate::dram::Priority::Normal).unwrap();
     }
-    let (before, after) = (vec![member("a"), member("b")], vec![member("a"), member("b"), member("c")]);
-    let (members_tx, rx) = watch::channel(Snapshot { members: Arc::from(before.clone()), stale: false, generation: 1 });
-    let fake = Arc::new(Fake::default());
-    fake.modes.lock().insert("c".into(), Mode::Refuse);
+    let local = members[0].clone();
+    let (members_tx, rx) = watch::channel(Snapshot { members: Arc::from(members), stale: false, generation: 1 });
     let (stop, stop_rx) = watch::channel(false);
-    let cfg = PeerConfig { rf: 1, timeout: Duration::from_secs(5), max_inflight: 8, hedge: Hedge::Off };
-    let (tier, _task) = PeerTier::start(
-        NodeId::new("a").unwrap(),
-        Labels::new(Some("a"), None, None),
-        rx,
-        fake.clone(),
-        cfg,
-        stop_rx.clone(),
-    );
+    let cfg = PeerConfig { rf, timeout: Duration::from_secs(5), max_inflight: 8, hedge: Hedge::Off };
+    let (tier, _task) = PeerTier::start(local.id, local.labels, rx, fake.clone(), cfg, stop_rx.clone());
     tier.forget_settling();
     state.tiers().attach_peers(tier, false);
-    const BACKUPS: [Duration; 1] = [Duration::from_millis(300)];
-    tokio::spawn(super::super::rebalance::rebalance_loop(
-        state.clone(),
-        Duration::from_millis(50),
-        &BACKUPS,
-        stop_rx.clone(),
-    ));
+    tokio::spawn(super::super::rebalance::rebalance_loop(state.clone(), schedule, stop_rx.clone()));
     tokio::spawn(super::super::handoff::handoff_loop(state.clone(), stop_rx));
     tokio::task::yield_now().await;
+    Rebalancing { _state: state, fake, ns, blocks, members: members_tx, stop, _dir: dir }
+}
 
-    let owner = |members: &[Member], b: &StoredBlock| {
+impl Rebalancing {
+    /// The ids of `key`'s owners among `members`.
+    fn owners(&self, members: &[Member], key: &BlockKey, rf: usize) -> Vec<String> {
         let p = Placement::new(members);
-        p.members()[p.owners(&ns.id(), &b.header.key, 1)[0]].id.to_string()
-    };
-    let moved: Vec<BlockKey> =
-        blocks.iter().filter(|b| owner(&before, b) == "a" && owner(&after, b) == "c").map(|b| b.header.key).collect();
+        p.owners(&self.ns.id(), key, rf).into_iter().map(|i| p.members()[i].id.to_string()).collect()
+    }
+
+    fn change(&self, members: &[Member]) {
+        let generation = self.members.borrow().generation + 1;
+        self.members.send(Snapshot { members: Arc::from(members.to_vec()), stale: false, generation }).unwrap();
+    }
+
+    /// The keys the fake member `id` holds, sorted.
+    fn held_by(&self, id: &str) -> Vec<BlockKey> {
+        let mut held: Vec<BlockKey> =
+            self.fake.held.lock().get(id).map(|h| h.keys().copied().collect()).unwrap_or_default();
+        held.sort_unstable_by_key(|k| k.0);
+        held
+    }
+
+    /// Waits (up to 30 s) until the fake member `id` holds exactly `want` (sorted), byte-exact.
+    async fn until_holds(&self, id: &str, want: &[BlockKey]) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let held = self.held_by(id);
+            if held.len() >= want.len() {
+                assert_eq!(held, want, "{id} holds what moved to it from a, nothing else");
+                break;
+            }
+            assert!(Instant::now() < deadline, "{id} holds {} of the {} blocks it should get", held.len(), want.len());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        for b in self.blocks.iter().filter(|b| want.contains(&b.header.key)) {
+            let there = self.fake.held.lock()[id][&b.header.key].clone();
+            assert_eq!((there.header, there.payload), (b.header, b.payload.clone()));
+        }
+    }
+}
+
+fn sorted(mut keys: Vec<BlockKey>) -> Vec<BlockKey> {
+    keys.sort_unstable_by_key(|k| k.0);
+    keys
+}
+
+/// c joins (rf 1) but refuses every request of the first rebalance pass: the pass leaves it out
+/// (asked twice, then skipped), and the backup pass the loop schedules after it asks c again and
+/// queues what c lacks, which the handoff loop sends. c ends with exactly the blocks that moved to
+/// it from this node (b's share is b's to send). Without the backup pass c got none of them.
+#[tokio::test]
+async fn a_new_owner_that_refused_the_first_pass_is_handed_its_blocks_by_the_backup_pass() {
+    const BACKUPS: [Duration; 1] = [Duration::from_millis(300)];
+    let quiet = Duration::from_millis(50);
+    let (before, after) = (vec![member("a"), member("b")], vec![member("a"), member("b"), member("c")]);
+    let fake = Arc::new(Fake::default());
+    fake.modes.lock().insert("c".into(), Mode::Refuse);
+    let r =
+        rebalancing_node(1, before.clone(), fake.clone(), Schedule { quiet, departed: quiet, backups: &BACKUPS }).await;
+    let moved = sorted(
+        r.blocks
+            .iter()
+            .map(|b| b.header.key)
+            .filter(|k| r.owners(&before, k, 1) == ["a"] && r.owners(&after, k, 1) == ["c"])
+            .collect(),
+    );
     assert!(moved.len() >= 8, "only {} of this node's blocks move to c", moved.len());
 
-    members_tx.send(Snapshot { members: Arc::from(after), stale: false, generation: 2 }).unwrap();
+    r.change(&after);
     // The first pass asks c twice and leaves it out.
     let deadline = Instant::now() + Duration::from_secs(20);
     while fake.calls("exists").iter().filter(|(to, _)| to == "c").count() < 2 {
@@ -860,26 +913,54 @@ async fn a_new_owner_that_refused_the_first_pass_is_handed_its_blocks_by_the_bac
     }
     assert!(fake.calls("put").is_empty(), "nothing sent to a member that refuses");
     fake.modes.lock().insert("c".into(), Mode::Honest);
-
     // The backup pass asks again; the handoff sends once c is no longer skipped as down.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let held: Vec<BlockKey> = fake.held.lock().get("c").map(|h| h.keys().copied().collect()).unwrap_or_default();
-        if held.len() >= moved.len() {
-            let mut held = held;
-            let mut want = moved.clone();
-            held.sort_unstable_by_key(|k| k.0);
-            want.sort_unstable_by_key(|k| k.0);
-            assert_eq!(held, want, "c holds what moved to it from a, nothing else");
-            break;
-        }
-        assert!(Instant::now() < deadline, "c holds {} of the {} blocks that moved to it", held.len(), moved.len());
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    r.until_holds("c", &moved).await;
+    r.stop.send(true).unwrap();
+}
+
+/// rf 2, members a, b, c: c stops (a rolling restart) and comes back, empty, before
+/// `peer_rebalance_departed`: nothing of c's share is copied to its interim second owner b, and c
+/// is handed back what it shared with a. When c leaves for good, b gets that share once the
+/// departed wait is over. Before, c's share went to b after the quiet period and back to c.
+#[tokio::test]
+async fn a_member_back_before_the_departed_wait_is_handed_its_share_and_no_interim_owner_is() {
+    let (quiet, departed) = (Duration::from_millis(50), Duration::from_secs(4));
+    let with_since = |id: &str, since_ms: u64| Member { since_ms, ..member(id) };
+    let all = vec![with_since("a", 1000), with_since("b", 1000), with_since("c", 1000)];
+    let without_c = vec![all[0].clone(), all[1].clone()];
+    let c_again = vec![all[0].clone(), all[1].clone(), with_since("c", 9000)];
+    let fake = Arc::new(Fake::default());
+    let r = rebalancing_node(2, all.clone(), fake.clone(), Schedule { quiet, departed, backups: &[] }).await;
+    // Blocks a and c shared: c's copy is gone with c; with c away, b is their second owner.
+    let shared_with_c = sorted(
+        r.blocks
+            .iter()
+            .map(|b| b.header.key)
+            .filter(|k| {
+                let owners = r.owners(&all, k, 2);
+                owners.contains(&"a".to_string()) && owners.contains(&"c".to_string())
+            })
+            .collect(),
+    );
+    assert!(shared_with_c.len() >= 16, "only {} blocks shared with c", shared_with_c.len());
+    for k in &shared_with_c {
+        assert_eq!(r.owners(&without_c, k, 2), ["a", "b"].map(String::from).to_vec());
     }
-    // Every block c holds is the one a holds.
-    for b in blocks.iter().filter(|b| moved.contains(&b.header.key)) {
-        let there = fake.held.lock()["c"][&b.header.key].clone();
-        assert_eq!((there.header, there.payload), (b.header, b.payload.clone()));
-    }
-    stop.send(true).unwrap();
+
+    // Away for 2 s: longer than the quiet wait and a handoff pass together.
+    let left = Instant::now();
+    r.change(&without_c);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    r.change(&c_again);
+    r.until_holds("c", &shared_with_c).await;
+    // Past when the departure's pass would have run: b was never sent c's share.
+    tokio::time::sleep((left + departed + Duration::from_millis(1500)).saturating_duration_since(Instant::now())).await;
+    assert!(r.held_by("b").is_empty(), "b was sent {} blocks of c's share", r.held_by("b").len());
+
+    // c leaves for good: b, a's new co-owner of those keys, gets them after the departed wait.
+    let left = Instant::now();
+    r.change(&without_c);
+    r.until_holds("b", &shared_with_c).await;
+    assert!(left.elapsed() >= departed, "sent after {:?}, before the departed wait", left.elapsed());
+    r.stop.send(true).unwrap();
 }

@@ -127,15 +127,43 @@ pub struct Rebalance {
     pub raised: u64,
 }
 
-/// Runs a pass after every membership change that stayed quiet for `after`, and backup passes
-/// `backups` after it (the node runs with [`BACKUP_AFTER`]), until `stop` turns true. The first
-/// placement it compares with is the one it finds at its start.
-pub async fn rebalance_loop(
-    state: Arc<NodeState>,
-    after: Duration,
-    backups: &'static [Duration],
-    mut stop: watch::Receiver<bool>,
-) {
+/// When a node's passes run.
+#[derive(Clone, Copy, Debug)]
+pub struct Schedule {
+    /// How long a membership change must stay quiet before its pass (`peer_rebalance`).
+    pub quiet: Duration,
+    /// The same for a change that only took members away (`peer_rebalance_departed`): a member
+    /// stopped for a rolling restart comes back within it, and is then handed only what it lacks
+    /// instead of its share going to interim owners and back.
+    pub departed: Duration,
+    /// When backup passes follow a change's first pass (the node runs with [`BACKUP_AFTER`]).
+    pub backups: &'static [Duration],
+}
+
+/// Whether two member lists name the same members, each with the same registration, capacity
+/// and labels.
+fn same_members(a: &[Member], b: &[Member]) -> bool {
+    a.len() == b.len()
+        && a.iter()
+            .zip(b)
+            .all(|(a, b)| a.id == b.id && a.since_ms == b.since_ms && a.capacity == b.capacity && a.labels == b.labels)
+}
+
+/// Whether `now` is `before` with members taken away and nothing else changed (no member
+/// joined, restarted, or changed its capacity or labels).
+pub fn departures_only(before: &[Member], now: &[Member]) -> bool {
+    now.len() < before.len()
+        && now.iter().all(|m| {
+            before
+                .iter()
+                .any(|b| b.id == m.id && b.since_ms == m.since_ms && b.capacity == m.capacity && b.labels == m.labels)
+        })
+}
+
+/// Runs a pass after every membership change that stayed quiet for its wait, and backup passes
+/// after it, as `schedule` says, until `stop` turns true. The first placement it compares with is
+/// the one it finds at its start.
+pub async fn rebalance_loop(state: Arc<NodeState>, schedule: Schedule, mut stop: watch::Receiver<bool>) {
     let Some(peers) = state.tiers().peers().cloned() else { return };
     let mut members = peers.members();
     let mut seen = peers.placement();
@@ -149,15 +177,32 @@ pub async fn rebalance_loop(
             _ = tokio::time::sleep_until(due.unwrap_or_else(tokio::time::Instant::now)), if due.is_some() => true,
         };
         if !is_backup {
-            // Quiet for `after`: a burst of changes (a restart is a leave and a join) is one pass.
+            // Quiet for the wait: a burst of changes (a restart is a leave and a join) is one
+            // pass, and members that left wait longer (they may be back soon).
+            // (A snapshot that only went stale and back is no change.)
+            let wait = |now: &Placement| match departures_only(seen.members(), now.members()) {
+                true => schedule.departed,
+                false => schedule.quiet,
+            };
+            members.borrow_and_update();
+            let mut current = peers.placement();
+            let mut quiet_until = tokio::time::Instant::now() + wait(&current);
             loop {
                 tokio::select! {
                     _ = crate::stopped(&mut stop) => return,
-                    _ = tokio::time::sleep(after) => break,
-                    changed = members.changed() => if changed.is_err() { return },
+                    _ = tokio::time::sleep_until(quiet_until) => break,
+                    changed = members.changed() => {
+                        if changed.is_err() {
+                            return;
+                        }
+                        let now = peers.placement();
+                        if !same_members(current.members(), now.members()) {
+                            quiet_until = tokio::time::Instant::now() + wait(&now);
+                            current = now;
+                        }
+                    }
                 }
             }
-            members.borrow_and_update();
         }
         let (before, now, round) = match (&backup, is_backup) {
             (Some((b, n, round, _)), true) => (b.clone(), n.clone(), *round + 1),
@@ -188,7 +233,7 @@ pub async fn rebalance_loop(
             continue;
         }
         seen = now.clone();
-        backup = match backups.get(round) {
+        backup = match schedule.backups.get(round) {
             // After a first pass that walked (the members differed: a former owner that sent
             // nothing in it may hold what the first sender lacked); after a backup only if it
             // left members out.
@@ -498,5 +543,19 @@ mod tests {
         let before = [member("a", 1), member("b", 2), member("c", 0)];
         let now = [member("a", 1), member("b", 3), member("c", 4), member("d", 5)];
         assert_eq!(restarted(&before, &now), [NodeId::new("b").unwrap()]);
+    }
+
+    #[test]
+    fn only_a_change_that_took_members_away_and_nothing_else_is_departures_only() {
+        let all = [member("a", 1), member("b", 2), member("c", 3)];
+        assert!(departures_only(&all, &[member("a", 1), member("c", 3)]));
+        assert!(departures_only(&all, &[member("b", 2)]));
+        assert!(!departures_only(&all, &all), "no change");
+        assert!(!departures_only(&all, &[member("a", 1), member("c", 4)]), "c restarted");
+        assert!(!departures_only(&all, &[member("a", 1), member("d", 5)]), "d joined");
+        assert!(!departures_only(&[member("a", 1)], &[member("a", 1), member("b", 2)]), "b joined");
+        let mut bigger = member("a", 1);
+        bigger.capacity *= 2;
+        assert!(!departures_only(&all, &[bigger]), "a's capacity changed");
     }
 }
