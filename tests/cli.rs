@@ -436,6 +436,33 @@ fn events_all_works_for_a_tenant_token() {
     assert!(stdout.contains("ns="), "{stdout}");
 }
 
+/// `serve`'s log written to a pipe (or a file) carries no terminal colour codes.
+#[test]
+fn serve_logs_to_a_pipe_without_colour_codes() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let mut serve = Command::new(kvtier_bin())
+        .args(["serve", "--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0", "--metrics", "127.0.0.1:0"])
+        .args(["--dram-capacity", "64MiB", "--disk-capacity", "16MiB", "--log", "info", "--data-dir"])
+        .arg(dir.path())
+        .env_remove("KVTIER_CONFIG")
+        .env_remove("KVTIER_LOG")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Kept open until it exits (it may print as it stops).
+    let mut stdout = std::io::BufReader::new(serve.stdout.take().unwrap()).lines();
+    let ready = stdout.by_ref().map_while(Result::ok).any(|l| l.contains("listening"));
+    assert!(ready, "serve never said it was listening");
+    let _ = Command::new("kill").arg(serve.id().to_string()).status();
+    let out = serve.wait_with_output().unwrap();
+    drop(stdout);
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(log.contains("INFO"), "{log}");
+    assert!(!log.contains('\x1b'), "escape codes in a piped log: {log:?}");
+}
+
 /// Runs the CLI with `args`, its standard output a pipe whose reader goes away at once, long
 /// before the command has an answer to print.
 fn into_closed_pipe(args: &[&str]) -> std::process::Output {
@@ -532,6 +559,11 @@ fn client_commands_take_text_name_paths_and_list_only_their_flags() {
     assert!(ok, "{out} {err}");
     let (ok, out, err) = cli(&["route", "--server", &addr, "--text", text]);
     assert!(ok && out.contains("47 tokens: 2 full blocks") && out.contains("prefix=2 blocks"), "{out} {err}");
+    // A read: a namespace the node does not know (a typo in a flag) is said, not registered.
+    let before = metric(&server.scrape(), "kvtier_namespaces", &[]);
+    let (ok, out, err) = cli(&["route", "--server", &addr, "--text", text, "--model", "typo"]);
+    assert!(ok && out.contains("the node holds no such namespace"), "{out} {err}");
+    assert_eq!(metric(&server.scrape(), "kvtier_namespaces", &[]), before, "route registered a namespace");
 
     let (ok, _, err) = cli(&["session", "park", "--server", &addr, "--id", "s", "--text", text]);
     assert!(ok, "{err}");

@@ -337,6 +337,89 @@ async fn with_one_copy_a_session_moves_to_the_node_that_resumes_it() {
     assert!(r.blocks == b2, "wrong bytes after the second move");
 }
 
+/// With one copy, the node holding a session is killed (SIGKILL; still a member, its TTL 60 s):
+/// a resume through the other says the holder gave no answer (`Unavailable`, naming it), not
+/// "not found"; the agent parks a new context under the id there, and once the holder is back
+/// with its old copy (recovered from its disk), a resume through it drops that copy and serves
+/// the new context, as does every node after. A park creating the id again while a member holds
+/// it is refused (`SessionExists`), as on one node. Before, the two nodes served two contexts
+/// under one id and version indefinitely.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_parked_anew_while_its_holder_was_down_supersedes_the_holders_copy() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = |id: &str| {
+        let cfg = dir.path().join(format!("{id}.toml"));
+        std::fs::write(
+            &cfg,
+            format!(
+                "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"60s\"\npeer_rebalance = \"off\"\n\
+                 cluster_rf = 1\npeer_timeout = \"2s\"\n",
+                redis.url()
+            ),
+        )
+        .unwrap();
+        cfg
+    };
+    let (cfg1, cfg2) = (cfg("n1"), cfg("n2"));
+    let args2 = ["--config", cfg2.to_str().unwrap(), "--dram-capacity", "64MiB", "--disk-capacity", "64MiB"];
+    let n1 = ServerProcess::start(&["--config", cfg1.to_str().unwrap(), "--dram-capacity", "64MiB"]);
+    let mut n2 = ServerProcess::start(&args2);
+    until_members([&n1, &n2], 2);
+    let (c1, c2) = (n1.client().await, n2.client().await);
+    let (ns1, ns2) = (handle(&c1).await, handle(&c2).await);
+    let (old_toks, old_blocks) = session(&ns2, 31);
+    c2.park(&ns2, "agent", &old_toks, &old_blocks, &ParkOptions::default(), 0).await.unwrap();
+    // Held by n2: a create through n1 is refused as it would be on n2.
+    // Another context, of another length.
+    let new_toks = tokens(1032, 16 * 7 + 3);
+    let new_blocks = session_payloads(&ns1, &new_toks);
+    let err = c1.park(&ns1, "agent", &new_toks, &new_blocks, &ParkOptions::default(), 0).await.unwrap_err();
+    assert!(matches!(err, ClientError::SessionExists(_)), "{err}");
+
+    // The agent's next turn comes later (a copy touched within 5 ms of the park that supersedes
+    // it is not superseded).
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let _ = n2.child.kill();
+    let _ = n2.child.wait();
+    let err = c1.resume(&ns1, "agent").await.unwrap_err();
+    assert!(
+        matches!(err, ClientError::Unavailable(ref m) if m.contains("n2") && m.contains("did not answer")),
+        "{err}"
+    );
+    // The agent recomputes and parks its new context through n1.
+    let info = c1.park(&ns1, "agent", &new_toks, &new_blocks, &ParkOptions::default(), 0).await.unwrap();
+    assert_eq!(info.version, 1);
+    assert_eq!(metric(&n1.scrape(), "kvtier_session_created_unverified_total", &[]), 1.0);
+
+    // n2 back with its old copy.
+    let again = n2.restart_in_place(&args2);
+    n2 = again;
+    until_members([&n1, &n2], 2);
+    let c2 = n2.client().await;
+    let ns2 = handle(&c2).await;
+    let listed: Vec<String> = c2.list_sessions(None).await.unwrap().into_iter().map(|s| s.id).collect();
+    assert_eq!(listed, ["agent"], "n2 recovered its old copy");
+    let r = c2.resume(&ns2, "agent").await.unwrap();
+    assert_eq!(r.info.token_count, new_toks.len() as u64, "n2 served its old context");
+    assert!(r.blocks == new_blocks, "wrong bytes through n2");
+    // n1 gave its copy to n2 (one copy: it follows the resume), and asks n2 for it — once it
+    // has seen n2 again (a resume meanwhile says n2 did not answer).
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let r = loop {
+        match c1.resume(&ns1, "agent").await {
+            Ok(r) => break r,
+            Err(ClientError::Unavailable(m)) if Instant::now() < deadline && m.contains("n2") => {
+                tokio::time::sleep(Duration::from_millis(100)).await
+            }
+            Err(e) => panic!("resume through n1: {e}"),
+        }
+    };
+    assert!(r.blocks == new_blocks, "wrong bytes through n1");
+    let r = c2.resume(&ns2, "agent").await.unwrap();
+    assert!(r.blocks == new_blocks, "wrong bytes through n2, again");
+}
+
 /// A session that expired on the node holding it says "expired" through a node without a copy
 /// too, as through its holder (the owners' answers carry the expiry). Before, "not found".
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -489,7 +572,8 @@ async fn a_quantized_session_is_copied_to_a_node_smaller_than_its_raw_kv() {
 
 /// A namespace's own `replicas` overrides the cluster's `cluster_rf`: in an rf = 1 cluster, a
 /// namespace registered with 2 has its sessions on two nodes and they survive n1's SIGKILL,
-/// while the default namespace's session (one copy, on n1) is a miss afterwards.
+/// while the default namespace's session (one copy, on n1) is unavailable afterwards, promptly,
+/// naming n1 (still a member: it may hold it), not "not found".
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_namespace_chooses_its_own_replication_factor() {
     let redis = Redis::start();
@@ -517,7 +601,10 @@ async fn a_namespace_chooses_its_own_replication_factor() {
     assert!(r.blocks == b2, "wrong bytes");
     let t = Instant::now();
     let err = c2.resume(&one2, "single").await.unwrap_err();
-    assert!(matches!(err, ClientError::SessionNotFound(_)), "{err}");
+    assert!(
+        matches!(err, ClientError::Unavailable(ref m) if m.contains("n1") && m.contains("did not answer")),
+        "{err}"
+    );
     assert!(t.elapsed() < Duration::from_secs(3), "the miss took {:?}", t.elapsed());
 }
 

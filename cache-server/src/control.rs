@@ -53,6 +53,30 @@ fn check_session_id(id: &str) -> Result<(), ServerError> {
     Ok(())
 }
 
+/// How far before a park that creates a session without every member's answer the drop of
+/// older copies is remembered: nodes compare a copy's last touch with a drop by ages rounded to
+/// milliseconds (two roundings, 2 ms at most), and the new copy must never count as dropped
+/// itself. (A copy touched within it before the check is not superseded.)
+const SUPERSEDE_MARGIN: Duration = Duration::from_millis(5);
+
+/// When a session was last parked, extended or resumed (on this node's clock).
+fn touched_at(m: &SessionManifest) -> Instant {
+    m.expires_at.checked_sub(m.ttl).unwrap_or(m.expires_at)
+}
+
+/// A session found on no member that answered, while some gave no answer.
+fn unanswered(id: &str, members: &[crate::cluster::NodeId]) -> ServerError {
+    let names: Vec<&str> = members.iter().map(|m| m.as_str()).collect();
+    ServerError::Peer {
+        peer: names.join(", "),
+        reason: format!(
+            "session {id:?} is held by none of the members that answered, and {} did not answer (one may hold it): \
+             try again when it does",
+            if names.len() == 1 { "it" } else { "they" }
+        ),
+    }
+}
+
 /// Turns a server error into a gRPC status carrying the stable code in its message and metadata.
 pub fn to_status(e: ServerError) -> Status {
     server_error(&e);
@@ -168,6 +192,10 @@ impl ControlPlane {
         let limits = self.state.session_limits(&ns);
         // Refused before anything is written (a refused park left its blocks on disk).
         self.state.sessions().check_park(&spec, &limits)?;
+        match spec.expected_version {
+            0 => self.check_create(&ns, &spec.id).await?,
+            _ => self.settle_recovered_copy(&ns, &spec.id).await,
+        }
         // The blocks go to disk before the table is touched, and without holding its lock.
         self.state.tiers().persist(&ns_id, &spec.keys, spec.tail).await?;
         // What the session was, put back if this write meets another node's of the same version:
@@ -202,6 +230,47 @@ impl ControlPlane {
         Err(e)
     }
 
+    /// A park that creates a session (`expected_version` 0) in a cluster: refused when another
+    /// member holds a live copy of it (`SessionExists`, as this node refuses one it holds), so
+    /// two nodes never each hold a session of that id parked separately. When some members give
+    /// no answer (down, unreachable), the park goes on, and a drop of the id is remembered as of
+    /// just before it (carried to every node that asks, kept in the session log): a copy one of
+    /// them holds was touched before it, and counts as superseded wherever it is met (a resume
+    /// through that node once it is back drops it and takes this one).
+    async fn check_create(&self, ns: &Namespace, id: &str) -> Result<(), ServerError> {
+        let Some(peers) = self.state.tiers().peers() else { return Ok(()) };
+        if self.state.sessions().peek(ns.id(), id).is_some() {
+            return Ok(());
+        }
+        let found = replicas::newest_elsewhere(&self.state, peers, ns, id, peers.timeout()).await;
+        if let Some((from, m)) = found.newest {
+            tracing::debug!(session = id, peer = %from.id, version = m.version, "a park creating a session held elsewhere");
+            return Err(ServerError::SessionExists(id.to_string()));
+        }
+        if !found.unanswered.is_empty() {
+            ::metrics::counter!("kvtier_session_created_unverified_total").increment(1);
+            let at = Instant::now().checked_sub(SUPERSEDE_MARGIN).unwrap_or_else(Instant::now);
+            let (ns_id, session) = (ns.id(), id.to_string());
+            self.on_io(move |s| {
+                s.sessions().remember_drop_at(ns_id, &session, at);
+                Ok(())
+            })
+            .await?;
+        }
+        Ok(())
+    }
+
+    /// With one copy per session: a copy this node recovered at its start is checked against the
+    /// other members before a park or extend replaces it (see [`Self::adopt_newer_copy`]).
+    async fn settle_recovered_copy(&self, ns: &Namespace, id: &str) {
+        let Some(peers) = self.state.tiers().peers() else { return };
+        let recovered =
+            self.state.sessions().peek(ns.id(), id).is_some_and(|m| touched_at(&m) < self.state.started_at());
+        if recovered && peers.rf_for(ns) < 2 {
+            let _ = self.adopt_newer_copy(ns, id).await;
+        }
+    }
+
     /// In a cluster: if this node has no copy of the session, adopts the newest copy another
     /// member holds (with any factor: a session parked with rf = 1 moves to the node the agent
     /// resumes on); where the namespace keeps 2+ copies (`rf_for`), also when an owner holds a
@@ -213,8 +282,14 @@ impl ControlPlane {
     /// its own to say so rather than "not found".
     async fn adopt_newer_copy(&self, ns: &Namespace, id: &str) -> Option<ServerError> {
         let peers = self.state.tiers().peers()?;
-        let local = self.state.sessions().peek(ns.id(), id).map_or(0, |m| m.version);
-        if local > 0 && peers.rf_for(ns) < 2 {
+        let local_copy = self.state.sessions().peek(ns.id(), id);
+        let local = local_copy.as_ref().map_or(0, |m| m.version);
+        // With one copy per session, this node's copy is the session, unless it was recovered
+        // from the session log at this node's start: while the node was away the session may
+        // have been parked anew elsewhere (the node that took that park remembers a drop of what
+        // it could not reach). Checked once: the resume touches it.
+        let recovered = local_copy.as_ref().is_some_and(|m| touched_at(m) < self.state.started_at());
+        if local > 0 && peers.rf_for(ns) < 2 && !recovered {
             return None;
         }
         let wait = if local > 0 { replicas::CHECK_WAIT.min(peers.timeout()) } else { peers.timeout() };
@@ -225,8 +300,14 @@ impl ControlPlane {
             replicas::drop_stale_copy(&self.state, mine, *ago).await;
         }
         let Some((from, m)) = found.newest else {
-            let ago_ms = found.expired_ago?.as_millis() as u64;
-            return Some(ServerError::SessionExpired { id: id.into(), ago_ms });
+            if let Some(ago) = found.expired_ago {
+                return Some(ServerError::SessionExpired { id: id.into(), ago_ms: ago.as_millis() as u64 });
+            }
+            // No copy here and none among the answers: a member that gave none may hold it.
+            if local == 0 && found.stale_here.is_none() && !found.unanswered.is_empty() {
+                return Some(unanswered(id, &found.unanswered));
+            }
+            return None;
         };
         let version = m.version;
         match replicas::adopt(&self.state, peers, &from, ns, m).await {
@@ -367,6 +448,7 @@ impl ControlPlane {
         let tail = opt_key(&r.tail_key)?;
         let base_key = opt_key(&r.base_key)?;
         check_session_id(&r.session_id)?;
+        self.settle_recovered_copy(&ns, &r.session_id).await;
         // Refused before anything is made durable (and checked again as the change is made).
         self.state.sessions().check_extend(
             ns_id,
@@ -855,9 +937,9 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         };
         // Redis tier: a session this node doesn't hold, from its manifest there (no-op without one).
         let res = match res {
-            Err(e @ (ServerError::SessionNotFound(_) | ServerError::SessionExpired { .. })) => {
-                self.state.tiers().resume_shared(&id, &r.session_id).await.ok_or(e)
-            }
+            Err(
+                e @ (ServerError::SessionNotFound(_) | ServerError::SessionExpired { .. } | ServerError::Peer { .. }),
+            ) => self.state.tiers().resume_shared(&id, &r.session_id).await.ok_or(e),
             other => other,
         };
         let m = res.map_err(to_status)?;

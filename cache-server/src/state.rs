@@ -549,6 +549,12 @@ impl NodeState {
         self.started.elapsed()
     }
 
+    /// When this process opened the node's state (sessions last touched before it were
+    /// recovered from its session log).
+    pub fn started_at(&self) -> Instant {
+        self.started
+    }
+
     /// What opening the disk tier found, when the node has one.
     pub fn disk_recovery(&self) -> Option<&RecoveryReport> {
         self.disk_recovery.as_ref()

@@ -616,10 +616,7 @@ impl BackingStore for SameNodeStore {
 }
 
 pub async fn run(a: AgentArgs) -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&a.log).context("--log")?)
-        .with_writer(std::io::stderr)
-        .init();
+    crate::init_logging(&a.log)?;
     let s = settings(&a)?;
     let page_bytes = usize::try_from(s.page_bytes).context("--page-bytes")?;
     let cfg = ClientConfig { auth_token: s.auth_token.clone(), ..Default::default() };

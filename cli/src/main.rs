@@ -411,13 +411,22 @@ fn run() -> anyhow::Result<()> {
     })
 }
 
+/// Logs to stderr at `filter` (`--log`), coloured only when stderr is a terminal: a log sent to a
+/// file or a pipe carried escape codes.
+pub fn init_logging(filter: &str) -> anyhow::Result<()> {
+    use std::io::IsTerminal;
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_new(filter).context("--log")?)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+    Ok(())
+}
+
 /// `serve`'s configuration: the file, then environment and flags over it, validated; logging set
 /// up.
 fn serve_config(a: &ServeArgs) -> anyhow::Result<ServerConfig> {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&a.log).context("--log")?)
-        .with_writer(std::io::stderr)
-        .init();
+    init_logging(&a.log)?;
     let mut cfg = match &a.config {
         Some(p) => ServerConfig::from_toml_file(p)?,
         None => ServerConfig::default(),

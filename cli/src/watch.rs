@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 
-use crate::{connect, connect_client, ConnArgs};
+use crate::{connect, connect_client, connect_existing, ConnArgs, NO_SUCH_NAMESPACE};
 
 #[derive(Args)]
 pub struct EventsArgs {
@@ -95,8 +95,15 @@ pub async fn route(a: RouteArgs) -> anyhow::Result<()> {
         (None, None, Some(t)) => t.clone(),
         _ => anyhow::bail!("give the tokens with --text, --tokens or --tokens-file"),
     };
-    let (client, ns) = connect(&a.conn).await?;
-    let hint = client.route_hint(&ns, &tokens, a.session.as_deref()).await?;
+    // A read: a namespace the node does not know is not registered by asking (as `lookup`).
+    let (client, ns) = connect_existing(&a.conn).await?;
+    let hint = match client.route_hint(&ns, &tokens, a.session.as_deref()).await {
+        Err(kvtier_client::ClientError::UnknownNamespace(_)) => {
+            outln!("{} tokens: note: {NO_SUCH_NAMESPACE}", tokens.len())?;
+            return Ok(());
+        }
+        other => other?,
+    };
     outln!(
         "{} tokens: {} full blocks of {} tokens{}",
         tokens.len(),

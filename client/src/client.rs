@@ -401,6 +401,45 @@ pub struct KvClient {
     inner: Arc<Inner>,
 }
 
+/// Whether `addr` can name a node's gRPC listener: `host:port` (or a URL with a scheme and a
+/// port); the error says what is wrong with it, for the caller to fix (nothing is dialled).
+pub fn check_server_addr(addr: &str) -> Result<(), String> {
+    let url = if addr.contains("://") { addr.to_string() } else { format!("http://{addr}") };
+    let uri: tonic::transport::Uri = url
+        .parse()
+        .map_err(|e| format!("{addr:?} is not a server address (host:port, such as 127.0.0.1:7070): {e}"))?;
+    if uri.host().is_none_or(str::is_empty) {
+        return Err(format!("{addr:?} names no host (host:port, such as 127.0.0.1:7070)"));
+    }
+    if uri.port_u16().is_none() {
+        return Err(format!("{addr:?} names no port: the node's gRPC port (host:port, such as 127.0.0.1:7070)"));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod addr_tests {
+    use super::check_server_addr;
+
+    #[test]
+    fn a_server_address_needs_a_host_and_a_port() {
+        for ok in ["127.0.0.1:7070", "localhost:1", "http://10.0.0.1:7070", "https://node-3.example:443", "[::1]:7070"]
+        {
+            assert_eq!(check_server_addr(ok), Ok(()), "{ok}");
+        }
+        for (bad, says) in [
+            ("garbage addr", "not a server address"),
+            ("127.0.0.1", "names no port"),
+            ("http://node", "names no port"),
+            (":7070", "no host"),
+            ("", "not a server address"),
+        ] {
+            let e = check_server_addr(bad).unwrap_err();
+            assert!(e.contains(says), "{bad:?}: {e}");
+        }
+    }
+}
+
 impl KvClient {
     /// Connects to a server's gRPC address (`host:port`) and learns its data-plane address.
     pub async fn connect(addr: &str, cfg: ClientConfig) -> Result<Self, ClientError> {
@@ -423,6 +462,7 @@ impl KvClient {
         cfg: ClientConfig,
         connector: Option<Arc<dyn DataPlaneConnector>>,
     ) -> Result<Self, ClientError> {
+        check_server_addr(addr).map_err(ClientError::InvalidArgument)?;
         crate::fork::hold_locks_over_fork();
         let scheme = if cfg.tls.is_some() { "https" } else { "http" };
         let url = if addr.contains("://") { addr.to_string() } else { format!("{scheme}://{addr}") };

@@ -106,6 +106,7 @@ impl ClientError {
             ClientError::Unavailable(_) => "unavailable",
             ClientError::Rejected { status: ItemStatus::Forbidden, .. } => "forbidden",
             ClientError::Rejected { status: ItemStatus::Capacity, .. } => "capacity",
+            ClientError::Rejected { status: ItemStatus::UnknownNamespace, .. } => "unknown_namespace",
             ClientError::Rejected { .. } => "rejected",
             ClientError::Missing { .. } => "missing",
             ClientError::Codec(_) => "codec",

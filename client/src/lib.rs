@@ -44,10 +44,12 @@ mod wait;
 
 pub use claims::{BufferClaim, ConcurrentBuffer, LoadBuffer, StoreBuffer};
 pub use client::{
+    check_server_addr, ClusterMembers, Deleted, EventKind, EventWatch, KvEvent, NodeHolding, OwnerRouter, RouteHint,
+};
+pub use client::{
     decode_frame, decode_frame_into, BlockDest, ClientConfig, KvClient, NamespaceHandle, ParkOptions, ResumedSession,
     SessionInfo, SessionManifest, StoreReport, StoredAs,
 };
-pub use client::{ClusterMembers, Deleted, EventKind, EventWatch, KvEvent, NodeHolding, OwnerRouter, RouteHint};
 pub use conn::lease::{GetGrant, LeaseSession, PutGrant};
 #[cfg(unix)]
 pub use connector::UnixConnector;

@@ -468,6 +468,15 @@ impl PeerTier {
             }
             drop(departed);
             let old = std::mem::replace(&mut *p, (generation, Arc::new(Placement::new(&members)))).1;
+            // A member that registered again (it restarted) is asked again at once, not skipped
+            // for the rest of a failure's `DOWN_FOR`.
+            let restarted = super::rebalance::restarted(old.members(), &members);
+            if !restarted.is_empty() {
+                let mut down = self.down.lock();
+                for id in &restarted {
+                    down.remove(id);
+                }
+            }
             let mut settling = self.settling.lock();
             settling.restarts(old.members(), &members, now);
             if old.members().iter().all(|m| m.id == self.local) {

@@ -278,6 +278,8 @@ pub struct Elsewhere {
     /// How long ago the session expired on an owner that holds no live copy (the youngest), when
     /// no owner dropped it: a resume that finds none says "expired", as the holder would.
     pub expired_ago: Option<Duration>,
+    /// The members asked (or skipped as down) that gave no answer: one of them may hold a copy.
+    pub unanswered: Vec<NodeId>,
 }
 
 /// The newest copy of session `id` the owners hold, if newer than this node's (none, or a
@@ -296,20 +298,38 @@ pub async fn newest_elsewhere(
 ) -> Elsewhere {
     let local = state.sessions().peek(ns.id(), id);
     let p = peers.placement();
-    let n = if local.is_none() { MAX_RF } else { peers.rf_for(ns) + 1 };
+    // With one copy per session it stays on the node that parked it: every member is asked.
+    let rf = peers.rf_for(ns);
+    let n = if local.is_none() || rf < 2 { MAX_RF } else { rf + 1 };
     let ask: Vec<&Member> = owners(peers, &p, &ns.id(), id).into_iter().take(n).map(|i| &p.members()[i]).collect();
+    // Owners skipped as down (they failed lately) answer nothing either.
+    let mut unanswered: Vec<NodeId> = p
+        .owners(&ns.id(), &session_key(id), p.members().len().min(MAX_RF))
+        .into_iter()
+        .map(|i| &p.members()[i])
+        .filter(|m| m.id != *peers.local())
+        .take(n)
+        .filter(|m| !ask.iter().any(|a| a.id == m.id))
+        .map(|m| m.id.clone())
+        .collect();
     let calls = ask.iter().map(|&member| async move {
         let call = peers.bounded(member, peers.transport().session_get(member, ns, id));
         match tokio::time::timeout(wait, call).await {
-            Ok(Ok(found)) => Some((member.clone(), found)),
+            Ok(Ok(found)) => Ok((member.clone(), found)),
             Ok(Err(e)) => {
                 peers.failed(member, "session", &e);
-                None
+                Err(member.id.clone())
             }
-            Err(_) => None,
+            Err(_) => Err(member.id.clone()),
         }
     });
-    let answers: Vec<_> = futures::future::join_all(calls).await.into_iter().flatten().collect();
+    let mut answers = Vec::with_capacity(ask.len());
+    for answer in futures::future::join_all(calls).await {
+        match answer {
+            Ok(a) => answers.push(a),
+            Err(id) => unanswered.push(id),
+        }
+    }
     // The latest drop anyone remembers, as an age (the youngest).
     let now = Instant::now();
     let dropped_ago = answers
@@ -333,7 +353,7 @@ pub async fn newest_elsewhere(
         .filter(|(_, m)| m.version > local_version && m.namespace == ns.id() && m.id == id)
         .filter(|(_, m)| !dropped(m))
         .max_by_key(|(_, m)| m.version);
-    Elsewhere { newest, stale_here, expired_ago }
+    Elsewhere { newest, stale_here, expired_ago, unanswered }
 }
 
 /// Makes `from`'s copy of a session this node's own: fetches the blocks this node lacks from

@@ -117,6 +117,12 @@ fn miss_to_err(m: &Miss) -> PyErr {
     match m.reason {
         "unauthenticated" => UnauthenticatedError::new_err(msg),
         "connect" | "io" | "timeout" | "protocol" | "unavailable" => UnavailableError::new_err(msg),
+        // Nothing was done, and the client registers the namespace again on its next call: a
+        // retry works (the node restarted on an empty data dir, or someone unregistered it).
+        "unknown_namespace" => UnavailableError::new_err(format!(
+            "{msg} (the node does not know it now: it restarted without its data, or the namespace was \
+             unregistered; this client registers it again on its next call, so retry)"
+        )),
         "capacity" => CapacityError::new_err(msg),
         "quota" => QuotaExceededError::new_err(msg),
         "forbidden" => ForbiddenError::new_err(msg),
@@ -1024,6 +1030,7 @@ impl Client {
         tls_key: Option<std::path::PathBuf>,
         tls_server_name: Option<String>,
     ) -> PyResult<Self> {
+        kvtier_client::check_server_addr(addr).map_err(PyValueError::new_err)?;
         if !(1..=MAX_CONNECTIONS).contains(&connections) {
             return Err(PyValueError::new_err(format!(
                 "connections must be 1 to {MAX_CONNECTIONS}, got {connections}"
