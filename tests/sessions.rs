@@ -84,6 +84,38 @@ async fn ttl_expiry_unpins_and_resume_says_expired() {
     assert_eq!(info.version, 1);
 }
 
+/// A park asking for a TTL above the server's `session_max_ttl` is refused by the client before
+/// any block is sent (the node says its limit when the client connects); the node's own check
+/// refuses it too, for a client that was not told. Before, the blocks were uploaded and left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ttl_over_the_servers_limit_is_refused_before_anything_is_sent() {
+    let server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
+    let client = server.client().await;
+    assert_eq!(client.server_info().session_max_ttl_ms, 24 * 3600 * 1000);
+    let ns = client.register(namespace("agents", b"max-ttl", small_layout())).await.unwrap();
+    let t = tokens(4, 100);
+    let too_long = ParkOptions { ttl: Some(Duration::from_secs(100 * 24 * 3600)), priority: None };
+    let err = client.park(&ns, "long", &t, &session_payloads(&ns, &t), &too_long, 0).await.unwrap_err();
+    assert!(matches!(err, ClientError::InvalidArgument(ref m) if m.contains("session_max_ttl")), "{err}");
+    assert_eq!(client.lookup(&ns, &t).await.unwrap(), 0, "blocks were sent for a park that could not be");
+    assert_eq!(client.stats().await.unwrap().sessions, 0);
+    // A client that was not told (a raw call) is refused by the node.
+    let e = client
+        .raw_grpc()
+        .park_session(kvtier_proto::pb::ParkRequest {
+            namespace_id: bytes::Bytes::copy_from_slice(&ns.id.0),
+            session_id: "long".into(),
+            ttl_ms: 100 * 24 * 3600 * 1000,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert!(e.code() == tonic::Code::InvalidArgument && e.message().contains("session_max_ttl"), "{e:?}");
+    // The limit itself is accepted.
+    let max = ParkOptions { ttl: Some(Duration::from_secs(24 * 3600)), priority: None };
+    assert_eq!(client.park(&ns, "long", &t, &session_payloads(&ns, &t), &max, 0).await.unwrap().version, 1);
+}
+
 /// An extend's context must start with the session's tokens: one that doesn't (another first
 /// turn, of any length) is refused with `KV:Request:Invalid`, and the session keeps its version
 /// and its bytes. `session_manifest` reads the manifest alone (no block leaves the node), and a

@@ -868,6 +868,7 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
             // `start` leaves the resolved absolute path here, or "off".
             samenode_socket: if c.samenode_socket == "off" { String::new() } else { c.samenode_socket.clone() },
             host_id: c.host_id.clone().unwrap_or_else(|| crate::samenode::host_id().to_string()),
+            session_max_ttl_ms: u64::try_from(c.session_max_ttl.0.as_millis()).unwrap_or(u64::MAX),
         }))
     }
 

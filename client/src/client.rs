@@ -1057,6 +1057,17 @@ impl KvClient {
                     .into(),
             ));
         }
+        // Saturated, never wrapped (a wrapped TTL could read as 0: the server's default).
+        let ttl_ms = opts.ttl.map(|d| u64::try_from(d.as_millis().max(1)).unwrap_or(u64::MAX)).unwrap_or(0);
+        // Refused here, before any block is sent, as the server would refuse it after.
+        let max_ms = self.inner.info.session_max_ttl_ms;
+        if max_ms > 0 && ttl_ms > max_ms {
+            return Err(ClientError::InvalidArgument(format!(
+                "ttl {:?} exceeds the server's session_max_ttl {:?}",
+                Duration::from_millis(ttl_ms),
+                Duration::from_millis(max_ms)
+            )));
+        }
         let (keys, tail, frames) = Self::session_frames(ns, tokens, 0, blocks)?;
         // Blocks the server already has (a shared prefix) are not sent again.
         let present = self.lookup_keys(ns, &keys).await?;
@@ -1066,8 +1077,7 @@ impl KvClient {
             keys: keys.iter().map(|k| Bytes::copy_from_slice(&k.0)).collect(),
             tail_key: tail.map(|k| Bytes::copy_from_slice(&k.0)).unwrap_or_default(),
             token_count: tokens.len() as u64,
-            // Saturated, never wrapped (a wrapped TTL could read as 0: the server's default).
-            ttl_ms: opts.ttl.map(|d| u64::try_from(d.as_millis().max(1)).unwrap_or(u64::MAX)).unwrap_or(0),
+            ttl_ms,
             priority: opts.priority.unwrap_or(1),
             expected_version,
         };
