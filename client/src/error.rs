@@ -153,7 +153,19 @@ impl From<tonic::Status> for ClientError {
                     | tonic::Code::Cancelled
             ) =>
             {
-                ClientError::Io(format!("{:?}: {message}", s.code()))
+                // What failed underneath ("tcp connect error: Connection refused"): the status's
+                // own message is only "transport error".
+                let mut why = String::new();
+                let mut source = std::error::Error::source(&s);
+                while let Some(e) = source {
+                    let e_text = e.to_string();
+                    if !message.contains(&e_text) && !why.contains(&e_text) {
+                        why.push_str(": ");
+                        why.push_str(&e_text);
+                    }
+                    source = e.source();
+                }
+                ClientError::Io(format!("{:?}: {message}{why}", s.code()))
             }
             "" => ClientError::Refused { code: format!("{:?}", s.code()), message },
             _ => ClientError::Refused { code, message },
@@ -170,6 +182,15 @@ impl From<tonic::transport::Error> for ClientError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_transport_failure_says_what_failed_underneath() {
+        let cause = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "tcp connect error: Connection refused");
+        let mut s = tonic::Status::new(tonic::Code::Unknown, "transport error");
+        s.set_source(std::sync::Arc::new(cause));
+        let e = ClientError::from(s);
+        assert!(matches!(e, ClientError::Io(ref m) if m.contains("transport error: tcp connect error")), "{e}");
+    }
 
     fn refusal(code: &str, message: &str) -> ClientError {
         let mut s = tonic::Status::new(tonic::Code::InvalidArgument, message);
