@@ -420,6 +420,54 @@ async fn a_session_parked_anew_while_its_holder_was_down_supersedes_the_holders_
     assert!(r.blocks == new_blocks, "wrong bytes through n2, again");
 }
 
+/// As above with the holder cut off (SIGSTOPped) rather than killed: it is not restarted, so it
+/// never rechecks its copy — instead the node that took the new park tells it, once it answers
+/// again, that its copy is superseded; it drops it, and a resume through it serves the new
+/// context. Before, it went on serving the old one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_cut_off_while_the_session_was_parked_anew_drops_its_copy_once_it_answers() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = |id: &str| {
+        let cfg = dir.path().join(format!("{id}.toml"));
+        std::fs::write(
+            &cfg,
+            format!(
+                "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"60s\"\npeer_rebalance = \"off\"\n\
+                 cluster_rf = 1\npeer_timeout = \"1s\"\n",
+                redis.url()
+            ),
+        )
+        .unwrap();
+        ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"])
+    };
+    let (n1, n2) = (cfg("n1"), cfg("n2"));
+    until_members([&n1, &n2], 2);
+    let (c1, c2) = (n1.client().await, n2.client().await);
+    let (ns1, ns2) = (handle(&c1).await, handle(&c2).await);
+    let (old_toks, old_blocks) = session(&ns2, 41);
+    c2.park(&ns2, "agent", &old_toks, &old_blocks, &ParkOptions::default(), 0).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    stop_process(n2.child.id());
+    let err = c1.resume(&ns1, "agent").await.unwrap_err();
+    assert!(matches!(err, ClientError::Unavailable(ref m) if m.contains("n2")), "{err}");
+    let new_toks = tokens(1042, 16 * 7 + 3);
+    let new_blocks = session_payloads(&ns1, &new_toks);
+    c1.park(&ns1, "agent", &new_toks, &new_blocks, &ParkOptions::default(), 0).await.unwrap();
+    continue_process(n2.child.id());
+
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while copies(&[&c2]).await.contains_key("agent") {
+        assert!(Instant::now() < deadline, "n2 kept its superseded copy");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(metric(&n1.scrape(), "kvtier_session_superseded_copies_dropped_total", &[]), 1.0);
+    let r = c2.resume(&ns2, "agent").await.unwrap();
+    assert_eq!(r.info.token_count, new_toks.len() as u64, "n2 served the old context");
+    assert!(r.blocks == new_blocks, "wrong bytes through n2");
+}
+
 /// A session that expired on the node holding it says "expired" through a node without a copy
 /// too, as through its holder (the owners' answers carry the expiry). Before, "not found".
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

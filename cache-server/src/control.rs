@@ -59,6 +59,13 @@ fn check_session_id(id: &str) -> Result<(), ServerError> {
 /// itself. (A copy touched within it before the check is not superseded.)
 const SUPERSEDE_MARGIN: Duration = Duration::from_millis(5);
 
+/// A session created without an answer from `members`, and the instant before its park as of
+/// which older copies count as superseded.
+struct Unverified {
+    at: Instant,
+    members: Vec<crate::cluster::NodeId>,
+}
+
 /// When a session was last parked, extended or resumed (on this node's clock).
 fn touched_at(m: &SessionManifest) -> Instant {
     m.expires_at.checked_sub(m.ttl).unwrap_or(m.expires_at)
@@ -192,10 +199,13 @@ impl ControlPlane {
         let limits = self.state.session_limits(&ns);
         // Refused before anything is written (a refused park left its blocks on disk).
         self.state.sessions().check_park(&spec, &limits)?;
-        match spec.expected_version {
+        let unverified = match spec.expected_version {
             0 => self.check_create(&ns, &spec.id).await?,
-            _ => self.settle_recovered_copy(&ns, &spec.id).await,
-        }
+            _ => {
+                self.settle_recovered_copy(&ns, &spec.id).await;
+                None
+            }
+        };
         // The blocks go to disk before the table is touched, and without holding its lock.
         self.state.tiers().persist(&ns_id, &spec.keys, spec.tail).await?;
         // What the session was, put back if this write meets another node's of the same version:
@@ -205,6 +215,9 @@ impl ControlPlane {
             v => self.state.sessions().peek(ns_id, &spec.id).filter(|p| p.version == v),
         };
         let m = self.on_io(move |s| s.sessions().park(s.tiers().session_pins(), spec, &limits)).await?;
+        if let Some(u) = unverified {
+            self.supersede_unverified(&ns, &m.id, u).await?;
+        }
         // In a cluster where the namespace keeps 2+ copies (`PeerTier::rf_for`: its own
         // `replicas`, else `cluster_rf`): acknowledged once that many nodes hold it.
         self.replicate_or_revert(&ns, &m, prev).await?;
@@ -233,30 +246,40 @@ impl ControlPlane {
     /// A park that creates a session (`expected_version` 0) in a cluster: refused when another
     /// member holds a live copy of it (`SessionExists`, as this node refuses one it holds), so
     /// two nodes never each hold a session of that id parked separately. When some members give
-    /// no answer (down, unreachable), the park goes on, and a drop of the id is remembered as of
-    /// just before it (carried to every node that asks, kept in the session log): a copy one of
-    /// them holds was touched before it, and counts as superseded wherever it is met (a resume
-    /// through that node once it is back drops it and takes this one).
-    async fn check_create(&self, ns: &Namespace, id: &str) -> Result<(), ServerError> {
-        let Some(peers) = self.state.tiers().peers() else { return Ok(()) };
+    /// no answer (down, cut off) the park goes on; what to do once it is made is returned (see
+    /// [`Self::supersede_unverified`]).
+    async fn check_create(&self, ns: &Namespace, id: &str) -> Result<Option<Unverified>, ServerError> {
+        let Some(peers) = self.state.tiers().peers() else { return Ok(None) };
         if self.state.sessions().peek(ns.id(), id).is_some() {
-            return Ok(());
+            return Ok(None);
         }
+        let asked = Instant::now();
         let found = replicas::newest_elsewhere(&self.state, peers, ns, id, peers.timeout()).await;
         if let Some((from, m)) = found.newest {
             tracing::debug!(session = id, peer = %from.id, version = m.version, "a park creating a session held elsewhere");
             return Err(ServerError::SessionExists(id.to_string()));
         }
-        if !found.unanswered.is_empty() {
-            ::metrics::counter!("kvtier_session_created_unverified_total").increment(1);
-            let at = Instant::now().checked_sub(SUPERSEDE_MARGIN).unwrap_or_else(Instant::now);
-            let (ns_id, session) = (ns.id(), id.to_string());
-            self.on_io(move |s| {
-                s.sessions().remember_drop_at(ns_id, &session, at);
-                Ok(())
-            })
-            .await?;
+        if found.unanswered.is_empty() {
+            return Ok(None);
         }
+        let at = asked.checked_sub(SUPERSEDE_MARGIN).unwrap_or(asked);
+        Ok(Some(Unverified { at, members: found.unanswered }))
+    }
+
+    /// A session created without every member's answer, once made: a drop of the id is remembered
+    /// as of just before the park (carried to every node that asks, kept in the session log), so
+    /// a copy a member that gave no answer holds — last touched before — counts as superseded
+    /// wherever it is met, and those members are told so once they answer.
+    async fn supersede_unverified(&self, ns: &Namespace, id: &str, u: Unverified) -> Result<(), ServerError> {
+        let Some(peers) = self.state.tiers().peers() else { return Ok(()) };
+        ::metrics::counter!("kvtier_session_created_unverified_total").increment(1);
+        let (ns_id, session, at) = (ns.id(), id.to_string(), u.at);
+        self.on_io(move |s| {
+            s.sessions().remember_drop_at(ns_id, &session, at);
+            Ok(())
+        })
+        .await?;
+        replicas::supersede_elsewhere(peers, ns.clone(), id.to_string(), u.at, u.members);
         Ok(())
     }
 

@@ -480,6 +480,62 @@ pub fn drop_elsewhere(
     })
 }
 
+/// Most [`supersede_elsewhere`] tasks at once; past it a create's older copies are met only by
+/// the drop its node remembers (and by a holder's check of a copy it recovered at its start).
+const MAX_SUPERSEDING: usize = 1024;
+static SUPERSEDING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// After a park created session `id` here without an answer from `members` (down, cut off):
+/// tells each of them, once it answers, that its copy of the session last touched before `at`
+/// is superseded — it drops it (that version only: one it took since stays) and remembers the
+/// drop — so a holder that was only cut off, not restarted, stops serving the old context. Asked
+/// again every few seconds (up to a minute apart) while a member stays in the membership, for at
+/// most [`crate::session_store::DROP_REMEMBERED`].
+pub fn supersede_elsewhere(peers: &Arc<PeerTier>, ns: Namespace, id: String, at: Instant, members: Vec<NodeId>) {
+    use std::sync::atomic::Ordering;
+    if SUPERSEDING.fetch_add(1, Ordering::Relaxed) >= MAX_SUPERSEDING {
+        SUPERSEDING.fetch_sub(1, Ordering::Relaxed);
+        ::metrics::counter!("kvtier_session_supersede_skipped_total").increment(1);
+        return;
+    }
+    let peers = peers.clone();
+    tokio::spawn(async move {
+        let mut left = members;
+        let mut wait = Duration::from_secs(1);
+        while !left.is_empty() && at.elapsed() < crate::session_store::DROP_REMEMBERED {
+            tokio::time::sleep(wait).await;
+            wait = (wait * 2).min(Duration::from_secs(60));
+            let p = peers.placement();
+            let mut still = Vec::new();
+            for member_id in left {
+                // Gone from the membership: a copy it recovers when back is checked on its first use.
+                let Some(member) = p.members().iter().find(|m| m.id == member_id) else { continue };
+                let theirs = match peers.bounded(member, peers.transport().session_get(member, &ns, &id)).await {
+                    Ok(theirs) => theirs,
+                    Err(_) => {
+                        still.push(member_id);
+                        continue;
+                    }
+                };
+                let now = Instant::now();
+                let ago = now.saturating_duration_since(at);
+                let Some(old) = theirs.copy.filter(|m| SessionStore::touched_before_ago(m, ago, now)) else { continue };
+                let drop = peers.transport().session_drop(member, &ns, &id, old.version, Some(at));
+                match peers.bounded(member, drop).await {
+                    Ok(removed) => {
+                        if removed {
+                            ::metrics::counter!("kvtier_session_superseded_copies_dropped_total").increment(1);
+                        }
+                    }
+                    Err(_) => still.push(member_id),
+                }
+            }
+            left = still;
+        }
+        SUPERSEDING.fetch_sub(1, Ordering::Relaxed);
+    });
+}
+
 /// Drops `member`'s copy of a session up to `version`, in the background (a session adopted
 /// with `cluster_rf` = 1 moves rather than being copied).
 pub fn drop_copy(peers: &Arc<PeerTier>, member: Member, ns: Namespace, id: String, version: u64) {
