@@ -377,9 +377,9 @@ async fn a_session_parked_anew_while_its_holder_was_down_supersedes_the_holders_
     let err = c1.park(&ns1, "agent", &new_toks, &new_blocks, &ParkOptions::default(), 0).await.unwrap_err();
     assert!(matches!(err, ClientError::SessionExists(_)), "{err}");
 
-    // The agent's next turn comes later (a copy touched within 5 ms of the park that supersedes
-    // it is not superseded).
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The agent's next turn comes later (a copy touched within a second before the park that
+    // supersedes it is not superseded).
+    tokio::time::sleep(Duration::from_millis(1500)).await;
     let _ = n2.child.kill();
     let _ = n2.child.wait();
     let err = c1.resume(&ns1, "agent").await.unwrap_err();
@@ -447,7 +447,7 @@ async fn a_holder_cut_off_while_the_session_was_parked_anew_drops_its_copy_once_
     let (ns1, ns2) = (handle(&c1).await, handle(&c2).await);
     let (old_toks, old_blocks) = session(&ns2, 41);
     c2.park(&ns2, "agent", &old_toks, &old_blocks, &ParkOptions::default(), 0).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
 
     stop_process(n2.child.id());
     let err = c1.resume(&ns1, "agent").await.unwrap_err();

@@ -55,9 +55,10 @@ fn check_session_id(id: &str) -> Result<(), ServerError> {
 
 /// How far before a park that creates a session without every member's answer the drop of
 /// older copies is remembered: nodes compare a copy's last touch with a drop by ages rounded to
-/// milliseconds (two roundings, 2 ms at most), and the new copy must never count as dropped
-/// itself. (A copy touched within it before the check is not superseded.)
-const SUPERSEDE_MARGIN: Duration = Duration::from_millis(5);
+/// milliseconds, rounded down, and a drop passed on from node to node gains each hop's transit
+/// time: the new copy must never count as dropped itself. (A copy touched within it before the
+/// check is not superseded.)
+const SUPERSEDE_MARGIN: Duration = Duration::from_secs(1);
 
 /// A session created without an answer from `members`, and the instant before its park as of
 /// which older copies count as superseded.
@@ -197,14 +198,13 @@ impl ControlPlane {
             expected_version: r.expected_version,
         };
         let limits = self.state.session_limits(&ns);
+        // A copy recovered at this node's start is checked first: the checks below read it.
+        self.settle_recovered_copy(&ns, &spec.id).await?;
         // Refused before anything is written (a refused park left its blocks on disk).
         self.state.sessions().check_park(&spec, &limits)?;
         let unverified = match spec.expected_version {
             0 => self.check_create(&ns, &spec.id).await?,
-            _ => {
-                self.settle_recovered_copy(&ns, &spec.id).await;
-                None
-            }
+            _ => None,
         };
         // The blocks go to disk before the table is touched, and without holding its lock.
         self.state.tiers().persist(&ns_id, &spec.keys, spec.tail).await?;
@@ -215,12 +215,13 @@ impl ControlPlane {
             v => self.state.sessions().peek(ns_id, &spec.id).filter(|p| p.version == v),
         };
         let m = self.on_io(move |s| s.sessions().park(s.tiers().session_pins(), spec, &limits)).await?;
-        if let Some(u) = unverified {
-            self.supersede_unverified(&ns, &m.id, u).await?;
-        }
         // In a cluster where the namespace keeps 2+ copies (`PeerTier::rf_for`: its own
         // `replicas`, else `cluster_rf`): acknowledged once that many nodes hold it.
         self.replicate_or_revert(&ns, &m, prev).await?;
+        // Acknowledged: older copies on members that gave no answer are superseded.
+        if let Some(u) = unverified {
+            self.supersede_unverified(&ns, &m.id, u).await?;
+        }
         Ok(m)
     }
 
@@ -283,14 +284,25 @@ impl ControlPlane {
         Ok(())
     }
 
-    /// With one copy per session: a copy this node recovered at its start is checked against the
-    /// other members before a park or extend replaces it (see [`Self::adopt_newer_copy`]).
-    async fn settle_recovered_copy(&self, ns: &Namespace, id: &str) {
-        let Some(peers) = self.state.tiers().peers() else { return };
-        let recovered =
-            self.state.sessions().peek(ns.id(), id).is_some_and(|m| touched_at(&m) < self.state.started_at());
-        if recovered && peers.rf_for(ns) < 2 {
-            let _ = self.adopt_newer_copy(ns, id).await;
+    /// Whether this node's copy of a session was recovered from its session log at its start
+    /// and not touched since, where the namespace keeps one copy per session: while the node was
+    /// away the session may have been parked anew elsewhere, so such a copy is checked against
+    /// the other members before it is served or written over.
+    fn recovered_copy(&self, ns: &Namespace, id: &str) -> bool {
+        self.state.tiers().peers().is_some_and(|p| p.rf_for(ns) < 2)
+            && self.state.sessions().peek(ns.id(), id).is_some_and(|m| touched_at(&m) < self.state.started_at())
+    }
+
+    /// A copy this node recovered at its start is checked against the other members before a
+    /// park or extend writes over it ([`Self::adopt_newer_copy`]); `Unavailable` while a member
+    /// gives no answer.
+    async fn settle_recovered_copy(&self, ns: &Namespace, id: &str) -> Result<(), ServerError> {
+        if !self.recovered_copy(ns, id) {
+            return Ok(());
+        }
+        match self.adopt_newer_copy(ns, id).await {
+            Some(e @ ServerError::Peer { .. }) => Err(e),
+            _ => Ok(()),
         }
     }
 
@@ -305,17 +317,14 @@ impl ControlPlane {
     /// its own to say so rather than "not found".
     async fn adopt_newer_copy(&self, ns: &Namespace, id: &str) -> Option<ServerError> {
         let peers = self.state.tiers().peers()?;
-        let local_copy = self.state.sessions().peek(ns.id(), id);
-        let local = local_copy.as_ref().map_or(0, |m| m.version);
+        let local = self.state.sessions().peek(ns.id(), id).map_or(0, |m| m.version);
         // With one copy per session, this node's copy is the session, unless it was recovered
-        // from the session log at this node's start: while the node was away the session may
-        // have been parked anew elsewhere (the node that took that park remembers a drop of what
-        // it could not reach). Checked once: the resume touches it.
-        let recovered = local_copy.as_ref().is_some_and(|m| touched_at(m) < self.state.started_at());
+        // at this node's start (see `recovered_copy`): that one waits for every member's answer.
+        let recovered = self.recovered_copy(ns, id);
         if local > 0 && peers.rf_for(ns) < 2 && !recovered {
             return None;
         }
-        let wait = if local > 0 { replicas::CHECK_WAIT.min(peers.timeout()) } else { peers.timeout() };
+        let wait = if local > 0 && !recovered { replicas::CHECK_WAIT.min(peers.timeout()) } else { peers.timeout() };
         let found = replicas::newest_elsewhere(&self.state, peers, ns, id, wait).await;
         // This node's copy was dropped elsewhere while it was away: it goes (a newer session
         // under the id, if an owner holds one, is adopted in its place).
@@ -326,8 +335,9 @@ impl ControlPlane {
             if let Some(ago) = found.expired_ago {
                 return Some(ServerError::SessionExpired { id: id.into(), ago_ms: ago.as_millis() as u64 });
             }
-            // No copy here and none among the answers: a member that gave none may hold it.
-            if local == 0 && found.stale_here.is_none() && !found.unanswered.is_empty() {
+            // No copy here (or one recovered at the start, not yet checked) and none among the
+            // answers: a member that gave none may hold a newer one.
+            if (local == 0 || recovered) && found.stale_here.is_none() && !found.unanswered.is_empty() {
                 return Some(unanswered(id, &found.unanswered));
             }
             return None;
@@ -471,7 +481,7 @@ impl ControlPlane {
         let tail = opt_key(&r.tail_key)?;
         let base_key = opt_key(&r.base_key)?;
         check_session_id(&r.session_id)?;
-        self.settle_recovered_copy(&ns, &r.session_id).await;
+        self.settle_recovered_copy(&ns, &r.session_id).await?;
         // Refused before anything is made durable (and checked again as the change is made).
         self.state.sessions().check_extend(
             ns_id,
@@ -952,7 +962,15 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         let id = ns_id(&r.namespace_id).map_err(to_status)?;
         let ns = self.state.namespace_for(&p, &id, Access::Read).map_err(to_status)?;
         check_session_id(&r.session_id).map_err(to_status)?;
+        let recovered = self.recovered_copy(&ns, &r.session_id);
         let refused = self.adopt_newer_copy(&ns, &r.session_id).await;
+        // A copy recovered at this node's start is not served (nor touched) before every member
+        // has answered: one that did not may hold the session parked anew.
+        if recovered && matches!(refused, Some(ServerError::Peer { .. })) && self.recovered_copy(&ns, &r.session_id) {
+            if let Some(e) = refused {
+                return Err(to_status(e));
+            }
+        }
         let res = self.state.sessions().resume(self.state.tiers().session_pins(), id, &r.session_id);
         // Held elsewhere, refused here by a limit: said, not "not found".
         let res = match (res, refused) {

@@ -411,7 +411,8 @@ pub fn check_server_addr(addr: &str) -> Result<(), String> {
     if uri.host().is_none_or(str::is_empty) {
         return Err(format!("{addr:?} names no host (host:port, such as 127.0.0.1:7070)"));
     }
-    if uri.port_u16().is_none() {
+    // A URL with its scheme may leave the port to it (443 behind a load balancer).
+    if uri.port_u16().is_none() && !addr.contains("://") {
         return Err(format!("{addr:?} names no port: the node's gRPC port (host:port, such as 127.0.0.1:7070)"));
     }
     Ok(())
@@ -423,14 +424,19 @@ mod addr_tests {
 
     #[test]
     fn a_server_address_needs_a_host_and_a_port() {
-        for ok in ["127.0.0.1:7070", "localhost:1", "http://10.0.0.1:7070", "https://node-3.example:443", "[::1]:7070"]
-        {
+        for ok in [
+            "127.0.0.1:7070",
+            "localhost:1",
+            "http://10.0.0.1:7070",
+            "https://node-3.example:443",
+            "https://kv.example",
+            "[::1]:7070",
+        ] {
             assert_eq!(check_server_addr(ok), Ok(()), "{ok}");
         }
         for (bad, says) in [
             ("garbage addr", "not a server address"),
             ("127.0.0.1", "names no port"),
-            ("http://node", "names no port"),
             (":7070", "no host"),
             ("", "not a server address"),
         ] {

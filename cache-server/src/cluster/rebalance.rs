@@ -160,6 +160,24 @@ pub fn departures_only(before: &[Member], now: &[Member]) -> bool {
         })
 }
 
+/// When the pass for the members `now` (from `seen`, the last pass's) is due, the burst of
+/// changes that led there having started at `first` and its latest come at `at`: departures
+/// alone wait `departed` from the first of them (nodes removed one after another every few
+/// minutes must not put the pass off for good), never less than `quiet` after the latest; any
+/// other change waits `quiet` after the latest.
+fn pass_due(
+    seen: &[Member],
+    now: &[Member],
+    first: tokio::time::Instant,
+    at: tokio::time::Instant,
+    schedule: &Schedule,
+) -> tokio::time::Instant {
+    match departures_only(seen, now) {
+        true => (first + schedule.departed).max(at + schedule.quiet),
+        false => at + schedule.quiet,
+    }
+}
+
 /// Runs a pass after every membership change that stayed quiet for its wait, and backup passes
 /// after it, as `schedule` says, until `stop` turns true. The first placement it compares with is
 /// the one it finds at its start.
@@ -180,13 +198,10 @@ pub async fn rebalance_loop(state: Arc<NodeState>, schedule: Schedule, mut stop:
             // Quiet for the wait: a burst of changes (a restart is a leave and a join) is one
             // pass, and members that left wait longer (they may be back soon).
             // (A snapshot that only went stale and back is no change.)
-            let wait = |now: &Placement| match departures_only(seen.members(), now.members()) {
-                true => schedule.departed,
-                false => schedule.quiet,
-            };
             members.borrow_and_update();
             let mut current = peers.placement();
-            let mut quiet_until = tokio::time::Instant::now() + wait(&current);
+            let first = tokio::time::Instant::now();
+            let mut quiet_until = pass_due(seen.members(), current.members(), first, first, &schedule);
             loop {
                 tokio::select! {
                     _ = crate::stopped(&mut stop) => return,
@@ -197,11 +212,17 @@ pub async fn rebalance_loop(state: Arc<NodeState>, schedule: Schedule, mut stop:
                         }
                         let now = peers.placement();
                         if !same_members(current.members(), now.members()) {
-                            quiet_until = tokio::time::Instant::now() + wait(&now);
+                            quiet_until =
+                                pass_due(seen.members(), now.members(), first, tokio::time::Instant::now(), &schedule);
                             current = now;
                         }
                     }
                 }
+            }
+            // Back where the last pass left it (a snapshot that went stale and back, a member
+            // that left and came back unchanged): no pass, and a backup still due stays due.
+            if same_members(seen.members(), peers.placement().members()) {
+                continue;
             }
         }
         let (before, now, round) = match (&backup, is_backup) {
@@ -543,6 +564,22 @@ mod tests {
         let before = [member("a", 1), member("b", 2), member("c", 0)];
         let now = [member("a", 1), member("b", 3), member("c", 4), member("d", 5)];
         assert_eq!(restarted(&before, &now), [NodeId::new("b").unwrap()]);
+    }
+
+    #[test]
+    fn departures_one_after_another_wait_from_the_first_and_other_changes_from_the_latest() {
+        let s = Schedule { quiet: Duration::from_secs(30), departed: Duration::from_secs(300), backups: &[] };
+        let all = [member("a", 1), member("b", 2), member("c", 3), member("d", 4)];
+        let t0 = tokio::time::Instant::now();
+        let min = |m: u64| Duration::from_secs(60 * m);
+        // c leaves, then d four minutes later: the pass comes 5 minutes after c left.
+        assert_eq!(pass_due(&all, &all[..3], t0, t0, &s), t0 + min(5));
+        assert_eq!(pass_due(&all, &all[..2], t0, t0 + min(4), &s), t0 + min(5));
+        // ... but never sooner than the quiet time after the latest.
+        assert_eq!(pass_due(&all, &all[..2], t0, t0 + Duration::from_secs(290), &s), t0 + Duration::from_secs(320));
+        // A join (or a restart) in the burst: the quiet time after it.
+        let joined = [member("a", 1), member("b", 2), member("e", 5)];
+        assert_eq!(pass_due(&all, &joined, t0, t0 + min(4), &s), t0 + min(4) + Duration::from_secs(30));
     }
 
     #[test]

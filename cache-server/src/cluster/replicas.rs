@@ -298,24 +298,32 @@ pub async fn newest_elsewhere(
 ) -> Elsewhere {
     let local = state.sessions().peek(ns.id(), id);
     let p = peers.placement();
-    // With one copy per session it stays on the node that parked it: every member is asked.
     let rf = peers.rf_for(ns);
-    let n = if local.is_none() || rf < 2 { MAX_RF } else { rf + 1 };
-    let ask: Vec<&Member> = owners(peers, &p, &ns.id(), id).into_iter().take(n).map(|i| &p.members()[i]).collect();
-    // Owners skipped as down (they failed lately) answer nothing either.
-    let mut unanswered: Vec<NodeId> = p
-        .owners(&ns.id(), &session_key(id), p.members().len().min(MAX_RF))
-        .into_iter()
-        .map(|i| &p.members()[i])
-        .filter(|m| m.id != *peers.local())
-        .take(n)
-        .filter(|m| !ask.iter().any(|a| a.id == m.id))
-        .map(|m| m.id.clone())
-        .collect();
+    // With one copy per session it stays on whichever node parked it: every member is asked.
+    // With more, the first owners (every one up to MAX_RF when this node has no copy).
+    let candidates: Vec<&Member> = match rf {
+        0 | 1 => p.members().iter().filter(|m| m.id != *peers.local()).collect(),
+        _ => {
+            let n = if local.is_none() { MAX_RF } else { rf + 1 };
+            p.owners(&ns.id(), &session_key(id), p.members().len().min(MAX_RF))
+                .into_iter()
+                .map(|i| &p.members()[i])
+                .filter(|m| m.id != *peers.local())
+                .take(n)
+                .collect()
+        }
+    };
+    // Members skipped as down (they failed lately) answer nothing either.
+    let now = Instant::now();
+    let (ask, down): (Vec<&Member>, Vec<&Member>) = candidates.into_iter().partition(|m| !peers.is_down(&m.id, now));
+    let mut unanswered: Vec<NodeId> = down.into_iter().map(|m| m.id.clone()).collect();
     let calls = ask.iter().map(|&member| async move {
         let call = peers.bounded(member, peers.transport().session_get(member, ns, id));
         match tokio::time::timeout(wait, call).await {
-            Ok(Ok(found)) => Ok((member.clone(), found)),
+            Ok(Ok(found)) => Ok(Some((member.clone(), found))),
+            // It answered with a refusal of its own (it can't take the namespace: a tenant's
+            // quota there): it holds no copy.
+            Ok(Err(e)) if !matches!(e, ServerError::Peer { .. }) => Ok(None),
             Ok(Err(e)) => {
                 peers.failed(member, "session", &e);
                 Err(member.id.clone())
@@ -326,7 +334,8 @@ pub async fn newest_elsewhere(
     let mut answers = Vec::with_capacity(ask.len());
     for answer in futures::future::join_all(calls).await {
         match answer {
-            Ok(a) => answers.push(a),
+            Ok(Some(a)) => answers.push(a),
+            Ok(None) => {}
             Err(id) => unanswered.push(id),
         }
     }
@@ -482,7 +491,7 @@ pub fn drop_elsewhere(
 
 /// Most [`supersede_elsewhere`] tasks at once; past it a create's older copies are met only by
 /// the drop its node remembers (and by a holder's check of a copy it recovered at its start).
-const MAX_SUPERSEDING: usize = 1024;
+const MAX_SUPERSEDING: usize = 64;
 static SUPERSEDING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// After a park created session `id` here without an answer from `members` (down, cut off):
@@ -510,9 +519,15 @@ pub fn supersede_elsewhere(peers: &Arc<PeerTier>, ns: Namespace, id: String, at:
             for member_id in left {
                 // Gone from the membership: a copy it recovers when back is checked on its first use.
                 let Some(member) = p.members().iter().find(|m| m.id == member_id) else { continue };
+                // Skipped while it is known to be down (its calls would take a timeout each).
+                if peers.is_down(&member.id, Instant::now()) {
+                    still.push(member_id);
+                    continue;
+                }
                 let theirs = match peers.bounded(member, peers.transport().session_get(member, &ns, &id)).await {
                     Ok(theirs) => theirs,
-                    Err(_) => {
+                    Err(e) => {
+                        peers.failed(member, "session", &e);
                         still.push(member_id);
                         continue;
                     }
@@ -527,7 +542,10 @@ pub fn supersede_elsewhere(peers: &Arc<PeerTier>, ns: Namespace, id: String, at:
                             ::metrics::counter!("kvtier_session_superseded_copies_dropped_total").increment(1);
                         }
                     }
-                    Err(_) => still.push(member_id),
+                    Err(e) => {
+                        peers.failed(member, "session", &e);
+                        still.push(member_id);
+                    }
                 }
             }
             left = still;
