@@ -337,6 +337,22 @@ async fn with_one_copy_a_session_moves_to_the_node_that_resumes_it() {
     assert!(r.blocks == b2, "wrong bytes after the second move");
 }
 
+/// The config of node `id` of a one-copy cluster whose killed or stalled members stay members
+/// for 60 s, with `peer_timeout`.
+fn rf1_ttl60(redis: &Redis, dir: &std::path::Path, id: &str, peer_timeout: &str) -> std::path::PathBuf {
+    let cfg = dir.join(format!("{id}.toml"));
+    std::fs::write(
+        &cfg,
+        format!(
+            "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"60s\"\npeer_rebalance = \"off\"\n\
+             cluster_rf = 1\npeer_timeout = \"{peer_timeout}\"\n",
+            redis.url()
+        ),
+    )
+    .unwrap();
+    cfg
+}
+
 /// With one copy, the node holding a session is killed (SIGKILL; still a member, its TTL 60 s):
 /// a resume through the other says the holder gave no answer (`Unavailable`, naming it), not
 /// "not found"; the agent parks a new context under the id there, and once the holder is back
@@ -348,20 +364,7 @@ async fn with_one_copy_a_session_moves_to_the_node_that_resumes_it() {
 async fn a_session_parked_anew_while_its_holder_was_down_supersedes_the_holders_copy() {
     let redis = Redis::start();
     let dir = tempfile::tempdir().unwrap();
-    let cfg = |id: &str| {
-        let cfg = dir.path().join(format!("{id}.toml"));
-        std::fs::write(
-            &cfg,
-            format!(
-                "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"60s\"\npeer_rebalance = \"off\"\n\
-                 cluster_rf = 1\npeer_timeout = \"2s\"\n",
-                redis.url()
-            ),
-        )
-        .unwrap();
-        cfg
-    };
-    let (cfg1, cfg2) = (cfg("n1"), cfg("n2"));
+    let (cfg1, cfg2) = (rf1_ttl60(&redis, dir.path(), "n1", "2s"), rf1_ttl60(&redis, dir.path(), "n2", "2s"));
     let args2 = ["--config", cfg2.to_str().unwrap(), "--dram-capacity", "64MiB", "--disk-capacity", "64MiB"];
     let n1 = ServerProcess::start(&["--config", cfg1.to_str().unwrap(), "--dram-capacity", "64MiB"]);
     let mut n2 = ServerProcess::start(&args2);
@@ -428,20 +431,11 @@ async fn a_session_parked_anew_while_its_holder_was_down_supersedes_the_holders_
 async fn a_holder_cut_off_while_the_session_was_parked_anew_drops_its_copy_once_it_answers() {
     let redis = Redis::start();
     let dir = tempfile::tempdir().unwrap();
-    let cfg = |id: &str| {
-        let cfg = dir.path().join(format!("{id}.toml"));
-        std::fs::write(
-            &cfg,
-            format!(
-                "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"60s\"\npeer_rebalance = \"off\"\n\
-                 cluster_rf = 1\npeer_timeout = \"1s\"\n",
-                redis.url()
-            ),
-        )
-        .unwrap();
+    let start = |id: &str| {
+        let cfg = rf1_ttl60(&redis, dir.path(), id, "1s");
         ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"])
     };
-    let (n1, n2) = (cfg("n1"), cfg("n2"));
+    let (n1, n2) = (start("n1"), start("n2"));
     until_members([&n1, &n2], 2);
     let (c1, c2) = (n1.client().await, n2.client().await);
     let (ns1, ns2) = (handle(&c1).await, handle(&c2).await);
