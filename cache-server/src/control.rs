@@ -67,11 +67,6 @@ struct Unverified {
     members: Vec<crate::cluster::NodeId>,
 }
 
-/// When a session was last parked, extended or resumed (on this node's clock).
-fn touched_at(m: &SessionManifest) -> Instant {
-    m.expires_at.checked_sub(m.ttl).unwrap_or(m.expires_at)
-}
-
 /// A session found on no member that answered, while some gave no answer.
 fn unanswered(id: &str, members: &[crate::cluster::NodeId]) -> ServerError {
     let names: Vec<&str> = members.iter().map(|m| m.as_str()).collect();
@@ -251,7 +246,7 @@ impl ControlPlane {
     /// [`Self::supersede_unverified`]).
     async fn check_create(&self, ns: &Namespace, id: &str) -> Result<Option<Unverified>, ServerError> {
         let Some(peers) = self.state.tiers().peers() else { return Ok(None) };
-        if self.state.sessions().peek(ns.id(), id).is_some() {
+        if self.state.sessions().touched(ns.id(), id).is_some() {
             return Ok(None);
         }
         let asked = Instant::now();
@@ -290,7 +285,7 @@ impl ControlPlane {
     /// the other members before it is served or written over.
     fn recovered_copy(&self, ns: &Namespace, id: &str) -> bool {
         self.state.tiers().peers().is_some_and(|p| p.rf_for(ns) < 2)
-            && self.state.sessions().peek(ns.id(), id).is_some_and(|m| touched_at(&m) < self.state.started_at())
+            && self.state.sessions().touched(ns.id(), id).is_some_and(|t| t < self.state.started_at())
     }
 
     /// A copy this node recovered at its start is checked against the other members before a

@@ -369,6 +369,11 @@ impl SessionStore {
         self.table.lock().peek(ns, id, Instant::now())
     }
 
+    /// When a live session was last parked, extended or resumed.
+    pub fn touched(&self, ns: NamespaceId, id: &str) -> Option<Instant> {
+        self.table.lock().touched(ns, id, Instant::now())
+    }
+
     /// Drops a session; false if there was none. With a log, the drop is logged first: one that
     /// can't be (a full disk) changes nothing and is the caller's error, so a drop that was
     /// answered never comes back after a restart.

@@ -537,6 +537,12 @@ impl SessionTable {
         self.sessions.get(&(ns, id.to_string())).filter(|m| m.expires_at > now).cloned()
     }
 
+    /// When a live session was last parked, extended or resumed (its manifest not copied).
+    pub fn touched(&self, ns: NamespaceId, id: &str, now: Instant) -> Option<Instant> {
+        let m = self.sessions.get(&(ns, id.to_string())).filter(|m| m.expires_at > now)?;
+        Some(m.expires_at.checked_sub(m.ttl).unwrap_or(m.expires_at))
+    }
+
     /// Keeps another node's copy of a session, version and expiry as they are, unless this node
     /// holds that version or a newer one (`VersionConflict`, `actual` = the version held). Its
     /// blocks must be resident here (`MissingBlocks` otherwise); the shape, manifest-key and
