@@ -394,6 +394,36 @@ fn enospc_loses_nothing_acknowledged() {
     }
 }
 
+/// A park replacing a session that a full disk keeps from being logged leaves the session as it
+/// was — listed, at its version, its blocks pinned — and so does the recovery after a power loss.
+/// Before, the refused replace dropped the session whole (found by the proptest above: "s1 v1
+/// lost"), unpinning the version the log still held, whose blocks could then be evicted.
+#[test]
+fn a_replace_refused_by_a_full_disk_leaves_the_session_as_it_was() {
+    let h = Harness::new(1 << 20);
+    let ns = namespace("m1");
+    let mut acked = Acked::default();
+    {
+        let node = h.open().unwrap();
+        node.register_namespace(&Principal::Operator, ns.clone()).unwrap();
+        acked.namespaces.push(ns.id());
+        assert_eq!(park_each(&h, &node, &ns, &[("a", 1)], &mut acked).len(), 1);
+        // The same block again (already on disk): the log's append is the first write.
+        let key = frame(ns.id(), 1).header.key;
+        acked.attempts.entry("a".into()).or_default().push(vec![key]);
+        h.fs.enospc_from(Some(1));
+        let err = h.park(&node, &ns, "a", vec![key], 1).unwrap_err();
+        assert_eq!(err.code(), kvtier_proto::codes::DISK_FULL, "{err}");
+        h.fs.enospc_from(None);
+        let listed: Vec<(String, u64)> = node.sessions().list(None).into_iter().map(|m| (m.id, m.version)).collect();
+        assert_eq!(listed, [("a".to_string(), 1)], "the refused replace took the session with it");
+        assert!(node.tiers().disk().unwrap().stats().pinned_bytes > 0, "the session's block is no longer pinned");
+        h.fs.crash(CrashMode::DropUnsynced);
+    }
+    let node = h.open().unwrap();
+    check(&node, &acked, &[ns.clone(), namespace("m2")]).unwrap();
+}
+
 /// A registration refused by a full disk leaves no torn record in `namespaces.log` that hides the
 /// registrations acknowledged after it.
 #[test]

@@ -221,23 +221,35 @@ impl SessionStore {
     fn change(
         &self,
         pins: &dyn PinTier,
+        (ns, id): (NamespaceId, &str),
         change: impl FnOnce(&mut SessionTable, Instant) -> Result<SessionManifest, ServerError>,
     ) -> Result<SessionManifest, ServerError> {
         let now = Instant::now();
-        let (m, pending) = {
+        let (m, prev, pending) = {
             let mut table = self.table.lock();
+            // What the change replaces, put back if it can't be logged.
+            let prev = self.log.as_ref().and_then(|_| table.peek(ns, id, now));
             let m = change(&mut table, now)?;
             self.publish(table.len());
             let pending = self.log.as_ref().map(|log| Pending { seq: log.next_seq(), record: logged(&m, now) });
-            (m, pending)
+            (m, prev, pending)
         };
         let (Some(log), Some(p)) = (&self.log, pending) else {
             self.emit(EventKind::SessionParked, &m.namespace, &m.id);
             return Ok(m);
         };
         if let Err(e) = log.put(p.seq, &p.record) {
+            // Taken back: the session as it was (its blocks pinned again), or none if it was new.
+            // Before, a replace that could not be logged (a full disk) dropped the session whole,
+            // unpinning the version the log still held.
             let mut table = self.table.lock();
-            table.undo(pins, m.namespace, &m.id, m.version);
+            let put_back = prev.map(|prev| table.revert(pins, &m, prev));
+            if !matches!(put_back, Some(Ok(_))) {
+                if let Some(Err(why)) = &put_back {
+                    tracing::error!(session = %m.id, "a change that could not be logged left the session dropped here: {why}");
+                }
+                table.undo(pins, m.namespace, &m.id, m.version);
+            }
             self.publish(table.len());
             return Err(e);
         }
@@ -253,7 +265,8 @@ impl SessionStore {
         spec: ParkSpec,
         limits: &SessionLimits,
     ) -> Result<SessionManifest, ServerError> {
-        self.change(pins, |t, now| t.park(pins, spec, limits, now))
+        let (ns, id) = (spec.namespace, spec.id.clone());
+        self.change(pins, (ns, &id), |t, now| t.park(pins, spec, limits, now))
     }
 
     /// Whether a replica's copy would pass its checks now (see
@@ -301,7 +314,7 @@ impl SessionStore {
         token_count: u64,
         limits: &SessionLimits,
     ) -> Result<SessionManifest, ServerError> {
-        self.change(pins, |t, now| {
+        self.change(pins, (ns, id), |t, now| {
             t.extend(pins, ns, id, expected_version, base_blocks, base_key, new_keys, tail, token_count, limits, now)
         })
     }
@@ -323,7 +336,8 @@ impl SessionStore {
         m: SessionManifest,
         limits: &SessionLimits,
     ) -> Result<SessionManifest, ServerError> {
-        self.change(pins, |t, now| t.put_replica(pins, m, limits, now))
+        let (ns, id) = (m.namespace, m.id.clone());
+        self.change(pins, (ns, &id), |t, now| t.put_replica(pins, m, limits, now))
     }
 
     /// Undoes this node's write `made` of a session, refused as one made at the same time as
