@@ -47,6 +47,14 @@ fn node_rf(redis: &Redis, dir: &std::path::Path, id: &str, rf: usize) -> ServerP
     ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"])
 }
 
+/// A DRAM-only node of `dram` bytes with `cluster_rf` 2 and a 10 s `peer_timeout`: copies of
+/// 20 MiB sessions in 16 MiB chunks beside the parks' own forwards, on two cores, are too much
+/// for a second per peer call.
+fn node_rf2_slow_peers(redis: &Redis, dir: &std::path::Path, id: &str, dram: &str) -> ServerProcess {
+    let cfg = config(redis, dir, id, 2, "peer_timeout = \"10s\"\n");
+    ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", dram])
+}
+
 fn node(redis: &Redis, dir: &std::path::Path, id: &str) -> ServerProcess {
     node_rf(redis, dir, id, 2)
 }
@@ -494,12 +502,7 @@ async fn an_expired_session_says_expired_through_a_node_without_a_copy() {
 async fn a_node_too_small_for_a_session_is_passed_over_not_churned() {
     let redis = Redis::start();
     let dir = tempfile::tempdir().unwrap();
-    // 20 MiB copies in 16 MiB chunks beside the parks' own forwards, on two cores: a second per
-    // peer call is too tight for them.
-    let start = |id: &str, dram: &str| {
-        let cfg = config(&redis, dir.path(), id, 2, "peer_timeout = \"10s\"\n");
-        ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", dram])
-    };
+    let start = |id: &str, dram: &str| node_rf2_slow_peers(&redis, dir.path(), id, dram);
     let n1 = start("n1", "96MiB");
     let n2 = start("n2", "16MiB");
     let mut n3 = start("n3", "96MiB");
@@ -578,10 +581,7 @@ async fn a_node_too_small_for_a_session_is_passed_over_not_churned() {
 async fn a_quantized_session_is_copied_to_a_node_smaller_than_its_raw_kv() {
     let redis = Redis::start();
     let dir = tempfile::tempdir().unwrap();
-    let start = |id: &str, dram: &str| {
-        let cfg = config(&redis, dir.path(), id, 2, "peer_timeout = \"10s\"\n");
-        ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", dram])
-    };
+    let start = |id: &str, dram: &str| node_rf2_slow_peers(&redis, dir.path(), id, dram);
     let n1 = start("n1", "96MiB");
     let n2 = start("n2", "16MiB");
     until_members([&n1, &n2], 2);

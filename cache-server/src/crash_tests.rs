@@ -74,6 +74,14 @@ impl Harness {
         NodeState::open_with(self.config(), addr, self.fs.shared())
     }
 
+    /// The node opened with `ns` registered, and that registration recorded as acknowledged.
+    fn open_registered(&self, ns: &Namespace, acked: &mut Acked) -> NodeState {
+        let node = self.open().unwrap();
+        node.register_namespace(&Principal::Operator, ns.clone()).unwrap();
+        acked.namespaces.push(ns.id());
+        node
+    }
+
     /// A block in DRAM, as the data plane's `PUT` leaves it.
     fn store(&self, node: &NodeState, f: &BlockFrame) {
         if node.tiers().holds(&f.header.namespace, &f.header.key) {
@@ -346,9 +354,7 @@ fn eio_on_fsync_is_reported_and_never_acknowledged_later() {
     let ns = namespace("m1");
     let mut acked = Acked::default();
     {
-        let node = h.open().unwrap();
-        node.register_namespace(&Principal::Operator, ns.clone()).unwrap();
-        acked.namespaces.push(ns.id());
+        let node = h.open_registered(&ns, &mut acked);
         let f = frame(ns.id(), 1);
         h.store(&node, &f);
         acked.attempts.entry("s".into()).or_default().push(vec![f.header.key]);
@@ -375,9 +381,7 @@ fn enospc_loses_nothing_acknowledged() {
         let ns = namespace("m1");
         let mut acked = Acked::default();
         {
-            let node = h.open().unwrap();
-            node.register_namespace(&Principal::Operator, ns.clone()).unwrap();
-            acked.namespaces.push(ns.id());
+            let node = h.open_registered(&ns, &mut acked);
             assert_eq!(park_each(&h, &node, &ns, &[("a", 1), ("b", 2)], &mut acked).len(), 2);
             h.fs.enospc_from(Some(nth));
             let f = frame(ns.id(), 3);
@@ -404,9 +408,7 @@ fn a_replace_refused_by_a_full_disk_leaves_the_session_as_it_was() {
     let ns = namespace("m1");
     let mut acked = Acked::default();
     {
-        let node = h.open().unwrap();
-        node.register_namespace(&Principal::Operator, ns.clone()).unwrap();
-        acked.namespaces.push(ns.id());
+        let node = h.open_registered(&ns, &mut acked);
         assert_eq!(park_each(&h, &node, &ns, &[("a", 1)], &mut acked).len(), 1);
         // The same block again (already on disk): the log's append is the first write.
         let key = frame(ns.id(), 1).header.key;

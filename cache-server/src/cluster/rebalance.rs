@@ -140,24 +140,20 @@ pub struct Schedule {
     pub backups: &'static [Duration],
 }
 
-/// Whether two member lists name the same members, each with the same registration, capacity
-/// and labels.
+/// Whether `a` and `b` are one member, with the same registration, capacity and labels.
+fn same_member(a: &Member, b: &Member) -> bool {
+    a.id == b.id && a.since_ms == b.since_ms && a.capacity == b.capacity && a.labels == b.labels
+}
+
+/// Whether two member lists name the same members, each unchanged.
 fn same_members(a: &[Member], b: &[Member]) -> bool {
-    a.len() == b.len()
-        && a.iter()
-            .zip(b)
-            .all(|(a, b)| a.id == b.id && a.since_ms == b.since_ms && a.capacity == b.capacity && a.labels == b.labels)
+    a.len() == b.len() && a.iter().zip(b).all(|(a, b)| same_member(a, b))
 }
 
 /// Whether `now` is `before` with members taken away and nothing else changed (no member
 /// joined, restarted, or changed its capacity or labels).
 pub fn departures_only(before: &[Member], now: &[Member]) -> bool {
-    now.len() < before.len()
-        && now.iter().all(|m| {
-            before
-                .iter()
-                .any(|b| b.id == m.id && b.since_ms == m.since_ms && b.capacity == m.capacity && b.labels == m.labels)
-        })
+    now.len() < before.len() && now.iter().all(|m| before.iter().any(|b| same_member(b, m)))
 }
 
 /// When the pass for the members `now` (from `seen`, the last pass's) is due, the burst of
