@@ -35,6 +35,48 @@ async fn live_then_dead_server() {
     assert!(engine.resume(&ns, "nobody").await.is_err());
 }
 
+/// A server restarted where it was is reached again soon after it listens: a refused connection
+/// fails in microseconds, so the client waits 50 ms before dialling again, not its 1 s ceiling
+/// (before, every call in the second after the last refused attempt was a miss).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_server_is_reached_again_within_a_moment() {
+    let mut server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
+    let engine = EngineClient::new(server.grpc_addr(), ClientConfig::default(), Duration::from_secs(5));
+    let ns = namespace("engine", b"r", small_layout());
+    let t = tokens(7, 64);
+    assert_eq!(engine.lookup(&ns, &t).await, 0, "connected: nothing stored yet");
+    assert_eq!(
+        engine
+            .store(&ns, &t, &full_block_payloads(&server.client().await.register(ns.clone()).await.unwrap(), &t))
+            .await,
+        4
+    );
+    server.child.kill().unwrap();
+    server.child.wait().unwrap();
+    // The first call finds its connection broken, the next one is refused while connecting.
+    for _ in 0..2 {
+        let missed = engine.load(&ns, &t).await;
+        assert!(missed.blocks.is_empty(), "{:?}", missed.miss);
+    }
+    let refused_at = std::time::Instant::now();
+    let _restarted = server.restart_in_place(&["--dram-capacity", "64MiB"]);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let since = refused_at.elapsed();
+    // The restarted node starts empty (no disk tier): a lookup that answers 0 without a miss
+    // reached it, one that was refused or backed off counts a miss.
+    let reached = engine
+        .call("lookup", &ns, |c, h| {
+            let t = t.clone();
+            async move { c.lookup(&h, &t).await }
+        })
+        .await;
+    assert!(
+        reached.is_ok(),
+        "{since:?} after the refused attempt, and the server listening again: {:?}",
+        reached.err()
+    );
+}
+
 /// A listener that accepts TCP connections and then says nothing, forever; its address.
 async fn silent_listener() -> String {
     let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -1,7 +1,9 @@
 //! [`EngineClient`]: the never-raise face of the client for inference engines. Every error or
 //! timeout becomes a miss with a reason (counted in `kvtier_client_misses_total{op,reason}`), so
-//! the engine simply recomputes. It connects lazily and reconnects at most once per `retry_after`,
-//! so a server that is down costs the engine one quick miss per call, not a hang.
+//! the engine simply recomputes. It connects lazily; after a failed attempt it waits twenty times
+//! what that attempt took (at least 50 ms, at most `retry_after`) before the next, so a server that
+//! is down costs the engine one quick miss per call, not a hang, and one that restarts is reached
+//! again within about 50 ms of answering.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -31,7 +33,8 @@ pub struct Loaded {
 
 struct Conn {
     client: Option<KvClient>,
-    last_attempt: Option<Instant>,
+    /// When the next attempt to connect may start (after a failed one).
+    next_attempt: Option<Instant>,
     /// Why the last attempt to connect failed, said again while backing off.
     last_failure: Option<ClientError>,
     namespaces: Vec<(Namespace, NamespaceHandle)>,
@@ -45,6 +48,16 @@ pub struct EngineClient {
     budget: Duration,
     retry_after: Duration,
     conn: Arc<Mutex<Conn>>,
+}
+
+/// The shortest wait before reconnecting after a failed attempt.
+pub const MIN_RETRY_AFTER: Duration = Duration::from_millis(50);
+
+/// How long to wait after a connection attempt that failed after `took`: twenty times that, so
+/// connecting takes at most about a twentieth of the time a dead server is called, within
+/// [`MIN_RETRY_AFTER`] and `most`.
+fn retry_wait(took: Duration, most: Duration) -> Duration {
+    took.saturating_mul(20).clamp(MIN_RETRY_AFTER.min(most), most)
 }
 
 fn miss(op: &'static str, e: &ClientError) -> Miss {
@@ -64,14 +77,18 @@ impl EngineClient {
             retry_after: Duration::from_secs(1),
             conn: Arc::new(Mutex::new(Conn {
                 client: None,
-                last_attempt: None,
+                next_attempt: None,
                 last_failure: None,
                 namespaces: Vec::new(),
             })),
         }
     }
 
-    /// How long to wait before reconnecting after a failed attempt. Default: 1 s.
+    /// The longest wait before reconnecting after a failed attempt. Default: 1 s. The wait is
+    /// twenty times what the failed attempt took, at least [`MIN_RETRY_AFTER`] (a refused
+    /// connection fails in microseconds: a restarted server is reached again soon after it
+    /// listens) and at most this (an attempt that ran into its connect timeout is not repeated
+    /// on every call).
     pub fn with_retry_after(mut self, d: Duration) -> Self {
         self.retry_after = d;
         self
@@ -88,24 +105,29 @@ impl EngineClient {
         if c.client.is_none() {
             // Only after a failed attempt: a connection that worked and was closed (or broke)
             // is dialled again at once.
-            if c.last_failure.is_some() && c.last_attempt.is_some_and(|t| t.elapsed() < self.retry_after) {
+            if c.last_failure.is_some() && c.next_attempt.is_some_and(|t| Instant::now() < t) {
                 return Err(match &c.last_failure {
                     // A refused credential stays refused: said as it was, in its own kind.
                     Some(e @ ClientError::Unauthenticated(_)) => e.clone(),
                     Some(e) => ClientError::Connect {
                         addr: self.addr.clone(),
-                        reason: format!("backing off for up to {:?} after a failed attempt ({e})", self.retry_after),
+                        reason: format!(
+                            "backing off for {:?} more after a failed attempt ({e})",
+                            c.next_attempt.map(|t| t.saturating_duration_since(Instant::now())).unwrap_or_default()
+                        ),
                     },
                     None => ClientError::Connect { addr: self.addr.clone(), reason: "backing off".into() },
                 });
             }
-            c.last_attempt = Some(Instant::now());
+            let started = Instant::now();
             match KvClient::connect(&self.addr, self.cfg.clone()).await {
                 Ok(client) => {
                     c.client = Some(client);
                     c.last_failure = None;
                 }
                 Err(e) => {
+                    let wait = retry_wait(started.elapsed(), self.retry_after);
+                    c.next_attempt = Some(Instant::now() + wait);
                     c.last_failure = Some(e.clone());
                     return Err(e);
                 }
@@ -312,5 +334,23 @@ impl EngineClient {
 
     pub async fn resume(&self, ns: &Namespace, id: &str) -> Result<ResumedSession, Miss> {
         self.call("resume", ns, |c, h| async move { c.resume(&h, id).await }).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_attempt_waits_twenty_times_what_it_took_within_the_bounds() {
+        let most = Duration::from_secs(1);
+        // A refused connection (microseconds): the floor.
+        assert_eq!(retry_wait(Duration::from_micros(80), most), MIN_RETRY_AFTER);
+        assert_eq!(retry_wait(Duration::from_millis(10), most), Duration::from_millis(200));
+        // A connect timeout: the ceiling, so a dead host is not dialled on every call.
+        assert_eq!(retry_wait(Duration::from_secs(5), most), most);
+        // A ceiling below the floor (a test's 10 ms) is kept.
+        assert_eq!(retry_wait(Duration::from_secs(5), Duration::from_millis(10)), Duration::from_millis(10));
+        assert_eq!(retry_wait(Duration::ZERO, Duration::from_millis(10)), Duration::from_millis(10));
     }
 }
