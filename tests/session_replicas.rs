@@ -1036,6 +1036,87 @@ async fn a_copy_dropped_elsewhere_goes_soon_after_its_holder_restarts() {
     until_metric(&nodes[2], "kvtier_session_stale_copies_dropped_total", &[], 1.0);
 }
 
+/// With two copies per session, both holders of a session at version 3 (n1 and n3, with disk
+/// tiers) leave the membership (killed past their TTL), the session is parked anew under its id
+/// through n2, left alone (version 1, a new context; short of its second copy but kept), and the
+/// holders come back from their disks with version 3. The nodes, their clients and namespace
+/// handles, the session's id and the new context's blocks.
+async fn created_anew_while_both_holders_were_out(
+    redis: &Redis,
+    dir: &std::path::Path,
+) -> (Vec<ServerProcess>, [KvClient; 3], String, Vec<Bytes>) {
+    let (args, mut nodes, mut clients, ns) = disk_and_dram_fleet(redis, dir).await;
+    let strs = |i: usize| args[i].iter().map(String::as_str).collect::<Vec<_>>();
+    let id = park_held_by(&clients, &ns[0], 2, 1, 130).await;
+    let (old_toks, old_blocks) = session(&ns[0], 140);
+    for v in 1..=2 {
+        clients[0].park(&ns[0], &id, &old_toks, &old_blocks, &ParkOptions::default(), v).await.unwrap();
+    }
+    for i in [0, 2] {
+        let _ = nodes[i].child.kill();
+        let _ = nodes[i].child.wait();
+    }
+    until_members(&nodes[1..2], 1);
+    let err = clients[1].resume(&ns[1], &id).await.unwrap_err();
+    assert!(matches!(err, ClientError::SessionNotFound(_)), "{err}");
+    let (new_toks, new_blocks) = session(&ns[1], 150);
+    let err = clients[1].park(&ns[1], &id, &new_toks, &new_blocks, &ParkOptions::default(), 0).await.unwrap_err();
+    assert!(matches!(err, ClientError::Unavailable(ref m) if m.contains("version 1")), "{err}");
+    for i in [0, 2] {
+        restart_node(&mut nodes, &mut clients, i, &strs(i)).await;
+    }
+    until_members(&nodes, 3);
+    (nodes, clients, id, new_blocks)
+}
+
+/// Waits (up to 30 s) until at least two nodes hold session `id` and every copy is version 1.
+async fn until_only_version_1(clients: &[KvClient; 3], id: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut held = Vec::new();
+        for c in clients {
+            held.extend(c.list_sessions(None).await.unwrap().into_iter().filter(|s| s.id == id).map(|s| s.version));
+        }
+        if held.len() >= 2 && held.iter().all(|&v| v == 1) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "copies of the old session are still held: versions {held:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Every node serves the session created anew (see [`created_anew_while_both_holders_were_out`]),
+/// a resume through a returned holder first: a copy last touched before a session's creation is
+/// an older session's, whatever its version. Before, the holders' version 3 won there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_created_anew_while_both_holders_were_out_is_served_not_their_higher_version() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (_nodes, clients, id, new_blocks) = created_anew_while_both_holders_were_out(&redis, dir.path()).await;
+    for i in [0, 2, 1] {
+        let h = handle(&clients[i]).await;
+        let r = clients[i].resume(&h, &id).await.unwrap();
+        assert_eq!(r.info.version, 1, "n{}: the old session's version", i + 1);
+        assert!(r.blocks == new_blocks, "n{}: the old session's context", i + 1);
+    }
+    until_only_version_1(&clients, &id).await;
+}
+
+/// Left alone (no resume), re-replication settles the same way: n2 copies the new session over
+/// the returned holders' older one, which they drop. Before, n2 adopted their version 3 over it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_created_anew_while_both_holders_were_out_replaces_their_copies() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (nodes, clients, id, new_blocks) = created_anew_while_both_holders_were_out(&redis, dir.path()).await;
+    until_only_version_1(&clients, &id).await;
+    until_metric(&nodes[0], "kvtier_session_stale_copies_dropped_total", &[], 1.0);
+    for (i, c) in clients.iter().enumerate() {
+        let r = c.resume(&handle(c).await, &id).await.unwrap();
+        assert!(r.info.version == 1 && r.blocks == new_blocks, "n{}: the old session", i + 1);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sessions_of_a_namespace_unregistered_while_a_holder_was_away_do_not_come_back() {
     let redis = Redis::start();

@@ -16,7 +16,7 @@ use crate::dram::Priority;
 use crate::error::ServerError;
 use crate::events::{EventKind, KvEvent, WatchSlot};
 use crate::metrics::server_error;
-use crate::sessions::{ParkSpec, SessionManifest};
+use crate::sessions::{ParkSpec, SessionManifest, SUPERSEDE_MARGIN};
 use crate::state::NodeState;
 use crate::tenants::{Access, Principal};
 
@@ -52,13 +52,6 @@ fn check_session_id(id: &str) -> Result<(), ServerError> {
     }
     Ok(())
 }
-
-/// How far before a park that creates a session without every member's answer the drop of
-/// older copies is remembered: nodes compare a copy's last touch with a drop by ages rounded to
-/// milliseconds, rounded down, and a drop passed on from node to node gains each hop's transit
-/// time: the new copy must never count as dropped itself. (A copy touched within it before the
-/// check is not superseded.)
-const SUPERSEDE_MARGIN: Duration = Duration::from_secs(1);
 
 /// A session created without an answer from `members`, and the instant before its park as of
 /// which older copies count as superseded.
@@ -426,6 +419,23 @@ impl ControlPlane {
                 if self.state.sessions().is_dropped_copy(&m) {
                     ::metrics::counter!("kvtier_session_dropped_copies_refused_total").increment(1);
                     return Ok(held(None));
+                }
+                // Two sessions under one id, one created while the node holding the other was
+                // away: the older one's copy is refused here, or gives way here to the newer,
+                // whatever their versions (see `SessionManifest::supersedes`).
+                if let Some(mine) = self.state.sessions().peek(id, &r.session_id) {
+                    if let Some(before) = mine.supersedes_before().filter(|_| mine.supersedes(&m)) {
+                        ::metrics::counter!("kvtier_session_dropped_copies_refused_total").increment(1);
+                        return Ok(pb::SessionReplicaResponse {
+                            dropped: true,
+                            dropped_ago_ms: before.elapsed().as_millis() as u64,
+                            ..Default::default()
+                        });
+                    }
+                    if let Some(before) = m.supersedes_before().filter(|_| m.supersedes(&mine)) {
+                        let ago = before.elapsed();
+                        replicas::drop_stale_copy(&self.state, &mine, ago).await;
+                    }
                 }
                 if m.ttl > self.state.config().session_max_ttl.0 {
                     return Err(ServerError::InvalidRequest(format!(

@@ -489,6 +489,7 @@ fn a_session_log_that_cannot_sync_its_directory_acknowledges_nothing_it_would_lo
         priority: Priority::Normal,
         version: 1,
         dropped_unix_ms: 0,
+        created_unix_ms: 0,
     };
     fault.fail_dir_syncs(1);
     let acked = match SessionLog::open_with(&fs, dir.path(), true, 0) {

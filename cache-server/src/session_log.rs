@@ -406,6 +406,7 @@ mod tests {
             priority: Priority::High,
             version: v,
             dropped_unix_ms: 0,
+            created_unix_ms: 0,
         }
     }
 
@@ -442,6 +443,27 @@ mod tests {
         expected(&replayed);
         let (_log, replayed) = SessionLog::open(dir.path(), true, now + hour).unwrap();
         assert!(replayed.drops.is_empty(), "{:?}", replayed.drops);
+    }
+
+    /// A session's creation time comes back from replay; a record written before the field (no
+    /// trailing bytes) reads with none, and one with it reads the same to a decoder that stops
+    /// after the tail (a build before it).
+    #[test]
+    fn a_session_s_creation_survives_replay_and_older_records_read_without_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let created = LoggedSession { created_unix_ms: 4_000, ..s("new", 3, 9000) };
+        {
+            let (log, _) = SessionLog::open(dir.path(), true, 100).unwrap();
+            log.put(log.next_seq(), &created).unwrap();
+        }
+        let (_log, replayed) = SessionLog::open(dir.path(), true, 100).unwrap();
+        assert_eq!(replayed.sessions, vec![created.clone()]);
+
+        let body = encode_body(PUT, 7, &created);
+        let older = &body[..body.len() - 8];
+        let (kind, seq, read) = decode_body(older, 0).unwrap();
+        assert_eq!((kind, seq, read.created_unix_ms), (PUT, 7, 0));
+        assert_eq!(read, LoggedSession { created_unix_ms: 0, ..created });
     }
 
     #[test]

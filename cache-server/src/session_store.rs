@@ -59,6 +59,9 @@ fn logged(m: &SessionManifest, now: Instant) -> LoggedSession {
         priority: m.priority,
         version: m.version,
         dropped_unix_ms: 0,
+        created_unix_ms: m.created.map_or(0, |c| {
+            unix_ms(SystemTime::now()).saturating_sub(now.saturating_duration_since(c).as_millis() as u64)
+        }),
     }
 }
 
@@ -557,6 +560,10 @@ impl SessionStore {
                 priority: s.priority,
                 version: s.version,
                 id: s.id,
+                created: match s.created_unix_ms {
+                    0 => None,
+                    at => now.checked_sub(Duration::from_millis(now_ms.saturating_sub(at))),
+                },
             };
             let (ns, id) = (m.namespace, m.id.clone());
             match table.restore(pins, m) {
@@ -735,6 +742,32 @@ mod tests {
         assert_eq!(store.dropped_at(NamespaceId([9; 16]), "s"), None);
     }
 
+    /// A session restored at start keeps when it was created (in the log as wall-clock ms), so
+    /// after a restart it still supersedes an older session's copies under its id.
+    #[test]
+    fn a_restored_session_keeps_its_creation() {
+        let dir = tempfile::tempdir().unwrap();
+        let tier = DramTier::new(DramConfig::new(1 << 20));
+        let ns = NamespaceId([6; 16]);
+        let keys: Vec<BlockKey> = (0..2).map(|i| block(&tier, ns, i)).collect();
+        let (log, _) = SessionLog::open(dir.path(), true, unix_ms(SystemTime::now())).unwrap();
+        let store = SessionStore::new(Some(log));
+        let v1 = store.park(&tier, spec(ns, "s", keys.clone(), 0), &limits()).unwrap();
+        std::thread::sleep(Duration::from_millis(30));
+        let v2 = store.park(&tier, spec(ns, "s", keys, 1), &limits()).unwrap();
+        assert_eq!(v2.created, v1.created, "a replace keeps the creation");
+        drop(store);
+
+        let (log, replayed) = SessionLog::open(dir.path(), true, unix_ms(SystemTime::now())).unwrap();
+        let store = SessionStore::new(Some(log));
+        let per_token = limits().bytes_per_token;
+        assert_eq!(store.restore(&tier, replayed.sessions.into_iter().map(|s| (s, per_token)).collect()), (1, 0));
+        let back = store.peek(ns, "s").expect("restored");
+        let (was, is) = (v1.created.unwrap(), back.created.expect("its creation came back"));
+        let off = if is > was { is - was } else { was - is };
+        assert!(off < Duration::from_millis(5), "restored {off:?} away from when it was created");
+    }
+
     /// A park whose record can't be appended is taken back: not visible, its pins released.
     #[test]
     fn a_park_that_cannot_be_logged_is_undone() {
@@ -772,6 +805,7 @@ mod tests {
             priority: Priority::Normal,
             version: 1,
             dropped_unix_ms: 0,
+            created_unix_ms: 0,
         };
         let per_token = layout().bytes_per_token();
         let gone = vec![BlockKey([0xAB; 32])];

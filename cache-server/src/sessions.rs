@@ -37,9 +37,45 @@ pub struct SessionManifest {
     pub version: u64,
     /// Raw KV bytes the session stands for (token_count × bytes per token).
     pub bytes: u64,
+    /// When the session was created (the park with `expected_version` 0 that made version 1;
+    /// every later version keeps it), if known: a copy from an older node or log has none. See
+    /// [`SessionManifest::supersedes`].
+    pub created: Option<Instant>,
 }
 
+/// How much earlier than a session's creation another copy under its id must have been touched
+/// last to count as an older session's (see [`SessionManifest::supersedes`]), and how far before
+/// a create without every member's answer its drop of older copies is remembered: nodes compare
+/// times by ages rounded down to milliseconds, and an age passed on from node to node gains each
+/// hop's transit time, so the new copy must never count as older itself. A copy touched within
+/// it is compared by version.
+pub const SUPERSEDE_MARGIN: Duration = Duration::from_secs(1);
+
 impl SessionManifest {
+    /// When the copy was last touched (parked, extended or resumed).
+    pub fn touched_at(&self) -> Option<Instant> {
+        self.expires_at.checked_sub(self.ttl)
+    }
+
+    /// The point before which a copy under this session's id was last touched only if it is an
+    /// older session's: this one's creation less [`SUPERSEDE_MARGIN`].
+    pub fn supersedes_before(&self) -> Option<Instant> {
+        self.created?.checked_sub(SUPERSEDE_MARGIN)
+    }
+
+    /// Whether `other`, a copy under the same id, belongs to an older session this one replaced:
+    /// it was last touched before this one was created (less [`SUPERSEDE_MARGIN`]). A session is
+    /// created only once every member that answered held no live copy of it, so such a copy sat
+    /// on a node that was away (cut off, restarting, out of the membership) and is stale however
+    /// high its version: versions count the writes of one session, not across two. Copies of one
+    /// session are all touched at or after its creation, so none supersedes another.
+    pub fn supersedes(&self, other: &SessionManifest) -> bool {
+        match (self.supersedes_before(), other.touched_at()) {
+            (Some(before), Some(touched)) => touched < before,
+            _ => false,
+        }
+    }
+
     /// Whether `other` stands for the same context: the same blocks, tail and token count (two
     /// copies at one version that differ here were written by two nodes at once).
     pub fn same_context(&self, other: &SessionManifest) -> bool {
@@ -58,6 +94,7 @@ impl SessionManifest {
             bytes: self.bytes,
             expires_in_ms: self.expires_at.saturating_duration_since(now).as_millis() as u64,
             priority: self.priority as u32,
+            created_ago_ms: self.created.map(|c| now.saturating_duration_since(c).as_millis() as u64),
         }
     }
 
@@ -311,6 +348,11 @@ impl SessionTable {
         self.reap_if_expired(tier, &sid, now);
         self.check_park(&spec, limits, now)?;
         let current = self.sessions.get(&sid).map(|m| m.version).unwrap_or(0);
+        // A replace keeps the session's creation; a create (nothing held) is one.
+        let created = match self.sessions.get(&sid) {
+            Some(m) => m.created,
+            None => Some(now),
+        };
         pin_or_report(tier, &spec.namespace, &spec.keys, spec.tail)?;
         if let Some(old) = self.sessions.get(&sid) {
             tier.unpin(&old.namespace, &old.pinned_keys());
@@ -326,6 +368,7 @@ impl SessionTable {
             priority: spec.priority,
             version: current + 1,
             bytes: spec.token_count * limits.bytes_per_token,
+            created,
         };
         self.expired.remove(&sid);
         self.insert(sid, manifest.clone());
@@ -917,6 +960,41 @@ mod tests {
         assert!(t.drop_session(&tier, ns, "agent-1"));
         assert!(tier.remove(&ns, &k[0]), "drop unpins");
         assert!(matches!(t.resume(&tier, ns, "agent-1", now), Err(ServerError::SessionNotFound(_))));
+    }
+
+    /// A session's creation is kept by every later version (park over it, extend) and made anew
+    /// only by a create after it is gone; a copy last touched before another's creation (less the
+    /// margin) is an older session's, whatever the versions, and copies of one session never
+    /// supersede each other.
+    #[test]
+    fn a_session_keeps_its_creation_and_supersedes_only_copies_touched_before_it() {
+        let tier = DramTier::new(DramConfig { capacity_bytes: 1 << 20, max_pinned_ratio: 0.9 });
+        let ns = NamespaceId([1; 16]);
+        let mut t = SessionTable::default();
+        let t0 = Instant::now();
+        let k: Vec<_> = (1..=3).map(|i| put(&tier, ns, i, BT)).collect();
+        let v1 = t.park(&tier, spec(ns, k[..1].to_vec(), None, 4, 0), &limits(), t0).unwrap();
+        assert_eq!(v1.created, Some(t0));
+        let later = t0 + Duration::from_secs(5);
+        let v2 = t.park(&tier, spec(ns, k[..2].to_vec(), None, 8, 1), &limits(), later).unwrap();
+        let v3 = t.extend(&tier, ns, "agent-1", 2, 2, Some(k[1]), vec![k[2]], None, 12, &limits(), later).unwrap();
+        assert_eq!((v2.created, v3.created), (Some(t0), Some(t0)), "later versions keep the creation");
+        for (a, b) in [(&v1, &v3), (&v3, &v1), (&v2, &v3)] {
+            assert!(!a.supersedes(b), "copies of one session: v{} over v{}", a.version, b.version);
+        }
+
+        // Dropped, then created anew 10 s on: version 1 again, and it supersedes the old
+        // session's version 3 (touched 5 s after the first creation), never the reverse.
+        assert!(t.drop_session(&tier, ns, "agent-1"));
+        let anew_at = t0 + Duration::from_secs(15);
+        let anew = t.park(&tier, spec(ns, k[..1].to_vec(), None, 4, 0), &limits(), anew_at).unwrap();
+        assert_eq!((anew.version, anew.created), (1, Some(anew_at)));
+        assert!(anew.supersedes(&v3) && !v3.supersedes(&anew));
+        // Touched within the margin before the creation: compared by version, not superseded.
+        let close = SessionManifest { expires_at: anew_at - SUPERSEDE_MARGIN / 2 + v3.ttl, ..v3.clone() };
+        assert!(!anew.supersedes(&close));
+        // A copy whose creation is not known (an older node's) supersedes nothing.
+        assert!(!SessionManifest { created: None, ..anew.clone() }.supersedes(&v3));
     }
 
     /// Keys chain over every token before them: an extend whose key of the last kept block is

@@ -97,6 +97,7 @@ fn logs() -> std::io::Result<()> {
         priority: Priority::High,
         version: 2,
         dropped_unix_ms: 0,
+        created_unix_ms: 0,
     };
     let mut sessions = vec![0u8];
     sessions.extend(encode_log_header(LogKind::Sessions, &key));

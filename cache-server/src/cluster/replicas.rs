@@ -346,8 +346,20 @@ pub async fn newest_elsewhere(
         .filter_map(|(_, a)| a.dropped_ago_at(now))
         .chain(state.sessions().dropped_at(ns.id(), id).map(|at| now.saturating_duration_since(at)))
         .min();
-    let dropped = |m: &SessionManifest| dropped_ago.is_some_and(|ago| SessionStore::touched_before_ago(m, ago, now));
-    let stale_here = local.filter(|m| dropped(m)).zip(dropped_ago);
+    // A session created anew supersedes the copies of an older one under its id, last touched
+    // before its creation, whatever their versions: the youngest creation among the copies (this
+    // node's and the answers'), as the same kind of age, and the youngest of the two that counts.
+    let created_ago = answers
+        .iter()
+        .filter_map(|(_, a)| a.copy.as_ref())
+        .chain(local.as_ref())
+        .filter(|m| m.namespace == ns.id() && m.id == id)
+        .filter_map(SessionManifest::supersedes_before)
+        .map(|at| now.saturating_duration_since(at))
+        .min();
+    let stale_ago = dropped_ago.into_iter().chain(created_ago).min();
+    let dropped = |m: &SessionManifest| stale_ago.is_some_and(|ago| SessionStore::touched_before_ago(m, ago, now));
+    let stale_here = local.filter(|m| dropped(m)).zip(stale_ago);
     let local_version = match (&stale_here, state.sessions().peek(ns.id(), id)) {
         (None, Some(m)) => m.version,
         _ => 0,
@@ -699,17 +711,27 @@ async fn repair_one(state: &Arc<NodeState>, peers: &Arc<PeerTier>, m: SessionMan
                 continue;
             }
         };
-        // Dropped there while this node was away: this copy goes, and is not re-made anywhere.
+        // Dropped there while this node was away, or created anew there since this copy was
+        // last touched (an older session's): this copy goes, and is not re-made anywhere.
         let now = Instant::now();
         let dropped_ago = theirs.dropped_ago_at(now);
-        if let Some(ago) = dropped_ago.filter(|ago| SessionStore::touched_before_ago(&m, *ago, now)) {
+        let created_ago = theirs
+            .copy
+            .as_ref()
+            .filter(|t| t.namespace == m.namespace && t.id == m.id)
+            .and_then(SessionManifest::supersedes_before)
+            .map(|at| now.saturating_duration_since(at));
+        let stale_ago = dropped_ago.into_iter().chain(created_ago).min();
+        if let Some(ago) = stale_ago.filter(|ago| SessionStore::touched_before_ago(&m, *ago, now)) {
             drop_stale_copy(state, &m, ago).await;
             return true;
         }
-        // Their copy is a dropped one (this node or they remember the drop): never adopted; it
-        // goes when that node meets the drop.
+        // Their copy is a dropped one (this node or they remember the drop), or an older
+        // session's than this one: never adopted; this one is copied over it (a copy an older
+        // session's is replaced there), or it goes when that node meets the drop.
         let theirs = theirs.copy.filter(|t| {
             !state.sessions().is_dropped_copy(t)
+                && !m.supersedes(t)
                 && dropped_ago.is_none_or(|ago| !SessionStore::touched_before_ago(t, ago, now))
         });
         match theirs {
@@ -802,5 +824,6 @@ pub fn manifest_from_pb(
         priority: Priority::from_u32(info.priority),
         version: info.version,
         bytes: info.bytes,
+        created: info.created_ago_ms.and_then(|ago| now.checked_sub(Duration::from_millis(ago))),
     })
 }

@@ -32,6 +32,9 @@ pub struct LoggedSession {
     pub version: u64,
     /// For a [`DROPPED`] record, when the session was dropped; 0 in every other record.
     pub dropped_unix_ms: u64,
+    /// For a [`PUT`], when the session was created; 0 where that is not known (a record written
+    /// before the field, which is read without it, as a build before it reads one with it).
+    pub created_unix_ms: u64,
 }
 
 impl LoggedSession {
@@ -48,6 +51,7 @@ impl LoggedSession {
             priority: Priority::Normal,
             version: 0,
             dropped_unix_ms: 0,
+            created_unix_ms: 0,
         }
     }
 }
@@ -77,6 +81,8 @@ pub fn encode_body(kind: u8, seq: u64, s: &LoggedSession) -> Vec<u8> {
             }
             None => b.push(0),
         }
+        // Last, so a build before it reads the record and leaves these bytes unread.
+        b.extend_from_slice(&s.created_unix_ms.to_le_bytes());
     } else if kind == DROPPED {
         b.extend_from_slice(&s.dropped_unix_ms.to_le_bytes());
     }
@@ -129,6 +135,10 @@ pub fn decode_body(body: &[u8], ordinal: u64) -> Option<(u8, u64, LoggedSession)
         s.keys = (0..n).map(|_| c.key()).collect::<Option<Vec<_>>>()?;
         if c.take(1)?[0] == 1 {
             s.tail = Some(c.key()?);
+        }
+        // Absent from records written before it (and from every first-format one).
+        if kind == PUT && !c.0.is_empty() {
+            s.created_unix_ms = c.u64()?;
         }
     } else if kind == DROPPED {
         s.dropped_unix_ms = c.u64()?;

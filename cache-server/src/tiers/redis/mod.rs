@@ -720,6 +720,8 @@ fn decode_manifest(b: &[u8], now: Instant) -> Option<SessionManifest> {
         priority,
         version,
         bytes,
+        // Redis keeps the one copy: nothing to tell sessions apart from.
+        created: None,
     })
 }
 

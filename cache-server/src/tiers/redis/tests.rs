@@ -137,6 +137,7 @@ fn a_manifest_round_trips_and_a_damaged_one_is_refused() {
         priority: Priority::High,
         version: 4,
         bytes: 12345,
+        created: None,
     };
     let v = encode_manifest(&m);
     assert_eq!(decode_manifest(&v, now), Some(m.clone()));
