@@ -93,6 +93,13 @@ pub struct ServerConfig {
     /// charged to it), so this bounds what clients can make the server hold there; `0`: the
     /// host's physical memory. Default: `0`.
     pub samenode_max_registered_bytes: ByteSize,
+    /// Most bytes of gRPC request bodies still arriving that the node holds at once, over every
+    /// connection (a message is read whole before it is handled; a park of a 1M-key manifest is
+    /// ~32 MiB). A body that would pass it waits (its sender held back) and is refused
+    /// `RESOURCE_EXHAUSTED` after `stall_timeout`; one that moves no byte for `stall_timeout` or
+    /// is not whole after 60 s is ended. At least 65 MiB (a message may be 64 MiB). Default:
+    /// `256MiB`.
+    pub grpc_max_buffered_bytes: ByteSize,
     /// Tenants as principals (`[[tenants]]` tables, see [`TenantConfig`]): each credential belongs
     /// to one tenant, which reaches only the namespaces it registered (`tenant = <its name>` in the
     /// namespace spec) and those other tenants granted it here. With any tenant configured every
@@ -404,6 +411,7 @@ impl Default for ServerConfig {
             metrics_token: None,
             samenode_socket: "auto".into(),
             samenode_max_registered_bytes: ByteSize(0),
+            grpc_max_buffered_bytes: ByteSize(256 << 20),
             tenants: Vec::new(),
             max_connections: 1024,
             max_connections_per_peer: 256,

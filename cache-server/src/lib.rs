@@ -43,6 +43,7 @@ pub mod events;
 pub mod fabric;
 pub mod fs;
 pub mod gather;
+pub mod grpc_budget;
 pub mod grpc_metrics;
 pub mod listen;
 pub mod metrics;
@@ -461,6 +462,12 @@ pub async fn start(
             .max_concurrent_streams(256)
             // Every call counted by method, failures by status (the credential check's too).
             .layer(grpc_metrics::GrpcMetricsLayer)
+            // What requests still arriving may make the node hold, and for how long.
+            .layer(grpc_budget::GrpcBodyBudgetLayer::new(
+                state.config().grpc_max_buffered_bytes.0.max(MAX_GRPC_MESSAGE as u64 + (1 << 20)),
+                state.config().stall_timeout.0,
+                grpc_budget::BODY_DEADLINE,
+            ))
             .add_service(tonic::service::interceptor::InterceptedService::new(service, check_auth))
             .serve_with_incoming_shutdown(incoming, async move { stopped(&mut grpc_stop).await }),
     );
