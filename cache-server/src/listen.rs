@@ -188,7 +188,7 @@ pub(crate) async fn accept_bounded<C, A, F, S, G, R, H>(
     let refusing = Arc::new(tokio::sync::Semaphore::new(MAX_REFUSING));
     let mut refusals = tokio::task::JoinSet::new();
     // Refusals are said at WARN, at most once per REFUSALS_SAID_EVERY, with how many.
-    let (mut said_at, mut unsaid): (Option<std::time::Instant>, u64) = (None, 0);
+    let said = crate::metrics::LogThrottle::new(REFUSALS_SAID_EVERY);
     let mut conns = tokio::task::JoinSet::new();
     let mut permit = None;
     loop {
@@ -219,15 +219,14 @@ pub(crate) async fn accept_bounded<C, A, F, S, G, R, H>(
             // Closed on arrival: the slot goes to the next connection.
             metrics::counter!("kvtier_connections_refused_total", "listener" => what, "reason" => "per_peer")
                 .increment(1);
-            unsaid += 1;
-            if said_at.is_none_or(|t| t.elapsed() >= REFUSALS_SAID_EVERY) {
+            if let Some(held_back) = said.allow() {
                 tracing::warn!(
                     %peer,
-                    "{what}: refused {unsaid} connection(s) over max_connections_per_peer ({}) since this was last \
+                    "{what}: refused {} connection(s) over max_connections_per_peer ({}) since this was last \
                      said; the last from {peer}",
+                    held_back + 1,
                     limits.per_peer
                 );
-                (said_at, unsaid) = (Some(std::time::Instant::now()), 0);
             }
             match refusing.clone().try_acquire_owned() {
                 Ok(p) => {

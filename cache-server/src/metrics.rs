@@ -103,3 +103,64 @@ pub fn error(kind: &'static str) {
 pub fn server_error(e: &ServerError) {
     error(e.kind());
 }
+
+/// Lets a log line a client can set off on every request through at most once per `every`,
+/// saying how many were held back since the last one (the metrics count them all), so one
+/// client can't fill the node's log (or the disk under it) at request speed.
+pub struct LogThrottle {
+    every_ms: u64,
+    /// Milliseconds since [`LogThrottle::epoch`] of the last line let through, plus one (0: none yet).
+    last: std::sync::atomic::AtomicU64,
+    held_back: std::sync::atomic::AtomicU64,
+}
+
+impl LogThrottle {
+    pub const fn new(every: std::time::Duration) -> Self {
+        LogThrottle {
+            every_ms: every.as_millis() as u64,
+            last: std::sync::atomic::AtomicU64::new(0),
+            held_back: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    fn epoch() -> Instant {
+        static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+        *EPOCH.get_or_init(Instant::now)
+    }
+
+    /// `Some(held back since the last line)` when a line may be written now; `None` (and one
+    /// more held back) otherwise.
+    pub fn allow(&self) -> Option<u64> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let now = Self::epoch().elapsed().as_millis() as u64 + 1;
+        let last = self.last.load(Relaxed);
+        if last != 0 && now.saturating_sub(last) < self.every_ms {
+            self.held_back.fetch_add(1, Relaxed);
+            return None;
+        }
+        // One caller wins the slot; the others count as held back.
+        if self.last.compare_exchange(last, now, Relaxed, Relaxed).is_err() {
+            self.held_back.fetch_add(1, Relaxed);
+            return None;
+        }
+        Some(self.held_back.swap(0, Relaxed))
+    }
+}
+
+#[cfg(test)]
+mod throttle_tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn one_line_per_period_and_the_count_of_those_held_back() {
+        let t = LogThrottle::new(Duration::from_millis(200));
+        assert_eq!(t.allow(), Some(0), "the first goes through");
+        for _ in 0..1000 {
+            assert_eq!(t.allow(), None);
+        }
+        std::thread::sleep(Duration::from_millis(250));
+        assert_eq!(t.allow(), Some(1000), "the next says how many were held back");
+        assert_eq!(t.allow(), None);
+    }
+}

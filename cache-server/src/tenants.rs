@@ -105,7 +105,17 @@ impl Principal {
     /// not to be confirmed to someone who may not use them).
     pub fn refusal(&self, access: Access, what: &str) -> ServerError {
         metrics::counter!("kvtier_auth_denied_total", "access" => access.as_str()).increment(1);
-        tracing::warn!(principal = self.name(), access = access.as_str(), what, "request refused: not granted");
+        // A client can set this off on every request: said once per 10 s (all counted above).
+        static SAID: crate::metrics::LogThrottle = crate::metrics::LogThrottle::new(std::time::Duration::from_secs(10));
+        if let Some(held_back) = SAID.allow() {
+            tracing::warn!(
+                principal = self.name(),
+                access = access.as_str(),
+                what,
+                held_back,
+                "request refused: not granted (held_back: refusals not logged since the last line)"
+            );
+        }
         ServerError::Forbidden(format!("tenant {:?} may not {} {what}", self.name(), access.as_str()))
     }
 }

@@ -4,7 +4,7 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use parking_lot::Mutex;
 
@@ -141,8 +141,7 @@ pub fn start(
         .name("kvtier-demote".into())
         .spawn(move || {
             // A full or failing disk fails every write: say so once per 10 s, count them all.
-            let mut last_warning: Option<Instant> = None;
-            let mut failed_since_warning = 0u64;
+            let said = crate::metrics::LogThrottle::new(Duration::from_secs(10));
             for (block, as_sent) in rx {
                 let reserved = (block.header.namespace, block.payload.len() as u64);
                 if !transit.is_current(&block) {
@@ -158,13 +157,11 @@ pub fn start(
                     Ok(()) => ::metrics::counter!("kvtier_disk_demotions_total").increment(1),
                     Err(e) => {
                         ::metrics::counter!("kvtier_disk_demotions_failed_total").increment(1);
-                        failed_since_warning += 1;
-                        if last_warning.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
+                        if let Some(held_back) = said.allow() {
                             tracing::warn!(
-                                "demotion to disk failed ({failed_since_warning} since the last warning): {e}"
+                                "demotion to disk failed ({} since the last warning): {e}",
+                                held_back + 1
                             );
-                            last_warning = Some(Instant::now());
-                            failed_since_warning = 0;
                         }
                     }
                 }
