@@ -16,6 +16,12 @@
 //! reach the file out of order; each carries the sequence number it was given under that lock,
 //! and replay keeps, per session, the record with the highest. Appends from many parks share one
 //! `fsync` where they overlap (the file lock covers the write only).
+//!
+//! Every park writes its whole manifest, so a session parked again and again grows the file by
+//! its manifest each time: once the file is twice what it was last compacted to, and 16 MiB more,
+//! the append that passed it compacts it in place (the same replay, under the file lock, keeping
+//! the tombstones a change numbered but not yet appended could otherwise undo). Before, one
+//! tenant re-parking a 20,000-block session wrote 270 MB in 28 s, inside every quota.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -55,6 +61,69 @@ pub struct Replayed {
 /// A logged session and its record's sequence number.
 type Numbered = (u64, LoggedSession);
 
+/// What a log's records come to at `now_ms`: per session its newest record, and the drops
+/// still remembered.
+struct Live {
+    /// Parked and not expired, in (namespace, id) order.
+    sessions: Vec<Numbered>,
+    /// Parked, expired by `now_ms`.
+    expired: Vec<Numbered>,
+    /// Remembered drops made within [`DROP_REMEMBERED`], in number order.
+    drops: Vec<Numbered>,
+    /// Sessions whose newest record is a drop or expiry.
+    tombstones: Vec<Numbered>,
+    max_seq: u64,
+}
+
+impl Live {
+    fn of(records: Vec<kvtier_proto::record_log::sessions::SessionRecord>, now_ms: u64) -> Live {
+        // Per session, the newest record seen (a tombstone is `None`).
+        let mut newest: HashMap<(NamespaceId, String), (u64, Option<LoggedSession>)> = HashMap::new();
+        // Per session, its latest remembered drop (time, the record's number).
+        let mut drops: HashMap<(NamespaceId, String), (u64, u64)> = HashMap::new();
+        let mut max_seq = 0u64;
+        for (kind, seq, s) in records {
+            max_seq = max_seq.max(seq);
+            let id = (s.namespace, s.id.clone());
+            if kind == DROPPED {
+                // Changes no session: remembered beside them.
+                let e = drops.entry(id).or_insert((s.dropped_unix_ms, seq));
+                *e = (*e).max((s.dropped_unix_ms, seq));
+                continue;
+            }
+            let record = (seq, (kind == PUT).then_some(s));
+            match newest.get(&id) {
+                Some((have, _)) if *have > seq => {}
+                _ => {
+                    newest.insert(id, record);
+                }
+            }
+        }
+        let mut tombstones = Vec::new();
+        let (mut sessions, expired): (Vec<Numbered>, Vec<Numbered>) = newest
+            .into_iter()
+            .filter_map(|((ns, id), (seq, s))| match s {
+                Some(s) => Some((seq, s)),
+                None => {
+                    tombstones.push((seq, LoggedSession::tombstone(ns, id)));
+                    None
+                }
+            })
+            .partition(|(_, s)| s.expires_unix_ms > now_ms);
+        sessions.sort_by(|a, b| (a.1.namespace, &a.1.id).cmp(&(b.1.namespace, &b.1.id)));
+        let remembered = DROP_REMEMBERED.as_millis() as u64;
+        let mut drops: Vec<Numbered> = drops
+            .into_iter()
+            .filter(|(_, (at, _))| now_ms.saturating_sub(*at) < remembered)
+            .map(|((ns, id), (at, seq))| {
+                (seq, LoggedSession { dropped_unix_ms: at, ..LoggedSession::tombstone(ns, id) })
+            })
+            .collect();
+        drops.sort_by_key(|d| d.0);
+        Live { sessions, expired, drops, tombstones, max_seq }
+    }
+}
+
 /// Most sessions found expired at start that are remembered as expired.
 pub const EXPIRED_AT_START: usize = 16_384;
 
@@ -62,18 +131,41 @@ pub fn unix_ms(t: SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO).as_millis() as u64
 }
 
-/// The log file: appends serialize on `end` (where the next record goes); `fsync`s run outside
-/// that lock.
+/// The log file: appends serialize on `tail` (the file and where the next record goes; a
+/// compaction swaps both); `fsync`s run outside that lock.
 pub struct SessionLog {
+    fs: Arc<dyn FileSystem>,
+    dir: PathBuf,
     path: PathBuf,
-    file: Arc<dyn FsFile>,
-    end: Mutex<u64>,
+    tail: Mutex<Tail>,
     sync: bool,
     /// The next record's sequence number.
     next_seq: AtomicU64,
-    /// The file's secret: what records' tags are keyed with.
+    /// Numbers given out and not yet appended, with when (see [`SessionLog::next_seq`]).
+    unwritten: Mutex<std::collections::BTreeMap<u64, std::time::Instant>>,
+    /// The file's secret: what records' tags are keyed with (kept by a compaction at run time:
+    /// records are framed before they are appended).
     key: LogKey,
+    /// Compacted when the file passes twice this plus [`COMPACT_SLACK`].
+    compacted_to: AtomicU64,
+    slack: u64,
+    /// False while the rename of a compaction is not known durable (its directory sync
+    /// failed): a synced append syncs the directory first, and fails while it can't.
+    renamed_durably: std::sync::atomic::AtomicBool,
 }
+
+/// The file and its end.
+struct Tail {
+    file: Arc<dyn FsFile>,
+    end: u64,
+}
+
+/// How far past twice its last compacted size the file grows before it is compacted again.
+pub const COMPACT_SLACK: u64 = 16 << 20;
+
+/// A number given out but not appended after this long is taken for one that never will be
+/// (a compaction then stops keeping tombstones for it).
+const UNWRITTEN_FOR_AT_MOST: Duration = Duration::from_secs(60);
 
 /// A fresh secret for a log file, from the OS's random source.
 pub(crate) fn fresh_log_key() -> Result<LogKey, ServerError> {
@@ -187,54 +279,23 @@ impl SessionLog {
         now_ms: u64,
     ) -> Result<(SessionLog, Replayed), ServerError> {
         let path = dir.join("sessions.log");
-        // Per session, the newest record seen (a tombstone is `None`).
-        let mut newest: HashMap<(NamespaceId, String), (u64, Option<LoggedSession>)> = HashMap::new();
-        // Per session, its latest remembered drop (time, the record's number).
-        let mut drops: HashMap<(NamespaceId, String), (u64, u64)> = HashMap::new();
         let mut unreadable = 0u64;
-        let mut max_seq = 0u64;
         let existing = fs.read_all(&path)?;
-        if let Some(data) = &existing {
-            let (records, bad) = replay_records(data)?;
-            unreadable = bad;
-            for (kind, seq, s) in records {
-                max_seq = max_seq.max(seq);
-                let id = (s.namespace, s.id.clone());
-                if kind == DROPPED {
-                    // Changes no session: remembered beside them.
-                    let e = drops.entry(id).or_insert((s.dropped_unix_ms, seq));
-                    *e = (*e).max((s.dropped_unix_ms, seq));
-                    continue;
-                }
-                let record = (seq, (kind == PUT).then_some(s));
-                match newest.get(&id) {
-                    Some((have, _)) if *have > seq => {}
-                    _ => {
-                        newest.insert(id, record);
-                    }
-                }
+        let records = match &existing {
+            Some(data) => {
+                let (records, bad) = replay_records(data)?;
+                unreadable = bad;
+                records
             }
-        }
+            None => Vec::new(),
+        };
+        let Live { sessions, mut expired, drops, max_seq, .. } = Live::of(records, now_ms);
         // Sessions whose newest record expired while the node was down: not restored, but said
         // to have expired (as they would have been had the node run), the latest first.
-        let (mut sessions, mut expired): (Vec<Numbered>, Vec<Numbered>) = newest
-            .into_values()
-            .filter_map(|(seq, s)| s.map(|s| (seq, s)))
-            .partition(|(_, s)| s.expires_unix_ms > now_ms);
         expired.sort_by_key(|(_, s)| std::cmp::Reverse(s.expires_unix_ms));
         expired.truncate(EXPIRED_AT_START);
-        sessions.sort_by(|a, b| (a.1.namespace, &a.1.id).cmp(&(b.1.namespace, &b.1.id)));
-        let remembered = DROP_REMEMBERED.as_millis() as u64;
-        let mut drops: Vec<(u64, LoggedSession)> = drops
-            .into_iter()
-            .filter(|(_, (at, _))| now_ms.saturating_sub(*at) < remembered)
-            .map(|((ns, id), (at, seq))| {
-                (seq, LoggedSession { dropped_unix_ms: at, ..LoggedSession::tombstone(ns, id) })
-            })
-            .collect();
-        drops.sort_by_key(|d| d.0);
         let tmp = dir.join("sessions.log.tmp");
-        let key = match Self::write_compacted(fs, &tmp, &sessions, &drops) {
+        let key = match fresh_log_key().and_then(|key| Self::write_compacted(fs, &tmp, key, &sessions, &drops, &[])) {
             Ok(key) => {
                 fs.rename(&tmp, &path).map_err(|e| {
                     ServerError::Io(std::io::Error::new(e.kind(), format!("renaming {}: {e}", tmp.display())))
@@ -267,8 +328,20 @@ impl SessionLog {
             Err(e) => return Err(e),
         };
         let file = fs.open(&path, OpenMode::Existing)?;
-        let end = Mutex::new(file.size()?);
-        let log = SessionLog { path, file, end, sync, next_seq: AtomicU64::new(max_seq + 1), key };
+        let end = file.size()?;
+        let log = SessionLog {
+            fs: fs.clone(),
+            dir: dir.to_path_buf(),
+            path,
+            tail: Mutex::new(Tail { file, end }),
+            sync,
+            next_seq: AtomicU64::new(max_seq + 1),
+            unwritten: Mutex::new(std::collections::BTreeMap::new()),
+            key,
+            compacted_to: AtomicU64::new(end),
+            slack: COMPACT_SLACK,
+            renamed_durably: std::sync::atomic::AtomicBool::new(true),
+        };
         let replayed = Replayed {
             sessions: sessions.into_iter().map(|(_, s)| s).collect(),
             drops: drops.into_iter().map(|(_, d)| (d.namespace, d.id, d.dropped_unix_ms)).collect(),
@@ -278,22 +351,26 @@ impl SessionLog {
         Ok((log, replayed))
     }
 
-    /// Writes the live set and the remembered drops to `tmp` under a new secret (its header
-    /// first) and syncs it; the new secret. The caller moves it into place. An error names the
+    /// Writes the live set, the remembered drops and `tombstones` to `tmp` under `key` (its
+    /// header first) and syncs it; `key`. The caller moves it into place. An error names the
     /// file and step.
     fn write_compacted(
         fs: &Arc<dyn FileSystem>,
         tmp: &Path,
+        key: LogKey,
         sessions: &[(u64, LoggedSession)],
         drops: &[(u64, LoggedSession)],
+        tombstones: &[(u64, LoggedSession)],
     ) -> Result<LogKey, ServerError> {
-        let key = fresh_log_key()?;
         let mut data = encode_log_header(LogKind::Sessions, &key);
         for (seq, s) in sessions {
             data.extend_from_slice(&encode_record(&key, &encode_body(PUT, *seq, s)));
         }
         for (seq, d) in drops {
             data.extend_from_slice(&encode_record(&key, &encode_body(DROPPED, *seq, d)));
+        }
+        for (seq, t) in tombstones {
+            data.extend_from_slice(&encode_record(&key, &encode_body(DROP, *seq, t)));
         }
         let at = |what: &str, e: std::io::Error| {
             ServerError::Io(std::io::Error::new(e.kind(), format!("{what} {}: {e}", tmp.display())))
@@ -305,50 +382,131 @@ impl SessionLog {
     }
 
     /// A sequence number for the next change; take it while holding the lock that orders changes
-    /// to the session (the session table's), append after releasing it.
+    /// to the session (the session table's), append it after releasing it (every number given
+    /// out is appended: a compaction meanwhile keeps the tombstones it could undo).
     pub fn next_seq(&self) -> u64 {
-        self.next_seq.fetch_add(1, Ordering::Relaxed)
+        let mut unwritten = self.unwritten.lock();
+        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+        unwritten.insert(seq, std::time::Instant::now());
+        seq
     }
 
-    fn append(&self, rec: &[u8], sync: bool) -> Result<(), ServerError> {
+    /// Appends record `seq` (framed); compacts the file when it has grown past its bound.
+    fn append(&self, seq: u64, rec: &[u8], sync: bool) -> Result<(), ServerError> {
         let io = |e: std::io::Error| {
             ServerError::Io(std::io::Error::new(e.kind(), format!("appending to {}: {e}", self.path.display())))
         };
-        {
-            let mut end = self.end.lock();
-            if let Err(e) = self.file.write_all_at(rec, *end) {
+        let file = {
+            let mut tail = self.tail.lock();
+            let written = tail.file.write_all_at(rec, tail.end);
+            self.unwritten.lock().remove(&seq);
+            if let Err(e) = written {
                 // A refused append (a full disk) leaves no torn record behind: cut it off.
-                let _ = self.file.set_len(*end);
+                let _ = tail.file.set_len(tail.end);
                 return Err(io(e));
             }
-            *end += rec.len() as u64;
-        }
+            tail.end += rec.len() as u64;
+            if tail.end > self.compacted_to.load(Ordering::Relaxed).saturating_mul(2).saturating_add(self.slack) {
+                // Synced by the compaction (this record in it) when it is made.
+                if self.compact(&mut tail) {
+                    return Ok(());
+                }
+            }
+            tail.file.clone()
+        };
         if sync {
             // Outside the file lock: appends that land meanwhile are covered by this sync or
             // their own.
-            self.file.sync_data().map_err(io)?;
+            file.sync_data().map_err(io)?;
+            // Until a compaction's rename is durable, a power loss takes the old file back
+            // without this record.
+            if !self.renamed_durably.load(Ordering::Acquire) {
+                self.fs.sync_dir(&self.dir).map_err(io)?;
+                self.renamed_durably.store(true, Ordering::Release);
+            }
         }
         Ok(())
+    }
+
+    /// Rewrites the file as the start does (the newest record of each session that is still
+    /// parked, the remembered drops), keeping the same secret, and also the tombstones numbered
+    /// after a change still unwritten (appended later, it must not bring back what they
+    /// removed). True if the file was replaced (and synced, with every record appended so far).
+    /// On a failure (a full disk) the file is kept and appended to, and compacted again once it
+    /// grows by another [`COMPACT_SLACK`].
+    fn compact(&self, tail: &mut Tail) -> bool {
+        let started = std::time::Instant::now();
+        let before = tail.end;
+        let oldest_unwritten = {
+            let mut unwritten = self.unwritten.lock();
+            unwritten.retain(|_, at| at.elapsed() < UNWRITTEN_FOR_AT_MOST);
+            unwritten.keys().next().copied()
+        };
+        let tmp = self.dir.join("sessions.log.tmp");
+        let done = (|| -> Result<Arc<dyn FsFile>, ServerError> {
+            let data = self.fs.read_all(&self.path)?.unwrap_or_default();
+            let (records, _) = replay_records(&data)?;
+            let mut live = Live::of(records, unix_ms(SystemTime::now()));
+            // Expired ones too: the next start says they expired (the table drops them itself).
+            live.sessions.append(&mut live.expired);
+            let tombstones: Vec<Numbered> = live
+                .tombstones
+                .into_iter()
+                .filter(|(seq, _)| oldest_unwritten.is_some_and(|oldest| *seq > oldest))
+                .collect();
+            Self::write_compacted(&self.fs, &tmp, self.key.clone(), &live.sessions, &live.drops, &tombstones)?;
+            self.fs.rename(&tmp, &self.path)?;
+            // Renamed: from here on the compacted file is the log, whatever else fails.
+            let file = self.fs.open(&self.path, OpenMode::Existing);
+            if let Err(e) = self.fs.sync_dir(&self.dir) {
+                tracing::warn!(
+                    "{}: compacted, but its directory not synced ({e}); synced parks retry it",
+                    self.path.display()
+                );
+                self.renamed_durably.store(false, Ordering::Release);
+            }
+            Ok(file?)
+        })();
+        match done.and_then(|file| Ok((file.size()?, file))) {
+            Ok((end, file)) => {
+                *tail = Tail { file, end };
+                self.compacted_to.store(end, Ordering::Relaxed);
+                ::metrics::counter!("kvtier_session_log_compactions_total").increment(1);
+                tracing::info!(
+                    "{}: compacted from {before} to {end} bytes in {:?}",
+                    self.path.display(),
+                    started.elapsed()
+                );
+                true
+            }
+            Err(e) => {
+                let _ = self.fs.remove_file(&tmp);
+                self.compacted_to.store(before / 2, Ordering::Relaxed);
+                ::metrics::counter!("kvtier_session_log_compactions_failed_total").increment(1);
+                tracing::warn!("{} not compacted ({e}): appending to it as it is", self.path.display());
+                false
+            }
+        }
     }
 
     /// Records a park or extend as change `seq`. Durable on return unless the log was opened
     /// without sync.
     pub fn put(&self, seq: u64, s: &LoggedSession) -> Result<(), ServerError> {
-        self.append(&encode_record(&self.key, &encode_body(PUT, seq, s)), self.sync)
+        self.append(seq, &encode_record(&self.key, &encode_body(PUT, seq, s)), self.sync)
     }
 
     /// Records a drop or expiry as change `seq` (not synced: losing it only resurrects a session
     /// until its TTL).
     pub fn delete(&self, seq: u64, ns: NamespaceId, id: &str) -> Result<(), ServerError> {
         let body = encode_body(DROP, seq, &LoggedSession::tombstone(ns, id.to_string()));
-        self.append(&encode_record(&self.key, &body), false)
+        self.append(seq, &encode_record(&self.key, &body), false)
     }
 
     /// Records that session `id` was dropped at `at_unix_ms` (remembered against its copies
     /// coming back), as change `seq`; not synced, as a drop's tombstone.
     pub fn remember_drop(&self, seq: u64, ns: NamespaceId, id: &str, at_unix_ms: u64) -> Result<(), ServerError> {
         let d = LoggedSession { dropped_unix_ms: at_unix_ms, ..LoggedSession::tombstone(ns, id.to_string()) };
-        self.append(&encode_record(&self.key, &encode_body(DROPPED, seq, &d)), false)
+        self.append(seq, &encode_record(&self.key, &encode_body(DROPPED, seq, &d)), false)
     }
 }
 
@@ -464,6 +622,95 @@ mod tests {
         let (kind, seq, read) = decode_body(older, 0).unwrap();
         assert_eq!((kind, seq, read.created_unix_ms), (PUT, 7, 0));
         assert_eq!(read, LoggedSession { created_unix_ms: 0, ..created });
+    }
+
+    /// A session parked again and again (each park writes its whole manifest) grows the file
+    /// only to about twice its live size plus the slack: the append past it compacts the file in
+    /// place, under the same secret, and replay finds the latest version. Before, 400 parks of
+    /// a 20,000-block session wrote 270 MB.
+    #[test]
+    fn a_session_parked_again_and_again_keeps_the_log_bounded() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut log, _) = SessionLog::open(dir.path(), false, 100).unwrap();
+        log.slack = 64 << 10;
+        let keys: Vec<BlockKey> = (0..1000u32).map(|i| BlockKey([(i % 251) as u8; 32])).collect();
+        let record = encode(PUT, 1, &LoggedSession { keys: keys.clone(), ..s("big", 1, 9000) }).len() as u64;
+        let path = dir.path().join("sessions.log");
+        let key = file_key(&path);
+        let mut largest = 0;
+        for v in 1..=300 {
+            log.put(log.next_seq(), &LoggedSession { keys: keys.clone(), ..s("big", v, 9000) }).unwrap();
+            log.put(log.next_seq(), &s("small", v, 9000)).unwrap();
+            largest = largest.max(std::fs::metadata(&path).unwrap().len());
+        }
+        assert!(largest < 3 * record + (64 << 10) + 4096, "the log reached {largest} bytes ({record} per park)");
+        assert_eq!(file_key(&path), key, "records framed before a compaction still verify after it");
+        drop(log);
+        let (_log, replayed) = SessionLog::open(dir.path(), false, 100).unwrap();
+        let mut live: Vec<(String, u64)> = replayed.sessions.iter().map(|s| (s.id.clone(), s.version)).collect();
+        live.sort();
+        assert_eq!(live, [("big".to_string(), 300), ("small".to_string(), 300)]);
+        assert_eq!(replayed.unreadable, 0);
+    }
+
+    /// A compaction while a change is numbered but not yet appended keeps the tombstones
+    /// numbered after it: the park appended late can't bring back a session dropped after it.
+    /// With nothing unwritten, tombstones go.
+    #[test]
+    fn a_compaction_keeps_the_tombstones_an_unwritten_change_could_undo() {
+        let dir = tempfile::tempdir().unwrap();
+        let (log, _) = SessionLog::open(dir.path(), false, 100).unwrap();
+        let ns = NamespaceId([7; 16]);
+        log.put(log.next_seq(), &s("a", 1, 9000)).unwrap();
+        let late = log.next_seq();
+        log.delete(log.next_seq(), ns, "a").unwrap();
+        log.put(log.next_seq(), &s("b", 1, 9000)).unwrap();
+        log.delete(log.next_seq(), ns, "b").unwrap();
+        assert!(log.compact(&mut log.tail.lock()));
+        // "a"'s park numbered before its drop reaches the file only now.
+        log.put(late, &s("a", 1, 9000)).unwrap();
+        drop(log);
+        let (log, replayed) = SessionLog::open(dir.path(), false, 100).unwrap();
+        assert!(replayed.sessions.is_empty(), "brought back: {:?}", replayed.sessions);
+
+        // Nothing unwritten: a compaction keeps no tombstone.
+        log.put(log.next_seq(), &s("c", 1, 9000)).unwrap();
+        log.delete(log.next_seq(), ns, "c").unwrap();
+        assert!(log.compact(&mut log.tail.lock()));
+        let data = std::fs::read(dir.path().join("sessions.log")).unwrap();
+        let (records, _) = replay_records(&data).unwrap();
+        assert!(records.iter().all(|(kind, _, _)| *kind != DROP), "{records:?}");
+    }
+
+    /// A compaction a full disk refuses keeps the log as it was, appended to as before; one whose
+    /// directory sync fails leaves the compacted file in use, and the next synced append syncs
+    /// the directory before it is acknowledged (and fails while it can't).
+    #[test]
+    fn a_compaction_that_fails_loses_nothing() {
+        use crate::fs::fault::FaultFs;
+        let dir = tempfile::tempdir().unwrap();
+        let fault = FaultFs::new(dir.path());
+        let fs = fault.shared();
+        let (log, _) = SessionLog::open_with(&fs, dir.path(), true, 100).unwrap();
+        for v in 1..=3 {
+            log.put(log.next_seq(), &s("a", v, 9000)).unwrap();
+        }
+        fault.enospc_from(Some(1));
+        assert!(!log.compact(&mut log.tail.lock()), "a full disk refused it");
+        fault.enospc_from(None);
+        log.put(log.next_seq(), &s("b", 1, 9000)).unwrap();
+
+        fault.fail_dir_syncs(2);
+        assert!(log.compact(&mut log.tail.lock()), "renamed: in use though not synced");
+        let err = log.put(log.next_seq(), &s("c", 1, 9000)).unwrap_err();
+        assert!(err.to_string().contains("sessions.log"), "{err}");
+        log.put(log.next_seq(), &s("d", 1, 9000)).unwrap();
+        drop(log);
+        let (_log, replayed) = SessionLog::open_with(&fs, dir.path(), true, 100).unwrap();
+        let mut live: Vec<(String, u64)> = replayed.sessions.iter().map(|s| (s.id.clone(), s.version)).collect();
+        live.sort();
+        // "c" reached the file, but its park was not acknowledged (the directory not synced).
+        assert_eq!(live, [("a".into(), 3), ("b".into(), 1), ("c".into(), 1), ("d".into(), 1)]);
     }
 
     #[test]

@@ -158,10 +158,7 @@ pub fn start(
                     Err(e) => {
                         ::metrics::counter!("kvtier_disk_demotions_failed_total").increment(1);
                         if let Some(held_back) = said.allow() {
-                            tracing::warn!(
-                                "demotion to disk failed ({} since the last warning): {e}",
-                                held_back + 1
-                            );
+                            tracing::warn!("demotion to disk failed ({} since the last warning): {e}", held_back + 1);
                         }
                     }
                 }
