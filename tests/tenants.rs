@@ -270,6 +270,35 @@ async fn quotas_stop_a_tenant_at_its_own_namespaces_and_sessions() {
     assert!(!m.contains("kvtier_quota_refusals_total{tenant=\"b\""), "{m}");
 }
 
+/// A tenant's `Stats` shows its disk quota as the disk's capacity from the start, as it does
+/// its DRAM quota. Before, it showed the whole tier's until its first namespace was registered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_s_stats_show_its_quotas_before_its_first_namespace() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("quota.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[[tenants]]\nname = \"q\"\ntokens = [\"{TOKEN_A}\"]\ndram_bytes = \"24MiB\"\ndisk_bytes = \"32MiB\"\n"
+        ),
+    )
+    .unwrap();
+    let server = ServerProcess::start(&[
+        "--config",
+        cfg.to_str().unwrap(),
+        "--dram-capacity",
+        "64MiB",
+        "--disk-capacity",
+        "256MiB",
+    ]);
+    let q = client_as(&server, Some(TOKEN_A)).await;
+    let cap = |s: &kvtier_proto::pb::StatsResponse, tier: &str| {
+        s.tiers.iter().find(|t| t.tier == tier).map(|t| t.capacity_bytes)
+    };
+    let stats = q.stats().await.unwrap();
+    assert_eq!((cap(&stats, "dram"), cap(&stats, "disk")), (Some(24 << 20), Some(32 << 20)), "{stats:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenant_writing_past_its_dram_quota_evicts_only_its_own_blocks() {
     let dir = tempfile::tempdir().unwrap();

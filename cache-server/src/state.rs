@@ -289,8 +289,6 @@ impl NodeState {
         fs: Arc<dyn FileSystem>,
     ) -> Result<Self, ServerError> {
         let tenants = Tenants::from_config(&config)?;
-        // Tenants' DRAM quotas, set before any block arrives (see `reserve_quotas`).
-        let mut quotas = Vec::new();
         let dir_lock = lock_data_dir(&config.data_dir)?;
         let dram = DramTier::with_options(
             DramConfig { capacity_bytes: config.dram_capacity.0, max_pinned_ratio: config.max_pinned_ratio },
@@ -308,11 +306,6 @@ impl NodeState {
         )
         .map_err(|e| ServerError::Config(format!("the DRAM tier's region: {e}")))?;
         let fsync = config.session_durability == "fsync";
-        for t in tenants.all() {
-            if let Some(q) = t.quotas.dram_bytes {
-                quotas.push((t.index, q));
-            }
-        }
         if config.disk_capacity.0 == 0 {
             let state = NodeState {
                 tiers: TierStack::new(dram, None, fsync)
@@ -331,7 +324,7 @@ impl NodeState {
                 tenants,
                 config,
             };
-            state.reserve_quotas(&quotas);
+            state.reserve_quotas();
             // Every gauge present from the start, not only once it first changes.
             metrics::gauge!("kvtier_namespaces").set(0.0);
             metrics::gauge!("kvtier_sessions").set(0.0);
@@ -413,7 +406,7 @@ impl NodeState {
             tenants,
             config,
         };
-        state.reserve_quotas(&quotas);
+        state.reserve_quotas();
         // Every gauge present from the start (the namespaces recovered), not only once it first
         // changes: after a restart it was absent until a namespace was registered.
         metrics::gauge!("kvtier_namespaces").set(state.namespaces.read().len() as f64);
@@ -469,11 +462,12 @@ impl NodeState {
         Ok(state)
     }
 
-    /// Sets the tenants' DRAM quotas (account, bytes) before any block arrives: what they
-    /// reserve is kept from the tenants without one and the operator from the start.
-    fn reserve_quotas(&self, quotas: &[(u32, u64)]) {
-        for &(account, bytes) in quotas {
-            self.tiers.reserve_dram_quota(account, bytes);
+    /// Sets the tenants' DRAM and disk quotas before any block arrives: what they reserve in
+    /// DRAM is kept from the tenants without one and the operator from the start, and a
+    /// tenant's `Stats` shows its disk quota before its first namespace (it showed the tier's).
+    fn reserve_quotas(&self) {
+        for t in self.tenants.all() {
+            self.tiers.reserve_quotas(t.index, t.quotas.dram_bytes, t.quotas.disk_bytes);
         }
     }
 

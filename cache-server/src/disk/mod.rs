@@ -750,10 +750,10 @@ impl DiskTier {
     /// gets no more of its evicted blocks demoted here ([`Self::over_quota`]), so it can't push
     /// other tenants' blocks off the disk.
     pub fn assign_account(&self, ns: NamespaceId, account: u32, quota: Option<u64>) {
-        let mut st = self.inner.lock();
         if let Some(q) = quota {
-            st.accounts.entry(account).or_default().quota = Some(q);
+            self.set_account_quota(account, q);
         }
+        let mut st = self.inner.lock();
         if st.ns_accounts.insert(ns, account).is_none() {
             let (mut held, mut blocks, mut pinned) = (0, 0, 0);
             for (k, l) in st.index.iter().filter(|(k, _)| k.0 == ns) {
@@ -812,6 +812,11 @@ impl DiskTier {
     /// `account`'s (blocks indexed here, payload bytes of those pinned).
     pub fn account_blocks_and_pinned(&self, account: u32) -> (u64, u64) {
         self.inner.lock().accounts.get(&account).map_or((0, 0), |a| (a.blocks, a.pinned))
+    }
+
+    /// Sets `account`'s quota on this tier (`disk_bytes`).
+    pub fn set_account_quota(&self, account: u32, bytes: u64) {
+        self.inner.lock().accounts.entry(account).or_default().quota = Some(bytes);
     }
 
     /// `account`'s quota on this tier (`disk_bytes`), if it has one.

@@ -701,10 +701,15 @@ impl TierStack {
         self.dram.reserve_for(ns, len)
     }
 
-    /// Gives `account` its DRAM quota before any of its namespaces is registered, so the share
-    /// the quotas leave the others (the DRAM tier's shared pool) holds from the start.
-    pub fn reserve_dram_quota(&self, account: u32, bytes: u64) {
-        self.dram.set_account_quota(account, bytes);
+    /// Gives `account` its quotas before any of its namespaces is registered, so the share the
+    /// DRAM quotas leave the others (the DRAM tier's shared pool) holds from the start.
+    pub fn reserve_quotas(&self, account: u32, dram: Option<u64>, disk: Option<u64>) {
+        if let Some(q) = dram {
+            self.dram.set_account_quota(account, q);
+        }
+        if let (Some(d), Some(q)) = (&self.disk, disk) {
+            d.set_account_quota(account, q);
+        }
     }
 
     /// Counts `ns`'s bytes against `account`: in DRAM, under a quota its own blocks make room
