@@ -270,6 +270,45 @@ async fn silent_grpc_connections_are_closed_and_do_not_starve_the_listener() {
     assert!(metric(&m, "kvtier_errors_total", &[("kind", "grpc_preface_timeout")]) >= 16.0, "{m}");
 }
 
+/// A gRPC connection that sends its HTTP/2 preface and settings but no call with a credential the
+/// node takes is closed 10 s after its preface (`PREFACE_TIMEOUT`), so connections with no
+/// credential can't hold the listener's slots; one that made a call keeps its connection. Before,
+/// such a connection held its slot until `max_connection_age` (1 h): 64 of them, from two
+/// addresses, locked every tenant out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_connection_that_makes_no_call_is_closed() {
+    let server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
+    let client = server.client().await;
+    client.stats().await.unwrap();
+    let mut idle = Vec::new();
+    for _ in 0..2 {
+        let mut s = TcpStream::connect(server.grpc).await.unwrap();
+        // The preface and an empty SETTINGS frame: a client that says nothing more.
+        s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0").await.unwrap();
+        idle.push(s);
+    }
+    let t = Instant::now();
+    for mut s in idle {
+        // Reads the server's frames (its settings, its ack) until it closes.
+        let mut b = [0u8; 4096];
+        loop {
+            let read =
+                tokio::time::timeout(Duration::from_secs(30), tokio::io::AsyncReadExt::read(&mut s, &mut b)).await;
+            match read {
+                Ok(Ok(0)) | Ok(Err(_)) => break,
+                Ok(Ok(_)) => continue,
+                Err(_) => panic!("a connection without a call is still open after {:?}", t.elapsed()),
+            }
+        }
+    }
+    assert!(t.elapsed() >= Duration::from_secs(8), "closed before its 10 s: {:?}", t.elapsed());
+    let m = server.scrape();
+    assert_eq!(metric(&m, "kvtier_errors_total", &[("kind", "grpc_no_call")]), 2.0, "{m}");
+    // The client's own connection made a call: kept, and served.
+    assert!(!client.stats().await.unwrap().tiers.is_empty());
+    assert_eq!(metric(&server.scrape(), "kvtier_errors_total", &[("kind", "grpc_no_call")]), 2.0);
+}
+
 /// A client over `max_connections_per_peer` is told why its connection was refused
 /// (`KV:Connections:TooMany`, naming the setting), on the data plane and in a raw hello's answer;
 /// once a connection closes, the next one is served. Before, the refusal reached the client as

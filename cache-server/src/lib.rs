@@ -429,9 +429,14 @@ pub async fn start(
     let check_auth = move |mut req: tonic::Request<()>| -> Result<tonic::Request<()>, tonic::Status> {
         let presented = req.metadata().get("authorization").and_then(|v| v.to_str().ok());
         let token = presented.and_then(|v| v.strip_prefix("Bearer ")).map(str::as_bytes);
-        let cert = req.extensions().get::<listen::GrpcPeer>().and_then(|p| p.cert.as_ref());
+        let peer = req.extensions().get::<listen::GrpcPeer>();
+        let cert = peer.and_then(|p| p.cert.as_ref());
         match auth_state.tenants().resolve(cert, token) {
             Ok(principal) => {
+                // The connection made a call it may make: it keeps its slot.
+                if let Some(p) = peer {
+                    p.authenticated.store(true, std::sync::atomic::Ordering::Release);
+                }
                 req.extensions_mut().insert(principal);
                 Ok(req)
             }

@@ -262,7 +262,8 @@ pub(crate) async fn accept_bounded<C, A, F, S, G, R, H>(
 }
 
 /// How long a gRPC connection has to send the HTTP/2 preface once accepted (once its TLS
-/// handshake is done, under TLS): as long as a data-plane client has for its hello.
+/// handshake is done, under TLS): as long as a data-plane client has for its hello. And then, as
+/// long again to make its first call with a credential the node takes.
 pub const PREFACE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What every HTTP/2 client sends first (RFC 9113, 3.4).
@@ -276,6 +277,10 @@ pub struct GrpcConn {
     info: GrpcPeer,
     /// How much of [`H2_PREFACE`] tonic has read back.
     preface_read: usize,
+    /// Until a call of the connection is authenticated: when it is closed without one (a
+    /// connection that only answers the server's pings held a slot until its hour was up,
+    /// credential or not).
+    first_call_by: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
     _slot: tokio::sync::oneshot::Sender<()>,
 }
 
@@ -368,6 +373,8 @@ pub struct GrpcPeer {
     pub remote: std::net::SocketAddr,
     /// Whom the connection's verified TLS client certificate names, if anyone.
     pub cert: Option<Principal>,
+    /// Set by the credential check when a call of the connection passes it.
+    pub authenticated: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// The gRPC listener's connections, within `limits` (over TLS with `tls`, the handshake in the
@@ -414,7 +421,13 @@ pub(crate) fn grpc_incoming(
                         return;
                     }
                     let (slot, freed) = tokio::sync::oneshot::channel();
-                    let conn = GrpcConn { inner, info: GrpcPeer { remote, cert }, preface_read: 0, _slot: slot };
+                    let conn = GrpcConn {
+                        inner,
+                        info: GrpcPeer { remote, cert, authenticated: Arc::default() },
+                        preface_read: 0,
+                        first_call_by: Some(Box::pin(tokio::time::sleep(PREFACE_TIMEOUT))),
+                        _slot: slot,
+                    };
                     if tx.send(Ok(conn)).await.is_ok() {
                         // Resolves (with an error) when tonic drops the connection.
                         let _ = freed.await;
@@ -455,7 +468,7 @@ macro_rules! grpc_stream {
 
 impl tokio::io::AsyncRead for GrpcConn {
     fn poll_read(
-        self: std::pin::Pin<&mut Self>,
+        mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
         buf: &mut tokio::io::ReadBuf<'_>,
     ) -> std::task::Poll<std::io::Result<()>> {
@@ -465,6 +478,19 @@ impl tokio::io::AsyncRead for GrpcConn {
             buf.put_slice(&H2_PREFACE[this.preface_read..this.preface_read + n]);
             this.preface_read += n;
             return std::task::Poll::Ready(Ok(()));
+        }
+        let this = self.as_mut().get_mut();
+        if let Some(by) = &mut this.first_call_by {
+            if this.info.authenticated.load(std::sync::atomic::Ordering::Acquire) {
+                this.first_call_by = None;
+            } else if std::future::Future::poll(by.as_mut(), cx).is_ready() {
+                crate::metrics::error("grpc_no_call");
+                tracing::debug!(remote = %this.info.remote, "gRPC connection closed: no authenticated call");
+                return std::task::Poll::Ready(Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("no call with a credential this node takes within {PREFACE_TIMEOUT:?}"),
+                )));
+            }
         }
         grpc_stream!(self, s => std::pin::Pin::new(s).poll_read(cx, buf))
     }
