@@ -93,6 +93,10 @@ pub struct ServerConfig {
     /// charged to it), so this bounds what clients can make the server hold there; `0`: the
     /// host's physical memory. Default: `0`.
     pub samenode_max_registered_bytes: ByteSize,
+    /// Most bytes of those buffers the clients of any one tenant may have registered at once (the
+    /// operator's clients: all of them), so one tenant can't take the whole budget from the
+    /// others; `0`: half of `samenode_max_registered_bytes`. Default: `0`.
+    pub samenode_max_registered_bytes_per_tenant: ByteSize,
     /// Most bytes of gRPC request bodies still arriving that the node holds at once, over every
     /// connection (a message is read whole before it is handled; a park of a 1M-key manifest is
     /// ~32 MiB). A body that would pass it waits (its sender held back) and is refused
@@ -411,6 +415,7 @@ impl Default for ServerConfig {
             metrics_token: None,
             samenode_socket: "auto".into(),
             samenode_max_registered_bytes: ByteSize(0),
+            samenode_max_registered_bytes_per_tenant: ByteSize(0),
             grpc_max_buffered_bytes: ByteSize(256 << 20),
             tenants: Vec::new(),
             max_connections: 1024,
@@ -696,6 +701,15 @@ impl ServerConfig {
     pub fn samenode_max_registered_bytes(&self) -> u64 {
         match self.samenode_max_registered_bytes.0 {
             0 => physical_memory().unwrap_or(64 << 30),
+            n => n,
+        }
+    }
+
+    /// The limit on bytes of registered same-node buffers per tenant (see
+    /// `samenode_max_registered_bytes_per_tenant`).
+    pub fn samenode_max_registered_bytes_per_tenant(&self) -> u64 {
+        match self.samenode_max_registered_bytes_per_tenant.0 {
+            0 => self.samenode_max_registered_bytes() / 2,
             n => n,
         }
     }

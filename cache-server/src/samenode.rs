@@ -144,7 +144,10 @@ pub fn bind(path: &Path) -> Result<UnixListener, ServerError> {
 pub async fn serve(listener: UnixListener, path: PathBuf, state: Arc<NodeState>, stop: watch::Receiver<bool>) {
     let limits =
         ConnLimits { total: MAX_CONNECTIONS, per_peer: state.config().max_connections_per_peer.min(MAX_CONNECTIONS) };
-    let mappings = Mappings::new(state.config().samenode_max_registered_bytes());
+    let mappings = Mappings::new(
+        state.config().samenode_max_registered_bytes(),
+        state.config().samenode_max_registered_bytes_per_tenant(),
+    );
     if !mappings.by_open_file {
         tracing::warn!(
             "kcmp is refused here (a seccomp filter?): a same-node buffer is mapped once per client process (by its \
@@ -251,6 +254,7 @@ impl Registered {
         sealed: bool,
         mappings: &Arc<Mappings>,
         peer: Option<u32>,
+        tenant: Option<&str>,
     ) -> Result<Registered, Refusal> {
         if claimed == 0 {
             return Err(Refusal::Bad("a buffer of 0 bytes".into()));
@@ -266,7 +270,7 @@ impl Registered {
         if size < claimed {
             return Err(Refusal::Bad(format!("the memfd is {size} bytes, smaller than the {claimed} claimed")));
         }
-        let map = mappings.map(fd, &st, claimed, peer)?;
+        let map = mappings.map(fd, &st, claimed, peer, tenant)?;
         Ok(Registered { memory: Memory::Mapped(map), len: claimed })
     }
 
@@ -353,19 +357,57 @@ impl Registered {
 }
 
 /// The bytes of buffers all same-node connections have registered, held against
-/// `samenode_max_registered_bytes` (reserved before a buffer is mapped, released when it is
-/// unmapped).
+/// `samenode_max_registered_bytes`, and each tenant's against
+/// `samenode_max_registered_bytes_per_tenant` (reserved before a buffer is mapped, released
+/// when it is unmapped).
 pub(crate) struct RegisteredBudget {
     used: AtomicU64,
     cap: u64,
+    per_tenant: u64,
+    by_tenant: Mutex<HashMap<String, u64>>,
 }
 
 impl RegisteredBudget {
-    pub(crate) fn new(cap: u64) -> Self {
-        RegisteredBudget { used: AtomicU64::new(0), cap }
+    pub(crate) fn new(cap: u64, per_tenant: u64) -> Self {
+        RegisteredBudget { used: AtomicU64::new(0), cap, per_tenant, by_tenant: Mutex::new(HashMap::new()) }
     }
 
-    fn reserve(&self, n: u64) -> Result<(), String> {
+    fn tenants(&self) -> std::sync::MutexGuard<'_, HashMap<String, u64>> {
+        // Whole counts only: one left by a panicking holder is still sound.
+        self.by_tenant.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Reserves `n` bytes for `tenant` (`None`: the operator, held by the node's cap only).
+    fn reserve(&self, n: u64, tenant: Option<&str>) -> Result<(), String> {
+        let Some(t) = tenant else { return self.reserve_node(n) };
+        let mut by = self.tenants();
+        let mine = by.get(t).copied().unwrap_or(0);
+        if mine.saturating_add(n) > self.per_tenant {
+            return Err(format!(
+                "{n} more bytes would pass tenant {t:?}'s share of {} bytes of buffers this node maps ({mine} \
+                 registered; samenode_max_registered_bytes_per_tenant)",
+                self.per_tenant
+            ));
+        }
+        self.reserve_node(n)?;
+        *by.entry(t.to_string()).or_default() += n;
+        Ok(())
+    }
+
+    fn release(&self, n: u64, tenant: Option<&str>) {
+        if let Some(t) = tenant {
+            let mut by = self.tenants();
+            if let Some(mine) = by.get_mut(t) {
+                *mine = mine.saturating_sub(n);
+                if *mine == 0 {
+                    by.remove(t);
+                }
+            }
+        }
+        self.release_node(n);
+    }
+
+    fn reserve_node(&self, n: u64) -> Result<(), String> {
         let res = self.used.fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
             used.checked_add(n).filter(|&total| total <= self.cap)
         });
@@ -382,7 +424,7 @@ impl RegisteredBudget {
         }
     }
 
-    fn release(&self, n: u64) {
+    fn release_node(&self, n: u64) {
         let used = self.used.fetch_sub(n, Ordering::AcqRel) - n;
         ::metrics::gauge!("kvtier_samenode_registered_bytes").set(used as f64);
     }
@@ -426,6 +468,8 @@ pub(crate) struct Mapping {
     fd: OwnedFd,
     /// The pid of the client process that registered it first (`None`: unknown).
     peer: Option<u32>,
+    /// The tenant charged for it (the first to register it; `None`: the operator).
+    tenant: Option<String>,
     owner: Arc<Mappings>,
 }
 
@@ -464,13 +508,17 @@ fn writable(fd: &OwnedFd) -> bool {
 }
 
 impl Mappings {
-    pub(crate) fn new(cap: u64) -> Arc<Self> {
-        Self::with_identity(cap, registrations_share_mappings())
+    pub(crate) fn new(cap: u64, per_tenant: u64) -> Arc<Self> {
+        Self::with_identity(cap, per_tenant, registrations_share_mappings())
     }
 
     /// `by_open_file`: share by open file (`kcmp`), else by client process.
-    fn with_identity(cap: u64, by_open_file: bool) -> Arc<Self> {
-        Arc::new(Mappings { budget: RegisteredBudget::new(cap), by_file: Mutex::new(HashMap::new()), by_open_file })
+    fn with_identity(cap: u64, per_tenant: u64, by_open_file: bool) -> Arc<Self> {
+        Arc::new(Mappings {
+            budget: RegisteredBudget::new(cap, per_tenant),
+            by_file: Mutex::new(HashMap::new()),
+            by_open_file,
+        })
     }
 
     /// Whether a registration of `fd` by the client process `peer` may use `m`, a mapping of the
@@ -490,13 +538,14 @@ impl Mappings {
     /// The node's mapping of the sealed memfd `fd` (`st` its `fstat`), at least `claimed` bytes
     /// long, for the client process `peer`: the one already made if it is long enough and
     /// [`Mappings::shares`] it, else a new one of `claimed` bytes, charged against the node's
-    /// budget first (nothing is mapped over it).
+    /// budget first, and `tenant`'s share of it (nothing is mapped over it).
     fn map(
         self: &Arc<Self>,
         fd: OwnedFd,
         st: &rustix::fs::Stat,
         claimed: u64,
         peer: Option<u32>,
+        tenant: Option<&str>,
     ) -> Result<Arc<Mapping>, Refusal> {
         #[allow(clippy::unnecessary_cast)] // `st_dev`'s and `st_ino`'s widths differ between targets
         let file: FileId = (st.st_dev as u64, st.st_ino as u64);
@@ -507,7 +556,7 @@ impl Mappings {
             return Ok(m);
         }
         let len = usize::try_from(claimed).map_err(|_| Refusal::Bad("buffer too large for this host".into()))?;
-        self.budget.reserve(claimed).map_err(Refusal::Cap)?;
+        self.budget.reserve(claimed, tenant).map_err(Refusal::Cap)?;
         // Shared and writable: loads land where the client reads them. Populated now when the
         // client has already touched every page (they are charged to it), so the first copy into
         // it doesn't take a page fault per 4 KiB. A sparse memfd is not: populating it would make
@@ -521,11 +570,12 @@ impl Mappings {
         let map = match options.map_raw(&fd) {
             Ok(map) => map,
             Err(e) => {
-                self.budget.release(claimed);
+                self.budget.release(claimed, tenant);
                 return Err(Refusal::Bad(format!("mmap: {e}")));
             }
         };
-        let m = Arc::new(Mapping { map, len: claimed, file, fd, peer, owner: self.clone() });
+        let tenant = tenant.map(str::to_string);
+        let m = Arc::new(Mapping { map, len: claimed, file, fd, peer, tenant, owner: self.clone() });
         // Two connections that mapped the same file at once both keep theirs; later ones find
         // the last (a shorter mapping still held stays valid for those holding it).
         self.files().insert(file, Arc::downgrade(&m));
@@ -541,7 +591,7 @@ impl Mappings {
 
 impl Drop for Mapping {
     fn drop(&mut self) {
-        self.owner.budget.release(self.len);
+        self.owner.budget.release(self.len, self.tenant.as_deref());
         let mut files = self.owner.files();
         // Another mapping of the same file may have taken the entry meanwhile: that one stays.
         if files.get(&self.file).is_some_and(|w| w.strong_count() == 0) {
@@ -570,7 +620,7 @@ impl Buffers {
 
     /// Checks `fd` against this connection's and the node's caps, then maps it: nothing is
     /// mapped (or populated) for a buffer over a cap.
-    fn add(&mut self, fd: OwnedFd, claimed: u64) -> Result<u32, Refusal> {
+    fn add(&mut self, fd: OwnedFd, claimed: u64, tenant: Option<&str>) -> Result<u32, Refusal> {
         if self.by_id.len() >= MAX_BUFFERS_PER_CONNECTION {
             return Err(Refusal::Cap(format!(
                 "this connection already has {MAX_BUFFERS_PER_CONNECTION} buffers registered"
@@ -586,7 +636,7 @@ impl Buffers {
                  may register"
             )));
         }
-        let r = Registered::map(fd, claimed, mapped, &self.mappings, self.peer)?;
+        let r = Registered::map(fd, claimed, mapped, &self.mappings, self.peer, tenant)?;
         self.next_id = self.next_id.wrapping_add(1).max(1);
         while self.by_id.contains_key(&self.next_id) {
             self.next_id = self.next_id.wrapping_add(1).max(1);
@@ -940,7 +990,8 @@ impl Conn {
         let Some(fd) = self.fds.pop_front() else {
             return self.refuse(req, Status::BadRequest, "REGISTER carried no file descriptor (SCM_RIGHTS)");
         };
-        match self.buffers.add(fd, claimed) {
+        let tenant = self.principal.as_ref().and_then(Principal::tenant).map(|t| t.name.clone());
+        match self.buffers.add(fd, claimed, tenant.as_deref()) {
             Ok(id) => self.answer(sn::ok(SnOp::Register, req.request_id, id)),
             Err(Refusal::Cap(msg)) => self.refuse(req, Status::TooLarge, &format!("buffer refused: {msg}")),
             Err(Refusal::Bad(msg)) => self.refuse(req, Status::BadRequest, &format!("buffer refused: {msg}")),
@@ -1474,6 +1525,34 @@ mod tests {
         (fd, st)
     }
 
+    /// Each tenant's registrations are held to its share of the node's budget, so one tenant
+    /// can't take it all from the others (before, one sparse memfd of the host's RAM refused every
+    /// other tenant); the operator is held by the node's cap only; an unmapped buffer's bytes go
+    /// back to its tenant's share.
+    #[test]
+    fn a_tenant_registers_up_to_its_share_and_leaves_the_rest_to_others() {
+        let mappings = Mappings::with_identity(4 << 20, 2 << 20, registrations_share_mappings());
+        let map = |len, tenant| {
+            let (fd, st) = sealed_memfd(len);
+            mappings.map(fd, &st, len, Some(1), tenant)
+        };
+        let a1 = map(2 << 20, Some("a")).unwrap_or_else(|_| panic!("a's share"));
+        assert!(matches!(
+            map(4096, Some("a")),
+            Err(Refusal::Cap(m)) if m.contains("tenant \"a\"") && m.contains("samenode_max_registered_bytes_per_tenant")
+        ));
+        let b = map(2 << 20, Some("b")).unwrap_or_else(|_| panic!("b still has its share"));
+        assert_eq!(mappings.mapped_bytes(), 4 << 20);
+        // The node's cap still holds over the shares.
+        assert!(matches!(map(4096, None), Err(Refusal::Cap(m)) if m.contains("samenode_max_registered_bytes")));
+        drop((a1, b));
+        assert_eq!(mappings.mapped_bytes(), 0);
+        let a2 = map(2 << 20, Some("a")).unwrap_or_else(|_| panic!("a's share came back"));
+        drop(a2);
+        // The operator may map past a tenant's share.
+        let _op = map(2 << 20 | 4096, None).unwrap_or_else(|_| panic!("the operator"));
+    }
+
     /// One mapping per file for the node: registrations of the same memfd (a client's pooled
     /// connections) share it and charge the budget once; a longer claim maps anew; the last
     /// holder's drop unmaps it and gives its bytes back; a new file over the cap is refused.
@@ -1482,9 +1561,9 @@ mod tests {
         // One client process (pid 1 here) passing its one descriptor (a dup of it) again: shared
         // by open file where `kcmp` works, by client process where it doesn't.
         for by_open_file in [registrations_share_mappings(), false] {
-            let mappings = Mappings::with_identity(3 << 20, by_open_file);
+            let mappings = Mappings::with_identity(3 << 20, 3 << 20, by_open_file);
             let (fd, st) = sealed_memfd(2 << 20);
-            let map = |claimed| mappings.map(fd.try_clone().unwrap(), &st, claimed, Some(1));
+            let map = |claimed| mappings.map(fd.try_clone().unwrap(), &st, claimed, Some(1), None);
             let a = map(1 << 20).unwrap_or_else(|_| panic!("first mapping"));
             let b = map(1 << 20).unwrap_or_else(|_| panic!("second registration"));
             let shorter = map(4096).unwrap_or_else(|_| panic!("a shorter claim"));
@@ -1500,7 +1579,7 @@ mod tests {
             // A second file past the cap (3 MiB mapped already) is refused, nothing mapped for it.
             let (other, ost) = sealed_memfd(4096);
             assert!(matches!(
-                mappings.map(other.try_clone().unwrap(), &ost, 4096, Some(1)),
+                mappings.map(other.try_clone().unwrap(), &ost, 4096, Some(1), None),
                 Err(Refusal::Cap(m)) if m.contains("samenode_max_registered_bytes")
             ));
             assert_eq!(mappings.mapped_bytes(), 3 << 20);
@@ -1513,7 +1592,7 @@ mod tests {
             assert_eq!(mappings.mapped_bytes(), 0);
             assert!(mappings.files().is_empty(), "an unmapped file's entry was left behind");
             // The freed budget takes the other file now.
-            assert!(mappings.map(other, &ost, 4096, Some(1)).is_ok());
+            assert!(mappings.map(other, &ost, 4096, Some(1), None).is_ok());
         }
     }
 
@@ -1526,21 +1605,24 @@ mod tests {
     fn a_mapping_is_shared_only_with_the_same_open_file_still_writable() {
         use rustix::fs::{Mode, OFlags};
         let kcmp = registrations_share_mappings();
-        let mappings = Mappings::with_identity(8 << 20, true);
+        let mappings = Mappings::with_identity(8 << 20, 8 << 20, true);
         let (fd, st) = sealed_memfd(1 << 20);
-        let first = mappings.map(fd.try_clone().unwrap(), &st, 1 << 20, Some(1)).unwrap_or_else(|_| panic!("first"));
+        let first =
+            mappings.map(fd.try_clone().unwrap(), &st, 1 << 20, Some(1), None).unwrap_or_else(|_| panic!("first"));
         if kcmp {
-            let other_process =
-                mappings.map(fd.try_clone().unwrap(), &st, 1 << 20, Some(2)).unwrap_or_else(|_| panic!("passed on"));
+            let other_process = mappings
+                .map(fd.try_clone().unwrap(), &st, 1 << 20, Some(2), None)
+                .unwrap_or_else(|_| panic!("passed on"));
             assert!(Arc::ptr_eq(&first, &other_process), "the same open file, passed to another process, shares");
         }
         let path = format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&fd));
         // A read-only open of the same file: not the same open file, and mmap refuses it.
         let ro = rustix::fs::open(path.as_str(), OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty()).unwrap();
-        assert!(matches!(mappings.map(ro, &st, 1 << 20, Some(1)), Err(Refusal::Bad(m)) if m.contains("mmap")));
+        assert!(matches!(mappings.map(ro, &st, 1 << 20, Some(1), None), Err(Refusal::Bad(m)) if m.contains("mmap")));
         // A second read-write open: the same file, another open file; mapped on its own.
         let rw = rustix::fs::open(path.as_str(), OFlags::RDWR | OFlags::CLOEXEC, Mode::empty()).unwrap();
-        let second = mappings.map(rw, &st, 1 << 20, Some(1)).unwrap_or_else(|_| panic!("a read-write reopen maps"));
+        let second =
+            mappings.map(rw, &st, 1 << 20, Some(1), None).unwrap_or_else(|_| panic!("a read-write reopen maps"));
         assert!(!Arc::ptr_eq(&first, &second));
         drop((first, second));
         assert_eq!(mappings.mapped_bytes(), 0);
@@ -1553,21 +1635,22 @@ mod tests {
     #[test]
     fn without_kcmp_a_mapping_is_shared_within_one_client_process_only() {
         use rustix::fs::{Mode, OFlags};
-        let mappings = Mappings::with_identity(8 << 20, false);
+        let mappings = Mappings::with_identity(8 << 20, 8 << 20, false);
         let (fd, st) = sealed_memfd(1 << 20);
-        let first = mappings.map(fd.try_clone().unwrap(), &st, 1 << 20, Some(1)).unwrap_or_else(|_| panic!("first"));
+        let first =
+            mappings.map(fd.try_clone().unwrap(), &st, 1 << 20, Some(1), None).unwrap_or_else(|_| panic!("first"));
         let path = format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&fd));
         let reopen = |flags| rustix::fs::open(path.as_str(), flags | OFlags::CLOEXEC, Mode::empty()).unwrap();
         // The same process, another read-write open of the file: shared.
-        let same = mappings.map(reopen(OFlags::RDWR), &st, 1 << 20, Some(1)).unwrap_or_else(|_| panic!("same"));
+        let same = mappings.map(reopen(OFlags::RDWR), &st, 1 << 20, Some(1), None).unwrap_or_else(|_| panic!("same"));
         assert!(Arc::ptr_eq(&first, &same));
         // Another process, or one the socket did not name, with the same file: mapped on its own.
         for peer in [Some(2), None] {
-            let m = mappings.map(reopen(OFlags::RDWR), &st, 1 << 20, peer).unwrap_or_else(|_| panic!("{peer:?}"));
+            let m = mappings.map(reopen(OFlags::RDWR), &st, 1 << 20, peer, None).unwrap_or_else(|_| panic!("{peer:?}"));
             assert!(!Arc::ptr_eq(&first, &m), "{peer:?} was handed process 1's mapping");
         }
         // The same process through a read-only descriptor: not shared, and mmap refuses it.
-        let ro = mappings.map(reopen(OFlags::RDONLY), &st, 1 << 20, Some(1));
+        let ro = mappings.map(reopen(OFlags::RDONLY), &st, 1 << 20, Some(1), None);
         assert!(matches!(ro, Err(Refusal::Bad(m)) if m.contains("mmap")));
         drop((first, same));
         assert_eq!(mappings.mapped_bytes(), 0);
@@ -1579,7 +1662,7 @@ mod tests {
     /// gets it, and mapping anew is refused; nothing is charged for the refusal.
     fn sealed_after_mapping_is_not_shared(mappings: &Arc<Mappings>, shares: bool) {
         let (fd, st) = sealed_memfd(1 << 20);
-        let map = || mappings.map(fd.try_clone().unwrap(), &st, 1 << 20, Some(1));
+        let map = || mappings.map(fd.try_clone().unwrap(), &st, 1 << 20, Some(1), None);
         let first = map().unwrap_or_else(|_| panic!("first"));
         if shares {
             let again = map().unwrap_or_else(|_| panic!("again"));
