@@ -270,6 +270,66 @@ async fn silent_grpc_connections_are_closed_and_do_not_starve_the_listener() {
     assert!(metric(&m, "kvtier_errors_total", &[("kind", "grpc_preface_timeout")]) >= 16.0, "{m}");
 }
 
+/// One tenant's data-plane connections are capped whatever addresses they come from
+/// (`max_connections_per_tenant`): past it, a hello is refused `TooManyConnections` naming the
+/// tenant and the setting; another tenant still connects, and a slot given back is taken again.
+/// Before, one tenant with a few source addresses could hold every slot of the listener.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_tenant_s_connections_are_capped_whatever_their_addresses() {
+    use kvtier_proto::dataplane::{HelloReply, Status};
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("tenants.toml");
+    std::fs::write(
+        &cfg,
+        "max_connections_per_tenant = 3\n[[tenants]]\nname = \"a\"\ntokens = [\"tenant-a-token-000001\"]\n\n\
+         [[tenants]]\nname = \"b\"\ntokens = [\"tenant-b-token-000002\"]\n",
+    )
+    .unwrap();
+    let server = ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"]);
+    let hello = |host: u8, token: &'static str| {
+        let data = server.data;
+        async move {
+            let sock = TcpSocket::new_v4().unwrap();
+            sock.bind(std::net::SocketAddr::from(([127, 0, 0, host], 0))).unwrap();
+            let mut s = sock.connect(data).await.unwrap();
+            s.write_all(&Hello::encode(PROTOCOL_VERSION, token.as_bytes())).await.unwrap();
+            let mut reply = [0u8; 4];
+            tokio::io::AsyncReadExt::read_exact(&mut s, &mut reply).await.unwrap();
+            let (status, len) = HelloReply::decode(&reply).unwrap();
+            let mut msg = vec![0u8; len as usize];
+            tokio::io::AsyncReadExt::read_exact(&mut s, &mut msg).await.unwrap();
+            (s, status, String::from_utf8(msg).unwrap())
+        }
+    };
+    let mut held = Vec::new();
+    for host in [2, 3, 4] {
+        let (s, status, msg) = hello(host, "tenant-a-token-000001").await;
+        assert_eq!(status, Status::Ok, "{msg}");
+        held.push(s);
+    }
+    let (_, status, msg) = hello(5, "tenant-a-token-000001").await;
+    assert_eq!(status, Status::TooManyConnections, "{msg}");
+    assert!(msg.contains("tenant \"a\"") && msg.contains("max_connections_per_tenant"), "{msg}");
+    let (_b, status, msg) = hello(5, "tenant-b-token-000002").await;
+    assert_eq!(status, Status::Ok, "another tenant connects: {msg}");
+    drop(held.pop());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (s, status, msg) = hello(6, "tenant-a-token-000001").await;
+        if status == Status::Ok {
+            held.push(s);
+            break;
+        }
+        assert!(Instant::now() < deadline, "a's slot did not come back: {msg}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let m = server.scrape();
+    assert!(
+        metric(&m, "kvtier_connections_refused_total", &[("listener", "data plane"), ("reason", "per_tenant")]) >= 1.0,
+        "{m}"
+    );
+}
+
 /// A gRPC connection that sends its HTTP/2 preface and settings but no call with a credential the
 /// node takes is closed 10 s after its preface (`PREFACE_TIMEOUT`), so connections with no
 /// credential can't hold the listener's slots; one that made a call keeps its connection. Before,

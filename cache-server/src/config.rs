@@ -116,6 +116,10 @@ pub struct ServerConfig {
     /// Connections one peer (an IP address; a local user on the same-node socket) may hold on each
     /// listener; more are closed on arrival. Default: `256`.
     pub max_connections_per_peer: usize,
+    /// Data-plane and same-node connections one tenant's clients may hold at once, whatever
+    /// addresses they come from (the operator's: no such limit); more are refused at their hello
+    /// with `KV:Connections:TooMany`. Default: `512`.
+    pub max_connections_per_tenant: usize,
     /// Most block keys all parked sessions' manifests may name together (32 bytes of memory
     /// each, outside the DRAM cap), each session counting `MANIFEST_OVERHEAD_KEYS` more for its
     /// own memory; `0`: a 256th of `dram_capacity` in keys (an eighth of it in bytes), at least
@@ -420,6 +424,7 @@ impl Default for ServerConfig {
             tenants: Vec::new(),
             max_connections: 1024,
             max_connections_per_peer: 256,
+            max_connections_per_tenant: 512,
             max_session_keys: 0,
             cluster: None,
             node_id: None,
@@ -631,6 +636,9 @@ impl ServerConfig {
         }
         if self.max_connections == 0 || self.max_connections > 1 << 20 {
             return bad(format!("max_connections must be 1..=1048576, got {}", self.max_connections));
+        }
+        if self.max_connections_per_tenant == 0 {
+            return bad("max_connections_per_tenant must be at least 1".to_string());
         }
         if self.max_connections_per_peer == 0 || self.max_connections_per_peer > self.max_connections {
             return bad(format!(

@@ -302,6 +302,8 @@ struct Connection<R, W> {
     remote: RemoteLeases,
     /// Who the hello's token authenticated (`None` until then).
     principal: Option<Principal>,
+    /// The tenant's connection slot this connection holds (`max_connections_per_tenant`).
+    _tenant_slot: Option<crate::tenants::TenantConnection>,
     /// Whom the connection's verified TLS client certificate names, if anyone.
     cert: Option<Principal>,
     /// The protocol version the hello said (what the client may send).
@@ -388,6 +390,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             state,
             scratch: Vec::new(),
             principal: None,
+            _tenant_slot: None,
             cert,
             version: MIN_PROTOCOL_VERSION,
             moved: 0,
@@ -554,6 +557,17 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
                 self.wr.write_all(&HelloReply::encode(Status::Unauthenticated, &why.to_string())).await?;
                 self.wr.flush().await?;
                 return Err(ConnError::Protocol("unauthenticated".into()));
+            }
+        };
+        let max = self.state.config().max_connections_per_tenant;
+        self._tenant_slot = match crate::tenants::connection_slot(&principal, max, "data plane") {
+            Ok(slot) => slot,
+            Err(why) => {
+                tracing::debug!("data-plane connection refused: {why}");
+                let answer = HelloReply::encode(Status::TooManyConnections, &format!("connection refused: {why}"));
+                self.wr.write_all(&answer).await?;
+                self.wr.flush().await?;
+                return Err(ConnError::Protocol(why));
             }
         };
         self.wr.write_all(&HelloReply::encode(Status::Ok, concat!("kvtier ", env!("CARGO_PKG_VERSION")))).await?;

@@ -681,6 +681,8 @@ struct Conn {
     out: Vec<u8>,
     /// Who the hello's token authenticated (`None` until then).
     principal: Option<Principal>,
+    /// The tenant's connection slot this connection holds (`max_connections_per_tenant`).
+    _tenant_slot: Option<crate::tenants::TenantConnection>,
     /// The protocol version the client's hello said.
     version: u16,
 }
@@ -702,6 +704,7 @@ impl Conn {
             moved: 0,
             out: Vec::new(),
             principal: None,
+            _tenant_slot: None,
             version: PROTOCOL_VERSION,
         }
     }
@@ -929,6 +932,13 @@ impl Conn {
             return self
                 .hello_fail(Status::Unauthenticated, "bad, expired, used or missing auth token or ticket")
                 .await;
+        };
+        let max = self.state.config().max_connections_per_tenant;
+        self._tenant_slot = match crate::tenants::connection_slot(&principal, max, "same-node") {
+            Ok(slot) => slot,
+            Err(why) => {
+                return self.hello_fail(Status::TooManyConnections, &format!("connection refused: {why}")).await
+            }
         };
         self.sock.write_all(&HelloReply::encode(Status::Ok, concat!("kvtier ", env!("CARGO_PKG_VERSION")))).await?;
         Ok(Some(principal))

@@ -55,6 +55,45 @@ pub struct Tenant {
     read: HashSet<String>,
     write: HashSet<String>,
     pub quotas: Quotas,
+    /// Its data-plane and same-node connections open now (see [`Tenant::connection`]).
+    connections: std::sync::atomic::AtomicUsize,
+}
+
+impl Tenant {
+    /// One of the tenant's `max` connection slots (data plane and same-node socket together),
+    /// held until dropped; the number it holds already when they are all taken.
+    pub fn connection(self: &Arc<Self>, max: usize) -> Result<TenantConnection, usize> {
+        use std::sync::atomic::Ordering;
+        self.connections
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < max).then_some(n + 1))
+            .map(|_| TenantConnection(self.clone()))
+    }
+}
+
+/// A slot for a connection of `principal`'s (see [`Tenant::connection`]): `None` for the
+/// operator, who has no such limit; why not when the tenant holds `max` already (counted in
+/// `kvtier_connections_refused_total{listener, reason="per_tenant"}`).
+pub fn connection_slot(
+    principal: &Principal,
+    max: usize,
+    listener: &'static str,
+) -> Result<Option<TenantConnection>, String> {
+    let Principal::Tenant(t) = principal else { return Ok(None) };
+    t.connection(max).map(Some).map_err(|n| {
+        metrics::counter!("kvtier_connections_refused_total", "listener" => listener, "reason" => "per_tenant")
+            .increment(1);
+        format!("tenant {:?} has {n} connections to this node already (max_connections_per_tenant)", t.name)
+    })
+}
+
+/// A connection slot of a tenant's, given back when dropped.
+#[derive(Debug)]
+pub struct TenantConnection(Arc<Tenant>);
+
+impl Drop for TenantConnection {
+    fn drop(&mut self) {
+        self.0.connections.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
 }
 
 /// Who is asking.
@@ -187,6 +226,7 @@ impl Tenants {
                     dram_bytes: t.dram_bytes.map(|b| b.0),
                     disk_bytes: t.disk_bytes.map(|b| b.0),
                 },
+                connections: Default::default(),
             });
             if out.by_name.insert(t.name.clone(), tenant.clone()).is_some() {
                 return Err(ServerError::Config(format!("tenant {:?} is configured twice", t.name)));
