@@ -52,13 +52,27 @@ pub struct NodeState {
     _dir_lock: std::fs::File,
 }
 
-/// `namespaces.log`, open for appending (the lock serializes appends; syncs run outside it).
+/// `namespaces.log`, open for appending: the lock serializes appends (syncs run outside it) and
+/// a compaction, which swaps the file.
 struct NamespaceLog {
-    file: Arc<dyn FsFile>,
-    lock: Mutex<()>,
-    /// The file's secret: what its records' tags are keyed with.
+    file: Mutex<Arc<dyn FsFile>>,
+    /// The file's secret: what its records' tags are keyed with (kept by a compaction while the
+    /// node runs: records are framed before they are appended).
     key: LogKey,
+    fs: Arc<dyn FileSystem>,
+    path: std::path::PathBuf,
+    /// Compacted when the file passes twice this plus `slack` ([`NAMESPACE_LOG_SLACK`]).
+    compacted_to: std::sync::atomic::AtomicU64,
+    slack: u64,
+    /// False while a compaction's rename is not known durable: the next append syncs the
+    /// directory too.
+    renamed_durably: std::sync::atomic::AtomicBool,
 }
+
+/// How far past twice its last compacted size `namespaces.log` grows before it is compacted
+/// while the node runs (a namespace registered and unregistered over and over appends a record
+/// each time: 500 cycles wrote 211 KB).
+const NAMESPACE_LOG_SLACK: u64 = 1 << 20;
 
 /// One `namespaces.log` record, framed by `kvtier_proto::record_log` and keyed with the file's
 /// secret: a namespace spec is a tenant's bytes, and no bytes in it can pass for a record.
@@ -223,18 +237,63 @@ fn compact_namespace_log(
 }
 
 /// Appends a record to `namespaces.log` and syncs it; the file lock covers the write only, so
-/// concurrent registrations share the sync.
+/// concurrent registrations share the sync. The append that takes the file past its bound
+/// compacts it first ([`NamespaceLog::compact`]).
 fn append_synced(log: &NamespaceLog, rec: &[u8]) -> std::io::Result<()> {
-    {
-        let _appending = log.lock.lock();
-        let end = log.file.size()?;
-        if let Err(e) = log.file.write_all_at(rec, end) {
+    use std::sync::atomic::Ordering;
+    let file = {
+        let mut file = log.file.lock();
+        let end = file.size()?;
+        if let Err(e) = file.write_all_at(rec, end) {
             // A refused append (a full disk) leaves no torn record behind.
-            let _ = log.file.set_len(end);
+            let _ = file.set_len(end);
             return Err(e);
         }
+        let end = end + rec.len() as u64;
+        if end > log.compacted_to.load(Ordering::Relaxed).saturating_mul(2).saturating_add(log.slack) {
+            log.compact(&mut file, end);
+        }
+        file.clone()
+    };
+    file.sync_data()?;
+    if !log.renamed_durably.load(Ordering::Acquire) {
+        if let Some(dir) = log.path.parent() {
+            log.fs.sync_dir(dir)?;
+        }
+        log.renamed_durably.store(true, Ordering::Release);
     }
-    log.file.sync_data()
+    Ok(())
+}
+
+impl NamespaceLog {
+    /// Rewrites the file as the start does (its records applied: each namespace registered once,
+    /// the unregistrations and purges), under the same secret, and appends go on in the new
+    /// file. On a failure the log is kept as it is (compacted again once it grows by another
+    /// [`NAMESPACE_LOG_SLACK`]); whichever file the path names afterwards is the one appended to.
+    fn compact(&self, file: &mut Arc<dyn FsFile>, end: u64) {
+        use std::sync::atomic::Ordering;
+        let done = read_namespace_log(&*self.fs, &self.path)
+            .map_err(|e| std::io::Error::other(e.to_string()))
+            .and_then(|(contents, ..)| compact_namespace_log(&*self.fs, &self.path, &self.key, &contents));
+        if let Err(e) = &done {
+            ::metrics::counter!("kvtier_namespace_log_compactions_failed_total").increment(1);
+            tracing::warn!("{} not compacted ({e}): appending to it as it is", self.path.display());
+            // Renamed or not: the next append syncs the directory.
+            self.renamed_durably.store(false, Ordering::Release);
+        }
+        match self.fs.open(&self.path, OpenMode::Existing) {
+            Ok(now) => *file = now,
+            Err(e) => tracing::error!("{} not reopened after compaction: {e}", self.path.display()),
+        }
+        let size = file.size().unwrap_or(end);
+        if done.is_ok() {
+            ::metrics::counter!("kvtier_namespace_log_compactions_total").increment(1);
+            tracing::info!("{}: compacted from {end} to {size} bytes", self.path.display());
+            self.compacted_to.store(size, Ordering::Relaxed);
+        } else {
+            self.compacted_to.store(size / 2, Ordering::Relaxed);
+        }
+    }
 }
 
 /// How long [`lock_data_dir`] waits for a `LOCK` held by someone else before it refuses: a lock
@@ -389,6 +448,7 @@ impl NodeState {
             }
         };
         let f = fs.open(&ns_path, OpenMode::Existing)?;
+        let ns_size = f.size()?;
         let mut state = NodeState {
             tiers: TierStack::new(dram, Some(Arc::new(disk)), fsync)
                 .with_event_buffer(config.events_buffer)
@@ -399,7 +459,15 @@ impl NodeState {
             data_addr,
             disk_recovery: Some(report),
             io: IoPool::default(),
-            namespace_log: Some(NamespaceLog { file: f, lock: Mutex::new(()), key: ns_key }),
+            namespace_log: Some(NamespaceLog {
+                file: Mutex::new(f),
+                key: ns_key,
+                fs: fs.clone(),
+                path: ns_path,
+                compacted_to: ns_size.into(),
+                slack: NAMESPACE_LOG_SLACK,
+                renamed_durably: true.into(),
+            }),
             creating: Mutex::new(()),
             _dir_lock: dir_lock,
             arena_access: OnceLock::new(),
@@ -967,5 +1035,48 @@ mod tests {
         // Started again: the log made no more of them than were made.
         let again = NodeState::open(config, addr).unwrap();
         assert_eq!(again.namespaces_of("q").len(), 2);
+    }
+
+    /// A namespace registered and unregistered over and over grows `namespaces.log` only to about
+    /// twice its live size plus the slack: the append past it compacts the file while the node
+    /// runs, and what a restart reads back is what was registered last. Before, 500 cycles wrote
+    /// 211 KB, compacted only at the next start.
+    #[test]
+    fn a_namespace_registered_over_and_over_keeps_its_log_bounded() {
+        use crate::config::ByteSize;
+        use kvtier_proto::{DType, HashScheme, KvLayout};
+        let dir = tempfile::tempdir().unwrap();
+        let config = ServerConfig {
+            data_dir: dir.path().to_path_buf(),
+            dram_capacity: ByteSize(8 << 20),
+            disk_capacity: ByteSize(8 << 20),
+            disk_segment_bytes: ByteSize(1 << 20),
+            metrics_listen: None,
+            ..ServerConfig::default()
+        };
+        let addr: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let mut state = NodeState::open(config.clone(), addr).unwrap();
+        if let Some(log) = state.namespace_log.as_mut() {
+            log.slack = 4096;
+        }
+        let ns = |i: u8| Namespace::new("t", "m", KvLayout::new(1, 1, 8, DType::Fp16, 16), HashScheme::Blake3, &[i]);
+        let op = Principal::Operator;
+        state.register_namespace(&op, ns(1)).unwrap();
+        let path = dir.path().join("namespaces.log");
+        let mut largest = 0;
+        for _ in 0..200 {
+            state.register_namespace(&op, ns(0)).unwrap();
+            state.unregister_namespace(&op, &ns(0).id()).unwrap();
+            largest = largest.max(std::fs::metadata(&path).unwrap().len());
+        }
+        assert!(largest < 16 << 10, "namespaces.log reached {largest} bytes");
+        state.register_namespace(&op, ns(2)).unwrap();
+        drop(state);
+        let again = NodeState::open(config, addr).unwrap();
+        let mut live: Vec<NamespaceId> = again.namespaces_of("t").to_vec();
+        live.sort();
+        let mut want = vec![ns(1).id(), ns(2).id()];
+        want.sort();
+        assert_eq!(live, want);
     }
 }
