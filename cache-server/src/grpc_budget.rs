@@ -8,7 +8,8 @@
 //! gigabytes, for as long as it kept the connection. Now a body waits for budget before more of
 //! it is read (HTTP/2 flow control then holds the sender back), is refused `RESOURCE_EXHAUSTED`
 //! after waiting `stall_timeout` for it, and gives its bytes back once tonic has read it
-//! (decoded: the handler's copy is the request's own).
+//! (decoded: the handler's copy is the request's own). A tenant's bodies also draw from its own
+//! share (half the budget), so one tenant holding its share leaves the rest to the others.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -27,12 +28,19 @@ const PIECE: u32 = 64 << 10;
 /// The longest a request body may take to arrive, however steadily it trickles in.
 pub const BODY_DEADLINE: Duration = Duration::from_secs(60);
 
+/// Which tenant a request is from (by its credential), `None` for the operator's.
+pub type WhoAsks = Arc<dyn Fn(&http::HeaderMap, &http::Extensions) -> Option<String> + Send + Sync>;
+
 /// The node-wide budget and the timeouts, shared by every connection's service.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct GrpcBodyBudgetLayer {
     budget: Arc<Semaphore>,
     stall: Duration,
     deadline: Duration,
+    /// Each tenant's share (its bodies draw from it too), made when it first sends one.
+    shares: Arc<parking_lot::Mutex<std::collections::HashMap<String, Arc<Semaphore>>>>,
+    share: usize,
+    who: Option<WhoAsks>,
 }
 
 impl GrpcBodyBudgetLayer {
@@ -40,7 +48,33 @@ impl GrpcBodyBudgetLayer {
     /// `stall` (or waits that long for budget) is ended, as is one not whole after `deadline`.
     pub fn new(bytes: u64, stall: Duration, deadline: Duration) -> Self {
         let bytes = usize::try_from(bytes).unwrap_or(usize::MAX).clamp(PIECE as usize, Semaphore::MAX_PERMITS);
-        GrpcBodyBudgetLayer { budget: Arc::new(Semaphore::new(bytes)), stall, deadline }
+        GrpcBodyBudgetLayer {
+            budget: Arc::new(Semaphore::new(bytes)),
+            stall,
+            deadline,
+            shares: Default::default(),
+            share: bytes,
+            who: None,
+        }
+    }
+
+    /// Holds each tenant's bodies (`who` says whose a request is) to `share` bytes of the budget.
+    pub fn with_tenant_shares(mut self, share: u64, who: WhoAsks) -> Self {
+        self.share = usize::try_from(share).unwrap_or(usize::MAX).clamp(PIECE as usize, Semaphore::MAX_PERMITS);
+        self.who = Some(who);
+        self
+    }
+
+    fn share_of(&self, req: &http::Request<tonic::body::Body>) -> Option<Arc<Semaphore>> {
+        let tenant = self.who.as_ref()?(req.headers(), req.extensions())?;
+        let mut shares = self.shares.lock();
+        Some(shares.entry(tenant).or_insert_with(|| Arc::new(Semaphore::new(self.share))).clone())
+    }
+}
+
+impl std::fmt::Debug for GrpcBodyBudgetLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GrpcBodyBudgetLayer").field("stall", &self.stall).field("deadline", &self.deadline).finish()
     }
 }
 
@@ -72,13 +106,16 @@ where
     }
 
     fn call(&mut self, req: http::Request<tonic::body::Body>) -> Self::Future {
+        let share = self.layer.share_of(&req);
         let (parts, body) = req.into_parts();
-        let body = BudgetedBody::new(body, &self.layer);
+        let body = BudgetedBody::new(body, &self.layer, share);
         self.inner.call(http::Request::from_parts(parts, tonic::body::Body::new(body)))
     }
 }
 
-type Acquire = Pin<Box<dyn Future<Output = Result<OwnedSemaphorePermit, tokio::sync::AcquireError>> + Send>>;
+/// A piece of the tenant's share (if it has one), then of the node's budget.
+type Pieces = (Option<OwnedSemaphorePermit>, OwnedSemaphorePermit);
+type Acquire = Pin<Box<dyn Future<Output = Result<Pieces, tokio::sync::AcquireError>> + Send>>;
 
 /// A request body drawing its bytes from the budget; they go back when it is dropped.
 pub struct BudgetedBody<B> {
@@ -86,6 +123,9 @@ pub struct BudgetedBody<B> {
     budget: Arc<Semaphore>,
     /// Budget held: what was read of the body, and the rest of the last piece taken ahead.
     held: Option<OwnedSemaphorePermit>,
+    /// Its tenant's share, and what it holds of it (as much as of the budget).
+    share: Option<Arc<Semaphore>>,
+    held_share: Option<OwnedSemaphorePermit>,
     read: usize,
     acquiring: Option<Acquire>,
     stall: Duration,
@@ -97,11 +137,13 @@ pub struct BudgetedBody<B> {
 }
 
 impl<B> BudgetedBody<B> {
-    fn new(inner: B, layer: &GrpcBodyBudgetLayer) -> Self {
+    fn new(inner: B, layer: &GrpcBodyBudgetLayer, share: Option<Arc<Semaphore>>) -> Self {
         BudgetedBody {
             inner,
             budget: layer.budget.clone(),
             held: None,
+            share,
+            held_share: None,
             read: 0,
             acquiring: None,
             stall: layer.stall,
@@ -116,11 +158,22 @@ impl<B> BudgetedBody<B> {
         self.held.as_ref().map_or(0, OwnedSemaphorePermit::num_permits)
     }
 
-    fn keep(&mut self, permit: OwnedSemaphorePermit) {
+    fn keep(&mut self, (mine, permit): Pieces) {
         match &mut self.held {
             Some(h) => h.merge(permit),
             None => self.held = Some(permit),
         }
+        match (&mut self.held_share, mine) {
+            (Some(h), Some(p)) => h.merge(p),
+            (slot @ None, p) => *slot = p,
+            (Some(_), None) => {}
+        }
+    }
+
+    /// Gives back all it holds.
+    fn release(&mut self) {
+        self.held = None;
+        self.held_share = None;
     }
 
     /// Ends the body with `status`, giving its budget back.
@@ -131,7 +184,7 @@ impl<B> BudgetedBody<B> {
     ) -> Poll<Option<Result<http_body::Frame<Bytes>, tonic::Status>>> {
         crate::metrics::error(kind);
         self.done = true;
-        self.held = None;
+        self.release();
         self.acquiring = None;
         Poll::Ready(Some(Err(status)))
     }
@@ -163,7 +216,16 @@ where
         // control holds its sender back. (A frame may take it past what it holds, by one frame;
         // a body can't be larger than the whole budget, which is at least the largest message.)
         while this.held() <= this.read {
-            let acquire = this.acquiring.get_or_insert_with(|| Box::pin(this.budget.clone().acquire_many_owned(PIECE)));
+            let acquire = this.acquiring.get_or_insert_with(|| {
+                let (share, budget) = (this.share.clone(), this.budget.clone());
+                Box::pin(async move {
+                    let mine = match share {
+                        Some(s) => Some(s.acquire_many_owned(PIECE).await?),
+                        None => None,
+                    };
+                    Ok((mine, budget.acquire_many_owned(PIECE).await?))
+                })
+            });
             match acquire.as_mut().poll(cx) {
                 Poll::Ready(Ok(permit)) => {
                     this.acquiring = None;
@@ -174,10 +236,14 @@ where
                 Poll::Pending => {
                     if this.idle.as_mut().poll(cx).is_ready() {
                         let stall = this.stall;
+                        let whose = match &this.share {
+                            Some(s) if s.available_permits() < PIECE as usize => "this tenant's share (half) of ",
+                            _ => "",
+                        };
                         return this.end(
                             "grpc_body_budget",
                             tonic::Status::resource_exhausted(format!(
-                                "{}: the node holds as many bytes of requests still arriving as its \
+                                "{}: the node holds as many bytes of requests still arriving as {whose}its \
                                  grpc_max_buffered_bytes allows, and none came free in {stall:?}; retry",
                                 kvtier_proto::codes::CAPACITY
                             )),
@@ -197,11 +263,11 @@ where
             }
             Poll::Ready(None) => {
                 this.done = true;
-                this.held = None;
+                this.release();
                 Poll::Ready(None)
             }
             Poll::Ready(Some(Err(e))) => {
-                this.held = None;
+                this.release();
                 Poll::Ready(Some(Err(e)))
             }
             Poll::Pending => {
@@ -251,7 +317,7 @@ mod tests {
 
     fn body(layer: &GrpcBodyBudgetLayer) -> (mpsc::Sender<Bytes>, BudgetedBody<Fed>) {
         let (tx, rx) = mpsc::channel(64);
-        (tx, BudgetedBody::new(Fed(rx), layer))
+        (tx, BudgetedBody::new(Fed(rx), layer, None))
     }
 
     async fn next(b: &mut BudgetedBody<Fed>) -> Option<Result<http_body::Frame<Bytes>, tonic::Status>> {
@@ -289,6 +355,38 @@ mod tests {
         assert!(refused.message().contains("grpc_max_buffered_bytes"), "{refused}");
         assert!(next(&mut d).await.is_none(), "ended");
         drop(tx_c);
+    }
+
+    /// A tenant's bodies draw from its share too: one tenant holding its share leaves the rest
+    /// of the budget to another, whose body is read at once; the first tenant's next body waits,
+    /// and is refused naming its share.
+    #[tokio::test]
+    async fn a_tenant_holding_its_share_leaves_the_rest_to_others() {
+        let layer = GrpcBodyBudgetLayer::new(2 * PIECE as u64, Duration::from_millis(500), BODY_DEADLINE)
+            .with_tenant_shares(PIECE as u64, Arc::new(|_: &http::HeaderMap, _: &http::Extensions| None));
+        let share = |name: &str| {
+            let mut shares = layer.shares.lock();
+            shares.entry(name.to_string()).or_insert_with(|| Arc::new(Semaphore::new(layer.share))).clone()
+        };
+        let body_of = |name: &str| {
+            let (tx, rx) = mpsc::channel(64);
+            (tx, BudgetedBody::new(Fed(rx), &layer, Some(share(name))))
+        };
+        let (tx_a, mut a) = body_of("a");
+        tx_a.send(Bytes::from(vec![1; PIECE as usize])).await.unwrap();
+        next(&mut a).await.unwrap().unwrap();
+        // "a" holds its whole share (half the budget): "b" is read at once.
+        let (tx_b, mut b) = body_of("b");
+        tx_b.send(Bytes::from_static(b"b's")).await.unwrap();
+        let got = tokio::time::timeout(Duration::from_millis(300), next(&mut b)).await.expect("b waited");
+        assert_eq!(got.unwrap().unwrap().into_data().unwrap(), Bytes::from_static(b"b's"));
+        // A second body of "a" waits for a's share, and is refused naming it.
+        let (_tx_a2, mut a2) = body_of("a");
+        let refused = next(&mut a2).await.unwrap().unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::ResourceExhausted, "{refused}");
+        assert!(refused.message().contains("this tenant's share"), "{refused}");
+        drop((a, tx_a));
+        assert_eq!(share("a").available_permits(), PIECE as usize, "a's share came back");
     }
 
     /// A body that stops arriving is ended after the stall timeout, and one that trickles in

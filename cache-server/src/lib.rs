@@ -446,6 +446,20 @@ pub async fn start(
             }
         }
     };
+    // Whose a request's body is, for its tenant's share of the body budget (the credential
+    // check proper is `check_auth`'s).
+    let who_state = state.clone();
+    let who: grpc_budget::WhoAsks =
+        Arc::new(move |headers: &tonic::codegen::http::HeaderMap, ext: &tonic::codegen::http::Extensions| {
+            let token =
+                headers.get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+            let cert = ext.get::<listen::GrpcPeer>().and_then(|p| p.cert.as_ref());
+            match who_state.tenants().resolve(cert, token.map(str::as_bytes)) {
+                Ok(tenants::Principal::Tenant(t)) => Some(t.name.clone()),
+                _ => None,
+            }
+        });
+    let body_budget = state.config().grpc_max_buffered_bytes.0.max(MAX_GRPC_MESSAGE as u64 + (1 << 20));
     let cert_state = state.clone();
     let (incoming, accepting) = listen::grpc_incoming(
         grpc_listener,
@@ -468,11 +482,14 @@ pub async fn start(
             // Every call counted by method, failures by status (the credential check's too).
             .layer(grpc_metrics::GrpcMetricsLayer)
             // What requests still arriving may make the node hold, and for how long.
-            .layer(grpc_budget::GrpcBodyBudgetLayer::new(
-                state.config().grpc_max_buffered_bytes.0.max(MAX_GRPC_MESSAGE as u64 + (1 << 20)),
-                state.config().stall_timeout.0,
-                grpc_budget::BODY_DEADLINE,
-            ))
+            .layer(
+                grpc_budget::GrpcBodyBudgetLayer::new(
+                    body_budget,
+                    state.config().stall_timeout.0,
+                    grpc_budget::BODY_DEADLINE,
+                )
+                .with_tenant_shares((body_budget / 2).max(MAX_GRPC_MESSAGE as u64 + (1 << 20)), who),
+            )
             .add_service(tonic::service::interceptor::InterceptedService::new(service, check_auth))
             .serve_with_incoming_shutdown(incoming, async move { stopped(&mut grpc_stop).await }),
     );
