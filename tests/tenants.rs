@@ -270,6 +270,11 @@ async fn quotas_stop_a_tenant_at_its_own_namespaces_and_sessions() {
     assert!(!m.contains("kvtier_quota_refusals_total{tenant=\"b\""), "{m}");
 }
 
+/// A node with the tenants of `cfg`, 64 MiB of DRAM and a 256 MiB disk tier.
+fn node_with_disk(cfg: &std::path::Path) -> ServerProcess {
+    ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB", "--disk-capacity", "256MiB"])
+}
+
 /// A tenant's `Stats` shows its disk quota as the disk's capacity from the start, as it does
 /// its DRAM quota. Before, it showed the whole tier's until its first namespace was registered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -283,14 +288,7 @@ async fn a_tenant_s_stats_show_its_quotas_before_its_first_namespace() {
         ),
     )
     .unwrap();
-    let server = ServerProcess::start(&[
-        "--config",
-        cfg.to_str().unwrap(),
-        "--dram-capacity",
-        "64MiB",
-        "--disk-capacity",
-        "256MiB",
-    ]);
+    let server = node_with_disk(&cfg);
     let q = client_as(&server, Some(TOKEN_A)).await;
     let cap = |s: &kvtier_proto::pb::StatsResponse, tier: &str| {
         s.tiers.iter().find(|t| t.tier == tier).map(|t| t.capacity_bytes)
@@ -583,14 +581,7 @@ async fn a_tenants_session_larger_than_its_dram_quota_parks_on_disk() {
     let cfg = dir.path().join("quota.toml");
     std::fs::write(&cfg, format!("[[tenants]]\nname = \"a\"\ntokens = [\"{TOKEN_A}\"]\ndram_bytes = \"8MiB\"\n"))
         .unwrap();
-    let server = ServerProcess::start(&[
-        "--config",
-        cfg.to_str().unwrap(),
-        "--dram-capacity",
-        "64MiB",
-        "--disk-capacity",
-        "256MiB",
-    ]);
+    let server = node_with_disk(&cfg);
     let a = client_as(&server, Some(TOKEN_A)).await;
     let ns = a.register(namespace("a", b"a", small_layout())).await.unwrap();
     // 12 MiB of KV (384 blocks of 32 KiB) against an 8 MiB quota.

@@ -957,6 +957,19 @@ impl NodeState {
 mod tests {
     use super::*;
 
+    /// A node on `dir` with 8 MiB of DRAM and an 8 MiB disk tier of 1 MiB segments.
+    fn disk_node(dir: &std::path::Path) -> ServerConfig {
+        use crate::config::ByteSize;
+        ServerConfig {
+            data_dir: dir.to_path_buf(),
+            dram_capacity: ByteSize(8 << 20),
+            disk_capacity: ByteSize(8 << 20),
+            disk_segment_bytes: ByteSize(1 << 20),
+            metrics_listen: None,
+            ..ServerConfig::default()
+        }
+    }
+
     /// A `LOCK` held for a moment (a descriptor copy a starting child process holds until its
     /// `exec`) is waited for; one held for good is refused, naming its holder.
     #[test]
@@ -987,7 +1000,7 @@ mod tests {
     /// before, all 8 passed the check and the tenant held 8 of 2.)
     #[test]
     fn racing_creations_stay_within_max_namespaces_and_the_log_holds_only_those_made() {
-        use crate::config::{ByteSize, TenantConfig};
+        use crate::config::TenantConfig;
         use kvtier_proto::{DType, HashScheme, KvLayout};
         let dir = tempfile::tempdir().unwrap();
         let tenant = TenantConfig {
@@ -996,15 +1009,7 @@ mod tests {
             max_namespaces: Some(2),
             ..Default::default()
         };
-        let config = ServerConfig {
-            data_dir: dir.path().to_path_buf(),
-            dram_capacity: ByteSize(8 << 20),
-            disk_capacity: ByteSize(8 << 20),
-            disk_segment_bytes: ByteSize(1 << 20),
-            metrics_listen: None,
-            tenants: vec![tenant],
-            ..ServerConfig::default()
-        };
+        let config = ServerConfig { tenants: vec![tenant], ..disk_node(dir.path()) };
         let addr: SocketAddr = "127.0.0.1:0".parse().unwrap();
         let state = Arc::new(NodeState::open(config.clone(), addr).unwrap());
         let q = state.tenants().authenticate(Some(b"token-of-tenant-q-0123")).unwrap();
@@ -1043,17 +1048,9 @@ mod tests {
     /// 211 KB, compacted only at the next start.
     #[test]
     fn a_namespace_registered_over_and_over_keeps_its_log_bounded() {
-        use crate::config::ByteSize;
         use kvtier_proto::{DType, HashScheme, KvLayout};
         let dir = tempfile::tempdir().unwrap();
-        let config = ServerConfig {
-            data_dir: dir.path().to_path_buf(),
-            dram_capacity: ByteSize(8 << 20),
-            disk_capacity: ByteSize(8 << 20),
-            disk_segment_bytes: ByteSize(1 << 20),
-            metrics_listen: None,
-            ..ServerConfig::default()
-        };
+        let config = disk_node(dir.path());
         let addr: SocketAddr = "127.0.0.1:0".parse().unwrap();
         let mut state = NodeState::open(config.clone(), addr).unwrap();
         if let Some(log) = state.namespace_log.as_mut() {
