@@ -691,6 +691,12 @@ mod tests {
         assert_eq!(replayed, expected);
     }
 
+    /// A store on the synced session log in `dir`, opened now, and what its replay found.
+    fn synced_store(dir: &std::path::Path) -> (SessionStore, Replayed) {
+        let (log, replayed) = SessionLog::open(dir, true, unix_ms(SystemTime::now())).unwrap();
+        (SessionStore::new(Some(log)), replayed)
+    }
+
     /// A drop remembered with a log is back after a restart, as of when it was made (not when
     /// the node started again), so a copy touched before it is still a dropped copy and a session
     /// parked after it is not; remembering the same drop again writes nothing.
@@ -700,8 +706,7 @@ mod tests {
         let tier = DramTier::new(DramConfig::new(1 << 20));
         let ns = NamespaceId([6; 16]);
         let keys: Vec<BlockKey> = (0..2).map(|i| block(&tier, ns, i)).collect();
-        let (log, _) = SessionLog::open(dir.path(), true, unix_ms(SystemTime::now())).unwrap();
-        let store = SessionStore::new(Some(log));
+        let (store, _) = synced_store(dir.path());
         let old = store.park(&tier, spec(ns, "s", keys.clone(), 0), &limits()).unwrap();
         // The log keeps milliseconds: the drop well after the park, the next park well after it.
         std::thread::sleep(Duration::from_millis(20));
@@ -716,8 +721,7 @@ mod tests {
         let new = store.park(&tier, spec(ns, "s", keys, 0), &limits()).unwrap();
         drop(store);
 
-        let (log, replayed) = SessionLog::open(dir.path(), true, unix_ms(SystemTime::now())).unwrap();
-        let store = SessionStore::new(Some(log));
+        let (store, replayed) = synced_store(dir.path());
         store.restore_drops(replayed.drops);
         let back = store.dropped_at(ns, "s").expect("the drop is remembered");
         let off = if back > at { back - at } else { at - back };
@@ -726,12 +730,14 @@ mod tests {
         assert!(!store.is_dropped_copy(&new), "the session parked after the drop");
 
         // The namespace unregistered later: every session of it counts as dropped then, and
-        // that is logged and comes back too; another namespace's sessions are untouched.
+        // that is logged and comes back too; another namespace's sessions are untouched. Well
+        // after the park (the log keeps milliseconds: within one, the restored time can fall
+        // before it).
+        std::thread::sleep(Duration::from_millis(20));
         let gone = Instant::now();
         store.remember_unregistered_at(ns, gone);
         drop(store);
-        let (log, replayed) = SessionLog::open(dir.path(), true, unix_ms(SystemTime::now())).unwrap();
-        let store = SessionStore::new(Some(log));
+        let (store, replayed) = synced_store(dir.path());
         store.restore_drops(replayed.drops);
         for id in ["s", "never-parked"] {
             let at = store.dropped_at(ns, id).expect("the unregistration is remembered");
@@ -750,16 +756,14 @@ mod tests {
         let tier = DramTier::new(DramConfig::new(1 << 20));
         let ns = NamespaceId([6; 16]);
         let keys: Vec<BlockKey> = (0..2).map(|i| block(&tier, ns, i)).collect();
-        let (log, _) = SessionLog::open(dir.path(), true, unix_ms(SystemTime::now())).unwrap();
-        let store = SessionStore::new(Some(log));
+        let (store, _) = synced_store(dir.path());
         let v1 = store.park(&tier, spec(ns, "s", keys.clone(), 0), &limits()).unwrap();
         std::thread::sleep(Duration::from_millis(30));
         let v2 = store.park(&tier, spec(ns, "s", keys, 1), &limits()).unwrap();
         assert_eq!(v2.created, v1.created, "a replace keeps the creation");
         drop(store);
 
-        let (log, replayed) = SessionLog::open(dir.path(), true, unix_ms(SystemTime::now())).unwrap();
-        let store = SessionStore::new(Some(log));
+        let (store, replayed) = synced_store(dir.path());
         let per_token = limits().bytes_per_token;
         assert_eq!(store.restore(&tier, replayed.sessions.into_iter().map(|s| (s, per_token)).collect()), (1, 0));
         let back = store.peek(ns, "s").expect("restored");
