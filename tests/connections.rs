@@ -446,3 +446,96 @@ async fn a_connection_over_the_per_peer_limit_is_told_why() {
     }
     drop(grpc_held);
 }
+
+/// A gRPC connection with no call in flight for `idle_timeout` is closed
+/// (`kvtier_errors_total{kind="grpc_idle_timeout"}`), and its client's next call opens a new one;
+/// a connection whose `WatchEvents` stream is open is kept, and its stream goes on. Before, an
+/// authenticated gRPC connection lived for the hour of `max_connection_age` whether it was used
+/// or not, the server's keepalive pings answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_connection_with_no_call_in_flight_is_closed_once_idle() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("idle.toml");
+    std::fs::write(&cfg, "idle_timeout = \"2s\"\n").unwrap();
+    let server = ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"]);
+    let client = server.client().await;
+    let ns = client.register(namespace("idle", b"", small_layout())).await.unwrap();
+    let watcher = server.client().await;
+    let mut watch = watcher.watch_events(&[&ns]).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(4500)).await;
+    let m = server.scrape();
+    assert_eq!(metric(&m, "kvtier_errors_total", &[("kind", "grpc_idle_timeout")]), 1.0, "{m}");
+    // The idle client's next calls go out on a new connection.
+    let doc = tokens(7, 2 * ns.block_tokens());
+    client.park(&ns, "agent", &doc, &session_payloads(&ns, &doc), &Default::default(), 0).await.unwrap();
+    // The watcher's connection was kept: its stream goes on.
+    let parked = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match watch.next().await {
+                Ok(Some(e)) if e.kind == kvtier_client::EventKind::SessionParked => return e,
+                Ok(Some(_)) => continue,
+                other => panic!("the watch ended: {other:?}"),
+            }
+        }
+    })
+    .await
+    .expect("the park's event reached the watcher");
+    assert_eq!(parked.session_id, "agent");
+    assert_eq!(metric(&server.scrape(), "kvtier_errors_total", &[("kind", "grpc_idle_timeout")]), 1.0);
+}
+
+/// A tenant's gRPC connections count against `max_connections_per_tenant` from their first call
+/// with its credential: past it, the call is refused `KV:Connections:TooMany` naming the tenant
+/// and the setting, another tenant's still goes through, and a slot given back (a connection
+/// closed) is taken again. Before, only data-plane and same-node connections were counted: a
+/// tenant could hold every gRPC slot of the listener from a few addresses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_tenant_s_grpc_connections_are_capped() {
+    use kvtier_proto::pb;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("tenants.toml");
+    std::fs::write(
+        &cfg,
+        "max_connections_per_tenant = 2\n[[tenants]]\nname = \"a\"\ntokens = [\"tenant-a-token-000001\"]\n\n\
+         [[tenants]]\nname = \"b\"\ntokens = [\"tenant-b-token-000002\"]\n",
+    )
+    .unwrap();
+    let server = ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"]);
+    let connect = || async {
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.grpc_addr()))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        pb::kv_tier_client::KvTierClient::new(channel)
+    };
+    let stats = |mut c: pb::kv_tier_client::KvTierClient<tonic::transport::Channel>, token: &'static str| async move {
+        let mut req = tonic::Request::new(pb::StatsRequest {});
+        req.metadata_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
+        c.stats(req).await.map(|_| ())
+    };
+    let (one, two, three) = (connect().await, connect().await, connect().await);
+    stats(one.clone(), "tenant-a-token-000001").await.unwrap();
+    stats(two.clone(), "tenant-a-token-000001").await.unwrap();
+    // Again on a counted connection: it rides on its slot.
+    stats(two.clone(), "tenant-a-token-000001").await.unwrap();
+    let refused = stats(three.clone(), "tenant-a-token-000001").await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::ResourceExhausted, "{refused:?}");
+    let said = refused.message();
+    assert!(said.contains("KV:Connections:TooMany") && said.contains("tenant \"a\""), "{said}");
+    assert!(said.contains("max_connections_per_tenant"), "{said}");
+    let code = refused.metadata().get(kvtier_proto::codes::METADATA_KEY).unwrap();
+    assert_eq!(code.to_str().unwrap(), kvtier_proto::codes::TOO_MANY_CONNECTIONS);
+    stats(connect().await, "tenant-b-token-000002").await.expect("another tenant's call goes through");
+    drop(one);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while let Err(e) = stats(three.clone(), "tenant-a-token-000001").await {
+        assert!(Instant::now() < deadline, "a's slot did not come back: {e:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let m = server.scrape();
+    assert!(
+        metric(&m, "kvtier_connections_refused_total", &[("listener", "grpc"), ("reason", "per_tenant")]) >= 1.0,
+        "{m}"
+    );
+}

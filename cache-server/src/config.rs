@@ -78,7 +78,8 @@ pub struct ServerConfig {
     /// back; `"0"` turns it off. At most 10ms. Default: `50us`.
     pub dataplane_poll: DurationStr,
     /// A data-plane connection idle this long between requests is closed (clients recycle pooled
-    /// connections idle for a minute, so keep it above that). Default: `5m`.
+    /// connections idle for a minute, so keep it above that), as is a same-node one, and a gRPC
+    /// connection with no call in flight this long (a stream open counts as one). Default: `5m`.
     pub idle_timeout: DurationStr,
     /// Bearer token `/metrics` asks for; none: open (it listens on loopback by default).
     /// Default: none.
@@ -116,9 +117,10 @@ pub struct ServerConfig {
     /// Connections one peer (an IP address; a local user on the same-node socket) may hold on each
     /// listener; more are closed on arrival. Default: `256`.
     pub max_connections_per_peer: usize,
-    /// Data-plane and same-node connections one tenant's clients may hold at once, whatever
+    /// Data-plane, same-node and gRPC connections one tenant's clients may hold at once, whatever
     /// addresses they come from (the operator's: no such limit); more are refused at their hello
-    /// with `KV:Connections:TooMany`. Default: `512`.
+    /// (gRPC: at the first call with the tenant's credential) with `KV:Connections:TooMany`.
+    /// Default: `512`.
     pub max_connections_per_tenant: usize,
     /// Most block keys all parked sessions' manifests may name together (32 bytes of memory
     /// each, outside the DRAM cap), each session counting `MANIFEST_OVERHEAD_KEYS` more for its

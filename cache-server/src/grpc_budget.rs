@@ -28,8 +28,9 @@ const PIECE: u32 = 64 << 10;
 /// The longest a request body may take to arrive, however steadily it trickles in.
 pub const BODY_DEADLINE: Duration = Duration::from_secs(60);
 
-/// Which tenant a request is from (by its credential), `None` for the operator's.
-pub type WhoAsks = Arc<dyn Fn(&http::HeaderMap, &http::Extensions) -> Option<String> + Send + Sync>;
+/// Which tenant a request is from (by its credential), `None` for the operator's; it may leave
+/// what it found in the request's extensions for the services inside.
+pub type WhoAsks = Arc<dyn Fn(&http::HeaderMap, &mut http::Extensions) -> Option<String> + Send + Sync>;
 
 /// The node-wide budget and the timeouts, shared by every connection's service.
 #[derive(Clone)]
@@ -65,8 +66,8 @@ impl GrpcBodyBudgetLayer {
         self
     }
 
-    fn share_of(&self, req: &http::Request<tonic::body::Body>) -> Option<Arc<Semaphore>> {
-        let tenant = self.who.as_ref()?(req.headers(), req.extensions())?;
+    fn share_of(&self, parts: &mut http::request::Parts) -> Option<Arc<Semaphore>> {
+        let tenant = self.who.as_ref()?(&parts.headers, &mut parts.extensions)?;
         let mut shares = self.shares.lock();
         Some(shares.entry(tenant).or_insert_with(|| Arc::new(Semaphore::new(self.share))).clone())
     }
@@ -106,8 +107,8 @@ where
     }
 
     fn call(&mut self, req: http::Request<tonic::body::Body>) -> Self::Future {
-        let share = self.layer.share_of(&req);
-        let (parts, body) = req.into_parts();
+        let (mut parts, body) = req.into_parts();
+        let share = self.layer.share_of(&mut parts);
         let body = BudgetedBody::new(body, &self.layer, share);
         self.inner.call(http::Request::from_parts(parts, tonic::body::Body::new(body)))
     }
@@ -363,7 +364,7 @@ mod tests {
     #[tokio::test]
     async fn a_tenant_holding_its_share_leaves_the_rest_to_others() {
         let layer = GrpcBodyBudgetLayer::new(2 * PIECE as u64, Duration::from_millis(500), BODY_DEADLINE)
-            .with_tenant_shares(PIECE as u64, Arc::new(|_: &http::HeaderMap, _: &http::Extensions| None));
+            .with_tenant_shares(PIECE as u64, Arc::new(|_: &http::HeaderMap, _: &mut http::Extensions| None));
         let share = |name: &str| {
             let mut shares = layer.shares.lock();
             shares.entry(name.to_string()).or_insert_with(|| Arc::new(Semaphore::new(layer.share))).clone()

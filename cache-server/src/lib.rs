@@ -44,10 +44,12 @@ pub mod fabric;
 pub mod fs;
 pub mod gather;
 pub mod grpc_budget;
+pub mod grpc_calls;
 pub mod grpc_metrics;
 pub mod listen;
 pub mod metrics;
 pub mod quic;
+pub mod remembered;
 pub mod samenode;
 pub mod session_log;
 pub mod session_store;
@@ -74,6 +76,11 @@ pub use state::NodeState;
 
 /// Largest gRPC message accepted (a 1M-token session manifest is ~2 MiB of keys).
 const MAX_GRPC_MESSAGE: usize = 64 << 20;
+
+/// A gRPC call's credential as the body budget's layer resolved it, left in the call's extensions
+/// for the credential check.
+#[derive(Clone)]
+struct ResolvedCredential(Result<tenants::Principal, tenants::Refused>);
 
 /// A started node. [`RunningServer::stop`] ends every task it started.
 pub struct RunningServer {
@@ -426,16 +433,33 @@ pub async fn start(
     // Every call is authenticated here; the handlers authorize it against the principal this
     // leaves in the request's extensions.
     let auth_state = state.clone();
+    let max_per_tenant = state.config().max_connections_per_tenant;
     let check_auth = move |mut req: tonic::Request<()>| -> Result<tonic::Request<()>, tonic::Status> {
-        let presented = req.metadata().get("authorization").and_then(|v| v.to_str().ok());
-        let token = presented.and_then(|v| v.strip_prefix("Bearer ")).map(str::as_bytes);
-        let peer = req.extensions().get::<listen::GrpcPeer>();
-        let cert = peer.and_then(|p| p.cert.as_ref());
-        match auth_state.tenants().resolve(cert, token) {
+        // Resolved once, by the body budget's layer, which needed the tenant first.
+        let resolved = match req.extensions_mut().remove::<ResolvedCredential>() {
+            Some(ResolvedCredential(r)) => r,
+            None => {
+                let presented = req.metadata().get("authorization").and_then(|v| v.to_str().ok());
+                let token = presented.and_then(|v| v.strip_prefix("Bearer ")).map(str::as_bytes);
+                let cert = req.extensions().get::<listen::GrpcPeer>().and_then(|p| p.cert.as_ref());
+                auth_state.tenants().resolve(cert, token)
+            }
+        };
+        match resolved {
             Ok(principal) => {
-                // The connection made a call it may make: it keeps its slot.
-                if let Some(p) = peer {
-                    p.authenticated.store(true, std::sync::atomic::Ordering::Release);
+                // The connection made a call it may make: it keeps its listener slot, and takes
+                // one of its tenant's with its first.
+                if let Some(p) = req.extensions().get::<listen::GrpcPeer>() {
+                    if let Err(why) = p.calls.admit(&principal, max_per_tenant) {
+                        let mut status = tonic::Status::resource_exhausted(format!(
+                            "{}: connection refused: {why}",
+                            kvtier_proto::codes::TOO_MANY_CONNECTIONS
+                        ));
+                        if let Ok(v) = kvtier_proto::codes::TOO_MANY_CONNECTIONS.parse() {
+                            status.metadata_mut().insert(kvtier_proto::codes::METADATA_KEY, v);
+                        }
+                        return Err(status);
+                    }
                 }
                 req.extensions_mut().insert(principal);
                 Ok(req)
@@ -450,20 +474,25 @@ pub async fn start(
     // check proper is `check_auth`'s).
     let who_state = state.clone();
     let who: grpc_budget::WhoAsks =
-        Arc::new(move |headers: &tonic::codegen::http::HeaderMap, ext: &tonic::codegen::http::Extensions| {
+        Arc::new(move |headers: &tonic::codegen::http::HeaderMap, ext: &mut tonic::codegen::http::Extensions| {
             let token =
                 headers.get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
             let cert = ext.get::<listen::GrpcPeer>().and_then(|p| p.cert.as_ref());
-            match who_state.tenants().resolve(cert, token.map(str::as_bytes)) {
+            let resolved = who_state.tenants().resolve(cert, token.map(str::as_bytes));
+            let tenant = match &resolved {
                 Ok(tenants::Principal::Tenant(t)) => Some(t.name.clone()),
                 _ => None,
-            }
+            };
+            // For the credential check: resolving again would count a bad token twice.
+            ext.insert(ResolvedCredential(resolved));
+            tenant
         });
     let body_budget = state.config().grpc_max_buffered_bytes.0.max(MAX_GRPC_MESSAGE as u64 + (1 << 20));
     let cert_state = state.clone();
     let (incoming, accepting) = listen::grpc_incoming(
         grpc_listener,
         state.config().conn_limits(),
+        state.config().idle_timeout.0,
         stop_rx.clone(),
         tls.map(|t| t.grpc),
         move |names| cert_state.tenants().authenticate_cert(names),
@@ -479,6 +508,8 @@ pub async fn start(
             .max_connection_age(Duration::from_secs(3600))
             .max_connection_age_grace(Duration::from_secs(30))
             .max_concurrent_streams(256)
+            // Calls in flight counted per connection, so an idle one is closed.
+            .layer(grpc_calls::GrpcCallsLayer)
             // Every call counted by method, failures by status (the credential check's too).
             .layer(grpc_metrics::GrpcMetricsLayer)
             // What requests still arriving may make the node hold, and for how long.

@@ -281,6 +281,10 @@ pub struct GrpcConn {
     /// connection that only answers the server's pings held a slot until its hour was up,
     /// credential or not).
     first_call_by: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+    /// Closed once it has had no call in flight for this long (`idle_timeout`), looked at when
+    /// `idle_check` fires.
+    idle_timeout: Duration,
+    idle_check: std::pin::Pin<Box<tokio::time::Sleep>>,
     _slot: tokio::sync::oneshot::Sender<()>,
 }
 
@@ -373,8 +377,8 @@ pub struct GrpcPeer {
     pub remote: std::net::SocketAddr,
     /// Whom the connection's verified TLS client certificate names, if anyone.
     pub cert: Option<Principal>,
-    /// Set by the credential check when a call of the connection passes it.
-    pub authenticated: Arc<std::sync::atomic::AtomicBool>,
+    /// Its calls: admitted by the credential check, counted while in flight.
+    pub calls: Arc<crate::grpc_calls::ConnCalls>,
 }
 
 /// The gRPC listener's connections, within `limits` (over TLS with `tls`, the handshake in the
@@ -383,6 +387,7 @@ pub struct GrpcPeer {
 pub(crate) fn grpc_incoming(
     listener: tokio::net::TcpListener,
     limits: ConnLimits,
+    idle_timeout: Duration,
     stop: watch::Receiver<bool>,
     tls: Option<tokio_rustls::TlsAcceptor>,
     cert_principal: impl Fn(&[String]) -> Option<Principal> + Send + Sync + 'static,
@@ -423,9 +428,11 @@ pub(crate) fn grpc_incoming(
                     let (slot, freed) = tokio::sync::oneshot::channel();
                     let conn = GrpcConn {
                         inner,
-                        info: GrpcPeer { remote, cert, authenticated: Arc::default() },
+                        info: GrpcPeer { remote, cert, calls: Arc::default() },
                         preface_read: 0,
                         first_call_by: Some(Box::pin(tokio::time::sleep(PREFACE_TIMEOUT))),
+                        idle_timeout,
+                        idle_check: Box::pin(tokio::time::sleep(idle_timeout)),
                         _slot: slot,
                     };
                     if tx.send(Ok(conn)).await.is_ok() {
@@ -481,7 +488,7 @@ impl tokio::io::AsyncRead for GrpcConn {
         }
         let this = self.as_mut().get_mut();
         if let Some(by) = &mut this.first_call_by {
-            if this.info.authenticated.load(std::sync::atomic::Ordering::Acquire) {
+            if this.info.calls.authenticated() {
                 this.first_call_by = None;
             } else if std::future::Future::poll(by.as_mut(), cx).is_ready() {
                 crate::metrics::error("grpc_no_call");
@@ -492,7 +499,36 @@ impl tokio::io::AsyncRead for GrpcConn {
                 )));
             }
         }
-        grpc_stream!(self, s => std::pin::Pin::new(s).poll_read(cx, buf))
+        let read = match &mut this.inner {
+            GrpcStream::Plain(s) => std::pin::Pin::new(s).poll_read(cx, buf),
+            GrpcStream::Tls(s) => std::pin::Pin::new(s).poll_read(cx, buf),
+        };
+        if read.is_pending() && this.idle_out(cx) {
+            // Read as the client's end of the stream: HTTP/2 ends a connection with no stream
+            // open quietly, and the client's next call opens a new one (tonic's channels do).
+            return std::task::Poll::Ready(Ok(()));
+        }
+        read
+    }
+}
+
+impl GrpcConn {
+    /// Whether the connection, with nothing to read now, has had no call in flight for
+    /// `idle_timeout`: then it is closed. Otherwise the check is set for when it could be.
+    fn idle_out(&mut self, cx: &mut std::task::Context<'_>) -> bool {
+        while std::future::Future::poll(self.idle_check.as_mut(), cx).is_ready() {
+            let left = match self.info.calls.idle_for() {
+                Some(idle) if idle >= self.idle_timeout => {
+                    crate::metrics::error("grpc_idle_timeout");
+                    tracing::debug!(remote = %self.info.remote, "gRPC connection closed: idle for {idle:?}");
+                    return true;
+                }
+                Some(idle) => self.idle_timeout - idle,
+                None => self.idle_timeout,
+            };
+            self.idle_check.as_mut().reset(tokio::time::Instant::now() + left);
+        }
+        false
     }
 }
 

@@ -55,12 +55,12 @@ pub struct Tenant {
     read: HashSet<String>,
     write: HashSet<String>,
     pub quotas: Quotas,
-    /// Its data-plane and same-node connections open now (see [`Tenant::connection`]).
+    /// Its data-plane, same-node and gRPC connections open now (see [`Tenant::connection`]).
     connections: std::sync::atomic::AtomicUsize,
 }
 
 impl Tenant {
-    /// One of the tenant's `max` connection slots (data plane and same-node socket together),
+    /// One of the tenant's `max` connection slots (data plane, same-node socket and gRPC together),
     /// held until dropped; the number it holds already when they are all taken.
     pub fn connection(self: &Arc<Self>, max: usize) -> Result<TenantConnection, usize> {
         use std::sync::atomic::Ordering;
