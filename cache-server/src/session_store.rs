@@ -15,6 +15,7 @@ use parking_lot::Mutex;
 
 use crate::error::ServerError;
 use crate::events::{EventBus, EventKind};
+use crate::remembered::RememberedIds;
 use crate::session_log::{unix_ms, LoggedSession, SessionLog};
 use crate::sessions::{ParkSpec, SessionLimits, SessionManifest, SessionTable};
 use crate::tiers::PinTier;
@@ -27,7 +28,9 @@ pub struct SessionStore {
     /// Sessions dropped here lately (a client's drop, or one passed on by the node that took
     /// it), and when: a copy last touched before is a dropped one, not to be taken back from a
     /// node that was away during the drop. Logged where there is a log (so a restart keeps them).
-    drops: Mutex<std::collections::HashMap<(NamespaceId, String), Instant>>,
+    /// At most [`MAX_DROPS_REMEMBERED`]; past it, the oldest of the namespace remembering the
+    /// most are forgotten, so one tenant's flood of drops can't forget another's.
+    drops: Mutex<RememberedIds>,
 }
 
 /// How long a drop is remembered against copies of the session coming back.
@@ -37,7 +40,7 @@ pub const DROP_REMEMBERED: Duration = Duration::from_secs(3600);
 /// it had (no session has an empty id: parks refuse one).
 const WHOLE_NAMESPACE: &str = "";
 
-/// Most drops remembered at once; past it the oldest are forgotten.
+/// Most drops remembered at once (past it, see [`RememberedIds`]).
 const MAX_DROPS_REMEMBERED: usize = 65_536;
 
 /// A change that is made in memory and still has to reach the log.
@@ -71,7 +74,7 @@ impl SessionStore {
             table: Mutex::new(SessionTable::default()),
             log,
             events: std::sync::OnceLock::new(),
-            drops: Mutex::new(std::collections::HashMap::new()),
+            drops: Mutex::new(RememberedIds::new(MAX_DROPS_REMEMBERED)),
         }
     }
 
@@ -98,7 +101,7 @@ impl SessionStore {
         // Numbered under the lock that orders the changes to the map, appended outside it.
         let seq = {
             let mut drops = self.drops.lock();
-            if drops.get(&(ns, id.to_string())).is_some_and(|had| *had >= at) {
+            if drops.get(ns, id).is_some_and(|had| had >= at) {
                 return;
             }
             Self::insert_drop(&mut drops, ns, id, at);
@@ -139,33 +142,17 @@ impl SessionStore {
         Self::insert_drop(&mut self.drops.lock(), ns, id, at);
     }
 
-    fn insert_drop(
-        drops: &mut std::collections::HashMap<(NamespaceId, String), Instant>,
-        ns: NamespaceId,
-        id: &str,
-        at: Instant,
-    ) {
+    fn insert_drop(drops: &mut RememberedIds, ns: NamespaceId, id: &str, at: Instant) {
         let now = Instant::now();
-        if drops.len() >= MAX_DROPS_REMEMBERED {
-            drops.retain(|_, at| now.duration_since(*at) < DROP_REMEMBERED);
-            if drops.len() >= MAX_DROPS_REMEMBERED {
-                // Still full of recent drops: forget the older half.
-                let mut ages: Vec<Instant> = drops.values().copied().collect();
-                ages.sort_unstable();
-                let cut = ages[ages.len() / 2];
-                drops.retain(|_, at| *at > cut);
-            }
-        }
-        let e = drops.entry((ns, id.to_string())).or_insert(at);
-        *e = (*e).max(at);
+        drops.insert_latest(ns, id, at, |at| now.duration_since(*at) < DROP_REMEMBERED);
     }
 
     /// When session `id` was dropped here, if within [`DROP_REMEMBERED`]: its own drop, or its
     /// namespace's unregistration ([`Self::remember_unregistered_at`]), whichever came later.
     pub fn dropped_at(&self, ns: NamespaceId, id: &str) -> Option<Instant> {
         let drops = self.drops.lock();
-        let own = drops.get(&(ns, id.to_string())).copied();
-        let all = drops.get(&(ns, WHOLE_NAMESPACE.to_string())).copied();
+        let own = drops.get(ns, id);
+        let all = drops.get(ns, WHOLE_NAMESPACE);
         own.max(all).filter(|at| at.elapsed() < DROP_REMEMBERED)
     }
 
@@ -746,6 +733,24 @@ mod tests {
         }
         assert!(store.is_dropped_copy(&new), "parked before the unregistration");
         assert_eq!(store.dropped_at(NamespaceId([9; 16]), "s"), None);
+    }
+
+    /// One namespace's flood of drops past [`MAX_DROPS_REMEMBERED`] forgets its own oldest, not
+    /// another namespace's (another tenant's) drop, which still keeps its copies from coming back.
+    /// Before, the node-wide map forgot the older half of every namespace's drops.
+    #[test]
+    fn a_flood_of_drops_in_one_namespace_does_not_forget_another_s() {
+        let store = SessionStore::new(None);
+        let (victim, flood) = (NamespaceId([1; 16]), NamespaceId([2; 16]));
+        let at = Instant::now();
+        store.remember_drop_at(victim, "s", at);
+        for i in 0..MAX_DROPS_REMEMBERED + 10_000 {
+            store.remember_drop_at(flood, &format!("f{i}"), Instant::now());
+        }
+        assert_eq!(store.dropped_at(victim, "s"), Some(at), "another namespace's drop was forgotten");
+        assert!(store.dropped_at(flood, &format!("f{}", MAX_DROPS_REMEMBERED + 9_999)).is_some());
+        assert!(store.dropped_at(flood, "f0").is_none(), "the flood's oldest make the room");
+        assert!(store.drops.lock().len() <= MAX_DROPS_REMEMBERED);
     }
 
     /// A session restored at start keeps when it was created (in the log as wall-clock ms), so

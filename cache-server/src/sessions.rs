@@ -7,16 +7,18 @@
 //! [`SessionTable::expire`] from a timer. Pins and the manifest change under one lock, so a
 //! session is never visible with blocks that are not pinned.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use kvtier_proto::{BlockKey, NamespaceId};
 
 use crate::dram::Priority;
 use crate::error::ServerError;
+use crate::remembered::RememberedIds;
 pub use crate::tiers::PinTier;
 
-/// How many expired session ids are remembered so a late resume gets "expired", not "not found".
+/// How many expired session ids are remembered so a late resume gets "expired", not "not found"
+/// (past it, the oldest of the namespace remembering the most are forgotten: [`RememberedIds`]).
 const EXPIRED_MEMORY: usize = 16_384;
 
 type SessionId = (NamespaceId, String);
@@ -160,17 +162,27 @@ fn manifest_cost(keys: usize, tail: bool) -> u64 {
     keys as u64 + u64::from(tail) + MANIFEST_OVERHEAD_KEYS
 }
 
-#[derive(Default)]
 pub struct SessionTable {
     sessions: HashMap<SessionId, SessionManifest>,
-    expired: HashMap<SessionId, Instant>,
-    expired_order: VecDeque<(SessionId, Instant)>,
+    expired: RememberedIds,
     /// Sessions lost when the node last started (see [`SessionTable::mark_lost`]).
     lost: std::collections::HashSet<SessionId>,
     /// Per namespace: live sessions and the bytes they stand for (for the tenants' quotas).
     usage: HashMap<NamespaceId, (u64, u64)>,
     /// Keys named by every manifest (tails included).
     manifest_keys: u64,
+}
+
+impl Default for SessionTable {
+    fn default() -> Self {
+        SessionTable {
+            sessions: HashMap::new(),
+            expired: RememberedIds::new(EXPIRED_MEMORY),
+            lost: Default::default(),
+            usage: HashMap::new(),
+            manifest_keys: 0,
+        }
+    }
 }
 
 fn check_shape(keys: usize, has_tail: bool, token_count: u64, limits: &SessionLimits) -> Result<(), ServerError> {
@@ -313,15 +325,7 @@ impl SessionTable {
 
     /// Remembers that session `id` expired at `at` (asking for it then says so).
     pub fn remember_expired(&mut self, id: SessionId, at: Instant) {
-        self.expired.insert(id.clone(), at);
-        self.expired_order.push_back((id, at));
-        while self.expired_order.len() > EXPIRED_MEMORY {
-            if let Some((old, when)) = self.expired_order.pop_front() {
-                if self.expired.get(&old) == Some(&when) {
-                    self.expired.remove(&old);
-                }
-            }
-        }
+        self.expired.insert(id.0, &id.1, at);
     }
 
     /// Removes `id` if it has expired by `now`, unpinning its blocks.
@@ -370,7 +374,7 @@ impl SessionTable {
             bytes: spec.token_count * limits.bytes_per_token,
             created,
         };
-        self.expired.remove(&sid);
+        self.expired.remove(sid.0, &sid.1);
         self.insert(sid, manifest.clone());
         Ok(manifest)
     }
@@ -540,10 +544,10 @@ impl SessionTable {
     }
 
     fn absent_error(&self, sid: &SessionId, now: Instant) -> ServerError {
-        match self.expired.get(sid) {
+        match self.expired.get(sid.0, &sid.1) {
             Some(at) => ServerError::SessionExpired {
                 id: sid.1.clone(),
-                ago_ms: now.saturating_duration_since(*at).as_millis() as u64,
+                ago_ms: now.saturating_duration_since(at).as_millis() as u64,
             },
             None if self.lost.contains(sid) => ServerError::SessionLost(sid.1.clone()),
             None => ServerError::SessionNotFound(sid.1.clone()),
@@ -605,7 +609,7 @@ impl SessionTable {
             tier.unpin(&old.namespace, &old.pinned_keys());
         }
         let m = SessionManifest { bytes: m.token_count * limits.bytes_per_token, ..m };
-        self.expired.remove(&sid);
+        self.expired.remove(sid.0, &sid.1);
         self.insert(sid, m.clone());
         Ok(m)
     }
@@ -648,7 +652,7 @@ impl SessionTable {
         match self.sessions.get(&sid) {
             Some(m) if m.expires_at > now => None,
             Some(m) => Some(now.saturating_duration_since(m.expires_at)),
-            None => self.expired.get(&sid).map(|at| now.saturating_duration_since(*at)),
+            None => self.expired.get(ns, id).map(|at| now.saturating_duration_since(at)),
         }
     }
 
@@ -1085,5 +1089,23 @@ mod tests {
             t.resume(&tier, ns, "agent-2", now + Duration::from_secs(11)),
             Err(ServerError::SessionExpired { .. })
         ));
+    }
+
+    /// One namespace's flood of expiries past [`EXPIRED_MEMORY`] forgets its own oldest, so another
+    /// namespace's late resume is still told its session expired (and how long ago), not that it
+    /// was never there. Before, one first-in-first-out list forgot the oldest of every namespace.
+    #[test]
+    fn a_flood_of_expiries_in_one_namespace_does_not_forget_another_s() {
+        let mut t = SessionTable::default();
+        let (victim, flood) = (NamespaceId([1; 16]), NamespaceId([2; 16]));
+        let now = Instant::now();
+        t.remember_expired((victim, "s".into()), now);
+        for i in 0..EXPIRED_MEMORY + 1_000 {
+            t.remember_expired((flood, format!("f{i}")), now);
+        }
+        let later = now + Duration::from_secs(3);
+        assert_eq!(t.expired_ago(victim, "s", later), Some(Duration::from_secs(3)));
+        assert!(t.expired_ago(flood, &format!("f{}", EXPIRED_MEMORY + 999), later).is_some());
+        assert!(t.expired.len() <= EXPIRED_MEMORY);
     }
 }
