@@ -539,3 +539,74 @@ async fn one_tenant_s_grpc_connections_are_capped() {
         "{m}"
     );
 }
+
+/// An idle gRPC connection is told GOAWAY (NO_ERROR, every stream so far served) before it is
+/// closed, so a client never sends a call into a connection the node is closing (tonic's
+/// channels retry none); a raw HTTP/2 client makes one call, then reads the node's frames until
+/// the close. Before the GOAWAY, an idle connection was cut with no word: a call sent at that
+/// moment failed as a broken connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_grpc_connection_is_told_goaway_before_it_is_closed() {
+    use tokio::io::AsyncReadExt;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("idle.toml");
+    std::fs::write(&cfg, "idle_timeout = \"2s\"\n").unwrap();
+    let server = ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"]);
+    let frame = |kind: u8, flags: u8, stream: u32, payload: &[u8]| {
+        let mut f = (payload.len() as u32).to_be_bytes()[1..].to_vec();
+        f.extend_from_slice(&[kind, flags]);
+        f.extend_from_slice(&stream.to_be_bytes());
+        f.extend_from_slice(payload);
+        f
+    };
+    // One unary call, `Info`, in HPACK literals: :method POST, :scheme http, :path, :authority,
+    // content-type application/grpc, te trailers; its body an empty message.
+    let literal = |name_index: u8, value: &str| {
+        let mut h = vec![name_index, value.len() as u8];
+        h.extend_from_slice(value.as_bytes());
+        h
+    };
+    let mut headers = vec![0x83, 0x86];
+    headers.extend(literal(0x04, "/kvtier.v1.KvTier/Info"));
+    headers.extend(literal(0x01, "127.0.0.1"));
+    headers.extend([0x0f, 0x10, 16]);
+    headers.extend_from_slice(b"application/grpc");
+    headers.extend([0x00, 2, b't', b'e', 8]);
+    headers.extend_from_slice(b"trailers");
+    let mut s = TcpStream::connect(server.grpc).await.unwrap();
+    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    hello.extend(frame(0x4, 0, 0, &[]));
+    hello.extend(frame(0x1, 0x4, 1, &headers));
+    hello.extend(frame(0x0, 0x1, 1, &[0, 0, 0, 0, 0]));
+    s.write_all(&hello).await.unwrap();
+    let t = Instant::now();
+    // (type, flags, stream, payload) of every frame until the node closes.
+    let mut frames = Vec::new();
+    loop {
+        let mut head = [0u8; 9];
+        match tokio::time::timeout(Duration::from_secs(20), s.read_exact(&mut head)).await {
+            Err(_) => panic!("still open after {:?}; frames: {frames:?}", t.elapsed()),
+            Ok(Err(_)) => break,
+            Ok(Ok(_)) => {}
+        }
+        let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+        let mut payload = vec![0u8; len];
+        if s.read_exact(&mut payload).await.is_err() {
+            break;
+        }
+        let stream = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
+        frames.push((head[3], head[4], stream, payload));
+    }
+    let answered = frames.iter().any(|(kind, flags, stream, _)| *kind == 0x1 && *stream == 1 && flags & 0x1 != 0);
+    assert!(answered, "the call was answered (its trailers end stream 1): {frames:?}");
+    let goaway = frames.iter().find(|(kind, ..)| *kind == 0x7).map(|(_, _, _, p)| p.clone());
+    let goaway = goaway.unwrap_or_else(|| panic!("closed without a GOAWAY: {frames:?}"));
+    assert_eq!(&goaway[..8], &[0x7f, 0xff, 0xff, 0xff, 0, 0, 0, 0], "last stream 2^31-1, NO_ERROR");
+    assert!(
+        t.elapsed() >= Duration::from_secs(3),
+        "closed {:?} after its call: before idle_timeout + grace",
+        t.elapsed()
+    );
+    let m = server.scrape();
+    assert_eq!(metric(&m, "kvtier_errors_total", &[("kind", "grpc_idle_timeout")]), 1.0, "{m}");
+}

@@ -282,9 +282,17 @@ pub struct GrpcConn {
     /// credential or not).
     first_call_by: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
     /// Closed once it has had no call in flight for this long (`idle_timeout`), looked at when
-    /// `idle_check` fires.
+    /// `idle_check` fires: first told so by a GOAWAY of the listener's own (see
+    /// [`GrpcConn::idle_out`]), then closed [`GOAWAY_GRACE`] later with no call in flight.
     idle_timeout: Duration,
     idle_check: std::pin::Pin<Box<tokio::time::Sleep>>,
+    /// Whether tonic's last write-side call was a flush that completed, with no write since: h2
+    /// flushes only once all it buffered is written, so a frame of our own fits in here.
+    between_frames: bool,
+    /// The idle GOAWAY, and how much of it is written.
+    own_frame: Option<([u8; 17], usize)>,
+    /// When the idle GOAWAY was written whole.
+    goaway_at: Option<std::time::Instant>,
     _slot: tokio::sync::oneshot::Sender<()>,
 }
 
@@ -433,6 +441,9 @@ pub(crate) fn grpc_incoming(
                         first_call_by: Some(Box::pin(tokio::time::sleep(PREFACE_TIMEOUT))),
                         idle_timeout,
                         idle_check: Box::pin(tokio::time::sleep(idle_timeout)),
+                        between_frames: true,
+                        own_frame: None,
+                        goaway_at: None,
                         _slot: slot,
                     };
                     if tx.send(Ok(conn)).await.is_ok() {
@@ -505,47 +516,111 @@ impl tokio::io::AsyncRead for GrpcConn {
         };
         if read.is_pending() && this.idle_out(cx) {
             // Read as the client's end of the stream: HTTP/2 ends a connection with no stream
-            // open quietly, and the client's next call opens a new one (tonic's channels do).
+            // open quietly, and the client, told GOAWAY, opens its next call on a new one.
             return std::task::Poll::Ready(Ok(()));
         }
         read
     }
 }
 
+/// How long an idle connection told GOAWAY has to take it in before it is closed: the calls it
+/// opened before it read the GOAWAY are answered first.
+pub const GOAWAY_GRACE: Duration = Duration::from_secs(2);
+
+/// HTTP/2 GOAWAY (RFC 9113, 6.8) as a server opens a graceful close: last stream 2^31-1 (every
+/// stream the client opened so far will be served), NO_ERROR.
+const IDLE_GOAWAY: [u8; 17] = [0, 0, 8, 0x7, 0, 0, 0, 0, 0, 0x7f, 0xff, 0xff, 0xff, 0, 0, 0, 0];
+
 impl GrpcConn {
-    /// Whether the connection, with nothing to read now, has had no call in flight for
-    /// `idle_timeout`: then it is closed. Otherwise the check is set for when it could be.
+    /// Whether the connection, with nothing to read now, is to be closed for being idle. Once it
+    /// has had no call in flight for `idle_timeout`, it is told GOAWAY, so its client opens no
+    /// new call on it (a call sent as the connection closed would be lost, and tonic's channels
+    /// retry none); closed once [`GOAWAY_GRACE`] has passed with no call in flight. The checks
+    /// are set for when the next could change something.
     fn idle_out(&mut self, cx: &mut std::task::Context<'_>) -> bool {
+        self.write_own(cx);
         while std::future::Future::poll(self.idle_check.as_mut(), cx).is_ready() {
-            let left = match self.info.calls.idle_for() {
-                Some(idle) if idle >= self.idle_timeout => {
-                    crate::metrics::error("grpc_idle_timeout");
-                    tracing::debug!(remote = %self.info.remote, "gRPC connection closed: idle for {idle:?}");
+            let next = match (self.info.calls.idle_for(), self.goaway_at) {
+                (None, _) => self.idle_timeout.min(GOAWAY_GRACE),
+                (Some(idle), None) if idle < self.idle_timeout => self.idle_timeout - idle,
+                (Some(idle), None) => {
+                    if self.own_frame.is_none() && self.between_frames {
+                        crate::metrics::error("grpc_idle_timeout");
+                        tracing::debug!(remote = %self.info.remote, "gRPC connection told GOAWAY: idle for {idle:?}");
+                        self.own_frame = Some((IDLE_GOAWAY, 0));
+                        self.write_own(cx);
+                    }
+                    // Written, or waiting for tonic's writes to end a frame.
+                    Duration::from_millis(100)
+                }
+                (Some(_), Some(at)) if at.elapsed() >= GOAWAY_GRACE => {
+                    tracing::debug!(remote = %self.info.remote, "gRPC connection closed: idle");
                     return true;
                 }
-                Some(idle) => self.idle_timeout - idle,
-                None => self.idle_timeout,
+                (Some(_), Some(at)) => GOAWAY_GRACE - at.elapsed(),
             };
-            self.idle_check.as_mut().reset(tokio::time::Instant::now() + left);
+            self.idle_check.as_mut().reset(tokio::time::Instant::now() + next);
         }
         false
+    }
+
+    /// Writes what is left of the listener's own frame, if any, as far as the socket takes it
+    /// now (a write that would block is taken up again by the next call on the connection).
+    /// Whether nothing of it is left.
+    fn write_own(&mut self, cx: &mut std::task::Context<'_>) -> bool {
+        use tokio::io::AsyncWrite;
+        while let Some((frame, written)) = &mut self.own_frame {
+            let wrote = match &mut self.inner {
+                GrpcStream::Plain(s) => std::pin::Pin::new(s).poll_write(cx, &frame[*written..]),
+                GrpcStream::Tls(s) => std::pin::Pin::new(s).poll_write(cx, &frame[*written..]),
+            };
+            match wrote {
+                std::task::Poll::Ready(Ok(n)) if n > 0 => {
+                    *written += n;
+                    if *written == frame.len() {
+                        self.own_frame = None;
+                        self.goaway_at = Some(std::time::Instant::now());
+                        // Under TLS the record goes out on a flush.
+                        let _ = match &mut self.inner {
+                            GrpcStream::Plain(_) => std::task::Poll::Ready(Ok(())),
+                            GrpcStream::Tls(s) => std::pin::Pin::new(s).poll_flush(cx),
+                        };
+                    }
+                }
+                std::task::Poll::Pending => return false,
+                // The socket is gone or closed: tonic's own next write finds out.
+                _ => {
+                    self.own_frame = None;
+                    self.goaway_at = Some(std::time::Instant::now());
+                }
+            }
+        }
+        true
     }
 }
 
 impl tokio::io::AsyncWrite for GrpcConn {
     fn poll_write(
-        self: std::pin::Pin<&mut Self>,
+        mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
         buf: &[u8],
     ) -> std::task::Poll<std::io::Result<usize>> {
+        if !self.as_mut().get_mut().write_own(cx) {
+            return std::task::Poll::Pending;
+        }
+        self.between_frames = false;
         grpc_stream!(self, s => std::pin::Pin::new(s).poll_write(cx, buf))
     }
 
     fn poll_write_vectored(
-        self: std::pin::Pin<&mut Self>,
+        mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> std::task::Poll<std::io::Result<usize>> {
+        if !self.as_mut().get_mut().write_own(cx) {
+            return std::task::Poll::Pending;
+        }
+        self.between_frames = false;
         grpc_stream!(self, s => std::pin::Pin::new(s).poll_write_vectored(cx, bufs))
     }
 
@@ -557,10 +632,21 @@ impl tokio::io::AsyncWrite for GrpcConn {
     }
 
     fn poll_flush(
-        self: std::pin::Pin<&mut Self>,
+        mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<std::io::Result<()>> {
-        grpc_stream!(self, s => std::pin::Pin::new(s).poll_flush(cx))
+        if !self.as_mut().get_mut().write_own(cx) {
+            return std::task::Poll::Pending;
+        }
+        let this = self.get_mut();
+        let flushed = match &mut this.inner {
+            GrpcStream::Plain(s) => std::pin::Pin::new(s).poll_flush(cx),
+            GrpcStream::Tls(s) => std::pin::Pin::new(s).poll_flush(cx),
+        };
+        if matches!(flushed, std::task::Poll::Ready(Ok(()))) {
+            this.between_frames = true;
+        }
+        flushed
     }
 
     fn poll_shutdown(
