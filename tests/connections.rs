@@ -29,6 +29,20 @@ fn hostile_count() -> usize {
     n
 }
 
+/// Two tenants, "a" and "b", each with one token, as config lines.
+const TWO_TENANTS: &str = "[[tenants]]\nname = \"a\"\ntokens = [\"tenant-a-token-000001\"]\n\n\
+                           [[tenants]]\nname = \"b\"\ntokens = [\"tenant-b-token-000002\"]\n";
+
+/// A node on 64 MiB of DRAM started with a config file of `toml` (the file's directory is
+/// returned to be kept while the node runs).
+fn server_with_config(toml: &str) -> (tempfile::TempDir, ServerProcess) {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("node.toml");
+    std::fs::write(&cfg, toml).unwrap();
+    let server = ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"]);
+    (dir, server)
+}
+
 /// Opens `n` connections from 127.0.0.2 to `addr`, each sending `first` (possibly nothing).
 async fn open_from_other_address(addr: std::net::SocketAddr, n: usize, first: &[u8]) -> Vec<TcpStream> {
     let mut out = Vec::with_capacity(n);
@@ -277,15 +291,7 @@ async fn silent_grpc_connections_are_closed_and_do_not_starve_the_listener() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_tenant_s_connections_are_capped_whatever_their_addresses() {
     use kvtier_proto::dataplane::{HelloReply, Status};
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = dir.path().join("tenants.toml");
-    std::fs::write(
-        &cfg,
-        "max_connections_per_tenant = 3\n[[tenants]]\nname = \"a\"\ntokens = [\"tenant-a-token-000001\"]\n\n\
-         [[tenants]]\nname = \"b\"\ntokens = [\"tenant-b-token-000002\"]\n",
-    )
-    .unwrap();
-    let server = ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"]);
+    let (_dir, server) = server_with_config(&format!("max_connections_per_tenant = 3\n{TWO_TENANTS}"));
     let hello = |host: u8, token: &'static str| {
         let data = server.data;
         async move {
@@ -454,10 +460,7 @@ async fn a_connection_over_the_per_peer_limit_is_told_why() {
 /// or not, the server's keepalive pings answered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grpc_connection_with_no_call_in_flight_is_closed_once_idle() {
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = dir.path().join("idle.toml");
-    std::fs::write(&cfg, "idle_timeout = \"2s\"\n").unwrap();
-    let server = ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"]);
+    let (_dir, server) = server_with_config("idle_timeout = \"2s\"\n");
     let client = server.client().await;
     let ns = client.register(namespace("idle", b"", small_layout())).await.unwrap();
     let watcher = server.client().await;
@@ -492,15 +495,7 @@ async fn a_grpc_connection_with_no_call_in_flight_is_closed_once_idle() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_tenant_s_grpc_connections_are_capped() {
     use kvtier_proto::pb;
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = dir.path().join("tenants.toml");
-    std::fs::write(
-        &cfg,
-        "max_connections_per_tenant = 2\n[[tenants]]\nname = \"a\"\ntokens = [\"tenant-a-token-000001\"]\n\n\
-         [[tenants]]\nname = \"b\"\ntokens = [\"tenant-b-token-000002\"]\n",
-    )
-    .unwrap();
-    let server = ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"]);
+    let (_dir, server) = server_with_config(&format!("max_connections_per_tenant = 2\n{TWO_TENANTS}"));
     let connect = || async {
         let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.grpc_addr()))
             .unwrap()
@@ -548,10 +543,7 @@ async fn one_tenant_s_grpc_connections_are_capped() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_grpc_connection_is_told_goaway_before_it_is_closed() {
     use tokio::io::AsyncReadExt;
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = dir.path().join("idle.toml");
-    std::fs::write(&cfg, "idle_timeout = \"2s\"\n").unwrap();
-    let server = ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"]);
+    let (_dir, server) = server_with_config("idle_timeout = \"2s\"\n");
     let frame = |kind: u8, flags: u8, stream: u32, payload: &[u8]| {
         let mut f = (payload.len() as u32).to_be_bytes()[1..].to_vec();
         f.extend_from_slice(&[kind, flags]);
