@@ -345,6 +345,34 @@ async fn with_one_copy_a_session_moves_to_the_node_that_resumes_it() {
     assert!(r.blocks == b2, "wrong bytes after the second move");
 }
 
+/// Two creates of one session id through two nodes at the same moment: one is made, the other
+/// is refused `KV:Session:Exists`, and both nodes then serve the one made. Before, each create
+/// asked the other node while neither had parked yet, both were made, and the two nodes served
+/// two contexts under one id and version until the copies met.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_creates_of_one_id_at_once_make_one_session() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (_nodes, [c1, c2], [ns1, ns2]) = pair_rf1(&redis, dir.path()).await;
+    for round in 0..6u32 {
+        let id = format!("race-{round}");
+        let (t1, b1) = session(&ns1, 100 + round);
+        let (t2, b2) = session(&ns2, 200 + round);
+        let opts = ParkOptions::default();
+        let (r1, r2) = tokio::join!(c1.park(&ns1, &id, &t1, &b1, &opts, 0), c2.park(&ns2, &id, &t2, &b2, &opts, 0));
+        let made = match (&r1, &r2) {
+            (Ok(_), Err(ClientError::SessionExists(_))) => &b1,
+            (Err(ClientError::SessionExists(_)), Ok(_)) => &b2,
+            _ => panic!("round {round}: one create is made and the other refused, got {r1:?} and {r2:?}"),
+        };
+        for (c, ns) in [(&c1, &ns1), (&c2, &ns2)] {
+            let r = c.resume(ns, &id).await.unwrap();
+            assert!(&r.blocks == made, "round {round}: a node serves another context than the one made");
+            assert_eq!(r.info.version, 1);
+        }
+    }
+}
+
 /// The config of node `id` of a one-copy cluster whose killed or stalled members stay members
 /// for 60 s, with `peer_timeout`.
 fn rf1_ttl60(redis: &Redis, dir: &std::path::Path, id: &str, peer_timeout: &str) -> std::path::PathBuf {

@@ -53,6 +53,30 @@ fn check_session_id(id: &str) -> Result<(), ServerError> {
     Ok(())
 }
 
+/// How long a create's claim on a session id lasts at most (its park is done well within it).
+const CREATE_CLAIM_TTL: Duration = Duration::from_secs(10);
+/// How long a create waits for another node's claim on the id: past its TTL.
+const CREATE_CLAIM_WAIT: Duration = Duration::from_secs(11);
+/// How often a waiting create asks again.
+const CREATE_CLAIM_POLL: Duration = Duration::from_millis(20);
+
+/// A create's claim on a session id across the cluster, given back when dropped (the park done
+/// or failed).
+struct CreateClaim {
+    membership: Arc<dyn Membership>,
+    what: String,
+    token: Option<String>,
+}
+
+impl Drop for CreateClaim {
+    fn drop(&mut self) {
+        let (membership, what, token) = (self.membership.clone(), std::mem::take(&mut self.what), self.token.take());
+        if let (Some(token), Ok(rt)) = (token, tokio::runtime::Handle::try_current()) {
+            rt.spawn(async move { membership.release(&what, token).await });
+        }
+    }
+}
+
 /// A session created without an answer from `members`, and the instant before its park as of
 /// which older copies count as superseded.
 struct Unverified {
@@ -190,9 +214,11 @@ impl ControlPlane {
         self.settle_recovered_copy(&ns, &spec.id).await?;
         // Refused before anything is written (a refused park left its blocks on disk).
         self.state.sessions().check_park(&spec, &limits)?;
-        let unverified = match spec.expected_version {
+        // A create holds its claim on the id until the park is done (or failed), so a create of
+        // the same id through another node waits for it, then finds this one's copy.
+        let (unverified, _claim) = match spec.expected_version {
             0 => self.check_create(&ns, &spec.id).await?,
-            _ => None,
+            _ => (None, None),
         };
         // The blocks go to disk before the table is touched, and without holding its lock.
         self.state.tiers().persist(&ns_id, &spec.keys, spec.tail).await?;
@@ -237,11 +263,21 @@ impl ControlPlane {
     /// two nodes never each hold a session of that id parked separately. When some members give
     /// no answer (down, cut off) the park goes on; what to do once it is made is returned (see
     /// [`Self::supersede_unverified`]).
-    async fn check_create(&self, ns: &Namespace, id: &str) -> Result<Option<Unverified>, ServerError> {
-        let Some(peers) = self.state.tiers().peers() else { return Ok(None) };
+    ///
+    /// Two creates of one id through two nodes at once would each find no copy elsewhere: so a
+    /// create first claims the id across the cluster ([`Membership::claim`]) and holds the claim
+    /// until its park is done; a create through another node meanwhile waits for it, then finds
+    /// that copy. Without an answer from the cluster's store the create goes on unclaimed.
+    async fn check_create(
+        &self,
+        ns: &Namespace,
+        id: &str,
+    ) -> Result<(Option<Unverified>, Option<CreateClaim>), ServerError> {
+        let Some(peers) = self.state.tiers().peers() else { return Ok((None, None)) };
         if self.state.sessions().touched(ns.id(), id).is_some() {
-            return Ok(None);
+            return Ok((None, None));
         }
+        let claim = self.claim_create(ns, id).await?;
         let asked = Instant::now();
         let found = replicas::newest_elsewhere(&self.state, peers, ns, id, peers.timeout()).await;
         if let Some((from, m)) = found.newest {
@@ -249,10 +285,44 @@ impl ControlPlane {
             return Err(ServerError::SessionExists(id.to_string()));
         }
         if found.unanswered.is_empty() {
-            return Ok(None);
+            return Ok((None, claim));
         }
         let at = asked.checked_sub(SUPERSEDE_MARGIN).unwrap_or(asked);
-        Ok(Some(Unverified { at, members: found.unanswered }))
+        Ok((Some(Unverified { at, members: found.unanswered }), claim))
+    }
+
+    /// The cluster-wide claim on creating session `id` of `ns`, waited for up to
+    /// [`CREATE_CLAIM_WAIT`] while another node holds it; `None` when the cluster's store gives
+    /// no answer (counted in `kvtier_session_create_claims_failed_total`).
+    async fn claim_create(&self, ns: &Namespace, id: &str) -> Result<Option<CreateClaim>, ServerError> {
+        let Some(membership) = self.membership.get() else { return Ok(None) };
+        let what = format!("create:{}:{id}", ns.id());
+        let waited = Instant::now();
+        loop {
+            match membership.claim(&what, CREATE_CLAIM_TTL).await {
+                Ok(Some(token)) => {
+                    if waited.elapsed() > CREATE_CLAIM_POLL {
+                        ::metrics::counter!("kvtier_session_create_claims_waited_total").increment(1);
+                    }
+                    return Ok(Some(CreateClaim { membership: membership.clone(), what, token: Some(token) }));
+                }
+                Ok(None) if waited.elapsed() < CREATE_CLAIM_WAIT => tokio::time::sleep(CREATE_CLAIM_POLL).await,
+                Ok(None) => {
+                    return Err(ServerError::Peer {
+                        peer: "cluster".into(),
+                        reason: format!(
+                            "session {id:?} is being created through another node, still after {CREATE_CLAIM_WAIT:?}; \
+                             retry"
+                        ),
+                    })
+                }
+                Err(e) => {
+                    ::metrics::counter!("kvtier_session_create_claims_failed_total").increment(1);
+                    tracing::debug!(session = id, "a create goes on unclaimed: {e}");
+                    return Ok(None);
+                }
+            }
+        }
     }
 
     /// A session created without every member's answer, once made: a drop of the id is remembered

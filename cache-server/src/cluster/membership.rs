@@ -91,6 +91,20 @@ pub trait Membership: Send + Sync {
     fn fenced(&self) -> BoxFuture<'static, String> {
         Box::pin(std::future::pending())
     }
+
+    /// Claims `what` across the cluster for at most `ttl` (the create of one session id), so
+    /// that one node at a time does it: a token to give it back with ([`Self::release`]) when
+    /// claimed, `None` while another node holds it. Without a shared store there is one node:
+    /// always claimed.
+    fn claim(&self, _what: &str, _ttl: Duration) -> BoxFuture<'_, Result<Option<String>, ServerError>> {
+        Box::pin(async { Ok(Some(String::new())) })
+    }
+
+    /// Gives back a claim `token` from [`Self::claim`] holds, if it still does (past its TTL it
+    /// may be another node's).
+    fn release(&self, _what: &str, _token: String) -> BoxFuture<'_, ()> {
+        Box::pin(async {})
+    }
 }
 
 /// One node, no store: the snapshot is this node, forever.
@@ -324,6 +338,39 @@ impl Membership for RedisMembership {
             match why {
                 Some(why) => why,
                 None => std::future::pending().await,
+            }
+        })
+    }
+
+    fn claim(&self, what: &str, ttl: Duration) -> BoxFuture<'_, Result<Option<String>, ServerError>> {
+        let s = &self.shared;
+        let key = format!("{{{}}}:claim:{what}", s.cfg.prefix);
+        let token = format!("{}/{}/{}", s.cfg.local.id, s.incarnation, incarnation());
+        Box::pin(async move {
+            let mut con = s.con.lock().clone();
+            let mut set = redis::cmd("SET");
+            set.arg(&key).arg(&token).arg("NX").arg("PX").arg(ttl.as_millis().max(1) as u64);
+            match tokio::time::timeout(s.cfg.op_timeout, set.query_async::<Option<String>>(&mut con)).await {
+                Ok(Ok(Some(_))) => Ok(Some(token)),
+                Ok(Ok(None)) => Ok(None),
+                Ok(Err(e)) => Err(redis_error("claim", &e)),
+                Err(_) => Err(timed_out("claim", s.cfg.op_timeout)),
+            }
+        })
+    }
+
+    fn release(&self, what: &str, token: String) -> BoxFuture<'_, ()> {
+        let s = &self.shared;
+        let key = format!("{{{}}}:claim:{what}", s.cfg.prefix);
+        Box::pin(async move {
+            let mut con = s.con.lock().clone();
+            let mut call = release_script().key(&key);
+            call.arg(&token);
+            match tokio::time::timeout(s.cfg.op_timeout, call.invoke_async::<i64>(&mut con)).await {
+                Ok(Ok(_)) => {}
+                // It goes at its TTL.
+                Ok(Err(e)) => tracing::debug!("a cluster claim was not given back: {}", redis_error("release", &e)),
+                Err(_) => tracing::debug!("a cluster claim was not given back within {:?}", s.cfg.op_timeout),
             }
         })
     }
@@ -911,6 +958,14 @@ return 0
 fn tick_script() -> &'static Script {
     static S: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
     S.get_or_init(|| Script::new(TICK_LUA))
+}
+
+/// Deletes a claim if it still holds the token it was made with.
+fn release_script() -> &'static Script {
+    static S: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
+    S.get_or_init(|| {
+        Script::new("if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) else return 0 end")
+    })
 }
 
 fn leave_script() -> &'static Script {

@@ -304,3 +304,29 @@ async fn a_frozen_redis_makes_calls_time_out_not_hang() {
     // b stopped refreshing: whether its queued leave ran late or not, it is gone within its TTL.
     until(&a, Duration::from_secs(4), "without b", |s| ids(s) == ["a", "c"]).await;
 }
+
+/// A claim is one node's at a time: another's waits (`None`) until it is given back or its TTL
+/// runs out; giving back with another token (a claim that had expired and was taken anew) leaves
+/// it; with Redis gone, claiming fails within the op timeout rather than hanging.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_is_one_node_s_until_given_back_or_past_its_ttl() {
+    let mut redis = RedisProc::start(false);
+    let a = RedisMembership::start(config(&redis, "a", 1500)).await.unwrap();
+    let b = RedisMembership::start(config(&redis, "b", 1500)).await.unwrap();
+    let ttl = Duration::from_secs(10);
+    let token = a.claim("create:x", ttl).await.unwrap().expect("claimed");
+    assert_eq!(b.claim("create:x", ttl).await.unwrap(), None, "held by a");
+    assert!(b.claim("create:y", ttl).await.unwrap().is_some(), "another id is free");
+    b.release("create:x", "not-a-s-token".into()).await;
+    assert_eq!(b.claim("create:x", ttl).await.unwrap(), None, "given back only with its token");
+    a.release("create:x", token).await;
+    let again = b.claim("create:x", Duration::from_millis(300)).await.unwrap().expect("given back: b's now");
+    assert_eq!(a.claim("create:x", ttl).await.unwrap(), None);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(a.claim("create:x", ttl).await.unwrap().is_some(), "b's ran out");
+    drop(again);
+    redis.kill();
+    let t = Instant::now();
+    assert!(a.claim("create:z", ttl).await.is_err(), "no store: no claim");
+    assert!(t.elapsed() < Duration::from_secs(2), "bounded: {:?}", t.elapsed());
+}
