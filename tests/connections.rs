@@ -484,7 +484,10 @@ async fn a_grpc_connection_with_no_call_in_flight_is_closed_once_idle() {
     .await
     .expect("the park's event reached the watcher");
     assert_eq!(parked.session_id, "agent");
-    assert_eq!(metric(&server.scrape(), "kvtier_errors_total", &[("kind", "grpc_idle_timeout")]), 1.0);
+    let m = server.scrape();
+    assert_eq!(metric(&m, "kvtier_errors_total", &[("kind", "grpc_idle_timeout")]), 1.0, "{m}");
+    // tonic's client took the GOAWAY in and closed the connection itself.
+    assert_eq!(metric(&m, "kvtier_errors_total", &[("kind", "grpc_goaway_ignored")]), 0.0, "{m}");
 }
 
 /// A tenant's gRPC connections count against `max_connections_per_tenant` from their first call
@@ -601,4 +604,6 @@ async fn an_idle_grpc_connection_is_told_goaway_before_it_is_closed() {
     );
     let m = server.scrape();
     assert_eq!(metric(&m, "kvtier_errors_total", &[("kind", "grpc_idle_timeout")]), 1.0, "{m}");
+    // This client read the GOAWAY but did not close: the node closed it.
+    assert_eq!(metric(&m, "kvtier_errors_total", &[("kind", "grpc_goaway_ignored")]), 1.0, "{m}");
 }

@@ -180,6 +180,27 @@ async fn tenants_named_by_client_certificates_over_tls_on_both_planes() {
     assert_eq!(unpaced >= 1.0, kvtier_proto::tcp::paces(system.trim()), "{system}: {unpaced} switches over TLS");
 }
 
+/// Over TLS too an idle gRPC connection is told GOAWAY (written into the TLS stream between
+/// tonic's frames and flushed as a record of its own): the client takes it in and closes the
+/// connection itself (none is closed for ignoring it), and its next call goes out on a new one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_tls_connection_is_told_goaway_and_the_client_goes_on() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (ca, _rogue) = pki(tmp.path());
+    let cfg = config(tmp.path(), &ca, false);
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    std::fs::write(&cfg, format!("idle_timeout = \"2s\"\n{text}")).unwrap();
+    let server = ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"]);
+    let alice = connect(&server, Some(tls(&ca, Some((&ca, "alice")))), None).await.unwrap();
+    alice.stats().await.unwrap();
+    // Told at 2 s idle; closed by the node 2 s later if the client had not closed it.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let m = server.scrape();
+    assert_eq!(metric(&m, "kvtier_errors_total", &[("kind", "grpc_idle_timeout")]), 1.0, "{m}");
+    assert_eq!(metric(&m, "kvtier_errors_total", &[("kind", "grpc_goaway_ignored")]), 0.0, "{m}");
+    assert!(!alice.stats().await.unwrap().tiers.is_empty(), "the next call goes out on a new connection");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_optional_client_certificates_tokens_work_and_must_agree_with_a_certificate() {
     let tmp = tempfile::tempdir().unwrap();

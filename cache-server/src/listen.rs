@@ -554,7 +554,9 @@ impl GrpcConn {
                     Duration::from_millis(100)
                 }
                 (Some(_), Some(at)) if at.elapsed() >= GOAWAY_GRACE => {
-                    tracing::debug!(remote = %self.info.remote, "gRPC connection closed: idle");
+                    // A client that takes GOAWAY in closes on its own once it has no call open.
+                    crate::metrics::error("grpc_goaway_ignored");
+                    tracing::debug!(remote = %self.info.remote, "gRPC connection closed: idle, GOAWAY not taken in");
                     return true;
                 }
                 (Some(_), Some(at)) => GOAWAY_GRACE - at.elapsed(),
