@@ -350,7 +350,7 @@ async fn a_grpc_connection_that_makes_no_call_is_closed() {
     for _ in 0..2 {
         let mut s = TcpStream::connect(server.grpc).await.unwrap();
         // The preface and an empty SETTINGS frame: a client that says nothing more.
-        s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0").await.unwrap();
+        s.write_all(H2_PREFACE_AND_SETTINGS).await.unwrap();
         idle.push(s);
     }
     let t = Instant::now();
@@ -538,6 +538,36 @@ async fn one_tenant_s_grpc_connections_are_capped() {
     );
 }
 
+/// What a raw HTTP/2 client sends first: the preface and an empty SETTINGS frame.
+const H2_PREFACE_AND_SETTINGS: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0";
+
+/// An HTTP/2 frame.
+fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let mut f = (payload.len() as u32).to_be_bytes()[1..].to_vec();
+    f.extend_from_slice(&[kind, flags]);
+    f.extend_from_slice(&stream.to_be_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+/// The HPACK block (literals, no Huffman) of a gRPC call to `method` of the node's service:
+/// :method POST, :scheme http, :path, :authority, content-type application/grpc, te trailers.
+fn grpc_call_headers(method: &str) -> Vec<u8> {
+    let literal = |name_index: u8, value: &str| {
+        let mut h = vec![name_index, value.len() as u8];
+        h.extend_from_slice(value.as_bytes());
+        h
+    };
+    let mut headers = vec![0x83, 0x86];
+    headers.extend(literal(0x04, &format!("/kvtier.v1.KvTier/{method}")));
+    headers.extend(literal(0x01, "127.0.0.1"));
+    headers.extend([0x0f, 0x10, 16]);
+    headers.extend_from_slice(b"application/grpc");
+    headers.extend([0x00, 2, b't', b'e', 8]);
+    headers.extend_from_slice(b"trailers");
+    headers
+}
+
 /// An idle gRPC connection is told GOAWAY (NO_ERROR, every stream so far served) before it is
 /// closed, so a client never sends a call into a connection the node is closing (tonic's
 /// channels retry none); a raw HTTP/2 client makes one call, then reads the node's frames until
@@ -547,32 +577,11 @@ async fn one_tenant_s_grpc_connections_are_capped() {
 async fn an_idle_grpc_connection_is_told_goaway_before_it_is_closed() {
     use tokio::io::AsyncReadExt;
     let (_dir, server) = server_with_config("idle_timeout = \"2s\"\n");
-    let frame = |kind: u8, flags: u8, stream: u32, payload: &[u8]| {
-        let mut f = (payload.len() as u32).to_be_bytes()[1..].to_vec();
-        f.extend_from_slice(&[kind, flags]);
-        f.extend_from_slice(&stream.to_be_bytes());
-        f.extend_from_slice(payload);
-        f
-    };
-    // One unary call, `Info`, in HPACK literals: :method POST, :scheme http, :path, :authority,
-    // content-type application/grpc, te trailers; its body an empty message.
-    let literal = |name_index: u8, value: &str| {
-        let mut h = vec![name_index, value.len() as u8];
-        h.extend_from_slice(value.as_bytes());
-        h
-    };
-    let mut headers = vec![0x83, 0x86];
-    headers.extend(literal(0x04, "/kvtier.v1.KvTier/Info"));
-    headers.extend(literal(0x01, "127.0.0.1"));
-    headers.extend([0x0f, 0x10, 16]);
-    headers.extend_from_slice(b"application/grpc");
-    headers.extend([0x00, 2, b't', b'e', 8]);
-    headers.extend_from_slice(b"trailers");
+    // One unary call, `Info`, its body an empty message.
     let mut s = TcpStream::connect(server.grpc).await.unwrap();
-    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
-    hello.extend(frame(0x4, 0, 0, &[]));
-    hello.extend(frame(0x1, 0x4, 1, &headers));
-    hello.extend(frame(0x0, 0x1, 1, &[0, 0, 0, 0, 0]));
+    let mut hello = H2_PREFACE_AND_SETTINGS.to_vec();
+    hello.extend(h2_frame(0x1, 0x4, 1, &grpc_call_headers("Info")));
+    hello.extend(h2_frame(0x0, 0x1, 1, &[0, 0, 0, 0, 0]));
     s.write_all(&hello).await.unwrap();
     let t = Instant::now();
     // (type, flags, stream, payload) of every frame until the node closes.

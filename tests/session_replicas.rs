@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use kvtier_client::{ClientError, KvClient, NamespaceHandle, ParkOptions};
+use kvtier_client::{ClientConfig, ClientError, KvClient, NamespaceHandle, ParkOptions};
 use kvtier_proto::pb;
 use kvtier_tests::redis::Redis;
 use kvtier_tests::*;
@@ -371,6 +371,31 @@ async fn two_creates_of_one_id_at_once_make_one_session() {
             assert_eq!(r.info.version, 1);
         }
     }
+}
+
+/// A create waits while another node holds the claim on its id; a client that gives up on it
+/// meanwhile (its request timeout) resets the call, and the node counts it: a request whose code
+/// is `cancelled`. Before, a call dropped unanswered was counted nowhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_waits_for_another_node_s_claim_and_a_call_given_up_is_counted() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (nodes, [c1, _c2], [ns1, _ns2]) = pair_rf1(&redis, dir.path()).await;
+    // Another node creating "claimed" right now, as far as Redis says.
+    let key = format!("{{kvtier}}:claim:create:{}:claimed", ns1.id);
+    assert_eq!(kvtier_tests::redis::redis_cli(redis.port, &["SET", &key, "elsewhere", "PX", "4000"]).trim(), "OK");
+    let cfg = ClientConfig { request_timeout: Duration::from_millis(1500), ..ClientConfig::default() };
+    let impatient = KvClient::connect(&nodes[0].grpc_addr(), cfg).await.unwrap();
+    let (t, b) = session(&ns1, 9);
+    let opts = ParkOptions::default();
+    let err = impatient.park(&ns1, "claimed", &t, &b, &opts, 0).await.unwrap_err();
+    assert!(matches!(err, ClientError::Timeout(_)), "{err}");
+    until_metric(&nodes[0], "kvtier_request_errors_total", &[("op", "park"), ("code", "cancelled")], 1.0);
+    // Once the claim runs out, the create is made.
+    let started = Instant::now();
+    let made = c1.park(&ns1, "claimed", &t, &b, &opts, 0).await.unwrap();
+    assert_eq!(made.version, 1);
+    assert!(started.elapsed() < Duration::from_secs(5), "waited {:?}", started.elapsed());
 }
 
 /// The config of node `id` of a one-copy cluster whose killed or stalled members stay members

@@ -7,7 +7,9 @@
 //! A tower layer around the node's gRPC service: `kvtier_requests_total{op}` and
 //! `kvtier_request_seconds{op}` (to the answer's headers: a stream's first), and
 //! `kvtier_request_errors_total{op,code}` for an answer whose headers carry a status other than
-//! OK (a failed unary call is answered with its status in the headers).
+//! OK (a failed unary call is answered with its status in the headers). A call its client gave up
+//! on before it was answered (a reset stream, a closed connection) counts as a request with the
+//! code `cancelled`, timed to when it was given up.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -51,8 +53,12 @@ where
         let op = op_of(req.uri().path());
         let start = Instant::now();
         let answer = self.inner.call(req);
+        let unanswered = Unanswered { op, start, answered: false };
         Box::pin(async move {
+            // Moved in whole: dropped with the future.
+            let mut unanswered = unanswered;
             let r = answer.await;
+            unanswered.answered = true;
             crate::metrics::observe(op, start);
             let code = match &r {
                 Ok(resp) => resp
@@ -68,6 +74,23 @@ where
             }
             r
         })
+    }
+}
+
+/// A call in flight: counted as `cancelled` if dropped unanswered (its client gave up on it).
+struct Unanswered {
+    op: &'static str,
+    start: Instant,
+    answered: bool,
+}
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        if !self.answered {
+            crate::metrics::observe(self.op, self.start);
+            ::metrics::counter!("kvtier_request_errors_total", "op" => self.op, "code" => code_label(tonic::Code::Cancelled))
+                .increment(1);
+        }
     }
 }
 
