@@ -484,9 +484,8 @@ async fn a_grpc_connection_with_no_call_in_flight_is_closed_once_idle() {
     .await
     .expect("the park's event reached the watcher");
     assert_eq!(parked.session_id, "agent");
-    let m = server.scrape();
-    assert_eq!(metric(&m, "kvtier_errors_total", &[("kind", "grpc_idle_timeout")]), 1.0, "{m}");
     // tonic's client took the GOAWAY in and closed the connection itself.
+    let m = server.scrape();
     assert_eq!(metric(&m, "kvtier_errors_total", &[("kind", "grpc_goaway_ignored")]), 0.0, "{m}");
 }
 

@@ -398,6 +398,36 @@ async fn a_create_waits_for_another_node_s_claim_and_a_call_given_up_is_counted(
     assert!(started.elapsed() < Duration::from_secs(5), "waited {:?}", started.elapsed());
 }
 
+/// Creates waiting for another node's claim are bounded per node (64): past it a create is
+/// refused `Unavailable` at once, saying so, instead of asking Redis a few times a second for up
+/// to 11 s; the others wait, and once the claim runs out one is made and the rest find it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn creates_waiting_for_a_claim_are_bounded() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (nodes, _clients, [ns1, _ns2]) = pair_rf1(&redis, dir.path()).await;
+    // Enough data-plane connections that 80 parks reach their commit at once.
+    let cfg = ClientConfig { data_connections: 96, ..ClientConfig::default() };
+    let c1 = KvClient::connect(&nodes[0].grpc_addr(), cfg).await.unwrap();
+    let key = format!("{{kvtier}}:claim:create:{}:crowded", ns1.id);
+    assert_eq!(kvtier_tests::redis::redis_cli(redis.port, &["SET", &key, "elsewhere", "PX", "3000"]).trim(), "OK");
+    let (t, b) = session(&ns1, 11);
+    let opts = ParkOptions::default();
+    let parks = (0..80).map(|_| c1.park(&ns1, "crowded", &t, &b, &opts, 0));
+    let results = futures::future::join_all(parks).await;
+    let (mut made, mut exists, mut refused) = (0, 0, 0);
+    for r in &results {
+        match r {
+            Ok(_) => made += 1,
+            Err(ClientError::SessionExists(_)) => exists += 1,
+            Err(ClientError::Unavailable(m)) if m.contains("creates wait on this node already") => refused += 1,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert_eq!((made, exists + refused), (1, 79), "one made");
+    assert!(refused >= 80 - 64, "{refused} refused at once past the 64 waiting");
+}
+
 /// The config of node `id` of a one-copy cluster whose killed or stalled members stay members
 /// for 60 s, with `peer_timeout`.
 fn rf1_ttl60(redis: &Redis, dir: &std::path::Path, id: &str, peer_timeout: &str) -> std::path::PathBuf {

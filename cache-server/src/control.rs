@@ -57,8 +57,17 @@ fn check_session_id(id: &str) -> Result<(), ServerError> {
 const CREATE_CLAIM_TTL: Duration = Duration::from_secs(10);
 /// How long a create waits for another node's claim on the id: past its TTL.
 const CREATE_CLAIM_WAIT: Duration = Duration::from_secs(11);
-/// How often a waiting create asks again.
+/// How soon a waiting create first asks again; then twice as long each time, up to
+/// [`CREATE_CLAIM_POLL_MAX`].
 const CREATE_CLAIM_POLL: Duration = Duration::from_millis(20);
+const CREATE_CLAIM_POLL_MAX: Duration = Duration::from_millis(320);
+/// Most creates one node lets wait for other nodes' claims at once (each asks Redis a few times
+/// a second); more are refused `Unavailable` at once, so a flood of creates of ids being created
+/// elsewhere can't flood the cluster's Redis.
+const MAX_CREATES_WAITING: usize = 64;
+
+/// The creates waiting for another node's claim on their id.
+static CREATES_WAITING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(MAX_CREATES_WAITING);
 
 /// A create's claim on a session id across the cluster, given back when dropped (the park done
 /// or failed).
@@ -278,6 +287,11 @@ impl ControlPlane {
             return Ok((None, None));
         }
         let claim = self.claim_create(ns, id).await?;
+        if self.state.sessions().touched(ns.id(), id).is_some() {
+            // Made here while this create waited: the park refuses it as it would any create
+            // of a session this node holds.
+            return Ok((None, None));
+        }
         let asked = Instant::now();
         let found = replicas::newest_elsewhere(&self.state, peers, ns, id, peers.timeout()).await;
         if let Some((from, m)) = found.newest {
@@ -298,15 +312,30 @@ impl ControlPlane {
         let Some(membership) = self.membership.get() else { return Ok(None) };
         let what = format!("create:{}:{id}", ns.id());
         let waited = Instant::now();
+        let (mut poll, mut waiting) = (CREATE_CLAIM_POLL, None);
         loop {
             match membership.claim(&what, CREATE_CLAIM_TTL).await {
                 Ok(Some(token)) => {
-                    if waited.elapsed() > CREATE_CLAIM_POLL {
+                    if waiting.is_some() {
                         ::metrics::counter!("kvtier_session_create_claims_waited_total").increment(1);
                     }
                     return Ok(Some(CreateClaim { membership: membership.clone(), what, token: Some(token) }));
                 }
-                Ok(None) if waited.elapsed() < CREATE_CLAIM_WAIT => tokio::time::sleep(CREATE_CLAIM_POLL).await,
+                // Made here meanwhile: nothing left to wait for.
+                Ok(None) if self.state.sessions().touched(ns.id(), id).is_some() => return Ok(None),
+                Ok(None) if waited.elapsed() < CREATE_CLAIM_WAIT => {
+                    if waiting.is_none() {
+                        waiting = Some(CREATES_WAITING.try_acquire().map_err(|_| ServerError::Peer {
+                            peer: "cluster".into(),
+                            reason: format!(
+                                "session {id:?} is being created through another node, and {MAX_CREATES_WAITING} \
+                                 creates wait on this node already; retry"
+                            ),
+                        })?);
+                    }
+                    tokio::time::sleep(poll).await;
+                    poll = (poll * 2).min(CREATE_CLAIM_POLL_MAX);
+                }
                 Ok(None) => {
                     return Err(ServerError::Peer {
                         peer: "cluster".into(),

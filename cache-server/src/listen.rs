@@ -553,13 +553,22 @@ impl GrpcConn {
                     // Written, or waiting for tonic's writes to end a frame.
                     Duration::from_millis(100)
                 }
-                (Some(_), Some(at)) if at.elapsed() >= GOAWAY_GRACE => {
+                // Closed between frames, with nothing of the last call's answer left in h2 and
+                // no call opened in the last moment (its task may not have begun).
+                (Some(idle), Some(at))
+                    if at.elapsed() >= GOAWAY_GRACE
+                        && idle >= GOAWAY_GRACE
+                        && self.between_frames
+                        && self.own_frame.is_none() =>
+                {
                     // A client that takes GOAWAY in closes on its own once it has no call open.
                     crate::metrics::error("grpc_goaway_ignored");
                     tracing::debug!(remote = %self.info.remote, "gRPC connection closed: idle, GOAWAY not taken in");
                     return true;
                 }
-                (Some(_), Some(at)) => GOAWAY_GRACE - at.elapsed(),
+                (Some(idle), Some(at)) => {
+                    GOAWAY_GRACE.saturating_sub(at.elapsed().min(idle)).max(Duration::from_millis(100))
+                }
             };
             self.idle_check.as_mut().reset(tokio::time::Instant::now() + next);
         }
