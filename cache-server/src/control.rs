@@ -11,7 +11,7 @@ use tonic::{Request, Response, Status};
 
 use tokio::sync::{broadcast, watch};
 
-use crate::cluster::{deletes, replicas, LocalHolding, Member, Membership, NamespaceDelete};
+use crate::cluster::{deletes, replicas, HeldClaim, LocalHolding, Member, Membership, NamespaceDelete};
 use crate::dram::Priority;
 use crate::error::ServerError;
 use crate::events::{EventKind, KvEvent, WatchSlot};
@@ -53,7 +53,8 @@ fn check_session_id(id: &str) -> Result<(), ServerError> {
     Ok(())
 }
 
-/// How long a create's claim on a session id lasts at most (its park is done well within it).
+/// How long a create's claim on a session id lasts unrenewed (it is renewed while its park runs;
+/// this bounds how long a node that died holding it keeps other creates waiting).
 const CREATE_CLAIM_TTL: Duration = Duration::from_secs(10);
 /// How long a create waits for another node's claim on the id: past its TTL.
 const CREATE_CLAIM_WAIT: Duration = Duration::from_secs(11);
@@ -68,23 +69,6 @@ const MAX_CREATES_WAITING: usize = 64;
 
 /// The creates waiting for another node's claim on their id.
 static CREATES_WAITING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(MAX_CREATES_WAITING);
-
-/// A create's claim on a session id across the cluster, given back when dropped (the park done
-/// or failed).
-struct CreateClaim {
-    membership: Arc<dyn Membership>,
-    what: String,
-    token: Option<String>,
-}
-
-impl Drop for CreateClaim {
-    fn drop(&mut self) {
-        let (membership, what, token) = (self.membership.clone(), std::mem::take(&mut self.what), self.token.take());
-        if let (Some(token), Ok(rt)) = (token, tokio::runtime::Handle::try_current()) {
-            rt.spawn(async move { membership.release(&what, token).await });
-        }
-    }
-}
 
 /// A session created without an answer from `members`, and the instant before its park as of
 /// which older copies count as superseded.
@@ -223,9 +207,10 @@ impl ControlPlane {
         self.settle_recovered_copy(&ns, &spec.id).await?;
         // Refused before anything is written (a refused park left its blocks on disk).
         self.state.sessions().check_park(&spec, &limits)?;
-        // A create holds its claim on the id until the park is done (or failed), so a create of
-        // the same id through another node waits for it, then finds this one's copy.
-        let (unverified, _claim) = match spec.expected_version {
+        // A create holds its claim on the id until its park is done here (or failed), so a create
+        // of the same id through another node waits for it, then finds this one's copy. The park
+        // job below owns it: a client giving up leaves that job running, and the claim with it.
+        let (unverified, claim) = match spec.expected_version {
             0 => self.check_create(&ns, &spec.id).await?,
             _ => (None, None),
         };
@@ -237,7 +222,13 @@ impl ControlPlane {
             0 => None,
             v => self.state.sessions().peek(ns_id, &spec.id).filter(|p| p.version == v),
         };
-        let m = self.on_io(move |s| s.sessions().park(s.tiers().session_pins(), spec, &limits)).await?;
+        let m = self
+            .on_io(move |s| {
+                let made = s.sessions().park(s.tiers().session_pins(), spec, &limits);
+                drop(claim);
+                made
+            })
+            .await?;
         // In a cluster where the namespace keeps 2+ copies (`PeerTier::rf_for`: its own
         // `replicas`, else `cluster_rf`): acknowledged once that many nodes hold it.
         self.replicate_or_revert(&ns, &m, prev).await?;
@@ -281,7 +272,7 @@ impl ControlPlane {
         &self,
         ns: &Namespace,
         id: &str,
-    ) -> Result<(Option<Unverified>, Option<CreateClaim>), ServerError> {
+    ) -> Result<(Option<Unverified>, Option<HeldClaim>), ServerError> {
         let Some(peers) = self.state.tiers().peers() else { return Ok((None, None)) };
         if self.state.sessions().touched(ns.id(), id).is_some() {
             return Ok((None, None));
@@ -308,18 +299,18 @@ impl ControlPlane {
     /// The cluster-wide claim on creating session `id` of `ns`, waited for up to
     /// [`CREATE_CLAIM_WAIT`] while another node holds it; `None` when the cluster's store gives
     /// no answer (counted in `kvtier_session_create_claims_failed_total`).
-    async fn claim_create(&self, ns: &Namespace, id: &str) -> Result<Option<CreateClaim>, ServerError> {
+    async fn claim_create(&self, ns: &Namespace, id: &str) -> Result<Option<HeldClaim>, ServerError> {
         let Some(membership) = self.membership.get() else { return Ok(None) };
         let what = format!("create:{}:{id}", ns.id());
         let waited = Instant::now();
         let (mut poll, mut waiting) = (CREATE_CLAIM_POLL, None);
         loop {
-            match membership.claim(&what, CREATE_CLAIM_TTL).await {
-                Ok(Some(token)) => {
+            match HeldClaim::take(membership, what.clone(), CREATE_CLAIM_TTL).await {
+                Ok(Some(held)) => {
                     if waiting.is_some() {
                         ::metrics::counter!("kvtier_session_create_claims_waited_total").increment(1);
                     }
-                    return Ok(Some(CreateClaim { membership: membership.clone(), what, token: Some(token) }));
+                    return Ok(Some(held));
                 }
                 // Made here meanwhile: nothing left to wait for.
                 Ok(None) if self.state.sessions().touched(ns.id(), id).is_some() => return Ok(None),

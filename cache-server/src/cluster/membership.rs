@@ -105,6 +105,12 @@ pub trait Membership: Send + Sync {
     fn release(&self, _what: &str, _token: String) -> BoxFuture<'_, ()> {
         Box::pin(async {})
     }
+
+    /// Makes the claim `token` holds last `ttl` from now: `false` when it no longer holds it
+    /// (it ran out, and may be another node's now).
+    fn renew(&self, _what: &str, _token: &str, _ttl: Duration) -> BoxFuture<'_, Result<bool, ServerError>> {
+        Box::pin(async { Ok(true) })
+    }
 }
 
 /// One node, no store: the snapshot is this node, forever.
@@ -371,6 +377,21 @@ impl Membership for RedisMembership {
                 // It goes at its TTL.
                 Ok(Err(e)) => tracing::debug!("a cluster claim was not given back: {}", redis_error("release", &e)),
                 Err(_) => tracing::debug!("a cluster claim was not given back within {:?}", s.cfg.op_timeout),
+            }
+        })
+    }
+
+    fn renew(&self, what: &str, token: &str, ttl: Duration) -> BoxFuture<'_, Result<bool, ServerError>> {
+        let s = &self.shared;
+        let key = format!("{{{}}}:claim:{what}", s.cfg.prefix);
+        let mut call = renew_script().key(&key);
+        call.arg(token).arg(ttl.as_millis().max(1) as u64);
+        Box::pin(async move {
+            let mut con = s.con.lock().clone();
+            match tokio::time::timeout(s.cfg.op_timeout, call.invoke_async::<i64>(&mut con)).await {
+                Ok(Ok(held)) => Ok(held == 1),
+                Ok(Err(e)) => Err(redis_error("renew", &e)),
+                Err(_) => Err(timed_out("renew", s.cfg.op_timeout)),
             }
         })
     }
@@ -965,6 +986,16 @@ fn release_script() -> &'static Script {
     static S: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
     S.get_or_init(|| {
         Script::new("if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) else return 0 end")
+    })
+}
+
+/// Extends a claim's TTL if it still holds the token it was made with.
+fn renew_script() -> &'static Script {
+    static S: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
+    S.get_or_init(|| {
+        Script::new(
+            "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) else return 0 end",
+        )
     })
 }
 

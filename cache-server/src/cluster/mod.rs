@@ -15,9 +15,12 @@
 //!   answers again.
 //! - [`deletes`]: a purge or an unregistration done on every member, and retried on one that
 //!   could not be reached (what is owed kept on disk across restarts).
+//! - [`claim`]: a claim across the cluster held while the work it guards runs (renewed, given
+//!   back when dropped): one node at a time creates a session id.
 //! - [`membership`]: the [`Membership`] seam — a watchable snapshot of the members, kept in
 //!   process for a single node ([`Embedded`]) or in Redis with a TTL heartbeat ([`RedisMembership`]).
 
+pub mod claim;
 pub mod deletes;
 pub mod fetch;
 pub mod handoff;
@@ -28,6 +31,7 @@ pub mod rebalance;
 pub mod replicas;
 pub mod settle;
 
+pub use claim::HeldClaim;
 pub use deletes::{ClusterDelete, NamespaceDelete};
 pub use member::{Labels, Member, NodeId};
 pub use membership::{Embedded, Membership, RedisMembership, RedisMembershipConfig, Snapshot};

@@ -5,6 +5,7 @@
 //! Without `redis-server` these tests fail, saying so.
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use redis::AsyncCommands;
@@ -329,4 +330,45 @@ async fn a_claim_is_one_node_s_until_given_back_or_past_its_ttl() {
     let t = Instant::now();
     assert!(a.claim("create:z", ttl).await.is_err(), "no store: no claim");
     assert!(t.elapsed() < Duration::from_secs(2), "bounded: {:?}", t.elapsed());
+}
+
+/// A held claim is renewed while it lives, well past its TTL, so another node keeps waiting;
+/// dropping it gives it back, from a blocking thread too (where a create's park job lets go of
+/// it). One whose key went (it ran out while Redis did not answer) is known lost, and counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_claim_is_renewed_past_its_ttl_and_given_back_when_dropped() {
+    let redis = RedisProc::start(false);
+    let a: Arc<dyn Membership> = Arc::new(RedisMembership::start(config(&redis, "a", 1500)).await.unwrap());
+    let b = RedisMembership::start(config(&redis, "b", 1500)).await.unwrap();
+    let ttl = Duration::from_millis(900);
+    let held = HeldClaim::take(&a, "create:x".into(), ttl).await.unwrap().expect("claimed");
+    for _ in 0..10 {
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        assert_eq!(b.claim("create:x", ttl).await.unwrap(), None, "held by a, renewed past its {ttl:?}");
+    }
+    assert!(!held.is_lost());
+    assert!(HeldClaim::take(&a, "create:x".into(), ttl).await.unwrap().is_none(), "one holder, a itself included");
+    tokio::task::spawn_blocking(move || drop(held)).await.unwrap();
+    let t = Instant::now();
+    while b.claim("create:x", ttl).await.unwrap().is_none() {
+        assert!(
+            t.elapsed() < Duration::from_millis(250),
+            "not given back when dropped (renewed a third of {ttl:?} ago at most)"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
+    let ttl = Duration::from_millis(300);
+    let held = HeldClaim::take(&a, "create:y".into(), ttl).await.unwrap().expect("claimed");
+    let _: () = redis::cmd("DEL").arg("{kvtier}:claim:create:y").query(&mut redis.con()).unwrap();
+    let taken = b.claim("create:y", Duration::from_secs(10)).await.unwrap().expect("gone from Redis: b's now");
+    let t = Instant::now();
+    while !held.is_lost() {
+        assert!(t.elapsed() < Duration::from_secs(2), "a claim taken by another is not known lost");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    drop(held);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(a.claim("create:y", ttl).await.unwrap(), None, "a lost claim given back leaves b's");
+    b.release("create:y", taken).await;
 }
