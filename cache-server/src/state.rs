@@ -67,6 +67,9 @@ struct NamespaceLog {
     /// False while a compaction's rename is not known durable: the next append syncs the
     /// directory too.
     renamed_durably: std::sync::atomic::AtomicBool,
+    /// Which segments still hold a namespace's records (what an unregistration's mark still
+    /// has to forget at recovery: [`prune_marks`]).
+    disk: Arc<DiskTier>,
 }
 
 /// How far past twice its last compacted size `namespaces.log` grows before it is compacted
@@ -203,9 +206,29 @@ fn legacy_namespace_record_at(data: &[u8], at: usize) -> Option<(u32, &[u8])> {
     (xxhash_rust::xxh3::xxh3_64(body) == u64::from_le_bytes(sum)).then_some((word, body))
 }
 
+/// Forgets the unregistration and purge marks that can drop nothing more at recovery, so a
+/// tenant registering and unregistering namespace after namespace doesn't grow the log for good:
+/// one whose namespace has no record left in a segment the mark covers (at or before the mark's
+/// segment; any segment for a namespace unregistered and not registered again, whose every copy
+/// goes). A block forgotten at an unregistration stays in its segment until the segment is
+/// evicted or compacted away, and its namespace's mark with it.
+fn prune_marks(contents: &mut NamespaceLogContents, disk: &DiskTier) {
+    let oldest = disk.oldest_segment_of();
+    let covers = |ns: &NamespaceId, last_segment: u64| oldest.get(ns).is_some_and(|&seg| seg <= last_segment);
+    let before = contents.unregistered.len() + contents.purged.len();
+    let live = &contents.live;
+    contents.unregistered.retain(|ns, mark| covers(ns, if live.contains_key(ns) { mark.0 } else { u64::MAX }));
+    contents.purged.retain(|ns, mark| covers(ns, mark.0));
+    let pruned = before - contents.unregistered.len() - contents.purged.len();
+    if pruned > 0 {
+        ::metrics::counter!("kvtier_namespace_log_marks_pruned_total").increment(pruned as u64);
+    }
+}
+
 /// Rewrites `namespaces.log` under a new secret `key` — its header, one registration per live
 /// namespace, one unregistration per namespace unregistered and one purge per namespace purged
-/// (kept: their blocks may still sit in disk segments, which recovery scans) — atomically: a new file synced, renamed over it, the
+/// (kept while their blocks may still sit in disk segments, which recovery scans:
+/// [`prune_marks`]) — atomically: a new file synced, renamed over it, the
 /// directory synced. Also how the file is created (header first, durable before any record).
 fn compact_namespace_log(
     fs: &dyn FileSystem,
@@ -274,7 +297,10 @@ impl NamespaceLog {
         use std::sync::atomic::Ordering;
         let done = read_namespace_log(&*self.fs, &self.path)
             .map_err(|e| std::io::Error::other(e.to_string()))
-            .and_then(|(contents, ..)| compact_namespace_log(&*self.fs, &self.path, &self.key, &contents));
+            .and_then(|(mut contents, ..)| {
+                prune_marks(&mut contents, &self.disk);
+                compact_namespace_log(&*self.fs, &self.path, &self.key, &contents)
+            });
         if let Err(e) = &done {
             ::metrics::counter!("kvtier_namespace_log_compactions_failed_total").increment(1);
             tracing::warn!("{} not compacted ({e}): appending to it as it is", self.path.display());
@@ -402,6 +428,7 @@ impl NodeState {
             fs.clone(),
         )?;
         tracing::info!(?report, "disk tier recovered");
+        let disk = Arc::new(disk);
         let (log, Replayed { sessions: logged, drops, expired, unreadable }) =
             SessionLog::open_with(&fs, &config.data_dir, fsync, unix_ms(SystemTime::now()))?;
         if unreadable > 0 {
@@ -413,7 +440,7 @@ impl NodeState {
             );
         }
         let ns_path = config.data_dir.join("namespaces.log");
-        let (ns_log, ns_format, ns_key, ns_skipped) = read_namespace_log(&*fs, &ns_path)?;
+        let (mut ns_log, ns_format, ns_key, ns_skipped) = read_namespace_log(&*fs, &ns_path)?;
         let (namespaces, unregistered) = (&ns_log.live, &ns_log.unregistered);
         if ns_skipped > 0 {
             tracing::warn!(skipped = ns_skipped, "namespace log had unreadable (torn or damaged) records");
@@ -431,16 +458,14 @@ impl NodeState {
                 report.deleted += n as u64;
             }
         }
+        let marks = ns_log.unregistered.len() + ns_log.purged.len();
+        prune_marks(&mut ns_log, &disk);
         // Rewritten under a new secret when it is new (its header durable before any record), of
         // the first format (migrated), or holds unregistrations (compacted); the rename and its
         // directory synced, so no registration is acknowledged into a file a power loss would
         // take back.
         let ns_key = match ns_key {
-            Some(key)
-                if ns_format == NamespaceLogFormat::Keyed && unregistered.is_empty() && ns_log.purged.is_empty() =>
-            {
-                key
-            }
+            Some(key) if ns_format == NamespaceLogFormat::Keyed && marks == 0 => key,
             _ => {
                 let key = fresh_log_key()?;
                 compact_namespace_log(&*fs, &ns_path, &key, &ns_log)?;
@@ -450,7 +475,7 @@ impl NodeState {
         let f = fs.open(&ns_path, OpenMode::Existing)?;
         let ns_size = f.size()?;
         let mut state = NodeState {
-            tiers: TierStack::new(dram, Some(Arc::new(disk)), fsync)
+            tiers: TierStack::new(dram, Some(disk.clone()), fsync)
                 .with_event_buffer(config.events_buffer)
                 .with_agent_tier(agent_tier(&config)),
             sessions: SessionStore::new(Some(log)),
@@ -467,6 +492,7 @@ impl NodeState {
                 compacted_to: ns_size.into(),
                 slack: NAMESPACE_LOG_SLACK,
                 renamed_durably: true.into(),
+                disk,
             }),
             creating: Mutex::new(()),
             _dir_lock: dir_lock,
@@ -1075,5 +1101,65 @@ mod tests {
         let mut want = vec![ns(1).id(), ns(2).id()];
         want.sort();
         assert_eq!(live, want);
+    }
+
+    /// Namespaces registered and unregistered one after another, each a new one, keep
+    /// `namespaces.log` bounded too: an unregistration's mark goes at the next compaction once no
+    /// segment holds a record of its namespace. The mark of one whose block is still in a segment
+    /// stays, so a restart still forgets that block. Before, every mark was kept for good (400
+    /// namespaces: 24 KB, read at every start).
+    #[test]
+    fn namespaces_unregistered_one_after_another_keep_the_log_bounded() {
+        use kvtier_proto::{BlockFrame, BlockKey, CodecId, DType, HashScheme, KvLayout};
+        let dir = tempfile::tempdir().unwrap();
+        let config = disk_node(dir.path());
+        let addr: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let mut state = NodeState::open(config.clone(), addr).unwrap();
+        if let Some(log) = state.namespace_log.as_mut() {
+            log.slack = 4096;
+        }
+        let layout = KvLayout::new(1, 1, 8, DType::Fp16, 16);
+        let ns = |i: u32| Namespace::new("t", "m", layout, HashScheme::Blake3, &i.to_le_bytes());
+        let op = Principal::Operator;
+        let with_block = ns(u32::MAX);
+        state.register_namespace(&op, with_block.clone()).unwrap();
+        let key = BlockKey([7; 32]);
+        let f = BlockFrame::new(
+            with_block.id(),
+            key,
+            layout,
+            CodecId::RAW,
+            16,
+            vec![3u8; layout.block_bytes() as usize].into(),
+        );
+        let disk = state.tiers().disk().unwrap();
+        disk.write(&f.header, &f.payload).unwrap();
+        assert!(disk.contains(&with_block.id(), &key));
+        state.unregister_namespace(&op, &with_block.id()).unwrap();
+        let path = dir.path().join("namespaces.log");
+        let mut largest = 0;
+        for i in 0..400 {
+            state.register_namespace(&op, ns(i)).unwrap();
+            state.unregister_namespace(&op, &ns(i).id()).unwrap();
+            largest = largest.max(std::fs::metadata(&path).unwrap().len());
+        }
+        assert!(largest < 12 << 10, "namespaces.log reached {largest} bytes");
+        let (contents, ..) = read_namespace_log(&StdFs, &path).unwrap();
+        assert!(
+            contents.unregistered.contains_key(&with_block.id()),
+            "the mark of a namespace with a block on disk went"
+        );
+        drop(state);
+        let again = NodeState::open(config, addr).unwrap();
+        assert!(
+            !again.tiers().disk().unwrap().contains(&with_block.id(), &key),
+            "an unregistered namespace's block came back"
+        );
+        let (contents, ..) = read_namespace_log(&StdFs, &path).unwrap();
+        assert_eq!(
+            contents.unregistered.keys().collect::<Vec<_>>(),
+            [&with_block.id()],
+            "only the mark that still covers a block"
+        );
     }
 }

@@ -79,6 +79,9 @@ struct Segment {
     /// syncing again).
     failed: bool,
     keys: Vec<IndexKey>,
+    /// The namespaces of `keys` (whether a namespace's unregistration still has copies to forget
+    /// at recovery: [`DiskTier::oldest_segment_of`]).
+    namespaces: HashSet<NamespaceId>,
 }
 
 struct Inner {
@@ -287,7 +290,9 @@ impl DiskTier {
             if scanned.truncated {
                 inner.dirty.insert(id);
             }
-            let seg = Segment { file, len: scanned.valid_len, synced: scanned.valid_len, failed: false, keys };
+            let namespaces = keys.iter().map(|k| k.0).collect();
+            let seg =
+                Segment { file, len: scanned.valid_len, synced: scanned.valid_len, failed: false, keys, namespaces };
             inner.segments.insert(id, seg);
             inner.active = id;
         }
@@ -356,7 +361,7 @@ impl DiskTier {
             let _ = self.fs.remove_file(&path);
             return Err(io_err("syncing", &self.seg_dir, e));
         }
-        Ok(Segment { file, len: 0, synced: 0, failed: false, keys: Vec::new() })
+        Ok(Segment { file, len: 0, synced: 0, failed: false, keys: Vec::new(), namespaces: HashSet::new() })
     }
 
     /// Forgets the oldest sealed segment without pinned blocks and returns its id (the caller
@@ -496,6 +501,7 @@ impl DiskTier {
                 s.synced = s.len;
             }
             s.keys.push(key);
+            s.namespaces.insert(key.0);
             if s.synced < s.len {
                 st.dirty.insert(seg);
             }
@@ -606,6 +612,7 @@ impl DiskTier {
                 s.len = offset;
                 s.synced = offset;
                 s.keys.extend(moved.iter().map(|(k, _)| *k));
+                s.namespaces.extend(moved.iter().map(|(k, _)| k.0));
             }
             st.total_bytes += offset;
             // A block of the victim pinned while it was being copied keeps the victim.
@@ -829,6 +836,20 @@ impl DiskTier {
     pub fn write_position(&self) -> (u64, u64) {
         let st = self.inner.lock();
         (st.active, st.segments.get(&st.active).map_or(0, |s| s.len))
+    }
+
+    /// The oldest segment holding a record of each namespace, indexed or not (a block forgotten
+    /// at an unregistration stays in its segment, and recovery would find it again, until the
+    /// segment goes).
+    pub fn oldest_segment_of(&self) -> HashMap<NamespaceId, u64> {
+        let st = self.inner.lock();
+        let mut oldest = HashMap::new();
+        for (&id, seg) in &st.segments {
+            for ns in &seg.namespaces {
+                oldest.entry(*ns).or_insert(id);
+            }
+        }
+        oldest
     }
 
     /// Forgets every unpinned block of `ns` whose copy lies before `mark` (a [`Self::write_position`]:

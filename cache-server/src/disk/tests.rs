@@ -311,3 +311,29 @@ fn a_payload_hiding_a_frame_header_where_recovery_would_look_is_never_written() 
     t.write(&ok.header, &ok.payload).unwrap();
     assert!(t.contains(&ok.header.namespace, &ok.header.key));
 }
+
+/// The oldest segment holding a namespace's records counts a block forgotten but still in its
+/// segment (what recovery would find again), and moves on once the segment is evicted.
+#[test]
+fn a_namespace_s_oldest_segment_is_that_of_its_oldest_record_until_evicted() {
+    let dir = tempfile::tempdir().unwrap();
+    let (t, _) = open(dir.path(), 256 << 10);
+    let other = NamespaceId([2; 16]);
+    let mut first = frame(0);
+    first.header.namespace = other;
+    t.write(&first.header, &first.payload).unwrap();
+    assert_eq!(t.purge_namespace_before(&other, (u64::MAX, u64::MAX)), 1);
+    let seg = t.write_position().0;
+    let f = frame(1);
+    t.write(&f.header, &f.payload).unwrap();
+    let oldest = t.oldest_segment_of();
+    assert_eq!(oldest.get(&other), Some(&seg), "forgotten, still in its segment");
+    assert_eq!(oldest.get(&NamespaceId([1; 16])), Some(&seg));
+    for i in 2..100 {
+        let f = frame(i);
+        t.write(&f.header, &f.payload).unwrap();
+    }
+    let oldest = t.oldest_segment_of();
+    assert_eq!(oldest.get(&other), None, "its segment was evicted");
+    assert!(oldest.get(&NamespaceId([1; 16])).is_some_and(|&s| s > seg));
+}
