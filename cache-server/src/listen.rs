@@ -474,16 +474,6 @@ pub(crate) fn grpc_incoming(
     (tokio_stream::wrappers::ReceiverStream::new(rx), task)
 }
 
-/// Forwards an I/O call to whichever stream the connection is.
-macro_rules! grpc_stream {
-    ($self:ident, $s:ident => $e:expr) => {
-        match &mut $self.get_mut().inner {
-            GrpcStream::Plain($s) => $e,
-            GrpcStream::Tls($s) => $e,
-        }
-    };
-}
-
 impl tokio::io::AsyncRead for GrpcConn {
     fn poll_read(
         mut self: std::pin::Pin<&mut Self>,
@@ -510,10 +500,7 @@ impl tokio::io::AsyncRead for GrpcConn {
                 )));
             }
         }
-        let read = match &mut this.inner {
-            GrpcStream::Plain(s) => std::pin::Pin::new(s).poll_read(cx, buf),
-            GrpcStream::Tls(s) => std::pin::Pin::new(s).poll_read(cx, buf),
-        };
+        let read = std::pin::Pin::new(this.inner.io()).poll_read(cx, buf);
         if read.is_pending() && this.idle_out(cx) {
             // Read as the client's end of the stream: HTTP/2 ends a connection with no stream
             // open quietly, and the client, told GOAWAY, opens its next call on a new one.
@@ -579,12 +566,8 @@ impl GrpcConn {
     /// now (a write that would block is taken up again by the next call on the connection).
     /// Whether nothing of it is left.
     fn write_own(&mut self, cx: &mut std::task::Context<'_>) -> bool {
-        use tokio::io::AsyncWrite;
         while let Some((frame, written)) = &mut self.own_frame {
-            let wrote = match &mut self.inner {
-                GrpcStream::Plain(s) => std::pin::Pin::new(s).poll_write(cx, &frame[*written..]),
-                GrpcStream::Tls(s) => std::pin::Pin::new(s).poll_write(cx, &frame[*written..]),
-            };
+            let wrote = std::pin::Pin::new(self.inner.io()).poll_write(cx, &frame[*written..]);
             match wrote {
                 std::task::Poll::Ready(Ok(n)) if n > 0 => {
                     *written += n;
@@ -592,10 +575,7 @@ impl GrpcConn {
                         self.own_frame = None;
                         self.goaway_at = Some(std::time::Instant::now());
                         // Under TLS the record goes out on a flush.
-                        let _ = match &mut self.inner {
-                            GrpcStream::Plain(_) => std::task::Poll::Ready(Ok(())),
-                            GrpcStream::Tls(s) => std::pin::Pin::new(s).poll_flush(cx),
-                        };
+                        let _ = std::pin::Pin::new(self.inner.io()).poll_flush(cx);
                     }
                 }
                 std::task::Poll::Pending => return false,
@@ -620,7 +600,7 @@ impl tokio::io::AsyncWrite for GrpcConn {
             return std::task::Poll::Pending;
         }
         self.between_frames = false;
-        grpc_stream!(self, s => std::pin::Pin::new(s).poll_write(cx, buf))
+        std::pin::Pin::new(self.get_mut().inner.io()).poll_write(cx, buf)
     }
 
     fn poll_write_vectored(
@@ -632,7 +612,7 @@ impl tokio::io::AsyncWrite for GrpcConn {
             return std::task::Poll::Pending;
         }
         self.between_frames = false;
-        grpc_stream!(self, s => std::pin::Pin::new(s).poll_write_vectored(cx, bufs))
+        std::pin::Pin::new(self.get_mut().inner.io()).poll_write_vectored(cx, bufs)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -650,10 +630,7 @@ impl tokio::io::AsyncWrite for GrpcConn {
             return std::task::Poll::Pending;
         }
         let this = self.get_mut();
-        let flushed = match &mut this.inner {
-            GrpcStream::Plain(s) => std::pin::Pin::new(s).poll_flush(cx),
-            GrpcStream::Tls(s) => std::pin::Pin::new(s).poll_flush(cx),
-        };
+        let flushed = std::pin::Pin::new(this.inner.io()).poll_flush(cx);
         if matches!(flushed, std::task::Poll::Ready(Ok(()))) {
             this.between_frames = true;
         }
@@ -664,7 +641,7 @@ impl tokio::io::AsyncWrite for GrpcConn {
         self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<std::io::Result<()>> {
-        grpc_stream!(self, s => std::pin::Pin::new(s).poll_shutdown(cx))
+        std::pin::Pin::new(self.get_mut().inner.io()).poll_shutdown(cx)
     }
 }
 
