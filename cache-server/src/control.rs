@@ -56,6 +56,9 @@ fn check_session_id(id: &str) -> Result<(), ServerError> {
 /// How long a create's claim on a session id lasts unrenewed (it is renewed while its park runs;
 /// this bounds how long a node that died holding it keeps other creates waiting).
 const CREATE_CLAIM_TTL: Duration = Duration::from_secs(10);
+/// How long a tenant's create waits for one of its slots to ask the cluster
+/// ([`crate::tenants::Tenant::create_check`]).
+const CREATE_CHECK_WAIT: Duration = Duration::from_secs(5);
 /// How long a create waits for another node's claim on the id: past its TTL.
 const CREATE_CLAIM_WAIT: Duration = Duration::from_secs(11);
 /// How soon a waiting create first asks again; then twice as long each time, up to
@@ -211,7 +214,7 @@ impl ControlPlane {
         // of the same id through another node waits for it, then finds this one's copy. The park
         // job below owns it: a client giving up leaves that job running, and the claim with it.
         let (unverified, claim) = match spec.expected_version {
-            0 => self.check_create(&ns, &spec.id).await?,
+            0 => self.check_create(p, &ns, &spec.id).await?,
             _ => (None, None),
         };
         // The blocks go to disk before the table is touched, and without holding its lock.
@@ -270,6 +273,7 @@ impl ControlPlane {
     /// that copy. Without an answer from the cluster's store the create goes on unclaimed.
     async fn check_create(
         &self,
+        p: &Principal,
         ns: &Namespace,
         id: &str,
     ) -> Result<(Option<Unverified>, Option<HeldClaim>), ServerError> {
@@ -277,6 +281,11 @@ impl ControlPlane {
         if self.state.sessions().touched(ns.id(), id).is_some() {
             return Ok((None, None));
         }
+        // A tenant's creates ask the cluster a few at a time (the operator's are not limited).
+        let _slot = match p {
+            Principal::Tenant(t) => Some(t.create_check(CREATE_CHECK_WAIT).await?),
+            Principal::Operator => None,
+        };
         let claim = self.claim_create(ns, id).await?;
         if self.state.sessions().touched(ns.id(), id).is_some() {
             // Made here while this create waited: the park refuses it as it would any create

@@ -5,6 +5,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::config::ServerConfig;
 use crate::error::ServerError;
@@ -57,7 +58,14 @@ pub struct Tenant {
     pub quotas: Quotas,
     /// Its data-plane, same-node and gRPC connections open now (see [`Tenant::connection`]).
     connections: std::sync::atomic::AtomicUsize,
+    /// Its session creates asking the cluster whether their id is free now (see
+    /// [`Tenant::create_check`]).
+    create_checks: tokio::sync::Semaphore,
 }
+
+/// Session creates one tenant may have asking the cluster at once (each claims its id in the
+/// cluster's Redis and asks every member): more wait for one of these to end.
+pub const MAX_CREATE_CHECKS_PER_TENANT: usize = 32;
 
 impl Tenant {
     /// One of the tenant's `max` connection slots (data plane, same-node socket and gRPC together),
@@ -67,6 +75,25 @@ impl Tenant {
         self.connections
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < max).then_some(n + 1))
             .map(|_| TenantConnection(self.clone()))
+    }
+
+    /// One of the tenant's [`MAX_CREATE_CHECKS_PER_TENANT`] slots for a session create's check
+    /// across the cluster, held until dropped; waited for up to `within`, then refused (`Capacity`,
+    /// retry), so one tenant's flood of creates loads the cluster's Redis and members no more than
+    /// that many checks at a time, and waits behind its own checks only.
+    pub async fn create_check(&self, within: Duration) -> Result<tokio::sync::SemaphorePermit<'_>, ServerError> {
+        let busy = || {
+            ::metrics::counter!("kvtier_session_create_checks_refused_total").increment(1);
+            ServerError::Capacity(format!(
+                "tenant {:?} has {MAX_CREATE_CHECKS_PER_TENANT} session creates asking the cluster already, and \
+                 none ended within {within:?}; retry",
+                self.name
+            ))
+        };
+        match tokio::time::timeout(within, self.create_checks.acquire()).await {
+            Ok(Ok(permit)) => Ok(permit),
+            _ => Err(busy()),
+        }
     }
 }
 
@@ -227,6 +254,7 @@ impl Tenants {
                     disk_bytes: t.disk_bytes.map(|b| b.0),
                 },
                 connections: Default::default(),
+                create_checks: tokio::sync::Semaphore::new(MAX_CREATE_CHECKS_PER_TENANT),
             });
             if out.by_name.insert(t.name.clone(), tenant.clone()).is_some() {
                 return Err(ServerError::Config(format!("tenant {:?} is configured twice", t.name)));
@@ -379,6 +407,31 @@ mod tests {
         assert!(t.authenticate(Some(b"token-of-tenant-c")).is_none());
         assert!(t.authenticate(Some(b"token-of-tenant-")).is_none());
         assert!(t.authenticate(None).is_none());
+    }
+
+    /// A tenant's creates ask the cluster at most 32 at a time: the next waits for one to end,
+    /// and is refused naming the tenant when none does in time; another tenant's go on.
+    #[tokio::test]
+    async fn a_tenant_s_create_checks_are_bounded_and_leave_others_alone() {
+        let t = Tenants::from_config(&cfg()).unwrap();
+        let Principal::Tenant(a) = t.authenticate(Some(b"token-of-tenant-a")).unwrap() else { panic!("a tenant") };
+        let Principal::Tenant(b) = t.authenticate(Some(b"token-of-tenant-b")).unwrap() else { panic!("a tenant") };
+        let wait = Duration::from_millis(50);
+        let mut held = Vec::new();
+        for _ in 0..MAX_CREATE_CHECKS_PER_TENANT {
+            held.push(a.create_check(wait).await.unwrap());
+        }
+        let refused = a.create_check(wait).await.unwrap_err();
+        assert!(matches!(refused, ServerError::Capacity(_)), "{refused}");
+        assert!(refused.to_string().contains("tenant \"a\" has 32 session creates"), "{refused}");
+        assert!(b.create_check(wait).await.is_ok(), "another tenant's create is not held back");
+        let waiting = a.create_check(Duration::from_secs(5));
+        let ended = async {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            held.pop();
+        };
+        let (next, ()) = tokio::join!(waiting, ended);
+        assert!(next.is_ok(), "a slot given back is taken by the one waiting");
     }
 
     fn tls_cfg() -> ServerConfig {
