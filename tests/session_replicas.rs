@@ -428,6 +428,59 @@ async fn creates_waiting_for_a_claim_are_bounded() {
     assert!(refused >= 80 - 64, "{refused} refused at once past the 64 waiting");
 }
 
+/// A tenant's creates ask the cluster 32 at a time: 40 creates of ids another node is creating
+/// (claimed in Redis for 9 s) hold 32 slots while they wait, the other 8 wait 5 s for a slot
+/// and are refused `KV:Capacity` naming the tenant, and another tenant's create goes through
+/// meanwhile. The 32 are made once the claims run out. Before, all 40 waited on the claims.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_s_creates_ask_the_cluster_a_few_at_a_time() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let tenants = "auth_token = \"operator-secret-0123456789\"\n\
+                   [[tenants]]\nname = \"agents\"\ntokens = [\"agents-secret-0123456789\"]\n\
+                   [[tenants]]\nname = \"others\"\ntokens = [\"others-secret-0123456789\"]\n";
+    let cfg = config(&redis, dir.path(), "solo", 1, tenants);
+    let solo = ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"]);
+    until_members([&solo], 1);
+    let addr = solo.grpc_addr();
+    let connect = |token: &str| {
+        let cfg = ClientConfig { auth_token: Some(token.into()), data_connections: 48, ..Default::default() };
+        KvClient::connect(&addr, cfg)
+    };
+    let (agents, others) =
+        (connect("agents-secret-0123456789").await.unwrap(), connect("others-secret-0123456789").await.unwrap());
+    let ns = handle(&agents).await;
+    let theirs = others.register(namespace("others", b"replicas", small_layout())).await.unwrap();
+    for i in 0..40 {
+        let key = format!("{{kvtier}}:claim:create:{}:c{i}", ns.id);
+        let set = kvtier_tests::redis::redis_cli(redis.port, &["SET", &key, "elsewhere", "PX", "9000"]);
+        assert_eq!(set.trim(), "OK");
+    }
+    let (t, b) = session(&ns, 12);
+    let opts = ParkOptions::default();
+    let ids: Vec<String> = (0..40).map(|i| format!("c{i}")).collect();
+    let crowd = futures::future::join_all(ids.iter().map(|id| agents.park(&ns, id, &t, &b, &opts, 0)));
+    let other = async {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let (t, b) = session(&theirs, 13);
+        let at = Instant::now();
+        others.park(&theirs, "free", &t, &b, &opts, 0).await.unwrap();
+        at.elapsed()
+    };
+    let (results, took) = tokio::join!(crowd, other);
+    assert!(took < Duration::from_secs(3), "another tenant's create took {took:?}");
+    let (mut made, mut refused) = (0, 0);
+    for r in &results {
+        match r {
+            Ok(_) => made += 1,
+            Err(ClientError::Capacity(m)) if m.contains("tenant \"agents\" has 32 session creates") => refused += 1,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert_eq!((made, refused), (32, 8));
+    assert!(solo.scrape().contains("kvtier_session_create_checks_refused_total 8"));
+}
+
 /// The config of node `id` of a one-copy cluster whose killed or stalled members stay members
 /// for 60 s, with `peer_timeout`.
 fn rf1_ttl60(redis: &Redis, dir: &std::path::Path, id: &str, peer_timeout: &str) -> std::path::PathBuf {
