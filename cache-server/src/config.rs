@@ -105,6 +105,12 @@ pub struct ServerConfig {
     /// is not whole after 60 s is ended. At least 65 MiB (a message may be 64 MiB). Default:
     /// `256MiB`.
     pub grpc_max_buffered_bytes: ByteSize,
+    /// Most of those bytes one tenant's bodies may hold at once (the operator's: all of them), so
+    /// one tenant holding its share leaves the rest to the others; `0`: half of
+    /// `grpc_max_buffered_bytes`. At least 65 MiB, at most `grpc_max_buffered_bytes`: with many
+    /// tenants, a smaller share (and a larger budget) keeps a few of them from holding it all.
+    /// Default: `0`.
+    pub grpc_max_buffered_bytes_per_tenant: ByteSize,
     /// Tenants as principals (`[[tenants]]` tables, see [`TenantConfig`]): each credential belongs
     /// to one tenant, which reaches only the namespaces it registered (`tenant = <its name>` in the
     /// namespace spec) and those other tenants granted it here. With any tenant configured every
@@ -423,6 +429,7 @@ impl Default for ServerConfig {
             samenode_max_registered_bytes: ByteSize(0),
             samenode_max_registered_bytes_per_tenant: ByteSize(0),
             grpc_max_buffered_bytes: ByteSize(256 << 20),
+            grpc_max_buffered_bytes_per_tenant: ByteSize(0),
             tenants: Vec::new(),
             max_connections: 1024,
             max_connections_per_peer: 256,
@@ -724,6 +731,19 @@ impl ServerConfig {
         }
     }
 
+    /// The node's budget for gRPC request bodies still arriving, and each tenant's share of it
+    /// (see `grpc_max_buffered_bytes` and `grpc_max_buffered_bytes_per_tenant`): both hold one
+    /// message of the largest size.
+    pub fn grpc_body_budget(&self) -> (u64, u64) {
+        let least = crate::MAX_GRPC_MESSAGE as u64 + (1 << 20);
+        let budget = self.grpc_max_buffered_bytes.0.max(least);
+        let share = match self.grpc_max_buffered_bytes_per_tenant.0 {
+            0 => budget / 2,
+            n => n,
+        };
+        (budget, share.clamp(least, budget))
+    }
+
     /// When peer loads are hedged (see `peer_hedge`).
     pub fn peer_hedge(&self) -> Result<crate::cluster::Hedge, String> {
         use crate::cluster::Hedge;
@@ -956,6 +976,22 @@ mod tests {
         // A server given one from its file refuses to start, saying which setting.
         let e = toml::from_str::<ServerConfig>("lease_timeout = \"99999999999999d\"").unwrap_err().to_string();
         assert!(e.contains("lease_timeout") && e.contains("longest duration"), "{e}");
+    }
+
+    /// A tenant's share of the gRPC body budget: half by default, as set otherwise, and always
+    /// room for one message of the largest size, never more than the budget.
+    #[test]
+    fn a_tenant_s_share_of_the_grpc_body_budget_is_set_and_bounded() {
+        let least = crate::MAX_GRPC_MESSAGE as u64 + (1 << 20);
+        let c = |text: &str| toml::from_str::<ServerConfig>(text).unwrap().grpc_body_budget();
+        assert_eq!(c(""), (256 << 20, 128 << 20));
+        assert_eq!(
+            c("grpc_max_buffered_bytes = \"1GiB\"\ngrpc_max_buffered_bytes_per_tenant = \"100MiB\""),
+            (1 << 30, 100 << 20)
+        );
+        assert_eq!(c("grpc_max_buffered_bytes_per_tenant = \"1MiB\""), (256 << 20, least));
+        assert_eq!(c("grpc_max_buffered_bytes_per_tenant = \"1GiB\""), (256 << 20, 256 << 20));
+        assert_eq!(c("grpc_max_buffered_bytes = \"1MiB\""), (least, least));
     }
 
     #[test]

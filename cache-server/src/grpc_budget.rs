@@ -9,7 +9,8 @@
 //! it is read (HTTP/2 flow control then holds the sender back), is refused `RESOURCE_EXHAUSTED`
 //! after waiting `stall_timeout` for it, and gives its bytes back once tonic has read it
 //! (decoded: the handler's copy is the request's own). A tenant's bodies also draw from its own
-//! share (half the budget), so one tenant holding its share leaves the rest to the others.
+//! share (`grpc_max_buffered_bytes_per_tenant`, half the budget by default), so one tenant
+//! holding its share leaves the rest to the others.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -238,14 +239,16 @@ where
                     if this.idle.as_mut().poll(cx).is_ready() {
                         let stall = this.stall;
                         let whose = match &this.share {
-                            Some(s) if s.available_permits() < PIECE as usize => "this tenant's share (half) of ",
-                            _ => "",
+                            Some(s) if s.available_permits() < PIECE as usize => {
+                                "this tenant's share of them (grpc_max_buffered_bytes_per_tenant)"
+                            }
+                            _ => "grpc_max_buffered_bytes",
                         };
                         return this.end(
                             "grpc_body_budget",
                             tonic::Status::resource_exhausted(format!(
-                                "{}: the node holds as many bytes of requests still arriving as {whose}its \
-                                 grpc_max_buffered_bytes allows, and none came free in {stall:?}; retry",
+                                "{}: the node holds as many bytes of requests still arriving as {whose} \
+                                 allows, and none came free in {stall:?}; retry",
                                 kvtier_proto::codes::CAPACITY
                             )),
                         );

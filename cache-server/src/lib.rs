@@ -487,7 +487,7 @@ pub async fn start(
             ext.insert(ResolvedCredential(resolved));
             tenant
         });
-    let body_budget = state.config().grpc_max_buffered_bytes.0.max(MAX_GRPC_MESSAGE as u64 + (1 << 20));
+    let (body_budget, body_share) = state.config().grpc_body_budget();
     let cert_state = state.clone();
     let (incoming, accepting) = listen::grpc_incoming(
         grpc_listener,
@@ -519,7 +519,7 @@ pub async fn start(
                     state.config().stall_timeout.0,
                     grpc_budget::BODY_DEADLINE,
                 )
-                .with_tenant_shares((body_budget / 2).max(MAX_GRPC_MESSAGE as u64 + (1 << 20)), who),
+                .with_tenant_shares(body_share, who),
             )
             .add_service(tonic::service::interceptor::InterceptedService::new(service, check_auth))
             .serve_with_incoming_shutdown(incoming, async move { stopped(&mut grpc_stop).await }),
