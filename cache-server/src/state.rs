@@ -805,7 +805,7 @@ impl NodeState {
             // The unregistration logged above drops them at replay too.
             dropped += u64::from(self.sessions.forget_session(self.tiers.session_pins(), *id, &m.id));
         }
-        let removed = self.tiers.purge(id);
+        let removed = self.tiers.forget_namespace(id);
         tracing::info!(principal = by.name(), dropped, removed, "namespace unregistered");
         Ok((dropped, removed))
     }

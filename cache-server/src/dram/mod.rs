@@ -1259,6 +1259,24 @@ impl DramTier {
         removed
     }
 
+    /// Removes every block of a namespace that is gone (unregistered), pinned ones too: a pin
+    /// a data-plane lease holds on one would otherwise keep it indexed after the namespace went,
+    /// to be served again if the namespace is registered anew and demoted to disk once evicted.
+    /// The lease's later let-go finds nothing to unpin. Returns their keys.
+    pub fn forget_namespace(&self, ns: &NamespaceId) -> Vec<BlockKey> {
+        let mut st = self.shared.state.lock();
+        let keys: Vec<IndexKey> = self.shared.index.iter().filter(|e| e.key().0 == *ns).map(|e| *e.key()).collect();
+        let mut removed = Vec::with_capacity(keys.len());
+        for k in &keys {
+            if let Some((buf, _)) = self.shared.unindex(&mut st, k) {
+                st.slab.recycle(buf);
+                removed.push(k.1);
+            }
+        }
+        self.shared.publish(&st);
+        removed
+    }
+
     pub fn stats(&self) -> DramStats {
         let c = &self.shared.counters;
         let r = |a: &AtomicU64| a.load(Ordering::Relaxed);

@@ -857,7 +857,18 @@ impl TierStack {
     /// Removes every unpinned block of a namespace from every tier (a block queued for disk is
     /// not written, or is forgotten again once written). Returns how many distinct blocks went.
     pub fn purge(&self, ns: &NamespaceId) -> u64 {
-        let mut gone: std::collections::HashSet<BlockKey> = std::collections::HashSet::new();
+        self.purge_with(ns, Vec::new())
+    }
+
+    /// [`Self::purge`] of a namespace that is gone (unregistered): its DRAM blocks pinned by
+    /// data-plane leases go too ([`DramTier::forget_namespace`]); its sessions' pins were let go
+    /// before.
+    pub fn forget_namespace(&self, ns: &NamespaceId) -> u64 {
+        self.purge_with(ns, self.dram.forget_namespace(ns))
+    }
+
+    fn purge_with(&self, ns: &NamespaceId, gone: Vec<BlockKey>) -> u64 {
+        let mut gone: std::collections::HashSet<BlockKey> = gone.into_iter().collect();
         for t in self.tiers() {
             gone.extend(t.purge(ns));
         }
@@ -1073,6 +1084,31 @@ mod tests {
         assert!(matches!(s.get(&ns, &held).await, Load::Miss));
         assert_eq!((s.agents().stats().demands, s.agents().stats().misses), (0, 1), "an unqueued demand");
         drop(link);
+    }
+
+    /// A namespace that is gone takes its DRAM blocks with it, one a data-plane lease pins too
+    /// (a purge, which leaves the namespace, spares it); the lease's let-go afterwards finds
+    /// nothing, and nothing stays pinned. Before, the leased block stayed indexed: served again
+    /// once the namespace was registered anew, demoted to disk once evicted.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_gone_namespace_s_leased_blocks_go_with_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = stack(dir.path(), 4 << 20);
+        let ns = NamespaceId([8; 16]);
+        let (leased, other) = (frame(ns, 1), frame(ns, 2));
+        ingest(&s, &leased).await;
+        ingest(&s, &other).await;
+        s.pin_lease(&ns, &leased.header.key).unwrap();
+        assert_eq!(s.purge(&ns), 1);
+        assert!(matches!(s.get(&ns, &leased.header.key).await, Load::Hit(_)), "a purge spares a leased block");
+        assert_eq!(s.forget_namespace(&ns), 1);
+        assert!(matches!(s.get(&ns, &leased.header.key).await, Load::Miss), "a gone namespace's leased block");
+        assert_eq!(s.dram.stats().pinned_bytes, 0);
+        s.unpin_lease(&ns, &leased.header.key);
+        let st = s.dram.stats();
+        assert_eq!((st.pinned_bytes, st.blocks, st.resident_bytes), (0, 0, 0));
+        ingest(&s, &leased).await;
+        assert!(matches!(s.get(&ns, &leased.header.key).await, Load::Hit(b) if b.payload == leased.payload));
     }
 
     /// With a disk tier a session larger than DRAM's pinned share is leased whole (the blocks
