@@ -860,3 +860,46 @@ async fn blocks_evicted_within_their_store_are_still_forwarded() {
     until_forwarded(&nodes[0], 64);
     assert_eq!(metric(&nodes[0].scrape(), "kvtier_peer_forward_dropped_total", &[]), 0.0);
 }
+
+/// A node whose `auth_token` differs from its peers' joins the cluster (membership is Redis's),
+/// but every call it makes to them is refused: it says so at WARN and counts each refusal in
+/// `kvtier_peer_credential_refused_total`, which its operator can alert on. Before, its misses
+/// and lost copies showed only at DEBUG.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_auth_token_differs_counts_its_peers_refusals() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let nodes: Vec<ServerProcess> = [("n1", OPERATOR), ("n2", "another-operator-secret-0123")]
+        .iter()
+        .map(|(id, token)| {
+            let cfg = dir.path().join(format!("{id}.toml"));
+            std::fs::write(
+                &cfg,
+                format!(
+                    "cluster = \"{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\npeer_rebalance = \"off\"\n\
+                     cluster_rf = 2\npeer_timeout = \"1s\"\nauth_token = \"{token}\"\n",
+                    redis.url()
+                ),
+            )
+            .unwrap();
+            ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"])
+        })
+        .collect();
+    until_members(&nodes, 2);
+    let c2 = client_as(&nodes[1], "another-operator-secret-0123").await;
+    let ns = c2.register(namespace("acme", b"mismatch", small_layout())).await.unwrap();
+    let toks = tokens(3, 4 * 16);
+    // Stored on n2; its copies for n1 are refused there.
+    c2.store(&ns, &toks, &full_block_payloads(&ns, &toks)).await.unwrap().ok().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let m = nodes[1].scrape();
+        if metric(&m, "kvtier_peer_credential_refused_total", &[]) >= 1.0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no refusal counted on n2: {m}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // n1 took no call with n2's credential.
+    assert_eq!(metric(&nodes[0].scrape(), "kvtier_peer_credential_refused_total", &[]), 0.0);
+}

@@ -144,13 +144,23 @@ impl ClientTransport {
     }
 
     /// `peer` refused this node's credential: a refusal, not a node down (nothing is retried
-    /// against it as if it were away, no hint is kept for it).
+    /// against it as if it were away, no hint is kept for it). A misconfigured cluster, so said
+    /// at WARN (once per 10 s, with how many were held back) and counted in
+    /// `kvtier_peer_credential_refused_total`: a node whose `auth_token` differs joins, and its
+    /// misses, lost forwards and unreplicated parks would otherwise show only at DEBUG.
     fn refused_credential(peer: &Member, m: String) -> ServerError {
-        ServerError::Forbidden(format!(
+        static SAID: kvtier_server::metrics::LogThrottle =
+            kvtier_server::metrics::LogThrottle::new(Duration::from_secs(10));
+        let e = ServerError::Forbidden(format!(
             "on node {}: it refused this node's credential ({m}): every node of a cluster must share auth_token \
              (and, with mTLS, take each other's certificates as the operator)",
             peer.id
-        ))
+        ));
+        ::metrics::counter!("kvtier_peer_credential_refused_total").increment(1);
+        if let Some(held_back) = SAID.allow() {
+            tracing::warn!(peer = %peer.id, held_back, "{e}");
+        }
+        e
     }
 
     fn forget(&self, peer: &Member) {
