@@ -367,3 +367,32 @@ async fn a_peer_restarted_in_place_takes_the_next_forward() {
     assert!(metric(&m, "kvtier_client_pooled_connections_closed_total", &[]) >= 1.0, "{m}");
     assert!(n2_again.scrape().contains("kvtier_"), "the restarted peer serves");
 }
+
+/// In a cluster, a read through the CLI of a namespace no member knows (a typo in `--model`)
+/// registers it nowhere, so it takes no slot of a tenant's `max_namespaces`, and says so as on
+/// one node; one that another member knows is registered on the node asked and read through it
+/// (its blocks come from their owner). Before, every such read registered the namespace for good.
+#[test]
+fn a_cli_read_of_a_namespace_no_member_knows_registers_nothing() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (n1, n2) = (node(&redis, dir.path(), "n1"), node(&redis, dir.path(), "n2"));
+    until_members(&n1, 2.0, Duration::from_secs(20));
+    until_members(&n2, 2.0, Duration::from_secs(20));
+    let (a1, a2) = (n1.grpc_addr(), n2.grpc_addr());
+    let text = "a prefix stored through the first node, read through the second";
+    for cmd in ["lookup", "get", "route"] {
+        let (ok, out, err) = cli(&[cmd, "--server", &a2, "--text", text, "--model", "typo"]);
+        assert!(ok && out.contains("the node holds no such namespace"), "{cmd}: {out} {err}");
+    }
+    let (ok, out, err) = cli(&["session", "ls", "--server", &a2, "--model", "typo"]);
+    assert!(ok, "{out} {err}");
+    for n in [&n1, &n2] {
+        assert_eq!(metric(&n.scrape(), "kvtier_namespaces", &[]), 0.0, "a read registered a namespace");
+    }
+    let (ok, out, err) = cli(&["put", "--server", &a1, "--text", text, "--model", "real"]);
+    assert!(ok, "{out} {err}");
+    let (ok, out, err) = cli(&["lookup", "--server", &a2, "--text", text, "--model", "real"]);
+    assert!(ok && out.starts_with(&format!("{} of", text.len() / 16 * 16)), "read through n2: {out} {err}");
+    assert_eq!(metric(&n2.scrape(), "kvtier_namespaces", &[]), 1.0);
+}

@@ -609,15 +609,18 @@ async fn connect(c: &ConnArgs) -> anyhow::Result<(KvClient, NamespaceHandle)> {
 /// [`connect`] for commands that read or remove what is there. On a node alone the namespace
 /// is not registered, so a question about one that does not exist (a typo in a flag) is
 /// answered about that one — none there — and creates nothing (it created the namespace, for
-/// good, and took a tenant's `max_namespaces` slot). In a cluster it is, as every client does:
-/// a node learns a namespace when first asked about it, and the other members may hold what it
-/// does not (a resume, a load from the owners, a purge or unregistration passed on to them).
-/// A tenant at its `max_namespaces` is answered about the namespace as it is (none there).
+/// good, and took a tenant's `max_namespaces` slot). In a cluster a node learns a namespace when
+/// first asked about it, and the other members may hold what it does not (a resume, a load from
+/// the owners, a purge or unregistration passed on to them): so it is registered on the node
+/// asked when some member knows it, or one could not be asked; a namespace no member knows is
+/// answered about as on one node, taking no slot of the tenant's anywhere. A tenant at its
+/// `max_namespaces` is answered about the namespace as it is (none there).
 async fn connect_existing(c: &ConnArgs) -> anyhow::Result<(KvClient, NamespaceHandle)> {
     let spec = c.ns.namespace()?;
     let client = connect_client(&c.node).await?;
-    let in_cluster = client.members().await.is_ok_and(|m| m.members.len() > 1);
-    let ns = match in_cluster {
+    let members = client.members().await.map(|m| m.members).unwrap_or_default();
+    let known = members.len() > 1 && known_on_some_member(&c.node, &members, &spec).await;
+    let ns = match known {
         false => NamespaceHandle::unregistered(spec)?,
         true => match client.register(spec.clone()).await {
             Err(ClientError::QuotaExceeded(_)) => NamespaceHandle::unregistered(spec)?,
@@ -625,6 +628,21 @@ async fn connect_existing(c: &ConnArgs) -> anyhow::Result<(KvClient, NamespaceHa
         },
     };
     Ok((client, ns))
+}
+
+/// Whether some member of the cluster knows namespace `spec` (asked with a lookup of one key,
+/// which a node refuses for a namespace it does not know), or some member gave no answer.
+async fn known_on_some_member(node: &NodeArgs, members: &[kvtier_proto::cluster::Member], spec: &Namespace) -> bool {
+    let Ok(handle) = NamespaceHandle::unregistered(spec.clone()) else { return true };
+    let Ok(cfg) = node.client_config() else { return true };
+    let asks = members.iter().map(|m| {
+        let (cfg, handle) = (cfg.clone(), &handle);
+        async move {
+            let client = KvClient::connect(&m.grpc_addr, cfg).await?;
+            client.lookup_keys(handle, &[BlockKey([0; 32])]).await
+        }
+    });
+    futures::future::join_all(asks).await.into_iter().any(|r| !matches!(r, Err(ClientError::UnknownNamespace(_))))
 }
 
 /// What a read of a namespace the node does not know says beside its (empty) answer.
