@@ -937,7 +937,12 @@ impl std::str::FromStr for DurationStr {
             "m" => Duration::from_secs(n.saturating_mul(60)),
             "h" => Duration::from_secs(n.saturating_mul(3600)),
             "d" => Duration::from_secs(n.saturating_mul(86400)),
-            other => return Err(format!("unknown duration unit {other:?} in {s:?}")),
+            other => {
+                return Err(format!(
+                    "unknown duration unit {:?} in {s:?} (one of us, ms, s, m, h, d, right after the number: 30s, 10m)",
+                    other.trim()
+                ))
+            }
         };
         if d > MAX_DURATION {
             return Err(format!("{s:?} is longer than the longest duration a setting takes (36500d, 100 years)"));
@@ -969,6 +974,10 @@ mod tests {
         assert_eq!("250ms".parse::<DurationStr>(), Ok(DurationStr(Duration::from_millis(250))));
         assert_eq!("50us".parse::<DurationStr>(), Ok(DurationStr(Duration::from_micros(50))));
         assert_eq!("0".parse::<DurationStr>(), Ok(DurationStr(Duration::ZERO)));
+        let e = "5min".parse::<DurationStr>().unwrap_err();
+        assert!(e.contains("\"min\"") && e.contains("one of us, ms, s, m, h, d"), "{e}");
+        let e = "5 minutes".parse::<DurationStr>().unwrap_err();
+        assert!(e.contains("unit \"minutes\""), "{e}");
         for bad in ["36501d", "99999999999999d", "18446744073709551615s"] {
             let e = bad.parse::<DurationStr>().unwrap_err();
             assert!(e.contains("longer than the longest duration"), "{bad}: {e}");
