@@ -570,6 +570,17 @@ fn a_read_grant_is_usable_from_the_cli() {
     assert!(ok && out.contains("0 of 74 tokens are stored") && out.contains("no such namespace"), "{out} {err}");
     let (ok, out, _) = as_tenant(TOKEN_A, "lookup", &[]);
     assert!(ok && out.contains("64 of 74 tokens are stored"), "{out}");
+
+    // Without `--tenant` the namespace is the credential's tenant's (the node says whose in its
+    // `Info`): a's own put and lookup name a's namespace, not the `cli` tenant's another tenant
+    // would be refused.
+    let (ok, out, err) = cli(&["put", "--server", &addr, "--auth-token", TOKEN_A, "--text", text]);
+    assert!(ok && out.contains("stored 4 of 4"), "{out} {err}");
+    let (ok, out, err) = cli(&["lookup", "--server", &addr, "--auth-token", TOKEN_A, "--text", text]);
+    assert!(ok && out.contains("64 of 74 tokens are stored"), "{out} {err}");
+    // The same namespace as `--tenant a` names: c, granted a's, reads it.
+    let (ok, out, err) = as_tenant(TOKEN_C, "lookup", &[]);
+    assert!(ok && out.contains("64 of 74 tokens are stored"), "{out} {err}");
 }
 
 /// With a disk tier, a tenant's parked session may be larger than its `dram_bytes` quota: its pins

@@ -993,7 +993,8 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         Ok(Response::new(pb::SameNodeTicketResponse { ticket, ttl_ms }))
     }
 
-    async fn info(&self, _r: Request<pb::InfoRequest>) -> Result<Response<pb::InfoResponse>, Status> {
+    async fn info(&self, r: Request<pb::InfoRequest>) -> Result<Response<pb::InfoResponse>, Status> {
+        let tenant = principal(&r)?.tenant().map(|t| t.name.clone()).unwrap_or_default();
         let c = self.state.config();
         Ok(Response::new(pb::InfoResponse {
             version: env!("CARGO_PKG_VERSION").to_string(),
@@ -1006,6 +1007,7 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
             samenode_socket: if c.samenode_socket == "off" { String::new() } else { c.samenode_socket.clone() },
             host_id: c.host_id.clone().unwrap_or_else(|| crate::samenode::host_id().to_string()),
             session_max_ttl_ms: u64::try_from(c.session_max_ttl.0.as_millis()).unwrap_or(u64::MAX),
+            tenant,
         }))
     }
 

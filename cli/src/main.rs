@@ -199,8 +199,9 @@ impl NodeArgs {
 /// The namespace to use (defaults: a small demo model).
 #[derive(Args, Clone)]
 struct NsArgs {
-    #[arg(long, default_value = "cli")]
-    tenant: String,
+    /// The namespace's tenant (default: the tenant of the credential given, else `cli`).
+    #[arg(long)]
+    tenant: Option<String>,
     #[arg(long, default_value = "demo-model")]
     model: String,
     #[arg(long, default_value_t = 4)]
@@ -561,11 +562,18 @@ async fn serve(a: ServeArgs, cfg: ServerConfig) -> anyhow::Result<()> {
 }
 
 impl NsArgs {
-    fn namespace(&self) -> anyhow::Result<Namespace> {
+    /// The namespace the flags name; `tenant` is the node's word for the credential's (empty for
+    /// the operator), the namespace's tenant unless `--tenant` names one.
+    fn namespace(&self, tenant: &str) -> anyhow::Result<Namespace> {
         let layout =
             KvLayout::new(self.layers, self.kv_heads, self.head_dim, DType::parse(&self.dtype)?, self.block_tokens);
         let hashing = if self.sha256 { HashScheme::Sha256 } else { HashScheme::Blake3 };
-        let ns = Namespace::new(&self.tenant, &self.model, layout, hashing, self.salt.as_bytes());
+        let tenant = match (&self.tenant, tenant) {
+            (Some(t), _) => t.as_str(),
+            (None, "") => "cli",
+            (None, t) => t,
+        };
+        let ns = Namespace::new(tenant, &self.model, layout, hashing, self.salt.as_bytes());
         // Checked here, before connecting: these are this command's own flags.
         if let Err(e) = ns.validate() {
             bail!("{e} (the namespace flags: --layers, --kv-heads, --head-dim, --dtype, --block-tokens, --tenant, --model)");
@@ -600,8 +608,10 @@ async fn connect_client(c: &NodeArgs) -> anyhow::Result<KvClient> {
 
 /// A client and the namespace of the namespace flags, registered.
 async fn connect(c: &ConnArgs) -> anyhow::Result<(KvClient, NamespaceHandle)> {
-    let ns = c.ns.namespace()?;
+    // The flags checked before connecting.
+    c.ns.namespace("")?;
     let client = connect_client(&c.node).await?;
+    let ns = c.ns.namespace(&client.server_info().tenant)?;
     let ns = client.register(ns).await?;
     Ok((client, ns))
 }
@@ -616,8 +626,9 @@ async fn connect(c: &ConnArgs) -> anyhow::Result<(KvClient, NamespaceHandle)> {
 /// answered about as on one node, taking no slot of the tenant's anywhere. A tenant at its
 /// `max_namespaces` is answered about the namespace as it is (none there).
 async fn connect_existing(c: &ConnArgs) -> anyhow::Result<(KvClient, NamespaceHandle)> {
-    let spec = c.ns.namespace()?;
+    c.ns.namespace("")?;
     let client = connect_client(&c.node).await?;
+    let spec = c.ns.namespace(&client.server_info().tenant)?;
     let members = client.members().await.map(|m| m.members).unwrap_or_default();
     let known = members.len() > 1 && known_on_some_member(&c.node, &members, &spec).await;
     let ns = match known {
