@@ -1069,6 +1069,18 @@ mod tests {
         assert_eq!(again.namespaces_of("q").len(), 2);
     }
 
+    /// A disk node on `dir` whose `namespaces.log` is compacted past 4 KiB of slack (not 1 MiB),
+    /// with its config and address to open it again.
+    fn disk_node_compacting_often(dir: &std::path::Path) -> (ServerConfig, SocketAddr, NodeState) {
+        let config = disk_node(dir);
+        let addr: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let mut state = NodeState::open(config.clone(), addr).unwrap();
+        if let Some(log) = state.namespace_log.as_mut() {
+            log.slack = 4096;
+        }
+        (config, addr, state)
+    }
+
     /// A namespace registered and unregistered over and over grows `namespaces.log` only to about
     /// twice its live size plus the slack: the append past it compacts the file while the node
     /// runs, and what a restart reads back is what was registered last. Before, 500 cycles wrote
@@ -1077,12 +1089,7 @@ mod tests {
     fn a_namespace_registered_over_and_over_keeps_its_log_bounded() {
         use kvtier_proto::{DType, HashScheme, KvLayout};
         let dir = tempfile::tempdir().unwrap();
-        let config = disk_node(dir.path());
-        let addr: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let mut state = NodeState::open(config.clone(), addr).unwrap();
-        if let Some(log) = state.namespace_log.as_mut() {
-            log.slack = 4096;
-        }
+        let (config, addr, state) = disk_node_compacting_often(dir.path());
         let ns = |i: u8| Namespace::new("t", "m", KvLayout::new(1, 1, 8, DType::Fp16, 16), HashScheme::Blake3, &[i]);
         let op = Principal::Operator;
         state.register_namespace(&op, ns(1)).unwrap();
@@ -1113,12 +1120,7 @@ mod tests {
     fn namespaces_unregistered_one_after_another_leave_the_log_small_at_the_next_start() {
         use kvtier_proto::{BlockFrame, BlockKey, CodecId, DType, HashScheme, KvLayout};
         let dir = tempfile::tempdir().unwrap();
-        let config = disk_node(dir.path());
-        let addr: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let mut state = NodeState::open(config.clone(), addr).unwrap();
-        if let Some(log) = state.namespace_log.as_mut() {
-            log.slack = 4096;
-        }
+        let (config, addr, state) = disk_node_compacting_often(dir.path());
         let layout = KvLayout::new(1, 1, 8, DType::Fp16, 16);
         let ns = |i: u32| Namespace::new("t", "m", layout, HashScheme::Blake3, &i.to_le_bytes());
         let op = Principal::Operator;
