@@ -563,7 +563,7 @@ fn a_read_grant_is_usable_from_the_cli() {
         "{out} {err}"
     );
     let (ok, out, err) = as_tenant(TOKEN_C, "put", &[]);
-    assert!(!ok && out.contains("stored 0 of 4") && out.contains("rejected"), "{out} {err}");
+    assert!(!ok && out.contains("stored 0 of 4 block(s), 0 bytes") && out.contains("rejected"), "{out} {err}");
     // Another tenant's namespace is answered as one nobody registered (the CLI's questions
     // register nothing, so the registration's "forbidden" is not said either).
     let (ok, out, err) = as_tenant(TOKEN_B, "lookup", &[]);

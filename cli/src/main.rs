@@ -729,7 +729,9 @@ async fn put(a: PutArgs) -> anyhow::Result<()> {
     }
     let blocks = payloads(&ns, a.file.as_ref(), &keys, None)?;
     let report = client.store(&ns, &tokens, &blocks).await?;
-    let bytes: usize = blocks.iter().map(|b| b.len()).sum();
+    // The bytes of the blocks stored, not of those sent.
+    let rejected: usize = report.rejected.iter().filter_map(|(i, _)| blocks.get(*i)).map(|b| b.len()).sum();
+    let bytes = blocks.iter().map(|b| b.len()).sum::<usize>() - rejected;
     outln!(
         "stored {} of {} block(s), {} bytes, covering {} tokens",
         report.stored,
