@@ -489,7 +489,25 @@ impl ServerConfig {
     }
 
     pub fn from_toml_str(text: &str) -> Result<Self, ServerError> {
-        toml::from_str(text).map_err(|e| ServerError::Config(e.to_string()))
+        toml::from_str(text).map_err(|e| {
+            let m = e.to_string();
+            // A top-level setting written below a `[[tenants]]` (or any) table belongs to that
+            // table in TOML: said, since the message alone lists the table's keys.
+            // The top-level keys, as serde lists them for an unknown one.
+            let top = toml::from_str::<ServerConfig>("kvtier_no_such_setting = 0").err().map(|e| e.to_string());
+            let top_level = m
+                .split("unknown field `")
+                .nth(1)
+                .and_then(|rest| rest.split('`').next())
+                .filter(|key| top.as_deref().is_some_and(|t| t.contains(&format!("`{key}`"))));
+            match top_level {
+                Some(key) => ServerError::Config(format!(
+                    "{m}\n`{key}` is a top-level setting: in TOML every key below a [table] or [[table]] header \
+                     belongs to that table, so write top-level settings above the first one"
+                )),
+                None => ServerError::Config(m),
+            }
+        })
     }
 
     /// Checks every setting; the server refuses to start on the first problem.
@@ -1001,6 +1019,19 @@ mod tests {
         assert_eq!(c("grpc_max_buffered_bytes_per_tenant = \"1MiB\""), (256 << 20, least));
         assert_eq!(c("grpc_max_buffered_bytes_per_tenant = \"1GiB\""), (256 << 20, 256 << 20));
         assert_eq!(c("grpc_max_buffered_bytes = \"1MiB\""), (least, least));
+    }
+
+    /// A top-level setting written below a `[[tenants]]` table (where TOML puts it in the table)
+    /// is refused saying so, not only with the table's keys; a real unknown key is not.
+    #[test]
+    fn a_top_level_key_below_a_table_is_refused_with_a_hint() {
+        let text = "[[tenants]]\nname = \"a\"\ntokens = [\"token-of-tenant-a-0123\"]\ncluster_rf = 2\n";
+        let e = ServerConfig::from_toml_str(text).unwrap_err().to_string();
+        assert!(e.contains("unknown field `cluster_rf`") && e.contains("`cluster_rf` is a top-level setting"), "{e}");
+        let e = ServerConfig::from_toml_str("dram_capacty = \"1GiB\"").unwrap_err().to_string();
+        assert!(e.contains("unknown field `dram_capacty`") && !e.contains("top-level setting"), "{e}");
+        let e = ServerConfig::from_toml_str("[[tenants]]\nname = \"a\"\nfoo = 1\n").unwrap_err().to_string();
+        assert!(e.contains("unknown field `foo`") && !e.contains("top-level setting"), "{e}");
     }
 
     #[test]

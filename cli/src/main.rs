@@ -555,6 +555,7 @@ async fn serve(a: ServeArgs, cfg: ServerConfig) -> anyhow::Result<()> {
     };
     tracing::info!("shutting down");
     server.stop(Duration::from_secs(5)).await?;
+    tracing::info!("stopped");
     match fenced {
         Some(why) => bail!("stopped: {why}"),
         None => Ok(()),
