@@ -78,10 +78,9 @@ struct Segment {
     /// A sync of it failed: no more records go into it (what it lost can't be made durable by
     /// syncing again).
     failed: bool,
+    /// The key of every record in it, live or not (compaction's work list, and which namespaces
+    /// still have copies here: [`DiskTier::oldest_segment_of`]).
     keys: Vec<IndexKey>,
-    /// The namespaces of `keys` (whether a namespace's unregistration still has copies to forget
-    /// at recovery: [`DiskTier::oldest_segment_of`]).
-    namespaces: HashSet<NamespaceId>,
 }
 
 struct Inner {
@@ -290,9 +289,7 @@ impl DiskTier {
             if scanned.truncated {
                 inner.dirty.insert(id);
             }
-            let namespaces = keys.iter().map(|k| k.0).collect();
-            let seg =
-                Segment { file, len: scanned.valid_len, synced: scanned.valid_len, failed: false, keys, namespaces };
+            let seg = Segment { file, len: scanned.valid_len, synced: scanned.valid_len, failed: false, keys };
             inner.segments.insert(id, seg);
             inner.active = id;
         }
@@ -361,7 +358,7 @@ impl DiskTier {
             let _ = self.fs.remove_file(&path);
             return Err(io_err("syncing", &self.seg_dir, e));
         }
-        Ok(Segment { file, len: 0, synced: 0, failed: false, keys: Vec::new(), namespaces: HashSet::new() })
+        Ok(Segment { file, len: 0, synced: 0, failed: false, keys: Vec::new() })
     }
 
     /// Forgets the oldest sealed segment without pinned blocks and returns its id (the caller
@@ -501,7 +498,6 @@ impl DiskTier {
                 s.synced = s.len;
             }
             s.keys.push(key);
-            s.namespaces.insert(key.0);
             if s.synced < s.len {
                 st.dirty.insert(seg);
             }
@@ -612,7 +608,6 @@ impl DiskTier {
                 s.len = offset;
                 s.synced = offset;
                 s.keys.extend(moved.iter().map(|(k, _)| *k));
-                s.namespaces.extend(moved.iter().map(|(k, _)| k.0));
             }
             st.total_bytes += offset;
             // A block of the victim pinned while it was being copied keeps the victim.
@@ -840,13 +835,13 @@ impl DiskTier {
 
     /// The oldest segment holding a record of each namespace, indexed or not (a block forgotten
     /// at an unregistration stays in its segment, and recovery would find it again, until the
-    /// segment goes).
+    /// segment goes). One pass over every record's key: it is asked once, at start.
     pub fn oldest_segment_of(&self) -> HashMap<NamespaceId, u64> {
         let st = self.inner.lock();
         let mut oldest = HashMap::new();
         for (&id, seg) in &st.segments {
-            for ns in &seg.namespaces {
-                oldest.entry(*ns).or_insert(id);
+            for key in &seg.keys {
+                oldest.entry(key.0).or_insert(id);
             }
         }
         oldest
