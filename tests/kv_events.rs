@@ -422,6 +422,8 @@ fn the_events_cli_says_how_its_stream_ended() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.success(), ok, "{signal:?}: {stderr}");
         assert!(stderr.contains(says), "{signal:?}: {stderr}");
+        // What it watched, said when the watch opened (a quiet namespace is not a hung CLI).
+        assert!(stderr.starts_with("watching ns=") && stderr.contains("model \"demo-model\""), "{stderr}");
         assert!(out.stdout.is_empty(), "nothing on stdout but events");
         let _ = server.child.wait();
     }

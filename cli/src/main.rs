@@ -27,6 +27,7 @@ use anyhow::{bail, Context};
 use bytes::Bytes;
 use clap::{Args, Parser, Subcommand};
 use kvtier_client::{ClientConfig, ClientError, KvClient, NamespaceHandle, ParkOptions};
+use kvtier_proto::dataplane::ItemStatus;
 use kvtier_proto::{BlockKey, DType, HashScheme, KvLayout, Namespace};
 use kvtier_server::config::{ByteSize, DurationStr, ServerConfig};
 
@@ -740,10 +741,21 @@ async fn put(a: PutArgs) -> anyhow::Result<()> {
         bytes,
         keys.len() * ns.block_tokens()
     )?;
-    for (i, st) in &report.rejected {
-        outln!("  block {i} rejected: {}", st.describe())?;
+    // One line per reason, not per block: a refused namespace refuses every block alike.
+    let mut reasons: Vec<(ItemStatus, Vec<usize>)> = Vec::new();
+    for &(i, st) in &report.rejected {
+        match reasons.iter_mut().find(|(s, _)| *s == st) {
+            Some((_, blocks)) => blocks.push(i),
+            None => reasons.push((st, vec![i])),
+        }
     }
-    report.ok()?;
+    for (st, blocks) in &reasons {
+        let which = blocks.iter().map(usize::to_string).collect::<Vec<_>>().join(", ");
+        outln!("  rejected block(s) {which}: {}{}", coded(*st), st.describe())?;
+    }
+    if let Some((st, _)) = reasons.first() {
+        bail!("{}{} of {} block(s) refused (why above)", coded(*st), report.rejected.len(), keys.len());
+    }
     // Stored is not held: a prefix larger than what the node keeps evicts its own first blocks,
     // and a lookup (longest prefix from the start) then finds nothing. Say so.
     let stored_tokens = keys.len() * ns.block_tokens();
@@ -763,6 +775,11 @@ async fn put(a: PutArgs) -> anyhow::Result<()> {
         )?;
     }
     Ok(())
+}
+
+/// A refused block's stable code and a colon, for the start of a line.
+fn coded(st: ItemStatus) -> String {
+    st.code().map(|c| format!("{c}: ")).unwrap_or_default()
 }
 
 async fn get(a: GetArgs) -> anyhow::Result<()> {

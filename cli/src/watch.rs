@@ -43,12 +43,18 @@ pub struct RouteArgs {
 pub async fn events(a: EventsArgs) -> anyhow::Result<()> {
     // With --all no namespace is named, so none is registered: a tenant's credential may not
     // register the default `cli` tenant's namespace, and needs none to watch its own.
-    let mut watch = if a.all {
-        connect_client(&a.conn.node).await?.watch_events(&[]).await?
+    let (mut watch, what) = if a.all {
+        let w = connect_client(&a.conn.node).await?.watch_events(&[]).await?;
+        (w, "every namespace this credential may read".to_string())
     } else {
         let (client, ns) = connect(&a.conn).await?;
-        client.watch_events(&[&ns]).await?
+        let w = client.watch_events(&[&ns]).await?;
+        let n = &ns.namespace;
+        (w, format!("ns={} (tenant {:?}, model {:?})", ns.id.to_hex(), n.tenant, n.model))
     };
+    // Said on stderr (stdout carries events only): a namespace nothing stores into yet is quiet,
+    // and a typo in a flag names one nothing ever will.
+    eprintln!("watching {what} on {}: one line per event, until interrupted", a.conn.node.server);
     let mut seen = 0u64;
     while a.count.is_none_or(|n| seen < n) {
         let e = match watch.next().await {

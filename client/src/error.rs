@@ -46,7 +46,9 @@ pub enum ClientError {
     /// node at its new version: write again with that version (the message says which).
     #[error("{}", labeled("cluster unavailable", .0))]
     Unavailable(String),
-    #[error("block {index} rejected: {}", status.describe())]
+    /// The data plane refused a block (`status` says why; its [`ItemStatus::code`] leads the
+    /// message).
+    #[error("{}block {index} rejected: {}", status.code().map(|c| format!("{c}: ")).unwrap_or_default(), status.describe())]
     Rejected { index: usize, status: ItemStatus },
     #[error("block {index} is missing on the server")]
     Missing { index: usize },
@@ -182,6 +184,18 @@ impl From<tonic::transport::Error> for ClientError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_refused_block_leads_with_its_stable_code() {
+        let e = ClientError::Rejected { index: 2, status: ItemStatus::Forbidden };
+        assert!(e.to_string().starts_with("KV:Auth:Forbidden: block 2 rejected: forbidden"), "{e}");
+        // Every refusal a server can give a block has a code; the answers that are none, none.
+        for v in 0..=255u8 {
+            let Ok(st) = ItemStatus::from_u8(v) else { continue };
+            let refusal = !matches!(st, ItemStatus::Ok | ItemStatus::Present | ItemStatus::Miss);
+            assert_eq!(st.code().is_some_and(|c| c.starts_with("KV:")), refusal, "{st:?}");
+        }
+    }
 
     #[test]
     fn a_transport_failure_says_what_failed_underneath() {

@@ -25,5 +25,14 @@ pub const TOO_MANY_CONNECTIONS: &str = "KV:Connections:TooMany";
 pub const UNAVAILABLE: &str = "KV:Cluster:Unavailable";
 pub const INTERNAL: &str = "KV:Internal";
 
+/// A block a data-plane `PUT` sent did not match its checksum (damaged on the way).
+pub const BLOCK_CHECKSUM: &str = "KV:Block:Checksum";
+/// A block's size, layout, header or codec does not fit its namespace.
+pub const BLOCK_INVALID: &str = "KV:Block:Invalid";
+/// A same-node item's offset and length fall outside its registered buffer.
+pub const BLOCK_OUT_OF_RANGE: &str = "KV:Block:OutOfRange";
+/// A one-sided read names a lease the connection does not hold, or a block outside the arena.
+pub const LEASE: &str = "KV:Lease:Invalid";
+
 /// The metadata key that carries the code beside the gRPC status.
 pub const METADATA_KEY: &str = "kvtier-code";

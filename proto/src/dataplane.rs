@@ -297,6 +297,27 @@ impl ItemStatus {
         matches!(self, ItemStatus::Ok | ItemStatus::Present)
     }
 
+    /// The stable code of a refusal (as a gRPC error's, [`crate::codes`]), for a caller to act on
+    /// without parsing [`Self::describe`]; `None` for the answers that are no refusal (`Ok`,
+    /// `Present`, `Miss`).
+    pub fn code(self) -> Option<&'static str> {
+        use crate::codes;
+        Some(match self {
+            ItemStatus::Ok | ItemStatus::Present | ItemStatus::Miss => return None,
+            ItemStatus::ChecksumMismatch => codes::BLOCK_CHECKSUM,
+            ItemStatus::SizeMismatch | ItemStatus::LayoutMismatch | ItemStatus::BadHeader | ItemStatus::LossyCodec => {
+                codes::BLOCK_INVALID
+            }
+            ItemStatus::UnknownNamespace => codes::UNKNOWN_NAMESPACE,
+            ItemStatus::Capacity => codes::CAPACITY,
+            ItemStatus::Internal => codes::INTERNAL,
+            ItemStatus::OutOfRange => codes::BLOCK_OUT_OF_RANGE,
+            ItemStatus::Forbidden => codes::FORBIDDEN,
+            ItemStatus::NoLease | ItemStatus::Elsewhere => codes::LEASE,
+        })
+    }
+
+    /// What the status means, in words (after [`Self::code`] where it has one).
     pub fn describe(self) -> &'static str {
         match self {
             ItemStatus::Ok => "ok",
