@@ -102,6 +102,7 @@ pub fn to_status(e: ServerError) -> Status {
         ServerError::UnknownNamespace(_)
         | ServerError::SessionNotFound(_)
         | ServerError::SessionLost(_)
+        | ServerError::SessionAway { .. }
         | ServerError::SessionExpired { .. } => tonic::Code::NotFound,
         ServerError::SessionExists(_) => tonic::Code::AlreadyExists,
         ServerError::VersionConflict { .. } | ServerError::ConcurrentWrite { .. } => tonic::Code::Aborted,
@@ -402,6 +403,24 @@ impl ControlPlane {
     /// member holds could not be taken when that is a tenant's limit here (its quota, no room),
     /// or that the session expired on the owners that answered, for a resume that has no copy of
     /// its own to say so rather than "not found".
+    /// A session no member up now holds: "not found", or, where members left the cluster lately
+    /// (a graceful stop leaves at once, and with them their copies), that it may be on them.
+    fn maybe_away(&self, id: &str) -> ServerError {
+        let left = self.state.tiers().peers().map(|p| p.departed()).unwrap_or_default();
+        if left.is_empty() {
+            return ServerError::SessionNotFound(id.into());
+        }
+        let mut left: Vec<_> = left.into_iter().map(|(n, ago)| (ago, n)).collect();
+        left.sort();
+        let mut names: Vec<String> =
+            left.iter().take(3).map(|(ago, n)| format!("{} ({}s ago)", n.as_str(), ago.as_secs())).collect();
+        if left.len() > 3 {
+            names.push(format!("{} more", left.len() - 3));
+        }
+        let left = format!("member{} {}", if left.len() == 1 { "" } else { "s" }, names.join(", "));
+        ServerError::SessionAway { id: id.into(), left }
+    }
+
     async fn adopt_newer_copy(&self, ns: &Namespace, id: &str) -> Option<ServerError> {
         let peers = self.state.tiers().peers()?;
         let local = self.state.sessions().peek(ns.id(), id).map_or(0, |m| m.version);
@@ -1088,6 +1107,10 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
             Err(
                 e @ (ServerError::SessionNotFound(_) | ServerError::SessionExpired { .. } | ServerError::Peer { .. }),
             ) => self.state.tiers().resume_shared(&id, &r.session_id).await.ok_or(e),
+            other => other,
+        };
+        let res = match res {
+            Err(ServerError::SessionNotFound(_)) => Err(self.maybe_away(&r.session_id)),
             other => other,
         };
         let m = res.map_err(to_status)?;

@@ -23,6 +23,14 @@ pub enum ServerError {
         "session {0:?} not found: it was lost when the node last started (a block of it on disk was damaged or gone)"
     )]
     SessionLost(String),
+    /// Held by no member up now, while members that left the cluster lately may hold it: a
+    /// session whose copies were all on them comes back when one of them rejoins.
+    #[error(
+        "session {id:?} not found on any member up now; {left} left the cluster lately and may hold it (a session \
+         has cluster_rf copies, one with cluster_rf = 1; it comes back when its holder rejoins): try again then, or \
+         park it anew"
+    )]
+    SessionAway { id: String, left: String },
     #[error("session {id:?} expired {ago_ms} ms ago")]
     SessionExpired { id: String, ago_ms: u64 },
     #[error("session {0:?} already exists; pass its version to replace it")]
@@ -69,7 +77,9 @@ impl ServerError {
             ServerError::Capacity(_) | ServerError::TooLarge { .. } => codes::CAPACITY,
             ServerError::MissingBlocks { .. } => codes::INVALID_REQUEST,
             ServerError::UnknownNamespace(_) => codes::UNKNOWN_NAMESPACE,
-            ServerError::SessionNotFound(_) | ServerError::SessionLost(_) => codes::SESSION_NOT_FOUND,
+            ServerError::SessionNotFound(_) | ServerError::SessionLost(_) | ServerError::SessionAway { .. } => {
+                codes::SESSION_NOT_FOUND
+            }
             ServerError::SessionExpired { .. } => codes::SESSION_EXPIRED,
             ServerError::SessionExists(_) => codes::SESSION_EXISTS,
             ServerError::VersionConflict { .. } | ServerError::ConcurrentWrite { .. } => codes::SESSION_VERSION,
@@ -95,6 +105,7 @@ impl ServerError {
             ServerError::UnknownNamespace(_) => "unknown_namespace",
             ServerError::SessionNotFound(_) => "session_not_found",
             ServerError::SessionLost(_) => "session_lost",
+            ServerError::SessionAway { .. } => "session_away",
             ServerError::SessionExpired { .. } => "session_expired",
             ServerError::SessionExists(_) => "session_exists",
             ServerError::VersionConflict { .. } => "version_conflict",
