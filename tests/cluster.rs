@@ -23,11 +23,16 @@ fn until_members(server: &ServerProcess, n: f64, within: Duration) -> Duration {
 }
 
 fn node(redis: &Redis, dir: &std::path::Path, id: &str) -> ServerProcess {
+    node_with(redis, dir, id, "cluster_ttl = \"2s\"\n")
+}
+
+/// A DRAM-only member with `extra` settings (which must set `cluster_ttl`).
+fn node_with(redis: &Redis, dir: &std::path::Path, id: &str, extra: &str) -> ServerProcess {
     let cfg = dir.join(format!("{id}.toml"));
     std::fs::write(
         &cfg,
         format!(
-            "cluster = \"redis://127.0.0.1:{}\"\nnode_id = \"{id}\"\ncluster_ttl = \"2s\"\npeer_rebalance = \"off\"\n",
+            "cluster = \"redis://127.0.0.1:{}\"\nnode_id = \"{id}\"\npeer_rebalance = \"off\"\n{extra}",
             redis.port
         ),
     )
@@ -395,4 +400,41 @@ fn a_cli_read_of_a_namespace_no_member_knows_registers_nothing() {
     let (ok, out, err) = cli(&["lookup", "--server", &a2, "--text", text, "--model", "real"]);
     assert!(ok && out.starts_with(&format!("{} of", text.len() / 16 * 16)), "read through n2: {out} {err}");
     assert_eq!(metric(&n2.scrape(), "kvtier_namespaces", &[]), 1.0);
+}
+
+/// In a cluster, `kvtier session ls` asks every member and lists each session once, with the
+/// members holding a copy; `--here` lists the node asked's copies alone; a member that does not
+/// answer is said, and the others' copies are still listed. Before, only the node asked's were.
+#[test]
+fn a_cli_session_list_in_a_cluster_asks_every_member() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    // Two copies of each session; a killed member stays listed for 30 s.
+    let extra = "cluster_rf = 2\ncluster_ttl = \"30s\"\n";
+    let (mut n1, n2) = (node_with(&redis, dir.path(), "n1", extra), node_with(&redis, dir.path(), "n2", extra));
+    until_members(&n1, 2.0, Duration::from_secs(20));
+    until_members(&n2, 2.0, Duration::from_secs(20));
+    let (a1, a2) = (n1.grpc_addr(), n2.grpc_addr());
+    let text = "a session parked through the first node, listed through the second";
+    let (ok, out, err) = cli(&["session", "park", "--server", &a1, "--id", "s1", "--text", text]);
+    assert!(ok, "{out} {err}");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let (ok, out, err) = cli(&["session", "ls", "--server", &a2]);
+        assert!(ok, "{out} {err}");
+        if out.starts_with("1 session(s)") && out.contains(" s1 ") && out.trim_end().ends_with("on n1, n2") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "not listed once with both holders: {out}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (ok, out, err) = cli(&["session", "ls", "--server", &a2, "--here"]);
+    assert!(ok && out.starts_with("1 session(s)") && out.contains(" s1 ") && !out.contains(" on "), "{out} {err}");
+
+    let _ = n1.child.kill();
+    let _ = n1.child.wait();
+    let (ok, out, err) = cli(&["session", "ls", "--server", &a2, "--all"]);
+    assert!(ok, "{out} {err}");
+    assert!(out.contains("note: member n1 did not answer"), "{out}");
+    assert!(out.contains("1 session(s)") && out.trim_end().ends_with("on n2"), "{out}");
 }

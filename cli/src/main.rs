@@ -295,6 +295,10 @@ enum SessionCmd {
         /// Every namespace's sessions (the namespace flags are ignored), each with its namespace id.
         #[arg(long)]
         all: bool,
+        /// Only the node asked's copies. Without it, in a cluster every member is asked and each
+        /// session is listed once (its newest version), with the members holding a copy.
+        #[arg(long)]
+        here: bool,
     },
     /// Drop a session and unpin its blocks.
     Drop {
@@ -938,21 +942,70 @@ async fn session(s: SessionCmd) -> anyhow::Result<()> {
                 outln!("wrote {}", p.display())?;
             }
         }
-        SessionCmd::Ls { conn, all } => {
-            let list = if all {
-                connect_client(&conn.node).await?.list_sessions(None).await?
-            } else {
-                let (client, ns) = connect_existing(&conn).await?;
-                match client.list_sessions(Some(&ns)).await {
-                    Err(ClientError::UnknownNamespace(_)) => {
-                        outln!("note: {NO_SUCH_NAMESPACE}")?;
-                        Vec::new()
-                    }
-                    other => other?,
-                }
+        SessionCmd::Ls { conn, all, here } => {
+            let (client, ns) = match all {
+                true => (connect_client(&conn.node).await?, None),
+                false => connect_existing(&conn).await.map(|(c, ns)| (c, Some(ns)))?,
             };
-            outln!("{} session(s)", list.len())?;
-            for s in list {
+            let members = match here {
+                true => Vec::new(),
+                false => client.members().await.map(|m| m.members).unwrap_or_default(),
+            };
+            let cluster = members.len() > 1;
+            // Each member's list (in a cluster), or the node asked's.
+            let lists: Vec<(String, Result<Vec<kvtier_client::SessionInfo>, ClientError>)> = if cluster {
+                let cfg = conn.node.client_config()?;
+                let asks = members.iter().map(|m| {
+                    let (cfg, ns) = (cfg.clone(), ns.as_ref());
+                    async move {
+                        let listed = async {
+                            let c = KvClient::connect(&m.grpc_addr, cfg).await?;
+                            c.list_sessions(ns).await
+                        };
+                        (m.id.as_str().to_string(), listed.await)
+                    }
+                });
+                futures::future::join_all(asks).await
+            } else {
+                vec![(String::new(), client.list_sessions(ns.as_ref()).await)]
+            };
+            let answered = lists.len();
+            // Each session once: its newest copy, and who holds one (at which version).
+            let mut listed: Vec<(kvtier_client::SessionInfo, Vec<(String, u64)>)> = Vec::new();
+            let mut unknown = 0;
+            for (node, list) in lists {
+                let list = match list {
+                    Ok(list) => list,
+                    Err(ClientError::UnknownNamespace(_)) => {
+                        unknown += 1;
+                        continue;
+                    }
+                    Err(e) if cluster => {
+                        outln!("note: member {node} did not answer ({e}): its copies are not listed")?;
+                        continue;
+                    }
+                    Err(e) => return Err(e.into()),
+                };
+                for s in list {
+                    match listed.iter_mut().find(|(l, _)| l.namespace == s.namespace && l.id == s.id) {
+                        Some((l, holders)) => {
+                            holders.push((node.clone(), s.version));
+                            if s.version > l.version {
+                                *l = s;
+                            }
+                        }
+                        None => listed.push((s.clone(), vec![(node.clone(), s.version)])),
+                    }
+                }
+            }
+            if unknown == answered {
+                outln!("note: {NO_SUCH_NAMESPACE}")?;
+            }
+            if cluster {
+                listed.sort_by(|(a, _), (b, _)| (a.namespace.0, &a.id).cmp(&(b.namespace.0, &b.id)));
+            }
+            outln!("{} session(s)", listed.len())?;
+            for (s, holders) in listed {
                 // Full blocks, and the partial tail as `session resume` counts it (in its blocks).
                 let blocks = format!("{}{}", s.blocks, if s.has_tail { " + tail" } else { "" });
                 // With --all, the namespace each belongs to (its id: the first 8 bytes, in hex).
@@ -960,8 +1013,20 @@ async fn session(s: SessionCmd) -> anyhow::Result<()> {
                     true => format!("ns {} ", hex_prefix(&s.namespace.0[..8])),
                     false => String::new(),
                 };
+                // In a cluster, the members holding a copy; a version only where copies differ.
+                let on = match cluster {
+                    false => String::new(),
+                    true => {
+                        let same = holders.iter().all(|(_, v)| *v == s.version);
+                        let held: Vec<String> = holders
+                            .iter()
+                            .map(|(n, v)| if same { n.clone() } else { format!("{n} v{v}") })
+                            .collect();
+                        format!("  on {}", held.join(", "))
+                    }
+                };
                 outln!(
-                    "  {ns}{:<24} v{:<4} {:>8} tokens {:>10} blocks {:>12} bytes  expires in {:?}",
+                    "  {ns}{:<24} v{:<4} {:>8} tokens {:>10} blocks {:>12} bytes  expires in {:?}{on}",
                     s.id,
                     s.version,
                     s.token_count,
