@@ -1018,10 +1018,8 @@ async fn session(s: SessionCmd) -> anyhow::Result<()> {
                     false => String::new(),
                     true => {
                         let same = holders.iter().all(|(_, v)| *v == s.version);
-                        let held: Vec<String> = holders
-                            .iter()
-                            .map(|(n, v)| if same { n.clone() } else { format!("{n} v{v}") })
-                            .collect();
+                        let held: Vec<String> =
+                            holders.iter().map(|(n, v)| if same { n.clone() } else { format!("{n} v{v}") }).collect();
                         format!("  on {}", held.join(", "))
                     }
                 };
