@@ -72,6 +72,14 @@ fn cli_round_trip_sessions_stats_and_metrics() {
     assert!(metric(&m, "kvtier_tier_hits_total", &[("tier", "dram")]) >= 4.0, "{m}");
     assert!(metric(&m, "kvtier_tier_resident_bytes", &[("tier", "dram")]) > 0.0, "{m}");
     assert!(m.contains("kvtier_request_seconds_bucket"), "latency histograms: {m}");
+    // Every family says what it is (`# HELP`, from cache-server/src/metric_catalog.rs), and a
+    // label-less counter is there at 0 before its first event.
+    let typed: Vec<&str> =
+        m.lines().filter_map(|l| l.strip_prefix("# TYPE kvtier_")).filter_map(|l| l.split(' ').next()).collect();
+    assert!(typed.len() > 50, "{m}");
+    let undescribed: Vec<&&str> = typed.iter().filter(|n| !m.contains(&format!("\n# HELP kvtier_{n} "))).collect();
+    assert!(undescribed.is_empty(), "kvtier_ families without a # HELP line: {undescribed:?}\n{m}");
+    assert!(m.lines().any(|l| l == "kvtier_membership_superseded_total 0"), "{m}");
 
     // A client pointed at nothing fails fast with a clear message.
     let (ok, _, err) = cli(&["stats", "--server", "127.0.0.1:1"]);

@@ -47,6 +47,7 @@ pub mod grpc_budget;
 pub mod grpc_calls;
 pub mod grpc_metrics;
 pub mod listen;
+pub mod metric_catalog;
 pub mod metrics;
 pub mod quic;
 pub mod remembered;

@@ -14,13 +14,16 @@ use crate::error::ServerError;
 const LATENCY_BUCKETS: &[f64] =
     &[0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0];
 
-/// Installs the global recorder. Call once per process.
+/// Installs the global recorder, with every metric's help text ([`crate::metric_catalog`]).
+/// Call once per process.
 pub fn install() -> Result<PrometheusHandle, ServerError> {
-    PrometheusBuilder::new()
+    let handle = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)
         .map_err(|e| ServerError::Config(format!("metrics buckets: {e}")))?
         .install_recorder()
-        .map_err(|e| ServerError::Config(format!("metrics recorder: {e}")))
+        .map_err(|e| ServerError::Config(format!("metrics recorder: {e}")))?;
+    crate::metric_catalog::describe_all();
+    Ok(handle)
 }
 
 /// Serves `GET /metrics` with the current snapshot; with `token`, only to a request that carries

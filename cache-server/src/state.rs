@@ -74,6 +74,11 @@ struct NamespaceLog {
 /// each time: 500 cycles wrote 211 KB).
 const NAMESPACE_LOG_SLACK: u64 = 1 << 20;
 
+/// The label-less counters a node puts in at 0 once its state is open: its own and those of the
+/// client it calls its peers with (the agent's are not the node's).
+const NODE_COUNTERS: &[crate::metric_catalog::RecordedBy] =
+    &[crate::metric_catalog::RecordedBy::Node, crate::metric_catalog::RecordedBy::Client];
+
 /// One `namespaces.log` record, framed by `kvtier_proto::record_log` and keyed with the file's
 /// secret: a namespace spec is a tenant's bytes, and no bytes in it can pass for a record.
 /// The G1 tier's settings from the node's.
@@ -407,6 +412,7 @@ impl NodeState {
             // Every gauge present from the start, not only once it first changes.
             metrics::gauge!("kvtier_namespaces").set(0.0);
             metrics::gauge!("kvtier_sessions").set(0.0);
+            crate::metric_catalog::register_zeros(NODE_COUNTERS);
             return Ok(state);
         }
         // The data directory's own name durable (it may have just been created), or everything
@@ -554,6 +560,7 @@ impl NodeState {
             metrics::counter!("kvtier_disk_recovered_blocks_total").increment(r.blocks.saturating_sub(r.deleted));
         }
         metrics::gauge!("kvtier_sessions").set(state.sessions.len() as f64);
+        crate::metric_catalog::register_zeros(NODE_COUNTERS);
         Ok(state)
     }
 
