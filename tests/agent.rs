@@ -111,6 +111,9 @@ fn an_agent_configured_by_toml_answers_engines_serves_metrics_and_stops_on_sigte
     assert_eq!(metric(&text, "kvtier_agent_pool_bytes", &[]), 8.0 * BLOCK as f64);
     assert_eq!(metric(&text, "kvtier_agent_engine_connections", &[]), 2.0);
     assert_eq!(metric(&text, "kvtier_agent_refused_total", &[]), 1.0);
+    // Counters of events that have not happened are there at 0, with what they mean.
+    assert!(text.contains("\nkvtier_agent_spill_errors_total 0\n"), "{text}");
+    assert!(text.contains("# HELP kvtier_agent_spill_errors_total "), "{text}");
 
     let pid = rustix::process::Pid::from_child(child);
     rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();

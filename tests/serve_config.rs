@@ -106,3 +106,31 @@ fn serve_starts_on_a_file_shared_with_the_agent() {
     let Err(err) = serve(&["--no-metrics", "--config", cfg.to_str().unwrap()]) else { panic!("a misspelt key") };
     assert!(err.contains("dram_capacty"), "{err}");
 }
+
+/// A bad value from an environment variable is refused naming the variable, not only the flag
+/// clap names (which was not given); a bad flag is refused as clap says it. The start line
+/// gives the DRAM cap exactly where that is short, else about it.
+#[test]
+fn a_bad_value_from_the_environment_names_its_variable() {
+    let refused = |env: Option<&str>, args: &[&str]| {
+        let mut cmd = Command::new(kvtier_bin());
+        cmd.arg("serve").args(args).env_remove("KVTIER_CONFIG").env_remove("KVTIER_DRAM_CAPACITY");
+        if let Some(v) = env {
+            cmd.env("KVTIER_DRAM_CAPACITY", v);
+        }
+        let out = cmd.output().unwrap();
+        (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (code, err) = refused(Some("5zz"), &[]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("unknown size unit \"zz\"") && err.contains("environment variable KVTIER_DRAM_CAPACITY"), "{err}");
+    let (code, err) = refused(None, &["--dram-capacity", "5zz"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("'--dram-capacity <DRAM_CAPACITY>'") && !err.contains("environment"), "{err}");
+    // Given on the command line too, the flag's value is the one refused.
+    let (_, err) = refused(Some("8MiB"), &["--dram-capacity", "5zz"]);
+    assert!(!err.contains("environment"), "{err}");
+
+    let s = serve(&["--dram-capacity", "1234567KiB"]).unwrap();
+    assert!(s.line.contains("dram=1.18GiB "), "{}", s.line);
+}

@@ -903,6 +903,25 @@ impl std::str::FromStr for ByteSize {
     }
 }
 
+impl ByteSize {
+    /// For people: the exact form where it is short (`64MiB`, `1536KiB`), else about it to two
+    /// decimals (`5.89GiB` for a quarter of the host's memory, not `6170943KiB`).
+    pub fn approx(&self) -> String {
+        let exact = self.to_string();
+        if exact.len() <= 8 {
+            return exact;
+        }
+        let v = self.0 as f64;
+        let (div, unit) = match self.0 {
+            n if n >= 1 << 40 => ((1u64 << 40) as f64, "TiB"),
+            n if n >= 1 << 30 => ((1u64 << 30) as f64, "GiB"),
+            n if n >= 1 << 20 => ((1u64 << 20) as f64, "MiB"),
+            _ => ((1u64 << 10) as f64, "KiB"),
+        };
+        format!("{:.2}{unit}", v / div)
+    }
+}
+
 impl std::fmt::Display for ByteSize {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let v = self.0;
@@ -1094,6 +1113,10 @@ mod tests {
         assert_eq!("1.5g".parse::<ByteSize>().unwrap(), ByteSize(3 << 29));
         assert_eq!("4096".parse::<ByteSize>().unwrap(), ByteSize(4096));
         assert!("4 parsecs".parse::<ByteSize>().is_err());
+        // Said to people: exact where short, else about it.
+        assert_eq!(ByteSize(64 << 20).approx(), "64MiB");
+        assert_eq!(ByteSize(6170943 << 10).approx(), "5.89GiB");
+        assert_eq!(ByteSize(1000).approx(), "1000B");
         assert!("".parse::<ByteSize>().is_err());
         assert_eq!(ByteSize(512 << 20).to_string(), "512MiB");
     }

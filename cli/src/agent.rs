@@ -735,6 +735,9 @@ async fn serve_devices<D: Device>(
     let metrics = match s.metrics {
         Some(addr) => {
             let handle = kvtier_server::metrics::install()?;
+            // The agent's own label-less counters (and its client's) at 0 from the start.
+            use kvtier_server::metric_catalog::{register_zeros, RecordedBy};
+            register_zeros(&[RecordedBy::Agent, RecordedBy::Client]);
             let listener =
                 tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding /metrics at {addr}"))?;
             let bound = listener.local_addr()?;

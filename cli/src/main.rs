@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use bytes::Bytes;
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, CommandFactory, Parser, Subcommand};
 use kvtier_client::{ClientConfig, ClientError, KvClient, NamespaceHandle, ParkOptions};
 use kvtier_proto::dataplane::ItemStatus;
 use kvtier_proto::{BlockKey, DType, HashScheme, KvLayout, Namespace};
@@ -361,6 +361,39 @@ fn describe(e: &anyhow::Error) -> String {
 /// ended by SIGPIPE (128 + 13), as for any other command in a pipe that closed early.
 const CLOSED_PIPE_EXIT: u8 = 141;
 
+/// Clap's own exit for a command line it refused, saying which environment variable a bad value
+/// came from: clap names the flag (`--dram-capacity`) even where the flag was not given and the
+/// value was `KVTIER_DRAM_CAPACITY`'s.
+fn exit_on_parse_error(e: clap::Error) -> ! {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    let from_env = match (e.kind(), e.get(ContextKind::InvalidArg)) {
+        (ErrorKind::ValueValidation | ErrorKind::InvalidValue, Some(ContextValue::String(arg))) => {
+            let long = arg.split_whitespace().next().unwrap_or_default().trim_start_matches("--").to_string();
+            let given = std::env::args().any(|a| a == format!("--{long}") || a.starts_with(&format!("--{long}=")));
+            env_of(&Cli::command(), &long).filter(|var| !given && std::env::var_os(var).is_some())
+        }
+        _ => None,
+    };
+    match from_env {
+        Some(var) => {
+            let text = e.render().to_string();
+            let (first, rest) = text.split_once('\n').unwrap_or((&text, ""));
+            eprintln!("{first} (its value came from the environment variable {var})\n{rest}");
+            std::process::exit(2)
+        }
+        None => e.exit(),
+    }
+}
+
+/// The environment variable of flag `--long` in `cmd` or any of its subcommands.
+fn env_of(cmd: &clap::Command, long: &str) -> Option<String> {
+    cmd.get_arguments()
+        .find(|a| a.get_long() == Some(long))
+        .and_then(|a| a.get_env())
+        .map(|v| v.to_string_lossy().into_owned())
+        .or_else(|| cmd.get_subcommands().find_map(|c| env_of(c, long)))
+}
+
 fn main() -> ExitCode {
     match run() {
         Ok(()) => ExitCode::SUCCESS,
@@ -379,7 +412,7 @@ fn main() -> ExitCode {
 }
 
 fn run() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+    let cli = Cli::try_parse().unwrap_or_else(|e| exit_on_parse_error(e));
     let cmd = match cli.cmd {
         Cmd::Plan(a) => std::process::exit(plan::run(&a)?),
         Cmd::Cert(c) => return cert::run(c),
@@ -531,7 +564,8 @@ async fn serve(a: ServeArgs, cfg: ServerConfig) -> anyhow::Result<()> {
     let metrics = server.metrics_addr.map(|m| format!("http://{m}/metrics")).unwrap_or_else(|| "off".into());
     let disk = match server.state.disk_recovery() {
         Some(r) => format!(
-            " disk={disk_cap} (recovered {} blocks, {} of deleted namespaces dropped, {} bytes scanned, {} discarded, {} sessions, in {} ms)",
+            " disk={} (recovered {} blocks, {} of deleted namespaces dropped, {} bytes scanned, {} discarded, {} sessions, in {} ms)",
+            disk_cap.approx(),
             r.blocks.saturating_sub(r.deleted),
             r.deleted,
             r.bytes,
@@ -547,7 +581,7 @@ async fn serve(a: ServeArgs, cfg: ServerConfig) -> anyhow::Result<()> {
         server.grpc_addr,
         server.data_addr,
         metrics,
-        cap,
+        cap.approx(),
         dir.display()
     );
     std::io::stdout().flush()?;
