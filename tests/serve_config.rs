@@ -123,7 +123,10 @@ fn a_bad_value_from_the_environment_names_its_variable() {
     };
     let (code, err) = refused(Some("5zz"), &[]);
     assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("unknown size unit \"zz\"") && err.contains("environment variable KVTIER_DRAM_CAPACITY"), "{err}");
+    assert!(
+        err.contains("unknown size unit \"zz\"") && err.contains("environment variable KVTIER_DRAM_CAPACITY"),
+        "{err}"
+    );
     let (code, err) = refused(None, &["--dram-capacity", "5zz"]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("'--dram-capacity <DRAM_CAPACITY>'") && !err.contains("environment"), "{err}");
