@@ -988,9 +988,18 @@ impl std::str::FromStr for DurationStr {
     }
 }
 
+/// In the largest unit the settings take that divides it (`2d`, `90s`, `250ms`), so a value is
+/// echoed as it would be written; anything finer than that as the standard library prints it.
 impl std::fmt::Display for DurationStr {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{:?}", self.0)
+        let us = self.0.as_micros();
+        if us == 0 || self.0.subsec_nanos() % 1000 != 0 {
+            return write!(f, "{:?}", self.0);
+        }
+        const UNITS: [(u128, &str); 6] =
+            [(86_400_000_000, "d"), (3_600_000_000, "h"), (60_000_000, "m"), (1_000_000, "s"), (1000, "ms"), (1, "us")];
+        let (n, unit) = UNITS.iter().find(|(n, _)| us % n == 0).copied().unwrap_or((1, "us"));
+        write!(f, "{}{unit}", us / n)
     }
 }
 
@@ -1009,6 +1018,12 @@ mod tests {
     fn durations_parse_up_to_a_hundred_years() {
         assert_eq!("36500d".parse::<DurationStr>(), Ok(DurationStr(MAX_DURATION)));
         assert_eq!("250ms".parse::<DurationStr>(), Ok(DurationStr(Duration::from_millis(250))));
+        // Echoed as it would be written, and read back the same.
+        for (d, says) in [(172_800_000, "2d"), (5_400_000, "90m"), (90_000, "90s"), (250, "250ms"), (1500, "1500ms")] {
+            let d = DurationStr(Duration::from_millis(d));
+            assert_eq!(d.to_string(), says);
+            assert_eq!(says.parse::<DurationStr>(), Ok(d));
+        }
         assert_eq!("50us".parse::<DurationStr>(), Ok(DurationStr(Duration::from_micros(50))));
         assert_eq!("0".parse::<DurationStr>(), Ok(DurationStr(Duration::ZERO)));
         let e = "5min".parse::<DurationStr>().unwrap_err();
