@@ -1,12 +1,23 @@
 //! Session ids a node remembers with a time after the session is gone (when it expired, when it
-//! was dropped), bounded node-wide. When full, the oldest of whichever namespace holds the most
-//! are forgotten first, so one namespace's flood (a tenant parking and dropping sessions by the
-//! thousand) can't push out what another's late resume or returning copy needs.
+//! was dropped), bounded node-wide. When full, the oldest of the tenant that holds the most (of its
+//! namespace holding the most) are forgotten first, so one tenant's flood (parking and dropping
+//! sessions by the thousand, spread over as many namespaces as it may register) can't push out
+//! what another's late resume or returning copy needs.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Instant;
 
 use kvtier_proto::NamespaceId;
+
+/// The tenant of each registered namespace (a hash of its name), kept by the node beside its
+/// namespace table. A leaf lock: nothing else is locked while it is held.
+pub type NamespaceOwners = Arc<parking_lot::RwLock<HashMap<NamespaceId, u64>>>;
+
+/// A tenant's key in [`NamespaceOwners`].
+pub fn owner_key(tenant: &str) -> u64 {
+    kvtier_proto::checksum(tenant.as_bytes())
+}
 
 /// Ids and their times, per namespace, at most `max` in all.
 #[derive(Debug)]
@@ -14,11 +25,31 @@ pub struct RememberedIds {
     by_ns: HashMap<NamespaceId, HashMap<String, Instant>>,
     len: usize,
     max: usize,
+    /// Whose each namespace is; without it (or for a namespace it doesn't know), each namespace
+    /// counts as a tenant of its own.
+    owners: Option<NamespaceOwners>,
+    /// The owner of each namespace in `by_ns`, as of its first id remembered (so an unregistered
+    /// namespace's ids still count against its tenant).
+    owner_of: HashMap<NamespaceId, u64>,
 }
 
 impl RememberedIds {
     pub fn new(max: usize) -> Self {
-        RememberedIds { by_ns: HashMap::new(), len: 0, max: max.max(1) }
+        RememberedIds { by_ns: HashMap::new(), len: 0, max: max.max(1), owners: None, owner_of: HashMap::new() }
+    }
+
+    /// `ns`'s ids, made (and its owner noted) if it has none yet.
+    fn ids_of(&mut self, ns: NamespaceId) -> &mut HashMap<String, Instant> {
+        if !self.by_ns.contains_key(&ns) {
+            let owner = self.owners.as_ref().and_then(|o| o.read().get(&ns).copied());
+            self.owner_of.insert(ns, owner.unwrap_or_else(|| kvtier_proto::checksum(&ns.0)));
+        }
+        self.by_ns.entry(ns).or_default()
+    }
+
+    /// Makes room by tenant, as `owners` says whose each namespace is.
+    pub fn set_owners(&mut self, owners: NamespaceOwners) {
+        self.owners = Some(owners);
     }
 
     pub fn len(&self) -> usize {
@@ -50,7 +81,7 @@ impl RememberedIds {
             self.retain(keep);
             self.make_room();
         }
-        self.by_ns.entry(ns).or_default().insert(id.to_string(), at);
+        self.ids_of(ns).insert(id.to_string(), at);
         self.len += 1;
     }
 
@@ -63,7 +94,7 @@ impl RememberedIds {
         if self.is_full() {
             self.make_room();
         }
-        self.by_ns.entry(ns).or_default().insert(id.to_string(), at);
+        self.ids_of(ns).insert(id.to_string(), at);
         self.len += 1;
     }
 
@@ -82,6 +113,7 @@ impl RememberedIds {
         self.len -= 1;
         if m.is_empty() {
             self.by_ns.remove(&ns);
+            self.owner_of.remove(&ns);
         }
         Some(at)
     }
@@ -94,12 +126,28 @@ impl RememberedIds {
             len += m.len();
             !m.is_empty()
         });
+        self.owner_of.retain(|ns, _| self.by_ns.contains_key(ns));
         self.len = len;
     }
 
-    /// Forgets the oldest eighth (at least one) of the namespace remembering the most ids.
+    /// The namespace remembering the most ids of the tenant remembering the most.
+    fn largest(&self) -> Option<NamespaceId> {
+        let owner = |ns: &NamespaceId| self.owner_of.get(ns).copied().unwrap_or_else(|| kvtier_proto::checksum(&ns.0));
+        let mut per_owner: HashMap<u64, (usize, NamespaceId, usize)> = HashMap::new();
+        for (ns, m) in &self.by_ns {
+            let e = per_owner.entry(owner(ns)).or_insert((0, *ns, 0));
+            e.0 += m.len();
+            if m.len() > e.2 {
+                (e.1, e.2) = (*ns, m.len());
+            }
+        }
+        per_owner.into_values().max_by_key(|(total, _, _)| *total).map(|(_, ns, _)| ns)
+    }
+
+    /// Forgets the oldest eighth (at least one) of [`Self::largest`].
     fn forget_oldest_of_largest(&mut self) {
-        let Some((&ns, m)) = self.by_ns.iter_mut().max_by_key(|(_, m)| m.len()) else { return };
+        let Some(ns) = self.largest() else { return };
+        let Some(m) = self.by_ns.get_mut(&ns) else { return };
         let n = (m.len() / 8).max(1);
         let mut by_age: Vec<(Instant, &String)> = m.iter().map(|(id, at)| (*at, id)).collect();
         by_age.select_nth_unstable(n - 1);
@@ -110,6 +158,7 @@ impl RememberedIds {
         self.len -= n;
         if m.is_empty() {
             self.by_ns.remove(&ns);
+            self.owner_of.remove(&ns);
         }
     }
 }
@@ -141,6 +190,40 @@ mod tests {
         assert!(r.get(ns(2), "flood-999").is_some(), "the newest of the flood is kept");
         assert!(r.get(ns(2), "flood-0").is_none(), "its oldest are forgotten");
         assert!(r.len() >= 86, "room is made a few at a time: {}", r.len());
+    }
+
+    /// A tenant flooding through many namespaces forgets its own oldest, not another tenant's
+    /// one namespace (which, per namespace, holds the most).
+    #[test]
+    fn one_tenant_s_flood_over_many_namespaces_forgets_its_own() {
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let owners: NamespaceOwners = Default::default();
+        owners.write().insert(ns(1), owner_key("quiet"));
+        for n in 2..=20 {
+            owners.write().insert(ns(n), owner_key("flood"));
+        }
+        let mut r = RememberedIds::new(100);
+        r.set_owners(owners);
+        for i in 0..30 {
+            r.insert(ns(1), &format!("quiet-{i}"), at(i));
+        }
+        for i in 0..2000u64 {
+            r.insert(ns(2 + (i % 19) as u8), &format!("flood-{i}"), at(100 + i));
+            assert!(r.len() <= 100);
+        }
+        for i in 0..30 {
+            assert_eq!(r.get(ns(1), &format!("quiet-{i}")), Some(at(i)), "the quiet tenant keeps all of its own");
+        }
+        // Without owners each namespace is a tenant: the quiet one's 30 were the most, and went.
+        let mut r = RememberedIds::new(100);
+        for i in 0..30 {
+            r.insert(ns(1), &format!("quiet-{i}"), at(i));
+        }
+        for i in 0..2000u64 {
+            r.insert(ns(2 + (i % 19) as u8), &format!("flood-{i}"), at(100 + i));
+        }
+        assert!((0..30).any(|i| r.get(ns(1), &format!("quiet-{i}")).is_none()), "per namespace, the flood wins");
     }
 
     #[test]

@@ -69,6 +69,13 @@ fn logged(m: &SessionManifest, now: Instant) -> LoggedSession {
 }
 
 impl SessionStore {
+    /// Makes room among remembered ids (drops, expiries) by tenant, as `owners` says whose each
+    /// namespace is.
+    pub fn set_namespace_owners(&self, owners: crate::remembered::NamespaceOwners) {
+        self.table.lock().set_namespace_owners(owners.clone());
+        self.drops.lock().set_owners(owners);
+    }
+
     pub fn new(log: Option<SessionLog>) -> Self {
         SessionStore {
             table: Mutex::new(SessionTable::default()),

@@ -173,6 +173,13 @@ pub struct SessionTable {
     manifest_keys: u64,
 }
 
+impl SessionTable {
+    /// See [`crate::session_store::SessionStore::set_namespace_owners`].
+    pub fn set_namespace_owners(&mut self, owners: crate::remembered::NamespaceOwners) {
+        self.expired.set_owners(owners);
+    }
+}
+
 impl Default for SessionTable {
     fn default() -> Self {
         SessionTable {

@@ -38,6 +38,9 @@ pub struct NodeState {
     tiers: TierStack,
     sessions: SessionStore,
     namespaces: RwLock<HashMap<NamespaceId, Namespace>>,
+    /// The tenant of each namespace in `namespaces` (whose remembered session ids make room
+    /// first: [`crate::remembered::RememberedIds`]).
+    owners: crate::remembered::NamespaceOwners,
     started: Instant,
     data_addr: SocketAddr,
     disk_recovery: Option<RecoveryReport>,
@@ -397,6 +400,7 @@ impl NodeState {
                     .with_agent_tier(agent_tier(&config)),
                 sessions: SessionStore::new(None),
                 namespaces: RwLock::new(HashMap::new()),
+                owners: Default::default(),
                 started: Instant::now(),
                 data_addr,
                 disk_recovery: None,
@@ -409,6 +413,7 @@ impl NodeState {
                 config,
             };
             state.reserve_quotas();
+            state.sessions.set_namespace_owners(state.owners.clone());
             // Every gauge present from the start, not only once it first changes.
             metrics::gauge!("kvtier_namespaces").set(0.0);
             metrics::gauge!("kvtier_sessions").set(0.0);
@@ -488,6 +493,7 @@ impl NodeState {
                 .with_agent_tier(agent_tier(&config)),
             sessions: SessionStore::new(Some(log)),
             namespaces: RwLock::new(ns_log.live.clone()),
+            owners: Default::default(),
             started: Instant::now(),
             data_addr,
             disk_recovery: Some(report),
@@ -508,6 +514,11 @@ impl NodeState {
             config,
         };
         state.reserve_quotas();
+        state
+            .owners
+            .write()
+            .extend(state.namespaces.read().iter().map(|(id, ns)| (*id, crate::remembered::owner_key(&ns.tenant))));
+        state.sessions.set_namespace_owners(state.owners.clone());
         // Every gauge present from the start (the namespaces recovered), not only once it first
         // changes: after a restart it was absent until a namespace was registered.
         metrics::gauge!("kvtier_namespaces").set(state.namespaces.read().len() as f64);
@@ -718,6 +729,7 @@ impl NodeState {
             if map.len() >= MAX_NAMESPACES {
                 return Err(ServerError::Capacity(format!("this node already holds {MAX_NAMESPACES} namespaces")));
             }
+            self.owners.write().insert(id, crate::remembered::owner_key(&ns.tenant));
             map.insert(id, ns);
             metrics::gauge!("kvtier_namespaces").set(map.len() as f64);
         }
@@ -807,6 +819,8 @@ impl NodeState {
         if let Some(at) = at {
             self.sessions.remember_unregistered_at(*id, at);
         }
+        // After the mark above is remembered as the tenant's.
+        self.owners.write().remove(id);
         let mut dropped = 0;
         for m in self.sessions.list(Some(*id)) {
             // The unregistration logged above drops them at replay too.
