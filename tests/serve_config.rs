@@ -134,6 +134,19 @@ fn a_bad_value_from_the_environment_names_its_variable() {
     let (_, err) = refused(Some("8MiB"), &["--dram-capacity", "5zz"]);
     assert!(!err.contains("environment"), "{err}");
 
+    // A flag of the same name in another subcommand reads another variable: the one of the
+    // subcommand run is named.
+    let out = Command::new(kvtier_bin())
+        .args(["agent", "--server", "127.0.0.1:1"])
+        .env_remove("KVTIER_CONFIG")
+        .env("KVTIER_METRICS", "not-an-address")
+        .env("KVTIER_AGENT_METRICS", "not-an-address")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("environment variable KVTIER_AGENT_METRICS"), "{err}");
+
     let s = serve(&["--dram-capacity", "1234567KiB"]).unwrap();
     assert!(s.line.contains("dram=1.18GiB "), "{}", s.line);
 }

@@ -912,13 +912,14 @@ impl ByteSize {
             return exact;
         }
         let v = self.0 as f64;
-        let (div, unit) = match self.0 {
-            n if n >= 1 << 40 => ((1u64 << 40) as f64, "TiB"),
-            n if n >= 1 << 30 => ((1u64 << 30) as f64, "GiB"),
-            n if n >= 1 << 20 => ((1u64 << 20) as f64, "MiB"),
-            _ => ((1u64 << 10) as f64, "KiB"),
-        };
-        format!("{:.2}{unit}", v / div)
+        // The largest unit the value, to two decimals, is at least one of (1048575KiB is
+        // 1024.00MiB to two decimals: 1.00GiB).
+        let units = [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")];
+        let (shift, unit) = units
+            .into_iter()
+            .find(|(shift, _)| (v / (1u64 << shift) as f64 * 100.0).round() >= 100.0)
+            .unwrap_or((0, "B"));
+        format!("{:.2}{unit}", v / (1u64 << shift) as f64)
     }
 }
 
@@ -993,6 +994,9 @@ impl std::str::FromStr for DurationStr {
 impl std::fmt::Display for DurationStr {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let us = self.0.as_micros();
+        if us == 0 && self.0.is_zero() {
+            return write!(f, "0s");
+        }
         if us == 0 || self.0.subsec_nanos() % 1000 != 0 {
             return write!(f, "{:?}", self.0);
         }
@@ -1132,6 +1136,8 @@ mod tests {
         assert_eq!(ByteSize(64 << 20).approx(), "64MiB");
         assert_eq!(ByteSize(6170943 << 10).approx(), "5.89GiB");
         assert_eq!(ByteSize(1000).approx(), "1000B");
+        assert_eq!(ByteSize((1 << 30) - 1).approx(), "1.00GiB");
+        assert_eq!(DurationStr(Duration::ZERO).to_string(), "0s");
         assert!("".parse::<ByteSize>().is_err());
         assert_eq!(ByteSize(512 << 20).to_string(), "512MiB");
     }

@@ -394,20 +394,13 @@ impl ControlPlane {
         }
     }
 
-    /// In a cluster: if this node has no copy of the session, adopts the newest copy another
-    /// member holds (with any factor: a session parked with rf = 1 moves to the node the agent
-    /// resumes on); where the namespace keeps 2+ copies (`rf_for`), also when an owner holds a
-    /// newer copy than this node's, so the resume answers with the newest version any reachable
-    /// owner has. Waits at most `CHECK_WAIT` when this node has a copy, `peer_timeout` when it
-    /// has none; a failure leaves this node's copy (or none) in place. Returns why a copy another
-    /// member holds could not be taken when that is a tenant's limit here (its quota, no room),
-    /// or that the session expired on the owners that answered, for a resume that has no copy of
-    /// its own to say so rather than "not found".
     /// A session no member up now holds: "not found", or, where members left the cluster lately
     /// (a graceful stop leaves at once, and with them their copies), that it may be on them.
-    fn maybe_away(&self, id: &str) -> ServerError {
-        let left = self.state.tiers().peers().map(|p| p.departed()).unwrap_or_default();
-        if left.is_empty() {
+    /// Said only where as many members left as the namespace keeps copies (fewer leave one up).
+    fn maybe_away(&self, ns: &Namespace, id: &str) -> ServerError {
+        let Some(peers) = self.state.tiers().peers() else { return ServerError::SessionNotFound(id.into()) };
+        let left = peers.departed();
+        if left.is_empty() || left.len() < peers.rf_for(ns) {
             return ServerError::SessionNotFound(id.into());
         }
         let mut left: Vec<_> = left.into_iter().map(|(n, ago)| (ago, n)).collect();
@@ -421,6 +414,15 @@ impl ControlPlane {
         ServerError::SessionAway { id: id.into(), left }
     }
 
+    /// In a cluster: if this node has no copy of the session, adopts the newest copy another
+    /// member holds (with any factor: a session parked with rf = 1 moves to the node the agent
+    /// resumes on); where the namespace keeps 2+ copies (`rf_for`), also when an owner holds a
+    /// newer copy than this node's, so the resume answers with the newest version any reachable
+    /// owner has. Waits at most `CHECK_WAIT` when this node has a copy, `peer_timeout` when it
+    /// has none; a failure leaves this node's copy (or none) in place. Returns why a copy another
+    /// member holds could not be taken when that is a tenant's limit here (its quota, no room),
+    /// or that the session expired on the owners that answered, for a resume that has no copy of
+    /// its own to say so rather than "not found".
     async fn adopt_newer_copy(&self, ns: &Namespace, id: &str) -> Option<ServerError> {
         let peers = self.state.tiers().peers()?;
         let local = self.state.sessions().peek(ns.id(), id).map_or(0, |m| m.version);
@@ -1110,7 +1112,7 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
             other => other,
         };
         let res = match res {
-            Err(ServerError::SessionNotFound(_)) => Err(self.maybe_away(&r.session_id)),
+            Err(ServerError::SessionNotFound(_)) => Err(self.maybe_away(&ns, &r.session_id)),
             other => other,
         };
         let m = res.map_err(to_status)?;

@@ -369,8 +369,10 @@ fn exit_on_parse_error(e: clap::Error) -> ! {
     let from_env = match (e.kind(), e.get(ContextKind::InvalidArg)) {
         (ErrorKind::ValueValidation | ErrorKind::InvalidValue, Some(ContextValue::String(arg))) => {
             let long = arg.split_whitespace().next().unwrap_or_default().trim_start_matches("--").to_string();
-            let given = std::env::args().any(|a| a == format!("--{long}") || a.starts_with(&format!("--{long}=")));
-            env_of(&Cli::command(), &long).filter(|var| !given && std::env::var_os(var).is_some())
+            // Not `args()`: an argument that is not UTF-8 would panic it.
+            let args: Vec<String> = std::env::args_os().skip(1).map(|a| a.to_string_lossy().into_owned()).collect();
+            let given = args.iter().any(|a| *a == format!("--{long}") || a.starts_with(&format!("--{long}=")));
+            env_of(&Cli::command(), &args, &long).filter(|var| !given && std::env::var_os(var).is_some())
         }
         _ => None,
     };
@@ -385,13 +387,21 @@ fn exit_on_parse_error(e: clap::Error) -> ! {
     }
 }
 
-/// The environment variable of flag `--long` in `cmd` or any of its subcommands.
-fn env_of(cmd: &clap::Command, long: &str) -> Option<String> {
+/// The environment variable of flag `--long` of the subcommand `args` run (flags of the same
+/// name in other subcommands may read other variables: `--metrics` of `serve` and of `agent`).
+fn env_of(cmd: &clap::Command, args: &[String], long: &str) -> Option<String> {
+    let mut cmd = cmd;
+    for a in args {
+        match cmd.find_subcommand(a) {
+            Some(sub) => cmd = sub,
+            None if a.starts_with('-') => continue,
+            None => break,
+        }
+    }
     cmd.get_arguments()
         .find(|a| a.get_long() == Some(long))
         .and_then(|a| a.get_env())
         .map(|v| v.to_string_lossy().into_owned())
-        .or_else(|| cmd.get_subcommands().find_map(|c| env_of(c, long)))
 }
 
 fn main() -> ExitCode {
@@ -788,7 +798,7 @@ async fn put(a: PutArgs) -> anyhow::Result<()> {
         }
     }
     for (st, blocks) in &reasons {
-        let which = blocks.iter().map(usize::to_string).collect::<Vec<_>>().join(", ");
+        let which = index_ranges(blocks);
         outln!("  rejected block(s) {which}: {}{}", coded(*st), st.describe())?;
     }
     if let Some((st, _)) = reasons.first() {
@@ -814,6 +824,23 @@ async fn put(a: PutArgs) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// Sorted indices as runs: `0-3, 7, 9-10` (a refused file of many blocks is one short line).
+fn index_ranges(ix: &[usize]) -> String {
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for &i in ix {
+        match runs.last_mut() {
+            Some((_, end)) if *end + 1 == i => *end = i,
+            _ => runs.push((i, i)),
+        }
+    }
+    let runs: Vec<String> =
+        runs.iter().map(|&(a, b)| if a == b { a.to_string() } else { format!("{a}-{b}") }).collect();
+    runs.join(", ")
+}
+
+/// How long `session ls` waits for each other member of a cluster (at most `--timeout`).
+const MEMBER_LIST_WAIT: Duration = Duration::from_secs(5);
 
 /// A refused block's stable code and a colon, for the start of a line.
 fn coded(st: ItemStatus) -> String {
@@ -981,37 +1008,58 @@ async fn session(s: SessionCmd) -> anyhow::Result<()> {
                 true => (connect_client(&conn.node).await?, None),
                 false => connect_existing(&conn).await.map(|(c, ns)| (c, Some(ns)))?,
             };
-            let members = match here {
-                true => Vec::new(),
-                false => client.members().await.map(|m| m.members).unwrap_or_default(),
+            let (members, local) = match here {
+                true => (Vec::new(), None),
+                false => client.members().await.map(|m| (m.members, m.local)).unwrap_or_default(),
             };
             let cluster = members.len() > 1;
-            // Each member's list (in a cluster), or the node asked's.
+            // Each member's list (in a cluster: the node asked through this connection, the
+            // others each within a few seconds, so one that hangs doesn't hold the listing up),
+            // or the node asked's.
             let lists: Vec<(String, Result<Vec<kvtier_client::SessionInfo>, ClientError>)> = if cluster {
                 let cfg = conn.node.client_config()?;
+                let wait = MEMBER_LIST_WAIT.min(cfg.request_timeout);
                 let asks = members.iter().map(|m| {
-                    let (cfg, ns) = (cfg.clone(), ns.as_ref());
+                    let (cfg, ns, client) = (cfg.clone(), ns.as_ref(), &client);
+                    let asked = local.as_ref() == Some(&m.id);
                     async move {
                         let listed = async {
+                            if asked {
+                                return client.list_sessions(ns).await;
+                            }
                             let c = KvClient::connect(&m.grpc_addr, cfg).await?;
                             c.list_sessions(ns).await
                         };
-                        (m.id.as_str().to_string(), listed.await)
+                        let listed = match asked {
+                            true => listed.await,
+                            false => {
+                                tokio::time::timeout(wait, listed).await.unwrap_or(Err(ClientError::Timeout(wait)))
+                            }
+                        };
+                        (m.id.as_str().to_string(), asked, listed)
                     }
                 });
-                futures::future::join_all(asks).await
+                let mut lists = Vec::new();
+                for (node, asked, listed) in futures::future::join_all(asks).await {
+                    match listed {
+                        // The node asked answers as without a cluster: its refusal is the command's.
+                        Err(e) if asked && !matches!(e, ClientError::UnknownNamespace(_)) => return Err(e.into()),
+                        listed => lists.push((node, listed)),
+                    }
+                }
+                lists
             } else {
                 vec![(String::new(), client.list_sessions(ns.as_ref()).await)]
             };
-            let answered = lists.len();
             // Each session once: its newest copy, and who holds one (at which version).
             let mut listed: Vec<(kvtier_client::SessionInfo, Vec<(String, u64)>)> = Vec::new();
-            let mut unknown = 0;
+            let mut at: std::collections::HashMap<(kvtier_proto::NamespaceId, String), usize> = Default::default();
+            let (mut answered, mut unknown) = (0, 0);
             for (node, list) in lists {
                 let list = match list {
                     Ok(list) => list,
                     Err(ClientError::UnknownNamespace(_)) => {
-                        unknown += 1;
+                        (answered, unknown) = (answered + 1, unknown + 1);
                         continue;
                     }
                     Err(e) if cluster => {
@@ -1020,19 +1068,25 @@ async fn session(s: SessionCmd) -> anyhow::Result<()> {
                     }
                     Err(e) => return Err(e.into()),
                 };
+                answered += 1;
                 for s in list {
-                    match listed.iter_mut().find(|(l, _)| l.namespace == s.namespace && l.id == s.id) {
-                        Some((l, holders)) => {
+                    match at.get(&(s.namespace, s.id.clone())) {
+                        Some(&i) => {
+                            let (l, holders) = &mut listed[i];
                             holders.push((node.clone(), s.version));
                             if s.version > l.version {
                                 *l = s;
                             }
                         }
-                        None => listed.push((s.clone(), vec![(node.clone(), s.version)])),
+                        None => {
+                            at.insert((s.namespace, s.id.clone()), listed.len());
+                            let version = s.version;
+                            listed.push((s, vec![(node.clone(), version)]));
+                        }
                     }
                 }
             }
-            if unknown == answered {
+            if answered > 0 && unknown == answered {
                 outln!("note: {NO_SUCH_NAMESPACE}")?;
             }
             if cluster {

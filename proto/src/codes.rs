@@ -31,8 +31,11 @@ pub const BLOCK_CHECKSUM: &str = "KV:Block:Checksum";
 pub const BLOCK_INVALID: &str = "KV:Block:Invalid";
 /// A same-node item's offset and length fall outside its registered buffer.
 pub const BLOCK_OUT_OF_RANGE: &str = "KV:Block:OutOfRange";
-/// A one-sided read names a lease the connection does not hold, or a block outside the arena.
+/// A one-sided read names a lease the connection does not hold (never granted, ended, expired).
 pub const LEASE: &str = "KV:Lease:Invalid";
+/// The block is held, but outside the memory a one-sided read reaches (disk, a peer, the agent's
+/// HBM): load it with a `GET`.
+pub const BLOCK_ELSEWHERE: &str = "KV:Block:Elsewhere";
 
 /// The metadata key that carries the code beside the gRPC status.
 pub const METADATA_KEY: &str = "kvtier-code";

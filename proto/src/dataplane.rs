@@ -313,7 +313,8 @@ impl ItemStatus {
             ItemStatus::Internal => codes::INTERNAL,
             ItemStatus::OutOfRange => codes::BLOCK_OUT_OF_RANGE,
             ItemStatus::Forbidden => codes::FORBIDDEN,
-            ItemStatus::NoLease | ItemStatus::Elsewhere => codes::LEASE,
+            ItemStatus::NoLease => codes::LEASE,
+            ItemStatus::Elsewhere => codes::BLOCK_ELSEWHERE,
         })
     }
 

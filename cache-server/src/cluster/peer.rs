@@ -499,7 +499,14 @@ impl PeerTier {
     pub(crate) fn departed(&self) -> Vec<(NodeId, Duration)> {
         self.placement();
         let now = Instant::now();
-        self.departed.lock().iter().map(|(id, at)| (id.clone(), now.duration_since(*at))).collect()
+        // Pruned only when the membership changes: one that stays the same for longer than
+        // OWED_FOR after a member left still holds it, past the promise above.
+        self.departed
+            .lock()
+            .iter()
+            .map(|(id, at)| (id.clone(), now.duration_since(*at)))
+            .filter(|(_, ago)| *ago < super::deletes::OWED_FOR)
+            .collect()
     }
 
     pub(crate) fn is_down(&self, id: &NodeId, now: Instant) -> bool {
