@@ -997,12 +997,12 @@ impl std::fmt::Display for DurationStr {
         if us == 0 && self.0.is_zero() {
             return write!(f, "0s");
         }
-        if us == 0 || self.0.subsec_nanos() % 1000 != 0 {
+        if us == 0 || !self.0.subsec_nanos().is_multiple_of(1000) {
             return write!(f, "{:?}", self.0);
         }
         const UNITS: [(u128, &str); 6] =
             [(86_400_000_000, "d"), (3_600_000_000, "h"), (60_000_000, "m"), (1_000_000, "s"), (1000, "ms"), (1, "us")];
-        let (n, unit) = UNITS.iter().find(|(n, _)| us % n == 0).copied().unwrap_or((1, "us"));
+        let (n, unit) = UNITS.iter().find(|(n, _)| us.is_multiple_of(*n)).copied().unwrap_or((1, "us"));
         write!(f, "{}{unit}", us / n)
     }
 }
