@@ -497,6 +497,33 @@ fn rf1_ttl60(redis: &Redis, dir: &std::path::Path, id: &str, peer_timeout: &str)
     cfg
 }
 
+/// Two nodes with one copy per session, members for 60 s after a kill, n2 with a disk tier (so
+/// it comes back with its sessions), each with a client and the test namespace's handle.
+struct RfOnePair {
+    n1: ServerProcess,
+    n2: ServerProcess,
+    /// n2's command line, to start it again in place.
+    args2: Vec<String>,
+    c1: KvClient,
+    c2: KvClient,
+    ns1: NamespaceHandle,
+    ns2: NamespaceHandle,
+}
+
+async fn rf1_pair_n2_on_disk(redis: &Redis, dir: &std::path::Path) -> RfOnePair {
+    let (cfg1, cfg2) = (rf1_ttl60(redis, dir, "n1", "2s"), rf1_ttl60(redis, dir, "n2", "2s"));
+    let args2: Vec<String> =
+        ["--config", cfg2.to_str().unwrap(), "--dram-capacity", "64MiB", "--disk-capacity", "64MiB"]
+            .map(String::from)
+            .to_vec();
+    let n1 = ServerProcess::start(&["--config", cfg1.to_str().unwrap(), "--dram-capacity", "64MiB"]);
+    let n2 = ServerProcess::start(&args2.iter().map(String::as_str).collect::<Vec<_>>());
+    until_members([&n1, &n2], 2);
+    let (c1, c2) = (n1.client().await, n2.client().await);
+    let (ns1, ns2) = (handle(&c1).await, handle(&c2).await);
+    RfOnePair { n1, n2, args2, c1, c2, ns1, ns2 }
+}
+
 /// With one copy, the node holding a session is killed (SIGKILL; still a member, its TTL 60 s):
 /// a resume through the other says the holder gave no answer (`Unavailable`, naming it), not
 /// "not found"; the agent parks a new context under the id there, and once the holder is back
@@ -508,13 +535,8 @@ fn rf1_ttl60(redis: &Redis, dir: &std::path::Path, id: &str, peer_timeout: &str)
 async fn a_session_parked_anew_while_its_holder_was_down_supersedes_the_holders_copy() {
     let redis = Redis::start();
     let dir = tempfile::tempdir().unwrap();
-    let (cfg1, cfg2) = (rf1_ttl60(&redis, dir.path(), "n1", "2s"), rf1_ttl60(&redis, dir.path(), "n2", "2s"));
-    let args2 = ["--config", cfg2.to_str().unwrap(), "--dram-capacity", "64MiB", "--disk-capacity", "64MiB"];
-    let n1 = ServerProcess::start(&["--config", cfg1.to_str().unwrap(), "--dram-capacity", "64MiB"]);
-    let mut n2 = ServerProcess::start(&args2);
-    until_members([&n1, &n2], 2);
-    let (c1, c2) = (n1.client().await, n2.client().await);
-    let (ns1, ns2) = (handle(&c1).await, handle(&c2).await);
+    let RfOnePair { n1, mut n2, args2, c1, c2, ns1, ns2 } = rf1_pair_n2_on_disk(&redis, dir.path()).await;
+    let args2: Vec<&str> = args2.iter().map(String::as_str).collect();
     let (old_toks, old_blocks) = session(&ns2, 31);
     c2.park(&ns2, "agent", &old_toks, &old_blocks, &ParkOptions::default(), 0).await.unwrap();
     // Held by n2: a create through n1 is refused as it would be on n2.
@@ -575,13 +597,8 @@ async fn a_session_parked_anew_while_its_holder_was_down_supersedes_the_holders_
 async fn a_resume_while_the_only_holder_has_left_says_it_may_be_there() {
     let redis = Redis::start();
     let dir = tempfile::tempdir().unwrap();
-    let (cfg1, cfg2) = (rf1_ttl60(&redis, dir.path(), "n1", "2s"), rf1_ttl60(&redis, dir.path(), "n2", "2s"));
-    let args2 = ["--config", cfg2.to_str().unwrap(), "--dram-capacity", "64MiB", "--disk-capacity", "64MiB"];
-    let n1 = ServerProcess::start(&["--config", cfg1.to_str().unwrap(), "--dram-capacity", "64MiB"]);
-    let mut n2 = ServerProcess::start(&args2);
-    until_members([&n1, &n2], 2);
-    let (c1, c2) = (n1.client().await, n2.client().await);
-    let (ns1, ns2) = (handle(&c1).await, handle(&c2).await);
+    let RfOnePair { n1, mut n2, args2, c1, c2, ns1, ns2 } = rf1_pair_n2_on_disk(&redis, dir.path()).await;
+    let args2: Vec<&str> = args2.iter().map(String::as_str).collect();
     let plain = |e: &ClientError| matches!(e, ClientError::SessionNotFound(m) if !m.contains("left the cluster"));
     let err = c1.resume(&ns1, "never").await.unwrap_err();
     assert!(plain(&err), "{err}");
