@@ -134,6 +134,17 @@ fn a_bad_value_from_the_environment_names_its_variable() {
     let (_, err) = refused(Some("8MiB"), &["--dram-capacity", "5zz"]);
     assert!(!err.contains("environment"), "{err}");
 
+    // A value clap takes but the configuration refuses is said to come from its variable too.
+    let (code, err) = refused(Some("100000"), &[]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("dram_capacity 100000B is below")
+            && err.contains("(its value came from the environment variable KVTIER_DRAM_CAPACITY)"),
+        "{err}"
+    );
+    let (_, err) = refused(None, &["--dram-capacity", "100000"]);
+    assert!(err.contains("dram_capacity 100000B is below") && !err.contains("environment"), "{err}");
+
     // A flag of the same name in another subcommand reads another variable: the one of the
     // subcommand run is named.
     let out = Command::new(kvtier_bin())

@@ -567,6 +567,26 @@ fn a_read_grant_is_usable_from_the_cli() {
     // One line for the one reason, with its stable code, and an error that carries the code too.
     assert!(out.contains("rejected block(s) 0-3: KV:Auth:Forbidden: forbidden"), "{out}");
     assert!(err.contains("KV:Auth:Forbidden: 4 of 4 block(s) refused"), "{err}");
+    // A park with a read grant is refused as a park, not as one block's trouble.
+    let (ok, out, err) = cli(&[
+        "session",
+        "park",
+        "--server",
+        &addr,
+        "--auth-token",
+        TOKEN_C,
+        "--tenant",
+        "a",
+        "--text",
+        text,
+        "--id",
+        "p",
+    ]);
+    assert!(!ok && err.contains("KV:Auth:Forbidden: session park refused: forbidden"), "{out} {err}");
+    assert!(err.contains("the session was not written"), "{err}");
+    // No grant at all: a store is told it may not use the namespace, not that it may not read it.
+    let (ok, out, err) = as_tenant(TOKEN_B, "put", &[]);
+    assert!(!ok && err.contains("tenant \"b\" may not use namespaces of tenant \"a\""), "{out} {err}");
     // Another tenant's namespace is answered as one nobody registered (the CLI's questions
     // register nothing, so the registration's "forbidden" is not said either).
     let (ok, out, err) = as_tenant(TOKEN_B, "lookup", &[]);

@@ -146,7 +146,7 @@ pub const METRICS: &[MetricDoc] = &[
         "kvtier_namespace_not_registered_total",
         &[],
         Node,
-        "Requests of a grantee for another tenant's namespace that is not registered (answered Forbidden).",
+        "Registrations by a grantee of another tenant's namespace the owner has not registered (Forbidden).",
     ),
     counter(
         "kvtier_quota_refusals_total",

@@ -768,10 +768,14 @@ impl NodeState {
     /// registered and `by` may read it (a grant); refused otherwise, saying which.
     fn register_granted(&self, by: &Principal, ns: &Namespace) -> Result<NamespaceId, ServerError> {
         if !by.may(Access::Read, &ns.tenant) {
-            // Every call registers first: a lookup is refused here as a read, naming no namespace.
-            return Err(
-                by.refusal(Access::Read, &format!("namespaces of tenant {:?}, which granted it none", ns.tenant))
-            );
+            // Every call registers first, a store's as a lookup's: counted as a read refused (the
+            // least access), and said as no access at all, naming no namespace.
+            let _counted = by.refusal(Access::Read, &format!("namespaces of tenant {:?}", ns.tenant));
+            return Err(ServerError::Forbidden(format!(
+                "tenant {:?} may not use namespaces of tenant {:?}, which granted it neither read nor write",
+                by.name(),
+                ns.tenant
+            )));
         }
         let id = ns.id();
         if self.namespaces.read().contains_key(&id) {

@@ -404,6 +404,23 @@ fn env_of(cmd: &clap::Command, args: &[String], long: &str) -> Option<String> {
         .map(|v| v.to_string_lossy().into_owned())
 }
 
+/// A configuration error naming a setting (`dram_capacity 100000B is below …`) whose value came
+/// from the environment (its flag not given, its variable set): says which variable, as a bad
+/// value clap refused does.
+fn with_env_source(e: anyhow::Error, subcommand: &str) -> anyhow::Error {
+    let text = e.to_string();
+    let setting =
+        text.trim_start_matches("invalid configuration: ").split(|c: char| !(c.is_alphanumeric() || c == '_')).next();
+    let Some(long) = setting.filter(|s| !s.is_empty()).map(|s| s.replace('_', "-")) else { return e };
+    let args: Vec<String> = std::env::args_os().skip(1).map(|a| a.to_string_lossy().into_owned()).collect();
+    let given = args.iter().any(|a| *a == format!("--{long}") || a.starts_with(&format!("--{long}=")));
+    let var = env_of(&Cli::command(), &[subcommand.to_string()], &long).filter(|v| std::env::var_os(v).is_some());
+    match var {
+        Some(var) if !given => anyhow::anyhow!("{text} (its value came from the environment variable {var})"),
+        _ => e,
+    }
+}
+
 fn main() -> ExitCode {
     match run() {
         Ok(()) => ExitCode::SUCCESS,
@@ -433,8 +450,8 @@ fn run() -> anyhow::Result<()> {
         // which then runs one worker per CPU of the set.
         let cfg = serve_config(&a)?;
         if let Some(list) = &cfg.cpus {
-            let cpus = kvtier_server::affinity::parse_cpulist(list)?;
-            kvtier_server::affinity::confine_process(&cpus)?;
+            let cpus = kvtier_server::affinity::parse_cpulist(list).map_err(|e| with_env_source(e.into(), "serve"))?;
+            kvtier_server::affinity::confine_process(&cpus).map_err(|e| with_env_source(e.into(), "serve"))?;
             tracing::info!("running on CPUs {list}");
         }
         let rt = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
@@ -539,7 +556,7 @@ fn serve_config(a: &ServeArgs) -> anyhow::Result<ServerConfig> {
     if let Some(v) = &a.advertise_host {
         cfg.advertise_host = Some(v.clone());
     }
-    cfg.validate()?;
+    cfg.validate().map_err(|e| with_env_source(e.into(), "serve"))?;
     Ok(cfg)
 }
 
@@ -696,12 +713,16 @@ async fn connect_existing(c: &ConnArgs) -> anyhow::Result<(KvClient, NamespaceHa
 async fn known_on_some_member(node: &NodeArgs, members: &[kvtier_proto::cluster::Member], spec: &Namespace) -> bool {
     let Ok(handle) = NamespaceHandle::unregistered(spec.clone()) else { return true };
     let Ok(cfg) = node.client_config() else { return true };
+    // Each member within a few seconds: one that hangs (stopped, cut off) counts as one that
+    // may know it, without holding the command up for its whole --timeout.
+    let wait = MEMBER_WAIT.min(cfg.request_timeout);
     let asks = members.iter().map(|m| {
         let (cfg, handle) = (cfg.clone(), &handle);
-        async move {
+        let ask = async move {
             let client = KvClient::connect(&m.grpc_addr, cfg).await?;
             client.lookup_keys(handle, &[BlockKey([0; 32])]).await
-        }
+        };
+        async move { tokio::time::timeout(wait, ask).await.unwrap_or(Err(ClientError::Timeout(wait))) }
     });
     futures::future::join_all(asks).await.into_iter().any(|r| !matches!(r, Err(ClientError::UnknownNamespace(_))))
 }
@@ -782,13 +803,12 @@ async fn put(a: PutArgs) -> anyhow::Result<()> {
     // The bytes of the blocks stored, not of those sent.
     let rejected: usize = report.rejected.iter().filter_map(|(i, _)| blocks.get(*i)).map(|b| b.len()).sum();
     let bytes = blocks.iter().map(|b| b.len()).sum::<usize>() - rejected;
-    outln!(
-        "stored {} of {} block(s), {} bytes, covering {} tokens",
-        report.stored,
-        keys.len(),
-        bytes,
-        keys.len() * ns.block_tokens()
-    )?;
+    // The tokens covered, where every block was stored (a refused one leaves a gap).
+    let covering = match report.rejected.is_empty() {
+        true => format!(", covering {} tokens", keys.len() * ns.block_tokens()),
+        false => String::new(),
+    };
+    outln!("stored {} of {} block(s), {} bytes{covering}", report.stored, keys.len(), bytes)?;
     // One line per reason, not per block: a refused namespace refuses every block alike.
     let mut reasons: Vec<(ItemStatus, Vec<usize>)> = Vec::new();
     for &(i, st) in &report.rejected {
@@ -825,6 +845,25 @@ async fn put(a: PutArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A session write's error: a block the node refused is the write's refusal, said as such (the
+/// first block refused is where the upload stopped; no session was written).
+fn block_refused(what: &str, e: ClientError, blocks: usize) -> anyhow::Error {
+    match e {
+        ClientError::Rejected { index, status } => anyhow::anyhow!(
+            "{}session {what} refused: {} (block {index} was the first refused, of {blocks} sent; the session was not \
+             written)",
+            coded(status),
+            status.describe()
+        ),
+        e => e.into(),
+    }
+}
+
+/// `1 block`, `2 blocks`.
+fn count_of(n: usize, what: &str) -> String {
+    format!("{n} {what}{}", if n == 1 { "" } else { "s" })
+}
+
 /// Sorted indices as runs: `0-3, 7, 9-10` (a refused file of many blocks is one short line).
 fn index_ranges(ix: &[usize]) -> String {
     let mut runs: Vec<(usize, usize)> = Vec::new();
@@ -839,8 +878,9 @@ fn index_ranges(ix: &[usize]) -> String {
     runs.join(", ")
 }
 
-/// How long `session ls` waits for each other member of a cluster (at most `--timeout`).
-const MEMBER_LIST_WAIT: Duration = Duration::from_secs(5);
+/// How long a command that asks every member of a cluster (`session ls`, a read's check that
+/// some member knows the namespace) waits for each other one (at most `--timeout`).
+const MEMBER_WAIT: Duration = Duration::from_secs(5);
 
 /// A refused block's stable code and a colon, for the start of a line.
 fn coded(st: ItemStatus) -> String {
@@ -951,14 +991,14 @@ async fn session(s: SessionCmd) -> anyhow::Result<()> {
                     "{e}: pass --replace to park over it, `kvtier session extend` to add a turn to it, or \
                      `kvtier session drop` it first"
                 ),
-                e => e.into(),
+                e => block_refused("park", e, blocks.len()),
             })?;
             outln!(
-                "parked {:?} v{}: {} tokens, {} blocks{}, expires in {:?}",
+                "parked {:?} v{}: {} tokens, {}{}, expires in {:?}",
                 info.id,
                 info.version,
                 info.token_count,
-                info.blocks,
+                count_of(info.blocks as usize, "block"),
                 if info.has_tail { " + tail" } else { "" },
                 info.expires_in
             )?;
@@ -981,8 +1021,17 @@ async fn session(s: SessionCmd) -> anyhow::Result<()> {
             let keys = ns.keys(&tokens);
             let tail = ns.tail_key(&tokens).map(|k| (k, (tokens.len() % ns.block_tokens()) as u32));
             let blocks = payloads(&ns, None, &keys[base.min(keys.len())..], tail)?;
-            let info = client.extend(&ns, &id, cur.info.version, prev, &tokens, &blocks).await?;
-            outln!("extended {:?} to v{}: {} tokens, {} blocks", info.id, info.version, info.token_count, info.blocks)?;
+            let info = client
+                .extend(&ns, &id, cur.info.version, prev, &tokens, &blocks)
+                .await
+                .map_err(|e| block_refused("extend", e, blocks.len()))?;
+            outln!(
+                "extended {:?} to v{}: {} tokens, {}",
+                info.id,
+                info.version,
+                info.token_count,
+                count_of(info.blocks as usize, "block")
+            )?;
         }
         SessionCmd::Resume { conn, id, out } => {
             let (client, ns) = connect_existing(&conn).await?;
@@ -1018,7 +1067,7 @@ async fn session(s: SessionCmd) -> anyhow::Result<()> {
             // or the node asked's.
             let lists: Vec<(String, Result<Vec<kvtier_client::SessionInfo>, ClientError>)> = if cluster {
                 let cfg = conn.node.client_config()?;
-                let wait = MEMBER_LIST_WAIT.min(cfg.request_timeout);
+                let wait = MEMBER_WAIT.min(cfg.request_timeout);
                 let asks = members.iter().map(|m| {
                     let (cfg, ns, client) = (cfg.clone(), ns.as_ref(), &client);
                     let asked = local.as_ref() == Some(&m.id);
@@ -1063,7 +1112,8 @@ async fn session(s: SessionCmd) -> anyhow::Result<()> {
                         continue;
                     }
                     Err(e) if cluster => {
-                        outln!("note: member {node} did not answer ({e}): its copies are not listed")?;
+                        // On stderr: stdout is the list a script reads.
+                        eprintln!("note: member {node} did not answer ({e}): its copies are not listed");
                         continue;
                     }
                     Err(e) => return Err(e.into()),
