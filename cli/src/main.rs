@@ -100,6 +100,8 @@ struct ServeArgs {
     /// slots and move blocks one-sidedly (needs the `rdma` build feature and a verbs device).
     #[arg(long, env = "KVTIER_RDMA_DEVICE")]
     rdma_device: Option<String>,
+    /// Where the node keeps its disk tier, session log and namespaces (default ./kvtier-data);
+    /// one node per directory (it is locked while the node runs).
     #[arg(long, env = "KVTIER_DATA_DIR")]
     data_dir: Option<PathBuf>,
     /// Hard cap of the DRAM tier, e.g. 512MiB or 4GiB.
