@@ -147,6 +147,18 @@ fn agent_configuration_errors_name_the_setting() {
     let closed = format!("127.0.0.1:{}", free_port());
     let err = run(&mut agent(&["--server", &closed, "--page-bytes", "4096"]));
     assert!(err.contains(&format!("connecting to the server at {closed}")), "{err}");
+    // A pool fraction out of range is refused before connecting (the server here is closed),
+    // naming the variable it came from.
+    let err = run(agent(&["--server", &closed, "--page-bytes", "4096"]).env("KVTIER_AGENT_POOL_FRACTION", "1.5"));
+    assert!(
+        err.contains("--pool-fraction must be above 0 and at most 1, got 1.5")
+            && err.contains("(its value came from the environment variable KVTIER_AGENT_POOL_FRACTION)")
+            && !err.contains("connecting"),
+        "{err}"
+    );
+    std::fs::write(&cfg, "[agent]\npage_bytes = 4096\npool_fraction = 0\n").unwrap();
+    let err = run(agent(&["--server", &closed, "--config", cfg.to_str().unwrap()]).env_remove("KVTIER_AGENT_POOL_FRACTION"));
+    assert!(err.contains("--pool-fraction must be above 0") && !err.contains("environment variable"), "{err}");
     // Spills by RDMA where they can't be had (no `rdma` feature in this build, or no verbs device
     // on this machine): the agent doesn't start, and says which.
     let server = ServerProcess::start(&[]);

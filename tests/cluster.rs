@@ -449,3 +449,31 @@ fn a_cli_session_list_in_a_cluster_asks_every_member() {
     assert!(err.contains("note: member n1 did not answer"), "{err}");
     assert!(out.starts_with("1 session(s)") && out.trim_end().ends_with("on n2"), "{out}");
 }
+
+/// After the only holder of a session left the cluster (a graceful stop leaves at once, and its
+/// copies with it), `session ls` through the other member lists nothing and says on stderr which
+/// member left and that what only it held is not listed. Before, it said "0 session(s)" alone.
+#[test]
+fn a_cli_session_list_names_the_members_that_left() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (n1, mut n2) = (node_with(&redis, dir.path(), "n1", ""), node_with(&redis, dir.path(), "n2", ""));
+    until_members(&n1, 2.0, Duration::from_secs(20));
+    until_members(&n2, 2.0, Duration::from_secs(20));
+    let (a1, a2) = (n1.grpc_addr(), n2.grpc_addr());
+    let (ok, out, err) = cli(&["session", "park", "--server", &a2, "--id", "s1", "--text", "held by n2 alone"]);
+    assert!(ok, "{out} {err}");
+    let (ok, out, err) = cli(&["session", "ls", "--server", &a1]);
+    assert!(ok && out.starts_with("1 session(s)") && !err.contains("left the cluster"), "{out} {err}");
+
+    let pid = rustix::process::Pid::from_child(&n2.child);
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
+    let _ = n2.child.wait();
+    until_members(&n1, 1.0, Duration::from_secs(20));
+    let (ok, out, err) = cli(&["session", "ls", "--server", &a1]);
+    assert!(ok && out.starts_with("0 session(s)"), "{out} {err}");
+    assert!(
+        err.contains("note: member n2 (") && err.contains("left the cluster: the sessions only it held are not listed"),
+        "{err}"
+    );
+}

@@ -918,11 +918,21 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         principal(&r)?;
         let Some(m) = self.membership.get() else { return Ok(Response::new(pb::MembersResponse::default())) };
         let snap = m.snapshot();
+        let mut departed = self.state.tiers().peers().map(|p| p.departed()).unwrap_or_default();
+        departed.sort_by_key(|(_, ago)| *ago);
+        let departed = departed
+            .into_iter()
+            .map(|(id, ago)| pb::DepartedMember {
+                node_id: id.as_str().to_string(),
+                left_ms_ago: u64::try_from(ago.as_millis()).unwrap_or(u64::MAX),
+            })
+            .collect();
         Ok(Response::new(pb::MembersResponse {
             members: snap.members.iter().map(Member::to_pb).collect(),
             local_id: m.local().id.as_str().to_string(),
             cluster_rf: self.state.config().cluster_rf as u32,
             stale: snap.stale,
+            departed,
         }))
     }
 

@@ -306,6 +306,11 @@ fn settings(a: &AgentArgs) -> anyhow::Result<Settings> {
         Some(f) => Some(f),
         None => text("pool_fraction")?.map(|s| s.parse::<f64>()).transpose().context("[agent] pool_fraction")?,
     };
+    if let Some(f) = fraction.filter(|f| !(*f > 0.0 && *f <= 1.0)) {
+        bail!(
+            "--pool-fraction must be above 0 and at most 1, got {f} (the share of the device's free memory G1 takes)"
+        );
+    }
     let capacity = match (bytes(a.pool_capacity, "pool_capacity")?, fraction) {
         (Some(b), _) => Capacity::Bytes(usize::try_from(b).context("pool capacity")?),
         (None, Some(f)) => Capacity::FractionOfFree(f),
@@ -617,7 +622,8 @@ impl BackingStore for SameNodeStore {
 
 pub async fn run(a: AgentArgs) -> anyhow::Result<()> {
     crate::init_logging(&a.log)?;
-    let s = settings(&a)?;
+    // Checked before connecting; a value from the environment is said to be.
+    let s = settings(&a).map_err(crate::with_env_source)?;
     let page_bytes = usize::try_from(s.page_bytes).context("--page-bytes")?;
     let cfg = ClientConfig { auth_token: s.auth_token.clone(), ..Default::default() };
     let client =

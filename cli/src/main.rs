@@ -370,11 +370,8 @@ fn exit_on_parse_error(e: clap::Error) -> ! {
     use clap::error::{ContextKind, ContextValue, ErrorKind};
     let from_env = match (e.kind(), e.get(ContextKind::InvalidArg)) {
         (ErrorKind::ValueValidation | ErrorKind::InvalidValue, Some(ContextValue::String(arg))) => {
-            let long = arg.split_whitespace().next().unwrap_or_default().trim_start_matches("--").to_string();
-            // Not `args()`: an argument that is not UTF-8 would panic it.
-            let args: Vec<String> = std::env::args_os().skip(1).map(|a| a.to_string_lossy().into_owned()).collect();
-            let given = args.iter().any(|a| *a == format!("--{long}") || a.starts_with(&format!("--{long}=")));
-            env_of(&Cli::command(), &args, &long).filter(|var| !given && std::env::var_os(var).is_some())
+            let long = arg.split_whitespace().next().unwrap_or_default().trim_start_matches("--");
+            env_source(&command_line(), long)
         }
         _ => None,
     };
@@ -382,17 +379,33 @@ fn exit_on_parse_error(e: clap::Error) -> ! {
         Some(var) => {
             let text = e.render().to_string();
             let (first, rest) = text.split_once('\n').unwrap_or((&text, ""));
-            eprintln!("{first} (its value came from the environment variable {var})\n{rest}");
+            eprintln!("{first} (its value came from the environment variable {var})\n{}", rest.trim_end());
             std::process::exit(2)
         }
         None => e.exit(),
     }
 }
 
-/// The environment variable of flag `--long` of the subcommand `args` run (flags of the same
-/// name in other subcommands may read other variables: `--metrics` of `serve` and of `agent`).
-fn env_of(cmd: &clap::Command, args: &[String], long: &str) -> Option<String> {
-    let mut cmd = cmd;
+/// The command line after the program's name. Not `args()`: an argument that is not UTF-8 would
+/// panic it.
+fn command_line() -> Vec<String> {
+    std::env::args_os().skip(1).map(|a| a.to_string_lossy().into_owned()).collect()
+}
+
+/// The environment variable flag `--long` took its value from: the one it reads in the
+/// subcommand `args` run (flags of the same name in other subcommands may read other variables:
+/// `--metrics` of `serve` and of `agent`), where that variable is set and the flag was not given.
+fn env_source(args: &[String], long: &str) -> Option<String> {
+    let given = args.iter().any(|a| {
+        a.strip_prefix("--")
+            .and_then(|a| a.strip_prefix(long))
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with('='))
+    });
+    if given {
+        return None;
+    }
+    let root = Cli::command();
+    let mut cmd = &root;
     for a in args {
         match cmd.find_subcommand(a) {
             Some(sub) => cmd = sub,
@@ -400,26 +413,23 @@ fn env_of(cmd: &clap::Command, args: &[String], long: &str) -> Option<String> {
             None => break,
         }
     }
-    cmd.get_arguments()
-        .find(|a| a.get_long() == Some(long))
-        .and_then(|a| a.get_env())
-        .map(|v| v.to_string_lossy().into_owned())
+    let var = cmd.get_arguments().find(|a| a.get_long() == Some(long)).and_then(|a| a.get_env());
+    var.map(|v| v.to_string_lossy().into_owned()).filter(|var| std::env::var_os(var).is_some())
 }
 
-/// A configuration error naming a setting (`dram_capacity 100000B is below …`) whose value came
-/// from the environment (its flag not given, its variable set): says which variable, as a bad
-/// value clap refused does.
-fn with_env_source(e: anyhow::Error, subcommand: &str) -> anyhow::Error {
+/// A configuration error that starts with a setting or its flag (`dram_capacity 100000B is below
+/// …`, `--pool-fraction must be …`) whose value came from the environment (the flag not given,
+/// its variable set): says which variable, as a bad value clap refused does.
+fn with_env_source(e: anyhow::Error) -> anyhow::Error {
     let text = e.to_string();
-    let setting =
-        text.trim_start_matches("invalid configuration: ").split(|c: char| !(c.is_alphanumeric() || c == '_')).next();
+    let head = text.trim_start_matches("invalid configuration: ");
+    let head = head.strip_prefix("--").unwrap_or(head);
+    let setting = head.split(|c: char| !(c.is_alphanumeric() || c == '_' || c == '-')).next();
     let Some(long) = setting.filter(|s| !s.is_empty()).map(|s| s.replace('_', "-")) else { return e };
-    let args: Vec<String> = std::env::args_os().skip(1).map(|a| a.to_string_lossy().into_owned()).collect();
-    let given = args.iter().any(|a| *a == format!("--{long}") || a.starts_with(&format!("--{long}=")));
-    let var = env_of(&Cli::command(), &[subcommand.to_string()], &long).filter(|v| std::env::var_os(v).is_some());
-    match var {
-        Some(var) if !given => anyhow::anyhow!("{text} (its value came from the environment variable {var})"),
-        _ => e,
+    match env_source(&command_line(), &long) {
+        // The causes kept: `describe` prints each once, and this line holds the first.
+        Some(var) => e.context(format!("{text} (its value came from the environment variable {var})")),
+        None => e,
     }
 }
 
@@ -452,8 +462,8 @@ fn run() -> anyhow::Result<()> {
         // which then runs one worker per CPU of the set.
         let cfg = serve_config(&a)?;
         if let Some(list) = &cfg.cpus {
-            let cpus = kvtier_server::affinity::parse_cpulist(list).map_err(|e| with_env_source(e.into(), "serve"))?;
-            kvtier_server::affinity::confine_process(&cpus).map_err(|e| with_env_source(e.into(), "serve"))?;
+            let cpus = kvtier_server::affinity::parse_cpulist(list).map_err(|e| with_env_source(e.into()))?;
+            kvtier_server::affinity::confine_process(&cpus).map_err(|e| with_env_source(e.into()))?;
             tracing::info!("running on CPUs {list}");
         }
         let rt = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
@@ -558,7 +568,7 @@ fn serve_config(a: &ServeArgs) -> anyhow::Result<ServerConfig> {
     if let Some(v) = &a.advertise_host {
         cfg.advertise_host = Some(v.clone());
     }
-    cfg.validate().map_err(|e| with_env_source(e.into(), "serve"))?;
+    cfg.validate().map_err(|e| with_env_source(e.into()))?;
     Ok(cfg)
 }
 
@@ -698,8 +708,8 @@ async fn connect_existing(c: &ConnArgs) -> anyhow::Result<(KvClient, NamespaceHa
     c.ns.namespace("")?;
     let client = connect_client(&c.node).await?;
     let spec = c.ns.namespace(&client.server_info().tenant)?;
-    let members = client.members().await.map(|m| m.members).unwrap_or_default();
-    let known = members.len() > 1 && known_on_some_member(&c.node, &members, &spec).await;
+    let members = client.members().await.unwrap_or_default();
+    let known = members.members.len() > 1 && known_on_some_member(&client, &members, &c.node, &spec).await;
     let ns = match known {
         false => NamespaceHandle::unregistered(spec)?,
         true => match client.register(spec.clone()).await {
@@ -712,21 +722,65 @@ async fn connect_existing(c: &ConnArgs) -> anyhow::Result<(KvClient, NamespaceHa
 
 /// Whether some member of the cluster knows namespace `spec` (asked with a lookup of one key,
 /// which a node refuses for a namespace it does not know), or some member gave no answer.
-async fn known_on_some_member(node: &NodeArgs, members: &[kvtier_proto::cluster::Member], spec: &Namespace) -> bool {
+async fn known_on_some_member(
+    client: &KvClient,
+    members: &kvtier_client::ClusterMembers,
+    node: &NodeArgs,
+    spec: &Namespace,
+) -> bool {
     let Ok(handle) = NamespaceHandle::unregistered(spec.clone()) else { return true };
-    let Ok(cfg) = node.client_config() else { return true };
-    // Each member within a few seconds: one that hangs (stopped, cut off) counts as one that
-    // may know it, without holding the command up for its whole --timeout.
+    let Ok(answers) = ask_each_member(client, members, node, |c| {
+        let handle = &handle;
+        async move { c.lookup_keys(handle, &[BlockKey([0; 32])]).await }
+    })
+    .await
+    else {
+        return true;
+    };
+    answers.into_iter().any(|a| !matches!(a.answer, Err(ClientError::UnknownNamespace(_))))
+}
+
+/// One member's answer to [`ask_each_member`].
+struct MemberAnswer<T> {
+    /// The member's id.
+    node: String,
+    /// Whether it is the node the command is connected to.
+    asked: bool,
+    answer: Result<T, ClientError>,
+}
+
+/// Asks every member of a cluster `ask`: the node asked through `client`, the command's own
+/// connection (bounded by `--timeout` as its other calls are; its advertised address may not be
+/// reachable from here, behind NAT), each other member on a connection of its own within
+/// [`MEMBER_WAIT`] (at most `--timeout`), so one that hangs (stopped, cut off) answers
+/// `Timeout` without holding the command up.
+async fn ask_each_member<T, F, Fut>(
+    client: &KvClient,
+    members: &kvtier_client::ClusterMembers,
+    node: &NodeArgs,
+    ask: F,
+) -> anyhow::Result<Vec<MemberAnswer<T>>>
+where
+    F: Fn(KvClient) -> Fut,
+    Fut: std::future::Future<Output = Result<T, ClientError>>,
+{
+    let cfg = node.client_config()?;
     let wait = MEMBER_WAIT.min(cfg.request_timeout);
-    let asks = members.iter().map(|m| {
-        let (cfg, handle) = (cfg.clone(), &handle);
-        let ask = async move {
-            let client = KvClient::connect(&m.grpc_addr, cfg).await?;
-            client.lookup_keys(handle, &[BlockKey([0; 32])]).await
-        };
-        async move { tokio::time::timeout(wait, ask).await.unwrap_or(Err(ClientError::Timeout(wait))) }
+    let asks = members.members.iter().map(|m| {
+        let asked = members.local.as_ref() == Some(&m.id);
+        let (cfg, ask) = (cfg.clone(), &ask);
+        async move {
+            let answer = match asked {
+                true => ask(client.clone()).await,
+                false => {
+                    let dialled = async { ask(KvClient::connect(&m.grpc_addr, cfg).await?).await };
+                    tokio::time::timeout(wait, dialled).await.unwrap_or(Err(ClientError::Timeout(wait)))
+                }
+            };
+            MemberAnswer { node: m.id.as_str().to_string(), asked, answer }
+        }
     });
-    futures::future::join_all(asks).await.into_iter().any(|r| !matches!(r, Err(ClientError::UnknownNamespace(_))))
+    Ok(futures::future::join_all(asks).await)
 }
 
 /// What a read of a namespace the node does not know says beside its (empty) answer.
@@ -883,6 +937,27 @@ fn index_ranges(ix: &[usize]) -> String {
 /// How long a command that asks every member of a cluster (`session ls`, a read's check that
 /// some member knows the namespace) waits for each other one (at most `--timeout`).
 const MEMBER_WAIT: Duration = Duration::from_secs(5);
+
+/// What a listing says of the members that left lately (newest first, three named): "member n2
+/// left the cluster 4s ago: the sessions only it held are not listed (they come back when it
+/// rejoins)"; `None` when none did.
+fn departed_note(departed: &[(kvtier_proto::cluster::NodeId, Duration)]) -> Option<String> {
+    let (member, it) = match departed.len() {
+        0 => return None,
+        1 => ("member", "it"),
+        _ => ("members", "they"),
+    };
+    let mut named: Vec<String> =
+        departed.iter().take(3).map(|(n, ago)| format!("{} ({}s ago)", n.as_str(), ago.as_secs())).collect();
+    if departed.len() > 3 {
+        named.push(format!("{} more", departed.len() - 3));
+    }
+    Some(format!(
+        "{member} {} left the cluster: the sessions only {it} held are not listed (they come back when {it} rejoin{})",
+        named.join(", "),
+        if departed.len() == 1 { "s" } else { "" }
+    ))
+}
 
 /// A refused block's stable code and a colon, for the start of a line.
 fn coded(st: ItemStatus) -> String {
@@ -1059,43 +1134,26 @@ async fn session(s: SessionCmd) -> anyhow::Result<()> {
                 true => (connect_client(&conn.node).await?, None),
                 false => connect_existing(&conn).await.map(|(c, ns)| (c, Some(ns)))?,
             };
-            let (members, local) = match here {
-                true => (Vec::new(), None),
-                false => client.members().await.map(|m| (m.members, m.local)).unwrap_or_default(),
+            let members = match here {
+                true => Default::default(),
+                false => client.members().await.unwrap_or_default(),
             };
-            let cluster = members.len() > 1;
+            let cluster = members.members.len() > 1;
             // Each member's list (in a cluster: the node asked through this connection, the
             // others each within a few seconds, so one that hangs doesn't hold the listing up),
             // or the node asked's.
             let lists: Vec<(String, Result<Vec<kvtier_client::SessionInfo>, ClientError>)> = if cluster {
-                let cfg = conn.node.client_config()?;
-                let wait = MEMBER_WAIT.min(cfg.request_timeout);
-                let asks = members.iter().map(|m| {
-                    let (cfg, ns, client) = (cfg.clone(), ns.as_ref(), &client);
-                    let asked = local.as_ref() == Some(&m.id);
-                    async move {
-                        let listed = async {
-                            if asked {
-                                return client.list_sessions(ns).await;
-                            }
-                            let c = KvClient::connect(&m.grpc_addr, cfg).await?;
-                            c.list_sessions(ns).await
-                        };
-                        let listed = match asked {
-                            true => listed.await,
-                            false => {
-                                tokio::time::timeout(wait, listed).await.unwrap_or(Err(ClientError::Timeout(wait)))
-                            }
-                        };
-                        (m.id.as_str().to_string(), asked, listed)
-                    }
-                });
+                let answers = ask_each_member(&client, &members, &conn.node, |c| {
+                    let ns = ns.as_ref();
+                    async move { c.list_sessions(ns).await }
+                })
+                .await?;
                 let mut lists = Vec::new();
-                for (node, asked, listed) in futures::future::join_all(asks).await {
-                    match listed {
+                for a in answers {
+                    match a.answer {
                         // The node asked answers as without a cluster: its refusal is the command's.
-                        Err(e) if asked && !matches!(e, ClientError::UnknownNamespace(_)) => return Err(e.into()),
-                        listed => lists.push((node, listed)),
+                        Err(e) if a.asked && !matches!(e, ClientError::UnknownNamespace(_)) => return Err(e.into()),
+                        listed => lists.push((a.node, listed)),
                     }
                 }
                 lists
@@ -1140,6 +1198,9 @@ async fn session(s: SessionCmd) -> anyhow::Result<()> {
             }
             if answered > 0 && unknown == answered {
                 outln!("note: {NO_SUCH_NAMESPACE}")?;
+            }
+            if let Some(left) = departed_note(&members.departed) {
+                eprintln!("note: {left}");
             }
             if cluster {
                 listed.sort_by(|(a, _), (b, _)| (a.namespace.0, &a.id).cmp(&(b.namespace.0, &b.id)));

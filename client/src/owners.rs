@@ -18,8 +18,8 @@ use kvtier_proto::{pb, BlockFrame, BlockKey, NamespaceId};
 
 use crate::{ClientConfig, ClientError, KvClient, NamespaceHandle};
 
-/// The cluster as a node reported it (`Members`).
-#[derive(Clone, Debug)]
+/// The cluster as a node reported it (`Members`); the default is a node without a cluster.
+#[derive(Clone, Debug, Default)]
 pub struct ClusterMembers {
     /// Every member, the reporting node included; empty for a node without a cluster.
     pub members: Vec<Member>,
@@ -29,6 +29,9 @@ pub struct ClusterMembers {
     pub cluster_rf: usize,
     /// The membership store was unreachable: the last known members.
     pub stale: bool,
+    /// Members that left within the last hour, and how long ago, newest first (empty from nodes
+    /// older than this field). What they held left with them.
+    pub departed: Vec<(NodeId, Duration)>,
 }
 
 impl KvClient {
@@ -38,7 +41,12 @@ impl KvClient {
         let r = self.timed(async move { Ok(g.members(pb::MembersRequest {}).await?.into_inner()) }).await?;
         let members = r.members.iter().map(Member::from_pb).collect::<Result<Vec<_>, _>>()?;
         let local = if r.local_id.is_empty() { None } else { Some(NodeId::new(r.local_id)?) };
-        Ok(ClusterMembers { members, local, cluster_rf: r.cluster_rf.max(1) as usize, stale: r.stale })
+        let departed = r
+            .departed
+            .into_iter()
+            .map(|d| Ok((NodeId::new(d.node_id)?, Duration::from_millis(d.left_ms_ago))))
+            .collect::<Result<Vec<_>, ClientError>>()?;
+        Ok(ClusterMembers { members, local, cluster_rf: r.cluster_rf.max(1) as usize, stale: r.stale, departed })
     }
 }
 
