@@ -1134,11 +1134,9 @@ async fn session(s: SessionCmd) -> anyhow::Result<()> {
                 true => (connect_client(&conn.node).await?, None),
                 false => connect_existing(&conn).await.map(|(c, ns)| (c, Some(ns)))?,
             };
-            let members = match here {
-                true => Default::default(),
-                false => client.members().await.unwrap_or_default(),
-            };
-            let cluster = members.members.len() > 1;
+            let members = client.members().await.unwrap_or_default();
+            // With --here, the node asked's copies alone (named, in a cluster).
+            let cluster = !here && members.members.len() > 1;
             // Each member's list (in a cluster: the node asked through this connection, the
             // others each within a few seconds, so one that hangs doesn't hold the listing up),
             // or the node asked's.
@@ -1199,13 +1197,16 @@ async fn session(s: SessionCmd) -> anyhow::Result<()> {
             if answered > 0 && unknown == answered {
                 outln!("note: {NO_SUCH_NAMESPACE}")?;
             }
-            if let Some(left) = departed_note(&members.departed) {
+            if let Some(left) = departed_note(&members.departed).filter(|_| !here) {
                 eprintln!("note: {left}");
             }
             if cluster {
                 listed.sort_by(|(a, _), (b, _)| (a.namespace.0, &a.id).cmp(&(b.namespace.0, &b.id)));
             }
-            outln!("{} session(s)", listed.len())?;
+            match members.local.as_ref().filter(|_| here) {
+                Some(node) => outln!("{} session(s) on {} alone", listed.len(), node.as_str())?,
+                None => outln!("{} session(s)", listed.len())?,
+            }
             for (s, holders) in listed {
                 // Full blocks, and the partial tail as `session resume` counts it (in its blocks).
                 let blocks = format!("{}{}", s.blocks, if s.has_tail { " + tail" } else { "" });
