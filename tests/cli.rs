@@ -717,8 +717,8 @@ fn a_command_against_a_stopped_node_gives_up_after_its_timeout() {
     assert!(ok && out.contains("uptime"), "{out} {err}");
 }
 
-/// `session ls --all` lists the sessions of every namespace, each with its namespace's id; the
-/// namespace flags alone list one namespace's.
+/// `session ls --all` lists the sessions of every namespace, each with its namespace's id and
+/// tenant; the namespace flags alone list one namespace's.
 #[test]
 fn session_ls_all_lists_every_namespace_s_sessions() {
     let server = ServerProcess::start(&["--dram-capacity", "64MiB"]);
@@ -736,5 +736,9 @@ fn session_ls_all_lists_every_namespace_s_sessions() {
     assert_eq!(lines.len(), 2, "{out}");
     let ns_of = |l: &str| l.split_whitespace().nth(1).map(str::to_string);
     assert!(lines.iter().all(|l| l.trim_start().starts_with("ns ")), "{out}");
+    // And whose: the CLI's own tenant here (no tenants configured).
+    assert!(lines.iter().all(|l| l.contains(" tenant cli ")), "{out}");
+    // Time left to the second, not a Duration's debug form.
+    assert!(lines.iter().all(|l| l.contains("expires in 9m5") || l.contains("expires in 10m00s")), "{out}");
     assert_ne!(ns_of(lines[0]), ns_of(lines[1]), "each with its own namespace: {out}");
 }

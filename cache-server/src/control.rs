@@ -1196,9 +1196,13 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         let now = Instant::now();
         // A tenant sees the sessions of the namespaces it may read, and no others.
         let keep = |m: &SessionManifest| ns.is_some() || self.state.may_read(&p, &m.namespace);
+        // Each with its namespace's tenant (`session ls --all` shows whose).
+        let info = |m: &SessionManifest| pb::SessionInfo {
+            tenant: self.state.namespace(&m.namespace).map(|n| n.tenant).unwrap_or_default(),
+            ..session_info(m, now)
+        };
         if r.limit == 0 {
-            let sessions =
-                self.state.sessions().list(ns).iter().filter(|m| keep(m)).map(|m| session_info(m, now)).collect();
+            let sessions = self.state.sessions().list(ns).iter().filter(|m| keep(m)).map(info).collect();
             return Ok(Response::new(pb::ListSessionsResponse { sessions, more: false }));
         }
         let after = match r.after_namespace_id.is_empty() {
@@ -1207,7 +1211,7 @@ impl pb::kv_tier_server::KvTier for ControlPlane {
         };
         let limit = (r.limit as usize).min(MAX_SESSIONS_PAGE);
         let (page, more) = self.state.sessions().list_page(ns, after, limit, keep);
-        let sessions = page.iter().map(|m| session_info(m, now)).collect();
+        let sessions = page.iter().map(info).collect();
         Ok(Response::new(pb::ListSessionsResponse { sessions, more }))
     }
 

@@ -97,6 +97,7 @@ impl SessionManifest {
             expires_in_ms: self.expires_at.saturating_duration_since(now).as_millis() as u64,
             priority: self.priority as u32,
             created_ago_ms: self.created.map(|c| now.saturating_duration_since(c).as_millis() as u64),
+            tenant: String::new(),
         }
     }
 

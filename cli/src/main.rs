@@ -959,6 +959,18 @@ fn departed_note(departed: &[(kvtier_proto::cluster::NodeId, Duration)]) -> Opti
     ))
 }
 
+/// A session's time left as a person reads it, to the second: "9m59s", "1h05m", "42s" (a
+/// `Duration`'s debug form printed "599.985s").
+fn remaining(d: Duration) -> String {
+    let s = d.as_secs();
+    match s {
+        0 => format!("{}ms", d.as_millis()),
+        1..60 => format!("{s}s"),
+        60..3600 => format!("{}m{:02}s", s / 60, s % 60),
+        _ => format!("{}h{:02}m", s / 3600, s % 3600 / 60),
+    }
+}
+
 /// A refused block's stable code and a colon, for the start of a line.
 fn coded(st: ItemStatus) -> String {
     st.code().map(|c| format!("{c}: ")).unwrap_or_default()
@@ -1071,13 +1083,13 @@ async fn session(s: SessionCmd) -> anyhow::Result<()> {
                 e => block_refused("park", e, blocks.len()),
             })?;
             outln!(
-                "parked {:?} v{}: {} tokens, {}{}, expires in {:?}",
+                "parked {:?} v{}: {} tokens, {}{}, expires in {}",
                 info.id,
                 info.version,
                 info.token_count,
                 count_of(info.blocks as usize, "block"),
                 if info.has_tail { " + tail" } else { "" },
-                info.expires_in
+                remaining(info.expires_in)
             )?;
         }
         SessionCmd::Extend { t, id } => {
@@ -1115,12 +1127,12 @@ async fn session(s: SessionCmd) -> anyhow::Result<()> {
             let r = client.resume(&ns, &id).await?;
             let wrote = out.map(|p| write_blocks(&p, &r.blocks)).transpose()?;
             outln!(
-                "resumed {:?} v{}: {} tokens in {} block(s), expires in {:?}",
+                "resumed {:?} v{}: {} tokens in {} block(s), expires in {}",
                 r.info.id,
                 r.info.version,
                 r.info.token_count,
                 r.blocks.len(),
-                r.info.expires_in
+                remaining(r.info.expires_in)
             )?;
             for (i, b) in r.blocks.iter().enumerate() {
                 outln!("  block {i}: {} bytes xxh3={}", b.len(), short(b))?;
@@ -1210,9 +1222,13 @@ async fn session(s: SessionCmd) -> anyhow::Result<()> {
             for (s, holders) in listed {
                 // Full blocks, and the partial tail as `session resume` counts it (in its blocks).
                 let blocks = format!("{}{}", s.blocks, if s.has_tail { " + tail" } else { "" });
-                // With --all, the namespace each belongs to (its id: the first 8 bytes, in hex).
+                // With --all, the namespace each belongs to (its id: the first 8 bytes, in hex) and
+                // its tenant ("-" from a node too old to say).
                 let ns = match all {
-                    true => format!("ns {} ", hex_prefix(&s.namespace.0[..8])),
+                    true => {
+                        let tenant = if s.tenant.is_empty() { "-" } else { s.tenant.as_str() };
+                        format!("ns {} tenant {tenant:<10} ", hex_prefix(&s.namespace.0[..8]))
+                    }
                     false => String::new(),
                 };
                 // In a cluster, the members holding a copy; a version only where copies differ.
@@ -1226,13 +1242,13 @@ async fn session(s: SessionCmd) -> anyhow::Result<()> {
                     }
                 };
                 outln!(
-                    "  {ns}{:<24} v{:<4} {:>8} tokens {:>10} blocks {:>12} bytes  expires in {:?}{on}",
+                    "  {ns}{:<24} v{:<4} {:>8} tokens {:>10} blocks {:>12} bytes  expires in {}{on}",
                     s.id,
                     s.version,
                     s.token_count,
                     blocks,
                     s.bytes,
-                    s.expires_in
+                    remaining(s.expires_in)
                 )?;
             }
         }
@@ -1298,4 +1314,35 @@ async fn stats(c: NodeArgs) -> anyhow::Result<()> {
         outln!("tenant {}: {} namespace(s), {} session(s); {}", t.tenant, t.namespaces, t.sessions, tiers.join("; "))?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn time_left_reads_to_the_second() {
+        assert_eq!(remaining(Duration::from_millis(250)), "250ms");
+        assert_eq!(remaining(Duration::from_millis(42_900)), "42s");
+        assert_eq!(remaining(Duration::from_millis(599_985)), "9m59s");
+        assert_eq!(remaining(Duration::from_secs(600)), "10m00s");
+        assert_eq!(remaining(Duration::from_secs(3600 + 5 * 60 + 59)), "1h05m");
+        assert_eq!(remaining(Duration::from_secs(2 * 86400)), "48h00m");
+    }
+
+    #[test]
+    fn departed_members_are_named_newest_first_three_at_most() {
+        let id = |s: &str| kvtier_proto::cluster::NodeId::new(s).unwrap();
+        assert_eq!(departed_note(&[]), None);
+        let one = departed_note(&[(id("n2"), Duration::from_millis(4_200))]).unwrap();
+        assert_eq!(
+            one,
+            "member n2 (4s ago) left the cluster: the sessions only it held are not listed (they come back when it \
+             rejoins)"
+        );
+        let five: Vec<_> = (1..=5).map(|i| (id(&format!("n{i}")), Duration::from_secs(i))).collect();
+        let many = departed_note(&five).unwrap();
+        assert!(many.starts_with("members n1 (1s ago), n2 (2s ago), n3 (3s ago), 2 more left the cluster"), "{many}");
+        assert!(many.ends_with("when they rejoin)"), "{many}");
+    }
 }

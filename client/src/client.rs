@@ -322,6 +322,8 @@ pub struct SessionInfo {
     pub bytes: u64,
     pub expires_in: Duration,
     pub priority: u32,
+    /// The namespace's tenant, where the server said (`list_sessions`; empty elsewhere).
+    pub tenant: String,
 }
 
 impl SessionInfo {
@@ -336,6 +338,7 @@ impl SessionInfo {
             bytes: p.bytes,
             expires_in: Duration::from_millis(p.expires_in_ms),
             priority: p.priority,
+            tenant: p.tenant,
         }
     }
 }
