@@ -157,7 +157,7 @@ pub fn sorted_by_family(text: &str) -> String {
     let name_of = |family: &str| -> String {
         let first = family.lines().next().unwrap_or_default();
         let rest = first.strip_prefix("# HELP ").or_else(|| first.strip_prefix("# TYPE ")).unwrap_or(first);
-        rest.split(|c: char| c == ' ' || c == '{').next().unwrap_or_default().to_string()
+        rest.split([' ', '{']).next().unwrap_or_default().to_string()
     };
     let mut families: Vec<(String, String)> = text
         .split("\n\n")
