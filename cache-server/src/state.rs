@@ -451,11 +451,15 @@ impl NodeState {
             tracing::warn!(skipped = ns_skipped, "namespace log had unreadable (torn or damaged) records");
         }
         // Copies of an unregistered namespace's blocks written before it was unregistered are
-        // still in their segments: forgotten again (their bytes go with their segments), even if
-        // the namespace was registered anew since. Only explicitly unregistered ones: a
-        // namespace missing from a damaged log keeps its blocks.
+        // still in their segments, before its mark: forgotten again (their bytes go with their
+        // segments), even if the namespace was registered anew since. What lies after the mark is
+        // the new incarnation's: no block write overlaps a mark, and a demotion or a park's
+        // persist that waited for the unregistration skips the namespace (`crate::disk`, "Writes
+        // and namespace marks"). Only explicitly unregistered ones: a namespace missing from a
+        // damaged log keeps its blocks.
         for (gone, mark) in unregistered {
-            // Not registered again: every copy goes, also those demoted just after the mark.
+            // Not registered again: every copy goes, also any that landed after the mark (a
+            // store racing the unregistration into DRAM, demoted later).
             let before = if namespaces.contains_key(gone) { *mark } else { (u64::MAX, u64::MAX) };
             let n = disk.purge_namespace_before(gone, before);
             if n > 0 {
@@ -465,10 +469,10 @@ impl NodeState {
         }
         let marks = ns_log.unregistered.len() + ns_log.purged.len();
         // Marks no segment needs any more go, at start only: nothing of an unregistered namespace
-        // is on its way to disk now (while the node runs, a demotion queued or a leased DRAM
-        // block spared by the purge may still land after its mark). The segment files found are
-        // made durable as found first: a segment deleted before a power loss must not come back
-        // once its namespace's mark is gone.
+        // is on its way to disk now (while the node runs, a leased DRAM block a purge spared, or a
+        // store racing an unregistration into DRAM, may still be demoted after its mark). The
+        // segment files found are made durable as found first: a segment deleted before a power
+        // loss must not come back once its namespace's mark is gone.
         match fs.sync_dir(&config.data_dir.join("segments")) {
             Ok(()) => prune_marks(&mut ns_log, &disk),
             Err(e) => tracing::warn!("disk tier's segment directory not synced ({e}): namespaces.log keeps every mark"),
@@ -553,8 +557,8 @@ impl NodeState {
         state.sessions.restore_drops(drops);
         state.sessions.restore_expired(expired);
         // Copies of a purged namespace's blocks written before the purge are still in their
-        // segments: forgotten again, now that the restored sessions pin theirs (a purge spares
-        // the blocks a parked session pins).
+        // segments, before its mark (no block write overlaps a mark): forgotten again, now that
+        // the restored sessions pin theirs (a purge spares the blocks a parked session pins).
         if let Some(disk) = state.tiers.disk() {
             for (ns, mark) in &ns_log.purged {
                 let n = disk.purge_namespace_before(ns, *mark);
@@ -810,8 +814,14 @@ impl NodeState {
         at: Option<Instant>,
     ) -> Result<(u64, u64), ServerError> {
         self.namespace_for(by, id, Access::Write)?;
+        // Held from the mark until the namespace is forgotten in every tier: no block record is
+        // written in between (a demotion or a park's persist in flight is waited for first, and
+        // skips the namespace after), so none of this incarnation lands after the mark, where
+        // recovery would keep it for the namespace registered anew. Its sessions are let go under
+        // it too, so a disk compaction can't copy their blocks past the mark either.
+        let invalidation = self.tiers.invalidate();
         if let Some(log) = &self.namespace_log {
-            let mark = self.tiers.disk().map_or((0, 0), |d| d.write_position());
+            let mark = invalidation.mark();
             let rec = namespace_record(&log.key, &NamespaceRecord::Unregister { id: *id, mark });
             append_synced(log, &rec)?;
         }
@@ -830,7 +840,8 @@ impl NodeState {
             // The unregistration logged above drops them at replay too.
             dropped += u64::from(self.sessions.forget_session(self.tiers.session_pins(), *id, &m.id));
         }
-        let removed = self.tiers.forget_namespace(id);
+        let removed = invalidation.forget_namespace(id);
+        drop(invalidation);
         tracing::info!(principal = by.name(), dropped, removed, "namespace unregistered");
         Ok((dropped, removed))
     }
@@ -878,11 +889,13 @@ impl NodeState {
     /// disk tier's write position, so copies on disk before it stay gone after a restart.
     pub fn purge_namespace(&self, by: &Principal, id: &NamespaceId) -> Result<u64, ServerError> {
         self.namespace_for(by, id, Access::Write)?;
+        // As for an unregistration: no block record written between the mark and the purge.
+        let invalidation = self.tiers.invalidate();
         if let Some(log) = &self.namespace_log {
-            let mark = self.tiers.disk().map_or((0, 0), |d| d.write_position());
+            let mark = invalidation.mark();
             append_synced(log, &namespace_record(&log.key, &NamespaceRecord::Purge { id: *id, mark }))?;
         }
-        Ok(self.tiers.purge(id))
+        Ok(invalidation.purge(id))
     }
 
     /// Whether `p` may `access` a registered namespace (without copying it: the data plane asks
@@ -1185,5 +1198,290 @@ mod tests {
             let disk = again.tiers().disk().unwrap();
             assert!(!disk.contains(&with_block.id(), &key), "an unregistered namespace's block came back");
         }
+    }
+
+    /// `StdFs`, except that once armed ([`HeldWrites::arm`]) the next write of a record of one
+    /// namespace to a disk segment waits until the test lets it go: a block write in flight.
+    #[derive(Debug, Default)]
+    struct HeldWrites {
+        armed: Arc<Mutex<Option<Armed>>>,
+    }
+
+    #[derive(Debug)]
+    struct Armed {
+        ns: NamespaceId,
+        entered: std::sync::mpsc::Sender<()>,
+        release: std::sync::mpsc::Receiver<()>,
+    }
+
+    #[derive(Debug)]
+    struct HeldFile {
+        file: Arc<dyn FsFile>,
+        armed: Arc<Mutex<Option<Armed>>>,
+    }
+
+    impl HeldWrites {
+        /// Holds the next segment write of a record of `ns`: (told when it is held, lets it go).
+        fn arm(&self, ns: NamespaceId) -> (std::sync::mpsc::Receiver<()>, std::sync::mpsc::Sender<()>) {
+            let (entered, held) = std::sync::mpsc::channel();
+            let (release, released) = std::sync::mpsc::channel();
+            *self.armed.lock() = Some(Armed { ns, entered, release: released });
+            (held, release)
+        }
+    }
+
+    impl FsFile for HeldFile {
+        fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+            self.file.read_exact_at(buf, offset)
+        }
+        fn write_all_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
+            let held = {
+                let mut armed = self.armed.lock();
+                let ours = armed.as_ref().is_some_and(|a| FrameHeader::decode(buf).is_ok_and(|h| h.namespace == a.ns));
+                if ours {
+                    armed.take()
+                } else {
+                    None
+                }
+            };
+            if let Some(a) = held {
+                let _ = a.entered.send(());
+                let _ = a.release.recv();
+            }
+            self.file.write_all_at(buf, offset)
+        }
+        fn size(&self) -> std::io::Result<u64> {
+            self.file.size()
+        }
+        fn set_len(&self, len: u64) -> std::io::Result<()> {
+            self.file.set_len(len)
+        }
+        fn sync_data(&self) -> std::io::Result<()> {
+            self.file.sync_data()
+        }
+    }
+
+    impl FileSystem for HeldWrites {
+        fn open(&self, path: &std::path::Path, mode: OpenMode) -> std::io::Result<Arc<dyn FsFile>> {
+            let file = StdFs.open(path, mode)?;
+            if path.extension().is_some_and(|e| e == "kvs") {
+                return Ok(Arc::new(HeldFile { file, armed: self.armed.clone() }));
+            }
+            Ok(file)
+        }
+        fn create_dir_all(&self, path: &std::path::Path) -> std::io::Result<()> {
+            StdFs.create_dir_all(path)
+        }
+        fn list(&self, dir: &std::path::Path) -> std::io::Result<Vec<String>> {
+            StdFs.list(dir)
+        }
+        fn rename(&self, from: &std::path::Path, to: &std::path::Path) -> std::io::Result<()> {
+            StdFs.rename(from, to)
+        }
+        fn remove_file(&self, path: &std::path::Path) -> std::io::Result<()> {
+            StdFs.remove_file(path)
+        }
+        fn sync_dir(&self, dir: &std::path::Path) -> std::io::Result<()> {
+            StdFs.sync_dir(dir)
+        }
+    }
+
+    /// A node with 2 MiB of DRAM over a 32 MiB disk tier (nothing evicted from disk here) whose
+    /// segment writes can be held, namespaces `a` and `b` of 64 KiB blocks registered.
+    struct Race {
+        dir: tempfile::TempDir,
+        fs: Arc<HeldWrites>,
+        rt: tokio::runtime::Runtime,
+        state: Arc<NodeState>,
+        a: Namespace,
+        b: Namespace,
+    }
+
+    impl Race {
+        fn new() -> Self {
+            use kvtier_proto::{DType, HashScheme, KvLayout};
+            let dir = tempfile::tempdir().unwrap();
+            let fs = Arc::new(HeldWrites::default());
+            let state = Arc::new(NodeState::open_with(Self::config(dir.path()), Self::addr(), fs.clone()).unwrap());
+            let layout = KvLayout::new(4, 8, 128, DType::Fp16, 4);
+            assert_eq!(layout.block_bytes(), 64 << 10);
+            let a = Namespace::new("t", "a", layout, HashScheme::Blake3, b"");
+            let b = Namespace::new("t", "b", layout, HashScheme::Blake3, b"");
+            for ns in [&a, &b] {
+                state.register_namespace(&Principal::Operator, ns.clone()).unwrap();
+            }
+            let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+            Race { dir, fs, rt, state, a, b }
+        }
+
+        fn config(dir: &std::path::Path) -> ServerConfig {
+            use crate::config::ByteSize;
+            ServerConfig {
+                data_dir: dir.to_path_buf(),
+                dram_capacity: ByteSize(2 << 20),
+                disk_capacity: ByteSize(32 << 20),
+                disk_segment_bytes: ByteSize(4 << 20),
+                max_frame_bytes: ByteSize(1 << 20),
+                metrics_listen: None,
+                ..ServerConfig::default()
+            }
+        }
+
+        fn addr() -> SocketAddr {
+            "127.0.0.1:0".parse().unwrap()
+        }
+
+        fn block(ns: &Namespace, i: u32) -> crate::dram::StoredBlock {
+            let key = kvtier_proto::BlockKey(*blake3::hash(&[&ns.id().0[..], &i.to_le_bytes()].concat()).as_bytes());
+            let payload: Vec<u8> = (0..64u32 << 10).map(|j| j.wrapping_mul(31).wrapping_add(i) as u8).collect();
+            let f =
+                kvtier_proto::BlockFrame::new(ns.id(), key, ns.layout, kvtier_proto::CodecId::RAW, 4, payload.into());
+            crate::dram::StoredBlock { header: f.header, payload: f.payload }
+        }
+
+        /// A block stored in DRAM (as a fetched block is).
+        fn store(&self, b: &crate::dram::StoredBlock) {
+            self.rt.block_on(self.state.tiers().backpressure());
+            self.state.tiers().put_fetched(b, Priority::Normal).unwrap();
+        }
+
+        /// Runs `invalidate` (an unregistration, a purge) on its own thread while the write armed
+        /// by `arm` is held, lets the write go once it is done — or once it has waited 1 s for the
+        /// write (as it does with the write gate) — and waits for it.
+        fn while_held(
+            &self,
+            release: std::sync::mpsc::Sender<()>,
+            invalidate: impl FnOnce(&NodeState) + Send + 'static,
+        ) {
+            let (done, finished) = std::sync::mpsc::channel();
+            let state = self.state.clone();
+            let racer = std::thread::spawn(move || {
+                invalidate(&state);
+                let _ = done.send(());
+            });
+            let _ = finished.recv_timeout(Duration::from_secs(1));
+            release.send(()).unwrap();
+            racer.join().unwrap();
+        }
+
+        fn unregister_and_register_again(&self) -> impl FnOnce(&NodeState) + Send + 'static {
+            let a = self.a.clone();
+            move |state: &NodeState| {
+                state.unregister_namespace(&Principal::Operator, &a.id()).unwrap();
+                state.register_namespace(&Principal::Operator, a).unwrap();
+            }
+        }
+
+        /// Closes the demotion queue (what it holds written), drops the node and opens it again
+        /// on the same directory.
+        fn restart(self) -> (tempfile::TempDir, NodeState) {
+            let Race { dir, state, rt, .. } = self;
+            state.tiers().stop_demotion().unwrap();
+            drop(rt);
+            drop(Arc::into_inner(state).expect("nothing else holds the node"));
+            let again = NodeState::open(Self::config(dir.path()), Self::addr()).unwrap();
+            (dir, again)
+        }
+
+        /// Evicts `old` (of `a`) from DRAM, its demotion held in its disk write: DRAM is filled
+        /// with blocks of `b` until the demotion thread is in that write.
+        fn demotion_held(&self, old: &crate::dram::StoredBlock) -> std::sync::mpsc::Sender<()> {
+            self.state.tiers().start_demotion(None);
+            self.store(old);
+            let (held, release) = self.fs.arm(self.a.id());
+            for i in 0..256 {
+                if held.try_recv().is_ok() {
+                    return release;
+                }
+                self.store(&Self::block(&self.b, i));
+            }
+            held.recv_timeout(Duration::from_secs(10)).expect("the old block's demotion reached the disk");
+            release
+        }
+
+        fn wait_for_demotions(&self) {
+            let start = Instant::now();
+            while self.state.tiers().demotion_depth() > 0 {
+                assert!(start.elapsed() < Duration::from_secs(10), "the demotion queue drains");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+
+        fn on_disk(state: &NodeState, b: &crate::dram::StoredBlock) -> bool {
+            state.tiers().disk().unwrap().contains(&b.header.namespace, &b.header.key)
+        }
+    }
+
+    /// A block of a namespace being demoted (its disk write in flight) when the namespace is
+    /// unregistered and registered again does not come back under the new incarnation after a
+    /// restart, while a block stored after the new registration does. Before, the write landed
+    /// after the unregistration's mark, and recovery kept what lies after it.
+    #[test]
+    fn a_demotion_in_flight_at_an_unregistration_stays_gone_under_the_namespace_registered_again() {
+        let race = Race::new();
+        let (old, new) = (Race::block(&race.a, 1), Race::block(&race.a, 2));
+        let release = race.demotion_held(&old);
+        race.while_held(release, race.unregister_and_register_again());
+        race.wait_for_demotions();
+        race.store(&new);
+        race.rt.block_on(race.state.tiers().persist(&race.a.id(), &[new.header.key], None)).unwrap();
+        assert!(!Race::on_disk(&race.state, &old), "the old incarnation's block, in memory");
+        assert!(Race::on_disk(&race.state, &new));
+        let (_dir, again) = race.restart();
+        assert!(!Race::on_disk(&again, &old), "the old incarnation's block came back after a restart");
+        assert!(Race::on_disk(&again, &new), "the new incarnation's block is kept");
+    }
+
+    /// The same with a purge: the block being demoted is gone in memory, and stays gone after a
+    /// restart (before, it came back: written after the purge's mark).
+    #[test]
+    fn a_demotion_in_flight_at_a_purge_stays_gone_after_a_restart() {
+        let race = Race::new();
+        let (old, new) = (Race::block(&race.a, 1), Race::block(&race.a, 2));
+        let release = race.demotion_held(&old);
+        let a = race.a.id();
+        race.while_held(release, move |state| {
+            state.purge_namespace(&Principal::Operator, &a).unwrap();
+        });
+        race.wait_for_demotions();
+        race.store(&new);
+        race.rt.block_on(race.state.tiers().persist(&a, &[new.header.key], None)).unwrap();
+        assert!(!Race::on_disk(&race.state, &old), "a purged block, in memory");
+        let (_dir, again) = race.restart();
+        assert!(!Race::on_disk(&again, &old), "a purged block came back after a restart");
+        assert!(Race::on_disk(&again, &new), "a block stored after the purge is kept");
+    }
+
+    /// A park's persist with a block write in flight when its namespace is unregistered and
+    /// registered again fails (the namespace it gathered the blocks of is gone) and writes
+    /// nothing more; none of its blocks is on disk, in memory or after a restart, while a block
+    /// the new incarnation persists is. Before, the persist succeeded and both blocks came back
+    /// under the new incarnation after a restart.
+    #[test]
+    fn a_persist_in_flight_at_an_unregistration_fails_and_leaves_nothing_behind() {
+        let race = Race::new();
+        let (first, second, new) = (Race::block(&race.a, 1), Race::block(&race.a, 2), Race::block(&race.a, 3));
+        race.store(&first);
+        race.store(&second);
+        let (held, release) = race.fs.arm(race.a.id());
+        let persist = {
+            let (state, a) = (race.state.clone(), race.a.id());
+            let keys = [first.header.key, second.header.key];
+            race.rt.spawn(async move { state.tiers().persist(&a, &keys, None).await })
+        };
+        held.recv_timeout(Duration::from_secs(10)).expect("the persist's first write reached the disk");
+        race.while_held(release, race.unregister_and_register_again());
+        let res = race.rt.block_on(persist).unwrap();
+        assert!(matches!(res, Err(ServerError::UnknownNamespace(id)) if id == race.a.id()), "{res:?}");
+        race.store(&new);
+        race.rt.block_on(race.state.tiers().persist(&race.a.id(), &[new.header.key], None)).unwrap();
+        for b in [&first, &second] {
+            assert!(!Race::on_disk(&race.state, b), "the old incarnation's block, in memory");
+        }
+        let (_dir, again) = race.restart();
+        for b in [&first, &second] {
+            assert!(!Race::on_disk(&again, b), "the old incarnation's block came back after a restart");
+        }
+        assert!(Race::on_disk(&again, &new), "the new incarnation's block is kept");
     }
 }

@@ -25,6 +25,15 @@
 //! not matching its checksum) is dropped and counted, and a segment is truncated after its last
 //! whole record.
 //!
+//! # Writes and namespace marks
+//! Nothing is deleted on disk: a namespace purged or unregistered is logged with a mark, the
+//! write position then, and recovery drops its records before the mark (`crate::state`). So that
+//! no record straddles a mark, a gate orders them: every block write holds its read side
+//! ([`DiskTier::writes`]) — the caller's check that the block is still wanted, the write and its
+//! indexing — and a mark is only taken holding its write side ([`DiskTier::hold_writes`]), kept
+//! until the namespace is invalidated in memory. Every record of the namespace is then before the
+//! mark, or was written by a writer that saw the invalidation (and skipped it).
+//!
 //! # Durability
 //! All file work goes through [`crate::fs`]. The `segments` directory and every new segment's
 //! name are synced when created. Each segment knows how far a sync covered it; [`DiskTier::sync`]
@@ -43,7 +52,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use kvtier_proto::{BlockKey, FrameHeader, NamespaceId, TierId, FRAME_HEADER_LEN};
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::dram::IndexKey;
 use crate::error::ServerError;
@@ -213,6 +222,9 @@ pub struct DiskTier {
     inner: Mutex<Inner>,
     /// One writer at a time: appends are sequential within the active segment.
     write_lock: Mutex<()>,
+    /// Orders block writes (read side, [`Self::writes`]) against namespace marks (write side,
+    /// [`Self::hold_writes`]): see the module docs. Taken before `write_lock`.
+    gate: RwLock<()>,
     counters: Counters,
     /// Told the keys of each segment evicted (KV events), under the tier's lock.
     observer: parking_lot::RwLock<Option<crate::dram::EvictionObserver>>,
@@ -301,6 +313,7 @@ impl DiskTier {
             seg_dir,
             inner: Mutex::new(inner),
             write_lock: Mutex::new(()),
+            gate: RwLock::new(()),
             counters: Counters::default(),
             observer: parking_lot::RwLock::new(None),
         };
@@ -398,7 +411,30 @@ impl DiskTier {
     }
 
     /// Appends a block (no-op if present). The payload must match `header` (the caller verified it).
+    /// A write whose block may have been purged or unregistered meanwhile checks that under
+    /// [`Self::writes`] instead.
     pub fn write(&self, header: &FrameHeader, payload: &[u8]) -> Result<(), ServerError> {
+        self.writes().write(header, payload)
+    }
+
+    /// The write gate's read side, for a writer to check that its block is still wanted (not
+    /// purged, its namespace not unregistered) and write it with no mark taken in between: a
+    /// namespace's mark waits until it is dropped. Costs an uncontended read lock per write (the
+    /// write side is taken only by purges and unregistrations). Hold one at a time, and wait for
+    /// nothing else while holding it.
+    pub fn writes(&self) -> Writes<'_> {
+        Writes { tier: self, _gate: self.gate.read() }
+    }
+
+    /// The write gate's write side: waits for the block writes in flight, then holds off every
+    /// other until dropped. A namespace's mark ([`WritesHeld::mark`]) is taken holding it, and it
+    /// is kept until the namespace is invalidated in memory (its blocks unindexed, what is queued
+    /// for it dropped). No disk write may be waited for while it is held.
+    pub fn hold_writes(&self) -> WritesHeld<'_> {
+        WritesHeld { tier: self, _gate: self.gate.write() }
+    }
+
+    fn append(&self, header: &FrameHeader, payload: &[u8]) -> Result<(), ServerError> {
         let key = (header.namespace, header.key);
         let _w = self.write_lock.lock();
         let record = align_up(FRAME_HEADER_LEN as u64 + header.payload_len);
@@ -827,8 +863,8 @@ impl DiskTier {
     }
 
     /// Where the next record goes (segment, offset): every block written from now on lies at or
-    /// after it.
-    pub fn write_position(&self) -> (u64, u64) {
+    /// after it. A mark is taken with [`WritesHeld::mark`].
+    fn write_position(&self) -> (u64, u64) {
         let st = self.inner.lock();
         (st.active, st.segments.get(&st.active).map_or(0, |s| s.len))
     }
@@ -964,6 +1000,33 @@ impl DiskTier {
             corrupt: c.corrupt.load(Ordering::Relaxed),
             write_errors: c.write_errors.load(Ordering::Relaxed),
         }
+    }
+}
+
+/// A block writer's hold on the write gate's read side ([`DiskTier::writes`]).
+pub struct Writes<'a> {
+    tier: &'a DiskTier,
+    _gate: RwLockReadGuard<'a, ()>,
+}
+
+impl Writes<'_> {
+    /// [`DiskTier::write`], under this hold.
+    pub fn write(&self, header: &FrameHeader, payload: &[u8]) -> Result<(), ServerError> {
+        self.tier.append(header, payload)
+    }
+}
+
+/// The write gate's write side ([`DiskTier::hold_writes`]): no block is written while it is held.
+pub struct WritesHeld<'a> {
+    tier: &'a DiskTier,
+    _gate: RwLockWriteGuard<'a, ()>,
+}
+
+impl WritesHeld<'_> {
+    /// Where the next record goes (segment, offset): every block written once this hold is
+    /// dropped lies at or after it, and every one written before it lies before it.
+    pub fn mark(&self) -> (u64, u64) {
+        self.tier.write_position()
     }
 }
 

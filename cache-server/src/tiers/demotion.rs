@@ -1,6 +1,13 @@
 //! Demotion: the DRAM eviction hook hands evicted blocks to a bounded queue (they stay findable
 //! in the [`InTransitTier`] until they are on disk), one thread writes them out, and writers wait
 //! while the queue is full ([`DemotionDepth`]: woken when a block leaves it, never by polling).
+//!
+//! A block purged while queued (its namespace purged or unregistered) is not written. The thread
+//! checks that, writes the block and takes it out of the queue's index holding the disk's write
+//! gate ([`DiskTier::writes`]), which a purge or an unregistration holds while it takes its mark
+//! and purges the queue ([`super::TierStack::invalidate`]): a block is written before the mark
+//! (dropped at recovery) or not at all, never after it, where a restart would find it again under
+//! the namespace registered anew. Re-encoding runs before, outside the gate.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -11,7 +18,6 @@ use parking_lot::Mutex;
 use super::InTransitTier;
 use crate::disk::{self, DiskTier};
 use crate::dram::{self, DramTier};
-use crate::error::ServerError;
 
 /// Blocks waiting to be demoted from DRAM to disk at most; past that an eviction is dropped.
 pub const DEMOTION_QUEUE: usize = 64;
@@ -144,28 +150,24 @@ pub fn start(
             let said = crate::metrics::LogThrottle::new(Duration::from_secs(10));
             for (block, as_sent) in rx {
                 let reserved = (block.header.namespace, block.payload.len() as u64);
-                if !transit.is_current(&block) {
-                    // Purged while queued: not written.
-                    disk.release_demotion(&reserved.0, reserved.1);
-                    depth.step(false);
-                    continue;
-                }
                 // Re-encoding costs CPU; when the queue backs up, blocks go out as they came
                 // rather than be dropped for want of room.
                 let busy = depth.backed_up();
-                match write_demoted(&disk, codec.filter(|_| !as_sent), busy, &block) {
-                    Ok(()) => ::metrics::counter!("kvtier_disk_demotions_total").increment(1),
-                    Err(e) => {
+                match demote(&disk, &transit, codec.filter(|_| !as_sent), busy, &block) {
+                    Demotion::Written { recoded } => {
+                        ::metrics::counter!("kvtier_disk_demotions_total").increment(1);
+                        if let Some(saved) = recoded {
+                            ::metrics::counter!("kvtier_disk_recoded_total").increment(1);
+                            ::metrics::counter!("kvtier_disk_recode_saved_bytes_total").increment(saved);
+                        }
+                    }
+                    Demotion::Failed(e) => {
                         ::metrics::counter!("kvtier_disk_demotions_failed_total").increment(1);
                         if let Some(held_back) = said.allow() {
                             tracing::warn!("demotion to disk failed ({} since the last warning): {e}", held_back + 1);
                         }
                     }
-                }
-                // On disk now (or lost with the write); only this copy's entry goes. If a purge
-                // took the entry while the write ran, the written copy goes too.
-                if !transit.finish(&block) {
-                    disk.remove(&block.header.namespace, &block.header.key);
+                    Demotion::Purged => {}
                 }
                 // Counted as held now (if written): no longer as queued.
                 disk.release_demotion(&reserved.0, reserved.1);
@@ -181,24 +183,79 @@ pub fn start(
 /// sent, see [`super::TierStack::pin_lease`]).
 pub type KeepAsSent = Arc<dyn Fn(&kvtier_proto::NamespaceId, &kvtier_proto::BlockKey) -> bool + Send + Sync>;
 
-/// Writes one block evicted from DRAM to disk. It is verified first: a block damaged in memory is
-/// dropped (and counted), never given a fresh checksum by re-encoding. A lossless block is
-/// re-encoded with the disk codec when one is set and the queue is not `busy`.
-fn write_demoted(
+/// What became of one queued block.
+enum Demotion {
+    /// On disk (or nothing to write: on disk already, or damaged and dropped); `recoded`: the
+    /// payload bytes re-encoding saved, when it was.
+    Written {
+        recoded: Option<u64>,
+    },
+    Failed(crate::error::ServerError),
+    /// Purged (or its namespace unregistered) while queued: not written.
+    Purged,
+}
+
+/// Writes one queued block to disk, unless it was purged meanwhile. It is re-encoded first
+/// ([`encode_demoted`], outside the gate); then checked again, written and taken out of the
+/// queue's index holding the disk's write gate's read side (an uncontended read lock), so that no
+/// purge or unregistration, and no mark, comes in between (see the module docs).
+fn demote(
+    disk: &DiskTier,
+    transit: &InTransitTier,
+    codec: Option<kvtier_proto::CodecId>,
+    busy: bool,
+    block: &dram::StoredBlock,
+) -> Demotion {
+    if !transit.is_current(block) {
+        return Demotion::Purged;
+    }
+    let demoted = encode_demoted(disk, codec, busy, block);
+    let writes = disk.writes();
+    if !transit.is_current(block) {
+        return Demotion::Purged;
+    }
+    let done = match &demoted {
+        Some(d) => match writes.write(&d.header, &d.payload) {
+            Ok(()) => Demotion::Written { recoded: d.recoded },
+            Err(e) => Demotion::Failed(e),
+        },
+        None => Demotion::Written { recoded: None },
+    };
+    // On disk now (or lost with the write): only this copy's entry goes. Had other hands taken it
+    // meanwhile (not a purge: that waits for the gate), the written copy goes too.
+    if !transit.finish(block) {
+        disk.remove(&block.header.namespace, &block.header.key);
+    }
+    done
+}
+
+/// A block evicted from DRAM as it goes to disk.
+struct Demoted {
+    header: kvtier_proto::FrameHeader,
+    payload: bytes::Bytes,
+    /// Re-encoded with the disk codec: the payload bytes that saved.
+    recoded: Option<u64>,
+}
+
+/// What to write to disk for one block evicted from DRAM: `None` when nothing is (on disk
+/// already, or damaged). It is verified first: a block damaged in memory is dropped (and
+/// counted), never given a fresh checksum by re-encoding. A lossless block is re-encoded with the
+/// disk codec when one is set and the queue is not `busy`.
+fn encode_demoted(
     disk: &DiskTier,
     codec: Option<kvtier_proto::CodecId>,
     busy: bool,
     block: &dram::StoredBlock,
-) -> Result<(), ServerError> {
+) -> Option<Demoted> {
     use disk::recode::{recode, Recoded};
     let h = &block.header;
     if h.verify_payload(&block.payload).is_err() {
         ::metrics::counter!("kvtier_disk_demotions_corrupt_total").increment(1);
         tracing::error!(key = %h.key, "a block evicted from DRAM failed its checksum; not demoted");
-        return Ok(());
+        return None;
     }
     if disk.contains(&h.namespace, &h.key) {
-        return Ok(());
+        return None;
     }
     let eligible = codec.filter(|c| kvtier_kernels::is_lossless(h.codec) && h.codec != *c);
     if eligible.is_some() && busy {
@@ -209,21 +266,18 @@ fn write_demoted(
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| recode(c, h, &block.payload)))
             .unwrap_or_else(|_| Recoded::Refused("the codec panicked".into()))
     });
-    match recoded {
+    let as_sent = Demoted { header: *h, payload: block.payload.clone(), recoded: None };
+    Some(match recoded {
         Some(Recoded::Encoded(nh, p)) => {
-            disk.write(&nh, &p)?;
-            ::metrics::counter!("kvtier_disk_recoded_total").increment(1);
-            ::metrics::counter!("kvtier_disk_recode_saved_bytes_total")
-                .increment(h.payload_len.saturating_sub(nh.payload_len));
-            Ok(())
+            Demoted { header: nh, payload: p, recoded: Some(h.payload_len.saturating_sub(nh.payload_len)) }
         }
         Some(Recoded::Refused(why)) => {
             ::metrics::counter!("kvtier_disk_recode_refused_total").increment(1);
             tracing::debug!(key = %h.key, "disk codec refused a block, written as it came: {why}");
-            disk.write(h, &block.payload)
+            as_sent
         }
-        Some(Recoded::Kept) | None => disk.write(h, &block.payload),
-    }
+        Some(Recoded::Kept) | None => as_sent,
+    })
 }
 
 #[cfg(test)]

@@ -14,6 +14,14 @@
 //! queues the blocks for Redis; and parked sessions' manifests go there too
 //! ([`TierStack::share_session`], [`TierStack::resume_shared`]).
 //!
+//! Disk writes and namespace marks: every block record the stack writes (a demotion, a persist)
+//! holds the disk tier's write gate's read side for its liveness check, the write and its
+//! indexing; a purge or an unregistration holds its write side ([`TierStack::invalidate`]) while
+//! it takes its mark, logs it and invalidates the namespace. So no record of a namespace lands
+//! after its mark unless it was written after the namespace was gone in memory, and a writer
+//! checks that first: recovery, which drops the records before a mark, finds nothing of an
+//! earlier incarnation after it (see [`crate::disk`], "Writes and namespace marks").
+//!
 //! G1 ([`AgentTier`]: the HBM pages of this node's GPU agents) sits under the local tiers: the
 //! presence queries (`holds`, `exists`, `longest_prefix`) count what agents reported, and
 //! [`TierStack::get`] of a block only G1 holds asks its agent to spill it and waits (bounded)
@@ -31,7 +39,7 @@ use super::demotion::{self, DemotionDepth};
 use super::redis::RedisTier;
 use super::{InTransitTier, IoPool, Load, PinTier, Tier, TierStats};
 use crate::cluster::PeerTier;
-use crate::disk::DiskTier;
+use crate::disk::{DiskTier, WritesHeld};
 use crate::dram::{DramTier, IndexKey, InsertOutcome, Priority, SlotWriter, StoredBlock};
 use crate::error::ServerError;
 use crate::events::EventBus;
@@ -76,6 +84,80 @@ pub struct TierStack {
     /// Reads of just-stored blocks that left DRAM before they were forwarded (a tenant's quota
     /// or the node's capacity evicting them within the store): at most [`FORWARD_READS`] at once.
     forward_reads: Arc<tokio::sync::Semaphore>,
+    /// Persists in flight, per namespace ([`PersistTicket`]).
+    persisting: Persisting,
+}
+
+/// Per namespace with persists in flight: how many, and how many times it was unregistered since
+/// the oldest of them began (entries go with their last persist, so the map stays as small as
+/// the persists in flight).
+type Persisting = Arc<Mutex<HashMap<NamespaceId, (u32, u64)>>>;
+
+/// A persist's claim on its namespace: [`PersistTicket::live`] turns false once the namespace is
+/// unregistered (even if registered again since: the blocks the persist gathered were the earlier
+/// incarnation's).
+struct PersistTicket {
+    persisting: Persisting,
+    ns: NamespaceId,
+    began: u64,
+}
+
+impl PersistTicket {
+    fn new(persisting: &Persisting, ns: NamespaceId) -> Self {
+        let mut map = persisting.lock();
+        let e = map.entry(ns).or_default();
+        e.0 += 1;
+        PersistTicket { persisting: persisting.clone(), ns, began: e.1 }
+    }
+
+    /// Whether the namespace was not unregistered since the ticket was taken. Under the disk's
+    /// write gate ([`DiskTier::writes`]) it stays so until the gate is let go.
+    fn live(&self) -> bool {
+        self.persisting.lock().get(&self.ns).is_some_and(|e| e.1 == self.began)
+    }
+}
+
+impl Drop for PersistTicket {
+    fn drop(&mut self) {
+        let mut map = self.persisting.lock();
+        if let Some(e) = map.get_mut(&self.ns) {
+            e.0 -= 1;
+            if e.0 == 0 {
+                map.remove(&self.ns);
+            }
+        }
+    }
+}
+
+/// A namespace's invalidation in progress ([`TierStack::invalidate`]): no block is written to
+/// disk while it is held.
+pub struct Invalidation<'a> {
+    stack: &'a TierStack,
+    writes: Option<WritesHeld<'a>>,
+}
+
+impl Invalidation<'_> {
+    /// The disk tier's write position, `(0, 0)` without one: every block record written before
+    /// this invalidation lies before it, every one written after it at or after it (see
+    /// [`WritesHeld::mark`]).
+    pub fn mark(&self) -> (u64, u64) {
+        self.writes.as_ref().map_or((0, 0), |w| w.mark())
+    }
+
+    /// [`TierStack::purge`], under this invalidation. A persist in flight goes on: what it writes
+    /// from now on is stored after the purge, in memory as after a restart.
+    pub fn purge(&self, ns: &NamespaceId) -> u64 {
+        self.stack.purge_with(ns, Vec::new())
+    }
+
+    /// [`TierStack::forget_namespace`], under this invalidation: a persist of the namespace in
+    /// flight writes nothing more, and fails (the namespace is unknown).
+    pub fn forget_namespace(&self, ns: &NamespaceId) -> u64 {
+        if let Some(e) = self.stack.persisting.lock().get_mut(ns) {
+            e.1 += 1;
+        }
+        self.stack.purge_with(ns, self.stack.dram.forget_namespace(ns))
+    }
 }
 
 /// Most stores whose evicted blocks are read back (from disk) for forwarding at once; past it
@@ -126,6 +208,7 @@ impl TierStack {
             agents: Arc::new(AgentTier::default()),
             unpinned_leases: Arc::new(Mutex::new(HashMap::new())),
             forward_reads: Arc::new(tokio::sync::Semaphore::new(FORWARD_READS)),
+            persisting: Arc::default(),
         }
         .with_event_buffer(4096)
     }
@@ -806,7 +889,9 @@ impl TierStack {
 
     /// Makes a manifest's blocks durable (with a disk tier): writes every block not on disk yet
     /// (from DRAM or the demotion queue) and syncs, on the I/O pool. Blocks no tier holds are
-    /// reported missing for the client to re-send.
+    /// reported missing for the client to re-send. A namespace unregistered meanwhile is
+    /// [`ServerError::UnknownNamespace`], and nothing more of it is written (each block is
+    /// checked and written under the disk's write gate, see the module docs).
     pub async fn persist(
         &self,
         ns: &NamespaceId,
@@ -814,6 +899,8 @@ impl TierStack {
         tail: Option<BlockKey>,
     ) -> Result<(), ServerError> {
         let Some(disk) = self.disk.clone() else { return Ok(()) };
+        // Taken before the blocks are gathered: an unregistration after it is seen by the writes.
+        let ticket = PersistTicket::new(&self.persisting, *ns);
         let mut blocks = Vec::new();
         let mut missing = Vec::new();
         for (i, k) in keys.iter().chain(tail.iter()).enumerate() {
@@ -832,6 +919,10 @@ impl TierStack {
             }
         }
         if !missing.is_empty() {
+            if !ticket.live() {
+                // Missing because the namespace went with them.
+                return Err(ServerError::UnknownNamespace(*ns));
+            }
             let n = keys.len() as u32;
             let missing_tail = missing.contains(&n);
             missing.retain(|&i| i < n);
@@ -839,10 +930,16 @@ impl TierStack {
         }
         let sync = self.sync_parks;
         let written: Vec<BlockKey> = blocks.iter().map(|b| b.header.key).collect();
+        let id = *ns;
         self.io
             .run(None, move || {
                 for b in &blocks {
-                    disk.write(&b.header, &b.payload)?;
+                    // Checked and written with no namespace mark taken in between.
+                    let writes = disk.writes();
+                    if !ticket.live() {
+                        return Err(ServerError::UnknownNamespace(id));
+                    }
+                    writes.write(&b.header, &b.payload)?;
                 }
                 if sync {
                     disk.sync()?;
@@ -855,16 +952,28 @@ impl TierStack {
     }
 
     /// Removes every unpinned block of a namespace from every tier (a block queued for disk is
-    /// not written, or is forgotten again once written). Returns how many distinct blocks went.
+    /// not written). Returns how many distinct blocks went. A purge that logs a mark takes it
+    /// with [`Self::invalidate`] and purges under it.
     pub fn purge(&self, ns: &NamespaceId) -> u64 {
-        self.purge_with(ns, Vec::new())
+        self.invalidate().purge(ns)
     }
 
     /// [`Self::purge`] of a namespace that is gone (unregistered): its DRAM blocks pinned by
     /// data-plane leases go too ([`DramTier::forget_namespace`]); its sessions' pins were let go
-    /// before.
+    /// before; a persist of it in flight fails.
     pub fn forget_namespace(&self, ns: &NamespaceId) -> u64 {
-        self.purge_with(ns, self.dram.forget_namespace(ns))
+        self.invalidate().forget_namespace(ns)
+    }
+
+    /// Starts invalidating a namespace: waits for the disk writes in flight (one demotion, one
+    /// block of each persist) and holds off every other until the [`Invalidation`] is dropped. An
+    /// unregistration or a purge takes its mark ([`Invalidation::mark`]), logs it and invalidates
+    /// the namespace ([`Invalidation::forget_namespace`], [`Invalidation::purge`]) holding it,
+    /// so no record written before the invalidation lies after the mark. Blocking, and not to be
+    /// held across an await: writers (the demotion thread, persists on the I/O pool) wait
+    /// meanwhile, and the DRAM eviction hook does not (it only queues).
+    pub fn invalidate(&self) -> Invalidation<'_> {
+        Invalidation { stack: self, writes: self.disk.as_deref().map(DiskTier::hold_writes) }
     }
 
     fn purge_with(&self, ns: &NamespaceId, gone: Vec<BlockKey>) -> u64 {
