@@ -157,7 +157,8 @@ fn agent_configuration_errors_name_the_setting() {
         "{err}"
     );
     std::fs::write(&cfg, "[agent]\npage_bytes = 4096\npool_fraction = 0\n").unwrap();
-    let err = run(agent(&["--server", &closed, "--config", cfg.to_str().unwrap()]).env_remove("KVTIER_AGENT_POOL_FRACTION"));
+    let err =
+        run(agent(&["--server", &closed, "--config", cfg.to_str().unwrap()]).env_remove("KVTIER_AGENT_POOL_FRACTION"));
     assert!(err.contains("--pool-fraction must be above 0") && !err.contains("environment variable"), "{err}");
     // Spills by RDMA where they can't be had (no `rdma` feature in this build, or no verbs device
     // on this machine): the agent doesn't start, and says which.

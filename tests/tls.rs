@@ -21,14 +21,14 @@ fn cert(args: &[&str]) {
     assert!(out.status.success(), "kvtier cert {args:?}: {}", String::from_utf8_lossy(&out.stderr));
 }
 
-/// A CA with a node certificate for 127.0.0.1 and localhost, clients alice, bob and ops, and a
-/// second, unrelated CA ("rogue") that also issued an "alice".
+/// A CA with a node certificate for 127.0.0.1 and localhost, clients alice, bob, ops and dave (in
+/// no tenant's `cert_names`), and a second, unrelated CA ("rogue") that also issued an "alice".
 fn pki(dir: &Path) -> (PathBuf, PathBuf) {
     let (ca, rogue) = (dir.join("ca"), dir.join("rogue"));
     let (ca_s, rogue_s) = (ca.to_str().unwrap(), rogue.to_str().unwrap());
     cert(&["ca", "--dir", ca_s]);
     cert(&["node", "--dir", ca_s, "--name", "node", "--host", "127.0.0.1", "--host", "localhost"]);
-    for who in ["alice", "bob", "ops"] {
+    for who in ["alice", "bob", "ops", "dave"] {
         cert(&["client", "--dir", ca_s, "--name", who]);
     }
     cert(&["ca", "--dir", rogue_s]);
@@ -147,6 +147,14 @@ async fn tenants_named_by_client_certificates_over_tls_on_both_planes() {
     for m in &msgs {
         assert!(!m.is_empty());
     }
+    // A certificate the CA signed whose name stands for nobody here is said to be one (it was
+    // "missing credential", though a certificate was presented).
+    let nobody = refused(&server, Some(tls(&ca, Some((&ca, "dave")))), None, "dave, in no cert_names").await;
+    assert!(
+        nobody.contains("KV:Auth:Unauthenticated")
+            && nobody.contains("the client certificate (names \"dave\") stands for no tenant or operator"),
+        "{nobody}"
+    );
     assert!(
         msgs[3].contains("certificate") || msgs[3].contains("Certificate") || msgs[3].contains("transport"),
         "{}",

@@ -343,17 +343,21 @@ pub struct TlsConfig {
     #[serde(default)]
     pub client_ca: Option<PathBuf>,
     /// With `client_ca`: whether every client must present a certificate it signed (`true`), or may
-    /// come with a token only (`false`). Default: `true`.
-    #[serde(default = "default_true")]
-    pub require_client_cert: bool,
+    /// come with a token only (`false`). Default: `true`. Refused without `client_ca` (nothing
+    /// would verify the certificates, and none would be asked for).
+    #[serde(default)]
+    pub require_client_cert: Option<bool>,
     /// Client-certificate names (DNS or URI subject-alternative names) that act as the operator:
     /// the cluster's other nodes, admin tools. Tenants name theirs in `cert_names`.
     #[serde(default)]
     pub operator_names: Vec<String>,
 }
 
-fn default_true() -> bool {
-    true
+impl TlsConfig {
+    /// Whether every client must present a certificate `client_ca` signed.
+    pub fn client_certs_required(&self) -> bool {
+        self.client_ca.is_some() && self.require_client_cert.unwrap_or(true)
+    }
 }
 
 /// One tenant: its credentials, its grants and its quotas (`None`: no quota of that kind).
@@ -678,8 +682,15 @@ impl ServerConfig {
             v.extend(self.metrics_listen.map(|m| ("metrics_listen", m)));
             v
         };
+        if let Some(t) = self.tls.as_ref().filter(|t| t.client_ca.is_none()) {
+            if t.require_client_cert == Some(true) {
+                return bad("tls.require_client_cert = true needs tls.client_ca: the CA that signs the clients' \
+                            certificates (without it no certificate is asked for)"
+                    .into());
+            }
+        }
         // Client certificates a CA must have signed are a credential too.
-        let certs_required = self.tls.as_ref().is_some_and(|t| t.client_ca.is_some() && t.require_client_cert);
+        let certs_required = self.tls.as_ref().is_some_and(|t| t.client_certs_required());
         for (name, a) in &addrs[..2] {
             if !a.ip().is_loopback() && self.auth_token.is_none() && self.tenants.is_empty() && !certs_required {
                 return bad(format!(
@@ -1070,6 +1081,30 @@ mod tests {
         assert!(e.contains("unknown field `dram_capacty`") && !e.contains("top-level setting"), "{e}");
         let e = ServerConfig::from_toml_str("[[tenants]]\nname = \"a\"\nfoo = 1\n").unwrap_err().to_string();
         assert!(e.contains("unknown field `foo`") && !e.contains("top-level setting"), "{e}");
+    }
+
+    /// Client-certificate settings without the CA that would verify them are refused at start:
+    /// before, `require_client_cert = true` alone was taken, and no certificate was asked for.
+    #[test]
+    fn client_certificate_settings_without_a_client_ca_are_refused() {
+        let tls = |extra: &str| format!("[tls]\ncert = \"node.pem\"\nkey = \"node.key\"\n{extra}");
+        for (extra, want) in [
+            ("require_client_cert = true\n", "tls.require_client_cert = true needs tls.client_ca"),
+            ("operator_names = [\"ops\"]\n", "tls.operator_names is set but tls.client_ca is not"),
+        ] {
+            let c = ServerConfig::from_toml_str(&tls(extra)).unwrap();
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.contains(want), "{extra}: {e}");
+        }
+        for extra in ["", "require_client_cert = false\n", "client_ca = \"ca.pem\"\nrequire_client_cert = true\n"] {
+            let c = ServerConfig::from_toml_str(&tls(extra)).unwrap();
+            assert!(c.validate().is_ok(), "{extra}: {:?}", c.validate());
+        }
+        let required =
+            |extra: &str| ServerConfig::from_toml_str(&tls(extra)).unwrap().tls.unwrap().client_certs_required();
+        assert!(required("client_ca = \"ca.pem\"\n"), "required by default where a client CA is set");
+        assert!(!required("client_ca = \"ca.pem\"\nrequire_client_cert = false\n"));
+        assert!(!required(""), "never without a client CA");
     }
 
     #[test]

@@ -153,7 +153,7 @@ where
     R: AsyncRead + Unpin + Send + 'static,
     W: AsyncWrite + Unpin + Send + 'static,
 {
-    serve_halves(r, w, state, stop, "stream".to_string(), None, OwnSocket::default()).await
+    serve_halves(r, w, state, stop, "stream".to_string(), Default::default(), OwnSocket::default()).await
 }
 
 /// Runs one connection over a read half and a write half until it ends or `stop` turns true;
@@ -166,7 +166,7 @@ pub(crate) async fn serve_halves<R, W>(
     state: Arc<NodeState>,
     mut stop: watch::Receiver<bool>,
     peer: String,
-    cert: Option<Principal>,
+    cert: crate::tenants::CertIdentity,
     own: OwnSocket,
 ) where
     R: AsyncRead + Unpin + Send,
@@ -268,7 +268,7 @@ async fn accept_loop<L: Accept>(listener: L, state: Arc<NodeState>, stop: watch:
         state.config().conn_limits(),
         stop,
         || listener.accept_split(),
-        |(r, w, peer, own), stop| serve_halves(r, w, state.clone(), stop, peer, None, own),
+        |(r, w, peer, own), stop| serve_halves(r, w, state.clone(), stop, peer, Default::default(), own),
         |(r, w, _, _), why| crate::listen::refuse_with_hello_reply(r, w, why),
     )
     .await
@@ -305,7 +305,7 @@ struct Connection<R, W> {
     /// The tenant's connection slot this connection holds (`max_connections_per_tenant`).
     _tenant_slot: Option<crate::tenants::TenantConnection>,
     /// Whom the connection's verified TLS client certificate names, if anyone.
-    cert: Option<Principal>,
+    cert: crate::tenants::CertIdentity,
     /// The protocol version the hello said (what the client may send).
     version: u16,
     /// Payload bytes the last `GET` answered (`u64::MAX` after a `PUT`).
@@ -374,7 +374,7 @@ impl Drop for PinLeases {
 }
 
 impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W> {
-    fn new(r: R, w: W, state: Arc<NodeState>, cert: Option<Principal>, own: OwnSocket) -> Self {
+    fn new(r: R, w: W, state: Arc<NodeState>, cert: crate::tenants::CertIdentity, own: OwnSocket) -> Self {
         let (stall, idle, poll) =
             (state.config().stall_timeout.0, state.config().idle_timeout.0, state.config().dataplane_poll.0);
         Connection {
@@ -550,7 +550,7 @@ impl<R: AsyncRead + Unpin + Send, W: AsyncWrite + Unpin + Send> Connection<R, W>
             return Err(ConnError::Protocol(msg));
         }
         let presented = (!token.is_empty()).then_some(&token[..]);
-        let principal = match self.state.tenants().resolve(self.cert.as_ref(), presented) {
+        let principal = match self.state.tenants().resolve(&self.cert, presented) {
             Ok(p) => p,
             Err(why) => {
                 error("unauthenticated");

@@ -442,7 +442,8 @@ pub async fn start(
             None => {
                 let presented = req.metadata().get("authorization").and_then(|v| v.to_str().ok());
                 let token = presented.and_then(|v| v.strip_prefix("Bearer ")).map(str::as_bytes);
-                let cert = req.extensions().get::<listen::GrpcPeer>().and_then(|p| p.cert.as_ref());
+                let absent = tenants::CertIdentity::Absent;
+                let cert = req.extensions().get::<listen::GrpcPeer>().map_or(&absent, |p| &p.cert);
                 auth_state.tenants().resolve(cert, token)
             }
         };
@@ -478,7 +479,8 @@ pub async fn start(
         Arc::new(move |headers: &tonic::codegen::http::HeaderMap, ext: &mut tonic::codegen::http::Extensions| {
             let token =
                 headers.get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
-            let cert = ext.get::<listen::GrpcPeer>().and_then(|p| p.cert.as_ref());
+            let absent = tenants::CertIdentity::Absent;
+            let cert = ext.get::<listen::GrpcPeer>().map_or(&absent, |p| &p.cert);
             let resolved = who_state.tenants().resolve(cert, token.map(str::as_bytes));
             let tenant = match &resolved {
                 Ok(tenants::Principal::Tenant(t)) => Some(t.name.clone()),

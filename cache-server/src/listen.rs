@@ -16,7 +16,7 @@ use parking_lot::Mutex;
 use tokio::sync::watch;
 
 use crate::stopped;
-use crate::tenants::Principal;
+use crate::tenants::CertIdentity;
 
 /// Who a connection comes from, for the per-peer limit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -383,8 +383,8 @@ impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> GrpcIo for 
 #[derive(Debug, Clone)]
 pub struct GrpcPeer {
     pub remote: std::net::SocketAddr,
-    /// Whom the connection's verified TLS client certificate names, if anyone.
-    pub cert: Option<Principal>,
+    /// Whom the connection's verified TLS client certificate stands for.
+    pub cert: CertIdentity,
     /// Its calls: admitted by the credential check, counted while in flight.
     pub calls: Arc<crate::grpc_calls::ConnCalls>,
 }
@@ -398,7 +398,7 @@ pub(crate) fn grpc_incoming(
     idle_timeout: Duration,
     stop: watch::Receiver<bool>,
     tls: Option<tokio_rustls::TlsAcceptor>,
-    cert_principal: impl Fn(&[String]) -> Option<Principal> + Send + Sync + 'static,
+    cert_principal: impl Fn(&[String]) -> CertIdentity + Send + Sync + 'static,
 ) -> (tokio_stream::wrappers::ReceiverStream<std::io::Result<GrpcConn>>, tokio::task::JoinHandle<()>) {
     let (tx, rx) = tokio::sync::mpsc::channel(16);
     let cert_principal = Arc::new(cert_principal);
@@ -419,7 +419,7 @@ pub(crate) fn grpc_incoming(
                 let (tx, tls, cert_principal) = (tx.clone(), tls.clone(), cert_principal.clone());
                 async move {
                     let (mut inner, cert) = match tls {
-                        None => (GrpcStream::Plain(sock), None),
+                        None => (GrpcStream::Plain(sock), Default::default()),
                         Some(acceptor) => match crate::tls::accept(&acceptor, sock).await {
                             Ok((stream, names)) => (GrpcStream::Tls(Box::new(stream)), cert_principal(&names)),
                             Err(e) => {

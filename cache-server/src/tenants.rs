@@ -196,6 +196,33 @@ pub enum Refused {
     BadToken,
     #[error("the client certificate names {cert:?} and the token {token:?}: both must name the same tenant")]
     CertAndTokenDiffer { cert: String, token: String },
+    /// A verified certificate whose names stand for nobody here (and no token beside it).
+    #[error(
+        "the client certificate ({names}) stands for no tenant or operator on this node: add one of its names to a \
+         tenant's cert_names or to tls.operator_names, or present a token"
+    )]
+    UnmappedCert { names: String },
+}
+
+/// Whom a connection's verified TLS client certificate stands for.
+#[derive(Debug, Clone, Default)]
+pub enum CertIdentity {
+    /// No certificate: no TLS, or none presented.
+    #[default]
+    Absent,
+    /// A certificate whose names no tenant's `cert_names` and no `tls.operator_names` hold, or
+    /// that names two principals (refused, not guessed): its names, for the refusal.
+    Unmapped(String),
+    Known(Principal),
+}
+
+impl CertIdentity {
+    pub fn principal(&self) -> Option<&Principal> {
+        match self {
+            CertIdentity::Known(p) => Some(p),
+            _ => None,
+        }
+    }
 }
 
 /// The node's credentials and tenants.
@@ -313,29 +340,44 @@ impl Tenants {
         !self.by_token.is_empty() || !self.by_cert_name.is_empty()
     }
 
-    /// The principal a verified client certificate's names stand for: `None` when no name is
-    /// configured, or when its names point at two different principals (refused, not guessed).
-    pub fn authenticate_cert(&self, names: &[String]) -> Option<Principal> {
+    /// Whom a verified client certificate's names stand for (none: no certificate was
+    /// presented); `Unmapped` when no name is configured, or when its names point at two
+    /// different principals (refused, not guessed).
+    pub fn authenticate_cert(&self, names: &[String]) -> CertIdentity {
+        if names.is_empty() {
+            return CertIdentity::Absent;
+        }
+        let unmapped = || {
+            let shown: Vec<String> = names.iter().take(4).map(|n| format!("{n:?}")).collect();
+            let more = if names.len() > 4 { format!(" and {} more", names.len() - 4) } else { String::new() };
+            CertIdentity::Unmapped(format!("names {}{more}", shown.join(", ")))
+        };
         let mut found: Option<&Principal> = None;
         for n in names {
             if let Some(p) = self.by_cert_name.get(n) {
                 match found {
                     Some(f) if !f.same_as(p) => {
                         tracing::warn!("a client certificate names two principals: refused");
-                        return None;
+                        return unmapped();
                     }
                     _ => found = Some(p),
                 }
             }
         }
-        found.cloned()
+        found.map_or_else(unmapped, |p| CertIdentity::Known(p.clone()))
     }
 
     /// Who a connection or call acts for, from what it presented: its certificate's principal
     /// (from [`Self::authenticate_cert`]) and/or a token. A token beside a certificate principal
     /// must name the same principal; why not when refused.
-    pub fn resolve(&self, cert: Option<&Principal>, token: Option<&[u8]>) -> Result<Principal, Refused> {
-        match (cert, token) {
+    pub fn resolve(&self, cert: &CertIdentity, token: Option<&[u8]>) -> Result<Principal, Refused> {
+        if let (CertIdentity::Unmapped(names), None) = (cert, token) {
+            if self.required() {
+                metrics::counter!("kvtier_auth_failed_total").increment(1);
+                return Err(Refused::UnmappedCert { names: names.clone() });
+            }
+        }
+        match (cert.principal(), token) {
             (Some(p), None) => Ok(p.clone()),
             // A bad token is counted by `authenticate`; a good one naming someone else here.
             (Some(p), Some(t)) => match self.authenticate(Some(t)).ok_or(Refused::BadToken)? {
@@ -442,7 +484,7 @@ mod tests {
             cert: "node.pem".into(),
             key: "node.key".into(),
             client_ca: Some("ca.pem".into()),
-            require_client_cert: false,
+            require_client_cert: Some(false),
             operator_names: vec!["ops".into()],
         });
         c
@@ -452,29 +494,46 @@ mod tests {
     fn certificate_names_map_to_one_principal_and_a_token_must_agree() {
         let t = Tenants::from_config(&tls_cfg()).unwrap();
         let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        assert_eq!(t.authenticate_cert(&names(&["spiffe://fleet/a"])).unwrap().name(), "a");
-        assert_eq!(t.authenticate_cert(&names(&["unknown", "a.clients"])).unwrap().name(), "a");
-        assert_eq!(t.authenticate_cert(&names(&["co"])).unwrap().name(), "certonly");
-        assert!(matches!(t.authenticate_cert(&names(&["ops"])), Some(Principal::Operator)));
-        assert!(t.authenticate_cert(&names(&["unknown"])).is_none());
-        assert!(t.authenticate_cert(&names(&["a.clients", "co"])).is_none(), "two principals: refused");
-        let a = t.authenticate_cert(&names(&["a.clients"])).unwrap();
-        assert_eq!(t.resolve(Some(&a), None).unwrap().name(), "a");
-        assert_eq!(t.resolve(Some(&a), Some(b"token-of-tenant-a")).unwrap().name(), "a");
-        let differ = t.resolve(Some(&a), Some(b"token-of-tenant-b")).unwrap_err();
+        let known = |n: &[&str]| t.authenticate_cert(&names(n)).principal().cloned();
+        assert_eq!(known(&["spiffe://fleet/a"]).unwrap().name(), "a");
+        assert_eq!(known(&["unknown", "a.clients"]).unwrap().name(), "a");
+        assert_eq!(known(&["co"]).unwrap().name(), "certonly");
+        assert!(matches!(known(&["ops"]), Some(Principal::Operator)));
+        assert!(matches!(t.authenticate_cert(&[]), CertIdentity::Absent));
+        assert!(
+            matches!(t.authenticate_cert(&names(&["unknown"])), CertIdentity::Unmapped(n) if n == "names \"unknown\"")
+        );
+        assert!(
+            matches!(t.authenticate_cert(&names(&["a.clients", "co"])), CertIdentity::Unmapped(_)),
+            "two principals: refused"
+        );
+        let a = t.authenticate_cert(&names(&["a.clients"]));
+        assert_eq!(t.resolve(&a, None).unwrap().name(), "a");
+        assert_eq!(t.resolve(&a, Some(b"token-of-tenant-a")).unwrap().name(), "a");
+        let differ = t.resolve(&a, Some(b"token-of-tenant-b")).unwrap_err();
         assert_eq!(
             differ,
             Refused::CertAndTokenDiffer { cert: "a".into(), token: "b".into() },
             "certificate a, token b"
         );
         assert!(differ.to_string().contains("both must name the same tenant"), "{differ}");
-        assert_eq!(t.resolve(Some(&a), Some(b"no such token at all")).unwrap_err(), Refused::BadToken);
-        assert_eq!(t.resolve(None, Some(b"token-of-tenant-b")).unwrap().name(), "b");
+        assert_eq!(t.resolve(&a, Some(b"no such token at all")).unwrap_err(), Refused::BadToken);
+        assert_eq!(t.resolve(&CertIdentity::Absent, Some(b"token-of-tenant-b")).unwrap().name(), "b");
         assert_eq!(
-            t.resolve(None, None).unwrap_err(),
+            t.resolve(&CertIdentity::Absent, None).unwrap_err(),
             Refused::NoCredential,
             "certificate names make credentials required"
         );
+        // A certificate standing for nobody is said to be one, not "missing credential"; with a
+        // good token beside it the token speaks.
+        let nobody = t.authenticate_cert(&names(&["spiffe://fleet/eng-a"]));
+        let e = t.resolve(&nobody, None).unwrap_err();
+        assert_eq!(e, Refused::UnmappedCert { names: "names \"spiffe://fleet/eng-a\"".into() });
+        assert!(
+            e.to_string().contains("stands for no tenant or operator") && e.to_string().contains("cert_names"),
+            "{e}"
+        );
+        assert_eq!(t.resolve(&nobody, Some(b"token-of-tenant-b")).unwrap().name(), "b");
     }
 
     #[test]

@@ -76,7 +76,7 @@ impl TlsAcceptors {
                     roots.add(c).map_err(|e| bad("client_ca", path, e))?;
                 }
                 let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider());
-                let verifier = if cfg.require_client_cert { verifier } else { verifier.allow_unauthenticated() };
+                let verifier = if cfg.client_certs_required() { verifier } else { verifier.allow_unauthenticated() };
                 builder.with_client_cert_verifier(verifier.build().map_err(|e| bad("client_ca", path, e))?)
             }
         };
