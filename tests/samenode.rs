@@ -559,6 +559,26 @@ async fn a_node_without_a_socket_says_so() {
     cluster.stop().await;
 }
 
+/// A socket that can't be reached on the server's own host (gone with a stopped server) is said
+/// to be that, not "not on the server's host" (the host is checked first, and is the server's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_same_node_socket_gone_on_the_servers_host_says_the_server_may_be_stopped() {
+    let cluster = Cluster::start_with(1, Transport::Duplex, |_, _| {}).await;
+    let client = cluster.link(0).await.client;
+    let path = cluster.node(0).server.samenode_path.clone().expect("a same-node socket");
+    std::fs::remove_file(&path).unwrap();
+    match client.samenode().await {
+        Err(e @ ClientError::NotSameNode(_)) => {
+            let why = e.to_string();
+            assert!(why.starts_with("same-node path unavailable: cannot reach the same-node socket"), "{why}");
+            assert!(why.contains("the server runs on this host: is it stopped or restarting?"), "{why}");
+        }
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("a same-node connection through a removed socket"),
+    }
+    cluster.stop().await;
+}
+
 /// `RssShmem` of this process in bytes: shared memory it has pages of (the in-process server's
 /// mappings of client buffers included).
 fn rss_shmem() -> u64 {

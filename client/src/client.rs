@@ -578,7 +578,11 @@ impl KvClient {
         .await
         .map_err(|e| match e {
             ClientError::Connect { addr, reason } => {
-                ClientError::NotSameNode(format!("cannot reach the same-node socket {addr}: {reason}"))
+                // The host is the server's (checked above): most likely it is stopped or restarting.
+                ClientError::NotSameNode(format!(
+                    "cannot reach the same-node socket {addr}: {reason} (the server runs on this host: is it stopped \
+                     or restarting?)"
+                ))
             }
             other => other,
         })?;

@@ -52,8 +52,9 @@ pub enum ClientError {
     Rejected { index: usize, status: ItemStatus },
     #[error("block {index} is missing on the server")]
     Missing { index: usize },
-    /// The same-node path can't be used with this server (another host, no socket advertised).
-    #[error("not on the server's host: {0}")]
+    /// The same-node path can't be used with this server (another host, no socket advertised,
+    /// the socket unreachable).
+    #[error("same-node path unavailable: {0}")]
     NotSameNode(String),
     /// Encoding a block for the namespace's codec, or decoding a stored one, failed.
     #[error("codec: {0}")]
