@@ -742,3 +742,30 @@ fn session_ls_all_lists_every_namespace_s_sessions() {
     assert!(lines.iter().all(|l| l.contains("expires in 9m5") || l.contains("expires in 10m00s")), "{out}");
     assert_ne!(ns_of(lines[0]), ns_of(lines[1]), "each with its own namespace: {out}");
 }
+
+/// A session larger than the room a node has for it (4 MiB of DRAM, a 16 MiB disk, a 20 MiB
+/// session) is refused with the capacity code and why: the server lost blocks before the park
+/// could pin them. It said "blocks kept being evicted before the session could pin them", with no
+/// code and no hint of which room was short.
+#[test]
+fn a_session_larger_than_the_node_s_room_is_refused_with_a_code_and_why() {
+    let server = ServerProcess::start(&["--dram-capacity", "4MiB", "--disk-capacity", "16MiB"]);
+    let addr = server.grpc_addr();
+    // 40 blocks of 512 KiB (8 layers x 8 KV heads x 128 x bf16 x 16 tokens).
+    let text: String = (0..640u32).map(|i| char::from(b'a' + ((i * 7 + i / 3) % 26) as u8)).collect();
+    let layout = ["--layers", "8", "--kv-heads", "8", "--head-dim", "128"];
+    let mut args = vec!["session", "park", "--server", &addr, "--id", "big", "--text", &text];
+    args.extend(layout);
+    let (ok, out, err) = cli(&args);
+    assert!(!ok, "{out} {err}");
+    assert!(
+        err.contains("KV:Capacity:Exhausted: the server lost some of the session's blocks before its park could pin them")
+            && err.contains("kvtier_disk_demotions_failed_total"),
+        "{err}"
+    );
+    // The node serves on: a small session parks.
+    let mut args = vec!["session", "park", "--server", &addr, "--id", "small", "--text", &text[..40]];
+    args.extend(layout);
+    let (ok, out, err) = cli(&args);
+    assert!(ok && out.starts_with("parked \"small\" v1"), "{out} {err}");
+}

@@ -1148,7 +1148,16 @@ impl KvClient {
                     }
                 }
             }
-            Err(ClientError::Capacity("blocks kept being evicted before the session could pin them".into()))
+            // The server lost blocks it had taken (evicted from DRAM, and not kept on disk) on
+            // every try: it has no room to hold this session.
+            let sent = self.inner.cfg.park_retries + 1;
+            Err(ClientError::Capacity(format!(
+                "{}: the server lost some of the session's blocks before its park could pin them, {sent} times \
+                 (evicted from DRAM and not kept on disk): the session is larger than the room the node has for it \
+                 (its DRAM, or a disk tier that is full, too small for the session, or failing: see the node's \
+                 log and kvtier_disk_demotions_failed_total)",
+                kvtier_proto::codes::CAPACITY
+            )))
         }
         .await;
         // On a failed release the connection is dropped, and the server releases on close.
