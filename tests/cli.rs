@@ -759,8 +759,9 @@ fn a_session_larger_than_the_node_s_room_is_refused_with_a_code_and_why() {
     let (ok, out, err) = cli(&args);
     assert!(!ok, "{out} {err}");
     assert!(
-        err.contains("KV:Capacity:Exhausted: the server lost some of the session's blocks before its park could pin them")
-            && err.contains("kvtier_disk_demotions_failed_total"),
+        err.contains(
+            "KV:Capacity:Exhausted: the server lost some of the session's blocks before its park could pin them"
+        ) && err.contains("kvtier_disk_demotions_failed_total"),
         "{err}"
     );
     // The node serves on: a small session parks.
