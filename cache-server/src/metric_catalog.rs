@@ -313,7 +313,8 @@ pub const METRICS: &[MetricDoc] = &[
         "kvtier_disk_compactions_total",
         &[],
         Node,
-        "Disk segments held only by pinned blocks compacted (their blocks moved, the file removed).",
+        "Disk segments compacted to make room where every other segment held pinned blocks: their pinned blocks \
+         moved to a new segment, the rest evicted (counted in kvtier_tier_evictions_total), the file removed.",
     ),
     counter(
         "kvtier_disk_full_evictions_total",

@@ -123,6 +123,13 @@ struct DiskAccount {
 }
 
 impl Inner {
+    /// Whether segment `id` holds the current copy of a pinned block.
+    fn holds_pins(&self, id: u64) -> bool {
+        self.segments.get(&id).is_some_and(|seg| {
+            seg.keys.iter().any(|k| self.pins.contains_key(k) && self.index.get(k).is_some_and(|l| l.seg == id))
+        })
+    }
+
     fn account_of(&self, ns: &NamespaceId) -> Option<u32> {
         self.ns_accounts.get(ns).copied()
     }
@@ -377,32 +384,49 @@ impl DiskTier {
     /// Forgets the oldest sealed segment without pinned blocks and returns its id (the caller
     /// deletes its file after releasing the lock). `None` if there is none.
     fn evict_one(&self, st: &mut Inner) -> Option<u64> {
-        let victim = st.segments.iter().find(|(id, seg)| {
-            **id != st.active
-                && !seg.keys.iter().any(|k| st.pins.contains_key(k) && st.index.get(k).is_some_and(|l| l.seg == **id))
-        });
-        let (&id, _) = victim?;
+        let victim = st.segments.keys().copied().find(|&id| id != st.active && !st.holds_pins(id))?;
+        self.evict(st, victim)
+    }
+
+    /// Forgets the segment being written if it holds no pinned block (the caller then starts a new
+    /// one): the last resort where every sealed segment holds pinned blocks and none can be
+    /// compacted. A tier of few segments (a small `disk_capacity`) would otherwise refuse every
+    /// write with much of it unpinned. The caller holds the write lock, so nothing is being
+    /// appended to it.
+    fn evict_active(&self, st: &mut Inner) -> Option<u64> {
+        let id = st.active;
+        (st.segments.contains_key(&id) && !st.holds_pins(id)).then_some(())?;
+        self.evict(st, id)
+    }
+
+    /// Forgets segment `id` and the blocks it held (the caller deletes its file).
+    fn evict(&self, st: &mut Inner, id: u64) -> Option<u64> {
         let seg = st.segments.remove(&id)?;
-        let mut n = 0u64;
-        let observer = self.observer.read().clone();
+        st.dirty.remove(&id);
         let mut gone = Vec::new();
         for k in &seg.keys {
             if st.index.get(k).is_some_and(|l| l.seg == id) {
                 st.unindex(k);
-                n += 1;
-                if observer.is_some() {
-                    gone.push(*k);
-                }
+                gone.push(*k);
             }
         }
-        if let Some(observe) = observer.filter(|_| !gone.is_empty()) {
-            observe(&gone);
-        }
         st.total_bytes -= seg.len;
+        self.counted_evictions(&gone);
+        Some(id)
+    }
+
+    /// One segment gone with `gone`, the blocks it still held: counted (`evicted_blocks`,
+    /// `kvtier_tier_evictions_total{tier="disk"}`) and told to the eviction observer (KV events).
+    fn counted_evictions(&self, gone: &[IndexKey]) {
+        if !gone.is_empty() {
+            if let Some(observe) = self.observer.read().clone() {
+                observe(gone);
+            }
+        }
+        let n = gone.len() as u64;
         self.counters.evicted_blocks.fetch_add(n, Ordering::Relaxed);
         self.counters.evicted_segments.fetch_add(1, Ordering::Relaxed);
         ::metrics::counter!("kvtier_tier_evictions_total", "tier" => TierId::Disk.as_str()).increment(n);
-        Some(id)
     }
 
     /// Sets (or clears) the observer told the keys of the blocks each evicted segment held.
@@ -483,14 +507,31 @@ impl DiskTier {
                     compacted = true;
                     continue;
                 }
+                // Or, where none can be, the full segment being written if nothing in it is pinned.
+                let active = {
+                    let mut st = self.inner.lock();
+                    let len = st.segments.get(&st.active).map_or(0, |s| s.len);
+                    let fits = st.total_bytes - len + self.cfg.segment_bytes + self.compaction_reserve()
+                        <= self.cfg.capacity_bytes;
+                    if fits {
+                        self.evict_active(&mut st)
+                    } else {
+                        None
+                    }
+                };
+                if let Some(id) = active {
+                    let _ = self.fs.remove_file(&segment_path(&self.seg_dir, id));
+                    self.roll_to_new_segment()?;
+                    break;
+                }
                 let (pinned, used) = {
                     let st = self.inner.lock();
                     (st.pinned_bytes, st.total_bytes)
                 };
                 return Err(ServerError::Capacity(format!(
-                    "the disk tier has no segment to evict: each holds blocks of parked sessions ({pinned} of its \
-                     {used} bytes are pinned; a segment is compacted only while pins hold at most half of it): \
-                     drop sessions or give the disk tier more room"
+                    "the disk tier has no segment to evict: every segment holds blocks of parked sessions ({pinned} \
+                     of its {used} bytes are pinned; a segment is compacted only while pins hold at most half of \
+                     it): drop sessions or give the disk tier more room"
                 )));
             }
             self.roll_to_new_segment()?;
@@ -653,23 +694,31 @@ impl DiskTier {
             if still_pinned {
                 None
             } else {
+                // Its unpinned blocks go with it: evictions, counted and told as a segment's are.
+                let mut evicted = Vec::new();
                 let seg = st.segments.remove(&victim);
                 if let Some(seg) = &seg {
                     for k in &seg.keys {
                         if st.index.get(k).is_some_and(|l| l.seg == victim) {
                             st.unindex(k);
+                            evicted.push(*k);
                         }
                     }
                     st.total_bytes -= seg.len;
                 }
-                seg.map(|_| victim)
+                seg.map(|_| (victim, evicted))
             }
         };
-        let Some(victim) = doomed else { return Ok(false) };
+        let Some((victim, evicted)) = doomed else { return Ok(false) };
         let _ = self.fs.remove_file(&segment_path(&self.seg_dir, victim));
-        self.counters.evicted_segments.fetch_add(1, Ordering::Relaxed);
+        self.counted_evictions(&evicted);
         ::metrics::counter!("kvtier_disk_compactions_total").increment(1);
-        tracing::info!(segment = victim, relocated = moved.len(), "disk segment held only by pins compacted");
+        tracing::info!(
+            segment = victim,
+            relocated = moved.len(),
+            evicted = evicted.len(),
+            "disk segment compacted: its pinned blocks moved to a new segment, the others evicted"
+        );
         self.publish_gauges();
         Ok(true)
     }

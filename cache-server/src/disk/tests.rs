@@ -112,6 +112,81 @@ fn a_few_small_pins_in_every_segment_do_not_freeze_the_tier() {
     }
 }
 
+/// An observer that keeps the keys the tier says it evicted.
+fn observed(t: &DiskTier) -> Arc<parking_lot::Mutex<Vec<BlockKey>>> {
+    let seen = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let keep = seen.clone();
+    t.set_eviction_observer(Some(Arc::new(move |keys: &[crate::dram::IndexKey]| {
+        keep.lock().extend(keys.iter().map(|k| k.1));
+    })));
+    seen
+}
+
+/// Writes frames `range` and pins `pinned` of them as they land.
+fn write_pinning(t: &DiskTier, range: std::ops::Range<u32>, pinned: &[u32]) {
+    for i in range {
+        let f = frame(i);
+        t.write(&f.header, &f.payload).unwrap_or_else(|e| panic!("block {i}: {e}"));
+        if pinned.contains(&i) {
+            t.pin(&f.header.namespace, &[f.header.key]).unwrap();
+        }
+    }
+}
+
+/// A compaction's unpinned blocks are evictions like a deleted segment's: counted and told to the
+/// eviction observer (KV events). Before, they vanished from the index uncounted and untold, so a
+/// router following events believed them still on disk.
+#[test]
+fn a_compaction_counts_and_tells_the_blocks_it_evicts() {
+    let dir = tempfile::tempdir().unwrap();
+    // 4 segments of 64 KiB (5 records of 12 KiB), a pinned block in each of the first three.
+    let (t, _) = open(dir.path(), 256 << 10);
+    let seen = observed(&t);
+    write_pinning(&t, 0..15, &[0, 5, 10]);
+    assert_eq!(t.stats().evicted_blocks, 0);
+    // A fourth segment needs room, every sealed one holds a pin: the first is compacted.
+    write_pinning(&t, 15..16, &[]);
+    let gone: Vec<BlockKey> = (1..5).map(|i| frame(i).header.key).collect();
+    assert_eq!(*seen.lock(), gone, "the first segment's unpinned blocks, told");
+    assert_eq!(t.stats().evicted_blocks, 4);
+    let ns = NamespaceId([1; 16]);
+    assert_eq!(t.read(&ns, &frame(0).header.key).unwrap().1, frame(0).payload, "the pinned block moved");
+    assert!(gone.iter().all(|k| t.read(&ns, k).is_none()));
+}
+
+/// A small tier (four segments) whose sealed segments are mostly pinned, the segment being
+/// written full and unpinned: that segment goes and writes go on. Before, every write was refused
+/// ("each holds blocks of parked sessions") with 40% of the tier pinned, until a session dropped.
+#[test]
+fn a_small_tier_makes_room_out_of_its_unpinned_active_segment() {
+    let dir = tempfile::tempdir().unwrap();
+    let (t, _) = open(dir.path(), 256 << 10);
+    let seen = observed(&t);
+    // Three of five pinned in each of the first two segments (too many to compact), the third
+    // segment unpinned.
+    write_pinning(&t, 0..15, &[0, 1, 2, 5, 6, 7]);
+    let pinned = t.stats().pinned_bytes;
+    write_pinning(&t, 15..20, &[]);
+    let ns = NamespaceId([1; 16]);
+    let gone: Vec<BlockKey> = (10..15).map(|i| frame(i).header.key).collect();
+    assert_eq!(*seen.lock(), gone, "the full unpinned segment's blocks, told");
+    assert!(gone.iter().all(|k| t.read(&ns, k).is_none()));
+    for i in [0, 1, 2, 5, 6, 7, 3, 15, 19] {
+        assert_eq!(t.read(&ns, &frame(i).header.key).unwrap().1, frame(i).payload, "block {i}");
+    }
+    assert_eq!(t.stats().pinned_bytes, pinned);
+    assert!(t.stats().used_bytes <= 256 << 10);
+    // With the segment being written pinned too, there is nothing left to free: refused, and
+    // said so.
+    write_pinning(&t, 20..25, &[15, 16, 17, 18, 19, 20, 21, 22, 23, 24]);
+    let f = frame(25);
+    let e = t.write(&f.header, &f.payload).unwrap_err();
+    assert!(
+        matches!(e, ServerError::Capacity(ref m) if m.contains("every segment holds blocks of parked sessions")),
+        "{e}"
+    );
+}
+
 #[test]
 fn full_of_pins_is_a_capacity_error() {
     let dir = tempfile::tempdir().unwrap();
