@@ -44,7 +44,20 @@ impl ClientTls {
             None => None,
         };
         let tls = ClientTls { ca_pem: read("CA", ca)?, identity, server_name: None };
-        tls.rustls_config()?;
+        // What is wrong with a file's contents, with the file named (a key given as the CA).
+        tls.rustls_config().map_err(|e| match e {
+            ClientError::InvalidArgument(why) => {
+                let file = match (why.split(':').next(), cert_and_key) {
+                    (Some("TLS CA"), _) => ca.display().to_string(),
+                    (Some("TLS certificate"), Some((c, _))) => c.display().to_string(),
+                    (Some("TLS key"), Some((_, k))) => k.display().to_string(),
+                    (_, Some((c, k))) => format!("{}, {}", c.display(), k.display()),
+                    (_, None) => ca.display().to_string(),
+                };
+                ClientError::InvalidArgument(format!("{why} (in {file})"))
+            }
+            other => other,
+        })?;
         Ok(tls)
     }
 
@@ -115,5 +128,24 @@ pub(crate) struct TlsDial {
 impl TlsDial {
     pub(crate) fn new(tls: &ClientTls, host: &str) -> Result<Self, ClientError> {
         Ok(TlsDial { connector: tokio_rustls::TlsConnector::from(tls.rustls_config()?), name: tls.server_name(host)? })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A file with the wrong contents is named in the error (a key given as the CA said only
+    /// "TLS CA: no PEM certificate").
+    #[test]
+    fn a_file_without_what_it_should_hold_is_named() {
+        let not_a_cert = std::env::temp_dir().join(format!("kvtier-tls-test-{}.key", std::process::id()));
+        std::fs::write(&not_a_cert, "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n").unwrap();
+        let e = ClientTls::from_files(&not_a_cert, None).unwrap_err().to_string();
+        let _ = std::fs::remove_file(&not_a_cert);
+        assert!(
+            e.contains("TLS CA: no PEM certificate") && e.contains(&format!("(in {})", not_a_cert.display())),
+            "{e}"
+        );
     }
 }
