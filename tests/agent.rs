@@ -806,3 +806,81 @@ async fn an_engine_opens_through_the_agent_while_the_server_is_down() {
         assert!(f.payload[..] == block_of(&data, 4, i)[..], "block {i}: the engine's bytes");
     }
 }
+
+/// An agent reaches a node that runs TLS and takes client certificates only: `--tls-ca` and the
+/// agent's certificate (named as the operator), its same-node spills through single-use tickets.
+/// Blocks saved through it past its pool are spilled into the node and load from there with the
+/// engine's bytes. Before, the agent had no TLS settings and could not start against such a node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_reaches_a_tls_node_with_its_certificate() {
+    use kvtier_client::{ClientConfig, ClientTls, KvClient, SameNodeMode};
+    use kvtier_proto::{BlockKey, KEY_LEN};
+
+    let dir = tempfile::tempdir().unwrap();
+    let pki = dir.path().join("pki");
+    let p = pki.to_str().unwrap();
+    for args in [
+        vec!["ca", "--dir", p],
+        vec!["node", "--dir", p, "--name", "node", "--host", "127.0.0.1"],
+        vec!["client", "--dir", p, "--name", "agent"],
+    ] {
+        let out = Command::new(kvtier_bin()).arg("cert").args(&args).output().unwrap();
+        assert!(out.status.success(), "kvtier cert {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let f = |n: &str| pki.join(n).to_str().unwrap().to_string();
+    let cfg = dir.path().join("tls.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[tls]\ncert = \"{}\"\nkey = \"{}\"\nclient_ca = \"{}\"\noperator_names = [\"agent\"]\n",
+            f("node.pem"),
+            f("node.key"),
+            f("ca.pem")
+        ),
+    )
+    .unwrap();
+    let server = ServerProcess::start(&["--config", cfg.to_str().unwrap(), "--dram-capacity", "64MiB"]);
+    let sock = dir.path().join("agent.sock");
+    let base = ["--server", &server.grpc_addr(), "--socket", sock.to_str().unwrap(), "--page-bytes", "32KiB"];
+
+    // Without TLS settings it can't start, and says what to do.
+    let out = agent(&base).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("over TLS with its CA"), "{err}");
+    let out =
+        agent(&[&base[..], &["--tls-cert", &f("agent.pem"), "--tls-key", &f("agent.key")]].concat()).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("need --tls-ca"), "{err}");
+
+    let (ca, cert, key) = (f("ca.pem"), f("agent.pem"), f("agent.key"));
+    let tls = ["--tls-ca", &ca, "--tls-cert", &cert, "--tls-key", &key, "--host-memory", "8MiB"];
+    let pool = (8 * BLOCK).to_string();
+    let page = BLOCK.to_string();
+    let mut args: Vec<&str> = vec!["--server", &base[1], "--socket", base[3], "--page-bytes", &page];
+    args.extend(tls);
+    args.extend(["--pool-capacity", &pool]);
+    let _agent = start_agent(&args);
+
+    // Sixteen blocks through a pool of eight: the first eight are spilled into the node over the
+    // same-node socket (a ticket each connection), and every one loads with the engine's bytes.
+    let ns = Namespace::new("t", "m", KvLayout::new(4, 2, 64, DType::Fp16, 16), HashScheme::Blake3, b"tls");
+    let keys: Vec<BlockKey> = (1..=8u8).map(|i| BlockKey([i; KEY_LEN])).collect();
+    let (sp, n, k) = (sock.clone(), ns.clone(), keys.clone());
+    let data = tokio::task::spawn_blocking(move || save_through_agent(&sp, &n, &k, 0x3c)).await.unwrap();
+    let more: Vec<BlockKey> = (11..=18u8).map(|i| BlockKey([i; KEY_LEN])).collect();
+    let (sp, n) = (sock.clone(), ns.clone());
+    tokio::task::spawn_blocking(move || save_through_agent(&sp, &n, &more, 0x4d)).await.unwrap();
+    let tls =
+        ClientTls::from_files(&pki.join("ca.pem"), Some((&pki.join("agent.pem"), &pki.join("agent.key")))).unwrap();
+    let cfg = ClientConfig { tls: Some(tls), samenode: SameNodeMode::Off, ..ClientConfig::default() };
+    let client = KvClient::connect(&server.grpc_addr(), cfg).await.unwrap();
+    let handle = client.register(ns.clone()).await.unwrap();
+    let salted: Vec<BlockKey> = keys.iter().map(|k| handle.engine_key(&k.0)).collect();
+    assert!(eventually(async || client.lookup_keys(&handle, &salted).await.unwrap() == 8).await, "{}", server.scrape());
+    let got = client.load_keys(&handle, &salted).await.unwrap();
+    for (i, f) in got.iter().enumerate() {
+        let f = f.as_ref().unwrap_or_else(|| panic!("block {i}: missed"));
+        assert!(f.payload[..] == block_of(&data, 8, i)[..], "block {i}: the engine's bytes");
+    }
+    assert!(metric(&server.scrape(), "kvtier_samenode_tickets_total", &[("event", "redeemed")]) >= 1.0);
+}

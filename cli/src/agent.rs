@@ -17,7 +17,9 @@
 //! Configuration: flags, their `KVTIER_AGENT_*` environment variables, or an `[agent]` table in
 //! the `--config` TOML file (keys as the flags, with `_`: `server`, `socket`, `device`, `gpu`,
 //! `gpus`, `host_memory`, `host_devices`, `link_gbps`, `page_bytes`, `pool_capacity`, `pool_fraction`,
-//! `promote_loads`, `metrics`, `rdma_device`); flags win.
+//! `promote_loads`, `metrics`, `rdma_device`, `tls_ca`, `tls_cert`, `tls_key`); flags win. A node
+//! that runs TLS is reached over TLS with `--tls-ca` (and the agent's certificate where the node
+//! takes certificates: its same-node connections then present single-use tickets).
 //!
 //! With `--rdma-device`, spills go into leased slots of the server's DRAM as one-sided RDMA
 //! writes (`crate::lease_lane`; the server registers its arena with `serve --rdma-device`), and
@@ -66,6 +68,15 @@ pub struct AgentArgs {
     server: Option<String>,
     #[arg(long, env = "KVTIER_AUTH_TOKEN", hide_env_values = true)]
     auth_token: Option<String>,
+    /// The CA (PEM) of a server that runs TLS: the agent connects to it over TLS.
+    #[arg(long, env = "KVTIER_TLS_CA")]
+    tls_ca: Option<PathBuf>,
+    /// The agent's client certificate (PEM), for a server that takes client certificates; with
+    /// --tls-key. Its same-node connections then present single-use tickets.
+    #[arg(long, env = "KVTIER_TLS_CERT", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    #[arg(long, env = "KVTIER_TLS_KEY", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
     /// The engine socket this agent listens on. Default: `kvtier-agent.sock` in the current
     /// directory.
     #[arg(long, env = "KVTIER_AGENT_SOCKET")]
@@ -123,6 +134,8 @@ struct Settings {
     server: String,
     /// The credential the agent presents to the server.
     auth_token: Option<String>,
+    /// TLS to the server (`--tls-ca`, with the agent's certificate where given).
+    tls: Option<kvtier_client::ClientTls>,
     socket: PathBuf,
     device: String,
     gpus: DeviceSelection,
@@ -214,6 +227,9 @@ fn settings(a: &AgentArgs) -> anyhow::Result<Settings> {
         "metrics",
         "rdma_device",
         "auth_token",
+        "tls_ca",
+        "tls_cert",
+        "tls_key",
     ];
     if let Some(k) = table.keys().find(|k| !known.contains(&k.as_str())) {
         bail!("[agent]: unknown key {k:?} (known: {})", known.join(", "));
@@ -335,8 +351,28 @@ fn settings(a: &AgentArgs) -> anyhow::Result<Settings> {
     let rdma_device = a.rdma_device.clone().or(text("rdma_device")?);
     // The flag (or KVTIER_AUTH_TOKEN), then `[agent] auth_token`, then the file's own.
     let auth_token = a.auth_token.clone().or(text("auth_token")?).or(node_token);
+    // Each of the three from its flag (or variable), else `[agent]`.
+    let path = |flag: &Option<PathBuf>, k: &str| -> anyhow::Result<Option<PathBuf>> {
+        Ok(flag.clone().or(text(k)?.map(PathBuf::from)))
+    };
+    let (tls_ca, tls_cert, tls_key) =
+        (path(&a.tls_ca, "tls_ca")?, path(&a.tls_cert, "tls_cert")?, path(&a.tls_key, "tls_key")?);
+    let tls = match (tls_ca, tls_cert, tls_key) {
+        (Some(ca), cert, key) => {
+            let ident = match (cert, key) {
+                (Some(c), Some(k)) => Some((c, k)),
+                (None, None) => None,
+                _ => bail!("--tls-cert and --tls-key go together"),
+            };
+            let ident = ident.as_ref().map(|(c, k)| (c.as_path(), k.as_path()));
+            Some(kvtier_client::ClientTls::from_files(&ca, ident)?)
+        }
+        (None, None, None) => None,
+        (None, _, _) => bail!("--tls-cert and --tls-key need --tls-ca (the CA of the server's certificate)"),
+    };
     Ok(Settings {
         auth_token,
+        tls,
         server,
         socket,
         device,
@@ -625,7 +661,7 @@ pub async fn run(a: AgentArgs) -> anyhow::Result<()> {
     // Checked before connecting; a value from the environment is said to be.
     let s = settings(&a).map_err(crate::with_env_source)?;
     let page_bytes = usize::try_from(s.page_bytes).context("--page-bytes")?;
-    let cfg = ClientConfig { auth_token: s.auth_token.clone(), ..Default::default() };
+    let cfg = ClientConfig { auth_token: s.auth_token.clone(), tls: s.tls.clone(), ..Default::default() };
     let client =
         KvClient::connect(&s.server, cfg).await.with_context(|| format!("connecting to the server at {}", s.server))?;
     let lane = match &s.rdma_device {
