@@ -601,6 +601,12 @@ impl ServerConfig {
                 (0u16..).map(CodecId).take_while(|c| c.is_known()).map(|c| c.name()).collect::<Vec<_>>().join(", ")
             ));
         }
+        if !self.disk_codec.eq_ignore_ascii_case("keep") && self.disk_capacity.0 == 0 {
+            return bad(format!(
+                "disk_codec {} needs a disk tier: set disk_capacity (the codec re-encodes blocks demoted to disk)",
+                self.disk_codec
+            ));
+        }
         if let Some(t) = &self.auth_token {
             if t.len() < 16 || t.len() > kvtier_proto::dataplane::MAX_TOKEN_LEN {
                 return bad("auth_token must be 16..=1024 bytes".into());
@@ -1083,6 +1089,17 @@ mod tests {
         assert!(e.contains("unknown field `foo`") && !e.contains("top-level setting"), "{e}");
     }
 
+    /// A disk codec without a disk tier is refused (it was taken silently, and did nothing).
+    #[test]
+    fn a_disk_codec_without_a_disk_tier_is_refused() {
+        let c = ServerConfig::from_toml_str("disk_codec = \"raw+lz4\"").unwrap();
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("disk_codec raw+lz4 needs a disk tier: set disk_capacity"), "{e}");
+        let c = ServerConfig::from_toml_str("disk_codec = \"raw+lz4\"\ndisk_capacity = \"64MiB\"").unwrap();
+        assert!(c.validate().is_ok(), "{:?}", c.validate());
+        assert!(ServerConfig::from_toml_str("disk_codec = \"keep\"").unwrap().validate().is_ok());
+    }
+
     /// Client-certificate settings without the CA that would verify them are refused at start:
     /// before, `require_client_cert = true` alone was taken, and no certificate was asked for.
     #[test]
@@ -1219,7 +1236,7 @@ mod tests {
     #[test]
     fn disk_codec_names() {
         assert_eq!(ServerConfig::default().disk_codec_id(), None, "keep by default");
-        let c = ServerConfig::from_toml_str("disk_codec = \"nvfp4+had+lz4\"").unwrap();
+        let c = ServerConfig::from_toml_str("disk_codec = \"nvfp4+had+lz4\"\ndisk_capacity = \"1GiB\"").unwrap();
         c.validate().unwrap();
         assert_eq!(c.disk_codec_id(), Some(CodecId::NVFP4_HAD_LZ4));
         let c = ServerConfig { disk_codec: "lz4".into(), ..Default::default() };
