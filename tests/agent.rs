@@ -85,7 +85,7 @@ fn an_agent_configured_by_toml_answers_engines_serves_metrics_and_stops_on_sigte
         .and_then(|rest| rest.split('/').next())
         .and_then(|p| p.parse().ok())
         .unwrap_or_else(|| panic!("no metrics address in {first:?}"));
-    std::thread::spawn(move || for _ in lines {});
+    let rest = std::thread::spawn(move || lines.map_while(Result::ok).collect::<Vec<String>>());
 
     let layout = KvLayout::new(4, 2, 64, DType::Fp16, 16);
     let mut engine = UnixStream::connect(&sock_path).unwrap();
@@ -120,6 +120,9 @@ fn an_agent_configured_by_toml_answers_engines_serves_metrics_and_stops_on_sigte
     let status = child.wait().unwrap();
     assert!(status.success(), "{status}");
     assert!(!sock_path.exists(), "the agent removes its socket when it stops");
+    // And says it stopped (it exited without a word).
+    let rest = rest.join().unwrap();
+    assert_eq!(rest.last().map(String::as_str), Some("kvtier agent stopped"), "{rest:?}");
     drop(server);
 }
 

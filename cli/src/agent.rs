@@ -817,11 +817,18 @@ async fn serve_devices<D: Device>(
         metrics.map_or("off".into(), |m| format!("http://{m}/metrics")),
     );
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
+    let signal = tokio::select! {
+        _ = tokio::signal::ctrl_c() => "SIGINT",
+        _ = term.recv() => "SIGTERM",
+    };
+    // What G1 holds goes with the agent (what it spilled is the server's).
+    let held = agent.stats().pool.resident;
+    tracing::info!(
+        signal,
+        "stopping: the {held} block(s) G1 holds go with the agent (those spilled stay on the server)"
+    );
     drop(servers);
+    println!("kvtier agent stopped");
     Ok(())
 }
 
