@@ -1328,10 +1328,7 @@ mod tests {
         });
         let text = handle.render();
         let (typed, helped) = families(&text);
-        assert!(
-            text.contains("# HELP kvtier_disk_compactions_total Disk segments held only by pinned blocks"),
-            "{text}"
-        );
+        assert!(text.contains("# HELP kvtier_disk_compactions_total Disk segments compacted to make room"), "{text}");
         assert!(text.lines().any(|l| l == "kvtier_disk_compactions_total 0"), "{text}");
         assert!(text.lines().any(|l| l == "kvtier_client_bad_blocks_total 0"), "{text}");
         // Every label-less counter of the node and the client, and nothing else.
