@@ -68,15 +68,9 @@ pub struct AgentArgs {
     server: Option<String>,
     #[arg(long, env = "KVTIER_AUTH_TOKEN", hide_env_values = true)]
     auth_token: Option<String>,
-    /// The CA (PEM) of a server that runs TLS: the agent connects to it over TLS.
-    #[arg(long, env = "KVTIER_TLS_CA")]
-    tls_ca: Option<PathBuf>,
-    /// The agent's client certificate (PEM), for a server that takes client certificates; with
-    /// --tls-key. Its same-node connections then present single-use tickets.
-    #[arg(long, env = "KVTIER_TLS_CERT", requires = "tls_key")]
-    tls_cert: Option<PathBuf>,
-    #[arg(long, env = "KVTIER_TLS_KEY", requires = "tls_cert")]
-    tls_key: Option<PathBuf>,
+    /// TLS to the server; with a client certificate, same-node connections present tickets.
+    #[command(flatten)]
+    tls: crate::TlsArgs,
     /// The engine socket this agent listens on. Default: `kvtier-agent.sock` in the current
     /// directory.
     #[arg(long, env = "KVTIER_AGENT_SOCKET")]
@@ -355,21 +349,12 @@ fn settings(a: &AgentArgs) -> anyhow::Result<Settings> {
     let path = |flag: &Option<PathBuf>, k: &str| -> anyhow::Result<Option<PathBuf>> {
         Ok(flag.clone().or(text(k)?.map(PathBuf::from)))
     };
-    let (tls_ca, tls_cert, tls_key) =
-        (path(&a.tls_ca, "tls_ca")?, path(&a.tls_cert, "tls_cert")?, path(&a.tls_key, "tls_key")?);
-    let tls = match (tls_ca, tls_cert, tls_key) {
-        (Some(ca), cert, key) => {
-            let ident = match (cert, key) {
-                (Some(c), Some(k)) => Some((c, k)),
-                (None, None) => None,
-                _ => bail!("--tls-cert and --tls-key go together"),
-            };
-            let ident = ident.as_ref().map(|(c, k)| (c.as_path(), k.as_path()));
-            Some(kvtier_client::ClientTls::from_files(&ca, ident)?)
-        }
-        (None, None, None) => None,
-        (None, _, _) => bail!("--tls-cert and --tls-key need --tls-ca (the CA of the server's certificate)"),
-    };
+    let tls = crate::TlsArgs {
+        tls_ca: path(&a.tls.tls_ca, "tls_ca")?,
+        tls_cert: path(&a.tls.tls_cert, "tls_cert")?,
+        tls_key: path(&a.tls.tls_key, "tls_key")?,
+    }
+    .client_tls()?;
     Ok(Settings {
         auth_token,
         tls,

@@ -152,18 +152,43 @@ struct NodeArgs {
     server: String,
     #[arg(long, env = "KVTIER_AUTH_TOKEN", hide_env_values = true)]
     auth_token: Option<String>,
-    /// The CA (PEM) of a server that runs TLS: connect over TLS.
-    #[arg(long, env = "KVTIER_TLS_CA")]
-    tls_ca: Option<PathBuf>,
-    /// This client's certificate (PEM), for servers that take client certificates; with --tls-key.
-    #[arg(long, env = "KVTIER_TLS_CERT", requires = "tls_key")]
-    tls_cert: Option<PathBuf>,
-    #[arg(long, env = "KVTIER_TLS_KEY", requires = "tls_cert")]
-    tls_key: Option<PathBuf>,
+    #[command(flatten)]
+    tls: TlsArgs,
     /// How long each call to the node may take (connecting included), e.g. 5s or 2m: a node
     /// that accepts connections but does not answer (stopped, overloaded) fails after this.
     #[arg(long, env = "KVTIER_TIMEOUT", default_value = "30s")]
     timeout: DurationStr,
+}
+
+/// TLS to a node (`kvtier agent` takes the same flags).
+#[derive(Args, Clone)]
+pub(crate) struct TlsArgs {
+    /// The CA (PEM) of a server that runs TLS: connect over TLS.
+    #[arg(long, env = "KVTIER_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
+    /// This client's certificate (PEM), for servers that take client certificates; with --tls-key.
+    #[arg(long, env = "KVTIER_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    #[arg(long, env = "KVTIER_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+}
+
+impl TlsArgs {
+    /// The client's TLS settings (`None`: plain TCP); the files are read and checked here.
+    pub(crate) fn client_tls(&self) -> anyhow::Result<Option<kvtier_client::ClientTls>> {
+        let ident = match (&self.tls_cert, &self.tls_key) {
+            (Some(c), Some(k)) => Some((c.as_path(), k.as_path())),
+            (None, None) => None,
+            _ => bail!("--tls-cert and --tls-key go together"),
+        };
+        match &self.tls_ca {
+            Some(ca) => Ok(Some(kvtier_client::ClientTls::from_files(ca, ident)?)),
+            None if ident.is_some() => {
+                bail!("--tls-cert and --tls-key need --tls-ca (the CA of the server's certificate)")
+            }
+            None => Ok(None),
+        }
+    }
 }
 
 /// A node, and a namespace on it.
@@ -177,14 +202,7 @@ struct ConnArgs {
 
 impl NodeArgs {
     fn client_config(&self) -> anyhow::Result<ClientConfig> {
-        let tls = match &self.tls_ca {
-            Some(ca) => {
-                let ident = self.tls_cert.as_deref().zip(self.tls_key.as_deref());
-                Some(kvtier_client::ClientTls::from_files(ca, ident)?)
-            }
-            None if self.tls_cert.is_some() => bail!("--tls-cert needs --tls-ca"),
-            None => None,
-        };
+        let tls = self.tls.client_tls()?;
         let timeout = self.timeout.0;
         if timeout.is_zero() {
             bail!("--timeout must be positive");
